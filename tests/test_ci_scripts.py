@@ -1,0 +1,59 @@
+"""The CI plumbing: README's commands, .ci/run, scripts/setup idempotence."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_readme_starts_with_the_two_commands():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert lines[0] == "./scripts/demo"
+    assert lines[1] == "./scripts/test"
+
+
+def test_ci_run_calls_the_readme_test_command():
+    text = (ROOT / ".ci" / "run").read_text()
+    assert text.startswith("#!/usr/bin/env bash\n")
+    assert "set -euo pipefail" in text
+    assert "exec ./scripts/test" in text
+
+
+def test_scripts_are_executable_bash_with_strict_mode():
+    for name in ("setup", "test", "demo"):
+        path = ROOT / "scripts" / name
+        assert os.access(path, os.X_OK), path
+        text = path.read_text()
+        assert text.startswith("#!/usr/bin/env bash\n"), path
+        assert "set -euo pipefail" in text, path
+        subprocess.run(["bash", "-n", str(path)], check=True)
+    assert os.access(ROOT / ".ci" / "run", os.X_OK)
+
+
+def test_setup_is_idempotent_and_leaves_the_tools_usable():
+    # scripts/test already ran it once before pytest; a second run must succeed with
+    # nothing to do, and what it installed must be importable / on PATH.
+    proc = subprocess.run([str(ROOT / "scripts" / "setup")], capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    assert "setup: ok" in proc.stderr
+    java = subprocess.run(["java", "-version"], capture_output=True, text=True, timeout=120)
+    assert java.returncode == 0
+    check = subprocess.run([sys.executable, "-c", "import pyspark, pyfuse3, fsspec, trio"],
+                           capture_output=True, text=True, timeout=120)
+    assert check.returncode == 0, check.stderr
+
+
+def test_test_script_passes_arguments_and_exit_code_through(tmp_path):
+    # a failing test file given on the command line: scripts/test must exit with pytest's code
+    bad = tmp_path / "test_fails.py"
+    bad.write_text("def test_no():\n    assert 1 == 2\n")
+    env = dict(os.environ)
+    env.pop("PYTEST_ADDOPTS", None)
+    proc = subprocess.run([str(ROOT / "scripts" / "test"), str(bad),
+                           "--rootdir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "1 failed" in proc.stdout
