@@ -1,0 +1,764 @@
+"""fsspec filesystem for protocol ``sos``: a thin layer over the journal core.
+
+Paths are ``sos://NAMESPACE/path/inside/namespace``. Every mutation goes through
+:class:`sos_client.journal.tree.JournaledTree`, which applies it to a local cache
+directory (where every read is served from) and appends a journal record that a
+replicator ships to the SOS server. When the cache is empty the journal core
+rebuilds it from the server first (the same replay code as ``sos restore``).
+
+Storage options:
+
+``server``     ``host:port`` of the SOS server (default ``$SOS_SERVER``, else
+               ``127.0.0.1:7070``).
+``key``        ``<key_id>.<secret>`` for the namespace (default ``$SOS_KEY``).
+``cache_dir``  base directory of the local caches; namespace ``ns`` lives in
+               ``<cache_dir>/<ns>/`` (``tree/`` holds the live tree, ``spool/``
+               the writer's spool). Default ``$XDG_CACHE_HOME/sos/<host_port>``
+               or ``~/.cache/sos/<host_port>``.
+``sync``       True (default): closing a written file, ``mv``, ``cp_file``,
+               ``commit`` of a transaction file and :meth:`SOSFileSystem.fsync`
+               return only once their records are durable on the server.
+               False: asynchronous replication whose lag is bounded by
+               ``max_lag_bytes``.
+
+One JournaledTree (and so one journal writer, one fencing epoch) exists per
+(server, namespace, cache directory) in a process: every filesystem object
+addressing that namespace shares it, so two objects never fence each other.
+"""
+
+from __future__ import annotations
+
+import atexit
+import errno
+import io
+import os
+import posixpath
+import stat as stat_mod
+import threading
+import uuid
+from glob import has_magic
+from datetime import datetime, timezone
+
+from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
+from fsspec.utils import stringify_path
+
+__all__ = ["SOSFileSystem", "SOSReadFile", "SOSWriteFile", "close_all"]
+
+#: WRITE records carry at most this many bytes (journal format limit).
+RECORD_DATA_MAX = 1 << 20
+_READ_CHUNK = 1 << 20
+_NAMESPACE_CHARS = set("abcdefghijklmnopqrstuvwxyz0123456789_-")
+
+
+def _err(exc_type, code, path, message=None):
+    return exc_type(code, message or os.strerror(code), path)
+
+
+# --------------------------------------------------------------------------
+# One journaled tree per (server, namespace, cache directory) per process.
+
+
+class _Namespace:
+    """A shared JournaledTree plus the lock that makes compound operations
+    (exclusive create, checked rename, makedirs) atomic within the process.
+    Other processes cannot write the namespace without fencing this one."""
+
+    def __init__(self, tree, writer, root, namespace, sync):
+        self.tree = tree
+        self.writer = writer
+        self.root = root  # the per-namespace directory (tree/ and spool/)
+        self.namespace = namespace
+        self.sync = sync
+        self.lock = threading.RLock()
+        self.closed = False
+
+    def local(self, rel):
+        if rel == "":
+            return self.tree.local_path("") if _local_path_accepts_root(self.tree) else self._root_dir()
+        return self.tree.local_path(rel)
+
+    def _root_dir(self):
+        # the directory that holds the namespace's top level
+        return posixpath.dirname(self.tree.local_path("x"))
+
+    def close(self):
+        if self.closed:
+            return
+        self.closed = True
+        self.tree.close()
+
+
+def _local_path_accepts_root(tree):
+    cached = getattr(tree, "_sos_fs_root_ok", None)
+    if cached is None:
+        try:
+            p = tree.local_path("")
+            cached = bool(p) and os.path.isabs(p)
+        except Exception:
+            cached = False
+        try:
+            tree._sos_fs_root_ok = cached
+        except Exception:  # pragma: no cover - slots
+            pass
+    return cached
+
+
+_REGISTRY: dict[tuple, _Namespace] = {}
+_REGISTRY_LOCK = threading.Lock()
+_REGISTRY_PID = os.getpid()
+
+
+def _default_client_factory(server, key, namespace, timeout):
+    from sos_client import Client
+
+    def factory():
+        return Client(server, key, namespace, timeout=timeout)
+
+    return factory
+
+
+def _open_namespace(server, key, namespace, base_dir, sync, max_lag_bytes, timeout):
+    global _REGISTRY_PID
+    root = os.path.realpath(os.path.join(base_dir, namespace))
+    ident = (server, namespace, root)
+    with _REGISTRY_LOCK:
+        if _REGISTRY_PID != os.getpid():
+            # a forked child inherits the dict but not the replicator threads
+            _REGISTRY.clear()
+            _REGISTRY_PID = os.getpid()
+        ns = _REGISTRY.get(ident)
+        if ns is not None and not ns.closed:
+            return ns
+        from sos_client.journal.tree import JournaledTree
+        from sos_client.journal.writer import JournalWriter
+
+        tree_dir = os.path.join(root, "tree")
+        spool_dir = os.path.join(root, "spool")
+        os.makedirs(tree_dir, exist_ok=True)
+        os.makedirs(spool_dir, exist_ok=True)
+        factory = _default_client_factory(server, key, namespace, timeout)
+        writer_kwargs = {"sync": sync}
+        if max_lag_bytes is not None:
+            writer_kwargs["max_lag_bytes"] = max_lag_bytes
+        writer = JournalWriter(factory, namespace, spool_dir, **writer_kwargs)
+        try:
+            writer.open()
+            tree = JournaledTree(tree_dir, writer)
+        except BaseException:
+            try:
+                writer.close()
+            except Exception:
+                pass
+            raise
+        ns = _Namespace(tree, writer, root, namespace, sync)
+        _REGISTRY[ident] = ns
+        return ns
+
+
+def close_all():
+    """Close every journaled tree this process opened (flushing their journals).
+
+    Registered to run at interpreter exit; tests call it to start from scratch.
+    """
+    with _REGISTRY_LOCK:
+        items = list(_REGISTRY.values())
+        _REGISTRY.clear()
+    first = None
+    for ns in items:
+        try:
+            ns.close()
+        except Exception as exc:  # keep closing the others
+            first = first or exc
+    if first is not None:
+        raise first
+
+
+def _close_at_exit():
+    try:
+        close_all()
+    except Exception:
+        pass
+
+
+# Run before the interpreter joins non-daemon threads (a replicator thread
+# must be told to stop first), falling back to plain atexit.
+try:
+    threading._register_atexit(_close_at_exit)  # type: ignore[attr-defined]
+except Exception:  # pragma: no cover
+    atexit.register(_close_at_exit)
+
+
+# --------------------------------------------------------------------------
+
+
+class SOSFileSystem(AbstractFileSystem):
+    """fsspec filesystem over a journaled, replicated tree (protocol ``sos``)."""
+
+    protocol = ("sos",)
+    root_marker = ""
+    cachable = True
+
+    def __init__(
+        self,
+        server=None,
+        key=None,
+        cache_dir=None,
+        sync=True,
+        max_lag_bytes=None,
+        timeout=30,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        self.server = server or os.environ.get("SOS_SERVER") or "127.0.0.1:7070"
+        if not isinstance(self.server, str) or ":" not in self.server:
+            raise ValueError(f"sos: server must be 'host:port', got {self.server!r}")
+        key = key if key is not None else os.environ.get("SOS_KEY")
+        if not key:
+            raise ValueError("sos: no key given: pass key=... or set SOS_KEY")
+        self.key = key if isinstance(key, str) else str(key)
+        self._check_key(self.key)
+        if cache_dir is None:
+            cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(
+                os.path.expanduser("~"), ".cache"
+            )
+            cache_dir = os.path.join(cache_home, "sos", self.server.replace(":", "_"))
+        self.cache_dir = os.fspath(cache_dir)
+        self.sync_mode = bool(sync)
+        self.max_lag_bytes = max_lag_bytes
+        self.timeout = timeout
+
+    @staticmethod
+    def _check_key(key):
+        try:
+            from sos_wire.auth import Key
+        except ImportError:  # pragma: no cover - wire layer not importable
+            return
+        try:
+            Key.parse(key)
+        except Exception as exc:
+            raise ValueError(f"sos: malformed key (expected <key_id>.<secret>): {exc}") from None
+
+    # ---------------------------------------------------------------- paths
+
+    @classmethod
+    def _strip_protocol(cls, path):
+        if isinstance(path, (list, tuple)):
+            return [cls._strip_protocol(p) for p in path]
+        path = stringify_path(path)
+        if path.startswith("sos://"):
+            path = path[len("sos://") :]
+        elif path.startswith("sos::"):
+            path = path[len("sos::") :]
+        elif path.startswith("sos:"):
+            path = path[len("sos:") :]
+        parts = [p for p in path.split("/") if p]
+        return "/".join(parts)
+
+    @staticmethod
+    def _get_kwargs_from_urls(path):
+        return {}
+
+    def _split(self, path):
+        """'ns/a/b' -> ('ns', 'a/b'); validates both parts."""
+        p = self._strip_protocol(path)
+        if not p:
+            raise ValueError("sos: path must name a namespace: sos://NAMESPACE/path")
+        ns, _, rel = p.partition("/")
+        if (
+            len(ns) > 63
+            or not set(ns) <= _NAMESPACE_CHARS
+            or not (ns[0].isascii() and ns[0].isalnum())
+        ):
+            raise ValueError(f"sos: invalid namespace {ns!r} (expected [a-z0-9][a-z0-9_-]{{0,62}})")
+        if rel:
+            for seg in rel.split("/"):
+                if seg in (".", "..") or "\0" in seg:
+                    raise ValueError(f"sos: invalid path {p!r}: no '.', '..' or NUL segments")
+        return ns, rel
+
+    def _ns(self, namespace):
+        return _open_namespace(
+            self.server,
+            self.key,
+            namespace,
+            self.cache_dir,
+            self.sync_mode,
+            self.max_lag_bytes,
+            self.timeout,
+        )
+
+    def _resolve(self, path):
+        ns, rel = self._split(path)
+        h = self._ns(ns)
+        return h, rel, h.local(rel), f"{ns}/{rel}" if rel else ns
+
+    @staticmethod
+    def _stat(local):
+        try:
+            return os.stat(local)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+
+    def _barrier(self, h):
+        if self.sync_mode:
+            h.tree.sync()
+
+    def fsync(self, path):
+        """Block until everything written so far to ``path``'s namespace is
+        durable on the server (regardless of ``sync``)."""
+        h, _, _, _ = self._resolve(path)
+        h.tree.sync()
+
+    # ------------------------------------------------------------ metadata
+
+    def _info_from_stat(self, name, st):
+        is_dir = stat_mod.S_ISDIR(st.st_mode)
+        return {
+            "name": name,
+            "size": 0 if is_dir else st.st_size,
+            "type": "directory" if is_dir else "file",
+            "mtime": st.st_mtime,
+            "mode": stat_mod.S_IMODE(st.st_mode),
+        }
+
+    def info(self, path, **kwargs):
+        h, rel, local, name = self._resolve(path)
+        st = self._stat(local)
+        if st is None:
+            raise _err(FileNotFoundError, errno.ENOENT, name)
+        return self._info_from_stat(name, st)
+
+    def ls(self, path, detail=True, **kwargs):
+        h, rel, local, name = self._resolve(path)
+        try:
+            with os.scandir(local) as it:
+                entries = []
+                for entry in it:
+                    try:
+                        st = entry.stat()
+                    except FileNotFoundError:
+                        continue  # removed while listing
+                    entries.append(self._info_from_stat(f"{name}/{entry.name}", st))
+        except NotADirectoryError:
+            st = self._stat(local)
+            if st is None:
+                raise _err(FileNotFoundError, errno.ENOENT, name) from None
+            entries = [self._info_from_stat(name, st)]
+        except FileNotFoundError:
+            raise _err(FileNotFoundError, errno.ENOENT, name) from None
+        entries.sort(key=lambda e: e["name"])
+        if detail:
+            return entries
+        return [e["name"] for e in entries]
+
+    def exists(self, path, **kwargs):
+        try:
+            self.info(path)
+            return True
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+
+    def isdir(self, path):
+        try:
+            return self.info(path)["type"] == "directory"
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+
+    def isfile(self, path):
+        try:
+            return self.info(path)["type"] == "file"
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+
+    def modified(self, path):
+        return datetime.fromtimestamp(self.info(path)["mtime"], tz=timezone.utc)
+
+    def ukey(self, path):
+        info = self.info(path)
+        return f"{info['name']}:{info['size']}:{info['mtime']}"
+
+    # ----------------------------------------------------------- directories
+
+    def _makedirs_locked(self, h, rel, name, mode, exist_ok):
+        """Create rel and missing parents; caller holds h.lock."""
+        parts = rel.split("/")
+        for i in range(1, len(parts) + 1):
+            sub = "/".join(parts[:i])
+            st = self._stat(h.local(sub))
+            last = i == len(parts)
+            if st is None:
+                h.tree.mkdir(sub, mode)
+            elif not stat_mod.S_ISDIR(st.st_mode):
+                if last:
+                    raise _err(FileExistsError, errno.EEXIST, name)
+                raise _err(NotADirectoryError, errno.ENOTDIR, name)
+            elif last and not exist_ok:
+                raise _err(FileExistsError, errno.EEXIST, name)
+
+    def makedirs(self, path, exist_ok=False, mode=0o755):
+        h, rel, local, name = self._resolve(path)
+        if rel == "":
+            if not exist_ok:
+                raise _err(FileExistsError, errno.EEXIST, name)
+            return
+        with h.lock:
+            self._makedirs_locked(h, rel, name, mode, exist_ok)
+
+    def mkdirs(self, path, exist_ok=False):
+        return self.makedirs(path, exist_ok=exist_ok)
+
+    def mkdir(self, path, create_parents=True, mode=0o755, **kwargs):
+        h, rel, local, name = self._resolve(path)
+        if rel == "":
+            raise _err(FileExistsError, errno.EEXIST, name)
+        with h.lock:
+            if self._stat(local) is not None:
+                raise _err(FileExistsError, errno.EEXIST, name)
+            parent = posixpath.dirname(rel)
+            if parent:
+                pst = self._stat(h.local(parent))
+                if pst is None:
+                    if not create_parents:
+                        raise _err(FileNotFoundError, errno.ENOENT, f"{h.namespace}/{parent}")
+                    self._makedirs_locked(h, parent, name, mode, True)
+                elif not stat_mod.S_ISDIR(pst.st_mode):
+                    raise _err(NotADirectoryError, errno.ENOTDIR, name)
+            h.tree.mkdir(rel, mode)
+
+    def rmdir(self, path):
+        h, rel, local, name = self._resolve(path)
+        if rel == "":
+            raise _err(PermissionError, errno.EPERM, name, "cannot remove a namespace root")
+        with h.lock:
+            st = self._stat(local)
+            if st is None:
+                raise _err(FileNotFoundError, errno.ENOENT, name)
+            if not stat_mod.S_ISDIR(st.st_mode):
+                raise _err(NotADirectoryError, errno.ENOTDIR, name)
+            if os.listdir(local):
+                raise _err(OSError, errno.ENOTEMPTY, name)
+            h.tree.rmdir(rel)
+
+    # --------------------------------------------------------------- removal
+
+    def rm_file(self, path):
+        h, rel, local, name = self._resolve(path)
+        with h.lock:
+            st = self._stat(local)
+            if st is None:
+                raise _err(FileNotFoundError, errno.ENOENT, name)
+            if stat_mod.S_ISDIR(st.st_mode):
+                raise _err(IsADirectoryError, errno.EISDIR, name)
+            h.tree.unlink(rel)
+
+    _rm = rm_file
+
+    def rm(self, path, recursive=False, maxdepth=None):
+        paths = self.expand_path(path, recursive=recursive, maxdepth=maxdepth)
+        for p in reversed(paths):
+            h, rel, local, name = self._resolve(p)
+            with h.lock:
+                st = self._stat(local)
+                if st is None:
+                    raise _err(FileNotFoundError, errno.ENOENT, name)
+                if not stat_mod.S_ISDIR(st.st_mode):
+                    h.tree.unlink(rel)
+                    continue
+                if not recursive:
+                    raise _err(
+                        IsADirectoryError, errno.EISDIR, name,
+                        "is a directory (use recursive=True)",
+                    )
+                if rel == "":
+                    continue  # a namespace root is emptied, never removed
+                if maxdepth is not None and os.listdir(local):
+                    continue  # deeper entries were left alone
+                h.tree.rmdir(rel)
+
+    # ----------------------------------------------------------------- files
+
+    def _open(
+        self,
+        path,
+        mode="rb",
+        block_size=None,
+        autocommit=True,
+        cache_options=None,
+        **kwargs,
+    ):
+        h, rel, local, name = self._resolve(path)
+        if mode == "rb":
+            return SOSReadFile(
+                self, name, local,
+                block_size=block_size,
+                cache_type=kwargs.pop("cache_type", "none"),
+                cache_options=cache_options,
+            )
+        if mode not in ("wb", "xb", "ab"):
+            raise ValueError(f"sos: unsupported mode {mode!r}")
+        if rel == "":
+            raise _err(IsADirectoryError, errno.EISDIR, name)
+        with h.lock:
+            st = self._stat(local)
+            if st is not None and stat_mod.S_ISDIR(st.st_mode):
+                raise _err(IsADirectoryError, errno.EISDIR, name)
+            if mode == "xb" and st is not None:
+                raise _err(FileExistsError, errno.EEXIST, name)
+            parent = posixpath.dirname(rel)
+            if parent:
+                self._makedirs_locked(h, parent, name, 0o755, True)
+            if not autocommit:
+                # transaction: write a temp file, rename onto `rel` at commit
+                base = posixpath.basename(rel)
+                target = posixpath.join(parent, f".{base}.{uuid.uuid4().hex}.sos-tmp")
+                h.tree.create(target)
+                offset = 0
+            elif mode == "ab" and st is not None:
+                target, offset = rel, st.st_size
+            else:
+                target, offset = rel, 0
+                h.tree.create(rel)
+        return SOSWriteFile(
+            self, name, mode, h, target, rel, offset,
+            block_size=block_size, autocommit=autocommit,
+        )
+
+    def cat_file(self, path, start=None, end=None, **kwargs):
+        h, rel, local, name = self._resolve(path)
+        try:
+            fd = os.open(local, os.O_RDONLY)
+        except FileNotFoundError:
+            raise _err(FileNotFoundError, errno.ENOENT, name) from None
+        except NotADirectoryError:
+            raise _err(FileNotFoundError, errno.ENOENT, name) from None
+        try:
+            st = os.fstat(fd)
+            if stat_mod.S_ISDIR(st.st_mode):
+                raise _err(IsADirectoryError, errno.EISDIR, name)
+            size = st.st_size
+            start = 0 if start is None else (start if start >= 0 else max(0, size + start))
+            end = size if end is None else (end if end >= 0 else max(0, size + end))
+            end = min(end, size)
+            if end <= start:
+                return b""
+            return _pread_all(fd, start, end)
+        finally:
+            os.close(fd)
+
+    def pipe_file(self, path, value, mode="overwrite", **kwargs):
+        if mode not in ("overwrite", "create"):
+            raise ValueError(f"sos: pipe_file mode must be 'overwrite' or 'create', got {mode!r}")
+        with self.open(path, "xb" if mode == "create" else "wb", **kwargs) as f:
+            f.write(value)
+
+    def touch(self, path, truncate=True, **kwargs):
+        if truncate or not self.exists(path):
+            with self.open(path, "wb", **kwargs):
+                pass
+        elif self.isdir(path):
+            return
+        # truncate=False on an existing file: content stays; the journal has no
+        # timestamp record, so the mtime is left as it is.
+
+    def cp_file(self, path1, path2, **kwargs):
+        src_info = self.info(path1)
+        if src_info["type"] == "directory":
+            self.makedirs(path2, exist_ok=True)
+            return
+        h1, rel1, local1, name1 = self._resolve(path1)
+        try:
+            fd = os.open(local1, os.O_RDONLY)
+        except (FileNotFoundError, NotADirectoryError):
+            raise _err(FileNotFoundError, errno.ENOENT, name1) from None
+        try:
+            with self.open(path2, "wb", block_size=RECORD_DATA_MAX) as out:
+                offset = 0
+                while True:
+                    chunk = os.pread(fd, _READ_CHUNK, offset)
+                    if not chunk:
+                        break
+                    out.write(chunk)
+                    offset += len(chunk)
+        finally:
+            os.close(fd)
+
+    # ----------------------------------------------------------------- rename
+
+    def mv(self, path1, path2, recursive=False, maxdepth=None, overwrite=True, **kwargs):
+        """Atomic rename (one RENAME record; directories move whole).
+
+        ``path2`` naming an existing directory (or ending in ``/``) moves
+        ``path1`` into it, as ``mv`` does. ``overwrite=False`` refuses an
+        existing target with FileExistsError. Lists, globs and moves between
+        namespaces fall back to copy + delete.
+        """
+        if (
+            not isinstance(path1, (str, os.PathLike))
+            or not isinstance(path2, (str, os.PathLike))
+            or has_magic(stringify_path(path1))
+        ):
+            return super().mv(path1, path2, recursive=recursive, maxdepth=maxdepth, **kwargs)
+        raw2 = stringify_path(path2)
+        ns1, rel1 = self._split(path1)
+        ns2, rel2 = self._split(path2)
+        if ns1 != ns2:
+            return super().mv(path1, path2, recursive=recursive, maxdepth=maxdepth, **kwargs)
+        if self._strip_protocol(path1) == self._strip_protocol(path2):
+            return
+        h = self._ns(ns1)
+        name1 = f"{ns1}/{rel1}" if rel1 else ns1
+        with h.lock:
+            if rel1 == "":
+                raise _err(PermissionError, errno.EPERM, name1, "cannot move a namespace root")
+            st1 = self._stat(h.local(rel1))
+            if st1 is None:
+                raise _err(FileNotFoundError, errno.ENOENT, name1)
+            src_is_dir = stat_mod.S_ISDIR(st1.st_mode)
+            st2 = self._stat(h.local(rel2))
+            if raw2.endswith("/") and st2 is None:
+                self._makedirs_locked(h, rel2, f"{ns2}/{rel2}", 0o755, True)
+                st2 = self._stat(h.local(rel2))
+            if st2 is not None and stat_mod.S_ISDIR(st2.st_mode):
+                rel2 = posixpath.join(rel2, posixpath.basename(rel1)) if rel2 else posixpath.basename(rel1)
+                st2 = self._stat(h.local(rel2))
+            name2 = f"{ns2}/{rel2}"
+            if rel2 == rel1:
+                return
+            if src_is_dir and (rel2 + "/").startswith(rel1 + "/"):
+                raise _err(OSError, errno.EINVAL, name2, "cannot move a directory into itself")
+            parent = posixpath.dirname(rel2)
+            if parent:
+                pst = self._stat(h.local(parent))
+                if pst is None:
+                    raise _err(FileNotFoundError, errno.ENOENT, f"{ns2}/{parent}")
+                if not stat_mod.S_ISDIR(pst.st_mode):
+                    raise _err(NotADirectoryError, errno.ENOTDIR, f"{ns2}/{parent}")
+            if st2 is not None:
+                if not overwrite:
+                    raise _err(FileExistsError, errno.EEXIST, name2)
+                dst_is_dir = stat_mod.S_ISDIR(st2.st_mode)
+                if src_is_dir and not dst_is_dir:
+                    raise _err(NotADirectoryError, errno.ENOTDIR, name2)
+                if not src_is_dir and dst_is_dir:
+                    raise _err(IsADirectoryError, errno.EISDIR, name2)
+                if dst_is_dir and os.listdir(h.local(rel2)):
+                    raise _err(OSError, errno.ENOTEMPTY, name2)
+            h.tree.rename(rel1, rel2, overwrite=overwrite)
+        self._barrier(h)
+
+    rename = mv
+    move = mv
+
+
+def _pread_all(fd, start, end):
+    out = []
+    pos = start
+    while pos < end:
+        chunk = os.pread(fd, min(end - pos, _READ_CHUNK), pos)
+        if not chunk:
+            break
+        out.append(chunk)
+        pos += len(chunk)
+    return b"".join(out)
+
+
+class SOSReadFile(AbstractBufferedFile):
+    """Reads a snapshot of the cached file: the descriptor is opened when the
+    file is, so a later rename or delete does not disturb the reader."""
+
+    def __init__(self, fs, path, local, block_size=None, cache_type="none", cache_options=None):
+        try:
+            fd = os.open(local, os.O_RDONLY)
+        except (FileNotFoundError, NotADirectoryError):
+            raise _err(FileNotFoundError, errno.ENOENT, path) from None
+        try:
+            st = os.fstat(fd)
+            if stat_mod.S_ISDIR(st.st_mode):
+                raise _err(IsADirectoryError, errno.EISDIR, path)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        self._mtime = st.st_mtime
+        super().__init__(
+            fs, path, mode="rb", block_size=block_size or _READ_CHUNK,
+            cache_type=cache_type, cache_options=cache_options, size=st.st_size,
+        )
+        self.details = {
+            "name": path, "size": st.st_size, "type": "file", "mtime": st.st_mtime,
+            "mode": stat_mod.S_IMODE(st.st_mode),
+        }
+
+    def _fetch_range(self, start, end):
+        end = min(end, self.size)
+        if end <= start:
+            return b""
+        return _pread_all(self._fd, start, end)
+
+    def close(self):
+        try:
+            super().close()
+        finally:
+            fd, self._fd = getattr(self, "_fd", None), None
+            if fd is not None:
+                os.close(fd)
+
+
+class SOSWriteFile(AbstractBufferedFile):
+    """A file being written: CREATE was journaled at open; buffered data
+    becomes WRITE records (at most 1 MiB each) whenever a block fills, so memory
+    stays bounded; close (or :meth:`fsync`) is the durability barrier."""
+
+    DEFAULT_BLOCK_SIZE = RECORD_DATA_MAX
+
+    def __init__(self, fs, path, mode, handle, target, final, offset, block_size=None, autocommit=True):
+        super().__init__(fs, path, mode=mode, block_size=block_size, autocommit=autocommit)
+        self._h = handle
+        self._target = target  # what the records name (a temp file in a transaction)
+        self._final = final
+        self._pos = offset
+        self._committed = False
+
+    def _write_buffer(self):
+        data = self.buffer.getbuffer()
+        try:
+            for i in range(0, len(data), RECORD_DATA_MAX):
+                piece = bytes(data[i : i + RECORD_DATA_MAX])
+                self._h.tree.write(self._target, self._pos, piece)
+                self._pos += len(piece)
+        finally:
+            del data
+
+    def _upload_chunk(self, final=False):
+        self._write_buffer()
+        if final and self.autocommit:
+            self.fs._barrier(self._h)
+        return True
+
+    def fsync(self):
+        """Journal everything written so far and wait until it is durable."""
+        if self.closed:
+            raise ValueError("I/O operation on closed file.")
+        if self.offset is None:
+            self.offset = 0
+        self._write_buffer()
+        self.offset += self.buffer.tell()
+        self.buffer = io.BytesIO()
+        self._h.tree.sync()
+
+    def commit(self):
+        """Transaction commit: atomically rename the temp file onto its name."""
+        if self.autocommit or self._committed:
+            return
+        self._committed = True
+        with self._h.lock:
+            self._h.tree.rename(self._target, self._final, overwrite=True)
+        self.fs._barrier(self._h)
+
+    def discard(self):
+        if self.autocommit or self._committed:
+            return
+        self._committed = True
+        with self._h.lock:
+            if os.path.lexists(self._h.local(self._target)):
+                self._h.tree.unlink(self._target)
