@@ -1,0 +1,90 @@
+"""`sos mount NAMESPACE MOUNTPOINT [--cache DIR] [--async]`: the FUSE mount command.
+
+Hooked into `sos` by `sos_client.cli` through `add_parser(subparsers)`; also
+runnable alone as `python -m spark_plugin.cli_mount ...` (what `MountProcess`
+starts, so it works before the console script is installed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+
+def _add_connection_options(parser: argparse.ArgumentParser) -> None:
+    try:
+        from sos_client.cli import add_connection_options
+    except ImportError:
+        add_connection_options = None
+    if add_connection_options is not None:
+        add_connection_options(parser)
+        return
+    parser.add_argument("--server", default=os.environ.get("SOS_SERVER", "127.0.0.1:7070"),
+                        help="SOS server HOST:PORT (default: $SOS_SERVER or 127.0.0.1:7070)")
+    parser.add_argument("--key", default=os.environ.get("SOS_KEY"),
+                        help="append key of the namespace (default: $SOS_KEY)")
+
+
+def _size(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    text = text.strip().lower().removesuffix("b").removesuffix("i")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "mount", help="mount a namespace as a journaled directory (FUSE)",
+        description="Mount NAMESPACE at MOUNTPOINT. Every change is journaled to the SOS "
+                    "server; reads come from the local cache. An empty cache is first "
+                    "restored from the server. SIGTERM/SIGINT unmount cleanly.")
+    p.add_argument("namespace")
+    p.add_argument("mountpoint")
+    p.add_argument("--cache", metavar="DIR", default=None,
+                   help="local cache + spool directory (default: ~/.cache/sos/NAMESPACE)")
+    p.add_argument("--async", dest="async_", action="store_true",
+                   help="do not wait for the server on rename/close; bound the lag instead")
+    p.add_argument("--max-lag", type=_size, default=64 << 20, metavar="BYTES",
+                   help="async mode: most unshipped journal bytes before writes wait "
+                        "(default 64M)")
+    p.add_argument("--allow-other", action="store_true",
+                   help="let other users access the mount (needs user_allow_other)")
+    p.add_argument("--debug", action="store_true", help="verbose logging, FUSE debug")
+    _add_connection_options(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args) -> int:
+    from spark_plugin.mount import run_mount
+
+    logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if not args.key:
+        print("sos: no key: pass --key or set SOS_KEY", file=sys.stderr)
+        return 2
+    try:
+        return run_mount(args.namespace, args.mountpoint, server=args.server, key=args.key,
+                         cache_dir=args.cache, sync=not args.async_, max_lag_bytes=args.max_lag,
+                         allow_other=args.allow_other, debug=args.debug)
+    except KeyboardInterrupt:
+        return 0
+    except Exception as exc:  # noqa: BLE001 - one line for the user, details in debug
+        logging.getLogger("sos.mount").debug("mount failed", exc_info=True)
+        print(f"sos: mount failed: {exc}", file=sys.stderr)
+        return 1
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="sos")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_parser(sub)
+    args = parser.parse_args(["mount", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,821 @@
+"""FUSE adapter over the journal core: what the JVM (Spark) writes through.
+
+`SOSOperations` is a thin pyfuse3 (trio) adapter over `JournaledTree`:
+
+* reads and attributes are served straight from the tree's cache directory;
+* every file-altering operation (create, write, truncate, rename, unlink, mkdir,
+  rmdir) goes through the tree, so it becomes a journal record;
+* blocking tree calls (barrier waits) run in worker threads
+  (`trio.to_thread.run_sync`) so the FUSE loop keeps serving other requests;
+* in sync mode (the default) rename, fsync, flush/release of a written file
+  return only after their records are durable on the server; in async mode only
+  fsync waits (an explicit request for durability) and the writer bounds the lag;
+* once the writer reports that a newer writer fenced it, the mount turns
+  read-only: every later change fails with EROFS (the first failure with EIO)
+  and the reason is logged once.
+
+chmod, chown and utimens are applied to the cache only (the journal has no
+record for them; Hadoop's local filesystem calls chmod and must not fail).
+
+`run_mount()` wires server connection, writer, tree and mount together (the
+`sos mount` command calls it); `MountProcess` runs `sos mount` in a child
+process for tests, the Spark demo and the crash-loop harness.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import functools
+import logging
+import os
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import trio
+
+try:  # pyfuse3 is an optional dependency (extra "mount")
+    import pyfuse3
+except ImportError:  # pragma: no cover - exercised only where pyfuse3 is missing
+    pyfuse3 = None
+
+log = logging.getLogger("sos.mount")
+
+#: The mount prints this (plus namespace and mountpoint) on stderr once mounted.
+READY_MARKER = "sos mount: ready"
+
+ROOT_INODE = 1
+_ATTR_TIMEOUT = 1.0
+_RENAME_NOREPLACE = 1
+_RENAME_EXCHANGE = 2
+
+
+def _is_fenced(exc: BaseException | None) -> bool:
+    """True if `exc` (or anything it was raised from) is the client's Fenced error."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if any(c.__name__ == "Fenced" for c in type(exc).__mro__):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def errno_for(exc: BaseException) -> int:
+    """Map an exception from the tree (or the OS) to the errno FUSE returns."""
+    if pyfuse3 is not None and isinstance(exc, pyfuse3.FUSEError):
+        return exc.errno
+    if _is_fenced(exc):
+        return errno.EIO
+    if isinstance(exc, OSError) and exc.errno:
+        return exc.errno
+    for cls, code in (
+        (FileExistsError, errno.EEXIST),
+        (FileNotFoundError, errno.ENOENT),
+        (IsADirectoryError, errno.EISDIR),
+        (NotADirectoryError, errno.ENOTDIR),
+        (PermissionError, errno.EACCES),
+        (UnicodeError, errno.EINVAL),
+        (ValueError, errno.EINVAL),
+    ):
+        if isinstance(exc, cls):
+            return code
+    return errno.EIO
+
+
+class InodeTable:
+    """Inode number <-> tree path, with kernel lookup counts and open counts.
+
+    Paths are relative POSIX paths inside the namespace ("" is the root).
+    A path that is unlinked or replaced while the kernel still knows its inode
+    becomes an orphan (path None) until the kernel forgets it and it is closed.
+    """
+
+    def __init__(self) -> None:
+        self._paths: dict[int, str | None] = {ROOT_INODE: ""}
+        self._inos: dict[str, int] = {"": ROOT_INODE}
+        self._lookups: collections.Counter[int] = collections.Counter()
+        self._opens: collections.Counter[int] = collections.Counter()
+        self._dirs: set[int] = {ROOT_INODE}
+        self._next = ROOT_INODE + 1
+
+    def __len__(self) -> int:
+        return len(self._paths)
+
+    def path(self, ino: int) -> str | None:
+        """The path of `ino`; None for an orphan; FileNotFoundError if unknown."""
+        try:
+            return self._paths[ino]
+        except KeyError:
+            raise FileNotFoundError(errno.ENOENT, "stale inode", str(ino)) from None
+
+    def live_path(self, ino: int) -> str:
+        path = self.path(ino)
+        if path is None:
+            raise FileNotFoundError(errno.ENOENT, "file was removed", str(ino))
+        return path
+
+    def ino(self, path: str) -> int:
+        """The inode number of `path`, allocating one if it has none yet."""
+        ino = self._inos.get(path)
+        if ino is None:
+            ino = self._next
+            self._next += 1
+            self._inos[path] = ino
+            self._paths[ino] = path
+        return ino
+
+    def known(self, path: str) -> int | None:
+        return self._inos.get(path)
+
+    def lookup(self, ino: int, n: int = 1) -> None:
+        self._lookups[ino] += n
+
+    def forget(self, ino: int, n: int) -> None:
+        self._lookups[ino] -= n
+        self._maybe_drop(ino)
+
+    def opened(self, ino: int) -> None:
+        self._opens[ino] += 1
+
+    def closed(self, ino: int) -> None:
+        self._opens[ino] -= 1
+        self._maybe_drop(ino)
+
+    def removed(self, path: str) -> None:
+        ino = self._inos.pop(path, None)
+        if ino is not None:
+            self._paths[ino] = None
+            self._maybe_drop(ino)
+
+    def renamed(self, src: str, dst: str) -> None:
+        if src == dst:
+            return
+        self.removed(dst)
+        ino = self._inos.get(src)
+        if ino is None:
+            return
+        if ino in self._dirs:  # a directory moves everything the table knows below it
+            prefix = src + "/"
+            moves = [(p, i) for p, i in self._inos.items() if p == src or p.startswith(prefix)]
+        else:
+            moves = [(src, ino)]
+        for old, ino in moves:
+            new = dst + old[len(src):]
+            del self._inos[old]
+            self._inos[new] = ino
+            self._paths[ino] = new
+
+    def mark_dir(self, ino: int, is_dir: bool) -> None:
+        if is_dir:
+            self._dirs.add(ino)
+        else:
+            self._dirs.discard(ino)
+
+    def _maybe_drop(self, ino: int) -> None:
+        if ino == ROOT_INODE or self._lookups[ino] > 0 or self._opens[ino] > 0:
+            return
+        path = self._paths.pop(ino, None)
+        if path is not None and self._inos.get(path) == ino:
+            del self._inos[path]
+        self._lookups.pop(ino, None)
+        self._opens.pop(ino, None)
+        self._dirs.discard(ino)
+
+
+@dataclass
+class _Handle:
+    ino: int
+    fd: int
+    writable: bool
+    dirty: bool = False
+
+
+_OperationsBase = pyfuse3.Operations if pyfuse3 is not None else object
+
+
+def _guard(fn):
+    """Turn every exception of a handler into a FUSEError (pyfuse3 dies on others)."""
+
+    @functools.wraps(fn)
+    async def wrapper(self, *args):
+        try:
+            return await fn(self, *args)
+        except pyfuse3.FUSEError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - mapped to an errno, logged if unexpected
+            code = errno_for(exc)
+            if code == errno.EIO:
+                log.error("%s failed: %r", fn.__name__, exc)
+            else:
+                log.debug("%s: %r -> %s", fn.__name__, exc, errno.errorcode.get(code, code))
+            raise pyfuse3.FUSEError(code) from None
+
+    return wrapper
+
+
+class SOSOperations(_OperationsBase):
+    """pyfuse3 operations over a `JournaledTree`."""
+
+    supports_dot_lookup = False
+    enable_writeback_cache = False
+    enable_acl = False
+
+    def __init__(self, tree, cache_root: str, *, sync: bool = True, namespace: str = "") -> None:
+        super().__init__()
+        self.tree = tree
+        self.cache_root = os.path.abspath(cache_root)
+        self.sync_mode = sync
+        self.namespace = namespace
+        self.inodes = InodeTable()
+        self._handles: dict[int, _Handle] = {}
+        self._dirs: dict[int, tuple[int, list[str]]] = {}
+        self._next_fh = 1
+        self.fenced: str | None = None
+
+    # ------------------------------------------------------------------ helpers
+    def _local(self, path: str) -> str:
+        return self.cache_root if path == "" else self.tree.local_path(path)
+
+    @staticmethod
+    def _join(parent: str, name: bytes) -> str:
+        text = os.fsdecode(name)
+        text.encode("utf-8")  # surrogates (undecodable names) -> UnicodeError -> EINVAL
+        if text in ("", ".", "..") or "/" in text:
+            raise pyfuse3.FUSEError(errno.EINVAL)
+        return text if parent == "" else parent + "/" + text
+
+    def _child(self, parent_ino: int, name: bytes) -> str:
+        return self._join(self.inodes.live_path(parent_ino), name)
+
+    def _entry(self, ino: int, st: os.stat_result) -> "pyfuse3.EntryAttributes":
+        e = pyfuse3.EntryAttributes()
+        e.st_ino = ino
+        e.generation = 0
+        e.entry_timeout = _ATTR_TIMEOUT
+        e.attr_timeout = _ATTR_TIMEOUT
+        e.st_mode = st.st_mode
+        e.st_nlink = st.st_nlink
+        e.st_uid = st.st_uid
+        e.st_gid = st.st_gid
+        e.st_rdev = st.st_rdev
+        e.st_size = st.st_size
+        e.st_blksize = st.st_blksize
+        e.st_blocks = st.st_blocks
+        e.st_atime_ns = st.st_atime_ns
+        e.st_mtime_ns = st.st_mtime_ns
+        e.st_ctime_ns = st.st_ctime_ns
+        return e
+
+    def _stat_path(self, path: str) -> tuple[int, os.stat_result]:
+        st = os.lstat(self._local(path))
+        ino = self.inodes.ino(path)
+        self.inodes.mark_dir(ino, stat.S_ISDIR(st.st_mode))
+        return ino, st
+
+    def _open_fd(self, ino: int) -> int | None:
+        for h in self._handles.values():
+            if h.ino == ino:
+                return h.fd
+        return None
+
+    def _check_writable(self) -> None:
+        if self.fenced is not None:
+            raise pyfuse3.FUSEError(errno.EROFS)
+
+    def _note_failure(self, exc: BaseException) -> None:
+        if self.fenced is None and _is_fenced(exc):
+            self.fenced = str(exc) or type(exc).__name__
+            log.error(
+                "sos mount: FENCED: a newer writer took over namespace %r (%s); this mount is "
+                "read-only from now on, its later changes fail; unmount and remount to continue",
+                self.namespace, self.fenced,
+            )
+
+    async def _call(self, fn, *args, **kwargs):
+        """Run a (possibly blocking) tree call in a worker thread."""
+        self._check_writable()
+        try:
+            return await trio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
+        except Exception as exc:
+            self._note_failure(exc)
+            raise
+
+    async def _barrier(self) -> None:
+        await self._call(self.tree.sync)
+
+    # ------------------------------------------------------------ attributes
+    @_guard
+    async def lookup(self, parent_inode, name, ctx=None):
+        path = self._child(parent_inode, name)
+        ino, st = self._stat_path(path)
+        self.inodes.lookup(ino)
+        return self._entry(ino, st)
+
+    @_guard
+    async def getattr(self, inode, ctx=None):
+        path = self.inodes.path(inode)
+        if path is None:
+            fd = self._open_fd(inode)
+            if fd is None:
+                raise FileNotFoundError(errno.ENOENT, "removed")
+            return self._entry(inode, os.fstat(fd))
+        return self._entry(inode, os.lstat(self._local(path)))
+
+    @_guard
+    async def setattr(self, inode, attr, fields, fh, ctx):
+        path = self.inodes.path(inode)
+        if path is None:  # an open file that was unlinked: not part of the tree any more
+            fd = self._handles[fh].fd if fh in self._handles else self._open_fd(inode)
+            if fd is None:
+                raise FileNotFoundError(errno.ENOENT, "removed")
+            if fields.update_size:
+                os.ftruncate(fd, attr.st_size)
+            return self._entry(inode, os.fstat(fd))
+        changing = (fields.update_size or fields.update_mode or fields.update_uid
+                    or fields.update_gid or fields.update_atime or fields.update_mtime)
+        if changing:
+            self._check_writable()
+        local = self._local(path)
+        if fields.update_size:
+            await self._call(self.tree.truncate, path, attr.st_size)
+            if fh in self._handles:
+                self._handles[fh].dirty = True
+        if fields.update_mode:
+            os.chmod(local, stat.S_IMODE(attr.st_mode))
+        if fields.update_uid or fields.update_gid:
+            os.chown(local, attr.st_uid if fields.update_uid else -1,
+                     attr.st_gid if fields.update_gid else -1, follow_symlinks=False)
+        if fields.update_atime or fields.update_mtime:
+            st = os.lstat(local)
+            atime = attr.st_atime_ns if fields.update_atime else st.st_atime_ns
+            mtime = attr.st_mtime_ns if fields.update_mtime else st.st_mtime_ns
+            os.utime(local, ns=(atime, mtime), follow_symlinks=False)
+        return self._entry(inode, os.lstat(local))
+
+    def forget(self, inode_list):
+        for ino, n in inode_list:
+            self.inodes.forget(ino, n)
+
+    @_guard
+    async def statfs(self, ctx):
+        sv = os.statvfs(self.cache_root)
+        out = pyfuse3.StatvfsData()
+        for name in ("f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_bavail",
+                     "f_files", "f_ffree", "f_favail"):
+            setattr(out, name, getattr(sv, name))
+        out.f_namemax = min(sv.f_namemax, 255)
+        return out
+
+    @_guard
+    async def access(self, inode, mode, ctx):
+        path = self.inodes.path(inode)
+        if path is not None:
+            os.lstat(self._local(path))
+        if mode & os.W_OK and self.fenced is not None:
+            return False
+        return True
+
+    # ------------------------------------------------------------ directories
+    @_guard
+    async def mkdir(self, parent_inode, name, mode, ctx):
+        path = self._child(parent_inode, name)
+        await self._call(self.tree.mkdir, path, stat.S_IMODE(mode))
+        ino, st = self._stat_path(path)
+        self.inodes.lookup(ino)
+        return self._entry(ino, st)
+
+    @_guard
+    async def rmdir(self, parent_inode, name, ctx):
+        path = self._child(parent_inode, name)
+        await self._call(self.tree.rmdir, path)
+        self.inodes.removed(path)
+
+    @_guard
+    async def opendir(self, inode, ctx):
+        path = self.inodes.live_path(inode)
+        names = sorted(os.listdir(self._local(path)))
+        fh = self._next_fh
+        self._next_fh += 1
+        self._dirs[fh] = (inode, names)
+        return fh
+
+    @_guard
+    async def readdir(self, fh, start_id, token):
+        dir_ino, names = self._dirs[fh]
+        for index in range(start_id, len(names)):
+            name = names[index]
+            # Looked up per entry: the directory may be renamed while it is listed.
+            parent = self.inodes.live_path(dir_ino)
+            path = name if parent == "" else parent + "/" + name
+            try:
+                ino, st = self._stat_path(path)
+            except FileNotFoundError:
+                continue  # removed since opendir
+            if not pyfuse3.readdir_reply(token, os.fsencode(name), self._entry(ino, st), index + 1):
+                break
+            self.inodes.lookup(ino)  # readdirplus counts as a lookup
+
+    async def releasedir(self, fh):
+        self._dirs.pop(fh, None)
+
+    @_guard
+    async def fsyncdir(self, fh, datasync):
+        await self._barrier()
+
+    # ------------------------------------------------------------ files
+    def _new_handle(self, ino: int, path: str, writable: bool) -> int:
+        local = self._local(path)
+        try:
+            fd = os.open(local, os.O_RDWR | os.O_CLOEXEC)
+        except IsADirectoryError:
+            raise
+        except OSError:
+            fd = os.open(local, os.O_RDONLY | os.O_CLOEXEC)
+        fh = self._next_fh
+        self._next_fh += 1
+        self._handles[fh] = _Handle(ino=ino, fd=fd, writable=writable)
+        self.inodes.opened(ino)
+        return fh
+
+    @_guard
+    async def create(self, parent_inode, name, mode, flags, ctx):
+        path = self._child(parent_inode, name)
+        await self._call(self.tree.create, path, stat.S_IMODE(mode))
+        ino, st = self._stat_path(path)
+        fh = self._new_handle(ino, path, writable=True)
+        self._handles[fh].dirty = True
+        self.inodes.lookup(ino)
+        return pyfuse3.FileInfo(fh=fh), self._entry(ino, st)
+
+    @_guard
+    async def open(self, inode, flags, ctx):
+        path = self.inodes.live_path(inode)
+        writable = (flags & os.O_ACCMODE) != os.O_RDONLY
+        if writable:
+            self._check_writable()
+        dirty = False
+        if writable and flags & os.O_TRUNC:
+            if os.lstat(self._local(path)).st_size != 0:
+                await self._call(self.tree.truncate, path, 0)
+                dirty = True
+        fh = self._new_handle(inode, path, writable)
+        self._handles[fh].dirty = dirty
+        return pyfuse3.FileInfo(fh=fh)
+
+    @_guard
+    async def read(self, fh, off, size):
+        return os.pread(self._handles[fh].fd, size, off)
+
+    @_guard
+    async def write(self, fh, off, buf):
+        h = self._handles[fh]
+        self._check_writable()
+        path = self.inodes.path(h.ino)
+        if path is None:  # unlinked while open: the tree no longer has it
+            return os.pwrite(h.fd, buf, off)
+        await self._call(self.tree.write, path, off, bytes(buf))
+        h.dirty = True
+        return len(buf)
+
+    async def _settle(self, h: _Handle) -> None:
+        """Sync mode: a written file's records are durable before close returns."""
+        if h.dirty and self.sync_mode:
+            if self.fenced is not None:
+                raise pyfuse3.FUSEError(errno.EIO)
+            await self._barrier()
+        h.dirty = False
+
+    @_guard
+    async def flush(self, fh):
+        # flush is what close(2) waits for (release is sent asynchronously).
+        await self._settle(self._handles[fh])
+
+    @_guard
+    async def fsync(self, fh, datasync):
+        # An explicit fsync waits for the server in both modes.
+        h = self._handles[fh]
+        if self.fenced is not None and h.dirty:
+            raise pyfuse3.FUSEError(errno.EIO)
+        await self._barrier()
+        h.dirty = False
+
+    async def release(self, fh):
+        h = self._handles.pop(fh, None)
+        if h is None:
+            return
+        try:
+            if h.dirty and self.sync_mode and self.fenced is None:
+                try:
+                    await self._barrier()
+                except Exception as exc:  # noqa: BLE001 - release cannot report errors
+                    log.error("release: barrier failed: %r", exc)
+        finally:
+            os.close(h.fd)
+            self.inodes.closed(h.ino)
+
+    # ------------------------------------------------------------ namespace changes
+    @_guard
+    async def unlink(self, parent_inode, name, ctx):
+        path = self._child(parent_inode, name)
+        await self._call(self.tree.unlink, path)
+        self.inodes.removed(path)
+
+    @_guard
+    async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
+        if flags & _RENAME_EXCHANGE:
+            raise pyfuse3.FUSEError(errno.EINVAL)
+        src = self._child(parent_inode_old, name_old)
+        dst = self._child(parent_inode_new, name_new)
+        overwrite = not (flags & _RENAME_NOREPLACE)
+        if not overwrite and os.path.lexists(self._local(dst)):
+            raise pyfuse3.FUSEError(errno.EEXIST)
+        await self._call(self.tree.rename, src, dst, overwrite=overwrite)
+        self.inodes.renamed(src, dst)
+        if self.sync_mode:  # the tree barriers in sync mode; this is cheap then
+            await self._barrier()
+
+
+# ---------------------------------------------------------------------------
+# Running a mount: server connection -> writer -> tree -> FUSE
+# ---------------------------------------------------------------------------
+
+def default_cache_dir(namespace: str) -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "sos", namespace)
+
+
+def _dir_is_empty(path: str) -> bool:
+    return not os.path.isdir(path) or not os.listdir(path)
+
+
+def fuse_options(namespace: str, *, allow_other: bool = False, debug: bool = False) -> set[str]:
+    opts = set(pyfuse3.default_options)
+    opts |= {"fsname=sos", "subtype=sos", "default_permissions"}
+    if allow_other:
+        opts.add("allow_other")
+    if debug:
+        opts.add("debug")
+    return opts
+
+
+class MountedTree:
+    """The journal side of a mount: writer + tree over `<cache>/tree`, spool in `<cache>/spool`.
+
+    A cache whose tree directory is empty is first rebuilt from the server
+    (the journal core's restore), so a mount on a fresh machine sees the
+    namespace as the last writer left it.
+    """
+
+    def __init__(self, namespace: str, server: str, key: str, cache_dir: str, *,
+                 sync: bool = True, max_lag_bytes: int = 64 << 20) -> None:
+        self.namespace = namespace
+        self.server = server
+        self.key = key
+        self.cache_dir = os.path.abspath(cache_dir)
+        self.tree_dir = os.path.join(self.cache_dir, "tree")
+        self.spool_dir = os.path.join(self.cache_dir, "spool")
+        self.sync = sync
+        self.max_lag_bytes = max_lag_bytes
+        self.writer = None
+        self.tree = None
+
+    def client_factory(self):
+        from sos_client import Client
+
+        return Client(self.server, self.key, self.namespace)
+
+    def open(self) -> None:
+        from sos_client.journal.restore import restore
+        from sos_client.journal.tree import JournaledTree
+        from sos_client.journal.writer import JournalWriter
+
+        os.makedirs(self.cache_dir, exist_ok=True)
+        fresh = _dir_is_empty(self.tree_dir) and _dir_is_empty(self.spool_dir)
+        if fresh:
+            if os.path.isdir(self.tree_dir):
+                os.rmdir(self.tree_dir)
+            log.info("empty cache %s: restoring namespace %r from %s", self.cache_dir,
+                     self.namespace, self.server)
+            restore(self.client_factory, self.namespace, self.tree_dir)
+        os.makedirs(self.tree_dir, exist_ok=True)
+        os.makedirs(self.spool_dir, exist_ok=True)
+        self.writer = JournalWriter(self.client_factory, self.namespace, self.spool_dir,
+                                    sync=self.sync, max_lag_bytes=self.max_lag_bytes)
+        self.writer.open()
+        self.tree = JournaledTree(self.tree_dir, self.writer)
+
+    def close(self) -> None:
+        if self.tree is not None:
+            self.tree.close()
+            self.tree = None
+
+
+async def _serve(ops: SOSOperations, namespace: str, mountpoint: str) -> None:
+    async with trio.open_nursery() as nursery:
+        await nursery.start(_watch_signals)
+        mode = "sync" if ops.sync_mode else "async"
+        print(f"{READY_MARKER}: namespace {namespace} mounted at {mountpoint} ({mode})",
+              file=sys.stderr, flush=True)
+        await pyfuse3.main()
+        nursery.cancel_scope.cancel()
+
+
+async def _watch_signals(task_status=trio.TASK_STATUS_IGNORED) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        task_status.started()
+        async for signum in signals:
+            log.info("%s: unmounting", signal.Signals(signum).name)
+            pyfuse3.terminate()
+            return
+
+
+def run_mount(namespace: str, mountpoint: str, *, server: str, key: str,
+              cache_dir: str | None = None, sync: bool = True, max_lag_bytes: int = 64 << 20,
+              allow_other: bool = False, debug: bool = False) -> int:
+    """Mount `namespace` at `mountpoint` until SIGTERM/SIGINT or an external unmount.
+
+    Returns the process exit code (0 after a clean unmount with everything
+    flushed, 1 if the final flush failed, e.g. because the mount was fenced).
+    """
+    if pyfuse3 is None:
+        raise RuntimeError("pyfuse3 is not installed (pip install 'sos[mount]')")
+    mountpoint = os.path.abspath(mountpoint)
+    if not os.path.isdir(mountpoint):
+        raise FileNotFoundError(errno.ENOENT, "mountpoint is not a directory", mountpoint)
+    journal = MountedTree(namespace, server, key, cache_dir or default_cache_dir(namespace),
+                          sync=sync, max_lag_bytes=max_lag_bytes)
+    journal.open()
+    ops = SOSOperations(journal.tree, journal.tree_dir, sync=sync, namespace=namespace)
+    code = 0
+    try:
+        pyfuse3.init(ops, mountpoint, fuse_options(namespace, allow_other=allow_other,
+                                                   debug=debug))
+        try:
+            trio.run(_serve, ops, namespace, mountpoint)
+        finally:
+            pyfuse3.close(unmount=True)
+        log.info("unmounted %s", mountpoint)
+        if ops.fenced is None:
+            try:
+                journal.tree.sync()
+            except Exception as exc:  # noqa: BLE001 - reported, exit code says it
+                ops._note_failure(exc)
+                log.error("final flush failed: %r", exc)
+                code = 1
+        else:
+            code = 1
+    finally:
+        try:
+            journal.close()
+        except Exception as exc:  # noqa: BLE001
+            if ops.fenced is None and not _is_fenced(exc):
+                log.error("closing the journal failed: %r", exc)
+                code = 1
+    return code
+
+
+# ---------------------------------------------------------------------------
+# MountProcess: `sos mount` in a child process (tests, Spark demo, crash loops)
+# ---------------------------------------------------------------------------
+
+def lazy_unmount(mountpoint: str) -> None:
+    """`fusermount3 -u -z`: detach a (possibly dead) mount; quiet if nothing is mounted."""
+    subprocess.run(["fusermount3", "-u", "-z", mountpoint], stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL, check=False)
+
+
+def is_mounted(mountpoint: str) -> bool:
+    """True if the kernel lists `mountpoint` as a mount, live or dead (no stat of it)."""
+    target = os.path.abspath(mountpoint)
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) > 4 and _unescape_mount(fields[4]) == target:
+                    return True
+    except FileNotFoundError:  # pragma: no cover - not Linux
+        return os.path.ismount(target)
+    return False
+
+
+def _unescape_mount(field: str) -> str:
+    return (field.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n")
+            .replace("\\134", "\\"))
+
+
+class MountProcess:
+    """Run `sos mount NAMESPACE MOUNTPOINT` as a child process.
+
+    ``start()`` (or ``with``) returns once the mount is live: the child printed
+    its readiness line and MOUNTPOINT is a mount point. ``stop()`` sends SIGTERM
+    and waits (clean unmount, returns the exit code); ``kill()`` sends SIGKILL
+    and lazily unmounts the dead mount. The child's stderr goes to
+    ``log_path`` (a temp file by default); ``log()`` returns it.
+    The key is passed through the environment, never on the command line.
+    """
+
+    def __init__(self, namespace: str, mountpoint: str, cache_dir: str, server: str, key: str,
+                 sync: bool = True, *, log_path: str | None = None, extra_args=(),
+                 env: dict | None = None, start_timeout: float = 120.0) -> None:
+        self.namespace = namespace
+        self.mountpoint = os.path.abspath(mountpoint)
+        self.cache_dir = cache_dir
+        self.server = server
+        self.key = key
+        self.sync = sync
+        self.extra_args = list(extra_args)
+        self.env = env
+        self.start_timeout = start_timeout
+        self._own_log = log_path is None
+        if log_path is None:
+            fd, log_path = tempfile.mkstemp(prefix="sos-mount-", suffix=".log")
+            os.close(fd)
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.poll() if self.proc else None
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "spark_plugin.cli_mount", self.namespace, self.mountpoint,
+               "--cache", self.cache_dir, "--server", self.server]
+        if not self.sync:
+            cmd.append("--async")
+        return cmd + self.extra_args
+
+    def log(self) -> str:
+        try:
+            with open(self.log_path, encoding="utf-8", errors="replace") as f:
+                return f.read()
+        except FileNotFoundError:
+            return ""
+
+    def start(self) -> "MountProcess":
+        if self.proc is not None:
+            raise RuntimeError("already started")
+        os.makedirs(self.mountpoint, exist_ok=True)
+        env = dict(os.environ if self.env is None else self.env)
+        env["SOS_KEY"] = self.key
+        env["SOS_SERVER"] = self.server
+        with open(self.log_path, "ab") as logf:
+            self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL,
+                                         stdout=logf, stderr=logf, env=env,
+                                         start_new_session=True)
+        deadline = time.monotonic() + self.start_timeout
+        while True:
+            if self.proc.poll() is not None:
+                lazy_unmount(self.mountpoint)
+                raise RuntimeError(f"sos mount exited with {self.proc.returncode} before it was "
+                                   f"ready:\n{self.log()}")
+            if READY_MARKER in self.log() and os.path.ismount(self.mountpoint):
+                return self
+            if time.monotonic() > deadline:
+                self.kill()
+                raise TimeoutError(f"sos mount not ready after {self.start_timeout}s:\n"
+                                   f"{self.log()}")
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        """SIGKILL the mount (a crash), then lazily unmount what it leaves behind."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        lazy_unmount(self.mountpoint)
+
+    def stop(self, timeout: float = 120.0) -> int | None:
+        """SIGTERM: clean unmount with everything flushed; returns the exit code."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                log.error("sos mount did not stop within %ss; killing it", timeout)
+                self.kill()
+        if is_mounted(self.mountpoint):
+            lazy_unmount(self.mountpoint)
+        return self.proc.returncode
+
+    def __enter__(self) -> "MountProcess":
+        if self.proc is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.stop()
+        finally:
+            if is_mounted(self.mountpoint):
+                lazy_unmount(self.mountpoint)
