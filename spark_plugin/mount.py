@@ -55,12 +55,16 @@ _RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
 
 
+#: Error class names (client and journal layers) that mean "a newer writer took over".
+_FENCE_ERRORS = frozenset({"Fenced", "WriterFenced", "SpoolStale"})
+
+
 def _is_fenced(exc: BaseException | None) -> bool:
-    """True if `exc` (or anything it was raised from) is the client's Fenced error."""
+    """True if `exc` (or anything it was raised from) says a newer writer fenced us."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if any(c.__name__ == "Fenced" for c in type(exc).__mro__):
+        if any(c.__name__ in _FENCE_ERRORS for c in type(exc).__mro__):
             return True
         exc = exc.__cause__ or exc.__context__
     return False

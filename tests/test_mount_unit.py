@@ -1,0 +1,288 @@
+"""Unit tests of the FUSE layer alone: a real FUSE mount served in-process by
+SOSOperations over a recording stand-in for JournaledTree.
+
+They pin which tree call (and so which journal record) each POSIX operation
+produces, and the errno contract (EEXIST for RENAME_NOREPLACE, ENOTEMPTY,
+EROFS after fencing). The end-to-end tests with a real server and the real
+journal are in test_mount_e2e.py.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import stat
+import subprocess
+import threading
+
+import pytest
+
+pyfuse3 = pytest.importorskip("pyfuse3")
+import trio  # noqa: E402
+
+from spark_plugin.mount import InodeTable, SOSOperations, errno_for, fuse_options, is_mounted  # noqa: E402
+
+pytestmark = [
+    pytest.mark.fuse,
+    pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="/dev/fuse is missing: no FUSE"),
+    pytest.mark.timeout(120),
+]
+
+
+class Fenced(Exception):
+    """Same class name as sos_client.errors.Fenced: the mount recognises it by name."""
+
+
+class RecordingTree:
+    """Applies every change to the cache directory and records the call."""
+
+    def __init__(self, root):
+        self.root = root
+        self.calls = []
+        self.syncs = 0
+        self.fenced = False
+        self.lock = threading.Lock()
+
+    def local_path(self, path):
+        return os.path.join(self.root, path)
+
+    def _record(self, *call):
+        if self.fenced:
+            raise Fenced("fenced by epoch 7")
+        with self.lock:
+            self.calls.append(call)
+
+    def mkdir(self, path, mode=0o755):
+        self._record("mkdir", path, mode)
+        os.mkdir(self.local_path(path), mode)
+
+    def rmdir(self, path):
+        os.rmdir(self.local_path(path)) if not self.fenced else None
+        self._record("rmdir", path)
+
+    def create(self, path, mode=0o644):
+        self._record("create", path, mode)
+        fd = os.open(self.local_path(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+        os.close(fd)
+
+    def write(self, path, offset, data):
+        self._record("write", path, offset, bytes(data))
+        fd = os.open(self.local_path(path), os.O_WRONLY)
+        try:
+            os.pwrite(fd, data, offset)
+        finally:
+            os.close(fd)
+
+    def truncate(self, path, size):
+        self._record("truncate", path, size)
+        os.truncate(self.local_path(path), size)
+
+    def rename(self, src, dst, *, overwrite):
+        if not overwrite and os.path.lexists(self.local_path(dst)):
+            raise FileExistsError(errno.EEXIST, "exists", dst)
+        os.rename(self.local_path(src), self.local_path(dst)) if not self.fenced else None
+        self._record("rename", src, dst, overwrite)
+
+    def unlink(self, path):
+        os.unlink(self.local_path(path)) if not self.fenced else None
+        self._record("unlink", path)
+
+    def sync(self):
+        if self.fenced:
+            raise Fenced("fenced by epoch 7")
+        self.syncs += 1
+
+    def close(self):
+        pass
+
+    def names(self):
+        return [c[0] for c in self.calls]
+
+
+@pytest.fixture
+def mounted(tmp_path):
+    """(mountpoint, tree, ops): a live mount served by a trio loop in a thread."""
+    cache = tmp_path / "cache"
+    mnt = tmp_path / "mnt"
+    cache.mkdir()
+    mnt.mkdir()
+    tree = RecordingTree(str(cache))
+    ops = SOSOperations(tree, str(cache), sync=True, namespace="unit")
+    pyfuse3.init(ops, str(mnt), fuse_options("unit"))
+    errors = []
+
+    def serve():
+        try:
+            trio.run(pyfuse3.main)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield str(mnt), tree, ops
+    finally:
+        try:
+            if pyfuse3.trio_token is not None:
+                trio.from_thread.run_sync(pyfuse3.terminate, trio_token=pyfuse3.trio_token)
+            thread.join(60)
+        finally:
+            pyfuse3.close(unmount=True)
+            subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
+    assert not errors, errors
+    assert not thread.is_alive()
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_AT_FDCWD = -100
+RENAME_NOREPLACE = 1
+
+
+def renameat2(src, dst, flags):
+    if _libc.renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e), dst)
+
+
+def test_mount_is_listed_with_fsname_sos(mounted):
+    mnt, _, _ = mounted
+    assert is_mounted(mnt)
+    with open("/proc/self/mountinfo") as f:
+        line = next(line for line in f if line.split()[4] == mnt)
+    assert " sos " in line and "fuse.sos" in line
+
+
+def test_spark_temp_then_rename_is_create_write_rename_with_barriers(mounted):
+    mnt, tree, _ = mounted
+    os.mkdir(os.path.join(mnt, "offsets"))
+    tmp = os.path.join(mnt, "offsets", ".0.1234.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.write(fd, b"v1\n{}")
+    syncs_before_close = tree.syncs
+    os.close(fd)
+    assert tree.syncs > syncs_before_close  # close waits for the journal (sync mode)
+    renameat2(tmp, os.path.join(mnt, "offsets", "0"), RENAME_NOREPLACE)
+    assert tree.calls == [
+        ("mkdir", "offsets", 0o755 & ~_umask()),
+        ("create", "offsets/.0.1234.tmp", 0o644 & ~_umask()),
+        ("write", "offsets/.0.1234.tmp", 0, b"v1\n{}"),
+        ("rename", "offsets/.0.1234.tmp", "offsets/0", False),
+    ]
+    with open(os.path.join(mnt, "offsets", "0"), "rb") as f:
+        assert f.read() == b"v1\n{}"
+    assert os.listdir(os.path.join(mnt, "offsets")) == ["0"]
+
+
+def _umask():
+    old = os.umask(0)
+    os.umask(old)
+    return old
+
+
+def test_rename_noreplace_refuses_existing_target(mounted):
+    mnt, tree, _ = mounted
+    for name, body in (("a", b"A"), ("b", b"B")):
+        with open(os.path.join(mnt, name), "wb") as f:
+            f.write(body)
+    with pytest.raises(OSError) as info:
+        renameat2(os.path.join(mnt, "a"), os.path.join(mnt, "b"), RENAME_NOREPLACE)
+    assert info.value.errno == errno.EEXIST
+    with open(os.path.join(mnt, "b"), "rb") as f:
+        assert f.read() == b"B"
+    os.rename(os.path.join(mnt, "a"), os.path.join(mnt, "b"))  # plain rename replaces
+    with open(os.path.join(mnt, "b"), "rb") as f:
+        assert f.read() == b"A"
+    assert ("rename", "a", "b", True) in tree.calls
+    assert sorted(os.listdir(mnt)) == ["b"]
+
+
+def test_inodes_follow_directory_renames(mounted):
+    mnt, _, ops = mounted
+    os.makedirs(os.path.join(mnt, "d1", "sub"))
+    with open(os.path.join(mnt, "d1", "sub", "f"), "wb") as f:
+        f.write(b"x")
+    st_before = os.stat(os.path.join(mnt, "d1", "sub", "f"))
+    os.rename(os.path.join(mnt, "d1"), os.path.join(mnt, "d2"))
+    st_after = os.stat(os.path.join(mnt, "d2", "sub", "f"))
+    assert st_after.st_ino == st_before.st_ino
+    with open(os.path.join(mnt, "d2", "sub", "f"), "rb") as f:
+        assert f.read() == b"x"
+    assert not os.path.exists(os.path.join(mnt, "d1"))
+    assert ops.inodes.known("d2/sub/f") == st_before.st_ino
+
+
+def test_truncate_chmod_utime_and_errors(mounted):
+    mnt, tree, _ = mounted
+    p = os.path.join(mnt, "f")
+    with open(p, "wb") as f:
+        f.write(b"0123456789")
+    os.truncate(p, 4)
+    assert ("truncate", "f", 4) in tree.calls
+    os.chmod(p, 0o600)
+    os.utime(p, ns=(1_000_000_000, 2_000_000_000))
+    st = os.stat(p)
+    assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_mtime_ns == 2_000_000_000
+    assert os.stat(tree.local_path("f")).st_mtime_ns == 2_000_000_000
+    with open(p, "rb") as f:
+        assert f.read() == b"0123"
+    os.mkdir(os.path.join(mnt, "d"))
+    open(os.path.join(mnt, "d", "x"), "wb").close()
+    with pytest.raises(OSError) as info:
+        os.rmdir(os.path.join(mnt, "d"))
+    assert info.value.errno == errno.ENOTEMPTY
+    with pytest.raises(FileNotFoundError):
+        os.unlink(os.path.join(mnt, "missing"))
+
+
+def test_fenced_mount_turns_read_only(mounted, caplog):
+    mnt, tree, ops = mounted
+    with open(os.path.join(mnt, "before"), "wb") as f:
+        f.write(b"ok")
+    tree.fenced = True
+    with pytest.raises(OSError) as info:
+        with open(os.path.join(mnt, "after"), "wb") as f:
+            f.write(b"lost")
+    assert info.value.errno == errno.EIO
+    assert ops.fenced is not None
+    with pytest.raises(OSError) as info:
+        os.mkdir(os.path.join(mnt, "dir"))
+    assert info.value.errno == errno.EROFS
+    with open(os.path.join(mnt, "before"), "rb") as f:  # reads still work
+        assert f.read() == b"ok"
+    assert any("FENCED" in r.getMessage() for r in caplog.records)
+
+
+def test_unlinked_open_file_stays_readable(mounted):
+    mnt, tree, _ = mounted
+    p = os.path.join(mnt, "f")
+    with open(p, "wb") as f:
+        f.write(b"payload")
+    with open(p, "rb") as f:
+        os.unlink(p)
+        assert f.read() == b"payload"
+    assert ("unlink", "f") in tree.calls
+    assert os.listdir(mnt) == []
+
+
+def test_errno_mapping():
+    assert errno_for(FileExistsError()) == errno.EEXIST
+    assert errno_for(OSError(errno.ENOTEMPTY, "x")) == errno.ENOTEMPTY
+    assert errno_for(Fenced("x")) == errno.EIO
+    assert errno_for(ValueError("bad name")) == errno.EINVAL
+    assert errno_for(RuntimeError("?")) == errno.EIO
+
+
+def test_inode_table_orphans_and_forget():
+    t = InodeTable()
+    a = t.ino("a")
+    t.lookup(a)
+    t.opened(a)
+    t.removed("a")
+    assert t.path(a) is None  # orphan while open / known to the kernel
+    t.closed(a)
+    assert t.path(a) is None
+    t.forget(a, 1)
+    with pytest.raises(FileNotFoundError):
+        t.path(a)
+    assert t.ino("a") != a
