@@ -1,0 +1,526 @@
+"""The disaster-recovery demo (README's first command, ``./scripts/demo``).
+
+1. Start a local ``sos-server`` (temp data dir, port 0) and make an append key.
+2. Mount the namespace (``sos mount``) and start a stateful Structured Streaming query in a
+   SEPARATE driver process: a file source of records (each id sent twice, in two different
+   files, so ``dropDuplicates`` state decides what is new), ``maxFilesPerTrigger=1``, and a
+   foreachBatch sink that writes ``out/batch-<N>.jsonl`` atomically (idempotent by batch
+   id). The checkpointLocation is on the mount.
+3. After a few committed batches, while batch K is half done (its output is written, its
+   ``commits/K`` is not), SIGKILL the driver and the mount and DELETE the mount point and
+   the cache directory: the worker is gone.
+4. ``sos restore`` shows what the server holds; the query restarts on a new mount over an
+   EMPTY cache (the mount restores it from the server first) and runs to the end.
+5. Check like the seed's paper: keep only the output of batches whose ``commits/N`` exists,
+   compare with the input: nothing lost, nothing doubled, nothing corrupted. The verdict
+   is the last line; the exit code is 0 only on success.
+
+``python -m spark_plugin.demo --help`` for the options. ``_driver CONFIG`` is the internal
+entry of the driver process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+NAMESPACE = "sparkdemo"
+CHECKPOINT = "checkpoint"
+ROCKSDB_PROVIDER = "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"
+LISTEN_RE = re.compile(r"sos-server listening on (\S+):(\d+)")
+
+_T0 = time.monotonic()
+
+
+def say(msg: str) -> None:
+    print(f"[{time.monotonic() - _T0:6.1f}s] {msg}", flush=True)
+
+
+class DemoFailure(Exception):
+    pass
+
+
+# --------------------------------------------------------------------------- input/output
+
+def payload_of(rid: int) -> str:
+    return hashlib.sha256(f"sos-demo-record-{rid}".encode()).hexdigest()[:40]
+
+
+def make_input(input_dir: str, records: int, files: int) -> dict[int, str]:
+    """Write ``files`` JSON-lines files; record ids 0..records-1, each sent twice.
+
+    File i holds chunk i of the ids and again the second half of chunk i-1 (so a
+    duplicate arrives one batch after the original; dropDuplicates must drop it, which
+    only works if the state store came back intact). mtimes increase with i so the file
+    source takes them in order. Returns {id: payload}.
+    """
+    os.makedirs(input_dir, exist_ok=True)
+    bounds = [records * i // files for i in range(files + 1)]
+    chunks = [list(range(bounds[i], bounds[i + 1])) for i in range(files)]
+    base = time.time() - 10 * files
+    expected = {}
+    for i in range(files):
+        ids = list(chunks[i])
+        if i > 0:
+            prev = chunks[i - 1]
+            ids += prev[len(prev) // 2:]
+        path = os.path.join(input_dir, f"part-{i:05d}.json")
+        with open(path + ".tmp", "w") as f:
+            for rid in ids:
+                f.write(json.dumps({"id": rid, "payload": payload_of(rid)}) + "\n")
+                expected[rid] = payload_of(rid)
+        os.replace(path + ".tmp", path)
+        os.utime(path, (base + 10 * i, base + 10 * i))
+    return expected
+
+
+def committed_batches(checkpoint_dir: str) -> set[int]:
+    d = os.path.join(checkpoint_dir, "commits")
+    if not os.path.isdir(d):
+        return set()
+    return {int(n) for n in os.listdir(d) if n.isdigit()}
+
+
+def check_output(out_dir: str, committed: set[int], expected: dict[int, str]) -> dict:
+    """The exactly-once check: committed output against the input."""
+    seen: dict[int, int] = {}
+    corrupted = []
+    outside = []  # output files of batches that never committed (ignored, reported)
+    batches_with_output = set()
+    for name in sorted(os.listdir(out_dir)):
+        m = re.fullmatch(r"batch-(\d+)\.jsonl", name)
+        if not m:
+            continue
+        bid = int(m.group(1))
+        if bid not in committed:
+            outside.append(bid)
+            continue
+        batches_with_output.add(bid)
+        with open(os.path.join(out_dir, name), encoding="utf-8", errors="replace") as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                    rid = int(rec["id"])
+                except (ValueError, KeyError, TypeError):
+                    corrupted.append(line[:80])
+                    continue
+                seen[rid] = seen.get(rid, 0) + 1
+                if expected.get(rid) != rec.get("payload"):
+                    corrupted.append(line[:80])
+    lost = sorted(set(expected) - set(seen))
+    doubled = sorted(r for r, n in seen.items() if n > 1)
+    unknown = sorted(set(seen) - set(expected))
+    missing_output = sorted(committed - batches_with_output)
+    return {"records_in": len(expected), "records_out": sum(seen.values()),
+            "lost": lost, "doubled": doubled, "corrupted": corrupted, "unknown": unknown,
+            "uncommitted_output_ignored": outside, "committed_without_output": missing_output}
+
+
+# --------------------------------------------------------------------------- processes
+
+def _python_call(module: str, func: str = "main") -> list[str]:
+    return [sys.executable, "-c", f"import sys; from {module} import {func}; sys.exit({func}())"]
+
+
+def keygen(data_dir: str, namespace: str, role: str = "append") -> str:
+    proc = subprocess.run(_python_call("sos_server.cli") + ["keygen", "--data", data_dir,
+                                                             namespace, "--role", role],
+                          capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        raise DemoFailure(f"sos-server keygen failed: {proc.stderr.strip()}")
+    return proc.stdout.strip().splitlines()[-1].strip()
+
+
+class LocalServer:
+    """A real ``sos-server serve`` child process on 127.0.0.1, port chosen by the kernel."""
+
+    def __init__(self, data_dir: str, log_path: str):
+        self.data_dir = data_dir
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+        self.address = ""
+
+    def start(self, timeout: float = 120.0) -> "LocalServer":
+        os.makedirs(self.data_dir, exist_ok=True)
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            _python_call("sos_server.cli") + ["serve", "--data", self.data_dir,
+                                              "--listen", "127.0.0.1:0"],
+            stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.PIPE,
+            start_new_session=True)
+        found = threading.Event()
+
+        def pump():  # copy stderr into the log, spot the listening line
+            for raw in self.proc.stderr:
+                self._log.write(raw)
+                self._log.flush()
+                m = LISTEN_RE.search(raw.decode(errors="replace"))
+                if m and not found.is_set():
+                    self.address = f"{m.group(1)}:{m.group(2)}"
+                    found.set()
+
+        threading.Thread(target=pump, daemon=True).start()
+        deadline = time.monotonic() + timeout
+        while not found.wait(0.2):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise DemoFailure(f"sos-server did not start:\n{self.log()}")
+        return self
+
+    def log(self) -> str:
+        try:
+            with open(self.log_path, encoding="utf-8", errors="replace") as f:
+                return f.read()
+        except FileNotFoundError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a driver and every process it started (the JVM)."""
+    if proc.poll() is not None:
+        return
+    pids = [proc.pid]
+    try:
+        import psutil
+
+        pids += [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+    except Exception:  # noqa: BLE001 - psutil missing or the process already gone
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the driver runs in its own session
+    except ProcessLookupError:
+        pass
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
+def tail(path: str, lines: int = 40) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except FileNotFoundError:
+        return "(no log)"
+
+
+def wait_for(pred, timeout: float, what: str, alive=None, poll: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while True:
+        if pred():
+            return
+        if alive is not None and not alive():
+            raise DemoFailure(f"{what}: the process died first")
+        if time.monotonic() > deadline:
+            raise DemoFailure(f"{what}: not after {timeout:.0f}s")
+        time.sleep(poll)
+
+
+# --------------------------------------------------------------------------- driver process
+
+def start_driver(cfg: dict, log_path: str, cfg_path: str) -> subprocess.Popen:
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
+    with open(log_path, "ab") as logf:
+        return subprocess.Popen([sys.executable, "-m", "spark_plugin.demo", "_driver", cfg_path],
+                                stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
+                                start_new_session=True)
+
+
+def driver_main(cfg_path: str) -> int:
+    """The Spark driver: one stateful streaming query, run until the input is used up."""
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    from pyspark.sql import SparkSession
+
+    builder = (SparkSession.builder.master("local[2]").appName("sos-demo")
+               .config("spark.sql.shuffle.partitions", "2")
+               .config("spark.ui.enabled", "false")
+               .config("spark.ui.showConsoleProgress", "false")
+               .config("spark.sql.streaming.stateStore.maintenanceInterval",
+                       cfg.get("maintenance_interval", "60s")))
+    if cfg.get("state_store") == "rocksdb":
+        builder = builder.config("spark.sql.streaming.stateStore.providerClass", ROCKSDB_PROVIDER)
+    for k, v in cfg.get("spark_conf", {}).items():
+        builder = builder.config(k, v)
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+
+    listener = None
+    if cfg.get("markers") and cfg.get("mountpoint"):
+        from spark_plugin.spark import MarkerListener
+
+        listener = MarkerListener(cfg["checkpoint"], mountpoint=cfg["mountpoint"])
+        spark.streams.addListener(listener)
+
+    out_dir = cfg["out"]
+    os.makedirs(out_dir, exist_ok=True)
+    hang_at = cfg.get("hang_at_batch")
+    flag_dir = cfg["flags"]
+
+    def sink(df, batch_id):
+        rows = sorted((r["id"], r["payload"]) for r in df.collect())
+        final = os.path.join(out_dir, f"batch-{batch_id:06d}.jsonl")
+        tmp = f"{final}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            for rid, payload in rows:
+                f.write(json.dumps({"id": rid, "payload": payload}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)  # atomic: a batch's output is all there or not at all
+        if hang_at is not None and batch_id == hang_at:
+            # batch output written, commits/N not yet: the worst moment to lose the worker
+            with open(os.path.join(flag_dir, f"hang-{batch_id}"), "w") as f:
+                f.write(str(os.getpid()))
+            release = os.path.join(flag_dir, f"release-{batch_id}")
+            while not os.path.exists(release):
+                time.sleep(0.1)
+
+    stream = (spark.readStream.schema("id LONG, payload STRING")
+              .option("maxFilesPerTrigger", 1).json(cfg["input"])
+              .dropDuplicates(["id"]))
+    query = (stream.writeStream.foreachBatch(sink)
+             .option("checkpointLocation", cfg["checkpoint"])
+             .trigger(availableNow=True).start())
+    query.awaitTermination()
+    if listener is not None:
+        # progress events are delivered asynchronously: wait for the last one
+        last = max(committed_batches(cfg["checkpoint"]), default=-1)
+        deadline = time.monotonic() + 120
+        while last >= 0 and last not in listener.written and time.monotonic() < deadline:
+            if listener.errors:
+                break
+            time.sleep(0.1)
+        with open(os.path.join(flag_dir, "markers.json"), "w") as f:
+            json.dump({"written": listener.written, "errors": listener.errors}, f)
+    spark.stop()
+    return 0
+
+
+# --------------------------------------------------------------------------- the demo
+
+def run_demo(*, records: int = 3000, batches: int = 8, crash_after: int = 4,
+             kill: str = "both", state_store: str = "hdfs", workdir: str | None = None,
+             keep: bool = False, markers: bool = True) -> dict:
+    """Run the whole scenario; returns the result dict (``ok`` True/False)."""
+    if not 0 < crash_after < batches:
+        raise ValueError("need 0 < --crash-after < --batches")
+    own_dir = workdir is None
+    work = workdir or tempfile.mkdtemp(prefix="sos-demo-")
+    os.makedirs(work, exist_ok=True)
+    paths = {k: os.path.join(work, k) for k in
+             ("input", "out", "server-data", "flags", "logs", "restored")}
+    for k in ("flags", "logs"):
+        os.makedirs(paths[k], exist_ok=True)
+    server = LocalServer(paths["server-data"], os.path.join(paths["logs"], "server.log"))
+    mounts = []
+    drivers = []
+    result: dict = {"ok": False, "workdir": work, "state_store": state_store}
+    try:
+        say(f"work dir {work}; state store {state_store}; {records} records in {batches} files")
+        expected = make_input(paths["input"], records, batches)
+        say(f"input: {batches} files, {records} unique ids, each sent twice "
+            "(dropDuplicates state must remember them across the crash)")
+
+        key = keygen(paths["server-data"], NAMESPACE)
+        server.start()
+        say(f"sos-server listening on {server.address} (data {paths['server-data']})")
+
+        from spark_plugin.spark import start_mount
+
+        def mount(n):
+            mnt = os.path.join(work, f"worker{n}", "mnt")
+            cache = os.path.join(work, f"worker{n}", "cache")
+            m = start_mount(NAMESPACE, mnt, server=server.address, key=key, cache_dir=cache,
+                            log_path=os.path.join(paths["logs"], f"mount{n}.log"))
+            mounts.append(m)
+            return m, mnt, cache
+
+        # ---- worker 1: runs until it is destroyed in the middle of batch `crash_after`
+        m1, mnt1, cache1 = mount(1)
+        chk1 = os.path.join(mnt1, CHECKPOINT)
+        say(f"worker 1: {NAMESPACE} mounted at {mnt1} (cache {cache1})")
+        cfg = {"input": paths["input"], "out": paths["out"], "flags": paths["flags"],
+               "checkpoint": chk1, "mountpoint": mnt1, "markers": markers,
+               "state_store": state_store, "hang_at_batch": crash_after}
+        d1 = start_driver(cfg, os.path.join(paths["logs"], "driver1.log"),
+                          os.path.join(work, "driver1.json"))
+        drivers.append(d1)
+        say(f"worker 1: Spark driver started (pid {d1.pid}), checkpointLocation {chk1}")
+        hang_flag = os.path.join(paths["flags"], f"hang-{crash_after}")
+        wait_for(lambda: os.path.exists(hang_flag), 600,
+                 f"driver 1 reaching batch {crash_after}", alive=lambda: d1.poll() is None)
+        before = committed_batches(chk1)
+        say(f"worker 1: batches {fmt(before)} committed; batch {crash_after} output written, "
+            f"commits/{crash_after} not yet")
+        if before != set(range(crash_after)):
+            raise DemoFailure(f"expected batches 0..{crash_after - 1} committed, got {before}")
+        result["committed_before_crash"] = sorted(before)
+
+        if kill == "mount":
+            # the mount dies first, under a live driver that then tries to commit
+            m1.kill()
+            say("CRASH: sos mount SIGKILLed in the middle of the batch; releasing the driver")
+            with open(os.path.join(paths["flags"], f"release-{crash_after}"), "w"):
+                pass
+            try:
+                d1.wait(300)
+                say(f"worker 1: driver failed on the dead mount (exit {d1.returncode})")
+            except subprocess.TimeoutExpired:
+                say("worker 1: driver still alive on the dead mount: killing it")
+            kill_tree(d1)
+        else:
+            kill_tree(d1)
+            m1.kill()
+            say("CRASH: Spark driver and sos mount SIGKILLed in the middle of the batch")
+        shutil.rmtree(os.path.join(work, "worker1"))
+        say("worker 1 destroyed: mount point, cache and spool deleted")
+
+        # ---- what the server holds
+        from spark_plugin.spark import sos_command
+
+        proc = subprocess.run(sos_command() + ["restore", "--server", server.address,
+                                               "--key", key, NAMESPACE, paths["restored"]],
+                              capture_output=True, text=True, timeout=900)
+        if proc.returncode != 0:
+            raise DemoFailure(f"sos restore failed: {proc.stderr.strip()}")
+        restored = committed_batches(os.path.join(paths["restored"], CHECKPOINT))
+        say(f"sos restore: the server gave back a checkpoint with batches {fmt(restored)} "
+            "committed")
+        result["restored_committed"] = sorted(restored)
+        if restored != before:
+            raise DemoFailure(f"restored checkpoint has commits {restored}, expected {before}")
+
+        # ---- worker 2: fresh mount on an EMPTY cache (restores from the server first)
+        m2, mnt2, cache2 = mount(2)
+        chk2 = os.path.join(mnt2, CHECKPOINT)
+        say(f"worker 2: mounted on an empty cache, checkpoint rebuilt from the server: "
+            f"batches {fmt(committed_batches(chk2))} committed")
+        cfg2 = dict(cfg, checkpoint=chk2, mountpoint=mnt2, hang_at_batch=None)
+        d2 = start_driver(cfg2, os.path.join(paths["logs"], "driver2.log"),
+                          os.path.join(work, "driver2.json"))
+        drivers.append(d2)
+        say(f"worker 2: Spark driver restarted (pid {d2.pid}) from the restored checkpoint")
+        try:
+            rc = d2.wait(900)
+        except subprocess.TimeoutExpired:
+            raise DemoFailure("driver 2 did not finish in 900s") from None
+        if rc != 0:
+            raise DemoFailure(f"driver 2 failed (exit {rc}):\n"
+                              f"{tail(os.path.join(paths['logs'], 'driver2.log'))}")
+        final = committed_batches(chk2)
+        say(f"worker 2: query finished; batches {fmt(final)} committed")
+        result["committed_final"] = sorted(final)
+        if markers:
+            try:
+                with open(os.path.join(paths["flags"], "markers.json")) as f:
+                    result["markers_written"] = json.load(f)["written"]
+            except FileNotFoundError:
+                result["markers_written"] = []
+        m2.stop()
+
+        # ---- the check
+        check = check_output(paths["out"], final, expected)
+        result.update(check)
+        problems = []
+        if final != set(range(batches)):
+            problems.append(f"committed batches {fmt(final)}, expected 0..{batches - 1}")
+        for k in ("lost", "doubled", "corrupted", "unknown", "committed_without_output"):
+            if check[k]:
+                problems.append(f"{len(check[k])} {k.replace('_', ' ')} (e.g. {check[k][:5]})")
+        say(f"check: {check['records_in']} records in, {check['records_out']} out "
+            f"of committed batches; lost {len(check['lost'])}, doubled {len(check['doubled'])}, "
+            f"corrupted {len(check['corrupted'])}")
+        result["problems"] = problems
+        result["ok"] = not problems
+        return result
+    except Exception as exc:  # noqa: BLE001 - every failure ends in a verdict
+        result["problems"] = [str(exc) if isinstance(exc, DemoFailure)
+                              else f"{type(exc).__name__}: {exc}"]
+        for d, n in zip(drivers, (1, 2)):
+            if d.poll() is not None and d.returncode not in (0, -9):
+                say(f"driver {n} log tail:\n{tail(os.path.join(paths['logs'], f'driver{n}.log'))}")
+        return result
+    finally:
+        for d in drivers:
+            kill_tree(d)
+        for m in mounts:
+            try:
+                m.stop()
+            except Exception:  # noqa: BLE001 - cleanup
+                pass
+        server.stop()
+        if own_dir and not keep and result.get("ok"):
+            shutil.rmtree(work, ignore_errors=True)
+            result["workdir"] = None
+
+
+def fmt(batches) -> str:
+    b = sorted(batches)
+    if not b:
+        return "(none)"
+    if b == list(range(b[0], b[-1] + 1)):
+        return f"{b[0]}..{b[-1]}" if len(b) > 1 else str(b[0])
+    return ",".join(map(str, b))
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "_driver":
+        return driver_main(argv[1])
+    p = argparse.ArgumentParser(prog="scripts/demo", description=__doc__.split("\n\n")[0])
+    p.add_argument("--records", type=int, default=3000, help="unique record ids (default 3000)")
+    p.add_argument("--batches", type=int, default=8, help="input files = micro-batches (default 8)")
+    p.add_argument("--crash-after", type=int, default=None,
+                   help="committed batches before the crash (default: half)")
+    p.add_argument("--kill", choices=("both", "mount"), default="both",
+                   help="both: SIGKILL driver and mount; mount: SIGKILL only the mount under a "
+                        "live driver (default both)")
+    p.add_argument("--state-store", choices=("hdfs", "rocksdb"), default="hdfs")
+    p.add_argument("--workdir", help="work directory (default: a new temp dir)")
+    p.add_argument("--keep", action="store_true", help="keep the work directory")
+    p.add_argument("--json", action="store_true", help="print the result as JSON before the verdict")
+    args = p.parse_args(argv)
+    crash_after = args.crash_after if args.crash_after is not None else max(1, args.batches // 2)
+    try:
+        result = run_demo(records=args.records, batches=args.batches, crash_after=crash_after,
+                          kill=args.kill, state_store=args.state_store, workdir=args.workdir,
+                          keep=args.keep)
+    except ValueError as exc:
+        p.error(str(exc))
+    if args.json:
+        print(json.dumps(result, sort_keys=True, default=str))
+    if result.get("workdir"):
+        say(f"work dir kept: {result['workdir']}")
+    if result["ok"]:
+        print(f"VERDICT: PASS - exactly once after losing the worker in batch {crash_after}: "
+              f"{result['records_in']} records in, {result['records_out']} out, 0 lost, "
+              f"0 doubled, 0 corrupted ({args.state_store} state store)", flush=True)
+        return 0
+    print("VERDICT: FAIL - " + "; ".join(result.get("problems") or ["unknown error"]), flush=True)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,230 @@
+"""Spark helpers: a journaled checkpointLocation, batch markers, restore to a batch.
+
+Spark (the JVM) cannot call a Python filesystem, so the checkpoint goes through a FUSE
+mount of the namespace (``sos mount``, :class:`spark_plugin.mount.MountProcess`). Every
+file operation Spark makes there becomes a journal record shipped to the SOS server; in
+sync mode the rename that creates ``commits/N`` returns only once the journal up to it is
+durable on the server, so a committed batch survives the loss of the whole worker.
+
+- :func:`journaled_checkpoint` mounts the namespace and returns a checkpointLocation on it.
+- :class:`MarkerListener` writes a MARKER record ``spark.batch`` after each committed batch,
+  so a restore can stop exactly at a batch.
+- :func:`restore_to_batch` rebuilds a checkpoint as it was when batch N committed.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+
+log = logging.getLogger("sos.spark")
+
+#: control file on the mount: a JSON document written there becomes a MARKER record
+MARKER_CONTROL = os.path.join(".sos", "marker")
+MARKER_LABEL = "spark.batch"
+DEFAULT_CHECKPOINT = "checkpoint"
+
+try:  # pyspark is an optional extra; the helpers that do not need it work without it
+    from pyspark.sql.streaming import StreamingQueryListener as _ListenerBase
+except ImportError:  # pragma: no cover - exercised only without the spark extra
+    _ListenerBase = object
+
+
+class CheckpointLocation(str):
+    """A checkpointLocation (a plain ``str`` for Spark) that remembers its mount.
+
+    ``.mountpoint``: root of the mounted namespace; ``.relpath``: the checkpoint's path
+    inside the namespace (what ``sos restore --batch RELPATH:N`` takes); ``.mount``: the
+    :class:`~spark_plugin.mount.MountProcess` (``.stop()`` to unmount cleanly).
+    """
+
+    mount = None
+    mountpoint: str = ""
+    relpath: str = ""
+    namespace: str = ""
+
+    def __new__(cls, path, *, mount=None, mountpoint="", relpath="", namespace=""):
+        self = super().__new__(cls, path)
+        self.mount = mount
+        self.mountpoint = mountpoint
+        self.relpath = relpath
+        self.namespace = namespace
+        return self
+
+    def stop(self):
+        """Unmount (flushes the journal first)."""
+        if self.mount is not None:
+            self.mount.stop()
+
+
+_mounts_lock = threading.Lock()
+_mounts: list = []
+
+
+def _stop_all_mounts():
+    with _mounts_lock:
+        mounts = list(_mounts)
+        _mounts.clear()
+    for m in mounts:
+        try:
+            m.stop()
+        except Exception:  # noqa: BLE001 - best effort at interpreter exit
+            log.exception("unmount at exit failed")
+
+
+atexit.register(_stop_all_mounts)
+
+
+def start_mount(namespace, mountpoint, *, server, key, cache_dir, sync=True, timeout=180.0,
+                log_path=None):
+    """Start ``sos mount`` for ``namespace`` on ``mountpoint`` and wait until it serves.
+
+    The one place that knows the :class:`spark_plugin.mount.MountProcess` API.
+    """
+    from spark_plugin.mount import MountProcess
+
+    mount = MountProcess(namespace, mountpoint, cache_dir, server, str(key), sync,
+                         log_path=log_path, start_timeout=timeout)
+    mount.start()
+    return mount
+
+
+def journaled_checkpoint(spark_or_none, namespace, *, server, key, mountpoint=None,
+                         cache_dir=None, sync=True, checkpoint=DEFAULT_CHECKPOINT,
+                         listener=True) -> str:
+    """Mount ``namespace`` and return a checkpointLocation on the mount.
+
+    ``mountpoint``/``cache_dir`` default to fresh temporary directories. An empty cache is
+    rebuilt from the server by the mount, so the same call after losing the worker brings
+    the checkpoint back. With a SparkSession, a :class:`MarkerListener` for this
+    checkpoint is registered on it (``listener=False`` to skip). The mount is stopped at
+    interpreter exit, or earlier with ``location.stop()``.
+    """
+    if mountpoint is None:
+        mountpoint = tempfile.mkdtemp(prefix=f"sos-mnt-{namespace}-")
+    if cache_dir is None:
+        cache_dir = tempfile.mkdtemp(prefix=f"sos-cache-{namespace}-")
+    os.makedirs(mountpoint, exist_ok=True)
+    os.makedirs(cache_dir, exist_ok=True)
+    relpath = checkpoint.strip("/")
+    mount = start_mount(namespace, mountpoint, server=server, key=key, cache_dir=cache_dir,
+                        sync=sync)
+    with _mounts_lock:
+        _mounts.append(mount)
+    path = os.path.join(os.path.abspath(mountpoint), relpath)
+    os.makedirs(path, exist_ok=True)
+    loc = CheckpointLocation(path, mount=mount, mountpoint=os.path.abspath(mountpoint),
+                             relpath=relpath, namespace=namespace)
+    if spark_or_none is not None and listener:
+        spark_or_none.streams.addListener(MarkerListener(loc))
+    return loc
+
+
+def marker_payload(checkpoint_relpath, query_id, batch_id) -> bytes:
+    """The MARKER payload for a committed batch (what ``restore --batch`` looks for)."""
+    return json.dumps({"checkpoint": checkpoint_relpath, "query_id": str(query_id),
+                       "batch_id": int(batch_id)}, sort_keys=True).encode()
+
+
+def write_marker(mountpoint, checkpoint_relpath, query_id, batch_id) -> bool:
+    """Write a ``spark.batch`` marker through the mount's control file.
+
+    Returns False (and writes nothing) when the mount offers no control file.
+    """
+    control = os.path.join(mountpoint, MARKER_CONTROL)
+    if not os.path.exists(control):
+        return False
+    doc = {"label": MARKER_LABEL,
+           "payload": json.loads(marker_payload(checkpoint_relpath, query_id, batch_id))}
+    data = json.dumps(doc, sort_keys=True).encode()
+    fd = os.open(control, os.O_WRONLY)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)  # the mount makes the marker durable before fsync returns (sync mode)
+    finally:
+        os.close(fd)
+    return True
+
+
+class MarkerListener(_ListenerBase):
+    """Writes a MARKER ``spark.batch`` record after each committed micro-batch.
+
+    ``checkpoint``: the query's checkpointLocation on a mount (a :class:`CheckpointLocation`
+    from :func:`journaled_checkpoint`, or a path with ``mountpoint=`` given). Spark calls
+    ``onQueryProgress`` after ``commits/N`` exists; the listener checks that file before
+    writing, so a marker never names an uncommitted batch. ``query_name`` restricts it to
+    one query when the session runs several.
+    """
+
+    def __init__(self, checkpoint, *, mountpoint=None, query_name=None):
+        super().__init__()
+        mountpoint = mountpoint or getattr(checkpoint, "mountpoint", "")
+        if not mountpoint:
+            raise ValueError("MarkerListener needs the mount point of the checkpoint")
+        self.checkpoint = os.path.abspath(str(checkpoint))
+        self.mountpoint = os.path.abspath(mountpoint)
+        rel = os.path.relpath(self.checkpoint, self.mountpoint)
+        if rel.startswith(".."):
+            raise ValueError(f"checkpoint {checkpoint} is not under {mountpoint}")
+        self.relpath = "" if rel == "." else rel
+        self.query_name = query_name
+        self.written: list[int] = []
+        self.errors: list[str] = []
+        self._missing_control_logged = False
+
+    def onQueryStarted(self, event):  # noqa: N802 - Spark's name
+        pass
+
+    def onQueryProgress(self, event):  # noqa: N802
+        try:
+            progress = event.progress
+            if self.query_name is not None and progress.name != self.query_name:
+                return
+            batch_id = int(progress.batchId)
+            if not os.path.exists(os.path.join(self.checkpoint, "commits", str(batch_id))):
+                return
+            if write_marker(self.mountpoint, self.relpath, progress.id, batch_id):
+                self.written.append(batch_id)
+            elif not self._missing_control_logged:
+                self._missing_control_logged = True
+                log.warning("mount %s has no %s: batch markers are not written",
+                            self.mountpoint, MARKER_CONTROL)
+        except Exception as exc:  # noqa: BLE001 - a listener must never kill the query
+            self.errors.append(repr(exc))
+            log.exception("writing the batch marker failed")
+
+    def onQueryIdle(self, event):  # noqa: N802
+        pass
+
+    def onQueryTerminated(self, event):  # noqa: N802
+        pass
+
+
+def sos_command():
+    """argv prefix that runs the ``sos`` command with this interpreter."""
+    return [sys.executable, "-c", "import sys; from sos_client.cli import main; sys.exit(main())"]
+
+
+def restore_to_batch(namespace, target, checkpoint, batch_id, *, server, key, force=False,
+                     timeout=900) -> str:
+    """Rebuild ``namespace`` into ``target`` as it was when batch ``batch_id`` committed.
+
+    ``checkpoint`` is the checkpoint's path inside the namespace (``location.relpath``).
+    Runs ``sos restore NAMESPACE TARGET --batch CHECKPOINT:N``; returns the restored
+    checkpoint directory, ready to be copied or mounted for the query to resume from.
+    """
+    rel = str(getattr(checkpoint, "relpath", checkpoint)).strip("/")
+    cmd = sos_command() + ["restore", "--server", server, "--key", str(key), namespace,
+                           str(target), "--batch", f"{rel}:{int(batch_id)}"]
+    if force:
+        cmd.append("--force")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"sos restore failed ({proc.returncode}): {proc.stderr.strip()}")
+    return os.path.join(str(target), rel)
