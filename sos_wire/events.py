@@ -1,0 +1,192 @@
+"""Events: one small frozen dataclass per frame type (h11 style).
+
+Every event has ``request_id`` as its first field.  Requests are sent by
+clients, replies by servers; ``Error`` is a reply to any request.  Events carry
+values, not bytes: ``Connection.send`` turns them into frames and
+``Connection.next_event`` turns frames into them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+from .errors import ErrorCode
+
+__all__ = [
+    "Event", "Request", "Reply", "KeyRole",
+    "Hello", "HelloOk", "Auth", "AuthOk", "Ping", "Pong", "List", "ListEntry", "ListOk",
+    "Stat", "StatOk", "Append", "AppendOk", "Read", "ReadData", "Seal", "SealOk",
+    "Fence", "FenceOk", "Error",
+]
+
+
+class KeyRole(IntEnum):
+    """What an authenticated connection may do (AUTH_OK.role). APPEND can also read."""
+
+    APPEND = 1
+    READ = 2
+
+
+class Event:
+    """Base class of every event."""
+
+    __slots__ = ()
+    request_id: int
+
+
+class Request(Event):
+    __slots__ = ()
+
+
+class Reply(Event):
+    __slots__ = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Hello(Request):
+    request_id: int
+    client: str
+    min_version: int = 1
+    max_version: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class HelloOk(Reply):
+    request_id: int
+    version: int
+    nonce: bytes
+    max_body: int
+    server: str
+
+
+@dataclass(frozen=True, slots=True)
+class Auth(Request):
+    request_id: int
+    key_id: bytes
+    namespace: str
+    proof: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class AuthOk(Reply):
+    request_id: int
+    role: KeyRole
+
+
+@dataclass(frozen=True, slots=True)
+class Ping(Request):
+    request_id: int
+    payload: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class Pong(Reply):
+    request_id: int
+    payload: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class List(Request):
+    request_id: int
+    prefix: str = ""
+    after: str = ""
+    limit: int = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class ListEntry:
+    name: str
+    length: int
+    sealed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ListOk(Reply):
+    request_id: int
+    entries: tuple[ListEntry, ...]
+    more: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Stat(Request):
+    request_id: int
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class StatOk(Reply):
+    request_id: int
+    length: int
+    sealed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Append(Request):
+    """Append *data* at *offset* (must equal the current length). *crc* = CRC32C(data)."""
+
+    request_id: int
+    name: str
+    offset: int
+    epoch: int
+    crc: int
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class AppendOk(Reply):
+    request_id: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class Read(Request):
+    request_id: int
+    name: str
+    offset: int = 0
+    length: int = 0  # 0 = to the end
+
+
+@dataclass(frozen=True, slots=True)
+class ReadData(Reply):
+    request_id: int
+    offset: int
+    last: bool
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Seal(Request):
+    request_id: int
+    name: str
+    epoch: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SealOk(Reply):
+    request_id: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class Fence(Request):
+    request_id: int
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class FenceOk(Reply):
+    request_id: int
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class Error(Reply):
+    """A refusal. *length* is the current length for OFFSET_MISMATCH, the current
+    fence epoch for FENCED, else 0. *code* is an ErrorCode, or a bare int for a code
+    this version does not know (treat it as a generic failure)."""
+
+    request_id: int
+    code: ErrorCode
+    length: int
+    message: str
