@@ -50,6 +50,14 @@ log = logging.getLogger("sos.mount")
 READY_MARKER = "sos mount: ready"
 
 ROOT_INODE = 1
+#: `.sos/` at the root is a virtual control directory (never journaled, not listed);
+#: writing a JSON document {"label": str, "payload": any} to `.sos/marker` appends a
+#: MARKER record (tree.marker); fsync/close of it waits until the marker is durable.
+CONTROL_DIR = ".sos"
+CONTROL_DIR_INO = 1 << 62
+MARKER_FILE = "marker"
+MARKER_INO = CONTROL_DIR_INO + 1
+_VIRTUAL = (CONTROL_DIR_INO, MARKER_INO)
 _ATTR_TIMEOUT = 1.0
 _RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
@@ -198,6 +206,7 @@ class _Handle:
     fd: int
     writable: bool
     dirty: bool = False
+    marker: bytearray | None = None  # the control file's pending document
 
 
 _OperationsBase = pyfuse3.Operations if pyfuse3 is not None else object
@@ -255,7 +264,29 @@ class SOSOperations(_OperationsBase):
         return text if parent == "" else parent + "/" + text
 
     def _child(self, parent_ino: int, name: bytes) -> str:
+        """The tree path of `name` in a directory; EPERM inside/onto the control directory."""
+        if parent_ino in _VIRTUAL or (parent_ino == ROOT_INODE and name == CONTROL_DIR.encode()):
+            raise pyfuse3.FUSEError(errno.EPERM)
         return self._join(self.inodes.live_path(parent_ino), name)
+
+    def _virtual_entry(self, ino: int) -> "pyfuse3.EntryAttributes":
+        e = pyfuse3.EntryAttributes()
+        e.st_ino = ino
+        e.generation = 0
+        e.entry_timeout = _ATTR_TIMEOUT
+        e.attr_timeout = _ATTR_TIMEOUT
+        root = os.stat(self.cache_root)
+        if ino == CONTROL_DIR_INO:
+            e.st_mode = stat.S_IFDIR | 0o755
+            e.st_nlink = 2
+        else:
+            e.st_mode = stat.S_IFREG | 0o200
+            e.st_nlink = 1
+        e.st_uid, e.st_gid = root.st_uid, root.st_gid
+        e.st_size = 0
+        e.st_blksize = 4096
+        e.st_atime_ns = e.st_mtime_ns = e.st_ctime_ns = root.st_mtime_ns
+        return e
 
     def _entry(self, ino: int, st: os.stat_result) -> "pyfuse3.EntryAttributes":
         e = pyfuse3.EntryAttributes()
@@ -316,6 +347,12 @@ class SOSOperations(_OperationsBase):
     # ------------------------------------------------------------ attributes
     @_guard
     async def lookup(self, parent_inode, name, ctx=None):
+        if parent_inode == ROOT_INODE and name == CONTROL_DIR.encode():
+            return self._virtual_entry(CONTROL_DIR_INO)
+        if parent_inode == CONTROL_DIR_INO:
+            if name == MARKER_FILE.encode():
+                return self._virtual_entry(MARKER_INO)
+            raise pyfuse3.FUSEError(errno.ENOENT)
         path = self._child(parent_inode, name)
         ino, st = self._stat_path(path)
         self.inodes.lookup(ino)
@@ -323,6 +360,8 @@ class SOSOperations(_OperationsBase):
 
     @_guard
     async def getattr(self, inode, ctx=None):
+        if inode in _VIRTUAL:
+            return self._virtual_entry(inode)
         path = self.inodes.path(inode)
         if path is None:
             fd = self._open_fd(inode)
@@ -333,6 +372,10 @@ class SOSOperations(_OperationsBase):
 
     @_guard
     async def setattr(self, inode, attr, fields, fh, ctx):
+        if inode in _VIRTUAL:
+            if fields.update_size and inode == MARKER_INO and attr.st_size == 0:
+                return self._virtual_entry(inode)
+            raise pyfuse3.FUSEError(errno.EPERM)
         path = self.inodes.path(inode)
         if path is None:  # an open file that was unlinked: not part of the tree any more
             fd = self._handles[fh].fd if fh in self._handles else self._open_fd(inode)
@@ -364,7 +407,8 @@ class SOSOperations(_OperationsBase):
 
     def forget(self, inode_list):
         for ino, n in inode_list:
-            self.inodes.forget(ino, n)
+            if ino not in _VIRTUAL:
+                self.inodes.forget(ino, n)
 
     @_guard
     async def statfs(self, ctx):
@@ -378,7 +422,7 @@ class SOSOperations(_OperationsBase):
 
     @_guard
     async def access(self, inode, mode, ctx):
-        path = self.inodes.path(inode)
+        path = None if inode in _VIRTUAL else self.inodes.path(inode)
         if path is not None:
             os.lstat(self._local(path))
         if mode & os.W_OK and self.fenced is not None:
@@ -402,8 +446,13 @@ class SOSOperations(_OperationsBase):
 
     @_guard
     async def opendir(self, inode, ctx):
-        path = self.inodes.live_path(inode)
-        names = sorted(os.listdir(self._local(path)))
+        if inode == CONTROL_DIR_INO:
+            names = [MARKER_FILE]
+        else:
+            path = self.inodes.live_path(inode)
+            names = sorted(os.listdir(self._local(path)))
+            if path == "" and CONTROL_DIR in names:  # shadowed by the control directory
+                names.remove(CONTROL_DIR)
         fh = self._next_fh
         self._next_fh += 1
         self._dirs[fh] = (inode, names)
@@ -412,6 +461,11 @@ class SOSOperations(_OperationsBase):
     @_guard
     async def readdir(self, fh, start_id, token):
         dir_ino, names = self._dirs[fh]
+        if dir_ino == CONTROL_DIR_INO:
+            if start_id == 0:
+                pyfuse3.readdir_reply(token, MARKER_FILE.encode(),
+                                      self._virtual_entry(MARKER_INO), 1)
+            return
         for index in range(start_id, len(names)):
             name = names[index]
             # Looked up per entry: the directory may be renamed while it is listed.
@@ -459,6 +513,14 @@ class SOSOperations(_OperationsBase):
 
     @_guard
     async def open(self, inode, flags, ctx):
+        if inode == CONTROL_DIR_INO:
+            raise pyfuse3.FUSEError(errno.EISDIR)
+        if inode == MARKER_INO:
+            self._check_writable()
+            fh = self._next_fh
+            self._next_fh += 1
+            self._handles[fh] = _Handle(ino=inode, fd=-1, writable=True, marker=bytearray())
+            return pyfuse3.FileInfo(fh=fh, direct_io=True)
         path = self.inodes.live_path(inode)
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
         if writable:
@@ -474,12 +536,20 @@ class SOSOperations(_OperationsBase):
 
     @_guard
     async def read(self, fh, off, size):
-        return os.pread(self._handles[fh].fd, size, off)
+        h = self._handles[fh]
+        if h.marker is not None:
+            return b""
+        return os.pread(h.fd, size, off)
 
     @_guard
     async def write(self, fh, off, buf):
         h = self._handles[fh]
         self._check_writable()
+        if h.marker is not None:
+            if off > len(h.marker) + (1 << 20):
+                raise pyfuse3.FUSEError(errno.EFBIG)
+            h.marker[off:off + len(buf)] = buf
+            return len(buf)
         path = self.inodes.path(h.ino)
         if path is None:  # unlinked while open: the tree no longer has it
             return os.pwrite(h.fd, buf, off)
@@ -487,8 +557,32 @@ class SOSOperations(_OperationsBase):
         h.dirty = True
         return len(buf)
 
+    async def _emit_marker(self, h: _Handle) -> None:
+        """Turn the control file's pending JSON document into a MARKER record."""
+        import json
+
+        doc_bytes = bytes(h.marker)
+        h.marker.clear()
+        try:
+            doc = json.loads(doc_bytes)
+            label = doc["label"]
+            payload = doc.get("payload", "")
+            if not isinstance(label, str) or not label:
+                raise ValueError("label must be a non-empty string")
+        except (ValueError, KeyError, TypeError) as exc:
+            log.error("ignoring a bad marker document %r: %s", doc_bytes[:200], exc)
+            raise pyfuse3.FUSEError(errno.EINVAL) from None
+        if isinstance(payload, str):
+            data = payload.encode("utf-8")
+        else:
+            data = json.dumps(payload, sort_keys=True).encode("utf-8")
+        await self._call(self.tree.marker, label, data)
+        h.dirty = True
+
     async def _settle(self, h: _Handle) -> None:
         """Sync mode: a written file's records are durable before close returns."""
+        if h.marker:
+            await self._emit_marker(h)
         if h.dirty and self.sync_mode:
             if self.fenced is not None:
                 raise pyfuse3.FUSEError(errno.EIO)
@@ -504,8 +598,10 @@ class SOSOperations(_OperationsBase):
     async def fsync(self, fh, datasync):
         # An explicit fsync waits for the server in both modes.
         h = self._handles[fh]
-        if self.fenced is not None and h.dirty:
+        if self.fenced is not None and (h.dirty or h.marker):
             raise pyfuse3.FUSEError(errno.EIO)
+        if h.marker:
+            await self._emit_marker(h)
         await self._barrier()
         h.dirty = False
 
@@ -514,14 +610,20 @@ class SOSOperations(_OperationsBase):
         if h is None:
             return
         try:
+            if h.marker and self.fenced is None:
+                try:
+                    await self._emit_marker(h)
+                except Exception as exc:  # noqa: BLE001 - release cannot report errors
+                    log.error("release: marker lost: %r", exc)
             if h.dirty and self.sync_mode and self.fenced is None:
                 try:
                     await self._barrier()
                 except Exception as exc:  # noqa: BLE001 - release cannot report errors
                     log.error("release: barrier failed: %r", exc)
         finally:
-            os.close(h.fd)
-            self.inodes.closed(h.ino)
+            if h.marker is None:
+                os.close(h.fd)
+                self.inodes.closed(h.ino)
 
     # ------------------------------------------------------------ namespace changes
     @_guard

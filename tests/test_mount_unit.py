@@ -88,6 +88,10 @@ class RecordingTree:
         os.unlink(self.local_path(path)) if not self.fenced else None
         self._record("unlink", path)
 
+    def marker(self, label, payload):
+        self._record("marker", label, payload)
+        return len(self.calls)
+
     def sync(self):
         if self.fenced:
             raise Fenced("fenced by epoch 7")
@@ -286,3 +290,32 @@ def test_inode_table_orphans_and_forget():
     with pytest.raises(FileNotFoundError):
         t.path(a)
     assert t.ino("a") != a
+
+
+def test_marker_control_file_becomes_a_marker_record(mounted):
+    mnt, tree, _ = mounted
+    control = os.path.join(mnt, ".sos", "marker")
+    assert os.path.exists(control)
+    assert os.listdir(mnt) == []  # the control directory is not listed
+    assert os.listdir(os.path.join(mnt, ".sos")) == ["marker"]
+    doc = b'{"label": "spark.batch", "payload": {"batch_id": 3, "query_id": "q"}}'
+    fd = os.open(control, os.O_WRONLY)
+    try:
+        os.write(fd, doc)
+        syncs = tree.syncs
+        os.fsync(fd)
+        assert tree.syncs > syncs
+    finally:
+        os.close(fd)
+    assert tree.calls == [("marker", "spark.batch", b'{"batch_id": 3, "query_id": "q"}')]
+    fd = os.open(control, os.O_WRONLY)
+    os.write(fd, b"not json")
+    with pytest.raises(OSError) as info:
+        os.close(fd)
+    assert info.value.errno == errno.EINVAL
+    with pytest.raises(OSError) as info:
+        os.mkdir(os.path.join(mnt, ".sos", "x"))
+    assert info.value.errno == errno.EPERM
+    with pytest.raises(OSError):
+        os.rename(os.path.join(mnt, ".sos"), os.path.join(mnt, "y"))
+    assert len(tree.calls) == 1
