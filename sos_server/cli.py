@@ -1,0 +1,227 @@
+"""The ``sos-server`` command: serve, keygen, gc. A thin shell over the layers."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import signal
+import sys
+import time
+
+__all__ = ["main", "parse_duration", "parse_hostport", "build_parser"]
+
+log = logging.getLogger("sos_server.cli")
+
+_DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*")
+_UNIT = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_duration(text: str) -> float:
+    """'90', '90s', '15m', '2h', '7d', '1w' -> seconds."""
+    m = _DURATION.fullmatch(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"bad duration {text!r}: use e.g. 30s, 15m, 2h, 7d")
+    return float(m.group(1)) * _UNIT[m.group(2)]
+
+
+def parse_hostport(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"bad address {text!r}: use HOST:PORT, e.g. 127.0.0.1:7070")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {v}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sos-server", description="SOS append-only journal server")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="run the server")
+    s.add_argument("--data", required=True, help="data directory")
+    s.add_argument("--listen", type=parse_hostport, default=("127.0.0.1", 7070), help="HOST:PORT (port 0: any free)")
+    s.add_argument("--metrics", type=parse_hostport, default=None, help="HOST:PORT of the Prometheus endpoint")
+    s.add_argument("--tls-cert", default=None)
+    s.add_argument("--tls-key", default=None)
+    s.add_argument("--keep-generations", type=_positive, default=None, help="retention: complete generations kept")
+    s.add_argument("--min-age", type=parse_duration, default=None, help="retention: minimum age before removal")
+    s.add_argument("--max-connections", type=_positive, default=1024)
+    s.add_argument("--idle-timeout", type=float, default=None, help="seconds without a request before closing")
+    s.add_argument("--max-objects", type=_positive, default=1_000_000, help="quota: objects per namespace")
+    s.add_argument("--max-object-size", type=_positive, default=1 << 40, help="quota: bytes per object")
+    s.add_argument("--gc-interval", type=parse_duration, default=300.0, help="how often retention runs")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.set_defaults(func=cmd_serve)
+
+    k = sub.add_parser("keygen", help="create a key for a namespace and print it")
+    k.add_argument("--data", required=True)
+    k.add_argument("namespace")
+    k.add_argument("--role", required=True, choices=["append", "read"])
+    k.set_defaults(func=cmd_keygen)
+
+    g = sub.add_parser("gc", help="apply retention once (the server must not be running on --data)")
+    g.add_argument("--data", required=True)
+    g.add_argument("--keep-generations", type=_positive, required=True)
+    g.add_argument("--min-age", type=parse_duration, required=True)
+    g.add_argument("--dry-run", action="store_true", help="print what would be removed")
+    g.set_defaults(func=cmd_gc)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+
+
+def _fail(msg: str) -> int:
+    print(f"sos-server: {msg}", file=sys.stderr)
+    return 1
+
+
+def cmd_keygen(args) -> int:
+    from sos_wire.names import BadName
+
+    from .storage import Storage
+
+    try:
+        key = Storage(args.data).keygen(args.namespace, args.role)
+    except (BadName, ValueError, OSError) as exc:
+        return _fail(str(exc))
+    print(key)
+    return 0
+
+
+def cmd_gc(args) -> int:
+    from .engine import plan_retention
+    from .logs import setup_logging
+    from .storage import Storage, StorageError
+
+    setup_logging("info")
+    st = Storage(args.data)
+    try:
+        st.lock()
+    except StorageError as exc:
+        return _fail(exc.message + " (retention runs inside it: use serve --keep-generations)")
+    try:
+        st.open()
+        now = time.time()
+        total = 0
+        for ns in list(st.namespaces.values()):
+            for name in plan_retention(ns, args.keep_generations, args.min_age, now=now):
+                print(f"{'would remove' if args.dry_run else 'removed'} {ns.name}/{name}")
+                if not args.dry_run:
+                    ns.remove(name)
+                total += 1
+        print(f"{total} objects {'to remove' if args.dry_run else 'removed'}", file=sys.stderr)
+    finally:
+        st.close()
+    return 0
+
+
+def cmd_serve(args) -> int:
+    import trio
+
+    from .engine import Engine, Limits
+    from .listener import Listener, make_tls_context, raise_nofile_limit
+    from .logs import setup_logging
+    from .metrics import Metrics
+    from .storage import Storage, StorageError
+
+    setup_logging(args.log_level)
+    if (args.tls_cert is None) != (args.tls_key is None):
+        return _fail("--tls-cert and --tls-key go together")
+    if (args.keep_generations is None) != (args.min_age is None):
+        return _fail("--keep-generations and --min-age go together")
+    tls = None
+    if args.tls_cert:
+        try:
+            tls = make_tls_context(args.tls_cert, args.tls_key)
+        except (OSError, ValueError) as exc:
+            return _fail(f"cannot load TLS certificate/key: {exc}")
+    nofile = raise_nofile_limit()
+    storage = Storage(args.data)
+    try:
+        storage.lock()
+    except StorageError as exc:
+        return _fail(exc.message)
+    except OSError as exc:
+        return _fail(f"cannot use data directory {args.data}: {exc}")
+    metrics = Metrics()
+    t0 = time.monotonic()
+    storage.open()
+    metrics.repairs.inc(len(storage.repairs))
+    log.info(
+        "storage opened",
+        extra={
+            "data": storage.root,
+            "namespaces": len(storage.namespaces),
+            "objects": sum(len(ns.objects) for ns in storage.namespaces.values()),
+            "repairs": len(storage.repairs),
+            "seconds": round(time.monotonic() - t0, 3),
+            "nofile": nofile,
+        },
+    )
+    if args.metrics:
+        try:
+            httpd, _ = metrics.serve(*args.metrics)
+        except OSError as exc:
+            return _fail(f"cannot listen for metrics on {args.metrics[0]}:{args.metrics[1]}: {exc}")
+        print(f"sos-server metrics on {args.metrics[0]}:{httpd.server_port}", file=sys.stderr, flush=True)
+    engine = Engine(
+        storage, limits=Limits(max_objects=args.max_objects, max_object_size=args.max_object_size), metrics=metrics
+    )
+    listener = Listener(
+        engine,
+        host=args.listen[0],
+        port=args.listen[1],
+        tls=tls,
+        max_connections=args.max_connections,
+        idle_timeout=args.idle_timeout,
+    )
+
+    async def retention() -> None:
+        while True:
+            try:
+                await engine.gc(args.keep_generations, args.min_age)
+            except Exception:
+                log.exception("retention failed")
+            await trio.sleep(args.gc_interval)
+
+    async def main_task() -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(engine.run)
+                try:
+                    host, port = await nursery.start(listener.serve)
+                except OSError as exc:
+                    raise SystemExit(_fail(f"cannot listen on {args.listen[0]}:{args.listen[1]}: {exc}")) from None
+                if args.keep_generations:
+                    nursery.start_soon(retention)
+                print(f"sos-server listening on {host}:{port}", file=sys.stderr, flush=True)
+                async for signum in signals:
+                    log.info("stopping", extra={"signal": signal.Signals(signum).name})
+                    nursery.cancel_scope.cancel()
+                    break
+
+    try:
+        trio.run(main_task)
+    finally:
+        storage.close()
+    log.info("stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""Listener: TCP (optionally TLS) accept loop, connection cap, one Session per connection."""
+
+from __future__ import annotations
+
+import logging
+import resource
+import ssl
+from functools import partial
+
+import trio
+
+from sos_wire.connection import Connection, Role
+from sos_wire.errors import ErrorCode
+from sos_wire import events as ev
+
+from .engine import Engine
+from .session import Session
+
+__all__ = ["Listener", "raise_nofile_limit", "make_tls_context"]
+
+log = logging.getLogger("sos_server.listener")
+
+
+def raise_nofile_limit() -> int:
+    """Raise RLIMIT_NOFILE's soft limit to the hard limit; returns the new soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as exc:
+            log.warning("could not raise RLIMIT_NOFILE: %s", exc)
+    return soft
+
+
+def make_tls_context(cert: str, key: str) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(cert, key)
+    return ctx
+
+
+class Listener:
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 7070,
+        tls: ssl.SSLContext | None = None,
+        max_connections: int = 1024,
+        idle_timeout: float | None = None,
+    ) -> None:
+        self.engine = engine
+        self.host, self.port = host, port
+        self.tls = tls
+        self.max_connections = max_connections
+        self.idle_timeout = idle_timeout
+        self.open = 0
+        self.address: tuple[str, int] | None = None
+
+    async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            if self.tls is not None:
+                serve = partial(trio.serve_ssl_over_tcp, self._handle, self.port, self.tls, host=self.host)
+            else:
+                serve = partial(trio.serve_tcp, self._handle, self.port, host=self.host)
+            listeners = await nursery.start(serve)
+            sock = listeners[0].transport_listener.socket if self.tls else listeners[0].socket
+            self.address = sock.getsockname()[:2]
+            task_status.started(self.address)
+
+    async def _handle(self, stream) -> None:
+        try:
+            sock = stream.transport_stream.socket if self.tls else stream.socket
+            peer = "%s:%d" % sock.getpeername()[:2]
+        except OSError:
+            peer = "?"
+        metrics = self.engine.metrics
+        metrics.connections_total.inc()
+        if self.open >= self.max_connections:
+            await self._refuse(stream, peer)
+            return
+        self.open += 1
+        metrics.connections.inc()
+        try:
+            if self.tls is not None:
+                try:
+                    with trio.fail_after(30):
+                        await stream.do_handshake()
+                except (trio.BrokenResourceError, trio.TooSlowError, ssl.SSLError) as exc:
+                    log.warning("TLS handshake failed", extra={"peer": peer, "error": str(exc)})
+                    await trio.aclose_forcefully(stream)
+                    return
+            await Session(self.engine, stream, peer=peer, idle_timeout=self.idle_timeout).run()
+        finally:
+            self.open -= 1
+            metrics.connections.dec()
+
+    async def _refuse(self, stream, peer: str) -> None:
+        log.warning("too many connections, refusing", extra={"peer": peer, "max": self.max_connections})
+        self.engine.metrics.error(ErrorCode.BUSY.name)
+        conn = Connection(Role.SERVER)
+        data = conn.send(ev.Error(0, ErrorCode.BUSY, 0, f"server busy: {self.max_connections} connections open"))
+        with trio.move_on_after(5):
+            try:
+                await stream.send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError):
+                pass
+        await trio.aclose_forcefully(stream)

@@ -1,0 +1,55 @@
+"""Prometheus metrics of one server (its own registry, so tests can run many servers)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+__all__ = ["Metrics", "NullMetrics"]
+
+_SYNC_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.appends = Counter("sos_appends", "Appends acknowledged (durable)", registry=r)
+        self.append_bytes = Counter("sos_append_bytes", "Bytes appended and acknowledged", registry=r)
+        self.read_bytes = Counter("sos_read_bytes", "Bytes returned by READ", registry=r)
+        self.requests = Counter("sos_requests", "Requests handled, by opcode", ["op"], registry=r)
+        self.errors = Counter("sos_errors", "ERROR replies sent, by code", ["code"], registry=r)
+        self.sync_seconds = Histogram(
+            "sos_sync_seconds", "Duration of one group-commit batch (all its fdatasyncs)",
+            buckets=_SYNC_BUCKETS, registry=r,
+        )
+        self.sync_files = Counter("sos_synced_files", "fdatasync calls made by group commit", registry=r)
+        self.connections = Gauge("sos_open_connections", "Open client connections", registry=r)
+        self.connections_total = Counter("sos_connections", "Connections accepted", registry=r)
+        self.gc_removed = Counter("sos_gc_removed_objects", "Objects removed by retention", registry=r)
+        self.repairs = Counter("sos_torn_tail_repairs", "Object files cut back at start-up", registry=r)
+
+    def serve(self, host: str, port: int):
+        """Start the HTTP endpoint in a daemon thread; returns (server, thread)."""
+        return start_http_server(port, addr=host, registry=self.registry)
+
+    # small helpers so callers need not know prometheus
+    def appended(self, nbytes: int) -> None:
+        self.appends.inc()
+        self.append_bytes.inc(nbytes)
+
+    def synced(self, seconds: float, files: int) -> None:
+        self.sync_seconds.observe(seconds)
+        self.sync_files.inc(files)
+
+    def error(self, name: str) -> None:
+        self.errors.labels(code=name).inc()
+
+    def request(self, op: str) -> None:
+        self.requests.labels(op=op).inc()
+
+
+class NullMetrics(Metrics):
+    """Metrics that go nowhere (unit tests of one layer)."""
+
+    def __init__(self) -> None:
+        super().__init__(CollectorRegistry())

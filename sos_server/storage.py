@@ -1,0 +1,627 @@
+"""Storage layer: objects as files of checksummed frames. No protocol, no trio.
+
+Layout under the data directory::
+
+    DATA/LOCK                                  flock held by a running server
+    DATA/ns/<namespace>/fence                  fence epoch (decimal), replaced atomically
+    DATA/ns/<namespace>/keys/<key_id hex>      JSON {"role": ..., "secret": hex}, mode 0600
+    DATA/ns/<namespace>/objects/<h2>/<h>       one object; h = sha256(name) hex, h2 = h[:2]
+
+An object file is a header then frames::
+
+    header: b"SOSOBJ1\\n" | u16 name_len | name utf-8 | u32 crc32c(everything before)
+    frame:  u32 len | u32 crc32c(data) | data        (1 <= len <= MAX_FRAME)
+    seal:   u32 0xFFFFFFFF | u32 SEAL_CRC            (last thing in a sealed object)
+
+Files are created atomically (temp + fsync + rename + fsync dir), so a file either has a
+whole header or does not exist. Appends go at the end of the file without a sync; the
+engine calls :meth:`StoredObject.sync` (group commit) before acknowledging. At start-up a
+torn tail (short frame, zero length, bad checksum, bytes after a seal) is cut back to the
+last whole frame. Reads verify every frame's checksum before returning its bytes.
+
+Names are hashed into file names so that any valid name (segments up to 255 bytes, an
+object ``a`` beside an object ``a/b``) maps onto any POSIX filesystem; the name itself is
+kept in the header and in memory for LIST.
+"""
+
+from __future__ import annotations
+
+import bisect
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import secrets
+import struct
+from array import array
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from sos_wire.crc import crc32c
+from sos_wire.errors import ErrorCode
+from sos_wire.names import BadName, validate_name, validate_namespace
+
+__all__ = [
+    "StorageError",
+    "Storage",
+    "Namespace",
+    "StoredObject",
+    "KeyRecord",
+    "MAX_FRAME",
+    "ROLE_APPEND",
+    "ROLE_READ",
+]
+
+log = logging.getLogger("sos_server.storage")
+
+MAGIC = b"SOSOBJ1\n"
+FRAME = struct.Struct(">II")
+FRAME_HDR = FRAME.size
+SEAL_LEN = 0xFFFFFFFF
+SEAL_CRC = crc32c(b"SOS-SEAL")
+SEAL_FRAME = FRAME.pack(SEAL_LEN, SEAL_CRC)
+MAX_FRAME = 64 << 20  # larger than any body the protocol allows
+INDEX_EVERY = 256 << 10  # sparse index: one (logical, file) offset pair per ~256 KiB
+READ_BLOCK = 1 << 20
+DEFAULT_VERIFY_TAIL = 64 << 20
+ROLE_APPEND = "append"
+ROLE_READ = "read"
+ROLES = (ROLE_APPEND, ROLE_READ)
+_NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+class StorageError(Exception):
+    """A typed failure: ``code`` is the wire ErrorCode, ``length`` the ERROR frame's u64."""
+
+    def __init__(self, code: ErrorCode, message: str, length: int = 0) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.length = length
+
+    def __repr__(self) -> str:
+        return f"StorageError({self.code.name}, {self.message!r}, length={self.length})"
+
+
+def _no_space(what: str, exc: OSError) -> StorageError:
+    return StorageError(ErrorCode.NO_SPACE, f"no space left on the server's disk while {what} ({exc.strerror})")
+
+
+def _is_no_space(exc: OSError) -> bool:
+    return exc.errno in _NO_SPACE_ERRNOS
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def makedirs_durable(path: str) -> None:
+    """mkdir -p, fsyncing each parent whose entry we created."""
+    path = os.path.abspath(path)
+    if os.path.isdir(path):
+        return
+    parent = os.path.dirname(path)
+    makedirs_durable(parent)
+    try:
+        os.mkdir(path, 0o755)
+    except FileExistsError:
+        return
+    fsync_dir(parent)
+
+
+def write_file_durable(path: str, data: bytes, mode: int = 0o644) -> None:
+    """Replace *path* atomically: write temp + fsync + rename + fsync dir."""
+    d = os.path.dirname(path)
+    tmp = f"{path}.tmp-{secrets.token_hex(4)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                n = os.write(fd, view)
+                view = view[n:]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    fsync_dir(d)
+
+
+def object_file_name(name: str) -> tuple[str, str]:
+    h = hashlib.sha256(name.encode("utf-8")).hexdigest()
+    return h[:2], h
+
+
+def encode_header(name: str) -> bytes:
+    raw = name.encode("utf-8")
+    head = MAGIC + struct.pack(">H", len(raw)) + raw
+    return head + struct.pack(">I", crc32c(head))
+
+
+def decode_header(buf: bytes) -> tuple[str, int] | None:
+    """(name, header size) or None when *buf* does not start with a valid header."""
+    if len(buf) < len(MAGIC) + 2 or not buf.startswith(MAGIC):
+        return None
+    (n,) = struct.unpack_from(">H", buf, len(MAGIC))
+    end = len(MAGIC) + 2 + n
+    if len(buf) < end + 4:
+        return None
+    (crc,) = struct.unpack_from(">I", buf, end)
+    if crc32c(buf[:end]) != crc:
+        return None
+    try:
+        return buf[len(MAGIC) + 2 : end].decode("utf-8"), end + 4
+    except UnicodeDecodeError:
+        return None
+
+
+@dataclass
+class RepairNote:
+    """What start-up did to an object file (torn tail cut back)."""
+
+    namespace: str
+    name: str
+    path: str
+    kept_bytes: int
+    cut_bytes: int
+    reason: str
+
+
+class StoredObject:
+    """One object: an open file plus its in-memory length and sparse frame index.
+
+    Not thread-safe by itself: the engine serializes appends per object, and reads only
+    look at frames below a length they captured before starting.
+    """
+
+    def __init__(self, namespace: str, name: str, path: str, header_size: int) -> None:
+        self.namespace = namespace
+        self.name = name
+        self.path = path
+        self.header_size = header_size
+        self.length = 0  # logical bytes written (not necessarily synced)
+        self.file_size = header_size  # bytes of the file that belong to the object
+        self.synced_size = header_size  # file bytes known durable
+        self.synced_length = 0  # logical bytes known durable (what STAT/READ/LIST see)
+        self.sealed = False
+        self.seal_pos = -1  # file offset of the seal frame, -1 if unsealed
+        self.rollbacks = 0  # bumped whenever unsynced bytes are cut back
+        self.cuts: list[int] = []  # file size each rollback cut back to, in order
+        self.sync_error: StorageError | None = None  # why the last rollback happened
+        self._idx_logical = array("Q", [0])
+        self._idx_file = array("Q", [header_size])
+        self._fd: int | None = None
+        # synced (logical, file) pairs so a rollback can restore the lengths exactly
+        self._sync_points: tuple[int, int] = (0, header_size)
+
+    # -- file handle -----------------------------------------------------------------
+    def _wfd(self) -> int:
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+        return self._fd
+
+    def close(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
+
+    # -- index -----------------------------------------------------------------------
+    def _note_frame(self, logical: int, file_pos: int) -> None:
+        if logical - self._idx_logical[-1] >= INDEX_EVERY:
+            self._idx_logical.append(logical)
+            self._idx_file.append(file_pos)
+
+    def _truncate_index(self, logical: int) -> None:
+        i = bisect.bisect_right(self._idx_logical, logical)
+        # keep entries with idx_logical <= logical (their frames start within the object)
+        del self._idx_logical[i:]
+        del self._idx_file[i:]
+
+    def _seek_point(self, offset: int) -> tuple[int, int]:
+        i = bisect.bisect_right(self._idx_logical, offset) - 1
+        return self._idx_logical[i], self._idx_file[i]
+
+    # -- writes ----------------------------------------------------------------------
+    def append(self, data: bytes, crc: int) -> int:
+        """Write one frame at the end of the file (no sync). Returns the new length.
+
+        ENOSPC/EDQUOT -> StorageError(NO_SPACE) with the file cut back to where it was.
+        """
+        n = len(data)
+        if not 0 < n <= MAX_FRAME:
+            raise StorageError(ErrorCode.TOO_LARGE, f"frame of {n} bytes for {self.name!r}")
+        if self.sealed:
+            raise StorageError(ErrorCode.SEALED, f"object {self.name!r} is sealed", self.length)
+        self._write_at_end([FRAME.pack(n, crc), data], f"appending to {self.name!r}")
+        pos = self.file_size
+        self.file_size += FRAME_HDR + n
+        self.length += n
+        self._note_frame(self.length - n, pos)
+        return self.length
+
+    def write_seal(self) -> None:
+        if self.sealed:
+            return
+        self._write_at_end([SEAL_FRAME], f"sealing {self.name!r}")
+        self.seal_pos = self.file_size
+        self.file_size += FRAME_HDR
+        self.sealed = True
+
+    def _write_at_end(self, bufs: list, what: str) -> None:
+        fd = self._wfd()
+        start = self.file_size
+        total = sum(len(b) for b in bufs)
+        try:
+            done = os.pwritev(fd, bufs, start)
+            while done < total:  # short write: finish it
+                rest = b"".join(bytes(b) for b in bufs)[done:]
+                done += os.pwrite(fd, rest, start + done)
+        except OSError as exc:
+            try:
+                os.ftruncate(fd, start)
+            except OSError:
+                log.exception("could not cut %s back to %d after a failed write", self.path, start)
+            if _is_no_space(exc):
+                raise _no_space(what, exc) from None
+            raise StorageError(ErrorCode.INTERNAL, f"write failed while {what}: {exc.strerror}") from None
+
+    def sync(self) -> tuple[int, int]:
+        """fdatasync; returns the (file_size, length) that is now durable.
+
+        Safe to call from a worker thread while the event loop appends more: whatever was
+        written before the call is covered.
+        """
+        size, length = self.file_size, self.length
+        fd = self._wfd()
+        os.fdatasync(fd)
+        return size, length
+
+    def mark_synced(self, size: int, length: int) -> None:
+        if size > self.synced_size:
+            self.synced_size = size
+            self.synced_length = length
+            self._sync_points = (length, size)
+        if self.sealed and self.synced_size > self.seal_pos:
+            self.close()  # a durable seal: no more writes, give the descriptor back
+
+    def rollback(self) -> None:
+        """Cut unsynced bytes back after a failed sync (they were never acknowledged)."""
+        length, size = self._sync_points
+        fd = self._wfd()
+        os.ftruncate(fd, size)
+        self.file_size = size
+        self.length = length
+        if self.seal_pos >= size:
+            self.sealed = False
+            self.seal_pos = -1
+        self._truncate_index(length)
+        self.cuts.append(size)
+        self.rollbacks += 1
+
+    # -- reads -----------------------------------------------------------------------
+    def read(self, offset: int, length: int, *, limit: int | None = None) -> Iterator[memoryview]:
+        """Yield verified pieces of [offset, offset+length) (up to *limit*, default durable).
+
+        Raises StorageError(CORRUPT) naming the object and the file offset of a frame whose
+        checksum does not match, before yielding any of that frame's bytes.
+        """
+        end_limit = self.synced_length if limit is None else limit
+        end = end_limit if length == 0 else min(offset + length, end_limit)
+        if offset >= end:
+            return
+        logical, pos = self._seek_point(offset)
+        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            buf = b""
+            buf_pos = pos  # file offset of buf[0]
+            while logical < end:
+                rel = pos - buf_pos
+                if rel + FRAME_HDR > len(buf):
+                    buf = os.pread(fd, max(READ_BLOCK, FRAME_HDR), pos)
+                    buf_pos, rel = pos, 0
+                    if len(buf) < FRAME_HDR:
+                        raise self._corrupt(pos, "file ends inside a frame header")
+                n, crc = FRAME.unpack_from(buf, rel)
+                if n == SEAL_LEN or n == 0 or n > MAX_FRAME:
+                    raise self._corrupt(pos, f"bad frame length {n}")
+                frame_end = logical + n
+                if frame_end <= offset:  # frame entirely before the range: skip it
+                    logical = frame_end
+                    pos += FRAME_HDR + n
+                    continue
+                if rel + FRAME_HDR + n > len(buf):
+                    buf = os.pread(fd, max(READ_BLOCK, FRAME_HDR + n), pos)
+                    buf_pos, rel = pos, 0
+                    if len(buf) < FRAME_HDR + n:
+                        raise self._corrupt(pos, "file ends inside a frame")
+                data = memoryview(buf)[rel + FRAME_HDR : rel + FRAME_HDR + n]
+                if crc32c(data) != crc:
+                    raise self._corrupt(pos, "checksum mismatch")
+                lo = max(offset - logical, 0)
+                hi = min(end - logical, n)
+                yield data[lo:hi]
+                logical = frame_end
+                pos += FRAME_HDR + n
+        finally:
+            os.close(fd)
+
+    def read_bytes(self, offset: int, length: int, *, limit: int | None = None) -> bytes:
+        return b"".join(self.read(offset, length, limit=limit))
+
+    def _corrupt(self, pos: int, why: str) -> StorageError:
+        return StorageError(
+            ErrorCode.CORRUPT,
+            f"stored data of {self.namespace}/{self.name} is corrupt at file offset {pos} ({self.path}): {why}",
+        )
+
+    def mtime(self) -> float:
+        return os.stat(self.path).st_mtime
+
+
+@dataclass
+class KeyRecord:
+    key_id: bytes
+    secret: bytes
+    role: str
+    namespace: str
+
+
+@dataclass
+class Namespace:
+    name: str
+    path: str
+    fence: int = 0
+    objects: dict[str, StoredObject] = field(default_factory=dict)
+    _sorted: list[str] | None = None
+
+    @property
+    def objects_dir(self) -> str:
+        return os.path.join(self.path, "objects")
+
+    def get(self, name: str) -> StoredObject | None:
+        return self.objects.get(name)
+
+    def names(self) -> list[str]:
+        if self._sorted is None:
+            self._sorted = sorted(self.objects)
+        return self._sorted
+
+    def list(self, prefix: str = "", after: str = "", limit: int = 1000) -> tuple[list[StoredObject], bool]:
+        """Objects whose name starts with *prefix* and sorts after *after*, in name order."""
+        names = self.names()
+        i = bisect.bisect_left(names, prefix)
+        if after:
+            i = max(i, bisect.bisect_right(names, after))
+        out: list[StoredObject] = []
+        while i < len(names) and len(out) < limit:
+            n = names[i]
+            if not n.startswith(prefix):
+                break
+            out.append(self.objects[n])
+            i += 1
+        more = i < len(names) and names[i].startswith(prefix)
+        return out, more
+
+    def create(self, name: str) -> StoredObject:
+        """Create an empty object durably (temp + fsync + rename + fsync dir)."""
+        validate_name(name)
+        if name in self.objects:
+            return self.objects[name]
+        h2, h = object_file_name(name)
+        d = os.path.join(self.objects_dir, h2)
+        path = os.path.join(d, h)
+        header = encode_header(name)
+        try:
+            makedirs_durable(d)
+            write_file_durable(path, header)
+        except OSError as exc:
+            if _is_no_space(exc):
+                raise _no_space(f"creating {name!r}", exc) from None
+            raise
+        obj = StoredObject(self.name, name, path, len(header))
+        self.objects[name] = obj
+        self._sorted = None
+        return obj
+
+    def set_fence(self, epoch: int) -> None:
+        try:
+            write_file_durable(os.path.join(self.path, "fence"), f"{epoch}\n".encode())
+        except OSError as exc:
+            if _is_no_space(exc):
+                raise _no_space("recording the fence epoch", exc) from None
+            raise
+        self.fence = epoch
+
+    def remove(self, name: str) -> None:
+        """Delete an object (retention only; the protocol has no delete)."""
+        obj = self.objects.pop(name)
+        self._sorted = None
+        obj.close()
+        os.unlink(obj.path)
+        fsync_dir(os.path.dirname(obj.path))
+
+
+class Storage:
+    """All namespaces under one data directory."""
+
+    def __init__(self, root: str, *, verify_tail: int = DEFAULT_VERIFY_TAIL) -> None:
+        self.root = os.path.abspath(root)
+        self.verify_tail = verify_tail
+        self.namespaces: dict[str, Namespace] = {}
+        self.repairs: list[RepairNote] = []
+        self._lock_fd: int | None = None
+
+    # -- process lock ----------------------------------------------------------------
+    def lock(self) -> None:
+        """Take DATA/LOCK exclusively; StorageError(BUSY) if another process holds it."""
+        makedirs_durable(self.root)
+        fd = os.open(os.path.join(self.root, "LOCK"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise StorageError(
+                ErrorCode.BUSY, f"data directory {self.root} is in use by another sos-server process"
+            ) from None
+        self._lock_fd = fd
+
+    def close(self) -> None:
+        for ns in self.namespaces.values():
+            for obj in ns.objects.values():
+                obj.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    # -- namespaces ------------------------------------------------------------------
+    def ns_path(self, namespace: str) -> str:
+        return os.path.join(self.root, "ns", validate_namespace(namespace))
+
+    def open(self) -> None:
+        """Load every namespace on disk, repairing torn tails."""
+        base = os.path.join(self.root, "ns")
+        if not os.path.isdir(base):
+            return
+        for entry in sorted(os.listdir(base)):
+            try:
+                validate_namespace(entry)
+            except BadName:
+                log.warning("ignoring %s: not a namespace directory", os.path.join(base, entry))
+                continue
+            self.load_namespace(entry)
+
+    def namespace(self, namespace: str, *, create: bool = False) -> Namespace | None:
+        ns = self.namespaces.get(namespace)
+        if ns is not None:
+            return ns
+        path = self.ns_path(namespace)
+        if not os.path.isdir(path):
+            if not create:
+                return None
+            makedirs_durable(os.path.join(path, "objects"))
+            makedirs_durable(os.path.join(path, "keys"))
+        return self.load_namespace(namespace)
+
+    def load_namespace(self, namespace: str) -> Namespace:
+        path = self.ns_path(namespace)
+        ns = Namespace(namespace, path)
+        try:
+            with open(os.path.join(path, "fence"), "rb") as f:
+                ns.fence = int(f.read().strip() or b"0")
+        except FileNotFoundError:
+            pass
+        objdir = ns.objects_dir
+        if os.path.isdir(objdir):
+            for h2 in sorted(os.listdir(objdir)):
+                d = os.path.join(objdir, h2)
+                if not os.path.isdir(d):
+                    continue
+                for fn in sorted(os.listdir(d)):
+                    p = os.path.join(d, fn)
+                    if ".tmp-" in fn:  # an object creation that did not finish
+                        os.unlink(p)
+                        continue
+                    obj = self._load_object(namespace, p)
+                    if obj is not None:
+                        ns.objects[obj.name] = obj
+        self.namespaces[namespace] = ns
+        return ns
+
+    def _load_object(self, namespace: str, path: str) -> StoredObject | None:
+        with open(path, "rb") as f:
+            head = f.read(8 + 2 + 1024 * 4 + 4)
+            dec = decode_header(head)
+            if dec is None:
+                log.error("ignoring %s: not an SOS object file (bad header)", path)
+                return None
+            name, hsize = dec
+            obj = StoredObject(namespace, name, path, hsize)
+            size = os.fstat(f.fileno()).st_size
+            verify_from = max(hsize, size - self.verify_tail)
+            pos, logical, reason = hsize, 0, ""
+            while pos < size:
+                if size - pos < FRAME_HDR:
+                    reason = "partial frame header"
+                    break
+                f.seek(pos)
+                hdr = f.read(FRAME_HDR)
+                n, crc = FRAME.unpack(hdr)
+                if n == SEAL_LEN:
+                    if crc != SEAL_CRC:
+                        reason = "bad seal frame"
+                        break
+                    obj.sealed, obj.seal_pos = True, pos
+                    pos += FRAME_HDR
+                    if pos < size:
+                        reason = "bytes after the seal"
+                    break
+                if n == 0 or n > MAX_FRAME:
+                    reason = f"bad frame length {n}"
+                    break
+                if pos + FRAME_HDR + n > size:
+                    reason = "partial frame"
+                    break
+                if pos + FRAME_HDR + n > verify_from:
+                    if crc32c(f.read(n)) != crc:
+                        reason = "checksum mismatch"
+                        break
+                obj._note_frame(logical, pos)
+                logical += n
+                pos += FRAME_HDR + n
+        if pos < size:
+            with open(path, "r+b") as f:
+                f.truncate(pos)
+                os.fsync(f.fileno())
+            note = RepairNote(namespace, name, path, pos, size - pos, reason or "trailing bytes")
+            self.repairs.append(note)
+            log.warning(
+                "torn tail cut back: %s/%s (%s) kept %d bytes, cut %d: %s",
+                namespace, name, path, pos, size - pos, note.reason,
+            )
+        obj.length = obj.synced_length = logical
+        obj.file_size = obj.synced_size = pos
+        obj._sync_points = (logical, pos)
+        return obj
+
+    # -- keys ------------------------------------------------------------------------
+    def keygen(self, namespace: str, role: str) -> str:
+        """Create a key for *namespace* with *role*; returns ``<key_id hex>.<secret hex>``."""
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, not {role!r}")
+        validate_namespace(namespace)
+        key_id, secret = secrets.token_bytes(8), secrets.token_bytes(32)
+        kdir = os.path.join(self.ns_path(namespace), "keys")
+        makedirs_durable(kdir)
+        makedirs_durable(os.path.join(self.ns_path(namespace), "objects"))
+        body = json.dumps({"role": role, "secret": secret.hex(), "namespace": namespace}).encode()
+        write_file_durable(os.path.join(kdir, key_id.hex()), body, mode=0o600)
+        return f"{key_id.hex()}.{secret.hex()}"
+
+    def get_key(self, namespace: str, key_id: bytes) -> KeyRecord | None:
+        """The key *key_id* of *namespace*, read from disk (so keygen works while serving)."""
+        try:
+            validate_namespace(namespace)
+        except BadName:
+            return None
+        path = os.path.join(self.ns_path(namespace), "keys", bytes(key_id).hex())
+        try:
+            with open(path, "rb") as f:
+                rec = json.loads(f.read())
+            return KeyRecord(bytes(key_id), bytes.fromhex(rec["secret"]), rec["role"], namespace)
+        except FileNotFoundError:
+            return None
+        except (ValueError, KeyError, TypeError) as exc:
+            log.error("unreadable key file %s: %s", path, exc)
+            return None
