@@ -673,9 +673,13 @@ def fuse_options(namespace: str, *, allow_other: bool = False, debug: bool = Fal
 class MountedTree:
     """The journal side of a mount: writer + tree over `<cache>/tree`, spool in `<cache>/spool`.
 
-    A cache whose tree directory is empty is first rebuilt from the server
-    (the journal core's restore), so a mount on a fresh machine sees the
-    namespace as the last writer left it.
+    Opening fences every older writer first (`JournalWriter.open`), so nobody can
+    append behind our back. Then the local tree is trusted only if the spool held
+    segments (the spool is the writer's source of truth and the writer refuses a
+    spool the server has moved past); otherwise, or if the tree directory is empty,
+    the tree is rebuilt from the server with the journal core's restore, into a
+    temporary directory that replaces the tree only when complete (a crash during
+    the rebuild leaves no half tree behind).
     """
 
     def __init__(self, namespace: str, server: str, key: str, cache_dir: str, *,
@@ -690,6 +694,7 @@ class MountedTree:
         self.max_lag_bytes = max_lag_bytes
         self.writer = None
         self.tree = None
+        self.rebuilt = False
 
     def client_factory(self):
         from sos_client import Client
@@ -697,29 +702,48 @@ class MountedTree:
         return Client(self.server, self.key, self.namespace)
 
     def open(self) -> None:
-        from sos_client.journal.restore import restore
         from sos_client.journal.tree import JournaledTree
         from sos_client.journal.writer import JournalWriter
 
-        os.makedirs(self.cache_dir, exist_ok=True)
-        fresh = _dir_is_empty(self.tree_dir) and _dir_is_empty(self.spool_dir)
-        if fresh:
-            if os.path.isdir(self.tree_dir):
-                os.rmdir(self.tree_dir)
-            log.info("empty cache %s: restoring namespace %r from %s", self.cache_dir,
-                     self.namespace, self.server)
-            restore(self.client_factory, self.namespace, self.tree_dir)
-        os.makedirs(self.tree_dir, exist_ok=True)
         os.makedirs(self.spool_dir, exist_ok=True)
         self.writer = JournalWriter(self.client_factory, self.namespace, self.spool_dir,
                                     sync=self.sync, max_lag_bytes=self.max_lag_bytes)
         self.writer.open()
-        self.tree = JournaledTree(self.tree_dir, self.writer)
+        try:
+            had_spool = getattr(self.writer, "had_spool", True)
+            if not had_spool or _dir_is_empty(self.tree_dir):
+                self._rebuild()
+            self.tree = JournaledTree(self.tree_dir, self.writer)
+        except BaseException:
+            self.writer.close()
+            raise
+
+    def _rebuild(self) -> None:
+        import shutil
+
+        from sos_client.journal.restore import restore
+
+        self.writer.barrier()  # whatever the spool still holds lands on the server first
+        log.info("rebuilding the cache %s of namespace %r from %s", self.tree_dir,
+                 self.namespace, self.server)
+        staging = self.tree_dir + ".rebuild"
+        old = self.tree_dir + ".old"
+        for leftover in (staging, old):
+            shutil.rmtree(leftover, ignore_errors=True)
+        os.makedirs(staging)
+        restore(self.client_factory, self.namespace, staging)
+        if os.path.exists(self.tree_dir):
+            os.rename(self.tree_dir, old)
+        os.rename(staging, self.tree_dir)
+        shutil.rmtree(old, ignore_errors=True)
+        self.rebuilt = True
 
     def close(self) -> None:
         if self.tree is not None:
-            self.tree.close()
-            self.tree = None
+            tree, self.tree = self.tree, None
+            tree.close()
+        elif self.writer is not None:
+            self.writer.close()
 
 
 async def _serve(ops: SOSOperations, namespace: str, mountpoint: str) -> None:
