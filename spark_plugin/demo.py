@@ -169,7 +169,8 @@ class LocalServer:
                     self.address = f"{m.group(1)}:{m.group(2)}"
                     found.set()
 
-        threading.Thread(target=pump, daemon=True).start()
+        self._pump = threading.Thread(target=pump, daemon=True)
+        self._pump.start()
         deadline = time.monotonic() + timeout
         while not found.wait(0.2):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -184,6 +185,12 @@ class LocalServer:
         except FileNotFoundError:
             return ""
 
+    def kill(self) -> None:
+        """SIGKILL (a crash of the server)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+        self._reap()
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
@@ -191,7 +198,15 @@ class LocalServer:
                 self.proc.wait(60)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-                self.proc.wait()
+        self._reap()
+
+    def _reap(self) -> None:
+        if self.proc is None:
+            return
+        self.proc.wait()
+        self._pump.join(30)
+        self.proc.stderr.close()
+        self._log.close()
 
 
 def kill_tree(proc: subprocess.Popen) -> None:
