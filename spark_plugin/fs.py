@@ -13,8 +13,8 @@ Storage options:
 ``key``        ``<key_id>.<secret>`` for the namespace (default ``$SOS_KEY``).
 ``cache_dir``  base directory of the local caches; namespace ``ns`` lives in
                ``<cache_dir>/<ns>/`` (``tree/`` holds the live tree, ``spool/``
-               the writer's spool). Default ``$XDG_CACHE_HOME/sos/<host_port>``
-               or ``~/.cache/sos/<host_port>``.
+               the writer's spool: the same layout as ``sos mount``). Default
+               ``$XDG_CACHE_HOME/sos`` or ``~/.cache/sos``.
 ``sync``       True (default): closing a written file, ``mv``, ``cp_file``,
                ``commit`` of a transaction file and :meth:`SOSFileSystem.fsync`
                return only once their records are durable on the server.
@@ -63,44 +63,26 @@ class _Namespace:
     (exclusive create, checked rename, makedirs) atomic within the process.
     Other processes cannot write the namespace without fencing this one."""
 
-    def __init__(self, tree, writer, root, namespace, sync):
+    def __init__(self, tree, writer, tree_dir, namespace, sync):
         self.tree = tree
         self.writer = writer
-        self.root = root  # the per-namespace directory (tree/ and spool/)
+        self.tree_dir = tree_dir  # the live tree; every read is served from here
         self.namespace = namespace
         self.sync = sync
         self.lock = threading.RLock()
         self.closed = False
 
     def local(self, rel):
-        if rel == "":
-            return self.tree.local_path("") if _local_path_accepts_root(self.tree) else self._root_dir()
-        return self.tree.local_path(rel)
-
-    def _root_dir(self):
-        # the directory that holds the namespace's top level
-        return posixpath.dirname(self.tree.local_path("x"))
+        return self.tree.local_path(rel) if rel else self.tree_dir
 
     def close(self):
         if self.closed:
             return
         self.closed = True
-        self.tree.close()
-
-
-def _local_path_accepts_root(tree):
-    cached = getattr(tree, "_sos_fs_root_ok", None)
-    if cached is None:
         try:
-            p = tree.local_path("")
-            cached = bool(p) and os.path.isabs(p)
-        except Exception:
-            cached = False
-        try:
-            tree._sos_fs_root_ok = cached
-        except Exception:  # pragma: no cover - slots
-            pass
-    return cached
+            self.tree.close()
+        finally:
+            self.writer.close()  # idempotent; the tree normally closed it already
 
 
 _REGISTRY: dict[tuple, _Namespace] = {}
@@ -150,7 +132,7 @@ def _open_namespace(server, key, namespace, base_dir, sync, max_lag_bytes, timeo
             except Exception:
                 pass
             raise
-        ns = _Namespace(tree, writer, root, namespace, sync)
+        ns = _Namespace(tree, writer, tree_dir, namespace, sync)
         _REGISTRY[ident] = ns
         return ns
 
@@ -221,7 +203,7 @@ class SOSFileSystem(AbstractFileSystem):
             cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(
                 os.path.expanduser("~"), ".cache"
             )
-            cache_dir = os.path.join(cache_home, "sos", self.server.replace(":", "_"))
+            cache_dir = os.path.join(cache_home, "sos")
         self.cache_dir = os.fspath(cache_dir)
         self.sync_mode = bool(sync)
         self.max_lag_bytes = max_lag_bytes
@@ -379,21 +361,17 @@ class SOSFileSystem(AbstractFileSystem):
 
     # ----------------------------------------------------------- directories
 
-    def _makedirs_locked(self, h, rel, name, mode, exist_ok):
-        """Create rel and missing parents; caller holds h.lock."""
+    def _ensure_dirs(self, h, rel, mode=0o755):
+        """Create ``rel`` and its missing ancestors as directories; a file in
+        the way raises NotADirectoryError. Caller holds ``h.lock``."""
         parts = rel.split("/")
         for i in range(1, len(parts) + 1):
             sub = "/".join(parts[:i])
             st = self._stat(h.local(sub))
-            last = i == len(parts)
             if st is None:
                 h.tree.mkdir(sub, mode)
             elif not stat_mod.S_ISDIR(st.st_mode):
-                if last:
-                    raise _err(FileExistsError, errno.EEXIST, name)
-                raise _err(NotADirectoryError, errno.ENOTDIR, name)
-            elif last and not exist_ok:
-                raise _err(FileExistsError, errno.EEXIST, name)
+                raise _err(NotADirectoryError, errno.ENOTDIR, f"{h.namespace}/{sub}")
 
     def makedirs(self, path, exist_ok=False, mode=0o755):
         h, rel, local, name = self._resolve(path)
@@ -402,7 +380,12 @@ class SOSFileSystem(AbstractFileSystem):
                 raise _err(FileExistsError, errno.EEXIST, name)
             return
         with h.lock:
-            self._makedirs_locked(h, rel, name, mode, exist_ok)
+            st = self._stat(local)
+            if st is not None:
+                if stat_mod.S_ISDIR(st.st_mode) and exist_ok:
+                    return
+                raise _err(FileExistsError, errno.EEXIST, name)
+            self._ensure_dirs(h, rel, mode)
 
     def mkdirs(self, path, exist_ok=False):
         return self.makedirs(path, exist_ok=exist_ok)
@@ -420,7 +403,7 @@ class SOSFileSystem(AbstractFileSystem):
                 if pst is None:
                     if not create_parents:
                         raise _err(FileNotFoundError, errno.ENOENT, f"{h.namespace}/{parent}")
-                    self._makedirs_locked(h, parent, name, mode, True)
+                    self._ensure_dirs(h, parent, mode)
                 elif not stat_mod.S_ISDIR(pst.st_mode):
                     raise _err(NotADirectoryError, errno.ENOTDIR, name)
             h.tree.mkdir(rel, mode)
@@ -506,7 +489,7 @@ class SOSFileSystem(AbstractFileSystem):
                 raise _err(FileExistsError, errno.EEXIST, name)
             parent = posixpath.dirname(rel)
             if parent:
-                self._makedirs_locked(h, parent, name, 0o755, True)
+                self._ensure_dirs(h, parent)
             if not autocommit:
                 # transaction: write a temp file, rename onto `rel` at commit
                 base = posixpath.basename(rel)
@@ -603,8 +586,6 @@ class SOSFileSystem(AbstractFileSystem):
         ns2, rel2 = self._split(path2)
         if ns1 != ns2:
             return super().mv(path1, path2, recursive=recursive, maxdepth=maxdepth, **kwargs)
-        if self._strip_protocol(path1) == self._strip_protocol(path2):
-            return
         h = self._ns(ns1)
         name1 = f"{ns1}/{rel1}" if rel1 else ns1
         with h.lock:
@@ -614,9 +595,11 @@ class SOSFileSystem(AbstractFileSystem):
             if st1 is None:
                 raise _err(FileNotFoundError, errno.ENOENT, name1)
             src_is_dir = stat_mod.S_ISDIR(st1.st_mode)
+            if rel2 == rel1:
+                return
             st2 = self._stat(h.local(rel2))
             if raw2.endswith("/") and st2 is None:
-                self._makedirs_locked(h, rel2, f"{ns2}/{rel2}", 0o755, True)
+                self._ensure_dirs(h, rel2)
                 st2 = self._stat(h.local(rel2))
             if st2 is not None and stat_mod.S_ISDIR(st2.st_mode):
                 rel2 = posixpath.join(rel2, posixpath.basename(rel1)) if rel2 else posixpath.basename(rel1)
