@@ -1,0 +1,42 @@
+"""The journal core: record format, layout, writer (spool + replicator), JournaledTree,
+replay, restore and verify. See docs/journal-format.md for the format."""
+
+from .errors import (
+    BatchNotFound,
+    JournalCorrupt,
+    JournalError,
+    JournalTruncated,
+    PositionUnavailable,
+    ReplayError,
+    SpoolStale,
+    TargetNotEmpty,
+    WriterClosed,
+    WriterFenced,
+)
+from .records import (
+    Create,
+    Delete,
+    Marker,
+    Mkdir,
+    Record,
+    RecordDecoder,
+    RecordType,
+    Rename,
+    Rmdir,
+    SnapshotEnd,
+    Truncate,
+    Write,
+)
+from .replay import replay
+from .restore import Summary, restore
+from .tree import JournaledTree
+from .verify import verify
+from .writer import JournalWriter
+
+__all__ = [
+    "JournalWriter", "JournaledTree", "replay", "restore", "verify", "Summary",
+    "JournalError", "JournalCorrupt", "JournalTruncated", "WriterFenced", "WriterClosed",
+    "SpoolStale", "TargetNotEmpty", "BatchNotFound", "PositionUnavailable", "ReplayError",
+    "Record", "RecordDecoder", "RecordType", "Mkdir", "Rmdir", "Create", "Write", "Truncate",
+    "Rename", "Delete", "Marker", "SnapshotEnd",
+]

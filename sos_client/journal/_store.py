@@ -1,0 +1,80 @@
+"""The small slice of the blocking ``sos_client.Client`` the journal uses, and its errors.
+
+The writer, restore and verify only call: ``stat``, ``list``, ``append``, ``append_many``,
+``read_iter``, ``seal``, ``fence``, ``close``. They receive a ``client_factory``: a
+callable returning a connected client (for one namespace). Tests of this layer pass an
+in-memory store (``memstore.MemStore``); everything else passes a factory of real clients.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator, Protocol
+
+try:  # the real client's exceptions (owner: wire)
+    from sos_client.errors import (  # type: ignore[import-not-found]
+        ConnectionLost,
+        Corrupt,
+        Fenced,
+        OffsetMismatch,
+        SealedError,
+        SOSError,
+        SOSNotFound,
+    )
+except ImportError:  # pragma: no cover - only while sos_client.errors does not exist yet
+
+    class SOSError(Exception):
+        def __init__(self, message="", code=0, length=0):
+            self.code = code
+            self.message = message
+            self.length = length
+            self.epoch = length
+            super().__init__(message)
+
+    class OffsetMismatch(SOSError):
+        pass
+
+    class Fenced(SOSError):
+        pass
+
+    class SealedError(SOSError):
+        pass
+
+    class Corrupt(SOSError):
+        pass
+
+    class ConnectionLost(SOSError, ConnectionError):
+        pass
+
+    class SOSNotFound(SOSError, FileNotFoundError):
+        pass
+
+
+__all__ = ["StoreClient", "SOSError", "OffsetMismatch", "Fenced", "SealedError", "Corrupt",
+           "ConnectionLost", "SOSNotFound", "mismatch_length", "fenced_epoch", "TRANSIENT"]
+
+
+class StoreClient(Protocol):
+    def stat(self, name: str) -> tuple[int, bool]: ...
+    def list(self, prefix: str = "") -> Iterator: ...
+    def append(self, name: str, offset: int, data: bytes, *, epoch: int = 0) -> int: ...
+    def append_many(self, name: str, offset: int, chunks: Iterable[bytes], *, epoch: int = 0) -> int: ...
+    def read_iter(self, name: str, offset: int = 0, length: int = 0) -> Iterator[bytes]: ...
+    def seal(self, name: str, *, epoch: int = 0) -> int: ...
+    def fence(self, epoch: int) -> int: ...
+    def close(self) -> None: ...
+
+
+# Errors after which a retry (possibly on a new connection) can succeed.
+TRANSIENT = (ConnectionError, TimeoutError, OSError)
+
+
+def mismatch_length(exc: BaseException) -> int:
+    return int(getattr(exc, "length", 0) or 0)
+
+
+def fenced_epoch(exc: BaseException) -> int:
+    for attr in ("epoch", "length"):
+        v = getattr(exc, attr, None)
+        if isinstance(v, int):
+            return v
+    return 0

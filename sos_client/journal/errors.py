@@ -1,0 +1,57 @@
+"""Typed errors of the journal layer."""
+
+from __future__ import annotations
+
+
+class JournalError(Exception):
+    """Base class of every journal error."""
+
+
+class JournalCorrupt(JournalError):
+    """Journal bytes that do not decode: bad length, checksum, type, body or sequence.
+
+    ``segment`` names the segment object (or local spool file) and ``offset`` the byte
+    offset inside it where the broken record starts.
+    """
+
+    def __init__(self, segment: str, offset: int, reason: str):
+        self.segment = segment
+        self.offset = offset
+        self.reason = reason
+        super().__init__(f"corrupt journal: {segment or '<stream>'} at offset {offset}: {reason}")
+
+
+class WriterFenced(JournalError):
+    """Another writer took over the namespace (fenced our epoch or sealed our segment)."""
+
+
+class WriterClosed(JournalError):
+    """The writer is closed (or failed) and accepts no more records."""
+
+
+class SpoolStale(JournalError):
+    """The local spool is older than what the server holds: another writer took over."""
+
+
+class TargetNotEmpty(JournalError, FileExistsError):
+    """restore() refuses to write into a non-empty directory unless force=True."""
+
+
+class BatchNotFound(JournalError, LookupError):
+    """No MARKER record for the requested checkpoint dir and batch id."""
+
+
+class PositionUnavailable(JournalError, LookupError):
+    """The requested point lies before the oldest generation the server still keeps."""
+
+
+class ReplayError(JournalError):
+    """A record could not be applied to the target directory (inconsistent journal)."""
+
+    def __init__(self, seq: int, message: str):
+        self.seq = seq
+        super().__init__(f"record {seq}: {message}")
+
+
+class JournalTruncated(JournalCorrupt):
+    """A segment ends inside a record (a torn tail: in progress, or broken if sealed)."""

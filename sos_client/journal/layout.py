@@ -1,0 +1,104 @@
+"""Object names of the journal inside a namespace (see docs/journal-format.md).
+
+    gen/<G:010d>/<S:010d>-<E:010d>.seg   segment of generation G whose first record has
+                                         sequence number S, written by writer epoch E
+    gen/<G:010d>/ready                   empty sealed object: generation G's snapshot is durable
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+GEN_PREFIX = "gen/"
+_SEG_RE = re.compile(r"^gen/(\d{10})/(\d{10})-(\d{10})\.seg$")
+_READY_RE = re.compile(r"^gen/(\d{10})/ready$")
+_MAX = 10**10 - 1
+
+
+def _check(n: int, what: str) -> int:
+    if not isinstance(n, int) or not 0 <= n <= _MAX:
+        raise ValueError(f"{what} {n!r} outside 0..{_MAX}")
+    return n
+
+
+def gen_prefix(generation: int) -> str:
+    return f"gen/{_check(generation, 'generation'):010d}/"
+
+
+def segment_name(generation: int, first_seq: int, epoch: int) -> str:
+    return f"{gen_prefix(generation)}{_check(first_seq, 'sequence'):010d}-{_check(epoch, 'epoch'):010d}.seg"
+
+
+def ready_name(generation: int) -> str:
+    return gen_prefix(generation) + "ready"
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class SegmentName:
+    generation: int
+    first_seq: int
+    epoch: int
+
+    @property
+    def name(self) -> str:
+        return segment_name(self.generation, self.first_seq, self.epoch)
+
+
+def parse_segment_name(name: str) -> SegmentName | None:
+    """The parts of a segment name, or None if ``name`` is not a segment."""
+    m = _SEG_RE.match(name)
+    if not m:
+        return None
+    return SegmentName(int(m.group(1)), int(m.group(2)), int(m.group(3)))
+
+
+def parse_ready_name(name: str) -> int | None:
+    m = _READY_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+@dataclass
+class SegmentInfo:
+    name: str
+    generation: int
+    first_seq: int
+    epoch: int
+    length: int
+    sealed: bool
+
+
+@dataclass
+class GenerationInfo:
+    generation: int
+    segments: list  # of SegmentInfo, ordered by first_seq
+    ready: bool = False
+
+    @property
+    def first_seq(self) -> int | None:
+        return self.segments[0].first_seq if self.segments else None
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.length for s in self.segments)
+
+
+def scan_listing(entries) -> dict[int, GenerationInfo]:
+    """Group LIST entries (objects with name, length, sealed) into generations.
+
+    Unknown names under ``gen/`` are ignored (they are not the journal's).
+    """
+    gens: dict[int, GenerationInfo] = {}
+    for e in entries:
+        sn = parse_segment_name(e.name)
+        if sn is not None:
+            g = gens.setdefault(sn.generation, GenerationInfo(sn.generation, []))
+            g.segments.append(SegmentInfo(e.name, sn.generation, sn.first_seq, sn.epoch,
+                                          int(e.length), bool(e.sealed)))
+            continue
+        rg = parse_ready_name(e.name)
+        if rg is not None:
+            gens.setdefault(rg, GenerationInfo(rg, [])).ready = True
+    for g in gens.values():
+        g.segments.sort(key=lambda s: (s.first_seq, s.epoch))
+    return dict(sorted(gens.items()))

@@ -1,0 +1,161 @@
+"""An in-memory object store with the append-only rules of sos-server, for unit tests.
+
+It implements the slice of the blocking client the journal uses (``_store.StoreClient``)
+so the writer, tree, restore and verify can be unit-tested without a server process.
+Proof tests run against a real ``sos-server``.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import crc32c as _crc
+
+from ._store import ConnectionLost, Fenced, OffsetMismatch, SealedError, SOSNotFound
+
+
+def _err(cls, msg, **attrs):
+    """Build one of the client's exceptions whatever its constructor looks like."""
+    for args in ((msg,), (0, msg), ()):
+        try:
+            e = cls(*args)
+            break
+        except TypeError:
+            continue
+    else:  # pragma: no cover
+        e = cls.__new__(cls)
+        Exception.__init__(e, msg)
+    for k, v in attrs.items():
+        try:
+            setattr(e, k, v)
+        except AttributeError:  # pragma: no cover
+            pass
+    return e
+
+
+@dataclass
+class _Entry:
+    name: str
+    length: int
+    sealed: bool
+
+
+class MemStore:
+    """Shared state; ``client()`` / ``factory`` hand out clients bound to it."""
+
+    def __init__(self):
+        self.objects: dict[str, bytearray] = {}
+        self.sealed: set[str] = set()
+        self.fence_epoch = 0
+        self.lock = threading.Lock()
+        self.down = False  # while True every call raises ConnectionLost
+        self.fail_appends = 0  # the next N append calls land but the ack is "lost"
+        self.calls: list[str] = []
+
+    def client(self):
+        return MemClient(self)
+
+    factory = client
+
+    def corrupt(self, name: str, offset: int) -> None:
+        self.objects[name][offset] ^= 0xFF
+
+
+class MemClient:
+    def __init__(self, store: MemStore):
+        self.s = store
+        self.closed = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        self.close()
+
+    def _check(self):
+        if self.closed or self.s.down:
+            raise _err(ConnectionLost, "connection lost (memstore down)")
+
+    def close(self):
+        self.closed = True
+
+    def ping(self):
+        self._check()
+
+    def stat(self, name):
+        with self.s.lock:
+            self._check()
+            if name not in self.s.objects:
+                raise _err(SOSNotFound, f"{name}: not found")
+            return len(self.s.objects[name]), name in self.s.sealed
+
+    def list(self, prefix=""):
+        with self.s.lock:
+            self._check()
+            out = [_Entry(n, len(b), n in self.s.sealed) for n, b in sorted(self.s.objects.items())
+                   if n.startswith(prefix)]
+        return iter(out)
+
+    def append(self, name, offset, data, *, epoch=0):
+        data = bytes(data)
+        with self.s.lock:
+            self._check()
+            self.s.calls.append("append")
+            if epoch < self.s.fence_epoch:
+                raise _err(Fenced, f"epoch {epoch} fenced by {self.s.fence_epoch}", epoch=self.s.fence_epoch)
+            obj = self.s.objects.get(name)
+            cur = len(obj) if obj is not None else 0
+            if obj is not None and offset < cur and offset + len(data) == cur and obj[offset:] == data:
+                return cur
+            if name in self.s.sealed:
+                raise _err(SealedError, f"{name} is sealed")
+            if offset != cur:
+                raise _err(OffsetMismatch, f"offset {offset} != length {cur}", length=cur)
+            _crc.crc32c(data)
+            if obj is None:
+                obj = self.s.objects[name] = bytearray()
+            obj += data
+            new = len(obj)
+            if self.s.fail_appends > 0:
+                self.s.fail_appends -= 1
+                self.closed = True
+                raise _err(ConnectionLost, "ack lost (memstore fault injection)")
+            return new
+
+    def append_many(self, name, offset, chunks, *, epoch=0):
+        for c in chunks:
+            offset = self.append(name, offset, c, epoch=epoch)
+        return offset
+
+    def read(self, name, offset=0, length=0):
+        return b"".join(self.read_iter(name, offset, length))
+
+    def read_iter(self, name, offset=0, length=0):
+        with self.s.lock:
+            self._check()
+            if name not in self.s.objects:
+                raise _err(SOSNotFound, f"{name}: not found")
+            obj = self.s.objects[name]
+            end = len(obj) if length == 0 else min(len(obj), offset + length)
+            data = bytes(obj[offset:end])
+        for i in range(0, len(data), 1 << 20):
+            yield data[i:i + (1 << 20)]
+
+    def seal(self, name, *, epoch=0):
+        with self.s.lock:
+            self._check()
+            if epoch < self.s.fence_epoch:
+                raise _err(Fenced, f"epoch {epoch} fenced by {self.s.fence_epoch}", epoch=self.s.fence_epoch)
+            if name not in self.s.objects:
+                raise _err(SOSNotFound, f"{name}: not found")
+            self.s.sealed.add(name)
+            return len(self.s.objects[name])
+
+    def fence(self, epoch):
+        with self.s.lock:
+            self._check()
+            if epoch <= self.s.fence_epoch:
+                raise _err(Fenced, f"epoch {epoch} <= fence {self.s.fence_epoch}", epoch=self.s.fence_epoch)
+            self.s.fence_epoch = epoch
+            return epoch

@@ -1,0 +1,366 @@
+"""Journal record codec (sans-IO: bytes in, records out; records in, bytes out).
+
+Normative description: docs/journal-format.md. Every record is
+
+    u32 length | u32 crc32c | u8 type | u64 seq | u64 time_ns | body
+
+big-endian; ``length`` counts the bytes after the crc field (type .. end of body, so
+``17 + len(body)``) and ``crc32c`` (Castagnoli) covers exactly those bytes.
+Strings are u16 length + UTF-8, blobs u32 length + bytes.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Union
+
+import crc32c as _crc
+
+from .errors import JournalCorrupt
+
+__all__ = [
+    "RecordType", "Mkdir", "Rmdir", "Create", "Write", "Truncate", "Rename", "Delete",
+    "Marker", "SnapshotEnd", "Op", "Record", "encode", "encode_ops", "RecordDecoder",
+    "decode_all", "split_write", "validate_path", "MAX_DATA", "MAX_RECORD_LENGTH",
+    "PREFIX_SIZE", "HEADER_SIZE", "peek_header",
+]
+
+MAX_DATA = 1 << 20  # WRITE data and MARKER payload per record
+MAX_PATH_BYTES = 4096
+MAX_LABEL_BYTES = 255
+PREFIX = struct.Struct(">II")  # length, crc
+HEAD = struct.Struct(">BQQ")  # type, seq, time_ns
+HEADER = struct.Struct(">IIBQQ")
+PREFIX_SIZE = PREFIX.size  # 8
+HEADER_SIZE = HEADER.size  # 25
+MIN_LENGTH = HEAD.size  # 17
+# Largest legal length field: WRITE with the longest path and 1 MiB of data.
+MAX_RECORD_LENGTH = MIN_LENGTH + 2 + MAX_PATH_BYTES + 8 + 4 + MAX_DATA
+
+_U16 = struct.Struct(">H")
+_U32 = struct.Struct(">I")
+_U64 = struct.Struct(">Q")
+
+
+class RecordType(enum.IntEnum):
+    MKDIR = 1
+    RMDIR = 2
+    CREATE = 3
+    WRITE = 4
+    TRUNCATE = 5
+    RENAME = 6
+    DELETE = 7
+    MARKER = 8
+    SNAPSHOT_END = 9
+
+
+def validate_path(path: str) -> str:
+    """A path inside the namespace: relative POSIX, no empty/./.. segment, no NUL."""
+    if not isinstance(path, str):
+        raise TypeError(f"path must be str, not {type(path).__name__}")
+    if not path or path.startswith("/") or "\x00" in path:
+        raise ValueError(f"bad path {path!r}: must be a non-empty relative path without NUL")
+    for part in path.split("/"):
+        if part in ("", ".", ".."):
+            raise ValueError(f"bad path {path!r}: empty, '.' or '..' segment")
+    if len(path.encode("utf-8", "surrogateescape")) > MAX_PATH_BYTES:
+        raise ValueError(f"bad path {path!r}: longer than {MAX_PATH_BYTES} bytes")
+    return path
+
+
+@dataclass(frozen=True, slots=True)
+class Mkdir:
+    path: str
+    mode: int = 0o755
+    type = RecordType.MKDIR
+
+
+@dataclass(frozen=True, slots=True)
+class Rmdir:
+    path: str
+    type = RecordType.RMDIR
+
+
+@dataclass(frozen=True, slots=True)
+class Create:
+    path: str
+    mode: int = 0o644
+    type = RecordType.CREATE
+
+
+@dataclass(frozen=True, slots=True)
+class Write:
+    path: str
+    offset: int
+    data: bytes
+    type = RecordType.WRITE
+
+
+@dataclass(frozen=True, slots=True)
+class Truncate:
+    path: str
+    size: int
+    type = RecordType.TRUNCATE
+
+
+@dataclass(frozen=True, slots=True)
+class Rename:
+    src: str
+    dst: str
+    overwrite: bool
+    type = RecordType.RENAME
+
+
+@dataclass(frozen=True, slots=True)
+class Delete:
+    path: str
+    type = RecordType.DELETE
+
+
+@dataclass(frozen=True, slots=True)
+class Marker:
+    label: str
+    payload: bytes = b""
+    type = RecordType.MARKER
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotEnd:
+    generation: int
+    type = RecordType.SNAPSHOT_END
+
+
+Op = Union[Mkdir, Rmdir, Create, Write, Truncate, Rename, Delete, Marker, SnapshotEnd]
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """A decoded record: its op plus where it came from."""
+
+    seq: int
+    time_ns: int
+    op: Op
+    segment: str = ""
+    offset: int = 0  # byte offset of the record's first byte in its segment
+    size: int = 0  # total encoded size (8 + length)
+
+
+def _s(text: str, what: str, limit: int) -> bytes:
+    b = text.encode("utf-8", "surrogateescape")
+    if len(b) > limit:
+        raise ValueError(f"{what} longer than {limit} bytes")
+    return _U16.pack(len(b)) + b
+
+
+def _encode_body(op: Op) -> list:
+    t = type(op)
+    if t is Write:
+        data = op.data
+        if len(data) > MAX_DATA:
+            raise ValueError(f"WRITE data of {len(data)} bytes exceeds {MAX_DATA}; use split_write")
+        if op.offset < 0:
+            raise ValueError("negative offset")
+        return [_s(validate_path(op.path), "path", MAX_PATH_BYTES), _U64.pack(op.offset),
+                _U32.pack(len(data)), data]
+    if t is Create or t is Mkdir:
+        return [_s(validate_path(op.path), "path", MAX_PATH_BYTES), _U32.pack(op.mode & 0o7777)]
+    if t is Rmdir or t is Delete:
+        return [_s(validate_path(op.path), "path", MAX_PATH_BYTES)]
+    if t is Truncate:
+        if op.size < 0:
+            raise ValueError("negative size")
+        return [_s(validate_path(op.path), "path", MAX_PATH_BYTES), _U64.pack(op.size)]
+    if t is Rename:
+        return [_s(validate_path(op.src), "path", MAX_PATH_BYTES),
+                _s(validate_path(op.dst), "path", MAX_PATH_BYTES), bytes([1 if op.overwrite else 0])]
+    if t is Marker:
+        payload = bytes(op.payload)
+        if len(payload) > MAX_DATA:
+            raise ValueError(f"MARKER payload exceeds {MAX_DATA} bytes")
+        return [_s(op.label, "label", MAX_LABEL_BYTES), _U32.pack(len(payload)), payload]
+    if t is SnapshotEnd:
+        return [_U64.pack(op.generation)]
+    raise TypeError(f"not a journal op: {op!r}")
+
+
+def encode(op: Op, seq: int, time_ns: int) -> bytes:
+    """Encode one record. Raises ValueError/TypeError on an op that cannot be encoded."""
+    if not (0 <= seq < 1 << 64) or not (0 <= time_ns < 1 << 64):
+        raise ValueError("seq and time_ns must fit in u64")
+    parts = _encode_body(op)
+    head = HEAD.pack(int(op.type), seq, time_ns)
+    length = len(head) + sum(len(p) for p in parts)
+    crc = _crc.crc32c(head)
+    for p in parts:
+        crc = _crc.crc32c(p, crc)
+    return b"".join([PREFIX.pack(length, crc), head, *parts])
+
+
+def split_write(path: str, offset: int, data) -> Iterator[Write]:
+    """WRITE ops of at most MAX_DATA bytes each covering ``data`` at ``offset``."""
+    mv = memoryview(data)
+    if len(mv) == 0:
+        return
+    for i in range(0, len(mv), MAX_DATA):
+        yield Write(path, offset + i, bytes(mv[i:i + MAX_DATA]))
+
+
+def encode_ops(ops: Iterable[tuple[Op, int, int]]) -> bytes:
+    return b"".join(encode(op, seq, t) for op, seq, t in ops)
+
+
+def peek_header(buf, pos: int = 0):
+    """(length, type, seq, time_ns) of the record at ``pos`` without checking it."""
+    length, _crc_v, typ, seq, t = HEADER.unpack_from(buf, pos)
+    return length, typ, seq, t
+
+
+class _Body:
+    __slots__ = ("mv", "pos", "seg", "off")
+
+    def __init__(self, mv, seg, off):
+        self.mv = mv
+        self.pos = 0
+        self.seg = seg
+        self.off = off
+
+    def bad(self, why):
+        return JournalCorrupt(self.seg, self.off, why)
+
+    def take(self, n):
+        if self.pos + n > len(self.mv):
+            raise self.bad("body shorter than its fields")
+        v = self.mv[self.pos:self.pos + n]
+        self.pos += n
+        return v
+
+    def u8(self):
+        return self.take(1)[0]
+
+    def u32(self):
+        return _U32.unpack(self.take(4))[0]
+
+    def u64(self):
+        return _U64.unpack(self.take(8))[0]
+
+    def string(self):
+        n = _U16.unpack(self.take(2))[0]
+        raw = bytes(self.take(n))
+        try:
+            return raw.decode("utf-8", "surrogateescape")
+        except UnicodeDecodeError:  # pragma: no cover - surrogateescape never fails
+            raise self.bad("string is not UTF-8")
+
+    def path(self):
+        p = self.string()
+        try:
+            return validate_path(p)
+        except ValueError as e:
+            raise self.bad(str(e)) from None
+
+    def blob(self):
+        n = self.u32()
+        if n > MAX_DATA:
+            raise self.bad(f"blob of {n} bytes exceeds {MAX_DATA}")
+        return bytes(self.take(n))
+
+    def end(self):
+        if self.pos != len(self.mv):
+            raise self.bad(f"{len(self.mv) - self.pos} trailing bytes after the body")
+
+
+def _decode_op(typ: int, body: memoryview, seg: str, off: int) -> Op:
+    b = _Body(body, seg, off)
+    if typ == RecordType.WRITE:
+        op = Write(b.path(), b.u64(), b.blob())
+    elif typ == RecordType.CREATE:
+        op = Create(b.path(), b.u32() & 0o7777)
+    elif typ == RecordType.MKDIR:
+        op = Mkdir(b.path(), b.u32() & 0o7777)
+    elif typ == RecordType.RMDIR:
+        op = Rmdir(b.path())
+    elif typ == RecordType.DELETE:
+        op = Delete(b.path())
+    elif typ == RecordType.TRUNCATE:
+        op = Truncate(b.path(), b.u64())
+    elif typ == RecordType.RENAME:
+        src, dst, ow = b.path(), b.path(), b.u8()
+        if ow not in (0, 1):
+            raise b.bad(f"overwrite flag {ow} is not 0 or 1")
+        op = Rename(src, dst, bool(ow))
+    elif typ == RecordType.MARKER:
+        op = Marker(b.string(), b.blob())
+    elif typ == RecordType.SNAPSHOT_END:
+        op = SnapshotEnd(b.u64())
+    else:
+        raise b.bad(f"unknown record type {typ}")
+    b.end()
+    return op
+
+
+class RecordDecoder:
+    """Incremental decoder: ``feed(bytes)`` then ``next_record()`` until it returns None.
+
+    Every byte is checked (length bounds, CRC32C, type, body layout, path rules). Any
+    problem raises :class:`JournalCorrupt` naming the segment and the record's offset.
+    ``offset`` is the absolute offset of the next undecoded byte; ``pending`` the number of
+    buffered bytes that do not yet form a whole record (a torn tail if the stream ended).
+    """
+
+    def __init__(self, segment: str = "", offset: int = 0):
+        self.segment = segment
+        self.offset = offset
+        self._buf = bytearray()
+        self._pos = 0
+
+    @property
+    def pending(self) -> int:
+        return len(self._buf) - self._pos
+
+    def feed(self, data) -> None:
+        if self._pos and self._pos >= len(self._buf) // 2:
+            del self._buf[:self._pos]
+            self._pos = 0
+        self._buf += data
+
+    def next_record(self) -> Record | None:
+        buf, pos = self._buf, self._pos
+        avail = len(buf) - pos
+        if avail < PREFIX_SIZE:
+            return None
+        length, crc = PREFIX.unpack_from(buf, pos)
+        if length < MIN_LENGTH or length > MAX_RECORD_LENGTH:
+            raise JournalCorrupt(self.segment, self.offset,
+                                 f"record length {length} outside [{MIN_LENGTH}, {MAX_RECORD_LENGTH}]")
+        total = PREFIX_SIZE + length
+        if avail < total:
+            return None
+        with memoryview(buf) as mv, mv[pos + PREFIX_SIZE:pos + total] as rec_mv:
+            if _crc.crc32c(rec_mv) != crc:
+                raise JournalCorrupt(self.segment, self.offset, "CRC32C mismatch")
+            typ, seq, t = HEAD.unpack_from(rec_mv, 0)
+            with rec_mv[MIN_LENGTH:] as body:
+                op = _decode_op(typ, body, self.segment, self.offset)
+        rec = Record(seq, t, op, self.segment, self.offset, total)
+        self._pos = pos + total
+        self.offset += total
+        return rec
+
+    def __iter__(self):
+        while True:
+            r = self.next_record()
+            if r is None:
+                return
+            yield r
+
+
+def decode_all(data, segment: str = "", *, allow_partial: bool = False) -> list[Record]:
+    """Decode a complete byte string. A torn tail raises unless ``allow_partial``."""
+    d = RecordDecoder(segment)
+    d.feed(data)
+    out = list(d)
+    if d.pending and not allow_partial:
+        raise JournalCorrupt(segment, d.offset, f"truncated record ({d.pending} bytes at the end)")
+    return out

@@ -1,0 +1,174 @@
+"""The local spool: on-disk segment files mirroring the server's segment objects.
+
+    <spool_dir>/LOCK                              flock()ed by the one writer using the spool
+    <spool_dir>/gen/<G>/<S>-<E>.seg               records appended by the writer, same name as
+                                                  the server object they are shipped to
+    <spool_dir>/gen/<G>/snapshot_end              decimal seq of generation G's SNAPSHOT_END
+
+The spool is the source of truth after a crash of the writer: every record is written
+here before ``append`` returns; the replicator ships what the server does not have yet.
+Segments are deleted locally once sealed on the server (never the newest one).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+
+from . import layout
+from .errors import JournalCorrupt, JournalError
+from .records import RecordDecoder
+
+_READ = 1 << 20
+
+
+class SpoolSegment:
+    """One local segment file. ``written`` counts whole records only."""
+
+    def __init__(self, spool: "Spool", sn: layout.SegmentName, path: str, written: int):
+        self.spool = spool
+        self.generation = sn.generation
+        self.first_seq = sn.first_seq
+        self.epoch = sn.epoch
+        self.name = sn.name
+        self.path = path
+        self.written = written
+        self.shipped = -1  # server length; -1 = not known yet (ask the server)
+        self.last_seq = sn.first_seq - 1
+        self.last_time = 0
+        self.records = 0
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def write(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            n = os.write(self.fd, view)
+            view = view[n:]
+        self.written += len(data)
+
+    def pread(self, n: int, offset: int) -> bytes:
+        out = os.pread(self.fd, n, offset)
+        if len(out) != n:
+            raise JournalError(f"spool file {self.path} shorter than expected "
+                               f"({len(out)} of {n} bytes at {offset})")
+        return out
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __repr__(self):
+        return f"<SpoolSegment {self.name} written={self.written} shipped={self.shipped}>"
+
+
+class Spool:
+    def __init__(self, directory: str):
+        self.dir = os.path.abspath(directory)
+        os.makedirs(os.path.join(self.dir, "gen"), exist_ok=True)
+        self._lock_fd = os.open(os.path.join(self.dir, "LOCK"), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise JournalError(f"spool {self.dir} is in use by another writer") from None
+
+    def close(self) -> None:
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+    def path_of(self, name: str) -> str:
+        return os.path.join(self.dir, *name.split("/"))
+
+    def scan(self) -> list[SpoolSegment]:
+        """Local segments in journal order (generation, first seq)."""
+        found = []
+        gdir = os.path.join(self.dir, "gen")
+        for g in os.listdir(gdir):
+            sub = os.path.join(gdir, g)
+            if not os.path.isdir(sub):
+                continue
+            for f in os.listdir(sub):
+                sn = layout.parse_segment_name(f"gen/{g}/{f}")
+                if sn is not None:
+                    path = os.path.join(sub, f)
+                    found.append((sn, path, os.path.getsize(path)))
+        found.sort(key=lambda t: (t[0].generation, t[0].first_seq, t[0].epoch))
+        return [SpoolSegment(self, sn, path, size) for sn, path, size in found]
+
+    def create(self, generation: int, first_seq: int, epoch: int) -> SpoolSegment:
+        sn = layout.SegmentName(generation, first_seq, epoch)
+        path = self.path_of(sn.name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        if os.path.exists(path) and os.path.getsize(path):
+            raise JournalError(f"spool segment {path} already exists")
+        return SpoolSegment(self, sn, path, 0)
+
+    def remove(self, seg: SpoolSegment) -> None:
+        seg.close()
+        try:
+            os.unlink(seg.path)
+        except FileNotFoundError:
+            pass
+
+    def repair(self, seg: SpoolSegment) -> None:
+        """Decode the whole local file; cut a torn or corrupt tail; set last_seq/records.
+
+        A writer killed in the middle of a write leaves a partial record at the end; the
+        replicator only ever ships whole records, so cutting it loses nothing acked.
+        """
+        dec = RecordDecoder(seg.name)
+        good = 0
+        last = seg.first_seq - 1
+        n = 0
+        off = 0
+        try:
+            while off < seg.written:
+                chunk = os.pread(seg.fd, min(_READ, seg.written - off), off)
+                if not chunk:
+                    break
+                off += len(chunk)
+                dec.feed(chunk)
+                for rec in dec:
+                    last = rec.seq
+                    seg.last_time = rec.time_ns
+                    n += 1
+                    good = dec.offset
+        except JournalCorrupt:
+            pass
+        if good != seg.written:
+            os.ftruncate(seg.fd, good)
+            seg.written = good
+        seg.last_seq = last
+        seg.records = n
+
+    # -- snapshot_end markers -------------------------------------------------------
+    def _marker(self, generation: int) -> str:
+        return os.path.join(self.dir, "gen", f"{generation:010d}", "snapshot_end")
+
+    def set_snapshot_end(self, generation: int, seq: int) -> None:
+        path = self._marker(generation)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(str(seq))
+        os.replace(tmp, path)
+
+    def snapshot_ends(self) -> dict[int, int]:
+        out = {}
+        gdir = os.path.join(self.dir, "gen")
+        for g in os.listdir(gdir):
+            p = os.path.join(gdir, g, "snapshot_end")
+            try:
+                with open(p) as f:
+                    out[int(g)] = int(f.read().strip())
+            except (FileNotFoundError, ValueError):
+                continue
+        return out
+
+    def drop_snapshot_end(self, generation: int) -> None:
+        try:
+            os.unlink(self._marker(generation))
+        except FileNotFoundError:
+            pass

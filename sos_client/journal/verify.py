@@ -1,0 +1,236 @@
+"""Check every segment and every record of a namespace without restoring anything.
+
+Reports each broken byte range (segment, start, end) it finds and keeps going after it:
+it looks for the next record that decodes with a valid CRC and resumes there.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from . import layout
+from ._store import Corrupt
+from .errors import JournalCorrupt, JournalTruncated
+from .records import (
+    MAX_RECORD_LENGTH,
+    MIN_LENGTH,
+    PREFIX,
+    HEAD,
+    RecordDecoder,
+    RecordType,
+    SnapshotEnd,
+)
+from .restore import list_generations
+
+import crc32c as _crc
+
+__all__ = ["verify", "VerifyReport", "Problem"]
+
+_RESYNC_WINDOW = 8 << 20
+
+
+@dataclass
+class Problem:
+    segment: str
+    start: int
+    end: int | None  # None: to the end of the segment
+    message: str
+
+    def __str__(self):
+        end = "end" if self.end is None else str(self.end)
+        return f"{self.segment} [{self.start}, {end}): {self.message}"
+
+
+@dataclass
+class VerifyReport:
+    namespace: str
+    generations: int = 0
+    complete_generations: int = 0
+    segments: int = 0
+    records: int = 0
+    bytes: int = 0
+    first_seq: int = 0
+    last_seq: int = 0
+    problems: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def text(self) -> str:
+        head = (f"{self.namespace}: {self.generations} generations ({self.complete_generations} complete), "
+                f"{self.segments} segments, {self.records} records, {self.bytes} bytes, "
+                f"records {self.first_seq}..{self.last_seq}: " + ("OK" if self.ok else f"{len(self.problems)} BROKEN"))
+        lines = [head] + [f"  BROKEN {p}" for p in self.problems] + [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _valid_at(buf, i: int) -> bool:
+    if i + PREFIX.size > len(buf):
+        return False
+    length, crc = PREFIX.unpack_from(buf, i)
+    if length < MIN_LENGTH or length > MAX_RECORD_LENGTH or i + 8 + length > len(buf):
+        return False
+    typ = buf[i + 8]
+    if not 1 <= typ <= max(RecordType):
+        return False
+    return _crc.crc32c(memoryview(buf)[i + 8:i + 8 + length]) == crc
+
+
+def _readable_from(client, name: str, start: int, length: int) -> int | None:
+    """Smallest offset >= start from which the server serves data (None: nothing to the end)."""
+
+    def ok(off):
+        try:
+            for _ in client.read_iter(name, off, 1):
+                pass
+            return True
+        except Corrupt:
+            return False
+
+    if start >= length:
+        return None
+    if ok(start):
+        return start
+    bad, step = start, 4096
+    good = None
+    while bad + step < length:
+        if ok(bad + step):
+            good = bad + step
+            break
+        bad += step
+        step *= 2
+    if good is None:
+        if ok(length - 1):
+            good = length - 1
+        else:
+            return None
+    while good - bad > 1:
+        mid = (good + bad) // 2
+        if ok(mid):
+            good = mid
+        else:
+            bad = mid
+    return good
+
+
+def _resync(client, seg: layout.SegmentInfo, start: int, length: int) -> int | None:
+    """Offset of the first valid record after a broken one at ``start`` (None: none)."""
+    pos = _readable_from(client, seg.name, start + 1, length)
+    if pos is None:
+        return None
+    want = min(length - pos, _RESYNC_WINDOW + MAX_RECORD_LENGTH + 8)
+    try:
+        buf = b"".join(client.read_iter(seg.name, pos, want))
+    except Corrupt:
+        return None
+    # Fast path: the broken record's own length field may still be right.
+    try:
+        head = b"".join(client.read_iter(seg.name, start, PREFIX.size))
+        if len(head) == PREFIX.size:
+            nxt = start + 8 + PREFIX.unpack(head)[0]
+            if pos <= nxt < pos + len(buf) and _valid_at(buf, nxt - pos):
+                return nxt
+    except Corrupt:
+        pass
+    limit = min(len(buf), _RESYNC_WINDOW)
+    for i in range(limit):
+        if _valid_at(buf, i):
+            return pos + i
+    return None
+
+
+def verify(client_factory, namespace: str, *, progress=None) -> VerifyReport:
+    """Read and check every record of every generation; returns a VerifyReport."""
+    t0 = time.monotonic()
+    rep = VerifyReport(namespace)
+    client = client_factory()
+    try:
+        gens = list_generations(client)
+        rep.generations = len(gens)
+        total = sum(g.total_bytes for g in gens.values())
+        done = [0]
+        newest = max(gens) if gens else None
+        prev_last = None
+        for g in gens.values():
+            if g.ready:
+                rep.complete_generations += 1
+            elif g.generation != newest:
+                rep.notes.append(f"generation {g.generation} has no ready object (abandoned snapshot)")
+            else:
+                rep.notes.append(f"generation {g.generation} is not complete yet (snapshot in progress)")
+            expected = None
+            saw_end = False
+            for i, seg in enumerate(g.segments):
+                rep.segments += 1
+                try:
+                    length = client.stat(seg.name)[0]
+                except Exception:  # noqa: BLE001 - fall back to the listed length
+                    length = seg.length
+                offset = 0
+                first = True
+                while True:
+                    dec = RecordDecoder(seg.name, offset)
+                    try:
+                        for chunk in client.read_iter(seg.name, offset, 0):
+                            dec.feed(chunk)
+                            rep.bytes += len(chunk)
+                            done[0] += len(chunk)
+                            if progress is not None:
+                                progress(done[0], total)
+                            for rec in dec:
+                                rep.records += 1
+                                if first:
+                                    first = False
+                                    if rec.seq != seg.first_seq:
+                                        rep.problems.append(Problem(seg.name, rec.offset, rec.offset + rec.size,
+                                                                    f"first record has seq {rec.seq}, name says {seg.first_seq}"))
+                                if expected is not None and rec.seq != expected:
+                                    rep.problems.append(Problem(seg.name, rec.offset, rec.offset + rec.size,
+                                                                f"sequence gap: expected {expected}, found {rec.seq}"))
+                                if prev_last is not None and rec.seq <= prev_last and expected is None:
+                                    rep.problems.append(Problem(seg.name, rec.offset, rec.offset + rec.size,
+                                                                f"record {rec.seq} overlaps the previous generation "
+                                                                f"(ends at {prev_last})"))
+                                expected = rec.seq + 1
+                                rep.first_seq = rep.first_seq or rec.seq
+                                rep.last_seq = max(rep.last_seq, rec.seq)
+                                if type(rec.op) is SnapshotEnd:
+                                    saw_end = True
+                                    if rec.op.generation != g.generation:
+                                        rep.problems.append(Problem(seg.name, rec.offset, rec.offset + rec.size,
+                                                                    f"SNAPSHOT_END of generation {rec.op.generation}"))
+                        if dec.pending:
+                            raise JournalTruncated(seg.name, dec.offset, f"segment ends inside a record "
+                                                                         f"({dec.pending} bytes)")
+                        break
+                    except JournalTruncated as e:
+                        if i == len(g.segments) - 1 and not seg.sealed and g.generation == newest:
+                            rep.notes.append(f"{seg.name}: write in progress at offset {e.offset}")
+                        else:
+                            rep.problems.append(Problem(seg.name, e.offset, None, e.reason))
+                        break
+                    except (JournalCorrupt, Corrupt) as e:
+                        bad = dec.offset
+                        reason = e.reason if isinstance(e, JournalCorrupt) else f"server reports corrupt data: {e}"
+                        nxt = _resync(client, seg, bad, length)
+                        rep.problems.append(Problem(seg.name, bad, nxt, reason))
+                        expected = None
+                        if nxt is None:
+                            break
+                        offset = nxt
+            if g.ready and not saw_end:
+                rep.problems.append(Problem(layout.ready_name(g.generation), 0, 0,
+                                            "generation is marked ready but no SNAPSHOT_END was read"))
+            if expected is not None:
+                prev_last = expected - 1
+    finally:
+        try:
+            client.close()
+        except Exception:  # noqa: BLE001
+            pass
+    rep.seconds = time.monotonic() - t0
+    return rep

@@ -1,0 +1,569 @@
+"""JournalWriter: appends records to the local spool; a replicator thread ships them.
+
+Shipping: each spool segment goes to the server object of the same name with pipelined,
+offset-checked, epoch-fenced appends of whole records (``chunk_bytes`` per APPEND,
+``pipeline`` APPENDs per round trip, so at most ``chunk_bytes * pipeline`` bytes of journal
+are in memory in the replicator). A segment that is complete (a newer one exists) is
+sealed on the server, then removed from the spool.
+
+Crash of the writer: the spool survives; ``open()`` fences older epochs, cuts a torn tail
+off the newest spool segment and the replicator ships whatever the server lacks (STAT gives
+the server's length: nothing missing, nothing doubled). Crash or restart of the server: the
+replicator reconnects with backoff, STATs and continues.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, Iterable
+
+from . import layout
+from ._store import (
+    TRANSIENT,
+    Fenced,
+    OffsetMismatch,
+    SealedError,
+    SOSError,
+    SOSNotFound,
+    fenced_epoch,
+    mismatch_length,
+)
+from .errors import JournalError, SpoolStale, WriterClosed, WriterFenced
+from .records import HEADER, PREFIX, MAX_RECORD_LENGTH, Op, RecordDecoder, SnapshotEnd, encode
+from .spool import Spool, SpoolSegment
+
+log = logging.getLogger("sos.journal.writer")
+
+_FATAL_CODES = {4, 5, 6, 7, 11, 12}  # auth, forbidden, bad name, sealed, fenced
+
+
+def _is_fatal(exc: BaseException) -> bool:
+    if isinstance(exc, (Fenced, SealedError)):
+        return True
+    code = getattr(exc, "code", None)
+    try:
+        return int(code) in _FATAL_CODES
+    except (TypeError, ValueError):
+        return False
+
+
+def server_last_record(client, seg_name: str, length: int | None = None):
+    """(last seq, last time_ns) of the records in one server segment (None if empty)."""
+    dec = RecordDecoder(seg_name)
+    last = None
+    for chunk in client.read_iter(seg_name, 0, 0):
+        dec.feed(chunk)
+        for rec in dec:
+            last = rec
+    return (last.seq, last.time_ns) if last is not None else None
+
+
+class JournalWriter:
+    def __init__(self, client_factory: Callable, namespace: str, spool_dir: str, *, sync: bool = True,
+                 max_lag_bytes: int = 64 << 20, segment_bytes: int = 64 << 20,
+                 generation_bytes: int = 1 << 30, chunk_bytes: int = 2 << 20, pipeline: int = 4,
+                 max_backoff: float = 2.0, open_timeout: float = 120.0):
+        if chunk_bytes < 8 + MAX_RECORD_LENGTH:
+            raise ValueError(f"chunk_bytes must be at least {8 + MAX_RECORD_LENGTH}")
+        if max_lag_bytes < 1 or segment_bytes < 1 or generation_bytes < 1 or pipeline < 1:
+            raise ValueError("sizes must be positive")
+        self.client_factory = client_factory
+        self.namespace = namespace
+        self.spool_dir = spool_dir
+        self.sync = sync
+        self.max_lag_bytes = max_lag_bytes
+        self.segment_bytes = segment_bytes
+        self.generation_bytes = generation_bytes
+        self.chunk_bytes = chunk_bytes
+        self.pipeline = pipeline
+        self.max_backoff = max_backoff
+        self.open_timeout = open_timeout
+
+        self._cv = threading.Condition(threading.Lock())
+        self._rotate_lock = threading.RLock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._spool: Spool | None = None
+        self._segs: list[SpoolSegment] = []
+        self._cur: SpoolSegment | None = None
+        self._foreign_unsealed: list[str] = []
+        self._pending_ready: list[tuple[int, int]] = []
+        self._error: BaseException | None = None
+        self._closed = False
+        self._in_snapshot = False
+        self.last_error: BaseException | None = None  # last transient error (for status)
+
+        self.is_open = False
+        self.epoch = 0
+        self.generation = 0
+        self.generation_complete = False
+        self.had_spool = False
+        self._seq = 0
+        self._acked = 0
+        self._last_time = 0
+        self._gen_bytes = 0
+        self.reconnects = 0
+        self.bytes_shipped = 0
+
+    # ------------------------------------------------------------------ state
+    @property
+    def last_seq(self) -> int:
+        return self._seq
+
+    @property
+    def acked_seq(self) -> int:
+        return self._acked
+
+    @property
+    def unshipped_bytes(self) -> int:
+        with self._cv:
+            return self._unshipped()
+
+    def _unshipped(self) -> int:
+        return sum(s.written - max(s.shipped, 0) for s in self._segs)
+
+    # ------------------------------------------------------------------ open
+    def _connect_retry(self, deadline: float):
+        delay = 0.05
+        while True:
+            try:
+                return self.client_factory()
+            except TRANSIENT as e:
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("connect failed (%s); retrying", e)
+                time.sleep(delay)
+                delay = min(delay * 2, self.max_backoff)
+
+    def open(self) -> None:
+        """Fence older epochs and resume from the spool and the server (idempotent)."""
+        if self.is_open:
+            return
+        if self._closed:
+            raise WriterClosed("writer is closed")
+        deadline = time.monotonic() + self.open_timeout
+        self._spool = Spool(self.spool_dir)
+        try:
+            while True:
+                client = self._connect_retry(deadline)
+                try:
+                    self._open_with(client)
+                    break
+                except TRANSIENT as e:
+                    if time.monotonic() > deadline:
+                        raise
+                    log.warning("open interrupted (%s); retrying", e)
+                    time.sleep(0.2)
+                finally:
+                    _close_quietly(client)
+        except BaseException:
+            for s in self._segs:
+                s.close()
+            self._segs = []
+            self._spool.close()
+            self._spool = None
+            raise
+        self.is_open = True
+        self._thread = threading.Thread(target=self._run, name=f"sos-replicator-{self.namespace}",
+                                        daemon=True)
+        self._thread.start()
+
+    def _open_with(self, client) -> None:
+        for s in self._segs:
+            s.close()
+        spool = self._spool
+        segs = spool.scan()
+        entries = list(client.list(layout.GEN_PREFIX))
+        gens = layout.scan_listing(entries)
+        server_segs = [s for g in gens.values() for s in g.segments]
+        max_epoch = max((s.epoch for s in server_segs), default=0)
+
+        # Drop empty local segments (created, then the writer died before writing).
+        floor = 0
+        kept = []
+        for s in segs:
+            if s.written == 0:
+                floor = max(floor, s.first_seq - 1)
+                spool.remove(s)
+            else:
+                kept.append(s)
+        segs = kept
+
+        if segs:
+            last = segs[-1]
+            newer = [s for s in server_segs if (s.generation, s.first_seq) > (last.generation, last.first_seq)]
+            if newer:
+                for s in segs:
+                    s.close()
+                raise SpoolStale(
+                    f"spool {spool.dir} ends at segment {last.name} but the server has newer segment "
+                    f"{newer[-1].name}: another writer took over namespace {self.namespace!r}; "
+                    f"move the spool away to start from the server's state")
+
+        epoch = self._fence(client, max_epoch + 1)
+
+        if segs:
+            last = segs[-1]
+            # The server may hold more of the newest segment than the spool (spool tail lost
+            # with the page cache): fetch it back so that sequence numbers never repeat.
+            try:
+                slen, _sealed = client.stat(last.name)
+            except SOSNotFound:
+                slen = 0
+            if slen > last.written:
+                for chunk in client.read_iter(last.name, last.written, 0):
+                    last.write(chunk)
+            spool.repair(last)
+            for s in segs[:-1]:
+                s.last_seq = -1  # not needed: only the newest segment is decoded
+            self._seq = max(last.last_seq, floor)
+            self._last_time = last.last_time
+            self.generation = last.generation
+            ends = spool.snapshot_ends()
+            end = ends.get(self.generation)
+            self.generation_complete = end is not None and end <= self._seq
+            for g, seq in ends.items():
+                if seq > self._seq:
+                    spool.drop_snapshot_end(g)
+                elif not gens.get(g, layout.GenerationInfo(g, [])).ready:
+                    self._pending_ready.append((g, seq))
+            first_unknown = segs[0].first_seq - 1
+            self._acked = min(first_unknown, self._seq)
+            self.had_spool = True
+        else:
+            self.had_spool = False
+            if not gens:
+                self.generation = 0
+                self._seq = floor
+                self.generation_complete = False
+            else:
+                self.generation = max(gens)
+                self.generation_complete = gens[self.generation].ready
+                last_seq, last_time = floor, 0
+                for g in reversed(list(gens.values())):
+                    found = None
+                    for s in reversed(g.segments):
+                        if s.length > 0:
+                            found = server_last_record(client, s.name)
+                            if found:
+                                break
+                    if found:
+                        last_seq, last_time = max(found[0], floor), found[1]
+                        break
+                self._seq = last_seq
+                self._last_time = last_time
+            self._acked = self._seq
+        self._foreign_unsealed = [s.name for s in server_segs if not s.sealed
+                                  and s.name not in {x.name for x in segs}]
+        self._segs = segs
+        self._cur = None  # new records go to a new segment named with our epoch
+        self.epoch = epoch
+
+    def _fence(self, client, start: int) -> int:
+        epoch = max(start, 1)
+        for _ in range(100):
+            try:
+                got = client.fence(epoch)
+                return int(got) if isinstance(got, int) and got else epoch
+            except Fenced as e:
+                epoch = max(epoch, fenced_epoch(e)) + 1
+            except SOSError as e:
+                if getattr(e, "code", None) == 12:
+                    epoch = max(epoch, fenced_epoch(e)) + 1
+                else:
+                    raise
+        raise JournalError("could not fence the namespace: another writer keeps racing")
+
+    # ------------------------------------------------------------------ append
+    def append(self, op: Op) -> int:
+        """Write one record to the spool; returns its sequence number.
+
+        Blocks only while the unshipped spool exceeds ``max_lag_bytes``.
+        """
+        with self._cv:
+            self._check_usable()
+            while self._unshipped() > self.max_lag_bytes:
+                self._cv.wait(1.0)
+                self._check_usable()
+            seq = self._seq + 1
+            now = max(time.time_ns(), self._last_time)
+            data = encode(op, seq, now)
+            cur = self._cur
+            if (cur is None or cur.generation != self.generation
+                    or (cur.written and cur.written + len(data) > self.segment_bytes)):
+                cur = self._new_segment(seq)
+            cur.write(data)
+            cur.last_seq = seq
+            self._seq = seq
+            self._last_time = now
+            if not self._in_snapshot:
+                self._gen_bytes += len(data)
+            self._cv.notify_all()
+            return seq
+
+    def _new_segment(self, first_seq: int) -> SpoolSegment:
+        if self.generation == 0:
+            raise JournalError("no generation yet: call rotate() to start generation 1")
+        seg = self._spool.create(self.generation, first_seq, self.epoch)
+        seg.shipped = -1
+        self._segs.append(seg)
+        self._cur = seg
+        return seg
+
+    def _check_usable(self) -> None:
+        if self._error is not None:
+            raise WriterFenced(str(self._error)) if _is_fatal(self._error) else JournalError(str(self._error))
+        if self._closed:
+            raise WriterClosed("writer is closed")
+        if not self.is_open:
+            raise WriterClosed("writer is not open: call open() first")
+
+    def rotation_due(self) -> bool:
+        return self.generation == 0 or self._gen_bytes >= self.generation_bytes
+
+    def rotate(self, snapshot_ops: Iterable[Op]) -> int:
+        """Start generation G+1: the snapshot records, then SNAPSHOT_END; returns its seq.
+
+        The caller guarantees that no other record is appended meanwhile (JournaledTree holds
+        its lock) so the snapshot is the tree at the end of generation G.
+        """
+        with self._rotate_lock:
+            with self._cv:
+                self._check_usable()
+                self.generation += 1
+                self.generation_complete = False
+                self._gen_bytes = 0
+                self._in_snapshot = True
+                gen = self.generation
+            try:
+                for op in snapshot_ops:
+                    self.append(op)
+                with self._cv:
+                    self._spool.set_snapshot_end(gen, self._seq + 1)
+                seq = self.append(SnapshotEnd(gen))
+            finally:
+                with self._cv:
+                    self._in_snapshot = False
+            with self._cv:
+                self._pending_ready.append((gen, seq))
+                self._cv.notify_all()
+            if self.sync:
+                self.barrier(seq)
+            return seq
+
+    # ------------------------------------------------------------------ barrier
+    def barrier(self, seq: int | None = None, timeout: float | None = None) -> None:
+        """Block until every record <= seq (default: all so far) is durable on the server."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            target = self._seq if seq is None else seq
+            while self._acked < target:
+                if self._error is not None:
+                    self._check_usable()
+                if self._thread is None or not self._thread.is_alive():
+                    raise WriterClosed(f"replicator is not running; records up to {target} not acked")
+                wait = 1.0
+                if deadline is not None:
+                    wait = deadline - time.monotonic()
+                    if wait <= 0:
+                        raise TimeoutError(f"barrier: record {target} not durable after {timeout} s "
+                                           f"(acked {self._acked}; last error: {self.last_error})")
+                    wait = min(wait, 1.0)
+                self._cv.wait(wait)
+
+    # ------------------------------------------------------------------ close
+    def close(self, timeout: float | None = None) -> None:
+        """Flush (wait until everything is acked, up to ``timeout``) and stop the replicator."""
+        if self._closed:
+            return
+        try:
+            if self.is_open and self._error is None:
+                try:
+                    self.barrier(timeout=timeout)
+                except (TimeoutError, JournalError) as e:
+                    log.warning("close: journal not fully shipped: %s", e)
+        finally:
+            with self._cv:
+                self._closed = True
+                self._cv.notify_all()
+            self._stop.set()
+            if self._thread is not None:
+                self._thread.join(timeout=60)
+            with self._cv:
+                for s in self._segs:
+                    s.close()
+            if self._spool is not None:
+                self._spool.close()
+
+    def __enter__(self):
+        self.open()
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ------------------------------------------------------------------ replicator
+    def _next_task(self):
+        if self._foreign_unsealed:
+            return ("seal_foreign", self._foreign_unsealed[0])
+        for g, seq in self._pending_ready:
+            if seq <= self._acked:
+                return ("ready", (g, seq))
+        for s in self._segs:
+            if s.shipped < s.written:
+                return ("ship", s)
+        for s in self._segs[:-1]:
+            if s is not self._cur:
+                return ("seal", s)
+        return None
+
+    def _run(self) -> None:
+        client = None
+        backoff = 0.05
+        while True:
+            with self._cv:
+                task = None
+                while self._error is None:
+                    task = self._next_task()
+                    if task is not None or self._closed:
+                        break
+                    self._cv.wait()
+                if task is None:
+                    break
+            try:
+                if client is None:
+                    client = self.client_factory()
+                self._do(client, task)
+                backoff = 0.05
+            except Exception as e:  # noqa: BLE001 - classified below, never swallowed silently
+                if _is_fatal(e):
+                    log.error("replicator stopped: %s", e)
+                    with self._cv:
+                        self._error = e
+                        self._cv.notify_all()
+                    break
+                self.last_error = e
+                log.warning("replicator: %s: %s; retrying in %.2fs", type(e).__name__, e, backoff)
+                _close_quietly(client)
+                client = None
+                self.reconnects += 1
+                with self._cv:
+                    for s in self._segs:
+                        s.shipped = -1  # ask the server again after reconnecting
+                if self._stop.wait(backoff):
+                    break
+                backoff = min(backoff * 2, self.max_backoff)
+        _close_quietly(client)
+
+    def _do(self, client, task) -> None:
+        kind, arg = task
+        if kind == "seal_foreign":
+            try:
+                client.seal(arg, epoch=self.epoch)
+            except SOSNotFound:
+                pass
+            with self._cv:
+                self._foreign_unsealed.remove(arg)
+        elif kind == "ready":
+            g, seq = arg
+            name = layout.ready_name(g)
+            try:
+                client.stat(name)
+            except SOSNotFound:
+                try:
+                    client.append(name, 0, b"", epoch=self.epoch)
+                except OffsetMismatch:
+                    pass  # created meanwhile by a retry that landed
+            client.seal(name, epoch=self.epoch)
+            with self._cv:
+                self._pending_ready.remove(arg)
+                if g == self.generation:
+                    self.generation_complete = True
+                self._cv.notify_all()
+        elif kind == "ship":
+            self._ship(client, arg)
+        elif kind == "seal":
+            seg = arg
+            if seg.written:
+                client.seal(seg.name, epoch=self.epoch)
+            with self._cv:
+                self._segs.remove(seg)
+                self._spool.remove(seg)
+
+    def _ship(self, client, seg: SpoolSegment) -> None:
+        if seg.shipped < 0:
+            try:
+                length, _sealed = client.stat(seg.name)
+            except SOSNotFound:
+                length = 0
+            if length > seg.written:
+                raise JournalError(f"server object {seg.name} is longer ({length}) than the spool "
+                                   f"({seg.written})")
+            with self._cv:
+                seg.shipped = length
+                self._after_ack(None)
+            if length == seg.written:
+                return
+        with self._cv:
+            offset, end = seg.shipped, seg.written
+        chunks = []
+        pos = offset
+        last_seq = None
+        while len(chunks) < self.pipeline and pos < end:
+            n = min(self.chunk_bytes, end - pos)
+            buf = seg.pread(n, pos)
+            cut = 0
+            while cut + PREFIX.size <= n:
+                length = PREFIX.unpack_from(buf, cut)[0]
+                if cut + 8 + length > n:
+                    break
+                last_seq = HEADER.unpack_from(buf, cut)[3]
+                cut += 8 + length
+            if cut == 0:
+                raise JournalError(f"spool segment {seg.path}: no whole record at offset {pos}")
+            chunks.append(buf if cut == n else buf[:cut])
+            pos += cut
+        total = sum(len(c) for c in chunks)
+        try:
+            if len(chunks) == 1 or not hasattr(client, "append_many"):
+                new_len = offset
+                for c in chunks:
+                    new_len = client.append(seg.name, new_len, c, epoch=self.epoch)
+            else:
+                new_len = client.append_many(seg.name, offset, chunks, epoch=self.epoch)
+        except OffsetMismatch as e:
+            have = mismatch_length(e)
+            if have > seg.written:
+                raise JournalError(f"server object {seg.name} is longer ({have}) than the spool "
+                                   f"({seg.written})") from e
+            with self._cv:
+                seg.shipped = have
+            return
+        if new_len != offset + total:
+            # The server says another length: believe it after a STAT on the next round.
+            with self._cv:
+                seg.shipped = -1
+            return
+        with self._cv:
+            seg.shipped = new_len
+            self.bytes_shipped += total
+            self._after_ack(last_seq)
+
+    def _after_ack(self, last_seq) -> None:
+        """Called with the lock held after the server acknowledged data."""
+        if all(s.shipped == s.written for s in self._segs):
+            self._acked = self._seq
+        elif last_seq is not None and last_seq > self._acked:
+            self._acked = last_seq
+        self._cv.notify_all()
+
+
+def _close_quietly(client) -> None:
+    if client is None:
+        return
+    try:
+        client.close()
+    except Exception:  # noqa: BLE001 - closing a broken connection
+        pass
