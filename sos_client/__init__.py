@@ -1,0 +1,19 @@
+"""sos_client: blocking and trio clients of the SOS protocol, and the `sos` command.
+
+``Client`` (blocking) and ``aio.open_client`` (trio); exceptions in ``sos_client.errors``.
+"""
+
+from sos_wire import Key, ListEntry
+
+from .blocking import Client
+from .errors import (
+    BadNameError, ChecksumMismatch, ConnectionLost, Corrupt, Fenced, NoSpace, OffsetMismatch, QuotaExceeded,
+    SealedError, ServerBusy, SOSError, SOSNotFound, SOSPermissionError, TooLarge,
+)
+
+__all__ = [
+    "Client", "Key", "ListEntry",
+    "SOSError", "OffsetMismatch", "Fenced", "SealedError", "ChecksumMismatch", "Corrupt", "NoSpace",
+    "QuotaExceeded", "TooLarge", "ServerBusy", "ConnectionLost", "SOSNotFound", "SOSPermissionError",
+    "BadNameError",
+]

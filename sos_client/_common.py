@@ -1,0 +1,384 @@
+"""What the blocking and the trio client share: the protocol logic, written once.
+
+Every operation is a generator over one ``sos_wire.Connection`` that yields
+*commands* to its driver and gets results back:
+
+* ``bytes``       -> the driver sends them; result None
+* ``RECV``        -> the driver returns the next event received
+* ``NEXT_CHUNK``  -> the driver returns the next chunk of the caller's data, or None at the end
+
+The blocking client drives them with a socket, the trio client with a stream.
+An operation raises only after it received every reply it asked for, so a
+raised SOSError leaves the connection usable; if anything interrupts an
+operation midway (``conn.in_flight != 0``) the driver drops the connection.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+
+from sos_wire import events as ev
+from sos_wire.auth import Key
+from sos_wire.connection import Connection, Role
+from sos_wire.crc import crc32c
+from sos_wire.errors import ErrorCode
+from sos_wire.frames import DEFAULT_MAX_BODY, MAX_LIST_LIMIT, SUPPORTED_VERSIONS, VERSION
+from sos_wire.names import BadName, validate_name, validate_namespace
+
+from .errors import BadNameError, ConnectionLost, Corrupt, SOSError, SOSPermissionError, error_from_reply
+
+__all__ = [
+    "DEFAULT_SERVER", "DEFAULT_PORT", "RECV", "NEXT_CHUNK", "parse_server", "settings_from_env", "Core",
+    "AppendJob", "CLIENT_NAME", "READ_STEP", "DEFAULT_WINDOW_BYTES", "DEFAULT_WINDOW_FRAMES",
+]
+
+DEFAULT_PORT = 7070
+DEFAULT_SERVER = f"127.0.0.1:{DEFAULT_PORT}"
+CLIENT_NAME = "sos-py/0.1"
+#: bytes asked for per READ request by read_iter: bounds what a client holds at once
+READ_STEP = 4 << 20
+#: append_many keeps at most this many bytes / frames in flight
+DEFAULT_WINDOW_BYTES = 8 << 20
+DEFAULT_WINDOW_FRAMES = 256
+#: small chunks are coalesced into appends of about this size
+PIECE_TARGET = 1 << 20
+
+
+class _Command:
+    __slots__ = ("_name",)
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __repr__(self) -> str:
+        return self._name
+
+
+RECV = _Command("RECV")
+NEXT_CHUNK = _Command("NEXT_CHUNK")
+
+
+def parse_server(server: str | None) -> tuple[str, int]:
+    """``"host:port"``, ``"host"``, ``"[v6]:port"`` -> (host, port). None/"" -> $SOS_SERVER or the default."""
+    if not server:
+        server = os.environ.get("SOS_SERVER") or DEFAULT_SERVER
+    if not isinstance(server, str):
+        raise ValueError(f"server must be 'host:port', not {server!r}")
+    text = server.strip()
+    if text.startswith("["):
+        host, sep, rest = text[1:].partition("]")
+        if not sep or (rest and not rest.startswith(":")):
+            raise ValueError(f"bad server address {server!r}: expected [ipv6]:port")
+        port_text = rest[1:] if rest else ""
+    elif text.count(":") == 1:
+        host, port_text = text.split(":")
+    elif ":" in text:
+        raise ValueError(f"bad server address {server!r}: write an IPv6 address as [addr]:port")
+    else:
+        host, port_text = text, ""
+    if not host:
+        raise ValueError(f"bad server address {server!r}: no host")
+    if not port_text:
+        return host, DEFAULT_PORT
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ValueError(f"bad server address {server!r}: port must be 1..65535")
+    return host, int(port_text)
+
+
+def settings_from_env(server, key, namespace) -> tuple[str, int, Key, str]:
+    """Resolve (host, port, Key, namespace), defaulting server/key from SOS_SERVER/SOS_KEY."""
+    host, port = parse_server(server)
+    if key is None or key == "":
+        key = os.environ.get("SOS_KEY")
+        if not key:
+            raise SOSPermissionError("no key given: pass key=... or set SOS_KEY (what `sos-server keygen` prints)")
+    try:
+        key = Key.parse(key)
+    except ValueError as exc:
+        raise SOSPermissionError(f"bad key: {exc}") from None
+    try:
+        validate_namespace(namespace)
+    except BadName as exc:
+        raise BadNameError(str(exc), ErrorCode.BAD_NAME) from None
+    return host, port, key, namespace
+
+
+def check_name(name: str) -> str:
+    try:
+        return validate_name(name)
+    except BadName as exc:
+        raise BadNameError(str(exc), ErrorCode.BAD_NAME, name=name if isinstance(name, str) else None) from None
+
+
+def _u64(value, what: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 64:
+        raise ValueError(f"{what} must be an integer in 0..2**64-1, not {value!r}")
+    return value
+
+
+class Core:
+    """Protocol logic over one authenticated connection (no I/O)."""
+
+    def __init__(self, key: Key, namespace: str, *, client_name: str = CLIENT_NAME) -> None:
+        self.conn = Connection(Role.CLIENT)
+        self.key = key
+        self.namespace = namespace
+        self.client_name = client_name
+        self.role: ev.KeyRole | None = None
+        self.server_name = ""
+        self.max_body = DEFAULT_MAX_BODY
+
+    # -- plumbing ---------------------------------------------------------------------
+    def _send(self, event):
+        return self.conn.send(event)
+
+    def _recv(self):
+        """Generator: the next event; raises for connection-level errors (request id 0)."""
+        event = yield RECV
+        if isinstance(event, ev.Error) and event.request_id == 0:
+            raise ConnectionLost(f"the server closed the connection: {event.message}", event.code)
+        return event
+
+    def _request(self, event, what: str, reply_type, *, name: str | None = None):
+        """Generator: send one request, return its reply or raise the mapped error."""
+        yield self._send(event)
+        reply = yield from self._recv()
+        if isinstance(reply, reply_type):
+            return reply
+        if isinstance(reply, ev.Error):
+            raise error_from_reply(reply, what, name=name)
+        raise ConnectionLost(f"{what}: unexpected reply {type(reply).__name__}")  # pragma: no cover
+
+    def _rid(self) -> int:
+        return self.conn.next_request_id()
+
+    def _where(self, name: str) -> str:
+        return f"{self.namespace}/{name}"
+
+    # -- operations -------------------------------------------------------------------
+    def handshake(self):
+        hello = yield from self._request(
+            ev.Hello(self._rid(), self.client_name, min(SUPPORTED_VERSIONS), max(SUPPORTED_VERSIONS)),
+            "hello", ev.HelloOk,
+        )
+        if hello.version != VERSION:
+            raise ConnectionLost(f"the server chose protocol version {hello.version}, this client speaks {VERSION}")
+        self.server_name = hello.server
+        self.max_body = hello.max_body
+        proof = self.key.proof(hello.nonce, self.namespace)
+        ok = yield from self._request(
+            ev.Auth(self._rid(), self.key.key_id, self.namespace, proof),
+            f"authenticate key {self.key.key_id.hex()} to namespace {self.namespace!r}", ev.AuthOk,
+        )
+        self.role = ok.role
+        return ok.role
+
+    def ping(self, payload: bytes = b""):
+        reply = yield from self._request(ev.Ping(self._rid(), bytes(payload)), "ping", ev.Pong)
+        return reply.payload
+
+    def stat(self, name: str):
+        check_name(name)
+        reply = yield from self._request(ev.Stat(self._rid(), name), f"stat {self._where(name)}", ev.StatOk, name=name)
+        return reply.length, reply.sealed
+
+    def list_page(self, prefix: str, after: str, limit: int = MAX_LIST_LIMIT):
+        reply = yield from self._request(
+            ev.List(self._rid(), prefix, after, limit), f"list {self.namespace}/{prefix}", ev.ListOk
+        )
+        return reply.entries, reply.more
+
+    def append(self, name: str, offset: int, data, epoch: int):
+        check_name(name)
+        _u64(offset, "offset")
+        _u64(epoch, "epoch")
+        self._check_piece(name, len(data))
+        reply = yield from self._request(
+            ev.Append(self._rid(), name, offset, epoch, crc32c(data), data),
+            f"append {len(data)} bytes to {self._where(name)} at offset {offset}", ev.AppendOk, name=name,
+        )
+        return reply.length
+
+    def max_piece(self, name: str) -> int:
+        """The largest data an APPEND for *name* can carry on this connection."""
+        return self.max_body - (2 + len(name.encode("utf-8")) + 24)
+
+    def _check_piece(self, name: str, size: int) -> None:
+        limit = self.max_piece(name)
+        if size > limit:
+            from .errors import TooLarge
+
+            raise TooLarge(
+                f"append of {size} bytes to {self._where(name)}: the server takes at most {limit} per append "
+                "(use append_many, which splits)", ErrorCode.TOO_LARGE, name=name,
+            )
+
+    def read_step(self, name: str, offset: int, length: int):
+        """Generator: READ one range; returns the list of data chunks (at most *length* bytes)."""
+        check_name(name)
+        _u64(offset, "offset")
+        _u64(length, "length")
+        what = f"read {self._where(name)} at offset {offset}"
+        yield self._send(ev.Read(self._rid(), name, offset, length))
+        chunks = []
+        while True:
+            reply = yield from self._recv()
+            if isinstance(reply, ev.Error):
+                raise error_from_reply(reply, what, name=name)
+            chunks.append(reply.data)
+            if reply.last:
+                return chunks
+
+    def seal(self, name: str, epoch: int):
+        check_name(name)
+        _u64(epoch, "epoch")
+        reply = yield from self._request(
+            ev.Seal(self._rid(), name, epoch), f"seal {self._where(name)}", ev.SealOk, name=name
+        )
+        return reply.length
+
+    def fence(self, epoch: int):
+        _u64(epoch, "epoch")
+        reply = yield from self._request(
+            ev.Fence(self._rid(), epoch), f"fence namespace {self.namespace!r} at epoch {epoch}", ev.FenceOk
+        )
+        return reply.epoch
+
+
+class _Piece:
+    __slots__ = ("offset", "data", "rid", "acked")
+
+    def __init__(self, offset: int, data) -> None:
+        self.offset = offset
+        self.data = data
+        self.rid = 0
+        self.acked = False
+
+
+class AppendJob:
+    """State of one ``append_many``: survives reconnects, so it can resume.
+
+    Everything sent and not yet acknowledged stays in ``unacked`` (bounded by the
+    window); after a reconnect :meth:`resume_check` compares the server's length with
+    what was acknowledged and :meth:`run` re-sends every unacknowledged piece at its
+    original offset: pieces that had landed are acknowledged again by the server's
+    idempotent-retry rule (which compares the bytes), the others are appended.
+    Nothing is missing or doubled.
+    """
+
+    def __init__(self, name: str, offset: int, epoch: int, *, window_bytes: int = DEFAULT_WINDOW_BYTES,
+                 window_frames: int = DEFAULT_WINDOW_FRAMES) -> None:
+        check_name(name)
+        self.name = name
+        self.epoch = _u64(epoch, "epoch")
+        self.acked = _u64(offset, "offset")  # everything below is acknowledged
+        self.next_offset = offset  # where the next new piece goes
+        self.unacked: deque[_Piece] = deque()
+        self.unacked_bytes = 0
+        self.window_bytes = max(1, window_bytes)
+        self.window_frames = max(1, window_frames)
+        self.exhausted = False
+        self._pending = bytearray()  # small chunks being coalesced
+        self.resumes = 0
+
+    def resume_check(self, core: Core):
+        """Generator (after a reconnect): STAT, and make sure nothing acknowledged is gone."""
+        try:
+            length, _sealed = yield from core.stat(self.name)
+        except SOSError as exc:
+            if exc.code == ErrorCode.NOT_FOUND and self.acked == 0:
+                length = 0
+            else:
+                raise
+        if length < self.acked:
+            raise Corrupt(
+                f"append to {core._where(self.name)}: the server reports length {length} but acknowledged "
+                f"{self.acked} bytes before the connection was lost", ErrorCode.CORRUPT, name=self.name, length=length,
+            )
+        self.resumes += 1
+        return length
+
+    def _add_piece(self, data) -> None:
+        piece = _Piece(self.next_offset, data)
+        self.unacked.append(piece)
+        self.unacked_bytes += len(data)
+        self.next_offset += len(data)
+
+    def _window_full(self) -> bool:
+        return self.unacked_bytes >= self.window_bytes or len(self.unacked) >= self.window_frames
+
+    def _send_piece(self, core: Core, piece: _Piece):
+        piece.rid = core._rid()
+        piece.acked = False
+        return core._send(ev.Append(piece.rid, self.name, piece.offset, self.epoch, crc32c(piece.data), piece.data))
+
+    def run(self, core: Core):
+        """Generator: send everything, keeping the window full; returns the final length."""
+        limit = core.max_piece(self.name)
+        target = min(PIECE_TARGET, limit)
+        by_rid: dict[int, _Piece] = {}
+        for piece in self.unacked:  # a resume: re-send what was not acknowledged
+            yield self._send_piece(core, piece)
+            by_rid[piece.rid] = piece
+        first_error: tuple[int, SOSError] | None = None
+        while True:
+            # fill the window
+            while not self.exhausted and first_error is None and not self._window_full():
+                chunk = yield NEXT_CHUNK
+                if chunk is None:
+                    self.exhausted = True
+                    if self._pending:
+                        data, self._pending = bytes(self._pending), bytearray()
+                        self._add_piece(data)
+                        yield self._send_piece(core, self.unacked[-1])
+                        by_rid[self.unacked[-1].rid] = self.unacked[-1]
+                    break
+                for data in self._pieces(chunk, target, limit):
+                    self._add_piece(data)
+                    piece = self.unacked[-1]
+                    yield self._send_piece(core, piece)
+                    by_rid[piece.rid] = piece
+            if not by_rid:
+                break
+            reply = yield from core._recv()
+            piece = by_rid.pop(reply.request_id)
+            if isinstance(reply, ev.Error):
+                exc = error_from_reply(
+                    reply, f"append {len(piece.data)} bytes to {core._where(self.name)} at offset {piece.offset}",
+                    name=self.name,
+                )
+                if first_error is None or piece.offset < first_error[0]:
+                    first_error = (piece.offset, exc)
+                continue
+            if reply.length != piece.offset + len(piece.data):
+                raise Corrupt(
+                    f"append to {core._where(self.name)} at {piece.offset}: server acknowledged length "
+                    f"{reply.length}, expected {piece.offset + len(piece.data)}", ErrorCode.CORRUPT, name=self.name,
+                )
+            piece.acked = True
+            while self.unacked and self.unacked[0].acked:
+                done = self.unacked.popleft()
+                self.unacked_bytes -= len(done.data)
+                self.acked = done.offset + len(done.data)
+        if first_error is not None:
+            raise first_error[1]
+        return self.acked
+
+    def _pieces(self, chunk, target: int, limit: int):
+        """Turn a caller chunk into pieces: coalesce small ones, split huge ones (no copy)."""
+        n = len(chunk)
+        if not n:
+            return
+        if self._pending or n < target:
+            self._pending += chunk
+            if len(self._pending) < target:
+                return
+            data, self._pending = bytes(self._pending), bytearray()
+            mv = memoryview(data)
+        elif isinstance(chunk, bytes):
+            mv = memoryview(chunk)
+        else:  # the caller may reuse a mutable buffer: keep our own copy until acknowledged
+            mv = memoryview(bytes(chunk))
+        for start in range(0, len(mv), limit):
+            yield mv[start : start + limit]

@@ -1,0 +1,275 @@
+"""The trio client: same operations as :class:`sos_client.Client`, async.
+
+    async with open_client("127.0.0.1:7070", key, "ns") as c:
+        await c.append_many("log", 0, chunks)       # chunks: iterable or async iterable
+        async for chunk in c.read_iter("log"):
+            ...
+"""
+
+from __future__ import annotations
+
+import ssl as _ssl
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+import trio
+
+from sos_wire import NEED_DATA, Key, ListEntry, RemoteProtocolError
+from sos_wire.frames import MAX_LIST_LIMIT
+
+from ._common import (
+    CLIENT_NAME, DEFAULT_WINDOW_BYTES, DEFAULT_WINDOW_FRAMES, NEXT_CHUNK, READ_STEP, RECV, AppendJob, Core,
+    settings_from_env,
+)
+from .errors import ConnectionLost
+
+__all__ = ["open_client", "AsyncClient"]
+
+RECV_SIZE = 256 * 1024
+
+
+@asynccontextmanager
+async def open_client(server: str | None = None, key: "str | Key | None" = None, namespace: str | None = None,
+                      *, timeout: float = 30, tls: "_ssl.SSLContext | bool | None" = None,
+                      reconnect_timeout: float | None = None,
+                      client_name: str = CLIENT_NAME) -> AsyncIterator["AsyncClient"]:
+    """Connect, authenticate, yield an :class:`AsyncClient`, close on exit."""
+    client = AsyncClient(server, key, namespace, timeout=timeout, tls=tls, reconnect_timeout=reconnect_timeout,
+                         client_name=client_name)
+    await client.connect()
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+class AsyncClient:
+    def __init__(self, server=None, key=None, namespace=None, *, timeout: float = 30, tls=None,
+                 reconnect_timeout: float | None = None, client_name: str = CLIENT_NAME) -> None:
+        if namespace is None:
+            raise TypeError("open_client() needs a namespace")
+        self.host, self.port, self._key, self.namespace = settings_from_env(server, key, namespace)
+        self.server = f"{self.host}:{self.port}"
+        self.timeout = timeout
+        self.reconnect_timeout = timeout if reconnect_timeout is None else reconnect_timeout
+        if tls is True:
+            tls = _ssl.create_default_context()
+        self._tls = tls or None
+        self._client_name = client_name
+        self._lock = trio.Lock()
+        self._stream: trio.abc.Stream | None = None
+        self._core: Core | None = None
+        self._closed = False
+
+    @property
+    def role(self):
+        return self._core.role if self._core else None
+
+    # -- connection management ----------------------------------------------------------
+    async def connect(self) -> None:
+        async with self._lock:
+            await self._connect()
+
+    async def _connect(self) -> None:
+        try:
+            with trio.fail_after(self.timeout):
+                stream = await trio.open_tcp_stream(self.host, self.port)
+                if self._tls is not None:
+                    stream = trio.SSLStream(stream, self._tls, server_hostname=self.host)
+                    await stream.do_handshake()
+        except (OSError, trio.TooSlowError, trio.BrokenResourceError, _ssl.SSLError) as exc:
+            raise ConnectionLost(f"cannot connect to {self.server}: {exc or type(exc).__name__}") from exc
+        self._stream = stream
+        self._core = Core(self._key, self.namespace, client_name=self._client_name)
+        try:
+            await self._drive(self._core.handshake())
+        except BaseException:
+            await self._drop()
+            raise
+
+    async def _drop(self) -> None:
+        stream, self._stream, self._core = self._stream, None, None
+        if stream is not None:
+            with trio.CancelScope(shield=True):
+                try:
+                    await trio.aclose_forcefully(stream)
+                except Exception:  # pragma: no cover
+                    pass
+
+    async def reconnect(self) -> None:
+        async with self._lock:
+            self._check_open()
+            await self._drop()
+            await self._connect()
+
+    async def _ensure(self) -> Core:
+        self._check_open()
+        if self._core is None:
+            await self._connect()
+        return self._core
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConnectionLost("the client is closed")
+
+    async def aclose(self) -> None:
+        self._closed = True
+        await self._drop()
+
+    async def __aenter__(self) -> "AsyncClient":
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    # -- the driver ------------------------------------------------------------------------
+    async def _drive(self, gen, chunks=None):
+        core = self._core
+        try:
+            cmd = next(gen)
+            while True:
+                if cmd is RECV:
+                    value = await self._recv_event(core)
+                elif cmd is NEXT_CHUNK:
+                    value = await _next_chunk(chunks)
+                else:
+                    await self._send_bytes(cmd)
+                    value = None
+                cmd = gen.send(value)
+        except StopIteration as stop:
+            return stop.value
+        except BaseException as exc:
+            gen.close()
+            if self._core is core and core is not None and (core.conn.in_flight or isinstance(exc, ConnectionLost)):
+                await self._drop()
+            raise
+
+    async def _send_bytes(self, data) -> None:
+        try:
+            with trio.fail_after(self.timeout):
+                await self._stream.send_all(data)
+        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError) as exc:
+            await self._drop()
+            raise ConnectionLost(f"connection to {self.server} lost while sending: {exc or type(exc).__name__}") from exc
+
+    async def _recv_event(self, core: Core):
+        conn = core.conn
+        while True:
+            try:
+                event = conn.next_event()
+            except RemoteProtocolError as exc:
+                await self._drop()
+                raise ConnectionLost(f"protocol error from {self.server}: {exc.message}") from None
+            if event is not NEED_DATA:
+                return event
+            try:
+                with trio.fail_after(self.timeout):
+                    data = await self._stream.receive_some(RECV_SIZE)
+            except trio.TooSlowError:
+                await self._drop()
+                raise ConnectionLost(f"no reply from {self.server} within {self.timeout} s") from None
+            except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                await self._drop()
+                raise ConnectionLost(f"connection to {self.server} lost: {exc or type(exc).__name__}") from exc
+            if not data:
+                await self._drop()
+                raise ConnectionLost(f"{self.server} closed the connection")
+            conn.receive_data(data)
+
+    async def _call(self, make_gen, *, retry: bool = True):
+        async with self._lock:
+            try:
+                return await self._drive(make_gen(await self._ensure()))
+            except ConnectionLost:
+                if not retry or self._closed:
+                    raise
+            await self._reconnect_until_deadline()
+            return await self._drive(make_gen(self._core))
+
+    async def _reconnect_until_deadline(self) -> None:
+        deadline = trio.current_time() + self.reconnect_timeout
+        delay = 0.05
+        while True:
+            await self._drop()
+            try:
+                await self._connect()
+                return
+            except ConnectionLost:
+                if trio.current_time() + delay > deadline:
+                    raise
+            await trio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    # -- operations ------------------------------------------------------------------------
+    async def ping(self, payload: bytes = b"") -> bytes:
+        return await self._call(lambda core: core.ping(payload))
+
+    async def stat(self, name: str) -> tuple[int, bool]:
+        return await self._call(lambda core: core.stat(name))
+
+    async def list(self, prefix: str = "") -> AsyncIterator[ListEntry]:
+        after = ""
+        while True:
+            entries, more = await self._call(lambda core: core.list_page(prefix, after, MAX_LIST_LIMIT))
+            for entry in entries:
+                yield entry
+            if not more or not entries:
+                return
+            after = entries[-1].name
+
+    async def append(self, name: str, offset: int, data, *, epoch: int = 0) -> int:
+        return await self._call(lambda core: core.append(name, offset, data, epoch))
+
+    async def append_many(self, name: str, offset: int, chunks, *, epoch: int = 0,
+                          window_bytes: int = DEFAULT_WINDOW_BYTES, window_frames: int = DEFAULT_WINDOW_FRAMES) -> int:
+        """*chunks*: an iterable or an async iterable of bytes-like objects."""
+        job = AppendJob(name, offset, epoch, window_bytes=window_bytes, window_frames=window_frames)
+        it = chunks.__aiter__() if hasattr(chunks, "__aiter__") else iter(chunks)
+        async with self._lock:
+            core = await self._ensure()
+            while True:
+                try:
+                    return await self._drive(job.run(core), it)
+                except ConnectionLost:
+                    if self._closed:
+                        raise
+                await self._reconnect_until_deadline()
+                core = self._core
+                await self._drive(job.resume_check(core))
+
+    async def read(self, name: str, offset: int = 0, length: int = 0) -> bytes:
+        return b"".join([chunk async for chunk in self.read_iter(name, offset, length)])
+
+    async def read_iter(self, name: str, offset: int = 0, length: int = 0, *, step: int = READ_STEP):
+        remaining = length
+        while True:
+            ask = step if length == 0 else min(step, remaining)
+            chunks = await self._call(lambda core: core.read_step(name, offset, ask))
+            got = 0
+            for chunk in chunks:
+                if chunk:
+                    got += len(chunk)
+                    yield chunk
+            offset += got
+            if length:
+                remaining -= got
+                if remaining <= 0:
+                    return
+            if got < ask:
+                return
+
+    async def seal(self, name: str, *, epoch: int = 0) -> int:
+        return await self._call(lambda core: core.seal(name, epoch))
+
+    async def fence(self, epoch: int) -> int:
+        return await self._call(lambda core: core.fence(epoch), retry=False)
+
+
+async def _next_chunk(chunks):
+    if hasattr(chunks, "__anext__"):
+        try:
+            return await chunks.__anext__()
+        except StopAsyncIteration:
+            return None
+    return next(chunks, None)

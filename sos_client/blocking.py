@@ -1,0 +1,279 @@
+"""The blocking client: one socket, thread-safe, pipelined appends, streamed reads.
+
+    with Client("127.0.0.1:7070", key, "ns") as c:
+        c.append_many("log", 0, chunks)
+        for chunk in c.read_iter("log"):
+            ...
+"""
+
+from __future__ import annotations
+
+import socket
+import ssl as _ssl
+import threading
+import time
+from typing import Iterable, Iterator
+
+from sos_wire import NEED_DATA, Key, ListEntry, RemoteProtocolError
+from sos_wire.frames import MAX_LIST_LIMIT
+
+from ._common import (
+    CLIENT_NAME, DEFAULT_WINDOW_BYTES, DEFAULT_WINDOW_FRAMES, NEXT_CHUNK, READ_STEP, RECV, AppendJob, Core,
+    settings_from_env,
+)
+from .errors import ConnectionLost
+
+__all__ = ["Client"]
+
+RECV_SIZE = 256 * 1024
+
+
+class Client:
+    """Blocking SOS client for one namespace.
+
+    *server*: ``"host:port"`` (default ``$SOS_SERVER`` or 127.0.0.1:7070); *key*: a
+    :class:`sos_wire.Key` or its text (default ``$SOS_KEY``); *timeout*: seconds any
+    single wait on the network may take; *tls*: an ``ssl.SSLContext`` (or True for the
+    system defaults).  Connects and authenticates immediately.  A lost connection is
+    re-established on the next call; ``append_many`` and ``read_iter`` resume by
+    themselves.  Safe to share between threads (calls are serialized).
+    """
+
+    def __init__(self, server: str | None = None, key: "str | Key | None" = None, namespace: str | None = None,
+                 *, timeout: float = 30, tls: "_ssl.SSLContext | bool | None" = None,
+                 reconnect_timeout: float | None = None, client_name: str = CLIENT_NAME) -> None:
+        if namespace is None:
+            raise TypeError("Client() needs a namespace")
+        self.host, self.port, self._key, self.namespace = settings_from_env(server, key, namespace)
+        self.server = f"{self.host}:{self.port}"
+        self.timeout = timeout
+        self.reconnect_timeout = timeout if reconnect_timeout is None else reconnect_timeout
+        if tls is True:
+            tls = _ssl.create_default_context()
+        self._tls = tls or None
+        self._client_name = client_name
+        self._lock = threading.RLock()
+        self._sock: socket.socket | None = None
+        self._core: Core | None = None
+        self._closed = False
+        self._connect()
+
+    # -- connection management ----------------------------------------------------------
+    @property
+    def role(self):
+        """KeyRole granted by the server (APPEND or READ)."""
+        return self._core.role if self._core else None
+
+    def _connect(self) -> None:
+        try:
+            sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
+        except OSError as exc:
+            raise ConnectionLost(f"cannot connect to {self.server}: {exc}") from exc
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._tls is not None:
+                sock = self._tls.wrap_socket(sock, server_hostname=self.host)
+        except (OSError, _ssl.SSLError) as exc:
+            sock.close()
+            raise ConnectionLost(f"TLS handshake with {self.server} failed: {exc}") from exc
+        self._sock = sock
+        self._core = Core(self._key, self.namespace, client_name=self._client_name)
+        try:
+            self._drive(self._core.handshake())
+        except BaseException:
+            self._drop()
+            raise
+
+    def _drop(self) -> None:
+        sock, self._sock, self._core = self._sock, None, None
+        if sock is not None:
+            try:
+                sock.close()
+            except OSError:  # pragma: no cover
+                pass
+
+    def reconnect(self) -> None:
+        """Close the current connection (if any) and open a fresh, authenticated one."""
+        with self._lock:
+            self._check_open()
+            self._drop()
+            self._connect()
+
+    def _ensure(self) -> Core:
+        self._check_open()
+        if self._core is None:
+            self._connect()
+        return self._core
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConnectionLost("the client is closed")
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._drop()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<sos_client.Client {self.server} namespace={self.namespace!r}>"
+
+    # -- the driver ------------------------------------------------------------------------
+    def _drive(self, gen, chunks: Iterator | None = None):
+        """Run an operation generator of ``_common`` over the socket."""
+        core = self._core
+        try:
+            cmd = next(gen)
+            while True:
+                if cmd is RECV:
+                    value = self._recv_event(core)
+                elif cmd is NEXT_CHUNK:
+                    value = next(chunks, None)
+                else:
+                    self._send_bytes(cmd)
+                    value = None
+                cmd = gen.send(value)
+        except StopIteration as stop:
+            return stop.value
+        except BaseException as exc:
+            gen.close()
+            # an operation that raised with requests in flight leaves the stream out of step
+            if self._core is core and core is not None and (core.conn.in_flight or isinstance(exc, ConnectionLost)):
+                self._drop()
+            raise
+
+    def _send_bytes(self, data) -> None:
+        try:
+            self._sock.sendall(data)
+        except OSError as exc:
+            self._drop()
+            raise ConnectionLost(f"connection to {self.server} lost while sending: {exc}") from exc
+
+    def _recv_event(self, core: Core):
+        conn = core.conn
+        while True:
+            try:
+                event = conn.next_event()
+            except RemoteProtocolError as exc:
+                self._drop()
+                raise ConnectionLost(f"protocol error from {self.server}: {exc.message}") from None
+            if event is not NEED_DATA:
+                return event
+            try:
+                data = self._sock.recv(RECV_SIZE)
+            except socket.timeout:
+                self._drop()
+                raise ConnectionLost(f"no reply from {self.server} within {self.timeout} s") from None
+            except OSError as exc:
+                self._drop()
+                raise ConnectionLost(f"connection to {self.server} lost: {exc}") from exc
+            if not data:
+                self._drop()
+                raise ConnectionLost(f"{self.server} closed the connection")
+            conn.receive_data(data)
+
+    def _call(self, make_gen, *, retry: bool = True):
+        """Run one operation; after a lost connection, reconnect and retry once if *retry*."""
+        with self._lock:
+            try:
+                return self._drive(make_gen(self._ensure()))
+            except ConnectionLost:
+                if not retry or self._closed:
+                    raise
+            self._reconnect_until_deadline()
+            return self._drive(make_gen(self._core))
+
+    def _reconnect_until_deadline(self) -> None:
+        deadline = time.monotonic() + self.reconnect_timeout
+        delay = 0.05
+        while True:
+            self._drop()
+            try:
+                self._connect()
+                return
+            except ConnectionLost:
+                if time.monotonic() + delay > deadline:
+                    raise
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    # -- operations ------------------------------------------------------------------------
+    def ping(self, payload: bytes = b"") -> bytes:
+        return self._call(lambda core: core.ping(payload))
+
+    def stat(self, name: str) -> tuple[int, bool]:
+        """(length, sealed) of *name*; raises SOSNotFound."""
+        return self._call(lambda core: core.stat(name))
+
+    def list(self, prefix: str = "") -> Iterator[ListEntry]:
+        """Every object whose name starts with *prefix*, in name order (paged internally)."""
+        after = ""
+        while True:
+            entries, more = self._call(lambda core: core.list_page(prefix, after, MAX_LIST_LIMIT))
+            yield from entries
+            if not more or not entries:
+                return
+            after = entries[-1].name
+
+    def append(self, name: str, offset: int, data, *, epoch: int = 0) -> int:
+        """Append *data* at *offset* (must be the current length); returns the new length.
+
+        Safe to retry: if it already landed, the server acknowledges it again."""
+        return self._call(lambda core: core.append(name, offset, data, epoch))
+
+    def append_many(self, name: str, offset: int, chunks: Iterable, *, epoch: int = 0,
+                    window_bytes: int = DEFAULT_WINDOW_BYTES, window_frames: int = DEFAULT_WINDOW_FRAMES) -> int:
+        """Append every chunk in order starting at *offset*, pipelined; returns the new length.
+
+        At most *window_bytes* are unacknowledged at once (memory stays bounded however
+        large *chunks* is).  If the connection is lost, reconnects, checks the server's
+        length and re-sends what was not acknowledged: nothing is missing or doubled."""
+        job = AppendJob(name, offset, epoch, window_bytes=window_bytes, window_frames=window_frames)
+        it = iter(chunks)
+        with self._lock:
+            core = self._ensure()
+            while True:
+                try:
+                    return self._drive(job.run(core), it)
+                except ConnectionLost:
+                    if self._closed:
+                        raise
+                self._reconnect_until_deadline()
+                core = self._core
+                self._drive(job.resume_check(core))
+
+    def read(self, name: str, offset: int = 0, length: int = 0) -> bytes:
+        """Bytes of *name* from *offset*, *length* of them (0 = to the end)."""
+        return b"".join(self.read_iter(name, offset, length))
+
+    def read_iter(self, name: str, offset: int = 0, length: int = 0, *, step: int = READ_STEP) -> Iterator[bytes]:
+        """Stream *name* in chunks; holds at most *step* bytes at a time; resumes after a lost connection."""
+        remaining = length
+        while True:
+            ask = step if length == 0 else min(step, remaining)
+            chunks = self._call(lambda core: core.read_step(name, offset, ask))
+            got = 0
+            for chunk in chunks:
+                if chunk:
+                    got += len(chunk)
+                    yield chunk
+            offset += got
+            if length:
+                remaining -= got
+                if remaining <= 0:
+                    return
+            if got < ask:
+                return
+
+    def seal(self, name: str, *, epoch: int = 0) -> int:
+        """Seal *name* (no more appends); idempotent; returns its final length."""
+        return self._call(lambda core: core.seal(name, epoch))
+
+    def fence(self, epoch: int) -> int:
+        """Refuse appends with an epoch below *epoch* in this namespace from now on."""
+        return self._call(lambda core: core.fence(epoch), retry=False)
