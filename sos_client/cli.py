@@ -1,0 +1,246 @@
+"""The ``sos`` command: put, cat, ls, stat (here) and restore, verify, mount (hooks).
+
+    sos put LOCALFILE NS/NAME     upload a file as a new object (refuses an existing name)
+    sos cat NS/NAME               stream an object to stdout
+    sos ls NS[/PREFIX]            one object per line: name<TAB>length[<TAB>sealed]
+    sos stat NS/NAME              print the object's length
+
+Connection options (every subcommand): ``--server HOST:PORT`` (default $SOS_SERVER or
+127.0.0.1:7070), ``--key KEY`` (default $SOS_KEY), ``--tls``/``--tls-ca FILE``,
+``--timeout S``.  Exit status: 0 ok, 1 the operation failed, 2 usage.  Errors are
+one line on stderr: ``sos: <message>``.
+
+Other parts plug in subcommands: ``sos_client.journal.cli.add_parsers(subparsers)``
+and ``spark_plugin.cli_mount.add_parser(subparsers)``, imported lazily and skipped
+if not importable.  Each subparser sets ``func=callable(args) -> int`` and calls
+:func:`add_connection_options`; :func:`client_from_args` builds a Client from them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import ssl
+import sys
+
+from sos_wire.names import BadName, validate_name, validate_namespace
+
+from ._common import DEFAULT_SERVER
+from .errors import SOSError, SOSNotFound
+
+__all__ = ["main", "build_parser", "add_connection_options", "client_from_args", "split_target", "UsageError"]
+
+CHUNK = 1 << 20
+
+
+class UsageError(Exception):
+    """Bad command-line input (exit status 2)."""
+
+
+def add_connection_options(parser: argparse.ArgumentParser) -> None:
+    """Add --server, --key, --tls, --tls-ca, --timeout to *parser* (defaults from SOS_SERVER/SOS_KEY)."""
+    g = parser.add_argument_group("connection")
+    g.add_argument("--server", default=os.environ.get("SOS_SERVER") or DEFAULT_SERVER, metavar="HOST:PORT",
+                   help="SOS server (default: $SOS_SERVER or %(default)s)")
+    g.add_argument("--key", default=os.environ.get("SOS_KEY"), metavar="KEY",
+                   help="key of the namespace, as printed by `sos-server keygen` (default: $SOS_KEY)")
+    g.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system CAs")
+    g.add_argument("--tls-ca", metavar="FILE", default=None, help="connect with TLS, trusting this CA file")
+    g.add_argument("--timeout", type=float, default=30.0, metavar="S",
+                   help="seconds to wait for the server (default: %(default)s)")
+
+
+def client_from_args(args: argparse.Namespace, namespace: str):
+    """A connected blocking Client from the options of :func:`add_connection_options`."""
+    from .blocking import Client
+
+    tls = None
+    if getattr(args, "tls_ca", None):
+        tls = ssl.create_default_context(cafile=args.tls_ca)
+    elif getattr(args, "tls", False):
+        tls = ssl.create_default_context()
+    return Client(args.server, args.key, namespace, timeout=getattr(args, "timeout", 30.0), tls=tls)
+
+
+def split_target(text: str, *, need_name: bool = True) -> tuple[str, str]:
+    """``"NS/a/b"`` -> ``("NS", "a/b")``; raises UsageError with a clear message."""
+    ns, sep, name = text.partition("/")
+    if need_name and not name:
+        raise UsageError(f"{text!r}: expected NAMESPACE/NAME")
+    try:
+        validate_namespace(ns)
+        if need_name:
+            validate_name(name)
+    except BadName as exc:
+        raise UsageError(str(exc)) from None
+    return ns, name
+
+
+# -- subcommands ----------------------------------------------------------------------
+def cmd_put(args) -> int:
+    ns, name = split_target(args.target)
+    src = sys.stdin.buffer if args.localfile == "-" else None
+    if src is None:
+        try:
+            src = open(args.localfile, "rb")
+        except OSError as exc:
+            raise SOSError(f"cannot read {args.localfile}: {exc.strerror or exc}") from None
+    with src, client_from_args(args, ns) as client:
+        try:
+            length, sealed = client.stat(name)
+        except SOSNotFound:
+            pass
+        else:
+            raise FileExistsError(
+                f"{ns}/{name} already exists ({length} bytes{', sealed' if sealed else ''}); objects are append-only"
+            )
+
+        def chunks():
+            while True:
+                data = src.read(CHUNK)
+                if not data:
+                    return
+                yield data
+
+        total = client.append_many(name, 0, chunks())
+        if total == 0:
+            client.append(name, 0, b"")  # an empty file becomes an empty object
+        if args.seal:
+            client.seal(name)
+    if args.verbose:
+        print(f"{ns}/{name}: {total} bytes", file=sys.stderr)
+    return 0
+
+
+def cmd_cat(args) -> int:
+    ns, name = split_target(args.target)
+    out = sys.stdout.buffer
+    with client_from_args(args, ns) as client:
+        for chunk in client.read_iter(name, args.offset, args.length):
+            out.write(chunk)
+    out.flush()
+    return 0
+
+
+def cmd_ls(args) -> int:
+    ns, prefix = split_target(args.target, need_name=False)
+    out = sys.stdout
+    with client_from_args(args, ns) as client:
+        for entry in client.list(prefix):
+            out.write(f"{entry.name}\t{entry.length}{chr(9) + 'sealed' if entry.sealed else ''}\n")
+    out.flush()
+    return 0
+
+
+def cmd_stat(args) -> int:
+    ns, name = split_target(args.target)
+    with client_from_args(args, ns) as client:
+        length, sealed = client.stat(name)
+    print(f"{length}\tsealed" if sealed and args.verbose else length)
+    return 0
+
+
+# -- parser ---------------------------------------------------------------------------
+_HOOKS = (
+    ("sos_client.journal.cli", "add_parsers"),  # restore, verify (owner: journal)
+    ("spark_plugin.cli_mount", "add_parser"),  # mount (owner: mount)
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sos", description="SOS: append-only journal replication for Spark checkpoints.",
+        epilog="Exit status: 0 ok, 1 the operation failed, 2 usage.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("put", help="upload a local file as a new object",
+                       description="Upload LOCALFILE (- for stdin) as the new object NS/NAME. "
+                                   "Refuses a name that exists: objects are append-only.")
+    p.add_argument("localfile", metavar="LOCALFILE")
+    p.add_argument("target", metavar="NS/NAME")
+    p.add_argument("--seal", action="store_true", help="seal the object after the upload")
+    p.add_argument("-v", "--verbose", action="store_true", help="print the length written on stderr")
+    add_connection_options(p)
+    p.set_defaults(func=cmd_put)
+
+    p = sub.add_parser("cat", help="write an object to stdout", description="Stream NS/NAME to stdout.")
+    p.add_argument("target", metavar="NS/NAME")
+    p.add_argument("--offset", type=_nonneg, default=0, help="first byte (default 0)")
+    p.add_argument("--length", type=_nonneg, default=0, help="bytes to write (default 0 = to the end)")
+    add_connection_options(p)
+    p.set_defaults(func=cmd_cat)
+
+    p = sub.add_parser("ls", help="list objects",
+                       description="List the objects of NS whose names start with PREFIX, "
+                                   "one per line: NAME<TAB>LENGTH[<TAB>sealed].")
+    p.add_argument("target", metavar="NS[/PREFIX]")
+    add_connection_options(p)
+    p.set_defaults(func=cmd_ls)
+
+    p = sub.add_parser("stat", help="print an object's length", description="Print the length of NS/NAME.")
+    p.add_argument("target", metavar="NS/NAME")
+    p.add_argument("-v", "--verbose", action="store_true", help="also say whether it is sealed")
+    add_connection_options(p)
+    p.set_defaults(func=cmd_stat)
+
+    for module_name, hook in _HOOKS:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue  # that part is not installed (or not written yet)
+        getattr(module, hook)(sub)
+    return parser
+
+
+def _nonneg(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative: {value}")
+    return value
+
+
+def _error(message: str) -> None:
+    print(f"sos: {' '.join(str(message).split())}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a usage error (2)
+        return exc.code if isinstance(exc.code, int) else 2
+    if getattr(args, "func", None) is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except UsageError as exc:
+        _error(exc)
+        return 2
+    except BrokenPipeError:  # `sos cat x | head`: the reader left; not worth a message
+        try:
+            sys.stdout = open(os.devnull, "w")
+        except OSError:  # pragma: no cover
+            pass
+        return 1
+    except KeyboardInterrupt:
+        _error("interrupted")
+        return 130
+    except FileExistsError as exc:
+        _error(exc)
+        return 1
+    except SOSError as exc:
+        _error(exc.message or exc)
+        return 1
+    except OSError as exc:
+        _error(exc)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
