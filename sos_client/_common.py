@@ -316,7 +316,7 @@ class AppendJob:
     def run(self, core: Core):
         """Generator: send everything, keeping the window full; returns the final length."""
         limit = core.max_piece(self.name)
-        target = min(PIECE_TARGET, limit)
+        target = min(PIECE_TARGET, limit, max(1, self.window_bytes // 4))  # several pieces fit the window
         by_rid: dict[int, _Piece] = {}
         for piece in self.unacked:  # a resume: re-send what was not acknowledged
             yield self._send_piece(core, piece)
