@@ -191,18 +191,23 @@ def cmd_serve(args) -> int:
         idle_timeout=args.idle_timeout,
     )
 
+    async def retention_once() -> None:
+        try:
+            await engine.gc(args.keep_generations, args.min_age)
+        except Exception:
+            log.exception("retention failed")
+
     async def retention() -> None:
         while True:
-            try:
-                await engine.gc(args.keep_generations, args.min_age)
-            except Exception:
-                log.exception("retention failed")
             await trio.sleep(args.gc_interval)
+            await retention_once()
 
     async def main_task() -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with trio.open_nursery() as nursery:
                 await nursery.start(engine.run)
+                if args.keep_generations:
+                    await retention_once()  # before serving: clients see the result
                 try:
                     host, port = await nursery.start(listener.serve)
                 except OSError as exc:
