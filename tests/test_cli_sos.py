@@ -1,0 +1,155 @@
+"""The `sos` command (put/cat/ls/stat) against a REAL server, run as a subprocess."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ServerProcess
+from sos_client import cli
+
+SOS = [shutil.which("sos")] if shutil.which("sos") else [sys.executable, "-m", "sos_client.cli"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    base = tmp_path_factory.mktemp("cli")
+    srv = ServerProcess(base / "data", log_path=base / "server.log").start()
+    yield srv
+    srv.stop()
+
+
+_n = iter(range(10_000))
+
+
+@pytest.fixture
+def env(server):
+    ns = f"c{next(_n)}"
+    e = dict(os.environ, SOS_SERVER=server.address, SOS_KEY=server.keygen(ns, "append"))
+    return ns, e
+
+
+def sos(*args, env, input=None):
+    return subprocess.run([*SOS, *args], env=env, input=input, capture_output=True, timeout=120)
+
+
+def test_put_cat_ls_stat_round_trip(env, tmp_path):
+    ns, e = env
+    data = os.urandom((3 << 20) + 17)
+    src = tmp_path / "blob"
+    src.write_bytes(data)
+    r = sos("put", str(src), f"{ns}/dir/blob", env=e)
+    assert r.returncode == 0, r.stderr
+    r = sos("cat", f"{ns}/dir/blob", env=e)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == data
+    r = sos("stat", f"{ns}/dir/blob", env=e)
+    assert (r.returncode, r.stdout) == (0, f"{len(data)}\n".encode())
+    (tmp_path / "small").write_bytes(b"tiny")
+    assert sos("put", "--seal", str(tmp_path / "small"), f"{ns}/dir/small", env=e).returncode == 0
+    r = sos("ls", f"{ns}/dir/", env=e)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.decode().splitlines() == [f"dir/blob\t{len(data)}", "dir/small\t4\tsealed"]
+    r = sos("ls", ns, env=e)
+    assert len(r.stdout.decode().splitlines()) == 2
+    r = sos("cat", "--offset", "1", "--length", "2", f"{ns}/dir/small", env=e)
+    assert r.stdout == b"in"
+
+
+def test_options_instead_of_environment(server, tmp_path):
+    key = server.keygen("opts", "append")
+    e = {k: v for k, v in os.environ.items() if k not in ("SOS_SERVER", "SOS_KEY")}
+    r = sos("put", "-", "opts/from-stdin", "--server", server.address, "--key", key, env=e, input=b"piped")
+    assert r.returncode == 0, r.stderr
+    r = sos("cat", "opts/from-stdin", "--server", server.address, "--key", key, env=e)
+    assert r.stdout == b"piped"
+
+
+def test_put_refuses_an_existing_name(env, tmp_path):
+    ns, e = env
+    f = tmp_path / "f"
+    f.write_bytes(b"first")
+    assert sos("put", str(f), f"{ns}/x", env=e).returncode == 0
+    f.write_bytes(b"second")
+    r = sos("put", str(f), f"{ns}/x", env=e)
+    assert r.returncode == 1
+    err = r.stderr.decode()
+    assert err.startswith("sos: ") and err.count("\n") == 1
+    assert f"{ns}/x already exists (5 bytes)" in err
+    assert sos("cat", f"{ns}/x", env=e).stdout == b"first"
+
+
+def test_empty_file_becomes_an_empty_object(env, tmp_path):
+    ns, e = env
+    (tmp_path / "empty").write_bytes(b"")
+    assert sos("put", str(tmp_path / "empty"), f"{ns}/empty", env=e).returncode == 0
+    assert sos("stat", f"{ns}/empty", env=e).stdout == b"0\n"
+
+
+def test_failures_exit_1_with_one_line(env, server, tmp_path):
+    ns, e = env
+    r = sos("cat", f"{ns}/missing", env=e)
+    assert r.returncode == 1 and r.stdout == b""
+    assert r.stderr.decode().startswith("sos: ") and "NOT_FOUND" in r.stderr.decode()
+    assert r.stderr.decode().count("\n") == 1
+    r = sos("put", str(tmp_path / "no-such-file"), f"{ns}/y", env=e)
+    assert r.returncode == 1 and "cannot read" in r.stderr.decode()
+    bad_key = dict(e, SOS_KEY="00" * 8 + "." + "00" * 32)
+    r = sos("stat", f"{ns}/x", env=bad_key)
+    assert r.returncode == 1 and "AUTH_FAILED" in r.stderr.decode()
+
+
+def test_usage_errors_exit_2(env):
+    ns, e = env
+    for args in (["stat", "no-slash"], ["cat", "BAD/x"], ["stat", f"{ns}/../x"], ["frobnicate"], []):
+        r = sos(*args, env=e)
+        assert r.returncode == 2, (args, r.stderr)
+        assert r.stderr
+
+
+def test_help_everywhere():
+    for args in (["--help"], ["put", "--help"], ["cat", "--help"], ["ls", "--help"], ["stat", "--help"]):
+        r = subprocess.run([*SOS, *args], capture_output=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert b"usage: sos" in r.stdout
+    assert b"--server" in subprocess.run([*SOS, "put", "--help"], capture_output=True, timeout=120).stdout
+
+
+# -- in-process: dispatch and hooks ------------------------------------------------------
+def test_missing_key_is_an_operation_failure(monkeypatch, capsys):
+    monkeypatch.delenv("SOS_KEY", raising=False)
+    monkeypatch.setenv("SOS_SERVER", "127.0.0.1:9")
+    assert cli.main(["stat", "ns/x"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("sos: no key given")
+
+
+def test_hooks_are_optional_and_dispatched(monkeypatch, capsys):
+    import types
+
+    calls = []
+
+    def add_parsers(sub):
+        p = sub.add_parser("hooked")
+        cli.add_connection_options(p)
+        p.set_defaults(func=lambda args: calls.append(args.server) or 3)
+
+    fake = types.ModuleType("fake_sos_hook")
+    fake.add_parsers = add_parsers
+    monkeypatch.setitem(sys.modules, "fake_sos_hook", fake)
+    monkeypatch.setattr(cli, "_HOOKS", (("no_such_module_xyz", "add_parser"), ("fake_sos_hook", "add_parsers")))
+    assert cli.main(["hooked", "--server", "h:1"]) == 3
+    assert calls == ["h:1"]
+
+
+def test_split_target():
+    assert cli.split_target("ns/a/b") == ("ns", "a/b")
+    assert cli.split_target("ns", need_name=False) == ("ns", "")
+    assert cli.split_target("ns/pre", need_name=False) == ("ns", "pre")
+    for bad in ("ns", "ns/", "NS/a", "ns//a", "/a"):
+        with pytest.raises(cli.UsageError):
+            cli.split_target(bad)
