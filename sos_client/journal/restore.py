@@ -159,6 +159,14 @@ def generation_records(client, gen: layout.GenerationInfo, *, on_bytes=None, not
                 if notes is not None:
                     notes.append(f"{seg.name}: write in progress at offset {e.offset} (ignored)")
                 return
+            if i < len(segs) - 1 and segs[i + 1].first_seq == (expected if expected is not None
+                                                                 else seg.first_seq):
+                # A writer died in the middle of an append; the next writer resumed with the
+                # record that was cut (same seq) in a new segment: the partial bytes are dead.
+                if notes is not None:
+                    notes.append(f"{seg.name}: abandoned partial record at offset {e.offset} "
+                                 f"(superseded by {segs[i + 1].name})")
+                continue
             raise
 
 

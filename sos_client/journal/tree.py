@@ -56,6 +56,17 @@ def rename_noreplace(src: str, dst: str) -> None:
     os.unlink(src)
 
 
+def _clear(directory: str) -> None:
+    import shutil
+
+    for name in os.listdir(directory):
+        p = os.path.join(directory, name)
+        if os.path.isdir(p) and not os.path.islink(p):
+            shutil.rmtree(p)
+        else:
+            os.unlink(p)
+
+
 class JournaledTree:
     def __init__(self, cache_dir: str, writer):
         self.cache_dir = os.path.abspath(cache_dir)
@@ -76,27 +87,33 @@ class JournaledTree:
     # ------------------------------------------------------------------ start-up
     def _bootstrap(self) -> None:
         w = self._writer
+        self._dirty_path = os.path.join(os.path.abspath(w.spool_dir), "tree-dirty")
+        crashed = os.path.exists(self._dirty_path)
         cache_empty = not os.listdir(self.cache_dir)
         if w.generation == 0:
             # Brand-new namespace: generation 1 starts with a snapshot of the cache (empty
             # normally; a restored directory otherwise).
             w.rotate(self._snapshot_ops())
-            return
-        if cache_empty and (not w.had_spool or w.last_seq > 0):
+        elif (cache_empty and (not w.had_spool or w.last_seq > 0)) or (crashed and w.had_spool):
+            # Empty cache, or the previous process died between changing the cache and
+            # journaling the change: the journal is the truth. Ship the spool, then rebuild
+            # the cache from the server by the same code as restore.
             if w.had_spool:
                 w.barrier()
             from .restore import rebuild_cache
 
+            _clear(self.cache_dir)
             last = rebuild_cache(w.client_factory, w.namespace, self.cache_dir)
             self.rebuilt = True
             if not w.generation_complete or last != w.last_seq:
                 w.rotate(self._snapshot_ops())
-            return
-        if not w.had_spool or not w.generation_complete:
+        elif not w.had_spool or not w.generation_complete:
             # The cache's relation to the server's journal is unknown (fresh spool with an
             # existing cache, e.g. after a point-in-time restore) or the current generation's
             # snapshot was cut short: start a new generation from the cache as it is.
             w.rotate(self._snapshot_ops())
+        with open(self._dirty_path, "w") as f:
+            f.write("cache in use; removed by a clean close\n")
 
     def _snapshot_ops(self) -> Iterator[Op]:
         """MKDIR/CREATE/WRITE records rebuilding the cache, streamed from the files."""
@@ -234,7 +251,12 @@ class JournaledTree:
         if self._closed:
             return
         self._closed = True
-        self._writer.close()
+        with self._lock:
+            self._writer.close()
+            try:
+                os.unlink(self._dirty_path)
+            except FileNotFoundError:
+                pass
 
     def __enter__(self):
         return self

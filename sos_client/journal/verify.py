@@ -210,6 +210,10 @@ def verify(client_factory, namespace: str, *, progress=None) -> VerifyReport:
                     except JournalTruncated as e:
                         if i == len(g.segments) - 1 and not seg.sealed and g.generation == newest:
                             rep.notes.append(f"{seg.name}: write in progress at offset {e.offset}")
+                        elif i < len(g.segments) - 1 and g.segments[i + 1].first_seq == (
+                                expected if expected is not None else seg.first_seq):
+                            rep.notes.append(f"{seg.name}: abandoned partial record at offset {e.offset} "
+                                             f"(superseded by {g.segments[i + 1].name})")
                         else:
                             rep.problems.append(Problem(seg.name, e.offset, None, e.reason))
                         break
