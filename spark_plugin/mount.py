@@ -342,7 +342,8 @@ class SOSOperations(_OperationsBase):
             raise
 
     async def _barrier(self) -> None:
-        await self._call(self.tree.sync)
+        """Wait until every record so far is durable on the server (in both modes)."""
+        await self._call(self.tree.sync, wait=True)
 
     # ------------------------------------------------------------ attributes
     @_guard
@@ -641,10 +642,9 @@ class SOSOperations(_OperationsBase):
         overwrite = not (flags & _RENAME_NOREPLACE)
         if not overwrite and os.path.lexists(self._local(dst)):
             raise pyfuse3.FUSEError(errno.EEXIST)
+        # In sync mode the tree waits for the server before it returns (the barrier).
         await self._call(self.tree.rename, src, dst, overwrite=overwrite)
         self.inodes.renamed(src, dst)
-        if self.sync_mode:  # the tree barriers in sync mode; this is cheap then
-            await self._barrier()
 
 
 # ---------------------------------------------------------------------------
@@ -673,13 +673,10 @@ def fuse_options(namespace: str, *, allow_other: bool = False, debug: bool = Fal
 class MountedTree:
     """The journal side of a mount: writer + tree over `<cache>/tree`, spool in `<cache>/spool`.
 
-    Opening fences every older writer first (`JournalWriter.open`), so nobody can
-    append behind our back. Then the local tree is trusted only if the spool held
-    segments (the spool is the writer's source of truth and the writer refuses a
-    spool the server has moved past); otherwise, or if the tree directory is empty,
-    the tree is rebuilt from the server with the journal core's restore, into a
-    temporary directory that replaces the tree only when complete (a crash during
-    the rebuild leaves no half tree behind).
+    `JournaledTree` does the start-up work: the writer fences every older writer
+    first, then an empty (or crash-dirty) cache is rebuilt from the server by the
+    same code as `sos restore`. A spool that the server has moved past (another
+    writer took over since) is refused with a hint to drop the cache.
     """
 
     def __init__(self, namespace: str, server: str, key: str, cache_dir: str, *,
@@ -694,7 +691,6 @@ class MountedTree:
         self.max_lag_bytes = max_lag_bytes
         self.writer = None
         self.tree = None
-        self.rebuilt = False
 
     def client_factory(self):
         from sos_client import Client
@@ -702,41 +698,26 @@ class MountedTree:
         return Client(self.server, self.key, self.namespace)
 
     def open(self) -> None:
+        from sos_client.journal.errors import SpoolStale
         from sos_client.journal.tree import JournaledTree
         from sos_client.journal.writer import JournalWriter
 
+        os.makedirs(self.tree_dir, exist_ok=True)
         os.makedirs(self.spool_dir, exist_ok=True)
         self.writer = JournalWriter(self.client_factory, self.namespace, self.spool_dir,
                                     sync=self.sync, max_lag_bytes=self.max_lag_bytes)
-        self.writer.open()
         try:
-            had_spool = getattr(self.writer, "had_spool", True)
-            if not had_spool or _dir_is_empty(self.tree_dir):
-                self._rebuild()
+            self.writer.open()
             self.tree = JournaledTree(self.tree_dir, self.writer)
+        except SpoolStale as exc:
+            self.writer.close()
+            raise RuntimeError(f"{exc}. The cache {self.cache_dir} is stale: remove it (or use "
+                               f"another --cache) to mount the server's state") from exc
         except BaseException:
             self.writer.close()
             raise
-
-    def _rebuild(self) -> None:
-        import shutil
-
-        from sos_client.journal.restore import restore
-
-        self.writer.barrier()  # whatever the spool still holds lands on the server first
-        log.info("rebuilding the cache %s of namespace %r from %s", self.tree_dir,
-                 self.namespace, self.server)
-        staging = self.tree_dir + ".rebuild"
-        old = self.tree_dir + ".old"
-        for leftover in (staging, old):
-            shutil.rmtree(leftover, ignore_errors=True)
-        os.makedirs(staging)
-        restore(self.client_factory, self.namespace, staging)
-        if os.path.exists(self.tree_dir):
-            os.rename(self.tree_dir, old)
-        os.rename(staging, self.tree_dir)
-        shutil.rmtree(old, ignore_errors=True)
-        self.rebuilt = True
+        if getattr(self.tree, "rebuilt", False):
+            log.info("cache %s was rebuilt from the server", self.tree_dir)
 
     def close(self) -> None:
         if self.tree is not None:
@@ -793,7 +774,7 @@ def run_mount(namespace: str, mountpoint: str, *, server: str, key: str,
         log.info("unmounted %s", mountpoint)
         if ops.fenced is None:
             try:
-                journal.tree.sync()
+                journal.tree.sync(wait=True)
             except Exception as exc:  # noqa: BLE001 - reported, exit code says it
                 ops._note_failure(exc)
                 log.error("final flush failed: %r", exc)

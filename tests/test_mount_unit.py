@@ -92,7 +92,7 @@ class RecordingTree:
         self._record("marker", label, payload)
         return len(self.calls)
 
-    def sync(self):
+    def sync(self, wait=None):
         if self.fenced:
             raise Fenced("fenced by epoch 7")
         self.syncs += 1
@@ -125,6 +125,8 @@ def mounted(tmp_path):
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     try:
+        os.stat(mnt)  # answered only once the loop serves, so trio_token is set from here on
+        assert pyfuse3.trio_token is not None
         yield str(mnt), tree, ops
     finally:
         try:

@@ -1,0 +1,346 @@
+"""End-to-end tests of `sos mount`: a real sos-server process, a real mount
+process (MountProcess -> `python -m spark_plugin.cli_mount`), real files.
+
+After each sequence of operations the namespace is restored from the server
+(the journal core's restore) into a fresh directory and compared with what was
+written through the mount. Nothing here depends on timing: every wait is for
+a condition, with a generous deadline.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import signal
+import stat
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+pytest.importorskip("pyfuse3")
+
+from spark_plugin.mount import MountProcess, is_mounted  # noqa: E402
+
+pytestmark = [
+    pytest.mark.fuse,
+    pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="/dev/fuse is missing: no FUSE"),
+    pytest.mark.timeout(240),
+]
+
+NS = "mnt"
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture
+def server(sos_server):
+    """The shared real sos-server process (tests/conftest.py)."""
+    return sos_server
+
+
+@pytest.fixture
+def key(server):
+    return server.keygen(NS, "append")
+
+
+@pytest.fixture
+def mounts(tmp_path, server, key):
+    """Factory of MountProcess objects; every mount is stopped and unmounted at teardown."""
+    started = []
+
+    def make(name="m", cache=None, sync=True, start=True):
+        mp = MountProcess(NS, str(tmp_path / f"mnt-{name}"),
+                          str(cache or tmp_path / f"cache-{name}"), server.address, key,
+                          sync=sync, log_path=str(tmp_path / f"mount-{name}-{len(started)}.log"))
+        started.append(mp)
+        if start:
+            mp.start()
+        return mp
+
+    yield make
+    for mp in started:
+        try:
+            if mp.proc is not None and mp.proc.poll() is None:
+                mp.kill()
+        finally:
+            subprocess.run(["fusermount3", "-u", "-z", mp.mountpoint], capture_output=True)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def snapshot(root):
+    """{relative path: None (directory) | bytes (file)} of everything below root."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel = os.path.relpath(dirpath, root)
+        for d in dirnames:
+            out[os.path.normpath(os.path.join(rel, d))] = None
+        for f in filenames:
+            with open(os.path.join(dirpath, f), "rb") as fh:
+                out[os.path.normpath(os.path.join(rel, f))] = fh.read()
+    return out
+
+
+def restored(server, key, tmp_path):
+    """Restore the namespace from the server into a fresh directory; return its snapshot."""
+    from sos_client import Client
+    from sos_client.journal.restore import restore
+
+    target = tmp_path / f"restored-{uuid.uuid4().hex[:8]}"
+    restore(lambda: Client(server.address, key, NS), NS, str(target))
+    return snapshot(target)
+
+
+def write_file(path, data, chunk=64 << 10):
+    with open(path, "wb") as f:
+        for i in range(0, len(data), chunk):
+            f.write(data[i:i + chunk])
+
+
+def read_file(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+RENAME_NOREPLACE = 1
+
+
+def renameat2(src, dst, flags=RENAME_NOREPLACE):
+    if _libc.renameat2(-100, os.fsencode(src), -100, os.fsencode(dst), flags) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e), dst)
+
+
+def spark_write(root, rel, data, *, overwrite):
+    """Spark's CheckpointFileManager: temp file `.<name>.<uuid>.tmp`, then rename."""
+    d, name = os.path.split(os.path.join(root, rel))
+    tmp = os.path.join(d, f".{name}.{uuid.uuid4()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+    if overwrite:
+        os.rename(tmp, os.path.join(d, name))
+    else:
+        renameat2(tmp, os.path.join(d, name))
+
+
+# --------------------------------------------------------------------------- FUSE semantics
+
+
+def test_create_write_read_back_then_restore(mounts, server, key, tmp_path):
+    m = mounts().mountpoint
+    big = os.urandom(3 * (1 << 20) + 12345)  # > one WRITE record, many FUSE writes
+    expected = {
+        "empty": b"",
+        "small": b"hello sos\n",
+        "dir": None,
+        "dir/sub": None,
+        "dir/sub/big.bin": big,
+    }
+    os.makedirs(os.path.join(m, "dir", "sub"))
+    for rel, data in expected.items():
+        if data is not None:
+            write_file(os.path.join(m, rel), data)
+    # random-offset write inside an existing file (pwrite), read back
+    with open(os.path.join(m, "small"), "r+b") as f:
+        f.seek(6)
+        f.write(b"SOS")
+    expected["small"] = b"hello SOS\n"
+    assert read_file(os.path.join(m, "dir", "sub", "big.bin")) == big
+    assert snapshot(m) == expected
+    assert restored(server, key, tmp_path) == expected
+
+
+def test_rename_replace_and_noreplace(mounts, server, key, tmp_path):
+    m = mounts().mountpoint
+    write_file(os.path.join(m, "a"), b"AAA")
+    write_file(os.path.join(m, "b"), b"BBB")
+    with pytest.raises(OSError) as info:
+        renameat2(os.path.join(m, "a"), os.path.join(m, "b"))
+    assert info.value.errno == errno.EEXIST
+    assert read_file(os.path.join(m, "b")) == b"BBB"
+    renameat2(os.path.join(m, "a"), os.path.join(m, "c"))  # no target: allowed
+    os.rename(os.path.join(m, "c"), os.path.join(m, "b"))  # replaces
+    os.makedirs(os.path.join(m, "d1", "x"))
+    write_file(os.path.join(m, "d1", "x", "f"), b"F")
+    os.rename(os.path.join(m, "d1"), os.path.join(m, "d2"))  # directory with content
+    assert read_file(os.path.join(m, "d2", "x", "f")) == b"F"
+    expected = {"b": b"AAA", "d2": None, "d2/x": None, "d2/x/f": b"F"}
+    assert snapshot(m) == expected
+    assert restored(server, key, tmp_path) == expected
+
+
+def test_unlink_mkdir_rmdir_readdir(mounts, server, key, tmp_path):
+    m = mounts().mountpoint
+    os.mkdir(os.path.join(m, "d"))
+    for i in range(50):
+        write_file(os.path.join(m, "d", f"f{i:03d}"), str(i).encode())
+    assert sorted(os.listdir(os.path.join(m, "d"))) == [f"f{i:03d}" for i in range(50)]
+    with pytest.raises(OSError) as info:
+        os.rmdir(os.path.join(m, "d"))
+    assert info.value.errno == errno.ENOTEMPTY
+    with pytest.raises(FileExistsError):
+        os.mkdir(os.path.join(m, "d"))
+    for i in range(0, 50, 2):
+        os.unlink(os.path.join(m, "d", f"f{i:03d}"))
+    os.mkdir(os.path.join(m, "gone"))
+    os.rmdir(os.path.join(m, "gone"))
+    with pytest.raises(FileNotFoundError):
+        os.unlink(os.path.join(m, "d", "f000"))
+    names = sorted(e.name for e in os.scandir(os.path.join(m, "d")))
+    assert names == [f"f{i:03d}" for i in range(1, 50, 2)]
+    expected = {"d": None, **{f"d/f{i:03d}": str(i).encode() for i in range(1, 50, 2)}}
+    assert snapshot(m) == expected
+    assert restored(server, key, tmp_path) == expected
+
+
+def test_chmod_utime_truncate_statfs_fsync(mounts, server, key, tmp_path):
+    m = mounts().mountpoint
+    p = os.path.join(m, "f")
+    write_file(p, b"0123456789")
+    os.chmod(p, 0o640)
+    assert stat.S_IMODE(os.stat(p).st_mode) == 0o640
+    os.utime(p, ns=(1_500_000_000_000_000_000, 1_600_000_000_000_000_000))
+    assert os.stat(p).st_mtime_ns == 1_600_000_000_000_000_000
+    os.truncate(p, 4)  # setattr size -> TRUNCATE record
+    with open(p, "r+b") as f:
+        f.truncate(6)  # ftruncate, grows with zeros
+        f.seek(0, os.SEEK_END)
+        f.write(b"!")
+        f.flush()
+        os.fsync(f.fileno())
+    fd = os.open(os.path.join(m, "g"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.write(fd, b"x" * 100)
+    os.fsync(fd)
+    os.close(fd)
+    fd = os.open(os.path.join(m, "g"), os.O_WRONLY | os.O_TRUNC)  # open(O_TRUNC) truncates
+    os.write(fd, b"y")
+    os.close(fd)
+    sv = os.statvfs(m)
+    assert sv.f_bsize > 0 and sv.f_blocks > 0 and sv.f_namemax >= 255
+    assert os.access(p, os.R_OK | os.W_OK)
+    expected = {"f": b"0123\0\0!", "g": b"y"}
+    assert snapshot(m) == expected
+    assert restored(server, key, tmp_path) == expected
+
+
+def test_spark_checkpoint_pattern_many_files(mounts, server, key, tmp_path):
+    """Metadata logs rename without overwrite, state files with overwrite, old files deleted."""
+    m = mounts().mountpoint
+    chk = os.path.join(m, "chk")
+    for d in ("offsets", "commits", "sources/0", "state/0/0", "state/0/1"):
+        os.makedirs(os.path.join(chk, d), exist_ok=True)
+    spark_write(chk, "metadata", b'{"id":"q"}', overwrite=False)
+    expected_files = {"chk/metadata": b'{"id":"q"}'}
+    for batch in range(40):
+        spark_write(chk, f"sources/0/{batch}", b"v1\n%d" % batch, overwrite=False)
+        spark_write(chk, f"offsets/{batch}", b"v1\noffset %d" % batch, overwrite=False)
+        for part in (0, 1):
+            spark_write(chk, f"state/0/{part}/{batch + 1}.delta", os.urandom(300), overwrite=True)
+        spark_write(chk, f"commits/{batch}", b"v1\n{}", overwrite=False)
+        with pytest.raises(FileExistsError):  # a second query on the same checkpoint
+            spark_write(chk, f"commits/{batch}", b"other", overwrite=False)
+        if batch >= 10:  # maintenance deletes old deltas
+            for part in (0, 1):
+                os.unlink(os.path.join(chk, f"state/0/{part}/{batch - 9}.delta"))
+    # every leftover temp file of the refused renames is still there: clean them like Spark
+    for dirpath, _, files in os.walk(chk):
+        for f in files:
+            if f.endswith(".tmp"):
+                os.unlink(os.path.join(dirpath, f))
+    got = snapshot(m)
+    assert not any(k.endswith(".tmp") for k in got)
+    for batch in range(40):
+        expected_files[f"chk/commits/{batch}"] = b"v1\n{}"
+        expected_files[f"chk/offsets/{batch}"] = b"v1\noffset %d" % batch
+    for rel, data in expected_files.items():
+        assert got[rel] == data
+    assert sorted(os.listdir(os.path.join(chk, "state/0/0"))) == sorted(
+        f"{v}.delta" for v in range(31, 41))
+    assert restored(server, key, tmp_path) == got
+
+
+# --------------------------------------------------------------------------- process life
+
+
+def test_sigterm_unmounts_cleanly_and_remount_resumes(mounts, server, key, tmp_path):
+    mp = mounts("a")
+    write_file(os.path.join(mp.mountpoint, "one"), b"1")
+    assert mp.stop() == 0
+    assert not is_mounted(mp.mountpoint)
+    assert "unmounted" in mp.log()
+    again = mounts("a", cache=mp.cache_dir)  # same, non-empty cache
+    assert read_file(os.path.join(again.mountpoint, "one")) == b"1"
+    write_file(os.path.join(again.mountpoint, "two"), b"2")
+    again.proc.send_signal(signal.SIGINT)
+    assert again.proc.wait(120) == 0
+    assert not is_mounted(again.mountpoint)
+    assert restored(server, key, tmp_path) == {"one": b"1", "two": b"2"}
+
+
+def test_sigkill_then_remount_on_empty_cache_restores(mounts, server, key, tmp_path):
+    mp = mounts("a")
+    m = mp.mountpoint
+    os.makedirs(os.path.join(m, "chk", "commits"))
+    data = {f"chk/commits/{i}": os.urandom(1000 + i) for i in range(20)}
+    for rel, body in data.items():
+        spark_write(m, rel, body, overwrite=False)
+    mp.kill()  # a crash: nothing gets a chance to flush
+    assert not is_mounted(m)
+    fresh = mounts("b")  # empty cache: restored from the server before mounting
+    got = snapshot(fresh.mountpoint)
+    assert got == {"chk": None, "chk/commits": None, **data}
+    write_file(os.path.join(fresh.mountpoint, "chk", "after"), b"after the crash")
+    assert fresh.stop() == 0
+    assert restored(server, key, tmp_path) == {**got, "chk/after": b"after the crash"}
+
+
+def test_second_mount_fences_the_first(mounts, server, key, tmp_path):
+    first = mounts("a")
+    write_file(os.path.join(first.mountpoint, "shared"), b"from first")
+    second = mounts("b")  # same namespace, its own (empty) cache: restores, then fences
+    assert read_file(os.path.join(second.mountpoint, "shared")) == b"from first"
+    with pytest.raises(OSError) as info:
+        write_file(os.path.join(first.mountpoint, "late"), b"must not land")
+    assert info.value.errno in (errno.EIO, errno.EROFS)
+    with pytest.raises(OSError) as info:
+        os.mkdir(os.path.join(first.mountpoint, "late-dir"))
+    assert info.value.errno in (errno.EIO, errno.EROFS)
+    assert "FENCED" in first.log()
+    write_file(os.path.join(second.mountpoint, "winner"), b"from second")
+    assert second.stop() == 0
+    first.stop()
+    assert restored(server, key, tmp_path) == {"shared": b"from first", "winner": b"from second"}
+
+
+def test_async_mode_flushes_on_sigterm(mounts, server, key, tmp_path):
+    mp = mounts("a", sync=False)
+    assert "(async)" in mp.log()
+    expected = {}
+    for i in range(30):
+        expected[f"f{i}"] = os.urandom(5000)
+        spark_write(mp.mountpoint, f"f{i}", expected[f"f{i}"], overwrite=True)
+    assert mp.stop() == 0
+    assert restored(server, key, tmp_path) == expected
+
+
+def test_cli_refuses_missing_key_and_bad_mountpoint(tmp_path, server):
+    env = {k: v for k, v in os.environ.items() if k != "SOS_KEY"}
+    out = subprocess.run([sys.executable, "-m", "spark_plugin.cli_mount", NS, str(tmp_path),
+                          "--server", server.address], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2 and "sos:" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "spark_plugin.cli_mount", NS,
+                          str(tmp_path / "missing"), "--server", server.address, "--key",
+                          "0" * 16 + "." + "0" * 64, "--cache", str(tmp_path / "c")],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and out.stderr.strip().splitlines()[-1].startswith("sos:")
+    assert not is_mounted(str(tmp_path / "missing"))
