@@ -30,17 +30,17 @@ def _add_connection_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _factory(args, namespace: str):
-    from sos_client import Client
-
-    server = getattr(args, "server", None)
-    key = getattr(args, "key", None)
-    tls = getattr(args, "tls", None)
-    kwargs = {}
-    if tls:
-        kwargs["tls"] = tls
+    try:
+        from sos_client.cli import client_from_args  # owner: wire (TLS, timeout options)
+    except ImportError:
+        client_from_args = None
 
     def make():
-        return Client(server, key, namespace, **kwargs)
+        if client_from_args is not None:
+            return client_from_args(args, namespace)
+        from sos_client import Client
+
+        return Client(getattr(args, "server", None), getattr(args, "key", None), namespace)
 
     return make
 

@@ -112,19 +112,67 @@ def list_generations(client) -> dict[int, layout.GenerationInfo]:
     return layout.scan_listing(client.list(layout.GEN_PREFIX))
 
 
+class ServerCorrupt(Exception):
+    """The server refused to read stored bytes (they failed its checksum) from ``offset``."""
+
+    def __init__(self, offset: int, message: str):
+        self.offset = offset
+        self.message = message
+        super().__init__(message)
+
+
+def _readable_prefix(client, name: str, start: int, limit: int) -> int:
+    """Largest n <= limit such that the server serves [start, start+n) (binary search)."""
+
+    def ok(n):
+        try:
+            for _ in client.read_iter(name, start, n):
+                pass
+            return True
+        except Corrupt:
+            return False
+
+    lo, hi = 0, limit + 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def read_segment_bytes(client, name: str, offset: int = 0, *, salvage_limit: int = 8 << 20):
+    """Chunks of a segment from ``offset`` to its end. If the server reports stored data
+    corrupt, the readable bytes before the damage are still yielded, then ServerCorrupt."""
+    pos = offset
+    try:
+        for chunk in client.read_iter(name, pos, 0):
+            pos += len(chunk)
+            yield chunk
+    except Corrupt as e:
+        n = _readable_prefix(client, name, pos, salvage_limit)
+        if n:
+            for chunk in client.read_iter(name, pos, n):
+                pos += len(chunk)
+                yield chunk
+        raise ServerCorrupt(pos, f"server reports stored data corrupt: {e}") from e
+
+
 def segment_records(client, seg: layout.SegmentInfo, *, on_bytes: Callable[[int], None] | None = None
                     ) -> Iterator[Record]:
     """Decoded records of one segment. Raises JournalCorrupt (server-side corruption too) or
     JournalTruncated if the segment ends inside a record."""
     dec = RecordDecoder(seg.name)
     try:
-        for chunk in client.read_iter(seg.name, 0, 0):
+        for chunk in read_segment_bytes(client, seg.name):
             dec.feed(chunk)
             if on_bytes is not None:
                 on_bytes(len(chunk))
             yield from dec
-    except Corrupt as e:
-        raise JournalCorrupt(seg.name, dec.offset, f"server reports stored data corrupt: {e}") from e
+    except ServerCorrupt as e:
+        yield from dec
+        raise JournalCorrupt(seg.name, dec.offset, f"{e.message} (from offset {e.offset})") from e
     if dec.pending:
         raise JournalTruncated(seg.name, dec.offset, f"segment ends inside a record ({dec.pending} bytes)")
 

@@ -21,7 +21,7 @@ from .records import (
     RecordType,
     SnapshotEnd,
 )
-from .restore import list_generations
+from .restore import ServerCorrupt, list_generations, read_segment_bytes
 
 import crc32c as _crc
 
@@ -175,7 +175,7 @@ def verify(client_factory, namespace: str, *, progress=None) -> VerifyReport:
                 while True:
                     dec = RecordDecoder(seg.name, offset)
                     try:
-                        for chunk in client.read_iter(seg.name, offset, 0):
+                        for chunk in read_segment_bytes(client, seg.name, offset):
                             dec.feed(chunk)
                             rep.bytes += len(chunk)
                             done[0] += len(chunk)
@@ -217,9 +217,15 @@ def verify(client_factory, namespace: str, *, progress=None) -> VerifyReport:
                         else:
                             rep.problems.append(Problem(seg.name, e.offset, None, e.reason))
                         break
-                    except (JournalCorrupt, Corrupt) as e:
+                    except (JournalCorrupt, ServerCorrupt) as e:
+                        if isinstance(e, ServerCorrupt):
+                            try:
+                                for _rec in dec:  # whole records before the damage are fine
+                                    rep.records += 1
+                            except JournalCorrupt:
+                                pass
                         bad = dec.offset
-                        reason = e.reason if isinstance(e, JournalCorrupt) else f"server reports corrupt data: {e}"
+                        reason = e.reason if isinstance(e, JournalCorrupt) else e.message
                         nxt = _resync(client, seg, bad, length)
                         rep.problems.append(Problem(seg.name, bad, nxt, reason))
                         expected = None
