@@ -90,11 +90,28 @@ _REGISTRY_LOCK = threading.Lock()
 _REGISTRY_PID = os.getpid()
 
 
+class _AuthRefused(Exception):
+    """Carries a refused authentication through the journal writer.
+
+    The writer retries every OSError as transient (it would keep trying a wrong
+    key for its whole open timeout); PermissionError is an OSError, so the
+    client factory wraps it in this non-OSError type, whose ``code`` the
+    replicator treats as fatal, and :func:`_open_namespace` unwraps it."""
+
+    def __init__(self, original):
+        super().__init__(str(original))
+        self.original = original
+        self.code = getattr(original, "code", None)
+
+
 def _default_client_factory(server, key, namespace, timeout):
     from sos_client import Client
 
     def factory():
-        return Client(server, key, namespace, timeout=timeout)
+        try:
+            return Client(server, key, namespace, timeout=timeout)
+        except PermissionError as exc:
+            raise _AuthRefused(exc) from exc
 
     return factory
 
@@ -124,13 +141,16 @@ def _open_namespace(server, key, namespace, base_dir, sync, max_lag_bytes, timeo
             writer_kwargs["max_lag_bytes"] = max_lag_bytes
         writer = JournalWriter(factory, namespace, spool_dir, **writer_kwargs)
         try:
-            writer.open()
+            # opens the writer (fencing older epochs) and, if the cache is empty,
+            # rebuilds it from the server by the same code as restore
             tree = JournaledTree(tree_dir, writer)
-        except BaseException:
+        except BaseException as exc:
             try:
                 writer.close()
             except Exception:
                 pass
+            if isinstance(exc, _AuthRefused):
+                raise exc.original from None
             raise
         ns = _Namespace(tree, writer, tree_dir, namespace, sync)
         _REGISTRY[ident] = ns
@@ -283,13 +303,13 @@ class SOSFileSystem(AbstractFileSystem):
 
     def _barrier(self, h):
         if self.sync_mode:
-            h.tree.sync()
+            h.tree.sync(wait=True)
 
     def fsync(self, path):
         """Block until everything written so far to ``path``'s namespace is
         durable on the server (regardless of ``sync``)."""
         h, _, _, _ = self._resolve(path)
-        h.tree.sync()
+        h.tree.sync(wait=True)
 
     # ------------------------------------------------------------ metadata
 
@@ -727,7 +747,7 @@ class SOSWriteFile(AbstractBufferedFile):
         self._write_buffer()
         self.offset += self.buffer.tell()
         self.buffer = io.BytesIO()
-        self._h.tree.sync()
+        self._h.tree.sync(wait=True)
 
     def commit(self):
         """Transaction commit: atomically rename the temp file onto its name."""
