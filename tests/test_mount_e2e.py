@@ -293,6 +293,8 @@ def test_sigkill_then_remount_on_empty_cache_restores(mounts, server, key, tmp_p
     data = {f"chk/commits/{i}": os.urandom(1000 + i) for i in range(20)}
     for rel, body in data.items():
         spark_write(m, rel, body, overwrite=False)
+    data["chk/closed-only"] = b"no rename, no fsync: close alone waits in sync mode"
+    write_file(os.path.join(m, "chk", "closed-only"), data["chk/closed-only"])
     mp.kill()  # a crash: nothing gets a chance to flush
     assert not is_mounted(m)
     fresh = mounts("b")  # empty cache: restored from the server before mounting
@@ -344,3 +346,42 @@ def test_cli_refuses_missing_key_and_bad_mountpoint(tmp_path, server):
                          env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and out.stderr.strip().splitlines()[-1].startswith("sos:")
     assert not is_mounted(str(tmp_path / "missing"))
+
+
+def test_marker_control_file_then_restore_to_batch(mounts, server, key, tmp_path):
+    """`.sos/marker` appends MARKER records; restore(batch=...) stops at one of them."""
+    import json
+
+    from sos_client import Client
+    from sos_client.journal.restore import restore
+
+    m = mounts().mountpoint
+    os.makedirs(os.path.join(m, "chk", "commits"))
+    for batch in range(5):
+        spark_write(m, f"chk/commits/{batch}", b"v1\n{}", overwrite=False)
+        doc = {"label": "spark.batch",
+               "payload": {"checkpoint": "chk", "query_id": "q", "batch_id": batch}}
+        fd = os.open(os.path.join(m, ".sos", "marker"), os.O_WRONLY)
+        try:
+            os.write(fd, json.dumps(doc).encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    assert "marker" not in str(sorted(os.listdir(m)))  # nothing visible in the tree
+    target = tmp_path / "at-batch-2"
+    restore(lambda: Client(server.address, key, NS), NS, str(target), batch=("chk", 2))
+    assert snapshot(target) == {"chk": None, "chk/commits": None,
+                                **{f"chk/commits/{b}": b"v1\n{}" for b in range(3)}}
+
+
+def test_second_mount_on_the_same_cache_is_refused(mounts, server, key, tmp_path):
+    first = mounts("a")
+    write_file(os.path.join(first.mountpoint, "f"), b"1")
+    second = mounts("b", cache=first.cache_dir, start=False)
+    with pytest.raises(RuntimeError):
+        second.start()
+    assert not is_mounted(second.mountpoint)
+    assert "sos: mount failed" in second.log()
+    write_file(os.path.join(first.mountpoint, "g"), b"2")  # the first one is unaffected
+    assert first.stop() == 0
+    assert restored(server, key, tmp_path) == {"f": b"1", "g": b"2"}
