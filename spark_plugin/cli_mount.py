@@ -67,9 +67,26 @@ def run(args) -> int:
         print("sos: no key: pass --key or set SOS_KEY", file=sys.stderr)
         return 2
     try:
+        from sos_wire.names import validate_namespace
+
+        validate_namespace(args.namespace)
+    except ImportError:
+        pass
+    except ValueError as exc:
+        print(f"sos: {exc}", file=sys.stderr)
+        return 2
+    try:
+        from sos_client.cli import client_from_args
+    except ImportError:
+        client_from_args = None
+    factory = None
+    if client_from_args is not None:
+        def factory():
+            return client_from_args(args, args.namespace)
+    try:
         return run_mount(args.namespace, args.mountpoint, server=args.server, key=args.key,
                          cache_dir=args.cache, sync=not args.async_, max_lag_bytes=args.max_lag,
-                         allow_other=args.allow_other, debug=args.debug)
+                         allow_other=args.allow_other, debug=args.debug, client_factory=factory)
     except KeyboardInterrupt:
         return 0
     except Exception as exc:  # noqa: BLE001 - one line for the user, details in debug

@@ -680,8 +680,10 @@ class MountedTree:
     """
 
     def __init__(self, namespace: str, server: str, key: str, cache_dir: str, *,
-                 sync: bool = True, max_lag_bytes: int = 64 << 20) -> None:
+                 sync: bool = True, max_lag_bytes: int = 64 << 20,
+                 client_factory=None) -> None:
         self.namespace = namespace
+        self._client_factory = client_factory
         self.server = server
         self.key = key
         self.cache_dir = os.path.abspath(cache_dir)
@@ -693,6 +695,8 @@ class MountedTree:
         self.tree = None
 
     def client_factory(self):
+        if self._client_factory is not None:
+            return self._client_factory()
         from sos_client import Client
 
         return Client(self.server, self.key, self.namespace)
@@ -748,11 +752,13 @@ async def _watch_signals(task_status=trio.TASK_STATUS_IGNORED) -> None:
 
 def run_mount(namespace: str, mountpoint: str, *, server: str, key: str,
               cache_dir: str | None = None, sync: bool = True, max_lag_bytes: int = 64 << 20,
-              allow_other: bool = False, debug: bool = False) -> int:
+              allow_other: bool = False, debug: bool = False, client_factory=None) -> int:
     """Mount `namespace` at `mountpoint` until SIGTERM/SIGINT or an external unmount.
 
     Returns the process exit code (0 after a clean unmount with everything
     flushed, 1 if the final flush failed, e.g. because the mount was fenced).
+    `client_factory` (optional) returns a connected client for the namespace
+    (TLS, timeouts); by default `sos_client.Client(server, key, namespace)`.
     """
     if pyfuse3 is None:
         raise RuntimeError("pyfuse3 is not installed (pip install 'sos[mount]')")
@@ -760,7 +766,7 @@ def run_mount(namespace: str, mountpoint: str, *, server: str, key: str,
     if not os.path.isdir(mountpoint):
         raise FileNotFoundError(errno.ENOENT, "mountpoint is not a directory", mountpoint)
     journal = MountedTree(namespace, server, key, cache_dir or default_cache_dir(namespace),
-                          sync=sync, max_lag_bytes=max_lag_bytes)
+                          sync=sync, max_lag_bytes=max_lag_bytes, client_factory=client_factory)
     journal.open()
     ops = SOSOperations(journal.tree, journal.tree_dir, sync=sync, namespace=namespace)
     code = 0
