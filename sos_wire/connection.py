@@ -305,7 +305,8 @@ class Connection:
             if request_id == 0:
                 raise self._fail("request id 0 is reserved")
             if request_id in self._pending:
-                raise self._fail(f"request id {request_id} reused while still in flight", request_id=request_id)
+                # answered with id 0: an ERROR with this id would look like the in-flight request's reply
+                raise self._fail(f"request id {request_id} reused while still in flight")
             if known and opcode not in REQUESTS:
                 raise self._fail(f"a server accepts only requests, got {Op(opcode).name}", request_id=request_id)
         else:
