@@ -15,11 +15,18 @@ Storage options:
                ``<cache_dir>/<ns>/`` (``tree/`` holds the live tree, ``spool/``
                the writer's spool: the same layout as ``sos mount``). Default
                ``$XDG_CACHE_HOME/sos`` or ``~/.cache/sos``.
+``timeout``    socket timeout of the client connections (seconds, default 30).
+``tls``        None/False (plain TCP), True (TLS with the default context) or
+               an ``ssl.SSLContext``.
 ``sync``       True (default): closing a written file, ``mv``, ``cp_file``,
                ``commit`` of a transaction file and :meth:`SOSFileSystem.fsync`
                return only once their records are durable on the server.
                False: asynchronous replication whose lag is bounded by
                ``max_lag_bytes``.
+
+A key with the read role gets a read-only view: the tree is rebuilt from the
+server into ``<cache_dir>/<ns>/read-tree`` when the namespace is first used in
+the process, nothing is fenced, and every mutation raises PermissionError.
 
 One JournaledTree (and so one journal writer, one fencing epoch) exists per
 (server, namespace, cache directory) in a process: every filesystem object
@@ -35,6 +42,7 @@ import os
 import posixpath
 import stat as stat_mod
 import threading
+import time
 import uuid
 from glob import has_magic
 from datetime import datetime, timezone
@@ -64,6 +72,7 @@ class _Namespace:
     Other processes cannot write the namespace without fencing this one."""
 
     def __init__(self, tree, writer, tree_dir, namespace, sync):
+        self.pid = os.getpid()
         self.tree = tree
         self.writer = writer
         self.tree_dir = tree_dir  # the live tree; every read is served from here
@@ -82,7 +91,41 @@ class _Namespace:
         try:
             self.tree.close()
         finally:
-            self.writer.close()  # idempotent; the tree normally closed it already
+            if self.writer is not None:
+                self.writer.close()  # idempotent; the tree normally closed it already
+
+
+class _ReadOnlyTree:
+    """Stands in for the JournaledTree when the key has the read role: the cache
+    is rebuilt from the server (restore code) when the namespace is first used
+    in the process, no writer exists (nothing is fenced), mutations raise
+    PermissionError."""
+
+    def __init__(self, tree_dir, namespace):
+        self.cache_dir = tree_dir
+        self.namespace = namespace
+
+    def local_path(self, path):
+        if path in ("", "."):
+            return self.cache_dir
+        from sos_client.journal.records import validate_path
+
+        return os.path.join(self.cache_dir, validate_path(path))
+
+    def _refuse(self, path="", *args, **kwargs):
+        raise PermissionError(
+            errno.EACCES,
+            f"read-only key: namespace {self.namespace!r} can be read, not written",
+            f"{self.namespace}/{path}" if path else self.namespace,
+        )
+
+    mkdir = rmdir = create = write = truncate = rename = unlink = marker = _refuse
+
+    def sync(self, wait=None):
+        pass
+
+    def close(self):
+        pass
 
 
 _REGISTRY: dict[tuple, _Namespace] = {}
@@ -104,22 +147,52 @@ class _AuthRefused(Exception):
         self.code = getattr(original, "code", None)
 
 
-def _default_client_factory(server, key, namespace, timeout):
+def _default_client_factory(server, key, namespace, timeout, tls):
     from sos_client import Client
 
     def factory():
         try:
-            return Client(server, key, namespace, timeout=timeout)
+            return Client(server, key, namespace, timeout=timeout, tls=tls)
         except PermissionError as exc:
             raise _AuthRefused(exc) from exc
 
     return factory
 
 
-def _open_namespace(server, key, namespace, base_dir, sync, max_lag_bytes, timeout):
+def _key_can_append(factory, patience):
+    """Connect once: does the key have the append role? Auth failures raise
+    PermissionError here, before any writer exists; an unreachable server is
+    retried for ``patience`` seconds (a server restarting), then raised."""
+    deadline = time.monotonic() + patience
+    delay = 0.05
+    while True:
+        try:
+            client = factory()
+            break
+        except _AuthRefused as exc:
+            raise exc.original from None
+        except ConnectionError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+    try:
+        from sos_wire.events import KeyRole
+
+        return client.role != KeyRole.READ
+    finally:
+        client.close()
+
+
+def _open_namespace(server, key, namespace, base_dir, sync, max_lag_bytes, timeout, tls=None):
+    """The process-wide tree of (server, namespace, cache dir) for this key's role."""
     global _REGISTRY_PID
     root = os.path.realpath(os.path.join(base_dir, namespace))
-    ident = (server, namespace, root)
+    factory = _default_client_factory(server, key, namespace, timeout, tls)
+    # one connection tells the role (and fails fast on a refused key); the
+    # caller remembers the result, so this runs once per filesystem object
+    can_append = _key_can_append(factory, timeout)
+    ident = (server, namespace, root, "append" if can_append else "read")
     with _REGISTRY_LOCK:
         if _REGISTRY_PID != os.getpid():
             # a forked child inherits the dict but not the replicator threads
@@ -128,6 +201,10 @@ def _open_namespace(server, key, namespace, base_dir, sync, max_lag_bytes, timeo
         ns = _REGISTRY.get(ident)
         if ns is not None and not ns.closed:
             return ns
+        if not can_append:
+            ns = _open_read_only(factory, namespace, root, sync)
+            _REGISTRY[ident] = ns
+            return ns
         from sos_client.journal.tree import JournaledTree
         from sos_client.journal.writer import JournalWriter
 
@@ -135,7 +212,6 @@ def _open_namespace(server, key, namespace, base_dir, sync, max_lag_bytes, timeo
         spool_dir = os.path.join(root, "spool")
         os.makedirs(tree_dir, exist_ok=True)
         os.makedirs(spool_dir, exist_ok=True)
-        factory = _default_client_factory(server, key, namespace, timeout)
         writer_kwargs = {"sync": sync}
         if max_lag_bytes is not None:
             writer_kwargs["max_lag_bytes"] = max_lag_bytes
@@ -155,6 +231,19 @@ def _open_namespace(server, key, namespace, base_dir, sync, max_lag_bytes, timeo
         ns = _Namespace(tree, writer, tree_dir, namespace, sync)
         _REGISTRY[ident] = ns
         return ns
+
+
+def _open_read_only(factory, namespace, root, sync):
+    """A read-role key: rebuild a private copy of the tree from the server."""
+    from sos_client.journal.restore import rebuild_cache
+
+    tree_dir = os.path.join(root, "read-tree")
+    os.makedirs(tree_dir, exist_ok=True)
+    try:
+        rebuild_cache(factory, namespace, tree_dir)  # force: replaces an older copy
+    except _AuthRefused as exc:
+        raise exc.original from None
+    return _Namespace(_ReadOnlyTree(tree_dir, namespace), None, tree_dir, namespace, sync)
 
 
 def close_all():
@@ -208,6 +297,7 @@ class SOSFileSystem(AbstractFileSystem):
         sync=True,
         max_lag_bytes=None,
         timeout=30,
+        tls=None,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -228,6 +318,8 @@ class SOSFileSystem(AbstractFileSystem):
         self.sync_mode = bool(sync)
         self.max_lag_bytes = max_lag_bytes
         self.timeout = timeout
+        self.tls = tls
+        self._handles = {}  # namespace -> shared _Namespace (see _open_namespace)
 
     @staticmethod
     def _check_key(key):
@@ -249,10 +341,6 @@ class SOSFileSystem(AbstractFileSystem):
         path = stringify_path(path)
         if path.startswith("sos://"):
             path = path[len("sos://") :]
-        elif path.startswith("sos::"):
-            path = path[len("sos::") :]
-        elif path.startswith("sos:"):
-            path = path[len("sos:") :]
         parts = [p for p in path.split("/") if p]
         return "/".join(parts)
 
@@ -279,7 +367,10 @@ class SOSFileSystem(AbstractFileSystem):
         return ns, rel
 
     def _ns(self, namespace):
-        return _open_namespace(
+        h = self._handles.get(namespace)
+        if h is not None and not h.closed and h.pid == os.getpid():
+            return h
+        h = _open_namespace(
             self.server,
             self.key,
             namespace,
@@ -287,7 +378,10 @@ class SOSFileSystem(AbstractFileSystem):
             self.sync_mode,
             self.max_lag_bytes,
             self.timeout,
+            self.tls,
         )
+        self._handles[namespace] = h
+        return h
 
     def _resolve(self, path):
         ns, rel = self._split(path)
