@@ -95,6 +95,49 @@ class _Namespace:
                 self.writer.close()  # idempotent; the tree normally closed it already
 
 
+class _GuardedTree:
+    """The JournaledTree as the filesystem sees it: journal failures become the
+    built-in exceptions fsspec users expect. Fenced (another writer took the
+    namespace over) -> PermissionError; any other journal failure -> OSError
+    EIO. The original error is chained. Reads keep working from the cache."""
+
+    _MUTATIONS = ("mkdir", "rmdir", "create", "write", "truncate", "rename", "unlink", "marker",
+                  "sync")
+
+    def __init__(self, tree, namespace):
+        self._tree = tree
+        self._namespace = namespace
+
+    def local_path(self, path):
+        return self._tree.local_path(path)
+
+    def close(self):
+        self._tree.close()
+
+    def __getattr__(self, name):
+        if name not in self._MUTATIONS:
+            raise AttributeError(name)
+        method = getattr(self._tree, name)
+
+        def guarded(*args, **kwargs):
+            from sos_client.journal.errors import JournalError, WriterFenced
+
+            try:
+                return method(*args, **kwargs)
+            except WriterFenced as exc:
+                raise PermissionError(
+                    errno.EACCES,
+                    f"namespace {self._namespace!r} was taken over by another writer "
+                    f"(fenced); this process can no longer change it: {exc}",
+                    self._namespace,
+                ) from exc
+            except JournalError as exc:
+                raise OSError(errno.EIO, f"journal of namespace {self._namespace!r}: {exc}",
+                              self._namespace) from exc
+
+        return guarded
+
+
 class _ReadOnlyTree:
     """Stands in for the JournaledTree when the key has the read role: the cache
     is rebuilt from the server (restore code) when the namespace is first used
@@ -228,7 +271,7 @@ def _open_namespace(server, key, namespace, base_dir, sync, max_lag_bytes, timeo
             if isinstance(exc, _AuthRefused):
                 raise exc.original from None
             raise
-        ns = _Namespace(tree, writer, tree_dir, namespace, sync)
+        ns = _Namespace(_GuardedTree(tree, namespace), writer, tree_dir, namespace, sync)
         _REGISTRY[ident] = ns
         return ns
 

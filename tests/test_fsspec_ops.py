@@ -451,6 +451,23 @@ def test_two_filesystems_share_one_tree(env):
     assert local_snapshot(env.restore()) == {"uno": b"1", "two": b"2", "three": b"3"}
 
 
+def test_fenced_filesystem_refuses_changes(env, tmp_path):
+    fs = env.fs()
+    fs.pipe_file(f"{env.ns}/f/first", b"1")
+    # a second writer of the namespace (another cache directory: another tree)
+    # fences the first one, as a restarted job on another machine would
+    usurper = env.fs(cache_dir=str(tmp_path / "usurper"))
+    assert usurper.cat_file(f"{env.ns}/f/first") == b"1"  # rebuilt from the server
+    usurper.pipe_file(f"{env.ns}/f/second", b"2")
+    with pytest.raises(PermissionError, match="fenced"):
+        fs.pipe_file(f"{env.ns}/f/lost", b"refused")  # the close barrier cannot succeed
+    with pytest.raises(PermissionError):
+        fs.makedirs(f"{env.ns}/f/nope")
+    assert fs.cat_file(f"{env.ns}/f/first") == b"1"  # reads still served from the cache
+    usurper.fsync(env.ns)
+    assert local_snapshot(env.restore()) == {"f": None, "f/first": b"1", "f/second": b"2"}
+
+
 def test_async_mode_catches_up(env):
     fs = env.fs(sync=False)
     expected = {}
