@@ -4,11 +4,12 @@ Above storage (files) and below session (frames). Everything here is trio; block
 work that can take long (fdatasync, large writes and reads, fence files) runs in worker
 threads.
 
-Group commit: an append writes its frame (no sync), registers its object in the *next*
-batch and waits. One syncer task takes the whole batch, fdatasyncs every touched file
-concurrently (one sync per file per batch), then wakes the waiters. Appends that arrive
-while a batch is syncing go into the following batch. An ack is sent only after the sync
-that covers its bytes.
+Group commit, per file: an append writes its frame (no sync) and waits for the next
+fdatasync of its file. A file with waiting writes has one sync task; while its fdatasync
+runs (in a worker thread), every append that lands in that file waits for the single
+next round, so N pipelined appends cost about two syncs, not N. Files are synced
+concurrently and independently (no file waits for a slower one). An ack is sent only
+after the sync that covers its bytes.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ ServerError = StorageError
 
 THREAD_WRITE_MIN = 128 << 10  # writes at least this big go to a worker thread
 THREAD_READ_MIN = 128 << 10
+SYNC_THREADS = 256  # concurrent fdatasyncs (one per file at most)
 
 
 @dataclass
@@ -62,12 +64,6 @@ class Pending:
     rollbacks: int  # obj.rollbacks when written
     result: int  # the length to acknowledge
     appended: int | None  # data bytes (for metrics), None for a seal
-
-
-@dataclass
-class _Batch:
-    objs: set = field(default_factory=set)
-    done: trio.Event = field(default_factory=trio.Event)
 
 
 class _LockTable:
@@ -129,33 +125,58 @@ class Engine:
         self.limits = limits or Limits()
         self.metrics = metrics or NullMetrics()
         self._locks = _LockTable()
-        self._batch = _Batch()
-        self._wake = trio.Event()
+        self._sync_state: dict[StoredObject, list] = {}
+        self._nursery: trio.Nursery | None = None
         self._fence_locks = _LockTable()
         self._running = False
+        # every file with waiting writes is synced at once (trio's default limiter is 40)
+        self._sync_limiter = trio.CapacityLimiter(SYNC_THREADS)
 
     # -- lifecycle -------------------------------------------------------------------
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """The group-commit syncer; run it in a nursery for the engine's lifetime."""
-        self._running = True
-        task_status.started()
+        """Hosts the sync tasks; run it in a nursery for the engine's lifetime."""
         try:
-            while True:
-                await self._wake.wait()
-                self._wake = trio.Event()
-                batch, self._batch = self._batch, _Batch()
-                t0 = time.perf_counter()
-                async with trio.open_nursery() as nursery:
-                    for obj in batch.objs:
-                        nursery.start_soon(self._sync_one, obj)
-                self.metrics.synced(time.perf_counter() - t0, len(batch.objs))
-                batch.done.set()
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                self._running = True
+                task_status.started()
+                await trio.sleep_forever()
         finally:
             self._running = False
+            self._nursery = None
+
+    def _next_round(self, obj: StoredObject) -> trio.Event:
+        """The event set when a sync of *obj* that starts after now has finished.
+
+        Group commit per file: while a file's fdatasync runs, every write to it that lands
+        meanwhile waits for the one next sync; files never wait for each other."""
+        if not self._running:
+            raise _err(ErrorCode.INTERNAL, "server is shutting down")
+        state = self._sync_state.get(obj)
+        if state is None:
+            state = self._sync_state[obj] = [trio.Event()]
+            self._nursery.start_soon(self._sync_rounds, obj, state)
+        return state[0]
+
+    async def _sync_rounds(self, obj: StoredObject, state: list) -> None:
+        try:
+            while True:
+                done = state[0]
+                state[0] = trio.Event()  # writes from now on wait for the next round
+                t0 = time.perf_counter()
+                await self._sync_one(obj)
+                self.metrics.synced(time.perf_counter() - t0, 1)
+                done.set()
+                if not state[0].statistics().tasks_waiting:
+                    return
+        finally:
+            if self._sync_state.get(obj) is state:
+                del self._sync_state[obj]
+            state[0].set()  # nobody is left behind (their loop re-checks and asks again)
 
     async def _sync_one(self, obj: StoredObject) -> None:
         try:
-            size, length = await trio.to_thread.run_sync(obj.sync)
+            size, length = await trio.to_thread.run_sync(obj.sync, limiter=self._sync_limiter)
         except OSError as exc:
             code = ErrorCode.NO_SPACE if exc.errno in (28, 122) else ErrorCode.INTERNAL
             log.error("fdatasync of %s failed (%s): cutting unsynced bytes back", obj.path, exc)
@@ -168,21 +189,12 @@ class Engine:
             return
         obj.mark_synced(size, length)
 
-    def _register(self, obj: StoredObject) -> _Batch:
-        if not self._running:
-            raise _err(ErrorCode.INTERNAL, "server is shutting down")
-        batch = self._batch
-        batch.objs.add(obj)
-        self._wake.set()
-        return batch
-
     async def _wait_durable(self, obj: StoredObject, end_size: int, rollbacks: int) -> None:
         """Wait until file bytes [.., end_size) of *obj* are synced; raise if they were cut."""
         while obj.synced_size < end_size:
             if obj.rollbacks != rollbacks:
                 break
-            batch = self._register(obj)
-            await batch.done.wait()
+            await self._next_round(obj).wait()
         if obj.rollbacks != rollbacks and any(cut < end_size for cut in obj.cuts[rollbacks:]):
             raise getattr(obj, "sync_error", None) or _err(ErrorCode.INTERNAL, "append was cut back")
 

@@ -1,0 +1,328 @@
+#!/usr/bin/env python3
+"""Append benchmark (run on demand, not in CI).
+
+Measures throughput and latency (p50, p99) of 1 MiB and 4 KiB appends with 1, 8 and 64
+writers against a REAL ``sos-server`` process, and prints them beside
+
+- raw ``write + fdatasync`` on the same disk (same sizes, one writer; also 8/64 threads
+  each on its own file), and
+- pyftpdlib FTP ``APPE`` on the same workload (no fsync: FTP promises nothing).
+
+Each writer has its own connection and its own object and keeps one append in flight
+(append, wait for the durable ack, next): the latency is what a journal writer's barrier
+sees. Usage::
+
+    python bench/append.py --seconds 3 --dir /var/tmp/sos-bench
+    python bench/append.py --cases 4K:64 --no-ftp --no-raw --profile /tmp/server.prof
+
+Targets (docs/BENCHMARKS.md): 1 MiB appends >= 85% of raw sequential write+fsync
+throughput; 4 KiB from 64 writers >= 25,000 appends/s with p99 < 10 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ftplib
+import io
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import trio
+
+from sos_wire import events as ev
+from sos_wire.auth import Key
+from sos_wire.connection import NEED_DATA, Connection, Role
+from sos_wire.crc import crc32c
+
+SIZES = {"1M": 1 << 20, "4K": 4 << 10}
+DEFAULT_CASES = "1M:1,1M:8,1M:64,4K:1,4K:8,4K:64"
+
+
+def pct(values: list[float], p: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    k = min(len(values) - 1, max(0, int(round(p / 100 * (len(values) - 1)))))
+    return values[k]
+
+
+class Result:
+    def __init__(self, name: str, size: int, writers: int, ops: int, seconds: float, lat: list[float]) -> None:
+        self.name, self.size, self.writers, self.ops, self.seconds, self.lat = name, size, writers, ops, seconds, lat
+
+    @property
+    def ops_s(self) -> float:
+        return self.ops / self.seconds if self.seconds else 0.0
+
+    @property
+    def mb_s(self) -> float:
+        return self.ops_s * self.size / 1e6
+
+    def row(self) -> str:
+        return (
+            f"| {self.name} | {_size_name(self.size)} | {self.writers} | {self.ops_s:,.0f} | {self.mb_s:,.1f} | "
+            f"{pct(self.lat, 50) * 1e3:.2f} | {pct(self.lat, 99) * 1e3:.2f} |"
+        )
+
+
+def _size_name(size: int) -> str:
+    return "1 MiB" if size == 1 << 20 else f"{size // 1024} KiB"
+
+
+HEADER = "| system | append | writers | appends/s | MB/s | p50 ms | p99 ms |\n|---|---|---|---|---|---|---|"
+
+
+# -- raw disk baseline ---------------------------------------------------------------------
+def raw_case(directory: str, size: int, writers: int, seconds: float) -> Result:
+    data = os.urandom(size)
+    lat: list[list[float]] = [[] for _ in range(writers)]
+    stop = time.monotonic() + seconds
+
+    def run(i: int) -> None:
+        path = os.path.join(directory, f"raw-{size}-{writers}-{i}")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+        try:
+            while time.monotonic() < stop:
+                t0 = time.perf_counter()
+                os.write(fd, data)
+                os.fdatasync(fd)
+                lat[i].append(time.perf_counter() - t0)
+        finally:
+            os.close(fd)
+            os.unlink(path)
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(writers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.monotonic() - t0
+    all_lat = [x for ls in lat for x in ls]
+    return Result("raw write+fdatasync", size, writers, len(all_lat), elapsed, all_lat)
+
+
+# -- sos-server ------------------------------------------------------------------------------
+class Server:
+    def __init__(self, data: str, profile: str | None = None) -> None:
+        self.data = data
+        self.log = open(os.path.join(os.path.dirname(data), "server.log"), "wb")
+        cmd = [sys.executable]
+        if profile:
+            cmd += ["-m", "cProfile", "-o", profile]
+        cmd += ["-m", "sos_server.cli", "serve", "--data", data, "--listen", "127.0.0.1:0", "--log-level", "warning"]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=self.log)
+        deadline = time.monotonic() + 60
+        while True:
+            with open(self.log.name, "rb") as f:
+                for line in f.read().decode(errors="replace").splitlines():
+                    if line.startswith("sos-server listening on "):
+                        host, port = line.rsplit(" ", 1)[1].rsplit(":", 1)
+                        self.address = (host, int(port))
+                        return
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit("sos-server did not start; see " + self.log.name)
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        self.proc.wait(60)
+        self.log.close()
+
+
+async def _writer(address, key: Key, ns: str, name: str, size: int, stop_at: float, warm_at: float, out: list):
+    stream = await trio.open_tcp_stream(*address)
+    conn = Connection(Role.CLIENT)
+
+    async def call(event):
+        await stream.send_all(conn.send(event))
+        while True:
+            e = conn.next_event()
+            if e is not NEED_DATA:
+                return e
+            conn.receive_data(await stream.receive_some(1 << 16))
+
+    hello = await call(ev.Hello(conn.next_request_id(), "bench", 1, 1))
+    auth = await call(ev.Auth(conn.next_request_id(), key.key_id, ns, key.proof(hello.nonce, ns)))
+    assert isinstance(auth, ev.AuthOk), auth
+    data = os.urandom(size)
+    crc = crc32c(data)
+    offset = 0
+    lat = []
+    ops = 0
+    while True:
+        now = trio.current_time()
+        if now >= stop_at:
+            break
+        t0 = time.perf_counter()
+        r = await call(ev.Append(conn.next_request_id(), name, offset, 0, crc, data))
+        dt = time.perf_counter() - t0
+        if not isinstance(r, ev.AppendOk):
+            raise RuntimeError(f"append failed: {r}")
+        offset = r.length
+        if now >= warm_at:
+            lat.append(dt)
+            ops += 1
+    await stream.aclose()
+    out.append((ops, lat))
+
+
+def sos_case(server: Server, key: Key, ns: str, size: int, writers: int, seconds: float, tag: str) -> Result:
+    out: list = []
+    warm = min(0.5, seconds / 4)
+
+    async def main():
+        start = trio.current_time()
+        async with trio.open_nursery() as n:
+            for i in range(writers):
+                n.start_soon(
+                    _writer, server.address, key, ns, f"bench/{tag}/{i}", size, start + warm + seconds, start + warm, out
+                )
+
+    trio.run(main)
+    lat = [x for _, ls in out for x in ls]
+    return Result("sos-server", size, writers, sum(o for o, _ in out), seconds, lat)
+
+
+# -- FTP APPE --------------------------------------------------------------------------------
+class FtpServer:
+    def __init__(self, root: str) -> None:
+        os.makedirs(root, exist_ok=True)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        code = (
+            "import logging, sys\n"
+            "from pyftpdlib.authorizers import DummyAuthorizer\n"
+            "from pyftpdlib.handlers import FTPHandler\n"
+            "from pyftpdlib.servers import FTPServer\n"
+            "logging.disable(logging.CRITICAL)\n"
+            "a = DummyAuthorizer(); a.add_user('u', 'p', sys.argv[1], perm='elradfmwMT')\n"
+            "FTPHandler.authorizer = a\n"
+            "s = FTPServer(('127.0.0.1', int(sys.argv[2])), FTPHandler); s.max_cons = 1024\n"
+            "s.serve_forever()\n"
+        )
+        self.proc = subprocess.Popen([sys.executable, "-c", code, root, str(self.port)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise SystemExit("pyftpdlib server did not start")
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+def ftp_case(ftp: FtpServer, size: int, writers: int, seconds: float, tag: str) -> Result:
+    data = os.urandom(size)
+    warm = min(0.5, seconds / 4)
+    start = time.monotonic()
+    out: list = []
+
+    def run(i: int) -> None:
+        c = ftplib.FTP()
+        c.connect("127.0.0.1", ftp.port, timeout=60)
+        c.login("u", "p")
+        lat, ops = [], 0
+        while True:
+            now = time.monotonic()
+            if now >= start + warm + seconds:
+                break
+            t0 = time.perf_counter()
+            c.storbinary(f"APPE {tag}-{i}", io.BytesIO(data), blocksize=1 << 20)
+            dt = time.perf_counter() - t0
+            if now >= start + warm:
+                lat.append(dt)
+                ops += 1
+        c.quit()
+        out.append((ops, lat))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(writers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    lat = [x for _, ls in out for x in ls]
+    return Result("pyftpdlib APPE (no fsync)", size, writers, sum(o for o, _ in out), seconds, lat)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seconds", type=float, default=3.0, help="measured seconds per case (after 0.5 s warm-up)")
+    p.add_argument("--dir", default=None, help="where data goes (default: a temp dir under /var/tmp)")
+    p.add_argument("--cases", default=DEFAULT_CASES, help="SIZE:WRITERS,... with SIZE in 1M, 4K")
+    p.add_argument("--no-raw", action="store_true")
+    p.add_argument("--no-ftp", action="store_true")
+    p.add_argument("--profile", default=None, help="run the server under cProfile, write stats here")
+    args = p.parse_args(argv)
+
+    base = tempfile.mkdtemp(prefix="sos-bench-", dir=args.dir or "/var/tmp")
+    cases = [(SIZES[c.split(":")[0]], int(c.split(":")[1])) for c in args.cases.split(",")]
+    results: list[Result] = []
+    print(f"# data under {base} ({os.cpu_count()} cpus); {args.seconds:g} s per case", flush=True)
+    print(HEADER, flush=True)
+    try:
+        if not args.no_raw:
+            raw_dir = os.path.join(base, "raw")
+            os.makedirs(raw_dir)
+            for size, writers in sorted({(s, w) for s, w in cases}):
+                r = raw_case(raw_dir, size, writers, args.seconds)
+                results.append(r)
+                print(r.row(), flush=True)
+        data = os.path.join(base, "sos", "data")
+        os.makedirs(data)
+        from sos_server.storage import Storage
+
+        key = Key.parse(Storage(data).keygen("bench", "append"))
+        server = Server(data, args.profile)
+        try:
+            for size, writers in cases:
+                r = sos_case(server, key, "bench", size, writers, args.seconds, f"{size}-{writers}")
+                results.append(r)
+                print(r.row(), flush=True)
+        finally:
+            server.stop()
+        if not args.no_ftp:
+            ftp = FtpServer(os.path.join(base, "ftp"))
+            try:
+                for size, writers in cases:
+                    r = ftp_case(ftp, size, writers, args.seconds, f"{size}-{writers}")
+                    results.append(r)
+                    print(r.row(), flush=True)
+            finally:
+                ftp.stop()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    raw1m = [r for r in results if r.name.startswith("raw") and r.size == 1 << 20 and r.writers == 1]
+    sos1m = [r for r in results if r.name == "sos-server" and r.size == 1 << 20]
+    sos4k64 = [r for r in results if r.name == "sos-server" and r.size == 4096 and r.writers == 64]
+    print()
+    if raw1m and sos1m:
+        best = max(sos1m, key=lambda r: r.mb_s)
+        ratio = best.mb_s / raw1m[0].mb_s if raw1m[0].mb_s else float("nan")
+        print(f"target 1 MiB >= 85% of raw: best sos {best.mb_s:.1f} MB/s ({best.writers} writers) = "
+              f"{ratio:.0%} of raw {raw1m[0].mb_s:.1f} MB/s -> {'MET' if ratio >= 0.85 else 'MISSED'}")
+    if sos4k64:
+        r = sos4k64[0]
+        ok = r.ops_s >= 25000 and pct(r.lat, 99) < 0.010
+        print(f"target 4 KiB x 64 >= 25,000/s, p99 < 10 ms: {r.ops_s:,.0f}/s, p99 {pct(r.lat, 99) * 1e3:.2f} ms"
+              f" -> {'MET' if ok else 'MISSED'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
