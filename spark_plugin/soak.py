@@ -1,0 +1,936 @@
+"""Crash-loop harness (``scripts/soak``): the main job's Spark query under random SIGKILLs.
+
+A stream of unique records (the demo's input: :func:`spark_plugin.demo.make_input`, each id
+sent twice so the ``dropDuplicates`` state must survive every crash) flows through the
+demo's query (file source, ``maxFilesPerTrigger=1``, ``dropDuplicates(["id"])``, a
+foreachBatch sink writing ``out/batch-<N>.jsonl`` atomically) whose checkpointLocation is
+on a ``sos mount``. The harness feeds input files a few batches ahead of the query and,
+at random moments drawn from a seeded RNG, SIGKILLs:
+
+- ``server``: the sos-server (restarted on the same port and data directory; the mount's
+  writer reconnects, Spark only sees a slow rename);
+- ``mount``: the ``sos mount`` process (the query fails on the dead mount; the driver
+  stops it, a new mount starts on the same cache, the SAME driver JVM restarts the query);
+- ``driver``: the Spark driver (a new driver process, the expensive case);
+- ``all``: server, mount and driver at once, then the worker is lost: mount point, cache
+  and spool are deleted; recovery is either ``sos restore`` into a fresh directory (checked)
+  followed by a mount on an empty cache, or directly a mount on an empty cache.
+
+After every restart the checkpoint (through the new mount, or the restored directory) is
+checked against the output, with the demo's checker (:func:`spark_plugin.demo.check_output`):
+the committed batches 0..K (``commits/`` is contiguous; K never below a batch the driver
+saw committed: RPO 0) must have produced exactly the records of input files 0..K: nothing
+doubled, nothing corrupted, nothing unknown, nothing lost. At the end the kills stop, the
+query drains every fed file and the final check demands the whole fed input.
+
+Exit 0: no violation; 1: a violation (the work directory with every log is kept and its
+path printed); 2: the harness could not do its job (a process would not start, a stall).
+The last line is ``SOAK-RESULT {json}``.
+
+``python -m spark_plugin.soak --help``; ``_driver CONFIG`` is the driver process's entry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from spark_plugin.demo import (
+    CHECKPOINT,
+    ROCKSDB_PROVIDER,
+    check_output,
+    committed_batches,
+    fmt,
+    keygen,
+    kill_tree,
+    make_input,
+)
+
+NAMESPACE = "soak"
+LISTEN_RE = re.compile(r"sos-server listening on (\S+):(\d+)")
+KINDS = ("server", "mount", "driver", "all")
+#: server kills are cheap (clients reconnect), driver kills cost a JVM start
+DEFAULT_WEIGHTS = {"server": 0.55, "mount": 0.22, "driver": 0.11, "all": 0.12}
+TRIGGER = "200 milliseconds"
+
+
+class Violation(Exception):
+    """The exactly-once / RPO-0 contract was broken: the run stops, logs are kept."""
+
+
+class HarnessError(Exception):
+    """The harness could not do its job (not a verdict on SOS's correctness)."""
+
+
+def _write_json_atomic(path: str, doc) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(doc, f)
+    os.replace(tmp, path)
+
+
+def _read_json(path: str):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+# =========================================================================== driver process
+
+def driver_main(cfg_path: str) -> int:
+    """A long-lived Spark driver: runs the demo's query on whatever mount the harness names.
+
+    Commands come from ``control/cmd.json`` ({"seq", "action": run|stop|exit, "checkpoint",
+    "mountpoint"}); the state goes to ``control/status.json`` ({"seq", "state", "error",
+    "pid"}). A query that fails (its mount died) is reported and left stopped until the next
+    command, so one JVM survives any number of mount and server crashes. Batches seen
+    committed (progress events with data, ``commits/N`` present) are appended to the
+    ``acked`` file: the harness's RPO-0 baseline.
+    """
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    from pyspark.sql import SparkSession
+
+    from spark_plugin.spark import MarkerListener
+
+    builder = (SparkSession.builder.master("local[2]").appName("sos-soak")
+               .config("spark.sql.shuffle.partitions", "2")
+               .config("spark.ui.enabled", "false")
+               .config("spark.ui.showConsoleProgress", "false")
+               .config("spark.sql.streaming.stateStore.maintenanceInterval",
+                       cfg.get("maintenance_interval", "10s")))
+    if cfg.get("state_store") == "rocksdb":
+        builder = builder.config("spark.sql.streaming.stateStore.providerClass", ROCKSDB_PROVIDER)
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+
+    control = cfg["control"]
+    cmd_path = os.path.join(control, "cmd.json")
+    status_path = os.path.join(control, "status.json")
+    out_dir = cfg["out"]
+    acked_path = cfg["acked"]
+    os.makedirs(out_dir, exist_ok=True)
+    pid = os.getpid()
+
+    def status(seq, state, error=None):
+        _write_json_atomic(status_path, {"seq": seq, "state": state, "error": error, "pid": pid})
+
+    class AckListener(MarkerListener):
+        """Records committed batches for the harness, then writes the batch marker."""
+
+        def onQueryProgress(self, event):  # noqa: N802 - Spark's name
+            try:
+                p = event.progress
+                if int(p.numInputRows) > 0 and os.path.exists(
+                        os.path.join(self.checkpoint, "commits", str(int(p.batchId)))):
+                    try:
+                        log_offset = int(json.loads(p.sources[0].endOffset)["logOffset"])
+                    except Exception:  # noqa: BLE001
+                        log_offset = -1
+                    with open(acked_path, "a") as f:
+                        f.write(f"{int(p.batchId)} {log_offset}\n")
+            except Exception as exc:  # noqa: BLE001 - a listener must never kill the query
+                self.errors.append(repr(exc))
+            super().onQueryProgress(event)
+
+    # the demo's sink (spark_plugin.demo.driver_main), without its hang hook
+    def sink(df, batch_id):
+        rows = sorted((r["id"], r["payload"]) for r in df.collect())
+        final = os.path.join(out_dir, f"batch-{batch_id:06d}.jsonl")
+        tmp = f"{final}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            for rid, payload in rows:
+                f.write(json.dumps({"id": rid, "payload": payload}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+
+    # the demo's query (same source, dedup and sink); a processing-time trigger instead of
+    # availableNow because the input keeps coming
+    stream = (spark.readStream.schema("id LONG, payload STRING")
+              .option("maxFilesPerTrigger", 1).json(cfg["input"])
+              .dropDuplicates(["id"]))
+
+    handled = -1
+    query = None
+    listener = None
+    while True:
+        cmd = _read_json(cmd_path)
+        if cmd is not None and cmd["seq"] > handled:
+            handled = cmd["seq"]
+            if query is not None:
+                try:
+                    query.stop()
+                except Exception:  # noqa: BLE001 - it failed already; we only want it gone
+                    pass
+                query = None
+            if listener is not None:
+                try:
+                    spark.streams.removeListener(listener)
+                except Exception:  # noqa: BLE001
+                    pass
+                listener = None
+            action = cmd["action"]
+            if action == "exit":
+                status(handled, "exited")
+                break
+            if action == "stop":
+                status(handled, "stopped")
+                continue
+            mnt, chk = cmd["mountpoint"], cmd["checkpoint"]
+            if not os.path.ismount(mnt):
+                status(handled, "failed", f"{mnt} is not a mount point")
+                continue
+            try:
+                listener = AckListener(chk, mountpoint=mnt)
+                spark.streams.addListener(listener)
+                query = (stream.writeStream.foreachBatch(sink)
+                         .option("checkpointLocation", chk)
+                         .trigger(processingTime=TRIGGER).start())
+            except Exception as exc:  # noqa: BLE001 - reported to the harness
+                status(handled, "failed", f"start: {type(exc).__name__}: {str(exc)[:400]}")
+                query = None
+                continue
+            status(handled, "running")
+        if query is not None and not query.isActive:
+            try:
+                exc = query.exception()
+                err = str(exc)[:600] if exc is not None else "terminated"
+            except Exception as e:  # noqa: BLE001
+                err = repr(e)[:600]
+            status(handled, "failed", err)
+            query = None
+        time.sleep(0.1)
+    spark.stop()
+    return 0
+
+
+# =========================================================================== the parts
+
+class ServerProc:
+    """``sos-server serve`` on a FIXED port (the mount must find it again after a restart)."""
+
+    def __init__(self, data_dir: str, log_path: str):
+        self.data_dir = data_dir
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+        self.port = 0
+        self.address = ""
+        self.starts = 0
+
+    def start(self, timeout: float = 120.0) -> None:
+        os.makedirs(self.data_dir, exist_ok=True)
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.port == 0:
+                port = _pick_port()
+            else:
+                port = self.port
+            if self._try_start(port, deadline):
+                self.port = port
+                self.address = f"127.0.0.1:{port}"
+                self.starts += 1
+                return
+            if time.monotonic() > deadline:
+                raise HarnessError(f"sos-server would not start on port {port}; see {self.log_path}")
+            time.sleep(0.5)
+
+    def _try_start(self, port: int, deadline: float) -> bool:
+        offset = os.path.getsize(self.log_path) if os.path.exists(self.log_path) else 0
+        log = open(self.log_path, "ab")
+        cmd = [sys.executable, "-m", "sos_server.cli", "serve", "--data", self.data_dir,
+               "--listen", f"127.0.0.1:{port}"]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                     start_new_session=True)
+        log.close()
+        want = f"sos-server listening on 127.0.0.1:{port}"
+        while time.monotonic() < deadline:
+            with open(self.log_path, "rb") as f:
+                f.seek(offset)  # only what this process wrote
+                if want in f.read().decode(errors="replace"):
+                    return True
+            if self.proc.poll() is not None:
+                return False
+            time.sleep(0.05)
+        self.kill()
+        return False
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+        if self.proc is not None:
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def source_offset(checkpoint_dir: str, batch: int) -> int:
+    """The file source's log offset recorded in ``offsets/<batch>`` (line 3: {"logOffset": L})."""
+    with open(os.path.join(checkpoint_dir, "offsets", str(batch)), encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    try:
+        return int(json.loads(lines[2])["logOffset"])
+    except (IndexError, ValueError, KeyError, TypeError) as exc:
+        raise Violation(f"offsets/{batch} of {checkpoint_dir} is unreadable: {lines!r:.300}") from exc
+
+
+def _pick_port() -> int:
+    """A free port below the usual ephemeral range (so no outgoing connection takes it
+    while the server is down)."""
+    rnd = random.SystemRandom()
+    for _ in range(200):
+        port = rnd.randrange(20000, 32000)
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise HarnessError("no free port")
+
+
+# =========================================================================== the harness
+
+class Soak:
+    def __init__(self, *, duration: float, seed: int, workdir: str, rows: int,
+                 max_kills: int | None, weights: dict, state_store: str, ahead: int,
+                 stall_timeout: float, delay: tuple[float, float], quiet: bool = False):
+        self.duration = duration
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.work = workdir
+        self.rows = rows
+        self.max_kills = max_kills
+        self.weights = weights
+        self.state_store = state_store
+        self.ahead = ahead
+        self.stall_timeout = stall_timeout
+        self.delay = delay
+        self.quiet = quiet
+        p = {k: os.path.join(workdir, k) for k in
+             ("staging", "input", "out", "server-data", "control", "logs", "restore")}
+        self.paths = p
+        for k in ("staging", "input", "out", "control", "logs"):
+            os.makedirs(p[k], exist_ok=True)
+        self.acked_path = os.path.join(workdir, "acked.log")
+        open(self.acked_path, "a").close()
+        self.events_log = open(os.path.join(p["logs"], "events.log"), "a")
+        self.t0 = time.monotonic()
+        self.server = ServerProc(p["server-data"], os.path.join(p["logs"], "server.log"))
+        self.key = ""
+        self.mount = None
+        self.mount_n = 0
+        self.worker_n = 0
+        self.worker_dir = ""
+        self.mountpoint = ""
+        self.driver: subprocess.Popen | None = None
+        self.driver_n = 0
+        self.cmd_seq = 0
+        self.want_running = False  # the harness asked the driver to run the query
+        # input
+        self.total_files = 0
+        self.fed = 0
+        self.file_ids: list[list[int]] = []
+        self.expected_prefix: dict[int, str] = {}
+        self.expected_all: dict[int, str] = {}
+        # progress
+        self._acked_off = 0
+        self.acked_max = -1
+        self.acked_files = 0  # input files consumed by acknowledged batches
+        self.last_progress_t = time.monotonic()
+        # figures
+        self.kills = {k: 0 for k in KINDS}
+        self.restores = {"sos-restore": 0, "empty-cache": 0}
+        self.processes_killed = {"server": 0, "mount": 0, "driver": 0}
+        self.query_restarts = 0          # same JVM, after a mount kill
+        self.query_failures: list[str] = []  # failures the harness did not cause directly
+        self.unexpected: list[str] = []  # processes that died without being killed
+        self.checks = 0
+        self.records_checked = 0         # records of committed output compared, all checks
+        self.last_check_records = 0
+        self.violations: list[str] = []
+        self.restart_times = {k: [] for k in KINDS}
+
+    # ------------------------------------------------------------------ output
+    def say(self, msg: str) -> None:
+        line = f"[{time.monotonic() - self.t0:7.1f}s] {msg}"
+        self.events_log.write(line + "\n")
+        self.events_log.flush()
+        if not self.quiet:
+            print(line, flush=True)
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    # ------------------------------------------------------------------ input
+    def prepare_input(self) -> None:
+        # batches are at most a few per second here; generous, the rest stays unused
+        self.total_files = int(self.duration * 2) + 400
+        records = self.total_files * self.rows
+        self.expected_all = make_input(self.paths["staging"], records, self.total_files)
+        bounds = [records * i // self.total_files for i in range(self.total_files + 1)]
+        # the ids new in file i (make_input: file i = chunk i + half of chunk i-1 again)
+        self.file_ids = [list(range(bounds[i], bounds[i + 1])) for i in range(self.total_files)]
+        self.say(f"input: {self.total_files} files of {self.rows} new ids (+ duplicates of the "
+                 f"previous file) staged; fed {self.ahead} batches ahead of the query")
+
+    def feed(self) -> None:
+        target = min(self.total_files, self.acked_files + self.ahead)
+        while self.fed < target:
+            name = f"part-{self.fed:05d}.json"
+            os.rename(os.path.join(self.paths["staging"], name),
+                      os.path.join(self.paths["input"], name))  # keeps make_input's mtime
+            for rid in self.file_ids[self.fed]:
+                self.expected_prefix[rid] = self.expected_all[rid]
+            self.fed += 1
+
+    def read_acked(self) -> int:
+        with open(self.acked_path) as f:
+            f.seek(self._acked_off)
+            data = f.read()
+        end = data.rfind("\n")
+        if end >= 0:
+            self._acked_off += end + 1
+            for line in data[:end].splitlines():
+                b, log_offset = (int(x) for x in line.split())
+                self.acked_files = max(self.acked_files, log_offset + 1)
+                if b > self.acked_max:
+                    self.acked_max = b
+                    self.last_progress_t = time.monotonic()
+        return self.acked_max
+
+    # ------------------------------------------------------------------ processes
+    def start_server(self) -> None:
+        self.server.start()
+
+    def new_worker(self) -> None:
+        """A fresh worker: new cache directory (empty: the mount restores it)."""
+        self.worker_n += 1
+        self.worker_dir = os.path.join(self.work, f"worker{self.worker_n}")
+        os.makedirs(os.path.join(self.worker_dir, "cache"), exist_ok=True)
+
+    def start_mount(self) -> None:
+        from spark_plugin.spark import start_mount
+
+        self.mount_n += 1
+        # a new mount point per mount: a dying query can never write into the directory
+        # under a later mount
+        self.mountpoint = os.path.join(self.worker_dir, f"mnt{self.mount_n}")
+        t = time.monotonic()
+        try:
+            self.mount = start_mount(NAMESPACE, self.mountpoint, server=self.server.address,
+                                     key=self.key, cache_dir=os.path.join(self.worker_dir, "cache"),
+                                     timeout=300,
+                                     log_path=os.path.join(self.paths["logs"],
+                                                           f"mount{self.mount_n}.log"))
+        except Exception as exc:  # noqa: BLE001
+            raise HarnessError(f"sos mount #{self.mount_n} did not start: {exc}") from exc
+        os.makedirs(self.checkpoint(), exist_ok=True)
+        return time.monotonic() - t
+
+    def checkpoint(self) -> str:
+        return os.path.join(self.mountpoint, CHECKPOINT)
+
+    def kill_mount_only(self) -> None:
+        """SIGKILL the mount process but leave the dead mount in place (ENOTCONN)."""
+        if self.mount is not None and self.mount.proc.poll() is None:
+            os.kill(self.mount.pid, signal.SIGKILL)
+            self.mount.proc.wait()
+            self.processes_killed["mount"] += 1
+
+    def drop_mount(self) -> None:
+        """Lazily unmount the (dead) mount and remove its mount point."""
+        if self.mount is not None:
+            self.mount.kill()
+            try:
+                os.rmdir(self.mount.mountpoint)
+            except OSError:
+                pass
+            self.mount = None
+
+    def command(self, action: str) -> int:
+        self.cmd_seq += 1
+        doc = {"seq": self.cmd_seq, "action": action}
+        if action == "run":
+            doc.update(mountpoint=self.mountpoint, checkpoint=self.checkpoint())
+        _write_json_atomic(os.path.join(self.paths["control"], "cmd.json"), doc)
+        self.want_running = action == "run"
+        return self.cmd_seq
+
+    def status(self):
+        st = _read_json(os.path.join(self.paths["control"], "status.json"))
+        if st is None or self.driver is None or st.get("pid") != self.driver.pid:
+            return None
+        return st
+
+    def wait_status(self, seq: int, states, timeout: float):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            st = self.status()
+            if st is not None and st["seq"] >= seq and st["state"] in states:
+                return st
+            if self.driver is None or self.driver.poll() is not None:
+                return None
+            time.sleep(0.05)
+        return None
+
+    def start_driver(self) -> None:
+        self.driver_n += 1
+        self.command("run")  # a new seq: the new driver handles it at once
+        cfg = {"input": self.paths["input"], "out": self.paths["out"],
+               "control": self.paths["control"], "acked": self.acked_path,
+               "state_store": self.state_store}
+        cfg_path = os.path.join(self.paths["control"], "driver.json")
+        _write_json_atomic(cfg_path, cfg)
+        log_path = os.path.join(self.paths["logs"], f"driver{self.driver_n}.log")
+        with open(log_path, "ab") as logf:
+            self.driver = subprocess.Popen(
+                [sys.executable, "-m", "spark_plugin.soak", "_driver", cfg_path],
+                stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True)
+
+    def kill_driver(self) -> None:
+        if self.driver is not None:
+            if self.driver.poll() is None:
+                self.processes_killed["driver"] += 1
+            kill_tree(self.driver)
+
+    # ------------------------------------------------------------------ the check
+    def check(self, chk_dir: str, label: str) -> str:
+        """Committed output == the input prefix of the committed batches; RPO 0."""
+        acked = self.read_acked()  # BEFORE listing commits: a later commit only adds
+        commits = committed_batches(chk_dir)
+        self.checks += 1
+        if not commits:
+            if acked >= 0:
+                raise Violation(f"{label}: no commits in {chk_dir}, but batch {acked} was "
+                                "acknowledged committed (RPO 0 broken)")
+            return "no batch committed yet"
+        hi, lo = max(commits), min(commits)
+        if commits != set(range(lo, hi + 1)):
+            raise Violation(f"{label}: commits/ has gaps: {fmt(commits)}")
+        if hi < acked:
+            raise Violation(f"{label}: last commit is batch {hi} but batch {acked} was "
+                            "acknowledged committed before (RPO 0 broken: a committed batch "
+                            "was lost)")
+        # the file source's log offset L of batch hi: batches 0..hi read files 0..L (one file
+        # per source offset, maxFilesPerTrigger=1; a batch re-planned after a crash can span
+        # several offsets)
+        last_file = source_offset(chk_dir, hi)
+        if last_file < hi or last_file >= self.fed:
+            raise Violation(f"{label}: batch {hi} ends at input file {last_file}, but "
+                            f"{self.fed} files were fed")
+        # older commit files are purged by Spark (minBatchesToRetain): every batch up to hi
+        # has committed
+        committed = set(range(hi + 1))
+        prefix = {rid: self.expected_all[rid] for i in range(last_file + 1)
+                  for rid in self.file_ids[i]}
+        res = check_output(self.paths["out"], committed, prefix)
+        problems = [f"{len(res[k])} {k.replace('_', ' ')} (e.g. {res[k][:5]})"
+                    for k in ("lost", "doubled", "corrupted", "unknown", "committed_without_output")
+                    if res[k]]
+        if problems or res["records_out"] != len(prefix):
+            raise Violation(f"{label}: committed batches 0..{hi}: " + "; ".join(problems or [
+                f"{res['records_out']} records out, {len(prefix)} expected"]))
+        self.records_checked += res["records_out"]
+        self.last_check_records = res["records_out"]
+        return (f"batches 0..{hi} committed (input files 0..{last_file}), "
+                f"{res['records_out']} records exactly once")
+
+    # ------------------------------------------------------------------ events
+    def kill_server(self) -> str:
+        pid = self.server.proc.pid
+        self.server.kill()
+        self.processes_killed["server"] += 1
+        outage = self.rng.uniform(0.0, 1.5)
+        time.sleep(outage)
+        t = time.monotonic()
+        self.server.start()
+        verdict = self.check(self.checkpoint(), "after a server kill")
+        return (f"server pid {pid} SIGKILLed, down {outage:.1f}s, restarted in "
+                f"{time.monotonic() - t:.1f}s; check: {verdict}")
+
+    def kill_mount(self) -> str:
+        pid = self.mount.pid
+        self.kill_mount_only()
+        # the query dies on the dead mount (ENOTCONN); stop it before the mount point moves
+        seq = self.command("stop")
+        st = self.wait_status(seq, ("stopped",), 120)
+        note = ""
+        if st is None:
+            note = "; driver did not stop its query within 120s: driver killed"
+            self.unexpected.append(f"t={self.elapsed():.0f}s: driver did not stop its query "
+                                   "after a mount kill")
+            self.kill_driver()
+            self.driver = None
+        self.drop_mount()
+        took = self.start_mount()
+        verdict = self.check(self.checkpoint(), "after a mount kill")
+        if self.driver is not None:
+            self.command("run")
+            self.query_restarts += 1
+        else:
+            self.start_driver()
+        return (f"mount pid {pid} SIGKILLed, query stopped, new mount on the same cache in "
+                f"{took:.1f}s; check: {verdict}; query restarted in the same driver{note}")
+
+    def kill_driver_event(self) -> str:
+        pid = self.driver.pid if self.driver else None
+        self.kill_driver()
+        verdict = self.check(self.checkpoint(), "after a driver kill")
+        self.start_driver()
+        return f"driver pid {pid} (and its JVM) SIGKILLed; check: {verdict}; new driver started"
+
+    def kill_all(self) -> str:
+        order = ["server", "mount", "driver"]
+        self.rng.shuffle(order)
+        mode = self.rng.choice(("sos-restore", "empty-cache"))
+        for what in order:
+            if what == "server":
+                self.server.kill()
+                self.processes_killed["server"] += 1
+            elif what == "mount":
+                self.kill_mount_only()
+            else:
+                self.kill_driver()
+        self.driver = None
+        self.drop_mount()
+        shutil.rmtree(self.worker_dir)  # the worker is gone: mount point, cache, spool
+        self.server.start()
+        self.new_worker()
+        detail = ""
+        if mode == "sos-restore":
+            target = os.path.join(self.paths["restore"], f"r{self.restores['sos-restore'] + 1}")
+            t = time.monotonic()
+            self.sos_restore(target)
+            detail = f"sos restore into a fresh directory in {time.monotonic() - t:.1f}s"
+            verdict = self.check(os.path.join(target, CHECKPOINT), "after sos restore")
+            detail += f" ({verdict}); "
+            shutil.rmtree(target)
+        self.restores[mode] += 1
+        took = self.start_mount()
+        verdict = self.check(self.checkpoint(), "after a total loss, on the rebuilt mount")
+        detail += f"mount on an EMPTY cache rebuilt it in {took:.1f}s; check: {verdict}"
+        self.start_driver()
+        return f"SIGKILL {'+'.join(order)}, worker deleted; {detail}; new driver started"
+
+    def sos_restore(self, target: str) -> None:
+        from spark_plugin.spark import sos_command
+
+        proc = subprocess.run(sos_command() + ["restore", "-q", "--server", self.server.address,
+                                               NAMESPACE, target],
+                              capture_output=True, text=True, timeout=600,
+                              env=dict(os.environ, SOS_KEY=self.key))
+        with open(os.path.join(self.paths["logs"], "restore.log"), "a") as f:
+            f.write(f"--- {target}: exit {proc.returncode}\n{proc.stdout}{proc.stderr}")
+        if proc.returncode != 0:
+            raise Violation(f"sos restore failed after a total loss (exit {proc.returncode}): "
+                            f"{proc.stderr.strip()[-500:]}")
+
+    # ------------------------------------------------------------------ supervision
+    def pump(self) -> None:
+        """Feed input, notice failures nobody caused on purpose, keep the query running."""
+        self.read_acked()
+        self.feed()
+        if not self.server.alive():
+            self.unexpected.append(f"t={self.elapsed():.0f}s: sos-server exited by itself "
+                                   f"({self.server.proc.returncode})")
+            self.say(f"UNEXPECTED: sos-server exited ({self.server.proc.returncode}); restarting")
+            self.server.start()
+        if self.mount is not None and self.mount.proc.poll() is not None:
+            rc = self.mount.proc.returncode
+            self.unexpected.append(f"t={self.elapsed():.0f}s: sos mount #{self.mount_n} exited "
+                                   f"by itself ({rc})")
+            self.say(f"UNEXPECTED: sos mount #{self.mount_n} exited ({rc}); see "
+                     f"{self.mount.log_path}; remounting")
+            self.kill_mount()
+            return
+        if self.driver is not None and self.driver.poll() is not None:
+            rc = self.driver.returncode
+            self.unexpected.append(f"t={self.elapsed():.0f}s: driver #{self.driver_n} exited "
+                                   f"by itself ({rc})")
+            self.say(f"UNEXPECTED: driver #{self.driver_n} exited ({rc}); starting a new one")
+            self.start_driver()
+            return
+        st = self.status()
+        if st is not None and st["seq"] == self.cmd_seq and st["state"] == "failed" \
+                and self.want_running:
+            err = (st.get("error") or "").splitlines()[0][:300] if st.get("error") else ""
+            self.query_failures.append(f"t={self.elapsed():.0f}s: {err}")
+            self.say(f"query failed without a mount kill: {err}; restarting it in the same "
+                     "driver")
+            self.command("run")
+            self.query_restarts += 1
+        if time.monotonic() - self.last_progress_t > self.stall_timeout:
+            raise HarnessError(f"no batch committed for {self.stall_timeout:.0f}s (stall); "
+                               f"last committed batch {self.acked_max}")
+
+    def wait_progress(self, since: int, until: float) -> bool:
+        while self.acked_max <= since:
+            if time.monotonic() > until:
+                return False
+            self.pump()
+            time.sleep(0.1)
+        return True
+
+    # ------------------------------------------------------------------ the run
+    def run(self) -> dict:
+        self.say(f"soak: seed {self.seed}, duration {self.duration:.0f}s"
+                 + (f", at most {self.max_kills} kill events" if self.max_kills else "")
+                 + f", work dir {self.work}")
+        self.prepare_input()
+        self.key = keygen(self.paths["server-data"], NAMESPACE)
+        self.start_server()
+        self.say(f"sos-server on {self.server.address}")
+        self.new_worker()
+        self.start_mount()
+        self.say(f"mounted {NAMESPACE} at {self.mountpoint}")
+        self.feed()
+        self.start_driver()
+        self.last_progress_t = time.monotonic()
+        if not self.wait_progress(-1, time.monotonic() + self.stall_timeout):
+            raise HarnessError("the query committed no batch after start")
+        self.say(f"first batch committed; the crash loop starts")
+        end = self.t0 + self.duration
+        n = 0
+        while time.monotonic() < end and (self.max_kills is None or n < self.max_kills):
+            # every draw happens for every event, so a seed gives the same sequence of events
+            kind = self.rng.choices(KINDS, weights=[self.weights[k] for k in KINDS])[0]
+            delay = self.rng.uniform(*self.delay)
+            jitter = self.rng.uniform(0.0, 1.0)
+            before = self.acked_max
+            at = time.monotonic() + delay
+            while time.monotonic() < at:
+                self.pump()
+                time.sleep(0.05)
+            # at least one batch committed since the previous event, so the crash loop
+            # cannot starve the query; then strike at a random point of a later batch
+            if self.acked_max <= before:
+                self.wait_progress(before, time.monotonic() + self.stall_timeout)
+                self.pump()
+                t = time.monotonic() + jitter
+                while time.monotonic() < t:
+                    self.pump()
+                    time.sleep(0.05)
+            if time.monotonic() >= end:
+                break
+            n += 1
+            t = time.monotonic()
+            self.kills[kind] += 1
+            self.say(f"#{n} kill {kind} (batch {self.acked_max} committed last)")
+            what = {"server": self.kill_server, "mount": self.kill_mount,
+                    "driver": self.kill_driver_event, "all": self.kill_all}[kind]()
+            self.restart_times[kind].append(time.monotonic() - t)
+            self.say(f"#{n} {kind}: {what} ({time.monotonic() - t:.1f}s)")
+        self.say(f"{n} kill events; no more kills: draining the {self.fed} fed input files")
+        self.drain()
+        return self.summary()
+
+    def drain(self) -> None:
+        final_fed = self.fed
+        deadline = time.monotonic() + max(self.stall_timeout, 120)
+        while self.acked_files < final_fed:
+            if time.monotonic() > deadline:
+                raise HarnessError(f"drain: batch {self.acked_max} is the last committed, it "
+                                   f"read {self.acked_files} of the {final_fed} files fed")
+            self.read_acked()
+            self.pump_no_feed()
+            time.sleep(0.1)
+        verdict = self.check(self.checkpoint(), "final")
+        hi = max(committed_batches(self.checkpoint()))
+        if source_offset(self.checkpoint(), hi) != final_fed - 1:
+            raise Violation(f"final: last committed batch {hi} does not end at the last fed "
+                            f"file {final_fed - 1}")
+        res = check_output(self.paths["out"], set(range(hi + 1)), self.expected_prefix)
+        if res["lost"] or res["records_out"] != len(self.expected_prefix):
+            raise Violation(f"final: {len(res['lost'])} records lost of "
+                            f"{len(self.expected_prefix)} fed (e.g. {res['lost'][:5]})")
+        self.final_records = res["records_out"]
+        self.say(f"final check: every fed record came out exactly once: {verdict}")
+        seq = self.command("exit")
+        self.wait_status(seq, ("exited",), 120)
+        if self.driver is not None:
+            try:
+                self.driver.wait(60)
+            except subprocess.TimeoutExpired:
+                pass
+            kill_tree(self.driver)
+        self.driver = None
+        rc = self.mount.stop()
+        if rc not in (0, None):
+            self.unexpected.append(f"final clean unmount exited {rc}")
+        self.mount = None
+
+    def pump_no_feed(self) -> None:
+        saved, self.ahead = self.ahead, -10**9
+        try:
+            self.pump()
+        finally:
+            self.ahead = saved
+
+    def summary(self) -> dict:
+        def med(xs):
+            xs = sorted(xs)
+            return round(xs[len(xs) // 2], 1) if xs else None
+
+        return {
+            "ok": not self.violations, "seed": self.seed, "duration_s": round(self.elapsed(), 1),
+            "kill_events": sum(self.kills.values()), "kills": dict(self.kills),
+            "processes_killed": dict(self.processes_killed),
+            "restores": dict(self.restores), "query_restarts_same_jvm": self.query_restarts,
+            "driver_starts": self.driver_n, "mount_starts": self.mount_n,
+            "server_starts": self.server.starts,
+            "batches_committed": self.acked_max + 1, "input_files_fed": self.fed,
+            "records_final": getattr(self, "final_records", 0),
+            "checks": self.checks, "records_checked": self.records_checked,
+            "violations": list(self.violations), "query_failures": list(self.query_failures),
+            "unexpected": list(self.unexpected),
+            "median_event_s": {k: med(v) for k, v in self.restart_times.items()},
+            "kills_per_hour": round(sum(self.kills.values()) * 3600 / max(self.elapsed(), 1), 0),
+        }
+
+    def cleanup(self) -> None:
+        """Kill what is left, unmount. Safe to call twice."""
+        if self.driver is not None:
+            kill_tree(self.driver)
+            self.driver = None
+        if self.mount is not None:
+            self.mount.kill()
+            self.mount = None
+        self.server.kill()
+        # mounts of earlier workers are already gone; be thorough anyway
+        for root, dirs, _files in os.walk(self.work):
+            for d in list(dirs):
+                if d.startswith("mnt"):
+                    from spark_plugin.mount import is_mounted, lazy_unmount
+
+                    p = os.path.join(root, d)
+                    if is_mounted(p):
+                        lazy_unmount(p)
+                    dirs.remove(d)
+        self.events_log.close()
+
+
+# =========================================================================== main
+
+def _weights(text: str) -> dict:
+    w = dict(DEFAULT_WEIGHTS)
+    for part in text.split(","):
+        if not part.strip():
+            continue
+        k, _, v = part.partition("=")
+        if k.strip() not in KINDS:
+            raise argparse.ArgumentTypeError(f"unknown kind {k!r}: one of {', '.join(KINDS)}")
+        w[k.strip()] = float(v)
+    return w
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "_driver":
+        return driver_main(argv[1])
+    p = argparse.ArgumentParser(prog="scripts/soak", description=__doc__.split("\n\n")[0])
+    p.add_argument("--duration", type=float, default=300, help="seconds of crash loop (default 300)")
+    p.add_argument("--seed", type=int, default=1, help="RNG seed of the kill schedule (default 1)")
+    p.add_argument("--max-kills", type=int, default=None,
+                   help="stop after this many kill events even if time is left")
+    p.add_argument("--weights", type=_weights, default=dict(DEFAULT_WEIGHTS),
+                   help="relative frequency of each kind, e.g. server=5,mount=2,driver=1,all=1")
+    p.add_argument("--delay", type=float, nargs=2, default=(0.5, 4.0), metavar=("MIN", "MAX"),
+                   help="seconds between a restart and the next kill (uniform, default 0.5 4)")
+    p.add_argument("--rows", type=int, default=20, help="new record ids per input file/batch")
+    p.add_argument("--ahead", type=int, default=2, help="input files fed ahead of the query")
+    p.add_argument("--state-store", choices=("hdfs", "rocksdb"), default="hdfs")
+    p.add_argument("--stall-timeout", type=float, default=240,
+                   help="seconds without a committed batch before the run gives up (exit 2)")
+    p.add_argument("--workdir", help="work directory (default: a new temp dir)")
+    p.add_argument("--keep", action="store_true", help="keep the work directory on success")
+    args = p.parse_args(argv)
+
+    work = args.workdir or tempfile.mkdtemp(prefix="sos-soak-")
+    os.makedirs(work, exist_ok=True)
+    soak = Soak(duration=args.duration, seed=args.seed, workdir=work, rows=args.rows,
+                max_kills=args.max_kills, weights=args.weights, state_store=args.state_store,
+                ahead=args.ahead, stall_timeout=args.stall_timeout, delay=tuple(args.delay))
+
+    def on_term(signum, _frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, on_term)
+    code = 0
+    result = None
+    try:
+        result = soak.run()
+    except Violation as exc:
+        soak.violations.append(str(exc))
+        soak.say(f"VIOLATION: {exc}")
+        code = 1
+    except HarnessError as exc:
+        soak.say(f"HARNESS ERROR: {exc}")
+        code = 2
+    except KeyboardInterrupt as exc:
+        soak.say(f"interrupted ({exc or 'SIGINT'})")
+        code = 2
+    except Exception as exc:  # noqa: BLE001 - any surprise keeps the logs
+        import traceback
+
+        soak.say(f"HARNESS ERROR: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        code = 2
+    finally:
+        try:
+            soak.cleanup()
+        except Exception as exc:  # noqa: BLE001
+            print(f"cleanup: {exc!r}", file=sys.stderr)
+    if result is None:
+        result = soak.summary()
+        result["ok"] = False
+    k = result["kills"]
+    print(f"kill events: {result['kill_events']} (server {k['server']}, mount {k['mount']}, "
+          f"driver {k['driver']}, all {k['all']}) in {result['duration_s']:.0f}s "
+          f"= {result['kills_per_hour']:.0f}/h", flush=True)
+    print(f"restores after total loss: {result['restores']['sos-restore']} via sos restore, "
+          f"{result['restores']['empty-cache']} via a mount on an empty cache; "
+          f"query restarted in the same JVM {result['query_restarts_same_jvm']} times; "
+          f"driver starts {result['driver_starts']}", flush=True)
+    print(f"checks: {result['checks']}, records checked {result['records_checked']} "
+          f"(final {result['records_final']} of {result['batches_committed']} batches); "
+          f"violations {len(result['violations'])}", flush=True)
+    if result["unexpected"] or result["query_failures"]:
+        print(f"unexpected exits: {len(result['unexpected'])}; query failures not caused by a "
+              f"mount kill: {len(result['query_failures'])} (see SOAK-RESULT)", flush=True)
+    if code != 0 or args.keep:
+        print(f"logs kept in {work} (logs/events.log, server.log, mountN.log, driverN.log)",
+              flush=True)
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+    result["exit"] = code
+    result["workdir"] = work if (code != 0 or args.keep) else None
+    print("SOAK-RESULT " + json.dumps(result, sort_keys=True), flush=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
