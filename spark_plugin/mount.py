@@ -726,6 +726,7 @@ class MountedTree:
     def close(self) -> None:
         if self.tree is not None:
             tree, self.tree = self.tree, None
+            self.writer.close(timeout=0)  # flushed (or given up) by the caller already
             tree.close()
         elif self.writer is not None:
             self.writer.close()
@@ -752,13 +753,16 @@ async def _watch_signals(task_status=trio.TASK_STATUS_IGNORED) -> None:
 
 def run_mount(namespace: str, mountpoint: str, *, server: str, key: str,
               cache_dir: str | None = None, sync: bool = True, max_lag_bytes: int = 64 << 20,
-              allow_other: bool = False, debug: bool = False, client_factory=None) -> int:
+              allow_other: bool = False, debug: bool = False, client_factory=None,
+              flush_timeout: float = 120.0) -> int:
     """Mount `namespace` at `mountpoint` until SIGTERM/SIGINT or an external unmount.
 
     Returns the process exit code (0 after a clean unmount with everything
     flushed, 1 if the final flush failed, e.g. because the mount was fenced).
     `client_factory` (optional) returns a connected client for the namespace
     (TLS, timeouts); by default `sos_client.Client(server, key, namespace)`.
+    After the unmount the journal gets `flush_timeout` seconds to reach the
+    server; what does not stays in the spool and the next mount ships it.
     """
     if pyfuse3 is None:
         raise RuntimeError("pyfuse3 is not installed (pip install 'sos[mount]')")
@@ -780,10 +784,11 @@ def run_mount(namespace: str, mountpoint: str, *, server: str, key: str,
         log.info("unmounted %s", mountpoint)
         if ops.fenced is None:
             try:
-                journal.tree.sync(wait=True)
+                journal.writer.barrier(timeout=flush_timeout)
             except Exception as exc:  # noqa: BLE001 - reported, exit code says it
                 ops._note_failure(exc)
-                log.error("final flush failed: %r", exc)
+                log.error("final flush failed (the spool in %s keeps the journal; the next "
+                          "mount ships it): %r", journal.spool_dir, exc)
                 code = 1
         else:
             code = 1
