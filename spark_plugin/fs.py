@@ -44,8 +44,8 @@ import stat as stat_mod
 import threading
 import time
 import uuid
-from glob import has_magic
 from datetime import datetime, timezone
+from glob import has_magic
 
 from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
 from fsspec.utils import stringify_path
@@ -84,15 +84,15 @@ class _Namespace:
     def local(self, rel):
         return self.tree.local_path(rel) if rel else self.tree_dir
 
-    def close(self):
+    def close(self, timeout=None):
         if self.closed:
             return
         self.closed = True
         try:
-            self.tree.close()
-        finally:
             if self.writer is not None:
-                self.writer.close()  # idempotent; the tree normally closed it already
+                self.writer.close(timeout=timeout)  # flush (bounded), stop the replicator
+        finally:
+            self.tree.close()
 
 
 class _GuardedTree:
@@ -289,10 +289,11 @@ def _open_read_only(factory, namespace, root, sync):
     return _Namespace(_ReadOnlyTree(tree_dir, namespace), None, tree_dir, namespace, sync)
 
 
-def close_all():
-    """Close every journaled tree this process opened (flushing their journals).
+def close_all(timeout=None):
+    """Close every journaled tree this process opened, first waiting (up to
+    ``timeout`` seconds, None = until done) for their journals to be shipped.
 
-    Registered to run at interpreter exit; tests call it to start from scratch.
+    Runs at interpreter exit; tests call it to start from scratch.
     """
     with _REGISTRY_LOCK:
         items = list(_REGISTRY.values())
@@ -300,26 +301,27 @@ def close_all():
     first = None
     for ns in items:
         try:
-            ns.close()
+            ns.close(timeout)
         except Exception as exc:  # keep closing the others
             first = first or exc
     if first is not None:
         raise first
 
 
+#: At interpreter exit, wait this long for unshipped records (async mode, or
+#: deletions) to reach the server; what is left stays in the spool and is
+#: shipped by the next process that opens the same cache directory.
+EXIT_FLUSH_TIMEOUT = 60.0
+
+
 def _close_at_exit():
     try:
-        close_all()
+        close_all(timeout=EXIT_FLUSH_TIMEOUT)
     except Exception:
         pass
 
 
-# Run before the interpreter joins non-daemon threads (a replicator thread
-# must be told to stop first), falling back to plain atexit.
-try:
-    threading._register_atexit(_close_at_exit)  # type: ignore[attr-defined]
-except Exception:  # pragma: no cover
-    atexit.register(_close_at_exit)
+atexit.register(_close_at_exit)
 
 
 # --------------------------------------------------------------------------

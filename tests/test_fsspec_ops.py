@@ -513,6 +513,25 @@ def test_close_returns_only_when_durable(env, tmp_path):
     assert restored == {"chk": None, "chk/1": b"batch-1" * 1000, "chk/last": b"closed"}
 
 
+def test_async_process_flushes_at_exit(env, tmp_path):
+    # async mode: nothing waits for the server until the interpreter exits
+    _run_child(
+        """
+        import sys
+        from spark_plugin.fs import SOSFileSystem
+        server, key, ns, cache = sys.argv[1:]
+        fs = SOSFileSystem(server=server, key=key, cache_dir=cache, sync=False)
+        for i in range(20):
+            fs.pipe_file(f"{ns}/async/{i}", str(i).encode() * 100)
+        fs.rm(f"{ns}/async/0")
+        """,
+        env.server.address, env.key, env.ns, str(tmp_path / "child-cache"),
+    )
+    restored = local_snapshot(env.restore())
+    expected = {f"async/{i}": str(i).encode() * 100 for i in range(1, 20)}
+    assert restored == {"async": None, **expected}
+
+
 def test_second_process_rebuilds_cache_from_server(env, tmp_path):
     fs = env.fs()
     files = {f"{env.ns}/data/{i}": payload(i, 1000 + i) for i in range(5)}
