@@ -167,6 +167,26 @@ def decode_header(buf: bytes) -> tuple[str, int] | None:
         return None
 
 
+def _rest_is_whole(f, pos: int, size: int) -> bool:
+    """True if [pos, size) is one or more whole frames with good checksums (maybe a seal
+    last): what follows a bad frame decides between "torn tail" and "damaged middle"."""
+    if pos >= size:
+        return False
+    while pos < size:
+        if size - pos < FRAME_HDR:
+            return False
+        f.seek(pos)
+        n, crc = FRAME.unpack(f.read(FRAME_HDR))
+        if n == SEAL_LEN:
+            return crc == SEAL_CRC and pos + FRAME_HDR == size
+        if n == 0 or n > MAX_FRAME or pos + FRAME_HDR + n > size:
+            return False
+        if crc32c(f.read(n)) != crc:
+            return False
+        pos += FRAME_HDR + n
+    return True
+
+
 @dataclass
 class RepairNote:
     """What start-up did to an object file (torn tail cut back)."""
@@ -461,6 +481,7 @@ class Storage:
         self.verify_tail = verify_tail
         self.namespaces: dict[str, Namespace] = {}
         self.repairs: list[RepairNote] = []
+        self.corruptions: list[tuple[str, str, int]] = []  # (namespace, name, file offset)
         self._lock_fd: int | None = None
 
     # -- process lock ----------------------------------------------------------------
@@ -575,8 +596,16 @@ class Storage:
                     break
                 if pos + FRAME_HDR + n > verify_from:
                     if crc32c(f.read(n)) != crc:
-                        reason = "checksum mismatch"
-                        break
+                        if not _rest_is_whole(f, pos + FRAME_HDR + n, size):
+                            reason = "checksum mismatch"
+                            break
+                        # whole, verified frames follow: damage inside stored data, not a
+                        # torn tail. Keep everything; READ of this frame answers CORRUPT.
+                        self.corruptions.append((namespace, name, pos))
+                        log.error(
+                            "stored frame fails its checksum (kept; reads of it answer CORRUPT): %s/%s at file offset %d (%s)",
+                            namespace, name, pos, path,
+                        )
                 obj._note_frame(logical, pos)
                 logical += n
                 pos += FRAME_HDR + n

@@ -286,3 +286,31 @@ def test_serve_usage_errors(tmp_path):
         capture_output=True, text=True, timeout=120,
     )
     assert r.returncode == 2 and "HOST:PORT" in r.stderr
+
+
+def test_corrupt_byte_in_the_middle_answers_corrupt(srv):
+    from sos_server.storage import FRAME_HDR, encode_header, object_file_name
+
+    with RawClient(srv.address) as c:
+        c.login(srv.key, NS)
+        for i, ch in enumerate(b"xyz"):
+            assert c.append("damaged", i * 1000, bytes([ch]) * 1000).length == (i + 1) * 1000
+    srv.stop()
+    h2, h = object_file_name("damaged")
+    path = os.path.join(srv.data_dir, "ns", NS, "objects", h2, h)
+    bad_frame = len(encode_header("damaged")) + FRAME_HDR + 1000
+    with open(path, "r+b") as f:
+        f.seek(bad_frame + FRAME_HDR + 500)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x01]))
+    srv.start()
+    with RawClient(srv.address) as c:
+        c.login(srv.key, NS)
+        assert c.stat("damaged").length == 3000  # nothing cut
+        r = c.read("damaged")
+        assert isinstance(r, ev.Error) and r.code is ErrorCode.CORRUPT
+        assert "damaged" in r.message and str(bad_frame) in r.message
+        assert c.read("damaged", 2000, 1000) == b"z" * 1000  # other frames still readable
+        assert c.read("damaged", 0, 1000) == b"x" * 1000
+        assert isinstance(c.call(ev.Ping(c.rid(), b"")), ev.Pong)

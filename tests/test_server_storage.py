@@ -144,6 +144,28 @@ def test_corrupt_byte_in_the_middle_is_reported_on_read(tmp_path):
     assert "n/obj" in e.message and str(hsize + st.FRAME_HDR + 1000) in e.message
 
 
+def test_damaged_middle_frame_is_kept_not_cut_at_start_up(tmp_path):
+    """A bad frame followed by whole verified frames is damage, not a torn tail: nothing
+    acknowledged after it is thrown away; reads of the bad frame answer CORRUPT."""
+    s = Storage(str(tmp_path))
+    o = s.namespace("n", create=True).create("obj")
+    for ch in b"abc":
+        _append(o, bytes([ch]) * 100)
+    path, hsize = o.path, o.header_size
+    s.close()
+    with open(path, "r+b") as f:
+        f.seek(hsize + (st.FRAME_HDR + 100) + st.FRAME_HDR + 10)  # inside frame "b"
+        f.write(b"?")
+    s2 = _reopen(tmp_path)
+    o2 = s2.namespace("n").get("obj")
+    assert o2.length == 300 and s2.repairs == []
+    assert s2.corruptions == [("n", "obj", hsize + st.FRAME_HDR + 100)]
+    assert o2.read_bytes(200, 100) == b"c" * 100
+    with pytest.raises(StorageError) as ei:
+        o2.read_bytes(0, 0)
+    assert ei.value.code is ErrorCode.CORRUPT
+
+
 def test_fence_is_durable_and_keys_are_private(tmp_path):
     s = Storage(str(tmp_path))
     ns = s.namespace("n", create=True)
