@@ -164,11 +164,14 @@ def sos_server(sos_server_factory) -> ServerProcess:
 class RawClient:
     """A blocking, frame-at-a-time client over sos_wire.Connection (server tests)."""
 
-    def __init__(self, address: str, *, timeout: float = 60.0) -> None:
+    def __init__(self, address: str | None, *, timeout: float = 60.0, sock: socket.socket | None = None) -> None:
+        """Connect to *address*, or speak over an already connected *sock* (e.g. TLS)."""
         from sos_wire.connection import Connection, Role
 
-        host, port = address.rsplit(":", 1)
-        self.sock = socket.create_connection((host, int(port)), timeout=timeout)
+        if sock is None:
+            host, port = address.rsplit(":", 1)
+            sock = socket.create_connection((host, int(port)), timeout=timeout)
+        self.sock = sock
         self.conn = Connection(Role.CLIENT)
         self._events: deque = deque()
 

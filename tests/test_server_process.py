@@ -314,3 +314,36 @@ def test_corrupt_byte_in_the_middle_answers_corrupt(srv):
         assert c.read("damaged", 2000, 1000) == b"z" * 1000  # other frames still readable
         assert c.read("damaged", 0, 1000) == b"x" * 1000
         assert isinstance(c.call(ev.Ping(c.rid(), b"")), ev.Pong)
+
+
+def test_tls_listener(tmp_path, sos_server_factory):
+    import shutil
+    import ssl
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl command not available to make a test certificate")
+    cert, keyf = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(keyf), "-out", str(cert),
+         "-days", "2", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True, timeout=120,
+    )
+    srv = sos_server_factory(args=["--tls-cert", cert, "--tls-key", keyf], start=False)
+    key = srv.keygen("tls")
+    srv.start()
+    ctx = ssl.create_default_context(cafile=str(cert))
+    host, port = srv.host_port
+    raw = socket.create_connection((host, port), timeout=60)
+    with ctx.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+        c = RawClient(None, sock=tls)
+        assert isinstance(c.login(key, "tls"), ev.AuthOk)
+        assert c.append("over-tls", 0, b"secret").length == 6
+        assert c.read("over-tls") == b"secret"
+    # a plaintext client gets nowhere and the server keeps serving TLS
+    with socket.create_connection((host, port), timeout=60) as plain:
+        plain.sendall(_header(0x03, 1, 4) + bytes(4))
+        try:
+            data = plain.recv(100)
+        except ConnectionResetError:
+            data = b""
+        assert not data.startswith(b"SO")
