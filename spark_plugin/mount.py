@@ -17,6 +17,11 @@
 chmod, chown and utimens are applied to the cache only (the journal has no
 record for them; Hadoop's local filesystem calls chmod and must not fail).
 
+`.sos/marker` at the root is a virtual control file (not listed, not journaled
+as a file): a JSON document {"label": str, "payload": any} written to it
+becomes a MARKER record (JournaledTree.marker), durable when fsync or close
+returns (sync mode). The Spark batch listener writes its batch markers there.
+
 `run_mount()` wires server connection, writer, tree and mount together (the
 `sos mount` command calls it); `MountProcess` runs `sos mount` in a child
 process for tests, the Spark demo and the crash-loop harness.
@@ -165,23 +170,45 @@ class InodeTable:
             self._paths[ino] = None
             self._maybe_drop(ino)
 
-    def renamed(self, src: str, dst: str) -> None:
+    def renamed(self, src: str, dst: str):
+        """Move `src` (and, for a directory, everything below it) to `dst`.
+
+        Returns an undo callable that puts the table back (for a rename that
+        turned out not to happen).
+        """
         if src == dst:
-            return
-        self.removed(dst)
+            return lambda: None
+        old_dst = self._inos.pop(dst, None)
+        if old_dst is not None:
+            self._paths[old_dst] = None
         ino = self._inos.get(src)
-        if ino is None:
-            return
-        if ino in self._dirs:  # a directory moves everything the table knows below it
-            prefix = src + "/"
-            moves = [(p, i) for p, i in self._inos.items() if p == src or p.startswith(prefix)]
-        else:
-            moves = [(src, ino)]
-        for old, ino in moves:
+        moves = []
+        if ino is not None:
+            if ino in self._dirs:  # a directory moves everything the table knows below it
+                prefix = src + "/"
+                moves = [(p, i) for p, i in self._inos.items() if p == src or p.startswith(prefix)]
+            else:
+                moves = [(src, ino)]
+        for old, moved in moves:
             new = dst + old[len(src):]
             del self._inos[old]
-            self._inos[new] = ino
-            self._paths[ino] = new
+            self._inos[new] = moved
+            self._paths[moved] = new
+
+        def undo() -> None:
+            for old, moved in moves:
+                new = dst + old[len(src):]
+                if self._paths.get(moved) == new:
+                    self._inos.pop(new, None)
+                    self._inos[old] = moved
+                    self._paths[moved] = old
+            if old_dst is not None and old_dst in self._paths and self._paths[old_dst] is None:
+                self._paths[old_dst] = dst
+                self._inos[dst] = old_dst
+
+        if old_dst is not None:
+            self._maybe_drop(old_dst)
+        return undo
 
     def mark_dir(self, ino: int, is_dir: bool) -> None:
         if is_dir:
@@ -640,11 +667,15 @@ class SOSOperations(_OperationsBase):
         src = self._child(parent_inode_old, name_old)
         dst = self._child(parent_inode_new, name_new)
         overwrite = not (flags & _RENAME_NOREPLACE)
-        if not overwrite and os.path.lexists(self._local(dst)):
-            raise pyfuse3.FUSEError(errno.EEXIST)
-        # In sync mode the tree waits for the server before it returns (the barrier).
-        await self._call(self.tree.rename, src, dst, overwrite=overwrite)
-        self.inodes.renamed(src, dst)
+        # The table moves first: in sync mode the tree returns only after the barrier,
+        # and the moved inode must resolve to its new path meanwhile (fstat of an open fd).
+        undo = self.inodes.renamed(src, dst)
+        try:
+            await self._call(self.tree.rename, src, dst, overwrite=overwrite)
+        except BaseException:
+            if os.path.lexists(self._local(src)):  # the cache rename did not happen
+                undo()
+            raise
 
 
 # ---------------------------------------------------------------------------

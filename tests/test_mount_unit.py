@@ -321,3 +321,30 @@ def test_marker_control_file_becomes_a_marker_record(mounted):
     with pytest.raises(OSError):
         os.rename(os.path.join(mnt, ".sos"), os.path.join(mnt, "y"))
     assert len(tree.calls) == 1
+
+
+def test_inode_table_rename_undo_restores_both_paths():
+    t = InodeTable()
+    d = t.ino("d")
+    t.mark_dir(d, True)
+    f = t.ino("d/f")
+    old = t.ino("e")
+    t.lookup(old)
+    undo = t.renamed("d", "e")
+    assert (t.path(d), t.path(f), t.path(old)) == ("e", "e/f", None)
+    undo()
+    assert (t.path(d), t.path(f), t.path(old)) == ("d", "d/f", "e")
+    assert t.known("e") == old and t.known("d/f") == f
+
+
+def test_failed_rename_keeps_inodes(mounted):
+    mnt, _, ops = mounted
+    for name in ("a", "b"):
+        with open(os.path.join(mnt, name), "wb") as f:
+            f.write(name.encode())
+    ino_a, ino_b = os.stat(os.path.join(mnt, "a")).st_ino, os.stat(os.path.join(mnt, "b")).st_ino
+    with pytest.raises(FileExistsError):
+        renameat2(os.path.join(mnt, "a"), os.path.join(mnt, "b"), RENAME_NOREPLACE)
+    assert ops.inodes.known("a") == ino_a and ops.inodes.known("b") == ino_b
+    with open(os.path.join(mnt, "b"), "rb") as f:
+        assert f.read() == b"b"
