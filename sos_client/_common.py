@@ -252,19 +252,20 @@ class _Piece:
     def __init__(self, offset: int, data) -> None:
         self.offset = offset
         self.data = data
-        self.rid = 0
+        self.rid = 0  # request id on the current connection; 0 = not sent on it yet
         self.acked = False
 
 
 class AppendJob:
     """State of one ``append_many``: survives reconnects, so it can resume.
 
-    Everything sent and not yet acknowledged stays in ``unacked`` (bounded by the
-    window); after a reconnect :meth:`resume_check` compares the server's length with
-    what was acknowledged and :meth:`run` re-sends every unacknowledged piece at its
-    original offset: pieces that had landed are acknowledged again by the server's
-    idempotent-retry rule (which compares the bytes), the others are appended.
-    Nothing is missing or doubled.
+    ``queue`` holds every piece made from the caller's chunks and not yet
+    acknowledged, in offset order: the ones in flight (at most ``window_bytes`` /
+    ``window_frames``) and the rest of the chunk being sent.  After a reconnect
+    :meth:`resume_check` compares the server's length with what was acknowledged and
+    :meth:`run` sends the whole queue again at the original offsets: pieces that had
+    landed are acknowledged again by the server's idempotent-retry rule (which
+    compares the bytes), the others are appended.  Nothing is missing or doubled.
     """
 
     def __init__(self, name: str, offset: int, epoch: int, *, window_bytes: int = DEFAULT_WINDOW_BYTES,
@@ -274,8 +275,7 @@ class AppendJob:
         self.epoch = _u64(epoch, "epoch")
         self.acked = _u64(offset, "offset")  # everything below is acknowledged
         self.next_offset = offset  # where the next new piece goes
-        self.unacked: deque[_Piece] = deque()
-        self.unacked_bytes = 0
+        self.queue: deque[_Piece] = deque()
         self.window_bytes = max(1, window_bytes)
         self.window_frames = max(1, window_frames)
         self.exhausted = False
@@ -299,50 +299,53 @@ class AppendJob:
         self.resumes += 1
         return length
 
-    def _add_piece(self, data) -> None:
-        piece = _Piece(self.next_offset, data)
-        self.unacked.append(piece)
-        self.unacked_bytes += len(data)
+    def _enqueue(self, data) -> None:
+        self.queue.append(_Piece(self.next_offset, data))
         self.next_offset += len(data)
-
-    def _window_full(self) -> bool:
-        return self.unacked_bytes >= self.window_bytes or len(self.unacked) >= self.window_frames
-
-    def _send_piece(self, core: Core, piece: _Piece):
-        piece.rid = core._rid()
-        piece.acked = False
-        return core._send(ev.Append(piece.rid, self.name, piece.offset, self.epoch, crc32c(piece.data), piece.data))
 
     def run(self, core: Core):
         """Generator: send everything, keeping the window full; returns the final length."""
         limit = core.max_piece(self.name)
         target = min(PIECE_TARGET, limit, max(1, self.window_bytes // 4))  # several pieces fit the window
+        for piece in self.queue:  # (a resume) nothing is in flight on this new connection
+            piece.rid = 0
+        sent = 0  # queue[:sent] are in flight on this connection
         by_rid: dict[int, _Piece] = {}
-        for piece in self.unacked:  # a resume: re-send what was not acknowledged
-            yield self._send_piece(core, piece)
-            by_rid[piece.rid] = piece
+        in_flight_bytes = 0
         first_error: tuple[int, SOSError] | None = None
         while True:
-            # fill the window
-            while not self.exhausted and first_error is None and not self._window_full():
-                chunk = yield NEXT_CHUNK
-                if chunk is None:
-                    self.exhausted = True
-                    if self._pending:
-                        data, self._pending = bytes(self._pending), bytearray()
-                        self._add_piece(data)
-                        yield self._send_piece(core, self.unacked[-1])
-                        by_rid[self.unacked[-1].rid] = self.unacked[-1]
+            while first_error is None:
+                if sent == len(self.queue):  # everything queued is in flight: get more
+                    if self.exhausted or in_flight_bytes >= self.window_bytes or len(by_rid) >= self.window_frames:
+                        break
+                    chunk = yield NEXT_CHUNK
+                    if chunk is None:
+                        self.exhausted = True
+                        if self._pending:
+                            data, self._pending = bytes(self._pending), bytearray()
+                            for start in range(0, len(data), limit):
+                                self._enqueue(memoryview(data)[start : start + limit])
+                    else:
+                        for data in self._pieces(chunk, target, limit):
+                            self._enqueue(data)
+                    continue
+                piece = self.queue[sent]
+                if by_rid and (in_flight_bytes + len(piece.data) > self.window_bytes
+                               or len(by_rid) >= self.window_frames):
                     break
-                for data in self._pieces(chunk, target, limit):
-                    self._add_piece(data)
-                    piece = self.unacked[-1]
-                    yield self._send_piece(core, piece)
-                    by_rid[piece.rid] = piece
+                piece.rid = core._rid()
+                piece.acked = False
+                by_rid[piece.rid] = piece
+                in_flight_bytes += len(piece.data)
+                sent += 1
+                yield core._send(
+                    ev.Append(piece.rid, self.name, piece.offset, self.epoch, crc32c(piece.data), piece.data)
+                )
             if not by_rid:
                 break
             reply = yield from core._recv()
             piece = by_rid.pop(reply.request_id)
+            in_flight_bytes -= len(piece.data)
             if isinstance(reply, ev.Error):
                 exc = error_from_reply(
                     reply, f"append {len(piece.data)} bytes to {core._where(self.name)} at offset {piece.offset}",
@@ -357,28 +360,29 @@ class AppendJob:
                     f"{reply.length}, expected {piece.offset + len(piece.data)}", ErrorCode.CORRUPT, name=self.name,
                 )
             piece.acked = True
-            while self.unacked and self.unacked[0].acked:
-                done = self.unacked.popleft()
-                self.unacked_bytes -= len(done.data)
+            while self.queue and self.queue[0].acked:
+                done = self.queue.popleft()
+                sent -= 1
                 self.acked = done.offset + len(done.data)
         if first_error is not None:
             raise first_error[1]
         return self.acked
 
-    def _pieces(self, chunk, target: int, limit: int):
+    def _pieces(self, chunk, target: int, limit: int) -> list:
         """Turn a caller chunk into pieces: coalesce small ones, split huge ones (no copy)."""
+        if not isinstance(chunk, (bytes, bytearray, memoryview)):
+            raise TypeError(f"append_many chunks must be bytes-like, not {type(chunk).__name__}")
         n = len(chunk)
         if not n:
-            return
+            return []
         if self._pending or n < target:
             self._pending += chunk
             if len(self._pending) < target:
-                return
+                return []
             data, self._pending = bytes(self._pending), bytearray()
             mv = memoryview(data)
         elif isinstance(chunk, bytes):
             mv = memoryview(chunk)
         else:  # the caller may reuse a mutable buffer: keep our own copy until acknowledged
             mv = memoryview(bytes(chunk))
-        for start in range(0, len(mv), limit):
-            yield mv[start : start + limit]
+        return [mv[start : start + limit] for start in range(0, len(mv), limit)]

@@ -219,6 +219,8 @@ class Connection:
             return
         if self._eof:
             raise LocalProtocolError("receive_data after EOF")
+        if self._error is not None:
+            return  # a dead connection buffers nothing more
         self._buf += data
 
     def _fail(self, message: str, *, code: ErrorCode = ErrorCode.BAD_FRAME, request_id: int = 0):

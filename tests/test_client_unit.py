@@ -198,6 +198,65 @@ def test_resume_when_appends_landed_but_acks_were_lost(fake):
     assert len(resent) > 10
 
 
+def test_resume_in_the_middle_of_a_chunk_split_into_several_appends():
+    """Sans-IO, deterministic. A 1.2 MB chunk is one append; a 20 MiB chunk becomes three
+    (8 + 8 + 4 MiB). The first append is acknowledged, the second lands but its ack is
+    lost, and the connection breaks while the third is being sent. After the resume the
+    object must hold every byte once: the job must not forget the fourth piece, which it
+    had made but not sent yet."""
+    from sos_client._common import NEXT_CHUNK, RECV, AppendJob, Core
+
+    store = FakeServer.__new__(FakeServer)  # just its storage rules (FakeServer.answer)
+    store.objects = {}
+    head, big = b"head" * 300_000, bytes(range(256)) * (80 * 1024)
+    chunks = iter([head, big, b"tail"])
+    job = AppendJob("big", 0, 0, window_bytes=64 << 20)
+
+    def drive(gen, core, *, ack_lost_at=None, break_at=None):
+        server = Connection(Role.SERVER)
+        sends = 0
+        cmd = next(gen)
+        while True:
+            if cmd is NEXT_CHUNK:
+                value = next(chunks, None)
+            elif cmd is RECV:
+                value = core.conn.next_event()
+                assert value is not NEED_DATA
+            else:
+                sends += 1
+                if sends == break_at:
+                    gen.close()  # what the socket driver does when sending fails
+                    raise ConnectionLost("broken pipe")
+                server.receive_data(cmd)
+                (request,) = [server.next_event()]
+                reply = store.answer(request)
+                if sends != ack_lost_at:
+                    core.conn.receive_data(server.send(reply))
+                value = None
+            try:
+                cmd = gen.send(value)
+            except StopIteration as stop:
+                return stop.value
+
+    core1 = Core(Key.parse(KEY), "ns")
+    with pytest.raises(ConnectionLost):
+        drive(job.run(core1), core1, ack_lost_at=2, break_at=3)
+    piece = core1.max_piece("big")
+    assert len(store.objects["big"]) == len(head) + piece  # the second landed, unacknowledged
+    assert job.acked == 0  # pipelined: all sent before any ack was read
+    core2 = Core(Key.parse(KEY), "ns")
+    assert drive(job.resume_check(core2), core2) == len(head) + piece
+    assert drive(job.run(core2), core2) == len(head) + len(big) + 4
+    assert bytes(store.objects["big"]) == head + big + b"tail"
+
+
+def test_chunks_must_be_bytes_like(fake):
+    with Client(fake.address, KEY, "ns", timeout=60) as c:
+        with pytest.raises(TypeError, match="bytes-like"):
+            c.append_many("t", 0, ["text"])
+        assert c.ping(b"ok") == b"ok"
+
+
 def test_resume_detects_a_server_that_lost_acknowledged_bytes(fake):
     state = {"acked": 0}
 

@@ -81,7 +81,9 @@ def test_lying_body_length_over_cap_rejected_from_the_header_alone():
     assert info.value.request_id == 7
     assert info.value.fatal
     assert server.buffered == 0
-    # the connection is dead from now on
+    # the connection is dead from now on, and buffers nothing more
+    server.receive_data(bytes(1 << 20))
+    assert server.buffered == 0
     with pytest.raises(RemoteProtocolError):
         server.next_event()
 
