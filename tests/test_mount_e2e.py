@@ -327,6 +327,12 @@ def test_second_mount_fences_the_first(mounts, server, key, tmp_path):
     assert second.stop() == 0
     first.stop()
     assert restored(server, key, tmp_path) == {"shared": b"from first", "winner": b"from second"}
+    # The fenced mount's cache diverged ("late" exists only there): it is never used again.
+    stale = mounts("a", cache=first.cache_dir, start=False)
+    with pytest.raises(RuntimeError):
+        stale.start()
+    assert "stale" in stale.log() and not is_mounted(stale.mountpoint)
+    assert restored(server, key, tmp_path) == {"shared": b"from first", "winner": b"from second"}
 
 
 def test_async_mode_flushes_on_sigterm(mounts, server, key, tmp_path):
