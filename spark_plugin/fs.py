@@ -21,8 +21,10 @@ Storage options:
 ``sync``       True (default): closing a written file, ``mv``, ``cp_file``,
                ``commit`` of a transaction file and :meth:`SOSFileSystem.fsync`
                return only once their records are durable on the server.
-               False: asynchronous replication whose lag is bounded by
-               ``max_lag_bytes``.
+               False: closing a file (and cp, rm, mkdir) returns at once; the
+               replicator ships in the background, its lag bounded by
+               ``max_lag_bytes`` (writes block beyond it). ``mv`` still waits
+               (see the note in ``_open_namespace``).
 
 A key with the read role gets a read-only view: the tree is rebuilt from the
 server into ``<cache_dir>/<ns>/read-tree`` when the namespace is first used in
@@ -55,7 +57,6 @@ __all__ = ["SOSFileSystem", "SOSReadFile", "SOSWriteFile", "close_all"]
 #: WRITE records carry at most this many bytes (journal format limit).
 RECORD_DATA_MAX = 1 << 20
 _READ_CHUNK = 1 << 20
-_NAMESPACE_CHARS = set("abcdefghijklmnopqrstuvwxyz0123456789_-")
 
 
 def _err(exc_type, code, path, message=None):
@@ -71,13 +72,12 @@ class _Namespace:
     (exclusive create, checked rename, makedirs) atomic within the process.
     Other processes cannot write the namespace without fencing this one."""
 
-    def __init__(self, tree, writer, tree_dir, namespace, sync):
+    def __init__(self, tree, writer, tree_dir, namespace):
         self.pid = os.getpid()
         self.tree = tree
         self.writer = writer
         self.tree_dir = tree_dir  # the live tree; every read is served from here
         self.namespace = namespace
-        self.sync = sync
         self.lock = threading.RLock()
         self.closed = False
 
@@ -227,7 +227,7 @@ def _key_can_append(factory, patience):
         client.close()
 
 
-def _open_namespace(server, key, namespace, base_dir, sync, max_lag_bytes, timeout, tls=None):
+def _open_namespace(server, key, namespace, base_dir, max_lag_bytes, timeout, tls=None):
     """The process-wide tree of (server, namespace, cache dir) for this key's role."""
     global _REGISTRY_PID
     root = os.path.realpath(os.path.join(base_dir, namespace))
@@ -245,7 +245,7 @@ def _open_namespace(server, key, namespace, base_dir, sync, max_lag_bytes, timeo
         if ns is not None and not ns.closed:
             return ns
         if not can_append:
-            ns = _open_read_only(factory, namespace, root, sync)
+            ns = _open_read_only(factory, namespace, root)
             _REGISTRY[ident] = ns
             return ns
         from sos_client.journal.tree import JournaledTree
@@ -255,7 +255,14 @@ def _open_namespace(server, key, namespace, base_dir, sync, max_lag_bytes, timeo
         spool_dir = os.path.join(root, "spool")
         os.makedirs(tree_dir, exist_ok=True)
         os.makedirs(spool_dir, exist_ok=True)
-        writer_kwargs = {"sync": sync}
+        # The writer always runs in sync mode, whatever the filesystem's
+        # ``sync``: its rotate() then waits for each generation's snapshot, so
+        # the generation's ``ready`` object is created before any later record
+        # is acknowledged. (An async writer can acknowledge records of a
+        # generation whose ``ready`` does not exist yet; restore ignores such a
+        # generation, so a barrier would not mean "restorable".) The cost: with
+        # sync=False, mv still waits for the server; close, cp and rm do not.
+        writer_kwargs = {"sync": True}
         if max_lag_bytes is not None:
             writer_kwargs["max_lag_bytes"] = max_lag_bytes
         writer = JournalWriter(factory, namespace, spool_dir, **writer_kwargs)
@@ -271,12 +278,12 @@ def _open_namespace(server, key, namespace, base_dir, sync, max_lag_bytes, timeo
             if isinstance(exc, _AuthRefused):
                 raise exc.original from None
             raise
-        ns = _Namespace(_GuardedTree(tree, namespace), writer, tree_dir, namespace, sync)
+        ns = _Namespace(_GuardedTree(tree, namespace), writer, tree_dir, namespace)
         _REGISTRY[ident] = ns
         return ns
 
 
-def _open_read_only(factory, namespace, root, sync):
+def _open_read_only(factory, namespace, root):
     """A read-role key: rebuild a private copy of the tree from the server."""
     from sos_client.journal.restore import rebuild_cache
 
@@ -286,7 +293,7 @@ def _open_read_only(factory, namespace, root, sync):
         rebuild_cache(factory, namespace, tree_dir)  # force: replaces an older copy
     except _AuthRefused as exc:
         raise exc.original from None
-    return _Namespace(_ReadOnlyTree(tree_dir, namespace), None, tree_dir, namespace, sync)
+    return _Namespace(_ReadOnlyTree(tree_dir, namespace), None, tree_dir, namespace)
 
 
 def close_all(timeout=None):
@@ -399,16 +406,12 @@ class SOSFileSystem(AbstractFileSystem):
         if not p:
             raise ValueError("sos: path must name a namespace: sos://NAMESPACE/path")
         ns, _, rel = p.partition("/")
-        if (
-            len(ns) > 63
-            or not set(ns) <= _NAMESPACE_CHARS
-            or not (ns[0].isascii() and ns[0].isalnum())
-        ):
-            raise ValueError(f"sos: invalid namespace {ns!r} (expected [a-z0-9][a-z0-9_-]{{0,62}})")
+        from sos_client.journal.records import validate_path
+        from sos_wire.names import validate_namespace
+
+        validate_namespace(ns)  # BadName (a ValueError) with the rule in its message
         if rel:
-            for seg in rel.split("/"):
-                if seg in (".", "..") or "\0" in seg:
-                    raise ValueError(f"sos: invalid path {p!r}: no '.', '..' or NUL segments")
+            validate_path(rel)  # ValueError: '.', '..', NUL, too long
         return ns, rel
 
     def _ns(self, namespace):
@@ -420,7 +423,6 @@ class SOSFileSystem(AbstractFileSystem):
             self.key,
             namespace,
             self.cache_dir,
-            self.sync_mode,
             self.max_lag_bytes,
             self.timeout,
             self.tls,
@@ -708,6 +710,8 @@ class SOSFileSystem(AbstractFileSystem):
             self.makedirs(path2, exist_ok=True)
             return
         h1, rel1, local1, name1 = self._resolve(path1)
+        if self._strip_protocol(path2) == name1:
+            return  # copying a file onto itself must not truncate it
         try:
             fd = os.open(local1, os.O_RDONLY)
         except (FileNotFoundError, NotADirectoryError):

@@ -253,6 +253,49 @@ def test_large_file_streams_in_bounded_chunks(env):
         assert f.read() == data
 
 
+def test_file_fsync_makes_what_was_written_durable(env):
+    fs = env.fs(sync=False)
+    p = f"{env.ns}/log"
+    f = fs.open(p, "wb")
+    f.write(b"first part;")
+    f.fsync()  # the buffered bytes become records and the barrier waits for them
+    assert local_snapshot(env.restore()) == {"log": b"first part;"}
+    f.write(b"second part")
+    f.close()
+    assert fs.cat_file(p) == b"first part;second part"
+    fs.fsync(p)
+    assert local_snapshot(env.restore()) == {"log": b"first part;second part"}
+
+
+def test_threads_share_one_tree(env):
+    import threading
+
+    fs = env.fs()
+    errors = []
+
+    def work(t):
+        try:
+            for i in range(10):
+                with fs.open(f"{env.ns}/th{t}/{i}", "wb") as f:
+                    f.write(payload((t, i), 5000 + i))
+            fs.mv(f"{env.ns}/th{t}/0", f"{env.ns}/th{t}/renamed")
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=240)
+    assert not errors
+    assert not any(t.is_alive() for t in threads)
+    live = fs_snapshot(fs, env.ns)
+    assert len([v for v in live.values() if v is not None]) == 40
+    assert live["th3/renamed"] == payload((3, 0), 5000)
+    fs.fsync(env.ns)
+    assert local_snapshot(env.restore()) == live
+
+
 def test_reader_keeps_its_snapshot_across_replace(env):
     fs = env.fs()
     p = f"{env.ns}/snap"
@@ -283,6 +326,8 @@ def test_touch_pipe_cp_put_get(env, tmp_path):
     fs.pipe_file(f"{env.ns}/t/src", big)
     fs.cp_file(f"{env.ns}/t/src", f"{env.ns}/t/sub/dst")
     assert fs.cat_file(f"{env.ns}/t/sub/dst") == big
+    fs.cp_file(f"{env.ns}/t/src", f"sos://{env.ns}/t/src")  # onto itself: unchanged
+    assert fs.cat_file(f"{env.ns}/t/src") == big
     with pytest.raises(FileNotFoundError):
         fs.cp_file(f"{env.ns}/t/nope", f"{env.ns}/t/x")
     local = tmp_path / "local.bin"
