@@ -657,6 +657,8 @@ class SOSFileSystem(AbstractFileSystem):
                 target = posixpath.join(parent, f".{base}.{uuid.uuid4().hex}.sos-tmp")
                 h.tree.create(target)
                 offset = 0
+                if mode == "ab" and st is not None:  # append: start from the old content
+                    offset = self._copy_into(h, local, target)
             elif mode == "ab" and st is not None:
                 target, offset = rel, st.st_size
             else:
@@ -666,6 +668,21 @@ class SOSFileSystem(AbstractFileSystem):
             self, name, mode, h, target, rel, offset,
             block_size=block_size, autocommit=autocommit,
         )
+
+    @staticmethod
+    def _copy_into(h, local_src, target):
+        """Append the bytes of a cached file to ``target`` (WRITE records)."""
+        fd = os.open(local_src, os.O_RDONLY)
+        try:
+            offset = 0
+            while True:
+                chunk = os.pread(fd, RECORD_DATA_MAX, offset)
+                if not chunk:
+                    return offset
+                h.tree.write(target, offset, chunk)
+                offset += len(chunk)
+        finally:
+            os.close(fd)
 
     def cat_file(self, path, start=None, end=None, **kwargs):
         h, rel, local, name = self._resolve(path)
@@ -898,7 +915,8 @@ class SOSWriteFile(AbstractBufferedFile):
             return
         self._committed = True
         with self._h.lock:
-            self._h.tree.rename(self._target, self._final, overwrite=True)
+            # "xb" stays exclusive: a file that appeared meanwhile is not replaced
+            self._h.tree.rename(self._target, self._final, overwrite=self.mode != "xb")
         self.fs._barrier(self._h)
 
     def discard(self):

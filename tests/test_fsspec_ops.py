@@ -346,7 +346,22 @@ def test_transaction_publishes_at_commit(env):
             f.write(b"after")
         assert fs.cat_file(p) == b"before"
     assert fs.cat_file(p) == b"after"
-    assert fs.ls(f"{env.ns}/tx", detail=False) == [p]  # no temp file left
+    with fs.transaction:
+        with fs.open(p, "ab") as f:
+            f.write(b"+more")
+        with fs.open(f"{env.ns}/tx/new", "xb") as f:
+            f.write(b"exclusive")
+        assert fs.cat_file(p) == b"after"
+        assert not fs.exists(f"{env.ns}/tx/new")
+    assert fs.cat_file(p) == b"after+more"
+    assert fs.cat_file(f"{env.ns}/tx/new") == b"exclusive"
+    with pytest.raises(RuntimeError):
+        with fs.transaction:
+            with fs.open(f"{env.ns}/tx/discarded", "wb") as f:
+                f.write(b"never published")
+            raise RuntimeError("abort the transaction")
+    assert not fs.exists(f"{env.ns}/tx/discarded")
+    assert fs.ls(f"{env.ns}/tx", detail=False) == [f"{env.ns}/tx/new", p]  # no temp left
 
 
 # ----------------------------------------------------------- directories
