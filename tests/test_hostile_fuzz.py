@@ -202,20 +202,21 @@ class Fuzzee:
         # the login frames were already consumed by the real server: mirror only the fuzz bytes
         shadow.receive_data(sent)
         shadow.receive_data(b"")
-        appends_by_rid: dict[int, deque] = defaultdict(deque)
+        # every request the server saw, by request id, in order (placeholders for skipped frames)
+        by_rid: dict[int, deque] = defaultdict(deque)
         while True:
             try:
                 e = shadow.next_event()
             except RemoteProtocolError as exc:
                 if exc.fatal:
                     break
+                by_rid[exc.request_id].append(None)
                 continue
             finally:
                 shadow._pending.clear()  # the real server answers; never flag an id as reused here
             if e is NEED_DATA:
                 break
-            if isinstance(e, ev.Append):
-                appends_by_rid[e.request_id].append(e)
+            by_rid[e.request_id].append(e)
         pos = 0
         while pos + 16 <= len(replies):
             op = replies[pos + 3]
@@ -223,13 +224,16 @@ class Fuzzee:
             body = replies[pos + 16 : pos + 16 + n]
             pos += 16 + n
             self.stats[f"reply_{op:#x}"] += 1
-            if op == 0x86 and len(body) == 8:
-                a = appends_by_rid[rid].popleft()
+            if op == 0x87 and len(body) > 8 and body[8] == 0:
+                continue  # a READ_DATA that is not the last one
+            if not by_rid.get(rid):
+                continue  # a connection-level error (id 0) or the answer to a fatal frame
+            req = by_rid[rid].popleft()
+            if op == 0x86:
+                assert isinstance(req, ev.Append), (req, rid)
                 (length,) = struct.unpack(">Q", body)
-                assert length == a.offset + len(a.data), (a, length)
-                self.acked.append((a.name, a.offset, a.data))
-            elif op == 0xFF and appends_by_rid.get(rid):
-                appends_by_rid[rid].popleft()
+                assert length == req.offset + len(req.data), (req, length)
+                self.acked.append((req.name, req.offset, req.data))
 
 
 def _rss(pid: int) -> int:
