@@ -798,6 +798,16 @@ def run_mount(namespace: str, mountpoint: str, *, server: str, key: str,
     if pyfuse3 is None:
         raise RuntimeError("pyfuse3 is not installed (pip install 'sos[mount]')")
     mountpoint = os.path.abspath(mountpoint)
+    if is_mounted(mountpoint):
+        try:
+            os.stat(mountpoint)
+        except OSError as exc:
+            if exc.errno != errno.ENOTCONN:
+                raise
+            log.warning("%s is a dead mount (its daemon died): detaching it", mountpoint)
+            lazy_unmount(mountpoint)
+        else:
+            raise RuntimeError(f"{mountpoint} is already a mount point")
     if not os.path.isdir(mountpoint):
         raise FileNotFoundError(errno.ENOENT, "mountpoint is not a directory", mountpoint)
     journal = MountedTree(namespace, server, key, cache_dir or default_cache_dir(namespace),
@@ -885,7 +895,6 @@ class MountProcess:
         self.extra_args = list(extra_args)
         self.env = env
         self.start_timeout = start_timeout
-        self._own_log = log_path is None
         if log_path is None:
             fd, log_path = tempfile.mkstemp(prefix="sos-mount-", suffix=".log")
             os.close(fd)
@@ -917,7 +926,8 @@ class MountProcess:
     def start(self) -> "MountProcess":
         if self.proc is not None:
             raise RuntimeError("already started")
-        os.makedirs(self.mountpoint, exist_ok=True)
+        if not is_mounted(self.mountpoint):  # a dead mount left here is detached by the child
+            os.makedirs(self.mountpoint, exist_ok=True)
         env = dict(os.environ if self.env is None else self.env)
         env["SOS_KEY"] = self.key
         env["SOS_SERVER"] = self.server

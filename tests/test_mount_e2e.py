@@ -301,7 +301,13 @@ def test_sigkill_then_remount_on_empty_cache_restores(mounts, server, key, tmp_p
         spark_write(m, rel, body, overwrite=False)
     data["chk/closed-only"] = b"no rename, no fsync: close alone waits in sync mode"
     write_file(os.path.join(m, "chk", "closed-only"), data["chk/closed-only"])
-    mp.kill()  # a crash: nothing gets a chance to flush
+    mp.proc.kill()  # a crash: nothing gets a chance to flush; the mount is left dead
+    mp.proc.wait()
+    assert is_mounted(m)
+    with pytest.raises(OSError) as info:
+        os.listdir(m)
+    assert info.value.errno == errno.ENOTCONN
+    mp.kill()  # MountProcess.kill: lazy unmount of the dead mount
     assert not is_mounted(m)
     fresh = mounts("b")  # empty cache: restored from the server before mounting
     got = snapshot(fresh.mountpoint)
@@ -344,6 +350,19 @@ def test_async_mode_flushes_on_sigterm(mounts, server, key, tmp_path):
         spark_write(mp.mountpoint, f"f{i}", expected[f"f{i}"], overwrite=True)
     assert mp.stop() == 0
     assert restored(server, key, tmp_path) == expected
+
+
+def test_remount_over_a_dead_mount_detaches_it(mounts, server, key, tmp_path):
+    mp = mounts("a")
+    write_file(os.path.join(mp.mountpoint, "kept"), b"synced")
+    mp.proc.kill()
+    mp.proc.wait()
+    assert is_mounted(mp.mountpoint)  # dead: ENOTCONN
+    again = mounts("a", cache=mp.cache_dir)  # same mountpoint: the dead mount is detached first
+    assert read_file(os.path.join(again.mountpoint, "kept")) == b"synced"
+    assert "dead mount" in again.log()
+    assert again.stop() == 0
+    assert not is_mounted(again.mountpoint)
 
 
 def test_cli_refuses_missing_key_and_bad_mountpoint(tmp_path, server):
