@@ -296,6 +296,41 @@ def test_threads_share_one_tree(env):
     assert local_snapshot(env.restore()) == live
 
 
+def _journal_ops(env):
+    """Every op in the namespace's journal on the server, in order."""
+    from sos_client.journal.restore import generation_records, list_generations
+
+    with env.client_factory()() as client:
+        gens = list_generations(client)
+        return [rec.op for g in sorted(gens) for rec in generation_records(client, gens[g])]
+
+
+def test_journal_records_stream_and_rename(env):
+    from sos_client.journal.records import Create, Rename, Write
+
+    fs = env.fs()
+    data = payload("records", (5 << 19) + 7)  # 2.5 MiB
+    with fs.open(f"{env.ns}/j/.f.tmp", "wb", block_size=256 << 10) as f:
+        for i in range(0, len(data), 100_000):
+            f.write(data[i : i + 100_000])
+    fs.mv(f"{env.ns}/j/.f.tmp", f"{env.ns}/j/f", overwrite=False)
+    fs.pipe_file(f"{env.ns}/j/g", b"g")
+    fs.mv(f"{env.ns}/j/g", f"{env.ns}/j/f")
+    ops = [op for op in _journal_ops(env) if getattr(op, "path", "").startswith("j/")
+           or isinstance(op, Rename)]
+    tmp_ops = [op for op in ops if getattr(op, "path", None) == "j/.f.tmp"]
+    assert isinstance(tmp_ops[0], Create)
+    writes = tmp_ops[1:]
+    assert writes and all(isinstance(w, Write) for w in writes)
+    assert len(writes) >= 3 and all(len(w.data) <= 1 << 20 for w in writes)
+    assert [w.offset for w in writes] == list(
+        itertools.accumulate([0] + [len(w.data) for w in writes[:-1]]))
+    assert b"".join(w.data for w in writes) == data
+    renames = [op for op in ops if isinstance(op, Rename)]
+    assert [(r.src, r.dst, r.overwrite) for r in renames] == [
+        ("j/.f.tmp", "j/f", False), ("j/g", "j/f", True)]
+
+
 def test_reader_keeps_its_snapshot_across_replace(env):
     fs = env.fs()
     p = f"{env.ns}/snap"
