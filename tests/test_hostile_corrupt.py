@@ -126,11 +126,6 @@ def test_flipped_byte_under_a_running_server_is_reported_by_read_verify_and_rest
     _check_damage_reported(journal, restart=False)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: sos_server/storage.py _load_object (lines 552-579) verifies CRCs of the last 64 MiB at "
-    "start-up and treats ANY checksum mismatch as a torn tail: a flipped byte in the middle of an "
-    "object cuts off that frame and every acknowledged frame after it (here 4625 -> 2903 bytes), "
-    "silently; verify then says OK and restore exits 0 with files f5..f7 missing"))
 def test_flipped_byte_while_stopped_survives_restart_and_is_reported(journal):
     srv = journal["srv"]
     srv.stop()
@@ -143,12 +138,6 @@ def test_flipped_byte_while_stopped_survives_restart_and_is_reported(journal):
         assert c.read(journal["seg"], tail_from, 0) == journal["stored"][tail_from:]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: the damage is located at offset 0 and nothing is restored: sos_server/session.py _read "
-    "(_Chunker.take, line 316) raises CORRUPT while assembling a 1 MiB READ_DATA chunk, so the "
-    "verified bytes before the bad frame in that chunk are never sent; sos_client/journal/restore.py "
-    "segment_records and verify.py (_readable_from/_resync, lines 83-150) do not bisect back to the "
-    "last readable offset before the broken frame"))
 def test_verify_and_restore_locate_the_damage_precisely(journal):
     """verify names the broken record's offset (not the whole segment from 0); restore
     replays every record before it and none after it."""
