@@ -97,6 +97,19 @@ def restored(server, key, tmp_path):
     return snapshot(target)
 
 
+def durable(mountpoint):
+    """fsync of a directory on the mount (FSYNCDIR): returns once every record is on the server.
+
+    Needed before a restore when the last operations were not barriered (unlink,
+    mkdir, rmdir return before the server has them, like on any filesystem).
+    """
+    fd = os.open(mountpoint, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_file(path, data, chunk=64 << 10):
     with open(path, "wb") as f:
         for i in range(0, len(data), chunk):
@@ -157,6 +170,7 @@ def test_create_write_read_back_then_restore(mounts, server, key, tmp_path):
     expected["small"] = b"hello SOS\n"
     assert read_file(os.path.join(m, "dir", "sub", "big.bin")) == big
     assert snapshot(m) == expected
+    durable(m)
     assert restored(server, key, tmp_path) == expected
 
 
@@ -176,6 +190,7 @@ def test_rename_replace_and_noreplace(mounts, server, key, tmp_path):
     assert read_file(os.path.join(m, "d2", "x", "f")) == b"F"
     expected = {"b": b"AAA", "d2": None, "d2/x": None, "d2/x/f": b"F"}
     assert snapshot(m) == expected
+    durable(m)
     assert restored(server, key, tmp_path) == expected
 
 
@@ -200,6 +215,7 @@ def test_unlink_mkdir_rmdir_readdir(mounts, server, key, tmp_path):
     assert names == [f"f{i:03d}" for i in range(1, 50, 2)]
     expected = {"d": None, **{f"d/f{i:03d}": str(i).encode() for i in range(1, 50, 2)}}
     assert snapshot(m) == expected
+    durable(m)
     assert restored(server, key, tmp_path) == expected
 
 
@@ -230,6 +246,7 @@ def test_chmod_utime_truncate_statfs_fsync(mounts, server, key, tmp_path):
     assert os.access(p, os.R_OK | os.W_OK)
     expected = {"f": b"0123\0\0!", "g": b"y"}
     assert snapshot(m) == expected
+    durable(m)
     assert restored(server, key, tmp_path) == expected
 
 
@@ -266,6 +283,7 @@ def test_spark_checkpoint_pattern_many_files(mounts, server, key, tmp_path):
         assert got[rel] == data
     assert sorted(os.listdir(os.path.join(chk, "state/0/0"))) == sorted(
         f"{v}.delta" for v in range(31, 41))
+    durable(m)
     assert restored(server, key, tmp_path) == got
 
 
