@@ -348,3 +348,15 @@ def test_failed_rename_keeps_inodes(mounted):
     assert ops.inodes.known("a") == ino_a and ops.inodes.known("b") == ino_b
     with open(os.path.join(mnt, "b"), "rb") as f:
         assert f.read() == b"b"
+
+
+def test_fsync_of_a_directory_is_a_barrier(mounted):
+    mnt, tree, _ = mounted
+    os.mkdir(os.path.join(mnt, "d"))
+    syncs = tree.syncs
+    fd = os.open(os.path.join(mnt, "d"), os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    assert tree.syncs == syncs + 1
