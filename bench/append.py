@@ -55,8 +55,11 @@ def pct(values: list[float], p: float) -> float:
 
 
 class Result:
-    def __init__(self, name: str, size: int, writers: int, ops: int, seconds: float, lat: list[float]) -> None:
+    def __init__(
+        self, name: str, size: int, writers: int, ops: int, seconds: float, lat: list[float], cpu: float | None = None
+    ) -> None:
         self.name, self.size, self.writers, self.ops, self.seconds, self.lat = name, size, writers, ops, seconds, lat
+        self.cpu = cpu  # server CPU seconds during the case (user + system), if known
 
     @property
     def ops_s(self) -> float:
@@ -69,15 +72,24 @@ class Result:
     def row(self) -> str:
         return (
             f"| {self.name} | {_size_name(self.size)} | {self.writers} | {self.ops_s:,.0f} | {self.mb_s:,.1f} | "
-            f"{pct(self.lat, 50) * 1e3:.2f} | {pct(self.lat, 99) * 1e3:.2f} |"
+            f"{pct(self.lat, 50) * 1e3:.2f} | {pct(self.lat, 99) * 1e3:.2f} | {self.cpu_per_op} |"
         )
+
+    @property
+    def cpu_per_op(self) -> str:
+        if self.cpu is None or not self.ops:
+            return "-"
+        return f"{self.cpu / self.ops * 1e6:,.0f}"
 
 
 def _size_name(size: int) -> str:
     return "1 MiB" if size == 1 << 20 else f"{size // 1024} KiB"
 
 
-HEADER = "| system | append | writers | appends/s | MB/s | p50 ms | p99 ms |\n|---|---|---|---|---|---|---|"
+HEADER = (
+    "| system | append | writers | appends/s | MB/s | p50 ms | p99 ms | CPU µs/append (server or raw process) |\n"
+    "|---|---|---|---|---|---|---|---|"
+)
 
 
 # -- raw disk baseline ---------------------------------------------------------------------
@@ -100,14 +112,16 @@ def raw_case(directory: str, size: int, writers: int, seconds: float) -> Result:
             os.unlink(path)
 
     t0 = time.monotonic()
+    cpu0 = _cpu(os.getpid())
     threads = [threading.Thread(target=run, args=(i,)) for i in range(writers)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     elapsed = time.monotonic() - t0
+    cpu = _cpu(os.getpid()) - cpu0
     all_lat = [x for ls in lat for x in ls]
-    return Result("raw write+fdatasync", size, writers, len(all_lat), elapsed, all_lat)
+    return Result("raw write+fdatasync", size, writers, len(all_lat), elapsed, all_lat, cpu)
 
 
 # -- sos-server ------------------------------------------------------------------------------
@@ -175,9 +189,17 @@ async def _writer(address, key: Key, ns: str, name: str, size: int, stop_at: flo
     out.append((ops, lat))
 
 
+def _cpu(pid: int) -> float:
+    import psutil
+
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
 def sos_case(server: Server, key: Key, ns: str, size: int, writers: int, seconds: float, tag: str) -> Result:
     out: list = []
     warm = min(0.5, seconds / 4)
+    cpu0 = _cpu(server.proc.pid)
 
     async def main():
         start = trio.current_time()
@@ -188,8 +210,12 @@ def sos_case(server: Server, key: Key, ns: str, size: int, writers: int, seconds
                 )
 
     trio.run(main)
+    cpu = _cpu(server.proc.pid) - cpu0
     lat = [x for _, ls in out for x in ls]
-    return Result("sos-server", size, writers, sum(o for o, _ in out), seconds, lat)
+    ops = sum(o for o, _ in out)
+    # CPU covers the warm-up too: scale it to the measured share of the appends
+    total = ops * (seconds + warm) / seconds if ops else 0
+    return Result("sos-server", size, writers, ops, seconds, lat, cpu * ops / total if total else None)
 
 
 # -- FTP APPE --------------------------------------------------------------------------------
@@ -212,6 +238,7 @@ class FtpServer:
         )
         self.proc = subprocess.Popen([sys.executable, "-c", code, root, str(self.port)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.pid = self.proc.pid
         deadline = time.monotonic() + 30
         while True:
             try:
@@ -232,6 +259,7 @@ def ftp_case(ftp: FtpServer, size: int, writers: int, seconds: float, tag: str) 
     warm = min(0.5, seconds / 4)
     start = time.monotonic()
     out: list = []
+    cpu0 = _cpu(ftp.pid)
 
     def run(i: int) -> None:
         c = ftplib.FTP()
@@ -256,8 +284,11 @@ def ftp_case(ftp: FtpServer, size: int, writers: int, seconds: float, tag: str) 
         t.start()
     for t in threads:
         t.join()
+    cpu = _cpu(ftp.pid) - cpu0
     lat = [x for _, ls in out for x in ls]
-    return Result("pyftpdlib APPE (no fsync)", size, writers, sum(o for o, _ in out), seconds, lat)
+    ops = sum(o for o, _ in out)
+    total = ops * (seconds + warm) / seconds if ops else 0
+    return Result("pyftpdlib APPE (no fsync)", size, writers, ops, seconds, lat, cpu * ops / total if total else None)
 
 
 def main(argv=None) -> int:

@@ -182,6 +182,9 @@ def test_group_commit_acks_only_after_sync_and_batches(tmp_path, monkeypatch):
         async with trio.open_nursery() as n:
             for i in range(40):
                 n.start_soon(writer, i)
+            with trio.fail_after(120):
+                while not calls:  # the held sync has started in its thread
+                    await trio.sleep(0.01)
             await trio.testing.wait_all_tasks_blocked()
             assert acked == []  # nothing is acknowledged before its sync returns
             first_batch = len(calls)
