@@ -65,6 +65,7 @@ def main(argv=None) -> int:
         spark.sparkContext.setLogLevel("ERROR")
 
         durations: dict[str, list[float]] = {}
+        phases: dict[str, dict[str, list[float]]] = {}  # where the time goes, per phase
 
         class Recorder(StreamingQueryListener):
             def __init__(self):
@@ -77,6 +78,9 @@ def main(argv=None) -> int:
                 ms = event.progress.durationMs.get("triggerExecution")
                 if self.current is not None and ms is not None:
                     durations.setdefault(self.current, []).append(float(ms))
+                    where = self.current.split("-")[0]
+                    for k, v in event.progress.durationMs.items():
+                        phases.setdefault(where, {}).setdefault(k, []).append(float(v))
 
             def onQueryIdle(self, event):
                 pass
@@ -145,6 +149,13 @@ def main(argv=None) -> int:
                   f"{res[w + '_p90_ms']:8.0f}ms")
         print(f"  ratio mount/local: median {res['ratio_median']:.3f}, "
               f"mean {res['ratio_mean']:.3f} (target <= 1.10)")
+        keys = ("walCommit", "addBatch", "commitOffsets", "latestOffset", "queryPlanning")
+        print("  median per phase (ms): " + ", ".join(
+            f"{k} {statistics.median(phases['local'].get(k, [0])):.0f}/"
+            f"{statistics.median(phases['mount'].get(k, [0])):.0f}" for k in keys)
+            + " (local/mount)")
+        res["phases_median_ms"] = {w: {k: statistics.median(v) for k, v in phases[w].items()}
+                                   for w in ("local", "mount")}
         print(json.dumps(res, sort_keys=True))
         return 0
     finally:

@@ -394,17 +394,23 @@ def run_demo(*, records: int = 3000, batches: int = 8, crash_after: int = 4,
         result["committed_before_crash"] = sorted(before)
 
         if kill == "mount":
-            # the mount dies first, under a live driver that then tries to commit
-            m1.kill()
+            # the mount process dies first, under a live driver that then tries to commit:
+            # the dead mount stays in place (every access fails with ENOTCONN) until the
+            # driver is gone, as after a real crash of the FUSE daemon
+            os.kill(m1.pid, signal.SIGKILL)
+            m1.proc.wait()
             say("CRASH: sos mount SIGKILLed in the middle of the batch; releasing the driver")
             with open(os.path.join(paths["flags"], f"release-{crash_after}"), "w"):
                 pass
             try:
                 d1.wait(300)
-                say(f"worker 1: driver failed on the dead mount (exit {d1.returncode})")
+                result["driver1_exit"] = d1.returncode
+                say(f"worker 1: driver failed on the dead mount (exit {d1.returncode})"
+                    if d1.returncode != 0 else "worker 1: driver exited 0 on a dead mount?!")
             except subprocess.TimeoutExpired:
                 say("worker 1: driver still alive on the dead mount: killing it")
             kill_tree(d1)
+            m1.kill()  # lazy unmount of the dead mount
         else:
             kill_tree(d1)
             m1.kill()
@@ -415,9 +421,10 @@ def run_demo(*, records: int = 3000, batches: int = 8, crash_after: int = 4,
         # ---- what the server holds
         from spark_plugin.spark import sos_command
 
-        proc = subprocess.run(sos_command() + ["restore", "--server", server.address,
-                                               "--key", key, NAMESPACE, paths["restored"]],
-                              capture_output=True, text=True, timeout=900)
+        proc = subprocess.run(sos_command() + ["restore", "-q", "--server", server.address,
+                                               NAMESPACE, paths["restored"]],
+                              capture_output=True, text=True, timeout=900,
+                              env=dict(os.environ, SOS_KEY=key))
         if proc.returncode != 0:
             raise DemoFailure(f"sos restore failed: {proc.stderr.strip()}")
         restored = committed_batches(os.path.join(paths["restored"], CHECKPOINT))

@@ -220,11 +220,12 @@ def restore_to_batch(namespace, target, checkpoint, batch_id, *, server, key, fo
     checkpoint directory, ready to be copied or mounted for the query to resume from.
     """
     rel = str(getattr(checkpoint, "relpath", checkpoint)).strip("/")
-    cmd = sos_command() + ["restore", "--server", server, "--key", str(key), namespace,
-                           str(target), "--batch", f"{rel}:{int(batch_id)}"]
+    cmd = sos_command() + ["restore", "-q", "--server", server, namespace, str(target),
+                           "--batch", f"{rel}:{int(batch_id)}"]
     if force:
         cmd.append("--force")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    env = dict(os.environ, SOS_KEY=str(key))  # the key stays off the command line
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"sos restore failed ({proc.returncode}): {proc.stderr.strip()}")
     return os.path.join(str(target), rel)
