@@ -433,7 +433,7 @@ class SOSOperations(_OperationsBase):
             os.utime(local, ns=(atime, mtime), follow_symlinks=False)
         return self._entry(inode, os.lstat(local))
 
-    def forget(self, inode_list):
+    async def forget(self, inode_list):
         for ino, n in inode_list:
             if ino not in _VIRTUAL:
                 self.inodes.forget(ino, n)
