@@ -218,6 +218,62 @@ def generation_records(client, gen: layout.GenerationInfo, *, on_bytes=None, not
             raise
 
 
+_END = object()
+
+
+def prefetched(make_iter: Callable[[], Iterator[Record]], *, max_batches: int = 4,
+               batch_bytes: int = 4 << 20) -> Iterator[Record]:
+    """Run ``make_iter()`` (network reads + decoding) in a thread, ahead of the consumer
+    (applying records to files), through a bounded queue: at most ``max_batches`` batches
+    of about ``batch_bytes`` each are buffered. Order and exceptions are preserved."""
+    import queue
+    import threading
+
+    q: queue.Queue = queue.Queue(maxsize=max_batches)
+    stop = threading.Event()
+
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.5)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce():
+        batch, size = [], 0
+        try:
+            for rec in make_iter():
+                batch.append(rec)
+                size += rec.size
+                if size >= batch_bytes or len(batch) >= 4096:
+                    if not put(batch):
+                        return
+                    batch, size = [], 0
+            if batch and not put(batch):
+                return
+            put(_END)
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, in order
+            if batch and not put(batch):
+                return
+            put(e)
+
+    th = threading.Thread(target=produce, name="sos-restore-reader", daemon=True)
+    th.start()
+    try:
+        while True:
+            item = q.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield from item
+    finally:
+        stop.set()
+        th.join(timeout=120)
+
+
 def _first_time(client, seg: layout.SegmentInfo) -> int | None:
     head = b"".join(client.read_iter(seg.name, 0, HEADER_SIZE))
     if len(head) < HEADER_SIZE:
@@ -347,7 +403,8 @@ def restore(client_factory, namespace: str, target: str, *, at=None, position: i
         else:
             stop = None
         try:
-            stats = replay(generation_records(client, gen, on_bytes=on_bytes, notes=summary.notes),
+            stats = replay(prefetched(lambda: generation_records(client, gen, on_bytes=on_bytes,
+                                                                 notes=summary.notes)),
                            target, stop=stop, snapshot=True)
         except JournalCorrupt as e:
             st = getattr(e, "replay_stats", None)
