@@ -11,12 +11,14 @@ a bystander keeps working.
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import struct
 
 import pytest
 
+from conftest import ServerProcess
 from sos_client import (
     BadNameError,
     Client,
@@ -35,12 +37,11 @@ from sos_wire.crc import crc32c
 from sos_wire.errors import ErrorCode
 from sos_wire.frames import DEFAULT_MAX_BODY
 
-NS = "hostile"
 TIMEOUT = 120  # generous: two shared cores
 
 
-def _client(srv, key, ns=NS) -> Client:
-    return Client(srv.address, key, ns, timeout=TIMEOUT)
+def _client(srv, key, ns=None) -> Client:
+    return Client(srv.address, key, ns or srv.ns, timeout=TIMEOUT)
 
 
 def _header(opcode: int, rid: int, body_len: int) -> bytes:
@@ -57,7 +58,8 @@ def _append_body(name: str, offset: int, data: bytes, *, data_len: int | None = 
 class Raw:
     """A raw socket that logs in through the codec, then sends whatever bytes we like."""
 
-    def __init__(self, srv, key=None, ns=NS) -> None:
+    def __init__(self, srv, key=None, ns=None) -> None:
+        ns = ns or srv.ns
         host, port = srv.address.rsplit(":", 1)
         self.sock = socket.create_connection((host, int(port)), timeout=TIMEOUT)
         self.conn = Connection(Role.CLIENT)
@@ -103,11 +105,26 @@ def _error_codes(frames) -> list[int]:
     return [struct.unpack(">H", body[:2])[0] for op, _rid, body in frames if op == 0xFF]
 
 
+@pytest.fixture(scope="module")
+def shared_server(tmp_path_factory):
+    """One real server for the module (each test gets its own namespaces: see ``srv``)."""
+    base = tmp_path_factory.mktemp("hostile-errors")
+    server = ServerProcess(base / "data", log_path=base / "server.log").start()
+    yield server
+    server.stop()
+
+
+_namespaces = itertools.count()
+
+
 @pytest.fixture
-def srv(sos_server):
-    sos_server.key = sos_server.keygen(NS, "append")
-    sos_server.read_key = sos_server.keygen(NS, "read")
-    return sos_server
+def srv(shared_server):
+    n = next(_namespaces)
+    shared_server.ns, shared_server.other_ns, shared_server.no_keys_ns = f"hostile{n}", f"other{n}", f"nobody{n}"
+    shared_server.key = shared_server.keygen(shared_server.ns, "append")
+    shared_server.read_key = shared_server.keygen(shared_server.ns, "read")
+    assert shared_server.running()
+    return shared_server
 
 
 # -- authentication ---------------------------------------------------------------------
@@ -116,26 +133,26 @@ def srv(sos_server):
 @pytest.mark.parametrize("case", ["wrong_secret", "unknown_key_id", "other_namespace_key", "namespace_without_keys"])
 def test_wrong_key_or_namespace_raises_permission_error(srv, case):
     good = Key.parse(srv.key)
-    other = srv.keygen("elsewhere", "append")
-    with _client(srv, other, "elsewhere") as c:
+    other = srv.keygen(srv.other_ns, "append")
+    with _client(srv, other, srv.other_ns) as c:
         c.append("secret", 0, b"tenant B data")
     if case == "wrong_secret":
-        key, ns = str(Key(good.key_id, os.urandom(32))), NS
+        key, ns = str(Key(good.key_id, os.urandom(32))), srv.ns
     elif case == "unknown_key_id":
-        key, ns = str(Key.generate()), NS
+        key, ns = str(Key.generate()), srv.ns
     elif case == "other_namespace_key":
-        key, ns = srv.key, "elsewhere"  # a valid key, used on another tenant's namespace
+        key, ns = srv.key, srv.other_ns  # a valid key, used on another tenant's namespace
     else:
-        key, ns = srv.key, "nobody-here"
+        key, ns = srv.key, srv.no_keys_ns
     with pytest.raises(SOSPermissionError) as ei:
         _client(srv, key, ns)
     assert ei.value.code is ErrorCode.AUTH_FAILED
     assert isinstance(ei.value, PermissionError)
     assert good.secret.hex() not in str(ei.value)  # the message never echoes a secret
     # the other tenant's data is untouched; no namespace was created by the attempt
-    with _client(srv, other, "elsewhere") as c:
+    with _client(srv, other, srv.other_ns) as c:
         assert c.read("secret") == b"tenant B data"
-    assert not os.path.exists(os.path.join(srv.data_dir, "ns", "nobody-here"))
+    assert not os.path.exists(os.path.join(srv.data_dir, "ns", srv.no_keys_ns))
 
 
 def test_read_key_cannot_append_seal_or_fence(srv):
@@ -232,27 +249,28 @@ def test_client_refuses_bad_names_before_sending(srv):
 
 def test_server_refuses_traversal_in_every_request_kind(srv):
     """READ, SEAL and LIST with hostile names (the server tests cover APPEND and STAT)."""
-    with _client(srv, srv.key, NS) as c:
+    with _client(srv, srv.key) as c:
         c.append("inside", 0, b"mine")
-    other = srv.keygen("hostile2", "append")
-    with _client(srv, other, "hostile2") as c:
+    other = srv.keygen(srv.other_ns, "append")
+    with _client(srv, other, srv.other_ns) as c:
         c.append("x", 0, b"tenant 2")
     r = Raw(srv, srv.key)
     try:
         rid = r.conn.next_request_id
-        for name in ["../hostile2/x", "../../hostile2/objects", "/abs", "a/./b", "\x00", "y" * 1025]:
+        o = srv.other_ns
+        for name in [f"../{o}/x", f"../../{o}/objects", "/abs", "a/./b", "\x00", "y" * 1025]:
             for req in (ev.Read(rid(), name, 0, 0), ev.Seal(rid(), name, 0)):
                 reply = r.call(req)
                 assert isinstance(reply, ev.Error) and reply.code is ErrorCode.BAD_NAME, (name, req, reply)
         # LIST takes a prefix, not a name: a hostile prefix just matches nothing of another tenant
-        for prefix in ["../", "../hostile2/", "/", "\x00"]:
+        for prefix in ["../", f"../{o}/", "/", "\x00"]:
             reply = r.call(ev.List(rid(), prefix, "", 1000))
             assert isinstance(reply, ev.ListOk) and reply.entries == (), (prefix, reply)
         reply = r.call(ev.List(rid(), "", "", 1000))
         assert [e.name for e in reply.entries] == ["inside"]
     finally:
         r.close()
-    with _client(srv, other, "hostile2") as c:
+    with _client(srv, other, srv.other_ns) as c:
         assert c.read("x") == b"tenant 2" and [e.name for e in c.list()] == ["x"]
 
 
