@@ -14,7 +14,6 @@ mistake a bad frame in the middle of an object for a torn tail.
 from __future__ import annotations
 
 import glob
-import importlib.util
 import os
 import re
 import subprocess
@@ -36,11 +35,10 @@ def _payload(i: int) -> bytes:
 
 
 def _sos(srv, key, *args):
-    """Run the ``sos`` command (sos_client.cli if it exists yet, else the journal's own CLI)."""
-    mod = "sos_client.cli" if importlib.util.find_spec("sos_client.cli") else "sos_client.journal.cli"
+    """Run the ``sos`` command in a subprocess (its entry point: sos_client.cli:main)."""
     env = dict(os.environ, SOS_SERVER=srv.address, SOS_KEY=key)
     return subprocess.run(
-        [sys.executable, "-c", f"import sys; from {mod} import main; sys.exit(main())", *args],
+        [sys.executable, "-c", "import sys; from sos_client.cli import main; sys.exit(main())", *args],
         capture_output=True, text=True, env=env, timeout=300,
     )
 
