@@ -171,6 +171,6 @@ def test_tls_both_clients(tls_server):
     # a client without TLS cannot talk to a TLS server, and one that does not trust the
     # certificate refuses it: both are ConnectionLost
     with pytest.raises(ConnectionLost):
-        Client(srv.address, key, "tls", timeout=10)
+        Client(srv.address, key, "tls", timeout=60)
     with pytest.raises(ConnectionLost, match="TLS"):
-        Client(srv.address, key, "tls", timeout=10, tls=ssl.create_default_context())
+        Client(srv.address, key, "tls", timeout=60, tls=ssl.create_default_context())

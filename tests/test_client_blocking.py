@@ -261,7 +261,7 @@ def test_connection_refused_is_connection_lost(ns):
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()  # nothing listens there now
-    with pytest.raises(ConnectionLost, match="cannot connect") as info:
+    with pytest.raises(ConnectionLost) as info:
         Client(f"127.0.0.1:{port}", ns[1], ns[0], timeout=5)
     assert isinstance(info.value, ConnectionError)
 

@@ -293,13 +293,16 @@ def test_connection_level_error_and_garbage_are_connection_lost(fake):
 
 
 def test_silent_server_times_out_as_connection_lost(fake):
-    fake.on_request = lambda n, e: []  # never answers
-    with Client(fake.address, KEY, "ns", timeout=0.5, reconnect_timeout=0) as c:
+    fake.on_request = lambda n, e: []  # never answers (the handshake does, with time to spare)
+    with Client(fake.address, KEY, "ns", timeout=60, reconnect_timeout=0) as c:
+        c.timeout = 0.5
+        c._sock.settimeout(0.5)
         with pytest.raises(ConnectionLost, match="no reply"):
             c.ping()
 
     async def main():
-        async with open_client(fake.address, KEY, "ns", timeout=0.5, reconnect_timeout=0) as c:
+        async with open_client(fake.address, KEY, "ns", timeout=60, reconnect_timeout=0) as c:
+            c.timeout = 0.5
             with pytest.raises(ConnectionLost, match="no reply"):
                 await c.ping()
 

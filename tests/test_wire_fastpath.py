@@ -3,6 +3,13 @@
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import os
+
+# CI runs a fixed set of examples (derandomized: the suite must be deterministic);
+# SOS_FUZZ_SCALE=50 runs fifty times more, with fresh random examples, for a deep fuzz.
+EXAMPLES = max(1, int(os.environ.get("SOS_FUZZ_SCALE", "1")))
+DERANDOMIZE = EXAMPLES == 1
+
 from sos_wire import NEED_DATA, Append, AppendOk, Connection, ReadData, RemoteProtocolError, Role, decode_body
 from sos_wire.connection import _HEADER, _header, _encode_body_parts
 from sos_wire.frames import BODIES, Header, Op, build_header
@@ -12,7 +19,7 @@ u64 = st.integers(0, 0xFFFFFFFFFFFFFFFF)
 text = st.text(st.characters(blacklist_categories=("Cs",)), max_size=30)
 
 
-@settings(max_examples=300)
+@settings(deadline=None, derandomize=DERANDOMIZE, max_examples=EXAMPLES * 300)
 @given(st.sampled_from(sorted(Op)), u32, u32)
 def test_header_fast_path_matches_construct(op, rid, body_len):
     fast = _header(op, rid, body_len)
@@ -21,7 +28,7 @@ def test_header_fast_path_matches_construct(op, rid, body_len):
     assert _HEADER.unpack(fast) == (b"SO", 1, op, rid, body_len, c.header_crc)
 
 
-@settings(max_examples=300)
+@settings(deadline=None, derandomize=DERANDOMIZE, max_examples=EXAMPLES * 300)
 @given(st.builds(Append, st.integers(1, 2**32 - 1), text, u64, u64, u32, st.binary(max_size=100)))
 def test_append_fast_path_matches_construct(event):
     fast = b"".join(_encode_body_parts(Op.APPEND, event))
@@ -29,14 +36,14 @@ def test_append_fast_path_matches_construct(event):
     assert fast == ref
 
 
-@settings(max_examples=300)
+@settings(deadline=None, derandomize=DERANDOMIZE, max_examples=EXAMPLES * 300)
 @given(st.builds(ReadData, st.integers(1, 2**32 - 1), u64, st.booleans(), st.binary(max_size=100)))
 def test_read_data_fast_path_matches_construct(event):
     fast = b"".join(_encode_body_parts(Op.READ_DATA, event))
     assert fast == BODIES[Op.READ_DATA].build({"offset": event.offset, "last": event.last, "data": event.data})
 
 
-@settings(max_examples=100)
+@settings(deadline=None, derandomize=DERANDOMIZE, max_examples=EXAMPLES * 100)
 @given(u64)
 def test_append_ok_fast_path_matches_construct(length):
     assert b"".join(_encode_body_parts(Op.APPEND_OK, AppendOk(1, length))) == BODIES[Op.APPEND_OK].build(
@@ -82,7 +89,7 @@ def encode_append(name, offset, data):
     return b"".join(_encode_body_parts(Op.APPEND, Append(1, name, offset, 0, 0, data)))
 
 
-@settings(max_examples=500, suppress_health_check=[HealthCheck.too_slow])
+@settings(deadline=None, derandomize=DERANDOMIZE, max_examples=EXAMPLES * 500, suppress_health_check=[HealthCheck.too_slow])
 @given(_mutated_bodies(), st.data())
 def test_fast_and_reference_decoders_agree_on_damaged_bodies(case, data):
     op, body = case
