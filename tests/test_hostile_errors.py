@@ -24,6 +24,7 @@ from sos_client import (
     Client,
     Fenced,
     OffsetMismatch,
+    QuotaExceeded,
     SealedError,
     SOSError,
     SOSNotFound,
@@ -357,3 +358,25 @@ def test_a_bystander_survives_all_of_it(srv):
         assert good.read("steady") == b"0" * 1000 + b"".join(bytes([48 + i % 10]) * 1000 for i in range(20))
     with pytest.raises(SOSError):
         _client(srv, str(Key.generate()))
+
+
+def test_quotas_stop_a_client_that_creates_or_grows_without_bound(sos_server_factory):
+    srv = sos_server_factory(args=["--max-objects", "20", "--max-object-size", "100000"], start=False)
+    key = srv.keygen("quota", "append")
+    srv.start()
+    with Client(srv.address, key, "quota", timeout=TIMEOUT) as c:
+        for i in range(20):
+            assert c.append(f"o/{i:02d}", 0, b"x") == 1
+        with pytest.raises(QuotaExceeded) as ei:
+            c.append("o/20", 0, b"one too many")
+        assert ei.value.code is ErrorCode.QUOTA_EXCEEDED
+        assert c.append("o/00", 1, b"y" * 99_999) == 100_000  # exactly the limit
+        with pytest.raises(QuotaExceeded):
+            c.append("o/00", 100_000, b"z")
+        with pytest.raises(QuotaExceeded):
+            c.append_many("o/01", 1, [b"w" * 60_000] * 2)
+        # nothing beyond the limits landed, nothing before them changed
+        assert len(list(c.list())) == 20
+        assert c.read("o/00") == b"x" + b"y" * 99_999
+        assert c.stat("o/01")[0] in (1, 60_001)  # append_many may land its first piece
+        assert c.read("o/01", 0, 1) == b"x"
