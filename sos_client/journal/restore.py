@@ -19,6 +19,7 @@ import datetime as _dt
 import json
 import os
 import shutil
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -28,6 +29,7 @@ from ._store import Corrupt, SOSNotFound
 from .errors import (
     BatchNotFound,
     JournalCorrupt,
+    JournalError,
     JournalTruncated,
     PositionUnavailable,
     TargetNotEmpty,
@@ -177,18 +179,25 @@ def segment_records(client, seg: layout.SegmentInfo, *, on_bytes: Callable[[int]
         raise JournalTruncated(seg.name, dec.offset, f"segment ends inside a record ({dec.pending} bytes)")
 
 
-def generation_records(client, gen: layout.GenerationInfo, *, on_bytes=None, notes=None) -> Iterator[Record]:
+def generation_records(client, gen: layout.GenerationInfo, *, on_bytes=None, notes=None,
+                       source: Callable[[int, layout.SegmentInfo], Iterator[Record]] | None = None
+                       ) -> Iterator[Record]:
     """Every record of a generation in order, with the sequence checks.
 
     A torn tail of the last, unsealed segment is a write in progress: the stream ends
     before it (noted). Anything else that does not decode raises JournalCorrupt.
+    ``source(i, seg)`` gives the decoded records of segment i (default: read them with
+    ``client``; restore passes the read-ahead of :class:`SegmentReaders`).
     """
+    if source is None:
+        def source(_i, seg):
+            return segment_records(client, seg, on_bytes=on_bytes)
     expected = None
     segs = gen.segments
     for i, seg in enumerate(segs):
         first = True
         try:
-            for rec in segment_records(client, seg, on_bytes=on_bytes):
+            for rec in source(i, seg):
                 if first:
                     first = False
                     if rec.seq != seg.first_seq:
@@ -221,19 +230,37 @@ def generation_records(client, gen: layout.GenerationInfo, *, on_bytes=None, not
 _END = object()
 
 
-def prefetched(make_iter: Callable[[], Iterator[Record]], *, max_batches: int = 4,
-               batch_bytes: int = 4 << 20) -> Iterator[Record]:
-    """Run ``make_iter()`` (network reads + decoding) in a thread, ahead of the consumer
-    (applying records to files), through a bounded queue: at most ``max_batches`` batches
-    of about ``batch_bytes`` each are buffered. Order and exceptions are preserved."""
-    import queue
-    import threading
+class SegmentReaders:
+    """Read-ahead of a generation's segments over ``readers`` connections of their own.
 
-    q: queue.Queue = queue.Queue(maxsize=max_batches)
-    stop = threading.Event()
+    Reader threads take segments in order; each reads and decodes its segment (CRC checks
+    included) into that segment's bounded queue (``max_batches`` batches of about
+    ``batch_bytes``), so memory stays below readers * max_batches * batch_bytes while the
+    consumer applies records strictly in order. Exceptions reach the consumer in order.
+    """
 
-    def put(item) -> bool:
-        while not stop.is_set():
+    def __init__(self, client_factory, segs, *, readers: int = 2, on_bytes=None, max_batches: int = 3,
+                 batch_bytes: int = 4 << 20):
+        import queue
+        import threading
+
+        self._segs = segs
+        self._queues = [queue.Queue(maxsize=max_batches) for _ in segs]
+        self._next = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._factory = client_factory
+        self._on_bytes = on_bytes
+        self._batch_bytes = batch_bytes
+        self._threads = [threading.Thread(target=self._work, name=f"sos-restore-reader-{k}", daemon=True)
+                         for k in range(max(1, min(readers, len(segs))))]
+        for th in self._threads:
+            th.start()
+
+    def _put(self, q, item) -> bool:
+        import queue
+
+        while not self._stop.is_set():
             try:
                 q.put(item, timeout=0.5)
                 return True
@@ -241,37 +268,68 @@ def prefetched(make_iter: Callable[[], Iterator[Record]], *, max_batches: int = 
                 continue
         return False
 
-    def produce():
-        batch, size = [], 0
+    def _work(self) -> None:
+        client = None
         try:
-            for rec in make_iter():
-                batch.append(rec)
-                size += rec.size
-                if size >= batch_bytes or len(batch) >= 4096:
-                    if not put(batch):
+            while not self._stop.is_set():
+                with self._lock:
+                    i = self._next
+                    self._next += 1
+                if i >= len(self._segs):
+                    return
+                q = self._queues[i]
+                batch, size = [], 0
+                try:
+                    if client is None:
+                        client = self._factory()
+                    for rec in segment_records(client, self._segs[i], on_bytes=self._on_bytes):
+                        batch.append(rec)
+                        size += rec.size
+                        if size >= self._batch_bytes or len(batch) >= 4096:
+                            if not self._put(q, batch):
+                                return
+                            batch, size = [], 0
+                    if batch and not self._put(q, batch):
                         return
-                    batch, size = [], 0
-            if batch and not put(batch):
-                return
-            put(_END)
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer, in order
-            if batch and not put(batch):
-                return
-            put(e)
+                    self._put(q, _END)
+                except BaseException as e:  # noqa: BLE001 - handed to the consumer, in order
+                    if batch and not self._put(q, batch):
+                        return
+                    self._put(q, e)
+                    if client is not None and not isinstance(e, JournalCorrupt):
+                        try:
+                            client.close()
+                        except Exception:  # noqa: BLE001
+                            pass
+                        client = None
+        finally:
+            if client is not None:
+                try:
+                    client.close()
+                except Exception:  # noqa: BLE001
+                    pass
 
-    th = threading.Thread(target=produce, name="sos-restore-reader", daemon=True)
-    th.start()
-    try:
+    def records(self, i: int, seg) -> Iterator[Record]:
+        import queue
+
+        q = self._queues[i]
         while True:
-            item = q.get()
+            try:
+                item = q.get(timeout=1.0)
+            except queue.Empty:
+                if not any(th.is_alive() for th in self._threads):
+                    raise JournalError(f"restore readers stopped before segment {seg.name}") from None
+                continue
             if item is _END:
                 return
             if isinstance(item, BaseException):
                 raise item
             yield from item
-    finally:
-        stop.set()
-        th.join(timeout=120)
+
+    def close(self) -> None:
+        self._stop.set()
+        for th in self._threads:
+            th.join(timeout=120)
 
 
 def _first_time(client, seg: layout.SegmentInfo) -> int | None:
@@ -374,12 +432,15 @@ def restore(client_factory, namespace: str, target: str, *, at=None, position: i
         gens = list_generations(client)
         done = [0]
         total = [0]
+        lock = threading.Lock()
 
         def on_bytes(n):
-            done[0] += n
-            summary.bytes_read += n
+            with lock:
+                done[0] += n
+                summary.bytes_read += n
+                d = done[0]
             if progress is not None:
-                progress(done[0], total[0])
+                progress(d, total[0])
 
         if bq is not None:
             total[0] = sum(g.total_bytes for g in _complete(gens)[:1])
@@ -403,9 +464,12 @@ def restore(client_factory, namespace: str, target: str, *, at=None, position: i
         else:
             stop = None
         try:
-            stats = replay(prefetched(lambda: generation_records(client, gen, on_bytes=on_bytes,
-                                                                 notes=summary.notes)),
-                           target, stop=stop, snapshot=True)
+            readers = SegmentReaders(client_factory, gen.segments, readers=2, on_bytes=on_bytes)
+            try:
+                stats = replay(generation_records(client, gen, notes=summary.notes, source=readers.records),
+                               target, stop=stop, snapshot=True)
+            finally:
+                readers.close()
         except JournalCorrupt as e:
             st = getattr(e, "replay_stats", None)
             if st is not None:
