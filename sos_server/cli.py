@@ -134,7 +134,7 @@ def cmd_serve(args) -> int:
     import trio
 
     from .engine import Engine, Limits
-    from .listener import Listener, make_tls_context, raise_nofile_limit
+    from .listener import Listener, make_tls_context, raise_nofile_limit, tune_malloc
     from .logs import setup_logging
     from .metrics import Metrics
     from .storage import Storage, StorageError
@@ -151,6 +151,7 @@ def cmd_serve(args) -> int:
         except (OSError, ValueError) as exc:
             return _fail(f"cannot load TLS certificate/key: {exc}")
     nofile = raise_nofile_limit()
+    tune_malloc()
     storage = Storage(args.data)
     try:
         storage.lock()

@@ -46,7 +46,7 @@ log = logging.getLogger("sos_server.engine")
 #: the engine's typed error is the storage one: a wire ErrorCode, a message and a u64
 ServerError = StorageError
 
-THREAD_WRITE_MIN = 128 << 10  # writes at least this big go to a worker thread
+THREAD_WRITE_MIN = 1 << 62  # writes this big would go to a worker thread: never, inline is cheaper (BENCHMARKS.md)
 THREAD_READ_MIN = 128 << 10
 SYNC_THREADS = 128  # concurrent fdatasyncs of one batch (one per touched file)
 

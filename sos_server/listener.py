@@ -16,7 +16,7 @@ from sos_wire import events as ev
 from .engine import Engine
 from .session import Session
 
-__all__ = ["Listener", "raise_nofile_limit", "make_tls_context"]
+__all__ = ["Listener", "raise_nofile_limit", "make_tls_context", "tune_malloc"]
 
 log = logging.getLogger("sos_server.listener")
 
@@ -31,6 +31,26 @@ def raise_nofile_limit() -> int:
         except (ValueError, OSError) as exc:
             log.warning("could not raise RLIMIT_NOFILE: %s", exc)
     return soft
+
+
+def tune_malloc() -> bool:
+    """Keep freed frame buffers in the heap instead of giving them back to the kernel.
+
+    Every 1 MiB append allocates MiB-sized buffers (socket reads, the frame, its data);
+    with glibc's defaults each comes from a fresh mmap and is paid for in page faults,
+    ~1.5 ms of CPU per MiB on these VMs (measured: 1.77 ms -> 0.17 ms per 1 MiB frame
+    through the codec). No-op where glibc's mallopt is not available."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    ok = mallopt(M_MMAP_THRESHOLD, 32 << 20) == 1
+    return mallopt(M_TRIM_THRESHOLD, 256 << 20) == 1 and ok
 
 
 def make_tls_context(cert: str, key: str) -> ssl.SSLContext:
