@@ -438,3 +438,102 @@ def test_second_mount_on_the_same_cache_is_refused(mounts, server, key, tmp_path
     write_file(os.path.join(first.mountpoint, "g"), b"2")  # the first one is unaffected
     assert first.stop() == 0
     assert restored(server, key, tmp_path) == {"f": b"1", "g": b"2"}
+
+
+# --------------------------------------------------------------------------- model and concurrency
+
+_DIRS = ["d1", "d1/d2", "d3"]
+_PATHS = _DIRS + [f"{d}/{n}" if d else n for d in ["", *_DIRS] for n in ("x", "y")]
+
+
+def _apply(root, op, a):
+    """Apply one operation under root; the outcome is "ok" or the errno name."""
+    p = [os.path.join(root, x) for x in a if isinstance(x, str)]
+    try:
+        if op == "mkdir":
+            os.mkdir(p[0])
+        elif op == "rmdir":
+            os.rmdir(p[0])
+        elif op == "unlink":
+            os.unlink(p[0])
+        elif op == "write_whole":
+            write_file(p[0], a[1])
+        elif op == "pwrite":
+            fd = os.open(p[0], os.O_WRONLY)
+            try:
+                os.pwrite(fd, a[2], a[1])
+            finally:
+                os.close(fd)
+        elif op == "truncate":
+            os.truncate(p[0], a[1])
+        elif op == "rename":
+            os.rename(p[0], p[1])
+        elif op == "rename_noreplace":
+            renameat2(p[0], p[1])
+        return "ok"
+    except OSError as exc:
+        return errno.errorcode[exc.errno]
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_random_operations_behave_like_a_local_directory(mounts, server, key, tmp_path, seed):
+    """Seeded random sequences: every outcome (errno included) equals a plain directory's;
+    the final tree, and its restore from the server, equal the plain directory."""
+    import random
+
+    rng = random.Random(seed)
+    m = mounts().mountpoint
+    ref = str(tmp_path / "reference")
+    os.mkdir(ref)
+    ops = ["mkdir", "mkdir", "rmdir", "unlink", "write_whole", "write_whole", "pwrite",
+           "truncate", "rename", "rename_noreplace"]
+    for step in range(150):
+        op = rng.choice(ops)
+        if op in ("mkdir", "rmdir", "unlink"):
+            args = (rng.choice(_PATHS),)
+        elif op == "write_whole":
+            args = (rng.choice(_PATHS), rng.randbytes(rng.randrange(0, 3000)))
+        elif op == "pwrite":
+            args = (rng.choice(_PATHS), rng.randrange(0, 4000), rng.randbytes(rng.randrange(1, 500)))
+        elif op == "truncate":
+            args = (rng.choice(_PATHS), rng.randrange(0, 4000))
+        else:  # mostly an existing source, so that renames succeed as well as fail
+            existing = sorted(snapshot(ref))
+            src = rng.choice(existing) if existing and rng.random() < 0.8 else rng.choice(_PATHS)
+            args = (src, rng.choice(_PATHS))
+        got, want = _apply(m, op, args), _apply(ref, op, args)
+        assert got == want, (step, op, args[:2] if op != "write_whole" else args[:1])
+    assert snapshot(m) == snapshot(ref)
+    durable(m)
+    assert restored(server, key, tmp_path) == snapshot(ref)
+
+
+def test_concurrent_writers_all_land(mounts, server, key, tmp_path):
+    """Driver and executors write at once: every file is there, locally and after restore."""
+    import threading
+
+    m = mounts().mountpoint
+    errors = []
+    expected = {}
+
+    def worker(w):
+        try:
+            os.makedirs(os.path.join(m, "state", str(w)))
+            for v in range(15):
+                body = (b"%d:%d;" % (w, v)) * (50 + v)
+                spark_write(m, f"state/{w}/{v}.delta", body, overwrite=True)
+                expected[f"state/{w}/{v}.delta"] = body
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+            errors.append(exc)
+
+    os.mkdir(os.path.join(m, "state"))
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert not errors and not any(t.is_alive() for t in threads)
+    want = {"state": None, **{f"state/{w}": None for w in range(4)}, **expected}
+    assert snapshot(m) == want
+    durable(m)
+    assert restored(server, key, tmp_path) == want
