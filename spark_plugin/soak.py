@@ -419,7 +419,10 @@ class Soak:
         if end >= 0:
             self._acked_off += end + 1
             for line in data[:end].splitlines():
-                b, log_offset = (int(x) for x in line.split())
+                try:
+                    b, log_offset = (int(x) for x in line.split())
+                except ValueError:  # a driver killed mid-line: that batch is re-acked later
+                    continue
                 self.acked_files = max(self.acked_files, log_offset + 1)
                 if b > self.acked_max:
                     self.acked_max = b
