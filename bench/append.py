@@ -132,12 +132,15 @@ class Server:
         cmd = [sys.executable]
         if profile:
             cmd += ["-m", "cProfile", "-o", profile]
-        cmd += ["-m", "sos_server.cli", "serve", "--data", data, "--listen", "127.0.0.1:0", "--log-level", "warning"]
+        cmd += ["-m", "sos_server.cli", "serve", "--data", data, "--listen", "127.0.0.1:0", "--log-level", "warning",
+                "--metrics", "127.0.0.1:0"]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=self.log)
         deadline = time.monotonic() + 60
         while True:
             with open(self.log.name, "rb") as f:
                 for line in f.read().decode(errors="replace").splitlines():
+                    if line.startswith("sos-server metrics on "):
+                        self.metrics = line.rsplit(" ", 1)[1]
                     if line.startswith("sos-server listening on "):
                         host, port = line.rsplit(" ", 1)[1].rsplit(":", 1)
                         self.address = (host, int(port))
@@ -145,6 +148,15 @@ class Server:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit("sos-server did not start; see " + self.log.name)
             time.sleep(0.05)
+
+    def sync_stats(self) -> tuple[float, float]:
+        """(group-commit batches, seconds spent in them, fdatasync calls) so far."""
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://{self.metrics}/metrics", timeout=30) as r:
+            text = r.read().decode()
+        vals = {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in text.splitlines() if ln and ln[0] != "#"}
+        return vals["sos_sync_seconds_count"], vals["sos_sync_seconds_sum"], vals["sos_synced_files_total"]
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGINT)
@@ -200,6 +212,7 @@ def sos_case(server: Server, key: Key, ns: str, size: int, writers: int, seconds
     out: list = []
     warm = min(0.5, seconds / 4)
     cpu0 = _cpu(server.proc.pid)
+    s0 = server.sync_stats()
 
     async def main():
         start = trio.current_time()
@@ -211,6 +224,11 @@ def sos_case(server: Server, key: Key, ns: str, size: int, writers: int, seconds
 
     trio.run(main)
     cpu = _cpu(server.proc.pid) - cpu0
+    s1 = server.sync_stats()
+    batches, busy, files = (b - a for a, b in zip(s0, s1))
+    if batches:
+        print(f"<!-- {writers} x {_size_name(size)}: {batches:.0f} group commits, {busy / batches * 1e3:.2f} ms each, "
+              f"{files / batches:.1f} files/batch, syncer busy {busy / (seconds + warm):.0%} -->", flush=True)
     lat = [x for _, ls in out for x in ls]
     ops = sum(o for o, _ in out)
     # CPU covers the warm-up too: scale it to the measured share of the appends
@@ -300,6 +318,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-ftp", action="store_true")
     p.add_argument("--profile", default=None, help="run the server under cProfile, write stats here")
     args = p.parse_args(argv)
+    from sos_server.listener import tune_malloc
+
+    tune_malloc()  # the load generator is Python too: spare the shared CPUs its page faults
 
     base = tempfile.mkdtemp(prefix="sos-bench-", dir=args.dir or "/var/tmp")
     cases = [(SIZES[c.split(":")[0]], int(c.split(":")[1])) for c in args.cases.split(",")]
