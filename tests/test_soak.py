@@ -72,3 +72,78 @@ def test_crash_loop_exactly_once(tmp_path):
     assert result["records_final"] > 0 and result["checks"] >= result["kill_events"]
     # one line per event, as it runs
     assert sum(1 for l in lines if "] #" in l and " kill " in l) == result["kill_events"]
+
+
+# ---- the harness's check must catch each kind of violation (no Spark, no processes)
+
+def _fake_soak(tmp_path):
+    from spark_plugin.soak import Soak
+
+    soak = Soak(duration=1, seed=0, workdir=str(tmp_path / "w"), rows=5, max_kills=None,
+                weights={"server": 1, "mount": 1, "driver": 1, "all": 1}, state_store="hdfs",
+                ahead=0, stall_timeout=60, delay=(0, 0), quiet=True)
+    soak.prepare_input()
+    soak.acked_files = 4
+    soak.feed()  # files 0..3 into the input directory
+    return soak
+
+
+def _commit(chk, batch, last_file):
+    for d in ("commits", "offsets"):
+        os.makedirs(os.path.join(chk, d), exist_ok=True)
+    with open(os.path.join(chk, "offsets", str(batch)), "w") as f:
+        f.write('v1\n{"batchWatermarkMs":0}\n' + json.dumps({"logOffset": last_file}))
+    with open(os.path.join(chk, "commits", str(batch)), "w") as f:
+        f.write('v1\n{"nextBatchWatermarkMs":0}')
+
+
+def _output(soak, batch, ids):
+    with open(os.path.join(soak.paths["out"], f"batch-{batch:06d}.jsonl"), "w") as f:
+        for rid in sorted(ids):
+            f.write(json.dumps({"id": rid, "payload": soak.expected_all[rid]}) + "\n")
+
+
+def _ack(soak, batch, last_file):
+    with open(soak.acked_path, "a") as f:
+        f.write(f"{batch} {last_file}\n")
+
+
+def test_check_accepts_a_committed_prefix(tmp_path):
+    soak = _fake_soak(tmp_path)
+    chk = str(tmp_path / "chk")
+    # batch 1 was re-planned after a crash and read files 1 and 2
+    for batch, files in ((0, [0]), (1, [1, 2])):
+        _commit(chk, batch, files[-1])
+        _output(soak, batch, [r for i in files for r in soak.file_ids[i]])
+        _ack(soak, batch, files[-1])
+    _output(soak, 2, soak.file_ids[3][:2])  # output of an uncommitted batch: ignored
+    assert "batches 0..1 committed (input files 0..2)" in soak.check(chk, "t")
+    soak.cleanup()
+
+
+@pytest.mark.parametrize("damage", ["lost_commit", "gap", "doubled", "lost_record", "corrupt"])
+def test_check_catches_violations(tmp_path, damage):
+    from spark_plugin.soak import Violation
+
+    soak = _fake_soak(tmp_path)
+    chk = str(tmp_path / "chk")
+    for batch in range(3):
+        _commit(chk, batch, batch)
+        _output(soak, batch, soak.file_ids[batch])
+        _ack(soak, batch, batch)
+    if damage == "lost_commit":  # acknowledged committed, gone after the restart
+        os.remove(os.path.join(chk, "commits", "2"))
+    elif damage == "gap":
+        _commit(chk, 3, 3)
+        _output(soak, 3, soak.file_ids[3])
+        os.remove(os.path.join(chk, "commits", "2"))
+    elif damage == "doubled":
+        _output(soak, 2, soak.file_ids[2] + soak.file_ids[1][:1])
+    elif damage == "lost_record":
+        _output(soak, 1, soak.file_ids[1][1:])
+    else:
+        with open(os.path.join(soak.paths["out"], "batch-000001.jsonl"), "a") as f:
+            f.write('{"id": 7, "payload": "not the payload"}\n')
+    with pytest.raises(Violation):
+        soak.check(chk, "t")
+    soak.cleanup()
