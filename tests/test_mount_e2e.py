@@ -258,7 +258,7 @@ def test_spark_checkpoint_pattern_many_files(mounts, server, key, tmp_path):
         os.makedirs(os.path.join(chk, d), exist_ok=True)
     spark_write(chk, "metadata", b'{"id":"q"}', overwrite=False)
     expected_files = {"chk/metadata": b'{"id":"q"}'}
-    for batch in range(40):
+    for batch in range(25):
         spark_write(chk, f"sources/0/{batch}", b"v1\n%d" % batch, overwrite=False)
         spark_write(chk, f"offsets/{batch}", b"v1\noffset %d" % batch, overwrite=False)
         for part in (0, 1):
@@ -276,13 +276,13 @@ def test_spark_checkpoint_pattern_many_files(mounts, server, key, tmp_path):
                 os.unlink(os.path.join(dirpath, f))
     got = snapshot(m)
     assert not any(k.endswith(".tmp") for k in got)
-    for batch in range(40):
+    for batch in range(25):
         expected_files[f"chk/commits/{batch}"] = b"v1\n{}"
         expected_files[f"chk/offsets/{batch}"] = b"v1\noffset %d" % batch
     for rel, data in expected_files.items():
         assert got[rel] == data
     assert sorted(os.listdir(os.path.join(chk, "state/0/0"))) == sorted(
-        f"{v}.delta" for v in range(31, 41))
+        f"{v}.delta" for v in range(16, 26))
     durable(m)
     assert restored(server, key, tmp_path) == got
 
