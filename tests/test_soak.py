@@ -10,11 +10,6 @@ import subprocess
 
 import pytest
 
-pytestmark = [pytest.mark.spark, pytest.mark.fuse, pytest.mark.slow]
-
-pytest.importorskip("pyfuse3")
-pytest.importorskip("pyspark")
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KILLS = 32
 # Cheap server and mount kills dominate (one JVM survives them); driver kills and total
@@ -36,9 +31,14 @@ def _unmount_leftovers(root):
                 dirnames.remove(d)
 
 
+@pytest.mark.spark
+@pytest.mark.fuse
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="/dev/fuse is missing: no FUSE")
 @pytest.mark.timeout(460)
 def test_crash_loop_exactly_once(tmp_path):
+    pytest.importorskip("pyfuse3")
+    pytest.importorskip("pyspark")
     work = tmp_path / "soak"
     proc = subprocess.Popen([os.path.join(ROOT, "scripts", "soak"), *SOAK_ARGS,
                              "--workdir", str(work)],
