@@ -537,3 +537,28 @@ def test_concurrent_writers_all_land(mounts, server, key, tmp_path):
     assert snapshot(m) == want
     durable(m)
     assert restored(server, key, tmp_path) == want
+
+
+def test_server_crash_while_mounted_blocks_then_completes(mounts, server, key, tmp_path):
+    """Sync mode: a rename issued while the server is down returns once it is back."""
+    import threading
+
+    m = mounts().mountpoint
+    write_file(os.path.join(m, "before"), b"durable before the crash")
+    server.kill()
+    errors = []
+
+    def commit():
+        try:
+            spark_write(m, "commit-0", b"written while the server was down", overwrite=False)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    t = threading.Thread(target=commit)
+    t.start()
+    server.restart()
+    t.join(180)
+    assert not t.is_alive() and not errors
+    assert read_file(os.path.join(m, "commit-0")) == b"written while the server was down"
+    assert restored(server, key, tmp_path) == {
+        "before": b"durable before the crash", "commit-0": b"written while the server was down"}
