@@ -239,8 +239,8 @@ class SegmentReaders:
     consumer applies records strictly in order. Exceptions reach the consumer in order.
     """
 
-    def __init__(self, client_factory, segs, *, readers: int = 2, on_bytes=None, max_batches: int = 3,
-                 batch_bytes: int = 4 << 20):
+    def __init__(self, client_factory, segs, *, readers: int = 2, on_bytes=None, max_batches: int = 2,
+                 batch_bytes: int = 2 << 20):
         import queue
         import threading
 
