@@ -178,13 +178,7 @@ def test_resume_from_spool_after_crash_ships_everything_once(tmp_path):
         t.create(f"f{i}")
         t.write(f"f{i}", 0, bytes([i]) * 700)
     last = w.last_seq
-    # "crash": the process dies; here: stop the replicator without flushing, leave the spool
-    w._stop.set()
-    with w._cv:
-        w._closed = True
-        w._cv.notify_all()
-    w._thread.join(WAIT)
-    w._spool.close()
+    _crash(w)
     # an empty, never-shipped segment and a torn record at the end of the spool
     spool = tmp_path / "spool-w"
     segs = sorted(spool.glob("gen/*/*.seg"))
@@ -206,6 +200,44 @@ def test_resume_from_spool_after_crash_ships_everything_once(tmp_path):
     assert tree_state(str(tmp_path / "out")) == tree_state(str(tmp_path / "cache"))
     assert sorted(os.listdir(tmp_path / "out")) == sorted([f"f{i}" for i in range(10)] + ["after"])
     assert verify(store.factory, "ns").ok
+
+
+def _crash(w):
+    """What SIGKILL leaves: the spool as it is, nothing flushed (the proof with a real
+    process kill is in test_journal_server.py)."""
+    w._stop.set()
+    with w._cv:
+        w._closed = True
+        w._cv.notify_all()
+    w._thread.join(WAIT)
+    w._spool.close()
+
+
+def test_resume_completes_a_record_cut_in_the_middle_on_the_server(tmp_path):
+    store = MemStore()
+    w, t = make(tmp_path, store)
+    t.create("f")
+    t.sync()
+    store.down = True
+    for i in range(4):
+        t.write("f", i * 3000, bytes([i + 1]) * 3000)
+    last = w.last_seq
+    _crash(w)
+    store.down = False
+    # the server got the first record and half of the second (a multi-frame append cut short)
+    (seg,) = sorted((tmp_path / "spool-w").glob("gen/*/*.seg"))
+    name = str(seg.relative_to(tmp_path / "spool-w"))
+    shipped = len(store.objects.get(name, b""))
+    data = seg.read_bytes()
+    rec_len = 8 + int.from_bytes(data[shipped:shipped + 4], "big")
+    store.objects[name] = bytearray(data[:shipped + rec_len + rec_len // 2])
+    w2 = JournalWriter(store.factory, "ns", str(tmp_path / "spool-w"))
+    w2.open()
+    w2.barrier(timeout=WAIT)
+    assert_journal_exact(store, last)
+    w2.close()
+    restore(store.factory, "ns", str(tmp_path / "out"))
+    assert (tmp_path / "out" / "f").read_bytes() == b"".join(bytes([i + 1]) * 3000 for i in range(4))
 
 
 def test_second_writer_fences_the_first(tmp_path):

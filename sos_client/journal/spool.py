@@ -34,6 +34,7 @@ class SpoolSegment:
         self.path = path
         self.written = written
         self.shipped = -1  # server length; -1 = not known yet (ask the server)
+        self.boundary = 0  # a record boundary <= shipped (where header walks may start)
         self.last_seq = sn.first_seq - 1
         self.last_time = 0
         self.records = 0
@@ -52,6 +53,20 @@ class SpoolSegment:
             raise JournalError(f"spool file {self.path} shorter than expected "
                                f"({len(out)} of {n} bytes at {offset})")
         return out
+
+    def next_boundary(self, pos: int) -> tuple[int, int | None]:
+        """(first record boundary >= pos, seq of the record ending there or None), walking
+        record headers from ``self.boundary`` (a known boundary <= pos)."""
+        b = self.boundary if self.boundary <= pos else 0
+        seq = None
+        while b < pos:
+            head = self.pread(25, b)
+            length = int.from_bytes(head[:4], "big")
+            seq = int.from_bytes(head[9:17], "big")
+            if length < 17:
+                raise JournalError(f"spool segment {self.path}: bad record length at offset {b}")
+            b += 8 + length
+        return b, seq
 
     def close(self) -> None:
         if self.fd >= 0:

@@ -40,8 +40,8 @@ _FATAL_CODES = {4, 5, 6, 7, 11, 12}  # auth, forbidden, bad name, sealed, fenced
 
 
 def _is_fatal(exc: BaseException) -> bool:
-    if isinstance(exc, (Fenced, SealedError)):
-        return True
+    if isinstance(exc, (Fenced, SealedError, JournalError)):
+        return True  # JournalError: the spool and the server disagree; retrying cannot help
     code = getattr(exc, "code", None)
     try:
         return int(code) in _FATAL_CODES
@@ -314,7 +314,9 @@ class JournalWriter:
 
     def _check_usable(self) -> None:
         if self._error is not None:
-            raise WriterFenced(str(self._error)) if _is_fatal(self._error) else JournalError(str(self._error))
+            if isinstance(self._error, JournalError):
+                raise type(self._error)(str(self._error))
+            raise WriterFenced(str(self._error))
         if self._closed:
             raise WriterClosed("writer is closed")
         if not self.is_open:
@@ -503,6 +505,8 @@ class JournalWriter:
                                    f"({seg.written})")
             with self._cv:
                 seg.shipped = length
+                if length in (0, seg.written):
+                    seg.boundary = length
                 self._after_ack(None)
             if length == seg.written:
                 return
@@ -511,6 +515,16 @@ class JournalWriter:
         chunks = []
         pos = offset
         last_seq = None
+        if offset != seg.boundary:
+            # The server's length came from STAT or an OFFSET_MISMATCH: it may fall inside a
+            # record (a multi-frame append cut by a crash). Complete that record first.
+            b, seq = seg.next_boundary(offset)
+            if b > offset:
+                chunks.append(seg.pread(b - offset, offset))
+                last_seq = seq
+                pos = b
+            else:
+                seg.boundary = offset
         while len(chunks) < self.pipeline and pos < end:
             n = min(self.chunk_bytes, end - pos)
             buf = seg.pread(n, pos)
@@ -548,6 +562,7 @@ class JournalWriter:
             return
         with self._cv:
             seg.shipped = new_len
+            seg.boundary = new_len  # every APPEND round ends on a record boundary
             self.bytes_shipped += total
             self._after_ack(last_seq)
 
