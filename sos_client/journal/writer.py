@@ -315,8 +315,9 @@ class JournalWriter:
     def _check_usable(self) -> None:
         if self._error is not None:
             if isinstance(self._error, JournalError):
-                raise type(self._error)(str(self._error))
-            raise WriterFenced(str(self._error))
+                raise JournalError(f"replicator stopped: {self._error}") from self._error
+            raise WriterFenced(f"writer epoch {self.epoch} was fenced or its segment sealed by a newer "
+                               f"writer: {self._error}") from self._error
         if self._closed:
             raise WriterClosed("writer is closed")
         if not self.is_open:
