@@ -11,7 +11,7 @@ import pytest
 
 from spark_plugin.demo import check_output, fmt, make_input
 
-pytestmark = [pytest.mark.spark, pytest.mark.fuse, pytest.mark.slow]
+pytestmark = [pytest.mark.spark, pytest.mark.fuse, pytest.mark.slow, pytest.mark.timeout(1500)]
 
 RECORDS = 600
 BATCHES = 4

@@ -13,7 +13,7 @@ from spark_plugin.demo import committed_batches, make_input, start_driver, tail
 from spark_plugin.spark import (MARKER_CONTROL, CheckpointLocation, MarkerListener,
                                 journaled_checkpoint, marker_payload, restore_to_batch)
 
-pytestmark = [pytest.mark.spark, pytest.mark.fuse, pytest.mark.slow]
+pytestmark = [pytest.mark.spark, pytest.mark.fuse, pytest.mark.slow, pytest.mark.timeout(1500)]
 
 NS = "markers"
 RECORDS = 400
