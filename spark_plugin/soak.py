@@ -377,6 +377,11 @@ class Soak:
         self.last_check_records = 0
         self.violations: list[str] = []
         self.restart_times = {k: [] for k in KINDS}
+        # event -> first batch committed after it (beyond what the check saw): the real
+        # cost of each kind of crash for the query
+        self.recovery = {k: [] for k in KINDS}
+        self._pending_recovery = None  # (kind, t_event, last batch seen by the check)
+        self.last_check_hi = -1
 
     # ------------------------------------------------------------------ output
     def say(self, msg: str) -> None:
@@ -427,6 +432,10 @@ class Soak:
                 if b > self.acked_max:
                     self.acked_max = b
                     self.last_progress_t = time.monotonic()
+                pending = self._pending_recovery
+                if pending is not None and b > pending[2]:
+                    self.recovery[pending[0]].append(time.monotonic() - pending[1])
+                    self._pending_recovery = None
         return self.acked_max
 
     # ------------------------------------------------------------------ processes
@@ -530,6 +539,7 @@ class Soak:
         acked = self.read_acked()  # BEFORE listing commits: a later commit only adds
         commits = committed_batches(chk_dir)
         self.checks += 1
+        self.last_check_hi = max(commits, default=-1)
         if not commits:
             if acked >= 0:
                 raise Violation(f"{label}: no commits in {chk_dir}, but batch {acked} was "
@@ -756,6 +766,7 @@ class Soak:
             what = {"server": self.kill_server, "mount": self.kill_mount,
                     "driver": self.kill_driver_event, "all": self.kill_all}[kind]()
             self.restart_times[kind].append(time.monotonic() - t)
+            self._pending_recovery = (kind, t, max(self.last_check_hi, self.acked_max))
             self.say(f"#{n} {kind}: {what} ({time.monotonic() - t:.1f}s)")
         self.say(f"{n} kill events; no more kills: draining the {self.fed} fed input files")
         self.drain()
@@ -821,6 +832,7 @@ class Soak:
             "violations": list(self.violations), "query_failures": list(self.query_failures),
             "unexpected": list(self.unexpected),
             "median_event_s": {k: med(v) for k, v in self.restart_times.items()},
+            "median_recovery_s": {k: med(v) for k, v in self.recovery.items()},
             "kills_per_hour": round(sum(self.kills.values()) * 3600 / max(self.elapsed(), 1), 0),
         }
 
@@ -930,6 +942,9 @@ def main(argv=None) -> int:
     print(f"checks: {result['checks']}, records checked {result['records_checked']} "
           f"(final {result['records_final']} of {result['batches_committed']} batches); "
           f"violations {len(result['violations'])}", flush=True)
+    rec = result["median_recovery_s"]
+    print("median time from a kill to the next committed batch: "
+          + ", ".join(f"{k} {rec[k]}s" for k in KINDS if rec[k] is not None), flush=True)
     if result["unexpected"] or result["query_failures"]:
         print(f"unexpected exits: {len(result['unexpected'])}; query failures not caused by a "
               f"mount kill: {len(result['query_failures'])} (see SOAK-RESULT)", flush=True)
