@@ -193,6 +193,10 @@ class Core:
         check_name(name)
         _u64(offset, "offset")
         _u64(epoch, "epoch")
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError(f"append data must be bytes-like, not {type(data).__name__}")
+        if not isinstance(data, bytes):
+            data = bytes(data)  # the frame must not change under us (and len() must count bytes)
         self._check_piece(name, len(data))
         reply = yield from self._request(
             ev.Append(self._rid(), name, offset, epoch, crc32c(data), data),

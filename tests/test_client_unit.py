@@ -392,6 +392,8 @@ def test_bad_arguments_are_value_errors_before_anything_is_sent(fake):
             c.append("x", -1, b"a")
         with pytest.raises(ValueError):
             c.append("x", 0, b"a", epoch=2**64)
+        with pytest.raises(TypeError, match="bytes-like"):
+            c.append("x", 0, "text")
         with pytest.raises(OffsetMismatch):  # the fake answers; the connection is fine
             c.append("x", 5, b"a")
     assert not [r for r in fake.requests if isinstance(r, ev.Append) and r.offset != 5]
