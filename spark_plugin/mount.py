@@ -773,9 +773,25 @@ async def _serve(ops: SOSOperations, namespace: str, mountpoint: str) -> None:
         nursery.cancel_scope.cancel()
 
 
+_early_signals: list[int] = []
+
+
+def _restore_signals(previous: dict) -> None:
+    for signum, handler in previous.items():
+        signal.signal(signum, handler)
+
+
+def _record_early_signal(signum, frame) -> None:
+    _early_signals.append(signum)
+
+
 async def _watch_signals(task_status=trio.TASK_STATUS_IGNORED) -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         task_status.started()
+        if _early_signals:  # arrived between mounting and this receiver
+            log.info("%s: unmounting", signal.Signals(_early_signals[0]).name)
+            pyfuse3.terminate()
+            return
         async for signum in signals:
             log.info("%s: unmounting", signal.Signals(signum).name)
             pyfuse3.terminate()
@@ -815,6 +831,8 @@ def run_mount(namespace: str, mountpoint: str, *, server: str, key: str,
     journal.open()
     ops = SOSOperations(journal.tree, journal.tree_dir, sync=sync, namespace=namespace)
     code = 0
+    # From the mount on, SIGTERM/SIGINT must unmount, never kill the process outright.
+    previous = {s: signal.signal(s, _record_early_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         pyfuse3.init(ops, mountpoint, fuse_options(namespace, allow_other=allow_other,
                                                    debug=debug))
@@ -822,6 +840,9 @@ def run_mount(namespace: str, mountpoint: str, *, server: str, key: str,
             trio.run(_serve, ops, namespace, mountpoint)
         finally:
             pyfuse3.close(unmount=True)
+            # Unmounted: a second signal may now interrupt the final flush (the spool keeps
+            # whatever is not on the server yet; the next mount ships it).
+            _restore_signals(previous)
         log.info("unmounted %s", mountpoint)
         if ops.fenced is None:
             try:
@@ -834,6 +855,7 @@ def run_mount(namespace: str, mountpoint: str, *, server: str, key: str,
         else:
             code = 1
     finally:
+        _restore_signals(previous)
         try:
             journal.close()
         except Exception as exc:  # noqa: BLE001
