@@ -87,8 +87,10 @@ def run(args) -> int:
         return run_mount(args.namespace, args.mountpoint, server=args.server, key=args.key,
                          cache_dir=args.cache, sync=not args.async_, max_lag_bytes=args.max_lag,
                          allow_other=args.allow_other, debug=args.debug, client_factory=factory)
-    except KeyboardInterrupt:
-        return 0
+    except KeyboardInterrupt:  # before mounting, or a second ^C during the final flush
+        print("sos: mount interrupted (the spool keeps what the server does not have yet)",
+              file=sys.stderr)
+        return 130
     except Exception as exc:  # noqa: BLE001 - one line for the user, details in debug
         logging.getLogger("sos.mount").debug("mount failed", exc_info=True)
         print(f"sos: mount failed: {exc}", file=sys.stderr)
