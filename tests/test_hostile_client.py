@@ -38,6 +38,7 @@ class FakeServer:
         self.address = "127.0.0.1:%d" % self.sock.getsockname()[1]
         self.script = []
         self.stop = False
+        self.connections_left: int | None = None  # None: serve any number of connections
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
 
@@ -47,6 +48,10 @@ class FakeServer:
                 conn, _ = self.sock.accept()
             except OSError:
                 return
+            if self.connections_left is not None:
+                self.connections_left -= 1
+                if self.connections_left <= 0:
+                    self.sock.close()  # later connects are refused: no reconnect loop
             with conn:
                 conn.settimeout(TIMEOUT)
                 try:
@@ -156,3 +161,25 @@ def test_garbage_from_the_server_always_surfaces_as_a_typed_error(fake):
 
     check()
     assert seen.get("ConnectionLost", 0) > 50, seen
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "bug: sos_client/blocking.py Client.list (and aio.py list, line 211) trusts the server's "
+    "'more' flag and cursor: a LIST_OK that repeats the same page with more=1 makes list() "
+    "yield the same entries again and again (the journal's list_generations would never end); "
+    "it should refuse a page whose first name does not sort after the cursor"))
+def test_a_list_cursor_that_does_not_advance_is_refused(fake):
+    served = []
+
+    def same_page(rid: int) -> bytes:
+        served.append(rid)
+        return encode_event(ev.ListOk(rid, (ev.ListEntry("a", 1, False),), True))
+
+    fake.script = [_hello_ok, _auth_ok] + [same_page] * 50  # then the fake server hangs up
+    fake.connections_left = 1
+    names = []
+    with Client(fake.address, str(KEY), "ns", timeout=TIMEOUT, reconnect_timeout=0) as c:
+        with pytest.raises(SOSError):
+            for e in c.list():
+                names.append(e.name)
+    assert names == ["a"] and len(served) <= 2, (len(names), len(served))
