@@ -134,7 +134,7 @@ def cmd_serve(args) -> int:
     import trio
 
     from .engine import Engine, Limits
-    from .listener import Listener, make_tls_context, raise_nofile_limit, tune_malloc
+    from .listener import Listener, ListenError, make_tls_context, raise_nofile_limit, tune_malloc
     from .logs import setup_logging
     from .metrics import Metrics
     from .storage import Storage, StorageError
@@ -203,7 +203,10 @@ def cmd_serve(args) -> int:
             await trio.sleep(args.gc_interval)
             await retention_once()
 
+    rc = 0
+
     async def main_task() -> None:
+        nonlocal rc
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with trio.open_nursery() as nursery:
                 await nursery.start(engine.run)
@@ -211,8 +214,10 @@ def cmd_serve(args) -> int:
                     await retention_once()  # before serving: clients see the result
                 try:
                     host, port = await nursery.start(listener.serve)
-                except OSError as exc:
-                    raise SystemExit(_fail(f"cannot listen on {args.listen[0]}:{args.listen[1]}: {exc}")) from None
+                except ListenError as exc:
+                    rc = _fail(str(exc))
+                    nursery.cancel_scope.cancel()
+                    return
                 if args.keep_generations:
                     nursery.start_soon(retention)
                 print(f"sos-server listening on {host}:{port}", file=sys.stderr, flush=True)
@@ -225,8 +230,8 @@ def cmd_serve(args) -> int:
         trio.run(main_task)
     finally:
         storage.close()
-    log.info("stopped")
-    return 0
+    log.info("stopped", extra={"exit_code": rc})
+    return rc
 
 
 if __name__ == "__main__":

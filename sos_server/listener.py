@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import resource
 import ssl
-from functools import partial
 
 import trio
 
@@ -16,7 +15,7 @@ from sos_wire import events as ev
 from .engine import Engine
 from .session import Session
 
-__all__ = ["Listener", "raise_nofile_limit", "make_tls_context", "tune_malloc"]
+__all__ = ["Listener", "ListenError", "raise_nofile_limit", "make_tls_context", "tune_malloc"]
 
 log = logging.getLogger("sos_server.listener")
 
@@ -60,6 +59,10 @@ def make_tls_context(cert: str, key: str) -> ssl.SSLContext:
     return ctx
 
 
+class ListenError(Exception):
+    """The listening address cannot be bound (in use, bad host, no permission)."""
+
+
 class Listener:
     def __init__(
         self,
@@ -80,14 +83,21 @@ class Listener:
         self.address: tuple[str, int] | None = None
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        async with trio.open_nursery() as nursery:
+        """Listen, report the bound (host, port) through task_status, serve until cancelled.
+
+        Raises ListenError (before task_status.started) if the address cannot be bound."""
+        try:
             if self.tls is not None:
-                serve = partial(trio.serve_ssl_over_tcp, self._handle, self.port, self.tls, host=self.host)
+                listeners = await trio.open_ssl_over_tcp_listeners(self.port, self.tls, host=self.host)
+                sock = listeners[0].transport_listener.socket
             else:
-                serve = partial(trio.serve_tcp, self._handle, self.port, host=self.host)
-            listeners = await nursery.start(serve)
-            sock = listeners[0].transport_listener.socket if self.tls else listeners[0].socket
-            self.address = sock.getsockname()[:2]
+                listeners = await trio.open_tcp_listeners(self.port, host=self.host)
+                sock = listeners[0].socket
+        except OSError as exc:
+            raise ListenError(f"cannot listen on {self.host}:{self.port}: {exc.strerror or exc}") from None
+        self.address = sock.getsockname()[:2]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trio.serve_listeners, self._handle, listeners)
             task_status.started(self.address)
 
     async def _handle(self, stream) -> None:

@@ -9,6 +9,8 @@ a temporary directory. The yielded :class:`ServerProcess` has
 - ``.kill()``       SIGKILL and wait (a crash: only acknowledged bytes must survive)
 - ``.stop()``       SIGTERM and wait (a clean stop)
 - ``.restart()``    stop it if running (SIGTERM) and start it again on the same port
+                    (a free one if that port was taken meanwhile; ``.address`` follows)
+- ``.start()``      start it again after ``kill()``/``stop()`` (same port rule)
 - ``.log_text()``   everything the server wrote on stderr (JSON lines)
 - ``.metrics_address``   "127.0.0.1:PORT" of the Prometheus endpoint
 
@@ -51,6 +53,16 @@ class ServerProcess:
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> "ServerProcess":
+        """Start (again) on the previous port if there was one, else on a free port."""
+        try:
+            return self._start()
+        except RuntimeError as exc:
+            if not self._port or "cannot listen" not in str(exc):
+                raise
+            self._port = 0  # the old port was taken meanwhile: any free one
+            return self._start()
+
+    def _start(self) -> "ServerProcess":
         if self.proc is not None and self.proc.poll() is None:
             raise RuntimeError("server already running")
         os.makedirs(self.data_dir, exist_ok=True)
@@ -121,13 +133,7 @@ class ServerProcess:
 
     def restart(self) -> "ServerProcess":
         self.stop()
-        try:
-            return self.start()
-        except RuntimeError:
-            if not self._port:
-                raise
-            self._port = 0  # the old port was taken meanwhile: any free one
-            return self.start()
+        return self.start()
 
     # -- helpers ---------------------------------------------------------------------
     def keygen(self, namespace: str, role: str = "append") -> str:

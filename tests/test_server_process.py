@@ -347,3 +347,25 @@ def test_tls_listener(tmp_path, sos_server_factory):
         except ConnectionResetError:
             data = b""
         assert not data.startswith(b"SO")
+
+
+def test_address_in_use_is_a_clear_error(tmp_path):
+    with socket.socket() as blocker:
+        blocker.bind(("127.0.0.1", 0))
+        blocker.listen()
+        port = blocker.getsockname()[1]
+        r = subprocess.run(
+            [sys.executable, "-m", "sos_server.cli", "serve", "--data", str(tmp_path), "--listen", f"127.0.0.1:{port}"],
+            capture_output=True, text=True, timeout=120,
+        )
+    assert r.returncode == 1
+    assert f"sos-server: cannot listen on 127.0.0.1:{port}" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_second_server_on_the_same_data_dir_is_refused(srv):
+    r = subprocess.run(
+        [sys.executable, "-m", "sos_server.cli", "serve", "--data", srv.data_dir, "--listen", "127.0.0.1:0"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert r.returncode == 1 and "in use by another sos-server" in r.stderr
