@@ -83,3 +83,75 @@ def test_markers_then_restore_to_batch_and_resume(sos_server, tmp_path):
     assert set(out) == after - {0, 1}
     ids = [i for b in out.values() for i in b]
     assert sorted(ids) == list(range(RECORDS * 2 // FILES, RECORDS))
+
+
+def test_journaled_checkpoint_registers_listener_and_survives_the_loss(sos_server, tmp_path):
+    """No Spark: what a checkpoint writer does on the location is on the server once the
+    rename returns, and comes back after the mount and its cache are gone."""
+    import shutil
+
+    from spark_plugin.spark import sos_command
+
+    key = sos_server.keygen("jc", "append")
+    added = []
+
+    class FakeSpark:
+        class streams:  # noqa: N801 - the shape of SparkSession.streams
+            @staticmethod
+            def addListener(listener):  # noqa: N802
+                added.append(listener)
+
+    loc = journaled_checkpoint(FakeSpark(), "jc", server=sos_server.address, key=key,
+                               mountpoint=str(tmp_path / "mnt"),
+                               cache_dir=str(tmp_path / "cache"), checkpoint="q1/chk")
+    try:
+        assert [type(l) for l in added] == [MarkerListener]
+        assert added[0].relpath == "q1/chk" and added[0].checkpoint == str(loc)
+        os.makedirs(os.path.join(loc, "commits"))
+        tmp = os.path.join(loc, "commits", ".0.tmp")
+        with open(tmp, "w") as f:
+            f.write("v1\n{}")
+        os.rename(tmp, os.path.join(loc, "commits", "0"))  # Spark's commit point
+    finally:
+        loc.mount.kill()  # a crash right after the rename returned
+    shutil.rmtree(tmp_path / "cache")
+    env = dict(os.environ, SOS_KEY=key)
+    proc = subprocess.run(sos_command() + ["restore", "-q", "--server", sos_server.address, "jc",
+                                           str(tmp_path / "restored")],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "restored" / "q1" / "chk" / "commits" / "0").read_text() == "v1\n{}"
+
+
+def test_restore_to_batch_without_such_batch_fails_clearly(sos_server, tmp_path):
+    key = sos_server.keygen("nobatch", "append")
+    with pytest.raises(RuntimeError, match="sos restore failed"):
+        restore_to_batch("nobatch", str(tmp_path / "t"), "checkpoint", 5,
+                         server=sos_server.address, key=key)
+
+
+def test_marker_payload_and_listener_without_control_file(tmp_path):
+    doc = json.loads(marker_payload("a/chk", "qid", 7))
+    assert doc == {"checkpoint": "a/chk", "query_id": "qid", "batch_id": 7}
+    chk = tmp_path / "mnt" / "chk"
+    (chk / "commits").mkdir(parents=True)
+    (chk / "commits" / "0").write_text("v1\n{}")
+    listener = MarkerListener(str(chk), mountpoint=str(tmp_path / "mnt"))
+    assert listener.relpath == "chk"
+
+    class P:  # the shape of a QueryProgressEvent
+        def __init__(self, bid):
+            self.progress = type("Prog", (), {"batchId": bid, "id": "q", "name": None})()
+
+    listener.onQueryProgress(P(0))  # no control file: nothing written, no error
+    assert listener.written == [] and listener.errors == []
+    (tmp_path / "mnt" / ".sos").mkdir()
+    (tmp_path / "mnt" / ".sos" / "marker").write_text("")
+    listener.onQueryProgress(P(0))
+    listener.onQueryProgress(P(1))  # commits/1 does not exist: no marker for it
+    assert listener.written == [0]
+    written = json.loads((tmp_path / "mnt" / ".sos" / "marker").read_text())
+    assert written == {"label": "spark.batch",
+                       "payload": {"checkpoint": "chk", "query_id": "q", "batch_id": 0}}
+    with pytest.raises(ValueError):
+        MarkerListener(str(tmp_path / "elsewhere"), mountpoint=str(tmp_path / "mnt"))
