@@ -24,7 +24,7 @@ SEED = 20261123
 def chunk(obj: str, offset: int) -> bytes:
     """The append a writer sends at *offset* of *obj*: size and bytes are a function of both."""
     h = hashlib.sha256(f"{obj}:{offset}".encode()).digest()
-    cap = 200_000 if h[4] % 4 == 0 else 6_000
+    cap = 100_000 if h[4] % 4 == 0 else 6_000
     size = 1 + int.from_bytes(h[:4], "big") % cap
     return (h * (size // 32 + 1))[:size]
 
@@ -98,7 +98,7 @@ def test_sigkill_during_pipelined_appends_loses_no_acked_byte(sos_server):
         acked = dict(lengths)
         reached = threading.Event()
         errors: list[str] = []
-        stop_after = rng.randint(1, 120)
+        stop_after = rng.randint(1, 80)
         t = threading.Thread(
             target=writer, args=(sos_server.address, key, lengths, acked, reached, stop_after, errors), daemon=True
         )

@@ -369,3 +369,26 @@ def test_second_server_on_the_same_data_dir_is_refused(srv):
         capture_output=True, text=True, timeout=120,
     )
     assert r.returncode == 1 and "in use by another sos-server" in r.stderr
+
+
+def test_torn_tail_is_cut_back_at_restart(srv):
+    from sos_server.storage import FRAME, object_file_name
+
+    with RawClient(srv.address) as c:
+        c.login(srv.key, NS)
+        assert c.append("torn", 0, b"A" * 500).length == 500
+        assert c.append("torn", 500, b"B" * 300).length == 800
+    srv.kill()
+    h2, h = object_file_name("torn")
+    path = os.path.join(srv.data_dir, "ns", NS, "objects", h2, h)
+    whole = os.path.getsize(path)
+    with open(path, "ab") as f:  # a frame that was being written when the power went
+        f.write(FRAME.pack(4000, crc32c(b"C" * 4000)) + b"C" * 1234)
+    srv.start()
+    assert os.path.getsize(path) == whole
+    assert "torn tail cut back" in srv.log_text()
+    with RawClient(srv.address) as c:
+        c.login(srv.key, NS)
+        assert c.stat("torn").length == 800
+        assert c.read("torn") == b"A" * 500 + b"B" * 300
+        assert c.append("torn", 800, b"C").length == 801  # appends continue at the cut
