@@ -43,7 +43,7 @@ NS = "fuzz"
 OTHER_NS = "fuzz-other"
 TIMEOUT = 60
 RSS_SLACK = 100 << 20
-EXAMPLES = 200
+EXAMPLES = 150
 
 U32 = st.integers(0, 0xFFFFFFFF)
 U64 = st.one_of(st.sampled_from([0, 1, 2, 5, 1 << 32, (1 << 64) - 1]), st.integers(0, (1 << 64) - 1))
