@@ -164,7 +164,7 @@ def test_garbage_from_the_server_always_surfaces_as_a_typed_error(fake):
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "bug: sos_client/blocking.py Client.list (and aio.py list, line 211) trusts the server's "
+    "bug: sos_client/blocking.py Client.list (line 213; aio.py list, line 211) trusts the server's "
     "'more' flag and cursor: a LIST_OK that repeats the same page with more=1 makes list() "
     "yield the same entries again and again (the journal's list_generations would never end); "
     "it should refuse a page whose first name does not sort after the cursor"))
