@@ -187,6 +187,16 @@ class Core:
         reply = yield from self._request(
             ev.List(self._rid(), prefix, after, limit), f"list {self.namespace}/{prefix}", ev.ListOk
         )
+        # A page must move the cursor forward: a server that repeats or reorders pages
+        # would otherwise make the paging loop run forever.
+        last = after
+        for entry in reply.entries:
+            if (last and entry.name <= last) or not entry.name.startswith(prefix):
+                raise SOSError(
+                    f"list {self.namespace}/{prefix}: the server sent {entry.name!r} after {last!r}"
+                    " (names must be in increasing order, after the cursor and under the prefix)"
+                )
+            last = entry.name
         return reply.entries, reply.more
 
     def append(self, name: str, offset: int, data, epoch: int):

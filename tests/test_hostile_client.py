@@ -163,11 +163,6 @@ def test_garbage_from_the_server_always_surfaces_as_a_typed_error(fake):
     assert seen.get("ConnectionLost", 0) > 50, seen
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: sos_client/blocking.py Client.list (line 213; aio.py list, line 211) trusts the server's "
-    "'more' flag and cursor: a LIST_OK that repeats the same page with more=1 makes list() "
-    "yield the same entries again and again (the journal's list_generations would never end); "
-    "it should refuse a page whose first name does not sort after the cursor"))
 def test_a_list_cursor_that_does_not_advance_is_refused(fake):
     served = []
 
