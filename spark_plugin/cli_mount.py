@@ -50,6 +50,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-lag", type=_size, default=64 << 20, metavar="BYTES",
                    help="async mode: most unshipped journal bytes before writes wait "
                         "(default 64M)")
+    p.add_argument("--writeback-cache", action="store_true",
+                   help="let the kernel batch small writes (much faster for 4 KiB writes; "
+                        "write errors then surface at close/fsync)")
     p.add_argument("--allow-other", action="store_true",
                    help="let other users access the mount (needs user_allow_other)")
     p.add_argument("--debug", action="store_true", help="verbose logging, FUSE debug")
@@ -86,7 +89,8 @@ def run(args) -> int:
     try:
         return run_mount(args.namespace, args.mountpoint, server=args.server, key=args.key,
                          cache_dir=args.cache, sync=not args.async_, max_lag_bytes=args.max_lag,
-                         allow_other=args.allow_other, debug=args.debug, client_factory=factory)
+                         allow_other=args.allow_other, debug=args.debug, client_factory=factory,
+                         writeback_cache=args.writeback_cache)
     except KeyboardInterrupt:  # before mounting, or a second ^C during the final flush
         print("sos: mount interrupted (the spool keeps what the server does not have yet)",
               file=sys.stderr)

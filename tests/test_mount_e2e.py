@@ -53,10 +53,11 @@ def mounts(tmp_path, server, key):
     """Factory of MountProcess objects; every mount is stopped and unmounted at teardown."""
     started = []
 
-    def make(name="m", cache=None, sync=True, start=True):
+    def make(name="m", cache=None, sync=True, start=True, writeback=False):
         mp = MountProcess(NS, str(tmp_path / f"mnt-{name}"),
                           str(cache or tmp_path / f"cache-{name}"), server.address, key,
-                          sync=sync, log_path=str(tmp_path / f"mount-{name}-{len(started)}.log"))
+                          sync=sync, log_path=str(tmp_path / f"mount-{name}-{len(started)}.log"),
+                          extra_args=["--writeback-cache"] if writeback else [])
         started.append(mp)
         if start:
             mp.start()
@@ -149,8 +150,11 @@ def spark_write(root, rel, data, *, overwrite):
 # --------------------------------------------------------------------------- FUSE semantics
 
 
-def test_create_write_read_back_then_restore(mounts, server, key, tmp_path):
-    m = mounts().mountpoint
+@pytest.mark.parametrize("writeback", [False, True], ids=["direct", "writeback"])
+def test_create_write_read_back_then_restore(mounts, server, key, tmp_path, writeback):
+    mp = mounts(writeback=writeback)
+    assert ("writeback cache" in mp.log()) == writeback
+    m = mp.mountpoint
     big = os.urandom(3 * (1 << 20) + 12345)  # > one WRITE record, many FUSE writes
     expected = {
         "empty": b"",
@@ -335,8 +339,9 @@ def test_sigkill_then_remount_on_empty_cache_restores(mounts, server, key, tmp_p
     assert restored(server, key, tmp_path) == {**got, "chk/after": b"after the crash"}
 
 
-def test_second_mount_fences_the_first(mounts, server, key, tmp_path):
-    first = mounts("a")
+@pytest.mark.parametrize("writeback", [False, True], ids=["direct", "writeback"])
+def test_second_mount_fences_the_first(mounts, server, key, tmp_path, writeback):
+    first = mounts("a", writeback=writeback)
     write_file(os.path.join(first.mountpoint, "shared"), b"from first")
     second = mounts("b")  # same namespace, its own (empty) cache: restores, then fences
     assert read_file(os.path.join(second.mountpoint, "shared")) == b"from first"
@@ -475,14 +480,15 @@ def _apply(root, op, a):
         return errno.errorcode[exc.errno]
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
-def test_random_operations_behave_like_a_local_directory(mounts, server, key, tmp_path, seed):
+@pytest.mark.parametrize("seed,writeback", [(1, False), (2, False), (3, True)])
+def test_random_operations_behave_like_a_local_directory(mounts, server, key, tmp_path, seed,
+                                                         writeback):
     """Seeded random sequences: every outcome (errno included) equals a plain directory's;
     the final tree, and its restore from the server, equal the plain directory."""
     import random
 
     rng = random.Random(seed)
-    m = mounts().mountpoint
+    m = mounts(writeback=writeback).mountpoint
     ref = str(tmp_path / "reference")
     os.mkdir(ref)
     ops = ["mkdir", "mkdir", "rmdir", "unlink", "write_whole", "write_whole", "pwrite",
