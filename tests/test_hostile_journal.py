@@ -88,15 +88,7 @@ HOSTILE = {
 CLI_CASES = {"create_dotdot", "rename_out", "write_huge_offset"}
 
 
-HUGE_OFFSET_BUG = pytest.mark.xfail(strict=True, reason=(
-    "bug: sos_client/journal/replay.py Replayer.apply (line 71) passes a WRITE offset >= 2**63 "
-    "to os.pwrite, which raises OverflowError; apply maps only OSError to ReplayError, so restore() "
-    "escapes with an untyped OverflowError instead of a journal error naming the record"))
-
-
-@pytest.mark.parametrize("case", [
-    pytest.param(c, marks=HUGE_OFFSET_BUG) if c == "write_huge_offset" else c for c in sorted(HOSTILE)
-])
+@pytest.mark.parametrize("case", sorted(HOSTILE))
 def test_crafted_records_never_escape_the_target(victim, case):
     srv, tmp, publish = victim
     ns = "j" + case.replace("_", "-")

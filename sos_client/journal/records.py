@@ -28,6 +28,7 @@ __all__ = [
 ]
 
 MAX_DATA = 1 << 20  # WRITE data and MARKER payload per record
+MAX_FILE_SIZE = (1 << 63) - 1  # off_t: larger offsets/sizes cannot be replayed
 MAX_PATH_BYTES = 4096
 MAX_LABEL_BYTES = 255
 PREFIX = struct.Struct(">II")  # length, crc
@@ -245,6 +246,13 @@ class _Body:
     def u64(self):
         return _U64.unpack(self.take(8))[0]
 
+    def size(self):
+        """A file offset or size: a u64 that must also fit the platform's off_t."""
+        v = self.u64()
+        if v > MAX_FILE_SIZE:
+            raise self.bad(f"file offset/size {v} exceeds {MAX_FILE_SIZE}")
+        return v
+
     def string(self):
         n = _U16.unpack(self.take(2))[0]
         raw = bytes(self.take(n))
@@ -274,7 +282,9 @@ class _Body:
 def _decode_op(typ: int, body: memoryview, seg: str, off: int) -> Op:
     b = _Body(body, seg, off)
     if typ == RecordType.WRITE:
-        op = Write(b.path(), b.u64(), b.blob())
+        op = Write(b.path(), b.size(), b.blob())
+        if op.offset + len(op.data) > MAX_FILE_SIZE:
+            raise b.bad(f"write ends past {MAX_FILE_SIZE}")
     elif typ == RecordType.CREATE:
         op = Create(b.path(), b.u32() & 0o7777)
     elif typ == RecordType.MKDIR:
@@ -284,7 +294,7 @@ def _decode_op(typ: int, body: memoryview, seg: str, off: int) -> Op:
     elif typ == RecordType.DELETE:
         op = Delete(b.path())
     elif typ == RecordType.TRUNCATE:
-        op = Truncate(b.path(), b.u64())
+        op = Truncate(b.path(), b.size())
     elif typ == RecordType.RENAME:
         src, dst, ow = b.path(), b.path(), b.u8()
         if ow not in (0, 1):
