@@ -57,3 +57,14 @@ def test_test_script_passes_arguments_and_exit_code_through(tmp_path):
                           capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "1 failed" in proc.stdout
+
+
+def test_demo_script_runs_the_demo_module():
+    proc = subprocess.run([str(ROOT / "scripts" / "demo"), "--help"], capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    for opt in ("--records", "--batches", "--keep", "--state-store"):
+        assert opt in proc.stdout
+    bad = subprocess.run([str(ROOT / "scripts" / "demo"), "--state-store", "nope"],
+                         capture_output=True, text=True, timeout=900)
+    assert bad.returncode == 2  # usage error, before anything starts
