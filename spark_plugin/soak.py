@@ -11,10 +11,14 @@ at random moments drawn from a seeded RNG, SIGKILLs:
   writer reconnects, Spark only sees a slow rename);
 - ``mount``: the ``sos mount`` process (the query fails on the dead mount; the driver
   stops it, a new mount starts on the same cache, the SAME driver JVM restarts the query);
-- ``driver``: the Spark driver (a new driver process, the expensive case);
+- ``driver``: the Spark driver (the query moves to a new driver process: the expensive
+  case; a warm spare process with its SparkSession already up takes over if there is one,
+  ``--no-spare`` to start every replacement cold);
 - ``all``: server, mount and driver at once, then the worker is lost: mount point, cache
   and spool are deleted; recovery is either ``sos restore`` into a fresh directory (checked)
-  followed by a mount on an empty cache, or directly a mount on an empty cache.
+  followed by a mount on an empty cache, or directly a mount on an empty cache. The spare
+  driver (if any) survives: it is a process that has only started a SparkSession, touched
+  neither mount nor checkpoint nor output, like a freshly provisioned worker.
 
 After every restart the checkpoint (through the new mount, or the restored directory) is
 checked against the output, with the demo's checker (:func:`spark_plugin.demo.check_output`):
@@ -102,11 +106,16 @@ def driver_main(cfg_path: str) -> int:
     committed (progress events with data, ``commits/N`` present) are appended to the
     ``acked`` file: the harness's RPO-0 baseline.
     """
+    t_start = time.monotonic()
     with open(cfg_path) as f:
         cfg = json.load(f)
     from pyspark.sql import SparkSession
 
     from spark_plugin.spark import MarkerListener
+
+    def note(msg):
+        print(f"soak driver [{time.monotonic() - t_start:6.1f}s]: {msg}", file=sys.stderr,
+              flush=True)
 
     builder = (SparkSession.builder.master("local[2]").appName("sos-soak")
                .config("spark.sql.shuffle.partitions", "2")
@@ -119,6 +128,7 @@ def driver_main(cfg_path: str) -> int:
         builder = builder.config("spark.sql.streaming.stateStore.providerClass", ROCKSDB_PROVIDER)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
+    note("Spark session up")
 
     control = cfg["control"]
     cmd_path = os.path.join(control, "cmd.json")
@@ -208,6 +218,7 @@ def driver_main(cfg_path: str) -> int:
                 query = None
                 continue
             status(handled, "running")
+            note(f"query started on {chk}")
         if query is not None and not query.isActive:
             try:
                 exc = query.exception()
@@ -215,6 +226,7 @@ def driver_main(cfg_path: str) -> int:
             except Exception as e:  # noqa: BLE001
                 err = repr(e)[:600]
             status(handled, "failed", err)
+            note(f"query failed: {err[:200]}")
             query = None
         time.sleep(0.1)
     spark.stop()
@@ -321,7 +333,8 @@ def _pick_port() -> int:
 class Soak:
     def __init__(self, *, duration: float, seed: int, workdir: str, rows: int,
                  max_kills: int | None, weights: dict, state_store: str, ahead: int,
-                 stall_timeout: float, delay: tuple[float, float], quiet: bool = False):
+                 stall_timeout: float, delay: tuple[float, float], quiet: bool = False,
+                 standby: bool = True):
         self.duration = duration
         self.seed = seed
         self.rng = random.Random(seed)
@@ -351,7 +364,15 @@ class Soak:
         self.worker_dir = ""
         self.mountpoint = ""
         self.driver: subprocess.Popen | None = None
+        self.driver_ctl = ""
         self.driver_n = 0
+        # a warm spare driver process (SparkSession up, nothing else: it has not touched the
+        # mount, the checkpoint or the output) that replaces a killed driver at once
+        self.use_standby = standby
+        self.standby: subprocess.Popen | None = None
+        self.standby_ctl = ""
+        self._standby_after = 0  # spawn the spare once the active driver committed past this
+        self.promoted = 0
         self.cmd_seq = 0
         self.want_running = False  # the harness asked the driver to run the query
         # input
@@ -492,12 +513,14 @@ class Soak:
         doc = {"seq": self.cmd_seq, "action": action}
         if action == "run":
             doc.update(mountpoint=self.mountpoint, checkpoint=self.checkpoint())
-        _write_json_atomic(os.path.join(self.paths["control"], "cmd.json"), doc)
+        _write_json_atomic(os.path.join(self.driver_ctl, "cmd.json"), doc)
         self.want_running = action == "run"
         return self.cmd_seq
 
     def status(self):
-        st = _read_json(os.path.join(self.paths["control"], "status.json"))
+        if self.driver is None:
+            return None
+        st = _read_json(os.path.join(self.driver_ctl, "status.json"))
         if st is None or self.driver is None or st.get("pid") != self.driver.pid:
             return None
         return st
@@ -513,19 +536,55 @@ class Soak:
             time.sleep(0.05)
         return None
 
-    def start_driver(self) -> None:
+    def _spawn_driver(self) -> tuple[subprocess.Popen, str]:
+        """A new driver process with its own control directory; it idles until told."""
         self.driver_n += 1
-        self.command("run")  # a new seq: the new driver handles it at once
-        cfg = {"input": self.paths["input"], "out": self.paths["out"],
-               "control": self.paths["control"], "acked": self.acked_path,
-               "state_store": self.state_store}
-        cfg_path = os.path.join(self.paths["control"], "driver.json")
+        ctl = os.path.join(self.paths["control"], f"d{self.driver_n}")
+        os.makedirs(ctl, exist_ok=True)
+        cfg = {"input": self.paths["input"], "out": self.paths["out"], "control": ctl,
+               "acked": self.acked_path, "state_store": self.state_store}
+        cfg_path = os.path.join(ctl, "driver.json")
         _write_json_atomic(cfg_path, cfg)
         log_path = os.path.join(self.paths["logs"], f"driver{self.driver_n}.log")
         with open(log_path, "ab") as logf:
-            self.driver = subprocess.Popen(
+            proc = subprocess.Popen(
                 [sys.executable, "-m", "spark_plugin.soak", "_driver", cfg_path],
                 stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True)
+        return proc, ctl
+
+    def start_driver(self) -> str:
+        """Run the query in a new driver: the warm spare if there is one, else a cold start."""
+        how = "a cold-started driver"
+        if self.standby is not None and self.standby.poll() is None:
+            self.driver, self.driver_ctl = self.standby, self.standby_ctl
+            self.standby = None
+            self.promoted += 1
+            how = "the warm spare driver"
+        else:
+            if self.standby is not None:
+                self._standby_died()
+            self.driver, self.driver_ctl = self._spawn_driver()
+        self.command("run")
+        self._standby_after = max(self.acked_max, self.last_check_hi)
+        return how
+
+    def _standby_died(self) -> None:
+        rc = self.standby.poll()
+        self.unexpected.append(f"t={self.elapsed():.0f}s: the spare driver exited by itself ({rc})")
+        self.say(f"UNEXPECTED: the spare driver exited ({rc})")
+        self.standby = None
+
+    def tend_standby(self) -> None:
+        if not self.use_standby:
+            return
+        if self.standby is not None:
+            if self.standby.poll() is not None:
+                self._standby_died()
+            return
+        # start the spare only once the active driver commits: its JVM start would
+        # otherwise slow the query's own start
+        if self.driver is not None and self.acked_max > self._standby_after:
+            self.standby, self.standby_ctl = self._spawn_driver()
 
     def kill_driver(self) -> None:
         if self.driver is not None:
@@ -617,8 +676,8 @@ class Soak:
         pid = self.driver.pid if self.driver else None
         self.kill_driver()
         verdict = self.check(self.checkpoint(), "after a driver kill")
-        self.start_driver()
-        return f"driver pid {pid} (and its JVM) SIGKILLed; check: {verdict}; new driver started"
+        how = self.start_driver()
+        return f"driver pid {pid} (and its JVM) SIGKILLed; check: {verdict}; query on {how}"
 
     def kill_all(self) -> str:
         order = ["server", "mount", "driver"]
@@ -650,8 +709,8 @@ class Soak:
         took = self.start_mount()
         verdict = self.check(self.checkpoint(), "after a total loss, on the rebuilt mount")
         detail += f"mount on an EMPTY cache rebuilt it in {took:.1f}s; check: {verdict}"
-        self.start_driver()
-        return f"SIGKILL {'+'.join(order)}, worker deleted; {detail}; new driver started"
+        how = self.start_driver()
+        return f"SIGKILL {'+'.join(order)}, worker deleted; {detail}; query on {how}"
 
     def sos_restore(self, target: str) -> None:
         from spark_plugin.spark import sos_command
@@ -671,6 +730,7 @@ class Soak:
         """Feed input, notice failures nobody caused on purpose, keep the query running."""
         self.read_acked()
         self.feed()
+        self.tend_standby()
         if not self.server.alive():
             self.unexpected.append(f"t={self.elapsed():.0f}s: sos-server exited by itself "
                                    f"({self.server.proc.returncode})")
@@ -688,7 +748,7 @@ class Soak:
             rc = self.driver.returncode
             self.unexpected.append(f"t={self.elapsed():.0f}s: driver #{self.driver_n} exited "
                                    f"by itself ({rc})")
-            self.say(f"UNEXPECTED: driver #{self.driver_n} exited ({rc}); starting a new one")
+            self.say(f"UNEXPECTED: the driver exited ({rc}); starting a new one")
             self.start_driver()
             return
         st = self.status()
@@ -793,6 +853,9 @@ class Soak:
                             f"{len(self.expected_prefix)} fed (e.g. {res['lost'][:5]})")
         self.final_records = res["records_out"]
         self.say(f"final check: every fed record came out exactly once: {verdict}")
+        if self.standby is not None:
+            kill_tree(self.standby)
+            self.standby = None
         seq = self.command("exit")
         self.wait_status(seq, ("exited",), 120)
         if self.driver is not None:
@@ -824,7 +887,8 @@ class Soak:
             "kill_events": sum(self.kills.values()), "kills": dict(self.kills),
             "processes_killed": dict(self.processes_killed),
             "restores": dict(self.restores), "query_restarts_same_jvm": self.query_restarts,
-            "driver_starts": self.driver_n, "mount_starts": self.mount_n,
+            "driver_starts": self.driver_n, "spare_driver_promotions": self.promoted,
+            "mount_starts": self.mount_n,
             "server_starts": self.server.starts,
             "batches_committed": self.acked_max + 1, "input_files_fed": self.fed,
             "records_final": getattr(self, "final_records", 0),
@@ -841,6 +905,9 @@ class Soak:
         if self.driver is not None:
             kill_tree(self.driver)
             self.driver = None
+        if self.standby is not None:
+            kill_tree(self.standby)
+            self.standby = None
         if self.mount is not None:
             self.mount.kill()
             self.mount = None
@@ -890,6 +957,9 @@ def main(argv=None) -> int:
     p.add_argument("--state-store", choices=("hdfs", "rocksdb"), default="hdfs")
     p.add_argument("--stall-timeout", type=float, default=240,
                    help="seconds without a committed batch before the run gives up (exit 2)")
+    p.add_argument("--no-spare", dest="standby", action="store_false",
+                   help="start every replacement driver cold (default: keep one warm spare "
+                        "driver process with its SparkSession up to replace a killed driver)")
     p.add_argument("--workdir", help="work directory (default: a new temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the work directory on success")
     args = p.parse_args(argv)
@@ -898,7 +968,8 @@ def main(argv=None) -> int:
     os.makedirs(work, exist_ok=True)
     soak = Soak(duration=args.duration, seed=args.seed, workdir=work, rows=args.rows,
                 max_kills=args.max_kills, weights=args.weights, state_store=args.state_store,
-                ahead=args.ahead, stall_timeout=args.stall_timeout, delay=tuple(args.delay))
+                ahead=args.ahead, stall_timeout=args.stall_timeout, delay=tuple(args.delay),
+                standby=args.standby)
 
     def on_term(signum, _frame):
         raise KeyboardInterrupt(signal.Signals(signum).name)
@@ -938,7 +1009,8 @@ def main(argv=None) -> int:
     print(f"restores after total loss: {result['restores']['sos-restore']} via sos restore, "
           f"{result['restores']['empty-cache']} via a mount on an empty cache; "
           f"query restarted in the same JVM {result['query_restarts_same_jvm']} times; "
-          f"driver starts {result['driver_starts']}", flush=True)
+          f"driver processes started {result['driver_starts']} "
+          f"({result['spare_driver_promotions']} took over as warm spares)", flush=True)
     print(f"checks: {result['checks']}, records checked {result['records_checked']} "
           f"(final {result['records_final']} of {result['batches_committed']} batches); "
           f"violations {len(result['violations'])}", flush=True)
