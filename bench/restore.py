@@ -105,7 +105,6 @@ def main() -> int:
         os.makedirs(data)
         server, address = start_server(data)
         ns = "bench"
-        key = Storage(data).keygen(ns, "append") if False else None
         out = subprocess.run([sys.executable, "-m", "sos_server.cli", "keygen", "--data", data, ns,
                               "--role", "append"], capture_output=True, text=True, cwd=ROOT)
         key = out.stdout.strip().splitlines()[-1] if out.returncode == 0 else Storage(data).keygen(ns, "append")
@@ -142,6 +141,9 @@ def main() -> int:
             shutil.rmtree(dst)
             print(f"run {run}: cp -r {cp_times[-1]:.2f}s, restore {rs_times[-1]:.2f}s")
 
+        ratios = sorted(c / r for c, r in zip(cp_times, rs_times))
+        print("per-run restore/cp speed: " + ", ".join(f"{x * 100:.0f}%" for x in ratios)
+              + f" (median {ratios[len(ratios) // 2] * 100:.0f}%)")
         cp, rs = min(cp_times), min(rs_times)
         print(f"cp -r:   {cp:.2f}s  {total / 2**20 / cp:.0f} MiB/s  {n_files / cp:.0f} files/s")
         print(f"restore: {rs:.2f}s  {total / 2**20 / rs:.0f} MiB/s  {n_files / rs:.0f} files/s")
