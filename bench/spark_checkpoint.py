@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from spark_plugin.demo import (ROCKSDB_PROVIDER, LocalServer, keygen,  # noqa: E402
                                make_input)
-from spark_plugin.spark import start_mount  # noqa: E402
+from spark_plugin.spark import NO_CRC_CONF, start_mount  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -37,6 +37,9 @@ def main(argv=None) -> int:
     p.add_argument("--records-per-batch", type=int, default=500)
     p.add_argument("--state-store", choices=("hdfs", "rocksdb"), default="hdfs")
     p.add_argument("--async", dest="async_", action="store_true", help="mount in async mode")
+    p.add_argument("--no-crc", action="store_true",
+                   help="both sides: Hadoop's raw local FS (no .crc sidecar files, half the "
+                        "renames; see spark_plugin.spark.NO_CRC_CONF)")
     p.add_argument("--keep", action="store_true")
     args = p.parse_args(argv)
 
@@ -58,6 +61,9 @@ def main(argv=None) -> int:
                    .config("spark.sql.shuffle.partitions", "2")
                    .config("spark.ui.enabled", "false")
                    .config("spark.ui.showConsoleProgress", "false"))
+        if args.no_crc:
+            for k, v in NO_CRC_CONF.items():
+                builder = builder.config("spark.hadoop." + k, v)
         if args.state_store == "rocksdb":
             builder = builder.config("spark.sql.streaming.stateStore.providerClass",
                                      ROCKSDB_PROVIDER)
@@ -129,7 +135,7 @@ def main(argv=None) -> int:
             return [d for k, v in durations.items() if k.startswith(where + "-") for d in v]
 
         local, mounted = pooled("local"), pooled("mount")
-        res = {"batches_each": len(local), "batches_mount": len(mounted),
+        res = {"batches_each": len(local), "batches_mount": len(mounted), "no_crc": args.no_crc,
                "state_store": args.state_store, "mode": "async" if args.async_ else "sync",
                "records_per_batch": args.records_per_batch,
                "local_median_ms": statistics.median(local),
@@ -142,7 +148,8 @@ def main(argv=None) -> int:
         res["ratio_median"] = res["mount_median_ms"] / res["local_median_ms"]
         res["ratio_mean"] = res["mount_mean_ms"] / res["local_mean_ms"]
         print(f"Spark micro-batch duration (triggerExecution), {res['state_store']} state store, "
-              f"mount {res['mode']}, {len(local)} batches each:")
+              f"mount {res['mode']}, {'no .crc files, ' if args.no_crc else ''}"
+              f"{len(local)} batches each:")
         print(f"  {'':8} {'median':>9} {'mean':>9} {'p90':>9}")
         for w in ("local", "mount"):
             print(f"  {w:8} {res[w + '_median_ms']:8.0f}ms {res[w + '_mean_ms']:8.0f}ms "

@@ -30,6 +30,16 @@ MARKER_CONTROL = os.path.join(".sos", "marker")
 MARKER_LABEL = "spark.batch"
 DEFAULT_CHECKPOINT = "checkpoint"
 
+#: Hadoop settings that make Spark write local (file://) checkpoints without the ``.crc``
+#: sidecar files: half the files and half the renames, so half the journal barriers per
+#: batch. Spark resumes from checkpoints without ``.crc`` files (restores have none).
+#: Give them as ``spark.hadoop.<key>`` when building the session (they apply to every
+#: file:// path of the session).
+NO_CRC_CONF = {
+    "fs.file.impl": "org.apache.hadoop.fs.RawLocalFileSystem",
+    "fs.AbstractFileSystem.file.impl": "org.apache.hadoop.fs.local.RawLocalFs",
+}
+
 try:  # pyspark is an optional extra; the helpers that do not need it work without it
     from pyspark.sql.streaming import StreamingQueryListener as _ListenerBase
 except ImportError:  # pragma: no cover - exercised only without the spark extra
