@@ -14,6 +14,7 @@ from sos_client.journal import layout
 from sos_client.journal.errors import JournalCorrupt
 from sos_client.journal.records import (
     MAX_DATA,
+    MAX_FILE_SIZE,
     Create,
     Delete,
     Marker,
@@ -34,12 +35,13 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "journal-format.md"
 seg_part = st.text(alphabet="abcXYZ019._-é", min_size=1, max_size=12).filter(lambda s: s not in (".", ".."))
 paths = st.lists(seg_part, min_size=1, max_size=4).map("/".join)
 u64 = st.integers(0, 2**64 - 1)
+off_t = st.integers(0, MAX_FILE_SIZE - 300)
 ops = st.one_of(
     st.builds(Mkdir, paths, st.integers(0, 0o7777)),
     st.builds(Rmdir, paths),
     st.builds(Create, paths, st.integers(0, 0o7777)),
-    st.builds(Write, paths, u64, st.binary(max_size=300)),
-    st.builds(Truncate, paths, u64),
+    st.builds(Write, paths, off_t, st.binary(max_size=300)),
+    st.builds(Truncate, paths, off_t),
     st.builds(Rename, paths, paths, st.booleans()),
     st.builds(Delete, paths),
     st.builds(Marker, st.text(max_size=40), st.binary(max_size=200)),
@@ -128,6 +130,14 @@ def test_layout_violations_are_corrupt():
 def test_encode_refuses_bad_paths(bad):
     with pytest.raises(ValueError):
         encode(Create(bad), 1, 1)
+
+
+def test_offsets_beyond_off_t_are_refused_on_encode():
+    with pytest.raises(ValueError):
+        encode(Write("f", MAX_FILE_SIZE, b"x"), 1, 1)
+    with pytest.raises(ValueError):
+        encode(Truncate("f", MAX_FILE_SIZE + 1), 1, 1)
+    assert decode_all(encode(Truncate("f", MAX_FILE_SIZE), 1, 1))[0].op.size == MAX_FILE_SIZE
 
 
 def test_write_data_is_capped_and_split():

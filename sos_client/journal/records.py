@@ -161,8 +161,8 @@ def _encode_body(op: Op) -> list:
         data = op.data
         if len(data) > MAX_DATA:
             raise ValueError(f"WRITE data of {len(data)} bytes exceeds {MAX_DATA}; use split_write")
-        if op.offset < 0:
-            raise ValueError("negative offset")
+        if op.offset < 0 or op.offset + len(data) > MAX_FILE_SIZE:
+            raise ValueError(f"WRITE offset {op.offset} outside 0..{MAX_FILE_SIZE} (off_t)")
         return [_s(validate_path(op.path), "path", MAX_PATH_BYTES), _U64.pack(op.offset),
                 _U32.pack(len(data)), data]
     if t is Create or t is Mkdir:
@@ -170,8 +170,8 @@ def _encode_body(op: Op) -> list:
     if t is Rmdir or t is Delete:
         return [_s(validate_path(op.path), "path", MAX_PATH_BYTES)]
     if t is Truncate:
-        if op.size < 0:
-            raise ValueError("negative size")
+        if not 0 <= op.size <= MAX_FILE_SIZE:
+            raise ValueError(f"TRUNCATE size {op.size} outside 0..{MAX_FILE_SIZE} (off_t)")
         return [_s(validate_path(op.path), "path", MAX_PATH_BYTES), _U64.pack(op.size)]
     if t is Rename:
         return [_s(validate_path(op.src), "path", MAX_PATH_BYTES),
