@@ -30,7 +30,7 @@ from sos_client.journal.records import (
     split_write,
 )
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "journal-format.md"
+DOC = Path(__file__).resolve().parent.parent / "protocol.md"
 
 seg_part = st.text(alphabet="abcXYZ019._-é", min_size=1, max_size=12).filter(lambda s: s not in (".", ".."))
 paths = st.lists(seg_part, min_size=1, max_size=4).map("/".join)
@@ -149,7 +149,7 @@ def test_write_data_is_capped_and_split():
 
 
 def test_documented_hex_example_decodes():
-    text = DOC.read_text()
+    text = DOC.read_text().split("\n# Part 2: the journal format\n", 1)[1]
     block = re.search(r"```hex\n(.*?)```", text, re.S).group(1)
     hexdigits = "".join(line for line in block.splitlines() if not line.startswith("#"))
     data = bytes.fromhex(hexdigits.replace(" ", ""))

@@ -1,5 +1,5 @@
 """The journal core: record format, layout, writer (spool + replicator), JournaledTree,
-replay, restore and verify. See docs/journal-format.md for the format."""
+replay, restore and verify. See protocol.md, Part 2 for the format."""
 
 from .errors import (
     BatchNotFound,

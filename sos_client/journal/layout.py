@@ -1,4 +1,4 @@
-"""Object names of the journal inside a namespace (see docs/journal-format.md).
+"""Object names of the journal inside a namespace (see protocol.md, Part 2).
 
     gen/<G:010d>/<S:010d>-<E:010d>.seg   segment of generation G whose first record has
                                          sequence number S, written by writer epoch E

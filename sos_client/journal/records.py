@@ -1,6 +1,6 @@
 """Journal record codec (sans-IO: bytes in, records out; records in, bytes out).
 
-Normative description: docs/journal-format.md. Every record is
+Normative description: protocol.md, Part 2. Every record is
 
     u32 length | u32 crc32c | u8 type | u64 seq | u64 time_ns | body
 
