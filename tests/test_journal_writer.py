@@ -395,3 +395,44 @@ def test_snapshot_of_existing_cache_starts_a_generation(tmp_path):
     w2, t2 = make(tmp_path, store, name="again", cache="cache2")  # empty cache: rebuilt
     assert t2.rebuilt and tree_state(str(tmp_path / "cache2")) == tree_state(str(cache))
     t2.close()
+
+
+def test_async_barrier_waits_for_the_ready_object_of_a_new_generation(tmp_path):
+    """In async mode the records of a new generation can be acked before its ``ready``
+    object exists; restore ignores such a generation, so the barrier must also wait for
+    ``ready`` (else "durable" would not mean "restorable")."""
+    store = MemStore()
+    gate = threading.Event()
+    orig_client = store.client
+
+    def client():
+        c = orig_client()
+        append = c.append
+
+        def slow_ready_append(name, offset, data, *, epoch=0):
+            if layout.parse_ready_name(name) is not None and layout.parse_ready_name(name) > 1:
+                gate.wait(WAIT)  # the replicator is stuck creating gen/<G>/ready
+            return append(name, offset, data, epoch=epoch)
+
+        c.append = slow_ready_append
+        return c
+
+    store.client = store.factory = client
+    w, t = make(tmp_path, store, sync=False, generation_bytes=600, max_backoff=0.05)
+    t.create("f")
+    t.sync(wait=True)
+    store.down = True  # the rotation's records and the next ones then ship in one round
+    t.write("f", 0, b"x" * 1000)  # past generation_bytes: the next record starts generation 2
+    t.create("g")
+    assert w.generation == 2
+    store.down = False
+    done = threading.Event()
+    th = threading.Thread(target=lambda: (w.barrier(timeout=WAIT), done.set()), daemon=True)
+    th.start()
+    assert not done.wait(1.0), "barrier returned while the new generation had no ready object"
+    gate.set()
+    assert done.wait(WAIT)
+    t.close()
+    out = tmp_path / "out"
+    restore(store.factory, "ns", str(out))
+    assert (out / "f").read_bytes() == b"x" * 1000 and (out / "g").exists()

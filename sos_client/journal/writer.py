@@ -358,11 +358,14 @@ class JournalWriter:
 
     # ------------------------------------------------------------------ barrier
     def barrier(self, seq: int | None = None, timeout: float | None = None) -> None:
-        """Block until every record <= seq (default: all so far) is durable on the server."""
+        """Block until every record <= seq (default: all so far) is durable on the server
+        and restorable: the ``ready`` object of every generation that starts at or before
+        ``seq`` exists (restore ignores a generation without it, so records acked after an
+        asynchronous rotation would otherwise not count)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
             target = self._seq if seq is None else seq
-            while self._acked < target:
+            while self._acked < target or any(s <= target for _, s in self._pending_ready):
                 if self._error is not None:
                     self._check_usable()
                 if self._thread is None or not self._thread.is_alive():
