@@ -354,3 +354,22 @@ def test_cli_restore_at_position_and_batch(sos_server, tmp_path):
     assert r.returncode == 1 and "no spark.batch marker" in r.stderr
     r = run_sos("restore", ns, str(tmp_path / "y"), "--position", "-4", env_extra=env)
     assert r.returncode == 2
+
+
+@pytest.mark.parametrize("case", ["wrong key", "read key"])
+def test_writer_with_a_refused_key_fails_at_once_with_permission_error(sos_server, tmp_path, case):
+    """A refused key is not a transient failure: open() raises PermissionError on the first
+    refusal instead of retrying until its open_timeout (120 s by default)."""
+    ns, key = new_ns(sos_server)
+    if case == "wrong key":
+        key = key.split(".")[0] + "." + "0" * 64
+    else:
+        key = sos_server.keygen(ns, "read")
+    w = JournalWriter(factory(sos_server, ns, key), ns, str(tmp_path / "spool"), open_timeout=WAIT)
+    attempts = []
+    orig = w.client_factory
+    w.client_factory = lambda: (attempts.append(1), orig())[1]
+    with pytest.raises(PermissionError):
+        w.open()
+    assert len(attempts) == 1
+    assert not w.is_open

@@ -131,8 +131,8 @@ class JournalWriter:
             try:
                 return self.client_factory()
             except TRANSIENT as e:
-                if time.monotonic() > deadline:
-                    raise
+                if _is_fatal(e) or time.monotonic() > deadline:
+                    raise  # a refused key or namespace does not get better by retrying
                 log.warning("connect failed (%s); retrying", e)
                 time.sleep(delay)
                 delay = min(delay * 2, self.max_backoff)
@@ -152,7 +152,7 @@ class JournalWriter:
                     self._open_with(client)
                     break
                 except TRANSIENT as e:
-                    if time.monotonic() > deadline:
+                    if _is_fatal(e) or time.monotonic() > deadline:
                         raise
                     log.warning("open interrupted (%s); retrying", e)
                     time.sleep(0.2)
