@@ -222,6 +222,12 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         _error(exc)
         return 2
+    except ValueError as exc:  # a malformed --server / $SOS_SERVER or --key / $SOS_KEY
+        if isinstance(exc, SOSError):
+            _error(exc.message or exc)
+            return 1
+        _error(exc)
+        return 2
     except BrokenPipeError:  # `sos cat x | head`: the reader left; not worth a message
         try:
             sys.stdout = open(os.devnull, "w")

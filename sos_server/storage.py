@@ -4,7 +4,7 @@ Layout under the data directory::
 
     DATA/LOCK                                  flock held by a running server
     DATA/ns/<namespace>/fence                  fence epoch (decimal), replaced atomically
-    DATA/ns/<namespace>/keys/<key_id hex>      JSON {"role": ..., "secret": hex}, mode 0600
+    DATA/ns/<namespace>/keys/<key_id hex>      JSON {"namespace", "role", "secret" hex}, 0600
     DATA/ns/<namespace>/objects/<h2>/<h>       one object; h = sha256(name) hex, h2 = h[:2]
 
 An object file is a header then frames::

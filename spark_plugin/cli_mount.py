@@ -67,8 +67,9 @@ def run(args) -> int:
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if not args.key:
-        print("sos: no key: pass --key or set SOS_KEY", file=sys.stderr)
-        return 2
+        print("sos: no key given: pass --key or set SOS_KEY (what `sos-server keygen` prints)",
+              file=sys.stderr)
+        return 1  # as put/cat/ls/stat/restore/verify: a missing key is an operation failure
     try:
         from sos_wire.names import validate_namespace
 

@@ -255,13 +255,11 @@ def _open_namespace(server, key, namespace, base_dir, max_lag_bytes, timeout, tl
         spool_dir = os.path.join(root, "spool")
         os.makedirs(tree_dir, exist_ok=True)
         os.makedirs(spool_dir, exist_ok=True)
-        # The writer always runs in sync mode, whatever the filesystem's
-        # ``sync``: its rotate() then waits for each generation's snapshot, so
-        # the generation's ``ready`` object is created before any later record
-        # is acknowledged. (An async writer can acknowledge records of a
-        # generation whose ``ready`` does not exist yet; restore ignores such a
-        # generation, so a barrier would not mean "restorable".) The cost: with
-        # sync=False, mv still waits for the server; close, cp and rm do not.
+        # One writer serves every filesystem object of this namespace in the
+        # process, whatever each object's ``sync``, so it runs in sync mode:
+        # the tree's rename (mv) always waits for the server. Objects with
+        # sync=True also wait on close, cp and commit (tree.sync(wait=True));
+        # objects with sync=False do not.
         writer_kwargs = {"sync": True}
         if max_lag_bytes is not None:
             writer_kwargs["max_lag_bytes"] = max_lag_bytes

@@ -9,7 +9,8 @@
   (`trio.to_thread.run_sync`) so the FUSE loop keeps serving other requests;
 * in sync mode (the default) rename, fsync, flush/release of a written file
   return only after their records are durable on the server; in async mode only
-  fsync waits (an explicit request for durability) and the writer bounds the lag;
+  fsync and fsyncdir wait (explicit requests for durability) and the writer
+  bounds the lag;
 * once the writer reports that a newer writer fenced it, the mount turns
   read-only: every later change fails with EROFS (the first failure with EIO)
   and the reason is logged once.

@@ -165,3 +165,11 @@ def test_help_everywhere(cmd, capsys):
     assert cli.main([cmd, "--help"]) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"usage: sos {cmd}") and "--server" in out and "--key" in out
+
+
+@pytest.mark.parametrize("server", ["host:notaport", "host:0", ":7070"])
+def test_malformed_server_address_is_a_usage_error(monkeypatch, capsys, server):
+    monkeypatch.setenv("SOS_KEY", "0" * 16 + "." + "0" * 64)
+    assert cli.main(["stat", "ns/x", "--server", server]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("sos: bad server address") and err.count("\n") == 1
