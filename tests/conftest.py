@@ -35,6 +35,32 @@ from pathlib import Path
 
 import pytest
 
+NO_SKIP = os.environ.get("SOS_TEST_NO_SKIP") == "1"  # .ci/run sets it: CI here has FUSE, Spark, tmpfs
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Under SOS_TEST_NO_SKIP=1 a skipped test fails: a skip is only allowed where the machine
+    truly lacks something (no /dev/fuse, no Java), and CI's machine lacks none of it."""
+    outcome = yield
+    report = outcome.get_result()
+    if NO_SKIP and report.skipped and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"skipped, but SOS_TEST_NO_SKIP=1 forbids skips: {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """The same for a whole module skipped at import (pytest.importorskip, allow_module_level)."""
+    outcome = yield
+    report = outcome.get_result()
+    if NO_SKIP and report.skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"module skipped, but SOS_TEST_NO_SKIP=1 forbids skips: {reason}"
+
+
 START_TIMEOUT = 60.0  # generous: two shared cores, many test processes
 STOP_TIMEOUT = 30.0
 

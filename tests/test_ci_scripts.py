@@ -19,6 +19,25 @@ def test_ci_run_calls_the_readme_test_command():
     assert text.startswith("#!/usr/bin/env bash\n")
     assert "set -euo pipefail" in text
     assert "exec ./scripts/test" in text
+    assert "export SOS_TEST_NO_SKIP=1" in text  # CI's machine has FUSE and Spark: no skips
+
+
+def test_no_skip_mode_turns_skips_into_failures(tmp_path):
+    (tmp_path / "test_s.py").write_text(
+        "import pytest\n"
+        "def test_skips():\n    pytest.skip('no /dev/fuse')\n"
+        "@pytest.mark.xfail(strict=True)\ndef test_xfails():\n    assert 0\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "tests"))
+    env.pop("PYTEST_ADDOPTS", None)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider",
+           "--rootdir", str(tmp_path), str(tmp_path / "test_s.py")]
+    strict = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                            env=dict(env, SOS_TEST_NO_SKIP="1"))
+    assert strict.returncode == 1 and "1 failed, 1 xfailed" in strict.stdout, strict.stdout
+    assert "forbids skips: Skipped: no /dev/fuse" in strict.stdout
+    env.pop("SOS_TEST_NO_SKIP", None)
+    lax = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert lax.returncode == 0 and "1 skipped, 1 xfailed" in lax.stdout, lax.stdout
 
 
 def test_scripts_are_executable_bash_with_strict_mode():
