@@ -163,6 +163,7 @@ def cmd_serve(args) -> int:
     t0 = time.monotonic()
     storage.open()
     metrics.repairs.inc(len(storage.repairs))
+    metrics.damaged.inc(len(storage.corruptions))
     log.info(
         "storage opened",
         extra={
@@ -170,6 +171,7 @@ def cmd_serve(args) -> int:
             "namespaces": len(storage.namespaces),
             "objects": sum(len(ns.objects) for ns in storage.namespaces.values()),
             "repairs": len(storage.repairs),
+            "damaged": len(storage.corruptions),
             "seconds": round(time.monotonic() - t0, 3),
             "nofile": nofile,
         },
