@@ -55,7 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--keep-generations", type=_positive, default=None, help="retention: complete generations kept")
     s.add_argument("--min-age", type=parse_duration, default=None, help="retention: minimum age before removal")
     s.add_argument("--max-connections", type=_positive, default=1024)
-    s.add_argument("--idle-timeout", type=float, default=None, help="seconds without a request before closing")
+    s.add_argument(
+        "--idle-timeout", type=parse_duration, default=600.0,
+        help="close a connection after this long without a request (default 10m; 0: never)",
+    )
+    s.add_argument(
+        "--handshake-timeout", type=parse_duration, default=10.0,
+        help="close a connection not authenticated this long after it was accepted (default 10s; 0: never)",
+    )
     s.add_argument("--max-objects", type=_positive, default=1_000_000, help="quota: objects per namespace")
     s.add_argument("--max-object-size", type=_positive, default=1 << 40, help="quota: bytes per object")
     s.add_argument("--gc-interval", type=parse_duration, default=300.0, help="how often retention runs")
@@ -191,7 +198,8 @@ def cmd_serve(args) -> int:
         port=args.listen[1],
         tls=tls,
         max_connections=args.max_connections,
-        idle_timeout=args.idle_timeout,
+        idle_timeout=args.idle_timeout or None,
+        handshake_timeout=args.handshake_timeout or None,
     )
 
     async def retention_once() -> None:

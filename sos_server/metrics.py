@@ -25,6 +25,10 @@ class Metrics:
         self.sync_files = Counter("sos_synced_files", "fdatasync calls made by group commit", registry=r)
         self.connections = Gauge("sos_open_connections", "Open client connections", registry=r)
         self.connections_total = Counter("sos_connections", "Connections accepted", registry=r)
+        self.handshake_timeouts = Counter(
+            "sos_handshake_timeouts", "Connections closed for not authenticating within --handshake-timeout",
+            registry=r,
+        )
         self.gc_removed = Counter("sos_gc_removed_objects", "Objects removed by retention", registry=r)
         self.repairs = Counter(
             "sos_torn_tail_repairs", "Object files whose torn tail (an unacknowledged write) was cut at start-up",
