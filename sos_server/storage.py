@@ -20,12 +20,16 @@ every frame's checksum before returning its bytes.
 
 Start-up scans every object file (checksums over its last ``verify_tail`` bytes). It cuts
 only a tail that a crash during an unacknowledged write can leave: fewer than 8 bytes of
-a frame header, a frame the file ends inside of, or nothing but zero bytes (a power
-loss). Anything else is damage to bytes that may have been acknowledged, and is kept:
-a frame whose checksum fails (also the last one), a frame length that lies (the frame's
-checksum matches another length, or whole frames end the file), bytes after a seal. The object keeps its length; READs of the
-damaged bytes answer CORRUPT; APPEND and SEAL to it answer CORRUPT; the damage is logged
-at error level and listed in :attr:`Storage.corruptions`.
+a frame header, a frame the file ends inside of (no longer than an APPEND can be, and
+with no whole frame ending the file), or nothing but zero bytes (a power loss). Anything
+else is damage to bytes that may have been acknowledged, and is kept: a frame whose
+checksum fails (also the last one), a frame length that lies, bytes after a seal. The
+object keeps its length; READs of the damaged bytes answer CORRUPT; APPEND and SEAL to it
+answer CORRUPT; the damage is logged at error level and listed in
+:attr:`Storage.corruptions`. A length with one bad byte is recognized by the frame's own
+checksum, so the frames after it stay readable; any other lying length makes the rest of
+the file unreadable (frame boundaries are never guessed from frame-like bytes: journal
+records inside frames are framed the same way) and the length an upper bound.
 
 Names are hashed into file names so that any valid name (segments up to 255 bytes, an
 object ``a`` beside an object ``a/b``) maps onto any POSIX filesystem; the name itself is
@@ -291,7 +295,8 @@ def _examine(fd: int, pos: int, n: int | None, crc: int | None, size: int) -> tu
         return ("cut", "partial frame header")
     t = _length_confirmed(fd, pos, n, crc, size)
     if t is not None:
-        return ("frame", t, f"frame length field damaged: it says {n}, the frame's data and checksum say {t - pos - FRAME_HDR}")
+        real = t - pos - FRAME_HDR
+        return ("frame", t, f"frame length field damaged: it says {n}, the frame's data and checksum say {real}")
     plausible = 1 <= n <= MAX_FRAME
     if plausible and pos + FRAME_HDR + n <= size and _whole_frame_at(fd, pos + FRAME_HDR + n, size):
         return ("frame", pos + FRAME_HDR + n, "checksum mismatch")
