@@ -125,6 +125,8 @@ def makedirs_durable(path: str) -> None:
     try:
         os.mkdir(path, 0o755)
     except FileExistsError:
+        if not os.path.isdir(path):  # a file (or a dangling link) where a directory belongs
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory", path) from None
         return
     fsync_dir(parent)
 
@@ -711,10 +713,29 @@ class Storage:
         self._lock_fd: int | None = None
 
     # -- process lock ----------------------------------------------------------------
-    def lock(self) -> None:
-        """Take DATA/LOCK exclusively; StorageError(BUSY) if another process holds it."""
-        makedirs_durable(self.root)
-        fd = os.open(os.path.join(self.root, "LOCK"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    def lock(self, *, create: bool = True) -> None:
+        """Take DATA/LOCK exclusively; StorageError(BUSY) if another process holds it.
+
+        With ``create=False`` the data directory must already be one (have ``ns/`` or
+        ``LOCK``): StorageError(NOT_FOUND) otherwise, and nothing is created. Any other
+        problem with the directory is StorageError(INTERNAL) saying what."""
+        try:
+            if not create:
+                if not os.path.isdir(self.root):
+                    what = "is not a directory" if os.path.exists(self.root) else "does not exist"
+                    raise StorageError(ErrorCode.NOT_FOUND, f"data directory {self.root} {what}")
+                if not any(os.path.exists(os.path.join(self.root, n)) for n in ("ns", "LOCK")):
+                    raise StorageError(
+                        ErrorCode.NOT_FOUND,
+                        f"{self.root} is not an sos-server data directory (no ns/ and no LOCK in it)",
+                    )
+            makedirs_durable(self.root)
+            fd = os.open(os.path.join(self.root, "LOCK"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise StorageError(
+                ErrorCode.INTERNAL, f"cannot use data directory {self.root}: {exc.strerror or exc}"
+                + (f" ({exc.filename})" if exc.filename and exc.filename != self.root else "")
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -764,11 +785,26 @@ class Storage:
     def load_namespace(self, namespace: str) -> Namespace:
         path = self.ns_path(namespace)
         ns = Namespace(namespace, path)
+        fence = os.path.join(path, "fence")
         try:
-            with open(os.path.join(path, "fence"), "rb") as f:
-                ns.fence = int(f.read().strip() or b"0")
+            with open(fence, "rb") as f:
+                text = f.read()
         except FileNotFoundError:
-            pass
+            text = b""
+        except OSError as exc:
+            raise StorageError(ErrorCode.INTERNAL, f"cannot read the fence file {fence}: {exc.strerror}") from None
+        if text.strip():
+            try:
+                ns.fence = int(text.strip().decode("ascii"))
+            except (UnicodeDecodeError, ValueError):
+                ns.fence = -1
+            if ns.fence < 0:
+                # guessing would let a fenced-off (stale) writer back in: refuse
+                raise StorageError(
+                    ErrorCode.INTERNAL,
+                    f"the fence file {fence} is damaged ({text[:40]!r} is not a decimal epoch): restore it"
+                    " or write the highest epoch any writer of the namespace used",
+                )
         objdir = ns.objects_dir
         if os.path.isdir(objdir):
             for h2 in sorted(os.listdir(objdir)):
