@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import select
 import ssl as _ssl
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
@@ -20,7 +19,7 @@ from sos_wire.frames import MAX_LIST_LIMIT
 
 from ._common import (
     CLIENT_NAME, DEFAULT_WINDOW_BYTES, DEFAULT_WINDOW_FRAMES, NEXT_CHUNK, READ_STEP, RECV, AppendJob, Core,
-    settings_from_env,
+    readable_now, settings_from_env,
 )
 from .errors import ConnectionLost
 
@@ -277,7 +276,7 @@ def _closed_by_server(stream) -> bool:
     if sock is None:
         return False
     try:
-        return bool(select.select([sock.fileno()], [], [], 0)[0])
+        return readable_now(sock.fileno())
     except (OSError, ValueError):
         return True
 

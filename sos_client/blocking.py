@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import select
 import socket
 import ssl as _ssl
 import threading
@@ -20,7 +19,7 @@ from sos_wire.frames import MAX_LIST_LIMIT
 
 from ._common import (
     CLIENT_NAME, DEFAULT_WINDOW_BYTES, DEFAULT_WINDOW_FRAMES, NEXT_CHUNK, READ_STEP, RECV, AppendJob, Core,
-    settings_from_env,
+    readable_now, settings_from_env,
 )
 from .errors import ConnectionLost
 
@@ -35,7 +34,7 @@ def _closed_by_server(sock) -> bool:
     try:
         if isinstance(sock, _ssl.SSLSocket) and sock.pending():
             return True
-        return bool(select.select([sock], [], [], 0)[0])
+        return readable_now(sock.fileno())
     except (OSError, ValueError):
         return True
 
