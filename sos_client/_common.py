@@ -16,6 +16,7 @@ operation midway (``conn.in_flight != 0``) the driver drops the connection.
 from __future__ import annotations
 
 import os
+import select
 from collections import deque
 
 from sos_wire import events as ev
@@ -30,7 +31,7 @@ from .errors import BadNameError, ConnectionLost, Corrupt, SOSError, SOSPermissi
 
 __all__ = [
     "DEFAULT_SERVER", "DEFAULT_PORT", "RECV", "NEXT_CHUNK", "parse_server", "settings_from_env", "Core",
-    "AppendJob", "CLIENT_NAME", "READ_STEP", "DEFAULT_WINDOW_BYTES", "DEFAULT_WINDOW_FRAMES",
+    "AppendJob", "CLIENT_NAME", "READ_STEP", "DEFAULT_WINDOW_BYTES", "DEFAULT_WINDOW_FRAMES", "readable_now",
 ]
 
 DEFAULT_PORT = 7070
@@ -102,6 +103,17 @@ def settings_from_env(server, key, namespace) -> tuple[str, int, Key, str]:
     except BadName as exc:
         raise BadNameError(str(exc), ErrorCode.BAD_NAME) from None
     return host, port, key, namespace
+
+
+def readable_now(fileno: int) -> bool:
+    """True if the socket *fileno* has something to read (data, EOF, an error) right now.
+
+    poll, not select: select fails for descriptors above FD_SETSIZE (1024)."""
+    if hasattr(select, "poll"):
+        poller = select.poll()
+        poller.register(fileno, select.POLLIN | select.POLLPRI)
+        return bool(poller.poll(0))
+    return bool(select.select([fileno], [], [], 0)[0])  # pragma: no cover - no poll (Windows)
 
 
 def check_name(name: str) -> str:

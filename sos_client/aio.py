@@ -19,7 +19,7 @@ from sos_wire.frames import MAX_LIST_LIMIT
 
 from ._common import (
     CLIENT_NAME, DEFAULT_WINDOW_BYTES, DEFAULT_WINDOW_FRAMES, NEXT_CHUNK, READ_STEP, RECV, AppendJob, Core,
-    settings_from_env,
+    readable_now, settings_from_env,
 )
 from .errors import ConnectionLost
 
@@ -104,6 +104,8 @@ class AsyncClient:
 
     async def _ensure(self) -> Core:
         self._check_open()
+        if self._core is not None and _closed_by_server(self._stream):
+            await self._drop()  # e.g. the server's idle timeout: nothing was sent, so just reconnect
         if self._core is None:
             await self._connect()
         return self._core
@@ -264,6 +266,19 @@ class AsyncClient:
 
     async def fence(self, epoch: int) -> int:
         return await self._call(lambda core: core.fence(epoch), retry=False)
+
+
+def _closed_by_server(stream) -> bool:
+    """True if an idle connection (no request in flight) is readable: the server sends
+    nothing unasked, so that is its close (EOF, a reset) or a parting ERROR."""
+    transport = getattr(stream, "transport_stream", stream)  # trio.SSLStream wraps a SocketStream
+    sock = getattr(transport, "socket", None)
+    if sock is None:
+        return False
+    try:
+        return readable_now(sock.fileno())
+    except (OSError, ValueError):
+        return True
 
 
 async def _next_chunk(chunks):

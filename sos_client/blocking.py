@@ -19,13 +19,24 @@ from sos_wire.frames import MAX_LIST_LIMIT
 
 from ._common import (
     CLIENT_NAME, DEFAULT_WINDOW_BYTES, DEFAULT_WINDOW_FRAMES, NEXT_CHUNK, READ_STEP, RECV, AppendJob, Core,
-    settings_from_env,
+    readable_now, settings_from_env,
 )
 from .errors import ConnectionLost
 
 __all__ = ["Client"]
 
 RECV_SIZE = 256 * 1024
+
+
+def _closed_by_server(sock) -> bool:
+    """True if an idle connection (no request in flight) is readable: the server sends
+    nothing unasked, so that is its close (EOF, a reset) or a parting ERROR."""
+    try:
+        if isinstance(sock, _ssl.SSLSocket) and sock.pending():
+            return True
+        return readable_now(sock.fileno())
+    except (OSError, ValueError):
+        return True
 
 
 class Client:
@@ -35,8 +46,9 @@ class Client:
     :class:`sos_wire.Key` or its text (default ``$SOS_KEY``); *timeout*: seconds any
     single wait on the network may take; *tls*: an ``ssl.SSLContext`` (or True for the
     system defaults).  Connects and authenticates immediately.  A lost connection is
-    re-established on the next call; ``append_many`` and ``read_iter`` resume by
-    themselves.  Safe to share between threads (calls are serialized).
+    re-established on the next call (one the server closed while idle, before anything is
+    sent on it); ``append_many`` and ``read_iter`` resume by themselves.  Safe to share
+    between threads (calls are serialized).
     """
 
     def __init__(self, server: str | None = None, key: "str | Key | None" = None, namespace: str | None = None,
@@ -101,6 +113,8 @@ class Client:
 
     def _ensure(self) -> Core:
         self._check_open()
+        if self._core is not None and _closed_by_server(self._sock):
+            self._drop()  # e.g. the server's idle timeout: nothing was sent, so just reconnect
         if self._core is None:
             self._connect()
         return self._core

@@ -55,7 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--keep-generations", type=_positive, default=None, help="retention: complete generations kept")
     s.add_argument("--min-age", type=parse_duration, default=None, help="retention: minimum age before removal")
     s.add_argument("--max-connections", type=_positive, default=1024)
-    s.add_argument("--idle-timeout", type=float, default=None, help="seconds without a request before closing")
+    s.add_argument(
+        "--idle-timeout", type=parse_duration, default=600.0,
+        help="close a connection after this long without a request (default 10m; 0: never)",
+    )
+    s.add_argument(
+        "--handshake-timeout", type=parse_duration, default=10.0,
+        help="close a connection not authenticated this long after it was accepted (default 10s; 0: never)",
+    )
     s.add_argument("--max-objects", type=_positive, default=1_000_000, help="quota: objects per namespace")
     s.add_argument("--max-object-size", type=_positive, default=1 << 40, help="quota: bytes per object")
     s.add_argument("--gc-interval", type=parse_duration, default=300.0, help="how often retention runs")
@@ -78,16 +85,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit status: 0 ok, 1 failed (one line ``sos-server: ...`` on stderr), 2 usage."""
+    from .storage import StorageError
+
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except KeyboardInterrupt:
         return 130
+    except StorageError as exc:
+        return _fail(exc.message)
+    except OSError as exc:  # the data directory or a file in it: say which, no traceback
+        return _fail(f"{exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else ""))
 
 
-def _fail(msg: str) -> int:
-    print(f"sos-server: {msg}", file=sys.stderr)
-    return 1
+def _fail(msg: str, status: int = 1) -> int:
+    print(f"sos-server: {' '.join(str(msg).split())}", file=sys.stderr)
+    return status
+
+
+def _usage(msg: str) -> int:
+    return _fail(msg, 2)
 
 
 def cmd_keygen(args) -> int:
@@ -97,13 +115,18 @@ def cmd_keygen(args) -> int:
 
     try:
         key = Storage(args.data).keygen(args.namespace, args.role)
-    except (BadName, ValueError, OSError) as exc:
+    except (BadName, ValueError) as exc:
         return _fail(str(exc))
+    except OSError as exc:
+        where = f" ({exc.filename})" if exc.filename else ""
+        return _fail(f"cannot write a key under {args.data}: {exc.strerror or exc}{where}")
     print(key)
     return 0
 
 
 def cmd_gc(args) -> int:
+    from sos_wire.errors import ErrorCode
+
     from .engine import plan_retention
     from .logs import setup_logging
     from .storage import Storage, StorageError
@@ -111,9 +134,11 @@ def cmd_gc(args) -> int:
     setup_logging("info")
     st = Storage(args.data)
     try:
-        st.lock()
+        st.lock(create=False)  # a mistyped --data must not become a new, empty data directory
     except StorageError as exc:
-        return _fail(exc.message + " (retention runs inside it: use serve --keep-generations)")
+        if exc.code is ErrorCode.BUSY:
+            return _fail(exc.message + " (retention runs inside it: use serve --keep-generations)")
+        return _fail(exc.message)
     try:
         st.open()
         now = time.time()
@@ -141,9 +166,9 @@ def cmd_serve(args) -> int:
 
     setup_logging(args.log_level)
     if (args.tls_cert is None) != (args.tls_key is None):
-        return _fail("--tls-cert and --tls-key go together")
+        return _usage("--tls-cert and --tls-key go together")
     if (args.keep_generations is None) != (args.min_age is None):
-        return _fail("--keep-generations and --min-age go together")
+        return _usage("--keep-generations and --min-age go together")
     tls = None
     if args.tls_cert:
         try:
@@ -154,15 +179,18 @@ def cmd_serve(args) -> int:
     tune_malloc()
     storage = Storage(args.data)
     try:
-        storage.lock()
+        storage.lock()  # creates the data directory if it does not exist yet
     except StorageError as exc:
         return _fail(exc.message)
-    except OSError as exc:
-        return _fail(f"cannot use data directory {args.data}: {exc}")
     metrics = Metrics()
     t0 = time.monotonic()
-    storage.open()
+    try:
+        storage.open()
+    except (StorageError, OSError) as exc:
+        storage.close()
+        return _fail(exc.message if isinstance(exc, StorageError) else f"cannot load {args.data}: {exc}")
     metrics.repairs.inc(len(storage.repairs))
+    metrics.damaged.inc(len(storage.corruptions))
     log.info(
         "storage opened",
         extra={
@@ -170,6 +198,7 @@ def cmd_serve(args) -> int:
             "namespaces": len(storage.namespaces),
             "objects": sum(len(ns.objects) for ns in storage.namespaces.values()),
             "repairs": len(storage.repairs),
+            "damaged": len(storage.corruptions),
             "seconds": round(time.monotonic() - t0, 3),
             "nofile": nofile,
         },
@@ -189,7 +218,8 @@ def cmd_serve(args) -> int:
         port=args.listen[1],
         tls=tls,
         max_connections=args.max_connections,
-        idle_timeout=args.idle_timeout,
+        idle_timeout=args.idle_timeout or None,
+        handshake_timeout=args.handshake_timeout or None,
     )
 
     async def retention_once() -> None:

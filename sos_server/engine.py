@@ -350,6 +350,7 @@ class Engine:
                         ErrorCode.QUOTA_EXCEEDED, f"{n} bytes exceed the object size limit {self.limits.max_object_size}"
                     )
                 obj = await trio.to_thread.run_sync(ns.create, name)
+            obj.refuse_writes("append to")
             if offset < obj.length:
                 # a retry of something that landed? (same bytes at the same offset)
                 if offset + n <= obj.length and await self._same_bytes(obj, offset, data):
@@ -414,6 +415,7 @@ class Engine:
             obj = ns.get(name)
             if obj is None:
                 raise _err(ErrorCode.NOT_FOUND, f"no object {name!r} in namespace {namespace!r}")
+            obj.refuse_writes("seal")
             if not obj.sealed:
                 obj.write_seal()
             return Pending(obj, obj.file_size, obj.rollbacks, obj.length, None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import resource
 import ssl
 
@@ -73,12 +74,14 @@ class Listener:
         tls: ssl.SSLContext | None = None,
         max_connections: int = 1024,
         idle_timeout: float | None = None,
+        handshake_timeout: float | None = None,
     ) -> None:
         self.engine = engine
         self.host, self.port = host, port
         self.tls = tls
         self.max_connections = max_connections
         self.idle_timeout = idle_timeout
+        self.handshake_timeout = handshake_timeout
         self.open = 0
         self.address: tuple[str, int] | None = None
 
@@ -113,16 +116,22 @@ class Listener:
             return
         self.open += 1
         metrics.connections.inc()
+        # HELLO/AUTH (and TLS) must be done by then: a connection slot is not free
+        now = trio.current_time()
+        deadline = now + self.handshake_timeout if self.handshake_timeout else math.inf
         try:
             if self.tls is not None:
                 try:
-                    with trio.fail_after(30):
+                    with trio.fail_at(min(deadline, now + 30)):
                         await stream.do_handshake()
                 except (trio.BrokenResourceError, trio.TooSlowError, ssl.SSLError) as exc:
                     log.warning("TLS handshake failed", extra={"peer": peer, "error": str(exc)})
                     await trio.aclose_forcefully(stream)
                     return
-            await Session(self.engine, stream, peer=peer, idle_timeout=self.idle_timeout).run()
+            session = Session(
+                self.engine, stream, peer=peer, idle_timeout=self.idle_timeout, handshake_deadline=deadline
+            )
+            await session.run()
         finally:
             self.open -= 1
             metrics.connections.dec()

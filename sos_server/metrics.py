@@ -25,8 +25,21 @@ class Metrics:
         self.sync_files = Counter("sos_synced_files", "fdatasync calls made by group commit", registry=r)
         self.connections = Gauge("sos_open_connections", "Open client connections", registry=r)
         self.connections_total = Counter("sos_connections", "Connections accepted", registry=r)
+        self.handshake_timeouts = Counter(
+            "sos_handshake_timeouts", "Connections closed for not authenticating within --handshake-timeout",
+            registry=r,
+        )
         self.gc_removed = Counter("sos_gc_removed_objects", "Objects removed by retention", registry=r)
-        self.repairs = Counter("sos_torn_tail_repairs", "Object files cut back at start-up", registry=r)
+        self.repairs = Counter(
+            "sos_torn_tail_repairs", "Object files whose torn tail (an unacknowledged write) was cut at start-up",
+            registry=r,
+        )
+        self.damaged = Counter(
+            "sos_damaged_ranges",
+            "Damaged stretches of object files found at start-up and kept (READ of them, APPEND/SEAL to their"
+            " objects answer CORRUPT)",
+            registry=r,
+        )
 
     def serve(self, host: str, port: int):
         """Start the HTTP endpoint in a daemon thread; returns (server, thread)."""

@@ -8,13 +8,18 @@
 - READ is streamed as READ_DATA frames of at most 1 MiB; the last has last=1.
 - Every non-fatal error is answered with an ERROR frame and the connection lives on;
   a broken frame is answered (BAD_FRAME or the codec's code) and the connection closes.
+- Handshake deadline: a connection not authenticated by ``handshake_deadline`` (trio
+  time; the listener sets it ``--handshake-timeout`` after accepting) is closed, whatever
+  it sends meanwhile (PINGs, a trickled frame, replies it never reads). Without it a
+  crowd of silent connections fills ``--max-connections`` and everyone else gets BUSY.
 - Idle timeout: no complete request for ``idle_timeout`` seconds (and nothing in flight)
-  closes the connection.
+  closes the connection. Clients reconnect on their next request.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 
 import trio
@@ -69,6 +74,7 @@ class Session:
         *,
         peer: str = "?",
         idle_timeout: float | None = None,
+        handshake_deadline: float = math.inf,
         max_body: int = DEFAULT_MAX_BODY,
     ) -> None:
         self.engine = engine
@@ -76,6 +82,7 @@ class Session:
         self.stream = stream
         self.peer = peer
         self.idle_timeout = idle_timeout
+        self._handshake = trio.CancelScope(deadline=handshake_deadline)
         self.conn = Connection(Role.SERVER, max_body=max_body)
         self.max_body = max_body
         self.nonce: bytes | None = None
@@ -108,9 +115,14 @@ class Session:
         log.info("connection opened", extra={"peer": self.peer})
         try:
             async with trio.open_nursery() as nursery:
-                try:
-                    await self._read_loop(nursery)
-                except _Closing:
+                with self._handshake:  # no requests run before AUTH: nothing else to cancel
+                    try:
+                        await self._read_loop(nursery)
+                    except _Closing:
+                        nursery.cancel_scope.cancel()
+                if self._handshake.cancelled_caught:
+                    log.info("not authenticated in time, closing", extra={"peer": self.peer})
+                    self.metrics.handshake_timeouts.inc()
                     nursery.cancel_scope.cancel()
         finally:
             log.info("connection closed", extra={"peer": self.peer, "namespace": self.namespace})
@@ -218,6 +230,7 @@ class Session:
             await self._send_error(rid, exc.code, exc.message, exc.length)
             return
         self.namespace, self.role = event.namespace, role
+        self._handshake.deadline = math.inf
         log.info("authenticated", extra={"peer": self.peer, "namespace": self.namespace, "role": role})
         await self._send(ev.AuthOk(rid, _ROLE_WIRE[role]))
 

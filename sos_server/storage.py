@@ -15,9 +15,21 @@ An object file is a header then frames::
 
 Files are created atomically (temp + fsync + rename + fsync dir), so a file either has a
 whole header or does not exist. Appends go at the end of the file without a sync; the
-engine calls :meth:`StoredObject.sync` (group commit) before acknowledging. At start-up a
-torn tail (short frame, zero length, bad checksum, bytes after a seal) is cut back to the
-last whole frame. Reads verify every frame's checksum before returning its bytes.
+engine calls :meth:`StoredObject.sync` (group commit) before acknowledging. Reads verify
+every frame's checksum before returning its bytes.
+
+Start-up scans every object file (checksums over its last ``verify_tail`` bytes). It cuts
+only a tail that a crash during an unacknowledged write can leave: fewer than 8 bytes of
+a frame header, a frame the file ends inside of (no longer than an APPEND can be, and
+with no whole frame ending the file), or nothing but zero bytes (a power loss). Anything
+else is damage to bytes that may have been acknowledged, and is kept: a frame whose
+checksum fails (also the last one), a frame length that lies, bytes after a seal. The
+object keeps its length; READs of the damaged bytes answer CORRUPT; APPEND and SEAL to it
+answer CORRUPT; the damage is logged at error level and listed in
+:attr:`Storage.corruptions`. A length with one bad byte is recognized by the frame's own
+checksum, so the frames after it stay readable; any other lying length makes the rest of
+the file unreadable (frame boundaries are never guessed from frame-like bytes: journal
+records inside frames are framed the same way) and the length an upper bound.
 
 Names are hashed into file names so that any valid name (segments up to 255 bytes, an
 object ``a`` beside an object ``a/b``) maps onto any POSIX filesystem; the name itself is
@@ -41,6 +53,7 @@ from dataclasses import dataclass, field
 
 from sos_wire.crc import crc32c
 from sos_wire.errors import ErrorCode
+from sos_wire.frames import DEFAULT_MAX_BODY
 from sos_wire.names import BadName, validate_name, validate_namespace
 
 __all__ = [
@@ -63,6 +76,7 @@ SEAL_LEN = 0xFFFFFFFF
 SEAL_CRC = crc32c(b"SOS-SEAL")
 SEAL_FRAME = FRAME.pack(SEAL_LEN, SEAL_CRC)
 MAX_FRAME = 64 << 20  # larger than any body the protocol allows
+MAX_APPEND_FRAME = DEFAULT_MAX_BODY  # no APPEND carries more data: a longer "torn" frame is damage
 INDEX_EVERY = 256 << 10  # sparse index: one (logical, file) offset pair per ~256 KiB
 READ_BLOCK = 1 << 20
 DEFAULT_VERIFY_TAIL = 64 << 20
@@ -111,6 +125,8 @@ def makedirs_durable(path: str) -> None:
     try:
         os.mkdir(path, 0o755)
     except FileExistsError:
+        if not os.path.isdir(path):  # a file (or a dangling link) where a directory belongs
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory", path) from None
         return
     fsync_dir(parent)
 
@@ -167,24 +183,191 @@ def decode_header(buf: bytes) -> tuple[str, int] | None:
         return None
 
 
-def _rest_is_whole(f, pos: int, size: int) -> bool:
-    """True if [pos, size) is one or more whole frames with good checksums (maybe a seal
-    last): what follows a bad frame decides between "torn tail" and "damaged middle"."""
-    if pos >= size:
-        return False
+def _pread(fd: int, n: int, pos: int) -> bytes:
+    out = []
+    while n > 0:
+        b = os.pread(fd, min(n, READ_BLOCK * 8), pos)
+        if not b:
+            break
+        out.append(b)
+        n -= len(b)
+        pos += len(b)
+    return b"".join(out)
+
+
+def _all_zero(fd: int, pos: int, size: int) -> bool:
+    """True if the file bytes [pos, size) are all zero (what a power loss can leave)."""
     while pos < size:
-        if size - pos < FRAME_HDR:
+        b = os.pread(fd, min(size - pos, READ_BLOCK), pos)
+        if not b:
+            return True
+        if b.count(0) != len(b):
             return False
-        f.seek(pos)
-        n, crc = FRAME.unpack(f.read(FRAME_HDR))
-        if n == SEAL_LEN:
-            return crc == SEAL_CRC and pos + FRAME_HDR == size
-        if n == 0 or n > MAX_FRAME or pos + FRAME_HDR + n > size:
-            return False
-        if crc32c(f.read(n)) != crc:
-            return False
-        pos += FRAME_HDR + n
+        pos += len(b)
     return True
+
+
+def _frame_ending_at(fd: int, target: int, lo: int) -> int | None:
+    """The start q > lo of a whole frame [q, target) whose checksum matches, nearest first.
+
+    A frame ``u32 n | u32 crc | data`` ends at *target* when ``n == target - q - 8``: for
+    the positions q whose ``target - 8 - q`` shares its top three bytes, that is one
+    3-byte pattern, so each 256 candidate positions cost one ``bytes.find``.
+
+    The answer may be a record nested inside a frame's data (journal records are framed
+    the same way), so it only says that *some* checksummed frame ends at *target*."""
+    q_lo = max(lo + 1, target - FRAME_HDR - MAX_FRAME)
+    q_hi = target - FRAME_HDR - 1  # n >= 1
+    top = target - FRAME_HDR  # n == top - q
+    while q_hi >= q_lo:
+        base = max(q_lo, q_hi - READ_BLOCK)
+        buf = os.pread(fd, q_hi + FRAME_HDR - base, base)  # headers of every q in [base, q_hi]
+        g_first, g_last = (top - q_hi) >> 8, (top - base) >> 8
+        for g in range(g_first, g_last + 1):  # nearest q first: n grows with g
+            a = max(base, top - (g << 8) - 255)
+            b = min(q_hi, top - (g << 8))
+            pat = g.to_bytes(3, "big")
+            hits = []
+            i = buf.find(pat, a - base, b - base + 3)
+            while i >= 0:
+                q = base + i
+                if buf[i + 3] == (top - q) & 0xFF:
+                    hits.append(q)
+                i = buf.find(pat, i + 1, b - base + 3)
+            for q in reversed(hits):
+                n = top - q
+                (crc,) = struct.unpack_from(">I", buf, q - base + 4)
+                if crc32c(_pread(fd, n, q + FRAME_HDR)) == crc:
+                    return q
+        q_hi = base - 1
+    return None
+
+
+def _whole_frame_at(fd: int, t: int, size: int) -> bool:
+    """True if a checksummed frame (or a seal) starts at file offset *t*, or t is the end."""
+    if t == size:
+        return True
+    hdr = os.pread(fd, FRAME_HDR, t)
+    if len(hdr) < FRAME_HDR:
+        return False
+    if hdr == SEAL_FRAME:
+        return True
+    n, crc = FRAME.unpack(hdr)
+    return 1 <= n <= MAX_FRAME and t + FRAME_HDR + n <= size and crc32c(_pread(fd, n, t + FRAME_HDR)) == crc
+
+
+def _length_confirmed(fd: int, pos: int, n: int, crc: int, size: int) -> int | None:
+    """The end t of the frame at *pos* if its data [pos+8, t) matches its stored checksum
+    although its stored length *n* says otherwise: the length field alone is damaged.
+
+    Candidate ends: every length that differs from *n* in one byte, and the end of the
+    file. The frame's own checksum decides (a false match has odds of 1 in 2^32)."""
+    cands = {size}
+    for k in range(4):
+        shift = 8 * k
+        for byte in range(256):
+            n2 = (n & ~(0xFF << shift)) | (byte << shift)
+            if 1 <= n2 <= MAX_FRAME:
+                cands.add(pos + FRAME_HDR + n2)
+    c = pos + FRAME_HDR
+    value = 0
+    for t in sorted(t for t in cands if pos + FRAME_HDR < t <= min(size, pos + FRAME_HDR + MAX_FRAME)):
+        while c < t:
+            b = os.pread(fd, min(t - c, READ_BLOCK * 4), c)
+            value = crc32c(b, value)
+            c += len(b)
+        if value == crc:
+            return t
+    return None
+
+
+def _examine(fd: int, pos: int, n: int | None, crc: int | None, size: int) -> tuple:
+    """What the bytes from *pos* (not a whole, checksummed frame) are. One of:
+
+    ("cut", reason)                      a torn tail: nothing acknowledged is in it
+    ("frame", end, reason)               one damaged frame [pos, end), its extent certain
+    ("rest", data_bytes, sealed, reason) damaged from pos to the end of the file, frame
+                                          structure unknown; data_bytes is an upper bound
+
+    Frame boundaries after a damaged header are never guessed by looking for frame-like
+    bytes further on: journal records inside the data are framed exactly like frames."""
+    if _all_zero(fd, pos, size):
+        return ("cut", "zero bytes (a power loss)")
+    if n is None:
+        return ("cut", "partial frame header")
+    t = _length_confirmed(fd, pos, n, crc, size)
+    if t is not None:
+        real = t - pos - FRAME_HDR
+        return ("frame", t, f"frame length field damaged: it says {n}, the frame's data and checksum say {real}")
+    plausible = 1 <= n <= MAX_FRAME
+    if plausible and pos + FRAME_HDR + n <= size and _whole_frame_at(fd, pos + FRAME_HDR + n, size):
+        return ("frame", pos + FRAME_HDR + n, "checksum mismatch")
+    sealed = size - pos >= 2 * FRAME_HDR and os.pread(fd, FRAME_HDR, size - FRAME_HDR) == SEAL_FRAME
+    whole_after = sealed or _frame_ending_at(fd, size, pos + FRAME_HDR) is not None
+    if plausible and pos + FRAME_HDR + n > size and not whole_after and n <= MAX_APPEND_FRAME:
+        return ("cut", "partial frame")
+    if plausible and pos + FRAME_HDR + n <= size:
+        why = "checksum mismatch, and no whole frame follows it"
+    elif n == SEAL_LEN:
+        why = "bad seal frame"
+    else:
+        why = f"bad frame length {n}"
+    if whole_after:
+        why += "; whole frames end the file"
+    data = size - pos - FRAME_HDR - (FRAME_HDR if sealed else 0)
+    return ("rest", max(0, data), sealed, why)
+
+
+def _scan(fd: int, obj: StoredObject, size: int, verify_from: int):
+    """Walk the frames of an object file; (obj, end, length, cut reason, [Damage]), or None
+    if a bad spot follows a frame whose checksum was not checked (before *verify_from*):
+    that frame's length may be the lie that led here, so start again checking every
+    checksum to find where the damage really starts."""
+    pos, logical, cut = obj.header_size, 0, ""
+    damage: list[Damage] = []
+    trusted = True  # pos is known to be a frame boundary (the frame before it was checksummed)
+    while pos < size:
+        hdr = os.pread(fd, FRAME_HDR, pos)
+        n = crc = None
+        if len(hdr) == FRAME_HDR:
+            n, crc = FRAME.unpack(hdr)
+            if n == SEAL_LEN and crc == SEAL_CRC:
+                obj.sealed, obj.seal_pos = True, pos
+                pos += FRAME_HDR
+                if pos < size:
+                    if _all_zero(fd, pos, size):
+                        cut = "zero bytes after the seal"
+                    else:  # never part of the object (a sealed object takes no appends): kept, reported
+                        damage.append(Damage(pos, size, logical, logical, "bytes after the seal"))
+                        pos = size
+                break
+            if 1 <= n <= MAX_FRAME and pos + FRAME_HDR + n <= size:
+                verified = pos + FRAME_HDR + n > verify_from
+                if not verified or crc32c(_pread(fd, n, pos + FRAME_HDR)) == crc:
+                    obj._note_frame(logical, pos)
+                    trusted = verified
+                    logical += n
+                    pos += FRAME_HDR + n
+                    continue
+        if not trusted and not _all_zero(fd, pos, size):
+            return None
+        verdict = _examine(fd, pos, n, crc, size)
+        if verdict[0] == "cut":
+            cut = verdict[1]
+            break
+        if verdict[0] == "frame":
+            _, end, reason = verdict
+            d = Damage(pos, end, logical, logical + end - pos - FRAME_HDR, reason)
+            damage.append(d)
+            logical, pos, trusted = d.end, end, True
+            continue
+        _, add, sealed, reason = verdict  # "rest": unknown structure up to the end
+        d = Damage(pos, size, logical, logical + add, reason, to_end=True)
+        damage.append(d)
+        logical, pos = d.end, size
+        if sealed:
+            obj.sealed, obj.seal_pos = True, size - FRAME_HDR
+    return obj, pos, logical, cut, damage
 
 
 @dataclass
@@ -197,6 +380,22 @@ class RepairNote:
     kept_bytes: int
     cut_bytes: int
     reason: str
+
+
+@dataclass
+class Damage:
+    """A stretch of an object file that start-up found damaged and kept.
+
+    File bytes [file_pos, file_end) hold the object's logical bytes [start, end). When
+    ``to_end`` is set the frame structure after file_pos is unknown: every byte from
+    ``start`` on is unreadable and ``end`` is an upper bound (the object's length)."""
+
+    file_pos: int
+    file_end: int
+    start: int
+    end: int
+    reason: str
+    to_end: bool = False
 
 
 class StoredObject:
@@ -225,6 +424,28 @@ class StoredObject:
         self._fd: int | None = None
         # synced (logical, file) pairs so a rollback can restore the lengths exactly
         self._sync_points: tuple[int, int] = (0, header_size)
+        self.damage: list[Damage] = []  # found at start-up, kept (see Storage._load_object)
+        self._damage_at: dict[int, Damage] | None = None  # file offset -> damage starting there
+
+    # -- damage ----------------------------------------------------------------------
+    def add_damage(self, d: "Damage") -> None:
+        self.damage.append(d)
+        if self._damage_at is None:
+            self._damage_at = {}
+        self._damage_at[d.file_pos] = d
+
+    def refuse_writes(self, what: str) -> None:
+        """StorageError(CORRUPT) if start-up found damage in this object: writing after
+        damaged bytes (or sealing them in) would bury what an operator has to look at."""
+        if self.damage:
+            d = self.damage[0]
+            raise StorageError(
+                ErrorCode.CORRUPT,
+                f"cannot {what} {self.namespace}/{self.name}: its stored data is damaged from byte {d.start}"
+                f" (file offset {d.file_pos} of {self.path}: {d.reason}); the server kept the bytes and refuses"
+                " appends and seals to it until an operator repairs or removes the file",
+                self.length,
+            )
 
     # -- file handle -----------------------------------------------------------------
     def _wfd(self) -> int:
@@ -342,11 +563,18 @@ class StoredObject:
         if offset >= end:
             return
         logical, pos = self._seek_point(offset)
+        damage = self._damage_at
         fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             buf = b""
             buf_pos = pos  # file offset of buf[0]
             while logical < end:
+                if damage is not None and pos in damage:
+                    d = damage[pos]
+                    if d.end > offset:
+                        raise self._corrupt(pos, f"damaged, found at start-up: {d.reason}")
+                    logical, pos = d.end, d.file_end  # entirely before the range: skip it
+                    continue
                 rel = pos - buf_pos
                 if rel + FRAME_HDR > len(buf):
                     buf = os.pread(fd, max(READ_BLOCK, FRAME_HDR), pos)
@@ -485,10 +713,29 @@ class Storage:
         self._lock_fd: int | None = None
 
     # -- process lock ----------------------------------------------------------------
-    def lock(self) -> None:
-        """Take DATA/LOCK exclusively; StorageError(BUSY) if another process holds it."""
-        makedirs_durable(self.root)
-        fd = os.open(os.path.join(self.root, "LOCK"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    def lock(self, *, create: bool = True) -> None:
+        """Take DATA/LOCK exclusively; StorageError(BUSY) if another process holds it.
+
+        With ``create=False`` the data directory must already be one (have ``ns/`` or
+        ``LOCK``): StorageError(NOT_FOUND) otherwise, and nothing is created. Any other
+        problem with the directory is StorageError(INTERNAL) saying what."""
+        try:
+            if not create:
+                if not os.path.isdir(self.root):
+                    what = "is not a directory" if os.path.exists(self.root) else "does not exist"
+                    raise StorageError(ErrorCode.NOT_FOUND, f"data directory {self.root} {what}")
+                if not any(os.path.exists(os.path.join(self.root, n)) for n in ("ns", "LOCK")):
+                    raise StorageError(
+                        ErrorCode.NOT_FOUND,
+                        f"{self.root} is not an sos-server data directory (no ns/ and no LOCK in it)",
+                    )
+            makedirs_durable(self.root)
+            fd = os.open(os.path.join(self.root, "LOCK"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise StorageError(
+                ErrorCode.INTERNAL, f"cannot use data directory {self.root}: {exc.strerror or exc}"
+                + (f" ({exc.filename})" if exc.filename and exc.filename != self.root else "")
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -538,11 +785,26 @@ class Storage:
     def load_namespace(self, namespace: str) -> Namespace:
         path = self.ns_path(namespace)
         ns = Namespace(namespace, path)
+        fence = os.path.join(path, "fence")
         try:
-            with open(os.path.join(path, "fence"), "rb") as f:
-                ns.fence = int(f.read().strip() or b"0")
+            with open(fence, "rb") as f:
+                text = f.read()
         except FileNotFoundError:
-            pass
+            text = b""
+        except OSError as exc:
+            raise StorageError(ErrorCode.INTERNAL, f"cannot read the fence file {fence}: {exc.strerror}") from None
+        if text.strip():
+            try:
+                ns.fence = int(text.strip().decode("ascii"))
+            except (UnicodeDecodeError, ValueError):
+                ns.fence = -1
+            if ns.fence < 0:
+                # guessing would let a fenced-off (stale) writer back in: refuse
+                raise StorageError(
+                    ErrorCode.INTERNAL,
+                    f"the fence file {fence} is damaged ({text[:40]!r} is not a decimal epoch): restore it"
+                    " or write the highest epoch any writer of the namespace used",
+                )
         objdir = ns.objects_dir
         if os.path.isdir(objdir):
             for h2 in sorted(os.listdir(objdir)):
@@ -561,68 +823,61 @@ class Storage:
         return ns
 
     def _load_object(self, namespace: str, path: str) -> StoredObject | None:
-        with open(path, "rb") as f:
-            head = f.read(8 + 2 + 1024 * 4 + 4)
+        """Scan an object file: rebuild its length and index, cut a torn tail, keep damage.
+
+        Only what a crash during an unacknowledged write can leave is cut: fewer than 8
+        bytes of a frame header, a frame the file ends inside of, or zero bytes (a power
+        loss). Anything else that is not a whole frame is damage to stored, possibly
+        acknowledged, bytes: it is kept and recorded (see :class:`Damage`)."""
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            head = os.pread(fd, 8 + 2 + 1024 * 4 + 4, 0)
             dec = decode_header(head)
             if dec is None:
                 log.error("ignoring %s: not an SOS object file (bad header)", path)
                 return None
             name, hsize = dec
-            obj = StoredObject(namespace, name, path, hsize)
-            size = os.fstat(f.fileno()).st_size
-            verify_from = max(hsize, size - self.verify_tail)
-            pos, logical, reason = hsize, 0, ""
-            while pos < size:
-                if size - pos < FRAME_HDR:
-                    reason = "partial frame header"
-                    break
-                f.seek(pos)
-                hdr = f.read(FRAME_HDR)
-                n, crc = FRAME.unpack(hdr)
-                if n == SEAL_LEN:
-                    if crc != SEAL_CRC:
-                        reason = "bad seal frame"
-                        break
-                    obj.sealed, obj.seal_pos = True, pos
-                    pos += FRAME_HDR
-                    if pos < size:
-                        reason = "bytes after the seal"
-                    break
-                if n == 0 or n > MAX_FRAME:
-                    reason = f"bad frame length {n}"
-                    break
-                if pos + FRAME_HDR + n > size:
-                    reason = "partial frame"
-                    break
-                if pos + FRAME_HDR + n > verify_from:
-                    if crc32c(f.read(n)) != crc:
-                        if not _rest_is_whole(f, pos + FRAME_HDR + n, size):
-                            reason = "checksum mismatch"
-                            break
-                        # whole, verified frames follow: damage inside stored data, not a
-                        # torn tail. Keep everything; READ of this frame answers CORRUPT.
-                        self.corruptions.append((namespace, name, pos))
-                        log.error(
-                            "stored frame fails its checksum (kept; reads of it answer CORRUPT): %s/%s at file offset %d (%s)",
-                            namespace, name, pos, path,
-                        )
-                obj._note_frame(logical, pos)
-                logical += n
-                pos += FRAME_HDR + n
+            size = os.fstat(fd).st_size
+            scan = _scan(fd, StoredObject(namespace, name, path, hsize), size, max(hsize, size - self.verify_tail))
+            if scan is None:
+                # something is wrong after frames that were only length-checked (before
+                # verify_tail): one of them may be where it starts. Check every checksum.
+                scan = _scan(fd, StoredObject(namespace, name, path, hsize), size, hsize)
+        finally:
+            os.close(fd)
+        obj, pos, logical, cut, damage = scan
+        for d in damage:
+            self._report_damage(obj, d)
         if pos < size:
             with open(path, "r+b") as f:
                 f.truncate(pos)
                 os.fsync(f.fileno())
-            note = RepairNote(namespace, name, path, pos, size - pos, reason or "trailing bytes")
+            note = RepairNote(namespace, name, path, pos, size - pos, cut)
             self.repairs.append(note)
             log.warning(
-                "torn tail cut back: %s/%s (%s) kept %d bytes, cut %d: %s",
+                "torn tail cut back (a crash during an unacknowledged write): %s/%s (%s) kept %d bytes, cut %d: %s",
                 namespace, name, path, pos, size - pos, note.reason,
             )
         obj.length = obj.synced_length = logical
         obj.file_size = obj.synced_size = pos
         obj._sync_points = (logical, pos)
         return obj
+
+    def _report_damage(self, obj: StoredObject, d: Damage) -> None:
+        if d.end > d.start or d.to_end:
+            obj.add_damage(d)
+        self.corruptions.append((obj.namespace, obj.name, d.file_pos))
+        if d.to_end:
+            what = f"object bytes from {d.start} on (length counted as {d.end}; frames after it unknown)"
+        elif d.end > d.start:
+            what = f"object bytes {d.start}..{d.end}"
+        else:
+            what = "no object bytes"
+        log.error(
+            "damaged object file kept, not cut (READ of the damaged bytes answers CORRUPT; APPEND and SEAL are"
+            " refused): %s/%s file offsets %d..%d, %s: %s (%s)",
+            obj.namespace, obj.name, d.file_pos, d.file_end, what, d.reason, obj.path,
+        )
 
     # -- keys ------------------------------------------------------------------------
     def keygen(self, namespace: str, role: str) -> str:

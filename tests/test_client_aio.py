@@ -174,3 +174,30 @@ def test_tls_both_clients(tls_server):
         Client(srv.address, key, "tls", timeout=60)
     with pytest.raises(ConnectionLost, match="TLS"):
         Client(srv.address, key, "tls", timeout=60, tls=ssl.create_default_context())
+
+
+def test_connection_closed_by_the_idle_timeout_is_reopened_transparently(sos_server_factory):
+    import time
+
+    srv = sos_server_factory(args=["--idle-timeout", "1"], start=False)
+    key = srv.keygen("idle", "append")
+    srv.start()
+
+    async def wait_for_idle_close(count: int) -> None:
+        deadline = time.monotonic() + 120
+        while srv.log_text().count("idle timeout, closing") < count:
+            assert time.monotonic() < deadline, "the server never closed the idle connection"
+            await trio.sleep(0.05)
+
+    async def main():
+        async with open_client(srv.address, key, "idle", timeout=60) as c:
+            assert await c.append("x", 0, b"a") == 1
+            await wait_for_idle_close(1)
+            assert await c.fence(5) == 5  # not retried blindly: the client must notice the close
+            assert await c.stat("x") == (1, False)
+            await wait_for_idle_close(2)
+            assert await c.append("x", 1, b"b", epoch=5) == 2
+            await wait_for_idle_close(3)
+            assert await c.read("x") == b"ab"
+
+    run(main)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 
@@ -279,3 +280,31 @@ def test_reconnect_and_lazy_reconnect(client, server):
     assert client.stat("rc") == (1, False)
     client._sock.close()  # the connection breaks under the client's feet
     assert client.stat("rc") == (1, False)  # reconnected and retried once
+
+
+def _wait_for_log(srv, text: str, count: int = 1) -> None:
+    deadline = time.monotonic() + 120
+    while srv.log_text().count(text) < count:
+        assert time.monotonic() < deadline, f"the server never logged {text!r} {count} times"
+        time.sleep(0.05)
+
+
+def test_connection_closed_by_the_idle_timeout_is_reopened_transparently(sos_server_factory):
+    """The server closes idle connections (--idle-timeout, 10 minutes by default); a
+    long-lived client notices before it sends and reconnects, even for FENCE (which is
+    never retried blindly)."""
+    srv = sos_server_factory(args=["--idle-timeout", "1"], start=False)
+    key = srv.keygen("idle", "append")
+    srv.start()
+    with Client(srv.address, key, "idle", timeout=60) as c:
+        assert c.append("x", 0, b"a") == 1
+        _wait_for_log(srv, "idle timeout, closing", 1)
+        assert c.fence(5) == 5  # first call on the closed connection: not retried, must not fail
+        assert c.stat("x") == (1, False)
+        _wait_for_log(srv, "idle timeout, closing", 2)
+        assert c.append("x", 1, b"b", epoch=5) == 2
+        _wait_for_log(srv, "idle timeout, closing", 3)
+        assert c.read("x") == b"ab"
+        assert [e.name for e in c.list("")] == ["x"]
+        assert c.ping(b"p") == b"p"
+    assert srv.log_text().count('"authenticated"') >= 4

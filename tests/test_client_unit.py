@@ -399,3 +399,42 @@ def test_bad_arguments_are_value_errors_before_anything_is_sent(fake):
     assert not [r for r in fake.requests if isinstance(r, ev.Append) and r.offset != 5]
     with pytest.raises(SOSError):
         Client(fake.address, KEY, "NS", timeout=60)
+
+
+def test_readable_now_sees_a_peer_close_even_above_fd_setsize():
+    """How a client notices that the server closed its idle connection (before sending on
+    it); poll, so a process with more than 1,024 descriptors is no exception."""
+    import os
+    import resource
+
+    from sos_client._common import readable_now
+
+    a, b = socket.socketpair()
+    high = None
+    try:
+        fds = [a.fileno()]
+        soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft > 2100:
+            free = next(fd for fd in range(1900, 2100) if not _fd_open(fd))
+            high = os.dup2(a.fileno(), free)
+            fds.append(high)
+        for fd in fds:
+            assert not readable_now(fd)
+        b.close()
+        for fd in fds:
+            assert readable_now(fd)
+    finally:
+        a.close()
+        b.close()
+        if high is not None:
+            os.close(high)
+
+
+def _fd_open(fd: int) -> bool:
+    import os
+
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False

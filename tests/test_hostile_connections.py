@@ -6,6 +6,8 @@
   completion, with generous timeouts, never by measured latency); afterwards the slow
   clients' requests complete too.
 - With ``--idle-timeout``, idle and trickling connections are closed by the server.
+- With ``--handshake-timeout``, connections that do not authenticate in time are closed,
+  so silent ones cannot fill ``--max-connections`` for good.
 """
 
 from __future__ import annotations
@@ -82,7 +84,9 @@ def many_fds():
 
 
 def test_a_thousand_concurrent_connections(many_fds, sos_server_factory):
-    srv = sos_server_factory(start=False)
+    # all 1,000 say HELLO before any says AUTH: on a loaded machine that may take longer
+    # than the default --handshake-timeout, which is not what this test is about
+    srv = sos_server_factory(args=["--handshake-timeout", "0"], start=False)
     key = srv.keygen(NS, "append")
     srv.start()
     socks: list[socket.socket] = []
@@ -240,3 +244,83 @@ def test_idle_and_trickling_connections_are_closed_by_the_idle_timeout(sos_serve
         assert c.stat("busy") == (50_000, False)
         with pytest.raises(SOSNotFound):  # the never-finished frame wrote nothing
             c.stat("trickle")
+
+
+class Pinger(threading.Thread):
+    """An unauthenticated connection that says HELLO, then PINGs every *delay* seconds."""
+
+    def __init__(self, srv, delay: float = 0.2) -> None:
+        super().__init__(daemon=True)
+        self.sock = _connect(srv)
+        self.conn = Connection(Role.CLIENT)
+        self.delay = delay
+        self.stop = threading.Event()
+        self.pongs = 0
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.sock.sendall(self.conn.send(ev.Hello(self.conn.next_request_id(), "pinger", 1, 1)))
+            assert isinstance(_recv_event(self.sock, self.conn), ev.HelloOk)
+            while not self.stop.is_set():
+                self.sock.sendall(self.conn.send(ev.Ping(self.conn.next_request_id(), b"")))
+                assert isinstance(_recv_event(self.sock, self.conn), ev.Pong)
+                self.pongs += 1
+                self.stop.wait(self.delay)
+        except BaseException as exc:  # noqa: BLE001 - inspected by the test
+            self.error = exc
+
+
+def _metric(srv, name: str) -> float:
+    with urllib.request.urlopen(f"http://{srv.metrics_address}/metrics", timeout=TIMEOUT) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    raise AssertionError(f"no metric {name}")
+
+
+def test_unauthenticated_connections_are_closed_by_the_handshake_timeout(sos_server_factory):
+    """Silent connections filled every slot (everyone else got BUSY, for good): now a
+    connection that has not authenticated --handshake-timeout after it was accepted is
+    closed, PINGs or not; authenticated clients keep working throughout."""
+    srv = sos_server_factory(args=["--handshake-timeout", "1", "--max-connections", "8"], start=False)
+    key = srv.keygen(NS, "append")
+    srv.start()
+    authed = Client(srv.address, key, NS, timeout=TIMEOUT)
+    silent: list[socket.socket] = []
+    pinger = None
+    try:
+        assert authed.append("kept", 0, b"before") == 6
+        pinger = Pinger(srv)  # slot 2
+        pinger.start()
+        silent = [_connect(srv) for _ in range(6)]  # slots 3..8: the server is full
+        half = silent[0]
+        half.sendall(b"SO\x01")  # and one that started a frame
+        for s in silent:
+            s.settimeout(TIMEOUT)
+            assert _closed_by_server(s)
+        pinger.join(TIMEOUT)
+        assert not pinger.is_alive(), "a PINGing unauthenticated connection was never closed"
+        assert isinstance(pinger.error, (EOFError, BrokenPipeError, ConnectionResetError)), pinger.error
+        # the authenticated connection was not touched
+        assert authed.append("kept", 6, b" after") == 12
+        assert authed.read("kept") == b"before after"
+        assert _metric(srv, "sos_handshake_timeouts_total") >= 7
+        # the slots are free again: a newcomer gets in (the server counts the closed ones
+        # down on its own time, so allow it a moment)
+        deadline = time.monotonic() + TIMEOUT
+        while True:
+            try:
+                with Client(srv.address, key, NS, timeout=TIMEOUT) as newcomer:
+                    assert newcomer.read("kept") == b"before after"
+                    break
+            except ConnectionError:  # BUSY while closed connections are still counted
+                assert time.monotonic() < deadline, "connection slots never came back"
+                time.sleep(0.1)
+    finally:
+        if pinger is not None:
+            pinger.stop.set()
+            pinger.sock.close()
+        for s in silent:
+            s.close()
+        authed.close()

@@ -14,6 +14,7 @@ mistake a bad frame in the middle of an object for a torn tail.
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
 import subprocess
@@ -147,3 +148,164 @@ def test_verify_and_restore_locate_the_damage_precisely(journal):
     target = journal["tmp"] / "restored"
     for i in range(BROKEN):
         assert (target / f"f{i}").read_bytes() == _payload(i), (i, rout)
+
+
+# -- start-up repair never cuts acknowledged bytes --------------------------------------
+#
+# Only what a crash during an unacknowledged write can leave is cut at start-up (a partial
+# frame header, a frame the file ends inside of, zero bytes). Damage is kept: the object
+# keeps its length, READs of the damaged bytes answer CORRUPT, APPEND and SEAL to it are
+# refused with CORRUPT saying why, STAT and LIST still work.
+
+FRAMES = [bytes([ord("a") + i]) * (1000 * (i + 1)) for i in range(5)]  # 1000 "a", 2000 "b", ...
+
+
+def _object_frames(path: str) -> list[tuple[int, int]]:
+    """(file offset, data length) of every frame of a server object file."""
+    from sos_server.storage import FRAME, FRAME_HDR, SEAL_LEN, decode_header
+
+    with open(path, "rb") as f:
+        data = f.read()
+    _name, pos = decode_header(data)
+    out = []
+    while pos + FRAME_HDR <= len(data):
+        n, _crc = FRAME.unpack_from(data, pos)
+        if n == SEAL_LEN:
+            break
+        out.append((pos, n))
+        pos += FRAME_HDR + n
+    return out
+
+
+def _object_path(srv, ns: str, name: str) -> str:
+    from sos_server.storage import object_file_name
+
+    h2, h = object_file_name(name)
+    return os.path.join(srv.data_dir, "ns", ns, "objects", h2, h)
+
+
+def _metric(srv, name: str) -> float:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{srv.metrics_address}/metrics", timeout=60) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    raise AssertionError(f"metric {name} not found")
+
+
+@pytest.fixture
+def five_frames(sos_server):
+    """An object "obj" of 5 acknowledged appends (one stored frame each), server stopped."""
+    key = sos_server.keygen(NS, "append")
+    with Client(sos_server.address, key, NS, timeout=TIMEOUT) as c:
+        n = 0
+        for chunk in FRAMES:
+            n = c.append("obj", n, chunk)
+    sos_server.stop()
+    path = _object_path(sos_server, NS, "obj")
+    frames = _object_frames(path)
+    assert [n for _, n in frames] == [len(x) for x in FRAMES]
+    return sos_server, key, path, frames
+
+
+def _flip(path: str, pos: int, mask: int = 0x5A) -> None:
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        b = f.read(1)
+        f.seek(pos)
+        f.write(bytes([b[0] ^ mask]))
+
+
+def _assert_damaged_and_refusing(c, name: str, length: int) -> None:
+    """STAT/LIST work with the full length; APPEND and SEAL answer CORRUPT saying why."""
+    assert c.stat(name) == (length, False)
+    assert [(e.name, e.length) for e in c.list("")] == [(name, length)]
+    with pytest.raises(Corrupt) as ei:
+        c.append(name, length, b"more")
+    assert "damaged" in str(ei.value) and "refuses appends" in str(ei.value)
+    with pytest.raises(Corrupt):
+        c.seal(name)
+    assert c.stat(name) == (length, False)  # nothing changed
+
+
+def test_flipped_frame_length_in_the_middle_loses_no_acknowledged_byte(five_frames):
+    srv, key, path, frames = five_frames
+    size = os.path.getsize(path)
+    pos3 = frames[2][0]
+    _flip(path, pos3 + 1)  # the 2nd byte of frame 3's length field: it now says ~5.9 MB
+    srv.start()
+    assert os.path.getsize(path) == size, "start-up cut bytes"
+    whole = b"".join(FRAMES)
+    lo, hi = 3000, 6000  # frame 3 holds logical bytes [3000, 6000)
+    with Client(srv.address, key, NS, timeout=TIMEOUT) as c:
+        assert c.read("obj", 0, lo) == whole[:lo]  # the frames before
+        assert c.read("obj", hi, 0) == whole[hi:]  # and after
+        for off, ln in [(lo, 1), (hi - 1, 1), (0, 0), (2000, 2000)]:
+            with pytest.raises(Corrupt) as ei:
+                c.read("obj", off, ln)
+            assert "obj" in str(ei.value) and str(pos3) in str(ei.value)
+        _assert_damaged_and_refusing(c, "obj", len(whole))
+    log = srv.log_text()
+    assert "torn tail cut back" not in log
+    damaged = [json.loads(ln) for ln in log.splitlines() if "damaged object file kept" in ln]
+    assert len(damaged) == 1 and damaged[0]["level"] == "error"
+    assert _metric(srv, "sos_damaged_ranges_total") == 1
+    assert _metric(srv, "sos_torn_tail_repairs_total") == 0
+
+
+def test_flipped_payload_byte_of_the_last_frame_is_kept_as_damage(five_frames):
+    """A complete last frame that fails its checksum may be acknowledged bytes gone bad:
+    kept, not taken for a torn write."""
+    srv, key, path, frames = five_frames
+    size = os.path.getsize(path)
+    _flip(path, size - 10)
+    srv.start()
+    assert os.path.getsize(path) == size, "start-up cut bytes"
+    whole = b"".join(FRAMES)
+    with Client(srv.address, key, NS, timeout=TIMEOUT) as c:
+        assert c.read("obj", 0, 10000) == whole[:10000]
+        with pytest.raises(Corrupt):
+            c.read("obj", 10000, 0)
+        with pytest.raises(Corrupt):
+            c.read("obj")
+        _assert_damaged_and_refusing(c, "obj", len(whole))
+    assert "torn tail cut back" not in srv.log_text()
+    assert _metric(srv, "sos_damaged_ranges_total") == 1
+
+
+def test_partial_last_frame_is_still_cut_back(five_frames):
+    """A frame the file ends inside of (a power loss during an unacknowledged append) is a
+    torn tail: cut, and appends continue at the cut."""
+    srv, key, path, frames = five_frames
+    pos5, n5 = frames[4]
+    with open(path, "r+b") as f:
+        f.truncate(pos5 + 8 + n5 // 2)
+    srv.start()
+    assert os.path.getsize(path) == pos5
+    assert "torn tail cut back" in srv.log_text() and "damaged object file kept" not in srv.log_text()
+    whole4 = b"".join(FRAMES[:4])
+    with Client(srv.address, key, NS, timeout=TIMEOUT) as c:
+        assert c.stat("obj") == (len(whole4), False)
+        assert c.read("obj") == whole4
+        assert c.append("obj", len(whole4), FRAMES[4]) == len(whole4) + len(FRAMES[4])
+        assert c.read("obj") == b"".join(FRAMES)
+    assert _metric(srv, "sos_torn_tail_repairs_total") == 1
+    assert _metric(srv, "sos_damaged_ranges_total") == 0
+
+
+def test_flipped_frame_length_in_a_journal_segment_fails_restore(journal):
+    """The journal view of the first case: restore must not take the segment for a write
+    in progress and exit 0 (it did when start-up cut the object at the damaged header)."""
+    srv = journal["srv"]
+    srv.stop()
+    path = _object_path(srv, NS, journal["seg"])
+    frames = _object_frames(path)
+    with open(path, "rb") as f:
+        data = f.read()
+    marker = data.find(_payload(BROKEN)[:40])
+    hit = [p for p, n in frames if p < marker < p + 8 + n]
+    assert len(hit) == 1 and hit[0] != frames[-1][0]
+    _flip(path, hit[0] + 1)
+    srv.start()
+    _check_damage_reported(journal, restart=True)

@@ -15,6 +15,7 @@ import urllib.request
 import pytest
 
 from conftest import RawClient
+from sos_server.storage import Storage
 from sos_wire import events as ev
 from sos_wire.auth import Key
 from sos_wire.crc import crc32c
@@ -392,3 +393,58 @@ def test_torn_tail_is_cut_back_at_restart(srv):
         assert c.stat("torn").length == 800
         assert c.read("torn") == b"A" * 500 + b"B" * 300
         assert c.append("torn", 800, b"C").length == 801  # appends continue at the cut
+
+
+def _sos_server(*args, timeout: float = 120):
+    return subprocess.run([sys.executable, "-m", "sos_server.cli", *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _one_line_error(r, status: int, *words: str) -> str:
+    """The command failed with *status* and said so in one ``sos-server:`` line."""
+    assert r.returncode == status, (r.returncode, r.stderr)
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("sos-server: ")]
+    assert len(lines) == 1, r.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
+    return lines[0]
+
+
+def test_gc_refuses_a_data_dir_that_is_a_file_missing_or_not_a_data_dir(tmp_path):
+    gc = ("gc", "--keep-generations", "1", "--min-age", "0s", "--data")
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a directory")
+    _one_line_error(_sos_server(*gc, a_file), 1, str(a_file), "not a directory")
+    missing = tmp_path / "mistyped"
+    _one_line_error(_sos_server(*gc, missing), 1, str(missing), "does not exist")
+    assert not missing.exists()  # not created
+    unrelated = tmp_path / "unrelated"
+    unrelated.mkdir()
+    _one_line_error(_sos_server(*gc, unrelated), 1, str(unrelated), "not an sos-server data directory")
+    assert list(unrelated.iterdir()) == []  # no LOCK left behind
+
+
+def test_serve_refuses_a_data_dir_that_is_a_file(tmp_path):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a directory")
+    _one_line_error(_sos_server("serve", "--data", a_file, "--listen", "127.0.0.1:0"), 1, str(a_file))
+
+
+def test_serve_refuses_a_damaged_fence_file_in_one_line(tmp_path):
+    data = tmp_path / "data"
+    Storage(str(data)).keygen("tenant", "append")
+    (data / "ns" / "tenant" / "fence").write_bytes(b"7\x00garbage")
+    r = _sos_server("serve", "--data", data, "--listen", "127.0.0.1:0")
+    _one_line_error(r, 1, str(data / "ns" / "tenant" / "fence"), "damaged")
+    r = _sos_server("gc", "--data", data, "--keep-generations", "1", "--min-age", "0s")
+    _one_line_error(r, 1, "fence")
+
+
+def test_serve_option_pairs_are_usage_errors(tmp_path):
+    r = _sos_server("serve", "--data", tmp_path, "--listen", "127.0.0.1:0", "--tls-cert", tmp_path / "c.pem")
+    _one_line_error(r, 2, "--tls-cert and --tls-key")
+    r = _sos_server("serve", "--data", tmp_path, "--listen", "127.0.0.1:0", "--keep-generations", "2")
+    _one_line_error(r, 2, "--keep-generations and --min-age")
+    r = _sos_server("serve", "--data", tmp_path, "--listen", "127.0.0.1:0", "--handshake-timeout", "soon")
+    assert r.returncode == 2 and "bad duration" in r.stderr

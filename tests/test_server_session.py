@@ -63,7 +63,8 @@ class Peer:
                 return True
 
 
-def run_session(tmp_path, body, *, idle_timeout=None, clock=None):
+def run_session(tmp_path, body, *, idle_timeout=None, clock=None, handshake_timeout=None,
+                pair=trio.testing.memory_stream_pair):
     storage = Storage(str(tmp_path))
     keys = {"append": storage.keygen(NS, "append"), "read": storage.keygen(NS, "read"),
             "other": storage.keygen("other", "append")}
@@ -72,8 +73,11 @@ def run_session(tmp_path, body, *, idle_timeout=None, clock=None):
     async def main():
         async with trio.open_nursery() as n:
             await n.start(engine.run)
-            client, server = trio.testing.memory_stream_pair()
-            n.start_soon(Session(engine, server, peer="mem", idle_timeout=idle_timeout).run)
+            client, server = pair()
+            deadline = trio.current_time() + handshake_timeout if handshake_timeout else float("inf")
+            n.start_soon(
+                Session(engine, server, peer="mem", idle_timeout=idle_timeout, handshake_deadline=deadline).run
+            )
             try:
                 await body(Peer(client), keys)
             finally:
@@ -271,3 +275,44 @@ def test_idle_connection_is_closed(tmp_path):
             assert await p.closed()
 
     run_session(tmp_path, body, idle_timeout=30, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_handshake_deadline_closes_unauthenticated_connections_pings_do_not_extend_it(tmp_path):
+    async def body(p, keys):
+        start = trio.current_time()
+        pongs = 0
+        with trio.fail_after(3600):  # mock clock: jumps ahead instantly
+            try:
+                while True:  # a PING a second: answered, but it does not buy time
+                    r = await p.call(ev.Ping(p.rid(), b""))
+                    assert isinstance(r, ev.Pong)
+                    pongs += 1
+                    await trio.sleep(1)
+            except (EOFError, trio.BrokenResourceError):  # closed by the server
+                pass
+        assert 5 <= pongs <= 11 and trio.current_time() - start < 60
+
+    run_session(tmp_path, body, handshake_timeout=10, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_handshake_deadline_closes_a_peer_that_never_reads(tmp_path):
+    """HELLOs whose replies are never read block the server's send: the deadline still
+    closes the connection."""
+    async def body(p, keys):
+        with trio.fail_after(3600):
+            await p.stream.send_all(p.conn.send(ev.Hello(p.rid(), "t", 1, 1)))
+            await trio.sleep(60)  # not reading: the server is stuck sending HELLO_OK
+            assert await p.closed()
+
+    run_session(tmp_path, body, handshake_timeout=10, clock=trio.testing.MockClock(autojump_threshold=0),
+                pair=trio.testing.lockstep_stream_pair)
+
+
+def test_authenticated_connection_outlives_the_handshake_deadline(tmp_path):
+    async def body(p, keys):
+        assert isinstance(await p.login(keys["append"]), ev.AuthOk)
+        await trio.sleep(3600)  # far past the handshake deadline, no idle timeout
+        r = await p.call(ev.Stat(p.rid(), "x"))
+        assert r.code is ErrorCode.NOT_FOUND
+
+    run_session(tmp_path, body, handshake_timeout=10, clock=trio.testing.MockClock(autojump_threshold=0))
