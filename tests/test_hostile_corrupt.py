@@ -309,3 +309,33 @@ def test_flipped_frame_length_in_a_journal_segment_fails_restore(journal):
     _flip(path, hit[0] + 1)
     srv.start()
     _check_damage_reported(journal, restart=True)
+
+
+def test_writer_stops_on_a_damaged_segment_instead_of_retrying_forever(sos_server, tmp_path):
+    """The server restarts with damage in the segment a running writer appends to: APPEND
+    answers CORRUPT from then on. That is fatal for the writer (a clear error at the next
+    barrier), not a transient failure retried until the barrier times out."""
+    key = sos_server.keygen(NS, "append")
+    writer = JournalWriter(lambda: Client(sos_server.address, key, NS, timeout=TIMEOUT), NS,
+                           str(tmp_path / "spool"), max_backoff=0.1)
+    tree = JournaledTree(str(tmp_path / "cache"), writer)
+    try:
+        for i in range(3):
+            tree.create(f"f{i}")
+            tree.write(f"f{i}", 0, _payload(i))
+            tree.sync()
+        with Client(sos_server.address, key, NS, timeout=TIMEOUT) as c:
+            seg = [e.name for e in c.list("gen/") if e.name.endswith(".seg")][-1]
+        sos_server.stop()
+        path = _object_path(sos_server, NS, seg)
+        _flip(path, _object_frames(path)[1][0] + 1)  # a frame length in the middle: damage
+        sos_server.start()
+        tree.create("after")
+        with pytest.raises(Exception) as ei:
+            tree.sync()
+        assert not isinstance(ei.value, TimeoutError), ei.value
+        err = ei.value if isinstance(ei.value, Corrupt) else ei.value.__cause__
+        assert isinstance(err, Corrupt) and "damaged" in str(err), repr(ei.value)
+    finally:
+        tree.close()
+        writer.close(timeout=5)

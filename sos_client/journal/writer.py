@@ -22,6 +22,7 @@ from typing import Callable, Iterable
 from . import layout
 from ._store import (
     TRANSIENT,
+    Corrupt,
     Fenced,
     OffsetMismatch,
     SealedError,
@@ -36,12 +37,14 @@ from .spool import Spool, SpoolSegment
 
 log = logging.getLogger("sos.journal.writer")
 
-_FATAL_CODES = {4, 5, 6, 7, 11, 12}  # auth, forbidden, bad name, sealed, fenced
+_FATAL_CODES = {4, 5, 6, 7, 11, 12, 17}  # auth, forbidden, bad name, sealed, fenced, corrupt
 
 
 def _is_fatal(exc: BaseException) -> bool:
-    if isinstance(exc, (Fenced, SealedError, JournalError)):
-        return True  # JournalError: the spool and the server disagree; retrying cannot help
+    if isinstance(exc, (Fenced, SealedError, Corrupt, JournalError)):
+        # JournalError: the spool and the server disagree; Corrupt: the server keeps a damaged
+        # segment and refuses to extend it until an operator repairs it. Retrying cannot help.
+        return True
     code = getattr(exc, "code", None)
     try:
         return int(code) in _FATAL_CODES
