@@ -311,14 +311,18 @@ def test_restore_by_time_and_by_batch(tmp_path):
     store = MemStore()
     w, t = make(tmp_path, store)
     t.mkdir("q")
+    t.mkdir("q/commits")
     t.create("q/offsets")
     for n in range(3):
         t.write("q/offsets", n, b"%d" % n)
+        t.create(f"q/commits/.{n}.tmp")
+        t.rename(f"q/commits/.{n}.tmp", f"q/commits/{n}", overwrite=False)  # batch n commits here
         t.marker("spark.batch", json.dumps({"checkpoint": "q", "query_id": "x", "batch_id": n}).encode())
     t.unlink("q/offsets")
     t.sync()
     s = restore(store.factory, "ns", str(tmp_path / "b1"), batch="q:1")
     assert (tmp_path / "b1" / "q" / "offsets").read_bytes() == b"01"
+    assert sorted(os.listdir(tmp_path / "b1" / "q" / "commits")) == ["0", "1"]
     assert s.stopped
     s = restore(store.factory, "ns", str(tmp_path / "b1b"), batch=("/q/", 1))
     assert (tmp_path / "b1b" / "q" / "offsets").read_bytes() == b"01"

@@ -181,14 +181,19 @@ def add_parsers(subparsers) -> None:
     p = subparsers.add_parser(
         "restore", help="rebuild a namespace's tree from the server into an empty directory",
         description="Restore NAMESPACE into the empty directory TARGET, to the latest state or to a "
-                    "point: --at ISO-TIME, --position N (after record N) or --batch QUERYDIR:N (after "
-                    "Spark batch N of the query checkpointed in QUERYDIR). Exit 3 on corrupt data.")
+                    "point: --at ISO-TIME, --position N (after record N) or --batch QUERYDIR:N (right "
+                    "after Spark committed batch N of the query checkpointed in QUERYDIR, i.e. right after "
+                    "the record that makes QUERYDIR/commits/N exist). Exit 3 on corrupt data.")
     p.add_argument("namespace")
     p.add_argument("target")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--at", metavar="ISO-TIME", type=_iso, help="state at this time (naive = UTC)")
     g.add_argument("--position", metavar="N", type=_nonneg_int, help="state right after record N")
-    g.add_argument("--batch", metavar="QUERYDIR:N", type=_batch, help="state right after Spark batch N")
+    g.add_argument("--batch", metavar="QUERYDIR:N", type=_batch,
+                   help="state right after Spark batch N committed; QUERYDIR is the checkpoint "
+                        "directory's path relative to the namespace root (e.g. 'checkpoint' for "
+                        "MOUNTPOINT/checkpoint; '.' for the root itself), as in the 'checkpoint' "
+                        "field of the spark.batch markers")
     p.add_argument("--force", action="store_true", help="replace the contents of a non-empty TARGET")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     _add_connection_options(p)

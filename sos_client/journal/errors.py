@@ -38,7 +38,7 @@ class TargetNotEmpty(JournalError, FileExistsError):
 
 
 class BatchNotFound(JournalError, LookupError):
-    """No MARKER record for the requested checkpoint dir and batch id."""
+    """The journal never makes ``QUERYDIR/commits/N`` exist (batch N of that checkpoint)."""
 
 
 class PositionUnavailable(JournalError, LookupError):

@@ -7,8 +7,10 @@ and replays it in order up to the requested point:
 - default: everything (newest complete generation, to its end);
 - ``position=N``: the tree right after record N;
 - ``at=TIME``: the tree after every record stamped at or before TIME;
-- ``batch=(QUERYDIR, N)``: the tree right after the MARKER ``spark.batch`` whose JSON payload
-  has ``checkpoint == QUERYDIR`` and ``batch_id == N`` (the last such marker).
+- ``batch=(QUERYDIR, N)``: the tree right after Spark committed batch N of the query whose
+  checkpoint directory is QUERYDIR (its path relative to the namespace root, as in the
+  ``checkpoint`` field of a ``spark.batch`` marker; "" is the root itself): right after the
+  last journal record that makes ``QUERYDIR/commits/N`` exist, see :func:`find_batch`.
 
 A corrupt record stops the restore before it (JournalCorrupt names segment and offset).
 """
@@ -34,11 +36,12 @@ from .errors import (
     PositionUnavailable,
     TargetNotEmpty,
 )
-from .records import HEADER_SIZE, Marker, Record, RecordDecoder, SnapshotEnd, peek_header
+from .records import (HEADER_SIZE, Create, Delete, Marker, Record, RecordDecoder, Rename, SnapshotEnd, Truncate,
+                      Write, peek_header, validate_path)
 from .replay import replay
 
-__all__ = ["restore", "rebuild_cache", "Summary", "parse_time", "parse_batch", "segment_records",
-           "generation_records", "list_generations", "BATCH_LABEL"]
+__all__ = ["restore", "rebuild_cache", "Summary", "parse_time", "parse_batch", "find_batch", "commit_path",
+           "segment_records", "generation_records", "list_generations", "BATCH_LABEL"]
 
 BATCH_LABEL = "spark.batch"
 
@@ -93,21 +96,33 @@ def parse_time(at) -> int | None:
 def _norm_dir(p: str) -> str:
     p = p.strip().strip("/")
     while p.startswith("./"):
-        p = p[2:]
-    return p
+        p = p[2:].lstrip("/")
+    return "" if p == "." else p
 
 
 def parse_batch(batch) -> tuple[str, int]:
+    """(querydir, N) from ``"QUERYDIR:N"`` or a tuple. QUERYDIR is the checkpoint directory's
+    path relative to the namespace root ("" or "." for the root); N >= 0."""
     if isinstance(batch, tuple):
         q, n = batch
-        return _norm_dir(q), int(n)
-    if isinstance(batch, str) and ":" in batch:
+    elif isinstance(batch, str) and ":" in batch:
         q, _, n = batch.rpartition(":")
+    else:
+        raise ValueError(f"bad batch {batch!r}: expected QUERYDIR:N")
+    try:
+        n = int(n)
+    except (TypeError, ValueError):
+        raise ValueError(f"bad batch {batch!r}: expected QUERYDIR:N with N a batch id >= 0") from None
+    if n < 0:
+        raise ValueError(f"bad batch {batch!r}: batch ids are >= 0")
+    q = _norm_dir(str(q))
+    if q:
         try:
-            return _norm_dir(q), int(n)
+            validate_path(q)
         except ValueError:
-            pass
-    raise ValueError(f"bad batch {batch!r}: expected QUERYDIR:N")
+            raise ValueError(f"bad batch {batch!r}: QUERYDIR must be a path relative to the namespace "
+                             f"root without empty, '.' or '..' parts") from None
+    return q, n
 
 
 def list_generations(client) -> dict[int, layout.GenerationInfo]:
@@ -363,23 +378,154 @@ def choose_generation(client, gens, *, position=None, at_ns=None) -> layout.Gene
                               f"(generation {cands[-1].generation} starts after record {cands[-1].first_seq - 1})")
 
 
-def find_batch(client, gens, querydir: str, batch_id: int, *, on_bytes=None) -> int:
-    """Sequence number of the last ``spark.batch`` MARKER for (querydir, batch_id)."""
-    for g in _complete(gens):
-        found = None
-        for rec in generation_records(client, g, on_bytes=on_bytes):
-            op = rec.op
-            if type(op) is Marker and op.label == BATCH_LABEL:
+def commit_path(querydir: str, batch_id: int) -> str:
+    """``QUERYDIR/commits/N``: the file whose appearance commits batch N (Spark's commit log)."""
+    return f"{querydir}/commits/{batch_id}" if querydir else f"commits/{batch_id}"
+
+
+def _commit_of(path: str):
+    """(querydir, batch id) if ``path`` is a Spark commit-log file ``[Q/]commits/N``, else None."""
+    parent, _, name = path.rpartition("/")
+    if not name.isdigit() or not name.isascii():
+        return None
+    if parent == "commits":
+        return "", int(name)
+    if parent.endswith("/commits"):
+        return parent[:-len("/commits")], int(name)
+    return None
+
+
+@dataclass
+class _CommitScan:
+    """What one generation says about ``P = Q/commits/N`` (and its checksum ``Q/commits/.N.crc``).
+
+    Only journal records count (a snapshot re-creates the tree, it does not commit anything).
+    ``start``: the last record that makes P exist (RENAME onto P, or CREATE of P); ``stop``:
+    that record or the last later record that completes the same file (WRITE/TRUNCATE of P;
+    RENAME onto, CREATE, WRITE or TRUNCATE of its ``.crc``), before anything replaces or
+    removes P; ``open``: that incarnation of P is still there at the generation's end.
+    ``head_ext``/``head_closed``: completing records before the first record that makes,
+    replaces or removes P (they continue an incarnation from the previous generation).
+    """
+
+    start: int | None = None
+    stop: int | None = None
+    open: bool = False
+    head_ext: int | None = None
+    head_closed: bool = False
+    in_snapshot: bool = False  # P exists in this generation's snapshot
+
+
+def _scan_generation(records, path: str, crc: str, seen: dict) -> _CommitScan:
+    r = _CommitScan()
+    in_snap = True
+    for rec in records:
+        op = rec.op
+        t = type(op)
+        if in_snap:
+            if t is SnapshotEnd:
+                in_snap = False
+            elif t is Create:
+                if op.path == path:
+                    r.in_snapshot = True
+                c = _commit_of(op.path)
+                if c is not None:
+                    seen.setdefault(c[0], set()).add(c[1])
+            continue
+        if t is Marker:
+            if op.label == BATCH_LABEL:
                 try:
                     info = json.loads(op.payload)
-                    if (_norm_dir(str(info.get("checkpoint", ""))) == querydir
-                            and int(info.get("batch_id")) == batch_id):
-                        found = rec.seq
-                except (ValueError, TypeError, AttributeError):
-                    continue
-        if found is not None:
-            return found
-    raise BatchNotFound(f"no {BATCH_LABEL} marker for checkpoint {querydir!r} batch {batch_id}")
+                    seen.setdefault(_norm_dir(str(info["checkpoint"])), set()).add(int(info["batch_id"]))
+                except (ValueError, TypeError, KeyError, AttributeError):
+                    pass
+            continue
+        if t is Rename:
+            made = op.dst
+        elif t is Create:
+            made = op.path
+        else:
+            made = None
+        if made is not None:
+            c = _commit_of(made)
+            if c is not None:
+                seen.setdefault(c[0], set()).add(c[1])
+        if made == path:
+            r.start = r.stop = rec.seq
+            r.open = True
+            r.head_closed = True
+        elif ((t is Rename and (op.src == path or path.startswith(op.src + "/")
+                                or path.startswith(op.dst + "/")))
+              or (t is Delete and op.path == path)):
+            r.open = False  # P moved away, replaced by a directory rename, or deleted
+            r.head_closed = True
+        elif ((t is Write or t is Truncate) and (op.path == path or op.path == crc)) or (
+                (t is Create and op.path == crc) or (t is Rename and op.dst == crc)):
+            if r.open:
+                r.stop = rec.seq
+            elif not r.head_closed:
+                r.head_ext = rec.seq
+    return r
+
+
+def _ranges(ids) -> str:
+    ids = sorted(ids)
+    out, i = [], 0
+    while i < len(ids):
+        j = i
+        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+            j += 1
+        out.append(str(ids[i]) if i == j else f"{ids[i]}..{ids[j]}")
+        i = j + 1
+    return ", ".join(out)
+
+
+def find_batch(client, gens, querydir: str, batch_id: int, *, on_bytes=None, notes=None) -> int:
+    """The position right after batch ``batch_id`` of the checkpoint ``querydir`` committed.
+
+    That is the sequence number of the last journal record that makes
+    ``querydir/commits/batch_id`` exist (Spark's commit log renames a temp file onto it; a
+    direct CREATE counts too), moved past the records that complete that same file (its
+    WRITEs if it was written in place; the RENAME of its ``.N.crc`` checksum file). The
+    last such commit wins. ``spark.batch`` markers play no part in the position: they are
+    written after the commit, asynchronously, possibly after later batches committed.
+    Raises BatchNotFound (naming the checkpoints and batches the journal does hold) or
+    PositionUnavailable (the batch committed before the oldest generation kept).
+    """
+    path = commit_path(querydir, batch_id)
+    crc = path.rpartition("/")[0] + f"/.{batch_id}.crc"
+    seen: dict = {}
+    newer: list[_CommitScan] = []  # newest first
+    cands = _complete(gens)
+    for g in cands:
+        r = _scan_generation(generation_records(client, g, on_bytes=on_bytes), path, crc, seen)
+        if r.start is not None:
+            stop = r.stop
+            if r.open:  # the file may be completed in the next generation(s)
+                for nr in reversed(newer):
+                    if nr.head_ext is not None:
+                        stop = nr.head_ext
+                    if nr.head_closed:
+                        break
+            if notes is not None:
+                notes.append(f"batch {batch_id} of checkpoint {querydir or '.'!r}: {path} appears at record "
+                             f"{r.start}" + (f", complete at record {stop}" if stop != r.start else "")
+                             + f"; restored to position {stop}")
+            return stop
+        newer.append(r)
+    if any(r.in_snapshot for r in newer):
+        oldest = cands[-1]
+        raise PositionUnavailable(
+            f"batch {batch_id} of checkpoint {querydir or '.'!r} committed before the oldest generation the "
+            f"server keeps (generation {oldest.generation} starts after record {oldest.first_seq - 1} and "
+            f"already holds {path}): the state right after that batch is gone")
+    if querydir in seen:
+        raise BatchNotFound(f"checkpoint {querydir or '.'!r} has no {path} in the journal the server keeps "
+                            f"(its batches: {_ranges(seen[querydir])})")
+    known = ", ".join(repr(q or ".") for q in sorted(seen)) or "none"
+    raise BatchNotFound(f"no checkpoint {querydir or '.'!r} in this namespace's journal: no {path} "
+                        f"(checkpoints found: {known}; QUERYDIR is the checkpoint's path relative to "
+                        f"the namespace root)")
 
 
 def _prepare_target(target: str, force: bool) -> None:
@@ -443,8 +589,8 @@ def restore(client_factory, namespace: str, target: str, *, at=None, position: i
                 progress(d, total[0])
 
         if bq is not None:
-            total[0] = sum(g.total_bytes for g in _complete(gens)[:1])
-            position = find_batch(client, gens, bq[0], bq[1], on_bytes=on_bytes)
+            total[0] = sum(g.total_bytes for g in _complete(gens))  # at most: the scan may stop sooner
+            position = find_batch(client, gens, bq[0], bq[1], on_bytes=on_bytes, notes=summary.notes)
             done[0] = 0
         gen = choose_generation(client, gens, position=position, at_ns=at_ns)
         if gen is None:

@@ -1,0 +1,235 @@
+"""Where a point-in-time restore stops, over the in-memory store (no server).
+
+- ``batch=(Q, N)`` stops right after the record that makes ``Q/commits/N`` exist (Spark's
+  commit), whatever the ``spark.batch`` markers say or when they landed: a listener writes
+  them asynchronously, possibly after batch N+1 already committed.
+- A batch that never committed, or committed before the oldest generation kept, fails
+  with a typed error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from sos_client.journal import (
+    BatchNotFound,
+    JournaledTree,
+    JournalWriter,
+    PositionUnavailable,
+    restore,
+)
+from sos_client.journal import layout
+from sos_client.journal.memstore import MemStore
+from sos_client.journal.restore import parse_batch
+from sos_client.journal.testing import tree_state
+
+
+def open_tree(tmp_path, store, name="w"):
+    w = JournalWriter(store.factory, "ns", str(tmp_path / f"spool-{name}"), generation_bytes=1 << 40)
+    return JournaledTree(str(tmp_path / f"cache-{name}"), w)
+
+
+def rotate(t):
+    """Start a new generation now (what the tree does on its own after generation_bytes)."""
+    with t._lock:
+        t.writer.rotate(t._snapshot_ops())
+
+
+def atomic_write(t, path, data, *, crc=False):
+    """Spark's CheckpointFileManager.createAtomic: temp file, then rename onto ``path``
+    (with Hadoop's checksum file system also a temp .crc renamed onto ``.N.crc`` after)."""
+    d, _, name = path.rpartition("/")
+    tmp = f"{d}/.{name}.1b2c.tmp"
+    t.create(tmp)
+    t.write(tmp, 0, data)
+    if crc:
+        t.create(f"{d}/..{name}.1b2c.tmp.crc")
+        t.write(f"{d}/..{name}.1b2c.tmp.crc", 0, b"crc:" + data)
+    t.rename(tmp, path, overwrite=False)
+    if crc:
+        t.rename(f"{d}/..{name}.1b2c.tmp.crc", f"{d}/.{name}.crc", overwrite=False)
+
+
+def marker(t, n, q="q"):
+    return t.marker("spark.batch", json.dumps({"checkpoint": q, "query_id": "x", "batch_id": n}).encode())
+
+
+def batch(t, n, *, crc=False, q="q"):
+    """One micro-batch: offsets/N, state, then the commit commits/N."""
+    atomic_write(t, f"{q}/offsets/{n}", b"offsets %d" % n, crc=crc)
+    atomic_write(t, f"{q}/state/{n}.delta", b"state %d" % n, crc=crc)
+    atomic_write(t, f"{q}/commits/{n}", b"v1\n{}%d" % n, crc=crc)
+
+
+def setup_query(t, q="q"):
+    parts = q.split("/")
+    for i in range(1, len(parts)):
+        t.mkdir("/".join(parts[:i]))
+    for d in (q, f"{q}/offsets", f"{q}/state", f"{q}/commits"):
+        t.mkdir(d)
+
+
+def visible(root, sub):
+    p = os.path.join(root, "q", sub)
+    return sorted(n for n in os.listdir(p) if not n.startswith("."))
+
+
+@pytest.mark.parametrize("crc", [False, True])
+def test_batch_stops_at_the_commit_not_at_a_late_marker(tmp_path, crc):
+    """commits/2 is renamed in BEFORE the marker of batch 1 lands: batch 1 must not bring it."""
+    store = MemStore()
+    t = open_tree(tmp_path, store)
+    setup_query(t)
+    batch(t, 0, crc=crc)
+    marker(t, 0)
+    batch(t, 1, crc=crc)
+    batch(t, 2, crc=crc)  # the listener is slow: batch 2 commits first
+    marker(t, 1)
+    marker(t, 2)
+    t.close()
+    out = tmp_path / "b1"
+    s = restore(store.factory, "ns", str(out), batch="q:1")
+    assert visible(out, "commits") == ["0", "1"]
+    assert visible(out, "offsets") == ["0", "1"]  # batch 2's offsets came after commits/1
+    assert (out / "q" / "commits" / "1").read_bytes() == b"v1\n{}1"
+    assert s.stopped
+    if crc:  # the checksum of commits/1 is renamed right after it: part of the commit
+        assert (out / "q" / "commits" / ".1.crc").read_bytes() == b"crc:v1\n{}1"
+        assert not (out / "q" / "commits" / ".2.crc").exists()
+    assert any("q/commits/1 appears at record" in n for n in s.notes)
+    out2 = tmp_path / "b2"
+    restore(store.factory, "ns", str(out2), batch=("q", 2))
+    assert visible(out2, "commits") == ["0", "1", "2"]
+    assert tree_state(str(out2)) == tree_state(t.local_path(""))  # batch 2 is the end (markers aside)
+
+
+def test_batch_in_the_normal_order_and_without_any_marker(tmp_path):
+    store = MemStore()
+    t = open_tree(tmp_path, store)
+    setup_query(t)
+    for n in range(3):
+        batch(t, n)
+        marker(t, n)
+    t.close()
+    for n in range(3):
+        out = tmp_path / f"b{n}"
+        restore(store.factory, "ns", str(out), batch=f"q:{n}")
+        assert visible(out, "commits") == [str(i) for i in range(n + 1)]
+        assert visible(out, "offsets") == [str(i) for i in range(n + 1)]
+    # markers only name things: a journal without them restores to the same points
+    store2 = MemStore()
+    t2 = open_tree(tmp_path, store2, "nomarkers")
+    setup_query(t2)
+    for n in range(3):
+        batch(t2, n)
+    t2.close()
+    restore(store2.factory, "ns", str(tmp_path / "nm1"), batch="q:1")
+    assert tree_state(str(tmp_path / "nm1")) == tree_state(str(tmp_path / "b1"))
+
+
+def test_batch_written_in_place_includes_the_writes_that_complete_it(tmp_path):
+    """A direct write of commits/N (CREATE, then WRITEs, other records in between)."""
+    store = MemStore()
+    t = open_tree(tmp_path, store)
+    setup_query(t)
+    t.create("q/commits/0")
+    marker(t, 0)  # a listener that saw the file exist already
+    t.write("q/commits/0", 0, b"v1\n")
+    t.create("q/other")  # another thread's record in between
+    t.write("q/commits/0", 3, b"{}")
+    t.write("q/other", 0, b"late")
+    atomic_write(t, "q/offsets/1", b"offsets 1")
+    t.close()
+    out = tmp_path / "b0"
+    restore(store.factory, "ns", str(out), batch="q:0")
+    assert (out / "q" / "commits" / "0").read_bytes() == b"v1\n{}"
+    assert (out / "q" / "other").read_bytes() == b""  # stopped right after the last write of commits/0
+    assert visible(out, "offsets") == []
+
+
+def test_batch_completed_in_the_next_generation(tmp_path):
+    """A new generation starts between the rename of commits/0 and that of its .crc."""
+    store = MemStore()
+    t = open_tree(tmp_path, store)
+    setup_query(t)
+    atomic_write(t, "q/offsets/0", b"o0")
+    t.create("q/commits/.0.tmp")
+    t.write("q/commits/.0.tmp", 0, b"c0")
+    t.create("q/commits/..0.tmp.crc")
+    t.rename("q/commits/.0.tmp", "q/commits/0", overwrite=False)
+    rotate(t)
+    t.rename("q/commits/..0.tmp.crc", "q/commits/.0.crc", overwrite=False)
+    atomic_write(t, "q/offsets/1", b"o1")
+    t.close()
+    out = tmp_path / "b0"
+    restore(store.factory, "ns", str(out), batch="q:0")
+    assert (out / "q" / "commits" / ".0.crc").exists()
+    assert visible(out, "offsets") == ["0"]
+
+
+def test_the_last_commit_of_a_batch_wins_and_a_checkpoint_at_the_root(tmp_path):
+    store = MemStore()
+    t = open_tree(tmp_path, store)
+    for d in ("offsets", "commits"):
+        t.mkdir(d)
+    atomic_write(t, "commits/0", b"first")
+    t.create("after-first")
+    t.unlink("commits/0")  # the query was reset and ran batch 0 again
+    atomic_write(t, "commits/0", b"second")
+    t.create("after-second")
+    t.close()
+    for q in ("", ".", "/"):
+        out = tmp_path / f"r{len(os.listdir(tmp_path))}"
+        restore(store.factory, "ns", str(out), batch=(q, 0))
+        assert (out / "commits" / "0").read_bytes() == b"second"
+        assert (out / "after-first").exists() and not (out / "after-second").exists()
+
+
+def test_batch_not_found_names_what_the_journal_holds(tmp_path):
+    store = MemStore()
+    t = open_tree(tmp_path, store)
+    setup_query(t)
+    setup_query(t, "other/chk")
+    for n in range(3):
+        batch(t, n)
+    batch(t, 0, q="other/chk")
+    t.create("q/commits/.7.crc")  # not the commit file of batch 7
+    t.close()
+    with pytest.raises(BatchNotFound, match=r"checkpoint 'q' has no q/commits/7 .*its batches: 0\.\.2"):
+        restore(store.factory, "ns", str(tmp_path / "x"), batch="q:7")
+    with pytest.raises(BatchNotFound, match=r"no checkpoint 'mnt/q'.*checkpoints found: 'other/chk', 'q'"):
+        restore(store.factory, "ns", str(tmp_path / "x"), batch="/mnt/q:1")
+
+
+def test_batch_committed_before_the_oldest_generation_kept(tmp_path):
+    store = MemStore()
+    t = open_tree(tmp_path, store)
+    setup_query(t)
+    batch(t, 0)
+    rotate(t)
+    batch(t, 1)
+    t.close()
+    restore(store.factory, "ns", str(tmp_path / "ok"), batch="q:0")  # generation 1 is still there
+    for name in [n for n in store.objects if n.startswith(layout.gen_prefix(1))]:
+        del store.objects[name]  # retention
+    with pytest.raises(PositionUnavailable, match="batch 0 of checkpoint 'q' committed before the oldest generation"):
+        restore(store.factory, "ns", str(tmp_path / "gone"), batch="q:0")
+    restore(store.factory, "ns", str(tmp_path / "b1"), batch="q:1")
+    assert visible(tmp_path / "b1", "commits") == ["0", "1"]
+
+
+@pytest.mark.parametrize("text", ["q", "q:x", "q:-1", "a/../q:1", "a//q:1"])
+def test_bad_batch_arguments(text):
+    with pytest.raises(ValueError):
+        parse_batch(text)
+
+
+def test_parse_batch_normalises_querydir():
+    assert parse_batch("q:3") == ("q", 3)
+    assert parse_batch("/a/b/:07") == ("a/b", 7)
+    assert parse_batch("./a:1") == ("a", 1)
+    assert parse_batch("host:1/chk:2") == ("host:1/chk", 2)
+    assert parse_batch(":0") == ("", 0)
