@@ -3,8 +3,10 @@
 - ``batch=(Q, N)`` stops right after the record that makes ``Q/commits/N`` exist (Spark's
   commit), whatever the ``spark.batch`` markers say or when they landed: a listener writes
   them asynchronously, possibly after batch N+1 already committed.
-- A batch that never committed, or committed before the oldest generation kept, fails
-  with a typed error.
+- Points the journal does not hold fail with a typed error and leave the target alone:
+  no journal at all, a position past the last record, a time before the first record or
+  before the oldest generation kept, a batch that never committed or committed before the
+  oldest generation kept.
 """
 
 from __future__ import annotations
@@ -17,13 +19,15 @@ import pytest
 from sos_client.journal import (
     BatchNotFound,
     JournaledTree,
+    JournalNotFound,
     JournalWriter,
     PositionUnavailable,
     restore,
 )
 from sos_client.journal import layout
 from sos_client.journal.memstore import MemStore
-from sos_client.journal.restore import parse_batch
+from sos_client.journal.records import RecordDecoder, SnapshotEnd, encode
+from sos_client.journal.restore import format_time, parse_batch, parse_time, rebuild_cache
 from sos_client.journal.testing import tree_state
 
 
@@ -202,6 +206,7 @@ def test_batch_not_found_names_what_the_journal_holds(tmp_path):
         restore(store.factory, "ns", str(tmp_path / "x"), batch="q:7")
     with pytest.raises(BatchNotFound, match=r"no checkpoint 'mnt/q'.*checkpoints found: 'other/chk', 'q'"):
         restore(store.factory, "ns", str(tmp_path / "x"), batch="/mnt/q:1")
+    assert not (tmp_path / "x").exists()  # nothing written, not even the target
 
 
 def test_batch_committed_before_the_oldest_generation_kept(tmp_path):
@@ -217,6 +222,7 @@ def test_batch_committed_before_the_oldest_generation_kept(tmp_path):
         del store.objects[name]  # retention
     with pytest.raises(PositionUnavailable, match="batch 0 of checkpoint 'q' committed before the oldest generation"):
         restore(store.factory, "ns", str(tmp_path / "gone"), batch="q:0")
+    assert not (tmp_path / "gone").exists()
     restore(store.factory, "ns", str(tmp_path / "b1"), batch="q:1")
     assert visible(tmp_path / "b1", "commits") == ["0", "1"]
 
@@ -233,3 +239,89 @@ def test_parse_batch_normalises_querydir():
     assert parse_batch("./a:1") == ("a", 1)
     assert parse_batch("host:1/chk:2") == ("host:1/chk", 2)
     assert parse_batch(":0") == ("", 0)
+
+
+# ---------------------------------------------------------------- nothing to restore
+def test_a_namespace_without_journal_is_an_error_and_touches_nothing(tmp_path):
+    store = MemStore()
+    target = tmp_path / "target"
+    with pytest.raises(JournalNotFound, match="namespace 'ns' has no journal"):
+        restore(store.factory, "ns", str(target))
+    assert not target.exists()
+    target.mkdir()
+    (target / "keep").write_text("precious")
+    with pytest.raises(JournalNotFound):
+        restore(store.factory, "ns", str(target), force=True)  # --force does not wipe it for nothing
+    assert (target / "keep").read_text() == "precious"
+    # a generation whose snapshot never finished (no ready object) is nothing to restore either
+    c = store.client()
+    c.append(layout.segment_name(1, 1, 1), 0, encode(SnapshotEnd(1), 1, 1))
+    with pytest.raises(JournalNotFound, match="no complete generation"):
+        restore(store.factory, "ns", str(tmp_path / "t2"))
+    # the cache rebuild of a writer is fine with it: an empty tree
+    assert rebuild_cache(store.factory, "ns", str(target)) == 0
+    assert os.listdir(target) == []
+
+
+def test_position_past_the_end_fails_and_leaves_nothing(tmp_path):
+    store = MemStore()
+    t = open_tree(tmp_path, store)
+    t.create("a")
+    t.create("b")
+    last = t.writer.last_seq
+    t.close()
+    s = restore(store.factory, "ns", str(tmp_path / "end"), position=last)
+    assert s.last_seq == last and sorted(os.listdir(tmp_path / "end")) == ["a", "b"]
+    with pytest.raises(PositionUnavailable, match=f"position {last + 1} is past the end of the journal: "
+                                                  f"the last record is {last}"):
+        restore(store.factory, "ns", str(tmp_path / "past"), position=last + 1)
+    assert not (tmp_path / "past").exists()
+    (tmp_path / "forced").mkdir()
+    (tmp_path / "forced" / "old").write_text("x")
+    with pytest.raises(PositionUnavailable):
+        restore(store.factory, "ns", str(tmp_path / "forced"), position=last + 100, force=True)
+    assert os.listdir(tmp_path / "forced") == []
+
+
+def _records(store):
+    out = []
+    for name in sorted(n for n in store.objects if layout.parse_segment_name(n)):
+        d = RecordDecoder(name)
+        d.feed(bytes(store.objects[name]))
+        out.extend(d)
+    return out
+
+
+def test_time_before_the_first_record_or_the_oldest_generation(tmp_path):
+    store = MemStore()
+    t = open_tree(tmp_path, store)
+    t.create("a")
+    rotate(t)
+    t.create("b")
+    t.close()
+    recs = _records(store)
+    first = recs[0].time_ns
+    with pytest.raises(PositionUnavailable, match=r"before the first record of the journal \(generation 1, "
+                                                  r"first record at " + format_time(first)):
+        restore(store.factory, "ns", str(tmp_path / "early"), at=first - 1)
+    assert not (tmp_path / "early").exists()
+    s = restore(store.factory, "ns", str(tmp_path / "first"), at=format_time(first))  # exact, to the ns
+    assert s.last_seq >= 1
+    for name in [n for n in store.objects if n.startswith(layout.gen_prefix(1))]:
+        del store.objects[name]
+    gen2_first = _records(store)[0].time_ns
+    with pytest.raises(PositionUnavailable, match=r"before the oldest generation the server keeps \(generation 2, "
+                                                  r"first record at " + format_time(gen2_first)):
+        restore(store.factory, "ns", str(tmp_path / "old"), at=gen2_first - 1)
+    s = restore(store.factory, "ns", str(tmp_path / "late"), at="2999-01-01T00:00:00")
+    assert sorted(os.listdir(tmp_path / "late")) == ["a", "b"]
+
+
+def test_time_parsing_is_exact():
+    ns = 1_763_900_000_123_456_789
+    assert parse_time(format_time(ns)) == ns
+    assert format_time(ns) == "2025-11-23T12:13:20.123456789Z"
+    assert parse_time("2025-11-23T12:13:20.123456") == ns - 789
+    assert parse_time("2025-11-23T13:13:20.1+01:00") == 1_763_900_000_100_000_000
+    with pytest.raises(ValueError):
+        parse_time("yesterday")

@@ -360,7 +360,7 @@ def test_cli_restore_at_position_and_batch(sos_server, tmp_path):
     assert r.returncode == 0 and sorted(os.listdir(tmp_path / "p" / "q" / "commits")) == ["0"]
     r = run_sos("restore", ns, str(tmp_path / "x"), "--batch", "q:7", "-q", env_extra=env)
     assert r.returncode == 1 and "checkpoint 'q' has no q/commits/7" in r.stderr
-    assert r.stderr.count("\n") == 1
+    assert r.stderr.count("\n") == 1 and not (tmp_path / "x").exists()
     r = run_sos("restore", ns, str(tmp_path / "y"), "--position", "-4", env_extra=env)
     assert r.returncode == 2
 

@@ -13,6 +13,11 @@ and replays it in order up to the requested point:
   last journal record that makes ``QUERYDIR/commits/N`` exist, see :func:`find_batch`.
 
 A corrupt record stops the restore before it (JournalCorrupt names segment and offset).
+A namespace without a complete generation raises JournalNotFound; a point the journal does
+not hold (before its first record or oldest kept generation, past its last record, a batch
+that never committed) raises PositionUnavailable or BatchNotFound. Every error found before
+replaying leaves the target untouched (not even created); a position found to lie past the
+end once replayed is undone (the target is emptied, and removed if restore created it).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import re
 import shutil
 import threading
 import time
@@ -32,6 +38,7 @@ from .errors import (
     BatchNotFound,
     JournalCorrupt,
     JournalError,
+    JournalNotFound,
     JournalTruncated,
     PositionUnavailable,
     TargetNotEmpty,
@@ -40,8 +47,8 @@ from .records import (HEADER_SIZE, Create, Delete, Marker, Record, RecordDecoder
                       Write, peek_header, validate_path)
 from .replay import replay
 
-__all__ = ["restore", "rebuild_cache", "Summary", "parse_time", "parse_batch", "find_batch", "commit_path",
-           "segment_records", "generation_records", "list_generations", "BATCH_LABEL"]
+__all__ = ["restore", "rebuild_cache", "Summary", "parse_time", "format_time", "parse_batch", "find_batch",
+           "commit_path", "segment_records", "generation_records", "list_generations", "BATCH_LABEL"]
 
 BATCH_LABEL = "spark.batch"
 
@@ -66,7 +73,7 @@ class Summary:
     def last_time(self) -> str:
         if not self.last_time_ns:
             return "-"
-        return _dt.datetime.fromtimestamp(self.last_time_ns / 1e9, _dt.timezone.utc).isoformat()
+        return format_time(self.last_time_ns)
 
     def text(self) -> str:
         return (f"restored {self.namespace} into {self.target}: {self.files} files, {self.dirs} dirs, "
@@ -75,22 +82,40 @@ class Summary:
                 f"in {self.seconds:.2f}s")
 
 
+_EPOCH = _dt.datetime(1970, 1, 1, tzinfo=_dt.timezone.utc)
+_FRACTION = re.compile(r"(\.\d{6})(\d{1,3})")
+
+
 def parse_time(at) -> int | None:
-    """ns since the epoch from a datetime, an int (ns) or an ISO-8601 string (naive = UTC)."""
+    """ns since the epoch from a datetime, an int (ns) or an ISO-8601 string (naive = UTC;
+    up to 9 fractional digits, as :func:`format_time` prints them)."""
     if at is None:
         return None
     if isinstance(at, int):
         return at
+    extra_ns = 0
     if isinstance(at, str):
+        text = at.strip()
+        m = _FRACTION.search(text)
+        if m:  # datetime keeps microseconds: carry the nanoseconds ourselves
+            extra_ns = int(m.group(2).ljust(3, "0"))
+            text = text[:m.start()] + m.group(1) + text[m.end():]
         try:
-            at = _dt.datetime.fromisoformat(at.strip())
+            at = _dt.datetime.fromisoformat(text)
         except ValueError:
             raise ValueError(f"bad time {at!r}: expected ISO-8601 like 2026-11-23T12:00:00Z") from None
     if isinstance(at, _dt.datetime):
         if at.tzinfo is None:
             at = at.replace(tzinfo=_dt.timezone.utc)
-        return int(at.timestamp() * 1_000_000) * 1000
+        d = at - _EPOCH  # exact integer arithmetic (a float timestamp loses microseconds)
+        return (d.days * 86400 + d.seconds) * 1_000_000_000 + d.microseconds * 1000 + extra_ns
     raise TypeError(f"bad time {at!r}")
+
+
+def format_time(ns: int) -> str:
+    """ISO-8601 UTC with nanoseconds (what ``--at`` accepts back exactly)."""
+    s, frac = divmod(ns, 1_000_000_000)
+    return (_EPOCH + _dt.timedelta(seconds=s)).strftime("%Y-%m-%dT%H:%M:%S") + f".{frac:09d}Z"
 
 
 def _norm_dir(p: str) -> str:
@@ -359,23 +384,32 @@ def _complete(gens) -> list[layout.GenerationInfo]:
 
 
 def choose_generation(client, gens, *, position=None, at_ns=None) -> layout.GenerationInfo | None:
+    """The generation to replay for a point (None: no complete generation)."""
     cands = _complete(gens)
     if not cands:
         return None
     if position is None and at_ns is None:
         return cands[0]
+    first_time = None
     for g in cands:
         if position is not None and g.first_seq - 1 <= position:
             return g
         if at_ns is not None:
-            t = _first_time(client, g.segments[0])
-            if t is not None and t <= at_ns:
+            first_time = _first_time(client, g.segments[0])
+            if first_time is not None and first_time <= at_ns:
                 return g
-    if cands[-1].first_seq == 1:
-        return cands[-1]  # generation 1: the point is before anything was written
-    what = f"position {position}" if position is not None else f"time {at_ns} ns"
-    raise PositionUnavailable(f"{what} is before the oldest generation the server keeps "
-                              f"(generation {cands[-1].generation} starts after record {cands[-1].first_seq - 1})")
+    oldest = cands[-1]
+    if position is not None:
+        if oldest.first_seq == 1:
+            return oldest  # generation 1: the point is before anything was written
+        raise PositionUnavailable(f"position {position} is before the oldest generation the server keeps "
+                                  f"(generation {oldest.generation} starts after record {oldest.first_seq - 1})")
+    when = f"first record at {format_time(first_time)}" if first_time is not None else "no first record"
+    if oldest.first_seq == 1:
+        raise PositionUnavailable(f"time {format_time(at_ns)} is before the first record of the journal "
+                                  f"(generation 1, {when}): nothing was journaled yet")
+    raise PositionUnavailable(f"time {format_time(at_ns)} is before the oldest generation the server keeps "
+                              f"(generation {oldest.generation}, {when})")
 
 
 def commit_path(querydir: str, batch_id: int) -> str:
@@ -528,20 +562,39 @@ def find_batch(client, gens, querydir: str, batch_id: int, *, on_bytes=None, not
                         f"the namespace root)")
 
 
-def _prepare_target(target: str, force: bool) -> None:
+def _check_target(target: str, force: bool) -> None:
+    """Refuse an unusable target before anything is read or written."""
     if os.path.exists(target) and not os.path.isdir(target):
         raise NotADirectoryError(f"restore target {target} is not a directory")
+    if os.path.isdir(target) and not force:
+        n = len(os.listdir(target))
+        if n:
+            raise TargetNotEmpty(f"restore target {target} is not empty ({n} entries); "
+                                 f"use force (--force) to replace its contents")
+
+
+def _prepare_target(target: str, force: bool) -> None:
+    _check_target(target, force)
     os.makedirs(target, exist_ok=True)
-    entries = os.listdir(target)
-    if entries and not force:
-        raise TargetNotEmpty(f"restore target {target} is not empty ({len(entries)} entries); "
-                             f"use force to replace its contents")
-    for name in entries:
+    _clear(target)
+
+
+def _clear(target: str) -> None:
+    for name in os.listdir(target):
         p = os.path.join(target, name)
         if os.path.isdir(p) and not os.path.islink(p):
             shutil.rmtree(p)
         else:
             os.unlink(p)
+
+
+def _no_journal(namespace: str, gens) -> JournalNotFound:
+    if not gens:
+        return JournalNotFound(namespace, f"namespace {namespace!r} has no journal (no objects under gen/): "
+                                          f"nothing to restore; check the namespace and the server")
+    return JournalNotFound(namespace, f"namespace {namespace!r} has no complete generation "
+                                      f"({len(gens)} incomplete: its first snapshot never finished): "
+                                      f"nothing to restore")
 
 
 def _count(target: str, summary: Summary) -> None:
@@ -559,9 +612,13 @@ def restore(client_factory, namespace: str, target: str, *, at=None, position: i
             batch=None, force: bool = False, progress: Callable[[int, int], None] | None = None) -> Summary:
     """Rebuild the tree of ``namespace`` in the empty directory ``target``; see module doc.
 
-    ``progress(done_bytes, total_bytes)`` is called as journal bytes arrive.
-    Raises TargetNotEmpty, JournalCorrupt (after applying everything before the broken
-    record; ``exc.summary`` tells what was restored), BatchNotFound, PositionUnavailable.
+    ``progress(done_bytes, total_bytes)`` is called as journal bytes arrive (from reader
+    threads; a ``batch`` restore first scans the journal for the batch, then replays: two
+    passes, each starting from 0).
+    Raises TargetNotEmpty, JournalNotFound, BatchNotFound, PositionUnavailable (all before
+    the target is touched, except a position past the end: what was written is undone) and
+    JournalCorrupt (after applying everything before the broken record; ``exc.summary``
+    tells what was restored).
     """
     if sum(x is not None for x in (at, position, batch)) > 1:
         raise ValueError("give at most one of at, position, batch")
@@ -570,12 +627,14 @@ def restore(client_factory, namespace: str, target: str, *, at=None, position: i
     at_ns = parse_time(at)
     bq = parse_batch(batch) if batch is not None else None
     target = os.path.abspath(target)
-    _prepare_target(target, force)
+    _check_target(target, force)
     summary = Summary(namespace, target)
     t0 = time.monotonic()
     client = client_factory()
     try:
         gens = list_generations(client)
+        if not _complete(gens):
+            raise _no_journal(namespace, gens)
         done = [0]
         total = [0]
         lock = threading.Lock()
@@ -593,10 +652,8 @@ def restore(client_factory, namespace: str, target: str, *, at=None, position: i
             position = find_batch(client, gens, bq[0], bq[1], on_bytes=on_bytes, notes=summary.notes)
             done[0] = 0
         gen = choose_generation(client, gens, position=position, at_ns=at_ns)
-        if gen is None:
-            summary.notes.append("namespace has no complete generation: nothing to restore")
-            summary.seconds = time.monotonic() - t0
-            return summary
+        created = not os.path.exists(target)
+        _prepare_target(target, force)
         summary.generation = gen.generation
         total[0] = gen.total_bytes
         if progress is not None:
@@ -627,6 +684,12 @@ def restore(client_factory, namespace: str, target: str, *, at=None, position: i
         if not stats.snapshot_done:
             raise JournalCorrupt(gen.segments[-1].name, 0,
                                  f"generation {gen.generation} is marked ready but has no SNAPSHOT_END")
+        if position is not None and not stats.stopped and stats.last_seq < position:
+            _clear(target)  # a point the journal does not reach: leave nothing half-meant behind
+            if created:
+                os.rmdir(target)
+            raise PositionUnavailable(f"position {position} is past the end of the journal: the last record "
+                                      f"is {stats.last_seq} (at {format_time(stats.last_time_ns)})")
         summary.records = stats.records
         summary.last_seq = stats.last_seq
         summary.last_time_ns = stats.last_time_ns
@@ -642,8 +705,10 @@ def restore(client_factory, namespace: str, target: str, *, at=None, position: i
 
 
 def rebuild_cache(client_factory, namespace: str, cache_dir: str) -> int:
-    """Fill an empty cache directory with the namespace's latest tree; returns the last seq."""
+    """Fill a cache directory with the namespace's latest tree (replacing what it holds);
+    returns the last seq, 0 for a namespace without a complete generation (empty tree)."""
     try:
         return restore(client_factory, namespace, cache_dir, force=True).last_seq
-    except SOSNotFound:
+    except (SOSNotFound, JournalNotFound):
+        _prepare_target(os.path.abspath(cache_dir), True)
         return 0
