@@ -9,6 +9,7 @@ Exit codes (RESTORE_EXIT_CODES / VERIFY_EXIT_CODES in sos_client/journal/cli.py)
 from __future__ import annotations
 
 import datetime as _dt
+import io
 import itertools
 import os
 import subprocess
@@ -205,3 +206,117 @@ def test_help_documents_exit_codes_and_querydir(capsys):
     assert "4   no journal in this namespace" in out and "--force" in out
     assert cli.main(["verify", "--help"]) == 0
     assert jcli.VERIFY_EXIT_CODES in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- progress
+class Stream(io.StringIO):
+    def __init__(self, tty):
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self):
+        return self.tty
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_progress_in_a_log_is_a_line_every_interval_and_nothing_for_a_quick_run():
+    out, clock = Stream(False), Clock()
+    bar = jcli.ProgressBar("restore ns", out, clock=clock)
+    assert bar.interval == 10.0
+    bar(0, 4_000_000)
+    bar(4_000_000, 4_000_000)  # done within the interval: no line at all
+    bar.finish()
+    assert out.getvalue() == ""
+    out, clock = Stream(False), Clock()
+    bar = jcli.ProgressBar("restore ns", out, clock=clock)
+    bar(0, 4_000_000)
+    clock.now += 10
+    bar(1_000_000, 4_000_000)
+    clock.now += 5
+    bar(2_000_000, 4_000_000)  # too soon after the previous line
+    clock.now += 5
+    bar(3_000_000, 4_000_000)
+    bar.finish()
+    assert out.getvalue() == (
+        "restore ns [#######                       ]  25.0% 1.0/4.0 MB 0.1 MB/s 10s\n"
+        "restore ns [######################        ]  75.0% 3.0/4.0 MB 0.1 MB/s 20s\n")
+
+
+def test_progress_on_a_terminal_redraws_one_line_and_ends_it():
+    out, clock = Stream(True), Clock()
+    bar = jcli.ProgressBar("verify ns", out, clock=clock)
+    assert bar.interval == 0.2
+    bar(0, 2_000_000)  # at once
+    clock.now += 0.1
+    bar(1_000_000, 2_000_000)  # within 0.2 s: skipped
+    bar(2_000_000, 2_000_000)  # 100% is always drawn, once
+    bar(2_000_000, 2_000_000)
+    clock.now += 1
+    bar(0, 1_000_000)  # a second pass (restore --batch: the scan, then the replay) on a new line
+    clock.now += 2
+    bar(500_000, 1_000_000)
+    bar.finish()
+    bar.finish()
+    assert out.getvalue() == (
+        "\rverify ns [                              ]   0.0% 0.0/2.0 MB 0s\x1b[K"
+        "\rverify ns [##############################] 100.0% 2.0/2.0 MB 0s\x1b[K\n"
+        "\rverify ns [                              ]   0.0% 0.0/1.0 MB 0s\x1b[K"
+        "\rverify ns [###############               ]  50.0% 0.5/1.0 MB 0.2 MB/s 2s\x1b[K\n")
+
+
+def run_in_pty(server, key, *args):
+    """Run `sos ARGS` with its stderr on a terminal; returns (exit code, what it drew)."""
+    import pty
+    import select
+
+    master, slave = pty.openpty()
+    env = dict(os.environ, SOS_SERVER=server.address, SOS_KEY=key)
+    proc = subprocess.Popen([sys.executable, "-m", "sos_client.cli", *args], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=slave, env=env)
+    os.close(slave)
+    data = b""
+    try:
+        while True:
+            ready, _, _ = select.select([master], [], [], WAIT)
+            assert ready, "no output and no exit"
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # EIO: the child closed its end
+                break
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        os.close(master)
+        proc.stdout.close()
+        rc = proc.wait(WAIT)
+    return rc, data.decode().replace("\r\n", "\n")  # the terminal turns \n into \r\n
+
+
+def test_progress_of_the_commands(server, tmp_path):
+    ns, key = new_ns(server, "p")
+    write_files(server, ns, key, tmp_path, ["a", "b"])
+    # not a terminal: a quick run prints the summary only (a slow one a line every 10 s)
+    r = run_sos(server, key, "restore", ns, str(tmp_path / "log"))
+    assert r.returncode == 0 and "\r" not in r.stderr
+    assert r.stderr.splitlines()[-1].startswith(f"restored {ns} into ")
+    assert all(line.startswith((f"restore {ns} ", f"restored {ns} ")) for line in r.stderr.splitlines())
+    # a terminal: a bar redrawn in place, at 100% at the end, its line ended before the summary
+    rc, drawn = run_in_pty(server, key, "restore", ns, str(tmp_path / "tty"))
+    assert rc == 0, drawn
+    assert drawn.startswith(f"\rrestore {ns} [")
+    bar, summary = drawn.rsplit("\n", 2)[:2]
+    assert bar.endswith("\x1b[K") and f"] 100.0% " in bar.rsplit("\r", 1)[1]
+    assert summary.startswith(f"restored {ns} into ")
+    rc, drawn = run_in_pty(server, key, "verify", ns)
+    assert rc == 0 and drawn.startswith(f"\rverify {ns} [") and drawn.endswith("\x1b[K\n")
+    # -q: nothing but the summary, even on a terminal
+    rc, drawn = run_in_pty(server, key, "restore", "-q", ns, str(tmp_path / "quiet"))
+    assert rc == 0 and drawn.startswith(f"restored {ns} into ") and "\r" not in drawn

@@ -67,42 +67,77 @@ def _factory(args, namespace: str):
 
 
 class ProgressBar:
-    """A small progress bar on stderr: redraws in place on a terminal, a line every few
-    seconds otherwise."""
+    """Progress on stderr.
 
-    def __init__(self, label: str, stream=None, *, interval: float | None = None):
+    On a terminal: one line redrawn in place (at most every 0.2 s, and once at 100%),
+    ended by a newline before anything else is printed. Elsewhere (a log file, a pipe): a
+    plain line at most every ``interval`` seconds (default 10) while the work goes on, and
+    nothing at 0% nor at the end (the summary follows), so a quick run prints no progress.
+    Calls may come from several threads. ``clock`` is for tests.
+    """
+
+    def __init__(self, label: str, stream=None, *, interval: float | None = None, clock=time.monotonic):
+        import threading
+
         self.label = label
         self.stream = stream or sys.stderr
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
-        self.interval = interval if interval is not None else (0.2 if self.tty else 5.0)
-        self.t0 = time.monotonic()
-        self._last = 0.0
-        self._shown = False
+        self.interval = interval if interval is not None else (0.2 if self.tty else 10.0)
+        self.clock = clock
+        self.t0 = clock()
+        self._last = None if self.tty else self.t0  # when the last line was drawn
+        self._prev_done = 0
+        self._drawn_end = False  # the 100% line of this pass is on the terminal
+        self._shown = False  # a terminal line is open (needs a newline)
+        self._lock = threading.Lock()
 
     def __call__(self, done: int, total: int) -> None:
-        now = time.monotonic()
-        if now - self._last < self.interval and done < total:
-            return
-        self._last = now
-        self._draw(done, total)
+        with self._lock:
+            now = self.clock()
+            if done < self._prev_done:  # a new pass (restore --batch: the scan, then the replay)
+                self.t0 = now
+                if self.tty:
+                    self._end_line()
+                    self._last, self._drawn_end = None, False
+            self._prev_done = done
+            if not self.tty:
+                if now - self._last >= self.interval:
+                    self._last = now
+                    self._draw(done, total, now)
+                return
+            at_end = total > 0 and done >= total
+            if self._last is None or now - self._last >= self.interval or (at_end and not self._drawn_end):
+                self._last = now
+                self._drawn_end = at_end
+                self._draw(done, total, now)
 
-    def _draw(self, done, total):
-        rate = done / max(now_s := time.monotonic() - self.t0, 1e-6)
+    def _draw(self, done, total, now):
+        secs = now - self.t0
+        rate = f"{done / secs / 1e6:.1f} MB/s " if secs >= 1 else ""  # no wild rate in the first second
         if total:
             frac = min(done / total, 1.0)
             bar = "#" * int(frac * 30)
             text = (f"{self.label} [{bar:<30}] {frac * 100:5.1f}% {done / 1e6:.1f}/{total / 1e6:.1f} MB "
-                    f"{rate / 1e6:.1f} MB/s {now_s:.0f}s")
+                    f"{rate}{secs:.0f}s")
         else:
-            text = f"{self.label} {done / 1e6:.1f} MB {rate / 1e6:.1f} MB/s"
-        self.stream.write(("\r" + text) if self.tty else (text + "\n"))
+            text = f"{self.label} {done / 1e6:.1f} MB {rate}{secs:.0f}s"
+        if self.tty:
+            self.stream.write("\r" + text + "\x1b[K")  # erase what a longer previous line left
+            self._shown = True
+        else:
+            self.stream.write(text + "\n")
         self.stream.flush()
-        self._shown = True
 
-    def finish(self) -> None:
-        if self._shown and self.tty:
+    def _end_line(self) -> None:
+        if self._shown:
             self.stream.write("\n")
             self.stream.flush()
+            self._shown = False
+
+    def finish(self) -> None:
+        """End the progress line (call before printing anything else)."""
+        with self._lock:
+            self._end_line()
 
 
 def _err(msg: str) -> None:
@@ -219,7 +254,9 @@ def add_parsers(subparsers) -> None:
         description="Restore NAMESPACE into the empty directory TARGET, to the latest state or to a\n"
                     "point: --at ISO-TIME, --position N (right after record N) or --batch QUERYDIR:N\n"
                     "(right after Spark committed batch N of the query checkpointed in QUERYDIR, i.e.\n"
-                    "right after the record that makes QUERYDIR/commits/N exist).",
+                    "right after the record that makes QUERYDIR/commits/N exist). Progress goes to\n"
+                    "stderr: redrawn in place on a terminal; elsewhere a line every 10 s (none for a\n"
+                    "quick run); -q: none.",
         epilog=RESTORE_EXIT_CODES)
     p.add_argument("namespace")
     p.add_argument("target")
@@ -236,17 +273,17 @@ def add_parsers(subparsers) -> None:
                         "field of the spark.batch markers")
     p.add_argument("--force", action="store_true",
                    help="replace the contents of a non-empty TARGET (without it: exit 1, nothing written)")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress")
     _add_connection_options(p)
     p.set_defaults(func=cmd_restore)
 
     v = subparsers.add_parser("verify", help="check every segment and record of a namespace",
                               formatter_class=argparse.RawDescriptionHelpFormatter,
                               description="Read and check every record of NAMESPACE without restoring; "
-                                          "names each broken range.",
+                                          "names each broken range. Progress on stderr as for restore.",
                               epilog=VERIFY_EXIT_CODES)
     v.add_argument("namespace")
-    v.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    v.add_argument("-q", "--quiet", action="store_true", help="no progress")
     _add_connection_options(v)
     v.set_defaults(func=cmd_verify)
 

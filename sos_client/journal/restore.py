@@ -640,12 +640,11 @@ def restore(client_factory, namespace: str, target: str, *, at=None, position: i
         lock = threading.Lock()
 
         def on_bytes(n):
-            with lock:
+            with lock:  # progress sees done grow (the reader threads would otherwise race)
                 done[0] += n
                 summary.bytes_read += n
-                d = done[0]
-            if progress is not None:
-                progress(d, total[0])
+                if progress is not None:
+                    progress(done[0], total[0])
 
         if bq is not None:
             total[0] = sum(g.total_bytes for g in _complete(gens))  # at most: the scan may stop sooner
