@@ -18,6 +18,7 @@ import pytest
 
 from sos_client.journal import (
     BatchNotFound,
+    JournalCorrupt,
     JournaledTree,
     JournalNotFound,
     JournalWriter,
@@ -325,3 +326,20 @@ def test_time_parsing_is_exact():
     assert parse_time("2025-11-23T13:13:20.1+01:00") == 1_763_900_000_100_000_000
     with pytest.raises(ValueError):
         parse_time("yesterday")
+
+
+def test_batch_before_a_corrupt_record_still_restores(tmp_path):
+    store = MemStore()
+    t = open_tree(tmp_path, store)
+    setup_query(t)
+    batch(t, 0)
+    batch(t, 1)
+    t.close()
+    seg = max(n for n in store.objects if layout.parse_segment_name(n))
+    victim = [r for r in _records(store) if getattr(r.op, "path", "") == "q/offsets/.1.1b2c.tmp"][0]
+    store.corrupt(seg, victim.offset + victim.size - 1)  # batch 1's first record
+    s = restore(store.factory, "ns", str(tmp_path / "b0"), batch="q:0")
+    assert visible(tmp_path / "b0", "commits") == ["0"] and s.stopped
+    assert any("corrupt after batch 0 committed" in n for n in s.notes)
+    with pytest.raises(JournalCorrupt):  # batch 1 is behind the damage
+        restore(store.factory, "ns", str(tmp_path / "b1"), batch="q:1")

@@ -65,7 +65,7 @@ class Summary:
     last_seq: int = 0
     last_time_ns: int = 0
     bytes_read: int = 0  # journal bytes read from the server
-    stopped: bool = False  # stopped at the requested point (not at the end of the journal)
+    stopped: bool = False  # a point was requested and reached (rather than the end of the journal)
     seconds: float = 0.0
     notes: list = field(default_factory=list)
 
@@ -450,8 +450,7 @@ class _CommitScan:
     in_snapshot: bool = False  # P exists in this generation's snapshot
 
 
-def _scan_generation(records, path: str, crc: str, seen: dict) -> _CommitScan:
-    r = _CommitScan()
+def _scan_generation(records, path: str, crc: str, seen: dict, r: _CommitScan) -> _CommitScan:
     in_snap = True
     for rec in records:
         op = rec.op
@@ -532,7 +531,17 @@ def find_batch(client, gens, querydir: str, batch_id: int, *, on_bytes=None, not
     newer: list[_CommitScan] = []  # newest first
     cands = _complete(gens)
     for g in cands:
-        r = _scan_generation(generation_records(client, g, on_bytes=on_bytes), path, crc, seen)
+        r = _CommitScan()
+        try:
+            _scan_generation(generation_records(client, g, on_bytes=on_bytes), path, crc, seen, r)
+        except JournalCorrupt as e:
+            if r.start is None:
+                raise
+            # the batch committed before the damage: the replay stops before it too
+            r.open = False
+            if notes is not None:
+                notes.append(f"the journal is corrupt after batch {batch_id} committed ({e}); a later "
+                             f"commit of the same batch would be behind it")
         if r.start is not None:
             stop = r.stop
             if r.open:  # the file may be completed in the next generation(s)
@@ -560,6 +569,18 @@ def find_batch(client, gens, querydir: str, batch_id: int, *, on_bytes=None, not
     raise BatchNotFound(f"no checkpoint {querydir or '.'!r} in this namespace's journal: no {path} "
                         f"(checkpoints found: {known}; QUERYDIR is the checkpoint's path relative to "
                         f"the namespace root)")
+
+
+def _through(records, position: int):
+    """The records up to ``position`` (the whole snapshot at least), without reading the next
+    one: a corrupt record right after the point must not fail a restore that stops before it."""
+    in_snapshot = True
+    for rec in records:
+        yield rec
+        if type(rec.op) is SnapshotEnd:
+            in_snapshot = False
+        if not in_snapshot and rec.seq >= position:
+            return
 
 
 def _check_target(target: str, force: bool) -> None:
@@ -668,8 +689,10 @@ def restore(client_factory, namespace: str, target: str, *, at=None, position: i
         try:
             readers = SegmentReaders(client_factory, gen.segments, readers=2, on_bytes=on_bytes)
             try:
-                stats = replay(generation_records(client, gen, notes=summary.notes, source=readers.records),
-                               target, stop=stop, snapshot=True)
+                records = generation_records(client, gen, notes=summary.notes, source=readers.records)
+                if position is not None:
+                    records = _through(records, position)
+                stats = replay(records, target, stop=stop, snapshot=True)
             finally:
                 readers.close()
         except JournalCorrupt as e:
@@ -692,7 +715,7 @@ def restore(client_factory, namespace: str, target: str, *, at=None, position: i
         summary.records = stats.records
         summary.last_seq = stats.last_seq
         summary.last_time_ns = stats.last_time_ns
-        summary.stopped = stats.stopped
+        summary.stopped = stats.stopped or (position is not None and stats.last_seq >= position)
     finally:
         try:
             client.close()
