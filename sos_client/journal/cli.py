@@ -16,12 +16,14 @@ EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_CORRUPT, EXIT_NO_JOURNAL = 0, 1, 2, 3, 4
 
 RESTORE_EXIT_CODES = """exit status:
   0   ok: TARGET holds the requested state
-  1   failed: server or I/O error, no key, TARGET not empty without --force, or the
-      requested point is not in the journal (batch N never committed, or committed
-      before the oldest generation the server keeps; position past the last record;
-      time before the first record or the oldest generation kept): nothing written
+  1   failed. A server or I/O error (TARGET may hold part of the tree), no key, or
+      nothing written: TARGET not empty without --force, or the requested point is
+      not in the journal (batch N never committed, or committed before the oldest
+      generation the server keeps; position past the last record; time before the
+      first record or the oldest generation kept)
   2   usage
-  3   corrupt data: everything before the broken record was applied, then it stopped
+  3   corrupt data before the requested point (segment and offset named): restore
+      applied what came before the broken record and stopped there
   4   no journal in this namespace (no complete generation on this server: a mistyped
       namespace, the wrong server, or a lost one): nothing written
   130 interrupted"""
@@ -279,7 +281,7 @@ def add_parsers(subparsers) -> None:
 
     v = subparsers.add_parser("verify", help="check every segment and record of a namespace",
                               formatter_class=argparse.RawDescriptionHelpFormatter,
-                              description="Read and check every record of NAMESPACE without restoring; "
+                              description="Read and check every record of NAMESPACE without restoring;\n"
                                           "names each broken range. Progress on stderr as for restore.",
                               epilog=VERIFY_EXIT_CODES)
     v.add_argument("namespace")
