@@ -44,8 +44,10 @@ def rotate(t):
 
 
 def atomic_write(t, path, data, *, crc=False):
-    """Spark's CheckpointFileManager.createAtomic: temp file, then rename onto ``path``
-    (with Hadoop's checksum file system also a temp .crc renamed onto ``.N.crc`` after)."""
+    """Spark's CheckpointFileManager.createAtomic: temp file, then rename onto ``path``.
+    With Hadoop's checksum file system the temp file has a .crc too, which is then renamed
+    onto ``.N.crc`` (crc="rename": FileSystem-based) or deleted (crc="delete": FileContext-
+    based, Spark's workaround of HADOOP-16255)."""
     d, _, name = path.rpartition("/")
     tmp = f"{d}/.{name}.1b2c.tmp"
     t.create(tmp)
@@ -54,8 +56,10 @@ def atomic_write(t, path, data, *, crc=False):
         t.create(f"{d}/..{name}.1b2c.tmp.crc")
         t.write(f"{d}/..{name}.1b2c.tmp.crc", 0, b"crc:" + data)
     t.rename(tmp, path, overwrite=False)
-    if crc:
+    if crc == "rename":
         t.rename(f"{d}/..{name}.1b2c.tmp.crc", f"{d}/.{name}.crc", overwrite=False)
+    elif crc == "delete":
+        t.unlink(f"{d}/..{name}.1b2c.tmp.crc")
 
 
 def marker(t, n, q="q"):
@@ -82,7 +86,7 @@ def visible(root, sub):
     return sorted(n for n in os.listdir(p) if not n.startswith("."))
 
 
-@pytest.mark.parametrize("crc", [False, True])
+@pytest.mark.parametrize("crc", [False, "rename", "delete"])
 def test_batch_stops_at_the_commit_not_at_a_late_marker(tmp_path, crc):
     """commits/2 is renamed in BEFORE the marker of batch 1 lands: batch 1 must not bring it."""
     store = MemStore()
@@ -101,9 +105,12 @@ def test_batch_stops_at_the_commit_not_at_a_late_marker(tmp_path, crc):
     assert visible(out, "offsets") == ["0", "1"]  # batch 2's offsets came after commits/1
     assert (out / "q" / "commits" / "1").read_bytes() == b"v1\n{}1"
     assert s.stopped
-    if crc:  # the checksum of commits/1 is renamed right after it: part of the commit
+    hidden = sorted(n for n in os.listdir(out / "q" / "commits") if n.startswith("."))
+    if crc == "rename":  # the checksum of commits/1 is renamed right after it: part of the commit
         assert (out / "q" / "commits" / ".1.crc").read_bytes() == b"crc:v1\n{}1"
-        assert not (out / "q" / "commits" / ".2.crc").exists()
+        assert hidden == [".0.crc", ".1.crc"]
+    else:  # crc == "delete": the temp checksum is removed right after the rename: part of it too
+        assert hidden == []
     assert any("q/commits/1 appears at record" in n for n in s.notes)
     out2 = tmp_path / "b2"
     restore(store.factory, "ns", str(out2), batch=("q", 2))

@@ -436,7 +436,8 @@ class _CommitScan:
     Only journal records count (a snapshot re-creates the tree, it does not commit anything).
     ``start``: the last record that makes P exist (RENAME onto P, or CREATE of P); ``stop``:
     that record or the last later record that completes the same file (WRITE/TRUNCATE of P;
-    RENAME onto, CREATE, WRITE or TRUNCATE of its ``.crc``), before anything replaces or
+    RENAME onto, CREATE, WRITE or TRUNCATE of its ``.crc``; DELETE of the renamed temp
+    file's ``.crc``, which Spark removes instead, HADOOP-16255), before anything replaces or
     removes P; ``open``: that incarnation of P is still there at the generation's end.
     ``head_ext``/``head_closed``: completing records before the first record that makes,
     replaces or removes P (they continue an incarnation from the previous generation).
@@ -448,6 +449,7 @@ class _CommitScan:
     head_ext: int | None = None
     head_closed: bool = False
     in_snapshot: bool = False  # P exists in this generation's snapshot
+    tmp_crc: str | None = None  # checksum file of the temp file renamed onto P
 
 
 def _scan_generation(records, path: str, crc: str, seen: dict, r: _CommitScan) -> _CommitScan:
@@ -487,13 +489,17 @@ def _scan_generation(records, path: str, crc: str, seen: dict, r: _CommitScan) -
             r.start = r.stop = rec.seq
             r.open = True
             r.head_closed = True
+            if t is Rename:
+                d, _, name = op.src.rpartition("/")
+                r.tmp_crc = f"{d}/.{name}.crc" if d else f".{name}.crc"
         elif ((t is Rename and (op.src == path or path.startswith(op.src + "/")
                                 or path.startswith(op.dst + "/")))
               or (t is Delete and op.path == path)):
             r.open = False  # P moved away, replaced by a directory rename, or deleted
             r.head_closed = True
         elif ((t is Write or t is Truncate) and (op.path == path or op.path == crc)) or (
-                (t is Create and op.path == crc) or (t is Rename and op.dst == crc)):
+                (t is Create and op.path == crc) or (t is Rename and op.dst == crc)) or (
+                t is Delete and op.path == r.tmp_crc):
             if r.open:
                 r.stop = rec.seq
             elif not r.head_closed:
@@ -519,7 +525,8 @@ def find_batch(client, gens, querydir: str, batch_id: int, *, on_bytes=None, not
     That is the sequence number of the last journal record that makes
     ``querydir/commits/batch_id`` exist (Spark's commit log renames a temp file onto it; a
     direct CREATE counts too), moved past the records that complete that same file (its
-    WRITEs if it was written in place; the RENAME of its ``.N.crc`` checksum file). The
+    WRITEs if it was written in place; the RENAME of its ``.N.crc`` checksum file, or the
+    DELETE of the temp file's checksum file). The
     last such commit wins. ``spark.batch`` markers play no part in the position: they are
     written after the commit, asynchronously, possibly after later batches committed.
     Raises BatchNotFound (naming the checkpoints and batches the journal does hold) or
