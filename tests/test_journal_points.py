@@ -350,3 +350,21 @@ def test_batch_before_a_corrupt_record_still_restores(tmp_path):
     assert any("corrupt after batch 0 committed" in n for n in s.notes)
     with pytest.raises(JournalCorrupt):  # batch 1 is behind the damage
         restore(store.factory, "ns", str(tmp_path / "b1"), batch="q:1")
+
+
+def test_position_in_the_range_of_an_abandoned_generation_is_the_end_of_the_one_before(tmp_path):
+    """Generation 2 never got its ready object; generation 3 starts after its numbers."""
+    store = MemStore()
+    t = open_tree(tmp_path, store)
+    t.create("a")
+    end1 = t.writer.last_seq
+    rotate(t)
+    t.create("b")
+    rotate(t)
+    t.close()
+    del store.objects[layout.ready_name(2)]
+    gen3_first = layout.scan_listing(store.client().list("gen/"))[3].first_seq
+    for pos in (end1 + 1, gen3_first - 2):
+        s = restore(store.factory, "ns", str(tmp_path / f"p{pos}"), position=pos)
+        assert os.listdir(tmp_path / f"p{pos}") == ["a"] and s.last_seq == end1
+        assert any("no complete generation holds" in n for n in s.notes)

@@ -714,11 +714,15 @@ def restore(client_factory, namespace: str, target: str, *, at=None, position: i
             raise JournalCorrupt(gen.segments[-1].name, 0,
                                  f"generation {gen.generation} is marked ready but has no SNAPSHOT_END")
         if position is not None and not stats.stopped and stats.last_seq < position:
-            _clear(target)  # a point the journal does not reach: leave nothing half-meant behind
-            if created:
-                os.rmdir(target)
-            raise PositionUnavailable(f"position {position} is past the end of the journal: the last record "
-                                      f"is {stats.last_seq} (at {format_time(stats.last_time_ns)})")
+            if gen is _complete(gens)[0]:
+                _clear(target)  # a point the journal does not reach: leave nothing half-meant behind
+                if created:
+                    os.rmdir(target)
+                raise PositionUnavailable(f"position {position} is past the end of the journal: the last "
+                                          f"record is {stats.last_seq} (at {format_time(stats.last_time_ns)})")
+            summary.notes.append(f"position {position} is in a range of records no complete generation "
+                                 f"holds (a generation abandoned before its snapshot was done): restored "
+                                 f"the end of generation {gen.generation}, record {stats.last_seq}")
         summary.records = stats.records
         summary.last_seq = stats.last_seq
         summary.last_time_ns = stats.last_time_ns
