@@ -120,11 +120,16 @@ def test_restore_at_every_position_matches_the_tree_at_that_moment(sos_server, t
 
     step(t.mkdir, "chk")
     step(t.mkdir, "chk/offsets")
+    step(t.mkdir, "chk/commits")
+    committed = {}
     for n in range(8):
         tmpn = f"chk/offsets/.{n}.tmp"
         step(t.create, tmpn)
         step(t.write, tmpn, 0, (b"batch %d " % n) * (40 + 30 * n))
         step(t.rename, tmpn, f"chk/offsets/{n}", overwrite=False)
+        step(t.create, f"chk/commits/.{n}.tmp")
+        committed[n] = w.last_seq + 1  # the record that commits batch n
+        step(t.rename, f"chk/commits/.{n}.tmp", f"chk/commits/{n}", overwrite=False)
         step(t.marker, "spark.batch", json.dumps({"checkpoint": "chk", "query_id": "q", "batch_id": n}).encode())
         if n >= 2:
             step(t.unlink, f"chk/offsets/{n - 2}")
@@ -142,8 +147,10 @@ def test_restore_at_every_position_matches_the_tree_at_that_moment(sos_server, t
         out = tmp_path / f"p{pos}"
         restore(fac, ns, str(out), position=pos)
         assert tree_state(str(out)) == cur, f"position {pos}"
-    # batch restore lands exactly after the marker of that batch
-    restore(fac, ns, str(tmp_path / "b3"), batch="chk:3")
+    # batch restore lands exactly after the record that makes chk/commits/N exist
+    for n in (3, 7):
+        restore(fac, ns, str(tmp_path / f"b{n}"), batch=f"chk:{n}")
+        assert tree_state(str(tmp_path / f"b{n}")) == states[committed[n]]
     assert sorted(os.listdir(tmp_path / "b3" / "chk" / "offsets")) == ["1", "2", "3"]
     assert verify(fac, ns).ok
 
@@ -339,19 +346,21 @@ def test_cli_restore_at_position_and_batch(sos_server, tmp_path):
     w = JournalWriter(fac, ns, str(tmp_path / "spool"))
     t = JournaledTree(str(tmp_path / "cache"), w)
     t.mkdir("q")
+    t.mkdir("q/commits")
     for n in range(3):
-        t.create(f"q/{n}")
+        t.create(f"q/commits/{n}")  # a direct write of the commit file counts as its commit
         t.marker("spark.batch", json.dumps({"checkpoint": "q", "query_id": "x", "batch_id": n}).encode())
     t.close()
     env = {"SOS_SERVER": sos_server.address, "SOS_KEY": key}
     r = run_sos("restore", ns, str(tmp_path / "b1"), "--batch", "q:1", env_extra=env)
     assert r.returncode == 0, r.stderr
-    assert sorted(os.listdir(tmp_path / "b1" / "q")) == ["0", "1"]
+    assert sorted(os.listdir(tmp_path / "b1" / "q" / "commits")) == ["0", "1"]
     assert "files" in r.stderr and "last record" in r.stderr  # the summary
-    r = run_sos("restore", ns, str(tmp_path / "p"), "--position", "3", env_extra=env)
-    assert r.returncode == 0 and sorted(os.listdir(tmp_path / "p" / "q")) == ["0"]
-    r = run_sos("restore", ns, str(tmp_path / "x"), "--batch", "q:7", env_extra=env)
-    assert r.returncode == 1 and "no spark.batch marker" in r.stderr
+    r = run_sos("restore", ns, str(tmp_path / "p"), "--position", "4", env_extra=env)
+    assert r.returncode == 0 and sorted(os.listdir(tmp_path / "p" / "q" / "commits")) == ["0"]
+    r = run_sos("restore", ns, str(tmp_path / "x"), "--batch", "q:7", "-q", env_extra=env)
+    assert r.returncode == 1 and "checkpoint 'q' has no q/commits/7" in r.stderr
+    assert r.stderr.count("\n") == 1 and not (tmp_path / "x").exists()
     r = run_sos("restore", ns, str(tmp_path / "y"), "--position", "-4", env_extra=env)
     assert r.returncode == 2
 

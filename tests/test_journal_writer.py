@@ -311,14 +311,18 @@ def test_restore_by_time_and_by_batch(tmp_path):
     store = MemStore()
     w, t = make(tmp_path, store)
     t.mkdir("q")
+    t.mkdir("q/commits")
     t.create("q/offsets")
     for n in range(3):
         t.write("q/offsets", n, b"%d" % n)
+        t.create(f"q/commits/.{n}.tmp")
+        t.rename(f"q/commits/.{n}.tmp", f"q/commits/{n}", overwrite=False)  # batch n commits here
         t.marker("spark.batch", json.dumps({"checkpoint": "q", "query_id": "x", "batch_id": n}).encode())
     t.unlink("q/offsets")
     t.sync()
     s = restore(store.factory, "ns", str(tmp_path / "b1"), batch="q:1")
     assert (tmp_path / "b1" / "q" / "offsets").read_bytes() == b"01"
+    assert sorted(os.listdir(tmp_path / "b1" / "q" / "commits")) == ["0", "1"]
     assert s.stopped
     s = restore(store.factory, "ns", str(tmp_path / "b1b"), batch=("/q/", 1))
     assert (tmp_path / "b1b" / "q" / "offsets").read_bytes() == b"01"
@@ -332,8 +336,9 @@ def test_restore_by_time_and_by_batch(tmp_path):
     s = restore(store.factory, "ns", str(tmp_path / "t"), at=mid.time_ns)
     assert s.last_seq >= 7
     assert all(r.time_ns <= mid.time_ns for r in recs if r.seq <= s.last_seq)
-    s = restore(store.factory, "ns", str(tmp_path / "t2"), at="1970-01-02T00:00:00Z")
-    assert os.listdir(tmp_path / "t2") == []
+    with pytest.raises(PositionUnavailable, match="before the first record"):  # not an empty tree
+        restore(store.factory, "ns", str(tmp_path / "t2"), at="1970-01-02T00:00:00Z")
+    assert not (tmp_path / "t2").exists()
     t.close()
 
 

@@ -5,6 +5,7 @@ from .errors import (
     BatchNotFound,
     JournalCorrupt,
     JournalError,
+    JournalNotFound,
     JournalTruncated,
     PositionUnavailable,
     ReplayError,
@@ -35,7 +36,7 @@ from .writer import JournalWriter
 
 __all__ = [
     "JournalWriter", "JournaledTree", "replay", "restore", "verify", "Summary",
-    "JournalError", "JournalCorrupt", "JournalTruncated", "WriterFenced", "WriterClosed",
+    "JournalError", "JournalCorrupt", "JournalNotFound", "JournalTruncated", "WriterFenced", "WriterClosed",
     "SpoolStale", "TargetNotEmpty", "BatchNotFound", "PositionUnavailable", "ReplayError",
     "Record", "RecordDecoder", "RecordType", "Mkdir", "Rmdir", "Create", "Write", "Truncate",
     "Rename", "Delete", "Marker", "SnapshotEnd",

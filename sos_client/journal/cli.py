@@ -1,6 +1,6 @@
 """``sos restore`` and ``sos verify`` (thin shells over restore() and verify()).
 
-Exit codes: 0 ok, 1 the operation failed, 2 usage (argparse), 3 corrupt data.
+Exit codes: RESTORE_EXIT_CODES and VERIFY_EXIT_CODES (printed by each command's --help).
 """
 
 from __future__ import annotations
@@ -10,9 +10,32 @@ import os
 import sys
 import time
 
-from .errors import JournalCorrupt, JournalError
+from .errors import JournalCorrupt, JournalError, JournalNotFound
 
-EXIT_OK, EXIT_FAIL, EXIT_CORRUPT = 0, 1, 3
+EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_CORRUPT, EXIT_NO_JOURNAL = 0, 1, 2, 3, 4
+
+RESTORE_EXIT_CODES = """exit status:
+  0   ok: TARGET holds the requested state
+  1   failed. A server or I/O error (TARGET may hold part of the tree), no key, or
+      nothing written: TARGET not empty without --force, or the requested point is
+      not in the journal (batch N never committed, or committed before the oldest
+      generation the server keeps; position past the last record; time before the
+      first record or the oldest generation kept)
+  2   usage
+  3   corrupt data before the requested point (segment and offset named): restore
+      applied what came before the broken record and stopped there
+  4   no journal in this namespace (no complete generation on this server: a mistyped
+      namespace, the wrong server, or a lost one): nothing written
+  130 interrupted"""
+
+VERIFY_EXIT_CODES = """exit status:
+  0   ok: every record checked, no problem
+  1   failed: server error, no key
+  2   usage
+  3   corrupt data: broken ranges found (listed on stdout)
+  4   no journal in this namespace (no complete generation on this server: a mistyped
+      namespace, the wrong server, or a lost one)
+  130 interrupted"""
 
 
 def _add_connection_options(parser: argparse.ArgumentParser) -> None:
@@ -46,46 +69,86 @@ def _factory(args, namespace: str):
 
 
 class ProgressBar:
-    """A small progress bar on stderr: redraws in place on a terminal, a line every few
-    seconds otherwise."""
+    """Progress on stderr.
 
-    def __init__(self, label: str, stream=None, *, interval: float | None = None):
+    On a terminal: one line redrawn in place (at most every 0.2 s, and once at 100%),
+    ended by a newline before anything else is printed. Elsewhere (a log file, a pipe): a
+    plain line at most every ``interval`` seconds (default 10) while the work goes on, and
+    nothing at 0% nor at the end (the summary follows), so a quick run prints no progress.
+    Calls may come from several threads. ``clock`` is for tests.
+    """
+
+    def __init__(self, label: str, stream=None, *, interval: float | None = None, clock=time.monotonic):
+        import threading
+
         self.label = label
         self.stream = stream or sys.stderr
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
-        self.interval = interval if interval is not None else (0.2 if self.tty else 5.0)
-        self.t0 = time.monotonic()
-        self._last = 0.0
-        self._shown = False
+        self.interval = interval if interval is not None else (0.2 if self.tty else 10.0)
+        self.clock = clock
+        self.t0 = clock()
+        self._last = None if self.tty else self.t0  # when the last line was drawn
+        self._prev_done = 0
+        self._drawn_end = False  # the 100% line of this pass is on the terminal
+        self._shown = False  # a terminal line is open (needs a newline)
+        self._lock = threading.Lock()
 
     def __call__(self, done: int, total: int) -> None:
-        now = time.monotonic()
-        if now - self._last < self.interval and done < total:
-            return
-        self._last = now
-        self._draw(done, total)
+        with self._lock:
+            now = self.clock()
+            if done < self._prev_done:  # a new pass (restore --batch: the scan, then the replay)
+                self.t0 = now
+                if self.tty:
+                    self._end_line()
+                    self._last, self._drawn_end = None, False
+            self._prev_done = done
+            if not self.tty:
+                if now - self._last >= self.interval:
+                    self._last = now
+                    self._draw(done, total, now)
+                return
+            at_end = total > 0 and done >= total
+            if self._last is None or now - self._last >= self.interval or (at_end and not self._drawn_end):
+                self._last = now
+                self._drawn_end = at_end
+                self._draw(done, total, now)
 
-    def _draw(self, done, total):
-        rate = done / max(now_s := time.monotonic() - self.t0, 1e-6)
+    def _draw(self, done, total, now):
+        secs = now - self.t0
+        rate = f"{done / secs / 1e6:.1f} MB/s " if secs >= 1 else ""  # no wild rate in the first second
         if total:
             frac = min(done / total, 1.0)
             bar = "#" * int(frac * 30)
             text = (f"{self.label} [{bar:<30}] {frac * 100:5.1f}% {done / 1e6:.1f}/{total / 1e6:.1f} MB "
-                    f"{rate / 1e6:.1f} MB/s {now_s:.0f}s")
+                    f"{rate}{secs:.0f}s")
         else:
-            text = f"{self.label} {done / 1e6:.1f} MB {rate / 1e6:.1f} MB/s"
-        self.stream.write(("\r" + text) if self.tty else (text + "\n"))
+            text = f"{self.label} {done / 1e6:.1f} MB {rate}{secs:.0f}s"
+        if self.tty:
+            self.stream.write("\r" + text + "\x1b[K")  # erase what a longer previous line left
+            self._shown = True
+        else:
+            self.stream.write(text + "\n")
         self.stream.flush()
-        self._shown = True
 
-    def finish(self) -> None:
-        if self._shown and self.tty:
+    def _end_line(self) -> None:
+        if self._shown:
             self.stream.write("\n")
             self.stream.flush()
+            self._shown = False
+
+    def finish(self) -> None:
+        """End the progress line (call before printing anything else)."""
+        with self._lock:
+            self._end_line()
 
 
 def _err(msg: str) -> None:
     print(f"sos: {msg}", file=sys.stderr)
+
+
+def _where(args) -> str:
+    server = getattr(args, "server", None)
+    return f" (server {server})" if server else ""
 
 
 def cmd_restore(args) -> int:
@@ -100,27 +163,26 @@ def cmd_restore(args) -> int:
         opts["batch"] = args.batch
     bar = None if args.quiet else ProgressBar(f"restore {args.namespace}")
     try:
-        summary = restore(_factory(args, args.namespace), args.namespace, args.target, force=args.force,
-                          progress=bar, **opts)
+        try:
+            summary = restore(_factory(args, args.namespace), args.namespace, args.target, force=args.force,
+                              progress=bar, **opts)
+        finally:
+            if bar:
+                bar.finish()
     except JournalCorrupt as e:
-        if bar:
-            bar.finish()
         s = getattr(e, "summary", None)
         _err(f"{e}; restore stopped before it"
              + (f" (applied up to record {s.last_seq}: {s.files} files, {s.bytes} bytes)" if s else ""))
         return EXIT_CORRUPT
+    except JournalNotFound as e:
+        _err(f"{e}{_where(args)}")
+        return EXIT_NO_JOURNAL
     except (JournalError, ValueError, OSError) as e:
-        if bar:
-            bar.finish()
         _err(str(e))
         return EXIT_FAIL
     except Exception as e:  # noqa: BLE001 - client errors: one line, exit 1
-        if bar:
-            bar.finish()
         _err(f"{type(e).__name__}: {e}")
         return EXIT_FAIL
-    if bar:
-        bar.finish()
     print(summary.text(), file=sys.stderr)
     for n in summary.notes:
         print(f"note: {n}", file=sys.stderr)
@@ -132,18 +194,28 @@ def cmd_verify(args) -> int:
 
     bar = None if args.quiet else ProgressBar(f"verify {args.namespace}")
     try:
-        rep = verify(_factory(args, args.namespace), args.namespace, progress=bar)
+        try:
+            rep = verify(_factory(args, args.namespace), args.namespace, progress=bar)
+        finally:
+            if bar:
+                bar.finish()
     except JournalError as e:
         _err(str(e))
         return EXIT_FAIL
     except Exception as e:  # noqa: BLE001
         _err(f"{type(e).__name__}: {e}")
         return EXIT_FAIL
-    finally:
-        if bar:
-            bar.finish()
+    if not rep.generations:
+        _err(f"namespace {args.namespace!r} has no journal (no objects under gen/): nothing to verify"
+             f"{_where(args)}")
+        return EXIT_NO_JOURNAL
     print(rep.text())
-    return EXIT_OK if rep.ok else EXIT_CORRUPT
+    if not rep.ok:
+        return EXIT_CORRUPT
+    if not rep.complete_generations:
+        _err(f"namespace {args.namespace!r} has no complete generation: nothing to restore{_where(args)}")
+        return EXIT_NO_JOURNAL
+    return EXIT_OK
 
 
 def _nonneg_int(text: str) -> int:
@@ -180,25 +252,40 @@ def add_parsers(subparsers) -> None:
     """Add ``restore`` and ``verify`` to the ``sos`` command's subparsers."""
     p = subparsers.add_parser(
         "restore", help="rebuild a namespace's tree from the server into an empty directory",
-        description="Restore NAMESPACE into the empty directory TARGET, to the latest state or to a "
-                    "point: --at ISO-TIME, --position N (after record N) or --batch QUERYDIR:N (after "
-                    "Spark batch N of the query checkpointed in QUERYDIR). Exit 3 on corrupt data.")
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Restore NAMESPACE into the empty directory TARGET, to the latest state or to a\n"
+                    "point: --at ISO-TIME, --position N (right after record N) or --batch QUERYDIR:N\n"
+                    "(right after Spark committed batch N of the query checkpointed in QUERYDIR, i.e.\n"
+                    "right after the record that makes QUERYDIR/commits/N exist). Progress goes to\n"
+                    "stderr: redrawn in place on a terminal; elsewhere a line every 10 s (none for a\n"
+                    "quick run); -q: none.",
+        epilog=RESTORE_EXIT_CODES)
     p.add_argument("namespace")
     p.add_argument("target")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--at", metavar="ISO-TIME", type=_iso, help="state at this time (naive = UTC)")
-    g.add_argument("--position", metavar="N", type=_nonneg_int, help="state right after record N")
-    g.add_argument("--batch", metavar="QUERYDIR:N", type=_batch, help="state right after Spark batch N")
-    p.add_argument("--force", action="store_true", help="replace the contents of a non-empty TARGET")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    g.add_argument("--at", metavar="ISO-TIME", type=_iso,
+                   help="state after every record stamped at or before this time, e.g. "
+                        "2026-11-23T12:00:00Z or with up to 9 fractional digits (naive = UTC)")
+    g.add_argument("--position", metavar="N", type=_nonneg_int,
+                   help="state right after record N")
+    g.add_argument("--batch", metavar="QUERYDIR:N", type=_batch,
+                   help="state right after Spark batch N committed; QUERYDIR is the checkpoint "
+                        "directory's path relative to the namespace root (e.g. 'checkpoint' for "
+                        "MOUNTPOINT/checkpoint; '.' for the root itself), as in the 'checkpoint' "
+                        "field of the spark.batch markers")
+    p.add_argument("--force", action="store_true",
+                   help="replace the contents of a non-empty TARGET (without it: exit 1, nothing written)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress")
     _add_connection_options(p)
     p.set_defaults(func=cmd_restore)
 
     v = subparsers.add_parser("verify", help="check every segment and record of a namespace",
-                              description="Read and check every record of NAMESPACE without restoring; "
-                                          "names each broken range. Exit 3 if anything is broken.")
+                              formatter_class=argparse.RawDescriptionHelpFormatter,
+                              description="Read and check every record of NAMESPACE without restoring;\n"
+                                          "names each broken range. Progress on stderr as for restore.",
+                              epilog=VERIFY_EXIT_CODES)
     v.add_argument("namespace")
-    v.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    v.add_argument("-q", "--quiet", action="store_true", help="no progress")
     _add_connection_options(v)
     v.set_defaults(func=cmd_verify)
 

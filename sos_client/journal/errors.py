@@ -37,12 +37,22 @@ class TargetNotEmpty(JournalError, FileExistsError):
     """restore() refuses to write into a non-empty directory unless force=True."""
 
 
+class JournalNotFound(JournalError, LookupError):
+    """The namespace holds no complete generation: nothing to restore (a mistyped
+    namespace, another server, or a namespace whose first snapshot never finished)."""
+
+    def __init__(self, namespace: str, message: str):
+        self.namespace = namespace
+        super().__init__(message)
+
+
 class BatchNotFound(JournalError, LookupError):
-    """No MARKER record for the requested checkpoint dir and batch id."""
+    """The journal never makes ``QUERYDIR/commits/N`` exist (batch N of that checkpoint)."""
 
 
 class PositionUnavailable(JournalError, LookupError):
-    """The requested point lies before the oldest generation the server still keeps."""
+    """The requested point is not in the journal the server keeps: before the oldest
+    generation it still has, before the first record, or beyond the last record."""
 
 
 class ReplayError(JournalError):

@@ -7,10 +7,17 @@ and replays it in order up to the requested point:
 - default: everything (newest complete generation, to its end);
 - ``position=N``: the tree right after record N;
 - ``at=TIME``: the tree after every record stamped at or before TIME;
-- ``batch=(QUERYDIR, N)``: the tree right after the MARKER ``spark.batch`` whose JSON payload
-  has ``checkpoint == QUERYDIR`` and ``batch_id == N`` (the last such marker).
+- ``batch=(QUERYDIR, N)``: the tree right after Spark committed batch N of the query whose
+  checkpoint directory is QUERYDIR (its path relative to the namespace root, as in the
+  ``checkpoint`` field of a ``spark.batch`` marker; "" is the root itself): right after the
+  last journal record that makes ``QUERYDIR/commits/N`` exist, see :func:`find_batch`.
 
 A corrupt record stops the restore before it (JournalCorrupt names segment and offset).
+A namespace without a complete generation raises JournalNotFound; a point the journal does
+not hold (before its first record or oldest kept generation, past its last record, a batch
+that never committed) raises PositionUnavailable or BatchNotFound. Every error found before
+replaying leaves the target untouched (not even created); a position found to lie past the
+end once replayed is undone (the target is emptied, and removed if restore created it).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import re
 import shutil
 import threading
 import time
@@ -30,15 +38,17 @@ from .errors import (
     BatchNotFound,
     JournalCorrupt,
     JournalError,
+    JournalNotFound,
     JournalTruncated,
     PositionUnavailable,
     TargetNotEmpty,
 )
-from .records import HEADER_SIZE, Marker, Record, RecordDecoder, SnapshotEnd, peek_header
+from .records import (HEADER_SIZE, Create, Delete, Marker, Record, RecordDecoder, Rename, SnapshotEnd, Truncate,
+                      Write, peek_header, validate_path)
 from .replay import replay
 
-__all__ = ["restore", "rebuild_cache", "Summary", "parse_time", "parse_batch", "segment_records",
-           "generation_records", "list_generations", "BATCH_LABEL"]
+__all__ = ["restore", "rebuild_cache", "Summary", "parse_time", "format_time", "parse_batch", "find_batch",
+           "commit_path", "segment_records", "generation_records", "list_generations", "BATCH_LABEL"]
 
 BATCH_LABEL = "spark.batch"
 
@@ -55,7 +65,7 @@ class Summary:
     last_seq: int = 0
     last_time_ns: int = 0
     bytes_read: int = 0  # journal bytes read from the server
-    stopped: bool = False  # stopped at the requested point (not at the end of the journal)
+    stopped: bool = False  # a point was requested and reached (rather than the end of the journal)
     seconds: float = 0.0
     notes: list = field(default_factory=list)
 
@@ -63,7 +73,7 @@ class Summary:
     def last_time(self) -> str:
         if not self.last_time_ns:
             return "-"
-        return _dt.datetime.fromtimestamp(self.last_time_ns / 1e9, _dt.timezone.utc).isoformat()
+        return format_time(self.last_time_ns)
 
     def text(self) -> str:
         return (f"restored {self.namespace} into {self.target}: {self.files} files, {self.dirs} dirs, "
@@ -72,42 +82,72 @@ class Summary:
                 f"in {self.seconds:.2f}s")
 
 
+_EPOCH = _dt.datetime(1970, 1, 1, tzinfo=_dt.timezone.utc)
+_FRACTION = re.compile(r"(\.\d{6})(\d{1,3})")
+
+
 def parse_time(at) -> int | None:
-    """ns since the epoch from a datetime, an int (ns) or an ISO-8601 string (naive = UTC)."""
+    """ns since the epoch from a datetime, an int (ns) or an ISO-8601 string (naive = UTC;
+    up to 9 fractional digits, as :func:`format_time` prints them)."""
     if at is None:
         return None
     if isinstance(at, int):
         return at
+    extra_ns = 0
     if isinstance(at, str):
+        text = at.strip()
+        m = _FRACTION.search(text)
+        if m:  # datetime keeps microseconds: carry the nanoseconds ourselves
+            extra_ns = int(m.group(2).ljust(3, "0"))
+            text = text[:m.start()] + m.group(1) + text[m.end():]
         try:
-            at = _dt.datetime.fromisoformat(at.strip())
+            at = _dt.datetime.fromisoformat(text)
         except ValueError:
             raise ValueError(f"bad time {at!r}: expected ISO-8601 like 2026-11-23T12:00:00Z") from None
     if isinstance(at, _dt.datetime):
         if at.tzinfo is None:
             at = at.replace(tzinfo=_dt.timezone.utc)
-        return int(at.timestamp() * 1_000_000) * 1000
+        d = at - _EPOCH  # exact integer arithmetic (a float timestamp loses microseconds)
+        return (d.days * 86400 + d.seconds) * 1_000_000_000 + d.microseconds * 1000 + extra_ns
     raise TypeError(f"bad time {at!r}")
+
+
+def format_time(ns: int) -> str:
+    """ISO-8601 UTC with nanoseconds (what ``--at`` accepts back exactly)."""
+    s, frac = divmod(ns, 1_000_000_000)
+    return (_EPOCH + _dt.timedelta(seconds=s)).strftime("%Y-%m-%dT%H:%M:%S") + f".{frac:09d}Z"
 
 
 def _norm_dir(p: str) -> str:
     p = p.strip().strip("/")
     while p.startswith("./"):
-        p = p[2:]
-    return p
+        p = p[2:].lstrip("/")
+    return "" if p == "." else p
 
 
 def parse_batch(batch) -> tuple[str, int]:
+    """(querydir, N) from ``"QUERYDIR:N"`` or a tuple. QUERYDIR is the checkpoint directory's
+    path relative to the namespace root ("" or "." for the root); N >= 0."""
     if isinstance(batch, tuple):
         q, n = batch
-        return _norm_dir(q), int(n)
-    if isinstance(batch, str) and ":" in batch:
+    elif isinstance(batch, str) and ":" in batch:
         q, _, n = batch.rpartition(":")
+    else:
+        raise ValueError(f"bad batch {batch!r}: expected QUERYDIR:N")
+    try:
+        n = int(n)
+    except (TypeError, ValueError):
+        raise ValueError(f"bad batch {batch!r}: expected QUERYDIR:N with N a batch id >= 0") from None
+    if n < 0:
+        raise ValueError(f"bad batch {batch!r}: batch ids are >= 0")
+    q = _norm_dir(str(q))
+    if q:
         try:
-            return _norm_dir(q), int(n)
+            validate_path(q)
         except ValueError:
-            pass
-    raise ValueError(f"bad batch {batch!r}: expected QUERYDIR:N")
+            raise ValueError(f"bad batch {batch!r}: QUERYDIR must be a path relative to the namespace "
+                             f"root without empty, '.' or '..' parts") from None
+    return q, n
 
 
 def list_generations(client) -> dict[int, layout.GenerationInfo]:
@@ -344,58 +384,245 @@ def _complete(gens) -> list[layout.GenerationInfo]:
 
 
 def choose_generation(client, gens, *, position=None, at_ns=None) -> layout.GenerationInfo | None:
+    """The generation to replay for a point (None: no complete generation)."""
     cands = _complete(gens)
     if not cands:
         return None
     if position is None and at_ns is None:
         return cands[0]
+    first_time = None
     for g in cands:
         if position is not None and g.first_seq - 1 <= position:
             return g
         if at_ns is not None:
-            t = _first_time(client, g.segments[0])
-            if t is not None and t <= at_ns:
+            first_time = _first_time(client, g.segments[0])
+            if first_time is not None and first_time <= at_ns:
                 return g
-    if cands[-1].first_seq == 1:
-        return cands[-1]  # generation 1: the point is before anything was written
-    what = f"position {position}" if position is not None else f"time {at_ns} ns"
-    raise PositionUnavailable(f"{what} is before the oldest generation the server keeps "
-                              f"(generation {cands[-1].generation} starts after record {cands[-1].first_seq - 1})")
+    oldest = cands[-1]
+    if position is not None:
+        if oldest.first_seq == 1:
+            return oldest  # generation 1: the point is before anything was written
+        raise PositionUnavailable(f"position {position} is before the oldest generation the server keeps "
+                                  f"(generation {oldest.generation} starts after record {oldest.first_seq - 1})")
+    when = f"first record at {format_time(first_time)}" if first_time is not None else "no first record"
+    if oldest.first_seq == 1:
+        raise PositionUnavailable(f"time {format_time(at_ns)} is before the first record of the journal "
+                                  f"(generation 1, {when}): nothing was journaled yet")
+    raise PositionUnavailable(f"time {format_time(at_ns)} is before the oldest generation the server keeps "
+                              f"(generation {oldest.generation}, {when})")
 
 
-def find_batch(client, gens, querydir: str, batch_id: int, *, on_bytes=None) -> int:
-    """Sequence number of the last ``spark.batch`` MARKER for (querydir, batch_id)."""
-    for g in _complete(gens):
-        found = None
-        for rec in generation_records(client, g, on_bytes=on_bytes):
-            op = rec.op
-            if type(op) is Marker and op.label == BATCH_LABEL:
+def commit_path(querydir: str, batch_id: int) -> str:
+    """``QUERYDIR/commits/N``: the file whose appearance commits batch N (Spark's commit log)."""
+    return f"{querydir}/commits/{batch_id}" if querydir else f"commits/{batch_id}"
+
+
+def _commit_of(path: str):
+    """(querydir, batch id) if ``path`` is a Spark commit-log file ``[Q/]commits/N``, else None."""
+    parent, _, name = path.rpartition("/")
+    if not name.isdigit() or not name.isascii():
+        return None
+    if parent == "commits":
+        return "", int(name)
+    if parent.endswith("/commits"):
+        return parent[:-len("/commits")], int(name)
+    return None
+
+
+@dataclass
+class _CommitScan:
+    """What one generation says about ``P = Q/commits/N`` (and its checksum ``Q/commits/.N.crc``).
+
+    Only journal records count (a snapshot re-creates the tree, it does not commit anything).
+    ``start``: the last record that makes P exist (RENAME onto P, or CREATE of P); ``stop``:
+    that record or the last later record that completes the same file (WRITE/TRUNCATE of P;
+    RENAME onto, CREATE, WRITE or TRUNCATE of its ``.crc``; DELETE of the renamed temp
+    file's ``.crc``, which Spark removes instead, HADOOP-16255), before anything replaces or
+    removes P; ``open``: that incarnation of P is still there at the generation's end.
+    ``head_ext``/``head_closed``: completing records before the first record that makes,
+    replaces or removes P (they continue an incarnation from the previous generation).
+    """
+
+    start: int | None = None
+    stop: int | None = None
+    open: bool = False
+    head_ext: int | None = None
+    head_closed: bool = False
+    in_snapshot: bool = False  # P exists in this generation's snapshot
+    tmp_crc: str | None = None  # checksum file of the temp file renamed onto P
+
+
+def _scan_generation(records, path: str, crc: str, seen: dict, r: _CommitScan) -> _CommitScan:
+    in_snap = True
+    for rec in records:
+        op = rec.op
+        t = type(op)
+        if in_snap:
+            if t is SnapshotEnd:
+                in_snap = False
+            elif t is Create:
+                if op.path == path:
+                    r.in_snapshot = True
+                c = _commit_of(op.path)
+                if c is not None:
+                    seen.setdefault(c[0], set()).add(c[1])
+            continue
+        if t is Marker:
+            if op.label == BATCH_LABEL:
                 try:
                     info = json.loads(op.payload)
-                    if (_norm_dir(str(info.get("checkpoint", ""))) == querydir
-                            and int(info.get("batch_id")) == batch_id):
-                        found = rec.seq
-                except (ValueError, TypeError, AttributeError):
-                    continue
-        if found is not None:
-            return found
-    raise BatchNotFound(f"no {BATCH_LABEL} marker for checkpoint {querydir!r} batch {batch_id}")
+                    seen.setdefault(_norm_dir(str(info["checkpoint"])), set()).add(int(info["batch_id"]))
+                except (ValueError, TypeError, KeyError, AttributeError):
+                    pass
+            continue
+        if t is Rename:
+            made = op.dst
+        elif t is Create:
+            made = op.path
+        else:
+            made = None
+        if made is not None:
+            c = _commit_of(made)
+            if c is not None:
+                seen.setdefault(c[0], set()).add(c[1])
+        if made == path:
+            r.start = r.stop = rec.seq
+            r.open = True
+            r.head_closed = True
+            if t is Rename:
+                d, _, name = op.src.rpartition("/")
+                r.tmp_crc = f"{d}/.{name}.crc" if d else f".{name}.crc"
+        elif ((t is Rename and (op.src == path or path.startswith(op.src + "/")
+                                or path.startswith(op.dst + "/")))
+              or (t is Delete and op.path == path)):
+            r.open = False  # P moved away, replaced by a directory rename, or deleted
+            r.head_closed = True
+        elif ((t is Write or t is Truncate) and (op.path == path or op.path == crc)) or (
+                (t is Create and op.path == crc) or (t is Rename and op.dst == crc)) or (
+                t is Delete and op.path == r.tmp_crc):
+            if r.open:
+                r.stop = rec.seq
+            elif not r.head_closed:
+                r.head_ext = rec.seq
+    return r
+
+
+def _ranges(ids) -> str:
+    ids = sorted(ids)
+    out, i = [], 0
+    while i < len(ids):
+        j = i
+        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+            j += 1
+        out.append(str(ids[i]) if i == j else f"{ids[i]}..{ids[j]}")
+        i = j + 1
+    return ", ".join(out)
+
+
+def find_batch(client, gens, querydir: str, batch_id: int, *, on_bytes=None, notes=None) -> int:
+    """The position right after batch ``batch_id`` of the checkpoint ``querydir`` committed.
+
+    That is the sequence number of the last journal record that makes
+    ``querydir/commits/batch_id`` exist (Spark's commit log renames a temp file onto it; a
+    direct CREATE counts too), moved past the records that complete that same file (its
+    WRITEs if it was written in place; the RENAME of its ``.N.crc`` checksum file, or the
+    DELETE of the temp file's checksum file). The
+    last such commit wins. ``spark.batch`` markers play no part in the position: they are
+    written after the commit, asynchronously, possibly after later batches committed.
+    Raises BatchNotFound (naming the checkpoints and batches the journal does hold) or
+    PositionUnavailable (the batch committed before the oldest generation kept).
+    """
+    path = commit_path(querydir, batch_id)
+    crc = path.rpartition("/")[0] + f"/.{batch_id}.crc"
+    seen: dict = {}
+    newer: list[_CommitScan] = []  # newest first
+    cands = _complete(gens)
+    for g in cands:
+        r = _CommitScan()
+        try:
+            _scan_generation(generation_records(client, g, on_bytes=on_bytes), path, crc, seen, r)
+        except JournalCorrupt as e:
+            if r.start is None:
+                raise
+            # the batch committed before the damage: the replay stops before it too
+            r.open = False
+            if notes is not None:
+                notes.append(f"the journal is corrupt after batch {batch_id} committed ({e}); a later "
+                             f"commit of the same batch would be behind it")
+        if r.start is not None:
+            stop = r.stop
+            if r.open:  # the file may be completed in the next generation(s)
+                for nr in reversed(newer):
+                    if nr.head_ext is not None:
+                        stop = nr.head_ext
+                    if nr.head_closed:
+                        break
+            if notes is not None:
+                notes.append(f"batch {batch_id} of checkpoint {querydir or '.'!r}: {path} appears at record "
+                             f"{r.start}" + (f", complete at record {stop}" if stop != r.start else "")
+                             + f"; restored to position {stop}")
+            return stop
+        newer.append(r)
+    if any(r.in_snapshot for r in newer):
+        oldest = cands[-1]
+        raise PositionUnavailable(
+            f"batch {batch_id} of checkpoint {querydir or '.'!r} committed before the oldest generation the "
+            f"server keeps (generation {oldest.generation} starts after record {oldest.first_seq - 1} and "
+            f"already holds {path}): the state right after that batch is gone")
+    if querydir in seen:
+        raise BatchNotFound(f"checkpoint {querydir or '.'!r} has no {path} in the journal the server keeps "
+                            f"(its batches: {_ranges(seen[querydir])})")
+    known = ", ".join(repr(q or ".") for q in sorted(seen)) or "none"
+    raise BatchNotFound(f"no checkpoint {querydir or '.'!r} in this namespace's journal: no {path} "
+                        f"(checkpoints found: {known}; QUERYDIR is the checkpoint's path relative to "
+                        f"the namespace root)")
+
+
+def _through(records, position: int):
+    """The records up to ``position`` (the whole snapshot at least), without reading the next
+    one: a corrupt record right after the point must not fail a restore that stops before it."""
+    in_snapshot = True
+    for rec in records:
+        yield rec
+        if type(rec.op) is SnapshotEnd:
+            in_snapshot = False
+        if not in_snapshot and rec.seq >= position:
+            return
+
+
+def _check_target(target: str, force: bool) -> None:
+    """Refuse an unusable target before anything is read or written."""
+    if os.path.exists(target) and not os.path.isdir(target):
+        raise NotADirectoryError(f"restore target {target} is not a directory")
+    if os.path.isdir(target) and not force:
+        n = len(os.listdir(target))
+        if n:
+            raise TargetNotEmpty(f"restore target {target} is not empty ({n} entries); "
+                                 f"use force (--force) to replace its contents")
 
 
 def _prepare_target(target: str, force: bool) -> None:
-    if os.path.exists(target) and not os.path.isdir(target):
-        raise NotADirectoryError(f"restore target {target} is not a directory")
+    _check_target(target, force)
     os.makedirs(target, exist_ok=True)
-    entries = os.listdir(target)
-    if entries and not force:
-        raise TargetNotEmpty(f"restore target {target} is not empty ({len(entries)} entries); "
-                             f"use force to replace its contents")
-    for name in entries:
+    _clear(target)
+
+
+def _clear(target: str) -> None:
+    for name in os.listdir(target):
         p = os.path.join(target, name)
         if os.path.isdir(p) and not os.path.islink(p):
             shutil.rmtree(p)
         else:
             os.unlink(p)
+
+
+def _no_journal(namespace: str, gens) -> JournalNotFound:
+    if not gens:
+        return JournalNotFound(namespace, f"namespace {namespace!r} has no journal (no objects under gen/): "
+                                          f"nothing to restore; check the namespace and the server")
+    return JournalNotFound(namespace, f"namespace {namespace!r} has no complete generation "
+                                      f"({len(gens)} incomplete: its first snapshot never finished): "
+                                      f"nothing to restore")
 
 
 def _count(target: str, summary: Summary) -> None:
@@ -413,9 +640,13 @@ def restore(client_factory, namespace: str, target: str, *, at=None, position: i
             batch=None, force: bool = False, progress: Callable[[int, int], None] | None = None) -> Summary:
     """Rebuild the tree of ``namespace`` in the empty directory ``target``; see module doc.
 
-    ``progress(done_bytes, total_bytes)`` is called as journal bytes arrive.
-    Raises TargetNotEmpty, JournalCorrupt (after applying everything before the broken
-    record; ``exc.summary`` tells what was restored), BatchNotFound, PositionUnavailable.
+    ``progress(done_bytes, total_bytes)`` is called as journal bytes arrive (from reader
+    threads; a ``batch`` restore first scans the journal for the batch, then replays: two
+    passes, each starting from 0).
+    Raises TargetNotEmpty, JournalNotFound, BatchNotFound, PositionUnavailable (all before
+    the target is touched, except a position past the end: what was written is undone) and
+    JournalCorrupt (after applying everything before the broken record; ``exc.summary``
+    tells what was restored).
     """
     if sum(x is not None for x in (at, position, batch)) > 1:
         raise ValueError("give at most one of at, position, batch")
@@ -424,33 +655,32 @@ def restore(client_factory, namespace: str, target: str, *, at=None, position: i
     at_ns = parse_time(at)
     bq = parse_batch(batch) if batch is not None else None
     target = os.path.abspath(target)
-    _prepare_target(target, force)
+    _check_target(target, force)
     summary = Summary(namespace, target)
     t0 = time.monotonic()
     client = client_factory()
     try:
         gens = list_generations(client)
+        if not _complete(gens):
+            raise _no_journal(namespace, gens)
         done = [0]
         total = [0]
         lock = threading.Lock()
 
         def on_bytes(n):
-            with lock:
+            with lock:  # progress sees done grow (the reader threads would otherwise race)
                 done[0] += n
                 summary.bytes_read += n
-                d = done[0]
-            if progress is not None:
-                progress(d, total[0])
+                if progress is not None:
+                    progress(done[0], total[0])
 
         if bq is not None:
-            total[0] = sum(g.total_bytes for g in _complete(gens)[:1])
-            position = find_batch(client, gens, bq[0], bq[1], on_bytes=on_bytes)
+            total[0] = sum(g.total_bytes for g in _complete(gens))  # at most: the scan may stop sooner
+            position = find_batch(client, gens, bq[0], bq[1], on_bytes=on_bytes, notes=summary.notes)
             done[0] = 0
         gen = choose_generation(client, gens, position=position, at_ns=at_ns)
-        if gen is None:
-            summary.notes.append("namespace has no complete generation: nothing to restore")
-            summary.seconds = time.monotonic() - t0
-            return summary
+        created = not os.path.exists(target)
+        _prepare_target(target, force)
         summary.generation = gen.generation
         total[0] = gen.total_bytes
         if progress is not None:
@@ -466,8 +696,10 @@ def restore(client_factory, namespace: str, target: str, *, at=None, position: i
         try:
             readers = SegmentReaders(client_factory, gen.segments, readers=2, on_bytes=on_bytes)
             try:
-                stats = replay(generation_records(client, gen, notes=summary.notes, source=readers.records),
-                               target, stop=stop, snapshot=True)
+                records = generation_records(client, gen, notes=summary.notes, source=readers.records)
+                if position is not None:
+                    records = _through(records, position)
+                stats = replay(records, target, stop=stop, snapshot=True)
             finally:
                 readers.close()
         except JournalCorrupt as e:
@@ -481,10 +713,20 @@ def restore(client_factory, namespace: str, target: str, *, at=None, position: i
         if not stats.snapshot_done:
             raise JournalCorrupt(gen.segments[-1].name, 0,
                                  f"generation {gen.generation} is marked ready but has no SNAPSHOT_END")
+        if position is not None and not stats.stopped and stats.last_seq < position:
+            if gen is _complete(gens)[0]:
+                _clear(target)  # a point the journal does not reach: leave nothing half-meant behind
+                if created:
+                    os.rmdir(target)
+                raise PositionUnavailable(f"position {position} is past the end of the journal: the last "
+                                          f"record is {stats.last_seq} (at {format_time(stats.last_time_ns)})")
+            summary.notes.append(f"position {position} is in a range of records no complete generation "
+                                 f"holds (a generation abandoned before its snapshot was done): restored "
+                                 f"the end of generation {gen.generation}, record {stats.last_seq}")
         summary.records = stats.records
         summary.last_seq = stats.last_seq
         summary.last_time_ns = stats.last_time_ns
-        summary.stopped = stats.stopped
+        summary.stopped = stats.stopped or (position is not None and stats.last_seq >= position)
     finally:
         try:
             client.close()
@@ -496,8 +738,10 @@ def restore(client_factory, namespace: str, target: str, *, at=None, position: i
 
 
 def rebuild_cache(client_factory, namespace: str, cache_dir: str) -> int:
-    """Fill an empty cache directory with the namespace's latest tree; returns the last seq."""
+    """Fill a cache directory with the namespace's latest tree (replacing what it holds);
+    returns the last seq, 0 for a namespace without a complete generation (empty tree)."""
     try:
         return restore(client_factory, namespace, cache_dir, force=True).last_seq
-    except SOSNotFound:
+    except (SOSNotFound, JournalNotFound):
+        _prepare_target(os.path.abspath(cache_dir), True)
         return 0

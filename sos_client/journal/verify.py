@@ -58,12 +58,23 @@ class VerifyReport:
 
     @property
     def ok(self) -> bool:
+        """No broken range (says nothing about whether there is anything to restore)."""
         return not self.problems
+
+    @property
+    def verdict(self) -> str:
+        if self.problems:
+            return f"{len(self.problems)} BROKEN"
+        if not self.generations:
+            return "NO JOURNAL"
+        if not self.complete_generations:
+            return "no problem, but NO COMPLETE GENERATION (nothing to restore)"
+        return "OK"
 
     def text(self) -> str:
         head = (f"{self.namespace}: {self.generations} generations ({self.complete_generations} complete), "
                 f"{self.segments} segments, {self.records} records, {self.bytes} bytes, "
-                f"records {self.first_seq}..{self.last_seq}: " + ("OK" if self.ok else f"{len(self.problems)} BROKEN"))
+                f"records {self.first_seq}..{self.last_seq}: " + self.verdict)
         lines = [head] + [f"  BROKEN {p}" for p in self.problems] + [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
