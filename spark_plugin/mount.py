@@ -18,6 +18,15 @@
 chmod, chown and utimens are applied to the cache only (the journal has no
 record for them; Hadoop's local filesystem calls chmod and must not fail).
 
+Ownership: the kernel checks permissions (`default_permissions`) against the
+cache entries' owners and modes. When the mount runs as root (the sidecar), a
+file or directory created through it is chowned to the calling process (uid,
+and gid unless the parent directory is setgid), as a local filesystem does;
+`owner=(uid, gid)` (`sos mount --owner`) gives the root directory, and every
+entry rebuilt from the server (the journal records no owners), to that user, so
+a non-root Spark can create its checkpoint directory. Other users reach a mount
+only with allow_other (implied by an owner other than the mount's own user).
+
 `.sos/marker` at the root is a virtual control file (not listed, not journaled
 as a file): a JSON document {"label": str, "payload": any} written to it
 becomes a MARKER record (JournaledTree.marker), durable when fsync or close
@@ -268,7 +277,7 @@ class SOSOperations(_OperationsBase):
     enable_acl = False
 
     def __init__(self, tree, cache_root: str, *, sync: bool = True, namespace: str = "",
-                 writeback_cache: bool = False) -> None:
+                 writeback_cache: bool = False, chown_to_caller: bool | None = None) -> None:
         super().__init__()
         # Kernel writeback cache (read by pyfuse3 at FUSE INIT): write(2) lands in the page
         # cache and reaches us in large WRITEs, at the latest when close(2) flushes (before
@@ -284,6 +293,8 @@ class SOSOperations(_OperationsBase):
         self._dirs: dict[int, tuple[int, list[str]]] = {}
         self._next_fh = 1
         self.fenced: str | None = None
+        # Only root can give a new cache entry to the caller; other mounts own everything.
+        self.chown_to_caller = (os.geteuid() == 0) if chown_to_caller is None else chown_to_caller
 
     # ------------------------------------------------------------------ helpers
     def _local(self, path: str) -> str:
@@ -346,6 +357,17 @@ class SOSOperations(_OperationsBase):
         ino = self.inodes.ino(path)
         self.inodes.mark_dir(ino, stat.S_ISDIR(st.st_mode))
         return ino, st
+
+    def _give_to_caller(self, path: str, ctx) -> None:
+        """A new entry belongs to the process that created it (as on a local filesystem):
+        its uid, and its gid unless the parent directory is setgid (then the cache entry
+        already has the parent's group, and a new directory its setgid bit)."""
+        if not self.chown_to_caller or ctx is None:
+            return
+        local = self._local(path)
+        parent = os.lstat(os.path.dirname(local))
+        gid = -1 if parent.st_mode & stat.S_ISGID else ctx.gid
+        os.chown(local, ctx.uid, gid, follow_symlinks=False)
 
     def _open_fd(self, ino: int) -> int | None:
         for h in self._handles.values():
@@ -469,6 +491,7 @@ class SOSOperations(_OperationsBase):
     async def mkdir(self, parent_inode, name, mode, ctx):
         path = self._child(parent_inode, name)
         await self._call(self.tree.mkdir, path, stat.S_IMODE(mode))
+        self._give_to_caller(path, ctx)
         ino, st = self._stat_path(path)
         self.inodes.lookup(ino)
         return self._entry(ino, st)
@@ -539,7 +562,10 @@ class SOSOperations(_OperationsBase):
     @_guard
     async def create(self, parent_inode, name, mode, flags, ctx):
         path = self._child(parent_inode, name)
+        existed = os.path.lexists(self._local(path))  # CREATE of an existing name: open it
         await self._call(self.tree.create, path, stat.S_IMODE(mode))
+        if not existed:
+            self._give_to_caller(path, ctx)
         ino, st = self._stat_path(path)
         fh = self._new_handle(ino, path, writable=True)
         self._handles[fh].dirty = True
@@ -807,10 +833,22 @@ async def _watch_signals(task_status=trio.TASK_STATUS_IGNORED) -> None:
             return
 
 
+def give_tree_to(tree_dir: str, owner: tuple[int, int], *, everything: bool) -> None:
+    """chown the cache's root directory (and, with ``everything``, all below it) to owner."""
+    uid, gid = owner
+    os.chown(tree_dir, uid, gid)
+    if not everything:
+        return
+    for dirpath, dirnames, filenames in os.walk(tree_dir):
+        for name in dirnames + filenames:
+            os.chown(os.path.join(dirpath, name), uid, gid, follow_symlinks=False)
+
+
 def run_mount(namespace: str, mountpoint: str, *, server: str, key: str,
               cache_dir: str | None = None, sync: bool = True, max_lag_bytes: int = 64 << 20,
               allow_other: bool = False, debug: bool = False, client_factory=None,
-              flush_timeout: float = 120.0, writeback_cache: bool = False) -> int:
+              flush_timeout: float = 120.0, writeback_cache: bool = False,
+              owner: tuple[int, int] | None = None) -> int:
     """Mount `namespace` at `mountpoint` until SIGTERM/SIGINT or an external unmount.
 
     Returns the process exit code (0 after a clean unmount with everything
@@ -819,6 +857,9 @@ def run_mount(namespace: str, mountpoint: str, *, server: str, key: str,
     (TLS, timeouts); by default `sos_client.Client(server, key, namespace)`.
     After the unmount the journal gets `flush_timeout` seconds to reach the
     server; what does not stays in the spool and the next mount ships it.
+    `owner` (uid, gid): owner of the mount's root directory and of everything rebuilt
+    from the server (needs root unless it is the mount's own user); implies allow_other
+    when it is another user.
     """
     if pyfuse3 is None:
         raise RuntimeError("pyfuse3 is not installed (pip install 'sos[mount]')")
@@ -835,9 +876,21 @@ def run_mount(namespace: str, mountpoint: str, *, server: str, key: str,
             raise RuntimeError(f"{mountpoint} is already a mount point")
     if not os.path.isdir(mountpoint):
         raise FileNotFoundError(errno.ENOENT, "mountpoint is not a directory", mountpoint)
+    if owner is not None:
+        if os.geteuid() != 0 and tuple(owner) != (os.geteuid(), os.getegid()):
+            raise PermissionError(errno.EPERM, "--owner needs the mount to run as root")
+        if owner[0] != os.geteuid() and not allow_other:
+            log.info("--owner %d:%d is another user: mounting with allow_other", *owner)
+            allow_other = True
     journal = MountedTree(namespace, server, key, cache_dir or default_cache_dir(namespace),
                           sync=sync, max_lag_bytes=max_lag_bytes, client_factory=client_factory)
     journal.open()
+    if owner is not None:
+        try:  # rebuilt entries have no owner in the journal: they are the owner's
+            give_tree_to(journal.tree_dir, owner, everything=journal.tree.rebuilt)
+        except BaseException:
+            journal.close()
+            raise
     ops = SOSOperations(journal.tree, journal.tree_dir, sync=sync, namespace=namespace,
                         writeback_cache=writeback_cache)
     code = 0

@@ -53,11 +53,12 @@ def mounts(tmp_path, server, key):
     """Factory of MountProcess objects; every mount is stopped and unmounted at teardown."""
     started = []
 
-    def make(name="m", cache=None, sync=True, start=True, writeback=False):
+    def make(name="m", cache=None, sync=True, start=True, writeback=False, extra_args=()):
         mp = MountProcess(NS, str(tmp_path / f"mnt-{name}"),
                           str(cache or tmp_path / f"cache-{name}"), server.address, key,
                           sync=sync, log_path=str(tmp_path / f"mount-{name}-{len(started)}.log"),
-                          extra_args=["--writeback-cache"] if writeback else [])
+                          extra_args=(["--writeback-cache"] if writeback else [])
+                          + list(extra_args))
         started.append(mp)
         if start:
             mp.start()
@@ -337,6 +338,161 @@ def test_sigkill_then_remount_on_empty_cache_restores(mounts, server, key, tmp_p
     write_file(os.path.join(fresh.mountpoint, "chk", "after"), b"after the crash")
     assert fresh.stop() == 0
     assert restored(server, key, tmp_path) == {**got, "chk/after": b"after the crash"}
+
+
+# --------------------------------------------------------------------------- owners
+
+SPARK_UID = 185  # the official Spark image's user
+OTHER_UID = 186
+
+_AS_USER = r"""
+import json, os, sys
+out = {"uid": os.getuid(), "groups": os.getgroups()}
+def attempt(name, fn):
+    try:
+        fn()
+        out[name] = "ok"
+    except OSError as exc:
+        out[name] = exc.errno
+def write(path, data):
+    with open(path, "wb") as f:
+        f.write(data)
+def read(path):
+    with open(path, "rb") as f:
+        out["data:" + path] = f.read().decode()
+for step in json.loads(sys.argv[1]):
+    op, args = step[0], step[1:]
+    fn = {"mkdir": os.mkdir, "write": lambda p, d: write(p, d.encode()), "read": read,
+          "rename": os.rename, "unlink": os.unlink, "chmod": os.chmod,
+          "chown": lambda p, u: os.chown(p, u, -1)}[op]
+    attempt(":".join(map(str, step)), lambda: fn(*args))
+print(json.dumps(out))
+"""
+
+
+def _world_python():
+    """A Python interpreter any user may run (pytest's may live under root's 0700 home)."""
+    for cand in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"):
+        real = os.path.realpath(cand)
+        parts = [real] + [os.path.dirname(real)]
+        while parts[-1] != "/":
+            parts.append(os.path.dirname(parts[-1]))
+        if os.path.isfile(real) and all(
+                os.path.exists(p) and os.stat(p).st_mode & stat.S_IXOTH for p in parts):
+            return real
+    pytest.skip("no Python interpreter that a non-root user may run")
+
+
+def as_user(uid, cwd, *steps):
+    """Run file operations as `uid` (gid = uid, no supplementary groups) in `cwd`.
+
+    Paths are relative to `cwd` (chdir happens before the process drops root, so the
+    0700 pytest directories above the mount point need not be traversable)."""
+    import json
+
+    proc = subprocess.run([_world_python(), "-I", "-c", _AS_USER, json.dumps(steps)], cwd=cwd,
+                          user=uid, group=uid, extra_groups=[], capture_output=True, text=True,
+                          timeout=120, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["uid"] == uid and out["groups"] == []
+    return out
+
+
+def owner(path):
+    st = os.lstat(path)
+    return st.st_uid, st.st_gid
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (the sidecar's situation)")
+def test_non_root_user_owns_what_it_creates_and_others_are_refused(mounts, server, key,
+                                                                   tmp_path):
+    """The sidecar runs as root, Spark as uid 185: --owner gives 185 the root directory;
+    what 185 creates is 185's (cache too); another user is refused by the kernel's
+    permission checks; an empty cache rebuilt from the server is 185's again."""
+    spark = f"{SPARK_UID}:{SPARK_UID}"
+    mp = mounts("a", extra_args=["--owner", spark])
+    m = mp.mountpoint
+    assert owner(m) == (SPARK_UID, SPARK_UID)
+    out = as_user(SPARK_UID, m,
+                  ["mkdir", "checkpoint"], ["mkdir", "checkpoint/offsets"],
+                  ["write", "checkpoint/offsets/.0.tmp", "offsets of batch 0"],
+                  ["rename", "checkpoint/offsets/.0.tmp", "checkpoint/offsets/0"],
+                  ["write", "checkpoint/metadata", "{}"], ["chmod", "checkpoint/metadata", 0o640],
+                  ["read", "checkpoint/offsets/0"],
+                  ["write", ".sos/marker", '{"label": "spark.batch", "payload": {"batch_id": 0}}'],
+                  ["chown", "checkpoint/metadata", 0])  # only root may give files away
+    assert out["data:checkpoint/offsets/0"] == "offsets of batch 0"
+    assert out["chown:checkpoint/metadata:0"] == errno.EPERM
+    assert all(v == "ok" for k, v in out.items() if k.split(":")[0] in ("mkdir", "write",
+                                                                        "rename", "chmod"))
+    assert len([k for k in out if k.startswith("write:.sos/marker")]) == 1  # the listener's
+    cache_tree = os.path.join(mp.cache_dir, "tree")
+    for rel in ("checkpoint", "checkpoint/offsets", "checkpoint/offsets/0", "checkpoint/metadata"):
+        assert owner(os.path.join(m, rel)) == (SPARK_UID, SPARK_UID), rel
+        assert owner(os.path.join(cache_tree, rel)) == (SPARK_UID, SPARK_UID), rel
+    assert stat.S_IMODE(os.stat(os.path.join(m, "checkpoint/metadata")).st_mode) == 0o640
+    # a process of root creates root's files (root may write anywhere)
+    write_file(os.path.join(m, "checkpoint", "by-root"), b"r")
+    assert owner(os.path.join(m, "checkpoint", "by-root")) == (0, 0)
+    # another user: default_permissions refuses writes into 185's 0755 directories and files
+    other = as_user(OTHER_UID, m,
+                    ["mkdir", "checkpoint/commits"], ["write", "checkpoint/offsets/1", "x"],
+                    ["write", "checkpoint/offsets/0", "overwritten"],
+                    ["rename", "checkpoint/offsets/0", "checkpoint/offsets/9"],
+                    ["unlink", "checkpoint/offsets/0"], ["read", "checkpoint/offsets/0"],
+                    ["read", "checkpoint/metadata"], ["write", ".sos/marker", "{}"])
+    for step in ("write:.sos/marker:{}", "mkdir:checkpoint/commits", "write:checkpoint/offsets/1:x",
+                 "write:checkpoint/offsets/0:overwritten",
+                 "rename:checkpoint/offsets/0:checkpoint/offsets/9",
+                 "unlink:checkpoint/offsets/0", "read:checkpoint/metadata"):
+        assert other[step] == errno.EACCES, step
+    assert other["data:checkpoint/offsets/0"] == "offsets of batch 0"  # 0644: readable
+    expected = {"checkpoint": None, "checkpoint/offsets": None,
+                "checkpoint/offsets/0": b"offsets of batch 0", "checkpoint/metadata": b"{}",
+                "checkpoint/by-root": b"r"}
+    assert snapshot(m) == expected
+    durable(m)
+    assert restored(server, key, tmp_path) == expected
+    # the worker is lost: a mount on an empty cache rebuilds the tree, all of it 185's
+    mp.kill()
+    fresh = mounts("b", extra_args=["--owner", spark])
+    f = fresh.mountpoint
+    assert snapshot(f) == expected
+    for rel in ("", *expected):
+        assert owner(os.path.join(f, rel)) == (SPARK_UID, SPARK_UID), rel
+    out = as_user(SPARK_UID, f, ["mkdir", "checkpoint/commits"],
+                  ["write", "checkpoint/commits/0", "c0"])
+    assert out["mkdir:checkpoint/commits"] == out["write:checkpoint/commits/0:c0"] == "ok"
+    assert fresh.stop() == 0
+    assert restored(server, key, tmp_path) == {**expected, "checkpoint/commits": None,
+                                               "checkpoint/commits/0": b"c0"}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (the sidecar's situation)")
+def test_without_owner_the_root_directory_is_the_mounts_and_setgid_is_inherited(
+        mounts, tmp_path):
+    mp = mounts("a", extra_args=["--allow-other"])
+    m = mp.mountpoint
+    assert owner(m) == (0, 0)
+    assert as_user(SPARK_UID, m, ["mkdir", "checkpoint"])["mkdir:checkpoint"] == errno.EACCES
+    # root prepares a group-writable setgid directory: new entries keep its group
+    os.mkdir(os.path.join(m, "shared"))
+    os.chown(os.path.join(m, "shared"), 0, 4242)
+    os.chmod(os.path.join(m, "shared"), 0o2777)
+    out = as_user(SPARK_UID, m, ["mkdir", "shared/d"], ["write", "shared/f", "x"])
+    assert out["mkdir:shared/d"] == out["write:shared/f:x"] == "ok"
+    assert owner(os.path.join(m, "shared", "f")) == (SPARK_UID, 4242)
+    assert owner(os.path.join(m, "shared", "d")) == (SPARK_UID, 4242)
+    assert os.stat(os.path.join(m, "shared", "d")).st_mode & stat.S_ISGID
+
+
+def test_cli_owner_option_is_checked(tmp_path, server):
+    env = dict(os.environ, SOS_KEY="k")
+    proc = subprocess.run([sys.executable, "-m", "spark_plugin.cli_mount", NS, str(tmp_path),
+                           "--server", server.address, "--owner", "no-such-user-sos"],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 2 and "unknown user or group" in proc.stderr
 
 
 @pytest.mark.parametrize("writeback", [False, True], ids=["direct", "writeback"])
