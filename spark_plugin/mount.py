@@ -31,6 +31,7 @@ only with allow_other (implied by an owner other than the mount's own user).
 as a file): a JSON document {"label": str, "payload": any} written to it
 becomes a MARKER record (JournaledTree.marker), durable when fsync or close
 returns (sync mode). The Spark batch listener writes its batch markers there.
+`.sos/namespace` (read-only) holds the mounted namespace's name and a newline.
 
 `run_mount()` wires server connection, writer, tree and mount together (the
 `sos mount` command calls it); `MountProcess` runs `sos mount` in a child
@@ -72,7 +73,12 @@ CONTROL_DIR = ".sos"
 CONTROL_DIR_INO = 1 << 62
 MARKER_FILE = "marker"
 MARKER_INO = CONTROL_DIR_INO + 1
-_VIRTUAL = (CONTROL_DIR_INO, MARKER_INO)
+#: `.sos/namespace`: read-only, the mounted namespace's name and a newline (what
+#: `journaled_checkpoint` reads to reuse a live mount of the same namespace).
+NAMESPACE_FILE = "namespace"
+NAMESPACE_INO = CONTROL_DIR_INO + 2
+_VIRTUAL = (CONTROL_DIR_INO, MARKER_INO, NAMESPACE_INO)
+_CONTROL_FILES = {MARKER_FILE.encode(): MARKER_INO, NAMESPACE_FILE.encode(): NAMESPACE_INO}
 _ATTR_TIMEOUT = 1.0
 _RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
@@ -244,6 +250,7 @@ class _Handle:
     writable: bool
     dirty: bool = False
     marker: bytearray | None = None  # the control file's pending document
+    content: bytes | None = None  # a read-only virtual file's content (fd is -1)
 
 
 _OperationsBase = pyfuse3.Operations if pyfuse3 is not None else object
@@ -321,17 +328,24 @@ class SOSOperations(_OperationsBase):
         e.entry_timeout = _ATTR_TIMEOUT
         e.attr_timeout = _ATTR_TIMEOUT
         root = os.stat(self.cache_root)
+        e.st_size = 0
         if ino == CONTROL_DIR_INO:
             e.st_mode = stat.S_IFDIR | 0o755
             e.st_nlink = 2
+        elif ino == NAMESPACE_INO:
+            e.st_mode = stat.S_IFREG | 0o444
+            e.st_nlink = 1
+            e.st_size = len(self._namespace_bytes())
         else:
             e.st_mode = stat.S_IFREG | 0o200
             e.st_nlink = 1
         e.st_uid, e.st_gid = root.st_uid, root.st_gid
-        e.st_size = 0
         e.st_blksize = 4096
         e.st_atime_ns = e.st_mtime_ns = e.st_ctime_ns = root.st_mtime_ns
         return e
+
+    def _namespace_bytes(self) -> bytes:
+        return self.namespace.encode("utf-8") + b"\n"
 
     def _entry(self, ino: int, st: os.stat_result) -> "pyfuse3.EntryAttributes":
         e = pyfuse3.EntryAttributes()
@@ -407,8 +421,8 @@ class SOSOperations(_OperationsBase):
         if parent_inode == ROOT_INODE and name == CONTROL_DIR.encode():
             return self._virtual_entry(CONTROL_DIR_INO)
         if parent_inode == CONTROL_DIR_INO:
-            if name == MARKER_FILE.encode():
-                return self._virtual_entry(MARKER_INO)
+            if name in _CONTROL_FILES:
+                return self._virtual_entry(_CONTROL_FILES[name])
             raise pyfuse3.FUSEError(errno.ENOENT)
         path = self._child(parent_inode, name)
         ino, st = self._stat_path(path)
@@ -505,7 +519,7 @@ class SOSOperations(_OperationsBase):
     @_guard
     async def opendir(self, inode, ctx):
         if inode == CONTROL_DIR_INO:
-            names = [MARKER_FILE]
+            names = [MARKER_FILE, NAMESPACE_FILE]
         else:
             path = self.inodes.live_path(inode)
             names = sorted(os.listdir(self._local(path)))
@@ -520,9 +534,11 @@ class SOSOperations(_OperationsBase):
     async def readdir(self, fh, start_id, token):
         dir_ino, names = self._dirs[fh]
         if dir_ino == CONTROL_DIR_INO:
-            if start_id == 0:
-                pyfuse3.readdir_reply(token, MARKER_FILE.encode(),
-                                      self._virtual_entry(MARKER_INO), 1)
+            for index in range(start_id, len(names)):
+                name = names[index].encode()
+                if not pyfuse3.readdir_reply(token, name,
+                                             self._virtual_entry(_CONTROL_FILES[name]), index + 1):
+                    break
             return
         for index in range(start_id, len(names)):
             name = names[index]
@@ -582,6 +598,14 @@ class SOSOperations(_OperationsBase):
             self._next_fh += 1
             self._handles[fh] = _Handle(ino=inode, fd=-1, writable=True, marker=bytearray())
             return pyfuse3.FileInfo(fh=fh, direct_io=True)
+        if inode == NAMESPACE_INO:
+            if (flags & os.O_ACCMODE) != os.O_RDONLY:
+                raise pyfuse3.FUSEError(errno.EACCES)
+            fh = self._next_fh
+            self._next_fh += 1
+            self._handles[fh] = _Handle(ino=inode, fd=-1, writable=False,
+                                        content=self._namespace_bytes())
+            return pyfuse3.FileInfo(fh=fh, direct_io=True)
         path = self.inodes.live_path(inode)
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
         if writable:
@@ -600,6 +624,8 @@ class SOSOperations(_OperationsBase):
         h = self._handles[fh]
         if h.marker is not None:
             return b""
+        if h.content is not None:
+            return h.content[off:off + size]
         return os.pread(h.fd, size, off)
 
     @_guard
@@ -682,7 +708,7 @@ class SOSOperations(_OperationsBase):
                 except Exception as exc:  # noqa: BLE001 - release cannot report errors
                     log.error("release: barrier failed: %r", exc)
         finally:
-            if h.marker is None:
+            if h.fd >= 0:
                 os.close(h.fd)
                 self.inodes.closed(h.ino)
 

@@ -495,6 +495,149 @@ def test_cli_owner_option_is_checked(tmp_path, server):
     assert proc.returncode == 2 and "unknown user or group" in proc.stderr
 
 
+# --------------------------------------------------------------------------- reuse a mount
+
+
+class FakeSpark:
+    """The shape of SparkSession.streams.addListener, recording the listeners."""
+
+    def __init__(self):
+        self.listeners = []
+        outer = self
+
+        class Streams:
+            @staticmethod
+            def addListener(listener):  # noqa: N802 - Spark's name
+                outer.listeners.append(listener)
+
+        self.streams = Streams()
+
+
+def test_journaled_checkpoint_mounts_if_needed_and_reuses_a_live_mount(server, key, tmp_path):
+    """A live SOS mount of the namespace (a sidecar's) is reused: only the listener is
+    registered; another namespace or another file system there is a clear error."""
+    from spark_plugin.spark import MarkerListener, journaled_checkpoint, mounted_namespace
+
+    mnt = str(tmp_path / "mnt")
+    spark = FakeSpark()
+    first = journaled_checkpoint(spark, NS, server=server.address, key=key, mountpoint=mnt,
+                                 cache_dir=str(tmp_path / "cache"))
+    try:
+        assert not first.reused and first.mount.pid is not None
+        assert mounted_namespace(mnt) == NS
+        with open(os.path.join(mnt, ".sos", "namespace")) as f:
+            assert f.read() == NS + "\n"
+        write_file(os.path.join(first, "metadata"), b"{}")
+        again = journaled_checkpoint(spark, NS, mountpoint=mnt)  # no server, no key needed
+        assert again.reused and again.mount is None
+        assert str(again) == str(first) and again.relpath == "checkpoint"
+        assert [type(x) for x in spark.listeners] == [MarkerListener, MarkerListener]
+        assert spark.listeners[1].mountpoint == os.path.abspath(mnt)
+        assert read_file(os.path.join(again, "metadata")) == b"{}"
+        again.stop()  # not ours: left alone
+        assert is_mounted(mnt) and mounted_namespace(mnt) == NS
+        with pytest.raises(ValueError, match="namespace 'mnt', not 'other'"):
+            journaled_checkpoint(spark, "other", server=server.address, key=key,
+                                 mountpoint=mnt)
+    finally:
+        assert first.mount.stop() == 0
+    with pytest.raises(ValueError, match="server= and key= are needed"):
+        journaled_checkpoint(spark, NS, mountpoint=mnt)
+    assert len(spark.listeners) == 2
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_journaled_checkpoint_refuses_a_mount_that_is_not_sos(tmp_path):
+    from spark_plugin.spark import journaled_checkpoint
+
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "none", str(mnt)], capture_output=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {proc.stderr!r}")
+    try:
+        with pytest.raises(ValueError, match=r"not an SOS mount \(tmpfs\)"):
+            journaled_checkpoint(None, NS, server="127.0.0.1:1", key="k", mountpoint=str(mnt))
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+_KILLED_DRIVER = r"""
+import os, signal, sys
+from spark_plugin.spark import journaled_checkpoint
+loc = journaled_checkpoint(None, "mnt", server=sys.argv[1], key=os.environ["SOS_KEY"],
+                           mountpoint=sys.argv[2], cache_dir=sys.argv[3])
+os.makedirs(os.path.join(loc, "commits"))
+with open(os.path.join(loc, "commits", ".0.tmp"), "w") as f:
+    f.write("v1")
+os.rename(os.path.join(loc, "commits", ".0.tmp"), os.path.join(loc, "commits", "0"))
+print(loc.mount.pid, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # the driver dies; its mount lives on (own session)
+"""
+
+
+def _wait_gone(pid, deadline=120.0):
+    """Wait until `pid` (not our child) has exited; SIGTERM it if it outlives the deadline."""
+    import time
+
+    end = time.monotonic() + deadline
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    return
+        except FileNotFoundError:
+            return
+        if time.monotonic() > end:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+            return
+        time.sleep(0.05)
+
+
+def test_journaled_checkpoint_reuses_the_mount_a_killed_driver_left(server, key, tmp_path):
+    from spark_plugin.spark import journaled_checkpoint
+
+    mnt = str(tmp_path / "mnt")
+    env = dict(os.environ, SOS_KEY=key)
+    proc = subprocess.run([sys.executable, "-c", _KILLED_DRIVER, server.address, mnt,
+                           str(tmp_path / "cache")], capture_output=True, text=True, env=env,
+                          timeout=180)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    orphan = int(proc.stdout.split()[0])
+    try:
+        assert is_mounted(mnt)
+        loc = journaled_checkpoint(FakeSpark(), NS, server=server.address, key=key,
+                                   mountpoint=mnt, cache_dir=str(tmp_path / "other-cache"))
+        assert loc.reused  # not a second mount (that would fence the first)
+        assert read_file(os.path.join(loc, "commits", "0")) == b"v1"
+        spark_write(mnt, "checkpoint/commits/1", b"v1 again", overwrite=False)
+        assert not os.path.exists(tmp_path / "other-cache" / "tree")
+    finally:
+        subprocess.run(["fusermount3", "-u", mnt], capture_output=True)  # the orphan exits
+        _wait_gone(orphan)
+    assert restored(server, key, tmp_path) == {
+        "checkpoint": None, "checkpoint/commits": None,
+        "checkpoint/commits/0": b"v1", "checkpoint/commits/1": b"v1 again"}
+
+
+def test_journaled_checkpoint_replaces_a_dead_mount(mounts, server, key, tmp_path):
+    from spark_plugin.spark import journaled_checkpoint, mounted_namespace
+
+    mp = mounts("a")
+    write_file(os.path.join(mp.mountpoint, "kept"), b"k")
+    mp.proc.kill()  # the mount dies, its mount point stays (ENOTCONN)
+    mp.proc.wait()
+    assert is_mounted(mp.mountpoint) and mounted_namespace(mp.mountpoint) is None
+    loc = journaled_checkpoint(None, NS, server=server.address, key=key,
+                               mountpoint=mp.mountpoint, cache_dir=str(tmp_path / "cache-b"))
+    try:
+        assert not loc.reused
+        assert read_file(os.path.join(mp.mountpoint, "kept")) == b"k"
+    finally:
+        assert loc.mount.stop() == 0
+
+
 @pytest.mark.parametrize("writeback", [False, True], ids=["direct", "writeback"])
 def test_second_mount_fences_the_first(mounts, server, key, tmp_path, writeback):
     first = mounts("a", writeback=writeback)
