@@ -35,6 +35,16 @@ def _size(text: str) -> int:
     return int(text)
 
 
+def _positive_size(text: str) -> int:
+    try:
+        value = _size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
+    return value
+
+
 def _owner(text: str) -> tuple[int, int]:
     """UID[:GID] (numbers or names); without GID the user's group (passwd), else GID=UID."""
     import grp
@@ -78,6 +88,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-lag", type=_size, default=64 << 20, metavar="BYTES",
                    help="async mode: most unshipped journal bytes before writes wait "
                         "(default 64M)")
+    p.add_argument("--generation-bytes", type=_positive_size, default=None, metavar="BYTES",
+                   help="start a new journal generation (a snapshot of the tree, after "
+                        "which the server may drop older generations) once the current one "
+                        "holds this many bytes (default 1G)")
     p.add_argument("--writeback-cache", action="store_true",
                    help="let the kernel batch small writes (much faster for 4 KiB writes; "
                         "write errors then surface at close/fsync)")
@@ -124,7 +138,8 @@ def run(args) -> int:
         return run_mount(args.namespace, args.mountpoint, server=args.server, key=args.key,
                          cache_dir=args.cache, sync=not args.async_, max_lag_bytes=args.max_lag,
                          allow_other=args.allow_other, debug=args.debug, client_factory=factory,
-                         writeback_cache=args.writeback_cache, owner=args.owner)
+                         writeback_cache=args.writeback_cache, owner=args.owner,
+                         generation_bytes=args.generation_bytes)
     except KeyboardInterrupt:  # before mounting, or a second ^C during the final flush
         print("sos: mount interrupted (the spool keeps what the server does not have yet)",
               file=sys.stderr)

@@ -771,7 +771,7 @@ class MountedTree:
 
     def __init__(self, namespace: str, server: str, key: str, cache_dir: str, *,
                  sync: bool = True, max_lag_bytes: int = 64 << 20,
-                 client_factory=None) -> None:
+                 generation_bytes: int | None = None, client_factory=None) -> None:
         self.namespace = namespace
         self._client_factory = client_factory
         self.server = server
@@ -781,6 +781,7 @@ class MountedTree:
         self.spool_dir = os.path.join(self.cache_dir, "spool")
         self.sync = sync
         self.max_lag_bytes = max_lag_bytes
+        self.generation_bytes = generation_bytes
         self.writer = None
         self.tree = None
 
@@ -798,8 +799,11 @@ class MountedTree:
 
         os.makedirs(self.tree_dir, exist_ok=True)
         os.makedirs(self.spool_dir, exist_ok=True)
+        extra = {}
+        if self.generation_bytes is not None:  # None: the writer's default (1 GiB)
+            extra["generation_bytes"] = self.generation_bytes
         self.writer = JournalWriter(self.client_factory, self.namespace, self.spool_dir,
-                                    sync=self.sync, max_lag_bytes=self.max_lag_bytes)
+                                    sync=self.sync, max_lag_bytes=self.max_lag_bytes, **extra)
         try:
             self.writer.open()
             self.tree = JournaledTree(self.tree_dir, self.writer)
@@ -874,7 +878,8 @@ def run_mount(namespace: str, mountpoint: str, *, server: str, key: str,
               cache_dir: str | None = None, sync: bool = True, max_lag_bytes: int = 64 << 20,
               allow_other: bool = False, debug: bool = False, client_factory=None,
               flush_timeout: float = 120.0, writeback_cache: bool = False,
-              owner: tuple[int, int] | None = None) -> int:
+              owner: tuple[int, int] | None = None,
+              generation_bytes: int | None = None) -> int:
     """Mount `namespace` at `mountpoint` until SIGTERM/SIGINT or an external unmount.
 
     Returns the process exit code (0 after a clean unmount with everything
@@ -885,7 +890,8 @@ def run_mount(namespace: str, mountpoint: str, *, server: str, key: str,
     server; what does not stays in the spool and the next mount ships it.
     `owner` (uid, gid): owner of the mount's root directory and of everything rebuilt
     from the server (needs root unless it is the mount's own user); implies allow_other
-    when it is another user.
+    when it is another user. `generation_bytes`: journal bytes after which a new
+    generation starts with a snapshot of the tree (default: the writer's, 1 GiB).
     """
     if pyfuse3 is None:
         raise RuntimeError("pyfuse3 is not installed (pip install 'sos[mount]')")
@@ -909,7 +915,8 @@ def run_mount(namespace: str, mountpoint: str, *, server: str, key: str,
             log.info("--owner %d:%d is another user: mounting with allow_other", *owner)
             allow_other = True
     journal = MountedTree(namespace, server, key, cache_dir or default_cache_dir(namespace),
-                          sync=sync, max_lag_bytes=max_lag_bytes, client_factory=client_factory)
+                          sync=sync, max_lag_bytes=max_lag_bytes,
+                          generation_bytes=generation_bytes, client_factory=client_factory)
     journal.open()
     if owner is not None:
         try:  # rebuilt entries have no owner in the journal: they are the owner's

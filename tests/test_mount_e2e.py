@@ -340,6 +340,37 @@ def test_sigkill_then_remount_on_empty_cache_restores(mounts, server, key, tmp_p
     assert restored(server, key, tmp_path) == {**got, "chk/after": b"after the crash"}
 
 
+def test_generation_bytes_option_starts_new_generations(mounts, server, key, tmp_path):
+    """--generation-bytes 64K: writing ~300 KB makes several generations, every one ready;
+    the restore (from the newest, a snapshot plus what followed) equals the tree."""
+    from sos_client import Client
+    from sos_client.journal.restore import list_generations
+
+    m = mounts(extra_args=["--generation-bytes", "64K"]).mountpoint
+    os.makedirs(os.path.join(m, "chk", "offsets"))
+    for i in range(15):
+        spark_write(m, f"chk/offsets/{i}", os.urandom(20_000), overwrite=False)
+        if i >= 3:
+            os.unlink(os.path.join(m, "chk", "offsets", str(i - 3)))
+    expected = snapshot(m)
+    durable(m)
+    with Client(server.address, key, NS) as client:
+        gens = list_generations(client)
+    assert len(gens) >= 4 and all(g.ready for g in gens.values())
+    assert restored(server, key, tmp_path) == expected
+    assert sorted(expected) == ["chk", "chk/offsets"] + [f"chk/offsets/{i}" for i in range(12, 15)]
+
+
+def test_cli_generation_bytes_must_be_a_positive_size(tmp_path, server):
+    env = dict(os.environ, SOS_KEY="k")
+    for bad in ("0", "lots"):
+        proc = subprocess.run([sys.executable, "-m", "spark_plugin.cli_mount", NS,
+                               str(tmp_path), "--server", server.address,
+                               "--generation-bytes", bad],
+                              capture_output=True, text=True, env=env, timeout=60)
+        assert proc.returncode == 2 and "--generation-bytes" in proc.stderr, proc.stderr
+
+
 # --------------------------------------------------------------------------- owners
 
 SPARK_UID = 185  # the official Spark image's user
