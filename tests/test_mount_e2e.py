@@ -340,6 +340,41 @@ def test_sigkill_then_remount_on_empty_cache_restores(mounts, server, key, tmp_p
     assert restored(server, key, tmp_path) == {**got, "chk/after": b"after the crash"}
 
 
+def test_mount_over_a_tree_made_by_sos_restore(mounts, server, key, tmp_path):
+    """What the demo's new worker does: `sos restore` into its empty cache's tree
+    directory, then `sos mount` on that cache. The tree is served as restored, the mount
+    starts a new generation whose snapshot is that tree, and the journal goes on from it."""
+    from sos_client import Client
+    from sos_client.journal.restore import list_generations
+    from spark_plugin.spark import sos_command
+
+    first = mounts("a")
+    os.makedirs(os.path.join(first.mountpoint, "chk", "commits"))
+    for i in range(3):
+        spark_write(first.mountpoint, f"chk/commits/{i}", f"c{i}".encode(), overwrite=False)
+    before = snapshot(first.mountpoint)
+    first.kill()  # the worker is lost (its cache is simply not used again)
+
+    cache = tmp_path / "cache-b"
+    proc = subprocess.run(sos_command() + ["restore", "-q", "--server", server.address, NS,
+                                           str(cache / "tree")],
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, SOS_KEY=key))
+    assert proc.returncode == 0, proc.stderr
+    assert snapshot(cache / "tree") == before
+    with Client(server.address, key, NS) as client:
+        gens_before = max(list_generations(client))
+    second = mounts("b", cache=cache)
+    assert "rebuilt from the server" not in second.log()  # served as restored, not rebuilt
+    assert snapshot(second.mountpoint) == before
+    with Client(server.address, key, NS) as client:
+        gens = list_generations(client)
+    assert max(gens) == gens_before + 1 and gens[max(gens)].ready
+    spark_write(second.mountpoint, "chk/commits/3", b"c3", overwrite=False)
+    assert second.stop() == 0
+    assert restored(server, key, tmp_path) == {**before, "chk/commits/3": b"c3"}
+
+
 def test_generation_bytes_option_starts_new_generations(mounts, server, key, tmp_path):
     """--generation-bytes 64K: writing ~300 KB makes several generations, every one ready;
     the restore (from the newest, a snapshot plus what followed) equals the tree."""
