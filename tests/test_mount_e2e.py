@@ -17,6 +17,7 @@ import signal
 import stat
 import subprocess
 import sys
+import textwrap
 import uuid
 
 import pytest
@@ -605,6 +606,21 @@ def test_journaled_checkpoint_mounts_if_needed_and_reuses_a_live_mount(server, k
         with pytest.raises(ValueError, match="namespace 'mnt', not 'other'"):
             journaled_checkpoint(spark, "other", server=server.address, key=key,
                                  mountpoint=mnt)
+        # what deploy/spark_job.py does in the Spark image: neither pyfuse3, trio nor the
+        # sos packages are there, only spark_plugin/spark.py
+        code = textwrap.dedent(f"""
+            import sys
+            for name in ("trio", "pyfuse3", "sos_client", "sos_wire", "sos_server",
+                         "spark_plugin.mount"):
+                sys.modules[name] = None  # importing it fails
+            from spark_plugin.spark import journaled_checkpoint
+            loc = journaled_checkpoint(None, {NS!r}, mountpoint={mnt!r})
+            print(loc.reused, loc)
+            """)
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.split() == ["True", str(first)]
     finally:
         assert first.mount.stop() == 0
     with pytest.raises(ValueError, match="server= and key= are needed"):
