@@ -682,12 +682,13 @@ def test_journaled_checkpoint_reuses_the_mount_a_killed_driver_left(server, key,
 
     mnt = str(tmp_path / "mnt")
     env = dict(os.environ, SOS_KEY=key)
-    proc = subprocess.run([sys.executable, "-c", _KILLED_DRIVER, server.address, mnt,
-                           str(tmp_path / "cache")], capture_output=True, text=True, env=env,
-                          timeout=180)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr
-    orphan = int(proc.stdout.split()[0])
+    orphan = None
     try:
+        proc = subprocess.run([sys.executable, "-c", _KILLED_DRIVER, server.address, mnt,
+                               str(tmp_path / "cache")], capture_output=True, text=True,
+                              env=env, timeout=180)
+        assert proc.returncode == -signal.SIGKILL, proc.stderr
+        orphan = int(proc.stdout.split()[0])
         assert is_mounted(mnt)
         loc = journaled_checkpoint(FakeSpark(), NS, server=server.address, key=key,
                                    mountpoint=mnt, cache_dir=str(tmp_path / "other-cache"))
@@ -697,7 +698,10 @@ def test_journaled_checkpoint_reuses_the_mount_a_killed_driver_left(server, key,
         assert not os.path.exists(tmp_path / "other-cache" / "tree")
     finally:
         subprocess.run(["fusermount3", "-u", mnt], capture_output=True)  # the orphan exits
-        _wait_gone(orphan)
+        if orphan is not None:
+            _wait_gone(orphan)
+        if is_mounted(mnt):
+            subprocess.run(["fusermount3", "-u", "-z", mnt], capture_output=True)
     assert restored(server, key, tmp_path) == {
         "checkpoint": None, "checkpoint/commits": None,
         "checkpoint/commits/0": b"v1", "checkpoint/commits/1": b"v1 again"}
