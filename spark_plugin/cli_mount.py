@@ -1,4 +1,4 @@
-"""`sos mount NAMESPACE MOUNTPOINT [--cache DIR] [--async]`: the FUSE mount command.
+"""`sos mount NAMESPACE MOUNTPOINT [--cache DIR] [--async] [--owner UID[:GID]] ...`: FUSE mount.
 
 Hooked into `sos` by `sos_client.cli` through `add_parser(subparsers)`; also
 runnable alone as `python -m spark_plugin.cli_mount ...` (what `MountProcess`
@@ -35,12 +35,50 @@ def _size(text: str) -> int:
     return int(text)
 
 
+def _positive_size(text: str) -> int:
+    try:
+        value = _size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
+    return value
+
+
+def _owner(text: str) -> tuple[int, int]:
+    """UID[:GID] (numbers or names); without GID the user's group (passwd), else GID=UID."""
+    import grp
+    import pwd
+
+    user, _, group = text.partition(":")
+    try:
+        if user.isdigit():
+            uid = int(user)
+            try:
+                default_gid = pwd.getpwuid(uid).pw_gid
+            except KeyError:  # e.g. Spark's uid 185 in the sidecar image
+                default_gid = uid
+        else:
+            entry = pwd.getpwnam(user)
+            uid, default_gid = entry.pw_uid, entry.pw_gid
+        if not group:
+            gid = default_gid
+        elif group.isdigit():
+            gid = int(group)
+        else:
+            gid = grp.getgrnam(group).gr_gid
+    except KeyError as exc:
+        raise argparse.ArgumentTypeError(f"unknown user or group in {text!r}") from exc
+    return uid, gid
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "mount", help="mount a namespace as a journaled directory (FUSE)",
         description="Mount NAMESPACE at MOUNTPOINT. Every change is journaled to the SOS "
                     "server; reads come from the local cache. An empty cache is first "
-                    "restored from the server. SIGTERM/SIGINT unmount cleanly.")
+                    "restored from the server. SIGTERM/SIGINT unmount cleanly. A mount "
+                    "run as root gives what a process creates through it to that process.")
     p.add_argument("namespace")
     p.add_argument("mountpoint")
     p.add_argument("--cache", metavar="DIR", default=None,
@@ -50,11 +88,20 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-lag", type=_size, default=64 << 20, metavar="BYTES",
                    help="async mode: most unshipped journal bytes before writes wait "
                         "(default 64M)")
+    p.add_argument("--generation-bytes", type=_positive_size, default=None, metavar="BYTES",
+                   help="start a new journal generation (a snapshot of the tree, after "
+                        "which the server may drop older generations) once the current one "
+                        "holds this many bytes (default 1G)")
     p.add_argument("--writeback-cache", action="store_true",
                    help="let the kernel batch small writes (much faster for 4 KiB writes; "
                         "write errors then surface at close/fsync)")
     p.add_argument("--allow-other", action="store_true",
-                   help="let other users access the mount (needs user_allow_other)")
+                   help="let other users access the mount (a non-root mount needs "
+                        "user_allow_other in /etc/fuse.conf)")
+    p.add_argument("--owner", type=_owner, default=None, metavar="UID[:GID]",
+                   help="owner of the mount's root directory and of everything rebuilt from "
+                        "the server, e.g. 185:185 (the Spark image's user); needs root, "
+                        "implies --allow-other")
     p.add_argument("--debug", action="store_true", help="verbose logging, FUSE debug")
     _add_connection_options(p)
     p.set_defaults(func=run)
@@ -91,7 +138,8 @@ def run(args) -> int:
         return run_mount(args.namespace, args.mountpoint, server=args.server, key=args.key,
                          cache_dir=args.cache, sync=not args.async_, max_lag_bytes=args.max_lag,
                          allow_other=args.allow_other, debug=args.debug, client_factory=factory,
-                         writeback_cache=args.writeback_cache)
+                         writeback_cache=args.writeback_cache, owner=args.owner,
+                         generation_bytes=args.generation_bytes)
     except KeyboardInterrupt:  # before mounting, or a second ^C during the final flush
         print("sos: mount interrupted (the spool keeps what the server does not have yet)",
               file=sys.stderr)

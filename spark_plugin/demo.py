@@ -9,8 +9,10 @@
 3. After a few committed batches, while batch K is half done (its output is written, its
    ``commits/K`` is not), SIGKILL the driver and the mount and DELETE the mount point and
    the cache directory: the worker is gone.
-4. ``sos restore`` shows what the server holds; the query restarts on a new mount over an
-   EMPTY cache (the mount restores it from the server first) and runs to the end.
+4. A new worker: ``sos restore`` rebuilds the namespace into its empty cache's tree
+   directory (must be batches 0..K-1: RPO 0); ``sos mount`` on that cache serves the
+   restored tree (it starts a new journal generation from it); the query restarts on the
+   restored checkpoint and runs to the end.
 5. Check like the seed's paper: keep only the output of batches whose ``commits/N`` exists,
    compare with the input: nothing lost, nothing doubled, nothing corrupted. The verdict
    is the last line; the exit code is 0 only on success.
@@ -351,7 +353,7 @@ def run_demo(*, records: int = 3000, batches: int = 8, crash_after: int = 4,
     work = workdir or tempfile.mkdtemp(prefix="sos-demo-")
     os.makedirs(work, exist_ok=True)
     paths = {k: os.path.join(work, k) for k in
-             ("input", "out", "server-data", "flags", "logs", "restored")}
+             ("input", "out", "server-data", "flags", "logs")}
     for k in ("flags", "logs"):
         os.makedirs(paths[k], exist_ok=True)
     server = LocalServer(paths["server-data"], os.path.join(paths["logs"], "server.log"))
@@ -424,32 +426,42 @@ def run_demo(*, records: int = 3000, batches: int = 8, crash_after: int = 4,
         shutil.rmtree(os.path.join(work, "worker1"))
         say("worker 1 destroyed: mount point, cache and spool deleted")
 
-        # ---- what the server holds
+        # ---- worker 2: `sos restore` rebuilds the namespace into its fresh cache's tree
+        # directory; `sos mount` then serves that tree (a non-empty tree with an empty spool:
+        # the mount fences older writers, then starts a new journal generation whose snapshot
+        # is the restored tree, so the journal goes on from exactly what restore produced)
         from spark_plugin.spark import sos_command
 
+        cache2 = os.path.join(work, "worker2", "cache")
+        tree2 = os.path.join(cache2, "tree")
+        gens_before = journal_generations(server.address, key)
         proc = subprocess.run(sos_command() + ["restore", "-q", "--server", server.address,
-                                               NAMESPACE, paths["restored"]],
+                                               NAMESPACE, tree2],
                               capture_output=True, text=True, timeout=900,
                               env=dict(os.environ, SOS_KEY=key))
         if proc.returncode != 0:
             raise DemoFailure(f"sos restore failed: {proc.stderr.strip()}")
-        restored = committed_batches(os.path.join(paths["restored"], CHECKPOINT))
-        say(f"sos restore: the server gave back a checkpoint with batches {fmt(restored)} "
-            "committed")
+        restored = committed_batches(os.path.join(tree2, CHECKPOINT))
+        say(f"worker 2: sos restore into its empty cache ({tree2}): the server gave back a "
+            f"checkpoint with batches {fmt(restored)} committed")
         result["restored_committed"] = sorted(restored)
         if restored != before:
             raise DemoFailure(f"restored checkpoint has commits {restored}, expected {before}")
 
-        # ---- worker 2: fresh mount on an EMPTY cache (restores from the server first)
         m2, mnt2, cache2 = mount(2)
         chk2 = os.path.join(mnt2, CHECKPOINT)
-        say(f"worker 2: mounted on an empty cache, checkpoint rebuilt from the server: "
-            f"batches {fmt(committed_batches(chk2))} committed")
+        seen = committed_batches(chk2)
+        gens_after = journal_generations(server.address, key)
+        result["generations"] = [gens_before, gens_after]
+        say(f"worker 2: sos mount serves the restored tree (batches {fmt(seen)} committed); "
+            f"journal generation {gens_after} starts with its snapshot (was {gens_before})")
+        if seen != restored:
+            raise DemoFailure(f"the mount shows commits {seen}, the restore gave {restored}")
         cfg2 = dict(cfg, checkpoint=chk2, mountpoint=mnt2, hang_at_batch=None)
         d2 = start_driver(cfg2, os.path.join(paths["logs"], "driver2.log"),
                           os.path.join(work, "driver2.json"))
         drivers.append(d2)
-        say(f"worker 2: Spark driver restarted (pid {d2.pid}) from the restored checkpoint")
+        say(f"worker 2: Spark driver restarted (pid {d2.pid}) on the restored checkpoint")
         try:
             rc = d2.wait(900)
         except subprocess.TimeoutExpired:
@@ -502,6 +514,15 @@ def run_demo(*, records: int = 3000, batches: int = 8, crash_after: int = 4,
         if own_dir and not keep and result.get("ok"):
             shutil.rmtree(work, ignore_errors=True)
             result["workdir"] = None
+
+
+def journal_generations(server_address: str, key: str) -> int:
+    """The newest journal generation of the demo's namespace on the server (0: none)."""
+    from sos_client import Client
+    from sos_client.journal.restore import list_generations
+
+    with Client(server_address, key, NAMESPACE) as client:
+        return max(list_generations(client), default=0)
 
 
 def fmt(batches) -> str:

@@ -16,6 +16,11 @@ Storage options:
                the writer's spool: the same layout as ``sos mount``). Default
                ``$XDG_CACHE_HOME/sos`` or ``~/.cache/sos``.
 ``timeout``    socket timeout of the client connections (seconds, default 30).
+``generation_bytes``  journal bytes after which a new generation starts with a
+               snapshot of the tree (compaction: the server's retention can then
+               drop older generations). Default None: the writer's, 1 GiB.
+               Like ``max_lag_bytes``, it is read by the first filesystem object
+               that opens the namespace in the process (they share one writer).
 ``tls``        None/False (plain TCP), True (TLS with the default context) or
                an ``ssl.SSLContext``.
 ``sync``       True (default): closing a written file, ``mv``, ``cp_file``,
@@ -227,7 +232,8 @@ def _key_can_append(factory, patience):
         client.close()
 
 
-def _open_namespace(server, key, namespace, base_dir, max_lag_bytes, timeout, tls=None):
+def _open_namespace(server, key, namespace, base_dir, max_lag_bytes, timeout, tls=None,
+                    generation_bytes=None):
     """The process-wide tree of (server, namespace, cache dir) for this key's role."""
     global _REGISTRY_PID
     root = os.path.realpath(os.path.join(base_dir, namespace))
@@ -263,6 +269,8 @@ def _open_namespace(server, key, namespace, base_dir, max_lag_bytes, timeout, tl
         writer_kwargs = {"sync": True}
         if max_lag_bytes is not None:
             writer_kwargs["max_lag_bytes"] = max_lag_bytes
+        if generation_bytes is not None:
+            writer_kwargs["generation_bytes"] = generation_bytes
         writer = JournalWriter(factory, namespace, spool_dir, **writer_kwargs)
         try:
             # opens the writer (fencing older epochs) and, if the cache is empty,
@@ -348,6 +356,7 @@ class SOSFileSystem(AbstractFileSystem):
         max_lag_bytes=None,
         timeout=30,
         tls=None,
+        generation_bytes=None,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -369,6 +378,12 @@ class SOSFileSystem(AbstractFileSystem):
         self.max_lag_bytes = max_lag_bytes
         self.timeout = timeout
         self.tls = tls
+        if generation_bytes is not None and (
+            isinstance(generation_bytes, bool) or not isinstance(generation_bytes, int)
+            or generation_bytes < 1
+        ):
+            raise ValueError(f"sos: generation_bytes must be a positive int, got {generation_bytes!r}")
+        self.generation_bytes = generation_bytes
         self._handles = {}  # namespace -> shared _Namespace (see _open_namespace)
 
     @staticmethod
@@ -424,6 +439,7 @@ class SOSFileSystem(AbstractFileSystem):
             self.max_lag_bytes,
             self.timeout,
             self.tls,
+            self.generation_bytes,
         )
         self._handles[namespace] = h
         return h

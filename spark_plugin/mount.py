@@ -18,10 +18,20 @@
 chmod, chown and utimens are applied to the cache only (the journal has no
 record for them; Hadoop's local filesystem calls chmod and must not fail).
 
+Ownership: the kernel checks permissions (`default_permissions`) against the
+cache entries' owners and modes. When the mount runs as root (the sidecar), a
+file or directory created through it is chowned to the calling process (uid,
+and gid unless the parent directory is setgid), as a local filesystem does;
+`owner=(uid, gid)` (`sos mount --owner`) gives the root directory, and every
+entry rebuilt from the server (the journal records no owners), to that user, so
+a non-root Spark can create its checkpoint directory. Other users reach a mount
+only with allow_other (implied by an owner other than the mount's own user).
+
 `.sos/marker` at the root is a virtual control file (not listed, not journaled
 as a file): a JSON document {"label": str, "payload": any} written to it
 becomes a MARKER record (JournaledTree.marker), durable when fsync or close
 returns (sync mode). The Spark batch listener writes its batch markers there.
+`.sos/namespace` (read-only) holds the mounted namespace's name and a newline.
 
 `run_mount()` wires server connection, writer, tree and mount together (the
 `sos mount` command calls it); `MountProcess` runs `sos mount` in a child
@@ -63,7 +73,12 @@ CONTROL_DIR = ".sos"
 CONTROL_DIR_INO = 1 << 62
 MARKER_FILE = "marker"
 MARKER_INO = CONTROL_DIR_INO + 1
-_VIRTUAL = (CONTROL_DIR_INO, MARKER_INO)
+#: `.sos/namespace`: read-only, the mounted namespace's name and a newline (what
+#: `journaled_checkpoint` reads to reuse a live mount of the same namespace).
+NAMESPACE_FILE = "namespace"
+NAMESPACE_INO = CONTROL_DIR_INO + 2
+_VIRTUAL = (CONTROL_DIR_INO, MARKER_INO, NAMESPACE_INO)
+_CONTROL_FILES = {MARKER_FILE.encode(): MARKER_INO, NAMESPACE_FILE.encode(): NAMESPACE_INO}
 _ATTR_TIMEOUT = 1.0
 _RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
@@ -235,6 +250,7 @@ class _Handle:
     writable: bool
     dirty: bool = False
     marker: bytearray | None = None  # the control file's pending document
+    content: bytes | None = None  # a read-only virtual file's content (fd is -1)
 
 
 _OperationsBase = pyfuse3.Operations if pyfuse3 is not None else object
@@ -268,7 +284,7 @@ class SOSOperations(_OperationsBase):
     enable_acl = False
 
     def __init__(self, tree, cache_root: str, *, sync: bool = True, namespace: str = "",
-                 writeback_cache: bool = False) -> None:
+                 writeback_cache: bool = False, chown_to_caller: bool | None = None) -> None:
         super().__init__()
         # Kernel writeback cache (read by pyfuse3 at FUSE INIT): write(2) lands in the page
         # cache and reaches us in large WRITEs, at the latest when close(2) flushes (before
@@ -284,6 +300,8 @@ class SOSOperations(_OperationsBase):
         self._dirs: dict[int, tuple[int, list[str]]] = {}
         self._next_fh = 1
         self.fenced: str | None = None
+        # Only root can give a new cache entry to the caller; other mounts own everything.
+        self.chown_to_caller = (os.geteuid() == 0) if chown_to_caller is None else chown_to_caller
 
     # ------------------------------------------------------------------ helpers
     def _local(self, path: str) -> str:
@@ -310,17 +328,24 @@ class SOSOperations(_OperationsBase):
         e.entry_timeout = _ATTR_TIMEOUT
         e.attr_timeout = _ATTR_TIMEOUT
         root = os.stat(self.cache_root)
+        e.st_size = 0
         if ino == CONTROL_DIR_INO:
             e.st_mode = stat.S_IFDIR | 0o755
             e.st_nlink = 2
+        elif ino == NAMESPACE_INO:
+            e.st_mode = stat.S_IFREG | 0o444
+            e.st_nlink = 1
+            e.st_size = len(self._namespace_bytes())
         else:
             e.st_mode = stat.S_IFREG | 0o200
             e.st_nlink = 1
         e.st_uid, e.st_gid = root.st_uid, root.st_gid
-        e.st_size = 0
         e.st_blksize = 4096
         e.st_atime_ns = e.st_mtime_ns = e.st_ctime_ns = root.st_mtime_ns
         return e
+
+    def _namespace_bytes(self) -> bytes:
+        return self.namespace.encode("utf-8") + b"\n"
 
     def _entry(self, ino: int, st: os.stat_result) -> "pyfuse3.EntryAttributes":
         e = pyfuse3.EntryAttributes()
@@ -346,6 +371,17 @@ class SOSOperations(_OperationsBase):
         ino = self.inodes.ino(path)
         self.inodes.mark_dir(ino, stat.S_ISDIR(st.st_mode))
         return ino, st
+
+    def _give_to_caller(self, path: str, ctx) -> None:
+        """A new entry belongs to the process that created it (as on a local filesystem):
+        its uid, and its gid unless the parent directory is setgid (then the cache entry
+        already has the parent's group, and a new directory its setgid bit)."""
+        if not self.chown_to_caller or ctx is None:
+            return
+        local = self._local(path)
+        parent = os.lstat(os.path.dirname(local))
+        gid = -1 if parent.st_mode & stat.S_ISGID else ctx.gid
+        os.chown(local, ctx.uid, gid, follow_symlinks=False)
 
     def _open_fd(self, ino: int) -> int | None:
         for h in self._handles.values():
@@ -385,8 +421,8 @@ class SOSOperations(_OperationsBase):
         if parent_inode == ROOT_INODE and name == CONTROL_DIR.encode():
             return self._virtual_entry(CONTROL_DIR_INO)
         if parent_inode == CONTROL_DIR_INO:
-            if name == MARKER_FILE.encode():
-                return self._virtual_entry(MARKER_INO)
+            if name in _CONTROL_FILES:
+                return self._virtual_entry(_CONTROL_FILES[name])
             raise pyfuse3.FUSEError(errno.ENOENT)
         path = self._child(parent_inode, name)
         ino, st = self._stat_path(path)
@@ -469,6 +505,7 @@ class SOSOperations(_OperationsBase):
     async def mkdir(self, parent_inode, name, mode, ctx):
         path = self._child(parent_inode, name)
         await self._call(self.tree.mkdir, path, stat.S_IMODE(mode))
+        self._give_to_caller(path, ctx)
         ino, st = self._stat_path(path)
         self.inodes.lookup(ino)
         return self._entry(ino, st)
@@ -482,7 +519,7 @@ class SOSOperations(_OperationsBase):
     @_guard
     async def opendir(self, inode, ctx):
         if inode == CONTROL_DIR_INO:
-            names = [MARKER_FILE]
+            names = [MARKER_FILE, NAMESPACE_FILE]
         else:
             path = self.inodes.live_path(inode)
             names = sorted(os.listdir(self._local(path)))
@@ -497,9 +534,11 @@ class SOSOperations(_OperationsBase):
     async def readdir(self, fh, start_id, token):
         dir_ino, names = self._dirs[fh]
         if dir_ino == CONTROL_DIR_INO:
-            if start_id == 0:
-                pyfuse3.readdir_reply(token, MARKER_FILE.encode(),
-                                      self._virtual_entry(MARKER_INO), 1)
+            for index in range(start_id, len(names)):
+                name = names[index].encode()
+                if not pyfuse3.readdir_reply(token, name,
+                                             self._virtual_entry(_CONTROL_FILES[name]), index + 1):
+                    break
             return
         for index in range(start_id, len(names)):
             name = names[index]
@@ -539,7 +578,10 @@ class SOSOperations(_OperationsBase):
     @_guard
     async def create(self, parent_inode, name, mode, flags, ctx):
         path = self._child(parent_inode, name)
+        existed = os.path.lexists(self._local(path))  # CREATE of an existing name: open it
         await self._call(self.tree.create, path, stat.S_IMODE(mode))
+        if not existed:
+            self._give_to_caller(path, ctx)
         ino, st = self._stat_path(path)
         fh = self._new_handle(ino, path, writable=True)
         self._handles[fh].dirty = True
@@ -555,6 +597,14 @@ class SOSOperations(_OperationsBase):
             fh = self._next_fh
             self._next_fh += 1
             self._handles[fh] = _Handle(ino=inode, fd=-1, writable=True, marker=bytearray())
+            return pyfuse3.FileInfo(fh=fh, direct_io=True)
+        if inode == NAMESPACE_INO:
+            if (flags & os.O_ACCMODE) != os.O_RDONLY:
+                raise pyfuse3.FUSEError(errno.EACCES)
+            fh = self._next_fh
+            self._next_fh += 1
+            self._handles[fh] = _Handle(ino=inode, fd=-1, writable=False,
+                                        content=self._namespace_bytes())
             return pyfuse3.FileInfo(fh=fh, direct_io=True)
         path = self.inodes.live_path(inode)
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
@@ -574,6 +624,8 @@ class SOSOperations(_OperationsBase):
         h = self._handles[fh]
         if h.marker is not None:
             return b""
+        if h.content is not None:
+            return h.content[off:off + size]
         return os.pread(h.fd, size, off)
 
     @_guard
@@ -656,7 +708,7 @@ class SOSOperations(_OperationsBase):
                 except Exception as exc:  # noqa: BLE001 - release cannot report errors
                     log.error("release: barrier failed: %r", exc)
         finally:
-            if h.marker is None:
+            if h.fd >= 0:
                 os.close(h.fd)
                 self.inodes.closed(h.ino)
 
@@ -719,7 +771,7 @@ class MountedTree:
 
     def __init__(self, namespace: str, server: str, key: str, cache_dir: str, *,
                  sync: bool = True, max_lag_bytes: int = 64 << 20,
-                 client_factory=None) -> None:
+                 generation_bytes: int | None = None, client_factory=None) -> None:
         self.namespace = namespace
         self._client_factory = client_factory
         self.server = server
@@ -729,6 +781,7 @@ class MountedTree:
         self.spool_dir = os.path.join(self.cache_dir, "spool")
         self.sync = sync
         self.max_lag_bytes = max_lag_bytes
+        self.generation_bytes = generation_bytes
         self.writer = None
         self.tree = None
 
@@ -746,8 +799,11 @@ class MountedTree:
 
         os.makedirs(self.tree_dir, exist_ok=True)
         os.makedirs(self.spool_dir, exist_ok=True)
+        extra = {}
+        if self.generation_bytes is not None:  # None: the writer's default (1 GiB)
+            extra["generation_bytes"] = self.generation_bytes
         self.writer = JournalWriter(self.client_factory, self.namespace, self.spool_dir,
-                                    sync=self.sync, max_lag_bytes=self.max_lag_bytes)
+                                    sync=self.sync, max_lag_bytes=self.max_lag_bytes, **extra)
         try:
             self.writer.open()
             self.tree = JournaledTree(self.tree_dir, self.writer)
@@ -807,10 +863,23 @@ async def _watch_signals(task_status=trio.TASK_STATUS_IGNORED) -> None:
             return
 
 
+def give_tree_to(tree_dir: str, owner: tuple[int, int], *, everything: bool) -> None:
+    """chown the cache's root directory (and, with ``everything``, all below it) to owner."""
+    uid, gid = owner
+    os.chown(tree_dir, uid, gid)
+    if not everything:
+        return
+    for dirpath, dirnames, filenames in os.walk(tree_dir):
+        for name in dirnames + filenames:
+            os.chown(os.path.join(dirpath, name), uid, gid, follow_symlinks=False)
+
+
 def run_mount(namespace: str, mountpoint: str, *, server: str, key: str,
               cache_dir: str | None = None, sync: bool = True, max_lag_bytes: int = 64 << 20,
               allow_other: bool = False, debug: bool = False, client_factory=None,
-              flush_timeout: float = 120.0, writeback_cache: bool = False) -> int:
+              flush_timeout: float = 120.0, writeback_cache: bool = False,
+              owner: tuple[int, int] | None = None,
+              generation_bytes: int | None = None) -> int:
     """Mount `namespace` at `mountpoint` until SIGTERM/SIGINT or an external unmount.
 
     Returns the process exit code (0 after a clean unmount with everything
@@ -819,6 +888,10 @@ def run_mount(namespace: str, mountpoint: str, *, server: str, key: str,
     (TLS, timeouts); by default `sos_client.Client(server, key, namespace)`.
     After the unmount the journal gets `flush_timeout` seconds to reach the
     server; what does not stays in the spool and the next mount ships it.
+    `owner` (uid, gid): owner of the mount's root directory and of everything rebuilt
+    from the server (needs root unless it is the mount's own user); implies allow_other
+    when it is another user. `generation_bytes`: journal bytes after which a new
+    generation starts with a snapshot of the tree (default: the writer's, 1 GiB).
     """
     if pyfuse3 is None:
         raise RuntimeError("pyfuse3 is not installed (pip install 'sos[mount]')")
@@ -835,9 +908,22 @@ def run_mount(namespace: str, mountpoint: str, *, server: str, key: str,
             raise RuntimeError(f"{mountpoint} is already a mount point")
     if not os.path.isdir(mountpoint):
         raise FileNotFoundError(errno.ENOENT, "mountpoint is not a directory", mountpoint)
+    if owner is not None:
+        if os.geteuid() != 0 and tuple(owner) != (os.geteuid(), os.getegid()):
+            raise PermissionError(errno.EPERM, "--owner needs the mount to run as root")
+        if owner[0] != os.geteuid() and not allow_other:
+            log.info("--owner %d:%d is another user: mounting with allow_other", *owner)
+            allow_other = True
     journal = MountedTree(namespace, server, key, cache_dir or default_cache_dir(namespace),
-                          sync=sync, max_lag_bytes=max_lag_bytes, client_factory=client_factory)
+                          sync=sync, max_lag_bytes=max_lag_bytes,
+                          generation_bytes=generation_bytes, client_factory=client_factory)
     journal.open()
+    if owner is not None:
+        try:  # rebuilt entries have no owner in the journal: they are the owner's
+            give_tree_to(journal.tree_dir, owner, everything=journal.tree.rebuilt)
+        except BaseException:
+            journal.close()
+            raise
     ops = SOSOperations(journal.tree, journal.tree_dir, sync=sync, namespace=namespace,
                         writeback_cache=writeback_cache)
     code = 0

@@ -6,7 +6,8 @@ file operation Spark makes there becomes a journal record shipped to the SOS ser
 sync mode the rename that creates ``commits/N`` returns only once the journal up to it is
 durable on the server, so a committed batch survives the loss of the whole worker.
 
-- :func:`journaled_checkpoint` mounts the namespace and returns a checkpointLocation on it.
+- :func:`journaled_checkpoint` mounts the namespace if needed (it reuses a live mount of the
+  same namespace, e.g. a sidecar's) and returns a checkpointLocation on it.
 - :class:`MarkerListener` writes a MARKER record ``spark.batch`` after each committed batch,
   so a restore can stop exactly at a batch.
 - :func:`restore_to_batch` rebuilds a checkpoint as it was when batch N committed.
@@ -15,6 +16,7 @@ durable on the server, so a committed batch survives the loss of the whole worke
 from __future__ import annotations
 
 import atexit
+import errno
 import json
 import logging
 import os
@@ -27,6 +29,10 @@ log = logging.getLogger("sos.spark")
 
 #: control file on the mount: a JSON document written there becomes a MARKER record
 MARKER_CONTROL = os.path.join(".sos", "marker")
+#: read-only control file on the mount: the mounted namespace's name and a newline
+NAMESPACE_CONTROL = os.path.join(".sos", "namespace")
+#: file system type of an SOS mount in /proc/self/mountinfo (fsname/subtype sos)
+SOS_FSTYPE = "fuse.sos"
 MARKER_LABEL = "spark.batch"
 DEFAULT_CHECKPOINT = "checkpoint"
 
@@ -51,13 +57,18 @@ class CheckpointLocation(str):
 
     ``.mountpoint``: root of the mounted namespace; ``.relpath``: the checkpoint's path
     inside the namespace (what ``sos restore --batch RELPATH:N`` takes); ``.mount``: the
-    :class:`~spark_plugin.mount.MountProcess` (``.stop()`` to unmount cleanly).
+    :class:`~spark_plugin.mount.MountProcess` (``.stop()`` to unmount cleanly), or None when
+    an existing mount was reused (``.reused`` True; ``.stop()`` then leaves it alone).
     """
 
     mount = None
     mountpoint: str = ""
     relpath: str = ""
     namespace: str = ""
+
+    @property
+    def reused(self) -> bool:
+        return self.mount is None
 
     def __new__(cls, path, *, mount=None, mountpoint="", relpath="", namespace=""):
         self = super().__new__(cls, path)
@@ -92,41 +103,107 @@ atexit.register(_stop_all_mounts)
 
 
 def start_mount(namespace, mountpoint, *, server, key, cache_dir, sync=True, timeout=180.0,
-                log_path=None):
+                log_path=None, extra_args=()):
     """Start ``sos mount`` for ``namespace`` on ``mountpoint`` and wait until it serves.
 
+    ``extra_args``: more ``sos mount`` options (``--tls-ca FILE``, ``--owner 185``, ...).
     The one place that knows the :class:`spark_plugin.mount.MountProcess` API.
     """
     from spark_plugin.mount import MountProcess
 
     mount = MountProcess(namespace, mountpoint, cache_dir, server, str(key), sync,
-                         log_path=log_path, start_timeout=timeout)
+                         log_path=log_path, start_timeout=timeout, extra_args=extra_args)
     mount.start()
     return mount
 
 
-def journaled_checkpoint(spark_or_none, namespace, *, server, key, mountpoint=None,
+def _mount_fstype(mountpoint):
+    """The file system type of the mount at ``mountpoint`` (None if it is no mount point).
+
+    Reads /proc/self/mountinfo (no stat of the mount point: a dead FUSE mount hangs or
+    fails it); needs nothing but the standard library (the Spark image has no pyfuse3).
+    """
+    target = os.path.abspath(mountpoint)
+    found = None
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) < 7 or "-" not in fields:
+                    continue
+                where = (fields[4].replace("\\040", " ").replace("\\011", "\t")
+                         .replace("\\012", "\n").replace("\\134", "\\"))
+                if where == target:
+                    found = fields[fields.index("-", 6) + 1]  # the last mount on top wins
+    except FileNotFoundError:  # pragma: no cover - not Linux
+        return "unknown" if os.path.ismount(target) else None
+    return found
+
+
+def mounted_namespace(mountpoint):
+    """The namespace a live SOS mount at ``mountpoint`` serves.
+
+    None when nothing is mounted there, or only a dead mount (its daemon died: a new
+    mount detaches it). ValueError when something else is mounted there, or an SOS mount
+    too old to say its namespace.
+    """
+    fstype = _mount_fstype(mountpoint)
+    if fstype is None:
+        return None
+    if fstype != SOS_FSTYPE:
+        raise ValueError(f"{mountpoint} is already a mount point, but not an SOS mount "
+                         f"({fstype}); give another mountpoint")
+    try:
+        with open(os.path.join(mountpoint, NAMESPACE_CONTROL), encoding="utf-8") as f:
+            return f.read().rstrip("\n")
+    except OSError as exc:
+        if exc.errno == errno.ENOTCONN:  # a dead mount: its daemon died
+            return None
+        raise ValueError(f"{mountpoint} is an SOS mount that does not say its namespace "
+                         f"({exc.strerror} for {NAMESPACE_CONTROL}: an older sos mount?); "
+                         f"unmount it first") from None
+
+
+def journaled_checkpoint(spark_or_none, namespace, *, server=None, key=None, mountpoint=None,
                          cache_dir=None, sync=True, checkpoint=DEFAULT_CHECKPOINT,
-                         listener=True) -> str:
-    """Mount ``namespace`` and return a checkpointLocation on the mount.
+                         listener=True, mount_args=(), timeout=180.0) -> str:
+    """Mount ``namespace`` if needed and return a checkpointLocation on the mount.
+
+    If ``mountpoint`` already is a live SOS mount of ``namespace`` (a sidecar, or the
+    mount a killed driver left running), it is reused as it is: nothing is started,
+    ``server``/``key``/``cache_dir``/``sync``/``mount_args`` are not used, and the mount is
+    not stopped at exit. A mount of another namespace, or anything else mounted there,
+    is a ValueError. Otherwise ``sos mount`` is started (``server`` and ``key`` needed;
+    ``mount_args``: more ``sos mount`` options such as ``["--tls-ca", "ca.pem"]``) and
+    stopped at interpreter exit or by ``location.stop()``.
 
     ``mountpoint``/``cache_dir`` default to fresh temporary directories. An empty cache is
     rebuilt from the server by the mount, so the same call after losing the worker brings
     the checkpoint back. With a SparkSession, a :class:`MarkerListener` for this
-    checkpoint is registered on it (``listener=False`` to skip). The mount is stopped at
-    interpreter exit, or earlier with ``location.stop()``.
+    checkpoint is registered on it (``listener=False`` to skip).
     """
-    if mountpoint is None:
-        mountpoint = tempfile.mkdtemp(prefix=f"sos-mnt-{namespace}-")
-    if cache_dir is None:
-        cache_dir = tempfile.mkdtemp(prefix=f"sos-cache-{namespace}-")
-    os.makedirs(mountpoint, exist_ok=True)
-    os.makedirs(cache_dir, exist_ok=True)
     relpath = checkpoint.strip("/")
-    mount = start_mount(namespace, mountpoint, server=server, key=key, cache_dir=cache_dir,
-                        sync=sync)
-    with _mounts_lock:
-        _mounts.append(mount)
+    mount = None
+    current = mounted_namespace(mountpoint) if mountpoint is not None else None
+    if current is not None and current != namespace:
+        raise ValueError(f"{mountpoint} is a mount of namespace {current!r}, not {namespace!r}")
+    if current is None:
+        if not server or not key:
+            raise ValueError(f"nothing serves namespace {namespace!r} at {mountpoint}: "
+                             f"server= and key= are needed to mount it")
+        if mountpoint is None:
+            mountpoint = tempfile.mkdtemp(prefix=f"sos-mnt-{namespace}-")
+        if cache_dir is None:
+            cache_dir = tempfile.mkdtemp(prefix=f"sos-cache-{namespace}-")
+        if _mount_fstype(mountpoint) is None:  # a dead mount there: the mount detaches it
+            os.makedirs(mountpoint, exist_ok=True)
+        os.makedirs(cache_dir, exist_ok=True)
+        mount = start_mount(namespace, mountpoint, server=server, key=key, cache_dir=cache_dir,
+                            sync=sync, extra_args=mount_args, timeout=timeout)
+        with _mounts_lock:
+            _mounts.append(mount)
+    else:
+        log.info("reusing the live SOS mount of namespace %r at %s", namespace, mountpoint)
     path = os.path.join(os.path.abspath(mountpoint), relpath)
     os.makedirs(path, exist_ok=True)
     loc = CheckpointLocation(path, mount=mount, mountpoint=os.path.abspath(mountpoint),

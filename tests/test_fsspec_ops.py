@@ -331,6 +331,29 @@ def test_journal_records_stream_and_rename(env):
         ("j/.f.tmp", "j/f", False), ("j/g", "j/f", True)]
 
 
+def test_generation_bytes_starts_new_generations_and_restore_equals_tree(env):
+    """A small generation_bytes: several generations (each starting with a snapshot of the
+    tree, all ready on the server), and the restore (from the newest) equals the tree."""
+    from sos_client.journal.restore import list_generations
+
+    with pytest.raises(ValueError, match="generation_bytes"):
+        env.fs(generation_bytes=0)
+    fs = env.fs(generation_bytes=64 << 10)
+    for i in range(12):  # ~240 KB of WRITE records: at least 3 rotations
+        fs.pipe_file(f"{env.ns}/g/f{i}", payload(("gen", i), 20_000))
+        if i % 3 == 2:
+            fs.mv(f"{env.ns}/g/f{i}", f"{env.ns}/g/moved{i}")
+            fs.rm(f"{env.ns}/g/f{i - 2}")
+    fs.fsync(env.ns)
+    with env.client_factory()() as client:
+        gens = list_generations(client)
+    assert len(gens) >= 4 and all(g.ready for g in gens.values())
+    live = fs_snapshot(fs, env.ns)
+    assert set(live) == {"g"} | {f"g/f{i}" for i in range(12) if i % 3 == 1} \
+        | {f"g/moved{i}" for i in range(2, 12, 3)}
+    assert local_snapshot(env.restore()) == live
+
+
 def test_reader_keeps_its_snapshot_across_replace(env):
     fs = env.fs()
     p = f"{env.ns}/snap"

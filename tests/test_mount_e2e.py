@@ -17,6 +17,7 @@ import signal
 import stat
 import subprocess
 import sys
+import textwrap
 import uuid
 
 import pytest
@@ -53,11 +54,12 @@ def mounts(tmp_path, server, key):
     """Factory of MountProcess objects; every mount is stopped and unmounted at teardown."""
     started = []
 
-    def make(name="m", cache=None, sync=True, start=True, writeback=False):
+    def make(name="m", cache=None, sync=True, start=True, writeback=False, extra_args=()):
         mp = MountProcess(NS, str(tmp_path / f"mnt-{name}"),
                           str(cache or tmp_path / f"cache-{name}"), server.address, key,
                           sync=sync, log_path=str(tmp_path / f"mount-{name}-{len(started)}.log"),
-                          extra_args=["--writeback-cache"] if writeback else [])
+                          extra_args=(["--writeback-cache"] if writeback else [])
+                          + list(extra_args))
         started.append(mp)
         if start:
             mp.start()
@@ -337,6 +339,389 @@ def test_sigkill_then_remount_on_empty_cache_restores(mounts, server, key, tmp_p
     write_file(os.path.join(fresh.mountpoint, "chk", "after"), b"after the crash")
     assert fresh.stop() == 0
     assert restored(server, key, tmp_path) == {**got, "chk/after": b"after the crash"}
+
+
+def test_mount_over_a_tree_made_by_sos_restore(mounts, server, key, tmp_path):
+    """What the demo's new worker does: `sos restore` into its empty cache's tree
+    directory, then `sos mount` on that cache. The tree is served as restored, the mount
+    starts a new generation whose snapshot is that tree, and the journal goes on from it."""
+    from sos_client import Client
+    from sos_client.journal.restore import list_generations
+    from spark_plugin.spark import sos_command
+
+    first = mounts("a")
+    os.makedirs(os.path.join(first.mountpoint, "chk", "commits"))
+    for i in range(3):
+        spark_write(first.mountpoint, f"chk/commits/{i}", f"c{i}".encode(), overwrite=False)
+    before = snapshot(first.mountpoint)
+    first.kill()  # the worker is lost (its cache is simply not used again)
+
+    cache = tmp_path / "cache-b"
+    proc = subprocess.run(sos_command() + ["restore", "-q", "--server", server.address, NS,
+                                           str(cache / "tree")],
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, SOS_KEY=key))
+    assert proc.returncode == 0, proc.stderr
+    assert snapshot(cache / "tree") == before
+    with Client(server.address, key, NS) as client:
+        gens_before = max(list_generations(client))
+    second = mounts("b", cache=cache)
+    assert "rebuilt from the server" not in second.log()  # served as restored, not rebuilt
+    assert snapshot(second.mountpoint) == before
+    with Client(server.address, key, NS) as client:
+        gens = list_generations(client)
+    assert max(gens) == gens_before + 1 and gens[max(gens)].ready
+    spark_write(second.mountpoint, "chk/commits/3", b"c3", overwrite=False)
+    assert second.stop() == 0
+    assert restored(server, key, tmp_path) == {**before, "chk/commits/3": b"c3"}
+
+
+def test_generation_bytes_option_starts_new_generations(mounts, server, key, tmp_path):
+    """--generation-bytes 64K: writing ~300 KB makes several generations, every one ready;
+    the restore (from the newest, a snapshot plus what followed) equals the tree."""
+    from sos_client import Client
+    from sos_client.journal.restore import list_generations
+
+    m = mounts(extra_args=["--generation-bytes", "64K"]).mountpoint
+    os.makedirs(os.path.join(m, "chk", "offsets"))
+    for i in range(15):
+        spark_write(m, f"chk/offsets/{i}", os.urandom(20_000), overwrite=False)
+        if i >= 3:
+            os.unlink(os.path.join(m, "chk", "offsets", str(i - 3)))
+    expected = snapshot(m)
+    durable(m)
+    with Client(server.address, key, NS) as client:
+        gens = list_generations(client)
+    assert len(gens) >= 4 and all(g.ready for g in gens.values())
+    assert restored(server, key, tmp_path) == expected
+    assert sorted(expected) == ["chk", "chk/offsets"] + [f"chk/offsets/{i}" for i in range(12, 15)]
+
+
+def test_cli_generation_bytes_must_be_a_positive_size(tmp_path, server):
+    env = dict(os.environ, SOS_KEY="k")
+    for bad in ("0", "lots"):
+        proc = subprocess.run([sys.executable, "-m", "spark_plugin.cli_mount", NS,
+                               str(tmp_path), "--server", server.address,
+                               "--generation-bytes", bad],
+                              capture_output=True, text=True, env=env, timeout=60)
+        assert proc.returncode == 2 and "--generation-bytes" in proc.stderr, proc.stderr
+
+
+# --------------------------------------------------------------------------- owners
+
+SPARK_UID = 185  # the official Spark image's user
+OTHER_UID = 186
+
+_AS_USER = r"""
+import json, os, sys
+out = {"uid": os.getuid(), "groups": os.getgroups()}
+def attempt(name, fn):
+    try:
+        fn()
+        out[name] = "ok"
+    except OSError as exc:
+        out[name] = exc.errno
+def write(path, data):
+    with open(path, "wb") as f:
+        f.write(data)
+def read(path):
+    with open(path, "rb") as f:
+        out["data:" + path] = f.read().decode()
+for step in json.loads(sys.argv[1]):
+    op, args = step[0], step[1:]
+    fn = {"mkdir": os.mkdir, "write": lambda p, d: write(p, d.encode()), "read": read,
+          "rename": os.rename, "unlink": os.unlink, "chmod": os.chmod,
+          "chown": lambda p, u: os.chown(p, u, -1)}[op]
+    attempt(":".join(map(str, step)), lambda: fn(*args))
+print(json.dumps(out))
+"""
+
+
+def _world_python():
+    """A Python interpreter any user may run (pytest's may live under root's 0700 home)."""
+    for cand in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"):
+        real = os.path.realpath(cand)
+        parts = [real] + [os.path.dirname(real)]
+        while parts[-1] != "/":
+            parts.append(os.path.dirname(parts[-1]))
+        if os.path.isfile(real) and all(
+                os.path.exists(p) and os.stat(p).st_mode & stat.S_IXOTH for p in parts):
+            return real
+    pytest.skip("no Python interpreter that a non-root user may run")
+
+
+def as_user(uid, cwd, *steps):
+    """Run file operations as `uid` (gid = uid, no supplementary groups) in `cwd`.
+
+    Paths are relative to `cwd` (chdir happens before the process drops root, so the
+    0700 pytest directories above the mount point need not be traversable)."""
+    import json
+
+    proc = subprocess.run([_world_python(), "-I", "-c", _AS_USER, json.dumps(steps)], cwd=cwd,
+                          user=uid, group=uid, extra_groups=[], capture_output=True, text=True,
+                          timeout=120, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["uid"] == uid and out["groups"] == []
+    return out
+
+
+def owner(path):
+    st = os.lstat(path)
+    return st.st_uid, st.st_gid
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (the sidecar's situation)")
+def test_non_root_user_owns_what_it_creates_and_others_are_refused(mounts, server, key,
+                                                                   tmp_path):
+    """The sidecar runs as root, Spark as uid 185: --owner gives 185 the root directory;
+    what 185 creates is 185's (cache too); another user is refused by the kernel's
+    permission checks; an empty cache rebuilt from the server is 185's again."""
+    spark = f"{SPARK_UID}:{SPARK_UID}"
+    mp = mounts("a", extra_args=["--owner", spark])
+    m = mp.mountpoint
+    assert owner(m) == (SPARK_UID, SPARK_UID)
+    out = as_user(SPARK_UID, m,
+                  ["mkdir", "checkpoint"], ["mkdir", "checkpoint/offsets"],
+                  ["write", "checkpoint/offsets/.0.tmp", "offsets of batch 0"],
+                  ["rename", "checkpoint/offsets/.0.tmp", "checkpoint/offsets/0"],
+                  ["write", "checkpoint/metadata", "{}"], ["chmod", "checkpoint/metadata", 0o640],
+                  ["read", "checkpoint/offsets/0"],
+                  ["write", ".sos/marker", '{"label": "spark.batch", "payload": {"batch_id": 0}}'],
+                  ["chown", "checkpoint/metadata", 0])  # only root may give files away
+    assert out["data:checkpoint/offsets/0"] == "offsets of batch 0"
+    assert out["chown:checkpoint/metadata:0"] == errno.EPERM
+    assert all(v == "ok" for k, v in out.items() if k.split(":")[0] in ("mkdir", "write",
+                                                                        "rename", "chmod"))
+    assert len([k for k in out if k.startswith("write:.sos/marker")]) == 1  # the listener's
+    cache_tree = os.path.join(mp.cache_dir, "tree")
+    for rel in ("checkpoint", "checkpoint/offsets", "checkpoint/offsets/0", "checkpoint/metadata"):
+        assert owner(os.path.join(m, rel)) == (SPARK_UID, SPARK_UID), rel
+        assert owner(os.path.join(cache_tree, rel)) == (SPARK_UID, SPARK_UID), rel
+    assert stat.S_IMODE(os.stat(os.path.join(m, "checkpoint/metadata")).st_mode) == 0o640
+    # a process of root creates root's files (root may write anywhere)
+    write_file(os.path.join(m, "checkpoint", "by-root"), b"r")
+    assert owner(os.path.join(m, "checkpoint", "by-root")) == (0, 0)
+    # another user: default_permissions refuses writes into 185's 0755 directories and files
+    other = as_user(OTHER_UID, m,
+                    ["mkdir", "checkpoint/commits"], ["write", "checkpoint/offsets/1", "x"],
+                    ["write", "checkpoint/offsets/0", "overwritten"],
+                    ["rename", "checkpoint/offsets/0", "checkpoint/offsets/9"],
+                    ["unlink", "checkpoint/offsets/0"], ["read", "checkpoint/offsets/0"],
+                    ["read", "checkpoint/metadata"], ["write", ".sos/marker", "{}"])
+    for step in ("write:.sos/marker:{}", "mkdir:checkpoint/commits", "write:checkpoint/offsets/1:x",
+                 "write:checkpoint/offsets/0:overwritten",
+                 "rename:checkpoint/offsets/0:checkpoint/offsets/9",
+                 "unlink:checkpoint/offsets/0", "read:checkpoint/metadata"):
+        assert other[step] == errno.EACCES, step
+    assert other["data:checkpoint/offsets/0"] == "offsets of batch 0"  # 0644: readable
+    expected = {"checkpoint": None, "checkpoint/offsets": None,
+                "checkpoint/offsets/0": b"offsets of batch 0", "checkpoint/metadata": b"{}",
+                "checkpoint/by-root": b"r"}
+    assert snapshot(m) == expected
+    durable(m)
+    assert restored(server, key, tmp_path) == expected
+    # the worker is lost: a mount on an empty cache rebuilds the tree, all of it 185's
+    mp.kill()
+    fresh = mounts("b", extra_args=["--owner", spark])
+    f = fresh.mountpoint
+    assert snapshot(f) == expected
+    for rel in ("", *expected):
+        assert owner(os.path.join(f, rel)) == (SPARK_UID, SPARK_UID), rel
+    out = as_user(SPARK_UID, f, ["mkdir", "checkpoint/commits"],
+                  ["write", "checkpoint/commits/0", "c0"])
+    assert out["mkdir:checkpoint/commits"] == out["write:checkpoint/commits/0:c0"] == "ok"
+    assert fresh.stop() == 0
+    assert restored(server, key, tmp_path) == {**expected, "checkpoint/commits": None,
+                                               "checkpoint/commits/0": b"c0"}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (the sidecar's situation)")
+def test_without_owner_the_root_directory_is_the_mounts_and_setgid_is_inherited(
+        mounts, tmp_path):
+    mp = mounts("a", extra_args=["--allow-other"])
+    m = mp.mountpoint
+    assert owner(m) == (0, 0)
+    assert as_user(SPARK_UID, m, ["mkdir", "checkpoint"])["mkdir:checkpoint"] == errno.EACCES
+    # root prepares a group-writable setgid directory: new entries keep its group
+    os.mkdir(os.path.join(m, "shared"))
+    os.chown(os.path.join(m, "shared"), 0, 4242)
+    os.chmod(os.path.join(m, "shared"), 0o2777)
+    out = as_user(SPARK_UID, m, ["mkdir", "shared/d"], ["write", "shared/f", "x"])
+    assert out["mkdir:shared/d"] == out["write:shared/f:x"] == "ok"
+    assert owner(os.path.join(m, "shared", "f")) == (SPARK_UID, 4242)
+    assert owner(os.path.join(m, "shared", "d")) == (SPARK_UID, 4242)
+    assert os.stat(os.path.join(m, "shared", "d")).st_mode & stat.S_ISGID
+
+
+def test_cli_owner_option_is_checked(tmp_path, server):
+    env = dict(os.environ, SOS_KEY="k")
+    proc = subprocess.run([sys.executable, "-m", "spark_plugin.cli_mount", NS, str(tmp_path),
+                           "--server", server.address, "--owner", "no-such-user-sos"],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 2 and "unknown user or group" in proc.stderr
+
+
+# --------------------------------------------------------------------------- reuse a mount
+
+
+class FakeSpark:
+    """The shape of SparkSession.streams.addListener, recording the listeners."""
+
+    def __init__(self):
+        self.listeners = []
+        outer = self
+
+        class Streams:
+            @staticmethod
+            def addListener(listener):  # noqa: N802 - Spark's name
+                outer.listeners.append(listener)
+
+        self.streams = Streams()
+
+
+def test_journaled_checkpoint_mounts_if_needed_and_reuses_a_live_mount(server, key, tmp_path):
+    """A live SOS mount of the namespace (a sidecar's) is reused: only the listener is
+    registered; another namespace or another file system there is a clear error."""
+    from spark_plugin.spark import MarkerListener, journaled_checkpoint, mounted_namespace
+
+    mnt = str(tmp_path / "mnt")
+    spark = FakeSpark()
+    first = journaled_checkpoint(spark, NS, server=server.address, key=key, mountpoint=mnt,
+                                 cache_dir=str(tmp_path / "cache"))
+    try:
+        assert not first.reused and first.mount.pid is not None
+        assert mounted_namespace(mnt) == NS
+        with open(os.path.join(mnt, ".sos", "namespace")) as f:
+            assert f.read() == NS + "\n"
+        write_file(os.path.join(first, "metadata"), b"{}")
+        again = journaled_checkpoint(spark, NS, mountpoint=mnt)  # no server, no key needed
+        assert again.reused and again.mount is None
+        assert str(again) == str(first) and again.relpath == "checkpoint"
+        assert [type(x) for x in spark.listeners] == [MarkerListener, MarkerListener]
+        assert spark.listeners[1].mountpoint == os.path.abspath(mnt)
+        assert read_file(os.path.join(again, "metadata")) == b"{}"
+        again.stop()  # not ours: left alone
+        assert is_mounted(mnt) and mounted_namespace(mnt) == NS
+        with pytest.raises(ValueError, match="namespace 'mnt', not 'other'"):
+            journaled_checkpoint(spark, "other", server=server.address, key=key,
+                                 mountpoint=mnt)
+        # what deploy/spark_job.py does in the Spark image: neither pyfuse3, trio nor the
+        # sos packages are there, only spark_plugin/spark.py
+        code = textwrap.dedent(f"""
+            import sys
+            for name in ("trio", "pyfuse3", "sos_client", "sos_wire", "sos_server",
+                         "spark_plugin.mount"):
+                sys.modules[name] = None  # importing it fails
+            from spark_plugin.spark import journaled_checkpoint
+            loc = journaled_checkpoint(None, {NS!r}, mountpoint={mnt!r})
+            print(loc.reused, loc)
+            """)
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.split() == ["True", str(first)]
+    finally:
+        assert first.mount.stop() == 0
+    with pytest.raises(ValueError, match="server= and key= are needed"):
+        journaled_checkpoint(spark, NS, mountpoint=mnt)
+    assert len(spark.listeners) == 2
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_journaled_checkpoint_refuses_a_mount_that_is_not_sos(tmp_path):
+    from spark_plugin.spark import journaled_checkpoint
+
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "none", str(mnt)], capture_output=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {proc.stderr!r}")
+    try:
+        with pytest.raises(ValueError, match=r"not an SOS mount \(tmpfs\)"):
+            journaled_checkpoint(None, NS, server="127.0.0.1:1", key="k", mountpoint=str(mnt))
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+_KILLED_DRIVER = r"""
+import os, signal, sys
+from spark_plugin.spark import journaled_checkpoint
+loc = journaled_checkpoint(None, "mnt", server=sys.argv[1], key=os.environ["SOS_KEY"],
+                           mountpoint=sys.argv[2], cache_dir=sys.argv[3])
+os.makedirs(os.path.join(loc, "commits"))
+with open(os.path.join(loc, "commits", ".0.tmp"), "w") as f:
+    f.write("v1")
+os.rename(os.path.join(loc, "commits", ".0.tmp"), os.path.join(loc, "commits", "0"))
+print(loc.mount.pid, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # the driver dies; its mount lives on (own session)
+"""
+
+
+def _wait_gone(pid, deadline=120.0):
+    """Wait until `pid` (not our child) has exited; SIGTERM it if it outlives the deadline."""
+    import time
+
+    end = time.monotonic() + deadline
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    return
+        except FileNotFoundError:
+            return
+        if time.monotonic() > end:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+            return
+        time.sleep(0.05)
+
+
+def test_journaled_checkpoint_reuses_the_mount_a_killed_driver_left(server, key, tmp_path):
+    from spark_plugin.spark import journaled_checkpoint
+
+    mnt = str(tmp_path / "mnt")
+    env = dict(os.environ, SOS_KEY=key)
+    orphan = None
+    try:
+        proc = subprocess.run([sys.executable, "-c", _KILLED_DRIVER, server.address, mnt,
+                               str(tmp_path / "cache")], capture_output=True, text=True,
+                              env=env, timeout=180)
+        assert proc.returncode == -signal.SIGKILL, proc.stderr
+        orphan = int(proc.stdout.split()[0])
+        assert is_mounted(mnt)
+        loc = journaled_checkpoint(FakeSpark(), NS, server=server.address, key=key,
+                                   mountpoint=mnt, cache_dir=str(tmp_path / "other-cache"))
+        assert loc.reused  # not a second mount (that would fence the first)
+        assert read_file(os.path.join(loc, "commits", "0")) == b"v1"
+        spark_write(mnt, "checkpoint/commits/1", b"v1 again", overwrite=False)
+        assert not os.path.exists(tmp_path / "other-cache" / "tree")
+    finally:
+        subprocess.run(["fusermount3", "-u", mnt], capture_output=True)  # the orphan exits
+        if orphan is not None:
+            _wait_gone(orphan)
+        if is_mounted(mnt):
+            subprocess.run(["fusermount3", "-u", "-z", mnt], capture_output=True)
+    assert restored(server, key, tmp_path) == {
+        "checkpoint": None, "checkpoint/commits": None,
+        "checkpoint/commits/0": b"v1", "checkpoint/commits/1": b"v1 again"}
+
+
+def test_journaled_checkpoint_replaces_a_dead_mount(mounts, server, key, tmp_path):
+    from spark_plugin.spark import journaled_checkpoint, mounted_namespace
+
+    mp = mounts("a")
+    write_file(os.path.join(mp.mountpoint, "kept"), b"k")
+    mp.proc.kill()  # the mount dies, its mount point stays (ENOTCONN)
+    mp.proc.wait()
+    assert is_mounted(mp.mountpoint) and mounted_namespace(mp.mountpoint) is None
+    loc = journaled_checkpoint(None, NS, server=server.address, key=key,
+                               mountpoint=mp.mountpoint, cache_dir=str(tmp_path / "cache-b"))
+    try:
+        assert not loc.reused
+        assert read_file(os.path.join(mp.mountpoint, "kept")) == b"k"
+    finally:
+        assert loc.mount.stop() == 0
 
 
 @pytest.mark.parametrize("writeback", [False, True], ids=["direct", "writeback"])

@@ -299,7 +299,7 @@ def test_marker_control_file_becomes_a_marker_record(mounted):
     control = os.path.join(mnt, ".sos", "marker")
     assert os.path.exists(control)
     assert os.listdir(mnt) == []  # the control directory is not listed
-    assert os.listdir(os.path.join(mnt, ".sos")) == ["marker"]
+    assert sorted(os.listdir(os.path.join(mnt, ".sos"))) == ["marker", "namespace"]
     doc = b'{"label": "spark.batch", "payload": {"batch_id": 3, "query_id": "q"}}'
     fd = os.open(control, os.O_WRONLY)
     try:
@@ -321,6 +321,23 @@ def test_marker_control_file_becomes_a_marker_record(mounted):
     with pytest.raises(OSError):
         os.rename(os.path.join(mnt, ".sos"), os.path.join(mnt, "y"))
     assert len(tree.calls) == 1
+
+
+def test_namespace_control_file_is_read_only(mounted):
+    mnt, tree, _ = mounted
+    path = os.path.join(mnt, ".sos", "namespace")
+    with open(path, "rb") as f:
+        assert f.read() == b"unit\n"
+    st = os.stat(path)
+    assert stat.S_IMODE(st.st_mode) == 0o444 and st.st_size == len(b"unit\n")
+    for flags in (os.O_WRONLY, os.O_RDWR, os.O_WRONLY | os.O_TRUNC):
+        with pytest.raises(OSError) as info:
+            os.open(path, flags)
+        assert info.value.errno in (errno.EACCES, errno.EPERM)
+    with pytest.raises(OSError) as info:
+        os.unlink(path)
+    assert info.value.errno == errno.EPERM
+    assert tree.calls == []
 
 
 def test_inode_table_rename_undo_restores_both_paths():

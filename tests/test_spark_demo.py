@@ -36,6 +36,11 @@ def assert_exactly_once(proc, lines, result, *, driver_markers=True):
     # RPO 0: every batch committed before the crash came back from the server
     assert result["committed_before_crash"] == list(range(CRASH_AFTER))
     assert result["restored_committed"] == list(range(CRASH_AFTER))
+    # the restart ran on what `sos restore` produced: the mount served that tree and began
+    # a new journal generation with its snapshot (a mount that rebuilt its cache itself
+    # would not)
+    before, after = result["generations"]
+    assert before >= 1 and after == before + 1
     assert result["committed_final"] == list(range(BATCHES))
     assert result["records_in"] == RECORDS
     assert result["records_out"] == RECORDS
