@@ -151,7 +151,7 @@ _HOOKS = (
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sos", description="SOS: append-only journal replication for Spark checkpoints.",
-        epilog="Exit status: 0 ok, 1 the operation failed, 2 usage.",
+        epilog="Exit status: 0 ok, 1 the operation failed, 2 usage; restore and verify also use 3 (corrupt data) and 4 (no journal in the namespace): see `sos restore --help`.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 

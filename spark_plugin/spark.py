@@ -8,8 +8,10 @@ durable on the server, so a committed batch survives the loss of the whole worke
 
 - :func:`journaled_checkpoint` mounts the namespace if needed (it reuses a live mount of the
   same namespace, e.g. a sidecar's) and returns a checkpointLocation on it.
-- :class:`MarkerListener` writes a MARKER record ``spark.batch`` after each committed batch,
-  so a restore can stop exactly at a batch.
+- :class:`MarkerListener` writes a MARKER record ``spark.batch`` after each committed batch:
+  it names the query and the batch in the journal (``sos restore`` lists them when asked
+  for a batch it cannot find). Restoring to a batch does not depend on markers: it stops
+  at the journal record that made ``commits/N`` exist.
 - :func:`restore_to_batch` rebuilds a checkpoint as it was when batch N committed.
 """
 
@@ -303,8 +305,11 @@ def restore_to_batch(namespace, target, checkpoint, batch_id, *, server, key, fo
     """Rebuild ``namespace`` into ``target`` as it was when batch ``batch_id`` committed.
 
     ``checkpoint`` is the checkpoint's path inside the namespace (``location.relpath``).
-    Runs ``sos restore NAMESPACE TARGET --batch CHECKPOINT:N``; returns the restored
-    checkpoint directory, ready to be copied or mounted for the query to resume from.
+    Runs ``sos restore NAMESPACE TARGET --batch CHECKPOINT:N`` (it stops right after the
+    record that made ``CHECKPOINT/commits/N`` exist); returns the restored checkpoint
+    directory, ready to be copied or mounted for the query to resume from. Raises
+    RuntimeError with sos's one-line message and exit code (4: no journal in the namespace,
+    1: batch N not in the journal or the target not empty, 3: corrupt data).
     """
     rel = str(getattr(checkpoint, "relpath", checkpoint)).strip("/")
     cmd = sos_command() + ["restore", "-q", "--server", server, namespace, str(target),
