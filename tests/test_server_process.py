@@ -244,7 +244,8 @@ def test_metrics_endpoint_shows_counters(srv):
 
 
 def test_max_connections_answers_busy(sos_server_factory):
-    srv = sos_server_factory(args=["--max-connections", "2"])
+    # --handshake-timeout 0: the two unauthenticated holders must not be closed by the deadline
+    srv = sos_server_factory(args=["--max-connections", "2", "--handshake-timeout", "0"])
     a, b = RawClient(srv.address), RawClient(srv.address)
     try:
         for c in (a, b):  # make sure both are accepted and counted
