@@ -216,7 +216,7 @@ def journaled_checkpoint(spark_or_none, namespace, *, server=None, key=None, mou
 
 
 def marker_payload(checkpoint_relpath, query_id, batch_id) -> bytes:
-    """The MARKER payload for a committed batch (what ``restore --batch`` looks for)."""
+    """The MARKER payload for a committed batch (names the query and batch in the journal)."""
     return json.dumps({"checkpoint": checkpoint_relpath, "query_id": str(query_id),
                        "batch_id": int(batch_id)}, sort_keys=True).encode()
 

@@ -20,7 +20,8 @@ RESTORE_EXIT_CODES = """exit status:
       nothing written: TARGET not empty without --force, or the requested point is
       not in the journal (batch N never committed, or committed before the oldest
       generation the server keeps; position past the last record; time before the
-      first record or the oldest generation kept)
+      first record or the oldest generation kept). A position past the last record
+      is only found while replaying: with --force, TARGET is then left empty
   2   usage
   3   corrupt data before the requested point (segment and offset named): restore
       applied what came before the broken record and stopped there

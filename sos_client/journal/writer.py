@@ -319,6 +319,10 @@ class JournalWriter:
         if self._error is not None:
             if isinstance(self._error, JournalError):
                 raise JournalError(f"replicator stopped: {self._error}") from self._error
+            if not isinstance(self._error, (Fenced, SealedError)):
+                # a refused key, a bad name, a damaged segment (CORRUPT): not a takeover
+                raise JournalError(f"replicator stopped: {type(self._error).__name__}: "
+                                   f"{self._error}") from self._error
             raise WriterFenced(f"writer epoch {self.epoch} was fenced or its segment sealed by a newer "
                                f"writer: {self._error}") from self._error
         if self._closed:
