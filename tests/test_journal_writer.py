@@ -441,3 +441,25 @@ def test_async_barrier_waits_for_the_ready_object_of_a_new_generation(tmp_path):
     out = tmp_path / "out"
     restore(store.factory, "ns", str(out))
     assert (out / "f").read_bytes() == b"x" * 1000 and (out / "g").exists()
+
+
+def test_modes_are_exact_in_the_cache_and_after_restore_whatever_the_umask(tmp_path):
+    """The mode given to create/mkdir is what the file gets (a FUSE caller's umask was
+    already applied by the kernel); neither the tree's nor restore's umask masks it again."""
+    store = MemStore()
+    old = os.umask(0o077)
+    try:
+        w, t = make(tmp_path, store)
+        t.mkdir("d", 0o775)
+        t.create("d/f", 0o664)
+        t.create("d/f", 0o600)  # an existing file keeps its mode (O_TRUNC, as POSIX)
+        t.sync()
+        cache = t.local_path("")
+        assert os.stat(os.path.join(cache, "d")).st_mode & 0o7777 == 0o775
+        assert os.stat(os.path.join(cache, "d", "f")).st_mode & 0o7777 == 0o664
+        t.close()
+        restore(store.factory, "ns", str(tmp_path / "out"))
+    finally:
+        os.umask(old)
+    assert os.stat(tmp_path / "out" / "d").st_mode & 0o7777 == 0o775
+    assert os.stat(tmp_path / "out" / "d" / "f").st_mode & 0o7777 == 0o664

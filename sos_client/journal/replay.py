@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from .errors import ReplayError
+from .tree import _create_exact, _unmask
 from .records import Create, Delete, Marker, Mkdir, Record, Rename, Rmdir, SnapshotEnd, Truncate, Write
 
 __all__ = ["replay", "Replayer", "ReplayStats"]
@@ -74,11 +75,11 @@ class Replayer:
                 self.stats.bytes_written += n
             elif t is Create:
                 self._forget(op.path)
-                fd = os.open(self._p(op.path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, op.mode)
-                self._keep(op.path, fd)
+                self._keep(op.path, _create_exact(self._p(op.path), op.mode))
             elif t is Mkdir:
                 try:
                     os.mkdir(self._p(op.path), op.mode)
+                    _unmask(self._p(op.path), op.mode)  # exact, whatever our umask
                 except FileExistsError:
                     if not os.path.isdir(self._p(op.path)):
                         raise

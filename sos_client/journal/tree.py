@@ -36,6 +36,33 @@ except OSError:  # pragma: no cover - no libc found
     _renameat2 = None
 
 
+def _unmask(p, mode: int) -> None:
+    """Give back the permission bits our umask took from ``mode`` (path or fd); special bits
+    stay as the kernel set them (e.g. S_ISGID inherited from a setgid parent)."""
+    st_mode = os.stat(p).st_mode
+    want = _stat.S_IMODE(st_mode) | (mode & 0o777)
+    if want != _stat.S_IMODE(st_mode):
+        if isinstance(p, int):
+            os.fchmod(p, want)
+        else:
+            os.chmod(p, want)
+
+
+def _create_exact(p: str, mode: int) -> int:
+    """O_CREAT|O_TRUNC; a new file gets exactly ``mode`` (the caller's umask was applied by
+    whoever asked; ours must not mask it again). An existing file keeps its mode, as POSIX."""
+    try:
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    except FileExistsError:
+        return os.open(p, os.O_WRONLY | os.O_TRUNC)
+    try:
+        _unmask(fd, mode)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def rename_noreplace(src: str, dst: str) -> None:
     """Atomically rename src to dst; FileExistsError if dst exists (files and directories)."""
     if _renameat2 is not None:
@@ -166,6 +193,7 @@ class JournaledTree:
         p = self._abs(path)
         with self._lock:
             os.mkdir(p, mode)
+            _unmask(p, mode)
             self._append(Mkdir(path, mode))
             self._after()
 
@@ -180,7 +208,7 @@ class JournaledTree:
         """Create ``path`` or truncate it to 0 (O_CREAT|O_TRUNC)."""
         p = self._abs(path)
         with self._lock:
-            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+            fd = _create_exact(p, mode)
             os.close(fd)
             self._append(Create(path, mode))
             self._after()
