@@ -143,8 +143,8 @@ def cmd_stat(args) -> int:
 
 # -- parser ---------------------------------------------------------------------------
 _HOOKS = (
-    ("sos_client.journal.cli", "add_parsers"),  # restore, verify (owner: journal)
-    ("spark_plugin.cli_mount", "add_parser"),  # mount (owner: mount)
+    ("sos_client.journal.cli", "add_parsers"),  # restore, verify
+    ("spark_plugin.cli_mount", "add_parser"),  # mount
 )
 
 
@@ -189,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
         try:
             module = importlib.import_module(module_name)
         except ImportError:
-            continue  # that part is not installed (or not written yet)
+            continue  # that part is not installed
         getattr(module, hook)(sub)
     return parser
 

@@ -9,22 +9,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
-
-def _add_connection_options(parser: argparse.ArgumentParser) -> None:
-    try:
-        from sos_client.cli import add_connection_options
-    except ImportError:
-        add_connection_options = None
-    if add_connection_options is not None:
-        add_connection_options(parser)
-        return
-    parser.add_argument("--server", default=os.environ.get("SOS_SERVER", "127.0.0.1:7070"),
-                        help="SOS server HOST:PORT (default: $SOS_SERVER or 127.0.0.1:7070)")
-    parser.add_argument("--key", default=os.environ.get("SOS_KEY"),
-                        help="append key of the namespace (default: $SOS_KEY)")
+from sos_client.cli import add_connection_options, client_from_args
+from sos_wire.names import validate_namespace
 
 
 def _size(text: str) -> int:
@@ -103,7 +91,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "the server, e.g. 185:185 (the Spark image's user); needs root, "
                         "implies --allow-other")
     p.add_argument("--debug", action="store_true", help="verbose logging, FUSE debug")
-    _add_connection_options(p)
+    add_connection_options(p)
     p.set_defaults(func=run)
     return p
 
@@ -118,22 +106,13 @@ def run(args) -> int:
               file=sys.stderr)
         return 1  # as put/cat/ls/stat/restore/verify: a missing key is an operation failure
     try:
-        from sos_wire.names import validate_namespace
-
         validate_namespace(args.namespace)
-    except ImportError:
-        pass
     except ValueError as exc:
         print(f"sos: {exc}", file=sys.stderr)
         return 2
-    try:
-        from sos_client.cli import client_from_args
-    except ImportError:
-        client_from_args = None
-    factory = None
-    if client_from_args is not None:
-        def factory():
-            return client_from_args(args, args.namespace)
+
+    def factory():
+        return client_from_args(args, args.namespace)
     try:
         return run_mount(args.namespace, args.mountpoint, server=args.server, key=args.key,
                          cache_dir=args.cache, sync=not args.async_, max_lag_bytes=args.max_lag,

@@ -388,10 +388,8 @@ class SOSFileSystem(AbstractFileSystem):
 
     @staticmethod
     def _check_key(key):
-        try:
-            from sos_wire.auth import Key
-        except ImportError:  # pragma: no cover - wire layer not importable
-            return
+        from sos_wire.auth import Key
+
         try:
             Key.parse(key)
         except Exception as exc:

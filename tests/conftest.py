@@ -1,4 +1,4 @@
-"""Shared test fixtures (owner: server).
+"""Shared test fixtures.
 
 ``sos_server``: a REAL ``sos-server`` process on 127.0.0.1:<free port> with its data in
 a temporary directory. The yielded :class:`ServerProcess` has

@@ -10,44 +10,15 @@ from __future__ import annotations
 
 from typing import Iterable, Iterator, Protocol
 
-try:  # the real client's exceptions (owner: wire)
-    from sos_client.errors import (  # type: ignore[import-not-found]
-        ConnectionLost,
-        Corrupt,
-        Fenced,
-        OffsetMismatch,
-        SealedError,
-        SOSError,
-        SOSNotFound,
-    )
-except ImportError:  # pragma: no cover - only while sos_client.errors does not exist yet
-
-    class SOSError(Exception):
-        def __init__(self, message="", code=0, length=0):
-            self.code = code
-            self.message = message
-            self.length = length
-            self.epoch = length
-            super().__init__(message)
-
-    class OffsetMismatch(SOSError):
-        pass
-
-    class Fenced(SOSError):
-        pass
-
-    class SealedError(SOSError):
-        pass
-
-    class Corrupt(SOSError):
-        pass
-
-    class ConnectionLost(SOSError, ConnectionError):
-        pass
-
-    class SOSNotFound(SOSError, FileNotFoundError):
-        pass
-
+from sos_client.errors import (
+    ConnectionLost,
+    Corrupt,
+    Fenced,
+    OffsetMismatch,
+    SealedError,
+    SOSError,
+    SOSNotFound,
+)
 
 __all__ = ["StoreClient", "SOSError", "OffsetMismatch", "Fenced", "SealedError", "Corrupt",
            "ConnectionLost", "SOSNotFound", "mismatch_length", "fenced_epoch", "TRANSIENT"]

@@ -6,9 +6,10 @@ Exit codes: RESTORE_EXIT_CODES and VERIFY_EXIT_CODES (printed by each command's 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
+
+from sos_client.cli import add_connection_options, client_from_args
 
 from .errors import JournalCorrupt, JournalError, JournalNotFound
 
@@ -39,34 +40,8 @@ VERIFY_EXIT_CODES = """exit status:
   130 interrupted"""
 
 
-def _add_connection_options(parser: argparse.ArgumentParser) -> None:
-    try:
-        from sos_client.cli import add_connection_options  # owner: wire
-    except ImportError:
-        add_connection_options = None
-    if add_connection_options is not None:
-        add_connection_options(parser)
-        return
-    parser.add_argument("--server", default=os.environ.get("SOS_SERVER", "127.0.0.1:7070"),
-                        help="host:port of the SOS server (default $SOS_SERVER or 127.0.0.1:7070)")
-    parser.add_argument("--key", default=os.environ.get("SOS_KEY"),
-                        help="key for the namespace (default $SOS_KEY)")
-
-
 def _factory(args, namespace: str):
-    try:
-        from sos_client.cli import client_from_args  # owner: wire (TLS, timeout options)
-    except ImportError:
-        client_from_args = None
-
-    def make():
-        if client_from_args is not None:
-            return client_from_args(args, namespace)
-        from sos_client import Client
-
-        return Client(getattr(args, "server", None), getattr(args, "key", None), namespace)
-
-    return make
+    return lambda: client_from_args(args, namespace)
 
 
 class ProgressBar:
@@ -277,7 +252,7 @@ def add_parsers(subparsers) -> None:
     p.add_argument("--force", action="store_true",
                    help="replace the contents of a non-empty TARGET (without it: exit 1, nothing written)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress")
-    _add_connection_options(p)
+    add_connection_options(p)
     p.set_defaults(func=cmd_restore)
 
     v = subparsers.add_parser("verify", help="check every segment and record of a namespace",
@@ -287,7 +262,7 @@ def add_parsers(subparsers) -> None:
                               epilog=VERIFY_EXIT_CODES)
     v.add_argument("namespace")
     v.add_argument("-q", "--quiet", action="store_true", help="no progress")
-    _add_connection_options(v)
+    add_connection_options(v)
     v.set_defaults(func=cmd_verify)
 
 
