@@ -268,6 +268,21 @@ def start_driver(cfg: dict, log_path: str, cfg_path: str) -> subprocess.Popen:
                                 start_new_session=True)
 
 
+def write_batch_output(out_dir: str, df, batch_id: int) -> None:
+    """The query's sink, idempotent by batch id: ``batch-<N>.jsonl`` holds the batch's rows,
+    written to a temp file, fsynced and renamed (all there or not at all; a replayed batch
+    replaces its own file)."""
+    rows = sorted((r["id"], r["payload"]) for r in df.collect())
+    final = os.path.join(out_dir, f"batch-{batch_id:06d}.jsonl")
+    tmp = f"{final}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        for rid, payload in rows:
+            f.write(json.dumps({"id": rid, "payload": payload}) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+
+
 def driver_main(cfg_path: str) -> int:
     """The Spark driver: one stateful streaming query, run until the input is used up."""
     with open(cfg_path) as f:
@@ -303,15 +318,7 @@ def driver_main(cfg_path: str) -> int:
     flag_dir = cfg["flags"]
 
     def sink(df, batch_id):
-        rows = sorted((r["id"], r["payload"]) for r in df.collect())
-        final = os.path.join(out_dir, f"batch-{batch_id:06d}.jsonl")
-        tmp = f"{final}.tmp-{os.getpid()}"
-        with open(tmp, "w") as f:
-            for rid, payload in rows:
-                f.write(json.dumps({"id": rid, "payload": payload}) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)  # atomic: a batch's output is all there or not at all
+        write_batch_output(out_dir, df, batch_id)
         if hang_at is not None and batch_id == hang_at:
             # batch output written, commits/N not yet: the worst moment to lose the worker
             with open(os.path.join(flag_dir, f"hang-{batch_id}"), "w") as f:

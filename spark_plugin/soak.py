@@ -59,6 +59,7 @@ from spark_plugin.demo import (
     keygen,
     kill_tree,
     make_input,
+    write_batch_output,
 )
 
 NAMESPACE = "soak"
@@ -159,17 +160,8 @@ def driver_main(cfg_path: str) -> int:
                 self.errors.append(repr(exc))
             super().onQueryProgress(event)
 
-    # the demo's sink (spark_plugin.demo.driver_main), without its hang hook
-    def sink(df, batch_id):
-        rows = sorted((r["id"], r["payload"]) for r in df.collect())
-        final = os.path.join(out_dir, f"batch-{batch_id:06d}.jsonl")
-        tmp = f"{final}.tmp-{os.getpid()}"
-        with open(tmp, "w") as f:
-            for rid, payload in rows:
-                f.write(json.dumps({"id": rid, "payload": payload}) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
+    def sink(df, batch_id):  # the demo's sink, without its hang hook
+        write_batch_output(out_dir, df, batch_id)
 
     # the demo's query (same source, dedup and sink); a processing-time trigger instead of
     # availableNow because the input keeps coming
