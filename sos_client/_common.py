@@ -31,7 +31,7 @@ from .errors import BadNameError, ConnectionLost, Corrupt, SOSError, SOSPermissi
 
 __all__ = [
     "DEFAULT_SERVER", "DEFAULT_PORT", "RECV", "NEXT_CHUNK", "parse_server", "settings_from_env", "Core",
-    "AppendJob", "CLIENT_NAME", "READ_STEP", "DEFAULT_WINDOW_BYTES", "DEFAULT_WINDOW_FRAMES", "readable_now",
+    "AppendJob", "ClientSettings", "CLIENT_NAME", "READ_STEP", "DEFAULT_WINDOW_BYTES", "DEFAULT_WINDOW_FRAMES", "readable_now",
 ]
 
 DEFAULT_PORT = 7070
@@ -103,6 +103,33 @@ def settings_from_env(server, key, namespace) -> tuple[str, int, Key, str]:
     except BadName as exc:
         raise BadNameError(str(exc), ErrorCode.BAD_NAME) from None
     return host, port, key, namespace
+
+
+class ClientSettings:
+    """What both clients resolve the same way before connecting: server, key and namespace
+    (defaults from $SOS_SERVER/$SOS_KEY), timeouts, TLS context, client name."""
+
+    def __init__(self, server, key, namespace, *, timeout: float, tls, reconnect_timeout,
+                 client_name: str, who: str) -> None:
+        if namespace is None:
+            raise TypeError(f"{who} needs a namespace")
+        self.host, self.port, self._key, self.namespace = settings_from_env(server, key, namespace)
+        self.server = f"{self.host}:{self.port}"
+        self.timeout = timeout
+        self.reconnect_timeout = timeout if reconnect_timeout is None else reconnect_timeout
+        if tls is True:
+            import ssl
+
+            tls = ssl.create_default_context()
+        self._tls = tls or None
+        self._client_name = client_name
+        self._core: Core | None = None
+        self._closed = False
+
+    @property
+    def role(self):
+        """KeyRole granted by the server (APPEND or READ); None before connecting."""
+        return self._core.role if self._core else None
 
 
 def readable_now(fileno: int) -> bool:

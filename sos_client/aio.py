@@ -18,8 +18,8 @@ from sos_wire import NEED_DATA, Key, ListEntry, RemoteProtocolError
 from sos_wire.frames import MAX_LIST_LIMIT
 
 from ._common import (
-    CLIENT_NAME, DEFAULT_WINDOW_BYTES, DEFAULT_WINDOW_FRAMES, NEXT_CHUNK, READ_STEP, RECV, AppendJob, Core,
-    readable_now, settings_from_env,
+    CLIENT_NAME, DEFAULT_WINDOW_BYTES, DEFAULT_WINDOW_FRAMES, NEXT_CHUNK, READ_STEP, RECV, AppendJob, ClientSettings,
+    Core, readable_now,
 )
 from .errors import ConnectionLost
 
@@ -43,27 +43,14 @@ async def open_client(server: str | None = None, key: "str | Key | None" = None,
         await client.aclose()
 
 
-class AsyncClient:
+class AsyncClient(ClientSettings):
     def __init__(self, server=None, key=None, namespace=None, *, timeout: float = 30, tls=None,
                  reconnect_timeout: float | None = None, client_name: str = CLIENT_NAME) -> None:
-        if namespace is None:
-            raise TypeError("open_client() needs a namespace")
-        self.host, self.port, self._key, self.namespace = settings_from_env(server, key, namespace)
-        self.server = f"{self.host}:{self.port}"
-        self.timeout = timeout
-        self.reconnect_timeout = timeout if reconnect_timeout is None else reconnect_timeout
-        if tls is True:
-            tls = _ssl.create_default_context()
-        self._tls = tls or None
-        self._client_name = client_name
+        super().__init__(server, key, namespace, timeout=timeout, tls=tls,
+                         reconnect_timeout=reconnect_timeout, client_name=client_name,
+                         who="open_client()")
         self._lock = trio.Lock()
         self._stream: trio.abc.Stream | None = None
-        self._core: Core | None = None
-        self._closed = False
-
-    @property
-    def role(self):
-        return self._core.role if self._core else None
 
     # -- connection management ----------------------------------------------------------
     async def connect(self) -> None:

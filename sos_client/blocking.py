@@ -18,8 +18,8 @@ from sos_wire import NEED_DATA, Key, ListEntry, RemoteProtocolError
 from sos_wire.frames import MAX_LIST_LIMIT
 
 from ._common import (
-    CLIENT_NAME, DEFAULT_WINDOW_BYTES, DEFAULT_WINDOW_FRAMES, NEXT_CHUNK, READ_STEP, RECV, AppendJob, Core,
-    readable_now, settings_from_env,
+    CLIENT_NAME, DEFAULT_WINDOW_BYTES, DEFAULT_WINDOW_FRAMES, NEXT_CHUNK, READ_STEP, RECV, AppendJob, ClientSettings,
+    Core, readable_now,
 )
 from .errors import ConnectionLost
 
@@ -39,7 +39,7 @@ def _closed_by_server(sock) -> bool:
         return True
 
 
-class Client:
+class Client(ClientSettings):
     """Blocking SOS client for one namespace.
 
     *server*: ``"host:port"`` (default ``$SOS_SERVER`` or 127.0.0.1:7070); *key*: a
@@ -54,28 +54,14 @@ class Client:
     def __init__(self, server: str | None = None, key: "str | Key | None" = None, namespace: str | None = None,
                  *, timeout: float = 30, tls: "_ssl.SSLContext | bool | None" = None,
                  reconnect_timeout: float | None = None, client_name: str = CLIENT_NAME) -> None:
-        if namespace is None:
-            raise TypeError("Client() needs a namespace")
-        self.host, self.port, self._key, self.namespace = settings_from_env(server, key, namespace)
-        self.server = f"{self.host}:{self.port}"
-        self.timeout = timeout
-        self.reconnect_timeout = timeout if reconnect_timeout is None else reconnect_timeout
-        if tls is True:
-            tls = _ssl.create_default_context()
-        self._tls = tls or None
-        self._client_name = client_name
+        super().__init__(server, key, namespace, timeout=timeout, tls=tls,
+                         reconnect_timeout=reconnect_timeout, client_name=client_name,
+                         who="Client()")
         self._lock = threading.RLock()
         self._sock: socket.socket | None = None
-        self._core: Core | None = None
-        self._closed = False
         self._connect()
 
     # -- connection management ----------------------------------------------------------
-    @property
-    def role(self):
-        """KeyRole granted by the server (APPEND or READ)."""
-        return self._core.role if self._core else None
-
     def _connect(self) -> None:
         try:
             sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
