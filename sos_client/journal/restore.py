@@ -26,7 +26,6 @@ import datetime as _dt
 import json
 import os
 import re
-import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -46,6 +45,7 @@ from .errors import (
 from .records import (HEADER_SIZE, Create, Delete, Marker, Record, RecordDecoder, Rename, SnapshotEnd, Truncate,
                       Write, peek_header, validate_path)
 from .replay import replay
+from .tree import clear_directory as _clear
 
 __all__ = ["restore", "rebuild_cache", "Summary", "parse_time", "format_time", "parse_batch", "find_batch",
            "commit_path", "segment_records", "generation_records", "list_generations", "BATCH_LABEL"]
@@ -605,15 +605,6 @@ def _prepare_target(target: str, force: bool) -> None:
     _check_target(target, force)
     os.makedirs(target, exist_ok=True)
     _clear(target)
-
-
-def _clear(target: str) -> None:
-    for name in os.listdir(target):
-        p = os.path.join(target, name)
-        if os.path.isdir(p) and not os.path.islink(p):
-            shutil.rmtree(p)
-        else:
-            os.unlink(p)
 
 
 def _no_journal(namespace: str, gens) -> JournalNotFound:

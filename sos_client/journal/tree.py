@@ -83,7 +83,8 @@ def rename_noreplace(src: str, dst: str) -> None:
     os.unlink(src)
 
 
-def _clear(directory: str) -> None:
+def clear_directory(directory: str) -> None:
+    """Remove everything inside ``directory`` (not the directory itself)."""
     import shutil
 
     for name in os.listdir(directory):
@@ -129,7 +130,7 @@ class JournaledTree:
                 w.barrier()
             from .restore import rebuild_cache
 
-            _clear(self.cache_dir)
+            clear_directory(self.cache_dir)
             last = rebuild_cache(w.client_factory, w.namespace, self.cache_dir)
             self.rebuilt = True
             if not w.generation_complete or last != w.last_seq:
