@@ -190,6 +190,12 @@ def _check_name(name: str) -> None:
         raise _err(ErrorCode.BAD_NAME, str(exc)) from None
 
 
+def _check_epoch(namespace: str, fence: int, epoch: int) -> None:
+    """APPEND and SEAL carry the writer's epoch; one below the namespace's fence is refused."""
+    if epoch < fence:
+        raise _err(ErrorCode.FENCED, f"epoch {epoch} is fenced: namespace {namespace!r} is at {fence}", fence)
+
+
 class Engine:
     def __init__(
         self,
@@ -334,8 +340,7 @@ class Engine:
             raise _err(ErrorCode.CHECKSUM_MISMATCH, f"CRC32C of the {n} data bytes does not match; nothing written")
         ns = self._ns(namespace)
         async with self._locks((namespace, name)):
-            if epoch < ns.fence:
-                raise _err(ErrorCode.FENCED, f"epoch {epoch} is fenced: namespace {namespace!r} is at {ns.fence}", ns.fence)
+            _check_epoch(namespace, ns.fence, epoch)
             obj = ns.get(name)
             if obj is None:
                 if offset != 0:
@@ -410,8 +415,7 @@ class Engine:
         _check_name(name)
         ns = self._ns(namespace)
         async with self._locks((namespace, name)):
-            if epoch < ns.fence:
-                raise _err(ErrorCode.FENCED, f"epoch {epoch} is fenced: namespace {namespace!r} is at {ns.fence}", ns.fence)
+            _check_epoch(namespace, ns.fence, epoch)
             obj = ns.get(name)
             if obj is None:
                 raise _err(ErrorCode.NOT_FOUND, f"no object {name!r} in namespace {namespace!r}")
