@@ -332,7 +332,7 @@ def test_writer_stops_on_a_damaged_segment_instead_of_retrying_forever(sos_serve
         sos_server.start()
         tree.create("after")
         with pytest.raises(Exception) as ei:
-            tree.sync()
+            writer.barrier(timeout=TIMEOUT)  # a writer that retried forever would time out here
         assert not isinstance(ei.value, TimeoutError), ei.value
         err = ei.value if isinstance(ei.value, Corrupt) else ei.value.__cause__
         assert isinstance(err, Corrupt) and "damaged" in str(err), repr(ei.value)
