@@ -8,10 +8,24 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def test_readme_starts_with_the_two_commands():
+def test_readme_opens_with_title_sentence_and_quick_start():
     lines = (ROOT / "README.md").read_text().splitlines()
-    assert lines[0] == "./scripts/demo"
-    assert lines[1] == "./scripts/test"
+    assert lines[0].startswith("# ")
+    assert lines[1] == "" and lines[2] and not lines[2].startswith("#")
+    start = lines.index("## Quick start")
+    fence = lines.index("```sh", start)
+    assert lines[fence + 1] == "./scripts/demo"
+    assert lines[fence + 2] == "./scripts/test"
+    assert lines[fence + 3] == "```"
+
+
+def test_scripts_use_the_project_venv_not_the_system_interpreter():
+    setup = (ROOT / "scripts" / "setup").read_text()
+    assert "PIP_BREAK_SYSTEM_PACKAGES" not in setup
+    assert "python3 -m venv" in setup and '"$PY" -m pip install' in setup
+    for name in ("test", "demo", "soak"):
+        text = (ROOT / "scripts" / name).read_text()
+        assert ".venv/bin/python" in text, name
 
 
 def test_ci_run_calls_the_readme_test_command():
