@@ -61,7 +61,7 @@ def make_tls_context(cert: str, key: str) -> ssl.SSLContext:
     return ctx
 
 
-_PEM_CERT = re.compile(rb"-----BEGIN CERTIFICATE-----\s+(.+?)-----END CERTIFICATE-----", re.S)
+_PEM_CERT = re.compile(rb"-----BEGIN CERTIFICATE-----\s+(.+?)-----END CERTIFICATE-----", re.DOTALL)
 
 
 def certificate_binding(cert: str) -> bytes:
