@@ -107,7 +107,7 @@ class Listener:
         if tls is not None and not channel_binding:
             raise ValueError("a TLS listener needs the channel binding of its certificate (certificate_binding)")
         # what every session of a TLS listener binds AUTH proofs to (protocol.md 1.6)
-        self.channel_binding = channel_binding if tls is not None else b""
+        self.channel_binding: bytes = (channel_binding or b"") if tls is not None else b""
         self.max_connections = max_connections
         self.idle_timeout = idle_timeout
         self.handshake_timeout = handshake_timeout
