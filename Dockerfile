@@ -1,8 +1,9 @@
 # syntax=docker/dockerfile:1
 # One image for both roles:
-#   server (default):  docker run -p 7070:7070 -v sos-data:/data IMAGE
+#   server (default):  docker run -p 7070:7070 -v sos-data:/data -v "$PWD/tls:/tls:ro" IMAGE
+#                      (TLS: /tls/tls.crt and /tls/tls.key, made as docs/DEPLOY.md shows)
 #   mount sidecar:     docker run --device /dev/fuse --cap-add SYS_ADMIN IMAGE \
-#                        sos mount NAMESPACE /mnt/sos --cache /cache
+#                        sos mount NAMESPACE /mnt/sos --cache /cache --tls-ca /tls/tls.crt
 # See docs/DEPLOY.md.
 
 # ---- build: wheels for the project and its dependencies (pyfuse3 compiles here)
@@ -44,9 +45,12 @@ RUN groupadd --system --gid 10001 sos \
 USER 10001:10001
 VOLUME ["/data"]
 EXPOSE 7070 9070
+# the server listens with TLS only (certificate and key mounted at /tls): the health check too
 ENV SOS_HEALTH_ADDR=127.0.0.1:7070 \
+    SOS_HEALTH_TLS=1 \
     PYTHONUNBUFFERED=1
 HEALTHCHECK --interval=30s --timeout=10s --start-period=20s --retries=3 \
     CMD ["python", "/usr/local/lib/sos/healthcheck.py"]
 ENTRYPOINT ["/usr/bin/tini", "--"]
-CMD ["sos-server", "serve", "--data", "/data", "--listen", "0.0.0.0:7070", "--metrics", "0.0.0.0:9070"]
+CMD ["sos-server", "serve", "--data", "/data", "--listen", "0.0.0.0:7070", "--metrics", "0.0.0.0:9070", \
+     "--tls-cert", "/tls/tls.crt", "--tls-key", "/tls/tls.key"]

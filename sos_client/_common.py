@@ -20,7 +20,7 @@ import select
 from collections import deque
 
 from sos_wire import events as ev
-from sos_wire.auth import Key
+from sos_wire.auth import Key, tls_server_end_point
 from sos_wire.connection import Connection, Role
 from sos_wire.crc import crc32c
 from sos_wire.errors import ErrorCode
@@ -32,6 +32,7 @@ from .errors import BadNameError, ConnectionLost, Corrupt, SOSError, SOSPermissi
 __all__ = [
     "DEFAULT_SERVER", "DEFAULT_PORT", "RECV", "NEXT_CHUNK", "parse_server", "settings_from_env", "Core",
     "AppendJob", "ClientSettings", "CLIENT_NAME", "READ_STEP", "DEFAULT_WINDOW_BYTES", "DEFAULT_WINDOW_FRAMES", "readable_now",
+    "channel_binding_of",
 ]
 
 DEFAULT_PORT = 7070
@@ -132,6 +133,19 @@ class ClientSettings:
         return self._core.role if self._core else None
 
 
+def channel_binding_of(tls) -> bytes:
+    """The AUTH channel binding of an established TLS connection (protocol.md 1.6).
+
+    *tls*: an ``ssl.SSLSocket``/``ssl.SSLObject`` or a ``trio.SSLStream`` after its
+    handshake.  The server's certificate is taken as it arrived, whether or not the
+    context verified it: a relay with another certificate then gets a proof the real
+    server refuses."""
+    der = tls.getpeercert(binary_form=True)
+    if not der:
+        raise ConnectionLost("the TLS server presented no certificate: the AUTH proof cannot be bound to it")
+    return tls_server_end_point(der)
+
+
 def readable_now(fileno: int) -> bool:
     """True if the socket *fileno* has something to read (data, EOF, an error) right now.
 
@@ -159,11 +173,15 @@ def _u64(value, what: str) -> int:
 class Core:
     """Protocol logic over one authenticated connection (no I/O)."""
 
-    def __init__(self, key: Key, namespace: str, *, client_name: str = CLIENT_NAME) -> None:
+    def __init__(self, key: Key, namespace: str, *, client_name: str = CLIENT_NAME,
+                 channel_binding: bytes = b"") -> None:
+        """*channel_binding*: ``b""`` on plain TCP, :func:`channel_binding_of` the TLS
+        connection otherwise (it goes into the AUTH proof)."""
         self.conn = Connection(Role.CLIENT)
         self.key = key
         self.namespace = namespace
         self.client_name = client_name
+        self.channel_binding = bytes(channel_binding)
         self.role: ev.KeyRole | None = None
         self.server_name = ""
         self.max_body = DEFAULT_MAX_BODY
@@ -205,7 +223,7 @@ class Core:
             raise ConnectionLost(f"the server chose protocol version {hello.version}, this client speaks {VERSION}")
         self.server_name = hello.server
         self.max_body = hello.max_body
-        proof = self.key.proof(hello.nonce, self.namespace)
+        proof = self.key.proof(hello.nonce, self.namespace, self.channel_binding)
         ok = yield from self._request(
             ev.Auth(self._rid(), self.key.key_id, self.namespace, proof),
             f"authenticate key {self.key.key_id.hex()} to namespace {self.namespace!r}", ev.AuthOk,

@@ -19,7 +19,7 @@ from sos_wire.frames import MAX_LIST_LIMIT
 
 from ._common import (
     CLIENT_NAME, DEFAULT_WINDOW_BYTES, DEFAULT_WINDOW_FRAMES, NEXT_CHUNK, READ_STEP, RECV, AppendJob, ClientSettings,
-    Core, readable_now,
+    Core, channel_binding_of, readable_now,
 )
 from .errors import ConnectionLost
 
@@ -67,7 +67,12 @@ class AsyncClient(ClientSettings):
         except (OSError, trio.TooSlowError, trio.BrokenResourceError, _ssl.SSLError) as exc:
             raise ConnectionLost(f"cannot connect to {self.server}: {exc or type(exc).__name__}") from exc
         self._stream = stream
-        self._core = Core(self._key, self.namespace, client_name=self._client_name)
+        try:
+            binding = channel_binding_of(stream) if self._tls is not None else b""
+        except ConnectionLost:
+            await self._drop()
+            raise
+        self._core = Core(self._key, self.namespace, client_name=self._client_name, channel_binding=binding)
         try:
             await self._drive(self._core.handshake())
         except BaseException:

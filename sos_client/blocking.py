@@ -19,7 +19,7 @@ from sos_wire.frames import MAX_LIST_LIMIT
 
 from ._common import (
     CLIENT_NAME, DEFAULT_WINDOW_BYTES, DEFAULT_WINDOW_FRAMES, NEXT_CHUNK, READ_STEP, RECV, AppendJob, ClientSettings,
-    Core, readable_now,
+    Core, channel_binding_of, readable_now,
 )
 from .errors import ConnectionLost
 
@@ -75,7 +75,12 @@ class Client(ClientSettings):
             sock.close()
             raise ConnectionLost(f"TLS handshake with {self.server} failed: {exc}") from exc
         self._sock = sock
-        self._core = Core(self._key, self.namespace, client_name=self._client_name)
+        try:
+            binding = channel_binding_of(sock) if self._tls is not None else b""
+        except ConnectionLost:
+            self._drop()
+            raise
+        self._core = Core(self._key, self.namespace, client_name=self._client_name, channel_binding=binding)
         try:
             self._drive(self._core.handshake())
         except BaseException:

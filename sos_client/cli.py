@@ -6,8 +6,10 @@
     sos stat NS/NAME              print the object's length
 
 Connection options (every subcommand): ``--server HOST:PORT`` (default $SOS_SERVER or
-127.0.0.1:7070), ``--key KEY`` (default $SOS_KEY), ``--tls``/``--tls-ca FILE``,
-``--timeout S``.  Exit status: 0 ok, 1 the operation failed, 2 usage.  Errors are
+127.0.0.1:7070), ``--key-file PATH`` (default $SOS_KEY_FILE; else the key is $SOS_KEY),
+``--tls``/``--tls-ca FILE``, ``--timeout S``.  A key is never an argument: ``--key KEY``
+is refused (usage error), since every local user reads a process's command line in
+/proc/PID/cmdline for as long as it runs.  Exit status: 0 ok, 1 the operation failed, 2 usage.  Errors are
 one line on stderr: ``sos: <message>``.
 
 Other parts plug in subcommands: ``sos_client.journal.cli.add_parsers(subparsers)``
@@ -24,12 +26,16 @@ import os
 import ssl
 import sys
 
+from sos_wire.auth import Key
 from sos_wire.names import BadName, validate_name, validate_namespace
 
 from ._common import DEFAULT_SERVER
-from .errors import SOSError, SOSNotFound
+from .errors import SOSError, SOSNotFound, SOSPermissionError
 
-__all__ = ["main", "build_parser", "add_connection_options", "client_from_args", "split_target", "UsageError"]
+__all__ = [
+    "main", "build_parser", "add_connection_options", "client_from_args", "key_from_args", "split_target",
+    "UsageError",
+]
 
 CHUNK = 1 << 20
 
@@ -38,17 +44,61 @@ class UsageError(Exception):
     """Bad command-line input (exit status 2)."""
 
 
+KEY_ON_COMMAND_LINE = (
+    "--key is not accepted: a key on the command line is readable by every local user "
+    "(/proc/PID/cmdline, ps) for as long as the command runs; set SOS_KEY, or put the key "
+    "in a file only you can read and pass --key-file PATH"
+)
+
+
+class _RefuseKeyArgument(argparse.Action):
+    """``--key``/``--key=...``: a usage error naming the alternatives (the value is never shown)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        parser.error(KEY_ON_COMMAND_LINE)
+
+
 def add_connection_options(parser: argparse.ArgumentParser) -> None:
-    """Add --server, --key, --tls, --tls-ca, --timeout to *parser* (defaults from SOS_SERVER/SOS_KEY)."""
+    """Add --server, --key-file, --tls, --tls-ca, --timeout to *parser* (defaults from
+    SOS_SERVER, SOS_KEY_FILE; the key itself from SOS_KEY). ``--key`` is refused."""
     g = parser.add_argument_group("connection")
     g.add_argument("--server", default=os.environ.get("SOS_SERVER") or DEFAULT_SERVER, metavar="HOST:PORT",
                    help="SOS server (default: $SOS_SERVER or %(default)s)")
-    g.add_argument("--key", default=os.environ.get("SOS_KEY"), metavar="KEY",
-                   help="key of the namespace, as printed by `sos-server keygen` (default: $SOS_KEY)")
+    g.add_argument("--key-file", default=os.environ.get("SOS_KEY_FILE") or None, metavar="PATH",
+                   help="file holding the key of the namespace, as printed by `sos-server keygen` "
+                        "(default: $SOS_KEY_FILE; without either the key is $SOS_KEY). "
+                        "Keys are never taken as arguments: --key is refused")
+    g.add_argument("--key", dest="_key_argument", nargs="?", action=_RefuseKeyArgument, help=argparse.SUPPRESS)
     g.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system CAs")
     g.add_argument("--tls-ca", metavar="FILE", default=None, help="connect with TLS, trusting this CA file")
     g.add_argument("--timeout", type=float, default=30.0, metavar="S",
                    help="seconds to wait for the server (default: %(default)s)")
+
+
+def key_from_args(args: argparse.Namespace) -> str:
+    """The key text: the content of ``--key-file`` (or $SOS_KEY_FILE), else $SOS_KEY.
+
+    Raises SOSPermissionError (exit status 1) if there is none or the file cannot be read;
+    messages name the file, never its content."""
+    path = getattr(args, "key_file", None)
+    if path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read(4096).strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not a text file"
+            raise SOSPermissionError(f"cannot read the key file {path}: {reason}") from None
+        try:
+            Key.parse(text)
+        except ValueError as exc:
+            raise SOSPermissionError(f"bad key in the key file {path}: {exc}") from None
+        return text
+    key = os.environ.get("SOS_KEY")
+    if not key:
+        raise SOSPermissionError(
+            "no key given: set SOS_KEY or pass --key-file PATH (what `sos-server keygen` prints)"
+        )
+    return key
 
 
 def client_from_args(args: argparse.Namespace, namespace: str):
@@ -60,7 +110,7 @@ def client_from_args(args: argparse.Namespace, namespace: str):
         tls = ssl.create_default_context(cafile=args.tls_ca)
     elif getattr(args, "tls", False):
         tls = ssl.create_default_context()
-    return Client(args.server, args.key, namespace, timeout=getattr(args, "timeout", 30.0), tls=tls)
+    return Client(args.server, key_from_args(args), namespace, timeout=getattr(args, "timeout", 30.0), tls=tls)
 
 
 def split_target(text: str, *, need_name: bool = True) -> tuple[str, str]:
@@ -222,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         _error(exc)
         return 2
-    except ValueError as exc:  # a malformed --server / $SOS_SERVER or --key / $SOS_KEY
+    except ValueError as exc:  # a malformed --server / $SOS_SERVER
         if isinstance(exc, SOSError):
             _error(exc.message or exc)
             return 1

@@ -50,8 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--data", required=True, help="data directory")
     s.add_argument("--listen", type=parse_hostport, default=("127.0.0.1", 7070), help="HOST:PORT (port 0: any free)")
     s.add_argument("--metrics", type=parse_hostport, default=None, help="HOST:PORT of the Prometheus endpoint")
-    s.add_argument("--tls-cert", default=None)
-    s.add_argument("--tls-key", default=None)
+    s.add_argument("--tls-cert", default=None, metavar="PEM",
+                   help="serve TLS with this certificate (chain) file; AUTH proofs are then bound to it")
+    s.add_argument("--tls-key", default=None, metavar="PEM", help="the private key of --tls-cert")
     s.add_argument("--keep-generations", type=_positive, default=None, help="retention: complete generations kept")
     s.add_argument("--min-age", type=parse_duration, default=None, help="retention: minimum age before removal")
     s.add_argument("--max-connections", type=_positive, default=1024)
@@ -159,7 +160,7 @@ def cmd_serve(args) -> int:
     import trio
 
     from .engine import Engine, Limits
-    from .listener import Listener, ListenError, make_tls_context, raise_nofile_limit, tune_malloc
+    from .listener import Listener, ListenError, certificate_binding, make_tls_context, raise_nofile_limit, tune_malloc
     from .logs import setup_logging
     from .metrics import Metrics
     from .storage import Storage, StorageError
@@ -169,12 +170,19 @@ def cmd_serve(args) -> int:
         return _usage("--tls-cert and --tls-key go together")
     if (args.keep_generations is None) != (args.min_age is None):
         return _usage("--keep-generations and --min-age go together")
-    tls = None
+    tls, binding = None, None
     if args.tls_cert:
         try:
             tls = make_tls_context(args.tls_cert, args.tls_key)
+            binding = certificate_binding(args.tls_cert)
         except (OSError, ValueError) as exc:
             return _fail(f"cannot load TLS certificate/key: {exc}")
+    elif args.listen[0] not in ("127.0.0.1", "::1", "localhost"):
+        log.warning(
+            "listening without TLS on a non-loopback address: anyone on the path can read the data and "
+            "take over authenticated connections; pass --tls-cert/--tls-key (docs/DEPLOY.md)",
+            extra={"listen": f"{args.listen[0]}:{args.listen[1]}"},
+        )
     nofile = raise_nofile_limit()
     tune_malloc()
     storage = Storage(args.data)
@@ -217,6 +225,7 @@ def cmd_serve(args) -> int:
         host=args.listen[0],
         port=args.listen[1],
         tls=tls,
+        channel_binding=binding,
         max_connections=args.max_connections,
         idle_timeout=args.idle_timeout or None,
         handshake_timeout=args.handshake_timeout or None,

@@ -270,8 +270,12 @@ class Engine:
             raise obj.sync_error or _err(ErrorCode.INTERNAL, "append was cut back")
 
     # -- auth ------------------------------------------------------------------------
-    def authenticate(self, namespace: str, key_id: bytes, nonce: bytes, proof: bytes) -> str:
-        """Check an AUTH proof; returns the key's role. AUTH_FAILED says nothing more."""
+    def authenticate(self, namespace: str, key_id: bytes, nonce: bytes, proof: bytes,
+                     channel_binding: bytes = b"") -> str:
+        """Check an AUTH proof; returns the key's role. AUTH_FAILED says nothing more.
+
+        *channel_binding*: ``b""`` on plain TCP; inside TLS the tls-server-end-point
+        binding of the server's own certificate (protocol.md 1.6)."""
         failed = _err(ErrorCode.AUTH_FAILED, f"authentication to namespace {namespace!r} failed")
         try:
             validate_namespace(namespace)
@@ -280,7 +284,7 @@ class Engine:
         rec = self.storage.get_key(namespace, key_id)
         if rec is None or rec.namespace != namespace:
             raise failed
-        if not verify_proof(rec.secret, nonce, namespace, key_id, proof):
+        if not verify_proof(rec.secret, nonce, namespace, key_id, proof, channel_binding):
             raise failed
         self.storage.namespace(namespace, create=True)
         return rec.role

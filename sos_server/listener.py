@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import resource
 import ssl
 
@@ -16,7 +17,7 @@ from sos_wire import events as ev
 from .engine import Engine
 from .session import Session
 
-__all__ = ["Listener", "ListenError", "raise_nofile_limit", "make_tls_context", "tune_malloc"]
+__all__ = ["Listener", "ListenError", "raise_nofile_limit", "make_tls_context", "certificate_binding", "tune_malloc"]
 
 log = logging.getLogger("sos_server.listener")
 
@@ -60,6 +61,29 @@ def make_tls_context(cert: str, key: str) -> ssl.SSLContext:
     return ctx
 
 
+_PEM_CERT = re.compile(rb"-----BEGIN CERTIFICATE-----\s+(.+?)-----END CERTIFICATE-----", re.DOTALL)
+
+
+def certificate_binding(cert: str) -> bytes:
+    """The AUTH channel binding (protocol.md 1.6) of a server using the PEM file *cert*:
+    tls-server-end-point of its first certificate, the one the server presents (as
+    OpenSSL's load_cert_chain takes it). ValueError if the file holds no certificate."""
+    import base64
+    import binascii
+
+    from sos_wire.auth import tls_server_end_point
+
+    with open(cert, "rb") as f:
+        m = _PEM_CERT.search(f.read())
+    if m is None:
+        raise ValueError(f"{cert}: no PEM certificate in it")
+    try:
+        der = base64.b64decode(b"".join(m.group(1).split()), validate=True)
+    except binascii.Error:
+        raise ValueError(f"{cert}: the first certificate is not valid base64") from None
+    return tls_server_end_point(der)
+
+
 class ListenError(Exception):
     """The listening address cannot be bound (in use, bad host, no permission)."""
 
@@ -72,6 +96,7 @@ class Listener:
         host: str = "127.0.0.1",
         port: int = 7070,
         tls: ssl.SSLContext | None = None,
+        channel_binding: bytes | None = None,
         max_connections: int = 1024,
         idle_timeout: float | None = None,
         handshake_timeout: float | None = None,
@@ -79,6 +104,10 @@ class Listener:
         self.engine = engine
         self.host, self.port = host, port
         self.tls = tls
+        if tls is not None and not channel_binding:
+            raise ValueError("a TLS listener needs the channel binding of its certificate (certificate_binding)")
+        # what every session of a TLS listener binds AUTH proofs to (protocol.md 1.6)
+        self.channel_binding: bytes = (channel_binding or b"") if tls is not None else b""
         self.max_connections = max_connections
         self.idle_timeout = idle_timeout
         self.handshake_timeout = handshake_timeout
@@ -129,7 +158,8 @@ class Listener:
                     await trio.aclose_forcefully(stream)
                     return
             session = Session(
-                self.engine, stream, peer=peer, idle_timeout=self.idle_timeout, handshake_deadline=deadline
+                self.engine, stream, peer=peer, idle_timeout=self.idle_timeout, handshake_deadline=deadline,
+                channel_binding=self.channel_binding,
             )
             await session.run()
         finally:

@@ -76,8 +76,11 @@ class Session:
         idle_timeout: float | None = None,
         handshake_deadline: float = math.inf,
         max_body: int = DEFAULT_MAX_BODY,
+        channel_binding: bytes = b"",
     ) -> None:
         self.engine = engine
+        # b"" on plain TCP; inside TLS the binding of the server's certificate (AUTH proof)
+        self.channel_binding = channel_binding
         self.metrics = engine.metrics
         self.stream = stream
         self.peer = peer
@@ -222,7 +225,9 @@ class Session:
             await self._send_error(rid, ErrorCode.BAD_REQUEST, f"already authenticated to {self.namespace!r}")
             return
         try:
-            role = self.engine.authenticate(event.namespace, event.key_id, self.nonce, event.proof)
+            role = self.engine.authenticate(
+                event.namespace, event.key_id, self.nonce, event.proof, self.channel_binding
+            )
         except ServerError as exc:
             log.warning(
                 "auth failed", extra={"peer": self.peer, "namespace": event.namespace, "key_id": event.key_id.hex()}

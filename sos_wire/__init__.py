@@ -3,7 +3,7 @@
 See protocol.md (Part 1) for the normative description of the bytes.
 """
 
-from .auth import BadKey, Key, proof, verify_proof
+from .auth import BadKey, Key, proof, tls_server_end_point, verify_proof
 from .connection import NEED_DATA, Connection, Role, decode_body, encode_event
 from .crc import crc32c
 from .errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError
@@ -15,7 +15,7 @@ from .frames import DEFAULT_MAX_BODY, HEADER_LEN, MAX_LIST_LIMIT, MAX_PING_PAYLO
 from .names import BadName, validate_name, validate_namespace
 
 __all__ = [
-    "BadKey", "Key", "proof", "verify_proof",
+    "BadKey", "Key", "proof", "tls_server_end_point", "verify_proof",
     "NEED_DATA", "Connection", "Role", "decode_body", "encode_event",
     "crc32c",
     "ErrorCode", "LocalProtocolError", "ProtocolError", "RemoteProtocolError",

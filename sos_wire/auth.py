@@ -6,7 +6,16 @@ The client proves it knows the secret without sending it::
 
     proof = HMAC-SHA256(secret, nonce || namespace.encode("utf-8") || key_id)
 
-where *nonce* is the 32 random bytes of the server's HELLO_OK.
+where *nonce* is the 32 random bytes of the server's HELLO_OK.  On a connection that
+runs inside TLS the proof is bound to the channel (protocol.md 1.6)::
+
+    proof = HMAC-SHA256(secret, nonce || namespace || key_id || channel_binding)
+    channel_binding = b"tls-server-end-point:" || SHA-256(DER of the server's certificate)
+
+so a relay that terminates the client's TLS with a certificate of its own cannot pass
+the client's proof on to the real server.  This module does no I/O: the caller gets the
+certificate (client: ``getpeercert(binary_form=True)``; server: its own certificate file)
+and passes :func:`tls_server_end_point` of it in.
 """
 
 from __future__ import annotations
@@ -17,12 +26,17 @@ import re
 import secrets
 from dataclasses import dataclass
 
-__all__ = ["Key", "BadKey", "proof", "verify_proof", "KEY_ID_LEN", "SECRET_LEN", "NONCE_LEN", "PROOF_LEN"]
+__all__ = [
+    "Key", "BadKey", "proof", "verify_proof", "tls_server_end_point", "KEY_ID_LEN", "SECRET_LEN", "NONCE_LEN",
+    "PROOF_LEN", "TLS_SERVER_END_POINT",
+]
 
 KEY_ID_LEN = 8
 SECRET_LEN = 32
 NONCE_LEN = 32
 PROOF_LEN = 32
+#: the label of the channel binding (RFC 5929's channel binding type, as SCRAM writes it)
+TLS_SERVER_END_POINT = b"tls-server-end-point:"
 
 _KEY_TEXT = re.compile(r"([0-9a-fA-F]{16})\.([0-9a-fA-F]{64})")
 
@@ -61,8 +75,8 @@ class Key:
     def key_id_hex(self) -> str:
         return self.key_id.hex()
 
-    def proof(self, nonce: bytes, namespace: str) -> bytes:
-        return proof(self.secret, nonce, namespace, self.key_id)
+    def proof(self, nonce: bytes, namespace: str, channel_binding: bytes = b"") -> bytes:
+        return proof(self.secret, nonce, namespace, self.key_id, channel_binding)
 
     def __str__(self) -> str:
         return f"{self.key_id.hex()}.{self.secret.hex()}"
@@ -71,11 +85,26 @@ class Key:
         return f"Key(key_id={self.key_id.hex()!r}, secret=<hidden>)"
 
 
-def proof(secret: bytes, nonce: bytes, namespace: str, key_id: bytes) -> bytes:
-    """HMAC-SHA256(secret, nonce + namespace utf-8 + key_id): the 32-byte AUTH proof."""
-    return hmac.new(secret, bytes(nonce) + namespace.encode("utf-8") + bytes(key_id), hashlib.sha256).digest()
+def tls_server_end_point(certificate_der: bytes) -> bytes:
+    """The channel binding of a TLS connection whose server presented *certificate_der*.
+
+    ``b"tls-server-end-point:" + SHA-256(certificate_der)`` (53 bytes): RFC 5929's
+    tls-server-end-point, with SHA-256 always (whatever the certificate's signature hash)."""
+    if not isinstance(certificate_der, (bytes, bytearray, memoryview)) or not len(certificate_der):
+        raise ValueError("tls_server_end_point needs the DER bytes of the server's certificate")
+    return TLS_SERVER_END_POINT + hashlib.sha256(bytes(certificate_der)).digest()
 
 
-def verify_proof(secret: bytes, nonce: bytes, namespace: str, key_id: bytes, candidate: bytes) -> bool:
-    """Constant-time check of a client's proof (server side)."""
-    return hmac.compare_digest(proof(secret, nonce, namespace, key_id), bytes(candidate))
+def proof(secret: bytes, nonce: bytes, namespace: str, key_id: bytes, channel_binding: bytes = b"") -> bytes:
+    """HMAC-SHA256(secret, nonce + namespace utf-8 + key_id + channel_binding): the 32-byte AUTH proof.
+
+    *channel_binding*: ``b""`` on plain TCP, :func:`tls_server_end_point` of the server's
+    certificate inside TLS."""
+    message = bytes(nonce) + namespace.encode("utf-8") + bytes(key_id) + bytes(channel_binding)
+    return hmac.new(secret, message, hashlib.sha256).digest()
+
+
+def verify_proof(secret: bytes, nonce: bytes, namespace: str, key_id: bytes, candidate: bytes,
+                 channel_binding: bytes = b"") -> bool:
+    """Constant-time check of a client's proof (server side), bound to *channel_binding*."""
+    return hmac.compare_digest(proof(secret, nonce, namespace, key_id, channel_binding), bytes(candidate))

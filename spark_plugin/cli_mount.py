@@ -11,7 +11,8 @@ import argparse
 import logging
 import sys
 
-from sos_client.cli import add_connection_options, client_from_args
+from sos_client.cli import add_connection_options, client_from_args, key_from_args
+from sos_client.errors import SOSError
 from sos_wire.names import validate_namespace
 
 
@@ -101,9 +102,10 @@ def run(args) -> int:
 
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if not args.key:
-        print("sos: no key given: pass --key or set SOS_KEY (what `sos-server keygen` prints)",
-              file=sys.stderr)
+    try:
+        key = key_from_args(args)  # $SOS_KEY or --key-file: never an argument (/proc/PID/cmdline)
+    except SOSError as exc:
+        print(f"sos: {exc.message}", file=sys.stderr)
         return 1  # as put/cat/ls/stat/restore/verify: a missing key is an operation failure
     try:
         validate_namespace(args.namespace)
@@ -114,7 +116,7 @@ def run(args) -> int:
     def factory():
         return client_from_args(args, args.namespace)
     try:
-        return run_mount(args.namespace, args.mountpoint, server=args.server, key=args.key,
+        return run_mount(args.namespace, args.mountpoint, server=args.server, key=key,
                          cache_dir=args.cache, sync=not args.async_, max_lag_bytes=args.max_lag,
                          allow_other=args.allow_other, debug=args.debug, client_factory=factory,
                          writeback_cache=args.writeback_cache, owner=args.owner,

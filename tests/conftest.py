@@ -270,7 +270,12 @@ class RawClient:
         hello = self.call(ev.Hello(self.rid(), "test", 1, 1))
         assert isinstance(hello, ev.HelloOk), hello
         k = Key.parse(key)
-        return self.call(ev.Auth(self.rid(), k.key_id, namespace, k.proof(hello.nonce, namespace)))
+        binding = b""
+        if hasattr(self.sock, "getpeercert"):  # inside TLS the proof is bound to the certificate
+            from sos_wire.auth import tls_server_end_point
+
+            binding = tls_server_end_point(self.sock.getpeercert(binary_form=True))
+        return self.call(ev.Auth(self.rid(), k.key_id, namespace, k.proof(hello.nonce, namespace, binding)))
 
     # conveniences
     def append(self, name: str, offset: int, data: bytes, epoch: int = 0, crc: int | None = None):

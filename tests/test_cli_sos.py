@@ -60,10 +60,13 @@ def test_put_cat_ls_stat_round_trip(env, tmp_path):
 
 def test_options_instead_of_environment(server, tmp_path):
     key = server.keygen("opts", "append")
-    e = {k: v for k, v in os.environ.items() if k not in ("SOS_SERVER", "SOS_KEY")}
-    r = sos("put", "-", "opts/from-stdin", "--server", server.address, "--key", key, env=e, input=b"piped")
+    key_file = tmp_path / "opts.key"
+    key_file.write_text(key + "\n")
+    e = {k: v for k, v in os.environ.items() if k not in ("SOS_SERVER", "SOS_KEY", "SOS_KEY_FILE")}
+    r = sos("put", "-", "opts/from-stdin", "--server", server.address, "--key-file", str(key_file), env=e,
+            input=b"piped")
     assert r.returncode == 0, r.stderr
-    r = sos("cat", "opts/from-stdin", "--server", server.address, "--key", key, env=e)
+    r = sos("cat", "opts/from-stdin", "--server", server.address, "--key-file", str(key_file), env=e)
     assert r.stdout == b"piped"
 
 

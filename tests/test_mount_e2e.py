@@ -779,14 +779,15 @@ def test_cli_refuses_missing_key_and_bad_mountpoint(tmp_path, server):
                           "--server", server.address], env=env, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 1 and out.stderr.startswith("sos: no key given")
+    keyed = dict(env, SOS_KEY="0" * 16 + "." + "0" * 64)
     out = subprocess.run([sys.executable, "-m", "sos_client.cli", "mount", "Bad/NS", str(tmp_path),
-                          "--server", server.address, "--key", "0" * 16 + "." + "0" * 64],
-                         env=env, capture_output=True, text=True, timeout=120)
+                          "--server", server.address],
+                         env=keyed, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "sos:" in out.stderr
     out = subprocess.run([sys.executable, "-m", "spark_plugin.cli_mount", NS,
-                          str(tmp_path / "missing"), "--server", server.address, "--key",
-                          "0" * 16 + "." + "0" * 64, "--cache", str(tmp_path / "c")],
-                         env=env, capture_output=True, text=True, timeout=120)
+                          str(tmp_path / "missing"), "--server", server.address,
+                          "--cache", str(tmp_path / "c")],
+                         env=keyed, capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and out.stderr.strip().splitlines()[-1].startswith("sos:")
     assert not is_mounted(str(tmp_path / "missing"))
 
