@@ -52,6 +52,7 @@ from .storage import (
     StorageError,
     StoredObject,
     journal_generation,
+    unlink_durable,
 )
 
 __all__ = [
@@ -419,7 +420,8 @@ class Engine:
                     raise _err(
                         ErrorCode.QUOTA_EXCEEDED, f"{n} bytes exceed the object size limit {self.limits.max_object_size}"
                     )
-                obj = await trio.to_thread.run_sync(ns.create, name)
+                path, header_size = await trio.to_thread.run_sync(ns.create_file, name)
+                obj = ns.adopt(name, path, header_size)  # the in-memory tables: event loop only
             obj.refuse_writes("append to")
             if offset < obj.length:
                 # a retry of something that landed? (same bytes at the same offset)
@@ -559,7 +561,8 @@ class Engine:
             for name in plan_retention(ns, keep, min_age, now=now):
                 async with self._locks((ns.name, name)):
                     if name in ns.objects:
-                        await trio.to_thread.run_sync(ns.remove, name)
+                        path = ns.forget(name)  # bookkeeping here, on the event loop
+                        await trio.to_thread.run_sync(unlink_durable, path)
                         removed.append((ns.name, name))
         if removed:
             self.metrics.gc_removed.inc(len(removed))

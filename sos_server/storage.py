@@ -853,6 +853,12 @@ class Namespace:
         validate_name(name)
         if name in self.objects:
             return self.objects[name]
+        return self.adopt(name, *self.create_file(name))
+
+    def create_file(self, name: str) -> tuple[str, int]:
+        """The file part of :meth:`create`: (path, header size). Touches no shared state,
+        so it may run in a worker thread; :meth:`adopt` then runs on the event loop."""
+        validate_name(name)
         h2, h = object_file_name(name)
         d = os.path.join(self.objects_dir, h2)
         path = os.path.join(d, h)
@@ -864,7 +870,11 @@ class Namespace:
             if _is_no_space(exc):
                 raise _no_space(f"creating {name!r}", exc) from None
             raise
-        obj = StoredObject(self.name, name, path, len(header), files=self.files, usage=self.usage)
+        return path, len(header)
+
+    def adopt(self, name: str, path: str, header_size: int) -> StoredObject:
+        """Register the object whose file :meth:`create_file` made."""
+        obj = StoredObject(self.name, name, path, header_size, files=self.files, usage=self.usage)
         self._added(obj)
         return obj
 
@@ -879,6 +889,12 @@ class Namespace:
 
     def remove(self, name: str) -> None:
         """Delete an object (retention only; the protocol has no delete)."""
+        unlink_durable(self.forget(name))
+
+    def forget(self, name: str) -> str:
+        """Drop an object from memory (descriptor, usage, generations); returns its file's
+        path for :func:`unlink_durable`. Event-loop thread only (the descriptor cache and
+        the counters are not thread-safe); the unlink may run in a worker thread."""
         obj = self.objects.pop(name)
         self._sorted = None
         g = journal_generation(name)
@@ -888,8 +904,12 @@ class Namespace:
                 del self.generations[g]
         self.usage.bytes -= obj.length
         obj.close()
-        os.unlink(obj.path)
-        fsync_dir(os.path.dirname(obj.path))
+        return obj.path
+
+
+def unlink_durable(path: str) -> None:
+    os.unlink(path)
+    fsync_dir(os.path.dirname(path))
 
 
 class Storage:
