@@ -1,6 +1,7 @@
 """The ``sos`` command: put, cat, ls, stat (here) and restore, verify, mount (hooks).
 
-    sos put LOCALFILE NS/NAME     upload a file as a new object (refuses an existing name)
+    sos put LOCALFILE NS/NAME     upload a file as a new object (refuses an existing name and
+                                  names under gen/, the journal's)
     sos cat NS/NAME               stream an object to stdout
     sos ls NS[/PREFIX]            one object per line: name<TAB>length[<TAB>sealed]
     sos stat NS/NAME              print the object's length
@@ -30,7 +31,7 @@ from sos_wire.auth import Key
 from sos_wire.names import BadName, validate_name, validate_namespace
 
 from ._common import DEFAULT_SERVER
-from .errors import SOSError, SOSNotFound, SOSPermissionError
+from .errors import Fenced, SOSError, SOSNotFound, SOSPermissionError
 
 __all__ = [
     "main", "build_parser", "add_connection_options", "client_from_args", "key_from_args", "split_target",
@@ -128,8 +129,25 @@ def split_target(text: str, *, need_name: bool = True) -> tuple[str, str]:
 
 
 # -- subcommands ----------------------------------------------------------------------
+def _current_epoch(client, ns: str) -> int:
+    """The namespace's fence epoch, which every APPEND and SEAL must carry (protocol.md
+    1.11). FENCE(0) never passes (0 is never above a fence) and FENCED tells the fence:
+    a probe that changes nothing."""
+    try:
+        got = client.fence(0)
+    except Fenced as exc:
+        return exc.epoch
+    except SOSPermissionError as exc:
+        raise SOSPermissionError(f"sos put needs an append key for namespace {ns!r}: {exc.message}") from None
+    raise SOSError(f"the server accepted FENCE(0) in namespace {ns!r} (answered {got}): it breaks protocol.md 1.11")
+
+
 def cmd_put(args) -> int:
     ns, name = split_target(args.target)
+    if name.startswith("gen/"):
+        raise UsageError(
+            f"{name!r}: names under gen/ belong to the journal (protocol.md 2.1); sos put stores other objects"
+        )
     src = sys.stdin.buffer if args.localfile == "-" else None
     if src is None:
         try:
@@ -153,11 +171,21 @@ def cmd_put(args) -> int:
                     return
                 yield data
 
-        total = client.append_many(name, 0, chunks())
-        if total == 0:
-            client.append(name, 0, b"")  # an empty file becomes an empty object
-        if args.seal:
-            client.seal(name)
+        # A journal writer's namespace is fenced: appends carry the current epoch. They
+        # touch only this new object, never the journal's; a writer that fences while the
+        # upload runs ends it (FENCED), with what was sent kept in the object.
+        epoch = _current_epoch(client, ns)
+        try:
+            total = client.append_many(name, 0, chunks(), epoch=epoch)
+            if total == 0:
+                client.append(name, 0, b"", epoch=epoch)  # an empty file becomes an empty object
+            if args.seal:
+                client.seal(name, epoch=epoch)
+        except Fenced as exc:
+            raise SOSError(
+                f"a writer fenced namespace {ns!r} during the upload (epoch {epoch} -> {exc.epoch}): {ns}/{name}"
+                " is incomplete; upload again under another name"
+            ) from None
     if args.verbose:
         print(f"{ns}/{name}: {total} bytes", file=sys.stderr)
     return 0
@@ -206,8 +234,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("put", help="upload a local file as a new object",
-                       description="Upload LOCALFILE (- for stdin) as the new object NS/NAME. "
-                                   "Refuses a name that exists: objects are append-only.")
+                       description="Upload LOCALFILE (- for stdin) as the new object NS/NAME, e.g. a file "
+                                   "kept beside a journal. Refuses a name that exists (objects are "
+                                   "append-only) and names under gen/ (the journal's). Works in a namespace "
+                                   "a journal writer has fenced: it appends with the current epoch.")
     p.add_argument("localfile", metavar="LOCALFILE")
     p.add_argument("target", metavar="NS/NAME")
     p.add_argument("--seal", action="store_true", help="seal the object after the upload")

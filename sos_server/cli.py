@@ -1,4 +1,4 @@
-"""The ``sos-server`` command: serve, keygen, gc. A thin shell over the layers."""
+"""The ``sos-server`` command: serve, keygen, quota, gc, reset-fence. A thin shell over the layers."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import signal
 import sys
 import time
 
-__all__ = ["main", "parse_duration", "parse_hostport", "build_parser"]
+__all__ = ["main", "parse_duration", "parse_hostport", "parse_size", "build_parser"]
 
 log = logging.getLogger("sos_server.cli")
 
@@ -30,6 +30,30 @@ def parse_hostport(text: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise argparse.ArgumentTypeError(f"bad address {text!r}: use HOST:PORT, e.g. 127.0.0.1:7070")
     return host.strip("[]") or "127.0.0.1", int(port)
+
+
+_SIZE = re.compile(r"\s*(\d+)\s*([kmgtp]?)(?:i?b)?\s*", re.IGNORECASE)
+_SIZE_UNIT = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}
+
+
+def parse_size(text: str) -> int:
+    """'1000', '64K', '512M', '10G', '2TiB' -> bytes (binary units)."""
+    m = _SIZE.fullmatch(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}: use e.g. 1000000, 512M, 10G, 2T")
+    return int(m.group(1)) * _SIZE_UNIT[m.group(2).lower()]
+
+
+def _epoch(text: str) -> int:
+    from .storage import MAX_EPOCH
+
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not 0 <= v <= MAX_EPOCH:
+        raise argparse.ArgumentTypeError(f"an epoch is in 0..{MAX_EPOCH}, not {v}")
+    return v
 
 
 def _positive(text: str) -> int:
@@ -65,7 +89,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="close a connection not authenticated this long after it was accepted (default 10s; 0: never)",
     )
     s.add_argument("--max-objects", type=_positive, default=1_000_000, help="quota: objects per namespace")
+    s.add_argument(
+        "--max-objects-total", type=_positive, default=2_000_000,
+        help="limit: objects in all namespaces together (each costs ~0.75 KiB of memory)",
+    )
     s.add_argument("--max-object-size", type=_positive, default=1 << 40, help="quota: bytes per object")
+    s.add_argument(
+        "--namespace-quota", type=parse_size, default=None, metavar="SIZE",
+        help="quota: bytes per namespace, for namespaces without their own (`sos-server quota`); default none",
+    )
+    s.add_argument(
+        "--max-open-objects", type=_positive, default=None, metavar="N",
+        help="object write descriptors kept open (least recently used closed first; default: a quarter of"
+        " the descriptor limit, at most 4096)",
+    )
     s.add_argument("--gc-interval", type=parse_duration, default=300.0, help="how often retention runs")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.set_defaults(func=cmd_serve)
@@ -74,7 +111,32 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--data", required=True)
     k.add_argument("namespace")
     k.add_argument("--role", required=True, choices=["append", "read"])
+    k.add_argument("--quota", type=parse_size, default=None, metavar="SIZE",
+                   help="also set the namespace's byte quota (as `sos-server quota`)")
     k.set_defaults(func=cmd_keygen)
+
+    q = sub.add_parser(
+        "quota", help="show or set a namespace's byte quota",
+        description="Print the byte quota of NAMESPACE, or set it to SIZE (`none` removes it). A running server"
+        " applies it from the next AUTH to the namespace; an APPEND beyond it is refused (QUOTA_EXCEEDED)"
+        " and writes nothing.",
+    )
+    q.add_argument("--data", required=True)
+    q.add_argument("namespace")
+    q.add_argument("size", nargs="?", default=None, help="bytes (e.g. 500G), or none")
+    q.set_defaults(func=cmd_quota)
+
+    f = sub.add_parser(
+        "reset-fence", help="set a namespace's fence epoch (the server must not be running on --data)",
+        description="Set the fence epoch of NAMESPACE, e.g. after a hostile FENCE pushed it to the end of the"
+        " epoch range. Default: the highest epoch in the namespace's segment names (the newest writer's), so a"
+        " writer that restarts fences one above it. A lower fence lets writers of epochs up to it back in:"
+        " stop every old writer first.",
+    )
+    f.add_argument("--data", required=True)
+    f.add_argument("namespace")
+    f.add_argument("--epoch", type=_epoch, default=None)
+    f.set_defaults(func=cmd_reset_fence)
 
     g = sub.add_parser("gc", help="apply retention once (the server must not be running on --data)")
     g.add_argument("--data", required=True)
@@ -116,12 +178,60 @@ def cmd_keygen(args) -> int:
 
     try:
         key = Storage(args.data).keygen(args.namespace, args.role)
+        if args.quota is not None:
+            Storage(args.data).set_quota(args.namespace, args.quota)
     except (BadName, ValueError) as exc:
         return _fail(str(exc))
     except OSError as exc:
         where = f" ({exc.filename})" if exc.filename else ""
         return _fail(f"cannot write a key under {args.data}: {exc.strerror or exc}{where}")
     print(key)
+    return 0
+
+
+def cmd_quota(args) -> int:
+    from sos_wire.names import BadName
+
+    from .storage import Storage
+
+    st = Storage(args.data)
+    try:
+        if args.size is not None:
+            if args.size.strip().lower() == "none":
+                size = None
+            else:
+                try:
+                    size = parse_size(args.size)
+                except argparse.ArgumentTypeError as exc:
+                    return _usage(str(exc))
+            st.set_quota(args.namespace, size)
+        quota = st.get_quota(args.namespace)
+    except (BadName, ValueError) as exc:
+        return _fail(str(exc))
+    print(f"{args.namespace}\t{'none' if quota is None else quota}")
+    return 0
+
+
+def cmd_reset_fence(args) -> int:
+    from sos_wire.errors import ErrorCode
+    from sos_wire.names import BadName
+
+    from .storage import Storage, StorageError
+
+    st = Storage(args.data)
+    try:
+        st.lock(create=False)
+    except StorageError as exc:
+        if exc.code is ErrorCode.BUSY:
+            return _fail(exc.message + " (stop it first: the fence is read at start-up)")
+        return _fail(exc.message)
+    try:
+        old, new = st.reset_fence(args.namespace, args.epoch)
+    except (BadName, ValueError) as exc:
+        return _fail(str(exc))
+    finally:
+        st.close()
+    print(f"{args.namespace}: fence {old} -> {new}")
     return 0
 
 
@@ -185,7 +295,9 @@ def cmd_serve(args) -> int:
         )
     nofile = raise_nofile_limit()
     tune_malloc()
-    storage = Storage(args.data)
+    limit = nofile if nofile > 0 else 1 << 20  # RLIM_INFINITY is -1
+    max_open = args.max_open_objects or max(16, min(4096, limit // 4))
+    storage = Storage(args.data, max_open_files=max_open)
     try:
         storage.lock()  # creates the data directory if it does not exist yet
     except StorageError as exc:
@@ -209,6 +321,7 @@ def cmd_serve(args) -> int:
             "damaged": len(storage.corruptions),
             "seconds": round(time.monotonic() - t0, 3),
             "nofile": nofile,
+            "max_open_objects": max_open,
         },
     )
     if args.metrics:
@@ -217,9 +330,13 @@ def cmd_serve(args) -> int:
         except OSError as exc:
             return _fail(f"cannot listen for metrics on {args.metrics[0]}:{args.metrics[1]}: {exc}")
         print(f"sos-server metrics on {args.metrics[0]}:{httpd.server_port}", file=sys.stderr, flush=True)
-    engine = Engine(
-        storage, limits=Limits(max_objects=args.max_objects, max_object_size=args.max_object_size), metrics=metrics
+    limits = Limits(
+        max_objects=args.max_objects,
+        max_object_size=args.max_object_size,
+        max_total_objects=args.max_objects_total,
+        namespace_quota=args.namespace_quota,
     )
+    engine = Engine(storage, limits=limits, metrics=metrics)
     listener = Listener(
         engine,
         host=args.listen[0],

@@ -9,7 +9,20 @@ batch and waits. One syncer task takes the whole batch and fdatasyncs every touc
 concurrently on a small pool of plain threads (one sync per file per batch), then wakes
 the waiters. Appends that arrive while a batch is syncing go into the following batch, so
 N pipelined appends to one object cost about two syncs, not N. An ack is sent only after
-the sync that covers its bytes.
+the sync that covers its bytes. The objects of a batch are pinned while it syncs, so the
+descriptor cache (storage.OpenFiles) never closes a descriptor a sync is using.
+
+Epochs: APPEND and SEAL must carry the namespace's fence epoch exactly (an epoch is taken
+with FENCE first); FENCE moves the fence up by at most MAX_FENCE_STEP and never past
+MAX_EPOCH (segment names carry epochs in 10 digits).
+
+Journal generations (names ``gen/<G>/...``, protocol.md 2.1): the server does not read
+journals, but it keeps their numbering honest, because retention acts on it. A new
+generation directory may only be the next one (1 in a namespace without any); ``ready``
+stays empty; a generation is *complete* only when its ``ready`` is empty and durably
+sealed, and the server's clock at that seal (the file's mtime) dates the completion.
+Retention (:func:`plan_retention`) counts only complete generations that have been
+complete for ``min_age``.
 """
 
 from __future__ import annotations
@@ -32,14 +45,26 @@ from sos_wire.names import BadName, validate_name, validate_namespace
 
 from .metrics import Metrics, NullMetrics
 from .storage import (
+    MAX_EPOCH,
     ROLE_APPEND,
     Namespace,
     Storage,
     StorageError,
     StoredObject,
+    journal_generation,
+    unlink_durable,
 )
 
-__all__ = ["Engine", "ServerError", "Pending", "plan_retention", "Limits"]
+__all__ = [
+    "MAX_EPOCH",
+    "MAX_FENCE_STEP",
+    "Engine",
+    "Limits",
+    "Pending",
+    "ServerError",
+    "completed_at",
+    "plan_retention",
+]
 
 log = logging.getLogger("sos_server.engine")
 
@@ -49,6 +74,7 @@ ServerError = StorageError
 THREAD_WRITE_MIN = 1 << 62  # writes this big would go to a worker thread: never, inline is cheaper (BENCHMARKS.md)
 THREAD_READ_MIN = 128 << 10
 SYNC_THREADS = 128  # concurrent fdatasyncs of one batch (one per touched file)
+MAX_FENCE_STEP = 1000  # one FENCE moves a namespace's fence up by at most this much
 
 
 @dataclass
@@ -56,6 +82,8 @@ class Limits:
     max_objects: int = 1_000_000  # per namespace
     max_object_size: int = 1 << 40  # bytes per object
     max_list: int = 1000
+    max_total_objects: int = 2_000_000  # in all namespaces together (~0.75 KiB of memory each)
+    namespace_quota: int | None = None  # bytes per namespace without a quota file of its own
 
 
 @dataclass
@@ -67,6 +95,7 @@ class Pending:
     rollbacks: int  # obj.rollbacks when written
     result: int  # the length to acknowledge
     appended: int | None  # data bytes (for metrics), None for a seal
+    completes: int | None = None  # the journal generation this seal completes (its first seal of ready)
 
 
 @dataclass
@@ -191,9 +220,23 @@ def _check_name(name: str) -> None:
 
 
 def _check_epoch(namespace: str, fence: int, epoch: int) -> None:
-    """APPEND and SEAL carry the writer's epoch; one below the namespace's fence is refused."""
+    """APPEND and SEAL carry the writer's epoch, which must be the namespace's fence: one
+    below was fenced off by a newer writer, one above was never taken with FENCE."""
     if epoch < fence:
         raise _err(ErrorCode.FENCED, f"epoch {epoch} is fenced: namespace {namespace!r} is at {fence}", fence)
+    if epoch > fence:
+        raise _err(
+            ErrorCode.FENCED,
+            f"epoch {epoch} is above the fence of namespace {namespace!r} ({fence}): a writer takes its epoch"
+            " with FENCE before it appends or seals",
+            fence,
+        )
+
+
+def _ready_generation(name: str) -> int | None:
+    """G if *name* is ``gen/<G>/ready``."""
+    g = journal_generation(name)
+    return g if g is not None and name.endswith("/ready") and name.count("/") == 2 else None
 
 
 class Engine:
@@ -213,6 +256,7 @@ class Engine:
         self._pool: _SyncPool | None = None
         self._fence_locks = _LockTable()
         self._running = False
+        self.metrics.open_files.set_function(lambda: len(storage.files))
 
     # -- lifecycle -------------------------------------------------------------------
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -233,12 +277,19 @@ class Engine:
     async def _sync_batch(self, batch: "_Batch") -> None:
         objs = list(batch.objs)
         t0 = time.perf_counter()
-        results = await self._pool.sync_all(objs)
-        for obj, res in zip(objs, results):
-            if isinstance(res, OSError):
-                await self._sync_failed(obj, res)
-            else:
-                obj.mark_synced(*res)
+        for obj in objs:
+            obj.pins += 1  # the descriptor cache must not close what a sync thread uses
+        try:
+            results = await self._pool.sync_all(objs)
+            for obj, res in zip(objs, results):
+                if isinstance(res, OSError):
+                    await self._sync_failed(obj, res)
+                else:
+                    obj.mark_synced(*res)
+        finally:
+            for obj in objs:
+                obj.pins -= 1
+            self.storage.files.trim()  # what this batch made clean may be closed now
         self.metrics.synced(time.perf_counter() - t0, len(objs))
         batch.done.set()
 
@@ -286,7 +337,9 @@ class Engine:
             raise failed
         if not verify_proof(rec.secret, nonce, namespace, key_id, proof, channel_binding):
             raise failed
-        self.storage.namespace(namespace, create=True)
+        ns = self.storage.namespace(namespace, create=True)
+        assert ns is not None
+        ns.read_quota()  # `sos-server quota` works while serving: taken up at the next AUTH
         return rec.role
 
     def _ns(self, namespace: str) -> Namespace:
@@ -345,6 +398,12 @@ class Engine:
         ns = self._ns(namespace)
         async with self._locks((namespace, name)):
             _check_epoch(namespace, ns.fence, epoch)
+            if n and _ready_generation(name) is not None:
+                raise _err(
+                    ErrorCode.BAD_REQUEST,
+                    f"{name!r} marks a complete journal generation and stays empty: {n} bytes refused"
+                    " (protocol.md 2.1)",
+                )
             obj = ns.get(name)
             if obj is None:
                 if offset != 0:
@@ -354,11 +413,19 @@ class Engine:
                         ErrorCode.QUOTA_EXCEEDED,
                         f"namespace {namespace!r} already has {len(ns.objects)} objects, the limit",
                     )
+                total = self.storage.object_count()
+                if total >= self.limits.max_total_objects:
+                    raise _err(
+                        ErrorCode.QUOTA_EXCEEDED,
+                        f"the server holds {total} objects, its limit (--max-objects-total): no new object",
+                    )
+                self._check_new_generation(ns, name)
                 if n > self.limits.max_object_size:
                     raise _err(
                         ErrorCode.QUOTA_EXCEEDED, f"{n} bytes exceed the object size limit {self.limits.max_object_size}"
                     )
-                obj = await trio.to_thread.run_sync(ns.create, name)
+                path, header_size = await trio.to_thread.run_sync(ns.create_file, name)
+                obj = ns.adopt(name, path, header_size)  # the in-memory tables: event loop only
             obj.refuse_writes("append to")
             if offset < obj.length:
                 # a retry of something that landed? (same bytes at the same offset)
@@ -380,6 +447,13 @@ class Engine:
                     ErrorCode.QUOTA_EXCEEDED,
                     f"{name!r} would grow to {obj.length + n} bytes, the limit is {self.limits.max_object_size}",
                 )
+            quota = ns.quota if ns.quota is not None else self.limits.namespace_quota
+            if n and quota is not None and ns.usage.bytes + n > quota:
+                raise _err(
+                    ErrorCode.QUOTA_EXCEEDED,
+                    f"namespace {namespace!r} holds {ns.usage.bytes} bytes: {n} more would exceed its quota of"
+                    f" {quota} bytes (nothing written)",
+                )
             if n:
                 if n >= THREAD_WRITE_MIN:
                     await trio.to_thread.run_sync(obj.append, data, crc)
@@ -387,11 +461,34 @@ class Engine:
                     obj.append(data, crc)
             return Pending(obj, obj.file_size, obj.rollbacks, offset + n, n)
 
+    @staticmethod
+    def _check_new_generation(ns: Namespace, name: str) -> None:
+        """A name that would open a new journal generation directory must open the next
+        one: generations grow by one, from 1 (no far-future numbers that would sort as the
+        newest, protocol.md 2.1)."""
+        g = journal_generation(name)
+        if g is None or g in ns.generations:
+            return
+        newest = ns.newest_generation()
+        want = 1 if newest is None else newest + 1
+        if g != want:
+            raise _err(
+                ErrorCode.BAD_REQUEST,
+                f"{name!r} would start journal generation {g} in namespace {ns.name!r}, but generations grow"
+                f" by one: the next one is {want} (protocol.md 2.1)",
+            )
+
     async def finish(self, pending: "Pending") -> int:
         """Wait until the write of *pending* is durable; returns its result length."""
         await self._wait_durable(pending.obj, pending.end_size, pending.rollbacks)
         if pending.appended is not None:
             self.metrics.appended(pending.appended)
+        elif pending.completes is not None and _durably_sealed(pending.obj):
+            self.metrics.generations_completed.inc()
+            log.info(
+                "journal generation complete",
+                extra={"namespace": pending.obj.namespace, "generation": pending.completes},
+            )
         return pending.result
 
     @staticmethod
@@ -424,17 +521,38 @@ class Engine:
             if obj is None:
                 raise _err(ErrorCode.NOT_FOUND, f"no object {name!r} in namespace {namespace!r}")
             obj.refuse_writes("seal")
+            completes = None
             if not obj.sealed:
                 obj.write_seal()
-            return Pending(obj, obj.file_size, obj.rollbacks, obj.length, None)
+                g = _ready_generation(name)
+                completes = g if g is not None and obj.length == 0 else None
+            return Pending(obj, obj.file_size, obj.rollbacks, obj.length, None, completes)
 
     async def fence(self, namespace: str, role: str, epoch: int) -> int:
         self._writer(role, "fence")
         ns = self._ns(namespace)
         async with self._fence_locks((namespace,)):
             if epoch <= ns.fence:
+                stuck = ""
+                if ns.fence >= MAX_EPOCH:
+                    stuck = (
+                        f"; no epoch can pass it (epochs end at {MAX_EPOCH}): the operator resets it offline with"
+                        " `sos-server reset-fence`"
+                    )
                 raise _err(
-                    ErrorCode.FENCED, f"fence epoch {epoch} must be greater than the current {ns.fence}", ns.fence
+                    ErrorCode.FENCED, f"fence epoch {epoch} must be greater than the current {ns.fence}{stuck}", ns.fence
+                )
+            highest = min(MAX_EPOCH, ns.fence + MAX_FENCE_STEP)
+            if epoch > highest:
+                stuck = ""
+                if highest <= ns.fence:
+                    stuck = "; the fence is at the end of the range: the operator resets it with `sos-server reset-fence`"
+                raise _err(
+                    ErrorCode.TOO_LARGE,
+                    f"fence epoch {epoch} is too far above the current {ns.fence}: at most {highest} (one FENCE"
+                    f" moves the fence by at most {MAX_FENCE_STEP}; epochs end at {MAX_EPOCH}, the 10 digits of"
+                    f" segment names){stuck}",
+                    max(highest, ns.fence),
                 )
             await trio.to_thread.run_sync(ns.set_fence, epoch)
         return epoch
@@ -447,7 +565,8 @@ class Engine:
             for name in plan_retention(ns, keep, min_age, now=now):
                 async with self._locks((ns.name, name)):
                     if name in ns.objects:
-                        await trio.to_thread.run_sync(ns.remove, name)
+                        path = ns.forget(name)  # bookkeeping here, on the event loop
+                        await trio.to_thread.run_sync(unlink_durable, path)
                         removed.append((ns.name, name))
         if removed:
             self.metrics.gc_removed.inc(len(removed))
@@ -459,26 +578,47 @@ def _durably_sealed(obj: StoredObject) -> bool:
     return obj.sealed and obj.synced_size > obj.seal_pos
 
 
+def completed_at(ns: Namespace, generation: int) -> float | None:
+    """When the server saw journal generation *generation* complete (its clock, seconds
+    since the epoch), or None if it is not complete: ``gen/<G>/ready`` exists, is empty,
+    undamaged and durably sealed. The time is when the server wrote the seal: the
+    modification time of the object's file (nothing writes to a sealed object)."""
+    obj = ns.objects.get(f"gen/{generation:010d}/ready")
+    if obj is None or obj.length != 0 or obj.damage or not _durably_sealed(obj):
+        return None
+    try:
+        return os.stat(obj.path).st_mtime
+    except FileNotFoundError:
+        return None
+
+
 def plan_retention(ns: Namespace, keep: int, min_age: float, *, now: float | None = None) -> list[str]:
-    """Names to remove: generations older than the newest *keep* complete ones, whose
-    objects are all older than *min_age* seconds (file mtime). Only ``gen/<G>/...``."""
+    """Names to remove: the journal generations older than the newest *keep* generations
+    that have been complete (:func:`completed_at`) for at least *min_age* seconds, whose
+    objects are all older than *min_age* (file mtime). Only ``gen/<G>/...`` (G: 10 digits).
+
+    Names a client chose cannot make history go: generation numbers only grow by one
+    (the engine refuses others), "complete" is decided by the server, and a generation
+    counts towards *keep* only once it has been complete for *min_age* by the server's
+    clock, so whatever writes newer generations (a rogue append key too) cannot remove an
+    older one before *min_age* has passed, time for an operator to notice and react."""
     if keep < 1:
         raise ValueError("keep-generations must be at least 1")
     now = time.time() if now is None else now
     gens: dict[int, list[str]] = {}
-    complete: set[int] = set()
     for name in ns.objects:
-        parts = name.split("/")
-        if len(parts) < 3 or parts[0] != "gen" or not (parts[1].isascii() and parts[1].isdigit()):
-            continue
-        g = int(parts[1])
-        gens.setdefault(g, []).append(name)
-        if len(parts) == 3 and parts[2] == "ready":
-            complete.add(g)
-    newest = sorted(complete, reverse=True)
-    if len(newest) < keep:
+        g = journal_generation(name)
+        if g is not None:
+            gens.setdefault(g, []).append(name)
+    aged = []
+    for g in gens:
+        t = completed_at(ns, g)
+        if t is not None and now - t >= min_age:
+            aged.append(g)
+    aged.sort(reverse=True)
+    if len(aged) < keep:
         return []
-    oldest_kept = newest[keep - 1]
+    oldest_kept = aged[keep - 1]
     out: list[str] = []
     for g in sorted(gens):
         if g >= oldest_kept:

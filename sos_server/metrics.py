@@ -30,6 +30,15 @@ class Metrics:
             registry=r,
         )
         self.gc_removed = Counter("sos_gc_removed_objects", "Objects removed by retention", registry=r)
+        self.generations_completed = Counter(
+            "sos_generations_completed",
+            "Journal generations whose ready object was sealed (retention counts them once --min-age old)",
+            registry=r,
+        )
+        self.open_files = Gauge(
+            "sos_open_object_files", "Object write descriptors open (at most --max-open-objects while clean)",
+            registry=r,
+        )
         self.repairs = Counter(
             "sos_torn_tail_repairs", "Object files whose torn tail (an unacknowledged write) was cut at start-up",
             registry=r,

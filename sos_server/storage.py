@@ -4,8 +4,12 @@ Layout under the data directory::
 
     DATA/LOCK                                  flock held by a running server
     DATA/ns/<namespace>/fence                  fence epoch (decimal), replaced atomically
-    DATA/ns/<namespace>/keys/<key_id hex>      JSON {"namespace", "role", "secret" hex}, 0600
+    DATA/ns/<namespace>/quota                  byte quota (decimal), optional, replaced atomically
+    DATA/ns/<namespace>/keys/<key_id hex>      JSON {"namespace", "role", "secret" hex}
     DATA/ns/<namespace>/objects/<h2>/<h>       one object; h = sha256(name) hex, h2 = h[:2]
+
+Every file is created 0600 and every directory 0700 (whatever the umask); start-up takes
+group and other bits off object files and directories an older version created.
 
 An object file is a header then frames::
 
@@ -31,6 +35,12 @@ checksum, so the frames after it stay readable; any other lying length makes the
 the file unreadable (frame boundaries are never guessed from frame-like bytes: journal
 records inside frames are framed the same way) and the length an upper bound.
 
+Write descriptors: an object keeps its descriptor open between appends, but at most
+``max_open_files`` of them are open (:class:`OpenFiles`, least recently used first closed).
+Only a *clean* object's descriptor is closed (every byte written is synced) and never one
+the engine pinned for a sync in progress, so durability and group commit do not change;
+the next write reopens the file.
+
 Names are hashed into file names so that any valid name (segments up to 255 bytes, an
 object ``a`` beside an object ``a/b``) maps onto any POSIX filesystem; the name itself is
 kept in the header and in memory for LIST.
@@ -45,9 +55,12 @@ import hashlib
 import json
 import logging
 import os
+import re
 import secrets
+import stat
 import struct
 from array import array
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -57,14 +70,18 @@ from sos_wire.frames import DEFAULT_MAX_BODY
 from sos_wire.names import BadName, validate_name, validate_namespace
 
 __all__ = [
-    "StorageError",
-    "Storage",
-    "Namespace",
-    "StoredObject",
-    "KeyRecord",
+    "MAX_EPOCH",
     "MAX_FRAME",
     "ROLE_APPEND",
     "ROLE_READ",
+    "KeyRecord",
+    "Namespace",
+    "OpenFiles",
+    "Storage",
+    "StorageError",
+    "StoredObject",
+    "journal_generation",
+    "segment_epoch",
 ]
 
 log = logging.getLogger("sos_server.storage")
@@ -84,6 +101,27 @@ ROLE_APPEND = "append"
 ROLE_READ = "read"
 ROLES = (ROLE_APPEND, ROLE_READ)
 _NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+FILE_MODE = 0o600  # every file of the data directory: the server's user only
+DIR_MODE = 0o700
+DEFAULT_MAX_OPEN_FILES = 1024
+MAX_EPOCH = 10**10 - 1  # segment names carry the epoch in 10 decimal digits (protocol.md 2.1)
+
+# Journal names (protocol.md Part 2, 2.1). The server knows them only to enforce the
+# generation rules and for retention: a generation directory is ``gen/<10 digits>/``.
+_GEN_NAME = re.compile(r"gen/([0-9]{10})/(.+)\Z")
+_SEG_NAME = re.compile(r"gen/[0-9]{10}/[0-9]{10}-([0-9]{10})\.seg\Z")
+
+
+def journal_generation(name: str) -> int | None:
+    """G if *name* lies in a journal generation directory ``gen/<G>/`` (G: 10 digits)."""
+    m = _GEN_NAME.match(name)
+    return int(m.group(1)) if m else None
+
+
+def segment_epoch(name: str) -> int | None:
+    """E if *name* is a journal segment ``gen/<G>/<S>-<E>.seg``."""
+    m = _SEG_NAME.match(name)
+    return int(m.group(1)) if m else None
 
 
 class StorageError(Exception):
@@ -116,28 +154,31 @@ def fsync_dir(path: str) -> None:
 
 
 def makedirs_durable(path: str) -> None:
-    """mkdir -p, fsyncing each parent whose entry we created."""
+    """mkdir -p (mode 0700, whatever the umask), fsyncing each parent whose entry we created."""
     path = os.path.abspath(path)
     if os.path.isdir(path):
         return
     parent = os.path.dirname(path)
     makedirs_durable(parent)
     try:
-        os.mkdir(path, 0o755)
+        os.mkdir(path, DIR_MODE)
     except FileExistsError:
         if not os.path.isdir(path):  # a file (or a dangling link) where a directory belongs
             raise NotADirectoryError(errno.ENOTDIR, "not a directory", path) from None
         return
+    os.chmod(path, DIR_MODE)  # the umask may have taken bits the server needs
     fsync_dir(parent)
 
 
-def write_file_durable(path: str, data: bytes, mode: int = 0o644) -> None:
-    """Replace *path* atomically: write temp + fsync + rename + fsync dir."""
+def write_file_durable(path: str, data: bytes, mode: int = FILE_MODE) -> None:
+    """Replace *path* atomically: write temp + fsync + rename + fsync dir. The file gets
+    exactly *mode* (default 0600), whatever the umask."""
     d = os.path.dirname(path)
     tmp = f"{path}.tmp-{secrets.token_hex(4)}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
     try:
         try:
+            os.fchmod(fd, mode)
             view = memoryview(data)
             while view:
                 n = os.write(fd, view)
@@ -181,6 +222,22 @@ def decode_header(buf: bytes) -> tuple[str, int] | None:
         return buf[len(MAGIC) + 2 : end].decode("utf-8"), end + 4
     except UnicodeDecodeError:
         return None
+
+
+def _tighten(path: str, mode: int, fd: int | None = None) -> None:
+    """Take group and other permission bits off *path* (made by an older version, or by
+    hand); a missing path or one the server may not chmod is left alone (logged)."""
+    try:
+        st = os.fstat(fd) if fd is not None else os.stat(path)
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            if fd is not None:
+                os.fchmod(fd, mode)
+            else:
+                os.chmod(path, mode)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("cannot restrict the permissions of %s to %o: %s", path, mode, exc.strerror)
 
 
 def _pread(fd: int, n: int, pos: int) -> bytes:
@@ -398,14 +455,80 @@ class Damage:
     to_end: bool = False
 
 
+class OpenFiles:
+    """The write descriptors of objects: at most *capacity* open, least recently used
+    closed first.
+
+    Only a descriptor that can be closed without changing anything is closed: its object
+    is clean (every byte written is synced) and not pinned by a sync in progress (the
+    engine pins the objects of a group-commit batch). When every open descriptor is busy
+    the cache goes over *capacity* for a while: the number of dirty objects is bounded by
+    the writes in flight. Event-loop thread only."""
+
+    def __init__(self, capacity: int = DEFAULT_MAX_OPEN_FILES) -> None:
+        if capacity < 1:
+            raise ValueError("max open files must be at least 1")
+        self.capacity = capacity
+        self._lru: OrderedDict[int, StoredObject] = OrderedDict()
+        self.closed_by_limit = 0
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def used(self, obj: StoredObject) -> None:
+        """*obj* has an open descriptor and was just used: most recent, then trim."""
+        key = id(obj)
+        if key in self._lru:
+            self._lru.move_to_end(key)
+            return
+        self._lru[key] = obj
+        if len(self._lru) > self.capacity:
+            self._trim(obj)
+
+    def forget(self, obj: StoredObject) -> None:
+        self._lru.pop(id(obj), None)
+
+    def trim(self) -> None:
+        """Close descriptors over *capacity* that have become closable (the engine calls
+        this after each group commit, when dirty objects have become clean)."""
+        if len(self._lru) > self.capacity:
+            self._trim(None)
+
+    def _trim(self, keep: StoredObject | None) -> None:
+        for obj in list(self._lru.values()):
+            if len(self._lru) <= self.capacity:
+                return
+            if obj is keep or obj.pins or obj.synced_size < obj.file_size:
+                continue
+            obj.close()  # calls forget()
+            self.closed_by_limit += 1
+
+
+@dataclass
+class Usage:
+    """Bytes held by a namespace's objects (their logical lengths, synced or not)."""
+
+    bytes: int = 0
+
+
 class StoredObject:
-    """One object: an open file plus its in-memory length and sparse frame index.
+    """One object: a file (its write descriptor open while in use, see :class:`OpenFiles`)
+    plus its in-memory length and sparse frame index.
 
     Not thread-safe by itself: the engine serializes appends per object, and reads only
     look at frames below a length they captured before starting.
     """
 
-    def __init__(self, namespace: str, name: str, path: str, header_size: int) -> None:
+    def __init__(
+        self,
+        namespace: str,
+        name: str,
+        path: str,
+        header_size: int,
+        *,
+        files: OpenFiles | None = None,
+        usage: Usage | None = None,
+    ) -> None:
         self.namespace = namespace
         self.name = name
         self.path = path
@@ -426,6 +549,9 @@ class StoredObject:
         self._sync_points: tuple[int, int] = (0, header_size)
         self.damage: list[Damage] = []  # found at start-up, kept (see Storage._load_object)
         self._damage_at: dict[int, Damage] | None = None  # file offset -> damage starting there
+        self._files = files
+        self.usage = usage
+        self.pins = 0  # > 0 while a sync may use the descriptor: OpenFiles does not close it
 
     # -- damage ----------------------------------------------------------------------
     def add_damage(self, d: "Damage") -> None:
@@ -449,13 +575,18 @@ class StoredObject:
 
     # -- file handle -----------------------------------------------------------------
     def _wfd(self) -> int:
+        """The write descriptor (event-loop thread only: it updates the descriptor cache)."""
         if self._fd is None:
             self._fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+        if self._files is not None:
+            self._files.used(self)
         return self._fd
 
     def close(self) -> None:
         if self._fd is not None:
             fd, self._fd = self._fd, None
+            if self._files is not None:
+                self._files.forget(self)
             os.close(fd)
 
     # -- index -----------------------------------------------------------------------
@@ -489,6 +620,8 @@ class StoredObject:
         pos = self.file_size
         self.file_size += FRAME_HDR + n
         self.length += n
+        if self.usage is not None:
+            self.usage.bytes += n
         self._note_frame(self.length - n, pos)
         return self.length
 
@@ -525,8 +658,17 @@ class StoredObject:
         written before the call is covered.
         """
         size, length = self.file_size, self.length
-        fd = self._wfd()
-        os.fdatasync(fd)
+        fd = self._fd  # the caller pinned the object: OpenFiles does not close it meanwhile
+        if fd is not None:
+            os.fdatasync(fd)
+            return size, length
+        # closed while clean (OpenFiles): sync through a descriptor of our own, never
+        # through the cache (this may run in a worker thread)
+        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
         return size, length
 
     def mark_synced(self, size: int, length: int) -> None:
@@ -543,6 +685,8 @@ class StoredObject:
         fd = self._wfd()
         os.ftruncate(fd, size)
         self.file_size = size
+        if self.usage is not None:
+            self.usage.bytes -= self.length - length
         self.length = length
         if self.seal_pos >= size:
             self.sealed = False
@@ -633,10 +777,52 @@ class Namespace:
     fence: int = 0
     objects: dict[str, StoredObject] = field(default_factory=dict)
     _sorted: list[str] | None = None
+    files: OpenFiles | None = None
+    usage: Usage = field(default_factory=Usage)  # bytes held by the objects
+    quota: int | None = None  # byte quota from the ``quota`` file, None: none set
+    generations: dict[int, int] = field(default_factory=dict)  # journal generation -> objects in it
 
     @property
     def objects_dir(self) -> str:
         return os.path.join(self.path, "objects")
+
+    def _added(self, obj: StoredObject) -> None:
+        self.objects[obj.name] = obj
+        self._sorted = None
+        g = journal_generation(obj.name)
+        if g is not None:
+            self.generations[g] = self.generations.get(g, 0) + 1
+
+    def newest_generation(self) -> int | None:
+        """The highest journal generation G with an object under ``gen/<G>/``."""
+        return max(self.generations, default=None)
+
+    def read_quota(self) -> int | None:
+        """(Re)read the ``quota`` file: the namespace's byte quota, None if there is none.
+        A damaged file is StorageError(INTERNAL): guessing could let a tenant fill the disk."""
+        path = os.path.join(self.path, "quota")
+        try:
+            with open(path, "rb") as f:
+                text = f.read().strip()
+        except FileNotFoundError:
+            text = b""
+        except OSError as exc:
+            raise StorageError(ErrorCode.INTERNAL, f"cannot read the quota file {path}: {exc.strerror}") from None
+        if not text:
+            self.quota = None
+            return None
+        try:
+            quota = int(text.decode("ascii"))
+        except (UnicodeDecodeError, ValueError):
+            quota = -1
+        if quota < 0:
+            raise StorageError(
+                ErrorCode.INTERNAL,
+                f"the quota file {path} is damaged ({text[:40]!r} is not a decimal byte count): rewrite it"
+                " with `sos-server quota`",
+            )
+        self.quota = quota
+        return quota
 
     def get(self, name: str) -> StoredObject | None:
         return self.objects.get(name)
@@ -667,6 +853,12 @@ class Namespace:
         validate_name(name)
         if name in self.objects:
             return self.objects[name]
+        return self.adopt(name, *self.create_file(name))
+
+    def create_file(self, name: str) -> tuple[str, int]:
+        """The file part of :meth:`create`: (path, header size). Touches no shared state,
+        so it may run in a worker thread; :meth:`adopt` then runs on the event loop."""
+        validate_name(name)
         h2, h = object_file_name(name)
         d = os.path.join(self.objects_dir, h2)
         path = os.path.join(d, h)
@@ -678,9 +870,12 @@ class Namespace:
             if _is_no_space(exc):
                 raise _no_space(f"creating {name!r}", exc) from None
             raise
-        obj = StoredObject(self.name, name, path, len(header))
-        self.objects[name] = obj
-        self._sorted = None
+        return path, len(header)
+
+    def adopt(self, name: str, path: str, header_size: int) -> StoredObject:
+        """Register the object whose file :meth:`create_file` made."""
+        obj = StoredObject(self.name, name, path, header_size, files=self.files, usage=self.usage)
+        self._added(obj)
         return obj
 
     def set_fence(self, epoch: int) -> None:
@@ -694,19 +889,38 @@ class Namespace:
 
     def remove(self, name: str) -> None:
         """Delete an object (retention only; the protocol has no delete)."""
+        unlink_durable(self.forget(name))
+
+    def forget(self, name: str) -> str:
+        """Drop an object from memory (descriptor, usage, generations); returns its file's
+        path for :func:`unlink_durable`. Event-loop thread only (the descriptor cache and
+        the counters are not thread-safe); the unlink may run in a worker thread."""
         obj = self.objects.pop(name)
         self._sorted = None
+        g = journal_generation(name)
+        if g is not None:
+            self.generations[g] -= 1
+            if not self.generations[g]:
+                del self.generations[g]
+        self.usage.bytes -= obj.length
         obj.close()
-        os.unlink(obj.path)
-        fsync_dir(os.path.dirname(obj.path))
+        return obj.path
+
+
+def unlink_durable(path: str) -> None:
+    os.unlink(path)
+    fsync_dir(os.path.dirname(path))
 
 
 class Storage:
     """All namespaces under one data directory."""
 
-    def __init__(self, root: str, *, verify_tail: int = DEFAULT_VERIFY_TAIL) -> None:
+    def __init__(
+        self, root: str, *, verify_tail: int = DEFAULT_VERIFY_TAIL, max_open_files: int = DEFAULT_MAX_OPEN_FILES
+    ) -> None:
         self.root = os.path.abspath(root)
         self.verify_tail = verify_tail
+        self.files = OpenFiles(max_open_files)
         self.namespaces: dict[str, Namespace] = {}
         self.repairs: list[RepairNote] = []
         self.corruptions: list[tuple[str, str, int]] = []  # (namespace, name, file offset)
@@ -730,7 +944,7 @@ class Storage:
                         f"{self.root} is not an sos-server data directory (no ns/ and no LOCK in it)",
                     )
             makedirs_durable(self.root)
-            fd = os.open(os.path.join(self.root, "LOCK"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = os.open(os.path.join(self.root, "LOCK"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
         except OSError as exc:
             raise StorageError(
                 ErrorCode.INTERNAL, f"cannot use data directory {self.root}: {exc.strerror or exc}"
@@ -782,9 +996,14 @@ class Storage:
             makedirs_durable(os.path.join(path, "keys"))
         return self.load_namespace(namespace)
 
+    def object_count(self) -> int:
+        """Objects in all loaded namespaces."""
+        return sum(len(ns.objects) for ns in self.namespaces.values())
+
     def load_namespace(self, namespace: str) -> Namespace:
         path = self.ns_path(namespace)
-        ns = Namespace(namespace, path)
+        ns = Namespace(namespace, path, files=self.files)
+        ns.read_quota()
         fence = os.path.join(path, "fence")
         try:
             with open(fence, "rb") as f:
@@ -807,10 +1026,13 @@ class Storage:
                 )
         objdir = ns.objects_dir
         if os.path.isdir(objdir):
+            for d in (path, objdir, os.path.join(path, "keys")):
+                _tighten(d, DIR_MODE)
             for h2 in sorted(os.listdir(objdir)):
                 d = os.path.join(objdir, h2)
                 if not os.path.isdir(d):
                     continue
+                _tighten(d, DIR_MODE)
                 for fn in sorted(os.listdir(d)):
                     p = os.path.join(d, fn)
                     if ".tmp-" in fn:  # an object creation that did not finish
@@ -818,7 +1040,9 @@ class Storage:
                         continue
                     obj = self._load_object(namespace, p)
                     if obj is not None:
-                        ns.objects[obj.name] = obj
+                        obj._files, obj.usage = self.files, ns.usage
+                        ns.usage.bytes += obj.length
+                        ns._added(obj)
         self.namespaces[namespace] = ns
         return ns
 
@@ -831,6 +1055,7 @@ class Storage:
         acknowledged, bytes: it is kept and recorded (see :class:`Damage`)."""
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
+            _tighten(path, FILE_MODE, fd)
             head = os.pread(fd, 8 + 2 + 1024 * 4 + 4, 0)
             dec = decode_header(head)
             if dec is None:
@@ -878,6 +1103,66 @@ class Storage:
             " refused): %s/%s file offsets %d..%d, %s: %s (%s)",
             obj.namespace, obj.name, d.file_pos, d.file_end, what, d.reason, obj.path,
         )
+
+    # -- per-namespace settings (offline tools and keygen) ---------------------------
+    def set_quota(self, namespace: str, quota: int | None) -> None:
+        """Write (or with None remove) the byte quota of *namespace*. A running server
+        reads it at the next AUTH to the namespace."""
+        validate_namespace(namespace)
+        if quota is not None and quota < 0:
+            raise ValueError(f"quota must not be negative, not {quota}")
+        path = self.ns_path(namespace)
+        makedirs_durable(os.path.join(path, "objects"))
+        makedirs_durable(os.path.join(path, "keys"))
+        if quota is None:
+            try:
+                os.unlink(os.path.join(path, "quota"))
+            except FileNotFoundError:
+                return
+            fsync_dir(path)
+        else:
+            write_file_durable(os.path.join(path, "quota"), f"{quota}\n".encode())
+
+    def get_quota(self, namespace: str) -> int | None:
+        validate_namespace(namespace)
+        return Namespace(namespace, self.ns_path(namespace)).read_quota()
+
+    def object_names(self, namespace: str) -> Iterator[str]:
+        """The names of *namespace*'s objects, from the file headers alone (no scan)."""
+        objdir = os.path.join(self.ns_path(namespace), "objects")
+        if not os.path.isdir(objdir):
+            return
+        for h2 in sorted(os.listdir(objdir)):
+            d = os.path.join(objdir, h2)
+            if not os.path.isdir(d):
+                continue
+            for fn in sorted(os.listdir(d)):
+                if ".tmp-" in fn:
+                    continue
+                with open(os.path.join(d, fn), "rb") as f:
+                    dec = decode_header(f.read(8 + 2 + 1024 * 4 + 4))
+                if dec is not None:
+                    yield dec[0]
+
+    def reset_fence(self, namespace: str, epoch: int | None = None) -> tuple[str, int]:
+        """Offline (lock held): set the fence of *namespace* to *epoch*, by default to the
+        highest epoch in its segment names (the newest writer's: a writer that restarts
+        FENCEs one above it). Works on a damaged fence file. Returns (old text, new)."""
+        validate_namespace(namespace)
+        path = self.ns_path(namespace)
+        if not os.path.isdir(path):
+            raise StorageError(ErrorCode.NOT_FOUND, f"no namespace {namespace!r} in {self.root}")
+        if epoch is None:
+            epoch = max((e for e in map(segment_epoch, self.object_names(namespace)) if e is not None), default=0)
+        if not 0 <= epoch <= MAX_EPOCH:
+            raise ValueError(f"epoch must be in 0..{MAX_EPOCH}, not {epoch}")
+        try:
+            with open(os.path.join(path, "fence"), "rb") as f:
+                old = f.read().strip().decode("ascii", "replace") or "0"
+        except FileNotFoundError:
+            old = "0"
+        Namespace(namespace, path).set_fence(epoch)
+        return old, epoch
 
     # -- keys ------------------------------------------------------------------------
     def keygen(self, namespace: str, role: str) -> str:

@@ -110,7 +110,10 @@ def test_seal(client):
 
 
 def test_fence(client):
-    client.append("f", 0, b"a", epoch=1)
+    client.append("f", 0, b"a", epoch=0)
+    with pytest.raises(Fenced) as info:
+        client.append("f", 1, b"b", epoch=1)  # above the fence: an epoch is taken with FENCE first
+    assert info.value.epoch == 0
     assert client.fence(5) == 5
     with pytest.raises(Fenced) as info:
         client.append("f", 1, b"b", epoch=4)

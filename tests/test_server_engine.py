@@ -121,7 +121,16 @@ def test_seal_fence_and_roles(tmp_path):
             await e.seal(NS, "append", "o", 4)
         assert code_of(ei) is ErrorCode.FENCED
         assert await app(e, "o", 3, b"d", epoch=5) == 4
-        assert await app(e, "o", 4, b"e", epoch=9) == 5  # higher epochs pass
+        # an epoch above the fence was never taken with FENCE: refused too, nothing written
+        for epoch in (6, 9, 2**64 - 1):
+            with pytest.raises(ServerError) as ei:
+                await app(e, "o", 4, b"e", epoch=epoch)
+            assert code_of(ei) is ErrorCode.FENCED and ei.value.length == 5
+            with pytest.raises(ServerError) as ei:
+                await e.seal(NS, "append", "o", epoch)
+            assert code_of(ei) is ErrorCode.FENCED and ei.value.length == 5
+        assert e.stat(NS, "o") == (4, False)
+        assert await app(e, "o", 4, b"e", epoch=5) == 5
 
         assert await e.seal(NS, "append", "o", 5) == 5
         assert await e.seal(NS, "append", "o", 5) == 5  # idempotent
@@ -270,6 +279,9 @@ def _gen_ns(tmp_path, spec):
             names.append(f"gen/{g:010d}/ready")
         for name in names:
             o = ns.create(name)
+            if name.endswith("/ready"):  # complete: empty and durably sealed
+                o.write_seal()
+                o.mark_synced(*o.sync())
             os.utime(o.path, (now - age, now - age))
     ns.create("outside/gen")
     o = ns.create("gen-notes")
@@ -297,6 +309,10 @@ def test_retention_respects_min_age(tmp_path):
     # generation 1 has a young object: kept; generation 2 is young too
     assert plan_retention(ns, 1, 60, now=now) == []
     os.utime(young.path, (now - 5000, now - 5000))
+    # generations 2 and 3 completed 10 s ago: neither counts yet, so generation 1 stays
+    assert plan_retention(ns, 1, 60, now=now) == []
+    # once generation 3 has been complete for min_age, 1 goes (2 has young objects: kept)
+    os.utime(ns.get("gen/0000000003/ready").path, (now - 61, now - 61))
     assert plan_retention(ns, 1, 60, now=now) == sorted(n for n in ns.objects if n.startswith("gen/0000000001/"))
 
 

@@ -187,6 +187,7 @@ def test_keygen_and_gc_commands(tmp_path, sos_server_factory):
         for g in (1, 2, 3):
             assert c.append(f"gen/{g:010d}/0000000001-0000000001.seg", 0, b"seg").length == 3
             assert c.append(f"gen/{g:010d}/ready", 0, b"").length == 0
+            assert isinstance(c.call(ev.Seal(c.rid(), f"gen/{g:010d}/ready", 0)), ev.SealOk)  # complete
         assert c.append("other/keep", 0, b"k").length == 1
     # gc refuses while the server holds the data directory
     busy = subprocess.run(
@@ -220,6 +221,7 @@ def test_serve_retention_runs_inside_the_server(sos_server_factory):
         for g in (1, 2):
             c.append(f"gen/{g:010d}/a.seg", 0, b"x")
             c.append(f"gen/{g:010d}/ready", 0, b"")
+            assert isinstance(c.call(ev.Seal(c.rid(), f"gen/{g:010d}/ready", 0)), ev.SealOk)  # complete
     srv.restart()  # retention runs at start-up, then every --gc-interval
     with RawClient(srv.address) as c:
         c.login(key, "r")
