@@ -382,8 +382,9 @@ class Gateway:
             stats.worst = max(stats.worst, elapsed)
             if len(stats.latencies) < 100_000:
                 stats.latencies.append(elapsed)
-            log.debug("%s %s %s%s -> %d (%.1f ms)", method, op or "-", path,
-                      " [data]" if params.get("data") == "true" else "", status, elapsed * 1e3)
+            log.debug("%s %s %s%s -> %d (%.1f ms) %s", method, op or "-", path,
+                      " [data]" if params.get("data") == "true" else "", status, elapsed * 1e3,
+                      query)
 
     async def _dispatch(self, conn: _Conn, method: str, path: str, params: dict[str, str],
                         headers: dict[str, str], op: str) -> int:
