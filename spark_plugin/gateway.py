@@ -194,7 +194,7 @@ class _Conn:
                     raise _Drop(f"receive failed: {exc!r}") from exc
             if scope.cancelled_caught:
                 raise _Drop("the client stalled")
-            self.h11.receive_data(data)
+            self.h11.receive_data(bytes(data))
 
     async def send(self, event: Any) -> None:
         data = self.h11.send(event)
@@ -270,13 +270,12 @@ class Gateway:
     # ------------------------------------------------------------------ serving
     async def serve(self, host: str, port: int, *,
                     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED) -> None:
-        listeners = await trio.open_tcp_listeners(port, host=host or None)
-        sock = listeners[0].socket
-        addr = sock.getsockname()
+        tcp = await trio.open_tcp_listeners(port, host=host or None)
+        addr = tcp[0].socket.getsockname()
         self.address = (addr[0], addr[1])
+        listeners: list[trio.abc.Listener[Any]] = list(tcp)
         if self.tls is not None:
-            listeners = [trio.SSLListener(lis, self.tls, https_compatible=True)
-                         for lis in listeners]
+            listeners = [trio.SSLListener(lis, self.tls, https_compatible=True) for lis in tcp]
         task_status.started(self.address)
         await trio.serve_listeners(self._connection, listeners)
 

@@ -422,7 +422,7 @@ class WebHdfsNamespace:
                                        f"rename destination parent {hdfs_path(parent)} not found.")
                 raise WebHdfsError("ParentNotDirectoryException",
                                    f"rename destination parent {hdfs_path(parent)} is a file.")
-        overwrite = bool(options) and "OVERWRITE" in options
+        overwrite = options is not None and "OVERWRITE" in options
         if dst_st is not None:
             if not overwrite:
                 raise WebHdfsError("FileAlreadyExistsException",
