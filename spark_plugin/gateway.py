@@ -545,7 +545,8 @@ class Gateway:
             else:
                 offset = await self._run(ns.begin_append, rel)
         except WebHdfsError:
-            await conn.drain()  # Hadoop's client sends the whole body before it reads a reply
+            if not conn.h11.they_are_waiting_for_100_continue:
+                await conn.drain()  # Hadoop's client sends the whole body before it reads a reply
             raise
         failure: WebHdfsError | None = None
         try:

@@ -303,15 +303,14 @@ class WebHdfsNamespace:
         st = self._require(rel)
         files = dirs = length = 0
         if stat_mod.S_ISDIR(st.st_mode):
-            for _dirpath, dirnames, filenames in os.walk(self.local(rel)):
+            for dirpath, _dirnames, filenames in os.walk(self.local(rel)):
                 dirs += 1
                 for name in filenames:
                     try:
-                        length += os.stat(os.path.join(_dirpath, name)).st_size
+                        length += os.stat(os.path.join(dirpath, name)).st_size
                         files += 1
                     except FileNotFoundError:
                         continue
-                del dirnames[:0]
         else:
             files, length = 1, st.st_size
         return {"ContentSummary": {"directoryCount": dirs, "fileCount": files, "length": length,

@@ -552,3 +552,32 @@ def test_a_big_file_streams_through_in_bounded_memory(sos_server, tmp_path):
         assert g.stop() == 0
     restored = restore(sos_server, g.key, tmp_path / "r")
     assert os.path.getsize(restored / "big" / "f") == size
+
+
+def test_https_with_tls_cert_and_key(sos_server, tmp_path):
+    cert, keyf = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(keyf),
+         "-out", str(cert), "-days", "2", "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True, timeout=120)
+    key = sos_server.keygen(NS, "append")
+    g = GatewayProcess(NS, str(tmp_path / "c"), sos_server.address, key,
+                       extra_args=["--tls-cert", str(cert), "--tls-key", str(keyf)],
+                       log_path=str(tmp_path / "tls.log")).start()
+    try:
+        assert g.url.startswith("https://")
+        v = {"verify": str(cert)}  # per request: $REQUESTS_CA_BUNDLE beats Session.verify
+        with requests.Session() as s:
+            r = s.post(g.url + "/oauth2/token", data={"grant_type": "client_credentials",
+                                                      "client_id": NS, "client_secret": key}, **v)
+            s.headers["Authorization"] = f"Bearer {r.json()['access_token']}"
+            r = s.put(f"{g.url}/webhdfs/v1/t/f?op=CREATE", allow_redirects=False, **v)
+            assert r.status_code == 307 and r.headers["location"].startswith("https://")
+            assert s.put(r.headers["location"], data=b"over tls", **v).status_code == 201
+            assert s.get(f"{g.url}/webhdfs/v1/t/f?op=OPEN", **v).content == b"over tls"
+        # a plaintext client gets no answer, and the gateway keeps serving
+        with pytest.raises(requests.ConnectionError):
+            requests.get(g.url.replace("https://", "http://") + "/webhdfs/v1/?op=LISTSTATUS",
+                         timeout=30)
+    finally:
+        assert g.stop() == 0
