@@ -198,7 +198,7 @@ def open_namespace(namespace: str, cache_dir: str, *, server: str | None = None,
     if read_role and allow_read_only:
         return _open_read_only(factory, namespace, cache_dir)
     if read_role:
-        raise PermissionError(
+        raise PermissionError(errno.EACCES, f"the key has the read role: writing namespace "
                               f"{namespace!r} needs a key with the append role", namespace)
 
     from .tree import JournaledTree
