@@ -15,7 +15,8 @@ one line on stderr: ``sos: <message>``.
 
 Other parts plug in subcommands: ``sos_client.journal.cli.add_parsers(subparsers)``
 and ``spark_plugin.cli_mount.add_parser(subparsers)``, imported lazily and skipped
-if not importable.  Each subparser sets ``func=callable(args) -> int`` and calls
+if not importable; ``spark_plugin.cli_gateway.add_parser`` (``sos gateway``) needs only
+core dependencies, so an import error there is raised, never hidden.  Each subparser sets ``func=callable(args) -> int`` and calls
 :func:`add_connection_options`; :func:`client_from_args` builds a Client from them.
 """
 
@@ -271,6 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
         except ImportError:
             continue  # that part is not installed
         getattr(module, hook)(sub)
+    from spark_plugin.cli_gateway import add_parser as add_gateway_parser
+
+    add_gateway_parser(sub)  # core dependencies only: an ImportError here is a bug, not hidden
     return parser
 
 

@@ -49,7 +49,6 @@ import os
 import posixpath
 import stat as stat_mod
 import threading
-import time
 import uuid
 from datetime import datetime, timezone
 from glob import has_magic
@@ -73,31 +72,29 @@ def _err(exc_type, code, path, message=None):
 
 
 class _Namespace:
-    """A shared JournaledTree plus the lock that makes compound operations
-    (exclusive create, checked rename, makedirs) atomic within the process.
-    Other processes cannot write the namespace without fencing this one."""
+    """A shared opened namespace (:func:`sos_client.journal.open.open_namespace`) plus the
+    lock that makes compound operations (exclusive create, checked rename, makedirs)
+    atomic within the process. Other processes cannot write the namespace without
+    fencing this one."""
 
-    def __init__(self, tree, writer, tree_dir, namespace):
+    def __init__(self, opened, tree):
         self.pid = os.getpid()
+        self.opened = opened
         self.tree = tree
-        self.writer = writer
-        self.tree_dir = tree_dir  # the live tree; every read is served from here
-        self.namespace = namespace
+        self.writer = opened.writer
+        self.tree_dir = opened.tree_dir  # the live tree; every read is served from here
+        self.namespace = opened.namespace
         self.lock = threading.RLock()
-        self.closed = False
+
+    @property
+    def closed(self):
+        return self.opened.closed
 
     def local(self, rel):
         return self.tree.local_path(rel) if rel else self.tree_dir
 
     def close(self, timeout=None):
-        if self.closed:
-            return
-        self.closed = True
-        try:
-            if self.writer is not None:
-                self.writer.close(timeout=timeout)  # flush (bounded), stop the replicator
-        finally:
-            self.tree.close()
+        self.opened.close(timeout)
 
 
 class _GuardedTree:
@@ -143,105 +140,23 @@ class _GuardedTree:
         return guarded
 
 
-class _ReadOnlyTree:
-    """Stands in for the JournaledTree when the key has the read role: the cache
-    is rebuilt from the server (restore code) when the namespace is first used
-    in the process, no writer exists (nothing is fenced), mutations raise
-    PermissionError."""
-
-    def __init__(self, tree_dir, namespace):
-        self.cache_dir = tree_dir
-        self.namespace = namespace
-
-    def local_path(self, path):
-        if path in ("", "."):
-            return self.cache_dir
-        from sos_client.journal.records import validate_path
-
-        return os.path.join(self.cache_dir, validate_path(path))
-
-    def _refuse(self, path="", *args, **kwargs):
-        raise PermissionError(
-            errno.EACCES,
-            f"read-only key: namespace {self.namespace!r} can be read, not written",
-            f"{self.namespace}/{path}" if path else self.namespace,
-        )
-
-    mkdir = rmdir = create = write = truncate = rename = unlink = marker = _refuse
-
-    def sync(self, wait=None):
-        pass
-
-    def close(self):
-        pass
-
-
 _REGISTRY: dict[tuple, _Namespace] = {}
 _REGISTRY_LOCK = threading.Lock()
 _REGISTRY_PID = os.getpid()
-
-
-class _AuthRefused(Exception):
-    """Carries a refused authentication through the journal writer.
-
-    The writer retries every OSError as transient (it would keep trying a wrong
-    key for its whole open timeout); PermissionError is an OSError, so the
-    client factory wraps it in this non-OSError type, whose ``code`` the
-    replicator treats as fatal, and :func:`_open_namespace` unwraps it."""
-
-    def __init__(self, original):
-        super().__init__(str(original))
-        self.original = original
-        self.code = getattr(original, "code", None)
-
-
-def _default_client_factory(server, key, namespace, timeout, tls):
-    from sos_client import Client
-
-    def factory():
-        try:
-            return Client(server, key, namespace, timeout=timeout, tls=tls)
-        except PermissionError as exc:
-            raise _AuthRefused(exc) from exc
-
-    return factory
-
-
-def _key_can_append(factory, patience):
-    """Connect once: does the key have the append role? Auth failures raise
-    PermissionError here, before any writer exists; an unreachable server is
-    retried for ``patience`` seconds (a server restarting), then raised."""
-    deadline = time.monotonic() + patience
-    delay = 0.05
-    while True:
-        try:
-            client = factory()
-            break
-        except _AuthRefused as exc:
-            raise exc.original from None
-        except ConnectionError:
-            if time.monotonic() >= deadline:
-                raise
-            time.sleep(delay)
-            delay = min(delay * 2, 1.0)
-    try:
-        from sos_wire.events import KeyRole
-
-        return client.role != KeyRole.READ
-    finally:
-        client.close()
 
 
 def _open_namespace(server, key, namespace, base_dir, max_lag_bytes, timeout, tls=None,
                     generation_bytes=None):
     """The process-wide tree of (server, namespace, cache dir) for this key's role."""
     global _REGISTRY_PID
+    from sos_client.journal.open import client_factory_for, key_role, open_namespace
+    from sos_wire.events import KeyRole
+
     root = os.path.realpath(os.path.join(base_dir, namespace))
-    factory = _default_client_factory(server, key, namespace, timeout, tls)
     # one connection tells the role (and fails fast on a refused key); the
     # caller remembers the result, so this runs once per filesystem object
-    can_append = _key_can_append(factory, timeout)
-    ident = (server, namespace, root, "append" if can_append else "read")
+    role = key_role(client_factory_for(server, key, namespace, timeout=timeout, tls=tls), timeout)
+    ident = (server, namespace, root, "read" if role == KeyRole.READ else "append")
     with _REGISTRY_LOCK:
         if _REGISTRY_PID != os.getpid():
             # a forked child inherits the dict but not the replicator threads
@@ -250,56 +165,18 @@ def _open_namespace(server, key, namespace, base_dir, max_lag_bytes, timeout, tl
         ns = _REGISTRY.get(ident)
         if ns is not None and not ns.closed:
             return ns
-        if not can_append:
-            ns = _open_read_only(factory, namespace, root)
-            _REGISTRY[ident] = ns
-            return ns
-        from sos_client.journal.tree import JournaledTree
-        from sos_client.journal.writer import JournalWriter
-
-        tree_dir = os.path.join(root, "tree")
-        spool_dir = os.path.join(root, "spool")
-        os.makedirs(tree_dir, exist_ok=True)
-        os.makedirs(spool_dir, exist_ok=True)
         # One writer serves every filesystem object of this namespace in the
         # process, whatever each object's ``sync``, so it runs in sync mode:
         # the tree's rename (mv) always waits for the server. Objects with
         # sync=True also wait on close, cp and commit (tree.sync(wait=True));
         # objects with sync=False do not.
-        writer_kwargs = {"sync": True}
-        if max_lag_bytes is not None:
-            writer_kwargs["max_lag_bytes"] = max_lag_bytes
-        if generation_bytes is not None:
-            writer_kwargs["generation_bytes"] = generation_bytes
-        writer = JournalWriter(factory, namespace, spool_dir, **writer_kwargs)
-        try:
-            # opens the writer (fencing older epochs) and, if the cache is empty,
-            # rebuilds it from the server by the same code as restore
-            tree = JournaledTree(tree_dir, writer)
-        except BaseException as exc:
-            try:
-                writer.close()
-            except Exception:
-                pass
-            if isinstance(exc, _AuthRefused):
-                raise exc.original from None
-            raise
-        ns = _Namespace(_GuardedTree(tree, namespace), writer, tree_dir, namespace)
+        opened = open_namespace(namespace, root, server=server, key=key, timeout=timeout, tls=tls,
+                                sync=True, max_lag_bytes=max_lag_bytes,
+                                generation_bytes=generation_bytes, allow_read_only=True)
+        tree = opened.tree if opened.read_only else _GuardedTree(opened.tree, namespace)
+        ns = _Namespace(opened, tree)
         _REGISTRY[ident] = ns
         return ns
-
-
-def _open_read_only(factory, namespace, root):
-    """A read-role key: rebuild a private copy of the tree from the server."""
-    from sos_client.journal.restore import rebuild_cache
-
-    tree_dir = os.path.join(root, "read-tree")
-    os.makedirs(tree_dir, exist_ok=True)
-    try:
-        rebuild_cache(factory, namespace, tree_dir)  # force: replaces an older copy
-    except _AuthRefused as exc:
-        raise exc.original from None
-    return _Namespace(_ReadOnlyTree(tree_dir, namespace), None, tree_dir, namespace)
 
 
 def close_all(timeout=None):

@@ -742,8 +742,9 @@ class SOSOperations(_OperationsBase):
 # ---------------------------------------------------------------------------
 
 def default_cache_dir(namespace: str) -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "sos", namespace)
+    from sos_client.journal.open import default_cache_dir as default
+
+    return default(namespace)
 
 
 def _dir_is_empty(path: str) -> bool:
@@ -761,21 +762,25 @@ def fuse_options(namespace: str, *, allow_other: bool = False, debug: bool = Fal
 
 
 class MountedTree:
-    """The journal side of a mount: writer + tree over `<cache>/tree`, spool in `<cache>/spool`.
+    """The journal side of a mount: writer + tree over `<cache>/tree`, spool in `<cache>/spool`,
+    opened by `sos_client.journal.open.open_namespace` (the opener fsspec and the gateway use).
 
-    `JournaledTree` does the start-up work: the writer fences every older writer
-    first, then an empty (or crash-dirty) cache is rebuilt from the server by the
-    same code as `sos restore`. A spool that the server has moved past (another
-    writer took over since) is refused with a hint to drop the cache.
+    The writer fences every older writer first, then an empty (or crash-dirty) cache is
+    rebuilt from the server by the same code as `sos restore`. A spool that the server has
+    moved past (another writer took over since) is refused with a hint to drop the cache.
+    A refused key fails at once; a read key is refused (a mount writes).
     """
 
     def __init__(self, namespace: str, server: str, key: str, cache_dir: str, *,
                  sync: bool = True, max_lag_bytes: int = 64 << 20,
-                 generation_bytes: int | None = None, client_factory=None) -> None:
+                 generation_bytes: int | None = None, client_factory=None,
+                 timeout: float = 30.0, tls=None) -> None:
         self.namespace = namespace
         self._client_factory = client_factory
         self.server = server
         self.key = key
+        self.timeout = timeout
+        self.tls = tls
         self.cache_dir = os.path.abspath(cache_dir)
         self.tree_dir = os.path.join(self.cache_dir, "tree")
         self.spool_dir = os.path.join(self.cache_dir, "spool")
@@ -785,37 +790,15 @@ class MountedTree:
         self.writer = None
         self.tree = None
 
-    def client_factory(self):
-        if self._client_factory is not None:
-            return self._client_factory()
-        from sos_client import Client
-
-        return Client(self.server, self.key, self.namespace)
-
     def open(self) -> None:
-        from sos_client.journal.errors import SpoolStale
-        from sos_client.journal.tree import JournaledTree
-        from sos_client.journal.writer import JournalWriter
+        from sos_client.journal.open import open_namespace
 
-        os.makedirs(self.tree_dir, exist_ok=True)
-        os.makedirs(self.spool_dir, exist_ok=True)
-        extra = {}
-        if self.generation_bytes is not None:  # None: the writer's default (1 GiB)
-            extra["generation_bytes"] = self.generation_bytes
-        self.writer = JournalWriter(self.client_factory, self.namespace, self.spool_dir,
-                                    sync=self.sync, max_lag_bytes=self.max_lag_bytes, **extra)
-        try:
-            self.writer.open()
-            self.tree = JournaledTree(self.tree_dir, self.writer)
-        except SpoolStale as exc:
-            self.writer.close()
-            raise RuntimeError(f"{exc}. The cache {self.cache_dir} is stale: remove it (or use "
-                               f"another --cache) to mount the server's state") from exc
-        except BaseException:
-            self.writer.close()
-            raise
-        if getattr(self.tree, "rebuilt", False):
-            log.info("cache %s was rebuilt from the server", self.tree_dir)
+        opened = open_namespace(self.namespace, self.cache_dir, server=self.server, key=self.key,
+                                timeout=self.timeout, tls=self.tls,
+                                client_factory=self._client_factory, sync=self.sync,
+                                max_lag_bytes=self.max_lag_bytes,
+                                generation_bytes=self.generation_bytes)
+        self.writer, self.tree = opened.writer, opened.tree
 
     def close(self) -> None:
         if self.tree is not None:

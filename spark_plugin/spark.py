@@ -13,6 +13,10 @@ durable on the server, so a committed batch survives the loss of the whole worke
   for a batch it cannot find). Restoring to a batch does not depend on markers: it stops
   at the journal record that made ``commits/N`` exist.
 - :func:`restore_to_batch` rebuilds a checkpoint as it was when batch N committed.
+- :func:`gateway_checkpoint` gives a session its checkpoint through ``sos gateway``
+  instead (a cluster of any size, no FUSE): a ``webhdfs://`` checkpointLocation, the
+  Hadoop OAuth2 and retry settings (:func:`gateway_conf`) and a
+  :class:`GatewayMarkerListener` that writes the same batch markers.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import urllib.parse
 
 log = logging.getLogger("sos.spark")
 
@@ -321,3 +326,149 @@ def restore_to_batch(namespace, target, checkpoint, batch_id, *, server, key, fo
     if proc.returncode != 0:
         raise RuntimeError(f"sos restore failed ({proc.returncode}): {proc.stderr.strip()}")
     return os.path.join(str(target), rel)
+
+
+# ---------------------------------------------------------------------------
+# Through the gateway (`sos gateway`): webhdfs:// checkpoints
+# ---------------------------------------------------------------------------
+
+#: Hadoop's retry policy for gateway requests that fail without an answer (connection
+#: refused or reset while the gateway restarts): "sleep ms, retries" pairs, so about 2 s
+#: of quick retries, then 20 s of slower ones. Refusals (RemoteException) are not retried.
+GATEWAY_RETRY_SPEC = "200,10,2000,10"
+#: Spark's redaction pattern plus "credential", so the key in
+#: spark.hadoop.dfs.webhdfs.oauth2.credential is hidden in the UI and event logs
+GATEWAY_REDACTION_REGEX = "(?i)secret|password|token|access[.]key|credential"
+
+
+def gateway_conf(url, namespace, key, *, retry_spec=GATEWAY_RETRY_SPEC) -> dict:
+    """Hadoop settings (keys without ``spark.hadoop.``) for ``webhdfs://`` paths served by
+    the gateway at ``url`` (``http(s)://HOST:PORT``): OAuth2 client credentials against its
+    ``/oauth2/token`` (client id: the namespace, credential: ``key``) and the HTTP retry
+    policy that rides through a gateway restart."""
+    return {
+        "dfs.webhdfs.oauth2.enabled": "true",
+        "dfs.webhdfs.oauth2.access.token.provider":
+            "org.apache.hadoop.hdfs.web.oauth2.ConfCredentialBasedAccessTokenProvider",
+        "dfs.webhdfs.oauth2.client.id": namespace,
+        "dfs.webhdfs.oauth2.credential": str(key),
+        "dfs.webhdfs.oauth2.refresh.url": url.rstrip("/") + "/oauth2/token",
+        "dfs.http.client.retry.policy.enabled": "true",
+        "dfs.http.client.retry.policy.spec": retry_spec,
+    }
+
+
+def webhdfs_url(url, path="") -> str:
+    """``http://H:P`` -> ``webhdfs://H:P/path`` (``https`` -> ``swebhdfs``)."""
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        raise ValueError(f"gateway url must be http(s)://HOST:PORT, not {url!r}")
+    scheme = "swebhdfs" if parsed.scheme == "https" else "webhdfs"
+    return f"{scheme}://{parsed.netloc}/{path.strip('/')}"
+
+
+class GatewayCheckpoint(str):
+    """A ``webhdfs://`` checkpointLocation (a plain ``str`` for Spark) on a gateway.
+
+    ``.relpath``: the checkpoint's path inside the namespace (what ``sos restore --batch
+    RELPATH:N`` takes); ``.namespace``; ``.gateway_url``; ``.conf``: the session settings
+    (``spark.hadoop.*`` keys) it needs; ``.listener``: the registered
+    :class:`GatewayMarkerListener` (None before :meth:`attach`)."""
+
+    relpath: str = ""
+    namespace: str = ""
+    gateway_url: str = ""
+    conf: dict
+    listener = None
+
+    def __new__(cls, location, *, relpath, namespace, gateway_url, conf, key):
+        self = super().__new__(cls, location)
+        self.relpath = relpath
+        self.namespace = namespace
+        self.gateway_url = gateway_url
+        self.conf = conf
+        self._key = key
+        return self
+
+    def attach(self, spark, *, listener=True, query_name=None):
+        """Apply the Hadoop settings to a live session and register the marker listener
+        (``gateway_checkpoint`` calls it when given a session)."""
+        hconf = spark.sparkContext._jsc.hadoopConfiguration()
+        for k, v in self.conf.items():
+            hconf.set(k.removeprefix("spark.hadoop."), v)
+        if listener and self.listener is None:
+            self.listener = GatewayMarkerListener(self, query_name=query_name)
+            spark.streams.addListener(self.listener)
+        return self
+
+    def client(self):
+        """A :class:`~spark_plugin.gateway_client.GatewayClient` of this gateway."""
+        from spark_plugin.gateway_client import GatewayClient
+
+        return GatewayClient(self.gateway_url, self.namespace, self._key)
+
+
+def gateway_checkpoint(spark_or_builder, url, namespace, key, checkpoint=DEFAULT_CHECKPOINT, *,
+                       listener=True, retry_spec=GATEWAY_RETRY_SPEC) -> GatewayCheckpoint:
+    """The checkpointLocation of ``checkpoint`` in ``namespace`` through the gateway at
+    ``url`` (``http(s)://HOST:PORT`` of ``sos gateway NAMESPACE``), with ``key`` a key of
+    the namespace (its role decides what the session may do).
+
+    ``spark_or_builder``: a ``SparkSession.Builder`` (the settings go in as
+    ``spark.hadoop.*`` configs, with Spark's redaction extended to the credential; call
+    ``location.attach(spark)`` after ``getOrCreate()`` for the batch markers), a live
+    ``SparkSession`` (settings applied to its Hadoop configuration before any webhdfs
+    path of that gateway is used, and a :class:`GatewayMarkerListener` registered unless
+    ``listener=False``), or None (just compute; ``.conf`` holds the settings).
+    """
+    relpath = checkpoint.strip("/")
+    conf = {f"spark.hadoop.{k}": v for k, v in gateway_conf(url, namespace, key,
+                                                            retry_spec=retry_spec).items()}
+    loc = GatewayCheckpoint(webhdfs_url(url, relpath), relpath=relpath, namespace=namespace,
+                            gateway_url=url.rstrip("/"), conf=conf, key=str(key))
+    if spark_or_builder is None:
+        return loc
+    if hasattr(spark_or_builder, "streams"):  # a live session
+        return loc.attach(spark_or_builder, listener=listener)
+    for k, v in conf.items():
+        spark_or_builder.config(k, v)
+    spark_or_builder.config("spark.redaction.regex", GATEWAY_REDACTION_REGEX)
+    return loc
+
+
+class GatewayMarkerListener(_ListenerBase):
+    """:class:`MarkerListener` for a checkpoint on the gateway: after each committed batch
+    (``commits/N`` exists on the gateway) it appends the same ``spark.batch`` MARKER record
+    through ``POST /sos/v1/marker``, durable when the gateway answers (sync mode)."""
+
+    def __init__(self, checkpoint, *, query_name=None, client=None):
+        super().__init__()
+        self.relpath = checkpoint.relpath
+        self._client = client or checkpoint.client()
+        self.query_name = query_name
+        self.written: list[int] = []
+        self.errors: list[str] = []
+
+    def onQueryStarted(self, event):  # noqa: N802 - Spark's name
+        pass
+
+    def onQueryProgress(self, event):  # noqa: N802
+        try:
+            progress = event.progress
+            if self.query_name is not None and progress.name != self.query_name:
+                return
+            batch_id = int(progress.batchId)
+            commit = f"{self.relpath}/commits/{batch_id}" if self.relpath else f"commits/{batch_id}"
+            if not self._client.exists(commit):
+                return
+            self._client.marker(MARKER_LABEL, marker_payload(self.relpath, progress.id, batch_id))
+            self.written.append(batch_id)
+        except Exception as exc:  # noqa: BLE001 - a listener must never kill the query
+            self.errors.append(repr(exc))
+            log.exception("writing the batch marker through the gateway failed")
+
+    def onQueryIdle(self, event):  # noqa: N802
+        pass
+
+    def onQueryTerminated(self, event):  # noqa: N802
+        pass

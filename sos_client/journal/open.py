@@ -1,0 +1,249 @@
+"""Open a namespace's cache, writer and tree: the one opener of the fsspec filesystem,
+the FUSE mount and the WebHDFS gateway.
+
+A namespace's cache directory holds::
+
+    <cache>/tree/        the live tree (every read is served from here)
+    <cache>/spool/       the journal writer's spool (records not yet on the server)
+    <cache>/read-tree/   a read-role key's private copy of the tree (no spool)
+
+:func:`open_namespace` connects once to learn the key's role (a refused key fails here,
+at once, instead of being retried by the writer until its open timeout), then
+
+* append role: opens a :class:`~sos_client.journal.writer.JournalWriter` (fencing every
+  older writer of the namespace) and a :class:`~sos_client.journal.tree.JournaledTree`
+  over ``tree/``; an empty (or crash-dirty) cache is first rebuilt from the server by
+  the same code as ``sos restore``;
+* read role (only with ``allow_read_only=True``): rebuilds ``read-tree/`` from the
+  server and returns a :class:`ReadOnlyTree` whose mutations raise PermissionError;
+  nothing is fenced.
+
+It lives in the journal package (not in spark_plugin) because it only wires journal
+parts together and must not depend on any of its three users.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import SpoolStale
+
+__all__ = ["AuthRefused", "OpenNamespace", "ReadOnlyTree", "client_factory_for",
+           "default_cache_dir", "key_role", "open_namespace"]
+
+log = logging.getLogger("sos.journal.open")
+
+ClientFactory = Callable[[], Any]
+
+
+def default_cache_dir(namespace: str) -> str:
+    """``$XDG_CACHE_HOME/sos/NAMESPACE`` (``~/.cache/sos/NAMESPACE`` without it)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "sos", namespace)
+
+
+class AuthRefused(Exception):
+    """Carries a refused authentication (or a malformed key) through the journal writer.
+
+    The writer retries every OSError as transient, and PermissionError is an OSError: the
+    client factory of :func:`client_factory_for` wraps it in this non-OSError type, which
+    the writer does not retry, and :func:`open_namespace` raises the original again."""
+
+    def __init__(self, original: BaseException) -> None:
+        super().__init__(str(original))
+        self.original = original
+        self.code = getattr(original, "code", None)
+
+
+def client_factory_for(server: str | None, key: Any, namespace: str, *, timeout: float = 30.0,
+                       tls: Any = None) -> ClientFactory:
+    """A factory of connected blocking clients (TLS and timeouts included) whose refused
+    authentication surfaces as :class:`AuthRefused`."""
+    from sos_client import Client
+
+    def factory() -> Any:
+        try:
+            return Client(server, key, namespace, timeout=timeout, tls=tls)
+        except PermissionError as exc:
+            raise AuthRefused(exc) from exc
+
+    return factory
+
+
+def _guard_auth(factory: ClientFactory) -> ClientFactory:
+    """Wrap a caller's factory so that its PermissionError is not retried either."""
+
+    def guarded() -> Any:
+        try:
+            return factory()
+        except PermissionError as exc:
+            raise AuthRefused(exc) from exc
+
+    return guarded
+
+
+def key_role(factory: ClientFactory, patience: float) -> Any:
+    """Connect once and return the key's KeyRole. A refused key raises PermissionError at
+    once; an unreachable server is retried for ``patience`` seconds (a server restarting)."""
+    deadline = time.monotonic() + patience
+    delay = 0.05
+    while True:
+        try:
+            client = factory()
+            break
+        except AuthRefused as exc:
+            raise exc.original from None
+        except ConnectionError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+    try:
+        return client.role
+    finally:
+        client.close()
+
+
+class ReadOnlyTree:
+    """Stands in for the JournaledTree when the key has the read role: the cache was
+    rebuilt from the server, no writer exists (nothing is fenced), mutations raise
+    PermissionError."""
+
+    rebuilt = True
+
+    def __init__(self, tree_dir: str, namespace: str) -> None:
+        self.cache_dir = tree_dir
+        self.namespace = namespace
+
+    def local_path(self, path: str) -> str:
+        if path in ("", "."):
+            return self.cache_dir
+        from .records import validate_path
+
+        return os.path.join(self.cache_dir, validate_path(path))
+
+    def _refuse(self, path: str = "", *args: Any, **kwargs: Any) -> Any:
+        raise PermissionError(
+            errno.EACCES,
+            f"read-only key: namespace {self.namespace!r} can be read, not written",
+            f"{self.namespace}/{path}" if path else self.namespace,
+        )
+
+    mkdir = rmdir = create = write = truncate = rename = unlink = marker = _refuse
+
+    def sync(self, wait: bool | None = None) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class OpenNamespace:
+    """What :func:`open_namespace` opened. ``tree`` serves reads from ``tree_dir``;
+    ``writer`` is None for a read-only view. ``close(timeout)`` flushes the journal (up to
+    ``timeout`` seconds, None = until done) and stops the writer."""
+
+    namespace: str
+    cache_dir: str
+    tree_dir: str
+    spool_dir: str
+    tree: Any
+    writer: Any = None
+    client_factory: ClientFactory | None = None
+    read_only: bool = False
+    rebuilt: bool = False
+    closed: bool = field(default=False, init=False)
+
+    def close(self, timeout: float | None = None) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if self.writer is not None:
+                self.writer.close(timeout=timeout)  # flush (bounded), stop the replicator
+        finally:
+            self.tree.close()
+
+
+def open_namespace(namespace: str, cache_dir: str, *, server: str | None = None,
+                   key: Any = None, timeout: float = 30.0, tls: Any = None,
+                   client_factory: ClientFactory | None = None, sync: bool = True,
+                   max_lag_bytes: int | None = None, generation_bytes: int | None = None,
+                   allow_read_only: bool = False) -> OpenNamespace:
+    """Open ``namespace`` with its cache in ``cache_dir`` (see the module docstring).
+
+    Connection: ``client_factory`` (a callable returning a connected client), or one built
+    from ``server``/``key``/``timeout``/``tls`` by :func:`client_factory_for`. ``sync``,
+    ``max_lag_bytes`` and ``generation_bytes`` go to the writer (None: its defaults).
+
+    Raises PermissionError for a refused key (or a read key without ``allow_read_only``),
+    RuntimeError for a stale spool (another writer took the namespace over since this
+    cache was last used), ConnectionError if the server stays unreachable.
+    """
+    from sos_wire.events import KeyRole
+
+    cache_dir = os.path.abspath(cache_dir)
+    if client_factory is None:
+        factory = client_factory_for(server, key, namespace, timeout=timeout, tls=tls)
+    else:
+        factory = _guard_auth(client_factory)
+    read_role = key_role(factory, timeout) == KeyRole.READ
+    if read_role and allow_read_only:
+        return _open_read_only(factory, namespace, cache_dir)
+    if read_role:
+        raise PermissionError(errno.EACCES, f"the key has the read role: writing namespace "
+                              f"{namespace!r} needs a key with the append role", namespace)
+
+    from .tree import JournaledTree
+    from .writer import JournalWriter
+
+    tree_dir = os.path.join(cache_dir, "tree")
+    spool_dir = os.path.join(cache_dir, "spool")
+    os.makedirs(tree_dir, exist_ok=True)
+    os.makedirs(spool_dir, exist_ok=True)
+    writer_kwargs: dict[str, Any] = {"sync": sync}
+    if max_lag_bytes is not None:
+        writer_kwargs["max_lag_bytes"] = max_lag_bytes
+    if generation_bytes is not None:
+        writer_kwargs["generation_bytes"] = generation_bytes
+    writer = JournalWriter(factory, namespace, spool_dir, **writer_kwargs)
+    try:
+        # opens the writer (fencing older epochs) and, if the cache is empty, rebuilds it
+        # from the server by the same code as restore
+        tree = JournaledTree(tree_dir, writer)
+    except BaseException as exc:
+        try:
+            writer.close()
+        except Exception as close_exc:  # noqa: BLE001 - the original error is what matters
+            log.debug("closing the writer after a failed open: %r", close_exc)
+        if isinstance(exc, AuthRefused):
+            raise exc.original from None
+        if isinstance(exc, SpoolStale):
+            raise RuntimeError(f"{exc}. The cache {cache_dir} is stale: remove it (or use "  # noqa: TRY004
+                               f"another cache directory) to start from the server's state") from exc
+        raise
+    if tree.rebuilt:
+        log.info("cache %s was rebuilt from the server", tree_dir)
+    return OpenNamespace(namespace, cache_dir, tree_dir, spool_dir, tree, writer, factory,
+                         read_only=False, rebuilt=tree.rebuilt)
+
+
+def _open_read_only(factory: ClientFactory, namespace: str, cache_dir: str) -> OpenNamespace:
+    """A read-role key: rebuild a private copy of the tree from the server."""
+    from .restore import rebuild_cache
+
+    tree_dir = os.path.join(cache_dir, "read-tree")
+    os.makedirs(tree_dir, exist_ok=True)
+    try:
+        rebuild_cache(factory, namespace, tree_dir)  # force: replaces an older copy
+    except AuthRefused as exc:
+        raise exc.original from None
+    return OpenNamespace(namespace, cache_dir, tree_dir, "", ReadOnlyTree(tree_dir, namespace),
+                         None, factory, read_only=True, rebuilt=True)

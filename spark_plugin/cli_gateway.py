@@ -1,0 +1,138 @@
+"""`sos gateway NAMESPACE --listen HOST:PORT [--cache DIR] [--async] ...`: the WebHDFS gateway.
+
+Registered in `sos` by `sos_client.cli` (an import error here is an error, never a
+silently missing subcommand); also runnable alone as `python -m spark_plugin.cli_gateway`
+(what `GatewayProcess` starts). Everything heavy is imported when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from sos_client.cli import add_connection_options, client_from_args
+
+__all__ = ["add_parser", "main", "run"]
+
+
+def _size(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    low = text.strip().lower().removesuffix("b").removesuffix("i")
+    try:
+        value = int(float(low[:-1]) * units[low[-1]]) if low and low[-1] in units else int(low)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
+    return value
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "gateway", help="serve a namespace over WebHDFS (webhdfs:// for a Spark cluster)",
+        description="Serve NAMESPACE over the WebHDFS REST API that Hadoop's client speaks, as "
+                    "the namespace's single journal writer: every node of a Spark cluster "
+                    "checkpoints to webhdfs://HOST:PORT/path with no privileges. Clients get a "
+                    "bearer token at /oauth2/token (client_id = NAMESPACE, client_secret = a "
+                    "key of it). An empty cache is first restored from the server. RENAME and "
+                    "DELETE reply once durable on the server (sync mode). SIGTERM/SIGINT stop "
+                    "it after flushing the journal.")
+    p.add_argument("namespace")
+    p.add_argument("--listen", required=True, metavar="HOST:PORT",
+                   help="address to serve on, e.g. 0.0.0.0:9870 (port 0: any free one)")
+    p.add_argument("--cache", metavar="DIR", default=None,
+                   help="local cache + spool directory (default: ~/.cache/sos/NAMESPACE)")
+    p.add_argument("--async", dest="async_", action="store_true",
+                   help="do not wait for the server on RENAME/DELETE; bound the lag instead")
+    p.add_argument("--max-lag", type=_size, default=64 << 20, metavar="BYTES",
+                   help="most unshipped journal bytes before writes wait (default 64M)")
+    p.add_argument("--generation-bytes", type=_size, default=None, metavar="BYTES",
+                   help="start a new journal generation once the current one holds this many "
+                        "bytes (default 1G)")
+    p.add_argument("--tls-cert", metavar="FILE", default=None,
+                   help="serve HTTPS (swebhdfs://) with this certificate chain (PEM)")
+    p.add_argument("--tls-key", metavar="FILE", default=None,
+                   help="private key of --tls-cert (PEM)")
+    p.add_argument("--token-ttl", type=_positive_int, default=3600, metavar="SECONDS",
+                   help="lifetime of the bearer tokens it issues (default 3600)")
+    p.add_argument("--threads", type=_positive_int, default=32,
+                   help="most worker threads at once (default 32)")
+    p.add_argument("--insecure-no-auth", action="store_true",
+                   help="serve every request without a token, with full rights (only accepted "
+                        "on a loopback --listen address: tests and single-machine demos)")
+    p.add_argument("--debug", action="store_true", help="log every request")
+    add_connection_options(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if not args.key:
+        print("sos: no key given: pass --key or set SOS_KEY (what `sos-server keygen` prints)",
+              file=sys.stderr)
+        return 1
+    from sos_wire.names import validate_namespace
+
+    try:
+        validate_namespace(args.namespace)
+    except ValueError as exc:
+        print(f"sos: {exc}", file=sys.stderr)
+        return 2
+    from spark_plugin.gateway import parse_listen, run_gateway
+
+    try:
+        parse_listen(args.listen)
+    except ValueError as exc:
+        print(f"sos: {exc}", file=sys.stderr)
+        return 2
+
+    def factory():
+        return client_from_args(args, args.namespace)
+
+    tls_client = None  # checking client keys at the server: the connection's trust
+    if getattr(args, "tls_ca", None) or getattr(args, "tls", False):
+        import ssl
+
+        tls_client = (ssl.create_default_context(cafile=args.tls_ca) if args.tls_ca
+                      else ssl.create_default_context())
+    try:
+        return run_gateway(args.namespace, args.listen, server=args.server, key=args.key,
+                           cache_dir=args.cache, client_factory=factory, timeout=args.timeout,
+                           tls_client=tls_client, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                           sync=not args.async_, max_lag_bytes=args.max_lag,
+                           generation_bytes=args.generation_bytes,
+                           insecure_no_auth=args.insecure_no_auth, token_ttl=args.token_ttl,
+                           threads=args.threads)
+    except KeyboardInterrupt:
+        print("sos: gateway interrupted (the spool keeps what the server does not have yet)",
+              file=sys.stderr)
+        return 130
+    except Exception as exc:
+        logging.getLogger("sos.gateway").debug("gateway failed", exc_info=True)
+        print(f"sos: gateway failed: {exc}", file=sys.stderr)
+        return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="sos")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_parser(sub)
+    args = parser.parse_args(["gateway", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
