@@ -11,7 +11,8 @@ import argparse
 import logging
 import sys
 
-from sos_client.cli import add_connection_options, client_from_args
+from sos_client.cli import add_connection_options, client_from_args, key_from_args
+from sos_client.errors import SOSError
 
 __all__ = ["add_parser", "main", "run"]
 
@@ -80,9 +81,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if not args.key:
-        print("sos: no key given: pass --key or set SOS_KEY (what `sos-server keygen` prints)",
-              file=sys.stderr)
+    try:
+        key = key_from_args(args)  # $SOS_KEY or --key-file: never an argument (/proc/PID/cmdline)
+    except SOSError as exc:
+        print(f"sos: {exc.message}", file=sys.stderr)
         return 1
     from sos_wire.names import validate_namespace
 
@@ -109,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         tls_client = (ssl.create_default_context(cafile=args.tls_ca) if args.tls_ca
                       else ssl.create_default_context())
     try:
-        return run_gateway(args.namespace, args.listen, server=args.server, key=args.key,
+        return run_gateway(args.namespace, args.listen, server=args.server, key=key,
                            cache_dir=args.cache, client_factory=factory, timeout=args.timeout,
                            tls_client=tls_client, tls_cert=args.tls_cert, tls_key=args.tls_key,
                            sync=not args.async_, max_lag_bytes=args.max_lag,
