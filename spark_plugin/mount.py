@@ -797,8 +797,8 @@ class MountedTree:
         from sos_client.journal.tree import JournaledTree
         from sos_client.journal.writer import JournalWriter
 
-        os.makedirs(self.tree_dir, exist_ok=True)
-        os.makedirs(self.spool_dir, exist_ok=True)
+        # tree/ is the mount's root directory as users see it (0755 by default)
+        private_cache_dir(self.cache_dir, {"tree": 0o755, "spool": 0o700})
         extra = {}
         if self.generation_bytes is not None:  # None: the writer's default (1 GiB)
             extra["generation_bytes"] = self.generation_bytes
@@ -863,15 +863,60 @@ async def _watch_signals(task_status=trio.TASK_STATUS_IGNORED) -> None:
             return
 
 
+def private_cache_dir(cache_dir: str, subdirs: dict[str, int] | None = None) -> None:
+    """Make ``cache_dir`` private to the mount's user: a real directory (not a link), owned
+    by it (a root mount takes over one owned by someone else) with mode 0700, holding the
+    real directories ``subdirs`` (name: mode for a new one). Only the mount can then reach the cache: whoever the
+    entries inside belong to (``--owner``) cannot plant links in it (a root mount would
+    otherwise create, open and chown through them) nor change the tree behind the journal.
+    PermissionError if a non-root mount finds another user's directory."""
+    os.makedirs(os.path.dirname(os.path.abspath(cache_dir)), exist_ok=True)
+    try:
+        os.mkdir(cache_dir, 0o700)
+    except FileExistsError:
+        pass
+    try:
+        fd = os.open(cache_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise NotADirectoryError(errno.ENOTDIR, "the mount's cache must be a directory, not a "
+                                     "symbolic link or a file", cache_dir) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        me = os.geteuid()
+        if st.st_uid != me:
+            if me != 0:
+                raise PermissionError(errno.EPERM, f"the cache directory belongs to uid {st.st_uid}, "
+                                      f"not to this mount's user {me}", cache_dir)
+            os.fchown(fd, 0, 0)
+        if stat.S_IMODE(st.st_mode) != 0o700:
+            os.fchmod(fd, 0o700)
+        for name, mode in (subdirs or {}).items():
+            try:
+                os.mkdir(name, mode, dir_fd=fd)
+            except FileExistsError:
+                if not stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+                    raise NotADirectoryError(errno.ENOTDIR, "not a directory (a link?) in the "
+                                             "mount's cache", os.path.join(cache_dir, name)) from None
+    finally:
+        os.close(fd)
+
+
 def give_tree_to(tree_dir: str, owner: tuple[int, int], *, everything: bool) -> None:
-    """chown the cache's root directory (and, with ``everything``, all below it) to owner."""
+    """chown the cache's root directory (and, with ``everything``, all below it) to owner
+    (no recursion; a link is never followed)."""
+    from sos_client.journal.beneath import Beneath
+
     uid, gid = owner
-    os.chown(tree_dir, uid, gid)
-    if not everything:
-        return
-    for dirpath, dirnames, filenames in os.walk(tree_dir):
-        for name in dirnames + filenames:
-            os.chown(os.path.join(dirpath, name), uid, gid, follow_symlinks=False)
+    with Beneath(tree_dir) as at:
+        at.chown("", uid, gid)
+        if not everything:
+            return
+        for d, dirs, entries in at.walk():
+            pre = f"{d}/" if d else ""
+            for name in dirs + [n for n, _st in entries]:
+                at.chown(pre + name, uid, gid)
 
 
 def run_mount(namespace: str, mountpoint: str, *, server: str, key: str,
