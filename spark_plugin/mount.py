@@ -847,14 +847,19 @@ async def _watch_signals(task_status=trio.TASK_STATUS_IGNORED) -> None:
 
 
 def give_tree_to(tree_dir: str, owner: tuple[int, int], *, everything: bool) -> None:
-    """chown the cache's root directory (and, with ``everything``, all below it) to owner."""
+    """chown the cache's root directory (and, with ``everything``, all below it) to owner
+    (no recursion; a link is never followed)."""
+    from sos_client.journal.beneath import Beneath
+
     uid, gid = owner
-    os.chown(tree_dir, uid, gid)
-    if not everything:
-        return
-    for dirpath, dirnames, filenames in os.walk(tree_dir):
-        for name in dirnames + filenames:
-            os.chown(os.path.join(dirpath, name), uid, gid, follow_symlinks=False)
+    with Beneath(tree_dir) as at:
+        at.chown("", uid, gid)
+        if not everything:
+            return
+        for d, dirs, entries in at.walk():
+            pre = f"{d}/" if d else ""
+            for name in dirs + [n for n, _st in entries]:
+                at.chown(pre + name, uid, gid)
 
 
 def run_mount(namespace: str, mountpoint: str, *, server: str, key: str,

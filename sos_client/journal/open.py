@@ -27,6 +27,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -172,6 +173,47 @@ class OpenNamespace:
             self.tree.close()
 
 
+def private_cache_dir(cache_dir: str, subdirs: dict[str, int] | None = None) -> None:
+    """Make ``cache_dir`` private to this process's user: a real directory (not a link), owned
+    by it (a root mount takes over one owned by someone else) with mode 0700, holding the
+    real directories ``subdirs`` (name: mode for a new one). Only the opener (mount, gateway, fsspec) can then reach the cache: whoever the
+    entries inside belong to (``--owner``) cannot plant links in it (a root mount would
+    otherwise create, open and chown through them) nor change the tree behind the journal.
+    PermissionError if a non-root process finds another user's directory."""
+    os.makedirs(os.path.dirname(os.path.abspath(cache_dir)), exist_ok=True)
+    try:
+        os.mkdir(cache_dir, 0o700)
+    except FileExistsError:
+        pass
+    try:
+        fd = os.open(cache_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise NotADirectoryError(errno.ENOTDIR, "a namespace's cache must be a directory, not a "
+                                     "symbolic link or a file", cache_dir) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        me = os.geteuid()
+        if st.st_uid != me:
+            if me != 0:
+                raise PermissionError(errno.EPERM, f"the cache directory belongs to uid {st.st_uid}, "
+                                      f"not to this process's user {me}", cache_dir)
+            os.fchown(fd, 0, 0)
+        if stat.S_IMODE(st.st_mode) != 0o700:
+            os.fchmod(fd, 0o700)
+        for name, mode in (subdirs or {}).items():
+            try:
+                os.mkdir(name, mode, dir_fd=fd)
+            except FileExistsError:
+                if not stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+                    raise NotADirectoryError(errno.ENOTDIR, "not a directory (a link?) in the "
+                                             "cache", os.path.join(cache_dir, name)) from None
+    finally:
+        os.close(fd)
+
+
+
 def open_namespace(namespace: str, cache_dir: str, *, server: str | None = None,
                    key: Any = None, timeout: float = 30.0, tls: Any = None,
                    client_factory: ClientFactory | None = None, sync: bool = True,
@@ -206,8 +248,8 @@ def open_namespace(namespace: str, cache_dir: str, *, server: str | None = None,
 
     tree_dir = os.path.join(cache_dir, "tree")
     spool_dir = os.path.join(cache_dir, "spool")
-    os.makedirs(tree_dir, exist_ok=True)
-    os.makedirs(spool_dir, exist_ok=True)
+    # tree/ is a mount's root directory as users see it (0755 by default)
+    private_cache_dir(cache_dir, {"tree": 0o755, "spool": 0o700})
     writer_kwargs: dict[str, Any] = {"sync": sync}
     if max_lag_bytes is not None:
         writer_kwargs["max_lag_bytes"] = max_lag_bytes
@@ -240,7 +282,7 @@ def _open_read_only(factory: ClientFactory, namespace: str, cache_dir: str) -> O
     from .restore import rebuild_cache
 
     tree_dir = os.path.join(cache_dir, "read-tree")
-    os.makedirs(tree_dir, exist_ok=True)
+    private_cache_dir(cache_dir, {"read-tree": 0o755})
     try:
         rebuild_cache(factory, namespace, tree_dir)  # force: replaces an older copy
     except AuthRefused as exc:

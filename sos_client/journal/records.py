@@ -24,13 +24,21 @@ __all__ = [
     "RecordType", "Mkdir", "Rmdir", "Create", "Write", "Truncate", "Rename", "Delete",
     "Marker", "SnapshotEnd", "Op", "Record", "encode", "encode_ops", "RecordDecoder",
     "decode_all", "split_write", "validate_path", "MAX_DATA", "MAX_RECORD_LENGTH",
-    "PREFIX_SIZE", "HEADER_SIZE", "peek_header",
+    "PREFIX_SIZE", "HEADER_SIZE", "peek_header", "MAX_FILE_SIZE", "MAX_NAME_BYTES", "MAX_MODE",
+    "REPLAY_MODE_MASK", "replay_mode",
 ]
 
 MAX_DATA = 1 << 20  # WRITE data and MARKER payload per record
-MAX_FILE_SIZE = (1 << 63) - 1  # off_t: larger offsets/sizes cannot be replayed
+#: Largest file a journal can describe (1 TiB): a WRITE may not end and a TRUNCATE may not
+#: reach past it (one 40-byte TRUNCATE must not make restore create an 8 TiB file).
+MAX_FILE_SIZE = 1 << 40
 MAX_PATH_BYTES = 4096
+MAX_NAME_BYTES = 255  # one path segment (NAME_MAX)
 MAX_LABEL_BYTES = 255
+MAX_MODE = 0o7777  # a mode field holds permission bits only
+#: What replay applies of a mode field: never setuid, setgid, sticky or write-for-others
+#: (a journal may be hostile, and restore often runs as root). Writers record modes masked so.
+REPLAY_MODE_MASK = 0o775
 PREFIX = struct.Struct(">II")  # length, crc
 HEAD = struct.Struct(">BQQ")  # type, seq, time_ns
 HEADER = struct.Struct(">IIBQQ")
@@ -58,7 +66,8 @@ class RecordType(enum.IntEnum):
 
 
 def validate_path(path: str) -> str:
-    """A path inside the namespace: relative POSIX, no empty/./.. segment, no NUL."""
+    """A path inside the namespace: relative POSIX, at most 4096 bytes, segments of 1..255
+    bytes, no '.' or '..' segment, no NUL."""
     if not isinstance(path, str):
         raise TypeError(f"path must be str, not {type(path).__name__}")
     if not path or path.startswith("/") or "\x00" in path:
@@ -66,9 +75,16 @@ def validate_path(path: str) -> str:
     for part in path.split("/"):
         if part in ("", ".", ".."):
             raise ValueError(f"bad path {path!r}: empty, '.' or '..' segment")
-    if len(path.encode("utf-8", "surrogateescape")) > MAX_PATH_BYTES:
-        raise ValueError(f"bad path {path!r}: longer than {MAX_PATH_BYTES} bytes")
+        if len(part) > MAX_NAME_BYTES // 4 and len(part.encode("utf-8", "surrogateescape")) > MAX_NAME_BYTES:
+            raise ValueError(f"bad path {path[:80]!r}...: a segment is longer than {MAX_NAME_BYTES} bytes")
+    if len(path) > MAX_PATH_BYTES // 4 and len(path.encode("utf-8", "surrogateescape")) > MAX_PATH_BYTES:
+        raise ValueError(f"bad path {path[:80]!r}...: longer than {MAX_PATH_BYTES} bytes")
     return path
+
+
+def replay_mode(mode: int) -> int:
+    """The permission bits replay gives a new file or directory for a record's mode."""
+    return mode & REPLAY_MODE_MASK
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,16 +178,18 @@ def _encode_body(op: Op) -> list:
         if len(data) > MAX_DATA:
             raise ValueError(f"WRITE data of {len(data)} bytes exceeds {MAX_DATA}; use split_write")
         if op.offset < 0 or op.offset + len(data) > MAX_FILE_SIZE:
-            raise ValueError(f"WRITE offset {op.offset} outside 0..{MAX_FILE_SIZE} (off_t)")
+            raise ValueError(f"WRITE at offset {op.offset} ends outside 0..{MAX_FILE_SIZE} (largest file)")
         return [_s(validate_path(op.path), "path", MAX_PATH_BYTES), _U64.pack(op.offset),
                 _U32.pack(len(data)), data]
     if t is Create or t is Mkdir:
-        return [_s(validate_path(op.path), "path", MAX_PATH_BYTES), _U32.pack(op.mode & 0o7777)]
+        if not 0 <= op.mode <= MAX_MODE:
+            raise ValueError(f"mode {op.mode:#o} outside 0..{MAX_MODE:#o} (permission bits only)")
+        return [_s(validate_path(op.path), "path", MAX_PATH_BYTES), _U32.pack(op.mode)]
     if t is Rmdir or t is Delete:
         return [_s(validate_path(op.path), "path", MAX_PATH_BYTES)]
     if t is Truncate:
         if not 0 <= op.size <= MAX_FILE_SIZE:
-            raise ValueError(f"TRUNCATE size {op.size} outside 0..{MAX_FILE_SIZE} (off_t)")
+            raise ValueError(f"TRUNCATE size {op.size} outside 0..{MAX_FILE_SIZE} (largest file)")
         return [_s(validate_path(op.path), "path", MAX_PATH_BYTES), _U64.pack(op.size)]
     if t is Rename:
         return [_s(validate_path(op.src), "path", MAX_PATH_BYTES),
@@ -247,11 +265,23 @@ class _Body:
         return _U64.unpack(self.take(8))[0]
 
     def size(self):
-        """A file offset or size: a u64 that must also fit the platform's off_t."""
+        """A file offset or size: a u64 no larger than the largest file (MAX_FILE_SIZE)."""
         v = self.u64()
         if v > MAX_FILE_SIZE:
-            raise self.bad(f"file offset/size {v} exceeds {MAX_FILE_SIZE}")
+            raise self.bad(f"file offset/size {v} exceeds {MAX_FILE_SIZE} (largest file)")
         return v
+
+    def mode(self):
+        v = self.u32()
+        if v > MAX_MODE:
+            raise self.bad(f"mode {v:#o} has bits outside {MAX_MODE:#o}")
+        return v
+
+    def label(self):
+        n = _U16.unpack(self.take(2))[0]
+        if n > MAX_LABEL_BYTES:
+            raise self.bad(f"MARKER label of {n} bytes exceeds {MAX_LABEL_BYTES}")
+        return bytes(self.take(n)).decode("utf-8", "surrogateescape")
 
     def string(self):
         n = _U16.unpack(self.take(2))[0]
@@ -284,11 +314,11 @@ def _decode_op(typ: int, body: memoryview, seg: str, off: int) -> Op:
     if typ == RecordType.WRITE:
         op = Write(b.path(), b.size(), b.blob())
         if op.offset + len(op.data) > MAX_FILE_SIZE:
-            raise b.bad(f"write ends past {MAX_FILE_SIZE}")
+            raise b.bad(f"write ends past {MAX_FILE_SIZE} (largest file)")
     elif typ == RecordType.CREATE:
-        op = Create(b.path(), b.u32() & 0o7777)
+        op = Create(b.path(), b.mode())
     elif typ == RecordType.MKDIR:
-        op = Mkdir(b.path(), b.u32() & 0o7777)
+        op = Mkdir(b.path(), b.mode())
     elif typ == RecordType.RMDIR:
         op = Rmdir(b.path())
     elif typ == RecordType.DELETE:
@@ -301,7 +331,7 @@ def _decode_op(typ: int, body: memoryview, seg: str, off: int) -> Op:
             raise b.bad(f"overwrite flag {ow} is not 0 or 1")
         op = Rename(src, dst, bool(ow))
     elif typ == RecordType.MARKER:
-        op = Marker(b.string(), b.blob())
+        op = Marker(b.label(), b.blob())
     elif typ == RecordType.SNAPSHOT_END:
         op = SnapshotEnd(b.u64())
     else:

@@ -5,17 +5,42 @@ applied exactly where it stands. ``stop(record) -> bool`` is asked before each j
 record; True stops without applying it. Records of a generation's snapshot (everything up
 to its SNAPSHOT_END, when ``snapshot=True``) are never a stopping point: the snapshot is
 the state of the tree at the end of the previous generation, as a whole.
+
+The journal may be hostile and restore often runs as root, so (protocol.md, 2.2):
+
+* every path is resolved below the target from a directory descriptor, component by
+  component, without following symbolic links (:class:`~.beneath.Beneath`); files are
+  opened ``O_NOFOLLOW | O_NONBLOCK`` and must be regular files with a single link. A link,
+  FIFO, device or hard link planted under the target (say by a local user racing the
+  restore) fails the record (ReplayError); it is never followed, truncated or written;
+* a new file or directory gets exactly ``mode & 0o775`` (``records.replay_mode``): no
+  setuid, setgid or sticky bit and no write permission for others, whatever the record says;
+* nothing recurses over the tree, and paths are only ever handed to the kernel one
+  component at a time, so any path the journal format allows can be replayed.
 """
 
 from __future__ import annotations
 
 import os
+import stat as _stat
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
+from .beneath import Beneath
 from .errors import ReplayError
-from .tree import _create_exact, _unmask
-from .records import Create, Delete, Marker, Mkdir, Record, Rename, Rmdir, SnapshotEnd, Truncate, Write
+from .records import (
+    Create,
+    Delete,
+    Marker,
+    Mkdir,
+    Record,
+    Rename,
+    Rmdir,
+    SnapshotEnd,
+    Truncate,
+    Write,
+    replay_mode,
+)
 
 __all__ = ["replay", "Replayer", "ReplayStats"]
 
@@ -37,15 +62,13 @@ class Replayer:
         self.root = os.path.abspath(target_dir)
         self.max_open = max_open
         self._fds: dict[str, int] = {}
+        self._at = Beneath(self.root)
         self.stats = ReplayStats()
-
-    def _p(self, path: str) -> str:
-        return os.path.join(self.root, path)
 
     def _fd(self, path: str) -> int:
         fd = self._fds.get(path)
         if fd is None:
-            fd = os.open(self._p(path), os.O_WRONLY)
+            fd = self._at.open_file(path, os.O_WRONLY, single_link=True)
             self._keep(path, fd)
         return fd
 
@@ -75,30 +98,26 @@ class Replayer:
                 self.stats.bytes_written += n
             elif t is Create:
                 self._forget(op.path)
-                self._keep(op.path, _create_exact(self._p(op.path), op.mode))
+                fd = self._at.create_file(op.path, replay_mode(op.mode), exact=True, single_link=True)
+                self._keep(op.path, fd)
             elif t is Mkdir:
                 try:
-                    os.mkdir(self._p(op.path), op.mode)
-                    _unmask(self._p(op.path), op.mode)  # exact, whatever our umask
+                    self._at.mkdir(op.path, replay_mode(op.mode), exact=True)
                 except FileExistsError:
-                    if not os.path.isdir(self._p(op.path)):
+                    if not _stat.S_ISDIR(self._at.lstat(op.path).st_mode):
                         raise
             elif t is Truncate:
-                fd = self._fds.get(op.path)
-                if fd is not None:
-                    os.ftruncate(fd, op.size)
-                else:
-                    os.truncate(self._p(op.path), op.size)
+                os.ftruncate(self._fd(op.path), op.size)
             elif t is Rename:
                 self._forget(op.src, tree=True)
                 self._forget(op.dst, tree=True)
-                os.rename(self._p(op.src), self._p(op.dst))
+                self._at.rename(op.src, op.dst)
             elif t is Delete:
                 self._forget(op.path)
-                os.unlink(self._p(op.path))
+                self._at.unlink(op.path)
             elif t is Rmdir:
                 self._forget(op.path, tree=True)
-                os.rmdir(self._p(op.path))
+                self._at.rmdir(op.path)
             elif t is Marker or t is SnapshotEnd:
                 pass
             else:  # pragma: no cover - the decoder only yields known ops
@@ -114,6 +133,7 @@ class Replayer:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+        self._at.close()
 
 
 def replay(records_iter: Iterable[Record], target_dir: str, *, stop: Callable[[Record], bool] | None = None,

@@ -44,6 +44,7 @@ from .errors import (
 )
 from .records import (HEADER_SIZE, Create, Delete, Marker, Record, RecordDecoder, Rename, SnapshotEnd, Truncate,
                       Write, peek_header, validate_path)
+from .beneath import Beneath
 from .replay import replay
 from .tree import clear_directory as _clear
 
@@ -617,14 +618,13 @@ def _no_journal(namespace: str, gens) -> JournalNotFound:
 
 
 def _count(target: str, summary: Summary) -> None:
-    for dirpath, dirnames, filenames in os.walk(target):
-        summary.dirs += len(dirnames)
-        for f in filenames:
-            summary.files += 1
-            try:
-                summary.bytes += os.lstat(os.path.join(dirpath, f)).st_size
-            except FileNotFoundError:  # pragma: no cover
-                pass
+    """Files, directories and bytes under ``target`` (no recursion, no link followed)."""
+    with Beneath(target) as at:
+        for _d, dirs, entries in at.walk():
+            summary.dirs += len(dirs)
+            for _name, st in entries:
+                summary.files += 1
+                summary.bytes += st.st_size
 
 
 def restore(client_factory, namespace: str, target: str, *, at=None, position: int | None = None,

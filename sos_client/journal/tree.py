@@ -7,7 +7,12 @@ the writer, under one lock so that the journal order is the order of the cache.
 In sync mode (the writer's default) ``rename`` and ``sync`` return only once their records
 are durable on the server (the barrier); callers (mount/fsspec) also call ``sync`` on close.
 
-Paths are relative POSIX paths inside the namespace, e.g. ``"chk/offsets/3"``.
+Paths are relative POSIX paths inside the namespace, e.g. ``"chk/offsets/3"``. Every
+operation on the cache resolves them from a descriptor of the cache directory without
+following symbolic links (:class:`~sos_client.journal.beneath.Beneath`): a link planted in
+the cache is refused, never followed out of it. Modes are recorded, and given to the cache
+entries, masked with ``REPLAY_MODE_MASK`` (no setuid, setgid, sticky or write-for-others
+bits), exactly what replay applies.
 """
 
 from __future__ import annotations
@@ -20,9 +25,26 @@ import stat as _stat
 import threading
 from typing import Iterator
 
-from .records import MAX_DATA, Create, Delete, Marker, Mkdir, Op, Rename, Rmdir, Truncate, Write, validate_path
+from .beneath import Beneath
+from .records import (
+    MAX_DATA,
+    MAX_FILE_SIZE,
+    MAX_NAME_BYTES,
+    MAX_PATH_BYTES,
+    REPLAY_MODE_MASK,
+    Create,
+    Delete,
+    Marker,
+    Mkdir,
+    Op,
+    Rename,
+    Rmdir,
+    Truncate,
+    Write,
+    validate_path,
+)
 
-__all__ = ["JournaledTree", "rename_noreplace"]
+__all__ = ["JournaledTree", "rename_noreplace", "renameat_noreplace", "clear_directory", "snapshot_ops"]
 
 _AT_FDCWD = -100
 _RENAME_NOREPLACE = 1
@@ -36,37 +58,12 @@ except OSError:  # pragma: no cover - no libc found
     _renameat2 = None
 
 
-def _unmask(p, mode: int) -> None:
-    """Give back the permission bits our umask took from ``mode`` (path or fd); special bits
-    stay as the kernel set them (e.g. S_ISGID inherited from a setgid parent)."""
-    st_mode = os.stat(p).st_mode
-    want = _stat.S_IMODE(st_mode) | (mode & 0o777)
-    if want != _stat.S_IMODE(st_mode):
-        if isinstance(p, int):
-            os.fchmod(p, want)
-        else:
-            os.chmod(p, want)
-
-
-def _create_exact(p: str, mode: int) -> int:
-    """O_CREAT|O_TRUNC; a new file gets exactly ``mode`` (the caller's umask was applied by
-    whoever asked; ours must not mask it again). An existing file keeps its mode, as POSIX."""
-    try:
-        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    except FileExistsError:
-        return os.open(p, os.O_WRONLY | os.O_TRUNC)
-    try:
-        _unmask(fd, mode)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def rename_noreplace(src: str, dst: str) -> None:
-    """Atomically rename src to dst; FileExistsError if dst exists (files and directories)."""
+def renameat_noreplace(src_dir_fd: int | None, src: str, dst_dir_fd: int | None, dst: str) -> None:
+    """Atomically rename src to dst (each relative to its directory descriptor, None: the
+    working directory); FileExistsError if dst exists (files and directories)."""
     if _renameat2 is not None:
-        r = _renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE)
+        r = _renameat2(_AT_FDCWD if src_dir_fd is None else src_dir_fd, os.fsencode(src),
+                       _AT_FDCWD if dst_dir_fd is None else dst_dir_fd, os.fsencode(dst), _RENAME_NOREPLACE)
         if r == 0:
             return
         e = ctypes.get_errno()
@@ -74,31 +71,103 @@ def rename_noreplace(src: str, dst: str) -> None:
             raise OSError(e, os.strerror(e), dst) if e != errno.EEXIST else FileExistsError(
                 e, os.strerror(e), dst)
     # Fallback: link+unlink is atomic for files; directories cannot be linked.
-    if os.path.isdir(src) and not os.path.islink(src):
-        if os.path.lexists(dst):
-            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), dst)
-        os.rename(src, dst)
-        return
-    os.link(src, dst)
-    os.unlink(src)
+    if _stat.S_ISDIR(os.stat(src, dir_fd=src_dir_fd, follow_symlinks=False).st_mode):
+        try:
+            os.stat(dst, dir_fd=dst_dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            os.rename(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
+            return
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), dst)
+    os.link(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd, follow_symlinks=False)
+    os.unlink(src, dir_fd=src_dir_fd)
+
+
+def rename_noreplace(src: str, dst: str) -> None:
+    """Atomically rename src to dst; FileExistsError if dst exists (files and directories)."""
+    renameat_noreplace(None, src, None, dst)
 
 
 def clear_directory(directory: str) -> None:
-    """Remove everything inside ``directory`` (not the directory itself)."""
-    import shutil
+    """Remove everything inside ``directory`` (not the directory itself): no recursion, and
+    a symbolic link inside is removed, never followed."""
+    with Beneath(directory) as at:
+        at.clear()
 
-    for name in os.listdir(directory):
-        p = os.path.join(directory, name)
-        if os.path.isdir(p) and not os.path.islink(p):
-            shutil.rmtree(p)
-        else:
-            os.unlink(p)
+
+def snapshot_ops(at: Beneath) -> Iterator[Op]:
+    """MKDIR/CREATE/WRITE/TRUNCATE records rebuilding the tree under ``at``, streamed from
+    the files (no recursion; links and other non-regular entries are skipped). Modes are
+    masked as replay applies them. Holes stay holes: only data extents (SEEK_DATA/SEEK_HOLE)
+    that are not all zeros become WRITEs, and a TRUNCATE sets the size when the file ends
+    in a hole; an 8 TiB sparse file costs a few records, not 8 TiB of zeros."""
+    for rel_dir, _dirs, entries in at.walk():
+        if rel_dir:
+            yield Mkdir(rel_dir, _stat.S_IMODE(at.lstat(rel_dir).st_mode) & REPLAY_MODE_MASK)
+        for name, st in entries:
+            if not _stat.S_ISREG(st.st_mode):
+                continue
+            rel = f"{rel_dir}/{name}" if rel_dir else name
+            try:
+                fd = at.open_file(rel, os.O_RDONLY)
+            except FileNotFoundError:  # pragma: no cover - gone since it was listed
+                continue
+            try:
+                yield Create(rel, _stat.S_IMODE(os.fstat(fd).st_mode) & REPLAY_MODE_MASK)
+                yield from _file_ops(fd, rel)
+            finally:
+                os.close(fd)
+
+
+def _extents(fd: int, size: int) -> Iterator[tuple[int, int]]:
+    """(start, end) of the data extents of a file of ``size`` bytes (all of it if the
+    filesystem cannot tell holes)."""
+    off = 0
+    while off < size:
+        try:
+            start = os.lseek(fd, off, os.SEEK_DATA)
+        except OSError as e:
+            if e.errno == errno.ENXIO:  # only a hole up to the end
+                return
+            if e.errno in (errno.EINVAL, errno.ENOTSUP):
+                yield off, size
+                return
+            raise
+        if start >= size:
+            return
+        end = min(os.lseek(fd, start, os.SEEK_HOLE), size)
+        yield start, end
+        off = end
+
+
+def _file_ops(fd: int, rel: str) -> Iterator[Op]:
+    size = os.fstat(fd).st_size
+    end = 0  # where the last WRITE ended
+    for start, stop in _extents(fd, size):
+        pos = start
+        while pos < stop:
+            data = os.pread(fd, min(MAX_DATA, stop - pos), pos)
+            if not data:
+                break
+            if data.count(0) != len(data):  # a block of zeros is a hole to replay
+                yield Write(rel, pos, data)
+                end = pos + len(data)
+            pos += len(data)
+    if end < size:
+        yield Truncate(rel, size)
+
+
+def _name_too_long(path: str) -> bool:
+    if len(path) > MAX_PATH_BYTES // 4 and len(path.encode("utf-8", "surrogateescape")) > MAX_PATH_BYTES:
+        return True
+    return any(len(p) > MAX_NAME_BYTES // 4 and len(p.encode("utf-8", "surrogateescape")) > MAX_NAME_BYTES
+               for p in path.split("/"))
 
 
 class JournaledTree:
     def __init__(self, cache_dir: str, writer):
         self.cache_dir = os.path.abspath(cache_dir)
         os.makedirs(self.cache_dir, exist_ok=True)
+        self._at = Beneath(self.cache_dir)
         self._writer = writer
         self._lock = threading.RLock()
         self._closed = False
@@ -130,8 +199,12 @@ class JournaledTree:
                 w.barrier()
             from .restore import rebuild_cache
 
-            clear_directory(self.cache_dir)
-            last = rebuild_cache(w.client_factory, w.namespace, self.cache_dir)
+            self._at.clear()
+            self._at.forget("")
+            try:
+                last = rebuild_cache(w.client_factory, w.namespace, self.cache_dir)
+            finally:
+                self._at.forget("")  # the rebuild made new directories under the same names
             self.rebuilt = True
             if not w.generation_complete or last != w.last_seq:
                 w.rotate(self._snapshot_ops())
@@ -144,34 +217,24 @@ class JournaledTree:
             f.write("cache in use; removed by a clean close\n")
 
     def _snapshot_ops(self) -> Iterator[Op]:
-        """MKDIR/CREATE/WRITE records rebuilding the cache, streamed from the files."""
-        root = self.cache_dir
-        for dirpath, dirnames, filenames in os.walk(root):
-            dirnames.sort()
-            rel_dir = os.path.relpath(dirpath, root)
-            rel_dir = "" if rel_dir == "." else rel_dir.replace(os.sep, "/")
-            if rel_dir:
-                yield Mkdir(rel_dir, _stat.S_IMODE(os.stat(dirpath).st_mode))
-            for name in sorted(filenames):
-                full = os.path.join(dirpath, name)
-                st = os.lstat(full)
-                if not _stat.S_ISREG(st.st_mode):
-                    continue
-                rel = f"{rel_dir}/{name}" if rel_dir else name
-                yield Create(rel, _stat.S_IMODE(st.st_mode))
-                with open(full, "rb", buffering=0) as f:
-                    off = 0
-                    while True:
-                        data = f.read(MAX_DATA)
-                        if not data:
-                            break
-                        yield Write(rel, off, data)
-                        off += len(data)
+        """Records rebuilding the cache, streamed from the files (see :func:`snapshot_ops`)."""
+        return snapshot_ops(self._at)
 
     # ------------------------------------------------------------------ helpers
     def _abs(self, path: str) -> str:
-        validate_path(path)
+        self._check(path)
         return os.path.join(self.cache_dir, path)
+
+    @staticmethod
+    def _check(path: str) -> str:
+        if isinstance(path, str) and _name_too_long(path):
+            raise OSError(errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG), path[:80])
+        return validate_path(path)
+
+    @staticmethod
+    def _check_size(size: int) -> None:
+        if size > MAX_FILE_SIZE:
+            raise OSError(errno.EFBIG, f"file larger than {MAX_FILE_SIZE} bytes (the journal's limit)")
 
     def _append(self, op: Op) -> int:
         seq = self._writer.append(op)
@@ -191,25 +254,28 @@ class JournaledTree:
 
     # ------------------------------------------------------------------ operations
     def mkdir(self, path: str, mode: int = 0o755) -> None:
-        p = self._abs(path)
+        """mkdir; the directory gets ``mode & REPLAY_MODE_MASK`` (what the umask took is given
+        back; a setgid bit inherited from the parent stays in the cache, as POSIX)."""
+        self._check(path)
+        mode &= REPLAY_MODE_MASK
         with self._lock:
-            os.mkdir(p, mode)
-            _unmask(p, mode)
+            self._at.mkdir(path, mode, exact=False)
             self._append(Mkdir(path, mode))
             self._after()
 
     def rmdir(self, path: str) -> None:
-        p = self._abs(path)
+        self._check(path)
         with self._lock:
-            os.rmdir(p)
+            self._at.rmdir(path)
             self._append(Rmdir(path))
             self._after()
 
     def create(self, path: str, mode: int = 0o644) -> None:
-        """Create ``path`` or truncate it to 0 (O_CREAT|O_TRUNC)."""
-        p = self._abs(path)
+        """Create ``path`` (mode masked as in mkdir) or truncate it to 0 (O_CREAT|O_TRUNC)."""
+        self._check(path)
+        mode &= REPLAY_MODE_MASK
         with self._lock:
-            fd = _create_exact(p, mode)
+            fd = self._at.create_file(path, mode, exact=False)
             os.close(fd)
             self._append(Create(path, mode))
             self._after()
@@ -218,10 +284,11 @@ class JournaledTree:
         """Write ``data`` at ``offset`` of an existing file; returns the number of bytes."""
         if offset < 0:
             raise ValueError("negative offset")
-        p = self._abs(path)
+        self._check(path)
         mv = memoryview(data).cast("B")
+        self._check_size(offset + len(mv))
         with self._lock:
-            fd = os.open(p, os.O_WRONLY)
+            fd = self._at.open_file(path, os.O_WRONLY)
             try:
                 done = 0
                 while done < len(mv):
@@ -236,31 +303,41 @@ class JournaledTree:
     def truncate(self, path: str, size: int) -> None:
         if size < 0:
             raise ValueError("negative size")
-        p = self._abs(path)
+        self._check(path)
+        self._check_size(size)
         with self._lock:
-            os.truncate(p, size)
+            fd = self._at.open_file(path, os.O_WRONLY)
+            try:
+                os.ftruncate(fd, size)
+            finally:
+                os.close(fd)
             self._append(Truncate(path, size))
             self._after()
 
     def rename(self, src: str, dst: str, *, overwrite: bool) -> None:
         """Rename; with overwrite=False an existing dst raises FileExistsError (atomic)."""
-        ps, pd = self._abs(src), self._abs(dst)
+        self._check(src)
+        self._check(dst)
         with self._lock:
             if overwrite:
-                os.rename(ps, pd)
+                self._at.rename(src, dst)
             else:
-                rename_noreplace(ps, pd)
+                sfd, sname = self._at.parent(src)
+                dfd, dname = self._at.parent(dst)
+                renameat_noreplace(sfd, sname, dfd, dname)
+                self._at.forget(src)
+                self._at.forget(dst)
             seq = self._append(Rename(src, dst, bool(overwrite)))
             self._after()
         if self._writer.sync:
             self._writer.barrier(seq)
 
     def unlink(self, path: str) -> None:
-        p = self._abs(path)
+        self._check(path)
         with self._lock:
-            if os.path.isdir(p) and not os.path.islink(p):
+            if _stat.S_ISDIR(self._at.lstat(path).st_mode):
                 raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
-            os.unlink(p)
+            self._at.unlink(path)
             self._append(Delete(path))
             self._after()
 
@@ -281,11 +358,14 @@ class JournaledTree:
             return
         self._closed = True
         with self._lock:
-            self._writer.close()
             try:
-                os.unlink(self._dirty_path)
-            except FileNotFoundError:
-                pass
+                self._writer.close()
+                try:
+                    os.unlink(self._dirty_path)
+                except FileNotFoundError:
+                    pass
+            finally:
+                self._at.close()
 
     def __enter__(self):
         return self
