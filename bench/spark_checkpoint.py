@@ -24,7 +24,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from spark_plugin.demo import (ROCKSDB_PROVIDER, LocalServer, keygen,  # noqa: E402
+from tools.demo import (ROCKSDB_PROVIDER, LocalServer, keygen,  # noqa: E402
                                make_input)
 from spark_plugin.spark import NO_CRC_CONF, start_mount  # noqa: E402
 

@@ -35,6 +35,9 @@ from pathlib import Path
 
 import pytest
 
+# the checkout's tooling (tools.demo, tools.soak, tools.cluster) is not in the wheel
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 NO_SKIP = os.environ.get("SOS_TEST_NO_SKIP") == "1"  # .ci/run sets it: CI here has FUSE, Spark, tmpfs
 
 

@@ -118,7 +118,7 @@ def _healthcheck(address):
 
 
 def test_image_healthcheck_answers_a_real_server(tmp_path):
-    from spark_plugin.demo import LocalServer
+    from tools.demo import LocalServer
 
     server = LocalServer(str(tmp_path / "data"), str(tmp_path / "server.log")).start()
     try:

@@ -16,7 +16,7 @@ from collections import Counter
 
 import pytest
 
-from spark_plugin.demo import committed_batches, make_input
+from tools.demo import committed_batches, make_input
 from spark_plugin.gateway import GatewayProcess
 from spark_plugin.spark import restore_to_batch, sos_command
 
@@ -31,7 +31,7 @@ DRIVER = textwrap.dedent('''
     import json, os, sys, time
     cfg = json.load(open(sys.argv[1]))
     from pyspark.sql import SparkSession
-    from spark_plugin.demo import DRIVER_JVM_OPTIONS, write_batch_output
+    from tools.demo import DRIVER_JVM_OPTIONS, write_batch_output
     from spark_plugin.spark import gateway_checkpoint
 
     builder = (SparkSession.builder.master("local[2]").appName("sos-gateway-smoke")

@@ -77,7 +77,7 @@ def test_crash_loop_exactly_once(tmp_path):
 # ---- the harness's check must catch each kind of violation (no Spark, no processes)
 
 def _fake_soak(tmp_path):
-    from spark_plugin.soak import Soak
+    from tools.soak import Soak
 
     soak = Soak(duration=1, seed=0, workdir=str(tmp_path / "w"), rows=5, max_kills=None,
                 weights={"server": 1, "mount": 1, "driver": 1, "all": 1}, state_store="hdfs",
@@ -123,7 +123,7 @@ def test_check_accepts_a_committed_prefix(tmp_path):
 
 @pytest.mark.parametrize("damage", ["lost_commit", "gap", "doubled", "lost_record", "corrupt"])
 def test_check_catches_violations(tmp_path, damage):
-    from spark_plugin.soak import Violation
+    from tools.soak import Violation
 
     soak = _fake_soak(tmp_path)
     chk = str(tmp_path / "chk")

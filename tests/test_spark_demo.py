@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from spark_plugin.demo import check_output, fmt, make_input
+from tools.demo import check_output, fmt, make_input
 
 pytestmark = [pytest.mark.spark, pytest.mark.fuse, pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -19,7 +19,7 @@ CRASH_AFTER = 2
 
 
 def run_demo(tmp_path, *extra):
-    cmd = [sys.executable, "-m", "spark_plugin.demo", "--records", str(RECORDS), "--batches",
+    cmd = [sys.executable, "-m", "tools.demo", "--records", str(RECORDS), "--batches",
            str(BATCHES), "--crash-after", str(CRASH_AFTER), "--workdir", str(tmp_path / "work"),
            "--json", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from spark_plugin.demo import committed_batches, make_input, start_driver, tail
+from tools.demo import committed_batches, make_input, start_driver, tail
 from spark_plugin.spark import (MARKER_CONTROL, CheckpointLocation, MarkerListener,
                                 journaled_checkpoint, marker_payload, restore_to_batch)
 

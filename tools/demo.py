@@ -17,7 +17,7 @@
    compare with the input: nothing lost, nothing doubled, nothing corrupted. The verdict
    is the last line; the exit code is 0 only on success.
 
-``python -m spark_plugin.demo --help`` for the options. ``_driver CONFIG`` is the internal
+``python -m tools.demo --help`` for the options. ``_driver CONFIG`` is the internal
 entry of the driver process.
 """
 
@@ -35,6 +35,8 @@ import sys
 import tempfile
 import threading
 import time
+
+from tools import child_env
 
 NAMESPACE = "sparkdemo"
 CHECKPOINT = "checkpoint"
@@ -263,9 +265,9 @@ def start_driver(cfg: dict, log_path: str, cfg_path: str) -> subprocess.Popen:
     with open(cfg_path, "w") as f:
         json.dump(cfg, f)
     with open(log_path, "ab") as logf:
-        return subprocess.Popen([sys.executable, "-m", "spark_plugin.demo", "_driver", cfg_path],
+        return subprocess.Popen([sys.executable, "-m", "tools.demo", "_driver", cfg_path],
                                 stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
-                                start_new_session=True)
+                                start_new_session=True, env=child_env())
 
 
 def write_batch_output(out_dir: str, df, batch_id: int) -> None:

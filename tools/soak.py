@@ -1,6 +1,6 @@
 """Crash-loop harness (``scripts/soak``): the main job's Spark query under random SIGKILLs.
 
-A stream of unique records (the demo's input: :func:`spark_plugin.demo.make_input`, each id
+A stream of unique records (the demo's input: :func:`tools.demo.make_input`, each id
 sent twice so the ``dropDuplicates`` state must survive every crash) flows through the
 demo's query (file source, ``maxFilesPerTrigger=1``, ``dropDuplicates(["id"])``, a
 foreachBatch sink writing ``out/batch-<N>.jsonl`` atomically) whose checkpointLocation is
@@ -21,7 +21,7 @@ at random moments drawn from a seeded RNG, SIGKILLs:
   neither mount nor checkpoint nor output, like a freshly provisioned worker.
 
 After every restart the checkpoint (through the new mount, or the restored directory) is
-checked against the output, with the demo's checker (:func:`spark_plugin.demo.check_output`):
+checked against the output, with the demo's checker (:func:`tools.demo.check_output`):
 the committed batches 0..K (``commits/`` is contiguous; K never below a batch the driver
 saw committed: RPO 0) must have produced exactly the records of input files 0..K: nothing
 doubled, nothing corrupted, nothing unknown, nothing lost. At the end the kills stop, the
@@ -31,7 +31,7 @@ Exit 0: no violation; 1: a violation (the work directory with every log is kept 
 path printed); 2: the harness could not do its job (a process would not start, a stall).
 The last line is ``SOAK-RESULT {json}``.
 
-``python -m spark_plugin.soak --help``; ``_driver CONFIG`` is the driver process's entry.
+``python -m tools.soak --help``; ``_driver CONFIG`` is the driver process's entry.
 """
 
 from __future__ import annotations
@@ -47,10 +47,10 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
-from spark_plugin.demo import (
+from tools import child_env
+from tools.demo import (
     CHECKPOINT,
     ROCKSDB_PROVIDER,
     check_output,
@@ -540,8 +540,8 @@ class Soak:
         log_path = os.path.join(self.paths["logs"], f"driver{self.driver_n}.log")
         with open(log_path, "ab") as logf:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "spark_plugin.soak", "_driver", cfg_path],
-                stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True)
+                [sys.executable, "-m", "tools.soak", "_driver", cfg_path],
+                stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True, env=child_env())
         return proc, ctl
 
     def start_driver(self) -> str:
@@ -781,7 +781,7 @@ class Soak:
         self.last_progress_t = time.monotonic()
         if not self.wait_progress(-1, time.monotonic() + self.stall_timeout):
             raise HarnessError("the query committed no batch after start")
-        self.say(f"first batch committed; the crash loop starts")
+        self.say("first batch committed; the crash loop starts")
         end = self.t0 + self.duration
         n = 0
         streak = 0  # server kills since the last committed batch
