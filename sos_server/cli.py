@@ -81,12 +81,25 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--min-age", type=parse_duration, default=None, help="retention: minimum age before removal")
     s.add_argument("--max-connections", type=_positive, default=1024)
     s.add_argument(
+        "--max-unauthenticated", type=_positive, default=128,
+        help="connections not authenticated yet, at most (BUSY beyond; default 128)",
+    )
+    s.add_argument(
+        "--max-unauthenticated-per-address", type=_positive, default=8,
+        help="connections not authenticated yet from one IPv4 address or IPv6 /64, at most (default 8)",
+    )
+    s.add_argument(
         "--idle-timeout", type=parse_duration, default=600.0,
         help="close a connection after this long without a request (default 10m; 0: never)",
     )
     s.add_argument(
         "--handshake-timeout", type=parse_duration, default=10.0,
         help="close a connection not authenticated this long after it was accepted (default 10s; 0: never)",
+    )
+    s.add_argument(
+        "--send-timeout", type=parse_duration, default=60.0,
+        help="close a connection whose replies make no progress this long: the peer does not read them"
+        " (default 60s; 0: never)",
     )
     s.add_argument("--max-objects", type=_positive, default=1_000_000, help="quota: objects per namespace")
     s.add_argument(
@@ -344,8 +357,11 @@ def cmd_serve(args) -> int:
         tls=tls,
         channel_binding=binding,
         max_connections=args.max_connections,
+        max_unauthenticated=args.max_unauthenticated,
+        max_unauthenticated_per_address=args.max_unauthenticated_per_address,
         idle_timeout=args.idle_timeout or None,
         handshake_timeout=args.handshake_timeout or None,
+        send_timeout=args.send_timeout or None,
     )
 
     async def retention_once() -> None:

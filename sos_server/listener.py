@@ -1,7 +1,16 @@
-"""Listener: TCP (optionally TLS) accept loop, connection cap, one Session per connection."""
+"""Listener: TCP (optionally TLS) accept loop, connection caps, one Session per connection.
+
+A connection is refused with ERROR BUSY (request id 0) when ``max_connections`` are open,
+when ``max_unauthenticated`` connections have not authenticated yet, or when
+``max_unauthenticated_per_address`` of those come from the peer's address (an IPv6
+address counts by its /64). So a peer that keeps reconnecting without authenticating
+holds a few slots at most, and authenticated clients keep getting in. Failed AUTHs are
+answered at a bounded rate per address (``AuthFailures``).
+"""
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import math
 import re
@@ -17,7 +26,10 @@ from sos_wire import events as ev
 from .engine import Engine
 from .session import Session
 
-__all__ = ["Listener", "ListenError", "raise_nofile_limit", "make_tls_context", "certificate_binding", "tune_malloc"]
+__all__ = [
+    "AuthFailures", "ListenError", "Listener", "address_key", "certificate_binding", "make_tls_context",
+    "raise_nofile_limit", "tune_malloc",
+]
 
 log = logging.getLogger("sos_server.listener")
 
@@ -88,6 +100,40 @@ class ListenError(Exception):
     """The listening address cannot be bound (in use, bad host, no permission)."""
 
 
+def address_key(host: str) -> str:
+    """What the per-address limits count by: the IPv4 address, or the /64 of an IPv6 one
+    (one host usually holds a whole /64). An IPv4-mapped IPv6 address counts as IPv4."""
+    try:
+        ip = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)
+
+
+class AuthFailures:
+    """Failed AUTHs per address, as a token bucket: *burst* of them are answered at once,
+    then at most *rate* a second; the answer to one over the rate waits until it fits
+    (at most *cap* seconds). Successful AUTHs are never delayed."""
+
+    def __init__(self, *, rate: float = 2.0, burst: int = 10, cap: float = 5.0, max_addresses: int = 10_000):
+        self.rate, self.burst, self.cap, self.max_addresses = rate, burst, cap, max_addresses
+        self._seen: dict[str, tuple[float, float]] = {}  # address -> (tokens, when), oldest first
+
+    def failed(self, address: str, now: float) -> float:
+        """Record a failed AUTH from *address* at *now*; returns the seconds to wait before answering."""
+        tokens, when = self._seen.pop(address, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + (now - when) * self.rate) - 1
+        tokens = max(tokens, -self.cap * self.rate)  # the debt of waiting answers is bounded too
+        self._seen[address] = (tokens, now)
+        while len(self._seen) > self.max_addresses:
+            del self._seen[next(iter(self._seen))]
+        return 0.0 if tokens >= 0 else min(-tokens / self.rate, self.cap)
+
+
 class Listener:
     def __init__(
         self,
@@ -98,8 +144,11 @@ class Listener:
         tls: ssl.SSLContext | None = None,
         channel_binding: bytes | None = None,
         max_connections: int = 1024,
+        max_unauthenticated: int = 128,
+        max_unauthenticated_per_address: int = 8,
         idle_timeout: float | None = None,
         handshake_timeout: float | None = None,
+        send_timeout: float | None = None,
     ) -> None:
         self.engine = engine
         self.host, self.port = host, port
@@ -109,9 +158,15 @@ class Listener:
         # what every session of a TLS listener binds AUTH proofs to (protocol.md 1.6)
         self.channel_binding: bytes = (channel_binding or b"") if tls is not None else b""
         self.max_connections = max_connections
+        self.max_unauthenticated = max_unauthenticated
+        self.max_unauthenticated_per_address = max_unauthenticated_per_address
         self.idle_timeout = idle_timeout
         self.handshake_timeout = handshake_timeout
+        self.send_timeout = send_timeout
         self.open = 0
+        self.unauthenticated = 0
+        self._unauthenticated_by: dict[str, int] = {}  # address_key -> unauthenticated connections
+        self.auth_failures = AuthFailures()
         self.address: tuple[str, int] | None = None
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -132,19 +187,52 @@ class Listener:
             nursery.start_soon(trio.serve_listeners, self._handle, listeners)
             task_status.started(self.address)
 
+    def _refusal(self, addr: str) -> str | None:
+        """Why a new connection from *addr* is refused, or None."""
+        if self.open >= self.max_connections:
+            return f"{self.max_connections} connections open"
+        if self.unauthenticated >= self.max_unauthenticated:
+            return f"{self.max_unauthenticated} connections not authenticated yet"
+        if self._unauthenticated_by.get(addr, 0) >= self.max_unauthenticated_per_address:
+            return f"{self.max_unauthenticated_per_address} connections from {addr} not authenticated yet"
+        return None
+
+    def _unauthenticated_delta(self, addr: str, n: int) -> None:
+        self.unauthenticated += n
+        self.engine.metrics.unauthenticated.inc(n)
+        left = self._unauthenticated_by.get(addr, 0) + n
+        if left:
+            self._unauthenticated_by[addr] = left
+        else:
+            del self._unauthenticated_by[addr]
+
     async def _handle(self, stream) -> None:
         try:
             sock = stream.transport_stream.socket if self.tls else stream.socket
-            peer = "%s:%d" % sock.getpeername()[:2]
+            host, port = sock.getpeername()[:2]
+            peer = f"{host}:{port}"
         except OSError:
-            peer = "?"
+            host = peer = "?"
+        addr = address_key(host)
         metrics = self.engine.metrics
         metrics.connections_total.inc()
-        if self.open >= self.max_connections:
-            await self._refuse(stream, peer)
+        why = self._refusal(addr)
+        if why is not None:
+            await self._refuse(stream, peer, why)
             return
         self.open += 1
         metrics.connections.inc()
+        self._unauthenticated_delta(addr, 1)
+        authenticated = False
+
+        def on_authenticated() -> None:
+            nonlocal authenticated
+            authenticated = True
+            self._unauthenticated_delta(addr, -1)
+
+        def on_auth_failed() -> float:
+            return self.auth_failures.failed(addr, trio.current_time())
+
         # HELLO/AUTH (and TLS) must be done by then: a connection slot is not free
         now = trio.current_time()
         deadline = now + self.handshake_timeout if self.handshake_timeout else math.inf
@@ -160,17 +248,20 @@ class Listener:
             session = Session(
                 self.engine, stream, peer=peer, idle_timeout=self.idle_timeout, handshake_deadline=deadline,
                 channel_binding=self.channel_binding,
+                send_timeout=self.send_timeout, on_authenticated=on_authenticated, on_auth_failed=on_auth_failed,
             )
             await session.run()
         finally:
             self.open -= 1
             metrics.connections.dec()
+            if not authenticated:
+                self._unauthenticated_delta(addr, -1)
 
-    async def _refuse(self, stream, peer: str) -> None:
-        log.warning("too many connections, refusing", extra={"peer": peer, "max": self.max_connections})
+    async def _refuse(self, stream, peer: str, why: str) -> None:
+        log.warning("too many connections, refusing", extra={"peer": peer, "reason": why})
         self.engine.metrics.error(ErrorCode.BUSY.name)
         conn = Connection(Role.SERVER)
-        data = conn.send(ev.Error(0, ErrorCode.BUSY, 0, f"server busy: {self.max_connections} connections open"))
+        data = conn.send(ev.Error(0, ErrorCode.BUSY, 0, f"server busy: {why}"))
         with trio.move_on_after(5):
             try:
                 await stream.send_all(data)

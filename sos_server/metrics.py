@@ -29,6 +29,13 @@ class Metrics:
             "sos_handshake_timeouts", "Connections closed for not authenticating within --handshake-timeout",
             registry=r,
         )
+        self.send_timeouts = Counter(
+            "sos_send_timeouts", "Connections closed because their replies were not read within --send-timeout",
+            registry=r,
+        )
+        self.unauthenticated = Gauge(
+            "sos_unauthenticated_connections", "Open connections that have not authenticated yet", registry=r
+        )
         self.gc_removed = Counter("sos_gc_removed_objects", "Objects removed by retention", registry=r)
         self.generations_completed = Counter(
             "sos_generations_completed",

@@ -1,13 +1,27 @@
 """Session: one per connection. Frames in (sos_wire.Connection), engine calls, frames out.
 
 - Before AUTH only HELLO and PING are answered; anything else gets NOT_AUTHENTICATED.
-- HELLO_OK carries a fresh 32-byte nonce; AUTH proves the key against it.
+  Frames before AUTH may carry at most ``PRE_AUTH_MAX_BODY`` (4 KiB) of body (TOO_LARGE,
+  fatal): HELLO, AUTH and PING need about 100 bytes, and an unauthenticated peer must
+  not make the server buffer megabytes. ``max_body`` applies once AUTH succeeded.
+- HELLO_OK carries a fresh 32-byte nonce; AUTH proves the key against it. The
+  ``MAX_AUTH_FAILURES``-th failed AUTH on a connection is answered and the connection
+  closed; the listener may delay each failed AUTH's answer (per-address back-off).
+- Revocation: before each request the key's file is compared with what it was at AUTH
+  (one stat); if it was removed or changed, the proof is checked again against it, and a
+  key that no longer proves (or changed role) gets AUTH_FAILED and the connection closes.
 - Requests are pipelined: each runs in its own task and its reply carries its request id.
   Appends and seals to one object keep their arrival order (each waits for the previous
   one's *write*, not its sync, so pipelined appends share a group commit).
 - READ is streamed as READ_DATA frames of at most 1 MiB; the last has last=1.
+- Replies are bounded per connection: a READ reserves each chunk in a reply budget of
+  ``MAX_REPLY_BYTES`` before reading it from storage, LIST its largest possible size;
+  at most ``MAX_READ_STREAMS`` READs stream at once; while the budget is full no further
+  requests are read from the socket. A send that makes no progress for ``send_timeout``
+  (a peer that does not read its replies) closes the connection.
 - Every non-fatal error is answered with an ERROR frame and the connection lives on;
-  a broken frame is answered (BAD_FRAME or the codec's code) and the connection closes.
+  a broken frame is answered (BAD_FRAME or the codec's code) and the connection closes
+  (protocol.md 1.8 has the table of which ERRORs close).
 - Handshake deadline: a connection not authenticated by ``handshake_deadline`` (trio
   time; the listener sets it ``--handshake-timeout`` after accepting) is closed, whatever
   it sends meanwhile (PINGs, a trickled frame, replies it never reads). Without it a
@@ -21,6 +35,7 @@ from __future__ import annotations
 import logging
 import math
 import secrets
+from collections.abc import Callable
 
 import trio
 
@@ -28,19 +43,26 @@ from sos_wire import events as ev
 from sos_wire.connection import NEED_DATA, Connection, Role
 from sos_wire.errors import ErrorCode, LocalProtocolError, RemoteProtocolError
 from sos_wire.events import KeyRole
-from sos_wire.frames import DEFAULT_MAX_BODY, MAX_PING_PAYLOAD, SUPPORTED_VERSIONS, VERSION
+from sos_wire.frames import DEFAULT_MAX_BODY, HEADER_LEN, MAX_PING_PAYLOAD, SUPPORTED_VERSIONS, VERSION
 
 from .engine import Engine, ServerError, THREAD_READ_MIN
 from .storage import ROLE_APPEND
 
-__all__ = ["Session", "READ_CHUNK", "SERVER_NAME"]
+__all__ = ["MAX_AUTH_FAILURES", "PRE_AUTH_MAX_BODY", "READ_CHUNK", "SERVER_NAME", "Session"]
 
 log = logging.getLogger("sos_server.session")
 
 READ_CHUNK = 1 << 20  # data bytes per READ_DATA frame
 RECV_SIZE = 256 << 10
+PRE_AUTH_RECV_SIZE = 16 << 10  # before AUTH: bytes asked of the socket at a time
+PRE_AUTH_MAX_BODY = 4096  # frame body limit before AUTH (HELLO, AUTH, PING need ~100 bytes)
+MAX_AUTH_FAILURES = 3  # failed AUTHs on one connection; the last is answered, then the close
 MAX_IN_FLIGHT = 256  # requests per connection being handled at once
 MAX_IN_FLIGHT_BYTES = 64 << 20  # append data per connection being handled at once
+MAX_REPLY_BYTES = 8 << 20  # READ/LIST reply bytes per connection produced and not yet sent
+MAX_READ_STREAMS = 2  # READs per connection streaming at once (each holds a storage buffer)
+SEND_STEP = 256 << 10  # a send must make this much progress within send_timeout
+_LIST_ENTRY_MAX = 2 + 1024 + 8 + 1  # name str (1.10: at most 1024 bytes), length, sealed
 SERVER_NAME = "sos-server/0.1"
 
 _ROLE_WIRE = {ROLE_APPEND: KeyRole.APPEND, "read": KeyRole.READ}
@@ -55,6 +77,11 @@ class _ByteBudget:
         while self.used and self.used + n > self.cap:
             await self._changed.wait()
         self.used += n
+
+    async def wait_room(self) -> None:
+        """Until less than the cap is used."""
+        while self.used >= self.cap:
+            await self._changed.wait()
 
     def release(self, n: int) -> None:
         self.used -= n
@@ -77,7 +104,13 @@ class Session:
         handshake_deadline: float = math.inf,
         max_body: int = DEFAULT_MAX_BODY,
         channel_binding: bytes = b"",
+        send_timeout: float | None = None,
+        on_authenticated: Callable[[], None] | None = None,
+        on_auth_failed: Callable[[], float] | None = None,
     ) -> None:
+        """*send_timeout*: close when a send makes no progress for that long (None: never).
+        *on_authenticated* is called once AUTH succeeded; *on_auth_failed* at each failed
+        AUTH, returning how many seconds to wait before answering it."""
         self.engine = engine
         # b"" on plain TCP; inside TLS the binding of the server's certificate (AUTH proof)
         self.channel_binding = channel_binding
@@ -85,8 +118,11 @@ class Session:
         self.stream = stream
         self.peer = peer
         self.idle_timeout = idle_timeout
+        self.send_timeout = send_timeout
+        self._on_authenticated = on_authenticated
+        self._on_auth_failed = on_auth_failed
         self._handshake = trio.CancelScope(deadline=handshake_deadline)
-        self.conn = Connection(Role.SERVER, max_body=max_body)
+        self.conn = Connection(Role.SERVER, max_body=min(max_body, PRE_AUTH_MAX_BODY))
         self.max_body = max_body
         self.nonce: bytes | None = None
         self.namespace: str | None = None
@@ -95,19 +131,47 @@ class Session:
         self._in_flight = 0
         self._slots = trio.Semaphore(MAX_IN_FLIGHT)
         self._budget = _ByteBudget(MAX_IN_FLIGHT_BYTES)
+        self._replies = _ByteBudget(MAX_REPLY_BYTES)
+        self._read_streams = trio.Semaphore(MAX_READ_STREAMS)
         self._chains: dict[str, trio.Event] = {}  # object name -> write of the latest request
         self._broken = False
+        self._closing = False  # after a fatal ERROR: nothing more is sent
+        self._auth_failures = 0
+        self._auth_ok: ev.Auth | None = None  # the AUTH that succeeded (re-checked for revocation)
+        self._key_state: tuple[int, ...] | None = None
+        self._scope: trio.CancelScope | None = None  # the whole session's
 
     # -- output ----------------------------------------------------------------------
     async def _send(self, event) -> None:
-        if self._broken:
+        if self._broken or self._closing:
             return
         async with self._send_lock:
+            if self._broken or self._closing:
+                return
             data = self.conn.send(event)
             try:
-                await self.stream.send_all(data)
+                await self._send_bytes(data)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 self._broken = True
+
+    async def _send_bytes(self, data: bytes) -> None:
+        timeout = self.send_timeout
+        if timeout is None:
+            await self.stream.send_all(data)
+            return
+        view = memoryview(data)
+        for start in range(0, len(view), SEND_STEP):
+            with trio.move_on_after(timeout) as scope:
+                await self.stream.send_all(view[start : start + SEND_STEP])
+            if scope.cancelled_caught:
+                # the peer does not read its replies: without this, the session (and what
+                # its requests hold) would live for as long as the peer keeps the socket open
+                log.warning("replies not read, closing", extra={"peer": self.peer, "seconds": timeout})
+                self.metrics.send_timeouts.inc()
+                self._broken = True
+                if self._scope is not None:
+                    self._scope.cancel()
+                return
 
     async def _send_error(self, request_id: int, code: ErrorCode, message: str, length: int = 0) -> None:
         self.metrics.error(ErrorCode(code).name)
@@ -118,10 +182,12 @@ class Session:
         log.info("connection opened", extra={"peer": self.peer})
         try:
             async with trio.open_nursery() as nursery:
+                self._scope = nursery.cancel_scope
                 with self._handshake:  # no requests run before AUTH: nothing else to cancel
                     try:
                         await self._read_loop(nursery)
                     except _Closing:
+                        self._closing = True
                         nursery.cancel_scope.cancel()
                 if self._handshake.cancelled_caught:
                     log.info("not authenticated in time, closing", extra={"peer": self.peer})
@@ -130,11 +196,14 @@ class Session:
         finally:
             log.info("connection closed", extra={"peer": self.peer, "namespace": self.namespace})
             with trio.CancelScope(shield=True):
-                with trio.move_on_after(5):
-                    try:
-                        await self.stream.aclose()
-                    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                        pass
+                if self._broken:  # maybe a half-sent frame: no graceful close (TLS close_notify)
+                    await trio.aclose_forcefully(self.stream)
+                else:
+                    with trio.move_on_after(5):
+                        try:
+                            await self.stream.aclose()
+                        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                            pass
 
     async def _read_loop(self, nursery: trio.Nursery) -> None:
         idle = self.idle_timeout
@@ -158,9 +227,13 @@ class Session:
                 await self._dispatch(event, nursery)
             if self.conn.eof or self._broken:
                 return
+            # replies waiting over their budget: read no further requests until they drain
+            # (a peer that never reads them is closed by the send timeout)
+            await self._replies.wait_room()
+            size = RECV_SIZE if self.namespace is not None else PRE_AUTH_RECV_SIZE
             with trio.move_on_at(deadline) as scope:
                 try:
-                    data = await self.stream.receive_some(RECV_SIZE)
+                    data = await self.stream.receive_some(size)
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     return
             if scope.cancelled_caught:
@@ -189,6 +262,17 @@ class Session:
         if self.namespace is None:
             await self._send_error(rid, ErrorCode.NOT_AUTHENTICATED, f"{type(event).__name__.upper()} before AUTH")
             return
+        if self._key_revoked():
+            log.warning(
+                "key revoked, closing",
+                extra={"peer": self.peer, "namespace": self.namespace, "key_id": self._auth_ok.key_id.hex()},
+            )
+            await self._send_error(
+                rid, ErrorCode.AUTH_FAILED,
+                f"key {self._auth_ok.key_id.hex()} of namespace {self.namespace!r} was removed or changed"
+                " since AUTH: closing the connection",
+            )
+            raise _Closing
         size = len(event.data) if isinstance(event, ev.Append) else 0
         await self._slots.acquire()
         await self._budget.acquire(size)
@@ -224,20 +308,51 @@ class Session:
         if self.namespace is not None:
             await self._send_error(rid, ErrorCode.BAD_REQUEST, f"already authenticated to {self.namespace!r}")
             return
+        key_state = self.engine.storage.key_state(event.namespace, event.key_id)  # before the key is read
         try:
-            role = self.engine.authenticate(
-                event.namespace, event.key_id, self.nonce, event.proof, self.channel_binding
-            )
+            role = self._check_key(event)
         except ServerError as exc:
             log.warning(
                 "auth failed", extra={"peer": self.peer, "namespace": event.namespace, "key_id": event.key_id.hex()}
             )
-            await self._send_error(rid, exc.code, exc.message, exc.length)
+            self._auth_failures += 1
+            delay = self._on_auth_failed() if self._on_auth_failed is not None else 0.0
+            if delay > 0:
+                await trio.sleep(delay)
+            last = self._auth_failures >= MAX_AUTH_FAILURES
+            message = exc.message + (f"; {MAX_AUTH_FAILURES} failed AUTHs: closing the connection" if last else "")
+            await self._send_error(rid, exc.code, message, exc.length)
+            if last:
+                raise _Closing from None
             return
         self.namespace, self.role = event.namespace, role
+        self._auth_ok, self._key_state = event, key_state
+        self.conn.max_body = self.max_body
         self._handshake.deadline = math.inf
+        if self._on_authenticated is not None:
+            self._on_authenticated()
         log.info("authenticated", extra={"peer": self.peer, "namespace": self.namespace, "role": role})
         await self._send(ev.AuthOk(rid, _ROLE_WIRE[role]))
+
+    def _check_key(self, event: ev.Auth) -> str:
+        """The role of the key *event* proves itself with (ServerError AUTH_FAILED if it does not)."""
+        return self.engine.authenticate(event.namespace, event.key_id, self.nonce, event.proof, self.channel_binding)
+
+    def _key_revoked(self) -> bool:
+        """True if the key this session authenticated with was removed, or changed so that
+        the AUTH no longer proves it or its role differs. One stat when nothing changed."""
+        auth = self._auth_ok
+        state = self.engine.storage.key_state(auth.namespace, auth.key_id)
+        if state is not None and state == self._key_state:
+            return False
+        try:
+            role = self._check_key(auth)
+        except ServerError:
+            return True
+        if role != self.role:
+            return True
+        self._key_state = state
+        return False
 
     # -- requests --------------------------------------------------------------------
     async def _handle_write(self, event, prev: trio.Event | None, mine: trio.Event, size: int) -> None:
@@ -276,8 +391,7 @@ class Session:
                 length, sealed = self.engine.stat(self.namespace, event.name)
                 await self._send(ev.StatOk(rid, length, sealed))
             elif isinstance(event, ev.List):
-                entries, more = self.engine.list(self.namespace, event.prefix, event.after, event.limit)
-                await self._send(ev.ListOk(rid, tuple(ev.ListEntry(*e) for e in entries), more))
+                await self._list(event)
             elif isinstance(event, ev.Read):
                 await self._read(event)
             elif isinstance(event, ev.Fence):
@@ -301,7 +415,23 @@ class Session:
         self._budget.release(size)
         self._slots.release()
 
+    async def _list(self, event: ev.List) -> None:
+        # reserve the largest reply this LIST can have before the engine builds it
+        limits = self.engine.limits
+        count = min(max(event.limit, 0), limits.max_list) or limits.max_list
+        bound = HEADER_LEN + 5 + count * _LIST_ENTRY_MAX
+        await self._replies.acquire(bound)
+        try:
+            entries, more = self.engine.list(self.namespace, event.prefix, event.after, event.limit)
+            await self._send(ev.ListOk(event.request_id, tuple(ev.ListEntry(*e) for e in entries), more))
+        finally:
+            self._replies.release(bound)
+
     async def _read(self, event: ev.Read) -> None:
+        async with self._read_streams:
+            await self._stream_read(event)
+
+    async def _stream_read(self, event: ev.Read) -> None:
         rid = event.request_id
         want, pieces = self.engine.open_read(self.namespace, event.name, event.offset, event.length)
         offset = event.offset
@@ -309,15 +439,20 @@ class Session:
         threaded = want >= THREAD_READ_MIN
         chunker = _Chunker(pieces)
         while True:
-            if threaded:
-                chunk = await trio.to_thread.run_sync(chunker.take, READ_CHUNK)
-            else:
-                chunk = chunker.take(READ_CHUNK)
-            sent += len(chunk)
-            last = sent >= want
-            if not chunk and not last:  # object shorter than promised (cannot happen)
-                raise ServerError(ErrorCode.INTERNAL, "read ended early")
-            await self._send(ev.ReadData(rid, offset, last, chunk))
+            reserved = min(READ_CHUNK, want - sent)
+            await self._replies.acquire(reserved)  # before the chunk exists
+            try:
+                if threaded:
+                    chunk = await trio.to_thread.run_sync(chunker.take, READ_CHUNK)
+                else:
+                    chunk = chunker.take(READ_CHUNK)
+                sent += len(chunk)
+                last = sent >= want
+                if not chunk and not last:  # object shorter than promised (cannot happen)
+                    raise ServerError(ErrorCode.INTERNAL, "read ended early")
+                await self._send(ev.ReadData(rid, offset, last, chunk))
+            finally:
+                self._replies.release(reserved)
             self.metrics.read_bytes.inc(len(chunk))
             offset += len(chunk)
             if last:

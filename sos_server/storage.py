@@ -1194,3 +1194,12 @@ class Storage:
         except (ValueError, KeyError, TypeError) as exc:
             log.error("unreadable key file %s: %s", path, exc)
             return None
+
+    def key_state(self, namespace: str, key_id: bytes) -> tuple[int, ...] | None:
+        """A fingerprint of the key's file (one stat), None if it is gone. Sessions compare it
+        before each request, so that removing or rewriting a key ends the sessions opened with it."""
+        try:
+            st = os.stat(os.path.join(self.ns_path(namespace), "keys", bytes(key_id).hex()))
+        except (BadName, OSError):
+            return None
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)

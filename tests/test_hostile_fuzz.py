@@ -37,6 +37,7 @@ from sos_wire.auth import Key
 from sos_wire.connection import NEED_DATA, Connection, Role, encode_event
 from sos_wire.crc import crc32c
 from sos_wire.errors import RemoteProtocolError
+from sos_server.session import PRE_AUTH_MAX_BODY
 from sos_wire.frames import DEFAULT_MAX_BODY
 
 NS = "fuzz"
@@ -322,13 +323,17 @@ def test_announced_huge_bodies_are_not_allocated(fuzzee):
     held = []
     try:
         for i in range(96):
-            s = f.connect()
-            held.append(s)
             if i % 2:
+                s = f.connect()
+                held.append(s)
                 f.login(s, "append")
+                cap = DEFAULT_MAX_BODY
+            else:  # unauthenticated: each from its own address (one address may hold only a few)
+                s = socket.create_connection((f.host, f.port), timeout=TIMEOUT, source_address=(f"127.0.1.{i}", 0))
+                held.append(s)
+                cap = PRE_AUTH_MAX_BODY  # the cap before AUTH
             # the largest body the cap allows, announced; only a sliver of it ever sent
-            s.sendall(_frame(0x06 if i % 2 else 0x03, 1000 + i, b"\x00\x04keep" + b"x" * 100,
-                             body_len=DEFAULT_MAX_BODY))
+            s.sendall(_frame(0x06 if i % 2 else 0x03, 1000 + i, b"\x00\x04keep" + b"x" * 100, body_len=cap))
         deadline = time.monotonic() + TIMEOUT
         while not _server_rx_drained(f.port, len(held)):  # the server has read every byte we sent
             assert time.monotonic() < deadline, "the server never read what was sent"

@@ -343,6 +343,9 @@ def test_tls_listener(tmp_path, sos_server_factory):
         assert isinstance(c.login(key, "tls"), ev.AuthOk)
         assert c.append("over-tls", 0, b"secret").length == 6
         assert c.read("over-tls") == b"secret"
+        blob = os.urandom(3 << 20)  # READ_DATA frames sent in pieces (the send timeout's steps)
+        assert c.append("big-over-tls", 0, blob).length == len(blob)
+        assert c.read("big-over-tls") == blob
     # a plaintext client gets nowhere and the server keeps serving TLS
     with socket.create_connection((host, port), timeout=60) as plain:
         plain.sendall(_header(0x03, 1, 4) + bytes(4))
