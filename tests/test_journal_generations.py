@@ -157,16 +157,34 @@ def test_a_forged_next_generation_breaks_the_chain_once_the_writer_goes_on(sos_s
     put_file(t, "b", b"two")  # the writer goes on in generation 1
     t.sync(wait=True)
     live = tree_state(t.local_path(""))
+    last = w.last_seq
+    # when it starts generation 2 itself, it finds the foreign objects there and stops
+    with pytest.raises(JournalError, match="generation 2 that this writer starts already holds"):
+        w.rotate([Create("a"), Write("a", 0, b"one"), Create("b"), Write("b", 0, b"two")])
     t.close()
 
     with pytest.raises(GenerationBreak) as ei:
         restore(fac, ns, str(tmp_path / "out"))
     assert (f"generation 2 does not continue generation 1: it starts with record {end + 1}" in str(ei.value)
-            and f"generation 1 ends with record {w.last_seq}" in str(ei.value)), str(ei.value)
+            and f"generation 1 ends with record {last}" in str(ei.value)), str(ei.value)
     rep = verify(fac, ns)
     assert not rep.ok and any("does not continue generation 1" in p.message for p in rep.problems), rep.text()
     s = restore(fac, ns, str(tmp_path / "gen1"), generation=1)
     assert tree_state(str(tmp_path / "gen1")) == live and s.warnings
+
+
+def test_a_writer_does_not_start_a_generation_someone_else_already_wrote_into(tmp_path):
+    store = MemStore()
+    w = JournalWriter(store.factory, "ns", str(tmp_path / "spool"))
+    t = JournaledTree(str(tmp_path / "cache"), w)
+    t.create("a")
+    t.sync(wait=True)
+    c = store.client()  # a ready planted for the next generation (issue 9 item 2's names)
+    c.append(layout.ready_name(2), 0, b"", epoch=w.epoch)
+    c.seal(layout.ready_name(2), epoch=w.epoch)
+    with pytest.raises(JournalError, match="already holds gen/0000000002/ready"):
+        w.rotate([Create("a")])
+    t.close()
 
 
 def _store_with(generations):
@@ -225,13 +243,20 @@ def test_a_ready_holding_bytes_does_not_complete_a_generation_and_stops_the_writ
     w = JournalWriter(store.factory, "ns", str(tmp_path / "spool"))
     t = JournaledTree(str(tmp_path / "cache"), w)
     t.create("a")
-    t.sync(wait=True)
-    store.client().append(layout.ready_name(2), 0, b"x", epoch=w.epoch)  # planted before the rotation
-    with pytest.raises(JournalError, match="ready object is empty"):
-        w.rotate([Create("a")])
+    w.rotate([Create("a")])
     t.close()
+    # as if the writer had died before creating gen 2's ready, and someone else made one
+    ready = layout.ready_name(2)
+    store.sealed.discard(ready)
+    store.objects[ready] = bytearray(b"x")
     gens = list_generations(store.client())
     assert gens[1].ready and not gens[2].ready and "holds 1 bytes" in gens[2].ready_problem
+    w = JournalWriter(store.factory, "ns", str(tmp_path / "spool"))
+    t = JournaledTree(str(tmp_path / "cache"), w)  # resumes on its spool: creates the missing ready
+    with pytest.raises(JournalError, match="ready object is empty"):
+        t.sync(wait=True)
+    t.close()
+    assert not list_generations(store.client())[2].ready
 
 
 def test_a_writer_seals_an_empty_ready_its_predecessor_left_unsealed(tmp_path):
@@ -363,15 +388,21 @@ def test_position_0_is_the_first_snapshot_and_the_spec_says_so(sos_server, tmp_p
 # ---------------------------------------------------------------- spec: a record cut at a generation's end
 def test_a_record_cut_at_the_end_of_a_generation_continued_by_the_next_one(sos_server, tmp_path):
     ns, key = new_ns(sos_server, "c")
-    cut = encode(Write("a", 0, b"two"), 4, T0 + 4)
+    cut = encode(Write("a", 0, b"two"), 7, T0 + 7)
+    g1 = [SnapshotEnd(1), Mkdir("q"), Mkdir("q/commits"), Create("q/commits/0"), Create("a"), Write("a", 0, b"one")]
     with Client(sos_server.address, key, ns, timeout=60) as c:
-        # generation 1 ends inside record 4 (its writer died mid-append; the next one sealed it)
-        publish(c, 1, 1, [SnapshotEnd(1), Create("a"), Write("a", 0, b"one")], tail=cut[:20], seal=True, epoch=1)
-        # generation 2 starts with record 4, the one that was cut
-        publish(c, 2, 4, [Create("a"), Write("a", 0, b"one"), SnapshotEnd(2), Write("a", 0, b"two")], epoch=2)
+        # generation 1 ends inside record 7 (its writer died mid-append; the next one sealed it)
+        publish(c, 1, 1, g1, tail=cut[:20], seal=True, epoch=1)
+        # generation 2 starts with record 7, the one that was cut
+        publish(c, 2, 7, [Mkdir("q"), Mkdir("q/commits"), Create("q/commits/0"), Create("a"), Write("a", 0, b"one"),
+                          SnapshotEnd(2), Write("a", 0, b"two")], epoch=2)
     v = run_sos(sos_server, key, "verify", "-q", ns)
     assert v.returncode == 0, v.stdout + v.stderr
-    assert "abandoned partial record at offset" in v.stdout and "generation 2 starts with record 4" in v.stdout
+    assert "abandoned partial record at offset" in v.stdout and "generation 2 starts with record 7" in v.stdout
+    # batch 0 committed in generation 1: finding it reads generation 1 to its end, cut record included
+    r = run_sos(sos_server, key, "restore", "-q", "--batch", "q:0", ns, str(tmp_path / "b0"))
+    assert r.returncode == 0 and "restored to position 4" in r.stderr, r.stderr
+    assert "corrupt" not in r.stderr
     r = run_sos(sos_server, key, "restore", "-q", ns, str(tmp_path / "all"))
     assert r.returncode == 0 and (tmp_path / "all" / "a").read_bytes() == b"two", r.stderr
     # generation 1 read to its end stops before the dead bytes
@@ -381,8 +412,8 @@ def test_a_record_cut_at_the_end_of_a_generation_continued_by_the_next_one(sos_s
     # the same cut record followed by a generation that starts elsewhere: corrupt, and a break
     ns2, key2 = new_ns(sos_server, "c")
     with Client(sos_server.address, key2, ns2, timeout=60) as c:
-        publish(c, 1, 1, [SnapshotEnd(1), Create("a"), Write("a", 0, b"one")], tail=cut[:20], seal=True, epoch=1)
-        publish(c, 2, 5, [Create("a"), SnapshotEnd(2)], epoch=2)
+        publish(c, 1, 1, g1, tail=cut[:20], seal=True, epoch=1)
+        publish(c, 2, 8, [Create("a"), SnapshotEnd(2)], epoch=2)
     v = run_sos(sos_server, key2, "verify", "-q", ns2)
     assert v.returncode == 3 and "segment ends inside a record" in v.stdout, v.stdout
     assert "does not continue generation 1" in v.stdout

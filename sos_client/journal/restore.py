@@ -360,6 +360,13 @@ def chain_breaks(client, gens: dict[int, layout.GenerationInfo], *,
     return out
 
 
+def _next_first(gens: dict[int, layout.GenerationInfo], generation: int) -> int | None:
+    """First sequence number of generation ``generation + 1`` if the server holds it (what a
+    record cut at the end of ``generation`` may be continued by, protocol.md 2.3 step 3)."""
+    g = gens.get(generation + 1)
+    return g.first_seq if g is not None and g.segments else None
+
+
 def _refuse_breaks(breaks: list[ChainBreak]) -> GenerationBreak:
     first = breaks[0]
     more = "; ".join(b.reason for b in breaks[1:])
@@ -624,7 +631,8 @@ def _ranges(ids) -> str:
     return ", ".join(out)
 
 
-def find_batch(client, gens, querydir: str, batch_id: int, *, on_bytes=None, notes=None) -> int:
+def find_batch(client, gens, querydir: str, batch_id: int, *, on_bytes=None, notes=None,
+               listed: dict[int, layout.GenerationInfo] | None = None) -> int:
     """The position right after batch ``batch_id`` of the checkpoint ``querydir`` committed.
 
     That is the sequence number of the last journal record that makes
@@ -645,7 +653,9 @@ def find_batch(client, gens, querydir: str, batch_id: int, *, on_bytes=None, not
     for g in cands:
         r = _CommitScan()
         try:
-            _scan_generation(generation_records(client, g, on_bytes=on_bytes), path, crc, seen, r)
+            _scan_generation(generation_records(client, g, on_bytes=on_bytes,
+                                                next_first=_next_first(listed or gens, g.generation)),
+                             path, crc, seen, r)
         except JournalCorrupt as e:
             if r.start is None:
                 raise
@@ -821,11 +831,10 @@ def restore(client_factory, namespace: str, target: str, *, at=None, position: i
 
         if bq is not None:
             total[0] = sum(g.total_bytes for g in _complete(gens))  # at most: the scan may stop sooner
-            position = find_batch(client, gens, bq[0], bq[1], on_bytes=on_bytes, notes=summary.notes)
+            position = find_batch(client, gens, bq[0], bq[1], on_bytes=on_bytes, notes=summary.notes,
+                                  listed=listed)
             done[0] = 0
         gen = choose_generation(client, gens, position=position, at_ns=at_ns)
-        after = [g for g in listed.values() if g.generation > gen.generation and g.segments]
-        next_first = after[0].first_seq if after and after[0].generation == gen.generation + 1 else None
         created = not os.path.exists(target)
         _prepare_target(target, force)
         summary.generation = gen.generation
@@ -844,7 +853,7 @@ def restore(client_factory, namespace: str, target: str, *, at=None, position: i
             readers = SegmentReaders(client_factory, gen.segments, readers=2, on_bytes=on_bytes)
             try:
                 records = generation_records(client, gen, notes=summary.notes, source=readers.records,
-                                             next_first=next_first)
+                                             next_first=_next_first(listed, gen.generation))
                 if position is not None:
                     records = _through(records, position)
                 stats = replay(records, target, stop=stop, snapshot=True)

@@ -103,6 +103,7 @@ class JournalWriter:
         self._cur: SpoolSegment | None = None
         self._foreign_unsealed: list[str] = []
         self._pending_ready: list[tuple[int, int]] = []
+        self._new_generations: dict[int, int] = {}  # generation started here -> its first seq
         self._error: BaseException | None = None
         self._closed = False
         self._in_snapshot = False
@@ -381,6 +382,7 @@ class JournalWriter:
                 self._gen_bytes = 0
                 self._in_snapshot = True
                 gen = self.generation
+                self._new_generations[gen] = self._seq + 1
             try:
                 for op in snapshot_ops:
                     self.append(op)
@@ -545,6 +547,8 @@ class JournalWriter:
                 self._spool.remove(seg)
 
     def _ship(self, client, seg: SpoolSegment) -> None:
+        if self._new_generations.get(seg.generation) == seg.first_seq:
+            self._check_new_generation(client, seg)
         if seg.shipped < 0:
             try:
                 length, _sealed = client.stat(seg.name)
@@ -619,6 +623,19 @@ class JournalWriter:
             seg.boundary = new_len  # every APPEND round ends on a record boundary
             self.bytes_shipped += total
             self._after_ack(last_seq)
+
+    def _check_new_generation(self, client, seg: SpoolSegment) -> None:
+        """Before the first segment of a generation this writer started goes out: nobody else
+        has objects in that generation (else the journal would mix them in, protocol.md 2.1)."""
+        prefix = layout.gen_prefix(seg.generation)
+        others = sorted(e.name for e in client.list(prefix) if e.name != seg.name)
+        if others:
+            raise JournalError(f"generation {seg.generation} that this writer starts already holds "
+                               f"{', '.join(others[:3])}{' ...' if len(others) > 3 else ''}: written by "
+                               f"someone else with an append key; the writer stops rather than mix them "
+                               f"into the journal")
+        with self._cv:
+            self._new_generations.pop(seg.generation, None)
 
     def _confirm(self, client, seg: SpoolSegment, end: int) -> None:
         """Make sure the server's bytes ``[seg.confirmed, end)`` of ``seg`` are the spool's: send
