@@ -3,6 +3,7 @@ replay, restore and verify. See protocol.md, Part 2 for the format."""
 
 from .errors import (
     BatchNotFound,
+    GenerationBreak,
     JournalCorrupt,
     JournalError,
     JournalNotFound,
@@ -36,7 +37,7 @@ from .writer import JournalWriter
 
 __all__ = [
     "JournalWriter", "JournaledTree", "replay", "restore", "verify", "Summary",
-    "JournalError", "JournalCorrupt", "JournalNotFound", "JournalTruncated", "WriterFenced", "WriterClosed",
+    "JournalError", "JournalCorrupt", "JournalNotFound", "JournalTruncated", "GenerationBreak", "WriterFenced", "WriterClosed",
     "SpoolStale", "TargetNotEmpty", "BatchNotFound", "PositionUnavailable", "ReplayError",
     "Record", "RecordDecoder", "RecordType", "Mkdir", "Rmdir", "Create", "Write", "Truncate",
     "Rename", "Delete", "Marker", "SnapshotEnd",

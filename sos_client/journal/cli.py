@@ -11,7 +11,7 @@ import time
 
 from sos_client.cli import add_connection_options, client_from_args
 
-from .errors import JournalCorrupt, JournalError, JournalNotFound
+from .errors import GenerationBreak, JournalCorrupt, JournalError, JournalNotFound
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_CORRUPT, EXIT_NO_JOURNAL = 0, 1, 2, 3, 4
 
@@ -25,7 +25,10 @@ RESTORE_EXIT_CODES = """exit status:
       is only found while replaying: with --force, TARGET is then left empty
   2   usage
   3   corrupt data before the requested point (segment and offset named): restore
-      applied what came before the broken record and stopped there
+      applied what came before the broken record and stopped there. Or the
+      generations on the server do not form one chain (one does not continue the
+      one before it: written by someone else with an append key, or damaged):
+      nothing written; `sos verify` lists the breaks, --generation G restores one
   4   no journal in this namespace (no complete generation on this server: a mistyped
       namespace, the wrong server, or a lost one): nothing written
   130 interrupted"""
@@ -34,7 +37,8 @@ VERIFY_EXIT_CODES = """exit status:
   0   ok: every record checked, no problem
   1   failed: server error, no key
   2   usage
-  3   corrupt data: broken ranges found (listed on stdout)
+  3   corrupt data: broken ranges found (listed on stdout), or generations that do
+      not form one chain (a generation that does not continue the one before it)
   4   no journal in this namespace (no complete generation on this server: a mistyped
       namespace, the wrong server, or a lost one)
   130 interrupted"""
@@ -137,6 +141,8 @@ def cmd_restore(args) -> int:
         opts["position"] = args.position
     if args.batch is not None:
         opts["batch"] = args.batch
+    if args.generation is not None:
+        opts["generation"] = args.generation
     bar = None if args.quiet else ProgressBar(f"restore {args.namespace}")
     try:
         try:
@@ -145,6 +151,9 @@ def cmd_restore(args) -> int:
         finally:
             if bar:
                 bar.finish()
+    except GenerationBreak as e:
+        _err(f"{e}; nothing written")
+        return EXIT_CORRUPT
     except JournalCorrupt as e:
         s = getattr(e, "summary", None)
         _err(f"{e}; restore stopped before it"
@@ -159,6 +168,8 @@ def cmd_restore(args) -> int:
     except Exception as e:  # noqa: BLE001 - client errors: one line, exit 1
         _err(f"{type(e).__name__}: {e}")
         return EXIT_FAIL
+    for w in summary.warnings:
+        _err(f"warning: {w}")
     print(summary.text(), file=sys.stderr)
     for n in summary.notes:
         print(f"note: {n}", file=sys.stderr)
@@ -249,6 +260,10 @@ def add_parsers(subparsers) -> None:
                         "directory's path relative to the namespace root (e.g. 'checkpoint' for "
                         "MOUNTPOINT/checkpoint; '.' for the root itself), as in the 'checkpoint' "
                         "field of the spark.batch markers")
+    p.add_argument("--generation", metavar="G", type=_nonneg_int,
+                   help="restore from generation G alone (its end, or a point inside it) without reading "
+                        "or checking the others: the way out when the generations do not form one chain "
+                        "(exit 3, see `sos verify`)")
     p.add_argument("--force", action="store_true",
                    help="replace the contents of a non-empty TARGET (without it: exit 1, nothing written)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress")

@@ -21,6 +21,21 @@ class JournalCorrupt(JournalError):
         super().__init__(f"corrupt journal: {segment or '<stream>'} at offset {offset}: {reason}")
 
 
+class GenerationBreak(JournalCorrupt):
+    """The generations on the server do not form one chain (protocol.md 2.1): a generation
+    does not continue the one before it (its number is not the previous one + 1, or it does
+    not start with the record after the previous one's last), or a ``ready`` object stands
+    where no generation was written. Written by someone else with an append key, or damage:
+    readers refuse rather than guess which side is the journal. ``segment`` names the first
+    object of the generation that breaks the chain."""
+
+    def __init__(self, segment: str, reason: str, *, generation: int = 0, previous: int = 0):
+        self.generation = generation
+        self.previous = previous
+        super().__init__(segment, 0, reason)
+        self.args = (f"the journal's generations do not form one chain: {reason}",)
+
+
 class WriterFenced(JournalError):
     """Another writer took over the namespace (fenced our epoch or sealed our segment)."""
 

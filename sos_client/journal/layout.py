@@ -3,6 +3,10 @@
     gen/<G:010d>/<S:010d>-<E:010d>.seg   segment of generation G whose first record has
                                          sequence number S, written by writer epoch E
     gen/<G:010d>/ready                   empty sealed object: generation G's snapshot is durable
+
+Generations form one chain (protocol.md 2.1): :func:`continues` says whether one
+generation continues the one before it; the readers (restore, verify) and the writer
+refuse a journal whose generations do not.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ GEN_PREFIX = "gen/"
 _SEG_RE = re.compile(r"^gen/(\d{10})/(\d{10})-(\d{10})\.seg$")
 _READY_RE = re.compile(r"^gen/(\d{10})/ready$")
 _MAX = 10**10 - 1
+MAX_GENERATION = _MAX  # the last generation number a name can hold: a writer cannot start another
 
 
 def _check(n: int, what: str) -> int:
@@ -72,11 +77,25 @@ class SegmentInfo:
 class GenerationInfo:
     generation: int
     segments: list  # of SegmentInfo, ordered by first_seq
-    ready: bool = False
+    ready: bool = False  # complete: gen/<G>/ready exists, is empty and is sealed
+    ready_object: tuple[int, bool] | None = None  # (length, sealed) of gen/<G>/ready if it exists
 
     @property
     def first_seq(self) -> int | None:
         return self.segments[0].first_seq if self.segments else None
+
+    @property
+    def ready_problem(self) -> str | None:
+        """Why an existing ``ready`` object does not make the generation complete (None: it
+        does, or there is none)."""
+        if self.ready_object is None:
+            return None
+        length, sealed = self.ready_object
+        if length:
+            return f"{ready_name(self.generation)} holds {length} bytes (a ready object is empty)"
+        if not sealed:
+            return f"{ready_name(self.generation)} is not sealed (its writer was creating it)"
+        return None
 
     @property
     def total_bytes(self) -> int:
@@ -86,7 +105,8 @@ class GenerationInfo:
 def scan_listing(entries) -> dict[int, GenerationInfo]:
     """Group LIST entries (objects with name, length, sealed) into generations.
 
-    Unknown names under ``gen/`` are ignored (they are not the journal's).
+    Unknown names under ``gen/`` are ignored (they are not the journal's). A generation is
+    complete (``ready``) only if its ``ready`` object is empty and sealed.
     """
     gens: dict[int, GenerationInfo] = {}
     for e in entries:
@@ -98,7 +118,27 @@ def scan_listing(entries) -> dict[int, GenerationInfo]:
             continue
         rg = parse_ready_name(e.name)
         if rg is not None:
-            gens.setdefault(rg, GenerationInfo(rg, [])).ready = True
+            g = gens.setdefault(rg, GenerationInfo(rg, []))
+            g.ready_object = (int(e.length), bool(e.sealed))
+            g.ready = g.ready_object == (0, True)
     for g in gens.values():
         g.segments.sort(key=lambda s: (s.first_seq, s.epoch))
     return dict(sorted(gens.items()))
+
+
+def continues(prev_generation: int, prev_end: int, gen: GenerationInfo) -> str | None:
+    """Why ``gen`` does not continue generation ``prev_generation`` whose last whole record
+    has sequence number ``prev_end`` (None: it does). protocol.md 2.1: the next generation
+    present after G must be G + 1, and its first segment must start with record
+    ``prev_end + 1``."""
+    if gen.generation != prev_generation + 1:
+        return (f"generation {gen.generation} does not continue generation {prev_generation}: "
+                f"generation numbers grow by 1 (expected generation {prev_generation + 1})")
+    if not gen.segments:
+        return (f"generation {gen.generation} has no segment: it does not continue generation "
+                f"{prev_generation}")
+    if gen.first_seq != prev_end + 1:
+        return (f"generation {gen.generation} does not continue generation {prev_generation}: it starts "
+                f"with record {gen.first_seq} ({gen.segments[0].name}) but generation {prev_generation} "
+                f"ends with record {prev_end}")
+    return None

@@ -106,8 +106,9 @@ class MemClient:
                 raise _err(Fenced, f"epoch {epoch} fenced by {self.s.fence_epoch}", epoch=self.s.fence_epoch)
             obj = self.s.objects.get(name)
             cur = len(obj) if obj is not None else 0
-            if obj is not None and offset < cur and offset + len(data) == cur and obj[offset:] == data:
-                return cur
+            if obj is not None and offset < cur and offset + len(data) <= cur \
+                    and obj[offset:offset + len(data)] == data:
+                return offset + len(data)  # an identical retry (protocol.md 1.11 APPEND rule 6)
             if name in self.s.sealed:
                 raise _err(SealedError, f"{name} is sealed")
             if offset != cur:

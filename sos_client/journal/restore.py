@@ -12,6 +12,10 @@ and replays it in order up to the requested point:
   ``checkpoint`` field of a ``spark.batch`` marker; "" is the root itself): right after the
   last journal record that makes ``QUERYDIR/commits/N`` exist, see :func:`find_batch`.
 
+Generations that do not form one chain (protocol.md 2.1: one does not continue the one
+before it, e.g. a far-future generation published with an append key) raise GenerationBreak
+before anything is written; ``generation=G`` restores generation G alone, unchecked. Records
+of a newer generation that is not complete are not restored: ``Summary.warnings`` says so.
 A corrupt record stops the restore before it (JournalCorrupt names segment and offset).
 A namespace without a complete generation raises JournalNotFound; a point the journal does
 not hold (before its first record or oldest kept generation, past its last record, a batch
@@ -35,6 +39,7 @@ from . import layout
 from ._store import Corrupt, SOSNotFound
 from .errors import (
     BatchNotFound,
+    GenerationBreak,
     JournalCorrupt,
     JournalError,
     JournalNotFound,
@@ -69,6 +74,7 @@ class Summary:
     stopped: bool = False  # a point was requested and reached (rather than the end of the journal)
     seconds: float = 0.0
     notes: list = field(default_factory=list)
+    warnings: list = field(default_factory=list)  # things the caller must hear (the CLI prints them first)
 
     @property
     def last_time(self) -> str:
@@ -221,14 +227,18 @@ def segment_records(client, seg: layout.SegmentInfo, *, on_bytes: Callable[[int]
 
 
 def generation_records(client, gen: layout.GenerationInfo, *, on_bytes=None, notes=None,
-                       source: Callable[[int, layout.SegmentInfo], Iterator[Record]] | None = None
-                       ) -> Iterator[Record]:
+                       source: Callable[[int, layout.SegmentInfo], Iterator[Record]] | None = None,
+                       next_first: int | None = None) -> Iterator[Record]:
     """Every record of a generation in order, with the sequence checks.
 
     A torn tail of the last, unsealed segment is a write in progress: the stream ends
-    before it (noted). Anything else that does not decode raises JournalCorrupt.
-    ``source(i, seg)`` gives the decoded records of segment i (default: read them with
-    ``client``; restore passes the read-ahead of :class:`SegmentReaders`).
+    before it (noted). So is one of the last segment, sealed or not, when the next
+    generation starts with the record that was cut (``next_first``, the first sequence
+    number of the generation after ``gen``): a writer died in the middle of that append and
+    its successor started the next generation with it (protocol.md 2.3 step 3). Anything
+    else that does not decode raises JournalCorrupt. ``source(i, seg)`` gives the decoded
+    records of segment i (default: read them with ``client``; restore passes the read-ahead
+    of :class:`SegmentReaders`).
     """
     if source is None:
         def source(_i, seg):
@@ -253,12 +263,17 @@ def generation_records(client, gen: layout.GenerationInfo, *, on_bytes=None, not
                 expected = rec.seq + 1
                 yield rec
         except JournalTruncated as e:
+            cut = expected if expected is not None else seg.first_seq  # the seq the cut record has
+            if i == len(segs) - 1 and next_first is not None and next_first == cut:
+                if notes is not None:
+                    notes.append(f"{seg.name}: abandoned partial record at offset {e.offset} (generation "
+                                 f"{gen.generation + 1} starts with record {cut})")
+                return
             if i == len(segs) - 1 and not seg.sealed:
                 if notes is not None:
                     notes.append(f"{seg.name}: write in progress at offset {e.offset} (ignored)")
                 return
-            if i < len(segs) - 1 and segs[i + 1].first_seq == (expected if expected is not None
-                                                                 else seg.first_seq):
+            if i < len(segs) - 1 and segs[i + 1].first_seq == cut:
                 # A writer died in the middle of an append; the next writer resumed with the
                 # record that was cut (same seq) in a new segment: the partial bytes are dead.
                 if notes is not None:
@@ -266,6 +281,103 @@ def generation_records(client, gen: layout.GenerationInfo, *, on_bytes=None, not
                                  f"(superseded by {segs[i + 1].name})")
                 continue
             raise
+
+
+def generation_end(client, gen: layout.GenerationInfo) -> tuple[int, bool]:
+    """(sequence number of the last whole record of ``gen``, exact).
+
+    Reads ``gen``'s last segment (one segment at most). A torn tail is not a record; a
+    last segment without a whole record ends the generation at its ``S - 1``. If the server
+    reports the segment damaged, or a record does not decode, the answer is the last record
+    before the damage and ``exact`` is False.
+    """
+    if not gen.segments:
+        return 0, True
+    seg = gen.segments[-1]
+    last = None
+    dec = RecordDecoder(seg.name)
+    try:
+        for chunk in read_segment_bytes(client, seg.name):
+            dec.feed(chunk)
+            for rec in dec:
+                last = rec.seq
+    except (JournalCorrupt, ServerCorrupt):
+        try:
+            for rec in dec:  # whole records read before the damage
+                last = rec.seq
+        except JournalCorrupt:
+            pass
+        return (last if last is not None else seg.first_seq - 1), False
+    return (last if last is not None else seg.first_seq - 1), True
+
+
+@dataclass
+class ChainBreak:
+    """One place where the generations present do not form one chain (protocol.md 2.1)."""
+
+    generation: int  # the generation that does not continue the one before it
+    previous: int | None  # the generation before it (None: a ready object without segments)
+    name: str  # its first object
+    reason: str
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+def chain_breaks(client, gens: dict[int, layout.GenerationInfo], *,
+                 ends: dict[int, tuple[int, bool]] | None = None) -> list[ChainBreak]:
+    """Every break of the chain of generations (protocol.md 2.1): a generation with segments
+    whose number is not the previous one's + 1 or that does not start with the record after
+    the previous one's last, generation 0, and a ``ready`` object of a generation without
+    segments unless it is older than the oldest generation with segments (what retention
+    left behind). ``ends`` gives :func:`generation_end` results already known
+    (verify's); the others are read, one segment per generation."""
+    out: list[ChainBreak] = []
+    written = [g for g in gens.values() if g.segments]
+    oldest = written[0].generation if written else None
+    for g in gens.values():
+        if not g.segments and g.ready_object is not None and (oldest is None or g.generation > oldest):
+            out.append(ChainBreak(g.generation, None, layout.ready_name(g.generation),
+                                  f"generation {g.generation} has a ready object but no segment: no writer "
+                                  f"wrote that generation"))
+    prev = None
+    for g in written:
+        if g.generation == 0:
+            out.append(ChainBreak(0, None, g.segments[0].name,
+                                  "generation 0 holds segments: generation numbers start at 1"))
+        if prev is not None:
+            end, exact = ends[prev.generation] if ends and prev.generation in ends else generation_end(client, prev)
+            if exact or g.generation != prev.generation + 1:
+                reason = layout.continues(prev.generation, end, g)
+            elif g.first_seq <= end:
+                # damage hides where the previous generation ended: it holds at least record `end`
+                reason = (f"generation {g.generation} does not continue generation {prev.generation}: it "
+                          f"starts with record {g.first_seq} but generation {prev.generation} holds record {end}")
+            else:
+                reason = None
+            if reason is not None:
+                out.append(ChainBreak(g.generation, prev.generation, g.segments[0].name, reason))
+        prev = g
+    return out
+
+
+def _next_first(gens: dict[int, layout.GenerationInfo], generation: int) -> int | None:
+    """First sequence number of generation ``generation + 1`` if the server holds it (what a
+    record cut at the end of ``generation`` may be continued by, protocol.md 2.3 step 3)."""
+    g = gens.get(generation + 1)
+    return g.first_seq if g is not None and g.segments else None
+
+
+def _refuse_breaks(breaks: list[ChainBreak]) -> GenerationBreak:
+    first = breaks[0]
+    more = "; ".join(b.reason for b in breaks[1:])
+    return GenerationBreak(
+        first.name,
+        first.reason + (f"; also: {more}" if more else "")
+        + ". Objects under gen/ were written by someone else with an append key, or are damaged: "
+          "restore does not guess which side is the journal (`sos verify` lists every break; "
+          "--generation G restores one generation without checking the others)",
+        generation=first.generation, previous=first.previous or 0)
 
 
 _END = object()
@@ -520,7 +632,8 @@ def _ranges(ids) -> str:
     return ", ".join(out)
 
 
-def find_batch(client, gens, querydir: str, batch_id: int, *, on_bytes=None, notes=None) -> int:
+def find_batch(client, gens, querydir: str, batch_id: int, *, on_bytes=None, notes=None,
+               listed: dict[int, layout.GenerationInfo] | None = None) -> int:
     """The position right after batch ``batch_id`` of the checkpoint ``querydir`` committed.
 
     That is the sequence number of the last journal record that makes
@@ -541,7 +654,9 @@ def find_batch(client, gens, querydir: str, batch_id: int, *, on_bytes=None, not
     for g in cands:
         r = _CommitScan()
         try:
-            _scan_generation(generation_records(client, g, on_bytes=on_bytes), path, crc, seen, r)
+            _scan_generation(generation_records(client, g, on_bytes=on_bytes,
+                                                next_first=_next_first(listed or gens, g.generation)),
+                             path, crc, seen, r)
         except JournalCorrupt as e:
             if r.start is None:
                 raise
@@ -564,6 +679,20 @@ def find_batch(client, gens, querydir: str, batch_id: int, *, on_bytes=None, not
                              + f"; restored to position {stop}")
             return stop
         newer.append(r)
+    # Not in a complete generation: a commit in a newer, incomplete one was never reported
+    # durable (protocol.md 2.1) and restore does not use it. Say so rather than "no batch".
+    for g in _incomplete_after(gens, cands[0].generation if cands else -1):
+        r = _CommitScan()
+        try:
+            _scan_generation(generation_records(client, g, on_bytes=on_bytes), path, crc, {}, r)
+        except JournalCorrupt:
+            pass
+        if r.start is not None:
+            raise BatchNotFound(
+                f"batch {batch_id} of checkpoint {querydir or '.'!r}: {path} appears at record {r.start}, in "
+                f"generation {g.generation}, which is not complete "
+                f"({g.ready_problem or 'no ' + layout.ready_name(g.generation)}): a writer reports no record "
+                f"of a generation durable before its ready object exists, and restore does not use it")
     if any(r.in_snapshot for r in newer):
         oldest = cands[-1]
         raise PositionUnavailable(
@@ -627,9 +756,27 @@ def _count(target: str, summary: Summary) -> None:
                 summary.bytes += st.st_size
 
 
+def _incomplete_after(gens, generation: int) -> list[layout.GenerationInfo]:
+    """Generations newer than ``generation`` that hold records but are not complete."""
+    return [g for g in gens.values() if g.generation > generation and not g.ready and g.total_bytes]
+
+
+def _unused_text(g: layout.GenerationInfo) -> str:
+    why = g.ready_problem or f"no {layout.ready_name(g.generation)}"
+    return (f"generation {g.generation} is not complete ({why}): restore does not use its {g.total_bytes} "
+            f"bytes of records from record {g.first_seq} on. A writer reports no record of a generation "
+            f"durable before its ready object exists: it is starting that generation, or it stopped first")
+
+
 def restore(client_factory, namespace: str, target: str, *, at=None, position: int | None = None,
-            batch=None, force: bool = False, progress: Callable[[int, int], None] | None = None) -> Summary:
+            batch=None, force: bool = False, progress: Callable[[int, int], None] | None = None,
+            generation: int | None = None) -> Summary:
     """Rebuild the tree of ``namespace`` in the empty directory ``target``; see module doc.
+
+    The generations on the server must form one chain (protocol.md 2.1), else GenerationBreak
+    (before the target is touched). ``generation=G`` restores from generation G alone (its
+    end, or a point inside it) without reading or checking the other generations: the way
+    out after a break, once ``sos verify`` has shown which generations are the journal.
 
     ``progress(done_bytes, total_bytes)`` is called as journal bytes arrive (from reader
     threads; a ``batch`` restore first scans the journal for the batch, then replays: two
@@ -643,6 +790,8 @@ def restore(client_factory, namespace: str, target: str, *, at=None, position: i
         raise ValueError("give at most one of at, position, batch")
     if position is not None and (not isinstance(position, int) or position < 0):
         raise ValueError(f"bad position {position!r}")
+    if generation is not None and (not isinstance(generation, int) or generation < 0):
+        raise ValueError(f"bad generation {generation!r}")
     at_ns = parse_time(at)
     bq = parse_batch(batch) if batch is not None else None
     target = os.path.abspath(target)
@@ -651,7 +800,22 @@ def restore(client_factory, namespace: str, target: str, *, at=None, position: i
     t0 = time.monotonic()
     client = client_factory()
     try:
-        gens = list_generations(client)
+        listed = list_generations(client)
+        if generation is not None:
+            g = listed.get(generation)
+            if g is None or not g.segments or not g.ready:
+                why = ("not on the server" if g is None or not g.segments
+                       else f"not complete ({g.ready_problem or 'no ready object'})")
+                raise JournalNotFound(namespace, f"namespace {namespace!r}: generation {generation} is {why}: "
+                                                 f"nothing to restore")
+            gens = {generation: g}
+            summary.warnings.append(f"restoring generation {generation} alone (--generation): the other "
+                                    f"generations were neither read nor checked")
+        else:
+            breaks = chain_breaks(client, listed)
+            if breaks:
+                raise _refuse_breaks(breaks)
+            gens = listed
         if not _complete(gens):
             raise _no_journal(namespace, gens)
         done = [0]
@@ -667,7 +831,8 @@ def restore(client_factory, namespace: str, target: str, *, at=None, position: i
 
         if bq is not None:
             total[0] = sum(g.total_bytes for g in _complete(gens))  # at most: the scan may stop sooner
-            position = find_batch(client, gens, bq[0], bq[1], on_bytes=on_bytes, notes=summary.notes)
+            position = find_batch(client, gens, bq[0], bq[1], on_bytes=on_bytes, notes=summary.notes,
+                                  listed=listed)
             done[0] = 0
         gen = choose_generation(client, gens, position=position, at_ns=at_ns)
         created = not os.path.exists(target)
@@ -687,7 +852,8 @@ def restore(client_factory, namespace: str, target: str, *, at=None, position: i
         try:
             readers = SegmentReaders(client_factory, gen.segments, readers=2, on_bytes=on_bytes)
             try:
-                records = generation_records(client, gen, notes=summary.notes, source=readers.records)
+                records = generation_records(client, gen, notes=summary.notes, source=readers.records,
+                                             next_first=_next_first(listed, gen.generation))
                 if position is not None:
                     records = _through(records, position)
                 stats = replay(records, target, stop=stop, snapshot=True)
@@ -709,11 +875,15 @@ def restore(client_factory, namespace: str, target: str, *, at=None, position: i
                 _clear(target)  # a point the journal does not reach: leave nothing half-meant behind
                 if created:
                     os.rmdir(target)
+                unused = "".join(f"; {_unused_text(g)}" for g in _incomplete_after(gens, gen.generation))
                 raise PositionUnavailable(f"position {position} is past the end of the journal: the last "
-                                          f"record is {stats.last_seq} (at {format_time(stats.last_time_ns)})")
+                                          f"record is {stats.last_seq} (at {format_time(stats.last_time_ns)})"
+                                          + unused)
             summary.notes.append(f"position {position} is in a range of records no complete generation "
                                  f"holds (a generation abandoned before its snapshot was done): restored "
                                  f"the end of generation {gen.generation}, record {stats.last_seq}")
+        if gen is _complete(gens)[0] and position is None and not stats.stopped:
+            summary.warnings.extend(_unused_text(g) for g in _incomplete_after(gens, gen.generation))
         summary.records = stats.records
         summary.last_seq = stats.last_seq
         summary.last_time_ns = stats.last_time_ns

@@ -8,6 +8,10 @@
 The spool is the source of truth after a crash of the writer: every record is written
 here before ``append`` returns; the replicator ships what the server does not have yet.
 Segments are deleted locally once sealed on the server (never the newest one).
+
+The spool holds whatever was written through the tree, so it is private whatever the
+umask: directories 0700, files 0600 (:func:`private_dir`, :func:`private_file`; files and
+directories a spool made before are narrowed when it is opened).
 """
 
 from __future__ import annotations
@@ -20,6 +24,42 @@ from .errors import JournalCorrupt, JournalError
 from .records import RecordDecoder
 
 _READ = 1 << 20
+FILE_MODE = 0o600
+DIR_MODE = 0o700
+
+
+def private_dir(path: str) -> str:
+    """Create ``path`` (and missing parents) if needed; make ``path`` itself 0700 exactly."""
+    os.makedirs(path, mode=DIR_MODE, exist_ok=True)
+    if os.stat(path).st_mode & 0o7777 != DIR_MODE:
+        os.chmod(path, DIR_MODE)
+    return path
+
+
+def open_private(path: str, flags: int) -> int:
+    """``os.open`` with O_CREAT and mode 0600 exactly (whatever the umask; an existing file
+    is narrowed to 0600). Never follows a symbolic link at ``path``."""
+    fd = os.open(path, flags | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+    try:
+        if os.fstat(fd).st_mode & 0o7777 != FILE_MODE:
+            os.fchmod(fd, FILE_MODE)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def private_file(path: str, text: str) -> None:
+    """Replace ``path`` atomically with ``text``, as a 0600 file."""
+    tmp = path + ".tmp"
+    try:
+        os.unlink(tmp)
+    except FileNotFoundError:
+        pass
+    fd = open_private(tmp, os.O_WRONLY | os.O_TRUNC | os.O_EXCL)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 class SpoolSegment:
@@ -34,11 +74,12 @@ class SpoolSegment:
         self.path = path
         self.written = written
         self.shipped = -1  # server length; -1 = not known yet (ask the server)
+        self.confirmed = 0  # the server's bytes [0, confirmed) are known to be these (acked to us)
         self.boundary = 0  # a record boundary <= shipped (where header walks may start)
         self.last_seq = sn.first_seq - 1
         self.last_time = 0
         self.records = 0
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+        self.fd = open_private(path, os.O_RDWR | os.O_APPEND)
 
     def write(self, data: bytes) -> None:
         view = memoryview(data)
@@ -80,8 +121,9 @@ class SpoolSegment:
 class Spool:
     def __init__(self, directory: str):
         self.dir = os.path.abspath(directory)
-        os.makedirs(os.path.join(self.dir, "gen"), exist_ok=True)
-        self._lock_fd = os.open(os.path.join(self.dir, "LOCK"), os.O_RDWR | os.O_CREAT, 0o644)
+        private_dir(self.dir)
+        private_dir(os.path.join(self.dir, "gen"))
+        self._lock_fd = open_private(os.path.join(self.dir, "LOCK"), os.O_RDWR)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -102,8 +144,9 @@ class Spool:
         gdir = os.path.join(self.dir, "gen")
         for g in os.listdir(gdir):
             sub = os.path.join(gdir, g)
-            if not os.path.isdir(sub):
+            if os.path.islink(sub) or not os.path.isdir(sub):
                 continue
+            private_dir(sub)  # (a spool made before spools were private)
             for f in os.listdir(sub):
                 sn = layout.parse_segment_name(f"gen/{g}/{f}")
                 if sn is not None:
@@ -115,7 +158,7 @@ class Spool:
     def create(self, generation: int, first_seq: int, epoch: int) -> SpoolSegment:
         sn = layout.SegmentName(generation, first_seq, epoch)
         path = self.path_of(sn.name)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        private_dir(os.path.dirname(path))
         if os.path.exists(path) and os.path.getsize(path):
             raise JournalError(f"spool segment {path} already exists")
         return SpoolSegment(self, sn, path, 0)
@@ -164,11 +207,8 @@ class Spool:
 
     def set_snapshot_end(self, generation: int, seq: int) -> None:
         path = self._marker(generation)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(str(seq))
-        os.replace(tmp, path)
+        private_dir(os.path.dirname(path))
+        private_file(path, str(seq))
 
     def snapshot_ends(self) -> dict[int, int]:
         out = {}

@@ -213,8 +213,9 @@ class JournaledTree:
             # existing cache, e.g. after a point-in-time restore) or the current generation's
             # snapshot was cut short: start a new generation from the cache as it is.
             w.rotate(self._snapshot_ops())
-        with open(self._dirty_path, "w") as f:
-            f.write("cache in use; removed by a clean close\n")
+        from .spool import private_file  # 0600, like everything in the spool
+
+        private_file(self._dirty_path, "cache in use; removed by a clean close\n")
 
     def _snapshot_ops(self) -> Iterator[Op]:
         """Records rebuilding the cache, streamed from the files (see :func:`snapshot_ops`)."""

@@ -21,7 +21,7 @@ from .records import (
     RecordType,
     SnapshotEnd,
 )
-from .restore import ServerCorrupt, list_generations, read_segment_bytes
+from .restore import ServerCorrupt, chain_breaks, list_generations, read_segment_bytes
 
 import crc32c as _crc
 
@@ -53,6 +53,7 @@ class VerifyReport:
     first_seq: int = 0
     last_seq: int = 0
     problems: list = field(default_factory=list)
+    warnings: list = field(default_factory=list)  # no broken bytes, but records a restore does not use
     notes: list = field(default_factory=list)
     seconds: float = 0.0
 
@@ -69,13 +70,16 @@ class VerifyReport:
             return "NO JOURNAL"
         if not self.complete_generations:
             return "no problem, but NO COMPLETE GENERATION (nothing to restore)"
+        if self.warnings:
+            return f"OK, {len(self.warnings)} WARNING{'S' if len(self.warnings) > 1 else ''}"
         return "OK"
 
     def text(self) -> str:
         head = (f"{self.namespace}: {self.generations} generations ({self.complete_generations} complete), "
                 f"{self.segments} segments, {self.records} records, {self.bytes} bytes, "
                 f"records {self.first_seq}..{self.last_seq}: " + self.verdict)
-        lines = [head] + [f"  BROKEN {p}" for p in self.problems] + [f"  note: {n}" for n in self.notes]
+        lines = ([head] + [f"  BROKEN {p}" for p in self.problems] + [f"  WARNING {w}" for w in self.warnings]
+                 + [f"  note: {n}" for n in self.notes])
         return "\n".join(lines)
 
 
@@ -155,7 +159,11 @@ def _resync(client, seg: layout.SegmentInfo, start: int, length: int) -> int | N
 
 
 def verify(client_factory, namespace: str, *, progress=None) -> VerifyReport:
-    """Read and check every record of every generation; returns a VerifyReport."""
+    """Read and check every record of every generation; returns a VerifyReport.
+
+    Besides each record, it checks that the generations form one chain (protocol.md 2.1:
+    each continues the one before it); a break is a problem. Records a restore would not use
+    because their generation is not complete are warnings."""
     t0 = time.monotonic()
     rep = VerifyReport(namespace)
     client = client_factory()
@@ -164,19 +172,35 @@ def verify(client_factory, namespace: str, *, progress=None) -> VerifyReport:
         rep.generations = len(gens)
         total = sum(g.total_bytes for g in gens.values())
         done = [0]
-        newest = max(gens) if gens else None
-        prev_last = None
-        for g in gens.values():
+        written = [g for g in gens.values() if g.segments]
+        newest = written[-1].generation if written else None
+        ends: dict[int, tuple[int, bool]] = {}  # generation -> (last whole record, exact)
+        for gi, g in enumerate(written):
+            nxt = written[gi + 1] if gi + 1 < len(written) else None
             if g.ready:
                 rep.complete_generations += 1
+            elif g.ready_object is not None:
+                problem = g.ready_problem
+                if g.ready_object[0]:
+                    rep.problems.append(Problem(layout.ready_name(g.generation), 0, None,
+                                                f"{problem}: generation {g.generation} is not complete"))
+                elif g.generation == newest:
+                    rep.notes.append(f"generation {g.generation} is not complete yet ({problem})")
+                else:
+                    rep.warnings.append(f"generation {g.generation} is not complete ({problem}): restore "
+                                        f"does not use it")
             elif g.generation != newest:
                 rep.notes.append(f"generation {g.generation} has no ready object (abandoned snapshot)")
             else:
                 rep.notes.append(f"generation {g.generation} is not complete yet (snapshot in progress)")
             expected = None
             saw_end = False
+            after_end: list[int] = []  # first and last seq of journal records after SNAPSHOT_END
+            end, exact = g.first_seq - 1, True
             for i, seg in enumerate(g.segments):
                 rep.segments += 1
+                last_here = None
+                clean = True
                 try:
                     length = client.stat(seg.name)[0]
                 except Exception:  # noqa: BLE001 - fall back to the listed length
@@ -194,6 +218,7 @@ def verify(client_factory, namespace: str, *, progress=None) -> VerifyReport:
                                 progress(done[0], total)
                             for rec in dec:
                                 rep.records += 1
+                                last_here = rec.seq
                                 if first:
                                     first = False
                                     if rec.seq != seg.first_seq:
@@ -202,13 +227,11 @@ def verify(client_factory, namespace: str, *, progress=None) -> VerifyReport:
                                 if expected is not None and rec.seq != expected:
                                     rep.problems.append(Problem(seg.name, rec.offset, rec.offset + rec.size,
                                                                 f"sequence gap: expected {expected}, found {rec.seq}"))
-                                if prev_last is not None and rec.seq <= prev_last and expected is None:
-                                    rep.problems.append(Problem(seg.name, rec.offset, rec.offset + rec.size,
-                                                                f"record {rec.seq} overlaps the previous generation "
-                                                                f"(ends at {prev_last})"))
                                 expected = rec.seq + 1
                                 rep.first_seq = rep.first_seq or rec.seq
                                 rep.last_seq = max(rep.last_seq, rec.seq)
+                                if saw_end:  # a journal record: first and last kept
+                                    after_end[1 if after_end else 0:] = [rec.seq]
                                 if type(rec.op) is SnapshotEnd:
                                     saw_end = True
                                     if rec.op.generation != g.generation:
@@ -219,35 +242,51 @@ def verify(client_factory, namespace: str, *, progress=None) -> VerifyReport:
                                                                          f"({dec.pending} bytes)")
                         break
                     except JournalTruncated as e:
-                        if i == len(g.segments) - 1 and not seg.sealed and g.generation == newest:
+                        cut = expected if expected is not None else seg.first_seq
+                        last_seg = i == len(g.segments) - 1
+                        if last_seg and nxt is not None and nxt.generation == g.generation + 1 \
+                                and nxt.first_seq == cut:
+                            rep.notes.append(f"{seg.name}: abandoned partial record at offset {e.offset} "
+                                             f"(generation {nxt.generation} starts with record {cut})")
+                        elif last_seg and not seg.sealed and g.generation == newest:
                             rep.notes.append(f"{seg.name}: write in progress at offset {e.offset}")
-                        elif i < len(g.segments) - 1 and g.segments[i + 1].first_seq == (
-                                expected if expected is not None else seg.first_seq):
+                        elif not last_seg and g.segments[i + 1].first_seq == cut:
                             rep.notes.append(f"{seg.name}: abandoned partial record at offset {e.offset} "
                                              f"(superseded by {g.segments[i + 1].name})")
                         else:
                             rep.problems.append(Problem(seg.name, e.offset, None, e.reason))
                         break
                     except (JournalCorrupt, ServerCorrupt) as e:
+                        clean = False
                         if isinstance(e, ServerCorrupt):
                             try:
                                 for _rec in dec:  # whole records before the damage are fine
                                     rep.records += 1
+                                    last_here = _rec.seq
                             except JournalCorrupt:
                                 pass
                         bad = dec.offset
                         reason = e.reason if isinstance(e, JournalCorrupt) else e.message
-                        nxt = _resync(client, seg, bad, length)
-                        rep.problems.append(Problem(seg.name, bad, nxt, reason))
+                        nxt_off = _resync(client, seg, bad, length)
+                        rep.problems.append(Problem(seg.name, bad, nxt_off, reason))
                         expected = None
-                        if nxt is None:
+                        if nxt_off is None:
                             break
-                        offset = nxt
+                        offset = nxt_off
+                if i == len(g.segments) - 1:  # the generation's end, as generation_end() sees it
+                    end = last_here if last_here is not None else seg.first_seq - 1
+                    exact = clean
+            ends[g.generation] = (end, exact)
             if g.ready and not saw_end:
                 rep.problems.append(Problem(layout.ready_name(g.generation), 0, 0,
                                             "generation is marked ready but no SNAPSHOT_END was read"))
-            if expected is not None:
-                prev_last = expected - 1
+            if not g.ready and after_end:
+                rep.warnings.append(
+                    f"generation {g.generation} is not complete but holds records {after_end[0]}.."
+                    f"{after_end[-1]} after its SNAPSHOT_END: restore does not use them (a writer reports no "
+                    f"record of a generation durable before its ready object exists)")
+        for b in chain_breaks(client, gens, ends=ends):
+            rep.problems.append(Problem(b.name, 0, None, b.reason))
     finally:
         try:
             client.close()

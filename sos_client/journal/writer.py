@@ -10,6 +10,16 @@ Crash of the writer: the spool survives; ``open()`` fences older epochs, cuts a 
 off the newest spool segment and the replicator ships whatever the server lacks (STAT gives
 the server's length: nothing missing, nothing doubled). Crash or restart of the server: the
 replicator reconnects with backoff, STATs and continues.
+
+Bytes the server holds that this writer has not had acknowledged itself (a STAT or an
+OFFSET_MISMATCH reports a length beyond them) are never counted as shipped on the server's
+word: the writer sends the spool's bytes for that range again, and the server answers OK
+only if it holds exactly those bytes (an identical retry, protocol.md 1.11 APPEND rule 6).
+Anything else (another client with an append key wrote there first) stops the writer with
+a JournalError, before anything in that segment is acknowledged.
+
+``open()`` refuses a namespace whose generations do not form one chain (protocol.md 2.1),
+e.g. a far-future generation someone else published: it would otherwise continue it.
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ from ._store import (
     fenced_epoch,
     mismatch_length,
 )
-from .errors import JournalError, SpoolStale, WriterClosed, WriterFenced
+from .errors import GenerationBreak, JournalError, SpoolStale, WriterClosed, WriterFenced
 from .records import HEADER, PREFIX, MAX_RECORD_LENGTH, Op, RecordDecoder, SnapshotEnd, encode
 from .spool import Spool, SpoolSegment
 
@@ -93,6 +103,7 @@ class JournalWriter:
         self._cur: SpoolSegment | None = None
         self._foreign_unsealed: list[str] = []
         self._pending_ready: list[tuple[int, int]] = []
+        self._new_generations: dict[int, int] = {}  # generation started here -> its first seq
         self._error: BaseException | None = None
         self._closed = False
         self._in_snapshot = False
@@ -180,6 +191,7 @@ class JournalWriter:
         segs = spool.scan()
         entries = list(client.list(layout.GEN_PREFIX))
         gens = layout.scan_listing(entries)
+        self._check_chain(client, gens)
         server_segs = [s for g in gens.values() for s in g.segments]
         max_epoch = max((s.epoch for s in server_segs), default=0)
 
@@ -237,12 +249,14 @@ class JournalWriter:
             self.had_spool = True
         else:
             self.had_spool = False
-            if not gens:
+            if not any(g.segments for g in gens.values()):
                 self.generation = 0
                 self._seq = floor
                 self.generation_complete = False
             else:
-                self.generation = max(gens)
+                # the newest generation written (a ready object without segments is older than all
+                # of them, or the chain check refused it)
+                self.generation = max(g.generation for g in gens.values() if g.segments)
                 self.generation_complete = gens[self.generation].ready
                 last_seq, last_time = floor, 0
                 for g in reversed(list(gens.values())):
@@ -260,9 +274,27 @@ class JournalWriter:
             self._acked = self._seq
         self._foreign_unsealed = [s.name for s in server_segs if not s.sealed
                                   and s.name not in {x.name for x in segs}]
+        # an empty ready object its writer did not get to seal: that writer saw SNAPSHOT_END
+        # acknowledged (it creates ready only then); readers count it once sealed
+        self._foreign_unsealed += [layout.ready_name(g.generation) for g in gens.values()
+                                   if g.segments and g.ready_object == (0, False)]
         self._segs = segs
         self._cur = None  # new records go to a new segment named with our epoch
         self.epoch = epoch
+
+    def _check_chain(self, client, gens) -> None:
+        """Refuse to write after generations that do not form one chain (protocol.md 2.1)."""
+        from .restore import chain_breaks
+
+        breaks = chain_breaks(client, gens)
+        if breaks:
+            b = breaks[0]
+            raise GenerationBreak(
+                b.name, f"{b.reason}" + "".join(f"; also: {x.reason}" for x in breaks[1:])
+                + f". The writer of namespace {self.namespace!r} refuses to open: objects under gen/ were "
+                  f"written by someone else with an append key (or are damaged) and it would continue them. "
+                  f"`sos verify` lists every break; the server's operator removes the foreign objects",
+                generation=b.generation, previous=b.previous or 0)
 
     def _fence(self, client, start: int) -> int:
         epoch = max(start, 1)
@@ -342,11 +374,15 @@ class JournalWriter:
         with self._rotate_lock:
             with self._cv:
                 self._check_usable()
+                if self.generation >= layout.MAX_GENERATION:
+                    raise JournalError(f"generation {self.generation} is the last one a segment name can hold "
+                                       f"(protocol.md 2.1): namespace {self.namespace!r} cannot start another")
                 self.generation += 1
                 self.generation_complete = False
                 self._gen_bytes = 0
                 self._in_snapshot = True
                 gen = self.generation
+                self._new_generations[gen] = self._seq + 1
             try:
                 for op in snapshot_ops:
                     self.append(op)
@@ -483,12 +519,17 @@ class JournalWriter:
             g, seq = arg
             name = layout.ready_name(g)
             try:
-                client.stat(name)
+                length, _sealed = client.stat(name)
             except SOSNotFound:
+                length = 0
                 try:
                     client.append(name, 0, b"", epoch=self.epoch)
-                except OffsetMismatch:
-                    pass  # created meanwhile by a retry that landed
+                except OffsetMismatch as e:
+                    length = mismatch_length(e)  # created meanwhile (by a retry that landed?)
+            if length:
+                raise JournalError(f"{name} holds {length} bytes: a ready object is empty, so this one was not "
+                                   f"written by a writer (someone else with an append key?); generation {g} "
+                                   f"cannot be marked complete")
             client.seal(name, epoch=self.epoch)
             with self._cv:
                 self._pending_ready.remove(arg)
@@ -506,6 +547,8 @@ class JournalWriter:
                 self._spool.remove(seg)
 
     def _ship(self, client, seg: SpoolSegment) -> None:
+        if self._new_generations.get(seg.generation) == seg.first_seq:
+            self._check_new_generation(client, seg)
         if seg.shipped < 0:
             try:
                 length, _sealed = client.stat(seg.name)
@@ -514,7 +557,10 @@ class JournalWriter:
             if length > seg.written:
                 raise JournalError(f"server object {seg.name} is longer ({length}) than the spool "
                                    f"({seg.written})")
+            if length > seg.confirmed:
+                self._confirm(client, seg, length)  # bytes we have not had acknowledged ourselves
             with self._cv:
+                seg.confirmed = length
                 seg.shipped = length
                 if length in (0, seg.written):
                     seg.boundary = length
@@ -564,7 +610,7 @@ class JournalWriter:
                 raise JournalError(f"server object {seg.name} is longer ({have}) than the spool "
                                    f"({seg.written})") from e
             with self._cv:
-                seg.shipped = have
+                seg.shipped = -1  # STAT, then confirm whatever we did not send ourselves
             return
         if new_len != offset + total:
             # The server says another length: believe it after a STAT on the next round.
@@ -573,9 +619,56 @@ class JournalWriter:
             return
         with self._cv:
             seg.shipped = new_len
+            seg.confirmed = new_len  # acknowledged to us: ours (appended, or compared by the server)
             seg.boundary = new_len  # every APPEND round ends on a record boundary
             self.bytes_shipped += total
             self._after_ack(last_seq)
+
+    def _check_new_generation(self, client, seg: SpoolSegment) -> None:
+        """Before the first segment of a generation this writer started goes out: nobody else
+        has objects in that generation (else the journal would mix them in, protocol.md 2.1)."""
+        prefix = layout.gen_prefix(seg.generation)
+        others = sorted(e.name for e in client.list(prefix) if e.name != seg.name)
+        if others:
+            raise JournalError(f"generation {seg.generation} that this writer starts already holds "
+                               f"{', '.join(others[:3])}{' ...' if len(others) > 3 else ''}: written by "
+                               f"someone else with an append key; the writer stops rather than mix them "
+                               f"into the journal")
+        with self._cv:
+            self._new_generations.pop(seg.generation, None)
+
+    def _confirm(self, client, seg: SpoolSegment, end: int) -> None:
+        """Make sure the server's bytes ``[seg.confirmed, end)`` of ``seg`` are the spool's: send
+        them again at their offsets. The server acknowledges an identical retry without writing
+        anything and refuses different bytes (OFFSET_MISMATCH, or SEALED if sealed), so bytes
+        this writer did not send are never counted as acknowledged."""
+        pos = seg.confirmed
+        while pos < end:
+            chunks = []
+            nxt = pos
+            while len(chunks) < self.pipeline and nxt < end:
+                n = min(self.chunk_bytes, end - nxt)
+                chunks.append(seg.pread(n, nxt))
+                nxt += n
+            try:
+                if len(chunks) == 1 or not hasattr(client, "append_many"):
+                    got = pos
+                    for c in chunks:
+                        got = client.append(seg.name, got, c, epoch=self.epoch)
+                else:
+                    got = client.append_many(seg.name, pos, chunks, epoch=self.epoch)
+            except (OffsetMismatch, SealedError) as e:
+                raise JournalError(
+                    f"server object {seg.name} holds bytes in [{pos}, {nxt}) that differ from this writer's "
+                    f"spool ({seg.path}): this writer did not send them (another client with an append key "
+                    f"wrote there first?); they are not counted as acknowledged and the writer stops "
+                    f"({type(e).__name__}: {e})") from e
+            if got != nxt:
+                raise JournalError(f"server object {seg.name}: re-sending [{pos}, {nxt}) to compare it answered "
+                                   f"length {got}")
+            with self._cv:
+                seg.confirmed = nxt
+            pos = nxt
 
     def _after_ack(self, last_seq) -> None:
         """Called with the lock held after the server acknowledged data."""
