@@ -21,7 +21,7 @@ import trio
 from conftest import RawClient
 from sos_client import Client
 from sos_client.errors import QuotaExceeded, SOSError
-from sos_client.journal import JournaledTree, JournalWriter, restore
+from sos_client.journal import GenerationBreak, JournaledTree, JournalWriter, restore
 from sos_client.journal.testing import tree_state
 from sos_server.engine import Engine, plan_retention
 from sos_server.storage import Storage
@@ -154,7 +154,11 @@ def test_retention_waits_min_age_after_newer_generations_complete(sos_server, tm
     with RawClient(srv.address) as c:
         c.login(key, "victim")
         assert names(c, "gen/0000000001/") == gen1
-    restore(factory(srv, "victim", key), "victim", str(tmp_path / "out"), position=3)
+    # the forged generations do not continue generation 1 (no segments): restore refuses the
+    # journal as a whole, and generation 1 alone is still there to restore
+    with pytest.raises(GenerationBreak):
+        restore(factory(srv, "victim", key), "victim", str(tmp_path / "out"))
+    restore(factory(srv, "victim", key), "victim", str(tmp_path / "out"), generation=1, force=True)
     assert tree_state(str(tmp_path / "out")) == {"precious": b"real data"}
     # once they have been complete for min_age (time for an operator to notice), rules apply
     srv.stop()

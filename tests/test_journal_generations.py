@@ -22,6 +22,7 @@ import pytest
 from conftest import ServerProcess
 
 from sos_client import Client
+from sos_client.errors import Fenced, SOSError
 from sos_client.journal import (
     GenerationBreak,
     JournaledTree,
@@ -75,6 +76,11 @@ def publish(c, generation: int, first_seq: int, ops, *, epoch: int = 0, ready: b
     """Write one segment of ``ops`` (+ raw ``tail``) and, if ``ready``, a sealed empty ready
     (``ready=False``: an empty ready left unsealed; None: none). Returns the last seq."""
     name = layout.segment_name(generation, first_seq, epoch)
+    if epoch:
+        try:  # the server takes appends only at the namespace's fence: hold it first
+            c.fence(epoch)
+        except Fenced:
+            pass  # already there (a FENCE must go up)
     c.append(name, 0, records(ops, first_seq) + tail, epoch=epoch)
     if seal:
         c.seal(name, epoch=epoch)
@@ -99,12 +105,16 @@ def test_forged_far_future_generation_is_refused_by_restore_verify_and_a_new_wri
     t.mkdir("chk")
     put_file(t, "chk/a", b"real-1")
     t.sync(wait=True)
-    # the attacker: another append key of the namespace publishes a small complete generation
-    # 9999999999 (with the writer's epoch: the fence lets it through)
+    # the attacker: another append key of the namespace. The server refuses a far-future
+    # generation outright (generations grow by one, protocol.md 2.1) ...
     attacker = sos_server.keygen(ns, "append")
     with Client(sos_server.address, attacker, ns, timeout=60) as c:
-        publish(c, layout.MAX_GENERATION, 1, [Create("evil"), Write("evil", 0, b"attacker"),
-                                              SnapshotEnd(layout.MAX_GENERATION)], epoch=w.epoch)
+        with pytest.raises(SOSError, match="generations grow by one"):
+            publish(c, layout.MAX_GENERATION, 1, [Create("evil"), SnapshotEnd(layout.MAX_GENERATION)],
+                    epoch=w.epoch)
+        # ... so it publishes a small complete generation 2 that does not continue generation 1
+        # (its snapshot starts at seq 1), with the writer's epoch: the fence lets it through
+        publish(c, 2, 1, [Create("evil"), Write("evil", 0, b"attacker"), SnapshotEnd(2)], epoch=w.epoch)
     # the live writer still gets its acks, for records restore must return
     put_file(t, "chk/b", b"acknowledged after the forgery")
     t.sync(wait=True)
@@ -114,17 +124,17 @@ def test_forged_far_future_generation_is_refused_by_restore_verify_and_a_new_wri
     target = tmp_path / "out"
     r = run_sos(sos_server, key, "restore", "-q", ns, str(target))
     assert r.returncode == 3, (r.returncode, r.stderr)
-    assert "generation 9999999999 does not continue generation 1" in r.stderr, r.stderr
+    assert "generation 2 does not continue generation 1" in r.stderr, r.stderr
     assert "nothing written" in r.stderr and "Traceback" not in r.stderr
     assert not target.exists()
     with pytest.raises(GenerationBreak) as ei:
         restore(fac, ns, str(tmp_path / "lib"))
-    assert ei.value.generation == layout.MAX_GENERATION and ei.value.previous == 1
+    assert ei.value.generation == 2 and ei.value.previous == 1
     assert not (tmp_path / "lib").exists()
 
     v = run_sos(sos_server, key, "verify", "-q", ns)
     assert v.returncode == 3, (v.returncode, v.stdout, v.stderr)
-    assert re.search(r"BROKEN gen/9999999999/\S+ .*does not continue generation 1", v.stdout), v.stdout
+    assert re.search(r"BROKEN gen/0000000002/\S+ .*does not continue generation 1", v.stdout), v.stdout
 
     # the way out: the writer's generation alone, with every acknowledged record
     r = run_sos(sos_server, key, "restore", "-q", "--generation", "1", ns, str(tmp_path / "gen1"))
