@@ -196,6 +196,16 @@ def sos_server(sos_server_factory) -> ServerProcess:
     return sos_server_factory()
 
 
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, request):
+    """One real ``sos-server`` shared by the tests of a module (each test uses namespaces of
+    its own); ``sos_server`` is the per-test one, for tests that stop, crash or reconfigure it."""
+    base = tmp_path_factory.mktemp(request.module.__name__.rpartition(".")[2])
+    srv = ServerProcess(base / "data", log_path=base / "server.log").start()
+    yield srv
+    srv.stop()
+
+
 class RawClient:
     """A blocking, frame-at-a-time client over sos_wire.Connection (server tests)."""
 

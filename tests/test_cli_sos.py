@@ -9,18 +9,9 @@ import sys
 
 import pytest
 
-from conftest import ServerProcess
 from sos_client import cli
 
 SOS = [shutil.which("sos")] if shutil.which("sos") else [sys.executable, "-m", "sos_client.cli"]
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    base = tmp_path_factory.mktemp("cli")
-    srv = ServerProcess(base / "data", log_path=base / "server.log").start()
-    yield srv
-    srv.stop()
 
 
 _n = iter(range(10_000))

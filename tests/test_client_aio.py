@@ -9,18 +9,9 @@ import subprocess
 import pytest
 import trio
 
-from conftest import ServerProcess
 from sos_client import Client, ConnectionLost, Fenced, OffsetMismatch, SealedError, SOSNotFound, SOSPermissionError
 from sos_client.aio import open_client
 from sos_wire import ErrorCode, KeyRole
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    base = tmp_path_factory.mktemp("client-aio")
-    srv = ServerProcess(base / "data", log_path=base / "server.log").start()
-    yield srv
-    srv.stop()
 
 
 _n = iter(range(10_000))

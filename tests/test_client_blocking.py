@@ -8,21 +8,12 @@ import time
 
 import pytest
 
-from conftest import ServerProcess
 from sos_client import (
     BadNameError, ChecksumMismatch, Client, ConnectionLost, Fenced, OffsetMismatch, SealedError, SOSError,
     SOSNotFound, SOSPermissionError, TooLarge,
 )
 from sos_client import _common
 from sos_wire import ErrorCode, Key, KeyRole
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    base = tmp_path_factory.mktemp("client-blocking")
-    srv = ServerProcess(base / "data", log_path=base / "server.log").start()
-    yield srv
-    srv.stop()
 
 
 _ns_counter = iter(range(10_000))

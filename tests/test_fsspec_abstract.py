@@ -8,7 +8,6 @@ import itertools
 import fsspec.tests.abstract as abstract
 import pytest
 
-from conftest import ServerProcess  # the shared real-server helper (tests/conftest.py)
 from spark_plugin import fs as sosfs
 from spark_plugin.fs import SOSFileSystem
 
@@ -16,14 +15,9 @@ NAMESPACE = "fsspec-abstract"
 
 
 @pytest.fixture(scope="module")
-def abstract_server(tmp_path_factory):
-    base = tmp_path_factory.mktemp("sos-abstract-server")
-    server = ServerProcess(base / "data", log_path=base / "server.log").start()
-    try:
-        yield server
-    finally:
-        sosfs.close_all()
-        server.stop()
+def abstract_server(server):
+    yield server
+    sosfs.close_all()
 
 
 @pytest.fixture(scope="module")

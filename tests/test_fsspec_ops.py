@@ -19,7 +19,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import ServerProcess  # the shared real-server helper (tests/conftest.py)
 from spark_plugin import fs as sosfs
 from spark_plugin.fs import SOSFileSystem
 
@@ -27,14 +26,10 @@ _ns_counter = itertools.count()
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    base = tmp_path_factory.mktemp("sos-fsspec-server")
-    srv = ServerProcess(base / "data", log_path=base / "server.log").start()
-    try:
-        yield srv
-    finally:
-        sosfs.close_all()
-        srv.stop()
+def server(server):
+    """The module's server; fsspec instances are dropped after the module."""
+    yield server
+    sosfs.close_all()
 
 
 class _Env:

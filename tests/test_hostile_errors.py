@@ -18,7 +18,6 @@ import struct
 
 import pytest
 
-from conftest import ServerProcess
 from sos_client import (
     BadNameError,
     Client,
@@ -107,12 +106,9 @@ def _error_codes(frames) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def shared_server(tmp_path_factory):
-    """One real server for the module (each test gets its own namespaces: see ``srv``)."""
-    base = tmp_path_factory.mktemp("hostile-errors")
-    server = ServerProcess(base / "data", log_path=base / "server.log").start()
-    yield server
-    server.stop()
+def shared_server(server):
+    """The module's shared server (conftest)."""
+    return server
 
 
 _namespaces = itertools.count()

@@ -17,7 +17,6 @@ import sys
 import crc32c
 import pytest
 
-from conftest import ServerProcess
 from sos_client import Client
 from sos_client.journal import JournalCorrupt, JournalError, restore
 from sos_client.journal.records import Create, Mkdir, SnapshotEnd, Write, encode
@@ -45,12 +44,9 @@ def _good_prefix() -> bytes:
 
 
 @pytest.fixture(scope="module")
-def sos_server(tmp_path_factory):
-    """One real server for the module; each case publishes into its own namespace."""
-    base = tmp_path_factory.mktemp("hostile-journal")
-    server = ServerProcess(base / "data", log_path=base / "server.log").start()
-    yield server
-    server.stop()
+def sos_server(server):
+    """The module's shared server (conftest)."""
+    return server
 
 
 @pytest.fixture

@@ -15,9 +15,7 @@ import os
 import subprocess
 import sys
 
-import pytest
 
-from conftest import ServerProcess
 from sos_client import Client
 from sos_client.journal import JournaledTree, JournalWriter, layout
 from sos_client.journal import cli as jcli
@@ -27,14 +25,6 @@ from sos_client.journal.testing import tree_state
 
 WAIT = 180
 _n = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    base = tmp_path_factory.mktemp("journal-cli")
-    srv = ServerProcess(base / "data", log_path=base / "server.log").start()
-    yield srv
-    srv.stop()
 
 
 def new_ns(server, prefix="r"):
@@ -313,7 +303,7 @@ def test_progress_of_the_commands(server, tmp_path):
     assert rc == 0, drawn
     assert drawn.startswith(f"\rrestore {ns} [")
     bar, summary = drawn.rsplit("\n", 2)[:2]
-    assert bar.endswith("\x1b[K") and f"] 100.0% " in bar.rsplit("\r", 1)[1]
+    assert bar.endswith("\x1b[K") and "] 100.0% " in bar.rsplit("\r", 1)[1]
     assert summary.startswith(f"restored {ns} into ")
     rc, drawn = run_in_pty(server, key, "verify", ns)
     assert rc == 0 and drawn.startswith(f"\rverify {ns} [") and drawn.endswith("\x1b[K\n")

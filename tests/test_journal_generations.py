@@ -19,7 +19,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ServerProcess
 
 from sos_client import Client
 from sos_client.errors import Fenced, SOSError
@@ -44,12 +43,9 @@ _n = itertools.count()
 
 
 @pytest.fixture(scope="module")
-def sos_server(tmp_path_factory):
-    """One real server for the module; each test uses namespaces of its own."""
-    base = tmp_path_factory.mktemp("journal-generations")
-    server = ServerProcess(base / "data", log_path=base / "server.log").start()
-    yield server
-    server.stop()
+def sos_server(server):
+    """The module's shared server (conftest)."""
+    return server
 
 
 def new_ns(server, prefix="g"):

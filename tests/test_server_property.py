@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -16,14 +15,6 @@ from sos_wire.errors import ErrorCode
 
 OBJS = ["a", "b/c", "d"]
 _ns_counter = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    base = tmp_path_factory.mktemp("prop")
-    srv = ServerProcess(base / "data", log_path=base / "server.log").start()
-    yield srv
-    srv.stop()
 
 
 op = st.one_of(
