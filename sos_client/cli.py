@@ -23,7 +23,6 @@ core dependencies, so an import error there is raised, never hidden.  Each subpa
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import ssl
 import sys
@@ -221,10 +220,6 @@ def cmd_stat(args) -> int:
 
 
 # -- parser ---------------------------------------------------------------------------
-_HOOKS = (
-    ("sos_client.journal.cli", "add_parsers"),  # restore, verify
-    ("spark_plugin.cli_mount", "add_parser"),  # mount
-)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -266,15 +261,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_connection_options(p)
     p.set_defaults(func=cmd_stat)
 
-    for module_name, hook in _HOOKS:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            continue  # that part is not installed
-        getattr(module, hook)(sub)
+    # Each subcommand's module imports only core dependencies at this point (pyfuse3, Spark and
+    # the like are imported when the command runs), so an ImportError here is a bug: never hidden.
+    from sos_client.journal.cli import add_parsers as add_journal_parsers
     from spark_plugin.cli_gateway import add_parser as add_gateway_parser
+    from spark_plugin.cli_mount import add_parser as add_mount_parser
 
-    add_gateway_parser(sub)  # core dependencies only: an ImportError here is a bug, not hidden
+    add_journal_parsers(sub)  # restore, verify
+    add_mount_parser(sub)
+    add_gateway_parser(sub)
     return parser
 
 

@@ -167,3 +167,16 @@ def test_malformed_server_address_is_a_usage_error(monkeypatch, capsys, server):
     assert cli.main(["stat", "ns/x", "--server", server]) == 2
     err = capsys.readouterr().err
     assert err.startswith("sos: bad server address") and err.count("\n") == 1
+
+
+def test_every_subcommand_is_registered_and_an_import_error_is_not_hidden(monkeypatch):
+    import sys as _sys
+
+    from sos_client import cli
+
+    names = set(cli.build_parser()._subparsers._group_actions[0].choices)  # type: ignore[union-attr]
+    assert {"put", "cat", "ls", "stat", "restore", "verify", "mount", "gateway"} <= names
+    # a broken subcommand module is an error of `sos` itself, not a silently missing command
+    monkeypatch.setitem(_sys.modules, "spark_plugin.cli_mount", None)  # import raises ImportError
+    with pytest.raises(ImportError):
+        cli.build_parser()
