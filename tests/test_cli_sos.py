@@ -120,24 +120,6 @@ def test_missing_key_is_an_operation_failure(monkeypatch, capsys):
     assert err.startswith("sos: no key given")
 
 
-def test_hooks_are_optional_and_dispatched(monkeypatch, capsys):
-    import types
-
-    calls = []
-
-    def add_parsers(sub):
-        p = sub.add_parser("hooked")
-        cli.add_connection_options(p)
-        p.set_defaults(func=lambda args: calls.append(args.server) or 3)
-
-    fake = types.ModuleType("fake_sos_hook")
-    fake.add_parsers = add_parsers
-    monkeypatch.setitem(sys.modules, "fake_sos_hook", fake)
-    monkeypatch.setattr(cli, "_HOOKS", (("no_such_module_xyz", "add_parser"), ("fake_sos_hook", "add_parsers")))
-    assert cli.main(["hooked", "--server", "h:1"]) == 3
-    assert calls == ["h:1"]
-
-
 def test_split_target():
     assert cli.split_target("ns/a/b") == ("ns", "a/b")
     assert cli.split_target("ns", need_name=False) == ("ns", "")
