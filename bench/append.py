@@ -26,9 +26,7 @@ import ftplib
 import io
 import os
 import shutil
-import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,10 +35,14 @@ import time
 
 import trio
 
-from sos_wire import events as ev
-from sos_wire.auth import Key
-from sos_wire.connection import NEED_DATA, Connection, Role
-from sos_wire.crc import crc32c
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # this checkout's code, and tools/
+
+from sos_wire import events as ev  # noqa: E402 - after the checkout is on sys.path
+from sos_wire.auth import Key  # noqa: E402
+from sos_wire.connection import NEED_DATA, Connection, Role  # noqa: E402
+from sos_wire.crc import crc32c  # noqa: E402
+from tools.demo import LocalServer  # noqa: E402
 
 SIZES = {"1M": 1 << 20, "4K": 4 << 10}
 DEFAULT_CASES = "1M:1,1M:8,1M:64,4K:1,4K:8,4K:64"
@@ -125,43 +127,25 @@ def raw_case(directory: str, size: int, writers: int, seconds: float) -> Result:
 
 
 # -- sos-server ------------------------------------------------------------------------------
-class Server:
-    def __init__(self, data: str, profile: str | None = None) -> None:
-        self.data = data
-        self.log = open(os.path.join(os.path.dirname(data), "server.log"), "wb")
-        cmd = [sys.executable]
-        if profile:
-            cmd += ["-m", "cProfile", "-o", profile]
-        cmd += ["-m", "sos_server.cli", "serve", "--data", data, "--listen", "127.0.0.1:0", "--log-level", "warning",
-                "--metrics", "127.0.0.1:0"]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=self.log)
-        deadline = time.monotonic() + 60
-        while True:
-            with open(self.log.name, "rb") as f:
-                for line in f.read().decode(errors="replace").splitlines():
-                    if line.startswith("sos-server metrics on "):
-                        self.metrics = line.rsplit(" ", 1)[1]
-                    if line.startswith("sos-server listening on "):
-                        host, port = line.rsplit(" ", 1)[1].rsplit(":", 1)
-                        self.address = (host, int(port))
-                        return
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("sos-server did not start; see " + self.log.name)
-            time.sleep(0.05)
+def start_server(data: str, profile: str | None = None) -> LocalServer:
+    """A real ``sos-server`` with metrics on (the shared launcher, tools.demo.LocalServer)."""
+    return LocalServer(data, os.path.join(os.path.dirname(data), "server.log"), metrics=True,
+                       args=["--log-level", "warning"], profile=profile).start()
 
-    def sync_stats(self) -> tuple[float, float]:
-        """(group-commit batches, seconds spent in them, fdatasync calls) so far."""
-        import urllib.request
 
-        with urllib.request.urlopen(f"http://{self.metrics}/metrics", timeout=30) as r:
-            text = r.read().decode()
-        vals = {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in text.splitlines() if ln and ln[0] != "#"}
-        return vals["sos_sync_seconds_count"], vals["sos_sync_seconds_sum"], vals["sos_synced_files_total"]
+def sync_stats(server: LocalServer) -> tuple[float, float, float]:
+    """(group-commit batches, seconds spent in them, fdatasync calls) so far."""
+    import urllib.request
 
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGINT)
-        self.proc.wait(60)
-        self.log.close()
+    with urllib.request.urlopen(f"http://{server.metrics_address}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    vals = {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in text.splitlines() if ln and ln[0] != "#"}
+    return vals["sos_sync_seconds_count"], vals["sos_sync_seconds_sum"], vals["sos_synced_files_total"]
+
+
+def _address(server: LocalServer) -> tuple[str, int]:
+    host, port = server.address.rsplit(":", 1)
+    return host, int(port)
 
 
 async def _writer(address, key: Key, ns: str, name: str, size: int, stop_at: float, warm_at: float, out: list):
@@ -208,23 +192,24 @@ def _cpu(pid: int) -> float:
     return t.user + t.system
 
 
-def sos_case(server: Server, key: Key, ns: str, size: int, writers: int, seconds: float, tag: str) -> Result:
+def sos_case(server: LocalServer, key: Key, ns: str, size: int, writers: int, seconds: float, tag: str) -> Result:
     out: list = []
     warm = min(0.5, seconds / 4)
-    cpu0 = _cpu(server.proc.pid)
-    s0 = server.sync_stats()
+    cpu0 = _cpu(server.pid)
+    s0 = sync_stats(server)
+    address = _address(server)
 
     async def main():
         start = trio.current_time()
         async with trio.open_nursery() as n:
             for i in range(writers):
                 n.start_soon(
-                    _writer, server.address, key, ns, f"bench/{tag}/{i}", size, start + warm + seconds, start + warm, out
+                    _writer, address, key, ns, f"bench/{tag}/{i}", size, start + warm + seconds, start + warm, out
                 )
 
     trio.run(main)
-    cpu = _cpu(server.proc.pid) - cpu0
-    s1 = server.sync_stats()
+    cpu = _cpu(server.pid) - cpu0
+    s1 = sync_stats(server)
     batches, busy, files = (b - a for a, b in zip(s0, s1))
     if batches:
         print(f"<!-- {writers} x {_size_name(size)}: {batches:.0f} group commits, {busy / batches * 1e3:.2f} ms each, "
@@ -264,7 +249,7 @@ class FtpServer:
                 return
             except OSError:
                 if time.monotonic() > deadline:
-                    raise SystemExit("pyftpdlib server did not start")
+                    raise SystemExit("pyftpdlib server did not start") from None
                 time.sleep(0.05)
 
     def stop(self) -> None:
@@ -340,7 +325,7 @@ def main(argv=None) -> int:
         from sos_server.storage import Storage
 
         key = Key.parse(Storage(data).keygen("bench", "append"))
-        server = Server(data, args.profile)
+        server = start_server(data, args.profile)
         try:
             for size, writers in cases:
                 r = sos_case(server, key, "bench", size, writers, args.seconds, f"{size}-{writers}")
