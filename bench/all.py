@@ -33,6 +33,7 @@ import argparse
 import contextlib
 import io
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -95,6 +96,23 @@ def met(ok: bool) -> str:
     return "MET" if ok else "MISSED"
 
 
+NOTHING = "NOT RUN (a case measured nothing: make the cases longer)"
+
+
+def judge(ok: bool, *measured: float) -> str:
+    """MET/MISSED, or NOT RUN when a figure it rests on is zero or unknown (a case too
+    short for a loaded machine, a CPU time below the clock's tick)."""
+    return NOTHING if any(not m or math.isnan(m) for m in measured) else met(ok)
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b else math.nan
+
+
+def fmt(x: float, spec: str = ".2f", suffix: str = "x") -> str:
+    return "-" if math.isnan(x) else f"{x:{spec}}{suffix}"
+
+
 def say(msg: str) -> None:
     print(f"# {msg}", flush=True)
 
@@ -140,10 +158,10 @@ def put_vs_dd(work: str, server: LocalServer, key: str, ns: str, mib: int, runs:
     startup: list[float] = []  # the CLI's own start-up (interpreter, imports), inside put's time
     timed(put_cmd + ["--help"], startup, env=env)
     sos, dd = mib / min(put_s), mib / min(dd_s)
-    ratio = sos / dd
+    r = sos / dd
     return Row(f"`sos put` of {_size(mib)} vs `dd bs=1M conv=fsync` of the same file (best of {runs})",
                f"{sos:,.0f} MiB/s ({min(put_s):.2f} s, of which CLI start-up {startup[0]:.2f} s)",
-               f"dd {dd:,.0f} MiB/s ({min(dd_s):.2f} s)", f"{ratio:.2f}x", ">= 0.85x", met(ratio >= 0.85))
+               f"dd {dd:,.0f} MiB/s ({min(dd_s):.2f} s)", f"{r:.2f}x", ">= 0.85x", met(r >= 0.85))
 
 
 # -- appends ------------------------------------------------------------------------------
@@ -182,19 +200,20 @@ def append_rows(res: dict[tuple[str, int, int], appends.Result]) -> list[Row]:
     rows = []
     for writers, target in ((1, 0.95), (8, 0.85)):
         sos, raw, ftp = (res.get((s, MIB, writers)) for s in ("sos", "raw", "ftp"))
-        ratio = sos.mb_s / raw.mb_s
+        r = ratio(sos.mb_s, raw.mb_s)
         other = f"raw write+fdatasync, {writers} thread{'s' * (writers > 1)}: {raw.mb_s:,.0f} MB/s"
         if ftp is not None:
             other += f"; pyftpdlib (no fsync) {ftp.mb_s:,.0f} MB/s"
         rows.append(Row(f"1 MiB appends, {writers} writer{'s' * (writers > 1)}, ack after fsync",
                         f"{sos.mb_s:,.0f} MB/s, p99 {pct(sos.lat, 99) * 1e3:.1f} ms", other,
-                        f"{ratio:.2f}x", f">= {target:.2f}x raw", met(ratio >= target)))
+                        fmt(r), f">= {target:.2f}x raw", judge(r >= target, sos.mb_s, raw.mb_s)))
     sos, raw, ftp = (res.get((s, KIB4, 1)) for s in ("sos", "raw", "ftp"))
     if ftp is not None:
-        ratio = sos.ops_s / ftp.ops_s
+        r = ratio(sos.ops_s, ftp.ops_s)
         rows.append(Row("4 KiB appends, 1 writer", f"{sos.ops_s:,.0f}/s, p50 {pct(sos.lat, 50) * 1e3:.2f} ms",
                         f"pyftpdlib (no fsync!) {ftp.ops_s:,.0f}/s; raw 1 thread {raw.ops_s:,.0f}/s "
-                        f"({sos.ops_s / raw.ops_s:.2f}x of raw)", f"{ratio:.2f}x", ">= 2x pyftpdlib", met(ratio >= 2)))
+                        f"({fmt(ratio(sos.ops_s, raw.ops_s))} of raw)", fmt(r), ">= 2x pyftpdlib",
+                        judge(r >= 2, sos.ops_s, ftp.ops_s)))
     else:
         rows.append(Row("4 KiB appends, 1 writer", f"{sos.ops_s:,.0f}/s", f"raw 1 thread {raw.ops_s:,.0f}/s", "-",
                         ">= 2x pyftpdlib", "NOT RUN (pyftpdlib missing)"))
@@ -204,15 +223,16 @@ def append_rows(res: dict[tuple[str, int, int], appends.Result]) -> list[Row]:
     if ftp is not None:
         other += f"; pyftpdlib (no fsync) {ftp.ops_s:,.0f}/s"
     rows.append(Row("4 KiB appends, 64 writers", f"{sos.ops_s:,.0f}/s, p99 {p99 * 1e3:.1f} ms", other,
-                    f"{sos.ops_s / raw.ops_s:.2f}x raw", ">= 25,000/s, p99 <= 10 ms",
-                    met(sos.ops_s >= 25000 and p99 <= 0.010)))
+                    fmt(ratio(sos.ops_s, raw.ops_s), suffix="x raw"), ">= 25,000/s, p99 <= 10 ms",
+                    judge(sos.ops_s >= 25000 and p99 <= 0.010, sos.ops_s)))
     for writers in (1, 64):
         sos, raw = res[("sos", KIB4, writers)], res[("raw", KIB4, writers)]
-        s_us = sos.cpu / sos.ops * 1e6 if sos.cpu is not None and sos.ops else float("nan")
-        r_us = raw.cpu / raw.ops * 1e6 if raw.cpu is not None and raw.ops else float("nan")
-        rows.append(Row(f"server CPU per 4 KiB append, {writers} writer{'s' * (writers > 1)}", f"{s_us:,.0f} µs",
-                        f"raw loop ({writers} thread{'s' * (writers > 1)}) {r_us:,.0f} µs per write+fdatasync",
-                        f"{s_us / r_us:.1f}x", "<= 80 µs", met(s_us <= 80)))
+        s_us = ratio(sos.cpu, sos.ops) * 1e6 if sos.cpu is not None else math.nan
+        r_us = ratio(raw.cpu, raw.ops) * 1e6 if raw.cpu is not None else math.nan
+        rows.append(Row(f"server CPU per 4 KiB append, {writers} writer{'s' * (writers > 1)}",
+                        fmt(s_us, ",.0f", " µs"),
+                        f"raw loop ({writers} thread{'s' * (writers > 1)}) {fmt(r_us, ',.0f', ' µs')} per "
+                        "write+fdatasync", fmt(ratio(s_us, r_us), ".1f"), "<= 80 µs", judge(s_us <= 80, s_us)))
     return rows
 
 
@@ -261,10 +281,10 @@ def spark_row(work: str, mode: Mode, jvm_options: str) -> Row:
             res = json.loads(line)
     if code != 0 or res is None:
         return Row(SPARK_MEASURE, "-", "-", "-", target, f"NOT RUN (exit {code}, no figures)")
-    ratio = res["mount_median_ms"] / res["local_median_ms"]
+    r = res["mount_median_ms"] / res["local_median_ms"]
     n = res.get("batches_each", "?")
     return Row(f"{SPARK_MEASURE} ({n} batches each, median)", f"mount {res['mount_median_ms']:.0f} ms",
-               f"local dir {res['local_median_ms']:.0f} ms", f"{ratio:.2f}x", target, met(ratio <= 1.05))
+               f"local dir {res['local_median_ms']:.0f} ms", f"{r:.2f}x", target, met(r <= 1.05))
 
 
 # -- main ---------------------------------------------------------------------------------
