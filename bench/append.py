@@ -4,7 +4,7 @@
 Measures throughput and latency (p50, p99) of 1 MiB and 4 KiB appends with 1, 8 and 64
 writers against a REAL ``sos-server`` process, and prints them beside
 
-- raw ``write + fdatasync`` on the same disk (same sizes, one writer; also 8/64 threads
+- raw ``write + fdatasync`` on the same disk (same sizes, as many threads as writers,
   each on its own file), and
 - pyftpdlib FTP ``APPE`` on the same workload (no fsync: FTP promises nothing).
 
@@ -15,8 +15,10 @@ sees. Usage::
     python bench/append.py --seconds 3 --dir /var/tmp/sos-bench
     python bench/append.py --cases 4K:64 --no-ftp --no-raw --profile /tmp/server.prof
 
-Targets (docs/BENCHMARKS.md): 1 MiB appends >= 85% of raw sequential write+fsync
-throughput; 4 KiB from 64 writers >= 25,000 appends/s with p99 < 10 ms.
+Targets (docs/BENCHMARKS.md): 1 MiB appends >= 85% of raw write+fdatasync throughput with
+the same number of writers (like for like: N SOS writers against N raw threads); 4 KiB from
+64 writers >= 25,000 appends/s with p99 < 10 ms. ``bench/all.py`` runs issue 13's whole
+table in one run and imports the cases from here.
 """
 
 from __future__ import annotations
@@ -26,9 +28,7 @@ import ftplib
 import io
 import os
 import shutil
-import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,10 +37,14 @@ import time
 
 import trio
 
-from sos_wire import events as ev
-from sos_wire.auth import Key
-from sos_wire.connection import NEED_DATA, Connection, Role
-from sos_wire.crc import crc32c
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # this checkout's code, and tools/
+
+from sos_wire import events as ev  # noqa: E402 - after the checkout is on sys.path
+from sos_wire.auth import Key  # noqa: E402
+from sos_wire.connection import NEED_DATA, Connection, Role  # noqa: E402
+from sos_wire.crc import crc32c  # noqa: E402
+from tools.demo import LocalServer  # noqa: E402
 
 SIZES = {"1M": 1 << 20, "4K": 4 << 10}
 DEFAULT_CASES = "1M:1,1M:8,1M:64,4K:1,4K:8,4K:64"
@@ -125,43 +129,31 @@ def raw_case(directory: str, size: int, writers: int, seconds: float) -> Result:
 
 
 # -- sos-server ------------------------------------------------------------------------------
-class Server:
-    def __init__(self, data: str, profile: str | None = None) -> None:
-        self.data = data
-        self.log = open(os.path.join(os.path.dirname(data), "server.log"), "wb")
-        cmd = [sys.executable]
-        if profile:
-            cmd += ["-m", "cProfile", "-o", profile]
-        cmd += ["-m", "sos_server.cli", "serve", "--data", data, "--listen", "127.0.0.1:0", "--log-level", "warning",
-                "--metrics", "127.0.0.1:0"]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=self.log)
-        deadline = time.monotonic() + 60
-        while True:
-            with open(self.log.name, "rb") as f:
-                for line in f.read().decode(errors="replace").splitlines():
-                    if line.startswith("sos-server metrics on "):
-                        self.metrics = line.rsplit(" ", 1)[1]
-                    if line.startswith("sos-server listening on "):
-                        host, port = line.rsplit(" ", 1)[1].rsplit(":", 1)
-                        self.address = (host, int(port))
-                        return
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("sos-server did not start; see " + self.log.name)
-            time.sleep(0.05)
+#: every writer connects from 127.0.0.1 at once: the server's default of 8 connections not
+#: yet authenticated per address (a defence against one host hogging the handshake) would
+#: answer BUSY to the 64-writer cases; that limit is not what is measured here
+SERVER_ARGS = ["--log-level", "warning", "--max-unauthenticated-per-address", "128"]
 
-    def sync_stats(self) -> tuple[float, float]:
-        """(group-commit batches, seconds spent in them, fdatasync calls) so far."""
-        import urllib.request
 
-        with urllib.request.urlopen(f"http://{self.metrics}/metrics", timeout=30) as r:
-            text = r.read().decode()
-        vals = {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in text.splitlines() if ln and ln[0] != "#"}
-        return vals["sos_sync_seconds_count"], vals["sos_sync_seconds_sum"], vals["sos_synced_files_total"]
+def start_server(data: str, profile: str | None = None) -> LocalServer:
+    """A real ``sos-server`` with metrics on (the shared launcher, tools.demo.LocalServer)."""
+    return LocalServer(data, os.path.join(os.path.dirname(data), "server.log"), metrics=True,
+                       args=SERVER_ARGS, profile=profile).start()
 
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGINT)
-        self.proc.wait(60)
-        self.log.close()
+
+def sync_stats(server: LocalServer) -> tuple[float, float, float]:
+    """(group-commit batches, seconds spent in them, fdatasync calls) so far."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{server.metrics_address}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    vals = {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in text.splitlines() if ln and ln[0] != "#"}
+    return vals["sos_sync_seconds_count"], vals["sos_sync_seconds_sum"], vals["sos_synced_files_total"]
+
+
+def _address(server: LocalServer) -> tuple[str, int]:
+    host, port = server.address.rsplit(":", 1)
+    return host, int(port)
 
 
 async def _writer(address, key: Key, ns: str, name: str, size: int, stop_at: float, warm_at: float, out: list):
@@ -208,23 +200,24 @@ def _cpu(pid: int) -> float:
     return t.user + t.system
 
 
-def sos_case(server: Server, key: Key, ns: str, size: int, writers: int, seconds: float, tag: str) -> Result:
+def sos_case(server: LocalServer, key: Key, ns: str, size: int, writers: int, seconds: float, tag: str) -> Result:
     out: list = []
     warm = min(0.5, seconds / 4)
-    cpu0 = _cpu(server.proc.pid)
-    s0 = server.sync_stats()
+    cpu0 = _cpu(server.pid)
+    s0 = sync_stats(server)
+    address = _address(server)
 
     async def main():
         start = trio.current_time()
         async with trio.open_nursery() as n:
             for i in range(writers):
                 n.start_soon(
-                    _writer, server.address, key, ns, f"bench/{tag}/{i}", size, start + warm + seconds, start + warm, out
+                    _writer, address, key, ns, f"bench/{tag}/{i}", size, start + warm + seconds, start + warm, out
                 )
 
     trio.run(main)
-    cpu = _cpu(server.proc.pid) - cpu0
-    s1 = server.sync_stats()
+    cpu = _cpu(server.pid) - cpu0
+    s1 = sync_stats(server)
     batches, busy, files = (b - a for a, b in zip(s0, s1))
     if batches:
         print(f"<!-- {writers} x {_size_name(size)}: {batches:.0f} group commits, {busy / batches * 1e3:.2f} ms each, "
@@ -264,7 +257,7 @@ class FtpServer:
                 return
             except OSError:
                 if time.monotonic() > deadline:
-                    raise SystemExit("pyftpdlib server did not start")
+                    raise SystemExit("pyftpdlib server did not start") from None
                 time.sleep(0.05)
 
     def stop(self) -> None:
@@ -309,6 +302,30 @@ def ftp_case(ftp: FtpServer, size: int, writers: int, seconds: float, tag: str) 
     return Result("pyftpdlib APPE (no fsync)", size, writers, ops, seconds, lat, cpu * ops / total if total else None)
 
 
+def verdicts(results: list[Result]) -> list[str]:
+    """The targets, judged like for like: SOS with N writers against raw write+fdatasync
+    with N threads (same append size, same run), never against another writer count."""
+    def find(name: str, size: int, writers: int) -> Result | None:
+        return next((r for r in results if r.name.startswith(name) and r.size == size and r.writers == writers),
+                    None)
+
+    lines = []
+    for r in sorted((r for r in results if r.name == "sos-server" and r.size == 1 << 20), key=lambda r: r.writers):
+        raw = find("raw", 1 << 20, r.writers)
+        if raw is None or not raw.mb_s:
+            continue
+        ratio = r.mb_s / raw.mb_s
+        lines.append(f"target 1 MiB >= 85% of raw, {r.writers} writer(s) vs {raw.writers} raw thread(s): "
+                     f"sos {r.mb_s:.1f} MB/s = {ratio:.0%} of raw {raw.mb_s:.1f} MB/s"
+                     f" -> {'MET' if ratio >= 0.85 else 'MISSED'}")
+    r = find("sos-server", 4096, 64)
+    if r is not None:
+        ok = r.ops_s >= 25000 and pct(r.lat, 99) < 0.010
+        lines.append(f"target 4 KiB x 64 >= 25,000/s, p99 < 10 ms: {r.ops_s:,.0f}/s, p99 {pct(r.lat, 99) * 1e3:.2f} ms"
+                     f" -> {'MET' if ok else 'MISSED'}")
+    return lines
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seconds", type=float, default=3.0, help="measured seconds per case (after 0.5 s warm-up)")
@@ -340,7 +357,7 @@ def main(argv=None) -> int:
         from sos_server.storage import Storage
 
         key = Key.parse(Storage(data).keygen("bench", "append"))
-        server = Server(data, args.profile)
+        server = start_server(data, args.profile)
         try:
             for size, writers in cases:
                 r = sos_case(server, key, "bench", size, writers, args.seconds, f"{size}-{writers}")
@@ -359,20 +376,9 @@ def main(argv=None) -> int:
                 ftp.stop()
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    raw1m = [r for r in results if r.name.startswith("raw") and r.size == 1 << 20 and r.writers == 1]
-    sos1m = [r for r in results if r.name == "sos-server" and r.size == 1 << 20]
-    sos4k64 = [r for r in results if r.name == "sos-server" and r.size == 4096 and r.writers == 64]
     print()
-    if raw1m and sos1m:
-        best = max(sos1m, key=lambda r: r.mb_s)
-        ratio = best.mb_s / raw1m[0].mb_s if raw1m[0].mb_s else float("nan")
-        print(f"target 1 MiB >= 85% of raw: best sos {best.mb_s:.1f} MB/s ({best.writers} writers) = "
-              f"{ratio:.0%} of raw {raw1m[0].mb_s:.1f} MB/s -> {'MET' if ratio >= 0.85 else 'MISSED'}")
-    if sos4k64:
-        r = sos4k64[0]
-        ok = r.ops_s >= 25000 and pct(r.lat, 99) < 0.010
-        print(f"target 4 KiB x 64 >= 25,000/s, p99 < 10 ms: {r.ops_s:,.0f}/s, p99 {pct(r.lat, 99) * 1e3:.2f} ms"
-              f" -> {'MET' if ok else 'MISSED'}")
+    for line in verdicts(results):
+        print(line)
     return 0
 
 

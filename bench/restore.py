@@ -22,26 +22,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-
-def start_server(data_dir: str):
-    log = open(os.path.join(os.path.dirname(data_dir), "server.log"), "w+b")
-    proc = subprocess.Popen([sys.executable, "-m", "sos_server.cli", "serve", "--data", data_dir,
-                             "--listen", "127.0.0.1:0"], stdout=log, stderr=log, cwd=ROOT)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        log.seek(0)
-        for line in log.read().decode(errors="replace").splitlines():
-            if line.startswith("sos-server listening on "):
-                return proc, line.rsplit(" ", 1)[1].strip()
-        if proc.poll() is not None:
-            raise SystemExit("sos-server exited early; see " + log.name)
-        time.sleep(0.05)
-    proc.kill()
-    raise SystemExit("sos-server did not start")
+from tools.demo import LocalServer, keygen  # noqa: E402 - after the checkout is on sys.path
 
 
 def build_tree(src: str, n_small: int, n_large: int, large_mib: int) -> int:
@@ -78,91 +65,127 @@ def tree_digest(root: str) -> str:
     return h.hexdigest()
 
 
-def main() -> int:
+@dataclass
+class Tree:
+    """A source tree built by :func:`build_tree` and journaled into a namespace."""
+
+    src: str
+    files: int
+    bytes: int
+    digest: str
+    journal_s: float = 0.0
+
+
+@dataclass
+class Comparison:
+    """Seconds per run of ``cp -r`` and of ``restore()``, same tree, same run."""
+
+    cp_s: list[float] = field(default_factory=list)
+    restore_s: list[float] = field(default_factory=list)
+
+    @property
+    def best_ratio(self) -> float:
+        """Restore speed as a fraction of cp's, best run against best run."""
+        return min(self.cp_s) / min(self.restore_s)
+
+    @property
+    def run_ratios(self) -> list[float]:
+        return sorted(c / r for c, r in zip(self.cp_s, self.restore_s))
+
+
+def prepare(work: str, address: str, key: str, ns: str, n_small: int, n_large: int, large_mib: int,
+            say: Callable[[str], None] = print) -> tuple[Tree, Callable]:
+    """Build the tree under WORK/src and journal it into NS on the server at ADDRESS as
+    generation 1's snapshot. Returns the tree and a client factory for ``restore()``."""
+    from sos_client import Client
+    from sos_client.journal import JournaledTree, JournalWriter
+
+    src = os.path.join(work, "src")
+    t0 = time.monotonic()
+    total = build_tree(src, n_small, n_large, large_mib)
+    tree = Tree(src, n_small + n_large, total, tree_digest(src))
+    say(f"tree: {tree.files} files, {total / 2**20:.0f} MiB (built in {time.monotonic() - t0:.1f}s)")
+    fac = lambda: Client(address, key, ns, timeout=120)  # noqa: E731
+
+    # Journal the tree: a fresh namespace + an existing cache = generation 1's snapshot.
+    cache = os.path.join(work, "cache")
+    shutil.copytree(src, cache)
+    t0 = time.monotonic()
+    w = JournalWriter(fac, ns, os.path.join(work, "spool"), generation_bytes=1 << 40)
+    JournaledTree(cache, w).close()
+    tree.journal_s = time.monotonic() - t0
+    say(f"journaled into sos-server in {tree.journal_s:.1f}s ({total / 2**20 / tree.journal_s:.0f} MiB/s)")
+    shutil.rmtree(cache)
+    return tree, fac
+
+
+def compare(work: str, tree: Tree, fac: Callable, ns: str, runs: int,
+            say: Callable[[str], None] = print) -> Comparison:
+    """Time ``cp -r`` and ``restore()`` of TREE RUNS times each, alternating which goes first,
+    ``sync`` before each timed step; the first restore is checked against the source."""
+    from sos_client.journal import restore
+
+    out = Comparison()
+
+    def run_cp(run: int) -> None:
+        dst = os.path.join(work, f"cp{run}")
+        subprocess.run(["sync"])
+        t0 = time.monotonic()
+        subprocess.run(["cp", "-r", tree.src, dst], check=True)
+        out.cp_s.append(time.monotonic() - t0)
+
+    def run_restore(run: int) -> None:
+        dst = os.path.join(work, f"restore{run}")
+        subprocess.run(["sync"])
+        t0 = time.monotonic()
+        s = restore(fac, ns, dst)
+        out.restore_s.append(time.monotonic() - t0)
+        if run == 0:
+            assert s.files == tree.files and s.bytes == tree.bytes, s
+            assert tree_digest(dst) == tree.digest, "restored tree differs from the source"
+
+    # No deletions between timed steps (freeing 1 GiB slows the next writer down on this
+    # disk); the order alternates so neither side always runs on a fresher page cache.
+    for run in range(runs):
+        if run % 2 == 0:
+            run_cp(run)
+            run_restore(run)
+        else:
+            run_restore(run)
+            run_cp(run)
+        say(f"run {run}: cp -r {out.cp_s[-1]:.2f}s, restore {out.restore_s[-1]:.2f}s")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small", type=int, default=20000, help="number of small files (1-32 KiB)")
     ap.add_argument("--large", type=int, default=4, help="number of large files")
     ap.add_argument("--large-mib", type=int, default=160, help="size of each large file in MiB")
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--workdir", default=None)
-    args = ap.parse_args()
-
-    from sos_client import Client
-    from sos_client.journal import JournaledTree, JournalWriter, restore
-    from sos_server.storage import Storage
+    args = ap.parse_args(argv)
 
     work = tempfile.mkdtemp(prefix="sos-bench-restore-", dir=args.workdir)
     server = None
     try:
-        src = os.path.join(work, "src")
-        t0 = time.monotonic()
-        total = build_tree(src, args.small, args.large, args.large_mib)
-        n_files = args.small + args.large
-        print(f"tree: {n_files} files, {total / 2**20:.0f} MiB (built in {time.monotonic() - t0:.1f}s)")
-        digest = tree_digest(src)
-
         data = os.path.join(work, "data")
-        os.makedirs(data)
-        server, address = start_server(data)
         ns = "bench"
-        out = subprocess.run([sys.executable, "-m", "sos_server.cli", "keygen", "--data", data, ns,
-                              "--role", "append"], capture_output=True, text=True, cwd=ROOT)
-        key = out.stdout.strip().splitlines()[-1] if out.returncode == 0 else Storage(data).keygen(ns, "append")
-        fac = lambda: Client(address, key, ns, timeout=120)  # noqa: E731
-
-        # Journal the tree: a fresh namespace + an existing cache = generation 1's snapshot.
-        cache = os.path.join(work, "cache")
-        shutil.copytree(src, cache)
-        t0 = time.monotonic()
-        w = JournalWriter(fac, ns, os.path.join(work, "spool"), generation_bytes=1 << 40)
-        tree = JournaledTree(cache, w)
-        tree.close()
-        journal_s = time.monotonic() - t0
-        print(f"journaled into sos-server in {journal_s:.1f}s ({total / 2**20 / journal_s:.0f} MiB/s)")
-        shutil.rmtree(cache)
-
-        cp_times, rs_times = [], []
-
-        def run_cp(run):
-            dst = os.path.join(work, f"cp{run}")
-            subprocess.run(["sync"])
-            t0 = time.monotonic()
-            subprocess.run(["cp", "-r", src, dst], check=True)
-            cp_times.append(time.monotonic() - t0)
-
-        def run_restore(run):
-            dst = os.path.join(work, f"restore{run}")
-            subprocess.run(["sync"])
-            t0 = time.monotonic()
-            s = restore(fac, ns, dst)
-            rs_times.append(time.monotonic() - t0)
-            if run == 0:
-                assert s.files == n_files and s.bytes == total, s
-                assert tree_digest(dst) == digest, "restored tree differs from the source"
-
-        # No deletions between timed steps (freeing 1 GiB slows the next writer down on this
-        # disk); the order alternates so neither side always runs on a fresher page cache.
-        for run in range(args.runs):
-            if run % 2 == 0:
-                run_cp(run)
-                run_restore(run)
-            else:
-                run_restore(run)
-                run_cp(run)
-            print(f"run {run}: cp -r {cp_times[-1]:.2f}s, restore {rs_times[-1]:.2f}s")
-
-        ratios = sorted(c / r for c, r in zip(cp_times, rs_times))
+        key = keygen(data, ns)
+        server = LocalServer(data, os.path.join(work, "server.log")).start()
+        tree, fac = prepare(work, server.address, key, ns, args.small, args.large, args.large_mib)
+        c = compare(work, tree, fac, ns, args.runs)
+        ratios = c.run_ratios
         print("per-run restore/cp speed: " + ", ".join(f"{x * 100:.0f}%" for x in ratios)
               + f" (median {ratios[len(ratios) // 2] * 100:.0f}%)")
-        cp, rs = min(cp_times), min(rs_times)
-        print(f"cp -r:   {cp:.2f}s  {total / 2**20 / cp:.0f} MiB/s  {n_files / cp:.0f} files/s")
-        print(f"restore: {rs:.2f}s  {total / 2**20 / rs:.0f} MiB/s  {n_files / rs:.0f} files/s")
+        cp, rs = min(c.cp_s), min(c.restore_s)
+        print(f"cp -r:   {cp:.2f}s  {tree.bytes / 2**20 / cp:.0f} MiB/s  {tree.files / cp:.0f} files/s")
+        print(f"restore: {rs:.2f}s  {tree.bytes / 2**20 / rs:.0f} MiB/s  {tree.files / rs:.0f} files/s")
         print(f"restore speed = {cp / rs * 100:.0f}% of cp -r (target >= 80%)")
         return 0
     finally:
         if server is not None:
-            server.terminate()
-            server.wait(30)
+            server.stop()
         shutil.rmtree(work, ignore_errors=True)
 
 

@@ -35,6 +35,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 
 from tools import child_env
 
@@ -45,6 +46,7 @@ ROCKSDB_PROVIDER = "org.apache.spark.sql.execution.streaming.state.RocksDBStateS
 #: only and the serial GC (measured: 44-50 s against 113-118 s for the same 4 batches)
 DRIVER_JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 LISTEN_RE = re.compile(r"sos-server listening on (\S+):(\d+)")
+METRICS_RE = re.compile(r"sos-server metrics on (\S+):(\d+)")
 
 _T0 = time.monotonic()
 
@@ -149,29 +151,54 @@ def keygen(data_dir: str, namespace: str, role: str = "append") -> str:
 
 
 class LocalServer:
-    """A real ``sos-server serve`` child process on 127.0.0.1, port chosen by the kernel."""
+    """A real ``sos-server serve`` child process on 127.0.0.1, port chosen by the kernel.
 
-    def __init__(self, data_dir: str, log_path: str):
+    The one launcher of the demo and the benches. ``metrics=True`` also serves Prometheus
+    metrics on a kernel-chosen port (``metrics_address``); ``args`` are extra ``serve``
+    options; ``profile=FILE`` runs the server under cProfile and writes its stats to FILE
+    when it stops. The child imports this checkout (``tools.child_env``).
+    """
+
+    def __init__(self, data_dir: str, log_path: str, *, args: Sequence[str] = (),
+                 metrics: bool = False, profile: str | None = None):
         self.data_dir = data_dir
         self.log_path = log_path
+        self.args = list(args)
+        self.metrics = metrics
+        self.profile = profile
         self.proc: subprocess.Popen | None = None
         self.address = ""
+        self.metrics_address = ""
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
 
     def start(self, timeout: float = 120.0) -> "LocalServer":
         os.makedirs(self.data_dir, exist_ok=True)
         self._log = open(self.log_path, "ab")
+        if self.profile:  # cProfile runs a module, not -c
+            cmd = [sys.executable, "-m", "cProfile", "-o", self.profile, "-m", "sos_server.cli"]
+        else:
+            cmd = _python_call("sos_server.cli")
+        cmd += ["serve", "--data", self.data_dir, "--listen", "127.0.0.1:0"]
+        if self.metrics:
+            cmd += ["--metrics", "127.0.0.1:0"]
         self.proc = subprocess.Popen(
-            _python_call("sos_server.cli") + ["serve", "--data", self.data_dir,
-                                              "--listen", "127.0.0.1:0"],
+            cmd + self.args,
             stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.PIPE,
-            start_new_session=True)
+            start_new_session=True, env=child_env())
         found = threading.Event()
 
         def pump():  # copy stderr into the log, spot the listening line
             for raw in self.proc.stderr:
                 self._log.write(raw)
                 self._log.flush()
-                m = LISTEN_RE.search(raw.decode(errors="replace"))
+                text = raw.decode(errors="replace")
+                m = METRICS_RE.search(text)
+                if m:
+                    self.metrics_address = f"{m.group(1)}:{m.group(2)}"
+                m = LISTEN_RE.search(text)
                 if m and not found.is_set():
                     self.address = f"{m.group(1)}:{m.group(2)}"
                     found.set()
