@@ -426,3 +426,52 @@ def test_gateway_runs_unprivileged_on_a_read_only_root_as_the_deployment_says(
     assert cache_writes > 0, "the trace saw no write at all: is strace tracing?"
     assert stray == [], f"writes outside the volumes: {stray[:20]}"
     assert tmp_writes == [], f"writes in TMPDIR (an emptyDir, allowed, but DEPLOY.md says none): {tmp_writes[:20]}"
+
+
+def test_image_env_keeps_python_from_writing_and_the_trace_would_see_it(tmp_path, tmp_path_factory,
+                                                                         sandboxes):
+    """The check above is not vacuous: in the same sandbox, Python without the image's
+    PYTHONDONTWRITEBYTECODE tries to write a __pycache__ (EROFS, silently), and a write to
+    /tmp fails; both show up in the trace. With the image's environment neither happens."""
+    mod = tmp_path / "code"
+    mod.mkdir()
+    (mod / "fresh_module.py").write_text("VALUE = 1\n")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    os.chmod(cache, 0o777)
+    _open_to_others(mod, tmp_path_factory.getbasetemp())
+    script = ("import errno, fresh_module\n"
+              "try:\n    open('/tmp/sos-ro-probe', 'w')\n"
+              "except OSError as exc:\n    print(errno.errorcode[exc.errno])\n")
+
+    def run(name: str, env: dict[str, str]) -> tuple[str, list[tuple[str, str]]]:
+        env = dict(env, PYTHONPATH=str(mod), PATH="/usr/bin:/bin", HOME="/nonexistent")
+        box = Sandboxed(tmp_path, name, [sys.executable, "-c", script], env, [cache], UID, sandboxes)
+        assert box.proc.wait(300) == 0, box.text()
+        return box.text().strip(), [w for w in box.writes() if w[1] != "/dev/null"]
+
+    out, writes = run("without-image-env", {})
+    assert out == "EROFS"  # the root filesystem is read-only, also for /tmp
+    assert ("openat", "/tmp/sos-ro-probe") in writes
+    assert any("__pycache__" in path for _, path in writes), writes
+
+    image_env = dockerfile_env()
+    assert image_env.get("PYTHONDONTWRITEBYTECODE") == "1"
+    assert image_env.get("TMPDIR") == "/tmp"
+    out, writes = run("image-env", image_env)
+    assert out == "EROFS"
+    assert writes == [("openat", "/tmp/sos-ro-probe")]  # no __pycache__ attempt at all
+
+
+def test_dockerfile_prepares_a_read_only_gateway():
+    from deploy_support import dockerfile_final_stage
+
+    final = dockerfile_final_stage()
+    runs = " ".join(a for i, a in final if i == "RUN")
+    assert "compileall" in runs  # byte-compiled once: nothing to compile on a read-only root
+    exposed = " ".join(a for i, a in final if i == "EXPOSE").split()
+    gateway = one(k8s_documents("sos-gateway.yaml"), "Deployment")["spec"]["template"]["spec"]
+    port = option(gateway["containers"][0]["args"], "--listen").rsplit(":", 1)[1]
+    assert port in exposed
+    user = [a for i, a in final if i == "USER"][-1].split(":")[0]
+    assert user == str(gateway["securityContext"]["runAsUser"])
