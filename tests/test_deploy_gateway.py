@@ -51,13 +51,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 UID = 10001
 #: syscalls that create, change or remove something in the file system
-TRACED = ("open,openat,openat2,creat,mkdir,mkdirat,rename,renameat,renameat2,unlink,unlinkat,"
-          "rmdir,link,linkat,symlink,symlinkat,truncate,chmod,fchmodat,chown,lchown,fchownat,"
-          "utimensat,mknod,mknodat")
-_WRITE_FLAGS = ("O_WRONLY", "O_RDWR", "O_CREAT", "O_TRUNC", "O_APPEND")
 _ALWAYS_WRITES = {"mkdir", "mkdirat", "rename", "renameat", "renameat2", "unlink", "unlinkat",
                   "rmdir", "link", "linkat", "symlink", "symlinkat", "truncate", "chmod",
-                  "fchmodat", "chown", "lchown", "fchownat", "utimensat", "mknod", "mknodat"}
+                  "fchmodat", "chown", "lchown", "fchownat", "utimensat", "mknod", "mknodat",
+                  # on a descriptor (strace -y names its file)
+                  "fchmod", "fchown", "ftruncate", "fallocate", "setxattr", "lsetxattr",
+                  "fsetxattr", "removexattr", "lremovexattr", "fremovexattr"}
+TRACED = ",".join(sorted({"open", "openat", "openat2", "creat"} | _ALWAYS_WRITES))
+_WRITE_FLAGS = ("O_WRONLY", "O_RDWR", "O_CREAT", "O_TRUNC", "O_APPEND")
 
 
 def _tool(name: str) -> str:
@@ -253,8 +254,8 @@ def _paths(call: str, args: str) -> list[str]:
             paths.append("")  # the link's target is not written
             continue
         paths.append(rel if rel.startswith("/") else os.path.normpath(os.path.join(dirfd or "/", rel)))
-    if call == "utimensat" and not paths:
-        m = re.match(r"\d+<([^>]*)>, NULL", args)
+    if not paths:  # a call on a descriptor (utimensat(fd, NULL, ...), fchmod, ...)
+        m = re.match(r"\d+<([^>]*)>", args)
         if m:
             paths.append(m.group(1))
     return [p for p in paths if p]
