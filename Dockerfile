@@ -1,7 +1,12 @@
 # syntax=docker/dockerfile:1
-# One image for both roles:
+# One image for three roles:
 #   server (default):  docker run -p 7070:7070 -v sos-data:/data -v "$PWD/tls:/tls:ro" IMAGE
 #                      (TLS: /tls/tls.crt and /tls/tls.key, made as docs/DEPLOY.md shows)
+#   gateway:           docker run --read-only --tmpfs /tmp --cap-drop ALL \
+#                        --security-opt no-new-privileges -v gw-cache:/cache -e SOS_KEY ... IMAGE \
+#                        sos gateway NAMESPACE --listen 0.0.0.0:9870 --cache /cache/NAMESPACE \
+#                        --tls-ca /tls/server/tls.crt --tls-cert ... --tls-key ...
+#                      (unprivileged, uid 10001, read-only root: it writes only in --cache)
 #   mount sidecar:     docker run --device /dev/fuse --cap-add SYS_ADMIN IMAGE \
 #                        sos mount NAMESPACE /mnt/sos --cache /cache --tls-ca /tls/tls.crt
 # See docs/DEPLOY.md.
@@ -24,7 +29,7 @@ RUN pip wheel --no-cache-dir --wheel-dir /wheels '.[mount]'
 # ---- runtime
 FROM python:3.11-slim-bookworm
 LABEL org.opencontainers.image.title="sos" \
-      org.opencontainers.image.description="SOS: journal replication for Spark streaming checkpoints (sos-server and the sos mount sidecar)" \
+      org.opencontainers.image.description="SOS: journal replication for Spark streaming checkpoints (sos-server, sos gateway and the sos mount sidecar)" \
       org.opencontainers.image.licenses="Apache-2.0"
 # hadolint ignore=DL3008
 RUN apt-get update \
@@ -33,22 +38,32 @@ RUN apt-get update \
 COPY --from=build /wheels /wheels
 # the version built above (pyproject.toml); only the local wheels are used (--no-index)
 ARG SOS_VERSION=0.1.0
+# byte-compiled here, once: on a read-only root filesystem nothing can be compiled (and
+# cached) at run time, and the base image ships its standard library without .pyc files
 RUN pip install --no-cache-dir --no-index --find-links /wheels "sos[mount]==${SOS_VERSION}" \
-    && rm -rf /wheels
+    && rm -rf /wheels \
+    && python -m compileall -q /usr/local/lib/python3.11
 COPY deploy/healthcheck.py /usr/local/lib/sos/healthcheck.py
-# the server runs unprivileged; the mount sidecar overrides the user (FUSE needs
-# /dev/fuse and CAP_SYS_ADMIN: run it as root with --user 0)
+# the server and the gateway run unprivileged; the mount sidecar overrides the user (FUSE
+# needs /dev/fuse and CAP_SYS_ADMIN: run it as root with --user 0)
 RUN groupadd --system --gid 10001 sos \
     && useradd --system --uid 10001 --gid sos --home-dir /data --shell /usr/sbin/nologin sos \
     && mkdir -p /data /cache /mnt/sos \
     && chown sos:sos /data /cache
 USER 10001:10001
 VOLUME ["/data"]
-EXPOSE 7070 9070
-# the server listens with TLS only (certificate and key mounted at /tls): the health check too
+# 7070 server (TLS), 9070 its metrics, 9870 the gateway (WebHDFS, HTTPS)
+EXPOSE 7070 9070 9870
+# the server listens with TLS only (certificate and key mounted at /tls): the health check too.
+# A read-only root filesystem works: the wheels were byte-compiled when installed, so Python
+# writes no __pycache__ (PYTHONDONTWRITEBYTECODE: it does not even try); the only writable
+# places are the volumes (/data for the server, --cache for the gateway) and TMPDIR (a
+# tmpfs / emptyDir at /tmp where the root is read-only; nothing of SOS writes there today)
 ENV SOS_HEALTH_ADDR=127.0.0.1:7070 \
     SOS_HEALTH_TLS=1 \
-    PYTHONUNBUFFERED=1
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    TMPDIR=/tmp
 HEALTHCHECK --interval=30s --timeout=10s --start-period=20s --retries=3 \
     CMD ["python", "/usr/local/lib/sos/healthcheck.py"]
 ENTRYPOINT ["/usr/bin/tini", "--"]

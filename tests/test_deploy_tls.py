@@ -64,7 +64,8 @@ def test_compose_server_and_sidecar_use_tls():
     assert mounted and mounted[0].split(":")[0].endswith("tls.crt")  # the certificate, not the key
     assert not any("tls.key" in str(v) for v in mount["volumes"])
     _no_key_on_argv(mount["command"])
-    assert "SOS_KEY" in mount["environment"]
+    # the key from a file (a compose secret), or the environment
+    assert "SOS_KEY_FILE" in mount["environment"] or "SOS_KEY" in mount["environment"]
 
 
 def test_kubernetes_server_and_sidecar_use_tls_from_a_secret():
@@ -99,7 +100,8 @@ def test_kubernetes_server_and_sidecar_use_tls_from_a_secret():
 def _documented_cert_command() -> str:
     text = (ROOT / "docs" / "DEPLOY.md").read_text()
     blocks = re.findall(r"```sh\n(.*?)```", text, re.DOTALL)
-    lines = [line for b in blocks for line in b.splitlines() if "openssl req" in line]
+    lines = [line for b in blocks for line in b.splitlines()
+             if "openssl req" in line and "/CN=sos-server" in line]
     assert len(lines) == 1, lines
     return lines[0]
 

@@ -92,7 +92,7 @@ def test_compose_and_kubernetes_examples_are_wired_for_fuse():
     mount = compose["services"]["sos-mount"]
     assert "/dev/fuse" in mount["devices"] and "SYS_ADMIN" in mount["cap_add"]
     assert mount["command"][:2] == ["sos", "mount"]
-    job_vols = compose["services"]["spark-job"]["volumes"]
+    job_vols = compose["services"]["spark-mount-job"]["volumes"]
     assert any(isinstance(v, dict) and v["target"] == "/mnt/sos" for v in job_vols)
 
     docs = list(yaml.safe_load_all((ROOT / "deploy" / "k8s" / "spark-driver.yaml").read_text()))
