@@ -142,7 +142,8 @@ def channel_binding_of(tls) -> bytes:
     server refuses."""
     der = tls.getpeercert(binary_form=True)
     if not der:
-        raise ConnectionLost("the TLS server presented no certificate: the AUTH proof cannot be bound to it")
+        raise ConnectionLost("the TLS server presented no certificate: the AUTH proof cannot be bound to it",
+                             retryable=False)
     return tls_server_end_point(der)
 
 
