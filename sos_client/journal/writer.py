@@ -31,14 +31,12 @@ from typing import Callable, Iterable
 
 from . import layout
 from ._store import (
-    TRANSIENT,
-    Corrupt,
     Fenced,
     OffsetMismatch,
     SealedError,
-    SOSError,
     SOSNotFound,
     fenced_epoch,
+    is_retryable,
     mismatch_length,
 )
 from .errors import GenerationBreak, JournalError, SpoolStale, WriterClosed, WriterFenced
@@ -46,20 +44,6 @@ from .records import HEADER, PREFIX, MAX_RECORD_LENGTH, Op, RecordDecoder, Snaps
 from .spool import Spool, SpoolSegment
 
 log = logging.getLogger("sos.journal.writer")
-
-_FATAL_CODES = {4, 5, 6, 7, 11, 12, 17}  # auth, forbidden, bad name, sealed, fenced, corrupt
-
-
-def _is_fatal(exc: BaseException) -> bool:
-    if isinstance(exc, (Fenced, SealedError, Corrupt, JournalError)):
-        # JournalError: the spool and the server disagree; Corrupt: the server keeps a damaged
-        # segment and refuses to extend it until an operator repairs it. Retrying cannot help.
-        return True
-    code = getattr(exc, "code", None)
-    try:
-        return int(code) in _FATAL_CODES
-    except (TypeError, ValueError):
-        return False
 
 
 def server_last_record(client, seg_name: str, length: int | None = None):
@@ -144,9 +128,9 @@ class JournalWriter:
         while True:
             try:
                 return self.client_factory()
-            except TRANSIENT as e:
-                if _is_fatal(e) or time.monotonic() > deadline:
-                    raise  # a refused key or namespace does not get better by retrying
+            except Exception as e:
+                if not is_retryable(e) or time.monotonic() > deadline:
+                    raise  # a refused or malformed key, a bad name: retrying does not help
                 log.warning("connect failed (%s); retrying", e)
                 time.sleep(delay)
                 delay = min(delay * 2, self.max_backoff)
@@ -165,8 +149,8 @@ class JournalWriter:
                 try:
                     self._open_with(client)
                     break
-                except TRANSIENT as e:
-                    if _is_fatal(e) or time.monotonic() > deadline:
+                except Exception as e:
+                    if not is_retryable(e) or time.monotonic() > deadline:
                         raise
                     log.warning("open interrupted (%s); retrying", e)
                     time.sleep(0.2)
@@ -302,13 +286,8 @@ class JournalWriter:
             try:
                 got = client.fence(epoch)
                 return int(got) if isinstance(got, int) and got else epoch
-            except Fenced as e:
+            except Fenced as e:  # every FENCED answer is a Fenced (sos_client.errors)
                 epoch = max(epoch, fenced_epoch(e)) + 1
-            except SOSError as e:
-                if getattr(e, "code", None) == 12:
-                    epoch = max(epoch, fenced_epoch(e)) + 1
-                else:
-                    raise
         raise JournalError("could not fence the namespace: another writer keeps racing")
 
     # ------------------------------------------------------------------ append
@@ -487,7 +466,9 @@ class JournalWriter:
                 self._do(client, task)
                 backoff = 0.05
             except Exception as e:  # noqa: BLE001 - classified below, never swallowed silently
-                if _is_fatal(e):
+                if not is_retryable(e):
+                    # Fenced/Sealed: a newer writer; JournalError: the spool and the server
+                    # disagree; CORRUPT, BAD_REQUEST, a refused key...: repeating cannot help
                     log.error("replicator stopped: %s", e)
                     with self._cv:
                         self._error = e
