@@ -99,9 +99,10 @@ class _Namespace:
 
 class _GuardedTree:
     """The JournaledTree as the filesystem sees it: journal failures become the
-    built-in exceptions fsspec users expect. Fenced (another writer took the
-    namespace over) -> PermissionError; any other journal failure -> OSError
-    EIO. The original error is chained. Reads keep working from the cache."""
+    built-in exceptions fsspec users expect (:func:`sos_client.errors.to_oserror`,
+    as the mount and the gateway map them). Fenced (another writer took the
+    namespace over) -> PermissionError (errno EROFS); any other journal failure
+    -> OSError EIO. The original error is chained. Reads keep working from the cache."""
 
     _MUTATIONS = ("mkdir", "rmdir", "create", "write", "truncate", "rename", "unlink", "marker",
                   "sync")
@@ -122,20 +123,16 @@ class _GuardedTree:
         method = getattr(self._tree, name)
 
         def guarded(*args, **kwargs):
-            from sos_client.journal.errors import JournalError, WriterFenced
+            from sos_client.errors import SOSError, is_fenced, to_oserror
+            from sos_client.journal.errors import JournalError
 
             try:
                 return method(*args, **kwargs)
-            except WriterFenced as exc:
-                raise PermissionError(
-                    errno.EACCES,
-                    f"namespace {self._namespace!r} was taken over by another writer "
-                    f"(fenced); this process can no longer change it: {exc}",
-                    self._namespace,
-                ) from exc
-            except JournalError as exc:
-                raise OSError(errno.EIO, f"journal of namespace {self._namespace!r}: {exc}",
-                              self._namespace) from exc
+            except (JournalError, SOSError) as exc:
+                what = ("was taken over by another writer (fenced); this process can no longer "
+                        "change it" if is_fenced(exc) else "failed")
+                raise to_oserror(exc, f"journal of namespace {self._namespace!r} {what}",
+                                 self._namespace) from exc
 
         return guarded
 

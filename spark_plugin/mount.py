@@ -55,6 +55,8 @@ from dataclasses import dataclass
 
 import trio
 
+from sos_client.errors import is_fenced, to_oserror
+
 try:  # pyfuse3 is an optional dependency (extra "mount")
     import pyfuse3
 except ImportError:  # pragma: no cover - exercised only where pyfuse3 is missing
@@ -84,41 +86,12 @@ _RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
 
 
-#: Error class names (client and journal layers) that mean "a newer writer took over".
-_FENCE_ERRORS = frozenset({"Fenced", "WriterFenced", "SpoolStale"})
-
-
-def _is_fenced(exc: BaseException | None) -> bool:
-    """True if `exc` (or anything it was raised from) says a newer writer fenced us."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if any(c.__name__ in _FENCE_ERRORS for c in type(exc).__mro__):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
-
-
 def errno_for(exc: BaseException) -> int:
-    """Map an exception from the tree (or the OS) to the errno FUSE returns."""
+    """The errno FUSE returns for an exception from the tree (or the OS): the one of
+    :func:`sos_client.errors.to_oserror` (a fenced writer: EROFS)."""
     if pyfuse3 is not None and isinstance(exc, pyfuse3.FUSEError):
         return exc.errno
-    if _is_fenced(exc):
-        return errno.EIO
-    if isinstance(exc, OSError) and exc.errno:
-        return exc.errno
-    for cls, code in (
-        (FileExistsError, errno.EEXIST),
-        (FileNotFoundError, errno.ENOENT),
-        (IsADirectoryError, errno.EISDIR),
-        (NotADirectoryError, errno.ENOTDIR),
-        (PermissionError, errno.EACCES),
-        (UnicodeError, errno.EINVAL),
-        (ValueError, errno.EINVAL),
-    ):
-        if isinstance(exc, cls):
-            return code
-    return errno.EIO
+    return to_oserror(exc).errno or errno.EIO
 
 
 class InodeTable:
@@ -394,7 +367,7 @@ class SOSOperations(_OperationsBase):
             raise pyfuse3.FUSEError(errno.EROFS)
 
     def _note_failure(self, exc: BaseException) -> None:
-        if self.fenced is None and _is_fenced(exc):
+        if self.fenced is None and is_fenced(exc):
             self.fenced = str(exc) or type(exc).__name__
             log.error(
                 "sos mount: FENCED: a newer writer took over namespace %r (%s); this mount is "
@@ -943,7 +916,7 @@ def run_mount(namespace: str, mountpoint: str, *, server: str, key: str,
         try:
             journal.close()
         except Exception as exc:  # noqa: BLE001
-            if ops.fenced is None and not _is_fenced(exc):
+            if ops.fenced is None and not is_fenced(exc):
                 log.error("closing the journal failed: %r", exc)
                 code = 1
     return code
