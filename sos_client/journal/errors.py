@@ -9,6 +9,11 @@ the namespace over).
 from __future__ import annotations
 
 import errno
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .replay import ReplayStats
+    from .restore import Summary
 
 
 class JournalError(Exception):
@@ -26,7 +31,12 @@ class JournalCorrupt(JournalError):
     offset inside it where the broken record starts.
     """
 
-    def __init__(self, segment: str, offset: int, reason: str):
+    #: set when raised during a replay (by replay) and a restore (by restore): what was
+    #: applied before the broken record
+    replay_stats: ReplayStats | None = None
+    summary: Summary | None = None
+
+    def __init__(self, segment: str, offset: int, reason: str) -> None:
         self.segment = segment
         self.offset = offset
         self.reason = reason
