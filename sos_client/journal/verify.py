@@ -196,7 +196,7 @@ def verify(client_factory, namespace: str, *, progress=None) -> VerifyReport:
             expected = None
             saw_end = False
             after_end: list[int] = []  # first and last seq of journal records after SNAPSHOT_END
-            end, exact = g.first_seq - 1, True
+            end, exact = g.segments[0].first_seq - 1, True
             for i, seg in enumerate(g.segments):
                 rep.segments += 1
                 last_here = None
