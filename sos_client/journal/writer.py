@@ -255,9 +255,9 @@ class JournalWriter:
                 last_seq, last_time = floor, 0
                 for info in reversed(list(gens.values())):
                     found = None
-                    for s in reversed(info.segments):
-                        if s.length > 0:
-                            found = server_last_record(client, s.name)
+                    for seg_info in reversed(info.segments):
+                        if seg_info.length > 0:
+                            found = server_last_record(client, seg_info.name)
                             if found:
                                 break
                     if found:
