@@ -16,7 +16,6 @@ from .records import (
     MAX_RECORD_LENGTH,
     MIN_LENGTH,
     PREFIX,
-    HEAD,
     RecordDecoder,
     RecordType,
     SnapshotEnd,
