@@ -46,21 +46,33 @@ import functools
 import logging
 import os
 import signal
+import ssl
 import stat
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from sos_client.errors import is_fenced, to_oserror
 
-try:  # pyfuse3 is an optional dependency (extra "mount")
+if TYPE_CHECKING:
     import pyfuse3
-except ImportError:  # pragma: no cover - exercised only where pyfuse3 is missing
-    pyfuse3 = None
+    from pyfuse3 import Operations as _OperationsBase
+
+    from sos_client.journal.tree import JournaledTree
+    from sos_client.journal.writer import JournalWriter
+else:
+    try:  # pyfuse3 is an optional dependency (extra "mount")
+        import pyfuse3
+        from pyfuse3 import Operations as _OperationsBase
+    except ImportError:  # pragma: no cover - exercised only where pyfuse3 is missing
+        pyfuse3 = None
+        _OperationsBase = object
 
 log = logging.getLogger("sos.mount")
 
@@ -224,9 +236,6 @@ class _Handle:
     dirty: bool = False
     marker: bytearray | None = None  # the control file's pending document
     content: bytes | None = None  # a read-only virtual file's content (fd is -1)
-
-
-_OperationsBase = pyfuse3.Operations if pyfuse3 is not None else object
 
 
 def _guard(fn):
@@ -621,6 +630,8 @@ class SOSOperations(_OperationsBase):
         """Turn the control file's pending JSON document into a MARKER record."""
         import json
 
+        if h.marker is None:  # not the control file
+            return
         doc_bytes = bytes(h.marker)
         h.marker.clear()
         try:
@@ -746,8 +757,8 @@ class MountedTree:
 
     def __init__(self, namespace: str, server: str, key: str, cache_dir: str, *,
                  sync: bool = True, max_lag_bytes: int = 64 << 20,
-                 generation_bytes: int | None = None, client_factory=None,
-                 timeout: float = 30.0, tls=None) -> None:
+                 generation_bytes: int | None = None, client_factory: Callable[[], Any] | None = None,
+                 timeout: float = 30.0, tls: ssl.SSLContext | bool | None = None) -> None:
         self.namespace = namespace
         self._client_factory = client_factory
         self.server = server
@@ -760,23 +771,31 @@ class MountedTree:
         self.sync = sync
         self.max_lag_bytes = max_lag_bytes
         self.generation_bytes = generation_bytes
-        self.writer = None
-        self.tree = None
+        self.writer: JournalWriter | None = None
+        self.tree: JournaledTree | None = None
 
-    def open(self) -> None:
+    def open(self) -> tuple[JournaledTree, JournalWriter]:
+        """Open the writer and the tree (see the class docstring); returns them."""
         from sos_client.journal.open import open_namespace
+        from sos_client.journal.tree import JournaledTree
 
         opened = open_namespace(self.namespace, self.cache_dir, server=self.server, key=self.key,
                                 timeout=self.timeout, tls=self.tls,
                                 client_factory=self._client_factory, sync=self.sync,
                                 max_lag_bytes=self.max_lag_bytes,
                                 generation_bytes=self.generation_bytes)
-        self.writer, self.tree = opened.writer, opened.tree
+        tree, writer = opened.tree, opened.writer
+        if not isinstance(tree, JournaledTree) or writer is None:  # pragma: no cover - read keys are refused
+            opened.close()
+            raise PermissionError(errno.EACCES, "a mount needs a key with the append role", self.namespace)
+        self.writer, self.tree = writer, tree
+        return tree, writer
 
     def close(self) -> None:
         if self.tree is not None:
             tree, self.tree = self.tree, None
-            self.writer.close(timeout=0)  # flushed (or given up) by the caller already
+            if self.writer is not None:
+                self.writer.close(timeout=0)  # flushed (or given up) by the caller already
             tree.close()
         elif self.writer is not None:
             self.writer.close()
@@ -878,14 +897,14 @@ def run_mount(namespace: str, mountpoint: str, *, server: str, key: str,
     journal = MountedTree(namespace, server, key, cache_dir or default_cache_dir(namespace),
                           sync=sync, max_lag_bytes=max_lag_bytes,
                           generation_bytes=generation_bytes, client_factory=client_factory)
-    journal.open()
+    tree, writer = journal.open()
     if owner is not None:
         try:  # rebuilt entries have no owner in the journal: they are the owner's
-            give_tree_to(journal.tree_dir, owner, everything=journal.tree.rebuilt)
+            give_tree_to(journal.tree_dir, owner, everything=tree.rebuilt)
         except BaseException:
             journal.close()
             raise
-    ops = SOSOperations(journal.tree, journal.tree_dir, sync=sync, namespace=namespace,
+    ops = SOSOperations(tree, journal.tree_dir, sync=sync, namespace=namespace,
                         writeback_cache=writeback_cache)
     code = 0
     # From the mount on, SIGTERM/SIGINT must unmount, never kill the process outright.
@@ -903,7 +922,7 @@ def run_mount(namespace: str, mountpoint: str, *, server: str, key: str,
         log.info("unmounted %s", mountpoint)
         if ops.fenced is None:
             try:
-                journal.writer.barrier(timeout=flush_timeout)
+                writer.barrier(timeout=flush_timeout)
             except Exception as exc:  # noqa: BLE001 - reported, exit code says it
                 ops._note_failure(exc)
                 log.error("final flush failed (the spool in %s keeps the journal; the next "

@@ -31,11 +31,15 @@ import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sos_client.errors import is_retryable
 
 from .errors import SpoolStale
+
+if TYPE_CHECKING:
+    from .tree import JournaledTree
+    from .writer import JournalWriter
 
 __all__ = ["OpenNamespace", "ReadOnlyTree", "client_factory_for",
            "default_cache_dir", "key_role", "open_namespace"]
@@ -128,8 +132,8 @@ class OpenNamespace:
     cache_dir: str
     tree_dir: str
     spool_dir: str
-    tree: Any
-    writer: Any = None
+    tree: JournaledTree | ReadOnlyTree
+    writer: JournalWriter | None = None
     client_factory: ClientFactory | None = None
     read_only: bool = False
     rebuilt: bool = False
