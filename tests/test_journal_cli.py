@@ -313,7 +313,7 @@ def test_progress_of_the_commands(server, tmp_path):
     assert rc == 0, drawn
     assert drawn.startswith(f"\rrestore {ns} [")
     bar, summary = drawn.rsplit("\n", 2)[:2]
-    assert bar.endswith("\x1b[K") and f"] 100.0% " in bar.rsplit("\r", 1)[1]
+    assert bar.endswith("\x1b[K") and "] 100.0% " in bar.rsplit("\r", 1)[1]
     assert summary.startswith(f"restored {ns} into ")
     rc, drawn = run_in_pty(server, key, "verify", ns)
     assert rc == 0 and drawn.startswith(f"\rverify {ns} [") and drawn.endswith("\x1b[K\n")
