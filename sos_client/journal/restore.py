@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from . import layout
-from ._store import Corrupt, SOSNotFound
+from ._store import Corrupt, SOSNotFound, StoreClient
 from .errors import (
     BatchNotFound,
     GenerationBreak,
@@ -93,7 +93,7 @@ _EPOCH = _dt.datetime(1970, 1, 1, tzinfo=_dt.timezone.utc)
 _FRACTION = re.compile(r"(\.\d{6})(\d{1,3})")
 
 
-def parse_time(at) -> int | None:
+def parse_time(at: int | str | _dt.datetime | None) -> int | None:
     """ns since the epoch from a datetime, an int (ns) or an ISO-8601 string (naive = UTC;
     up to 9 fractional digits, as :func:`format_time` prints them)."""
     if at is None:
@@ -132,17 +132,18 @@ def _norm_dir(p: str) -> str:
     return "" if p == "." else p
 
 
-def parse_batch(batch) -> tuple[str, int]:
+def parse_batch(batch: str | tuple[str, int]) -> tuple[str, int]:
     """(querydir, N) from ``"QUERYDIR:N"`` or a tuple. QUERYDIR is the checkpoint directory's
     path relative to the namespace root ("" or "." for the root); N >= 0."""
+    raw_n: int | str
     if isinstance(batch, tuple):
-        q, n = batch
+        q, raw_n = batch
     elif isinstance(batch, str) and ":" in batch:
-        q, _, n = batch.rpartition(":")
+        q, _, raw_n = batch.rpartition(":")
     else:
         raise ValueError(f"bad batch {batch!r}: expected QUERYDIR:N")
     try:
-        n = int(n)
+        n = int(raw_n)
     except (TypeError, ValueError):
         raise ValueError(f"bad batch {batch!r}: expected QUERYDIR:N with N a batch id >= 0") from None
     if n < 0:
@@ -157,7 +158,7 @@ def parse_batch(batch) -> tuple[str, int]:
     return q, n
 
 
-def list_generations(client) -> dict[int, layout.GenerationInfo]:
+def list_generations(client: StoreClient) -> dict[int, layout.GenerationInfo]:
     return layout.scan_listing(client.list(layout.GEN_PREFIX))
 
 
@@ -775,9 +776,10 @@ def _unused_text(g: layout.GenerationInfo) -> str:
             f"durable before its ready object exists: it is starting that generation, or it stopped first")
 
 
-def restore(client_factory, namespace: str, target: str, *, at=None, position: int | None = None,
-            batch=None, force: bool = False, progress: Callable[[int, int], None] | None = None,
-            generation: int | None = None) -> Summary:
+def restore(client_factory: Callable[[], StoreClient], namespace: str, target: str, *,
+            at: int | str | _dt.datetime | None = None, position: int | None = None,
+            batch: str | tuple[str, int] | None = None, force: bool = False,
+            progress: Callable[[int, int], None] | None = None, generation: int | None = None) -> Summary:
     """Rebuild the tree of ``namespace`` in the empty directory ``target``; see module doc.
 
     The generations on the server must form one chain (protocol.md 2.1), else GenerationBreak
@@ -906,7 +908,7 @@ def restore(client_factory, namespace: str, target: str, *, at=None, position: i
     return summary
 
 
-def rebuild_cache(client_factory, namespace: str, cache_dir: str) -> int:
+def rebuild_cache(client_factory: Callable[[], StoreClient], namespace: str, cache_dir: str) -> int:
     """Fill a cache directory with the namespace's latest tree (replacing what it holds);
     returns the last seq, 0 for a namespace without a complete generation (empty tree)."""
     try:
