@@ -8,12 +8,13 @@ from sos_wire import Key, ListEntry
 from .blocking import Client
 from .errors import (
     BadNameError, ChecksumMismatch, ConnectionLost, Corrupt, Fenced, NoSpace, OffsetMismatch, QuotaExceeded,
-    SealedError, ServerBusy, SOSError, SOSNotFound, SOSPermissionError, TooLarge,
+    SealedError, ServerBusy, SOSError, SOSNotFound, SOSPermissionError, TooLarge, is_fenced, is_retryable,
+    to_oserror,
 )
 
 __all__ = [
     "Client", "Key", "ListEntry",
     "SOSError", "OffsetMismatch", "Fenced", "SealedError", "ChecksumMismatch", "Corrupt", "NoSpace",
     "QuotaExceeded", "TooLarge", "ServerBusy", "ConnectionLost", "SOSNotFound", "SOSPermissionError",
-    "BadNameError",
+    "BadNameError", "is_retryable", "to_oserror", "is_fenced",
 ]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import select
+import ssl
 from collections import deque
 
 from sos_wire import events as ev
@@ -110,7 +111,8 @@ class ClientSettings:
     """What both clients resolve the same way before connecting: server, key and namespace
     (defaults from $SOS_SERVER/$SOS_KEY), timeouts, TLS context, client name."""
 
-    def __init__(self, server, key, namespace, *, timeout: float, tls, reconnect_timeout,
+    def __init__(self, server: str | None, key: str | Key | None, namespace: str | None, *, timeout: float,
+                 tls: ssl.SSLContext | bool | None, reconnect_timeout: float | None,
                  client_name: str, who: str) -> None:
         if namespace is None:
             raise TypeError(f"{who} needs a namespace")
@@ -119,8 +121,6 @@ class ClientSettings:
         self.timeout = timeout
         self.reconnect_timeout = timeout if reconnect_timeout is None else reconnect_timeout
         if tls is True:
-            import ssl
-
             tls = ssl.create_default_context()
         self._tls = tls or None
         self._client_name = client_name
@@ -128,7 +128,7 @@ class ClientSettings:
         self._closed = False
 
     @property
-    def role(self):
+    def role(self) -> ev.KeyRole | None:
         """KeyRole granted by the server (APPEND or READ); None before connecting."""
         return self._core.role if self._core else None
 
@@ -142,7 +142,8 @@ def channel_binding_of(tls) -> bytes:
     server refuses."""
     der = tls.getpeercert(binary_form=True)
     if not der:
-        raise ConnectionLost("the TLS server presented no certificate: the AUTH proof cannot be bound to it")
+        raise ConnectionLost("the TLS server presented no certificate: the AUTH proof cannot be bound to it",
+                             retryable=False)
     return tls_server_end_point(der)
 
 

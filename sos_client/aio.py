@@ -9,8 +9,10 @@
 from __future__ import annotations
 
 import ssl as _ssl
+from collections.abc import AsyncIterable
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
+from functools import partial
+from typing import Any, AsyncIterator, Callable, Generator, Iterable
 
 import trio
 
@@ -44,7 +46,8 @@ async def open_client(server: str | None = None, key: "str | Key | None" = None,
 
 
 class AsyncClient(ClientSettings):
-    def __init__(self, server=None, key=None, namespace=None, *, timeout: float = 30, tls=None,
+    def __init__(self, server: str | None = None, key: str | Key | None = None, namespace: str | None = None,
+                 *, timeout: float = 30, tls: _ssl.SSLContext | bool | None = None,
                  reconnect_timeout: float | None = None, client_name: str = CLIENT_NAME) -> None:
         super().__init__(server, key, namespace, timeout=timeout, tls=tls,
                          reconnect_timeout=reconnect_timeout, client_name=client_name,
@@ -57,13 +60,15 @@ class AsyncClient(ClientSettings):
         async with self._lock:
             await self._connect()
 
-    async def _connect(self) -> None:
+    async def _connect(self) -> Core:
+        stream: trio.abc.Stream
         try:
             with trio.fail_after(self.timeout):
                 stream = await trio.open_tcp_stream(self.host, self.port)
                 if self._tls is not None:
-                    stream = trio.SSLStream(stream, self._tls, server_hostname=self.host)
-                    await stream.do_handshake()
+                    tls_stream = trio.SSLStream(stream, self._tls, server_hostname=self.host)
+                    await tls_stream.do_handshake()
+                    stream = tls_stream
         except (OSError, trio.TooSlowError, trio.BrokenResourceError, _ssl.SSLError) as exc:
             raise ConnectionLost(f"cannot connect to {self.server}: {exc or type(exc).__name__}") from exc
         self._stream = stream
@@ -72,12 +77,13 @@ class AsyncClient(ClientSettings):
         except ConnectionLost:
             await self._drop()
             raise
-        self._core = Core(self._key, self.namespace, client_name=self._client_name, channel_binding=binding)
+        core = self._core = Core(self._key, self.namespace, client_name=self._client_name, channel_binding=binding)
         try:
-            await self._drive(self._core.handshake())
+            await self._drive(core, core.handshake())
         except BaseException:
             await self._drop()
             raise
+        return core
 
     async def _drop(self) -> None:
         stream, self._stream, self._core = self._stream, None, None
@@ -99,7 +105,7 @@ class AsyncClient(ClientSettings):
         if self._core is not None and _closed_by_server(self._stream):
             await self._drop()  # e.g. the server's idle timeout: nothing was sent, so just reconnect
         if self._core is None:
-            await self._connect()
+            return await self._connect()
         return self._core
 
     def _check_open(self) -> None:
@@ -114,12 +120,13 @@ class AsyncClient(ClientSettings):
         await self.connect()
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
     # -- the driver ------------------------------------------------------------------------
-    async def _drive(self, gen, chunks=None):
-        core = self._core
+    async def _drive(self, core: Core, gen: Generator[Any, Any, Any], chunks: Any = None) -> Any:
+        """Run an operation generator of ``_common`` (made by ``core``) over the stream;
+        ``chunks``: an iterator or an async iterator of the data NEXT_CHUNK asks for."""
         try:
             cmd = next(gen)
             while True:
@@ -135,19 +142,24 @@ class AsyncClient(ClientSettings):
             return stop.value
         except BaseException as exc:
             gen.close()
-            if self._core is core and core is not None and (core.conn.in_flight or isinstance(exc, ConnectionLost)):
+            if self._core is core and (core.conn.in_flight or isinstance(exc, ConnectionLost)):
                 await self._drop()
             raise
 
-    async def _send_bytes(self, data) -> None:
+    def _open_stream(self) -> trio.abc.Stream:
+        if self._stream is None:
+            raise ConnectionLost(f"not connected to {self.server}")
+        return self._stream
+
+    async def _send_bytes(self, data: bytes) -> None:
         try:
             with trio.fail_after(self.timeout):
-                await self._stream.send_all(data)
+                await self._open_stream().send_all(data)
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError) as exc:
             await self._drop()
             raise ConnectionLost(f"connection to {self.server} lost while sending: {exc or type(exc).__name__}") from exc
 
-    async def _recv_event(self, core: Core):
+    async def _recv_event(self, core: Core) -> Any:
         conn = core.conn
         while True:
             try:
@@ -159,7 +171,7 @@ class AsyncClient(ClientSettings):
                 return event
             try:
                 with trio.fail_after(self.timeout):
-                    data = await self._stream.receive_some(RECV_SIZE)
+                    data = await self._open_stream().receive_some(RECV_SIZE)
             except trio.TooSlowError:
                 await self._drop()
                 raise ConnectionLost(f"no reply from {self.server} within {self.timeout} s") from None
@@ -171,24 +183,24 @@ class AsyncClient(ClientSettings):
                 raise ConnectionLost(f"{self.server} closed the connection")
             conn.receive_data(data)
 
-    async def _call(self, make_gen, *, retry: bool = True):
+    async def _call(self, make_gen: Callable[[Core], Generator[Any, Any, Any]], *, retry: bool = True) -> Any:
         async with self._lock:
+            core = await self._ensure()
             try:
-                return await self._drive(make_gen(await self._ensure()))
+                return await self._drive(core, make_gen(core))
             except ConnectionLost:
                 if not retry or self._closed:
                     raise
-            await self._reconnect_until_deadline()
-            return await self._drive(make_gen(self._core))
+            core = await self._reconnect_until_deadline()
+            return await self._drive(core, make_gen(core))
 
-    async def _reconnect_until_deadline(self) -> None:
+    async def _reconnect_until_deadline(self) -> Core:
         deadline = trio.current_time() + self.reconnect_timeout
         delay = 0.05
         while True:
             await self._drop()
             try:
-                await self._connect()
-                return
+                return await self._connect()
             except ConnectionLost:
                 if trio.current_time() + delay > deadline:
                     raise
@@ -205,41 +217,44 @@ class AsyncClient(ClientSettings):
     async def list(self, prefix: str = "") -> AsyncIterator[ListEntry]:
         after = ""
         while True:
-            entries, more = await self._call(lambda core: core.list_page(prefix, after, MAX_LIST_LIMIT))
+            entries, more = await self._call(partial(Core.list_page, prefix=prefix, after=after,
+                                                     limit=MAX_LIST_LIMIT))
             for entry in entries:
                 yield entry
             if not more or not entries:
                 return
             after = entries[-1].name
 
-    async def append(self, name: str, offset: int, data, *, epoch: int = 0) -> int:
+    async def append(self, name: str, offset: int, data: bytes | bytearray | memoryview, *, epoch: int = 0) -> int:
         return await self._call(lambda core: core.append(name, offset, data, epoch))
 
-    async def append_many(self, name: str, offset: int, chunks, *, epoch: int = 0,
+    async def append_many(self, name: str, offset: int,
+                          chunks: Iterable[bytes | bytearray | memoryview] | AsyncIterable[bytes | bytearray | memoryview],
+                          *, epoch: int = 0,
                           window_bytes: int = DEFAULT_WINDOW_BYTES, window_frames: int = DEFAULT_WINDOW_FRAMES) -> int:
         """*chunks*: an iterable or an async iterable of bytes-like objects."""
         job = AppendJob(name, offset, epoch, window_bytes=window_bytes, window_frames=window_frames)
-        it = chunks.__aiter__() if hasattr(chunks, "__aiter__") else iter(chunks)
+        it = chunks.__aiter__() if isinstance(chunks, AsyncIterable) else iter(chunks)
         async with self._lock:
             core = await self._ensure()
             while True:
                 try:
-                    return await self._drive(job.run(core), it)
+                    return await self._drive(core, job.run(core), it)
                 except ConnectionLost:
                     if self._closed:
                         raise
-                await self._reconnect_until_deadline()
-                core = self._core
-                await self._drive(job.resume_check(core))
+                core = await self._reconnect_until_deadline()
+                await self._drive(core, job.resume_check(core))
 
     async def read(self, name: str, offset: int = 0, length: int = 0) -> bytes:
         return b"".join([chunk async for chunk in self.read_iter(name, offset, length)])
 
-    async def read_iter(self, name: str, offset: int = 0, length: int = 0, *, step: int = READ_STEP):
+    async def read_iter(self, name: str, offset: int = 0, length: int = 0, *,
+                        step: int = READ_STEP) -> AsyncIterator[bytes]:
         remaining = length
         while True:
             ask = step if length == 0 else min(step, remaining)
-            chunks = await self._call(lambda core: core.read_step(name, offset, ask))
+            chunks = await self._call(partial(Core.read_step, name=name, offset=offset, length=ask))
             got = 0
             for chunk in chunks:
                 if chunk:
@@ -260,7 +275,7 @@ class AsyncClient(ClientSettings):
         return await self._call(lambda core: core.fence(epoch), retry=False)
 
 
-def _closed_by_server(stream) -> bool:
+def _closed_by_server(stream: trio.abc.Stream | None) -> bool:
     """True if an idle connection (no request in flight) is readable: the server sends
     nothing unasked, so that is its close (EOF, a reset) or a parting ERROR."""
     transport = getattr(stream, "transport_stream", stream)  # trio.SSLStream wraps a SocketStream
@@ -273,7 +288,7 @@ def _closed_by_server(stream) -> bool:
         return True
 
 
-async def _next_chunk(chunks):
+async def _next_chunk(chunks: Any) -> Any:
     if hasattr(chunks, "__anext__"):
         try:
             return await chunks.__anext__()

@@ -12,7 +12,8 @@ import socket
 import ssl as _ssl
 import threading
 import time
-from typing import Iterable, Iterator
+from functools import partial
+from typing import Any, Callable, Generator, Iterable, Iterator
 
 from sos_wire import NEED_DATA, Key, ListEntry, RemoteProtocolError
 from sos_wire.frames import MAX_LIST_LIMIT
@@ -28,7 +29,7 @@ __all__ = ["Client"]
 RECV_SIZE = 256 * 1024
 
 
-def _closed_by_server(sock) -> bool:
+def _closed_by_server(sock: socket.socket) -> bool:
     """True if an idle connection (no request in flight) is readable: the server sends
     nothing unasked, so that is its close (EOF, a reset) or a parting ERROR."""
     try:
@@ -62,7 +63,7 @@ class Client(ClientSettings):
         self._connect()
 
     # -- connection management ----------------------------------------------------------
-    def _connect(self) -> None:
+    def _connect(self) -> Core:
         try:
             sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
         except OSError as exc:
@@ -80,12 +81,13 @@ class Client(ClientSettings):
         except ConnectionLost:
             self._drop()
             raise
-        self._core = Core(self._key, self.namespace, client_name=self._client_name, channel_binding=binding)
+        core = self._core = Core(self._key, self.namespace, client_name=self._client_name, channel_binding=binding)
         try:
-            self._drive(self._core.handshake())
+            self._drive(core, core.handshake())
         except BaseException:
             self._drop()
             raise
+        return core
 
     def _drop(self) -> None:
         sock, self._sock, self._core = self._sock, None, None
@@ -104,10 +106,10 @@ class Client(ClientSettings):
 
     def _ensure(self) -> Core:
         self._check_open()
-        if self._core is not None and _closed_by_server(self._sock):
+        if self._core is not None and self._sock is not None and _closed_by_server(self._sock):
             self._drop()  # e.g. the server's idle timeout: nothing was sent, so just reconnect
         if self._core is None:
-            self._connect()
+            return self._connect()
         return self._core
 
     def _check_open(self) -> None:
@@ -122,23 +124,22 @@ class Client(ClientSettings):
     def __enter__(self) -> "Client":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:
         return f"<sos_client.Client {self.server} namespace={self.namespace!r}>"
 
     # -- the driver ------------------------------------------------------------------------
-    def _drive(self, gen, chunks: Iterator | None = None):
-        """Run an operation generator of ``_common`` over the socket."""
-        core = self._core
+    def _drive(self, core: Core, gen: Generator[Any, Any, Any], chunks: Iterator[Any] | None = None) -> Any:
+        """Run an operation generator of ``_common`` (made by ``core``) over the socket."""
         try:
             cmd = next(gen)
             while True:
                 if cmd is RECV:
                     value = self._recv_event(core)
                 elif cmd is NEXT_CHUNK:
-                    value = next(chunks, None)
+                    value = next(chunks, None) if chunks is not None else None
                 else:
                     self._send_bytes(cmd)
                     value = None
@@ -148,18 +149,23 @@ class Client(ClientSettings):
         except BaseException as exc:
             gen.close()
             # an operation that raised with requests in flight leaves the stream out of step
-            if self._core is core and core is not None and (core.conn.in_flight or isinstance(exc, ConnectionLost)):
+            if self._core is core and (core.conn.in_flight or isinstance(exc, ConnectionLost)):
                 self._drop()
             raise
 
-    def _send_bytes(self, data) -> None:
+    def _socket(self) -> socket.socket:
+        if self._sock is None:
+            raise ConnectionLost(f"not connected to {self.server}")
+        return self._sock
+
+    def _send_bytes(self, data: bytes) -> None:
         try:
-            self._sock.sendall(data)
+            self._socket().sendall(data)
         except OSError as exc:
             self._drop()
             raise ConnectionLost(f"connection to {self.server} lost while sending: {exc}") from exc
 
-    def _recv_event(self, core: Core):
+    def _recv_event(self, core: Core) -> Any:
         conn = core.conn
         while True:
             try:
@@ -170,7 +176,7 @@ class Client(ClientSettings):
             if event is not NEED_DATA:
                 return event
             try:
-                data = self._sock.recv(RECV_SIZE)
+                data = self._socket().recv(RECV_SIZE)
             except socket.timeout:
                 self._drop()
                 raise ConnectionLost(f"no reply from {self.server} within {self.timeout} s") from None
@@ -182,25 +188,25 @@ class Client(ClientSettings):
                 raise ConnectionLost(f"{self.server} closed the connection")
             conn.receive_data(data)
 
-    def _call(self, make_gen, *, retry: bool = True):
+    def _call(self, make_gen: Callable[[Core], Generator[Any, Any, Any]], *, retry: bool = True) -> Any:
         """Run one operation; after a lost connection, reconnect and retry once if *retry*."""
         with self._lock:
+            core = self._ensure()
             try:
-                return self._drive(make_gen(self._ensure()))
+                return self._drive(core, make_gen(core))
             except ConnectionLost:
                 if not retry or self._closed:
                     raise
-            self._reconnect_until_deadline()
-            return self._drive(make_gen(self._core))
+            core = self._reconnect_until_deadline()
+            return self._drive(core, make_gen(core))
 
-    def _reconnect_until_deadline(self) -> None:
+    def _reconnect_until_deadline(self) -> Core:
         deadline = time.monotonic() + self.reconnect_timeout
         delay = 0.05
         while True:
             self._drop()
             try:
-                self._connect()
-                return
+                return self._connect()
             except ConnectionLost:
                 if time.monotonic() + delay > deadline:
                     raise
@@ -219,19 +225,19 @@ class Client(ClientSettings):
         """Every object whose name starts with *prefix*, in name order (paged internally)."""
         after = ""
         while True:
-            entries, more = self._call(lambda core: core.list_page(prefix, after, MAX_LIST_LIMIT))
+            entries, more = self._call(partial(Core.list_page, prefix=prefix, after=after, limit=MAX_LIST_LIMIT))
             yield from entries
             if not more or not entries:
                 return
             after = entries[-1].name
 
-    def append(self, name: str, offset: int, data, *, epoch: int = 0) -> int:
+    def append(self, name: str, offset: int, data: bytes | bytearray | memoryview, *, epoch: int = 0) -> int:
         """Append *data* at *offset* (must be the current length); returns the new length.
 
         Safe to retry: if it already landed, the server acknowledges it again."""
         return self._call(lambda core: core.append(name, offset, data, epoch))
 
-    def append_many(self, name: str, offset: int, chunks: Iterable, *, epoch: int = 0,
+    def append_many(self, name: str, offset: int, chunks: Iterable[bytes | bytearray | memoryview], *, epoch: int = 0,
                     window_bytes: int = DEFAULT_WINDOW_BYTES, window_frames: int = DEFAULT_WINDOW_FRAMES) -> int:
         """Append every chunk in order starting at *offset*, pipelined; returns the new length.
 
@@ -244,13 +250,12 @@ class Client(ClientSettings):
             core = self._ensure()
             while True:
                 try:
-                    return self._drive(job.run(core), it)
+                    return self._drive(core, job.run(core), it)
                 except ConnectionLost:
                     if self._closed:
                         raise
-                self._reconnect_until_deadline()
-                core = self._core
-                self._drive(job.resume_check(core))
+                core = self._reconnect_until_deadline()
+                self._drive(core, job.resume_check(core))
 
     def read(self, name: str, offset: int = 0, length: int = 0) -> bytes:
         """Bytes of *name* from *offset*, *length* of them (0 = to the end)."""
@@ -261,7 +266,7 @@ class Client(ClientSettings):
         remaining = length
         while True:
             ask = step if length == 0 else min(step, remaining)
-            chunks = self._call(lambda core: core.read_step(name, offset, ask))
+            chunks = self._call(partial(Core.read_step, name=name, offset=offset, length=ask))
             got = 0
             for chunk in chunks:
                 if chunk:

@@ -283,7 +283,7 @@ def _nonneg(text: str) -> int:
     return value
 
 
-def _error(message: str) -> None:
+def _error(message: str | BaseException) -> None:
     print(f"sos: {' '.join(str(message).split())}", file=sys.stderr)
 
 

@@ -27,6 +27,7 @@ complete for ``min_age``.
 
 from __future__ import annotations
 
+import builtins
 import errno
 import logging
 import os
@@ -104,6 +105,19 @@ class _Batch:
     done: trio.Event = field(default_factory=trio.Event)
 
 
+class _SyncJob:
+    """One batch handed to the sync threads: a result per object ((size, length) or the
+    OSError), how many are still running, and the event the last one sets."""
+
+    __slots__ = ("results", "pending", "done")
+
+    def __init__(self, n: int) -> None:
+        # every slot is set by its sync thread before ``done``
+        self.results: list[tuple[int, int] | OSError] = [OSError(errno.EIO, "not synced")] * n
+        self.pending = n
+        self.done = trio.Event()
+
+
 class _SyncPool:
     """Plain threads that fdatasync the files of a batch concurrently.
 
@@ -138,6 +152,7 @@ class _SyncPool:
             with self.lock:
                 self.idle -= 1
             obj, job, i = item
+            res: tuple[int, int] | OSError
             try:
                 res = obj.sync()
             except OSError as exc:
@@ -146,26 +161,25 @@ class _SyncPool:
                 res = OSError(errno.EIO, f"sync raised {exc!r}")
             with self.lock:
                 self.idle += 1
-                job[0][i] = res
-                job[1] -= 1
-                last = job[1] == 0
+                job.results[i] = res
+                job.pending -= 1
+                last = job.pending == 0
             if last:
                 try:
-                    self.token.run_sync_soon(job[2].set)
+                    self.token.run_sync_soon(job.done.set)
                 except trio.RunFinishedError:
                     pass
 
-    async def sync_all(self, objs: list) -> list:
+    async def sync_all(self, objs: list) -> list[tuple[int, int] | OSError]:
         """fdatasync every object's file concurrently; (size, length) or OSError per object."""
         if not objs:
             return []
-        done = trio.Event()
-        job = [[None] * len(objs), len(objs), done]
+        job = _SyncJob(len(objs))
         self._grow(len(objs))
         for i, obj in enumerate(objs):
             self.q.put((obj, job, i))
-        await done.wait()
-        return job[0]
+        await job.done.wait()
+        return job.results
 
     def close(self) -> None:
         for _ in self.threads:
@@ -280,6 +294,8 @@ class Engine:
         for obj in objs:
             obj.pins += 1  # the descriptor cache must not close what a sync thread uses
         try:
+            if self._pool is None:
+                raise RuntimeError("the group-commit syncer is not running (Engine.run)")
             results = await self._pool.sync_all(objs)
             for obj, res in zip(objs, results):
                 if isinstance(res, OSError):
@@ -558,7 +574,7 @@ class Engine:
         return epoch
 
     # -- retention -------------------------------------------------------------------
-    async def gc(self, keep: int, min_age: float, *, now: float | None = None) -> list[tuple[str, str]]:
+    async def gc(self, keep: int, min_age: float, *, now: float | None = None) -> builtins.list[tuple[str, str]]:
         """Apply retention to every namespace; returns the (namespace, name) removed."""
         removed = []
         for ns in list(self.storage.namespaces.values()):

@@ -16,6 +16,7 @@ import math
 import re
 import resource
 import ssl
+from typing import Any
 
 import trio
 
@@ -173,16 +174,21 @@ class Listener:
         """Listen, report the bound (host, port) through task_status, serve until cancelled.
 
         Raises ListenError (before task_status.started) if the address cannot be bound."""
+        listeners: list[trio.abc.Listener[Any]]
         try:
             if self.tls is not None:
-                listeners = await trio.open_ssl_over_tcp_listeners(self.port, self.tls, host=self.host)
-                sock = listeners[0].transport_listener.socket
+                ssl_listeners = await trio.open_ssl_over_tcp_listeners(self.port, self.tls, host=self.host)
+                first = ssl_listeners[0].transport_listener
+                listeners = list(ssl_listeners)
             else:
-                listeners = await trio.open_tcp_listeners(self.port, host=self.host)
-                sock = listeners[0].socket
+                tcp_listeners = await trio.open_tcp_listeners(self.port, host=self.host)
+                first = tcp_listeners[0]
+                listeners = list(tcp_listeners)
         except OSError as exc:
             raise ListenError(f"cannot listen on {self.host}:{self.port}: {exc.strerror or exc}") from None
-        self.address = sock.getsockname()[:2]
+        if not isinstance(first, trio.SocketListener):  # pragma: no cover - trio's TLS runs over TCP listeners
+            raise ListenError(f"cannot tell the address of {type(first).__name__}")
+        self.address = first.socket.getsockname()[:2]
         async with trio.open_nursery() as nursery:
             nursery.start_soon(trio.serve_listeners, self._handle, listeners)
             task_status.started(self.address)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import math
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import trio
 
@@ -206,7 +206,7 @@ class Session:
                             pass
 
     async def _read_loop(self, nursery: trio.Nursery) -> None:
-        idle = self.idle_timeout
+        idle = self.idle_timeout or 0.0  # 0: no idle timeout
         deadline = trio.current_time() + idle if idle else float("inf")
         while True:
             # hand out every complete event first
@@ -259,17 +259,18 @@ class Session:
         if isinstance(event, ev.Auth):
             await self._auth(event)
             return
-        if self.namespace is None:
+        auth = self._auth_ok
+        if self.namespace is None or auth is None:
             await self._send_error(rid, ErrorCode.NOT_AUTHENTICATED, f"{type(event).__name__.upper()} before AUTH")
             return
-        if self._key_revoked():
+        if self._key_revoked(auth):
             log.warning(
                 "key revoked, closing",
-                extra={"peer": self.peer, "namespace": self.namespace, "key_id": self._auth_ok.key_id.hex()},
+                extra={"peer": self.peer, "namespace": self.namespace, "key_id": auth.key_id.hex()},
             )
             await self._send_error(
                 rid, ErrorCode.AUTH_FAILED,
-                f"key {self._auth_ok.key_id.hex()} of namespace {self.namespace!r} was removed or changed"
+                f"key {auth.key_id.hex()} of namespace {self.namespace!r} was removed or changed"
                 " since AUTH: closing the connection",
             )
             raise _Closing
@@ -310,7 +311,7 @@ class Session:
             return
         key_state = self.engine.storage.key_state(event.namespace, event.key_id)  # before the key is read
         try:
-            role = self._check_key(event)
+            role = self._check_key(event, self.nonce)
         except ServerError as exc:
             log.warning(
                 "auth failed", extra={"peer": self.peer, "namespace": event.namespace, "key_id": event.key_id.hex()}
@@ -334,19 +335,21 @@ class Session:
         log.info("authenticated", extra={"peer": self.peer, "namespace": self.namespace, "role": role})
         await self._send(ev.AuthOk(rid, _ROLE_WIRE[role]))
 
-    def _check_key(self, event: ev.Auth) -> str:
-        """The role of the key *event* proves itself with (ServerError AUTH_FAILED if it does not)."""
-        return self.engine.authenticate(event.namespace, event.key_id, self.nonce, event.proof, self.channel_binding)
+    def _check_key(self, event: ev.Auth, nonce: bytes) -> str:
+        """The role of the key *event* proves itself with over *nonce* (ServerError AUTH_FAILED
+        if it does not)."""
+        return self.engine.authenticate(event.namespace, event.key_id, nonce, event.proof, self.channel_binding)
 
-    def _key_revoked(self) -> bool:
-        """True if the key this session authenticated with was removed, or changed so that
-        the AUTH no longer proves it or its role differs. One stat when nothing changed."""
-        auth = self._auth_ok
+    def _key_revoked(self, auth: ev.Auth) -> bool:
+        """True if the key this session authenticated with (*auth*) was removed, or changed so
+        that the AUTH no longer proves it or its role differs. One stat when nothing changed."""
         state = self.engine.storage.key_state(auth.namespace, auth.key_id)
         if state is not None and state == self._key_state:
             return False
+        if self.nonce is None:  # not reached: AUTH succeeded after HELLO
+            return True
         try:
-            role = self._check_key(auth)
+            role = self._check_key(auth, self.nonce)
         except ServerError:
             return True
         if role != self.role:
@@ -355,18 +358,26 @@ class Session:
         return False
 
     # -- requests --------------------------------------------------------------------
-    async def _handle_write(self, event, prev: trio.Event | None, mine: trio.Event, size: int) -> None:
+    def _session_key(self) -> tuple[str, str]:
+        """(namespace, role) of the session: requests are dispatched only after AUTH."""
+        if self.namespace is None or self.role is None:
+            raise ServerError(ErrorCode.NOT_AUTHENTICATED, "request before AUTH")
+        return self.namespace, self.role
+
+    async def _handle_write(self, event: ev.Append | ev.Seal, prev: trio.Event | None, mine: trio.Event,
+                            size: int) -> None:
         rid = event.request_id
         try:
             try:
+                namespace, role = self._session_key()
                 if prev is not None:
                     await prev.wait()
                 if isinstance(event, ev.Append):
                     pending = await self.engine.append_begin(
-                        self.namespace, self.role, event.name, event.offset, event.epoch, event.crc, event.data
+                        namespace, role, event.name, event.offset, event.epoch, event.crc, event.data
                     )
                 else:
-                    pending = await self.engine.seal_begin(self.namespace, self.role, event.name, event.epoch)
+                    pending = await self.engine.seal_begin(namespace, role, event.name, event.epoch)
             finally:
                 mine.set()
                 if self._chains.get(event.name) is mine:
@@ -384,18 +395,19 @@ class Session:
         finally:
             self._done(size)
 
-    async def _handle(self, event, size: int) -> None:
+    async def _handle(self, event: ev.Event, size: int) -> None:
         rid = event.request_id
         try:
+            namespace, role = self._session_key()
             if isinstance(event, ev.Stat):
-                length, sealed = self.engine.stat(self.namespace, event.name)
+                length, sealed = self.engine.stat(namespace, event.name)
                 await self._send(ev.StatOk(rid, length, sealed))
             elif isinstance(event, ev.List):
                 await self._list(event)
             elif isinstance(event, ev.Read):
                 await self._read(event)
             elif isinstance(event, ev.Fence):
-                epoch = await self.engine.fence(self.namespace, self.role, event.epoch)
+                epoch = await self.engine.fence(namespace, role, event.epoch)
                 await self._send(ev.FenceOk(rid, epoch))
             else:
                 await self._send_error(rid, ErrorCode.BAD_REQUEST, f"{type(event).__name__} is not a request")
@@ -422,7 +434,7 @@ class Session:
         bound = HEADER_LEN + 5 + count * _LIST_ENTRY_MAX
         await self._replies.acquire(bound)
         try:
-            entries, more = self.engine.list(self.namespace, event.prefix, event.after, event.limit)
+            entries, more = self.engine.list(self._session_key()[0], event.prefix, event.after, event.limit)
             await self._send(ev.ListOk(event.request_id, tuple(ev.ListEntry(*e) for e in entries), more))
         finally:
             self._replies.release(bound)
@@ -433,7 +445,7 @@ class Session:
 
     async def _stream_read(self, event: ev.Read) -> None:
         rid = event.request_id
-        want, pieces = self.engine.open_read(self.namespace, event.name, event.offset, event.length)
+        want, pieces = self.engine.open_read(self._session_key()[0], event.name, event.offset, event.length)
         offset = event.offset
         sent = 0
         threaded = want >= THREAD_READ_MIN
@@ -462,13 +474,14 @@ class Session:
 class _Chunker:
     """Cuts the storage's verified pieces (one per stored frame, up to 8 MiB) into chunks."""
 
-    def __init__(self, pieces) -> None:
+    def __init__(self, pieces: Iterable[memoryview]) -> None:
         self.pieces = iter(pieces)
         self.rest: memoryview | None = None
 
     def take(self, limit: int) -> bytes:
         out = []
         size = 0
+        piece: memoryview | None
         while size < limit:
             if self.rest is not None and len(self.rest):
                 piece, self.rest = self.rest, None

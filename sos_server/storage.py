@@ -350,7 +350,7 @@ def _examine(fd: int, pos: int, n: int | None, crc: int | None, size: int) -> tu
     bytes further on: journal records inside the data are framed exactly like frames."""
     if _all_zero(fd, pos, size):
         return ("cut", "zero bytes (a power loss)")
-    if n is None:
+    if n is None or crc is None:  # both or neither: the header was cut
         return ("cut", "partial frame header")
     t = _length_confirmed(fd, pos, n, crc, size)
     if t is not None:

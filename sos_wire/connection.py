@@ -29,6 +29,7 @@ of the receive buffer exactly once.
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 from enum import Enum
 from typing import Union
@@ -80,7 +81,7 @@ EVENT_OF: dict[Op, type] = {
     Op.FENCE: ev.Fence, Op.FENCE_OK: ev.FenceOk, Op.ERROR: ev.Error,
 }
 OP_OF: dict[type, Op] = {cls: op for op, cls in EVENT_OF.items()}
-_FIELDS = {cls: cls.__dataclass_fields__.keys() - {"request_id"} for cls in OP_OF}
+_FIELDS = {cls: [f.name for f in dataclasses.fields(cls) if f.name != "request_id"] for cls in OP_OF}
 
 # -- fast paths (checked against frames.py by tests/test_wire_fastpath.py) ----------
 _HEADER = struct.Struct(">2sBBIII")  # magic, version, opcode, request_id, body_len, header_crc
@@ -186,7 +187,8 @@ class Connection:
         self._eof = False
         self._error: RemoteProtocolError | None = None
         #: request ids in flight -> opcode of the request
-        self._pending: dict[int, Op] = {}
+        # request id -> the request's Op (None: a frame of an unknown opcode, server side)
+        self._pending: dict[int, Op | None] = {}
         self._next_id = 0
 
     # -- state ------------------------------------------------------------------------
@@ -262,6 +264,7 @@ class Connection:
                 f"unknown opcode 0x{opcode:02x}", code=ErrorCode.UNKNOWN_OP, request_id=request_id, fatal=False
             )
         op = Op(opcode)
+        event: ev.Event
         try:
             if op is Op.APPEND:
                 event = self._fast_append(request_id, end)

@@ -63,8 +63,10 @@ RECORD_DATA_MAX = 1 << 20
 _READ_CHUNK = 1 << 20
 
 
-def _err(exc_type, code, path, message=None):
-    return exc_type(code, message or os.strerror(code), path)
+def _err(code: int, path: str, message: str | None = None) -> OSError:
+    """``OSError(code, ...)``: Python makes it the matching subclass (ENOENT:
+    FileNotFoundError, EEXIST: FileExistsError, ...), so no table of them is kept here."""
+    return OSError(code, message or os.strerror(code), path)
 
 
 # --------------------------------------------------------------------------
@@ -99,9 +101,10 @@ class _Namespace:
 
 class _GuardedTree:
     """The JournaledTree as the filesystem sees it: journal failures become the
-    built-in exceptions fsspec users expect. Fenced (another writer took the
-    namespace over) -> PermissionError; any other journal failure -> OSError
-    EIO. The original error is chained. Reads keep working from the cache."""
+    built-in exceptions fsspec users expect (:func:`sos_client.errors.to_oserror`,
+    as the mount and the gateway map them). Fenced (another writer took the
+    namespace over) -> PermissionError (errno EROFS); any other journal failure
+    -> OSError EIO. The original error is chained. Reads keep working from the cache."""
 
     _MUTATIONS = ("mkdir", "rmdir", "create", "write", "truncate", "rename", "unlink", "marker",
                   "sync")
@@ -122,20 +125,16 @@ class _GuardedTree:
         method = getattr(self._tree, name)
 
         def guarded(*args, **kwargs):
-            from sos_client.journal.errors import JournalError, WriterFenced
+            from sos_client.errors import SOSError, is_fenced, to_oserror
+            from sos_client.journal.errors import JournalError
 
             try:
                 return method(*args, **kwargs)
-            except WriterFenced as exc:
-                raise PermissionError(
-                    errno.EACCES,
-                    f"namespace {self._namespace!r} was taken over by another writer "
-                    f"(fenced); this process can no longer change it: {exc}",
-                    self._namespace,
-                ) from exc
-            except JournalError as exc:
-                raise OSError(errno.EIO, f"journal of namespace {self._namespace!r}: {exc}",
-                              self._namespace) from exc
+            except (JournalError, SOSError) as exc:
+                what = ("was taken over by another writer (fenced); this process can no longer "
+                        "change it" if is_fenced(exc) else "failed")
+                raise to_oserror(exc, f"journal of namespace {self._namespace!r} {what}",
+                                 self._namespace) from exc
 
         return guarded
 
@@ -357,7 +356,7 @@ class SOSFileSystem(AbstractFileSystem):
         h, rel, local, name = self._resolve(path)
         st = self._stat(local)
         if st is None:
-            raise _err(FileNotFoundError, errno.ENOENT, name)
+            raise _err(errno.ENOENT, name)
         return self._info_from_stat(name, st)
 
     def ls(self, path, detail=True, **kwargs):
@@ -374,10 +373,10 @@ class SOSFileSystem(AbstractFileSystem):
         except NotADirectoryError:
             st = self._stat(local)
             if st is None:
-                raise _err(FileNotFoundError, errno.ENOENT, name) from None
+                raise _err(errno.ENOENT, name) from None
             entries = [self._info_from_stat(name, st)]
         except FileNotFoundError:
-            raise _err(FileNotFoundError, errno.ENOENT, name) from None
+            raise _err(errno.ENOENT, name) from None
         entries.sort(key=lambda e: e["name"])
         if detail:
             return entries
@@ -421,20 +420,20 @@ class SOSFileSystem(AbstractFileSystem):
             if st is None:
                 h.tree.mkdir(sub, mode)
             elif not stat_mod.S_ISDIR(st.st_mode):
-                raise _err(NotADirectoryError, errno.ENOTDIR, f"{h.namespace}/{sub}")
+                raise _err(errno.ENOTDIR, f"{h.namespace}/{sub}")
 
     def makedirs(self, path, exist_ok=False, mode=0o755):
         h, rel, local, name = self._resolve(path)
         if rel == "":
             if not exist_ok:
-                raise _err(FileExistsError, errno.EEXIST, name)
+                raise _err(errno.EEXIST, name)
             return
         with h.lock:
             st = self._stat(local)
             if st is not None:
                 if stat_mod.S_ISDIR(st.st_mode) and exist_ok:
                     return
-                raise _err(FileExistsError, errno.EEXIST, name)
+                raise _err(errno.EEXIST, name)
             self._ensure_dirs(h, rel, mode)
 
     def mkdirs(self, path, exist_ok=False):
@@ -443,33 +442,33 @@ class SOSFileSystem(AbstractFileSystem):
     def mkdir(self, path, create_parents=True, mode=0o755, **kwargs):
         h, rel, local, name = self._resolve(path)
         if rel == "":
-            raise _err(FileExistsError, errno.EEXIST, name)
+            raise _err(errno.EEXIST, name)
         with h.lock:
             if self._stat(local) is not None:
-                raise _err(FileExistsError, errno.EEXIST, name)
+                raise _err(errno.EEXIST, name)
             parent = posixpath.dirname(rel)
             if parent:
                 pst = self._stat(h.local(parent))
                 if pst is None:
                     if not create_parents:
-                        raise _err(FileNotFoundError, errno.ENOENT, f"{h.namespace}/{parent}")
+                        raise _err(errno.ENOENT, f"{h.namespace}/{parent}")
                     self._ensure_dirs(h, parent, mode)
                 elif not stat_mod.S_ISDIR(pst.st_mode):
-                    raise _err(NotADirectoryError, errno.ENOTDIR, name)
+                    raise _err(errno.ENOTDIR, name)
             h.tree.mkdir(rel, mode)
 
     def rmdir(self, path):
         h, rel, local, name = self._resolve(path)
         if rel == "":
-            raise _err(PermissionError, errno.EPERM, name, "cannot remove a namespace root")
+            raise _err(errno.EPERM, name, "cannot remove a namespace root")
         with h.lock:
             st = self._stat(local)
             if st is None:
-                raise _err(FileNotFoundError, errno.ENOENT, name)
+                raise _err(errno.ENOENT, name)
             if not stat_mod.S_ISDIR(st.st_mode):
-                raise _err(NotADirectoryError, errno.ENOTDIR, name)
+                raise _err(errno.ENOTDIR, name)
             if os.listdir(local):
-                raise _err(OSError, errno.ENOTEMPTY, name)
+                raise _err(errno.ENOTEMPTY, name)
             h.tree.rmdir(rel)
 
     # --------------------------------------------------------------- removal
@@ -479,9 +478,9 @@ class SOSFileSystem(AbstractFileSystem):
         with h.lock:
             st = self._stat(local)
             if st is None:
-                raise _err(FileNotFoundError, errno.ENOENT, name)
+                raise _err(errno.ENOENT, name)
             if stat_mod.S_ISDIR(st.st_mode):
-                raise _err(IsADirectoryError, errno.EISDIR, name)
+                raise _err(errno.EISDIR, name)
             h.tree.unlink(rel)
 
     _rm = rm_file
@@ -493,15 +492,12 @@ class SOSFileSystem(AbstractFileSystem):
             with h.lock:
                 st = self._stat(local)
                 if st is None:
-                    raise _err(FileNotFoundError, errno.ENOENT, name)
+                    raise _err(errno.ENOENT, name)
                 if not stat_mod.S_ISDIR(st.st_mode):
                     h.tree.unlink(rel)
                     continue
                 if not recursive:
-                    raise _err(
-                        IsADirectoryError, errno.EISDIR, name,
-                        "is a directory (use recursive=True)",
-                    )
+                    raise _err(errno.EISDIR, name, "is a directory (use recursive=True)")
                 if rel == "":
                     continue  # a namespace root is emptied, never removed
                 if maxdepth is not None and os.listdir(local):
@@ -530,13 +526,13 @@ class SOSFileSystem(AbstractFileSystem):
         if mode not in ("wb", "xb", "ab"):
             raise ValueError(f"sos: unsupported mode {mode!r}")
         if rel == "":
-            raise _err(IsADirectoryError, errno.EISDIR, name)
+            raise _err(errno.EISDIR, name)
         with h.lock:
             st = self._stat(local)
             if st is not None and stat_mod.S_ISDIR(st.st_mode):
-                raise _err(IsADirectoryError, errno.EISDIR, name)
+                raise _err(errno.EISDIR, name)
             if mode == "xb" and st is not None:
-                raise _err(FileExistsError, errno.EEXIST, name)
+                raise _err(errno.EEXIST, name)
             parent = posixpath.dirname(rel)
             if parent:
                 self._ensure_dirs(h, parent)
@@ -578,13 +574,13 @@ class SOSFileSystem(AbstractFileSystem):
         try:
             fd = os.open(local, os.O_RDONLY)
         except FileNotFoundError:
-            raise _err(FileNotFoundError, errno.ENOENT, name) from None
+            raise _err(errno.ENOENT, name) from None
         except NotADirectoryError:
-            raise _err(FileNotFoundError, errno.ENOENT, name) from None
+            raise _err(errno.ENOENT, name) from None
         try:
             st = os.fstat(fd)
             if stat_mod.S_ISDIR(st.st_mode):
-                raise _err(IsADirectoryError, errno.EISDIR, name)
+                raise _err(errno.EISDIR, name)
             size = st.st_size
             start = 0 if start is None else (start if start >= 0 else max(0, size + start))
             end = size if end is None else (end if end >= 0 else max(0, size + end))
@@ -621,7 +617,7 @@ class SOSFileSystem(AbstractFileSystem):
         try:
             fd = os.open(local1, os.O_RDONLY)
         except (FileNotFoundError, NotADirectoryError):
-            raise _err(FileNotFoundError, errno.ENOENT, name1) from None
+            raise _err(errno.ENOENT, name1) from None
         try:
             with self.open(path2, "wb", block_size=RECORD_DATA_MAX) as out:
                 offset = 0
@@ -659,10 +655,10 @@ class SOSFileSystem(AbstractFileSystem):
         name1 = f"{ns1}/{rel1}" if rel1 else ns1
         with h.lock:
             if rel1 == "":
-                raise _err(PermissionError, errno.EPERM, name1, "cannot move a namespace root")
+                raise _err(errno.EPERM, name1, "cannot move a namespace root")
             st1 = self._stat(h.local(rel1))
             if st1 is None:
-                raise _err(FileNotFoundError, errno.ENOENT, name1)
+                raise _err(errno.ENOENT, name1)
             src_is_dir = stat_mod.S_ISDIR(st1.st_mode)
             if rel2 == rel1:
                 return
@@ -677,24 +673,24 @@ class SOSFileSystem(AbstractFileSystem):
             if rel2 == rel1:
                 return
             if src_is_dir and (rel2 + "/").startswith(rel1 + "/"):
-                raise _err(OSError, errno.EINVAL, name2, "cannot move a directory into itself")
+                raise _err(errno.EINVAL, name2, "cannot move a directory into itself")
             parent = posixpath.dirname(rel2)
             if parent:
                 pst = self._stat(h.local(parent))
                 if pst is None:
-                    raise _err(FileNotFoundError, errno.ENOENT, f"{ns2}/{parent}")
+                    raise _err(errno.ENOENT, f"{ns2}/{parent}")
                 if not stat_mod.S_ISDIR(pst.st_mode):
-                    raise _err(NotADirectoryError, errno.ENOTDIR, f"{ns2}/{parent}")
+                    raise _err(errno.ENOTDIR, f"{ns2}/{parent}")
             if st2 is not None:
                 if not overwrite:
-                    raise _err(FileExistsError, errno.EEXIST, name2)
+                    raise _err(errno.EEXIST, name2)
                 dst_is_dir = stat_mod.S_ISDIR(st2.st_mode)
                 if src_is_dir and not dst_is_dir:
-                    raise _err(NotADirectoryError, errno.ENOTDIR, name2)
+                    raise _err(errno.ENOTDIR, name2)
                 if not src_is_dir and dst_is_dir:
-                    raise _err(IsADirectoryError, errno.EISDIR, name2)
+                    raise _err(errno.EISDIR, name2)
                 if dst_is_dir and os.listdir(h.local(rel2)):
-                    raise _err(OSError, errno.ENOTEMPTY, name2)
+                    raise _err(errno.ENOTEMPTY, name2)
             h.tree.rename(rel1, rel2, overwrite=overwrite)
         self._barrier(h)
 
@@ -722,11 +718,11 @@ class SOSReadFile(AbstractBufferedFile):
         try:
             fd = os.open(local, os.O_RDONLY)
         except (FileNotFoundError, NotADirectoryError):
-            raise _err(FileNotFoundError, errno.ENOENT, path) from None
+            raise _err(errno.ENOENT, path) from None
         try:
             st = os.fstat(fd)
             if stat_mod.S_ISDIR(st.st_mode):
-                raise _err(IsADirectoryError, errno.EISDIR, path)
+                raise _err(errno.EISDIR, path)
         except BaseException:
             os.close(fd)
             raise

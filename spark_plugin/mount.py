@@ -46,19 +46,33 @@ import functools
 import logging
 import os
 import signal
+import ssl
 import stat
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import trio
 
-try:  # pyfuse3 is an optional dependency (extra "mount")
+from sos_client.errors import is_fenced, to_oserror
+
+if TYPE_CHECKING:
     import pyfuse3
-except ImportError:  # pragma: no cover - exercised only where pyfuse3 is missing
-    pyfuse3 = None
+    from pyfuse3 import Operations as _OperationsBase
+
+    from sos_client.journal.tree import JournaledTree
+    from sos_client.journal.writer import JournalWriter
+else:
+    try:  # pyfuse3 is an optional dependency (extra "mount")
+        import pyfuse3
+        from pyfuse3 import Operations as _OperationsBase
+    except ImportError:  # pragma: no cover - exercised only where pyfuse3 is missing
+        pyfuse3 = None
+        _OperationsBase = object
 
 log = logging.getLogger("sos.mount")
 
@@ -84,41 +98,12 @@ _RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
 
 
-#: Error class names (client and journal layers) that mean "a newer writer took over".
-_FENCE_ERRORS = frozenset({"Fenced", "WriterFenced", "SpoolStale"})
-
-
-def _is_fenced(exc: BaseException | None) -> bool:
-    """True if `exc` (or anything it was raised from) says a newer writer fenced us."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if any(c.__name__ in _FENCE_ERRORS for c in type(exc).__mro__):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
-
-
 def errno_for(exc: BaseException) -> int:
-    """Map an exception from the tree (or the OS) to the errno FUSE returns."""
+    """The errno FUSE returns for an exception from the tree (or the OS): the one of
+    :func:`sos_client.errors.to_oserror` (a fenced writer: EROFS)."""
     if pyfuse3 is not None and isinstance(exc, pyfuse3.FUSEError):
         return exc.errno
-    if _is_fenced(exc):
-        return errno.EIO
-    if isinstance(exc, OSError) and exc.errno:
-        return exc.errno
-    for cls, code in (
-        (FileExistsError, errno.EEXIST),
-        (FileNotFoundError, errno.ENOENT),
-        (IsADirectoryError, errno.EISDIR),
-        (NotADirectoryError, errno.ENOTDIR),
-        (PermissionError, errno.EACCES),
-        (UnicodeError, errno.EINVAL),
-        (ValueError, errno.EINVAL),
-    ):
-        if isinstance(exc, cls):
-            return code
-    return errno.EIO
+    return to_oserror(exc).errno or errno.EIO
 
 
 class InodeTable:
@@ -251,9 +236,6 @@ class _Handle:
     dirty: bool = False
     marker: bytearray | None = None  # the control file's pending document
     content: bytes | None = None  # a read-only virtual file's content (fd is -1)
-
-
-_OperationsBase = pyfuse3.Operations if pyfuse3 is not None else object
 
 
 def _guard(fn):
@@ -394,7 +376,7 @@ class SOSOperations(_OperationsBase):
             raise pyfuse3.FUSEError(errno.EROFS)
 
     def _note_failure(self, exc: BaseException) -> None:
-        if self.fenced is None and _is_fenced(exc):
+        if self.fenced is None and is_fenced(exc):
             self.fenced = str(exc) or type(exc).__name__
             log.error(
                 "sos mount: FENCED: a newer writer took over namespace %r (%s); this mount is "
@@ -648,6 +630,8 @@ class SOSOperations(_OperationsBase):
         """Turn the control file's pending JSON document into a MARKER record."""
         import json
 
+        if h.marker is None:  # not the control file
+            return
         doc_bytes = bytes(h.marker)
         h.marker.clear()
         try:
@@ -773,8 +757,8 @@ class MountedTree:
 
     def __init__(self, namespace: str, server: str, key: str, cache_dir: str, *,
                  sync: bool = True, max_lag_bytes: int = 64 << 20,
-                 generation_bytes: int | None = None, client_factory=None,
-                 timeout: float = 30.0, tls=None) -> None:
+                 generation_bytes: int | None = None, client_factory: Callable[[], Any] | None = None,
+                 timeout: float = 30.0, tls: ssl.SSLContext | bool | None = None) -> None:
         self.namespace = namespace
         self._client_factory = client_factory
         self.server = server
@@ -787,23 +771,31 @@ class MountedTree:
         self.sync = sync
         self.max_lag_bytes = max_lag_bytes
         self.generation_bytes = generation_bytes
-        self.writer = None
-        self.tree = None
+        self.writer: JournalWriter | None = None
+        self.tree: JournaledTree | None = None
 
-    def open(self) -> None:
+    def open(self) -> tuple[JournaledTree, JournalWriter]:
+        """Open the writer and the tree (see the class docstring); returns them."""
         from sos_client.journal.open import open_namespace
+        from sos_client.journal.tree import JournaledTree
 
         opened = open_namespace(self.namespace, self.cache_dir, server=self.server, key=self.key,
                                 timeout=self.timeout, tls=self.tls,
                                 client_factory=self._client_factory, sync=self.sync,
                                 max_lag_bytes=self.max_lag_bytes,
                                 generation_bytes=self.generation_bytes)
-        self.writer, self.tree = opened.writer, opened.tree
+        tree, writer = opened.tree, opened.writer
+        if not isinstance(tree, JournaledTree) or writer is None:  # pragma: no cover - read keys are refused
+            opened.close()
+            raise PermissionError(errno.EACCES, "a mount needs a key with the append role", self.namespace)
+        self.writer, self.tree = writer, tree
+        return tree, writer
 
     def close(self) -> None:
         if self.tree is not None:
             tree, self.tree = self.tree, None
-            self.writer.close(timeout=0)  # flushed (or given up) by the caller already
+            if self.writer is not None:
+                self.writer.close(timeout=0)  # flushed (or given up) by the caller already
             tree.close()
         elif self.writer is not None:
             self.writer.close()
@@ -905,14 +897,14 @@ def run_mount(namespace: str, mountpoint: str, *, server: str, key: str,
     journal = MountedTree(namespace, server, key, cache_dir or default_cache_dir(namespace),
                           sync=sync, max_lag_bytes=max_lag_bytes,
                           generation_bytes=generation_bytes, client_factory=client_factory)
-    journal.open()
+    tree, writer = journal.open()
     if owner is not None:
         try:  # rebuilt entries have no owner in the journal: they are the owner's
-            give_tree_to(journal.tree_dir, owner, everything=journal.tree.rebuilt)
+            give_tree_to(journal.tree_dir, owner, everything=tree.rebuilt)
         except BaseException:
             journal.close()
             raise
-    ops = SOSOperations(journal.tree, journal.tree_dir, sync=sync, namespace=namespace,
+    ops = SOSOperations(tree, journal.tree_dir, sync=sync, namespace=namespace,
                         writeback_cache=writeback_cache)
     code = 0
     # From the mount on, SIGTERM/SIGINT must unmount, never kill the process outright.
@@ -930,7 +922,7 @@ def run_mount(namespace: str, mountpoint: str, *, server: str, key: str,
         log.info("unmounted %s", mountpoint)
         if ops.fenced is None:
             try:
-                journal.writer.barrier(timeout=flush_timeout)
+                writer.barrier(timeout=flush_timeout)
             except Exception as exc:  # noqa: BLE001 - reported, exit code says it
                 ops._note_failure(exc)
                 log.error("final flush failed (the spool in %s keeps the journal; the next "
@@ -943,7 +935,7 @@ def run_mount(namespace: str, mountpoint: str, *, server: str, key: str,
         try:
             journal.close()
         except Exception as exc:  # noqa: BLE001
-            if ops.fenced is None and not _is_fenced(exc):
+            if ops.fenced is None and not is_fenced(exc):
                 log.error("closing the journal failed: %r", exc)
                 code = 1
     return code

@@ -80,6 +80,17 @@ class WebHdfsError(Exception):
         return remote_exception(self.exception, self.message, self.java_class)
 
 
+#: The Java exception of a refused mutation, by the errno of its OSError (else IOException).
+_EXCEPTION_OF_ERRNO = {
+    errno.EACCES: "AccessControlException",
+    errno.EPERM: "AccessControlException",
+    errno.ENOENT: "FileNotFoundException",
+    errno.EEXIST: "FileAlreadyExistsException",
+    errno.ENOTDIR: "ParentNotDirectoryException",
+    errno.ENOTEMPTY: "PathIsNotEmptyDirectoryException",
+}
+
+
 def _not_found(path: str) -> WebHdfsError:
     return WebHdfsError("FileNotFoundException", f"File does not exist: {path}")
 
@@ -187,33 +198,25 @@ class WebHdfsNamespace:
             return None
 
     def _journal(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """Call a tree mutation; journal failures and races become WebHdfsErrors."""
-        from sos_client.journal.errors import JournalError, WriterFenced
+        """Call a tree mutation; journal failures and races become WebHdfsErrors (by the
+        errno of :func:`sos_client.errors.to_oserror`, as fsspec and the mount map them)."""
+        from sos_client.errors import SOSError, is_fenced, to_oserror
+        from sos_client.journal.errors import JournalError
 
         try:
             return fn(*args, **kwargs)
-        except WriterFenced as exc:
-            raise WebHdfsError("IOException", f"namespace {self.namespace!r} was taken over by "
-                               f"another writer (fenced); this gateway can no longer change it: "
-                               f"{exc}") from exc
-        except JournalError as exc:
-            raise WebHdfsError("IOException", f"journal of namespace {self.namespace!r}: {exc}",
-                               500) from exc
-        except PermissionError as exc:
-            raise WebHdfsError("AccessControlException", str(exc)) from exc
-        except FileNotFoundError as exc:
-            raise WebHdfsError("FileNotFoundException", f"{exc.strerror}: {exc.filename}") from exc
-        except FileExistsError as exc:
-            raise WebHdfsError("FileAlreadyExistsException",
-                               f"{exc.strerror}: {exc.filename}") from exc
-        except NotADirectoryError as exc:
-            raise WebHdfsError("ParentNotDirectoryException",
-                               f"{exc.strerror}: {exc.filename}") from exc
-        except OSError as exc:
-            if exc.errno == errno.ENOTEMPTY:
-                raise WebHdfsError("PathIsNotEmptyDirectoryException",
-                                   f"{exc.strerror}: {exc.filename}") from exc
-            raise WebHdfsError("IOException", f"{exc.strerror or exc}: {exc.filename}") from exc
+        except (JournalError, SOSError, OSError) as exc:
+            if is_fenced(exc):
+                raise WebHdfsError("IOException", f"namespace {self.namespace!r} was taken over by "
+                                   f"another writer (fenced); this gateway can no longer change it: "
+                                   f"{exc}") from exc
+            if isinstance(exc, JournalError):
+                raise WebHdfsError("IOException", f"journal of namespace {self.namespace!r}: {exc}",
+                                   500) from exc
+            err = to_oserror(exc)
+            where = f": {err.filename}" if err.filename is not None else ""
+            raise WebHdfsError(_EXCEPTION_OF_ERRNO.get(err.errno or 0, "IOException"),
+                               f"{err.strerror or err}{where}") from exc
 
     def _last_seq(self) -> int:
         return self.writer.last_seq if self.writer is not None else 0

@@ -66,8 +66,8 @@ def test_multi_stage_non_root_server_with_healthcheck():
 
 
 def test_copied_sources_exist_and_are_in_the_build_context():
-    ignored = [l.strip() for l in (ROOT / ".dockerignore").read_text().splitlines()
-               if l.strip() and not l.startswith("#")]
+    ignored = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")]
     for ins, args in _instructions():
         if ins != "COPY" or "--from=" in args:
             continue

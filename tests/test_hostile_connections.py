@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import resource
 import socket
-import struct
 import threading
 import time
 import urllib.request
@@ -243,7 +242,7 @@ def test_idle_and_trickling_connections_are_closed_by_the_idle_timeout(sos_serve
     with Client(srv.address, key, NS, timeout=TIMEOUT) as c:
         assert c.read("kept") == b"written before anyone idled"
         n = 0
-        for i in range(50):
+        for _ in range(50):
             n = c.append("busy", n, b"x" * 1000)
         assert c.stat("busy") == (50_000, False)
         with pytest.raises(SOSNotFound):  # the never-finished frame wrote nothing

@@ -230,11 +230,11 @@ def test_client_refuses_bad_names_before_sending(srv):
     with _client(srv, srv.key) as c:
         for name in TRAVERSAL:
             for op in (
-                lambda: c.append(name, 0, b"x"),
-                lambda: c.append_many(name, 0, [b"x"]),
-                lambda: c.read(name),
-                lambda: c.stat(name),
-                lambda: c.seal(name),
+                lambda name=name: c.append(name, 0, b"x"),
+                lambda name=name: c.append_many(name, 0, [b"x"]),
+                lambda name=name: c.read(name),
+                lambda name=name: c.stat(name),
+                lambda name=name: c.seal(name),
             ):
                 with pytest.raises(BadNameError) as ei:
                     op()

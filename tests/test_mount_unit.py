@@ -21,6 +21,7 @@ import pytest
 pyfuse3 = pytest.importorskip("pyfuse3")
 import trio  # noqa: E402
 
+from sos_client.errors import Fenced  # noqa: E402 - the client's error the stand-in tree raises
 from spark_plugin.mount import InodeTable, SOSOperations, errno_for, fuse_options, is_mounted  # noqa: E402
 
 pytestmark = [
@@ -28,10 +29,6 @@ pytestmark = [
     pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="/dev/fuse is missing: no FUSE"),
     pytest.mark.timeout(120),
 ]
-
-
-class Fenced(Exception):
-    """Same class name as sos_client.errors.Fenced: the mount recognises it by name."""
 
 
 class RecordingTree:
@@ -249,7 +246,7 @@ def test_fenced_mount_turns_read_only(mounted, caplog):
     with pytest.raises(OSError) as info:
         with open(os.path.join(mnt, "after"), "wb") as f:
             f.write(b"lost")
-    assert info.value.errno == errno.EIO
+    assert info.value.errno == errno.EROFS  # sos_client.errors.to_oserror of a fenced writer
     assert ops.fenced is not None
     with pytest.raises(OSError) as info:
         os.mkdir(os.path.join(mnt, "dir"))
@@ -274,7 +271,7 @@ def test_unlinked_open_file_stays_readable(mounted):
 def test_errno_mapping():
     assert errno_for(FileExistsError()) == errno.EEXIST
     assert errno_for(OSError(errno.ENOTEMPTY, "x")) == errno.ENOTEMPTY
-    assert errno_for(Fenced("x")) == errno.EIO
+    assert errno_for(Fenced("x")) == errno.EROFS  # as sos_client.errors.to_oserror: read-only from now on
     assert errno_for(ValueError("bad name")) == errno.EINVAL
     assert errno_for(RuntimeError("?")) == errno.EIO
 

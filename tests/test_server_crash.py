@@ -94,7 +94,7 @@ def test_sigkill_during_pipelined_appends_loses_no_acked_byte(sos_server):
     rng = random.Random(SEED)
     lengths = {o: 0 for o in OBJECTS}
     total_acks = 0
-    for rnd in range(ROUNDS):
+    for _ in range(ROUNDS):
         acked = dict(lengths)
         reached = threading.Event()
         errors: list[str] = []

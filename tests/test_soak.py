@@ -60,8 +60,8 @@ def test_crash_loop_exactly_once(tmp_path):
             proc.wait()
     _unmount_leftovers(str(work))
     lines = out.splitlines()
-    result = next((json.loads(l.split(" ", 1)[1]) for l in reversed(lines)
-                   if l.startswith("SOAK-RESULT ")), None)
+    result = next((json.loads(line.split(" ", 1)[1]) for line in reversed(lines)
+                   if line.startswith("SOAK-RESULT ")), None)
     assert result is not None, out[-4000:]
     assert result["violations"] == [], "\n".join(lines[-40:])
     assert proc.returncode == 0, "\n".join(lines[-40:])
@@ -71,7 +71,7 @@ def test_crash_loop_exactly_once(tmp_path):
     assert sum(result["restores"].values()) == result["kills"]["all"]
     assert result["records_final"] > 0 and result["checks"] >= result["kill_events"]
     # one line per event, as it runs
-    assert sum(1 for l in lines if "] #" in l and " kill " in l) == result["kill_events"]
+    assert sum(1 for line in lines if "] #" in line and " kill " in line) == result["kill_events"]
 
 
 # ---- the harness's check must catch each kind of violation (no Spark, no processes)

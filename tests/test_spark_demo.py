@@ -25,7 +25,7 @@ def run_demo(tmp_path, *extra):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
     lines = proc.stdout.strip().splitlines()
     assert lines, proc.stderr[-3000:]
-    result = next((json.loads(l) for l in lines if l.startswith("{")), None)
+    result = next((json.loads(line) for line in lines if line.startswith("{")), None)
     return proc, lines, result
 
 
@@ -65,7 +65,7 @@ def test_demo_rocksdb_state_store_with_the_mount_killed_mid_batch(tmp_path):
     assert_exactly_once(proc, lines, result)
     assert result["state_store"] == "rocksdb"
     assert result["driver1_exit"] not in (None, 0)  # it could not commit on the dead mount
-    assert any("driver failed on the dead mount" in l for l in lines), lines
+    assert any("driver failed on the dead mount" in line for line in lines), lines
 
 
 # ---- the checker itself must catch each kind of failure (no Spark needed)

@@ -5,7 +5,6 @@ that batch committed - one Spark can resume from."""
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
@@ -36,7 +35,7 @@ def _read_out(out_dir):
     for name in sorted(os.listdir(out_dir)):
         bid = int(name.split("-")[1].split(".")[0])
         with open(os.path.join(out_dir, name)) as f:
-            batches[bid] = [json.loads(l)["id"] for l in f]
+            batches[bid] = [json.loads(line)["id"] for line in f]
     return batches
 
 
@@ -105,7 +104,7 @@ def test_journaled_checkpoint_registers_listener_and_survives_the_loss(sos_serve
                                mountpoint=str(tmp_path / "mnt"),
                                cache_dir=str(tmp_path / "cache"), checkpoint="q1/chk")
     try:
-        assert [type(l) for l in added] == [MarkerListener]
+        assert [type(listener) for listener in added] == [MarkerListener]
         assert added[0].relpath == "q1/chk" and added[0].checkpoint == str(loc)
         os.makedirs(os.path.join(loc, "commits"))
         tmp = os.path.join(loc, "commits", ".0.tmp")

@@ -1,23 +1,23 @@
 """Round trips of every event and fuzzing of the decoder with hypothesis."""
 
+import os
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import os
+from sos_wire import (
+    NEED_DATA, Append, AppendOk, Auth, AuthOk, Connection, Error, ErrorCode, Fence, FenceOk, Hello,
+    HelloOk, KeyRole, List, ListEntry, ListOk, Ping, Pong, Read, ReadData, RemoteProtocolError,
+    Role, Seal, SealOk, Stat, StatOk, encode_event,
+)
+from sos_wire.connection import OP_OF, EVENT_OF
+from sos_wire.frames import Op
 
 # CI runs a fixed set of examples (derandomized: the suite must be deterministic);
 # SOS_FUZZ_SCALE=50 runs fifty times more, with fresh random examples, for a deep fuzz.
 EXAMPLES = max(1, int(os.environ.get("SOS_FUZZ_SCALE", "1")))
 DERANDOMIZE = EXAMPLES == 1
-
-from sos_wire import (
-    NEED_DATA, Append, AppendOk, Auth, AuthOk, Connection, Error, ErrorCode, Fence, FenceOk, Hello,
-    HelloOk, KeyRole, List, ListEntry, ListOk, Ping, Pong, Read, ReadData, RemoteProtocolError,
-    Request, Role, Seal, SealOk, Stat, StatOk, encode_event,
-)
-from sos_wire.connection import OP_OF, EVENT_OF
-from sos_wire.frames import REPLY_TO, Op
 
 u8 = st.integers(0, 0xFF)
 u32 = st.integers(0, 0xFFFFFFFF)

@@ -4,7 +4,7 @@ import pytest
 
 from sos_wire import (
     DEFAULT_MAX_BODY, NEED_DATA, Append, AppendOk, Connection, Error, ErrorCode, Fence, FenceOk, Hello,
-    HelloOk, LocalProtocolError, Ping, Pong, Read, ReadData, RemoteProtocolError, Role, Stat, StatOk,
+    HelloOk, LocalProtocolError, Ping, Read, ReadData, RemoteProtocolError, Role, Stat, StatOk,
     crc32c, encode_event,
 )
 from sos_wire.connection import _header

@@ -1,18 +1,18 @@
 """The struct fast paths of the hot frames agree with the construct definitions byte for byte."""
 
+import os
+
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import os
+from sos_wire import NEED_DATA, Append, AppendOk, Connection, ReadData, RemoteProtocolError, Role, decode_body
+from sos_wire.connection import _HEADER, _header, _encode_body_parts
+from sos_wire.frames import BODIES, Header, Op, build_header
 
 # CI runs a fixed set of examples (derandomized: the suite must be deterministic);
 # SOS_FUZZ_SCALE=50 runs fifty times more, with fresh random examples, for a deep fuzz.
 EXAMPLES = max(1, int(os.environ.get("SOS_FUZZ_SCALE", "1")))
 DERANDOMIZE = EXAMPLES == 1
-
-from sos_wire import NEED_DATA, Append, AppendOk, Connection, ReadData, RemoteProtocolError, Role, decode_body
-from sos_wire.connection import _HEADER, _header, _encode_body_parts
-from sos_wire.frames import BODIES, Header, Op, build_header
 
 u32 = st.integers(0, 0xFFFFFFFF)
 u64 = st.integers(0, 0xFFFFFFFFFFFFFFFF)
@@ -77,7 +77,7 @@ def _mutated_bodies():
     valid = st.one_of(
         st.builds(lambda n, o, d: (Op.APPEND, encode_append(n, o, d)), text, u64, st.binary(max_size=40)),
         st.builds(
-            lambda o, l, d: (Op.READ_DATA, b"".join(_encode_body_parts(Op.READ_DATA, ReadData(1, o, l, d)))),
+            lambda o, last, d: (Op.READ_DATA, b"".join(_encode_body_parts(Op.READ_DATA, ReadData(1, o, last, d)))),
             u64, st.booleans(), st.binary(max_size=40),
         ),
         st.builds(lambda n: (Op.APPEND_OK, n.to_bytes(8, "big")), u64),

@@ -18,10 +18,11 @@ from sos_client.errors import (
     SealedError,
     SOSError,
     SOSNotFound,
+    is_retryable,
 )
 
 __all__ = ["StoreClient", "SOSError", "OffsetMismatch", "Fenced", "SealedError", "Corrupt",
-           "ConnectionLost", "SOSNotFound", "mismatch_length", "fenced_epoch", "TRANSIENT"]
+           "ConnectionLost", "SOSNotFound", "mismatch_length", "fenced_epoch", "is_retryable"]
 
 
 class StoreClient(Protocol):
@@ -34,9 +35,6 @@ class StoreClient(Protocol):
     def fence(self, epoch: int) -> int: ...
     def close(self) -> None: ...
 
-
-# Errors after which a retry (possibly on a new connection) can succeed.
-TRANSIENT = (ConnectionError, TimeoutError, OSError)
 
 
 def mismatch_length(exc: BaseException) -> int:

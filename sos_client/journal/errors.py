@@ -1,10 +1,27 @@
-"""Typed errors of the journal layer."""
+"""Typed errors of the journal layer.
+
+Each class declares how :mod:`sos_client.errors` classifies it: ``retryable`` (never: a
+journal error is an answer about the journal, the spool or the tree), ``os_errno`` (what
+a filesystem reports: EIO unless said otherwise) and ``fenced`` (a newer writer took
+the namespace over).
+"""
 
 from __future__ import annotations
+
+import errno
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .replay import ReplayStats
+    from .restore import Summary
 
 
 class JournalError(Exception):
     """Base class of every journal error."""
+
+    retryable = False
+    os_errno = errno.EIO
+    fenced = False
 
 
 class JournalCorrupt(JournalError):
@@ -14,7 +31,12 @@ class JournalCorrupt(JournalError):
     offset inside it where the broken record starts.
     """
 
-    def __init__(self, segment: str, offset: int, reason: str):
+    #: set when raised during a replay (by replay) and a restore (by restore): what was
+    #: applied before the broken record
+    replay_stats: ReplayStats | None = None
+    summary: Summary | None = None
+
+    def __init__(self, segment: str, offset: int, reason: str) -> None:
         self.segment = segment
         self.offset = offset
         self.reason = reason
@@ -39,6 +61,9 @@ class GenerationBreak(JournalCorrupt):
 class WriterFenced(JournalError):
     """Another writer took over the namespace (fenced our epoch or sealed our segment)."""
 
+    os_errno = errno.EROFS
+    fenced = True
+
 
 class WriterClosed(JournalError):
     """The writer is closed (or failed) and accepts no more records."""
@@ -47,14 +72,21 @@ class WriterClosed(JournalError):
 class SpoolStale(JournalError):
     """The local spool is older than what the server holds: another writer took over."""
 
+    os_errno = errno.EROFS
+    fenced = True
+
 
 class TargetNotEmpty(JournalError, FileExistsError):
     """restore() refuses to write into a non-empty directory unless force=True."""
+
+    os_errno = errno.ENOTEMPTY
 
 
 class JournalNotFound(JournalError, LookupError):
     """The namespace holds no complete generation: nothing to restore (a mistyped
     namespace, another server, or a namespace whose first snapshot never finished)."""
+
+    os_errno = errno.ENOENT
 
     def __init__(self, namespace: str, message: str):
         self.namespace = namespace
@@ -64,10 +96,14 @@ class JournalNotFound(JournalError, LookupError):
 class BatchNotFound(JournalError, LookupError):
     """The journal never makes ``QUERYDIR/commits/N`` exist (batch N of that checkpoint)."""
 
+    os_errno = errno.ENOENT
+
 
 class PositionUnavailable(JournalError, LookupError):
     """The requested point is not in the journal the server keeps: before the oldest
     generation it still has, before the first record, or beyond the last record."""
+
+    os_errno = errno.ENOENT
 
 
 class ReplayError(JournalError):

@@ -76,7 +76,7 @@ class SegmentInfo:
 @dataclass
 class GenerationInfo:
     generation: int
-    segments: list  # of SegmentInfo, ordered by first_seq
+    segments: list[SegmentInfo]  # ordered by first_seq
     ready: bool = False  # complete: gen/<G>/ready exists, is empty and is sealed
     ready_object: tuple[int, bool] | None = None  # (length, sealed) of gen/<G>/ready if it exists
 

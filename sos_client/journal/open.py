@@ -7,8 +7,8 @@ A namespace's cache directory holds::
     <cache>/spool/       the journal writer's spool (records not yet on the server)
     <cache>/read-tree/   a read-role key's private copy of the tree (no spool)
 
-:func:`open_namespace` connects once to learn the key's role (a refused key fails here,
-at once, instead of being retried by the writer until its open timeout), then
+:func:`open_namespace` connects once to learn the key's role (a refused or malformed key
+fails here, at once: it is not retryable, :func:`sos_client.errors.is_retryable`), then
 
 * append role: opens a :class:`~sos_client.journal.writer.JournalWriter` (fencing every
   older writer of the namespace) and a :class:`~sos_client.journal.tree.JournaledTree`
@@ -31,11 +31,17 @@ import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from sos_client.errors import is_retryable
 
 from .errors import SpoolStale
 
-__all__ = ["AuthRefused", "OpenNamespace", "ReadOnlyTree", "client_factory_for",
+if TYPE_CHECKING:
+    from .tree import JournaledTree
+    from .writer import JournalWriter
+
+__all__ = ["OpenNamespace", "ReadOnlyTree", "client_factory_for",
            "default_cache_dir", "key_role", "open_namespace"]
 
 log = logging.getLogger("sos.journal.open")
@@ -49,59 +55,30 @@ def default_cache_dir(namespace: str) -> str:
     return os.path.join(base, "sos", namespace)
 
 
-class AuthRefused(Exception):
-    """Carries a refused authentication (or a malformed key) through the journal writer.
-
-    The writer retries every OSError as transient, and PermissionError is an OSError: the
-    client factory of :func:`client_factory_for` wraps it in this non-OSError type, which
-    the writer does not retry, and :func:`open_namespace` raises the original again."""
-
-    def __init__(self, original: BaseException) -> None:
-        super().__init__(str(original))
-        self.original = original
-        self.code = getattr(original, "code", None)
-
-
 def client_factory_for(server: str | None, key: Any, namespace: str, *, timeout: float = 30.0,
                        tls: Any = None) -> ClientFactory:
-    """A factory of connected blocking clients (TLS and timeouts included) whose refused
-    authentication surfaces as :class:`AuthRefused`."""
+    """A factory of connected blocking clients (TLS and timeouts included)."""
     from sos_client import Client
 
     def factory() -> Any:
-        try:
-            return Client(server, key, namespace, timeout=timeout, tls=tls)
-        except PermissionError as exc:
-            raise AuthRefused(exc) from exc
+        return Client(server, key, namespace, timeout=timeout, tls=tls)
 
     return factory
 
 
-def _guard_auth(factory: ClientFactory) -> ClientFactory:
-    """Wrap a caller's factory so that its PermissionError is not retried either."""
-
-    def guarded() -> Any:
-        try:
-            return factory()
-        except PermissionError as exc:
-            raise AuthRefused(exc) from exc
-
-    return guarded
-
-
 def key_role(factory: ClientFactory, patience: float) -> Any:
-    """Connect once and return the key's KeyRole. A refused key raises PermissionError at
-    once; an unreachable server is retried for ``patience`` seconds (a server restarting)."""
+    """Connect once and return the key's KeyRole. A refused or malformed key raises
+    PermissionError at once; an unreachable or busy server (a retryable error,
+    :func:`sos_client.errors.is_retryable`) is retried for ``patience`` seconds (a server
+    restarting)."""
     deadline = time.monotonic() + patience
     delay = 0.05
     while True:
         try:
             client = factory()
             break
-        except AuthRefused as exc:
-            raise exc.original from None
-        except ConnectionError:
-            if time.monotonic() >= deadline:
+        except Exception as exc:
+            if not is_retryable(exc) or time.monotonic() >= deadline:
                 raise
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
@@ -155,8 +132,8 @@ class OpenNamespace:
     cache_dir: str
     tree_dir: str
     spool_dir: str
-    tree: Any
-    writer: Any = None
+    tree: JournaledTree | ReadOnlyTree
+    writer: JournalWriter | None = None
     client_factory: ClientFactory | None = None
     read_only: bool = False
     rebuilt: bool = False
@@ -235,7 +212,7 @@ def open_namespace(namespace: str, cache_dir: str, *, server: str | None = None,
     if client_factory is None:
         factory = client_factory_for(server, key, namespace, timeout=timeout, tls=tls)
     else:
-        factory = _guard_auth(client_factory)
+        factory = client_factory
     read_role = key_role(factory, timeout) == KeyRole.READ
     if read_role and allow_read_only:
         return _open_read_only(factory, namespace, cache_dir)
@@ -265,8 +242,6 @@ def open_namespace(namespace: str, cache_dir: str, *, server: str | None = None,
             writer.close()
         except Exception as close_exc:  # noqa: BLE001 - the original error is what matters
             log.debug("closing the writer after a failed open: %r", close_exc)
-        if isinstance(exc, AuthRefused):
-            raise exc.original from None
         if isinstance(exc, SpoolStale):
             raise RuntimeError(f"{exc}. The cache {cache_dir} is stale: remove it (or use "  # noqa: TRY004
                                f"another cache directory) to start from the server's state") from exc
@@ -283,9 +258,6 @@ def _open_read_only(factory: ClientFactory, namespace: str, cache_dir: str) -> O
 
     tree_dir = os.path.join(cache_dir, "read-tree")
     private_cache_dir(cache_dir, {"read-tree": 0o755})
-    try:
-        rebuild_cache(factory, namespace, tree_dir)  # force: replaces an older copy
-    except AuthRefused as exc:
-        raise exc.original from None
+    rebuild_cache(factory, namespace, tree_dir)  # force: replaces an older copy
     return OpenNamespace(namespace, cache_dir, tree_dir, "", ReadOnlyTree(tree_dir, namespace),
                          None, factory, read_only=True, rebuilt=True)

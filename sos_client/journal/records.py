@@ -150,6 +150,8 @@ class SnapshotEnd:
 
 
 Op = Union[Mkdir, Rmdir, Create, Write, Truncate, Rename, Delete, Marker, SnapshotEnd]
+#: What the codec reads bytes from (collections.abc.Buffer once Python 3.12 is the minimum).
+Buffer = Union[bytes, bytearray, memoryview]
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,9 +173,8 @@ def _s(text: str, what: str, limit: int) -> bytes:
     return _U16.pack(len(b)) + b
 
 
-def _encode_body(op: Op) -> list:
-    t = type(op)
-    if t is Write:
+def _encode_body(op: Op) -> list[bytes]:
+    if isinstance(op, Write):
         data = op.data
         if len(data) > MAX_DATA:
             raise ValueError(f"WRITE data of {len(data)} bytes exceeds {MAX_DATA}; use split_write")
@@ -181,25 +182,25 @@ def _encode_body(op: Op) -> list:
             raise ValueError(f"WRITE at offset {op.offset} ends outside 0..{MAX_FILE_SIZE} (largest file)")
         return [_s(validate_path(op.path), "path", MAX_PATH_BYTES), _U64.pack(op.offset),
                 _U32.pack(len(data)), data]
-    if t is Create or t is Mkdir:
+    if isinstance(op, (Create, Mkdir)):
         if not 0 <= op.mode <= MAX_MODE:
             raise ValueError(f"mode {op.mode:#o} outside 0..{MAX_MODE:#o} (permission bits only)")
         return [_s(validate_path(op.path), "path", MAX_PATH_BYTES), _U32.pack(op.mode)]
-    if t is Rmdir or t is Delete:
+    if isinstance(op, (Rmdir, Delete)):
         return [_s(validate_path(op.path), "path", MAX_PATH_BYTES)]
-    if t is Truncate:
+    if isinstance(op, Truncate):
         if not 0 <= op.size <= MAX_FILE_SIZE:
             raise ValueError(f"TRUNCATE size {op.size} outside 0..{MAX_FILE_SIZE} (largest file)")
         return [_s(validate_path(op.path), "path", MAX_PATH_BYTES), _U64.pack(op.size)]
-    if t is Rename:
+    if isinstance(op, Rename):
         return [_s(validate_path(op.src), "path", MAX_PATH_BYTES),
                 _s(validate_path(op.dst), "path", MAX_PATH_BYTES), bytes([1 if op.overwrite else 0])]
-    if t is Marker:
+    if isinstance(op, Marker):
         payload = bytes(op.payload)
         if len(payload) > MAX_DATA:
             raise ValueError(f"MARKER payload exceeds {MAX_DATA} bytes")
         return [_s(op.label, "label", MAX_LABEL_BYTES), _U32.pack(len(payload)), payload]
-    if t is SnapshotEnd:
+    if isinstance(op, SnapshotEnd):
         return [_U64.pack(op.generation)]
     raise TypeError(f"not a journal op: {op!r}")
 
@@ -217,7 +218,7 @@ def encode(op: Op, seq: int, time_ns: int) -> bytes:
     return b"".join([PREFIX.pack(length, crc), head, *parts])
 
 
-def split_write(path: str, offset: int, data) -> Iterator[Write]:
+def split_write(path: str, offset: int, data: Buffer) -> Iterator[Write]:
     """WRITE ops of at most MAX_DATA bytes each covering ``data`` at ``offset``."""
     mv = memoryview(data)
     if len(mv) == 0:
@@ -230,7 +231,7 @@ def encode_ops(ops: Iterable[tuple[Op, int, int]]) -> bytes:
     return b"".join(encode(op, seq, t) for op, seq, t in ops)
 
 
-def peek_header(buf, pos: int = 0):
+def peek_header(buf: Buffer, pos: int = 0) -> tuple[int, int, int, int]:
     """(length, type, seq, time_ns) of the record at ``pos`` without checking it."""
     length, _crc_v, typ, seq, t = HEADER.unpack_from(buf, pos)
     return length, typ, seq, t
@@ -239,82 +240,84 @@ def peek_header(buf, pos: int = 0):
 class _Body:
     __slots__ = ("mv", "pos", "seg", "off")
 
-    def __init__(self, mv, seg, off):
+    def __init__(self, mv: memoryview, seg: str, off: int) -> None:
         self.mv = mv
         self.pos = 0
         self.seg = seg
         self.off = off
 
-    def bad(self, why):
+    def bad(self, why: str) -> JournalCorrupt:
         return JournalCorrupt(self.seg, self.off, why)
 
-    def take(self, n):
+    def take(self, n: int) -> memoryview:
         if self.pos + n > len(self.mv):
             raise self.bad("body shorter than its fields")
         v = self.mv[self.pos:self.pos + n]
         self.pos += n
         return v
 
-    def u8(self):
+    def u8(self) -> int:
         return self.take(1)[0]
 
-    def u32(self):
+    def u32(self) -> int:
         return _U32.unpack(self.take(4))[0]
 
-    def u64(self):
+    def u64(self) -> int:
         return _U64.unpack(self.take(8))[0]
 
-    def size(self):
+    def size(self) -> int:
         """A file offset or size: a u64 no larger than the largest file (MAX_FILE_SIZE)."""
         v = self.u64()
         if v > MAX_FILE_SIZE:
             raise self.bad(f"file offset/size {v} exceeds {MAX_FILE_SIZE} (largest file)")
         return v
 
-    def mode(self):
+    def mode(self) -> int:
         v = self.u32()
         if v > MAX_MODE:
             raise self.bad(f"mode {v:#o} has bits outside {MAX_MODE:#o}")
         return v
 
-    def label(self):
+    def label(self) -> str:
         n = _U16.unpack(self.take(2))[0]
         if n > MAX_LABEL_BYTES:
             raise self.bad(f"MARKER label of {n} bytes exceeds {MAX_LABEL_BYTES}")
         return bytes(self.take(n)).decode("utf-8", "surrogateescape")
 
-    def string(self):
+    def string(self) -> str:
         n = _U16.unpack(self.take(2))[0]
         raw = bytes(self.take(n))
         try:
             return raw.decode("utf-8", "surrogateescape")
         except UnicodeDecodeError:  # pragma: no cover - surrogateescape never fails
-            raise self.bad("string is not UTF-8")
+            raise self.bad("string is not UTF-8") from None
 
-    def path(self):
+    def path(self) -> str:
         p = self.string()
         try:
             return validate_path(p)
         except ValueError as e:
             raise self.bad(str(e)) from None
 
-    def blob(self):
+    def blob(self) -> bytes:
         n = self.u32()
         if n > MAX_DATA:
             raise self.bad(f"blob of {n} bytes exceeds {MAX_DATA}")
         return bytes(self.take(n))
 
-    def end(self):
+    def end(self) -> None:
         if self.pos != len(self.mv):
             raise self.bad(f"{len(self.mv) - self.pos} trailing bytes after the body")
 
 
 def _decode_op(typ: int, body: memoryview, seg: str, off: int) -> Op:
     b = _Body(body, seg, off)
+    op: Op
     if typ == RecordType.WRITE:
-        op = Write(b.path(), b.size(), b.blob())
-        if op.offset + len(op.data) > MAX_FILE_SIZE:
+        write = Write(b.path(), b.size(), b.blob())
+        if write.offset + len(write.data) > MAX_FILE_SIZE:
             raise b.bad(f"write ends past {MAX_FILE_SIZE} (largest file)")
+        op = write
     elif typ == RecordType.CREATE:
         op = Create(b.path(), b.mode())
     elif typ == RecordType.MKDIR:
@@ -349,7 +352,7 @@ class RecordDecoder:
     buffered bytes that do not yet form a whole record (a torn tail if the stream ended).
     """
 
-    def __init__(self, segment: str = "", offset: int = 0):
+    def __init__(self, segment: str = "", offset: int = 0) -> None:
         self.segment = segment
         self.offset = offset
         self._buf = bytearray()
@@ -359,7 +362,7 @@ class RecordDecoder:
     def pending(self) -> int:
         return len(self._buf) - self._pos
 
-    def feed(self, data) -> None:
+    def feed(self, data: Buffer) -> None:
         if self._pos and self._pos >= len(self._buf) // 2:
             del self._buf[:self._pos]
             self._pos = 0
@@ -388,7 +391,7 @@ class RecordDecoder:
         self.offset += total
         return rec
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Record]:
         while True:
             r = self.next_record()
             if r is None:
@@ -396,7 +399,7 @@ class RecordDecoder:
             yield r
 
 
-def decode_all(data, segment: str = "", *, allow_partial: bool = False) -> list[Record]:
+def decode_all(data: Buffer, segment: str = "", *, allow_partial: bool = False) -> list[Record]:
     """Decode a complete byte string. A torn tail raises unless ``allow_partial``."""
     d = RecordDecoder(segment)
     d.feed(data)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from .beneath import Beneath
-from .errors import ReplayError
+from .errors import JournalCorrupt, ReplayError
 from .records import (
     Create,
     Delete,
@@ -58,7 +58,7 @@ class ReplayStats:
 class Replayer:
     """Applies records to ``target_dir``; keeps a few files open across WRITE records."""
 
-    def __init__(self, target_dir: str, *, max_open: int = 64):
+    def __init__(self, target_dir: str, *, max_open: int = 64) -> None:
         self.root = os.path.abspath(target_dir)
         self.max_open = max_open
         self._fds: dict[str, int] = {}
@@ -89,36 +89,35 @@ class Replayer:
 
     def apply(self, rec: Record) -> None:
         op = rec.op
-        t = type(op)
         try:
-            if t is Write:
+            if isinstance(op, Write):
                 n = os.pwrite(self._fd(op.path), op.data, op.offset)
                 if n != len(op.data):
                     raise OSError(f"short write to {op.path}")
                 self.stats.bytes_written += n
-            elif t is Create:
+            elif isinstance(op, Create):
                 self._forget(op.path)
                 fd = self._at.create_file(op.path, replay_mode(op.mode), exact=True, single_link=True)
                 self._keep(op.path, fd)
-            elif t is Mkdir:
+            elif isinstance(op, Mkdir):
                 try:
                     self._at.mkdir(op.path, replay_mode(op.mode), exact=True)
                 except FileExistsError:
                     if not _stat.S_ISDIR(self._at.lstat(op.path).st_mode):
                         raise
-            elif t is Truncate:
+            elif isinstance(op, Truncate):
                 os.ftruncate(self._fd(op.path), op.size)
-            elif t is Rename:
+            elif isinstance(op, Rename):
                 self._forget(op.src, tree=True)
                 self._forget(op.dst, tree=True)
                 self._at.rename(op.src, op.dst)
-            elif t is Delete:
+            elif isinstance(op, Delete):
                 self._forget(op.path)
                 self._at.unlink(op.path)
-            elif t is Rmdir:
+            elif isinstance(op, Rmdir):
                 self._forget(op.path, tree=True)
                 self._at.rmdir(op.path)
-            elif t is Marker or t is SnapshotEnd:
+            elif isinstance(op, (Marker, SnapshotEnd)):
                 pass
             else:  # pragma: no cover - the decoder only yields known ops
                 raise ReplayError(rec.seq, f"unknown op {op!r}")
@@ -150,7 +149,7 @@ def replay(records_iter: Iterable[Record], target_dir: str, *, stop: Callable[[R
         for rec in records_iter:
             if in_snapshot:
                 r.apply(rec)
-                if type(rec.op) is SnapshotEnd:
+                if isinstance(rec.op, SnapshotEnd):
                     in_snapshot = False
                     r.stats.snapshot_done = True
                 continue
@@ -158,8 +157,8 @@ def replay(records_iter: Iterable[Record], target_dir: str, *, stop: Callable[[R
                 r.stats.stopped = True
                 break
             r.apply(rec)
-    except BaseException as e:
-        e.replay_stats = r.stats  # what was applied before the failure
+    except JournalCorrupt as e:  # from the records: restore reports what was applied before it
+        e.replay_stats = r.stats
         raise
     finally:
         r.close()

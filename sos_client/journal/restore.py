@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from . import layout
-from ._store import Corrupt, SOSNotFound
+from ._store import Corrupt, SOSNotFound, StoreClient
 from .errors import (
     BatchNotFound,
     GenerationBreak,
@@ -93,7 +93,7 @@ _EPOCH = _dt.datetime(1970, 1, 1, tzinfo=_dt.timezone.utc)
 _FRACTION = re.compile(r"(\.\d{6})(\d{1,3})")
 
 
-def parse_time(at) -> int | None:
+def parse_time(at: int | str | _dt.datetime | None) -> int | None:
     """ns since the epoch from a datetime, an int (ns) or an ISO-8601 string (naive = UTC;
     up to 9 fractional digits, as :func:`format_time` prints them)."""
     if at is None:
@@ -132,17 +132,18 @@ def _norm_dir(p: str) -> str:
     return "" if p == "." else p
 
 
-def parse_batch(batch) -> tuple[str, int]:
+def parse_batch(batch: str | tuple[str, int]) -> tuple[str, int]:
     """(querydir, N) from ``"QUERYDIR:N"`` or a tuple. QUERYDIR is the checkpoint directory's
     path relative to the namespace root ("" or "." for the root); N >= 0."""
+    raw_n: int | str
     if isinstance(batch, tuple):
-        q, n = batch
+        q, raw_n = batch
     elif isinstance(batch, str) and ":" in batch:
-        q, _, n = batch.rpartition(":")
+        q, _, raw_n = batch.rpartition(":")
     else:
         raise ValueError(f"bad batch {batch!r}: expected QUERYDIR:N")
     try:
-        n = int(n)
+        n = int(raw_n)
     except (TypeError, ValueError):
         raise ValueError(f"bad batch {batch!r}: expected QUERYDIR:N with N a batch id >= 0") from None
     if n < 0:
@@ -157,7 +158,7 @@ def parse_batch(batch) -> tuple[str, int]:
     return q, n
 
 
-def list_generations(client) -> dict[int, layout.GenerationInfo]:
+def list_generations(client: StoreClient) -> dict[int, layout.GenerationInfo]:
     return layout.scan_listing(client.list(layout.GEN_PREFIX))
 
 
@@ -349,10 +350,10 @@ def chain_breaks(client, gens: dict[int, layout.GenerationInfo], *,
             end, exact = ends[prev.generation] if ends and prev.generation in ends else generation_end(client, prev)
             if exact or g.generation != prev.generation + 1:
                 reason = layout.continues(prev.generation, end, g)
-            elif g.first_seq <= end:
+            elif g.segments[0].first_seq <= end:
                 # damage hides where the previous generation ended: it holds at least record `end`
-                reason = (f"generation {g.generation} does not continue generation {prev.generation}: it "
-                          f"starts with record {g.first_seq} but generation {prev.generation} holds record {end}")
+                reason = (f"generation {g.generation} does not continue generation {prev.generation}: it starts "
+                          f"with record {g.segments[0].first_seq} but generation {prev.generation} holds record {end}")
             else:
                 reason = None
             if reason is not None:
@@ -380,7 +381,11 @@ def _refuse_breaks(breaks: list[ChainBreak]) -> GenerationBreak:
         generation=first.generation, previous=first.previous or 0)
 
 
-_END = object()
+class _End:
+    """The item a segment reader puts after the segment's last batch of records."""
+
+
+_END = _End()
 
 
 class SegmentReaders:
@@ -398,7 +403,9 @@ class SegmentReaders:
         import threading
 
         self._segs = segs
-        self._queues = [queue.Queue(maxsize=max_batches) for _ in segs]
+        # per segment: lists of records, then _END (or the exception that stopped the reader)
+        self._queues: list[queue.Queue[list[Record] | BaseException | _End]] = [
+            queue.Queue(maxsize=max_batches) for _ in segs]
         self._next = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -473,7 +480,7 @@ class SegmentReaders:
                 if not any(th.is_alive() for th in self._threads):
                     raise JournalError(f"restore readers stopped before segment {seg.name}") from None
                 continue
-            if item is _END:
+            if isinstance(item, _End):
                 return
             if isinstance(item, BaseException):
                 raise item
@@ -505,20 +512,21 @@ def choose_generation(client, gens, *, position=None, at_ns=None) -> layout.Gene
         return cands[0]
     first_time = None
     for g in cands:
-        if position is not None and g.first_seq - 1 <= position:
+        if position is not None and g.segments[0].first_seq - 1 <= position:
             return g
         if at_ns is not None:
             first_time = _first_time(client, g.segments[0])
             if first_time is not None and first_time <= at_ns:
                 return g
     oldest = cands[-1]
+    oldest_first = oldest.segments[0].first_seq
     if position is not None:
-        if oldest.first_seq == 1:
+        if oldest_first == 1:
             return oldest  # generation 1: the point is before anything was written
         raise PositionUnavailable(f"position {position} is before the oldest generation the server keeps "
-                                  f"(generation {oldest.generation} starts after record {oldest.first_seq - 1})")
+                                  f"(generation {oldest.generation} starts after record {oldest_first - 1})")
     when = f"first record at {format_time(first_time)}" if first_time is not None else "no first record"
-    if oldest.first_seq == 1:
+    if oldest_first == 1:
         raise PositionUnavailable(f"time {format_time(at_ns)} is before the first record of the journal "
                                   f"(generation 1, {when}): nothing was journaled yet")
     raise PositionUnavailable(f"time {format_time(at_ns)} is before the oldest generation the server keeps "
@@ -666,7 +674,7 @@ def find_batch(client, gens, querydir: str, batch_id: int, *, on_bytes=None, not
                 notes.append(f"the journal is corrupt after batch {batch_id} committed ({e}); a later "
                              f"commit of the same batch would be behind it")
         if r.start is not None:
-            stop = r.stop
+            stop = r.start if r.stop is None else r.stop
             if r.open:  # the file may be completed in the next generation(s)
                 for nr in reversed(newer):
                     if nr.head_ext is not None:
@@ -697,7 +705,7 @@ def find_batch(client, gens, querydir: str, batch_id: int, *, on_bytes=None, not
         oldest = cands[-1]
         raise PositionUnavailable(
             f"batch {batch_id} of checkpoint {querydir or '.'!r} committed before the oldest generation the "
-            f"server keeps (generation {oldest.generation} starts after record {oldest.first_seq - 1} and "
+            f"server keeps (generation {oldest.generation} starts after record {oldest.segments[0].first_seq - 1} and "
             f"already holds {path}): the state right after that batch is gone")
     if querydir in seen:
         raise BatchNotFound(f"checkpoint {querydir or '.'!r} has no {path} in the journal the server keeps "
@@ -768,9 +776,10 @@ def _unused_text(g: layout.GenerationInfo) -> str:
             f"durable before its ready object exists: it is starting that generation, or it stopped first")
 
 
-def restore(client_factory, namespace: str, target: str, *, at=None, position: int | None = None,
-            batch=None, force: bool = False, progress: Callable[[int, int], None] | None = None,
-            generation: int | None = None) -> Summary:
+def restore(client_factory: Callable[[], StoreClient], namespace: str, target: str, *,
+            at: int | str | _dt.datetime | None = None, position: int | None = None,
+            batch: str | tuple[str, int] | None = None, force: bool = False,
+            progress: Callable[[int, int], None] | None = None, generation: int | None = None) -> Summary:
     """Rebuild the tree of ``namespace`` in the empty directory ``target``; see module doc.
 
     The generations on the server must form one chain (protocol.md 2.1), else GenerationBreak
@@ -835,20 +844,21 @@ def restore(client_factory, namespace: str, target: str, *, at=None, position: i
                                   listed=listed)
             done[0] = 0
         gen = choose_generation(client, gens, position=position, at_ns=at_ns)
+        if gen is None:  # not reached: _complete(gens) was checked above
+            raise _no_journal(namespace, gens)
         created = not os.path.exists(target)
         _prepare_target(target, force)
         summary.generation = gen.generation
         total[0] = gen.total_bytes
         if progress is not None:
             progress(0, total[0])
+        stop: Callable[[Record], bool] | None = None
         if position is not None:
-            def stop(rec, _p=position):
+            def stop(rec: Record, _p: int = position) -> bool:
                 return rec.seq > _p
         elif at_ns is not None:
-            def stop(rec, _t=at_ns):
+            def stop(rec: Record, _t: int = at_ns) -> bool:
                 return rec.time_ns > _t
-        else:
-            stop = None
         try:
             readers = SegmentReaders(client_factory, gen.segments, readers=2, on_bytes=on_bytes)
             try:
@@ -860,7 +870,7 @@ def restore(client_factory, namespace: str, target: str, *, at=None, position: i
             finally:
                 readers.close()
         except JournalCorrupt as e:
-            st = getattr(e, "replay_stats", None)
+            st = e.replay_stats
             if st is not None:
                 summary.records, summary.last_seq, summary.last_time_ns = st.records, st.last_seq, st.last_time_ns
             summary.seconds = time.monotonic() - t0
@@ -898,7 +908,7 @@ def restore(client_factory, namespace: str, target: str, *, at=None, position: i
     return summary
 
 
-def rebuild_cache(client_factory, namespace: str, cache_dir: str) -> int:
+def rebuild_cache(client_factory: Callable[[], StoreClient], namespace: str, cache_dir: str) -> int:
     """Fill a cache directory with the namespace's latest tree (replacing what it holds);
     returns the last seq, 0 for a namespace without a complete generation (empty tree)."""
     try:

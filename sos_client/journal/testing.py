@@ -8,9 +8,9 @@ import os
 from .memstore import MemStore  # noqa: F401 - re-exported for tests
 
 
-def tree_state(root: str, *, digest: bool = False) -> dict:
+def tree_state(root: str, *, digest: bool = False) -> dict[str, bytes | str]:
     """{relative path: file bytes (or sha256 hex if digest) | "<dir>"} of everything under root."""
-    out = {}
+    out: dict[str, bytes | str] = {}
     for dirpath, dirnames, filenames in os.walk(root):
         rel = os.path.relpath(dirpath, root)
         rel = "" if rel == "." else rel.replace(os.sep, "/")

@@ -23,7 +23,7 @@ import errno
 import os
 import stat as _stat
 import threading
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from .beneath import Beneath
 from .records import (
@@ -43,6 +43,9 @@ from .records import (
     Write,
     validate_path,
 )
+
+if TYPE_CHECKING:
+    from .writer import JournalWriter
 
 __all__ = ["JournaledTree", "rename_noreplace", "renameat_noreplace", "clear_directory", "snapshot_ops"]
 
@@ -164,7 +167,7 @@ def _name_too_long(path: str) -> bool:
 
 
 class JournaledTree:
-    def __init__(self, cache_dir: str, writer):
+    def __init__(self, cache_dir: str, writer: JournalWriter) -> None:
         self.cache_dir = os.path.abspath(cache_dir)
         os.makedirs(self.cache_dir, exist_ok=True)
         self._at = Beneath(self.cache_dir)
@@ -178,7 +181,7 @@ class JournaledTree:
             self._bootstrap()
 
     @property
-    def writer(self):
+    def writer(self) -> JournalWriter:
         return self._writer
 
     # ------------------------------------------------------------------ start-up
@@ -281,7 +284,7 @@ class JournaledTree:
             self._append(Create(path, mode))
             self._after()
 
-    def write(self, path: str, offset: int, data) -> int:
+    def write(self, path: str, offset: int, data: bytes | bytearray | memoryview) -> int:
         """Write ``data`` at ``offset`` of an existing file; returns the number of bytes."""
         if offset < 0:
             raise ValueError("negative offset")
@@ -368,8 +371,8 @@ class JournaledTree:
             finally:
                 self._at.close()
 
-    def __enter__(self):
+    def __enter__(self) -> JournaledTree:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()

@@ -7,16 +7,16 @@ it looks for the next record that decodes with a valid CRC and resumes there.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from . import layout
-from ._store import Corrupt
+from ._store import Corrupt, StoreClient
 from .errors import JournalCorrupt, JournalTruncated
 from .records import (
     MAX_RECORD_LENGTH,
     MIN_LENGTH,
     PREFIX,
-    HEAD,
     RecordDecoder,
     RecordType,
     SnapshotEnd,
@@ -158,7 +158,8 @@ def _resync(client, seg: layout.SegmentInfo, start: int, length: int) -> int | N
     return None
 
 
-def verify(client_factory, namespace: str, *, progress=None) -> VerifyReport:
+def verify(client_factory: Callable[[], StoreClient], namespace: str, *,
+           progress: Callable[[int, int], None] | None = None) -> VerifyReport:
     """Read and check every record of every generation; returns a VerifyReport.
 
     Besides each record, it checks that the generations form one chain (protocol.md 2.1:
@@ -196,7 +197,7 @@ def verify(client_factory, namespace: str, *, progress=None) -> VerifyReport:
             expected = None
             saw_end = False
             after_end: list[int] = []  # first and last seq of journal records after SNAPSHOT_END
-            end, exact = g.first_seq - 1, True
+            end, exact = g.segments[0].first_seq - 1, True
             for i, seg in enumerate(g.segments):
                 rep.segments += 1
                 last_here = None

@@ -27,45 +27,34 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 from . import layout
 from ._store import (
-    TRANSIENT,
-    Corrupt,
     Fenced,
+    StoreClient,
     OffsetMismatch,
     SealedError,
-    SOSError,
     SOSNotFound,
     fenced_epoch,
+    is_retryable,
     mismatch_length,
 )
 from .errors import GenerationBreak, JournalError, SpoolStale, WriterClosed, WriterFenced
-from .records import HEADER, PREFIX, MAX_RECORD_LENGTH, Op, RecordDecoder, SnapshotEnd, encode
+from .records import HEADER, MAX_RECORD_LENGTH, PREFIX, Op, Record, RecordDecoder, SnapshotEnd, encode
 from .spool import Spool, SpoolSegment
 
 log = logging.getLogger("sos.journal.writer")
 
-_FATAL_CODES = {4, 5, 6, 7, 11, 12, 17}  # auth, forbidden, bad name, sealed, fenced, corrupt
+#: A replicator task: ("seal_foreign", name), ("ready", (generation, seq)),
+#: ("ship", segment) or ("seal", segment).
+_Task = tuple[str, Any]
 
 
-def _is_fatal(exc: BaseException) -> bool:
-    if isinstance(exc, (Fenced, SealedError, Corrupt, JournalError)):
-        # JournalError: the spool and the server disagree; Corrupt: the server keeps a damaged
-        # segment and refuses to extend it until an operator repairs it. Retrying cannot help.
-        return True
-    code = getattr(exc, "code", None)
-    try:
-        return int(code) in _FATAL_CODES
-    except (TypeError, ValueError):
-        return False
-
-
-def server_last_record(client, seg_name: str, length: int | None = None):
+def server_last_record(client: StoreClient, seg_name: str, length: int | None = None) -> tuple[int, int] | None:
     """(last seq, last time_ns) of the records in one server segment (None if empty)."""
     dec = RecordDecoder(seg_name)
-    last = None
+    last: Record | None = None
     for chunk in client.read_iter(seg_name, 0, 0):
         dec.feed(chunk)
         for rec in dec:
@@ -74,10 +63,10 @@ def server_last_record(client, seg_name: str, length: int | None = None):
 
 
 class JournalWriter:
-    def __init__(self, client_factory: Callable, namespace: str, spool_dir: str, *, sync: bool = True,
+    def __init__(self, client_factory: Callable[[], StoreClient], namespace: str, spool_dir: str, *, sync: bool = True,
                  max_lag_bytes: int = 64 << 20, segment_bytes: int = 64 << 20,
                  generation_bytes: int = 1 << 30, chunk_bytes: int = 2 << 20, pipeline: int = 4,
-                 max_backoff: float = 2.0, open_timeout: float = 120.0):
+                 max_backoff: float = 2.0, open_timeout: float = 120.0) -> None:
         if chunk_bytes < 8 + MAX_RECORD_LENGTH:
             raise ValueError(f"chunk_bytes must be at least {8 + MAX_RECORD_LENGTH}")
         if max_lag_bytes < 1 or segment_bytes < 1 or generation_bytes < 1 or pipeline < 1:
@@ -135,18 +124,23 @@ class JournalWriter:
         with self._cv:
             return self._unshipped()
 
+    def _open_spool(self) -> Spool:
+        if self._spool is None:
+            raise WriterClosed("writer is not open: call open() first")
+        return self._spool
+
     def _unshipped(self) -> int:
         return sum(s.written - max(s.shipped, 0) for s in self._segs)
 
     # ------------------------------------------------------------------ open
-    def _connect_retry(self, deadline: float):
+    def _connect_retry(self, deadline: float) -> StoreClient:
         delay = 0.05
         while True:
             try:
                 return self.client_factory()
-            except TRANSIENT as e:
-                if _is_fatal(e) or time.monotonic() > deadline:
-                    raise  # a refused key or namespace does not get better by retrying
+            except Exception as e:
+                if not is_retryable(e) or time.monotonic() > deadline:
+                    raise  # a refused or malformed key, a bad name: retrying does not help
                 log.warning("connect failed (%s); retrying", e)
                 time.sleep(delay)
                 delay = min(delay * 2, self.max_backoff)
@@ -165,8 +159,8 @@ class JournalWriter:
                 try:
                     self._open_with(client)
                     break
-                except TRANSIENT as e:
-                    if _is_fatal(e) or time.monotonic() > deadline:
+                except Exception as e:
+                    if not is_retryable(e) or time.monotonic() > deadline:
                         raise
                     log.warning("open interrupted (%s); retrying", e)
                     time.sleep(0.2)
@@ -184,10 +178,10 @@ class JournalWriter:
                                         daemon=True)
         self._thread.start()
 
-    def _open_with(self, client) -> None:
+    def _open_with(self, client: StoreClient) -> None:
         for s in self._segs:
             s.close()
-        spool = self._spool
+        spool = self._open_spool()
         segs = spool.scan()
         entries = list(client.list(layout.GEN_PREFIX))
         gens = layout.scan_listing(entries)
@@ -259,11 +253,11 @@ class JournalWriter:
                 self.generation = max(g.generation for g in gens.values() if g.segments)
                 self.generation_complete = gens[self.generation].ready
                 last_seq, last_time = floor, 0
-                for g in reversed(list(gens.values())):
+                for info in reversed(list(gens.values())):
                     found = None
-                    for s in reversed(g.segments):
-                        if s.length > 0:
-                            found = server_last_record(client, s.name)
+                    for seg_info in reversed(info.segments):
+                        if seg_info.length > 0:
+                            found = server_last_record(client, seg_info.name)
                             if found:
                                 break
                     if found:
@@ -282,7 +276,7 @@ class JournalWriter:
         self._cur = None  # new records go to a new segment named with our epoch
         self.epoch = epoch
 
-    def _check_chain(self, client, gens) -> None:
+    def _check_chain(self, client: StoreClient, gens: dict[int, layout.GenerationInfo]) -> None:
         """Refuse to write after generations that do not form one chain (protocol.md 2.1)."""
         from .restore import chain_breaks
 
@@ -296,19 +290,14 @@ class JournalWriter:
                   f"`sos verify` lists every break; the server's operator removes the foreign objects",
                 generation=b.generation, previous=b.previous or 0)
 
-    def _fence(self, client, start: int) -> int:
+    def _fence(self, client: StoreClient, start: int) -> int:
         epoch = max(start, 1)
         for _ in range(100):
             try:
                 got = client.fence(epoch)
                 return int(got) if isinstance(got, int) and got else epoch
-            except Fenced as e:
+            except Fenced as e:  # every FENCED answer is a Fenced (sos_client.errors)
                 epoch = max(epoch, fenced_epoch(e)) + 1
-            except SOSError as e:
-                if getattr(e, "code", None) == 12:
-                    epoch = max(epoch, fenced_epoch(e)) + 1
-                else:
-                    raise
         raise JournalError("could not fence the namespace: another writer keeps racing")
 
     # ------------------------------------------------------------------ append
@@ -341,7 +330,7 @@ class JournalWriter:
     def _new_segment(self, first_seq: int) -> SpoolSegment:
         if self.generation == 0:
             raise JournalError("no generation yet: call rotate() to start generation 1")
-        seg = self._spool.create(self.generation, first_seq, self.epoch)
+        seg = self._open_spool().create(self.generation, first_seq, self.epoch)
         seg.shipped = -1
         self._segs.append(seg)
         self._cur = seg
@@ -387,7 +376,7 @@ class JournalWriter:
                 for op in snapshot_ops:
                     self.append(op)
                 with self._cv:
-                    self._spool.set_snapshot_end(gen, self._seq + 1)
+                    self._open_spool().set_snapshot_end(gen, self._seq + 1)
                 seq = self.append(SnapshotEnd(gen))
             finally:
                 with self._cv:
@@ -446,15 +435,15 @@ class JournalWriter:
             if self._spool is not None:
                 self._spool.close()
 
-    def __enter__(self):
+    def __enter__(self) -> JournalWriter:
         self.open()
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # ------------------------------------------------------------------ replicator
-    def _next_task(self):
+    def _next_task(self) -> _Task | None:
         if self._foreign_unsealed:
             return ("seal_foreign", self._foreign_unsealed[0])
         for g, seq in self._pending_ready:
@@ -487,7 +476,9 @@ class JournalWriter:
                 self._do(client, task)
                 backoff = 0.05
             except Exception as e:  # noqa: BLE001 - classified below, never swallowed silently
-                if _is_fatal(e):
+                if not is_retryable(e):
+                    # Fenced/Sealed: a newer writer; JournalError: the spool and the server
+                    # disagree; CORRUPT, BAD_REQUEST, a refused key...: repeating cannot help
                     log.error("replicator stopped: %s", e)
                     with self._cv:
                         self._error = e
@@ -506,7 +497,7 @@ class JournalWriter:
                 backoff = min(backoff * 2, self.max_backoff)
         _close_quietly(client)
 
-    def _do(self, client, task) -> None:
+    def _do(self, client: StoreClient, task: _Task) -> None:
         kind, arg = task
         if kind == "seal_foreign":
             try:
@@ -544,9 +535,9 @@ class JournalWriter:
                 client.seal(seg.name, epoch=self.epoch)
             with self._cv:
                 self._segs.remove(seg)
-                self._spool.remove(seg)
+                self._open_spool().remove(seg)
 
-    def _ship(self, client, seg: SpoolSegment) -> None:
+    def _ship(self, client: StoreClient, seg: SpoolSegment) -> None:
         if self._new_generations.get(seg.generation) == seg.first_seq:
             self._check_new_generation(client, seg)
         if seg.shipped < 0:
@@ -624,7 +615,7 @@ class JournalWriter:
             self.bytes_shipped += total
             self._after_ack(last_seq)
 
-    def _check_new_generation(self, client, seg: SpoolSegment) -> None:
+    def _check_new_generation(self, client: StoreClient, seg: SpoolSegment) -> None:
         """Before the first segment of a generation this writer started goes out: nobody else
         has objects in that generation (else the journal would mix them in, protocol.md 2.1)."""
         prefix = layout.gen_prefix(seg.generation)
@@ -637,14 +628,14 @@ class JournalWriter:
         with self._cv:
             self._new_generations.pop(seg.generation, None)
 
-    def _confirm(self, client, seg: SpoolSegment, end: int) -> None:
+    def _confirm(self, client: StoreClient, seg: SpoolSegment, end: int) -> None:
         """Make sure the server's bytes ``[seg.confirmed, end)`` of ``seg`` are the spool's: send
         them again at their offsets. The server acknowledges an identical retry without writing
         anything and refuses different bytes (OFFSET_MISMATCH, or SEALED if sealed), so bytes
         this writer did not send are never counted as acknowledged."""
         pos = seg.confirmed
         while pos < end:
-            chunks = []
+            chunks: list[bytes] = []
             nxt = pos
             while len(chunks) < self.pipeline and nxt < end:
                 n = min(self.chunk_bytes, end - nxt)
@@ -670,7 +661,7 @@ class JournalWriter:
                 seg.confirmed = nxt
             pos = nxt
 
-    def _after_ack(self, last_seq) -> None:
+    def _after_ack(self, last_seq: int | None) -> None:
         """Called with the lock held after the server acknowledged data."""
         if all(s.shipped == s.written for s in self._segs):
             self._acked = self._seq
@@ -679,7 +670,7 @@ class JournalWriter:
         self._cv.notify_all()
 
 
-def _close_quietly(client) -> None:
+def _close_quietly(client: StoreClient | None) -> None:
     if client is None:
         return
     try:

@@ -1,0 +1,63 @@
+"""The code is clean under ruff and mypy, as configured in pyproject.toml ([tool.ruff],
+[tool.mypy]); both run from this interpreter's environment (they are in the ``test`` extra)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: Files other changes were still editing when the checks came in (issue 12 point 8):
+#: what the checkers find in them is shown by ``pytest -rP``, not failed on, until they
+#: are merged and cleaned. Empty this once that is done.
+PENDING: frozenset[str] = frozenset({
+    "bench/append.py",
+    "spark_plugin/cli_gateway.py",
+    "spark_plugin/gateway.py",
+    "spark_plugin/gateway_auth.py",
+    "spark_plugin/gateway_client.py",
+    "spark_plugin/spark.py",
+    "spark_plugin/webhdfs.py",
+    "tests/test_gateway.py",
+})
+
+
+def _run(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=600, check=False)
+
+
+def _split(findings: list[tuple[str, str]]) -> tuple[list[str], list[str]]:
+    """(findings in files that must be clean, findings in PENDING files)."""
+    bad = [text for path, text in findings if path not in PENDING]
+    pending = [text for path, text in findings if path in PENDING]
+    return bad, pending
+
+
+def test_ruff_finds_nothing():
+    r = _run("ruff", "check", ".", "--no-cache", "--output-format", "json")
+    assert r.returncode in (0, 1) and r.stdout.strip().startswith("["), (r.returncode, r.stdout, r.stderr)
+    findings = [(os.path.relpath(f["filename"], ROOT),
+                 f"{os.path.relpath(f['filename'], ROOT)}:{f['location']['row']}: {f['code']} {f['message']}")
+                for f in json.loads(r.stdout)]
+    bad, pending = _split(findings)
+    print("\n".join(["ruff, in files still being changed elsewhere:", *pending]))
+    assert not bad, "ruff check . found:\n" + "\n".join(bad)
+    if not pending:
+        assert r.returncode == 0, (r.stdout, r.stderr)
+
+
+def test_mypy_finds_nothing(tmp_path):
+    r = _run("mypy", "--cache-dir", str(tmp_path / "mypy-cache"), "--no-error-summary")
+    errors = [line for line in r.stdout.splitlines() if ": error:" in line]
+    assert r.returncode == 0 or errors, (r.returncode, r.stdout, r.stderr)  # a crash is not a pass
+    bad, pending = _split([(line.split(":", 1)[0], line) for line in errors])
+    print("\n".join(["mypy, in files still being changed elsewhere:", *pending]))
+    assert not bad, "mypy found:\n" + "\n".join(bad) + "\n" + r.stderr
+    if not pending:
+        assert r.returncode == 0, (r.stdout, r.stderr)
