@@ -112,17 +112,23 @@ def test_worker_loss_the_survivor_reads_the_lost_executors_state(demo):
     victim_log = _log(work, f"before-worker-loss-worker{victim}-executor"
                             f"{loss['victim_executor']}.log")
     assert victim_parts <= executor_partitions(victim_log, runs)
-    # the gateway's requests before the batch of the loss was released, and from then
-    # until the survivor had run the next batches alone (before the new worker joined)
-    before = gateway_requests(_log(work, "gateway.log", 0, loss["gateway_offset"]))
-    after = gateway_requests(_log(work, "gateway.log", loss["gateway_offset"],
+    # each query runs the state store it was started with (one session, two providers)
+    for store, provider in (("hdfs", "HDFSBackedStateStoreProvider"), ("rocksdb", "RocksDB")):
+        for line in victim_log.splitlines():
+            if f"queryRunId={runs[store]} ]:" in line:
+                assert provider in line.split(" StateStoreProviderId[")[0], line
+    # the gateway's requests before the kill, and from then until the survivor had run
+    # the next batches alone (before the new worker joined)
+    assert loss["gateway_offset"] <= loss["kill_offset"] < loss["evidence_end_offset"]
+    before = gateway_requests(_log(work, "gateway.log", 0, loss["kill_offset"]))
+    after = gateway_requests(_log(work, "gateway.log", loss["kill_offset"],
                                   loss["evidence_end_offset"]))
     read_by_survivor = set()
     for store, p in victim_parts:
         written = state_files_written(before, store, p)
         read = state_files_read(after, store, p)
-        # ... the gateway served them before the batch the loss happened in was released,
-        # and afterwards served OPENs of them: only the survivor was left to read them
+        # ... the gateway had them written before the kill, and served them after it:
+        # only the survivor was left to read them
         assert written & read, (store, p, sorted(written), sorted(read))
         assert sorted(written & read) == loss["state_files_read"][f"{store}/{p}"]
         # files the lost executor's own log names as written by it: HDFS deltas by their

@@ -65,8 +65,9 @@ NAMESPACE = "sparkcluster"
 STORES = ("hdfs", "rocksdb")
 PROVIDER = {"hdfs": None, "rocksdb": ROCKSDB_PROVIDER}
 
-#: log4j2 configuration of every JVM of the cluster: warnings, plus what the demo reads
-#: back: Hadoop's WebHDFS retries, the state stores' loads and commits, task placement
+#: log4j2 configuration of every JVM of the cluster: warnings (lost executors and tasks),
+#: plus what the demo reads back: Hadoop's WebHDFS retries, the state stores' loads and
+#: commits
 LOG4J2 = """\
 rootLogger.level = warn
 rootLogger.appenderRef.stderr.ref = console
@@ -81,8 +82,6 @@ logger.retry.name = org.apache.hadoop.io.retry
 logger.retry.level = info
 logger.state.name = org.apache.spark.sql.execution.streaming.state
 logger.state.level = info
-logger.tsm.name = org.apache.spark.scheduler.TaskSetManager
-logger.tsm.level = info
 """
 
 
@@ -463,7 +462,7 @@ def run_cluster_demo(*, records: int = 2000, batches: int = 8, stores: tuple[str
         loss.update(state_read_after_loss(demo, loss))
         say(f"worker {loss['survivor']}'s executor took over partitions "
             f"{', '.join(f'{s}/{p}' for s, p in loss['survivor_took_over']) or '(none)'} and ran "
-            f"batches {fmt(range(k1 + 1, k2))} alone, reading {loss['state_files_read_count']} state "
+            f"batch{'es' if k2 - k1 > 2 else ''} {fmt(range(k1 + 1, k2))} alone, reading {loss['state_files_read_count']} state "
             f"files the lost executor wrote through the gateway "
             f"({loss['task_failure_count']} task attempts lost with it)")
         missing = sorted({s for s, _ in loss["victim_partitions"]}
@@ -590,10 +589,11 @@ def worker_loss(demo: Demo, batch: int) -> dict:
 
 
 def state_read_after_loss(demo: Demo, info: dict) -> dict:
-    """What the survivor read: state files the lost executor wrote before ``batch`` was
-    released, read after it (the lost executor had those partitions loaded and read
-    nothing of them again; the driver reads no partition files)."""
-    offset = info["gateway_offset"]
+    """What the survivor read: data files of the lost executor's partitions, written
+    before its loss (by it: it ran those partitions), read after it (by the survivor:
+    the only executor left until the new worker joins; the driver reads no partition
+    data files)."""
+    offset = info["kill_offset"]
     end = demo.log_size(demo.gateway_log)
     before = gateway_requests(read_from(demo.gateway_log, 0, offset))
     after = gateway_requests(read_from(demo.gateway_log, offset, end))
