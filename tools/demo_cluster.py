@@ -418,7 +418,10 @@ class Demo:
 
     def close(self) -> None:
         try:
-            self.kill_everything()
+            if self.cluster is not None:
+                self.cluster.stop()
+            if self.gateway is not None:
+                self.gateway.stop(timeout=60)  # flushes its journal
         finally:
             self.server.stop()
 
