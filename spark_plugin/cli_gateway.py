@@ -48,7 +48,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                     "bearer token at /oauth2/token (client_id = NAMESPACE, client_secret = a "
                     "key of it). An empty cache is first restored from the server. RENAME and "
                     "DELETE reply once durable on the server (sync mode). SIGTERM/SIGINT stop "
-                    "it after flushing the journal.")
+                    "it gracefully: no new connections, the requests in progress finish (at "
+                    "most 25 s; a second signal stops at once), then the journal is flushed.")
     p.add_argument("namespace")
     p.add_argument("--listen", required=True, metavar="HOST:PORT",
                    help="address to serve on, e.g. 0.0.0.0:9870 (port 0: any free one)")

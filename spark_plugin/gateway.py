@@ -70,6 +70,9 @@ READ_CHUNK = 1 << 20
 IDLE_TIMEOUT = 120.0
 #: a request whose head or body makes no progress for this long is dropped
 STALL_TIMEOUT = 120.0
+#: on SIGTERM/SIGINT, the requests in progress get this long to finish (Kubernetes gives
+#: a pod 30 s by default between SIGTERM and SIGKILL)
+DRAIN_TIMEOUT = 25.0
 
 _GET_OPS = {"OPEN", "GETFILESTATUS", "GETFILELINKSTATUS", "LISTSTATUS", "LISTSTATUS_BATCH",
             "GETCONTENTSUMMARY", "GETHOMEDIRECTORY", "GETSERVERDEFAULTS", "CHECKACCESS"}
@@ -174,6 +177,29 @@ class _Conn:
     def __init__(self, stream: trio.abc.Stream) -> None:
         self.stream = stream
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD)
+        #: set when the gateway stops: the next reply tells the client to close
+        self.closing = False
+
+    async def wait_for_request(self, timeout: float, idle: set[trio.CancelScope]) -> bool:
+        """Wait for the first bytes of the next request: True once some are here, False
+        after ``timeout`` or when a stopping gateway cancels the wait. While it waits the
+        connection is idle: its scope is in ``idle`` (no byte of a request is lost by
+        cancelling it)."""
+        data, closed = self.h11.trailing_data
+        if data or closed:
+            return True
+        with trio.CancelScope() as scope:
+            idle.add(scope)
+            try:
+                with trio.move_on_after(timeout):
+                    chunk = await self.stream.receive_some(RECV_SIZE)
+                    self.h11.receive_data(bytes(chunk))  # b"": the client closed
+                    return True
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                raise _Drop(f"receive failed: {exc!r}") from exc
+            finally:
+                idle.discard(scope)
+        return False
 
     async def next_event(self, timeout: float = STALL_TIMEOUT) -> Any:
         while True:
@@ -197,6 +223,9 @@ class _Conn:
             self.h11.receive_data(bytes(data))
 
     async def send(self, event: Any) -> None:
+        if isinstance(event, h11.Response) and self.closing:
+            event = h11.Response(status_code=event.status_code, reason=event.reason,
+                                 headers=[*event.headers, (b"connection", b"close")])
         data = self.h11.send(event)
         if data:
             try:
@@ -266,6 +295,11 @@ class Gateway:
         self.connections = trio.CapacityLimiter(max_connections)
         self.stats: dict[str, _OpStats] = {}
         self.address: tuple[str, int] | None = None
+        #: True once :meth:`drain` was called (the gateway is stopping)
+        self.draining = False
+        self._accepting: trio.CancelScope | None = None
+        self._idle: set[trio.CancelScope] = set()
+        self._conns: set[_Conn] = set()
 
     # ------------------------------------------------------------------ serving
     async def serve(self, host: str, port: int, *,
@@ -276,8 +310,28 @@ class Gateway:
         listeners: list[trio.abc.Listener[Any]] = list(tcp)
         if self.tls is not None:
             listeners = [trio.SSLListener(lis, self.tls, https_compatible=True) for lis in tcp]
-        task_status.started(self.address)
-        await trio.serve_listeners(self._connection, listeners)
+        # connections live in their own nursery: stopping the accept loop (drain) leaves
+        # the requests in progress running; serve returns once they are all done
+        async with trio.open_nursery() as handlers:
+            with trio.CancelScope() as self._accepting:
+                task_status.started(self.address)
+                await trio.serve_listeners(self._connection, listeners,
+                                           handler_nursery=handlers)
+
+    def drain(self) -> int:
+        """Begin a graceful stop: close the listening sockets (new connections are
+        refused, so Hadoop's retry policy waits for the next gateway), close the idle
+        keep-alive connections, and let the requests in progress finish, each reply
+        closing its connection. :meth:`serve` returns once none is left. Returns how many
+        connections were busy."""
+        self.draining = True
+        if self._accepting is not None:
+            self._accepting.cancel()
+        for conn in self._conns:
+            conn.closing = True
+        for scope in list(self._idle):
+            scope.cancel()
+        return len(self._conns) - len(self._idle)
 
     @property
     def url(self) -> str:
@@ -301,6 +355,8 @@ class Gateway:
                 pass
             await trio.aclose_forcefully(stream)
             return
+        self._conns.add(conn)
+        conn.closing = self.draining
         try:
             await self._serve_connection(conn)
         except _Drop as exc:
@@ -310,11 +366,14 @@ class Gateway:
         except Exception:
             log.exception("connection failed")
         finally:
+            self._conns.discard(conn)
             self.connections.release()
             await trio.aclose_forcefully(stream)
 
     async def _serve_connection(self, conn: _Conn) -> None:
         while True:
+            if self.draining or not await conn.wait_for_request(IDLE_TIMEOUT, self._idle):
+                return  # stopping, or idle too long
             try:
                 event = await conn.next_event(IDLE_TIMEOUT)
             except _Reply as reply:  # a malformed request head
@@ -743,9 +802,11 @@ def run_gateway(namespace: str, listen: str, *, server: str, key: str, cache_dir
                 tls_key: str | None = None, sync: bool = True, max_lag_bytes: int = 64 << 20,
                 generation_bytes: int | None = None, insecure_no_auth: bool = False,
                 token_ttl: int = DEFAULT_TOKEN_TTL, threads: int = 32,
-                flush_timeout: float = 120.0) -> int:
+                flush_timeout: float = 120.0, drain_timeout: float = DRAIN_TIMEOUT) -> int:
     """Serve ``namespace`` on ``listen`` until SIGTERM/SIGINT; returns the exit code
-    (0 after a clean stop with the journal flushed, 1 if the final flush failed).
+    (0 after a clean stop with the journal flushed, 1 if the final flush failed). On the
+    signal it stops accepting connections and gives the requests in progress
+    ``drain_timeout`` seconds to finish (a second signal stops at once).
 
     ``client_factory`` (optional) returns a connected client for the namespace (TLS and
     timeouts of the CLI's connection options); ``tls_client`` is the SSL context that
@@ -781,7 +842,7 @@ def run_gateway(namespace: str, listen: str, *, server: str, key: str, cache_dir
                       insecure=insecure_no_auth, tls=tls, threads=threads)
     code = 0
     try:
-        trio.run(_serve_until_signal, gateway, host, port, namespace, sync)
+        trio.run(_serve_until_signal, gateway, host, port, namespace, sync, drain_timeout)
         log.info("stopped; requests served:\n%s", gateway.summary() or "(none)")
         try:
             opened.writer.barrier(timeout=flush_timeout)
@@ -799,17 +860,32 @@ def run_gateway(namespace: str, listen: str, *, server: str, key: str, cache_dir
 
 
 async def _serve_until_signal(gateway: Gateway, host: str, port: int, namespace: str,
-                              sync: bool) -> None:
+                              sync: bool, drain_timeout: float = DRAIN_TIMEOUT) -> None:
+    """Serve until SIGTERM/SIGINT, then drain: no new connection, the requests in
+    progress finish (at most ``drain_timeout`` s); a second signal stops at once."""
     async with trio.open_nursery() as nursery:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            await nursery.start(gateway.serve, host, port)
-            print(f"{READY_MARKER} {gateway.url} (namespace {namespace}, "
-                  f"{'sync' if sync else 'async'}{', no auth' if gateway.insecure else ''})",
-                  file=sys.stderr, flush=True)
-            async for signum in signals:
-                log.info("%s: stopping", signal.Signals(signum).name)
-                break
-        nursery.cancel_scope.cancel()
+            with trio.CancelScope() as watching:
+
+                async def serve(task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED
+                                ) -> None:
+                    await gateway.serve(host, port, task_status=task_status)
+                    watching.cancel()  # drained: nothing left to wait for
+
+                await nursery.start(serve)
+                print(f"{READY_MARKER} {gateway.url} (namespace {namespace}, "
+                      f"{'sync' if sync else 'async'}{', no auth' if gateway.insecure else ''})",
+                      file=sys.stderr, flush=True)
+                async for signum in signals:
+                    name = signal.Signals(signum).name
+                    if gateway.draining:
+                        log.info("%s again: stopping now", name)
+                        nursery.cancel_scope.cancel()
+                        break
+                    busy = gateway.drain()
+                    log.info("%s: stopping: no new connections; %d in progress get %.0f s to "
+                             "finish", name, busy, drain_timeout)
+                    nursery.cancel_scope.deadline = trio.current_time() + drain_timeout
 
 
 # ---------------------------------------------------------------------------

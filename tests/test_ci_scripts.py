@@ -101,3 +101,24 @@ def test_demo_script_runs_the_demo_module():
     bad = subprocess.run([str(ROOT / "scripts" / "demo"), "--state-store", "nope"],
                          capture_output=True, text=True, timeout=900)
     assert bad.returncode == 2  # usage error, before anything starts
+
+
+def test_demo_is_the_cluster_demo_and_the_mount_demo_is_behind_a_flag():
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+
+    def demo(*args):
+        return subprocess.run([sys.executable, "-m", "tools.demo", *args], capture_output=True,
+                              text=True, timeout=120, cwd=ROOT, env=env)
+
+    cluster = demo("--help")
+    assert cluster.returncode == 0, cluster.stderr
+    assert "--state-store {hdfs,rocksdb,both}" in cluster.stdout and "--mount" in cluster.stdout
+    assert "sos gateway" in cluster.stdout
+    mount = demo("--mount", "--help")
+    assert mount.returncode == 0, mount.stderr
+    assert mount.stdout.startswith("usage: scripts/demo --mount")
+    assert "--kill {both,mount}" in mount.stdout
+    # too few batches for the three losses: a usage error, before anything starts
+    short = demo("--batches", "4")
+    assert short.returncode == 2 and "--batches 5 or more" in short.stderr, short.stderr
+    assert "--mount" in (ROOT / "scripts" / "demo").read_text()

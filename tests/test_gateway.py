@@ -8,6 +8,7 @@ import http.client
 import json
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -581,3 +582,46 @@ def test_https_with_tls_cert_and_key(sos_server, tmp_path):
                          timeout=30)
     finally:
         assert g.stop() == 0
+
+
+def test_sigterm_lets_the_requests_in_progress_finish_and_refuses_new_connections(
+        sos_server, tmp_path):
+    # a rolling restart (Kubernetes sends SIGTERM, then SIGKILL after the grace period):
+    # a CREATE whose body is streaming must still be answered and journaled; new
+    # connections are refused (Hadoop's retry policy waits for the next gateway); an
+    # idle keep-alive connection is closed at once instead of holding the stop
+    g = Gw(sos_server, tmp_path)
+    idle = http.client.HTTPConnection(g.host, g.port, timeout=120)
+    idle.request("GET", "/webhdfs/v1/?op=GETFILESTATUS",
+                 headers={"Authorization": f"Bearer {g.token}"})
+    first = idle.getresponse()
+    first.read()
+    assert first.status == 200 and not first.will_close  # kept alive, now idle
+    slow = _chunked_create(g, "/d/file")
+    _send_chunk(slow, b"first part;")
+    assert g.session.get(g.u("/", op="LISTSTATUS")).status_code == 200  # body is in progress
+    g.session.close()
+    g.proc.proc.send_signal(signal.SIGTERM)
+
+    idle.sock.settimeout(120)
+    assert idle.sock.recv(1) == b""  # the idle connection was closed by the gateway
+    idle.close()
+    deadline = time.monotonic() + 120
+    while True:  # the listening socket goes away
+        try:
+            socket.create_connection((g.host, g.port), timeout=5).close()
+        except ConnectionRefusedError:
+            break
+        assert time.monotonic() < deadline, "the gateway still accepts connections"
+        time.sleep(0.05)
+    assert g.proc.proc.poll() is None  # still running: a request is in progress
+    _send_chunk(slow, b"second part")
+    slow.send(b"0\r\n\r\n")
+    reply = slow.getresponse()
+    assert reply.status == 201
+    assert reply.getheader("connection") == "close"
+    slow.close()
+    assert g.proc.proc.wait(120) == 0  # then it stops, journal flushed
+    assert "in progress get" in g.proc.log()
+    assert tree_of(restore(sos_server, g.key, tmp_path / "restored"))["d/file"] == \
+        b"first part;second part"

@@ -1,6 +1,8 @@
-"""The disaster-recovery demo end to end: real sos-server, real FUSE mount, real Spark
-driver process SIGKILLed mid-batch, worker's local files deleted, restore, resume; the
-committed output must equal the input exactly once. Plus the checker's own negatives."""
+"""The single-JVM disaster-recovery demo (``./scripts/demo --mount``) end to end: real
+sos-server, real FUSE mount, real Spark driver process, the mount SIGKILLed mid-batch,
+worker's local files deleted, restore, resume; the committed output must equal the input
+exactly once. Plus the checker's own negatives. (The cluster demo, ``./scripts/demo``
+without ``--mount``, runs in tests/test_cluster.py.)"""
 
 import json
 import os
@@ -19,7 +21,7 @@ CRASH_AFTER = 2
 
 
 def run_demo(tmp_path, *extra):
-    cmd = [sys.executable, "-m", "tools.demo", "--records", str(RECORDS), "--batches",
+    cmd = [sys.executable, "-m", "tools.demo", "--mount", "--records", str(RECORDS), "--batches",
            str(BATCHES), "--crash-after", str(CRASH_AFTER), "--workdir", str(tmp_path / "work"),
            "--json", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
@@ -49,12 +51,6 @@ def assert_exactly_once(proc, lines, result, *, driver_markers=True):
     if driver_markers:
         # the restarted driver's MarkerListener marked the batches it committed
         assert sorted(set(result["markers_written"])) == list(range(CRASH_AFTER, BATCHES))
-
-
-def test_demo_hdfs_state_store(tmp_path):
-    proc, lines, result = run_demo(tmp_path)
-    assert_exactly_once(proc, lines, result)
-    assert result["state_store"] == "hdfs"
 
 
 def test_demo_rocksdb_state_store_with_the_mount_killed_mid_batch(tmp_path):

@@ -1,4 +1,8 @@
-"""The disaster-recovery demo (README's first command, ``./scripts/demo``).
+"""The single-JVM disaster-recovery demo through the FUSE mount (``./scripts/demo --mount``).
+
+``./scripts/demo`` without ``--mount`` (README's first command) runs the cluster demo,
+:mod:`tools.demo_cluster`; this module dispatches to it and holds what both share (input,
+output check, sink, server process).
 
 1. Start a local ``sos-server`` (temp data dir, port 0) and make an append key.
 2. Mount the namespace (``sos mount``) and start a stateful Structured Streaming query in a
@@ -17,7 +21,7 @@
    compare with the input: nothing lost, nothing doubled, nothing corrupted. The verdict
    is the last line; the exit code is 0 only on success.
 
-``python -m tools.demo --help`` for the options. ``_driver CONFIG`` is the internal
+``python -m tools.demo --mount --help`` for the options. ``_driver CONFIG`` is the internal
 entry of the driver process.
 """
 
@@ -574,7 +578,12 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "_driver":
         return driver_main(argv[1])
-    p = argparse.ArgumentParser(prog="scripts/demo", description=__doc__.split("\n\n")[0])
+    if "--mount" not in argv:  # the main job: the cluster demo
+        from tools.demo_cluster import main as cluster_main
+
+        return cluster_main(argv)
+    argv = [a for a in argv if a != "--mount"]
+    p = argparse.ArgumentParser(prog="scripts/demo --mount", description=__doc__.split("\n\n")[0])
     p.add_argument("--records", type=int, default=3000, help="unique record ids (default 3000)")
     p.add_argument("--batches", type=int, default=8, help="input files = micro-batches (default 8)")
     p.add_argument("--crash-after", type=int, default=None,
