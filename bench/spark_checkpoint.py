@@ -9,6 +9,9 @@ state store commit). Prints a table and a JSON line; exit 0.
 
     python3 bench/spark_checkpoint.py [--batches 60] [--rounds 2] [--records-per-batch 500]
                                       [--state-store hdfs|rocksdb] [--async]
+
+bench/gateway.py runs the same measurement with a third side, the checkpoint on
+`sos gateway` (webhdfs://), through :func:`alternate`.
 """
 
 from __future__ import annotations
@@ -27,6 +30,126 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tools.demo import (ROCKSDB_PROVIDER, LocalServer, keygen,  # noqa: E402
                                make_input)
 from spark_plugin.spark import NO_CRC_CONF, start_mount  # noqa: E402
+
+
+class BatchTimer:
+    """Per-batch ``durationMs`` of the queries of one session, by label (a listener).
+
+    ``durations[label]``: triggerExecution of each batch run under ``label``;
+    ``phases[side][phase]``: every phase's durations, by side (the label up to its first
+    ``-``: "mount-0" and "mount-1" pool into "mount").
+    """
+
+    def __init__(self, spark) -> None:
+        from pyspark.sql.streaming import StreamingQueryListener
+
+        self.durations: dict[str, list[float]] = {}
+        self.phases: dict[str, dict[str, list[float]]] = {}
+        #: wall-clock seconds of each labelled run (query start to termination)
+        self.wall: dict[str, float] = {}
+        self.current: str | None = None
+        timer = self
+
+        class Recorder(StreamingQueryListener):
+            def onQueryStarted(self, event):
+                pass
+
+            def onQueryProgress(self, event):
+                ms = event.progress.durationMs.get("triggerExecution")
+                if timer.current is not None and ms is not None:
+                    timer.durations.setdefault(timer.current, []).append(float(ms))
+                    where = timer.current.split("-")[0]
+                    for k, v in event.progress.durationMs.items():
+                        timer.phases.setdefault(where, {}).setdefault(k, []).append(float(v))
+
+            def onQueryIdle(self, event):
+                pass
+
+            def onQueryTerminated(self, event):
+                pass
+
+        spark.streams.addListener(Recorder())
+
+    def pooled(self, where: str) -> list[float]:
+        return [d for k, v in self.durations.items() if k.startswith(where + "-") for d in v]
+
+
+def open_session(state_store: str = "hdfs", no_crc: bool = False, app: str = "sos-bench"):
+    """The benchmark's Spark session: local[2], 2 shuffle partitions, otherwise Spark's
+    defaults (``no_crc``: NO_CRC_CONF; ``state_store``: hdfs or rocksdb)."""
+    from pyspark.sql import SparkSession
+
+    builder = (SparkSession.builder.master("local[2]").appName(app)
+               .config("spark.sql.shuffle.partitions", "2")
+               .config("spark.ui.enabled", "false")
+               .config("spark.ui.showConsoleProgress", "false"))
+    if no_crc:
+        for k, v in NO_CRC_CONF.items():
+            builder = builder.config("spark.hadoop." + k, v)
+    if state_store == "rocksdb":
+        builder = builder.config("spark.sql.streaming.stateStore.providerClass", ROCKSDB_PROVIDER)
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    return spark
+
+
+def run_query(spark, timer: BatchTimer, label: str, checkpoint: str, input_dir: str,
+              out_dir: str, batches: int) -> None:
+    """The measured query (file source, maxFilesPerTrigger=1, dropDuplicates, foreachBatch)
+    over ``input_dir`` until it is used up, its batches timed under ``label``."""
+    timer.current = label
+    os.makedirs(out_dir, exist_ok=True)
+
+    def sink(df, batch_id):
+        n = df.count()
+        with open(os.path.join(out_dir, f"batch-{batch_id}"), "w") as f:
+            f.write(str(n))
+
+    t0 = time.monotonic()
+    q = (spark.readStream.schema("id LONG, payload STRING")
+         .option("maxFilesPerTrigger", 1).json(input_dir).dropDuplicates(["id"])
+         .writeStream.foreachBatch(sink).option("checkpointLocation", checkpoint)
+         .trigger(availableNow=True).start())
+    q.awaitTermination()
+    timer.wall[label] = time.monotonic() - t0
+    deadline = time.monotonic() + 60  # progress events arrive asynchronously
+    while len(timer.durations.get(label, [])) < batches and time.monotonic() < deadline:
+        time.sleep(0.05)
+    timer.current = None
+
+
+def alternate(spark, timer: BatchTimer, work: str, sides: dict, *, batches: int, rounds: int,
+              records_per_batch: int, rotate: bool = False) -> float:
+    """Warm up on a local checkpoint (not counted), then ``rounds`` times run the query on
+    each side in turn: ``sides[name](round) -> checkpointLocation``; the same input (same
+    records, same files) on every side. ``rotate``: round r starts with side r (mod the
+    number of sides), so no side always runs first. Returns the elapsed seconds of the
+    measured part."""
+    records = batches * records_per_batch
+    make_input(os.path.join(work, "in-warm"), 5 * records_per_batch, 5)
+    run_query(spark, timer, "warmup", os.path.join(work, "local-warm"),
+              os.path.join(work, "in-warm"), os.path.join(work, "out", "warmup"), 5)
+    t0 = time.monotonic()
+    for r in range(rounds):
+        order = list(sides.items())
+        if rotate:
+            order = order[r % len(order):] + order[:r % len(order)]
+        for where, checkpoint_of in order:
+            inp = os.path.join(work, f"in-{where}-{r}")
+            make_input(inp, records, batches)
+            run_query(spark, timer, f"{where}-{r}", checkpoint_of(r), inp,
+                      os.path.join(work, "out", f"{where}-{r}"), batches)
+    return time.monotonic() - t0
+
+
+def side_figures(timer: BatchTimer, where: str) -> dict:
+    """median, mean and p90 (ms) of one side's pooled batch durations."""
+    values = timer.pooled(where)
+    return {"n": len(values), "median_ms": statistics.median(values),
+            "mean_ms": statistics.fmean(values), "p90_ms": statistics.quantiles(values, n=10)[-1]}
+
+
+PHASES = ("walCommit", "addBatch", "commitOffsets", "latestOffset", "queryPlanning")
 
 
 def main(argv=None) -> int:
@@ -54,112 +177,37 @@ def main(argv=None) -> int:
                             cache_dir=os.path.join(work, "cache"), sync=not args.async_,
                             log_path=os.path.join(work, "mount.log"))
 
-        from pyspark.sql import SparkSession
-        from pyspark.sql.streaming import StreamingQueryListener
-
-        builder = (SparkSession.builder.master("local[2]").appName("sos-bench")
-                   .config("spark.sql.shuffle.partitions", "2")
-                   .config("spark.ui.enabled", "false")
-                   .config("spark.ui.showConsoleProgress", "false"))
-        if args.no_crc:
-            for k, v in NO_CRC_CONF.items():
-                builder = builder.config("spark.hadoop." + k, v)
-        if args.state_store == "rocksdb":
-            builder = builder.config("spark.sql.streaming.stateStore.providerClass",
-                                     ROCKSDB_PROVIDER)
-        spark = builder.getOrCreate()
-        spark.sparkContext.setLogLevel("ERROR")
-
-        durations: dict[str, list[float]] = {}
-        phases: dict[str, dict[str, list[float]]] = {}  # where the time goes, per phase
-
-        class Recorder(StreamingQueryListener):
-            def __init__(self):
-                self.current = None
-
-            def onQueryStarted(self, event):
-                pass
-
-            def onQueryProgress(self, event):
-                ms = event.progress.durationMs.get("triggerExecution")
-                if self.current is not None and ms is not None:
-                    durations.setdefault(self.current, []).append(float(ms))
-                    where = self.current.split("-")[0]
-                    for k, v in event.progress.durationMs.items():
-                        phases.setdefault(where, {}).setdefault(k, []).append(float(v))
-
-            def onQueryIdle(self, event):
-                pass
-
-            def onQueryTerminated(self, event):
-                pass
-
-        recorder = Recorder()
-        spark.streams.addListener(recorder)
-
-        def run(label, checkpoint, input_dir):
-            recorder.current = label
-            out = os.path.join(work, "out", label)
-            os.makedirs(out, exist_ok=True)
-
-            def sink(df, batch_id):
-                n = df.count()
-                with open(os.path.join(out, f"batch-{batch_id}"), "w") as f:
-                    f.write(str(n))
-
-            q = (spark.readStream.schema("id LONG, payload STRING")
-                 .option("maxFilesPerTrigger", 1).json(input_dir).dropDuplicates(["id"])
-                 .writeStream.foreachBatch(sink).option("checkpointLocation", checkpoint)
-                 .trigger(availableNow=True).start())
-            q.awaitTermination()
-            deadline = time.monotonic() + 60  # progress events arrive asynchronously
-            while len(durations.get(label, [])) < args.batches and time.monotonic() < deadline:
-                time.sleep(0.05)
-            recorder.current = None
-
-        records = args.batches * args.records_per_batch
-        # warm-up (JIT, class loading) on a local checkpoint, not counted
-        make_input(os.path.join(work, "in-warm"), 5 * args.records_per_batch, 5)
-        run("warmup", os.path.join(work, "local-warm"), os.path.join(work, "in-warm"))
-        t0 = time.monotonic()
-        for r in range(args.rounds):
-            for where in ("local", "mount"):
-                inp = os.path.join(work, f"in-{where}-{r}")
-                make_input(inp, records, args.batches)
-                base = mnt if where == "mount" else os.path.join(work, "local")
-                run(f"{where}-{r}", os.path.join(base, f"chk-{r}"), inp)
-        elapsed = time.monotonic() - t0
+        spark = open_session(args.state_store, args.no_crc)
+        timer = BatchTimer(spark)
+        sides = {"local": lambda r: os.path.join(work, "local", f"chk-{r}"),
+                 "mount": lambda r: os.path.join(mnt, f"chk-{r}")}
+        elapsed = alternate(spark, timer, work, sides, batches=args.batches, rounds=args.rounds,
+                            records_per_batch=args.records_per_batch)
         spark.stop()
 
-        def pooled(where):
-            return [d for k, v in durations.items() if k.startswith(where + "-") for d in v]
-
-        local, mounted = pooled("local"), pooled("mount")
-        res = {"batches_each": len(local), "batches_mount": len(mounted), "no_crc": args.no_crc,
+        fig = {w: side_figures(timer, w) for w in sides}
+        res = {"batches_each": fig["local"]["n"], "batches_mount": fig["mount"]["n"],
+               "no_crc": args.no_crc,
                "state_store": args.state_store, "mode": "async" if args.async_ else "sync",
-               "records_per_batch": args.records_per_batch,
-               "local_median_ms": statistics.median(local),
-               "mount_median_ms": statistics.median(mounted),
-               "local_mean_ms": statistics.fmean(local),
-               "mount_mean_ms": statistics.fmean(mounted),
-               "local_p90_ms": statistics.quantiles(local, n=10)[-1],
-               "mount_p90_ms": statistics.quantiles(mounted, n=10)[-1],
-               "elapsed_s": elapsed}
+               "records_per_batch": args.records_per_batch, "elapsed_s": elapsed}
+        for w in sides:
+            for k in ("median_ms", "mean_ms", "p90_ms"):
+                res[f"{w}_{k}"] = fig[w][k]
         res["ratio_median"] = res["mount_median_ms"] / res["local_median_ms"]
         res["ratio_mean"] = res["mount_mean_ms"] / res["local_mean_ms"]
         print(f"Spark micro-batch duration (triggerExecution), {res['state_store']} state store, "
               f"mount {res['mode']}, {'no .crc files, ' if args.no_crc else ''}"
-              f"{len(local)} batches each:")
+              f"{res['batches_each']} batches each:")
         print(f"  {'':8} {'median':>9} {'mean':>9} {'p90':>9}")
         for w in ("local", "mount"):
             print(f"  {w:8} {res[w + '_median_ms']:8.0f}ms {res[w + '_mean_ms']:8.0f}ms "
                   f"{res[w + '_p90_ms']:8.0f}ms")
         print(f"  ratio mount/local: median {res['ratio_median']:.3f}, "
               f"mean {res['ratio_mean']:.3f} (target <= 1.10)")
-        keys = ("walCommit", "addBatch", "commitOffsets", "latestOffset", "queryPlanning")
+        phases = timer.phases
         print("  median per phase (ms): " + ", ".join(
             f"{k} {statistics.median(phases['local'].get(k, [0])):.0f}/"
-            f"{statistics.median(phases['mount'].get(k, [0])):.0f}" for k in keys)
+            f"{statistics.median(phases['mount'].get(k, [0])):.0f}" for k in PHASES)
             + " (local/mount)")
         res["phases_median_ms"] = {w: {k: statistics.median(v) for k, v in phases[w].items()}
                                    for w in ("local", "mount")}

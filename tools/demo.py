@@ -292,13 +292,36 @@ def wait_for(pred, timeout: float, what: str, alive=None, poll: float = 0.2):
 
 # --------------------------------------------------------------------------- driver process
 
-def start_driver(cfg: dict, log_path: str, cfg_path: str) -> subprocess.Popen:
+def start_driver(cfg: dict, log_path: str, cfg_path: str, *,
+                 key: str | None = None) -> subprocess.Popen:
+    """Start ``driver_main`` in its own process (and session: :func:`kill_tree` kills it
+    with its JVM). ``key``: the namespace key a gateway checkpoint needs, given to the
+    driver as ``$SOS_KEY`` (never in the config file or on the command line)."""
     with open(cfg_path, "w") as f:
         json.dump(cfg, f)
+    env = child_env()
+    if key is not None:
+        env["SOS_KEY"] = str(key)
     with open(log_path, "ab") as logf:
         return subprocess.Popen([sys.executable, "-m", "tools.demo", "_driver", cfg_path],
                                 stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
-                                start_new_session=True, env=child_env())
+                                start_new_session=True, env=env)
+
+
+def gateway_committed_batches(client, checkpoint_relpath: str) -> set[int]:
+    """:func:`committed_batches` of a checkpoint served by ``sos gateway`` (``client``: a
+    :class:`spark_plugin.gateway_client.GatewayClient`), by LISTSTATUS of ``commits``."""
+    from spark_plugin.gateway_client import GatewayError
+
+    path = "/webhdfs/v1/" + "/".join(p for p in (checkpoint_relpath.strip("/"), "commits") if p)
+    try:
+        doc = client.call("GET", path, op="LISTSTATUS")
+    except GatewayError as exc:
+        if exc.status == 404:
+            return set()
+        raise
+    return {int(st["pathSuffix"]) for st in doc["FileStatuses"]["FileStatus"]
+            if st["pathSuffix"].isdigit()}
 
 
 def write_batch_output(out_dir: str, df, batch_id: int) -> None:
@@ -317,7 +340,12 @@ def write_batch_output(out_dir: str, df, batch_id: int) -> None:
 
 
 def driver_main(cfg_path: str) -> int:
-    """The Spark driver: one stateful streaming query, run until the input is used up."""
+    """The Spark driver: one stateful streaming query, run until the input is used up.
+
+    The checkpoint is ``cfg["checkpoint"]`` (a directory, e.g. on a mount), or with
+    ``cfg["gateway"] = {"url", "namespace", "checkpoint"}`` the ``webhdfs://`` location of
+    that checkpoint (a path inside the namespace) through ``sos gateway``, with the key
+    from ``$SOS_KEY``."""
     with open(cfg_path) as f:
         cfg = json.load(f)
     from pyspark.sql import SparkSession
@@ -335,15 +363,36 @@ def driver_main(cfg_path: str) -> int:
                                  cfg.get("jvm_options", DRIVER_JVM_OPTIONS))
     for k, v in cfg.get("spark_conf", {}).items():
         builder = builder.config(k, v)
+    gateway = cfg.get("gateway")
+    location = None
+    if gateway:
+        from spark_plugin.spark import gateway_checkpoint
+
+        location = gateway_checkpoint(builder, gateway["url"], gateway["namespace"],
+                                      os.environ["SOS_KEY"], gateway["checkpoint"])
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
 
     listener = None
-    if cfg.get("markers") and cfg.get("mountpoint"):
-        from spark_plugin.spark import MarkerListener
+    if location is not None:
+        location.attach(spark, listener=bool(cfg.get("markers")))
+        listener = location.listener
+        checkpoint = str(location)
+        client = location.client()
 
-        listener = MarkerListener(cfg["checkpoint"], mountpoint=cfg["mountpoint"])
-        spark.streams.addListener(listener)
+        def committed() -> set[int]:
+            return gateway_committed_batches(client, location.relpath)
+    else:
+        checkpoint = cfg["checkpoint"]
+
+        def committed() -> set[int]:
+            return committed_batches(checkpoint)
+
+        if cfg.get("markers") and cfg.get("mountpoint"):
+            from spark_plugin.spark import MarkerListener
+
+            listener = MarkerListener(checkpoint, mountpoint=cfg["mountpoint"])
+            spark.streams.addListener(listener)
 
     out_dir = cfg["out"]
     os.makedirs(out_dir, exist_ok=True)
@@ -364,12 +413,12 @@ def driver_main(cfg_path: str) -> int:
               .option("maxFilesPerTrigger", 1).json(cfg["input"])
               .dropDuplicates(["id"]))
     query = (stream.writeStream.foreachBatch(sink)
-             .option("checkpointLocation", cfg["checkpoint"])
+             .option("checkpointLocation", checkpoint)
              .trigger(availableNow=True).start())
     query.awaitTermination()
     if listener is not None:
         # progress events are delivered asynchronously: wait for the last one
-        last = max(committed_batches(cfg["checkpoint"]), default=-1)
+        last = max(committed(), default=-1)
         deadline = time.monotonic() + 120
         while last >= 0 and last not in listener.written and time.monotonic() < deadline:
             if listener.errors:

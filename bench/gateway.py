@@ -1,0 +1,289 @@
+"""Micro-batch time with the checkpoint on `sos gateway` vs a local directory vs `sos mount`.
+
+One run, one Spark session (local[2], Spark's default settings but 2 shuffle partitions),
+the query of bench/spark_checkpoint.py (file source, maxFilesPerTrigger=1, dropDuplicates,
+foreachBatch sink) over the same input, the same number of batches on each side, the
+sides taken in turn for --rounds rounds (round r starts with side r): a local directory,
+a journaled `sos mount` (sync) and `webhdfs://` through a `sos gateway` child process
+(sync, OAuth2 bearer tokens as `gateway_checkpoint` sets them up), both on one real
+`sos-server` on 127.0.0.1 (separate namespaces). Per-batch time is Spark's
+`durationMs.triggerExecution`. No batch markers on any side (no listener but the timer).
+Target: gateway median <= 1.05 x local median.
+
+Then the gateway itself: the per-operation latencies it logged at exit for the Spark
+run (count, p50, p99), and a small HTTP load from Python threads (keep-alive
+connections, bearer token) on a fresh gateway: GETFILESTATUS, CREATE (both steps, 1 KiB
+bodies) and RENAME, each alone: requests/s and client-side p50/p99.
+
+    python3 bench/gateway.py [--batches 60] [--rounds 3] [--records-per-batch 500]
+                             [--state-store hdfs|rocksdb] [--no-crc]
+                             [--threads 8] [--load-requests 400]
+
+Prints tables and one JSON line; exit 0. Run on demand (several minutes), not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import urllib.parse
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from spark_checkpoint import (PHASES, BatchTimer, alternate, open_session,  # noqa: E402
+                              side_figures)
+
+from spark_plugin.gateway import GatewayProcess  # noqa: E402
+from spark_plugin.gateway_client import GatewayClient  # noqa: E402
+from spark_plugin.spark import gateway_checkpoint, start_mount  # noqa: E402
+from tools.demo import LocalServer, keygen  # noqa: E402
+
+SIDES = ("local", "mount", "gateway")
+STATS_RE = re.compile(r"^(\S+ .+?): (\d+) requests, mean ([\d.]+) ms, p50 ([\d.]+) ms, "
+                      r"p99 ([\d.]+) ms, max ([\d.]+) ms$")
+
+
+def gateway_stats(log_text: str) -> dict[str, dict[str, float]]:
+    """The per-operation summary a gateway logs when it stops (last one in the log)."""
+    part = log_text.rsplit("requests served:", 1)
+    out: dict[str, dict[str, float]] = {}
+    if len(part) < 2:
+        return out
+    for line in part[1].splitlines():
+        m = STATS_RE.match(line.strip())
+        if m:
+            out[m.group(1)] = {"count": int(m.group(2)), "mean_ms": float(m.group(3)),
+                               "p50_ms": float(m.group(4)), "p99_ms": float(m.group(5)),
+                               "max_ms": float(m.group(6))}
+    return out
+
+
+def percentile(values: list[float], q: float) -> float:
+    v = sorted(values)
+    return v[min(len(v) - 1, int(len(v) * q))]
+
+
+# --------------------------------------------------------------------------- HTTP load
+
+class _Conn:
+    """One keep-alive connection to the gateway, with the bearer token."""
+
+    def __init__(self, url: str, token: str) -> None:
+        parsed = urllib.parse.urlsplit(url)
+        self.host = parsed.netloc
+        self.conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=120)
+        self.auth = {"Authorization": f"Bearer {token}"}
+
+    def request(self, method: str, path: str, body: bytes | None = None, **params: str) -> bytes:
+        target = f"/webhdfs/v1{urllib.parse.quote(path)}?{urllib.parse.urlencode(params)}"
+        return self.target(method, target, body)
+
+    def target(self, method: str, target: str, body: bytes | None = None) -> bytes:
+        self.conn.request(method, target, body=body, headers=self.auth)
+        resp = self.conn.getresponse()
+        data = resp.read()
+        if resp.status >= 300:
+            raise RuntimeError(f"{method} {target} -> {resp.status} {data[:300]!r}")
+        return data
+
+    def create(self, path: str, body: bytes) -> None:
+        doc = json.loads(self.request("PUT", path, op="CREATE", overwrite="true",
+                                      noredirect="true"))
+        loc = urllib.parse.urlsplit(doc["Location"])
+        self.target("PUT", f"{loc.path}?{loc.query}", body)
+
+
+def _timed(fn, threads: int, per_thread: int) -> tuple[list[float], float]:
+    """``fn(thread, j)`` for j < per_thread in each of ``threads`` threads, started
+    together: (every call's latency in seconds, wall seconds)."""
+    latencies: list[list[float]] = [[] for _ in range(threads)]
+    errors: list[BaseException] = []
+    start = threading.Barrier(threads + 1)
+
+    def work(i: int) -> None:
+        start.wait()
+        try:
+            for j in range(per_thread):
+                t = time.perf_counter()
+                fn(i, j)
+                latencies[i].append(time.perf_counter() - t)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    ts = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+    for t in ts:
+        t.start()
+    start.wait()
+    t0 = time.perf_counter()
+    for t in ts:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return [x for per in latencies for x in per], wall
+
+
+def http_load(url: str, token: str, threads: int, per_thread: int) -> dict[str, dict]:
+    """GETFILESTATUS, CREATE (2 steps), RENAME from ``threads`` threads, one operation at a
+    time, ``per_thread`` each: requests/s and client-side latencies."""
+    conns = [_Conn(url, token) for _ in range(threads)]
+    body = os.urandom(1024)
+    for i, c in enumerate(conns):  # each thread's own directory and files
+        c.request("PUT", f"/load/t{i}", op="MKDIRS")
+        c.create(f"/load/t{i}/stat", body)
+        c.create(f"/load/t{i}/a", body)
+
+    def getfilestatus(i: int, j: int) -> None:
+        conns[i].request("GET", f"/load/t{i}/stat", op="GETFILESTATUS")
+
+    def create(i: int, j: int) -> None:
+        conns[i].create(f"/load/t{i}/f{j}", body)
+
+    def rename(i: int, j: int) -> None:
+        src, dst = ("a", "b") if j % 2 == 0 else ("b", "a")
+        conns[i].request("PUT", f"/load/t{i}/{src}", op="RENAME",
+                         destination=f"/load/t{i}/{dst}")
+
+    results = {}
+    for name, fn in (("GETFILESTATUS", getfilestatus), ("CREATE (2 requests)", create),
+                     ("RENAME", rename)):
+        lat, wall = _timed(fn, threads, per_thread)
+        results[name] = {"ops": len(lat), "ops_per_s": len(lat) / wall,
+                         "p50_ms": percentile(lat, 0.5) * 1e3,
+                         "p99_ms": percentile(lat, 0.99) * 1e3}
+    for c in conns:
+        c.conn.close()
+    return results
+
+
+# --------------------------------------------------------------------------- main
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batches", type=int, default=60, help="batches per run (default 60)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds over the 3 sides, each round starting with the next side "
+                        "(default 3)")
+    p.add_argument("--records-per-batch", type=int, default=500)
+    p.add_argument("--state-store", choices=("hdfs", "rocksdb"), default="hdfs")
+    p.add_argument("--no-crc", action="store_true",
+                   help="local and mount without Hadoop's .crc files (webhdfs never has them)")
+    p.add_argument("--threads", type=int, default=8, help="HTTP load threads (default 8)")
+    p.add_argument("--load-requests", type=int, default=400,
+                   help="operations per thread and per kind in the HTTP load (default 400)")
+    p.add_argument("--keep", action="store_true")
+    args = p.parse_args(argv)
+
+    work = tempfile.mkdtemp(prefix="sos-bench-gateway-")
+    server = LocalServer(os.path.join(work, "server"), os.path.join(work, "server.log"))
+    mount = gw = load_gw = None
+    try:
+        data = os.path.join(work, "server")
+        keys = {ns: keygen(data, ns) for ns in ("benchmnt", "benchgw", "benchload")}
+        server.start()
+        mnt = os.path.join(work, "mnt")
+        mount = start_mount("benchmnt", mnt, server=server.address, key=keys["benchmnt"],
+                            cache_dir=os.path.join(work, "mount-cache"),
+                            log_path=os.path.join(work, "mount.log"))
+        gw = GatewayProcess("benchgw", os.path.join(work, "gateway-cache"), server.address,
+                            keys["benchgw"], log_path=os.path.join(work, "gateway.log")).start()
+
+        spark = open_session(args.state_store, args.no_crc, app="sos-bench-gateway")
+        timer = BatchTimer(spark)
+
+        def on_gateway(r: int) -> str:  # the settings go on the live session's Hadoop conf
+            return str(gateway_checkpoint(spark, gw.url, "benchgw", keys["benchgw"],
+                                          f"chk-{r}", listener=False))
+
+        sides = {"local": lambda r: os.path.join(work, "local", f"chk-{r}"),
+                 "mount": lambda r: os.path.join(mnt, f"chk-{r}"),
+                 "gateway": on_gateway}
+        elapsed = alternate(spark, timer, work, sides, batches=args.batches, rounds=args.rounds,
+                            records_per_batch=args.records_per_batch, rotate=True)
+        spark.stop()
+        gateway_wall = sum(v for k, v in timer.wall.items() if k.startswith("gateway-"))
+        gw.stop()
+        spark_ops = gateway_stats(gw.log())
+
+        fig = {w: side_figures(timer, w) for w in SIDES}
+        res: dict = {"state_store": args.state_store, "no_crc": args.no_crc,
+                     "records_per_batch": args.records_per_batch, "rounds": args.rounds,
+                     "batches": {w: fig[w]["n"] for w in SIDES}, "elapsed_s": elapsed,
+                     "cores": os.cpu_count(), "load_avg_end": os.getloadavg()}
+        for w in SIDES:
+            for k in ("median_ms", "mean_ms", "p90_ms"):
+                res[f"{w}_{k}"] = fig[w][k]
+        for w in ("mount", "gateway"):
+            res[f"ratio_{w}_local_median"] = fig[w]["median_ms"] / fig["local"]["median_ms"]
+            res[f"ratio_{w}_local_mean"] = fig[w]["mean_ms"] / fig["local"]["mean_ms"]
+        res["phases_median_ms"] = {w: {k: statistics.median(v) for k, v in
+                                       timer.phases[w].items()} for w in SIDES}
+        total = sum(int(s["count"]) for s in spark_ops.values())
+        res["gateway_spark"] = {"requests": total, "per_batch": total / max(1, fig["gateway"]["n"]),
+                                "requests_per_s": total / gateway_wall if gateway_wall else 0.0,
+                                "ops": spark_ops}
+
+        # the HTTP load, on a gateway of its own (its stats are not mixed with Spark's)
+        load_gw = GatewayProcess("benchload", os.path.join(work, "load-cache"), server.address,
+                                 keys["benchload"],
+                                 log_path=os.path.join(work, "load-gateway.log")).start()
+        token = GatewayClient(load_gw.url, "benchload", keys["benchload"]).token()
+        res["http_load"] = {"threads": args.threads,
+                            "client": http_load(load_gw.url, token, args.threads,
+                                                args.load_requests)}
+        load_gw.stop()
+        res["http_load"]["gateway"] = gateway_stats(load_gw.log())
+
+        # ---- report
+        print(f"Spark micro-batch duration (triggerExecution), {args.state_store} state store, "
+              f"sync, {'no .crc files on local/mount, ' if args.no_crc else ''}"
+              f"{args.rounds} rounds x {args.batches} batches per side, "
+              f"{os.cpu_count()} cores:")
+        print(f"  {'':8} {'median':>9} {'mean':>9} {'p90':>9} {'x local (median)':>17}")
+        for w in SIDES:
+            print(f"  {w:8} {fig[w]['median_ms']:8.0f}ms {fig[w]['mean_ms']:8.0f}ms "
+                  f"{fig[w]['p90_ms']:8.0f}ms {fig[w]['median_ms'] / fig['local']['median_ms']:17.3f}")
+        ratio = res["ratio_gateway_local_median"]
+        print(f"  gateway/local median {ratio:.3f}: target <= 1.05 "
+              f"{'met' if ratio <= 1.05 else 'MISSED'}")
+        print("  median per phase (ms), local/mount/gateway: " + ", ".join(
+            f"{k} " + "/".join(f"{statistics.median(timer.phases[w].get(k, [0])):.0f}"
+                               for w in SIDES) for k in PHASES))
+        g = res["gateway_spark"]
+        print(f"Gateway under Spark: {g['requests']} requests, {g['per_batch']:.1f} per batch, "
+              f"{g['requests_per_s']:.0f}/s over the gateway runs; per operation (gateway side):")
+        for op, s in sorted(spark_ops.items(), key=lambda kv: -kv[1]["count"]):
+            print(f"  {op:28} {int(s['count']):6d}  p50 {s['p50_ms']:7.2f} ms  "
+                  f"p99 {s['p99_ms']:7.2f} ms")
+        print(f"HTTP load, {args.threads} threads x {args.load_requests} per operation "
+              "(client side, keep-alive, bearer token):")
+        for op, s in res["http_load"]["client"].items():
+            print(f"  {op:22} {s['ops_per_s']:8.0f} ops/s  p50 {s['p50_ms']:7.2f} ms  "
+                  f"p99 {s['p99_ms']:7.2f} ms")
+        print(json.dumps(res, sort_keys=True))
+        return 0
+    finally:
+        for proc in (load_gw, gw, mount):
+            if proc is not None:
+                try:
+                    proc.stop()
+                except Exception:  # noqa: BLE001 - cleanup
+                    pass
+        server.stop()
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            print(f"kept {work}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
