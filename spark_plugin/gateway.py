@@ -845,7 +845,8 @@ def run_gateway(namespace: str, listen: str, *, server: str, key: str, cache_dir
         trio.run(_serve_until_signal, gateway, host, port, namespace, sync, drain_timeout)
         log.info("stopped; requests served:\n%s", gateway.summary() or "(none)")
         try:
-            opened.writer.barrier(timeout=flush_timeout)
+            if opened.writer is not None:  # None only for a read-only namespace (nothing to flush)
+                opened.writer.barrier(timeout=flush_timeout)
         except Exception as exc:  # noqa: BLE001 - reported, exit code says it
             log.error("final flush failed (the spool in %s keeps the journal; the next gateway "
                       "on this cache ships it): %r", opened.spool_dir, exc)

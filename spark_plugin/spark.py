@@ -53,8 +53,11 @@ NO_CRC_CONF = {
     "fs.AbstractFileSystem.file.impl": "org.apache.hadoop.fs.local.RawLocalFs",
 }
 
+_ListenerBase: type
 try:  # pyspark is an optional extra; the helpers that do not need it work without it
-    from pyspark.sql.streaming import StreamingQueryListener as _ListenerBase
+    from pyspark.sql.streaming import StreamingQueryListener
+
+    _ListenerBase = StreamingQueryListener
 except ImportError:  # pragma: no cover - exercised only without the spark extra
     _ListenerBase = object
 

@@ -87,7 +87,7 @@ def restore(server, key, target):
 
 def tree_of(root):
     out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
+    for dirpath, _dirnames, filenames in os.walk(root):
         rel = os.path.relpath(dirpath, root)
         if rel != ".":
             out[rel + "/"] = None
@@ -543,7 +543,7 @@ def test_a_big_file_streams_through_in_bounded_memory(sos_server, tmp_path):
         assert r.status_code == 201, r.text
         with g.session.get(g.u("/big/f", op="OPEN", data="true"), stream=True) as r:
             got = 0
-            for i, chunk in enumerate(r.iter_content(1 << 20)):
+            for chunk in r.iter_content(1 << 20):
                 got += len(chunk)
         assert got == size
         grown = _peak_rss(g.proc.pid) - before
