@@ -507,7 +507,9 @@ class Soak:
         # event -> first batch committed after it (beyond what the check saw): the real
         # cost of each kind of crash for the query
         self.recovery = {k: [] for k in self.KINDS}
-        self._pending_recovery = None  # (kind, t_event, last batch seen by the check)
+        # (kind, t_event, last batch seen by the check) of every event not yet followed by a
+        # committed batch (a later event does not cancel an earlier one's measure)
+        self._pending_recovery: list[tuple[str, float, int]] = []
         self.last_check_hi = -1
 
     # ------------------------------------------------------------------ output
@@ -564,10 +566,9 @@ class Soak:
                 if b > self.acked_max:
                     self.acked_max = b
                     self.last_progress_t = time.monotonic()
-                pending = self._pending_recovery
-                if pending is not None and b > pending[2]:
+                for pending in [p for p in self._pending_recovery if b > p[2]]:
                     self.recovery[pending[0]].append(time.monotonic() - pending[1])
-                    self._pending_recovery = None
+                    self._pending_recovery.remove(pending)
         return self.acked_max
 
     # ------------------------------------------------------------------ processes
@@ -944,7 +945,7 @@ class Soak:
             self.say(f"#{n} kill {kind} (batch {self.acked_max} committed last)")
             what = self.handlers()[kind]()
             self.restart_times[kind].append(time.monotonic() - t)
-            self._pending_recovery = (kind, t, max(self.last_check_hi, self.acked_max))
+            self._pending_recovery.append((kind, t, max(self.last_check_hi, self.acked_max)))
             self.say(f"#{n} {kind}: {what} ({time.monotonic() - t:.1f}s)")
         self.say(f"{n} kill events; no more kills: draining the {self.fed} fed input files")
         self.drain()
