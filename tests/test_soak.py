@@ -217,3 +217,29 @@ def test_check_catches_violations(tmp_path, damage):
     with pytest.raises(Violation):
         soak.check(chk, "t")
     soak.cleanup()
+
+
+def test_a_committed_state_the_query_cannot_load_is_a_violation(tmp_path):
+    """The query failing with CANNOT_LOAD_STATE_STORE after a restart means a state file of a
+    committed batch is lost or damaged: a violation, not a query failure to retry."""
+    from tools.soak import Violation, _write_json_atomic
+
+    soak = _fake_soak(tmp_path)
+    soak.server.alive = lambda: True  # no server in this test
+    soak.driver_ctl = str(tmp_path / "ctl")
+    os.makedirs(soak.driver_ctl)
+    soak.driver = subprocess.Popen(["sleep", "120"])
+    try:
+        seq = soak.command("run")
+        _write_json_atomic(os.path.join(soak.driver_ctl, "status.json"), {
+            "seq": seq, "state": "failed", "pid": soak.driver.pid, "checkpoint_unreadable": True,
+            "error": "[CANNOT_LOAD_STATE_STORE.UNCATEGORIZED] An error occurred during loading "
+                     "state. Caused by: java.io.EOFException"})
+        with pytest.raises(Violation, match="cannot load the state"):
+            soak.pump()
+        assert soak.query_restarts == 0
+    finally:
+        soak.driver.kill()
+        soak.driver.wait()
+        soak.driver = None
+        soak.cleanup()

@@ -160,8 +160,9 @@ def driver_main(cfg_path: str) -> int:
     os.makedirs(out_dir, exist_ok=True)
     pid = os.getpid()
 
-    def status(seq, state, error=None):
-        _write_json_atomic(status_path, {"seq": seq, "state": state, "error": error, "pid": pid})
+    def status(seq, state, error=None, unreadable=False):
+        _write_json_atomic(status_path, {"seq": seq, "state": state, "error": error, "pid": pid,
+                                         "checkpoint_unreadable": unreadable})
 
     class AckListener(MarkerListener):
         """Records committed batches for the harness, then writes the batch marker."""
@@ -270,12 +271,20 @@ def driver_main(cfg_path: str) -> int:
             status(handled, "running")
             note(f"query started on {chk}")
         if query is not None and not query.isActive:
+            unreadable = False
             try:
                 exc = query.exception()
-                err = str(exc)[:600] if exc is not None else "terminated"
+                full = str(exc) if exc is not None else "terminated"
+                err = full[:600]
+                # the committed checkpoint's state cannot be loaded (a delta or snapshot
+                # file of a committed version is missing, empty or truncated)
+                unreadable = "CANNOT_LOAD_STATE_STORE" in full
+                if unreadable:
+                    i = full.index("CANNOT_LOAD_STATE_STORE")
+                    err = full[max(0, i - 40):i + 500]
             except Exception as e:  # noqa: BLE001
                 err = repr(e)[:600]
-            status(handled, "failed", err)
+            status(handled, "failed", err, unreadable)
             note(f"query failed: {err[:200]}")
             query = None
         time.sleep(0.1)
@@ -872,6 +881,10 @@ class Soak:
         st = self.status()
         if st is not None and st["seq"] == self.cmd_seq and st["state"] == "failed" \
                 and self.want_running:
+            if st.get("checkpoint_unreadable"):
+                raise Violation(f"the query cannot load the state of its committed checkpoint "
+                                f"(a state file of a committed batch is lost, empty or "
+                                f"truncated): {(st.get('error') or '')[:500]}")
             err = (st.get("error") or "").splitlines()[0][:300] if st.get("error") else ""
             self.query_failures.append(f"t={self.elapsed():.0f}s: {err}")
             self.say(f"query failed{' without a mount kill' if self.MODE == 'mount' else ''}: "
@@ -1499,7 +1512,8 @@ def main(argv=None) -> int:
           + ", ".join(f"{k} {rec[k]}s" for k in cls.KINDS if rec[k] is not None), flush=True)
     if result["unexpected"] or result["query_failures"]:
         print(f"unexpected exits: {len(result['unexpected'])}; query failures not caused by a "
-              f"mount kill: {len(result['query_failures'])} (see SOAK-RESULT)", flush=True)
+              + ("mount kill" if not args.cluster else "driver kill (restarted in the same driver)")
+              + f": {len(result['query_failures'])} (see SOAK-RESULT)", flush=True)
     if code != 0 or args.keep:
         print(f"logs kept in {work} (logs/events.log, server.log, "
               + ("gatewayN.log, clusterN/logs/" if args.cluster else "mountN.log, driverN.log")
