@@ -165,6 +165,10 @@ def _commit(chk, batch, last_file):
         f.write('v1\n{"batchWatermarkMs":0}\n' + json.dumps({"logOffset": last_file}))
     with open(os.path.join(chk, "commits", str(batch)), "w") as f:
         f.write('v1\n{"nextBatchWatermarkMs":0}')
+    for part in (0, 1):  # the dedup state of version batch+1, one store per shuffle partition
+        os.makedirs(os.path.join(chk, "state", "0", str(part)), exist_ok=True)
+        with open(os.path.join(chk, "state", "0", str(part), f"{batch + 1}.delta"), "wb") as f:
+            f.write(b"state")
 
 
 def _output(soak, batch, ids):
@@ -191,7 +195,8 @@ def test_check_accepts_a_committed_prefix(tmp_path):
     soak.cleanup()
 
 
-@pytest.mark.parametrize("damage", ["lost_commit", "gap", "doubled", "lost_record", "corrupt"])
+@pytest.mark.parametrize("damage", ["lost_commit", "gap", "doubled", "lost_record", "corrupt",
+                                    "empty_state", "lost_state"])
 def test_check_catches_violations(tmp_path, damage):
     from tools.soak import Violation
 
@@ -211,6 +216,10 @@ def test_check_catches_violations(tmp_path, damage):
         _output(soak, 2, soak.file_ids[2] + soak.file_ids[1][:1])
     elif damage == "lost_record":
         _output(soak, 1, soak.file_ids[1][1:])
+    elif damage == "empty_state":  # what the cluster crash loop found (batch 759)
+        open(os.path.join(chk, "state", "0", "1", "2.delta"), "wb").close()
+    elif damage == "lost_state":
+        os.remove(os.path.join(chk, "state", "0", "0", "3.delta"))
     else:
         with open(os.path.join(soak.paths["out"], "batch-000001.jsonl"), "a") as f:
             f.write('{"id": 7, "payload": "not the payload"}\n')

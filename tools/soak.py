@@ -79,6 +79,8 @@ DEFAULT_WEIGHTS = {"server": 0.72, "mount": 0.20, "driver": 0.04, "all": 0.04}
 #: the driver JVM restarts often: C1 only and a serial GC start it with less CPU
 DRIVER_JAVA_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 TRIGGER = "200 milliseconds"
+#: spark.sql.shuffle.partitions of the query: one state store directory each
+SHUFFLE_PARTITIONS = 2
 
 
 class Violation(Exception):
@@ -377,6 +379,17 @@ def source_offset(checkpoint_dir, batch: int) -> int:
         raise Violation(f"offsets/{batch} of {checkpoint_dir} is unreadable: {lines!r:.300}") from exc
 
 
+def state_files(checkpoint_dir, rel: str) -> dict[str, int]:
+    """{name: size} of the files in ``rel`` of a local checkpoint or a :class:`GatewayView`."""
+    if isinstance(checkpoint_dir, GatewayView):
+        return checkpoint_dir.sizes(rel)
+    d = os.path.join(checkpoint_dir, rel)
+    if not os.path.isdir(d):
+        return {}
+    return {n: os.path.getsize(os.path.join(d, n)) for n in os.listdir(d)
+            if os.path.isfile(os.path.join(d, n))}
+
+
 def checkpoint_commits(checkpoint_dir) -> set[int]:
     """The batch ids in ``commits/`` of a local checkpoint or a :class:`GatewayView`."""
     if isinstance(checkpoint_dir, GatewayView):
@@ -408,6 +421,19 @@ class GatewayView:
             raise
         return {int(st["pathSuffix"]) for st in doc["FileStatuses"]["FileStatus"]
                 if st["pathSuffix"].isdigit()}
+
+    def sizes(self, rel: str) -> dict[str, int]:
+        """{name: length} of the files in ``rel`` ({} if it does not exist)."""
+        from spark_plugin.gateway_client import GatewayError
+
+        try:
+            doc = self.client.call("GET", f"/webhdfs/v1/{self.relpath}/{rel}", op="LISTSTATUS")
+        except GatewayError as exc:
+            if exc.status == 404:
+                return {}
+            raise
+        return {st["pathSuffix"]: int(st["length"]) for st in doc["FileStatuses"]["FileStatus"]
+                if st["type"] == "FILE"}
 
     def read(self, rel: str) -> str:
         import urllib.request
@@ -755,10 +781,30 @@ class Soak:
         if problems or res["records_out"] != len(prefix):
             raise Violation(f"{label}: committed batches 0..{hi}: " + "; ".join(problems or [
                 f"{res['records_out']} records out, {len(prefix)} expected"]))
+        if self.state_store == "hdfs":
+            self.check_state(chk_dir, hi, label)
         self.records_checked += res["records_out"]
         self.last_check_records = res["records_out"]
         return (f"batches 0..{hi} committed (input files 0..{last_file}), "
                 f"{res['records_out']} records exactly once")
+
+    def check_state(self, chk_dir, hi: int, label: str) -> None:
+        """The dedup state of committed batch ``hi`` (state version hi+1) is there: in each
+        shuffle partition ``state/0/P/`` the delta file of version hi+1 exists, and no delta
+        or snapshot file of a committed version is empty (Spark makes each one visible by a
+        rename of a complete file; an empty one cannot be loaded)."""
+        for part in range(SHUFFLE_PARTITIONS):
+            files = state_files(chk_dir, f"state/0/{part}")
+            if f"{hi + 1}.delta" not in files:
+                raise Violation(f"{label}: batch {hi} committed, but state/0/{part}/"
+                                f"{hi + 1}.delta is missing")
+            empty = sorted((n for n, size in files.items() if size == 0
+                            and re.fullmatch(r"\d+\.(delta|snapshot)", n)
+                            and int(n.split(".")[0]) <= hi + 1),
+                           key=lambda n: int(n.split(".")[0]))
+            if empty:
+                raise Violation(f"{label}: batch {hi} committed, but the state files "
+                                f"state/0/{part}/{', '.join(empty)} are empty")
 
     # ------------------------------------------------------------------ events
     def kill_server(self) -> str:
