@@ -46,17 +46,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                     "the namespace's single journal writer: every node of a Spark cluster "
                     "checkpoints to webhdfs://HOST:PORT/path with no privileges. Clients get a "
                     "bearer token at /oauth2/token (client_id = NAMESPACE, client_secret = a "
-                    "key of it). An empty cache is first restored from the server. RENAME and "
-                    "DELETE reply once durable on the server (sync mode). SIGTERM/SIGINT stop "
-                    "it gracefully: no new connections, the requests in progress finish (at "
-                    "most 25 s; a second signal stops at once), then the journal is flushed.")
+                    "key of it). An empty cache is first restored from the server. RENAME, "
+                    "DELETE, TRUNCATE and file bodies (CREATE, APPEND) reply once durable on "
+                    "the server (sync mode). SIGTERM/SIGINT stop it gracefully: no new "
+                    "connections, the requests in progress finish (at most 25 s; a second "
+                    "signal stops at once), then the journal is flushed.")
     p.add_argument("namespace")
     p.add_argument("--listen", required=True, metavar="HOST:PORT",
                    help="address to serve on, e.g. 0.0.0.0:9870 (port 0: any free one)")
     p.add_argument("--cache", metavar="DIR", default=None,
                    help="local cache + spool directory (default: ~/.cache/sos/NAMESPACE)")
     p.add_argument("--async", dest="async_", action="store_true",
-                   help="do not wait for the server on RENAME/DELETE; bound the lag instead")
+                   help="do not wait for the server (RENAME, DELETE, file bodies); bound the lag "
+                        "instead")
     p.add_argument("--max-lag", type=_size, default=64 << 20, metavar="BYTES",
                    help="most unshipped journal bytes before writes wait (default 64M)")
     p.add_argument("--generation-bytes", type=_size, default=None, metavar="BYTES",

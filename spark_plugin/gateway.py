@@ -638,6 +638,9 @@ class Gateway:
             await self._run(ns.release, rel)
         if failure is not None:
             raise failure
+        # sync mode: the file's contents are durable before the writer is told so (the
+        # RENAME that follows may reach a replacement gateway that never saw them)
+        await self._run(ns.barrier)
         if op == "CREATE":
             await conn.respond(201)
             return 201

@@ -13,11 +13,13 @@ request body streams nor while waiting for the server. A file being written (CRE
 APPEND body streaming) holds a lease: a second writer of the same path is refused with
 AlreadyBeingCreatedException, as HDFS does.
 
-Durability (the mount's barrier rule): in sync mode RENAME, DELETE and a marker return
-only once their records (and every record before them) are durable on the SOS server;
-CREATE, APPEND, MKDIRS return once their records are in the local spool (the next barrier
-covers them: Spark makes every checkpoint file visible by a rename, or commits a batch by
-one). In async mode nothing waits; the writer bounds the lag.
+Durability (the mount's barrier rule): in sync mode RENAME, DELETE, a marker, TRUNCATE and
+the body of a CREATE or APPEND return only once their records (and every record before
+them) are durable on the SOS server; MKDIRS returns once its record is in the local spool.
+A file's contents must be durable when its writer is told so: the RENAME that makes the
+file visible may reach ANOTHER gateway (a replacement on an empty cache, restored from the
+server), whose barrier cannot cover what the lost one never shipped; it would rename an
+empty or truncated file. In async mode nothing waits; the writer bounds the lag.
 """
 
 from __future__ import annotations
@@ -499,9 +501,10 @@ class WebHdfsNamespace:
                                    f"{st.st_size}, truncate size: {new_length}.")
             self._take_lease(rel)
             try:
-                self._journal(self.tree.truncate, rel, new_length)
+                seq = self._journal(self.tree.truncate, rel, new_length)
             finally:
                 self.release(rel)
+        self.barrier(seq)  # outside the lock, as RENAME's
         return {"boolean": True}
 
     # ------------------------------------------------------------------ file bodies

@@ -500,6 +500,75 @@ def test_rename_replies_only_once_durable_on_the_server(sos_server, tmp_path):
         "d/": None, "d/0": b"batch 0 committed"}
 
 
+def test_a_file_acknowledged_before_the_gateway_is_lost_is_whole_behind_its_replacement(
+        sos_server, tmp_path):
+    """Found by the cluster crash loop (scripts/soak --cluster): an executor's CREATE of a
+    state file got its 201, the gateway was SIGKILLed before it shipped the body, a gateway
+    on an EMPTY cache took over, and the executor's RENAME there committed an EMPTY
+    state/0/1/759.delta: batch 759 committed, its state unreadable, the query could never
+    resume. In sync mode a file body's reply must mean durable."""
+    g1 = Gw(sos_server, tmp_path, name="first")
+    data = b"state of batch 759\n" * 8
+    step1 = g1.session.put(g1.u("/s/.759.delta.tmp", op="CREATE", overwrite="true"),
+                           allow_redirects=False)
+    assert step1.status_code == 307, step1.text
+    replies = []
+    done = threading.Event()
+
+    def body():
+        try:
+            replies.append(g1.session.put(step1.headers["Location"], data=data))
+        except requests.RequestException as exc:
+            replies.append(exc)
+        finally:
+            g1.proc.kill()  # the gateway and its disk are lost right after it answered
+            done.set()
+
+    os.kill(sos_server.pid, signal.SIGSTOP)  # the server hangs: nothing gets durable
+    t = threading.Thread(target=body)
+    t.start()
+    try:
+        done.wait(2.0)  # a gateway that answers before the body is durable answers now
+    finally:
+        os.kill(sos_server.pid, signal.SIGCONT)
+    t.join(120)
+    assert done.is_set()
+    g2 = Gw(sos_server, tmp_path, key=g1.key, name="second")  # empty cache: from the server
+    try:
+        assert isinstance(replies[0], requests.Response) and replies[0].status_code == 201
+        rename = g2.session.put(g2.u("/s/.759.delta.tmp", op="RENAME",
+                                     destination="/s/759.delta", renameoptions="NONE"))
+        assert rename.status_code == 200, rename.text  # the writer's next step, elsewhere
+        assert g2.read("/s/759.delta") == data
+    finally:
+        assert g2.stop() == 0
+
+
+def test_truncate_replies_only_once_durable_on_the_server(sos_server, tmp_path):
+    g = Gw(sos_server, tmp_path)
+    try:
+        assert g.put_file("/t/f", b"0123456789").status_code == 201
+        os.kill(sos_server.pid, signal.SIGSTOP)
+        done = threading.Event()
+        replies = []
+
+        def truncate():
+            replies.append(g.session.post(g.u("/t/f", op="TRUNCATE", newlength="4")))
+            done.set()
+
+        t = threading.Thread(target=truncate)
+        t.start()
+        try:
+            assert not done.wait(2.0)  # applied to the cache, the reply waits for the server
+        finally:
+            os.kill(sos_server.pid, signal.SIGCONT)
+        t.join(120)
+        assert replies and replies[0].status_code == 200, replies
+    finally:
+        g.proc.kill()
+    assert tree_of(restore(sos_server, g.key, tmp_path / "r")) == {"t/": None, "t/f": b"0123"}
+
+
 def test_async_mode_does_not_wait_for_the_server(sos_server, tmp_path):
     g = Gw(sos_server, tmp_path, sync=False)
     try:

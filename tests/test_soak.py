@@ -1,12 +1,14 @@
 """The crash loop, bounded for CI: `scripts/soak` with real sos-server, sos mount and Spark
 driver processes SIGKILLed at seeded random moments (plus total-loss restores); the
 committed output is checked against the input after every restart. 30+ kill events, zero
-violations, exit 0."""
+violations, exit 0. Its cluster mode too (`scripts/soak --cluster`: a standalone cluster
+through `sos gateway`; gateway, server, executor, worker, driver and total-loss kills)."""
 
 import json
 import os
 import signal
 import subprocess
+import sys
 
 import pytest
 
@@ -74,6 +76,74 @@ def test_crash_loop_exactly_once(tmp_path):
     assert sum(1 for line in lines if "] #" in line and " kill " in line) == result["kill_events"]
 
 
+# ---- cluster mode: a standalone cluster checkpointing through `sos gateway`
+
+# Seed 113 draws, among its first 10 events (the draws do not depend on timing): a gateway
+# restart on an EMPTY cache and one on the same cache, a server kill, an executor kill, two
+# worker kills, a driver kill, and two total losses (one restored with `sos restore`, one by
+# a gateway on an empty cache).
+CLUSTER_KILLS = 10
+CLUSTER_ARGS = ["--cluster", "--duration", "400", "--max-kills", str(CLUSTER_KILLS),
+                "--seed", "113",
+                "--weights", "gateway=2,server=1,executor=2,worker=2,driver=2,all=2",
+                "--stall-timeout", "200"]
+
+
+def _node_isolation_problem():
+    from tools.cluster import can_isolate_nodes
+
+    return can_isolate_nodes()
+
+
+@pytest.mark.spark
+@pytest.mark.slow
+@pytest.mark.skipif(_node_isolation_problem() is not None,
+                    reason=f"cluster nodes cannot be isolated here: {_node_isolation_problem()}")
+@pytest.mark.timeout(720)
+def test_cluster_crash_loop_exactly_once(tmp_path):
+    pytest.importorskip("pyspark")
+    work = tmp_path / "soak"
+    from tools import child_env
+
+    # what scripts/soak runs, minus its setup step (this interpreter has what it needs)
+    proc = subprocess.Popen([sys.executable, "-m", "tools.soak", *CLUSTER_ARGS,
+                             "--workdir", str(work)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            env=child_env())
+    try:
+        out, _ = proc.communicate(timeout=660)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)  # the harness kills its cluster, gateway and server
+        try:
+            out, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+        pytest.fail("scripts/soak --cluster did not finish in 660s:\n" + out[-4000:])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    lines = out.splitlines()
+    result = next((json.loads(ln.split(" ", 1)[1]) for ln in reversed(lines)
+                   if ln.startswith("SOAK-RESULT ")), None)
+    assert result is not None, out[-4000:]
+    assert result["violations"] == [], "\n".join(lines[-40:])
+    assert proc.returncode == 0, "\n".join(lines[-40:])
+    assert result["mode"] == "cluster"
+    assert result["kill_events"] == CLUSTER_KILLS, result
+    for kind in ("gateway", "server", "executor", "worker", "driver", "all"):
+        assert result["kills"][kind] >= 1, (kind, result["kills"])
+    # both kinds of gateway restart, both kinds of total-loss restore
+    assert result["gateway_restarts"]["empty-cache"] >= 1, result["gateway_restarts"]
+    assert result["gateway_restarts"]["same-cache"] >= 1, result["gateway_restarts"]
+    assert result["restores"]["sos-restore"] >= 1 and result["restores"]["empty-cache"] >= 1
+    assert sum(result["restores"].values()) == result["kills"]["all"]
+    assert result["processes_killed"]["executor"] >= result["kills"]["executor"]
+    assert result["records_final"] > 0 and result["checks"] >= result["kill_events"]
+    assert sum(1 for ln in lines if "] #" in ln and " kill " in ln) == result["kill_events"]
+
+
 # ---- the harness's check must catch each kind of violation (no Spark, no processes)
 
 def _fake_soak(tmp_path):
@@ -95,6 +165,10 @@ def _commit(chk, batch, last_file):
         f.write('v1\n{"batchWatermarkMs":0}\n' + json.dumps({"logOffset": last_file}))
     with open(os.path.join(chk, "commits", str(batch)), "w") as f:
         f.write('v1\n{"nextBatchWatermarkMs":0}')
+    for part in (0, 1):  # the dedup state of version batch+1, one store per shuffle partition
+        os.makedirs(os.path.join(chk, "state", "0", str(part)), exist_ok=True)
+        with open(os.path.join(chk, "state", "0", str(part), f"{batch + 1}.delta"), "wb") as f:
+            f.write(b"state")
 
 
 def _output(soak, batch, ids):
@@ -121,7 +195,8 @@ def test_check_accepts_a_committed_prefix(tmp_path):
     soak.cleanup()
 
 
-@pytest.mark.parametrize("damage", ["lost_commit", "gap", "doubled", "lost_record", "corrupt"])
+@pytest.mark.parametrize("damage", ["lost_commit", "gap", "doubled", "lost_record", "corrupt",
+                                    "empty_state", "lost_state"])
 def test_check_catches_violations(tmp_path, damage):
     from tools.soak import Violation
 
@@ -141,9 +216,39 @@ def test_check_catches_violations(tmp_path, damage):
         _output(soak, 2, soak.file_ids[2] + soak.file_ids[1][:1])
     elif damage == "lost_record":
         _output(soak, 1, soak.file_ids[1][1:])
+    elif damage == "empty_state":  # what the cluster crash loop found (batch 759)
+        open(os.path.join(chk, "state", "0", "1", "2.delta"), "wb").close()
+    elif damage == "lost_state":
+        os.remove(os.path.join(chk, "state", "0", "0", "3.delta"))
     else:
         with open(os.path.join(soak.paths["out"], "batch-000001.jsonl"), "a") as f:
             f.write('{"id": 7, "payload": "not the payload"}\n')
     with pytest.raises(Violation):
         soak.check(chk, "t")
     soak.cleanup()
+
+
+def test_a_committed_state_the_query_cannot_load_is_a_violation(tmp_path):
+    """The query failing with CANNOT_LOAD_STATE_STORE after a restart means a state file of a
+    committed batch is lost or damaged: a violation, not a query failure to retry."""
+    from tools.soak import Violation, _write_json_atomic
+
+    soak = _fake_soak(tmp_path)
+    soak.server.alive = lambda: True  # no server in this test
+    soak.driver_ctl = str(tmp_path / "ctl")
+    os.makedirs(soak.driver_ctl)
+    soak.driver = subprocess.Popen(["sleep", "120"])
+    try:
+        seq = soak.command("run")
+        _write_json_atomic(os.path.join(soak.driver_ctl, "status.json"), {
+            "seq": seq, "state": "failed", "pid": soak.driver.pid, "checkpoint_unreadable": True,
+            "error": "[CANNOT_LOAD_STATE_STORE.UNCATEGORIZED] An error occurred during loading "
+                     "state. Caused by: java.io.EOFException"})
+        with pytest.raises(Violation, match="cannot load the state"):
+            soak.pump()
+        assert soak.query_restarts == 0
+    finally:
+        soak.driver.kill()
+        soak.driver.wait()
+        soak.driver = None
+        soak.cleanup()

@@ -27,6 +27,15 @@ saw committed: RPO 0) must have produced exactly the records of input files 0..K
 doubled, nothing corrupted, nothing unknown, nothing lost. At the end the kills stop, the
 query drains every fed file and the final check demands the whole fed input.
 
+``--cluster`` runs the same query, input, sink and check on a Spark standalone cluster
+(:mod:`tools.cluster`: a Master, two Workers of one core and the driver, each a node with a
+private local disk) whose checkpoint goes through ``sos gateway`` (``webhdfs://``, Hadoop's
+retry policy) to the sos-server, and kills the gateway (restarted on the same port, on the
+same cache or on an empty one), the server, one executor JVM, a Worker with its executors
+(replaced by a new node), the driver (the query restarts in a new one), or everything at
+once (every process and local directory including the gateway's cache; a new cluster, a
+gateway on an empty cache, before it sometimes ``sos restore``). See :class:`ClusterSoak`.
+
 Exit 0: no violation; 1: a violation (the work directory with every log is kept and its
 path printed); 2: the harness could not do its job (a process would not start, a stall).
 The last line is ``SOAK-RESULT {json}``.
@@ -70,6 +79,8 @@ DEFAULT_WEIGHTS = {"server": 0.72, "mount": 0.20, "driver": 0.04, "all": 0.04}
 #: the driver JVM restarts often: C1 only and a serial GC start it with less CPU
 DRIVER_JAVA_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 TRIGGER = "200 milliseconds"
+#: spark.sql.shuffle.partitions of the query: one state store directory each
+SHUFFLE_PARTITIONS = 2
 
 
 class Violation(Exception):
@@ -118,8 +129,14 @@ def driver_main(cfg_path: str) -> int:
         print(f"soak driver [{time.monotonic() - t_start:6.1f}s]: {msg}", file=sys.stderr,
               flush=True)
 
-    builder = (SparkSession.builder.master("local[2]").appName("sos-soak")
-               .config("spark.sql.shuffle.partitions", "2")
+    gw = cfg.get("gateway")  # cluster mode: {"url", "namespace"}; the key in $SOS_KEY
+    builder = SparkSession.builder.appName("sos-soak-cluster" if gw else "sos-soak")
+    if cfg.get("spark_conf"):  # the cluster's master, executors, local dirs
+        for k, v in cfg["spark_conf"].items():
+            builder = builder.config(k, v)
+    else:
+        builder = builder.master("local[2]")
+    builder = (builder.config("spark.sql.shuffle.partitions", "2")
                .config("spark.ui.enabled", "false")
                .config("spark.ui.showConsoleProgress", "false")
                .config("spark.driver.extraJavaOptions", DRIVER_JAVA_OPTIONS)
@@ -127,6 +144,12 @@ def driver_main(cfg_path: str) -> int:
                        cfg.get("maintenance_interval", "10s")))
     if cfg.get("state_store") == "rocksdb":
         builder = builder.config("spark.sql.streaming.stateStore.providerClass", ROCKSDB_PROVIDER)
+    location = None
+    if gw:
+        from spark_plugin.spark import gateway_checkpoint
+
+        location = gateway_checkpoint(builder, gw["url"], gw["namespace"], os.environ["SOS_KEY"],
+                                      CHECKPOINT)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     note("Spark session up")
@@ -139,8 +162,9 @@ def driver_main(cfg_path: str) -> int:
     os.makedirs(out_dir, exist_ok=True)
     pid = os.getpid()
 
-    def status(seq, state, error=None):
-        _write_json_atomic(status_path, {"seq": seq, "state": state, "error": error, "pid": pid})
+    def status(seq, state, error=None, unreadable=False):
+        _write_json_atomic(status_path, {"seq": seq, "state": state, "error": error, "pid": pid,
+                                         "checkpoint_unreadable": unreadable})
 
     class AckListener(MarkerListener):
         """Records committed batches for the harness, then writes the batch marker."""
@@ -159,6 +183,42 @@ def driver_main(cfg_path: str) -> int:
             except Exception as exc:  # noqa: BLE001 - a listener must never kill the query
                 self.errors.append(repr(exc))
             super().onQueryProgress(event)
+
+    if gw:
+        from spark_plugin.spark import GatewayMarkerListener
+
+        class GatewayAckListener(GatewayMarkerListener):
+            """AckListener through the gateway: ``commits/N`` checked with a GETFILESTATUS."""
+
+            def committed(self, batch: int) -> bool:
+                """Does ``commits/<batch>`` exist? Asked again while the gateway is down
+                (a restart takes a second or two) so an acknowledgement is not lost."""
+                from spark_plugin.gateway_client import GatewayError
+
+                deadline = time.monotonic() + 60
+                while True:
+                    try:
+                        return self._client.exists(f"{self.relpath}/commits/{batch}")
+                    except GatewayError:
+                        raise
+                    except OSError:
+                        if time.monotonic() > deadline:
+                            raise
+                        time.sleep(0.5)
+
+            def onQueryProgress(self, event):  # noqa: N802 - Spark's name
+                try:
+                    p = event.progress
+                    if int(p.numInputRows) > 0 and self.committed(int(p.batchId)):
+                        try:
+                            log_offset = int(json.loads(p.sources[0].endOffset)["logOffset"])
+                        except Exception:  # noqa: BLE001
+                            log_offset = -1
+                        with open(acked_path, "a") as f:
+                            f.write(f"{int(p.batchId)} {log_offset}\n")
+                except Exception as exc:  # noqa: BLE001 - a listener must never kill the query
+                    self.errors.append(repr(exc))
+                super().onQueryProgress(event)
 
     def sink(df, batch_id):  # the demo's sink, without its hang hook
         write_batch_output(out_dir, df, batch_id)
@@ -196,11 +256,12 @@ def driver_main(cfg_path: str) -> int:
                 status(handled, "stopped")
                 continue
             mnt, chk = cmd["mountpoint"], cmd["checkpoint"]
-            if not os.path.ismount(mnt):
+            if location is None and not os.path.ismount(mnt):
                 status(handled, "failed", f"{mnt} is not a mount point")
                 continue
             try:
-                listener = AckListener(chk, mountpoint=mnt)
+                listener = (GatewayAckListener(location) if location is not None
+                            else AckListener(chk, mountpoint=mnt))
                 spark.streams.addListener(listener)
                 query = (stream.writeStream.foreachBatch(sink)
                          .option("checkpointLocation", chk)
@@ -212,12 +273,20 @@ def driver_main(cfg_path: str) -> int:
             status(handled, "running")
             note(f"query started on {chk}")
         if query is not None and not query.isActive:
+            unreadable = False
             try:
                 exc = query.exception()
-                err = str(exc)[:600] if exc is not None else "terminated"
+                full = str(exc) if exc is not None else "terminated"
+                err = full[:600]
+                # the committed checkpoint's state cannot be loaded (a delta or snapshot
+                # file of a committed version is missing, empty or truncated)
+                unreadable = "CANNOT_LOAD_STATE_STORE" in full
+                if unreadable:
+                    i = full.index("CANNOT_LOAD_STATE_STORE")
+                    err = full[max(0, i - 40):i + 500]
             except Exception as e:  # noqa: BLE001
                 err = repr(e)[:600]
-            status(handled, "failed", err)
+            status(handled, "failed", err, unreadable)
             note(f"query failed: {err[:200]}")
             query = None
         time.sleep(0.1)
@@ -294,14 +363,86 @@ class ServerProc:
                 self.proc.wait()
 
 
-def source_offset(checkpoint_dir: str, batch: int) -> int:
-    """The file source's log offset recorded in ``offsets/<batch>`` (line 3: {"logOffset": L})."""
-    with open(os.path.join(checkpoint_dir, "offsets", str(batch)), encoding="utf-8") as f:
-        lines = f.read().splitlines()
+def source_offset(checkpoint_dir, batch: int) -> int:
+    """The file source's log offset recorded in ``offsets/<batch>`` (line 3: {"logOffset": L}).
+
+    ``checkpoint_dir``: a local directory, or a :class:`GatewayView`."""
+    if isinstance(checkpoint_dir, GatewayView):
+        text = checkpoint_dir.read(f"offsets/{batch}")
+    else:
+        with open(os.path.join(checkpoint_dir, "offsets", str(batch)), encoding="utf-8") as f:
+            text = f.read()
+    lines = text.splitlines()
     try:
         return int(json.loads(lines[2])["logOffset"])
     except (IndexError, ValueError, KeyError, TypeError) as exc:
         raise Violation(f"offsets/{batch} of {checkpoint_dir} is unreadable: {lines!r:.300}") from exc
+
+
+def state_files(checkpoint_dir, rel: str) -> dict[str, int]:
+    """{name: size} of the files in ``rel`` of a local checkpoint or a :class:`GatewayView`."""
+    if isinstance(checkpoint_dir, GatewayView):
+        return checkpoint_dir.sizes(rel)
+    d = os.path.join(checkpoint_dir, rel)
+    if not os.path.isdir(d):
+        return {}
+    return {n: os.path.getsize(os.path.join(d, n)) for n in os.listdir(d)
+            if os.path.isfile(os.path.join(d, n))}
+
+
+def checkpoint_commits(checkpoint_dir) -> set[int]:
+    """The batch ids in ``commits/`` of a local checkpoint or a :class:`GatewayView`."""
+    if isinstance(checkpoint_dir, GatewayView):
+        return checkpoint_dir.commits()
+    return committed_batches(checkpoint_dir)
+
+
+class GatewayView:
+    """A checkpoint as ``sos gateway`` serves it (what Spark sees): the harness's check reads
+    ``commits/`` and ``offsets/N`` over WebHDFS (LISTSTATUS, OPEN) with a bearer token."""
+
+    def __init__(self, url: str, namespace: str, key: str, relpath: str) -> None:
+        from spark_plugin.gateway_client import GatewayClient
+
+        self.client = GatewayClient(url, namespace, key, timeout=120)
+        self.relpath = relpath.strip("/")
+
+    def __str__(self) -> str:
+        return f"{self.client.url}/webhdfs/v1/{self.relpath}"
+
+    def commits(self) -> set[int]:
+        from spark_plugin.gateway_client import GatewayError
+
+        try:
+            doc = self.client.call("GET", f"/webhdfs/v1/{self.relpath}/commits", op="LISTSTATUS")
+        except GatewayError as exc:
+            if exc.status == 404:
+                return set()
+            raise
+        return {int(st["pathSuffix"]) for st in doc["FileStatuses"]["FileStatus"]
+                if st["pathSuffix"].isdigit()}
+
+    def sizes(self, rel: str) -> dict[str, int]:
+        """{name: length} of the files in ``rel`` ({} if it does not exist)."""
+        from spark_plugin.gateway_client import GatewayError
+
+        try:
+            doc = self.client.call("GET", f"/webhdfs/v1/{self.relpath}/{rel}", op="LISTSTATUS")
+        except GatewayError as exc:
+            if exc.status == 404:
+                return {}
+            raise
+        return {st["pathSuffix"]: int(st["length"]) for st in doc["FileStatuses"]["FileStatus"]
+                if st["type"] == "FILE"}
+
+    def read(self, rel: str) -> str:
+        import urllib.request
+
+        url = f"{self.client.url}/webhdfs/v1/{self.relpath}/{rel}?op=OPEN&data=true"
+        req = urllib.request.Request(url, headers={"Authorization":
+                                                   f"Bearer {self.client.token()}"})
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return resp.read().decode("utf-8")
 
 
 def _pick_port() -> int:
@@ -323,6 +464,13 @@ def _pick_port() -> int:
 # =========================================================================== the harness
 
 class Soak:
+    """The crash loop on one machine: the query in a local[2] driver on an ``sos mount``."""
+
+    #: the kinds of kill event, and those that may strike again before the next batch
+    KINDS = KINDS
+    CHEAP = ("server",)
+    MODE = "mount"
+
     def __init__(self, *, duration: float, seed: int, workdir: str, rows: int,
                  max_kills: int | None, weights: dict, state_store: str, ahead: int,
                  stall_timeout: float, delay: tuple[float, float], quiet: bool = False,
@@ -377,9 +525,10 @@ class Soak:
         self._acked_off = 0
         self.acked_max = -1
         self.acked_files = 0  # input files consumed by acknowledged batches
+        self.seen_files = 0  # input files consumed by batches a look at the checkpoint saw
         self.last_progress_t = time.monotonic()
         # figures
-        self.kills = {k: 0 for k in KINDS}
+        self.kills = {k: 0 for k in self.KINDS}
         self.restores = {"sos-restore": 0, "empty-cache": 0}
         self.processes_killed = {"server": 0, "mount": 0, "driver": 0}
         self.query_restarts = 0          # same JVM, after a mount kill
@@ -389,11 +538,13 @@ class Soak:
         self.records_checked = 0         # records of committed output compared, all checks
         self.last_check_records = 0
         self.violations: list[str] = []
-        self.restart_times = {k: [] for k in KINDS}
+        self.restart_times = {k: [] for k in self.KINDS}
         # event -> first batch committed after it (beyond what the check saw): the real
         # cost of each kind of crash for the query
-        self.recovery = {k: [] for k in KINDS}
-        self._pending_recovery = None  # (kind, t_event, last batch seen by the check)
+        self.recovery = {k: [] for k in self.KINDS}
+        # (kind, t_event, last batch seen by the check) of every event not yet followed by a
+        # committed batch (a later event does not cancel an earlier one's measure)
+        self._pending_recovery: list[tuple[str, float, int]] = []
         self.last_check_hi = -1
 
     # ------------------------------------------------------------------ output
@@ -419,8 +570,13 @@ class Soak:
         self.say(f"input: {self.total_files} files of {self.rows} new ids (+ duplicates of the "
                  f"previous file) staged; fed {self.ahead} batches ahead of the query")
 
+    def consumed_files(self) -> int:
+        """Input files the committed batches consumed: the driver's acknowledgements, or
+        (cluster mode) a look at the checkpoint when an acknowledgement went missing."""
+        return max(self.acked_files, self.seen_files)
+
     def feed(self) -> None:
-        target = min(self.total_files, self.acked_files + self.ahead)
+        target = min(self.total_files, self.consumed_files() + self.ahead)
         while self.fed < target:
             name = f"part-{self.fed:05d}.json"
             os.rename(os.path.join(self.paths["staging"], name),
@@ -445,10 +601,9 @@ class Soak:
                 if b > self.acked_max:
                     self.acked_max = b
                     self.last_progress_t = time.monotonic()
-                pending = self._pending_recovery
-                if pending is not None and b > pending[2]:
+                for pending in [p for p in self._pending_recovery if b > p[2]]:
                     self.recovery[pending[0]].append(time.monotonic() - pending[1])
-                    self._pending_recovery = None
+                    self._pending_recovery.remove(pending)
         return self.acked_max
 
     # ------------------------------------------------------------------ processes
@@ -482,6 +637,10 @@ class Soak:
 
     def checkpoint(self) -> str:
         return os.path.join(self.mountpoint, CHECKPOINT)
+
+    def view(self):
+        """The checkpoint as the harness's check reads it (here: through the mount)."""
+        return self.checkpoint()
 
     def kill_mount_only(self) -> None:
         """SIGKILL the mount process but leave the dead mount in place (ENOTCONN)."""
@@ -588,7 +747,7 @@ class Soak:
     def check(self, chk_dir: str, label: str) -> str:
         """Committed output == the input prefix of the committed batches; RPO 0."""
         acked = self.read_acked()  # BEFORE listing commits: a later commit only adds
-        commits = committed_batches(chk_dir)
+        commits = checkpoint_commits(chk_dir)
         self.checks += 1
         self.last_check_hi = max(commits, default=-1)
         if not commits:
@@ -622,10 +781,30 @@ class Soak:
         if problems or res["records_out"] != len(prefix):
             raise Violation(f"{label}: committed batches 0..{hi}: " + "; ".join(problems or [
                 f"{res['records_out']} records out, {len(prefix)} expected"]))
+        if self.state_store == "hdfs":
+            self.check_state(chk_dir, hi, label)
         self.records_checked += res["records_out"]
         self.last_check_records = res["records_out"]
         return (f"batches 0..{hi} committed (input files 0..{last_file}), "
                 f"{res['records_out']} records exactly once")
+
+    def check_state(self, chk_dir, hi: int, label: str) -> None:
+        """The dedup state of committed batch ``hi`` (state version hi+1) is there: in each
+        shuffle partition ``state/0/P/`` the delta file of version hi+1 exists, and no delta
+        or snapshot file of a committed version is empty (Spark makes each one visible by a
+        rename of a complete file; an empty one cannot be loaded)."""
+        for part in range(SHUFFLE_PARTITIONS):
+            files = state_files(chk_dir, f"state/0/{part}")
+            if f"{hi + 1}.delta" not in files:
+                raise Violation(f"{label}: batch {hi} committed, but state/0/{part}/"
+                                f"{hi + 1}.delta is missing")
+            empty = sorted((n for n, size in files.items() if size == 0
+                            and re.fullmatch(r"\d+\.(delta|snapshot)", n)
+                            and int(n.split(".")[0]) <= hi + 1),
+                           key=lambda n: int(n.split(".")[0]))
+            if empty:
+                raise Violation(f"{label}: batch {hi} committed, but the state files "
+                                f"state/0/{part}/{', '.join(empty)} are empty")
 
     # ------------------------------------------------------------------ events
     def kill_server(self) -> str:
@@ -636,7 +815,7 @@ class Soak:
         time.sleep(outage)
         t = time.monotonic()
         self.server.start()
-        verdict = self.check(self.checkpoint(), "after a server kill")
+        verdict = self.check(self.view(), "after a server kill")
         return (f"server pid {pid} SIGKILLed, down {outage:.1f}s, restarted in "
                 f"{time.monotonic() - t:.1f}s; check: {verdict}")
 
@@ -667,7 +846,7 @@ class Soak:
     def kill_driver_event(self) -> str:
         pid = self.driver.pid if self.driver else None
         self.kill_driver()
-        verdict = self.check(self.checkpoint(), "after a driver kill")
+        verdict = self.check(self.view(), "after a driver kill")
         how = self.start_driver()
         return f"driver pid {pid} (and its JVM) SIGKILLed; check: {verdict}; query on {how}"
 
@@ -728,6 +907,8 @@ class Soak:
                                    f"({self.server.proc.returncode})")
             self.say(f"UNEXPECTED: sos-server exited ({self.server.proc.returncode}); restarting")
             self.server.start()
+        if self.supervise():
+            return
         if self.mount is not None and self.mount.proc.poll() is not None:
             rc = self.mount.proc.returncode
             self.unexpected.append(f"t={self.elapsed():.0f}s: sos mount #{self.mount_n} exited "
@@ -746,15 +927,23 @@ class Soak:
         st = self.status()
         if st is not None and st["seq"] == self.cmd_seq and st["state"] == "failed" \
                 and self.want_running:
+            if st.get("checkpoint_unreadable"):
+                raise Violation(f"the query cannot load the state of its committed checkpoint "
+                                f"(a state file of a committed batch is lost, empty or "
+                                f"truncated): {(st.get('error') or '')[:500]}")
             err = (st.get("error") or "").splitlines()[0][:300] if st.get("error") else ""
             self.query_failures.append(f"t={self.elapsed():.0f}s: {err}")
-            self.say(f"query failed without a mount kill: {err}; restarting it in the same "
-                     "driver")
+            self.say(f"query failed{' without a mount kill' if self.MODE == 'mount' else ''}: "
+                     f"{err}; restarting it in the same driver")
             self.command("run")
             self.query_restarts += 1
         if time.monotonic() - self.last_progress_t > self.stall_timeout:
             raise HarnessError(f"no batch committed for {self.stall_timeout:.0f}s (stall); "
                                f"last committed batch {self.acked_max}")
+
+    def supervise(self) -> bool:
+        """Notice and repair the mode's own parts dying by themselves; True if it did."""
+        return False
 
     def wait_progress(self, since: int, until: float) -> bool:
         while self.acked_max <= since:
@@ -773,9 +962,7 @@ class Soak:
         self.key = keygen(self.paths["server-data"], NAMESPACE)
         self.start_server()
         self.say(f"sos-server on {self.server.address}")
-        self.new_worker()
-        self.start_mount()
-        self.say(f"mounted {NAMESPACE} at {self.mountpoint}")
+        self.setup()
         self.feed()
         self.start_driver()
         self.last_progress_t = time.monotonic()
@@ -787,7 +974,7 @@ class Soak:
         streak = 0  # server kills since the last committed batch
         while time.monotonic() < end and (self.max_kills is None or n < self.max_kills):
             # every draw happens for every event, so a seed gives the same sequence of events
-            kind = self.rng.choices(KINDS, weights=[self.weights[k] for k in KINDS])[0]
+            kind = self.rng.choices(self.KINDS, weights=[self.weights[k] for k in self.KINDS])[0]
             delay = self.rng.uniform(*self.delay)
             jitter = self.rng.uniform(0.0, 1.0)
             before = self.acked_max
@@ -800,7 +987,7 @@ class Soak:
             # random point of a later batch. Two server kills may come back to back.
             if self.acked_max > before:
                 streak = 0
-            if (kind != "server" or streak >= 2) and self.acked_max <= before:
+            if (kind not in self.CHEAP or streak >= 2) and self.acked_max <= before:
                 self.wait_progress(before, time.monotonic() + self.stall_timeout)
                 streak = 0
                 self.pump()
@@ -815,28 +1002,37 @@ class Soak:
             t = time.monotonic()
             self.kills[kind] += 1
             self.say(f"#{n} kill {kind} (batch {self.acked_max} committed last)")
-            what = {"server": self.kill_server, "mount": self.kill_mount,
-                    "driver": self.kill_driver_event, "all": self.kill_all}[kind]()
+            what = self.handlers()[kind]()
             self.restart_times[kind].append(time.monotonic() - t)
-            self._pending_recovery = (kind, t, max(self.last_check_hi, self.acked_max))
+            self._pending_recovery.append((kind, t, max(self.last_check_hi, self.acked_max)))
             self.say(f"#{n} {kind}: {what} ({time.monotonic() - t:.1f}s)")
         self.say(f"{n} kill events; no more kills: draining the {self.fed} fed input files")
         self.drain()
         return self.summary()
 
+    def setup(self) -> None:
+        """Start what runs beside the server and the driver (here: the worker's mount)."""
+        self.new_worker()
+        self.start_mount()
+        self.say(f"mounted {NAMESPACE} at {self.mountpoint}")
+
+    def handlers(self) -> dict:
+        return {"server": self.kill_server, "mount": self.kill_mount,
+                "driver": self.kill_driver_event, "all": self.kill_all}
+
     def drain(self) -> None:
         final_fed = self.fed
         deadline = time.monotonic() + max(self.stall_timeout, 120)
-        while self.acked_files < final_fed:
+        while self.consumed_files() < final_fed:
             if time.monotonic() > deadline:
                 raise HarnessError(f"drain: batch {self.acked_max} is the last committed, it "
-                                   f"read {self.acked_files} of the {final_fed} files fed")
+                                   f"read {self.consumed_files()} of the {final_fed} files fed")
             self.read_acked()
             self.pump_no_feed()
             time.sleep(0.1)
-        verdict = self.check(self.checkpoint(), "final")
-        hi = max(committed_batches(self.checkpoint()))
-        if source_offset(self.checkpoint(), hi) != final_fed - 1:
+        verdict = self.check(self.view(), "final")
+        hi = max(checkpoint_commits(self.view()))
+        if source_offset(self.view(), hi) != final_fed - 1:
             raise Violation(f"final: last committed batch {hi} does not end at the last fed "
                             f"file {final_fed - 1}")
         res = check_output(self.paths["out"], set(range(hi + 1)), self.expected_prefix)
@@ -857,6 +1053,10 @@ class Soak:
                 pass
             kill_tree(self.driver)
         self.driver = None
+        self.finish()
+
+    def finish(self) -> None:
+        """After the final check and the driver's exit: stop the rest cleanly."""
         rc = self.mount.stop()
         if rc not in (0, None):
             self.unexpected.append(f"final clean unmount exited {rc}")
@@ -917,16 +1117,346 @@ class Soak:
         self.events_log.close()
 
 
+# =========================================================================== cluster mode
+
+CLUSTER_KINDS = ("gateway", "server", "executor", "worker", "driver", "all")
+#: gateway and server kills are cheap (Hadoop's retry policy and the journal writer ride
+#: through them); an executor or worker kill costs a JVM start, a driver kill the whole
+#: application (driver and both executors), a total loss the cluster as well
+CLUSTER_WEIGHTS = {"gateway": 0.32, "server": 0.12, "executor": 0.2, "worker": 0.14,
+                   "driver": 0.12, "all": 0.10}
+#: share of gateway kills whose replacement starts on an EMPTY cache (restored from the server)
+GATEWAY_EMPTY_CACHE = 0.3
+
+
+class ClusterSoak(Soak):
+    """The crash loop on a Spark standalone cluster (``tools.cluster``: a Master, two Workers
+    of one core, the driver, each on a node of its own) that checkpoints through
+    ``sos gateway`` (a child process outside the nodes) to the real ``sos-server``.
+
+    Kill events:
+
+    - ``gateway``: SIGKILL the gateway, restart it on the same port, on the same cache or
+      (sometimes) on an EMPTY one that it restores from the server; the query rides through
+      on Hadoop's retry policy (``gateway_conf``);
+    - ``server``: SIGKILL the sos-server (restarted on the same port and data);
+    - ``executor``: SIGKILL one executor JVM only; its Worker launches a new one;
+    - ``worker``: SIGKILL a Worker and its executors and unmount its node's local disk; a
+      replacement node registers with the Master;
+    - ``driver``: SIGKILL the driver node (Spark's application ends, its executors with it);
+      a new driver restarts the query from the checkpoint;
+    - ``all``: every process (driver, Workers, executors, Master, gateway, server) and every
+      local directory including the gateway's cache; a new cluster, then either
+      ``sos restore`` into a fresh directory (checked) and a gateway on an empty cache, or
+      directly a gateway on an empty cache; a new driver resumes the query.
+
+    The check after every restart reads the checkpoint through the gateway (what Spark
+    sees); after an ``sos restore``, the restored directory too.
+    """
+
+    KINDS = CLUSTER_KINDS
+    CHEAP = ("gateway", "server")
+    MODE = "cluster"
+
+    def __init__(self, **kw) -> None:
+        kw["standby"] = False  # a spare application would queue for the cluster's cores
+        super().__init__(**kw)
+        self.cluster = None
+        self.cluster_n = 0
+        self.gateway = None
+        self.gateway_n = 0
+        self.gateway_port = 0
+        self.gateway_cache = ""
+        self.gateway_url = ""
+        self.processes_killed.update(gateway=0, worker=0, executor=0, master=0)
+        self.gateway_restarts = {"same-cache": 0, "empty-cache": 0}
+        self._last_peek = 0.0
+        self.worker_starts = 0
+        #: log every gateway request (--gateway-debug; big logs, for a diagnosis)
+        self.gateway_debug = bool(os.environ.get("SOS_SOAK_GATEWAY_DEBUG"))
+        del self.processes_killed["mount"]
+
+    # ------------------------------------------------------------------ parts
+    def setup(self) -> None:
+        self.start_gateway(empty=True)
+        self.say(f"sos gateway on {self.gateway_url} (cache {self.gateway_cache})")
+        self.start_cluster()
+        self.say(f"Spark cluster: Master {self.cluster.master_url}, 2 Workers of 1 core")
+
+    def checkpoint(self) -> str:
+        from spark_plugin.spark import webhdfs_url
+
+        return webhdfs_url(self.gateway_url, CHECKPOINT)
+
+    def view(self):
+        return GatewayView(self.gateway_url, NAMESPACE, self.key, CHECKPOINT)
+
+    def start_gateway(self, *, empty: bool) -> float:
+        """``sos gateway`` on its fixed port; ``empty``: on a new, empty cache directory."""
+        from spark_plugin.gateway import GatewayProcess
+
+        if empty:
+            if self.gateway_cache:
+                shutil.rmtree(self.gateway_cache, ignore_errors=True)
+            self.gateway_cache = os.path.join(self.work, f"gw-cache{self.gateway_n + 1}")
+        if not self.gateway_port:
+            self.gateway_port = _pick_port()
+        deadline = time.monotonic() + 300
+        t = time.monotonic()
+        while True:
+            self.gateway_n += 1
+            gw = GatewayProcess(NAMESPACE, self.gateway_cache, self.server.address, self.key,
+                                listen=f"127.0.0.1:{self.gateway_port}", start_timeout=300,
+                                debug=self.gateway_debug,
+                                log_path=os.path.join(self.paths["logs"],
+                                                      f"gateway{self.gateway_n}.log"))
+            try:
+                gw.start()
+                break
+            except RuntimeError as exc:  # e.g. the port still taken for a moment
+                if time.monotonic() > deadline:
+                    raise HarnessError(f"sos gateway #{self.gateway_n} did not start: "
+                                       f"{str(exc)[-1500:]}") from exc
+                time.sleep(0.5)
+        self.gateway = gw
+        self.gateway_url = gw.url
+        return time.monotonic() - t
+
+    def kill_gateway_only(self) -> None:
+        if self.gateway is not None and self.gateway.proc.poll() is None:
+            self.gateway.kill()
+            self.processes_killed["gateway"] += 1
+
+    def start_cluster(self) -> None:
+        from tools.cluster import SparkCluster
+
+        self.cluster_n += 1
+        self.cluster = SparkCluster(os.path.join(self.work, f"cluster{self.cluster_n}"),
+                                    workers=2, cores=1, env=child_env())
+        try:
+            self.cluster.start(timeout=300)
+        except Exception as exc:  # noqa: BLE001
+            raise HarnessError(f"the Spark cluster did not start: {exc}") from exc
+        self.worker_starts += 2
+
+    def _spawn_driver(self) -> tuple[subprocess.Popen, str]:
+        """A driver on a node of its own of the current cluster."""
+        self.driver_n += 1
+        ctl = os.path.join(self.paths["control"], f"d{self.driver_n}")
+        os.makedirs(ctl, exist_ok=True)
+        cfg = {"input": self.paths["input"], "out": self.paths["out"], "control": ctl,
+               "acked": self.acked_path, "state_store": self.state_store,
+               "spark_conf": self.cluster.spark_conf(),
+               "gateway": {"url": self.gateway_url, "namespace": NAMESPACE}}
+        cfg_path = os.path.join(ctl, "driver.json")
+        _write_json_atomic(cfg_path, cfg)
+        node = self.cluster.start_driver([sys.executable, "-m", "tools.soak", "_driver", cfg_path],
+                                         env=child_env(dict(os.environ, SOS_KEY=self.key)),
+                                         name=f"driver{self.driver_n}")
+        return node.proc, ctl
+
+    def executors(self) -> list:
+        out = []
+        for w in self.cluster.workers:
+            if w is not None and w.alive():
+                out.extend(w.executors())
+        return out
+
+    # ------------------------------------------------------------------ events
+    def handlers(self) -> dict:
+        return {"gateway": self.kill_gateway, "server": self.kill_server,
+                "executor": self.kill_executor, "worker": self.kill_worker,
+                "driver": self.kill_driver_event, "all": self.kill_all}
+
+    def kill_gateway(self) -> str:
+        pid = self.gateway.pid
+        empty = self.rng.random() < GATEWAY_EMPTY_CACHE
+        outage = self.rng.uniform(0.0, 1.5)
+        self.kill_gateway_only()
+        time.sleep(outage)
+        took = self.start_gateway(empty=empty)
+        self.gateway_restarts["empty-cache" if empty else "same-cache"] += 1
+        verdict = self.check(self.view(), "after a gateway kill")
+        return (f"gateway pid {pid} SIGKILLed, down {outage:.1f}s, restarted on the same port "
+                f"on {'an EMPTY' if empty else 'the same'} cache in {took:.1f}s; "
+                f"check: {verdict}")
+
+    def kill_executor(self) -> str:
+        # an executor exists unless one is being relaunched: wait for one (pumping)
+        i = self.rng.randrange(self.cluster.n_workers)
+        deadline = time.monotonic() + self.stall_timeout
+        while True:
+            w = self.cluster.workers[i]
+            execs = w.executors() if w is not None and w.alive() else []
+            if not execs:
+                execs = self.executors()
+            if execs:
+                break
+            if time.monotonic() > deadline:
+                raise HarnessError(f"no executor running for {self.stall_timeout:.0f}s")
+            self.pump()
+            time.sleep(0.2)
+        victim = execs[0]
+        pid = victim.pid
+        try:
+            victim.send_signal(signal.SIGKILL)
+            self.processes_killed["executor"] += 1
+        except Exception:  # noqa: BLE001 - psutil.NoSuchProcess: it died meanwhile
+            pass
+        verdict = self.check(self.view(), "after an executor kill")
+        return f"executor JVM pid {pid} SIGKILLed (its Worker relaunches one); check: {verdict}"
+
+    def kill_worker(self) -> str:
+        i = self.rng.randrange(self.cluster.n_workers)
+        node = self.cluster.workers[i]
+        n_exec = len(node.executors()) if node is not None else 0
+        self.cluster.kill_worker(i)
+        self.processes_killed["worker"] += 1
+        self.processes_killed["executor"] += n_exec
+        verdict = self.check(self.view(), "after a worker kill")
+        t = time.monotonic()
+        try:
+            self.cluster.start_worker(i, timeout=300)
+        except Exception as exc:  # noqa: BLE001
+            raise HarnessError(f"replacement worker {i} did not start: {exc}") from exc
+        self.worker_starts += 1
+        return (f"worker {i} (pid {node.proc.pid}, {n_exec} executor) SIGKILLed with its node's "
+                f"disk; check: {verdict}; a new worker node registered in "
+                f"{time.monotonic() - t:.1f}s")
+
+    def kill_all(self) -> str:
+        mode = self.rng.choice(("sos-restore", "empty-cache"))
+        order = ["server", "gateway", "cluster"]
+        self.rng.shuffle(order)
+        for what in order:
+            if what == "server":
+                self.server.kill()
+                self.processes_killed["server"] += 1
+            elif what == "gateway":
+                self.kill_gateway_only()
+            else:
+                self.kill_cluster()
+        self.driver = None
+        # every local directory: each node's disk (a tmpfs in its mount namespace) went with
+        # its last process (the cluster's base directory holds only the harness's logs); the
+        # gateway's cache and spool go here
+        shutil.rmtree(self.gateway_cache, ignore_errors=True)
+        self.server.start()
+        detail = ""
+        if mode == "sos-restore":
+            target = os.path.join(self.paths["restore"], f"r{self.restores['sos-restore'] + 1}")
+            t = time.monotonic()
+            self.sos_restore(target)
+            detail = f"sos restore into a fresh directory in {time.monotonic() - t:.1f}s"
+            verdict = self.check(os.path.join(target, CHECKPOINT), "after sos restore")
+            detail += f" ({verdict}); "
+            shutil.rmtree(target)
+        self.restores[mode] += 1
+        took = self.start_gateway(empty=True)
+        verdict = self.check(self.view(), "after a total loss, through the rebuilt gateway")
+        detail += f"gateway on an EMPTY cache rebuilt it in {took:.1f}s; check: {verdict}"
+        t = time.monotonic()
+        self.start_cluster()
+        detail += f"; a new cluster in {time.monotonic() - t:.1f}s"
+        how = self.start_driver()
+        return f"SIGKILL {'+'.join(order)}, every local directory deleted; {detail}; query on {how}"
+
+    def kill_cluster(self) -> None:
+        """SIGKILL every node: the driver, the Workers with their executors, the Master."""
+        c = self.cluster
+        if self.driver is not None and self.driver.poll() is None:
+            self.processes_killed["driver"] += 1
+        for w in c.workers:
+            if w is not None and w.alive():
+                self.processes_killed["worker"] += 1
+                self.processes_killed["executor"] += len(w.executors())
+        if c.master is not None and c.master.alive():
+            self.processes_killed["master"] += 1
+        c.stop()
+
+    # ------------------------------------------------------------------ supervision
+    def peek(self) -> None:
+        """No acknowledged batch for a while: look at the checkpoint through the gateway. A
+        batch whose acknowledgement the driver could not make (the gateway was down when
+        its listener asked for ``commits/N``) still consumed its input; the harness feeds
+        on from there (the RPO-0 baseline stays the acknowledged batches)."""
+        now = time.monotonic()
+        if now - self.last_progress_t < 15 or now - self._last_peek < 15:
+            return
+        self._last_peek = now
+        try:
+            view = self.view()
+            commits = view.commits()
+            if commits:
+                self.seen_files = max(self.seen_files, source_offset(view, max(commits)) + 1)
+        except Exception as exc:  # noqa: BLE001 - a look only; the stall timeout decides
+            self.say(f"peek at the checkpoint failed: {exc!r:.200}")
+
+    def supervise(self) -> bool:
+        self.peek()
+        if self.gateway is not None and self.gateway.proc.poll() is not None:
+            rc = self.gateway.proc.returncode
+            self.unexpected.append(f"t={self.elapsed():.0f}s: sos gateway #{self.gateway_n} "
+                                   f"exited by itself ({rc})")
+            self.say(f"UNEXPECTED: sos gateway #{self.gateway_n} exited ({rc}); see "
+                     f"{self.gateway.log_path}; restarting it on the same cache")
+            self.start_gateway(empty=False)
+            return True
+        c = self.cluster
+        if c is not None and c.master is not None and not c.master.alive():
+            raise HarnessError(f"the Spark Master exited by itself; see {c.master.log_path}")
+        if c is not None:
+            for i, w in enumerate(c.workers):
+                if w is not None and not w.alive():
+                    self.unexpected.append(f"t={self.elapsed():.0f}s: worker {i} exited by "
+                                           f"itself ({w.proc.returncode})")
+                    self.say(f"UNEXPECTED: worker {i} exited; see {w.log_path}; replacing it")
+                    c.start_worker(i, timeout=300)
+                    self.worker_starts += 1
+                    return True
+        return False
+
+    def finish(self) -> None:
+        if self.cluster is not None:
+            self.cluster.stop()
+        if self.gateway is not None:
+            rc = self.gateway.stop()
+            if rc not in (0, None):
+                self.unexpected.append(f"final clean gateway stop exited {rc}")
+            self.gateway = None
+
+    def summary(self) -> dict:
+        out = super().summary()
+        out.update(mode="cluster", gateway_starts=self.gateway_n,
+                   gateway_restarts=dict(self.gateway_restarts),
+                   worker_starts=self.worker_starts, clusters=self.cluster_n)
+        return out
+
+    def cleanup(self) -> None:
+        try:
+            if self.cluster is not None:
+                self.cluster.stop()
+        finally:
+            if self.gateway is not None:
+                self.gateway.kill()
+                self.gateway = None
+            super().cleanup()
+
+
 # =========================================================================== main
 
-def _weights(text: str) -> dict:
-    w = dict(DEFAULT_WEIGHTS)
+def _weights(text: str, defaults: dict | None = None) -> dict:
+    """``kind=w,...`` over ``defaults`` (the mode's weights; a kind of neither mode is an
+    error; the mode checks its own kinds)."""
+    w = dict(defaults or {})
     for part in text.split(","):
         if not part.strip():
             continue
         k, _, v = part.partition("=")
-        if k.strip() not in KINDS:
-            raise argparse.ArgumentTypeError(f"unknown kind {k!r}: one of {', '.join(KINDS)}")
+        if k.strip() not in KINDS + CLUSTER_KINDS:
+            raise argparse.ArgumentTypeError(
+                f"unknown kind {k!r}: one of {', '.join(KINDS)} (mount mode) or "
+                f"{', '.join(CLUSTER_KINDS)} (--cluster)")
         w[k.strip()] = float(v)
     return w
 
@@ -940,8 +1470,13 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=1, help="RNG seed of the kill schedule (default 1)")
     p.add_argument("--max-kills", type=int, default=None,
                    help="stop after this many kill events even if time is left")
-    p.add_argument("--weights", type=_weights, default=dict(DEFAULT_WEIGHTS),
-                   help="relative frequency of each kind, e.g. server=5,mount=2,driver=1,all=1")
+    p.add_argument("--cluster", action="store_true",
+                   help="cluster mode: a Spark standalone cluster (Master, two 1-core Workers, "
+                        "driver, each a node with its own local disk) checkpointing through "
+                        "`sos gateway`; kills of gateway, server, executor, worker, driver, all")
+    p.add_argument("--weights", type=_weights, default={},
+                   help="relative frequency of each kind, e.g. server=5,mount=2,driver=1,all=1 "
+                        "(--cluster: gateway=4,server=1,executor=2,worker=2,driver=1,all=1)")
     p.add_argument("--delay", type=float, nargs=2, default=(0.3, 3.0), metavar=("MIN", "MAX"),
                    help="seconds between a restart and the next kill (uniform, default 0.3 3)")
     p.add_argument("--rows", type=int, default=20, help="new record ids per input file/batch")
@@ -956,12 +1491,18 @@ def main(argv=None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the work directory on success")
     args = p.parse_args(argv)
 
+    cls = ClusterSoak if args.cluster else Soak
+    weights = dict(CLUSTER_WEIGHTS if args.cluster else DEFAULT_WEIGHTS, **args.weights)
+    wrong = sorted(set(weights) - set(cls.KINDS))
+    if wrong:
+        p.error(f"--weights: {', '.join(wrong)} is no kind of the {cls.MODE} mode "
+                f"({', '.join(cls.KINDS)})")
     work = args.workdir or tempfile.mkdtemp(prefix="sos-soak-")
     os.makedirs(work, exist_ok=True)
-    soak = Soak(duration=args.duration, seed=args.seed, workdir=work, rows=args.rows,
-                max_kills=args.max_kills, weights=args.weights, state_store=args.state_store,
-                ahead=args.ahead, stall_timeout=args.stall_timeout, delay=tuple(args.delay),
-                standby=args.standby)
+    soak = cls(duration=args.duration, seed=args.seed, workdir=work, rows=args.rows,
+               max_kills=args.max_kills, weights=weights, state_store=args.state_store,
+               ahead=args.ahead, stall_timeout=args.stall_timeout, delay=tuple(args.delay),
+               standby=args.standby)
 
     def on_term(signum, _frame):
         raise KeyboardInterrupt(signal.Signals(signum).name)
@@ -995,11 +1536,17 @@ def main(argv=None) -> int:
         result = soak.summary()
         result["ok"] = False
     k = result["kills"]
-    print(f"kill events: {result['kill_events']} (server {k['server']}, mount {k['mount']}, "
-          f"driver {k['driver']}, all {k['all']}) in {result['duration_s']:.0f}s "
-          f"= {result['kills_per_hour']:.0f}/h", flush=True)
+    print(f"kill events: {result['kill_events']} ("
+          + ", ".join(f"{kind} {k[kind]}" for kind in cls.KINDS)
+          + f") in {result['duration_s']:.0f}s = {result['kills_per_hour']:.0f}/h", flush=True)
+    if args.cluster:
+        g = result["gateway_restarts"]
+        print(f"gateway restarts after a gateway kill: {g['same-cache']} on the same cache, "
+              f"{g['empty-cache']} on an empty cache; processes SIGKILLed: "
+              + ", ".join(f"{n} {w}" for w, n in result["processes_killed"].items()), flush=True)
     print(f"restores after total loss: {result['restores']['sos-restore']} via sos restore, "
-          f"{result['restores']['empty-cache']} via a mount on an empty cache; "
+          f"{result['restores']['empty-cache']} via a "
+          f"{'gateway' if args.cluster else 'mount'} on an empty cache; "
           f"query restarted in the same JVM {result['query_restarts_same_jvm']} times; "
           f"driver processes started {result['driver_starts']} "
           f"({result['spare_driver_promotions']} took over as warm spares)", flush=True)
@@ -1008,13 +1555,15 @@ def main(argv=None) -> int:
           f"violations {len(result['violations'])}", flush=True)
     rec = result["median_recovery_s"]
     print("median time from a kill to the next committed batch: "
-          + ", ".join(f"{k} {rec[k]}s" for k in KINDS if rec[k] is not None), flush=True)
+          + ", ".join(f"{k} {rec[k]}s" for k in cls.KINDS if rec[k] is not None), flush=True)
     if result["unexpected"] or result["query_failures"]:
         print(f"unexpected exits: {len(result['unexpected'])}; query failures not caused by a "
-              f"mount kill: {len(result['query_failures'])} (see SOAK-RESULT)", flush=True)
+              + ("mount kill" if not args.cluster else "driver kill (restarted in the same driver)")
+              + f": {len(result['query_failures'])} (see SOAK-RESULT)", flush=True)
     if code != 0 or args.keep:
-        print(f"logs kept in {work} (logs/events.log, server.log, mountN.log, driverN.log)",
-              flush=True)
+        print(f"logs kept in {work} (logs/events.log, server.log, "
+              + ("gatewayN.log, clusterN/logs/" if args.cluster else "mountN.log, driverN.log")
+              + ")", flush=True)
     else:
         shutil.rmtree(work, ignore_errors=True)
     result["exit"] = code
