@@ -39,6 +39,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from collections.abc import Sequence
 
 from tools import child_env
@@ -652,14 +653,21 @@ def main(argv=None) -> int:
                           keep=args.keep)
     except ValueError as exc:
         p.error(str(exc))
-    if args.json:
+    return report(result, as_json=args.json,
+                  passed=lambda: f"exactly once after losing the worker in batch {crash_after}: "
+                         f"{result['records_in']} records in, {result['records_out']} out, 0 lost, "
+                         f"0 doubled, 0 corrupted ({args.state_store} state store)")
+
+
+def report(result: dict, *, as_json: bool, passed: Callable[[], str]) -> int:
+    """Print a demo's result (JSON on request, the kept work dir) and its verdict as the last
+    line (``passed()`` describes a success); the exit code: 0 PASS, 1 FAIL."""
+    if as_json:
         print(json.dumps(result, sort_keys=True, default=str))
     if result.get("workdir"):
         say(f"work dir kept: {result['workdir']}")
     if result["ok"]:
-        print(f"VERDICT: PASS - exactly once after losing the worker in batch {crash_after}: "
-              f"{result['records_in']} records in, {result['records_out']} out, 0 lost, "
-              f"0 doubled, 0 corrupted ({args.state_store} state store)", flush=True)
+        print(f"VERDICT: PASS - {passed()}", flush=True)
         return 0
     print("VERDICT: FAIL - " + "; ".join(result.get("problems") or ["unknown error"]), flush=True)
     return 1

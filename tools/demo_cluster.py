@@ -50,6 +50,7 @@ from dataclasses import dataclass
 
 from tools import child_env
 from tools.demo import (
+    report,
     DRIVER_JVM_OPTIONS,
     ROCKSDB_PROVIDER,
     DemoFailure,
@@ -725,17 +726,10 @@ def main(argv: list[str] | None = None) -> int:
                                   total_loss_at=3 * b // 4, workdir=args.workdir, keep=args.keep)
     except ValueError as exc:
         p.error(f"{exc} (--batches 5 or more)")
-    if args.json:
-        print(json.dumps(result, sort_keys=True, default=str))
-    if result.get("workdir"):
-        say(f"work dir kept: {result['workdir']}")
-    if result["ok"]:
-        print(f"VERDICT: PASS - exactly once through a worker loss, a gateway restart and a "
-              f"total loss: {result['records_in']} records in, 0 lost, 0 doubled, 0 corrupted "
-              f"({' and '.join(stores)} state store{'s' if len(stores) > 1 else ''})", flush=True)
-        return 0
-    print("VERDICT: FAIL - " + "; ".join(result.get("problems") or ["unknown error"]), flush=True)
-    return 1
+    return report(result, as_json=args.json,
+                  passed=lambda: f"exactly once through a worker loss, a gateway restart and a total "
+                              f"loss: {result['records_in']} records in, 0 lost, 0 doubled, 0 corrupted "
+                              f"({' and '.join(stores)} state store{'s' if len(stores) > 1 else ''})")
 
 
 if __name__ == "__main__":
