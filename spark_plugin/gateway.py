@@ -23,6 +23,7 @@ the journal, its format and ``sos restore`` are the same. The WebHDFS semantics 
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import json
 import logging
@@ -58,6 +59,8 @@ log = logging.getLogger("sos.gateway")
 READY_MARKER = "sos gateway: ready on"
 WEBHDFS_PREFIX = "/webhdfs/v1"
 TOKEN_PATH = "/oauth2/token"
+#: how long a client secret the SOS server accepted is trusted without asking it again (s)
+KEY_CHECK_TTL = 60.0
 MARKER_PATH = "/sos/v1/marker"
 
 #: largest request head (request line + headers)
@@ -292,6 +295,10 @@ class Gateway:
         self.scheme = "https" if tls is not None else "http"
         self.limiter = trio.CapacityLimiter(threads)
         self.auth_limiter = trio.CapacityLimiter(4)
+        #: sha256(secret) -> (role, key_id, when verified): a secret the SOS server accepted is
+        #: not checked again for KEY_CHECK_TTL seconds (Hadoop opens a new client, and asks for
+        #: a token, for nearly every checkpoint file manager: ~70 token requests per demo run)
+        self._verified: dict[bytes, tuple[str, str, float]] = {}
         self.connections = trio.CapacityLimiter(max_connections)
         self.stats: dict[str, _OpStats] = {}
         self.address: tuple[str, int] | None = None
@@ -667,6 +674,20 @@ class Gateway:
         return 200
 
     # ------------------------------------------------------------------ token, marker
+    async def _verified_key(self, secret: str) -> tuple[str, str]:
+        """(role, key_id) of a client secret: checked at the SOS server, or remembered from a
+        successful check less than KEY_CHECK_TTL seconds ago (refusals are never cached)."""
+        digest = hashlib.sha256(secret.encode("utf-8", "surrogateescape")).digest()
+        now = time.monotonic()
+        hit = self._verified.get(digest)
+        if hit is not None and now - hit[2] < KEY_CHECK_TTL:
+            return hit[0], hit[1]
+        role, key_id = await trio.to_thread.run_sync(self.verify_key, secret, limiter=self.auth_limiter)
+        if len(self._verified) >= 1024:  # a bounded memory: forget the oldest
+            self._verified.pop(next(iter(self._verified)))
+        self._verified[digest] = (role, key_id, now)
+        return role, key_id
+
     async def _token(self, conn: _Conn, method: str, headers: dict[str, str]) -> int:
         if method != "POST":
             raise _Reply(405, {"error": "invalid_request",
@@ -702,8 +723,7 @@ class Gateway:
                                "error_description": "client_secret (a key of the namespace) "
                                                    "is missing"}, no_store)
         try:
-            role, key_id = await trio.to_thread.run_sync(self.verify_key, secret,
-                                                         limiter=self.auth_limiter)
+            role, key_id = await self._verified_key(secret)
         except (PermissionError, ValueError) as exc:
             log.info("token refused: %s", exc)
             raise _Reply(401, {"error": "invalid_client",

@@ -694,3 +694,23 @@ def test_sigterm_lets_the_requests_in_progress_finish_and_refuses_new_connection
     assert "in progress get" in g.proc.log()
     assert tree_of(restore(sos_server, g.key, tmp_path / "restored"))["d/file"] == \
         b"first part;second part"
+
+
+def test_a_secret_the_server_accepted_is_not_checked_again_for_every_token(gw, sos_server):
+    """Hadoop asks for a token for nearly every checkpoint file manager: the gateway checks a
+    secret at the SOS server once, then trusts it for KEY_CHECK_TTL; a refused one is checked
+    each time (never cached)."""
+    def authentications() -> int:
+        return sum(1 for line in sos_server.log_text().splitlines() if '"authenticated"' in line)
+
+    token_for(gw.url, gw.key)
+    before = authentications()
+    assert before >= 1, "the server logs each AUTH (else this test proves nothing)"
+    for _ in range(5):
+        token_for(gw.url, gw.key)
+    assert authentications() == before  # five tokens, no new AUTH at the server
+    bad = "0123456789abcdef." + "cd" * 32
+    for _ in range(2):
+        r = requests.post(gw.url + "/oauth2/token", data={"grant_type": "client_credentials",
+                                                          "client_id": NS, "client_secret": bad})
+        assert r.status_code == 401
