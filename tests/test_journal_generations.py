@@ -198,6 +198,7 @@ def _store_with(generations):
     unsealed, None none, bytes: a ready holding those bytes)."""
     store = MemStore()
     c = store.client()
+    c.fence(1)  # appends carry the fence's epoch, as on the server
     for g, (first, ops, ready) in generations.items():
         name = layout.segment_name(g, first, 1)
         c.append(name, 0, records(ops, first), epoch=1)

@@ -12,7 +12,12 @@ from dataclasses import dataclass
 
 import crc32c as _crc
 
+from sos_client.errors import TooLarge
+
 from ._store import ConnectionLost, Fenced, OffsetMismatch, SealedError, SOSNotFound
+
+#: how far one FENCE may move the fence (protocol.md 1.11; the server's MAX_FENCE_STEP)
+MAX_FENCE_STEP = 1000
 
 
 def _err(cls, msg, **attrs):
@@ -102,8 +107,8 @@ class MemClient:
         with self.s.lock:
             self._check()
             self.s.calls.append("append")
-            if epoch < self.s.fence_epoch:
-                raise _err(Fenced, f"epoch {epoch} fenced by {self.s.fence_epoch}", epoch=self.s.fence_epoch)
+            if epoch != self.s.fence_epoch:  # as the server: only the fence's epoch appends/seals
+                raise _err(Fenced, f"epoch {epoch} is not the fence {self.s.fence_epoch}", epoch=self.s.fence_epoch)
             obj = self.s.objects.get(name)
             cur = len(obj) if obj is not None else 0
             if obj is not None and offset < cur and offset + len(data) <= cur \
@@ -146,8 +151,8 @@ class MemClient:
     def seal(self, name, *, epoch=0):
         with self.s.lock:
             self._check()
-            if epoch < self.s.fence_epoch:
-                raise _err(Fenced, f"epoch {epoch} fenced by {self.s.fence_epoch}", epoch=self.s.fence_epoch)
+            if epoch != self.s.fence_epoch:  # as the server: only the fence's epoch appends/seals
+                raise _err(Fenced, f"epoch {epoch} is not the fence {self.s.fence_epoch}", epoch=self.s.fence_epoch)
             if name not in self.s.objects:
                 raise _err(SOSNotFound, f"{name}: not found")
             self.s.sealed.add(name)
@@ -158,5 +163,8 @@ class MemClient:
             self._check()
             if epoch <= self.s.fence_epoch:
                 raise _err(Fenced, f"epoch {epoch} <= fence {self.s.fence_epoch}", epoch=self.s.fence_epoch)
+            if epoch > self.s.fence_epoch + MAX_FENCE_STEP:  # as the server (protocol.md 1.11)
+                raise _err(TooLarge, f"fence {epoch} jumps more than {MAX_FENCE_STEP} past {self.s.fence_epoch}",
+                           length=self.s.fence_epoch + MAX_FENCE_STEP)
             self.s.fence_epoch = epoch
             return epoch
