@@ -226,9 +226,9 @@ def test_chain_breaks_unit():
     assert "start at 1" in _breaks(_store_with({0: (1, [SnapshotEnd(0)], True), 1: (2, [SnapshotEnd(1)], True)}))[0]
     store = _store_with({5: (10, [SnapshotEnd(5)], True)})
     c = store.client()
-    c.append(layout.ready_name(4), 0, b"")  # what a retention stopped halfway leaves
+    c.append(layout.ready_name(4), 0, b"", epoch=1)  # what a retention stopped halfway leaves
     assert _breaks(store) == []
-    c.append(layout.ready_name(9999), 0, b"")
+    c.append(layout.ready_name(9999), 0, b"", epoch=1)
     assert _breaks(store) == ["generation 9999 has a ready object but no segment: no writer wrote that generation"]
 
 
