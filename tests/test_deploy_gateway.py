@@ -151,12 +151,25 @@ def _reveal(paths: list[str]) -> list[str]:
     return out
 
 
-def _open_to_others(path: pathlib.Path, stop: pathlib.Path) -> None:
-    """pytest makes its temporary directories 0700: let uid 10001 traverse them."""
-    for p in [path, *path.parents]:
-        os.chmod(p, os.stat(p).st_mode | 0o011)
-        if p == stop:
-            break
+@pytest.fixture
+def open_to_others():
+    """pytest makes its temporary directories 0700, and /tmp/pytest-of-root too (it closes
+    it again at every session start): let uid 10001 traverse (o+x, no listing) from a path
+    up to the first ancestor it can already traverse; the modes come back after the test."""
+    changed: list[tuple[pathlib.Path, int]] = []
+
+    def open_(path: pathlib.Path) -> None:
+        for p in [path, *path.parents]:
+            mode = os.stat(p).st_mode
+            if p != path and mode & stat.S_IXOTH:
+                break
+            if (mode & 0o011) != 0o011:
+                changed.append((p, stat.S_IMODE(mode)))
+                os.chmod(p, stat.S_IMODE(mode) | 0o011)
+
+    yield open_
+    for p, mode in reversed(changed):
+        os.chmod(p, mode)
 
 
 class Sandboxed:
@@ -315,7 +328,7 @@ def sandboxes():
 
 
 def test_gateway_runs_unprivileged_on_a_read_only_root_as_the_deployment_says(
-        tmp_path, tmp_path_factory, sos_server_factory, sandboxes):
+        tmp_path, open_to_others, sos_server_factory, sandboxes):
     tls = _make_certificates(tmp_path)
     srv = sos_server_factory(args=["--tls-cert", tls / "tls.crt", "--tls-key", tls / "tls.key"],
                              start=False)
@@ -332,7 +345,7 @@ def test_gateway_runs_unprivileged_on_a_read_only_root_as_the_deployment_says(
                             "tls.key": (tls / "gateway.key").read_bytes()},
         "sos-gateway-key": {"key": writer_key.encode() + b"\n"},
     }
-    _open_to_others(tmp_path, tmp_path_factory.getbasetemp())
+    open_to_others(tmp_path)
     gw_ca = str(tls / "gateway.crt")
     runs = []
 
@@ -429,7 +442,7 @@ def test_gateway_runs_unprivileged_on_a_read_only_root_as_the_deployment_says(
     assert tmp_writes == [], f"writes in TMPDIR (an emptyDir, allowed, but DEPLOY.md says none): {tmp_writes[:20]}"
 
 
-def test_image_env_keeps_python_from_writing_and_the_trace_would_see_it(tmp_path, tmp_path_factory,
+def test_image_env_keeps_python_from_writing_and_the_trace_would_see_it(tmp_path, open_to_others,
                                                                          sandboxes):
     """The check above is not vacuous: in the same sandbox, Python without the image's
     PYTHONDONTWRITEBYTECODE tries to write a __pycache__ (EROFS, silently), and a write to
@@ -440,7 +453,7 @@ def test_image_env_keeps_python_from_writing_and_the_trace_would_see_it(tmp_path
     cache = tmp_path / "cache"
     cache.mkdir()
     os.chmod(cache, 0o777)
-    _open_to_others(mod, tmp_path_factory.getbasetemp())
+    open_to_others(mod)
     script = ("import errno, fresh_module\n"
               "try:\n    open('/tmp/sos-ro-probe', 'w')\n"
               "except OSError as exc:\n    print(errno.errorcode[exc.errno])\n")
