@@ -60,6 +60,7 @@ from .objfile import (
 )
 from .recovery import DEFAULT_VERIFY_TAIL, RepairNote, load_object
 from .stored_object import DEFAULT_MAX_OPEN_FILES, Damage, OpenFiles, StoredObject, Usage
+from .wal import DEFAULT_CHECKPOINT_BYTES, ReplayNote, WriteAheadLog, replay
 
 __all__ = [
     "DIR_MODE",
@@ -102,6 +103,7 @@ class Namespace:
     objects: dict[str, StoredObject] = field(default_factory=dict)
     _sorted: list[str] | None = None
     files: OpenFiles | None = None
+    wal: WriteAheadLog | None = None  # the server's write-ahead log (None offline)
     usage: Usage = field(default_factory=Usage)  # bytes held by the objects
     quota: int | None = None  # byte quota from the ``quota`` file, None: none set
     generations: dict[int, int] = field(default_factory=dict)  # journal generation -> objects in it
@@ -199,6 +201,7 @@ class Namespace:
     def adopt(self, name: str, path: str, header_size: int) -> StoredObject:
         """Register the object whose file :meth:`create_file` made."""
         obj = StoredObject(self.name, name, path, header_size, files=self.files, usage=self.usage)
+        obj.wal = self.wal
         self._added(obj)
         return obj
 
@@ -227,6 +230,7 @@ class Namespace:
             if not self.generations[g]:
                 del self.generations[g]
         self.usage.bytes -= obj.length
+        obj.removed = True  # its log records are skipped at replay (wal.py)
         obj.close()
         return obj.path
 
@@ -236,7 +240,12 @@ class Storage(KeyStore):
     """All namespaces under one data directory."""
 
     def __init__(
-        self, root: str, *, verify_tail: int = DEFAULT_VERIFY_TAIL, max_open_files: int = DEFAULT_MAX_OPEN_FILES
+        self,
+        root: str,
+        *,
+        verify_tail: int = DEFAULT_VERIFY_TAIL,
+        max_open_files: int = DEFAULT_MAX_OPEN_FILES,
+        wal_checkpoint_bytes: int = DEFAULT_CHECKPOINT_BYTES,
     ) -> None:
         self.root = os.path.abspath(root)
         self.verify_tail = verify_tail
@@ -244,6 +253,9 @@ class Storage(KeyStore):
         self.namespaces: dict[str, Namespace] = {}
         self.repairs: list[RepairNote] = []
         self.corruptions: list[tuple[str, str, int]] = []  # (namespace, name, file offset)
+        self.wal: WriteAheadLog | None = None  # started by start_wal (the engine), None offline
+        self.wal_checkpoint_bytes = wal_checkpoint_bytes
+        self.replayed = ReplayNote()
         self._lock_fd: int | None = None
 
     # -- process lock ----------------------------------------------------------------
@@ -280,6 +292,17 @@ class Storage(KeyStore):
         self._lock_fd = fd
 
     def close(self) -> None:
+        """Checkpoint the write-ahead log (objects synced, log files deleted), close."""
+        if self.wal is not None:
+            wal, self.wal = self.wal, None
+            wal.close_checkpoint(wal.live_objects())
+            for lf in (wal.current, wal.spare):
+                if lf is not None:
+                    lf.close()
+            for ns in self.namespaces.values():
+                ns.wal = None
+                for obj in ns.objects.values():
+                    obj.wal = None
         for ns in self.namespaces.values():
             for obj in ns.objects.values():
                 obj.close()
@@ -292,7 +315,16 @@ class Storage(KeyStore):
         return os.path.join(self.root, "ns", validate_namespace(namespace))
 
     def open(self) -> None:
-        """Load every namespace on disk, repairing torn tails."""
+        """Replay the write-ahead log onto the object files, then load every namespace on
+        disk, repairing torn tails."""
+        self.replayed = replay(self.wal_dir, self.object_path)
+        for namespace, name, path, kept, cut in self.replayed.cuts:
+            note = RepairNote(namespace, name, path, kept, cut, "written after its last log record")
+            self.repairs.append(note)
+            log.warning(
+                "torn tail cut back (a crash during an unacknowledged write): %s/%s (%s) kept %d bytes, cut %d: %s",
+                namespace, name, path, kept, cut, note.reason,
+            )
         base = os.path.join(self.root, "ns")
         if not os.path.isdir(base):
             return
@@ -303,6 +335,33 @@ class Storage(KeyStore):
                 log.warning("ignoring %s: not a namespace directory", os.path.join(base, entry))
                 continue
             self.load_namespace(entry)
+
+    @property
+    def wal_dir(self) -> str:
+        return os.path.join(self.root, "wal")
+
+    def object_path(self, namespace: str, name: str) -> str:
+        h2, h = object_file_name(name)
+        return os.path.join(self.ns_path(namespace), "objects", h2, h)
+
+    def start_wal(self) -> WriteAheadLog:
+        """Start logging every object write (the server does, before it serves). The log
+        must have been replayed (:meth:`open`) if a crash left one. StorageError
+        (NO_SPACE or INTERNAL) if its files cannot be made."""
+        if self.wal is None:
+            try:
+                self.wal = WriteAheadLog(self.wal_dir, checkpoint_bytes=self.wal_checkpoint_bytes)
+            except OSError as exc:
+                if is_no_space(exc):
+                    raise no_space("creating the write-ahead log", exc) from None
+                raise StorageError(
+                    ErrorCode.INTERNAL, f"cannot create the write-ahead log in {self.wal_dir}: {exc.strerror}"
+                ) from None
+            for ns in self.namespaces.values():
+                ns.wal = self.wal
+                for obj in ns.objects.values():
+                    obj.wal = self.wal
+        return self.wal
 
     def namespace(self, namespace: str, *, create: bool = False) -> Namespace | None:
         ns = self.namespaces.get(namespace)
@@ -322,7 +381,7 @@ class Storage(KeyStore):
 
     def load_namespace(self, namespace: str) -> Namespace:
         path = self.ns_path(namespace)
-        ns = Namespace(namespace, path, files=self.files)
+        ns = Namespace(namespace, path, files=self.files, wal=self.wal)
         ns.read_quota()
         fence = os.path.join(path, "fence")
         try:
@@ -360,7 +419,8 @@ class Storage(KeyStore):
                         continue
                     obj = load_object(namespace, p, self.verify_tail, self.repairs, self.corruptions)
                     if obj is not None:
-                        obj._files, obj.usage = self.files, ns.usage
+                        obj._files, obj.usage, obj.wal = self.files, ns.usage, self.wal
+                        obj.checkpointed_size = obj.file_size
                         ns.usage.bytes += obj.length
                         ns._added(obj)
         self.namespaces[namespace] = ns

@@ -22,12 +22,17 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from sos_wire.crc import crc32c
 from sos_wire.errors import ErrorCode
 
 from .durable import StorageError, is_no_space, no_space
 from .objfile import FRAME, FRAME_HDR, MAX_FRAME, READ_BLOCK, SEAL_FRAME, SEAL_LEN
+from .wal import log_key
+
+if TYPE_CHECKING:
+    from .wal import WriteAheadLog
 
 __all__ = ["DEFAULT_MAX_OPEN_FILES", "Damage", "OpenFiles", "StoredObject", "Usage"]
 
@@ -150,6 +155,17 @@ class StoredObject:
         self._files = files
         self.usage = usage
         self.pins = 0  # > 0 while a sync may use the descriptor: OpenFiles does not close it
+        self.wal: WriteAheadLog | None = None  # the server's log: every write is logged there too
+        self.checkpointed_size = header_size  # file bytes known durable in the file itself
+        self.removed = False  # forgotten by retention: its file is gone
+        self._log_key: bytes | None = None
+
+    @property
+    def log_key(self) -> bytes:
+        """How write-ahead log records name this object (encoded once)."""
+        if self._log_key is None:
+            self._log_key = log_key(self.namespace, self.name)
+        return self._log_key
 
     # -- damage ----------------------------------------------------------------------
     def add_damage(self, d: "Damage") -> None:
@@ -248,6 +264,15 @@ class StoredObject:
             if is_no_space(exc):
                 raise no_space(what, exc) from None
             raise StorageError(ErrorCode.INTERNAL, f"write failed while {what}: {exc.strerror}") from None
+        if self.wal is not None:
+            try:
+                self.wal.write(self, start, bufs, total)
+            except StorageError:
+                try:
+                    os.ftruncate(fd, start)  # what the log does not hold is not written
+                except OSError:
+                    log.exception("could not cut %s back to %d after a failed log write", self.path, start)
+                raise
 
     def sync(self) -> tuple[int, int]:
         """fdatasync; returns the (file_size, length) that is now durable.
