@@ -8,7 +8,9 @@ Group commit: an append writes its frame to the object's file and a record of it
 shared write-ahead log (sos_server.wal; neither synced), registers its object in the *next*
 batch and waits. One syncer task takes the whole batch and fdatasyncs the log file once,
 on a plain thread, whatever the number of objects the batch touched, then wakes the
-waiters. Appends that arrive while a batch is syncing go into the following batch, so N
+waiters. A big append (64 KiB or more) is not copied into the log: its object file is
+fdatasynced by the group commit, concurrently with the log (the disk's bandwidth, not the
+number of syncs, is its cost). Appends that arrive while a batch is syncing go into the following batch, so N
 pipelined appends cost about two syncs, not N. An ack is sent only after the sync that
 covers its bytes. Object files are synced at a checkpoint: when the log file reaches its
 size, the syncer switches to a fresh one at a batch boundary, and a checkpoint task
@@ -314,16 +316,33 @@ class Engine:
         if switched:
             wal.switch()  # later records go to the next file; this batch syncs the old one
             self._checkpointing, self._log_failed = True, False
-        (res,) = await self._pool.sync_all([log_file])
+        indirect = wal.take_indirect()  # big writes: synced in place, beside the log
+        for obj in indirect:
+            obj.pins += 1  # the descriptor cache must not close what a sync thread uses
+        try:
+            res, *in_place = await self._pool.sync_all([log_file, *indirect])
+        finally:
+            for obj in indirect:
+                obj.pins -= 1
+        failed: dict[int, OSError] = {}
+        for obj, r in zip(indirect, in_place):
+            if isinstance(r, OSError):
+                failed[id(obj)] = r
+                if not any(o is obj for o, _, _ in snap):
+                    await self._sync_failed(obj, r)
+            else:
+                obj.checkpointed_size = max(obj.checkpointed_size, r[0])
         if isinstance(res, OSError):
             self._log_failed = True
-            for obj, _size, _length in snap:
-                await self._sync_failed(obj, res)
+            failed = {id(obj): res for obj, _, _ in snap}
         else:
             wal.syncs += 1
             if self._fault is not None and wal.syncs >= self._fault:
                 wal.crash_for_test()
-            for obj, size, length in snap:
+        for obj, size, length in snap:
+            if id(obj) in failed:
+                await self._sync_failed(obj, failed[id(obj)])
+            else:
                 obj.mark_synced(size, length)
         self.storage.files.trim()  # what this batch made clean may be closed now
         if switched:

@@ -317,6 +317,11 @@ class StoredObject:
         self._truncate_index(length)
         self.cuts.append(size)
         self.rollbacks += 1
+        if self.wal is not None:
+            try:
+                self.wal.truncated(self, size)
+            except StorageError:
+                log.exception("could not log the rollback of %s to %d", self.path, size)
 
     # -- reads -----------------------------------------------------------------------
     def read(self, offset: int, length: int, *, limit: int | None = None) -> Iterator[memoryview]:

@@ -76,7 +76,10 @@ WAL_MAGIC = b"SOSWAL1\n"
 WAL_HEAD = struct.Struct(">8sQ")
 REC = struct.Struct(">IBQIHH")  # crc | kind | file offset | payload length | ns length | name length
 META = struct.Struct(">BQI")  # the part of REC after the crc and before the object's key
-KIND_WRITE = 1
+KIND_WRITE = 1  # the bytes are in the record
+KIND_INDIRECT = 2  # the bytes are in the object file, synced in place by their group commit
+KIND_TRUNCATE = 3  # the object file was cut back to the offset (a failed sync's rollback)
+INDIRECT_MIN = 64 << 10  # object writes this big are synced in place, not copied into the log
 DEFAULT_CHECKPOINT_BYTES = 64 << 20
 FAULT_ENV = "SOS_SERVER_TEST_FAULT"
 _LOG_NAME = re.compile(r"([0-9]{16})\.log\Z")
@@ -186,20 +189,42 @@ class WriteAheadLog:
         self.current: LogFile = reuse[0]
         self.spare: LogFile | None = reuse[1]
         self.retired: list[LogFile] = []  # switched away from, not yet checkpointed
+        self.indirect: dict[int, StoredObject] = {}  # in-place writes the next group commit syncs
         self.syncs = 0
 
     # -- writes (event loop) ---------------------------------------------------------
     def write(self, obj: StoredObject, file_pos: int, bufs: list, total: int) -> None:
         """Append the record of *bufs* (total bytes, the first 8 a frame header) written at
         *file_pos* of *obj*'s file. No sync. StorageError(NO_SPACE) on a full disk, with
-        the log cut back to where it was."""
+        the log cut back to where it was.
+
+        A write of INDIRECT_MIN bytes or more is not copied: its record holds the frame
+        header only, and the object joins :attr:`indirect`, the files the next group
+        commit fdatasyncs beside the log (as ZFS's intent log treats large writes: for
+        them the disk's bandwidth, not the number of syncs, is the cost)."""
+        if total >= INDIRECT_MIN:
+            self._append(obj, KIND_INDIRECT, file_pos, total, [bufs[0][:FRAME_HDR]])
+            self.indirect[id(obj)] = obj
+        else:
+            self._append(obj, KIND_WRITE, file_pos, total, bufs)
+
+    def truncated(self, obj: StoredObject, size: int) -> None:
+        """Record that *obj*'s file was cut back to *size* (a rollback): replay must not
+        bring back what an older record of it holds."""
+        self._append(obj, KIND_TRUNCATE, size, 0, [])
+
+    def take_indirect(self) -> list[StoredObject]:
+        """The objects with in-place writes since the last group commit (event loop)."""
+        objs, self.indirect = list(self.indirect.values()), {}
+        return objs
+
+    def _append(self, obj: StoredObject, kind: int, file_pos: int, n: int, bufs: list) -> None:
         lf = self.current
-        key = obj.log_key
-        meta = META.pack(KIND_WRITE, file_pos, total) + key
-        crc = crc32c(bufs[0][:FRAME_HDR], crc32c(meta))
+        meta = META.pack(kind, file_pos, n) + obj.log_key
+        crc = crc32c(bufs[0][:FRAME_HDR], crc32c(meta)) if bufs else crc32c(meta)
         head = struct.pack(">I", crc) + meta
         start = lf.size
-        want = len(head) + total
+        want = len(head) + sum(len(b) for b in bufs)
         try:
             done = os.pwritev(lf.fd, [head, *bufs], start)
             while done < want:  # short write: finish it
@@ -314,9 +339,11 @@ def _all_zero_from(fd: int, pos: int) -> bool:
     return True
 
 
-def _records(fd: int, size: int) -> Iterable[tuple[int, int, str, str, bytes]]:
-    """(record offset, file offset, namespace, name, payload) per whole record, then, if the
-    file does not end cleanly, (offset of the first bad record, -1, why, "", b"")."""
+def _records(fd: int, size: int) -> Iterable[tuple[int, int, str, str, bytes | tuple[int, int, bytes]]]:
+    """(record offset, file offset, namespace, name, payload) per whole record (for an
+    indirect or truncate record (kind, extent length, frame header) instead of the
+    payload), then, if the file does not end cleanly, (offset of the first bad record,
+    -1, why, "", b"")."""
     head = os.pread(fd, WAL_HEAD.size, 0)
     if len(head) < WAL_HEAD.size or WAL_HEAD.unpack(head)[0] != WAL_MAGIC:
         if head.strip(b"\0"):
@@ -329,18 +356,22 @@ def _records(fd: int, size: int) -> Iterable[tuple[int, int, str, str, bytes]]:
             yield pos, -1, "torn record header", "", b""
             return
         crc, kind, fpos, n, nl, ml = REC.unpack(h)
-        if kind != KIND_WRITE or not FRAME_HDR <= n <= FRAME_HDR + MAX_FRAME:
+        if kind == KIND_TRUNCATE and n == 0:
+            stored = 0
+        elif kind in (KIND_WRITE, KIND_INDIRECT) and FRAME_HDR <= n <= FRAME_HDR + MAX_FRAME:
+            stored = n if kind == KIND_WRITE else FRAME_HDR
+        else:
             yield pos, -1, f"bad record (kind {kind}, length {n})", "", b""
             return
         key = os.pread(fd, nl + ml, pos + REC.size)
-        payload = pread_all(fd, n, pos + REC.size + nl + ml)
-        if len(key) < nl + ml or len(payload) < n:
+        payload = pread_all(fd, stored, pos + REC.size + nl + ml)
+        if len(key) < nl + ml or len(payload) < stored:
             yield pos, -1, "torn record", "", b""
             return
         if crc32c(payload[:FRAME_HDR], crc32c(h[4:] + key)) != crc:
             yield pos, -1, "record checksum mismatch", "", b""
             return
-        if payload != SEAL_FRAME:
+        if kind == KIND_WRITE and payload != SEAL_FRAME:
             flen, fcrc = FRAME.unpack_from(payload)
             if flen != n - FRAME_HDR or crc32c(memoryview(payload)[FRAME_HDR:]) != fcrc:
                 yield pos, -1, "record data checksum mismatch", "", b""
@@ -350,8 +381,16 @@ def _records(fd: int, size: int) -> Iterable[tuple[int, int, str, str, bytes]]:
         except UnicodeDecodeError:
             yield pos, -1, "bad object name", "", b""
             return
-        yield pos, fpos, namespace, name, payload
-        pos += REC.size + nl + ml + n
+        yield pos, fpos, namespace, name, (payload if kind == KIND_WRITE else (kind, n, payload))
+        pos += REC.size + nl + ml + stored
+
+
+def _frame_in_place(fd: int, pos: int, n: int, hdr: bytes) -> bool:
+    """True if the object file holds, at *pos*, the whole frame (n bytes) whose header is *hdr*."""
+    if os.pread(fd, FRAME_HDR, pos) != hdr:
+        return False
+    data = pread_all(fd, n - FRAME_HDR, pos + FRAME_HDR)
+    return len(data) == n - FRAME_HDR and crc32c(data) == FRAME.unpack(hdr)[1]
 
 
 def replay(wal_dir: str, object_path: Callable[[str, str], str]) -> ReplayNote:
@@ -364,6 +403,7 @@ def replay(wal_dir: str, object_path: Callable[[str, str], str]) -> ReplayNote:
         return note
     fds: dict[str, int] = {}
     names: dict[str, tuple[str, str]] = {}
+    broken: set[str] = set()
     sizes: dict[str, int] = {}
     last_end: dict[str, int] = {}
     stop = False
@@ -405,10 +445,30 @@ def replay(wal_dir: str, object_path: Callable[[str, str], str]) -> ReplayNote:
                         fds[opath] = ofd
                         names[opath] = (namespace, name)
                         sizes[opath] = os.fstat(ofd).st_size
+                    if isinstance(payload, tuple) and payload[0] == KIND_TRUNCATE:
+                        os.ftruncate(ofd, fpos)
+                        sizes[opath] = last_end[opath] = fpos
+                        broken.discard(opath)
+                        note.records += 1
+                        continue
+                    if opath in broken:  # after an in-place write that did not reach the disk
+                        note.skipped += 1
+                        continue
                     if fpos > sizes[opath]:  # a hole: an earlier record of it is missing
                         log.error("log record for %s/%s at file offset %d is beyond its file's end %d: skipped",
                                   namespace, name, fpos, sizes[opath])
                         note.skipped += 1
+                        continue
+                    if isinstance(payload, tuple):  # in place: there and whole, or never acknowledged
+                        _, n, hdr = payload
+                        if not _frame_in_place(ofd, fpos, n, hdr):
+                            broken.add(opath)
+                            last_end[opath] = fpos  # cut there: nothing from it on was acknowledged
+                            continue
+                        end = fpos + n
+                        sizes[opath] = max(sizes[opath], end)
+                        last_end[opath] = end
+                        note.records += 1
                         continue
                     os.pwrite(ofd, payload, fpos)
                     end = fpos + len(payload)

@@ -19,7 +19,7 @@ import trio
 from conftest import RawClient
 from sos_server.engine import Engine
 from sos_server.storage import Storage
-from sos_server.wal import FAULT_ENV, LogFile
+from sos_server.wal import FAULT_ENV, INDIRECT_MIN, LogFile
 from sos_wire import events as ev
 from sos_wire.crc import crc32c
 from sos_wire.errors import ErrorCode
@@ -176,3 +176,34 @@ def test_one_log_sync_per_group_commit_whatever_the_objects(tmp_path, monkeypatc
     trio.run(main)
     storage.close()
     assert 1 <= len(calls) <= 2  # 30 objects in one batch (two if the first one left early)
+
+
+def test_big_writes_are_synced_in_place_and_checked_at_replay(tmp_path):
+    """A write of INDIRECT_MIN bytes or more is not copied into the log: replay keeps it if
+    its frame is whole in the object file, and otherwise cuts the object there (it was
+    never acknowledged: its group commit syncs the object file) and skips what follows."""
+    big, small = os.urandom(INDIRECT_MIN), b"after"
+    for lost in (False, True):
+        root = tmp_path / str(lost)
+        s = Storage(str(root))
+        s.open()
+        s.start_wal()
+        o = s.namespace("n", create=True).create("o")
+        o.append(b"first", crc32c(b"first"))
+        assert s.wal is not None
+        log_size = s.wal.current.size
+        o.append(big, crc32c(big))
+        assert s.wal.current.size - log_size < 100  # a header, not the data
+        assert s.wal.take_indirect() == [o]
+        o.append(small, crc32c(small))
+        s.wal.current.sync()
+        o.sync()
+        if lost:  # the in-place write never reached the disk; the small one after it did
+            with open(o.path, "r+b") as f:
+                f.seek(o.header_size + 8 + 5 + 100)
+                f.write(b"\0" * 10)
+        s2 = Storage(str(root))
+        s2.open()
+        got = s2.namespaces["n"].get("o")
+        assert got.read_bytes(0, 0) == (b"first" if lost else b"first" + big + small)
+        assert not s2.corruptions
