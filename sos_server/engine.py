@@ -324,6 +324,7 @@ class Engine:
         finally:
             for obj in indirect:
                 obj.pins -= 1
+                obj.close_if_done()
         failed: dict[int, OSError] = {}
         for obj, r in zip(indirect, in_place):
             if isinstance(r, OSError):
@@ -365,11 +366,9 @@ class Engine:
             finally:
                 for obj in objs:
                     obj.pins -= 1
+                    obj.close_if_done()
                 self.storage.files.trim()
-            failed = [
-                (obj, res) for obj, res in zip(objs, results)
-                if isinstance(res, OSError) and not (obj.removed and res.errno == errno.ENOENT)
-            ]
+            failed = [(obj, res) for obj, res in zip(objs, results) if isinstance(res, OSError) and not obj.removed]
             if failed:
                 obj, exc = failed[0]
                 log.error(

@@ -231,7 +231,7 @@ class Namespace:
                 del self.generations[g]
         self.usage.bytes -= obj.length
         obj.removed = True  # its log records are skipped at replay (wal.py)
-        obj.close()
+        obj.close_if_done()  # now, or when a checkpoint's sync of it is over
         return obj.path
 
 

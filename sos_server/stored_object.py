@@ -299,8 +299,13 @@ class StoredObject:
             self.synced_size = size
             self.synced_length = length
             self._sync_points = (length, size)
-        if self.sealed and self.synced_size > self.seal_pos:
-            self.close()  # a durable seal: no more writes, give the descriptor back
+        self.close_if_done()
+
+    def close_if_done(self) -> None:
+        """A durable seal or a removed object: no more writes, give the descriptor back
+        (unless a sync, e.g. a checkpoint's, is using it: whoever unpins calls this again)."""
+        if not self.pins and (self.removed or (self.sealed and self.synced_size > self.seal_pos)):
+            self.close()
 
     def rollback(self) -> None:
         """Cut unsynced bytes back after a failed sync (they were never acknowledged)."""
