@@ -80,7 +80,9 @@ log = logging.getLogger("sos_server.engine")
 #: the engine's typed error is the storage one: a wire ErrorCode, a message and a u64
 ServerError = StorageError
 
-THREAD_WRITE_MIN = 1 << 62  # writes this big would go to a worker thread: never, inline is cheaper (BENCHMARKS.md)
+# writes this big would go to a worker thread: never, inline is cheaper (BENCHMARKS.md), and an
+# object write and its log record must be one step on the event loop (group commit snapshots)
+THREAD_WRITE_MIN = 1 << 62
 THREAD_READ_MIN = 128 << 10
 SYNC_THREADS = 128  # concurrent fdatasyncs of one checkpoint (one per touched file)
 MAX_FENCE_STEP = 1000  # one FENCE moves a namespace's fence up by at most this much
