@@ -207,3 +207,20 @@ def test_big_writes_are_synced_in_place_and_checked_at_replay(tmp_path):
         got = s2.namespaces["n"].get("o")
         assert got.read_bytes(0, 0) == (b"first" if lost else b"first" + big + small)
         assert not s2.corruptions
+
+
+def test_records_of_a_removed_object_are_skipped_at_replay(tmp_path):
+    s = Storage(str(tmp_path))
+    s.open()
+    s.start_wal()
+    ns = s.namespace("n", create=True)
+    for name in ("gone", "kept"):
+        ns.create(name).append(b"data", crc32c(b"data"))
+    ns.remove("gone")  # retention: its file is unlinked, its record stays in the log
+    assert s.wal is not None
+    s.wal.current.sync()  # no close: a crash
+    s2 = Storage(str(tmp_path))
+    s2.open()
+    assert s2.replayed.records == 1 and s2.replayed.skipped == 1
+    assert sorted(s2.namespaces["n"].objects) == ["kept"]
+    assert s2.namespaces["n"].get("kept").read_bytes(0, 0) == b"data"
