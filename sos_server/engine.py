@@ -283,6 +283,7 @@ class Engine:
         self._checkpointing = False
         self._log_failed = False  # the last log sync failed: switch files at the next batch
         self._fault = fault_after_syncs()
+        self._spare_retry_at = 0.0
         self.metrics.open_files.set_function(lambda: len(storage.files))
 
     # -- lifecycle -------------------------------------------------------------------
@@ -318,6 +319,10 @@ class Engine:
         if switched:
             wal.switch()  # later records go to the next file; this batch syncs the old one
             self._checkpointing, self._log_failed = True, False
+        elif wal.spare is None and not self._checkpointing and time.monotonic() >= self._spare_retry_at:
+            self._checkpointing = True  # making the spare failed (a full disk?): try again
+            self._spare_retry_at = time.monotonic() + 1.0
+            checkpoints.start_soon(self._make_spare)
         indirect = wal.take_indirect()  # big writes: synced in place, beside the log
         for obj in indirect:
             obj.pins += 1  # the descriptor cache must not close what a sync thread uses
@@ -352,6 +357,14 @@ class Engine:
             checkpoints.start_soon(self._checkpoint)
         self.metrics.synced(time.perf_counter() - t0, len(snap))
         batch.done.set()
+
+    async def _make_spare(self) -> None:
+        wal = self.storage.wal
+        assert wal is not None
+        try:
+            await trio.to_thread.run_sync(wal.make_spare)
+        finally:
+            self._checkpointing = False
 
     async def _checkpoint(self) -> None:
         """Make the objects of the retired log files durable in their own files, then

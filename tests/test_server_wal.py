@@ -224,3 +224,47 @@ def test_records_of_a_removed_object_are_skipped_at_replay(tmp_path):
     assert s2.replayed.records == 1 and s2.replayed.skipped == 1
     assert sorted(s2.namespaces["n"].objects) == ["kept"]
     assert s2.namespaces["n"].get("kept").read_bytes(0, 0) == b"data"
+
+
+def test_checkpoints_go_on_after_the_spare_log_could_not_be_made(tmp_path, monkeypatch):
+    """A full disk when the next spare log file is made does not stop checkpoints for good:
+    the engine tries again, and once it can, the log switches and old files go."""
+    from sos_server import wal as wal_mod
+
+    real = wal_mod._new_log_file
+    full = {"on": False}
+
+    def new_log_file(d, seq):
+        if full["on"]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(d, seq)
+
+    monkeypatch.setattr(wal_mod, "_new_log_file", new_log_file)
+    storage = Storage(str(tmp_path), wal_checkpoint_bytes=4096)
+    storage.namespace("n", create=True)
+    engine = Engine(storage)
+    data = b"y" * 1000
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            await nursery.start(engine.run)
+            wal = storage.wal
+            first = wal.current.seq
+            full["on"] = True
+            off = 0
+            with trio.fail_after(60):
+                while wal.current.seq == first or wal.retired:  # one switch and its checkpoint; the spare fails
+                    off = await engine.append("n", "append", "o", off, 0, crc32c(data), data)
+                assert wal.spare is None
+                full["on"] = False
+                while wal.spare is None or wal.current.seq == first + 1:  # retried, then switched again
+                    off = await engine.append("n", "append", "o", off, 0, crc32c(data), data)
+                    await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+        return off
+
+    off = trio.run(main)
+    storage.close()
+    s2 = Storage(str(tmp_path))
+    s2.open()
+    assert s2.namespaces["n"].get("o").read_bytes(0, 0) == data * (off // len(data))
