@@ -6,7 +6,9 @@ record, to the current log file ``DATA/wal/<16 digits>.log``, in the same synchr
 on the event loop (object file first, then the log; neither synced). A group commit
 fdatasyncs the log file alone and then acknowledges everything written before it started,
 as BookKeeper's journal does; the object files are written (so READs see the bytes at
-once, from the page cache) but synced only at a *checkpoint*.
+once, from the page cache) but synced only at a *checkpoint*. Big writes are synced in
+place instead of copied (:data:`INDIRECT_MIN`), and the log file is kept written with
+zeros ahead of its records (:data:`ZERO_AHEAD`).
 
 Checkpoint: when the current log reaches ``checkpoint_bytes`` the engine's syncer switches
 to the spare log file (made ahead of time, so the switch costs nothing) at a group-commit
