@@ -116,6 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="object write descriptors kept open (least recently used closed first; default: a quarter of"
         " the descriptor limit, at most 4096)",
     )
+    s.add_argument(
+        "--wal-size", type=parse_size, default=64 << 20, metavar="SIZE",
+        help="checkpoint when the write-ahead log file reaches SIZE: object files are synced and the log"
+        " file deleted (default 64MiB; a crash replays at most about this much at the next start)",
+    )
     s.add_argument("--gc-interval", type=parse_duration, default=300.0, help="how often retention runs")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.set_defaults(func=cmd_serve)
@@ -310,7 +315,9 @@ def cmd_serve(args) -> int:
     tune_malloc()
     limit = nofile if nofile > 0 else 1 << 20  # RLIM_INFINITY is -1
     max_open = args.max_open_objects or max(16, min(4096, limit // 4))
-    storage = Storage(args.data, max_open_files=max_open)
+    if args.wal_size < 1:
+        return _usage("--wal-size must be at least 1 byte")
+    storage = Storage(args.data, max_open_files=max_open, wal_checkpoint_bytes=args.wal_size)
     try:
         storage.lock()  # creates the data directory if it does not exist yet
     except StorageError as exc:
@@ -319,6 +326,7 @@ def cmd_serve(args) -> int:
     t0 = time.monotonic()
     try:
         storage.open()
+        storage.start_wal()
     except (StorageError, OSError) as exc:
         storage.close()
         return _fail(exc.message if isinstance(exc, StorageError) else f"cannot load {args.data}: {exc}")
@@ -332,6 +340,7 @@ def cmd_serve(args) -> int:
             "objects": sum(len(ns.objects) for ns in storage.namespaces.values()),
             "repairs": len(storage.repairs),
             "damaged": len(storage.corruptions),
+            "log_records_replayed": storage.replayed.records,
             "seconds": round(time.monotonic() - t0, 3),
             "nofile": nofile,
             "max_open_objects": max_open,

@@ -4,13 +4,20 @@ Above storage (files) and below session (frames). Everything here is trio; block
 work that can take long (fdatasync, large writes and reads, fence files) runs in worker
 threads.
 
-Group commit: an append writes its frame (no sync), registers its file in the *next*
-batch and waits. One syncer task takes the whole batch and fdatasyncs every touched file
-concurrently on a small pool of plain threads (one sync per file per batch), then wakes
-the waiters. Appends that arrive while a batch is syncing go into the following batch, so
-N pipelined appends to one object cost about two syncs, not N. An ack is sent only after
-the sync that covers its bytes. The objects of a batch are pinned while it syncs, so the
-descriptor cache (storage.OpenFiles) never closes a descriptor a sync is using.
+Group commit: an append writes its frame to the object's file and a record of it to the
+shared write-ahead log (sos_server.wal; neither synced), registers its object in the *next*
+batch and waits. One syncer task takes the whole batch and fdatasyncs the log file once,
+on a plain thread, whatever the number of objects the batch touched, then wakes the
+waiters. A big append (64 KiB or more) is not copied into the log: its object file is
+fdatasynced by the group commit, concurrently with the log (the disk's bandwidth, not the
+number of syncs, is its cost). Appends that arrive while a batch is syncing go into the following batch, so N
+pipelined appends cost about two syncs, not N. An ack is sent only after the sync that
+covers its bytes. Object files are synced at a checkpoint: when the log file reaches its
+size, the syncer switches to a fresh one at a batch boundary, and a checkpoint task
+fdatasyncs the objects the old file touched (concurrently, on the same pool of threads)
+and deletes it. Objects being synced are pinned, so the descriptor cache
+(storage.OpenFiles) never closes a descriptor a sync is using. The test-only fault point
+``SOS_SERVER_TEST_FAULT=after-log-sync:N`` is described in sos_server/wal.py.
 
 Epochs: APPEND and SEAL must carry the namespace's fence epoch exactly (an epoch is taken
 with FENCE first); FENCE moves the fence up by at most MAX_FENCE_STEP and never past
@@ -45,6 +52,7 @@ from sos_wire.errors import ErrorCode
 from sos_wire.names import BadName, validate_name, validate_namespace
 
 from .metrics import Metrics, NullMetrics
+from .wal import fault_after_syncs
 from .storage import (
     MAX_EPOCH,
     ROLE_APPEND,
@@ -72,9 +80,11 @@ log = logging.getLogger("sos_server.engine")
 #: the engine's typed error is the storage one: a wire ErrorCode, a message and a u64
 ServerError = StorageError
 
-THREAD_WRITE_MIN = 1 << 62  # writes this big would go to a worker thread: never, inline is cheaper (BENCHMARKS.md)
+# writes this big would go to a worker thread: never, inline is cheaper (BENCHMARKS.md), and an
+# object write and its log record must be one step on the event loop (group commit snapshots)
+THREAD_WRITE_MIN = 1 << 62
 THREAD_READ_MIN = 128 << 10
-SYNC_THREADS = 128  # concurrent fdatasyncs of one batch (one per touched file)
+SYNC_THREADS = 128  # concurrent fdatasyncs of one checkpoint (one per touched file)
 MAX_FENCE_STEP = 1000  # one FENCE moves a namespace's fence up by at most this much
 
 
@@ -270,48 +280,132 @@ class Engine:
         self._pool: _SyncPool | None = None
         self._fence_locks = _LockTable()
         self._running = False
+        self._checkpointing = False
+        self._log_failed = False  # the last log sync failed: switch files at the next batch
+        self._fault = fault_after_syncs()
+        self._spare_retry_at = 0.0
         self.metrics.open_files.set_function(lambda: len(storage.files))
 
     # -- lifecycle -------------------------------------------------------------------
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """The group-commit syncer; run it in a nursery for the engine's lifetime."""
+        if self.storage.wal is None:
+            await trio.to_thread.run_sync(self.storage.start_wal)
         self._pool = _SyncPool(trio.lowlevel.current_trio_token())
         self._running = True
-        task_status.started()
         try:
-            while True:
-                await self._wake.wait()
-                self._wake = trio.Event()
-                batch, self._batch = self._batch, _Batch()
-                await self._sync_batch(batch)
+            async with trio.open_nursery() as checkpoints:
+                task_status.started()
+                while True:
+                    await self._wake.wait()
+                    self._wake = trio.Event()
+                    batch, self._batch = self._batch, _Batch()
+                    await self._sync_batch(batch, checkpoints)
         finally:
             self._running = False
             self._pool.close()
 
-    async def _sync_batch(self, batch: "_Batch") -> None:
-        objs = list(batch.objs)
+    async def _sync_batch(self, batch: "_Batch", checkpoints: trio.Nursery) -> None:
+        """One group commit: fdatasync the log file the batch's records are in, once."""
+        wal = self.storage.wal
+        if wal is None or self._pool is None:
+            raise RuntimeError("the group-commit syncer is not running (Engine.run)")
+        # what is durable once the log is: everything written before this point (each
+        # object write and its log record are made in one step on the event loop)
+        snap = [(obj, obj.file_size, obj.length) for obj in batch.objs]
         t0 = time.perf_counter()
-        for obj in objs:
+        log_file = wal.current
+        switched = (wal.wants_checkpoint() or self._log_failed) and not self._checkpointing and wal.spare is not None
+        if switched:
+            wal.switch()  # later records go to the next file; this batch syncs the old one
+            self._checkpointing, self._log_failed = True, False
+        elif wal.spare is None and not self._checkpointing and time.monotonic() >= self._spare_retry_at:
+            self._checkpointing = True  # making the spare failed (a full disk?): try again
+            self._spare_retry_at = time.monotonic() + 1.0
+            checkpoints.start_soon(self._make_spare)
+        indirect = wal.take_indirect()  # big writes: synced in place, beside the log
+        for obj in indirect:
             obj.pins += 1  # the descriptor cache must not close what a sync thread uses
         try:
-            if self._pool is None:
-                raise RuntimeError("the group-commit syncer is not running (Engine.run)")
-            results = await self._pool.sync_all(objs)
-            for obj, res in zip(objs, results):
-                if isinstance(res, OSError):
-                    await self._sync_failed(obj, res)
-                else:
-                    obj.mark_synced(*res)
+            res, *in_place = await self._pool.sync_all([log_file, *indirect])
         finally:
-            for obj in objs:
+            for obj in indirect:
                 obj.pins -= 1
-            self.storage.files.trim()  # what this batch made clean may be closed now
-        self.metrics.synced(time.perf_counter() - t0, len(objs))
+                obj.close_if_done()
+        failed: dict[int, OSError] = {}
+        for obj, r in zip(indirect, in_place):
+            if isinstance(r, OSError):
+                failed[id(obj)] = r
+                if not any(o is obj for o, _, _ in snap):
+                    await self._sync_failed(obj, r)
+            else:
+                obj.checkpointed_size = max(obj.checkpointed_size, r[0])
+        if isinstance(res, OSError):
+            self._log_failed = True
+            failed = {id(obj): res for obj, _, _ in snap}
+        else:
+            wal.syncs += 1
+            if self._fault is not None and wal.syncs >= self._fault:
+                wal.crash_for_test()
+        for obj, size, length in snap:
+            if id(obj) in failed:
+                await self._sync_failed(obj, failed[id(obj)])
+            else:
+                obj.mark_synced(size, length)
+        self.storage.files.trim()  # what this batch made clean may be closed now
+        if switched:
+            checkpoints.start_soon(self._checkpoint)
+        self.metrics.synced(time.perf_counter() - t0, len(snap))
         batch.done.set()
+
+    async def _make_spare(self) -> None:
+        wal = self.storage.wal
+        assert wal is not None
+        try:
+            await trio.to_thread.run_sync(wal.make_spare)
+        finally:
+            self._checkpointing = False
+
+    async def _checkpoint(self) -> None:
+        """Make the objects of the retired log files durable in their own files, then
+        delete those log files and make the next spare (see sos_server.wal)."""
+        wal = self.storage.wal
+        assert wal is not None and self._pool is not None
+        try:
+            files = list(wal.retired)
+            objs = [obj for obj in wal.checkpoint_objects() if not obj.removed]
+            for obj in objs:
+                obj.pins += 1
+            try:
+                results = await self._pool.sync_all(objs)
+            finally:
+                for obj in objs:
+                    obj.pins -= 1
+                    obj.close_if_done()
+                self.storage.files.trim()
+            failed = [(obj, res) for obj, res in zip(objs, results) if isinstance(res, OSError) and not obj.removed]
+            if failed:
+                obj, exc = failed[0]
+                log.error(
+                    "checkpoint: fdatasync of %d object files failed (first: %s: %s); the log files are kept"
+                    " (replayed at the next start) and the checkpoint is tried again later",
+                    len(failed), obj.path, exc,
+                )
+            else:
+                for obj, res in zip(objs, results):
+                    if not isinstance(res, OSError):
+                        obj.checkpointed_size = max(obj.checkpointed_size, res[0])
+                wal.retired = [lf for lf in wal.retired if lf not in files]
+                await trio.to_thread.run_sync(wal.drop_retired, files)
+            await trio.to_thread.run_sync(wal.make_spare)
+        except Exception:
+            log.exception("checkpoint failed; the log files are kept")
+        finally:
+            self._checkpointing = False
 
     async def _sync_failed(self, obj: StoredObject, exc: OSError) -> None:
         code = ErrorCode.NO_SPACE if exc.errno in (errno.ENOSPC, errno.EDQUOT) else ErrorCode.INTERNAL
-        log.error("fdatasync of %s failed (%s): cutting unsynced bytes back", obj.path, exc)
+        log.error("fdatasync of the log failed (%s): cutting unsynced bytes of %s back", exc, obj.path)
         async with self._locks((obj.namespace, obj.name)):
             obj.sync_error = _err(code, f"could not make {obj.name!r} durable: {exc.strerror}")
             try:

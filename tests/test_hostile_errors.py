@@ -241,7 +241,7 @@ def test_client_refuses_bad_names_before_sending(srv):
                 assert isinstance(ei.value, ValueError), name
         assert c.ping(b"still here") == b"still here"
         assert list(c.list()) == []
-    assert sorted(os.listdir(srv.data_dir)) == ["LOCK", "ns"]
+    assert sorted(os.listdir(srv.data_dir)) == ["LOCK", "ns", "wal"]
 
 
 def test_server_refuses_traversal_in_every_request_kind(srv):

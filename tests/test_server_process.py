@@ -80,7 +80,7 @@ def test_typed_errors_on_one_connection_which_survives(srv, bystander):
             assert r.code is ErrorCode.BAD_NAME, name
             r = c.stat(name)
             assert r.code is ErrorCode.BAD_NAME, name
-        assert not any(n for n in os.listdir(srv.data_dir) if n not in ("ns", "LOCK"))
+        assert not any(n for n in os.listdir(srv.data_dir) if n not in ("ns", "LOCK", "wal"))
 
         # append rules over the wire
         assert c.append("obj", 0, b"hello").length == 5

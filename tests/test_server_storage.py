@@ -8,6 +8,7 @@ import stat
 import pytest
 
 from sos_server import storage as st
+from sos_server import stored_object
 from sos_server.storage import Storage, StorageError
 from sos_wire.crc import crc32c
 from sos_wire.errors import ErrorCode
@@ -59,7 +60,7 @@ def test_sealed_object_refuses_append(tmp_path):
 
 
 def test_ranged_reads_use_the_index_and_match(tmp_path, monkeypatch):
-    monkeypatch.setattr(st, "INDEX_EVERY", 1000)
+    monkeypatch.setattr(stored_object, "INDEX_EVERY", 1000)
     ns = Storage(str(tmp_path)).namespace("n", create=True)
     o = ns.create("big")
     blob = bytes(range(256)) * 200  # 51200 bytes in frames of varying size

@@ -1,0 +1,534 @@
+"""The shared write-ahead log: one fdatasync per group commit, whatever the number of
+objects it touches. No protocol, no trio.
+
+Every byte written to an object file (a data frame or a seal) is also appended, as one
+record, to the current log file ``DATA/wal/<16 digits>.log``, in the same synchronous step
+on the event loop (object file first, then the log; neither synced). A group commit
+fdatasyncs the log file alone and then acknowledges everything written before it started,
+as BookKeeper's journal does; the object files are written (so READs see the bytes at
+once, from the page cache) but synced only at a *checkpoint*. Big writes are synced in
+place instead of copied (:data:`INDIRECT_MIN`), and the log file is kept written with
+zeros ahead of its records (:data:`ZERO_AHEAD`).
+
+Checkpoint: when the current log reaches ``checkpoint_bytes`` the engine's syncer switches
+to the spare log file (made ahead of time, so the switch costs nothing) at a group-commit
+boundary, then fdatasyncs every object the old log touched and deletes it. At a clean
+stop :meth:`WriteAheadLog.close_checkpoint` does the same for everything. After a crash,
+start-up (:func:`replay`) writes every whole record of every log onto its object file at
+the record's file offset, in log order (idempotent: a record carries its offset), cuts an
+object file that ends after its last record back to that end, fdatasyncs the objects and
+deletes the logs; the usual object scan (:mod:`.recovery`) follows.
+
+Log file: ``b"SOSWAL1\\n" | u64 seq`` then records::
+
+    u32 crc | u8 kind (1: write) | u64 file offset | u32 n | u16 ns_len | u16 name_len
+    | namespace | name | n payload bytes (one object frame: u32 len | u32 crc | data, or a seal)
+
+``crc`` is CRC32C of everything after it up to the payload's 8-byte frame header
+included; the frame's own CRC covers its data. A record that fails either check, or that
+the file ends inside of, ends the log: what follows it was never acknowledged (a group
+commit acknowledges only after every record before it is synced). A bad record followed
+by anything but zero bytes is damage: logged at error level, the file kept as
+``.log.damaged`` for an operator, the records before it replayed.
+
+Records of an object that retention removed are skipped at replay (its file is gone; a
+removed name never comes back: journal generations only grow).
+
+Test-only fault point, for the crash tests: with ``SOS_SERVER_TEST_FAULT=after-log-sync:N``
+in its environment the server, right after its N-th log fdatasync and before it
+acknowledges anything of that group commit, cuts every object file back to its last
+checkpointed size (the object writes are lost, as a power loss could lose them) and
+SIGKILLs itself. A restart must rebuild the objects from the log.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import struct
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from sos_wire.crc import crc32c
+from sos_wire.errors import ErrorCode
+from sos_wire.names import BadName, validate_name, validate_namespace
+
+from .durable import FILE_MODE, StorageError, fsync_dir, is_no_space, makedirs_durable, no_space
+from .objfile import FRAME, FRAME_HDR, MAX_FRAME, SEAL_FRAME, pread_all
+
+if TYPE_CHECKING:
+    from .stored_object import StoredObject
+
+__all__ = [
+    "DEFAULT_CHECKPOINT_BYTES",
+    "FAULT_ENV",
+    "LogFile",
+    "ReplayNote",
+    "WriteAheadLog",
+    "fault_after_syncs",
+    "replay",
+]
+
+log = logging.getLogger("sos_server.wal")
+
+WAL_MAGIC = b"SOSWAL1\n"
+WAL_HEAD = struct.Struct(">8sQ")
+REC = struct.Struct(">IBQIHH")  # crc | kind | file offset | payload length | ns length | name length
+META = struct.Struct(">BQI")  # the part of REC after the crc and before the object's key
+KIND_WRITE = 1  # the bytes are in the record
+KIND_INDIRECT = 2  # the bytes are in the object file, synced in place by their group commit
+KIND_TRUNCATE = 3  # the object file was cut back to the offset (a failed sync's rollback)
+INDIRECT_MIN = 64 << 10  # object writes this big are synced in place, not copied into the log
+ZERO_AHEAD = 1 << 20  # the log file is written with zeros this far ahead of its records
+_ZEROS = bytes(ZERO_AHEAD)
+DEFAULT_CHECKPOINT_BYTES = 64 << 20
+FAULT_ENV = "SOS_SERVER_TEST_FAULT"
+_LOG_NAME = re.compile(r"([0-9]{16})\.log\Z")
+
+
+def fault_after_syncs() -> int | None:
+    """N of ``SOS_SERVER_TEST_FAULT=after-log-sync:N`` (see the module docstring), else None."""
+    spec = os.environ.get(FAULT_ENV, "")
+    if not spec.startswith("after-log-sync:"):
+        return None
+    return int(spec.split(":", 1)[1])
+
+
+def log_key(namespace: str, name: str) -> bytes:
+    """The part of a record that names its object (kept by the object: encoded once)."""
+    ns, nm = namespace.encode("utf-8"), name.encode("utf-8")
+    return struct.pack(">HH", len(ns), len(nm)) + ns + nm
+
+
+class LogFile:
+    """One log file: its descriptor, its end, and the objects it holds records of."""
+
+    def __init__(self, path: str, seq: int, fd: int, size: int) -> None:
+        self.path = path
+        self.seq = seq
+        self.fd = fd
+        self.size = size  # where the next record goes
+        self.allocated = size  # the file's size: zeros from self.size on
+        self.dirty: dict[int, StoredObject] = {}  # objects with records here, by id
+
+    def sync(self) -> tuple[int, int]:
+        """fdatasync (from a worker thread); (size, size) covered, like StoredObject.sync."""
+        size = self.size
+        os.fdatasync(self.fd)
+        return size, size
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _log_files(wal_dir: str) -> list[tuple[int, str]]:
+    try:
+        names = os.listdir(wal_dir)
+    except FileNotFoundError:
+        return []
+    out = []
+    for fn in names:
+        m = _LOG_NAME.match(fn)
+        if m:
+            out.append((int(m.group(1)), os.path.join(wal_dir, fn)))
+    return sorted(out)
+
+
+def _new_log_file(wal_dir: str, seq: int) -> LogFile:
+    """Create log file *seq* durably (header synced, directory entry synced)."""
+    path = os.path.join(wal_dir, f"{seq:016d}.log")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
+    try:
+        os.fchmod(fd, FILE_MODE)
+        os.pwrite(fd, WAL_HEAD.pack(WAL_MAGIC, seq), 0)
+        os.fdatasync(fd)
+        fsync_dir(wal_dir)
+    except BaseException:
+        os.close(fd)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        raise
+    return LogFile(path, seq, fd, WAL_HEAD.size)
+
+
+def _open_log_file(path: str, seq: int) -> LogFile:
+    """Reuse an empty log file (header only, or nothing: the header is rewritten)."""
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        if os.pread(fd, WAL_HEAD.size, 0) != WAL_HEAD.pack(WAL_MAGIC, seq):
+            os.pwrite(fd, WAL_HEAD.pack(WAL_MAGIC, seq), 0)
+            os.fdatasync(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    return LogFile(path, seq, fd, WAL_HEAD.size)
+
+
+class WriteAheadLog:
+    """The log of a running server (see the module docstring). Event-loop thread only,
+    except :meth:`LogFile.sync` and the file work of a checkpoint (worker threads)."""
+
+    def __init__(self, wal_dir: str, *, checkpoint_bytes: int = DEFAULT_CHECKPOINT_BYTES) -> None:
+        if checkpoint_bytes < 1:
+            raise ValueError("the log's checkpoint size must be at least 1 byte")
+        self.dir = wal_dir
+        self.checkpoint_bytes = checkpoint_bytes
+        makedirs_durable(wal_dir)
+        files = _log_files(wal_dir)
+        if any(os.path.getsize(p) > WAL_HEAD.size for _, p in files):
+            raise RuntimeError(f"{wal_dir} holds log records that were not replayed (Storage.open replays them)")
+        # empty files a stop or a replay left are reused: a server restarted on a full disk
+        # needs no new space for its log
+        reuse = [_open_log_file(p, seq) for seq, p in files[-2:]]
+        for _, p in files[:-2]:
+            os.unlink(p)
+        while len(reuse) < 2:
+            reuse.append(_new_log_file(wal_dir, (reuse[-1].seq if reuse else 0) + 1))
+        self.current: LogFile = reuse[0]
+        self.spare: LogFile | None = reuse[1]
+        self.retired: list[LogFile] = []  # switched away from, not yet checkpointed
+        self.indirect: dict[int, StoredObject] = {}  # in-place writes the next group commit syncs
+        self.syncs = 0
+
+    # -- writes (event loop) ---------------------------------------------------------
+    def write(self, obj: StoredObject, file_pos: int, bufs: list, total: int) -> None:
+        """Append the record of *bufs* (total bytes, the first 8 a frame header) written at
+        *file_pos* of *obj*'s file. No sync. StorageError(NO_SPACE) on a full disk, with
+        the log cut back to where it was.
+
+        A write of INDIRECT_MIN bytes or more is not copied: its record holds the frame
+        header only, and the object joins :attr:`indirect`, the files the next group
+        commit fdatasyncs beside the log (as ZFS's intent log treats large writes: for
+        them the disk's bandwidth, not the number of syncs, is the cost)."""
+        if total >= INDIRECT_MIN:
+            self._append(obj, KIND_INDIRECT, file_pos, total, [bufs[0][:FRAME_HDR]])
+            self.indirect[id(obj)] = obj
+        else:
+            self._append(obj, KIND_WRITE, file_pos, total, bufs)
+
+    def truncated(self, obj: StoredObject, size: int) -> None:
+        """Record that *obj*'s file was cut back to *size* (a rollback): replay must not
+        bring back what an older record of it holds."""
+        self._append(obj, KIND_TRUNCATE, size, 0, [])
+
+    def take_indirect(self) -> list[StoredObject]:
+        """The objects with in-place writes since the last group commit (event loop)."""
+        objs, self.indirect = list(self.indirect.values()), {}
+        return objs
+
+    def _append(self, obj: StoredObject, kind: int, file_pos: int, n: int, bufs: list) -> None:
+        lf = self.current
+        meta = META.pack(kind, file_pos, n) + obj.log_key
+        crc = crc32c(bufs[0][:FRAME_HDR], crc32c(meta)) if bufs else crc32c(meta)
+        head = struct.pack(">I", crc) + meta
+        start = lf.size
+        want = len(head) + sum(len(b) for b in bufs)
+        if start + want > lf.allocated:
+            self._zero_ahead(lf, start + want)
+        try:
+            done = os.pwritev(lf.fd, [head, *bufs], start)
+            while done < want:  # short write: finish it
+                rest = b"".join(bytes(b) for b in [head, *bufs])[done:]
+                done += os.pwrite(lf.fd, rest, start + done)
+        except OSError as exc:
+            try:
+                os.ftruncate(lf.fd, start)
+            except OSError:
+                log.exception("could not cut the log %s back to %d after a failed write", lf.path, start)
+            lf.allocated = start
+            if is_no_space(exc):
+                raise no_space(f"logging a write to {obj.name!r}", exc) from None
+            raise StorageError(ErrorCode.INTERNAL, f"write to the log failed: {exc.strerror}") from None
+        lf.size = start + want
+        lf.allocated = max(lf.allocated, lf.size)
+        lf.dirty[id(obj)] = obj
+
+    @staticmethod
+    def _zero_ahead(lf: LogFile, end: int) -> None:
+        """Write zeros past *end* (best effort: not on a full disk). A group commit's
+        fdatasync then overwrites blocks the file already has, and does not also commit
+        the file's growth: half the cost on this machine's disk (docs/BENCHMARKS.md).
+        Replay reads zeros after the last record as the log's clean end."""
+        try:
+            n = os.pwrite(lf.fd, _ZEROS, lf.allocated)
+        except OSError:
+            n = 0
+        lf.allocated += n
+        if lf.allocated < end:
+            lf.allocated = lf.size  # (partly) failed: the record write finds out
+
+    def wants_checkpoint(self) -> bool:
+        return self.current.size >= self.checkpoint_bytes and self.spare is not None
+
+    def switch(self) -> LogFile:
+        """Make the spare current (at a group-commit boundary); returns the old file, now
+        retired: the caller syncs it for the group commit, then checkpoints it."""
+        assert self.spare is not None
+        old, self.current, self.spare = self.current, self.spare, None
+        self.retired.append(old)
+        return old
+
+    # -- checkpoint (worker thread for the file work) --------------------------------
+    def checkpoint_objects(self) -> list[StoredObject]:
+        """The objects a checkpoint of the retired files must make durable (event loop)."""
+        objs: dict[int, StoredObject] = {}
+        for lf in self.retired:
+            objs.update(lf.dirty)
+        return list(objs.values())
+
+    def drop_retired(self, files: list[LogFile]) -> None:
+        """Delete retired log files whose objects are durable (worker thread)."""
+        for lf in files:
+            lf.close()
+            try:
+                os.unlink(lf.path)
+            except FileNotFoundError:
+                pass
+        fsync_dir(self.dir)
+
+    def make_spare(self) -> None:
+        """Create the next spare log file (worker thread); logged, not raised, on failure:
+        the next checkpoint tries again."""
+        if self.spare is not None:
+            return
+        seq = max([self.current.seq, *(lf.seq for lf in self.retired)]) + 1
+        try:
+            self.spare = _new_log_file(self.dir, seq)
+        except OSError as exc:
+            log.error("cannot create the next log file in %s: %s (checkpoints wait)", self.dir, exc.strerror)
+
+    def close_checkpoint(self, objects: Iterable[StoredObject]) -> bool:
+        """At a clean stop: fdatasync *objects* (every object with records in a live log
+        file), then delete every log file. False (logs kept, replayed at the next start)
+        if a sync fails."""
+        try:
+            for obj in objects:
+                if not obj.removed:
+                    obj.sync()
+        except OSError as exc:
+            log.error("checkpoint at stop failed (%s): the log is kept and replayed at the next start", exc)
+            return False
+        files, self.retired = self.retired, []
+        self.drop_retired(files)
+        os.ftruncate(self.current.fd, WAL_HEAD.size)  # kept empty for the next start
+        os.fdatasync(self.current.fd)
+        self.current.size = self.current.allocated = WAL_HEAD.size
+        self.current.dirty.clear()
+        return True
+
+    def live_objects(self) -> list[StoredObject]:
+        objs: dict[int, StoredObject] = {}
+        for lf in [*self.retired, self.current]:
+            objs.update(lf.dirty)
+        return list(objs.values())
+
+    def crash_for_test(self) -> None:
+        """The fault point (module docstring): lose the unsynced object writes, SIGKILL."""
+        for obj in self.live_objects():
+            try:
+                os.truncate(obj.path, obj.checkpointed_size)
+            except OSError:
+                pass
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+@dataclass
+class ReplayNote:
+    """What start-up replayed from the log."""
+
+    cuts: list[tuple[str, str, str, int, int]] = field(default_factory=list)  # (ns, name, path, kept, cut)
+    files: int = 0
+    records: int = 0
+    bytes: int = 0
+    objects: int = 0
+    skipped: int = 0  # records of objects whose file is gone (removed by retention)
+    damaged: str = ""  # where a damaged record stopped the replay, "" if none
+
+
+def _all_zero_from(fd: int, pos: int) -> bool:
+    size = os.fstat(fd).st_size
+    while pos < size:
+        b = os.pread(fd, min(size - pos, 1 << 20), pos)
+        if not b or b.count(0) != len(b):
+            return not b
+        pos += len(b)
+    return True
+
+
+def _records(fd: int, size: int) -> Iterable[tuple[int, int, str, str, bytes | tuple[int, int, bytes]]]:
+    """(record offset, file offset, namespace, name, payload) per whole record (for an
+    indirect or truncate record (kind, extent length, frame header) instead of the
+    payload), then, if the file does not end cleanly, (offset of the first bad record,
+    -1, why, "", b"")."""
+    head = os.pread(fd, WAL_HEAD.size, 0)
+    if len(head) < WAL_HEAD.size or WAL_HEAD.unpack(head)[0] != WAL_MAGIC:
+        if head.strip(b"\0"):
+            yield 0, -1, "not a log file (bad header)", "", b""
+        return
+    pos = WAL_HEAD.size
+    while pos < size:
+        h = os.pread(fd, REC.size, pos)
+        if len(h) < REC.size:
+            yield pos, -1, "torn record header", "", b""
+            return
+        crc, kind, fpos, n, nl, ml = REC.unpack(h)
+        if kind == KIND_TRUNCATE and n == 0:
+            stored = 0
+        elif kind in (KIND_WRITE, KIND_INDIRECT) and FRAME_HDR <= n <= FRAME_HDR + MAX_FRAME:
+            stored = n if kind == KIND_WRITE else FRAME_HDR
+        else:
+            yield pos, -1, f"bad record (kind {kind}, length {n})", "", b""
+            return
+        key = os.pread(fd, nl + ml, pos + REC.size)
+        payload = pread_all(fd, stored, pos + REC.size + nl + ml)
+        if len(key) < nl + ml or len(payload) < stored:
+            yield pos, -1, "torn record", "", b""
+            return
+        if crc32c(payload[:FRAME_HDR], crc32c(h[4:] + key)) != crc:
+            yield pos, -1, "record checksum mismatch", "", b""
+            return
+        if kind == KIND_WRITE and payload != SEAL_FRAME:
+            flen, fcrc = FRAME.unpack_from(payload)
+            if flen != n - FRAME_HDR or crc32c(memoryview(payload)[FRAME_HDR:]) != fcrc:
+                yield pos, -1, "record data checksum mismatch", "", b""
+                return
+        try:
+            namespace, name = key[:nl].decode("utf-8"), key[nl:].decode("utf-8")
+        except UnicodeDecodeError:
+            yield pos, -1, "bad object name", "", b""
+            return
+        yield pos, fpos, namespace, name, (payload if kind == KIND_WRITE else (kind, n, payload))
+        pos += REC.size + nl + ml + stored
+
+
+def _frame_in_place(fd: int, pos: int, n: int, hdr: bytes) -> bool:
+    """True if the object file holds, at *pos*, the whole frame (n bytes) whose header is *hdr*."""
+    if os.pread(fd, FRAME_HDR, pos) != hdr:
+        return False
+    data = pread_all(fd, n - FRAME_HDR, pos + FRAME_HDR)
+    return len(data) == n - FRAME_HDR and crc32c(data) == FRAME.unpack(hdr)[1]
+
+
+def replay(wal_dir: str, object_path: Callable[[str, str], str]) -> ReplayNote:
+    """Apply every log file in *wal_dir* onto the object files (*object_path(ns, name)*),
+    fdatasync them, delete the logs. Run before the object scan, with the data directory
+    locked (see the module docstring)."""
+    note = ReplayNote()
+    files = _log_files(wal_dir)
+    if not files:
+        return note
+    fds: dict[str, int] = {}
+    names: dict[str, tuple[str, str]] = {}
+    broken: set[str] = set()
+    sizes: dict[str, int] = {}
+    last_end: dict[str, int] = {}
+    stop = False
+    damaged: list[str] = []
+    try:
+        for _seq, path in files:
+            if stop:
+                break
+            note.files += 1
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                for rec in _records(fd, os.fstat(fd).st_size):
+                    pos, fpos, namespace, name, payload = rec
+                    if fpos < 0:
+                        why = namespace
+                        stop = True
+                        if not _all_zero_from(fd, pos) and why != "torn record header" and why != "torn record":
+                            note.damaged = f"{path} offset {pos}: {why}"
+                            damaged.append(path)
+                            log.error(
+                                "damaged write-ahead log record: %s; the records before it were replayed, the"
+                                " file is kept as %s.damaged", note.damaged, path,
+                            )
+                        break
+                    try:
+                        validate_namespace(namespace)
+                        validate_name(name)
+                    except BadName:
+                        note.skipped += 1
+                        continue
+                    opath = object_path(namespace, name)
+                    ofd = fds.get(opath)
+                    if ofd is None:
+                        try:
+                            ofd = os.open(opath, os.O_RDWR | os.O_CLOEXEC)
+                        except FileNotFoundError:
+                            note.skipped += 1
+                            continue
+                        fds[opath] = ofd
+                        names[opath] = (namespace, name)
+                        sizes[opath] = os.fstat(ofd).st_size
+                    if isinstance(payload, tuple) and payload[0] == KIND_TRUNCATE:
+                        os.ftruncate(ofd, fpos)
+                        sizes[opath] = last_end[opath] = fpos
+                        broken.discard(opath)
+                        note.records += 1
+                        continue
+                    if opath in broken:  # after an in-place write that did not reach the disk
+                        note.skipped += 1
+                        continue
+                    if fpos > sizes[opath]:  # a hole: an earlier record of it is missing
+                        log.error("log record for %s/%s at file offset %d is beyond its file's end %d: skipped",
+                                  namespace, name, fpos, sizes[opath])
+                        note.skipped += 1
+                        continue
+                    if isinstance(payload, tuple):  # in place: there and whole, or never acknowledged
+                        _, n, hdr = payload
+                        if not _frame_in_place(ofd, fpos, n, hdr):
+                            broken.add(opath)
+                            last_end[opath] = fpos  # cut there: nothing from it on was acknowledged
+                            continue
+                        end = fpos + n
+                        sizes[opath] = max(sizes[opath], end)
+                        last_end[opath] = end
+                        note.records += 1
+                        continue
+                    os.pwrite(ofd, payload, fpos)
+                    end = fpos + len(payload)
+                    sizes[opath] = max(sizes[opath], end)
+                    last_end[opath] = end
+                    note.records += 1
+                    note.bytes += len(payload)
+            finally:
+                os.close(fd)
+        for opath, ofd in fds.items():
+            last = last_end.get(opath)
+            if last is not None and sizes[opath] > last:
+                os.ftruncate(ofd, last)  # written after its last record: never acknowledged
+                note.cuts.append((*names[opath], opath, last, sizes[opath] - last))
+            os.fdatasync(ofd)
+        note.objects = len(last_end)
+    finally:
+        for ofd in fds.values():
+            os.close(ofd)
+    for path in damaged:
+        os.rename(path, path + ".damaged")
+    keep = [p for _, p in files if p not in damaged][-2:]  # emptied, reused by WriteAheadLog
+    for _seq, path in files:
+        if path in keep:
+            os.truncate(path, WAL_HEAD.size)
+        elif path not in damaged:
+            os.unlink(path)
+    for path in keep:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+    fsync_dir(wal_dir)
+    if note.records:
+        log.warning(
+            "replayed the write-ahead log: %d records, %d bytes onto %d objects (%d skipped)",
+            note.records, note.bytes, note.objects, note.skipped,
+        )
+    return note

@@ -1,0 +1,270 @@
+"""The shared write-ahead log (sos_server/wal.py): one log fdatasync per group commit, object
+files rebuilt from the log at start-up.
+
+The process test SIGKILLs a real server at its test-only fault point
+(``SOS_SERVER_TEST_FAULT=after-log-sync:N``): right after a log sync, before anything of
+that group commit is acknowledged, with every object file cut back to its last
+checkpointed size (the object writes lost, as a power loss could lose them). After a
+restart every acknowledged byte is there, and every stored byte belongs to a whole append
+the writer sent."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+
+import trio
+
+from conftest import RawClient
+from sos_server.engine import Engine
+from sos_server.storage import Storage
+from sos_server.wal import FAULT_ENV, INDIRECT_MIN, LogFile
+from sos_wire import events as ev
+from sos_wire.crc import crc32c
+from sos_wire.errors import ErrorCode
+from test_server_crash import NS, OBJECTS, check_object, writer
+
+ROUNDS = 4
+
+
+def test_sigkill_between_log_sync_and_object_write_loses_nothing(sos_server_factory, monkeypatch):
+    # a small log: checkpoints (log switch, object syncs, old log deleted) happen during the run too
+    srv = sos_server_factory(args=("--wal-size", "256K"), start=False)
+    key = srv.keygen(NS)
+    lengths = {o: 0 for o in OBJECTS}
+    replayed = 0
+    for n in range(ROUNDS):
+        monkeypatch.setenv(FAULT_ENV, f"after-log-sync:{20 + 15 * n}")
+        srv.start()
+        monkeypatch.delenv(FAULT_ENV)
+        acked = dict(lengths)
+        reached = threading.Event()
+        errors: list[str] = []
+        t = threading.Thread(
+            target=writer, args=(srv.address, key, lengths, acked, reached, 10**9, errors), daemon=True
+        )
+        t.start()
+        assert srv.proc.wait(300) == -9  # the server killed itself at its fault point
+        t.join(300)
+        assert not t.is_alive()
+        assert errors == [], errors
+        assert sum(acked.values()) > sum(lengths.values())  # acks came before the fault
+        srv.start()
+        replayed += 1  # the objects were rebuilt from the log:
+        assert srv.log_text().count("replayed the write-ahead log") == replayed
+        with RawClient(srv.address) as c:
+            assert isinstance(c.login(key, NS), ev.AuthOk)
+            for obj in OBJECTS:
+                lengths[obj] = check_object(c, obj, acked[obj])
+        srv.stop()
+    assert replayed == ROUNDS
+
+
+def _storage_with_log(root) -> tuple[Storage, list[bytes]]:
+    """A storage whose log holds three appends to "o" (synced), as a crash leaves it."""
+    s = Storage(str(root))
+    s.open()
+    s.start_wal()
+    o = s.namespace("n", create=True).create("o")
+    parts = [b"one", b"two" * 100, b"three"]
+    for p in parts:
+        o.append(p, crc32c(p))
+    assert s.wal is not None
+    s.wal.current.sync()
+    os.truncate(o.path, o.header_size)  # the object writes never reached the disk
+    return s, parts
+
+
+def test_replay_rebuilds_objects_from_the_log(tmp_path):
+    _, parts = _storage_with_log(tmp_path)  # no close: a crash
+    s2 = Storage(str(tmp_path))
+    s2.open()
+    assert s2.replayed.records == 3
+    assert s2.namespaces["n"].get("o").read_bytes(0, 0) == b"".join(parts)
+    s2.close()
+    s3 = Storage(str(tmp_path))  # replayed once: the log is empty now, nothing changes
+    s3.open()
+    assert s3.replayed.records == 0
+    assert s3.namespaces["n"].get("o").read_bytes(0, 0) == b"".join(parts)
+
+
+def test_damaged_log_record_is_kept_and_stops_replay(tmp_path):
+    s, parts = _storage_with_log(tmp_path)
+    assert s.wal is not None
+    path = s.wal.current.path
+    with open(path, "r+b") as f:  # one bit of the second record's data
+        data = f.read()
+        i = data.index(b"two")
+        f.seek(i)
+        f.write(b"tw\x00")
+    s2 = Storage(str(tmp_path))
+    s2.open()
+    assert s2.replayed.records == 1 and "checksum" in s2.replayed.damaged
+    assert s2.namespaces["n"].get("o").read_bytes(0, 0) == parts[0]
+    assert os.path.exists(path + ".damaged")  # kept for an operator
+
+
+def test_no_space_on_the_log_is_no_space_and_writes_nothing(tmp_path, monkeypatch):
+    storage = Storage(str(tmp_path))
+    storage.namespace("n", create=True)
+    engine = Engine(storage)
+    real = os.pwritev
+
+    def pwritev(fd, bufs, pos):
+        if storage.wal is not None and fd == storage.wal.current.fd and full["on"]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, bufs, pos)
+
+    full = {"on": False}
+    monkeypatch.setattr(os, "pwritev", pwritev)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            await nursery.start(engine.run)
+            assert await engine.append("n", "append", "o", 0, 0, crc32c(b"keep"), b"keep") == 4
+            size = storage.wal.current.size
+            full["on"] = True
+            try:
+                await engine.append("n", "append", "o", 4, 0, crc32c(b"lost"), b"lost")
+            except Exception as exc:
+                assert getattr(exc, "code", None) is ErrorCode.NO_SPACE, exc
+                assert "space" in str(exc)
+            else:
+                raise AssertionError("an append the log could not hold was acknowledged")
+            assert storage.wal.current.size == size
+            full["on"] = False
+            assert engine.stat("n", "o") == (4, False)
+            assert await engine.append("n", "append", "o", 4, 0, crc32c(b"more"), b"more") == 8
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    obj = storage.namespaces["n"].get("o")
+    assert os.path.getsize(obj.path) == obj.file_size  # the failed frame was cut from the file
+    storage.close()
+    s2 = Storage(str(tmp_path))
+    s2.open()
+    assert s2.namespaces["n"].get("o").read_bytes(0, 0) == b"keepmore"
+
+
+def test_one_log_sync_per_group_commit_whatever_the_objects(tmp_path, monkeypatch):
+    calls = []
+    real = LogFile.sync
+
+    def counting(self):
+        calls.append(1)
+        return real(self)
+
+    monkeypatch.setattr(LogFile, "sync", counting)
+    storage = Storage(str(tmp_path))
+    storage.namespace("n", create=True)
+    engine = Engine(storage)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            await nursery.start(engine.run)
+            for i in range(30):
+                await engine.append("n", "append", f"o{i}", 0, 0, 0, b"")  # created (synced by itself)
+            pendings = []
+            for i in range(30):
+                pendings.append(await engine.append_begin("n", "append", f"o{i}", 0, 0, crc32c(b"x"), b"x"))
+            async with trio.open_nursery() as n2:
+                for p in pendings:
+                    n2.start_soon(engine.finish, p)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    storage.close()
+    assert 1 <= len(calls) <= 2  # 30 objects in one batch (two if the first one left early)
+
+
+def test_big_writes_are_synced_in_place_and_checked_at_replay(tmp_path):
+    """A write of INDIRECT_MIN bytes or more is not copied into the log: replay keeps it if
+    its frame is whole in the object file, and otherwise cuts the object there (it was
+    never acknowledged: its group commit syncs the object file) and skips what follows."""
+    big, small = os.urandom(INDIRECT_MIN), b"after"
+    for lost in (False, True):
+        root = tmp_path / str(lost)
+        s = Storage(str(root))
+        s.open()
+        s.start_wal()
+        o = s.namespace("n", create=True).create("o")
+        o.append(b"first", crc32c(b"first"))
+        assert s.wal is not None
+        log_size = s.wal.current.size
+        o.append(big, crc32c(big))
+        assert s.wal.current.size - log_size < 100  # a header, not the data
+        assert s.wal.take_indirect() == [o]
+        o.append(small, crc32c(small))
+        s.wal.current.sync()
+        o.sync()
+        if lost:  # the in-place write never reached the disk; the small one after it did
+            with open(o.path, "r+b") as f:
+                f.seek(o.header_size + 8 + 5 + 100)
+                f.write(b"\0" * 10)
+        s2 = Storage(str(root))
+        s2.open()
+        got = s2.namespaces["n"].get("o")
+        assert got.read_bytes(0, 0) == (b"first" if lost else b"first" + big + small)
+        assert not s2.corruptions
+
+
+def test_records_of_a_removed_object_are_skipped_at_replay(tmp_path):
+    s = Storage(str(tmp_path))
+    s.open()
+    s.start_wal()
+    ns = s.namespace("n", create=True)
+    for name in ("gone", "kept"):
+        ns.create(name).append(b"data", crc32c(b"data"))
+    ns.remove("gone")  # retention: its file is unlinked, its record stays in the log
+    assert s.wal is not None
+    s.wal.current.sync()  # no close: a crash
+    s2 = Storage(str(tmp_path))
+    s2.open()
+    assert s2.replayed.records == 1 and s2.replayed.skipped == 1
+    assert sorted(s2.namespaces["n"].objects) == ["kept"]
+    assert s2.namespaces["n"].get("kept").read_bytes(0, 0) == b"data"
+
+
+def test_checkpoints_go_on_after_the_spare_log_could_not_be_made(tmp_path, monkeypatch):
+    """A full disk when the next spare log file is made does not stop checkpoints for good:
+    the engine tries again, and once it can, the log switches and old files go."""
+    from sos_server import wal as wal_mod
+
+    real = wal_mod._new_log_file
+    full = {"on": False}
+
+    def new_log_file(d, seq):
+        if full["on"]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(d, seq)
+
+    monkeypatch.setattr(wal_mod, "_new_log_file", new_log_file)
+    storage = Storage(str(tmp_path), wal_checkpoint_bytes=4096)
+    storage.namespace("n", create=True)
+    engine = Engine(storage)
+    data = b"y" * 1000
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            await nursery.start(engine.run)
+            wal = storage.wal
+            first = wal.current.seq
+            full["on"] = True
+            off = 0
+            with trio.fail_after(60):
+                while wal.current.seq == first or wal.retired:  # one switch and its checkpoint; the spare fails
+                    off = await engine.append("n", "append", "o", off, 0, crc32c(data), data)
+                assert wal.spare is None
+                full["on"] = False
+                while wal.spare is None or wal.current.seq == first + 1:  # retried, then switched again
+                    off = await engine.append("n", "append", "o", off, 0, crc32c(data), data)
+                    await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+        return off
+
+    off = trio.run(main)
+    storage.close()
+    s2 = Storage(str(tmp_path))
+    s2.open()
+    assert s2.namespaces["n"].get("o").read_bytes(0, 0) == data * (off // len(data))
