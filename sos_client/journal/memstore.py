@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-import crc32c as _crc
+from sos_wire.crc import crc32c as _crc32c
 
 from sos_client.errors import TooLarge
 
@@ -118,7 +118,7 @@ class MemClient:
                 raise _err(SealedError, f"{name} is sealed")
             if offset != cur:
                 raise _err(OffsetMismatch, f"offset {offset} != length {cur}", length=cur)
-            _crc.crc32c(data)
+            _crc32c(data)
             if obj is None:
                 obj = self.s.objects[name] = bytearray()
             obj += data

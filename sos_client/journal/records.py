@@ -16,7 +16,7 @@ import struct
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Union
 
-import crc32c as _crc
+from sos_wire.crc import crc32c as _crc32c
 
 from .errors import JournalCorrupt
 
@@ -212,9 +212,9 @@ def encode(op: Op, seq: int, time_ns: int) -> bytes:
     parts = _encode_body(op)
     head = HEAD.pack(int(op.type), seq, time_ns)
     length = len(head) + sum(len(p) for p in parts)
-    crc = _crc.crc32c(head)
+    crc = _crc32c(head)
     for p in parts:
-        crc = _crc.crc32c(p, crc)
+        crc = _crc32c(p, crc)
     return b"".join([PREFIX.pack(length, crc), head, *parts])
 
 
@@ -381,7 +381,7 @@ class RecordDecoder:
         if avail < total:
             return None
         with memoryview(buf) as mv, mv[pos + PREFIX_SIZE:pos + total] as rec_mv:
-            if _crc.crc32c(rec_mv) != crc:
+            if _crc32c(rec_mv) != crc:
                 raise JournalCorrupt(self.segment, self.offset, "CRC32C mismatch")
             typ, seq, t = HEAD.unpack_from(rec_mv, 0)
             with rec_mv[MIN_LENGTH:] as body:

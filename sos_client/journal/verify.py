@@ -23,7 +23,7 @@ from .records import (
 )
 from .restore import ServerCorrupt, chain_breaks, list_generations, read_segment_bytes
 
-import crc32c as _crc
+from sos_wire.crc import crc32c as _crc32c
 
 __all__ = ["verify", "VerifyReport", "Problem"]
 
@@ -92,7 +92,7 @@ def _valid_at(buf, i: int) -> bool:
     typ = buf[i + 8]
     if not 1 <= typ <= max(RecordType):
         return False
-    return _crc.crc32c(memoryview(buf)[i + 8:i + 8 + length]) == crc
+    return _crc32c(memoryview(buf)[i + 8:i + 8 + length]) == crc
 
 
 def _readable_from(client, name: str, start: int, length: int) -> int | None:
