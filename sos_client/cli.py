@@ -27,6 +27,7 @@ import os
 import ssl
 import sys
 
+from sos_wire import argtypes
 from sos_wire.auth import Key
 from sos_wire.names import BadName, validate_name, validate_namespace
 
@@ -243,8 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("cat", help="write an object to stdout", description="Stream NS/NAME to stdout.")
     p.add_argument("target", metavar="NS/NAME")
-    p.add_argument("--offset", type=_nonneg, default=0, help="first byte (default 0)")
-    p.add_argument("--length", type=_nonneg, default=0, help="bytes to write (default 0 = to the end)")
+    p.add_argument("--offset", type=argtypes.integer(0), default=0, help="first byte (default 0)")
+    p.add_argument("--length", type=argtypes.integer(0), default=0, help="bytes to write (default 0 = to the end)")
     add_connection_options(p)
     p.set_defaults(func=cmd_cat)
 
@@ -272,15 +273,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_gateway_parser(sub)
     return parser
 
-
-def _nonneg(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must not be negative: {value}")
-    return value
 
 
 def _error(message: str | BaseException) -> None:

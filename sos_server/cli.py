@@ -4,25 +4,20 @@ from __future__ import annotations
 
 import argparse
 import logging
-import re
 import signal
 import sys
 import time
+
+from sos_wire import argtypes
 
 __all__ = ["main", "parse_duration", "parse_hostport", "parse_size", "build_parser"]
 
 log = logging.getLogger("sos_server.cli")
 
-_DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*")
-_UNIT = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-
-
-def parse_duration(text: str) -> float:
-    """'90', '90s', '15m', '2h', '7d', '1w' -> seconds."""
-    m = _DURATION.fullmatch(text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"bad duration {text!r}: use e.g. 30s, 15m, 2h, 7d")
-    return float(m.group(1)) * _UNIT[m.group(2)]
+#: argparse types (humanfriendly's parsers, shared with `sos`): kept under these names
+parse_duration = argtypes.duration
+parse_size = argtypes.size(0)
+_positive = argtypes.integer(1)
 
 
 def parse_hostport(text: str) -> tuple[str, int]:
@@ -32,38 +27,10 @@ def parse_hostport(text: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
-_SIZE = re.compile(r"\s*(\d+)\s*([kmgtp]?)(?:i?b)?\s*", re.IGNORECASE)
-_SIZE_UNIT = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}
-
-
-def parse_size(text: str) -> int:
-    """'1000', '64K', '512M', '10G', '2TiB' -> bytes (binary units)."""
-    m = _SIZE.fullmatch(text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"bad size {text!r}: use e.g. 1000000, 512M, 10G, 2T")
-    return int(m.group(1)) * _SIZE_UNIT[m.group(2).lower()]
-
-
 def _epoch(text: str) -> int:
     from .storage import MAX_EPOCH
 
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if not 0 <= v <= MAX_EPOCH:
-        raise argparse.ArgumentTypeError(f"an epoch is in 0..{MAX_EPOCH}, not {v}")
-    return v
-
-
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {v}")
-    return v
+    return argtypes.integer(0, MAX_EPOCH)(text)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -13,30 +13,11 @@ import sys
 
 from sos_client.cli import add_connection_options, client_from_args, key_from_args
 from sos_client.errors import SOSError
+from sos_wire import argtypes
 
 __all__ = ["add_parser", "main", "run"]
 
 
-def _size(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    low = text.strip().lower().removesuffix("b").removesuffix("i")
-    try:
-        value = int(float(low[:-1]) * units[low[-1]]) if low and low[-1] in units else int(low)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
-    return value
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -59,18 +40,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--async", dest="async_", action="store_true",
                    help="do not wait for the server (RENAME, DELETE, file bodies); bound the lag "
                         "instead")
-    p.add_argument("--max-lag", type=_size, default=64 << 20, metavar="BYTES",
+    p.add_argument("--max-lag", type=argtypes.size(1), default=64 << 20, metavar="BYTES",
                    help="most unshipped journal bytes before writes wait (default 64M)")
-    p.add_argument("--generation-bytes", type=_size, default=None, metavar="BYTES",
+    p.add_argument("--generation-bytes", type=argtypes.size(1), default=None, metavar="BYTES",
                    help="start a new journal generation once the current one holds this many "
                         "bytes (default 1G)")
     p.add_argument("--tls-cert", metavar="FILE", default=None,
                    help="serve HTTPS (swebhdfs://) with this certificate chain (PEM)")
     p.add_argument("--tls-key", metavar="FILE", default=None,
                    help="private key of --tls-cert (PEM)")
-    p.add_argument("--token-ttl", type=_positive_int, default=3600, metavar="SECONDS",
+    p.add_argument("--token-ttl", type=argtypes.integer(1), default=3600, metavar="SECONDS",
                    help="lifetime of the bearer tokens it issues (default 3600)")
-    p.add_argument("--threads", type=_positive_int, default=32,
+    p.add_argument("--threads", type=argtypes.integer(1), default=32,
                    help="most worker threads at once (default 32)")
     p.add_argument("--insecure-no-auth", action="store_true",
                    help="serve every request without a token, with full rights (only accepted "

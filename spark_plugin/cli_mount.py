@@ -13,25 +13,10 @@ import sys
 
 from sos_client.cli import add_connection_options, client_from_args, key_from_args
 from sos_client.errors import SOSError
+from sos_wire import argtypes
 from sos_wire.names import validate_namespace
 
 
-def _size(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    text = text.strip().lower().removesuffix("b").removesuffix("i")
-    if text and text[-1] in units:
-        return int(float(text[:-1]) * units[text[-1]])
-    return int(text)
-
-
-def _positive_size(text: str) -> int:
-    try:
-        value = _size(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
-    return value
 
 
 def _owner(text: str) -> tuple[int, int]:
@@ -74,10 +59,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="local cache + spool directory (default: ~/.cache/sos/NAMESPACE)")
     p.add_argument("--async", dest="async_", action="store_true",
                    help="do not wait for the server on rename/close; bound the lag instead")
-    p.add_argument("--max-lag", type=_size, default=64 << 20, metavar="BYTES",
+    p.add_argument("--max-lag", type=argtypes.size(0), default=64 << 20, metavar="BYTES",
                    help="async mode: most unshipped journal bytes before writes wait "
                         "(default 64M)")
-    p.add_argument("--generation-bytes", type=_positive_size, default=None, metavar="BYTES",
+    p.add_argument("--generation-bytes", type=argtypes.size(1), default=None, metavar="BYTES",
                    help="start a new journal generation (a snapshot of the tree, after "
                         "which the server may drop older generations) once the current one "
                         "holds this many bytes (default 1G)")

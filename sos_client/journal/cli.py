@@ -10,6 +10,7 @@ import sys
 import time
 
 from sos_client.cli import add_connection_options, client_from_args
+from sos_wire import argtypes
 
 from .errors import GenerationBreak, JournalCorrupt, JournalError, JournalNotFound
 
@@ -205,15 +206,6 @@ def cmd_verify(args) -> int:
     return EXIT_OK
 
 
-def _nonneg_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError("must be >= 0")
-    return v
-
 
 def _batch(text: str) -> str:
     from .restore import parse_batch
@@ -253,14 +245,14 @@ def add_parsers(subparsers) -> None:
     g.add_argument("--at", metavar="ISO-TIME", type=_iso,
                    help="state after every record stamped at or before this time, e.g. "
                         "2026-11-23T12:00:00Z or with up to 9 fractional digits (naive = UTC)")
-    g.add_argument("--position", metavar="N", type=_nonneg_int,
+    g.add_argument("--position", metavar="N", type=argtypes.integer(0),
                    help="state right after record N")
     g.add_argument("--batch", metavar="QUERYDIR:N", type=_batch,
                    help="state right after Spark batch N committed; QUERYDIR is the checkpoint "
                         "directory's path relative to the namespace root (e.g. 'checkpoint' for "
                         "MOUNTPOINT/checkpoint; '.' for the root itself), as in the 'checkpoint' "
                         "field of the spark.batch markers")
-    p.add_argument("--generation", metavar="G", type=_nonneg_int,
+    p.add_argument("--generation", metavar="G", type=argtypes.integer(0),
                    help="restore from generation G alone (its end, or a point inside it) without reading "
                         "or checking the others: the way out when the generations do not form one chain "
                         "(exit 3, see `sos verify`)")
