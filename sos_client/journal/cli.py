@@ -6,6 +6,7 @@ Exit codes: RESTORE_EXIT_CODES and VERIFY_EXIT_CODES (printed by each command's 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -50,13 +51,14 @@ def _factory(args, namespace: str):
 
 
 class ProgressBar:
-    """Progress on stderr.
+    """Progress on stderr, as ``progress(done_bytes, total_bytes)`` calls arrive.
 
-    On a terminal: one line redrawn in place (at most every 0.2 s, and once at 100%),
-    ended by a newline before anything else is printed. Elsewhere (a log file, a pipe): a
+    On a terminal: a tqdm bar redrawn in place (at most every 0.2 s, and at 100% when it
+    ends), one bar per pass (restore --batch: the scan, then the replay), its line ended
+    before anything else is printed. Elsewhere (a log file, a pipe): tqdm's same meter as a
     plain line at most every ``interval`` seconds (default 10) while the work goes on, and
     nothing at 0% nor at the end (the summary follows), so a quick run prints no progress.
-    Calls may come from several threads. ``clock`` is for tests.
+    Calls may come from several threads. ``clock`` is for tests of the log lines.
     """
 
     def __init__(self, label: str, stream=None, *, interval: float | None = None, clock=time.monotonic):
@@ -68,59 +70,62 @@ class ProgressBar:
         self.interval = interval if interval is not None else (0.2 if self.tty else 10.0)
         self.clock = clock
         self.t0 = clock()
-        self._last = None if self.tty else self.t0  # when the last line was drawn
+        self._last = self.t0  # when the last log line was written
         self._prev_done = 0
-        self._drawn_end = False  # the 100% line of this pass is on the terminal
-        self._shown = False  # a terminal line is open (needs a newline)
+        self._bar = None  # the terminal's tqdm bar of this pass
         self._lock = threading.Lock()
 
     def __call__(self, done: int, total: int) -> None:
         with self._lock:
             now = self.clock()
-            if done < self._prev_done:  # a new pass (restore --batch: the scan, then the replay)
-                self.t0 = now
-                if self.tty:
-                    self._end_line()
-                    self._last, self._drawn_end = None, False
+            if done < self._prev_done:  # a new pass
+                self.t0 = self._last = now
+                self._close_bar()
             self._prev_done = done
-            if not self.tty:
-                if now - self._last >= self.interval:
-                    self._last = now
-                    self._draw(done, total, now)
-                return
-            at_end = total > 0 and done >= total
-            if self._last is None or now - self._last >= self.interval or (at_end and not self._drawn_end):
+            if self.tty:
+                self._draw(done, total)
+            elif now - self._last >= self.interval:
                 self._last = now
-                self._drawn_end = at_end
-                self._draw(done, total, now)
+                self.stream.write(self.meter(done, total, now - self.t0) + "\n")
+                self.stream.flush()
 
-    def _draw(self, done, total, now):
-        secs = now - self.t0
-        rate = f"{done / secs / 1e6:.1f} MB/s " if secs >= 1 else ""  # no wild rate in the first second
-        if total:
-            frac = min(done / total, 1.0)
-            bar = "#" * int(frac * 30)
-            text = (f"{self.label} [{bar:<30}] {frac * 100:5.1f}% {done / 1e6:.1f}/{total / 1e6:.1f} MB "
-                    f"{rate}{secs:.0f}s")
-        else:
-            text = f"{self.label} {done / 1e6:.1f} MB {rate}{secs:.0f}s"
-        if self.tty:
-            self.stream.write("\r" + text + "\x1b[K")  # erase what a longer previous line left
-            self._shown = True
-        else:
-            self.stream.write(text + "\n")
-        self.stream.flush()
+    def meter(self, done: int, total: int, elapsed: float) -> str:
+        """The progress text: tqdm's meter in binary byte units."""
+        from tqdm import tqdm
 
-    def _end_line(self) -> None:
-        if self._shown:
-            self.stream.write("\n")
-            self.stream.flush()
-            self._shown = False
+        return tqdm.format_meter(done, total or None, elapsed, ncols=100, prefix=self.label,
+                                 unit="B", unit_scale=True, unit_divisor=1024)
+
+    def _draw(self, done: int, total: int) -> None:
+        from tqdm import tqdm
+
+        if self._bar is None:
+            cols, rows = self._size()
+            self._bar = tqdm(total=total or None, desc=self.label, file=self.stream, unit="B",
+                             unit_scale=True, unit_divisor=1024, mininterval=self.interval,
+                             ncols=cols, nrows=rows, leave=True)
+        if total and self._bar.total != total:
+            self._bar.total = total
+        self._bar.update(done - self._bar.n)
+
+    def _size(self) -> tuple[int, int]:
+        """The terminal's columns and lines; 100 x 24 where it says 0 (a fresh
+        pseudo-terminal: tqdm would then draw nothing) or cannot say."""
+        try:
+            size = os.get_terminal_size(self.stream.fileno())
+        except (AttributeError, OSError, ValueError):
+            return 100, 24
+        return size.columns or 100, size.lines or 24
+
+    def _close_bar(self) -> None:
+        if self._bar is not None:
+            self._bar.close()  # draws the final state and ends the line
+            self._bar = None
 
     def finish(self) -> None:
         """End the progress line (call before printing anything else)."""
         with self._lock:
-            self._end_line()
+            self._close_bar()
 
 
 def _err(msg: str) -> None:
