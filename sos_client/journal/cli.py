@@ -9,6 +9,7 @@ import argparse
 import os
 import sys
 import time
+from typing import Any
 
 from sos_client.cli import add_connection_options, client_from_args
 from sos_wire import argtypes
@@ -72,7 +73,7 @@ class ProgressBar:
         self.t0 = clock()
         self._last = self.t0  # when the last log line was written
         self._prev_done = 0
-        self._bar = None  # the terminal's tqdm bar of this pass
+        self._bar: Any = None  # the terminal's tqdm bar of this pass
         self._lock = threading.Lock()
 
     def __call__(self, done: int, total: int) -> None:
