@@ -5,9 +5,10 @@
 
 from sos_wire import Key, ListEntry
 
+from ._common import resolve_key, resolve_server
 from .blocking import Client
 from .errors import (
-    BadNameError, ChecksumMismatch, ConnectionLost, Corrupt, Fenced, NoSpace, OffsetMismatch, QuotaExceeded,
+    BadKey, BadNameError, ChecksumMismatch, ConnectionLost, Corrupt, Fenced, NoSpace, OffsetMismatch, QuotaExceeded,
     SealedError, ServerBusy, SOSError, SOSNotFound, SOSPermissionError, TooLarge, is_fenced, is_retryable,
     to_oserror,
 )
@@ -16,5 +17,5 @@ __all__ = [
     "Client", "Key", "ListEntry",
     "SOSError", "OffsetMismatch", "Fenced", "SealedError", "ChecksumMismatch", "Corrupt", "NoSpace",
     "QuotaExceeded", "TooLarge", "ServerBusy", "ConnectionLost", "SOSNotFound", "SOSPermissionError",
-    "BadNameError", "is_retryable", "to_oserror", "is_fenced",
+    "BadKey", "BadNameError", "is_retryable", "to_oserror", "is_fenced", "resolve_key", "resolve_server",
 ]

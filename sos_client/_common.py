@@ -28,7 +28,7 @@ from sos_wire.errors import ErrorCode
 from sos_wire.frames import DEFAULT_MAX_BODY, MAX_LIST_LIMIT, SUPPORTED_VERSIONS, VERSION
 from sos_wire.names import BadName, validate_name, validate_namespace
 
-from .errors import BadNameError, ConnectionLost, Corrupt, SOSError, SOSPermissionError, error_from_reply
+from .errors import BadKey, BadNameError, ConnectionLost, Corrupt, SOSError, error_from_reply
 
 __all__ = [
     "DEFAULT_SERVER", "DEFAULT_PORT", "RECV", "NEXT_CHUNK", "parse_server", "settings_from_env", "Core",
@@ -89,17 +89,35 @@ def parse_server(server: str | None) -> tuple[str, int]:
     return host, int(port_text)
 
 
-def settings_from_env(server, key, namespace) -> tuple[str, int, Key, str]:
-    """Resolve (host, port, Key, namespace), defaulting server/key from SOS_SERVER/SOS_KEY."""
+def resolve_server(server: str | None) -> str:
+    """The one reading of a server address for every entry point (clients, commands,
+    fsspec, mount, gateway): the argument, else $SOS_SERVER, else 127.0.0.1:7070; a bare host
+    gets the default port. Returns the canonical ``host:port`` (``[v6]:port``); ValueError
+    for a bad one."""
     host, port = parse_server(server)
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def resolve_key(key: str | Key | None) -> Key:
+    """The one reading of a key: the argument, else $SOS_KEY. :class:`BadKey` (a
+    PermissionError and a ValueError) if there is none or it is malformed; the message
+    never holds the key."""
+    if isinstance(key, Key):
+        return key
     if key is None or key == "":
         key = os.environ.get("SOS_KEY")
         if not key:
-            raise SOSPermissionError("no key given: pass key=... or set SOS_KEY (what `sos-server keygen` prints)")
+            raise BadKey("no key given: pass key=... or set SOS_KEY (what `sos-server keygen` prints)")
     try:
-        key = Key.parse(key)
+        return Key.parse(key)
     except ValueError as exc:
-        raise SOSPermissionError(f"bad key: {exc}") from None
+        raise BadKey(f"bad key (expected <key_id>.<secret>): {exc}") from None
+
+
+def settings_from_env(server, key, namespace) -> tuple[str, int, Key, str]:
+    """Resolve (host, port, Key, namespace), defaulting server/key from SOS_SERVER/SOS_KEY."""
+    host, port = parse_server(server)
+    key = resolve_key(key)
     try:
         validate_namespace(namespace)
     except BadName as exc:

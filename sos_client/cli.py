@@ -31,8 +31,8 @@ from sos_wire import argtypes
 from sos_wire.auth import Key
 from sos_wire.names import BadName, validate_name, validate_namespace
 
-from ._common import DEFAULT_SERVER
-from .errors import Fenced, SOSError, SOSNotFound, SOSPermissionError
+from ._common import DEFAULT_PORT, DEFAULT_SERVER, resolve_key, resolve_server
+from .errors import BadKey, Fenced, SOSError, SOSNotFound, SOSPermissionError
 
 __all__ = [
     "main", "build_parser", "add_connection_options", "client_from_args", "key_from_args", "split_target",
@@ -64,8 +64,9 @@ def add_connection_options(parser: argparse.ArgumentParser) -> None:
     """Add --server, --key-file, --tls, --tls-ca, --timeout to *parser* (defaults from
     SOS_SERVER, SOS_KEY_FILE; the key itself from SOS_KEY). ``--key`` is refused."""
     g = parser.add_argument_group("connection")
-    g.add_argument("--server", default=os.environ.get("SOS_SERVER") or DEFAULT_SERVER, metavar="HOST:PORT",
-                   help="SOS server (default: $SOS_SERVER or %(default)s)")
+    # "" is read as $SOS_SERVER, else the default (argparse passes a string default through type)
+    g.add_argument("--server", type=_server_arg, default="", metavar="HOST[:PORT]",
+                   help=f"SOS server (default: $SOS_SERVER, else {DEFAULT_SERVER}; port {DEFAULT_PORT} if none is given)")
     g.add_argument("--key-file", default=os.environ.get("SOS_KEY_FILE") or None, metavar="PATH",
                    help="file holding the key of the namespace, as printed by `sos-server keygen` "
                         "(default: $SOS_KEY_FILE; without either the key is $SOS_KEY). "
@@ -75,6 +76,13 @@ def add_connection_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tls-ca", metavar="FILE", default=None, help="connect with TLS, trusting this CA file")
     g.add_argument("--timeout", type=float, default=30.0, metavar="S",
                    help="seconds to wait for the server (default: %(default)s)")
+
+
+def _server_arg(text: str) -> str:
+    try:
+        return resolve_server(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def key_from_args(args: argparse.Namespace) -> str:
@@ -95,12 +103,9 @@ def key_from_args(args: argparse.Namespace) -> str:
         except ValueError as exc:
             raise SOSPermissionError(f"bad key in the key file {path}: {exc}") from None
         return text
-    key = os.environ.get("SOS_KEY")
-    if not key:
-        raise SOSPermissionError(
-            "no key given: set SOS_KEY or pass --key-file PATH (what `sos-server keygen` prints)"
-        )
-    return key
+    if not os.environ.get("SOS_KEY"):
+        raise BadKey("no key given: set SOS_KEY or pass --key-file PATH (what `sos-server keygen` prints)")
+    return str(resolve_key(None))  # $SOS_KEY, read and checked as every client does
 
 
 def client_from_args(args: argparse.Namespace, namespace: str):

@@ -32,7 +32,7 @@ from sos_wire.errors import ErrorCode
 __all__ = [
     "SOSError", "OffsetMismatch", "Fenced", "SealedError", "ChecksumMismatch", "Corrupt", "NoSpace",
     "QuotaExceeded", "TooLarge", "ServerBusy", "ConnectionLost", "SOSNotFound", "SOSPermissionError",
-    "BadNameError", "error_from_reply", "RETRYABLE_CODES", "is_retryable", "to_oserror", "is_fenced",
+    "BadKey",    "BadNameError", "error_from_reply", "RETRYABLE_CODES", "is_retryable", "to_oserror", "is_fenced",
 ]
 
 #: Server refusals after which the same request can succeed later: the server is short of
@@ -210,6 +210,11 @@ class SOSPermissionError(SOSError, PermissionError):
     missing or malformed key: the client refuses it before connecting)."""
 
     _errno_default = errno.EACCES
+
+
+class BadKey(SOSPermissionError, ValueError):
+    """No key given, or not of the form ``<key_id>.<secret>``: refused before connecting.
+    A PermissionError for the clients and commands, a ValueError for fsspec (a bad option)."""
 
 
 class BadNameError(SOSError, ValueError):

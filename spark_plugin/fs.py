@@ -56,6 +56,8 @@ from glob import has_magic
 from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
 from fsspec.utils import stringify_path
 
+from sos_client import resolve_key, resolve_server
+
 __all__ = ["SOSFileSystem", "SOSReadFile", "SOSWriteFile", "close_all"]
 
 #: WRITE records carry at most this many bytes (journal format limit).
@@ -236,14 +238,8 @@ class SOSFileSystem(AbstractFileSystem):
         **kwargs,
     ):
         super().__init__(**kwargs)
-        self.server = server or os.environ.get("SOS_SERVER") or "127.0.0.1:7070"
-        if not isinstance(self.server, str) or ":" not in self.server:
-            raise ValueError(f"sos: server must be 'host:port', got {self.server!r}")
-        key = key if key is not None else os.environ.get("SOS_KEY")
-        if not key:
-            raise ValueError("sos: no key given: pass key=... or set SOS_KEY")
-        self.key = key if isinstance(key, str) else str(key)
-        self._check_key(self.key)
+        self.server = resolve_server(server)  # what the clients and `sos` accept, the same way
+        self.key = str(resolve_key(key))
         if cache_dir is None:
             cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(
                 os.path.expanduser("~"), ".cache"
@@ -261,15 +257,6 @@ class SOSFileSystem(AbstractFileSystem):
             raise ValueError(f"sos: generation_bytes must be a positive int, got {generation_bytes!r}")
         self.generation_bytes = generation_bytes
         self._handles = {}  # namespace -> shared _Namespace (see _open_namespace)
-
-    @staticmethod
-    def _check_key(key):
-        from sos_wire.auth import Key
-
-        try:
-            Key.parse(key)
-        except Exception as exc:
-            raise ValueError(f"sos: malformed key (expected <key_id>.<secret>): {exc}") from None
 
     # ---------------------------------------------------------------- paths
 

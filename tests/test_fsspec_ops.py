@@ -131,8 +131,8 @@ def test_bad_options_and_paths_raise_typed_errors(env, monkeypatch):
         SOSFileSystem(server=env.server.address, skip_instance_cache=True)
     with pytest.raises(ValueError, match="key"):
         SOSFileSystem(server=env.server.address, key="not-a-key", skip_instance_cache=True)
-    with pytest.raises(ValueError, match="host:port"):
-        SOSFileSystem(server="nocolon", key=env.key, skip_instance_cache=True)
+    with pytest.raises(ValueError, match="port must be"):
+        SOSFileSystem(server="host:99999", key=env.key, skip_instance_cache=True)
     fs = env.fs()
     for bad in ["Upper/x", "-lead/x", "", "sos://", f"{env.ns}/a/../b", f"{env.ns}/./x"]:
         with pytest.raises(ValueError):
@@ -858,3 +858,22 @@ def test_generated_sequences_restore_equals_live_tree(generated_env, ops):
     assert local_snapshot(os.path.join(restored_root, top.split("/", 1)[1])) == live
     # and the whole namespace, every earlier example included, byte for byte
     assert local_snapshot(restored_root) == fs_snapshot(fs, env.ns)
+
+
+def test_fsspec_reads_a_server_and_key_as_the_clients_and_the_command_do(env, monkeypatch):
+    """One resolver (sos_client.resolve_server/resolve_key) behind fsspec, the clients and
+    `sos`: a bare host gets the default port everywhere, $SOS_SERVER is the default."""
+    from sos_client import BadKey, resolve_server
+    from sos_client.cli import build_parser
+
+    monkeypatch.delenv("SOS_SERVER", raising=False)
+    fs = SOSFileSystem(server="localhost", key=env.key, skip_instance_cache=True)
+    assert fs.server == resolve_server("localhost") == "localhost:7070"
+    assert build_parser().parse_args(["ls", "ns", "--server", "localhost"]).server == "localhost:7070"
+    monkeypatch.setenv("SOS_SERVER", env.server.address)
+    assert SOSFileSystem(key=env.key, skip_instance_cache=True).server == env.server.address
+    assert build_parser().parse_args(["ls", "ns"]).server == env.server.address
+    with pytest.raises(BadKey) as exc:  # a PermissionError for clients, a ValueError for fsspec
+        SOSFileSystem(key="nope", skip_instance_cache=True)
+    assert isinstance(exc.value, ValueError) and isinstance(exc.value, PermissionError)
+    assert "nope" not in str(exc.value)
