@@ -24,10 +24,16 @@ from ._common import (
     Core, channel_binding_of, readable_now,
 )
 from .errors import ConnectionLost
+from .retry import async_retrying
 
 __all__ = ["open_client", "AsyncClient"]
 
 RECV_SIZE = 256 * 1024
+
+
+def _lost(exc: BaseException) -> bool:
+    """Reconnecting helps only a lost connection (the server answered nothing else)."""
+    return isinstance(exc, ConnectionLost)
 
 
 @asynccontextmanager
@@ -195,17 +201,11 @@ class AsyncClient(ClientSettings):
             return await self._drive(core, make_gen(core))
 
     async def _reconnect_until_deadline(self) -> Core:
-        deadline = trio.current_time() + self.reconnect_timeout
-        delay = 0.05
-        while True:
-            await self._drop()
-            try:
+        async for attempt in async_retrying(self.reconnect_timeout, retry_on=_lost):
+            with attempt:
+                await self._drop()
                 return await self._connect()
-            except ConnectionLost:
-                if trio.current_time() + delay > deadline:
-                    raise
-            await trio.sleep(delay)
-            delay = min(delay * 2, 1.0)
+        raise AssertionError("unreachable: async_retrying() raises the last error")
 
     # -- operations ------------------------------------------------------------------------
     async def ping(self, payload: bytes = b"") -> bytes:

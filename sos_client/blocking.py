@@ -11,7 +11,6 @@ from __future__ import annotations
 import socket
 import ssl as _ssl
 import threading
-import time
 from functools import partial
 from typing import Any, Callable, Generator, Iterable, Iterator
 
@@ -23,10 +22,16 @@ from ._common import (
     Core, channel_binding_of, readable_now,
 )
 from .errors import ConnectionLost
+from .retry import retrying
 
 __all__ = ["Client"]
 
 RECV_SIZE = 256 * 1024
+
+
+def _lost(exc: BaseException) -> bool:
+    """Reconnecting helps only a lost connection (the server answered nothing else)."""
+    return isinstance(exc, ConnectionLost)
 
 
 def _closed_by_server(sock: socket.socket) -> bool:
@@ -201,17 +206,11 @@ class Client(ClientSettings):
             return self._drive(core, make_gen(core))
 
     def _reconnect_until_deadline(self) -> Core:
-        deadline = time.monotonic() + self.reconnect_timeout
-        delay = 0.05
-        while True:
-            self._drop()
-            try:
+        for attempt in retrying(self.reconnect_timeout, retry_on=_lost):
+            with attempt:
+                self._drop()
                 return self._connect()
-            except ConnectionLost:
-                if time.monotonic() + delay > deadline:
-                    raise
-            time.sleep(delay)
-            delay = min(delay * 2, 1.0)
+        raise AssertionError("unreachable: retrying() raises the last error")
 
     # -- operations ------------------------------------------------------------------------
     def ping(self, payload: bytes = b"") -> bytes:

@@ -28,12 +28,11 @@ import errno
 import logging
 import os
 import stat
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from sos_client.errors import is_retryable
+from sos_client.retry import retrying
 
 from .errors import SpoolStale
 
@@ -71,17 +70,9 @@ def key_role(factory: ClientFactory, patience: float) -> Any:
     PermissionError at once; an unreachable or busy server (a retryable error,
     :func:`sos_client.errors.is_retryable`) is retried for ``patience`` seconds (a server
     restarting)."""
-    deadline = time.monotonic() + patience
-    delay = 0.05
-    while True:
-        try:
+    for attempt in retrying(patience):
+        with attempt:
             client = factory()
-            break
-        except Exception as exc:
-            if not is_retryable(exc) or time.monotonic() >= deadline:
-                raise
-            time.sleep(delay)
-            delay = min(delay * 2, 1.0)
     try:
         return client.role
     finally:

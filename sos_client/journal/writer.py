@@ -43,6 +43,7 @@ from ._store import (
 from .errors import GenerationBreak, JournalError, SpoolStale, WriterClosed, WriterFenced
 from .records import HEADER, MAX_RECORD_LENGTH, PREFIX, Op, Record, RecordDecoder, SnapshotEnd, encode
 from .spool import Spool, SpoolSegment
+from ..retry import Backoff, retrying
 
 log = logging.getLogger("sos.journal.writer")
 
@@ -133,39 +134,22 @@ class JournalWriter:
         return sum(s.written - max(s.shipped, 0) for s in self._segs)
 
     # ------------------------------------------------------------------ open
-    def _connect_retry(self, deadline: float) -> StoreClient:
-        delay = 0.05
-        while True:
-            try:
-                return self.client_factory()
-            except Exception as e:
-                if not is_retryable(e) or time.monotonic() > deadline:
-                    raise  # a refused or malformed key, a bad name: retrying does not help
-                log.warning("connect failed (%s); retrying", e)
-                time.sleep(delay)
-                delay = min(delay * 2, self.max_backoff)
-
     def open(self) -> None:
         """Fence older epochs and resume from the spool and the server (idempotent)."""
         if self.is_open:
             return
         if self._closed:
             raise WriterClosed("writer is closed")
-        deadline = time.monotonic() + self.open_timeout
         self._spool = Spool(self.spool_dir)
         try:
-            while True:
-                client = self._connect_retry(deadline)
-                try:
-                    self._open_with(client)
-                    break
-                except Exception as e:
-                    if not is_retryable(e) or time.monotonic() > deadline:
-                        raise
-                    log.warning("open interrupted (%s); retrying", e)
-                    time.sleep(0.2)
-                finally:
-                    _close_quietly(client)
+            # a refused or malformed key, a bad name: raised at once (retrying cannot help)
+            for attempt in retrying(self.open_timeout, cap=self.max_backoff, log=log, what="open"):
+                with attempt:
+                    client = self.client_factory()
+                    try:
+                        self._open_with(client)
+                    finally:
+                        _close_quietly(client)
         except BaseException:
             for s in self._segs:
                 s.close()
@@ -459,7 +443,7 @@ class JournalWriter:
 
     def _run(self) -> None:
         client = None
-        backoff = 0.05
+        backoff = Backoff(self.max_backoff)
         while True:
             with self._cv:
                 task = None
@@ -474,7 +458,7 @@ class JournalWriter:
                 if client is None:
                     client = self.client_factory()
                 self._do(client, task)
-                backoff = 0.05
+                backoff.reset()
             except Exception as e:  # noqa: BLE001 - classified below, never swallowed silently
                 if not is_retryable(e):
                     # Fenced/Sealed: a newer writer; JournalError: the spool and the server
@@ -485,16 +469,16 @@ class JournalWriter:
                         self._cv.notify_all()
                     break
                 self.last_error = e
-                log.warning("replicator: %s: %s; retrying in %.2fs", type(e).__name__, e, backoff)
+                delay = backoff.next()
+                log.warning("replicator: %s: %s; retrying in %.2fs", type(e).__name__, e, delay)
                 _close_quietly(client)
                 client = None
                 self.reconnects += 1
                 with self._cv:
                     for s in self._segs:
                         s.shipped = -1  # ask the server again after reconnecting
-                if self._stop.wait(backoff):
+                if self._stop.wait(delay):
                     break
-                backoff = min(backoff * 2, self.max_backoff)
         _close_quietly(client)
 
     def _do(self, client: StoreClient, task: _Task) -> None:
