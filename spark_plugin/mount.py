@@ -60,6 +60,8 @@ import trio
 
 from sos_client.errors import is_fenced, to_oserror
 
+from .mounts import is_mounted
+
 if TYPE_CHECKING:
     import pyfuse3
     from pyfuse3 import Operations as _OperationsBase
@@ -949,25 +951,6 @@ def lazy_unmount(mountpoint: str) -> None:
     """`fusermount3 -u -z`: detach a (possibly dead) mount; quiet if nothing is mounted."""
     subprocess.run(["fusermount3", "-u", "-z", mountpoint], stdout=subprocess.DEVNULL,
                    stderr=subprocess.DEVNULL, check=False)
-
-
-def is_mounted(mountpoint: str) -> bool:
-    """True if the kernel lists `mountpoint` as a mount, live or dead (no stat of it)."""
-    target = os.path.abspath(mountpoint)
-    try:
-        with open("/proc/self/mountinfo", encoding="utf-8") as f:
-            for line in f:
-                fields = line.split()
-                if len(fields) > 4 and _unescape_mount(fields[4]) == target:
-                    return True
-    except FileNotFoundError:  # pragma: no cover - not Linux
-        return os.path.ismount(target)
-    return False
-
-
-def _unescape_mount(field: str) -> str:
-    return (field.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n")
-            .replace("\\134", "\\"))
 
 
 class MountProcess:

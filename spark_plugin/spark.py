@@ -32,6 +32,8 @@ import tempfile
 import threading
 import urllib.parse
 
+from .mounts import mount_fstype
+
 log = logging.getLogger("sos.spark")
 
 #: control file on the mount: a JSON document written there becomes a MARKER record
@@ -127,29 +129,6 @@ def start_mount(namespace, mountpoint, *, server, key, cache_dir, sync=True, tim
     return mount
 
 
-def _mount_fstype(mountpoint):
-    """The file system type of the mount at ``mountpoint`` (None if it is no mount point).
-
-    Reads /proc/self/mountinfo (no stat of the mount point: a dead FUSE mount hangs or
-    fails it); needs nothing but the standard library (the Spark image has no pyfuse3).
-    """
-    target = os.path.abspath(mountpoint)
-    found = None
-    try:
-        with open("/proc/self/mountinfo", encoding="utf-8") as f:
-            for line in f:
-                fields = line.split()
-                if len(fields) < 7 or "-" not in fields:
-                    continue
-                where = (fields[4].replace("\\040", " ").replace("\\011", "\t")
-                         .replace("\\012", "\n").replace("\\134", "\\"))
-                if where == target:
-                    found = fields[fields.index("-", 6) + 1]  # the last mount on top wins
-    except FileNotFoundError:  # pragma: no cover - not Linux
-        return "unknown" if os.path.ismount(target) else None
-    return found
-
-
 def mounted_namespace(mountpoint):
     """The namespace a live SOS mount at ``mountpoint`` serves.
 
@@ -157,7 +136,7 @@ def mounted_namespace(mountpoint):
     mount detaches it). ValueError when something else is mounted there, or an SOS mount
     too old to say its namespace.
     """
-    fstype = _mount_fstype(mountpoint)
+    fstype = mount_fstype(mountpoint)
     if fstype is None:
         return None
     if fstype != SOS_FSTYPE:
@@ -205,7 +184,7 @@ def journaled_checkpoint(spark_or_none, namespace, *, server=None, key=None, mou
             mountpoint = tempfile.mkdtemp(prefix=f"sos-mnt-{namespace}-")
         if cache_dir is None:
             cache_dir = tempfile.mkdtemp(prefix=f"sos-cache-{namespace}-")
-        if _mount_fstype(mountpoint) is None:  # a dead mount there: the mount detaches it
+        if mount_fstype(mountpoint) is None:  # a dead mount there: the mount detaches it
             os.makedirs(mountpoint, exist_ok=True)
         os.makedirs(cache_dir, exist_ok=True)
         mount = start_mount(namespace, mountpoint, server=server, key=key, cache_dir=cache_dir,

@@ -374,3 +374,21 @@ def test_fsync_of_a_directory_is_a_barrier(mounted):
     finally:
         os.close(fd)
     assert tree.syncs == syncs + 1
+
+
+def test_the_mount_table_is_read_through_psutil_names_with_spaces_included(tmp_path):
+    """spark_plugin.mounts (psutil, no hand-written mountinfo parser): a tmpfs mounted on a
+    directory whose name has a space is seen with its type, and gone after the unmount."""
+    import subprocess
+
+    from spark_plugin.mounts import mount_fstype
+
+    where = tmp_path / "a b"
+    where.mkdir()
+    assert mount_fstype(str(where)) is None and not is_mounted(str(where))
+    subprocess.run(["mount", "-t", "tmpfs", "none", str(where)], check=True)
+    try:
+        assert mount_fstype(str(where)) == "tmpfs" and is_mounted(str(where))
+    finally:
+        subprocess.run(["umount", str(where)], check=True)
+    assert mount_fstype(str(where)) is None
