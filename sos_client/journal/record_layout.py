@@ -1,0 +1,156 @@
+"""The journal record layout in construct: the single definition of protocol.md Part 2,
+like ``sos_wire/frames.py`` is for the wire frames.
+
+    u32 length | u32 crc32c | u8 type | u64 seq | u64 time_ns | body
+
+``records.py`` keeps a hand-written ``struct`` fast path (journals are read at hundreds of
+MB/s during a restore; construct parses a few MB/s); ``tests/test_journal_layout.py``
+checks it against this definition byte for byte: every record kind, edge sizes, random
+records, and malformed ones (both refuse them with :class:`JournalCorrupt`).
+Never use construct's compiled parsers on untrusted bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from construct import (
+    Adapter,
+    Check,
+    ConstructError,
+    FixedSized,
+    GreedyBytes,
+    Int8ub,
+    Int16ub,
+    Int32ub,
+    Int64ub,
+    OneOf,
+    Prefixed,
+    RawCopy,
+    Struct,
+    Switch,
+    Terminated,
+    this,
+)
+
+from sos_wire.crc import crc32c
+
+from .errors import JournalCorrupt
+from .records import (
+    MAX_DATA,
+    MAX_FILE_SIZE,
+    MAX_MODE,
+    MAX_PATH_BYTES,
+    MAX_RECORD_LENGTH,
+    MIN_LENGTH,
+    Create,
+    Delete,
+    Marker,
+    Mkdir,
+    Op,
+    Record,
+    RecordType,
+    Rename,
+    Rmdir,
+    SnapshotEnd,
+    Truncate,
+    Write,
+    validate_path,
+)
+
+__all__ = ["RECORD", "BODIES", "build_record", "parse_record"]
+
+
+class _Text(Adapter):
+    """u16 length + UTF-8 (surrogateescape: any byte string round-trips)."""
+
+    def _decode(self, obj: bytes, context: Any, path: Any) -> str:
+        return obj.decode("utf-8", "surrogateescape")
+
+    def _encode(self, obj: str, context: Any, path: Any) -> bytes:
+        return obj.encode("utf-8", "surrogateescape")
+
+
+class _PathAdapter(_Text):
+    """A path inside the namespace (records.validate_path: relative, no '.', '..', NUL)."""
+
+    def _decode(self, obj: bytes, context: Any, path: Any) -> str:
+        text = super()._decode(obj, context, path)
+        try:
+            return validate_path(text)
+        except ValueError as exc:
+            raise ConstructError(str(exc)) from None
+
+    def _encode(self, obj: str, context: Any, path: Any) -> bytes:
+        return super()._encode(validate_path(obj), context, path)
+
+
+Path = _PathAdapter(Prefixed(Int16ub, GreedyBytes))
+Label = _Text(Prefixed(Int16ub, GreedyBytes))
+Data = Prefixed(Int32ub, GreedyBytes)
+FileSize = Int64ub  # an offset or size: at most MAX_FILE_SIZE (checked in each body)
+Mode = Int32ub
+
+BODIES = {
+    RecordType.MKDIR: Struct("path" / Path, "mode" / Mode, Check(this.mode <= MAX_MODE)),
+    RecordType.RMDIR: Struct("path" / Path),
+    RecordType.CREATE: Struct("path" / Path, "mode" / Mode, Check(this.mode <= MAX_MODE)),
+    RecordType.WRITE: Struct("path" / Path, "offset" / FileSize, "data" / Data,
+                             Check(lambda c: len(c.data) <= MAX_DATA),
+                             Check(lambda c: c.offset + len(c.data) <= MAX_FILE_SIZE)),
+    RecordType.TRUNCATE: Struct("path" / Path, "size" / FileSize, Check(this.size <= MAX_FILE_SIZE)),
+    RecordType.RENAME: Struct("src" / Path, "dst" / Path, "overwrite" / OneOf(Int8ub, [0, 1])),
+    RecordType.DELETE: Struct("path" / Path),
+    RecordType.MARKER: Struct("label" / Label, Check(lambda c: len(c.label.encode("utf-8", "surrogateescape")) <= 255),
+                              "payload" / Data, Check(lambda c: len(c.payload) <= MAX_DATA)),
+    RecordType.SNAPSHOT_END: Struct("generation" / Int64ub),
+}
+
+#: One record. ``content`` is what the length counts and the CRC covers.
+RECORD = Struct(
+    "length" / Int32ub,
+    Check(lambda c: MIN_LENGTH <= c.length <= MAX_RECORD_LENGTH),
+    "crc" / Int32ub,
+    "content" / RawCopy(FixedSized(this.length, Struct(
+        "type" / OneOf(Int8ub, [int(t) for t in RecordType]),
+        "seq" / Int64ub,
+        "time_ns" / Int64ub,
+        "body" / Switch(this.type, BODIES),
+        Terminated,
+    ))),
+    Check(lambda c: crc32c(c.content.data) == c.crc),
+)
+
+_FIELDS = {  # op class -> (type, body fields in order)
+    Mkdir: (RecordType.MKDIR, ("path", "mode")), Rmdir: (RecordType.RMDIR, ("path",)),
+    Create: (RecordType.CREATE, ("path", "mode")), Write: (RecordType.WRITE, ("path", "offset", "data")),
+    Truncate: (RecordType.TRUNCATE, ("path", "size")), Rename: (RecordType.RENAME, ("src", "dst", "overwrite")),
+    Delete: (RecordType.DELETE, ("path",)), Marker: (RecordType.MARKER, ("label", "payload")),
+    SnapshotEnd: (RecordType.SNAPSHOT_END, ("generation",)),
+}
+_OPS = {typ: (cls, names) for cls, (typ, names) in _FIELDS.items()}
+
+
+def build_record(op: Op, seq: int, time_ns: int) -> bytes:
+    """The record's bytes, built from this definition (ValueError for what it refuses)."""
+    typ, names = _FIELDS[type(op)]
+    body = {n: (int(getattr(op, n)) if n == "overwrite" else getattr(op, n)) for n in names}
+    content = Struct("type" / Int8ub, "seq" / Int64ub, "time_ns" / Int64ub, "body" / BODIES[typ]).build(
+        {"type": int(typ), "seq": seq, "time_ns": time_ns, "body": body})
+    try:
+        return RECORD.build({"length": len(content), "crc": crc32c(content), "content": {"data": content}})
+    except ConstructError as exc:
+        raise ValueError(str(exc)) from None
+
+
+def parse_record(data: bytes, segment: str = "", offset: int = 0) -> Record:
+    """One whole record parsed by this definition; :class:`JournalCorrupt` if it is not one."""
+    try:
+        rec = RECORD.parse(data)
+    except ConstructError as exc:
+        raise JournalCorrupt(segment, offset, f"not a record by the layout: {exc}") from None
+    cls, names = _OPS[RecordType(rec.content.value.type)]
+    body = rec.content.value.body
+    fields = [bool(body[n]) if n == "overwrite" else body[n] for n in names]
+    op = cls(*fields)
+    return Record(rec.content.value.seq, rec.content.value.time_ns, op, segment, offset, 8 + rec.length)
