@@ -40,7 +40,7 @@ from .records import (
     MAX_DATA,
     MAX_FILE_SIZE,
     MAX_MODE,
-    MAX_PATH_BYTES,
+    MAX_LABEL_BYTES,
     MAX_RECORD_LENGTH,
     MIN_LENGTH,
     Create,
@@ -101,7 +101,7 @@ BODIES = {
     RecordType.TRUNCATE: Struct("path" / Path, "size" / FileSize, Check(this.size <= MAX_FILE_SIZE)),
     RecordType.RENAME: Struct("src" / Path, "dst" / Path, "overwrite" / OneOf(Int8ub, [0, 1])),
     RecordType.DELETE: Struct("path" / Path),
-    RecordType.MARKER: Struct("label" / Label, Check(lambda c: len(c.label.encode("utf-8", "surrogateescape")) <= 255),
+    RecordType.MARKER: Struct("label" / Label, Check(lambda c: len(c.label.encode("utf-8", "surrogateescape")) <= MAX_LABEL_BYTES),
                               "payload" / Data, Check(lambda c: len(c.payload) <= MAX_DATA)),
     RecordType.SNAPSHOT_END: Struct("generation" / Int64ub),
 }
