@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from spark_plugin import fs as sosfs
 from spark_plugin.fs import SOSFileSystem
+from support import tree_snapshot as local_snapshot
 
 _ns_counter = itertools.count()
 
@@ -67,18 +68,6 @@ def env(server, tmp_path_factory):
     yield e
     sosfs.close_all()
 
-
-def local_snapshot(root):
-    """{relative path: bytes for files, None for directories} of a local tree."""
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        rel = os.path.relpath(dirpath, root)
-        for d in dirnames:
-            out[os.path.normpath(os.path.join(rel, d))] = None
-        for f in filenames:
-            with open(os.path.join(dirpath, f), "rb") as fh:
-                out[os.path.normpath(os.path.join(rel, f))] = fh.read()
-    return out
 
 
 def fs_snapshot(fs, top):

@@ -20,6 +20,7 @@ import requests
 from spark_plugin.gateway import GatewayProcess
 from spark_plugin.gateway_auth import TokenAuthority
 from spark_plugin.spark import sos_command
+from support import tree_snapshot as tree_of
 
 NS = "gw"
 
@@ -85,17 +86,6 @@ def restore(server, key, target):
     return target
 
 
-def tree_of(root):
-    out = {}
-    for dirpath, _dirnames, filenames in os.walk(root):
-        rel = os.path.relpath(dirpath, root)
-        if rel != ".":
-            out[rel + "/"] = None
-        for name in filenames:
-            with open(os.path.join(dirpath, name), "rb") as f:
-                out[os.path.normpath(os.path.join(rel, name))] = f.read()
-    return out
-
 
 def remote(r):
     assert "content-type" not in r.headers
@@ -130,7 +120,7 @@ def test_fsspec_webhdfs_writes_renames_deletes_lists_reads_and_restore_agrees(gw
     assert fs.cat("/data/renamed.txt") == b"hello"
     assert not fs.exists("/data/gone.txt")
     request_session.close()
-    expected = {"data/": None, "data/sub/": None, "data/a.bin": big, "data/renamed.txt": b"hello"}
+    expected = {"data": None, "data/sub": None, "data/a.bin": big, "data/renamed.txt": b"hello"}
     assert tree_of(gw.proc.cache_dir + "/tree") == expected
     assert gw.stop() == 0
     # the journal on the server holds the same tree
@@ -497,7 +487,7 @@ def test_rename_replies_only_once_durable_on_the_server(sos_server, tmp_path):
     finally:
         g.proc.kill()  # every disk of the gateway burns right after the reply
     assert tree_of(restore(sos_server, g.key, tmp_path / "r")) == {
-        "d/": None, "d/0": b"batch 0 committed"}
+        "d": None, "d/0": b"batch 0 committed"}
 
 
 def test_a_file_acknowledged_before_the_gateway_is_lost_is_whole_behind_its_replacement(
@@ -566,7 +556,7 @@ def test_truncate_replies_only_once_durable_on_the_server(sos_server, tmp_path):
         assert replies and replies[0].status_code == 200, replies
     finally:
         g.proc.kill()
-    assert tree_of(restore(sos_server, g.key, tmp_path / "r")) == {"t/": None, "t/f": b"0123"}
+    assert tree_of(restore(sos_server, g.key, tmp_path / "r")) == {"t": None, "t/f": b"0123"}
 
 
 def test_async_mode_does_not_wait_for_the_server(sos_server, tmp_path):
@@ -582,7 +572,7 @@ def test_async_mode_does_not_wait_for_the_server(sos_server, tmp_path):
             os.kill(sos_server.pid, signal.SIGCONT)
     finally:
         assert g.stop() == 0  # the final flush ships it
-    assert tree_of(restore(sos_server, g.key, tmp_path / "r")) == {"a/": None, "a/0": b"x"}
+    assert tree_of(restore(sos_server, g.key, tmp_path / "r")) == {"a": None, "a/0": b"x"}
 
 
 # ---------------------------------------------------------------------------- (f) memory

@@ -31,6 +31,7 @@ from spark_plugin.gateway_client import GatewayClient
 from spark_plugin.spark import restore_to_batch, sos_command
 from tools.demo import (check_output, committed_batches, gateway_committed_batches, kill_tree,
                         make_input, start_driver, tail, wait_for)
+from support import tree_snapshot as local_tree
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.timeout(2400)]
 
@@ -67,17 +68,6 @@ def served_tree(client: GatewayClient, rel: str = "") -> dict[str, bytes | None]
             tree[child] = data
     return tree
 
-
-def local_tree(root: str) -> dict[str, bytes | None]:
-    tree: dict[str, bytes | None] = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        rel = os.path.relpath(dirpath, root)
-        for d in dirnames:
-            tree[os.path.normpath(os.path.join(rel, d))] = None
-        for f in filenames:
-            with open(os.path.join(dirpath, f), "rb") as fh:
-                tree[os.path.normpath(os.path.join(rel, f))] = fh.read()
-    return tree
 
 
 @pytest.mark.parametrize("state_store", sorted(STATE_STORES))

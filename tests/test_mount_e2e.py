@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import itertools
 import os
 import signal
 import stat
@@ -25,6 +26,7 @@ import pytest
 pytest.importorskip("pyfuse3")
 
 from spark_plugin.mount import MountProcess, is_mounted  # noqa: E402
+from support import tree_snapshot as snapshot  # noqa: E402
 
 pytestmark = [
     pytest.mark.fuse,
@@ -32,30 +34,41 @@ pytestmark = [
     pytest.mark.timeout(240),
 ]
 
-NS = "mnt"
 
 
 # --------------------------------------------------------------------------- fixtures
 
 
-@pytest.fixture
-def server(sos_server):
-    """The shared real sos-server process (tests/conftest.py)."""
-    return sos_server
+_namespaces = itertools.count()
 
 
 @pytest.fixture
-def key(server):
-    return server.keygen(NS, "append")
+def server(server, request):
+    """The module's shared sos-server (conftest); a test marked ``own_server`` (it kills its
+    server) gets one of its own."""
+    if request.node.get_closest_marker("own_server"):
+        return request.getfixturevalue("sos_server")
+    return server
 
 
 @pytest.fixture
-def mounts(tmp_path, server, key):
+def ns():
+    """A namespace of this test's own on the module's shared server (conftest ``server``)."""
+    return f"mnt{next(_namespaces)}-{os.getpid()}"
+
+
+@pytest.fixture
+def key(server, ns):
+    return server.keygen(ns, "append")
+
+
+@pytest.fixture
+def mounts(tmp_path, server, key, ns):
     """Factory of MountProcess objects; every mount is stopped and unmounted at teardown."""
     started = []
 
     def make(name="m", cache=None, sync=True, start=True, writeback=False, extra_args=()):
-        mp = MountProcess(NS, str(tmp_path / f"mnt-{name}"),
+        mp = MountProcess(ns, str(tmp_path / f"mnt-{name}"),
                           str(cache or tmp_path / f"cache-{name}"), server.address, key,
                           sync=sync, log_path=str(tmp_path / f"mount-{name}-{len(started)}.log"),
                           extra_args=(["--writeback-cache"] if writeback else [])
@@ -77,26 +90,14 @@ def mounts(tmp_path, server, key):
 # --------------------------------------------------------------------------- helpers
 
 
-def snapshot(root):
-    """{relative path: None (directory) | bytes (file)} of everything below root."""
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        rel = os.path.relpath(dirpath, root)
-        for d in dirnames:
-            out[os.path.normpath(os.path.join(rel, d))] = None
-        for f in filenames:
-            with open(os.path.join(dirpath, f), "rb") as fh:
-                out[os.path.normpath(os.path.join(rel, f))] = fh.read()
-    return out
 
-
-def restored(server, key, tmp_path):
+def restored(server, key, tmp_path, ns):
     """Restore the namespace from the server into a fresh directory; return its snapshot."""
     from sos_client import Client
     from sos_client.journal.restore import restore
 
     target = tmp_path / f"restored-{uuid.uuid4().hex[:8]}"
-    restore(lambda: Client(server.address, key, NS), NS, str(target))
+    restore(lambda: Client(server.address, key, ns), ns, str(target))
     return snapshot(target)
 
 
@@ -153,7 +154,7 @@ def spark_write(root, rel, data, *, overwrite):
 
 
 @pytest.mark.parametrize("writeback", [False, True], ids=["direct", "writeback"])
-def test_create_write_read_back_then_restore(mounts, server, key, tmp_path, writeback):
+def test_create_write_read_back_then_restore(mounts, server, key, tmp_path, writeback, ns):
     mp = mounts(writeback=writeback)
     assert ("writeback cache" in mp.log()) == writeback
     m = mp.mountpoint
@@ -177,10 +178,10 @@ def test_create_write_read_back_then_restore(mounts, server, key, tmp_path, writ
     assert read_file(os.path.join(m, "dir", "sub", "big.bin")) == big
     assert snapshot(m) == expected
     durable(m)
-    assert restored(server, key, tmp_path) == expected
+    assert restored(server, key, tmp_path, ns) == expected
 
 
-def test_rename_replace_and_noreplace(mounts, server, key, tmp_path):
+def test_rename_replace_and_noreplace(mounts, server, key, tmp_path, ns):
     m = mounts().mountpoint
     write_file(os.path.join(m, "a"), b"AAA")
     write_file(os.path.join(m, "b"), b"BBB")
@@ -197,10 +198,10 @@ def test_rename_replace_and_noreplace(mounts, server, key, tmp_path):
     expected = {"b": b"AAA", "d2": None, "d2/x": None, "d2/x/f": b"F"}
     assert snapshot(m) == expected
     durable(m)
-    assert restored(server, key, tmp_path) == expected
+    assert restored(server, key, tmp_path, ns) == expected
 
 
-def test_unlink_mkdir_rmdir_readdir(mounts, server, key, tmp_path):
+def test_unlink_mkdir_rmdir_readdir(mounts, server, key, tmp_path, ns):
     m = mounts().mountpoint
     os.mkdir(os.path.join(m, "d"))
     for i in range(50):
@@ -222,10 +223,10 @@ def test_unlink_mkdir_rmdir_readdir(mounts, server, key, tmp_path):
     expected = {"d": None, **{f"d/f{i:03d}": str(i).encode() for i in range(1, 50, 2)}}
     assert snapshot(m) == expected
     durable(m)
-    assert restored(server, key, tmp_path) == expected
+    assert restored(server, key, tmp_path, ns) == expected
 
 
-def test_chmod_utime_truncate_statfs_fsync(mounts, server, key, tmp_path):
+def test_chmod_utime_truncate_statfs_fsync(mounts, server, key, tmp_path, ns):
     m = mounts().mountpoint
     p = os.path.join(m, "f")
     write_file(p, b"0123456789")
@@ -253,10 +254,10 @@ def test_chmod_utime_truncate_statfs_fsync(mounts, server, key, tmp_path):
     expected = {"f": b"0123\0\0!", "g": b"y"}
     assert snapshot(m) == expected
     durable(m)
-    assert restored(server, key, tmp_path) == expected
+    assert restored(server, key, tmp_path, ns) == expected
 
 
-def test_spark_checkpoint_pattern_many_files(mounts, server, key, tmp_path):
+def test_spark_checkpoint_pattern_many_files(mounts, server, key, tmp_path, ns):
     """Metadata logs rename without overwrite, state files with overwrite, old files deleted."""
     m = mounts().mountpoint
     chk = os.path.join(m, "chk")
@@ -290,13 +291,13 @@ def test_spark_checkpoint_pattern_many_files(mounts, server, key, tmp_path):
     assert sorted(os.listdir(os.path.join(chk, "state/0/0"))) == sorted(
         f"{v}.delta" for v in range(16, 26))
     durable(m)
-    assert restored(server, key, tmp_path) == got
+    assert restored(server, key, tmp_path, ns) == got
 
 
 # --------------------------------------------------------------------------- process life
 
 
-def test_sigterm_unmounts_cleanly_and_remount_resumes(mounts, server, key, tmp_path):
+def test_sigterm_unmounts_cleanly_and_remount_resumes(mounts, server, key, tmp_path, ns):
     mp = mounts("a")
     write_file(os.path.join(mp.mountpoint, "one"), b"1")
     busy = os.open(os.path.join(mp.mountpoint, "one"), os.O_RDONLY)  # still open at SIGTERM
@@ -313,10 +314,10 @@ def test_sigterm_unmounts_cleanly_and_remount_resumes(mounts, server, key, tmp_p
     again.proc.send_signal(signal.SIGINT)
     assert again.proc.wait(120) == 0
     assert not is_mounted(again.mountpoint)
-    assert restored(server, key, tmp_path) == {"one": b"1", "two": b"2"}
+    assert restored(server, key, tmp_path, ns) == {"one": b"1", "two": b"2"}
 
 
-def test_sigkill_then_remount_on_empty_cache_restores(mounts, server, key, tmp_path):
+def test_sigkill_then_remount_on_empty_cache_restores(mounts, server, key, tmp_path, ns):
     mp = mounts("a")
     m = mp.mountpoint
     os.makedirs(os.path.join(m, "chk", "commits"))
@@ -338,10 +339,10 @@ def test_sigkill_then_remount_on_empty_cache_restores(mounts, server, key, tmp_p
     assert got == {"chk": None, "chk/commits": None, **data}
     write_file(os.path.join(fresh.mountpoint, "chk", "after"), b"after the crash")
     assert fresh.stop() == 0
-    assert restored(server, key, tmp_path) == {**got, "chk/after": b"after the crash"}
+    assert restored(server, key, tmp_path, ns) == {**got, "chk/after": b"after the crash"}
 
 
-def test_mount_over_a_tree_made_by_sos_restore(mounts, server, key, tmp_path):
+def test_mount_over_a_tree_made_by_sos_restore(mounts, server, key, tmp_path, ns):
     """What the demo's new worker does: `sos restore` into its empty cache's tree
     directory, then `sos mount` on that cache. The tree is served as restored, the mount
     starts a new generation whose snapshot is that tree, and the journal goes on from it."""
@@ -357,26 +358,26 @@ def test_mount_over_a_tree_made_by_sos_restore(mounts, server, key, tmp_path):
     first.kill()  # the worker is lost (its cache is simply not used again)
 
     cache = tmp_path / "cache-b"
-    proc = subprocess.run(sos_command() + ["restore", "-q", "--server", server.address, NS,
+    proc = subprocess.run(sos_command() + ["restore", "-q", "--server", server.address, ns,
                                            str(cache / "tree")],
                           capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, SOS_KEY=key))
     assert proc.returncode == 0, proc.stderr
     assert snapshot(cache / "tree") == before
-    with Client(server.address, key, NS) as client:
+    with Client(server.address, key, ns) as client:
         gens_before = max(list_generations(client))
     second = mounts("b", cache=cache)
     assert "rebuilt from the server" not in second.log()  # served as restored, not rebuilt
     assert snapshot(second.mountpoint) == before
-    with Client(server.address, key, NS) as client:
+    with Client(server.address, key, ns) as client:
         gens = list_generations(client)
     assert max(gens) == gens_before + 1 and gens[max(gens)].ready
     spark_write(second.mountpoint, "chk/commits/3", b"c3", overwrite=False)
     assert second.stop() == 0
-    assert restored(server, key, tmp_path) == {**before, "chk/commits/3": b"c3"}
+    assert restored(server, key, tmp_path, ns) == {**before, "chk/commits/3": b"c3"}
 
 
-def test_generation_bytes_option_starts_new_generations(mounts, server, key, tmp_path):
+def test_generation_bytes_option_starts_new_generations(mounts, server, key, tmp_path, ns):
     """--generation-bytes 64K: writing ~300 KB makes several generations, every one ready;
     the restore (from the newest, a snapshot plus what followed) equals the tree."""
     from sos_client import Client
@@ -390,17 +391,17 @@ def test_generation_bytes_option_starts_new_generations(mounts, server, key, tmp
             os.unlink(os.path.join(m, "chk", "offsets", str(i - 3)))
     expected = snapshot(m)
     durable(m)
-    with Client(server.address, key, NS) as client:
+    with Client(server.address, key, ns) as client:
         gens = list_generations(client)
     assert len(gens) >= 4 and all(g.ready for g in gens.values())
-    assert restored(server, key, tmp_path) == expected
+    assert restored(server, key, tmp_path, ns) == expected
     assert sorted(expected) == ["chk", "chk/offsets"] + [f"chk/offsets/{i}" for i in range(12, 15)]
 
 
-def test_cli_generation_bytes_must_be_a_positive_size(tmp_path, server):
+def test_cli_generation_bytes_must_be_a_positive_size(tmp_path, server, ns):
     env = dict(os.environ, SOS_KEY="k")
     for bad in ("0", "lots"):
-        proc = subprocess.run([sys.executable, "-m", "spark_plugin.cli_mount", NS,
+        proc = subprocess.run([sys.executable, "-m", "spark_plugin.cli_mount", ns,
                                str(tmp_path), "--server", server.address,
                                "--generation-bytes", bad],
                               capture_output=True, text=True, env=env, timeout=60)
@@ -473,7 +474,7 @@ def owner(path):
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root (the sidecar's situation)")
 def test_non_root_user_owns_what_it_creates_and_others_are_refused(mounts, server, key,
-                                                                   tmp_path):
+                                                                   tmp_path, ns):
     """The sidecar runs as root, Spark as uid 185: --owner gives 185 the root directory;
     what 185 creates is 185's (cache too); another user is refused by the kernel's
     permission checks; an empty cache rebuilt from the server is 185's again."""
@@ -520,7 +521,7 @@ def test_non_root_user_owns_what_it_creates_and_others_are_refused(mounts, serve
                 "checkpoint/by-root": b"r"}
     assert snapshot(m) == expected
     durable(m)
-    assert restored(server, key, tmp_path) == expected
+    assert restored(server, key, tmp_path, ns) == expected
     # the worker is lost: a mount on an empty cache rebuilds the tree, all of it 185's
     mp.kill()
     fresh = mounts("b", extra_args=["--owner", spark])
@@ -532,7 +533,7 @@ def test_non_root_user_owns_what_it_creates_and_others_are_refused(mounts, serve
                   ["write", "checkpoint/commits/0", "c0"])
     assert out["mkdir:checkpoint/commits"] == out["write:checkpoint/commits/0:c0"] == "ok"
     assert fresh.stop() == 0
-    assert restored(server, key, tmp_path) == {**expected, "checkpoint/commits": None,
+    assert restored(server, key, tmp_path, ns) == {**expected, "checkpoint/commits": None,
                                                "checkpoint/commits/0": b"c0"}
 
 
@@ -554,9 +555,9 @@ def test_without_owner_the_root_directory_is_the_mounts_and_setgid_is_inherited(
     assert os.stat(os.path.join(m, "shared", "d")).st_mode & stat.S_ISGID
 
 
-def test_cli_owner_option_is_checked(tmp_path, server):
+def test_cli_owner_option_is_checked(tmp_path, server, ns):
     env = dict(os.environ, SOS_KEY="k")
-    proc = subprocess.run([sys.executable, "-m", "spark_plugin.cli_mount", NS, str(tmp_path),
+    proc = subprocess.run([sys.executable, "-m", "spark_plugin.cli_mount", ns, str(tmp_path),
                            "--server", server.address, "--owner", "no-such-user-sos"],
                           capture_output=True, text=True, env=env, timeout=60)
     assert proc.returncode == 2 and "unknown user or group" in proc.stderr
@@ -580,30 +581,30 @@ class FakeSpark:
         self.streams = Streams()
 
 
-def test_journaled_checkpoint_mounts_if_needed_and_reuses_a_live_mount(server, key, tmp_path):
+def test_journaled_checkpoint_mounts_if_needed_and_reuses_a_live_mount(server, key, tmp_path, ns):
     """A live SOS mount of the namespace (a sidecar's) is reused: only the listener is
     registered; another namespace or another file system there is a clear error."""
     from spark_plugin.spark import MarkerListener, journaled_checkpoint, mounted_namespace
 
     mnt = str(tmp_path / "mnt")
     spark = FakeSpark()
-    first = journaled_checkpoint(spark, NS, server=server.address, key=key, mountpoint=mnt,
+    first = journaled_checkpoint(spark, ns, server=server.address, key=key, mountpoint=mnt,
                                  cache_dir=str(tmp_path / "cache"))
     try:
         assert not first.reused and first.mount.pid is not None
-        assert mounted_namespace(mnt) == NS
+        assert mounted_namespace(mnt) == ns
         with open(os.path.join(mnt, ".sos", "namespace")) as f:
-            assert f.read() == NS + "\n"
+            assert f.read() == ns + "\n"
         write_file(os.path.join(first, "metadata"), b"{}")
-        again = journaled_checkpoint(spark, NS, mountpoint=mnt)  # no server, no key needed
+        again = journaled_checkpoint(spark, ns, mountpoint=mnt)  # no server, no key needed
         assert again.reused and again.mount is None
         assert str(again) == str(first) and again.relpath == "checkpoint"
         assert [type(x) for x in spark.listeners] == [MarkerListener, MarkerListener]
         assert spark.listeners[1].mountpoint == os.path.abspath(mnt)
         assert read_file(os.path.join(again, "metadata")) == b"{}"
         again.stop()  # not ours: left alone
-        assert is_mounted(mnt) and mounted_namespace(mnt) == NS
-        with pytest.raises(ValueError, match="namespace 'mnt', not 'other'"):
+        assert is_mounted(mnt) and mounted_namespace(mnt) == ns
+        with pytest.raises(ValueError, match=f"namespace '{ns}', not 'other'"):
             journaled_checkpoint(spark, "other", server=server.address, key=key,
                                  mountpoint=mnt)
         # what deploy/spark_job.py does in the Spark image: neither pyfuse3, trio nor the
@@ -614,7 +615,7 @@ def test_journaled_checkpoint_mounts_if_needed_and_reuses_a_live_mount(server, k
                          "spark_plugin.mount"):
                 sys.modules[name] = None  # importing it fails
             from spark_plugin.spark import journaled_checkpoint
-            loc = journaled_checkpoint(None, {NS!r}, mountpoint={mnt!r})
+            loc = journaled_checkpoint(None, {ns!r}, mountpoint={mnt!r})
             print(loc.reused, loc)
             """)
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -624,12 +625,12 @@ def test_journaled_checkpoint_mounts_if_needed_and_reuses_a_live_mount(server, k
     finally:
         assert first.mount.stop() == 0
     with pytest.raises(ValueError, match="server= and key= are needed"):
-        journaled_checkpoint(spark, NS, mountpoint=mnt)
+        journaled_checkpoint(spark, ns, mountpoint=mnt)
     assert len(spark.listeners) == 2
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
-def test_journaled_checkpoint_refuses_a_mount_that_is_not_sos(tmp_path):
+def test_journaled_checkpoint_refuses_a_mount_that_is_not_sos(tmp_path, ns):
     from spark_plugin.spark import journaled_checkpoint
 
     mnt = tmp_path / "tmpfs"
@@ -639,7 +640,7 @@ def test_journaled_checkpoint_refuses_a_mount_that_is_not_sos(tmp_path):
         pytest.skip(f"cannot mount a tmpfs: {proc.stderr!r}")
     try:
         with pytest.raises(ValueError, match=r"not an SOS mount \(tmpfs\)"):
-            journaled_checkpoint(None, NS, server="127.0.0.1:1", key="k", mountpoint=str(mnt))
+            journaled_checkpoint(None, ns, server="127.0.0.1:1", key="k", mountpoint=str(mnt))
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
 
@@ -647,7 +648,7 @@ def test_journaled_checkpoint_refuses_a_mount_that_is_not_sos(tmp_path):
 _KILLED_DRIVER = r"""
 import os, signal, sys
 from spark_plugin.spark import journaled_checkpoint
-loc = journaled_checkpoint(None, "mnt", server=sys.argv[1], key=os.environ["SOS_KEY"],
+loc = journaled_checkpoint(None, sys.argv[4], server=sys.argv[1], key=os.environ["SOS_KEY"],
                            mountpoint=sys.argv[2], cache_dir=sys.argv[3])
 os.makedirs(os.path.join(loc, "commits"))
 with open(os.path.join(loc, "commits", ".0.tmp"), "w") as f:
@@ -677,7 +678,7 @@ def _wait_gone(pid, deadline=120.0):
         time.sleep(0.05)
 
 
-def test_journaled_checkpoint_reuses_the_mount_a_killed_driver_left(server, key, tmp_path):
+def test_journaled_checkpoint_reuses_the_mount_a_killed_driver_left(server, key, tmp_path, ns):
     from spark_plugin.spark import journaled_checkpoint
 
     mnt = str(tmp_path / "mnt")
@@ -685,12 +686,12 @@ def test_journaled_checkpoint_reuses_the_mount_a_killed_driver_left(server, key,
     orphan = None
     try:
         proc = subprocess.run([sys.executable, "-c", _KILLED_DRIVER, server.address, mnt,
-                               str(tmp_path / "cache")], capture_output=True, text=True,
+                               str(tmp_path / "cache"), ns], capture_output=True, text=True,
                               env=env, timeout=180)
         assert proc.returncode == -signal.SIGKILL, proc.stderr
         orphan = int(proc.stdout.split()[0])
         assert is_mounted(mnt)
-        loc = journaled_checkpoint(FakeSpark(), NS, server=server.address, key=key,
+        loc = journaled_checkpoint(FakeSpark(), ns, server=server.address, key=key,
                                    mountpoint=mnt, cache_dir=str(tmp_path / "other-cache"))
         assert loc.reused  # not a second mount (that would fence the first)
         assert read_file(os.path.join(loc, "commits", "0")) == b"v1"
@@ -702,12 +703,12 @@ def test_journaled_checkpoint_reuses_the_mount_a_killed_driver_left(server, key,
             _wait_gone(orphan)
         if is_mounted(mnt):
             subprocess.run(["fusermount3", "-u", "-z", mnt], capture_output=True)
-    assert restored(server, key, tmp_path) == {
+    assert restored(server, key, tmp_path, ns) == {
         "checkpoint": None, "checkpoint/commits": None,
         "checkpoint/commits/0": b"v1", "checkpoint/commits/1": b"v1 again"}
 
 
-def test_journaled_checkpoint_replaces_a_dead_mount(mounts, server, key, tmp_path):
+def test_journaled_checkpoint_replaces_a_dead_mount(mounts, server, key, tmp_path, ns):
     from spark_plugin.spark import journaled_checkpoint, mounted_namespace
 
     mp = mounts("a")
@@ -715,7 +716,7 @@ def test_journaled_checkpoint_replaces_a_dead_mount(mounts, server, key, tmp_pat
     mp.proc.kill()  # the mount dies, its mount point stays (ENOTCONN)
     mp.proc.wait()
     assert is_mounted(mp.mountpoint) and mounted_namespace(mp.mountpoint) is None
-    loc = journaled_checkpoint(None, NS, server=server.address, key=key,
+    loc = journaled_checkpoint(None, ns, server=server.address, key=key,
                                mountpoint=mp.mountpoint, cache_dir=str(tmp_path / "cache-b"))
     try:
         assert not loc.reused
@@ -725,7 +726,7 @@ def test_journaled_checkpoint_replaces_a_dead_mount(mounts, server, key, tmp_pat
 
 
 @pytest.mark.parametrize("writeback", [False, True], ids=["direct", "writeback"])
-def test_second_mount_fences_the_first(mounts, server, key, tmp_path, writeback):
+def test_second_mount_fences_the_first(mounts, server, key, tmp_path, writeback, ns):
     first = mounts("a", writeback=writeback)
     write_file(os.path.join(first.mountpoint, "shared"), b"from first")
     second = mounts("b")  # same namespace, its own (empty) cache: restores, then fences
@@ -740,16 +741,16 @@ def test_second_mount_fences_the_first(mounts, server, key, tmp_path, writeback)
     write_file(os.path.join(second.mountpoint, "winner"), b"from second")
     assert second.stop() == 0
     first.stop()
-    assert restored(server, key, tmp_path) == {"shared": b"from first", "winner": b"from second"}
+    assert restored(server, key, tmp_path, ns) == {"shared": b"from first", "winner": b"from second"}
     # The fenced mount's cache diverged ("late" exists only there): it is never used again.
     stale = mounts("a", cache=first.cache_dir, start=False)
     with pytest.raises(RuntimeError):
         stale.start()
     assert "stale" in stale.log() and not is_mounted(stale.mountpoint)
-    assert restored(server, key, tmp_path) == {"shared": b"from first", "winner": b"from second"}
+    assert restored(server, key, tmp_path, ns) == {"shared": b"from first", "winner": b"from second"}
 
 
-def test_async_mode_flushes_on_sigterm(mounts, server, key, tmp_path):
+def test_async_mode_flushes_on_sigterm(mounts, server, key, tmp_path, ns):
     mp = mounts("a", sync=False)
     assert "(async)" in mp.log()
     expected = {}
@@ -757,7 +758,7 @@ def test_async_mode_flushes_on_sigterm(mounts, server, key, tmp_path):
         expected[f"f{i}"] = os.urandom(5000)
         spark_write(mp.mountpoint, f"f{i}", expected[f"f{i}"], overwrite=True)
     assert mp.stop() == 0
-    assert restored(server, key, tmp_path) == expected
+    assert restored(server, key, tmp_path, ns) == expected
 
 
 def test_remount_over_a_dead_mount_detaches_it(mounts, server, key, tmp_path):
@@ -773,18 +774,18 @@ def test_remount_over_a_dead_mount_detaches_it(mounts, server, key, tmp_path):
     assert not is_mounted(again.mountpoint)
 
 
-def test_cli_refuses_missing_key_and_bad_mountpoint(tmp_path, server):
+def test_cli_refuses_missing_key_and_bad_mountpoint(tmp_path, server, ns):
     env = {k: v for k, v in os.environ.items() if k != "SOS_KEY"}
-    out = subprocess.run([sys.executable, "-m", "spark_plugin.cli_mount", NS, str(tmp_path),
+    out = subprocess.run([sys.executable, "-m", "spark_plugin.cli_mount", ns, str(tmp_path),
                           "--server", server.address], env=env, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 1 and out.stderr.startswith("sos: no key given")
     keyed = dict(env, SOS_KEY="0" * 16 + "." + "0" * 64)
-    out = subprocess.run([sys.executable, "-m", "sos_client.cli", "mount", "Bad/NS", str(tmp_path),
+    out = subprocess.run([sys.executable, "-m", "sos_client.cli", "mount", "Bad/ns", str(tmp_path),
                           "--server", server.address],
                          env=keyed, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "sos:" in out.stderr
-    out = subprocess.run([sys.executable, "-m", "spark_plugin.cli_mount", NS,
+    out = subprocess.run([sys.executable, "-m", "spark_plugin.cli_mount", ns,
                           str(tmp_path / "missing"), "--server", server.address,
                           "--cache", str(tmp_path / "c")],
                          env=keyed, capture_output=True, text=True, timeout=120)
@@ -792,7 +793,7 @@ def test_cli_refuses_missing_key_and_bad_mountpoint(tmp_path, server):
     assert not is_mounted(str(tmp_path / "missing"))
 
 
-def test_marker_control_file_then_restore_to_batch(mounts, server, key, tmp_path):
+def test_marker_control_file_then_restore_to_batch(mounts, server, key, tmp_path, ns):
     """`.sos/marker` appends MARKER records; restore(batch=...) stops at one of them."""
     import json
 
@@ -813,12 +814,12 @@ def test_marker_control_file_then_restore_to_batch(mounts, server, key, tmp_path
             os.close(fd)
     assert "marker" not in str(sorted(os.listdir(m)))  # nothing visible in the tree
     target = tmp_path / "at-batch-2"
-    restore(lambda: Client(server.address, key, NS), NS, str(target), batch=("chk", 2))
+    restore(lambda: Client(server.address, key, ns), ns, str(target), batch=("chk", 2))
     assert snapshot(target) == {"chk": None, "chk/commits": None,
                                 **{f"chk/commits/{b}": b"v1\n{}" for b in range(3)}}
 
 
-def test_second_mount_on_the_same_cache_is_refused(mounts, server, key, tmp_path):
+def test_second_mount_on_the_same_cache_is_refused(mounts, server, key, tmp_path, ns):
     first = mounts("a")
     write_file(os.path.join(first.mountpoint, "f"), b"1")
     second = mounts("b", cache=first.cache_dir, start=False)
@@ -828,7 +829,7 @@ def test_second_mount_on_the_same_cache_is_refused(mounts, server, key, tmp_path
     assert "sos: mount failed" in second.log()
     write_file(os.path.join(first.mountpoint, "g"), b"2")  # the first one is unaffected
     assert first.stop() == 0
-    assert restored(server, key, tmp_path) == {"f": b"1", "g": b"2"}
+    assert restored(server, key, tmp_path, ns) == {"f": b"1", "g": b"2"}
 
 
 # --------------------------------------------------------------------------- model and concurrency
@@ -868,7 +869,7 @@ def _apply(root, op, a):
 
 @pytest.mark.parametrize("seed,writeback", [(1, False), (2, False), (3, True)])
 def test_random_operations_behave_like_a_local_directory(mounts, server, key, tmp_path, seed,
-                                                         writeback):
+                                                         writeback, ns):
     """Seeded random sequences: every outcome (errno included) equals a plain directory's;
     the final tree, and its restore from the server, equal the plain directory."""
     import random
@@ -897,10 +898,10 @@ def test_random_operations_behave_like_a_local_directory(mounts, server, key, tm
         assert got == want, (step, op, args[:2] if op != "write_whole" else args[:1])
     assert snapshot(m) == snapshot(ref)
     durable(m)
-    assert restored(server, key, tmp_path) == snapshot(ref)
+    assert restored(server, key, tmp_path, ns) == snapshot(ref)
 
 
-def test_concurrent_writers_all_land(mounts, server, key, tmp_path):
+def test_concurrent_writers_all_land(mounts, server, key, tmp_path, ns):
     """Driver and executors write at once: every file is there, locally and after restore."""
     import threading
 
@@ -928,10 +929,11 @@ def test_concurrent_writers_all_land(mounts, server, key, tmp_path):
     want = {"state": None, **{f"state/{w}": None for w in range(4)}, **expected}
     assert snapshot(m) == want
     durable(m)
-    assert restored(server, key, tmp_path) == want
+    assert restored(server, key, tmp_path, ns) == want
 
 
-def test_server_crash_while_mounted_blocks_then_completes(mounts, server, key, tmp_path):
+@pytest.mark.own_server
+def test_server_crash_while_mounted_blocks_then_completes(mounts, server, key, tmp_path, ns):
     """Sync mode: a rename issued while the server is down returns once it is back."""
     import threading
 
@@ -952,5 +954,5 @@ def test_server_crash_while_mounted_blocks_then_completes(mounts, server, key, t
     t.join(180)
     assert not t.is_alive() and not errors
     assert read_file(os.path.join(m, "commit-0")) == b"written while the server was down"
-    assert restored(server, key, tmp_path) == {
+    assert restored(server, key, tmp_path, ns) == {
         "before": b"durable before the crash", "commit-0": b"written while the server was down"}
