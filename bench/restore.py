@@ -99,6 +99,7 @@ def prepare(work: str, address: str, key: str, ns: str, n_small: int, n_large: i
     generation 1's snapshot. Returns the tree and a client factory for ``restore()``."""
     from sos_client import Client
     from sos_client.journal import JournaledTree, JournalWriter
+    from sos_client.journal.restore import rebuild_cache
 
     src = os.path.join(work, "src")
     t0 = time.monotonic()
@@ -112,7 +113,7 @@ def prepare(work: str, address: str, key: str, ns: str, n_small: int, n_large: i
     shutil.copytree(src, cache)
     t0 = time.monotonic()
     w = JournalWriter(fac, ns, os.path.join(work, "spool"), generation_bytes=1 << 40)
-    JournaledTree(cache, w).close()
+    JournaledTree(cache, w, rebuild=rebuild_cache).open().close()
     tree.journal_s = time.monotonic() - t0
     say(f"journaled into sos-server in {tree.journal_s:.1f}s ({total / 2**20 / tree.journal_s:.0f} MiB/s)")
     shutil.rmtree(cache)

@@ -20,6 +20,7 @@ from sos_client import Client
 from sos_client import errors as cerr
 from sos_client.errors import is_fenced, is_retryable, to_oserror
 from sos_client.journal import JournaledTree, JournalWriter
+from sos_client.journal.restore import rebuild_cache
 from sos_client.journal.errors import (
     JournalCorrupt,
     JournalError,
@@ -233,7 +234,7 @@ def test_replicator_stops_on_an_error_that_is_not_retryable(tmp_path, exc):
     store, calls = MemStore(), []
     w = JournalWriter(lambda: _Faulty(store.client(), "append", exc, calls), "ns", str(tmp_path / "spool"),
                       sync=False)
-    t = JournaledTree(str(tmp_path / "cache"), w)  # opens the writer; the first snapshot waits in the spool
+    t = JournaledTree(str(tmp_path / "cache"), w, rebuild=rebuild_cache).open()  # opens the writer; the first snapshot waits in the spool
     try:
         with pytest.raises(JournalError, match="replicator stopped") as info:
             w.barrier(timeout=WAIT)
@@ -250,7 +251,7 @@ def test_replicator_retries_a_connection_loss(tmp_path):
     store = MemStore()
     store.fail_appends = 2  # the first two appends land but their acks are lost
     w = JournalWriter(store.factory, "ns", str(tmp_path / "spool"))
-    t = JournaledTree(str(tmp_path / "cache"), w)
+    t = JournaledTree(str(tmp_path / "cache"), w, rebuild=rebuild_cache).open()
     t.mkdir("d")
     t.sync(wait=True)
     assert w.reconnects == 2
@@ -312,7 +313,7 @@ def test_server_bad_request_stops_the_writer_with_a_journal_error(sos_server, tm
     spool = str(tmp_path / "spool")
     w = JournalWriter(lambda: Client(sos_server.address, key_a, ns_a, timeout=60), ns_a, spool,
                       generation_bytes=200)
-    t = JournaledTree(str(tmp_path / "cache"), w)
+    t = JournaledTree(str(tmp_path / "cache"), w, rebuild=rebuild_cache).open()
     t.create("f")
     t.write("f", 0, b"x" * 300)  # starts generation 2: the spool's current segment belongs to it
     t.sync(wait=True)

@@ -24,6 +24,7 @@ import pytest
 
 from sos_client import Client, Corrupt
 from sos_client.journal import JournaledTree, JournalWriter
+from sos_client.journal.restore import rebuild_cache
 
 NS = "rot"
 N_FILES = 8
@@ -53,7 +54,7 @@ def journal(sos_server, tmp_path):
         return Client(sos_server.address, key, NS, timeout=TIMEOUT)
 
     writer = JournalWriter(factory, NS, str(tmp_path / "spool"))
-    tree = JournaledTree(str(tmp_path / "cache"), writer)
+    tree = JournaledTree(str(tmp_path / "cache"), writer, rebuild=rebuild_cache).open()
     try:
         for i in range(N_FILES):
             tree.create(f"f{i}")
@@ -318,7 +319,7 @@ def test_writer_stops_on_a_damaged_segment_instead_of_retrying_forever(sos_serve
     key = sos_server.keygen(NS, "append")
     writer = JournalWriter(lambda: Client(sos_server.address, key, NS, timeout=TIMEOUT), NS,
                            str(tmp_path / "spool"), max_backoff=0.1)
-    tree = JournaledTree(str(tmp_path / "cache"), writer)
+    tree = JournaledTree(str(tmp_path / "cache"), writer, rebuild=rebuild_cache).open()
     try:
         for i in range(3):
             tree.create(f"f{i}")

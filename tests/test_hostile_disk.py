@@ -18,6 +18,7 @@ import pytest
 
 from sos_client import Client, NoSpace
 from sos_client.journal import JournaledTree, JournalWriter, restore
+from sos_client.journal.restore import rebuild_cache
 from sos_wire.errors import ErrorCode
 
 TIMEOUT = 120
@@ -126,7 +127,7 @@ def test_journal_writer_waits_out_a_full_disk_and_loses_nothing(tmpfs, sos_serve
     before, during = os.urandom(200 << 10), os.urandom(300 << 10)
     try:
         writer = JournalWriter(factory, "jfull", str(tmp_path / "spool"), max_backoff=0.5)
-        tree = JournaledTree(str(tmp_path / "cache"), writer)
+        tree = JournaledTree(str(tmp_path / "cache"), writer, rebuild=rebuild_cache).open()
         try:
             tree.create("before")
             tree.write("before", 0, before)

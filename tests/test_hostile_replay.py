@@ -25,6 +25,7 @@ import crc32c
 import pytest
 
 from sos_client.journal import JournaledTree, JournalWriter, replay, restore, verify
+from sos_client.journal.restore import rebuild_cache
 from sos_client.journal.errors import JournalCorrupt, ReplayError
 from sos_client.journal.memstore import MemStore
 from sos_client.journal.records import (
@@ -87,7 +88,7 @@ def journal_ops(store: MemStore):
 
 def make_tree(tmp_path, store, name="w"):
     w = JournalWriter(store.factory, "ns", str(tmp_path / f"spool-{name}"))
-    return w, JournaledTree(str(tmp_path / f"cache-{name}"), w)
+    return w, JournaledTree(str(tmp_path / f"cache-{name}"), w, rebuild=rebuild_cache).open()
 
 
 # ----------------------------------------------------------------------------- item 1: modes

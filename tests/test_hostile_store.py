@@ -22,6 +22,7 @@ from conftest import RawClient
 from sos_client import Client
 from sos_client.errors import QuotaExceeded, SOSError
 from sos_client.journal import GenerationBreak, JournaledTree, JournalWriter, restore
+from sos_client.journal.restore import rebuild_cache
 from sos_client.journal.testing import tree_state
 from sos_server.engine import Engine, plan_retention
 from sos_server.storage import Storage
@@ -51,7 +52,7 @@ def factory(srv, ns: str, key: str):
 def write_journal(srv, ns: str, key: str, tmp, files: dict[str, bytes], **kw) -> JournalWriter:
     """A real journal writer writes *files* and closes (everything acknowledged)."""
     w = JournalWriter(factory(srv, ns, key), ns, str(tmp / f"spool-{ns}"), **kw)
-    t = JournaledTree(str(tmp / f"cache-{ns}"), w)
+    t = JournaledTree(str(tmp / f"cache-{ns}"), w, rebuild=rebuild_cache).open()
     for path, data in files.items():
         t.create(path)
         t.write(path, 0, data)
@@ -208,7 +209,7 @@ def test_generation_numbers_only_grow_by_one(sos_server, tmp_path):
     # a real writer writes several generations (each the next one) and stays restorable
     w = JournalWriter(factory(srv, "gens2", srv.keygen("gens2", "append")), "gens2", str(tmp_path / "spool"),
                       segment_bytes=2048, generation_bytes=2500)
-    t = JournaledTree(str(tmp_path / "cache"), w)
+    t = JournaledTree(str(tmp_path / "cache"), w, rebuild=rebuild_cache).open()
     for i in range(12):
         t.create(f"f{i}")
         t.write(f"f{i}", 0, bytes([65 + i]) * 700)
@@ -265,7 +266,7 @@ def test_fence_epochs_are_bounded_and_an_operator_can_reset_them(sos_server, tmp
     assert bad.returncode == 2 and "9999999999" in bad.stderr
     srv.start()
     w = JournalWriter(factory(srv, "f", key), "f", str(tmp_path / "spool-f"))
-    t = JournaledTree(str(tmp_path / "cache-f"), w)
+    t = JournaledTree(str(tmp_path / "cache-f"), w, rebuild=rebuild_cache).open()
     assert w.epoch == 1002
     t.create("b")
     t.write("b", 0, b"2")
@@ -414,7 +415,7 @@ def test_journal_writer_over_quota_loses_nothing(sos_server_factory, tmp_path):
     assert server_cli("quota", "--data", srv.data_dir, "jq", "3000").returncode == 0
     srv.start()
     w = JournalWriter(factory(srv, "jq", key), "jq", str(tmp_path / "spool"), sync=False, max_backoff=0.2)
-    t = JournaledTree(str(tmp_path / "cache"), w)
+    t = JournaledTree(str(tmp_path / "cache"), w, rebuild=rebuild_cache).open()
     for i in range(8):
         t.create(f"f{i}")
         t.write(f"f{i}", 0, bytes([48 + i]) * 1000)

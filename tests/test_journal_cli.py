@@ -18,6 +18,7 @@ import sys
 
 from sos_client import Client
 from sos_client.journal import JournaledTree, JournalWriter, layout
+from sos_client.journal.restore import rebuild_cache
 from sos_client.journal import cli as jcli
 from sos_client.journal.records import Create, RecordDecoder, SnapshotEnd, Write, encode
 from sos_client.journal.restore import format_time
@@ -46,7 +47,7 @@ def one_line(text: str) -> str:
 def write_files(server, ns, key, tmp_path, names):
     """One CREATE and one WRITE per name; returns the live tree."""
     w = JournalWriter(lambda: Client(server.address, key, ns, timeout=60), ns, str(tmp_path / f"spool-{ns}"))
-    t = JournaledTree(str(tmp_path / f"cache-{ns}"), w)
+    t = JournaledTree(str(tmp_path / f"cache-{ns}"), w, rebuild=rebuild_cache).open()
     for name in names:
         t.create(name)
         t.write(name, 0, name.encode() * 100)

@@ -33,7 +33,7 @@ from sos_client.journal import (
 )
 from sos_client.journal.memstore import MemStore
 from sos_client.journal.records import Create, Mkdir, Rename, SnapshotEnd, Write, encode
-from sos_client.journal.restore import chain_breaks, list_generations
+from sos_client.journal.restore import chain_breaks, list_generations, rebuild_cache
 from sos_client.journal.testing import tree_state
 
 WAIT = 180
@@ -97,7 +97,7 @@ def test_forged_far_future_generation_is_refused_by_restore_verify_and_a_new_wri
     ns, key = new_ns(sos_server)
     fac = factory(sos_server, ns, key)
     w = JournalWriter(fac, ns, str(tmp_path / "spool"))
-    t = JournaledTree(str(tmp_path / "cache"), w)
+    t = JournaledTree(str(tmp_path / "cache"), w, rebuild=rebuild_cache).open()
     t.mkdir("chk")
     put_file(t, "chk/a", b"real-1")
     t.sync(wait=True)
@@ -141,7 +141,7 @@ def test_forged_far_future_generation_is_refused_by_restore_verify_and_a_new_wri
     # a new writer refuses clearly (it used to die on "generation 10000000000 outside ...")
     w2 = JournalWriter(fac, ns, str(tmp_path / "spool2"))
     with pytest.raises(GenerationBreak, match="refuses to open"):
-        JournaledTree(str(tmp_path / "cache2"), w2)
+        JournaledTree(str(tmp_path / "cache2"), w2, rebuild=rebuild_cache).open()
     # and so does the first writer when it comes back on its spool
     w3 = JournalWriter(fac, ns, str(tmp_path / "spool"))
     with pytest.raises(GenerationBreak, match="does not continue generation 1"):
@@ -152,7 +152,7 @@ def test_a_forged_next_generation_breaks_the_chain_once_the_writer_goes_on(sos_s
     ns, key = new_ns(sos_server)
     fac = factory(sos_server, ns, key)
     w = JournalWriter(fac, ns, str(tmp_path / "spool"))
-    t = JournaledTree(str(tmp_path / "cache"), w)
+    t = JournaledTree(str(tmp_path / "cache"), w, rebuild=rebuild_cache).open()
     put_file(t, "a", b"one")
     t.sync(wait=True)
     end = w.last_seq
@@ -182,7 +182,7 @@ def test_a_forged_next_generation_breaks_the_chain_once_the_writer_goes_on(sos_s
 def test_a_writer_does_not_start_a_generation_someone_else_already_wrote_into(tmp_path):
     store = MemStore()
     w = JournalWriter(store.factory, "ns", str(tmp_path / "spool"))
-    t = JournaledTree(str(tmp_path / "cache"), w)
+    t = JournaledTree(str(tmp_path / "cache"), w, rebuild=rebuild_cache).open()
     t.create("a")
     t.sync(wait=True)
     c = store.client()  # a ready planted for the next generation (issue 9 item 2's names)
@@ -236,7 +236,7 @@ def test_the_last_generation_number_is_refused_clearly_not_a_crash(tmp_path):
     g = layout.MAX_GENERATION
     store = _store_with({g: (1, [SnapshotEnd(g)], True)})
     w = JournalWriter(store.factory, "ns", str(tmp_path / "spool"))
-    t = JournaledTree(str(tmp_path / "cache"), w)
+    t = JournaledTree(str(tmp_path / "cache"), w, rebuild=rebuild_cache).open()
     assert w.generation == g
     t.create("x")
     with pytest.raises(JournalError, match="last one a segment name can hold"):
@@ -248,7 +248,7 @@ def test_the_last_generation_number_is_refused_clearly_not_a_crash(tmp_path):
 def test_a_ready_holding_bytes_does_not_complete_a_generation_and_stops_the_writer(tmp_path):
     store = MemStore()
     w = JournalWriter(store.factory, "ns", str(tmp_path / "spool"))
-    t = JournaledTree(str(tmp_path / "cache"), w)
+    t = JournaledTree(str(tmp_path / "cache"), w, rebuild=rebuild_cache).open()
     t.create("a")
     w.rotate([Create("a")])
     t.close()
@@ -259,7 +259,7 @@ def test_a_ready_holding_bytes_does_not_complete_a_generation_and_stops_the_writ
     gens = list_generations(store.client())
     assert gens[1].ready and not gens[2].ready and "holds 1 bytes" in gens[2].ready_problem
     w = JournalWriter(store.factory, "ns", str(tmp_path / "spool"))
-    t = JournaledTree(str(tmp_path / "cache"), w)  # resumes on its spool: creates the missing ready
+    t = JournaledTree(str(tmp_path / "cache"), w, rebuild=rebuild_cache).open()  # resumes on its spool: creates the missing ready
     with pytest.raises(JournalError, match="ready object is empty"):
         t.sync(wait=True)
     t.close()
@@ -269,13 +269,13 @@ def test_a_ready_holding_bytes_does_not_complete_a_generation_and_stops_the_writ
 def test_a_writer_seals_an_empty_ready_its_predecessor_left_unsealed(tmp_path):
     store = MemStore()
     w = JournalWriter(store.factory, "ns", str(tmp_path / "spool"))
-    t = JournaledTree(str(tmp_path / "cache"), w)
+    t = JournaledTree(str(tmp_path / "cache"), w, rebuild=rebuild_cache).open()
     t.create("a")
     t.close()
     store.sealed.discard(layout.ready_name(1))  # as if its writer died between APPEND and SEAL
     assert not list_generations(store.client())[1].ready
     w = JournalWriter(store.factory, "ns", str(tmp_path / "spool2"))  # without the spool that knew
-    t = JournaledTree(str(tmp_path / "cache"), w)
+    t = JournaledTree(str(tmp_path / "cache"), w, rebuild=rebuild_cache).open()
     t.create("b")
     t.sync(wait=True)
     t.close()
@@ -289,7 +289,7 @@ def test_writer_does_not_count_a_foreign_segment_as_its_own(sos_server, tmp_path
     fac = factory(sos_server, ns, key)
     # segment_bytes=1: every record opens a segment, so its name is known in advance
     w = JournalWriter(fac, ns, str(tmp_path / "spool"), segment_bytes=1)
-    t = JournaledTree(str(tmp_path / "cache"), w)
+    t = JournaledTree(str(tmp_path / "cache"), w, rebuild=rebuild_cache).open()
     t.create("f")
     t.sync(wait=True)
     seq = w.last_seq + 1
@@ -309,7 +309,7 @@ def test_writer_does_not_count_a_foreign_segment_as_its_own(sos_server, tmp_path
 def test_writer_does_not_count_foreign_bytes_after_an_offset_mismatch(tmp_path):
     store = MemStore()
     w = JournalWriter(store.factory, "ns", str(tmp_path / "spool"), sync=False)
-    t = JournaledTree(str(tmp_path / "cache"), w)
+    t = JournaledTree(str(tmp_path / "cache"), w, rebuild=rebuild_cache).open()
     t.create("f")
     t.sync(wait=True)
     seg = w._cur.name
@@ -330,7 +330,7 @@ def test_writer_resumes_on_its_own_bytes_after_a_lost_ack(tmp_path):
     """The comparison accepts what the writer did send (an ack lost, then a STAT)."""
     store = MemStore()
     w = JournalWriter(store.factory, "ns", str(tmp_path / "spool"), segment_bytes=200)
-    t = JournaledTree(str(tmp_path / "cache"), w)
+    t = JournaledTree(str(tmp_path / "cache"), w, rebuild=rebuild_cache).open()
     store.fail_appends = 2  # two appends land but their acks are lost
     for i in range(6):
         put_file(t, f"f{i}", bytes([i]) * 90)
@@ -350,7 +350,7 @@ def test_spool_files_are_0600_in_0700_directories_whatever_the_umask(sos_server,
     try:
         os.chmod(spool, 0o777)
         w = JournalWriter(factory(sos_server, ns, key), ns, str(spool), segment_bytes=300, sync=False)
-        t = JournaledTree(str(tmp_path / "cache"), w)
+        t = JournaledTree(str(tmp_path / "cache"), w, rebuild=rebuild_cache).open()
         t.create("secret", 0o600)
         t.write("secret", 0, b"s" * 1000)
         w.rotate([Create("secret", 0o600), Write("secret", 0, b"s" * 1000)])  # a snapshot_end file
@@ -378,7 +378,7 @@ def test_position_0_is_the_first_snapshot_and_the_spec_says_so(sos_server, tmp_p
     cache.mkdir()
     (cache / "pre").write_bytes(b"there before the namespace")
     w = JournalWriter(fac, ns, str(tmp_path / "spool"))
-    t = JournaledTree(str(cache), w)
+    t = JournaledTree(str(cache), w, rebuild=rebuild_cache).open()
     first = tree_state(str(cache))
     end_of_snapshot = w.last_seq  # CREATE, WRITE, SNAPSHOT_END(1)
     assert end_of_snapshot == 3

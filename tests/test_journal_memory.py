@@ -32,11 +32,12 @@ WRITE_SCRIPT = PEAK_RSS + textwrap.dedent('''
     import hashlib, os, sys
     from sos_client import Client
     from sos_client.journal import JournalWriter, JournaledTree
+    from sos_client.journal.restore import rebuild_cache
     addr, key, ns, spool, cache, total = sys.argv[1:]
     total = int(total)
     fac = lambda: Client(addr, key, ns, timeout=120)
     w = JournalWriter(fac, ns, spool, generation_bytes=1 << 40)
-    t = JournaledTree(cache, w)
+    t = JournaledTree(cache, w, rebuild=rebuild_cache).open()
     t.create("big")
     h = hashlib.sha256()
     block = bytearray(os.urandom(1 << 20))

@@ -34,7 +34,7 @@ from sos_client.journal.testing import tree_state
 
 def open_tree(tmp_path, store, name="w"):
     w = JournalWriter(store.factory, "ns", str(tmp_path / f"spool-{name}"), generation_bytes=1 << 40)
-    return JournaledTree(str(tmp_path / f"cache-{name}"), w)
+    return JournaledTree(str(tmp_path / f"cache-{name}"), w, rebuild=rebuild_cache).open()
 
 
 def rotate(t):

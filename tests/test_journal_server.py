@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 
 from sos_client import Client
 from sos_client.journal import JournaledTree, JournalWriter, restore, verify
+from sos_client.journal.restore import rebuild_cache
 from sos_client.journal import layout
 from sos_client.journal.records import RecordDecoder, Write
 from sos_client.journal.testing import tree_state
@@ -90,7 +91,7 @@ def test_random_operations_restore_equals_live_tree(sos_server, tmp_path_factory
     ns, key = new_ns(sos_server, "h")
     fac = factory(sos_server, ns, key)
     w = JournalWriter(fac, ns, str(tmp / "spool"), sync=sync, segment_bytes=4096, generation_bytes=16384)
-    t = JournaledTree(str(tmp / "cache"), w)
+    t = JournaledTree(str(tmp / "cache"), w, rebuild=rebuild_cache).open()
     try:
         for op in ops:
             before = w.last_seq
@@ -110,7 +111,7 @@ def test_restore_at_every_position_matches_the_tree_at_that_moment(sos_server, t
     ns, key = new_ns(sos_server)
     fac = factory(sos_server, ns, key)
     w = JournalWriter(fac, ns, str(tmp_path / "spool"), segment_bytes=2048, generation_bytes=2500)
-    t = JournaledTree(str(tmp_path / "cache"), w)
+    t = JournaledTree(str(tmp_path / "cache"), w, rebuild=rebuild_cache).open()
     states = {0: {}}
 
     def step(fn, *a, **kw):
@@ -160,12 +161,13 @@ WRITER_SCRIPT = textwrap.dedent('''
     import os, sys
     from sos_client import Client
     from sos_client.journal import JournalWriter, JournaledTree
+    from sos_client.journal.restore import rebuild_cache
     addr, key, ns, spool, cache, n, sync = sys.argv[1:]
     n = int(n)
     fac = lambda: Client(addr, key, ns, timeout=60)
     w = JournalWriter(fac, ns, spool, sync=sync == "1", segment_bytes=64 << 10,
                       max_lag_bytes=256 << 20, generation_bytes=1 << 40)
-    t = JournaledTree(cache, w)
+    t = JournaledTree(cache, w, rebuild=rebuild_cache).open()
     print("open", w.epoch, w.last_seq, int(t.rebuilt), flush=True)
     for name in sorted(os.listdir(t.local_path(""))):
         if name.endswith(".tmp"):
@@ -233,7 +235,7 @@ def test_sigkill_server_mid_stream_writer_reconnects(sos_server, tmp_path):
     ns, key = new_ns(sos_server, "s")
     fac = factory(sos_server, ns, key)
     w = JournalWriter(fac, ns, str(tmp_path / "spool"), segment_bytes=32 << 10, max_backoff=0.5)
-    t = JournaledTree(str(tmp_path / "cache"), w)
+    t = JournaledTree(str(tmp_path / "cache"), w, rebuild=rebuild_cache).open()
     progress = threading.Semaphore(0)
     errors = []
     n = 80
@@ -300,7 +302,7 @@ def test_corrupt_stored_byte_verify_names_it_and_restore_stops_before(sos_server
     rkey = sos_server.keygen(ns, "read")
     fac = factory(sos_server, ns, key)
     w = JournalWriter(fac, ns, str(tmp_path / "spool"), segment_bytes=1 << 20)
-    t = JournaledTree(str(tmp_path / "cache"), w)
+    t = JournaledTree(str(tmp_path / "cache"), w, rebuild=rebuild_cache).open()
     for name in ["a", "b", "c"]:
         t.create(name)
         t.write(name, 0, name.encode() * 6000)
@@ -344,7 +346,7 @@ def test_cli_restore_at_position_and_batch(sos_server, tmp_path):
     ns, key = new_ns(sos_server, "cli")
     fac = factory(sos_server, ns, key)
     w = JournalWriter(fac, ns, str(tmp_path / "spool"))
-    t = JournaledTree(str(tmp_path / "cache"), w)
+    t = JournaledTree(str(tmp_path / "cache"), w, rebuild=rebuild_cache).open()
     t.mkdir("q")
     t.mkdir("q/commits")
     for n in range(3):

@@ -24,6 +24,7 @@ from sos_client.journal import (
 from sos_client.journal import layout, tree as tree_mod
 from sos_client.journal.errors import BatchNotFound, JournalCorrupt
 from sos_client.journal.memstore import MemStore
+from sos_client.journal.restore import rebuild_cache
 from sos_client.journal.records import Create, Mkdir, RecordDecoder, SnapshotEnd, Write
 from sos_client.journal.testing import tree_state
 
@@ -32,7 +33,7 @@ WAIT = 120  # generous: never reached unless something is broken
 
 def make(tmp_path, store, name="w", cache="cache", **kw):
     w = JournalWriter(store.factory, "ns", str(tmp_path / f"spool-{name}"), **kw)
-    t = JournaledTree(str(tmp_path / cache), w)
+    t = JournaledTree(str(tmp_path / cache), w, rebuild=rebuild_cache).open()
     return w, t
 
 
@@ -188,7 +189,7 @@ def test_resume_from_spool_after_crash_ships_everything_once(tmp_path):
     (gdir / f"{last + 1:010d}-{w.epoch:010d}.seg").write_bytes(b"")
     store.down = False
     w2 = JournalWriter(store.factory, "ns", str(spool), segment_bytes=2000)
-    t2 = JournaledTree(str(tmp_path / "cache"), w2)  # crash flag set: cache rebuilt from the journal
+    t2 = JournaledTree(str(tmp_path / "cache"), w2, rebuild=rebuild_cache).open()  # crash flag set: cache rebuilt from the journal
     assert w2.last_seq == last and w2.epoch > w.epoch
     t2.sync()
     assert_journal_exact(store, last)

@@ -23,7 +23,7 @@ import stat as _stat
 from collections import OrderedDict
 from collections.abc import Iterator
 
-__all__ = ["O_WALK", "Beneath", "check_regular"]
+__all__ = ["O_WALK", "Beneath", "check_regular", "clear_directory"]
 
 #: How each directory component is opened: a path handle, never through a symbolic link.
 O_WALK = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -290,3 +290,10 @@ class Beneath:
                     stack.append((pre + name, False))
                 else:
                     os.unlink(name, dir_fd=dfd)
+
+
+def clear_directory(directory: str) -> None:
+    """Remove everything inside ``directory`` (not the directory itself): no recursion, and
+    a symbolic link inside is removed, never followed."""
+    with Beneath(directory) as at:
+        at.clear()

@@ -211,6 +211,7 @@ def open_namespace(namespace: str, cache_dir: str, *, server: str | None = None,
         raise PermissionError(errno.EACCES, f"the key has the read role: writing namespace "
                               f"{namespace!r} needs a key with the append role", namespace)
 
+    from .restore import rebuild_cache
     from .tree import JournaledTree
     from .writer import JournalWriter
 
@@ -227,7 +228,7 @@ def open_namespace(namespace: str, cache_dir: str, *, server: str | None = None,
     try:
         # opens the writer (fencing older epochs) and, if the cache is empty, rebuilds it
         # from the server by the same code as restore
-        tree = JournaledTree(tree_dir, writer)
+        tree = JournaledTree(tree_dir, writer, rebuild=rebuild_cache).open()
     except BaseException as exc:
         try:
             writer.close()

@@ -51,7 +51,7 @@ from .records import (HEADER_SIZE, Create, Delete, Marker, Record, RecordDecoder
                       Write, peek_header, validate_path)
 from .beneath import Beneath
 from .replay import replay
-from .tree import clear_directory as _clear
+from .beneath import clear_directory as _clear
 
 __all__ = ["restore", "rebuild_cache", "Summary", "parse_time", "format_time", "parse_batch", "find_batch",
            "commit_path", "segment_records", "generation_records", "list_generations", "BATCH_LABEL"]

@@ -23,9 +23,10 @@ import errno
 import os
 import stat as _stat
 import threading
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from .beneath import Beneath
+from .beneath import Beneath, clear_directory
+from .errors import JournalError
 from .records import (
     MAX_DATA,
     MAX_FILE_SIZE,
@@ -88,13 +89,6 @@ def renameat_noreplace(src_dir_fd: int | None, src: str, dst_dir_fd: int | None,
 def rename_noreplace(src: str, dst: str) -> None:
     """Atomically rename src to dst; FileExistsError if dst exists (files and directories)."""
     renameat_noreplace(None, src, None, dst)
-
-
-def clear_directory(directory: str) -> None:
-    """Remove everything inside ``directory`` (not the directory itself): no recursion, and
-    a symbolic link inside is removed, never followed."""
-    with Beneath(directory) as at:
-        at.clear()
 
 
 def snapshot_ops(at: Beneath) -> Iterator[Op]:
@@ -166,19 +160,37 @@ def _name_too_long(path: str) -> bool:
                for p in path.split("/"))
 
 
+#: Fills a cache directory with the namespace's latest tree from the server; returns the
+#: last seq (restore's rebuild_cache, given by the opener: the tree does not import restore).
+RebuildCache = Callable[[Callable[[], Any], str, str], int]
+
+
 class JournaledTree:
-    def __init__(self, cache_dir: str, writer: JournalWriter) -> None:
+    """Construct, then :meth:`open` (the constructor does no I/O on the network)."""
+
+    def __init__(self, cache_dir: str, writer: JournalWriter, *, rebuild: RebuildCache | None = None) -> None:
         self.cache_dir = os.path.abspath(cache_dir)
         os.makedirs(self.cache_dir, exist_ok=True)
         self._at = Beneath(self.cache_dir)
         self._writer = writer
+        self._rebuild = rebuild
         self._lock = threading.RLock()
         self._closed = False
+        self._opened = False
         self.rebuilt = False  # True when the cache was rebuilt from the server at start
-        if not writer.is_open:
-            writer.open()
+
+    def open(self) -> JournaledTree:
+        """Open the writer (fencing older epochs) and make the cache and the journal agree:
+        a first snapshot for a new namespace, or, when the cache is empty or was left
+        half-changed by a crash, a rebuild from the server (``rebuild``). Idempotent."""
         with self._lock:
+            if self._opened:
+                return self
+            if not self._writer.is_open:
+                self._writer.open()
             self._bootstrap()
+            self._opened = True
+        return self
 
     @property
     def writer(self) -> JournalWriter:
@@ -200,12 +212,13 @@ class JournaledTree:
             # the cache from the server by the same code as restore.
             if w.had_spool:
                 w.barrier()
-            from .restore import rebuild_cache
-
+            if self._rebuild is None:
+                raise JournalError(f"the cache {self.cache_dir} must be rebuilt from the server, "
+                                   "but this tree was given no rebuild function")
             self._at.clear()
             self._at.forget("")
             try:
-                last = rebuild_cache(w.client_factory, w.namespace, self.cache_dir)
+                last = self._rebuild(w.client_factory, w.namespace, self.cache_dir)
             finally:
                 self._at.forget("")  # the rebuild made new directories under the same names
             self.rebuilt = True
