@@ -41,6 +41,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NO_SKIP = os.environ.get("SOS_TEST_NO_SKIP") == "1"  # .ci/run sets it: CI here has FUSE, Spark, tmpfs
 
 
+#: Fixtures that start a process of a test's own (a server, a FUSE mount): a test using one
+#: is in the slow lane. `./scripts/test -m "not slow"` is the fast lane for day-to-day work
+#: (tests sharing the module's server, unit tests); CI runs everything.
+OWN_PROCESS_FIXTURES = {"sos_server", "sos_server_factory", "mounts"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if OWN_PROCESS_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """Under SOS_TEST_NO_SKIP=1 a skipped test fails: a skip is only allowed where the machine
