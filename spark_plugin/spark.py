@@ -32,6 +32,8 @@ import tempfile
 import threading
 import urllib.parse
 
+from sos_client.journal.layout import BATCH_LABEL
+
 from .mounts import mount_fstype
 
 log = logging.getLogger("sos.spark")
@@ -42,7 +44,7 @@ MARKER_CONTROL = os.path.join(".sos", "marker")
 NAMESPACE_CONTROL = os.path.join(".sos", "namespace")
 #: file system type of an SOS mount in /proc/self/mountinfo (fsname/subtype sos)
 SOS_FSTYPE = "fuse.sos"
-MARKER_LABEL = "spark.batch"
+MARKER_LABEL = BATCH_LABEL
 DEFAULT_CHECKPOINT = "checkpoint"
 
 #: Hadoop settings that make Spark write local (file://) checkpoints without the ``.crc``

@@ -15,6 +15,9 @@ import re
 from dataclasses import dataclass
 
 GEN_PREFIX = "gen/"
+#: Label of the MARKER record a Spark query's batch writes (payload: JSON with checkpoint,
+#: query_id, batch_id; protocol.md 2.2); `sos restore --batch` looks for it.
+BATCH_LABEL = "spark.batch"
 _SEG_RE = re.compile(r"^gen/(\d{10})/(\d{10})-(\d{10})\.seg$")
 _READY_RE = re.compile(r"^gen/(\d{10})/ready$")
 _MAX = 10**10 - 1

@@ -56,7 +56,7 @@ from .beneath import clear_directory as _clear
 __all__ = ["restore", "rebuild_cache", "Summary", "parse_time", "format_time", "parse_batch", "find_batch",
            "commit_path", "segment_records", "generation_records", "list_generations", "BATCH_LABEL"]
 
-BATCH_LABEL = "spark.batch"
+BATCH_LABEL = layout.BATCH_LABEL
 
 
 @dataclass
