@@ -179,7 +179,7 @@ def test_resume_from_spool_after_crash_ships_everything_once(tmp_path):
         t.create(f"f{i}")
         t.write(f"f{i}", 0, bytes([i]) * 700)
     last = w.last_seq
-    _crash(w)
+    w.abandon()
     # an empty, never-shipped segment and a torn record at the end of the spool
     spool = tmp_path / "spool-w"
     segs = sorted(spool.glob("gen/*/*.seg"))
@@ -203,17 +203,6 @@ def test_resume_from_spool_after_crash_ships_everything_once(tmp_path):
     assert verify(store.factory, "ns").ok
 
 
-def _crash(w):
-    """What SIGKILL leaves: the spool as it is, nothing flushed (the proof with a real
-    process kill is in test_journal_server.py)."""
-    w._stop.set()
-    with w._cv:
-        w._closed = True
-        w._cv.notify_all()
-    w._thread.join(WAIT)
-    w._spool.close()
-
-
 def test_resume_completes_a_record_cut_in_the_middle_on_the_server(tmp_path):
     store = MemStore()
     w, t = make(tmp_path, store)
@@ -223,7 +212,7 @@ def test_resume_completes_a_record_cut_in_the_middle_on_the_server(tmp_path):
     for i in range(4):
         t.write("f", i * 3000, bytes([i + 1]) * 3000)
     last = w.last_seq
-    _crash(w)
+    w.abandon()
     store.down = False
     # the server got the first record and half of the second (a multi-frame append cut short)
     (seg,) = sorted((tmp_path / "spool-w").glob("gen/*/*.seg"))

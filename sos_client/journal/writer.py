@@ -407,17 +407,23 @@ class JournalWriter:
                 except (TimeoutError, JournalError) as e:
                     log.warning("close: journal not fully shipped: %s", e)
         finally:
-            with self._cv:
-                self._closed = True
-                self._cv.notify_all()
-            self._stop.set()
-            if self._thread is not None:
-                self._thread.join(timeout=60)
-            with self._cv:
-                for s in self._segs:
-                    s.close()
-            if self._spool is not None:
-                self._spool.close()
+            self.abandon()
+
+    def abandon(self) -> None:
+        """Stop now without shipping what is left: the spool stays on disk as it is, and the
+        next writer opened on it ships it (exactly what a process kill leaves behind). For a
+        process that must exit at once, and for tests of recovery."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+        with self._cv:
+            for s in self._segs:
+                s.close()
+        if self._spool is not None:
+            self._spool.close()
 
     def __enter__(self) -> JournalWriter:
         self.open()
