@@ -12,7 +12,6 @@ from sos_client import (
     BadNameError, ChecksumMismatch, Client, ConnectionLost, Fenced, OffsetMismatch, SealedError, SOSError,
     SOSNotFound, SOSPermissionError, TooLarge,
 )
-from sos_client import _common
 from sos_wire import ErrorCode, Key, KeyRole
 
 
@@ -117,26 +116,88 @@ def test_fence(client):
     assert info.value.epoch == 5
 
 
-def test_checksum_mismatch_is_refused_and_nothing_written(client, monkeypatch):
-    monkeypatch.setattr(_common, "crc32c", lambda data, value=0: 12345)
-    with pytest.raises(ChecksumMismatch) as info:
-        client.append("c", 0, b"payload")
-    assert info.value.code == ErrorCode.CHECKSUM_MISMATCH
-    monkeypatch.undo()
-    with pytest.raises(SOSNotFound):
-        client.stat("c")
+class _CorruptingRelay:
+    """A TCP relay between a client and the server that flips one byte of the first
+    client->server occurrence of ``needle`` (damage in transit, after the client's CRC)."""
+
+    def __init__(self, target: tuple[str, int], needle: bytes) -> None:
+        import socket
+
+        self.target, self.needle = target, needle
+        self.sockets: list = []
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.sockets.append(self.listener)
+        self.address = "127.0.0.1:%d" % self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+
+        down, _ = self.listener.accept()
+        up = socket.create_connection(self.target)
+        self.sockets += [down, up]
+        threading.Thread(target=self._pipe, args=(up, down, False), daemon=True).start()
+        self._pipe(down, up, True)
+
+    def __enter__(self) -> "_CorruptingRelay":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sock in self.sockets:
+            sock.close()
+
+    def _pipe(self, src, dst, corrupt: bool) -> None:
+        import socket
+
+        done = not corrupt
+        while True:
+            try:
+                data = src.recv(65536)
+            except OSError:
+                data = b""
+            if not data:
+                try:
+                    dst.shutdown(socket.SHUT_WR)
+                except OSError:
+                    pass
+                return
+            if not done:  # (the needle is small and arrives in one piece here)
+                at = data.find(self.needle)
+                if at >= 0:
+                    data = data[:at] + bytes([data[at] ^ 0xFF]) + data[at + 1:]
+                    done = True
+            dst.sendall(data)
 
 
-def test_bad_names_are_refused_locally_and_by_the_server(client, monkeypatch):
+def test_data_damaged_in_transit_is_refused_and_nothing_written(server, ns):
+    name, key, _ = ns
+    host, port = server.address.rsplit(":", 1)
+    with _CorruptingRelay((host, int(port)), b"payload-to-damage") as relay, \
+            Client(relay.address, key, name, timeout=60) as c:
+        with pytest.raises(ChecksumMismatch) as info:
+            c.append("c", 0, b"payload-to-damage")
+        assert info.value.code == ErrorCode.CHECKSUM_MISMATCH
+        assert c.ping() == b""  # refused, not disconnected
+    with Client(server.address, key, name, timeout=60) as direct, pytest.raises(SOSNotFound):
+        direct.stat("c")
+
+
+def test_bad_names_are_refused_locally_and_the_servers_bad_name_is_the_same_class(client, server, ns):
     for bad in ("../x", "/abs", "a//b", "", "a\x00b"):
         with pytest.raises(BadNameError) as info:
             client.stat(bad)
         assert isinstance(info.value, ValueError)
-    # bypass the local check: the server says BAD_NAME, mapped to the same class
-    monkeypatch.setattr(_common, "check_name", lambda name: name)
-    with pytest.raises(BadNameError) as info:
-        client.stat("../etc/passwd")
-    assert info.value.code == ErrorCode.BAD_NAME
+    # the server's own refusal (a raw frame: the client never sends such a name) maps to it too
+    from conftest import RawClient
+    from sos_client.errors import error_from_reply
+    from sos_wire import events as ev
+
+    with RawClient(server.address) as raw:
+        raw.login(ns[1], ns[0])
+        reply = raw.call(ev.Stat(raw.rid(), "../etc/passwd"))
+    assert isinstance(reply, ev.Error) and reply.code is ErrorCode.BAD_NAME
+    err = error_from_reply(reply, "stat ../etc/passwd")
+    assert isinstance(err, BadNameError) and err.code == ErrorCode.BAD_NAME
     assert client.ping() == b""
 
 
