@@ -60,7 +60,7 @@ import trio
 
 from sos_client.errors import is_fenced, to_oserror
 
-from .mounts import is_mounted
+from .spark import mount_fstype
 
 if TYPE_CHECKING:
     import pyfuse3
@@ -951,6 +951,11 @@ def lazy_unmount(mountpoint: str) -> None:
     """`fusermount3 -u -z`: detach a (possibly dead) mount; quiet if nothing is mounted."""
     subprocess.run(["fusermount3", "-u", "-z", mountpoint], stdout=subprocess.DEVNULL,
                    stderr=subprocess.DEVNULL, check=False)
+
+
+def is_mounted(mountpoint: str) -> bool:
+    """True if the kernel lists ``mountpoint`` as a mount, live or dead (no stat of it)."""
+    return mount_fstype(mountpoint) is not None
 
 
 class MountProcess:

@@ -32,9 +32,6 @@ import tempfile
 import threading
 import urllib.parse
 
-from sos_client.journal.layout import BATCH_LABEL
-
-from .mounts import mount_fstype
 
 log = logging.getLogger("sos.spark")
 
@@ -44,7 +41,7 @@ MARKER_CONTROL = os.path.join(".sos", "marker")
 NAMESPACE_CONTROL = os.path.join(".sos", "namespace")
 #: file system type of an SOS mount in /proc/self/mountinfo (fsname/subtype sos)
 SOS_FSTYPE = "fuse.sos"
-MARKER_LABEL = BATCH_LABEL
+MARKER_LABEL = "spark.batch"  # = sos_client.journal.layout.BATCH_LABEL (this module imports no sos package)
 DEFAULT_CHECKPOINT = "checkpoint"
 
 #: Hadoop settings that make Spark write local (file://) checkpoints without the ``.crc``
@@ -129,6 +126,31 @@ def start_mount(namespace, mountpoint, *, server, key, cache_dir, sync=True, tim
                          log_path=log_path, start_timeout=timeout, extra_args=extra_args)
     mount.start()
     return mount
+
+
+def mount_fstype(mountpoint: str) -> str | None:
+    """The file system type of the mount at ``mountpoint`` (None if it is no mount point).
+
+    Reads /proc/self/mountinfo (no stat of the mount point: a dead FUSE mount hangs or
+    fails it). The one mount-table reader of the project (the mount uses it too): here,
+    because this module runs in the Spark image, which has the standard library and pyspark
+    only (no psutil, no pyfuse3, no sos packages).
+    """
+    target = os.path.abspath(mountpoint)
+    found = None
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) < 7 or "-" not in fields:
+                    continue
+                where = (fields[4].replace("\\040", " ").replace("\\011", "\t")
+                         .replace("\\012", "\n").replace("\\134", "\\"))
+                if where == target:
+                    found = fields[fields.index("-", 6) + 1]  # the last mount on top wins
+    except FileNotFoundError:  # pragma: no cover - not Linux
+        return "unknown" if os.path.ismount(target) else None
+    return found
 
 
 def mounted_namespace(mountpoint):

@@ -376,12 +376,13 @@ def test_fsync_of_a_directory_is_a_barrier(mounted):
     assert tree.syncs == syncs + 1
 
 
-def test_the_mount_table_is_read_through_psutil_names_with_spaces_included(tmp_path):
-    """spark_plugin.mounts (psutil, no hand-written mountinfo parser): a tmpfs mounted on a
-    directory whose name has a space is seen with its type, and gone after the unmount."""
+def test_the_one_mount_table_reader_sees_names_with_spaces(tmp_path):
+    """spark.mount_fstype (the one /proc/self/mountinfo reader, used by the mount too): a
+    tmpfs mounted on a directory whose name has a space is seen with its type, and gone after
+    the unmount."""
     import subprocess
 
-    from spark_plugin.mounts import mount_fstype
+    from spark_plugin.spark import mount_fstype
 
     where = tmp_path / "a b"
     where.mkdir()
@@ -392,3 +393,12 @@ def test_the_mount_table_is_read_through_psutil_names_with_spaces_included(tmp_p
     finally:
         subprocess.run(["umount", str(where)], check=True)
     assert mount_fstype(str(where)) is None
+
+
+def test_the_batch_marker_label_is_the_journals():
+    """spark.py imports no sos package (the Spark image has none): its label must equal
+    the journal's, which `sos restore --batch` looks for."""
+    from sos_client.journal.layout import BATCH_LABEL
+    from spark_plugin.spark import MARKER_LABEL
+
+    assert MARKER_LABEL == BATCH_LABEL == "spark.batch"
