@@ -214,7 +214,7 @@ def cmd_verify(args) -> int:
 
 
 def _batch(text: str) -> str:
-    from .restore import parse_batch
+    from .points import parse_batch
 
     try:
         parse_batch(text)
@@ -224,7 +224,7 @@ def _batch(text: str) -> str:
 
 
 def _iso(text: str) -> str:
-    from .restore import parse_time
+    from .points import parse_time
 
     try:
         parse_time(text)

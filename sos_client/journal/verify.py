@@ -21,7 +21,7 @@ from .records import (
     RecordType,
     SnapshotEnd,
 )
-from .restore import ServerCorrupt, chain_breaks, list_generations, read_segment_bytes
+from .reading import ServerCorrupt, chain_breaks, list_generations, read_segment_bytes
 
 from sos_wire.crc import crc32c as _crc32c
 

@@ -262,7 +262,7 @@ class JournalWriter:
 
     def _check_chain(self, client: StoreClient, gens: dict[int, layout.GenerationInfo]) -> None:
         """Refuse to write after generations that do not form one chain (protocol.md 2.1)."""
-        from .restore import chain_breaks
+        from .reading import chain_breaks
 
         breaks = chain_breaks(client, gens)
         if breaks:
