@@ -25,18 +25,16 @@ socket, one frame at a time: for server tests that need byte-level control.
 from __future__ import annotations
 
 import os
-import signal
 import socket
-import subprocess
 import sys
-import time
 from collections import deque
-from pathlib import Path
 
 import pytest
 
 # the checkout's tooling (tools.demo, tools.soak, tools.cluster) is not in the wheel
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tools.server import ServerProcess  # noqa: E402  (the one server launcher)
 
 NO_SKIP = os.environ.get("SOS_TEST_NO_SKIP") == "1"  # .ci/run sets it: CI here has FUSE, Spark, tmpfs
 
@@ -75,117 +73,6 @@ def pytest_make_collect_report(collector):
         report.outcome = "failed"
         report.longrepr = f"module skipped, but SOS_TEST_NO_SKIP=1 forbids skips: {reason}"
 
-
-START_TIMEOUT = 60.0  # generous: two shared cores, many test processes
-STOP_TIMEOUT = 30.0
-
-
-class ServerProcess:
-    def __init__(self, data_dir: str | os.PathLike, args=(), *, log_path: str | os.PathLike | None = None) -> None:
-        self.data_dir = str(data_dir)
-        self.args = [str(a) for a in args]
-        self.log_path = str(log_path or Path(self.data_dir).parent / f"{Path(self.data_dir).name}-server.log")
-        self.proc: subprocess.Popen | None = None
-        self.address: str | None = None
-        self.metrics_address: str | None = None
-        self._port = 0
-        self._log_offset = 0
-        self.starts = 0
-
-    # -- lifecycle -------------------------------------------------------------------
-    def start(self) -> "ServerProcess":
-        """Start (again) on the previous port if there was one, else on a free port."""
-        try:
-            return self._start()
-        except RuntimeError as exc:
-            if not self._port or "cannot listen" not in str(exc):
-                raise
-            self._port = 0  # the old port was taken meanwhile: any free one
-            return self._start()
-
-    def _start(self) -> "ServerProcess":
-        if self.proc is not None and self.proc.poll() is None:
-            raise RuntimeError("server already running")
-        os.makedirs(self.data_dir, exist_ok=True)
-        cmd = [
-            sys.executable, "-m", "sos_server.cli", "serve",
-            "--data", self.data_dir,
-            "--listen", f"127.0.0.1:{self._port}",
-            "--metrics", "127.0.0.1:0",
-            *self.args,
-        ]
-        with open(self.log_path, "ab") as logf:
-            self._log_offset = logf.tell()
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf)
-        self.starts += 1
-        deadline = time.monotonic() + START_TIMEOUT
-        while True:
-            text = self._new_log()
-            for line in text.splitlines():
-                if line.startswith("sos-server listening on "):
-                    self.address = line.rsplit(" ", 1)[1].strip()
-                    self._port = int(self.address.rsplit(":", 1)[1])
-                if line.startswith("sos-server metrics on "):
-                    self.metrics_address = line.rsplit(" ", 1)[1].strip()
-            if self.address and "sos-server listening on" in text:
-                return self
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"sos-server exited with {self.proc.returncode} before listening:\n{text[-4000:]}")
-            if time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError(f"sos-server did not start within {START_TIMEOUT}s:\n{text[-4000:]}")
-            time.sleep(0.05)
-
-    def _new_log(self) -> str:
-        with open(self.log_path, "rb") as f:
-            f.seek(self._log_offset)
-            return f.read().decode("utf-8", "replace")
-
-    def log_text(self) -> str:
-        with open(self.log_path, "rb") as f:
-            return f.read().decode("utf-8", "replace")
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
-
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def kill(self) -> None:
-        """SIGKILL: a crash. Only acknowledged bytes are promised to survive."""
-        if self.running():
-            self.proc.send_signal(signal.SIGKILL)
-        if self.proc is not None:
-            self.proc.wait(STOP_TIMEOUT)
-
-    def stop(self) -> int | None:
-        """SIGTERM and wait; SIGKILL if it does not stop in time. Returns the exit code."""
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(STOP_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(STOP_TIMEOUT)
-        return self.proc.returncode
-
-    def restart(self) -> "ServerProcess":
-        self.stop()
-        return self.start()
-
-    # -- helpers ---------------------------------------------------------------------
-    def keygen(self, namespace: str, role: str = "append") -> str:
-        from sos_server.storage import Storage
-
-        return Storage(self.data_dir).keygen(namespace, role)
-
-    @property
-    def host_port(self) -> tuple[str, int]:
-        host, port = self.address.rsplit(":", 1)
-        return host, int(port)
 
 
 @pytest.fixture

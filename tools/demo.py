@@ -37,12 +37,12 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from collections.abc import Sequence
 
 from tools import child_env
+from tools.server import ServerProcess, ServerStartError
 
 NAMESPACE = "sparkdemo"
 CHECKPOINT = "checkpoint"
@@ -50,8 +50,6 @@ ROCKSDB_PROVIDER = "org.apache.spark.sql.execution.streaming.state.RocksDBStateS
 #: a short-lived local driver starts and runs ~2x faster on 2 busy cores with the C1 JIT
 #: only and the serial GC (measured: 44-50 s against 113-118 s for the same 4 batches)
 DRIVER_JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
-LISTEN_RE = re.compile(r"sos-server listening on (\S+):(\d+)")
-METRICS_RE = re.compile(r"sos-server metrics on (\S+):(\d+)")
 
 _T0 = time.monotonic()
 
@@ -155,97 +153,20 @@ def keygen(data_dir: str, namespace: str, role: str = "append") -> str:
     return proc.stdout.strip().splitlines()[-1].strip()
 
 
-class LocalServer:
-    """A real ``sos-server serve`` child process on 127.0.0.1, port chosen by the kernel.
-
-    The one launcher of the demo and the benches. ``metrics=True`` also serves Prometheus
-    metrics on a kernel-chosen port (``metrics_address``); ``args`` are extra ``serve``
-    options; ``profile=FILE`` runs the server under cProfile and writes its stats to FILE
-    when it stops. The child imports this checkout (``tools.child_env``).
-    """
+class LocalServer(ServerProcess):
+    """The one server launcher (tools.server.ServerProcess) as the demo and the benches use
+    it: metrics only when asked for, and a failed start is a DemoFailure."""
 
     def __init__(self, data_dir: str, log_path: str, *, args: Sequence[str] = (),
                  metrics: bool = False, profile: str | None = None):
-        self.data_dir = data_dir
-        self.log_path = log_path
-        self.args = list(args)
-        self.metrics = metrics
-        self.profile = profile
-        self.proc: subprocess.Popen | None = None
-        self.address = ""
-        self.metrics_address = ""
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc is not None else None
+        super().__init__(data_dir, args, log_path=log_path, metrics=metrics, profile=profile)
 
     def start(self, timeout: float = 120.0) -> "LocalServer":
-        os.makedirs(self.data_dir, exist_ok=True)
-        self._log = open(self.log_path, "ab")
-        if self.profile:  # cProfile runs a module, not -c
-            cmd = [sys.executable, "-m", "cProfile", "-o", self.profile, "-m", "sos_server.cli"]
-        else:
-            cmd = _python_call("sos_server.cli")
-        cmd += ["serve", "--data", self.data_dir, "--listen", "127.0.0.1:0"]
-        if self.metrics:
-            cmd += ["--metrics", "127.0.0.1:0"]
-        self.proc = subprocess.Popen(
-            cmd + self.args,
-            stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.PIPE,
-            start_new_session=True, env=child_env())
-        found = threading.Event()
-
-        def pump():  # copy stderr into the log, spot the listening line
-            for raw in self.proc.stderr:
-                self._log.write(raw)
-                self._log.flush()
-                text = raw.decode(errors="replace")
-                m = METRICS_RE.search(text)
-                if m:
-                    self.metrics_address = f"{m.group(1)}:{m.group(2)}"
-                m = LISTEN_RE.search(text)
-                if m and not found.is_set():
-                    self.address = f"{m.group(1)}:{m.group(2)}"
-                    found.set()
-
-        self._pump = threading.Thread(target=pump, daemon=True)
-        self._pump.start()
-        deadline = time.monotonic() + timeout
-        while not found.wait(0.2):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise DemoFailure(f"sos-server did not start:\n{self.log()}")
-        return self
-
-    def log(self) -> str:
         try:
-            with open(self.log_path, encoding="utf-8", errors="replace") as f:
-                return f.read()
-        except FileNotFoundError:
-            return ""
-
-    def kill(self) -> None:
-        """SIGKILL (a crash of the server)."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-        self._reap()
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        self._reap()
-
-    def _reap(self) -> None:
-        if self.proc is None:
-            return
-        self.proc.wait()
-        self._pump.join(30)
-        self.proc.stderr.close()
-        self._log.close()
+            super().start(timeout)
+        except ServerStartError as exc:
+            raise DemoFailure(str(exc)) from None
+        return self
 
 
 def kill_tree(proc: subprocess.Popen) -> None:

@@ -58,6 +58,7 @@ import sys
 import tempfile
 import time
 
+from tools.server import ServerProcess
 from tools import child_env
 from tools.demo import (
     CHECKPOINT,
@@ -72,7 +73,6 @@ from tools.demo import (
 )
 
 NAMESPACE = "soak"
-LISTEN_RE = re.compile(r"sos-server listening on (\S+):(\d+)")
 KINDS = ("server", "mount", "driver", "all")
 #: server kills are cheap (clients reconnect), driver kills cost a JVM start
 DEFAULT_WEIGHTS = {"server": 0.72, "mount": 0.20, "driver": 0.04, "all": 0.04}
@@ -296,71 +296,10 @@ def driver_main(cfg_path: str) -> int:
 
 # =========================================================================== the parts
 
-class ServerProc:
-    """``sos-server serve`` on a FIXED port (the mount must find it again after a restart)."""
-
-    def __init__(self, data_dir: str, log_path: str):
-        self.data_dir = data_dir
-        self.log_path = log_path
-        self.proc: subprocess.Popen | None = None
-        self.port = 0
-        self.address = ""
-        self.starts = 0
-
-    def start(self, timeout: float = 120.0) -> None:
-        os.makedirs(self.data_dir, exist_ok=True)
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.port == 0:
-                port = _pick_port()
-            else:
-                port = self.port
-            if self._try_start(port, deadline):
-                self.port = port
-                self.address = f"127.0.0.1:{port}"
-                self.starts += 1
-                return
-            if time.monotonic() > deadline:
-                raise HarnessError(f"sos-server would not start on port {port}; see {self.log_path}")
-            time.sleep(0.5)
-
-    def _try_start(self, port: int, deadline: float) -> bool:
-        offset = os.path.getsize(self.log_path) if os.path.exists(self.log_path) else 0
-        log = open(self.log_path, "ab")
-        cmd = [sys.executable, "-m", "sos_server.cli", "serve", "--data", self.data_dir,
-               "--listen", f"127.0.0.1:{port}"]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                     start_new_session=True)
-        log.close()
-        want = f"sos-server listening on 127.0.0.1:{port}"
-        while time.monotonic() < deadline:
-            with open(self.log_path, "rb") as f:
-                f.seek(offset)  # only what this process wrote
-                if want in f.read().decode(errors="replace"):
-                    return True
-            if self.proc.poll() is not None:
-                return False
-            time.sleep(0.05)
-        self.kill()
-        return False
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-        if self.proc is not None:
-            self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+def ServerProc(data_dir: str, log_path: str) -> ServerProcess:
+    """``sos-server serve`` on a FIXED port (the mount and the gateway must find it again
+    after a restart): the one launcher, tools.server."""
+    return ServerProcess(data_dir, log_path=log_path, fixed_port=True, metrics=False)
 
 
 def source_offset(checkpoint_dir, batch: int) -> int:
