@@ -1,0 +1,547 @@
+"""`SOSOperations`: the pyfuse3 operations over a `JournaledTree` (see the package's
+docstring for what each kind of call does), and `errno_for`, the errno a FUSE reply carries."""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+import stat
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import trio
+
+from sos_client.errors import is_fenced, to_oserror
+
+
+if TYPE_CHECKING:
+    import pyfuse3
+    from pyfuse3 import Operations as _OperationsBase
+
+else:
+    try:  # pyfuse3 is an optional dependency (extra "mount")
+        import pyfuse3
+        from pyfuse3 import Operations as _OperationsBase
+    except ImportError:  # pragma: no cover - exercised only where pyfuse3 is missing
+        pyfuse3 = None
+        _OperationsBase = object
+
+from .inodes import (
+    _ATTR_TIMEOUT,
+    _CONTROL_FILES,
+    _RENAME_EXCHANGE,
+    _RENAME_NOREPLACE,
+    _VIRTUAL,
+    CONTROL_DIR,
+    CONTROL_DIR_INO,
+    MARKER_FILE,
+    MARKER_INO,
+    NAMESPACE_FILE,
+    NAMESPACE_INO,
+    ROOT_INODE,
+    InodeTable,
+)
+
+log = logging.getLogger("sos.mount")
+
+def errno_for(exc: BaseException) -> int:
+    """The errno FUSE returns for an exception from the tree (or the OS): the one of
+    :func:`sos_client.errors.to_oserror` (a fenced writer: EROFS)."""
+    if pyfuse3 is not None and isinstance(exc, pyfuse3.FUSEError):
+        return exc.errno
+    return to_oserror(exc).errno or errno.EIO
+
+
+@dataclass
+class _Handle:
+    ino: int
+    fd: int
+    writable: bool
+    dirty: bool = False
+    marker: bytearray | None = None  # the control file's pending document
+    content: bytes | None = None  # a read-only virtual file's content (fd is -1)
+
+
+def _guard(fn):
+    """Turn every exception of a handler into a FUSEError (pyfuse3 dies on others)."""
+
+    @functools.wraps(fn)
+    async def wrapper(self, *args):
+        try:
+            return await fn(self, *args)
+        except pyfuse3.FUSEError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - mapped to an errno, logged if unexpected
+            code = errno_for(exc)
+            if code == errno.EIO:
+                log.error("%s failed: %r", fn.__name__, exc)
+            else:
+                log.debug("%s: %r -> %s", fn.__name__, exc, errno.errorcode.get(code, code))
+            raise pyfuse3.FUSEError(code) from None
+
+    return wrapper
+
+
+class SOSOperations(_OperationsBase):
+    """pyfuse3 operations over a `JournaledTree`."""
+
+    supports_dot_lookup = False
+    enable_writeback_cache = False
+    enable_acl = False
+
+    def __init__(self, tree, cache_root: str, *, sync: bool = True, namespace: str = "",
+                 writeback_cache: bool = False, chown_to_caller: bool | None = None) -> None:
+        super().__init__()
+        # Kernel writeback cache (read by pyfuse3 at FUSE INIT): write(2) lands in the page
+        # cache and reaches us in large WRITEs, at the latest when close(2) flushes (before
+        # FLUSH, so the close barrier still covers the data). Far fewer round trips for
+        # small writes (Hadoop writes 4 KiB at a time); write errors surface at close/fsync.
+        self.enable_writeback_cache = writeback_cache
+        self.tree = tree
+        self.cache_root = os.path.abspath(cache_root)
+        self.sync_mode = sync
+        self.namespace = namespace
+        self.inodes = InodeTable()
+        self._handles: dict[int, _Handle] = {}
+        self._dirs: dict[int, tuple[int, list[str]]] = {}
+        self._next_fh = 1
+        self.fenced: str | None = None
+        # Only root can give a new cache entry to the caller; other mounts own everything.
+        self.chown_to_caller = (os.geteuid() == 0) if chown_to_caller is None else chown_to_caller
+
+    # ------------------------------------------------------------------ helpers
+    def _local(self, path: str) -> str:
+        return self.cache_root if path == "" else self.tree.local_path(path)
+
+    @staticmethod
+    def _join(parent: str, name: bytes) -> str:
+        text = os.fsdecode(name)
+        text.encode("utf-8")  # surrogates (undecodable names) -> UnicodeError -> EINVAL
+        if text in ("", ".", "..") or "/" in text:
+            raise pyfuse3.FUSEError(errno.EINVAL)
+        return text if parent == "" else parent + "/" + text
+
+    def _child(self, parent_ino: int, name: bytes) -> str:
+        """The tree path of `name` in a directory; EPERM inside/onto the control directory."""
+        if parent_ino in _VIRTUAL or (parent_ino == ROOT_INODE and name == CONTROL_DIR.encode()):
+            raise pyfuse3.FUSEError(errno.EPERM)
+        return self._join(self.inodes.live_path(parent_ino), name)
+
+    def _virtual_entry(self, ino: int) -> "pyfuse3.EntryAttributes":
+        e = pyfuse3.EntryAttributes()
+        e.st_ino = ino
+        e.generation = 0
+        e.entry_timeout = _ATTR_TIMEOUT
+        e.attr_timeout = _ATTR_TIMEOUT
+        root = os.stat(self.cache_root)
+        e.st_size = 0
+        if ino == CONTROL_DIR_INO:
+            e.st_mode = stat.S_IFDIR | 0o755
+            e.st_nlink = 2
+        elif ino == NAMESPACE_INO:
+            e.st_mode = stat.S_IFREG | 0o444
+            e.st_nlink = 1
+            e.st_size = len(self._namespace_bytes())
+        else:
+            e.st_mode = stat.S_IFREG | 0o200
+            e.st_nlink = 1
+        e.st_uid, e.st_gid = root.st_uid, root.st_gid
+        e.st_blksize = 4096
+        e.st_atime_ns = e.st_mtime_ns = e.st_ctime_ns = root.st_mtime_ns
+        return e
+
+    def _namespace_bytes(self) -> bytes:
+        return self.namespace.encode("utf-8") + b"\n"
+
+    def _entry(self, ino: int, st: os.stat_result) -> "pyfuse3.EntryAttributes":
+        e = pyfuse3.EntryAttributes()
+        e.st_ino = ino
+        e.generation = 0
+        e.entry_timeout = _ATTR_TIMEOUT
+        e.attr_timeout = _ATTR_TIMEOUT
+        e.st_mode = st.st_mode
+        e.st_nlink = st.st_nlink
+        e.st_uid = st.st_uid
+        e.st_gid = st.st_gid
+        e.st_rdev = st.st_rdev
+        e.st_size = st.st_size
+        e.st_blksize = st.st_blksize
+        e.st_blocks = st.st_blocks
+        e.st_atime_ns = st.st_atime_ns
+        e.st_mtime_ns = st.st_mtime_ns
+        e.st_ctime_ns = st.st_ctime_ns
+        return e
+
+    def _stat_path(self, path: str) -> tuple[int, os.stat_result]:
+        st = os.lstat(self._local(path))
+        ino = self.inodes.ino(path)
+        self.inodes.mark_dir(ino, stat.S_ISDIR(st.st_mode))
+        return ino, st
+
+    def _give_to_caller(self, path: str, ctx) -> None:
+        """A new entry belongs to the process that created it (as on a local filesystem):
+        its uid, and its gid unless the parent directory is setgid (then the cache entry
+        already has the parent's group, and a new directory its setgid bit)."""
+        if not self.chown_to_caller or ctx is None:
+            return
+        local = self._local(path)
+        parent = os.lstat(os.path.dirname(local))
+        gid = -1 if parent.st_mode & stat.S_ISGID else ctx.gid
+        os.chown(local, ctx.uid, gid, follow_symlinks=False)
+
+    def _open_fd(self, ino: int) -> int | None:
+        for h in self._handles.values():
+            if h.ino == ino:
+                return h.fd
+        return None
+
+    def _check_writable(self) -> None:
+        if self.fenced is not None:
+            raise pyfuse3.FUSEError(errno.EROFS)
+
+    def _note_failure(self, exc: BaseException) -> None:
+        if self.fenced is None and is_fenced(exc):
+            self.fenced = str(exc) or type(exc).__name__
+            log.error(
+                "sos mount: FENCED: a newer writer took over namespace %r (%s); this mount is "
+                "read-only from now on, its later changes fail; unmount and remount to continue",
+                self.namespace, self.fenced,
+            )
+
+    async def _call(self, fn, *args, **kwargs):
+        """Run a (possibly blocking) tree call in a worker thread."""
+        self._check_writable()
+        try:
+            return await trio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
+        except Exception as exc:
+            self._note_failure(exc)
+            raise
+
+    async def _barrier(self) -> None:
+        """Wait until every record so far is durable on the server (in both modes)."""
+        await self._call(self.tree.sync, wait=True)
+
+    # ------------------------------------------------------------ attributes
+    @_guard
+    async def lookup(self, parent_inode, name, ctx=None):
+        if parent_inode == ROOT_INODE and name == CONTROL_DIR.encode():
+            return self._virtual_entry(CONTROL_DIR_INO)
+        if parent_inode == CONTROL_DIR_INO:
+            if name in _CONTROL_FILES:
+                return self._virtual_entry(_CONTROL_FILES[name])
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        path = self._child(parent_inode, name)
+        ino, st = self._stat_path(path)
+        self.inodes.lookup(ino)
+        return self._entry(ino, st)
+
+    @_guard
+    async def getattr(self, inode, ctx=None):
+        if inode in _VIRTUAL:
+            return self._virtual_entry(inode)
+        path = self.inodes.path(inode)
+        if path is None:
+            fd = self._open_fd(inode)
+            if fd is None:
+                raise FileNotFoundError(errno.ENOENT, "removed")
+            return self._entry(inode, os.fstat(fd))
+        return self._entry(inode, os.lstat(self._local(path)))
+
+    @_guard
+    async def setattr(self, inode, attr, fields, fh, ctx):
+        if inode in _VIRTUAL:
+            if fields.update_size and inode == MARKER_INO and attr.st_size == 0:
+                return self._virtual_entry(inode)
+            raise pyfuse3.FUSEError(errno.EPERM)
+        path = self.inodes.path(inode)
+        if path is None:  # an open file that was unlinked: not part of the tree any more
+            fd = self._handles[fh].fd if fh in self._handles else self._open_fd(inode)
+            if fd is None:
+                raise FileNotFoundError(errno.ENOENT, "removed")
+            if fields.update_size:
+                os.ftruncate(fd, attr.st_size)
+            return self._entry(inode, os.fstat(fd))
+        changing = (fields.update_size or fields.update_mode or fields.update_uid
+                    or fields.update_gid or fields.update_atime or fields.update_mtime)
+        if changing:
+            self._check_writable()
+        local = self._local(path)
+        if fields.update_size:
+            await self._call(self.tree.truncate, path, attr.st_size)
+            if fh in self._handles:
+                self._handles[fh].dirty = True
+        if fields.update_mode:
+            os.chmod(local, stat.S_IMODE(attr.st_mode))
+        if fields.update_uid or fields.update_gid:
+            os.chown(local, attr.st_uid if fields.update_uid else -1,
+                     attr.st_gid if fields.update_gid else -1, follow_symlinks=False)
+        if fields.update_atime or fields.update_mtime:
+            st = os.lstat(local)
+            atime = attr.st_atime_ns if fields.update_atime else st.st_atime_ns
+            mtime = attr.st_mtime_ns if fields.update_mtime else st.st_mtime_ns
+            os.utime(local, ns=(atime, mtime), follow_symlinks=False)
+        return self._entry(inode, os.lstat(local))
+
+    async def forget(self, inode_list):
+        for ino, n in inode_list:
+            if ino not in _VIRTUAL:
+                self.inodes.forget(ino, n)
+
+    @_guard
+    async def statfs(self, ctx):
+        sv = os.statvfs(self.cache_root)
+        out = pyfuse3.StatvfsData()
+        for name in ("f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_bavail",
+                     "f_files", "f_ffree", "f_favail"):
+            setattr(out, name, getattr(sv, name))
+        out.f_namemax = min(sv.f_namemax, 255)
+        return out
+
+    @_guard
+    async def access(self, inode, mode, ctx):
+        path = None if inode in _VIRTUAL else self.inodes.path(inode)
+        if path is not None:
+            os.lstat(self._local(path))
+        if mode & os.W_OK and self.fenced is not None:
+            return False
+        return True
+
+    # ------------------------------------------------------------ directories
+    @_guard
+    async def mkdir(self, parent_inode, name, mode, ctx):
+        path = self._child(parent_inode, name)
+        await self._call(self.tree.mkdir, path, stat.S_IMODE(mode))
+        self._give_to_caller(path, ctx)
+        ino, st = self._stat_path(path)
+        self.inodes.lookup(ino)
+        return self._entry(ino, st)
+
+    @_guard
+    async def rmdir(self, parent_inode, name, ctx):
+        path = self._child(parent_inode, name)
+        await self._call(self.tree.rmdir, path)
+        self.inodes.removed(path)
+
+    @_guard
+    async def opendir(self, inode, ctx):
+        if inode == CONTROL_DIR_INO:
+            names = [MARKER_FILE, NAMESPACE_FILE]
+        else:
+            path = self.inodes.live_path(inode)
+            names = sorted(os.listdir(self._local(path)))
+            if path == "" and CONTROL_DIR in names:  # shadowed by the control directory
+                names.remove(CONTROL_DIR)
+        fh = self._next_fh
+        self._next_fh += 1
+        self._dirs[fh] = (inode, names)
+        return fh
+
+    @_guard
+    async def readdir(self, fh, start_id, token):
+        dir_ino, names = self._dirs[fh]
+        if dir_ino == CONTROL_DIR_INO:
+            for index in range(start_id, len(names)):
+                name = names[index].encode()
+                if not pyfuse3.readdir_reply(token, name,
+                                             self._virtual_entry(_CONTROL_FILES[name]), index + 1):
+                    break
+            return
+        for index in range(start_id, len(names)):
+            name = names[index]
+            # Looked up per entry: the directory may be renamed while it is listed.
+            parent = self.inodes.live_path(dir_ino)
+            path = name if parent == "" else parent + "/" + name
+            try:
+                ino, st = self._stat_path(path)
+            except FileNotFoundError:
+                continue  # removed since opendir
+            if not pyfuse3.readdir_reply(token, os.fsencode(name), self._entry(ino, st), index + 1):
+                break
+            self.inodes.lookup(ino)  # readdirplus counts as a lookup
+
+    async def releasedir(self, fh):
+        self._dirs.pop(fh, None)
+
+    @_guard
+    async def fsyncdir(self, fh, datasync):
+        await self._barrier()
+
+    # ------------------------------------------------------------ files
+    def _new_handle(self, ino: int, path: str, writable: bool) -> int:
+        local = self._local(path)
+        try:
+            fd = os.open(local, os.O_RDWR | os.O_CLOEXEC)
+        except IsADirectoryError:
+            raise
+        except OSError:
+            fd = os.open(local, os.O_RDONLY | os.O_CLOEXEC)
+        fh = self._next_fh
+        self._next_fh += 1
+        self._handles[fh] = _Handle(ino=ino, fd=fd, writable=writable)
+        self.inodes.opened(ino)
+        return fh
+
+    @_guard
+    async def create(self, parent_inode, name, mode, flags, ctx):
+        path = self._child(parent_inode, name)
+        existed = os.path.lexists(self._local(path))  # CREATE of an existing name: open it
+        await self._call(self.tree.create, path, stat.S_IMODE(mode))
+        if not existed:
+            self._give_to_caller(path, ctx)
+        ino, st = self._stat_path(path)
+        fh = self._new_handle(ino, path, writable=True)
+        self._handles[fh].dirty = True
+        self.inodes.lookup(ino)
+        return pyfuse3.FileInfo(fh=fh), self._entry(ino, st)
+
+    @_guard
+    async def open(self, inode, flags, ctx):
+        if inode == CONTROL_DIR_INO:
+            raise pyfuse3.FUSEError(errno.EISDIR)
+        if inode == MARKER_INO:
+            self._check_writable()
+            fh = self._next_fh
+            self._next_fh += 1
+            self._handles[fh] = _Handle(ino=inode, fd=-1, writable=True, marker=bytearray())
+            return pyfuse3.FileInfo(fh=fh, direct_io=True)
+        if inode == NAMESPACE_INO:
+            if (flags & os.O_ACCMODE) != os.O_RDONLY:
+                raise pyfuse3.FUSEError(errno.EACCES)
+            fh = self._next_fh
+            self._next_fh += 1
+            self._handles[fh] = _Handle(ino=inode, fd=-1, writable=False,
+                                        content=self._namespace_bytes())
+            return pyfuse3.FileInfo(fh=fh, direct_io=True)
+        path = self.inodes.live_path(inode)
+        writable = (flags & os.O_ACCMODE) != os.O_RDONLY
+        if writable:
+            self._check_writable()
+        dirty = False
+        if writable and flags & os.O_TRUNC:
+            if os.lstat(self._local(path)).st_size != 0:
+                await self._call(self.tree.truncate, path, 0)
+                dirty = True
+        fh = self._new_handle(inode, path, writable)
+        self._handles[fh].dirty = dirty
+        return pyfuse3.FileInfo(fh=fh)
+
+    @_guard
+    async def read(self, fh, off, size):
+        h = self._handles[fh]
+        if h.marker is not None:
+            return b""
+        if h.content is not None:
+            return h.content[off:off + size]
+        return os.pread(h.fd, size, off)
+
+    @_guard
+    async def write(self, fh, off, buf):
+        h = self._handles[fh]
+        self._check_writable()
+        if h.marker is not None:
+            if off > len(h.marker) + (1 << 20):
+                raise pyfuse3.FUSEError(errno.EFBIG)
+            h.marker[off:off + len(buf)] = buf
+            return len(buf)
+        path = self.inodes.path(h.ino)
+        if path is None:  # unlinked while open: the tree no longer has it
+            return os.pwrite(h.fd, buf, off)
+        await self._call(self.tree.write, path, off, bytes(buf))
+        h.dirty = True
+        return len(buf)
+
+    async def _emit_marker(self, h: _Handle) -> None:
+        """Turn the control file's pending JSON document into a MARKER record."""
+        import json
+
+        if h.marker is None:  # not the control file
+            return
+        doc_bytes = bytes(h.marker)
+        h.marker.clear()
+        try:
+            doc = json.loads(doc_bytes)
+            label = doc["label"]
+            payload = doc.get("payload", "")
+            if not isinstance(label, str) or not label:
+                raise ValueError("label must be a non-empty string")
+        except (ValueError, KeyError, TypeError) as exc:
+            log.error("ignoring a bad marker document %r: %s", doc_bytes[:200], exc)
+            raise pyfuse3.FUSEError(errno.EINVAL) from None
+        if isinstance(payload, str):
+            data = payload.encode("utf-8")
+        else:
+            data = json.dumps(payload, sort_keys=True).encode("utf-8")
+        await self._call(self.tree.marker, label, data)
+        h.dirty = True
+
+    async def _settle(self, h: _Handle) -> None:
+        """Sync mode: a written file's records are durable before close returns."""
+        if h.marker:
+            await self._emit_marker(h)
+        if h.dirty and self.sync_mode:
+            if self.fenced is not None:
+                raise pyfuse3.FUSEError(errno.EIO)
+            await self._barrier()
+        h.dirty = False
+
+    @_guard
+    async def flush(self, fh):
+        # flush is what close(2) waits for (release is sent asynchronously).
+        await self._settle(self._handles[fh])
+
+    @_guard
+    async def fsync(self, fh, datasync):
+        # An explicit fsync waits for the server in both modes.
+        h = self._handles[fh]
+        if self.fenced is not None and (h.dirty or h.marker):
+            raise pyfuse3.FUSEError(errno.EIO)
+        if h.marker:
+            await self._emit_marker(h)
+        await self._barrier()
+        h.dirty = False
+
+    async def release(self, fh):
+        h = self._handles.pop(fh, None)
+        if h is None:
+            return
+        try:
+            if h.marker and self.fenced is None:
+                try:
+                    await self._emit_marker(h)
+                except Exception as exc:  # noqa: BLE001 - release cannot report errors
+                    log.error("release: marker lost: %r", exc)
+            if h.dirty and self.sync_mode and self.fenced is None:
+                try:
+                    await self._barrier()
+                except Exception as exc:  # noqa: BLE001 - release cannot report errors
+                    log.error("release: barrier failed: %r", exc)
+        finally:
+            if h.fd >= 0:
+                os.close(h.fd)
+                self.inodes.closed(h.ino)
+
+    # ------------------------------------------------------------ namespace changes
+    @_guard
+    async def unlink(self, parent_inode, name, ctx):
+        path = self._child(parent_inode, name)
+        await self._call(self.tree.unlink, path)
+        self.inodes.removed(path)
+
+    @_guard
+    async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
+        if flags & _RENAME_EXCHANGE:
+            raise pyfuse3.FUSEError(errno.EINVAL)
+        src = self._child(parent_inode_old, name_old)
+        dst = self._child(parent_inode_new, name_new)
+        overwrite = not (flags & _RENAME_NOREPLACE)
+        # The table moves first: in sync mode the tree returns only after the barrier,
+        # and the moved inode must resolve to its new path meanwhile (fstat of an open fd).
+        undo = self.inodes.renamed(src, dst)
+        try:
+            await self._call(self.tree.rename, src, dst, overwrite=overwrite)
+        except BaseException:
+            if os.path.lexists(self._local(src)):  # the cache rename did not happen
+                undo()
+            raise

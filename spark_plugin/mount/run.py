@@ -1,0 +1,256 @@
+"""`run_mount()`: what `sos mount` runs: the namespace opened (server, writer, tree),
+the FUSE session started on the mountpoint, signals, the final flush and unmount."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import signal
+import ssl
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from sos_client.errors import is_fenced
+
+
+if TYPE_CHECKING:
+    import pyfuse3
+    from pyfuse3 import Operations as _OperationsBase
+
+    from sos_client.journal.tree import JournaledTree
+    from sos_client.journal.writer import JournalWriter
+else:
+    try:  # pyfuse3 is an optional dependency (extra "mount")
+        import pyfuse3
+        from pyfuse3 import Operations as _OperationsBase
+    except ImportError:  # pragma: no cover - exercised only where pyfuse3 is missing
+        pyfuse3 = None
+        _OperationsBase = object
+
+from .ops import SOSOperations
+from .process import READY_MARKER, is_mounted, lazy_unmount
+
+log = logging.getLogger("sos.mount")
+
+# ---------------------------------------------------------------------------
+# Running a mount: server connection -> writer -> tree -> FUSE
+# ---------------------------------------------------------------------------
+
+def default_cache_dir(namespace: str) -> str:
+    from sos_client.journal.open import default_cache_dir as default
+
+    return default(namespace)
+
+
+def _dir_is_empty(path: str) -> bool:
+    return not os.path.isdir(path) or not os.listdir(path)
+
+
+def fuse_options(namespace: str, *, allow_other: bool = False, debug: bool = False) -> set[str]:
+    opts = set(pyfuse3.default_options)
+    opts |= {"fsname=sos", "subtype=sos", "default_permissions"}
+    if allow_other:
+        opts.add("allow_other")
+    if debug:
+        opts.add("debug")
+    return opts
+
+
+class MountedTree:
+    """The journal side of a mount: writer + tree over `<cache>/tree`, spool in `<cache>/spool`,
+    opened by `sos_client.journal.open.open_namespace` (the opener fsspec and the gateway use).
+
+    The writer fences every older writer first, then an empty (or crash-dirty) cache is
+    rebuilt from the server by the same code as `sos restore`. A spool that the server has
+    moved past (another writer took over since) is refused with a hint to drop the cache.
+    A refused key fails at once; a read key is refused (a mount writes).
+    """
+
+    def __init__(self, namespace: str, server: str, key: str, cache_dir: str, *,
+                 sync: bool = True, max_lag_bytes: int = 64 << 20,
+                 generation_bytes: int | None = None, client_factory: Callable[[], Any] | None = None,
+                 timeout: float = 30.0, tls: ssl.SSLContext | bool | None = None) -> None:
+        self.namespace = namespace
+        self._client_factory = client_factory
+        self.server = server
+        self.key = key
+        self.timeout = timeout
+        self.tls = tls
+        self.cache_dir = os.path.abspath(cache_dir)
+        self.tree_dir = os.path.join(self.cache_dir, "tree")
+        self.spool_dir = os.path.join(self.cache_dir, "spool")
+        self.sync = sync
+        self.max_lag_bytes = max_lag_bytes
+        self.generation_bytes = generation_bytes
+        self.writer: JournalWriter | None = None
+        self.tree: JournaledTree | None = None
+
+    def open(self) -> tuple[JournaledTree, JournalWriter]:
+        """Open the writer and the tree (see the class docstring); returns them."""
+        from sos_client.journal.open import open_namespace
+        from sos_client.journal.tree import JournaledTree
+
+        opened = open_namespace(self.namespace, self.cache_dir, server=self.server, key=self.key,
+                                timeout=self.timeout, tls=self.tls,
+                                client_factory=self._client_factory, sync=self.sync,
+                                max_lag_bytes=self.max_lag_bytes,
+                                generation_bytes=self.generation_bytes)
+        tree, writer = opened.tree, opened.writer
+        if not isinstance(tree, JournaledTree) or writer is None:  # pragma: no cover - read keys are refused
+            opened.close()
+            raise PermissionError(errno.EACCES, "a mount needs a key with the append role", self.namespace)
+        self.writer, self.tree = writer, tree
+        return tree, writer
+
+    def close(self) -> None:
+        if self.tree is not None:
+            tree, self.tree = self.tree, None
+            if self.writer is not None:
+                self.writer.close(timeout=0)  # flushed (or given up) by the caller already
+            tree.close()
+        elif self.writer is not None:
+            self.writer.close()
+
+
+async def _serve(ops: SOSOperations, namespace: str, mountpoint: str) -> None:
+    async with trio.open_nursery() as nursery:
+        await nursery.start(_watch_signals)
+        mode = "sync" if ops.sync_mode else "async"
+        if ops.enable_writeback_cache:
+            mode += ", writeback cache"
+        print(f"{READY_MARKER}: namespace {namespace} mounted at {mountpoint} ({mode})",
+              file=sys.stderr, flush=True)
+        await pyfuse3.main()
+        nursery.cancel_scope.cancel()
+
+
+_early_signals: list[int] = []
+
+
+def _restore_signals(previous: dict) -> None:
+    for signum, handler in previous.items():
+        signal.signal(signum, handler)
+
+
+def _record_early_signal(signum, frame) -> None:
+    _early_signals.append(signum)
+
+
+async def _watch_signals(task_status=trio.TASK_STATUS_IGNORED) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        task_status.started()
+        if _early_signals:  # arrived between mounting and this receiver
+            log.info("%s: unmounting", signal.Signals(_early_signals[0]).name)
+            pyfuse3.terminate()
+            return
+        async for signum in signals:
+            log.info("%s: unmounting", signal.Signals(signum).name)
+            pyfuse3.terminate()
+            return
+
+
+def give_tree_to(tree_dir: str, owner: tuple[int, int], *, everything: bool) -> None:
+    """chown the cache's root directory (and, with ``everything``, all below it) to owner
+    (no recursion; a link is never followed)."""
+    from sos_client.journal.beneath import Beneath
+
+    uid, gid = owner
+    with Beneath(tree_dir) as at:
+        at.chown("", uid, gid)
+        if not everything:
+            return
+        for d, dirs, entries in at.walk():
+            pre = f"{d}/" if d else ""
+            for name in dirs + [n for n, _st in entries]:
+                at.chown(pre + name, uid, gid)
+
+
+def run_mount(namespace: str, mountpoint: str, *, server: str, key: str,
+              cache_dir: str | None = None, sync: bool = True, max_lag_bytes: int = 64 << 20,
+              allow_other: bool = False, debug: bool = False, client_factory=None,
+              flush_timeout: float = 120.0, writeback_cache: bool = False,
+              owner: tuple[int, int] | None = None,
+              generation_bytes: int | None = None) -> int:
+    """Mount `namespace` at `mountpoint` until SIGTERM/SIGINT or an external unmount.
+
+    Returns the process exit code (0 after a clean unmount with everything
+    flushed, 1 if the final flush failed, e.g. because the mount was fenced).
+    `client_factory` (optional) returns a connected client for the namespace
+    (TLS, timeouts); by default `sos_client.Client(server, key, namespace)`.
+    After the unmount the journal gets `flush_timeout` seconds to reach the
+    server; what does not stays in the spool and the next mount ships it.
+    `owner` (uid, gid): owner of the mount's root directory and of everything rebuilt
+    from the server (needs root unless it is the mount's own user); implies allow_other
+    when it is another user. `generation_bytes`: journal bytes after which a new
+    generation starts with a snapshot of the tree (default: the writer's, 1 GiB).
+    """
+    if pyfuse3 is None:
+        raise RuntimeError("pyfuse3 is not installed (pip install 'sos[mount]')")
+    mountpoint = os.path.abspath(mountpoint)
+    if is_mounted(mountpoint):
+        try:
+            os.stat(mountpoint)
+        except OSError as exc:
+            if exc.errno != errno.ENOTCONN:
+                raise
+            log.warning("%s is a dead mount (its daemon died): detaching it", mountpoint)
+            lazy_unmount(mountpoint)
+        else:
+            raise RuntimeError(f"{mountpoint} is already a mount point")
+    if not os.path.isdir(mountpoint):
+        raise FileNotFoundError(errno.ENOENT, "mountpoint is not a directory", mountpoint)
+    if owner is not None:
+        if os.geteuid() != 0 and tuple(owner) != (os.geteuid(), os.getegid()):
+            raise PermissionError(errno.EPERM, "--owner needs the mount to run as root")
+        if owner[0] != os.geteuid() and not allow_other:
+            log.info("--owner %d:%d is another user: mounting with allow_other", *owner)
+            allow_other = True
+    journal = MountedTree(namespace, server, key, cache_dir or default_cache_dir(namespace),
+                          sync=sync, max_lag_bytes=max_lag_bytes,
+                          generation_bytes=generation_bytes, client_factory=client_factory)
+    tree, writer = journal.open()
+    if owner is not None:
+        try:  # rebuilt entries have no owner in the journal: they are the owner's
+            give_tree_to(journal.tree_dir, owner, everything=tree.rebuilt)
+        except BaseException:
+            journal.close()
+            raise
+    ops = SOSOperations(tree, journal.tree_dir, sync=sync, namespace=namespace,
+                        writeback_cache=writeback_cache)
+    code = 0
+    # From the mount on, SIGTERM/SIGINT must unmount, never kill the process outright.
+    previous = {s: signal.signal(s, _record_early_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        pyfuse3.init(ops, mountpoint, fuse_options(namespace, allow_other=allow_other,
+                                                   debug=debug))
+        try:
+            trio.run(_serve, ops, namespace, mountpoint)
+        finally:
+            pyfuse3.close(unmount=True)
+            # Unmounted: a second signal may now interrupt the final flush (the spool keeps
+            # whatever is not on the server yet; the next mount ships it).
+            _restore_signals(previous)
+        log.info("unmounted %s", mountpoint)
+        if ops.fenced is None:
+            try:
+                writer.barrier(timeout=flush_timeout)
+            except Exception as exc:  # noqa: BLE001 - reported, exit code says it
+                ops._note_failure(exc)
+                log.error("final flush failed (the spool in %s keeps the journal; the next "
+                          "mount ships it): %r", journal.spool_dir, exc)
+                code = 1
+        else:
+            code = 1
+    finally:
+        _restore_signals(previous)
+        try:
+            journal.close()
+        except Exception as exc:  # noqa: BLE001
+            if ops.fenced is None and not is_fenced(exc):
+                log.error("closing the journal failed: %r", exc)
+                code = 1
+    return code
