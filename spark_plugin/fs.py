@@ -42,178 +42,36 @@ addressing that namespace shares it, so two objects never fence each other.
 
 from __future__ import annotations
 
-import atexit
+import contextlib
 import errno
-import io
 import os
 import posixpath
 import stat as stat_mod
-import threading
 import uuid
 from datetime import datetime, timezone
 from glob import has_magic
 
-from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
+from fsspec.spec import AbstractFileSystem
 from fsspec.utils import stringify_path
 
 from sos_client import resolve_key, resolve_server
 
-__all__ = ["SOSFileSystem", "SOSReadFile", "SOSWriteFile", "close_all"]
-
-#: WRITE records carry at most this many bytes (journal format limit).
-RECORD_DATA_MAX = 1 << 20
-_READ_CHUNK = 1 << 20
+from .fs_files import _READ_CHUNK, RECORD_DATA_MAX, SOSReadFile, SOSWriteFile, _err, _pread_all
+from .fs_namespaces import _open_namespace, close_all
 
 
-def _err(code: int, path: str, message: str | None = None) -> OSError:
-    """``OSError(code, ...)``: Python makes it the matching subclass (ENOENT:
-    FileNotFoundError, EEXIST: FileExistsError, ...), so no table of them is kept here."""
-    return OSError(code, message or os.strerror(code), path)
-
-
-# --------------------------------------------------------------------------
-# One journaled tree per (server, namespace, cache directory) per process.
-
-
-class _Namespace:
-    """A shared opened namespace (:func:`sos_client.journal.open.open_namespace`) plus the
-    lock that makes compound operations (exclusive create, checked rename, makedirs)
-    atomic within the process. Other processes cannot write the namespace without
-    fencing this one."""
-
-    def __init__(self, opened, tree):
-        self.pid = os.getpid()
-        self.opened = opened
-        self.tree = tree
-        self.writer = opened.writer
-        self.tree_dir = opened.tree_dir  # the live tree; every read is served from here
-        self.namespace = opened.namespace
-        self.lock = threading.RLock()
-
-    @property
-    def closed(self):
-        return self.opened.closed
-
-    def local(self, rel):
-        return self.tree.local_path(rel) if rel else self.tree_dir
-
-    def close(self, timeout=None):
-        self.opened.close(timeout)
-
-
-class _GuardedTree:
-    """The JournaledTree as the filesystem sees it: journal failures become the
-    built-in exceptions fsspec users expect (:func:`sos_client.errors.to_oserror`,
-    as the mount and the gateway map them). Fenced (another writer took the
-    namespace over) -> PermissionError (errno EROFS); any other journal failure
-    -> OSError EIO. The original error is chained. Reads keep working from the cache."""
-
-    _MUTATIONS = ("mkdir", "rmdir", "create", "write", "truncate", "rename", "unlink", "marker",
-                  "sync")
-
-    def __init__(self, tree, namespace):
-        self._tree = tree
-        self._namespace = namespace
-
-    def local_path(self, path):
-        return self._tree.local_path(path)
-
-    def close(self):
-        self._tree.close()
-
-    def __getattr__(self, name):
-        if name not in self._MUTATIONS:
-            raise AttributeError(name)
-        method = getattr(self._tree, name)
-
-        def guarded(*args, **kwargs):
-            from sos_client.errors import SOSError, is_fenced, to_oserror
-            from sos_client.journal.errors import JournalError
-
-            try:
-                return method(*args, **kwargs)
-            except (JournalError, SOSError) as exc:
-                what = ("was taken over by another writer (fenced); this process can no longer "
-                        "change it" if is_fenced(exc) else "failed")
-                raise to_oserror(exc, f"journal of namespace {self._namespace!r} {what}",
-                                 self._namespace) from exc
-
-        return guarded
-
-
-_REGISTRY: dict[tuple, _Namespace] = {}
-_REGISTRY_LOCK = threading.Lock()
-_REGISTRY_PID = os.getpid()
-
-
-def _open_namespace(server, key, namespace, base_dir, max_lag_bytes, timeout, tls=None,
-                    generation_bytes=None):
-    """The process-wide tree of (server, namespace, cache dir) for this key's role."""
-    global _REGISTRY_PID
-    from sos_client.journal.open import client_factory_for, key_role, open_namespace
-    from sos_wire.events import KeyRole
-
-    root = os.path.realpath(os.path.join(base_dir, namespace))
-    # one connection tells the role (and fails fast on a refused key); the
-    # caller remembers the result, so this runs once per filesystem object
-    role = key_role(client_factory_for(server, key, namespace, timeout=timeout, tls=tls), timeout)
-    ident = (server, namespace, root, "read" if role == KeyRole.READ else "append")
-    with _REGISTRY_LOCK:
-        if _REGISTRY_PID != os.getpid():
-            # a forked child inherits the dict but not the replicator threads
-            _REGISTRY.clear()
-            _REGISTRY_PID = os.getpid()
-        ns = _REGISTRY.get(ident)
-        if ns is not None and not ns.closed:
-            return ns
-        # One writer serves every filesystem object of this namespace in the
-        # process, whatever each object's ``sync``, so it runs in sync mode:
-        # the tree's rename (mv) always waits for the server. Objects with
-        # sync=True also wait on close, cp and commit (tree.sync(wait=True));
-        # objects with sync=False do not.
-        opened = open_namespace(namespace, root, server=server, key=key, timeout=timeout, tls=tls,
-                                sync=True, max_lag_bytes=max_lag_bytes,
-                                generation_bytes=generation_bytes, allow_read_only=True)
-        tree = opened.tree if opened.read_only else _GuardedTree(opened.tree, namespace)
-        ns = _Namespace(opened, tree)
-        _REGISTRY[ident] = ns
-        return ns
-
-
-def close_all(timeout=None):
-    """Close every journaled tree this process opened, first waiting (up to
-    ``timeout`` seconds, None = until done) for their journals to be shipped.
-
-    Runs at interpreter exit; tests call it to start from scratch.
-    """
-    with _REGISTRY_LOCK:
-        items = list(_REGISTRY.values())
-        _REGISTRY.clear()
-    first = None
-    for ns in items:
-        try:
-            ns.close(timeout)
-        except Exception as exc:  # keep closing the others
-            first = first or exc
-    if first is not None:
-        raise first
-
-
-#: At interpreter exit, wait this long for unshipped records (async mode, or
-#: deletions) to reach the server; what is left stays in the spool and is
-#: shipped by the next process that opens the same cache directory.
-EXIT_FLUSH_TIMEOUT = 60.0
-
-
-def _close_at_exit():
+@contextlib.contextmanager
+def _named(name: str):
+    """Where the journal tree decides an error (it applies each operation to the cache as
+    POSIX does), re-raise it naming the fsspec path ``NS/...`` rather than the tree's."""
     try:
-        close_all(timeout=EXIT_FLUSH_TIMEOUT)
-    except Exception:
-        pass
+        yield
+    except OSError as exc:
+        if exc.errno is None:
+            raise
+        raise _err(exc.errno, name) from None
 
-
-atexit.register(_close_at_exit)
-
+__all__ = ["SOSFileSystem", "SOSReadFile", "SOSWriteFile", "close_all"]
 
 # --------------------------------------------------------------------------
 
@@ -430,45 +288,25 @@ class SOSFileSystem(AbstractFileSystem):
         h, rel, local, name = self._resolve(path)
         if rel == "":
             raise _err(errno.EEXIST, name)
-        with h.lock:
-            if self._stat(local) is not None:
-                raise _err(errno.EEXIST, name)
+        with h.lock, _named(name):
             parent = posixpath.dirname(rel)
-            if parent:
-                pst = self._stat(h.local(parent))
-                if pst is None:
-                    if not create_parents:
-                        raise _err(errno.ENOENT, f"{h.namespace}/{parent}")
-                    self._ensure_dirs(h, parent, mode)
-                elif not stat_mod.S_ISDIR(pst.st_mode):
-                    raise _err(errno.ENOTDIR, name)
-            h.tree.mkdir(rel, mode)
+            if parent and create_parents and self._stat(h.local(parent)) is None:
+                self._ensure_dirs(h, parent, mode)
+            h.tree.mkdir(rel, mode)  # the tree decides: EEXIST, ENOENT, ENOTDIR
 
     def rmdir(self, path):
         h, rel, local, name = self._resolve(path)
         if rel == "":
             raise _err(errno.EPERM, name, "cannot remove a namespace root")
-        with h.lock:
-            st = self._stat(local)
-            if st is None:
-                raise _err(errno.ENOENT, name)
-            if not stat_mod.S_ISDIR(st.st_mode):
-                raise _err(errno.ENOTDIR, name)
-            if os.listdir(local):
-                raise _err(errno.ENOTEMPTY, name)
-            h.tree.rmdir(rel)
+        with h.lock, _named(name):
+            h.tree.rmdir(rel)  # the tree decides: ENOENT, ENOTDIR, ENOTEMPTY
 
     # --------------------------------------------------------------- removal
 
     def rm_file(self, path):
         h, rel, local, name = self._resolve(path)
-        with h.lock:
-            st = self._stat(local)
-            if st is None:
-                raise _err(errno.ENOENT, name)
-            if stat_mod.S_ISDIR(st.st_mode):
-                raise _err(errno.EISDIR, name)
-            h.tree.unlink(rel)
+        with h.lock, _named(name):
+            h.tree.unlink(rel)  # the tree decides: ENOENT, EISDIR
 
     _rm = rm_file
 
@@ -683,118 +521,3 @@ class SOSFileSystem(AbstractFileSystem):
 
     rename = mv
     move = mv
-
-
-def _pread_all(fd, start, end):
-    out = []
-    pos = start
-    while pos < end:
-        chunk = os.pread(fd, min(end - pos, _READ_CHUNK), pos)
-        if not chunk:
-            break
-        out.append(chunk)
-        pos += len(chunk)
-    return b"".join(out)
-
-
-class SOSReadFile(AbstractBufferedFile):
-    """Reads a snapshot of the cached file: the descriptor is opened when the
-    file is, so a later rename or delete does not disturb the reader."""
-
-    def __init__(self, fs, path, local, block_size=None, cache_type="none", cache_options=None):
-        try:
-            fd = os.open(local, os.O_RDONLY)
-        except (FileNotFoundError, NotADirectoryError):
-            raise _err(errno.ENOENT, path) from None
-        try:
-            st = os.fstat(fd)
-            if stat_mod.S_ISDIR(st.st_mode):
-                raise _err(errno.EISDIR, path)
-        except BaseException:
-            os.close(fd)
-            raise
-        self._fd = fd
-        self._mtime = st.st_mtime
-        super().__init__(
-            fs, path, mode="rb", block_size=block_size or _READ_CHUNK,
-            cache_type=cache_type, cache_options=cache_options, size=st.st_size,
-        )
-        self.details = {
-            "name": path, "size": st.st_size, "type": "file", "mtime": st.st_mtime,
-            "mode": stat_mod.S_IMODE(st.st_mode),
-        }
-
-    def _fetch_range(self, start, end):
-        end = min(end, self.size)
-        if end <= start:
-            return b""
-        return _pread_all(self._fd, start, end)
-
-    def close(self):
-        try:
-            super().close()
-        finally:
-            fd, self._fd = getattr(self, "_fd", None), None
-            if fd is not None:
-                os.close(fd)
-
-
-class SOSWriteFile(AbstractBufferedFile):
-    """A file being written: CREATE was journaled at open; buffered data
-    becomes WRITE records (at most 1 MiB each) whenever a block fills, so memory
-    stays bounded; close (or :meth:`fsync`) is the durability barrier."""
-
-    DEFAULT_BLOCK_SIZE = RECORD_DATA_MAX
-
-    def __init__(self, fs, path, mode, handle, target, final, offset, block_size=None, autocommit=True):
-        super().__init__(fs, path, mode=mode, block_size=block_size, autocommit=autocommit)
-        self._h = handle
-        self._target = target  # what the records name (a temp file in a transaction)
-        self._final = final
-        self._pos = offset
-        self._committed = False
-
-    def _write_buffer(self):
-        data = self.buffer.getbuffer()
-        try:
-            for i in range(0, len(data), RECORD_DATA_MAX):
-                piece = bytes(data[i : i + RECORD_DATA_MAX])
-                self._h.tree.write(self._target, self._pos, piece)
-                self._pos += len(piece)
-        finally:
-            del data
-
-    def _upload_chunk(self, final=False):
-        self._write_buffer()
-        if final and self.autocommit:
-            self.fs._barrier(self._h)
-        return True
-
-    def fsync(self):
-        """Journal everything written so far and wait until it is durable."""
-        if self.closed:
-            raise ValueError("I/O operation on closed file.")
-        if self.offset is None:
-            self.offset = 0
-        self._write_buffer()
-        self.offset += self.buffer.tell()
-        self.buffer = io.BytesIO()
-        self._h.tree.sync(wait=True)
-
-    def commit(self):
-        """Transaction commit: atomically rename the temp file onto its name."""
-        if self.autocommit or self._committed:
-            return
-        self._committed = True
-        with self._h.lock:
-            # "xb" stays exclusive: a file that appeared meanwhile is not replaced
-            self._h.tree.rename(self._target, self._final, overwrite=self.mode != "xb")
-        self.fs._barrier(self._h)
-
-    def discard(self):
-        if self.autocommit or self._committed:
-            return
-        self._committed = True
-        with self._h.lock:
-            if os.path.lexists(self._h.local(self._target)):
-                self._h.tree.unlink(self._target)

@@ -866,3 +866,22 @@ def test_fsspec_reads_a_server_and_key_as_the_clients_and_the_command_do(env, mo
         SOSFileSystem(key="nope", skip_instance_cache=True)
     assert isinstance(exc.value, ValueError) and isinstance(exc.value, PermissionError)
     assert "nope" not in str(exc.value)
+
+
+def test_errors_the_tree_decides_name_the_fsspec_path(env):
+    """mkdir, rmdir and rm_file leave the verdict to the journal tree (POSIX on the cache),
+    no stat-then-raise of their own: the errors still name NS/path and change nothing."""
+    import errno as _errno
+
+    fs = env.fs()
+    fs.pipe_file(f"{env.ns}/d/f", b"x")
+    cases = [(fs.mkdir, f"{env.ns}/d", _errno.EEXIST), (fs.rmdir, f"{env.ns}/d", _errno.ENOTEMPTY),
+             (fs.rmdir, f"{env.ns}/d/f", _errno.ENOTDIR), (fs.rmdir, f"{env.ns}/none", _errno.ENOENT),
+             (fs.rm_file, f"{env.ns}/d", _errno.EISDIR), (fs.rm_file, f"{env.ns}/none", _errno.ENOENT),
+             (lambda p: fs.mkdir(p, create_parents=False), f"{env.ns}/no/sub", _errno.ENOENT),
+             (fs.mkdir, f"{env.ns}/d/f/sub", _errno.ENOTDIR)]
+    for call, path, code in cases:
+        with pytest.raises(OSError) as info:
+            call(path)
+        assert (info.value.errno, info.value.filename) == (code, path), (path, info.value)
+    assert local_snapshot(env.restore()) == {"d": None, "d/f": b"x"}

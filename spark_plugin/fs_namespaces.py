@@ -1,0 +1,155 @@
+"""The fsspec filesystem's namespaces: one journaled tree per (server, namespace, cache
+directory) per process, shared by every SOSFileSystem instance addressing it (so two
+instances never fence each other), opened through sos_client.journal.open, flushed at exit."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+
+
+
+
+# --------------------------------------------------------------------------
+# One journaled tree per (server, namespace, cache directory) per process.
+
+
+class _Namespace:
+    """A shared opened namespace (:func:`sos_client.journal.open.open_namespace`) plus the
+    lock that makes compound operations (exclusive create, checked rename, makedirs)
+    atomic within the process. Other processes cannot write the namespace without
+    fencing this one."""
+
+    def __init__(self, opened, tree):
+        self.pid = os.getpid()
+        self.opened = opened
+        self.tree = tree
+        self.writer = opened.writer
+        self.tree_dir = opened.tree_dir  # the live tree; every read is served from here
+        self.namespace = opened.namespace
+        self.lock = threading.RLock()
+
+    @property
+    def closed(self):
+        return self.opened.closed
+
+    def local(self, rel):
+        return self.tree.local_path(rel) if rel else self.tree_dir
+
+    def close(self, timeout=None):
+        self.opened.close(timeout)
+
+
+class _GuardedTree:
+    """The JournaledTree as the filesystem sees it: journal failures become the
+    built-in exceptions fsspec users expect (:func:`sos_client.errors.to_oserror`,
+    as the mount and the gateway map them). Fenced (another writer took the
+    namespace over) -> PermissionError (errno EROFS); any other journal failure
+    -> OSError EIO. The original error is chained. Reads keep working from the cache."""
+
+    _MUTATIONS = ("mkdir", "rmdir", "create", "write", "truncate", "rename", "unlink", "marker",
+                  "sync")
+
+    def __init__(self, tree, namespace):
+        self._tree = tree
+        self._namespace = namespace
+
+    def local_path(self, path):
+        return self._tree.local_path(path)
+
+    def close(self):
+        self._tree.close()
+
+    def __getattr__(self, name):
+        if name not in self._MUTATIONS:
+            raise AttributeError(name)
+        method = getattr(self._tree, name)
+
+        def guarded(*args, **kwargs):
+            from sos_client.errors import SOSError, is_fenced, to_oserror
+            from sos_client.journal.errors import JournalError
+
+            try:
+                return method(*args, **kwargs)
+            except (JournalError, SOSError) as exc:
+                what = ("was taken over by another writer (fenced); this process can no longer "
+                        "change it" if is_fenced(exc) else "failed")
+                raise to_oserror(exc, f"journal of namespace {self._namespace!r} {what}",
+                                 self._namespace) from exc
+
+        return guarded
+
+
+_REGISTRY: dict[tuple, _Namespace] = {}
+_REGISTRY_LOCK = threading.Lock()
+_REGISTRY_PID = os.getpid()
+
+
+def _open_namespace(server, key, namespace, base_dir, max_lag_bytes, timeout, tls=None,
+                    generation_bytes=None):
+    """The process-wide tree of (server, namespace, cache dir) for this key's role."""
+    global _REGISTRY_PID
+    from sos_client.journal.open import client_factory_for, key_role, open_namespace
+    from sos_wire.events import KeyRole
+
+    root = os.path.realpath(os.path.join(base_dir, namespace))
+    # one connection tells the role (and fails fast on a refused key); the
+    # caller remembers the result, so this runs once per filesystem object
+    role = key_role(client_factory_for(server, key, namespace, timeout=timeout, tls=tls), timeout)
+    ident = (server, namespace, root, "read" if role == KeyRole.READ else "append")
+    with _REGISTRY_LOCK:
+        if _REGISTRY_PID != os.getpid():
+            # a forked child inherits the dict but not the replicator threads
+            _REGISTRY.clear()
+            _REGISTRY_PID = os.getpid()
+        ns = _REGISTRY.get(ident)
+        if ns is not None and not ns.closed:
+            return ns
+        # One writer serves every filesystem object of this namespace in the
+        # process, whatever each object's ``sync``, so it runs in sync mode:
+        # the tree's rename (mv) always waits for the server. Objects with
+        # sync=True also wait on close, cp and commit (tree.sync(wait=True));
+        # objects with sync=False do not.
+        opened = open_namespace(namespace, root, server=server, key=key, timeout=timeout, tls=tls,
+                                sync=True, max_lag_bytes=max_lag_bytes,
+                                generation_bytes=generation_bytes, allow_read_only=True)
+        tree = opened.tree if opened.read_only else _GuardedTree(opened.tree, namespace)
+        ns = _Namespace(opened, tree)
+        _REGISTRY[ident] = ns
+        return ns
+
+
+def close_all(timeout=None):
+    """Close every journaled tree this process opened, first waiting (up to
+    ``timeout`` seconds, None = until done) for their journals to be shipped.
+
+    Runs at interpreter exit; tests call it to start from scratch.
+    """
+    with _REGISTRY_LOCK:
+        items = list(_REGISTRY.values())
+        _REGISTRY.clear()
+    first = None
+    for ns in items:
+        try:
+            ns.close(timeout)
+        except Exception as exc:  # keep closing the others
+            first = first or exc
+    if first is not None:
+        raise first
+
+
+#: At interpreter exit, wait this long for unshipped records (async mode, or
+#: deletions) to reach the server; what is left stays in the spool and is
+#: shipped by the next process that opens the same cache directory.
+EXIT_FLUSH_TIMEOUT = 60.0
+
+
+def _close_at_exit():
+    try:
+        close_all(timeout=EXIT_FLUSH_TIMEOUT)
+    except Exception:
+        pass
+
+
+atexit.register(_close_at_exit)
