@@ -125,6 +125,28 @@ def settings_from_env(server, key, namespace) -> tuple[str, int, Key, str]:
     return host, port, key, namespace
 
 
+class ReadCursor:
+    """Where a streamed read stands (both clients' ``read_iter``): the offset and size of
+    the next READ, and whether the read is over after one returned ``got`` bytes."""
+
+    __slots__ = ("offset", "remaining", "length", "step")
+
+    def __init__(self, offset: int, length: int, step: int) -> None:
+        self.offset, self.length, self.remaining, self.step = offset, length, length, step
+
+    def ask(self) -> int:
+        return self.step if self.length == 0 else min(self.step, self.remaining)
+
+    def advance(self, got: int, asked: int) -> bool:
+        """Count ``got`` bytes read for a READ of ``asked``; True when the read is over."""
+        self.offset += got
+        if self.length:
+            self.remaining -= got
+            if self.remaining <= 0:
+                return True
+        return got < asked
+
+
 class ClientSettings:
     """What both clients resolve the same way before connecting: server, key and namespace
     (defaults from $SOS_SERVER/$SOS_KEY), timeouts, TLS context, client name."""

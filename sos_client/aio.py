@@ -21,7 +21,7 @@ from sos_wire.frames import MAX_LIST_LIMIT
 
 from ._common import (
     CLIENT_NAME, DEFAULT_WINDOW_BYTES, DEFAULT_WINDOW_FRAMES, NEXT_CHUNK, READ_STEP, RECV, AppendJob, ClientSettings,
-    Core, channel_binding_of, readable_now,
+    Core, ReadCursor, channel_binding_of, readable_now,
 )
 from .errors import ConnectionLost
 from .retry import async_retrying
@@ -251,21 +251,16 @@ class AsyncClient(ClientSettings):
 
     async def read_iter(self, name: str, offset: int = 0, length: int = 0, *,
                         step: int = READ_STEP) -> AsyncIterator[bytes]:
-        remaining = length
+        cur = ReadCursor(offset, length, step)
         while True:
-            ask = step if length == 0 else min(step, remaining)
-            chunks = await self._call(partial(Core.read_step, name=name, offset=offset, length=ask))
+            ask = cur.ask()
+            chunks = await self._call(partial(Core.read_step, name=name, offset=cur.offset, length=ask))
             got = 0
             for chunk in chunks:
                 if chunk:
                     got += len(chunk)
                     yield chunk
-            offset += got
-            if length:
-                remaining -= got
-                if remaining <= 0:
-                    return
-            if got < ask:
+            if cur.advance(got, ask):
                 return
 
     async def seal(self, name: str, *, epoch: int = 0) -> int:
