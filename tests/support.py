@@ -16,3 +16,29 @@ def tree_snapshot(root: str | os.PathLike[str]) -> dict[str, bytes | None]:
             with open(os.path.join(dirpath, f), "rb") as fh:
                 out[os.path.normpath(os.path.join(rel, f))] = fh.read()
     return out
+
+
+def client_expecting(reply_op, request_id: int):
+    """A client Connection with a request in flight that ``reply_op`` answers (ERROR: a
+    STAT), sent through its public ``send`` as a real client would, so that feeding it the
+    reply's bytes is legal. For codec tests of replies."""
+    import dataclasses
+    import typing
+
+    from sos_wire import events as ev
+    from sos_wire.connection import OP_OF, Connection, Role
+    from sos_wire.frames import Op
+
+    conn = Connection(Role.CLIENT)
+    if not request_id:
+        return conn
+    want = Op.STAT if reply_op == Op.ERROR else Op(reply_op & 0x7F)
+    cls = next(c for c, op in OP_OF.items() if op == want)
+    hints = typing.get_type_hints(cls, vars(ev))
+    fields = {f.name: {int: 0, str: "x", bytes: b"", bool: False}.get(hints[f.name], 0)
+              for f in dataclasses.fields(cls)}
+    fields["request_id"] = request_id
+    if want == Op.AUTH:
+        fields.update(key_id=b"\0" * 8, proof=b"\0" * 32)
+    conn.send(cls(**fields))
+    return conn

@@ -36,7 +36,7 @@ from sos_wire import events as ev
 from sos_wire.auth import Key
 from sos_wire.connection import NEED_DATA, Connection, Role, encode_event
 from sos_wire.crc import crc32c
-from sos_wire.errors import RemoteProtocolError
+from sos_wire.errors import ErrorCode, RemoteProtocolError
 from sos_server.session import PRE_AUTH_MAX_BODY
 from sos_wire.frames import DEFAULT_MAX_BODY
 
@@ -60,6 +60,12 @@ DATA = st.binary(max_size=2048)
 
 
 FENCE_EPOCH = 4  # the fixture fences the namespace at this epoch
+
+
+def _answered(shadow, request_id: int) -> None:
+    """The real server answers every request; the shadow parser is told so through its
+    public send (an ERROR reply ends a request), so a reused id is never flagged here."""
+    shadow.send(ev.Error(request_id, ErrorCode.INTERNAL, 0, ""))
 
 
 @st.composite
@@ -223,12 +229,12 @@ class Fuzzee:
                 if exc.fatal:
                     break
                 by_rid[exc.request_id].append(None)
+                _answered(shadow, exc.request_id)
                 continue
-            finally:
-                shadow._pending.clear()  # the real server answers; never flag an id as reused here
             if e is NEED_DATA:
                 break
             by_rid[e.request_id].append(e)
+            _answered(shadow, e.request_id)
         pos = 0
         while pos + 16 <= len(replies):
             op = replies[pos + 3]

@@ -31,6 +31,7 @@ from sos_wire.auth import Key
 from sos_wire.crc import crc32c
 from sos_wire.errors import ErrorCode
 from sos_wire.frames import DEFAULT_MAX_BODY, Op
+from support import client_expecting
 
 NS = "limits"
 TIMEOUT = 120
@@ -324,7 +325,7 @@ def test_frames_before_auth_are_capped_at_4_kib(srv_with_key):
         # (the EOF after the header: a server that waits for the body sees it end early)
         c.send_raw(_header(0x03, 5, 64 << 10))
         c.sock.shutdown(socket.SHUT_WR)
-        c.conn._pending[5] = Op.PING  # sent by hand
+        c.conn = client_expecting(Op.PING, 5)  # the PING was sent by hand: read its answer as its sender
         r = c.next()
         assert isinstance(r, ev.Error) and r.code is ErrorCode.TOO_LARGE and r.request_id == 5, r
         assert "4096" in r.message
@@ -332,7 +333,7 @@ def test_frames_before_auth_are_capped_at_4_kib(srv_with_key):
     with RawClient(srv.address) as c:  # a 4 KiB body is still read (and answered)
         body = struct.pack(">I", 4092) + bytes(4092)
         c.send_raw(_header(0x03, 5, len(body)) + body)
-        c.conn._pending[5] = Op.PING
+        c.conn = client_expecting(Op.PING, 5)
         r = c.next()
         assert isinstance(r, ev.Error) and r.code is ErrorCode.BAD_REQUEST, r  # PING payload over 64
         assert not _closed(c)

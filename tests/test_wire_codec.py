@@ -13,6 +13,7 @@ from sos_wire import (
 )
 from sos_wire.connection import OP_OF, EVENT_OF
 from sos_wire.frames import Op
+import support
 
 # CI runs a fixed set of examples (derandomized: the suite must be deterministic);
 # SOS_FUZZ_SCALE=50 runs fifty times more, with fresh random examples, for a deep fuzz.
@@ -64,11 +65,7 @@ def test_strategies_cover_every_event():
 
 def client_expecting(reply):
     """A client connection that has the request this reply answers in flight."""
-    conn = Connection(Role.CLIENT)
-    if reply.request_id:
-        op = OP_OF[type(reply)]
-        conn._pending[reply.request_id] = Op(op & 0x7F) if op != Op.ERROR else Op.STAT
-    return conn
+    return support.client_expecting(OP_OF[type(reply)], reply.request_id)
 
 
 @settings(deadline=None, derandomize=DERANDOMIZE, max_examples=EXAMPLES * 300, suppress_health_check=[HealthCheck.too_slow])
@@ -137,9 +134,7 @@ def test_random_body_behind_valid_header(op, body):
     from sos_wire.connection import _header
 
     role = Role.SERVER if op < 0x80 else Role.CLIENT
-    conn = Connection(role)
-    if role is Role.CLIENT:
-        conn._pending[5] = Op(op & 0x7F) if op != Op.ERROR else Op.STAT
+    conn = Connection(role) if role is Role.SERVER else support.client_expecting(op, 5)
     conn.receive_data(_header(op, 5, len(body)) + body)
     events, err, skipped = drain(conn)
     assert len(events) + (err is not None) + len(skipped) == 1

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from sos_wire import NEED_DATA, Append, AppendOk, Connection, ReadData, RemoteProtocolError, Role, decode_body
 from sos_wire.connection import _HEADER, _header, _encode_body_parts
 from sos_wire.frames import BODIES, Header, Op, build_header
+from support import client_expecting
 
 # CI runs a fixed set of examples (derandomized: the suite must be deterministic);
 # SOS_FUZZ_SCALE=50 runs fifty times more, with fresh random examples, for a deep fuzz.
@@ -53,9 +54,7 @@ def test_append_ok_fast_path_matches_construct(length):
 
 def _fast_decode(op, body):
     role = Role.SERVER if op is Op.APPEND else Role.CLIENT
-    conn = Connection(role)
-    if role is Role.CLIENT:
-        conn._pending[1] = Op(op & 0x7F)
+    conn = Connection(role) if role is Role.SERVER else client_expecting(op, 1)
     conn.receive_data(_header(op, 1, len(body)) + body)
     try:
         e = conn.next_event()

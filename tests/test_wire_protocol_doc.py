@@ -7,9 +7,10 @@ import re
 from pathlib import Path
 
 import sos_wire
-from sos_wire import NEED_DATA, Connection, Error, Request, Role, encode_event, proof
+from sos_wire import NEED_DATA, Connection, Request, Role, encode_event, proof
 from sos_wire.connection import OP_OF
 from sos_wire.frames import Op
+from support import client_expecting
 
 DOC = Path(__file__).resolve().parent.parent / "protocol.md"
 EXAMPLE = re.compile(r"Example: `(?P<expr>[^`]+)`\s*\n\s*```hex\n(?P<hex>.*?)```", re.S)
@@ -43,10 +44,7 @@ def test_every_example_decodes_to_its_event_and_back():
         if isinstance(event, Request):
             conn = Connection(Role.SERVER)
         else:
-            conn = Connection(Role.CLIENT)
-            if event.request_id:
-                op = OP_OF[type(event)]
-                conn._pending[event.request_id] = Op(op & 0x7F) if not isinstance(event, Error) else Op.STAT
+            conn = client_expecting(OP_OF[type(event)], event.request_id)
         conn.receive_data(data)
         assert conn.next_event() == event, expr
         assert conn.next_event() is NEED_DATA

@@ -13,6 +13,7 @@ from sos_wire import (
 )
 from sos_wire.connection import OP_OF
 from sos_wire.frames import Header, build_header
+from support import client_expecting
 
 NONCE = bytes(range(32))
 PROOF = bytes(range(32, 64))
@@ -86,9 +87,8 @@ def test_decode_vector(event, hexdata):
     if isinstance(event, Request):
         conn = Connection(Role.SERVER)
     else:
-        conn = Connection(Role.CLIENT)
-        if event.request_id:  # a reply is accepted only for a request in flight
-            conn._pending[event.request_id] = Op(OP_OF[type(event)] & 0x7F) if not isinstance(event, Error) else Op.STAT
+        # a reply is accepted only for a request in flight: the client sent it
+        conn = client_expecting(OP_OF[type(event)], event.request_id)
     conn.receive_data(data)
     got = conn.next_event()
     assert got == event
