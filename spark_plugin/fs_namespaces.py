@@ -9,8 +9,6 @@ import os
 import threading
 
 
-
-
 # --------------------------------------------------------------------------
 # One journaled tree per (server, namespace, cache directory) per process.
 

@@ -6,22 +6,7 @@ from __future__ import annotations
 import collections
 import errno
 import logging
-from typing import TYPE_CHECKING
 
-
-
-
-if TYPE_CHECKING:
-    import pyfuse3
-    from pyfuse3 import Operations as _OperationsBase
-
-else:
-    try:  # pyfuse3 is an optional dependency (extra "mount")
-        import pyfuse3
-        from pyfuse3 import Operations as _OperationsBase
-    except ImportError:  # pragma: no cover - exercised only where pyfuse3 is missing
-        pyfuse3 = None
-        _OperationsBase = object
 
 log = logging.getLogger("sos.mount")
 

@@ -10,23 +10,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import TYPE_CHECKING
-
 
 
 from ..spark import mount_fstype
-
-if TYPE_CHECKING:
-    import pyfuse3
-    from pyfuse3 import Operations as _OperationsBase
-
-else:
-    try:  # pyfuse3 is an optional dependency (extra "mount")
-        import pyfuse3
-        from pyfuse3 import Operations as _OperationsBase
-    except ImportError:  # pragma: no cover - exercised only where pyfuse3 is missing
-        pyfuse3 = None
-        _OperationsBase = object
 
 
 log = logging.getLogger("sos.mount")

@@ -19,17 +19,14 @@ from sos_client.errors import is_fenced
 
 if TYPE_CHECKING:
     import pyfuse3
-    from pyfuse3 import Operations as _OperationsBase
 
     from sos_client.journal.tree import JournaledTree
     from sos_client.journal.writer import JournalWriter
 else:
     try:  # pyfuse3 is an optional dependency (extra "mount")
         import pyfuse3
-        from pyfuse3 import Operations as _OperationsBase
     except ImportError:  # pragma: no cover - exercised only where pyfuse3 is missing
         pyfuse3 = None
-        _OperationsBase = object
 
 from .ops import SOSOperations
 from .process import READY_MARKER, is_mounted, lazy_unmount
