@@ -493,30 +493,17 @@ class SOSFileSystem(AbstractFileSystem):
                 st2 = self._stat(h.local(rel2))
             if st2 is not None and stat_mod.S_ISDIR(st2.st_mode):
                 rel2 = posixpath.join(rel2, posixpath.basename(rel1)) if rel2 else posixpath.basename(rel1)
-                st2 = self._stat(h.local(rel2))
             name2 = f"{ns2}/{rel2}"
             if rel2 == rel1:
                 return
             if src_is_dir and (rel2 + "/").startswith(rel1 + "/"):
                 raise _err(errno.EINVAL, name2, "cannot move a directory into itself")
-            parent = posixpath.dirname(rel2)
-            if parent:
-                pst = self._stat(h.local(parent))
-                if pst is None:
-                    raise _err(errno.ENOENT, f"{ns2}/{parent}")
-                if not stat_mod.S_ISDIR(pst.st_mode):
-                    raise _err(errno.ENOTDIR, f"{ns2}/{parent}")
-            if st2 is not None:
-                if not overwrite:
-                    raise _err(errno.EEXIST, name2)
-                dst_is_dir = stat_mod.S_ISDIR(st2.st_mode)
-                if src_is_dir and not dst_is_dir:
-                    raise _err(errno.ENOTDIR, name2)
-                if not src_is_dir and dst_is_dir:
-                    raise _err(errno.EISDIR, name2)
-                if dst_is_dir and os.listdir(h.local(rel2)):
-                    raise _err(errno.ENOTEMPTY, name2)
-            h.tree.rename(rel1, rel2, overwrite=overwrite)
+            # The tree decides the rest as rename(2) does: a missing parent (ENOENT), a file
+            # as parent (ENOTDIR), an existing target without overwrite (EEXIST), a file onto
+            # a directory (EISDIR), a directory onto a file (ENOTDIR) or onto a non-empty
+            # directory (ENOTEMPTY).
+            with _named(name2):
+                h.tree.rename(rel1, rel2, overwrite=overwrite)
         self._barrier(h)
 
     rename = mv

@@ -13,7 +13,7 @@ request body streams nor while waiting for the server. A file being written (CRE
 APPEND body streaming) holds a lease: a second writer of the same path is refused with
 AlreadyBeingCreatedException, as HDFS does.
 
-Durability (the mount's barrier rule): in sync mode RENAME, DELETE, a marker, TRUNCATE and
+Durability (protocol.md 3.4, stricter than the mount's): in sync mode RENAME, DELETE, a marker, TRUNCATE and
 the body of a CREATE or APPEND return only once their records (and every record before
 them) are durable on the SOS server; MKDIRS returns once its record is in the local spool.
 A file's contents must be durable when its writer is told so: the RENAME that makes the

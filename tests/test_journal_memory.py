@@ -47,7 +47,7 @@ WRITE_SCRIPT = PEAK_RSS + textwrap.dedent('''
         h.update(block)
         if i % 256 == 255:
             t.sync()  # an fsync now and then, like a closing writer would
-    t.rename("big", "big.done", overwrite=False)  # barrier
+    t.rename("big", "big.done", overwrite=False)  # carried by the close's flush
     t.close()
     print(h.hexdigest(), peak_rss(), flush=True)
 ''')

@@ -245,7 +245,8 @@ def test_sigkill_server_mid_stream_writer_reconnects(sos_server, tmp_path):
             for i in range(n):
                 t.create(f".f{i}.tmp")
                 t.write(f".f{i}.tmp", 0, expected_file(i))
-                t.rename(f".f{i}.tmp", f"f{i}", overwrite=False)  # sync: waits for the server
+                t.rename(f".f{i}.tmp", f"f{i}", overwrite=False)
+                t.sync()  # sync mode: waits for the server
                 progress.release()
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)

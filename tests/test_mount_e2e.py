@@ -324,8 +324,9 @@ def test_sigkill_then_remount_on_empty_cache_restores(mounts, server, key, tmp_p
     data = {f"chk/commits/{i}": os.urandom(1000 + i) for i in range(20)}
     for rel, body in data.items():
         spark_write(m, rel, body, overwrite=False)
-    data["chk/closed-only"] = b"no rename, no fsync: close alone waits in sync mode"
-    write_file(os.path.join(m, "chk", "closed-only"), data["chk/closed-only"])
+    # written in place, no rename, no fsync: its close waits (a batch file of commits/)
+    data["chk/commits/20"] = b"no rename, no fsync: close alone waits for commits/N"
+    write_file(os.path.join(m, "chk", "commits", "20"), data["chk/commits/20"])
     mp.proc.kill()  # a crash: nothing gets a chance to flush; the mount is left dead
     mp.proc.wait()
     assert is_mounted(m)
@@ -713,6 +714,7 @@ def test_journaled_checkpoint_replaces_a_dead_mount(mounts, server, key, tmp_pat
 
     mp = mounts("a")
     write_file(os.path.join(mp.mountpoint, "kept"), b"k")
+    durable(mp.mountpoint)  # the replacement below has another (empty) cache
     mp.proc.kill()  # the mount dies, its mount point stays (ENOTCONN)
     mp.proc.wait()
     assert is_mounted(mp.mountpoint) and mounted_namespace(mp.mountpoint) is None
@@ -731,8 +733,11 @@ def test_second_mount_fences_the_first(mounts, server, key, tmp_path, writeback,
     write_file(os.path.join(first.mountpoint, "shared"), b"from first")
     second = mounts("b")  # same namespace, its own (empty) cache: restores, then fences
     assert read_file(os.path.join(second.mountpoint, "shared")) == b"from first"
-    with pytest.raises(OSError) as info:
-        write_file(os.path.join(first.mountpoint, "late"), b"must not land")
+    with pytest.raises(OSError) as info:  # the first barrier (fsync) finds it fenced
+        with open(os.path.join(first.mountpoint, "late"), "wb") as f:
+            f.write(b"must not land")
+            f.flush()
+            os.fsync(f.fileno())
     assert info.value.errno in (errno.EIO, errno.EROFS)
     with pytest.raises(OSError) as info:
         os.mkdir(os.path.join(first.mountpoint, "late-dir"))
@@ -934,17 +939,19 @@ def test_concurrent_writers_all_land(mounts, server, key, tmp_path, ns):
 
 @pytest.mark.own_server
 def test_server_crash_while_mounted_blocks_then_completes(mounts, server, key, tmp_path, ns):
-    """Sync mode: a rename issued while the server is down returns once it is back."""
+    """Sync mode: a rename onto commits/N issued while the server is down returns once it
+    is back, and carries what was written before it."""
     import threading
 
     m = mounts().mountpoint
-    write_file(os.path.join(m, "before"), b"durable before the crash")
+    os.makedirs(os.path.join(m, "commits"))
+    write_file(os.path.join(m, "before"), b"written before the crash")
     server.kill()
     errors = []
 
     def commit():
         try:
-            spark_write(m, "commit-0", b"written while the server was down", overwrite=False)
+            spark_write(m, "commits/0", b"written while the server was down", overwrite=False)
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
@@ -953,6 +960,138 @@ def test_server_crash_while_mounted_blocks_then_completes(mounts, server, key, t
     server.restart()
     t.join(180)
     assert not t.is_alive() and not errors
-    assert read_file(os.path.join(m, "commit-0")) == b"written while the server was down"
+    assert read_file(os.path.join(m, "commits/0")) == b"written while the server was down"
     assert restored(server, key, tmp_path, ns) == {
-        "before": b"durable before the crash", "commit-0": b"written while the server was down"}
+        "before": b"written before the crash", "commits": None,
+        "commits/0": b"written while the server was down"}
+
+
+# --------------------------------------------------------------------------- barriers
+# sos_client.journal.barriers: in sync mode only a rename onto (or the close of) a batch
+# file of offsets/ or commits/ waits for the server; everything before it is carried by it.
+
+SPARK_WRITER = r'''
+import os, sys, uuid
+
+root = sys.argv[1]
+
+
+def atomic(rel, data, overwrite):
+    """Hadoop's checksummed local FS under Spark's createAtomic: temp file and temp .crc,
+    rename of the file, then of its .crc."""
+    d, name = os.path.split(os.path.join(root, rel))
+    tmp = f".{name}.{uuid.uuid4()}.tmp"
+    for n, body in ((tmp, data), (f".{tmp}.crc", b"crc" + data[:8])):
+        with open(os.path.join(d, n), "wb") as f:
+            f.write(body)
+    if not overwrite and os.path.lexists(os.path.join(d, name)):
+        raise FileExistsError(rel)
+    os.rename(os.path.join(d, tmp), os.path.join(d, name))
+    os.rename(os.path.join(d, f".{tmp}.crc"), os.path.join(d, f".{name}.crc"))
+
+
+for sub in ("offsets", "commits", "state/0/0", "state/0/1"):
+    os.makedirs(os.path.join(root, sub), exist_ok=True)
+atomic("metadata", b'{"id":"q"}', False)
+for n in range(10 ** 6):
+    atomic(f"offsets/{n}", b"v1\noffsets of batch %d" % n, False)
+    for part in (0, 1):
+        atomic(f"state/0/{part}/{n + 1}.delta", b"delta %d of part %d " % (n + 1, part) * 50, True)
+    atomic(f"commits/{n}", b"v1\n{}", False)
+    print("committed", n, flush=True)
+'''
+
+
+def spark_files_up_to(batch):
+    """What SPARK_WRITER has written once the rename onto commits/<batch> returned."""
+    files = {"metadata": b'{"id":"q"}'}
+    for n in range(batch + 1):
+        files[f"offsets/{n}"] = b"v1\noffsets of batch %d" % n
+        for part in (0, 1):
+            files[f"state/0/{part}/{n + 1}.delta"] = b"delta %d of part %d " % (n + 1, part) * 50
+        files[f"commits/{n}"] = b"v1\n{}"
+    crcs = {}
+    for rel, data in files.items():
+        d, name = os.path.split(rel)
+        crcs[os.path.join(d, f".{name}.crc")] = b"crc" + data[:8]
+    crcs.pop(f"commits/.{batch}.crc")  # renamed after commits/<batch>: not promised
+    return {**files, **crcs}
+
+
+@pytest.mark.own_server
+def test_sigkill_of_mount_and_writer_right_after_a_commit_keeps_the_batch(mounts, server, key,
+                                                                           tmp_path, ns):
+    """RPO 0 for committed batches with barriers only at offsets/N and commits/N: a
+    Spark-like writer (state files, temp files and .crc files, renames onto offsets/N and
+    commits/N) and the mount are SIGKILLed as soon as the rename onto commits/3 returned;
+    the server alone (a restore, no local spool) has commits/3 and every file written
+    before it."""
+    mp = mounts()
+    chk = os.path.join(mp.mountpoint, "chk")
+    writer = subprocess.Popen([sys.executable, "-c", SPARK_WRITER, chk], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        for line in writer.stdout:
+            if line.strip() == "committed 3":
+                break
+        else:
+            pytest.fail(f"the writer ended before batch 3: rc={writer.wait(60)}")
+        mp.proc.kill()  # the machine dies: the mount's spool never ships another record
+        writer.kill()
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+        writer.wait(60)
+        writer.stdout.close()
+    mp.proc.wait(60)
+    mp.kill()  # lazy unmount of the dead mount
+    got = restored(server, key, tmp_path, ns)
+    for rel, data in spark_files_up_to(3).items():
+        assert got.get(f"chk/{rel}") == data, rel
+
+
+@pytest.mark.own_server
+def test_only_a_barrier_rename_waits_for_a_stopped_server(mounts, server, key, tmp_path, ns):
+    """With the server stopped (SIGSTOP: connections stay open, nothing is answered), a
+    state file's temp-file write, close and rename return; the rename onto commits/1
+    returns only after the server is resumed, and then the restore has everything."""
+    import threading
+
+    mp = mounts()
+    m = mp.mountpoint
+    for d in ("chk/commits", "chk/state"):
+        os.makedirs(os.path.join(m, d))
+    spark_write(m, "chk/commits/0", b"c0", overwrite=False)  # everything so far is durable
+    events = []
+    server.proc.send_signal(signal.SIGSTOP)
+    try:
+        # none of these waits for the server: if one did, this test would hang here
+        spark_write(m, "chk/state/1.delta", b"state 1", overwrite=True)
+        write_file(os.path.join(m, "chk", "state", ".1.delta.crc"), b"crc 1")
+        events.append("state file renamed")
+
+        def commit():
+            spark_write(m, "chk/commits/1", b"c1", overwrite=False)
+            events.append("commit returned")
+
+        t = threading.Thread(target=commit, daemon=True)
+        t.start()
+        cached = os.path.join(mp.cache_dir, "tree", "chk", "commits", "1")
+        while not os.path.exists(cached) and t.is_alive():  # the rename reached the tree
+            t.join(0.01)
+        # more non-barrier work through the mount (another directory: the commit's rename
+        # holds chk/commits locked in the kernel) returns while the commit still waits
+        spark_write(m, "chk/state/2.delta", b"state 2", overwrite=True)
+        assert os.path.exists(cached) and events == ["state file renamed"]
+        events.append("server resumed")
+    finally:
+        server.proc.send_signal(signal.SIGCONT)
+    t.join(180)
+    assert not t.is_alive()
+    assert events == ["state file renamed", "server resumed", "commit returned"]
+    durable(m)  # state/2.delta came after the commit's record: its barrier does not carry it
+    got = restored(server, key, tmp_path, ns)
+    assert {k: v for k, v in got.items() if k.startswith("chk/state/")} == {
+        "chk/state/1.delta": b"state 1", "chk/state/.1.delta.crc": b"crc 1",
+        "chk/state/2.delta": b"state 2"}
+    assert got["chk/commits/1"] == b"c1"

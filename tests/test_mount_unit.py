@@ -156,7 +156,7 @@ def test_mount_is_listed_with_fsname_sos(mounted):
     assert " sos " in line and "fuse.sos" in line
 
 
-def test_spark_temp_then_rename_is_create_write_rename_with_barriers(mounted):
+def test_spark_temp_then_rename_is_create_write_rename(mounted):
     mnt, tree, _ = mounted
     os.mkdir(os.path.join(mnt, "offsets"))
     tmp = os.path.join(mnt, "offsets", ".0.1234.tmp")
@@ -164,7 +164,9 @@ def test_spark_temp_then_rename_is_create_write_rename_with_barriers(mounted):
     os.write(fd, b"v1\n{}")
     syncs_before_close = tree.syncs
     os.close(fd)
-    assert tree.syncs > syncs_before_close  # close waits for the journal (sync mode)
+    # a temp file's close does not wait: the barrier of the rename onto offsets/0 (the
+    # tree's, by sos_client.journal.barriers) carries its records
+    assert tree.syncs == syncs_before_close
     renameat2(tmp, os.path.join(mnt, "offsets", "0"), RENAME_NOREPLACE)
     assert tree.calls == [
         ("mkdir", "offsets", 0o755 & ~_umask()),
@@ -362,6 +364,33 @@ def test_failed_rename_keeps_inodes(mounted):
     assert ops.inodes.known("a") == ino_a and ops.inodes.known("b") == ino_b
     with open(os.path.join(mnt, "b"), "rb") as f:
         assert f.read() == b"b"
+
+
+def test_close_waits_for_the_server_only_for_a_barrier_file_fsync_always(mounted):
+    """Sync mode: closing a changed file is a barrier only for a path the policy names (a
+    batch file of offsets/, commits/ or _spark_metadata/, written in place) and for the
+    marker control file; an explicit fsync always is one (POSIX's promise)."""
+    mnt, tree, _ = mounted
+    for d in ("chk/state/0/0", "chk/commits", "chk/offsets"):
+        os.makedirs(os.path.join(mnt, d))
+    cases = [("chk/state/0/0/.1.delta.77.tmp", False), ("chk/state/0/0/1.delta", False),
+             ("chk/commits/..0.77.tmp.crc", False), ("chk/commits/.0.crc", False),
+             ("chk/offsets/.0.77.tmp", False), ("chk/metadata", False),
+             ("chk/offsets/0", True), ("chk/commits/0", True)]
+    for rel, waits in cases:
+        before = tree.syncs
+        with open(os.path.join(mnt, rel), "wb") as f:
+            f.write(b"x")
+        assert tree.syncs == before + waits, rel
+    before = tree.syncs
+    with open(os.path.join(mnt, "chk/state/0/0/1.delta"), "r+b") as f:
+        f.write(b"y")
+        os.fsync(f.fileno())
+    assert tree.syncs == before + 1
+    before = tree.syncs
+    with open(os.path.join(mnt, ".sos", "marker"), "wb") as f:
+        f.write(b'{"label": "l", "payload": "p"}')
+    assert tree.syncs == before + 1 and tree.calls[-1] == ("marker", "l", b"p")
 
 
 def test_fsync_of_a_directory_is_a_barrier(mounted):

@@ -4,8 +4,10 @@ The core used by the fsspec filesystem, the FUSE mount and (through replay) rest
 Each operation is first applied to the local cache directory (which serves reads and
 decides errors like FileExistsError exactly as POSIX does), then its record is appended to
 the writer, under one lock so that the journal order is the order of the cache.
-In sync mode (the writer's default) ``rename`` and ``sync`` return only once their records
-are durable on the server (the barrier); callers (mount/fsspec) also call ``sync`` on close.
+In sync mode (the writer's default) ``sync``, and a ``rename`` onto a path the barrier
+policy names (:func:`~sos_client.journal.barriers.needs_barrier`: a Spark ``offsets/N`` or
+``commits/N``), return only once every record so far is durable on the server (the
+barrier); other renames are carried by the next barrier of the one ordered journal.
 
 Paths are relative POSIX paths inside the namespace, e.g. ``"chk/offsets/3"``. Every
 operation on the cache resolves them from a descriptor of the cache directory without
@@ -25,6 +27,7 @@ import stat as _stat
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
+from .barriers import needs_barrier
 from .beneath import Beneath, clear_directory
 from .errors import JournalError
 from .records import (
@@ -332,7 +335,8 @@ class JournaledTree:
             self._after()
 
     def rename(self, src: str, dst: str, *, overwrite: bool) -> None:
-        """Rename; with overwrite=False an existing dst raises FileExistsError (atomic)."""
+        """Rename; with overwrite=False an existing dst raises FileExistsError (atomic). In
+        sync mode it waits for the server when :func:`needs_barrier` says so for ``dst``."""
         self._check(src)
         self._check(dst)
         with self._lock:
@@ -346,7 +350,7 @@ class JournaledTree:
                 self._at.forget(dst)
             seq = self._append(Rename(src, dst, bool(overwrite)))
             self._after()
-        if self._writer.sync:
+        if self._writer.sync and needs_barrier(dst):
             self._writer.barrier(seq)
 
     def unlink(self, path: str) -> None:

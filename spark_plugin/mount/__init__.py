@@ -7,10 +7,13 @@
   rmdir) goes through the tree, so it becomes a journal record;
 * blocking tree calls (barrier waits) run in worker threads
   (`trio.to_thread.run_sync`) so the FUSE loop keeps serving other requests;
-* in sync mode (the default) rename, fsync, flush/release of a written file
-  return only after their records are durable on the server; in async mode only
-  fsync and fsyncdir wait (explicit requests for durability) and the writer
-  bounds the lag;
+* in sync mode (the default) fsync, fsyncdir, the close of `.sos/marker` and a
+  rename onto, or the close (flush/release) of a written file at, a path that
+  `sos_client.journal.barriers.needs_barrier` names (Spark's `offsets/N` and
+  `commits/N`) return only after every record so far is durable on the server;
+  other renames and closes are carried by the next such barrier (one ordered
+  journal). In async mode only fsync and fsyncdir wait (explicit requests for
+  durability) and the writer bounds the lag;
 * once the writer reports that a newer writer fenced it, the mount turns
   read-only: every later change fails with EROFS (the first failure with EIO)
   and the reason is logged once.

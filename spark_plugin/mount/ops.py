@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from sos_client.errors import is_fenced, to_oserror
+from sos_client.journal.barriers import needs_barrier
 
 
 if TYPE_CHECKING:
@@ -476,14 +477,25 @@ class SOSOperations(_OperationsBase):
         await self._call(self.tree.marker, label, data)
         h.dirty = True
 
+    def _close_waits(self, h: _Handle) -> bool:
+        """Sync mode: does closing this handle wait for the server? Only for the control
+        file (a marker) and a file the barrier policy names (``commits/N``...): any other
+        file's records are carried by the next barrier of the one ordered journal."""
+        if h.marker is not None:
+            return True
+        path = self.inodes.path(h.ino)
+        return path is not None and needs_barrier(path)
+
     async def _settle(self, h: _Handle) -> None:
-        """Sync mode: a written file's records are durable before close returns."""
+        """Close in sync mode: a marker, or a file :func:`needs_barrier` names, is durable
+        before close returns; a fenced mount fails the close of any changed file (EIO)."""
         if h.marker:
             await self._emit_marker(h)
         if h.dirty and self.sync_mode:
             if self.fenced is not None:
                 raise pyfuse3.FUSEError(errno.EIO)
-            await self._barrier()
+            if self._close_waits(h):
+                await self._barrier()
         h.dirty = False
 
     @_guard
@@ -512,7 +524,7 @@ class SOSOperations(_OperationsBase):
                     await self._emit_marker(h)
                 except Exception as exc:  # noqa: BLE001 - release cannot report errors
                     log.error("release: marker lost: %r", exc)
-            if h.dirty and self.sync_mode and self.fenced is None:
+            if h.dirty and self.sync_mode and self.fenced is None and self._close_waits(h):
                 try:
                     await self._barrier()
                 except Exception as exc:  # noqa: BLE001 - release cannot report errors
@@ -536,8 +548,9 @@ class SOSOperations(_OperationsBase):
         src = self._child(parent_inode_old, name_old)
         dst = self._child(parent_inode_new, name_new)
         overwrite = not (flags & _RENAME_NOREPLACE)
-        # The table moves first: in sync mode the tree returns only after the barrier,
-        # and the moved inode must resolve to its new path meanwhile (fstat of an open fd).
+        # The table moves first: in sync mode the tree may return only after the barrier
+        # (needs_barrier(dst)), and the moved inode must resolve to its new path meanwhile
+        # (fstat of an open fd).
         undo = self.inodes.renamed(src, dst)
         try:
             await self._call(self.tree.rename, src, dst, overwrite=overwrite)

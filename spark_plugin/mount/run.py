@@ -189,8 +189,9 @@ def run_mount(namespace: str, mountpoint: str, *, server: str, key: str,
         raise RuntimeError("pyfuse3 is not installed (pip install 'sos[mount]')")
     mountpoint = os.path.abspath(mountpoint)
     if is_mounted(mountpoint):
-        try:
-            os.stat(mountpoint)
+        try:  # OPENDIR always asks the daemon; a stat may be answered from cached attributes
+            with os.scandir(mountpoint):
+                pass
         except OSError as exc:
             if exc.errno != errno.ENOTCONN:
                 raise
