@@ -150,6 +150,8 @@ def cmd_restore(args) -> int:
         opts["batch"] = args.batch
     if args.generation is not None:
         opts["generation"] = args.generation
+    if args.workers is not None:
+        opts["workers"] = args.workers
     bar = None if args.quiet else ProgressBar(f"restore {args.namespace}")
     try:
         try:
@@ -264,6 +266,9 @@ def add_parsers(subparsers) -> None:
                         "(exit 3, see `sos verify`)")
     p.add_argument("--force", action="store_true",
                    help="replace the contents of a non-empty TARGET (without it: exit 1, nothing written)")
+    p.add_argument("--workers", metavar="N", type=argtypes.integer(1, 64),
+                   help="threads writing different files at once, each file's records in journal order "
+                        "(default: the CPU count, at most 4; 1: every record in order in one thread)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress")
     add_connection_options(p)
     p.set_defaults(func=cmd_restore)

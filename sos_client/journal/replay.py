@@ -1,7 +1,14 @@
 """Replay journal records into a directory (used by restore AND to rebuild a cache).
 
-Records are applied strictly in order, one at a time: nothing is reordered, a deletion is
-applied exactly where it stands. ``stop(record) -> bool`` is asked before each journal
+With ``workers=1`` records are applied strictly in order, one at a time. With more (what
+restore uses, :data:`DEFAULT_WORKERS`) a dispatcher reads the records in order and hands
+each file's records to one of ``workers`` lanes (threads) chosen by the file's path, so
+different files are written in parallel while each path sees its records in journal order;
+a rename of a file waits for what came before it on both of its paths; directory records
+(MKDIR, RMDIR, a directory's RENAME) are applied by the dispatcher in journal order, after
+everything before them on the same path (RMDIR and a directory's RENAME: after everything
+before them). Nothing is reordered that one path could see, and a deletion is applied
+exactly where it stands for its path. ``stop(record) -> bool`` is asked before each journal
 record; True stops without applying it. Records of a generation's snapshot (everything up
 to its SNAPSHOT_END, when ``snapshot=True``) are never a stopping point: the snapshot is
 the state of the tree at the end of the previous generation, as a whole.
@@ -22,7 +29,10 @@ The journal may be hostile and restore often runs as root, so (protocol.md, 2.2)
 from __future__ import annotations
 
 import os
+import queue
 import stat as _stat
+import threading
+import zlib
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -42,7 +52,15 @@ from .records import (
     replay_mode,
 )
 
-__all__ = ["replay", "Replayer", "ReplayStats"]
+__all__ = ["replay", "Replayer", "ReplayStats", "DEFAULT_WORKERS"]
+
+#: lanes restore uses: writes of different files overlap in the kernel (creating a file,
+#: writing its pages). On the 2-core machine of docs/BENCHMARKS.md ("Restore in parallel
+#: lanes") 4 lanes and 1 are level on a disk and 1 is ahead on tmpfs (the GIL, the server
+#: and the readers share the cores): one lane per core, at most 4.
+DEFAULT_WORKERS = max(1, min(4, os.cpu_count() or 1))
+#: tasks handed to a lane at once (one queue operation per batch, not per record)
+BATCH = 64
 
 
 @dataclass
@@ -128,6 +146,11 @@ class Replayer:
         self.stats.last_seq = rec.seq
         self.stats.last_time_ns = rec.time_ns
 
+    def forget_tree(self, path: str) -> None:
+        """Drop every descriptor (files and directories) held for ``path`` and below."""
+        self._forget(path, tree=True)
+        self._at.forget(path)
+
     def close(self) -> None:
         for fd in self._fds.values():
             os.close(fd)
@@ -135,28 +158,218 @@ class Replayer:
         self._at.close()
 
 
+class _Lane(threading.Thread):
+    """One worker: applies the tasks queued to it in order with its own Replayer (its own
+    descriptors). The queue holds batches of (ticket, record or callable); None stops it."""
+
+    def __init__(self, root: str, index: int, max_open: int, failed: list) -> None:
+        super().__init__(name=f"replay-lane-{index}", daemon=True)
+        self.rep = Replayer(root, max_open=max_open)
+        self.q: queue.Queue = queue.Queue(maxsize=8)  # batches; bounded: records carry data
+        self.cond = threading.Condition()
+        self.done = 0  # ticket of the last task finished
+        self.queued = 0  # ticket of the last task handed out (dispatcher side)
+        self.batch: list = []  # tasks handed out, not yet queued (dispatcher side)
+        self._failed = failed  # shared: the first error of any lane
+
+    def run(self) -> None:
+        rep, q, cond, failed = self.rep, self.q, self.cond, self._failed
+        while True:
+            batch = q.get()
+            if batch is None:
+                return
+            for ticket, task in batch:
+                if not failed:
+                    try:
+                        if type(task) is Record:
+                            rep.apply(task)
+                        else:
+                            task()
+                    except BaseException as e:  # noqa: BLE001 - handed to the dispatcher
+                        failed.append(e)
+                if type(task) is not Record:  # a waiter may be waiting for this very task
+                    with cond:
+                        self.done = ticket
+                        cond.notify_all()
+            with cond:
+                self.done = batch[-1][0]
+                cond.notify_all()
+
+    def wait_for(self, ticket: int) -> None:
+        with self.cond:
+            while self.done < ticket:
+                self.cond.wait(0.5)
+
+
+class ParallelReplayer:
+    """Applies records in ``workers`` lanes, keeping each path's order (see module doc).
+
+    ``apply(rec)`` is called in journal order by one thread (the dispatcher); ``drain()``
+    returns once everything handed out is applied, raising the first lane's error."""
+
+    def __init__(self, target_dir: str, workers: int, *, max_open: int = 64) -> None:
+        self.root = os.path.abspath(target_dir)
+        self._failed: list[BaseException] = []
+        self.main = Replayer(self.root, max_open=2)  # directory records, in the dispatcher
+        self.lanes = [_Lane(self.root, i, max(4, max_open // workers), self._failed) for i in range(workers)]
+        for lane in self.lanes:
+            lane.start()
+        self._ticket = 0
+        #: path -> (lane index, ticket) of the last task queued that touches it
+        self._last: dict[str, tuple[int, int]] = {}
+        #: directories the journal made (a RENAME of one of these is a directory rename)
+        self._dirs: set[str] = set()
+        self.stats = self.main.stats
+        self._closed = False
+
+    # -- dispatching -------------------------------------------------------------------
+    def _lane_of(self, path: str) -> int:
+        return zlib.crc32(path.encode("utf-8", "surrogateescape")) % len(self.lanes)
+
+    def _queue(self, i: int, task) -> int:
+        self._ticket += 1
+        lane = self.lanes[i]
+        lane.queued = self._ticket
+        lane.batch.append((self._ticket, task))
+        if len(lane.batch) >= BATCH:
+            self._flush(lane)
+        return self._ticket
+
+    @staticmethod
+    def _flush(lane: _Lane) -> None:
+        if lane.batch:
+            lane.q.put(lane.batch)
+            lane.batch = []
+
+    def _after(self, i: int, paths) -> None:
+        """Make lane ``i`` wait for the tasks queued to other lanes that touch ``paths``."""
+        for p in paths:
+            last = self._last.get(p)
+            if last is not None and last[0] != i and self.lanes[last[0]].done < last[1]:
+                other, ticket = self.lanes[last[0]], last[1]
+                self._flush(other)  # what lane i will wait for must be on its way
+                self._queue(i, lambda o=other, t=ticket: o.wait_for(t))
+
+    def _settle(self, paths) -> None:
+        """Wait (dispatcher) until every task queued that touches ``paths`` is applied."""
+        for p in paths:
+            last = self._last.pop(p, None)
+            if last is not None:
+                self._flush(self.lanes[last[0]])
+                self.lanes[last[0]].wait_for(last[1])
+        self._raise_failed()
+
+    def _quiesce(self) -> None:
+        for lane in self.lanes:
+            self._flush(lane)
+        for lane in self.lanes:
+            lane.wait_for(lane.queued)
+        self._last.clear()
+        self._raise_failed()
+
+    def _raise_failed(self) -> None:
+        if self._failed:
+            raise self._failed[0]
+
+    def apply(self, rec: Record) -> None:
+        if self._failed:
+            self._quiesce()
+        op = rec.op
+        t = type(op)
+        if t is Write or t is Truncate or t is Create or t is Delete:
+            path = op.path  # type: ignore[union-attr]
+            i = self._lane_of(path)
+            self._after(i, (path,))
+            self._last[path] = (i, self._queue(i, rec))
+        elif t is Rename and op.src not in self._dirs:  # type: ignore[union-attr]
+            src, dst = op.src, op.dst  # type: ignore[union-attr]
+            i, j = self._lane_of(dst), self._lane_of(src)
+            if j != i:  # src's lane may hold a descriptor of src: it drops it first
+                self._last[src] = (j, self._queue(j, lambda r=self.lanes[j].rep, p=src: r.forget_tree(p)))
+            self._after(i, (src, dst))
+            ticket = self._queue(i, rec)
+            self._last[src] = self._last[dst] = (i, ticket)
+        elif t is Mkdir:
+            self._settle((op.path,))  # type: ignore[union-attr]
+            self.main.apply(rec)
+            self._dirs.add(op.path)  # type: ignore[union-attr]
+            return
+        elif t is Marker or t is SnapshotEnd:
+            self.main.apply(rec)
+            return
+        else:  # RMDIR, a directory's RENAME: after everything before it, then nothing is stale
+            self._quiesce()
+            self.main.apply(rec)
+            paths = (op.path,) if t is Rmdir else (op.src, op.dst)  # type: ignore[union-attr]
+            for p in paths:
+                self.main.forget_tree(p)
+                for lane in self.lanes:
+                    lane.rep.forget_tree(p)
+            self._move_dirs(rec)
+            return
+        self.stats.records += 1
+        self.stats.last_seq = rec.seq
+        self.stats.last_time_ns = rec.time_ns
+
+    def _move_dirs(self, rec: Record) -> None:
+        op = rec.op
+        if isinstance(op, Rmdir):
+            self._dirs.discard(op.path)
+        elif isinstance(op, Rename):
+            pre = op.src + "/"
+            moved = [d for d in self._dirs if d == op.src or d.startswith(pre)]
+            for d in moved:
+                self._dirs.discard(d)
+                self._dirs.add(op.dst + d[len(op.src):])
+
+    def drain(self) -> None:
+        """Return once every record handed out is applied; raises the first lane error."""
+        self._quiesce()
+        self.stats.bytes_written = self.main.stats.bytes_written + sum(
+            lane.rep.stats.bytes_written for lane in self.lanes)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for lane in self.lanes:
+            lane.q.put(None)
+        for lane in self.lanes:
+            lane.join()
+            lane.rep.close()
+        self.main.close()
+
+
 def replay(records_iter: Iterable[Record], target_dir: str, *, stop: Callable[[Record], bool] | None = None,
-           snapshot: bool = False) -> ReplayStats:
-    """Apply ``records_iter`` to ``target_dir`` in order; returns what was applied.
+           snapshot: bool = False, workers: int = 1) -> ReplayStats:
+    """Apply ``records_iter`` to ``target_dir``; returns what was applied.
 
     ``snapshot=True``: the stream starts with a generation's snapshot, which is applied
-    whole before ``stop`` is consulted.
+    whole before ``stop`` is consulted. ``workers`` > 1 applies different files in parallel
+    (module doc); the target ends the same, and an error still names the record that failed
+    (records of other files after it may have been applied).
     """
+    if workers < 1:
+        raise ValueError(f"workers must be at least 1, not {workers!r}")
     os.makedirs(target_dir, exist_ok=True)
-    r = Replayer(target_dir)
+    r: Replayer | ParallelReplayer = Replayer(target_dir) if workers == 1 else ParallelReplayer(target_dir, workers)
     in_snapshot = snapshot
     try:
-        for rec in records_iter:
-            if in_snapshot:
+        try:
+            for rec in records_iter:
+                if in_snapshot:
+                    r.apply(rec)
+                    if isinstance(rec.op, SnapshotEnd):
+                        in_snapshot = False
+                        r.stats.snapshot_done = True
+                    continue
+                if stop is not None and stop(rec):
+                    r.stats.stopped = True
+                    break
                 r.apply(rec)
-                if isinstance(rec.op, SnapshotEnd):
-                    in_snapshot = False
-                    r.stats.snapshot_done = True
-                continue
-            if stop is not None and stop(rec):
-                r.stats.stopped = True
-                break
-            r.apply(rec)
+        finally:
+            if isinstance(r, ParallelReplayer):
+                r.drain()  # what was handed out is applied before anything is reported
     except JournalCorrupt as e:  # from the records: restore reports what was applied before it
         e.replay_stats = r.stats
         raise

@@ -59,7 +59,7 @@ from .reading import (
     refuse_breaks,
     segment_records,
 )
-from .replay import replay
+from .replay import DEFAULT_WORKERS, replay
 from .spark_log import commit_path, find_batch
 
 __all__ = ["restore", "rebuild_cache", "Summary", "parse_time", "format_time", "parse_batch", "find_batch",
@@ -157,7 +157,8 @@ def _unused_text(g: layout.GenerationInfo) -> str:
 def restore(client_factory: Callable[[], StoreClient], namespace: str, target: str, *,
             at: int | str | _dt.datetime | None = None, position: int | None = None,
             batch: str | tuple[str, int] | None = None, force: bool = False,
-            progress: Callable[[int, int], None] | None = None, generation: int | None = None) -> Summary:
+            progress: Callable[[int, int], None] | None = None, generation: int | None = None,
+            workers: int = DEFAULT_WORKERS) -> Summary:
     """Rebuild the tree of ``namespace`` in the empty directory ``target``; see module doc.
 
     The generations on the server must form one chain (protocol.md 2.1), else GenerationBreak
@@ -172,6 +173,10 @@ def restore(client_factory: Callable[[], StoreClient], namespace: str, target: s
     the target is touched, except a position past the end: what was written is undone) and
     JournalCorrupt (after applying everything before the broken record; ``exc.summary``
     tells what was restored).
+
+    ``workers``: threads that apply records of different files in parallel (each path in
+    journal order; directories, renames and deletes in journal order for their paths);
+    1 applies every record in order in this thread.
     """
     if sum(x is not None for x in (at, position, batch)) > 1:
         raise ValueError("give at most one of at, position, batch")
@@ -244,7 +249,7 @@ def restore(client_factory: Callable[[], StoreClient], namespace: str, target: s
                                              next_first=next_first_seq(listed, gen.generation))
                 if position is not None:
                     records = _through(records, position)
-                stats = replay(records, target, stop=stop, snapshot=True)
+                stats = replay(records, target, stop=stop, snapshot=True, workers=workers)
             finally:
                 readers.close()
         except JournalCorrupt as e:
