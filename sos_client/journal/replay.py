@@ -59,8 +59,11 @@ __all__ = ["replay", "Replayer", "ReplayStats", "DEFAULT_WORKERS"]
 #: lanes") 4 lanes and 1 are level on a disk and 1 is ahead on tmpfs (the GIL, the server
 #: and the readers share the cores): one lane per core, at most 4.
 DEFAULT_WORKERS = max(1, min(4, os.cpu_count() or 1))
-#: tasks handed to a lane at once (one queue operation per batch, not per record)
+#: tasks handed to a lane at once (one queue operation per batch, not per record), or
+#: fewer once their WRITE data reaches BATCH_BYTES; a lane's queue holds QUEUED_BATCHES
 BATCH = 64
+BATCH_BYTES = 1 << 20
+QUEUED_BATCHES = 4
 
 
 @dataclass
@@ -165,11 +168,13 @@ class _Lane(threading.Thread):
     def __init__(self, root: str, index: int, max_open: int, failed: list) -> None:
         super().__init__(name=f"replay-lane-{index}", daemon=True)
         self.rep = Replayer(root, max_open=max_open)
-        self.q: queue.Queue = queue.Queue(maxsize=8)  # batches; bounded: records carry data
+        # batches; bounded (records carry data): at most QUEUED_BATCHES x BATCH_BYTES per lane
+        self.q: queue.Queue = queue.Queue(maxsize=QUEUED_BATCHES)
         self.cond = threading.Condition()
         self.done = 0  # ticket of the last task finished
         self.queued = 0  # ticket of the last task handed out (dispatcher side)
         self.batch: list = []  # tasks handed out, not yet queued (dispatcher side)
+        self.batch_bytes = 0  # WRITE data in ``batch``
         self._failed = failed  # shared: the first error of any lane
 
     def run(self) -> None:
@@ -231,7 +236,9 @@ class ParallelReplayer:
         lane = self.lanes[i]
         lane.queued = self._ticket
         lane.batch.append((self._ticket, task))
-        if len(lane.batch) >= BATCH:
+        if type(task) is Record and type(task.op) is Write:
+            lane.batch_bytes += len(task.op.data)
+        if len(lane.batch) >= BATCH or lane.batch_bytes >= BATCH_BYTES:
             self._flush(lane)
         return self._ticket
 
@@ -240,6 +247,7 @@ class ParallelReplayer:
         if lane.batch:
             lane.q.put(lane.batch)
             lane.batch = []
+            lane.batch_bytes = 0
 
     def _after(self, i: int, paths) -> None:
         """Make lane ``i`` wait for the tasks queued to other lanes that touch ``paths``."""
