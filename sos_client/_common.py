@@ -228,8 +228,9 @@ class Core:
         self.max_body = DEFAULT_MAX_BODY
 
     # -- plumbing ---------------------------------------------------------------------
-    def _send(self, event):
-        return self.conn.send(event)
+    def _send(self, event) -> list:
+        """The frame's parts (header, fields, payload uncopied): what a driver sends."""
+        return self.conn.send_parts(event)
 
     def _recv(self):
         """Generator: the next event; raises for connection-level errors (request id 0)."""

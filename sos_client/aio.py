@@ -157,7 +157,9 @@ class AsyncClient(ClientSettings):
             raise ConnectionLost(f"not connected to {self.server}")
         return self._stream
 
-    async def _send_bytes(self, data: bytes) -> None:
+    async def _send_bytes(self, data: bytes | list) -> None:
+        if isinstance(data, list):  # a frame's parts (Core._send)
+            data = b"".join(data)
         try:
             with trio.fail_after(self.timeout):
                 await self._open_stream().send_all(data)

@@ -45,6 +45,19 @@ def _closed_by_server(sock: socket.socket) -> bool:
         return True
 
 
+def _sendmsg_all(sock: socket.socket, parts: list) -> None:
+    """sendmsg (writev) every part: a frame's payload goes to the kernel without being
+    joined to its header first."""
+    views = [memoryview(p).cast("B") for p in parts if len(p)]
+    while views:
+        sent = sock.sendmsg(views)
+        while views and sent >= len(views[0]):
+            sent -= len(views[0])
+            views.pop(0)
+        if sent:
+            views[0] = views[0][sent:]
+
+
 class Client(ClientSettings):
     """Blocking SOS client for one namespace.
 
@@ -163,9 +176,15 @@ class Client(ClientSettings):
             raise ConnectionLost(f"not connected to {self.server}")
         return self._sock
 
-    def _send_bytes(self, data: bytes) -> None:
+    def _send_bytes(self, data: bytes | list) -> None:
         try:
-            self._socket().sendall(data)
+            sock = self._socket()
+            if not isinstance(data, list):
+                sock.sendall(data)
+            elif isinstance(sock, _ssl.SSLSocket):  # TLS has no sendmsg
+                sock.sendall(b"".join(data))
+            else:
+                _sendmsg_all(sock, data)
         except OSError as exc:
             self._drop()
             raise ConnectionLost(f"connection to {self.server} lost while sending: {exc}") from exc
@@ -180,8 +199,17 @@ class Client(ClientSettings):
                 raise ConnectionLost(f"protocol error from {self.server}: {exc.message}") from None
             if event is not NEED_DATA:
                 return event
+            view = conn.receive_buffer()  # the rest of a large body: straight into its buffer
             try:
-                data = self._socket().recv(RECV_SIZE)
+                if view is not None:
+                    with view:
+                        got = self._socket().recv_into(view)
+                    if got:
+                        conn.received(got)
+                        continue
+                    data = b""
+                else:
+                    data = self._socket().recv(RECV_SIZE)
             except socket.timeout:
                 self._drop()
                 raise ConnectionLost(f"no reply from {self.server} within {self.timeout} s") from None

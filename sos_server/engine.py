@@ -49,6 +49,7 @@ import trio
 from sos_wire.auth import verify_proof
 from sos_wire.crc import crc32c
 from sos_wire.errors import ErrorCode
+from sos_wire.events import Payload
 from sos_wire.names import BadName, validate_name, validate_namespace
 
 from .metrics import Metrics, NullMetrics
@@ -489,14 +490,14 @@ class Engine:
 
     # -- writes ----------------------------------------------------------------------
     async def append(
-        self, namespace: str, role: str, name: str, offset: int, epoch: int, crc: int, data: bytes
+        self, namespace: str, role: str, name: str, offset: int, epoch: int, crc: int, data: Payload
     ) -> int:
         """Append and wait until durable; returns the new length (offset + len(data))."""
         pending = await self.append_begin(namespace, role, name, offset, epoch, crc, data)
         return await self.finish(pending)
 
     async def append_begin(
-        self, namespace: str, role: str, name: str, offset: int, epoch: int, crc: int, data: bytes
+        self, namespace: str, role: str, name: str, offset: int, epoch: int, crc: int, data: Payload
     ) -> "Pending":
         """Check and write (no sync). The session calls this in request order per object,
         then :meth:`finish` concurrently, so pipelined appends share one sync."""
@@ -608,7 +609,7 @@ class Engine:
             return obj.synced_size
         return obj.file_size
 
-    async def _same_bytes(self, obj: StoredObject, offset: int, data: bytes) -> bool:
+    async def _same_bytes(self, obj: StoredObject, offset: int, data: Payload) -> bool:
         n = len(data)
         if n == 0:
             return True

@@ -55,12 +55,16 @@ log = logging.getLogger("sos_server.session")
 READ_CHUNK = 1 << 20  # data bytes per READ_DATA frame
 RECV_SIZE = 256 << 10
 PRE_AUTH_RECV_SIZE = 16 << 10  # before AUTH: bytes asked of the socket at a time
+#: bytes of large-body buffers that all connections together may hold before those bodies
+#: have arrived (sos_wire's receive_buffer); beyond it bodies go through the shared buffer
+DIRECT_BUDGET = 32 << 20
 PRE_AUTH_MAX_BODY = 4096  # frame body limit before AUTH (HELLO, AUTH, PING need ~100 bytes)
 MAX_AUTH_FAILURES = 3  # failed AUTHs on one connection; the last is answered, then the close
 MAX_IN_FLIGHT = 256  # requests per connection being handled at once
 MAX_IN_FLIGHT_BYTES = 64 << 20  # append data per connection being handled at once
 MAX_REPLY_BYTES = 8 << 20  # READ/LIST reply bytes per connection produced and not yet sent
 MAX_READ_STREAMS = 2  # READs per connection streaming at once (each holds a storage buffer)
+SEND_SEPARATELY_MIN = 64 << 10  # a payload this big is sent after its header, not joined to it
 SEND_STEP = 256 << 10  # a send must make this much progress within send_timeout
 _LIST_ENTRY_MAX = 2 + 1024 + 8 + 1  # name str (1.10: at most 1024 bytes), length, sealed
 SERVER_NAME = "sos-server/0.1"
@@ -87,6 +91,25 @@ class _ByteBudget:
         self.used -= n
         self._changed.set()
         self._changed = trio.Event()
+
+
+class _DirectBudget:
+    """Bytes of body buffers allocated ahead of their data, for the whole process."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap, self.used = cap, 0
+
+    def take(self, n: int) -> bool:
+        if self.used + n > self.cap:
+            return False
+        self.used += n
+        return True
+
+    def release(self, n: int) -> None:
+        self.used -= n
+
+
+_direct = _DirectBudget(DIRECT_BUDGET)
 
 
 class _Closing(Exception):
@@ -116,6 +139,10 @@ class Session:
         self.channel_binding = channel_binding
         self.metrics = engine.metrics
         self.stream = stream
+        #: the plain socket under the stream (None with TLS): large bodies are received into
+        #: their own buffer with recv_into (sos_wire.connection, DIRECT_BODY_MIN)
+        self._sock = stream.socket if isinstance(stream, trio.SocketStream) else None
+        self._direct_held = 0  # bytes of DIRECT_BUDGET this connection's body buffer holds
         self.peer = peer
         self.idle_timeout = idle_timeout
         self.send_timeout = send_timeout
@@ -148,13 +175,17 @@ class Session:
         async with self._send_lock:
             if self._broken or self._closing:
                 return
-            data = self.conn.send(event)
+            parts = self.conn.send_parts(event)
             try:
-                await self._send_bytes(data)
+                if len(parts[-1]) < SEND_SEPARATELY_MIN:
+                    await self._send_bytes(b"".join(parts))
+                else:  # a large payload (READ_DATA) goes out as it is, not joined to its header
+                    await self._send_bytes(b"".join(parts[:-1]))
+                    await self._send_bytes(parts[-1])
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 self._broken = True
 
-    async def _send_bytes(self, data: bytes) -> None:
+    async def _send_bytes(self, data: bytes | memoryview) -> None:
         timeout = self.send_timeout
         if timeout is None:
             await self.stream.send_all(data)
@@ -194,6 +225,9 @@ class Session:
                     self.metrics.handshake_timeouts.inc()
                     nursery.cancel_scope.cancel()
         finally:
+            if self._direct_held:
+                _direct.release(self._direct_held)
+                self._direct_held = 0
             log.info("connection closed", extra={"peer": self.peer, "namespace": self.namespace})
             with trio.CancelScope(shield=True):
                 if self._broken:  # maybe a half-sent frame: no graceful close (TLS close_notify)
@@ -231,10 +265,16 @@ class Session:
             # (a peer that never reads them is closed by the send timeout)
             await self._replies.wait_room()
             size = RECV_SIZE if self.namespace is not None else PRE_AUTH_RECV_SIZE
+            view = self._direct_view() if self._sock is not None else None
             with trio.move_on_at(deadline) as scope:
                 try:
-                    data = await self.stream.receive_some(size)
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    if view is not None:  # the rest of a large body, straight into its buffer
+                        with view:
+                            got = await self._sock.recv_into(view)  # type: ignore[union-attr]
+                        data = None
+                    else:
+                        data = await self.stream.receive_some(size)
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                     return
             if scope.cancelled_caught:
                 if self._in_flight:
@@ -242,7 +282,26 @@ class Session:
                     continue
                 log.info("idle timeout, closing", extra={"peer": self.peer, "seconds": idle})
                 raise _Closing
-            self.conn.receive_data(data)
+            if data is None:
+                self.conn.received(got)
+            else:
+                self.conn.receive_data(data)
+
+    def _direct_view(self) -> memoryview | None:
+        """The rest of a large body to recv_into, if it has (or may now get) its own buffer.
+        Buffers allocated before their bytes arrive are bounded server-wide (DIRECT_BUDGET):
+        announced lengths alone cannot make the server allocate more than that."""
+        view = self.conn.receive_buffer(allocate=False)
+        if view is not None:
+            return view
+        if self._direct_held:  # the body this connection held budget for is complete
+            _direct.release(self._direct_held)
+            self._direct_held = 0
+        want = self.conn.awaiting_body
+        if want and _direct.take(want):
+            self._direct_held = want
+            return self.conn.receive_buffer()
+        return None
 
     async def _dispatch(self, event, nursery: trio.Nursery) -> None:
         rid = event.request_id
@@ -478,17 +537,23 @@ class _Chunker:
         self.pieces = iter(pieces)
         self.rest: memoryview | None = None
 
-    def take(self, limit: int) -> bytes:
-        out = []
-        size = 0
-        piece: memoryview | None
+    def take(self, limit: int) -> bytes | memoryview:
+        """Up to ``limit`` bytes: a view of one piece when it covers them (no copy), else
+        the pieces joined."""
+        first = self.rest if self.rest is not None and len(self.rest) else next(self.pieces, None)
+        if first is None:
+            self.rest = None
+            return b""
+        if len(first) >= limit:
+            self.rest = first[limit:]
+            return first[:limit]
+        out = [first]
+        size = len(first)
+        self.rest = None
         while size < limit:
-            if self.rest is not None and len(self.rest):
-                piece, self.rest = self.rest, None
-            else:
-                piece = next(self.pieces, None)
-                if piece is None:
-                    break
+            piece = next(self.pieces, None)
+            if piece is None:
+                break
             room = limit - size
             if len(piece) > room:
                 piece, self.rest = piece[:room], piece[room:]

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from sos_wire.crc import crc32c
 from sos_wire.errors import ErrorCode
+from sos_wire.events import Payload
 
 from .durable import StorageError, is_no_space, no_space
 from .objfile import FRAME, FRAME_HDR, MAX_FRAME, READ_BLOCK, SEAL_FRAME, SEAL_LEN
@@ -220,7 +221,7 @@ class StoredObject:
         return self._idx_logical[i], self._idx_file[i]
 
     # -- writes ----------------------------------------------------------------------
-    def append(self, data: bytes, crc: int) -> int:
+    def append(self, data: Payload, crc: int) -> int:
         """Write one frame at the end of the file (no sync). Returns the new length.
 
         ENOSPC/EDQUOT -> StorageError(NO_SPACE) with the file cut back to where it was.

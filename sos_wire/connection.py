@@ -24,7 +24,11 @@ Framing rules enforced here:
 The hot frames (header, APPEND, APPEND_OK, READ_DATA) use precompiled
 ``struct.Struct`` fast paths equivalent to the construct definitions in
 ``frames.py`` (tests/test_wire_fastpath.py proves it); payloads are copied out
-of the receive buffer exactly once.
+of the receive buffer exactly once. The body of a large APPEND or READ_DATA (at least
+``DIRECT_BODY_MIN`` bytes) may get a buffer of its own once its header is parsed: the I/O
+layer asks for it (``receive_buffer``, which allocates it: the I/O layer owns the memory
+policy) and receives straight into it (``recv_into`` + ``received``); the event's ``data``
+is then a memoryview of that buffer, never copied again.
 """
 
 from __future__ import annotations
@@ -51,7 +55,12 @@ from .frames import (
     Op,
 )
 
-__all__ = ["Connection", "Role", "NEED_DATA", "encode_event", "decode_body", "EVENT_OF", "OP_OF"]
+__all__ = ["Connection", "Role", "NEED_DATA", "encode_event", "decode_body", "EVENT_OF", "OP_OF",
+           "DIRECT_BODY_MIN"]
+
+#: bodies of APPEND and READ_DATA frames at least this big are received into a buffer of
+#: their own (no copy out of the shared receive buffer; ``receive_buffer`` for recv_into)
+DIRECT_BODY_MIN = 64 * 1024
 
 
 class _Sentinel:
@@ -184,6 +193,11 @@ class Connection:
         self.peer_max_body = DEFAULT_MAX_BODY
         self._buf = bytearray()
         self._hdr: tuple | None = None  # (opcode, request_id, body_len) of the frame being received
+        self._body: bytearray | None = None  # the frame's own body buffer (direct_body_min)
+        #: bodies of APPEND/READ_DATA at least this big may get their own buffer
+        #: (receive_buffer; None: never)
+        self.direct_body_min: int | None = DIRECT_BODY_MIN
+        self._filled = 0  # bytes of _body received
         self._eof = False
         self._error: RemoteProtocolError | None = None
         #: request ids in flight -> opcode of the request
@@ -200,7 +214,7 @@ class Connection:
     @property
     def buffered(self) -> int:
         """Bytes received and not yet turned into events."""
-        return len(self._buf)
+        return len(self._buf) + self._filled
 
     @property
     def eof(self) -> bool:
@@ -223,12 +237,70 @@ class Connection:
             raise LocalProtocolError("receive_data after EOF")
         if self._error is not None:
             return  # a dead connection buffers nothing more
+        body = self._body
+        if body is not None and self._filled < len(body):
+            n = min(len(body) - self._filled, len(data))
+            body[self._filled:self._filled + n] = data[:n] if n < len(data) else data
+            self._filled += n
+            if n == len(data):
+                return
+            data = memoryview(data)[n:]
         self._buf += data
+
+    @property
+    def awaiting_body(self) -> int:
+        """The size of a large APPEND/READ_DATA body whose header has arrived and that has no
+        buffer of its own yet (what :meth:`receive_buffer` would allocate); else 0."""
+        hdr = self._hdr
+        direct = self.direct_body_min
+        if hdr is None or self._body is not None or direct is None or self._error is not None or self._eof:
+            return 0
+        opcode, _rid, body_len = hdr
+        if body_len < direct or not (opcode == Op.APPEND or opcode == Op.READ_DATA):
+            return 0
+        if len(self._buf) >= HEADER_LEN + body_len:
+            return 0  # all there already
+        return body_len
+
+    def receive_buffer(self, *, allocate: bool = True) -> memoryview | None:
+        """Where the next bytes of the peer may go directly (``sock.recv_into(view)``, then
+        :meth:`received`): the rest of a large frame's body, or None (use receive_data).
+
+        The body's buffer is allocated here, at its full size, when a large body is
+        :attr:`awaiting_body` and ``allocate`` is true: the caller decides whether a peer's
+        announced length may cost that memory before the bytes arrive (a server keeps a
+        budget; ``allocate=False`` only returns a buffer already handed out)."""
+        body = self._body
+        if body is None:
+            if not allocate or not self.awaiting_body:
+                return None
+            body_len = self._hdr[2]  # type: ignore[index]
+            body = bytearray(body_len)
+            buf = self._buf
+            have = len(buf) - HEADER_LEN
+            body[:have] = memoryview(buf)[HEADER_LEN:]
+            buf.clear()
+            self._body, self._filled = body, have
+        if self._filled >= len(body) or self._error is not None:
+            return None
+        return memoryview(body)[self._filled:]
+
+    def received(self, n: int) -> None:
+        """``n`` bytes were written into the view :meth:`receive_buffer` returned; 0 means
+        the peer closed its side."""
+        if not n:
+            self._eof = True
+            return
+        body = self._body
+        if body is None or not 0 < n <= len(body) - self._filled:
+            raise LocalProtocolError(f"received({n}) does not fit the buffer handed out")
+        self._filled += n
 
     def _fail(self, message: str, *, code: ErrorCode = ErrorCode.BAD_FRAME, request_id: int = 0):
         self._error = RemoteProtocolError(message, code=code, request_id=request_id, fatal=True)
         self._buf.clear()
         self._hdr = None
+        self._body, self._filled = None, 0
         return self._error
 
     def next_event(self) -> Event:
@@ -248,17 +320,30 @@ class Connection:
             hdr = self._hdr = self._parse_header()
         opcode, request_id, body_len = hdr
         end = HEADER_LEN + body_len
-        if len(buf) < end:
+        body = self._body
+        if body is not None:  # a large body in its own buffer
+            if self._filled < body_len:
+                if self._eof:
+                    raise self._fail(
+                        f"peer closed the connection inside a frame body ({self._filled} of {body_len} bytes)",
+                        request_id=request_id,
+                    )
+                return NEED_DATA
+            self._body, self._filled = None, 0
+            src, start, end, done = body, 0, body_len, 0
+        elif len(buf) < end:
             if self._eof:
                 raise self._fail(
                     f"peer closed the connection inside a frame body ({len(buf) - HEADER_LEN} of {body_len} bytes)",
                     request_id=request_id,
                 )
             return NEED_DATA
+        else:
+            src, start, done = buf, HEADER_LEN, end
         self._hdr = None
         if opcode not in Op._value2member_map_:
             # server side only (the header check made it fatal for clients): skip the frame
-            del buf[:end]
+            del buf[:done]
             self._pending[request_id] = None
             raise RemoteProtocolError(
                 f"unknown opcode 0x{opcode:02x}", code=ErrorCode.UNKNOWN_OP, request_id=request_id, fatal=False
@@ -267,24 +352,24 @@ class Connection:
         event: ev.Event
         try:
             if op is Op.APPEND:
-                event = self._fast_append(request_id, end)
+                event = self._fast_append(request_id, src, start, end)
             elif op is Op.READ_DATA:
-                event = self._fast_read_data(request_id, end)
+                event = self._fast_read_data(request_id, src, start, end)
             elif op is Op.APPEND_OK:
                 if body_len != 8:
                     raise RemoteProtocolError(f"malformed APPEND_OK body: {body_len} bytes, expected 8", request_id=request_id)
                 event = ev.AppendOk(request_id, _U64.unpack_from(buf, HEADER_LEN)[0])
             else:
                 with memoryview(buf) as mv:
-                    body = mv[HEADER_LEN:end].tobytes()
-                event = decode_body(op, request_id, body)
+                    body_bytes = mv[HEADER_LEN:end].tobytes()
+                event = decode_body(op, request_id, body_bytes)
         except RemoteProtocolError as exc:
             if exc.fatal:
                 raise self._fail(exc.message, code=exc.code, request_id=exc.request_id) from None
-            del buf[:end]
+            del buf[:done]
             self._pending[request_id] = op
             raise
-        del buf[:end]
+        del buf[:done]
         self._after_receive(op, event)
         return event
 
@@ -329,9 +414,16 @@ class Connection:
                     )
         return (opcode, request_id, body_len)
 
-    def _fast_append(self, request_id: int, end: int) -> ev.Append:
-        buf = self._buf
-        pos = HEADER_LEN
+    def _payload(self, buf: bytearray, pos: int, end: int):
+        """The payload: a copy out of the shared receive buffer (reused for the next frames),
+        or a view of a body's own buffer (nobody else writes it: no copy)."""
+        if buf is self._buf:
+            with memoryview(buf) as mv:
+                return mv[pos:end].tobytes()
+        return memoryview(buf)[pos:end]
+
+    def _fast_append(self, request_id: int, buf, start: int, end: int) -> ev.Append:
+        pos = start
         if pos + 2 > end:
             raise RemoteProtocolError("malformed APPEND body: truncated name length", request_id=request_id)
         (name_len,) = _U16.unpack_from(buf, pos)
@@ -349,13 +441,10 @@ class Connection:
             raise RemoteProtocolError(
                 f"malformed APPEND body: data length {data_len} does not fill the frame", request_id=request_id
             )
-        with memoryview(buf) as mv:
-            data = mv[pos:end].tobytes()
-        return ev.Append(request_id, name, offset, epoch, crc, data)
+        return ev.Append(request_id, name, offset, epoch, crc, self._payload(buf, pos, end))
 
-    def _fast_read_data(self, request_id: int, end: int) -> ev.ReadData:
-        buf = self._buf
-        pos = HEADER_LEN
+    def _fast_read_data(self, request_id: int, buf, start: int, end: int) -> ev.ReadData:
+        pos = start
         if pos + _READ_DATA_HEAD.size > end:
             raise RemoteProtocolError("malformed READ_DATA body: truncated", request_id=request_id)
         offset, last, data_len = _READ_DATA_HEAD.unpack_from(buf, pos)
@@ -366,9 +455,7 @@ class Connection:
             raise RemoteProtocolError(
                 f"malformed READ_DATA body: data length {data_len} does not fill the frame", request_id=request_id
             )
-        with memoryview(buf) as mv:
-            data = mv[pos:end].tobytes()
-        return ev.ReadData(request_id, offset, bool(last), data)
+        return ev.ReadData(request_id, offset, bool(last), self._payload(buf, pos, end))
 
     def _after_receive(self, op: Op, event) -> None:
         if self.role is Role.SERVER:
@@ -383,6 +470,11 @@ class Connection:
     # -- sending ----------------------------------------------------------------------
     def send(self, event) -> bytes:
         """The bytes of the frame for *event*. Raises LocalProtocolError on misuse."""
+        return b"".join(self.send_parts(event))
+
+    def send_parts(self, event) -> list:
+        """The frame for *event* as a list of bytes-like parts (header, fields, payload),
+        the payload not copied: for ``sendmsg``/``writev``. Same checks as :meth:`send`."""
         op = OP_OF.get(type(event))
         if op is None:
             raise LocalProtocolError(f"not an SOS event: {event!r}")
@@ -408,17 +500,17 @@ class Connection:
                     raise LocalProtocolError(f"{op.name} does not answer {asked} (request id {rid})")
         try:
             parts = _encode_body_parts(op, event)
-            size = sum(len(p) for p in parts)
+            size = sum(memoryview(p).nbytes for p in parts)  # TypeError for anything not bytes-like
         except Exception as exc:
             raise LocalProtocolError(f"cannot encode {event!r:.200}: {_short(exc)}") from None
         if size > self.peer_max_body:
             raise LocalProtocolError(f"{op.name} body of {size} bytes exceeds the peer's limit of {self.peer_max_body}")
         try:
-            data = b"".join([_header(op, rid, size), *parts])
+            frame = [_header(op, rid, size), *parts]
         except Exception as exc:
             raise LocalProtocolError(f"cannot encode {event!r:.200}: {_short(exc)}") from None
         if self.role is Role.CLIENT:
             self._pending[rid] = op
         elif not (op is Op.READ_DATA and not event.last):
             self._pending.pop(rid, None)
-        return data
+        return frame

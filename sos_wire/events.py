@@ -10,13 +10,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import Union
 
 from .errors import ErrorCode
+
+#: a payload: bytes as built, or a memoryview of the body's own buffer when the connection
+#: received a large body straight into it (connection.DIRECT_BODY_MIN)
+Payload = Union[bytes, bytearray, memoryview]
 
 __all__ = [
     "Event", "Request", "Reply", "KeyRole",
     "Hello", "HelloOk", "Auth", "AuthOk", "Ping", "Pong", "List", "ListEntry", "ListOk",
-    "Stat", "StatOk", "Append", "AppendOk", "Read", "ReadData", "Seal", "SealOk",
+    "Stat", "StatOk", "Append", "AppendOk", "Read", "ReadData", "Seal", "SealOk", "Payload",
     "Fence", "FenceOk", "Error",
 ]
 
@@ -130,7 +135,7 @@ class Append(Request):
     offset: int
     epoch: int
     crc: int
-    data: bytes
+    data: Payload
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,7 +157,7 @@ class ReadData(Reply):
     request_id: int
     offset: int
     last: bool
-    data: bytes
+    data: Payload
 
 
 @dataclass(frozen=True, slots=True)

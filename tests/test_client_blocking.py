@@ -239,14 +239,14 @@ def test_append_many_pipelined(client, monkeypatch):
     from sos_wire.connection import Connection
 
     most = [0]
-    real_send = Connection.send
+    real_send = Connection.send_parts
 
     def spy(self, event):
         out = real_send(self, event)
         most[0] = max(most[0], self.in_flight)
         return out
 
-    monkeypatch.setattr(Connection, "send", spy)
+    monkeypatch.setattr(Connection, "send_parts", spy)
     rng = __import__("random").Random(7)
     chunks = [rng.randbytes(rng.randint(0, 3000)) for _ in range(3000)]
     chunks += [os.urandom(3 << 20)]  # one chunk larger than a piece: split

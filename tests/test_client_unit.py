@@ -227,7 +227,7 @@ def test_resume_in_the_middle_of_a_chunk_split_into_several_appends():
                 if sends == break_at:
                     gen.close()  # what the socket driver does when sending fails
                     raise ConnectionLost("broken pipe")
-                server.receive_data(cmd)
+                server.receive_data(b"".join(cmd))  # a frame's parts
                 (request,) = [server.next_event()]
                 reply = store.answer(request)
                 if sends != ack_lost_at:

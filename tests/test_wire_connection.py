@@ -1,5 +1,7 @@
 """The sans-IO Connection: framing, caps, roles, request ids, misuse."""
 
+import os
+
 import pytest
 
 from sos_wire import (
@@ -325,8 +327,8 @@ def test_constructor_checks():
 
 
 def test_big_payload_is_not_rejoined_per_chunk():
-    # a 4 MiB append in 64 KiB chunks: the connection keeps one growing buffer and
-    # decodes once at the end; the result is byte-identical
+    # a 4 MiB append in 64 KiB chunks through receive_data: the connection keeps one growing
+    # buffer and decodes once at the end; the result is byte-identical
     client, server = pair()
     data = bytes(range(256)) * (4 * 4096)
     frame = client.send(Append(1, "big", 0, 0, crc32c(data), data))
@@ -336,3 +338,71 @@ def test_big_payload_is_not_rejoined_per_chunk():
             assert server.next_event() is NEED_DATA
     (got,) = events(server)
     assert got.data == data and type(got.data) is bytes
+
+
+
+
+def test_large_bodies_are_received_straight_into_their_own_buffer():
+    """receive_buffer/received (recv_into): a big APPEND's body is written in place, the
+    bytes after it (the next frame, a small one) are buffered as usual; both decode."""
+    client, server = pair()
+    big = os.urandom(300_000)
+    small = b"tail"
+    stream = (client.send(Append(1, "a", 0, 0, crc32c(big), big))
+              + client.send(Append(2, "b", 0, 0, crc32c(small), small)))
+    got = []
+    pos = 0
+    direct = 0
+    while pos < len(stream):  # a reader loop: events first, then recv_into or receive_data
+        while (e := server.next_event()) is not NEED_DATA:
+            got.append(e)
+        view = server.receive_buffer()
+        if view is None:
+            server.receive_data(stream[pos:pos + 70_000])
+            pos += 70_000
+        else:
+            n = min(len(view), 50_000)
+            view[:n] = stream[pos:pos + n]
+            server.received(n)
+            pos += n
+            direct += n
+    got += events(server)
+    assert [(e.request_id, bytes(e.data)) for e in got] == [(1, big), (2, small)]
+    assert type(got[0].data) is memoryview  # a view of the body's own buffer: not copied
+    assert direct > 200_000  # most of the big body never went through receive_data
+    assert server.buffered == 0
+
+
+def test_eof_inside_a_directly_received_body_is_a_bad_frame():
+    client, server = pair()
+    big = os.urandom(100_000)
+    frame = client.send(Append(1, "a", 0, 0, crc32c(big), big))
+    server.receive_data(frame[:1000])
+    assert server.next_event() is NEED_DATA
+    assert server.awaiting_body == len(frame) - 16
+    assert server.receive_buffer(allocate=False) is None  # nothing allocated unless asked
+    view = server.receive_buffer()
+    assert view is not None and len(view) == 100_000 + len(frame) - 100_000 - 1000
+    view[:500] = frame[1000:1500]
+    server.received(500)
+    with pytest.raises(LocalProtocolError):
+        server.received(len(view) + 1)  # more than was handed out
+    server.received(0)  # the peer closed
+    with pytest.raises(RemoteProtocolError, match="inside a frame body"):
+        server.next_event()
+    assert server.receive_buffer() is None
+
+
+def test_small_bodies_and_a_disabled_threshold_get_no_buffer_of_their_own():
+    client, server = pair()
+    data = os.urandom(1000)
+    frame = client.send(Append(1, "a", 0, 0, crc32c(data), data))
+    server.receive_data(frame[:100])
+    assert server.next_event() is NEED_DATA
+    assert server.awaiting_body == 0 and server.receive_buffer() is None
+    client2, server2 = pair()
+    server2.direct_body_min = None
+    big = os.urandom(100_000)
+    server2.receive_data(client2.send(Append(1, "a", 0, 0, crc32c(big), big))[:1000])
+    assert server2.next_event() is NEED_DATA
+    assert server2.awaiting_body == 0 and server2.receive_buffer() is None
