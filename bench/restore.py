@@ -165,26 +165,40 @@ def compare(work: str, tree: Tree, fac: Callable, ns: str, runs: int,
 
 
 def compare_lanes(work: str, tree: Tree, fac: Callable, ns: str, runs: int, counts: list[int],
-                  say: Callable[[str], None] = print) -> dict[str, list[float]]:
+                  say: Callable[[str], None] = print, server_pid: int | None = None) -> dict[str, list[float]]:
     """Seconds per run of ``cp -r`` and of restore with each lane count in ``counts``; every
     run takes them in a rotated order, so each sees the disk in each state (the page cache
-    fills up over a run: later steps meet writeback)."""
+    fills up over a run: later steps meet writeback). Each restore's line gives its own CPU
+    (this process: readers, dispatcher, lanes) and the server's (psutil)."""
     from sos_client.journal import restore
+
+    import psutil
 
     steps: list[str] = ["cp"] + [f"w{n}" for n in counts]
     out: dict[str, list[float]] = {k: [] for k in steps}
+    me = psutil.Process()
+    srv = psutil.Process(server_pid) if server_pid else None
+
+    def cpu(p) -> float:
+        t = p.cpu_times()
+        return t.user + t.system
+
     for run in range(runs):
         order = steps[run % len(steps):] + steps[:run % len(steps)]
+        cpus = {}
         for step in order:
             dst = os.path.join(work, f"lanes-{step}-{run}")
             subprocess.run(["sync"])
+            c0, s0 = cpu(me), cpu(srv) if srv else 0.0
             t0 = time.monotonic()
             if step == "cp":
                 subprocess.run(["cp", "-r", tree.src, dst], check=True)
             else:
                 restore(fac, ns, dst, workers=int(step[1:]))
             out[step].append(time.monotonic() - t0)
-        say(f"run {run} ({', '.join(order)}): " + ", ".join(f"{k} {out[k][-1]:.2f}s" for k in steps))
+            if step != "cp":
+                cpus[step] = f" (CPU: restore {cpu(me) - c0:.2f}s, server {(cpu(srv) if srv else 0.0) - s0:.2f}s)"
+        say(f"run {run} ({', '.join(order)}): " + ", ".join(f"{k} {out[k][-1]:.2f}s{cpus.get(k, '')}" for k in steps))
     return out
 
 
@@ -209,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         server = LocalServer(data, os.path.join(work, "server.log")).start()
         tree, fac = prepare(work, server.address, key, ns, args.small, args.large, args.large_mib)
         if len(lane_counts) > 1:
-            got = compare_lanes(work, tree, fac, ns, args.runs, [n or 0 for n in lane_counts])
+            got = compare_lanes(work, tree, fac, ns, args.runs, [n or 0 for n in lane_counts], server_pid=server.pid)
             cp_best = min(got["cp"])
             for k, secs in got.items():
                 med = sorted(secs)[len(secs) // 2]
