@@ -67,11 +67,22 @@ class KeyStore:
             log.error("unreadable key file %s: %s", path, exc)
             return None
 
+    def _key_path(self, namespace: str, key_id: bytes) -> str:
+        """The key file's path, built once per key (sessions stat it before every request)."""
+        paths: dict[tuple[str, bytes], str] = self.__dict__.setdefault("_key_paths", {})
+        k = (namespace, bytes(key_id))
+        path = paths.get(k)
+        if path is None:
+            if len(paths) >= 4096:
+                paths.clear()
+            path = paths[k] = os.path.join(self.ns_path(namespace), "keys", k[1].hex())
+        return path
+
     def key_state(self, namespace: str, key_id: bytes) -> tuple[int, ...] | None:
         """A fingerprint of the key's file (one stat), None if it is gone. Sessions compare it
         before each request, so that removing or rewriting a key ends the sessions opened with it."""
         try:
-            st = os.stat(os.path.join(self.ns_path(namespace), "keys", bytes(key_id).hex()))
+            st = os.stat(self._key_path(namespace, key_id))
         except (BadName, OSError):
             return None
         return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)

@@ -71,10 +71,20 @@ class Metrics:
         self.sync_files.inc(files)
 
     def error(self, name: str) -> None:
-        self.errors.labels(code=name).inc()
+        self._child(self.errors, "code", name).inc()
 
     def request(self, op: str) -> None:
-        self.requests.labels(op=op).inc()
+        self._child(self.requests, "op", op).inc()
+
+    def _child(self, metric, label: str, value: str):
+        """``metric.labels(label=value)``, looked up once per value (a per-request lookup
+        was 6 % of the server's CPU at 4 KiB appends: docs/BENCHMARKS.md, step 6)."""
+        children = self.__dict__.setdefault("_children", {})
+        key = (id(metric), value)
+        child = children.get(key)
+        if child is None:
+            child = children[key] = metric.labels(**{label: value})
+        return child
 
 
 class NullMetrics(Metrics):
