@@ -102,6 +102,9 @@ FD_RESERVE = 128
 ACCEPT_RETRY = (0.1, 2.0)
 ACCEPT_LOG_INTERVAL = 10.0
 _ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+#: after a refusal that closes the connection: read and discard what the client still
+#: sends for at most this long and this many bytes (seconds, bytes) before closing
+LINGER = (2.0, 1 << 20)
 #: latencies kept per operation for its percentiles (a uniform sample of all of them)
 LATENCY_SAMPLES = 2048
 #: on SIGTERM/SIGINT, the requests in progress get this long to finish (Kubernetes gives
@@ -389,6 +392,36 @@ class _Conn:
             elif isinstance(event, h11.ConnectionClosed):
                 raise _Drop("closed in the middle of a request body")
 
+    async def linger(self) -> None:
+        """Half-close, then read and discard what the client still sends, for at most
+        LINGER seconds: closing a socket with unread bytes sends a reset, which can destroy
+        the reply just sent (a 400 or 408 the client never sees)."""
+        self.waiting = True
+        with trio.move_on_after(LINGER[0]):
+            try:
+                if isinstance(self.stream, trio.SocketStream):
+                    await self.stream.send_eof()
+                got = 0
+                while got < LINGER[1]:
+                    data = await self.stream.receive_some(RECV_SIZE)
+                    if not data:
+                        break
+                    got += len(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                pass
+        self.waiting = False
+
+    def consume_buffered_body(self) -> None:
+        """Discard what of the request body is already received, without waiting for more:
+        a refusal of a request whose body is all here (a GET's empty one) keeps the
+        connection."""
+        while self.h11.their_state is h11.SEND_BODY:
+            try:
+                if self.h11.next_event() is h11.NEED_DATA:
+                    return
+            except h11.RemoteProtocolError:
+                return
+
     async def drain(self) -> None:
         """Read and discard the rest of the request body (memory stays bounded)."""
         while self.h11.their_state is h11.SEND_BODY:
@@ -608,6 +641,9 @@ class Gateway:
         try:
             with conn.scope:
                 await self._serve_connection(conn)
+                if (conn.h11.our_state is h11.MUST_CLOSE
+                        and conn.h11.their_state not in (h11.DONE, h11.MUST_CLOSE, h11.CLOSED)):
+                    await conn.linger()  # a refusal (400, 408, 413, 431...) must reach it
         except _Drop as exc:
             log.debug("connection dropped: %s", exc)
         except (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError) as exc:
@@ -652,8 +688,9 @@ class Gateway:
     async def _send_reply(self, conn: _Conn, reply: _Reply) -> None:
         body = _json(reply.doc) if reply.doc is not None else b""
         headers = list(reply.headers)
-        if conn.h11.their_state is h11.SEND_BODY and ("connection", "close") not in headers:
-            headers.append(("connection", "close"))  # the unread body makes reuse impossible
+        conn.consume_buffered_body()
+        if conn.h11.their_state is not h11.DONE and ("connection", "close") not in headers:
+            headers.append(("connection", "close"))  # an unread body makes reuse impossible
         # IDLE: the head was malformed or too slow (h11 lets a server answer it)
         if conn.h11.our_state in (h11.IDLE, h11.SEND_RESPONSE):
             await conn.respond(reply.status, body, headers, reply.reason)
