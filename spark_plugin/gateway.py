@@ -485,8 +485,8 @@ class _Slots:
         client; False if there is none."""
         for conn in self.pending:
             if conn.waiting and match(conn):
-                log.info("closing an unauthenticated connection from %s (open %.0f s) to make "
-                         "room", conn.peer or "?", trio.current_time() - conn.accepted)
+                log.debug("closing an unauthenticated connection from %s (open %.0f s) to "
+                          "make room", conn.peer or "?", trio.current_time() - conn.accepted)
                 self.release(conn)
                 conn.scope.cancel()
                 return True

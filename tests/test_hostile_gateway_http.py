@@ -25,6 +25,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 
@@ -638,3 +639,67 @@ def test_latency_samples_are_bounded():
     # a uniform sample: its median is near the true one
     median = sorted(stats.samples)[LATENCY_SAMPLES // 2]
     assert 0.03 < median < 0.07
+
+
+_EMFILE_GATEWAY = """
+import logging, resource, sys, trio
+from spark_plugin.gateway import Gateway
+from spark_plugin.gateway_auth import TokenAuthority
+
+logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                    format="%(asctime)s %(name)s %(levelname)s %(message)s")
+resource.setrlimit(resource.RLIMIT_NOFILE, (48, 48))
+# a cap the limit does not hold (run_gateway would lower it): accept() must run out
+gw = Gateway(None, TokenAuthority("ns", b"k" * 32), lambda key: ("append", ""),
+             max_connections=1000)
+
+async def main():
+    async with trio.open_nursery() as nursery:
+        host, port = await nursery.start(gw.serve, "127.0.0.1", 0)
+        print("PORT", port, flush=True)
+        await trio.sleep(float(sys.argv[1]))
+        nursery.cancel_scope.cancel()
+
+trio.run(main)
+"""
+
+
+@pytest.mark.slow
+def test_accept_out_of_descriptors_backs_off_and_logs_once_per_interval(tmp_path):
+    """The EMFILE path itself: a Gateway whose cap the descriptor limit cannot hold (the
+    CLI never builds one: previous test); it logged a traceback every 0.1 s."""
+    log_path = tmp_path / "emfile.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-c", _EMFILE_GATEWAY, "40"],
+                                stdout=subprocess.PIPE, stderr=log, text=True)
+    try:
+        port = int(proc.stdout.readline().split()[1])
+        socks = []
+        for _ in range(80):  # the backlog takes what the gateway cannot accept
+            s = connect(port, "127.0.0.50", timeout=10)
+            socks.append(s)
+        time.sleep(12)  # more than one report interval of failing accepts
+        text = log_path.read_text()
+        reports = text.count("cannot accept connections")
+        assert 1 <= reports <= 3, text[-3000:]
+        assert "Traceback" not in text and "accept returned" not in text, text[-3000:]
+        # once descriptors are free again it accepts and serves
+        for s in socks:
+            s.close()
+        time.sleep(3)
+        status, _, _ = read_reply_of(port, request("GET", "/webhdfs/v1/?op=LISTSTATUS"))
+        assert status == 401
+        assert proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait(60)
+        proc.stdout.close()
+
+
+def read_reply_of(port: int, data: bytes) -> tuple[int, dict, bytes]:
+    s = connect(port)
+    try:
+        s.sendall(data)
+        return read_reply(s)
+    finally:
+        s.close()
