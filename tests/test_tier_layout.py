@@ -5,6 +5,7 @@ uploader stopped between pieces that resumes from the listing."""
 from __future__ import annotations
 
 import hashlib
+import pathlib
 import random
 import string
 import tempfile
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 from sos_server.tier import layout
 from sos_server.tier.layout import (
     MAX_PLAIN_NAME,
+    delete_object,
     ObjectIncomplete,
     TierConflict,
     TierDamage,
@@ -106,6 +108,41 @@ def test_longest_keys_fit_s3():
 ])
 def test_parse_key_refuses_what_the_layout_cannot_make(key):
     assert parse_key(key) is None
+
+
+def _doc_part(title: str) -> str:
+    doc = (pathlib.Path(__file__).resolve().parent.parent / "protocol.md").read_text(encoding="utf-8")
+    return doc.split(title, 1)[1]
+
+
+def test_protocol_worked_example(tmp_path):
+    """protocol.md 4.7: its listing, built from the segment of 2.4, scans as it says."""
+    seg_hex = _doc_part("## 2.4 Worked example").split("```hex", 1)[1].split("```", 1)[0]
+    segment = bytes.fromhex("".join(line.split("#", 1)[0] for line in seg_hex.splitlines()).replace(" ", ""))
+    part = _doc_part("## 4.7 Worked example")
+    listing = part.split("```", 2)[1].split()
+    retry = "v1/ns/job1/o/gen!0000000001!0000000001-0000000001.seg/0000000000000000-0000000000000105-abd534cd"
+    assert retry.split("/")[-1] in part
+    store = LocalStore((tmp_path / "bucket").as_uri())
+    for key in listing:
+        pk = parse_key(key)
+        assert pk is not None
+        content = segment[pk.begin:pk.end] if pk.kind == "piece" else b"{}" if pk.kind == "seal" else b""
+        if pk.kind == "piece":
+            assert crc32c(content) == pk.crc
+        store.put_once(key, content)
+    state = scan(store, verify=True)["job1"]
+    assert state.fence == 1 and not state.all_problems()
+    seg = state.objects["gen/0000000001/0000000001-0000000001.seg"]
+    assert seg.length == 261 and not seg.sealed and len(seg.pieces) == 2
+    ready = state.objects["gen/0000000001/ready"]
+    assert ready.sealed and ready.length == 0 and ready.pieces == []
+    assert read_object(store, "job1", seg.name, state=seg) == segment
+    retry_key = parse_key(retry)
+    assert retry_key is not None and retry_key.crc == crc32c(segment)
+    store.put_once(retry, segment)
+    seg = scan(store, verify=True)["job1"].objects[seg.name]
+    assert [p.key for p in seg.pieces] == [retry] and len(seg.extra) == 2 and seg.problems == []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -321,8 +358,10 @@ def test_retention_deletes_whole_objects(store):
     upload(store, "gen/0000000001/x", b"0123456789abc", sealed=True)
     upload(store, "gen/0000000002/x", b"keep")
     obj = scan(store)[NS].objects["gen/0000000001/x"]
-    store.delete(keys_of(obj))
+    assert len(keys_of(obj)) == 3  # two pieces and the seal
+    delete_object(store, obj)
     assert set(scan(store)[NS].objects) == {"gen/0000000002/x"}
+    assert not scan(store)[NS].all_problems()
 
 
 # ---------------------------------------------------------------------------------------------

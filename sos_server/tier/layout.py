@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -37,9 +37,11 @@ __all__ = [
     "Problem",
     "TierConflict",
     "TierDamage",
+    "delete_object",
     "escape_name",
     "fence_key",
     "iter_object",
+    "keys_of",
     "name_key",
     "namespace_prefix",
     "object_prefix",
@@ -50,6 +52,7 @@ __all__ = [
     "scan_object",
     "seal_content",
     "seal_key",
+    "seal_time",
     "unescape_name",
 ]
 
@@ -380,14 +383,14 @@ def _build(ns: str, name: str, edir: str, keys: list[tuple[ParsedKey, StoredKey]
         obj._problem("gap", later[0].key, pos,
                      f"no piece holds byte {pos}; the next piece starts at {later[0].begin} ({later[0].key})")
     # same range, other checksum: two histories, whichever is right (no read needed to know)
-    cut = obj.length
-    for p in chosen:
-        for q in obj.extra:
-            if q.begin == p.begin and q.end == p.end and q.crc != p.crc:
-                obj._problem("conflict", q.key, q.begin, f"pieces {p.key} and {q.key} hold the same range "
-                             "with different checksums")
-                cut = min(cut, q.begin)
-    obj.length = cut
+    same_range: dict[tuple[int, int], list[Piece]] = {}
+    for p in pieces:
+        same_range.setdefault((p.begin, p.end), []).append(p)
+    for (begin, _end), group in sorted(same_range.items()):
+        if len(group) > 1:
+            obj._problem("conflict", group[1].key, begin, "pieces " + " and ".join(p.key for p in group)
+                         + " hold the same range with different checksums")
+            obj.length = min(obj.length, begin)
     if seals:
         seals.sort()
         obj.seal_length, first = seals[0]
@@ -534,10 +537,21 @@ def seal_time(store: Store, obj: ObjectState) -> int | None:
         return None
 
 
-def keys_of(obj: ObjectState) -> Iterable[str]:
-    """Every key of an object in the order retention deletes them (protocol.md 4.6): pieces
-    from offset 0 up, then the seal, then (hashed names) the name key."""
-    yield from (p.key for p in sorted([*obj.pieces, *obj.extra], key=lambda p: (p.begin, p.end, p.key)))
-    yield from obj.seal_keys
+def keys_of(obj: ObjectState) -> list[str]:
+    """Every key of an object: its pieces (from offset 0 up), then its seal markers and (hashed
+    names) its name key."""
+    keys = [p.key for p in sorted([*obj.pieces, *obj.extra], key=lambda p: (p.begin, p.end, p.key))]
+    keys += obj.seal_keys
     if obj.edir.startswith(HASHED):
-        yield f"{namespace_prefix(obj.namespace)}o/{obj.edir}/name"
+        keys.append(f"{namespace_prefix(obj.namespace)}o/{obj.edir}/name")
+    return keys
+
+
+def delete_object(store: Store, obj: ObjectState) -> None:
+    """Retention's removal of one whole object (protocol.md 4.6): every piece first, then, once
+    they are gone, the seal markers and the name key. Take *obj* from a fresh scan."""
+    pieces = [p.key for p in sorted([*obj.pieces, *obj.extra], key=lambda p: (p.begin, p.end, p.key))]
+    store.delete(pieces)
+    rest = keys_of(obj)[len(pieces):]
+    if rest:
+        store.delete(rest)
