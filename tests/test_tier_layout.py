@@ -9,6 +9,7 @@ import pathlib
 import random
 import string
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from hypothesis import given, settings
@@ -519,3 +520,55 @@ def test_empty_objects_exist_in_the_bucket(store):
     assert obj.exists and obj.length == 0 and not obj.sealed
     assert up.step(NS, "e", lambda b, e: b"", 0, True).kind == "seal"
     assert scan_object(store, NS, "e").sealed
+
+
+def test_uploader_progress_pending_and_removal(store):
+    seen = []
+    up = Uploader(store, max_piece=4, on_progress=lambda *a: seen.append(a))
+    up.note(NS, "empty", 0)
+    up.note(NS, "o", 6, sealed=True)
+    assert up.pending(NS) == ["empty", "o"]
+    up.sync(NS, "empty", lambda b, e: b"", 0)
+    up.sync(NS, "o", lambda b, e: b"abcdef"[b:e], 6, True)
+    assert seen == [(NS, "empty", 0, False), (NS, "o", 4, False), (NS, "o", 6, False), (NS, "o", 6, True)]
+    assert up.pending(NS) == [] and up.uploaded(NS, "o") == 6
+    up.remove(NS, ["o"])
+    assert set(scan(store)[NS].objects) == {"empty"}
+    assert up.lag(NS).bytes == 0
+
+
+def test_two_threads_stepping_one_object_write_each_piece_once(store):
+    data = random.Random(5).randbytes(64)
+    rec = Recording(store)
+    up = Uploader(rec, max_piece=8)
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda _: up.sync(NS, "o", lambda b, e: data[b:e], 64, True), range(4)))
+    keys = [k for k, _ in rec.puts]
+    assert len(keys) == len(set(keys)) == 9 and {r for _, r in rec.puts} == {PutOutcome.CREATED}
+    assert read_object(store, NS, "o") == data
+
+
+def test_zombie_and_new_server_on_one_prefix(store):
+    """The old server and its replacement copy different bytes after a common start: both creates
+    succeed (the checksum names them apart), readers report the conflict and stop before it, and
+    the zombie is told by the fence marker of the new server."""
+    common = b"0123456789"
+    old, new = Uploader(store, max_piece=100), Uploader(store, max_piece=100)
+    old.check_fence(NS, 1)
+    old.sync(NS, "o", lambda b, e: common[b:e], 10)
+    new.check_fence(NS, 2)  # the writer fenced on the new server
+    new.sync(NS, "o", lambda b, e: (common + b"NEW")[b:e], 13)
+    old.sync(NS, "o", lambda b, e: (common + b"OLD")[b:e], 13)  # before its next fence check
+    obj = scan(store, verify=True)[NS].objects["o"]
+    assert obj.length == 10 and [p.kind for p in obj.problems] == ["conflict"]
+    assert read_object(store, NS, "o", state=obj) == common
+    with pytest.raises(TierFenced):
+        old.check_fence(NS, 1)
+
+
+def test_local_list_stays_inside_its_root(tmp_path):
+    s = LocalStore((tmp_path / "root").as_uri())
+    (tmp_path / "secret").write_bytes(b"x")
+    for prefix in ("../", "../s", "a/../../"):
+        with pytest.raises(ValueError):
+            list(s.list(prefix))

@@ -203,6 +203,8 @@ class LocalStore:
         # Start at the deepest directory the prefix names; S3 sorts whole keys byte-wise,
         # which a directory walk does not (``a!x`` < ``a/y``), so collect, then sort.
         base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        if base:
+            check_key(base)  # no '..' walking out of the root
         top = os.path.join(self.root, *base.split("/")) if base else self.root
         found: list[StoredKey] = []
         if not os.path.isdir(top):

@@ -32,12 +32,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sos_server.tier.layout import (
+    delete_object,
     fence_key,
     name_key,
     namespace_prefix,
     parse_key,
     piece_key,
     scan,
+    scan_object,
     seal_content,
     seal_key,
 )
@@ -107,6 +109,7 @@ class _Obj:
     sealed_at_ns: int | None = None
     marks: deque[tuple[int, float]] = field(default_factory=deque)  # (durable length, first seen)
     stuck: str | None = None
+    noted: bool = False  # the server told us of it (an empty object must reach the bucket too)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -124,11 +127,16 @@ class _Ns:
 
 class Uploader:
     def __init__(self, store: Store, *, max_piece: int = DEFAULT_MAX_PIECE,
-                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
+                 on_progress: Callable[[str, str, int, bool], None] | None = None) -> None:
+        """*on_progress(namespace, name, uploaded, sealed_in_bucket)* is called (in the thread
+        that made the step) after every write that moved an object on: the server wakes its
+        wait-for-bucket waiters with it (``trio.lowlevel.TrioToken.run_sync_soon``)."""
         if max_piece < 1:
             raise ValueError("max_piece must be positive")
         self.store = store
         self.max_piece = max_piece
+        self._on_progress = on_progress
         self._clock = clock
         self._wall = wall
         self._lock = threading.Lock()
@@ -142,6 +150,7 @@ class Uploader:
         now = self._clock()
         with self._lock:
             o = self._obj(namespace, name)
+            o.noted = True
             if durable > o.durable:
                 o.durable = durable
                 o.marks.append((durable, now))
@@ -150,6 +159,14 @@ class Uploader:
                 o.sealed_at_ns = sealed_at_ns
                 if not o.marks or o.marks[-1][0] < durable + 1:
                     o.marks.append((durable + 1, now))  # a seal counts as one more byte to upload
+
+    def remove(self, namespace: str, names: list[str]) -> None:
+        """Retention: delete these objects' keys from the bucket (each from a fresh listing of
+        its prefix: pieces first, then seal and name keys, protocol.md 4.6), then forget them.
+        The server calls it with the names its own rule chose, after removing them locally."""
+        for name in names:
+            delete_object(self.store, scan_object(self.store, namespace, name))
+        self.forget(namespace, names)
 
     def forget(self, namespace: str, names: list[str]) -> None:
         """Objects removed (retention): no lag for them any more."""
@@ -226,11 +243,14 @@ class Uploader:
             o = self._obj(namespace, name)
         with o.lock:
             try:
-                return self._step(namespace, name, ns, o, read, durable, sealed, sealed_at_ns)
+                step = self._step(namespace, name, ns, o, read, durable, sealed, sealed_at_ns)
             except TierError as exc:
                 with self._lock:
                     self._error(ns, f"{namespace}/{name}: {exc}")
                 raise
+            if step.kind in ("piece", "seal", "exists") and self._on_progress is not None:
+                self._on_progress(namespace, name, o.uploaded, o.bucket_seal is not None)
+            return step
 
     def _step(self, namespace: str, name: str, ns: _Ns, o: _Obj, read: Reader, durable: int,
               sealed: bool, sealed_at_ns: int | None) -> Step:
@@ -307,7 +327,8 @@ class Uploader:
             if ns is None:
                 return []
             return sorted(n for n, o in ns.objects.items()
-                          if not o.stuck and (o.uploaded < o.durable or (o.sealed and o.bucket_seal is None)))
+                          if not o.stuck and (o.uploaded < o.durable or (o.sealed and o.bucket_seal is None)
+                                              or (o.noted and not o.exists)))
 
     def lag(self, namespace: str) -> Lag:
         now = self._clock()
