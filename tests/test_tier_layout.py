@@ -572,3 +572,13 @@ def test_local_list_stays_inside_its_root(tmp_path):
     for prefix in ("../", "../s", "a/../../"):
         with pytest.raises(ValueError):
             list(s.list(prefix))
+
+
+def test_every_name_character_survives_the_store(store):
+    """S3 keys go through URLs ('+' is a space in a query string): every character a name may
+    hold comes back from the listing as written."""
+    name = "dir.x/A-Z_a=z+0,9@~/" + _SEG_CHARS
+    data = b"chars"
+    upload(store, name, data, sealed=True)
+    obj = scan(store)[NS].objects[name]
+    assert obj.sealed and read_object(store, NS, name, state=obj) == data
