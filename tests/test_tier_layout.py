@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sos_server.tier import layout
-from sos_server.tier.layout import (
+from sos_tier import layout
+from sos_tier.layout import (
     MAX_PLAIN_NAME,
     delete_object,
     ObjectIncomplete,
@@ -35,8 +35,8 @@ from sos_server.tier.layout import (
     seal_time,
     unescape_name,
 )
-from sos_server.tier.store import LocalStore, PutOutcome, Store
-from sos_server.tier.uploader import TierFenced, Uploader
+from sos_tier.store import LocalStore, PutOutcome, Store
+from sos_tier.uploader import TierFenced, Uploader
 from sos_wire.crc import crc32c
 from sos_wire.names import validate_name
 

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from sos_server.tier.store import LocalStore, PutOutcome, StoredKey, TierError, TierNotFound, open_store
+from sos_tier.store import LocalStore, PutOutcome, StoredKey, TierError, TierNotFound, open_store
 
 pytest_plugins = ["tier_support"]  # the fixtures moto, store (both backends) and new_bucket
 
@@ -185,7 +185,7 @@ def test_s3_unreachable_is_tier_error(moto, monkeypatch):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
-    from sos_server.tier.s3 import S3Store
+    from sos_tier.s3 import S3Store
 
     s = S3Store("s3://nobucket/p")
     try:
@@ -199,13 +199,13 @@ def test_s3_unreachable_is_tier_error(moto, monkeypatch):
 
 
 def test_s3_takes_no_credentials_or_endpoint_arguments():
-    from sos_server.tier.s3 import S3Store
+    from sos_tier.s3 import S3Store
 
     assert set(inspect.signature(S3Store).parameters) == {"url", "page_size", "pool"}
 
 
 def test_open_store_urls(tmp_path, moto):
-    from sos_server.tier.s3 import S3Store
+    from sos_tier.s3 import S3Store
 
     s = open_store("s3://bucket-name/a/b/")
     assert isinstance(s, S3Store) and s.bucket == "bucket-name" and s.prefix == "a/b"

@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from sos_server.tier.store import LocalStore, Store
+from sos_tier.store import LocalStore, Store
 
 boto3 = pytest.importorskip("boto3")
 moto_server = pytest.importorskip("moto.server")
@@ -66,7 +66,7 @@ def store(request, tmp_path):
     """A fresh, empty store of each backend."""
     if request.param == "s3":
         request.getfixturevalue("moto")
-        from sos_server.tier.s3 import S3Store
+        from sos_tier.s3 import S3Store
 
         s: Store = S3Store(make_bucket())
     else:
@@ -91,7 +91,7 @@ def clobber_key(store: Store, key: str, data: bytes) -> None:
         with open(path, "wb") as f:
             f.write(data)
         return
-    from sos_server.tier.s3 import S3Store
+    from sos_tier.s3 import S3Store
 
     assert isinstance(store, S3Store)
     store._s3.put_object(Bucket=store.bucket, Key=store._full(key), Body=data)

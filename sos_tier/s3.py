@@ -9,7 +9,7 @@ endpoint (``AWS_ENDPOINT_URL``, ``AWS_ENDPOINT_URL_S3``) from the same standard 
 as the AWS CLI, so one URL and one environment work for every tool an operator uses. obstore
 would add GCS and Azure for free, but its credentials and endpoint come from its own options
 (an S3-compatible endpoint is not read from ``AWS_ENDPOINT_URL`` by every version), and a
-native wheel is one more thing to trust on the server; the :class:`~sos_server.tier.store.Store`
+native wheel is one more thing to trust on the server; the :class:`~sos_tier.store.Store`
 interface keeps the door open for a ``gs://``/``az://`` backend on it later.
 
 Credentials and the endpoint never come from arguments (they would show on a command line):
@@ -29,7 +29,7 @@ import boto3
 import botocore.config
 import botocore.exceptions
 
-from sos_server.tier.store import PutOutcome, StoredKey, TierError, TierNotFound, _range, check_key
+from sos_tier.store import PutOutcome, StoredKey, TierError, TierNotFound, _range, check_key
 
 __all__ = ["MAX_ROOT_PREFIX", "S3Store"]
 

@@ -113,7 +113,7 @@ def open_store(url: str, **options: object) -> Store:
     (:class:`LocalStore`). *options* go to the backend (``page_size`` for both)."""
     scheme = urlsplit(url).scheme
     if scheme == "s3":
-        from sos_server.tier.s3 import S3Store  # boto3 is the optional extra "tier"
+        from sos_tier.s3 import S3Store  # boto3 is the optional extra "tier"
 
         return S3Store(url, **options)  # type: ignore[arg-type]
     if scheme == "file":

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from sos_server.tier.store import Store, StoredKey, TierError, TierNotFound
+from sos_tier.store import Store, StoredKey, TierError, TierNotFound
 from sos_wire.crc import crc32c
 from sos_wire.names import BadName, validate_name, validate_namespace
 

@@ -1,4 +1,4 @@
-"""The object-store tier (protocol.md Part 4): write-once copies of every object's bytes in an
+"""The object-store tier (protocol.md Part 4), below both the server and the clients: write-once copies of every object's bytes in an
 object store, from whose listing alone a reader rebuilds every namespace.
 
 - ``store.py``: the :class:`Store` interface (``put_once``, ranged ``get``, paginated
@@ -14,7 +14,7 @@ Everything is synchronous; the server calls it from trio worker threads. Nothing
 the engine or parses journal records.
 """
 
-from sos_server.tier.layout import (
+from sos_tier.layout import (
     NamespaceState,
     ObjectIncomplete,
     ObjectState,
@@ -27,8 +27,8 @@ from sos_server.tier.layout import (
     scan,
     scan_object,
 )
-from sos_server.tier.store import LocalStore, PutOutcome, Store, StoredKey, TierError, TierNotFound, open_store
-from sos_server.tier.uploader import Lag, Step, TierFenced, Uploader
+from sos_tier.store import LocalStore, PutOutcome, Store, StoredKey, TierError, TierNotFound, open_store
+from sos_tier.uploader import Lag, Step, TierFenced, Uploader
 
 __all__ = [
     "Lag",

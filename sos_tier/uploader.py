@@ -31,7 +31,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from sos_server.tier.layout import (
+from sos_tier.layout import (
     delete_object,
     fence_key,
     name_key,
@@ -43,7 +43,7 @@ from sos_server.tier.layout import (
     seal_content,
     seal_key,
 )
-from sos_server.tier.store import PutOutcome, Store, TierError
+from sos_tier.store import PutOutcome, Store, TierError
 from sos_wire.crc import crc32c
 
 __all__ = ["DEFAULT_MAX_PIECE", "Lag", "Step", "TierFenced", "Uploader"]
