@@ -811,7 +811,8 @@ def key_verifier(server: str, namespace: str, *, timeout: float = 30.0,
         key = Key.parse(key_text)  # BadKey (a ValueError) for a malformed secret
         client = Client(server, key, namespace, timeout=timeout, tls=tls)
         try:
-            role = "read" if client.role == KeyRole.READ else "append"
+            # a token-role key is what gateway clients hold: it gets an append token
+            role = {KeyRole.APPEND: "append", KeyRole.READ: "read", KeyRole.TOKEN: "append"}[client.role]
         finally:
             client.close()
         return role, key.key_id_hex
