@@ -811,8 +811,8 @@ def key_verifier(server: str, namespace: str, *, timeout: float = 30.0,
         key = Key.parse(key_text)  # BadKey (a ValueError) for a malformed secret
         client = Client(server, key, namespace, timeout=timeout, tls=tls)
         try:
-            # a token-role key is what gateway clients hold: it gets an append token
-            role = {KeyRole.APPEND: "append", KeyRole.READ: "read", KeyRole.TOKEN: "append"}[client.role]
+            # APPEND and TOKEN (the gateway clients' key role, protocol.md 1.6) get an append token
+            role = "read" if client.role == KeyRole.READ else "append"
         finally:
             client.close()
         return role, key.key_id_hex

@@ -86,7 +86,7 @@ def _busy_then_closed(sock: socket.socket) -> bool:
 
 def _readable(socks: dict[int, tuple[str, socket.socket]]) -> list[int]:
     poller = select.poll()
-    for i, (_, s) in socks.items():
+    for _, s in socks.values():
         poller.register(s.fileno(), select.POLLIN)
     fds = {s.fileno(): i for i, (_, s) in socks.items()}
     return [fds[fd] for fd, _ in poller.poll(0)]
@@ -117,13 +117,8 @@ def test_silent_connections_from_16_addresses_do_not_lock_clients_out(sos_server
                 assert c.stat(f"r/{round_}") == (2, False)
             evicted += 1
             # it took the slot of one silent connection: that one got BUSY and the close
-            gone: list[int] = []
-
-            def one_more_gone() -> bool:
-                gone[:] = _readable(crowd)
-                return bool(gone)
-
-            _wait_for("a silent connection evicted", one_more_gone)
+            _wait_for("a silent connection evicted", lambda: bool(_readable(crowd)))
+            gone = _readable(crowd)
             assert len(gone) == 1, gone
             host, sock = crowd.pop(gone[0])
             assert _busy_then_closed(sock)
