@@ -140,9 +140,16 @@ class Namespace:
         ``OBJECT_CHARGE`` per object (and the reservations of objects being created)."""
         return self.usage.bytes + OBJECT_CHARGE * len(self.objects) + self.reserved
 
+    @property
+    def quota_path(self) -> str:
+        path = self.__dict__.get("_quota_path")
+        if path is None:  # built once: APPENDs stat it
+            path = self.__dict__["_quota_path"] = os.path.join(self.path, "quota")
+        return path
+
     def _quota_stat(self) -> tuple[int, ...] | None:
         try:
-            st = os.stat(os.path.join(self.path, "quota"))
+            st = os.stat(self.quota_path)
         except FileNotFoundError:
             return None
         except OSError:
@@ -159,7 +166,7 @@ class Namespace:
     def read_quota(self) -> int | None:
         """(Re)read the ``quota`` file: the namespace's byte quota, None if there is none.
         A damaged file is StorageError(INTERNAL): guessing could let a tenant fill the disk."""
-        path = os.path.join(self.path, "quota")
+        path = self.quota_path
         self._quota_state = self._quota_stat()  # before reading: a change after it is seen next time
         try:
             with open(path, "rb") as f:
