@@ -1,13 +1,16 @@
 """Session: one per connection. Frames in (sos_wire.Connection), engine calls, frames out.
 
-- Before AUTH only HELLO and PING are answered; anything else gets NOT_AUTHENTICATED.
+- Before AUTH only HELLO and PING are answered; any other request gets NOT_AUTHENTICATED
+  (an unknown opcode: UNKNOWN_OP, decided by the codec before any of this). An AUTH before
+  HELLO is NOT_AUTHENTICATED and is no failed AUTH (it tests no key); a HELLO answered
+  UNSUPPORTED_VERSION leaves the connection as before HELLO (another HELLO may follow).
   Frames before AUTH may carry at most ``PRE_AUTH_MAX_BODY`` (4 KiB) of body (TOO_LARGE,
   fatal): HELLO, AUTH and PING need about 100 bytes, and an unauthenticated peer must
   not make the server buffer megabytes. ``max_body`` applies once AUTH succeeded.
 - HELLO_OK carries a fresh 32-byte nonce; AUTH proves the key against it. The
   ``MAX_AUTH_FAILURES``-th failed AUTH on a connection is answered and the connection
   closed; the listener may delay each failed AUTH's answer (per-address back-off).
-- Revocation: before each request the key's file is compared with what it was at AUTH
+- Revocation: before each request (PING too, once authenticated) the key's file is compared with what it was at AUTH
   (one stat); if it was removed or changed, the proof is checked again against it, and a
   key that no longer proves (or changed role) gets AUTH_FAILED and the connection closes.
 - Requests are pipelined: each runs in its own task and its reply carries its request id.
@@ -337,6 +340,8 @@ class Session:
         rid = event.request_id
         self.metrics.request(type(event).__name__)
         if isinstance(event, ev.Ping):
+            if self._auth_ok is not None:  # PINGs must not keep a revoked key's connection open
+                await self._close_if_revoked(rid, self._auth_ok)
             if len(event.payload) > MAX_PING_PAYLOAD:
                 await self._send_error(rid, ErrorCode.BAD_REQUEST, f"PING payload over {MAX_PING_PAYLOAD} bytes")
             else:
@@ -352,17 +357,7 @@ class Session:
         if self.namespace is None or auth is None:
             await self._send_error(rid, ErrorCode.NOT_AUTHENTICATED, f"{type(event).__name__.upper()} before AUTH")
             return
-        if self._key_revoked(auth):
-            log.warning(
-                "key revoked, closing",
-                extra={"peer": self.peer, "namespace": self.namespace, "key_id": auth.key_id.hex()},
-            )
-            await self._send_error(
-                rid, ErrorCode.AUTH_FAILED,
-                f"key {auth.key_id.hex()} of namespace {self.namespace!r} was removed or changed"
-                " since AUTH: closing the connection",
-            )
-            raise _Closing
+        await self._close_if_revoked(rid, auth)
         if self.role == ROLE_TOKEN:
             await self._send_error(rid, ErrorCode.FORBIDDEN, f"{type(event).__name__.upper()}: {TOKEN_FORBIDDEN}")
             return
@@ -376,6 +371,23 @@ class Session:
             nursery.start_soon(self._handle_write, event, prev, mine, size)
         else:
             nursery.start_soon(self._handle, event, size)
+
+    async def _close_if_revoked(self, rid: int, auth: ev.Auth) -> None:
+        """Answer request *rid* AUTH_FAILED and close if the session's key was revoked.
+        Every request after AUTH is checked, PING too: otherwise PINGs alone would keep a
+        revoked key's connection (and its authenticated slot) open for good."""
+        if not self._key_revoked(auth):
+            return
+        log.warning(
+            "key revoked, closing",
+            extra={"peer": self.peer, "namespace": self.namespace, "key_id": auth.key_id.hex()},
+        )
+        await self._send_error(
+            rid, ErrorCode.AUTH_FAILED,
+            f"key {auth.key_id.hex()} of namespace {self.namespace!r} was removed or changed"
+            " since AUTH: closing the connection",
+        )
+        raise _Closing
 
     # -- handshake -------------------------------------------------------------------
     async def _hello(self, event: ev.Hello) -> None:

@@ -587,6 +587,8 @@ class Gateway:
                 await self._run(ns.check_append, rel)
             else:
                 await self._run(ns.check_append, rel)  # OPEN: an existing file
+            if op != "OPEN":
+                await self._run(ns.check_lease, rel)
             location = self._location(headers, WEBHDFS_PREFIX + "/" + rel, params)
             if _bool_param(params, "noredirect", False):
                 await conn.respond(200, _json({"Location": location}))

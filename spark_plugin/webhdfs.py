@@ -515,6 +515,15 @@ class WebHdfsNamespace:
                                    f"{hdfs_path(rel)} is being written by another request")
             self._leases.add(rel)
 
+    def check_lease(self, rel: str) -> None:
+        """The first step of a CREATE or APPEND of a path being written is refused as its
+        data step would be (HDFS's NameNode: AlreadyBeingCreatedException on create), not
+        redirected to a step that is bound to fail after the client has sent its body."""
+        with self._leases_lock:
+            if rel in self._leases:
+                raise WebHdfsError("AlreadyBeingCreatedException",
+                                   f"{hdfs_path(rel)} is being written by another request")
+
     def release(self, rel: str) -> None:
         """End of a CREATE/APPEND body (or of its failure): the path can be written again."""
         with self._leases_lock:
