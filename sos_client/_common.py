@@ -169,7 +169,8 @@ class ClientSettings:
 
     @property
     def role(self) -> ev.KeyRole | None:
-        """KeyRole granted by the server (APPEND or READ); None before connecting."""
+        """KeyRole granted by the server (APPEND, READ, or TOKEN: a gateway-only key the server
+        answers every request but PING with FORBIDDEN); None before connecting."""
         return self._core.role if self._core else None
 
 

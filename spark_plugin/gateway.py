@@ -813,6 +813,7 @@ def key_verifier(server: str, namespace: str, *, timeout: float = 30.0,
         key = Key.parse(key_text)  # BadKey (a ValueError) for a malformed secret
         client = Client(server, key, namespace, timeout=timeout, tls=tls)
         try:
+            # APPEND and TOKEN (the gateway clients' key role, protocol.md 1.6) get an append token
             role = "read" if client.role == KeyRole.READ else "append"
         finally:
             client.close()
