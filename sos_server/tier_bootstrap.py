@@ -63,7 +63,7 @@ from sos_wire.crc import crc32c
 from sos_wire.names import BadName, validate_namespace
 
 from .durable import StorageError, fsync_dir, makedirs_durable, write_file_durable
-from .objfile import segment_epoch
+from .objfile import encode_header, object_file_name, segment_epoch
 from .storage import Namespace, Storage, StoredObject
 from .wal import replay
 
@@ -110,9 +110,9 @@ class ObjectReport:
     name: str
     length: int  # bytes rebuilt (the object's length on the new server)
     sealed: bool  # sealed on the new server
-    bucket_length: int  # the good length the listing promised (before content checks)
+    bucket_length: int  # the furthest byte any key of the object names (a piece's end, its seal)
     seal_length: int | None  # the bucket's seal marker, None if none
-    cut: bool  # shorter than the bucket's listing promised, or its seal not applied
+    cut: bool  # shorter than that (a gap, damage, a conflict), or its seal not applied
 
 
 @dataclass
@@ -142,7 +142,8 @@ class BootstrapReport:
 
     @property
     def cut(self) -> list[ObjectReport]:
-        """Objects the new server holds shorter (or unsealed) than the bucket's listing says."""
+        """Objects the new server holds shorter than the bucket's keys reach, or unsealed
+        although the bucket has a seal marker: each has its problems in :attr:`problems`."""
         return [o for o in self.objects.values() if o.cut]
 
     def problems_of(self, namespace: str, name: str) -> list[Problem]:
@@ -376,7 +377,8 @@ def _build_object(ns: Namespace, store: Store, obj: ObjectState, report: Bootstr
         os.fsync(fd)
     finally:
         os.close(fd)
-    cut = length < obj.length or (obj.seal_length is not None and not sealed)
+    furthest = max([p.end for p in (*obj.pieces, *obj.extra)] + [obj.seal_length or 0])
+    cut = length < furthest or (obj.seal_length is not None and not sealed)
     if cut:
         why = "; ".join(p.message for p in report.problems_of(obj.namespace, obj.name)) or "see the problems"
         log.error("tier bootstrap: %s/%s rebuilt up to byte %d only%s (%s); nothing past it is served",
@@ -384,12 +386,10 @@ def _build_object(ns: Namespace, store: Store, obj: ObjectState, report: Bootstr
                   f", not sealed although the bucket has a seal marker at {obj.seal_length}"
                   if obj.seal_length is not None and not sealed else "", why)
     counter.object(obj.namespace, obj.name, length, sealed)
-    return ObjectReport(obj.namespace, obj.name, length, sealed, obj.length, obj.seal_length, cut)
+    return ObjectReport(obj.namespace, obj.name, length, sealed, furthest, obj.seal_length, cut)
 
 
 def _paths(ns: Namespace, name: str) -> tuple[str, int]:
-    from .objfile import encode_header, object_file_name
-
     h2, h = object_file_name(name)
     return os.path.join(ns.objects_dir, h2, h), len(encode_header(name))
 
