@@ -41,11 +41,11 @@ def test_tokens_are_bound_to_the_gateway_key_and_namespace():
 
 @pytest.mark.parametrize("mangle", [
     lambda t: t + "x",
-    lambda t: t.replace("sos1.", "sos2."),
+    lambda t: t.replace("sos2.", "sos1."),  # the old format (no sealed secret) is refused
     lambda t: ".".join([t.split(".")[0], t.split(".")[2], t.split(".")[1]]),
     lambda t: t.split(".")[0] + "." + t.split(".")[1],
     lambda t: "",
-    lambda t: "sos1.!!!.###",
+    lambda t: "sos2.!!!.###",
 ])
 def test_malformed_or_tampered_tokens_are_refused(mangle):
     auth = TokenAuthority("ns", b"k" * 32)
