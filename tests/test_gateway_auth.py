@@ -63,3 +63,63 @@ def test_a_read_token_cannot_be_turned_into_an_append_token():
     forged = raw.replace(b"\nread\n", b"\nappend\n")
     forged_b64 = base64.urlsafe_b64encode(forged).rstrip(b"=").decode()
     assert auth.check(f"{prefix}.{forged_b64}.{mac}") is None
+
+
+def test_a_token_seals_its_keys_secret_for_a_restarted_gateway_only():
+    import base64
+
+    secret = bytes(range(32))
+    auth = TokenAuthority("ns", b"k" * 32)
+    token, _ = auth.issue("append", "00" * 8, secret)
+    info = auth.check(token)
+    assert info is not None and info.key_secret == secret
+    assert info.key_text == "00" * 8 + "." + secret.hex()
+    assert secret.hex() not in repr(info) and repr(secret) not in repr(info)
+    restarted = TokenAuthority("ns", b"k" * 32).check(token)  # same gateway key: opens it
+    assert restarted is not None and restarted.key_secret == secret
+    _, payload, mac = token.split(".")
+    raw = base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4))
+    for form in (secret, secret.hex().encode(), base64.urlsafe_b64encode(secret).rstrip(b"=")):
+        assert form not in raw and form.decode("latin-1") not in token  # never in clear
+    # flipping a bit of the sealed secret breaks the MAC (encrypt-then-MAC)
+    fields = raw.split(b"\n")
+    sealed = bytearray(base64.urlsafe_b64decode(fields[-1] + b"=" * (-len(fields[-1]) % 4)))
+    sealed[0] ^= 1
+    fields[-1] = base64.urlsafe_b64encode(bytes(sealed)).rstrip(b"=")
+    forged = base64.urlsafe_b64encode(b"\n".join(fields)).rstrip(b"=").decode()
+    assert auth.check(f"sos2.{forged}.{mac}") is None
+
+
+def test_key_checks_throttle_an_address_and_answer_refused_keys_from_the_negative_cache():
+    import os
+
+    import trio
+
+    from spark_plugin.gateway_auth import KeyChecks, Throttled
+
+    asked: list[str] = []
+
+    def verify(key_text: str) -> tuple[str, str]:
+        asked.append(key_text)
+        if key_text.startswith("aa"):
+            return "append", key_text[:16]
+        raise PermissionError("AUTH_FAILED")
+
+    async def main() -> None:
+        checks = KeyChecks(verify, burst=3, rate=0.001)
+        bogus = "bb" * 8 + "." + os.urandom(32).hex()
+        good = "aa" * 8 + "." + os.urandom(32).hex()
+        for _ in range(2):
+            with pytest.raises(PermissionError):
+                await checks.for_token(bogus, "10.0.0.1")
+        assert len(asked) == 1  # the second answer came from the negative cache
+        with pytest.raises(ValueError):
+            await checks.for_token("garbage", "10.0.0.1")
+        with pytest.raises(Throttled) as exc:  # three charged: the bucket is empty
+            await checks.for_token(good, "10.0.0.1")
+        assert exc.value.status == 429 and exc.value.retry_after >= 1
+        assert await checks.for_token(good, "10.0.0.2") == ("append", "aa" * 8)
+        for _ in range(5):  # a good key gives its token back; a known one skips the bucket
+            assert await checks.for_token(good, "10.0.0.1") == ("append", "aa" * 8)
+
+    trio.run(main)
