@@ -270,7 +270,9 @@ class KeyChecks:
     with failing checks (which the server delays, per source address: all of the gateway's
     checks come from one) never make another address wait for more than one slot; the
     queue is bounded (503 when full). Keys the server accepted within KNOWN_GOOD_TTL
-    skip all of that and use ``fast_slots`` slots of their own.
+    skip all of that and use ``fast_slots`` slots of their own; requests with a key whose
+    check is already under way wait for it, then ask again on the right lane (never
+    throttled for asking together).
 
     Bearer tokens (:meth:`for_bearer`): the token's key is asked again once its last
     answer is ``recheck`` seconds old, by the first request that needs it (in a worker
@@ -304,7 +306,8 @@ class KeyChecks:
         self._served: dict[str, float] = {}  # address -> when it last got a slot, oldest first
         self._good: dict[_Ident, _Good] = {}
         self._refused: dict[_Ident, float] = {}
-        self._pending: dict[_Ident, trio.Event] = {}
+        self._pending: dict[_Ident, trio.Event] = {}  # bearer re-checks in flight
+        self._joining: dict[_Ident, trio.Event] = {}  # token checks on the shared slots
 
     # -- token requests --------------------------------------------------------------
     async def for_token(self, key_text: str, address: str) -> tuple[str, str]:
@@ -312,28 +315,39 @@ class KeyChecks:
         ValueError (malformed), PermissionError (refused) or ConnectionError."""
         from sos_wire.auth import Key
 
-        now = self._clock()
         try:
             key = Key.parse(key_text)
         except ValueError:
             self._charge(address)
             raise
         ident = _ident(key.key_id, key.secret)
-        good = self._good.get(ident)
-        if good is not None and now - good.checked < KNOWN_GOOD_TTL:
-            return await self._ask(ident, str(key), self._fast)
+        while True:
+            good = self._good.get(ident)
+            if good is not None and self._clock() - good.checked < KNOWN_GOOD_TTL:
+                return await self._ask(ident, str(key), self._fast)
+            # the same key is being checked for another request (Spark's executors on one
+            # node ask at once): wait for that answer, then ask again on the right lane
+            joining = self._joining.get(ident)
+            if joining is None:
+                break
+            await joining.wait()
         self._charge(address)
         refused = self._refused.get(ident)
-        if refused is not None and now - refused < self.negative_ttl:
+        if refused is not None and self._clock() - refused < self.negative_ttl:
             raise PermissionError("the SOS server refused this key moments ago")
-        await self._acquire(address)
+        done = self._joining[ident] = trio.Event()
         try:
-            result = await self._ask(ident, str(key), self._threads)
-        except ConnectionError:
-            self._buckets.give_back(address)  # not the client's fault
-            raise
+            await self._acquire(address)
+            try:
+                result = await self._ask(ident, str(key), self._threads)
+            except ConnectionError:
+                self._buckets.give_back(address)  # not the client's fault
+                raise
+            finally:
+                self._release(address)
         finally:
-            self._release(address)
+            del self._joining[ident]
+            done.set()
         self._buckets.give_back(address)
         return result
 

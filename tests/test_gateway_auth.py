@@ -123,3 +123,87 @@ def test_key_checks_throttle_an_address_and_answer_refused_keys_from_the_negativ
             assert await checks.for_token(good, "10.0.0.1") == ("append", "aa" * 8)
 
     trio.run(main)
+
+
+def test_key_checks_queue_is_bounded_and_serves_the_least_recently_served_address_first():
+    import threading
+
+    import trio
+
+    from spark_plugin.gateway_auth import KeyChecks, Throttled
+
+    gate = threading.Event()
+    order: list[str] = []
+
+    def verify(key_text: str) -> tuple[str, str]:
+        gate.wait(30)
+        order.append(key_text[:2])
+        raise PermissionError("AUTH_FAILED")
+
+    def key(prefix: str) -> str:
+        return prefix * 8 + "." + prefix * 32
+
+    async def main() -> None:
+        checks = KeyChecks(verify, slots=1, queue=2, per_address_queue=1)
+        outcomes: dict[str, str] = {}
+
+        async def ask(name: str, address: str) -> None:
+            try:
+                await checks.for_token(key(name), address)
+            except Throttled as exc:
+                outcomes[name] = str(exc.status)
+            except PermissionError:
+                outcomes[name] = "401"
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ask, "a1", "10.0.0.1")  # runs (blocked in verify)
+            await trio.sleep(0.2)
+            nursery.start_soon(ask, "a2", "10.0.0.1")  # waits: one check per address
+            await trio.sleep(0.2)
+            nursery.start_soon(ask, "a3", "10.0.0.1")  # 429: its address already waits
+            await trio.sleep(0.2)
+            nursery.start_soon(ask, "b1", "10.0.0.2")  # waits
+            await trio.sleep(0.2)
+            nursery.start_soon(ask, "c1", "10.0.0.3")  # 503: the queue (2) is full
+            await trio.sleep(0.2)
+            assert outcomes == {"a3": "429", "c1": "503"}
+            gate.set()
+        # 10.0.0.2 was never served: it goes before 10.0.0.1's second request
+        assert order == ["a1", "b1", "a2"]
+        assert outcomes == {"a3": "429", "c1": "503", "a1": "401", "a2": "401", "b1": "401"}
+
+    trio.run(main)
+
+
+def test_key_checks_requests_of_one_key_at_once_are_not_throttled_and_each_asks_the_server():
+    import threading
+
+    import trio
+
+    from spark_plugin.gateway_auth import KeyChecks
+
+    asked: list[str] = []
+    gate = threading.Event()
+
+    def verify(key_text: str) -> tuple[str, str]:
+        gate.wait(30)
+        asked.append(key_text)
+        return "append", key_text[:16]
+
+    async def main() -> None:
+        checks = KeyChecks(verify, burst=2, per_address_queue=1)
+        good = "ab" * 8 + "." + "cd" * 32
+        results = []
+
+        async def ask() -> None:
+            results.append(await checks.for_token(good, "10.0.0.1"))
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(8):  # eight executors of one node start together
+                nursery.start_soon(ask)
+            await trio.sleep(0.3)
+            gate.set()
+        assert results == [("append", "ab" * 8)] * 8
+        assert len(asked) == 8  # no answer was reused: every token asked the server
+
+    trio.run(main)
