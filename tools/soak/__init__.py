@@ -1,6 +1,6 @@
 """Crash-loop harness (``scripts/soak``): the main job's Spark query under random SIGKILLs.
 
-A stream of unique records (the demo's input: :func:`tools.demo.make_input`, each id
+A stream of unique records (the demo's input: :func:`tools.demo_common.make_input`, each id
 sent twice so the ``dropDuplicates`` state must survive every crash) flows through the
 demo's query (file source, ``maxFilesPerTrigger=1``, ``dropDuplicates(["id"])``, a
 foreachBatch sink writing ``out/batch-<N>.jsonl`` atomically) whose checkpointLocation is
@@ -21,7 +21,7 @@ at random moments drawn from a seeded RNG, SIGKILLs:
   neither mount nor checkpoint nor output, like a freshly provisioned worker.
 
 After every restart the checkpoint (through the new mount, or the restored directory) is
-checked against the output, with the demo's checker (:func:`tools.demo.check_output`):
+checked against the output, with the demo's checker (:func:`tools.demo_common.check_output`):
 the committed batches 0..K (``commits/`` is contiguous; K never below a batch the driver
 saw committed: RPO 0) must have produced exactly the records of input files 0..K: nothing
 doubled, nothing corrupted, nothing unknown, nothing lost. At the end the kills stop, the
