@@ -269,6 +269,12 @@ def bootstrap(data_dir: str, store: Store, *, progress: Progress | None = None, 
         counter = _Counter(say, total_objects, total_bytes)
         try:
             for ns in sorted(states):
+                try:
+                    validate_namespace(ns)
+                except BadName:  # only keys the layout cannot have made (scan calls them foreign)
+                    for p in states[ns].all_problems():
+                        _report_problem(report, p)
+                    continue
                 _build_namespace(partial, store, states[ns], report, counter, workers)
             write_file_durable(os.path.join(partial, REPORT), report.to_json())
             os.rename(partial, done)  # the commit point

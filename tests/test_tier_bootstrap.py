@@ -299,6 +299,18 @@ def test_a_data_directory_with_namespaces_is_refused_and_left_alone(origin, tmp_
         holder.close()
 
 
+def test_keys_the_layout_cannot_have_made_are_reported_and_ignored(origin, tmp_path):
+    store = _local_copy(origin, tmp_path)
+    store.put_once("v1/ns/Not_A_Namespace/o/x/seal-0000000000000000", b"{}")
+    store.put_once("v1/ns/jobs/junk/x", b"?")
+    data = tmp_path / "data"
+    report = bootstrap(str(data), store)
+    assert sorted(p.key for p in report.problems if p.kind == "foreign") == [
+        "v1/ns/Not_A_Namespace/o/x/seal-0000000000000000", "v1/ns/jobs/junk/x"]
+    assert report.cut == [] and sorted(os.listdir(data / "ns")) == ["jobs", "other"]
+    assert len(report.objects) == 6
+
+
 def _tree(root) -> dict[str, bytes]:
     out = {}
     for d, _dirs, files in os.walk(root):
