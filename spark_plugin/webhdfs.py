@@ -720,7 +720,16 @@ class WebHdfsNamespace:
             return st.st_size
 
     def write(self, rel: str, offset: int, data: bytes) -> None:
-        self._journal(self.tree.write, rel, offset, data)
+        """One piece of a CREATE or APPEND body. Refused at the quota like any change; the
+        pieces before it stay (as HDFS keeps the blocks written before a quota refusal)."""
+        try:
+            with self._admission():
+                self._journal(self.tree.write, rel, offset, data)
+        except WebHdfsError as exc:
+            if exc.exception != "DSQuotaExceededException":
+                raise
+            raise WebHdfsError(exc.exception, f"{exc.message}. {hdfs_path(rel)} keeps its first "
+                               f"{offset} bytes, journaled before the quota was reached") from exc
 
     def marker(self, label: str, payload: bytes) -> int:
         seq = self._journal(self.tree.marker, label, payload)
