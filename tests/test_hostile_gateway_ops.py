@@ -381,3 +381,57 @@ def test_setpermission_is_masked_and_000_on_the_root_leaves_a_non_root_gateway_w
     names = {e["pathSuffix"] for e in gw.op("GET", "/", op="LISTSTATUS").json()["FileStatuses"]["FileStatus"]}
     assert names == {"dir", "top"}
     assert gw.stop() == 0
+
+
+@pytest.mark.slow
+@pytest.mark.fuse
+@pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="/dev/fuse is missing: no FUSE")
+def test_mount_at_the_quota_answers_edquot_instead_of_hanging(sos_server, tmp_path):
+    """The FUSE mount shares the writer: an fsync at the quota fails with EDQUOT (today it
+    waits forever), and a new change is refused with EDQUOT before it reaches the cache."""
+    pytest.importorskip("pyfuse3")
+    from spark_plugin.mount import MountProcess
+
+    ns = "gwq-mount"
+    key = sos_server.keygen(ns, "append")
+    set_quota(sos_server, ns, "64K")
+    mnt = tmp_path / "mnt"
+    mp = MountProcess(ns, str(mnt), str(tmp_path / "cache"), sos_server.address, key,
+                      log_path=str(tmp_path / "mount.log")).start()
+    errors: list[OSError] = []
+
+    def fill() -> None:
+        try:
+            for i in range(200):
+                with open(mnt / f"f{i}", "wb") as f:
+                    f.write(b"m" * 6000)
+                    f.flush()
+                    os.fsync(f.fileno())  # a barrier
+            errors.append(OSError(0, "200 files never reached the quota"))
+        except OSError as exc:
+            errors.append(exc)
+
+    try:
+        filler = threading.Thread(target=fill, daemon=True)
+        filler.start()
+        filler.join(PATIENCE)
+        assert not filler.is_alive(), "fsync at the quota did not answer"
+        assert errors and errors[0].errno == errno.EDQUOT, errors
+        with pytest.raises(OSError) as refused:
+            os.mkdir(mnt / "refused")
+        assert refused.value.errno == errno.EDQUOT
+        assert not (tmp_path / "cache" / "tree" / "refused").exists()
+        set_quota(sos_server, ns, "64M")
+        deadline = time.monotonic() + PATIENCE
+        while True:
+            try:
+                os.mkdir(mnt / "accepted")
+                break
+            except OSError as exc:
+                assert exc.errno == errno.EDQUOT and time.monotonic() < deadline, exc
+                time.sleep(0.2)
+        assert mp.stop() == 0
+    finally:
+        if mp.proc is not None and mp.proc.poll() is None:
+            mp.kill()
+        subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
