@@ -304,8 +304,8 @@ class WebHdfsNamespace:
 
     def _quota_refusal(self, exc: BaseException) -> WebHdfsError:
         return WebHdfsError("DSQuotaExceededException",
-                            f"The DiskSpace quota of namespace {self.namespace!r} is exceeded on "
-                            f"the SOS server: {exc}")
+                            f"The DiskSpace quota of namespace {self.namespace!r} is exceeded: "
+                            f"{exc}")
 
     def _journal(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Call a tree mutation; journal failures and races become WebHdfsErrors (by the
