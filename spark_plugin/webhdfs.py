@@ -668,7 +668,10 @@ class WebHdfsNamespace:
     def check_lease(self, rel: str) -> None:
         """The first step of a CREATE or APPEND of a path being written is refused as its
         data step would be (HDFS's NameNode: AlreadyBeingCreatedException on create), not
-        redirected to a step that is bound to fail after the client has sent its body."""
+        redirected to a step that is bound to fail after the client has sent its body. So is
+        any first step while the namespace is over its quota (DSQuotaExceededException)."""
+        with self._admission():
+            pass
         with self._leases_lock:
             if rel in self._leases:
                 raise WebHdfsError("AlreadyBeingCreatedException",

@@ -189,6 +189,7 @@ def test_gateway_at_the_quota_refuses_with_dsquota_never_hangs_and_restores_what
     for attempt in (lambda: gw.create("/after", b"refused"),
                     lambda: gw.op("PUT", "/fill/f000", op="RENAME", destination="/fill/moved"),
                     lambda: gw.op("PUT", "/made", op="MKDIRS"),
+                    lambda: gw.op("POST", "/fill/f000", op="APPEND"),
                     lambda: gw.op("DELETE", "/fill/f000", op="DELETE")):
         started = time.monotonic()
         assert "nothing was changed" in assert_dsquota(attempt())
