@@ -169,7 +169,8 @@ class ClientSettings:
 
     @property
     def role(self) -> ev.KeyRole | None:
-        """KeyRole granted by the server (APPEND or READ); None before connecting."""
+        """KeyRole granted by the server (APPEND, READ, or TOKEN: a gateway-only key the server
+        answers every request but PING with FORBIDDEN); None before connecting."""
         return self._core.role if self._core else None
 
 
@@ -393,7 +394,6 @@ class AppendJob:
         self.window_frames = max(1, window_frames)
         self.exhausted = False
         self._pending = bytearray()  # small chunks being coalesced
-        self.resumes = 0
 
     def resume_check(self, core: Core):
         """Generator (after a reconnect): STAT, and make sure nothing acknowledged is gone."""
@@ -409,7 +409,6 @@ class AppendJob:
                 f"append to {core._where(self.name)}: the server reports length {length} but acknowledged "
                 f"{self.acked} bytes before the connection was lost", ErrorCode.CORRUPT, name=self.name, length=length,
             )
-        self.resumes += 1
         return length
 
     def _enqueue(self, data) -> None:

@@ -29,10 +29,12 @@ import sys
 
 from sos_wire import argtypes
 from sos_wire.auth import Key
+from sos_wire.errors import ErrorCode
+from sos_wire.events import KeyRole
 from sos_wire.names import BadName, validate_name, validate_namespace
 
 from ._common import DEFAULT_PORT, DEFAULT_SERVER, resolve_key, resolve_server
-from .errors import BadKey, Fenced, SOSError, SOSNotFound, SOSPermissionError
+from .errors import BadKey, Fenced, SOSError, SOSNotFound, SOSPermissionError, token_key_message
 
 __all__ = [
     "main", "build_parser", "add_connection_options", "client_from_args", "key_from_args", "split_target",
@@ -109,7 +111,8 @@ def key_from_args(args: argparse.Namespace) -> str:
 
 
 def client_from_args(args: argparse.Namespace, namespace: str):
-    """A connected blocking Client from the options of :func:`add_connection_options`."""
+    """A connected blocking Client from the options of :func:`add_connection_options`.
+    SOSPermissionError for a token-role key: the server serves it nothing (protocol.md 1.6)."""
     from .blocking import Client
 
     tls = None
@@ -117,7 +120,11 @@ def client_from_args(args: argparse.Namespace, namespace: str):
         tls = ssl.create_default_context(cafile=args.tls_ca)
     elif getattr(args, "tls", False):
         tls = ssl.create_default_context()
-    return Client(args.server, key_from_args(args), namespace, timeout=getattr(args, "timeout", 30.0), tls=tls)
+    client = Client(args.server, key_from_args(args), namespace, timeout=getattr(args, "timeout", 30.0), tls=tls)
+    if client.role == KeyRole.TOKEN:
+        client.close()
+        raise SOSPermissionError(token_key_message(namespace), ErrorCode.FORBIDDEN)
+    return client
 
 
 def split_target(text: str, *, need_name: bool = True) -> tuple[str, str]:

@@ -33,6 +33,7 @@ __all__ = [
     "SOSError", "OffsetMismatch", "Fenced", "SealedError", "ChecksumMismatch", "Corrupt", "NoSpace",
     "QuotaExceeded", "TooLarge", "ServerBusy", "ConnectionLost", "SOSNotFound", "SOSPermissionError",
     "BadKey",    "BadNameError", "error_from_reply", "RETRYABLE_CODES", "is_retryable", "to_oserror", "is_fenced",
+    "token_key_message",
 ]
 
 #: Server refusals after which the same request can succeed later: the server is short of
@@ -239,6 +240,15 @@ _CLASS_OF = {
     ErrorCode.NOT_AUTHENTICATED: SOSPermissionError,
     ErrorCode.BAD_NAME: BadNameError,
 }
+
+
+def token_key_message(namespace: str) -> str:
+    """What a command says when given a token-role key (AUTH_OK role 3, protocol.md 1.6)."""
+    return (
+        f"the key of namespace {namespace!r} has the token role: it is a gateway-only key (`sos gateway`'s"
+        " /oauth2/token exchanges it for an append bearer token) and sos-server serves it nothing; use an"
+        " append or read key (`sos-server keygen --role append|read`)"
+    )
 
 
 def error_from_reply(reply: Any, what: str, *, name: str | None = None) -> SOSError:

@@ -68,7 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="close a connection whose replies make no progress this long: the peer does not read them"
         " (default 60s; 0: never)",
     )
-    s.add_argument("--max-objects", type=_positive, default=1_000_000, help="quota: objects per namespace")
+    s.add_argument(
+        "--max-objects", type=_positive, default=10_000,
+        help="quota: objects per namespace (default 10000: a journal needs a few dozen per generation; each"
+        " object also counts 4 KiB toward the namespace's byte quota)",
+    )
     s.add_argument(
         "--max-objects-total", type=_positive, default=2_000_000,
         help="limit: objects in all namespaces together (each costs ~0.75 KiB of memory)",
@@ -92,10 +96,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.set_defaults(func=cmd_serve)
 
-    k = sub.add_parser("keygen", help="create a key for a namespace and print it")
+    k = sub.add_parser(
+        "keygen", help="create a key for a namespace and print it",
+        description="Create a key for NAMESPACE and print it. Roles: append (write, fence and read), read (read"
+        " only), token (a gateway client's credential: `sos gateway` issues an append bearer token for it, and"
+        " the server itself answers its every request but PING with FORBIDDEN, so a Spark job holding it cannot"
+        " FENCE or write the namespace directly).",
+    )
     k.add_argument("--data", required=True)
     k.add_argument("namespace")
-    k.add_argument("--role", required=True, choices=["append", "read"])
+    k.add_argument("--role", required=True, choices=["append", "read", "token"])
     k.add_argument("--quota", type=parse_size, default=None, metavar="SIZE",
                    help="also set the namespace's byte quota (as `sos-server quota`)")
     k.set_defaults(func=cmd_keygen)
@@ -103,8 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     q = sub.add_parser(
         "quota", help="show or set a namespace's byte quota",
         description="Print the byte quota of NAMESPACE, or set it to SIZE (`none` removes it). A running server"
-        " applies it from the next AUTH to the namespace; an APPEND beyond it is refused (QUOTA_EXCEEDED)"
-        " and writes nothing.",
+        " applies it from the next APPEND to the namespace, also on connections already open; an APPEND beyond"
+        " it is refused (QUOTA_EXCEEDED) and writes nothing. The quota counts each object's data plus 4096 bytes"
+        " per object (its file's block, header and name: protocol.md 1.9); the objects of a namespace are also"
+        " capped by `serve --max-objects` (default 10000).",
     )
     q.add_argument("--data", required=True)
     q.add_argument("namespace")

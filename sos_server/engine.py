@@ -56,6 +56,7 @@ from .metrics import Metrics, NullMetrics
 from .wal import fault_after_syncs
 from .storage import (
     MAX_EPOCH,
+    OBJECT_CHARGE,
     ROLE_APPEND,
     Namespace,
     Storage,
@@ -66,7 +67,9 @@ from .storage import (
 )
 
 __all__ = [
+    "DEFAULT_MAX_OBJECTS",
     "MAX_EPOCH",
+    "OBJECT_CHARGE",
     "MAX_FENCE_STEP",
     "Engine",
     "Limits",
@@ -89,9 +92,16 @@ SYNC_THREADS = 128  # concurrent fdatasyncs of one checkpoint (one per touched f
 MAX_FENCE_STEP = 1000  # one FENCE moves a namespace's fence up by at most this much
 
 
+#: objects per namespace by default (--max-objects). A journal namespace needs few: a
+#: generation is ~1 GiB of 64 MiB segments (16), its ``ready`` and one segment per writer
+#: restart, so 10,000 objects hold hundreds of generations; and at OBJECT_CHARGE each they
+#: cost at most ~40 MiB of disk in a namespace without a byte quota (1,000,000 was ~4 GiB).
+DEFAULT_MAX_OBJECTS = 10_000
+
+
 @dataclass
 class Limits:
-    max_objects: int = 1_000_000  # per namespace
+    max_objects: int = DEFAULT_MAX_OBJECTS  # per namespace
     max_object_size: int = 1 << 40  # bytes per object
     max_list: int = 1000
     max_total_objects: int = 2_000_000  # in all namespaces together (~0.75 KiB of memory each)
@@ -450,7 +460,7 @@ class Engine:
             raise failed
         ns = self.storage.namespace(namespace, create=True)
         assert ns is not None
-        ns.read_quota()  # `sos-server quota` works while serving: taken up at the next AUTH
+        ns.read_quota()  # a damaged quota file shows at once (APPENDs re-read it when it changes)
         return rec.role
 
     def _ns(self, namespace: str) -> Namespace:
@@ -461,7 +471,13 @@ class Engine:
     @staticmethod
     def _writer(role: str, what: str) -> None:
         if role != ROLE_APPEND:
-            raise _err(ErrorCode.FORBIDDEN, f"a read key cannot {what}")
+            raise _err(ErrorCode.FORBIDDEN, f"a {role} key cannot {what}")
+
+    def _quota(self, ns: Namespace) -> int | None:
+        """The namespace's byte quota now: its ``quota`` file (re-read when it changed, so
+        `sos-server quota` binds open connections too), else ``--namespace-quota``."""
+        quota = ns.current_quota()
+        return quota if quota is not None else self.limits.namespace_quota
 
     # -- reads -----------------------------------------------------------------------
     def stat(self, namespace: str, name: str) -> tuple[int, bool]:
@@ -519,10 +535,11 @@ class Engine:
             if obj is None:
                 if offset != 0:
                     raise _err(ErrorCode.OFFSET_MISMATCH, f"object {name!r} does not exist: append at offset 0", 0)
-                if len(ns.objects) >= self.limits.max_objects:
+                if len(ns.objects) + ns.creating >= self.limits.max_objects:
                     raise _err(
                         ErrorCode.QUOTA_EXCEEDED,
-                        f"namespace {namespace!r} already has {len(ns.objects)} objects, the limit",
+                        f"namespace {namespace!r} already has {len(ns.objects) + ns.creating} objects, the limit"
+                        " (--max-objects)",
                     )
                 total = self.storage.object_count()
                 if total >= self.limits.max_total_objects:
@@ -535,7 +552,22 @@ class Engine:
                     raise _err(
                         ErrorCode.QUOTA_EXCEEDED, f"{n} bytes exceed the object size limit {self.limits.max_object_size}"
                     )
-                path, header_size = await trio.to_thread.run_sync(ns.create_file, name)
+                quota = self._quota(ns)
+                if quota is not None and ns.charged() + OBJECT_CHARGE + n > quota:
+                    raise _err(
+                        ErrorCode.QUOTA_EXCEEDED,
+                        f"namespace {namespace!r} is charged {ns.charged()} bytes ({len(ns.objects)} objects at"
+                        f" {OBJECT_CHARGE} bytes each plus {ns.usage.bytes} data bytes): a new object ({OBJECT_CHARGE}"
+                        f" bytes) with {n} data bytes would exceed its quota of {quota} bytes (nothing written)",
+                    )
+                # concurrent creations (pipelined) count this one while its file is made
+                ns.creating += 1
+                ns.reserved += OBJECT_CHARGE + n
+                try:
+                    path, header_size = await trio.to_thread.run_sync(ns.create_file, name)
+                finally:
+                    ns.creating -= 1
+                    ns.reserved -= OBJECT_CHARGE + n
                 obj = ns.adopt(name, path, header_size)  # the in-memory tables: event loop only
             obj.refuse_writes("append to")
             if offset < obj.length:
@@ -558,12 +590,13 @@ class Engine:
                     ErrorCode.QUOTA_EXCEEDED,
                     f"{name!r} would grow to {obj.length + n} bytes, the limit is {self.limits.max_object_size}",
                 )
-            quota = ns.quota if ns.quota is not None else self.limits.namespace_quota
-            if n and quota is not None and ns.usage.bytes + n > quota:
+            quota = self._quota(ns) if n else None
+            if quota is not None and ns.charged() + n > quota:
                 raise _err(
                     ErrorCode.QUOTA_EXCEEDED,
-                    f"namespace {namespace!r} holds {ns.usage.bytes} bytes: {n} more would exceed its quota of"
-                    f" {quota} bytes (nothing written)",
+                    f"namespace {namespace!r} is charged {ns.charged()} bytes ({len(ns.objects)} objects at"
+                    f" {OBJECT_CHARGE} bytes each plus {ns.usage.bytes} data bytes): {n} more would exceed its quota"
+                    f" of {quota} bytes (nothing written)",
                 )
             if n:
                 if n >= THREAD_WRITE_MIN:

@@ -13,13 +13,16 @@ from sos_wire.names import BadName, validate_namespace
 
 from .durable import makedirs_durable, write_file_durable
 
-__all__ = ["ROLES", "ROLE_APPEND", "ROLE_READ", "KeyRecord", "KeyStore"]
+__all__ = ["ROLES", "ROLE_APPEND", "ROLE_READ", "ROLE_TOKEN", "KeyRecord", "KeyStore"]
 
 log = logging.getLogger("sos_server.storage")
 
 ROLE_APPEND = "append"
 ROLE_READ = "read"
-ROLES = (ROLE_APPEND, ROLE_READ)
+#: a gateway client's key: AUTH succeeds (so ``sos gateway`` can check it and issue an append
+#: bearer token), every later request but PING is FORBIDDEN (protocol.md 1.6)
+ROLE_TOKEN = "token"
+ROLES = (ROLE_APPEND, ROLE_READ, ROLE_TOKEN)
 
 
 @dataclass

@@ -1,11 +1,18 @@
 """Listener: TCP (optionally TLS) accept loop, connection caps, one Session per connection.
 
-A connection is refused with ERROR BUSY (request id 0) when ``max_connections`` are open,
-when ``max_unauthenticated`` connections have not authenticated yet, or when
-``max_unauthenticated_per_address`` of those come from the peer's address (an IPv6
-address counts by its /64). So a peer that keeps reconnecting without authenticating
-holds a few slots at most, and authenticated clients keep getting in. Failed AUTHs are
-answered at a bounded rate per address (``AuthFailures``).
+A connection is refused with ERROR BUSY (request id 0) when
+``max_unauthenticated_per_address`` connections from the peer's address (an IPv6 address
+counts by its /64) have not authenticated yet, or when ``max_connections`` are open and
+all of them authenticated. When ``max_unauthenticated`` connections have not
+authenticated yet (or ``max_connections`` are open), the newcomer is not refused: the
+*oldest* unauthenticated connection is evicted to make room (ERROR BUSY, request id 0,
+then the close; one still in its TLS handshake is just closed). Oldest first, not "least
+progress first": a newcomer has made the least progress of all, and a crowd that sends
+HELLO on every connection would otherwise have each real client evicted by the next
+connection the crowd opens. So silent connections from many addresses cannot lock real
+clients out: a client that completes HELLO and AUTH before ``max_unauthenticated`` newer
+connections arrive always gets in. Failed AUTHs are answered at a bounded rate per
+address (``AuthFailures``).
 """
 
 from __future__ import annotations
@@ -135,6 +142,24 @@ class AuthFailures:
         return 0.0 if tokens >= 0 else min(-tokens / self.rate, self.cap)
 
 
+class _Waiting:
+    """A connection that has not authenticated yet, as the eviction queue holds it."""
+
+    __slots__ = ("scope", "session", "evicted")
+
+    def __init__(self) -> None:
+        self.scope = trio.CancelScope()  # the connection's whole handling, TLS handshake included
+        self.session: Session | None = None  # once the TLS handshake (if any) is done
+        self.evicted = False
+
+    def evict(self, why: str) -> None:
+        self.evicted = True
+        if self.session is None:
+            self.scope.cancel()  # in its TLS handshake: no channel to say BUSY on yet
+        else:
+            self.session.evict(why)  # ERROR BUSY, then the close
+
+
 class Listener:
     def __init__(
         self,
@@ -167,6 +192,9 @@ class Listener:
         self.open = 0
         self.unauthenticated = 0
         self._unauthenticated_by: dict[str, int] = {}  # address_key -> unauthenticated connections
+        #: connections not authenticated (nor evicted) yet, oldest first: the eviction queue
+        self._waiting: dict[int, _Waiting] = {}
+        self._evicting = 0  # connections evicted that have not closed yet (not counted as open)
         self.auth_failures = AuthFailures()
         self.address: tuple[str, int] | None = None
 
@@ -194,14 +222,29 @@ class Listener:
             task_status.started(self.address)
 
     def _refusal(self, addr: str) -> str | None:
-        """Why a new connection from *addr* is refused, or None."""
-        if self.open >= self.max_connections:
-            return f"{self.max_connections} connections open"
-        if self.unauthenticated >= self.max_unauthenticated:
-            return f"{self.max_unauthenticated} connections not authenticated yet"
+        """Why a new connection from *addr* is refused, or None (then :meth:`_make_room`)."""
         if self._unauthenticated_by.get(addr, 0) >= self.max_unauthenticated_per_address:
             return f"{self.max_unauthenticated_per_address} connections from {addr} not authenticated yet"
+        if self.open - self._evicting >= self.max_connections and not self._waiting:
+            return f"{self.max_connections} connections open, all authenticated"
         return None
+
+    def _make_room(self) -> None:
+        """Evict the oldest unauthenticated connections the newcomer needs the slot of."""
+        if len(self._waiting) >= self.max_unauthenticated:
+            self._evict_oldest(f"{self.max_unauthenticated} connections not authenticated yet")
+        if self.open - self._evicting >= self.max_connections and self._waiting:
+            self._evict_oldest(f"{self.max_connections} connections open")
+
+    def _evict_oldest(self, why: str) -> None:
+        key = next(iter(self._waiting))
+        victim = self._waiting.pop(key)
+        self._evicting += 1
+        log.info("evicting the oldest unauthenticated connection", extra={"reason": why})
+        victim.evict(
+            f"{why}: the oldest connection that has not authenticated makes room for a newer one"
+            " (send HELLO and AUTH at once after connecting)"
+        )
 
     def _unauthenticated_delta(self, addr: str, n: int) -> None:
         self.unauthenticated += n
@@ -226,14 +269,18 @@ class Listener:
         if why is not None:
             await self._refuse(stream, peer, why)
             return
+        self._make_room()
         self.open += 1
         metrics.connections.inc()
         self._unauthenticated_delta(addr, 1)
         authenticated = False
+        waiting = _Waiting()
+        self._waiting[id(waiting)] = waiting
 
         def on_authenticated() -> None:
             nonlocal authenticated
             authenticated = True
+            self._waiting.pop(id(waiting), None)
             self._unauthenticated_delta(addr, -1)
 
         def on_auth_failed() -> float:
@@ -243,23 +290,31 @@ class Listener:
         now = trio.current_time()
         deadline = now + self.handshake_timeout if self.handshake_timeout else math.inf
         try:
-            if self.tls is not None:
-                try:
-                    with trio.fail_at(min(deadline, now + 30)):
-                        await stream.do_handshake()
-                except (trio.BrokenResourceError, trio.TooSlowError, ssl.SSLError) as exc:
-                    log.warning("TLS handshake failed", extra={"peer": peer, "error": str(exc)})
-                    await trio.aclose_forcefully(stream)
-                    return
-            session = Session(
-                self.engine, stream, peer=peer, idle_timeout=self.idle_timeout, handshake_deadline=deadline,
-                channel_binding=self.channel_binding,
-                send_timeout=self.send_timeout, on_authenticated=on_authenticated, on_auth_failed=on_auth_failed,
-            )
-            await session.run()
+            with waiting.scope:
+                if self.tls is not None:
+                    try:
+                        with trio.fail_at(min(deadline, now + 30)):
+                            await stream.do_handshake()
+                    except (trio.BrokenResourceError, trio.TooSlowError, ssl.SSLError) as exc:
+                        log.warning("TLS handshake failed", extra={"peer": peer, "error": str(exc)})
+                        await trio.aclose_forcefully(stream)
+                        return
+                session = waiting.session = Session(
+                    self.engine, stream, peer=peer, idle_timeout=self.idle_timeout, handshake_deadline=deadline,
+                    channel_binding=self.channel_binding,
+                    send_timeout=self.send_timeout, on_authenticated=on_authenticated,
+                    on_auth_failed=on_auth_failed,
+                )
+                await session.run()
+            if waiting.scope.cancelled_caught:  # evicted in its TLS handshake
+                metrics.evicted.inc()
+                await trio.aclose_forcefully(stream)
         finally:
             self.open -= 1
             metrics.connections.dec()
+            self._waiting.pop(id(waiting), None)
+            if waiting.evicted:
+                self._evicting -= 1
             if not authenticated:
                 self._unauthenticated_delta(addr, -1)
 

@@ -36,6 +36,12 @@ class Metrics:
         self.unauthenticated = Gauge(
             "sos_unauthenticated_connections", "Open connections that have not authenticated yet", registry=r
         )
+        self.evicted = Counter(
+            "sos_unauthenticated_evicted",
+            "Connections not authenticated yet closed (ERROR BUSY) to make room for a newcomer: the pre-AUTH"
+            " pool (--max-unauthenticated) or --max-connections was full",
+            registry=r,
+        )
         self.gc_removed = Counter("sos_gc_removed_objects", "Objects removed by retention", registry=r)
         self.generations_completed = Counter(
             "sos_generations_completed",

@@ -1,13 +1,16 @@
 """Session: one per connection. Frames in (sos_wire.Connection), engine calls, frames out.
 
-- Before AUTH only HELLO and PING are answered; anything else gets NOT_AUTHENTICATED.
+- Before AUTH only HELLO and PING are answered; any other request gets NOT_AUTHENTICATED
+  (an unknown opcode: UNKNOWN_OP, decided by the codec before any of this). An AUTH before
+  HELLO is NOT_AUTHENTICATED and is no failed AUTH (it tests no key); a HELLO answered
+  UNSUPPORTED_VERSION leaves the connection as before HELLO (another HELLO may follow).
   Frames before AUTH may carry at most ``PRE_AUTH_MAX_BODY`` (4 KiB) of body (TOO_LARGE,
   fatal): HELLO, AUTH and PING need about 100 bytes, and an unauthenticated peer must
   not make the server buffer megabytes. ``max_body`` applies once AUTH succeeded.
 - HELLO_OK carries a fresh 32-byte nonce; AUTH proves the key against it. The
   ``MAX_AUTH_FAILURES``-th failed AUTH on a connection is answered and the connection
   closed; the listener may delay each failed AUTH's answer (per-address back-off).
-- Revocation: before each request the key's file is compared with what it was at AUTH
+- Revocation: before each request (PING too, once authenticated) the key's file is compared with what it was at AUTH
   (one stat); if it was removed or changed, the proof is checked again against it, and a
   key that no longer proves (or changed role) gets AUTH_FAILED and the connection closes.
 - Requests are pipelined: each runs in its own task and its reply carries its request id.
@@ -26,6 +29,10 @@
   time; the listener sets it ``--handshake-timeout`` after accepting) is closed, whatever
   it sends meanwhile (PINGs, a trickled frame, replies it never reads). Without it a
   crowd of silent connections fills ``--max-connections`` and everyone else gets BUSY.
+- Eviction: the listener may evict a connection that has not authenticated yet to make room
+  for a newcomer (:meth:`Session.evict`); it gets ERROR BUSY (request id 0) and the close.
+- A token-role key (protocol.md 1.6) authenticates, then every request but PING is
+  answered FORBIDDEN: it is a gateway client's credential, useless at the server itself.
 - Idle timeout: no complete request for ``idle_timeout`` seconds (and nothing in flight)
   closes the connection. Clients reconnect on their next request.
 """
@@ -46,9 +53,9 @@ from sos_wire.events import KeyRole
 from sos_wire.frames import DEFAULT_MAX_BODY, HEADER_LEN, MAX_PING_PAYLOAD, SUPPORTED_VERSIONS, VERSION
 
 from .engine import Engine, ServerError, THREAD_READ_MIN
-from .storage import ROLE_APPEND
+from .storage import ROLE_APPEND, ROLE_READ, ROLE_TOKEN
 
-__all__ = ["MAX_AUTH_FAILURES", "PRE_AUTH_MAX_BODY", "READ_CHUNK", "SERVER_NAME", "Session"]
+__all__ = ["MAX_AUTH_FAILURES", "PRE_AUTH_MAX_BODY", "READ_CHUNK", "SERVER_NAME", "TOKEN_FORBIDDEN", "Session"]
 
 log = logging.getLogger("sos_server.session")
 
@@ -69,7 +76,12 @@ SEND_STEP = 256 << 10  # a send must make this much progress within send_timeout
 _LIST_ENTRY_MAX = 2 + 1024 + 8 + 1  # name str (1.10: at most 1024 bytes), length, sealed
 SERVER_NAME = "sos-server/0.1"
 
-_ROLE_WIRE = {ROLE_APPEND: KeyRole.APPEND, "read": KeyRole.READ}
+_ROLE_WIRE = {ROLE_APPEND: KeyRole.APPEND, ROLE_READ: KeyRole.READ, ROLE_TOKEN: KeyRole.TOKEN}
+#: what a token-role key gets for every request but PING (protocol.md 1.6)
+TOKEN_FORBIDDEN = (
+    "a token key can only prove itself to a gateway: `sos gateway` (POST /oauth2/token) takes it and issues"
+    " an append bearer token; requests to sos-server need an append or read key"
+)
 
 
 class _ByteBudget:
@@ -167,6 +179,7 @@ class Session:
         self._auth_ok: ev.Auth | None = None  # the AUTH that succeeded (re-checked for revocation)
         self._key_state: tuple[int, ...] | None = None
         self._scope: trio.CancelScope | None = None  # the whole session's
+        self._evicted: str | None = None  # why the listener evicted this connection before AUTH
 
     # -- output ----------------------------------------------------------------------
     async def _send(self, event) -> None:
@@ -184,6 +197,9 @@ class Session:
                     await self._send_bytes(parts[-1])
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 self._broken = True
+            except trio.Cancelled:  # maybe half a frame went out: nothing may follow it
+                self._broken = True
+                raise
 
     async def _send_bytes(self, data: bytes | memoryview) -> None:
         timeout = self.send_timeout
@@ -220,7 +236,14 @@ class Session:
                     except _Closing:
                         self._closing = True
                         nursery.cancel_scope.cancel()
-                if self._handshake.cancelled_caught:
+                if self._handshake.cancelled_caught and self._evicted is not None:
+                    log.info("evicted before AUTH, closing", extra={"peer": self.peer, "reason": self._evicted})
+                    self.metrics.evicted.inc()
+                    with trio.move_on_after(2):  # a few dozen bytes: the socket buffer takes them
+                        await self._send_error(0, ErrorCode.BUSY, f"server busy: {self._evicted}")
+                    self._closing = True
+                    nursery.cancel_scope.cancel()
+                elif self._handshake.cancelled_caught:
                     log.info("not authenticated in time, closing", extra={"peer": self.peer})
                     self.metrics.handshake_timeouts.inc()
                     nursery.cancel_scope.cancel()
@@ -238,6 +261,16 @@ class Session:
                             await self.stream.aclose()
                         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                             pass
+
+    def evict(self, why: str) -> bool:
+        """Close this connection to make room for a newcomer (the listener's pre-AUTH pool is
+        full): ERROR BUSY *why* (request id 0), then the close. False if it authenticated
+        already (then it is not touched)."""
+        if self.namespace is not None:
+            return False
+        self._evicted = why
+        self._handshake.cancel()
+        return True
 
     async def _read_loop(self, nursery: trio.Nursery) -> None:
         idle = self.idle_timeout or 0.0  # 0: no idle timeout
@@ -307,6 +340,8 @@ class Session:
         rid = event.request_id
         self.metrics.request(type(event).__name__)
         if isinstance(event, ev.Ping):
+            if self._auth_ok is not None:  # PINGs must not keep a revoked key's connection open
+                await self._close_if_revoked(rid, self._auth_ok)
             if len(event.payload) > MAX_PING_PAYLOAD:
                 await self._send_error(rid, ErrorCode.BAD_REQUEST, f"PING payload over {MAX_PING_PAYLOAD} bytes")
             else:
@@ -322,17 +357,10 @@ class Session:
         if self.namespace is None or auth is None:
             await self._send_error(rid, ErrorCode.NOT_AUTHENTICATED, f"{type(event).__name__.upper()} before AUTH")
             return
-        if self._key_revoked(auth):
-            log.warning(
-                "key revoked, closing",
-                extra={"peer": self.peer, "namespace": self.namespace, "key_id": auth.key_id.hex()},
-            )
-            await self._send_error(
-                rid, ErrorCode.AUTH_FAILED,
-                f"key {auth.key_id.hex()} of namespace {self.namespace!r} was removed or changed"
-                " since AUTH: closing the connection",
-            )
-            raise _Closing
+        await self._close_if_revoked(rid, auth)
+        if self.role == ROLE_TOKEN:
+            await self._send_error(rid, ErrorCode.FORBIDDEN, f"{type(event).__name__.upper()}: {TOKEN_FORBIDDEN}")
+            return
         size = len(event.data) if isinstance(event, ev.Append) else 0
         await self._slots.acquire()
         await self._budget.acquire(size)
@@ -343,6 +371,23 @@ class Session:
             nursery.start_soon(self._handle_write, event, prev, mine, size)
         else:
             nursery.start_soon(self._handle, event, size)
+
+    async def _close_if_revoked(self, rid: int, auth: ev.Auth) -> None:
+        """Answer request *rid* AUTH_FAILED and close if the session's key was revoked.
+        Every request after AUTH is checked, PING too: otherwise PINGs alone would keep a
+        revoked key's connection (and its authenticated slot) open for good."""
+        if not self._key_revoked(auth):
+            return
+        log.warning(
+            "key revoked, closing",
+            extra={"peer": self.peer, "namespace": self.namespace, "key_id": auth.key_id.hex()},
+        )
+        await self._send_error(
+            rid, ErrorCode.AUTH_FAILED,
+            f"key {auth.key_id.hex()} of namespace {self.namespace!r} was removed or changed"
+            " since AUTH: closing the connection",
+        )
+        raise _Closing
 
     # -- handshake -------------------------------------------------------------------
     async def _hello(self, event: ev.Hello) -> None:

@@ -44,7 +44,7 @@ from .durable import (
     unlink_durable,
     write_file_durable,
 )
-from .keys import ROLE_APPEND, ROLE_READ, ROLES, KeyRecord, KeyStore
+from .keys import ROLE_APPEND, ROLE_READ, ROLE_TOKEN, ROLES, KeyRecord, KeyStore
 from .objfile import (
     FRAME,
     FRAME_HDR,
@@ -69,9 +69,11 @@ __all__ = [
     "FRAME_HDR",
     "MAX_EPOCH",
     "MAX_FRAME",
+    "OBJECT_CHARGE",
     "ROLES",
     "ROLE_APPEND",
     "ROLE_READ",
+    "ROLE_TOKEN",
     "SEAL_FRAME",
     "SEAL_LEN",
     "Damage",
@@ -94,6 +96,12 @@ __all__ = [
 
 log = logging.getLogger("sos_server.storage")
 
+#: what one object costs a namespace's byte quota besides its data (protocol.md 1.9): its
+#: file's filesystem block (the header with the name, up to 1,038 bytes, sits in it), inode
+#: and directory entry. Without it a tenant with a 64 KiB quota filled a 24 MiB disk with
+#: 5,883 empty objects (~4.4 KB each on disk).
+OBJECT_CHARGE = 4096
+
 
 @dataclass
 class Namespace:
@@ -106,6 +114,10 @@ class Namespace:
     wal: WriteAheadLog | None = None  # the server's write-ahead log (None offline)
     usage: Usage = field(default_factory=Usage)  # bytes held by the objects
     quota: int | None = None  # byte quota from the ``quota`` file, None: none set
+    #: the ``quota`` file's fingerprint when it was last read (False: never read; None: no file)
+    _quota_state: tuple[int, ...] | None | bool = False
+    creating: int = 0  # objects being created (their files are being written): the caps count them
+    reserved: int = 0  # quota bytes of the objects being created (OBJECT_CHARGE and their data)
     generations: dict[int, int] = field(default_factory=dict)  # journal generation -> objects in it
 
     @property
@@ -123,10 +135,39 @@ class Namespace:
         """The highest journal generation G with an object under ``gen/<G>/``."""
         return max(self.generations, default=None)
 
+    def charged(self) -> int:
+        """What the namespace's byte quota counts: its objects' data bytes plus
+        ``OBJECT_CHARGE`` per object (and the reservations of objects being created)."""
+        return self.usage.bytes + OBJECT_CHARGE * len(self.objects) + self.reserved
+
+    @property
+    def quota_path(self) -> str:
+        path = self.__dict__.get("_quota_path")
+        if path is None:  # built once: APPENDs stat it
+            path = self.__dict__["_quota_path"] = os.path.join(self.path, "quota")
+        return path
+
+    def _quota_stat(self) -> tuple[int, ...] | None:
+        try:
+            st = os.stat(self.quota_path)
+        except FileNotFoundError:
+            return None
+        except OSError:
+            return (-1,)  # read_quota says what is wrong
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+    def current_quota(self) -> int | None:
+        """The byte quota, re-read if the ``quota`` file changed since it was last read (one
+        stat): `sos-server quota` binds connections already open at their next APPEND."""
+        if self._quota_stat() != self._quota_state:
+            self.read_quota()
+        return self.quota
+
     def read_quota(self) -> int | None:
         """(Re)read the ``quota`` file: the namespace's byte quota, None if there is none.
         A damaged file is StorageError(INTERNAL): guessing could let a tenant fill the disk."""
-        path = os.path.join(self.path, "quota")
+        path = self.quota_path
+        self._quota_state = self._quota_stat()  # before reading: a change after it is seen next time
         try:
             with open(path, "rb") as f:
                 text = f.read().strip()
@@ -376,8 +417,8 @@ class Storage(KeyStore):
         return self.load_namespace(namespace)
 
     def object_count(self) -> int:
-        """Objects in all loaded namespaces."""
-        return sum(len(ns.objects) for ns in self.namespaces.values())
+        """Objects in all loaded namespaces (those being created too)."""
+        return sum(len(ns.objects) + ns.creating for ns in self.namespaces.values())
 
     def load_namespace(self, namespace: str) -> Namespace:
         path = self.ns_path(namespace)
@@ -429,7 +470,8 @@ class Storage(KeyStore):
     # -- per-namespace settings (offline tools and keygen) ---------------------------
     def set_quota(self, namespace: str, quota: int | None) -> None:
         """Write (or with None remove) the byte quota of *namespace*. A running server
-        reads it at the next AUTH to the namespace."""
+        applies it from the next APPEND to the namespace, on connections already open too
+        (the file is replaced, so its stat changes: :meth:`Namespace.current_quota`)."""
         validate_namespace(namespace)
         if quota is not None and quota < 0:
             raise ValueError(f"quota must not be negative, not {quota}")

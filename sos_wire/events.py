@@ -27,10 +27,13 @@ __all__ = [
 
 
 class KeyRole(IntEnum):
-    """What an authenticated connection may do (AUTH_OK.role). APPEND can also read."""
+    """What an authenticated connection may do (AUTH_OK.role). APPEND can also read.
+    TOKEN may do nothing but PING: a gateway client's credential, which only proves itself
+    (AUTH) so that ``sos gateway`` issues it an append bearer token (protocol.md 1.6)."""
 
     APPEND = 1
     READ = 2
+    TOKEN = 3
 
 
 class Event:

@@ -111,7 +111,7 @@ BODIES = {
         "version" / Int8ub, "nonce" / Bytes(32), "max_body" / Int32ub, "server" / String, Terminated
     ),
     Op.AUTH: Struct("key_id" / Bytes(8), "namespace" / String, "proof" / Bytes(32), Terminated),
-    Op.AUTH_OK: Struct("role" / OneOf(Int8ub, [1, 2]), Terminated),
+    Op.AUTH_OK: Struct("role" / OneOf(Int8ub, [1, 2, 3]), Terminated),
     Op.PING: Struct("payload" / Blob, Terminated),
     Op.PONG: Struct("payload" / Blob, Terminated),
     Op.LIST: Struct("prefix" / String, "after" / String, "limit" / Int32ub, Terminated),

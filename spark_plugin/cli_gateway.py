@@ -56,6 +56,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="private key of --tls-cert (PEM)")
     p.add_argument("--token-ttl", type=argtypes.integer(1), default=3600, metavar="SECONDS",
                    help="lifetime of the bearer tokens it issues (default 3600)")
+    p.add_argument("--key-recheck", type=argtypes.integer(1), default=10, metavar="SECONDS",
+                   help="ask the SOS server again whether a bearer token's key still stands "
+                        "once its last answer is this old: a removed key's tokens stop within "
+                        "it (default 10)")
     p.add_argument("--threads", type=argtypes.integer(1), default=32,
                    help="most worker threads at once (default 32)")
     p.add_argument("--advertise", metavar="HOST[:PORT]", default=None,
@@ -144,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
                            advertise=args.advertise, max_connections=args.max_connections,
                            max_per_address=args.max_connections_per_address,
                            head_timeout=args.head_timeout, send_timeout=args.send_timeout,
-                           open_memory=args.open_memory)
+                           open_memory=args.open_memory, key_recheck=args.key_recheck)
     except KeyboardInterrupt:
         print("sos: gateway interrupted (the spool keeps what the server does not have yet)",
               file=sys.stderr)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextvars
 import errno
-import hashlib
 import ipaddress
 import json
 import logging
@@ -47,7 +46,16 @@ from typing import Any, Self
 import h11
 import trio
 
-from .gateway_auth import DEFAULT_TOKEN_TTL, TokenAuthority, TokenInfo
+from .gateway_auth import (
+    DEFAULT_KEY_RECHECK,
+    DEFAULT_TOKEN_TTL,
+    KeyChecks,
+    KeyRevoked,
+    Throttled,
+    TokenAuthority,
+    TokenInfo,
+    address_key,
+)
 from .webhdfs import (
     WRITE_PIECE,
     WebHdfsError,
@@ -65,8 +73,6 @@ log = logging.getLogger("sos.gateway")
 READY_MARKER = "sos gateway: ready on"
 WEBHDFS_PREFIX = "/webhdfs/v1"
 TOKEN_PATH = "/oauth2/token"
-#: how long a client secret the SOS server accepted is trusted without asking it again (s)
-KEY_CHECK_TTL = 60.0
 MARKER_PATH = "/sos/v1/marker"
 
 #: largest request head (request line + headers)
@@ -223,20 +229,6 @@ class _OpStats:
             i = random.randrange(self.count)
             if i < LATENCY_SAMPLES:
                 self.samples[i] = elapsed
-
-
-def address_key(host: str) -> str:
-    """What the per-address cap counts by: an IPv4 address, or the /64 of an IPv6 one (one
-    host usually holds a whole /64). An IPv4-mapped IPv6 address counts as IPv4."""
-    try:
-        ip = ipaddress.ip_address(host.split("%", 1)[0])
-    except ValueError:
-        return host
-    if isinstance(ip, ipaddress.IPv6Address):
-        if ip.ipv4_mapped is not None:
-            return str(ip.ipv4_mapped)
-        return str(ipaddress.IPv6Network((ip, 64), strict=False))
-    return str(ip)
 
 
 def _socket_addresses(stream: trio.abc.Stream) -> tuple[str, str]:
@@ -507,6 +499,7 @@ class Gateway:
     bytes of OPEN replies held at once; ``advertise``: (host, port) the redirects of the
     two-step operations name (default: the listen address, or for a wildcard one the
     address each client reached; never the client's Host header).
+    ``key_recheck``: seconds after which a bearer token's key is asked again at the server.
     """
 
     def __init__(self, ns: WebHdfsNamespace, authority: TokenAuthority,
@@ -516,7 +509,8 @@ class Gateway:
                  max_per_address: int = MAX_CONNECTIONS_PER_ADDRESS,
                  head_timeout: float = HEAD_TIMEOUT, send_timeout: float = SEND_TIMEOUT,
                  open_memory: int = OPEN_MEMORY,
-                 advertise: tuple[str, int | None] | None = None) -> None:
+                 advertise: tuple[str, int | None] | None = None,
+                 key_recheck: float = DEFAULT_KEY_RECHECK) -> None:
         self.ns = ns
         self.authority = authority
         self.verify_key = verify_key
@@ -524,11 +518,9 @@ class Gateway:
         self.tls = tls
         self.scheme = "https" if tls is not None else "http"
         self.limiter = trio.CapacityLimiter(threads)
-        self.auth_limiter = trio.CapacityLimiter(4)
-        #: sha256(secret) -> (role, key_id, when verified): a secret the SOS server accepted is
-        #: not checked again for KEY_CHECK_TTL seconds (Hadoop opens a new client, and asks for
-        #: a token, for nearly every checkpoint file manager: ~70 token requests per demo run)
-        self._verified: dict[bytes, tuple[str, str, float]] = {}
+        #: every token request asks the server (no cache issues a token); throttled per
+        #: client address; bearer tokens' keys asked again every key_recheck seconds
+        self.key_checks = KeyChecks(verify_key, recheck=key_recheck)
         self.slots = _Slots(max_connections, max(4, max_connections // 4),
                             min(max_per_address, max_connections))
         self.head_timeout = head_timeout
@@ -771,7 +763,7 @@ class Gateway:
             if status == 200:
                 self._granted(conn)
             return status
-        grant = self._authenticate(headers)
+        grant = await self._authenticate(headers)
         self._granted(conn)
         if path == MARKER_PATH:
             return await self._marker(conn, method, params, grant)
@@ -805,7 +797,7 @@ class Gateway:
         await conn.respond(200, body)
         return 200
 
-    def _authenticate(self, headers: dict[str, str]) -> TokenInfo:
+    async def _authenticate(self, headers: dict[str, str]) -> TokenInfo:
         if self.insecure:
             return TokenInfo(self.ns.namespace, "append", 0, "")
         auth = headers.get("authorization", "")
@@ -813,6 +805,7 @@ class Gateway:
         if scheme.lower() == "bearer" and token.strip():
             grant = self.authority.check(token.strip())
             if grant is not None:
+                await self._key_stands(grant)
                 return grant
             raise _Reply(401, _remote("AccessControlException",
                                       "the bearer token is invalid or expired: get a new one "
@@ -824,6 +817,21 @@ class Gateway:
                                   f"(POST client credentials to {TOKEN_PATH} for one)"),
                      [("www-authenticate", 'Bearer realm="sos"')],
                      reason="Unauthorized: no bearer token")
+
+    async def _key_stands(self, grant: TokenInfo) -> None:
+        """401 once the SOS server refuses the token's key (revoked: asked again every
+        key_recheck seconds, no server round trip in between); 503 if it cannot be asked."""
+        try:
+            await self.key_checks.for_bearer(grant)
+        except KeyRevoked as exc:
+            log.info("token of key %s refused: %s", grant.key_id or "?", exc)
+            raise _Reply(401, _remote("AccessControlException",
+                                      f"the bearer token's key was revoked: {exc}"),
+                         [("www-authenticate", 'Bearer realm="sos", error="invalid_token"')],
+                         reason="Unauthorized: the token's key was revoked") from None
+        except ConnectionError as exc:
+            raise _Reply(503, _remote("IOException", f"cannot check the token's key: {exc}"),
+                         [("retry-after", "5")]) from None
 
     async def _simple(self, op: str, rel: str, params: dict[str, str],
                       grant: TokenInfo) -> dict | None:
@@ -922,6 +930,8 @@ class Gateway:
                 await self._run(ns.check_append, rel)
             else:
                 await self._run(ns.check_append, rel)  # OPEN: an existing file
+            if op != "OPEN":
+                await self._run(ns.check_lease, rel)
             location = self._location(headers, WEBHDFS_PREFIX + "/" + rel, params)
             if _bool_param(params, "noredirect", False):
                 await conn.respond(200, _json({"Location": location}))
@@ -1035,19 +1045,10 @@ class Gateway:
         return False
 
     # ------------------------------------------------------------------ token, marker
-    async def _verified_key(self, secret: str) -> tuple[str, str]:
-        """(role, key_id) of a client secret: checked at the SOS server, or remembered from a
-        successful check less than KEY_CHECK_TTL seconds ago (refusals are never cached)."""
-        digest = hashlib.sha256(secret.encode("utf-8", "surrogateescape")).digest()
-        now = time.monotonic()
-        hit = self._verified.get(digest)
-        if hit is not None and now - hit[2] < KEY_CHECK_TTL:
-            return hit[0], hit[1]
-        role, key_id = await trio.to_thread.run_sync(self.verify_key, secret, limiter=self.auth_limiter)
-        if len(self._verified) >= 1024:  # a bounded memory: forget the oldest
-            self._verified.pop(next(iter(self._verified)))
-        self._verified[digest] = (role, key_id, now)
-        return role, key_id
+    async def _verified_key(self, secret: str, conn: _Conn) -> tuple[str, str]:
+        """(role, key_id) of a client secret the SOS server accepts now (asked every time:
+        a removed key gets no new token), throttled per client address (KeyChecks)."""
+        return await self.key_checks.for_token(secret, _peer_address(conn.stream))
 
     async def _token(self, conn: _Conn, method: str, headers: dict[str, str]) -> int:
         if method != "POST":
@@ -1084,7 +1085,12 @@ class Gateway:
                                "error_description": "client_secret (a key of the namespace) "
                                                    "is missing"}, no_store)
         try:
-            role, key_id = await self._verified_key(secret)
+            role, key_id = await self._verified_key(secret, conn)
+        except Throttled as exc:
+            log.info("token request throttled: %s", exc.message)
+            raise _Reply(exc.status, {"error": "temporarily_unavailable",
+                                      "error_description": exc.message},
+                         [*no_store, ("retry-after", str(exc.retry_after))]) from None
         except (PermissionError, ValueError) as exc:
             log.info("token refused: %s", exc)
             raise _Reply(401, {"error": "invalid_client",
@@ -1094,8 +1100,8 @@ class Gateway:
             log.warning("cannot check a client key: %s", exc)
             raise _Reply(503, {"error": "temporarily_unavailable",
                                "error_description": "the SOS server cannot be reached"},
-                         no_store) from None
-        token, expires_in = self.authority.issue(role, key_id)
+                         [*no_store, ("retry-after", "5")]) from None
+        token, expires_in = self.authority.issue(role, key_id, _key_secret(secret))
         log.info("issued a %s token for key %s (%d s)", role, key_id or "?", expires_in)
         await conn.respond(200, _json({"access_token": token, "token_type": "Bearer",
                                        "expires_in": expires_in}), no_store)
@@ -1150,6 +1156,23 @@ def parse_listen(text: str) -> tuple[str, int]:
     if not host or not port_text.isdigit() or not 0 <= int(port_text) < 65536:
         raise ValueError(f"--listen {text!r}: expected HOST:PORT (e.g. 0.0.0.0:9870)")
     return host, int(port_text)
+
+
+def _peer_address(stream: trio.abc.Stream) -> str:
+    """The client's address as the token endpoint's throttles count it (address_key)."""
+    inner = stream.transport_stream if isinstance(stream, trio.SSLStream) else stream
+    try:
+        sock = inner.socket  # type: ignore[union-attr]  # SocketStream (TCP) only
+        return address_key(str(sock.getpeername()[0]))
+    except (AttributeError, OSError, IndexError, TypeError):
+        return "?"
+
+
+def _key_secret(key_text: str) -> bytes:
+    """The secret of a key the server just accepted (sealed into its tokens)."""
+    from sos_wire.auth import Key
+
+    return Key.parse(key_text).secret
 
 
 def is_loopback(host: str) -> bool:
@@ -1251,6 +1274,7 @@ def key_verifier(server: str, namespace: str, *, timeout: float = 30.0,
         key = Key.parse(key_text)  # BadKey (a ValueError) for a malformed secret
         client = Client(server, key, namespace, timeout=timeout, tls=tls)
         try:
+            # APPEND and TOKEN (the gateway clients' key role, protocol.md 1.6) get an append token
             role = "read" if client.role == KeyRole.READ else "append"
         finally:
             client.close()
@@ -1270,7 +1294,7 @@ def run_gateway(namespace: str, listen: str, *, server: str, key: str, cache_dir
                 max_connections: int = MAX_CONNECTIONS,
                 max_per_address: int = MAX_CONNECTIONS_PER_ADDRESS,
                 head_timeout: float = HEAD_TIMEOUT, send_timeout: float = SEND_TIMEOUT,
-                open_memory: int = OPEN_MEMORY) -> int:
+                open_memory: int = OPEN_MEMORY, key_recheck: float = DEFAULT_KEY_RECHECK) -> int:
     """Serve ``namespace`` on ``listen`` until SIGTERM/SIGINT; returns the exit code
     (0 after a clean stop with the journal flushed, 1 if the final flush failed). On the
     signal it stops accepting connections and gives the requests in progress
@@ -1326,7 +1350,7 @@ def run_gateway(namespace: str, listen: str, *, server: str, key: str, cache_dir
                       insecure=insecure_no_auth, tls=tls, threads=threads,
                       max_connections=cap, max_per_address=max_per_address,
                       head_timeout=head_timeout, send_timeout=send_timeout,
-                      open_memory=open_memory, advertise=advertised)
+                      open_memory=open_memory, advertise=advertised, key_recheck=key_recheck)
     if advertised is None and tls is not None and _is_wildcard(host):
         log.warning("--listen %s with TLS and no --advertise: the redirects of CREATE, APPEND "
                     "and OPEN name the IP address each client reached, which the certificate "

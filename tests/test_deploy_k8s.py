@@ -44,12 +44,18 @@ from deploy_support import (
     option,
     spark_conf,
 )
+from k8s_model import Pod, allowed, objects
 from spark_plugin.spark import GATEWAY_REDACTION_REGEX, gateway_conf
 
 #: the oldest Kubernetes these manifests support (native sidecars in spark-driver.yaml)
 #: and the newest schema the pinned kubernetes-validate ships
 K8S_VERSIONS = ("1.29.0", "1.37.0")
 CREDENTIAL = "dfs.webhdfs.oauth2.credential"
+
+
+def conf_namespace() -> str:
+    """The Kubernetes namespace of the Spark jobs (spark-gateway.conf)."""
+    return spark_conf()["spark.kubernetes.namespace"]
 
 
 def _validate(doc: dict, version: str) -> None:
@@ -269,7 +275,9 @@ def test_spark_conf_has_gateway_conf_but_the_credential():
     _, _, _, c = _gateway()
     parsed = urllib.parse.urlsplit(url)
     svc = one(k8s_documents("sos-gateway.yaml"), "Service", "sos-gateway")
-    assert parsed.scheme == "https" and parsed.hostname == "sos-gateway"
+    # by its cross-namespace name: the jobs run in another namespace (test_deploy_isolation.py)
+    assert parsed.scheme == "https"
+    assert parsed.hostname == f"{svc['metadata']['name']}.{svc['metadata']['namespace']}.svc"
     assert parsed.port in [p["port"] for p in svc["spec"]["ports"]]
     assert "--tls-cert" in c["args"]
     assert c["args"][2] == namespace
@@ -315,7 +323,7 @@ def test_configmap_items_are_the_files_the_job_imports():
     for key, path in items.items():
         assert path == sources[key].replace("deploy/", ""), (key, path)
     # the documented `kubectl create configmap spark-job` puts exactly these keys in
-    cmd = documented_line("kubectl create configmap spark-job")
+    cmd = documented_line("create configmap spark-job", f"-n {conf_namespace()}")
     assert sorted(a.split("=", 1)[1] for a in cmd.split() if a.startswith("--from-file=")) == \
         sorted(sources[k] for k in items)
     # (tests/test_deploy_spark.py runs the job with these files and nothing else)
@@ -324,82 +332,48 @@ def test_configmap_items_are_the_files_the_job_imports():
 # ------------------------------------------------------------------ NetworkPolicy
 
 
-def _labels_match(selector: dict, labels: dict) -> bool:
-    assert set(selector) <= {"matchLabels"}, f"only matchLabels are evaluated here: {selector}"
-    return selector.get("matchLabels", {}).items() <= labels.items()
-
-
-def _peer_matches(peer: dict, policy_ns: str, pod: dict) -> bool:
-    assert "ipBlock" not in peer
-    if "namespaceSelector" in peer:
-        if not _labels_match(peer["namespaceSelector"], {"kubernetes.io/metadata.name": pod["ns"]}):
-            return False
-    elif pod["ns"] != policy_ns:
-        return False
-    return _labels_match(peer.get("podSelector", {}), pod["labels"])
-
-
-def _port_matches(rule: dict, port: int) -> bool:
-    return not rule.get("ports") or any(p.get("port") == port for p in rule["ports"])
-
-
-def _allowed(policies: list[dict], src: dict, dst: dict, port: int) -> bool:
-    """Does traffic from pod ``src`` reach pod ``dst`` on TCP ``port``?"""
-    def direction(pod, kind, peer_key, other):
-        selecting = [p for p in policies if p["ns"] == pod["ns"]
-                     and _labels_match(p["spec"]["podSelector"], pod["labels"])
-                     and kind in p["spec"].get("policyTypes", ["Ingress"])]
-        if not selecting:
-            return True
-        for p in selecting:
-            for rule in p["spec"].get(kind.lower(), []):
-                peers = rule.get(peer_key)
-                if (not peers or any(_peer_matches(x, p["ns"], other) for x in peers)) \
-                        and _port_matches(rule, port):
-                    return True
-        return False
-    return direction(src, "Egress", "to", dst) and direction(dst, "Ingress", "from", src)
-
-
-def _pods() -> dict[str, dict]:
-    ns = "default"
+def _pods() -> dict[str, Pod]:
+    """The pods the manifests describe, in the namespaces they name."""
     conf = spark_conf()
+    objs = objects()
+    jobs = conf_namespace()
     pods = {}
     _, dep, _, _ = _gateway()
-    pods["gateway"] = dep["spec"]["template"]["metadata"]["labels"]
+    pods["gateway"] = Pod.of(dep["metadata"]["namespace"], dep["spec"]["template"]["metadata"]["labels"])
     sts = one(k8s_documents("sos-server.yaml"), "StatefulSet")
-    pods["server"] = sts["spec"]["template"]["metadata"]["labels"]
+    pods["server"] = Pod.of(sts["metadata"]["namespace"], sts["spec"]["template"]["metadata"]["labels"])
     for role in ("driver", "executor"):
         (tpl,) = k8s_documents(pathlib.Path(conf[f"spark.kubernetes.{role}.podTemplateFile"]).name)
         labels = dict(tpl["metadata"].get("labels", {}))
         prefix = f"spark.kubernetes.{role}.label."
         labels |= {k[len(prefix):]: v for k, v in conf.items() if k.startswith(prefix)}
         labels |= {"spark-role": role, "spark-app-selector": "spark-0123"}  # what Spark adds
-        pods[role] = labels
+        pods[role] = Pod.of(jobs, labels)
     mount_pod = one(k8s_documents("spark-driver.yaml"), "Pod")
-    pods["mount-pod"] = mount_pod["metadata"]["labels"]
-    pods["other"] = {"app": "something-else"}
-    out = {name: {"ns": ns, "labels": labels} for name, labels in pods.items()}
-    out["other-namespace-driver"] = {"ns": "elsewhere", "labels": pods["driver"]}
-    out["dns"] = {"ns": "kube-system", "labels": {"k8s-app": "kube-dns"}}
-    return out
+    pods["mount-pod"] = Pod.of(mount_pod["metadata"]["namespace"], mount_pod["metadata"]["labels"])
+    pods["other"] = Pod.of(jobs, {"app": "something-else"})
+    pods["other-in-sos"] = Pod.of(pods["server"].ns, {"app": "something-else"})
+    pods["other-namespace-driver"] = Pod.of("elsewhere", pods["driver"].label_dict)
+    pods["dns"] = Pod.of("kube-system", {"k8s-app": "kube-dns"})
+    assert {p.ns for p in pods.values()} >= {o["ns"] for o in objs if o["kind"] == "NetworkPolicy"}
+    return pods
 
 
 def _policies(*files: str) -> list[dict]:
-    return [dict(d, ns="default") for f in files for d in k8s_documents(f)
-            if d["kind"] == "NetworkPolicy"]
+    """The objects of ``files`` (the policies, and the Namespaces they select by)."""
+    return [o for o in objects() if o["file"] in files + ("namespaces.yaml",)]
 
 
 def test_network_policy_lets_only_the_job_reach_the_gateway_and_only_the_gateway_the_server():
     pods = _pods()
     gw_port = int(option(_gateway()[3]["args"], "--listen").rsplit(":", 1)[1])
     policies = _policies("networkpolicy.yaml", "spark-driver.yaml")
-    ok = lambda a, b, port: _allowed(policies, pods[a], pods[b], port)  # noqa: E731
+    ok = lambda a, b, port: allowed(policies, pods[a], pods[b], port)  # noqa: E731
     assert ok("driver", "gateway", gw_port) and ok("executor", "gateway", gw_port)
-    for intruder in ("other", "server", "mount-pod", "other-namespace-driver"):
+    for intruder in ("other", "other-in-sos", "server", "mount-pod", "other-namespace-driver"):
         assert not ok(intruder, "gateway", gw_port), intruder
     assert ok("gateway", "server", 7070)
-    for intruder in ("driver", "executor", "other", "other-namespace-driver"):
+    for intruder in ("driver", "executor", "other", "other-in-sos", "other-namespace-driver"):
         assert not ok(intruder, "server", 7070), intruder
     assert not ok("driver", "gateway", 7070)  # and only the gateway's port
     # the gateway reaches nothing else but DNS
@@ -409,19 +383,20 @@ def test_network_policy_lets_only_the_job_reach_the_gateway_and_only_the_gateway
     assert ok("mount-pod", "server", 7070)
     # ... and without it, with the gateway's policies alone, only the gateway does
     alone = _policies("networkpolicy.yaml")
-    assert not _allowed(alone, pods["mount-pod"], pods["server"], 7070)
-    assert _allowed(alone, pods["gateway"], pods["server"], 7070)
+    assert not allowed(alone, pods["mount-pod"], pods["server"], 7070)
+    assert allowed(alone, pods["gateway"], pods["server"], 7070)
 
 
 def test_the_policy_evaluator_is_not_vacuous():
     pods = _pods()
     # no policy: everybody reaches everybody
-    assert _allowed([], pods["other"], pods["gateway"], 9870)
-    # a policy that admits every pod of the namespace lets "other" in
-    open_policy = _policies("networkpolicy.yaml")
-    open_policy[0] = copy.deepcopy(open_policy[0])
-    open_policy[0]["spec"]["ingress"][0]["from"] = [{"podSelector": {}}]
-    assert _allowed(open_policy, pods["other"], pods["gateway"], 9870)
+    assert allowed([], pods["other"], pods["gateway"], 9870)
+    # a policy that admits every pod of every namespace lets "other" in
+    open_policy = copy.deepcopy(_policies("networkpolicy.yaml"))
+    gw_policy = next(o for o in open_policy if o["kind"] == "NetworkPolicy"
+                     and o["metadata"]["name"] == "sos-gateway")
+    gw_policy["spec"]["ingress"][0]["from"] = [{"namespaceSelector": {}, "podSelector": {}}]
+    assert allowed(open_policy, pods["other"], pods["gateway"], 9870)
 
 
 # ------------------------------------------------------------------ compose
@@ -531,11 +506,10 @@ def test_compose_bind_sources_exist_or_are_made_by_the_documented_commands():
                 if isinstance(v, dict) and v.get("type") == "bind"]
     sources += [s["file"] for s in c["secrets"].values()]
     header = COMPOSE.read_text().split("\nname:")[0]  # the commands at the top
-    made_keys = re.search(r"for k in ([\w ]+);", header).group(1).split()
-    assert "deploy/keys/$k.key" in header
+    made_keys = re.findall(r"> deploy/keys/(\S+)", header)
     for src in sources:
         if src.startswith("./keys/"):
-            assert src[len("./keys/"):-len(".key")] in made_keys, src
+            assert src[len("./keys/"):] in made_keys, src
         elif src.startswith(made):  # deploy/tls/X, or /tls/X in the keytool container
             assert f"tls/{os.path.basename(src)}" in header or src == "./shared", src
         else:

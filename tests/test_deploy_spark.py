@@ -29,7 +29,7 @@ from tools.demo import DRIVER_JVM_OPTIONS, committed_batches
 pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.timeout(1500)]
 
 BATCHES = 3
-K8S_GATEWAY = "https://sos-gateway:9870"
+K8S_GATEWAY = spark_conf()["spark.kubernetes.driverEnv.SOS_GATEWAY"]  # the conf's URL, mapped here
 
 
 def _documented(tmp_path, *needles):

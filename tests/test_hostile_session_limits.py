@@ -6,7 +6,8 @@
   make no progress for ``--send-timeout`` is closed. Measured: the server's RSS (psutil).
 - 12: a peer that keeps unauthenticated connections open (reconnecting as soon as one is
   closed) filled ``--max-connections``: every real client got BUSY. Now unauthenticated
-  connections have their own cap and a per-address cap.
+  connections have their own cap and a per-address cap (and, issue 17 item 5, a full
+  pool evicts its oldest connection rather than refuse a newcomer).
 - 17: deleting (or changing) a key ends the sessions already opened with it.
 - 18: before AUTH only small frames are accepted; the third failed AUTH closes the
   connection; failed AUTHs from one address are answered later and later.
@@ -221,12 +222,21 @@ def test_unauthenticated_connections_have_their_own_cap(sos_server_factory):
             c = RawClient(None, sock=sock)
             assert isinstance(c.call(ev.Ping(c.rid(), b"")), ev.Pong)
             waiting.append(c)
-        with RawClient(srv.address) as fourth:
-            raw = fourth.recv_raw_until_eof()
-            assert raw[3] == 0xFF and struct.unpack(">I", raw[4:8])[0] == 0
-            assert struct.unpack(">H", raw[16:18])[0] == ErrorCode.BUSY
-            assert b"not authenticated yet" in raw
-        assert _metric(srv, "sos_unauthenticated_connections") == 3
+        # the pool is full: a fourth is not refused (issue 17 item 5), the oldest waiting
+        # connection makes room for it: ERROR BUSY (request id 0), then the close
+        fourth = RawClient(srv.address)
+        waiting.append(fourth)
+        assert isinstance(fourth.call(ev.Ping(fourth.rid(), b"")), ev.Pong)
+        evicted = waiting.pop(0)
+        raw = evicted.recv_raw_until_eof()
+        evicted.close()
+        assert raw[3] == 0xFF and struct.unpack(">I", raw[4:8])[0] == 0
+        assert struct.unpack(">H", raw[16:18])[0] == ErrorCode.BUSY
+        assert b"not authenticated yet" in raw
+        deadline = time.monotonic() + TIMEOUT
+        while _metric(srv, "sos_unauthenticated_connections") != 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
         # the authenticated connection is not counted and keeps working
         assert authed.append("a", 0, b"x") == ev.AppendOk(authed.conn._next_id, 1)
         # one of the three authenticates: its slot is free for a newcomer

@@ -368,8 +368,11 @@ def test_descriptor_cache_closes_only_clean_objects(tmp_path):
 
 # ------------------------------------------------------------------ item 11: quotas
 def test_namespace_byte_quota(sos_server_factory, tmp_path):
-    srv = sos_server_factory(args=["--namespace-quota", "100"], start=False)
-    out = server_cli("keygen", "--data", srv.data_dir, "q", "--role", "append", "--quota", "1000")
+    # each object costs C besides its data (issue 17 item 7, protocol.md 1.9): the quotas
+    # below are one object's charge plus the data bytes this test is about
+    C = 4096
+    srv = sos_server_factory(args=["--namespace-quota", str(C + 100)], start=False)
+    out = server_cli("keygen", "--data", srv.data_dir, "q", "--role", "append", "--quota", str(C + 1000))
     assert out.returncode == 0, out.stderr
     key = out.stdout.strip()
     other = srv.keygen("other", "append")
@@ -378,15 +381,15 @@ def test_namespace_byte_quota(sos_server_factory, tmp_path):
         c.login(key, "q")
         assert isinstance(c.append("a", 0, b"x" * 600), ev.AppendOk)
         r = c.append("a", 600, b"y" * 500)
-        assert isinstance(r, ev.Error) and r.code is ErrorCode.QUOTA_EXCEEDED and "quota of 1000" in r.message, r
+        assert isinstance(r, ev.Error) and r.code is ErrorCode.QUOTA_EXCEEDED and f"quota of {C + 1000}" in r.message, r
         r = c.append("b", 0, b"y" * 401)  # the quota is the namespace's, over all its objects
         assert isinstance(r, ev.Error) and r.code is ErrorCode.QUOTA_EXCEEDED, r
         assert c.read("a") == b"x" * 600  # nothing written, nothing lost
         assert isinstance(c.append("a", 600, b"y" * 400), ev.AppendOk)  # exactly up to the quota
         assert isinstance(c.append("a", 0, b"x" * 600), ev.AppendOk)  # identical retries still acked
-        # the operator raises it while the server runs: taken up at the next AUTH
-        out = server_cli("quota", "--data", srv.data_dir, "q", "2K")
-        assert out.returncode == 0 and out.stdout == "q\t2048\n", (out.stdout, out.stderr)
+        # the operator raises it while the server runs: taken up at once
+        out = server_cli("quota", "--data", srv.data_dir, "q", str(C + 2048))
+        assert out.returncode == 0 and out.stdout == f"q\t{C + 2048}\n", (out.stdout, out.stderr)
         with Client(srv.address, key, "q") as cl:
             assert cl.append("a", 1000, b"z" * 500) == 1500
             with pytest.raises(QuotaExceeded):
@@ -397,7 +400,7 @@ def test_namespace_byte_quota(sos_server_factory, tmp_path):
         assert isinstance(c.append("a", 0, b"x" * 100), ev.AppendOk)
         r = c.append("a", 100, b"x")
         assert isinstance(r, ev.Error) and r.code is ErrorCode.QUOTA_EXCEEDED, r
-    assert server_cli("quota", "--data", srv.data_dir, "q").stdout == "q\t2048\n"
+    assert server_cli("quota", "--data", srv.data_dir, "q").stdout == f"q\t{C + 2048}\n"
     # the quota survives a restart (usage is counted again from the files)
     srv.restart()
     with RawClient(srv.address) as c:
@@ -412,7 +415,8 @@ def test_journal_writer_over_quota_loses_nothing(sos_server_factory, tmp_path):
     operator raises the quota everything arrives and restores."""
     srv = sos_server_factory(start=False)
     key = srv.keygen("jq", "append")
-    assert server_cli("quota", "--data", srv.data_dir, "jq", "3000").returncode == 0
+    # two objects (a segment, ready: 4 KiB each, protocol.md 1.9) and 3000 data bytes: 8,000 do not fit
+    assert server_cli("quota", "--data", srv.data_dir, "jq", str(2 * 4096 + 3000)).returncode == 0
     srv.start()
     w = JournalWriter(factory(srv, "jq", key), "jq", str(tmp_path / "spool"), sync=False, max_backoff=0.2)
     t = JournaledTree(str(tmp_path / "cache"), w, rebuild=rebuild_cache).open()

@@ -122,9 +122,17 @@ class Wire:
 
 def busy(env):
     holder = env.wire(env.busy_server)
-    assert holder.is_open()  # accepted and counted: the server is full now
+    holder.login(env.busy_key)  # authenticated: the server is full now (an unauthenticated one is evicted)
     w = env.wire(env.busy_server)
     return w.error(), None, w
+
+
+def evicted(env):
+    victim = env.wire(env.busy_server)
+    assert victim.is_open()  # accepted and counted: the server is full now
+    newcomer = env.wire(env.busy_server)
+    assert newcomer.is_open()  # not refused: the victim made room
+    return victim.error(), None, victim
 
 
 def bad_magic_or_crc(env):
@@ -268,6 +276,7 @@ def other_refusals(env):
 
 SCENARIOS = {
     "at accept: the server is over a connection limit": busy,
+    "before AUTH: evicted to make room for a newer connection (1.9)": evicted,
     "a frame header with bad magic or a bad header_crc": bad_magic_or_crc,
     "a frame header with request id 0, or an id still in flight": id_zero_or_in_flight,
     "a frame header with a version other than the negotiated one": bad_version,
@@ -292,6 +301,7 @@ class Env:
     def __init__(self, srv, busy_server) -> None:
         self.srv, self.busy_server = srv, busy_server
         self.key = srv.keygen(NS, "append")
+        self.busy_key = busy_server.keygen(NS, "append")
         self.later: list[Wire] = []
 
     def wire(self, srv=None) -> Wire:

@@ -246,15 +246,18 @@ def test_metrics_endpoint_shows_counters(srv):
 
 
 def test_max_connections_answers_busy(sos_server_factory):
-    # --handshake-timeout 0: the two unauthenticated holders must not be closed by the deadline
-    srv = sos_server_factory(args=["--max-connections", "2", "--handshake-timeout", "0"])
+    # authenticated holders: unauthenticated ones would be evicted for the newcomer (issue 17
+    # item 5: tests/test_hostile_server_round2.py)
+    srv = sos_server_factory(args=["--max-connections", "2"])
+    key = srv.keygen(NS, "append")
     a, b = RawClient(srv.address), RawClient(srv.address)
     try:
         for c in (a, b):  # make sure both are accepted and counted
-            assert isinstance(c.call(ev.Ping(c.rid(), b"")), ev.Pong)
+            assert isinstance(c.login(key, NS), ev.AuthOk)
         with RawClient(srv.address) as third:
             raw = third.recv_raw_until_eof()
             assert _error_of(raw) == (0, ErrorCode.BUSY)
+            assert b"all authenticated" in raw
     finally:
         a.close()
         b.close()

@@ -30,6 +30,7 @@ VECTORS = [
      "202122232425262728292a2b2c2d2e2f303132333435363738393a3b3c3d3e3f"),
     (AuthOk(2, KeyRole.APPEND), "534f01820000000200000001326b33eb" "01"),
     (AuthOk(2, KeyRole.READ), "534f01820000000200000001326b33eb" "02"),
+    (AuthOk(2, KeyRole.TOKEN), "534f01820000000200000001326b33eb" "03"),  # a gateway-only key (1.6)
     (Ping(3, b"hi"), "534f010300000003000000068ce6eb0f" "000000026869"),
     (Pong(3, b"hi"), "534f018300000003000000062a8eeee4" "000000026869"),
     (List(4, "gen/", "", 1000), "534f0104000000040000000c88120369" "000467656e2f" "0000" "000003e8"),
@@ -94,3 +95,14 @@ def test_decode_vector(event, hexdata):
     assert got == event
     assert type(got.request_id) is int
     assert conn.next_event() is NEED_DATA
+
+
+@pytest.mark.parametrize("role", [0, 4, 255])
+def test_auth_ok_with_a_role_outside_1_to_3_is_a_bad_frame(role):
+    from sos_wire.errors import RemoteProtocolError
+
+    conn = client_expecting(Op.AUTH_OK, 2)
+    conn.receive_data(bytes.fromhex("534f01820000000200000001326b33eb") + bytes([role]))
+    with pytest.raises(RemoteProtocolError) as ei:
+        conn.next_event()
+    assert ei.value.code is ErrorCode.BAD_FRAME

@@ -37,7 +37,8 @@ RESTORE_EXIT_CODES = """exit status:
   130 interrupted"""
 
 VERIFY_EXIT_CODES = """exit status:
-  0   ok: every record checked, no problem
+  0   ok: every record checked, no problem. A generation that is not complete is
+      no problem (a note; a WARNING line when it holds records a restore leaves out)
   1   failed: server error, no key
   2   usage
   3   corrupt data: broken ranges found (listed on stdout), or generations that do
@@ -258,8 +259,8 @@ def add_parsers(subparsers) -> None:
     g.add_argument("--batch", metavar="QUERYDIR:N", type=_batch,
                    help="state right after Spark batch N committed; QUERYDIR is the checkpoint "
                         "directory's path relative to the namespace root (e.g. 'checkpoint' for "
-                        "MOUNTPOINT/checkpoint; '.' for the root itself), as in the 'checkpoint' "
-                        "field of the spark.batch markers")
+                        "MOUNTPOINT/checkpoint; '' for the root itself: --batch :N, the same as "
+                        "--batch .:N), as in the 'checkpoint' field of the spark.batch markers")
     p.add_argument("--generation", metavar="G", type=argtypes.integer(0),
                    help="restore from generation G alone (its end, or a point inside it) without reading "
                         "or checking the others: the way out when the generations do not form one chain "

@@ -204,7 +204,12 @@ def open_namespace(namespace: str, cache_dir: str, *, server: str | None = None,
         factory = client_factory_for(server, key, namespace, timeout=timeout, tls=tls)
     else:
         factory = client_factory
-    read_role = key_role(factory, timeout) == KeyRole.READ
+    role = key_role(factory, timeout)
+    if role == KeyRole.TOKEN:
+        from sos_client.errors import token_key_message
+
+        raise PermissionError(errno.EACCES, token_key_message(namespace), namespace)
+    read_role = role == KeyRole.READ
     if read_role and allow_read_only:
         return _open_read_only(factory, namespace, cache_dir)
     if read_role:

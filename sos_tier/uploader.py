@@ -1,0 +1,395 @@
+"""The part of the tier the server drives: which piece to write next, written once, and the lag.
+
+Independent of the engine: the server tells the uploader what is durable (:meth:`Uploader.note`,
+cheap, from the event loop) and, from a worker thread, asks it to make progress on one object
+(:meth:`Uploader.step` / :meth:`Uploader.sync`) with a callable that reads the object's durable
+bytes. The uploader
+
+- learns what the bucket holds from the bucket's listing the first time it touches a namespace
+  (:meth:`Uploader.learn`), never from local state alone: after a crash or on a replacement
+  server it resumes where the bucket's run of pieces from 0 ends;
+- writes the next piece, from where the bucket's run ends to the durable length, cut at
+  multiples of ``max_piece`` (so a retry after a crash cuts the same way whenever it can),
+  with ``put_once``: a piece that landed before the crash is ALREADY_SAME, nothing is
+  duplicated; a key that holds other bytes (CONFLICT) is never overwritten: the object stops
+  uploading and the problem is kept for the metrics and logs;
+- writes the seal marker once every byte up to the seal is in the bucket;
+- keeps, per namespace, the bytes and seconds acknowledged but not yet in the bucket, the last
+  upload error and the conflicts (:meth:`Uploader.lag`), for metrics and the lag log line.
+
+Thread-safe: a lock guards the bookkeeping, each object has its own lock so that two threads
+never upload the same object at once, and no lock is held across a store call except the
+object's own.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from sos_tier.layout import (
+    delete_object,
+    fence_key,
+    name_key,
+    namespace_prefix,
+    parse_key,
+    piece_key,
+    scan,
+    scan_object,
+    seal_content,
+    seal_key,
+)
+from sos_tier.store import PutOutcome, Store, TierError
+from sos_wire.crc import crc32c
+
+__all__ = ["DEFAULT_MAX_PIECE", "Lag", "Step", "TierFenced", "Uploader"]
+
+log = logging.getLogger("sos.tier")
+
+DEFAULT_MAX_PIECE = 8 * 1024 * 1024
+
+#: read(begin, end) -> the object's durable bytes [begin, end), exactly end - begin of them
+Reader = Callable[[int, int], bytes]
+
+
+class TierFenced(TierError):
+    """The bucket holds a fence above this server's epoch for the namespace: another server
+    took it over (this one is a zombie); it must not upload that namespace any more."""
+
+    def __init__(self, namespace: str, bucket_epoch: int, epoch: int) -> None:
+        super().__init__(f"namespace {namespace}: the bucket is fenced at epoch {bucket_epoch}, "
+                         f"this server holds {epoch}; another server took the namespace over")
+        self.namespace = namespace
+        self.bucket_epoch = bucket_epoch
+        self.epoch = epoch
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """What one :meth:`Uploader.step` did. kind: ``piece`` (wrote [begin, end)), ``seal``,
+    ``exists`` (the marker of an empty object), ``idle`` (nothing to do), ``stuck`` (a conflict
+    stops this object; ``message`` says why), ``ahead`` (the bucket holds more of the object than
+    this server says is durable: another server wrote it, or the server lost data)."""
+
+    kind: str
+    key: str = ""
+    begin: int = 0
+    end: int = 0
+    outcome: PutOutcome | None = None
+    message: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Lag:
+    """Per namespace, for metrics: bytes acknowledged by the server and not yet in the bucket,
+    the age of the oldest such byte (seconds; 0 when none), seals not yet in the bucket, the last
+    upload error and when (wall clock), and the objects stopped by a conflict."""
+
+    bytes: int
+    seconds: float
+    pending_seals: int
+    last_error: str | None
+    last_error_at: float | None
+    stuck: dict[str, str]
+    fenced: bool
+    uploaded_bytes: int  # written by this uploader since it started (pieces it created)
+
+
+@dataclass(slots=True)
+class _Obj:
+    uploaded: int = 0  # the bucket's run from 0 ends here (learned, then advanced by our puts)
+    exists: bool = False  # the bucket holds some key of it
+    bucket_seal: int | None = None
+    durable: int = 0
+    sealed: bool = False
+    sealed_at_ns: int | None = None
+    marks: deque[tuple[int, float]] = field(default_factory=deque)  # (durable length, first seen)
+    stuck: str | None = None
+    noted: bool = False  # the server told us of it (an empty object must reach the bucket too)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass(slots=True)
+class _Ns:
+    objects: dict[str, _Obj] = field(default_factory=dict)
+    learned: bool = False
+    bucket_fence: int = 0
+    fenced: bool = False
+    last_error: str | None = None
+    last_error_at: float | None = None
+    uploaded_bytes: int = 0
+    learn_lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class Uploader:
+    def __init__(self, store: Store, *, max_piece: int = DEFAULT_MAX_PIECE,
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
+                 on_progress: Callable[[str, str, int, bool], None] | None = None) -> None:
+        """*on_progress(namespace, name, uploaded, sealed_in_bucket)* is called (in the thread
+        that made the step) after every write that moved an object on: the server wakes its
+        wait-for-bucket waiters with it (``trio.lowlevel.TrioToken.run_sync_soon``)."""
+        if max_piece < 1:
+            raise ValueError("max_piece must be positive")
+        self.store = store
+        self.max_piece = max_piece
+        self._on_progress = on_progress
+        self._clock = clock
+        self._wall = wall
+        self._lock = threading.Lock()
+        self._ns: dict[str, _Ns] = {}
+
+    # -- what the server tells us (cheap; any thread) -------------------------------------------
+
+    def note(self, namespace: str, name: str, durable: int, sealed: bool = False,
+             sealed_at_ns: int | None = None) -> None:
+        """The server made *name* durable up to *durable* (and sealed it): start its lag clock."""
+        now = self._clock()
+        with self._lock:
+            o = self._obj(namespace, name)
+            o.noted = True
+            if durable > o.durable:
+                o.durable = durable
+                o.marks.append((durable, now))
+            if sealed and not o.sealed:
+                o.sealed = True
+                o.sealed_at_ns = sealed_at_ns
+                if not o.marks or o.marks[-1][0] < durable + 1:
+                    o.marks.append((durable + 1, now))  # a seal counts as one more byte to upload
+
+    def remove(self, namespace: str, names: list[str]) -> None:
+        """Retention: delete these objects' keys from the bucket (each from a fresh listing of
+        its prefix: pieces first, then seal and name keys, protocol.md 4.6), then forget them.
+        The server calls it with the names its own rule chose, after removing them locally."""
+        for name in names:
+            delete_object(self.store, scan_object(self.store, namespace, name))
+        self.forget(namespace, names)
+
+    def forget(self, namespace: str, names: list[str]) -> None:
+        """Objects removed (retention): no lag for them any more."""
+        with self._lock:
+            ns = self._ns.get(namespace)
+            for n in names:
+                if ns is not None:
+                    ns.objects.pop(n, None)
+
+    # -- learning from the bucket --------------------------------------------------------------
+
+    def learn(self, namespace: str, *, force: bool = False) -> None:
+        """List the namespace in the bucket and take, per object, where its run of pieces from 0
+        ends and whether it is sealed there; the fence markers' highest epoch. Done once per
+        namespace (again with *force*); later progress is what this uploader wrote itself."""
+        ns = self._namespace(namespace)
+        with ns.learn_lock:
+            if ns.learned and not force:
+                return
+            state = scan(self.store, namespace).get(namespace)
+            with self._lock:
+                ns.bucket_fence = state.fence if state else 0
+                if state is not None:
+                    for name, os_ in state.objects.items():
+                        o = self._obj(namespace, name)
+                        o.uploaded = os_.length
+                        o.exists = os_.exists
+                        # a seal marker counts even if pieces before it are missing: it is
+                        # never written again (its key exists); the missing pieces are
+                        o.bucket_seal = os_.seal_length
+                        if os_.problems:
+                            # the bucket's copy has a gap, damage or a conflict: say so; uploading
+                            # goes on from the good length (new pieces may overlap the bad ones)
+                            ns.last_error = "; ".join(p.message for p in os_.problems)
+                            ns.last_error_at = self._wall()
+                ns.learned = True
+
+    def check_fence(self, namespace: str, epoch: int) -> None:
+        """Compare the namespace's fence (the server's, *epoch*) with the bucket's markers (one
+        listing): TierFenced if the bucket's is higher, which also stops every later upload of
+        the namespace; if ours is higher, write our marker (once). Call it when the server's
+        fence changes and at each upload round, so a zombie learns within a round."""
+        prefix = f"{namespace_prefix(namespace)}fence/"
+        highest = 0
+        for item in self.store.list(prefix):
+            pk = parse_key(item.key)
+            if pk is not None and pk.kind == "fence":
+                highest = max(highest, pk.epoch)
+        ns = self._namespace(namespace)
+        if highest > epoch:
+            with self._lock:
+                ns.bucket_fence, ns.fenced = highest, True
+                self._error(ns, str(TierFenced(namespace, highest, epoch)))
+            raise TierFenced(namespace, highest, epoch)
+        if epoch > highest:
+            self.store.put_once(fence_key(namespace, epoch), b"")  # CONFLICT impossible: empty content
+        with self._lock:
+            ns.bucket_fence = epoch
+
+    # -- uploading ---------------------------------------------------------------------------------
+
+    def step(self, namespace: str, name: str, read: Reader, durable: int, sealed: bool = False,
+             sealed_at_ns: int | None = None) -> Step:
+        """Make one write of progress on *name*: the next piece, else the seal marker, else (an
+        empty object the bucket does not know) the ``0-0`` piece. *durable*/*sealed* are what
+        the server holds now (noted as by :meth:`note`). TierError from the store propagates
+        (also kept as the namespace's last error); the caller retries later."""
+        self.note(namespace, name, durable, sealed, sealed_at_ns)
+        self.learn(namespace)
+        ns = self._namespace(namespace)
+        if ns.fenced:
+            raise TierFenced(namespace, ns.bucket_fence, 0)
+        with self._lock:
+            o = self._obj(namespace, name)
+        with o.lock:
+            try:
+                step = self._step(namespace, name, ns, o, read, durable, sealed, sealed_at_ns)
+            except TierError as exc:
+                with self._lock:
+                    self._error(ns, f"{namespace}/{name}: {exc}")
+                raise
+            if step.kind in ("piece", "seal", "exists") and self._on_progress is not None:
+                self._on_progress(namespace, name, o.uploaded, o.bucket_seal is not None)
+            return step
+
+    def _step(self, namespace: str, name: str, ns: _Ns, o: _Obj, read: Reader, durable: int,
+              sealed: bool, sealed_at_ns: int | None) -> Step:
+        if o.stuck:
+            return Step("stuck", message=o.stuck)
+        if o.uploaded > durable:
+            msg = (f"{namespace}/{name}: the bucket holds {o.uploaded} bytes, this server {durable}: "
+                   "another server wrote it, or this one lost data; not uploading it")
+            with self._lock:
+                self._error(ns, msg)
+            return Step("ahead", message=msg)
+        if o.uploaded < durable:
+            begin = o.uploaded
+            end = min(durable, (begin // self.max_piece + 1) * self.max_piece)
+            data = read(begin, end)
+            if len(data) != end - begin:
+                raise TierError(f"{namespace}/{name}: reading [{begin}, {end}) gave {len(data)} bytes")
+            if not o.exists:
+                self._name_key(namespace, name)
+            key = piece_key(namespace, name, begin, end, crc32c(data))
+            outcome = self.store.put_once(key, data)
+            if outcome is PutOutcome.CONFLICT:
+                return self._stuck(ns, o, key, f"piece {key} exists with other bytes (damage in the bucket)")
+            self._advance(ns, o, end, end - begin if outcome is PutOutcome.CREATED else 0)
+            return Step("piece", key, begin, end, outcome)
+        if sealed and o.bucket_seal is None:
+            key = seal_key(namespace, name, durable)
+            if not o.exists:
+                self._name_key(namespace, name)
+            outcome = self.store.put_once(key, seal_content(sealed_at_ns))
+            if outcome is PutOutcome.CONFLICT:  # same length, other time: sealed all the same
+                with self._lock:
+                    self._error(ns, f"{namespace}/{name}: seal marker {key} exists with another time")
+            with self._lock:
+                o.bucket_seal, o.exists = durable, True
+                self._drop_marks(o)
+            return Step("seal", key, durable, durable, outcome)
+        if sealed and o.bucket_seal != durable:
+            return self._stuck(ns, o, seal_key(namespace, name, o.bucket_seal or 0),
+                               f"sealed in the bucket at {o.bucket_seal}, on this server at {durable}")
+        if durable == 0 and not o.exists:
+            if not o.exists:
+                self._name_key(namespace, name)
+            key = piece_key(namespace, name, 0, 0, 0)
+            outcome = self.store.put_once(key, b"")
+            with self._lock:
+                o.exists = True
+            return Step("exists", key, 0, 0, outcome)
+        return Step("idle")
+
+    def sync(self, namespace: str, name: str, read: Reader, durable: int, sealed: bool = False,
+             sealed_at_ns: int | None = None, *, max_steps: int | None = None) -> int:
+        """Steps until the bucket holds *name* up to *durable* (and its seal), or a step is
+        stuck/ahead, or *max_steps* were taken; returns where the bucket's run now ends."""
+        n = 0
+        while max_steps is None or n < max_steps:
+            s = self.step(namespace, name, read, durable, sealed, sealed_at_ns)
+            n += 1
+            if s.kind in ("idle", "stuck", "ahead"):
+                break
+        return self.uploaded(namespace, name)
+
+    def uploaded(self, namespace: str, name: str) -> int:
+        """Where the bucket's run of *name* from 0 ends, as far as this uploader knows (the
+        wait-for-bucket operation compares offsets with it)."""
+        with self._lock:
+            o = self._ns.get(namespace, _Ns()).objects.get(name)
+            return o.uploaded if o else 0
+
+    def pending(self, namespace: str) -> list[str]:
+        """Names with something acknowledged and not in the bucket (and not stuck)."""
+        with self._lock:
+            ns = self._ns.get(namespace)
+            if ns is None:
+                return []
+            return sorted(n for n, o in ns.objects.items()
+                          if not o.stuck and (o.uploaded < o.durable or (o.sealed and o.bucket_seal is None)
+                                              or (o.noted and not o.exists)))
+
+    def lag(self, namespace: str) -> Lag:
+        now = self._clock()
+        with self._lock:
+            ns = self._ns.get(namespace) or _Ns()
+            behind = 0
+            oldest: float | None = None
+            seals = 0
+            for o in ns.objects.values():
+                self._drop_marks(o)
+                behind += max(0, o.durable - o.uploaded)
+                if o.sealed and o.bucket_seal is None:
+                    seals += 1
+                if o.marks:
+                    oldest = o.marks[0][1] if oldest is None else min(oldest, o.marks[0][1])
+            return Lag(behind, 0.0 if oldest is None else max(0.0, now - oldest), seals, ns.last_error,
+                       ns.last_error_at, {n: o.stuck for n, o in ns.objects.items() if o.stuck}, ns.fenced,
+                       ns.uploaded_bytes)
+
+    def namespaces(self) -> list[str]:
+        with self._lock:
+            return sorted(self._ns)
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _namespace(self, namespace: str) -> _Ns:
+        with self._lock:
+            return self._ns.setdefault(namespace, _Ns())
+
+    def _obj(self, namespace: str, name: str) -> _Obj:  # under self._lock
+        ns = self._ns.setdefault(namespace, _Ns())
+        o = ns.objects.get(name)
+        if o is None:
+            o = ns.objects[name] = _Obj()
+        return o
+
+    def _advance(self, ns: _Ns, o: _Obj, end: int, created: int) -> None:
+        with self._lock:
+            o.uploaded = max(o.uploaded, end)
+            o.exists = True
+            ns.uploaded_bytes += created
+            self._drop_marks(o)
+
+    def _drop_marks(self, o: _Obj) -> None:  # under self._lock
+        done = o.uploaded + (1 if o.bucket_seal is not None else 0)
+        while o.marks and o.marks[0][0] <= done:
+            o.marks.popleft()
+
+    def _error(self, ns: _Ns, message: str) -> None:  # under self._lock
+        ns.last_error, ns.last_error_at = message, self._wall()
+        log.warning("tier: %s", message)
+
+    def _stuck(self, ns: _Ns, o: _Obj, key: str, message: str) -> Step:
+        with self._lock:
+            o.stuck = message
+            self._error(ns, message)
+        return Step("stuck", key, message=message)
+
+    def _name_key(self, namespace: str, name: str) -> None:
+        """Before the first key of a hashed (long) name, its ``name`` key."""
+        key = name_key(namespace, name)
+        if key is not None:
+            if self.store.put_once(key, name.encode()) is PutOutcome.CONFLICT:
+                raise TierError(f"{key} holds another name (SHA-256 collision or damage)")

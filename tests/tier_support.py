@@ -1,0 +1,97 @@
+"""Fixtures of the object-store tier's tests: moto's S3 server on 127.0.0.1 and a local directory,
+behind one ``store`` fixture so that every test runs against both backends (Litestream's
+one-conformance-suite-per-backend).
+
+A test module takes the fixtures (``moto``, ``store``, ``new_bucket``, ``clobber``) with
+``pytest_plugins = ["tier_support"]`` and does not import this module itself (pytest rewrites
+its asserts only if it imports it first).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+
+from sos_tier.store import LocalStore, Store
+
+boto3 = pytest.importorskip("boto3")
+moto_server = pytest.importorskip("moto.server")
+
+_bucket_ids = itertools.count(1)
+
+
+@pytest.fixture(scope="module")
+def moto(tmp_path_factory):
+    """moto's S3 server on 127.0.0.1 (a port the kernel picks), with the environment a tier
+    reads: AWS_ENDPOINT_URL, dummy credentials, a region, and no shared config files (so the
+    developer's own ~/.aws plays no part). Yields the endpoint URL."""
+    empty = tmp_path_factory.mktemp("aws")
+    with pytest.MonkeyPatch.context() as mp:
+        for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3", "AWS_CA_BUNDLE"):
+            mp.delenv(var, raising=False)
+        mp.setenv("AWS_ACCESS_KEY_ID", "testing")
+        mp.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+        mp.setenv("AWS_DEFAULT_REGION", "us-east-1")
+        mp.setenv("AWS_CONFIG_FILE", str(empty / "config"))
+        mp.setenv("AWS_SHARED_CREDENTIALS_FILE", str(empty / "credentials"))
+        mp.setenv("AWS_EC2_METADATA_DISABLED", "true")
+        server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        server.start()
+        try:
+            host, port = server.get_host_and_port()
+            endpoint = f"http://{host}:{port}"
+            mp.setenv("AWS_ENDPOINT_URL", endpoint)
+            yield endpoint
+        finally:
+            server.stop()
+
+
+@pytest.fixture
+def new_bucket(moto):
+    """A function that makes a fresh bucket on the moto server and returns its s3:// URL."""
+    return make_bucket
+
+
+def make_bucket(prefix: str = "tier/test") -> str:
+    """A fresh bucket on the moto server; returns its s3:// URL with *prefix*."""
+    name = f"sos-tier-{os.getpid()}-{next(_bucket_ids)}"
+    boto3.session.Session().client("s3").create_bucket(Bucket=name)
+    return f"s3://{name}/{prefix}" if prefix else f"s3://{name}"
+
+
+@pytest.fixture(params=["s3", "local"])
+def store(request, tmp_path):
+    """A fresh, empty store of each backend."""
+    if request.param == "s3":
+        request.getfixturevalue("moto")
+        from sos_tier.s3 import S3Store
+
+        s: Store = S3Store(make_bucket())
+    else:
+        s = LocalStore((tmp_path / "tier").as_uri())
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+@pytest.fixture
+def clobber():
+    """A function that replaces a key's content behind the store's back."""
+    return clobber_key
+
+
+def clobber_key(store: Store, key: str, data: bytes) -> None:
+    """Replace a key's content behind the store's back (damage, or a zombie's unconditional write)."""
+    if isinstance(store, LocalStore):
+        path = os.path.join(store.root, *key.split("/"))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(data)
+        return
+    from sos_tier.s3 import S3Store
+
+    assert isinstance(store, S3Store)
+    store._s3.put_object(Bucket=store.bucket, Key=store._full(key), Body=data)
