@@ -346,3 +346,39 @@ def test_the_library_source_reads_a_store_object(journal):
             c.stat("gen/nope")
     with pytest.raises(BucketUnavailable):
         BucketSource.open("s3://" + "x" * 3 + "/p", j.ns).state()
+
+
+def test_pieces_outside_the_run_are_checked_and_foreign_keys_noted(journal, tmp_path):
+    """A retry's or a zombie's overlapping piece is not on the run: verify reads it anyway (a
+    damaged one is BROKEN, restore unaffected); one whose bytes differ from the run's is a
+    conflict for restore too. A key the layout cannot have made is a note."""
+    from sos_tier.layout import namespace_prefix, piece_key
+    from sos_wire.crc import crc32c
+
+    j = journal
+    url, store = fresh_copy(j)
+    seg, pieces, victim = newest_tail(j, store)
+    run_bytes = store.get(victim.key)
+    # damaged: a copy of [begin+8, begin+100) whose content fails the CRC in its name
+    part = run_bytes[8:100]
+    bad = piece_key(j.ns, seg, victim.begin + 8, victim.begin + 100, crc32c(part) ^ 1)
+    store.put_once(bad, part)
+    store.put_once(namespace_prefix(j.ns) + "stray-file", b"?")
+    v = run_sos("verify", "-q", j.ns, "--from", url)
+    assert v.returncode == 3, v.stdout + v.stderr
+    assert f"BROKEN {seg} [{victim.begin + 8}, end)" in v.stdout and f"damaged piece {bad}" in v.stdout, v.stdout
+    assert "stray-file: not a key of the layout; ignored" in v.stdout, v.stdout
+    r = run_sos("restore", "-q", j.ns, str(tmp_path / "ok"), "--from", url)
+    assert r.returncode == 0, r.stderr
+    assert tree_state(str(tmp_path / "ok")) == j.points["latest"]
+    # other bytes, their own CRC: a conflict where they part, for restore too
+    other = bytearray(run_bytes[120:200])
+    other[50] ^= 0x77
+    zkey = piece_key(j.ns, seg, victim.begin + 120, victim.begin + 200, crc32c(bytes(other)))
+    store.put_once(zkey, bytes(other))
+    r = run_sos("restore", "-q", j.ns, str(tmp_path / "out"), "--from", url)
+    assert r.returncode == 3 and zkey in r.stderr and f"byte {victim.begin + 170}" in r.stderr, r.stderr
+    n = applied_up_to(r.stderr)
+    assert n == last_whole_before(j, seg, victim.begin + 170)
+    assert tree_state(str(tmp_path / "out")) == j.states[n]
+    store.close()
