@@ -4,7 +4,8 @@
 #                      (TLS: /tls/tls.crt and /tls/tls.key, made as docs/DEPLOY.md shows)
 #   gateway:           docker run --read-only --tmpfs /tmp --cap-drop ALL \
 #                        --security-opt no-new-privileges -v gw-cache:/cache -e SOS_KEY ... IMAGE \
-#                        sos gateway NAMESPACE --listen 0.0.0.0:9870 --cache /cache/NAMESPACE \
+#                        sos gateway NAMESPACE --listen 0.0.0.0:9870 --advertise HOST:9870 \
+#                        --cache /cache/NAMESPACE \
 #                        --tls-ca /tls/server/tls.crt --tls-cert ... --tls-key ...
 #                      (unprivileged, uid 10001, read-only root: it writes only in --cache)
 #   mount sidecar:     docker run --device /dev/fuse --cap-add SYS_ADMIN IMAGE \

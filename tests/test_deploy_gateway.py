@@ -337,7 +337,7 @@ def test_gateway_runs_unprivileged_on_a_read_only_root_as_the_deployment_says(
     assert argv0[:2] == ["sos", "gateway"]
     namespace = argv0[2]
     writer_key = srv.keygen(namespace, "append")
-    job_key = srv.keygen(namespace, "append")
+    job_key = srv.keygen(namespace, "token")  # the shipped job credential: gateway-only
     srv.start()
     secrets = {
         "sos-tls": {"tls.crt": (tls / "tls.crt").read_bytes(), "tls.key": (tls / "tls.key").read_bytes()},
@@ -356,6 +356,12 @@ def test_gateway_runs_unprivileged_on_a_read_only_root_as_the_deployment_says(
         listen = option(argv, "--listen")
         assert listen.startswith("0.0.0.0:")
         argv[argv.index(listen)] = "127.0.0.1:0"  # a free port here
+        # redirects name the Service the certificate holds, never the pod's address; here the
+        # listen address stands in for it (a kernel-chosen port cannot be advertised ahead)
+        advertise = option(argv, "--advertise")
+        assert advertise == f"sos-gateway.sos.svc:{listen.rsplit(':', 1)[1]}", advertise
+        i = argv.index("--advertise")
+        del argv[i:i + 2]
         server = pod.environment()["SOS_SERVER"]
         assert server.split(":")[0] == "sos-server"
         env = pod.environment(SOS_SERVER=f"localhost:{srv.host_port[1]}")  # the cert's name here

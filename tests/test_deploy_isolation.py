@@ -449,3 +449,12 @@ def test_compose_jobs_key_is_a_token_role_key():
     for path, role in ((job_file, "token"), (writer_file, "append")):
         (line,) = [x for x in lines if x.rstrip().endswith(f"> deploy/{path[2:]}")]
         assert option(shlex.split(line.lstrip("# ").split(">")[0]), "--role") == role, line
+
+
+def test_compose_gateway_advertises_the_name_its_certificate_holds():
+    """A gateway listening on 0.0.0.0 redirects data steps to ``--advertise``: the service
+    name the JVM resolves and the certificate holds, never the container's own address."""
+    gw = compose()["services"]["sos-gateway"]["command"]
+    port = option(gw, "--listen").rsplit(":", 1)[1]
+    assert option(gw, "--advertise") == f"sos-gateway:{port}"
+    assert "DNS:sos-gateway," in (COMPOSE.parent.parent / "docs" / "DEPLOY.md").read_text()
