@@ -154,8 +154,10 @@ class Tier:
             waiting = any(k[0] == namespace for k in self._waiters)
             if not pending and not waiting:
                 return
-            await trio.to_thread.run_sync(self.uploader.learn, namespace, limiter=self._limiter)
-            await trio.to_thread.run_sync(self.uploader.check_fence, namespace, ns.fence, limiter=self._limiter)
+            await trio.to_thread.run_sync(self.uploader.learn, namespace, limiter=self._limiter,
+                                          abandon_on_cancel=True)
+            await trio.to_thread.run_sync(self.uploader.check_fence, namespace, ns.fence, limiter=self._limiter,
+                                          abandon_on_cancel=True)
             errors: list[BaseException] = []
             async with trio.open_nursery() as nursery:
                 for name in self.uploader.pending(namespace):
@@ -176,7 +178,7 @@ class Tier:
         key = (namespace, name)
         ns = self.storage.namespaces.get(namespace)
         obj = ns.objects.get(name) if ns is not None else None
-        if key in self._removing or key in self._busy:
+        if key in self._removing or key in self._busy or key in self._stuck:
             return
         if obj is None or obj.removed:
             self.uploader.forget(namespace, [name])
@@ -185,15 +187,18 @@ class Tier:
         durable, sealed = obj.synced_length, _durably_sealed(obj)
         done = self._busy[key] = trio.Event()
         try:
-            await trio.to_thread.run_sync(self._sync_object, obj, durable, sealed, limiter=self._limiter)
+            # abandoned on cancel (the server stopping): the store call ends in its own time
+            await trio.to_thread.run_sync(self._sync_object, obj, durable, sealed, limiter=self._limiter,
+                                          abandon_on_cancel=True)
         except TierError as exc:
             errors.append(exc)
         except (StorageError, OSError) as exc:  # the server's own copy: damaged, or removed meanwhile
             if not obj.removed:
+                # this object stops (its lag stays, TIER_WAIT says why); the namespace's others go on
                 msg = exc.message if isinstance(exc, StorageError) else str(exc)
-                log.error("tier: cannot read %s/%s to upload it: %s", namespace, name, msg,
+                self._stuck[key] = f"cannot read the server's copy: {msg}"
+                log.error("tier: cannot read %s/%s to upload it, not uploading it: %s", namespace, name, msg,
                           extra={"namespace": namespace, "object": name})
-                errors.append(TierError(f"{namespace}/{name}: cannot read the server's copy: {msg}"))
         finally:
             del self._busy[key]
             done.set()
