@@ -394,3 +394,33 @@ def test_start_with_a_tier_on_a_data_dir_served_without_one(sos_server_factory, 
     with login(srv, "late") as c:
         r = tier_wait(c, "old", 23)
         assert isinstance(r, ev.TierWaitOk) and r.tiered == 23
+
+
+def test_a_store_down_from_the_start_and_the_bound_on_waits(sos_server_factory, own_moto):
+    """The server starts with its store unreachable (nothing listens on the endpoint's port):
+    it serves, acknowledges appends, holds up to 64 TIER_WAITs per connection (BUSY beyond), and
+    answers them all once the store comes up."""
+    import boto3
+
+    from sos_server.session import MAX_TIER_WAITS
+
+    boto3.client("s3").create_bucket(Bucket="late")
+    own_moto.stop()
+    srv = sos_server_factory(args=["--tier", "s3://late/x"])
+    with login(srv, "down") as c:
+        assert isinstance(c.append("log", 0, b"q" * 5000, epoch=0), ev.AppendOk)
+        rids = []
+        for _ in range(MAX_TIER_WAITS):
+            rids.append(c.rid())
+            c.send(ev.TierWait(rids[-1], "log", 5000, 60_000))
+        busy = c.rid()
+        c.send(ev.TierWait(busy, "log", 5000, 60_000))
+        r = c.next()
+        assert isinstance(r, ev.Error) and r.request_id == busy and r.code == ErrorCode.BUSY, r
+        assert isinstance(c.append("log", 5000, b"r", epoch=0), ev.AppendOk)  # other requests go on
+        wait_for(lambda: "uploads fail, appends go on" in srv.log_text(), what="the failure in the log")
+        own_moto.start()
+        got = [c.next() for _ in rids]
+        assert sorted(g.request_id for g in got) == sorted(rids)
+        assert all(isinstance(g, ev.TierWaitOk) and g.tiered >= 5000 for g in got), got
+    wait_for(lambda: bucket_lengths("s3://late/x", "down") == {"log": 5001}, what="the object in the bucket")
