@@ -394,7 +394,6 @@ class AppendJob:
         self.window_frames = max(1, window_frames)
         self.exhausted = False
         self._pending = bytearray()  # small chunks being coalesced
-        self.resumes = 0
 
     def resume_check(self, core: Core):
         """Generator (after a reconnect): STAT, and make sure nothing acknowledged is gone."""
@@ -410,7 +409,6 @@ class AppendJob:
                 f"append to {core._where(self.name)}: the server reports length {length} but acknowledged "
                 f"{self.acked} bytes before the connection was lost", ErrorCode.CORRUPT, name=self.name, length=length,
             )
-        self.resumes += 1
         return length
 
     def _enqueue(self, data) -> None:

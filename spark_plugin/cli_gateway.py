@@ -51,6 +51,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="private key of --tls-cert (PEM)")
     p.add_argument("--token-ttl", type=argtypes.integer(1), default=3600, metavar="SECONDS",
                    help="lifetime of the bearer tokens it issues (default 3600)")
+    p.add_argument("--key-recheck", type=argtypes.integer(1), default=10, metavar="SECONDS",
+                   help="ask the SOS server again whether a bearer token's key still stands "
+                        "once its last answer is this old: a removed key's tokens stop within "
+                        "it (default 10)")
     p.add_argument("--threads", type=argtypes.integer(1), default=32,
                    help="most worker threads at once (default 32)")
     p.add_argument("--insecure-no-auth", action="store_true",
@@ -101,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
                            sync=not args.async_, max_lag_bytes=args.max_lag,
                            generation_bytes=args.generation_bytes,
                            insecure_no_auth=args.insecure_no_auth, token_ttl=args.token_ttl,
-                           threads=args.threads)
+                           threads=args.threads, key_recheck=args.key_recheck)
     except KeyboardInterrupt:
         print("sos: gateway interrupted (the spool keeps what the server does not have yet)",
               file=sys.stderr)

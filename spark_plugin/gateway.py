@@ -23,7 +23,6 @@ the journal, its format and ``sos restore`` are the same. The WebHDFS semantics 
 
 from __future__ import annotations
 
-import hashlib
 import ipaddress
 import json
 import logging
@@ -42,7 +41,16 @@ from typing import Any, Self
 import h11
 import trio
 
-from .gateway_auth import DEFAULT_TOKEN_TTL, TokenAuthority, TokenInfo
+from .gateway_auth import (
+    DEFAULT_KEY_RECHECK,
+    DEFAULT_TOKEN_TTL,
+    KeyChecks,
+    KeyRevoked,
+    Throttled,
+    TokenAuthority,
+    TokenInfo,
+    address_key,
+)
 from .webhdfs import (
     WRITE_PIECE,
     WebHdfsError,
@@ -59,8 +67,6 @@ log = logging.getLogger("sos.gateway")
 READY_MARKER = "sos gateway: ready on"
 WEBHDFS_PREFIX = "/webhdfs/v1"
 TOKEN_PATH = "/oauth2/token"
-#: how long a client secret the SOS server accepted is trusted without asking it again (s)
-KEY_CHECK_TTL = 60.0
 MARKER_PATH = "/sos/v1/marker"
 
 #: largest request head (request line + headers)
@@ -281,12 +287,13 @@ class Gateway:
     the SOS server (PermissionError if refused, ConnectionError if unreachable).
     ``insecure``: serve every request as the append role without a token (only for a
     loopback listener; the CLI enforces it). ``threads``: most worker threads at once.
+    ``key_recheck``: seconds after which a bearer token's key is asked again at the server.
     """
 
     def __init__(self, ns: WebHdfsNamespace, authority: TokenAuthority,
                  verify_key: Callable[[str], tuple[str, str]], *, insecure: bool = False,
                  tls: ssl.SSLContext | None = None, threads: int = 32,
-                 max_connections: int = 1024) -> None:
+                 max_connections: int = 1024, key_recheck: float = DEFAULT_KEY_RECHECK) -> None:
         self.ns = ns
         self.authority = authority
         self.verify_key = verify_key
@@ -294,11 +301,9 @@ class Gateway:
         self.tls = tls
         self.scheme = "https" if tls is not None else "http"
         self.limiter = trio.CapacityLimiter(threads)
-        self.auth_limiter = trio.CapacityLimiter(4)
-        #: sha256(secret) -> (role, key_id, when verified): a secret the SOS server accepted is
-        #: not checked again for KEY_CHECK_TTL seconds (Hadoop opens a new client, and asks for
-        #: a token, for nearly every checkpoint file manager: ~70 token requests per demo run)
-        self._verified: dict[bytes, tuple[str, str, float]] = {}
+        #: every token request asks the server (no cache issues a token); throttled per
+        #: client address; bearer tokens' keys asked again every key_recheck seconds
+        self.key_checks = KeyChecks(verify_key, recheck=key_recheck)
         self.connections = trio.CapacityLimiter(max_connections)
         self.stats: dict[str, _OpStats] = {}
         self.address: tuple[str, int] | None = None
@@ -455,7 +460,7 @@ class Gateway:
                         headers: dict[str, str], op: str) -> int:
         if path == TOKEN_PATH:
             return await self._token(conn, method, headers)
-        grant = self._authenticate(headers)
+        grant = await self._authenticate(headers)
         if path == MARKER_PATH:
             return await self._marker(conn, method, params, grant)
         if path != WEBHDFS_PREFIX and not path.startswith(WEBHDFS_PREFIX + "/"):
@@ -488,7 +493,7 @@ class Gateway:
         await conn.respond(200, body)
         return 200
 
-    def _authenticate(self, headers: dict[str, str]) -> TokenInfo:
+    async def _authenticate(self, headers: dict[str, str]) -> TokenInfo:
         if self.insecure:
             return TokenInfo(self.ns.namespace, "append", 0, "")
         auth = headers.get("authorization", "")
@@ -496,6 +501,7 @@ class Gateway:
         if scheme.lower() == "bearer" and token.strip():
             grant = self.authority.check(token.strip())
             if grant is not None:
+                await self._key_stands(grant)
                 return grant
             raise _Reply(401, _remote("AccessControlException",
                                       "the bearer token is invalid or expired: get a new one "
@@ -507,6 +513,21 @@ class Gateway:
                                   f"(POST client credentials to {TOKEN_PATH} for one)"),
                      [("www-authenticate", 'Bearer realm="sos"')],
                      reason="Unauthorized: no bearer token")
+
+    async def _key_stands(self, grant: TokenInfo) -> None:
+        """401 once the SOS server refuses the token's key (revoked: asked again every
+        key_recheck seconds, no server round trip in between); 503 if it cannot be asked."""
+        try:
+            await self.key_checks.for_bearer(grant)
+        except KeyRevoked as exc:
+            log.info("token of key %s refused: %s", grant.key_id or "?", exc)
+            raise _Reply(401, _remote("AccessControlException",
+                                      f"the bearer token's key was revoked: {exc}"),
+                         [("www-authenticate", 'Bearer realm="sos", error="invalid_token"')],
+                         reason="Unauthorized: the token's key was revoked") from None
+        except ConnectionError as exc:
+            raise _Reply(503, _remote("IOException", f"cannot check the token's key: {exc}"),
+                         [("retry-after", "5")]) from None
 
     async def _simple(self, op: str, rel: str, params: dict[str, str],
                       grant: TokenInfo) -> dict | None:
@@ -676,19 +697,10 @@ class Gateway:
         return 200
 
     # ------------------------------------------------------------------ token, marker
-    async def _verified_key(self, secret: str) -> tuple[str, str]:
-        """(role, key_id) of a client secret: checked at the SOS server, or remembered from a
-        successful check less than KEY_CHECK_TTL seconds ago (refusals are never cached)."""
-        digest = hashlib.sha256(secret.encode("utf-8", "surrogateescape")).digest()
-        now = time.monotonic()
-        hit = self._verified.get(digest)
-        if hit is not None and now - hit[2] < KEY_CHECK_TTL:
-            return hit[0], hit[1]
-        role, key_id = await trio.to_thread.run_sync(self.verify_key, secret, limiter=self.auth_limiter)
-        if len(self._verified) >= 1024:  # a bounded memory: forget the oldest
-            self._verified.pop(next(iter(self._verified)))
-        self._verified[digest] = (role, key_id, now)
-        return role, key_id
+    async def _verified_key(self, secret: str, conn: _Conn) -> tuple[str, str]:
+        """(role, key_id) of a client secret the SOS server accepts now (asked every time:
+        a removed key gets no new token), throttled per client address (KeyChecks)."""
+        return await self.key_checks.for_token(secret, _peer_address(conn.stream))
 
     async def _token(self, conn: _Conn, method: str, headers: dict[str, str]) -> int:
         if method != "POST":
@@ -725,7 +737,12 @@ class Gateway:
                                "error_description": "client_secret (a key of the namespace) "
                                                    "is missing"}, no_store)
         try:
-            role, key_id = await self._verified_key(secret)
+            role, key_id = await self._verified_key(secret, conn)
+        except Throttled as exc:
+            log.info("token request throttled: %s", exc.message)
+            raise _Reply(exc.status, {"error": "temporarily_unavailable",
+                                      "error_description": exc.message},
+                         [*no_store, ("retry-after", str(exc.retry_after))]) from None
         except (PermissionError, ValueError) as exc:
             log.info("token refused: %s", exc)
             raise _Reply(401, {"error": "invalid_client",
@@ -735,8 +752,8 @@ class Gateway:
             log.warning("cannot check a client key: %s", exc)
             raise _Reply(503, {"error": "temporarily_unavailable",
                                "error_description": "the SOS server cannot be reached"},
-                         no_store) from None
-        token, expires_in = self.authority.issue(role, key_id)
+                         [*no_store, ("retry-after", "5")]) from None
+        token, expires_in = self.authority.issue(role, key_id, _key_secret(secret))
         log.info("issued a %s token for key %s (%d s)", role, key_id or "?", expires_in)
         await conn.respond(200, _json({"access_token": token, "token_type": "Bearer",
                                        "expires_in": expires_in}), no_store)
@@ -792,6 +809,23 @@ def parse_listen(text: str) -> tuple[str, int]:
     return host, int(port_text)
 
 
+def _peer_address(stream: trio.abc.Stream) -> str:
+    """The client's address as the token endpoint's throttles count it (address_key)."""
+    inner = stream.transport_stream if isinstance(stream, trio.SSLStream) else stream
+    try:
+        sock = inner.socket  # type: ignore[union-attr]  # SocketStream (TCP) only
+        return address_key(str(sock.getpeername()[0]))
+    except (AttributeError, OSError, IndexError, TypeError):
+        return "?"
+
+
+def _key_secret(key_text: str) -> bytes:
+    """The secret of a key the server just accepted (sealed into its tokens)."""
+    from sos_wire.auth import Key
+
+    return Key.parse(key_text).secret
+
+
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -828,7 +862,8 @@ def run_gateway(namespace: str, listen: str, *, server: str, key: str, cache_dir
                 tls_key: str | None = None, sync: bool = True, max_lag_bytes: int = 64 << 20,
                 generation_bytes: int | None = None, insecure_no_auth: bool = False,
                 token_ttl: int = DEFAULT_TOKEN_TTL, threads: int = 32,
-                flush_timeout: float = 120.0, drain_timeout: float = DRAIN_TIMEOUT) -> int:
+                flush_timeout: float = 120.0, drain_timeout: float = DRAIN_TIMEOUT,
+                key_recheck: float = DEFAULT_KEY_RECHECK) -> int:
     """Serve ``namespace`` on ``listen`` until SIGTERM/SIGINT; returns the exit code
     (0 after a clean stop with the journal flushed, 1 if the final flush failed). On the
     signal it stops accepting connections and gives the requests in progress
@@ -865,7 +900,7 @@ def run_gateway(namespace: str, listen: str, *, server: str, key: str, cache_dir
     ns = WebHdfsNamespace(opened, sync=sync, owner=owner, group=owner)
     gateway = Gateway(ns, TokenAuthority(namespace, secret, ttl=token_ttl),
                       key_verifier(server, namespace, timeout=timeout, tls=tls_client),
-                      insecure=insecure_no_auth, tls=tls, threads=threads)
+                      insecure=insecure_no_auth, tls=tls, threads=threads, key_recheck=key_recheck)
     code = 0
     try:
         trio.run(_serve_until_signal, gateway, host, port, namespace, sync, drain_timeout)

@@ -20,19 +20,32 @@ A file's contents must be durable when its writer is told so: the RENAME that ma
 file visible may reach ANOTHER gateway (a replacement on an empty cache, restored from the
 server), whose barrier cannot cover what the lost one never shipped; it would rename an
 empty or truncated file. In async mode nothing waits; the writer bounds the lag.
+
+Quota (protocol.md 3.4, 3.5): while the SOS server refuses the journal for the namespace's
+quota, every change is refused before it touches the tree, and a barrier fails promptly,
+both as HDFS's DSQuotaExceededException (403); reads never wait for the writer.
+
+The cache is only reached through descriptors (:class:`sos_client.journal.beneath.Beneath`):
+no request follows a symbolic link planted in it (reads, SETPERMISSION and SETTIMES
+included), and entries that are neither directories nor regular files are not shown.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import posixpath
 import stat as stat_mod
 import threading
+from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["JAVA_CLASSES", "WebHdfsError", "WebHdfsNamespace", "file_status", "hdfs_path",
-           "parse_permission", "remote_exception"]
+from sos_client.journal.beneath import Beneath
+
+__all__ = ["JAVA_CLASSES", "SETPERMISSION_MASK", "WebHdfsError", "WebHdfsNamespace",
+           "effective_permission", "file_status", "hdfs_path", "parse_permission",
+           "remote_exception"]
 
 #: Java class of each exception the gateway reports, and the HTTP status HDFS gives it
 #: (ExceptionHandler: FileNotFoundException 404, other IOExceptions 403,
@@ -45,6 +58,8 @@ JAVA_CLASSES: dict[str, tuple[str, int]] = {
         "org.apache.hadoop.fs.PathIsNotEmptyDirectoryException", 403),
     "AlreadyBeingCreatedException": (
         "org.apache.hadoop.hdfs.protocol.AlreadyBeingCreatedException", 403),
+    "DSQuotaExceededException": (
+        "org.apache.hadoop.hdfs.protocol.DSQuotaExceededException", 403),
     "AccessControlException": ("org.apache.hadoop.security.AccessControlException", 403),
     "IOException": ("java.io.IOException", 403),
     "IllegalArgumentException": ("java.lang.IllegalArgumentException", 400),
@@ -90,11 +105,26 @@ _EXCEPTION_OF_ERRNO = {
     errno.EEXIST: "FileAlreadyExistsException",
     errno.ENOTDIR: "ParentNotDirectoryException",
     errno.ENOTEMPTY: "PathIsNotEmptyDirectoryException",
+    errno.EDQUOT: "DSQuotaExceededException",
 }
+
+#: SETPERMISSION keeps these bits of the mode asked for: no setuid, setgid or sticky bit and
+#: no write for group or others (other local users must not change the gateway's cache).
+SETPERMISSION_MASK = 0o755
+#: Without an O_PATH descriptor's own fchmod/futimens, these act on the inode it holds
+#: (never on a link: the descriptor was opened O_NOFOLLOW and checked).
+_PROC_FD = "/proc/self/fd/{}"
 
 
 def _not_found(path: str) -> WebHdfsError:
     return WebHdfsError("FileNotFoundException", f"File does not exist: {path}")
+
+
+def _hard_link(rel: str) -> WebHdfsError:
+    return WebHdfsError("AccessControlException",
+                        f"Permission denied: {hdfs_path(rel)} has more than one hard link; the "
+                        f"journal never makes one, so another name of it may be outside the "
+                        f"cache: refused")
 
 
 def _illegal(message: str) -> WebHdfsError:
@@ -126,6 +156,14 @@ def rel_path(path: str) -> str:
         except ValueError as exc:
             raise _illegal(f"Invalid path name {path}: {exc}") from None
     return rel
+
+
+def effective_permission(mode: int, is_dir: bool) -> int:
+    """The mode SETPERMISSION gives: ``mode & SETPERMISSION_MASK``, and never less than
+    u+rwx for a directory or u+rw for a file, so that the gateway (root or not) can still
+    use its own cache: 0777 gives 0755, 000 gives 0700 on a directory (the root included)
+    and 0600 on a file."""
+    return (mode & SETPERMISSION_MASK) | (0o700 if is_dir else 0o600)
 
 
 def parse_permission(text: str | None, default: int) -> int:
@@ -193,16 +231,86 @@ class WebHdfsNamespace:
     def local(self, rel: str) -> str:
         return self.root if rel == "" else os.path.join(self.root, rel)
 
-    def _stat(self, rel: str) -> os.stat_result | None:
+    @contextlib.contextmanager
+    def _cache(self) -> Iterator[Beneath]:
+        """The cache for one request: every path resolved from a descriptor of its root,
+        component by component, never through a symbolic link (a link planted in the cache
+        by another local user or a bad restore is never followed out of it). One per
+        request: a Beneath caches descriptors and is not shared between threads."""
+        at = Beneath(self.root)
         try:
-            return os.stat(self.local(rel), follow_symlinks=False)
+            yield at
+        finally:
+            at.close()
+
+    def _stat(self, rel: str, at: Beneath | None = None) -> os.stat_result | None:
+        """lstat of ``rel`` if it is a directory or a regular file, else None: missing,
+        below a link or a file, or something the journal never makes (a link, a FIFO...)."""
+        if at is None:
+            with self._cache() as at:
+                return self._stat(rel, at)
+        try:
+            st = at.lstat(rel)
         except (FileNotFoundError, NotADirectoryError):
             return None
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENAMETOOLONG):
+                return None
+            raise
+        if not (stat_mod.S_ISDIR(st.st_mode) or stat_mod.S_ISREG(st.st_mode)):
+            return None
+        return st
+
+    def _entry(self, at: Beneath, rel: str) -> tuple[int, os.stat_result]:
+        """An ``O_PATH`` descriptor of ``rel`` itself (opened ``O_NOFOLLOW`` from its
+        parent's descriptor) and its fstat: a directory, or a regular file with one link
+        (the journal never makes a hard link: another name of the file may be outside the
+        cache). The caller closes it."""
+        try:
+            if rel == "":
+                fd = os.dup(at.fd)
+            else:
+                dfd, name = at.parent(rel)
+                fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+        except (FileNotFoundError, NotADirectoryError):
+            raise _not_found(hdfs_path(rel)) from None
+        try:
+            st = os.fstat(fd)
+            if stat_mod.S_ISREG(st.st_mode) and st.st_nlink > 1:
+                raise _hard_link(rel)
+            if not (stat_mod.S_ISDIR(st.st_mode) or stat_mod.S_ISREG(st.st_mode)):
+                raise _not_found(hdfs_path(rel))  # a link (itself, not followed), a FIFO...
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, st
+
+    @contextlib.contextmanager
+    def _admission(self) -> Iterator[None]:
+        """A change of the namespace: refused up front (DSQuotaExceededException, nothing
+        changed) while the server refuses the journal for quota; admitted whole otherwise
+        (the writer does not refuse its later records half-way, see JournalWriter.admission)."""
+        if self.writer is None:
+            yield
+            return
+        from sos_client.journal.errors import JournalQuotaExceeded
+
+        with contextlib.ExitStack() as stack:
+            try:
+                stack.enter_context(self.writer.admission())
+            except JournalQuotaExceeded as exc:
+                raise self._quota_refusal(exc) from exc
+            yield
+
+    def _quota_refusal(self, exc: BaseException) -> WebHdfsError:
+        return WebHdfsError("DSQuotaExceededException",
+                            f"The DiskSpace quota of namespace {self.namespace!r} is exceeded: "
+                            f"{exc}")
 
     def _journal(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Call a tree mutation; journal failures and races become WebHdfsErrors (by the
         errno of :func:`sos_client.errors.to_oserror`, as fsspec and the mount map them)."""
-        from sos_client.errors import SOSError, is_fenced, to_oserror
+        from sos_client.errors import SOSError, errno_of, is_fenced, to_oserror
         from sos_client.journal.errors import JournalError
 
         try:
@@ -212,6 +320,8 @@ class WebHdfsNamespace:
                 raise WebHdfsError("IOException", f"namespace {self.namespace!r} was taken over by "
                                    f"another writer (fenced); this gateway can no longer change it: "
                                    f"{exc}") from exc
+            if errno_of(exc) == errno.EDQUOT:
+                raise self._quota_refusal(exc) from exc
             if isinstance(exc, JournalError):
                 raise WebHdfsError("IOException", f"journal of namespace {self.namespace!r}: {exc}",
                                    500) from exc
@@ -229,19 +339,20 @@ class WebHdfsNamespace:
         if self.sync and self.writer is not None:
             self._journal(self.writer.barrier, seq)
 
-    def _require(self, rel: str) -> os.stat_result:
-        st = self._stat(rel)
+    def _require(self, rel: str, at: Beneath | None = None) -> os.stat_result:
+        st = self._stat(rel, at)
         if st is None:
             raise _not_found(hdfs_path(rel))
         return st
 
-    def _require_file(self, rel: str) -> os.stat_result:
-        st = self._require(rel)
+    def _require_file(self, rel: str, at: Beneath | None = None) -> os.stat_result:
+        st = self._require(rel, at)
         if stat_mod.S_ISDIR(st.st_mode):
             raise WebHdfsError("FileNotFoundException", f"Path is not a file: {hdfs_path(rel)}")
         return st
 
-    def _check_parent(self, rel: str, *, create_parent: bool) -> list[str]:
+    def _check_parent(self, rel: str, *, create_parent: bool,
+                      at: Beneath | None = None) -> list[str]:
         """The missing ancestors of ``rel`` (outermost first); refuses a file in the way,
         or a missing parent when ``create_parent`` is false."""
         parts = rel.split("/")[:-1]
@@ -251,7 +362,7 @@ class WebHdfsNamespace:
             if missing:
                 missing.append(sub)
                 continue
-            st = self._stat(sub)
+            st = self._stat(sub, at)
             if st is None:
                 if not create_parent:
                     raise WebHdfsError("FileNotFoundException",
@@ -264,30 +375,34 @@ class WebHdfsNamespace:
 
     # ------------------------------------------------------------------ reads
     def get_file_status(self, rel: str) -> dict:
-        st = self._require(rel)
-        children = None
-        if stat_mod.S_ISDIR(st.st_mode):
-            try:
-                children = len(os.listdir(self.local(rel)))
-            except OSError:
-                children = 0
+        with self._cache() as at:
+            st = self._require(rel, at)
+            children = None
+            if stat_mod.S_ISDIR(st.st_mode):
+                try:
+                    children = len(at.listdir(rel))
+                except OSError:
+                    children = 0
         return {"FileStatus": file_status(st, "", self.owner, self.group, children)}
 
     def _entries(self, rel: str) -> list[dict]:
-        st = self._require(rel)
-        if not stat_mod.S_ISDIR(st.st_mode):
-            return [file_status(st, "", self.owner, self.group)]
-        out = []
-        try:
-            with os.scandir(self.local(rel)) as it:
-                for entry in it:
-                    try:
-                        est = entry.stat(follow_symlinks=False)
-                    except FileNotFoundError:
-                        continue  # removed while listing
-                    out.append(file_status(est, entry.name, self.owner, self.group))
-        except FileNotFoundError:
-            raise _not_found(hdfs_path(rel)) from None
+        with self._cache() as at:
+            st = self._require(rel, at)
+            if not stat_mod.S_ISDIR(st.st_mode):
+                return [file_status(st, "", self.owner, self.group)]
+            out = []
+            try:
+                names = at.listdir(rel)
+                dfd = at.dir_fd(rel)
+            except (FileNotFoundError, NotADirectoryError):
+                raise _not_found(hdfs_path(rel)) from None
+            for name in names:
+                try:
+                    est = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue  # removed while listing
+                if stat_mod.S_ISDIR(est.st_mode) or stat_mod.S_ISREG(est.st_mode):
+                    out.append(file_status(est, name, self.owner, self.group))
         out.sort(key=lambda d: d["pathSuffix"].encode("utf-8", "surrogateescape"))
         return out
 
@@ -305,19 +420,21 @@ class WebHdfsNamespace:
                                      "remainingEntries": len(rest)}}
 
     def content_summary(self, rel: str) -> dict:
-        st = self._require(rel)
         files = dirs = length = 0
-        if stat_mod.S_ISDIR(st.st_mode):
-            for dirpath, _dirnames, filenames in os.walk(self.local(rel)):
-                dirs += 1
-                for name in filenames:
-                    try:
-                        length += os.stat(os.path.join(dirpath, name)).st_size
-                        files += 1
-                    except FileNotFoundError:
-                        continue
-        else:
-            files, length = 1, st.st_size
+        with self._cache() as at:
+            st = self._require(rel, at)
+            if stat_mod.S_ISDIR(st.st_mode):
+                try:
+                    for _dir, _subdirs, entries in at.walk(rel):
+                        dirs += 1
+                        for _name, est in entries:
+                            if stat_mod.S_ISREG(est.st_mode):
+                                files += 1
+                                length += est.st_size
+                except (FileNotFoundError, NotADirectoryError):
+                    pass  # changed while summed up: HDFS does not lock either
+            else:
+                files, length = 1, st.st_size
         return {"ContentSummary": {"directoryCount": dirs, "fileCount": files, "length": length,
                                    "quota": -1, "spaceConsumed": length, "spaceQuota": -1,
                                    "typeQuota": {}}}
@@ -336,18 +453,19 @@ class WebHdfsNamespace:
             raise _illegal(f'Invalid value for webhdfs parameter "offset": {offset} < 0')
         if length is not None and length < 0:
             raise _illegal(f'Invalid value for webhdfs parameter "length": {length} < 0')
-        try:
-            fd = os.open(self.local(rel), os.O_RDONLY)
-        except (FileNotFoundError, NotADirectoryError):
-            raise _not_found(hdfs_path(rel)) from None
-        try:
-            st = os.fstat(fd)
-            if stat_mod.S_ISDIR(st.st_mode):
-                raise WebHdfsError("FileNotFoundException",
-                                   f"Path is not a file: {hdfs_path(rel)}")
-        except BaseException:
-            os.close(fd)
-            raise
+        with self._cache() as at:
+            self._require_file(rel, at)
+            try:
+                # O_NOFOLLOW from the parent's descriptor; a regular file with one link
+                fd = at.open_file(rel, os.O_RDONLY, single_link=True)
+            except OSError as exc:
+                if exc.errno == errno.EMLINK:
+                    raise _hard_link(rel) from None
+                if exc.errno in (errno.EACCES, errno.EPERM):
+                    raise WebHdfsError("AccessControlException",
+                                       f"Permission denied: {hdfs_path(rel)}: {exc.strerror}") from None
+                raise _not_found(hdfs_path(rel)) from None  # gone, or swapped for a link
+        st = os.fstat(fd)
         start = min(offset, st.st_size)
         count = st.st_size - start
         if length is not None:
@@ -356,7 +474,7 @@ class WebHdfsNamespace:
 
     # ------------------------------------------------------------------ metadata changes
     def mkdirs(self, rel: str, mode: int) -> dict:
-        with self.lock:
+        with self.lock, self._admission():
             st = self._stat(rel)
             if st is not None:
                 if stat_mod.S_ISDIR(st.st_mode):
@@ -374,15 +492,15 @@ class WebHdfsNamespace:
         existing directory as destination receives the source); with ``options`` (the
         ``renameoptions`` set: NONE, OVERWRITE) rename2, which raises instead."""
         dst = rel_path(dst_path)
-        with self.lock:
-            result = self._rename(rel, dst, options)
+        with self.lock, self._admission(), self._cache() as at:
+            result = self._rename(at, rel, dst, options)
             seq = self._last_seq()
         if result is not False:
             self.barrier(seq)
         return {"boolean": result} if options is None else None
 
-    def _rename(self, rel: str, dst: str, options: set[str] | None) -> bool:
-        src_st = self._stat(rel)
+    def _rename(self, at: Beneath, rel: str, dst: str, options: set[str] | None) -> bool:
+        src_st = self._stat(rel, at)
         boolean = options is None
         src_name, dst_name = hdfs_path(rel), hdfs_path(dst)
         if src_st is None:
@@ -394,14 +512,14 @@ class WebHdfsNamespace:
                 return False
             raise WebHdfsError("IOException", "The root directory cannot be renamed")
         src_is_dir = stat_mod.S_ISDIR(src_st.st_mode)
-        dst_st = self._stat(dst)
+        dst_st = self._stat(dst, at)
         if boolean:
             if dst == rel:
                 return True
             if dst_st is not None and stat_mod.S_ISDIR(dst_st.st_mode):
                 dst = posixpath.join(dst, posixpath.basename(rel)) if dst else posixpath.basename(rel)
                 dst_name = hdfs_path(dst)
-                dst_st = self._stat(dst)
+                dst_st = self._stat(dst, at)
             if dst_st is not None:
                 return False
         elif dst == rel:
@@ -417,7 +535,7 @@ class WebHdfsNamespace:
                                f"file under source {src_name}")
         parent = posixpath.dirname(dst)
         if parent:
-            pst = self._stat(parent)
+            pst = self._stat(parent, at)
             if pst is None or not stat_mod.S_ISDIR(pst.st_mode):
                 if boolean:
                     return False
@@ -436,7 +554,7 @@ class WebHdfsNamespace:
                 kind = "directories" if src_is_dir else "files"
                 raise WebHdfsError("IOException", f"Source {src_name} and destination {dst_name} "
                                    f"must both be {kind}")
-            if dst_is_dir and os.listdir(self.local(dst)):
+            if dst_is_dir and at.listdir(dst):
                 raise WebHdfsError("IOException",
                                    f"rename destination directory is not empty: {dst_name}")
         with self._leases_lock:
@@ -453,38 +571,70 @@ class WebHdfsNamespace:
         return True
 
     def delete(self, rel: str, recursive: bool) -> dict:
-        with self.lock:
-            st = self._stat(rel)
-            if st is None or rel == "":
-                return {"boolean": False}  # HDFS: false for a missing path and for the root
-            if stat_mod.S_ISDIR(st.st_mode):
-                local = self.local(rel)
-                if not recursive and os.listdir(local):
-                    raise WebHdfsError("PathIsNotEmptyDirectoryException",
-                                       f"`{hdfs_path(rel)} is non empty': Directory is not empty")
-                for dirpath, _dirnames, filenames in os.walk(local, topdown=False):
-                    sub = os.path.relpath(dirpath, self.root).replace(os.sep, "/")
-                    for name in sorted(filenames):
-                        self._journal(self.tree.unlink, f"{sub}/{name}")
-                    self._journal(self.tree.rmdir, sub)
-            else:
-                self._journal(self.tree.unlink, rel)
+        with self.lock, self._admission():
+            with self._cache() as at:
+                st = self._stat(rel, at)
+                if st is None or rel == "":
+                    return {"boolean": False}  # HDFS: false for a missing path and for the root
+                if stat_mod.S_ISDIR(st.st_mode):
+                    if not recursive and at.listdir(rel):
+                        raise WebHdfsError("PathIsNotEmptyDirectoryException",
+                                           f"`{hdfs_path(rel)} is non empty': Directory is not empty")
+                    doomed = self._doomed(at, rel)
+                else:
+                    doomed = [(rel, False)]
+            # every check done: the records follow, deepest first, none refused half-way
+            for path, is_dir in doomed:
+                self._journal(self.tree.rmdir if is_dir else self.tree.unlink, path)
             seq = self._last_seq()
         self.barrier(seq)
         return {"boolean": True}
 
+    def _doomed(self, at: Beneath, rel: str) -> list[tuple[str, bool]]:
+        """(path, is a directory) of everything a recursive DELETE of directory ``rel``
+        removes, each directory after its contents. Anything but directories and regular
+        files (a link or FIFO planted in the cache: the journal has no record of it, so a
+        DELETE of it would break every restore) refuses the DELETE before anything changes."""
+        walked: list[tuple[str, list[str]]] = []
+        for d, _subdirs, entries in at.walk(rel):
+            files = []
+            for name, est in entries:
+                path = f"{d}/{name}"
+                if not stat_mod.S_ISREG(est.st_mode):
+                    raise WebHdfsError("IOException",
+                                       f"{hdfs_path(path)} is not a file or directory of the "
+                                       f"journal (a link or special file put in the gateway's "
+                                       f"cache by hand?): {hdfs_path(rel)} is not deleted")
+                files.append(path)
+            walked.append((d, files))
+        doomed: list[tuple[str, bool]] = []
+        for d, files in reversed(walked):  # reversed top-down order: children first
+            doomed += [(f, False) for f in files] + [(d, True)]
+        return doomed
+
     def set_permission(self, rel: str, mode: int) -> None:
         """Applied to the cache only: the journal has no record for modes of existing
-        entries (a restore gives the mode each entry was created with)."""
-        self._require(rel)
-        os.chmod(self.local(rel), mode)
+        entries (a restore gives the mode each entry was created with). The mode is
+        :func:`effective_permission`'s, applied to the entry itself, never through a link."""
+        with self._cache() as at:
+            fd, st = self._entry(at, rel)
+            try:
+                os.chmod(_PROC_FD.format(fd),
+                         effective_permission(mode, stat_mod.S_ISDIR(st.st_mode)))
+            finally:
+                os.close(fd)
 
     def set_times(self, rel: str, mtime: int, atime: int) -> None:
-        """Applied to the cache only (the journal records no times); -1 keeps a time."""
-        st = self._require(rel)
-        a = st.st_atime_ns if atime < 0 else atime * 1_000_000
-        m = st.st_mtime_ns if mtime < 0 else mtime * 1_000_000
-        os.utime(self.local(rel), ns=(a, m))
+        """Applied to the cache only (the journal records no times); -1 keeps a time. The
+        entry itself, never through a link."""
+        with self._cache() as at:
+            fd, st = self._entry(at, rel)
+            try:
+                a = st.st_atime_ns if atime < 0 else atime * 1_000_000
+                m = st.st_mtime_ns if mtime < 0 else mtime * 1_000_000
+                os.utime(_PROC_FD.format(fd), ns=(a, m))
+            finally:
+                os.close(fd)
 
     def set_replication(self, rel: str) -> dict:
         st = self._require(rel)
@@ -493,7 +643,7 @@ class WebHdfsNamespace:
     def truncate(self, rel: str, new_length: int) -> dict:
         if new_length < 0:
             raise _illegal(f'Invalid value for webhdfs parameter "newlength": {new_length} < 0')
-        with self.lock:
+        with self.lock, self._admission():
             st = self._require_file(rel)
             if new_length > st.st_size:
                 raise WebHdfsError("HadoopIllegalArgumentException",
@@ -518,7 +668,10 @@ class WebHdfsNamespace:
     def check_lease(self, rel: str) -> None:
         """The first step of a CREATE or APPEND of a path being written is refused as its
         data step would be (HDFS's NameNode: AlreadyBeingCreatedException on create), not
-        redirected to a step that is bound to fail after the client has sent its body."""
+        redirected to a step that is bound to fail after the client has sent its body. So is
+        any first step while the namespace is over its quota (DSQuotaExceededException)."""
+        with self._admission():
+            pass
         with self._leases_lock:
             if rel in self._leases:
                 raise WebHdfsError("AlreadyBeingCreatedException",
@@ -530,7 +683,10 @@ class WebHdfsNamespace:
             self._leases.discard(rel)
 
     def check_create(self, rel: str, *, overwrite: bool, create_parent: bool) -> None:
-        """The refusals of CREATE that can be told before its body is sent."""
+        """The refusals of CREATE that can be told before its body is sent (the quota
+        included: no body is sent for nothing)."""
+        with self._admission():
+            pass
         if rel == "":
             raise WebHdfsError("FileAlreadyExistsException", "/ already exists as a directory")
         st = self._stat(rel)
@@ -545,7 +701,7 @@ class WebHdfsNamespace:
     def begin_create(self, rel: str, mode: int, *, overwrite: bool, create_parent: bool) -> None:
         """Create (or truncate) ``rel`` and take its lease; the body follows as
         :meth:`write` calls, then :meth:`release`."""
-        with self.lock:
+        with self.lock, self._admission():
             self.check_create(rel, overwrite=overwrite, create_parent=create_parent)
             self._take_lease(rel)
             try:
@@ -561,13 +717,22 @@ class WebHdfsNamespace:
 
     def begin_append(self, rel: str) -> int:
         """Take ``rel``'s lease; returns the offset the appended body starts at."""
-        with self.lock:
+        with self.lock, self._admission():
             st = self._require_file(rel)
             self._take_lease(rel)
             return st.st_size
 
     def write(self, rel: str, offset: int, data: bytes) -> None:
-        self._journal(self.tree.write, rel, offset, data)
+        """One piece of a CREATE or APPEND body. Refused at the quota like any change; the
+        pieces before it stay (as HDFS keeps the blocks written before a quota refusal)."""
+        try:
+            with self._admission():
+                self._journal(self.tree.write, rel, offset, data)
+        except WebHdfsError as exc:
+            if exc.exception != "DSQuotaExceededException":
+                raise
+            raise WebHdfsError(exc.exception, f"{exc.message}. {hdfs_path(rel)} keeps its first "
+                               f"{offset} bytes, journaled before the quota was reached") from exc
 
     def marker(self, label: str, payload: bytes) -> int:
         seq = self._journal(self.tree.marker, label, payload)

@@ -24,6 +24,7 @@ socket, one frame at a time: for server tests that need byte-level control.
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 import sys
@@ -73,6 +74,26 @@ def pytest_make_collect_report(collector):
         report.outcome = "failed"
         report.longrepr = f"module skipped, but SOS_TEST_NO_SKIP=1 forbids skips: {reason}"
 
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """With pytest-cov on and no table asked for (``.ci/run``: ``--cov=PKG ... --cov-branch
+    --cov-report=``), one line with the total, just before pytest's closing line."""
+    cov = config.pluginmanager.getplugin("_cov")
+    ctl = getattr(cov, "cov_controller", None)
+    if ctl is None:
+        return
+    from coverage.exceptions import CoverageException
+
+    try:  # the Coverage object the `cov` fixture hands out, its data combined at the end
+        total = ctl.cov.report(ignore_errors=True, output_format="total", file=io.StringIO())
+    except CoverageException as exc:  # e.g. no data
+        terminalreporter.write_line(f"coverage: no total ({exc})")
+        return
+    what = ", ".join(cov.options.cov_source or ()) or "the measured code"
+    kind = "branch coverage" if cov.options.cov_branch else "line coverage"
+    terminalreporter.write_line(f"{kind} of {what}: {total:.1f} % (in the pytest process; the "
+                                f"servers, mounts and gateways the tests start are not measured)")
 
 
 @pytest.fixture

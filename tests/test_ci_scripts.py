@@ -5,6 +5,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
@@ -34,6 +36,34 @@ def test_ci_run_calls_the_readme_test_command():
     assert "set -euo pipefail" in text
     assert "exec ./scripts/test" in text
     assert "export SOS_TEST_NO_SKIP=1" in text  # CI's machine has FUSE and Spark: no skips
+    for opt in ("--cov=sos_wire", "--cov=sos_server", "--cov=sos_client", "--cov=spark_plugin",
+                "--cov-branch"):
+        assert opt in text, opt
+
+
+def test_coverage_prints_one_total_line_and_leaves_child_processes_alone(tmp_path):
+    """.ci/run's coverage options: a single 'branch coverage of ...: N %' line before pytest's
+    closing line; a child Python process gets no coverage hook (no COVERAGE_PROCESS_* in its
+    environment, so it runs as it would without coverage)."""
+    (tmp_path / "test_c.py").write_text(
+        "import os, subprocess, sys\n"
+        "from sos_wire.crc import crc32c\n"
+        "def test_crc():\n    assert crc32c(b'123456789') == 0xE3069283\n"
+        "def test_child_unmeasured():\n"
+        "    out = subprocess.run([sys.executable, '-c', 'import os; print(sorted(k for k in os.environ'\n"
+        "                          ' if k.startswith((\"COV_\", \"COVERAGE_\"))))'],\n"
+        "                         capture_output=True, text=True, check=True).stdout\n"
+        "    assert out.strip() == '[]', out\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]))
+    env.pop("PYTEST_ADDOPTS", None)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider",
+                           "--rootdir", str(tmp_path), "--cov=sos_wire", "--cov-branch", "--cov-report=",
+                           str(tmp_path / "test_c.py")],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert lines[-1].startswith("2 passed"), lines
+    assert lines[-2].startswith("branch coverage of sos_wire: ") and " % " in lines[-2], lines
 
 
 def test_no_skip_mode_turns_skips_into_failures(tmp_path):
@@ -65,6 +95,7 @@ def test_scripts_are_executable_bash_with_strict_mode():
     assert os.access(ROOT / ".ci" / "run", os.X_OK)
 
 
+@pytest.mark.slow  # runs scripts/setup
 def test_setup_is_idempotent_and_leaves_the_tools_usable():
     # scripts/test already ran it once before pytest; a second run must succeed with
     # nothing to do, and what it installed must be importable / on PATH.
@@ -79,6 +110,7 @@ def test_setup_is_idempotent_and_leaves_the_tools_usable():
     assert check.returncode == 0, check.stderr
 
 
+@pytest.mark.slow  # runs scripts/setup
 def test_test_script_passes_arguments_and_exit_code_through(tmp_path):
     # a failing test file given on the command line: scripts/test must exit with pytest's code
     bad = tmp_path / "test_fails.py"
@@ -92,6 +124,7 @@ def test_test_script_passes_arguments_and_exit_code_through(tmp_path):
     assert "1 failed" in proc.stdout
 
 
+@pytest.mark.slow  # runs scripts/setup
 def test_demo_script_runs_the_demo_module():
     proc = subprocess.run([str(ROOT / "scripts" / "demo"), "--help"], capture_output=True,
                           text=True, timeout=900)

@@ -49,8 +49,7 @@ import urllib.parse
 from dataclasses import dataclass
 
 from tools import child_env
-from tools.demo import (
-    report,
+from tools.demo_common import (
     DRIVER_JVM_OPTIONS,
     ROCKSDB_PROVIDER,
     DemoFailure,
@@ -59,6 +58,7 @@ from tools.demo import (
     fmt,
     keygen,
     make_input,
+    report,
     say,
     tail,
     write_batch_output,
@@ -714,10 +714,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mount", action="store_true",
                    help="run the single-JVM FUSE mount demo instead (its options: --mount --help)")
     args = p.parse_args(argv)
-    if args.mount:
-        from tools.demo import main as demo_main
-
-        return demo_main(argv)
+    if args.mount:  # listed for --help; tools.demo.main (the entry) dispatches it before this
+        p.error("--mount: run python -m tools.demo --mount (./scripts/demo --mount)")
     stores = STORES if args.state_store == "both" else (args.state_store,)
     b = args.batches
     try:

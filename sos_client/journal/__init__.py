@@ -7,6 +7,7 @@ from .errors import (
     JournalCorrupt,
     JournalError,
     JournalNotFound,
+    JournalQuotaExceeded,
     JournalTruncated,
     PositionUnavailable,
     ReplayError,
@@ -37,7 +38,7 @@ from .writer import JournalWriter
 
 __all__ = [
     "JournalWriter", "JournaledTree", "replay", "restore", "verify", "Summary",
-    "JournalError", "JournalCorrupt", "JournalNotFound", "JournalTruncated", "GenerationBreak", "WriterFenced", "WriterClosed",
+    "JournalError", "JournalCorrupt", "JournalNotFound", "JournalQuotaExceeded", "JournalTruncated", "GenerationBreak", "WriterFenced", "WriterClosed",
     "SpoolStale", "TargetNotEmpty", "BatchNotFound", "PositionUnavailable", "ReplayError",
     "Record", "RecordDecoder", "RecordType", "Mkdir", "Rmdir", "Create", "Write", "Truncate",
     "Rename", "Delete", "Marker", "SnapshotEnd",

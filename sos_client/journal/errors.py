@@ -65,6 +65,24 @@ class WriterFenced(JournalError):
     fenced = True
 
 
+class JournalQuotaExceeded(JournalError):
+    """The server refuses the journal for the namespace's quota (QUOTA_EXCEEDED): a barrier
+    whose records cannot become durable, or a new change refused before it touched the tree.
+
+    Nothing is lost: the writer keeps its spool and retries with backoff, so raising the
+    quota (``sos-server quota``) lets the journal drain by itself. A filesystem reports it
+    as EDQUOT; the gateway as HDFS's DSQuotaExceededException. ``applied``: False when
+    the change was refused up front (nothing changed, nothing journaled); True when a
+    barrier failed (the change and every record before it are in the cache and the spool,
+    and become durable, in order, once the quota allows)."""
+
+    os_errno = errno.EDQUOT
+
+    def __init__(self, message: str, *, applied: bool) -> None:
+        super().__init__(message)
+        self.applied = applied
+
+
 class WriterClosed(JournalError):
     """The writer is closed (or failed) and accepts no more records."""
 

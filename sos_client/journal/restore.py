@@ -59,7 +59,7 @@ from .reading import (
     refuse_breaks,
     segment_records,
 )
-from .replay import DEFAULT_WORKERS, replay
+from .replay import DEFAULT_WORKERS, ReplayStats, replay
 from .spark_log import commit_path, find_batch
 
 __all__ = ["restore", "rebuild_cache", "Summary", "parse_time", "format_time", "parse_batch", "find_batch",
@@ -178,12 +178,7 @@ def restore(client_factory: Callable[[], StoreClient], namespace: str, target: s
     journal order; directories, renames and deletes in journal order for their paths);
     1 applies every record in order in this thread.
     """
-    if sum(x is not None for x in (at, position, batch)) > 1:
-        raise ValueError("give at most one of at, position, batch")
-    if position is not None and (not isinstance(position, int) or position < 0):
-        raise ValueError(f"bad position {position!r}")
-    if generation is not None and (not isinstance(generation, int) or generation < 0):
-        raise ValueError(f"bad generation {generation!r}")
+    _check_args(at=at, position=position, batch=batch, generation=generation)
     at_ns = parse_time(at)
     bq = parse_batch(batch) if batch is not None else None
     target = os.path.abspath(target)
@@ -193,94 +188,23 @@ def restore(client_factory: Callable[[], StoreClient], namespace: str, target: s
     client = client_factory()
     try:
         listed = list_generations(client)
-        if generation is not None:
-            g = listed.get(generation)
-            if g is None or not g.segments or not g.ready:
-                why = ("not on the server" if g is None or not g.segments
-                       else f"not complete ({g.ready_problem or 'no ready object'})")
-                raise JournalNotFound(namespace, f"namespace {namespace!r}: generation {generation} is {why}: "
-                                                 f"nothing to restore")
-            gens = {generation: g}
-            summary.warnings.append(f"restoring generation {generation} alone (--generation): the other "
-                                    f"generations were neither read nor checked")
-        else:
-            breaks = chain_breaks(client, listed)
-            if breaks:
-                raise refuse_breaks(breaks)
-            gens = listed
-        if not complete_generations(gens):
-            raise _no_journal(namespace, gens)
-        done = [0]
-        total = [0]
-        lock = threading.Lock()
-
-        def on_bytes(n):
-            with lock:  # progress sees done grow (the reader threads would otherwise race)
-                done[0] += n
-                summary.bytes_read += n
-                if progress is not None:
-                    progress(done[0], total[0])
-
+        gens = _generations(client, namespace, listed, generation, summary)
+        meter = _Meter(summary, progress)
         if bq is not None:
-            total[0] = sum(g.total_bytes for g in complete_generations(gens))  # at most: the scan may stop sooner
-            position = find_batch(client, gens, bq[0], bq[1], on_bytes=on_bytes, notes=summary.notes,
+            meter.total = sum(g.total_bytes for g in complete_generations(gens))  # at most: the scan may stop sooner
+            position = find_batch(client, gens, bq[0], bq[1], on_bytes=meter.on_bytes, notes=summary.notes,
                                   listed=listed)
-            done[0] = 0
+            meter.done = 0
         gen = choose_generation(client, gens, position=position, at_ns=at_ns)
         if gen is None:  # not reached: complete_generations(gens) was checked above
             raise _no_journal(namespace, gens)
         created = not os.path.exists(target)
         _prepare_target(target, force)
         summary.generation = gen.generation
-        total[0] = gen.total_bytes
-        if progress is not None:
-            progress(0, total[0])
-        stop: Callable[[Record], bool] | None = None
-        if position is not None:
-            def stop(rec: Record, _p: int = position) -> bool:
-                return rec.seq > _p
-        elif at_ns is not None:
-            def stop(rec: Record, _t: int = at_ns) -> bool:
-                return rec.time_ns > _t
-        try:
-            readers = SegmentReaders(client_factory, gen.segments, readers=2, on_bytes=on_bytes)
-            try:
-                records = generation_records(client, gen, notes=summary.notes, source=readers.records,
-                                             next_first=next_first_seq(listed, gen.generation))
-                if position is not None:
-                    records = _through(records, position)
-                stats = replay(records, target, stop=stop, snapshot=True, workers=workers)
-            finally:
-                readers.close()
-        except JournalCorrupt as e:
-            st = e.replay_stats
-            if st is not None:
-                summary.records, summary.last_seq, summary.last_time_ns = st.records, st.last_seq, st.last_time_ns
-            summary.seconds = time.monotonic() - t0
-            _count(target, summary)
-            e.summary = summary
-            raise
-        if not stats.snapshot_done:
-            raise JournalCorrupt(gen.segments[-1].name, 0,
-                                 f"generation {gen.generation} is marked ready but has no SNAPSHOT_END")
-        if position is not None and not stats.stopped and stats.last_seq < position:
-            if gen is complete_generations(gens)[0]:
-                _clear(target)  # a point the journal does not reach: leave nothing half-meant behind
-                if created:
-                    os.rmdir(target)
-                unused = "".join(f"; {_unused_text(g)}" for g in incomplete_after(gens, gen.generation))
-                raise PositionUnavailable(f"position {position} is past the end of the journal: the last "
-                                          f"record is {stats.last_seq} (at {format_time(stats.last_time_ns)})"
-                                          + unused)
-            summary.notes.append(f"position {position} is in a range of records no complete generation "
-                                 f"holds (a generation abandoned before its snapshot was done): restored "
-                                 f"the end of generation {gen.generation}, record {stats.last_seq}")
-        if gen is complete_generations(gens)[0] and position is None and not stats.stopped:
-            summary.warnings.extend(_unused_text(g) for g in incomplete_after(gens, gen.generation))
-        summary.records = stats.records
-        summary.last_seq = stats.last_seq
-        summary.last_time_ns = stats.last_time_ns
-        summary.stopped = stats.stopped or (position is not None and stats.last_seq >= position)
+        meter.start(gen.total_bytes)
+        stats = _replay_generation(client_factory, client, gen, listed, target, summary, meter,
+                                   position=position, at_ns=at_ns, workers=workers, t0=t0)
+        _check_point_reached(summary, stats, gens, gen, position, target, created)
     finally:
         try:
             client.close()
@@ -289,6 +213,131 @@ def restore(client_factory: Callable[[], StoreClient], namespace: str, target: s
     summary.seconds = time.monotonic() - t0
     _count(target, summary)
     return summary
+
+
+def _check_args(*, at, position, batch, generation) -> None:
+    if sum(x is not None for x in (at, position, batch)) > 1:
+        raise ValueError("give at most one of at, position, batch")
+    if position is not None and (not isinstance(position, int) or position < 0):
+        raise ValueError(f"bad position {position!r}")
+    if generation is not None and (not isinstance(generation, int) or generation < 0):
+        raise ValueError(f"bad generation {generation!r}")
+
+
+def _generations(client: StoreClient, namespace: str, listed: dict[int, layout.GenerationInfo],
+                 generation: int | None, summary: Summary) -> dict[int, layout.GenerationInfo]:
+    """The generations to restore from: generation ``generation`` alone, or every listed one
+    once they form one chain (else GenerationBreak); JournalNotFound if none is complete."""
+    if generation is not None:
+        g = listed.get(generation)
+        if g is None or not g.segments or not g.ready:
+            why = ("not on the server" if g is None or not g.segments
+                   else f"not complete ({g.ready_problem or 'no ready object'})")
+            raise JournalNotFound(namespace, f"namespace {namespace!r}: generation {generation} is {why}: "
+                                             f"nothing to restore")
+        gens = {generation: g}
+        summary.warnings.append(f"restoring generation {generation} alone (--generation): the other "
+                                f"generations were neither read nor checked")
+    else:
+        breaks = chain_breaks(client, listed)
+        if breaks:
+            raise refuse_breaks(breaks)
+        gens = listed
+    if not complete_generations(gens):
+        raise _no_journal(namespace, gens)
+    return gens
+
+
+class _Meter:
+    """Journal bytes read: ``summary.bytes_read`` and ``progress(done, total)``, from the
+    reader threads."""
+
+    def __init__(self, summary: Summary, progress: Callable[[int, int], None] | None) -> None:
+        self.summary = summary
+        self.progress = progress
+        self.done = 0
+        self.total = 0
+        self._lock = threading.Lock()
+
+    def on_bytes(self, n: int) -> None:
+        with self._lock:  # progress sees done grow (the reader threads would otherwise race)
+            self.done += n
+            self.summary.bytes_read += n
+            if self.progress is not None:
+                self.progress(self.done, self.total)
+
+    def start(self, total: int) -> None:
+        """The replay's pass: ``total`` bytes to read."""
+        self.total = total
+        if self.progress is not None:
+            self.progress(0, total)
+
+
+def _stop_rule(position: int | None, at_ns: int | None) -> Callable[[Record], bool] | None:
+    """The replay stops before the first record past the point (None: at the end)."""
+    if position is not None:
+        def stop(rec: Record, _p: int = position) -> bool:
+            return rec.seq > _p
+        return stop
+    if at_ns is not None:
+        def stop_at(rec: Record, _t: int = at_ns) -> bool:
+            return rec.time_ns > _t
+        return stop_at
+    return None
+
+
+def _replay_generation(client_factory: Callable[[], StoreClient], client: StoreClient,
+                       gen: layout.GenerationInfo, listed: dict[int, layout.GenerationInfo], target: str,
+                       summary: Summary, meter: _Meter, *, position: int | None, at_ns: int | None,
+                       workers: int, t0: float) -> ReplayStats:
+    """Replay ``gen`` into ``target`` up to the point. A JournalCorrupt leaves what came
+    before the broken record applied and carries the summary of it (``exc.summary``)."""
+    try:
+        readers = SegmentReaders(client_factory, gen.segments, readers=2, on_bytes=meter.on_bytes)
+        try:
+            records = generation_records(client, gen, notes=summary.notes, source=readers.records,
+                                         next_first=next_first_seq(listed, gen.generation))
+            if position is not None:
+                records = _through(records, position)
+            stats = replay(records, target, stop=_stop_rule(position, at_ns), snapshot=True, workers=workers)
+        finally:
+            readers.close()
+    except JournalCorrupt as e:
+        st = e.replay_stats
+        if st is not None:
+            summary.records, summary.last_seq, summary.last_time_ns = st.records, st.last_seq, st.last_time_ns
+        summary.seconds = time.monotonic() - t0
+        _count(target, summary)
+        e.summary = summary
+        raise
+    if not stats.snapshot_done:
+        raise JournalCorrupt(gen.segments[-1].name, 0,
+                             f"generation {gen.generation} is marked ready but has no SNAPSHOT_END")
+    return stats
+
+
+def _check_point_reached(summary: Summary, stats: ReplayStats, gens: dict[int, layout.GenerationInfo],
+                         gen: layout.GenerationInfo, position: int | None, target: str, created: bool) -> None:
+    """After the replay: a position past the journal's end is undone (PositionUnavailable);
+    the summary takes the replay's figures and what a restore did not use."""
+    if position is not None and not stats.stopped and stats.last_seq < position:
+        if gen is complete_generations(gens)[0]:
+            _clear(target)  # a point the journal does not reach: leave nothing half-meant behind
+            if created:
+                os.rmdir(target)
+            unused = "".join(f"; {_unused_text(g)}" for g in incomplete_after(gens, gen.generation))
+            raise PositionUnavailable(f"position {position} is past the end of the journal: the last "
+                                      f"record is {stats.last_seq} (at {format_time(stats.last_time_ns)})"
+                                      + unused)
+        summary.notes.append(f"position {position} is in a range of records no complete generation "
+                             f"holds (a generation abandoned before its snapshot was done): restored "
+                             f"the end of generation {gen.generation}, record {stats.last_seq}")
+    if gen is complete_generations(gens)[0] and position is None and not stats.stopped:
+        summary.warnings.extend(_unused_text(g) for g in incomplete_after(gens, gen.generation))
+    summary.records = stats.records
+    summary.last_seq = stats.last_seq
+    summary.last_time_ns = stats.last_time_ns
+    summary.stopped = stats.stopped or (position is not None and stats.last_seq >= position)
 
 
 def rebuild_cache(client_factory: Callable[[], StoreClient], namespace: str, cache_dir: str) -> int:

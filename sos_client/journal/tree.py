@@ -15,6 +15,10 @@ following symbolic links (:class:`~sos_client.journal.beneath.Beneath`): a link 
 the cache is refused, never followed out of it. Modes are recorded, and given to the cache
 entries, masked with ``REPLAY_MODE_MASK`` (no setuid, setgid, sticky or write-for-others
 bits), exactly what replay applies.
+
+While the server refuses the journal for quota, every change is refused before it touches
+the cache (:meth:`JournalWriter.admit`: JournalQuotaExceeded, EDQUOT for a filesystem), so
+the cache never holds a change the journal does not.
 """
 
 from __future__ import annotations
@@ -279,6 +283,7 @@ class JournaledTree:
         self._check(path)
         mode &= REPLAY_MODE_MASK
         with self._lock:
+            self._writer.admit()
             self._at.mkdir(path, mode, exact=False)
             self._append(Mkdir(path, mode))
             self._after()
@@ -286,6 +291,7 @@ class JournaledTree:
     def rmdir(self, path: str) -> None:
         self._check(path)
         with self._lock:
+            self._writer.admit()
             self._at.rmdir(path)
             self._append(Rmdir(path))
             self._after()
@@ -295,6 +301,7 @@ class JournaledTree:
         self._check(path)
         mode &= REPLAY_MODE_MASK
         with self._lock:
+            self._writer.admit()
             fd = self._at.create_file(path, mode, exact=False)
             os.close(fd)
             self._append(Create(path, mode))
@@ -308,6 +315,7 @@ class JournaledTree:
         mv = memoryview(data).cast("B")
         self._check_size(offset + len(mv))
         with self._lock:
+            self._writer.admit()
             fd = self._at.open_file(path, os.O_WRONLY)
             try:
                 done = 0
@@ -326,6 +334,7 @@ class JournaledTree:
         self._check(path)
         self._check_size(size)
         with self._lock:
+            self._writer.admit()
             fd = self._at.open_file(path, os.O_WRONLY)
             try:
                 os.ftruncate(fd, size)
@@ -340,6 +349,7 @@ class JournaledTree:
         self._check(src)
         self._check(dst)
         with self._lock:
+            self._writer.admit()
             if overwrite:
                 self._at.rename(src, dst)
             else:
@@ -356,6 +366,7 @@ class JournaledTree:
     def unlink(self, path: str) -> None:
         self._check(path)
         with self._lock:
+            self._writer.admit()
             if _stat.S_ISDIR(self._at.lstat(path).st_mode):
                 raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
             self._at.unlink(path)
@@ -364,6 +375,7 @@ class JournaledTree:
 
     def marker(self, label: str, payload: bytes = b"") -> int:
         with self._lock:
+            self._writer.admit()
             seq = self._append(Marker(label, bytes(payload)))
             self._after()
         return seq

@@ -17,6 +17,7 @@ from .records import (
     MAX_RECORD_LENGTH,
     MIN_LENGTH,
     PREFIX,
+    Record,
     RecordDecoder,
     RecordType,
     SnapshotEnd,
@@ -158,6 +159,28 @@ def _resync(client, seg: layout.SegmentInfo, start: int, length: int) -> int | N
     return None
 
 
+@dataclass
+class _Scan:
+    """What the walk over a namespace carries from record to record."""
+
+    client: StoreClient
+    rep: VerifyReport
+    total: int  # bytes of every generation, for ``progress``
+    progress: Callable[[int, int], None] | None
+    newest: int | None  # the newest generation with segments
+    done: int = 0
+    # of the generation being read:
+    expected: int | None = None  # seq of the next record (None: after a break, anything goes)
+    saw_end: bool = False
+    after_end: list[int] = field(default_factory=list)  # first and last seq after SNAPSHOT_END
+
+    def count(self, n: int) -> None:
+        self.rep.bytes += n
+        self.done += n
+        if self.progress is not None:
+            self.progress(self.done, self.total)
+
+
 def verify(client_factory: Callable[[], StoreClient], namespace: str, *,
            progress: Callable[[int, int], None] | None = None) -> VerifyReport:
     """Read and check every record of every generation; returns a VerifyReport.
@@ -171,121 +194,13 @@ def verify(client_factory: Callable[[], StoreClient], namespace: str, *,
     try:
         gens = list_generations(client)
         rep.generations = len(gens)
-        total = sum(g.total_bytes for g in gens.values())
-        done = [0]
         written = [g for g in gens.values() if g.segments]
-        newest = written[-1].generation if written else None
+        scan = _Scan(client, rep, total=sum(g.total_bytes for g in gens.values()), progress=progress,
+                     newest=written[-1].generation if written else None)
         ends: dict[int, tuple[int, bool]] = {}  # generation -> (last whole record, exact)
         for gi, g in enumerate(written):
             nxt = written[gi + 1] if gi + 1 < len(written) else None
-            if g.ready:
-                rep.complete_generations += 1
-            elif g.ready_object is not None:
-                problem = g.ready_problem
-                if g.ready_object[0]:
-                    rep.problems.append(Problem(layout.ready_name(g.generation), 0, None,
-                                                f"{problem}: generation {g.generation} is not complete"))
-                elif g.generation == newest:
-                    rep.notes.append(f"generation {g.generation} is not complete yet ({problem})")
-                else:
-                    rep.warnings.append(f"generation {g.generation} is not complete ({problem}): restore "
-                                        f"does not use it")
-            elif g.generation != newest:
-                rep.notes.append(f"generation {g.generation} has no ready object (abandoned snapshot)")
-            else:
-                rep.notes.append(f"generation {g.generation} is not complete yet (snapshot in progress)")
-            expected = None
-            saw_end = False
-            after_end: list[int] = []  # first and last seq of journal records after SNAPSHOT_END
-            end, exact = g.segments[0].first_seq - 1, True
-            for i, seg in enumerate(g.segments):
-                rep.segments += 1
-                last_here = None
-                clean = True
-                try:
-                    length = client.stat(seg.name)[0]
-                except Exception:  # noqa: BLE001 - fall back to the listed length
-                    length = seg.length
-                offset = 0
-                first = True
-                while True:
-                    dec = RecordDecoder(seg.name, offset)
-                    try:
-                        for chunk in read_segment_bytes(client, seg.name, offset):
-                            dec.feed(chunk)
-                            rep.bytes += len(chunk)
-                            done[0] += len(chunk)
-                            if progress is not None:
-                                progress(done[0], total)
-                            for rec in dec:
-                                rep.records += 1
-                                last_here = rec.seq
-                                if first:
-                                    first = False
-                                    if rec.seq != seg.first_seq:
-                                        rep.problems.append(Problem(seg.name, rec.offset, rec.offset + rec.size,
-                                                                    f"first record has seq {rec.seq}, name says {seg.first_seq}"))
-                                if expected is not None and rec.seq != expected:
-                                    rep.problems.append(Problem(seg.name, rec.offset, rec.offset + rec.size,
-                                                                f"sequence gap: expected {expected}, found {rec.seq}"))
-                                expected = rec.seq + 1
-                                rep.first_seq = rep.first_seq or rec.seq
-                                rep.last_seq = max(rep.last_seq, rec.seq)
-                                if saw_end:  # a journal record: first and last kept
-                                    after_end[1 if after_end else 0:] = [rec.seq]
-                                if type(rec.op) is SnapshotEnd:
-                                    saw_end = True
-                                    if rec.op.generation != g.generation:
-                                        rep.problems.append(Problem(seg.name, rec.offset, rec.offset + rec.size,
-                                                                    f"SNAPSHOT_END of generation {rec.op.generation}"))
-                        if dec.pending:
-                            raise JournalTruncated(seg.name, dec.offset, f"segment ends inside a record "
-                                                                         f"({dec.pending} bytes)")
-                        break
-                    except JournalTruncated as e:
-                        cut = expected if expected is not None else seg.first_seq
-                        last_seg = i == len(g.segments) - 1
-                        if last_seg and nxt is not None and nxt.generation == g.generation + 1 \
-                                and nxt.first_seq == cut:
-                            rep.notes.append(f"{seg.name}: abandoned partial record at offset {e.offset} "
-                                             f"(generation {nxt.generation} starts with record {cut})")
-                        elif last_seg and not seg.sealed and g.generation == newest:
-                            rep.notes.append(f"{seg.name}: write in progress at offset {e.offset}")
-                        elif not last_seg and g.segments[i + 1].first_seq == cut:
-                            rep.notes.append(f"{seg.name}: abandoned partial record at offset {e.offset} "
-                                             f"(superseded by {g.segments[i + 1].name})")
-                        else:
-                            rep.problems.append(Problem(seg.name, e.offset, None, e.reason))
-                        break
-                    except (JournalCorrupt, ServerCorrupt) as e:
-                        clean = False
-                        if isinstance(e, ServerCorrupt):
-                            try:
-                                for _rec in dec:  # whole records before the damage are fine
-                                    rep.records += 1
-                                    last_here = _rec.seq
-                            except JournalCorrupt:
-                                pass
-                        bad = dec.offset
-                        reason = e.reason if isinstance(e, JournalCorrupt) else e.message
-                        nxt_off = _resync(client, seg, bad, length)
-                        rep.problems.append(Problem(seg.name, bad, nxt_off, reason))
-                        expected = None
-                        if nxt_off is None:
-                            break
-                        offset = nxt_off
-                if i == len(g.segments) - 1:  # the generation's end, as generation_end() sees it
-                    end = last_here if last_here is not None else seg.first_seq - 1
-                    exact = clean
-            ends[g.generation] = (end, exact)
-            if g.ready and not saw_end:
-                rep.problems.append(Problem(layout.ready_name(g.generation), 0, 0,
-                                            "generation is marked ready but no SNAPSHOT_END was read"))
-            if not g.ready and after_end:
-                rep.warnings.append(
-                    f"generation {g.generation} is not complete but holds records {after_end[0]}.."
-                    f"{after_end[-1]} after its SNAPSHOT_END: restore does not use them (a writer reports no "
-                    f"record of a generation durable before its ready object exists)")
+            ends[g.generation] = _verify_generation(scan, g, nxt)
         for b in chain_breaks(client, gens, ends=ends):
             rep.problems.append(Problem(b.name, 0, None, b.reason))
     finally:
@@ -295,3 +210,143 @@ def verify(client_factory: Callable[[], StoreClient], namespace: str, *,
             pass
     rep.seconds = time.monotonic() - t0
     return rep
+
+
+def _note_readiness(rep: VerifyReport, g: layout.GenerationInfo, newest: int | None) -> None:
+    """Count a complete generation; say why one is not (a problem, a warning or a note)."""
+    if g.ready:
+        rep.complete_generations += 1
+    elif g.ready_object is not None:
+        problem = g.ready_problem
+        if g.ready_object[0]:
+            rep.problems.append(Problem(layout.ready_name(g.generation), 0, None,
+                                        f"{problem}: generation {g.generation} is not complete"))
+        elif g.generation == newest:
+            rep.notes.append(f"generation {g.generation} is not complete yet ({problem})")
+        else:
+            rep.warnings.append(f"generation {g.generation} is not complete ({problem}): restore "
+                                f"does not use it")
+    elif g.generation != newest:
+        rep.notes.append(f"generation {g.generation} has no ready object (abandoned snapshot)")
+    else:
+        rep.notes.append(f"generation {g.generation} is not complete yet (snapshot in progress)")
+
+
+def _verify_generation(scan: _Scan, g: layout.GenerationInfo,
+                       nxt: layout.GenerationInfo | None) -> tuple[int, bool]:
+    """Check one generation's segments; returns (its last whole record, exact) as
+    ``generation_end()`` sees it, for the chain check."""
+    rep = scan.rep
+    _note_readiness(rep, g, scan.newest)
+    scan.expected, scan.saw_end, scan.after_end = None, False, []
+    end, exact = g.segments[0].first_seq - 1, True
+    for i, seg in enumerate(g.segments):
+        last_here, clean = _verify_segment(scan, g, i, nxt)
+        if i == len(g.segments) - 1:  # the generation's end, as generation_end() sees it
+            end = last_here if last_here is not None else seg.first_seq - 1
+            exact = clean
+    if g.ready and not scan.saw_end:
+        rep.problems.append(Problem(layout.ready_name(g.generation), 0, 0,
+                                    "generation is marked ready but no SNAPSHOT_END was read"))
+    after_end = scan.after_end
+    if not g.ready and after_end:
+        rep.warnings.append(
+            f"generation {g.generation} is not complete but holds records {after_end[0]}.."
+            f"{after_end[-1]} after its SNAPSHOT_END: restore does not use them (a writer reports no "
+            f"record of a generation durable before its ready object exists)")
+    return end, exact
+
+
+def _verify_segment(scan: _Scan, g: layout.GenerationInfo, i: int,
+                    nxt: layout.GenerationInfo | None) -> tuple[int | None, bool]:
+    """Read segment ``i`` of ``g`` record by record, past any broken range (resynced on the
+    next valid record); returns (seq of its last whole record or None, no broken range)."""
+    seg = g.segments[i]
+    rep = scan.rep
+    rep.segments += 1
+    last_here = None
+    clean = True
+    try:
+        length = scan.client.stat(seg.name)[0]
+    except Exception:  # noqa: BLE001 - fall back to the listed length
+        length = seg.length
+    offset = 0
+    first = True
+    while True:
+        dec = RecordDecoder(seg.name, offset)
+        try:
+            for chunk in read_segment_bytes(scan.client, seg.name, offset):
+                dec.feed(chunk)
+                scan.count(len(chunk))
+                for rec in dec:
+                    _check_record(scan, g, seg, rec, first)
+                    last_here = rec.seq
+                    first = False
+            if dec.pending:
+                raise JournalTruncated(seg.name, dec.offset, f"segment ends inside a record "
+                                                             f"({dec.pending} bytes)")
+            break
+        except JournalTruncated as e:
+            _note_truncation(scan, g, i, nxt, e)
+            break
+        except (JournalCorrupt, ServerCorrupt) as e:
+            clean = False
+            if isinstance(e, ServerCorrupt):
+                try:
+                    for _rec in dec:  # whole records before the damage are fine
+                        rep.records += 1
+                        last_here = _rec.seq
+                except JournalCorrupt:
+                    pass
+            bad = dec.offset
+            reason = e.reason if isinstance(e, JournalCorrupt) else e.message
+            nxt_off = _resync(scan.client, seg, bad, length)
+            rep.problems.append(Problem(seg.name, bad, nxt_off, reason))
+            scan.expected = None
+            if nxt_off is None:
+                break
+            offset = nxt_off
+    return last_here, clean
+
+
+def _check_record(scan: _Scan, g: layout.GenerationInfo, seg: layout.SegmentInfo, rec: Record,
+                  first: bool) -> None:
+    """One decoded record: its seq against the segment's name and the one before it, and
+    SNAPSHOT_END against its generation."""
+    rep = scan.rep
+    rep.records += 1
+    if first and rec.seq != seg.first_seq:
+        rep.problems.append(Problem(seg.name, rec.offset, rec.offset + rec.size,
+                                    f"first record has seq {rec.seq}, name says {seg.first_seq}"))
+    if scan.expected is not None and rec.seq != scan.expected:
+        rep.problems.append(Problem(seg.name, rec.offset, rec.offset + rec.size,
+                                    f"sequence gap: expected {scan.expected}, found {rec.seq}"))
+    scan.expected = rec.seq + 1
+    rep.first_seq = rep.first_seq or rec.seq
+    rep.last_seq = max(rep.last_seq, rec.seq)
+    if scan.saw_end:  # a journal record: first and last kept
+        scan.after_end[1 if scan.after_end else 0:] = [rec.seq]
+    if type(rec.op) is SnapshotEnd:
+        scan.saw_end = True
+        if rec.op.generation != g.generation:
+            rep.problems.append(Problem(seg.name, rec.offset, rec.offset + rec.size,
+                                        f"SNAPSHOT_END of generation {rec.op.generation}"))
+
+
+def _note_truncation(scan: _Scan, g: layout.GenerationInfo, i: int, nxt: layout.GenerationInfo | None,
+                     e: JournalTruncated) -> None:
+    """A segment that ends inside a record: a note where a writer abandoned it (the next
+    segment or generation starts with the cut record) or is still writing, else a problem."""
+    seg = g.segments[i]
+    cut = scan.expected if scan.expected is not None else seg.first_seq
+    last_seg = i == len(g.segments) - 1
+    if last_seg and nxt is not None and nxt.generation == g.generation + 1 and nxt.first_seq == cut:
+        scan.rep.notes.append(f"{seg.name}: abandoned partial record at offset {e.offset} "
+                              f"(generation {nxt.generation} starts with record {cut})")
+    elif last_seg and not seg.sealed and g.generation == scan.newest:
+        scan.rep.notes.append(f"{seg.name}: write in progress at offset {e.offset}")
+    elif not last_seg and g.segments[i + 1].first_seq == cut:
+        scan.rep.notes.append(f"{seg.name}: abandoned partial record at offset {e.offset} "
+                              f"(superseded by {g.segments[i + 1].name})")
+    else:
+        scan.rep.problems.append(Problem(seg.name, e.offset, None, e.reason))

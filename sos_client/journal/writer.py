@@ -20,14 +20,25 @@ a JournalError, before anything in that segment is acknowledged.
 
 ``open()`` refuses a namespace whose generations do not form one chain (protocol.md 2.1),
 e.g. a far-future generation someone else published: it would otherwise continue it.
+
+Quota: when the server answers QUOTA_EXCEEDED the writer enters the "quota exceeded" state
+(:attr:`JournalWriter.quota_exceeded`, ``status()["state"]``). The journal is one ordered
+stream, so nothing after the refused record can become durable either: the spool is kept
+(nothing is lost) and the replicator retries with backoff, which drains it by itself once
+the operator raises the quota; meanwhile a barrier that waits for records not yet
+acknowledged fails promptly with :class:`JournalQuotaExceeded` (after one more attempt, so a
+quota raised a moment ago is seen), :meth:`JournalWriter.admit` refuses new changes before
+they touch anything, and an append no longer waits for the lag bound (only changes admitted
+before the state began are still appended). A successful retry ends the state.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 from . import layout
 from ._store import (
@@ -40,9 +51,10 @@ from ._store import (
     is_retryable,
     mismatch_length,
 )
-from .errors import GenerationBreak, JournalError, SpoolStale, WriterClosed, WriterFenced
+from .errors import GenerationBreak, JournalError, JournalQuotaExceeded, SpoolStale, WriterClosed, WriterFenced
 from .records import HEADER, MAX_RECORD_LENGTH, PREFIX, Op, Record, RecordDecoder, SnapshotEnd, encode
 from .spool import Spool, SpoolSegment
+from ..errors import QuotaExceeded
 from ..retry import Backoff, retrying
 
 log = logging.getLogger("sos.journal.writer")
@@ -50,6 +62,11 @@ log = logging.getLogger("sos.journal.writer")
 #: A replicator task: ("seal_foreign", name), ("ready", (generation, seq)),
 #: ("ship", segment) or ("seal", segment).
 _Task = tuple[str, Any]
+
+#: In the quota state a barrier waits at most this long for one more attempt of the
+#: replicator (woken at once) before it fails: a quota raised a moment ago is then seen,
+#: and an unreachable server does not turn the prompt refusal into a wait.
+QUOTA_RECHECK = 5.0
 
 
 def server_last_record(client: StoreClient, seg_name: str, length: int | None = None) -> tuple[int, int] | None:
@@ -98,6 +115,15 @@ class JournalWriter:
         self._closed = False
         self._in_snapshot = False
         self.last_error: BaseException | None = None  # last transient error (for status)
+        #: the server's QUOTA_EXCEEDED while the writer is in the quota state (else None),
+        #: and the kind of replicator task it refused (a success of that kind ends the state)
+        self._quota: BaseException | None = None
+        self._quota_kind = ""
+        self._quota_since = 0.0
+        self._attempts = 0  # replicator attempts finished (success or failure)
+        self._failing = False  # the last attempt failed (a retryable error)
+        self._wake = threading.Event()  # cuts the replicator's backoff short
+        self._admitted = threading.local()  # see admission()
 
         self.is_open = False
         self.epoch = 0
@@ -124,6 +150,68 @@ class JournalWriter:
     def unshipped_bytes(self) -> int:
         with self._cv:
             return self._unshipped()
+
+    @property
+    def quota_exceeded(self) -> bool:
+        """True while the server refuses the journal for the namespace's quota (the
+        replicator keeps the spool and retries; see the module docstring)."""
+        return self._quota is not None
+
+    def status(self) -> dict[str, Any]:
+        """What the writer is doing, for logs and health checks: ``state`` is "closed",
+        "failed" (the replicator stopped: fenced, corrupt, refused key...), "quota_exceeded"
+        (waiting for room on the server), "retrying" (a transient error, e.g. the server is
+        unreachable, since the last success) or "ok"."""
+        with self._cv:
+            if self._closed:
+                state = "closed"
+            elif self._error is not None:
+                state = "failed"
+            elif self._quota is not None:
+                state = "quota_exceeded"
+            elif self._failing:
+                state = "retrying"
+            else:
+                state = "ok"
+            error = self._error or self._quota or (self.last_error if self._failing else None)
+            return {
+                "state": state,
+                "last_seq": self._seq,
+                "acked_seq": self._acked,
+                "unshipped_bytes": self._unshipped(),
+                "quota_exceeded_for": (time.monotonic() - self._quota_since) if self._quota is not None else 0.0,
+                "error": f"{type(error).__name__}: {error}" if error is not None else None,
+                "reconnects": self.reconnects,
+                "epoch": self.epoch,
+                "generation": self.generation,
+            }
+
+    def admit(self) -> None:
+        """Refuse a new change before it touches the tree while the server refuses the
+        journal for quota (JournalQuotaExceeded, ``applied`` False: nothing changed). Inside
+        :meth:`admission` of the same thread it lets everything through: a request made of
+        several records was admitted as a whole."""
+        if getattr(self._admitted, "depth", 0):
+            return
+        quota = self._quota
+        if quota is not None:
+            raise JournalQuotaExceeded(
+                f"namespace {self.namespace!r} is over its quota on the SOS server ({quota}); nothing was "
+                f"changed. The writer keeps {self.unshipped_bytes} bytes of journal in its spool and "
+                f"retries: changes are accepted again once the server's operator raises the quota "
+                f"(sos-server quota)", applied=False)
+
+    @contextlib.contextmanager
+    def admission(self) -> Iterator[None]:
+        """:meth:`admit` once for a change made of several records (a recursive delete,
+        missing parents then a file): the calls of this thread inside are not refused, so
+        the change is journaled whole or not at all."""
+        self.admit()
+        self._admitted.depth = getattr(self._admitted, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            self._admitted.depth -= 1
 
     def _open_spool(self) -> Spool:
         if self._spool is None:
@@ -292,7 +380,9 @@ class JournalWriter:
         """
         with self._cv:
             self._check_usable()
-            while self._unshipped() > self.max_lag_bytes:
+            # in the quota state nothing drains: a change admitted before it began goes on
+            # (admit() refuses new ones), rather than waiting with the caller's locks held
+            while self._unshipped() > self.max_lag_bytes and self._quota is None:
                 self._cv.wait(1.0)
                 self._check_usable()
             seq = self._seq + 1
@@ -381,11 +471,14 @@ class JournalWriter:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
             target = self._seq if seq is None else seq
-            while self._acked < target or any(s <= target for _, s in self._pending_ready):
+            while not self._durable(target):
                 if self._error is not None:
                     self._check_usable()
                 if self._thread is None or not self._thread.is_alive():
                     raise WriterClosed(f"replicator is not running; records up to {target} not acked")
+                if self._quota is not None:
+                    self._recheck_quota(target, deadline)
+                    continue
                 wait = 1.0
                 if deadline is not None:
                     wait = deadline - time.monotonic()
@@ -394,6 +487,31 @@ class JournalWriter:
                                            f"(acked {self._acked}; last error: {self.last_error})")
                     wait = min(wait, 1.0)
                 self._cv.wait(wait)
+
+    def _durable(self, target: int) -> bool:
+        return self._acked >= target and not any(s <= target for _, s in self._pending_ready)
+
+    def _recheck_quota(self, target: int, deadline: float | None) -> None:
+        """With the lock held, in the quota state: wake the replicator for one more attempt
+        and wait for it (at most QUOTA_RECHECK s); raise JournalQuotaExceeded if the server
+        still refuses and ``target`` is not durable."""
+        attempts = self._attempts
+        self._wake.set()
+        limit = time.monotonic() + QUOTA_RECHECK
+        if deadline is not None:
+            limit = min(limit, deadline)
+        while (self._quota is not None and self._attempts == attempts and self._error is None
+               and not self._durable(target)):
+            left = limit - time.monotonic()
+            if left <= 0:
+                break
+            self._cv.wait(left)
+        if self._quota is not None and self._error is None and not self._durable(target):
+            raise JournalQuotaExceeded(
+                f"namespace {self.namespace!r} is over its quota on the SOS server ({self._quota}): record "
+                f"{target} cannot become durable (acknowledged up to {self._acked}). It and every record "
+                f"before it stay in the spool and are shipped, in order, once the server's operator raises "
+                f"the quota (sos-server quota)", applied=True)
 
     # ------------------------------------------------------------------ close
     def close(self, timeout: float | None = None) -> None:
@@ -417,6 +535,7 @@ class JournalWriter:
             self._closed = True
             self._cv.notify_all()
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=60)
         with self._cv:
@@ -465,6 +584,7 @@ class JournalWriter:
                     client = self.client_factory()
                 self._do(client, task)
                 backoff.reset()
+                self._attempted(task, None)
             except Exception as e:  # noqa: BLE001 - classified below, never swallowed silently
                 if not is_retryable(e):
                     # Fenced/Sealed: a newer writer; JournalError: the spool and the server
@@ -472,9 +592,11 @@ class JournalWriter:
                     log.error("replicator stopped: %s", e)
                     with self._cv:
                         self._error = e
+                        self._attempts += 1
                         self._cv.notify_all()
                     break
                 self.last_error = e
+                self._attempted(task, e)
                 delay = backoff.next()
                 log.warning("replicator: %s: %s; retrying in %.2fs", type(e).__name__, e, delay)
                 _close_quietly(client)
@@ -483,9 +605,33 @@ class JournalWriter:
                 with self._cv:
                     for s in self._segs:
                         s.shipped = -1  # ask the server again after reconnecting
-                if self._stop.wait(delay):
+                # a barrier in the quota state cuts the wait short (_recheck_quota)
+                self._wake.wait(delay)
+                self._wake.clear()
+                if self._stop.is_set():
                     break
         _close_quietly(client)
+
+    def _attempted(self, task: _Task, error: BaseException | None) -> None:
+        """After each attempt: enter the quota state on QUOTA_EXCEEDED, leave it when a task
+        of the kind the server refused succeeds; wake the barriers waiting on it."""
+        with self._cv:
+            self._attempts += 1
+            if isinstance(error, QuotaExceeded):
+                if self._quota is None:
+                    self._quota_since = time.monotonic()
+                    log.warning("replicator: namespace %r is over its quota on the server: the spool "
+                                "(%d bytes unshipped) is kept and retried; barriers fail and new changes "
+                                "are refused until the quota is raised: %s",
+                                self.namespace, self._unshipped(), error)
+                self._quota = error
+                self._quota_kind = task[0]
+            elif error is None and self._quota is not None and task[0] == self._quota_kind:
+                log.warning("replicator: the server accepts namespace %r's journal again after %.1f s "
+                            "over its quota", self.namespace, time.monotonic() - self._quota_since)
+                self._quota = None
+            self._failing = error is not None
+            self._cv.notify_all()
 
     def _do(self, client: StoreClient, task: _Task) -> None:
         kind, arg = task

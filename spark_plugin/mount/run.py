@@ -43,10 +43,6 @@ def default_cache_dir(namespace: str) -> str:
     return default(namespace)
 
 
-def _dir_is_empty(path: str) -> bool:
-    return not os.path.isdir(path) or not os.listdir(path)
-
-
 def fuse_options(namespace: str, *, allow_other: bool = False, debug: bool = False) -> set[str]:
     opts = set(pyfuse3.default_options)
     opts |= {"fsname=sos", "subtype=sos", "default_permissions"}

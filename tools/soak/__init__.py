@@ -1,0 +1,69 @@
+"""Crash-loop harness (``scripts/soak``): the main job's Spark query under random SIGKILLs.
+
+A stream of unique records (the demo's input: :func:`tools.demo_common.make_input`, each id
+sent twice so the ``dropDuplicates`` state must survive every crash) flows through the
+demo's query (file source, ``maxFilesPerTrigger=1``, ``dropDuplicates(["id"])``, a
+foreachBatch sink writing ``out/batch-<N>.jsonl`` atomically) whose checkpointLocation is
+on a ``sos mount``. The harness feeds input files a few batches ahead of the query and,
+at random moments drawn from a seeded RNG, SIGKILLs:
+
+- ``server``: the sos-server (restarted on the same port and data directory; the mount's
+  writer reconnects, Spark only sees a slow rename);
+- ``mount``: the ``sos mount`` process (the query fails on the dead mount; the driver
+  stops it, a new mount starts on the same cache, the SAME driver JVM restarts the query);
+- ``driver``: the Spark driver (the query moves to a new driver process: the expensive
+  case; a warm spare process with its SparkSession already up takes over if there is one,
+  ``--no-spare`` to start every replacement cold);
+- ``all``: server, mount and driver at once, then the worker is lost: mount point, cache
+  and spool are deleted; recovery is either ``sos restore`` into a fresh directory (checked)
+  followed by a mount on an empty cache, or directly a mount on an empty cache. The spare
+  driver (if any) survives: it is a process that has only started a SparkSession, touched
+  neither mount nor checkpoint nor output, like a freshly provisioned worker.
+
+After every restart the checkpoint (through the new mount, or the restored directory) is
+checked against the output, with the demo's checker (:func:`tools.demo_common.check_output`):
+the committed batches 0..K (``commits/`` is contiguous; K never below a batch the driver
+saw committed: RPO 0) must have produced exactly the records of input files 0..K: nothing
+doubled, nothing corrupted, nothing unknown, nothing lost. At the end the kills stop, the
+query drains every fed file and the final check demands the whole fed input.
+
+``--cluster`` runs the same query, input, sink and check on a Spark standalone cluster
+(:mod:`tools.cluster`: a Master, two Workers of one core and the driver, each a node with a
+private local disk) whose checkpoint goes through ``sos gateway`` (``webhdfs://``, Hadoop's
+retry policy) to the sos-server, and kills the gateway (restarted on the same port, on the
+same cache or on an empty one), the server, one executor JVM, a Worker with its executors
+(replaced by a new node), the driver (the query restarts in a new one), or everything at
+once (every process and local directory including the gateway's cache; a new cluster, a
+gateway on an empty cache, before it sometimes ``sos restore``). See :class:`ClusterSoak`.
+
+Exit 0: no violation; 1: a violation (the work directory with every log is kept and its
+path printed); 2: the harness could not do its job (a process would not start, a stall).
+The last line is ``SOAK-RESULT {json}``.
+
+``python -m tools.soak --help``; ``_driver CONFIG`` is the driver process's entry.
+
+The package, by role: :mod:`.common` (names, the two error kinds), :mod:`.driver` (the
+Spark job side: the driver process), :mod:`.checks` (the exactly-once / RPO-0 verdict on a
+checkpoint and the output), :mod:`.harness` (the crash loop: processes, kill events,
+supervision, the run), :mod:`.cluster_mode` (the same on a standalone cluster through
+``sos gateway``), :mod:`.report` (what is printed at the end) and :mod:`.cli`.
+"""
+
+from tools.soak.checks import GatewayView, checkpoint_commits, source_offset, state_files
+from tools.soak.cli import main
+from tools.soak.cluster_mode import ClusterSoak
+from tools.soak.common import (
+    CLUSTER_KINDS,
+    KINDS,
+    NAMESPACE,
+    HarnessError,
+    Violation,
+    _read_json,
+    _write_json_atomic,
+)
+from tools.soak.driver import driver_main
+from tools.soak.harness import Soak
+
+__all__ = ["CLUSTER_KINDS", "KINDS", "NAMESPACE", "ClusterSoak", "GatewayView", "HarnessError", "Soak",
+           "Violation", "_read_json", "_write_json_atomic", "checkpoint_commits", "driver_main", "main",
+           "source_offset", "state_files"]

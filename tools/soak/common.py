@@ -1,0 +1,51 @@
+"""What every part of the crash loop shares: names, kinds of kill event, the two ways a
+run ends badly, the control files' JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+
+NAMESPACE = "soak"
+KINDS = ("server", "mount", "driver", "all")
+#: server kills are cheap (clients reconnect), driver kills cost a JVM start
+DEFAULT_WEIGHTS = {"server": 0.72, "mount": 0.20, "driver": 0.04, "all": 0.04}
+#: the driver JVM restarts often: C1 only and a serial GC start it with less CPU
+DRIVER_JAVA_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+TRIGGER = "200 milliseconds"
+#: spark.sql.shuffle.partitions of the query: one state store directory each
+SHUFFLE_PARTITIONS = 2
+
+
+class Violation(Exception):
+    """The exactly-once / RPO-0 contract was broken: the run stops, logs are kept."""
+
+
+class HarnessError(Exception):
+    """The harness could not do its job (not a verdict on SOS's correctness)."""
+
+
+def _write_json_atomic(path: str, doc) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(doc, f)
+    os.replace(tmp, path)
+
+
+def _read_json(path: str):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+
+CLUSTER_KINDS = ("gateway", "server", "executor", "worker", "driver", "all")
+#: gateway and server kills are cheap (Hadoop's retry policy and the journal writer ride
+#: through them); an executor or worker kill costs a JVM start, a driver kill the whole
+#: application (driver and both executors), a total loss the cluster as well
+CLUSTER_WEIGHTS = {"gateway": 0.32, "server": 0.12, "executor": 0.2, "worker": 0.14,
+                   "driver": 0.12, "all": 0.10}
+#: share of gateway kills whose replacement starts on an EMPTY cache (restored from the server)
+GATEWAY_EMPTY_CACHE = 0.3
