@@ -341,11 +341,20 @@ def cmd_serve(args) -> int:
         storage.lock()  # creates the data directory if it does not exist yet
     except StorageError as exc:
         return _fail(exc.message)
-    if store is not None and not _holds_objects(storage.root):
-        # TODO(issue 19 item 4, branch tier-boot): a replacement server on an empty --data serves what the
-        # store holds: `from sos_server.tier_bootstrap import bootstrap` and `bootstrap(args.data, store)` here,
-        # once sos_server/tier_bootstrap.py is on main (it was not when the tier's server side was merged)
-        pass
+    if store is not None:
+        from .tier_bootstrap import BootstrapError, bootstrap, needs_bootstrap
+
+        if needs_bootstrap(storage.root):
+            # a replacement server on an empty --data: rebuild what the store holds, then serve it
+            # (protocol.md 4.8); an empty store makes an empty data directory
+            try:
+                report = bootstrap(storage.root, store, lock=False, progress=log.debug)
+            except BootstrapError as exc:
+                storage.close()
+                return _fail(f"--tier {args.tier}: {exc}")
+            log.info("tier bootstrap", extra={"namespaces": len(report.namespaces), "objects": len(report.objects),
+                                              "bytes": report.total_bytes, "cut": len(report.cut),
+                                              "problems": len(report.problems), "seconds": round(report.seconds, 3)})
     metrics = Metrics()
     t0 = time.monotonic()
     try:
@@ -449,18 +458,6 @@ def cmd_serve(args) -> int:
             tier.close()
     log.info("stopped", extra={"exit_code": rc})
     return rc
-
-
-def _holds_objects(root: str) -> bool:
-    """Whether the data directory holds any object (keys alone do not count)."""
-    import os
-
-    base = os.path.join(root, "ns")
-    try:
-        return any(os.listdir(os.path.join(base, ns, "objects")) for ns in os.listdir(base)
-                   if os.path.isdir(os.path.join(base, ns, "objects")))
-    except FileNotFoundError:
-        return False
 
 
 if __name__ == "__main__":

@@ -396,19 +396,28 @@ def test_start_with_a_tier_on_a_data_dir_served_without_one(sos_server_factory, 
         assert isinstance(r, ev.TierWaitOk) and r.tiered == 23
 
 
-def test_a_store_down_from_the_start_and_the_bound_on_waits(sos_server_factory, own_moto):
-    """The server starts with its store unreachable (nothing listens on the endpoint's port):
+def test_a_store_down_from_the_start_and_the_bound_on_waits(sos_server_factory, own_moto, tmp_path):
+    """The server restarts with its store unreachable (nothing listens on the endpoint's port):
     it serves, acknowledges appends, holds up to 64 TIER_WAITs per connection (BUSY beyond), and
-    answers them all once the store comes up."""
+    answers them all once the store comes up. On an EMPTY data directory it does not start while
+    the store is down: it could not tell whether it replaces a lost server (protocol.md 4.8)."""
     import boto3
 
     from sos_server.session import MAX_TIER_WAITS
+    from tools.server import ServerStartError
 
     boto3.client("s3").create_bucket(Bucket="late")
-    own_moto.stop()
     srv = sos_server_factory(args=["--tier", "s3://late/x"])
     with login(srv, "down") as c:
-        assert isinstance(c.append("log", 0, b"q" * 5000, epoch=0), ev.AppendOk)
+        assert isinstance(c.append("log", 0, b"q" * 4000, epoch=0), ev.AppendOk)
+    srv.stop()
+    own_moto.stop()
+    empty = sos_server_factory(tmp_path / "empty", args=["--tier", "s3://late/x"], start=False)
+    with pytest.raises(ServerStartError, match="cannot list the tier"):
+        empty.start()
+    srv.start()
+    with login(srv, "down") as c:
+        assert isinstance(c.append("log", 4000, b"q" * 1000, epoch=0), ev.AppendOk)
         rids = []
         for _ in range(MAX_TIER_WAITS):
             rids.append(c.rid())
@@ -424,3 +433,36 @@ def test_a_store_down_from_the_start_and_the_bound_on_waits(sos_server_factory, 
         assert sorted(g.request_id for g in got) == sorted(rids)
         assert all(isinstance(g, ev.TierWaitOk) and g.tiered >= 5000 for g in got), got
     wait_for(lambda: bucket_lengths("s3://late/x", "down") == {"log": 5001}, what="the object in the bucket")
+
+
+def test_a_replacement_server_on_an_empty_data_dir_serves_the_bucket_and_carries_on(sos_server_factory, new_bucket,
+                                                                                     tmp_path):
+    """`serve --tier` on an empty --data rebuilds it from the bucket (sos_server.tier_bootstrap),
+    then uploads on from where the bucket ends: the writer fences above the old epoch, appends,
+    and TIER_WAIT sees its bytes land."""
+    url = new_bucket()
+    old = sos_server_factory(args=["--tier", url])
+    with login(old, "rep") as c:
+        assert isinstance(c.call(ev.Fence(c.rid(), 3)), ev.FenceOk)
+        assert isinstance(c.append("seg", 0, b"before the loss", epoch=3), ev.AppendOk)
+        assert isinstance(tier_wait(c, "seg", 15, 30_000), ev.TierWaitOk)
+    old.kill()
+    shutil.rmtree(old.data_dir)  # the server's disk is lost
+    new = sos_server_factory(tmp_path / "new-data", args=["--tier", url], start=False)
+    key = new.keygen("rep")  # keys are not in the bucket: the operator hands them out again
+    new.start()
+    c = RawClient(new.address)
+    with c:
+        assert isinstance(c.login(key, "rep"), ev.AuthOk)
+        assert c.read("seg") == b"before the loss"
+        r = tier_wait(c, "seg", 15, 0)  # learned from the listing, nothing uploaded again
+        assert isinstance(r, ev.TierWaitOk) and r.tiered == 15, r
+        r = c.append("seg", 15, b"x", epoch=2)
+        assert isinstance(r, ev.Error) and r.code == ErrorCode.FENCED and r.length == 3  # the fence came back
+        assert isinstance(c.call(ev.Fence(c.rid(), 4)), ev.FenceOk)  # a new writer takes over
+        assert isinstance(c.append("seg", 15, b" and after", epoch=4), ev.AppendOk)
+        r = tier_wait(c, "seg", 25, 30_000)
+        assert isinstance(r, ev.TierWaitOk) and r.tiered == 25, r
+    state = bucket(url, "rep")
+    assert state.all_problems() == [] and state.fence == 4 and state.objects["seg"].length == 25
+    assert "tier bootstrap" in new.log_text()
