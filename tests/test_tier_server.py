@@ -466,3 +466,29 @@ def test_a_replacement_server_on_an_empty_data_dir_serves_the_bucket_and_carries
     state = bucket(url, "rep")
     assert state.all_problems() == [] and state.fence == 4 and state.objects["seg"].length == 25
     assert "tier bootstrap" in new.log_text()
+
+
+def test_an_object_damaged_on_the_servers_disk_stops_alone(sos_server_factory, new_bucket):
+    """A byte of an object file flips after its append was acknowledged and before it was
+    uploaded: the server never uploads unverified bytes; that object stops (TIER_WAIT says why,
+    the log names it), the namespace's other objects go on."""
+    from sos_server.storage import Storage
+
+    url = new_bucket()
+    srv = sos_server_factory(args=["--tier", url, "--tier-interval", "1h"])  # uploads only when asked
+    with login(srv, "dmg") as c:
+        assert isinstance(c.append("bad", 0, b"B" * 1000, epoch=0), ev.AppendOk)
+        assert isinstance(c.append("good", 0, b"G" * 1000, epoch=0), ev.AppendOk)
+        path = Storage(srv.data_dir).object_path("dmg", "bad")
+        with open(path, "r+b") as f:
+            f.seek(-1, 2)
+            last = f.read(1)
+            f.seek(-1, 2)
+            f.write(bytes([last[0] ^ 0xFF]))
+        r = tier_wait(c, "bad", 1000, 30_000)
+        assert isinstance(r, ev.Error) and r.code == ErrorCode.TIER_UNAVAILABLE, r
+        assert "cannot read the server's copy" in r.message and r.length == 0
+        r = tier_wait(c, "good", 1000, 30_000)
+        assert isinstance(r, ev.TierWaitOk) and r.tiered == 1000, r
+    assert "not uploading it" in srv.log_text()
+    assert bucket_lengths(url, "dmg") == {"good": 1000}
