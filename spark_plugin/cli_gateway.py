@@ -18,6 +18,11 @@ from sos_wire import argtypes
 __all__ = ["add_parser", "main", "run"]
 
 
+def _positive_duration(text: str) -> float:
+    value = argtypes.duration(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 s, not {text!r}")
+    return value
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -57,6 +62,32 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "it (default 10)")
     p.add_argument("--threads", type=argtypes.integer(1), default=32,
                    help="most worker threads at once (default 32)")
+    p.add_argument("--advertise", metavar="HOST[:PORT]", default=None,
+                   help="the address clients reach the gateway at, named in the redirects of "
+                        "CREATE, APPEND and OPEN (default: the --listen address; for a wildcard "
+                        "one such as 0.0.0.0, the address each client connected to). With TLS, "
+                        "a name of the certificate, e.g. sos-gateway:9870")
+    p.add_argument("--insecure-plaintext", action="store_true",
+                   help="serve plain HTTP on a --listen address that is not loopback (refused "
+                        "without it: token requests carry a key of the namespace in clear); "
+                        "only where the network itself is trusted or encrypted")
+    p.add_argument("--max-connections", type=argtypes.integer(8), default=1024, metavar="N",
+                   help="most client connections at once (default 1024; lowered to what the "
+                        "descriptor limit holds); a quarter of them for connections that have "
+                        "not shown a valid token yet")
+    p.add_argument("--max-connections-per-address", type=argtypes.integer(1), default=64,
+                   metavar="N", help="most connections from one client address (an IPv4 "
+                                     "address or an IPv6 /64; default 64)")
+    p.add_argument("--head-timeout", type=_positive_duration, default=20.0, metavar="DURATION",
+                   help="a request head must arrive whole within this long of its first byte "
+                        "(of the connection, for its first request; default 20)")
+    p.add_argument("--send-timeout", type=_positive_duration, default=60.0, metavar="DURATION",
+                   help="close a connection whose client reads nothing of its reply for this "
+                        "long (default 60)")
+    p.add_argument("--open-memory", type=argtypes.size(1 << 20), default=64 << 20,
+                   metavar="BYTES", help="most bytes of OPEN replies held in memory for their "
+                                         "readers, gateway-wide (default 64M; a new OPEN that "
+                                         "finds no room in 10 s gets 503)")
     p.add_argument("--insecure-no-auth", action="store_true",
                    help="serve every request without a token, with full rights (only accepted "
                         "on a loopback --listen address: tests and single-machine demos)")
@@ -81,12 +112,20 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"sos: {exc}", file=sys.stderr)
         return 2
-    from spark_plugin.gateway import parse_listen, run_gateway
+    from spark_plugin.gateway import parse_advertise, parse_listen, plaintext_refusal, run_gateway
 
     try:
         parse_listen(args.listen)
+        if args.advertise:
+            parse_advertise(args.advertise)
     except ValueError as exc:
         print(f"sos: {exc}", file=sys.stderr)
+        return 2
+    refusal = "" if args.insecure_no_auth else plaintext_refusal(  # that one: loopback only
+        args.listen, tls=bool(args.tls_cert or args.tls_key),
+        insecure_plaintext=args.insecure_plaintext)
+    if refusal:
+        print(f"sos: {refusal}", file=sys.stderr)
         return 2
 
     def factory():
@@ -105,7 +144,11 @@ def run(args: argparse.Namespace) -> int:
                            sync=not args.async_, max_lag_bytes=args.max_lag,
                            generation_bytes=args.generation_bytes,
                            insecure_no_auth=args.insecure_no_auth, token_ttl=args.token_ttl,
-                           threads=args.threads, key_recheck=args.key_recheck)
+                           threads=args.threads, insecure_plaintext=args.insecure_plaintext,
+                           advertise=args.advertise, max_connections=args.max_connections,
+                           max_per_address=args.max_connections_per_address,
+                           head_timeout=args.head_timeout, send_timeout=args.send_timeout,
+                           open_memory=args.open_memory, key_recheck=args.key_recheck)
     except KeyboardInterrupt:
         print("sos: gateway interrupted (the spool keeps what the server does not have yet)",
               file=sys.stderr)

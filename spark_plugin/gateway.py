@@ -23,10 +23,14 @@ the journal, its format and ``sos restore`` are the same. The WebHDFS semantics 
 
 from __future__ import annotations
 
+import contextvars
+import errno
 import ipaddress
 import json
 import logging
 import os
+import random
+import resource
 import signal
 import ssl
 import subprocess
@@ -34,6 +38,7 @@ import sys
 import tempfile
 import time
 import urllib.parse
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Self
@@ -59,7 +64,8 @@ from .webhdfs import (
     rel_path,
 )
 
-__all__ = ["READY_MARKER", "Gateway", "GatewayProcess", "parse_listen", "run_gateway"]
+__all__ = ["READY_MARKER", "Gateway", "GatewayProcess", "parse_advertise", "parse_listen",
+           "plaintext_refusal", "run_gateway"]
 
 log = logging.getLogger("sos.gateway")
 
@@ -74,11 +80,39 @@ MAX_HEAD = 64 << 10
 #: largest body of any request but CREATE/APPEND data (token form, marker payload, ...)
 MAX_SMALL_BODY = 64 << 10
 RECV_SIZE = 256 << 10
-READ_CHUNK = 1 << 20
 #: a keep-alive connection idle this long between requests is closed
 IDLE_TIMEOUT = 120.0
-#: a request whose head or body makes no progress for this long is dropped
+#: a request body that makes no progress for this long is dropped
 STALL_TIMEOUT = 120.0
+#: a request head must arrive whole within this long of its first byte (of the accept, for
+#: a connection's first request): a client dripping one byte a minute cannot keep a slot
+HEAD_TIMEOUT = 20.0
+#: a reply whose client reads nothing of it for this long is dropped (its slot and the
+#: memory it holds are freed); a step of SEND_STEP bytes must go out within it
+SEND_TIMEOUT = 60.0
+SEND_STEP = 64 << 10
+#: an OPEN reply is read from the cache and sent in pieces of this size ...
+OPEN_PIECE = 128 << 10
+#: ... and the pieces waiting for slow readers hold at most this much, gateway-wide
+OPEN_MEMORY = 64 << 20
+#: a new OPEN data step waits this long for room in OPEN_MEMORY, then answers 503
+OPEN_MEMORY_WAIT = 10.0
+#: connection caps: all at once, per client address (IPv4 address, IPv6 /64)
+MAX_CONNECTIONS = 1024
+MAX_CONNECTIONS_PER_ADDRESS = 64
+#: descriptors kept for everything but client connections (the journal's spool and cache,
+#: the SOS server's connections, the listeners, logs); each worker thread may hold one more
+FD_RESERVE = 128
+#: accept() failing for lack of descriptors or memory: retry after 0.1 s, doubling to 2 s,
+#: and say so at most once per ACCEPT_LOG_INTERVAL (never a traceback per retry)
+ACCEPT_RETRY = (0.1, 2.0)
+ACCEPT_LOG_INTERVAL = 10.0
+_ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+#: after a refusal that closes the connection: read and discard what the client still
+#: sends for at most this long and this many bytes (seconds, bytes) before closing
+LINGER = (2.0, 1 << 20)
+#: latencies kept per operation for its percentiles (a uniform sample of all of them)
+LATENCY_SAMPLES = 2048
 #: on SIGTERM/SIGINT, the requests in progress get this long to finish (Kubernetes gives
 #: a pod 30 s by default between SIGTERM and SIGKILL)
 DRAIN_TIMEOUT = 25.0
@@ -116,6 +150,8 @@ _UNSUPPORTED: dict[str, dict[str, str]] = {
     "DELETE": {"DELETESNAPSHOT": "the gateway has no snapshots"},
 }
 _MUTATING_METHODS = {"PUT", "POST", "DELETE"}
+_KNOWN_OPS = frozenset(_GET_OPS | _PUT_OPS | _POST_OPS | _DELETE_OPS).union(
+    *(ops.keys() for ops in _UNSUPPORTED.values()))
 
 SERVER_DEFAULTS = {"FsServerDefaults": {
     "blockSize": 128 << 20, "bytesPerChecksum": 512, "writePacketSize": 64 << 10,
@@ -174,20 +210,67 @@ def _int_param(params: dict[str, str], name: str, default: int | None) -> int | 
 
 @dataclass
 class _OpStats:
+    """One operation's count, total and worst latency, and a uniform sample of at most
+    LATENCY_SAMPLES of its latencies for the percentiles (reservoir sampling: the memory
+    stays the same however many requests come)."""
+
     count: int = 0
     seconds: float = 0.0
     worst: float = 0.0
-    latencies: list[float] = field(default_factory=list)
+    samples: list[float] = field(default_factory=list)
+
+    def add(self, elapsed: float) -> None:
+        self.count += 1
+        self.seconds += elapsed
+        self.worst = max(self.worst, elapsed)
+        if len(self.samples) < LATENCY_SAMPLES:
+            self.samples.append(elapsed)
+        else:
+            i = random.randrange(self.count)
+            if i < LATENCY_SAMPLES:
+                self.samples[i] = elapsed
+
+
+def _socket_addresses(stream: trio.abc.Stream) -> tuple[str, str]:
+    """(client IP, the gateway's own IP this connection reached); "" if unknown."""
+    inner = stream.transport_stream if isinstance(stream, trio.SSLStream) else stream
+    sock = getattr(inner, "socket", None)
+    if sock is None:
+        return "", ""
+    try:
+        peer, local = sock.getpeername()[0], sock.getsockname()[0]
+    except OSError:  # the client is already gone: its first receive fails
+        return "", ""
+    return str(peer), str(local)
 
 
 class _Conn:
-    """One HTTP connection: h11 state plus the stream."""
+    """One HTTP connection: h11 state plus the stream, and what the slots need to know
+    (:class:`_Slots`)."""
 
-    def __init__(self, stream: trio.abc.Stream) -> None:
+    def __init__(self, stream: trio.abc.Stream, *, send_timeout: float = SEND_TIMEOUT) -> None:
         self.stream = stream
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD)
         #: set when the gateway stops: the next reply tells the client to close
         self.closing = False
+        peer, self.local = _socket_addresses(stream)
+        #: the client's address as the per-address cap counts it
+        self.peer = address_key(peer)
+        self.accepted = trio.current_time()
+        self.send_timeout = send_timeout
+        #: True once a request of it carried a valid bearer token or got one at TOKEN_PATH:
+        #: it then leaves the pool of unauthenticated connections for good
+        self.authenticated = False
+        #: the request being served carried a valid token (or got one): its latency counts
+        self.granted = False
+        #: True while it waits for its client (for bytes of a request, or to read a reply):
+        #: only then may an unauthenticated connection be closed to make room for another
+        self.waiting = False
+        #: trio time by which the request head being read must be whole (for a connection
+        #: not authenticated yet, its small body too); None: none
+        self.deadline: float | None = None
+        #: cancelled to close the connection from outside (:meth:`_Slots.make_room`)
+        self.scope = trio.CancelScope()
 
     async def wait_for_request(self, timeout: float, idle: set[trio.CancelScope]) -> bool:
         """Wait for the first bytes of the next request: True once some are here, False
@@ -199,6 +282,7 @@ class _Conn:
             return True
         with trio.CancelScope() as scope:
             idle.add(scope)
+            self.waiting = True
             try:
                 with trio.move_on_after(timeout):
                     chunk = await self.stream.receive_some(RECV_SIZE)
@@ -207,10 +291,13 @@ class _Conn:
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                 raise _Drop(f"receive failed: {exc!r}") from exc
             finally:
+                self.waiting = False
                 idle.discard(scope)
         return False
 
     async def next_event(self, timeout: float = STALL_TIMEOUT) -> Any:
+        """The next h11 event; a receive waits at most ``timeout`` (then the connection is
+        dropped) and never past :attr:`deadline` (then 408, and the connection closes)."""
         while True:
             try:
                 event = self.h11.next_event()
@@ -222,12 +309,22 @@ class _Conn:
                 return event
             if self.h11.they_are_waiting_for_100_continue:
                 await self.send(h11.InformationalResponse(status_code=100, headers=[]))
-            with trio.move_on_after(timeout) as scope:
-                try:
+            limit = timeout
+            if self.deadline is not None:
+                limit = min(limit, self.deadline - trio.current_time())
+            self.waiting = True
+            try:
+                with trio.move_on_after(max(limit, 0.0)) as scope:
                     data = await self.stream.receive_some(RECV_SIZE)
-                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                    raise _Drop(f"receive failed: {exc!r}") from exc
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                raise _Drop(f"receive failed: {exc!r}") from exc
+            finally:
+                self.waiting = False
             if scope.cancelled_caught:
+                if self.deadline is not None and trio.current_time() >= self.deadline:
+                    raise _Reply(408, _remote("IllegalArgumentException",
+                                              "the request head did not arrive whole in time"),
+                                 [("connection", "close")], reason="Request Timeout")
                 raise _Drop("the client stalled")
             self.h11.receive_data(bytes(data))
 
@@ -237,10 +334,26 @@ class _Conn:
                                  headers=[*event.headers, (b"connection", b"close")])
         data = self.h11.send(event)
         if data:
+            await self.send_bytes(data)
+
+    async def send_bytes(self, data: bytes) -> None:
+        """Send ``data`` in steps of SEND_STEP; a step that does not go out within the send
+        timeout drops the connection (a client that stops reading must not keep its slot,
+        nor the reply's memory, for as long as it keeps the socket open)."""
+        view = memoryview(data)
+        for start in range(0, len(view), SEND_STEP):
+            self.waiting = True
             try:
-                await self.stream.send_all(data)
+                with trio.move_on_after(self.send_timeout) as scope:
+                    await self.stream.send_all(view[start:start + SEND_STEP])
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                 raise _Drop(f"send failed: {exc!r}") from exc
+            finally:
+                self.waiting = False
+            if scope.cancelled_caught:
+                log.info("closing a connection from %s: it read nothing of its reply for %.0f s",
+                         self.peer or "?", self.send_timeout)
+                raise _Drop("the client does not read its reply")
 
     async def respond(self, status: int, body: bytes = b"",
                       headers: list[tuple[str, str]] | None = None, reason: str = "") -> None:
@@ -271,12 +384,105 @@ class _Conn:
             elif isinstance(event, h11.ConnectionClosed):
                 raise _Drop("closed in the middle of a request body")
 
+    async def linger(self) -> None:
+        """Half-close, then read and discard what the client still sends, for at most
+        LINGER seconds: closing a socket with unread bytes sends a reset, which can destroy
+        the reply just sent (a 400 or 408 the client never sees)."""
+        self.waiting = True
+        with trio.move_on_after(LINGER[0]):
+            try:
+                if isinstance(self.stream, trio.SocketStream):
+                    await self.stream.send_eof()
+                got = 0
+                while got < LINGER[1]:
+                    data = await self.stream.receive_some(RECV_SIZE)
+                    if not data:
+                        break
+                    got += len(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                pass
+        self.waiting = False
+
+    def consume_buffered_body(self) -> None:
+        """Discard what of the request body is already received, without waiting for more:
+        a refusal of a request whose body is all here (a GET's empty one) keeps the
+        connection."""
+        while self.h11.their_state is h11.SEND_BODY:
+            try:
+                if self.h11.next_event() is h11.NEED_DATA:
+                    return
+            except h11.RemoteProtocolError:
+                return
+
     async def drain(self) -> None:
         """Read and discard the rest of the request body (memory stays bounded)."""
         while self.h11.their_state is h11.SEND_BODY:
             event = await self.next_event()
             if isinstance(event, h11.ConnectionClosed):
                 raise _Drop("closed in the middle of a request body")
+
+
+#: the connection the current task serves (each connection is one trio task)
+_CURRENT_CONN: contextvars.ContextVar[_Conn | None] = contextvars.ContextVar(
+    "sos_gateway_conn", default=None)
+
+
+class _Slots:
+    """Who may hold a connection: at most ``total`` at once, ``per_address`` from one client
+    address, and ``unauthenticated`` that have not yet shown a valid token (or got one).
+
+    A new connection counts as unauthenticated. When a cap is reached, the oldest
+    unauthenticated connection that is waiting for its client (idle, dripping a head, not
+    reading its reply) is closed to make room; only if there is none is the newcomer
+    refused. So clients without a token can neither take the slots of those with one, nor
+    keep a newcomer (who sends its head at once) out for longer than it takes to connect."""
+
+    def __init__(self, total: int, unauthenticated: int, per_address: int) -> None:
+        self.total = total
+        self.unauthenticated = unauthenticated
+        self.per_address = per_address
+        self.open: set[_Conn] = set()
+        #: the unauthenticated ones, oldest first
+        self.pending: dict[_Conn, None] = {}
+        self.by_address: Counter[str] = Counter()
+
+    def admit(self, conn: _Conn) -> str | None:
+        """Take a slot for ``conn``, making room if needed; None, or why it was refused."""
+        if (self.by_address[conn.peer] >= self.per_address
+                and not self.make_room(lambda c: c.peer == conn.peer)):
+            return f"too many connections from {conn.peer or 'this address'}"
+        if len(self.open) >= self.total and not self.make_room():
+            return "too many connections"
+        if len(self.pending) >= self.unauthenticated and not self.make_room():
+            return "too many connections without a valid token"
+        self.open.add(conn)
+        self.pending[conn] = None
+        self.by_address[conn.peer] += 1
+        return None
+
+    def authenticated(self, conn: _Conn) -> None:
+        conn.authenticated = True
+        self.pending.pop(conn, None)
+
+    def release(self, conn: _Conn) -> None:
+        if conn in self.open:
+            self.open.discard(conn)
+            self.pending.pop(conn, None)
+            self.by_address[conn.peer] -= 1
+            if self.by_address[conn.peer] <= 0:
+                del self.by_address[conn.peer]
+
+    def make_room(self, match: Callable[[_Conn], bool] = lambda c: True) -> bool:
+        """Close the oldest unauthenticated connection (that ``match``) waiting for its
+        client; False if there is none."""
+        for conn in self.pending:
+            if conn.waiting and match(conn):
+                log.debug("closing an unauthenticated connection from %s (open %.0f s) to "
+                          "make room", conn.peer or "?", trio.current_time() - conn.accepted)
+                self.release(conn)
+                conn.scope.cancel()
+                return True
+        return False
 
 
 class Gateway:
@@ -287,13 +493,24 @@ class Gateway:
     the SOS server (PermissionError if refused, ConnectionError if unreachable).
     ``insecure``: serve every request as the append role without a token (only for a
     loopback listener; the CLI enforces it). ``threads``: most worker threads at once.
+    ``max_connections``, ``max_per_address``: connection caps (a quarter of the first, at
+    least 4, for connections that have not authenticated yet: :class:`_Slots`);
+    ``head_timeout``, ``send_timeout``: see HEAD_TIMEOUT, SEND_TIMEOUT; ``open_memory``: most
+    bytes of OPEN replies held at once; ``advertise``: (host, port) the redirects of the
+    two-step operations name (default: the listen address, or for a wildcard one the
+    address each client reached; never the client's Host header).
     ``key_recheck``: seconds after which a bearer token's key is asked again at the server.
     """
 
     def __init__(self, ns: WebHdfsNamespace, authority: TokenAuthority,
                  verify_key: Callable[[str], tuple[str, str]], *, insecure: bool = False,
                  tls: ssl.SSLContext | None = None, threads: int = 32,
-                 max_connections: int = 1024, key_recheck: float = DEFAULT_KEY_RECHECK) -> None:
+                 max_connections: int = MAX_CONNECTIONS,
+                 max_per_address: int = MAX_CONNECTIONS_PER_ADDRESS,
+                 head_timeout: float = HEAD_TIMEOUT, send_timeout: float = SEND_TIMEOUT,
+                 open_memory: int = OPEN_MEMORY,
+                 advertise: tuple[str, int | None] | None = None,
+                 key_recheck: float = DEFAULT_KEY_RECHECK) -> None:
         self.ns = ns
         self.authority = authority
         self.verify_key = verify_key
@@ -304,7 +521,13 @@ class Gateway:
         #: every token request asks the server (no cache issues a token); throttled per
         #: client address; bearer tokens' keys asked again every key_recheck seconds
         self.key_checks = KeyChecks(verify_key, recheck=key_recheck)
-        self.connections = trio.CapacityLimiter(max_connections)
+        self.slots = _Slots(max_connections, max(4, max_connections // 4),
+                            min(max_per_address, max_connections))
+        self.head_timeout = head_timeout
+        self.send_timeout = send_timeout
+        #: one token per OPEN_PIECE of OPEN reply held in memory
+        self.open_memory = trio.CapacityLimiter(max(1, open_memory // OPEN_PIECE))
+        self.advertise = advertise
         self.stats: dict[str, _OpStats] = {}
         self.address: tuple[str, int] | None = None
         #: True once :meth:`drain` was called (the gateway is stopping)
@@ -312,6 +535,10 @@ class Gateway:
         self._accepting: trio.CancelScope | None = None
         self._idle: set[trio.CancelScope] = set()
         self._conns: set[_Conn] = set()
+        self._listen_host = ""
+        self._accept_delay = ACCEPT_RETRY[0]
+        self._accept_failures = 0
+        self._accept_logged = -ACCEPT_LOG_INTERVAL
 
     # ------------------------------------------------------------------ serving
     async def serve(self, host: str, port: int, *,
@@ -319,16 +546,48 @@ class Gateway:
         tcp = await trio.open_tcp_listeners(port, host=host or None)
         addr = tcp[0].socket.getsockname()
         self.address = (addr[0], addr[1])
+        self._listen_host = host
         listeners: list[trio.abc.Listener[Any]] = list(tcp)
         if self.tls is not None:
             listeners = [trio.SSLListener(lis, self.tls, https_compatible=True) for lis in tcp]
-        # connections live in their own nursery: stopping the accept loop (drain) leaves
+        # connections live in their own nursery: stopping the accept loops (drain) leaves
         # the requests in progress running; serve returns once they are all done
         async with trio.open_nursery() as handlers:
             with trio.CancelScope() as self._accepting:
-                task_status.started(self.address)
-                await trio.serve_listeners(self._connection, listeners,
-                                           handler_nursery=handlers)
+                async with trio.open_nursery() as accepting:
+                    for listener in listeners:
+                        accepting.start_soon(self._accept_loop, listener, handlers)
+                    task_status.started(self.address)
+
+    async def _accept_loop(self, listener: trio.abc.Listener[Any], handlers: trio.Nursery) -> None:
+        """trio.serve_listeners, but out of descriptors (EMFILE) or memory it backs off and
+        says so once per ACCEPT_LOG_INTERVAL instead of a traceback every 0.1 s."""
+        async with listener:
+            while True:
+                try:
+                    stream = await listener.accept()
+                except OSError as exc:
+                    if exc.errno not in _ACCEPT_CAPACITY_ERRNOS:
+                        raise
+                    await self._accept_failed(exc)
+                    continue
+                self._accept_delay = ACCEPT_RETRY[0]
+                handlers.start_soon(self._connection, stream)
+
+    async def _accept_failed(self, exc: OSError) -> None:
+        self._accept_failures += 1
+        now = trio.current_time()
+        if now - self._accept_logged >= ACCEPT_LOG_INTERVAL:
+            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            log.warning("cannot accept connections: %s (%d times since the last report; %d "
+                        "connections open, descriptor limit %d): retrying in up to %.1f s",
+                        os.strerror(exc.errno or 0), self._accept_failures, len(self._conns),
+                        soft, ACCEPT_RETRY[1])
+            self._accept_logged = now
+            self._accept_failures = 0
+        self.slots.make_room()  # an idle connection without a token gives its descriptor back
+        await trio.sleep(self._accept_delay)
+        self._accept_delay = min(self._accept_delay * 2, ACCEPT_RETRY[1])
 
     def drain(self) -> int:
         """Begin a graceful stop: close the listening sockets (new connections are
@@ -356,21 +615,27 @@ class Gateway:
         return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter)
 
     async def _connection(self, stream: trio.abc.Stream) -> None:
-        conn = _Conn(stream)
-        try:
-            self.connections.acquire_nowait()
-        except trio.WouldBlock:
+        conn = _Conn(stream, send_timeout=self.send_timeout)
+        refused = self.slots.admit(conn)
+        if refused is not None:
+            log.debug("connection from %s refused: %s", conn.peer or "?", refused)
+            conn.send_timeout = min(self.send_timeout, 5.0)
             try:
-                await conn.respond(503, _json(_remote("IOException", "too many connections")),
-                                   [("connection", "close")])
+                await conn.respond(503, _json(_remote("IOException", refused)),
+                                   [("connection", "close"), ("retry-after", "1")])
             except _Drop:
                 pass
             await trio.aclose_forcefully(stream)
             return
         self._conns.add(conn)
         conn.closing = self.draining
+        _CURRENT_CONN.set(conn)  # this task's: the redirects' address (_location)
         try:
-            await self._serve_connection(conn)
+            with conn.scope:
+                await self._serve_connection(conn)
+                if (conn.h11.our_state is h11.MUST_CLOSE
+                        and conn.h11.their_state not in (h11.DONE, h11.MUST_CLOSE, h11.CLOSED)):
+                    await conn.linger()  # a refusal (400, 408, 413, 431...) must reach it
         except _Drop as exc:
             log.debug("connection dropped: %s", exc)
         except (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError) as exc:
@@ -379,22 +644,31 @@ class Gateway:
             log.exception("connection failed")
         finally:
             self._conns.discard(conn)
-            self.connections.release()
+            self.slots.release(conn)
             await trio.aclose_forcefully(stream)
 
     async def _serve_connection(self, conn: _Conn) -> None:
+        first = True
         while True:
-            if self.draining or not await conn.wait_for_request(IDLE_TIMEOUT, self._idle):
+            # the first request's head is due HEAD_TIMEOUT after the accept (a TLS handshake
+            # included); a later one's HEAD_TIMEOUT after its first byte
+            now = trio.current_time()
+            wait = max(conn.accepted + self.head_timeout - now, 0.0) if first else IDLE_TIMEOUT
+            if self.draining or not await conn.wait_for_request(wait, self._idle):
                 return  # stopping, or idle too long
+            conn.deadline = (conn.accepted if first else trio.current_time()) + self.head_timeout
+            first = False
             try:
                 event = await conn.next_event(IDLE_TIMEOUT)
-            except _Reply as reply:  # a malformed request head
+            except _Reply as reply:  # a malformed request head, or one too slow
                 await self._send_reply(conn, reply)
                 return
             if isinstance(event, h11.ConnectionClosed):
                 return
             if not isinstance(event, h11.Request):
                 raise _Drop(f"unexpected {type(event).__name__}")
+            if conn.authenticated:
+                conn.deadline = None  # its body streams at its pace (STALL_TIMEOUT per read)
             await self._request(conn, event)
             if conn.h11.our_state is h11.MUST_CLOSE or conn.h11.their_state is not h11.DONE:
                 return
@@ -406,12 +680,41 @@ class Gateway:
     async def _send_reply(self, conn: _Conn, reply: _Reply) -> None:
         body = _json(reply.doc) if reply.doc is not None else b""
         headers = list(reply.headers)
-        if conn.h11.their_state is h11.SEND_BODY and ("connection", "close") not in headers:
-            headers.append(("connection", "close"))  # the unread body makes reuse impossible
-        if conn.h11.our_state is h11.SEND_RESPONSE:
+        conn.consume_buffered_body()
+        if conn.h11.their_state is not h11.DONE and ("connection", "close") not in headers:
+            headers.append(("connection", "close"))  # an unread body makes reuse impossible
+        # IDLE: the head was malformed or too slow (h11 lets a server answer it)
+        if conn.h11.our_state in (h11.IDLE, h11.SEND_RESPONSE):
             await conn.respond(reply.status, body, headers, reply.reason)
 
+    def _granted(self, conn: _Conn) -> None:
+        """The request being served carried a valid token, or got one."""
+        conn.granted = True
+        if not conn.authenticated:
+            self.slots.authenticated(conn)
+            conn.deadline = None
+
     # ------------------------------------------------------------------ requests
+    @staticmethod
+    def _check_head(req: h11.Request) -> None:
+        """What h11 lets through and RFC 9112 or the spec refuses (400/431, then close)."""
+        close = [("connection", "close")]
+        size = len(req.method) + len(req.target) + 12 + sum(len(k) + len(v) + 4
+                                                            for k, v in req.headers)
+        if size > MAX_HEAD:  # it came in one read: h11 bounds only incomplete heads
+            raise _Reply(431, _remote("IllegalArgumentException",
+                                      f"request head larger than {MAX_HEAD} bytes"),
+                         close, reason="Request Header Fields Too Large")
+        names = [name for name, _ in req.headers]  # h11 gives them in lower case
+        if b"transfer-encoding" in names and b"content-length" in names:
+            # RFC 9112 6.1: a request smuggling attempt, or a broken client: never reuse
+            raise _Reply(400, _remote("IllegalArgumentException", "bad HTTP request: both "
+                                      "Content-Length and Transfer-Encoding"), close)
+        if names.count(b"authorization") > 1:
+            raise _Reply(400, _remote("IllegalArgumentException",
+                                      "bad HTTP request: more than one Authorization header"),
+                         close)
+
     async def _request(self, conn: _Conn, req: h11.Request) -> None:
         started = time.perf_counter()
         method = req.method.decode("ascii", "replace").upper()
@@ -422,10 +725,11 @@ class Gateway:
         headers = {k.decode("ascii", "replace").lower(): v.decode("latin-1")
                    for k, v in req.headers}
         op = params.get("op", "").upper()
-        label = op or path
+        conn.granted = False
         status = 500
         try:
             try:
+                self._check_head(req)
                 status = await self._dispatch(conn, method, path, params, headers, op)
             except WebHdfsError as exc:
                 raise _Reply(exc.status, exc.body()) from exc
@@ -444,14 +748,10 @@ class Gateway:
                                                               f"internal error: {exc!r}")))
         finally:
             elapsed = time.perf_counter() - started
-            if params.get("data") == "true":
-                label += " data"
-            stats = self.stats.setdefault(f"{method} {label}", _OpStats())
-            stats.count += 1
-            stats.seconds += elapsed
-            stats.worst = max(stats.worst, elapsed)
-            if len(stats.latencies) < 100_000:
-                stats.latencies.append(elapsed)
+            if conn.granted:  # a bounded set of names: what clients without a token send,
+                # and paths, never make new entries
+                label = _stats_label(path, op, params)
+                self.stats.setdefault(label, _OpStats()).add(elapsed)
             log.debug("%s %s %s%s -> %d (%.1f ms) %s", method, op or "-", path,
                       " [data]" if params.get("data") == "true" else "", status, elapsed * 1e3,
                       query)
@@ -459,8 +759,12 @@ class Gateway:
     async def _dispatch(self, conn: _Conn, method: str, path: str, params: dict[str, str],
                         headers: dict[str, str], op: str) -> int:
         if path == TOKEN_PATH:
-            return await self._token(conn, method, headers)
+            status = await self._token(conn, method, headers)
+            if status == 200:
+                self._granted(conn)
+            return status
         grant = await self._authenticate(headers)
+        self._granted(conn)
         if path == MARKER_PATH:
             return await self._marker(conn, method, params, grant)
         if path != WEBHDFS_PREFIX and not path.startswith(WEBHDFS_PREFIX + "/"):
@@ -587,11 +891,29 @@ class Gateway:
 
     # ------------------------------------------------------------------ CREATE / APPEND / OPEN
     def _location(self, headers: dict[str, str], path: str, params: dict[str, str]) -> str:
-        host = headers.get("host") or "{}:{}".format(*(self.address or ("127.0.0.1", 0)))
+        """The data step's URL. Its host is the gateway's own (``advertise``, else the
+        listen address, else, for a wildcard listener, the address this client reached),
+        never the client's Host header: a client could name any host there."""
         query = {k: v for k, v in params.items() if k not in ("noredirect", "data")}
         query["data"] = "true"
-        return (f"{self.scheme}://{host}{urllib.parse.quote(path, errors='surrogateescape')}"
+        return (f"{self._advertised_base()}{urllib.parse.quote(path, errors='surrogateescape')}"
                 f"?{urllib.parse.urlencode(query)}")
+
+    def _advertised_base(self) -> str:
+        """``scheme://host:port`` of the redirects (see :meth:`_location`)."""
+        bound_host, port = self.address or ("127.0.0.1", 0)
+        host = self._listen_host or bound_host
+        if self.advertise is not None:
+            host, port = self.advertise[0], self.advertise[1] or port
+        elif _is_wildcard(host):
+            conn = _CURRENT_CONN.get()
+            local = conn.local if conn is not None else ""
+            host = local if local and not _is_wildcard(local) else "127.0.0.1"
+            if host.startswith("::ffff:") and "." in host:  # dual-stack socket, IPv4 client
+                host = host[len("::ffff:"):]
+        if ":" in host:
+            host = f"[{host}]"
+        return f"{self.scheme}://{host}:{port}"
 
     async def _two_step(self, conn: _Conn, method: str, op: str, rel: str,
                         params: dict[str, str], headers: dict[str, str]) -> int:
@@ -678,23 +1000,49 @@ class Gateway:
         return 200
 
     async def _open(self, conn: _Conn, rel: str, params: dict[str, str]) -> int:
+        """The data step of OPEN, in pieces of OPEN_PIECE read as the client takes them; each
+        piece is counted in the gateway-wide :attr:`open_memory` while it waits to be sent.
+        A new reply that finds no room in OPEN_MEMORY_WAIT seconds answers 503 (readers
+        that do not read are dropped by the send timeout, which gives their room back)."""
         offset = _int_param(params, "offset", 0) or 0
         length = _int_param(params, "length", None)
         fd, start, count = await self._run(self.ns.open_for_read, rel, offset, length)
+        held = False
         try:
+            if count:
+                held = await self._open_room(OPEN_MEMORY_WAIT)
+                if not held:
+                    raise _Reply(503, _remote("IOException", "the gateway holds too many replies "
+                                              "that are not read yet: try again"),
+                                 [("retry-after", "1")])
             await conn.send(h11.Response(status_code=200,
                                          headers=[(b"content-length", str(count).encode())]))
             pos, end = start, start + count
             while pos < end:
-                chunk = await self._run(os.pread, fd, min(READ_CHUNK, end - pos), pos)
+                if not held:
+                    held = await self._open_room(self.send_timeout)
+                    if not held:
+                        raise _Drop("no room to send an OPEN reply")
+                chunk = await self._run(os.pread, fd, min(OPEN_PIECE, end - pos), pos)
                 if not chunk:  # cannot happen on a snapshot, unless truncated meanwhile
                     raise _Drop(f"/{rel} shrank while being read")
                 await conn.send(h11.Data(data=chunk))
                 pos += len(chunk)
+                self.open_memory.release()
+                held = False
             await conn.send(h11.EndOfMessage())
         finally:
+            if held:
+                self.open_memory.release()
             os.close(fd)
         return 200
+
+    async def _open_room(self, timeout: float) -> bool:
+        """Take room for one OPEN piece; False after ``timeout`` seconds without any."""
+        with trio.move_on_after(timeout):
+            await self.open_memory.acquire()
+            return True
+        return False
 
     # ------------------------------------------------------------------ token, marker
     async def _verified_key(self, secret: str, conn: _Conn) -> tuple[str, str]:
@@ -780,10 +1128,11 @@ class Gateway:
         return 200
 
     def summary(self) -> str:
-        """One line per operation: count, mean, p50, p99 and worst latency (ms)."""
+        """One line per operation (of requests with a valid token): count, mean, p50, p99
+        (of a uniform sample) and worst latency (ms)."""
         lines = []
         for name, s in sorted(self.stats.items()):
-            lat = sorted(s.latencies)
+            lat = sorted(s.samples)
             p50 = lat[len(lat) // 2] if lat else 0.0
             p99 = lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else 0.0
             lines.append(f"{name}: {s.count} requests, mean {s.seconds / max(s.count, 1) * 1e3:.2f}"
@@ -835,6 +1184,84 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def _is_wildcard(host: str) -> bool:
+    """A listen host that means every interface (no address of its own to advertise)."""
+    if host in ("", "*"):
+        return True
+    try:
+        return ipaddress.ip_address(host.split("%", 1)[0]).is_unspecified
+    except ValueError:
+        return False
+
+
+def parse_advertise(text: str) -> tuple[str, int | None]:
+    """``HOST``, ``HOST:PORT``, ``[V6]`` or ``[V6]:PORT`` -> (host, port or None: the
+    listen port)."""
+    text = text.strip()
+    host, port_text = text, ""
+    if text.startswith("["):
+        host, sep, rest = text[1:].partition("]")
+        if not sep or (rest and not rest.startswith(":")):
+            host = ""
+        port_text = rest[1:]
+    elif text.count(":") == 1:
+        host, _, port_text = text.partition(":")
+    if not host or _is_wildcard(host) or (port_text and not (
+            port_text.isdigit() and 0 < int(port_text) < 65536)) or text.endswith(":"):
+        raise ValueError(f"--advertise {text!r}: expected HOST or HOST:PORT, the name clients "
+                         f"reach the gateway at (e.g. sos-gateway:9870)")
+    return host, int(port_text) if port_text else None
+
+
+def plaintext_refusal(listen: str, *, tls: bool, insecure_plaintext: bool) -> str:
+    """Why serving plain HTTP on ``listen`` is refused ("" if it is not): off a loopback
+    address a token request carries a key of the namespace in clear, and every request
+    a bearer token."""
+    host, _ = parse_listen(listen)
+    if tls or insecure_plaintext or is_loopback(host):
+        return ""
+    return (f"--listen {listen} is not a loopback address and there is no --tls-cert: clients "
+            f"would send their keys (at {TOKEN_PATH}) and bearer tokens in clear. Serve HTTPS "
+            f"with --tls-cert/--tls-key, or pass --insecure-plaintext if the network between "
+            f"the clients and the gateway is trusted (e.g. an encrypted overlay)")
+
+
+def _stats_label(path: str, op: str, params: dict[str, str]) -> str:
+    """The statistics' key of a request: its operation, from a fixed set of names."""
+    if path == TOKEN_PATH:
+        return "token"
+    if path == MARKER_PATH:
+        return "marker"
+    if op not in _KNOWN_OPS or not (path == WEBHDFS_PREFIX or
+                                    path.startswith(WEBHDFS_PREFIX + "/")):
+        return "other"
+    if op in ("CREATE", "APPEND", "OPEN") and params.get("data") == "true":
+        return f"{op} data"
+    return op
+
+
+def raise_nofile_limit() -> tuple[int, int]:
+    """Raise RLIMIT_NOFILE's soft limit to the hard one (at the common soft limit of 1,024
+    the gateway ran out of descriptors before its own connection cap); (soft, hard) after."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard and soft != resource.RLIM_INFINITY:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the descriptor limit from %d to %d: %s", soft, hard, exc)
+    return soft, hard
+
+
+def fit_connections(wanted: int, soft_limit: int, threads: int) -> int:
+    """The connection cap that fits ``soft_limit`` descriptors: each connection may hold two
+    (its socket, and the file an OPEN sends), FD_RESERVE plus one per worker thread stay for
+    the rest (the journal, the cache, the SOS server's connections)."""
+    if soft_limit == resource.RLIM_INFINITY or soft_limit < 0:
+        return wanted
+    return max(8, min(wanted, (soft_limit - FD_RESERVE - threads) // 2))
+
+
 def key_verifier(server: str, namespace: str, *, timeout: float = 30.0,
                  tls: ssl.SSLContext | None = None) -> Callable[[str], tuple[str, str]]:
     """``verify(key_text) -> (role, key_id)``: authenticates with the key at the SOS server."""
@@ -863,7 +1290,11 @@ def run_gateway(namespace: str, listen: str, *, server: str, key: str, cache_dir
                 generation_bytes: int | None = None, insecure_no_auth: bool = False,
                 token_ttl: int = DEFAULT_TOKEN_TTL, threads: int = 32,
                 flush_timeout: float = 120.0, drain_timeout: float = DRAIN_TIMEOUT,
-                key_recheck: float = DEFAULT_KEY_RECHECK) -> int:
+                insecure_plaintext: bool = False, advertise: str | None = None,
+                max_connections: int = MAX_CONNECTIONS,
+                max_per_address: int = MAX_CONNECTIONS_PER_ADDRESS,
+                head_timeout: float = HEAD_TIMEOUT, send_timeout: float = SEND_TIMEOUT,
+                open_memory: int = OPEN_MEMORY, key_recheck: float = DEFAULT_KEY_RECHECK) -> int:
     """Serve ``namespace`` on ``listen`` until SIGTERM/SIGINT; returns the exit code
     (0 after a clean stop with the journal flushed, 1 if the final flush failed). On the
     signal it stops accepting connections and gives the requests in progress
@@ -872,7 +1303,10 @@ def run_gateway(namespace: str, listen: str, *, server: str, key: str, cache_dir
     ``client_factory`` (optional) returns a connected client for the namespace (TLS and
     timeouts of the CLI's connection options); ``tls_client`` is the SSL context that
     checks client keys at the server (the same trust as the factory's). ``tls_cert`` +
-    ``tls_key`` serve HTTPS (``swebhdfs://``).
+    ``tls_key`` serve HTTPS (``swebhdfs://``); without them a listen address that is not
+    loopback is refused unless ``insecure_plaintext`` (:func:`plaintext_refusal`).
+    ``advertise``: ``HOST[:PORT]`` the redirects name. The connection cap is lowered to
+    what the descriptor limit (raised to its hard limit first) holds.
     """
     from sos_client.journal.open import default_cache_dir, open_namespace
     from sos_wire.auth import Key
@@ -880,6 +1314,19 @@ def run_gateway(namespace: str, listen: str, *, server: str, key: str, cache_dir
     host, port = parse_listen(listen)
     if insecure_no_auth and not is_loopback(host):
         raise ValueError(f"--insecure-no-auth is only accepted on a loopback address, not {host}")
+    refusal = plaintext_refusal(listen, tls=bool(tls_cert or tls_key),
+                                insecure_plaintext=insecure_plaintext)
+    if refusal:
+        raise ValueError(refusal)
+    advertised = parse_advertise(advertise) if advertise else None
+    soft, hard = raise_nofile_limit()
+    cap = fit_connections(max_connections, soft, threads)
+    log.info("descriptor limit %d (hard %d): at most %d connections (%d without a valid token, "
+             "%d per client address)", soft, hard, cap, max(4, cap // 4),
+             min(max_per_address, cap))
+    if cap < max_connections:
+        log.warning("the descriptor limit (%d) holds only %d connections, not %d: raise its hard "
+                    "limit (ulimit -Hn, LimitNOFILE=) for more", soft, cap, max_connections)
     tls = None
     if tls_cert or tls_key:
         if not (tls_cert and tls_key):
@@ -900,7 +1347,15 @@ def run_gateway(namespace: str, listen: str, *, server: str, key: str, cache_dir
     ns = WebHdfsNamespace(opened, sync=sync, owner=owner, group=owner)
     gateway = Gateway(ns, TokenAuthority(namespace, secret, ttl=token_ttl),
                       key_verifier(server, namespace, timeout=timeout, tls=tls_client),
-                      insecure=insecure_no_auth, tls=tls, threads=threads, key_recheck=key_recheck)
+                      insecure=insecure_no_auth, tls=tls, threads=threads,
+                      max_connections=cap, max_per_address=max_per_address,
+                      head_timeout=head_timeout, send_timeout=send_timeout,
+                      open_memory=open_memory, advertise=advertised, key_recheck=key_recheck)
+    if advertised is None and tls is not None and _is_wildcard(host):
+        log.warning("--listen %s with TLS and no --advertise: the redirects of CREATE, APPEND "
+                    "and OPEN name the IP address each client reached, which the certificate "
+                    "must then hold; give --advertise NAME:PORT (a name of the certificate)",
+                    listen)
     code = 0
     try:
         trio.run(_serve_until_signal, gateway, host, port, namespace, sync, drain_timeout)

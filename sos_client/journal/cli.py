@@ -20,7 +20,8 @@ EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_CORRUPT, EXIT_NO_JOURNAL = 0, 1, 2, 3, 4
 
 RESTORE_EXIT_CODES = """exit status:
   0   ok: TARGET holds the requested state
-  1   failed. A server or I/O error (TARGET may hold part of the tree), no key, or
+  1   failed. A server, bucket or I/O error (TARGET may hold part of the tree; with
+      --from: the bucket unreachable, no credentials, access denied), no key, or
       nothing written: TARGET not empty without --force, or the requested point is
       not in the journal (batch N never committed, or committed before the oldest
       generation the server keeps; position past the last record; time before the
@@ -31,7 +32,10 @@ RESTORE_EXIT_CODES = """exit status:
       applied what came before the broken record and stopped there. Or the
       generations on the server do not form one chain (one does not continue the
       one before it: written by someone else with an append key, or damaged):
-      nothing written; `sos verify` lists the breaks, --generation G restores one
+      nothing written; `sos verify` lists the breaks, --generation G restores one.
+      With --from: also a piece of the bucket that is damaged (CRC), missing in the
+      middle (a gap) or in conflict (another server's history), its key named:
+      restore applied every whole record before it and stopped there
   4   no journal in this namespace (no complete generation on this server: a mistyped
       namespace, the wrong server, or a lost one): nothing written
   130 interrupted"""
@@ -39,17 +43,50 @@ RESTORE_EXIT_CODES = """exit status:
 VERIFY_EXIT_CODES = """exit status:
   0   ok: every record checked, no problem. A generation that is not complete is
       no problem (a note; a WARNING line when it holds records a restore leaves out)
-  1   failed: server error, no key
+  1   failed: server or bucket error (--from: unreachable, no credentials), no key
   2   usage
   3   corrupt data: broken ranges found (listed on stdout), or generations that do
-      not form one chain (a generation that does not continue the one before it)
+      not form one chain (a generation that does not continue the one before it);
+      with --from also pieces damaged, missing or in conflict (their keys named)
   4   no journal in this namespace (no complete generation on this server: a mistyped
       namespace, the wrong server, or a lost one)
   130 interrupted"""
 
 
+class _Usage(Exception):
+    """A usage error found once the arguments are parsed (exit 2)."""
+
+
+#: connection options that name a server: meaningless with --from (the bucket is the source)
+_SERVER_OPTIONS = (("server", "--server"), ("key_file", "--key-file"), ("tls", "--tls"), ("tls_ca", "--tls-ca"))
+
+
 def _factory(args, namespace: str):
+    """The client factory the options name: a tier bucket (``--from URL``; a BucketSource,
+    closed by the caller) or the server (``--server`` or $SOS_SERVER, the key from
+    ``--key-file``, $SOS_KEY_FILE or $SOS_KEY)."""
+    url = getattr(args, "from_url", None)
+    if url is not None:
+        given = [flag for attr, flag in _SERVER_OPTIONS if getattr(args, attr, None)]
+        if given:
+            raise _Usage(f"--from reads the bucket alone: {', '.join(given)} cannot go with it "
+                         f"(credentials and the endpoint come from the environment, see docs/DEPLOY.md)")
+        from .bucket import BucketSource
+
+        return BucketSource.open(url, namespace)
+    if getattr(args, "server", None) is None:  # not given: $SOS_SERVER, else the default
+        from sos_client._common import resolve_server
+
+        args.server = resolve_server("")
+    if getattr(args, "key_file", None) is None:
+        args.key_file = os.environ.get("SOS_KEY_FILE") or None
     return lambda: client_from_args(args, namespace)
+
+
+def _close(factory) -> None:
+    close = getattr(factory, "close", None)
+    if close is not None:
+        close()
 
 
 class ProgressBar:
@@ -135,6 +172,9 @@ def _err(msg: str) -> None:
 
 
 def _where(args) -> str:
+    url = getattr(args, "from_url", None)
+    if url is not None:
+        return f" (bucket {url})"
     server = getattr(args, "server", None)
     return f" (server {server})" if server else ""
 
@@ -155,12 +195,21 @@ def cmd_restore(args) -> int:
         opts["workers"] = args.workers
     bar = None if args.quiet else ProgressBar(f"restore {args.namespace}")
     try:
+        factory = _factory(args, args.namespace)
+    except _Usage as e:
+        _err(str(e))
+        return EXIT_USAGE
+    except (JournalError, ValueError) as e:
+        _err(str(e))
+        return EXIT_FAIL
+    try:
         try:
-            summary = restore(_factory(args, args.namespace), args.namespace, args.target, force=args.force,
+            summary = restore(factory, args.namespace, args.target, force=args.force,
                               progress=bar, **opts)
         finally:
             if bar:
                 bar.finish()
+            _close(factory)
     except GenerationBreak as e:
         _err(f"{e}; nothing written")
         return EXIT_CORRUPT
@@ -191,11 +240,20 @@ def cmd_verify(args) -> int:
 
     bar = None if args.quiet else ProgressBar(f"verify {args.namespace}")
     try:
+        factory = _factory(args, args.namespace)
+    except _Usage as e:
+        _err(str(e))
+        return EXIT_USAGE
+    except (JournalError, ValueError) as e:
+        _err(str(e))
+        return EXIT_FAIL
+    try:
         try:
-            rep = verify(_factory(args, args.namespace), args.namespace, progress=bar)
+            rep = verify(factory, args.namespace, progress=bar)
         finally:
             if bar:
                 bar.finish()
+            _close(factory)
     except JournalError as e:
         _err(str(e))
         return EXIT_FAIL
@@ -236,6 +294,19 @@ def _iso(text: str) -> str:
     return text
 
 
+def _add_source_options(p: argparse.ArgumentParser) -> None:
+    """The server's connection options, and ``--from URL`` instead of them."""
+    p.add_argument("--from", dest="from_url", metavar="URL",
+                   help="read the namespace from the object-store tier's bucket alone, with no server: "
+                        "s3://BUCKET/PREFIX (credentials, region and endpoint from the AWS SDK's standard "
+                        "chain and AWS_ENDPOINT_URL, never arguments) or file:///PATH. Every check and "
+                        "option works as from a server; --server, --key-file, --tls and --tls-ca cannot "
+                        "go with it")
+    add_connection_options(p)
+    # None = not given, so that --from can refuse them; _factory fills in the usual defaults
+    p.set_defaults(server=None, key_file=None)
+
+
 def add_parsers(subparsers) -> None:
     """Add ``restore`` and ``verify`` to the ``sos`` command's subparsers."""
     p = subparsers.add_parser(
@@ -271,7 +342,7 @@ def add_parsers(subparsers) -> None:
                    help="threads writing different files at once, each file's records in journal order "
                         "(default: the CPU count, at most 4; 1: every record in order in one thread)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress")
-    add_connection_options(p)
+    _add_source_options(p)
     p.set_defaults(func=cmd_restore)
 
     v = subparsers.add_parser("verify", help="check every segment and record of a namespace",
@@ -281,7 +352,7 @@ def add_parsers(subparsers) -> None:
                               epilog=VERIFY_EXIT_CODES)
     v.add_argument("namespace")
     v.add_argument("-q", "--quiet", action="store_true", help="no progress")
-    add_connection_options(v)
+    _add_source_options(v)
     v.set_defaults(func=cmd_verify)
 
 

@@ -1,5 +1,5 @@
-"""Reading a journal from the server: the generations a namespace holds, segments read
-with salvage of a damaged tail, records decoded in order with read-ahead threads
+"""Reading a journal from the server (or a tier bucket: ``bucket.BucketClient``): the
+generations a namespace holds, segments read with salvage of a damaged tail, records decoded in order with read-ahead threads
 (``SegmentReaders``), the generation chain check (protocol.md 2.1) and the choice of the
 generation a restore starts from. Used by restore, verify and the writer."""
 
@@ -70,7 +70,9 @@ def read_segment_bytes(client, name: str, offset: int = 0, *, salvage_limit: int
             for chunk in client.read_iter(name, pos, n):
                 pos += len(chunk)
                 yield chunk
-        raise ServerCorrupt(pos, f"server reports stored data corrupt: {e}") from e
+        # a bucket's reader (bucket.py) says itself what it does not hold whole, by key
+        why = str(e) if getattr(e, "complete_message", False) else f"server reports stored data corrupt: {e}"
+        raise ServerCorrupt(pos, why) from e
 
 
 def segment_records(client, seg: layout.SegmentInfo, *, on_bytes: Callable[[int], None] | None = None

@@ -1,4 +1,5 @@
-"""Check every segment and every record of a namespace without restoring anything.
+"""Check every segment and every record of a namespace without restoring anything (from a
+server, or from a tier bucket alone: ``bucket.BucketSource`` as the client factory).
 
 Reports each broken byte range (segment, start, end) it finds and keeps going after it:
 it looks for the next record that decodes with a valid CRC and resumes there.
@@ -203,6 +204,7 @@ def verify(client_factory: Callable[[], StoreClient], namespace: str, *,
             ends[g.generation] = _verify_generation(scan, g, nxt)
         for b in chain_breaks(client, gens, ends=ends):
             rep.problems.append(Problem(b.name, 0, None, b.reason))
+        _source_checks(client, rep)
     finally:
         try:
             client.close()
@@ -210,6 +212,19 @@ def verify(client_factory: Callable[[], StoreClient], namespace: str, *,
             pass
     rep.seconds = time.monotonic() - t0
     return rep
+
+
+def _source_checks(client: StoreClient, rep: VerifyReport) -> None:
+    """What only the source can show: a tier bucket (bucket.BucketClient) reads the pieces
+    that are not on the journal's path (another copy of bytes the run holds) and names keys
+    the layout did not make. A server's client has neither."""
+    problems = getattr(client, "source_problems", None)
+    if problems is not None:
+        for name, offset, message in problems(layout.GEN_PREFIX):
+            rep.problems.append(Problem(name, offset, None, message))
+    notes = getattr(client, "source_notes", None)
+    if notes is not None:
+        rep.notes.extend(notes())
 
 
 def _note_readiness(rep: VerifyReport, g: layout.GenerationInfo, newest: int | None) -> None:
