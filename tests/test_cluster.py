@@ -215,10 +215,17 @@ def test_total_loss_with_the_servers_disk_the_bucket_brings_it_back(demo):
     boot = loss["bootstrap"]
     assert boot["namespaces"] == 1 and boot["objects"] >= 1 and boot["bytes"] > 0, boot
     assert boot["cut"] == 0 and boot["problems"] == 0, boot
-    first, second = _log(work, "server1.log"), _log(work, "server2.log")
-    assert '"tier bootstrap"' not in first  # the first server started on a data dir of its own
-    assert '"tier bootstrap"' in second
-    assert second.index('"tier bootstrap"') < second.index("sos-server listening on ")
+    def bootstraps(name):
+        docs = [json.loads(ln) for ln in _log(work, name).splitlines() if ln.startswith("{")]
+        return [d for d in docs if d.get("msg") == "tier bootstrap"]
+
+    # the first server started on a data directory with keys only, before the bucket held
+    # anything: it rebuilt nothing; the replacement rebuilt the namespace before listening
+    assert [(b["namespaces"], b["objects"]) for b in bootstraps("server1.log")] == [(0, 0)]
+    (second,) = bootstraps("server2.log")
+    assert (second["namespaces"], second["objects"], second["bytes"]) == (1, boot["objects"], boot["bytes"])
+    text2 = _log(work, "server2.log")
+    assert text2.index('"tier bootstrap"') < text2.index("sos-server listening on ")
     assert os.path.isdir(os.path.join(work, "server-data", "ns", "sparkcluster", "objects"))
     # `sos restore --from` the bucket alone == `sos restore` from the replacement server,
     # and both hold every batch committed before the loss (RPO 0)
