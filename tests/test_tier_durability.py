@@ -17,7 +17,6 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 import trio
