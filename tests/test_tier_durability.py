@@ -275,3 +275,24 @@ def test_with_the_store_down_a_barrier_waits_until_it_is_back_or_fails_after_its
                 assert have.get(name, 0) == length, name
     finally:
         opened.close(timeout=WAIT)
+
+
+def test_tier_wait_on_a_sealed_object_waits_for_its_seal_marker(sos_server_factory, new_bucket):
+    """A generation's ``ready`` is an empty sealed object: its bytes (none) are "in the bucket"
+    at once, its seal marker is not. TIER_WAIT on a sealed object answers only once the marker
+    is there too (protocol.md 1.11 rule 6), so a tier barrier covers a new generation's
+    completeness for a reader of the bucket alone."""
+    url = new_bucket()
+    srv = sos_server_factory(args=["--tier", url, "--tier-interval", NEVER])
+    key = srv.keygen("ts", "append")
+    with Client(srv.address, key, "ts", timeout=10) as c:
+        c.fence(1)
+        c.append("gen/ready", 0, b"", epoch=1)
+        c.seal("gen/ready", epoch=1)
+        assert c.tier_wait("gen/ready", 0, timeout=60) == 0
+    store = open_store(url)
+    try:
+        state = scan(store, "ts").get("ts")
+    finally:
+        store.close()
+    assert state is not None and state.objects["gen/ready"].sealed, state

@@ -399,6 +399,8 @@ class JournalWriter:
         floor = max(complete, default=0)
         owed = {s.name: s.length for g in gens.values() if g.generation >= floor for s in g.segments
                 if s.length > 0}
+        # a complete generation's ready marker too: a reader of the bucket alone needs it
+        owed |= {layout.ready_name(g.generation): 0 for g in gens.values() if g.generation >= floor and g.ready}
         with self._cv:
             self._tier_owed = owed
         if entries:
@@ -612,6 +614,11 @@ class JournalWriter:
         try:
             wait(name, 0, 0)
         except TierUnavailable as e:
+            if "no tier configured" not in e.message and "tier stopped" not in e.message:
+                # rule 7: the tier is there and has not caught up yet (a sealed object's marker, an
+                # object not copied yet): the barriers wait for it
+                self._tier_checked = True
+                return
             self._tier_refused = True
             no_tier = "no tier configured" in e.message
             raise JournalTierUnavailable(
@@ -854,6 +861,9 @@ class JournalWriter:
                                    f"cannot be marked complete")
             client.seal(name, epoch=self.epoch)
             with self._cv:
+                if self.durability == "tier":
+                    # TIER_WAIT on a sealed object waits for its seal marker (protocol.md 1.11 rule 6)
+                    self._tier_owed.setdefault(name, 0)
                 self._pending_ready.remove(arg)
                 if g == self.generation:
                     self.generation_complete = True
