@@ -25,7 +25,7 @@ from sos_wire.auth import Key, tls_server_end_point
 from sos_wire.connection import Connection, Role
 from sos_wire.crc import crc32c
 from sos_wire.errors import ErrorCode
-from sos_wire.frames import DEFAULT_MAX_BODY, MAX_LIST_LIMIT, SUPPORTED_VERSIONS, VERSION
+from sos_wire.frames import DEFAULT_MAX_BODY, MAX_LIST_LIMIT, MAX_TIER_WAIT_MS, SUPPORTED_VERSIONS, VERSION
 from sos_wire.names import BadName, validate_name, validate_namespace
 
 from .errors import BadKey, BadNameError, ConnectionLost, Corrupt, SOSError, error_from_reply
@@ -33,7 +33,7 @@ from .errors import BadKey, BadNameError, ConnectionLost, Corrupt, SOSError, err
 __all__ = [
     "DEFAULT_SERVER", "DEFAULT_PORT", "RECV", "NEXT_CHUNK", "parse_server", "settings_from_env", "Core",
     "AppendJob", "ClientSettings", "CLIENT_NAME", "READ_STEP", "DEFAULT_WINDOW_BYTES", "DEFAULT_WINDOW_FRAMES", "readable_now",
-    "channel_binding_of",
+    "channel_binding_of", "tier_wait_ms",
 ]
 
 DEFAULT_PORT = 7070
@@ -212,6 +212,14 @@ def _u64(value, what: str) -> int:
     return value
 
 
+def tier_wait_ms(timeout: float) -> int:
+    """TIER_WAIT's ``timeout_ms`` for a wait of *timeout* seconds: capped at 60 s, as the
+    server caps it (protocol.md 1.9); 0 answers at once."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
+        raise ValueError(f"tier_wait timeout must be a number of seconds >= 0, not {timeout!r}")
+    return min(MAX_TIER_WAIT_MS, round(timeout * 1000))
+
+
 class Core:
     """Protocol logic over one authenticated connection (no I/O)."""
 
@@ -351,6 +359,22 @@ class Core:
             ev.Seal(self._rid(), name, epoch), f"seal {self._where(name)}", ev.SealOk, name=name
         )
         return reply.length
+
+    def tier_wait(self, name: str, offset: int, timeout_ms: int):
+        """Generator: TIER_WAIT (protocol.md 1.11); returns ``tiered`` (>= offset), raises
+        TierUnavailable (the bucket did not reach *offset* in time, no tier, the tier stopped)."""
+        check_name(name)
+        _u64(offset, "offset")
+        if not isinstance(timeout_ms, int) or not 0 <= timeout_ms < 1 << 32:
+            raise ValueError(f"timeout_ms must be an integer in 0..2**32-1, not {timeout_ms!r}")
+        reply = yield from self._request(
+            ev.TierWait(self._rid(), name, offset, timeout_ms),
+            f"wait for the tier to hold {self._where(name)} up to offset {offset}", ev.TierWaitOk, name=name,
+        )
+        if reply.tiered < offset:
+            raise SOSError(f"tier_wait {self._where(name)}: the server answered tiered={reply.tiered}, "
+                           f"below the offset {offset} waited for (protocol.md 1.11: at least offset)")
+        return reply.tiered
 
     def fence(self, epoch: int):
         _u64(epoch, "epoch")

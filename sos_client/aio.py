@@ -21,7 +21,7 @@ from sos_wire.frames import MAX_LIST_LIMIT
 
 from ._common import (
     CLIENT_NAME, DEFAULT_WINDOW_BYTES, DEFAULT_WINDOW_FRAMES, NEXT_CHUNK, READ_STEP, RECV, AppendJob, ClientSettings,
-    Core, ReadCursor, channel_binding_of, readable_now,
+    Core, ReadCursor, channel_binding_of, readable_now, tier_wait_ms,
 )
 from .errors import ConnectionLost
 from .retry import async_retrying
@@ -60,6 +60,7 @@ class AsyncClient(ClientSettings):
                          who="open_client()")
         self._lock = trio.Lock()
         self._stream: trio.abc.Stream | None = None
+        self._recv_extra = 0.0  # seconds a reply may take beyond self.timeout (a TIER_WAIT's wait)
 
     # -- connection management ----------------------------------------------------------
     async def connect(self) -> None:
@@ -178,7 +179,7 @@ class AsyncClient(ClientSettings):
             if event is not NEED_DATA:
                 return event
             try:
-                with trio.fail_after(self.timeout):
+                with trio.fail_after(self.timeout + self._recv_extra):
                     data = await self._open_stream().receive_some(RECV_SIZE)
             except trio.TooSlowError:
                 await self._drop()
@@ -270,6 +271,19 @@ class AsyncClient(ClientSettings):
 
     async def fence(self, epoch: int) -> int:
         return await self._call(lambda core: core.fence(epoch), retry=False)
+
+    async def tier_wait(self, name: str, offset: int, timeout: float = 30.0) -> int:
+        """:meth:`sos_client.Client.tier_wait`: the bucket's length of *name* once >= *offset*."""
+        ms = tier_wait_ms(timeout)
+
+        def run(core: Core) -> Generator[Any, Any, Any]:
+            self._recv_extra = ms / 1000  # the reply may take the whole wait (calls are serialized)
+            try:
+                return (yield from core.tier_wait(name, offset, ms))
+            finally:
+                self._recv_extra = 0.0
+
+        return await self._call(run)
 
 
 def _closed_by_server(stream: trio.abc.Stream | None) -> bool:

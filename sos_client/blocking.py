@@ -19,7 +19,7 @@ from sos_wire.frames import MAX_LIST_LIMIT
 
 from ._common import (
     CLIENT_NAME, DEFAULT_WINDOW_BYTES, DEFAULT_WINDOW_FRAMES, NEXT_CHUNK, READ_STEP, RECV, AppendJob, ClientSettings,
-    Core, ReadCursor, channel_binding_of, readable_now,
+    Core, ReadCursor, channel_binding_of, readable_now, tier_wait_ms,
 )
 from .errors import ConnectionLost
 from .retry import retrying
@@ -309,3 +309,25 @@ class Client(ClientSettings):
     def fence(self, epoch: int) -> int:
         """Refuse appends with an epoch below *epoch* in this namespace from now on."""
         return self._call(lambda core: core.fence(epoch), retry=False)
+
+    def tier_wait(self, name: str, offset: int, timeout: float = 30.0) -> int:
+        """Wait until the server's object-store tier (the bucket) holds *name*'s bytes
+        ``[0, offset)``; returns how many it holds (>= offset). *timeout*: seconds the server
+        waits (capped at 60, as the server caps it; 0 answers at once). Raises
+        :class:`~sos_client.errors.TierUnavailable` when the bucket did not reach *offset* in
+        time (``.tiered``: what it holds), the server has no tier, or its tier stopped copying
+        the object; SOSNotFound, or SOSError BAD_REQUEST for an *offset* beyond the durable
+        length. Safe to retry (it changes nothing): a lost connection is retried once."""
+        ms = tier_wait_ms(timeout)
+
+        def run(core: Core) -> Generator[Any, Any, Any]:
+            # the reply may take the whole wait: the socket's timeout covers it and then ours
+            sock = self._socket()
+            sock.settimeout(ms / 1000 + self.timeout)
+            try:
+                return (yield from core.tier_wait(name, offset, ms))
+            finally:
+                if self._sock is sock:
+                    sock.settimeout(self.timeout)
+
+        return self._call(run)

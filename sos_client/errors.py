@@ -31,19 +31,23 @@ from sos_wire.errors import ErrorCode
 
 __all__ = [
     "SOSError", "OffsetMismatch", "Fenced", "SealedError", "ChecksumMismatch", "Corrupt", "NoSpace",
-    "QuotaExceeded", "TooLarge", "ServerBusy", "ConnectionLost", "SOSNotFound", "SOSPermissionError",
+    "QuotaExceeded", "TooLarge", "ServerBusy", "TierUnavailable", "ConnectionLost", "SOSNotFound",
+    "SOSPermissionError",
     "BadKey",    "BadNameError", "error_from_reply", "RETRYABLE_CODES", "is_retryable", "to_oserror", "is_fenced",
     "token_key_message",
 ]
 
 #: Server refusals after which the same request can succeed later: the server is short of
 #: a resource (BUSY, NO_SPACE, QUOTA_EXCEEDED: an operator or retention frees it), the
-#: data was damaged in transit (CHECKSUM_MISMATCH: nothing was written), or the server
-#: failed unexpectedly (INTERNAL). Every other code (and a code this version does not
-#: know) is an answer about the request or the key, which repeating does not change.
+#: data was damaged in transit (CHECKSUM_MISMATCH: nothing was written), the server
+#: failed unexpectedly (INTERNAL), or its object-store tier is behind or unreachable
+#: (TIER_UNAVAILABLE: the bucket catches up once the store answers; a FENCE whose marker did
+#: not reach the store is repeated with a higher epoch). Every other code (and a code this
+#: version does not know) is an answer about the request or the key, which repeating does
+#: not change.
 RETRYABLE_CODES = frozenset({
     ErrorCode.BUSY, ErrorCode.NO_SPACE, ErrorCode.QUOTA_EXCEEDED, ErrorCode.CHECKSUM_MISMATCH,
-    ErrorCode.INTERNAL,
+    ErrorCode.INTERNAL, ErrorCode.TIER_UNAVAILABLE,
 })
 
 #: The errno a filesystem reports for each server refusal (codes not listed: EIO).
@@ -67,6 +71,7 @@ _ERRNO_OF_CODE: dict[int, int] = {
     ErrorCode.CORRUPT: errno.EIO,
     ErrorCode.INTERNAL: errno.EIO,
     ErrorCode.BAD_REQUEST: errno.EINVAL,
+    ErrorCode.TIER_UNAVAILABLE: errno.ETIMEDOUT,
 }
 
 #: OSError errnos of a network or a peer that may recover (other OSErrors, e.g.
@@ -180,6 +185,22 @@ class ServerBusy(SOSError):
     _errno_default = errno.EBUSY
 
 
+class TierUnavailable(SOSError):
+    """TIER_UNAVAILABLE (protocol.md 1.11 TIER_WAIT, FENCE): the server's object-store tier does
+    not hold the bytes asked for within the timeout (the store is down or slow: retryable, the
+    bucket catches up once it answers), the server has no tier (message "no tier
+    configured", ``length`` 0), or it stopped copying the object or namespace (another server
+    took it over, a conflict). ``length``: the object's length in the tier (``tiered``).
+    A filesystem reports it as ETIMEDOUT."""
+
+    _retryable_default = True
+    _errno_default = errno.ETIMEDOUT
+
+    @property
+    def tiered(self) -> int:
+        return self.length
+
+
 class ConnectionLost(SOSError, ConnectionError):
     """The connection broke (closed, reset, timed out or garbled). Retrying on a new one may work.
 
@@ -239,6 +260,7 @@ _CLASS_OF = {
     ErrorCode.FORBIDDEN: SOSPermissionError,
     ErrorCode.NOT_AUTHENTICATED: SOSPermissionError,
     ErrorCode.BAD_NAME: BadNameError,
+    ErrorCode.TIER_UNAVAILABLE: TierUnavailable,
 }
 
 

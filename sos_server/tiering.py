@@ -270,8 +270,16 @@ class Tier:
 
     def _wake_object(self, namespace: str, name: str, uploaded: int) -> None:
         for w in self._waiters.get((namespace, name), ()):
-            if w.offset <= uploaded:
+            if self._reached(namespace, name, w.offset):
                 w.event.set()
+
+    def _reached(self, namespace: str, name: str, offset: int) -> bool:
+        """The bucket holds what a TIER_WAIT for *offset* asks (protocol.md 1.11): the object's
+        bytes up to *offset* and, if it is durably sealed here, its seal marker."""
+        ns = self.storage.namespaces.get(namespace)
+        obj = ns.objects.get(name) if ns is not None else None
+        sealed = obj is not None and _durably_sealed(obj)
+        return self.uploader.holds(namespace, name, offset, sealed)
 
     def _wake_waiters(self, namespace: str) -> None:
         """Every waiter of the namespace that can be answered now (done, or never will be)."""
@@ -279,9 +287,8 @@ class Tier:
             if ns != namespace:
                 continue
             stop = self._unavailable(ns, name)
-            uploaded = self.uploader.uploaded(ns, name)
             for w in ws:
-                if stop is not None or w.offset <= uploaded:
+                if stop is not None or self._reached(ns, name, w.offset):
                     w.event.set()
 
     def _unavailable(self, namespace: str, name: str) -> str | None:
@@ -301,7 +308,7 @@ class Tier:
         t0 = trio.current_time()
         why = self._unavailable(namespace, name)
         tiered = self.uploader.uploaded(namespace, name)
-        if why is None and tiered >= offset:
+        if why is None and self._reached(namespace, name, offset):
             return tiered
         if why is None and timeout > 0:
             w = _Waiter(offset)
@@ -317,11 +324,13 @@ class Tier:
                     del self._waiters[key]
             why = self._unavailable(namespace, name)
             tiered = self.uploader.uploaded(namespace, name)
-            if why is None and tiered >= offset:
+            if why is None and self._reached(namespace, name, offset):
                 return tiered
         if why is None:
             ms = round((trio.current_time() - t0) * 1000)
-            why = f"bucket holds {tiered} of {offset} bytes of {name!r} after {ms} ms"
+            why = (f"bucket holds {tiered} of {offset} bytes of {name!r} after {ms} ms" if tiered < offset
+                   else f"bucket does not hold {name!r}{' and its seal' if offset == tiered else ''} "
+                        f"after {ms} ms")
             st = self._ns.get(namespace)
             last = st.failing if st is not None and st.failing else self.uploader.lag(namespace).last_error
             if last:

@@ -320,6 +320,18 @@ class Uploader:
             o = self._ns.get(namespace, _Ns()).objects.get(name)
             return o.uploaded if o else 0
 
+    def holds(self, namespace: str, name: str, offset: int, sealed: bool = False) -> bool:
+        """Whether the bucket holds *name* as far as a TIER_WAIT for *offset* asks: its run from
+        0 reaching *offset* and, when the server's object is *sealed*, its seal marker
+        (protocol.md 1.11 rule 6: a generation's ``ready`` is an empty sealed object whose marker
+        is what a reader of the bucket alone needs)."""
+        with self._lock:
+            o = self._ns.get(namespace, _Ns()).objects.get(name)
+            uploaded = o.uploaded if o else 0
+            if uploaded < offset:
+                return False
+            return not sealed or (o is not None and o.bucket_seal is not None)
+
     def pending(self, namespace: str) -> list[str]:
         """Names with something acknowledged and not in the bucket (and not stuck)."""
         with self._lock:

@@ -60,6 +60,7 @@ CODE_TABLE = {
     ErrorCode.CORRUPT: (False, errno.EIO),
     ErrorCode.INTERNAL: (True, errno.EIO),
     ErrorCode.BAD_REQUEST: (False, errno.EINVAL),
+    ErrorCode.TIER_UNAVAILABLE: (True, errno.ETIMEDOUT),  # the bucket behind or unreachable: it catches up
 }
 
 
@@ -98,6 +99,7 @@ def test_a_code_this_client_does_not_know_is_not_retried():
     (cerr.NoSpace, True, errno.ENOSPC),
     (cerr.QuotaExceeded, True, errno.EDQUOT),
     (cerr.ServerBusy, True, errno.EBUSY),
+    (cerr.TierUnavailable, True, errno.ETIMEDOUT),
     (cerr.ConnectionLost, True, errno.ECONNRESET),
 ])
 def test_errors_without_a_code_are_classified_by_class(cls, retryable, want_errno):

@@ -8,6 +8,8 @@ from .errors import (
     JournalError,
     JournalNotFound,
     JournalQuotaExceeded,
+    JournalTierBehind,
+    JournalTierUnavailable,
     JournalTruncated,
     PositionUnavailable,
     ReplayError,
@@ -39,7 +41,7 @@ from .writer import JournalWriter
 __all__ = [
     "JournalWriter", "JournaledTree", "replay", "restore", "verify", "Summary",
     "JournalError", "JournalCorrupt", "JournalNotFound", "JournalQuotaExceeded", "JournalTruncated", "GenerationBreak", "WriterFenced", "WriterClosed",
-    "SpoolStale", "TargetNotEmpty", "BatchNotFound", "PositionUnavailable", "ReplayError",
+    "JournalTierBehind", "JournalTierUnavailable", "SpoolStale", "TargetNotEmpty", "BatchNotFound", "PositionUnavailable", "ReplayError",
     "Record", "RecordDecoder", "RecordType", "Mkdir", "Rmdir", "Create", "Write", "Truncate",
     "Rename", "Delete", "Marker", "SnapshotEnd",
 ]

@@ -83,6 +83,30 @@ class JournalQuotaExceeded(JournalError):
         self.applied = applied
 
 
+class JournalTierBehind(JournalError):
+    """``durability="tier"``: a barrier's records are durable on the SOS server, but the
+    server's object-store tier (the bucket) did not hold them within the caller's patience
+    (the store is down or slow). Nothing is lost: the server keeps uploading and a later
+    barrier returns once the bucket has caught up. A filesystem reports it as ETIMEDOUT.
+    ``tiered``: what the bucket held of ``segment`` (the object waited for) of ``wanted``
+    bytes at the last answer."""
+
+    os_errno = errno.ETIMEDOUT
+
+    def __init__(self, message: str, *, segment: str = "", tiered: int = 0, wanted: int = 0) -> None:
+        super().__init__(message)
+        self.segment = segment
+        self.tiered = tiered
+        self.wanted = wanted
+
+
+class JournalTierUnavailable(JournalError):
+    """``durability="tier"`` cannot be had from this server: it has no object-store tier
+    (started without ``--tier``: a configuration error, refused when the writer opens), or its
+    tier stopped copying the namespace or the object (another server took the namespace over
+    in the bucket, a conflict: its log and metrics say which). The server's message is kept."""
+
+
 class WriterClosed(JournalError):
     """The writer is closed (or failed) and accepts no more records."""
 

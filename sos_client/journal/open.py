@@ -186,12 +186,22 @@ def open_namespace(namespace: str, cache_dir: str, *, server: str | None = None,
                    key: Any = None, timeout: float = 30.0, tls: Any = None,
                    client_factory: ClientFactory | None = None, sync: bool = True,
                    max_lag_bytes: int | None = None, generation_bytes: int | None = None,
-                   allow_read_only: bool = False) -> OpenNamespace:
+                   allow_read_only: bool = False, durability: str = "server",
+                   tier_patience: float | None = None) -> OpenNamespace:
     """Open ``namespace`` with its cache in ``cache_dir`` (see the module docstring).
 
     Connection: ``client_factory`` (a callable returning a connected client), or one built
     from ``server``/``key``/``timeout``/``tls`` by :func:`client_factory_for`. ``sync``,
     ``max_lag_bytes`` and ``generation_bytes`` go to the writer (None: its defaults).
+
+    ``durability``: "server" (a barrier, e.g. the rename onto a Spark ``commits/N``, returns
+    once its records are durable on the SOS server) or "tier" (once the server's object-store
+    tier, the bucket, holds them too: RPO 0 for committed batches even when the server and its
+    disk are lost; ``tier_patience``: seconds a barrier waits for the bucket before it fails
+    with JournalTierBehind, None: until it holds them). Every face passes it here
+    (``sos gateway``/``sos mount`` ``--durability``, fsspec's ``durability=``). With "tier" a
+    server without a tier is refused here (JournalTierUnavailable): the opener fails before
+    anything is served.
 
     Raises PermissionError for a refused key (or a read key without ``allow_read_only``),
     RuntimeError for a stale spool (another writer took the namespace over since this
@@ -224,7 +234,7 @@ def open_namespace(namespace: str, cache_dir: str, *, server: str | None = None,
     spool_dir = os.path.join(cache_dir, "spool")
     # tree/ is a mount's root directory as users see it (0755 by default)
     private_cache_dir(cache_dir, {"tree": 0o755, "spool": 0o700})
-    writer_kwargs: dict[str, Any] = {"sync": sync}
+    writer_kwargs: dict[str, Any] = {"sync": sync, "durability": durability, "tier_patience": tier_patience}
     if max_lag_bytes is not None:
         writer_kwargs["max_lag_bytes"] = max_lag_bytes
     if generation_bytes is not None:
@@ -234,6 +244,11 @@ def open_namespace(namespace: str, cache_dir: str, *, server: str | None = None,
         # opens the writer (fencing older epochs) and, if the cache is empty, rebuilds it
         # from the server by the same code as restore
         tree = JournaledTree(tree_dir, writer, rebuild=rebuild_cache).open()
+        try:
+            writer.check_tier(timeout)  # durability "tier" on a server without one: refused now
+        except BaseException:
+            tree.close()
+            raise
     except BaseException as exc:
         try:
             writer.close()

@@ -51,10 +51,19 @@ from ._store import (
     is_retryable,
     mismatch_length,
 )
-from .errors import GenerationBreak, JournalError, JournalQuotaExceeded, SpoolStale, WriterClosed, WriterFenced
+from .errors import (
+    GenerationBreak,
+    JournalError,
+    JournalQuotaExceeded,
+    JournalTierBehind,
+    JournalTierUnavailable,
+    SpoolStale,
+    WriterClosed,
+    WriterFenced,
+)
 from .records import HEADER, MAX_RECORD_LENGTH, PREFIX, Op, Record, RecordDecoder, SnapshotEnd, encode
 from .spool import Spool, SpoolSegment
-from ..errors import QuotaExceeded
+from ..errors import QuotaExceeded, TierUnavailable
 from ..retry import Backoff, retrying
 
 log = logging.getLogger("sos.journal.writer")
@@ -67,6 +76,13 @@ _Task = tuple[str, Any]
 #: replicator (woken at once) before it fails: a quota raised a moment ago is then seen,
 #: and an unreachable server does not turn the prompt refusal into a wait.
 QUOTA_RECHECK = 5.0
+
+#: ``durability`` values: a barrier waits for the server's disk, or also for its tier's bucket
+DURABILITIES = ("server", "tier")
+
+#: close() waits at most this long for the bucket when neither its timeout nor the writer's
+#: tier_patience bounds it (a store down at shutdown must not hold a process forever)
+CLOSE_TIER_PATIENCE = 60.0
 
 
 def server_last_record(client: StoreClient, seg_name: str, length: int | None = None) -> tuple[int, int] | None:
@@ -84,7 +100,18 @@ class JournalWriter:
     def __init__(self, client_factory: Callable[[], StoreClient], namespace: str, spool_dir: str, *, sync: bool = True,
                  max_lag_bytes: int = 64 << 20, segment_bytes: int = 64 << 20,
                  generation_bytes: int = 1 << 30, chunk_bytes: int = 2 << 20, pipeline: int = 4,
-                 max_backoff: float = 2.0, open_timeout: float = 120.0) -> None:
+                 max_backoff: float = 2.0, open_timeout: float = 120.0, durability: str = "server",
+                 tier_wait: float = 30.0, tier_patience: float | None = None) -> None:
+        """*durability*: "server" or "tier" (see the module docstring); *tier_wait*: seconds one
+        TIER_WAIT asks the server to wait (at most 60); *tier_patience*: seconds a barrier
+        without a timeout waits for the bucket before it fails with JournalTierBehind (None:
+        until the bucket holds its records)."""
+        if durability not in DURABILITIES:
+            raise ValueError(f"durability must be one of {', '.join(DURABILITIES)}, not {durability!r}")
+        if not 0 < tier_wait <= 60:
+            raise ValueError(f"tier_wait must be in (0, 60] seconds, not {tier_wait!r}")
+        if tier_patience is not None and tier_patience < 0:
+            raise ValueError(f"tier_patience must be >= 0 seconds or None, not {tier_patience!r}")
         if chunk_bytes < 8 + MAX_RECORD_LENGTH:
             raise ValueError(f"chunk_bytes must be at least {8 + MAX_RECORD_LENGTH}")
         if max_lag_bytes < 1 or segment_bytes < 1 or generation_bytes < 1 or pipeline < 1:
@@ -100,6 +127,17 @@ class JournalWriter:
         self.pipeline = pipeline
         self.max_backoff = max_backoff
         self.open_timeout = open_timeout
+        self.durability = durability
+        self.tier_wait = tier_wait
+        self.tier_patience = tier_patience
+        #: durability "tier": object -> length acknowledged by the server and not known to be in
+        #: the tier's bucket (what the next barrier waits for); under self._cv
+        self._tier_owed: dict[str, int] = {}
+        self._tier_checked = False  # a TIER_WAIT at offset 0 said the server has a working tier
+        self._tier_refused = False  # ... or said it has none (close() then waits for the server only)
+        self._tier_lock = threading.Lock()  # one barrier asks the server at a time
+        self._tier_client: StoreClient | None = None  # its own connection (waits can be long)
+        self.tier_waits = 0  # TIER_WAITs answered TIER_WAIT_OK
 
         self._cv = threading.Condition(threading.Lock())
         self._rotate_lock = threading.RLock()
@@ -184,6 +222,8 @@ class JournalWriter:
                 "reconnects": self.reconnects,
                 "epoch": self.epoch,
                 "generation": self.generation,
+                "durability": self.durability,
+                "tier_owed_objects": len(self._tier_owed),
             }
 
     def admit(self) -> None:
@@ -347,6 +387,24 @@ class JournalWriter:
         self._segs = segs
         self._cur = None  # new records go to a new segment named with our epoch
         self.epoch = epoch
+        if self.durability == "tier":
+            self._tier_open(client, entries, gens)
+
+    def _tier_open(self, client: StoreClient, entries: list, gens: dict[int, layout.GenerationInfo]) -> None:
+        """Durability "tier" at open: refuse a server without a working tier (a TIER_WAIT at
+        offset 0 of any object fails only then, protocol.md 1.11), and owe the bucket the
+        objects a restore from it would read (the newest complete generation and any after it),
+        which an earlier writer may have left acknowledged but not uploaded."""
+        complete = [g.generation for g in gens.values() if g.ready and g.segments]
+        floor = max(complete, default=0)
+        owed = {s.name: s.length for g in gens.values() if g.generation >= floor for s in g.segments
+                if s.length > 0}
+        # a complete generation's ready marker too: a reader of the bucket alone needs it
+        owed |= {layout.ready_name(g.generation): 0 for g in gens.values() if g.generation >= floor and g.ready}
+        with self._cv:
+            self._tier_owed = owed
+        if entries:
+            self._tier_probe(client, entries[0].name)
 
     def _check_chain(self, client: StoreClient, gens: dict[int, layout.GenerationInfo]) -> None:
         """Refuse to write after generations that do not form one chain (protocol.md 2.1)."""
@@ -467,8 +525,18 @@ class JournalWriter:
         """Block until every record <= seq (default: all so far) is durable on the server
         and restorable: the ``ready`` object of every generation that starts at or before
         ``seq`` exists (restore ignores a generation without it, so records acked after an
-        asynchronous rotation would otherwise not count)."""
+        asynchronous rotation would otherwise not count). With durability "tier", then until
+        the server's tier holds them too (the module docstring): JournalTierBehind after
+        ``timeout`` (else ``tier_patience``), JournalTierUnavailable if the server has no
+        working tier."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        self._server_barrier(seq, deadline, timeout)
+        if self.durability == "tier":
+            if deadline is None and self.tier_patience is not None:
+                deadline = time.monotonic() + self.tier_patience
+            self._tier_barrier(deadline)
+
+    def _server_barrier(self, seq: int | None, deadline: float | None, timeout: float | None) -> None:
         with self._cv:
             target = self._seq if seq is None else seq
             while not self._durable(target):
@@ -487,6 +555,133 @@ class JournalWriter:
                                            f"(acked {self._acked}; last error: {self.last_error})")
                     wait = min(wait, 1.0)
                 self._cv.wait(wait)
+
+    # ------------------------------------------------------------------ durability "tier"
+    def _tier_barrier(self, deadline: float | None) -> None:
+        """Wait until the tier holds every object this writer owes it, as owed now (the
+        server's durability of the barrier's records is already there)."""
+        # one barrier asks at a time: the others wait here, then find its answers
+        if not self._tier_lock.acquire(timeout=-1 if deadline is None else max(0.0, deadline - time.monotonic())):
+            raise JournalTierBehind(f"barrier: another barrier of namespace {self.namespace!r} is still waiting for "
+                                    f"the object-store tier after the caller's patience ran out")
+        try:
+            with self._cv:
+                owed = sorted(self._tier_owed.items())
+            for name, length in owed:
+                self._tier_wait_for(name, length, deadline)
+        finally:
+            self._tier_lock.release()
+
+    def check_tier(self, timeout: float | None = None) -> None:
+        """Durability "tier": make sure the server has a working tier (JournalTierUnavailable
+        otherwise), if open() could not ask (a new namespace held no object yet): waits until
+        something is durable on the server, then asks about it. A no-op once known."""
+        if self.durability != "tier" or self._tier_checked:
+            return
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._server_barrier(None, deadline, timeout)
+        with self._cv:
+            names = sorted(self._tier_owed)
+        if not names:
+            return  # nothing on the server yet: the first barrier asks
+        with self._tier_lock:
+            for attempt in retrying(self.open_timeout if timeout is None else timeout, cap=self.max_backoff):
+                with attempt:
+                    try:
+                        self._tier_probe(self._tier_conn(), names[0])
+                    except JournalError:
+                        raise
+                    except Exception:
+                        self._tier_drop()
+                        raise
+
+    def _tier_conn(self) -> StoreClient:
+        if self._tier_client is None:
+            self._tier_client = self.client_factory()
+        return self._tier_client
+
+    def _tier_drop(self) -> None:
+        client, self._tier_client = self._tier_client, None
+        _close_quietly(client)
+
+    def _tier_probe(self, client: StoreClient, name: str) -> None:
+        """TIER_WAIT ``name`` at offset 0 (answered at once): fails only when the server has no
+        tier or its tier stopped copying the namespace or the object (protocol.md 1.11)."""
+        wait = getattr(client, "tier_wait", None)
+        if wait is None:
+            raise JournalTierUnavailable(f"durability 'tier' for namespace {self.namespace!r}: this client "
+                                         f"({type(client).__name__}) cannot ask for the server's tier (TIER_WAIT)")
+        try:
+            wait(name, 0, 0)
+        except TierUnavailable as e:
+            if "no tier configured" not in e.message and "tier stopped" not in e.message:
+                # rule 7: the tier is there and has not caught up yet (a sealed object's marker, an
+                # object not copied yet): the barriers wait for it
+                self._tier_checked = True
+                return
+            self._tier_refused = True
+            no_tier = "no tier configured" in e.message
+            raise JournalTierUnavailable(
+                f"durability 'tier' for namespace {self.namespace!r}: "
+                + ("the SOS server has no object-store tier: start it with `sos-server serve --tier URL`, "
+                   "or use durability 'server'" if no_tier else
+                   "the SOS server's tier does not copy this namespace's journal (another server took the "
+                   "namespace over in the bucket, or a conflict: see the server's log)")
+                + f" ({e})") from e
+        self._tier_checked = True
+
+    def _tier_wait_for(self, name: str, length: int, deadline: float | None) -> None:
+        """Until the tier holds ``name`` up to ``length``: TIER_WAIT, asked again after each
+        TIER_UNAVAILABLE (the bucket behind) and each lost connection, until ``deadline``."""
+        backoff = Backoff(self.max_backoff)
+        last: BaseException | None = None
+        tiered = 0
+        recheck = False  # after a TIER_UNAVAILABLE: is the tier behind, or not copying at all?
+        while True:
+            if self._closed:
+                raise WriterClosed(f"writer closed while waiting for the tier to hold {name} up to {length}")
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0 and last is not None:
+                raise JournalTierBehind(
+                    f"barrier: the journal of namespace {self.namespace!r} is durable on the SOS server but its "
+                    f"object-store tier (the bucket) holds {tiered} of the {length} bytes of {name} waited for, "
+                    f"after the caller's patience ran out: {last}. Nothing is lost: the server keeps uploading",
+                    segment=name, tiered=tiered, wanted=length) from last
+            wait = self.tier_wait if left is None else min(self.tier_wait, max(0.0, left))
+            started = time.monotonic()
+            try:
+                client = self._tier_conn()
+                if recheck or not self._tier_checked:
+                    self._tier_probe(client, name)  # JournalTierUnavailable: it will never have it
+                    recheck = False
+                got = client.tier_wait(name, length, wait)  # type: ignore[attr-defined]
+            except TierUnavailable as e:
+                last, tiered, recheck = e, max(tiered, e.length), True
+                if time.monotonic() - started < wait / 2:  # answered early: do not ask in a loop
+                    self._tier_sleep(backoff.next(), deadline)
+                continue
+            except JournalError:
+                raise
+            except Exception as e:  # noqa: BLE001 - classified: only what can pass is retried
+                if not is_retryable(e):
+                    raise JournalError(f"barrier: waiting for the tier to hold {name} up to {length}: "
+                                       f"{type(e).__name__}: {e}") from e
+                last = e
+                self._tier_drop()
+                delay = backoff.next()
+                log.warning("barrier: waiting for the tier: %s: %s; retrying in %.2fs", type(e).__name__, e, delay)
+                self._tier_sleep(delay, deadline)
+                continue
+            with self._cv:
+                if self._tier_owed.get(name, 0) <= got:
+                    self._tier_owed.pop(name, None)
+                self.tier_waits += 1
+            return
+
+    def _tier_sleep(self, delay: float, deadline: float | None) -> None:
+        if deadline is not None:
+            delay = min(delay, max(0.0, deadline - time.monotonic()))
+        self._stop.wait(delay)
 
     def _durable(self, target: int) -> bool:
         return self._acked >= target and not any(s <= target for _, s in self._pending_ready)
@@ -521,7 +716,13 @@ class JournalWriter:
         try:
             if self.is_open and self._error is None:
                 try:
-                    self.barrier(timeout=timeout)
+                    deadline = None if timeout is None else time.monotonic() + timeout
+                    self._server_barrier(None, deadline, timeout)
+                    if self.durability == "tier" and not self._tier_refused:
+                        if deadline is None:
+                            patience = self.tier_patience if self.tier_patience is not None else CLOSE_TIER_PATIENCE
+                            deadline = time.monotonic() + patience
+                        self._tier_barrier(deadline)
                 except (TimeoutError, JournalError) as e:
                     log.warning("close: journal not fully shipped: %s", e)
         finally:
@@ -543,6 +744,7 @@ class JournalWriter:
                 s.close()
         if self._spool is not None:
             self._spool.close()
+        self._tier_drop()
 
     def __enter__(self) -> JournalWriter:
         self.open()
@@ -659,6 +861,9 @@ class JournalWriter:
                                    f"cannot be marked complete")
             client.seal(name, epoch=self.epoch)
             with self._cv:
+                if self.durability == "tier":
+                    # TIER_WAIT on a sealed object waits for its seal marker (protocol.md 1.11 rule 6)
+                    self._tier_owed.setdefault(name, 0)
                 self._pending_ready.remove(arg)
                 if g == self.generation:
                     self.generation_complete = True
@@ -691,6 +896,7 @@ class JournalWriter:
                 seg.shipped = length
                 if length in (0, seg.written):
                     seg.boundary = length
+                self._owe_tier(seg.name, length)
                 self._after_ack(None)
             if length == seg.written:
                 return
@@ -749,6 +955,7 @@ class JournalWriter:
             seg.confirmed = new_len  # acknowledged to us: ours (appended, or compared by the server)
             seg.boundary = new_len  # every APPEND round ends on a record boundary
             self.bytes_shipped += total
+            self._owe_tier(seg.name, new_len)
             self._after_ack(last_seq)
 
     def _check_new_generation(self, client: StoreClient, seg: SpoolSegment) -> None:
@@ -796,6 +1003,12 @@ class JournalWriter:
             with self._cv:
                 seg.confirmed = nxt
             pos = nxt
+
+    def _owe_tier(self, name: str, length: int) -> None:
+        """With the lock held: the server acknowledged ``name`` up to ``length`` (whole records):
+        under durability "tier" the next barrier waits for the bucket to hold that much."""
+        if self.durability == "tier" and length > self._tier_owed.get(name, 0):
+            self._tier_owed[name] = length
 
     def _after_ack(self, last_seq: int | None) -> None:
         """Called with the lock held after the server acknowledged data."""
