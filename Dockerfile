@@ -22,10 +22,12 @@ RUN apt-get update \
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY sos_wire ./sos_wire
+COPY sos_tier ./sos_tier
 COPY sos_server ./sos_server
 COPY sos_client ./sos_client
 COPY spark_plugin ./spark_plugin
-RUN pip wheel --no-cache-dir --wheel-dir /wheels '.[mount]'
+# tier: boto3, for serve --tier s3://... (the object-store tier, protocol.md Part 4)
+RUN pip wheel --no-cache-dir --wheel-dir /wheels '.[mount,tier]'
 
 # ---- runtime
 FROM python:3.11-slim-bookworm
@@ -41,7 +43,7 @@ COPY --from=build /wheels /wheels
 ARG SOS_VERSION=0.1.0
 # byte-compiled here, once: on a read-only root filesystem nothing can be compiled (and
 # cached) at run time, and the base image ships its standard library without .pyc files
-RUN pip install --no-cache-dir --no-index --find-links /wheels "sos[mount]==${SOS_VERSION}" \
+RUN pip install --no-cache-dir --no-index --find-links /wheels "sos[mount,tier]==${SOS_VERSION}" \
     && rm -rf /wheels \
     && python -m compileall -q /usr/local/lib/python3.11
 COPY deploy/healthcheck.py /usr/local/lib/sos/healthcheck.py

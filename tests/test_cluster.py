@@ -14,9 +14,14 @@ stateful queries (dropDuplicates, HDFS-backed and RocksDB state stores) run side
 - gateway restart: SIGKILL mid-batch (the queries parked, no request in flight), then the
   queries go on against it: they retry (Hadoop's "Retrying connect" lines) until it is
   back on the same port and cache; no query fails, the batches go on committing;
-- total loss: every process and local directory, the gateway's cache included; a gateway
-  on an empty cache restores the namespace from the server with every committed batch
-  (RPO 0); a new cluster resumes; committed output exactly once.
+- total loss: every process and local directory, the gateway's cache and the server's data
+  directory included (the server ran with `--tier` on moto's S3 server, embedded in the
+  demo, on 127.0.0.1); a replacement server on an empty data directory with the same
+  `--tier` rebuilds the namespace from the bucket (keys from a backup copy), `sos restore
+  --from` the bucket alone gives the same tree as `sos restore` from it; a gateway on an
+  empty cache restores the namespace from the replacement with every committed batch
+  (RPO 0); a new cluster resumes; committed output exactly once, for both state stores.
+  (issue 19 item 8's last case: this one run covers both state stores.)
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import urllib.parse
 
 import pytest
 
+from support import tree_snapshot
 from tools import child_env
 from tools.demo_cluster import (
     PROVIDER_ID_RE,
@@ -194,6 +200,52 @@ def test_total_loss_a_gateway_on_an_empty_cache_restores_every_committed_batch(d
         assert names == [f"batch-{b:06d}.jsonl" for b in range(BATCHES)], names
     # nothing a node wrote reached the host's own /tmp/sos-node (private tmpfs per node)
     assert not os.path.exists("/tmp/sos-node/work")
+
+
+@pytest.mark.spark
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_total_loss_with_the_servers_disk_the_bucket_brings_it_back(demo):
+    """Issue 19, item 8's last case: the server's data directory is lost with everything
+    else; the bucket alone brings the checkpoints back, and the queries resume exactly once
+    (the first test checks the output for both state stores)."""
+    _proc, lines, result, work = demo
+    loss = result["server_loss"]
+    # the replacement server rebuilt the namespace from the bucket before it listened
+    boot = loss["bootstrap"]
+    assert boot["namespaces"] == 1 and boot["objects"] >= 1 and boot["bytes"] > 0, boot
+    assert boot["cut"] == 0 and boot["problems"] == 0, boot
+    def bootstraps(name):
+        docs = [json.loads(ln) for ln in _log(work, name).splitlines() if ln.startswith("{")]
+        return [d for d in docs if d.get("msg") == "tier bootstrap"]
+
+    # the first server started on a data directory with keys only, before the bucket held
+    # anything: it rebuilt nothing; the replacement rebuilt the namespace before listening
+    assert [(b["namespaces"], b["objects"]) for b in bootstraps("server1.log")] == [(0, 0)]
+    (second,) = bootstraps("server2.log")
+    assert (second["namespaces"], second["objects"], second["bytes"]) == (1, boot["objects"], boot["bytes"])
+    text2 = _log(work, "server2.log")
+    assert text2.index('"tier bootstrap"') < text2.index("sos-server listening on ")
+    assert os.path.isdir(os.path.join(work, "server-data", "ns", "sparkcluster", "objects"))
+    # `sos restore --from` the bucket alone == `sos restore` from the replacement server,
+    # and both hold every batch committed before the loss (RPO 0)
+    from_bucket = tree_snapshot(os.path.join(work, "restored-from-bucket"))
+    from_server = tree_snapshot(os.path.join(work, "restored-from-server"))
+    assert from_bucket == from_server
+    for store in STORES:
+        commits = sorted(int(p.rsplit("/", 1)[1]) for p in from_bucket
+                         if p.startswith(f"queries/{store}/commits/") and p.rsplit("/", 1)[1].isdigit())
+        assert commits == list(range(K3)), (store, commits)
+        assert loss["restore"]["committed"][store] == list(range(K3))
+        # and the new gateway, on the replacement server, served the same
+        assert result["restored_committed"][store] == list(range(K3))
+    # the progress lines say it, in order, and the verdict does
+    text = "\n".join(lines)
+    order = [text.index(s) for s in ("TOTAL LOSS", "server's data directory deleted",
+                                     "a replacement sos-server on an EMPTY data directory",
+                                     "sos restore --from s3://", "a new gateway on an empty cache")]
+    assert order == sorted(order), order
+    assert "restored from the bucket" in lines[-1]
 
 
 # ---- the log readers (no Spark) ---------------------------------------------------------

@@ -65,7 +65,7 @@ EXECUTOR = ServiceAccount(JOBS_NS, spark_conf().get(
     "spark.kubernetes.authenticate.executor.serviceAccountName", _DRIVER_SA))
 WRITE_VERBS = ("create", "update", "patch", "delete", "deletecollection")
 #: what a job must never get at
-SOS_SECRETS = {"sos-tls", "sos-gateway-tls", "sos-gateway-key"}
+SOS_SECRETS = {"sos-tls", "sos-gateway-tls", "sos-gateway-key", "sos-tier-credentials"}
 SOS_CLAIMS = {"sos-data"}
 
 
@@ -213,6 +213,25 @@ def test_b_sos_secrets_and_volume_live_in_sos_only_and_no_job_object_names_them(
         if words[2] != SOS_NS:
             files = [w.split("=")[-1] for w in words if w.startswith("--from-file=")]
             assert not any(f.endswith(".key") and "job" not in f and "mount" not in f for f in files), line
+
+
+def test_b_the_tiers_store_credentials_live_in_sos_and_only_the_server_gets_them():
+    objs = objects()
+    users = [(o["file"], o["kind"], o["ns"]) for o in objs
+             if "sos-tier-credentials" in referenced_secrets_and_claims(o)[0]]
+    assert users == [("sos-server.yaml", "StatefulSet", SOS_NS)], users
+    assert _documented_created_secrets()["sos-tier-credentials"] == SOS_NS
+    (line,) = documented_lines("create secret generic sos-tier-credentials")
+    # from files, never literals on a command line
+    assert "--from-literal" not in line and line.count("--from-file=") == 2, line
+    # no pod outside sos is handed a store credential by value or by reference
+    for o in objs:
+        spec = pod_spec(o)
+        if spec is None or o["ns"] == SOS_NS:
+            continue
+        for c in spec.get("containers", []) + spec.get("initContainers", []):
+            names = {e["name"] for e in c.get("env", [])}
+            assert not {n for n in names if n.startswith("AWS_")}, (o["file"], c["name"], names)
 
 
 def test_b_the_jobs_key_is_a_token_role_key():

@@ -514,3 +514,77 @@ def test_compose_bind_sources_exist_or_are_made_by_the_documented_commands():
             assert f"tls/{os.path.basename(src)}" in header or src == "./shared", src
         else:
             assert (COMPOSE.parent / src).exists(), src
+
+
+# ------------------------------------------------------------------ the object-store tier
+
+
+def _server():
+    docs = k8s_documents("sos-server.yaml")
+    sts = one(docs, "StatefulSet")
+    (container,) = sts["spec"]["template"]["spec"]["containers"]
+    return docs, sts, container
+
+
+def test_server_copies_to_the_tier_with_credentials_from_a_secret_never_an_argument():
+    docs, sts, c = _server()
+    tier = option(c["args"], "--tier")
+    assert re.fullmatch(r"s3://[a-z0-9.-]+/\S+", tier), tier  # a bucket and a prefix, nothing else
+    assert not any("AWS_" in a or "secret" in a.lower() for a in c["args"]), c["args"]
+    env = {e["name"]: e for e in c["env"]}
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        assert "value" not in env[var], var  # never a literal
+        assert env[var]["valueFrom"] == {"secretKeyRef": {"name": "sos-tier-credentials", "key": var}}
+    assert "AWS_SESSION_TOKEN" not in env and "AWS_PROFILE" not in env
+    # region and endpoint from the ConfigMap next to it (the endpoint optional: AWS S3 needs none)
+    cm = one(docs, "ConfigMap", "sos-tier")
+    assert cm["metadata"]["namespace"] == sts["metadata"]["namespace"] == "sos"
+    for var, optional in (("AWS_DEFAULT_REGION", False), ("AWS_ENDPOINT_URL", True)):
+        ref = env[var]["valueFrom"]["configMapKeyRef"]
+        assert ref["name"] == "sos-tier" and ref["key"] == var and ref.get("optional", False) is optional
+    # TLS to the store: every endpoint the manifest sets or shows as an example is https
+    text = (K8S / "sos-server.yaml").read_text()
+    endpoints = re.findall(r"AWS_ENDPOINT_URL:\s*\"?([^\s\"]+)", text)
+    assert len(endpoints) >= 2 and all(e.startswith("https://") for e in endpoints), endpoints
+    assert all(not str(v).startswith("http://") for v in cm["data"].values())
+    # the credentials are not the node's: the instance metadata service is not asked
+    assert env["AWS_EC2_METADATA_DISABLED"]["value"] == "true"
+
+
+def test_the_server_reaches_the_store_and_dns_and_nothing_else():
+    pods = _pods()
+    policies = _policies("networkpolicy.yaml")
+    store = Pod.of("elsewhere", {})  # an address outside the cluster (an ipBlock peer)
+    ok = lambda a, b, port: allowed(policies, a, b, port)  # noqa: E731
+    assert ok(pods["server"], store, 443)
+    assert ok(pods["server"], pods["dns"], 53)
+    # egress is restricted: no other port, and none of the jobs' pods
+    assert not ok(pods["server"], store, 80)
+    assert not ok(pods["server"], pods["driver"], 4040)
+    assert not ok(pods["server"], pods["gateway"], 9870)
+    # its ingress is what it was: the gateway only
+    assert ok(pods["gateway"], pods["server"], 7070)
+    assert not ok(pods["driver"], pods["server"], 7070)
+
+
+def test_compose_server_has_the_tier_with_credentials_from_a_secret_file():
+    c = compose()
+    srv = c["services"]["sos-server"]
+    tier = option(srv["command"], "--tier")
+    assert tier.startswith("s3://") and "@" not in tier
+    assert srv["command"][:2] == ["sos-server", "serve"]
+    for opt in ("--tls-cert", "--tls-key", "--metrics", "--data"):  # the image's defaults kept
+        option(srv["command"], opt)
+    env = srv["environment"]
+    assert not any(k in env for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"))
+    assert env["AWS_SHARED_CREDENTIALS_FILE"] == "/run/secrets/tier-credentials"
+    assert srv["secrets"] == ["tier-credentials"]
+    assert c["secrets"]["tier-credentials"]["file"] == "./keys/tier-credentials"
+    # the secret is the server's alone
+    for name, svc in c["services"].items():
+        if name != "sos-server":
+            assert "tier-credentials" not in svc.get("secrets", []), name
+            assert not any(str(k).startswith("AWS_") for k in (svc.get("environment") or {})), name
+    text = COMPOSE.read_text()
+    endpoints = re.findall(r"AWS_ENDPOINT_URL:\s*(\S+)", text)
+    assert endpoints and all(e.startswith("https://") for e in endpoints), endpoints

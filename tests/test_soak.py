@@ -15,10 +15,11 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KILLS = 32
 # Cheap server and mount kills dominate (one JVM survives them); driver kills and total
-# losses are rarer but seed 9 draws one driver kill and two total losses (one restored with
-# `sos restore`, one by a mount on an empty cache) among its 32 events.
-SOAK_ARGS = ["--duration", "330", "--max-kills", str(KILLS), "--seed", "9",
-             "--weights", "server=6,mount=3,driver=1,all=1", "--delay", "0.2", "2",
+# losses are rarer but seed 57 draws one driver kill, two total losses (one restored with
+# `sos restore`, one by a mount on an empty cache) and one loss of the server's disk (a
+# replacement server rebuilds from the tier's bucket) among its 32 events.
+SOAK_ARGS = ["--duration", "330", "--max-kills", str(KILLS), "--seed", "57",
+             "--weights", "server=6,mount=3,driver=1,all=1,disk=1", "--delay", "0.2", "2",
              "--stall-timeout", "150"]
 
 
@@ -68,9 +69,12 @@ def test_crash_loop_exactly_once(tmp_path):
     assert result["violations"] == [], "\n".join(lines[-40:])
     assert proc.returncode == 0, "\n".join(lines[-40:])
     assert result["kill_events"] >= 30, result
-    for kind in ("server", "mount", "driver", "all"):
+    for kind in ("server", "mount", "driver", "all", "disk"):
         assert result["kills"][kind] >= 1, (kind, result["kills"])
     assert sum(result["restores"].values()) == result["kills"]["all"]
+    # every lost disk: a replacement server rebuilt from the bucket, the checks held after it
+    assert result["server_bootstraps"] == result["kills"]["disk"]
+    assert result["processes_killed"]["server-disk"] == result["kills"]["disk"]
     assert result["records_final"] > 0 and result["checks"] >= result["kill_events"]
     # one line per event, as it runs
     assert sum(1 for line in lines if "] #" in line and " kill " in line) == result["kill_events"]
@@ -78,14 +82,15 @@ def test_crash_loop_exactly_once(tmp_path):
 
 # ---- cluster mode: a standalone cluster checkpointing through `sos gateway`
 
-# Seed 113 draws, among its first 10 events (the draws do not depend on timing): a gateway
+# (disk=0: the cluster demo, tests/test_cluster.py, loses the server's disk on a cluster; the
+# mount-mode loop above draws it at random.) Seed 113 draws, among its first 10 events (the draws do not depend on timing): a gateway
 # restart on an EMPTY cache and one on the same cache, a server kill, an executor kill, two
 # worker kills, a driver kill, and two total losses (one restored with `sos restore`, one by
 # a gateway on an empty cache).
 CLUSTER_KILLS = 10
 CLUSTER_ARGS = ["--cluster", "--duration", "400", "--max-kills", str(CLUSTER_KILLS),
                 "--seed", "113",
-                "--weights", "gateway=2,server=1,executor=2,worker=2,driver=2,all=2",
+                "--weights", "gateway=2,server=1,executor=2,worker=2,driver=2,all=2,disk=0",
                 "--stall-timeout", "200"]
 
 

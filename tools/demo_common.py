@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -142,6 +143,124 @@ class LocalServer(ServerProcess):
         except ServerStartError as exc:
             raise DemoFailure(str(exc)) from None
         return self
+
+
+# --------------------------------------------------------------------------- the object-store tier
+
+class EmbeddedStore:
+    """The demos' object store: moto's S3 server (``moto[server]``, in the extras
+    ``scripts/setup`` installs) on 127.0.0.1 in this process, with one bucket, for the
+    server's ``--tier`` (protocol.md Part 4).
+
+    :meth:`start` puts the environment a tier reads through boto3's standard chain into
+    ``os.environ`` (``AWS_ENDPOINT_URL``, dummy credentials, a region, no shared config
+    files, no instance metadata), so every child inherits it: the server and
+    ``sos restore --from``. Nothing goes on a command line. For a real bucket the same
+    variables (or a profile, or workload identity) point elsewhere: docs/DEPLOY.md."""
+
+    BUCKET = "sos-demo"
+
+    def __init__(self, workdir: str, prefix: str = "tier") -> None:
+        self.workdir = workdir
+        self.url = f"s3://{self.BUCKET}/{prefix}"
+        self.endpoint = ""
+        self._server = None
+
+    def start(self) -> "EmbeddedStore":
+        try:
+            import boto3
+            from moto.server import ThreadedMotoServer
+        except ImportError as exc:
+            raise DemoFailure(f"the demo's object store needs moto[server] and boto3 ({exc}): "
+                              f"run ./scripts/setup") from None
+        os.makedirs(self.workdir, exist_ok=True)
+        for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3", "AWS_CA_BUNDLE"):
+            os.environ.pop(var, None)
+        os.environ.update({
+            "AWS_ACCESS_KEY_ID": "demo", "AWS_SECRET_ACCESS_KEY": "demo",
+            "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
+            "AWS_CONFIG_FILE": os.path.join(self.workdir, "no-config"),
+            "AWS_SHARED_CREDENTIALS_FILE": os.path.join(self.workdir, "no-credentials")})
+        import logging
+
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no line per request
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        server.start()
+        self._server = server
+        host, port = server.get_host_and_port()
+        self.endpoint = f"http://{host}:{port}"
+        os.environ["AWS_ENDPOINT_URL"] = self.endpoint
+        boto3.session.Session().client("s3").create_bucket(Bucket=self.BUCKET)
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+
+
+def metrics_of(server: ServerProcess) -> dict[str, float]:
+    """The server's Prometheus metrics (it runs with ``metrics=True``): {name{labels}: value}."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{server.metrics_address}/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            try:
+                out[name] = float(value)
+            except ValueError:
+                continue
+    return out
+
+
+def wait_tier_drained(server: ServerProcess, namespace: str, timeout: float = 120.0) -> float:
+    """Wait until the bucket holds every byte and seal the server acknowledged for
+    ``namespace`` (``sos_tier_lag_bytes`` and ``sos_tier_lag_seconds`` both 0; nothing
+    writes meanwhile); returns the seconds waited. Without ``--durability tier`` that lag
+    (at most about ``--tier-interval``) is what a lost server can take with it."""
+    t0 = time.monotonic()
+    label = f'{{namespace="{namespace}"}}'
+
+    def drained() -> bool:
+        m = metrics_of(server)
+        return (f"sos_tier_lag_bytes{label}" in m and m[f"sos_tier_lag_bytes{label}"] == 0
+                and m.get(f"sos_tier_lag_seconds{label}", 0) == 0)
+
+    wait_for(drained, timeout, f"the bucket catching up with the server ({namespace})",
+             alive=server.running)
+    return time.monotonic() - t0
+
+
+def backup_keys(data_dir: str, namespace: str, backup_dir: str) -> None:
+    """Copy the namespace's key files out of the server's data directory (keys are not in
+    the bucket: docs/DEPLOY.md, "Replacing a lost server")."""
+    shutil.copytree(os.path.join(data_dir, "ns", namespace, "keys"),
+                    os.path.join(backup_dir, "ns", namespace, "keys"))
+
+
+def restore_keys(backup_dir: str, data_dir: str, namespace: str) -> None:
+    """Put the backed-up key files into an empty data directory (0700 directories): a
+    namespace directory that holds only ``keys/`` is no namespace to the bootstrap."""
+    ns_dir = os.path.join(data_dir, "ns", namespace)
+    for d in (data_dir, os.path.join(data_dir, "ns"), ns_dir):
+        os.makedirs(d, mode=0o700, exist_ok=True)
+    shutil.copytree(os.path.join(backup_dir, "ns", namespace, "keys"), os.path.join(ns_dir, "keys"))
+
+
+def tree_of(root: str) -> dict[str, bytes | None]:
+    """{relative path: None for a directory, the bytes for a file} under ``root``."""
+    out: dict[str, bytes | None] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel = os.path.relpath(dirpath, root)
+        for d in dirnames:
+            out[os.path.normpath(os.path.join(rel, d))] = None
+        for n in filenames:
+            with open(os.path.join(dirpath, n), "rb") as f:
+                out[os.path.normpath(os.path.join(rel, n))] = f.read()
+    return out
 
 
 def kill_tree(proc: subprocess.Popen) -> None:

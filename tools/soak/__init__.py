@@ -14,6 +14,12 @@ at random moments drawn from a seeded RNG, SIGKILLs:
 - ``driver``: the Spark driver (the query moves to a new driver process: the expensive
   case; a warm spare process with its SparkSession already up takes over if there is one,
   ``--no-spare`` to start every replacement cold);
+- ``disk``: the server's disk is lost: the server is SIGKILLed and its data directory
+  deleted; a replacement on the empty directory with the same ``--tier`` (moto's S3 server,
+  embedded in the harness; the keys from a backup copy) rebuilds the namespace from the
+  bucket before it listens, and the mount's writer reconnects to it. The writer is frozen
+  (SIGSTOP) until the bucket holds everything the server acknowledged: without
+  ``--durability tier`` the upload lag would go with the disk;
 - ``all``: server, mount and driver at once, then the worker is lost: mount point, cache
   and spool are deleted; recovery is either ``sos restore`` into a fresh directory (checked)
   followed by a mount on an empty cache, or directly a mount on an empty cache. The spare
@@ -31,7 +37,7 @@ query drains every fed file and the final check demands the whole fed input.
 (:mod:`tools.cluster`: a Master, two Workers of one core and the driver, each a node with a
 private local disk) whose checkpoint goes through ``sos gateway`` (``webhdfs://``, Hadoop's
 retry policy) to the sos-server, and kills the gateway (restarted on the same port, on the
-same cache or on an empty one), the server, one executor JVM, a Worker with its executors
+same cache or on an empty one), the server, the server's disk, one executor JVM, a Worker with its executors
 (replaced by a new node), the driver (the query restarts in a new one), or everything at
 once (every process and local directory including the gateway's cache; a new cluster, a
 gateway on an empty cache, before it sometimes ``sos restore``). See :class:`ClusterSoak`.

@@ -51,6 +51,9 @@ class ClusterSoak(Soak):
       replacement node registers with the Master;
     - ``driver``: SIGKILL the driver node (Spark's application ends, its executors with it);
       a new driver restarts the query from the checkpoint;
+    - ``disk``: the server's disk lost: the server SIGKILLed and its data directory
+      deleted, a replacement on an empty one rebuilds from the tier's bucket
+      (:meth:`Soak.kill_server_disk`);
     - ``all``: every process (driver, Workers, executors, Master, gateway, server) and every
       local directory including the gateway's cache; a new cluster, then either
       ``sos restore`` into a fresh directory (checked) and a gateway on an empty cache, or
@@ -172,7 +175,12 @@ class ClusterSoak(Soak):
     def handlers(self) -> dict:
         return {"gateway": self.kill_gateway, "server": self.kill_server,
                 "executor": self.kill_executor, "worker": self.kill_worker,
-                "driver": self.kill_driver_event, "all": self.kill_all}
+                "driver": self.kill_driver_event, "all": self.kill_all,
+                "disk": self.kill_server_disk}
+
+    def writer_pid(self) -> int:
+        """The journal's writer here is the gateway."""
+        return self.gateway.pid
 
     def kill_gateway(self) -> str:
         pid = self.gateway.pid

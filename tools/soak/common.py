@@ -7,9 +7,11 @@ import json
 import os
 
 NAMESPACE = "soak"
-KINDS = ("server", "mount", "driver", "all")
+#: ``disk``: the server's disk lost (a replacement server rebuilds from the tier's bucket);
+#: last, so that a weight of 0 for it leaves a seed's draws of the other kinds as they were
+KINDS = ("server", "mount", "driver", "all", "disk")
 #: server kills are cheap (clients reconnect), driver kills cost a JVM start
-DEFAULT_WEIGHTS = {"server": 0.72, "mount": 0.20, "driver": 0.04, "all": 0.04}
+DEFAULT_WEIGHTS = {"server": 0.72, "mount": 0.20, "driver": 0.04, "all": 0.04, "disk": 0.04}
 #: the driver JVM restarts often: C1 only and a serial GC start it with less CPU
 DRIVER_JAVA_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 TRIGGER = "200 milliseconds"
@@ -41,11 +43,11 @@ def _read_json(path: str):
 
 
 
-CLUSTER_KINDS = ("gateway", "server", "executor", "worker", "driver", "all")
+CLUSTER_KINDS = ("gateway", "server", "executor", "worker", "driver", "all", "disk")
 #: gateway and server kills are cheap (Hadoop's retry policy and the journal writer ride
 #: through them); an executor or worker kill costs a JVM start, a driver kill the whole
 #: application (driver and both executors), a total loss the cluster as well
 CLUSTER_WEIGHTS = {"gateway": 0.32, "server": 0.12, "executor": 0.2, "worker": 0.14,
-                   "driver": 0.12, "all": 0.10}
+                   "driver": 0.12, "all": 0.10, "disk": 0.05}
 #: share of gateway kills whose replacement starts on an EMPTY cache (restored from the server)
 GATEWAY_EMPTY_CACHE = 0.3

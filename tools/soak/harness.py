@@ -13,16 +13,19 @@ import sys
 import time
 
 from tools import child_env
-from tools.demo_common import CHECKPOINT, check_output, keygen, kill_tree, make_input
+from tools.demo_common import (CHECKPOINT, EmbeddedStore, backup_keys, check_output, keygen, kill_tree,
+                               make_input, restore_keys, wait_tier_drained)
 from tools.server import ServerProcess
 from tools.soak.checks import Checks, checkpoint_commits, source_offset
 from tools.soak.common import KINDS, NAMESPACE, HarnessError, Violation, _read_json, _write_json_atomic
 
 
-def ServerProc(data_dir: str, log_path: str) -> ServerProcess:
+def ServerProc(data_dir: str, log_path: str, tier: str | None = None) -> ServerProcess:
     """``sos-server serve`` on a FIXED port (the mount and the gateway must find it again
-    after a restart): the one launcher, tools.server."""
-    return ServerProcess(data_dir, log_path=log_path, fixed_port=True, metrics=False)
+    after a restart): the one launcher, tools.server. With ``tier``: ``--tier`` on that
+    bucket, and metrics on (the ``disk`` event reads the tier's lag)."""
+    return ServerProcess(data_dir, ["--tier", tier] if tier else [], log_path=log_path,
+                         fixed_port=True, metrics=tier is not None)
 
 
 class Soak(Checks):
@@ -50,7 +53,8 @@ class Soak(Checks):
         self.delay = delay
         self.quiet = quiet
         p = {k: os.path.join(workdir, k) for k in
-             ("staging", "input", "out", "server-data", "control", "logs", "restore")}
+             ("staging", "input", "out", "server-data", "control", "logs", "restore",
+              "key-backup", "aws")}
         self.paths = p
         for k in ("staging", "input", "out", "control", "logs"):
             os.makedirs(p[k], exist_ok=True)
@@ -58,7 +62,12 @@ class Soak(Checks):
         open(self.acked_path, "a").close()
         self.events_log = open(os.path.join(p["logs"], "events.log"), "a")
         self.t0 = time.monotonic()
-        self.server = ServerProc(p["server-data"], os.path.join(p["logs"], "server.log"))
+        # with ``disk`` events the server copies every acknowledged byte to a bucket (--tier)
+        # on moto's S3 server in this process, so that a replacement can rebuild from it
+        self.store = EmbeddedStore(p["aws"]) if weights.get("disk", 0) > 0 else None
+        self.server = ServerProc(p["server-data"], os.path.join(p["logs"], "server.log"),
+                                 self.store.url if self.store else None)
+        self.bootstraps: list[float] = []  # seconds each replacement server took to listen
         self.key = ""
         self.mount = None
         self.mount_n = 0
@@ -92,7 +101,7 @@ class Soak(Checks):
         # figures
         self.kills = {k: 0 for k in self.KINDS}
         self.restores = {"sos-restore": 0, "empty-cache": 0}
-        self.processes_killed = {"server": 0, "mount": 0, "driver": 0}
+        self.processes_killed = {"server": 0, "mount": 0, "driver": 0, "server-disk": 0}
         self.query_restarts = 0          # same JVM, after a mount kill
         self.query_failures: list[str] = []  # failures the harness did not cause directly
         self.unexpected: list[str] = []  # processes that died without being killed
@@ -319,6 +328,45 @@ class Soak(Checks):
         return (f"server pid {pid} SIGKILLed, down {outage:.1f}s, restarted in "
                 f"{time.monotonic() - t:.1f}s; check: {verdict}")
 
+    def writer_pid(self) -> int:
+        """The process that writes the journal to the server (here: the mount)."""
+        return self.mount.pid
+
+    def kill_server_disk(self) -> str:
+        """The server's disk is lost: SIGKILL the server, delete its data directory, start a
+        replacement on the EMPTY directory with the same --tier and port, which rebuilds the
+        namespace from the bucket before it listens (the keys come from the backup copy).
+
+        Without ``--durability tier`` a lost server takes the bytes the bucket lacks with it
+        (the upload lag, about ``--tier-interval``), and those may be committed batches: so
+        the journal's writer is frozen (SIGSTOP) wherever the query is, the bucket catches up
+        with everything the server acknowledged, and only then does the disk go. The writer
+        is thawed once the replacement listens and reconnects to it on its own."""
+        assert self.store is not None, "disk events need the tier (weights: disk > 0)"
+        pid = self.server.proc.pid
+        writer = self.writer_pid()
+        boots = self.server.log_text().count('"tier bootstrap"')
+        os.kill(writer, signal.SIGSTOP)
+        try:
+            waited = wait_tier_drained(self.server, NAMESPACE, timeout=min(self.stall_timeout, 120))
+            self.server.kill()
+            self.processes_killed["server-disk"] += 1
+            shutil.rmtree(self.paths["server-data"])
+            restore_keys(self.paths["key-backup"], self.paths["server-data"], NAMESPACE)
+            t = time.monotonic()
+            self.server.start()
+            took = time.monotonic() - t
+            self.bootstraps.append(took)
+        finally:
+            os.kill(writer, signal.SIGCONT)
+        if self.server.log_text().count('"tier bootstrap"') != boots + 1:
+            raise Violation("the replacement server on an empty data directory did not rebuild "
+                            "from the bucket (no tier bootstrap in its log)")
+        verdict = self.check(self.view(), "after the server's disk was lost")
+        return (f"writer pid {writer} frozen, the bucket caught up in {waited:.1f}s; server pid "
+                f"{pid} SIGKILLed and its data directory deleted; a replacement on an empty one "
+                f"rebuilt from the bucket and listened in {took:.1f}s; check: {verdict}")
+
     def kill_mount(self) -> str:
         pid = self.mount.pid
         self.kill_mount_only()
@@ -460,8 +508,13 @@ class Soak(Checks):
                  + f", work dir {self.work}")
         self.prepare_input()
         self.key = keygen(self.paths["server-data"], NAMESPACE)
+        if self.store is not None:
+            backup_keys(self.paths["server-data"], NAMESPACE, self.paths["key-backup"])
+            self.store.start()
         self.start_server()
-        self.say(f"sos-server on {self.server.address}")
+        self.say(f"sos-server on {self.server.address}"
+                 + (f", --tier {self.store.url} (moto's S3 server at {self.store.endpoint})"
+                    if self.store else ""))
         self.setup()
         self.feed()
         self.start_driver()
@@ -518,7 +571,8 @@ class Soak(Checks):
 
     def handlers(self) -> dict:
         return {"server": self.kill_server, "mount": self.kill_mount,
-                "driver": self.kill_driver_event, "all": self.kill_all}
+                "driver": self.kill_driver_event, "all": self.kill_all,
+                "disk": self.kill_server_disk}
 
     def drain(self) -> None:
         final_fed = self.fed
@@ -582,6 +636,8 @@ class Soak(Checks):
             "driver_starts": self.driver_n, "spare_driver_promotions": self.promoted,
             "mount_starts": self.mount_n,
             "server_starts": self.server.starts,
+            "server_bootstraps": len(self.bootstraps),
+            "median_bootstrap_s": med(self.bootstraps),
             "batches_committed": self.acked_max + 1, "input_files_fed": self.fed,
             "records_final": getattr(self, "final_records", 0),
             "checks": self.checks, "records_checked": self.records_checked,
@@ -604,6 +660,8 @@ class Soak(Checks):
             self.mount.kill()
             self.mount = None
         self.server.kill()
+        if self.store is not None:
+            self.store.stop()
         # mounts of earlier workers are already gone; be thorough anyway
         for root, dirs, _files in os.walk(self.work):
             for d in list(dirs):
