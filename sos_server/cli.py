@@ -93,6 +93,30 @@ def build_parser() -> argparse.ArgumentParser:
         " file deleted (default 64MiB; a crash replays at most about this much at the next start)",
     )
     s.add_argument("--gc-interval", type=parse_duration, default=300.0, help="how often retention runs")
+    s.add_argument(
+        "--tier", default=None, metavar="URL",
+        help="copy every object to an object store as write-once pieces (protocol.md Part 4): s3://BUCKET/PREFIX"
+        " (credentials, region and endpoint only from boto3's standard chain: environment, shared files, instance"
+        " or workload identity, AWS_ENDPOINT_URL for an S3-compatible store) or file:///PATH (another disk);"
+        " default: none",
+    )
+    s.add_argument(
+        "--tier-interval", type=parse_duration, default=1.0,
+        help="upload what is pending at least this often (default 1s)",
+    )
+    s.add_argument(
+        "--tier-bytes", type=parse_size, default=8 << 20, metavar="SIZE",
+        help="upload at once when this much was acknowledged since the last upload round (default 8MiB)",
+    )
+    s.add_argument(
+        "--tier-lag-warn", type=parse_duration, default=30.0,
+        help="log a warning when the oldest acknowledged byte not in the store is older than this, and again"
+        " when it recovers (default 30s)",
+    )
+    s.add_argument(
+        "--tier-parallel", type=_positive, default=4, metavar="N",
+        help="objects uploaded at once (default 4)",
+    )
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.set_defaults(func=cmd_serve)
 
@@ -296,11 +320,41 @@ def cmd_serve(args) -> int:
     max_open = args.max_open_objects or max(16, min(4096, limit // 4))
     if args.wal_size < 1:
         return _usage("--wal-size must be at least 1 byte")
+    if args.tier_interval <= 0:
+        return _usage("--tier-interval must be positive")
+    if args.tier_bytes < 1:
+        return _usage("--tier-bytes must be at least 1 byte")
+    store = None
+    if args.tier:
+        from sos_tier import TierError, open_store
+
+        try:
+            store = open_store(args.tier)
+        except ValueError as exc:
+            return _usage(f"--tier: {exc}")
+        except ImportError as exc:
+            return _fail(f"--tier {args.tier}: {exc} (install the extra: pip install 'sos[tier]')")
+        except TierError as exc:
+            return _fail(f"--tier {args.tier}: {exc}")
     storage = Storage(args.data, max_open_files=max_open, wal_checkpoint_bytes=args.wal_size)
     try:
         storage.lock()  # creates the data directory if it does not exist yet
     except StorageError as exc:
         return _fail(exc.message)
+    if store is not None:
+        from .tier_bootstrap import BootstrapError, bootstrap, needs_bootstrap
+
+        if needs_bootstrap(storage.root):
+            # a replacement server on an empty --data: rebuild what the store holds, then serve it
+            # (protocol.md 4.8); an empty store makes an empty data directory
+            try:
+                report = bootstrap(storage.root, store, lock=False, progress=log.debug)
+            except BootstrapError as exc:
+                storage.close()
+                return _fail(f"--tier {args.tier}: {exc}")
+            log.info("tier bootstrap", extra={"namespaces": len(report.namespaces), "objects": len(report.objects),
+                                              "bytes": report.total_bytes, "cut": len(report.cut),
+                                              "problems": len(report.problems), "seconds": round(report.seconds, 3)})
     metrics = Metrics()
     t0 = time.monotonic()
     try:
@@ -338,6 +392,14 @@ def cmd_serve(args) -> int:
         namespace_quota=args.namespace_quota,
     )
     engine = Engine(storage, limits=limits, metrics=metrics)
+    tier = None
+    if store is not None:
+        from .tiering import Tier
+
+        tier = engine.tier = Tier(
+            store, storage, metrics, interval=args.tier_interval, bytes_trigger=args.tier_bytes,
+            lag_warn=args.tier_lag_warn, parallel=args.tier_parallel,
+        )
     listener = Listener(
         engine,
         host=args.listen[0],
@@ -370,6 +432,8 @@ def cmd_serve(args) -> int:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with trio.open_nursery() as nursery:
                 await nursery.start(engine.run)
+                if tier is not None:
+                    await nursery.start(tier.run)
                 if args.keep_generations:
                     await retention_once()  # before serving: clients see the result
                 try:
@@ -390,6 +454,8 @@ def cmd_serve(args) -> int:
         trio.run(main_task)
     finally:
         storage.close()
+        if tier is not None:
+            tier.close()
     log.info("stopped", extra={"exit_code": rc})
     return rc
 

@@ -43,6 +43,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -50,6 +51,7 @@ from sos_wire.auth import verify_proof
 from sos_wire.crc import crc32c
 from sos_wire.errors import ErrorCode
 from sos_wire.events import Payload
+from sos_wire.frames import MAX_TIER_WAIT_MS
 from sos_wire.names import BadName, validate_name, validate_namespace
 
 from .metrics import Metrics, NullMetrics
@@ -78,6 +80,9 @@ __all__ = [
     "completed_at",
     "plan_retention",
 ]
+
+if TYPE_CHECKING:
+    from .tiering import Tier
 
 log = logging.getLogger("sos_server.engine")
 
@@ -285,6 +290,8 @@ class Engine:
         self.storage = storage
         self.limits = limits or Limits()
         self.metrics = metrics or NullMetrics()
+        #: the object-store tier (serve --tier), told of every group commit; None without one
+        self.tier: Tier | None = None
         self._locks = _LockTable()
         self._batch = _Batch()
         self._wake = trio.Event()
@@ -358,11 +365,15 @@ class Engine:
             wal.syncs += 1
             if self._fault is not None and wal.syncs >= self._fault:
                 wal.crash_for_test()
+        tier = self.tier
         for obj, size, length in snap:
             if id(obj) in failed:
                 await self._sync_failed(obj, failed[id(obj)])
             else:
+                before = obj.synced_length
                 obj.mark_synced(size, length)
+                if tier is not None and not obj.removed:
+                    tier.note(obj, obj.synced_length - before)  # before the acks: TIER_WAIT may follow at once
         self.storage.files.trim()  # what this batch made clean may be closed now
         if switched:
             checkpoints.start_soon(self._checkpoint)
@@ -569,6 +580,8 @@ class Engine:
                     ns.creating -= 1
                     ns.reserved -= OBJECT_CHARGE + n
                 obj = ns.adopt(name, path, header_size)  # the in-memory tables: event loop only
+                if self.tier is not None:
+                    self.tier.note(obj, 0)  # its file is durable: an empty object goes to the tier too
             obj.refuse_writes("append to")
             if offset < obj.length:
                 # a retry of something that landed? (same bytes at the same offset)
@@ -699,19 +712,50 @@ class Engine:
                     max(highest, ns.fence),
                 )
             await trio.to_thread.run_sync(ns.set_fence, epoch)
+            if self.tier is not None:
+                # the store's marker before FENCE_OK: a replacement server takes the fence from
+                # the store, and an acknowledged epoch must never be above it (protocol.md 1.11)
+                await self.tier.fence(namespace, epoch)
         return epoch
+
+    async def tier_wait(self, namespace: str, name: str, offset: int, timeout_ms: int) -> int:
+        """TIER_WAIT (protocol.md 1.11): the object's length in the tier once it is >= offset."""
+        _check_name(name)
+        obj = self._ns(namespace).get(name)
+        if obj is None:
+            raise _err(ErrorCode.NOT_FOUND, f"no object {name!r} in namespace {namespace!r}")
+        if offset > obj.synced_length:
+            raise _err(
+                ErrorCode.BAD_REQUEST,
+                f"TIER_WAIT offset {offset} is beyond the durable length of {name!r} ({obj.synced_length})",
+            )
+        if self.tier is None:
+            raise _err(ErrorCode.TIER_UNAVAILABLE, "no tier configured")
+        return await self.tier.wait(namespace, name, offset, min(timeout_ms, MAX_TIER_WAIT_MS) / 1000)
 
     # -- retention -------------------------------------------------------------------
     async def gc(self, keep: int, min_age: float, *, now: float | None = None) -> builtins.list[tuple[str, str]]:
         """Apply retention to every namespace; returns the (namespace, name) removed."""
         removed = []
         for ns in list(self.storage.namespaces.values()):
-            for name in plan_retention(ns, keep, min_age, now=now):
+            names = plan_retention(ns, keep, min_age, now=now)
+            if names and self.tier is not None:
+                # the store first: if it fails (or the server dies) the objects stay here and the
+                # next run removes both, so nothing is left behind in the store
+                try:
+                    await self.tier.remove(ns.name, names)
+                except Exception as exc:
+                    log.warning("retention: cannot remove %d objects of %s from the tier, keeping them for the next"
+                                " run: %s", len(names), ns.name, exc, extra={"namespace": ns.name})
+                    continue
+            for name in names:
                 async with self._locks((ns.name, name)):
                     if name in ns.objects:
                         path = ns.forget(name)  # bookkeeping here, on the event loop
                         await trio.to_thread.run_sync(unlink_durable, path)
                         removed.append((ns.name, name))
+            if names and self.tier is not None:
+                self.tier.removed(ns.name, names)
         if removed:
             self.metrics.gc_removed.inc(len(removed))
             log.info("retention removed %d objects", len(removed))

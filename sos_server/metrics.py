@@ -63,6 +63,40 @@ class Metrics:
             registry=r,
         )
 
+        # the object-store tier (serve --tier): per namespace, and the whole server's
+        ns = ["namespace"]
+        self.tier_lag_bytes = Gauge(
+            "sos_tier_lag_bytes", "Bytes acknowledged (durable on this server) and not yet in the tier's store",
+            ns, registry=r,
+        )
+        self.tier_lag_seconds = Gauge(
+            "sos_tier_lag_seconds", "Age of the oldest acknowledged byte (or seal) not yet in the tier's store; 0 when"
+            " none", ns, registry=r,
+        )
+        self.tier_last_error = Gauge(
+            "sos_tier_last_error_timestamp_seconds", "When the last upload to the tier's store failed (Unix time)",
+            ns, registry=r,
+        )
+        self.tier_failing = Gauge(
+            "sos_tier_failing", "1 while uploads of the namespace fail (retried with back-off), else 0", ns, registry=r
+        )
+        self.tier_fenced = Gauge(
+            "sos_tier_fenced", "1 when the store holds a higher fence marker: another server took the namespace over"
+            " and this one stopped uploading it", ns, registry=r,
+        )
+        self.tier_uploaded_bytes = Counter(
+            "sos_tier_uploaded_bytes", "Bytes this server wrote to the tier's store (pieces it created)", ns, registry=r
+        )
+        self.tier_conflicts = Counter(
+            "sos_tier_conflicts", "Objects whose upload a conflict stopped (a different piece exists in the store:"
+            " a zombie server or damage; nothing is overwritten)", ns, registry=r,
+        )
+        self.tier_pieces = Counter("sos_tier_pieces_written", "Pieces this server created in the tier's store",
+                                   registry=r)
+        self.tier_upload_errors = Counter(
+            "sos_tier_upload_errors", "Failed rounds of uploads to the tier's store (each retried)", registry=r
+        )
+
     def serve(self, host: str, port: int):
         """Start the HTTP endpoint in a daemon thread; returns (server, thread)."""
         return start_http_server(port, addr=host, registry=self.registry)

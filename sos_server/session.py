@@ -16,6 +16,8 @@
 - Requests are pipelined: each runs in its own task and its reply carries its request id.
   Appends and seals to one object keep their arrival order (each waits for the previous
   one's *write*, not its sync, so pipelined appends share a group commit).
+- TIER_WAIT waits in its own task like every request (at most ``MAX_TIER_WAITS`` per
+  connection, BUSY beyond): a wait for the object-store tier holds up nothing else.
 - READ is streamed as READ_DATA frames of at most 1 MiB; the last has last=1.
 - Replies are bounded per connection: a READ reserves each chunk in a reply budget of
   ``MAX_REPLY_BYTES`` before reading it from storage, LIST its largest possible size;
@@ -70,6 +72,7 @@ MAX_AUTH_FAILURES = 3  # failed AUTHs on one connection; the last is answered, t
 MAX_IN_FLIGHT = 256  # requests per connection being handled at once
 MAX_IN_FLIGHT_BYTES = 64 << 20  # append data per connection being handled at once
 MAX_REPLY_BYTES = 8 << 20  # READ/LIST reply bytes per connection produced and not yet sent
+MAX_TIER_WAITS = 64  # TIER_WAITs per connection waiting at once (BUSY beyond, protocol.md 1.11)
 MAX_READ_STREAMS = 2  # READs per connection streaming at once (each holds a storage buffer)
 SEND_SEPARATELY_MIN = 64 << 10  # a payload this big is sent after its header, not joined to it
 SEND_STEP = 256 << 10  # a send must make this much progress within send_timeout
@@ -172,6 +175,7 @@ class Session:
         self._budget = _ByteBudget(MAX_IN_FLIGHT_BYTES)
         self._replies = _ByteBudget(MAX_REPLY_BYTES)
         self._read_streams = trio.Semaphore(MAX_READ_STREAMS)
+        self._tier_waits = 0  # TIER_WAITs in flight (at most MAX_TIER_WAITS)
         self._chains: dict[str, trio.Event] = {}  # object name -> write of the latest request
         self._broken = False
         self._closing = False  # after a fatal ERROR: nothing more is sent
@@ -513,6 +517,8 @@ class Session:
             elif isinstance(event, ev.Fence):
                 epoch = await self.engine.fence(namespace, role, event.epoch)
                 await self._send(ev.FenceOk(rid, epoch))
+            elif isinstance(event, ev.TierWait):
+                await self._tier_wait(event, namespace)
             else:
                 await self._send_error(rid, ErrorCode.BAD_REQUEST, f"{type(event).__name__} is not a request")
         except ServerError as exc:
@@ -525,6 +531,16 @@ class Session:
             await self._send_error(rid, ErrorCode.INTERNAL, f"internal server error: {type(exc).__name__}")
         finally:
             self._done(size)
+
+    async def _tier_wait(self, event: ev.TierWait, namespace: str) -> None:
+        if self._tier_waits >= MAX_TIER_WAITS:
+            raise ServerError(ErrorCode.BUSY, f"{MAX_TIER_WAITS} TIER_WAITs in flight on this connection already")
+        self._tier_waits += 1
+        try:
+            tiered = await self.engine.tier_wait(namespace, event.name, event.offset, event.timeout_ms)
+        finally:
+            self._tier_waits -= 1
+        await self._send(ev.TierWaitOk(event.request_id, tiered))
 
     def _done(self, size: int) -> None:
         self._in_flight -= 1

@@ -9,9 +9,10 @@ from .crc import crc32c
 from .errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError
 from .events import (
     Append, AppendOk, Auth, AuthOk, Error, Event, Fence, FenceOk, Hello, HelloOk, KeyRole, List,
-    ListEntry, ListOk, Ping, Pong, Read, ReadData, Reply, Request, Seal, SealOk, Stat, StatOk,
+    ListEntry, ListOk, Ping, Pong, Read, ReadData, Reply, Request, Seal, SealOk, Stat, StatOk, TierWait,
+    TierWaitOk,
 )
-from .frames import DEFAULT_MAX_BODY, HEADER_LEN, MAX_LIST_LIMIT, MAX_PING_PAYLOAD, VERSION, Op
+from .frames import DEFAULT_MAX_BODY, HEADER_LEN, MAX_LIST_LIMIT, MAX_PING_PAYLOAD, MAX_TIER_WAIT_MS, VERSION, Op
 from .names import BadName, validate_name, validate_namespace
 
 __all__ = [
@@ -21,7 +22,7 @@ __all__ = [
     "ErrorCode", "LocalProtocolError", "ProtocolError", "RemoteProtocolError",
     "Append", "AppendOk", "Auth", "AuthOk", "Error", "Event", "Fence", "FenceOk", "Hello", "HelloOk",
     "KeyRole", "List", "ListEntry", "ListOk", "Ping", "Pong", "Read", "ReadData", "Reply", "Request",
-    "Seal", "SealOk", "Stat", "StatOk",
-    "DEFAULT_MAX_BODY", "HEADER_LEN", "MAX_LIST_LIMIT", "MAX_PING_PAYLOAD", "VERSION", "Op",
+    "Seal", "SealOk", "Stat", "StatOk", "TierWait", "TierWaitOk",
+    "DEFAULT_MAX_BODY", "HEADER_LEN", "MAX_LIST_LIMIT", "MAX_PING_PAYLOAD", "MAX_TIER_WAIT_MS", "VERSION", "Op",
     "BadName", "validate_name", "validate_namespace",
 ]

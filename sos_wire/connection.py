@@ -87,7 +87,8 @@ EVENT_OF: dict[Op, type] = {
     Op.PING: ev.Ping, Op.PONG: ev.Pong, Op.LIST: ev.List, Op.LIST_OK: ev.ListOk,
     Op.STAT: ev.Stat, Op.STAT_OK: ev.StatOk, Op.APPEND: ev.Append, Op.APPEND_OK: ev.AppendOk,
     Op.READ: ev.Read, Op.READ_DATA: ev.ReadData, Op.SEAL: ev.Seal, Op.SEAL_OK: ev.SealOk,
-    Op.FENCE: ev.Fence, Op.FENCE_OK: ev.FenceOk, Op.ERROR: ev.Error,
+    Op.FENCE: ev.Fence, Op.FENCE_OK: ev.FenceOk, Op.TIER_WAIT: ev.TierWait, Op.TIER_WAIT_OK: ev.TierWaitOk,
+    Op.ERROR: ev.Error,
 }
 OP_OF: dict[type, Op] = {cls: op for op, cls in EVENT_OF.items()}
 _FIELDS = {cls: [f.name for f in dataclasses.fields(cls) if f.name != "request_id"] for cls in OP_OF}

@@ -36,6 +36,7 @@ class ErrorCode(IntEnum):
     CORRUPT = 17
     INTERNAL = 18
     BAD_REQUEST = 19
+    TIER_UNAVAILABLE = 20  # TIER_WAIT: no tier, or the bucket did not reach the offset in time; length = tiered
 
 
 def error_code(value: int) -> "ErrorCode | int":

@@ -22,7 +22,7 @@ __all__ = [
     "Event", "Request", "Reply", "KeyRole",
     "Hello", "HelloOk", "Auth", "AuthOk", "Ping", "Pong", "List", "ListEntry", "ListOk",
     "Stat", "StatOk", "Append", "AppendOk", "Read", "ReadData", "Seal", "SealOk", "Payload",
-    "Fence", "FenceOk", "Error",
+    "Fence", "FenceOk", "TierWait", "TierWaitOk", "Error",
 ]
 
 
@@ -189,9 +189,29 @@ class FenceOk(Reply):
 
 
 @dataclass(frozen=True, slots=True)
+class TierWait(Request):
+    """Wait until the server's object-store tier holds *name*'s bytes [0, *offset*), at most
+    *timeout_ms* (capped at 60,000; 0: answer at once). protocol.md 1.11 TIER_WAIT."""
+
+    request_id: int
+    name: str
+    offset: int
+    timeout_ms: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TierWaitOk(Reply):
+    """*tiered*: the length of the object's contiguous run of pieces in the bucket (>= offset)."""
+
+    request_id: int
+    tiered: int
+
+
+@dataclass(frozen=True, slots=True)
 class Error(Reply):
     """A refusal. *length* is the current length for OFFSET_MISMATCH, the current
-    fence epoch for FENCED, else 0. *code* is an ErrorCode, or a bare int for a code
+    fence epoch for FENCED, the object's length in the bucket for
+    TIER_UNAVAILABLE, else 0. *code* is an ErrorCode, or a bare int for a code
     this version does not know (treat it as a generic failure)."""
 
     request_id: int

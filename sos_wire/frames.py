@@ -38,7 +38,7 @@ from .crc import crc32c
 
 __all__ = [
     "Op", "MAGIC", "VERSION", "SUPPORTED_VERSIONS", "HEADER_LEN", "DEFAULT_MAX_BODY",
-    "MAX_PING_PAYLOAD", "MAX_LIST_LIMIT", "REQUESTS", "REPLIES", "REPLY_TO",
+    "MAX_PING_PAYLOAD", "MAX_LIST_LIMIT", "MAX_TIER_WAIT_MS", "REQUESTS", "REPLIES", "REPLY_TO",
     "String", "Blob", "Bool8", "HeaderFields", "Header", "BODIES", "ListEntryBody", "build_header",
 ]
 
@@ -50,6 +50,8 @@ HEADER_LEN = 16
 DEFAULT_MAX_BODY = 8 * 1024 * 1024 + 4096
 MAX_PING_PAYLOAD = 64
 MAX_LIST_LIMIT = 1000
+#: TIER_WAIT's timeout_ms is capped at this (a longer one waits this long)
+MAX_TIER_WAIT_MS = 60_000
 
 
 class Op(IntEnum):
@@ -62,6 +64,7 @@ class Op(IntEnum):
     READ = 0x07
     SEAL = 0x08
     FENCE = 0x09
+    TIER_WAIT = 0x0A
     HELLO_OK = 0x81
     AUTH_OK = 0x82
     PONG = 0x83
@@ -71,6 +74,7 @@ class Op(IntEnum):
     READ_DATA = 0x87
     SEAL_OK = 0x88
     FENCE_OK = 0x89
+    TIER_WAIT_OK = 0x8A
     ERROR = 0xFF
 
 
@@ -128,6 +132,8 @@ BODIES = {
     Op.SEAL_OK: Struct("length" / Int64ub, Terminated),
     Op.FENCE: Struct("epoch" / Int64ub, Terminated),
     Op.FENCE_OK: Struct("epoch" / Int64ub, Terminated),
+    Op.TIER_WAIT: Struct("name" / String, "offset" / Int64ub, "timeout_ms" / Int32ub, Terminated),
+    Op.TIER_WAIT_OK: Struct("tiered" / Int64ub, Terminated),
     Op.ERROR: Struct("code" / Int16ub, "length" / Int64ub, "message" / String, Terminated),
 }
 assert set(BODIES) == set(Op)

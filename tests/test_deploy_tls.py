@@ -90,7 +90,13 @@ def test_kubernetes_server_and_sidecar_use_tls_from_a_secret():
     ca = _option(argv, "--tls-ca")
     ca_mount = next(m for m in sidecar["volumeMounts"] if ca.startswith(m["mountPath"] + "/"))
     ca_volume = next(v for v in driver["spec"]["volumes"] if v["name"] == ca_mount["name"])
-    assert ca_volume["secret"]["secretName"] == secret
+    # the server's own secret stays in its namespace: the sidecar's namespace gets a copy of its
+    # certificate alone, made by the documented command from the file sos-tls was made from
+    assert secret == "sos-tls" and ca_volume["secret"]["secretName"] == "sos-server-ca"
+    assert driver["metadata"]["namespace"] != sts["metadata"]["namespace"]
+    made = (ROOT / "deploy" / "k8s" / "spark-driver.yaml").read_text()
+    assert (f"-n {driver['metadata']['namespace']} create secret generic sos-server-ca "
+            "--from-file=tls.crt=deploy/tls/tls.crt") in made
     # only the certificate is projected into the sidecar, at the path --tls-ca names
     assert ca_volume["secret"]["items"] == [{"key": "tls.crt", "path": os.path.relpath(ca, ca_mount["mountPath"])}]
     _no_key_on_argv(argv)

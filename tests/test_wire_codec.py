@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sos_wire import (
-    NEED_DATA, Append, AppendOk, Auth, AuthOk, Connection, Error, ErrorCode, Fence, FenceOk, Hello,
+    NEED_DATA, Append, AppendOk, Auth, AuthOk, Connection, Error, ErrorCode, Fence, FenceOk, Hello, TierWait, TierWaitOk,
     HelloOk, KeyRole, List, ListEntry, ListOk, Ping, Pong, Read, ReadData, RemoteProtocolError,
     Role, Seal, SealOk, Stat, StatOk, encode_event,
 )
@@ -38,6 +38,7 @@ REQUEST_ARGS = {
     Read: (rid, text, u64, u64),
     Seal: (rid, text, u64),
     Fence: (rid, u64),
+    TierWait: (rid, text, u64, u32),
 }
 entry = st.builds(ListEntry, text, u64, st.booleans())
 error_codes = st.one_of(st.sampled_from(list(ErrorCode)), st.integers(0, 0xFFFF))
@@ -51,6 +52,7 @@ REPLY_ARGS = {
     ReadData: (rid, u64, st.booleans(), blob),
     SealOk: (rid, u64),
     FenceOk: (rid, u64),
+    TierWaitOk: (rid, u64),
     Error: (st.integers(0, 0xFFFFFFFF), error_codes, u64, text),
 }
 REQUEST_STRATEGIES = [st.builds(cls, *args) for cls, args in REQUEST_ARGS.items()]

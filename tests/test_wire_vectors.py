@@ -9,7 +9,7 @@ import pytest
 from sos_wire import (
     NEED_DATA, Append, AppendOk, Auth, AuthOk, Connection, Error, ErrorCode, Fence, FenceOk, Hello,
     HelloOk, KeyRole, List, ListEntry, ListOk, Op, Ping, Pong, Read, ReadData, Request, Role, Seal,
-    SealOk, Stat, StatOk, crc32c, decode_body, encode_event,
+    SealOk, Stat, StatOk, TierWait, TierWaitOk, crc32c, decode_body, encode_event,
 )
 from sos_wire.connection import OP_OF
 from sos_wire.frames import Header, build_header
@@ -51,6 +51,11 @@ VECTORS = [
     (SealOk(8, 5), "534f01880000000800000008aa7e1418" "0000000000000005"),
     (Fence(9, 8), "534f01090000000900000008c039a817" "0000000000000008"),
     (FenceOk(9, 8), "534f018900000009000000086651adfc" "0000000000000008"),
+    (TierWait(11, "log", 5, 30000),
+     "534f010a0000000b00000011c15867c5" "00036c6f67" "0000000000000005" "00007530"),
+    (TierWaitOk(11, 5), "534f018a0000000b000000080fdc7e8d" "0000000000000005"),
+    (Error(11, ErrorCode.TIER_UNAVAILABLE, 0, "no tier configured"),
+     "534f01ff0000000b0000001e5d0cc79d" "0014" "0000000000000000" "00126e6f207469657220636f6e66696775726564"),
     (Error(6, ErrorCode.OFFSET_MISMATCH, 5, "offset 0 != length 5"),
      "534f01ff0000000600000020dca4eb86" "0009" "0000000000000005" "00146f6666736574203020213d206c656e6774682035"),
     (Error(0, ErrorCode.BAD_FRAME, 0, "bad magic"),
