@@ -42,8 +42,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from spark_checkpoint import (PHASES, BatchTimer, alternate, open_session,  # noqa: E402
                               side_figures)
 
-from spark_plugin.gateway import GatewayProcess  # noqa: E402
-from spark_plugin.gateway_client import GatewayClient  # noqa: E402
+from spark_plugin.gateway.process import GatewayProcess  # noqa: E402
+from spark_plugin.gateway.client import GatewayClient  # noqa: E402
 from spark_plugin.spark import gateway_checkpoint, start_mount  # noqa: E402
 from tools.demo import LocalServer, keygen  # noqa: E402
 

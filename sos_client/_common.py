@@ -21,6 +21,7 @@ import ssl
 from collections import deque
 
 from sos_wire import events as ev
+from sos_wire.addresses import format_address, parse_address
 from sos_wire.auth import Key, tls_server_end_point
 from sos_wire.connection import Connection, Role
 from sos_wire.crc import crc32c
@@ -63,30 +64,14 @@ NEXT_CHUNK = _Command("NEXT_CHUNK")
 
 
 def parse_server(server: str | None) -> tuple[str, int]:
-    """``"host:port"``, ``"host"``, ``"[v6]:port"`` -> (host, port). None/"" -> $SOS_SERVER or the default."""
+    """``"host:port"``, ``"host"``, ``"[v6]:port"`` -> (host, port) (:func:`sos_wire.addresses.parse_address`,
+    default port 7070). None/"" -> $SOS_SERVER or the default."""
     if not server:
         server = os.environ.get("SOS_SERVER") or DEFAULT_SERVER
-    if not isinstance(server, str):
-        raise ValueError(f"server must be 'host:port', not {server!r}")
-    text = server.strip()
-    if text.startswith("["):
-        host, sep, rest = text[1:].partition("]")
-        if not sep or (rest and not rest.startswith(":")):
-            raise ValueError(f"bad server address {server!r}: expected [ipv6]:port")
-        port_text = rest[1:] if rest else ""
-    elif text.count(":") == 1:
-        host, port_text = text.split(":")
-    elif ":" in text:
-        raise ValueError(f"bad server address {server!r}: write an IPv6 address as [addr]:port")
-    else:
-        host, port_text = text, ""
-    if not host:
-        raise ValueError(f"bad server address {server!r}: no host")
-    if not port_text:
-        return host, DEFAULT_PORT
-    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise ValueError(f"bad server address {server!r}: port must be 1..65535")
-    return host, int(port_text)
+    try:
+        return parse_address(server, default_port=DEFAULT_PORT)
+    except ValueError as exc:
+        raise ValueError(f"bad server address {server!r}: {exc}") from None
 
 
 def resolve_server(server: str | None) -> str:
@@ -94,8 +79,7 @@ def resolve_server(server: str | None) -> str:
     fsspec, mount, gateway): the argument, else $SOS_SERVER, else 127.0.0.1:7070; a bare host
     gets the default port. Returns the canonical ``host:port`` (``[v6]:port``); ValueError
     for a bad one."""
-    host, port = parse_server(server)
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return format_address(*parse_server(server))
 
 
 def resolve_key(key: str | Key | None) -> Key:

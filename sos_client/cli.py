@@ -1,4 +1,4 @@
-"""The ``sos`` command: put, cat, ls, stat (here) and restore, verify, mount (hooks).
+"""The ``sos`` command: put, cat, ls, stat (here) and restore, verify, mount, gateway (plugged in).
 
     sos put LOCALFILE NS/NAME     upload a file as a new object (refuses an existing name and
                                   names under gen/, the journal's)
@@ -13,10 +13,10 @@ is refused (usage error), since every local user reads a process's command line 
 /proc/PID/cmdline for as long as it runs.  Exit status: 0 ok, 1 the operation failed, 2 usage.  Errors are
 one line on stderr: ``sos: <message>``.
 
-Other parts plug in subcommands: ``sos_client.journal.cli.add_parsers(subparsers)``
-and ``spark_plugin.cli_mount.add_parser(subparsers)``, imported lazily and skipped
-if not importable; ``spark_plugin.cli_gateway.add_parser`` (``sos gateway``) needs only
-core dependencies, so an import error there is raised, never hidden.  Each subparser sets ``func=callable(args) -> int`` and calls
+Other parts plug in subcommands through the ``sos.commands`` entry points
+(:func:`plugged_commands`): ``sos_client.journal.cli.add_parsers`` (restore, verify),
+``spark_plugin.mount.cli.add_parser``, ``spark_plugin.gateway.cli.add_parser``; this module
+names none of them (they sit above it).  Each subparser sets ``func=callable(args) -> int`` and calls
 :func:`add_connection_options`; :func:`client_from_args` builds a Client from them.
 """
 
@@ -26,6 +26,8 @@ import argparse
 import os
 import ssl
 import sys
+from collections.abc import Callable
+from importlib.metadata import entry_points
 
 from sos_wire import argtypes
 from sos_wire.auth import Key
@@ -42,6 +44,8 @@ __all__ = [
 ]
 
 CHUNK = 1 << 20
+#: the entry point group of the subcommands other packages add (see :func:`plugged_commands`)
+COMMANDS_GROUP = "sos.commands"
 
 
 class UsageError(Exception):
@@ -274,17 +278,26 @@ def build_parser() -> argparse.ArgumentParser:
     add_connection_options(p)
     p.set_defaults(func=cmd_stat)
 
-    # Each subcommand's module imports only core dependencies at this point (pyfuse3, Spark and
-    # the like are imported when the command runs), so an ImportError here is a bug: never hidden.
-    from sos_client.journal.cli import add_parsers as add_journal_parsers
-    from spark_plugin.cli_gateway import add_parser as add_gateway_parser
-    from spark_plugin.cli_mount import add_parser as add_mount_parser
-
-    add_journal_parsers(sub)  # restore, verify
-    add_mount_parser(sub)
-    add_gateway_parser(sub)
+    for add_parser in plugged_commands():
+        add_parser(sub)
     return parser
 
+
+
+def plugged_commands() -> list[Callable[[argparse._SubParsersAction], object]]:
+    """The ``add_parser(subparsers)`` functions that the ``sos.commands`` entry points name
+    (``pyproject.toml``: restore and verify, mount, gateway), in the order of their names.
+
+    This is how the layers above (``sos_client.journal``, ``spark_plugin``) add subcommands
+    without this module naming them. Each of those modules imports only core dependencies
+    when the parser is built (pyfuse3, Spark and the like when the command runs), so an
+    import error is a bug and is raised, never hidden; no entry point at all means the
+    ``sos`` distribution is not installed (its metadata is where they are)."""
+    found = sorted(entry_points(group=COMMANDS_GROUP), key=lambda ep: ep.name)
+    if not found:
+        raise RuntimeError(f"no {COMMANDS_GROUP} entry points: the sos distribution is not installed "
+                           f"(pip install -e .)")
+    return [ep.load() for ep in found]
 
 
 def _error(message: str | BaseException) -> None:

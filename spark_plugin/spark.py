@@ -1,7 +1,7 @@
 """Spark helpers: a journaled checkpointLocation, batch markers, restore to a batch.
 
 Spark (the JVM) cannot call a Python filesystem, so the checkpoint goes through a FUSE
-mount of the namespace (``sos mount``, :class:`spark_plugin.mount.MountProcess`). Every
+mount of the namespace (``sos mount``, :class:`spark_plugin.mount.process.MountProcess`). Every
 file operation Spark makes there becomes a journal record shipped to the SOS server; in
 sync mode the rename that creates ``commits/N`` returns only once the journal up to it is
 durable on the server, so a committed batch survives the loss of the whole worker.
@@ -31,6 +31,8 @@ import sys
 import tempfile
 import threading
 import urllib.parse
+
+from .mounttable import mount_fstype
 
 
 log = logging.getLogger("sos.spark")
@@ -68,7 +70,7 @@ class CheckpointLocation(str):
 
     ``.mountpoint``: root of the mounted namespace; ``.relpath``: the checkpoint's path
     inside the namespace (what ``sos restore --batch RELPATH:N`` takes); ``.mount``: the
-    :class:`~spark_plugin.mount.MountProcess` (``.stop()`` to unmount cleanly), or None when
+    :class:`~spark_plugin.mount.process.MountProcess` (``.stop()`` to unmount cleanly), or None when
     an existing mount was reused (``.reused`` True; ``.stop()`` then leaves it alone).
     """
 
@@ -118,39 +120,14 @@ def start_mount(namespace, mountpoint, *, server, key, cache_dir, sync=True, tim
     """Start ``sos mount`` for ``namespace`` on ``mountpoint`` and wait until it serves.
 
     ``extra_args``: more ``sos mount`` options (``--tls-ca FILE``, ``--owner 185``, ...).
-    The one place that knows the :class:`spark_plugin.mount.MountProcess` API.
+    The one place that knows the :class:`spark_plugin.mount.process.MountProcess` API.
     """
-    from spark_plugin.mount import MountProcess
+    from spark_plugin.mount.process import MountProcess
 
     mount = MountProcess(namespace, mountpoint, cache_dir, server, str(key), sync,
                          log_path=log_path, start_timeout=timeout, extra_args=extra_args)
     mount.start()
     return mount
-
-
-def mount_fstype(mountpoint: str) -> str | None:
-    """The file system type of the mount at ``mountpoint`` (None if it is no mount point).
-
-    Reads /proc/self/mountinfo (no stat of the mount point: a dead FUSE mount hangs or
-    fails it). The one mount-table reader of the project (the mount uses it too): here,
-    because this module runs in the Spark image, which has the standard library and pyspark
-    only (no psutil, no pyfuse3, no sos packages).
-    """
-    target = os.path.abspath(mountpoint)
-    found = None
-    try:
-        with open("/proc/self/mountinfo", encoding="utf-8") as f:
-            for line in f:
-                fields = line.split()
-                if len(fields) < 7 or "-" not in fields:
-                    continue
-                where = (fields[4].replace("\\040", " ").replace("\\011", "\t")
-                         .replace("\\012", "\n").replace("\\134", "\\"))
-                if where == target:
-                    found = fields[fields.index("-", 6) + 1]  # the last mount on top wins
-    except FileNotFoundError:  # pragma: no cover - not Linux
-        return "unknown" if os.path.ismount(target) else None
-    return found
 
 
 def mounted_namespace(mountpoint):
@@ -408,8 +385,8 @@ class GatewayCheckpoint(str):
         return self
 
     def client(self):
-        """A :class:`~spark_plugin.gateway_client.GatewayClient` of this gateway."""
-        from spark_plugin.gateway_client import GatewayClient
+        """A :class:`~spark_plugin.gateway.client.GatewayClient` of this gateway."""
+        from spark_plugin.gateway.client import GatewayClient
 
         return GatewayClient(self.gateway_url, self.namespace, self._key)
 

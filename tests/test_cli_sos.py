@@ -160,6 +160,6 @@ def test_every_subcommand_is_registered_and_an_import_error_is_not_hidden(monkey
     names = set(cli.build_parser()._subparsers._group_actions[0].choices)  # type: ignore[union-attr]
     assert {"put", "cat", "ls", "stat", "restore", "verify", "mount", "gateway"} <= names
     # a broken subcommand module is an error of `sos` itself, not a silently missing command
-    monkeypatch.setitem(_sys.modules, "spark_plugin.cli_mount", None)  # import raises ImportError
+    monkeypatch.setitem(_sys.modules, "spark_plugin.mount.cli", None)  # import raises ImportError
     with pytest.raises(ImportError):
         cli.build_parser()

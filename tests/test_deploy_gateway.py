@@ -44,7 +44,7 @@ from deploy_support import (
     one,
     option,
 )
-from spark_plugin.gateway import READY_MARKER
+from spark_plugin.gateway.process import READY_MARKER
 from spark_plugin.spark import sos_command
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

@@ -317,15 +317,24 @@ def test_spark_conf_runs_executors_with_the_key_and_the_truststore():
 def test_configmap_items_are_the_files_the_job_imports():
     (driver,) = k8s_documents("spark-pod-driver.yaml")
     vol = next(v for v in driver["spec"]["volumes"] if v["name"] == "job")
-    items = {i["key"]: i["path"] for i in vol["configMap"]["items"]}
-    sources = {"spark_job.py": "deploy/spark_job.py"}
-    sources |= {p.name: f"spark_plugin/{p.name}" for p in (ROOT / "spark_plugin").glob("*.py")}
-    for key, path in items.items():
-        assert path == sources[key].replace("deploy/", ""), (key, path)
+    items = vol["configMap"]["items"]
+    # each item is the checkout's file at its path (the job's own at the top), under its name;
+    # a key serving two paths (the empty __init__.py of spark_plugin and spark_plugin.gateway)
+    # holds the same bytes at both
+    sources: dict[str, bytes] = {}
+    for item in items:
+        src = ROOT / ("deploy" if item["path"] == "spark_job.py" else "") / item["path"]
+        assert item["key"] == src.name, item
+        assert sources.setdefault(item["key"], src.read_bytes()) == src.read_bytes(), item
+    # the job's imports are all there: spark.py's own, and the gateway's client it names
+    paths = {i["path"] for i in items}
+    assert {"spark_job.py", "spark_plugin/__init__.py", "spark_plugin/spark.py", "spark_plugin/mounttable.py",
+            "spark_plugin/gateway/__init__.py", "spark_plugin/gateway/client.py"} <= paths, paths
     # the documented `kubectl create configmap spark-job` puts exactly these keys in
     cmd = documented_line("create configmap spark-job", f"-n {conf_namespace()}")
-    assert sorted(a.split("=", 1)[1] for a in cmd.split() if a.startswith("--from-file=")) == \
-        sorted(sources[k] for k in items)
+    files = [a.split("=", 1)[1] for a in cmd.split() if a.startswith("--from-file=")]
+    assert sorted(pathlib.Path(f).name for f in files) == sorted(sources), (files, sorted(sources))
+    assert all((ROOT / f).read_bytes() == sources[pathlib.Path(f).name] for f in files)
     # (tests/test_deploy_spark.py runs the job with these files and nothing else)
 
 

@@ -22,7 +22,7 @@ import sys
 import pytest
 
 from deploy_support import K8S, ROOT, documented_line, k8s_documents, one, option, spark_conf
-from spark_plugin.gateway import GatewayProcess
+from spark_plugin.gateway.process import GatewayProcess
 from spark_plugin.spark import sos_command
 from tools.demo import DRIVER_JVM_OPTIONS, committed_batches
 
@@ -43,8 +43,7 @@ def _configmap_files(job_dir):
     mount = next(m for m in driver["spec"]["containers"][0]["volumeMounts"] if m["name"] == "job")
     vol = next(v for v in driver["spec"]["volumes"] if v["name"] == "job")
     for item in vol["configMap"]["items"]:
-        src = ROOT / "deploy" / item["key"] if item["key"] == "spark_job.py" else \
-            ROOT / "spark_plugin" / item["key"]
+        src = ROOT / ("deploy" if item["path"] == "spark_job.py" else "") / item["path"]
         dst = job_dir / item["path"]
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(src, dst)

@@ -8,8 +8,8 @@ import itertools
 import fsspec.tests.abstract as abstract
 import pytest
 
-from spark_plugin import fs as sosfs
-from spark_plugin.fs import SOSFileSystem
+from spark_plugin.fsspec import filesystem as sosfs
+from spark_plugin.fsspec.filesystem import SOSFileSystem
 
 NAMESPACE = "fsspec-abstract"
 

@@ -19,8 +19,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from spark_plugin import fs as sosfs
-from spark_plugin.fs import SOSFileSystem
+from spark_plugin.fsspec import filesystem as sosfs
+from spark_plugin.fsspec.filesystem import SOSFileSystem
 from support import tree_snapshot as local_snapshot
 
 _ns_counter = itertools.count()
@@ -599,7 +599,7 @@ def test_close_returns_only_when_durable(env, tmp_path):
     _run_child(
         """
         import os, sys
-        from spark_plugin.fs import SOSFileSystem
+        from spark_plugin.fsspec.filesystem import SOSFileSystem
         server, key, ns, cache = sys.argv[1:]
         fs = SOSFileSystem(server=server, key=key, cache_dir=cache)
         with fs.open(ns + "/chk/.1.tmp", "wb") as f:
@@ -620,7 +620,7 @@ def test_async_process_flushes_at_exit(env, tmp_path):
     _run_child(
         """
         import sys
-        from spark_plugin.fs import SOSFileSystem
+        from spark_plugin.fsspec.filesystem import SOSFileSystem
         server, key, ns, cache = sys.argv[1:]
         fs = SOSFileSystem(server=server, key=key, cache_dir=cache, sync=False)
         for i in range(20):

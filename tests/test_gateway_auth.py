@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from spark_plugin.gateway_auth import TokenAuthority
+from spark_plugin.gateway.auth import TokenAuthority
 
 
 class Clock:
@@ -95,7 +95,7 @@ def test_key_checks_throttle_an_address_and_answer_refused_keys_from_the_negativ
 
     import trio
 
-    from spark_plugin.gateway_auth import KeyChecks, Throttled
+    from spark_plugin.gateway.auth import KeyChecks, Throttled
 
     asked: list[str] = []
 
@@ -130,7 +130,7 @@ def test_key_checks_queue_is_bounded_and_serves_the_least_recently_served_addres
 
     import trio
 
-    from spark_plugin.gateway_auth import KeyChecks, Throttled
+    from spark_plugin.gateway.auth import KeyChecks, Throttled
 
     gate = threading.Event()
     order: list[str] = []
@@ -180,7 +180,7 @@ def test_key_checks_requests_of_one_key_at_once_are_not_throttled_and_each_asks_
 
     import trio
 
-    from spark_plugin.gateway_auth import KeyChecks
+    from spark_plugin.gateway.auth import KeyChecks
 
     asked: list[str] = []
     gate = threading.Event()

@@ -26,8 +26,8 @@ import urllib.request
 
 import pytest
 
-from spark_plugin.gateway import GatewayProcess
-from spark_plugin.gateway_client import GatewayClient
+from spark_plugin.gateway.process import GatewayProcess
+from spark_plugin.gateway.client import GatewayClient
 from spark_plugin.spark import restore_to_batch, sos_command
 from tools.demo import (check_output, committed_batches, gateway_committed_batches, kill_tree,
                         make_input, start_driver, tail, wait_for)

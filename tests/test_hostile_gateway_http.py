@@ -33,7 +33,7 @@ import psutil
 import pytest
 import requests
 
-from spark_plugin.gateway import GatewayProcess
+from spark_plugin.gateway.process import GatewayProcess
 from spark_plugin.spark import sos_command
 
 NS = "gwhttp"
@@ -48,9 +48,8 @@ def start_gateway(server, tmp_path, *args, name="gateway", key=None, debug=False
     """A real `sos gateway` child (``prefix``: a command it runs under, e.g. prlimit)."""
 
     class Prefixed(GatewayProcess):
-        @property
         def command(self) -> list[str]:
-            return [*prefix, *super().command]
+            return [*prefix, *super().command()]
 
     key = key or server.keygen(NS, "append")
     gw = Prefixed(NS, str(tmp_path / f"{name}-cache"), server.address, key, listen=listen,
@@ -629,7 +628,7 @@ def test_statistics_stay_bounded_over_distinct_paths_and_ops(sos_server, tmp_pat
 
 
 def test_latency_samples_are_bounded():
-    from spark_plugin.gateway import LATENCY_SAMPLES, _OpStats
+    from spark_plugin.gateway.server import LATENCY_SAMPLES, _OpStats
 
     stats = _OpStats()
     for i in range(100_000):
@@ -643,8 +642,8 @@ def test_latency_samples_are_bounded():
 
 _EMFILE_GATEWAY = """
 import logging, resource, sys, trio
-from spark_plugin.gateway import Gateway
-from spark_plugin.gateway_auth import TokenAuthority
+from spark_plugin.gateway.server import Gateway
+from spark_plugin.gateway.auth import TokenAuthority
 
 logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                     format="%(asctime)s %(name)s %(levelname)s %(message)s")

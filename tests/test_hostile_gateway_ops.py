@@ -29,7 +29,7 @@ from sos_client import Client
 from sos_client.journal import JournaledTree, JournalWriter, restore
 from sos_client.journal.restore import rebuild_cache
 from sos_client.journal.testing import tree_state
-from spark_plugin.gateway import GatewayProcess
+from spark_plugin.gateway.process import GatewayProcess
 from spark_plugin.spark import sos_command
 from support import tree_snapshot
 
@@ -124,10 +124,9 @@ class _AsUser(GatewayProcess):
         super().__init__(*args, **kwargs)
         self.uid = uid
 
-    @property
     def command(self) -> list[str]:
         return ["setpriv", f"--reuid={self.uid}", f"--regid={self.uid}", "--clear-groups",
-                *super().command]
+                *super().command()]
 
 
 def remote(r: requests.Response) -> dict:
@@ -242,7 +241,7 @@ def test_writer_and_fsspec_at_the_quota_fail_with_edquot_and_drain_when_raised(s
     fails promptly (JournalQuotaExceeded, EDQUOT) with the spool kept, a new change is
     refused before it touches the cache, and raising the quota drains everything."""
     from sos_client.journal import JournalQuotaExceeded
-    from spark_plugin.fs import SOSFileSystem, close_all
+    from spark_plugin.fsspec.filesystem import SOSFileSystem, close_all
 
     key = sos_server.keygen(NS, "append")
     set_quota(sos_server, NS, "64K")
@@ -393,7 +392,7 @@ def test_mount_at_the_quota_answers_edquot_instead_of_hanging(sos_server, tmp_pa
     """The FUSE mount shares the writer: an fsync at the quota fails with EDQUOT (today it
     waits forever), and a new change is refused with EDQUOT before it reaches the cache."""
     pytest.importorskip("pyfuse3")
-    from spark_plugin.mount import MountProcess
+    from spark_plugin.mount.process import MountProcess
 
     ns = "gwq-mount"
     key = sos_server.keygen(ns, "append")

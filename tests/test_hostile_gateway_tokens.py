@@ -20,7 +20,7 @@ import urllib.parse
 
 import pytest
 
-from spark_plugin.gateway import GatewayProcess
+from spark_plugin.gateway.process import GatewayProcess
 
 NS = "gwtok"
 

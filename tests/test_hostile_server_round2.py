@@ -309,7 +309,7 @@ def test_sos_commands_say_a_token_key_is_gateway_only(sos_server_factory):
 
 
 def test_the_gateway_exchanges_a_token_key_for_an_append_token(sos_server_factory, tmp_path):
-    from spark_plugin.gateway import GatewayProcess
+    from spark_plugin.gateway.process import GatewayProcess
 
     srv = sos_server_factory(start=False)
     gateway_key = srv.keygen(NS, "append")

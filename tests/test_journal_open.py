@@ -56,7 +56,7 @@ def test_an_empty_cache_is_rebuilt_from_the_server(sos_server, tmp_path):
 def test_the_mount_journal_refuses_a_bad_key_at_once(sos_server, tmp_path, bad):
     """Before the shared opener, a malformed key made the mount's writer retry for its whole
     open timeout (120 s): `sos mount` with a garbage key stalled two minutes."""
-    from spark_plugin.mount import MountedTree
+    from spark_plugin.mount.run import MountedTree
 
     journal = MountedTree(NS, sos_server.address, bad, str(tmp_path / "cache"))
     with pytest.raises(PermissionError):
@@ -65,7 +65,7 @@ def test_the_mount_journal_refuses_a_bad_key_at_once(sos_server, tmp_path, bad):
 
 
 def test_one_default_cache_dir(monkeypatch, tmp_path):
-    from spark_plugin.mount import default_cache_dir as mount_default
+    from spark_plugin.mount.run import default_cache_dir as mount_default
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert default_cache_dir("ns") == mount_default("ns") == str(tmp_path / "sos" / "ns")

@@ -53,7 +53,7 @@ def server(sos_server):
 @pytest.mark.parametrize("how", ["key-file", "SOS_KEY_FILE", "SOS_KEY"])
 def test_running_mount_keeps_the_key_off_its_command_line(server, tmp_path, how):
     pytest.importorskip("pyfuse3")
-    from spark_plugin.mount import MountProcess
+    from spark_plugin.mount.process import MountProcess
 
     key = server.keygen(NS, "append")
     key_file = tmp_path / "sos.key"
@@ -72,7 +72,7 @@ def test_running_mount_keeps_the_key_off_its_command_line(server, tmp_path, how)
     try:
         mp.start()
         mine = _cmdlines()[mp.pid]
-        assert b"spark_plugin.cli_mount" in mine  # it is the mount's command line
+        assert b"spark_plugin.mount.cli" in mine  # it is the mount's command line
         for pid, line in _cmdlines().items():
             for secret in _secret_forms(key):
                 assert secret not in line, f"the key is in /proc/{pid}/cmdline: {line!r}"
@@ -92,7 +92,7 @@ def test_running_mount_keeps_the_key_off_its_command_line(server, tmp_path, how)
 @pytest.mark.fuse
 @pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="/dev/fuse is missing: no FUSE")
 def test_mount_with_key_argument_is_refused_before_mounting(server, tmp_path):
-    from spark_plugin.mount import is_mounted
+    from spark_plugin.mount.process import is_mounted
 
     key = server.keygen(NS, "append")
     mnt = tmp_path / "mnt"

@@ -1,5 +1,6 @@
-"""The code is clean under ruff and mypy, as configured in pyproject.toml ([tool.ruff],
-[tool.mypy]); both run from this interpreter's environment (they are in the ``test`` extra)."""
+"""The code is clean under ruff and mypy, and its imports keep the layers, as configured in
+pyproject.toml ([tool.ruff], [tool.mypy], [tool.importlinter]); all three run from this
+interpreter's environment (they are in the ``test`` extra)."""
 
 from __future__ import annotations
 
@@ -50,3 +51,13 @@ def test_mypy_finds_nothing(tmp_path):
     assert not bad, "mypy found:\n" + "\n".join(bad) + "\n" + r.stderr
     if not pending:
         assert r.returncode == 0, (r.stdout, r.stderr)
+
+
+def test_import_contracts_hold():
+    """import-linter's contracts: the layers (wire < tier < server | client < spark_plugin <
+    tools; the journal above the clients; the Spark helpers above the faces, which do not
+    import each other), no cycle inside a package."""
+    lint_imports = Path(sys.executable).parent / "lint-imports"
+    r = subprocess.run([str(lint_imports), "--no-cache"], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                       capture_output=True, text=True, timeout=600, check=False)
+    assert r.returncode == 0 and "0 broken" in r.stdout, r.stdout[-6000:] + r.stderr[-2000:]

@@ -1,5 +1,5 @@
 """End-to-end tests of `sos mount`: a real sos-server process, a real mount
-process (MountProcess -> `python -m spark_plugin.cli_mount`), real files.
+process (MountProcess -> `python -m spark_plugin.mount.cli`), real files.
 
 After each sequence of operations the namespace is restored from the server
 (the journal core's restore) into a fresh directory and compared with what was
@@ -25,7 +25,7 @@ import pytest
 
 pytest.importorskip("pyfuse3")
 
-from spark_plugin.mount import MountProcess, is_mounted  # noqa: E402
+from spark_plugin.mount.process import MountProcess, is_mounted  # noqa: E402
 from support import tree_snapshot as snapshot  # noqa: E402
 
 pytestmark = [
@@ -402,7 +402,7 @@ def test_generation_bytes_option_starts_new_generations(mounts, server, key, tmp
 def test_cli_generation_bytes_must_be_a_positive_size(tmp_path, server, ns):
     env = dict(os.environ, SOS_KEY="k")
     for bad in ("0", "lots"):
-        proc = subprocess.run([sys.executable, "-m", "spark_plugin.cli_mount", ns,
+        proc = subprocess.run([sys.executable, "-m", "spark_plugin.mount.cli", ns,
                                str(tmp_path), "--server", server.address,
                                "--generation-bytes", bad],
                               capture_output=True, text=True, env=env, timeout=60)
@@ -558,7 +558,7 @@ def test_without_owner_the_root_directory_is_the_mounts_and_setgid_is_inherited(
 
 def test_cli_owner_option_is_checked(tmp_path, server, ns):
     env = dict(os.environ, SOS_KEY="k")
-    proc = subprocess.run([sys.executable, "-m", "spark_plugin.cli_mount", ns, str(tmp_path),
+    proc = subprocess.run([sys.executable, "-m", "spark_plugin.mount.cli", ns, str(tmp_path),
                            "--server", server.address, "--owner", "no-such-user-sos"],
                           capture_output=True, text=True, env=env, timeout=60)
     assert proc.returncode == 2 and "unknown user or group" in proc.stderr
@@ -781,7 +781,7 @@ def test_remount_over_a_dead_mount_detaches_it(mounts, server, key, tmp_path):
 
 def test_cli_refuses_missing_key_and_bad_mountpoint(tmp_path, server, ns):
     env = {k: v for k, v in os.environ.items() if k != "SOS_KEY"}
-    out = subprocess.run([sys.executable, "-m", "spark_plugin.cli_mount", ns, str(tmp_path),
+    out = subprocess.run([sys.executable, "-m", "spark_plugin.mount.cli", ns, str(tmp_path),
                           "--server", server.address], env=env, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 1 and out.stderr.startswith("sos: no key given")
@@ -790,7 +790,7 @@ def test_cli_refuses_missing_key_and_bad_mountpoint(tmp_path, server, ns):
                           "--server", server.address],
                          env=keyed, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "sos:" in out.stderr
-    out = subprocess.run([sys.executable, "-m", "spark_plugin.cli_mount", ns,
+    out = subprocess.run([sys.executable, "-m", "spark_plugin.mount.cli", ns,
                           str(tmp_path / "missing"), "--server", server.address,
                           "--cache", str(tmp_path / "c")],
                          env=keyed, capture_output=True, text=True, timeout=120)

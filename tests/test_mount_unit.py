@@ -22,7 +22,10 @@ pyfuse3 = pytest.importorskip("pyfuse3")
 import trio  # noqa: E402
 
 from sos_client.errors import Fenced  # noqa: E402 - the client's error the stand-in tree raises
-from spark_plugin.mount import InodeTable, SOSOperations, errno_for, fuse_options, is_mounted  # noqa: E402
+from spark_plugin.mount.inodes import InodeTable  # noqa: E402
+from spark_plugin.mount.ops import SOSOperations, errno_for  # noqa: E402
+from spark_plugin.mount.process import is_mounted  # noqa: E402
+from spark_plugin.mount.run import fuse_options  # noqa: E402
 
 pytestmark = [
     pytest.mark.fuse,

@@ -24,7 +24,7 @@ SOAK_ARGS = ["--duration", "330", "--max-kills", str(KILLS), "--seed", "57",
 
 
 def _unmount_leftovers(root):
-    from spark_plugin.mount import is_mounted, lazy_unmount
+    from spark_plugin.mount.process import is_mounted, lazy_unmount
 
     for dirpath, dirnames, _ in os.walk(root):
         for d in list(dirnames):

@@ -381,7 +381,7 @@ class Demo:
                               for s in self.stores}}
 
     def start_gateway(self, port: int = 0):
-        from spark_plugin.gateway import GatewayProcess
+        from spark_plugin.gateway.process import GatewayProcess
 
         self.gateway = GatewayProcess(NAMESPACE, self.paths["gateway-cache"], self.server.address,
                                       self.key, listen=f"127.0.0.1:{port}", debug=True,
@@ -462,7 +462,7 @@ class Demo:
 
     # -- what the gateway holds
     def committed(self, store: str) -> set[int]:
-        from spark_plugin.gateway_client import GatewayClient, GatewayError
+        from spark_plugin.gateway.client import GatewayClient, GatewayError
 
         client = GatewayClient(self.gateway.url, NAMESPACE, self.key)
         try:

@@ -310,8 +310,8 @@ def wait_for(pred, timeout: float, what: str, alive=None, poll: float = 0.2):
 
 def gateway_committed_batches(client, checkpoint_relpath: str) -> set[int]:
     """:func:`committed_batches` of a checkpoint served by ``sos gateway`` (``client``: a
-    :class:`spark_plugin.gateway_client.GatewayClient`), by LISTSTATUS of ``commits``."""
-    from spark_plugin.gateway_client import GatewayError
+    :class:`spark_plugin.gateway.client.GatewayClient`), by LISTSTATUS of ``commits``."""
+    from spark_plugin.gateway.client import GatewayError
 
     path = "/webhdfs/v1/" + "/".join(p for p in (checkpoint_relpath.strip("/"), "commits") if p)
     try:

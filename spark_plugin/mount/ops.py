@@ -1,5 +1,48 @@
-"""`SOSOperations`: the pyfuse3 operations over a `JournaledTree` (see the package's
-docstring for what each kind of call does), and `errno_for`, the errno a FUSE reply carries."""
+"""The FUSE mount's adapter over the journal core: what the JVM (Spark) writes through:
+`SOSOperations`, the pyfuse3 operations over a `JournaledTree`, and `errno_for`, the errno a
+FUSE reply carries.
+
+`SOSOperations` is a thin pyfuse3 (trio) adapter over `JournaledTree`:
+
+* reads and attributes are served straight from the tree's cache directory;
+* every file-altering operation (create, write, truncate, rename, unlink, mkdir,
+  rmdir) goes through the tree, so it becomes a journal record;
+* blocking tree calls (barrier waits) run in worker threads
+  (`trio.to_thread.run_sync`) so the FUSE loop keeps serving other requests;
+* in sync mode (the default) fsync, fsyncdir, the close of `.sos/marker` and a
+  rename onto, or the close (flush/release) of a written file at, a path that
+  `sos_client.journal.barriers.needs_barrier` names (Spark's `offsets/N` and
+  `commits/N`) return only after every record so far is durable on the server;
+  other renames and closes are carried by the next such barrier (one ordered
+  journal). In async mode only fsync and fsyncdir wait (explicit requests for
+  durability) and the writer bounds the lag;
+* once the writer reports that a newer writer fenced it, the mount turns
+  read-only: every later change fails with EROFS (the first failure with EIO)
+  and the reason is logged once.
+
+chmod, chown and utimens are applied to the cache only (the journal has no
+record for them; Hadoop's local filesystem calls chmod and must not fail).
+
+Ownership: the kernel checks permissions (`default_permissions`) against the
+cache entries' owners and modes. When the mount runs as root (the sidecar), a
+file or directory created through it is chowned to the calling process (uid,
+and gid unless the parent directory is setgid), as a local filesystem does;
+`owner=(uid, gid)` (`sos mount --owner`) gives the root directory, and every
+entry rebuilt from the server (the journal records no owners), to that user, so
+a non-root Spark can create its checkpoint directory. Other users reach a mount
+only with allow_other (implied by an owner other than the mount's own user).
+
+`.sos/marker` at the root is a virtual control file (not listed, not journaled
+as a file): a JSON document {"label": str, "payload": any} written to it
+becomes a MARKER record (JournaledTree.marker), durable when fsync or close
+returns (sync mode). The Spark batch listener writes its batch markers there.
+`.sos/namespace` (read-only) holds the mounted namespace's name and a newline.
+
+The package: this module (the adapter), `inodes.py` (the inode table, the virtual
+entries), `run.py` (`run_mount()`: server connection, writer, tree and mount wired
+together; what `sos mount` runs), `cli.py` (the command), `process.py` (`MountProcess`:
+`sos mount` in a child process for tests, the Spark helpers, the demo and the crash loop).
+"""
 
 from __future__ import annotations
 
@@ -13,8 +56,9 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from sos_client.errors import is_fenced, to_oserror
+from sos_client.errors import to_oserror
 from sos_client.journal.barriers import needs_barrier
+from sos_client.journal.facade import FenceLatch
 
 
 if TYPE_CHECKING:
@@ -108,7 +152,7 @@ class SOSOperations(_OperationsBase):
         self._handles: dict[int, _Handle] = {}
         self._dirs: dict[int, tuple[int, list[str]]] = {}
         self._next_fh = 1
-        self.fenced: str | None = None
+        self._fence = FenceLatch(namespace, log, "sos mount")
         # Only root can give a new cache entry to the caller; other mounts own everything.
         self.chown_to_caller = (os.geteuid() == 0) if chown_to_caller is None else chown_to_caller
 
@@ -198,18 +242,17 @@ class SOSOperations(_OperationsBase):
                 return h.fd
         return None
 
+    @property
+    def fenced(self) -> str | None:
+        """Why the mount is read-only (a newer writer took the namespace over), or None."""
+        return self._fence.fenced
+
     def _check_writable(self) -> None:
         if self.fenced is not None:
             raise pyfuse3.FUSEError(errno.EROFS)
 
     def _note_failure(self, exc: BaseException) -> None:
-        if self.fenced is None and is_fenced(exc):
-            self.fenced = str(exc) or type(exc).__name__
-            log.error(
-                "sos mount: FENCED: a newer writer took over namespace %r (%s); this mount is "
-                "read-only from now on, its later changes fail; unmount and remount to continue",
-                self.namespace, self.fenced,
-            )
+        self._fence.note(exc)
 
     async def _call(self, fn, *args, **kwargs):
         """Run a (possibly blocking) tree call in a worker thread."""

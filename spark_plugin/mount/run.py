@@ -8,13 +8,13 @@ import logging
 import os
 import signal
 import ssl
-import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import trio
 
 from sos_client.errors import is_fenced
+from sos_client.serving import serve_until_signal
 
 
 if TYPE_CHECKING:
@@ -110,15 +110,23 @@ class MountedTree:
 
 
 async def _serve(ops: SOSOperations, namespace: str, mountpoint: str) -> None:
-    async with trio.open_nursery() as nursery:
-        await nursery.start(_watch_signals)
-        mode = "sync" if ops.sync_mode else "async"
-        if ops.enable_writeback_cache:
-            mode += ", writeback cache"
-        print(f"{READY_MARKER}: namespace {namespace} mounted at {mountpoint} ({mode})",
-              file=sys.stderr, flush=True)
+    """Serve the FUSE session until SIGTERM/SIGINT (or an external unmount); a signal that
+    came between the mount and this loop (``_early_signals``) counts as one that comes now."""
+    mode = "sync" if ops.sync_mode else "async"
+    if ops.enable_writeback_cache:
+        mode += ", writeback cache"
+
+    async def serve(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
         await pyfuse3.main()
-        nursery.cancel_scope.cancel()
+
+    def unmount(name: str) -> None:
+        log.info("%s: unmounting", name)
+        pyfuse3.terminate()
+
+    await serve_until_signal(serve, lambda _: f"{READY_MARKER}: namespace {namespace} mounted at "
+                                              f"{mountpoint} ({mode})",
+                             stop=unmount, pending=_early_signals)
 
 
 _early_signals: list[int] = []
@@ -131,19 +139,6 @@ def _restore_signals(previous: dict) -> None:
 
 def _record_early_signal(signum, frame) -> None:
     _early_signals.append(signum)
-
-
-async def _watch_signals(task_status=trio.TASK_STATUS_IGNORED) -> None:
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        task_status.started()
-        if _early_signals:  # arrived between mounting and this receiver
-            log.info("%s: unmounting", signal.Signals(_early_signals[0]).name)
-            pyfuse3.terminate()
-            return
-        async for signum in signals:
-            log.info("%s: unmounting", signal.Signals(signum).name)
-            pyfuse3.terminate()
-            return
 
 
 def give_tree_to(tree_dir: str, owner: tuple[int, int], *, everything: bool) -> None:

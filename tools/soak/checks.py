@@ -51,7 +51,7 @@ class GatewayView:
     ``commits/`` and ``offsets/N`` over WebHDFS (LISTSTATUS, OPEN) with a bearer token."""
 
     def __init__(self, url: str, namespace: str, key: str, relpath: str) -> None:
-        from spark_plugin.gateway_client import GatewayClient
+        from spark_plugin.gateway.client import GatewayClient
 
         self.client = GatewayClient(url, namespace, key, timeout=120)
         self.relpath = relpath.strip("/")
@@ -60,7 +60,7 @@ class GatewayView:
         return f"{self.client.url}/webhdfs/v1/{self.relpath}"
 
     def commits(self) -> set[int]:
-        from spark_plugin.gateway_client import GatewayError
+        from spark_plugin.gateway.client import GatewayError
 
         try:
             doc = self.client.call("GET", f"/webhdfs/v1/{self.relpath}/commits", op="LISTSTATUS")
@@ -73,7 +73,7 @@ class GatewayView:
 
     def sizes(self, rel: str) -> dict[str, int]:
         """{name: length} of the files in ``rel`` ({} if it does not exist)."""
-        from spark_plugin.gateway_client import GatewayError
+        from spark_plugin.gateway.client import GatewayError
 
         try:
             doc = self.client.call("GET", f"/webhdfs/v1/{self.relpath}/{rel}", op="LISTSTATUS")

@@ -102,7 +102,7 @@ class ClusterSoak(Soak):
 
     def start_gateway(self, *, empty: bool) -> float:
         """``sos gateway`` on its fixed port; ``empty``: on a new, empty cache directory."""
-        from spark_plugin.gateway import GatewayProcess
+        from spark_plugin.gateway.process import GatewayProcess
 
         if empty:
             if self.gateway_cache:

@@ -97,7 +97,7 @@ def driver_main(cfg_path: str) -> int:
             def committed(self, batch: int) -> bool:
                 """Does ``commits/<batch>`` exist? Asked again while the gateway is down
                 (a restart takes a second or two) so an acknowledgement is not lost."""
-                from spark_plugin.gateway_client import GatewayError
+                from spark_plugin.gateway.client import GatewayError
 
                 deadline = time.monotonic() + 60
                 while True:

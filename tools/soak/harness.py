@@ -666,7 +666,7 @@ class Soak(Checks):
         for root, dirs, _files in os.walk(self.work):
             for d in list(dirs):
                 if d.startswith("mnt"):
-                    from spark_plugin.mount import is_mounted, lazy_unmount
+                    from spark_plugin.mount.process import is_mounted, lazy_unmount
 
                     p = os.path.join(root, d)
                     if is_mounted(p):

@@ -312,20 +312,17 @@ class WebHdfsNamespace:
         errno of :func:`sos_client.errors.to_oserror`, as fsspec and the mount map them)."""
         from sos_client.errors import SOSError, errno_of, is_fenced, to_oserror
         from sos_client.journal.errors import JournalError
+        from sos_client.journal.facade import journal_error
 
         try:
             return fn(*args, **kwargs)
         except (JournalError, SOSError, OSError) as exc:
-            if is_fenced(exc):
-                raise WebHdfsError("IOException", f"namespace {self.namespace!r} was taken over by "
-                                   f"another writer (fenced); this gateway can no longer change it: "
-                                   f"{exc}") from exc
             if errno_of(exc) == errno.EDQUOT:
                 raise self._quota_refusal(exc) from exc
-            if isinstance(exc, JournalError):
-                raise WebHdfsError("IOException", f"journal of namespace {self.namespace!r}: {exc}",
-                                   500) from exc
-            err = to_oserror(exc)
+            err = to_oserror(journal_error(exc, self.namespace, "this gateway"))
+            if is_fenced(exc) or isinstance(exc, JournalError):
+                raise WebHdfsError("IOException", str(err.strerror or err),
+                                   500 if not is_fenced(exc) else None) from exc
             where = f": {err.filename}" if err.filename is not None else ""
             raise WebHdfsError(_EXCEPTION_OF_ERRNO.get(err.errno or 0, "IOException"),
                                f"{err.strerror or err}{where}") from exc

@@ -56,8 +56,8 @@ from fsspec.utils import stringify_path
 
 from sos_client import resolve_key, resolve_server
 
-from .fs_files import _READ_CHUNK, RECORD_DATA_MAX, SOSReadFile, SOSWriteFile, _err, _pread_all
-from .fs_namespaces import _open_namespace, close_all
+from .files import _READ_CHUNK, RECORD_DATA_MAX, SOSReadFile, SOSWriteFile, _err, _pread_all
+from .namespaces import _open_namespace, close_all
 
 
 @contextlib.contextmanager

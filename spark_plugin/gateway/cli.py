@@ -1,7 +1,7 @@
 """`sos gateway NAMESPACE --listen HOST:PORT [--cache DIR] [--async] ...`: the WebHDFS gateway.
 
 Registered in `sos` by `sos_client.cli` (an import error here is an error, never a
-silently missing subcommand); also runnable alone as `python -m spark_plugin.cli_gateway`
+silently missing subcommand); also runnable alone as `python -m spark_plugin.gateway.cli`
 (what `GatewayProcess` starts). Everything heavy is imported when the command runs.
 """
 
@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"sos: {exc}", file=sys.stderr)
         return 2
-    from spark_plugin.gateway import parse_advertise, parse_listen, plaintext_refusal, run_gateway
+    from spark_plugin.gateway.run import parse_advertise, parse_listen, plaintext_refusal, run_gateway
 
     try:
         parse_listen(args.listen)

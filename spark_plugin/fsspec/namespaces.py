@@ -8,6 +8,8 @@ import atexit
 import os
 import threading
 
+from sos_client.journal.facade import call_journal
+
 
 # --------------------------------------------------------------------------
 # One journaled tree per (server, namespace, cache directory) per process.
@@ -41,7 +43,7 @@ class _Namespace:
 
 class _GuardedTree:
     """The JournaledTree as the filesystem sees it: journal failures become the
-    built-in exceptions fsspec users expect (:func:`sos_client.errors.to_oserror`,
+    built-in exceptions fsspec users expect (:func:`sos_client.journal.facade.journal_error`,
     as the mount and the gateway map them). Fenced (another writer took the
     namespace over) -> PermissionError (errno EROFS); any other journal failure
     -> OSError EIO. The original error is chained. Reads keep working from the cache."""
@@ -65,16 +67,7 @@ class _GuardedTree:
         method = getattr(self._tree, name)
 
         def guarded(*args, **kwargs):
-            from sos_client.errors import SOSError, is_fenced, to_oserror
-            from sos_client.journal.errors import JournalError
-
-            try:
-                return method(*args, **kwargs)
-            except (JournalError, SOSError) as exc:
-                what = ("was taken over by another writer (fenced); this process can no longer "
-                        "change it" if is_fenced(exc) else "failed")
-                raise to_oserror(exc, f"journal of namespace {self._namespace!r} {what}",
-                                 self._namespace) from exc
+            return call_journal(self._namespace, method, *args, **kwargs)
 
         return guarded
 

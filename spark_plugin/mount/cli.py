@@ -1,7 +1,7 @@
 """`sos mount NAMESPACE MOUNTPOINT [--cache DIR] [--async] [--owner UID[:GID]] ...`: FUSE mount.
 
 Hooked into `sos` by `sos_client.cli` through `add_parser(subparsers)`; also
-runnable alone as `python -m spark_plugin.cli_mount ...` (what `MountProcess`
+runnable alone as `python -m spark_plugin.mount.cli ...` (what `MountProcess`
 starts, so it works before the console script is installed).
 """
 
@@ -83,7 +83,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    from spark_plugin.mount import run_mount
+    from spark_plugin.mount.run import run_mount
 
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")

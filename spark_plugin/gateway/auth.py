@@ -29,11 +29,14 @@ negative cache, and a fast lane for keys the server accepted recently.
 from __future__ import annotations
 
 import base64
+import binascii
 import hashlib
 import hmac
-import ipaddress
 import math
+import logging
 import secrets
+import ssl
+import urllib.parse
 import time
 from collections import deque
 from collections.abc import Callable
@@ -42,8 +45,17 @@ from itertools import count
 
 import trio
 
-__all__ = ["DEFAULT_KEY_RECHECK", "DEFAULT_TOKEN_TTL", "KeyChecks", "KeyRevoked", "Throttled",
-           "TokenAuthority", "TokenInfo", "address_key"]
+from sos_wire.auth import Key
+
+from .http import Conn, Reply, json_body, remote_error
+
+__all__ = ["DEFAULT_KEY_RECHECK", "DEFAULT_TOKEN_TTL", "TOKEN_PATH", "KeyChecks", "KeyRevoked", "OAuth2",
+           "Throttled", "TokenAuthority", "TokenInfo", "key_verifier"]
+
+log = logging.getLogger("sos.gateway")
+
+#: the token endpoint (client credentials)
+TOKEN_PATH = "/oauth2/token"
 
 DEFAULT_TOKEN_TTL = 3600
 #: seconds after which a token's key is asked again at the SOS server (``--key-recheck``)
@@ -179,20 +191,6 @@ def _ident(key_id: bytes, secret: bytes) -> _Ident:
     return key_id, hashlib.sha256(secret).digest()
 
 
-def address_key(host: str) -> str:
-    """The throttles' unit: an IPv4 address, or an IPv6 /64 (one host usually holds a whole
-    /64); an IPv4-mapped IPv6 address counts as its IPv4 address."""
-    try:
-        ip = ipaddress.ip_address(host.split("%", 1)[0])
-    except ValueError:
-        return host
-    if isinstance(ip, ipaddress.IPv6Address):
-        if ip.ipv4_mapped is not None:
-            return str(ip.ipv4_mapped)
-        return str(ipaddress.IPv6Network((ip, 64), strict=False))
-    return str(ip)
-
-
 class Throttled(Exception):
     """A token request refused before its key is checked: ``status`` 429 (this address asks
     too often) or 503 (every check slot is busy and the queue is full), ``retry_after``
@@ -313,8 +311,6 @@ class KeyChecks:
     async def for_token(self, key_text: str, address: str) -> tuple[str, str]:
         """(role, key_id) of a client secret the server accepts now. Raises Throttled,
         ValueError (malformed), PermissionError (refused) or ConnectionError."""
-        from sos_wire.auth import Key
-
         try:
             key = Key.parse(key_text)
         except ValueError:
@@ -487,3 +483,132 @@ class KeyChecks:
         finally:
             del self._pending[ident]
             done.set()
+
+
+# ---------------------------------------------------------------------------
+# The endpoint: token requests and bearer checks, over the connection layer
+# ---------------------------------------------------------------------------
+
+class OAuth2:
+    """The gateway's OAuth2 side: :meth:`token` serves TOKEN_PATH, :meth:`bearer` checks
+    every other request's token (``insecure``: every request is granted the append role)."""
+
+    def __init__(self, namespace: str, authority: TokenAuthority, key_checks: KeyChecks, *,
+                 insecure: bool = False) -> None:
+        self.namespace = namespace
+        self.authority = authority
+        self.key_checks = key_checks
+        self.insecure = insecure
+
+    async def token(self, conn: Conn, method: str, headers: dict[str, str]) -> int:
+        """``POST TOKEN_PATH``: a bearer token for a key the SOS server accepts now (asked
+        every time: a removed key gets no new token), throttled per client address."""
+        if method != "POST":
+            raise Reply(405, {"error": "invalid_request",
+                               "error_description": f"{TOKEN_PATH} takes POST"},
+                         [("allow", "POST")])
+        body = await conn.read_small_body()
+        form = dict(urllib.parse.parse_qsl(body.decode("utf-8", "replace"),
+                                           keep_blank_values=True))
+        auth = headers.get("authorization", "")
+        if auth.lower().startswith("basic "):  # RFC 6749 2.3.1: credentials in the header
+            try:
+                user, _, secret = base64.b64decode(auth[6:].strip()).decode().partition(":")
+            except (binascii.Error, UnicodeDecodeError):
+                raise Reply(400, {"error": "invalid_request",
+                                   "error_description": "malformed Basic credentials"}) from None
+            form.setdefault("client_id", urllib.parse.unquote_plus(user))
+            form.setdefault("client_secret", urllib.parse.unquote_plus(secret))
+        no_store = [("cache-control", "no-store"), ("pragma", "no-cache")]
+        if form.get("grant_type") != "client_credentials":
+            raise Reply(400, {"error": "unsupported_grant_type",
+                               "error_description": "only grant_type=client_credentials"},
+                         no_store)
+        if form.get("client_id") != self.namespace:
+            raise Reply(401, {"error": "invalid_client",
+                               "error_description": "client_id must be the gateway's namespace"},
+                         no_store)
+        secret = form.get("client_secret", "")
+        if not secret:
+            raise Reply(400, {"error": "invalid_request",
+                               "error_description": "client_secret (a key of the namespace) "
+                                                   "is missing"}, no_store)
+        try:
+            role, key_id = await self.key_checks.for_token(secret, conn.peer or "?")
+        except Throttled as exc:
+            log.info("token request throttled: %s", exc.message)
+            raise Reply(exc.status, {"error": "temporarily_unavailable",
+                                      "error_description": exc.message},
+                         [*no_store, ("retry-after", str(exc.retry_after))]) from None
+        except (PermissionError, ValueError) as exc:
+            log.info("token refused: %s", exc)
+            raise Reply(401, {"error": "invalid_client",
+                               "error_description": "the SOS server refused this key for the "
+                                                   "namespace"}, no_store) from None
+        except ConnectionError as exc:
+            log.warning("cannot check a client key: %s", exc)
+            raise Reply(503, {"error": "temporarily_unavailable",
+                               "error_description": "the SOS server cannot be reached"},
+                         [*no_store, ("retry-after", "5")]) from None
+        token, expires_in = self.authority.issue(role, key_id, Key.parse(secret).secret)
+        log.info("issued a %s token for key %s (%d s)", role, key_id or "?", expires_in)
+        await conn.respond(200, json_body({"access_token": token, "token_type": "Bearer",
+                                       "expires_in": expires_in}), no_store)
+        return 200
+
+    async def bearer(self, headers: dict[str, str]) -> TokenInfo:
+        """The grant of a request's ``Authorization: Bearer`` token; 401 without a valid one."""
+        if self.insecure:
+            return TokenInfo(self.namespace, "append", 0, "")
+        auth = headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() == "bearer" and token.strip():
+            grant = self.authority.check(token.strip())
+            if grant is not None:
+                await self._key_stands(grant)
+                return grant
+            raise Reply(401, remote_error("AccessControlException",
+                                      "the bearer token is invalid or expired: get a new one "
+                                      f"at {TOKEN_PATH}"),
+                         [("www-authenticate", 'Bearer realm="sos", error="invalid_token"')],
+                         reason="Unauthorized: invalid or expired bearer token")
+        raise Reply(401, remote_error("AccessControlException",
+                                  f"authentication required: send Authorization: Bearer <token> "
+                                  f"(POST client credentials to {TOKEN_PATH} for one)"),
+                     [("www-authenticate", 'Bearer realm="sos"')],
+                     reason="Unauthorized: no bearer token")
+
+    async def _key_stands(self, grant: TokenInfo) -> None:
+        """401 once the SOS server refuses the token's key (revoked: asked again every
+        key_recheck seconds, no server round trip in between); 503 if it cannot be asked."""
+        try:
+            await self.key_checks.for_bearer(grant)
+        except KeyRevoked as exc:
+            log.info("token of key %s refused: %s", grant.key_id or "?", exc)
+            raise Reply(401, remote_error("AccessControlException",
+                                      f"the bearer token's key was revoked: {exc}"),
+                         [("www-authenticate", 'Bearer realm="sos", error="invalid_token"')],
+                         reason="Unauthorized: the token's key was revoked") from None
+        except ConnectionError as exc:
+            raise Reply(503, remote_error("IOException", f"cannot check the token's key: {exc}"),
+                         [("retry-after", "5")]) from None
+
+
+def key_verifier(server: str, namespace: str, *, timeout: float = 30.0,
+                 tls: ssl.SSLContext | None = None) -> Callable[[str], tuple[str, str]]:
+    """``verify(key_text) -> (role, key_id)``: authenticates with the key at the SOS server."""
+
+    def verify(key_text: str) -> tuple[str, str]:
+        from sos_client import Client
+        from sos_wire.events import KeyRole
+
+        key = Key.parse(key_text)  # BadKey (a ValueError) for a malformed secret
+        client = Client(server, key, namespace, timeout=timeout, tls=tls)
+        try:
+            # APPEND and TOKEN (the gateway clients' key role, protocol.md 1.6) get an append token
+            role = "read" if client.role == KeyRole.READ else "append"
+        finally:
+            client.close()
+        return role, key.key_id_hex
+
+    return verify

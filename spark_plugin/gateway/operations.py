@@ -1,0 +1,417 @@
+"""The WebHDFS operations the gateway serves: one table from (method, op) to its handler.
+
+:data:`OPERATIONS` maps each supported ``(HTTP method, op)`` to a method of
+:class:`Operations`; :func:`check_operation` answers what is not in it (an operation Hadoop
+knows that the gateway refuses, with why: :data:`UNSUPPORTED`; an unknown one; a change with a
+read-only token). The handlers turn parameters into calls of the WebHDFS semantics
+(:class:`~spark_plugin.gateway.webhdfs.WebHdfsNamespace`, run in worker threads) and answer
+through the connection layer (:mod:`.http`): a JSON document, or for CREATE, APPEND and OPEN
+the two steps (a redirect to the data step, then the body streamed piece by piece into the
+journal, or the file read from the cache in pieces within a gateway-wide memory budget).
+"""
+
+from __future__ import annotations
+
+import os
+import urllib.parse
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import h11
+import trio
+
+from .auth import TokenInfo
+from .http import Conn, Drop, Reply, json_body, remote_error
+from .webhdfs import WRITE_PIECE, WebHdfsError, WebHdfsNamespace, parse_permission
+
+__all__ = ["OPERATIONS", "UNSUPPORTED", "Call", "Operations", "check_operation"]
+
+WEBHDFS_PREFIX = "/webhdfs/v1"
+#: an OPEN reply is read from the cache and sent in pieces of this size ...
+OPEN_PIECE = 128 << 10
+#: ... and the pieces waiting for slow readers hold at most this much, gateway-wide
+OPEN_MEMORY = 64 << 20
+#: a new OPEN data step waits this long for room in OPEN_MEMORY, then answers 503
+OPEN_MEMORY_WAIT = 10.0
+_MUTATING_METHODS = {"PUT", "POST", "DELETE"}
+
+SERVER_DEFAULTS = {"FsServerDefaults": {
+    "blockSize": 128 << 20, "bytesPerChecksum": 512, "writePacketSize": 64 << 10,
+    "replication": 1, "fileBufferSize": 4096, "encryptDataTransfer": False,
+    "trashInterval": 0, "checksumType": 2, "keyProviderUri": "", "defaultStoragePolicyId": 7,
+}}
+
+
+#: operations Hadoop's WebHdfsFileSystem knows that the gateway refuses
+#: (UnsupportedOperationException, 400), with why
+UNSUPPORTED: dict[str, dict[str, str]] = {
+    "GET": dict.fromkeys(
+        ["GETFILECHECKSUM", "GETDELEGATIONTOKEN", "GETACLSTATUS", "GETXATTRS", "LISTXATTRS",
+         "GETTRASHROOT", "GETTRASHROOTS", "GETALLSTORAGEPOLICY", "GETSTORAGEPOLICY",
+         "GETFILEBLOCKLOCATIONS", "GET_BLOCK_LOCATIONS", "GETSNAPSHOTDIFF",
+         "GETSNAPSHOTDIFFLISTING", "GETSNAPSHOTTABLEDIRECTORYLIST", "GETSNAPSHOTLIST",
+         "GETECPOLICY", "GETECPOLICIES", "GETECCODECS", "GETLINKTARGET", "GETQUOTAUSAGE",
+         "GETSTATUS"],
+        "the gateway serves files and directories only (no checksums, delegation tokens, "
+        "ACLs, xattrs, trash, storage or erasure-coding policies, snapshots, quotas, links)"),
+    "PUT": {
+        **dict.fromkeys(
+            ["CREATESYMLINK", "RENEWDELEGATIONTOKEN", "CANCELDELEGATIONTOKEN",
+             "MODIFYACLENTRIES", "REMOVEACLENTRIES", "REMOVEDEFAULTACL", "REMOVEACL", "SETACL",
+             "SETXATTR", "REMOVEXATTR", "ENABLEECPOLICY", "DISABLEECPOLICY", "SETECPOLICY",
+             "ALLOWSNAPSHOT", "DISALLOWSNAPSHOT", "CREATESNAPSHOT", "RENAMESNAPSHOT",
+             "SETSTORAGEPOLICY", "SETQUOTA", "SETQUOTABYSTORAGETYPE", "SATISFYSTORAGEPOLICY"],
+            "the journal has no record for links, ACLs, xattrs, policies, snapshots or quotas"),
+        "SETOWNER": "the journal records no owners",
+    },
+    "POST": {"CONCAT": "the journal has no concat record",
+             "UNSETSTORAGEPOLICY": "the gateway has no storage policies",
+             "UNSETECPOLICY": "the gateway has no erasure-coding policies"},
+    "DELETE": {"DELETESNAPSHOT": "the gateway has no snapshots"},
+}
+
+def bool_param(params: dict[str, str], name: str, default: bool) -> bool:
+    value = params.get(name)
+    if value is None or value == "":
+        return default
+    low = value.lower()
+    if low not in ("true", "false"):
+        raise WebHdfsError("IllegalArgumentException",
+                           f'Invalid value for webhdfs parameter "{name}": {value!r} is not '
+                           f"true or false")
+    return low == "true"
+
+
+def int_param(params: dict[str, str], name: str, default: int | None) -> int | None:
+    value = params.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise WebHdfsError("IllegalArgumentException",
+                           f'Invalid value for webhdfs parameter "{name}": {value!r} is not '
+                           f"an integer") from None
+
+
+@dataclass
+class Call:
+    """One WebHDFS request, parsed: what a handler gets."""
+
+    conn: Conn
+    method: str
+    op: str
+    #: the path below WEBHDFS_PREFIX, relative (rel_path)
+    rel: str
+    params: dict[str, str]
+    headers: dict[str, str]
+    grant: TokenInfo
+
+
+def check_operation(method: str, op: str, grant: TokenInfo) -> None:
+    """A WebHdfsError for a request the table does not serve (or not with this token)."""
+    if not op:
+        raise WebHdfsError("IllegalArgumentException",
+                           'Invalid value for webhdfs parameter "op": no op given')
+    if (method, op) not in OPERATIONS:
+        why = UNSUPPORTED.get(method, {}).get(op)
+        if why is not None:
+            raise WebHdfsError("UnsupportedOperationException",
+                               f"{op} is not supported by sos gateway: {why}")
+        raise WebHdfsError("IllegalArgumentException",
+                           f'Invalid value for webhdfs parameter "op": {op} is not a valid '
+                           f"{method} operation.")
+    if method in _MUTATING_METHODS and not grant.can_write:
+        raise WebHdfsError("AccessControlException",
+                           f"Permission denied: {op} needs a token of a key with the "
+                           f"append role; this token is read-only")
+
+
+def _document(fn: Callable[[Operations, Call], Awaitable[dict | None]]) -> Handler:
+    """A handler from a function of the request to its JSON document (None: no body): the
+    request's small body is read first, the reply is 200."""
+
+    async def handler(self: Operations, call: Call) -> int:
+        await call.conn.read_small_body()
+        doc = await fn(self, call)
+        await call.conn.respond(200, json_body(doc) if doc is not None else b"")
+        return 200
+
+    handler.__name__ = handler.__qualname__ = fn.__name__
+    handler.__doc__ = fn.__doc__
+    return handler
+
+
+class Operations:
+    """The handlers (see the module docstring). ``ns``: the WebHDFS view of the namespace;
+    ``run(fn, *args)``: a blocking call in a worker thread; ``base_url()``: the
+    ``scheme://host:port`` the redirects of the two-step operations name; ``open_memory``:
+    room for OPEN pieces (one token each); ``send_timeout``: see http.SEND_TIMEOUT."""
+
+    def __init__(self, ns: WebHdfsNamespace, run: Callable[..., Awaitable[Any]],
+                 base_url: Callable[[], str], *, open_memory: int = OPEN_MEMORY,
+                 send_timeout: float) -> None:
+        self.ns = ns
+        self.run = run
+        self.base_url = base_url
+        #: one token per OPEN_PIECE of OPEN reply held in memory
+        self.open_memory = trio.CapacityLimiter(max(1, open_memory // OPEN_PIECE))
+        self.send_timeout = send_timeout
+
+    # ------------------------------------------------------------------ JSON documents
+    @_document
+    async def file_status(self, call: Call) -> dict | None:
+        return await self.run(self.ns.get_file_status, call.rel)
+
+    @_document
+    async def list_status(self, call: Call) -> dict | None:
+        return await self.run(self.ns.list_status, call.rel)
+
+    @_document
+    async def list_status_batch(self, call: Call) -> dict | None:
+        return await self.run(self.ns.list_status_batch, call.rel, call.params.get("startafter", ""))
+
+    @_document
+    async def content_summary(self, call: Call) -> dict | None:
+        return await self.run(self.ns.content_summary, call.rel)
+
+    @_document
+    async def home_directory(self, call: Call) -> dict | None:
+        return {"Path": f"/user/{call.params.get('user.name') or self.ns.owner}"}
+
+    @_document
+    async def server_defaults(self, call: Call) -> dict | None:
+        return SERVER_DEFAULTS
+
+    @_document
+    async def check_access(self, call: Call) -> dict | None:
+        await self.run(self.ns.check_access, call.rel, call.params.get("fsaction", ""),
+                       call.grant.can_write)
+        return None
+
+    @_document
+    async def mkdirs(self, call: Call) -> dict | None:
+        mode = parse_permission(call.params.get("permission"), 0o755)
+        return await self.run(self.ns.mkdirs, call.rel, mode)
+
+    @_document
+    async def rename(self, call: Call) -> dict | None:
+        params = call.params
+        dst = params.get("destination")
+        if not dst:
+            raise WebHdfsError("IllegalArgumentException",
+                               'Invalid value for webhdfs parameter "destination": missing')
+        options = None
+        if "renameoptions" in params:
+            options = {o.strip().upper() for o in params["renameoptions"].split(",") if o.strip()}
+            unknown = options - {"NONE", "OVERWRITE", "TO_TRASH"}
+            if unknown:
+                raise WebHdfsError("IllegalArgumentException",
+                                   f'Invalid value for webhdfs parameter "renameoptions": '
+                                   f"{sorted(unknown)}")
+        return await self.run(self.ns.rename, call.rel, dst, options)
+
+    @_document
+    async def delete(self, call: Call) -> dict | None:
+        return await self.run(self.ns.delete, call.rel, bool_param(call.params, "recursive", False))
+
+    @_document
+    async def set_permission(self, call: Call) -> dict | None:
+        await self.run(self.ns.set_permission, call.rel,
+                       parse_permission(call.params.get("permission"), 0o755))
+        return None
+
+    @_document
+    async def set_times(self, call: Call) -> dict | None:
+        await self.run(self.ns.set_times, call.rel, int_param(call.params, "modificationtime", -1),
+                       int_param(call.params, "accesstime", -1))
+        return None
+
+    @_document
+    async def set_replication(self, call: Call) -> dict | None:
+        return await self.run(self.ns.set_replication, call.rel)
+
+    @_document
+    async def truncate(self, call: Call) -> dict | None:
+        new_length = int_param(call.params, "newlength", None)
+        if new_length is None:
+            raise WebHdfsError("IllegalArgumentException",
+                               'Invalid value for webhdfs parameter "newlength": missing')
+        return await self.run(self.ns.truncate, call.rel, new_length)
+
+    # ------------------------------------------------------------------ CREATE / APPEND / OPEN
+    def _location(self, call: Call) -> str:
+        """The data step's URL: this same request with ``data=true``, on the gateway's own
+        address (:attr:`base_url`), never the client's Host header (a client could name any
+        host there)."""
+        query = {k: v for k, v in call.params.items() if k not in ("noredirect", "data")}
+        query["data"] = "true"
+        path = WEBHDFS_PREFIX + "/" + call.rel
+        return (f"{self.base_url()}{urllib.parse.quote(path, errors='surrogateescape')}"
+                f"?{urllib.parse.urlencode(query)}")
+
+    async def _redirect(self, call: Call) -> int:
+        """Step 1 (no ``data=true``), checked: 307 to this same URL with ``data=true``
+        (``noredirect=true``: 200 + ``{"Location": ...}``)."""
+        location = self._location(call)
+        if bool_param(call.params, "noredirect", False):
+            await call.conn.respond(200, json_body({"Location": location}))
+            return 200
+        await call.conn.respond(307, b"", [("location", location)])
+        return 307
+
+    async def create(self, call: Call) -> int:
+        if call.params.get("data") == "true":
+            return await self._receive_file(call)
+        await call.conn.read_small_body()
+        overwrite = bool_param(call.params, "overwrite", False)
+        create_parent = bool_param(call.params, "createparent", True)
+        await self.run(lambda: self.ns.check_create(call.rel, overwrite=overwrite,
+                                                    create_parent=create_parent))
+        await self.run(self.ns.check_lease, call.rel)
+        return await self._redirect(call)
+
+    async def append(self, call: Call) -> int:
+        if call.params.get("data") == "true":
+            return await self._receive_file(call)
+        await call.conn.read_small_body()
+        await self.run(self.ns.check_append, call.rel)
+        await self.run(self.ns.check_lease, call.rel)
+        return await self._redirect(call)
+
+    async def open(self, call: Call) -> int:
+        await call.conn.read_small_body()
+        if call.params.get("data") == "true":
+            return await self._send_file(call)
+        await self.run(self.ns.check_append, call.rel)  # an existing file
+        return await self._redirect(call)
+
+    async def _receive_file(self, call: Call) -> int:
+        ns, conn, op, rel, params = self.ns, call.conn, call.op, call.rel, call.params
+        try:
+            if op == "CREATE":
+                mode = parse_permission(params.get("permission"), 0o644)
+                overwrite = bool_param(params, "overwrite", False)
+                create_parent = bool_param(params, "createparent", True)
+                await self.run(lambda: ns.begin_create(rel, mode, overwrite=overwrite,
+                                                        create_parent=create_parent))
+                offset = 0
+            else:
+                offset = await self.run(ns.begin_append, rel)
+        except WebHdfsError:
+            if not conn.h11.they_are_waiting_for_100_continue:
+                await conn.drain()  # Hadoop's client sends the whole body before it reads a reply
+            raise
+        failure: WebHdfsError | None = None
+        try:
+            pending: list[bytes] = []
+            size = 0
+            while True:
+                event = await conn.next_event()
+                if isinstance(event, h11.Data):
+                    if failure is not None:
+                        continue  # drain the rest, then answer
+                    pending.append(bytes(event.data))
+                    size += len(event.data)
+                    if size < WRITE_PIECE:
+                        continue
+                elif isinstance(event, h11.ConnectionClosed):
+                    raise Drop("closed in the middle of a file body")
+                elif not isinstance(event, h11.EndOfMessage):
+                    continue
+                if pending and failure is None:
+                    data = b"".join(pending)
+                    pending, size = [], 0
+                    try:
+                        await self.run(ns.write, rel, offset, data)
+                        offset += len(data)
+                    except WebHdfsError as exc:
+                        failure = exc
+                if isinstance(event, h11.EndOfMessage):
+                    break
+        finally:
+            await self.run(ns.release, rel)
+        if failure is not None:
+            raise failure
+        # sync mode: the file's contents are durable before the writer is told so (the
+        # RENAME that follows may reach a replacement gateway that never saw them)
+        await self.run(ns.barrier)
+        if op == "CREATE":
+            await conn.respond(201)
+            return 201
+        await conn.respond(200)
+        return 200
+
+    async def _send_file(self, call: Call) -> int:
+        """The data step of OPEN, in pieces of OPEN_PIECE read as the client takes them; each
+        piece is counted in the gateway-wide :attr:`open_memory` while it waits to be sent.
+        A new reply that finds no room in OPEN_MEMORY_WAIT seconds answers 503 (readers
+        that do not read are dropped by the send timeout, which gives their room back)."""
+        conn, rel = call.conn, call.rel
+        offset = int_param(call.params, "offset", 0) or 0
+        length = int_param(call.params, "length", None)
+        fd, start, count = await self.run(self.ns.open_for_read, rel, offset, length)
+        held = False
+        try:
+            if count:
+                held = await self._open_room(OPEN_MEMORY_WAIT)
+                if not held:
+                    raise Reply(503, remote_error("IOException", "the gateway holds too many replies "
+                                              "that are not read yet: try again"),
+                                 [("retry-after", "1")])
+            await conn.send(h11.Response(status_code=200,
+                                         headers=[(b"content-length", str(count).encode())]))
+            pos, end = start, start + count
+            while pos < end:
+                if not held:
+                    held = await self._open_room(self.send_timeout)
+                    if not held:
+                        raise Drop("no room to send an OPEN reply")
+                chunk = await self.run(os.pread, fd, min(OPEN_PIECE, end - pos), pos)
+                if not chunk:  # cannot happen on a snapshot, unless truncated meanwhile
+                    raise Drop(f"/{rel} shrank while being read")
+                await conn.send(h11.Data(data=chunk))
+                pos += len(chunk)
+                self.open_memory.release()
+                held = False
+            await conn.send(h11.EndOfMessage())
+        finally:
+            if held:
+                self.open_memory.release()
+            os.close(fd)
+        return 200
+
+    async def _open_room(self, timeout: float) -> bool:
+        """Take room for one OPEN piece; False after ``timeout`` seconds without any."""
+        with trio.move_on_after(timeout):
+            await self.open_memory.acquire()
+            return True
+        return False
+
+
+Handler = Callable[[Operations, Call], Awaitable[int]]
+
+#: every operation the gateway serves: (HTTP method, op) -> its handler
+OPERATIONS: dict[tuple[str, str], Handler] = {
+    ("GET", "OPEN"): Operations.open,
+    ("GET", "GETFILESTATUS"): Operations.file_status,
+    ("GET", "GETFILELINKSTATUS"): Operations.file_status,
+    ("GET", "LISTSTATUS"): Operations.list_status,
+    ("GET", "LISTSTATUS_BATCH"): Operations.list_status_batch,
+    ("GET", "GETCONTENTSUMMARY"): Operations.content_summary,
+    ("GET", "GETHOMEDIRECTORY"): Operations.home_directory,
+    ("GET", "GETSERVERDEFAULTS"): Operations.server_defaults,
+    ("GET", "CHECKACCESS"): Operations.check_access,
+    ("PUT", "CREATE"): Operations.create,
+    ("PUT", "MKDIRS"): Operations.mkdirs,
+    ("PUT", "RENAME"): Operations.rename,
+    ("PUT", "SETPERMISSION"): Operations.set_permission,
+    ("PUT", "SETTIMES"): Operations.set_times,
+    ("PUT", "SETREPLICATION"): Operations.set_replication,
+    ("POST", "APPEND"): Operations.append,
+    ("POST", "TRUNCATE"): Operations.truncate,
+    ("DELETE", "DELETE"): Operations.delete,
+}
+#: every op name a request may carry that the statistics name (the rest count as "other")
+KNOWN_OPS = frozenset(op for _, op in OPERATIONS).union(*(ops.keys() for ops in UNSUPPORTED.values()))

@@ -1,0 +1,59 @@
+"""`GatewayProcess`: ``sos gateway`` in a child process (tests, the Spark helpers, the demos
+and the crash loop), on :class:`sos_client.process.ReadyChild`."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+from sos_client.process import ReadyChild
+
+__all__ = ["READY_MARKER", "GatewayProcess"]
+
+#: The gateway prints this, then " URL (namespace NS, sync|async)", on stderr once it serves.
+READY_MARKER = "sos gateway: ready on"
+
+
+class GatewayProcess(ReadyChild):
+    """Runs ``sos gateway NAMESPACE --listen LISTEN --cache CACHE`` in a child process.
+
+    ``.url`` (``http://host:port``) is known once :meth:`start` returns; ``.stop()``
+    (SIGTERM, flushes), ``.kill()`` (SIGKILL, a crash). The key goes by environment.
+    """
+
+    def __init__(self, namespace: str, cache_dir: str, server: str, key: str, *,
+                 listen: str = "127.0.0.1:0", sync: bool = True, log_path: str | None = None,
+                 extra_args: tuple[str, ...] | list[str] = (), start_timeout: float = 120.0,
+                 debug: bool = False) -> None:
+        super().__init__("sos gateway", READY_MARKER,
+                         log_path or os.path.join(tempfile.mkdtemp(prefix="sos-gateway-log-"),
+                                                  "gateway.log"),
+                         start_timeout=start_timeout)
+        self.namespace = namespace
+        self.cache_dir = cache_dir
+        self.server = server
+        self.key = key
+        self.listen = listen
+        self.sync = sync
+        self.extra_args = list(extra_args)
+        self.debug = debug
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "spark_plugin.gateway.cli", self.namespace,
+               "--listen", self.listen, "--cache", self.cache_dir, "--server", self.server]
+        if not self.sync:
+            cmd.append("--async")
+        if self.debug:
+            cmd.append("--debug")
+        return cmd + self.extra_args
+
+    def environment(self) -> dict[str, str]:
+        return dict(os.environ, SOS_KEY=str(self.key))
+
+    @property
+    def url(self) -> str | None:
+        """``scheme://host:port`` of the running gateway (None before it started)."""
+        if not self.ready_line:
+            return None
+        return self.ready_line[len(READY_MARKER):].split()[0]
