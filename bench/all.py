@@ -259,7 +259,7 @@ def spark_row(work: str, mode: Mode, jvm_options: str) -> Row:
     target = "<= 1.05x"
     try:
         from bench import spark_checkpoint
-    except Exception as exc:  # noqa: BLE001 - the row says why it did not run
+    except Exception as exc:
         return Row(SPARK_MEASURE, "-", "-", "-", target, f"NOT RUN (import: {type(exc).__name__}: {exc})")
     if jvm_options and "PYSPARK_SUBMIT_ARGS" not in os.environ:  # a light driver on shared cores
         os.environ["PYSPARK_SUBMIT_ARGS"] = f'--driver-java-options "{jvm_options}" --driver-memory 768m pyspark-shell'
@@ -269,7 +269,7 @@ def spark_row(work: str, mode: Mode, jvm_options: str) -> Row:
     try:
         with contextlib.redirect_stdout(captured):
             code = spark_checkpoint.main(["--batches", str(mode.spark_batches), "--rounds", str(mode.spark_rounds)])
-    except BaseException as exc:  # noqa: BLE001 - SystemExit included: one row fails, not the table
+    except BaseException as exc:
         return Row(SPARK_MEASURE, "-", "-", "-", target, f"NOT RUN ({type(exc).__name__}: {exc})")
     finally:
         tempfile.tempdir = old_tempdir

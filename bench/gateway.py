@@ -39,13 +39,12 @@ import urllib.parse
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from spark_checkpoint import (PHASES, BatchTimer, alternate, open_session,  # noqa: E402
-                              side_figures)
+from spark_checkpoint import PHASES, BatchTimer, alternate, open_session, side_figures
 
-from spark_plugin.gateway.process import GatewayProcess  # noqa: E402
-from spark_plugin.gateway.client import GatewayClient  # noqa: E402
-from spark_plugin.spark import gateway_checkpoint, start_mount  # noqa: E402
-from tools.demo import LocalServer, keygen  # noqa: E402
+from spark_plugin.gateway.client import GatewayClient
+from spark_plugin.gateway.process import GatewayProcess
+from spark_plugin.spark import gateway_checkpoint, start_mount
+from tools.demo import LocalServer, keygen
 
 SIDES = ("local", "mount", "gateway")
 STATS_RE = re.compile(r"^(\S+ .+?): (\d+) requests, mean ([\d.]+) ms, p50 ([\d.]+) ms, "
@@ -116,7 +115,7 @@ def _timed(fn, threads: int, per_thread: int) -> tuple[list[float], float]:
                 t = time.perf_counter()
                 fn(i, j)
                 latencies[i].append(time.perf_counter() - t)
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:
             errors.append(exc)
 
     ts = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
@@ -276,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
             if proc is not None:
                 try:
                     proc.stop()
-                except Exception:  # noqa: BLE001 - cleanup
+                except Exception:
                     pass
         server.stop()
         if not args.keep:

@@ -170,9 +170,9 @@ def compare_lanes(work: str, tree: Tree, fac: Callable, ns: str, runs: int, coun
     run takes them in a rotated order, so each sees the disk in each state (the page cache
     fills up over a run: later steps meet writeback). Each restore's line gives its own CPU
     (this process: readers, dispatcher, lanes) and the server's (psutil)."""
-    from sos_client.journal import restore
-
     import psutil
+
+    from sos_client.journal import restore
 
     steps: list[str] = ["cp"] + [f"w{n}" for n in counts]
     out: dict[str, list[float]] = {k: [] for k in steps}

@@ -27,9 +27,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tools.demo import (ROCKSDB_PROVIDER, LocalServer, keygen,  # noqa: E402
-                               make_input)
-from spark_plugin.spark import NO_CRC_CONF, start_mount  # noqa: E402
+from spark_plugin.spark import NO_CRC_CONF, start_mount
+from tools.demo import ROCKSDB_PROVIDER, LocalServer, keygen, make_input
 
 
 class BatchTimer:

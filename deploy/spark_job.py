@@ -31,7 +31,8 @@ once that many batches have committed (tests and demos; a real job runs until st
 import os
 import time
 
-from pyspark.sql import SparkSession, functions as F
+from pyspark.sql import SparkSession
+from pyspark.sql import functions as F
 
 from spark_plugin.spark import gateway_checkpoint, journaled_checkpoint, webhdfs_url
 

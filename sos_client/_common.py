@@ -32,9 +32,22 @@ from sos_wire.names import BadName, validate_name, validate_namespace
 from .errors import BadKey, BadNameError, ConnectionLost, Corrupt, SOSError, error_from_reply
 
 __all__ = [
-    "DEFAULT_SERVER", "DEFAULT_PORT", "RECV", "NEXT_CHUNK", "parse_server", "settings_from_env", "Core",
-    "AppendJob", "ClientSettings", "CLIENT_NAME", "READ_STEP", "DEFAULT_WINDOW_BYTES", "DEFAULT_WINDOW_FRAMES", "readable_now",
-    "channel_binding_of", "tier_wait_ms",
+    "CLIENT_NAME",
+    "DEFAULT_PORT",
+    "DEFAULT_SERVER",
+    "DEFAULT_WINDOW_BYTES",
+    "DEFAULT_WINDOW_FRAMES",
+    "NEXT_CHUNK",
+    "READ_STEP",
+    "RECV",
+    "AppendJob",
+    "ClientSettings",
+    "Core",
+    "channel_binding_of",
+    "parse_server",
+    "readable_now",
+    "settings_from_env",
+    "tier_wait_ms",
 ]
 
 DEFAULT_PORT = 7070
@@ -113,7 +126,7 @@ class ReadCursor:
     """Where a streamed read stands (both clients' ``read_iter``): the offset and size of
     the next READ, and whether the read is over after one returned ``got`` bytes."""
 
-    __slots__ = ("offset", "remaining", "length", "step")
+    __slots__ = ("length", "offset", "remaining", "step")
 
     def __init__(self, offset: int, length: int, step: int) -> None:
         self.offset, self.length, self.remaining, self.step = offset, length, length, step
@@ -369,7 +382,7 @@ class Core:
 
 
 class _Piece:
-    __slots__ = ("offset", "data", "rid", "acked")
+    __slots__ = ("acked", "data", "offset", "rid")
 
     def __init__(self, offset: int, data) -> None:
         self.offset = offset

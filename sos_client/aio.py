@@ -9,10 +9,10 @@
 from __future__ import annotations
 
 import ssl as _ssl
-from collections.abc import AsyncIterable
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Generator, Iterable
 from contextlib import asynccontextmanager
 from functools import partial
-from typing import Any, AsyncIterator, Callable, Generator, Iterable
+from typing import Any
 
 import trio
 
@@ -20,13 +20,24 @@ from sos_wire import NEED_DATA, Key, ListEntry, RemoteProtocolError
 from sos_wire.frames import MAX_LIST_LIMIT
 
 from ._common import (
-    CLIENT_NAME, DEFAULT_WINDOW_BYTES, DEFAULT_WINDOW_FRAMES, NEXT_CHUNK, READ_STEP, RECV, AppendJob, ClientSettings,
-    Core, ReadCursor, channel_binding_of, readable_now, tier_wait_ms,
+    CLIENT_NAME,
+    DEFAULT_WINDOW_BYTES,
+    DEFAULT_WINDOW_FRAMES,
+    NEXT_CHUNK,
+    READ_STEP,
+    RECV,
+    AppendJob,
+    ClientSettings,
+    Core,
+    ReadCursor,
+    channel_binding_of,
+    readable_now,
+    tier_wait_ms,
 )
 from .errors import ConnectionLost
 from .retry import async_retrying
 
-__all__ = ["open_client", "AsyncClient"]
+__all__ = ["AsyncClient", "open_client"]
 
 RECV_SIZE = 256 * 1024
 
@@ -37,10 +48,10 @@ def _lost(exc: BaseException) -> bool:
 
 
 @asynccontextmanager
-async def open_client(server: str | None = None, key: "str | Key | None" = None, namespace: str | None = None,
-                      *, timeout: float = 30, tls: "_ssl.SSLContext | bool | None" = None,
+async def open_client(server: str | None = None, key: str | Key | None = None, namespace: str | None = None,
+                      *, timeout: float = 30, tls: _ssl.SSLContext | bool | None = None,
                       reconnect_timeout: float | None = None,
-                      client_name: str = CLIENT_NAME) -> AsyncIterator["AsyncClient"]:
+                      client_name: str = CLIENT_NAME) -> AsyncIterator[AsyncClient]:
     """Connect, authenticate, yield an :class:`AsyncClient`, close on exit."""
     client = AsyncClient(server, key, namespace, timeout=timeout, tls=tls, reconnect_timeout=reconnect_timeout,
                          client_name=client_name)
@@ -123,7 +134,7 @@ class AsyncClient(ClientSettings):
         self._closed = True
         await self._drop()
 
-    async def __aenter__(self) -> "AsyncClient":
+    async def __aenter__(self) -> AsyncClient:
         await self.connect()
         return self
 

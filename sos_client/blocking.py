@@ -11,15 +11,27 @@ from __future__ import annotations
 import socket
 import ssl as _ssl
 import threading
+from collections.abc import Callable, Generator, Iterable, Iterator
 from functools import partial
-from typing import Any, Callable, Generator, Iterable, Iterator
+from typing import Any
 
 from sos_wire import NEED_DATA, Key, ListEntry, RemoteProtocolError
 from sos_wire.frames import MAX_LIST_LIMIT
 
 from ._common import (
-    CLIENT_NAME, DEFAULT_WINDOW_BYTES, DEFAULT_WINDOW_FRAMES, NEXT_CHUNK, READ_STEP, RECV, AppendJob, ClientSettings,
-    Core, ReadCursor, channel_binding_of, readable_now, tier_wait_ms,
+    CLIENT_NAME,
+    DEFAULT_WINDOW_BYTES,
+    DEFAULT_WINDOW_FRAMES,
+    NEXT_CHUNK,
+    READ_STEP,
+    RECV,
+    AppendJob,
+    ClientSettings,
+    Core,
+    ReadCursor,
+    channel_binding_of,
+    readable_now,
+    tier_wait_ms,
 )
 from .errors import ConnectionLost
 from .retry import retrying
@@ -70,8 +82,8 @@ class Client(ClientSettings):
     between threads (calls are serialized).
     """
 
-    def __init__(self, server: str | None = None, key: "str | Key | None" = None, namespace: str | None = None,
-                 *, timeout: float = 30, tls: "_ssl.SSLContext | bool | None" = None,
+    def __init__(self, server: str | None = None, key: str | Key | None = None, namespace: str | None = None,
+                 *, timeout: float = 30, tls: _ssl.SSLContext | bool | None = None,
                  reconnect_timeout: float | None = None, client_name: str = CLIENT_NAME) -> None:
         super().__init__(server, key, namespace, timeout=timeout, tls=tls,
                          reconnect_timeout=reconnect_timeout, client_name=client_name,
@@ -139,7 +151,7 @@ class Client(ClientSettings):
             self._closed = True
             self._drop()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -210,7 +222,7 @@ class Client(ClientSettings):
                     data = b""
                 else:
                     data = self._socket().recv(RECV_SIZE)
-            except socket.timeout:
+            except TimeoutError:
                 self._drop()
                 raise ConnectionLost(f"no reply from {self.server} within {self.timeout} s") from None
             except OSError as exc:

@@ -39,8 +39,13 @@ from ._common import DEFAULT_PORT, DEFAULT_SERVER, resolve_key, resolve_server
 from .errors import BadKey, Fenced, SOSError, SOSNotFound, SOSPermissionError, token_key_message
 
 __all__ = [
-    "main", "build_parser", "add_connection_options", "client_from_args", "key_from_args", "split_target",
     "UsageError",
+    "add_connection_options",
+    "build_parser",
+    "client_from_args",
+    "key_from_args",
+    "main",
+    "split_target",
 ]
 
 CHUNK = 1 << 20

@@ -30,10 +30,27 @@ from typing import Any
 from sos_wire.errors import ErrorCode
 
 __all__ = [
-    "SOSError", "OffsetMismatch", "Fenced", "SealedError", "ChecksumMismatch", "Corrupt", "NoSpace",
-    "QuotaExceeded", "TooLarge", "ServerBusy", "TierUnavailable", "ConnectionLost", "SOSNotFound",
+    "RETRYABLE_CODES",
+    "BadKey",
+    "BadNameError",
+    "ChecksumMismatch",
+    "ConnectionLost",
+    "Corrupt",
+    "Fenced",
+    "NoSpace",
+    "OffsetMismatch",
+    "QuotaExceeded",
+    "SOSError",
+    "SOSNotFound",
     "SOSPermissionError",
-    "BadKey",    "BadNameError", "error_from_reply", "RETRYABLE_CODES", "is_retryable", "to_oserror", "is_fenced",
+    "SealedError",
+    "ServerBusy",
+    "TierUnavailable",
+    "TooLarge",
+    "error_from_reply",
+    "is_fenced",
+    "is_retryable",
+    "to_oserror",
     "token_key_message",
 ]
 

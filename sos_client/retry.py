@@ -11,7 +11,7 @@ never a refused key or a bad name.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 from tenacity import (
     AsyncRetrying,

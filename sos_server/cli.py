@@ -10,7 +10,7 @@ import time
 
 from sos_wire import argtypes
 
-__all__ = ["main", "parse_duration", "parse_hostport", "parse_size", "build_parser"]
+__all__ = ["build_parser", "main", "parse_duration", "parse_hostport", "parse_size"]
 
 log = logging.getLogger("sos_server.cli")
 

@@ -55,7 +55,6 @@ from sos_wire.frames import MAX_TIER_WAIT_MS
 from sos_wire.names import BadName, validate_name, validate_namespace
 
 from .metrics import Metrics, NullMetrics
-from .wal import fault_after_syncs
 from .storage import (
     MAX_EPOCH,
     OBJECT_CHARGE,
@@ -67,12 +66,13 @@ from .storage import (
     journal_generation,
     unlink_durable,
 )
+from .wal import fault_after_syncs
 
 __all__ = [
     "DEFAULT_MAX_OBJECTS",
     "MAX_EPOCH",
-    "OBJECT_CHARGE",
     "MAX_FENCE_STEP",
+    "OBJECT_CHARGE",
     "Engine",
     "Limits",
     "Pending",
@@ -135,7 +135,7 @@ class _SyncJob:
     """One batch handed to the sync threads: a result per object ((size, length) or the
     OSError), how many are still running, and the event the last one sets."""
 
-    __slots__ = ("results", "pending", "done")
+    __slots__ = ("done", "pending", "results")
 
     def __init__(self, n: int) -> None:
         # every slot is set by its sync thread before ``done``
@@ -218,7 +218,7 @@ class _LockTable:
     def __init__(self) -> None:
         self._locks: dict[tuple, list] = {}
 
-    def __call__(self, key: tuple) -> "_Held":
+    def __call__(self, key: tuple) -> _Held:
         return _Held(self, key)
 
 
@@ -323,7 +323,7 @@ class Engine:
             self._running = False
             self._pool.close()
 
-    async def _sync_batch(self, batch: "_Batch", checkpoints: trio.Nursery) -> None:
+    async def _sync_batch(self, batch: _Batch, checkpoints: trio.Nursery) -> None:
         """One group commit: fdatasync the log file the batch's records are in, once."""
         wal = self.storage.wal
         if wal is None or self._pool is None:
@@ -435,7 +435,7 @@ class Engine:
             except OSError:
                 log.exception("rollback of %s failed", obj.path)
 
-    def _register(self, obj: StoredObject) -> "_Batch":
+    def _register(self, obj: StoredObject) -> _Batch:
         if not self._running:
             raise _err(ErrorCode.INTERNAL, "server is shutting down")
         batch = self._batch
@@ -525,7 +525,7 @@ class Engine:
 
     async def append_begin(
         self, namespace: str, role: str, name: str, offset: int, epoch: int, crc: int, data: Payload
-    ) -> "Pending":
+    ) -> Pending:
         """Check and write (no sync). The session calls this in request order per object,
         then :meth:`finish` concurrently, so pipelined appends share one sync."""
         self._writer(role, "append")
@@ -635,7 +635,7 @@ class Engine:
                 f" by one: the next one is {want} (protocol.md 2.1)",
             )
 
-    async def finish(self, pending: "Pending") -> int:
+    async def finish(self, pending: Pending) -> int:
         """Wait until the write of *pending* is durable; returns its result length."""
         await self._wait_durable(pending.obj, pending.end_size, pending.rollbacks)
         if pending.appended is not None:
@@ -668,7 +668,7 @@ class Engine:
     async def seal(self, namespace: str, role: str, name: str, epoch: int) -> int:
         return await self.finish(await self.seal_begin(namespace, role, name, epoch))
 
-    async def seal_begin(self, namespace: str, role: str, name: str, epoch: int) -> "Pending":
+    async def seal_begin(self, namespace: str, role: str, name: str, epoch: int) -> Pending:
         self._writer(role, "seal")
         _check_name(name)
         ns = self._ns(namespace)

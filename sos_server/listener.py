@@ -27,9 +27,9 @@ from typing import Any
 
 import trio
 
+from sos_wire import events as ev
 from sos_wire.connection import Connection, Role
 from sos_wire.errors import ErrorCode
-from sos_wire import events as ev
 
 from .engine import Engine
 from .session import Session
@@ -145,7 +145,7 @@ class AuthFailures:
 class _Waiting:
     """A connection that has not authenticated yet, as the eviction queue holds it."""
 
-    __slots__ = ("scope", "session", "evicted")
+    __slots__ = ("evicted", "scope", "session")
 
     def __init__(self) -> None:
         self.scope = trio.CancelScope()  # the connection's whole handling, TLS handshake included

@@ -54,7 +54,7 @@ from sos_wire.errors import ErrorCode, LocalProtocolError, RemoteProtocolError
 from sos_wire.events import KeyRole
 from sos_wire.frames import DEFAULT_MAX_BODY, HEADER_LEN, MAX_PING_PAYLOAD, SUPPORTED_VERSIONS, VERSION
 
-from .engine import Engine, ServerError, THREAD_READ_MIN
+from .engine import THREAD_READ_MIN, Engine, ServerError
 from .storage import ROLE_APPEND, ROLE_READ, ROLE_TOKEN
 
 __all__ = ["MAX_AUTH_FAILURES", "PRE_AUTH_MAX_BODY", "READ_CHUNK", "SERVER_NAME", "TOKEN_FORBIDDEN", "Session"]

@@ -115,7 +115,7 @@ class Namespace:
     usage: Usage = field(default_factory=Usage)  # bytes held by the objects
     quota: int | None = None  # byte quota from the ``quota`` file, None: none set
     #: the ``quota`` file's fingerprint when it was last read (False: never read; None: no file)
-    _quota_state: tuple[int, ...] | None | bool = False
+    _quota_state: tuple[int, ...] | bool | None = False
     creating: int = 0  # objects being created (their files are being written): the caps count them
     reserved: int = 0  # quota bytes of the objects being created (OBJECT_CHARGE and their data)
     generations: dict[int, int] = field(default_factory=dict)  # journal generation -> objects in it

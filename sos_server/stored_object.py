@@ -169,7 +169,7 @@ class StoredObject:
         return self._log_key
 
     # -- damage ----------------------------------------------------------------------
-    def add_damage(self, d: "Damage") -> None:
+    def add_damage(self, d: Damage) -> None:
         self.damage.append(d)
         if self._damage_at is None:
             self._damage_at = {}

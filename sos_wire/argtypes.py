@@ -9,7 +9,7 @@ depend on. A bad value raises ``argparse.ArgumentTypeError``: argparse prints it
 from __future__ import annotations
 
 import argparse
-from typing import Callable
+from collections.abc import Callable
 
 __all__ = ["duration", "integer", "size"]
 

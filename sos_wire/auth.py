@@ -27,8 +27,16 @@ import secrets
 from dataclasses import dataclass
 
 __all__ = [
-    "Key", "BadKey", "proof", "verify_proof", "tls_server_end_point", "KEY_ID_LEN", "SECRET_LEN", "NONCE_LEN",
-    "PROOF_LEN", "TLS_SERVER_END_POINT",
+    "KEY_ID_LEN",
+    "NONCE_LEN",
+    "PROOF_LEN",
+    "SECRET_LEN",
+    "TLS_SERVER_END_POINT",
+    "BadKey",
+    "Key",
+    "proof",
+    "tls_server_end_point",
+    "verify_proof",
 ]
 
 KEY_ID_LEN = 8
@@ -57,7 +65,7 @@ class Key:
             raise BadKey(f"secret must be {SECRET_LEN} bytes")
 
     @classmethod
-    def parse(cls, text: str) -> "Key":
+    def parse(cls, text: str) -> Key:
         if isinstance(text, Key):
             return text
         if not isinstance(text, str):
@@ -68,7 +76,7 @@ class Key:
         return cls(bytes.fromhex(m.group(1)), bytes.fromhex(m.group(2)))
 
     @classmethod
-    def generate(cls) -> "Key":
+    def generate(cls) -> Key:
         return cls(secrets.token_bytes(KEY_ID_LEN), secrets.token_bytes(SECRET_LEN))
 
     @property

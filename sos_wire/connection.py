@@ -55,8 +55,16 @@ from .frames import (
     Op,
 )
 
-__all__ = ["Connection", "Role", "NEED_DATA", "encode_event", "decode_body", "EVENT_OF", "OP_OF",
-           "DIRECT_BODY_MIN"]
+__all__ = [
+    "DIRECT_BODY_MIN",
+    "EVENT_OF",
+    "NEED_DATA",
+    "OP_OF",
+    "Connection",
+    "Role",
+    "decode_body",
+    "encode_event",
+]
 
 #: bodies of APPEND and READ_DATA frames at least this big are received into a buffer of
 #: their own (no copy out of the shared receive buffer; ``receive_buffer`` for recv_into)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from enum import IntEnum
 
-__all__ = ["ErrorCode", "ProtocolError", "LocalProtocolError", "RemoteProtocolError"]
+__all__ = ["ErrorCode", "LocalProtocolError", "ProtocolError", "RemoteProtocolError"]
 
 
 class ErrorCode(IntEnum):
@@ -39,7 +39,7 @@ class ErrorCode(IntEnum):
     TIER_UNAVAILABLE = 20  # TIER_WAIT: no tier, or the bucket did not reach the offset in time; length = tiered
 
 
-def error_code(value: int) -> "ErrorCode | int":
+def error_code(value: int) -> ErrorCode | int:
     """The ErrorCode for *value*, or the bare int for a code this version does not know."""
     try:
         return ErrorCode(value)

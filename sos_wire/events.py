@@ -19,10 +19,33 @@ from .errors import ErrorCode
 Payload = Union[bytes, bytearray, memoryview]
 
 __all__ = [
-    "Event", "Request", "Reply", "KeyRole",
-    "Hello", "HelloOk", "Auth", "AuthOk", "Ping", "Pong", "List", "ListEntry", "ListOk",
-    "Stat", "StatOk", "Append", "AppendOk", "Read", "ReadData", "Seal", "SealOk", "Payload",
-    "Fence", "FenceOk", "TierWait", "TierWaitOk", "Error",
+    "Append",
+    "AppendOk",
+    "Auth",
+    "AuthOk",
+    "Error",
+    "Event",
+    "Fence",
+    "FenceOk",
+    "Hello",
+    "HelloOk",
+    "KeyRole",
+    "List",
+    "ListEntry",
+    "ListOk",
+    "Payload",
+    "Ping",
+    "Pong",
+    "Read",
+    "ReadData",
+    "Reply",
+    "Request",
+    "Seal",
+    "SealOk",
+    "Stat",
+    "StatOk",
+    "TierWait",
+    "TierWaitOk",
 ]
 
 

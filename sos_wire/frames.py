@@ -37,9 +37,26 @@ from construct import (
 from .crc import crc32c
 
 __all__ = [
-    "Op", "MAGIC", "VERSION", "SUPPORTED_VERSIONS", "HEADER_LEN", "DEFAULT_MAX_BODY",
-    "MAX_PING_PAYLOAD", "MAX_LIST_LIMIT", "MAX_TIER_WAIT_MS", "REQUESTS", "REPLIES", "REPLY_TO",
-    "String", "Blob", "Bool8", "HeaderFields", "Header", "BODIES", "ListEntryBody", "build_header",
+    "BODIES",
+    "DEFAULT_MAX_BODY",
+    "HEADER_LEN",
+    "MAGIC",
+    "MAX_LIST_LIMIT",
+    "MAX_PING_PAYLOAD",
+    "MAX_TIER_WAIT_MS",
+    "REPLIES",
+    "REPLY_TO",
+    "REQUESTS",
+    "SUPPORTED_VERSIONS",
+    "VERSION",
+    "Blob",
+    "Bool8",
+    "Header",
+    "HeaderFields",
+    "ListEntryBody",
+    "Op",
+    "String",
+    "build_header",
 ]
 
 MAGIC = b"SO"

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["BadName", "validate_name", "validate_namespace", "MAX_NAME_BYTES", "MAX_SEGMENT_BYTES"]
+__all__ = ["MAX_NAME_BYTES", "MAX_SEGMENT_BYTES", "BadName", "validate_name", "validate_namespace"]
 
 MAX_NAME_BYTES = 1024
 MAX_SEGMENT_BYTES = 255

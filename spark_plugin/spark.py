@@ -34,7 +34,6 @@ import urllib.parse
 
 from .mounttable import mount_fstype
 
-
 log = logging.getLogger("sos.spark")
 
 #: control file on the mount: a JSON document written there becomes a MARKER record
@@ -108,7 +107,7 @@ def _stop_all_mounts():
     for m in mounts:
         try:
             m.stop()
-        except Exception:  # noqa: BLE001 - best effort at interpreter exit
+        except Exception:
             log.exception("unmount at exit failed")
 
 
@@ -255,10 +254,10 @@ class MarkerListener(_ListenerBase):
         self.errors: list[str] = []
         self._missing_control_logged = False
 
-    def onQueryStarted(self, event):  # noqa: N802 - Spark's name
+    def onQueryStarted(self, event):
         pass
 
-    def onQueryProgress(self, event):  # noqa: N802
+    def onQueryProgress(self, event):
         try:
             progress = event.progress
             if self.query_name is not None and progress.name != self.query_name:
@@ -272,14 +271,14 @@ class MarkerListener(_ListenerBase):
                 self._missing_control_logged = True
                 log.warning("mount %s has no %s: batch markers are not written",
                             self.mountpoint, MARKER_CONTROL)
-        except Exception as exc:  # noqa: BLE001 - a listener must never kill the query
+        except Exception as exc:
             self.errors.append(repr(exc))
             log.exception("writing the batch marker failed")
 
-    def onQueryIdle(self, event):  # noqa: N802
+    def onQueryIdle(self, event):
         pass
 
-    def onQueryTerminated(self, event):  # noqa: N802
+    def onQueryTerminated(self, event):
         pass
 
 
@@ -432,10 +431,10 @@ class GatewayMarkerListener(_ListenerBase):
         self.written: list[int] = []
         self.errors: list[str] = []
 
-    def onQueryStarted(self, event):  # noqa: N802 - Spark's name
+    def onQueryStarted(self, event):
         pass
 
-    def onQueryProgress(self, event):  # noqa: N802
+    def onQueryProgress(self, event):
         try:
             progress = event.progress
             if self.query_name is not None and progress.name != self.query_name:
@@ -446,12 +445,12 @@ class GatewayMarkerListener(_ListenerBase):
                 return
             self._client.marker(MARKER_LABEL, marker_payload(self.relpath, progress.id, batch_id))
             self.written.append(batch_id)
-        except Exception as exc:  # noqa: BLE001 - a listener must never kill the query
+        except Exception as exc:
             self.errors.append(repr(exc))
             log.exception("writing the batch marker through the gateway failed")
 
-    def onQueryIdle(self, event):  # noqa: N802
+    def onQueryIdle(self, event):
         pass
 
-    def onQueryTerminated(self, event):  # noqa: N802
+    def onQueryTerminated(self, event):
         pass

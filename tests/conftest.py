@@ -35,7 +35,7 @@ import pytest
 # the checkout's tooling (tools.demo, tools.soak, tools.cluster) is not in the wheel
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tools.server import ServerProcess  # noqa: E402  (the one server launcher)
+from tools.server import ServerProcess
 
 NO_SKIP = os.environ.get("SOS_TEST_NO_SKIP") == "1"  # .ci/run sets it: CI here has FUSE, Spark, tmpfs
 
@@ -143,7 +143,7 @@ class RawClient:
     def close(self) -> None:
         self.sock.close()
 
-    def __enter__(self) -> "RawClient":
+    def __enter__(self) -> RawClient:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from deploy_support import K8S, all_k8s_documents, k8s_documents, spark_conf
 

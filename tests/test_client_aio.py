@@ -8,11 +8,11 @@ import subprocess
 
 import pytest
 import trio
+import trio.lowlevel
 
 from sos_client import Client, ConnectionLost, Fenced, OffsetMismatch, SealedError, SOSNotFound, SOSPermissionError
 from sos_client.aio import open_client
 from sos_wire import ErrorCode, KeyRole
-
 
 _n = iter(range(10_000))
 
@@ -82,7 +82,7 @@ def test_append_many_from_async_and_sync_iterables(server, ns):
 
     async def agen():
         for p in parts:
-            await trio.sleep(0)
+            await trio.lowlevel.checkpoint()
             yield p
 
     async def main():

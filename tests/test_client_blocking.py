@@ -9,11 +9,19 @@ import time
 import pytest
 
 from sos_client import (
-    BadNameError, ChecksumMismatch, Client, ConnectionLost, Fenced, OffsetMismatch, SealedError, SOSError,
-    SOSNotFound, SOSPermissionError, TooLarge,
+    BadNameError,
+    ChecksumMismatch,
+    Client,
+    ConnectionLost,
+    Fenced,
+    OffsetMismatch,
+    SealedError,
+    SOSError,
+    SOSNotFound,
+    SOSPermissionError,
+    TooLarge,
 )
 from sos_wire import ErrorCode, Key, KeyRole
-
 
 _ns_counter = iter(range(10_000))
 
@@ -139,7 +147,7 @@ class _CorruptingRelay:
         threading.Thread(target=self._pipe, args=(up, down, False), daemon=True).start()
         self._pipe(down, up, True)
 
-    def __enter__(self) -> "_CorruptingRelay":
+    def __enter__(self) -> _CorruptingRelay:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -189,6 +197,7 @@ def test_bad_names_are_refused_locally_and_the_servers_bad_name_is_the_same_clas
         assert isinstance(info.value, ValueError)
     # the server's own refusal (a raw frame: the client never sends such a name) maps to it too
     from conftest import RawClient
+
     from sos_client.errors import error_from_reply
     from sos_wire import events as ev
 

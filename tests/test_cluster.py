@@ -34,8 +34,8 @@ import sys
 import urllib.parse
 
 import pytest
-
 from support import tree_snapshot
+
 from tools import child_env
 from tools.demo_cluster import (
     PROVIDER_ID_RE,

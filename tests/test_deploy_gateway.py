@@ -34,7 +34,6 @@ import urllib.parse
 import psutil
 import pytest
 import requests
-
 from deploy_support import (
     ROOT,
     dockerfile_copies,
@@ -44,6 +43,7 @@ from deploy_support import (
     one,
     option,
 )
+
 from spark_plugin.gateway.process import READY_MARKER
 from spark_plugin.spark import sos_command
 

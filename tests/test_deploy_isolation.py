@@ -31,7 +31,6 @@ import shlex
 import urllib.parse
 
 import pytest
-
 from deploy_support import COMPOSE, compose, documented_lines, option, spark_conf
 from k8s_model import (
     Pod,

@@ -24,13 +24,12 @@ import json
 import os
 import pathlib
 import re
+import tomllib
 import urllib.parse
 
 import jsonschema
 import kubernetes_validate
 import pytest
-import tomllib
-
 from deploy_support import (
     COMPOSE,
     K8S,
@@ -45,6 +44,7 @@ from deploy_support import (
     spark_conf,
 )
 from k8s_model import Pod, allowed, objects
+
 from spark_plugin.spark import GATEWAY_REDACTION_REGEX, gateway_conf
 
 #: the oldest Kubernetes these manifests support (native sidecars in spark-driver.yaml)

@@ -20,8 +20,8 @@ import subprocess
 import sys
 
 import pytest
-
 from deploy_support import K8S, ROOT, documented_line, k8s_documents, one, option, spark_conf
+
 from spark_plugin.gateway.process import GatewayProcess
 from spark_plugin.spark import sos_command
 from tools.demo import DRIVER_JVM_OPTIONS, committed_batches

@@ -20,7 +20,6 @@ from sos_client import Client
 from sos_client import errors as cerr
 from sos_client.errors import is_fenced, is_retryable, to_oserror
 from sos_client.journal import JournaledTree, JournalWriter
-from sos_client.journal.restore import rebuild_cache
 from sos_client.journal.errors import (
     JournalCorrupt,
     JournalError,
@@ -32,6 +31,7 @@ from sos_client.journal.errors import (
 )
 from sos_client.journal.memstore import MemStore
 from sos_client.journal.open import open_namespace
+from sos_client.journal.restore import rebuild_cache
 from sos_wire import events as ev
 from sos_wire.errors import ErrorCode
 

@@ -18,10 +18,10 @@ import fsspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support import tree_snapshot as local_snapshot
 
 from spark_plugin.fsspec import filesystem as sosfs
 from spark_plugin.fsspec.filesystem import SOSFileSystem
-from support import tree_snapshot as local_snapshot
 
 _ns_counter = itertools.count()
 

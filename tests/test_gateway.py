@@ -16,11 +16,11 @@ import urllib.parse
 
 import pytest
 import requests
-
-from spark_plugin.gateway.process import GatewayProcess
-from spark_plugin.gateway.auth import TokenAuthority
-from spark_plugin.spark import sos_command
 from support import tree_snapshot as tree_of
+
+from spark_plugin.gateway.auth import TokenAuthority
+from spark_plugin.gateway.process import GatewayProcess
+from spark_plugin.spark import sos_command
 
 NS = "gw"
 

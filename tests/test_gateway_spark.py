@@ -16,9 +16,9 @@ from collections import Counter
 
 import pytest
 
-from tools.demo import committed_batches, make_input
 from spark_plugin.gateway.process import GatewayProcess
 from spark_plugin.spark import restore_to_batch, sos_command
+from tools.demo import committed_batches, make_input
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.timeout(1500)]
 

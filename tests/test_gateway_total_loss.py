@@ -25,13 +25,21 @@ import subprocess
 import urllib.request
 
 import pytest
-
-from spark_plugin.gateway.process import GatewayProcess
-from spark_plugin.gateway.client import GatewayClient
-from spark_plugin.spark import restore_to_batch, sos_command
-from tools.demo import (check_output, committed_batches, gateway_committed_batches, kill_tree,
-                        make_input, start_driver, tail, wait_for)
 from support import tree_snapshot as local_tree
+
+from spark_plugin.gateway.client import GatewayClient
+from spark_plugin.gateway.process import GatewayProcess
+from spark_plugin.spark import restore_to_batch, sos_command
+from tools.demo import (
+    check_output,
+    committed_batches,
+    gateway_committed_batches,
+    kill_tree,
+    make_input,
+    start_driver,
+    tail,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.timeout(2400)]
 

@@ -163,7 +163,7 @@ class Trickler(threading.Thread):
             self.sock.sendall(self.frame[self.sent :])
             self.sent = len(self.frame)
             self.reply = _recv_event(self.sock, self.conn)
-        except BaseException as exc:  # noqa: BLE001 - inspected by the test
+        except BaseException as exc:
             self.error = exc
             self.started_sending.set()
 
@@ -270,7 +270,7 @@ class Pinger(threading.Thread):
                 assert isinstance(_recv_event(self.sock, self.conn), ev.Pong)
                 self.pongs += 1
                 self.stop.wait(self.delay)
-        except BaseException as exc:  # noqa: BLE001 - inspected by the test
+        except BaseException as exc:
             self.error = exc
 
 

@@ -32,12 +32,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sos_client import Client
+from sos_server.session import PRE_AUTH_MAX_BODY
 from sos_wire import events as ev
 from sos_wire.auth import Key
 from sos_wire.connection import NEED_DATA, Connection, Role, encode_event
 from sos_wire.crc import crc32c
 from sos_wire.errors import ErrorCode, RemoteProtocolError
-from sos_server.session import PRE_AUTH_MAX_BODY
 from sos_wire.frames import DEFAULT_MAX_BODY
 
 NS = "fuzz"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import pathlib
 import re
 import shutil
 import stat
@@ -18,12 +19,12 @@ import sys
 import tempfile
 import threading
 import time
-import pathlib
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
+from support import tree_snapshot
 
 from sos_client import Client
 from sos_client.journal import JournaledTree, JournalWriter, restore
@@ -31,7 +32,6 @@ from sos_client.journal.restore import rebuild_cache
 from sos_client.journal.testing import tree_state
 from spark_plugin.gateway.process import GatewayProcess
 from spark_plugin.spark import sos_command
-from support import tree_snapshot
 
 NS = "gwq"
 DSQUOTA = "org.apache.hadoop.hdfs.protocol.DSQuotaExceededException"

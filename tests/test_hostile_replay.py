@@ -25,7 +25,6 @@ import crc32c
 import pytest
 
 from sos_client.journal import JournaledTree, JournalWriter, replay, restore, verify
-from sos_client.journal.restore import rebuild_cache
 from sos_client.journal.errors import JournalCorrupt, ReplayError
 from sos_client.journal.memstore import MemStore
 from sos_client.journal.records import (
@@ -41,6 +40,7 @@ from sos_client.journal.records import (
     decode_all,
     encode,
 )
+from sos_client.journal.restore import rebuild_cache
 from sos_client.journal.tree import clear_directory
 
 pytestmark = pytest.mark.timeout(300)
@@ -228,7 +228,7 @@ def test_a_fifo_planted_during_replay_does_not_block_it(outside):
     def run():
         try:
             replay(planting(ops, 3, lambda: os.mkfifo(target / "d" / "p")), str(target), snapshot=True)
-        except BaseException as e:  # noqa: BLE001 - checked below
+        except BaseException as e:
             err.append(e)
         done.set()
 

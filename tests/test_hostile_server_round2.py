@@ -25,8 +25,8 @@ import urllib.request
 
 import pytest
 import requests
-
 from conftest import RawClient
+
 from sos_client import Client
 from sos_wire import events as ev
 from sos_wire.crc import crc32c

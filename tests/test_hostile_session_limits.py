@@ -24,15 +24,15 @@ import urllib.request
 
 import psutil
 import pytest
-
 from conftest import RawClient
+from support import client_expecting
+
 from sos_client import Client, SOSPermissionError
 from sos_wire import events as ev
 from sos_wire.auth import Key
 from sos_wire.crc import crc32c
 from sos_wire.errors import ErrorCode
 from sos_wire.frames import DEFAULT_MAX_BODY, Op
-from support import client_expecting
 
 NS = "limits"
 TIMEOUT = 120
@@ -154,7 +154,7 @@ class Hog(threading.Thread):
                 self.filled.set()
                 self.stop.wait(0.05)
                 self.held = [c for c in self.held if not _gone(c)]
-        except BaseException as exc:  # noqa: BLE001 - inspected by the test
+        except BaseException as exc:
             self.error = exc
             self.filled.set()
         finally:

@@ -17,8 +17,8 @@ import time
 
 import pytest
 import trio
-
 from conftest import RawClient
+
 from sos_client import Client
 from sos_client.errors import QuotaExceeded, SOSError
 from sos_client.journal import GenerationBreak, JournaledTree, JournalWriter, restore

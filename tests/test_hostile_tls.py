@@ -91,7 +91,7 @@ class Relay:
     def _run(self) -> None:
         try:
             trio.run(self._main)
-        except BaseException as exc:  # noqa: BLE001 - reported to the test
+        except BaseException as exc:
             self.error = exc
             self._started.set()
 

@@ -15,13 +15,11 @@ import os
 import subprocess
 import sys
 
-
 from sos_client import Client
 from sos_client.journal import JournaledTree, JournalWriter, layout
-from sos_client.journal.restore import rebuild_cache
 from sos_client.journal import cli as jcli
 from sos_client.journal.records import Create, RecordDecoder, SnapshotEnd, Write, encode
-from sos_client.journal.restore import format_time
+from sos_client.journal.restore import format_time, rebuild_cache
 from sos_client.journal.testing import tree_state
 
 WAIT = 180

@@ -14,6 +14,7 @@ import stat
 import zlib
 
 import pytest
+from support import tree_snapshot
 
 from sos_client.journal.errors import ReplayError
 from sos_client.journal.records import (
@@ -28,7 +29,6 @@ from sos_client.journal.records import (
     Write,
 )
 from sos_client.journal.replay import replay
-from support import tree_snapshot
 
 
 def random_journal(seed: int, n: int = 600) -> tuple[list, dict]:

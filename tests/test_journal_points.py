@@ -23,9 +23,9 @@ from sos_client.journal import (
     JournalNotFound,
     JournalWriter,
     PositionUnavailable,
+    layout,
     restore,
 )
-from sos_client.journal import layout
 from sos_client.journal.memstore import MemStore
 from sos_client.journal.records import RecordDecoder, SnapshotEnd, encode
 from sos_client.journal.restore import format_time, parse_batch, parse_time, rebuild_cache

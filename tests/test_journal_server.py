@@ -27,10 +27,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sos_client import Client
-from sos_client.journal import JournaledTree, JournalWriter, restore, verify
-from sos_client.journal.restore import rebuild_cache
-from sos_client.journal import layout
+from sos_client.journal import JournaledTree, JournalWriter, layout, restore, verify
 from sos_client.journal.records import RecordDecoder, Write
+from sos_client.journal.restore import rebuild_cache
 from sos_client.journal.testing import tree_state
 
 WAIT = 180
@@ -248,7 +247,7 @@ def test_sigkill_server_mid_stream_writer_reconnects(sos_server, tmp_path):
                 t.rename(f".f{i}.tmp", f"f{i}", overwrite=False)
                 t.sync()  # sync mode: waits for the server
                 progress.release()
-        except BaseException as e:  # noqa: BLE001 - reported below
+        except BaseException as e:
             errors.append(e)
             progress.release()
 

@@ -18,14 +18,15 @@ from sos_client.journal import (
     SpoolStale,
     TargetNotEmpty,
     WriterFenced,
+    layout,
     restore,
     verify,
 )
-from sos_client.journal import layout, tree as tree_mod
+from sos_client.journal import tree as tree_mod
 from sos_client.journal.errors import BatchNotFound, JournalCorrupt
 from sos_client.journal.memstore import MemStore
-from sos_client.journal.restore import rebuild_cache
 from sos_client.journal.records import Create, Mkdir, RecordDecoder, SnapshotEnd, Write
+from sos_client.journal.restore import rebuild_cache
 from sos_client.journal.testing import tree_state
 
 WAIT = 120  # generous: never reached unless something is broken

@@ -25,8 +25,9 @@ import pytest
 
 pytest.importorskip("pyfuse3")
 
-from spark_plugin.mount.process import MountProcess, is_mounted  # noqa: E402
-from support import tree_snapshot as snapshot  # noqa: E402
+from support import tree_snapshot as snapshot
+
+from spark_plugin.mount.process import MountProcess, is_mounted
 
 pytestmark = [
     pytest.mark.fuse,
@@ -576,7 +577,7 @@ class FakeSpark:
 
         class Streams:
             @staticmethod
-            def addListener(listener):  # noqa: N802 - Spark's name
+            def addListener(listener):
                 outer.listeners.append(listener)
 
         self.streams = Streams()
@@ -921,7 +922,7 @@ def test_concurrent_writers_all_land(mounts, server, key, tmp_path, ns):
                 body = (b"%d:%d;" % (w, v)) * (50 + v)
                 spark_write(m, f"state/{w}/{v}.delta", body, overwrite=True)
                 expected[f"state/{w}/{v}.delta"] = body
-        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+        except BaseException as exc:
             errors.append(exc)
 
     os.mkdir(os.path.join(m, "state"))
@@ -952,7 +953,7 @@ def test_server_crash_while_mounted_blocks_then_completes(mounts, server, key, t
     def commit():
         try:
             spark_write(m, "commits/0", b"written while the server was down", overwrite=False)
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:
             errors.append(exc)
 
     t = threading.Thread(target=commit)

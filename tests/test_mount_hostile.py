@@ -22,8 +22,9 @@ import pytest
 
 pytest.importorskip("pyfuse3")
 
-from spark_plugin.mount.process import MountProcess  # noqa: E402
-from test_mount_e2e import _world_python, as_user, durable  # noqa: E402
+from test_mount_e2e import _world_python, as_user, durable
+
+from spark_plugin.mount.process import MountProcess
 
 pytestmark = [
     pytest.mark.fuse,

@@ -12,8 +12,9 @@ import sys
 import time
 
 import pytest
-
 from conftest import RawClient
+from test_protocol_close_table import NS, Wire, frame
+
 from sos_client import Client
 from sos_client.journal import cli as jcli
 from sos_client.journal import layout
@@ -22,7 +23,6 @@ from sos_wire import events as ev
 from sos_wire.auth import Key
 from sos_wire.crc import crc32c
 from sos_wire.errors import ErrorCode
-from test_protocol_close_table import NS, Wire, frame
 
 DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "protocol.md")
 WAIT = 180

@@ -9,8 +9,8 @@ import random
 import threading
 
 import pytest
-
 from conftest import RawClient
+
 from sos_wire import events as ev
 from sos_wire.crc import crc32c
 

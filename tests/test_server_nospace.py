@@ -7,8 +7,8 @@ import os
 import subprocess
 
 import pytest
-
 from conftest import RawClient
+
 from sos_wire import events as ev
 from sos_wire.errors import ErrorCode
 

@@ -13,8 +13,8 @@ import time
 import urllib.request
 
 import pytest
-
 from conftest import RawClient
+
 from sos_server.storage import Storage
 from sos_wire import events as ev
 from sos_wire.auth import Key

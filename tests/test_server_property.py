@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import itertools
 
+from conftest import RawClient, ServerProcess
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import RawClient, ServerProcess
 from sos_wire import events as ev
 from sos_wire.crc import crc32c
 from sos_wire.errors import ErrorCode

@@ -15,15 +15,15 @@ import os
 import threading
 
 import trio
-
 from conftest import RawClient
+from test_server_crash import NS, OBJECTS, check_object, writer
+
 from sos_server.engine import Engine
 from sos_server.storage import Storage
 from sos_server.wal import FAULT_ENV, INDIRECT_MIN, LogFile
 from sos_wire import events as ev
 from sos_wire.crc import crc32c
 from sos_wire.errors import ErrorCode
-from test_server_crash import NS, OBJECTS, check_object, writer
 
 ROUNDS = 4
 

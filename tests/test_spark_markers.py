@@ -8,9 +8,15 @@ import subprocess
 
 import pytest
 
+from spark_plugin.spark import (
+    MARKER_CONTROL,
+    CheckpointLocation,
+    MarkerListener,
+    journaled_checkpoint,
+    marker_payload,
+    restore_to_batch,
+)
 from tools.demo import committed_batches, make_input, start_driver, tail
-from spark_plugin.spark import (MARKER_CONTROL, CheckpointLocation, MarkerListener,
-                                journaled_checkpoint, marker_payload, restore_to_batch)
 
 pytestmark = [pytest.mark.spark, pytest.mark.fuse, pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -95,9 +101,9 @@ def test_journaled_checkpoint_registers_listener_and_survives_the_loss(sos_serve
     added = []
 
     class FakeSpark:
-        class streams:  # noqa: N801 - the shape of SparkSession.streams
+        class streams:
             @staticmethod
-            def addListener(listener):  # noqa: N802
+            def addListener(listener):
                 added.append(listener)
 
     loc = journaled_checkpoint(FakeSpark(), "jc", server=sos_server.address, key=key,

@@ -116,9 +116,9 @@ def origin(tmp_path_factory, moto) -> Origin:
             st = Storage(str(data))
             mtimes = {(ns, n): os.stat(st.object_path(ns, n)).st_mtime_ns
                       for ns, objs in CONTENT.items() for n, (_b, s) in objs.items() if s}
-            from sos_tier.s3 import S3Store
-
             from tier_support import make_bucket
+
+            from sos_tier.s3 import S3Store
 
             s3_url = make_bucket("sos/replaced")
             pristine = LocalStore((base / "tier").as_uri())

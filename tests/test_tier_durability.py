@@ -256,7 +256,7 @@ def test_with_the_store_down_a_barrier_waits_until_it_is_back_or_fails_after_its
         def rename_commit():
             try:
                 commit(tree, 1)
-            except BaseException as exc:  # noqa: BLE001 - reported below
+            except BaseException as exc:
                 errors.append(exc)
             finally:
                 done.set()

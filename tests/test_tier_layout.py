@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 from sos_tier import layout
 from sos_tier.layout import (
     MAX_PLAIN_NAME,
-    delete_object,
     ObjectIncomplete,
     TierConflict,
     TierDamage,
+    delete_object,
     escape_name,
     fence_key,
     keys_of,

@@ -25,8 +25,8 @@ import time
 import urllib.request
 
 import pytest
-
 from conftest import RawClient
+
 from sos_tier import open_store, scan
 from sos_wire import events as ev
 from sos_wire.errors import ErrorCode

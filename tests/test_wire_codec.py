@@ -3,17 +3,43 @@
 import os
 
 import pytest
+import support
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sos_wire import (
-    NEED_DATA, Append, AppendOk, Auth, AuthOk, Connection, Error, ErrorCode, Fence, FenceOk, Hello, TierWait, TierWaitOk,
-    HelloOk, KeyRole, List, ListEntry, ListOk, Ping, Pong, Read, ReadData, RemoteProtocolError,
-    Role, Seal, SealOk, Stat, StatOk, encode_event,
+    NEED_DATA,
+    Append,
+    AppendOk,
+    Auth,
+    AuthOk,
+    Connection,
+    Error,
+    ErrorCode,
+    Fence,
+    FenceOk,
+    Hello,
+    HelloOk,
+    KeyRole,
+    List,
+    ListEntry,
+    ListOk,
+    Ping,
+    Pong,
+    Read,
+    ReadData,
+    RemoteProtocolError,
+    Role,
+    Seal,
+    SealOk,
+    Stat,
+    StatOk,
+    TierWait,
+    TierWaitOk,
+    encode_event,
 )
-from sos_wire.connection import OP_OF, EVENT_OF
+from sos_wire.connection import EVENT_OF, OP_OF
 from sos_wire.frames import Op
-import support
 
 # CI runs a fixed set of examples (derandomized: the suite must be deterministic);
 # SOS_FUZZ_SCALE=50 runs fifty times more, with fresh random examples, for a deep fuzz.

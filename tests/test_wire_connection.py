@@ -5,9 +5,27 @@ import os
 import pytest
 
 from sos_wire import (
-    DEFAULT_MAX_BODY, NEED_DATA, Append, AppendOk, Connection, Error, ErrorCode, Fence, FenceOk, Hello,
-    HelloOk, LocalProtocolError, Ping, Read, ReadData, RemoteProtocolError, Role, Stat, StatOk,
-    crc32c, encode_event,
+    DEFAULT_MAX_BODY,
+    NEED_DATA,
+    Append,
+    AppendOk,
+    Connection,
+    Error,
+    ErrorCode,
+    Fence,
+    FenceOk,
+    Hello,
+    HelloOk,
+    LocalProtocolError,
+    Ping,
+    Read,
+    ReadData,
+    RemoteProtocolError,
+    Role,
+    Stat,
+    StatOk,
+    crc32c,
+    encode_event,
 )
 from sos_wire.connection import _header
 from sos_wire.frames import Op

@@ -4,11 +4,11 @@ import os
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support import client_expecting
 
 from sos_wire import NEED_DATA, Append, AppendOk, Connection, ReadData, RemoteProtocolError, Role, decode_body
-from sos_wire.connection import _HEADER, _header, _encode_body_parts
+from sos_wire.connection import _HEADER, _encode_body_parts, _header
 from sos_wire.frames import BODIES, Header, Op, build_header
-from support import client_expecting
 
 # CI runs a fixed set of examples (derandomized: the suite must be deterministic);
 # SOS_FUZZ_SCALE=50 runs fifty times more, with fresh random examples, for a deep fuzz.

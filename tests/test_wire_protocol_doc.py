@@ -6,11 +6,12 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from support import client_expecting
+
 import sos_wire
 from sos_wire import NEED_DATA, Connection, Request, Role, encode_event, proof
 from sos_wire.connection import OP_OF
 from sos_wire.frames import Op
-from support import client_expecting
 
 DOC = Path(__file__).resolve().parent.parent / "protocol.md"
 EXAMPLE = re.compile(r"Example: `(?P<expr>[^`]+)`\s*\n\s*```hex\n(?P<hex>.*?)```", re.S)

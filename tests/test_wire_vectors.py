@@ -5,15 +5,44 @@ Bump the protocol version instead (protocol.md, "Versioning").
 """
 
 import pytest
+from support import client_expecting
 
 from sos_wire import (
-    NEED_DATA, Append, AppendOk, Auth, AuthOk, Connection, Error, ErrorCode, Fence, FenceOk, Hello,
-    HelloOk, KeyRole, List, ListEntry, ListOk, Op, Ping, Pong, Read, ReadData, Request, Role, Seal,
-    SealOk, Stat, StatOk, TierWait, TierWaitOk, crc32c, decode_body, encode_event,
+    NEED_DATA,
+    Append,
+    AppendOk,
+    Auth,
+    AuthOk,
+    Connection,
+    Error,
+    ErrorCode,
+    Fence,
+    FenceOk,
+    Hello,
+    HelloOk,
+    KeyRole,
+    List,
+    ListEntry,
+    ListOk,
+    Op,
+    Ping,
+    Pong,
+    Read,
+    ReadData,
+    Request,
+    Role,
+    Seal,
+    SealOk,
+    Stat,
+    StatOk,
+    TierWait,
+    TierWaitOk,
+    crc32c,
+    decode_body,
+    encode_event,
 )
 from sos_wire.connection import OP_OF
 from sos_wire.frames import Header, build_header
-from support import client_expecting
 
 NONCE = bytes(range(32))
 PROOF = bytes(range(32, 64))

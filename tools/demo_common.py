@@ -137,7 +137,7 @@ class LocalServer(ServerProcess):
                  metrics: bool = False, profile: str | None = None):
         super().__init__(data_dir, args, log_path=log_path, metrics=metrics, profile=profile)
 
-    def start(self, timeout: float = 120.0) -> "LocalServer":
+    def start(self, timeout: float = 120.0) -> LocalServer:
         try:
             super().start(timeout)
         except ServerStartError as exc:
@@ -166,7 +166,7 @@ class EmbeddedStore:
         self.endpoint = ""
         self._server = None
 
-    def start(self) -> "EmbeddedStore":
+    def start(self) -> EmbeddedStore:
         try:
             import boto3
             from moto.server import ThreadedMotoServer
@@ -272,7 +272,7 @@ def kill_tree(proc: subprocess.Popen) -> None:
         import psutil
 
         pids += [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
-    except Exception:  # noqa: BLE001 - psutil missing or the process already gone
+    except Exception:
         pass
     try:
         os.killpg(proc.pid, signal.SIGKILL)  # the driver runs in its own session

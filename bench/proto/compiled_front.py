@@ -34,9 +34,9 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(HERE))
 
 from append import SERVER_ARGS, raw_case  # noqa: E402 - bench/append.py, after sys.path
-from tools.demo import LocalServer  # noqa: E402
 
 from sos_server.storage import Storage  # noqa: E402
+from tools.demo import LocalServer  # noqa: E402
 
 
 def build(out: str) -> tuple[str, str]:

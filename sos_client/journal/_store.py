@@ -8,7 +8,8 @@ in-memory store (``memstore.MemStore``); everything else passes a factory of rea
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator, Protocol
+from collections.abc import Iterable, Iterator
+from typing import Protocol
 
 from sos_client.errors import (
     ConnectionLost,
@@ -21,8 +22,19 @@ from sos_client.errors import (
     is_retryable,
 )
 
-__all__ = ["StoreClient", "SOSError", "OffsetMismatch", "Fenced", "SealedError", "Corrupt",
-           "ConnectionLost", "SOSNotFound", "mismatch_length", "fenced_epoch", "is_retryable"]
+__all__ = [
+    "ConnectionLost",
+    "Corrupt",
+    "Fenced",
+    "OffsetMismatch",
+    "SOSError",
+    "SOSNotFound",
+    "SealedError",
+    "StoreClient",
+    "fenced_epoch",
+    "is_retryable",
+    "mismatch_length",
+]
 
 
 class StoreClient(Protocol):

@@ -51,8 +51,15 @@ if TYPE_CHECKING:
     from sos_tier.layout import NamespaceState, ObjectState, Piece
     from sos_tier.store import Store
 
-__all__ = ["BucketClient", "BucketCorrupt", "BucketEntry", "BucketReadOnly", "BucketSource",
-           "BucketUnavailable", "DEFAULT_GET_WORKERS"]
+__all__ = [
+    "DEFAULT_GET_WORKERS",
+    "BucketClient",
+    "BucketCorrupt",
+    "BucketEntry",
+    "BucketReadOnly",
+    "BucketSource",
+    "BucketUnavailable",
+]
 
 #: pieces fetched ahead by one read (each in parallel ranged parts)
 DEFAULT_GET_WORKERS = 4

@@ -10,9 +10,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from sos_wire.crc import crc32c as _crc32c
-
 from sos_client.errors import TooLarge
+from sos_wire.crc import crc32c as _crc32c
 
 from ._store import ConnectionLost, Fenced, OffsetMismatch, SealedError, SOSNotFound
 

@@ -255,7 +255,7 @@ def open_namespace(namespace: str, cache_dir: str, *, server: str | None = None,
         except Exception as close_exc:  # noqa: BLE001 - the original error is what matters
             log.debug("closing the writer after a failed open: %r", close_exc)
         if isinstance(exc, SpoolStale):
-            raise RuntimeError(f"{exc}. The cache {cache_dir} is stale: remove it (or use "  # noqa: TRY004
+            raise RuntimeError(f"{exc}. The cache {cache_dir} is stale: remove it (or use "
                                f"another cache directory) to start from the server's state") from exc
         raise
     if tree.rebuilt:

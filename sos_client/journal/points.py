@@ -6,10 +6,9 @@ from __future__ import annotations
 import datetime as _dt
 import re
 
-from .records import (validate_path)
+from .records import validate_path
 
-
-_EPOCH = _dt.datetime(1970, 1, 1, tzinfo=_dt.timezone.utc)
+_EPOCH = _dt.datetime(1970, 1, 1, tzinfo=_dt.UTC)
 _FRACTION = re.compile(r"(\.\d{6})(\d{1,3})")
 
 
@@ -33,7 +32,7 @@ def parse_time(at: int | str | _dt.datetime | None) -> int | None:
             raise ValueError(f"bad time {at!r}: expected ISO-8601 like 2026-11-23T12:00:00Z") from None
     if isinstance(at, _dt.datetime):
         if at.tzinfo is None:
-            at = at.replace(tzinfo=_dt.timezone.utc)
+            at = at.replace(tzinfo=_dt.UTC)
         d = at - _EPOCH  # exact integer arithmetic (a float timestamp loses microseconds)
         return (d.days * 86400 + d.seconds) * 1_000_000_000 + d.microseconds * 1000 + extra_ns
     raise TypeError(f"bad time {at!r}")

@@ -6,8 +6,8 @@ generation a restore starts from. Used by restore, verify and the writer."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 from . import layout
 from ._store import Corrupt, StoreClient
@@ -18,8 +18,8 @@ from .errors import (
     JournalTruncated,
     PositionUnavailable,
 )
-from .records import (HEADER_SIZE, Record, RecordDecoder, SnapshotEnd, peek_header)
 from .points import format_time
+from .records import HEADER_SIZE, Record, RecordDecoder, SnapshotEnd, peek_header
 
 
 def list_generations(client: StoreClient) -> dict[int, layout.GenerationInfo]:

@@ -39,8 +39,8 @@ from .errors import JournalCorrupt
 from .records import (
     MAX_DATA,
     MAX_FILE_SIZE,
-    MAX_MODE,
     MAX_LABEL_BYTES,
+    MAX_MODE,
     MAX_RECORD_LENGTH,
     MIN_LENGTH,
     Create,
@@ -58,7 +58,7 @@ from .records import (
     validate_path,
 )
 
-__all__ = ["RECORD", "BODIES", "build_record", "parse_record"]
+__all__ = ["BODIES", "RECORD", "build_record", "parse_record"]
 
 
 class _Text(Adapter):

@@ -13,19 +13,43 @@ from __future__ import annotations
 
 import enum
 import struct
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Union
+from typing import Union
 
 from sos_wire.crc import crc32c as _crc32c
 
 from .errors import JournalCorrupt
 
 __all__ = [
-    "RecordType", "Mkdir", "Rmdir", "Create", "Write", "Truncate", "Rename", "Delete",
-    "Marker", "SnapshotEnd", "Op", "Record", "encode", "encode_ops", "RecordDecoder",
-    "decode_all", "split_write", "validate_path", "MAX_DATA", "MAX_RECORD_LENGTH",
-    "PREFIX_SIZE", "HEADER_SIZE", "peek_header", "MAX_FILE_SIZE", "MAX_NAME_BYTES", "MAX_MODE",
-    "REPLAY_MODE_MASK", "replay_mode",
+    "HEADER_SIZE",
+    "MAX_DATA",
+    "MAX_FILE_SIZE",
+    "MAX_MODE",
+    "MAX_NAME_BYTES",
+    "MAX_RECORD_LENGTH",
+    "PREFIX_SIZE",
+    "REPLAY_MODE_MASK",
+    "Create",
+    "Delete",
+    "Marker",
+    "Mkdir",
+    "Op",
+    "Record",
+    "RecordDecoder",
+    "RecordType",
+    "Rename",
+    "Rmdir",
+    "SnapshotEnd",
+    "Truncate",
+    "Write",
+    "decode_all",
+    "encode",
+    "encode_ops",
+    "peek_header",
+    "replay_mode",
+    "split_write",
+    "validate_path",
 ]
 
 MAX_DATA = 1 << 20  # WRITE data and MARKER payload per record
@@ -238,7 +262,7 @@ def peek_header(buf: Buffer, pos: int = 0) -> tuple[int, int, int, int]:
 
 
 class _Body:
-    __slots__ = ("mv", "pos", "seg", "off")
+    __slots__ = ("mv", "off", "pos", "seg")
 
     def __init__(self, mv: memoryview, seg: str, off: int) -> None:
         self.mv = mv

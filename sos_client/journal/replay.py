@@ -33,8 +33,8 @@ import queue
 import stat as _stat
 import threading
 import zlib
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 from .beneath import Beneath
 from .errors import JournalCorrupt, ReplayError
@@ -52,7 +52,7 @@ from .records import (
     replay_mode,
 )
 
-__all__ = ["replay", "Replayer", "ReplayStats", "DEFAULT_WORKERS"]
+__all__ = ["DEFAULT_WORKERS", "ReplayStats", "Replayer", "replay"]
 
 #: lanes restore uses: writes of different files overlap in the kernel (creating a file,
 #: writing its pages). On the 2-core machine of docs/BENCHMARKS.md ("Restore in parallel

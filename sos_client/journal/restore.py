@@ -30,20 +30,19 @@ import datetime as _dt
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from . import layout
 from ._store import SOSNotFound, StoreClient
+from .beneath import Beneath
+from .beneath import clear_directory as _clear
 from .errors import (
     JournalCorrupt,
     JournalNotFound,
     PositionUnavailable,
     TargetNotEmpty,
 )
-from .records import Record, SnapshotEnd
-from .beneath import Beneath
-from .beneath import clear_directory as _clear
 from .points import format_time, parse_batch, parse_time
 from .reading import (
     SegmentReaders,
@@ -59,12 +58,27 @@ from .reading import (
     refuse_breaks,
     segment_records,
 )
+from .records import Record, SnapshotEnd
 from .replay import DEFAULT_WORKERS, ReplayStats, replay
 from .spark_log import commit_path, find_batch
 
-__all__ = ["restore", "rebuild_cache", "Summary", "parse_time", "format_time", "parse_batch", "find_batch",
-           "commit_path", "segment_records", "generation_records", "list_generations", "BATCH_LABEL",
-           "ServerCorrupt", "chain_breaks", "read_segment_bytes"]  # (the last ones: from their modules)
+__all__ = [
+    "BATCH_LABEL",
+    "ServerCorrupt",
+    "Summary",
+    "chain_breaks",
+    "commit_path",
+    "find_batch",
+    "format_time",
+    "generation_records",
+    "list_generations",
+    "parse_batch",
+    "parse_time",
+    "read_segment_bytes",
+    "rebuild_cache",
+    "restore",
+    "segment_records",
+]  # (the last ones: from their modules)
 
 BATCH_LABEL = layout.BATCH_LABEL
 

@@ -13,10 +13,9 @@ from .errors import (
     JournalCorrupt,
     PositionUnavailable,
 )
-from .records import (Create, Delete, Marker, Rename, SnapshotEnd, Truncate,
-                      Write)
 from .points import norm_dir
 from .reading import complete_generations, generation_records, incomplete_after, next_first_seq
+from .records import Create, Delete, Marker, Rename, SnapshotEnd, Truncate, Write
 
 BATCH_LABEL = layout.BATCH_LABEL
 

@@ -65,7 +65,7 @@ def private_file(path: str, text: str) -> None:
 class SpoolSegment:
     """One local segment file. ``written`` counts whole records only."""
 
-    def __init__(self, spool: "Spool", sn: layout.SegmentName, path: str, written: int):
+    def __init__(self, spool: Spool, sn: layout.SegmentName, path: str, written: int):
         self.spool = spool
         self.generation = sn.generation
         self.first_seq = sn.first_seq

@@ -29,7 +29,8 @@ import errno
 import os
 import stat as _stat
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from .barriers import needs_barrier
 from .beneath import Beneath, clear_directory
@@ -55,7 +56,7 @@ from .records import (
 if TYPE_CHECKING:
     from .writer import JournalWriter
 
-__all__ = ["JournaledTree", "rename_noreplace", "renameat_noreplace", "clear_directory", "snapshot_ops"]
+__all__ = ["JournaledTree", "clear_directory", "rename_noreplace", "renameat_noreplace", "snapshot_ops"]
 
 _AT_FDCWD = -100
 _RENAME_NOREPLACE = 1

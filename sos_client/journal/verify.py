@@ -11,9 +11,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from sos_wire.crc import crc32c as _crc32c
+
 from . import layout
 from ._store import Corrupt, StoreClient
 from .errors import JournalCorrupt, JournalTruncated
+from .reading import ServerCorrupt, chain_breaks, list_generations, read_segment_bytes
 from .records import (
     MAX_RECORD_LENGTH,
     MIN_LENGTH,
@@ -23,11 +26,8 @@ from .records import (
     RecordType,
     SnapshotEnd,
 )
-from .reading import ServerCorrupt, chain_breaks, list_generations, read_segment_bytes
 
-from sos_wire.crc import crc32c as _crc32c
-
-__all__ = ["verify", "VerifyReport", "Problem"]
+__all__ = ["Problem", "VerifyReport", "verify"]
 
 _RESYNC_WINDOW = 8 << 20
 

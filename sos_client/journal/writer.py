@@ -38,15 +38,18 @@ import contextlib
 import logging
 import threading
 import time
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
+from ..errors import QuotaExceeded, TierUnavailable
+from ..retry import Backoff, retrying
 from . import layout
 from ._store import (
     Fenced,
-    StoreClient,
     OffsetMismatch,
     SealedError,
     SOSNotFound,
+    StoreClient,
     fenced_epoch,
     is_retryable,
     mismatch_length,
@@ -63,8 +66,6 @@ from .errors import (
 )
 from .records import HEADER, MAX_RECORD_LENGTH, PREFIX, Op, Record, RecordDecoder, SnapshotEnd, encode
 from .spool import Spool, SpoolSegment
-from ..errors import QuotaExceeded, TierUnavailable
-from ..retry import Backoff, retrying
 
 log = logging.getLogger("sos.journal.writer")
 
@@ -662,7 +663,7 @@ class JournalWriter:
                 continue
             except JournalError:
                 raise
-            except Exception as e:  # noqa: BLE001 - classified: only what can pass is retried
+            except Exception as e:
                 if not is_retryable(e):
                     raise JournalError(f"barrier: waiting for the tier to hold {name} up to {length}: "
                                        f"{type(e).__name__}: {e}") from e

@@ -10,7 +10,6 @@ import stat as stat_mod
 
 from fsspec.spec import AbstractBufferedFile
 
-
 #: WRITE records carry at most this many bytes (journal format limit).
 RECORD_DATA_MAX = 1 << 20
 _READ_CHUNK = 1 << 20

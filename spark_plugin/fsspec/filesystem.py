@@ -48,7 +48,7 @@ import os
 import posixpath
 import stat as stat_mod
 import uuid
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from glob import has_magic
 
 from fsspec.spec import AbstractFileSystem
@@ -247,7 +247,7 @@ class SOSFileSystem(AbstractFileSystem):
             return False
 
     def modified(self, path):
-        return datetime.fromtimestamp(self.info(path)["mtime"], tz=timezone.utc)
+        return datetime.fromtimestamp(self.info(path)["mtime"], tz=UTC)
 
     def ukey(self, path):
         info = self.info(path)

@@ -10,7 +10,6 @@ import threading
 
 from sos_client.journal.facade import call_journal
 
-
 # --------------------------------------------------------------------------
 # One journaled tree per (server, namespace, cache directory) per process.
 
@@ -90,7 +89,7 @@ def _open_namespace(server, key, namespace, base_dir, max_lag_bytes, timeout, tl
     role = key_role(client_factory_for(server, key, namespace, timeout=timeout, tls=tls), timeout)
     ident = (server, namespace, root, "read" if role == KeyRole.READ else "append")
     with _REGISTRY_LOCK:
-        if _REGISTRY_PID != os.getpid():
+        if os.getpid() != _REGISTRY_PID:
             # a forked child inherits the dict but not the replicator threads
             _REGISTRY.clear()
             _REGISTRY_PID = os.getpid()

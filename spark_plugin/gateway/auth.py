@@ -32,12 +32,12 @@ import base64
 import binascii
 import hashlib
 import hmac
-import math
 import logging
+import math
 import secrets
 import ssl
-import urllib.parse
 import time
+import urllib.parse
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field

@@ -17,8 +17,6 @@ from sos_wire import argtypes
 from sos_wire.names import validate_namespace
 
 
-
-
 def _owner(text: str) -> tuple[int, int]:
     """UID[:GID] (numbers or names); without GID the user's group (passwd), else GID=UID."""
     import grp
@@ -110,7 +108,7 @@ def run(args) -> int:
         print("sos: mount interrupted (the spool keeps what the server does not have yet)",
               file=sys.stderr)
         return 130
-    except Exception as exc:  # noqa: BLE001 - one line for the user, details in debug
+    except Exception as exc:
         logging.getLogger("sos.mount").debug("mount failed", exc_info=True)
         print(f"sos: mount failed: {exc}", file=sys.stderr)
         return 1

@@ -7,7 +7,6 @@ import collections
 import errno
 import logging
 
-
 log = logging.getLogger("sos.mount")
 
 

@@ -60,7 +60,6 @@ from sos_client.errors import to_oserror
 from sos_client.journal.barriers import needs_barrier
 from sos_client.journal.facade import FenceLatch
 
-
 if TYPE_CHECKING:
     import pyfuse3
     from pyfuse3 import Operations as _OperationsBase
@@ -174,7 +173,7 @@ class SOSOperations(_OperationsBase):
             raise pyfuse3.FUSEError(errno.EPERM)
         return self._join(self.inodes.live_path(parent_ino), name)
 
-    def _virtual_entry(self, ino: int) -> "pyfuse3.EntryAttributes":
+    def _virtual_entry(self, ino: int) -> pyfuse3.EntryAttributes:
         e = pyfuse3.EntryAttributes()
         e.st_ino = ino
         e.generation = 0
@@ -200,7 +199,7 @@ class SOSOperations(_OperationsBase):
     def _namespace_bytes(self) -> bytes:
         return self.namespace.encode("utf-8") + b"\n"
 
-    def _entry(self, ino: int, st: os.stat_result) -> "pyfuse3.EntryAttributes":
+    def _entry(self, ino: int, st: os.stat_result) -> pyfuse3.EntryAttributes:
         e = pyfuse3.EntryAttributes()
         e.st_ino = ino
         e.generation = 0

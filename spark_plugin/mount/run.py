@@ -16,7 +16,6 @@ import trio
 from sos_client.errors import is_fenced
 from sos_client.serving import serve_until_signal
 
-
 if TYPE_CHECKING:
     import pyfuse3
 

@@ -105,13 +105,13 @@ def _run(soak: Soak) -> tuple[int, dict]:
     except KeyboardInterrupt as exc:
         soak.say(f"interrupted ({exc or 'SIGINT'})")
         code = 2
-    except Exception as exc:  # noqa: BLE001 - any surprise keeps the logs
+    except Exception as exc:
         soak.say(f"HARNESS ERROR: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
         code = 2
     finally:
         try:
             soak.cleanup()
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             print(f"cleanup: {exc!r}", file=sys.stderr)
     if result is None:
         result = soak.summary()

@@ -144,7 +144,7 @@ class ClusterSoak(Soak):
                                     workers=2, cores=1, env=child_env())
         try:
             self.cluster.start(timeout=300)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise HarnessError(f"the Spark cluster did not start: {exc}") from exc
         self.worker_starts += 2
 
@@ -215,7 +215,7 @@ class ClusterSoak(Soak):
         try:
             victim.send_signal(signal.SIGKILL)
             self.processes_killed["executor"] += 1
-        except Exception:  # noqa: BLE001 - psutil.NoSuchProcess: it died meanwhile
+        except Exception:
             pass
         verdict = self.check(self.view(), "after an executor kill")
         return f"executor JVM pid {pid} SIGKILLed (its Worker relaunches one); check: {verdict}"
@@ -231,7 +231,7 @@ class ClusterSoak(Soak):
         t = time.monotonic()
         try:
             self.cluster.start_worker(i, timeout=300)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise HarnessError(f"replacement worker {i} did not start: {exc}") from exc
         self.worker_starts += 1
         return (f"worker {i} (pid {node.proc.pid}, {n_exec} executor) SIGKILLed with its node's "
@@ -303,7 +303,7 @@ class ClusterSoak(Soak):
             commits = view.commits()
             if commits:
                 self.seen_files = max(self.seen_files, source_offset(view, max(commits)) + 1)
-        except Exception as exc:  # noqa: BLE001 - a look only; the stall timeout decides
+        except Exception as exc:
             self.say(f"peek at the checkpoint failed: {exc!r:.200}")
 
     def supervise(self) -> bool:

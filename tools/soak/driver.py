@@ -73,18 +73,18 @@ def driver_main(cfg_path: str) -> int:
     class AckListener(MarkerListener):
         """Records committed batches for the harness, then writes the batch marker."""
 
-        def onQueryProgress(self, event):  # noqa: N802 - Spark's name
+        def onQueryProgress(self, event):
             try:
                 p = event.progress
                 if int(p.numInputRows) > 0 and os.path.exists(
                         os.path.join(self.checkpoint, "commits", str(int(p.batchId)))):
                     try:
                         log_offset = int(json.loads(p.sources[0].endOffset)["logOffset"])
-                    except Exception:  # noqa: BLE001
+                    except Exception:
                         log_offset = -1
                     with open(acked_path, "a") as f:
                         f.write(f"{int(p.batchId)} {log_offset}\n")
-            except Exception as exc:  # noqa: BLE001 - a listener must never kill the query
+            except Exception as exc:
                 self.errors.append(repr(exc))
             super().onQueryProgress(event)
 
@@ -110,17 +110,17 @@ def driver_main(cfg_path: str) -> int:
                             raise
                         time.sleep(0.5)
 
-            def onQueryProgress(self, event):  # noqa: N802 - Spark's name
+            def onQueryProgress(self, event):
                 try:
                     p = event.progress
                     if int(p.numInputRows) > 0 and self.committed(int(p.batchId)):
                         try:
                             log_offset = int(json.loads(p.sources[0].endOffset)["logOffset"])
-                        except Exception:  # noqa: BLE001
+                        except Exception:
                             log_offset = -1
                         with open(acked_path, "a") as f:
                             f.write(f"{int(p.batchId)} {log_offset}\n")
-                except Exception as exc:  # noqa: BLE001 - a listener must never kill the query
+                except Exception as exc:
                     self.errors.append(repr(exc))
                 super().onQueryProgress(event)
 
@@ -143,13 +143,13 @@ def driver_main(cfg_path: str) -> int:
             if query is not None:
                 try:
                     query.stop()
-                except Exception:  # noqa: BLE001 - it failed already; we only want it gone
+                except Exception:
                     pass
                 query = None
             if listener is not None:
                 try:
                     spark.streams.removeListener(listener)
-                except Exception:  # noqa: BLE001
+                except Exception:
                     pass
                 listener = None
             action = cmd["action"]
@@ -170,7 +170,7 @@ def driver_main(cfg_path: str) -> int:
                 query = (stream.writeStream.foreachBatch(sink)
                          .option("checkpointLocation", chk)
                          .trigger(processingTime=TRIGGER).start())
-            except Exception as exc:  # noqa: BLE001 - reported to the harness
+            except Exception as exc:
                 status(handled, "failed", f"start: {type(exc).__name__}: {str(exc)[:400]}")
                 query = None
                 continue
@@ -188,7 +188,7 @@ def driver_main(cfg_path: str) -> int:
                 if unreadable:
                     i = full.index("CANNOT_LOAD_STATE_STORE")
                     err = full[max(0, i - 40):i + 500]
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 err = repr(e)[:600]
             status(handled, "failed", err, unreadable)
             note(f"query failed: {err[:200]}")

@@ -13,8 +13,17 @@ import sys
 import time
 
 from tools import child_env
-from tools.demo_common import (CHECKPOINT, EmbeddedStore, backup_keys, check_output, keygen, kill_tree,
-                               make_input, restore_keys, wait_tier_drained)
+from tools.demo_common import (
+    CHECKPOINT,
+    EmbeddedStore,
+    backup_keys,
+    check_output,
+    keygen,
+    kill_tree,
+    make_input,
+    restore_keys,
+    wait_tier_drained,
+)
 from tools.server import ServerProcess
 from tools.soak.checks import Checks, checkpoint_commits, source_offset
 from tools.soak.common import KINDS, NAMESPACE, HarnessError, Violation, _read_json, _write_json_atomic
@@ -201,7 +210,7 @@ class Soak(Checks):
                                      timeout=300,
                                      log_path=os.path.join(self.paths["logs"],
                                                            f"mount{self.mount_n}.log"))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise HarnessError(f"sos mount #{self.mount_n} did not start: {exc}") from exc
         os.makedirs(self.checkpoint(), exist_ok=True)
         return time.monotonic() - t
