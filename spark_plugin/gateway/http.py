@@ -122,7 +122,9 @@ class Conn:
         #: cancelled to close the connection from outside (:meth:`Slots.make_room`)
         self.scope = trio.CancelScope()
 
-    async def wait_for_request(self, timeout: float, idle: set[trio.CancelScope]) -> bool:
+    async def wait_for_request(
+        self, timeout: float, idle: set[trio.CancelScope],  # noqa: ASYNC109 - ends in False, not a cancellation
+    ) -> bool:
         """Wait for the first bytes of the next request: True once some are here, False
         after ``timeout`` or when a stopping gateway cancels the wait. While it waits the
         connection is idle: its scope is in ``idle`` (no byte of a request is lost by
@@ -145,7 +147,7 @@ class Conn:
                 idle.discard(scope)
         return False
 
-    async def next_event(self, timeout: float = STALL_TIMEOUT) -> Any:
+    async def next_event(self, timeout: float = STALL_TIMEOUT) -> Any:  # noqa: ASYNC109 - a stall is a Drop
         """The next h11 event; a receive waits at most ``timeout`` (then the connection is
         dropped) and never past :attr:`deadline` (then 408, and the connection closes)."""
         while True:

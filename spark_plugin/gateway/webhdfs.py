@@ -41,7 +41,11 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from sos_client.errors import SOSError, errno_of, is_fenced, to_oserror
 from sos_client.journal.beneath import Beneath
+from sos_client.journal.errors import JournalError, JournalQuotaExceeded
+from sos_client.journal.facade import journal_error
+from sos_client.journal.records import validate_path
 
 __all__ = ["JAVA_CLASSES", "SETPERMISSION_MASK", "WebHdfsError", "WebHdfsNamespace",
            "effective_permission", "file_status", "hdfs_path", "parse_permission",
@@ -149,8 +153,6 @@ def rel_path(path: str) -> str:
             raise _illegal(f"Invalid path name {path}")
     rel = "/".join(parts)
     if rel:
-        from sos_client.journal.records import validate_path
-
         try:
             validate_path(rel)
         except ValueError as exc:
@@ -293,8 +295,6 @@ class WebHdfsNamespace:
         if self.writer is None:
             yield
             return
-        from sos_client.journal.errors import JournalQuotaExceeded
-
         with contextlib.ExitStack() as stack:
             try:
                 stack.enter_context(self.writer.admission())
@@ -310,10 +310,6 @@ class WebHdfsNamespace:
     def _journal(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Call a tree mutation; journal failures and races become WebHdfsErrors (by the
         errno of :func:`sos_client.errors.to_oserror`, as fsspec and the mount map them)."""
-        from sos_client.errors import SOSError, errno_of, is_fenced, to_oserror
-        from sos_client.journal.errors import JournalError
-        from sos_client.journal.facade import journal_error
-
         try:
             return fn(*args, **kwargs)
         except (JournalError, SOSError, OSError) as exc:
@@ -480,7 +476,7 @@ class WebHdfsNamespace:
                                    f"Path is not a directory: {hdfs_path(rel)}")
             if rel == "":
                 return {"boolean": True}
-            for sub in self._check_parent(rel, create_parent=True) + [rel]:
+            for sub in [*self._check_parent(rel, create_parent=True), rel]:
                 self._journal(self.tree.mkdir, sub, mode | 0o300 if sub != rel else mode)
         return {"boolean": True}
 

@@ -442,7 +442,7 @@ class SOSOperations(_OperationsBase):
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         path = self._child(parent_inode, name)
-        existed = os.path.lexists(self._local(path))  # noqa: ASYNC240 - a cache lstat; CREATE of an existing name: open it
+        existed = os.path.lexists(self._local(path))  # noqa: ASYNC240 - a cache lstat; an existing name is opened
         await self._call(self.tree.create, path, stat.S_IMODE(mode))
         if not existed:
             self._give_to_caller(path, ctx)
