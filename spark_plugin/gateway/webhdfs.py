@@ -38,14 +38,19 @@ import os
 import posixpath
 import stat as stat_mod
 import threading
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from sos_client.errors import SOSError, errno_of, is_fenced, to_oserror
 from sos_client.journal.beneath import Beneath
 from sos_client.journal.errors import JournalError, JournalQuotaExceeded
 from sos_client.journal.facade import journal_error
 from sos_client.journal.records import validate_path
+
+if TYPE_CHECKING:
+    from sos_client.journal.open import OpenNamespace
+
+_R = TypeVar("_R")
 
 __all__ = ["JAVA_CLASSES", "SETPERMISSION_MASK", "WebHdfsError", "WebHdfsNamespace",
            "effective_permission", "file_status", "hdfs_path", "parse_permission",
@@ -215,7 +220,7 @@ class WebHdfsNamespace:
     reports (the journal records no owners).
     """
 
-    def __init__(self, opened: Any, *, sync: bool = True, owner: str = "sos",
+    def __init__(self, opened: OpenNamespace, *, sync: bool = True, owner: str = "sos",
                  group: str = "sos") -> None:
         self.opened = opened
         self.tree = opened.tree
@@ -307,7 +312,7 @@ class WebHdfsNamespace:
                             f"The DiskSpace quota of namespace {self.namespace!r} is exceeded: "
                             f"{exc}")
 
-    def _journal(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    def _journal(self, fn: Callable[..., _R], *args: Any, **kwargs: Any) -> _R:
         """Call a tree mutation; journal failures and races become WebHdfsErrors (by the
         errno of :func:`sos_client.errors.to_oserror`, as fsspec and the mount map them)."""
         try:
