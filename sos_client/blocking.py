@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import ssl as _ssl
 import threading
@@ -125,10 +126,8 @@ class Client(ClientSettings):
     def _drop(self) -> None:
         sock, self._sock, self._core = self._sock, None, None
         if sock is not None:
-            try:
+            with contextlib.suppress(OSError):
                 sock.close()
-            except OSError:  # pragma: no cover
-                pass
 
     def reconnect(self) -> None:
         """Close the current connection (if any) and open a fresh, authenticated one."""
