@@ -50,6 +50,7 @@ from ._store import (
     SealedError,
     SOSNotFound,
     StoreClient,
+    close_quietly,
     fenced_epoch,
     is_retryable,
     mismatch_length,
@@ -64,6 +65,7 @@ from .errors import (
     WriterClosed,
     WriterFenced,
 )
+from .reading import chain_breaks
 from .records import HEADER, MAX_RECORD_LENGTH, PREFIX, Op, Record, RecordDecoder, SnapshotEnd, encode
 from .spool import Spool, SpoolSegment
 
@@ -291,7 +293,7 @@ class JournalWriter:
                     try:
                         self._open_with(client)
                     finally:
-                        _close_quietly(client)
+                        close_quietly(client)
         except BaseException:
             for s in self._segs:
                 s.close()
@@ -431,8 +433,6 @@ class JournalWriter:
 
     def _check_chain(self, client: StoreClient, gens: dict[int, layout.GenerationInfo]) -> None:
         """Refuse to write after generations that do not form one chain (protocol.md 2.1)."""
-        from .reading import chain_breaks
-
         breaks = chain_breaks(client, gens)
         if breaks:
             b = breaks[0]
@@ -625,7 +625,7 @@ class JournalWriter:
 
     def _tier_drop(self) -> None:
         client, self._tier_client = self._tier_client, None
-        _close_quietly(client)
+        close_quietly(client)
 
     def _tier_probe(self, client: StoreClient, name: str) -> None:
         """TIER_WAIT ``name`` at offset 0 (answered at once): fails only when the server has no
@@ -677,7 +677,7 @@ class JournalWriter:
                 if recheck or not self._tier_checked:
                     self._tier_probe(client, name)  # JournalTierUnavailable: it will never have it
                     recheck = False
-                got = client.tier_wait(name, length, wait)  # type: ignore[attr-defined]
+                got = client.tier_wait(name, length, wait)  # type: ignore[attr-defined]  # _tier_probe found it
             except TierUnavailable as e:
                 last, tiered, recheck = e, max(tiered, e.length), True
                 if time.monotonic() - started < wait / 2:  # answered early: do not ask in a loop
@@ -824,7 +824,7 @@ class JournalWriter:
                 self._attempted(task, e)
                 delay = backoff.next()
                 log.warning("replicator: %s: %s; retrying in %.2fs", type(e).__name__, e, delay)
-                _close_quietly(client)
+                close_quietly(client)
                 client = None
                 self.reconnects += 1
                 with self._cv:
@@ -835,7 +835,7 @@ class JournalWriter:
                 self._wake.clear()
                 if self._stop.is_set():
                     break
-        _close_quietly(client)
+        close_quietly(client)
 
     def _attempted(self, task: _Task, error: BaseException | None) -> None:
         """After each attempt: enter the quota state on QUOTA_EXCEEDED, leave it when a task
@@ -861,14 +861,12 @@ class JournalWriter:
     def _do(self, client: StoreClient, task: _Task) -> None:
         kind, arg = task
         if kind == "seal_foreign":
-            try:
+            with contextlib.suppress(SOSNotFound):
                 client.seal(arg, epoch=self.epoch)
-            except SOSNotFound:
-                pass
             with self._cv:
                 self._foreign_unsealed.remove(arg)
         elif kind == "ready":
-            g, seq = arg
+            g, _seq = arg
             name = layout.ready_name(g)
             try:
                 length, _sealed = client.stat(name)
@@ -1040,11 +1038,3 @@ class JournalWriter:
             self._acked = last_seq
         self._cv.notify_all()
 
-
-def _close_quietly(client: StoreClient | None) -> None:
-    if client is None:
-        return
-    try:
-        client.close()
-    except Exception:  # noqa: BLE001 - closing a broken connection
-        pass
