@@ -16,15 +16,14 @@ import trio
 
 from sos_client.errors import is_fenced
 from sos_client.journal.beneath import Beneath
+from sos_client.journal.open import ClientFactory, open_namespace
 from sos_client.journal.open import default_cache_dir as _journal_cache_dir
-from sos_client.journal.open import open_namespace
 from sos_client.journal.tree import JournaledTree
 from sos_client.serving import serve_until_signal
 
 if TYPE_CHECKING:
     import pyfuse3
 
-    from sos_client.journal._store import StoreClient
     from sos_client.journal.writer import JournalWriter
 else:
     try:  # pyfuse3 is an optional dependency (extra "mount")
@@ -67,7 +66,7 @@ class MountedTree:
 
     def __init__(self, namespace: str, server: str, key: str, cache_dir: str, *,
                  sync: bool = True, max_lag_bytes: int = 64 << 20,
-                 generation_bytes: int | None = None, client_factory: Callable[[], StoreClient] | None = None,
+                 generation_bytes: int | None = None, client_factory: ClientFactory | None = None,
                  timeout: float = 30.0, tls: ssl.SSLContext | bool | None = None) -> None:
         self.namespace = namespace
         self._client_factory = client_factory
@@ -160,7 +159,7 @@ def give_tree_to(tree_dir: str, owner: tuple[int, int], *, everything: bool) -> 
 def run_mount(namespace: str, mountpoint: str, *, server: str, key: str,
               cache_dir: str | None = None, sync: bool = True, max_lag_bytes: int = 64 << 20,
               allow_other: bool = False, debug: bool = False,
-              client_factory: Callable[[], StoreClient] | None = None,
+              client_factory: ClientFactory | None = None,
               flush_timeout: float = 120.0, writeback_cache: bool = False,
               owner: tuple[int, int] | None = None,
               generation_bytes: int | None = None) -> int:
