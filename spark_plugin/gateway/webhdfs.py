@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
 import posixpath
 import stat as stat_mod
@@ -46,6 +47,7 @@ from sos_client.journal.beneath import Beneath
 from sos_client.journal.errors import JournalError, JournalQuotaExceeded
 from sos_client.journal.facade import journal_error
 from sos_client.journal.records import validate_path
+from sos_wire.crc import crc32c
 
 if TYPE_CHECKING:
     from sos_client.journal.open import OpenNamespace
@@ -71,12 +73,24 @@ JAVA_CLASSES: dict[str, tuple[str, int]] = {
         "org.apache.hadoop.hdfs.protocol.DSQuotaExceededException", 403),
     "AccessControlException": ("org.apache.hadoop.security.AccessControlException", 403),
     "IOException": ("java.io.IOException", 403),
+    "EOFException": ("java.io.EOFException", 403),
     "IllegalArgumentException": ("java.lang.IllegalArgumentException", 400),
     "HadoopIllegalArgumentException": ("org.apache.hadoop.HadoopIllegalArgumentException", 400),
     "UnsupportedOperationException": ("java.lang.UnsupportedOperationException", 400),
 }
 
 BLOCK_SIZE = 128 << 20
+#: bytes per CRC of HDFS's block checksums (dfs.bytes-per-checksum), GETFILECHECKSUM's unit
+BYTES_PER_CRC = 512
+#: the one host of every block: a filesystem without locality (Hadoop's filesystem
+#: specification, FileSystem.getFileBlockLocations' default: localhost, port 9866)
+BLOCK_HOST = "localhost"
+BLOCK_NAME = "localhost:9866"
+#: ContentSummary.ecPolicy of a file with no erasure-coding policy (HDFS's name for it); a
+#: directory without a policy has "" (HDFS's ContentSummaryComputationContext)
+REPLICATED = "Replicated"
+#: GETFILECHECKSUM reads the file in pieces of this size (a multiple of BYTES_PER_CRC)
+CHECKSUM_PIECE = 1 << 20
 #: LISTSTATUS_BATCH entries per reply (HDFS's dfs.ls.limit default)
 LIST_BATCH = 1000
 #: a file whose body streams is written to the journal in pieces of this size
@@ -433,9 +447,124 @@ class WebHdfsNamespace:
                     pass  # changed while summed up: HDFS does not lock either
             else:
                 files, length = 1, st.st_size
-        return {"ContentSummary": {"directoryCount": dirs, "fileCount": files, "length": length,
-                                   "quota": -1, "spaceConsumed": length, "spaceQuota": -1,
-                                   "typeQuota": {}}}
+        ec_policy = "" if stat_mod.S_ISDIR(st.st_mode) else REPLICATED
+        return {"ContentSummary": {"directoryCount": dirs, "ecPolicy": ec_policy,
+                                   "fileCount": files, "length": length, "quota": -1,
+                                   "spaceConsumed": length, "spaceQuota": -1, "typeQuota": {}}}
+
+    def block_locations(self, rel: str, offset: int, length: int | None) -> dict:
+        """GETFILEBLOCKLOCATIONS: one BlockLocation per BLOCK_SIZE block of the file that
+        overlaps [offset, offset + length) (the block holding ``offset`` at least, as HDFS's
+        BlockManager gives it even for length 0), each on BLOCK_HOST: the filesystem
+        specification's answer for a filesystem without locality. None past the end, none
+        for an empty file; a directory is refused as HDFS refuses it (Path is not a file)."""
+        if offset < 0:
+            raise WebHdfsError("HadoopIllegalArgumentException",
+                               f"Negative offset is not supported. File: {hdfs_path(rel)}")
+        if length is not None and length < 0:
+            raise WebHdfsError("HadoopIllegalArgumentException",
+                               f"Negative length is not supported. File: {hdfs_path(rel)}")
+        size = self._require_file(rel).st_size
+        end = size if length is None else min(size, offset + length)
+        blocks: list[dict[str, Any]] = []
+        start = offset - offset % BLOCK_SIZE
+        while offset < size and start < size and (start < end or not blocks):
+            blocks.append({"cachedHosts": [], "corrupt": False, "hosts": [BLOCK_HOST],
+                           "length": min(BLOCK_SIZE, size - start), "names": [BLOCK_NAME],
+                           "offset": start, "storageIds": [], "storageTypes": ["DISK"],
+                           "topologyPaths": []})
+            start += BLOCK_SIZE
+        return {"BlockLocations": {"BlockLocation": blocks}}
+
+    def file_checksum(self, rel: str) -> dict:
+        """GETFILECHECKSUM: HDFS's MD5MD5CRC32FileChecksum of a replicated file, computed as
+        a DataNode and DFSClient compute it (MD5MD5CRC combine mode, CRC32C): for each
+        BLOCK_SIZE block the MD5 of its chunk CRCs (CRC32C of every BYTES_PER_CRC bytes,
+        the last chunk short, 4 bytes big-endian each, as in the block's meta file), then
+        the MD5 of those MD5s. crcPerBlock is the first block's CRC count when the file has
+        more than one block, else 0 (FileChecksumHelper). An empty file has no block and no
+        checksum of blocks: HDFS gives it the "magic entry" of earlier versions, the CRC32
+        (gzip) checksum with bytesPerCRC 0, crcPerBlock 0 and the MD5 of 32 zero bytes
+        (FileChecksumHelper.FileChecksumComputer.compute)."""
+        fd, _start, count = self.open_for_read(rel, 0, None)
+        try:
+            if count == 0:
+                raw = bytes(12) + hashlib.md5(bytes(32), usedforsecurity=False).digest()
+                return {"FileChecksum": {"algorithm": "MD5-of-0MD5-of-0CRC32",
+                                         "bytes": raw.hex(), "length": len(raw)}}
+            file_md5 = hashlib.md5(usedforsecurity=False)  # of the blocks' MD5s
+            blocks = 0
+            for block_start in range(0, count, BLOCK_SIZE):
+                block_end = min(count, block_start + BLOCK_SIZE)
+                crcs = bytearray()
+                pos = block_start
+                while pos < block_end:
+                    piece = os.pread(fd, min(CHECKSUM_PIECE, block_end - pos), pos)
+                    if not piece:
+                        raise WebHdfsError("IOException", f"{hdfs_path(rel)} shrank while "
+                                           f"its checksum was computed")
+                    view = memoryview(piece)
+                    for i in range(0, len(view), BYTES_PER_CRC):
+                        crcs += crc32c(view[i:i + BYTES_PER_CRC]).to_bytes(4, "big")
+                    pos += len(piece)
+                file_md5.update(hashlib.md5(crcs, usedforsecurity=False).digest())
+                blocks += 1
+        finally:
+            os.close(fd)
+        crc_per_block = -(-BLOCK_SIZE // BYTES_PER_CRC) if blocks > 1 else 0
+        raw = BYTES_PER_CRC.to_bytes(4, "big") + crc_per_block.to_bytes(8, "big") + file_md5.digest()
+        return {"FileChecksum": {"algorithm": f"MD5-of-{crc_per_block}MD5-of-{BYTES_PER_CRC}CRC32C",
+                                 "bytes": raw.hex(), "length": len(raw)}}
+
+    def fs_status(self) -> dict:
+        """GETSTATUS: capacity, used and remaining bytes of the gateway's cache filesystem
+        (statvfs): the SOS server tells a client neither its quota nor its disk."""
+        sv = os.statvfs(self.root)
+        return {"FsStatus": {"capacity": sv.f_blocks * sv.f_frsize,
+                             "remaining": sv.f_bavail * sv.f_frsize,
+                             "used": (sv.f_blocks - sv.f_bfree) * sv.f_frsize}}
+
+    @staticmethod
+    def trash_root(user: str) -> dict:
+        """GETTRASHROOT: /user/USER/.Trash, as HDFS outside an encryption zone."""
+        return {"Path": f"/user/{user}/.Trash"}
+
+    def trash_roots(self, user: str, all_users: bool) -> dict:
+        """GETTRASHROOTS: the trash directories that exist (/user/*/.Trash for all users,
+        else the caller's), as HDFS's DistributedFileSystem.getTrashRoots lists them, in the
+        FileStatus form JsonUtil gives that list."""
+        paths = []
+        with self._cache() as at:
+            if all_users:
+                st = self._stat("user", at)
+                users = sorted(at.listdir("user")) if st is not None and stat_mod.S_ISDIR(st.st_mode) else []
+            else:
+                users = [user]
+            for name in users:
+                rel = f"user/{name}/.Trash"
+                try:
+                    validate_path(rel)
+                except ValueError:
+                    continue
+                tst = self._stat(rel, at)
+                if tst is None or not stat_mod.S_ISDIR(tst.st_mode):
+                    continue
+                paths.append({"path": hdfs_path(rel), "length": 0, "isdir": True,
+                              "block_replication": 0, "blocksize": 0,
+                              "modification_time": tst.st_mtime_ns // 1_000_000,
+                              "access_time": tst.st_atime_ns // 1_000_000,
+                              "permission": format(stat_mod.S_IMODE(tst.st_mode) & 0o1777, "o"),
+                              "owner": self.owner, "group": self.group})
+        return {"Paths": paths}
+
+    def set_owner(self, rel: str, owner: str, group: str) -> None:
+        """SETOWNER: accepted and nothing recorded, as Hadoop's FileSystem base class and the
+        object stores do for a filesystem without owners: the journal has no owner record,
+        every entry reports the gateway's --owner/--group. The path must exist (HDFS's
+        FileNotFoundException otherwise) and one of owner, group be given."""
+        if not owner and not group:
+            raise _illegal("Both owner and group are empty.")
+        self._require(rel)
 
     def check_access(self, rel: str, fsaction: str, can_write: bool) -> None:
         self._require(rel)
@@ -464,6 +593,9 @@ class WebHdfsNamespace:
                                        f"Permission denied: {hdfs_path(rel)}: {exc.strerror}") from None
                 raise _not_found(hdfs_path(rel)) from None  # gone, or swapped for a link
         st = os.fstat(fd)
+        if offset > st.st_size:  # HDFS's DataNode: DFSInputStream.seek refuses it
+            os.close(fd)
+            raise WebHdfsError("EOFException", "Cannot seek after EOF")
         start = min(offset, st.st_size)
         count = st.st_size - start
         if length is not None:
@@ -529,6 +661,8 @@ class WebHdfsNamespace:
             raise WebHdfsError("FileAlreadyExistsException",
                                f"rename destination {dst_name} already exists")
         if src_is_dir and (dst + "/").startswith(rel + "/"):
+            if boolean:
+                return False  # HDFS's boolean rename: false (rename2 raises)
             raise WebHdfsError("IOException", f"Rename destination {dst_name} is a directory or "
                                f"file under source {src_name}")
         parent = posixpath.dirname(dst)
@@ -572,6 +706,11 @@ class WebHdfsNamespace:
         with self.lock, self._admission():
             with self._cache() as at:
                 st = self._stat(rel, at)
+                if rel == "" and not recursive and at.listdir(rel):
+                    # HDFS's FSDirDeleteOp checks a non-recursive delete of a non-empty
+                    # directory before it refuses the root
+                    raise WebHdfsError("PathIsNotEmptyDirectoryException",
+                                       "`/ is non empty': Directory is not empty")
                 if st is None or rel == "":
                     return {"boolean": False}  # HDFS: false for a missing path and for the root
                 if stat_mod.S_ISDIR(st.st_mode):
@@ -709,6 +848,11 @@ class WebHdfsNamespace:
             except BaseException:
                 self.release(rel)
                 raise
+
+    def is_file(self, rel: str) -> bool:
+        """``rel`` is an existing regular file (CREATE with the APPEND flag appends to it)."""
+        st = self._stat(rel)
+        return st is not None and stat_mod.S_ISREG(st.st_mode)
 
     def check_append(self, rel: str) -> os.stat_result:
         return self._require_file(rel)
