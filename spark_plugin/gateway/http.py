@@ -49,6 +49,13 @@ HEAD_TIMEOUT = 20.0
 #: memory it holds are freed); a step of SEND_STEP bytes must go out within it
 SEND_TIMEOUT = 60.0
 SEND_STEP = 64 << 10
+#: sent with every reply: Java's HttpURLConnection (Hadoop's WebHDFS client) then drops a
+#: pooled connection idle longer than this instead of reusing it. After a gateway restart
+#: its pool holds connections to the dead process; a reused one fails a request that
+#: streams a body (CREATE, APPEND data) with "Unexpected end of file from server", never
+#: retried. A restart takes longer than this, so no connection of the old process is reused.
+#: (Java reads Keep-Alive only beside "Connection: keep-alive")
+KEEP_ALIVE_HINT = [(b"connection", b"keep-alive"), (b"keep-alive", b"timeout=1")]
 #: connection caps: all at once, per client address (IPv4 address, IPv6 /64)
 MAX_CONNECTIONS = 1024
 MAX_CONNECTIONS_PER_ADDRESS = 64
@@ -220,6 +227,10 @@ class Conn:
         if isinstance(event, h11.Response) and self.closing:
             event = h11.Response(status_code=event.status_code, reason=event.reason,
                                  headers=[*event.headers, (b"connection", b"close")])
+        elif isinstance(event, h11.Response) and not any(k.lower() == b"connection"
+                                                         for k, _ in event.headers):
+            event = h11.Response(status_code=event.status_code, reason=event.reason,
+                                 headers=[*event.headers, *KEEP_ALIVE_HINT])
         data = self.h11.send(event)
         if data:
             await self.send_bytes(data)

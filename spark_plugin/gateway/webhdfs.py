@@ -35,10 +35,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import json
 import os
 import posixpath
 import stat as stat_mod
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -91,6 +93,11 @@ BLOCK_NAME = "localhost:9866"
 REPLICATED = "Replicated"
 #: GETFILECHECKSUM reads the file in pieces of this size (a multiple of BYTES_PER_CRC)
 CHECKSUM_PIECE = 1 << 20
+#: RENAMEs remembered for a client's retry (see WebHdfsNamespace.recent_renames), at most
+#: this many, for this long (seconds), in this file of the cache directory (beside tree/)
+RENAME_MEMORY = 256
+RENAME_RETRY_WINDOW = 600.0
+RENAME_MEMORY_FILE = "gateway-renames.json"
 #: LISTSTATUS_BATCH entries per reply (HDFS's dfs.ls.limit default)
 LIST_BATCH = 1000
 #: a file whose body streams is written to the journal in pieces of this size
@@ -247,6 +254,63 @@ class WebHdfsNamespace:
         self.lock = threading.Lock()
         self._leases: set[str] = set()
         self._leases_lock = threading.Lock()
+        #: (source, destination asked) -> [destination, its _identity, wall time] of the last
+        #: RENAMEs, kept in the cache directory: see :meth:`_renamed_already`
+        self._renames_file = os.path.join(os.path.dirname(self.root), RENAME_MEMORY_FILE)
+        self.recent_renames: dict[tuple[str, str], list[Any]] = self._load_renames()
+
+    # ------------------------------------------------------------------ rename retries
+    def _load_renames(self) -> dict[tuple[str, str], list[Any]]:
+        try:
+            with open(self._renames_file, encoding="utf-8") as f:
+                rows = json.load(f)
+            return {(str(r[0]), str(r[1])): [str(r[2]), int(r[3]), float(r[4])] for r in rows}
+        except (OSError, ValueError, TypeError, IndexError):
+            return {}  # none yet, or unreadable: no retry is recognised, nothing else changes
+
+    def _remember_rename(self, at: Beneath, rel: str, asked: str, dst: str) -> None:
+        """Note a RENAME that was applied, before its reply (called under :attr:`lock`).
+        The file is written whole (a few KiB) and replaced: a SIGKILLed gateway leaves it
+        whole for the next one on the same cache."""
+        st = self._stat(dst, at)
+        if st is None:
+            return
+        now = time.time()
+        renames = {k: v for k, v in self.recent_renames.items() if now - v[2] < RENAME_RETRY_WINDOW}
+        renames.pop((rel, asked), None)
+        renames[(rel, asked)] = [dst, self._identity(st), now]
+        while len(renames) > RENAME_MEMORY:
+            del renames[next(iter(renames))]
+        self.recent_renames = renames
+        tmp = self._renames_file + ".tmp"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump([[k[0], k[1], *v] for k, v in renames.items()], f)
+            os.replace(tmp, self._renames_file)
+        except OSError:
+            pass  # a retry after a crash is then not recognised: the client sees HDFS's answer
+
+    def _renamed_already(self, at: Beneath, rel: str, asked: str) -> bool:
+        """Whether a RENAME of a missing ``rel`` to ``asked`` is the retry of one this gateway
+        (or the one before it on this cache) applied in the last RENAME_RETRY_WINDOW seconds,
+        its destination still the entry it renamed: Hadoop's client resends a request whose
+        reply it did not get (a gateway killed after applying a RENAME, before answering
+        it), and a checkpoint's rename of its temporary file must not fail for it. HDFS's
+        NameNode answers such a retry from its RetryCache, rebuilt from its edit log after a
+        restart; this is the gateway's."""
+        seen = self.recent_renames.get((rel, asked))
+        if seen is None or time.time() - seen[2] >= RENAME_RETRY_WINDOW:
+            return False
+        st = self._stat(seen[0], at)
+        return st is not None and self._identity(st) == seen[1]
+
+    @staticmethod
+    def _identity(st: os.stat_result) -> int:
+        """What a rebuilt cache keeps of an entry (a gateway restarted after a crash may
+        rebuild its tree from the server: new inodes, new times): -1 for a directory, else
+        the file's size."""
+        return -1 if stat_mod.S_ISDIR(st.st_mode) else st.st_size
 
     # ------------------------------------------------------------------ helpers
     def local(self, rel: str) -> str:
@@ -633,7 +697,10 @@ class WebHdfsNamespace:
         src_st = self._stat(rel, at)
         boolean = options is None
         src_name, dst_name = hdfs_path(rel), hdfs_path(dst)
+        asked = dst
         if src_st is None:
+            if self._renamed_already(at, rel, asked):
+                return True  # a retry of a RENAME already applied: its first answer
             if boolean:
                 return False
             raise _not_found(src_name)
@@ -700,6 +767,7 @@ class WebHdfsNamespace:
             if boolean and exc.exception == "FileAlreadyExistsException":
                 return False  # appeared meanwhile (atomic no-replace rename)
             raise
+        self._remember_rename(at, rel, asked, dst)
         return True
 
     def delete(self, rel: str, recursive: bool) -> dict:
