@@ -13,6 +13,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import urllib.request
 
 import crc32c
 import pytest
@@ -277,3 +278,49 @@ def test_open_past_end_rename_into_child_and_delete_root_as_hdfs(java_env, gatew
     assert r["seekPastEnd"] == ("ok", "EOFException"), r
     assert r["renameIntoChild"] == ("ok", "false IOException true"), r
     assert r["deleteRoot"] == ("ok", "false true"), r
+
+
+# ---------------------------------------------------------------------------- retries after a crash
+
+
+def test_a_rename_resent_after_a_gateway_crash_answers_as_the_first(server, tmp_path):
+    """Hadoop's client resends a RENAME whose reply it did not get (the gateway killed
+    after applying it, before answering): the resent one, on the gateway restarted on the
+    same cache, answers as the first did (rename2: no error; rename: true), as HDFS's
+    RetryCache answers a retried call; a rename of a source that never was is still refused.
+    Every reply asks Java's client to drop pooled connections idle over 1 s."""
+    from spark_plugin.gateway.client import GatewayClient, GatewayError
+
+    key = server.keygen("retries", "append")
+    gw = GatewayProcess("retries", str(tmp_path / "cache"), server.address, key).start()
+    try:
+        c = GatewayClient(gw.url, "retries", key)
+        c.call("PUT", "/webhdfs/v1/ckpt/.0.tmp", b"", op="CREATE", data="true")
+        c.call("PUT", "/webhdfs/v1/ckpt/.1.tmp", b"x", op="CREATE", data="true")
+        c.call("PUT", "/webhdfs/v1/ckpt/.0.tmp", op="RENAME", destination="/ckpt/0",
+               renameoptions="NONE")
+        assert c.call("PUT", "/webhdfs/v1/ckpt/.1.tmp", op="RENAME",
+                      destination="/ckpt/1") == {"boolean": True}
+        with urllib.request.urlopen(urllib.request.Request(
+                f"{gw.url}/webhdfs/v1/ckpt?op=LISTSTATUS",
+                headers={"Authorization": f"Bearer {c.token()}"})) as r:
+            assert r.headers["Keep-Alive"] == "timeout=1"  # (urllib asked to close: h11 says close)
+        port = gw.url.rsplit(":", 1)[1]
+        gw.kill()
+        gw = GatewayProcess("retries", str(tmp_path / "cache"), server.address, key,
+                            listen=f"127.0.0.1:{port}").start()
+        c = GatewayClient(gw.url, "retries", key)
+        # resent: the first answers
+        assert c.call("PUT", "/webhdfs/v1/ckpt/.0.tmp", op="RENAME", destination="/ckpt/0",
+                      renameoptions="NONE") == {}
+        assert c.call("PUT", "/webhdfs/v1/ckpt/.1.tmp", op="RENAME",
+                      destination="/ckpt/1") == {"boolean": True}
+        # not a retry: another destination, or a source never renamed
+        with pytest.raises(GatewayError) as err:
+            c.call("PUT", "/webhdfs/v1/ckpt/.0.tmp", op="RENAME", destination="/ckpt/9",
+                   renameoptions="NONE")
+        assert err.value.exception == "FileNotFoundException"
+        assert c.call("PUT", "/webhdfs/v1/ckpt/.7.tmp", op="RENAME",
+                      destination="/ckpt/7") == {"boolean": False}
+    finally:
+        assert gw.stop() == 0, gw.log()[-4000:]
