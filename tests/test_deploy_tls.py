@@ -4,7 +4,6 @@ make a certificate works with the real server, the image's health check and the 
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import re
@@ -14,6 +13,7 @@ import sys
 
 import pytest
 import yaml
+from deploy_support import dockerfile_command
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
