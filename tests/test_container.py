@@ -49,12 +49,14 @@ UID = 10001
 NS = "sparkjob"
 RECORDS = 600
 FILES = 6
+EMPTY_DIRS = ("cache", "tmp")  # the gateway's emptyDirs: kube play 4.3 makes them named volumes
 
 # manifest fields podman 4.3's kube play does not run (the schema check covers them)
 UNRUN = {
     "Namespace, ServiceAccount, Service, NetworkPolicy": "not podman objects: no API server, "
-    "no cluster DNS, no CNI policy: SOS_SERVER's sos-server becomes localhost (a name of the "
-    "server's certificate; hostAliases are ignored with host networking)",
+    "no cluster DNS, no CNI policy: SOS_SERVER's sos-server and --advertise's "
+    "sos-gateway.sos.svc become localhost (a name of both certificates; hostAliases are "
+    "ignored with host networking)",
     "StatefulSet sos-server": "not a kind kube play 4.3 plays: its pod template runs as a Pod "
     "named sos-server-0",
     "volumes[].secret": "kube play 4.3 panics on Secret volumes: each becomes a hostPath "
@@ -68,6 +70,8 @@ UNRUN = {
     "health check (run with `podman healthcheck run`: no systemd timers here)",
     "resources, ephemeral-storage, emptyDir sizeLimit/medium": "not enforced by kube play "
     "here (cgroup v1 under runc)",
+    "emptyDir": "kube play 4.3 makes a named volume that outlives the pod: the test removes "
+    "it with the pod, so a new pod starts on an empty one as with the kubelet",
     "ConfigMap sos-tier": "AWS_ENDPOINT_URL added (the manifest's optional key): moto's S3 "
     "server on the host stands in for the bucket",
 }
@@ -139,12 +143,13 @@ def _podman_pod(pod: dict[str, Any], secrets: dict[str, dict[str, bytes]], root:
 
     def local(addr: str) -> str:
         host, _, port = addr.rpartition(":")
-        host = {"0.0.0.0": "127.0.0.1", "sos-server": "localhost"}.get(host, host)
+        host = {"0.0.0.0": "127.0.0.1", "sos-server": "localhost",
+                "sos-gateway.sos.svc": "localhost"}.get(host, host)
         return f"{host}:{ports.get(int(port), port)}"
 
     for c in spec["containers"]:
         args = c["args"]
-        for opt in ("--listen", "--metrics"):
+        for opt in ("--listen", "--metrics", "--advertise"):
             if opt in args:
                 args[args.index(opt) + 1] = local(option(args, opt))
         for e in c.get("env", []):
@@ -334,7 +339,7 @@ def test_kube_manifests_run_and_a_query_survives_a_gateway_sigkill(image, tls, m
     srv_ctr, gw_ctr = "sos-server-0-sos-server", "sos-gateway-pod-0-gateway"
     server_yaml, gateway_yaml = tmp_path / "sos-server.yaml", tmp_path / "sos-gateway.yaml"
     _podman("pod", "rm", "-f", "sos-server-0", "sos-gateway-pod-0", check=False)
-    _podman("volume", "rm", "-f", "sos-data", check=False)
+    _podman("volume", "rm", "-f", "sos-data", *EMPTY_DIRS, check=False)
     try:
         server_yaml.write_text(yaml.safe_dump_all(
             [*others, _podman_pod(server_pod, secrets, tmp_path, ports)]))
@@ -359,8 +364,7 @@ def test_kube_manifests_run_and_a_query_survives_a_gateway_sigkill(image, tls, m
         _assert_hardened(gw_ctr)
         key_mode = os.stat(tmp_path / "gw" / "secrets" / "sos-gateway-key" / "key")
         assert key_mode.st_mode & 0o077 == 0o040 and key_mode.st_gid == UID  # 0440 root:10001
-        first_cache = _podman("inspect", "--format", "{{range .Mounts}}{{if eq .Destination \"/cache\"}}"
-                              "{{.Name}}{{end}}{{end}}", gw_ctr).stdout.strip()
+        first_cache = _podman("volume", "inspect", "--format", "{{.CreatedAt}}", "cache").stdout
 
         # the Spark query on the host, through the gateway (swebhdfs, documented truststore)
         staging, inp, out = tmp_path / "staging", tmp_path / "input", tmp_path / "out"
@@ -397,13 +401,16 @@ def test_kube_manifests_run_and_a_query_survives_a_gateway_sigkill(image, tls, m
         _podman("kill", "--signal", "KILL", gw_ctr)
         killed_after = len(os.listdir(out))
         t1 = time.monotonic()
-        _kube_play(gateway_yaml, "--replace")   # the Deployment's new pod: an empty emptyDir
+        # the Deployment's new pod, on an empty emptyDir: kube play's emptyDirs are named
+        # volumes that outlive their pod, so they go with it here, as the kubelet's would
+        _podman("kube", "down", str(gateway_yaml))
+        _podman("volume", "rm", "-f", *EMPTY_DIRS, check=False)
+        _kube_play(gateway_yaml)
         _wait_listening(ports[9870])
         _wait_healthy(gw_ctr)
         print(f"gateway SIGKILLed after {killed_after} batches; the new one healthy "
               f"{time.monotonic() - t1:.1f} s later")
-        second_cache = _podman("inspect", "--format", "{{range .Mounts}}{{if eq .Destination \"/cache\"}}"
-                               "{{.Name}}{{end}}{{end}}", gw_ctr).stdout.strip()
+        second_cache = _podman("volume", "inspect", "--format", "{{.CreatedAt}}", "cache").stdout
         assert second_cache and second_cache != first_cache
         t.join(900)
         runs = 1
@@ -431,5 +438,5 @@ def test_kube_manifests_run_and_a_query_survives_a_gateway_sigkill(image, tls, m
         for y in (gateway_yaml, server_yaml):
             if y.exists():
                 _podman("kube", "down", str(y), check=False)
-        _podman("volume", "rm", "-f", "sos-data", check=False)
+        _podman("volume", "rm", "-f", "sos-data", *EMPTY_DIRS, check=False)
         _podman("secret", "rm", tier_secret, check=False)

@@ -27,6 +27,7 @@ points podman at it (CONTAINERS_CONF), so ``podman kube play`` gets them too.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import pathlib
 import re
@@ -47,16 +48,21 @@ DEFAULT_MIRROR = "http://deb.debian.org/debian"
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"  # an imported rootfs has none
 STATE = pathlib.Path(os.environ.get("SOS_CONTAINER_STATE", "/var/tmp/sos-container"))
 
-# the stand-in for python:3.11-slim-bookworm (only Debian's packages)
+# the stand-in for python:3.11-slim-bookworm (only Debian's packages). docker-clean: what
+# Debian's official images set, so that apt leaves no package caches (~80 MB) in a layer
 PYTHON_CONTAINERFILE = f"""\
 FROM {DEBIAN}
-RUN apt-get update \\
+RUN printf '%s\\n' 'DPkg::Post-Invoke {{ "rm -f /var/cache/apt/archives/*.deb /var/cache/apt/*.bin || true"; }};' \\
+        'APT::Update::Post-Invoke {{ "rm -f /var/cache/apt/archives/*.deb /var/cache/apt/*.bin || true"; }};' \\
+        'Dir::Cache::pkgcache ""; Dir::Cache::srcpkgcache "";' > /etc/apt/apt.conf.d/docker-clean \\
+    && apt-get update \\
     && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends python3 python3-venv \\
     && python3 -m venv /usr/local \\
     && /usr/local/bin/python -m pip --version \\
     && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin /root/.cache
 ENV PATH={PATH} \\
     LANG=C.UTF-8
+LABEL sos.base-recipe={{recipe}}
 CMD ["python3"]
 """
 
@@ -188,12 +194,24 @@ def _build(env: dict[str, str], tag: str, context: str, *extra: str,
     podman(*args, context, env=env, timeout=1800, input=containerfile)
 
 
+def _recipe() -> str:
+    return hashlib.sha256(PYTHON_CONTAINERFILE.encode()).hexdigest()[:16]
+
+
+def python_base_current() -> bool:
+    """The stand-in base is in local storage and made by this PYTHON_CONTAINERFILE."""
+    r = podman("image", "inspect", "--format", '{{index .Labels "sos.base-recipe"}}', PYTHON,
+               check=False)
+    return r.returncode == 0 and r.stdout.strip() == _recipe()
+
+
 def build_python(env: dict[str, str]) -> float:
     t0 = time.monotonic()
     _log(f"building {PYTHON} from {DEBIAN} (Debian's python3)")
     with tempfile.TemporaryDirectory(prefix="sos-pybase-") as ctx:
         # no bundle mounted: ca-certificates (pip's dependency) writes its own bundle here
-        _build(env, PYTHON, ctx, containerfile=PYTHON_CONTAINERFILE, mount_ca=False)
+        _build(env, PYTHON, ctx, containerfile=PYTHON_CONTAINERFILE.replace("{recipe}", _recipe()),
+               mount_ca=False)
     return time.monotonic() - t0
 
 
@@ -203,7 +221,7 @@ def build_image(tag: str = IMAGE, *, rebuild_base: bool = False,
     (0.0 for a base reused from local storage)."""
     env = env or engine_env()
     times = {"debian": 0.0, "python": 0.0, "image": 0.0}
-    if rebuild_base or not image_exists(PYTHON):
+    if rebuild_base or not python_base_current():
         if rebuild_base or not image_exists(DEBIAN):
             times["debian"] = build_debian(env)
         times["python"] = build_python(env)
