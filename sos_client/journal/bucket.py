@@ -129,7 +129,8 @@ class BucketSource:
         except BadName as exc:
             raise ValueError(str(exc)) from None
         try:
-            from sos_tier.store import TierError, open_store
+            from sos_tier.open import open_store
+            from sos_tier.store import TierError
         except ImportError as exc:  # pragma: no cover - sos_tier ships with sos
             raise BucketUnavailable(f"cannot read {url}: {exc}") from exc
         try:
