@@ -35,6 +35,7 @@ complete for ``min_age``.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import errno
 import logging
 import os
@@ -191,10 +192,8 @@ class _SyncPool:
                 job.pending -= 1
                 last = job.pending == 0
             if last:
-                try:
+                with contextlib.suppress(trio.RunFinishedError):
                     self.token.run_sync_soon(job.done.set)
-                except trio.RunFinishedError:
-                    pass
 
     async def sync_all(self, objs: list) -> list[tuple[int, int] | OSError]:
         """fdatasync every object's file concurrently; (size, length) or OSError per object."""

@@ -17,6 +17,7 @@ address (``AuthFailures``).
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import math
@@ -324,8 +325,6 @@ class Listener:
         conn = Connection(Role.SERVER)
         data = conn.send(ev.Error(0, ErrorCode.BUSY, 0, f"server busy: {why}"))
         with trio.move_on_after(5):
-            try:
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError):
                 await stream.send_all(data)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError):
-                pass
         await trio.aclose_forcefully(stream)

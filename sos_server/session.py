@@ -41,6 +41,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import secrets
@@ -261,10 +262,8 @@ class Session:
                     await trio.aclose_forcefully(self.stream)
                 else:
                     with trio.move_on_after(5):
-                        try:
+                        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                             await self.stream.aclose()
-                        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                            pass
 
     def evict(self, why: str) -> bool:
         """Close this connection to make room for a newcomer (the listener's pre-AUTH pool is

@@ -30,6 +30,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -256,17 +257,13 @@ class Tier:
 
     def _progress_in_thread(self, namespace: str, name: str, uploaded: int, sealed: bool) -> None:
         if self._token is not None:
-            try:
+            with contextlib.suppress(trio.RunFinishedError):
                 self._token.run_sync_soon(self._wake_object, namespace, name, uploaded)
-            except trio.RunFinishedError:
-                pass
 
     def _wake_soon(self, namespace: str) -> None:
         if self._token is not None:
-            try:
+            with contextlib.suppress(trio.RunFinishedError):
                 self._token.run_sync_soon(self._wake_waiters, namespace)
-            except trio.RunFinishedError:
-                pass
 
     def _wake_object(self, namespace: str, name: str, uploaded: int) -> None:
         for w in self._waiters.get((namespace, name), ()):

@@ -43,6 +43,7 @@ SIGKILLs itself. A restart must rebuild the objects from the log.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -150,10 +151,8 @@ def _new_log_file(wal_dir: str, seq: int) -> LogFile:
         fsync_dir(wal_dir)
     except BaseException:
         os.close(fd)
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(path)
-        except OSError:
-            pass
         raise
     return LogFile(path, seq, fd, WAL_HEAD.size)
 
@@ -287,10 +286,8 @@ class WriteAheadLog:
         """Delete retired log files whose objects are durable (worker thread)."""
         for lf in files:
             lf.close()
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(lf.path)
-            except FileNotFoundError:
-                pass
         fsync_dir(self.dir)
 
     def make_spare(self) -> None:
@@ -332,10 +329,8 @@ class WriteAheadLog:
     def crash_for_test(self) -> None:
         """The fault point (module docstring): lose the unsynced object writes, SIGKILL."""
         for obj in self.live_objects():
-            try:
+            with contextlib.suppress(OSError):
                 os.truncate(obj.path, obj.checkpointed_size)
-            except OSError:
-                pass
         os.kill(os.getpid(), signal.SIGKILL)
 
 
