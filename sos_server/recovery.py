@@ -169,7 +169,9 @@ def _examine(fd: int, pos: int, n: int | None, crc: int | None, size: int) -> tu
     return ("rest", max(0, data), sealed, why)
 
 
-def _scan(fd: int, obj: StoredObject, size: int, verify_from: int):
+def _scan(
+    fd: int, obj: StoredObject, size: int, verify_from: int
+) -> tuple[StoredObject, int, int, str, list[Damage]] | None:
     """Walk the frames of an object file; (obj, end, length, cut reason, [Damage]), or None
     if a bad spot follows a frame whose checksum was not checked (before *verify_from*):
     that frame's length may be the lie that led here, so start again checking every
@@ -258,6 +260,7 @@ namespace: str, path: str, verify_tail: int, repairs: list[RepairNote], corrupti
             # something is wrong after frames that were only length-checked (before
             # verify_tail): one of them may be where it starts. Check every checksum.
             scan = _scan(fd, StoredObject(namespace, name, path, hsize), size, hsize)
+            assert scan is not None  # every frame's checksum checked: each bad spot is where it is
     finally:
         os.close(fd)
     obj, pos, logical, cut, damage = scan

@@ -116,7 +116,7 @@ class Tier:
 
     # -- the upload task -------------------------------------------------------------------------
 
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self._token = trio.lowlevel.current_trio_token()
         for ns in list(self.storage.namespaces.values()):  # start-up: what the disk holds
             for obj in list(ns.objects.values()):
@@ -298,7 +298,10 @@ class Tier:
             return f"the tier stopped copying {name!r}: {stuck}"
         return None
 
-    async def wait(self, namespace: str, name: str, offset: int, timeout: float) -> int:
+    async def wait(
+        self, namespace: str, name: str, offset: int,
+        timeout: float,  # noqa: ASYNC109 - TIER_WAIT's own timeout_ms: answered after it, not a cancellation
+    ) -> int:
         """TIER_WAIT once the engine checked the object and *offset* (protocol.md 1.11): the
         length of the object's run in the store, >= offset; StorageError TIER_UNAVAILABLE."""
         key = (namespace, name)

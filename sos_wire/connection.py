@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import struct
 from enum import Enum
+from typing import Final
 
 from . import events as ev
 from .crc import crc32c
@@ -70,18 +71,20 @@ __all__ = [
 DIRECT_BODY_MIN = 64 * 1024
 
 
-class _Sentinel:
-    __slots__ = ("_name",)
+class _Sentinel(Enum):
+    """The type of NEED_DATA: an enum of one member, so that a type checker narrows
+    ``next_event()``'s result to an event once it is not NEED_DATA (``is`` tells them apart)."""
 
-    def __init__(self, name: str) -> None:
-        self._name = name
+    NEED_DATA = "NEED_DATA"
 
     def __repr__(self) -> str:
-        return self._name
+        return self.value
+
+    __str__ = __repr__
 
 
 #: returned by ``next_event`` when a whole frame is not buffered yet
-NEED_DATA = _Sentinel("NEED_DATA")
+NEED_DATA: Final = _Sentinel.NEED_DATA
 
 
 class Role(Enum):
