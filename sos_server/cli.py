@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 import time
+from collections.abc import Callable
 
 from sos_wire import argtypes
 from sos_wire.addresses import parse_address
@@ -41,7 +42,12 @@ _epoch = argtypes.integer(0, MAX_EPOCH)
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sos-server", description="SOS append-only journal server")
     sub = p.add_subparsers(dest="command", required=True)
+    _add_serve(sub)
+    _add_admin(sub)
+    return p
 
+
+def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     s = sub.add_parser("serve", help="run the server")
     s.add_argument("--data", required=True, help="data directory")
     s.add_argument("--listen", type=parse_hostport, default=("127.0.0.1", 7070),
@@ -126,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.set_defaults(func=cmd_serve)
 
+
+def _add_admin(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """keygen, quota, reset-fence, gc: on the data directory, not over the network."""
     k = sub.add_parser(
         "keygen", help="create a key for a namespace and print it",
         description="Create a key for NAMESPACE and print it. Roles: append (write, fence and read), read (read"
@@ -171,14 +180,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--min-age", type=parse_duration, required=True)
     g.add_argument("--dry-run", action="store_true", help="print what would be removed")
     g.set_defaults(func=cmd_gc)
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:
     """Exit status: 0 ok, 1 failed (one line ``sos-server: ...`` on stderr), 2 usage."""
     args = build_parser().parse_args(argv)
+    command: Callable[[argparse.Namespace], int] = args.func
     try:
-        return args.func(args)
+        return command(args)
     except KeyboardInterrupt:
         return 130
     except StorageError as exc:

@@ -75,8 +75,9 @@ def tune_malloc() -> bool:
     except (OSError, AttributeError):
         return False
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-    ok = mallopt(M_MMAP_THRESHOLD, 32 << 20) == 1
-    return mallopt(M_TRIM_THRESHOLD, 256 << 20) == 1 and ok
+    ok: bool = mallopt(M_MMAP_THRESHOLD, 32 << 20) == 1
+    trimmed: bool = mallopt(M_TRIM_THRESHOLD, 256 << 20) == 1
+    return trimmed and ok
 
 
 def make_tls_context(cert: str, key: str) -> ssl.SSLContext:

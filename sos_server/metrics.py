@@ -128,7 +128,7 @@ class Metrics:
         was 6 % of the server's CPU at 4 KiB appends: docs/BENCHMARKS.md, step 6)."""
         children = self.__dict__.setdefault("_children", {})
         key = (id(metric), value)
-        child = children.get(key)
+        child: _M | None = children.get(key)
         if child is None:
             child = children[key] = metric.labels(**{label: value})
         return child

@@ -21,6 +21,7 @@ import logging
 import os
 import struct
 from dataclasses import dataclass
+from typing import Literal
 
 from sos_wire.crc import crc32c
 
@@ -103,6 +104,8 @@ def _whole_frame_at(fd: int, t: int, size: int) -> bool:
         return False
     if hdr == SEAL_FRAME:
         return True
+    n: int
+    crc: int
     n, crc = FRAME.unpack(hdr)
     return 1 <= n <= MAX_FRAME and t + FRAME_HDR + n <= size and crc32c(pread_all(fd, n, t + FRAME_HDR)) == crc
 
@@ -132,7 +135,12 @@ def _length_confirmed(fd: int, pos: int, n: int, crc: int, size: int) -> int | N
     return None
 
 
-def _examine(fd: int, pos: int, n: int | None, crc: int | None, size: int) -> tuple:
+#: what _examine says of bytes that are not a whole, checksummed frame (its docstring)
+_Verdict = (tuple[Literal["cut"], str] | tuple[Literal["frame"], int, str]
+            | tuple[Literal["rest"], int, bool, str])
+
+
+def _examine(fd: int, pos: int, n: int | None, crc: int | None, size: int) -> _Verdict:
     """What the bytes from *pos* (not a whole, checksummed frame) are. One of:
 
     ("cut", reason)                      a torn tail: nothing acknowledged is in it

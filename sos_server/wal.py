@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING
 
 from sos_wire.crc import crc32c
 from sos_wire.errors import ErrorCode
+from sos_wire.events import Payload
 from sos_wire.names import BadName, validate_name, validate_namespace
 
 from .durable import FILE_MODE, StorageError, fsync_dir, is_no_space, makedirs_durable, no_space
@@ -197,7 +198,7 @@ class WriteAheadLog:
         self.syncs = 0
 
     # -- writes (event loop) ---------------------------------------------------------
-    def write(self, obj: StoredObject, file_pos: int, bufs: list, total: int) -> None:
+    def write(self, obj: StoredObject, file_pos: int, bufs: list[Payload], total: int) -> None:
         """Append the record of *bufs* (total bytes, the first 8 a frame header) written at
         *file_pos* of *obj*'s file. No sync. StorageError(NO_SPACE) on a full disk, with
         the log cut back to where it was.
@@ -222,7 +223,7 @@ class WriteAheadLog:
         objs, self.indirect = list(self.indirect.values()), {}
         return objs
 
-    def _append(self, obj: StoredObject, kind: int, file_pos: int, n: int, bufs: list) -> None:
+    def _append(self, obj: StoredObject, kind: int, file_pos: int, n: int, bufs: list[Payload]) -> None:
         lf = self.current
         meta = META.pack(kind, file_pos, n) + obj.log_key
         crc = crc32c(bufs[0][:FRAME_HDR], crc32c(meta)) if bufs else crc32c(meta)

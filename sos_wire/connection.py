@@ -177,7 +177,8 @@ def decode_body(op: Op, request_id: int, body: bytes) -> ev.Event:
             f"{op.name} payload is {len(kw['payload'])} bytes, the limit is {MAX_PING_PAYLOAD}",
             code=ErrorCode.BAD_REQUEST, request_id=request_id, fatal=op is Op.PONG,
         )
-    return cls(request_id, **kw)
+    event: ev.Event = cls(request_id, **kw)
+    return event
 
 
 def _short(exc: BaseException) -> str:
