@@ -33,10 +33,7 @@ def journal_error(exc: BaseException, namespace: str, who: str = "this process")
     e.g. "this gateway"); anything else as it is."""
     if not isinstance(exc, (JournalError, SOSError)):
         return exc
-    if is_fenced(exc):
-        what = f"was taken over by another writer (fenced); {who} can no longer change it"
-    else:
-        what = "failed"
+    what = f"was taken over by another writer (fenced); {who} can no longer change it" if is_fenced(exc) else "failed"
     return to_oserror(exc, f"journal of namespace {namespace!r} {what}", namespace)
 
 
