@@ -20,8 +20,9 @@ class _Namespace:
     atomic within the process. Other processes cannot write the namespace without
     fencing this one."""
 
-    def __init__(self, opened, tree):
+    def __init__(self, opened, tree, durability="server"):
         self.pid = os.getpid()
+        self.durability = durability
         self.opened = opened
         self.tree = tree
         self.writer = opened.writer
@@ -77,8 +78,13 @@ _REGISTRY_PID = os.getpid()
 
 
 def _open_namespace(server, key, namespace, base_dir, max_lag_bytes, timeout, tls=None,
-                    generation_bytes=None):
-    """The process-wide tree of (server, namespace, cache dir) for this key's role."""
+                    generation_bytes=None, *, durability="server", tier_patience=None):
+    """The process-wide tree of (server, namespace, cache dir) for this key's role.
+
+    ``durability`` is the writer's (one per namespace and cache): a second filesystem object
+    asking for the other one while the namespace is open is refused with ValueError rather
+    than silently given weaker (or costlier) barriers than it asked for. A read-only view has
+    no writer and no barrier: any durability shares it."""
     global _REGISTRY_PID
     from sos_client.journal.open import client_factory_for, key_role, open_namespace
     from sos_wire.events import KeyRole
@@ -95,6 +101,12 @@ def _open_namespace(server, key, namespace, base_dir, max_lag_bytes, timeout, tl
             _REGISTRY_PID = os.getpid()
         ns = _REGISTRY.get(ident)
         if ns is not None and not ns.closed:
+            if ident[3] == "append" and ns.durability != durability:
+                raise ValueError(
+                    f"sos: namespace {namespace!r} (cache {root}) is already open in this process "
+                    f"with durability {ns.durability!r}; one writer serves it, so a filesystem "
+                    f"with durability {durability!r} cannot share it: give every filesystem "
+                    f"object of the namespace the same durability (or close_all() first)")
             return ns
         # One writer serves every filesystem object of this namespace in the
         # process, whatever each object's ``sync``, so it runs in sync mode:
@@ -103,9 +115,10 @@ def _open_namespace(server, key, namespace, base_dir, max_lag_bytes, timeout, tl
         # objects with sync=False do not.
         opened = open_namespace(namespace, root, server=server, key=key, timeout=timeout, tls=tls,
                                 sync=True, max_lag_bytes=max_lag_bytes,
-                                generation_bytes=generation_bytes, allow_read_only=True)
+                                generation_bytes=generation_bytes, allow_read_only=True,
+                                durability=durability, tier_patience=tier_patience)
         tree = opened.tree if opened.read_only else _GuardedTree(opened.tree, namespace)
-        ns = _Namespace(opened, tree)
+        ns = _Namespace(opened, tree, durability)
         _REGISTRY[ident] = ns
         return ns
 

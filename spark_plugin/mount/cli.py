@@ -13,6 +13,7 @@ import sys
 
 from sos_client.cli import add_connection_options, client_from_args, key_from_args
 from sos_client.errors import SOSError
+from sos_client.journal.facade import add_durability_options, durability_refusal, tier_patience_of
 from sos_wire import argtypes
 from sos_wire.names import validate_namespace
 
@@ -57,6 +58,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="local cache + spool directory (default: ~/.cache/sos/NAMESPACE)")
     p.add_argument("--async", dest="async_", action="store_true",
                    help="do not wait for the server on rename/close; bound the lag instead")
+    add_durability_options(p, what="a rename onto (or the close of) a Spark batch file, fsync "
+                                   "and markers")
     p.add_argument("--max-lag", type=argtypes.size(0), default=64 << 20, metavar="BYTES",
                    help="async mode: most unshipped journal bytes before writes wait "
                         "(default 64M)")
@@ -95,6 +98,10 @@ def run(args) -> int:
     except ValueError as exc:
         print(f"sos: {exc}", file=sys.stderr)
         return 2
+    refusal = durability_refusal(args.durability, not args.async_)
+    if refusal:
+        print(f"sos: {refusal}", file=sys.stderr)
+        return 2
 
     def factory():
         return client_from_args(args, args.namespace)
@@ -103,14 +110,16 @@ def run(args) -> int:
                          cache_dir=args.cache, sync=not args.async_, max_lag_bytes=args.max_lag,
                          allow_other=args.allow_other, debug=args.debug, client_factory=factory,
                          writeback_cache=args.writeback_cache, owner=args.owner,
-                         generation_bytes=args.generation_bytes)
+                         generation_bytes=args.generation_bytes, durability=args.durability,
+                         tier_patience=tier_patience_of(args.tier_patience))
     except KeyboardInterrupt:  # before mounting, or a second ^C during the final flush
         print("sos: mount interrupted (the spool keeps what the server does not have yet)",
               file=sys.stderr)
         return 130
     except Exception as exc:
         logging.getLogger("sos.mount").debug("mount failed", exc_info=True)
-        print(f"sos: mount failed: {exc}", file=sys.stderr)
+        print(f"sos: mount failed: {' '.join(str(exc).split()) or type(exc).__name__}",
+              file=sys.stderr)
         return 1
 
 
