@@ -45,6 +45,8 @@ import urllib.parse
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import contextlib
+
 from spark_checkpoint import PHASES, BatchTimer, alternate, open_session, side_figures
 
 from spark_plugin.gateway.client import GatewayClient
@@ -289,10 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for proc in (load_gw, tier_gw, gw, mount):
             if proc is not None:
-                try:
+                with contextlib.suppress(Exception):
                     proc.stop()
-                except Exception:
-                    pass
         server.stop()
         if tier_server is not None:
             tier_server.stop()

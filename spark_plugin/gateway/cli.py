@@ -9,12 +9,18 @@ from __future__ import annotations
 
 import argparse
 import logging
+import ssl
 import sys
+from typing import TYPE_CHECKING
 
 from sos_client.cli import add_connection_options, client_from_args, key_from_args
 from sos_client.errors import SOSError
 from sos_client.journal.facade import add_durability_options, durability_refusal, tier_patience_of
 from sos_wire import argtypes
+from sos_wire.names import validate_namespace
+
+if TYPE_CHECKING:
+    from sos_client import Client
 
 __all__ = ["add_parser", "main", "run"]
 
@@ -108,14 +114,18 @@ def run(args: argparse.Namespace) -> int:
     except SOSError as exc:
         print(f"sos: {exc.message}", file=sys.stderr)
         return 1
-    from sos_wire.names import validate_namespace
-
     try:
         validate_namespace(args.namespace)
     except ValueError as exc:
         print(f"sos: {exc}", file=sys.stderr)
         return 2
-    from spark_plugin.gateway.run import parse_advertise, parse_listen, plaintext_refusal, run_gateway
+    # trio, h11 and the gateway: only when it runs (`sos` loads every command's parser)
+    from spark_plugin.gateway.run import (  # noqa: PLC0415
+        parse_advertise,
+        parse_listen,
+        plaintext_refusal,
+        run_gateway,
+    )
 
     try:
         parse_listen(args.listen)
@@ -135,13 +145,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"sos: {refusal}", file=sys.stderr)
         return 2
 
-    def factory():
+    def factory() -> Client:
         return client_from_args(args, args.namespace)
 
     tls_client = None  # checking client keys at the server: the connection's trust
     if getattr(args, "tls_ca", None) or getattr(args, "tls", False):
-        import ssl
-
         tls_client = (ssl.create_default_context(cafile=args.tls_ca) if args.tls_ca
                       else ssl.create_default_context())
     try:

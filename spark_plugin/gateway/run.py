@@ -10,12 +10,11 @@ import getpass
 import logging
 import resource
 import ssl
-from collections.abc import Callable
 from typing import Any
 
 import trio
 
-from sos_client.journal.open import default_cache_dir, open_namespace
+from sos_client.journal.open import ClientFactory, default_cache_dir, open_namespace
 from sos_client.serving import serve_until_signal
 from sos_wire.addresses import is_loopback, is_wildcard, parse_address, split_address
 from sos_wire.auth import Key
@@ -99,7 +98,7 @@ def fit_connections(wanted: int, soft_limit: int, threads: int) -> int:
 
 
 def run_gateway(namespace: str, listen: str, *, server: str, key: str, cache_dir: str | None = None,
-                client_factory: Callable[[], Any] | None = None, timeout: float = 30.0,
+                client_factory: ClientFactory | None = None, timeout: float = 30.0,
                 tls_client: ssl.SSLContext | None = None, tls_cert: str | None = None,
                 tls_key: str | None = None, sync: bool = True, max_lag_bytes: int = 64 << 20,
                 generation_bytes: int | None = None, insecure_no_auth: bool = False,

@@ -44,10 +44,19 @@ import os
 import posixpath
 import stat as stat_mod
 import threading
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from sos_client.errors import SOSError, errno_of, is_fenced, to_oserror
 from sos_client.journal.beneath import Beneath
+from sos_client.journal.errors import JournalError, JournalQuotaExceeded, JournalTierBehind
+from sos_client.journal.facade import journal_error
+from sos_client.journal.records import validate_path
+
+if TYPE_CHECKING:
+    from sos_client.journal.open import OpenNamespace
+
+_R = TypeVar("_R")
 
 __all__ = ["JAVA_CLASSES", "SETPERMISSION_MASK", "WebHdfsError", "WebHdfsNamespace",
            "effective_permission", "file_status", "hdfs_path", "parse_permission",
@@ -156,8 +165,6 @@ def rel_path(path: str) -> str:
             raise _illegal(f"Invalid path name {path}")
     rel = "/".join(parts)
     if rel:
-        from sos_client.journal.records import validate_path
-
         try:
             validate_path(rel)
         except ValueError as exc:
@@ -220,7 +227,7 @@ class WebHdfsNamespace:
     reports (the journal records no owners).
     """
 
-    def __init__(self, opened: Any, *, sync: bool = True, owner: str = "sos",
+    def __init__(self, opened: OpenNamespace, *, sync: bool = True, owner: str = "sos",
                  group: str = "sos") -> None:
         self.opened = opened
         self.tree = opened.tree
@@ -300,8 +307,6 @@ class WebHdfsNamespace:
         if self.writer is None:
             yield
             return
-        from sos_client.journal.errors import JournalQuotaExceeded
-
         with contextlib.ExitStack() as stack:
             try:
                 stack.enter_context(self.writer.admission())
@@ -314,13 +319,9 @@ class WebHdfsNamespace:
                             f"The DiskSpace quota of namespace {self.namespace!r} is exceeded: "
                             f"{exc}")
 
-    def _journal(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    def _journal(self, fn: Callable[..., _R], *args: Any, **kwargs: Any) -> _R:
         """Call a tree mutation; journal failures and races become WebHdfsErrors (by the
         errno of :func:`sos_client.errors.to_oserror`, as fsspec and the mount map them)."""
-        from sos_client.errors import SOSError, errno_of, is_fenced, to_oserror
-        from sos_client.journal.errors import JournalError, JournalTierBehind
-        from sos_client.journal.facade import journal_error
-
         try:
             return fn(*args, **kwargs)
         except (JournalError, SOSError, OSError) as exc:
@@ -493,7 +494,7 @@ class WebHdfsNamespace:
                                    f"Path is not a directory: {hdfs_path(rel)}")
             if rel == "":
                 return {"boolean": True}
-            for sub in self._check_parent(rel, create_parent=True) + [rel]:
+            for sub in [*self._check_parent(rel, create_parent=True), rel]:
                 self._journal(self.tree.mkdir, sub, mode | 0o300 if sub != rel else mode)
         return {"boolean": True}
 

@@ -8,8 +8,11 @@ starts, so it works before the console script is installed).
 from __future__ import annotations
 
 import argparse
+import grp
 import logging
+import pwd
 import sys
+from typing import TYPE_CHECKING
 
 from sos_client.cli import add_connection_options, client_from_args, key_from_args
 from sos_client.errors import SOSError
@@ -17,12 +20,12 @@ from sos_client.journal.facade import add_durability_options, durability_refusal
 from sos_wire import argtypes
 from sos_wire.names import validate_namespace
 
+if TYPE_CHECKING:
+    from sos_client import Client
+
 
 def _owner(text: str) -> tuple[int, int]:
     """UID[:GID] (numbers or names); without GID the user's group (passwd), else GID=UID."""
-    import grp
-    import pwd
-
     user, _, group = text.partition(":")
     try:
         if user.isdigit():
@@ -45,7 +48,7 @@ def _owner(text: str) -> tuple[int, int]:
     return uid, gid
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "mount", help="mount a namespace as a journaled directory (FUSE)",
         description="Mount NAMESPACE at MOUNTPOINT. Every change is journaled to the SOS "
@@ -83,8 +86,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def run(args) -> int:
-    from spark_plugin.mount.run import run_mount
+def run(args: argparse.Namespace) -> int:
+    from spark_plugin.mount.run import run_mount  # noqa: PLC0415 - trio, pyfuse3 (optional): only when a mount runs
 
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -103,7 +106,7 @@ def run(args) -> int:
         print(f"sos: {refusal}", file=sys.stderr)
         return 2
 
-    def factory():
+    def factory() -> Client:
         return client_from_args(args, args.namespace)
     try:
         return run_mount(args.namespace, args.mountpoint, server=args.server, key=key,
@@ -123,7 +126,7 @@ def run(args) -> int:
         return 1
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sos")
     sub = parser.add_subparsers(dest="command", required=True)
     add_parser(sub)

@@ -8,18 +8,22 @@ import logging
 import os
 import signal
 import ssl
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from types import FrameType
+from typing import TYPE_CHECKING
 
 import trio
 
 from sos_client.errors import is_fenced
+from sos_client.journal.beneath import Beneath
+from sos_client.journal.open import ClientFactory, open_namespace
+from sos_client.journal.open import default_cache_dir as _journal_cache_dir
+from sos_client.journal.tree import JournaledTree
 from sos_client.serving import serve_until_signal
 
 if TYPE_CHECKING:
     import pyfuse3
 
-    from sos_client.journal.tree import JournaledTree
     from sos_client.journal.writer import JournalWriter
 else:
     try:  # pyfuse3 is an optional dependency (extra "mount")
@@ -37,9 +41,7 @@ log = logging.getLogger("sos.mount")
 # ---------------------------------------------------------------------------
 
 def default_cache_dir(namespace: str) -> str:
-    from sos_client.journal.open import default_cache_dir as default
-
-    return default(namespace)
+    return _journal_cache_dir(namespace)
 
 
 def fuse_options(namespace: str, *, allow_other: bool = False, debug: bool = False) -> set[str]:
@@ -64,7 +66,7 @@ class MountedTree:
 
     def __init__(self, namespace: str, server: str, key: str, cache_dir: str, *,
                  sync: bool = True, max_lag_bytes: int = 64 << 20,
-                 generation_bytes: int | None = None, client_factory: Callable[[], Any] | None = None,
+                 generation_bytes: int | None = None, client_factory: ClientFactory | None = None,
                  timeout: float = 30.0, tls: ssl.SSLContext | bool | None = None,
                  durability: str = "server", tier_patience: float | None = None) -> None:
         self.namespace = namespace
@@ -86,9 +88,6 @@ class MountedTree:
 
     def open(self) -> tuple[JournaledTree, JournalWriter]:
         """Open the writer and the tree (see the class docstring); returns them."""
-        from sos_client.journal.open import open_namespace
-        from sos_client.journal.tree import JournaledTree
-
         opened = open_namespace(self.namespace, self.cache_dir, server=self.server, key=self.key,
                                 timeout=self.timeout, tls=self.tls,
                                 client_factory=self._client_factory, sync=self.sync,
@@ -137,20 +136,21 @@ async def _serve(ops: SOSOperations, namespace: str, mountpoint: str) -> None:
 _early_signals: list[int] = []
 
 
-def _restore_signals(previous: dict) -> None:
+_Handler = Callable[[int, FrameType | None], object] | int | None  # what signal.signal returns
+
+
+def _restore_signals(previous: Mapping[signal.Signals, _Handler]) -> None:
     for signum, handler in previous.items():
         signal.signal(signum, handler)
 
 
-def _record_early_signal(signum, frame) -> None:
+def _record_early_signal(signum: int, frame: FrameType | None) -> None:
     _early_signals.append(signum)
 
 
 def give_tree_to(tree_dir: str, owner: tuple[int, int], *, everything: bool) -> None:
     """chown the cache's root directory (and, with ``everything``, all below it) to owner
     (no recursion; a link is never followed)."""
-    from sos_client.journal.beneath import Beneath
-
     uid, gid = owner
     with Beneath(tree_dir) as at:
         at.chown("", uid, gid)
@@ -164,7 +164,8 @@ def give_tree_to(tree_dir: str, owner: tuple[int, int], *, everything: bool) -> 
 
 def run_mount(namespace: str, mountpoint: str, *, server: str, key: str,
               cache_dir: str | None = None, sync: bool = True, max_lag_bytes: int = 64 << 20,
-              allow_other: bool = False, debug: bool = False, client_factory=None,
+              allow_other: bool = False, debug: bool = False,
+              client_factory: ClientFactory | None = None,
               flush_timeout: float = 120.0, writeback_cache: bool = False,
               owner: tuple[int, int] | None = None,
               generation_bytes: int | None = None, durability: str = "server",
