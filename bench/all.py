@@ -148,7 +148,7 @@ def put_vs_dd(work: str, server: LocalServer, key: str, ns: str, mib: int, runs:
 
     for run in range(runs):
         dd_cmd = ["dd", f"if={src}", f"of={os.path.join(work, f'dd-{run}')}", "bs=1M", "conv=fsync", "status=none"]
-        steps = [(dd_cmd, dd_s, None), (put_cmd + [src, f"{ns}/put-{run}", "--server", server.address], put_s, env)]
+        steps = [(dd_cmd, dd_s, None), ([*put_cmd, src, f"{ns}/put-{run}", "--server", server.address], put_s, env)]
         for cmd, out, cmd_env in steps if run % 2 == 0 else reversed(steps):
             timed(cmd, out, env=cmd_env)
         say(f"put run {run}: dd {dd_s[-1]:.2f} s, sos put {put_s[-1]:.2f} s")
@@ -156,7 +156,7 @@ def put_vs_dd(work: str, server: LocalServer, key: str, ns: str, mib: int, runs:
         os.unlink(os.path.join(work, f"dd-{run}"))
     os.unlink(src)
     startup: list[float] = []  # the CLI's own start-up (interpreter, imports), inside put's time
-    timed(put_cmd + ["--help"], startup, env=env)
+    timed([*put_cmd, "--help"], startup, env=env)
     sos, dd = mib / min(put_s), mib / min(dd_s)
     r = sos / dd
     return Row(f"`sos put` of {_size(mib)} vs `dd bs=1M conv=fsync` of the same file (best of {runs})",

@@ -54,7 +54,7 @@ def pct(values: list[float], p: float) -> float:
     if not values:
         return float("nan")
     values = sorted(values)
-    k = min(len(values) - 1, max(0, int(round(p / 100 * (len(values) - 1)))))
+    k = min(len(values) - 1, max(0, round(p / 100 * (len(values) - 1))))
     return values[k]
 
 

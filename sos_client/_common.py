@@ -19,6 +19,8 @@ import os
 import select
 import ssl
 from collections import deque
+from collections.abc import Generator
+from typing import Any, TypeVar, cast
 
 from sos_wire import events as ev
 from sos_wire.addresses import format_address, parse_address
@@ -29,7 +31,7 @@ from sos_wire.errors import ErrorCode
 from sos_wire.frames import DEFAULT_MAX_BODY, MAX_LIST_LIMIT, MAX_TIER_WAIT_MS, SUPPORTED_VERSIONS, VERSION
 from sos_wire.names import BadName, validate_name, validate_namespace
 
-from .errors import BadKey, BadNameError, ConnectionLost, Corrupt, SOSError, error_from_reply
+from .errors import BadKey, BadNameError, ConnectionLost, Corrupt, SOSError, TooLarge, error_from_reply
 
 __all__ = [
     "CLIENT_NAME",
@@ -43,6 +45,7 @@ __all__ = [
     "AppendJob",
     "ClientSettings",
     "Core",
+    "Op",
     "channel_binding_of",
     "parse_server",
     "readable_now",
@@ -74,6 +77,12 @@ class _Command:
 
 RECV = _Command("RECV")
 NEXT_CHUNK = _Command("NEXT_CHUNK")
+
+T = TypeVar("T")
+_Reply = TypeVar("_Reply", bound=ev.Event)
+#: an operation of :class:`Core` returning a T: it yields commands to its driver (a frame's
+#: parts, RECV, NEXT_CHUNK) and is sent back what each asks for (None, an event, a chunk)
+Op = Generator[Any, Any, T]
 
 
 def parse_server(server: str | None) -> tuple[str, int]:
@@ -111,15 +120,15 @@ def resolve_key(key: str | Key | None) -> Key:
         raise BadKey(f"bad key (expected <key_id>.<secret>): {exc}") from None
 
 
-def settings_from_env(server, key, namespace) -> tuple[str, int, Key, str]:
+def settings_from_env(server: str | None, key: str | Key | None, namespace: str) -> tuple[str, int, Key, str]:
     """Resolve (host, port, Key, namespace), defaulting server/key from SOS_SERVER/SOS_KEY."""
     host, port = parse_server(server)
-    key = resolve_key(key)
+    resolved = resolve_key(key)
     try:
         validate_namespace(namespace)
     except BadName as exc:
         raise BadNameError(str(exc), ErrorCode.BAD_NAME) from None
-    return host, port, key, namespace
+    return host, port, resolved, namespace
 
 
 class ReadCursor:
@@ -171,7 +180,7 @@ class ClientSettings:
         return self._core.role if self._core else None
 
 
-def channel_binding_of(tls) -> bytes:
+def channel_binding_of(tls: Any) -> bytes:
     """The AUTH channel binding of an established TLS connection (protocol.md 1.6).
 
     *tls*: an ``ssl.SSLSocket``/``ssl.SSLObject`` or a ``trio.SSLStream`` after its
@@ -203,7 +212,7 @@ def check_name(name: str) -> str:
         raise BadNameError(str(exc), ErrorCode.BAD_NAME, name=name if isinstance(name, str) else None) from None
 
 
-def _u64(value, what: str) -> int:
+def _u64(value: object, what: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 64:
         raise ValueError(f"{what} must be an integer in 0..2**64-1, not {value!r}")
     return value
@@ -234,18 +243,19 @@ class Core:
         self.max_body = DEFAULT_MAX_BODY
 
     # -- plumbing ---------------------------------------------------------------------
-    def _send(self, event) -> list:
+    def _send(self, event: ev.Event) -> list:
         """The frame's parts (header, fields, payload uncopied): what a driver sends."""
         return self.conn.send_parts(event)
 
-    def _recv(self):
+    def _recv(self) -> Op[ev.Event]:
         """Generator: the next event; raises for connection-level errors (request id 0)."""
         event = yield RECV
         if isinstance(event, ev.Error) and event.request_id == 0:
             raise ConnectionLost(f"the server closed the connection: {event.message}", event.code)
         return event
 
-    def _request(self, event, what: str, reply_type, *, name: str | None = None):
+    def _request(self, event: ev.Request, what: str, reply_type: type[_Reply], *,
+                 name: str | None = None) -> Op[_Reply]:
         """Generator: send one request, return its reply or raise the mapped error."""
         yield self._send(event)
         reply = yield from self._recv()
@@ -262,7 +272,7 @@ class Core:
         return f"{self.namespace}/{name}"
 
     # -- operations -------------------------------------------------------------------
-    def handshake(self):
+    def handshake(self) -> Op[ev.KeyRole]:
         hello = yield from self._request(
             ev.Hello(self._rid(), self.client_name, min(SUPPORTED_VERSIONS), max(SUPPORTED_VERSIONS)),
             "hello", ev.HelloOk,
@@ -279,16 +289,17 @@ class Core:
         self.role = ok.role
         return ok.role
 
-    def ping(self, payload: bytes = b""):
+    def ping(self, payload: bytes = b"") -> Op[bytes]:
         reply = yield from self._request(ev.Ping(self._rid(), bytes(payload)), "ping", ev.Pong)
         return reply.payload
 
-    def stat(self, name: str):
+    def stat(self, name: str) -> Op[tuple[int, bool]]:
         check_name(name)
         reply = yield from self._request(ev.Stat(self._rid(), name), f"stat {self._where(name)}", ev.StatOk, name=name)
         return reply.length, reply.sealed
 
-    def list_page(self, prefix: str, after: str, limit: int = MAX_LIST_LIMIT):
+    def list_page(self, prefix: str, after: str,
+                  limit: int = MAX_LIST_LIMIT) -> Op[tuple[tuple[ev.ListEntry, ...], bool]]:
         reply = yield from self._request(
             ev.List(self._rid(), prefix, after, limit), f"list {self.namespace}/{prefix}", ev.ListOk
         )
@@ -304,7 +315,7 @@ class Core:
             last = entry.name
         return reply.entries, reply.more
 
-    def append(self, name: str, offset: int, data, epoch: int):
+    def append(self, name: str, offset: int, data: ev.Payload, epoch: int) -> Op[int]:
         check_name(name)
         _u64(offset, "offset")
         _u64(epoch, "epoch")
@@ -326,30 +337,29 @@ class Core:
     def _check_piece(self, name: str, size: int) -> None:
         limit = self.max_piece(name)
         if size > limit:
-            from .errors import TooLarge
-
             raise TooLarge(
                 f"append of {size} bytes to {self._where(name)}: the server takes at most {limit} per append "
                 "(use append_many, which splits)", ErrorCode.TOO_LARGE, name=name,
             )
 
-    def read_step(self, name: str, offset: int, length: int):
+    def read_step(self, name: str, offset: int, length: int) -> Op[list[ev.Payload]]:
         """Generator: READ one range; returns the list of data chunks (at most *length* bytes)."""
         check_name(name)
         _u64(offset, "offset")
         _u64(length, "length")
         what = f"read {self._where(name)} at offset {offset}"
         yield self._send(ev.Read(self._rid(), name, offset, length))
-        chunks = []
+        chunks: list[ev.Payload] = []
         while True:
-            reply = yield from self._recv()
-            if isinstance(reply, ev.Error):
-                raise error_from_reply(reply, what, name=name)
+            event = yield from self._recv()
+            if isinstance(event, ev.Error):
+                raise error_from_reply(event, what, name=name)
+            reply = cast(ev.ReadData, event)  # the connection checks a reply answers its request
             chunks.append(reply.data)
             if reply.last:
                 return chunks
 
-    def seal(self, name: str, epoch: int):
+    def seal(self, name: str, epoch: int) -> Op[int]:
         check_name(name)
         _u64(epoch, "epoch")
         reply = yield from self._request(
@@ -357,7 +367,7 @@ class Core:
         )
         return reply.length
 
-    def tier_wait(self, name: str, offset: int, timeout_ms: int):
+    def tier_wait(self, name: str, offset: int, timeout_ms: int) -> Op[int]:
         """Generator: TIER_WAIT (protocol.md 1.11); returns ``tiered`` (>= offset), raises
         TierUnavailable (the bucket did not reach *offset* in time, no tier, the tier stopped)."""
         check_name(name)
@@ -373,7 +383,7 @@ class Core:
                            f"below the offset {offset} waited for (protocol.md 1.11: at least offset)")
         return reply.tiered
 
-    def fence(self, epoch: int):
+    def fence(self, epoch: int) -> Op[int]:
         _u64(epoch, "epoch")
         reply = yield from self._request(
             ev.Fence(self._rid(), epoch), f"fence namespace {self.namespace!r} at epoch {epoch}", ev.FenceOk
@@ -384,7 +394,7 @@ class Core:
 class _Piece:
     __slots__ = ("acked", "data", "offset", "rid")
 
-    def __init__(self, offset: int, data) -> None:
+    def __init__(self, offset: int, data: memoryview) -> None:
         self.offset = offset
         self.data = data
         self.rid = 0  # request id on the current connection; 0 = not sent on it yet
@@ -416,7 +426,7 @@ class AppendJob:
         self.exhausted = False
         self._pending = bytearray()  # small chunks being coalesced
 
-    def resume_check(self, core: Core):
+    def resume_check(self, core: Core) -> Op[int]:
         """Generator (after a reconnect): STAT, and make sure nothing acknowledged is gone."""
         try:
             length, _sealed = yield from core.stat(self.name)
@@ -432,11 +442,11 @@ class AppendJob:
             )
         return length
 
-    def _enqueue(self, data) -> None:
+    def _enqueue(self, data: memoryview) -> None:
         self.queue.append(_Piece(self.next_offset, data))
         self.next_offset += len(data)
 
-    def run(self, core: Core):
+    def run(self, core: Core) -> Op[int]:
         """Generator: send everything, keeping the window full; returns the final length."""
         limit = core.max_piece(self.name)
         target = min(PIECE_TARGET, limit, max(1, self.window_bytes // 4))  # several pieces fit the window
@@ -459,8 +469,8 @@ class AppendJob:
                             for start in range(0, len(data), limit):
                                 self._enqueue(memoryview(data)[start : start + limit])
                     else:
-                        for data in self._pieces(chunk, target, limit):
-                            self._enqueue(data)
+                        for view in self._pieces(chunk, target, limit):
+                            self._enqueue(view)
                     continue
                 piece = self.queue[sent]
                 if by_rid and (in_flight_bytes + len(piece.data) > self.window_bytes
@@ -476,17 +486,18 @@ class AppendJob:
                 )
             if not by_rid:
                 break
-            reply = yield from core._recv()
-            piece = by_rid.pop(reply.request_id)
+            event = yield from core._recv()
+            piece = by_rid.pop(event.request_id)
             in_flight_bytes -= len(piece.data)
-            if isinstance(reply, ev.Error):
+            if isinstance(event, ev.Error):
                 exc = error_from_reply(
-                    reply, f"append {len(piece.data)} bytes to {core._where(self.name)} at offset {piece.offset}",
+                    event, f"append {len(piece.data)} bytes to {core._where(self.name)} at offset {piece.offset}",
                     name=self.name,
                 )
                 if first_error is None or piece.offset < first_error[0]:
                     first_error = (piece.offset, exc)
                 continue
+            reply = cast(ev.AppendOk, event)  # the connection checks a reply answers its request
             if reply.length != piece.offset + len(piece.data):
                 raise Corrupt(
                     f"append to {core._where(self.name)} at {piece.offset}: server acknowledged length "
@@ -501,7 +512,7 @@ class AppendJob:
             raise first_error[1]
         return self.acked
 
-    def _pieces(self, chunk, target: int, limit: int) -> list:
+    def _pieces(self, chunk: ev.Payload, target: int, limit: int) -> list[memoryview]:
         """Turn a caller chunk into pieces: coalesce small ones, split huge ones (no copy)."""
         if not isinstance(chunk, (bytes, bytearray, memoryview)):
             raise TypeError(f"append_many chunks must be bytes-like, not {type(chunk).__name__}")

@@ -8,8 +8,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import ssl as _ssl
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Generator, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 import trio
 
 from sos_wire import NEED_DATA, Key, ListEntry, RemoteProtocolError
+from sos_wire.events import Payload
 from sos_wire.frames import MAX_LIST_LIMIT
 
 from ._common import (
@@ -29,7 +31,9 @@ from ._common import (
     AppendJob,
     ClientSettings,
     Core,
+    Op,
     ReadCursor,
+    T,
     channel_binding_of,
     readable_now,
     tier_wait_ms,
@@ -49,7 +53,8 @@ def _lost(exc: BaseException) -> bool:
 
 @asynccontextmanager
 async def open_client(server: str | None = None, key: str | Key | None = None, namespace: str | None = None,
-                      *, timeout: float = 30, tls: _ssl.SSLContext | bool | None = None,
+                      *, timeout: float = 30,  # noqa: ASYNC109 - each network wait's limit, not a deadline
+                      tls: _ssl.SSLContext | bool | None = None,
                       reconnect_timeout: float | None = None,
                       client_name: str = CLIENT_NAME) -> AsyncIterator[AsyncClient]:
     """Connect, authenticate, yield an :class:`AsyncClient`, close on exit."""
@@ -106,11 +111,9 @@ class AsyncClient(ClientSettings):
     async def _drop(self) -> None:
         stream, self._stream, self._core = self._stream, None, None
         if stream is not None:
-            with trio.CancelScope(shield=True):
-                try:
-                    await trio.aclose_forcefully(stream)
-                except Exception:  # pragma: no cover
-                    pass
+            # a last resort on a stream being dropped: whatever closing it raises changes nothing
+            with trio.CancelScope(shield=True), contextlib.suppress(Exception):
+                await trio.aclose_forcefully(stream)
 
     async def reconnect(self) -> None:
         async with self._lock:
@@ -142,7 +145,7 @@ class AsyncClient(ClientSettings):
         await self.aclose()
 
     # -- the driver ------------------------------------------------------------------------
-    async def _drive(self, core: Core, gen: Generator[Any, Any, Any], chunks: Any = None) -> Any:
+    async def _drive(self, core: Core, gen: Op[T], chunks: Any = None) -> T:
         """Run an operation generator of ``_common`` (made by ``core``) over the stream;
         ``chunks``: an iterator or an async iterator of the data NEXT_CHUNK asks for."""
         try:
@@ -203,7 +206,7 @@ class AsyncClient(ClientSettings):
                 raise ConnectionLost(f"{self.server} closed the connection")
             conn.receive_data(data)
 
-    async def _call(self, make_gen: Callable[[Core], Generator[Any, Any, Any]], *, retry: bool = True) -> Any:
+    async def _call(self, make_gen: Callable[[Core], Op[T]], *, retry: bool = True) -> T:
         async with self._lock:
             core = await self._ensure()
             try:
@@ -264,7 +267,7 @@ class AsyncClient(ClientSettings):
         return b"".join([chunk async for chunk in self.read_iter(name, offset, length)])
 
     async def read_iter(self, name: str, offset: int = 0, length: int = 0, *,
-                        step: int = READ_STEP) -> AsyncIterator[bytes]:
+                        step: int = READ_STEP) -> AsyncIterator[Payload]:
         cur = ReadCursor(offset, length, step)
         while True:
             ask = cur.ask()
@@ -283,11 +286,13 @@ class AsyncClient(ClientSettings):
     async def fence(self, epoch: int) -> int:
         return await self._call(lambda core: core.fence(epoch), retry=False)
 
-    async def tier_wait(self, name: str, offset: int, timeout: float = 30.0) -> int:
+    async def tier_wait(self, name: str, offset: int,
+                        timeout: float = 30.0,  # noqa: ASYNC109 - the server's wait, sent in the request
+                        ) -> int:
         """:meth:`sos_client.Client.tier_wait`: the bucket's length of *name* once >= *offset*."""
         ms = tier_wait_ms(timeout)
 
-        def run(core: Core) -> Generator[Any, Any, Any]:
+        def run(core: Core) -> Op[int]:
             self._recv_extra = ms / 1000  # the reply may take the whole wait (calls are serialized)
             try:
                 return (yield from core.tier_wait(name, offset, ms))

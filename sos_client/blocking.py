@@ -8,14 +8,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import ssl as _ssl
 import threading
-from collections.abc import Callable, Generator, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from functools import partial
 from typing import Any
 
 from sos_wire import NEED_DATA, Key, ListEntry, RemoteProtocolError
+from sos_wire.events import Payload
 from sos_wire.frames import MAX_LIST_LIMIT
 
 from ._common import (
@@ -28,7 +30,9 @@ from ._common import (
     AppendJob,
     ClientSettings,
     Core,
+    Op,
     ReadCursor,
+    T,
     channel_binding_of,
     readable_now,
     tier_wait_ms,
@@ -122,10 +126,8 @@ class Client(ClientSettings):
     def _drop(self) -> None:
         sock, self._sock, self._core = self._sock, None, None
         if sock is not None:
-            try:
+            with contextlib.suppress(OSError):
                 sock.close()
-            except OSError:  # pragma: no cover
-                pass
 
     def reconnect(self) -> None:
         """Close the current connection (if any) and open a fresh, authenticated one."""
@@ -161,7 +163,7 @@ class Client(ClientSettings):
         return f"<sos_client.Client {self.server} namespace={self.namespace!r}>"
 
     # -- the driver ------------------------------------------------------------------------
-    def _drive(self, core: Core, gen: Generator[Any, Any, Any], chunks: Iterator[Any] | None = None) -> Any:
+    def _drive(self, core: Core, gen: Op[T], chunks: Iterator[Any] | None = None) -> T:
         """Run an operation generator of ``_common`` (made by ``core``) over the socket."""
         try:
             cmd = next(gen)
@@ -233,7 +235,7 @@ class Client(ClientSettings):
                 raise ConnectionLost(f"{self.server} closed the connection")
             conn.receive_data(data)
 
-    def _call(self, make_gen: Callable[[Core], Generator[Any, Any, Any]], *, retry: bool = True) -> Any:
+    def _call(self, make_gen: Callable[[Core], Op[T]], *, retry: bool = True) -> T:
         """Run one operation; after a lost connection, reconnect and retry once if *retry*."""
         with self._lock:
             core = self._ensure()
@@ -300,8 +302,11 @@ class Client(ClientSettings):
         """Bytes of *name* from *offset*, *length* of them (0 = to the end)."""
         return b"".join(self.read_iter(name, offset, length))
 
-    def read_iter(self, name: str, offset: int = 0, length: int = 0, *, step: int = READ_STEP) -> Iterator[bytes]:
-        """Stream *name* in chunks; holds at most *step* bytes at a time; resumes after a lost connection."""
+    def read_iter(self, name: str, offset: int = 0, length: int = 0, *, step: int = READ_STEP) -> Iterator[Payload]:
+        """Stream *name* in chunks; holds at most *step* bytes at a time; resumes after a lost connection.
+
+        A chunk is ``bytes``, or a ``memoryview`` of a large reply's own buffer (received
+        without a copy; nothing else writes it)."""
         cur = ReadCursor(offset, length, step)
         while True:
             ask = cur.ask()
@@ -332,7 +337,7 @@ class Client(ClientSettings):
         length. Safe to retry (it changes nothing): a lost connection is retried once."""
         ms = tier_wait_ms(timeout)
 
-        def run(core: Core) -> Generator[Any, Any, Any]:
+        def run(core: Core) -> Op[int]:
             # the reply may take the whole wait: the socket's timeout covers it and then ours
             sock = self._socket()
             sock.settimeout(ms / 1000 + self.timeout)

@@ -23,10 +23,11 @@ names none of them (they sit above it).  Each subparser sets ``func=callable(arg
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import ssl
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from importlib.metadata import entry_points
 
 from sos_wire import argtypes
@@ -36,6 +37,7 @@ from sos_wire.events import KeyRole
 from sos_wire.names import BadName, validate_name, validate_namespace
 
 from ._common import DEFAULT_PORT, DEFAULT_SERVER, resolve_key, resolve_server
+from .blocking import Client
 from .errors import BadKey, Fenced, SOSError, SOSNotFound, SOSPermissionError, token_key_message
 
 __all__ = [
@@ -67,7 +69,8 @@ KEY_ON_COMMAND_LINE = (
 class _RefuseKeyArgument(argparse.Action):
     """``--key``/``--key=...``: a usage error naming the alternatives (the value is never shown)."""
 
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
         parser.error(KEY_ON_COMMAND_LINE)
 
 
@@ -119,11 +122,9 @@ def key_from_args(args: argparse.Namespace) -> str:
     return str(resolve_key(None))  # $SOS_KEY, read and checked as every client does
 
 
-def client_from_args(args: argparse.Namespace, namespace: str):
+def client_from_args(args: argparse.Namespace, namespace: str) -> Client:
     """A connected blocking Client from the options of :func:`add_connection_options`.
     SOSPermissionError for a token-role key: the server serves it nothing (protocol.md 1.6)."""
-    from .blocking import Client
-
     tls = None
     if getattr(args, "tls_ca", None):
         tls = ssl.create_default_context(cafile=args.tls_ca)
@@ -138,7 +139,7 @@ def client_from_args(args: argparse.Namespace, namespace: str):
 
 def split_target(text: str, *, need_name: bool = True) -> tuple[str, str]:
     """``"NS/a/b"`` -> ``("NS", "a/b")``; raises UsageError with a clear message."""
-    ns, sep, name = text.partition("/")
+    ns, _sep, name = text.partition("/")
     if need_name and not name:
         raise UsageError(f"{text!r}: expected NAMESPACE/NAME")
     try:
@@ -151,7 +152,7 @@ def split_target(text: str, *, need_name: bool = True) -> tuple[str, str]:
 
 
 # -- subcommands ----------------------------------------------------------------------
-def _current_epoch(client, ns: str) -> int:
+def _current_epoch(client: Client, ns: str) -> int:
     """The namespace's fence epoch, which every APPEND and SEAL must carry (protocol.md
     1.11). FENCE(0) never passes (0 is never above a fence) and FENCED tells the fence:
     a probe that changes nothing."""
@@ -164,7 +165,7 @@ def _current_epoch(client, ns: str) -> int:
     raise SOSError(f"the server accepted FENCE(0) in namespace {ns!r} (answered {got}): it breaks protocol.md 1.11")
 
 
-def cmd_put(args) -> int:
+def cmd_put(args: argparse.Namespace) -> int:
     ns, name = split_target(args.target)
     if name.startswith("gen/"):
         raise UsageError(
@@ -173,7 +174,7 @@ def cmd_put(args) -> int:
     src = sys.stdin.buffer if args.localfile == "-" else None
     if src is None:
         try:
-            src = open(args.localfile, "rb")
+            src = open(args.localfile, "rb")  # noqa: SIM115 - closed by the `with src` below, as stdin is
         except OSError as exc:
             raise SOSError(f"cannot read {args.localfile}: {exc.strerror or exc}") from None
     with src, client_from_args(args, ns) as client:
@@ -186,7 +187,7 @@ def cmd_put(args) -> int:
                 f"{ns}/{name} already exists ({length} bytes{', sealed' if sealed else ''}); objects are append-only"
             )
 
-        def chunks():
+        def chunks() -> Iterator[bytes]:
             while True:
                 data = src.read(CHUNK)
                 if not data:
@@ -213,7 +214,7 @@ def cmd_put(args) -> int:
     return 0
 
 
-def cmd_cat(args) -> int:
+def cmd_cat(args: argparse.Namespace) -> int:
     ns, name = split_target(args.target)
     out = sys.stdout.buffer
     with client_from_args(args, ns) as client:
@@ -223,7 +224,7 @@ def cmd_cat(args) -> int:
     return 0
 
 
-def cmd_ls(args) -> int:
+def cmd_ls(args: argparse.Namespace) -> int:
     ns, prefix = split_target(args.target, need_name=False)
     out = sys.stdout
     with client_from_args(args, ns) as client:
@@ -233,7 +234,7 @@ def cmd_ls(args) -> int:
     return 0
 
 
-def cmd_stat(args) -> int:
+def cmd_stat(args: argparse.Namespace) -> int:
     ns, name = split_target(args.target)
     with client_from_args(args, ns) as client:
         length, sealed = client.stat(name)
@@ -330,10 +331,9 @@ def main(argv: list[str] | None = None) -> int:
         _error(exc)
         return 2
     except BrokenPipeError:  # `sos cat x | head`: the reader left; not worth a message
-        try:
-            sys.stdout = open(os.devnull, "w")
-        except OSError:  # pragma: no cover
-            pass
+        # stdout stays replaced: the interpreter's last flush must not fail again at exit
+        with contextlib.suppress(OSError):
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
         return 1
     except KeyboardInterrupt:
         _error("interrupted")

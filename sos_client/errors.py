@@ -25,9 +25,12 @@ from __future__ import annotations
 import errno
 import socket
 import ssl
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sos_wire.errors import ErrorCode
+
+if TYPE_CHECKING:
+    from sos_wire.events import Error
 
 __all__ = [
     "RETRYABLE_CODES",
@@ -290,7 +293,7 @@ def token_key_message(namespace: str) -> str:
     )
 
 
-def error_from_reply(reply: Any, what: str, *, name: str | None = None) -> SOSError:
+def error_from_reply(reply: Error, what: str, *, name: str | None = None) -> SOSError:
     """The exception for an ERROR event answering the operation described by *what*
     (e.g. ``"append to ns/log at offset 5"``)."""
     code = reply.code

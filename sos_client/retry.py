@@ -58,7 +58,7 @@ def retrying(patience: float, *, cap: float = MAX_DELAY,
 def async_retrying(patience: float, *, cap: float = MAX_DELAY,
                    retry_on: Callable[[BaseException], bool] = is_retryable) -> AsyncRetrying:
     """The same policy for trio code: ``async for attempt in async_retrying(30): with attempt: ...``."""
-    import trio
+    import trio  # noqa: PLC0415 - only trio callers load trio (the blocking client does not)
 
     return AsyncRetrying(retry=retry_if_exception(retry_on), wait=_wait(cap), stop=stop_before_delay(patience),
                          reraise=True, sleep=trio.sleep)

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
 import time
+from collections.abc import Callable
 
 from sos_wire import argtypes
+from sos_wire.addresses import parse_address
+from sos_wire.errors import ErrorCode
+from sos_wire.names import BadName
+
+from .logs import setup_logging
+from .storage import MAX_EPOCH, Storage, StorageError
 
 __all__ = ["build_parser", "main", "parse_duration", "parse_hostport", "parse_size"]
 
@@ -21,25 +27,31 @@ _positive = argtypes.integer(1)
 
 
 def parse_hostport(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise argparse.ArgumentTypeError(f"bad address {text!r}: use HOST:PORT, e.g. 127.0.0.1:7070")
-    return host.strip("[]") or "127.0.0.1", int(port)
+    """An argparse type: ``HOST:PORT`` or ``[V6]:PORT`` in the one address grammar
+    (:mod:`sos_wire.addresses`), port 0 meaning any free port; ``:PORT`` is 127.0.0.1:PORT."""
+    stripped = text.strip()
+    try:
+        return parse_address("127.0.0.1" + stripped if stripped.startswith(":") else stripped, any_port=True)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"bad address {text!r}: {exc}: use HOST:PORT, e.g. 127.0.0.1:7070") from None
 
 
-def _epoch(text: str) -> int:
-    from .storage import MAX_EPOCH
-
-    return argtypes.integer(0, MAX_EPOCH)(text)
+_epoch = argtypes.integer(0, MAX_EPOCH)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sos-server", description="SOS append-only journal server")
     sub = p.add_subparsers(dest="command", required=True)
+    _add_serve(sub)
+    _add_admin(sub)
+    return p
 
+
+def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     s = sub.add_parser("serve", help="run the server")
     s.add_argument("--data", required=True, help="data directory")
-    s.add_argument("--listen", type=parse_hostport, default=("127.0.0.1", 7070), help="HOST:PORT (port 0: any free)")
+    s.add_argument("--listen", type=parse_hostport, default=("127.0.0.1", 7070),
+                   help="HOST:PORT or [IPV6]:PORT (port 0: any free; :PORT is 127.0.0.1)")
     s.add_argument("--metrics", type=parse_hostport, default=None, help="HOST:PORT of the Prometheus endpoint")
     s.add_argument("--tls-cert", default=None, metavar="PEM",
                    help="serve TLS with this certificate (chain) file; AUTH proofs are then bound to it")
@@ -120,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.set_defaults(func=cmd_serve)
 
+
+def _add_admin(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """keygen, quota, reset-fence, gc: on the data directory, not over the network."""
     k = sub.add_parser(
         "keygen", help="create a key for a namespace and print it",
         description="Create a key for NAMESPACE and print it. Roles: append (write, fence and read), read (read"
@@ -165,16 +180,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--min-age", type=parse_duration, required=True)
     g.add_argument("--dry-run", action="store_true", help="print what would be removed")
     g.set_defaults(func=cmd_gc)
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:
     """Exit status: 0 ok, 1 failed (one line ``sos-server: ...`` on stderr), 2 usage."""
-    from .storage import StorageError
-
     args = build_parser().parse_args(argv)
+    command: Callable[[argparse.Namespace], int] = args.func
     try:
-        return args.func(args)
+        return command(args)
     except KeyboardInterrupt:
         return 130
     except StorageError as exc:
@@ -192,11 +205,7 @@ def _usage(msg: str) -> int:
     return _fail(msg, 2)
 
 
-def cmd_keygen(args) -> int:
-    from sos_wire.names import BadName
-
-    from .storage import Storage
-
+def cmd_keygen(args: argparse.Namespace) -> int:
     try:
         key = Storage(args.data).keygen(args.namespace, args.role)
         if args.quota is not None:
@@ -210,11 +219,7 @@ def cmd_keygen(args) -> int:
     return 0
 
 
-def cmd_quota(args) -> int:
-    from sos_wire.names import BadName
-
-    from .storage import Storage
-
+def cmd_quota(args: argparse.Namespace) -> int:
     st = Storage(args.data)
     try:
         if args.size is not None:
@@ -233,12 +238,7 @@ def cmd_quota(args) -> int:
     return 0
 
 
-def cmd_reset_fence(args) -> int:
-    from sos_wire.errors import ErrorCode
-    from sos_wire.names import BadName
-
-    from .storage import Storage, StorageError
-
+def cmd_reset_fence(args: argparse.Namespace) -> int:
     st = Storage(args.data)
     try:
         st.lock(create=False)
@@ -256,12 +256,8 @@ def cmd_reset_fence(args) -> int:
     return 0
 
 
-def cmd_gc(args) -> int:
-    from sos_wire.errors import ErrorCode
-
-    from .engine import plan_retention
-    from .logs import setup_logging
-    from .storage import Storage, StorageError
+def cmd_gc(args: argparse.Namespace) -> int:
+    from .engine import plan_retention  # noqa: PLC0415 - the engine (and trio) for gc alone: the others start faster
 
     setup_logging("info")
     st = Storage(args.data)
@@ -287,175 +283,52 @@ def cmd_gc(args) -> int:
     return 0
 
 
-def cmd_serve(args) -> int:
-    import trio
+def _serve_usage(args: argparse.Namespace) -> str | None:
+    """What is wrong with serve's options together (argparse checked each one), or None."""
+    if (args.tls_cert is None) != (args.tls_key is None):
+        return "--tls-cert and --tls-key go together"
+    if (args.keep_generations is None) != (args.min_age is None):
+        return "--keep-generations and --min-age go together"
+    if args.wal_size < 1:
+        return "--wal-size must be at least 1 byte"
+    if args.tier_interval <= 0:
+        return "--tier-interval must be positive"
+    if args.tier_bytes < 1:
+        return "--tier-bytes must be at least 1 byte"
+    return None
 
-    from .engine import Engine, Limits
-    from .listener import Listener, ListenError, certificate_binding, make_tls_context, raise_nofile_limit, tune_malloc
-    from .logs import setup_logging
-    from .metrics import Metrics
-    from .storage import Storage, StorageError
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Start-up in order (each step in serve.py, which says what fails), then serve until a signal."""
+    # trio, the engine and the tier only for serve: the other commands start faster
+    from . import serve  # noqa: PLC0415 - see above
+    from .metrics import Metrics  # noqa: PLC0415 - see above
 
     setup_logging(args.log_level)
-    if (args.tls_cert is None) != (args.tls_key is None):
-        return _usage("--tls-cert and --tls-key go together")
-    if (args.keep_generations is None) != (args.min_age is None):
-        return _usage("--keep-generations and --min-age go together")
-    tls, binding = None, None
-    if args.tls_cert:
-        try:
-            tls = make_tls_context(args.tls_cert, args.tls_key)
-            binding = certificate_binding(args.tls_cert)
-        except (OSError, ValueError) as exc:
-            return _fail(f"cannot load TLS certificate/key: {exc}")
-    elif args.listen[0] not in ("127.0.0.1", "::1", "localhost"):
-        log.warning(
-            "listening without TLS on a non-loopback address: anyone on the path can read the data and "
-            "take over authenticated connections; pass --tls-cert/--tls-key (docs/DEPLOY.md)",
-            extra={"listen": f"{args.listen[0]}:{args.listen[1]}"},
-        )
-    nofile = raise_nofile_limit()
-    tune_malloc()
-    limit = nofile if nofile > 0 else 1 << 20  # RLIM_INFINITY is -1
-    max_open = args.max_open_objects or max(16, min(4096, limit // 4))
-    if args.wal_size < 1:
-        return _usage("--wal-size must be at least 1 byte")
-    if args.tier_interval <= 0:
-        return _usage("--tier-interval must be positive")
-    if args.tier_bytes < 1:
-        return _usage("--tier-bytes must be at least 1 byte")
-    store = None
-    if args.tier:
-        from sos_tier import TierError, open_store
-
-        try:
-            store = open_store(args.tier)
-        except ValueError as exc:
-            return _usage(f"--tier: {exc}")
-        except ImportError as exc:
-            return _fail(f"--tier {args.tier}: {exc} (install the extra: pip install 'sos[tier]')")
-        except TierError as exc:
-            return _fail(f"--tier {args.tier}: {exc}")
-    storage = Storage(args.data, max_open_files=max_open, wal_checkpoint_bytes=args.wal_size)
+    problem = _serve_usage(args)
+    if problem is not None:
+        return _usage(problem)
     try:
-        storage.lock()  # creates the data directory if it does not exist yet
-    except StorageError as exc:
-        return _fail(exc.message)
-    if store is not None:
-        from .tier_bootstrap import BootstrapError, bootstrap, needs_bootstrap
-
-        if needs_bootstrap(storage.root):
-            # a replacement server on an empty --data: rebuild what the store holds, then serve it
-            # (protocol.md 4.8); an empty store makes an empty data directory
-            try:
-                report = bootstrap(storage.root, store, lock=False, progress=log.debug)
-            except BootstrapError as exc:
-                storage.close()
-                return _fail(f"--tier {args.tier}: {exc}")
-            log.info("tier bootstrap", extra={"namespaces": len(report.namespaces), "objects": len(report.objects),
-                                              "bytes": report.total_bytes, "cut": len(report.cut),
-                                              "problems": len(report.problems), "seconds": round(report.seconds, 3)})
-    metrics = Metrics()
-    t0 = time.monotonic()
+        tls, binding = serve.load_tls(args)
+        store = serve.open_tier_store(args)
+        metrics = Metrics()
+        storage = serve.open_storage(args, store, metrics)
+    except serve.StartError as exc:
+        return _fail(exc.message, exc.status)
     try:
-        storage.open()
-        storage.start_wal()
-    except (StorageError, OSError) as exc:
+        serve.start_metrics(args, metrics)
+    except serve.StartError as exc:
         storage.close()
-        return _fail(exc.message if isinstance(exc, StorageError) else f"cannot load {args.data}: {exc}")
-    metrics.repairs.inc(len(storage.repairs))
-    metrics.damaged.inc(len(storage.corruptions))
-    log.info(
-        "storage opened",
-        extra={
-            "data": storage.root,
-            "namespaces": len(storage.namespaces),
-            "objects": sum(len(ns.objects) for ns in storage.namespaces.values()),
-            "repairs": len(storage.repairs),
-            "damaged": len(storage.corruptions),
-            "log_records_replayed": storage.replayed.records,
-            "seconds": round(time.monotonic() - t0, 3),
-            "nofile": nofile,
-            "max_open_objects": max_open,
-        },
-    )
-    if args.metrics:
-        try:
-            httpd, _ = metrics.serve(*args.metrics)
-        except OSError as exc:
-            return _fail(f"cannot listen for metrics on {args.metrics[0]}:{args.metrics[1]}: {exc}")
-        print(f"sos-server metrics on {args.metrics[0]}:{httpd.server_port}", file=sys.stderr, flush=True)
-    limits = Limits(
-        max_objects=args.max_objects,
-        max_object_size=args.max_object_size,
-        max_total_objects=args.max_objects_total,
-        namespace_quota=args.namespace_quota,
-    )
-    engine = Engine(storage, limits=limits, metrics=metrics)
-    tier = None
-    if store is not None:
-        from .tiering import Tier
-
-        tier = engine.tier = Tier(
-            store, storage, metrics, interval=args.tier_interval, bytes_trigger=args.tier_bytes,
-            lag_warn=args.tier_lag_warn, parallel=args.tier_parallel,
-        )
-    listener = Listener(
-        engine,
-        host=args.listen[0],
-        port=args.listen[1],
-        tls=tls,
-        channel_binding=binding,
-        max_connections=args.max_connections,
-        max_unauthenticated=args.max_unauthenticated,
-        max_unauthenticated_per_address=args.max_unauthenticated_per_address,
-        idle_timeout=args.idle_timeout or None,
-        handshake_timeout=args.handshake_timeout or None,
-        send_timeout=args.send_timeout or None,
-    )
-
-    async def retention_once() -> None:
-        try:
-            await engine.gc(args.keep_generations, args.min_age)
-        except Exception:
-            log.exception("retention failed")
-
-    async def retention() -> None:
-        while True:
-            await trio.sleep(args.gc_interval)
-            await retention_once()
-
+        return _fail(exc.message, exc.status)
+    server = serve.Server(args, storage, store, metrics, tls, binding)
     rc = 0
-
-    async def main_task() -> None:
-        nonlocal rc
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async with trio.open_nursery() as nursery:
-                await nursery.start(engine.run)
-                if tier is not None:
-                    await nursery.start(tier.run)
-                if args.keep_generations:
-                    await retention_once()  # before serving: clients see the result
-                try:
-                    host, port = await nursery.start(listener.serve)
-                except ListenError as exc:
-                    rc = _fail(str(exc))
-                    nursery.cancel_scope.cancel()
-                    return
-                if args.keep_generations:
-                    nursery.start_soon(retention)
-                print(f"sos-server listening on {host}:{port}", file=sys.stderr, flush=True)
-                async for signum in signals:
-                    log.info("stopping", extra={"signal": signal.Signals(signum).name})
-                    nursery.cancel_scope.cancel()
-                    break
-
     try:
-        trio.run(main_task)
+        failed = server.run()
+        if failed is not None:
+            rc = _fail(failed)
     finally:
         storage.close()
-        if tier is not None:
-            tier.close()
+        server.close()
     log.info("stopped", extra={"exit_code": rc})
     return rc
 

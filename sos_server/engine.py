@@ -35,15 +35,16 @@ complete for ``min_age``.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import errno
 import logging
 import os
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 
@@ -127,7 +128,7 @@ class Pending:
 
 @dataclass
 class _Batch:
-    objs: set = field(default_factory=set)
+    objs: set[StoredObject] = field(default_factory=set)
     done: trio.Event = field(default_factory=trio.Event)
 
 
@@ -144,6 +145,12 @@ class _SyncJob:
         self.done = trio.Event()
 
 
+class _Syncable(Protocol):
+    """What the sync threads sync: a log file or an object file."""
+
+    def sync(self) -> tuple[int, int]: ...
+
+
 class _SyncPool:
     """Plain threads that fdatasync the files of a batch concurrently.
 
@@ -154,7 +161,7 @@ class _SyncPool:
     def __init__(self, token: trio.lowlevel.TrioToken, max_threads: int = SYNC_THREADS) -> None:
         self.token = token
         self.max_threads = max_threads
-        self.q: queue.SimpleQueue = queue.SimpleQueue()
+        self.q: queue.SimpleQueue[tuple[_Syncable, _SyncJob, int] | None] = queue.SimpleQueue()
         self.threads: list[threading.Thread] = []
         self.idle = 0
         self.lock = threading.Lock()
@@ -183,7 +190,7 @@ class _SyncPool:
                 res = obj.sync()
             except OSError as exc:
                 res = exc
-            except BaseException as exc:  # never lose a batch: report it as an I/O error
+            except BaseException as exc:  # noqa: BLE001 - a sync thread's last resort: never lose a batch, report EIO
                 res = OSError(errno.EIO, f"sync raised {exc!r}")
             with self.lock:
                 self.idle += 1
@@ -191,12 +198,10 @@ class _SyncPool:
                 job.pending -= 1
                 last = job.pending == 0
             if last:
-                try:
+                with contextlib.suppress(trio.RunFinishedError):
                     self.token.run_sync_soon(job.done.set)
-                except trio.RunFinishedError:
-                    pass
 
-    async def sync_all(self, objs: list) -> list[tuple[int, int] | OSError]:
+    async def sync_all(self, objs: Sequence[_Syncable]) -> list[tuple[int, int] | OSError]:
         """fdatasync every object's file concurrently; (size, length) or OSError per object."""
         if not objs:
             return []
@@ -216,35 +221,45 @@ class _LockTable:
     """trio.Lock per key, dropped when nobody holds or waits for it."""
 
     def __init__(self) -> None:
-        self._locks: dict[tuple, list] = {}
+        self._locks: dict[tuple[str, ...], _LockEntry] = {}
 
-    def __call__(self, key: tuple) -> _Held:
+    def __call__(self, key: tuple[str, ...]) -> _Held:
         return _Held(self, key)
 
 
+class _LockEntry:
+    """A key's lock and how many tasks hold or wait for it."""
+
+    __slots__ = ("lock", "users")
+
+    def __init__(self) -> None:
+        self.lock = trio.Lock()
+        self.users = 0
+
+
 class _Held:
-    def __init__(self, table: _LockTable, key: tuple) -> None:
+    def __init__(self, table: _LockTable, key: tuple[str, ...]) -> None:
         self.table, self.key = table, key
 
     async def __aenter__(self) -> None:
         entry = self.table._locks.get(self.key)
         if entry is None:
-            entry = self.table._locks[self.key] = [trio.Lock(), 0]
-        entry[1] += 1
+            entry = self.table._locks[self.key] = _LockEntry()
+        entry.users += 1
         try:
-            await entry[0].acquire()
+            await entry.lock.acquire()
         except BaseException:
             self._drop(entry)
             raise
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         entry = self.table._locks[self.key]
-        entry[0].release()
+        entry.lock.release()
         self._drop(entry)
 
-    def _drop(self, entry: list) -> None:
-        entry[1] -= 1
-        if entry[1] == 0:
+    def _drop(self, entry: _LockEntry) -> None:
+        entry.users -= 1
+        if entry.users == 0:
             del self.table._locks[self.key]
 
 
@@ -305,7 +320,7 @@ class Engine:
         self.metrics.open_files.set_function(lambda: len(storage.files))
 
     # -- lifecycle -------------------------------------------------------------------
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The group-commit syncer; run it in a nursery for the engine's lifetime."""
         if self.storage.wal is None:
             await trio.to_thread.run_sync(self.storage.start_wal)
@@ -744,7 +759,7 @@ class Engine:
                 # next run removes both, so nothing is left behind in the store
                 try:
                     await self.tier.remove(ns.name, names)
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 - whatever the store did, the objects wait for the next run
                     log.warning("retention: cannot remove %d objects of %s from the tier, keeping them for the next"
                                 " run: %s", len(names), ns.name, exc, extra={"namespace": ns.name})
                     continue

@@ -21,6 +21,7 @@ import logging
 import os
 import struct
 from dataclasses import dataclass
+from typing import Literal
 
 from sos_wire.crc import crc32c
 
@@ -103,6 +104,8 @@ def _whole_frame_at(fd: int, t: int, size: int) -> bool:
         return False
     if hdr == SEAL_FRAME:
         return True
+    n: int
+    crc: int
     n, crc = FRAME.unpack(hdr)
     return 1 <= n <= MAX_FRAME and t + FRAME_HDR + n <= size and crc32c(pread_all(fd, n, t + FRAME_HDR)) == crc
 
@@ -132,7 +135,12 @@ def _length_confirmed(fd: int, pos: int, n: int, crc: int, size: int) -> int | N
     return None
 
 
-def _examine(fd: int, pos: int, n: int | None, crc: int | None, size: int) -> tuple:
+#: what _examine says of bytes that are not a whole, checksummed frame (its docstring)
+_Verdict = (tuple[Literal["cut"], str] | tuple[Literal["frame"], int, str]
+            | tuple[Literal["rest"], int, bool, str])
+
+
+def _examine(fd: int, pos: int, n: int | None, crc: int | None, size: int) -> _Verdict:
     """What the bytes from *pos* (not a whole, checksummed frame) are. One of:
 
     ("cut", reason)                      a torn tail: nothing acknowledged is in it
@@ -169,7 +177,9 @@ def _examine(fd: int, pos: int, n: int | None, crc: int | None, size: int) -> tu
     return ("rest", max(0, data), sealed, why)
 
 
-def _scan(fd: int, obj: StoredObject, size: int, verify_from: int):
+def _scan(
+    fd: int, obj: StoredObject, size: int, verify_from: int
+) -> tuple[StoredObject, int, int, str, list[Damage]] | None:
     """Walk the frames of an object file; (obj, end, length, cut reason, [Damage]), or None
     if a bad spot follows a frame whose checksum was not checked (before *verify_from*):
     that frame's length may be the lie that led here, so start again checking every
@@ -258,6 +268,7 @@ namespace: str, path: str, verify_tail: int, repairs: list[RepairNote], corrupti
             # something is wrong after frames that were only length-checked (before
             # verify_tail): one of them may be where it starts. Check every checksum.
             scan = _scan(fd, StoredObject(namespace, name, path, hsize), size, hsize)
+            assert scan is not None  # every frame's checksum checked: each bad spot is where it is
     finally:
         os.close(fd)
     obj, pos, logical, cut, damage = scan

@@ -16,7 +16,12 @@ durable on the server, so a committed batch survives the loss of the whole worke
 - :func:`gateway_checkpoint` gives a session its checkpoint through ``sos gateway``
   instead (a cluster of any size, no FUSE): a ``webhdfs://`` checkpointLocation, the
   Hadoop OAuth2 and retry settings (:func:`gateway_conf`) and a
-  :class:`GatewayMarkerListener` that writes the same batch markers.
+  :class:`GatewayMarkerListener` that writes the same batch markers; :func:`start_gateway`
+  starts one (as :func:`start_mount` starts a mount).
+- ``durability="tier"`` (:func:`journaled_checkpoint`, :func:`start_mount`,
+  :func:`start_gateway`): a batch's commit returns once the SOS server's object-store tier
+  (its bucket) holds it too, and :func:`restore_to_batch` (``from_url=``) restores from that
+  bucket alone when the server and its disk are gone.
 """
 
 from __future__ import annotations
@@ -31,8 +36,23 @@ import sys
 import tempfile
 import threading
 import urllib.parse
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, cast
 
 from .mounttable import mount_fstype
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+    from pyspark.sql.streaming.listener import (
+        QueryIdleEvent,
+        QueryProgressEvent,
+        QueryStartedEvent,
+        QueryTerminatedEvent,
+    )
+
+    from .gateway.client import GatewayClient
+    from .gateway.process import GatewayProcess
+    from .mount.process import MountProcess
 
 log = logging.getLogger("sos.spark")
 
@@ -73,7 +93,7 @@ class CheckpointLocation(str):
     an existing mount was reused (``.reused`` True; ``.stop()`` then leaves it alone).
     """
 
-    mount = None
+    mount: MountProcess | None = None
     mountpoint: str = ""
     relpath: str = ""
     namespace: str = ""
@@ -82,7 +102,8 @@ class CheckpointLocation(str):
     def reused(self) -> bool:
         return self.mount is None
 
-    def __new__(cls, path, *, mount=None, mountpoint="", relpath="", namespace=""):
+    def __new__(cls, path: str, *, mount: MountProcess | None = None, mountpoint: str = "", relpath: str = "",
+                namespace: str = "") -> CheckpointLocation:
         self = super().__new__(cls, path)
         self.mount = mount
         self.mountpoint = mountpoint
@@ -90,17 +111,17 @@ class CheckpointLocation(str):
         self.namespace = namespace
         return self
 
-    def stop(self):
+    def stop(self) -> None:
         """Unmount (flushes the journal first)."""
         if self.mount is not None:
             self.mount.stop()
 
 
 _mounts_lock = threading.Lock()
-_mounts: list = []
+_mounts: list[MountProcess] = []
 
 
-def _stop_all_mounts():
+def _stop_all_mounts() -> None:
     with _mounts_lock:
         mounts = list(_mounts)
         _mounts.clear()
@@ -114,22 +135,51 @@ def _stop_all_mounts():
 atexit.register(_stop_all_mounts)
 
 
-def start_mount(namespace, mountpoint, *, server, key, cache_dir, sync=True, timeout=180.0,
-                log_path=None, extra_args=()):
+def start_mount(namespace: str, mountpoint: str, *, server: str, key: str, cache_dir: str, sync: bool = True,
+                timeout: float = 180.0, log_path: str | None = None,
+                extra_args: Sequence[str] = (), durability: str = "server",
+                tier_patience: float | None = None) -> MountProcess:
     """Start ``sos mount`` for ``namespace`` on ``mountpoint`` and wait until it serves.
 
     ``extra_args``: more ``sos mount`` options (``--tls-ca FILE``, ``--owner 185``, ...).
+    ``durability``: "server" (default) or "tier" (``--durability tier``: the rename onto
+    ``commits/N`` returns once the server's bucket holds it; the server needs ``--tier``);
+    ``tier_patience``: seconds such a barrier waits for the bucket (None: the mount's default).
     The one place that knows the :class:`spark_plugin.mount.process.MountProcess` API.
     """
-    from spark_plugin.mount.process import MountProcess
+    # needs sos_client: the Spark job ships spark.py without it (docs/DEPLOY.md)
+    from spark_plugin.mount.process import MountProcess  # noqa: PLC0415
 
     mount = MountProcess(namespace, mountpoint, cache_dir, server, str(key), sync,
-                         log_path=log_path, start_timeout=timeout, extra_args=extra_args)
+                         log_path=log_path, start_timeout=timeout, extra_args=list(extra_args),
+                         durability=durability, tier_patience=tier_patience)
     mount.start()
     return mount
 
 
-def mounted_namespace(mountpoint):
+def start_gateway(namespace: str, *, server: str, key: str, cache_dir: str, listen: str = "127.0.0.1:0",
+                  sync: bool = True, durability: str = "server", tier_patience: float | None = None,
+                  timeout: float = 180.0, log_path: str | None = None,
+                  extra_args: Sequence[str] = ()) -> GatewayProcess:
+    """Start ``sos gateway`` for ``namespace`` and wait until it serves; ``.url`` is its
+    ``http(s)://HOST:PORT`` (what :func:`gateway_checkpoint` takes), ``.stop()`` stops it.
+
+    ``durability``/``tier_patience``: as :func:`start_mount`'s (``--durability tier``: every
+    RENAME, DELETE and file body replies once the server's bucket holds it). ``extra_args``:
+    more ``sos gateway`` options (``--tls-cert``, ``--advertise``, ...). The one place that
+    knows the :class:`spark_plugin.gateway.process.GatewayProcess` API for the helpers.
+    """
+    # needs sos_client: the Spark job ships spark.py without it (docs/DEPLOY.md)
+    from spark_plugin.gateway.process import GatewayProcess  # noqa: PLC0415
+
+    gateway = GatewayProcess(namespace, cache_dir, server, str(key), listen=listen, sync=sync,
+                             log_path=log_path, extra_args=list(extra_args), start_timeout=timeout,
+                             durability=durability, tier_patience=tier_patience)
+    gateway.start()
+    return gateway
+
+
+def mounted_namespace(mountpoint: str) -> str | None:
     """The namespace a live SOS mount at ``mountpoint`` serves.
 
     None when nothing is mounted there, or only a dead mount (its daemon died: a new
@@ -153,18 +203,23 @@ def mounted_namespace(mountpoint):
                          f"unmount it first") from None
 
 
-def journaled_checkpoint(spark_or_none, namespace, *, server=None, key=None, mountpoint=None,
-                         cache_dir=None, sync=True, checkpoint=DEFAULT_CHECKPOINT,
-                         listener=True, mount_args=(), timeout=180.0) -> str:
+def journaled_checkpoint(spark_or_none: SparkSession | None, namespace: str, *, server: str | None = None,
+                         key: str | None = None, mountpoint: str | None = None,
+                         cache_dir: str | None = None, sync: bool = True, checkpoint: str = DEFAULT_CHECKPOINT,
+                         listener: bool = True, mount_args: Sequence[str] = (),
+                         timeout: float = 180.0, durability: str = "server",
+                         tier_patience: float | None = None) -> CheckpointLocation:
     """Mount ``namespace`` if needed and return a checkpointLocation on the mount.
 
     If ``mountpoint`` already is a live SOS mount of ``namespace`` (a sidecar, or the
     mount a killed driver left running), it is reused as it is: nothing is started,
-    ``server``/``key``/``cache_dir``/``sync``/``mount_args`` are not used, and the mount is
-    not stopped at exit. A mount of another namespace, or anything else mounted there,
+    ``server``/``key``/``cache_dir``/``sync``/``mount_args``/``durability`` are not used, and
+    the mount is not stopped at exit. A mount of another namespace, or anything else mounted there,
     is a ValueError. Otherwise ``sos mount`` is started (``server`` and ``key`` needed;
     ``mount_args``: more ``sos mount`` options such as ``["--tls-ca", "ca.pem"]``) and
-    stopped at interpreter exit or by ``location.stop()``.
+    stopped at interpreter exit or by ``location.stop()``. ``durability="tier"`` (and
+    ``tier_patience``, see :func:`start_mount`): a batch's commit returns once the server's
+    object-store tier holds it, so it survives the loss of the server and its disk too.
 
     ``mountpoint``/``cache_dir`` default to fresh temporary directories. An empty cache is
     rebuilt from the server by the mount, so the same call after losing the worker brings
@@ -188,10 +243,12 @@ def journaled_checkpoint(spark_or_none, namespace, *, server=None, key=None, mou
             os.makedirs(mountpoint, exist_ok=True)
         os.makedirs(cache_dir, exist_ok=True)
         mount = start_mount(namespace, mountpoint, server=server, key=key, cache_dir=cache_dir,
-                            sync=sync, extra_args=mount_args, timeout=timeout)
+                            sync=sync, extra_args=mount_args, timeout=timeout,
+                            durability=durability, tier_patience=tier_patience)
         with _mounts_lock:
             _mounts.append(mount)
     else:
+        assert mountpoint is not None  # current was read from it
         log.info("reusing the live SOS mount of namespace %r at %s", namespace, mountpoint)
     path = os.path.join(os.path.abspath(mountpoint), relpath)
     os.makedirs(path, exist_ok=True)
@@ -202,13 +259,13 @@ def journaled_checkpoint(spark_or_none, namespace, *, server=None, key=None, mou
     return loc
 
 
-def marker_payload(checkpoint_relpath, query_id, batch_id) -> bytes:
+def marker_payload(checkpoint_relpath: str, query_id: object, batch_id: int) -> bytes:
     """The MARKER payload for a committed batch (names the query and batch in the journal)."""
     return json.dumps({"checkpoint": checkpoint_relpath, "query_id": str(query_id),
                        "batch_id": int(batch_id)}, sort_keys=True).encode()
 
 
-def write_marker(mountpoint, checkpoint_relpath, query_id, batch_id) -> bool:
+def write_marker(mountpoint: str, checkpoint_relpath: str, query_id: object, batch_id: int) -> bool:
     """Write a ``spark.batch`` marker through the mount's control file.
 
     Returns False (and writes nothing) when the mount offers no control file.
@@ -238,7 +295,7 @@ class MarkerListener(_ListenerBase):
     one query when the session runs several.
     """
 
-    def __init__(self, checkpoint, *, mountpoint=None, query_name=None):
+    def __init__(self, checkpoint: str, *, mountpoint: str | None = None, query_name: str | None = None) -> None:
         super().__init__()
         mountpoint = mountpoint or getattr(checkpoint, "mountpoint", "")
         if not mountpoint:
@@ -254,10 +311,10 @@ class MarkerListener(_ListenerBase):
         self.errors: list[str] = []
         self._missing_control_logged = False
 
-    def onQueryStarted(self, event):
+    def onQueryStarted(self, event: QueryStartedEvent) -> None:
         pass
 
-    def onQueryProgress(self, event):
+    def onQueryProgress(self, event: QueryProgressEvent) -> None:
         try:
             progress = event.progress
             if self.query_name is not None and progress.name != self.query_name:
@@ -275,35 +332,51 @@ class MarkerListener(_ListenerBase):
             self.errors.append(repr(exc))
             log.exception("writing the batch marker failed")
 
-    def onQueryIdle(self, event):
+    def onQueryIdle(self, event: QueryIdleEvent) -> None:
         pass
 
-    def onQueryTerminated(self, event):
+    def onQueryTerminated(self, event: QueryTerminatedEvent) -> None:
         pass
 
 
-def sos_command():
+def sos_command() -> list[str]:
     """argv prefix that runs the ``sos`` command with this interpreter."""
     return [sys.executable, "-c", "import sys; from sos_client.cli import main; sys.exit(main())"]
 
 
-def restore_to_batch(namespace, target, checkpoint, batch_id, *, server, key, force=False,
-                     timeout=900) -> str:
+def restore_to_batch(namespace: str, target: str | os.PathLike[str], checkpoint: str, batch_id: int, *,
+                     server: str | None = None, key: str | None = None, from_url: str | None = None,
+                     force: bool = False, timeout: float = 900) -> str:
     """Rebuild ``namespace`` into ``target`` as it was when batch ``batch_id`` committed.
 
     ``checkpoint`` is the checkpoint's path inside the namespace (``location.relpath``).
     Runs ``sos restore NAMESPACE TARGET --batch CHECKPOINT:N`` (it stops right after the
-    record that made ``CHECKPOINT/commits/N`` exist); returns the restored checkpoint
-    directory, ready to be copied or mounted for the query to resume from. Raises
-    RuntimeError with sos's one-line message and exit code (4: no journal in the namespace,
-    1: batch N not in the journal or the target not empty, 3: corrupt data).
+    record that made ``CHECKPOINT/commits/N`` exist) against the server (``server`` and
+    ``key``), or with ``from_url`` (``s3://bucket/prefix``, ``file:///dir``: the server's
+    ``--tier``) from the bucket alone, no server needed (``sos restore --from URL``; the
+    store's credentials and endpoint come from the environment, as boto3 reads them).
+    Returns the restored checkpoint directory, ready to be copied or mounted for the query
+    to resume from. Raises RuntimeError with sos's one-line message and exit code (4: no
+    journal in the namespace, 1: batch N not in the journal, the target not empty or the
+    bucket unreachable, 3: corrupt or missing data).
     """
     rel = str(getattr(checkpoint, "relpath", checkpoint)).strip("/")
-    cmd = sos_command() + ["restore", "-q", "--server", server, namespace, str(target),
-                           "--batch", f"{rel}:{int(batch_id)}"]
+    if from_url is not None:
+        if server is not None or key is not None:
+            raise ValueError("restore_to_batch: from_url reads the bucket alone: give it without "
+                             "server= and key=")
+        source = ["--from", str(from_url)]
+        # neither the server nor a key plays a part (sos refuses --key-file with --from)
+        env = {k: v for k, v in os.environ.items() if k not in ("SOS_KEY", "SOS_KEY_FILE")}
+    else:
+        if not server or key is None:
+            raise ValueError("restore_to_batch: server= and key= are needed (or from_url=)")
+        source = ["--server", server]
+        env = dict(os.environ, SOS_KEY=str(key))  # the key stays off the command line
+    cmd = [*sos_command(), "restore", "-q", *source, namespace, str(target),
+           "--batch", f"{rel}:{int(batch_id)}"]
     if force:
         cmd.append("--force")
-    env = dict(os.environ, SOS_KEY=str(key))  # the key stays off the command line
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"sos restore failed ({proc.returncode}): {proc.stderr.strip()}")
@@ -323,7 +396,7 @@ GATEWAY_RETRY_SPEC = "200,10,2000,10"
 GATEWAY_REDACTION_REGEX = "(?i)secret|password|token|access[.]key|credential"
 
 
-def gateway_conf(url, namespace, key, *, retry_spec=GATEWAY_RETRY_SPEC) -> dict:
+def gateway_conf(url: str, namespace: str, key: str, *, retry_spec: str = GATEWAY_RETRY_SPEC) -> dict[str, str]:
     """Hadoop settings (keys without ``spark.hadoop.``) for ``webhdfs://`` paths served by
     the gateway at ``url`` (``http(s)://HOST:PORT``): OAuth2 client credentials against its
     ``/oauth2/token`` (client id: the namespace, credential: ``key``) and the HTTP retry
@@ -340,7 +413,7 @@ def gateway_conf(url, namespace, key, *, retry_spec=GATEWAY_RETRY_SPEC) -> dict:
     }
 
 
-def webhdfs_url(url, path="") -> str:
+def webhdfs_url(url: str, path: str = "") -> str:
     """``http://H:P`` -> ``webhdfs://H:P/path`` (``https`` -> ``swebhdfs``)."""
     parsed = urllib.parse.urlsplit(url)
     if parsed.scheme not in ("http", "https") or not parsed.netloc:
@@ -360,10 +433,12 @@ class GatewayCheckpoint(str):
     relpath: str = ""
     namespace: str = ""
     gateway_url: str = ""
-    conf: dict
-    listener = None
+    conf: dict[str, str]
+    listener: GatewayMarkerListener | None = None
+    _key: str
 
-    def __new__(cls, location, *, relpath, namespace, gateway_url, conf, key):
+    def __new__(cls, location: str, *, relpath: str, namespace: str, gateway_url: str, conf: dict[str, str],
+                key: str) -> GatewayCheckpoint:
         self = super().__new__(cls, location)
         self.relpath = relpath
         self.namespace = namespace
@@ -372,7 +447,7 @@ class GatewayCheckpoint(str):
         self._key = key
         return self
 
-    def attach(self, spark, *, listener=True, query_name=None):
+    def attach(self, spark: SparkSession, *, listener: bool = True, query_name: str | None = None) -> GatewayCheckpoint:
         """Apply the Hadoop settings to a live session and register the marker listener
         (``gateway_checkpoint`` calls it when given a session)."""
         hconf = spark.sparkContext._jsc.hadoopConfiguration()
@@ -383,15 +458,17 @@ class GatewayCheckpoint(str):
             spark.streams.addListener(self.listener)
         return self
 
-    def client(self):
+    def client(self) -> GatewayClient:
         """A :class:`~spark_plugin.gateway.client.GatewayClient` of this gateway."""
-        from spark_plugin.gateway.client import GatewayClient
+        # the mount's Spark job ships spark.py without it (deploy/k8s/spark-driver.yaml)
+        from spark_plugin.gateway.client import GatewayClient  # noqa: PLC0415
 
         return GatewayClient(self.gateway_url, self.namespace, self._key)
 
 
-def gateway_checkpoint(spark_or_builder, url, namespace, key, checkpoint=DEFAULT_CHECKPOINT, *,
-                       listener=True, retry_spec=GATEWAY_RETRY_SPEC) -> GatewayCheckpoint:
+def gateway_checkpoint(spark_or_builder: SparkSession | SparkSession.Builder | None, url: str, namespace: str,
+                       key: str, checkpoint: str = DEFAULT_CHECKPOINT, *, listener: bool = True,
+                       retry_spec: str = GATEWAY_RETRY_SPEC) -> GatewayCheckpoint:
     """The checkpointLocation of ``checkpoint`` in ``namespace`` through the gateway at
     ``url`` (``http(s)://HOST:PORT`` of ``sos gateway NAMESPACE``), with ``key`` a key of
     the namespace (its role decides what the session may do).
@@ -411,7 +488,7 @@ def gateway_checkpoint(spark_or_builder, url, namespace, key, checkpoint=DEFAULT
     if spark_or_builder is None:
         return loc
     if hasattr(spark_or_builder, "streams"):  # a live session
-        return loc.attach(spark_or_builder, listener=listener)
+        return loc.attach(cast("SparkSession", spark_or_builder), listener=listener)
     for k, v in conf.items():
         spark_or_builder.config(k, v)
     spark_or_builder.config("spark.redaction.regex", GATEWAY_REDACTION_REGEX)
@@ -423,7 +500,8 @@ class GatewayMarkerListener(_ListenerBase):
     (``commits/N`` exists on the gateway) it appends the same ``spark.batch`` MARKER record
     through ``POST /sos/v1/marker``, durable when the gateway answers (sync mode)."""
 
-    def __init__(self, checkpoint, *, query_name=None, client=None):
+    def __init__(self, checkpoint: GatewayCheckpoint, *, query_name: str | None = None,
+                 client: GatewayClient | None = None) -> None:
         super().__init__()
         self.relpath = checkpoint.relpath
         self._client = client or checkpoint.client()
@@ -431,10 +509,10 @@ class GatewayMarkerListener(_ListenerBase):
         self.written: list[int] = []
         self.errors: list[str] = []
 
-    def onQueryStarted(self, event):
+    def onQueryStarted(self, event: QueryStartedEvent) -> None:
         pass
 
-    def onQueryProgress(self, event):
+    def onQueryProgress(self, event: QueryProgressEvent) -> None:
         try:
             progress = event.progress
             if self.query_name is not None and progress.name != self.query_name:
@@ -449,8 +527,8 @@ class GatewayMarkerListener(_ListenerBase):
             self.errors.append(repr(exc))
             log.exception("writing the batch marker through the gateway failed")
 
-    def onQueryIdle(self, event):
+    def onQueryIdle(self, event: QueryIdleEvent) -> None:
         pass
 
-    def onQueryTerminated(self, event):
+    def onQueryTerminated(self, event: QueryTerminatedEvent) -> None:
         pass

@@ -78,7 +78,8 @@ def _under(path: str, roots: tuple[str, ...]) -> bool:
 
 
 def main() -> int:
-    spec = json.load(open(sys.argv[1], encoding="utf-8"))
+    with open(sys.argv[1], encoding="utf-8") as f:
+        spec = json.load(f)
     if os.readlink("/proc/self/ns/mnt") == os.readlink(f"/proc/{os.getppid()}/ns/mnt"):
         print("ro_sandbox: not in a mount namespace of its own: refusing to remount", file=sys.stderr)
         return 3

@@ -135,7 +135,7 @@ class _CorruptingRelay:
         self.sockets: list = []
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.sockets.append(self.listener)
-        self.address = "127.0.0.1:%d" % self.listener.getsockname()[1]
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:

@@ -37,7 +37,7 @@ class FakeServer:
         self.connections = 0
         self.lock = threading.Lock()
         self.sock = socket.create_server(("127.0.0.1", 0))
-        self.address = "127.0.0.1:%d" % self.sock.getsockname()[1]
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
         self.threads: list[threading.Thread] = []
         self.stopping = False
         t = threading.Thread(target=self._accept, daemon=True)

@@ -370,7 +370,7 @@ def _pods() -> dict[str, Pod]:
 
 def _policies(*files: str) -> list[dict]:
     """The objects of ``files`` (the policies, and the Namespaces they select by)."""
-    return [o for o in objects() if o["file"] in files + ("namespaces.yaml",)]
+    return [o for o in objects() if o["file"] in (*files, "namespaces.yaml")]
 
 
 def test_network_policy_lets_only_the_job_reach_the_gateway_and_only_the_gateway_the_server():

@@ -81,7 +81,7 @@ def gw(sos_server, tmp_path):
 
 def restore(server, key, target):
     env = dict(os.environ, SOS_KEY=key)
-    subprocess.run(sos_command() + ["restore", "-q", "--server", server.address, NS, str(target)],
+    subprocess.run([*sos_command(), "restore", "-q", "--server", server.address, NS, str(target)],
                    env=env, check=True, timeout=300, capture_output=True)
     return target
 
@@ -235,9 +235,9 @@ def test_tokens_survive_a_gateway_restart(sos_server, tmp_path):
 def test_insecure_no_auth_only_on_loopback(sos_server, tmp_path):
     key = sos_server.keygen(NS, "append")
     env = dict(os.environ, SOS_KEY=key)
-    base = sos_command() + ["gateway", NS, "--server", sos_server.address, "--cache",
-                            str(tmp_path / "c"), "--insecure-no-auth"]
-    proc = subprocess.run(base + ["--listen", "0.0.0.0:0"], env=env, capture_output=True,
+    base = [*sos_command(), "gateway", NS, "--server", sos_server.address, "--cache",
+            str(tmp_path / "c"), "--insecure-no-auth"]
+    proc = subprocess.run([*base, "--listen", "0.0.0.0:0"], env=env, capture_output=True,
                           text=True, timeout=120, check=False)
     assert proc.returncode == 1 and "loopback" in proc.stderr
     g = GatewayProcess(NS, str(tmp_path / "c"), sos_server.address, key,

@@ -139,9 +139,8 @@ def test_spark_query_checkpoints_through_the_gateway_and_resumes(sos_server, tmp
     # the journal holds the checkpoint: a restore has every committed batch, and a restore
     # to batch 2 stops at its commit
     env = dict(os.environ, SOS_KEY=key)
-    subprocess.run(sos_command() + ["restore", "-q", "--server", sos_server.address, NS,
-                                    str(tmp_path / "restored")], env=env, check=True,
-                   timeout=300)
+    subprocess.run([*sos_command(), "restore", "-q", "--server", sos_server.address, NS,
+                    str(tmp_path / "restored")], env=env, check=True, timeout=300)
     assert committed_batches(str(tmp_path / "restored" / "queries" / "q1")) == set(range(FILES))
     at2 = restore_to_batch(NS, str(tmp_path / "at2"), "queries/q1", 2,
                            server=sos_server.address, key=key)

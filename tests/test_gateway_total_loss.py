@@ -158,8 +158,7 @@ def test_driver_gateway_and_cache_lost_mid_batch_then_exactly_once(sos_server, t
         state_files = {os.path.splitext(p)[1] for p in served if p.startswith(f"{CHECKPOINT}/state/")}
         assert {"hdfs": ".delta", "rocksdb": ".changelog"}[state_store] in state_files, state_files
         restored_dir = str(tmp_path / "restored")
-        subprocess.run(sos_command() + ["restore", "-q", "--server", sos_server.address, NS,
-                                        restored_dir],
+        subprocess.run([*sos_command(), "restore", "-q", "--server", sos_server.address, NS, restored_dir],
                        env=dict(os.environ, SOS_KEY=key), check=True, timeout=600)
         restored = local_tree(restored_dir)
         assert sorted(restored) == sorted(served)

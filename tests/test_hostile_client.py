@@ -35,7 +35,7 @@ class FakeServer:
 
     def __init__(self) -> None:
         self.sock = socket.create_server(("127.0.0.1", 0))
-        self.address = "127.0.0.1:%d" % self.sock.getsockname()[1]
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
         self.script = []
         self.stop = False
         self.connections_left: int | None = None  # None: serve any number of connections
@@ -149,7 +149,7 @@ def test_garbage_from_the_server_always_surfaces_as_a_typed_error(fake):
            blob=st.binary(max_size=64), code=st.integers(0, 0xFFFF))
     def check(step, kind, op, blob, code):
         good = [_hello_ok, _auth_ok]
-        fake.script = good[:step] + [_bad_reply(kind, blob, code)]
+        fake.script = [*good[:step], _bad_reply(kind, blob, code)]
         try:
             with Client(fake.address, str(KEY), "ns", timeout=TIMEOUT, reconnect_timeout=0) as c:
                 OPS[op](c)

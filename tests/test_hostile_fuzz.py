@@ -180,8 +180,8 @@ class Fuzzee:
                 rid += 1
             for kind, a, b, c in steps:
                 if kind in ("event", "mutated"):
-                    e = type(a)(*((b if b is not None else rid),) + tuple(
-                        getattr(a, f) for f in a.__dataclass_fields__ if f != "request_id"))
+                    e = type(a)(b if b is not None else rid,
+                                *(getattr(a, f) for f in a.__dataclass_fields__ if f != "request_id"))
                     rid += 1
                     try:
                         raw = bytearray(encode_event(e))

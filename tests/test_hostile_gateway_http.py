@@ -345,8 +345,8 @@ def test_plaintext_on_an_address_that_is_not_loopback_needs_an_explicit_flag(sos
                                                                              tmp_path):
     key = sos_server.keygen(NS, "append")
     env = dict(os.environ, SOS_KEY=key)
-    cmd = sos_command() + ["gateway", NS, "--server", sos_server.address, "--cache",
-                           str(tmp_path / "c"), "--listen", "0.0.0.0:0"]
+    cmd = [*sos_command(), "gateway", NS, "--server", sos_server.address, "--cache",
+           str(tmp_path / "c"), "--listen", "0.0.0.0:0"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT,
                           check=False)
     assert proc.returncode == 2, proc.stderr
@@ -466,8 +466,7 @@ def test_the_redirect_names_the_advertised_address_never_the_host_header(sos_ser
     finally:
         assert gw.stop() == 0
     # a malformed --advertise is refused at once
-    proc = subprocess.run(sos_command() + ["gateway", NS, "--listen", "127.0.0.1:0",
-                                           "--advertise", "0.0.0.0:99999"],
+    proc = subprocess.run([*sos_command(), "gateway", NS, "--listen", "127.0.0.1:0", "--advertise", "0.0.0.0:99999"],
                           env=dict(os.environ, SOS_KEY=gw.key), capture_output=True, text=True,
                           timeout=TIMEOUT, check=False)
     assert proc.returncode == 2 and "--advertise" in proc.stderr, proc.stderr

@@ -155,7 +155,7 @@ def classify(path: str, body: bytes, message: str, journaled: dict[str, bytes]) 
 
 def restored(srv, key: str, target) -> dict:
     env = dict(os.environ, SOS_KEY=key)
-    subprocess.run(sos_command() + ["restore", "-q", "--server", srv.address, NS, str(target)],
+    subprocess.run([*sos_command(), "restore", "-q", "--server", srv.address, NS, str(target)],
                    env=env, check=True, timeout=300, capture_output=True)
     return tree_snapshot(target)
 

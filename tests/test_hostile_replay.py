@@ -348,7 +348,7 @@ def deep_ops(depth: int):
         ops.append(Mkdir(p))
         p += "/d"
     leaf = p[:-2]
-    return ops + [Create(f"{leaf}/f"), Write(f"{leaf}/f", 0, b"deep")], leaf
+    return [*ops, Create(f"{leaf}/f"), Write(f"{leaf}/f", 0, b"deep")], leaf
 
 
 @pytest.fixture

@@ -343,7 +343,7 @@ def test_batch_before_a_corrupt_record_still_restores(tmp_path):
     batch(t, 1)
     t.close()
     seg = max(n for n in store.objects if layout.parse_segment_name(n))
-    victim = [r for r in _records(store) if getattr(r.op, "path", "") == "q/offsets/.1.1b2c.tmp"][0]
+    victim = next(r for r in _records(store) if getattr(r.op, "path", "") == "q/offsets/.1.1b2c.tmp")
     store.corrupt(seg, victim.offset + victim.size - 1)  # batch 1's first record
     s = restore(store.factory, "ns", str(tmp_path / "b0"), batch="q:0")
     assert visible(tmp_path / "b0", "commits") == ["0"] and s.stopped

@@ -61,7 +61,7 @@ op_st = st.one_of(
     st.tuples(st.just("create"), st.sampled_from(NAMES)),
     st.tuples(st.just("write"), st.sampled_from(NAMES), st.integers(0, 3000), st.binary(min_size=1, max_size=2500)),
     st.tuples(st.just("truncate"), st.sampled_from(NAMES), st.integers(0, 4000)),
-    st.tuples(st.just("rename"), st.sampled_from(NAMES + ["d", "e"]), st.sampled_from(NAMES + ["d", "e"]),
+    st.tuples(st.just("rename"), st.sampled_from([*NAMES, "d", "e"]), st.sampled_from([*NAMES, "d", "e"]),
               st.booleans()),
     st.tuples(st.just("unlink"), st.sampled_from(NAMES)),
     st.tuples(st.just("marker"), st.binary(max_size=30)),
@@ -222,7 +222,7 @@ def test_sigkill_writer_mid_stream_then_restart(sos_server, tmp_path, sync):
     fac = factory(sos_server, ns, key)
     restore(fac, ns, str(tmp_path / "out"))
     state = tree_state(str(tmp_path / "out"))
-    assert state == {"f%04d" % i: expected_file(i) for i in range(n)}
+    assert state == {f"f{i:04d}": expected_file(i) for i in range(n)}
     assert state == tree_state(str(tmp_path / "cache"))
     rep = verify(fac, ns)
     assert rep.ok, rep.text()
@@ -315,7 +315,7 @@ def test_corrupt_stored_byte_verify_names_it_and_restore_stops_before(sos_server
         (seg,) = [e.name for e in c.list("gen/") if e.name.endswith(".seg")]
         dec = RecordDecoder(seg)
         dec.feed(c.read(seg))
-    victim = [r for r in dec if isinstance(r.op, Write) and r.op.path == "b"][0]
+    victim = next(r for r in dec if isinstance(r.op, Write) and r.op.path == "b")
     path = _object_file(sos_server.data_dir, ns, seg)
     fpos = _file_pos(path, seg, victim.offset + 500)
     with open(path, "r+b") as f:
@@ -372,10 +372,7 @@ def test_writer_with_a_refused_key_fails_at_once_with_permission_error(sos_serve
     """A refused key is not a transient failure: open() raises PermissionError on the first
     refusal instead of retrying until its open_timeout (120 s by default)."""
     ns, key = new_ns(sos_server)
-    if case == "wrong key":
-        key = key.split(".")[0] + "." + "0" * 64
-    else:
-        key = sos_server.keygen(ns, "read")
+    key = key.split(".")[0] + "." + "0" * 64 if case == "wrong key" else sos_server.keygen(ns, "read")
     w = JournalWriter(factory(sos_server, ns, key), ns, str(tmp_path / "spool"), open_timeout=WAIT)
     attempts = []
     orig = w.client_factory

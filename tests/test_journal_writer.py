@@ -323,7 +323,7 @@ def test_restore_by_time_and_by_batch(tmp_path):
         restore(store.factory, "ns", str(tmp_path / "bx"), batch="nonsense")
     # by time: every record's time is a valid stopping point
     recs = all_records(store)
-    mid = [r for r in recs if r.seq == 7][0]
+    mid = next(r for r in recs if r.seq == 7)
     s = restore(store.factory, "ns", str(tmp_path / "t"), at=mid.time_ns)
     assert s.last_seq >= 7
     assert all(r.time_ns <= mid.time_ns for r in recs if r.seq <= s.last_seq)
@@ -358,9 +358,9 @@ def test_corrupt_byte_verify_names_it_restore_stops_before(tmp_path):
     t.create("c")
     t.sync()
     t.close()
-    seg = [n for n in store.objects if layout.parse_segment_name(n)][0]
+    seg = next(n for n in store.objects if layout.parse_segment_name(n))
     recs = all_records(store)
-    victim = [r for r in recs if isinstance(r.op, Write) and r.op.path == "b"][0]
+    victim = next(r for r in recs if isinstance(r.op, Write) and r.op.path == "b")
     store.corrupt(seg, victim.offset + 100)
     rep = verify(store.factory, "ns")
     assert not rep.ok

@@ -360,8 +360,7 @@ def test_mount_over_a_tree_made_by_sos_restore(mounts, server, key, tmp_path, ns
     first.kill()  # the worker is lost (its cache is simply not used again)
 
     cache = tmp_path / "cache-b"
-    proc = subprocess.run(sos_command() + ["restore", "-q", "--server", server.address, ns,
-                                           str(cache / "tree")],
+    proc = subprocess.run([*sos_command(), "restore", "-q", "--server", server.address, ns, str(cache / "tree")],
                           capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, SOS_KEY=key))
     assert proc.returncode == 0, proc.stderr
@@ -444,7 +443,7 @@ def _world_python():
     """A Python interpreter any user may run (pytest's may live under root's 0700 home)."""
     for cand in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"):
         real = os.path.realpath(cand)
-        parts = [real] + [os.path.dirname(real)]
+        parts = [real, os.path.dirname(real)]
         while parts[-1] != "/":
             parts.append(os.path.dirname(parts[-1]))
         if os.path.isfile(real) and all(

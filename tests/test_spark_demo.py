@@ -78,7 +78,7 @@ def test_checker_catches_lost_doubled_corrupted(tmp_path):
     out.mkdir()
     good = sorted(expected.items())
     _write_batch(out, 0, good[:10])
-    _write_batch(out, 1, good[9:18] + [(18, "not-the-payload")])  # 9 doubled, 19 lost
+    _write_batch(out, 1, [*good[9:18], (18, "not-the-payload")])  # 9 doubled, 19 lost
     _write_batch(out, 2, good[:5])  # batch 2 never committed: ignored, not doubled
     with open(out / "batch-000001.jsonl", "a") as f:
         f.write("{garbage\n")

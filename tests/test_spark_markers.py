@@ -121,8 +121,8 @@ def test_journaled_checkpoint_registers_listener_and_survives_the_loss(sos_serve
         loc.mount.kill()  # a crash right after the rename returned
     shutil.rmtree(tmp_path / "cache")
     env = dict(os.environ, SOS_KEY=key)
-    proc = subprocess.run(sos_command() + ["restore", "-q", "--server", sos_server.address, "jc",
-                                           str(tmp_path / "restored")],
+    proc = subprocess.run([*sos_command(), "restore", "-q", "--server", sos_server.address, "jc",
+                           str(tmp_path / "restored")],
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "restored" / "q1" / "chk" / "commits" / "0").read_text() == "v1\n{}"

@@ -212,7 +212,7 @@ def test_pipelined_stream_split_anywhere(events, data):
     conn = Connection(Role.SERVER)
     got = []
     prev = 0
-    for cut in cuts + [len(stream)]:
+    for cut in [*cuts, len(stream)]:
         if cut > prev:  # (b"" would mean EOF)
             conn.receive_data(stream[prev:cut])
         prev = cut

@@ -20,6 +20,7 @@ Needs root (mount namespaces and tmpfs) and the ``unshare`` command (util-linux)
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -89,10 +90,8 @@ class Node:
         except psutil.NoSuchProcess:
             procs = []
         for p in procs:
-            try:
+            with contextlib.suppress(psutil.NoSuchProcess):
                 p.send_signal(signal.SIGKILL)
-            except psutil.NoSuchProcess:
-                pass
         try:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired as exc:  # pragma: no cover - the kernel reaps it

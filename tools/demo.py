@@ -28,6 +28,7 @@ entry of the driver process.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -264,8 +265,7 @@ def run_demo(*, records: int = 3000, batches: int = 8, crash_after: int = 4,
         cache2 = os.path.join(work, "worker2", "cache")
         tree2 = os.path.join(cache2, "tree")
         gens_before = journal_generations(server.address, key)
-        proc = subprocess.run(sos_command() + ["restore", "-q", "--server", server.address,
-                                               NAMESPACE, tree2],
+        proc = subprocess.run([*sos_command(), "restore", "-q", "--server", server.address, NAMESPACE, tree2],
                               capture_output=True, text=True, timeout=900,
                               env=dict(os.environ, SOS_KEY=key))
         if proc.returncode != 0:
@@ -335,10 +335,8 @@ def run_demo(*, records: int = 3000, batches: int = 8, crash_after: int = 4,
         for d in drivers:
             kill_tree(d)
         for m in mounts:
-            try:
+            with contextlib.suppress(Exception):
                 m.stop()
-            except Exception:
-                pass
         server.stop()
         if own_dir and not keep and result.get("ok"):
             shutil.rmtree(work, ignore_errors=True)

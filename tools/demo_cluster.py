@@ -363,7 +363,7 @@ class Demo:
         trees = {}
         for how in ("bucket", "server"):
             env = dict(os.environ, SOS_KEY=self.key) if how == "server" else dict(os.environ)
-            proc = subprocess.run(sos_command() + ["restore", "-q", *args[how], NAMESPACE, dirs[how]],
+            proc = subprocess.run([*sos_command(), "restore", "-q", *args[how], NAMESPACE, dirs[how]],
                                   capture_output=True, text=True, timeout=900, env=env)
             if proc.returncode != 0:
                 raise DemoFailure(f"sos restore {' '.join(args[how])} failed: "

@@ -6,6 +6,7 @@ verdict. It imports neither demo, so they need not import each other.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -121,8 +122,7 @@ def _python_call(module: str, func: str = "main") -> list[str]:
 
 
 def keygen(data_dir: str, namespace: str, role: str = "append") -> str:
-    proc = subprocess.run(_python_call("sos_server.cli") + ["keygen", "--data", data_dir,
-                                                             namespace, "--role", role],
+    proc = subprocess.run([*_python_call("sos_server.cli"), "keygen", "--data", data_dir, namespace, "--role", role],
                           capture_output=True, text=True, timeout=120)
     if proc.returncode != 0:
         raise DemoFailure(f"sos-server keygen failed: {proc.stderr.strip()}")
@@ -274,15 +274,11 @@ def kill_tree(proc: subprocess.Popen) -> None:
         pids += [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
     except Exception:
         pass
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)  # the driver runs in its own session
-    except ProcessLookupError:
-        pass
     for pid in pids:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     proc.wait()
 
 

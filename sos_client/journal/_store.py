@@ -8,6 +8,7 @@ in-memory store (``memstore.MemStore``); everything else passes a factory of rea
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Iterator
 from typing import Protocol
 
@@ -21,32 +22,54 @@ from sos_client.errors import (
     SOSNotFound,
     is_retryable,
 )
+from sos_wire.events import Payload
 
 __all__ = [
     "ConnectionLost",
     "Corrupt",
     "Fenced",
+    "ListedObject",
     "OffsetMismatch",
     "SOSError",
     "SOSNotFound",
     "SealedError",
     "StoreClient",
+    "close_quietly",
     "fenced_epoch",
     "is_retryable",
     "mismatch_length",
 ]
 
 
+class ListedObject(Protocol):
+    """One object of a listing (``sos_wire.ListEntry`` and the test stores' entries)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def length(self) -> int: ...
+    @property
+    def sealed(self) -> bool: ...
+
+
 class StoreClient(Protocol):
     def stat(self, name: str) -> tuple[int, bool]: ...
-    def list(self, prefix: str = "") -> Iterator: ...
+    def list(self, prefix: str = "") -> Iterator[ListedObject]: ...
     def append(self, name: str, offset: int, data: bytes, *, epoch: int = 0) -> int: ...
     def append_many(self, name: str, offset: int, chunks: Iterable[bytes], *, epoch: int = 0) -> int: ...
-    def read_iter(self, name: str, offset: int = 0, length: int = 0) -> Iterator[bytes]: ...
+    def read_iter(self, name: str, offset: int = 0, length: int = 0) -> Iterator[Payload]: ...
     def seal(self, name: str, *, epoch: int = 0) -> int: ...
     def fence(self, epoch: int) -> int: ...
     def close(self) -> None: ...
 
+
+def close_quietly(client: StoreClient | None) -> None:
+    """Close a client that may be broken (after an error, at the end of a read): what its
+    close raises changes nothing and must not hide the error being handled."""
+    if client is None:
+        return
+    with contextlib.suppress(Exception):  # BLE: a last resort, the connection is dropped anyway
+        client.close()
 
 
 def mismatch_length(exc: BaseException) -> int:

@@ -81,7 +81,7 @@ class Beneath:
     def __enter__(self) -> Beneath:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def forget(self, rel: str) -> None:

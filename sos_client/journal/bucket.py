@@ -42,14 +42,25 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import NoReturn
+
+from sos_tier.layout import (
+    NamespaceState,
+    ObjectIncomplete,
+    ObjectState,
+    Piece,
+    Problem,
+    TierConflict,
+    TierDamage,
+    iter_object,
+    scan,
+)
+from sos_tier.open import open_store
+from sos_tier.store import Store, TierError
+from sos_wire.names import BadName, validate_namespace
 
 from ._store import Corrupt, SOSNotFound
 from .errors import JournalError
-
-if TYPE_CHECKING:
-    from sos_tier.layout import NamespaceState, ObjectState, Piece
-    from sos_tier.store import Store
 
 __all__ = [
     "DEFAULT_GET_WORKERS",
@@ -122,16 +133,10 @@ class BucketSource:
         """The source of a tier URL (``s3://BUCKET/PREFIX``: credentials, region and endpoint
         from boto3's standard chain and ``AWS_ENDPOINT_URL``; ``file:///PATH``). ValueError for
         a URL that is none of these; BucketUnavailable when the store cannot be set up."""
-        from sos_wire.names import BadName, validate_namespace
-
         try:
             validate_namespace(namespace)
         except BadName as exc:
             raise ValueError(str(exc)) from None
-        try:
-            from sos_tier.store import TierError, open_store
-        except ImportError as exc:  # pragma: no cover - sos_tier ships with sos
-            raise BucketUnavailable(f"cannot read {url}: {exc}") from exc
         try:
             store = open_store(url)
         except ImportError as exc:
@@ -174,9 +179,6 @@ class BucketSource:
             self._cache.clear()
 
     def _scan(self) -> NamespaceState:
-        from sos_tier.layout import NamespaceState, scan
-        from sos_tier.store import TierError
-
         try:
             found = scan(self.store, self.namespace)
         except TierError as exc:
@@ -227,8 +229,6 @@ class BucketSource:
     def _cut(self, obj: ObjectState, exc: Exception) -> BucketCorrupt:
         """Reading found damage or a conflict the listing could not show: the good length
         stops there (for every later read too) and the problem is kept."""
-        from sos_tier.layout import Problem, TierConflict, TierDamage
-
         with self._lock:
             if isinstance(exc, TierDamage):
                 bad = next((p for p in obj.pieces if p.key == exc.key), None)
@@ -245,8 +245,6 @@ class BucketSource:
 
     def _piece(self, obj: ObjectState, p: Piece) -> bytes:
         """The verified bytes of a run piece below the good length, through the small cache."""
-        from sos_tier.layout import iter_object
-
         k = (obj.name, p.key)
         with self._lock:
             data = self._cache.get(k)
@@ -265,9 +263,6 @@ class BucketSource:
         """Verified bytes [start, stop) of *obj* (stop <= its good length) in chunks. Raises
         BucketCorrupt (damage or a conflict found while reading; the chunks before it are
         good) or BucketUnavailable."""
-        from sos_tier.layout import ObjectIncomplete, TierConflict, TierDamage, iter_object
-        from sos_tier.store import TierError
-
         try:
             if stop - start <= _SMALL_READ:
                 p = next((q for q in obj.pieces if q.begin <= start and stop <= q.end), None)
@@ -305,8 +300,6 @@ class BucketSource:
         """Pieces outside the run (protocol.md 4.4 step 5): each read whole and checked against
         its CRC (damage: a problem, not on the read path), and the bytes it shares with the run
         compared with the run's (a difference: a conflict; the good length stops there)."""
-        from sos_tier.layout import ObjectState, TierDamage, iter_object
-
         for q in obj.extra:
             if q.begin == q.end:
                 continue
@@ -384,7 +377,7 @@ class BucketClient:
     def source_notes(self) -> builtins.list[str]:
         return self.source.source_notes()
 
-    def _read_only(self, *_a: Any, **_k: Any) -> Any:
+    def _read_only(self) -> NoReturn:
         raise BucketReadOnly(f"{self.source.url} is read from the bucket alone: writing needs a server")
 
     def append(self, name: str, offset: int, data: bytes, *, epoch: int = 0) -> int:

@@ -12,7 +12,12 @@ refuse a journal whose generations do not.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ._store import ListedObject
 
 GEN_PREFIX = "gen/"
 #: Label of the MARKER record a Spark query's batch writes (payload: JSON with checkpoint,
@@ -105,7 +110,7 @@ class GenerationInfo:
         return sum(s.length for s in self.segments)
 
 
-def scan_listing(entries) -> dict[int, GenerationInfo]:
+def scan_listing(entries: Iterable[ListedObject]) -> dict[int, GenerationInfo]:
     """Group LIST entries (objects with name, length, sealed) into generations.
 
     Unknown names under ``gen/`` are ignored (they are not the journal's). A generation is

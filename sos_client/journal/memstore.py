@@ -7,19 +7,25 @@ Proof tests run against a real ``sos-server``.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 from sos_client.errors import TooLarge
 from sos_wire.crc import crc32c as _crc32c
+from sos_wire.events import Payload
 
 from ._store import ConnectionLost, Fenced, OffsetMismatch, SealedError, SOSNotFound
 
 #: how far one FENCE may move the fence (protocol.md 1.11; the server's MAX_FENCE_STEP)
 MAX_FENCE_STEP = 1000
 
+_E = TypeVar("_E", bound=BaseException)
 
-def _err(cls, msg, **attrs):
+
+def _err(cls: type[_E], msg: str, **attrs: object) -> _E:
     """Build one of the client's exceptions whatever its constructor looks like."""
     for args in ((msg,), (0, msg), ()):
         try:
@@ -31,10 +37,8 @@ def _err(cls, msg, **attrs):
         e = cls.__new__(cls)
         Exception.__init__(e, msg)
     for k, v in attrs.items():
-        try:
+        with contextlib.suppress(AttributeError):
             setattr(e, k, v)
-        except AttributeError:  # pragma: no cover
-            pass
     return e
 
 
@@ -48,7 +52,7 @@ class _Entry:
 class MemStore:
     """Shared state; ``client()`` / ``factory`` hand out clients bound to it."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.objects: dict[str, bytearray] = {}
         self.sealed: set[str] = set()
         self.fence_epoch = 0
@@ -57,7 +61,7 @@ class MemStore:
         self.fail_appends = 0  # the next N append calls land but the ack is "lost"
         self.calls: list[str] = []
 
-    def client(self):
+    def client(self) -> MemClient:
         return MemClient(self)
 
     factory = client
@@ -67,41 +71,41 @@ class MemStore:
 
 
 class MemClient:
-    def __init__(self, store: MemStore):
+    def __init__(self, store: MemStore) -> None:
         self.s = store
         self.closed = False
 
-    def __enter__(self):
+    def __enter__(self) -> MemClient:
         return self
 
-    def __exit__(self, *a):
+    def __exit__(self, *a: object) -> None:
         self.close()
 
-    def _check(self):
+    def _check(self) -> None:
         if self.closed or self.s.down:
             raise _err(ConnectionLost, "connection lost (memstore down)")
 
-    def close(self):
+    def close(self) -> None:
         self.closed = True
 
-    def ping(self):
+    def ping(self) -> None:
         self._check()
 
-    def stat(self, name):
+    def stat(self, name: str) -> tuple[int, bool]:
         with self.s.lock:
             self._check()
             if name not in self.s.objects:
                 raise _err(SOSNotFound, f"{name}: not found")
             return len(self.s.objects[name]), name in self.s.sealed
 
-    def list(self, prefix=""):
+    def list(self, prefix: str = "") -> Iterator[_Entry]:
         with self.s.lock:
             self._check()
             out = [_Entry(n, len(b), n in self.s.sealed) for n, b in sorted(self.s.objects.items())
                    if n.startswith(prefix)]
         return iter(out)
 
-    def append(self, name, offset, data, *, epoch=0):
+    def append(self, name: str, offset: int, data: Payload, *, epoch: int = 0) -> int:
         data = bytes(data)
         with self.s.lock:
             self._check()
@@ -128,15 +132,15 @@ class MemClient:
                 raise _err(ConnectionLost, "ack lost (memstore fault injection)")
             return new
 
-    def append_many(self, name, offset, chunks, *, epoch=0):
+    def append_many(self, name: str, offset: int, chunks: Iterable[Payload], *, epoch: int = 0) -> int:
         for c in chunks:
             offset = self.append(name, offset, c, epoch=epoch)
         return offset
 
-    def read(self, name, offset=0, length=0):
+    def read(self, name: str, offset: int = 0, length: int = 0) -> bytes:
         return b"".join(self.read_iter(name, offset, length))
 
-    def read_iter(self, name, offset=0, length=0):
+    def read_iter(self, name: str, offset: int = 0, length: int = 0) -> Iterator[bytes]:
         with self.s.lock:
             self._check()
             if name not in self.s.objects:
@@ -147,7 +151,7 @@ class MemClient:
         for i in range(0, len(data), 1 << 20):
             yield data[i:i + (1 << 20)]
 
-    def seal(self, name, *, epoch=0):
+    def seal(self, name: str, *, epoch: int = 0) -> int:
         with self.s.lock:
             self._check()
             if epoch != self.s.fence_epoch:  # as the server: only the fence's epoch appends/seals
@@ -157,7 +161,7 @@ class MemClient:
             self.s.sealed.add(name)
             return len(self.s.objects[name])
 
-    def fence(self, epoch):
+    def fence(self, epoch: int) -> int:
         with self.s.lock:
             self._check()
             if epoch <= self.s.fence_epoch:

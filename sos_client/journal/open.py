@@ -24,28 +24,44 @@ parts together and must not depend on any of its three users.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
+import ssl
 import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, NoReturn, Protocol
 
+from sos_client.blocking import Client
+from sos_client.errors import token_key_message
 from sos_client.retry import retrying
+from sos_wire.auth import Key
+from sos_wire.events import KeyRole
 
+from ._store import StoreClient
 from .errors import SpoolStale
-
-if TYPE_CHECKING:
-    from .tree import JournaledTree
-    from .writer import JournalWriter
+from .records import validate_path
+from .restore import rebuild_cache
+from .tree import JournaledTree
+from .writer import JournalWriter
 
 __all__ = ["OpenNamespace", "ReadOnlyTree", "client_factory_for",
            "default_cache_dir", "key_role", "open_namespace"]
 
 log = logging.getLogger("sos.journal.open")
 
-ClientFactory = Callable[[], Any]
+
+
+class RoleClient(StoreClient, Protocol):
+    """A connected client of the server: the journal's slice, and the role the server granted the key."""
+
+    @property
+    def role(self) -> KeyRole | None: ...
+
+
+ClientFactory = Callable[[], RoleClient]
 
 
 def default_cache_dir(namespace: str) -> str:
@@ -54,18 +70,17 @@ def default_cache_dir(namespace: str) -> str:
     return os.path.join(base, "sos", namespace)
 
 
-def client_factory_for(server: str | None, key: Any, namespace: str, *, timeout: float = 30.0,
-                       tls: Any = None) -> ClientFactory:
+def client_factory_for(server: str | None, key: str | Key | None, namespace: str, *, timeout: float = 30.0,
+                       tls: ssl.SSLContext | bool | None = None) -> ClientFactory:
     """A factory of connected blocking clients (TLS and timeouts included)."""
-    from sos_client import Client
 
-    def factory() -> Any:
+    def factory() -> Client:
         return Client(server, key, namespace, timeout=timeout, tls=tls)
 
     return factory
 
 
-def key_role(factory: ClientFactory, patience: float) -> Any:
+def key_role(factory: ClientFactory, patience: float) -> KeyRole | None:
     """Connect once and return the key's KeyRole. A refused or malformed key raises
     PermissionError at once; an unreachable or busy server (a retryable error,
     :func:`sos_client.errors.is_retryable`) is retried for ``patience`` seconds (a server
@@ -93,11 +108,9 @@ class ReadOnlyTree:
     def local_path(self, path: str) -> str:
         if path in ("", "."):
             return self.cache_dir
-        from .records import validate_path
-
         return os.path.join(self.cache_dir, validate_path(path))
 
-    def _refuse(self, path: str = "", *args: Any, **kwargs: Any) -> Any:
+    def _refuse(self, path: str = "", *args: object, **kwargs: object) -> NoReturn:
         raise PermissionError(
             errno.EACCES,
             f"read-only key: namespace {self.namespace!r} can be read, not written",
@@ -149,10 +162,8 @@ def private_cache_dir(cache_dir: str, subdirs: dict[str, int] | None = None) -> 
     otherwise create, open and chown through them) nor change the tree behind the journal.
     PermissionError if a non-root process finds another user's directory."""
     os.makedirs(os.path.dirname(os.path.abspath(cache_dir)), exist_ok=True)
-    try:
+    with contextlib.suppress(FileExistsError):
         os.mkdir(cache_dir, 0o700)
-    except FileExistsError:
-        pass
     try:
         fd = os.open(cache_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
@@ -181,9 +192,9 @@ def private_cache_dir(cache_dir: str, subdirs: dict[str, int] | None = None) -> 
         os.close(fd)
 
 
-
 def open_namespace(namespace: str, cache_dir: str, *, server: str | None = None,
-                   key: Any = None, timeout: float = 30.0, tls: Any = None,
+                   key: str | Key | None = None, timeout: float = 30.0,
+                   tls: ssl.SSLContext | bool | None = None,
                    client_factory: ClientFactory | None = None, sync: bool = True,
                    max_lag_bytes: int | None = None, generation_bytes: int | None = None,
                    allow_read_only: bool = False, durability: str = "server",
@@ -207,8 +218,6 @@ def open_namespace(namespace: str, cache_dir: str, *, server: str | None = None,
     RuntimeError for a stale spool (another writer took the namespace over since this
     cache was last used), ConnectionError if the server stays unreachable.
     """
-    from sos_wire.events import KeyRole
-
     cache_dir = os.path.abspath(cache_dir)
     if client_factory is None:
         factory = client_factory_for(server, key, namespace, timeout=timeout, tls=tls)
@@ -216,8 +225,6 @@ def open_namespace(namespace: str, cache_dir: str, *, server: str | None = None,
         factory = client_factory
     role = key_role(factory, timeout)
     if role == KeyRole.TOKEN:
-        from sos_client.errors import token_key_message
-
         raise PermissionError(errno.EACCES, token_key_message(namespace), namespace)
     read_role = role == KeyRole.READ
     if read_role and allow_read_only:
@@ -225,10 +232,6 @@ def open_namespace(namespace: str, cache_dir: str, *, server: str | None = None,
     if read_role:
         raise PermissionError(errno.EACCES, f"the key has the read role: writing namespace "
                               f"{namespace!r} needs a key with the append role", namespace)
-
-    from .restore import rebuild_cache
-    from .tree import JournaledTree
-    from .writer import JournalWriter
 
     tree_dir = os.path.join(cache_dir, "tree")
     spool_dir = os.path.join(cache_dir, "spool")
@@ -266,8 +269,6 @@ def open_namespace(namespace: str, cache_dir: str, *, server: str | None = None,
 
 def _open_read_only(factory: ClientFactory, namespace: str, cache_dir: str) -> OpenNamespace:
     """A read-role key: rebuild a private copy of the tree from the server."""
-    from .restore import rebuild_cache
-
     tree_dir = os.path.join(cache_dir, "read-tree")
     private_cache_dir(cache_dir, {"read-tree": 0o755})
     rebuild_cache(factory, namespace, tree_dir)  # force: replaces an older copy

@@ -5,12 +5,15 @@ generation a restore starts from. Used by restore, verify and the writer."""
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from sos_wire.events import Payload
+
 from . import layout
-from ._store import Corrupt, StoreClient
+from ._store import Corrupt, StoreClient, close_quietly
 from .errors import (
     GenerationBreak,
     JournalCorrupt,
@@ -29,16 +32,16 @@ def list_generations(client: StoreClient) -> dict[int, layout.GenerationInfo]:
 class ServerCorrupt(Exception):
     """The server refused to read stored bytes (they failed its checksum) from ``offset``."""
 
-    def __init__(self, offset: int, message: str):
+    def __init__(self, offset: int, message: str) -> None:
         self.offset = offset
         self.message = message
         super().__init__(message)
 
 
-def _readable_prefix(client, name: str, start: int, limit: int) -> int:
+def _readable_prefix(client: StoreClient, name: str, start: int, limit: int) -> int:
     """Largest n <= limit such that the server serves [start, start+n) (binary search)."""
 
-    def ok(n):
+    def ok(n: int) -> bool:
         try:
             for _ in client.read_iter(name, start, n):
                 pass
@@ -56,7 +59,8 @@ def _readable_prefix(client, name: str, start: int, limit: int) -> int:
     return lo
 
 
-def read_segment_bytes(client, name: str, offset: int = 0, *, salvage_limit: int = 8 << 20):
+def read_segment_bytes(client: StoreClient, name: str, offset: int = 0, *,
+                       salvage_limit: int = 8 << 20) -> Iterator[Payload]:
     """Chunks of a segment from ``offset`` to its end. If the server reports stored data
     corrupt, the readable bytes before the damage are still yielded, then ServerCorrupt."""
     pos = offset
@@ -75,7 +79,7 @@ def read_segment_bytes(client, name: str, offset: int = 0, *, salvage_limit: int
         raise ServerCorrupt(pos, why) from e
 
 
-def segment_records(client, seg: layout.SegmentInfo, *, on_bytes: Callable[[int], None] | None = None
+def segment_records(client: StoreClient, seg: layout.SegmentInfo, *, on_bytes: Callable[[int], None] | None = None
                     ) -> Iterator[Record]:
     """Decoded records of one segment. Raises JournalCorrupt (server-side corruption too) or
     JournalTruncated if the segment ends inside a record."""
@@ -93,7 +97,8 @@ def segment_records(client, seg: layout.SegmentInfo, *, on_bytes: Callable[[int]
         raise JournalTruncated(seg.name, dec.offset, f"segment ends inside a record ({dec.pending} bytes)")
 
 
-def generation_records(client, gen: layout.GenerationInfo, *, on_bytes=None, notes=None,
+def generation_records(client: StoreClient, gen: layout.GenerationInfo, *,
+                       on_bytes: Callable[[int], None] | None = None, notes: list[str] | None = None,
                        source: Callable[[int, layout.SegmentInfo], Iterator[Record]] | None = None,
                        next_first: int | None = None) -> Iterator[Record]:
     """Every record of a generation in order, with the sequence checks.
@@ -108,7 +113,7 @@ def generation_records(client, gen: layout.GenerationInfo, *, on_bytes=None, not
     of :class:`SegmentReaders`).
     """
     if source is None:
-        def source(_i, seg):
+        def source(_i: int, seg: layout.SegmentInfo) -> Iterator[Record]:
             return segment_records(client, seg, on_bytes=on_bytes)
     expected = None
     segs = gen.segments
@@ -150,7 +155,7 @@ def generation_records(client, gen: layout.GenerationInfo, *, on_bytes=None, not
             raise
 
 
-def generation_end(client, gen: layout.GenerationInfo) -> tuple[int, bool]:
+def generation_end(client: StoreClient, gen: layout.GenerationInfo) -> tuple[int, bool]:
     """(sequence number of the last whole record of ``gen``, exact).
 
     Reads ``gen``'s last segment (one segment at most). A torn tail is not a record; a
@@ -191,7 +196,7 @@ class ChainBreak:
         return self.reason
 
 
-def chain_breaks(client, gens: dict[int, layout.GenerationInfo], *,
+def chain_breaks(client: StoreClient, gens: dict[int, layout.GenerationInfo], *,
                  ends: dict[int, tuple[int, bool]] | None = None) -> list[ChainBreak]:
     """Every break of the chain of generations (protocol.md 2.1): a generation with segments
     whose number is not the previous one's + 1 or that does not start with the record after
@@ -263,10 +268,9 @@ class SegmentReaders:
     consumer applies records strictly in order. Exceptions reach the consumer in order.
     """
 
-    def __init__(self, client_factory, segs, *, readers: int = 2, on_bytes=None, max_batches: int = 2,
-                 batch_bytes: int = 2 << 20):
-        import queue
-
+    def __init__(self, client_factory: Callable[[], StoreClient], segs: list[layout.SegmentInfo], *,
+                 readers: int = 2, on_bytes: Callable[[int], None] | None = None, max_batches: int = 2,
+                 batch_bytes: int = 2 << 20) -> None:
         self._segs = segs
         # per segment: lists of records, then _END (or the exception that stopped the reader)
         self._queues: list[queue.Queue[list[Record] | BaseException | _End]] = [
@@ -282,9 +286,8 @@ class SegmentReaders:
         for th in self._threads:
             th.start()
 
-    def _put(self, q, item) -> bool:
-        import queue
-
+    def _put(self, q: queue.Queue[list[Record] | BaseException | _End], item: list[Record] | BaseException | _End
+             ) -> bool:
         while not self._stop.is_set():
             try:
                 q.put(item, timeout=0.5)
@@ -322,21 +325,12 @@ class SegmentReaders:
                         return
                     self._put(q, e)
                     if client is not None and not isinstance(e, JournalCorrupt):
-                        try:
-                            client.close()
-                        except Exception:  # noqa: BLE001
-                            pass
+                        close_quietly(client)
                         client = None
         finally:
-            if client is not None:
-                try:
-                    client.close()
-                except Exception:  # noqa: BLE001
-                    pass
+            close_quietly(client)
 
-    def records(self, i: int, seg) -> Iterator[Record]:
-        import queue
-
+    def records(self, i: int, seg: layout.SegmentInfo) -> Iterator[Record]:
         q = self._queues[i]
         while True:
             try:
@@ -357,18 +351,19 @@ class SegmentReaders:
             th.join(timeout=120)
 
 
-def _first_time(client, seg: layout.SegmentInfo) -> int | None:
+def _first_time(client: StoreClient, seg: layout.SegmentInfo) -> int | None:
     head = b"".join(client.read_iter(seg.name, 0, HEADER_SIZE))
     if len(head) < HEADER_SIZE:
         return None
     return peek_header(head)[3]
 
 
-def complete_generations(gens) -> list[layout.GenerationInfo]:
+def complete_generations(gens: dict[int, layout.GenerationInfo]) -> list[layout.GenerationInfo]:
     return sorted((g for g in gens.values() if g.ready and g.segments), key=lambda g: -g.generation)
 
 
-def choose_generation(client, gens, *, position=None, at_ns=None) -> layout.GenerationInfo | None:
+def choose_generation(client: StoreClient, gens: dict[int, layout.GenerationInfo], *, position: int | None = None,
+                      at_ns: int | None = None) -> layout.GenerationInfo | None:
     """The generation to replay for a point (None: no complete generation)."""
     cands = complete_generations(gens)
     if not cands:
@@ -390,6 +385,7 @@ def choose_generation(client, gens, *, position=None, at_ns=None) -> layout.Gene
             return oldest  # generation 1: the point is before anything was written
         raise PositionUnavailable(f"position {position} is before the oldest generation the server keeps "
                                   f"(generation {oldest.generation} starts after record {oldest_first - 1})")
+    assert at_ns is not None  # neither a position nor a time returned the newest above
     when = f"first record at {format_time(first_time)}" if first_time is not None else "no first record"
     if oldest_first == 1:
         raise PositionUnavailable(f"time {format_time(at_ns)} is before the first record of the journal "
@@ -398,6 +394,6 @@ def choose_generation(client, gens, *, position=None, at_ns=None) -> layout.Gene
                               f"(generation {oldest.generation}, {when})")
 
 
-def incomplete_after(gens, generation: int) -> list[layout.GenerationInfo]:
+def incomplete_after(gens: dict[int, layout.GenerationInfo], generation: int) -> list[layout.GenerationInfo]:
     """Generations newer than ``generation`` that hold records but are not complete."""
     return [g for g in gens.values() if g.generation > generation and not g.ready and g.total_bytes]

@@ -15,7 +15,6 @@ import enum
 import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Union
 
 from sos_wire.crc import crc32c as _crc32c
 
@@ -173,9 +172,9 @@ class SnapshotEnd:
     type = RecordType.SNAPSHOT_END
 
 
-Op = Union[Mkdir, Rmdir, Create, Write, Truncate, Rename, Delete, Marker, SnapshotEnd]
+Op = Mkdir | Rmdir | Create | Write | Truncate | Rename | Delete | Marker | SnapshotEnd
 #: What the codec reads bytes from (collections.abc.Buffer once Python 3.12 is the minimum).
-Buffer = Union[bytes, bytearray, memoryview]
+Buffer = bytes | bytearray | memoryview
 
 
 @dataclass(frozen=True, slots=True)

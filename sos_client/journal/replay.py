@@ -35,6 +35,7 @@ import threading
 import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
 
 from .beneath import Beneath
 from .errors import JournalCorrupt, ReplayError
@@ -231,7 +232,7 @@ class ParallelReplayer:
     def _lane_of(self, path: str) -> int:
         return zlib.crc32(path.encode("utf-8", "surrogateescape")) % len(self.lanes)
 
-    def _queue(self, i: int, task) -> int:
+    def _queue(self, i: int, task: Record | Callable[[], object]) -> int:
         self._ticket += 1
         lane = self.lanes[i]
         lane.queued = self._ticket
@@ -249,16 +250,16 @@ class ParallelReplayer:
             lane.batch = []
             lane.batch_bytes = 0
 
-    def _after(self, i: int, paths) -> None:
+    def _after(self, i: int, paths: Iterable[str]) -> None:
         """Make lane ``i`` wait for the tasks queued to other lanes that touch ``paths``."""
         for p in paths:
             last = self._last.get(p)
             if last is not None and last[0] != i and self.lanes[last[0]].done < last[1]:
                 other, ticket = self.lanes[last[0]], last[1]
                 self._flush(other)  # what lane i will wait for must be on its way
-                self._queue(i, lambda o=other, t=ticket: o.wait_for(t))
+                self._queue(i, partial(other.wait_for, ticket))
 
-    def _settle(self, paths) -> None:
+    def _settle(self, paths: Iterable[str]) -> None:
         """Wait (dispatcher) until every task queued that touches ``paths`` is applied."""
         for p in paths:
             last = self._last.pop(p, None)
@@ -280,27 +281,28 @@ class ParallelReplayer:
             raise self._failed[0]
 
     def apply(self, rec: Record) -> None:
+        # (the ignores: mypy does not narrow ``op`` through ``t = type(op)``; each branch checked t)
         if self._failed:
             self._quiesce()
         op = rec.op
         t = type(op)
         if t is Write or t is Truncate or t is Create or t is Delete:
-            path = op.path  # type: ignore[union-attr]
+            path = op.path  # type: ignore[union-attr]  # t is one with a path
             i = self._lane_of(path)
             self._after(i, (path,))
             self._last[path] = (i, self._queue(i, rec))
-        elif t is Rename and op.src not in self._dirs:  # type: ignore[union-attr]
-            src, dst = op.src, op.dst  # type: ignore[union-attr]
+        elif t is Rename and op.src not in self._dirs:  # type: ignore[union-attr]  # a Rename
+            src, dst = op.src, op.dst  # type: ignore[union-attr]  # a Rename
             i, j = self._lane_of(dst), self._lane_of(src)
             if j != i:  # src's lane may hold a descriptor of src: it drops it first
-                self._last[src] = (j, self._queue(j, lambda r=self.lanes[j].rep, p=src: r.forget_tree(p)))
+                self._last[src] = (j, self._queue(j, partial(self.lanes[j].rep.forget_tree, src)))
             self._after(i, (src, dst))
             ticket = self._queue(i, rec)
             self._last[src] = self._last[dst] = (i, ticket)
         elif t is Mkdir:
-            self._settle((op.path,))  # type: ignore[union-attr]
+            self._settle((op.path,))  # type: ignore[union-attr]  # a Mkdir
             self.main.apply(rec)
-            self._dirs.add(op.path)  # type: ignore[union-attr]
+            self._dirs.add(op.path)  # type: ignore[union-attr]  # a Mkdir
             return
         elif t is Marker or t is SnapshotEnd:
             self.main.apply(rec)
@@ -308,7 +310,7 @@ class ParallelReplayer:
         else:  # RMDIR, a directory's RENAME: after everything before it, then nothing is stale
             self._quiesce()
             self.main.apply(rec)
-            paths = (op.path,) if t is Rmdir else (op.src, op.dst)  # type: ignore[union-attr]
+            paths = (op.path,) if t is Rmdir else (op.src, op.dst)  # type: ignore[union-attr]  # Rmdir or Rename
             for p in paths:
                 self.main.forget_tree(p)
                 for lane in self.lanes:

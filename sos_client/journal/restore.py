@@ -30,11 +30,11 @@ import datetime as _dt
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from . import layout
-from ._store import SOSNotFound, StoreClient
+from ._store import SOSNotFound, StoreClient, close_quietly
 from .beneath import Beneath
 from .beneath import clear_directory as _clear
 from .errors import (
@@ -113,7 +113,7 @@ class Summary:
                 f"in {self.seconds:.2f}s")
 
 
-def _through(records, position: int):
+def _through(records: Iterable[Record], position: int) -> Iterator[Record]:
     """The records up to ``position`` (the whole snapshot at least), without reading the next
     one: a corrupt record right after the point must not fail a restore that stops before it."""
     in_snapshot = True
@@ -142,7 +142,7 @@ def _prepare_target(target: str, force: bool) -> None:
     _clear(target)
 
 
-def _no_journal(namespace: str, gens) -> JournalNotFound:
+def _no_journal(namespace: str, gens: dict[int, layout.GenerationInfo]) -> JournalNotFound:
     if not gens:
         return JournalNotFound(namespace, f"namespace {namespace!r} has no journal (no objects under gen/): "
                                           f"nothing to restore; check the namespace and the server")
@@ -220,16 +220,14 @@ def restore(client_factory: Callable[[], StoreClient], namespace: str, target: s
                                    position=position, at_ns=at_ns, workers=workers, t0=t0)
         _check_point_reached(summary, stats, gens, gen, position, target, created)
     finally:
-        try:
-            client.close()
-        except Exception:  # noqa: BLE001
-            pass
+        close_quietly(client)
     summary.seconds = time.monotonic() - t0
     _count(target, summary)
     return summary
 
 
-def _check_args(*, at, position, batch, generation) -> None:
+def _check_args(*, at: int | str | _dt.datetime | None, position: int | None, batch: str | tuple[str, int] | None,
+                generation: int | None) -> None:
     if sum(x is not None for x in (at, position, batch)) > 1:
         raise ValueError("give at most one of at, position, batch")
     if position is not None and (not isinstance(position, int) or position < 0):

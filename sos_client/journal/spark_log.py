@@ -4,10 +4,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from . import layout
+from ._store import StoreClient
 from .errors import (
     BatchNotFound,
     JournalCorrupt,
@@ -15,7 +18,7 @@ from .errors import (
 )
 from .points import norm_dir
 from .reading import complete_generations, generation_records, incomplete_after, next_first_seq
-from .records import Create, Delete, Marker, Rename, SnapshotEnd, Truncate, Write
+from .records import Create, Delete, Marker, Record, Rename, SnapshotEnd, Truncate, Write
 
 BATCH_LABEL = layout.BATCH_LABEL
 
@@ -25,7 +28,7 @@ def commit_path(querydir: str, batch_id: int) -> str:
     return f"{querydir}/commits/{batch_id}" if querydir else f"commits/{batch_id}"
 
 
-def _commit_of(path: str):
+def _commit_of(path: str) -> tuple[str, int] | None:
     """(querydir, batch id) if ``path`` is a Spark commit-log file ``[Q/]commits/N``, else None."""
     parent, _, name = path.rpartition("/")
     if not name.isdigit() or not name.isascii():
@@ -60,22 +63,23 @@ class _CommitScan:
     tmp_crc: str | None = None  # checksum file of the temp file renamed onto P
 
 
-def _scan_generation(records, path: str, crc: str, seen: dict, r: _CommitScan) -> _CommitScan:
+def _scan_generation(records: Iterable[Record], path: str, crc: str, seen: dict[str, set[int]],
+                     r: _CommitScan) -> _CommitScan:
+    # (isinstance is ``type(op) is``: the record classes are final dataclasses)
     in_snap = True
     for rec in records:
         op = rec.op
-        t = type(op)
         if in_snap:
-            if t is SnapshotEnd:
+            if isinstance(op, SnapshotEnd):
                 in_snap = False
-            elif t is Create:
+            elif isinstance(op, Create):
                 if op.path == path:
                     r.in_snapshot = True
                 c = _commit_of(op.path)
                 if c is not None:
                     seen.setdefault(c[0], set()).add(c[1])
             continue
-        if t is Marker:
+        if isinstance(op, Marker):
             if op.label == BATCH_LABEL:
                 try:
                     info = json.loads(op.payload)
@@ -83,9 +87,9 @@ def _scan_generation(records, path: str, crc: str, seen: dict, r: _CommitScan) -
                 except (ValueError, TypeError, KeyError, AttributeError):
                     pass
             continue
-        if t is Rename:
+        if isinstance(op, Rename):
             made = op.dst
-        elif t is Create:
+        elif isinstance(op, Create):
             made = op.path
         else:
             made = None
@@ -97,17 +101,17 @@ def _scan_generation(records, path: str, crc: str, seen: dict, r: _CommitScan) -
             r.start = r.stop = rec.seq
             r.open = True
             r.head_closed = True
-            if t is Rename:
+            if isinstance(op, Rename):
                 d, _, name = op.src.rpartition("/")
                 r.tmp_crc = f"{d}/.{name}.crc" if d else f".{name}.crc"
-        elif ((t is Rename and (op.src == path or path.startswith(op.src + "/")
+        elif ((isinstance(op, Rename) and (op.src == path or path.startswith(op.src + "/")
                                 or path.startswith(op.dst + "/")))
-              or (t is Delete and op.path == path)):
+              or (isinstance(op, Delete) and op.path == path)):
             r.open = False  # P moved away, replaced by a directory rename, or deleted
             r.head_closed = True
-        elif ((t is Write or t is Truncate) and (op.path == path or op.path == crc)) or (
-                (t is Create and op.path == crc) or (t is Rename and op.dst == crc)) or (
-                t is Delete and op.path == r.tmp_crc):
+        elif (isinstance(op, (Write, Truncate)) and (op.path == path or op.path == crc)) or (
+                (isinstance(op, Create) and op.path == crc) or (isinstance(op, Rename) and op.dst == crc)) or (
+                isinstance(op, Delete) and op.path == r.tmp_crc):
             if r.open:
                 r.stop = rec.seq
             elif not r.head_closed:
@@ -115,8 +119,8 @@ def _scan_generation(records, path: str, crc: str, seen: dict, r: _CommitScan) -
     return r
 
 
-def _ranges(ids) -> str:
-    ids = sorted(ids)
+def _ranges(batch_ids: Iterable[int]) -> str:
+    ids = sorted(batch_ids)
     out, i = [], 0
     while i < len(ids):
         j = i
@@ -127,7 +131,8 @@ def _ranges(ids) -> str:
     return ", ".join(out)
 
 
-def find_batch(client, gens, querydir: str, batch_id: int, *, on_bytes=None, notes=None,
+def find_batch(client: StoreClient, gens: dict[int, layout.GenerationInfo], querydir: str, batch_id: int, *,
+               on_bytes: Callable[[int], None] | None = None, notes: list[str] | None = None,
                listed: dict[int, layout.GenerationInfo] | None = None) -> int:
     """The position right after batch ``batch_id`` of the checkpoint ``querydir`` committed.
 
@@ -143,7 +148,7 @@ def find_batch(client, gens, querydir: str, batch_id: int, *, on_bytes=None, not
     """
     path = commit_path(querydir, batch_id)
     crc = path.rpartition("/")[0] + f"/.{batch_id}.crc"
-    seen: dict = {}
+    seen: dict[str, set[int]] = {}
     newer: list[_CommitScan] = []  # newest first
     cands = complete_generations(gens)
     for g in cands:
@@ -178,10 +183,8 @@ def find_batch(client, gens, querydir: str, batch_id: int, *, on_bytes=None, not
     # durable (protocol.md 2.1) and restore does not use it. Say so rather than "no batch".
     for g in incomplete_after(gens, cands[0].generation if cands else -1):
         r = _CommitScan()
-        try:
+        with contextlib.suppress(JournalCorrupt):
             _scan_generation(generation_records(client, g, on_bytes=on_bytes), path, crc, {}, r)
-        except JournalCorrupt:
-            pass
         if r.start is not None:
             raise BatchNotFound(
                 f"batch {batch_id} of checkpoint {querydir or '.'!r}: {path} appears at record {r.start}, in "

@@ -16,8 +16,11 @@ directories a spool made before are narrowed when it is opened).
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
+
+from sos_wire.events import Payload
 
 from . import layout
 from .errors import JournalCorrupt, JournalError
@@ -52,10 +55,8 @@ def open_private(path: str, flags: int) -> int:
 def private_file(path: str, text: str) -> None:
     """Replace ``path`` atomically with ``text``, as a 0600 file."""
     tmp = path + ".tmp"
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(tmp)
-    except FileNotFoundError:
-        pass
     fd = open_private(tmp, os.O_WRONLY | os.O_TRUNC | os.O_EXCL)
     with os.fdopen(fd, "w") as f:
         f.write(text)
@@ -81,7 +82,7 @@ class SpoolSegment:
         self.records = 0
         self.fd = open_private(path, os.O_RDWR | os.O_APPEND)
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: Payload) -> None:
         view = memoryview(data)
         while view:
             n = os.write(self.fd, view)
@@ -114,7 +115,7 @@ class SpoolSegment:
             os.close(self.fd)
             self.fd = -1
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"<SpoolSegment {self.name} written={self.written} shipped={self.shipped}>"
 
 
@@ -165,10 +166,8 @@ class Spool:
 
     def remove(self, seg: SpoolSegment) -> None:
         seg.close()
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(seg.path)
-        except FileNotFoundError:
-            pass
 
     def repair(self, seg: SpoolSegment) -> None:
         """Decode the whole local file; cut a torn or corrupt tail; set last_seq/records.
@@ -223,7 +222,5 @@ class Spool:
         return out
 
     def drop_snapshot_end(self, generation: int) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self._marker(generation))
-        except FileNotFoundError:
-            pass

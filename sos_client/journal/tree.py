@@ -23,6 +23,7 @@ the cache never holds a change the journal does not.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -30,8 +31,9 @@ import os
 import stat as _stat
 import threading
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from ._store import StoreClient
 from .barriers import needs_barrier
 from .beneath import Beneath, clear_directory
 from .errors import JournalError
@@ -52,6 +54,7 @@ from .records import (
     Write,
     validate_path,
 )
+from .spool import private_file
 
 if TYPE_CHECKING:
     from .writer import JournalWriter
@@ -170,7 +173,7 @@ def _name_too_long(path: str) -> bool:
 
 #: Fills a cache directory with the namespace's latest tree from the server; returns the
 #: last seq (restore's rebuild_cache, given by the opener: the tree does not import restore).
-RebuildCache = Callable[[Callable[[], Any], str, str], int]
+RebuildCache = Callable[[Callable[[], StoreClient], str, str], int]
 
 
 class JournaledTree:
@@ -237,9 +240,8 @@ class JournaledTree:
             # existing cache, e.g. after a point-in-time restore) or the current generation's
             # snapshot was cut short: start a new generation from the cache as it is.
             w.rotate(self._snapshot_ops())
-        from .spool import private_file  # 0600, like everything in the spool
-
-        private_file(self._dirty_path, "cache in use; removed by a clean close\n")
+        private_file(  # 0600, like everything in the spool
+            self._dirty_path, "cache in use; removed by a clean close\n")
 
     def _snapshot_ops(self) -> Iterator[Op]:
         """Records rebuilding the cache, streamed from the files (see :func:`snapshot_ops`)."""
@@ -394,10 +396,8 @@ class JournaledTree:
         with self._lock:
             try:
                 self._writer.close()
-                try:
+                with contextlib.suppress(FileNotFoundError):
                     os.unlink(self._dirty_path)
-                except FileNotFoundError:
-                    pass
             finally:
                 self._at.close()
 

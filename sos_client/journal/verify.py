@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from sos_wire.crc import crc32c as _crc32c
 
 from . import layout
-from ._store import Corrupt, StoreClient
+from ._store import Corrupt, StoreClient, close_quietly
 from .errors import JournalCorrupt, JournalTruncated
 from .reading import ServerCorrupt, chain_breaks, list_generations, read_segment_bytes
 from .records import (
@@ -39,7 +39,7 @@ class Problem:
     end: int | None  # None: to the end of the segment
     message: str
 
-    def __str__(self):
+    def __str__(self) -> str:
         end = "end" if self.end is None else str(self.end)
         return f"{self.segment} [{self.start}, {end}): {self.message}"
 
@@ -85,7 +85,7 @@ class VerifyReport:
         return "\n".join(lines)
 
 
-def _valid_at(buf, i: int) -> bool:
+def _valid_at(buf: bytes, i: int) -> bool:
     if i + PREFIX.size > len(buf):
         return False
     length, crc = PREFIX.unpack_from(buf, i)
@@ -97,10 +97,10 @@ def _valid_at(buf, i: int) -> bool:
     return _crc32c(memoryview(buf)[i + 8:i + 8 + length]) == crc
 
 
-def _readable_from(client, name: str, start: int, length: int) -> int | None:
+def _readable_from(client: StoreClient, name: str, start: int, length: int) -> int | None:
     """Smallest offset >= start from which the server serves data (None: nothing to the end)."""
 
-    def ok(off):
+    def ok(off: int) -> bool:
         try:
             for _ in client.read_iter(name, off, 1):
                 pass
@@ -134,7 +134,7 @@ def _readable_from(client, name: str, start: int, length: int) -> int | None:
     return good
 
 
-def _resync(client, seg: layout.SegmentInfo, start: int, length: int) -> int | None:
+def _resync(client: StoreClient, seg: layout.SegmentInfo, start: int, length: int) -> int | None:
     """Offset of the first valid record after a broken one at ``start`` (None: none)."""
     pos = _readable_from(client, seg.name, start + 1, length)
     if pos is None:
@@ -206,10 +206,7 @@ def verify(client_factory: Callable[[], StoreClient], namespace: str, *,
             rep.problems.append(Problem(b.name, 0, None, b.reason))
         _source_checks(client, rep)
     finally:
-        try:
-            client.close()
-        except Exception:  # noqa: BLE001
-            pass
+        close_quietly(client)
     rep.seconds = time.monotonic() - t0
     return rep
 

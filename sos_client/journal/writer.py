@@ -50,6 +50,7 @@ from ._store import (
     SealedError,
     SOSNotFound,
     StoreClient,
+    close_quietly,
     fenced_epoch,
     is_retryable,
     mismatch_length,
@@ -64,6 +65,7 @@ from .errors import (
     WriterClosed,
     WriterFenced,
 )
+from .reading import chain_breaks
 from .records import HEADER, MAX_RECORD_LENGTH, PREFIX, Op, Record, RecordDecoder, SnapshotEnd, encode
 from .spool import Spool, SpoolSegment
 
@@ -95,6 +97,20 @@ def server_last_record(client: StoreClient, seg_name: str, length: int | None = 
         for rec in dec:
             last = rec
     return (last.seq, last.time_ns) if last is not None else None
+
+
+def _drop_empty(spool: Spool, segs: list[SpoolSegment]) -> tuple[list[SpoolSegment], int]:
+    """Remove the empty local segments (created, then the writer died before writing);
+    returns the others and the sequence number below every removed one's first."""
+    floor = 0
+    kept = []
+    for s in segs:
+        if s.written == 0:
+            floor = max(floor, s.first_seq - 1)
+            spool.remove(s)
+        else:
+            kept.append(s)
+    return kept, floor
 
 
 class JournalWriter:
@@ -174,7 +190,6 @@ class JournalWriter:
         self._last_time = 0
         self._gen_bytes = 0
         self.reconnects = 0
-        self.bytes_shipped = 0
 
     # ------------------------------------------------------------------ state
     @property
@@ -278,7 +293,7 @@ class JournalWriter:
                     try:
                         self._open_with(client)
                     finally:
-                        _close_quietly(client)
+                        close_quietly(client)
         except BaseException:
             for s in self._segs:
                 s.close()
@@ -292,93 +307,29 @@ class JournalWriter:
         self._thread.start()
 
     def _open_with(self, client: StoreClient) -> None:
+        """Resume over one connection: the spool's segments, the server's generations, the
+        fence; then the position (sequence, generation) from the spool, else the server."""
         for s in self._segs:
             s.close()
         spool = self._open_spool()
-        segs = spool.scan()
+        scanned = spool.scan()
         entries = list(client.list(layout.GEN_PREFIX))
         gens = layout.scan_listing(entries)
         self._check_chain(client, gens)
         server_segs = [s for g in gens.values() for s in g.segments]
         max_epoch = max((s.epoch for s in server_segs), default=0)
-
-        # Drop empty local segments (created, then the writer died before writing).
-        floor = 0
-        kept = []
-        for s in segs:
-            if s.written == 0:
-                floor = max(floor, s.first_seq - 1)
-                spool.remove(s)
-            else:
-                kept.append(s)
-        segs = kept
-
+        # not before the listing and the chain check: an attempt failing there leaves the empty
+        # segments (and the floor they give) to the next one
+        segs, floor = _drop_empty(spool, scanned)
         if segs:
-            last = segs[-1]
-            newer = [s for s in server_segs if (s.generation, s.first_seq) > (last.generation, last.first_seq)]
-            if newer:
-                for s in segs:
-                    s.close()
-                raise SpoolStale(
-                    f"spool {spool.dir} ends at segment {last.name} but the server has newer segment "
-                    f"{newer[-1].name}: another writer took over namespace {self.namespace!r}; "
-                    f"move the spool away to start from the server's state")
+            self._refuse_stale_spool(spool, segs, server_segs)
 
         epoch = self._fence(client, max_epoch + 1)
 
         if segs:
-            last = segs[-1]
-            # The server may hold more of the newest segment than the spool (spool tail lost
-            # with the page cache): fetch it back so that sequence numbers never repeat.
-            try:
-                slen, _sealed = client.stat(last.name)
-            except SOSNotFound:
-                slen = 0
-            if slen > last.written:
-                for chunk in client.read_iter(last.name, last.written, 0):
-                    last.write(chunk)
-            spool.repair(last)
-            for s in segs[:-1]:
-                s.last_seq = -1  # not needed: only the newest segment is decoded
-            self._seq = max(last.last_seq, floor)
-            self._last_time = last.last_time
-            self.generation = last.generation
-            ends = spool.snapshot_ends()
-            end = ends.get(self.generation)
-            self.generation_complete = end is not None and end <= self._seq
-            for g, seq in ends.items():
-                if seq > self._seq:
-                    spool.drop_snapshot_end(g)
-                elif not gens.get(g, layout.GenerationInfo(g, [])).ready:
-                    self._pending_ready.append((g, seq))
-            first_unknown = segs[0].first_seq - 1
-            self._acked = min(first_unknown, self._seq)
-            self.had_spool = True
+            self._resume_from_spool(client, spool, segs, gens, floor)
         else:
-            self.had_spool = False
-            if not any(g.segments for g in gens.values()):
-                self.generation = 0
-                self._seq = floor
-                self.generation_complete = False
-            else:
-                # the newest generation written (a ready object without segments is older than all
-                # of them, or the chain check refused it)
-                self.generation = max(g.generation for g in gens.values() if g.segments)
-                self.generation_complete = gens[self.generation].ready
-                last_seq, last_time = floor, 0
-                for info in reversed(list(gens.values())):
-                    found = None
-                    for seg_info in reversed(info.segments):
-                        if seg_info.length > 0:
-                            found = server_last_record(client, seg_info.name)
-                            if found:
-                                break
-                    if found:
-                        last_seq, last_time = max(found[0], floor), found[1]
-                        break
-                self._seq = last_seq
-                self._last_time = last_time
-            self._acked = self._seq
+            self._resume_from_server(client, gens, floor)
         self._foreign_unsealed = [s.name for s in server_segs if not s.sealed
                                   and s.name not in {x.name for x in segs}]
         # an empty ready object its writer did not get to seal: that writer saw SNAPSHOT_END
@@ -390,6 +341,79 @@ class JournalWriter:
         self.epoch = epoch
         if self.durability == "tier":
             self._tier_open(client, entries, gens)
+
+    def _refuse_stale_spool(self, spool: Spool, segs: list[SpoolSegment],
+                            server_segs: list[layout.SegmentInfo]) -> None:
+        """SpoolStale if the server has segments newer than the spool's last: another writer
+        took over (continuing the spool would fork the journal)."""
+        last = segs[-1]
+        newer = [s for s in server_segs if (s.generation, s.first_seq) > (last.generation, last.first_seq)]
+        if newer:
+            for s in segs:
+                s.close()
+            raise SpoolStale(
+                f"spool {spool.dir} ends at segment {last.name} but the server has newer segment "
+                f"{newer[-1].name}: another writer took over namespace {self.namespace!r}; "
+                f"move the spool away to start from the server's state")
+
+    def _resume_from_spool(self, client: StoreClient, spool: Spool, segs: list[SpoolSegment],
+                           gens: dict[int, layout.GenerationInfo], floor: int) -> None:
+        """The position from the spool's newest segment (completed from the server), and the
+        ready objects its finished generations still owe."""
+        last = segs[-1]
+        # The server may hold more of the newest segment than the spool (spool tail lost
+        # with the page cache): fetch it back so that sequence numbers never repeat.
+        try:
+            slen, _sealed = client.stat(last.name)
+        except SOSNotFound:
+            slen = 0
+        if slen > last.written:
+            for chunk in client.read_iter(last.name, last.written, 0):
+                last.write(chunk)
+        spool.repair(last)
+        for s in segs[:-1]:
+            s.last_seq = -1  # not needed: only the newest segment is decoded
+        self._seq = max(last.last_seq, floor)
+        self._last_time = last.last_time
+        self.generation = last.generation
+        ends = spool.snapshot_ends()
+        end = ends.get(self.generation)
+        self.generation_complete = end is not None and end <= self._seq
+        for g, seq in ends.items():
+            if seq > self._seq:
+                spool.drop_snapshot_end(g)
+            elif not gens.get(g, layout.GenerationInfo(g, [])).ready:
+                self._pending_ready.append((g, seq))
+        first_unknown = segs[0].first_seq - 1
+        self._acked = min(first_unknown, self._seq)
+        self.had_spool = True
+
+    def _resume_from_server(self, client: StoreClient, gens: dict[int, layout.GenerationInfo], floor: int) -> None:
+        """No spool: the position from the server's newest generation and its last record."""
+        self.had_spool = False
+        if not any(g.segments for g in gens.values()):
+            self.generation = 0
+            self._seq = floor
+            self.generation_complete = False
+        else:
+            # the newest generation written (a ready object without segments is older than all
+            # of them, or the chain check refused it)
+            self.generation = max(g.generation for g in gens.values() if g.segments)
+            self.generation_complete = gens[self.generation].ready
+            last_seq, last_time = floor, 0
+            for info in reversed(list(gens.values())):
+                found = None
+                for seg_info in reversed(info.segments):
+                    if seg_info.length > 0:
+                        found = server_last_record(client, seg_info.name)
+                        if found:
+                            break
+                if found:
+                    last_seq, last_time = max(found[0], floor), found[1]
+                    break
+            self._seq = last_seq
+            self._last_time = last_time
+        self._acked = self._seq
 
     def _tier_open(self, client: StoreClient, entries: list, gens: dict[int, layout.GenerationInfo]) -> None:
         """Durability "tier" at open: refuse a server without a working tier (a TIER_WAIT at
@@ -409,8 +433,6 @@ class JournalWriter:
 
     def _check_chain(self, client: StoreClient, gens: dict[int, layout.GenerationInfo]) -> None:
         """Refuse to write after generations that do not form one chain (protocol.md 2.1)."""
-        from .reading import chain_breaks
-
         breaks = chain_breaks(client, gens)
         if breaks:
             b = breaks[0]
@@ -603,7 +625,7 @@ class JournalWriter:
 
     def _tier_drop(self) -> None:
         client, self._tier_client = self._tier_client, None
-        _close_quietly(client)
+        close_quietly(client)
 
     def _tier_probe(self, client: StoreClient, name: str) -> None:
         """TIER_WAIT ``name`` at offset 0 (answered at once): fails only when the server has no
@@ -655,7 +677,7 @@ class JournalWriter:
                 if recheck or not self._tier_checked:
                     self._tier_probe(client, name)  # JournalTierUnavailable: it will never have it
                     recheck = False
-                got = client.tier_wait(name, length, wait)  # type: ignore[attr-defined]
+                got = client.tier_wait(name, length, wait)  # type: ignore[attr-defined]  # _tier_probe found it
             except TierUnavailable as e:
                 last, tiered, recheck = e, max(tiered, e.length), True
                 if time.monotonic() - started < wait / 2:  # answered early: do not ask in a loop
@@ -802,7 +824,7 @@ class JournalWriter:
                 self._attempted(task, e)
                 delay = backoff.next()
                 log.warning("replicator: %s: %s; retrying in %.2fs", type(e).__name__, e, delay)
-                _close_quietly(client)
+                close_quietly(client)
                 client = None
                 self.reconnects += 1
                 with self._cv:
@@ -813,7 +835,7 @@ class JournalWriter:
                 self._wake.clear()
                 if self._stop.is_set():
                     break
-        _close_quietly(client)
+        close_quietly(client)
 
     def _attempted(self, task: _Task, error: BaseException | None) -> None:
         """After each attempt: enter the quota state on QUOTA_EXCEEDED, leave it when a task
@@ -839,14 +861,12 @@ class JournalWriter:
     def _do(self, client: StoreClient, task: _Task) -> None:
         kind, arg = task
         if kind == "seal_foreign":
-            try:
+            with contextlib.suppress(SOSNotFound):
                 client.seal(arg, epoch=self.epoch)
-            except SOSNotFound:
-                pass
             with self._cv:
                 self._foreign_unsealed.remove(arg)
         elif kind == "ready":
-            g, seq = arg
+            g, _seq = arg
             name = layout.ready_name(g)
             try:
                 length, _sealed = client.stat(name)
@@ -955,7 +975,6 @@ class JournalWriter:
             seg.shipped = new_len
             seg.confirmed = new_len  # acknowledged to us: ours (appended, or compared by the server)
             seg.boundary = new_len  # every APPEND round ends on a record boundary
-            self.bytes_shipped += total
             self._owe_tier(seg.name, new_len)
             self._after_ack(last_seq)
 
@@ -1019,11 +1038,3 @@ class JournalWriter:
             self._acked = last_seq
         self._cv.notify_all()
 
-
-def _close_quietly(client: StoreClient | None) -> None:
-    if client is None:
-        return
-    try:
-        client.close()
-    except Exception:  # noqa: BLE001 - closing a broken connection
-        pass

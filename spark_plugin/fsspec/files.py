@@ -7,8 +7,13 @@ import errno
 import io
 import os
 import stat as stat_mod
+from typing import TYPE_CHECKING, Any
 
 from fsspec.spec import AbstractBufferedFile
+
+if TYPE_CHECKING:
+    from .filesystem import SOSFileSystem
+    from .namespaces import _Namespace
 
 #: WRITE records carry at most this many bytes (journal format limit).
 RECORD_DATA_MAX = 1 << 20
@@ -21,7 +26,7 @@ def _err(code: int, path: str, message: str | None = None) -> OSError:
     return OSError(code, message or os.strerror(code), path)
 
 
-def _pread_all(fd, start, end):
+def _pread_all(fd: int, start: int, end: int) -> bytes:
     out = []
     pos = start
     while pos < end:
@@ -37,7 +42,8 @@ class SOSReadFile(AbstractBufferedFile):
     """Reads a snapshot of the cached file: the descriptor is opened when the
     file is, so a later rename or delete does not disturb the reader."""
 
-    def __init__(self, fs, path, local, block_size=None, cache_type="none", cache_options=None):
+    def __init__(self, fs: SOSFileSystem, path: str, local: str, block_size: int | None = None,
+                 cache_type: str = "none", cache_options: dict[str, Any] | None = None) -> None:
         try:
             fd = os.open(local, os.O_RDONLY)
         except (FileNotFoundError, NotADirectoryError):
@@ -49,7 +55,7 @@ class SOSReadFile(AbstractBufferedFile):
         except BaseException:
             os.close(fd)
             raise
-        self._fd = fd
+        self._fd: int | None = fd
         self._mtime = st.st_mtime
         super().__init__(
             fs, path, mode="rb", block_size=block_size or _READ_CHUNK,
@@ -60,13 +66,15 @@ class SOSReadFile(AbstractBufferedFile):
             "mode": stat_mod.S_IMODE(st.st_mode),
         }
 
-    def _fetch_range(self, start, end):
+    def _fetch_range(self, start: int, end: int) -> bytes:
         end = min(end, self.size)
         if end <= start:
             return b""
+        if self._fd is None:  # closed (fsspec's read checks that first)
+            raise ValueError("I/O operation on closed file.")
         return _pread_all(self._fd, start, end)
 
-    def close(self):
+    def close(self) -> None:
         try:
             super().close()
         finally:
@@ -81,8 +89,12 @@ class SOSWriteFile(AbstractBufferedFile):
     stays bounded; close (or :meth:`fsync`) is the durability barrier."""
 
     DEFAULT_BLOCK_SIZE = RECORD_DATA_MAX
+    # set by AbstractBufferedFile (untyped); this class moves them on in fsync
+    offset: int | None
+    buffer: io.BytesIO
 
-    def __init__(self, fs, path, mode, handle, target, final, offset, block_size=None, autocommit=True):
+    def __init__(self, fs: SOSFileSystem, path: str, mode: str, handle: _Namespace, target: str, final: str,
+                 offset: int, block_size: int | None = None, autocommit: bool = True) -> None:
         super().__init__(fs, path, mode=mode, block_size=block_size, autocommit=autocommit)
         self._h = handle
         self._target = target  # what the records name (a temp file in a transaction)
@@ -90,7 +102,7 @@ class SOSWriteFile(AbstractBufferedFile):
         self._pos = offset
         self._committed = False
 
-    def _write_buffer(self):
+    def _write_buffer(self) -> None:
         data = self.buffer.getbuffer()
         try:
             for i in range(0, len(data), RECORD_DATA_MAX):
@@ -100,13 +112,13 @@ class SOSWriteFile(AbstractBufferedFile):
         finally:
             del data
 
-    def _upload_chunk(self, final=False):
+    def _upload_chunk(self, final: bool = False) -> bool:
         self._write_buffer()
         if final and self.autocommit:
             self.fs._barrier(self._h)
         return True
 
-    def fsync(self):
+    def fsync(self) -> None:
         """Journal everything written so far and wait until it is durable."""
         if self.closed:
             raise ValueError("I/O operation on closed file.")
@@ -117,7 +129,7 @@ class SOSWriteFile(AbstractBufferedFile):
         self.buffer = io.BytesIO()
         self._h.tree.sync(wait=True)
 
-    def commit(self):
+    def commit(self) -> None:
         """Transaction commit: atomically rename the temp file onto its name."""
         if self.autocommit or self._committed:
             return
@@ -127,7 +139,7 @@ class SOSWriteFile(AbstractBufferedFile):
             self._h.tree.rename(self._target, self._final, overwrite=self.mode != "xb")
         self.fs._barrier(self._h)
 
-    def discard(self):
+    def discard(self) -> None:
         if self.autocommit or self._committed:
             return
         self._committed = True

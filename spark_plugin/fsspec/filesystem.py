@@ -30,6 +30,17 @@ Storage options:
                replicator ships in the background, its lag bounded by
                ``max_lag_bytes`` (writes block beyond it). ``mv`` still waits
                (see the note in ``_open_namespace``).
+``durability`` "server" (default): those waits end once the records are durable on
+               the SOS server. "tier": once the server's object-store tier (the
+               bucket of ``sos-server serve --tier URL``) holds them too, so a
+               committed batch survives the loss of the server and its disk; the
+               first use of a namespace fails (JournalTierUnavailable) if the server
+               has no tier. A wait the bucket did not answer within ``tier_patience``
+               seconds (default 30; None: no bound) raises TimeoutError (ETIMEDOUT):
+               the change stays applied and durable on the server, nothing is lost.
+               One writer serves a namespace per process: a second filesystem object
+               asking for the other durability on the same namespace and cache is
+               refused (ValueError), never silently given the first one's.
 
 A key with the read role gets a read-only view: the tree is rebuilt from the
 server into ``<cache_dir>/<ns>/read-tree`` when the namespace is first used in
@@ -46,22 +57,28 @@ import contextlib
 import errno
 import os
 import posixpath
+import ssl
 import stat as stat_mod
 import uuid
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from glob import has_magic
+from typing import Any, Literal, overload
 
 from fsspec.spec import AbstractFileSystem
 from fsspec.utils import stringify_path
 
 from sos_client import resolve_key, resolve_server
+from sos_client.journal.facade import DEFAULT_TIER_PATIENCE, DURABILITIES
+from sos_client.journal.records import validate_path
+from sos_wire.names import validate_namespace
 
 from .files import _READ_CHUNK, RECORD_DATA_MAX, SOSReadFile, SOSWriteFile, _err, _pread_all
-from .namespaces import _open_namespace, close_all
+from .namespaces import _Namespace, _open_namespace, close_all
 
 
 @contextlib.contextmanager
-def _named(name: str):
+def _named(name: str) -> Iterator[None]:
     """Where the journal tree decides an error (it applies each operation to the cache as
     POSIX does), re-raise it naming the fsspec path ``NS/...`` rather than the tree's."""
     try:
@@ -85,16 +102,18 @@ class SOSFileSystem(AbstractFileSystem):
 
     def __init__(
         self,
-        server=None,
-        key=None,
-        cache_dir=None,
-        sync=True,
-        max_lag_bytes=None,
-        timeout=30,
-        tls=None,
-        generation_bytes=None,
-        **kwargs,
-    ):
+        server: str | None = None,
+        key: str | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        sync: bool = True,
+        max_lag_bytes: int | None = None,
+        timeout: float = 30,
+        tls: ssl.SSLContext | bool | None = None,
+        generation_bytes: int | None = None,
+        durability: str = "server",
+        tier_patience: float | None = DEFAULT_TIER_PATIENCE,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         self.server = resolve_server(server)  # what the clients and `sos` accept, the same way
         self.key = str(resolve_key(key))
@@ -114,39 +133,49 @@ class SOSFileSystem(AbstractFileSystem):
         ):
             raise ValueError(f"sos: generation_bytes must be a positive int, got {generation_bytes!r}")
         self.generation_bytes = generation_bytes
-        self._handles = {}  # namespace -> shared _Namespace (see _open_namespace)
+        if durability not in DURABILITIES:
+            raise ValueError(f"sos: durability must be one of {', '.join(DURABILITIES)}, got {durability!r}")
+        if tier_patience is not None and (isinstance(tier_patience, bool) or not isinstance(tier_patience, (int, float))
+                                          or tier_patience < 0):
+            raise ValueError(f"sos: tier_patience must be seconds >= 0 or None, got {tier_patience!r}")
+        self.durability = durability
+        self.tier_patience = tier_patience
+        self._handles: dict[str, _Namespace] = {}  # namespace -> shared _Namespace (see _open_namespace)
 
     # ---------------------------------------------------------------- paths
 
+    @overload
     @classmethod
-    def _strip_protocol(cls, path):
+    def _strip_protocol(cls, path: str | os.PathLike[str]) -> str: ...
+    @overload
+    @classmethod
+    def _strip_protocol(cls, path: list[str] | tuple[str, ...]) -> list[str]: ...
+    @classmethod
+    def _strip_protocol(cls, path: str | os.PathLike[str] | list[str] | tuple[str, ...]) -> str | list[str]:
         if isinstance(path, (list, tuple)):
             return [cls._strip_protocol(p) for p in path]
-        path = stringify_path(path)
-        if path.startswith("sos://"):
-            path = path[len("sos://") :]
-        parts = [p for p in path.split("/") if p]
+        text: str = stringify_path(path)
+        if text.startswith("sos://"):
+            text = text[len("sos://") :]
+        parts = [p for p in text.split("/") if p]
         return "/".join(parts)
 
     @staticmethod
-    def _get_kwargs_from_urls(path):
+    def _get_kwargs_from_urls(path: str) -> dict[str, Any]:
         return {}
 
-    def _split(self, path):
+    def _split(self, path: str | os.PathLike[str]) -> tuple[str, str]:
         """'ns/a/b' -> ('ns', 'a/b'); validates both parts."""
         p = self._strip_protocol(path)
         if not p:
             raise ValueError("sos: path must name a namespace: sos://NAMESPACE/path")
         ns, _, rel = p.partition("/")
-        from sos_client.journal.records import validate_path
-        from sos_wire.names import validate_namespace
-
         validate_namespace(ns)  # BadName (a ValueError) with the rule in its message
         if rel:
             validate_path(rel)  # ValueError: '.', '..', NUL, too long
         return ns, rel
 
-    def _ns(self, namespace):
+    def _ns(self, namespace: str) -> _Namespace:
         h = self._handles.get(namespace)
         if h is not None and not h.closed and h.pid == os.getpid():
             return h
@@ -159,27 +188,29 @@ class SOSFileSystem(AbstractFileSystem):
             self.timeout,
             self.tls,
             self.generation_bytes,
+            durability=self.durability,
+            tier_patience=self.tier_patience,
         )
         self._handles[namespace] = h
         return h
 
-    def _resolve(self, path):
+    def _resolve(self, path: str | os.PathLike[str]) -> tuple[_Namespace, str, str, str]:
         ns, rel = self._split(path)
         h = self._ns(ns)
         return h, rel, h.local(rel), f"{ns}/{rel}" if rel else ns
 
     @staticmethod
-    def _stat(local):
+    def _stat(local: str) -> os.stat_result | None:
         try:
             return os.stat(local)
         except (FileNotFoundError, NotADirectoryError):
             return None
 
-    def _barrier(self, h):
+    def _barrier(self, h: _Namespace) -> None:
         if self.sync_mode:
             h.tree.sync(wait=True)
 
-    def fsync(self, path):
+    def fsync(self, path: str) -> None:
         """Block until everything written so far to ``path``'s namespace is
         durable on the server (regardless of ``sync``)."""
         h, _, _, _ = self._resolve(path)
@@ -187,7 +218,7 @@ class SOSFileSystem(AbstractFileSystem):
 
     # ------------------------------------------------------------ metadata
 
-    def _info_from_stat(self, name, st):
+    def _info_from_stat(self, name: str, st: os.stat_result) -> dict[str, Any]:
         is_dir = stat_mod.S_ISDIR(st.st_mode)
         return {
             "name": name,
@@ -197,15 +228,19 @@ class SOSFileSystem(AbstractFileSystem):
             "mode": stat_mod.S_IMODE(st.st_mode),
         }
 
-    def info(self, path, **kwargs):
-        h, rel, local, name = self._resolve(path)
+    def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
+        _, _, local, name = self._resolve(path)
         st = self._stat(local)
         if st is None:
             raise _err(errno.ENOENT, name)
         return self._info_from_stat(name, st)
 
-    def ls(self, path, detail=True, **kwargs):
-        h, rel, local, name = self._resolve(path)
+    @overload
+    def ls(self, path: str, detail: Literal[True] = ..., **kwargs: Any) -> list[dict[str, Any]]: ...
+    @overload
+    def ls(self, path: str, detail: Literal[False], **kwargs: Any) -> list[str]: ...
+    def ls(self, path: str, detail: bool = True, **kwargs: Any) -> list[dict[str, Any]] | list[str]:
+        _, _, local, name = self._resolve(path)
         try:
             with os.scandir(local) as it:
                 entries = []
@@ -216,10 +251,10 @@ class SOSFileSystem(AbstractFileSystem):
                         continue  # removed while listing
                     entries.append(self._info_from_stat(f"{name}/{entry.name}", st))
         except NotADirectoryError:
-            st = self._stat(local)
-            if st is None:
+            file_st = self._stat(local)
+            if file_st is None:
                 raise _err(errno.ENOENT, name) from None
-            entries = [self._info_from_stat(name, st)]
+            entries = [self._info_from_stat(name, file_st)]
         except FileNotFoundError:
             raise _err(errno.ENOENT, name) from None
         entries.sort(key=lambda e: e["name"])
@@ -227,35 +262,35 @@ class SOSFileSystem(AbstractFileSystem):
             return entries
         return [e["name"] for e in entries]
 
-    def exists(self, path, **kwargs):
+    def exists(self, path: str, **kwargs: Any) -> bool:
         try:
             self.info(path)
             return True
         except (FileNotFoundError, NotADirectoryError):
             return False
 
-    def isdir(self, path):
+    def isdir(self, path: str) -> bool:
         try:
             return self.info(path)["type"] == "directory"
         except (FileNotFoundError, NotADirectoryError):
             return False
 
-    def isfile(self, path):
+    def isfile(self, path: str) -> bool:
         try:
             return self.info(path)["type"] == "file"
         except (FileNotFoundError, NotADirectoryError):
             return False
 
-    def modified(self, path):
+    def modified(self, path: str) -> datetime:
         return datetime.fromtimestamp(self.info(path)["mtime"], tz=UTC)
 
-    def ukey(self, path):
+    def ukey(self, path: str) -> str:
         info = self.info(path)
         return f"{info['name']}:{info['size']}:{info['mtime']}"
 
     # ----------------------------------------------------------- directories
 
-    def _ensure_dirs(self, h, rel, mode=0o755):
+    def _ensure_dirs(self, h: _Namespace, rel: str, mode: int = 0o755) -> None:
         """Create ``rel`` and its missing ancestors as directories; a file in
         the way raises NotADirectoryError. Caller holds ``h.lock``."""
         parts = rel.split("/")
@@ -267,7 +302,7 @@ class SOSFileSystem(AbstractFileSystem):
             elif not stat_mod.S_ISDIR(st.st_mode):
                 raise _err(errno.ENOTDIR, f"{h.namespace}/{sub}")
 
-    def makedirs(self, path, exist_ok=False, mode=0o755):
+    def makedirs(self, path: str, exist_ok: bool = False, mode: int = 0o755) -> None:
         h, rel, local, name = self._resolve(path)
         if rel == "":
             if not exist_ok:
@@ -281,11 +316,11 @@ class SOSFileSystem(AbstractFileSystem):
                 raise _err(errno.EEXIST, name)
             self._ensure_dirs(h, rel, mode)
 
-    def mkdirs(self, path, exist_ok=False):
+    def mkdirs(self, path: str, exist_ok: bool = False) -> None:
         return self.makedirs(path, exist_ok=exist_ok)
 
-    def mkdir(self, path, create_parents=True, mode=0o755, **kwargs):
-        h, rel, local, name = self._resolve(path)
+    def mkdir(self, path: str, create_parents: bool = True, mode: int = 0o755, **kwargs: Any) -> None:
+        h, rel, _, name = self._resolve(path)
         if rel == "":
             raise _err(errno.EEXIST, name)
         with h.lock, _named(name):
@@ -294,8 +329,8 @@ class SOSFileSystem(AbstractFileSystem):
                 self._ensure_dirs(h, parent, mode)
             h.tree.mkdir(rel, mode)  # the tree decides: EEXIST, ENOENT, ENOTDIR
 
-    def rmdir(self, path):
-        h, rel, local, name = self._resolve(path)
+    def rmdir(self, path: str) -> None:
+        h, rel, _, name = self._resolve(path)
         if rel == "":
             raise _err(errno.EPERM, name, "cannot remove a namespace root")
         with h.lock, _named(name):
@@ -303,14 +338,14 @@ class SOSFileSystem(AbstractFileSystem):
 
     # --------------------------------------------------------------- removal
 
-    def rm_file(self, path):
-        h, rel, local, name = self._resolve(path)
+    def rm_file(self, path: str) -> None:
+        h, rel, _, name = self._resolve(path)
         with h.lock, _named(name):
             h.tree.unlink(rel)  # the tree decides: ENOENT, EISDIR
 
     _rm = rm_file
 
-    def rm(self, path, recursive=False, maxdepth=None):
+    def rm(self, path: str | list[str], recursive: bool = False, maxdepth: int | None = None) -> None:
         paths = self.expand_path(path, recursive=recursive, maxdepth=maxdepth)
         for p in reversed(paths):
             h, rel, local, name = self._resolve(p)
@@ -333,13 +368,13 @@ class SOSFileSystem(AbstractFileSystem):
 
     def _open(
         self,
-        path,
-        mode="rb",
-        block_size=None,
-        autocommit=True,
-        cache_options=None,
-        **kwargs,
-    ):
+        path: str,
+        mode: str = "rb",
+        block_size: int | None = None,
+        autocommit: bool = True,
+        cache_options: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> SOSReadFile | SOSWriteFile:
         h, rel, local, name = self._resolve(path)
         if mode == "rb":
             return SOSReadFile(
@@ -380,7 +415,7 @@ class SOSFileSystem(AbstractFileSystem):
         )
 
     @staticmethod
-    def _copy_into(h, local_src, target):
+    def _copy_into(h: _Namespace, local_src: str, target: str) -> int:
         """Append the bytes of a cached file to ``target`` (WRITE records)."""
         fd = os.open(local_src, os.O_RDONLY)
         try:
@@ -394,8 +429,8 @@ class SOSFileSystem(AbstractFileSystem):
         finally:
             os.close(fd)
 
-    def cat_file(self, path, start=None, end=None, **kwargs):
-        h, rel, local, name = self._resolve(path)
+    def cat_file(self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any) -> bytes:
+        _, _, local, name = self._resolve(path)
         try:
             fd = os.open(local, os.O_RDONLY)
         except FileNotFoundError:
@@ -416,13 +451,13 @@ class SOSFileSystem(AbstractFileSystem):
         finally:
             os.close(fd)
 
-    def pipe_file(self, path, value, mode="overwrite", **kwargs):
+    def pipe_file(self, path: str, value: bytes, mode: str = "overwrite", **kwargs: Any) -> None:
         if mode not in ("overwrite", "create"):
             raise ValueError(f"sos: pipe_file mode must be 'overwrite' or 'create', got {mode!r}")
         with self.open(path, "xb" if mode == "create" else "wb", **kwargs) as f:
             f.write(value)
 
-    def touch(self, path, truncate=True, **kwargs):
+    def touch(self, path: str, truncate: bool = True, **kwargs: Any) -> None:
         if truncate or not self.exists(path):
             with self.open(path, "wb", **kwargs):
                 pass
@@ -431,12 +466,12 @@ class SOSFileSystem(AbstractFileSystem):
         # truncate=False on an existing file: content stays; the journal has no
         # timestamp record, so the mtime is left as it is.
 
-    def cp_file(self, path1, path2, **kwargs):
+    def cp_file(self, path1: str, path2: str, **kwargs: Any) -> None:
         src_info = self.info(path1)
         if src_info["type"] == "directory":
             self.makedirs(path2, exist_ok=True)
             return
-        h1, rel1, local1, name1 = self._resolve(path1)
+        _, _, local1, name1 = self._resolve(path1)
         if self._strip_protocol(path2) == name1:
             return  # copying a file onto itself must not truncate it
         try:
@@ -457,7 +492,8 @@ class SOSFileSystem(AbstractFileSystem):
 
     # ----------------------------------------------------------------- rename
 
-    def mv(self, path1, path2, recursive=False, maxdepth=None, overwrite=True, **kwargs):
+    def mv(self, path1: str | os.PathLike[str] | list[str], path2: str | os.PathLike[str] | list[str],
+           recursive: bool = False, maxdepth: int | None = None, overwrite: bool = True, **kwargs: Any) -> None:
         """Atomic rename (one RENAME record; directories move whole).
 
         ``path2`` naming an existing directory (or ending in ``/``) moves

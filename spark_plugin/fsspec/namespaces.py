@@ -5,13 +5,34 @@ instances never fence each other), opened through sos_client.journal.open, flush
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
+import ssl
 import threading
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from sos_client.journal.facade import call_journal
+from sos_client.journal.open import OpenNamespace, client_factory_for, key_role, open_namespace
+from sos_wire.events import KeyRole
 
 # --------------------------------------------------------------------------
 # One journaled tree per (server, namespace, cache directory) per process.
+
+
+class FsTree(Protocol):
+    """What the filesystem calls on a namespace's tree: the JournaledTree's operations, as
+    the JournaledTree itself, :class:`_GuardedTree` or a read-only key's ReadOnlyTree has them."""
+
+    def local_path(self, path: str) -> str: ...
+    def mkdir(self, path: str, mode: int = 0o755) -> None: ...
+    def rmdir(self, path: str) -> None: ...
+    def create(self, path: str, mode: int = 0o644) -> None: ...
+    def write(self, path: str, offset: int, data: bytes | bytearray | memoryview) -> int: ...
+    def rename(self, src: str, dst: str, /, *, overwrite: bool) -> None: ...
+    def unlink(self, path: str) -> None: ...
+    def sync(self, wait: bool | None = None) -> None: ...
+    def close(self) -> None: ...
 
 
 class _Namespace:
@@ -20,8 +41,9 @@ class _Namespace:
     atomic within the process. Other processes cannot write the namespace without
     fencing this one."""
 
-    def __init__(self, opened, tree):
+    def __init__(self, opened: OpenNamespace, tree: FsTree, durability: str = "server") -> None:
         self.pid = os.getpid()
+        self.durability = durability
         self.opened = opened
         self.tree = tree
         self.writer = opened.writer
@@ -30,13 +52,13 @@ class _Namespace:
         self.lock = threading.RLock()
 
     @property
-    def closed(self):
+    def closed(self) -> bool:
         return self.opened.closed
 
-    def local(self, rel):
+    def local(self, rel: str) -> str:
         return self.tree.local_path(rel) if rel else self.tree_dir
 
-    def close(self, timeout=None):
+    def close(self, timeout: float | None = None) -> None:
         self.opened.close(timeout)
 
 
@@ -50,38 +72,43 @@ class _GuardedTree:
     _MUTATIONS = ("mkdir", "rmdir", "create", "write", "truncate", "rename", "unlink", "marker",
                   "sync")
 
-    def __init__(self, tree, namespace):
+    def __init__(self, tree: FsTree, namespace: str) -> None:
         self._tree = tree
         self._namespace = namespace
 
-    def local_path(self, path):
+    def local_path(self, path: str) -> str:
         return self._tree.local_path(path)
 
-    def close(self):
+    def close(self) -> None:
         self._tree.close()
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> Callable[..., Any]:
         if name not in self._MUTATIONS:
             raise AttributeError(name)
         method = getattr(self._tree, name)
 
-        def guarded(*args, **kwargs):
+        def guarded(*args: Any, **kwargs: Any) -> Any:
             return call_journal(self._namespace, method, *args, **kwargs)
 
         return guarded
 
 
-_REGISTRY: dict[tuple, _Namespace] = {}
+_REGISTRY: dict[tuple[str, str, str, str], _Namespace] = {}
 _REGISTRY_LOCK = threading.Lock()
 _REGISTRY_PID = os.getpid()
 
 
-def _open_namespace(server, key, namespace, base_dir, max_lag_bytes, timeout, tls=None,
-                    generation_bytes=None):
-    """The process-wide tree of (server, namespace, cache dir) for this key's role."""
+def _open_namespace(server: str, key: str, namespace: str, base_dir: str, max_lag_bytes: int | None,
+                    timeout: float, tls: ssl.SSLContext | bool | None = None,
+                    generation_bytes: int | None = None, *, durability: str = "server",
+                    tier_patience: float | None = None) -> _Namespace:
+    """The process-wide tree of (server, namespace, cache dir) for this key's role.
+
+    ``durability`` is the writer's (one per namespace and cache): a second filesystem object
+    asking for the other one while the namespace is open is refused with ValueError rather
+    than silently given weaker (or costlier) barriers than it asked for. A read-only view has
+    no writer and no barrier: any durability shares it."""
     global _REGISTRY_PID
-    from sos_client.journal.open import client_factory_for, key_role, open_namespace
-    from sos_wire.events import KeyRole
 
     root = os.path.realpath(os.path.join(base_dir, namespace))
     # one connection tells the role (and fails fast on a refused key); the
@@ -95,6 +122,12 @@ def _open_namespace(server, key, namespace, base_dir, max_lag_bytes, timeout, tl
             _REGISTRY_PID = os.getpid()
         ns = _REGISTRY.get(ident)
         if ns is not None and not ns.closed:
+            if ident[3] == "append" and ns.durability != durability:
+                raise ValueError(
+                    f"sos: namespace {namespace!r} (cache {root}) is already open in this process "
+                    f"with durability {ns.durability!r}; one writer serves it, so a filesystem "
+                    f"with durability {durability!r} cannot share it: give every filesystem "
+                    f"object of the namespace the same durability (or close_all() first)")
             return ns
         # One writer serves every filesystem object of this namespace in the
         # process, whatever each object's ``sync``, so it runs in sync mode:
@@ -103,14 +136,15 @@ def _open_namespace(server, key, namespace, base_dir, max_lag_bytes, timeout, tl
         # objects with sync=False do not.
         opened = open_namespace(namespace, root, server=server, key=key, timeout=timeout, tls=tls,
                                 sync=True, max_lag_bytes=max_lag_bytes,
-                                generation_bytes=generation_bytes, allow_read_only=True)
-        tree = opened.tree if opened.read_only else _GuardedTree(opened.tree, namespace)
-        ns = _Namespace(opened, tree)
+                                generation_bytes=generation_bytes, allow_read_only=True,
+                                durability=durability, tier_patience=tier_patience)
+        tree: FsTree = opened.tree if opened.read_only else _GuardedTree(opened.tree, namespace)
+        ns = _Namespace(opened, tree, durability)
         _REGISTRY[ident] = ns
         return ns
 
 
-def close_all(timeout=None):
+def close_all(timeout: float | None = None) -> None:
     """Close every journaled tree this process opened, first waiting (up to
     ``timeout`` seconds, None = until done) for their journals to be shipped.
 
@@ -119,11 +153,11 @@ def close_all(timeout=None):
     with _REGISTRY_LOCK:
         items = list(_REGISTRY.values())
         _REGISTRY.clear()
-    first = None
+    first: Exception | None = None
     for ns in items:
         try:
             ns.close(timeout)
-        except Exception as exc:  # keep closing the others
+        except Exception as exc:  # noqa: BLE001 - keep closing the others; the first is raised at the end
             first = first or exc
     if first is not None:
         raise first
@@ -135,11 +169,9 @@ def close_all(timeout=None):
 EXIT_FLUSH_TIMEOUT = 60.0
 
 
-def _close_at_exit():
-    try:
+def _close_at_exit() -> None:
+    with contextlib.suppress(Exception):  # at interpreter exit: no one left to tell
         close_all(timeout=EXIT_FLUSH_TIMEOUT)
-    except Exception:
-        pass
 
 
 atexit.register(_close_at_exit)

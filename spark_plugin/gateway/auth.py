@@ -45,7 +45,9 @@ from itertools import count
 
 import trio
 
+from sos_client import Client
 from sos_wire.auth import Key
+from sos_wire.events import KeyRole
 
 from .http import Conn, Reply, json_body, remote_error
 
@@ -599,9 +601,6 @@ def key_verifier(server: str, namespace: str, *, timeout: float = 30.0,
     """``verify(key_text) -> (role, key_id)``: authenticates with the key at the SOS server."""
 
     def verify(key_text: str) -> tuple[str, str]:
-        from sos_client import Client
-        from sos_wire.events import KeyRole
-
         key = Key.parse(key_text)  # BadKey (a ValueError) for a malformed secret
         client = Client(server, key, namespace, timeout=timeout, tls=tls)
         try:

@@ -20,7 +20,7 @@ import json
 import logging
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import h11
 import trio
@@ -122,7 +122,9 @@ class Conn:
         #: cancelled to close the connection from outside (:meth:`Slots.make_room`)
         self.scope = trio.CancelScope()
 
-    async def wait_for_request(self, timeout: float, idle: set[trio.CancelScope]) -> bool:
+    async def wait_for_request(
+        self, timeout: float, idle: set[trio.CancelScope],  # noqa: ASYNC109 - ends in False, not a cancellation
+    ) -> bool:
         """Wait for the first bytes of the next request: True once some are here, False
         after ``timeout`` or when a stopping gateway cancels the wait. While it waits the
         connection is idle: its scope is in ``idle`` (no byte of a request is lost by
@@ -145,7 +147,7 @@ class Conn:
                 idle.discard(scope)
         return False
 
-    async def next_event(self, timeout: float = STALL_TIMEOUT) -> Any:
+    async def next_event(self, timeout: float = STALL_TIMEOUT) -> h11.Event | type[h11.PAUSED]:  # noqa: ASYNC109 - a stall is a Drop
         """The next h11 event; a receive waits at most ``timeout`` (then the connection is
         dropped) and never past :attr:`deadline` (then 408, and the connection closes)."""
         while True:
@@ -155,8 +157,8 @@ class Conn:
                 raise Reply(exc.error_status_hint,
                              remote_error("IllegalArgumentException", f"bad HTTP request: {exc}"),
                              [("connection", "close")]) from exc
-            if event is not h11.NEED_DATA:
-                return event
+            if event is not h11.NEED_DATA:  # (mypy does not narrow a sentinel class by identity)
+                return cast("h11.Event | type[h11.PAUSED]", event)
             if self.h11.they_are_waiting_for_100_continue:
                 await self.send(h11.InformationalResponse(status_code=100, headers=[]))
             limit = timeout
@@ -178,7 +180,7 @@ class Conn:
                 raise Drop("the client stalled")
             self.h11.receive_data(bytes(data))
 
-    async def send(self, event: Any) -> None:
+    async def send(self, event: h11.Event) -> None:
         if isinstance(event, h11.Response) and self.closing:
             event = h11.Response(status_code=event.status_code, reason=event.reason,
                                  headers=[*event.headers, (b"connection", b"close")])

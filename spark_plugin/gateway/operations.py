@@ -382,7 +382,7 @@ class Operations:
             os.close(fd)
         return 200
 
-    async def _open_room(self, timeout: float) -> bool:
+    async def _open_room(self, timeout: float) -> bool:  # noqa: ASYNC109 - its outcome is False, not a cancellation
         """Take room for one OPEN piece; False after ``timeout`` seconds without any."""
         with trio.move_on_after(timeout):
             await self.open_memory.acquire()

@@ -25,6 +25,7 @@ Content-Type header (Hadoop's shaded client cannot parse one).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -234,11 +235,9 @@ class Gateway:
         if refused is not None:
             log.debug("connection from %s refused: %s", conn.peer or "?", refused)
             conn.send_timeout = min(self.send_timeout, 5.0)
-            try:
+            with contextlib.suppress(Drop):
                 await conn.respond(503, json_body(remote_error("IOException", refused)),
                                    [("connection", "close"), ("retry-after", "1")])
-            except Drop:
-                pass
             await trio.aclose_forcefully(stream)
             return
         self._conns.add(conn)

@@ -8,20 +8,24 @@ starts, so it works before the console script is installed).
 from __future__ import annotations
 
 import argparse
+import grp
 import logging
+import pwd
 import sys
+from typing import TYPE_CHECKING
 
 from sos_client.cli import add_connection_options, client_from_args, key_from_args
 from sos_client.errors import SOSError
+from sos_client.journal.facade import add_durability_options, durability_refusal, tier_patience_of
 from sos_wire import argtypes
 from sos_wire.names import validate_namespace
+
+if TYPE_CHECKING:
+    from sos_client import Client
 
 
 def _owner(text: str) -> tuple[int, int]:
     """UID[:GID] (numbers or names); without GID the user's group (passwd), else GID=UID."""
-    import grp
-    import pwd
-
     user, _, group = text.partition(":")
     try:
         if user.isdigit():
@@ -44,7 +48,7 @@ def _owner(text: str) -> tuple[int, int]:
     return uid, gid
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "mount", help="mount a namespace as a journaled directory (FUSE)",
         description="Mount NAMESPACE at MOUNTPOINT. Every change is journaled to the SOS "
@@ -57,6 +61,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="local cache + spool directory (default: ~/.cache/sos/NAMESPACE)")
     p.add_argument("--async", dest="async_", action="store_true",
                    help="do not wait for the server on rename/close; bound the lag instead")
+    add_durability_options(p, what="a rename onto (or the close of) a Spark batch file, fsync "
+                                   "and markers")
     p.add_argument("--max-lag", type=argtypes.size(0), default=64 << 20, metavar="BYTES",
                    help="async mode: most unshipped journal bytes before writes wait "
                         "(default 64M)")
@@ -80,8 +86,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def run(args) -> int:
-    from spark_plugin.mount.run import run_mount
+def run(args: argparse.Namespace) -> int:
+    from spark_plugin.mount.run import run_mount  # noqa: PLC0415 - trio, pyfuse3 (optional): only when a mount runs
 
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -95,26 +101,32 @@ def run(args) -> int:
     except ValueError as exc:
         print(f"sos: {exc}", file=sys.stderr)
         return 2
+    refusal = durability_refusal(args.durability, not args.async_)
+    if refusal:
+        print(f"sos: {refusal}", file=sys.stderr)
+        return 2
 
-    def factory():
+    def factory() -> Client:
         return client_from_args(args, args.namespace)
     try:
         return run_mount(args.namespace, args.mountpoint, server=args.server, key=key,
                          cache_dir=args.cache, sync=not args.async_, max_lag_bytes=args.max_lag,
                          allow_other=args.allow_other, debug=args.debug, client_factory=factory,
                          writeback_cache=args.writeback_cache, owner=args.owner,
-                         generation_bytes=args.generation_bytes)
+                         generation_bytes=args.generation_bytes, durability=args.durability,
+                         tier_patience=tier_patience_of(args.tier_patience))
     except KeyboardInterrupt:  # before mounting, or a second ^C during the final flush
         print("sos: mount interrupted (the spool keeps what the server does not have yet)",
               file=sys.stderr)
         return 130
     except Exception as exc:
         logging.getLogger("sos.mount").debug("mount failed", exc_info=True)
-        print(f"sos: mount failed: {exc}", file=sys.stderr)
+        print(f"sos: mount failed: {' '.join(str(exc).split()) or type(exc).__name__}",
+              file=sys.stderr)
         return 1
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sos")
     sub = parser.add_subparsers(dest="command", required=True)
     add_parser(sub)

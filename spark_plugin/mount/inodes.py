@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import errno
 import logging
+from collections.abc import Callable
 
 log = logging.getLogger("sos.mount")
 
@@ -94,7 +95,7 @@ class InodeTable:
             self._paths[ino] = None
             self._maybe_drop(ino)
 
-    def renamed(self, src: str, dst: str):
+    def renamed(self, src: str, dst: str) -> Callable[[], None]:
         """Move `src` (and, for a directory, everything below it) to `dst`.
 
         Returns an undo callable that puts the table back (for a rename that

@@ -14,7 +14,9 @@ FUSE reply carries.
   `sos_client.journal.barriers.needs_barrier` names (Spark's `offsets/N` and
   `commits/N`) return only after every record so far is durable on the server;
   other renames and closes are carried by the next such barrier (one ordered
-  journal). In async mode only fsync and fsyncdir wait (explicit requests for
+  journal). With durability "tier" (`sos mount --durability tier`) those barriers
+  also wait for the server's bucket; one it did not reach within the tier patience
+  fails with ETIMEDOUT (the change stays applied and durable on the server). In async mode only fsync and fsyncdir wait (explicit requests for
   durability) and the writer bounds the lag;
 * once the writer reports that a newer writer fenced it, the mount turns
   read-only: every later change fails with EROFS (the first failure with EIO)
@@ -48,11 +50,13 @@ from __future__ import annotations
 
 import errno
 import functools
+import json
 import logging
 import os
 import stat
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 import trio
 
@@ -63,6 +67,8 @@ from sos_client.journal.facade import FenceLatch
 if TYPE_CHECKING:
     import pyfuse3
     from pyfuse3 import Operations as _OperationsBase
+
+    from sos_client.journal.tree import JournaledTree
 
 else:
     try:  # pyfuse3 is an optional dependency (extra "mount")
@@ -90,6 +96,11 @@ from .inodes import (
 
 log = logging.getLogger("sos.mount")
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+_Ops = TypeVar("_Ops", bound="SOSOperations")
+
+
 def errno_for(exc: BaseException) -> int:
     """The errno FUSE returns for an exception from the tree (or the OS): the one of
     :func:`sos_client.errors.to_oserror` (a fenced writer: EROFS)."""
@@ -108,19 +119,23 @@ class _Handle:
     content: bytes | None = None  # a read-only virtual file's content (fd is -1)
 
 
-def _guard(fn):
+def _guard(
+    fn: Callable[Concatenate[_Ops, _P], Awaitable[_R]],
+) -> Callable[Concatenate[_Ops, _P], Coroutine[Any, Any, _R]]:
     """Turn every exception of a handler into a FUSEError (pyfuse3 dies on others)."""
 
     @functools.wraps(fn)
-    async def wrapper(self, *args):
+    async def wrapper(self: _Ops, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         try:
-            return await fn(self, *args)
+            return await fn(self, *args, **kwargs)
         except pyfuse3.FUSEError:
             raise
         except Exception as exc:  # noqa: BLE001 - mapped to an errno, logged if unexpected
             code = errno_for(exc)
             if code == errno.EIO:
                 log.error("%s failed: %r", fn.__name__, exc)
+            elif code == errno.ETIMEDOUT:  # durability "tier": the bucket is behind
+                log.warning("%s: %s -> ETIMEDOUT", fn.__name__, exc)
             else:
                 log.debug("%s: %r -> %s", fn.__name__, exc, errno.errorcode.get(code, code))
             raise pyfuse3.FUSEError(code) from None
@@ -134,8 +149,10 @@ class SOSOperations(_OperationsBase):
     supports_dot_lookup = False
     enable_writeback_cache = False
     enable_acl = False
+    #: what the barriers wait for ("server" or "tier": open_namespace's), shown in the ready line
+    durability = "server"
 
-    def __init__(self, tree, cache_root: str, *, sync: bool = True, namespace: str = "",
+    def __init__(self, tree: JournaledTree, cache_root: str, *, sync: bool = True, namespace: str = "",
                  writeback_cache: bool = False, chown_to_caller: bool | None = None) -> None:
         super().__init__()
         # Kernel writeback cache (read by pyfuse3 at FUSE INIT): write(2) lands in the page
@@ -224,7 +241,7 @@ class SOSOperations(_OperationsBase):
         self.inodes.mark_dir(ino, stat.S_ISDIR(st.st_mode))
         return ino, st
 
-    def _give_to_caller(self, path: str, ctx) -> None:
+    def _give_to_caller(self, path: str, ctx: pyfuse3.RequestContext | None) -> None:
         """A new entry belongs to the process that created it (as on a local filesystem):
         its uid, and its gid unless the parent directory is setgid (then the cache entry
         already has the parent's group, and a new directory its setgid bit)."""
@@ -253,7 +270,7 @@ class SOSOperations(_OperationsBase):
     def _note_failure(self, exc: BaseException) -> None:
         self._fence.note(exc)
 
-    async def _call(self, fn, *args, **kwargs):
+    async def _call(self, fn: Callable[..., _R], *args: Any, **kwargs: Any) -> _R:
         """Run a (possibly blocking) tree call in a worker thread."""
         self._check_writable()
         try:
@@ -268,7 +285,8 @@ class SOSOperations(_OperationsBase):
 
     # ------------------------------------------------------------ attributes
     @_guard
-    async def lookup(self, parent_inode, name, ctx=None):
+    async def lookup(self, parent_inode: int, name: bytes,
+                     ctx: pyfuse3.RequestContext | None = None) -> pyfuse3.EntryAttributes:
         if parent_inode == ROOT_INODE and name == CONTROL_DIR.encode():
             return self._virtual_entry(CONTROL_DIR_INO)
         if parent_inode == CONTROL_DIR_INO:
@@ -281,7 +299,7 @@ class SOSOperations(_OperationsBase):
         return self._entry(ino, st)
 
     @_guard
-    async def getattr(self, inode, ctx=None):
+    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext | None = None) -> pyfuse3.EntryAttributes:
         if inode in _VIRTUAL:
             return self._virtual_entry(inode)
         path = self.inodes.path(inode)
@@ -293,7 +311,8 @@ class SOSOperations(_OperationsBase):
         return self._entry(inode, os.lstat(self._local(path)))
 
     @_guard
-    async def setattr(self, inode, attr, fields, fh, ctx):
+    async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields,
+                      fh: int | None, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         if inode in _VIRTUAL:
             if fields.update_size and inode == MARKER_INO and attr.st_size == 0:
                 return self._virtual_entry(inode)
@@ -327,13 +346,13 @@ class SOSOperations(_OperationsBase):
             os.utime(local, ns=(atime, mtime), follow_symlinks=False)
         return self._entry(inode, os.lstat(local))
 
-    async def forget(self, inode_list):
+    async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
         for ino, n in inode_list:
             if ino not in _VIRTUAL:
                 self.inodes.forget(ino, n)
 
     @_guard
-    async def statfs(self, ctx):
+    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
         sv = os.statvfs(self.cache_root)
         out = pyfuse3.StatvfsData()
         for name in ("f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_bavail",
@@ -343,17 +362,16 @@ class SOSOperations(_OperationsBase):
         return out
 
     @_guard
-    async def access(self, inode, mode, ctx):
+    async def access(self, inode: int, mode: int, ctx: pyfuse3.RequestContext) -> bool:
         path = None if inode in _VIRTUAL else self.inodes.path(inode)
         if path is not None:
             os.lstat(self._local(path))
-        if mode & os.W_OK and self.fenced is not None:
-            return False
-        return True
+        return not (mode & os.W_OK and self.fenced is not None)
 
     # ------------------------------------------------------------ directories
     @_guard
-    async def mkdir(self, parent_inode, name, mode, ctx):
+    async def mkdir(self, parent_inode: int, name: bytes, mode: int,
+                    ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         path = self._child(parent_inode, name)
         await self._call(self.tree.mkdir, path, stat.S_IMODE(mode))
         self._give_to_caller(path, ctx)
@@ -362,13 +380,13 @@ class SOSOperations(_OperationsBase):
         return self._entry(ino, st)
 
     @_guard
-    async def rmdir(self, parent_inode, name, ctx):
+    async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         path = self._child(parent_inode, name)
         await self._call(self.tree.rmdir, path)
         self.inodes.removed(path)
 
     @_guard
-    async def opendir(self, inode, ctx):
+    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
         if inode == CONTROL_DIR_INO:
             names = [MARKER_FILE, NAMESPACE_FILE]
         else:
@@ -382,13 +400,13 @@ class SOSOperations(_OperationsBase):
         return fh
 
     @_guard
-    async def readdir(self, fh, start_id, token):
+    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
         dir_ino, names = self._dirs[fh]
         if dir_ino == CONTROL_DIR_INO:
             for index in range(start_id, len(names)):
-                name = names[index].encode()
-                if not pyfuse3.readdir_reply(token, name,
-                                             self._virtual_entry(_CONTROL_FILES[name]), index + 1):
+                vname = names[index].encode()
+                if not pyfuse3.readdir_reply(token, vname,
+                                             self._virtual_entry(_CONTROL_FILES[vname]), index + 1):
                     break
             return
         for index in range(start_id, len(names)):
@@ -404,11 +422,11 @@ class SOSOperations(_OperationsBase):
                 break
             self.inodes.lookup(ino)  # readdirplus counts as a lookup
 
-    async def releasedir(self, fh):
+    async def releasedir(self, fh: int) -> None:
         self._dirs.pop(fh, None)
 
     @_guard
-    async def fsyncdir(self, fh, datasync):
+    async def fsyncdir(self, fh: int, datasync: bool) -> None:
         await self._barrier()
 
     # ------------------------------------------------------------ files
@@ -427,9 +445,10 @@ class SOSOperations(_OperationsBase):
         return fh
 
     @_guard
-    async def create(self, parent_inode, name, mode, flags, ctx):
+    async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
+                     ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         path = self._child(parent_inode, name)
-        existed = os.path.lexists(self._local(path))  # CREATE of an existing name: open it
+        existed = os.path.lexists(self._local(path))  # noqa: ASYNC240 - a cache lstat; an existing name is opened
         await self._call(self.tree.create, path, stat.S_IMODE(mode))
         if not existed:
             self._give_to_caller(path, ctx)
@@ -440,7 +459,7 @@ class SOSOperations(_OperationsBase):
         return pyfuse3.FileInfo(fh=fh), self._entry(ino, st)
 
     @_guard
-    async def open(self, inode, flags, ctx):
+    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         if inode == CONTROL_DIR_INO:
             raise pyfuse3.FUSEError(errno.EISDIR)
         if inode == MARKER_INO:
@@ -462,16 +481,15 @@ class SOSOperations(_OperationsBase):
         if writable:
             self._check_writable()
         dirty = False
-        if writable and flags & os.O_TRUNC:
-            if os.lstat(self._local(path)).st_size != 0:
-                await self._call(self.tree.truncate, path, 0)
-                dirty = True
+        if writable and flags & os.O_TRUNC and os.lstat(self._local(path)).st_size != 0:
+            await self._call(self.tree.truncate, path, 0)
+            dirty = True
         fh = self._new_handle(inode, path, writable)
         self._handles[fh].dirty = dirty
         return pyfuse3.FileInfo(fh=fh)
 
     @_guard
-    async def read(self, fh, off, size):
+    async def read(self, fh: int, off: int, size: int) -> bytes:
         h = self._handles[fh]
         if h.marker is not None:
             return b""
@@ -480,7 +498,7 @@ class SOSOperations(_OperationsBase):
         return os.pread(h.fd, size, off)
 
     @_guard
-    async def write(self, fh, off, buf):
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
         h = self._handles[fh]
         self._check_writable()
         if h.marker is not None:
@@ -497,8 +515,6 @@ class SOSOperations(_OperationsBase):
 
     async def _emit_marker(self, h: _Handle) -> None:
         """Turn the control file's pending JSON document into a MARKER record."""
-        import json
-
         if h.marker is None:  # not the control file
             return
         doc_bytes = bytes(h.marker)
@@ -541,12 +557,12 @@ class SOSOperations(_OperationsBase):
         h.dirty = False
 
     @_guard
-    async def flush(self, fh):
+    async def flush(self, fh: int) -> None:
         # flush is what close(2) waits for (release is sent asynchronously).
         await self._settle(self._handles[fh])
 
     @_guard
-    async def fsync(self, fh, datasync):
+    async def fsync(self, fh: int, datasync: bool) -> None:
         # An explicit fsync waits for the server in both modes.
         h = self._handles[fh]
         if self.fenced is not None and (h.dirty or h.marker):
@@ -556,7 +572,7 @@ class SOSOperations(_OperationsBase):
         await self._barrier()
         h.dirty = False
 
-    async def release(self, fh):
+    async def release(self, fh: int) -> None:
         h = self._handles.pop(fh, None)
         if h is None:
             return
@@ -578,13 +594,14 @@ class SOSOperations(_OperationsBase):
 
     # ------------------------------------------------------------ namespace changes
     @_guard
-    async def unlink(self, parent_inode, name, ctx):
+    async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         path = self._child(parent_inode, name)
         await self._call(self.tree.unlink, path)
         self.inodes.removed(path)
 
     @_guard
-    async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
+    async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int, name_new: bytes,
+                     flags: int, ctx: pyfuse3.RequestContext) -> None:
         if flags & _RENAME_EXCHANGE:
             raise pyfuse3.FUSEError(errno.EINVAL)
         src = self._child(parent_inode_old, name_old)
@@ -597,6 +614,6 @@ class SOSOperations(_OperationsBase):
         try:
             await self._call(self.tree.rename, src, dst, overwrite=overwrite)
         except BaseException:
-            if os.path.lexists(self._local(src)):  # the cache rename did not happen
+            if os.path.lexists(self._local(src)):  # noqa: ASYNC240 - a cache lstat; the rename did not happen
                 undo()
             raise

@@ -8,18 +8,22 @@ import logging
 import os
 import signal
 import ssl
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from types import FrameType
+from typing import TYPE_CHECKING
 
 import trio
 
 from sos_client.errors import is_fenced
+from sos_client.journal.beneath import Beneath
+from sos_client.journal.open import ClientFactory, open_namespace
+from sos_client.journal.open import default_cache_dir as _journal_cache_dir
+from sos_client.journal.tree import JournaledTree
 from sos_client.serving import serve_until_signal
 
 if TYPE_CHECKING:
     import pyfuse3
 
-    from sos_client.journal.tree import JournaledTree
     from sos_client.journal.writer import JournalWriter
 else:
     try:  # pyfuse3 is an optional dependency (extra "mount")
@@ -37,9 +41,7 @@ log = logging.getLogger("sos.mount")
 # ---------------------------------------------------------------------------
 
 def default_cache_dir(namespace: str) -> str:
-    from sos_client.journal.open import default_cache_dir as default
-
-    return default(namespace)
+    return _journal_cache_dir(namespace)
 
 
 def fuse_options(namespace: str, *, allow_other: bool = False, debug: bool = False) -> set[str]:
@@ -64,8 +66,9 @@ class MountedTree:
 
     def __init__(self, namespace: str, server: str, key: str, cache_dir: str, *,
                  sync: bool = True, max_lag_bytes: int = 64 << 20,
-                 generation_bytes: int | None = None, client_factory: Callable[[], Any] | None = None,
-                 timeout: float = 30.0, tls: ssl.SSLContext | bool | None = None) -> None:
+                 generation_bytes: int | None = None, client_factory: ClientFactory | None = None,
+                 timeout: float = 30.0, tls: ssl.SSLContext | bool | None = None,
+                 durability: str = "server", tier_patience: float | None = None) -> None:
         self.namespace = namespace
         self._client_factory = client_factory
         self.server = server
@@ -78,19 +81,19 @@ class MountedTree:
         self.sync = sync
         self.max_lag_bytes = max_lag_bytes
         self.generation_bytes = generation_bytes
+        self.durability = durability
+        self.tier_patience = tier_patience
         self.writer: JournalWriter | None = None
         self.tree: JournaledTree | None = None
 
     def open(self) -> tuple[JournaledTree, JournalWriter]:
         """Open the writer and the tree (see the class docstring); returns them."""
-        from sos_client.journal.open import open_namespace
-        from sos_client.journal.tree import JournaledTree
-
         opened = open_namespace(self.namespace, self.cache_dir, server=self.server, key=self.key,
                                 timeout=self.timeout, tls=self.tls,
                                 client_factory=self._client_factory, sync=self.sync,
                                 max_lag_bytes=self.max_lag_bytes,
-                                generation_bytes=self.generation_bytes)
+                                generation_bytes=self.generation_bytes,
+                                durability=self.durability, tier_patience=self.tier_patience)
         tree, writer = opened.tree, opened.writer
         if not isinstance(tree, JournaledTree) or writer is None:  # pragma: no cover - read keys are refused
             opened.close()
@@ -112,6 +115,8 @@ async def _serve(ops: SOSOperations, namespace: str, mountpoint: str) -> None:
     """Serve the FUSE session until SIGTERM/SIGINT (or an external unmount); a signal that
     came between the mount and this loop (``_early_signals``) counts as one that comes now."""
     mode = "sync" if ops.sync_mode else "async"
+    if ops.durability == "tier":
+        mode += ", durability tier"
     if ops.enable_writeback_cache:
         mode += ", writeback cache"
 
@@ -131,20 +136,21 @@ async def _serve(ops: SOSOperations, namespace: str, mountpoint: str) -> None:
 _early_signals: list[int] = []
 
 
-def _restore_signals(previous: dict) -> None:
+_Handler = Callable[[int, FrameType | None], object] | int | None  # what signal.signal returns
+
+
+def _restore_signals(previous: Mapping[signal.Signals, _Handler]) -> None:
     for signum, handler in previous.items():
         signal.signal(signum, handler)
 
 
-def _record_early_signal(signum, frame) -> None:
+def _record_early_signal(signum: int, frame: FrameType | None) -> None:
     _early_signals.append(signum)
 
 
 def give_tree_to(tree_dir: str, owner: tuple[int, int], *, everything: bool) -> None:
     """chown the cache's root directory (and, with ``everything``, all below it) to owner
     (no recursion; a link is never followed)."""
-    from sos_client.journal.beneath import Beneath
-
     uid, gid = owner
     with Beneath(tree_dir) as at:
         at.chown("", uid, gid)
@@ -158,10 +164,12 @@ def give_tree_to(tree_dir: str, owner: tuple[int, int], *, everything: bool) -> 
 
 def run_mount(namespace: str, mountpoint: str, *, server: str, key: str,
               cache_dir: str | None = None, sync: bool = True, max_lag_bytes: int = 64 << 20,
-              allow_other: bool = False, debug: bool = False, client_factory=None,
+              allow_other: bool = False, debug: bool = False,
+              client_factory: ClientFactory | None = None,
               flush_timeout: float = 120.0, writeback_cache: bool = False,
               owner: tuple[int, int] | None = None,
-              generation_bytes: int | None = None) -> int:
+              generation_bytes: int | None = None, durability: str = "server",
+              tier_patience: float | None = None) -> int:
     """Mount `namespace` at `mountpoint` until SIGTERM/SIGINT or an external unmount.
 
     Returns the process exit code (0 after a clean unmount with everything
@@ -174,6 +182,10 @@ def run_mount(namespace: str, mountpoint: str, *, server: str, key: str,
     from the server (needs root unless it is the mount's own user); implies allow_other
     when it is another user. `generation_bytes`: journal bytes after which a new
     generation starts with a snapshot of the tree (default: the writer's, 1 GiB).
+    `durability` ("server" or "tier") and `tier_patience` go to `open_namespace`: with
+    "tier" each barrier (a rename onto `commits/N`...) also waits for the server's bucket,
+    failing with ETIMEDOUT after `tier_patience` seconds, and a server without a tier is
+    refused before anything is mounted (JournalTierUnavailable).
     """
     if pyfuse3 is None:
         raise RuntimeError("pyfuse3 is not installed (pip install 'sos[mount]')")
@@ -199,7 +211,8 @@ def run_mount(namespace: str, mountpoint: str, *, server: str, key: str,
             allow_other = True
     journal = MountedTree(namespace, server, key, cache_dir or default_cache_dir(namespace),
                           sync=sync, max_lag_bytes=max_lag_bytes,
-                          generation_bytes=generation_bytes, client_factory=client_factory)
+                          generation_bytes=generation_bytes, client_factory=client_factory,
+                          durability=durability, tier_patience=tier_patience)
     tree, writer = journal.open()
     if owner is not None:
         try:  # rebuilt entries have no owner in the journal: they are the owner's
@@ -209,6 +222,7 @@ def run_mount(namespace: str, mountpoint: str, *, server: str, key: str,
             raise
     ops = SOSOperations(tree, journal.tree_dir, sync=sync, namespace=namespace,
                         writeback_cache=writeback_cache)
+    ops.durability = durability
     code = 0
     # From the mount on, SIGTERM/SIGINT must unmount, never kill the process outright.
     previous = {s: signal.signal(s, _record_early_signal) for s in (signal.SIGTERM, signal.SIGINT)}

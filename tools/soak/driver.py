@@ -3,6 +3,7 @@ mount or gateway the harness names (``python -m tools.soak _driver CONFIG``)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -141,16 +142,12 @@ def driver_main(cfg_path: str) -> int:
         if cmd is not None and cmd["seq"] > handled:
             handled = cmd["seq"]
             if query is not None:
-                try:
+                with contextlib.suppress(Exception):
                     query.stop()
-                except Exception:
-                    pass
                 query = None
             if listener is not None:
-                try:
+                with contextlib.suppress(Exception):
                     spark.streams.removeListener(listener)
-                except Exception:
-                    pass
                 listener = None
             action = cmd["action"]
             if action == "exit":

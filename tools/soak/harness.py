@@ -4,6 +4,7 @@ checks after each (:class:`tools.soak.checks.Checks`) and drains at the end."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -69,7 +70,7 @@ class Soak(Checks):
             os.makedirs(p[k], exist_ok=True)
         self.acked_path = os.path.join(workdir, "acked.log")
         open(self.acked_path, "a").close()
-        self.events_log = open(os.path.join(p["logs"], "events.log"), "a")
+        self.events_log = open(os.path.join(p["logs"], "events.log"), "a")  # noqa: SIM115 - for the run; closed at its end
         self.t0 = time.monotonic()
         # with ``disk`` events the server copies every acknowledged byte to a bucket (--tier)
         # on moto's S3 server in this process, so that a replacement can rebuild from it
@@ -233,10 +234,8 @@ class Soak(Checks):
         """Lazily unmount the (dead) mount and remove its mount point."""
         if self.mount is not None:
             self.mount.kill()
-            try:
+            with contextlib.suppress(OSError):
                 os.rmdir(self.mount.mountpoint)
-            except OSError:
-                pass
             self.mount = None
 
     def command(self, action: str) -> int:
@@ -443,8 +442,7 @@ class Soak(Checks):
     def sos_restore(self, target: str) -> None:
         from spark_plugin.spark import sos_command
 
-        proc = subprocess.run(sos_command() + ["restore", "-q", "--server", self.server.address,
-                                               NAMESPACE, target],
+        proc = subprocess.run([*sos_command(), "restore", "-q", "--server", self.server.address, NAMESPACE, target],
                               capture_output=True, text=True, timeout=600,
                               env=dict(os.environ, SOS_KEY=self.key))
         with open(os.path.join(self.paths["logs"], "restore.log"), "a") as f:
@@ -610,10 +608,8 @@ class Soak(Checks):
         seq = self.command("exit")
         self.wait_status(seq, ("exited",), 120)
         if self.driver is not None:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.driver.wait(60)
-            except subprocess.TimeoutExpired:
-                pass
             kill_tree(self.driver)
         self.driver = None
         self.finish()
