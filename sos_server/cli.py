@@ -1,9 +1,11 @@
-"""The ``sos-server`` command: serve, keygen, quota, gc, reset-fence. A thin shell over the layers."""
+"""The ``sos-server`` command: serve, keygen, keys, quota, gc, reset-fence. A thin shell over the layers."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -14,7 +16,7 @@ from sos_wire.errors import ErrorCode
 from sos_wire.names import BadName
 
 from .logs import setup_logging
-from .storage import MAX_EPOCH, Storage, StorageError
+from .storage import MAX_EPOCH, OBJECT_CHARGE, Storage, StorageError
 
 __all__ = ["build_parser", "main", "parse_duration", "parse_hostport", "parse_size"]
 
@@ -147,11 +149,43 @@ def _add_admin(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     k.add_argument("--role", required=True, choices=["append", "read", "token"])
     k.add_argument("--quota", type=parse_size, default=None, metavar="SIZE",
                    help="also set the namespace's byte quota (as `sos-server quota`)")
+    k.add_argument("--out", default=None, metavar="FILE",
+                   help="write the key to FILE (created with mode 0600; an existing FILE is refused) instead of"
+                   " printing it; the key id goes to stderr")
     k.set_defaults(func=cmd_keygen)
 
+    ks = sub.add_parser(
+        "keys", help="list or revoke the keys of namespaces",
+        description="List the keys under --data (never their secrets) or revoke one. Both work while the server"
+        " runs. Rotation: `keygen` a new key, give it to the client, then `keys revoke` the old one.",
+    )
+    kss = ks.add_subparsers(dest="keys_command", required=True)
+    kl = kss.add_parser(
+        "list", help="one key per line: NAMESPACE, KEY_ID, ROLE, CREATED (UTC), tab-separated",
+        description="Print one line per key: NAMESPACE<TAB>KEY_ID<TAB>ROLE<TAB>CREATED (ISO 8601, UTC), for"
+        " NAMESPACE or every namespace. Never a secret. Only reads: safe while the server runs. An unreadable"
+        " key file is listed with role `?` and the reason on stderr (exit 1).",
+    )
+    kl.add_argument("--data", required=True)
+    kl.add_argument("namespace", nargs="?", default=None, help="only this namespace (default: all)")
+    kl.set_defaults(func=cmd_keys_list)
+    kr = kss.add_parser(
+        "revoke", help="remove a key (the running server refuses it from its next request)",
+        description="Remove key KEY_ID of NAMESPACE durably. A running server refuses its next AUTH, and every"
+        " connection authenticated with it gets AUTH_FAILED at its next request and is closed; a `sos gateway`"
+        " holding a bearer token made from it refuses the token within its --key-recheck.",
+    )
+    kr.add_argument("--data", required=True)
+    kr.add_argument("namespace")
+    kr.add_argument("key_id", metavar="KEY_ID", help="16 hex digits: the part of the key before the '.'")
+    kr.set_defaults(func=cmd_keys_revoke)
+
     q = sub.add_parser(
-        "quota", help="show or set a namespace's byte quota",
-        description="Print the byte quota of NAMESPACE, or set it to SIZE (`none` removes it). A running server"
+        "quota", help="show or set a namespace's byte quota, and its usage",
+        description="Print the byte quota of NAMESPACE beside its usage, or set it to SIZE (`none` removes it) and"
+        " print the same line: NAMESPACE<TAB>QUOTA (bytes, or none)<TAB>used USED (objects N, data bytes D), where"
+        " USED = D + 4096 N is what the quota counts, read from the object files (safe while the server runs;"
+        " `serve --namespace-quota` applies to a namespace whose QUOTA is none). A running server"
         " applies it from the next APPEND to the namespace, also on connections already open; an APPEND beyond"
         " it is refused (QUOTA_EXCEEDED) and writes nothing. The quota counts each object's data plus 4096 bytes"
         " per object (its file's block, header and name: protocol.md 1.9); the objects of a namespace are also"
@@ -206,16 +240,77 @@ def _usage(msg: str) -> int:
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
+    out_fd = None
+    if args.out is not None:
+        # before the key exists: a FILE that cannot be made costs nothing (O_EXCL: never
+        # overwrite, never follow a planted symlink; 0600 whatever the umask)
+        try:
+            out_fd = os.open(args.out, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            os.fchmod(out_fd, 0o600)
+        except FileExistsError:
+            return _fail(f"{args.out} exists: keygen --out never overwrites a file (remove it, or choose another)")
+        except OSError as exc:
+            return _fail(f"cannot create {args.out}: {exc.strerror or exc}")
     try:
-        key = Storage(args.data).keygen(args.namespace, args.role)
-        if args.quota is not None:
-            Storage(args.data).set_quota(args.namespace, args.quota)
-    except (BadName, ValueError) as exc:
+        try:
+            key = Storage(args.data).keygen(args.namespace, args.role)
+            if args.quota is not None:
+                Storage(args.data).set_quota(args.namespace, args.quota)
+        except (BadName, ValueError) as exc:
+            return _fail(str(exc))
+        except OSError as exc:
+            where = f" ({exc.filename})" if exc.filename else ""
+            return _fail(f"cannot write a key under {args.data}: {exc.strerror or exc}{where}")
+        if out_fd is None:
+            print(key)
+            return 0
+        try:
+            os.write(out_fd, (key + "\n").encode())
+            os.fsync(out_fd)
+        except OSError as exc:
+            # the key exists on the server but its holder lost it: revoke it
+            key_id = key.partition(".")[0]
+            with contextlib.suppress(OSError, ValueError):
+                Storage(args.data).revoke(args.namespace, key_id)
+            return _fail(f"cannot write {args.out}: {exc.strerror or exc} (the key was revoked again)")
+        os.close(out_fd)
+        out_fd = None
+        print(f"key {key.partition('.')[0]} ({args.role}) of {args.namespace} written to {args.out}",
+              file=sys.stderr)
+        return 0
+    finally:
+        if out_fd is not None:  # failed: the file holds no usable key
+            os.close(out_fd)
+            with contextlib.suppress(OSError):
+                os.unlink(args.out)
+
+
+def _utc(ts: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
+
+
+def cmd_keys_list(args: argparse.Namespace) -> int:
+    st = Storage(args.data)
+    try:
+        if args.namespace is None and not os.path.isdir(args.data):
+            return _fail(f"data directory {os.path.abspath(args.data)} does not exist")
+        keys = st.list_keys(args.namespace)
+    except BadName as exc:
         return _fail(str(exc))
-    except OSError as exc:
-        where = f" ({exc.filename})" if exc.filename else ""
-        return _fail(f"cannot write a key under {args.data}: {exc.strerror or exc}{where}")
-    print(key)
+    rc = 0
+    for k in keys:
+        print(f"{k.namespace}\t{k.key_id}\t{k.role or '?'}\t{_utc(k.created)}")
+        if k.problem:
+            rc = _fail(f"{k.namespace}/{k.key_id}: {k.problem}")
+    return rc
+
+
+def cmd_keys_revoke(args: argparse.Namespace) -> int:
+    try:
+        Storage(args.data).revoke(args.namespace, args.key_id)
+    except (BadName, ValueError, FileNotFoundError) as exc:
+        return _fail(str(exc))
+    print(f"revoked {args.namespace}/{args.key_id.strip().lower()}", file=sys.stderr)
     return 0
 
 
@@ -232,9 +327,11 @@ def cmd_quota(args: argparse.Namespace) -> int:
                     return _usage(str(exc))
             st.set_quota(args.namespace, size)
         quota = st.get_quota(args.namespace)
+        objects, data = st.usage(args.namespace)
     except (BadName, ValueError) as exc:
         return _fail(str(exc))
-    print(f"{args.namespace}\t{'none' if quota is None else quota}")
+    used = data + OBJECT_CHARGE * objects
+    print(f"{args.namespace}\t{'none' if quota is None else quota}\tused {used} (objects {objects}, data bytes {data})")
     return 0
 
 

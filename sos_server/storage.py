@@ -355,6 +355,9 @@ class Storage(KeyStore):
     def ns_path(self, namespace: str) -> str:
         return os.path.join(self.root, "ns", validate_namespace(namespace))
 
+    def _ns_root(self) -> str:
+        return os.path.join(self.root, "ns")
+
     def open(self) -> None:
         """Replay the write-ahead log onto the object files, then load every namespace on
         disk, repairing torn tails."""
@@ -491,6 +494,32 @@ class Storage(KeyStore):
         validate_namespace(namespace)
         return Namespace(namespace, self.ns_path(namespace)).read_quota()
 
+    def usage(self, namespace: str) -> tuple[int, int]:
+        """(objects, data bytes) of *namespace* from its files, read-only (no lock, nothing
+        repaired: safe while the server runs; a write in progress may count or not). An
+        object's data bytes are its frames' lengths up to its seal, its end or the first
+        frame that does not fit the file; what the byte quota charges is data bytes plus
+        ``OBJECT_CHARGE`` per object."""
+        objdir = os.path.join(self.ns_path(namespace), "objects")
+        objects = data = 0
+        if not os.path.isdir(objdir):
+            return 0, 0
+        for h2 in sorted(os.listdir(objdir)):
+            d = os.path.join(objdir, h2)
+            if not os.path.isdir(d):
+                continue
+            for fn in sorted(os.listdir(d)):
+                if ".tmp-" in fn:
+                    continue
+                try:
+                    n = _data_bytes(os.path.join(d, fn))
+                except FileNotFoundError:  # removed by retention meanwhile
+                    continue
+                if n is not None:
+                    objects += 1
+                    data += n
+        return objects, data
+
     def object_names(self, namespace: str) -> Iterator[str]:
         """The names of *namespace*'s objects, from the file headers alone (no scan)."""
         objdir = os.path.join(self.ns_path(namespace), "objects")
@@ -527,3 +556,23 @@ class Storage(KeyStore):
             old = "0"
         Namespace(namespace, path).set_fence(epoch)
         return old, epoch
+
+
+def _data_bytes(path: str) -> int | None:
+    """The data bytes of the object file *path* by its frame headers (None: no object header)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        dec = decode_header(os.pread(fd, 8 + 2 + 1024 * 4 + 4, 0))
+        if dec is None:
+            return None
+        pos, total = dec[1], 0
+        while pos + FRAME_HDR <= size:
+            n, _crc = FRAME.unpack(os.pread(fd, FRAME_HDR, pos))
+            if n == SEAL_LEN or n == 0 or n > MAX_FRAME or pos + FRAME_HDR + n > size:
+                break
+            total += n
+            pos += FRAME_HDR + n
+        return total
+    finally:
+        os.close(fd)
