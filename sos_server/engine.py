@@ -55,7 +55,7 @@ from sos_wire.events import Payload
 from sos_wire.frames import MAX_TIER_WAIT_MS
 from sos_wire.names import BadName, validate_name, validate_namespace
 
-from .metrics import Metrics, NullMetrics
+from .metrics import Metrics, NamespaceStats, NullMetrics
 from .storage import (
     MAX_EPOCH,
     OBJECT_CHARGE,
@@ -318,6 +318,10 @@ class Engine:
         self._fault = fault_after_syncs()
         self._spare_retry_at = 0.0
         self.metrics.open_files.set_function(lambda: len(storage.files))
+        #: per namespace: [appends, bytes appended, unix time of the last] acknowledged since the start
+        self._appended: dict[str, list[float]] = {}
+        self._newest_mtime: dict[str, float | None] = {}  # before an append: the newest object file's mtime
+        self.metrics.watch_namespaces(self.namespace_stats)
 
     # -- lifecycle -------------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -466,6 +470,32 @@ class Engine:
             await self._register(obj).done.wait()
         if obj.rollbacks != rollbacks and any(cut < end_size for cut in obj.cuts[rollbacks:]):
             raise obj.sync_error or _err(ErrorCode.INTERNAL, "append was cut back")
+
+    def namespace_stats(self) -> builtins.list[NamespaceStats]:
+        """The per-namespace figures of the metrics endpoint. Runs in the endpoint's thread:
+        reads only (snapshots of the tables; the quota file read afresh, not cached)."""
+        out = []
+        for ns in builtins.list(self.storage.namespaces.values()):
+            counts = self._appended.get(ns.name)
+            if counts is not None:
+                last: float | None = counts[2]
+            elif ns.name in self._newest_mtime:
+                last = self._newest_mtime[ns.name]
+            else:
+                last = self._newest_mtime[ns.name] = _newest_mtime(ns)
+            quota = ns.peek_quota()
+            out.append(NamespaceStats(
+                namespace=ns.name,
+                data_bytes=ns.usage.bytes,
+                objects=len(ns.objects),
+                charged_bytes=ns.charged(),
+                quota_bytes=quota if quota is not None else self.limits.namespace_quota,
+                fence_epoch=ns.fence,
+                appends=int(counts[0]) if counts else 0,
+                append_bytes=int(counts[1]) if counts else 0,
+                last_append=last,
+            ))
+        return out
 
     # -- auth ------------------------------------------------------------------------
     def authenticate(self, namespace: str, key_id: bytes, nonce: bytes, proof: bytes,
@@ -655,6 +685,12 @@ class Engine:
         await self._wait_durable(pending.obj, pending.end_size, pending.rollbacks)
         if pending.appended is not None:
             self.metrics.appended(pending.appended)
+            counts = self._appended.get(pending.obj.namespace)
+            if counts is None:
+                counts = self._appended[pending.obj.namespace] = [0, 0, 0.0]
+            counts[0] += 1
+            counts[1] += pending.appended
+            counts[2] = time.time()
         elif pending.completes is not None and _durably_sealed(pending.obj):
             self.metrics.generations_completed.inc()
             log.info(
@@ -775,6 +811,18 @@ class Engine:
             self.metrics.gc_removed.inc(len(removed))
             log.info("retention removed %d objects", len(removed))
         return removed
+
+
+def _newest_mtime(ns: Namespace) -> float | None:
+    """The newest modification time of *ns*'s object files (None without objects)."""
+    newest = None
+    for obj in list(ns.objects.values()):
+        try:
+            t = os.stat(obj.path).st_mtime
+        except OSError:
+            continue
+        newest = t if newest is None else max(newest, t)
+    return newest
 
 
 def _durably_sealed(obj: StoredObject) -> bool:
