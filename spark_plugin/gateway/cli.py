@@ -97,6 +97,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--insecure-no-auth", action="store_true",
                    help="serve every request without a token, with full rights (only accepted "
                         "on a loopback --listen address: tests and single-machine demos)")
+    p.add_argument("--fence-check", type=_positive_duration, default=5.0, metavar="DURATION",
+                   help="ask the SOS server this often whether a newer writer fenced this gateway "
+                        "(default 5): a fenced gateway refuses every request (503; its health "
+                        "check fails), logs who fenced it and exits with code 3")
     p.add_argument("--debug", action="store_true", help="log every request")
     add_connection_options(p)
     p.set_defaults(func=run)
@@ -156,7 +160,8 @@ def run(args: argparse.Namespace) -> int:
                            advertise=args.advertise, max_connections=args.max_connections,
                            max_per_address=args.max_connections_per_address,
                            head_timeout=args.head_timeout, send_timeout=args.send_timeout,
-                           open_memory=args.open_memory, key_recheck=args.key_recheck)
+                           open_memory=args.open_memory, key_recheck=args.key_recheck,
+                           fence_check=args.fence_check)
     except KeyboardInterrupt:
         print("sos: gateway interrupted (the spool keeps what the server does not have yet)",
               file=sys.stderr)
