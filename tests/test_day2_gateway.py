@@ -136,3 +136,32 @@ def test_redirects_name_the_address_the_user_gave(sos_server, tmp_path):
         assert urllib.parse.urlsplit(r.headers["Location"]).hostname == "127.0.0.1"
     finally:
         g.stop()
+
+
+# ---------------------------------------------------------------------------- the mount
+
+
+def test_ls_a_on_the_mount_shows_dot_and_dotdot(sos_server, tmp_path):
+    from spark_plugin.mount.process import MountProcess  # noqa: PLC0415 - needs pyfuse3
+
+    ns = "dots"
+    key = sos_server.keygen(ns, "append")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    mp = MountProcess(ns, str(mnt), str(tmp_path / "cache"), sos_server.address, key,
+                      log_path=str(tmp_path / "mount.log")).start()
+    try:
+        (mnt / "d").mkdir()
+        (mnt / "d" / "f").write_bytes(b"x")
+        out = subprocess.run(["ls", "-a1", str(mnt / "d")], capture_output=True, text=True,
+                             check=True).stdout.split()
+        assert out == [".", "..", "f"]
+        assert subprocess.run(["ls", "-a1", str(mnt)], capture_output=True, text=True,
+                              check=True).stdout.split() == [".", "..", "d"]
+        assert sorted(os.listdir(mnt / "d")) == ["f"]  # Python's listdir leaves them out
+        la = subprocess.run(["ls", "-la", str(mnt / "d")], capture_output=True, text=True,
+                            check=True).stdout
+        assert la.splitlines()[1].endswith(" .") and la.splitlines()[2].endswith(" ..")
+        assert os.stat(mnt / "d").st_ino == os.stat(mnt / "d" / ".").st_ino
+    finally:
+        assert mp.stop() == 0
