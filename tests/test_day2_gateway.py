@@ -142,7 +142,7 @@ def test_redirects_name_the_address_the_user_gave(sos_server, tmp_path):
 
 
 def test_ls_a_on_the_mount_shows_dot_and_dotdot(sos_server, tmp_path):
-    from spark_plugin.mount.process import MountProcess  # noqa: PLC0415 - needs pyfuse3
+    from spark_plugin.mount.process import MountProcess
 
     ns = "dots"
     key = sos_server.keygen(ns, "append")
