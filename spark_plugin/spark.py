@@ -16,7 +16,12 @@ durable on the server, so a committed batch survives the loss of the whole worke
 - :func:`gateway_checkpoint` gives a session its checkpoint through ``sos gateway``
   instead (a cluster of any size, no FUSE): a ``webhdfs://`` checkpointLocation, the
   Hadoop OAuth2 and retry settings (:func:`gateway_conf`) and a
-  :class:`GatewayMarkerListener` that writes the same batch markers.
+  :class:`GatewayMarkerListener` that writes the same batch markers; :func:`start_gateway`
+  starts one (as :func:`start_mount` starts a mount).
+- ``durability="tier"`` (:func:`journaled_checkpoint`, :func:`start_mount`,
+  :func:`start_gateway`): a batch's commit returns once the SOS server's object-store tier
+  (its bucket) holds it too, and :func:`restore_to_batch` (``from_url=``) restores from that
+  bucket alone when the server and its disk are gone.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ if TYPE_CHECKING:
     )
 
     from .gateway.client import GatewayClient
+    from .gateway.process import GatewayProcess
     from .mount.process import MountProcess
 
 log = logging.getLogger("sos.spark")
@@ -135,19 +141,46 @@ atexit.register(_stop_all_mounts)
 
 def start_mount(namespace: str, mountpoint: str, *, server: str, key: str, cache_dir: str, sync: bool = True,
                 timeout: float = 180.0, log_path: str | None = None,
-                extra_args: Sequence[str] = ()) -> MountProcess:
+                extra_args: Sequence[str] = (), durability: str = "server",
+                tier_patience: float | None = None) -> MountProcess:
     """Start ``sos mount`` for ``namespace`` on ``mountpoint`` and wait until it serves.
 
     ``extra_args``: more ``sos mount`` options (``--tls-ca FILE``, ``--owner 185``, ...).
+    ``durability``: "server" (default) or "tier" (``--durability tier``: the rename onto
+    ``commits/N`` returns once the server's bucket holds it; the server needs ``--tier``);
+    ``tier_patience``: seconds such a barrier waits for the bucket (None: the mount's default).
     The one place that knows the :class:`spark_plugin.mount.process.MountProcess` API.
     """
     # needs sos_client: the Spark job ships spark.py without it (docs/DEPLOY.md)
     from spark_plugin.mount.process import MountProcess  # noqa: PLC0415
 
     mount = MountProcess(namespace, mountpoint, cache_dir, server, str(key), sync,
-                         log_path=log_path, start_timeout=timeout, extra_args=list(extra_args))
+                         log_path=log_path, start_timeout=timeout, extra_args=list(extra_args),
+                         durability=durability, tier_patience=tier_patience)
     mount.start()
     return mount
+
+
+def start_gateway(namespace: str, *, server: str, key: str, cache_dir: str, listen: str = "127.0.0.1:0",
+                  sync: bool = True, durability: str = "server", tier_patience: float | None = None,
+                  timeout: float = 180.0, log_path: str | None = None,
+                  extra_args: Sequence[str] = ()) -> GatewayProcess:
+    """Start ``sos gateway`` for ``namespace`` and wait until it serves; ``.url`` is its
+    ``http(s)://HOST:PORT`` (what :func:`gateway_checkpoint` takes), ``.stop()`` stops it.
+
+    ``durability``/``tier_patience``: as :func:`start_mount`'s (``--durability tier``: every
+    RENAME, DELETE and file body replies once the server's bucket holds it). ``extra_args``:
+    more ``sos gateway`` options (``--tls-cert``, ``--advertise``, ...). The one place that
+    knows the :class:`spark_plugin.gateway.process.GatewayProcess` API for the helpers.
+    """
+    # needs sos_client: the Spark job ships spark.py without it (docs/DEPLOY.md)
+    from spark_plugin.gateway.process import GatewayProcess  # noqa: PLC0415
+
+    gateway = GatewayProcess(namespace, cache_dir, server, str(key), listen=listen, sync=sync,
+                             log_path=log_path, extra_args=list(extra_args), start_timeout=timeout,
+                             durability=durability, tier_patience=tier_patience)
+    gateway.start()
+    return gateway
 
 
 def mounted_namespace(mountpoint: str) -> str | None:
@@ -178,17 +211,20 @@ def journaled_checkpoint(spark_or_none: SparkSession | None, namespace: str, *, 
                          key: str | None = None, mountpoint: str | None = None,
                          cache_dir: str | None = None, sync: bool = True, checkpoint: str = DEFAULT_CHECKPOINT,
                          listener: bool = True, mount_args: Sequence[str] = (),
-                         timeout: float = 180.0, tls_ca: str | None = None) -> CheckpointLocation:
+                         timeout: float = 180.0, durability: str = "server",
+                         tier_patience: float | None = None, tls_ca: str | None = None) -> CheckpointLocation:
     """Mount ``namespace`` if needed and return a checkpointLocation on the mount.
 
     If ``mountpoint`` already is a live SOS mount of ``namespace`` (a sidecar, or the
     mount a killed driver left running), it is reused as it is: nothing is started,
-    ``server``/``key``/``cache_dir``/``sync``/``mount_args`` are not used, and the mount is
-    not stopped at exit. A mount of another namespace, or anything else mounted there,
+    ``server``/``key``/``cache_dir``/``sync``/``mount_args``/``durability`` are not used, and
+    the mount is not stopped at exit. A mount of another namespace, or anything else mounted there,
     is a ValueError. Otherwise ``sos mount`` is started (``server`` and ``key`` needed;
     ``mount_args``: more ``sos mount`` options; ``tls_ca``: the CA file of a TLS server, the
     same as ``mount_args=["--tls-ca", FILE]``) and stopped at interpreter exit or by
-    ``location.stop()``.
+    ``location.stop()``. ``durability="tier"`` (and
+    ``tier_patience``, see :func:`start_mount`): a batch's commit returns once the server's
+    object-store tier holds it, so it survives the loss of the server and its disk too.
 
     ``mountpoint``/``cache_dir`` default to fresh temporary directories. An empty cache is
     rebuilt from the server by the mount, so the same call after losing the worker brings
@@ -213,7 +249,8 @@ def journaled_checkpoint(spark_or_none: SparkSession | None, namespace: str, *, 
         os.makedirs(cache_dir, exist_ok=True)
         extra = [*mount_args, *(["--tls-ca", os.fspath(tls_ca)] if tls_ca else [])]
         mount = start_mount(namespace, mountpoint, server=server, key=key, cache_dir=cache_dir,
-                            sync=sync, extra_args=extra, timeout=timeout)
+                            sync=sync, extra_args=extra, timeout=timeout,
+                            durability=durability, tier_patience=tier_patience)
         with _mounts_lock:
             _mounts.append(mount)
     else:
@@ -314,29 +351,45 @@ def sos_command() -> list[str]:
 
 
 def restore_to_batch(namespace: str, target: str | os.PathLike[str], checkpoint: str, batch_id: int, *,
-                     server: str, key: str, force: bool = False, timeout: float = 900,
-                     tls_ca: str | None = None, tls: bool = False) -> str:
+                     server: str | None = None, key: str | None = None, from_url: str | None = None,
+                     force: bool = False, timeout: float = 900, tls_ca: str | None = None,
+                     tls: bool = False) -> str:
     """Rebuild ``namespace`` into ``target`` as it was when batch ``batch_id`` committed.
 
     ``checkpoint`` is the checkpoint's path inside the namespace (``location.relpath``).
     Runs ``sos restore NAMESPACE TARGET --batch CHECKPOINT:N`` (it stops right after the
-    record that made ``CHECKPOINT/commits/N`` exist); returns the restored checkpoint
-    directory, ready to be copied or mounted for the query to resume from. ``tls_ca``: the
-    CA file that verifies a TLS server (``--tls-ca``; ``$SOS_TLS_CA`` when not given),
-    ``tls=True``: TLS trusting the system CAs. Raises
-    RuntimeError with sos's one-line message and exit code (4: no journal in the namespace,
-    1: batch N not in the journal or the target not empty, 3: corrupt data).
+    record that made ``CHECKPOINT/commits/N`` exist) against the server (``server`` and
+    ``key``), or with ``from_url`` (``s3://bucket/prefix``, ``file:///dir``: the server's
+    ``--tier``) from the bucket alone, no server needed (``sos restore --from URL``; the
+    store's credentials and endpoint come from the environment, as boto3 reads them).
+    Returns the restored checkpoint directory, ready to be copied or mounted for the query
+    to resume from. ``tls_ca``: the CA file that verifies a TLS server (``--tls-ca``;
+    ``$SOS_TLS_CA`` when not given), ``tls=True``: TLS trusting the system CAs. Raises
+    RuntimeError with sos's one-line message and exit code (4: no
+    journal in the namespace, 1: batch N not in the journal, the target not empty or the
+    bucket unreachable, 3: corrupt or missing data).
     """
     rel = str(getattr(checkpoint, "relpath", checkpoint)).strip("/")
-    cmd = [*sos_command(), "restore", "-q", "--server", server, namespace, str(target),
+    if from_url is not None:
+        if server is not None or key is not None:
+            raise ValueError("restore_to_batch: from_url reads the bucket alone: give it without "
+                             "server= and key=")
+        source = ["--from", str(from_url)]
+        # neither the server nor a key plays a part (sos refuses --key-file with --from)
+        env = {k: v for k, v in os.environ.items() if k not in ("SOS_KEY", "SOS_KEY_FILE")}
+    else:
+        if not server or key is None:
+            raise ValueError("restore_to_batch: server= and key= are needed (or from_url=)")
+        source = ["--server", server]
+        env = dict(os.environ, SOS_KEY=str(key))  # the key stays off the command line
+    cmd = [*sos_command(), "restore", "-q", *source, namespace, str(target),
            "--batch", f"{rel}:{int(batch_id)}"]
     if force:
         cmd.append("--force")
-    if tls_ca:
+    if from_url is None and tls_ca:
         cmd += ["--tls-ca", os.fspath(tls_ca)]
-    elif tls:
+    elif from_url is None and tls:
         cmd.append("--tls")
-    env = dict(os.environ, SOS_KEY=str(key))  # the key stays off the command line
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"sos restore failed ({proc.returncode}): {proc.stderr.strip()}")

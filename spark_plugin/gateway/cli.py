@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from sos_client.cli import add_connection_options, client_from_args, key_from_args
 from sos_client.errors import SOSError
+from sos_client.journal.facade import add_durability_options, durability_refusal, tier_patience_of
 from sos_wire import argtypes
 from sos_wire.names import validate_namespace
 
@@ -52,6 +53,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--async", dest="async_", action="store_true",
                    help="do not wait for the server (RENAME, DELETE, file bodies); bound the lag "
                         "instead")
+    add_durability_options(p, what="RENAME, DELETE, TRUNCATE, markers and file bodies",
+                           failure="403 RetriableException")
     p.add_argument("--max-lag", type=argtypes.size(1), default=64 << 20, metavar="BYTES",
                    help="most unshipped journal bytes before writes wait (default 64M)")
     p.add_argument("--generation-bytes", type=argtypes.size(1), default=None, metavar="BYTES",
@@ -142,6 +145,10 @@ def run(args: argparse.Namespace) -> int:
     if refusal:
         print(f"sos: {refusal}", file=sys.stderr)
         return 2
+    refusal = durability_refusal(args.durability, not args.async_)
+    if refusal:
+        print(f"sos: {refusal}", file=sys.stderr)
+        return 2
 
     def factory() -> Client:
         return client_from_args(args, args.namespace)
@@ -162,6 +169,8 @@ def run(args: argparse.Namespace) -> int:
                            max_per_address=args.max_connections_per_address,
                            head_timeout=args.head_timeout, send_timeout=args.send_timeout,
                            open_memory=args.open_memory, key_recheck=args.key_recheck,
+                           durability=args.durability,
+                           tier_patience=tier_patience_of(args.tier_patience),
                            fence_check=args.fence_check)
     except KeyboardInterrupt:
         print("sos: gateway interrupted (the spool keeps what the server does not have yet)",
@@ -169,8 +178,13 @@ def run(args: argparse.Namespace) -> int:
         return 130
     except Exception as exc:
         logging.getLogger("sos.gateway").debug("gateway failed", exc_info=True)
-        print(f"sos: gateway failed: {exc}", file=sys.stderr)
+        print(f"sos: gateway failed: {one_line(exc)}", file=sys.stderr)
         return 1
+
+
+def one_line(exc: BaseException) -> str:
+    """``exc``'s message on one line (a server's message may hold newlines)."""
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -122,6 +122,7 @@ def run_gateway(namespace: str, listen: str, *, server: str, key: str, cache_dir
                 max_per_address: int = MAX_CONNECTIONS_PER_ADDRESS,
                 head_timeout: float = HEAD_TIMEOUT, send_timeout: float = SEND_TIMEOUT,
                 open_memory: int = OPEN_MEMORY, key_recheck: float = DEFAULT_KEY_RECHECK,
+                durability: str = "server", tier_patience: float | None = None,
                 fence_check: float = FENCE_CHECK) -> int:
     """Serve ``namespace`` on ``listen`` until SIGTERM/SIGINT; returns the exit code
     (0 after a clean stop with the journal flushed, 1 if the final flush failed,
@@ -136,7 +137,10 @@ def run_gateway(namespace: str, listen: str, *, server: str, key: str, cache_dir
     ``tls_key`` serve HTTPS (``swebhdfs://``); without them a listen address that is not
     loopback is refused unless ``insecure_plaintext`` (:func:`plaintext_refusal`).
     ``advertise``: ``HOST[:PORT]`` the redirects name. The connection cap is lowered to
-    what the descriptor limit (raised to its hard limit first) holds.
+    what the descriptor limit (raised to its hard limit first) holds. ``durability`` and
+    ``tier_patience`` go to :func:`~sos_client.journal.open.open_namespace`: with "tier" every
+    barrier (protocol.md 3.4) also waits for the server's bucket, and a server without a tier
+    is refused here (JournalTierUnavailable) before anything is served.
     """
     host, port = parse_listen(listen)
     if insecure_no_auth and not is_loopback(host):
@@ -164,7 +168,8 @@ def run_gateway(namespace: str, listen: str, *, server: str, key: str, cache_dir
     opened = open_namespace(namespace, cache_dir or default_cache_dir(namespace), server=server,
                             key=key, timeout=timeout, tls=tls_client,
                             client_factory=client_factory, sync=False,
-                            max_lag_bytes=max_lag_bytes, generation_bytes=generation_bytes)
+                            max_lag_bytes=max_lag_bytes, generation_bytes=generation_bytes,
+                            durability=durability, tier_patience=tier_patience)
     if opened.writer is not None:
         report_previous_writer(opened, client_factory or opened.client_factory)
     try:
@@ -187,7 +192,8 @@ def run_gateway(namespace: str, listen: str, *, server: str, key: str, cache_dir
     watch = (FenceWatch(opened, client_factory or opened.client_factory, fence_check)
              if opened.writer is not None else None)
     try:
-        trio.run(_serve, gateway, host, port, f"(namespace {namespace}, {'sync' if sync else 'async'}"
+        mode = ("sync" if sync else "async") + (", durability tier" if durability == "tier" else "")
+        trio.run(_serve, gateway, host, port, f"(namespace {namespace}, {mode}"
                  f"{', no auth' if insecure_no_auth else ''})", drain_timeout, watch)
         log.info("stopped; requests served:\n%s", gateway.summary() or "(none)")
         try:

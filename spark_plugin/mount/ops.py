@@ -14,7 +14,9 @@ FUSE reply carries.
   `sos_client.journal.barriers.needs_barrier` names (Spark's `offsets/N` and
   `commits/N`) return only after every record so far is durable on the server;
   other renames and closes are carried by the next such barrier (one ordered
-  journal). In async mode only fsync and fsyncdir wait (explicit requests for
+  journal). With durability "tier" (`sos mount --durability tier`) those barriers
+  also wait for the server's bucket; one it did not reach within the tier patience
+  fails with ETIMEDOUT (the change stays applied and durable on the server). In async mode only fsync and fsyncdir wait (explicit requests for
   durability) and the writer bounds the lag;
 * once the writer reports that a newer writer fenced it, the mount turns
   read-only: every later change fails with EROFS (the first failure with EIO)
@@ -132,6 +134,8 @@ def _guard(
             code = errno_for(exc)
             if code == errno.EIO:
                 log.error("%s failed: %r", fn.__name__, exc)
+            elif code == errno.ETIMEDOUT:  # durability "tier": the bucket is behind
+                log.warning("%s: %s -> ETIMEDOUT", fn.__name__, exc)
             else:
                 log.debug("%s: %r -> %s", fn.__name__, exc, errno.errorcode.get(code, code))
             raise pyfuse3.FUSEError(code) from None
@@ -145,6 +149,8 @@ class SOSOperations(_OperationsBase):
     supports_dot_lookup = False
     enable_writeback_cache = False
     enable_acl = False
+    #: what the barriers wait for ("server" or "tier": open_namespace's), shown in the ready line
+    durability = "server"
 
     def __init__(self, tree: JournaledTree, cache_root: str, *, sync: bool = True, namespace: str = "",
                  writeback_cache: bool = False, chown_to_caller: bool | None = None) -> None:
