@@ -101,7 +101,8 @@ def add_connection_options(parser: argparse.ArgumentParser) -> None:
                         "Keys are never taken as arguments: --key is refused")
     g.add_argument("--key", dest="_key_argument", nargs="?", action=_RefuseKeyArgument, help=argparse.SUPPRESS)
     g.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system CAs")
-    g.add_argument("--tls-ca", metavar="FILE", default=None, help="connect with TLS, trusting this CA file")
+    g.add_argument("--tls-ca", metavar="FILE", default=None,
+                   help="connect with TLS, trusting this CA file (default: $SOS_TLS_CA if set)")
     g.add_argument("--timeout", type=float, default=30.0, metavar="S",
                    help="seconds to wait for the server (default: %(default)s)")
 

@@ -39,9 +39,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                     "the namespace's single journal writer: every node of a Spark cluster "
                     "checkpoints to webhdfs://HOST:PORT/path with no privileges. Clients get a "
                     "bearer token at /oauth2/token (client_id = NAMESPACE, client_secret = a "
-                    "key of it). An empty cache is first restored from the server. RENAME, "
-                    "DELETE, TRUNCATE and file bodies (CREATE, APPEND) reply once durable on "
-                    "the server (sync mode). SIGTERM/SIGINT stop it gracefully: no new "
+                    "key of it). An empty cache is first restored from the server. MKDIRS, "
+                    "RENAME, DELETE, TRUNCATE and file bodies (CREATE, APPEND) reply once "
+                    "durable on the server (sync mode). Fenced by a newer writer, it refuses "
+                    "every request and exits with code 3. SIGTERM/SIGINT stop it gracefully: no new "
                     "connections, the requests in progress finish (at most 25 s; a second "
                     "signal stops at once), then the journal is flushed.")
     p.add_argument("namespace")
@@ -100,6 +101,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--insecure-no-auth", action="store_true",
                    help="serve every request without a token, with full rights (only accepted "
                         "on a loopback --listen address: tests and single-machine demos)")
+    p.add_argument("--fence-check", type=_positive_duration, default=5.0, metavar="DURATION",
+                   help="ask the SOS server this often whether a newer writer fenced this gateway "
+                        "(default 5): a fenced gateway refuses every request (503; its health "
+                        "check fails), logs who fenced it and exits with code 3")
     p.add_argument("--debug", action="store_true", help="log every request")
     add_connection_options(p)
     p.set_defaults(func=run)
@@ -165,7 +170,8 @@ def run(args: argparse.Namespace) -> int:
                            head_timeout=args.head_timeout, send_timeout=args.send_timeout,
                            open_memory=args.open_memory, key_recheck=args.key_recheck,
                            durability=args.durability,
-                           tier_patience=tier_patience_of(args.tier_patience))
+                           tier_patience=tier_patience_of(args.tier_patience),
+                           fence_check=args.fence_check)
     except KeyboardInterrupt:
         print("sos: gateway interrupted (the spool keeps what the server does not have yet)",
               file=sys.stderr)
