@@ -1,4 +1,5 @@
-"""Micro-batch time with the checkpoint on `sos gateway` vs a local directory vs `sos mount`.
+"""Micro-batch time with the checkpoint on `sos gateway` (sync, and --durability tier) vs a
+local directory vs `sos mount`.
 
 One run, one Spark session (local[2], Spark's default settings but 2 shuffle partitions),
 the query of bench/spark_checkpoint.py (file source, maxFilesPerTrigger=1, dropDuplicates,
@@ -6,7 +7,11 @@ foreachBatch sink) over the same input, the same number of batches on each side,
 sides taken in turn for --rounds rounds (round r starts with side r): a local directory,
 a journaled `sos mount` (sync) and `webhdfs://` through a `sos gateway` child process
 (sync, OAuth2 bearer tokens as `gateway_checkpoint` sets them up), both on one real
-`sos-server` on 127.0.0.1 (separate namespaces). Per-batch time is Spark's
+`sos-server` on 127.0.0.1 (separate namespaces); and "gwtier": `webhdfs://` through a
+`sos gateway --durability tier` (every barrier also waits until the bucket holds the
+journal, issue 19 item 3) on a second `sos-server --tier s3://...` whose store is moto's S3
+server, started by the bench as a process of its own on 127.0.0.1 (what turning the tier on
+costs: the server's uploads and the barriers' waits). Per-batch time is Spark's
 `durationMs.triggerExecution`. No batch markers on any side (no listener but the timer).
 Target: gateway median <= 1.05 x local median.
 
@@ -17,7 +22,8 @@ bodies) and RENAME, each alone: requests/s and client-side p50/p99.
 
     python3 bench/gateway.py [--batches 60] [--rounds 3] [--records-per-batch 500]
                              [--state-store hdfs|rocksdb] [--no-crc]
-                             [--threads 8] [--load-requests 400]
+                             [--sides local,mount,gateway,gwtier] [--tier-interval 1s]
+                             [--threads 8] [--load-requests 400]   (0: no HTTP load)
 
 Prints tables and one JSON line; exit 0. Run on demand (several minutes), not a test.
 """
@@ -45,11 +51,15 @@ from spark_checkpoint import PHASES, BatchTimer, alternate, open_session, side_f
 
 from spark_plugin.gateway.client import GatewayClient
 from spark_plugin.gateway.process import GatewayProcess
-from spark_plugin.spark import gateway_checkpoint, start_mount
+from spark_plugin.spark import gateway_checkpoint, start_gateway, start_mount
 from tools.demo import LocalServer, keygen
 
-SIDES = ("local", "mount", "gateway")
-STATS_RE = re.compile(r"^(\S+ .+?): (\d+) requests, mean ([\d.]+) ms, p50 ([\d.]+) ms, "
+#: the sides (a name holds no "-": BatchTimer labels are SIDE-ROUND); gwtier: the gateway
+#: with --durability tier on a server with --tier
+SIDES = ("local", "mount", "gateway", "gwtier")
+LABELS = {"local": "local", "mount": "mount", "gateway": "gateway", "gwtier": "gateway tier"}
+#: a line of the gateway's summary: "RENAME: ...", "CREATE data: ...", "token: ..."
+STATS_RE = re.compile(r"^(.+?): (\d+) requests, mean ([\d.]+) ms, p50 ([\d.]+) ms, "
                       r"p99 ([\d.]+) ms, max ([\d.]+) ms$")
 
 
@@ -181,107 +191,182 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=8, help="HTTP load threads (default 8)")
     p.add_argument("--load-requests", type=int, default=400,
                    help="operations per thread and per kind in the HTTP load (default 400)")
+    p.add_argument("--sides", type=_sides, default=SIDES, metavar="LIST",
+                   help=f"comma-separated sides to run, local always among them (default "
+                        f"{','.join(SIDES)})")
+    p.add_argument("--tier-interval", default="1s", metavar="DURATION",
+                   help="gwtier: the tier server's --tier-interval (default 1s, its default)")
     p.add_argument("--keep", action="store_true")
     args = p.parse_args(argv)
+    sides_run: tuple[str, ...] = args.sides
 
     work = tempfile.mkdtemp(prefix="sos-bench-gateway-")
     server = LocalServer(os.path.join(work, "server"), os.path.join(work, "server.log"))
-    mount = gw = load_gw = None
+    tier_server: LocalServer | None = None
+    moto = None
+    mount = gw = tier_gw = load_gw = None
     try:
         data = os.path.join(work, "server")
         keys = {ns: keygen(data, ns) for ns in ("benchmnt", "benchgw", "benchload")}
         server.start()
         mnt = os.path.join(work, "mnt")
-        mount = start_mount("benchmnt", mnt, server=server.address, key=keys["benchmnt"],
-                            cache_dir=os.path.join(work, "mount-cache"),
-                            log_path=os.path.join(work, "mount.log"))
-        gw = GatewayProcess("benchgw", os.path.join(work, "gateway-cache"), server.address,
-                            keys["benchgw"], log_path=os.path.join(work, "gateway.log")).start()
+        if "mount" in sides_run:
+            mount = start_mount("benchmnt", mnt, server=server.address, key=keys["benchmnt"],
+                                cache_dir=os.path.join(work, "mount-cache"),
+                                log_path=os.path.join(work, "mount.log"))
+        if "gateway" in sides_run:
+            gw = GatewayProcess("benchgw", os.path.join(work, "gateway-cache"), server.address,
+                                keys["benchgw"], log_path=os.path.join(work, "gateway.log")).start()
+        if "gwtier" in sides_run:
+            moto, tier_url = start_tier_store(work)
+            tier_data = os.path.join(work, "tier-server")
+            keys["benchtier"] = keygen(tier_data, "benchtier")
+            tier_server = LocalServer(tier_data, os.path.join(work, "tier-server.log"),
+                                      args=["--tier", tier_url, "--tier-interval", args.tier_interval])
+            tier_server.start()
+            tier_gw = start_gateway("benchtier", server=tier_server.address, key=keys["benchtier"],
+                                    cache_dir=os.path.join(work, "tier-gateway-cache"),
+                                    durability="tier", log_path=os.path.join(work, "tier-gateway.log"))
 
         spark = open_session(args.state_store, args.no_crc, app="sos-bench-gateway")
         timer = BatchTimer(spark)
 
-        def on_gateway(r: int) -> str:  # the settings go on the live session's Hadoop conf
-            return str(gateway_checkpoint(spark, gw.url, "benchgw", keys["benchgw"],
-                                          f"chk-{r}", listener=False))
+        def on_gateway(proc, ns: str):
+            def location(r: int) -> str:  # the settings go on the live session's Hadoop conf
+                return str(gateway_checkpoint(spark, proc.url, ns, keys[ns], f"chk-{r}", listener=False))
+            return location
 
-        sides = {"local": lambda r: os.path.join(work, "local", f"chk-{r}"),
+        every = {"local": lambda r: os.path.join(work, "local", f"chk-{r}"),
                  "mount": lambda r: os.path.join(mnt, f"chk-{r}"),
-                 "gateway": on_gateway}
+                 "gateway": on_gateway(gw, "benchgw") if gw else None,
+                 "gwtier": on_gateway(tier_gw, "benchtier") if tier_gw else None}
+        sides = {w: every[w] for w in SIDES if w in sides_run}
         elapsed = alternate(spark, timer, work, sides, batches=args.batches, rounds=args.rounds,
                             records_per_batch=args.records_per_batch, rotate=True)
         spark.stop()
-        gateway_wall = sum(v for k, v in timer.wall.items() if k.startswith("gateway-"))
-        gw.stop()
-        spark_ops = gateway_stats(gw.log())
+        stats: dict[str, dict] = {}
+        for w, proc in (("gateway", gw), ("gwtier", tier_gw)):
+            if proc is not None:
+                wall = sum(v for k, v in timer.wall.items() if k.startswith(f"{w}-"))
+                proc.stop()
+                stats[w] = {"wall": wall, "ops": gateway_stats(proc.log())}
 
-        fig = {w: side_figures(timer, w) for w in SIDES}
+        fig = {w: side_figures(timer, w) for w in sides}
         res: dict = {"state_store": args.state_store, "no_crc": args.no_crc,
                      "records_per_batch": args.records_per_batch, "rounds": args.rounds,
-                     "batches": {w: fig[w]["n"] for w in SIDES}, "elapsed_s": elapsed,
-                     "cores": os.cpu_count(), "load_avg_end": os.getloadavg()}
-        for w in SIDES:
+                     "batches": {w: fig[w]["n"] for w in sides}, "elapsed_s": elapsed,
+                     "cores": os.cpu_count(), "load_avg_end": os.getloadavg(),
+                     "tier_interval": args.tier_interval if tier_gw else None}
+        for w in sides:
             for k in ("median_ms", "mean_ms", "p90_ms"):
                 res[f"{w}_{k}"] = fig[w][k]
-        for w in ("mount", "gateway"):
-            res[f"ratio_{w}_local_median"] = fig[w]["median_ms"] / fig["local"]["median_ms"]
-            res[f"ratio_{w}_local_mean"] = fig[w]["mean_ms"] / fig["local"]["mean_ms"]
+        for w in sides:
+            if w != "local":
+                res[f"ratio_{w}_local_median"] = fig[w]["median_ms"] / fig["local"]["median_ms"]
+                res[f"ratio_{w}_local_mean"] = fig[w]["mean_ms"] / fig["local"]["mean_ms"]
+        if "gateway" in sides and "gwtier" in sides:
+            res["gwtier_minus_gateway_median_ms"] = fig["gwtier"]["median_ms"] - fig["gateway"]["median_ms"]
         res["phases_median_ms"] = {w: {k: statistics.median(v) for k, v in
-                                       timer.phases[w].items()} for w in SIDES}
-        total = sum(int(s["count"]) for s in spark_ops.values())
-        res["gateway_spark"] = {"requests": total, "per_batch": total / max(1, fig["gateway"]["n"]),
-                                "requests_per_s": total / gateway_wall if gateway_wall else 0.0,
-                                "ops": spark_ops}
+                                       timer.phases[w].items()} for w in sides}
+        for w, st in stats.items():
+            total = sum(int(s["count"]) for s in st["ops"].values())
+            res[f"{w}_spark"] = {"requests": total, "per_batch": total / max(1, fig[w]["n"]),
+                                 "requests_per_s": total / st["wall"] if st["wall"] else 0.0,
+                                 "ops": st["ops"]}
 
-        # the HTTP load, on a gateway of its own (its stats are not mixed with Spark's)
-        load_gw = GatewayProcess("benchload", os.path.join(work, "load-cache"), server.address,
-                                 keys["benchload"],
-                                 log_path=os.path.join(work, "load-gateway.log")).start()
-        token = GatewayClient(load_gw.url, "benchload", keys["benchload"]).token()
-        res["http_load"] = {"threads": args.threads,
-                            "client": http_load(load_gw.url, token, args.threads,
-                                                args.load_requests)}
-        load_gw.stop()
-        res["http_load"]["gateway"] = gateway_stats(load_gw.log())
+        if args.load_requests > 0:
+            # the HTTP load, on a gateway of its own (its stats are not mixed with Spark's)
+            load_gw = GatewayProcess("benchload", os.path.join(work, "load-cache"), server.address,
+                                     keys["benchload"],
+                                     log_path=os.path.join(work, "load-gateway.log")).start()
+            token = GatewayClient(load_gw.url, "benchload", keys["benchload"]).token()
+            res["http_load"] = {"threads": args.threads,
+                                "client": http_load(load_gw.url, token, args.threads,
+                                                    args.load_requests)}
+            load_gw.stop()
+            res["http_load"]["gateway"] = gateway_stats(load_gw.log())
 
-        # ---- report
-        print(f"Spark micro-batch duration (triggerExecution), {args.state_store} state store, "
-              f"sync, {'no .crc files on local/mount, ' if args.no_crc else ''}"
-              f"{args.rounds} rounds x {args.batches} batches per side, "
-              f"{os.cpu_count()} cores:")
-        print(f"  {'':8} {'median':>9} {'mean':>9} {'p90':>9} {'x local (median)':>17}")
-        for w in SIDES:
-            print(f"  {w:8} {fig[w]['median_ms']:8.0f}ms {fig[w]['mean_ms']:8.0f}ms "
-                  f"{fig[w]['p90_ms']:8.0f}ms {fig[w]['median_ms'] / fig['local']['median_ms']:17.3f}")
+        report(args, sides, fig, timer, res)
+        return 0
+    finally:
+        for proc in (load_gw, tier_gw, gw, mount):
+            if proc is not None:
+                with contextlib.suppress(Exception):
+                    proc.stop()
+        server.stop()
+        if tier_server is not None:
+            tier_server.stop()
+        if moto is not None:
+            moto.kill()
+            moto.wait()
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            print(f"kept {work}")
+
+
+def _sides(text: str) -> tuple[str, ...]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in SIDES]
+    if bad or "local" not in names:
+        raise argparse.ArgumentTypeError(f"sides are among {', '.join(SIDES)}, local among them; not {text!r}")
+    return tuple(w for w in SIDES if w in names)
+
+
+def start_tier_store(work: str):
+    """moto's S3 server as a process of its own on 127.0.0.1 and a bucket on it; the
+    environment the tier reads (boto3's chain: endpoint, dummy keys, no shared config) goes
+    into os.environ, so the tier server started after inherits it. (process, s3:// URL)"""
+    import boto3
+
+    from bench.tier import start_moto
+
+    cfg = os.path.join(work, "aws-none")
+    for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3", "AWS_CA_BUNDLE"):
+        os.environ.pop(var, None)
+    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1",
+                      AWS_CONFIG_FILE=cfg, AWS_SHARED_CREDENTIALS_FILE=cfg, AWS_EC2_METADATA_DISABLED="true")
+    proc, endpoint = start_moto(dict(os.environ))
+    os.environ["AWS_ENDPOINT_URL"] = endpoint
+    boto3.session.Session().client("s3").create_bucket(Bucket="bench")
+    return proc, "s3://bench/gateway"
+
+
+def report(args, sides: dict, fig: dict, timer, res: dict) -> None:
+    print(f"Spark micro-batch duration (triggerExecution), {args.state_store} state store, "
+          f"sync, {'no .crc files on local/mount, ' if args.no_crc else ''}"
+          f"{args.rounds} rounds x {args.batches} batches per side, "
+          f"{os.cpu_count()} cores:")
+    print(f"  {'':13} {'median':>9} {'mean':>9} {'p90':>9} {'x local (median)':>17}")
+    for w in sides:
+        print(f"  {LABELS[w]:13} {fig[w]['median_ms']:8.0f}ms {fig[w]['mean_ms']:8.0f}ms "
+              f"{fig[w]['p90_ms']:8.0f}ms {fig[w]['median_ms'] / fig['local']['median_ms']:17.3f}")
+    if "gateway" in sides:
         ratio = res["ratio_gateway_local_median"]
         print(f"  gateway/local median {ratio:.3f}: target <= 1.05 "
               f"{'met' if ratio <= 1.05 else 'MISSED'}")
-        print("  median per phase (ms), local/mount/gateway: " + ", ".join(
-            f"{k} " + "/".join(f"{statistics.median(timer.phases[w].get(k, [0])):.0f}"
-                               for w in SIDES) for k in PHASES))
-        g = res["gateway_spark"]
-        print(f"Gateway under Spark: {g['requests']} requests, {g['per_batch']:.1f} per batch, "
-              f"{g['requests_per_s']:.0f}/s over the gateway runs; per operation (gateway side):")
-        for op, s in sorted(spark_ops.items(), key=lambda kv: -kv[1]["count"]):
+    if "gwtier_minus_gateway_median_ms" in res:
+        print(f"  --durability tier costs {res['gwtier_minus_gateway_median_ms']:.0f} ms per batch "
+              f"(median) over the sync gateway (tier server: --tier-interval {args.tier_interval})")
+    print(f"  median per phase (ms), {'/'.join(sides)}: " + ", ".join(
+        f"{k} " + "/".join(f"{statistics.median(timer.phases[w].get(k, [0])):.0f}"
+                           for w in sides) for k in PHASES))
+    for w in ("gateway", "gwtier"):
+        g = res.get(f"{w}_spark")
+        if g is None:
+            continue
+        print(f"{LABELS[w].capitalize()} under Spark: {g['requests']} requests, {g['per_batch']:.1f} per "
+              f"batch, {g['requests_per_s']:.0f}/s over its runs; per operation (gateway side):")
+        for op, s in sorted(g["ops"].items(), key=lambda kv: -kv[1]["count"]):
             print(f"  {op:28} {int(s['count']):6d}  p50 {s['p50_ms']:7.2f} ms  "
                   f"p99 {s['p99_ms']:7.2f} ms")
+    if "http_load" in res:
         print(f"HTTP load, {args.threads} threads x {args.load_requests} per operation "
               "(client side, keep-alive, bearer token):")
         for op, s in res["http_load"]["client"].items():
             print(f"  {op:22} {s['ops_per_s']:8.0f} ops/s  p50 {s['p50_ms']:7.2f} ms  "
                   f"p99 {s['p99_ms']:7.2f} ms")
-        print(json.dumps(res, sort_keys=True))
-        return 0
-    finally:
-        for proc in (load_gw, gw, mount):
-            if proc is not None:
-                with contextlib.suppress(Exception):
-                    proc.stop()
-        server.stop()
-        if not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
-        else:
-            print(f"kept {work}")
+    print(json.dumps(res, sort_keys=True))
 
 
 if __name__ == "__main__":

@@ -1,14 +1,22 @@
-"""The ``sos-server`` command: serve, keygen, quota, gc, reset-fence. A thin shell over the layers."""
+"""The ``sos-server`` command: serve, keygen, keys, quota, gc, reset-fence. A thin shell over the layers."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
-import signal
+import os
 import sys
 import time
+from collections.abc import Callable
 
 from sos_wire import argtypes
+from sos_wire.addresses import parse_address
+from sos_wire.errors import ErrorCode
+from sos_wire.names import BadName
+
+from .logs import setup_logging
+from .storage import MAX_EPOCH, OBJECT_CHARGE, Retention, Storage, StorageError
 
 __all__ = ["build_parser", "main", "parse_duration", "parse_hostport", "parse_size"]
 
@@ -21,32 +29,42 @@ _positive = argtypes.integer(1)
 
 
 def parse_hostport(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise argparse.ArgumentTypeError(f"bad address {text!r}: use HOST:PORT, e.g. 127.0.0.1:7070")
-    return host.strip("[]") or "127.0.0.1", int(port)
+    """An argparse type: ``HOST:PORT`` or ``[V6]:PORT`` in the one address grammar
+    (:mod:`sos_wire.addresses`), port 0 meaning any free port; ``:PORT`` is 127.0.0.1:PORT."""
+    stripped = text.strip()
+    try:
+        return parse_address("127.0.0.1" + stripped if stripped.startswith(":") else stripped, any_port=True)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"bad address {text!r}: {exc}: use HOST:PORT, e.g. 127.0.0.1:7070") from None
 
 
-def _epoch(text: str) -> int:
-    from .storage import MAX_EPOCH
-
-    return argtypes.integer(0, MAX_EPOCH)(text)
+_epoch = argtypes.integer(0, MAX_EPOCH)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sos-server", description="SOS append-only journal server")
     sub = p.add_subparsers(dest="command", required=True)
+    _add_serve(sub)
+    _add_admin(sub)
+    return p
 
+
+def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     s = sub.add_parser("serve", help="run the server")
     s.add_argument("--data", required=True, help="data directory")
-    s.add_argument("--listen", type=parse_hostport, default=("127.0.0.1", 7070), help="HOST:PORT (port 0: any free)")
-    s.add_argument("--metrics", type=parse_hostport, default=None, help="HOST:PORT of the Prometheus endpoint")
+    s.add_argument("--listen", type=parse_hostport, default=("127.0.0.1", 7070),
+                   help="HOST:PORT or [IPV6]:PORT (port 0: any free; :PORT is 127.0.0.1; default 127.0.0.1:7070)")
+    s.add_argument("--metrics", type=parse_hostport, default=None,
+                   help="HOST:PORT of the Prometheus endpoint (docs/DEPLOY.md, Metrics; default: none)")
     s.add_argument("--tls-cert", default=None, metavar="PEM",
                    help="serve TLS with this certificate (chain) file; AUTH proofs are then bound to it")
     s.add_argument("--tls-key", default=None, metavar="PEM", help="the private key of --tls-cert")
-    s.add_argument("--keep-generations", type=_positive, default=None, help="retention: complete generations kept")
-    s.add_argument("--min-age", type=parse_duration, default=None, help="retention: minimum age before removal")
-    s.add_argument("--max-connections", type=_positive, default=1024)
+    s.add_argument("--keep-generations", type=_positive, default=None,
+                   help="retention: complete generations kept (with --min-age; default: no retention; the file of"
+                   " `sos-server retention`, re-read on SIGHUP, overrides both)")
+    s.add_argument("--min-age", type=parse_duration, default=None,
+                   help="retention: minimum age before removal (with --keep-generations; default: none)")
+    s.add_argument("--max-connections", type=_positive, default=1024, help="open connections, at most (default 1024)")
     s.add_argument(
         "--max-unauthenticated", type=_positive, default=128,
         help="connections not authenticated yet, at most (BUSY beyond; default 128)",
@@ -75,9 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--max-objects-total", type=_positive, default=2_000_000,
-        help="limit: objects in all namespaces together (each costs ~0.75 KiB of memory)",
+        help="limit: objects in all namespaces together (each costs ~0.75 KiB of memory; default 2000000)",
     )
-    s.add_argument("--max-object-size", type=_positive, default=1 << 40, help="quota: bytes per object")
+    s.add_argument("--max-object-size", type=_positive, default=1 << 40, help="quota: bytes per object (default 1 TiB)")
     s.add_argument(
         "--namespace-quota", type=parse_size, default=None, metavar="SIZE",
         help="quota: bytes per namespace, for namespaces without their own (`sos-server quota`); default none",
@@ -92,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="checkpoint when the write-ahead log file reaches SIZE: object files are synced and the log"
         " file deleted (default 64MiB; a crash replays at most about this much at the next start)",
     )
-    s.add_argument("--gc-interval", type=parse_duration, default=300.0, help="how often retention runs")
+    s.add_argument("--gc-interval", type=parse_duration, default=300.0,
+                   help="how often retention runs (default 5m; SIGHUP runs it at once with re-read settings)")
     s.add_argument(
         "--tier", default=None, metavar="URL",
         help="copy every object to an object store as write-once pieces (protocol.md Part 4): s3://BUCKET/PREFIX"
@@ -117,64 +136,118 @@ def build_parser() -> argparse.ArgumentParser:
         "--tier-parallel", type=_positive, default=4, metavar="N",
         help="objects uploaded at once (default 4)",
     )
-    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="default info")
     s.set_defaults(func=cmd_serve)
 
-    k = sub.add_parser(
-        "keygen", help="create a key for a namespace and print it",
+
+def _data_command(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str,
+                  func: Callable[[argparse.Namespace], int], *, help: str, description: str) -> argparse.ArgumentParser:
+    """The parser of an admin command on the data directory: ``--data`` (required) first, ``func`` to run."""
+    p = sub.add_parser(name, help=help, description=description)
+    p.add_argument("--data", required=True)
+    p.set_defaults(func=func)
+    return p
+
+
+def _add_admin(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """keygen, quota, reset-fence, gc: on the data directory, not over the network."""
+    k = _data_command(
+        sub, "keygen", cmd_keygen, help="create a key for a namespace and print it",
         description="Create a key for NAMESPACE and print it. Roles: append (write, fence and read), read (read"
         " only), token (a gateway client's credential: `sos gateway` issues an append bearer token for it, and"
         " the server itself answers its every request but PING with FORBIDDEN, so a Spark job holding it cannot"
         " FENCE or write the namespace directly).",
     )
-    k.add_argument("--data", required=True)
     k.add_argument("namespace")
     k.add_argument("--role", required=True, choices=["append", "read", "token"])
     k.add_argument("--quota", type=parse_size, default=None, metavar="SIZE",
                    help="also set the namespace's byte quota (as `sos-server quota`)")
-    k.set_defaults(func=cmd_keygen)
+    k.add_argument("--out", default=None, metavar="FILE",
+                   help="write the key to FILE (created with mode 0600; an existing FILE is refused) instead of"
+                   " printing it; the key id goes to stderr")
 
-    q = sub.add_parser(
-        "quota", help="show or set a namespace's byte quota",
-        description="Print the byte quota of NAMESPACE, or set it to SIZE (`none` removes it). A running server"
+    ks = sub.add_parser(
+        "keys", help="list or revoke the keys of namespaces",
+        description="List the keys under --data (never their secrets) or revoke one. Both work while the server"
+        " runs. Rotation: `keygen` a new key, give it to the client, then `keys revoke` the old one.",
+    )
+    kss = ks.add_subparsers(dest="keys_command", required=True)
+    kl = _data_command(
+        kss, "list", cmd_keys_list, help="one key per line: NAMESPACE, KEY_ID, ROLE, CREATED (UTC), tab-separated",
+        description="Print one line per key: NAMESPACE<TAB>KEY_ID<TAB>ROLE<TAB>CREATED (ISO 8601, UTC), for"
+        " NAMESPACE or every namespace. Never a secret. Only reads: safe while the server runs. An unreadable"
+        " key file is listed with role `?` and the reason on stderr (exit 1).",
+    )
+    kl.add_argument("namespace", nargs="?", default=None, help="only this namespace (default: all)")
+    kr = _data_command(
+        kss, "revoke", cmd_keys_revoke, help="remove a key (the running server refuses it from its next request)",
+        description="Remove key KEY_ID of NAMESPACE durably. A running server refuses its next AUTH, and every"
+        " connection authenticated with it gets AUTH_FAILED at its next request and is closed; a `sos gateway`"
+        " holding a bearer token made from it refuses the token within its --key-recheck.",
+    )
+    kr.add_argument("namespace")
+    kr.add_argument("key_id", metavar="KEY_ID", help="16 hex digits: the part of the key before the '.'")
+
+    q = _data_command(
+        sub, "quota", cmd_quota, help="show or set a namespace's byte quota, and its usage",
+        description="Print the byte quota of NAMESPACE beside its usage, or set it to SIZE (`none` removes it) and"
+        " print the same line: NAMESPACE<TAB>QUOTA (bytes, or none)<TAB>used USED (objects N, data bytes D), where"
+        " USED = D + 4096 N is what the quota counts, read from the object files (safe while the server runs;"
+        " `serve --namespace-quota` applies to a namespace whose QUOTA is none). A running server"
         " applies it from the next APPEND to the namespace, also on connections already open; an APPEND beyond"
         " it is refused (QUOTA_EXCEEDED) and writes nothing. The quota counts each object's data plus 4096 bytes"
         " per object (its file's block, header and name: protocol.md 1.9); the objects of a namespace are also"
         " capped by `serve --max-objects` (default 10000).",
     )
-    q.add_argument("--data", required=True)
     q.add_argument("namespace")
     q.add_argument("size", nargs="?", default=None, help="bytes (e.g. 500G), or none")
-    q.set_defaults(func=cmd_quota)
 
-    f = sub.add_parser(
-        "reset-fence", help="set a namespace's fence epoch (the server must not be running on --data)",
+    f = _data_command(
+        sub, "reset-fence", cmd_reset_fence, help="set a namespace's fence epoch (the server must not be running on --data)",
         description="Set the fence epoch of NAMESPACE, e.g. after a hostile FENCE pushed it to the end of the"
         " epoch range. Default: the highest epoch in the namespace's segment names (the newest writer's), so a"
         " writer that restarts fences one above it. A lower fence lets writers of epochs up to it back in:"
         " stop every old writer first.",
     )
-    f.add_argument("--data", required=True)
     f.add_argument("namespace")
-    f.add_argument("--epoch", type=_epoch, default=None)
-    f.set_defaults(func=cmd_reset_fence)
+    f.add_argument("--epoch", type=_epoch, default=None,
+                   help="the new fence epoch (default: the highest epoch in the namespace's segment names)")
 
-    g = sub.add_parser("gc", help="apply retention once (the server must not be running on --data)")
-    g.add_argument("--data", required=True)
+    r = _data_command(
+        sub, "retention", cmd_retention, help="show or set the retention settings a running server re-reads",
+        description="Print the retention settings in DATA/retention, or set them (--keep-generations N --min-age"
+        " DURATION) or remove them (none). The file, when it exists, overrides serve's --keep-generations and"
+        " --min-age; without it those apply. A running server re-reads it at every retention round (each"
+        " --gc-interval) and at once on SIGHUP (`kill -HUP PID`), which also runs a round with the new settings;"
+        " a damaged file keeps the settings in force (error logged) and stops a start.",
+    )
+    r.add_argument("--keep-generations", type=_positive, default=None,
+                   help="complete generations kept (with --min-age)")
+    r.add_argument("--min-age", type=parse_duration, default=None,
+                   help="minimum age before removal (with --keep-generations)")
+    r.add_argument("action", nargs="?", choices=["none"], default=None,
+                   help="none: remove the file (serve's options apply again)")
+
+    g = _data_command(
+        sub, "gc", cmd_gc, help="apply retention once (the server must not be running on --data; --dry-run may run beside it)",
+        description="Remove the journal generations older than the newest --keep-generations complete ones that"
+        " have been complete for --min-age (protocol.md 2.1, as `serve --keep-generations` does every"
+        " --gc-interval). Refused while a server runs on --data, except --dry-run, which only reads the object"
+        " files (no lock, no repair) and prints what would be removed.",
+    )
     g.add_argument("--keep-generations", type=_positive, required=True)
     g.add_argument("--min-age", type=parse_duration, required=True)
-    g.add_argument("--dry-run", action="store_true", help="print what would be removed")
-    g.set_defaults(func=cmd_gc)
-    return p
+    g.add_argument("--dry-run", action="store_true",
+                   help="print what would be removed, change nothing (works while the server runs)")
 
 
 def main(argv: list[str] | None = None) -> int:
     """Exit status: 0 ok, 1 failed (one line ``sos-server: ...`` on stderr), 2 usage."""
-    from .storage import StorageError
-
     args = build_parser().parse_args(argv)
+    command: Callable[[argparse.Namespace], int] = args.func
     try:
-        return args.func(args)
+        return command(args)
     except KeyboardInterrupt:
         return 130
     except StorageError as exc:
@@ -192,29 +265,82 @@ def _usage(msg: str) -> int:
     return _fail(msg, 2)
 
 
-def cmd_keygen(args) -> int:
-    from sos_wire.names import BadName
-
-    from .storage import Storage
-
+def cmd_keygen(args: argparse.Namespace) -> int:
+    out_fd = None
+    if args.out is not None:
+        # before the key exists: a FILE that cannot be made costs nothing (O_EXCL: never
+        # overwrite, never follow a planted symlink; 0600 whatever the umask)
+        try:
+            out_fd = os.open(args.out, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            os.fchmod(out_fd, 0o600)
+        except FileExistsError:
+            return _fail(f"{args.out} exists: keygen --out never overwrites a file (remove it, or choose another)")
+        except OSError as exc:
+            return _fail(f"cannot create {args.out}: {exc.strerror or exc}")
     try:
-        key = Storage(args.data).keygen(args.namespace, args.role)
-        if args.quota is not None:
-            Storage(args.data).set_quota(args.namespace, args.quota)
-    except (BadName, ValueError) as exc:
+        try:
+            key = Storage(args.data).keygen(args.namespace, args.role)
+            if args.quota is not None:
+                Storage(args.data).set_quota(args.namespace, args.quota)
+        except (BadName, ValueError) as exc:
+            return _fail(str(exc))
+        except OSError as exc:
+            where = f" ({exc.filename})" if exc.filename else ""
+            return _fail(f"cannot write a key under {args.data}: {exc.strerror or exc}{where}")
+        if out_fd is None:
+            print(key)
+            return 0
+        try:
+            os.write(out_fd, (key + "\n").encode())
+            os.fsync(out_fd)
+        except OSError as exc:
+            # the key exists on the server but its holder lost it: revoke it
+            key_id = key.partition(".")[0]
+            with contextlib.suppress(OSError, ValueError):
+                Storage(args.data).revoke(args.namespace, key_id)
+            return _fail(f"cannot write {args.out}: {exc.strerror or exc} (the key was revoked again)")
+        os.close(out_fd)
+        out_fd = None
+        print(f"key {key.partition('.')[0]} ({args.role}) of {args.namespace} written to {args.out}",
+              file=sys.stderr)
+        return 0
+    finally:
+        if out_fd is not None:  # failed: the file holds no usable key
+            os.close(out_fd)
+            with contextlib.suppress(OSError):
+                os.unlink(args.out)
+
+
+def _utc(ts: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
+
+
+def cmd_keys_list(args: argparse.Namespace) -> int:
+    st = Storage(args.data)
+    try:
+        if args.namespace is None and not os.path.isdir(args.data):
+            return _fail(f"data directory {os.path.abspath(args.data)} does not exist")
+        keys = st.list_keys(args.namespace)
+    except BadName as exc:
         return _fail(str(exc))
-    except OSError as exc:
-        where = f" ({exc.filename})" if exc.filename else ""
-        return _fail(f"cannot write a key under {args.data}: {exc.strerror or exc}{where}")
-    print(key)
+    rc = 0
+    for k in keys:
+        print(f"{k.namespace}\t{k.key_id}\t{k.role or '?'}\t{_utc(k.created)}")
+        if k.problem:
+            rc = _fail(f"{k.namespace}/{k.key_id}: {k.problem}")
+    return rc
+
+
+def cmd_keys_revoke(args: argparse.Namespace) -> int:
+    try:
+        Storage(args.data).revoke(args.namespace, args.key_id)
+    except (BadName, ValueError, FileNotFoundError) as exc:
+        return _fail(str(exc))
+    print(f"revoked {args.namespace}/{args.key_id.strip().lower()}", file=sys.stderr)
     return 0
 
 
-def cmd_quota(args) -> int:
-    from sos_wire.names import BadName
-
-    from .storage import Storage
-
+def cmd_quota(args: argparse.Namespace) -> int:
     st = Storage(args.data)
     try:
         if args.size is not None:
@@ -227,18 +353,15 @@ def cmd_quota(args) -> int:
                     return _usage(str(exc))
             st.set_quota(args.namespace, size)
         quota = st.get_quota(args.namespace)
+        objects, data = st.usage(args.namespace)
     except (BadName, ValueError) as exc:
         return _fail(str(exc))
-    print(f"{args.namespace}\t{'none' if quota is None else quota}")
+    used = data + OBJECT_CHARGE * objects
+    print(f"{args.namespace}\t{'none' if quota is None else quota}\tused {used} (objects {objects}, data bytes {data})")
     return 0
 
 
-def cmd_reset_fence(args) -> int:
-    from sos_wire.errors import ErrorCode
-    from sos_wire.names import BadName
-
-    from .storage import Storage, StorageError
-
+def cmd_reset_fence(args: argparse.Namespace) -> int:
     st = Storage(args.data)
     try:
         st.lock(create=False)
@@ -256,20 +379,50 @@ def cmd_reset_fence(args) -> int:
     return 0
 
 
-def cmd_gc(args) -> int:
-    from sos_wire.errors import ErrorCode
+def cmd_retention(args: argparse.Namespace) -> int:
+    st = Storage(args.data)
+    given = args.keep_generations is not None or args.min_age is not None
+    if given and args.action == "none":
+        return _usage("none removes the settings: no --keep-generations or --min-age with it")
+    if given and (args.keep_generations is None or args.min_age is None):
+        return _usage("--keep-generations and --min-age go together")
+    if not os.path.isdir(st.root):
+        return _fail(f"data directory {st.root} does not exist")
+    if args.action == "none":
+        st.write_retention(None)
+    elif given:
+        st.write_retention(Retention(args.keep_generations, args.min_age))
+    current = st.read_retention()
+    if current is None:
+        print("retention\tnone (serve's --keep-generations/--min-age apply)")
+    else:
+        print(f"retention\tkeep-generations {current.keep_generations}\tmin-age {current.min_age:g}s")
+    return 0
 
-    from .engine import plan_retention
-    from .logs import setup_logging
-    from .storage import Storage, StorageError
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from .engine import plan_retention  # noqa: PLC0415 - the engine (and trio) for gc alone: the others start faster
 
     setup_logging("info")
     st = Storage(args.data)
+    if args.dry_run:
+        # read-only: no lock, nothing replayed or repaired, so it also runs beside a live server
+        if not os.path.isdir(os.path.join(st.root, "ns")) and not os.path.exists(os.path.join(st.root, "LOCK")):
+            return _fail(f"{st.root} is not an sos-server data directory (no ns/ and no LOCK in it)")
+        now = time.time()
+        total = 0
+        for ns in st.read_only_namespaces():
+            for name in plan_retention(ns, args.keep_generations, args.min_age, now=now):
+                print(f"would remove {ns.name}/{name}")
+                total += 1
+        print(f"{total} objects to remove", file=sys.stderr)
+        return 0
     try:
         st.lock(create=False)  # a mistyped --data must not become a new, empty data directory
     except StorageError as exc:
         if exc.code is ErrorCode.BUSY:
-            return _fail(exc.message + " (retention runs inside it: use serve --keep-generations)")
+            return _fail(exc.message + " (retention runs inside it: use serve --keep-generations, or gc --dry-run"
+                         " to see what it would remove)")
         return _fail(exc.message)
     try:
         st.open()
@@ -277,185 +430,63 @@ def cmd_gc(args) -> int:
         total = 0
         for ns in list(st.namespaces.values()):
             for name in plan_retention(ns, args.keep_generations, args.min_age, now=now):
-                print(f"{'would remove' if args.dry_run else 'removed'} {ns.name}/{name}")
-                if not args.dry_run:
-                    ns.remove(name)
+                print(f"removed {ns.name}/{name}")
+                ns.remove(name)
                 total += 1
-        print(f"{total} objects {'to remove' if args.dry_run else 'removed'}", file=sys.stderr)
+        print(f"{total} objects removed", file=sys.stderr)
     finally:
         st.close()
     return 0
 
 
-def cmd_serve(args) -> int:
-    import trio
+def _serve_usage(args: argparse.Namespace) -> str | None:
+    """What is wrong with serve's options together (argparse checked each one), or None."""
+    if (args.tls_cert is None) != (args.tls_key is None):
+        return "--tls-cert and --tls-key go together"
+    if (args.keep_generations is None) != (args.min_age is None):
+        return "--keep-generations and --min-age go together"
+    if args.wal_size < 1:
+        return "--wal-size must be at least 1 byte"
+    if args.tier_interval <= 0:
+        return "--tier-interval must be positive"
+    if args.tier_bytes < 1:
+        return "--tier-bytes must be at least 1 byte"
+    return None
 
-    from .engine import Engine, Limits
-    from .listener import Listener, ListenError, certificate_binding, make_tls_context, raise_nofile_limit, tune_malloc
-    from .logs import setup_logging
-    from .metrics import Metrics
-    from .storage import Storage, StorageError
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Start-up in order (each step in serve.py, which says what fails), then serve until a signal."""
+    # trio, the engine and the tier only for serve: the other commands start faster
+    from . import serve  # noqa: PLC0415 - see above
+    from .metrics import Metrics  # noqa: PLC0415 - see above
 
     setup_logging(args.log_level)
-    if (args.tls_cert is None) != (args.tls_key is None):
-        return _usage("--tls-cert and --tls-key go together")
-    if (args.keep_generations is None) != (args.min_age is None):
-        return _usage("--keep-generations and --min-age go together")
-    tls, binding = None, None
-    if args.tls_cert:
-        try:
-            tls = make_tls_context(args.tls_cert, args.tls_key)
-            binding = certificate_binding(args.tls_cert)
-        except (OSError, ValueError) as exc:
-            return _fail(f"cannot load TLS certificate/key: {exc}")
-    elif args.listen[0] not in ("127.0.0.1", "::1", "localhost"):
-        log.warning(
-            "listening without TLS on a non-loopback address: anyone on the path can read the data and "
-            "take over authenticated connections; pass --tls-cert/--tls-key (docs/DEPLOY.md)",
-            extra={"listen": f"{args.listen[0]}:{args.listen[1]}"},
-        )
-    nofile = raise_nofile_limit()
-    tune_malloc()
-    limit = nofile if nofile > 0 else 1 << 20  # RLIM_INFINITY is -1
-    max_open = args.max_open_objects or max(16, min(4096, limit // 4))
-    if args.wal_size < 1:
-        return _usage("--wal-size must be at least 1 byte")
-    if args.tier_interval <= 0:
-        return _usage("--tier-interval must be positive")
-    if args.tier_bytes < 1:
-        return _usage("--tier-bytes must be at least 1 byte")
-    store = None
-    if args.tier:
-        from sos_tier import TierError, open_store
-
-        try:
-            store = open_store(args.tier)
-        except ValueError as exc:
-            return _usage(f"--tier: {exc}")
-        except ImportError as exc:
-            return _fail(f"--tier {args.tier}: {exc} (install the extra: pip install 'sos[tier]')")
-        except TierError as exc:
-            return _fail(f"--tier {args.tier}: {exc}")
-    storage = Storage(args.data, max_open_files=max_open, wal_checkpoint_bytes=args.wal_size)
+    problem = _serve_usage(args)
+    if problem is not None:
+        return _usage(problem)
     try:
-        storage.lock()  # creates the data directory if it does not exist yet
-    except StorageError as exc:
-        return _fail(exc.message)
-    if store is not None:
-        from .tier_bootstrap import BootstrapError, bootstrap, needs_bootstrap
-
-        if needs_bootstrap(storage.root):
-            # a replacement server on an empty --data: rebuild what the store holds, then serve it
-            # (protocol.md 4.8); an empty store makes an empty data directory
-            try:
-                report = bootstrap(storage.root, store, lock=False, progress=log.debug)
-            except BootstrapError as exc:
-                storage.close()
-                return _fail(f"--tier {args.tier}: {exc}")
-            log.info("tier bootstrap", extra={"namespaces": len(report.namespaces), "objects": len(report.objects),
-                                              "bytes": report.total_bytes, "cut": len(report.cut),
-                                              "problems": len(report.problems), "seconds": round(report.seconds, 3)})
-    metrics = Metrics()
-    t0 = time.monotonic()
+        tls, binding = serve.load_tls(args)
+        store = serve.open_tier_store(args)
+        metrics = Metrics()
+        storage = serve.open_storage(args, store, metrics)
+    except serve.StartError as exc:
+        return _fail(exc.message, exc.status)
     try:
-        storage.open()
-        storage.start_wal()
-    except (StorageError, OSError) as exc:
+        serve.start_metrics(args, metrics)
+    except serve.StartError as exc:
         storage.close()
-        return _fail(exc.message if isinstance(exc, StorageError) else f"cannot load {args.data}: {exc}")
-    metrics.repairs.inc(len(storage.repairs))
-    metrics.damaged.inc(len(storage.corruptions))
-    log.info(
-        "storage opened",
-        extra={
-            "data": storage.root,
-            "namespaces": len(storage.namespaces),
-            "objects": sum(len(ns.objects) for ns in storage.namespaces.values()),
-            "repairs": len(storage.repairs),
-            "damaged": len(storage.corruptions),
-            "log_records_replayed": storage.replayed.records,
-            "seconds": round(time.monotonic() - t0, 3),
-            "nofile": nofile,
-            "max_open_objects": max_open,
-        },
-    )
-    if args.metrics:
-        try:
-            httpd, _ = metrics.serve(*args.metrics)
-        except OSError as exc:
-            return _fail(f"cannot listen for metrics on {args.metrics[0]}:{args.metrics[1]}: {exc}")
-        print(f"sos-server metrics on {args.metrics[0]}:{httpd.server_port}", file=sys.stderr, flush=True)
-    limits = Limits(
-        max_objects=args.max_objects,
-        max_object_size=args.max_object_size,
-        max_total_objects=args.max_objects_total,
-        namespace_quota=args.namespace_quota,
-    )
-    engine = Engine(storage, limits=limits, metrics=metrics)
-    tier = None
-    if store is not None:
-        from .tiering import Tier
-
-        tier = engine.tier = Tier(
-            store, storage, metrics, interval=args.tier_interval, bytes_trigger=args.tier_bytes,
-            lag_warn=args.tier_lag_warn, parallel=args.tier_parallel,
-        )
-    listener = Listener(
-        engine,
-        host=args.listen[0],
-        port=args.listen[1],
-        tls=tls,
-        channel_binding=binding,
-        max_connections=args.max_connections,
-        max_unauthenticated=args.max_unauthenticated,
-        max_unauthenticated_per_address=args.max_unauthenticated_per_address,
-        idle_timeout=args.idle_timeout or None,
-        handshake_timeout=args.handshake_timeout or None,
-        send_timeout=args.send_timeout or None,
-    )
-
-    async def retention_once() -> None:
-        try:
-            await engine.gc(args.keep_generations, args.min_age)
-        except Exception:
-            log.exception("retention failed")
-
-    async def retention() -> None:
-        while True:
-            await trio.sleep(args.gc_interval)
-            await retention_once()
-
+        return _fail(exc.message, exc.status)
+    server = serve.Server(args, storage, store, metrics, tls, binding)
     rc = 0
-
-    async def main_task() -> None:
-        nonlocal rc
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async with trio.open_nursery() as nursery:
-                await nursery.start(engine.run)
-                if tier is not None:
-                    await nursery.start(tier.run)
-                if args.keep_generations:
-                    await retention_once()  # before serving: clients see the result
-                try:
-                    host, port = await nursery.start(listener.serve)
-                except ListenError as exc:
-                    rc = _fail(str(exc))
-                    nursery.cancel_scope.cancel()
-                    return
-                if args.keep_generations:
-                    nursery.start_soon(retention)
-                print(f"sos-server listening on {host}:{port}", file=sys.stderr, flush=True)
-                async for signum in signals:
-                    log.info("stopping", extra={"signal": signal.Signals(signum).name})
-                    nursery.cancel_scope.cancel()
-                    break
-
     try:
-        trio.run(main_task)
+        failed = server.run()
+        if failed is not None:
+            rc = _fail(failed)
+    except serve.StartError as exc:
+        rc = _fail(exc.message, exc.status)
     finally:
         storage.close()
-        if tier is not None:
-            tier.close()
+        server.close()
     log.info("stopped", extra={"exit_code": rc})
     return rc
 

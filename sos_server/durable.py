@@ -2,17 +2,20 @@
 
 Every file of the data directory is created 0600 and every directory 0700 (whatever the
 umask); files are replaced atomically (temp + fsync + rename + fsync dir), so a file is
-either whole or absent.
+either whole or absent. The modes and ``fsync_dir`` are ``sos_tier.files``' (the tier's
+local-directory store uses them too), re-exported here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 import secrets
 import stat
 
+from sos_tier.files import DIR_MODE, FILE_MODE, fsync_dir
 from sos_wire.errors import ErrorCode
 
 __all__ = [
@@ -31,8 +34,6 @@ __all__ = [
 log = logging.getLogger("sos_server.storage")
 
 NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-FILE_MODE = 0o600  # every file of the data directory: the server's user only
-DIR_MODE = 0o700
 
 
 class StorageError(Exception):
@@ -54,14 +55,6 @@ def no_space(what: str, exc: OSError) -> StorageError:
 
 def is_no_space(exc: OSError) -> bool:
     return exc.errno in NO_SPACE_ERRNOS
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def makedirs_durable(path: str) -> None:
@@ -99,10 +92,8 @@ def write_file_durable(path: str, data: bytes, mode: int = FILE_MODE) -> None:
             os.close(fd)
         os.rename(tmp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        except FileNotFoundError:
-            pass
         raise
     fsync_dir(d)
 

@@ -17,17 +17,22 @@ address (``AuthFailures``).
 
 from __future__ import annotations
 
-import ipaddress
+import base64
+import binascii
+import contextlib
+import ctypes
+import ctypes.util
 import logging
 import math
 import re
 import resource
 import ssl
-from typing import Any
 
 import trio
 
 from sos_wire import events as ev
+from sos_wire.addresses import address_key
+from sos_wire.auth import tls_server_end_point
 from sos_wire.connection import Connection, Role
 from sos_wire.errors import ErrorCode
 
@@ -35,11 +40,14 @@ from .engine import Engine
 from .session import Session
 
 __all__ = [
-    "AuthFailures", "ListenError", "Listener", "address_key", "certificate_binding", "make_tls_context",
+    "AuthFailures", "ListenError", "Listener", "certificate_binding", "make_tls_context",
     "raise_nofile_limit", "tune_malloc",
 ]
 
 log = logging.getLogger("sos_server.listener")
+
+#: what the accept loop hands a connection's handler: TCP, or TLS over TCP
+AcceptedStream = trio.SocketStream | trio.SSLStream[trio.SocketStream]
 
 
 def raise_nofile_limit() -> int:
@@ -61,17 +69,15 @@ def tune_malloc() -> bool:
     with glibc's defaults each comes from a fresh mmap and is paid for in page faults,
     ~1.5 ms of CPU per MiB on these VMs (measured: 1.77 ms -> 0.17 ms per 1 MiB frame
     through the codec). No-op where glibc's mallopt is not available."""
-    import ctypes
-    import ctypes.util
-
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return False
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-    ok = mallopt(M_MMAP_THRESHOLD, 32 << 20) == 1
-    return mallopt(M_TRIM_THRESHOLD, 256 << 20) == 1 and ok
+    ok: bool = mallopt(M_MMAP_THRESHOLD, 32 << 20) == 1
+    trimmed: bool = mallopt(M_TRIM_THRESHOLD, 256 << 20) == 1
+    return trimmed and ok
 
 
 def make_tls_context(cert: str, key: str) -> ssl.SSLContext:
@@ -88,11 +94,6 @@ def certificate_binding(cert: str) -> bytes:
     """The AUTH channel binding (protocol.md 1.6) of a server using the PEM file *cert*:
     tls-server-end-point of its first certificate, the one the server presents (as
     OpenSSL's load_cert_chain takes it). ValueError if the file holds no certificate."""
-    import base64
-    import binascii
-
-    from sos_wire.auth import tls_server_end_point
-
     with open(cert, "rb") as f:
         m = _PEM_CERT.search(f.read())
     if m is None:
@@ -106,20 +107,6 @@ def certificate_binding(cert: str) -> bytes:
 
 class ListenError(Exception):
     """The listening address cannot be bound (in use, bad host, no permission)."""
-
-
-def address_key(host: str) -> str:
-    """What the per-address limits count by: the IPv4 address, or the /64 of an IPv6 one
-    (one host usually holds a whole /64). An IPv4-mapped IPv6 address counts as IPv4."""
-    try:
-        ip = ipaddress.ip_address(host.split("%", 1)[0])
-    except ValueError:
-        return host
-    if isinstance(ip, ipaddress.IPv6Address):
-        if ip.ipv4_mapped is not None:
-            return str(ip.ipv4_mapped)
-        return str(ipaddress.IPv6Network((ip, 64), strict=False))
-    return str(ip)
 
 
 class AuthFailures:
@@ -198,11 +185,11 @@ class Listener:
         self.auth_failures = AuthFailures()
         self.address: tuple[str, int] | None = None
 
-    async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def serve(self, *, task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED) -> None:
         """Listen, report the bound (host, port) through task_status, serve until cancelled.
 
         Raises ListenError (before task_status.started) if the address cannot be bound."""
-        listeners: list[trio.abc.Listener[Any]]
+        listeners: list[trio.abc.Listener[AcceptedStream]]
         try:
             if self.tls is not None:
                 ssl_listeners = await trio.open_ssl_over_tcp_listeners(self.port, self.tls, host=self.host)
@@ -255,9 +242,9 @@ class Listener:
         else:
             del self._unauthenticated_by[addr]
 
-    async def _handle(self, stream) -> None:
+    async def _handle(self, stream: AcceptedStream) -> None:
         try:
-            sock = stream.transport_stream.socket if self.tls else stream.socket
+            sock = stream.transport_stream.socket if isinstance(stream, trio.SSLStream) else stream.socket
             host, port = sock.getpeername()[:2]
             peer = f"{host}:{port}"
         except OSError:
@@ -291,12 +278,14 @@ class Listener:
         deadline = now + self.handshake_timeout if self.handshake_timeout else math.inf
         try:
             with waiting.scope:
-                if self.tls is not None:
+                if isinstance(stream, trio.SSLStream):  # a TLS listener's
                     try:
                         with trio.fail_at(min(deadline, now + 30)):
                             await stream.do_handshake()
                     except (trio.BrokenResourceError, trio.TooSlowError, ssl.SSLError) as exc:
-                        log.warning("TLS handshake failed", extra={"peer": peer, "error": str(exc)})
+                        cause = exc.__cause__ or exc  # trio's BrokenResourceError wraps the SSLError
+                        reason = f"{type(cause).__name__}: {cause}".rstrip(": ")
+                        log.warning("TLS handshake failed", extra={"peer": peer, "error": reason})
                         await trio.aclose_forcefully(stream)
                         return
                 session = waiting.session = Session(
@@ -318,14 +307,12 @@ class Listener:
             if not authenticated:
                 self._unauthenticated_delta(addr, -1)
 
-    async def _refuse(self, stream, peer: str, why: str) -> None:
+    async def _refuse(self, stream: AcceptedStream, peer: str, why: str) -> None:
         log.warning("too many connections, refusing", extra={"peer": peer, "reason": why})
         self.engine.metrics.error(ErrorCode.BUSY.name)
         conn = Connection(Role.SERVER)
         data = conn.send(ev.Error(0, ErrorCode.BUSY, 0, f"server busy: {why}"))
         with trio.move_on_after(5):
-            try:
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError):
                 await stream.send_all(data)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError):
-                pass
         await trio.aclose_forcefully(stream)

@@ -6,6 +6,7 @@ import json
 import logging
 import sys
 import time
+from typing import TextIO
 
 __all__ = ["JsonFormatter", "setup_logging"]
 
@@ -28,7 +29,7 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, ensure_ascii=False)
 
 
-def setup_logging(level: str = "info", stream=None) -> None:
+def setup_logging(level: str = "info", stream: TextIO | None = None) -> None:
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.setFormatter(JsonFormatter())
     root = logging.getLogger("sos_server")

@@ -21,6 +21,7 @@ import logging
 import os
 import struct
 from dataclasses import dataclass
+from typing import Literal
 
 from sos_wire.crc import crc32c
 
@@ -39,7 +40,7 @@ from .objfile import (
 )
 from .stored_object import Damage, StoredObject
 
-__all__ = ["DEFAULT_VERIFY_TAIL", "RepairNote", "load_object"]
+__all__ = ["DEFAULT_VERIFY_TAIL", "RepairNote", "load_object", "read_object"]
 
 log = logging.getLogger("sos_server.storage")
 
@@ -103,6 +104,8 @@ def _whole_frame_at(fd: int, t: int, size: int) -> bool:
         return False
     if hdr == SEAL_FRAME:
         return True
+    n: int
+    crc: int
     n, crc = FRAME.unpack(hdr)
     return 1 <= n <= MAX_FRAME and t + FRAME_HDR + n <= size and crc32c(pread_all(fd, n, t + FRAME_HDR)) == crc
 
@@ -132,7 +135,12 @@ def _length_confirmed(fd: int, pos: int, n: int, crc: int, size: int) -> int | N
     return None
 
 
-def _examine(fd: int, pos: int, n: int | None, crc: int | None, size: int) -> tuple:
+#: what _examine says of bytes that are not a whole, checksummed frame (its docstring)
+_Verdict = (tuple[Literal["cut"], str] | tuple[Literal["frame"], int, str]
+            | tuple[Literal["rest"], int, bool, str])
+
+
+def _examine(fd: int, pos: int, n: int | None, crc: int | None, size: int) -> _Verdict:
     """What the bytes from *pos* (not a whole, checksummed frame) are. One of:
 
     ("cut", reason)                      a torn tail: nothing acknowledged is in it
@@ -169,7 +177,9 @@ def _examine(fd: int, pos: int, n: int | None, crc: int | None, size: int) -> tu
     return ("rest", max(0, data), sealed, why)
 
 
-def _scan(fd: int, obj: StoredObject, size: int, verify_from: int):
+def _scan(
+    fd: int, obj: StoredObject, size: int, verify_from: int
+) -> tuple[StoredObject, int, int, str, list[Damage]] | None:
     """Walk the frames of an object file; (obj, end, length, cut reason, [Damage]), or None
     if a bad spot follows a frame whose checksum was not checked (before *verify_from*):
     that frame's length may be the lie that led here, so start again checking every
@@ -243,30 +253,17 @@ namespace: str, path: str, verify_tail: int, repairs: list[RepairNote], corrupti
     bytes of a frame header, a frame the file ends inside of, or zero bytes (a power
     loss). Anything else that is not a whole frame is damage to stored, possibly
     acknowledged, bytes: it is kept and recorded (see :class:`Damage`)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        tighten(path, FILE_MODE, fd)
-        head = os.pread(fd, 8 + 2 + 1024 * 4 + 4, 0)
-        dec = decode_header(head)
-        if dec is None:
-            log.error("ignoring %s: not an SOS object file (bad header)", path)
-            return None
-        name, hsize = dec
-        size = os.fstat(fd).st_size
-        scan = _scan(fd, StoredObject(namespace, name, path, hsize), size, max(hsize, size - verify_tail))
-        if scan is None:
-            # something is wrong after frames that were only length-checked (before
-            # verify_tail): one of them may be where it starts. Check every checksum.
-            scan = _scan(fd, StoredObject(namespace, name, path, hsize), size, hsize)
-    finally:
-        os.close(fd)
-    obj, pos, logical, cut, damage = scan
+    found = _scan_file(namespace, path, verify_tail, tighten_mode=True)
+    if found is None:
+        return None
+    obj, pos, logical, cut, damage, size = found
     for d in damage:
         _report_damage(obj, d, corruptions)
     if pos < size:
         with open(path, "r+b") as f:
             f.truncate(pos)
             os.fsync(f.fileno())
+        name = obj.name
         note = RepairNote(namespace, name, path, pos, size - pos, cut)
         repairs.append(note)
         log.warning(
@@ -277,6 +274,53 @@ namespace: str, path: str, verify_tail: int, repairs: list[RepairNote], corrupti
     obj.file_size = obj.synced_size = pos
     obj._sync_points = (logical, pos)
     return obj
+
+
+def read_object(namespace: str, path: str, verify_tail: int = DEFAULT_VERIFY_TAIL) -> StoredObject | None:
+    """The object in *path* as :func:`load_object` finds it, without changing anything (no
+    cut, no chmod, nothing logged): what a read-only look at a live data directory sees
+    (``sos-server gc --dry-run``). A torn tail is left out of its length; damage is kept
+    in ``obj.damage``. None if the file has no object header."""
+    found = _scan_file(namespace, path, verify_tail, tighten_mode=False)
+    if found is None:
+        return None
+    obj, pos, logical, _cut, damage, _size = found
+    for d in damage:
+        if d.end > d.start or d.to_end:
+            obj.add_damage(d)
+    obj.length = obj.synced_length = logical
+    obj.file_size = obj.synced_size = pos
+    obj._sync_points = (logical, pos)
+    return obj
+
+
+def _scan_file(
+    namespace: str, path: str, verify_tail: int, *, tighten_mode: bool
+) -> tuple[StoredObject, int, int, str, list[Damage], int] | None:
+    """(object, end of its whole frames, logical length, why a tail is cut, damage, file size)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if tighten_mode:
+            tighten(path, FILE_MODE, fd)
+        head = os.pread(fd, 8 + 2 + 1024 * 4 + 4, 0)
+        dec = decode_header(head)
+        if dec is None:
+            if tighten_mode:
+                log.error("ignoring %s: not an SOS object file (bad header)", path)
+            return None
+        name, hsize = dec
+        size = os.fstat(fd).st_size
+        scan = _scan(fd, StoredObject(namespace, name, path, hsize), size, max(hsize, size - verify_tail))
+        if scan is None:
+            # something is wrong after frames that were only length-checked (before
+            # verify_tail): one of them may be where it starts. Check every checksum.
+            scan = _scan(fd, StoredObject(namespace, name, path, hsize), size, hsize)
+            assert scan is not None  # every frame's checksum checked: each bad spot is where it is
+    finally:
+        os.close(fd)
+    obj, pos, logical, cut, damage = scan
+    return obj, pos, logical, cut, list(damage), size
+
 
 def _report_damage(obj: StoredObject, d: Damage, corruptions: list[tuple[str, str, int]]) -> None:
     if d.end > d.start or d.to_end:

@@ -41,6 +41,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import secrets
@@ -186,7 +187,7 @@ class Session:
         self._evicted: str | None = None  # why the listener evicted this connection before AUTH
 
     # -- output ----------------------------------------------------------------------
-    async def _send(self, event) -> None:
+    async def _send(self, event: ev.Event) -> None:
         if self._broken or self._closing:
             return
         async with self._send_lock:
@@ -205,7 +206,7 @@ class Session:
                 self._broken = True
                 raise
 
-    async def _send_bytes(self, data: bytes | memoryview) -> None:
+    async def _send_bytes(self, data: ev.Payload) -> None:
         timeout = self.send_timeout
         if timeout is None:
             await self.stream.send_all(data)
@@ -261,10 +262,8 @@ class Session:
                     await trio.aclose_forcefully(self.stream)
                 else:
                     with trio.move_on_after(5):
-                        try:
+                        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                             await self.stream.aclose()
-                        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                            pass
 
     def evict(self, why: str) -> bool:
         """Close this connection to make room for a newcomer (the listener's pre-AUTH pool is
@@ -340,7 +339,7 @@ class Session:
             return self.conn.receive_buffer()
         return None
 
-    async def _dispatch(self, event, nursery: trio.Nursery) -> None:
+    async def _dispatch(self, event: ev.Event, nursery: trio.Nursery) -> None:
         rid = event.request_id
         self.metrics.request(type(event).__name__)
         if isinstance(event, ev.Ping):

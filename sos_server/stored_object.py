@@ -248,7 +248,7 @@ class StoredObject:
         self.file_size += FRAME_HDR
         self.sealed = True
 
-    def _write_at_end(self, bufs: list, what: str) -> None:
+    def _write_at_end(self, bufs: list[Payload], what: str) -> None:
         fd = self._wfd()
         start = self.file_size
         total = sum(len(b) for b in bufs)

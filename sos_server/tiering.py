@@ -30,6 +30,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -115,7 +116,7 @@ class Tier:
 
     # -- the upload task -------------------------------------------------------------------------
 
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self._token = trio.lowlevel.current_trio_token()
         for ns in list(self.storage.namespaces.values()):  # start-up: what the disk holds
             for obj in list(ns.objects.values()):
@@ -256,17 +257,13 @@ class Tier:
 
     def _progress_in_thread(self, namespace: str, name: str, uploaded: int, sealed: bool) -> None:
         if self._token is not None:
-            try:
+            with contextlib.suppress(trio.RunFinishedError):
                 self._token.run_sync_soon(self._wake_object, namespace, name, uploaded)
-            except trio.RunFinishedError:
-                pass
 
     def _wake_soon(self, namespace: str) -> None:
         if self._token is not None:
-            try:
+            with contextlib.suppress(trio.RunFinishedError):
                 self._token.run_sync_soon(self._wake_waiters, namespace)
-            except trio.RunFinishedError:
-                pass
 
     def _wake_object(self, namespace: str, name: str, uploaded: int) -> None:
         for w in self._waiters.get((namespace, name), ()):
@@ -301,7 +298,10 @@ class Tier:
             return f"the tier stopped copying {name!r}: {stuck}"
         return None
 
-    async def wait(self, namespace: str, name: str, offset: int, timeout: float) -> int:
+    async def wait(
+        self, namespace: str, name: str, offset: int,
+        timeout: float,  # noqa: ASYNC109 - TIER_WAIT's own timeout_ms: answered after it, not a cancellation
+    ) -> int:
         """TIER_WAIT once the engine checked the object and *offset* (protocol.md 1.11): the
         length of the object's run in the store, >= offset; StorageError TIER_UNAVAILABLE."""
         key = (namespace, name)

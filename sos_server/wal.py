@@ -43,6 +43,7 @@ SIGKILLs itself. A restart must rebuild the objects from the log.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -54,6 +55,7 @@ from typing import TYPE_CHECKING
 
 from sos_wire.crc import crc32c
 from sos_wire.errors import ErrorCode
+from sos_wire.events import Payload
 from sos_wire.names import BadName, validate_name, validate_namespace
 
 from .durable import FILE_MODE, StorageError, fsync_dir, is_no_space, makedirs_durable, no_space
@@ -150,10 +152,8 @@ def _new_log_file(wal_dir: str, seq: int) -> LogFile:
         fsync_dir(wal_dir)
     except BaseException:
         os.close(fd)
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(path)
-        except OSError:
-            pass
         raise
     return LogFile(path, seq, fd, WAL_HEAD.size)
 
@@ -198,7 +198,7 @@ class WriteAheadLog:
         self.syncs = 0
 
     # -- writes (event loop) ---------------------------------------------------------
-    def write(self, obj: StoredObject, file_pos: int, bufs: list, total: int) -> None:
+    def write(self, obj: StoredObject, file_pos: int, bufs: list[Payload], total: int) -> None:
         """Append the record of *bufs* (total bytes, the first 8 a frame header) written at
         *file_pos* of *obj*'s file. No sync. StorageError(NO_SPACE) on a full disk, with
         the log cut back to where it was.
@@ -223,7 +223,7 @@ class WriteAheadLog:
         objs, self.indirect = list(self.indirect.values()), {}
         return objs
 
-    def _append(self, obj: StoredObject, kind: int, file_pos: int, n: int, bufs: list) -> None:
+    def _append(self, obj: StoredObject, kind: int, file_pos: int, n: int, bufs: list[Payload]) -> None:
         lf = self.current
         meta = META.pack(kind, file_pos, n) + obj.log_key
         crc = crc32c(bufs[0][:FRAME_HDR], crc32c(meta)) if bufs else crc32c(meta)
@@ -287,10 +287,8 @@ class WriteAheadLog:
         """Delete retired log files whose objects are durable (worker thread)."""
         for lf in files:
             lf.close()
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(lf.path)
-            except FileNotFoundError:
-                pass
         fsync_dir(self.dir)
 
     def make_spare(self) -> None:
@@ -332,10 +330,8 @@ class WriteAheadLog:
     def crash_for_test(self) -> None:
         """The fault point (module docstring): lose the unsynced object writes, SIGKILL."""
         for obj in self.live_objects():
-            try:
+            with contextlib.suppress(OSError):
                 os.truncate(obj.path, obj.checkpointed_size)
-            except OSError:
-                pass
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -424,93 +420,138 @@ def replay(wal_dir: str, object_path: Callable[[str, str], str]) -> ReplayNote:
     files = _log_files(wal_dir)
     if not files:
         return note
-    fds: dict[str, int] = {}
-    names: dict[str, tuple[str, str]] = {}
-    broken: set[str] = set()
-    sizes: dict[str, int] = {}
-    last_end: dict[str, int] = {}
-    stop = False
     damaged: list[str] = []
+    objects = _ReplayTarget(object_path, note)
     try:
         for _seq, path in files:
-            if stop:
-                break
             note.files += 1
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                for rec in _records(fd, os.fstat(fd).st_size):
-                    pos, fpos, namespace, name, payload = rec
-                    if fpos < 0:
-                        why = namespace
-                        stop = True
-                        if not _all_zero_from(fd, pos) and why != "torn record header" and why != "torn record":
-                            note.damaged = f"{path} offset {pos}: {why}"
-                            damaged.append(path)
-                            log.error(
-                                "damaged write-ahead log record: %s; the records before it were replayed, the"
-                                " file is kept as %s.damaged", note.damaged, path,
-                            )
-                        break
-                    try:
-                        validate_namespace(namespace)
-                        validate_name(name)
-                    except BadName:
-                        note.skipped += 1
-                        continue
-                    opath = object_path(namespace, name)
-                    ofd = fds.get(opath)
-                    if ofd is None:
-                        try:
-                            ofd = os.open(opath, os.O_RDWR | os.O_CLOEXEC)
-                        except FileNotFoundError:
-                            note.skipped += 1
-                            continue
-                        fds[opath] = ofd
-                        names[opath] = (namespace, name)
-                        sizes[opath] = os.fstat(ofd).st_size
-                    if isinstance(payload, tuple) and payload[0] == KIND_TRUNCATE:
-                        os.ftruncate(ofd, fpos)
-                        sizes[opath] = last_end[opath] = fpos
-                        broken.discard(opath)
-                        note.records += 1
-                        continue
-                    if opath in broken:  # after an in-place write that did not reach the disk
-                        note.skipped += 1
-                        continue
-                    if fpos > sizes[opath]:  # a hole: an earlier record of it is missing
-                        log.error("log record for %s/%s at file offset %d is beyond its file's end %d: skipped",
-                                  namespace, name, fpos, sizes[opath])
-                        note.skipped += 1
-                        continue
-                    if isinstance(payload, tuple):  # in place: there and whole, or never acknowledged
-                        _, n, hdr = payload
-                        if not _frame_in_place(ofd, fpos, n, hdr):
-                            broken.add(opath)
-                            last_end[opath] = fpos  # cut there: nothing from it on was acknowledged
-                            continue
-                        end = fpos + n
-                        sizes[opath] = max(sizes[opath], end)
-                        last_end[opath] = end
-                        note.records += 1
-                        continue
-                    os.pwrite(ofd, payload, fpos)
-                    end = fpos + len(payload)
-                    sizes[opath] = max(sizes[opath], end)
-                    last_end[opath] = end
-                    note.records += 1
-                    note.bytes += len(payload)
-            finally:
-                os.close(fd)
-        for opath, ofd in fds.items():
-            last = last_end.get(opath)
-            if last is not None and sizes[opath] > last:
-                os.ftruncate(ofd, last)  # written after its last record: never acknowledged
-                note.cuts.append((*names[opath], opath, last, sizes[opath] - last))
-            os.fdatasync(ofd)
-        note.objects = len(last_end)
+            if not _replay_file(path, objects, note, damaged):
+                break  # a damaged or torn record: nothing after it is replayed
+        objects.finish()
     finally:
-        for ofd in fds.values():
+        objects.close()
+    _retire_log_files(wal_dir, files, damaged)
+    if note.records:
+        log.warning(
+            "replayed the write-ahead log: %d records, %d bytes onto %d objects (%d skipped)",
+            note.records, note.bytes, note.objects, note.skipped,
+        )
+    return note
+
+
+def _replay_file(path: str, objects: _ReplayTarget, note: ReplayNote, damaged: list[str]) -> bool:
+    """Apply the records of one log file in order; False if a record that is not whole
+    stopped the replay (a damaged one, not a torn tail or zeros, also goes into *damaged*)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        for pos, fpos, namespace, name, payload in _records(fd, os.fstat(fd).st_size):
+            if fpos < 0:
+                why = namespace
+                if not _all_zero_from(fd, pos) and why != "torn record header" and why != "torn record":
+                    note.damaged = f"{path} offset {pos}: {why}"
+                    damaged.append(path)
+                    log.error(
+                        "damaged write-ahead log record: %s; the records before it were replayed, the"
+                        " file is kept as %s.damaged", note.damaged, path,
+                    )
+                return False
+            objects.apply(namespace, name, fpos, payload)
+    finally:
+        os.close(fd)
+    return True
+
+
+class _ReplayTarget:
+    """The object files a replay writes: their descriptors (opened at their first record),
+    sizes, where each one's last record ends, and the ones cut at an in-place write that
+    did not reach the disk."""
+
+    def __init__(self, object_path: Callable[[str, str], str], note: ReplayNote) -> None:
+        self.object_path = object_path
+        self.note = note
+        self.fds: dict[str, int] = {}
+        self.names: dict[str, tuple[str, str]] = {}
+        self.broken: set[str] = set()
+        self.sizes: dict[str, int] = {}
+        self.last_end: dict[str, int] = {}
+
+    def _open(self, namespace: str, name: str) -> str | None:
+        """The object's path, its file open; None if the name is bad or the file is gone."""
+        try:
+            validate_namespace(namespace)
+            validate_name(name)
+        except BadName:
+            return None
+        opath = self.object_path(namespace, name)
+        if opath not in self.fds:
+            try:
+                ofd = os.open(opath, os.O_RDWR | os.O_CLOEXEC)
+            except FileNotFoundError:
+                return None
+            self.fds[opath] = ofd
+            self.names[opath] = (namespace, name)
+            self.sizes[opath] = os.fstat(ofd).st_size
+        return opath
+
+    def apply(self, namespace: str, name: str, fpos: int, payload: bytes | tuple[int, int, bytes]) -> None:
+        """One record onto its object's file (or skipped: the note counts it)."""
+        note, sizes, last_end = self.note, self.sizes, self.last_end
+        opath = self._open(namespace, name)
+        if opath is None:
+            note.skipped += 1
+            return
+        ofd = self.fds[opath]
+        if isinstance(payload, tuple) and payload[0] == KIND_TRUNCATE:
+            os.ftruncate(ofd, fpos)
+            sizes[opath] = last_end[opath] = fpos
+            self.broken.discard(opath)
+            note.records += 1
+            return
+        if opath in self.broken:  # after an in-place write that did not reach the disk
+            note.skipped += 1
+            return
+        if fpos > sizes[opath]:  # a hole: an earlier record of it is missing
+            log.error("log record for %s/%s at file offset %d is beyond its file's end %d: skipped",
+                      namespace, name, fpos, sizes[opath])
+            note.skipped += 1
+            return
+        if isinstance(payload, tuple):  # in place: there and whole, or never acknowledged
+            _, n, hdr = payload
+            if not _frame_in_place(ofd, fpos, n, hdr):
+                self.broken.add(opath)
+                last_end[opath] = fpos  # cut there: nothing from it on was acknowledged
+                return
+            end = fpos + n
+            sizes[opath] = max(sizes[opath], end)
+            last_end[opath] = end
+            note.records += 1
+            return
+        os.pwrite(ofd, payload, fpos)
+        end = fpos + len(payload)
+        sizes[opath] = max(sizes[opath], end)
+        last_end[opath] = end
+        note.records += 1
+        note.bytes += len(payload)
+
+    def finish(self) -> None:
+        """Cut what each object's file holds after its last record (never acknowledged), then
+        fdatasync every object file."""
+        for opath, ofd in self.fds.items():
+            last = self.last_end.get(opath)
+            if last is not None and self.sizes[opath] > last:
+                os.ftruncate(ofd, last)
+                self.note.cuts.append((*self.names[opath], opath, last, self.sizes[opath] - last))
+            os.fdatasync(ofd)
+        self.note.objects = len(self.last_end)
+
+    def close(self) -> None:
+        for ofd in self.fds.values():
             os.close(ofd)
+
+
+def _retire_log_files(wal_dir: str, files: list[tuple[int, str]], damaged: list[str]) -> None:
+    """After a replay: damaged files kept aside as ``.damaged``, the newest two others emptied
+    (WriteAheadLog reuses them), the rest deleted; all of it durable."""
     for path in damaged:
         os.rename(path, path + ".damaged")
     keep = [p for _, p in files if p not in damaged][-2:]  # emptied, reused by WriteAheadLog
@@ -526,9 +567,3 @@ def replay(wal_dir: str, object_path: Callable[[str, str], str]) -> ReplayNote:
         finally:
             os.close(fd)
     fsync_dir(wal_dir)
-    if note.records:
-        log.warning(
-            "replayed the write-ahead log: %d records, %d bytes onto %d objects (%d skipped)",
-            note.records, note.bytes, note.objects, note.skipped,
-        )
-    return note

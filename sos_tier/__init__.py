@@ -2,9 +2,11 @@
 object store, from whose listing alone a reader rebuilds every namespace.
 
 - ``store.py``: the :class:`Store` interface (``put_once``, ranged ``get``, paginated
-  ``list``, ``delete``), its typed errors, :class:`LocalStore` (``file:///path``) and
-  :func:`open_store`; ``s3.py``: :class:`S3Store` (``s3://bucket/prefix``, boto3; imported
-  only when used, it is the optional extra ``tier``).
+  ``list``, ``delete``), its typed errors and :class:`LocalStore` (``file:///path``);
+  ``s3.py``: :class:`S3Store` (``s3://bucket/prefix``, boto3; imported only when used, it is
+  the optional extra ``tier``); ``open.py``: :func:`open_store`, the store a URL names.
+- ``files.py``: the file modes and directory fsync of every local file (the server's data
+  directory uses them too).
 - ``layout.py``: key names, :func:`scan` (the listing to per-object states and problems),
   :func:`read_object` / :func:`iter_object` (parallel ranged GETs, every piece's CRC32C checked).
 - ``uploader.py``: :class:`Uploader`, the part the server drives (next piece, written once;
@@ -27,7 +29,8 @@ from sos_tier.layout import (
     scan,
     scan_object,
 )
-from sos_tier.store import LocalStore, PutOutcome, Store, StoredKey, TierError, TierNotFound, open_store
+from sos_tier.open import open_store
+from sos_tier.store import LocalStore, PutOutcome, Store, StoredKey, TierError, TierNotFound
 from sos_tier.uploader import Lag, Step, TierFenced, Uploader
 
 __all__ = [

@@ -27,6 +27,7 @@ The contract every backend keeps:
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import errno
 import os
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 from typing import Protocol
 from urllib.parse import unquote, urlsplit
 
-from sos_server.durable import DIR_MODE, FILE_MODE, fsync_dir
+from sos_tier.files import DIR_MODE, FILE_MODE, fsync_dir
 
 __all__ = [
     "LocalStore",
@@ -45,7 +46,6 @@ __all__ = [
     "StoredKey",
     "TierError",
     "TierNotFound",
-    "open_store",
 ]
 
 
@@ -107,20 +107,6 @@ def _range(start: int | None, end: int | None) -> tuple[int, int | None]:
     return s, end
 
 
-def open_store(url: str, **options: object) -> Store:
-    """The store a URL names: ``s3://bucket/prefix`` (:class:`S3Store`; credentials, region
-    and endpoint from boto3's standard chain and ``AWS_ENDPOINT_URL``) or ``file:///path``
-    (:class:`LocalStore`). *options* go to the backend (``page_size`` for both)."""
-    scheme = urlsplit(url).scheme
-    if scheme == "s3":
-        from sos_tier.s3 import S3Store  # boto3 is the optional extra "tier"
-
-        return S3Store(url, **options)  # type: ignore[arg-type]
-    if scheme == "file":
-        return LocalStore(url, **options)  # type: ignore[arg-type]
-    raise ValueError(f"unsupported tier URL {url!r}: s3://BUCKET/PREFIX or file:///PATH")
-
-
 # ---------------------------------------------------------------------------------------------
 # file:///path: a second local disk
 
@@ -178,10 +164,8 @@ class LocalStore:
                     fsync_dir(d)
                     return PutOutcome.CREATED
             finally:
-                try:
+                with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)
-                except FileNotFoundError:
-                    pass
         except OSError as exc:
             raise TierError(f"cannot write {key} in {self.root}: {exc}") from exc
         return PutOutcome.ALREADY_SAME if self.get(key) == bytes(data) else PutOutcome.CONFLICT

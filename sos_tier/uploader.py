@@ -402,6 +402,5 @@ class Uploader:
     def _name_key(self, namespace: str, name: str) -> None:
         """Before the first key of a hashed (long) name, its ``name`` key."""
         key = name_key(namespace, name)
-        if key is not None:
-            if self.store.put_once(key, name.encode()) is PutOutcome.CONFLICT:
-                raise TierError(f"{key} holds another name (SHA-256 collision or damage)")
+        if key is not None and self.store.put_once(key, name.encode()) is PutOutcome.CONFLICT:
+            raise TierError(f"{key} holds another name (SHA-256 collision or damage)")

@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+from humanfriendly import InvalidSize, InvalidTimespan, parse_size, parse_timespan
+
 __all__ = ["duration", "integer", "size"]
 
 
@@ -38,7 +40,6 @@ def integer(minimum: int = 0, maximum: int | None = None) -> Callable[[str], int
 
 def size(minimum: int = 0) -> Callable[[str], int]:
     """An argparse type: a byte count such as ``4096``, ``64K``, ``512MiB``, ``10G``."""
-    from humanfriendly import InvalidSize, parse_size
 
     def parse(text: str) -> int:
         try:
@@ -53,8 +54,6 @@ def size(minimum: int = 0) -> Callable[[str], int]:
 
 def duration(text: str) -> float:
     """An argparse type: seconds, from ``90``, ``90s``, ``15m``, ``2h``, ``7d``, ``250ms``."""
-    from humanfriendly import InvalidTimespan, parse_timespan
-
     try:
         value = float(parse_timespan(text))
     except InvalidTimespan:

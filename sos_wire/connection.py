@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 import struct
 from enum import Enum
-from typing import Union
+from typing import Final
 
 from . import events as ev
 from .crc import crc32c
@@ -71,18 +71,20 @@ __all__ = [
 DIRECT_BODY_MIN = 64 * 1024
 
 
-class _Sentinel:
-    __slots__ = ("_name",)
+class _Sentinel(Enum):
+    """The type of NEED_DATA: an enum of one member, so that a type checker narrows
+    ``next_event()``'s result to an event once it is not NEED_DATA (``is`` tells them apart)."""
 
-    def __init__(self, name: str) -> None:
-        self._name = name
+    NEED_DATA = "NEED_DATA"
 
     def __repr__(self) -> str:
-        return self._name
+        return self.value
+
+    __str__ = __repr__
 
 
 #: returned by ``next_event`` when a whole frame is not buffered yet
-NEED_DATA = _Sentinel("NEED_DATA")
+NEED_DATA: Final = _Sentinel.NEED_DATA
 
 
 class Role(Enum):
@@ -115,29 +117,30 @@ def _header(opcode: int, request_id: int, body_len: int) -> bytes:
     return h12 + crc32c(h12).to_bytes(4, "big")
 
 
-def _encode_body_parts(op: Op, event) -> list:
-    """The body of *event* as a list of bytes-like parts (no copy of big payloads)."""
-    if op is Op.APPEND:
+def _encode_body_parts(op: Op, event: ev.Event) -> list[ev.Payload]:
+    """The body of *event* (whose opcode is *op*: ``OP_OF[type(event)]``, so the event's
+    class is exactly the one of its opcode) as a list of bytes-like parts (no copy of big
+    payloads)."""
+    if isinstance(event, ev.Append):
         name = event.name.encode("utf-8")
         data = event.data
         return [_U16.pack(len(name)), name, _APPEND_TAIL.pack(event.offset, event.epoch, event.crc, len(data)), data]
-    if op is Op.READ_DATA:
+    if isinstance(event, ev.ReadData):
         if event.last not in (0, 1):
             raise ValueError(f"last must be a bool, got {event.last!r}")
         data = event.data
         return [_READ_DATA_HEAD.pack(event.offset, event.last, len(data)), data]
-    if op is Op.APPEND_OK:
+    if isinstance(event, ev.AppendOk):
         return [_U64.pack(event.length)]
-    if op is Op.PING or op is Op.PONG:
-        if len(event.payload) > MAX_PING_PAYLOAD:
-            raise ValueError(f"{op.name} payload is {len(event.payload)} bytes, the limit is {MAX_PING_PAYLOAD}")
+    if isinstance(event, ev.Ping | ev.Pong) and len(event.payload) > MAX_PING_PAYLOAD:
+        raise ValueError(f"{op.name} payload is {len(event.payload)} bytes, the limit is {MAX_PING_PAYLOAD}")
     fields = {f: getattr(event, f) for f in _FIELDS[type(event)]}
-    if op is Op.LIST_OK:
+    if isinstance(event, ev.ListOk):
         fields["entries"] = [{"name": e.name, "length": e.length, "sealed": e.sealed} for e in event.entries]
     return [BODIES[op].build(fields)]
 
 
-def encode_event(event) -> bytes:
+def encode_event(event: ev.Event) -> bytes:
     """Header + body of *event*, with no connection state checks (for tests and docs)."""
     op = OP_OF[type(event)]
     parts = _encode_body_parts(op, event)
@@ -145,14 +148,14 @@ def encode_event(event) -> bytes:
     return b"".join([_header(op, event.request_id, size), *parts])
 
 
-def decode_body(op: Op, request_id: int, body: bytes):
+def decode_body(op: Op, request_id: int, body: bytes) -> ev.Event:
     """Parse *body* with the construct definition of *op* into an event.
 
     Raises RemoteProtocolError on anything malformed (reference decoder; the
     connection uses fast paths for the hot frames)."""
     try:
         c = BODIES[op].parse(body)
-    except Exception as exc:  # construct errors, UnicodeDecodeError, ...
+    except Exception as exc:  # noqa: BLE001 - construct's errors, UnicodeDecodeError, ...: all a malformed body
         raise RemoteProtocolError(
             f"malformed {op.name} body: {_short(exc)}", request_id=request_id
         ) from None
@@ -174,7 +177,8 @@ def decode_body(op: Op, request_id: int, body: bytes):
             f"{op.name} payload is {len(kw['payload'])} bytes, the limit is {MAX_PING_PAYLOAD}",
             code=ErrorCode.BAD_REQUEST, request_id=request_id, fatal=op is Op.PONG,
         )
-    return cls(request_id, **kw)
+    event: ev.Event = cls(request_id, **kw)
+    return event
 
 
 def _short(exc: BaseException) -> str:
@@ -182,7 +186,7 @@ def _short(exc: BaseException) -> str:
     return text[:200] or type(exc).__name__
 
 
-Event = Union[ev.Event, _Sentinel]
+Event = ev.Event | _Sentinel
 
 
 class Connection:
@@ -201,7 +205,7 @@ class Connection:
         self.max_body = max_body
         self.peer_max_body = DEFAULT_MAX_BODY
         self._buf = bytearray()
-        self._hdr: tuple | None = None  # (opcode, request_id, body_len) of the frame being received
+        self._hdr: tuple[int, int, int] | None = None  # (opcode, request_id, body_len) of the frame being received
         self._body: bytearray | None = None  # the frame's own body buffer (direct_body_min)
         #: bodies of APPEND/READ_DATA at least this big may get their own buffer
         #: (receive_buffer; None: never)
@@ -237,7 +241,7 @@ class Connection:
                 return self._next_id
 
     # -- receiving --------------------------------------------------------------------
-    def receive_data(self, data) -> None:
+    def receive_data(self, data: ev.Payload) -> None:
         """Buffer bytes from the peer; ``b""`` means the peer closed its side."""
         if not data:
             self._eof = True
@@ -281,9 +285,9 @@ class Connection:
         budget; ``allocate=False`` only returns a buffer already handed out)."""
         body = self._body
         if body is None:
-            if not allocate or not self.awaiting_body:
+            body_len = self.awaiting_body if allocate else 0
+            if not body_len:
                 return None
-            body_len = self._hdr[2]  # type: ignore[index]
             body = bytearray(body_len)
             buf = self._buf
             have = len(buf) - HEADER_LEN
@@ -305,7 +309,7 @@ class Connection:
             raise LocalProtocolError(f"received({n}) does not fit the buffer handed out")
         self._filled += n
 
-    def _fail(self, message: str, *, code: ErrorCode = ErrorCode.BAD_FRAME, request_id: int = 0):
+    def _fail(self, message: str, *, code: ErrorCode = ErrorCode.BAD_FRAME, request_id: int = 0) -> RemoteProtocolError:
         self._error = RemoteProtocolError(message, code=code, request_id=request_id, fatal=True)
         self._buf.clear()
         self._hdr = None
@@ -382,7 +386,7 @@ class Connection:
         self._after_receive(op, event)
         return event
 
-    def _parse_header(self) -> tuple:
+    def _parse_header(self) -> tuple[int, int, int]:
         buf = self._buf
         magic, version, opcode, request_id, body_len, header_crc = _HEADER.unpack_from(buf, 0)
         if magic != MAGIC:
@@ -423,7 +427,7 @@ class Connection:
                     )
         return (opcode, request_id, body_len)
 
-    def _payload(self, buf: bytearray, pos: int, end: int):
+    def _payload(self, buf: bytearray, pos: int, end: int) -> bytes | memoryview:
         """The payload: a copy out of the shared receive buffer (reused for the next frames),
         or a view of a body's own buffer (nobody else writes it: no copy)."""
         if buf is self._buf:
@@ -431,7 +435,7 @@ class Connection:
                 return mv[pos:end].tobytes()
         return memoryview(buf)[pos:end]
 
-    def _fast_append(self, request_id: int, buf, start: int, end: int) -> ev.Append:
+    def _fast_append(self, request_id: int, buf: bytearray, start: int, end: int) -> ev.Append:
         pos = start
         if pos + 2 > end:
             raise RemoteProtocolError("malformed APPEND body: truncated name length", request_id=request_id)
@@ -452,7 +456,7 @@ class Connection:
             )
         return ev.Append(request_id, name, offset, epoch, crc, self._payload(buf, pos, end))
 
-    def _fast_read_data(self, request_id: int, buf, start: int, end: int) -> ev.ReadData:
+    def _fast_read_data(self, request_id: int, buf: bytearray, start: int, end: int) -> ev.ReadData:
         pos = start
         if pos + _READ_DATA_HEAD.size > end:
             raise RemoteProtocolError("malformed READ_DATA body: truncated", request_id=request_id)
@@ -466,22 +470,22 @@ class Connection:
             )
         return ev.ReadData(request_id, offset, bool(last), self._payload(buf, pos, end))
 
-    def _after_receive(self, op: Op, event) -> None:
+    def _after_receive(self, op: Op, event: ev.Event) -> None:
         if self.role is Role.SERVER:
             self._pending[event.request_id] = op
             return
-        if op is Op.READ_DATA and not event.last:
+        if isinstance(event, ev.ReadData) and not event.last:
             return
         self._pending.pop(event.request_id, None)
-        if op is Op.HELLO_OK:
+        if isinstance(event, ev.HelloOk):
             self.peer_max_body = event.max_body
 
     # -- sending ----------------------------------------------------------------------
-    def send(self, event) -> bytes:
+    def send(self, event: ev.Event) -> bytes:
         """The bytes of the frame for *event*. Raises LocalProtocolError on misuse."""
         return b"".join(self.send_parts(event))
 
-    def send_parts(self, event) -> list:
+    def send_parts(self, event: ev.Event) -> list[ev.Payload]:
         """The frame for *event* as a list of bytes-like parts (header, fields, payload),
         the payload not copied: for ``sendmsg``/``writev``. Same checks as :meth:`send`."""
         op = OP_OF.get(type(event))
@@ -510,16 +514,16 @@ class Connection:
         try:
             parts = _encode_body_parts(op, event)
             size = sum(memoryview(p).nbytes for p in parts)  # TypeError for anything not bytes-like
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever a field the codec cannot encode raises: the caller's misuse
             raise LocalProtocolError(f"cannot encode {event!r:.200}: {_short(exc)}") from None
         if size > self.peer_max_body:
             raise LocalProtocolError(f"{op.name} body of {size} bytes exceeds the peer's limit of {self.peer_max_body}")
         try:
             frame = [_header(op, rid, size), *parts]
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - as above (struct.error for a field out of range)
             raise LocalProtocolError(f"cannot encode {event!r:.200}: {_short(exc)}") from None
         if self.role is Role.CLIENT:
             self._pending[rid] = op
-        elif not (op is Op.READ_DATA and not event.last):
+        elif not (isinstance(event, ev.ReadData) and not event.last):
             self._pending.pop(rid, None)
         return frame

@@ -7,7 +7,7 @@ import crc32c as _crc32c
 __all__ = ["crc32c"]
 
 
-def crc32c(data, value: int = 0) -> int:
+def crc32c(data: bytes | bytearray | memoryview, value: int = 0) -> int:
     """CRC32C of *data* (any bytes-like object), continuing from *value*.
 
     ``crc32c(b + c) == crc32c(c, crc32c(b))``; ``crc32c(b"123456789") == 0xE3069283``.

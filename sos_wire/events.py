@@ -10,13 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Union
 
 from .errors import ErrorCode
 
 #: a payload: bytes as built, or a memoryview of the body's own buffer when the connection
 #: received a large body straight into it (connection.DIRECT_BODY_MIN)
-Payload = Union[bytes, bytearray, memoryview]
+Payload = bytes | bytearray | memoryview
 
 __all__ = [
     "Append",

@@ -158,6 +158,7 @@ assert set(BODIES) == set(Op)
 
 def build_header(opcode: int, request_id: int, body_len: int, version: int = VERSION) -> bytes:
     """The 16 header bytes, built by construct (the reference; the codec uses a fast path)."""
-    return Header.build(
+    header: bytes = Header.build(
         {"fields": {"value": {"version": version, "opcode": opcode, "request_id": request_id, "body_len": body_len}}}
     )
+    return header

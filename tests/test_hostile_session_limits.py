@@ -254,7 +254,7 @@ def test_unauthenticated_connections_have_their_own_cap(sos_server_factory):
 
 
 def test_address_key_counts_ipv6_by_slash_64():
-    from sos_server.listener import address_key
+    from sos_wire.addresses import address_key
 
     assert address_key("127.0.0.2") == "127.0.0.2"
     assert address_key("::ffff:10.0.0.1") == "10.0.0.1"

@@ -10,7 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from sos_tier.store import LocalStore, PutOutcome, StoredKey, TierError, TierNotFound, open_store
+from sos_tier.open import open_store
+from sos_tier.store import LocalStore, PutOutcome, StoredKey, TierError, TierNotFound
 
 pytest_plugins = ["tier_support"]  # the fixtures moto, store (both backends) and new_bucket
 

@@ -55,6 +55,7 @@ from sos_tier.layout import (
     iter_object,
     scan,
 )
+from sos_tier.open import open_store
 from sos_tier.store import Store, TierError
 from sos_wire.names import BadName, validate_namespace
 
@@ -136,10 +137,6 @@ class BucketSource:
             validate_namespace(namespace)
         except BadName as exc:
             raise ValueError(str(exc)) from None
-        try:
-            from sos_tier.store import TierError, open_store
-        except ImportError as exc:  # pragma: no cover - sos_tier ships with sos
-            raise BucketUnavailable(f"cannot read {url}: {exc}") from exc
         try:
             store = open_store(url)
         except ImportError as exc:

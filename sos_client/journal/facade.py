@@ -9,20 +9,68 @@ with a message that names the namespace and says, for a fenced writer, that this
 longer change it. Any other exception (an OSError of the tree: ENOENT, EEXIST...) is the
 caller's own answer and comes back as it is. :class:`FenceLatch` remembers the first fenced
 failure so that every later change is refused at once (EROFS) and the reason logged once.
+
+Durability (issue 19 item 3): :func:`add_durability_options` gives ``sos gateway`` and ``sos mount``
+the same ``--durability server|tier`` and ``--tier-patience`` options, whose values go to
+:func:`~sos_client.journal.open.open_namespace`; a barrier the bucket did not reach within the
+patience (:class:`~sos_client.journal.errors.JournalTierBehind`) is reported as ETIMEDOUT, its
+message saying the change is durable on the SOS server and nothing is lost.
 """
 
 from __future__ import annotations
 
+import argparse
 import errno
 import logging
 from collections.abc import Callable
 from typing import TypeVar
 
 from sos_client.errors import SOSError, is_fenced, to_oserror
+from sos_wire import argtypes
 
-from .errors import JournalError
+from .errors import JournalError, JournalTierBehind
 
-__all__ = ["FenceLatch", "call_journal", "journal_error"]
+__all__ = ["DEFAULT_TIER_PATIENCE", "DURABILITIES", "FenceLatch", "add_durability_options",
+           "call_journal", "durability_refusal", "journal_error", "tier_patience_of"]
+
+#: what ``durability`` takes (JournalWriter's DURABILITIES, named here without importing the writer)
+DURABILITIES = ("server", "tier")
+#: a face's barrier waits this long for the bucket before it reports JournalTierBehind
+#: (ETIMEDOUT; the gateway's 503): below Hadoop's 60 s WebHDFS read timeout, so that the
+#: client hears why rather than a timeout of its own
+DEFAULT_TIER_PATIENCE = 30.0
+
+
+def add_durability_options(parser: argparse.ArgumentParser, *, what: str, failure: str = "ETIMEDOUT") -> None:
+    """``--durability server|tier`` and ``--tier-patience DURATION`` (``what``: the barriers
+    named in the help, e.g. "RENAME, DELETE and file bodies"; ``failure``: how the face reports
+    a barrier the bucket did not reach in time)."""
+    parser.add_argument("--durability", choices=DURABILITIES, default="server",
+                        help=f"what {what} wait for: 'server' (default), the SOS server's disk; "
+                             f"'tier', also the server's object-store tier (the bucket of "
+                             f"`sos-server serve --tier URL`): a committed batch then survives the "
+                             f"loss of the server and its disk. Refused at start by a server "
+                             f"without --tier")
+    parser.add_argument("--tier-patience", type=argtypes.duration, default=DEFAULT_TIER_PATIENCE,
+                        metavar="DURATION",
+                        help=f"--durability tier: how long a barrier waits for the bucket before "
+                             f"it fails with {failure} (the change stays applied and durable on "
+                             f"the server; nothing is lost); 0: wait as long as it takes "
+                             f"(default {DEFAULT_TIER_PATIENCE:g}s)")
+
+
+def durability_refusal(durability: str, sync: bool) -> str:
+    """Why a face's ``--durability``/``--async`` combination is refused ("" if it is not):
+    in async mode nothing waits, so the bucket would never be waited for either."""
+    if durability == "tier" and not sync:
+        return ("--durability tier waits for the bucket at each barrier, and --async waits for "
+                "nothing: drop one of them")
+    return ""
+
+
+def tier_patience_of(seconds: float | None) -> float | None:
+    """The writer's ``tier_patience`` for a face's ``--tier-patience`` (0: no bound)."""
+    return None if not seconds else float(seconds)
 
 T = TypeVar("T")
 
@@ -33,7 +81,12 @@ def journal_error(exc: BaseException, namespace: str, who: str = "this process")
     e.g. "this gateway"); anything else as it is."""
     if not isinstance(exc, (JournalError, SOSError)):
         return exc
-    what = f"was taken over by another writer (fenced); {who} can no longer change it" if is_fenced(exc) else "failed"
+    if is_fenced(exc):
+        what = f"was taken over by another writer (fenced); {who} can no longer change it"
+    elif isinstance(exc, JournalTierBehind):
+        what = "is behind in the object-store tier"
+    else:
+        what = "failed"
     return to_oserror(exc, f"journal of namespace {namespace!r} {what}", namespace)
 
 

@@ -30,6 +30,17 @@ Storage options:
                replicator ships in the background, its lag bounded by
                ``max_lag_bytes`` (writes block beyond it). ``mv`` still waits
                (see the note in ``_open_namespace``).
+``durability`` "server" (default): those waits end once the records are durable on
+               the SOS server. "tier": once the server's object-store tier (the
+               bucket of ``sos-server serve --tier URL``) holds them too, so a
+               committed batch survives the loss of the server and its disk; the
+               first use of a namespace fails (JournalTierUnavailable) if the server
+               has no tier. A wait the bucket did not answer within ``tier_patience``
+               seconds (default 30; None: no bound) raises TimeoutError (ETIMEDOUT):
+               the change stays applied and durable on the server, nothing is lost.
+               One writer serves a namespace per process: a second filesystem object
+               asking for the other durability on the same namespace and cache is
+               refused (ValueError), never silently given the first one's.
 
 A key with the read role gets a read-only view: the tree is rebuilt from the
 server into ``<cache_dir>/<ns>/read-tree`` when the namespace is first used in
@@ -58,6 +69,7 @@ from fsspec.spec import AbstractFileSystem
 from fsspec.utils import stringify_path
 
 from sos_client import resolve_key, resolve_server
+from sos_client.journal.facade import DEFAULT_TIER_PATIENCE, DURABILITIES
 from sos_client.journal.records import validate_path
 from sos_wire.names import validate_namespace
 
@@ -98,6 +110,8 @@ class SOSFileSystem(AbstractFileSystem):
         timeout: float = 30,
         tls: ssl.SSLContext | bool | None = None,
         generation_bytes: int | None = None,
+        durability: str = "server",
+        tier_patience: float | None = DEFAULT_TIER_PATIENCE,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -119,6 +133,13 @@ class SOSFileSystem(AbstractFileSystem):
         ):
             raise ValueError(f"sos: generation_bytes must be a positive int, got {generation_bytes!r}")
         self.generation_bytes = generation_bytes
+        if durability not in DURABILITIES:
+            raise ValueError(f"sos: durability must be one of {', '.join(DURABILITIES)}, got {durability!r}")
+        if tier_patience is not None and (isinstance(tier_patience, bool) or not isinstance(tier_patience, (int, float))
+                                          or tier_patience < 0):
+            raise ValueError(f"sos: tier_patience must be seconds >= 0 or None, got {tier_patience!r}")
+        self.durability = durability
+        self.tier_patience = tier_patience
         self._handles: dict[str, _Namespace] = {}  # namespace -> shared _Namespace (see _open_namespace)
 
     # ---------------------------------------------------------------- paths
@@ -167,6 +188,8 @@ class SOSFileSystem(AbstractFileSystem):
             self.timeout,
             self.tls,
             self.generation_bytes,
+            durability=self.durability,
+            tier_patience=self.tier_patience,
         )
         self._handles[namespace] = h
         return h

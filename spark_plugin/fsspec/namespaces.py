@@ -41,8 +41,9 @@ class _Namespace:
     atomic within the process. Other processes cannot write the namespace without
     fencing this one."""
 
-    def __init__(self, opened: OpenNamespace, tree: FsTree) -> None:
+    def __init__(self, opened: OpenNamespace, tree: FsTree, durability: str = "server") -> None:
         self.pid = os.getpid()
+        self.durability = durability
         self.opened = opened
         self.tree = tree
         self.writer = opened.writer
@@ -99,8 +100,14 @@ _REGISTRY_PID = os.getpid()
 
 def _open_namespace(server: str, key: str, namespace: str, base_dir: str, max_lag_bytes: int | None,
                     timeout: float, tls: ssl.SSLContext | bool | None = None,
-                    generation_bytes: int | None = None) -> _Namespace:
-    """The process-wide tree of (server, namespace, cache dir) for this key's role."""
+                    generation_bytes: int | None = None, *, durability: str = "server",
+                    tier_patience: float | None = None) -> _Namespace:
+    """The process-wide tree of (server, namespace, cache dir) for this key's role.
+
+    ``durability`` is the writer's (one per namespace and cache): a second filesystem object
+    asking for the other one while the namespace is open is refused with ValueError rather
+    than silently given weaker (or costlier) barriers than it asked for. A read-only view has
+    no writer and no barrier: any durability shares it."""
     global _REGISTRY_PID
 
     root = os.path.realpath(os.path.join(base_dir, namespace))
@@ -115,6 +122,12 @@ def _open_namespace(server: str, key: str, namespace: str, base_dir: str, max_la
             _REGISTRY_PID = os.getpid()
         ns = _REGISTRY.get(ident)
         if ns is not None and not ns.closed:
+            if ident[3] == "append" and ns.durability != durability:
+                raise ValueError(
+                    f"sos: namespace {namespace!r} (cache {root}) is already open in this process "
+                    f"with durability {ns.durability!r}; one writer serves it, so a filesystem "
+                    f"with durability {durability!r} cannot share it: give every filesystem "
+                    f"object of the namespace the same durability (or close_all() first)")
             return ns
         # One writer serves every filesystem object of this namespace in the
         # process, whatever each object's ``sync``, so it runs in sync mode:
@@ -123,9 +136,10 @@ def _open_namespace(server: str, key: str, namespace: str, base_dir: str, max_la
         # objects with sync=False do not.
         opened = open_namespace(namespace, root, server=server, key=key, timeout=timeout, tls=tls,
                                 sync=True, max_lag_bytes=max_lag_bytes,
-                                generation_bytes=generation_bytes, allow_read_only=True)
+                                generation_bytes=generation_bytes, allow_read_only=True,
+                                durability=durability, tier_patience=tier_patience)
         tree: FsTree = opened.tree if opened.read_only else _GuardedTree(opened.tree, namespace)
-        ns = _Namespace(opened, tree)
+        ns = _Namespace(opened, tree, durability)
         _REGISTRY[ident] = ns
         return ns
 

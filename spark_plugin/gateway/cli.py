@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from sos_client.cli import add_connection_options, client_from_args, key_from_args
 from sos_client.errors import SOSError
+from sos_client.journal.facade import add_durability_options, durability_refusal, tier_patience_of
 from sos_wire import argtypes
 from sos_wire.names import validate_namespace
 
@@ -38,9 +39,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                     "the namespace's single journal writer: every node of a Spark cluster "
                     "checkpoints to webhdfs://HOST:PORT/path with no privileges. Clients get a "
                     "bearer token at /oauth2/token (client_id = NAMESPACE, client_secret = a "
-                    "key of it). An empty cache is first restored from the server. RENAME, "
-                    "DELETE, TRUNCATE and file bodies (CREATE, APPEND) reply once durable on "
-                    "the server (sync mode). SIGTERM/SIGINT stop it gracefully: no new "
+                    "key of it). An empty cache is first restored from the server. MKDIRS, "
+                    "RENAME, DELETE, TRUNCATE and file bodies (CREATE, APPEND) reply once "
+                    "durable on the server (sync mode). Fenced by a newer writer, it refuses "
+                    "every request and exits with code 3. SIGTERM/SIGINT stop it gracefully: no new "
                     "connections, the requests in progress finish (at most 25 s; a second "
                     "signal stops at once), then the journal is flushed.")
     p.add_argument("namespace")
@@ -51,6 +53,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--async", dest="async_", action="store_true",
                    help="do not wait for the server (RENAME, DELETE, file bodies); bound the lag "
                         "instead")
+    add_durability_options(p, what="RENAME, DELETE, TRUNCATE, markers and file bodies",
+                           failure="403 RetriableException")
     p.add_argument("--max-lag", type=argtypes.size(1), default=64 << 20, metavar="BYTES",
                    help="most unshipped journal bytes before writes wait (default 64M)")
     p.add_argument("--generation-bytes", type=argtypes.size(1), default=None, metavar="BYTES",
@@ -97,6 +101,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--insecure-no-auth", action="store_true",
                    help="serve every request without a token, with full rights (only accepted "
                         "on a loopback --listen address: tests and single-machine demos)")
+    p.add_argument("--fence-check", type=_positive_duration, default=5.0, metavar="DURATION",
+                   help="ask the SOS server this often whether a newer writer fenced this gateway "
+                        "(default 5): a fenced gateway refuses every request (503; its health "
+                        "check fails), logs who fenced it and exits with code 3")
     p.add_argument("--debug", action="store_true", help="log every request")
     add_connection_options(p)
     p.set_defaults(func=run)
@@ -137,6 +145,10 @@ def run(args: argparse.Namespace) -> int:
     if refusal:
         print(f"sos: {refusal}", file=sys.stderr)
         return 2
+    refusal = durability_refusal(args.durability, not args.async_)
+    if refusal:
+        print(f"sos: {refusal}", file=sys.stderr)
+        return 2
 
     def factory() -> Client:
         return client_from_args(args, args.namespace)
@@ -156,15 +168,23 @@ def run(args: argparse.Namespace) -> int:
                            advertise=args.advertise, max_connections=args.max_connections,
                            max_per_address=args.max_connections_per_address,
                            head_timeout=args.head_timeout, send_timeout=args.send_timeout,
-                           open_memory=args.open_memory, key_recheck=args.key_recheck)
+                           open_memory=args.open_memory, key_recheck=args.key_recheck,
+                           durability=args.durability,
+                           tier_patience=tier_patience_of(args.tier_patience),
+                           fence_check=args.fence_check)
     except KeyboardInterrupt:
         print("sos: gateway interrupted (the spool keeps what the server does not have yet)",
               file=sys.stderr)
         return 130
     except Exception as exc:
         logging.getLogger("sos.gateway").debug("gateway failed", exc_info=True)
-        print(f"sos: gateway failed: {exc}", file=sys.stderr)
+        print(f"sos: gateway failed: {one_line(exc)}", file=sys.stderr)
         return 1
+
+
+def one_line(exc: BaseException) -> str:
+    """``exc``'s message on one line (a server's message may hold newlines)."""
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def main(argv: list[str] | None = None) -> int:

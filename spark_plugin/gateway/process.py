@@ -20,12 +20,15 @@ class GatewayProcess(ReadyChild):
 
     ``.url`` (``http://host:port``) is known once :meth:`start` returns; ``.stop()``
     (SIGTERM, flushes), ``.kill()`` (SIGKILL, a crash). The key goes by environment.
+    ``durability``: ``--durability`` ("server" or "tier": the barriers also wait for the
+    server's bucket); ``tier_patience``: ``--tier-patience`` in seconds (None: the default).
     """
 
     def __init__(self, namespace: str, cache_dir: str, server: str, key: str, *,
                  listen: str = "127.0.0.1:0", sync: bool = True, log_path: str | None = None,
                  extra_args: tuple[str, ...] | list[str] = (), start_timeout: float = 120.0,
-                 debug: bool = False) -> None:
+                 debug: bool = False, durability: str = "server",
+                 tier_patience: float | None = None) -> None:
         super().__init__("sos gateway", READY_MARKER,
                          log_path or os.path.join(tempfile.mkdtemp(prefix="sos-gateway-log-"),
                                                   "gateway.log"),
@@ -38,6 +41,8 @@ class GatewayProcess(ReadyChild):
         self.sync = sync
         self.extra_args = list(extra_args)
         self.debug = debug
+        self.durability = durability
+        self.tier_patience = tier_patience
 
     def command(self) -> list[str]:
         cmd = [sys.executable, "-m", "spark_plugin.gateway.cli", self.namespace,
@@ -46,6 +51,10 @@ class GatewayProcess(ReadyChild):
             cmd.append("--async")
         if self.debug:
             cmd.append("--debug")
+        if self.durability != "server":
+            cmd += ["--durability", self.durability]
+        if self.tier_patience is not None:
+            cmd += ["--tier-patience", f"{self.tier_patience:g}"]
         return cmd + self.extra_args
 
     def environment(self) -> dict[str, str]:

@@ -6,15 +6,21 @@ loopback and the connection cap that fits the descriptor limit."""
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import logging
 import resource
 import ssl
+import time
+from collections.abc import Callable
 from typing import Any
 
 import trio
 
-from sos_client.journal.open import ClientFactory, default_cache_dir, open_namespace
+from sos_client.errors import Fenced, SOSError
+from sos_client.journal import layout
+from sos_client.journal.open import ClientFactory, OpenNamespace, default_cache_dir, open_namespace
+from sos_client.journal.writer import server_last_record
 from sos_client.serving import serve_until_signal
 from sos_wire.addresses import is_loopback, is_wildcard, parse_address, split_address
 from sos_wire.auth import Key
@@ -23,7 +29,7 @@ from .auth import DEFAULT_KEY_RECHECK, DEFAULT_TOKEN_TTL, TOKEN_PATH, TokenAutho
 from .http import HEAD_TIMEOUT, MAX_CONNECTIONS, MAX_CONNECTIONS_PER_ADDRESS, SEND_TIMEOUT
 from .operations import OPEN_MEMORY
 from .process import READY_MARKER
-from .server import Gateway
+from .server import EXIT_FENCED, Gateway
 from .webhdfs import WebHdfsNamespace
 
 __all__ = ["fit_connections", "parse_advertise", "parse_listen", "plaintext_refusal", "raise_nofile_limit",
@@ -37,6 +43,13 @@ FD_RESERVE = 128
 #: on SIGTERM/SIGINT, the requests in progress get this long to finish (Kubernetes gives
 #: a pod 30 s by default between SIGTERM and SIGKILL)
 DRAIN_TIMEOUT = 25.0
+#: how often the gateway asks the SOS server for its namespace's fence epoch (a FENCE(0),
+#: which never passes and answers the current fence): a newer writer's takeover is seen
+#: within this long even while no request comes; the writer's own failure within 0.5 s
+FENCE_CHECK = 5.0
+#: a previous writer whose last record is younger than this was probably still running
+#: when this gateway fenced it (logged as a warning, else as information)
+LIVE_WRITER_WINDOW = 300.0
 
 
 def parse_listen(text: str) -> tuple[str, int]:
@@ -108,9 +121,13 @@ def run_gateway(namespace: str, listen: str, *, server: str, key: str, cache_dir
                 max_connections: int = MAX_CONNECTIONS,
                 max_per_address: int = MAX_CONNECTIONS_PER_ADDRESS,
                 head_timeout: float = HEAD_TIMEOUT, send_timeout: float = SEND_TIMEOUT,
-                open_memory: int = OPEN_MEMORY, key_recheck: float = DEFAULT_KEY_RECHECK) -> int:
+                open_memory: int = OPEN_MEMORY, key_recheck: float = DEFAULT_KEY_RECHECK,
+                durability: str = "server", tier_patience: float | None = None,
+                fence_check: float = FENCE_CHECK) -> int:
     """Serve ``namespace`` on ``listen`` until SIGTERM/SIGINT; returns the exit code
-    (0 after a clean stop with the journal flushed, 1 if the final flush failed). On the
+    (0 after a clean stop with the journal flushed, 1 if the final flush failed,
+    EXIT_FENCED (3) when a newer writer fenced it: it then refuses every request and stops
+    at once, seen by its writer or by a fence check every ``fence_check`` s). On the
     signal it stops accepting connections and gives the requests in progress
     ``drain_timeout`` seconds to finish (a second signal stops at once).
 
@@ -120,7 +137,10 @@ def run_gateway(namespace: str, listen: str, *, server: str, key: str, cache_dir
     ``tls_key`` serve HTTPS (``swebhdfs://``); without them a listen address that is not
     loopback is refused unless ``insecure_plaintext`` (:func:`plaintext_refusal`).
     ``advertise``: ``HOST[:PORT]`` the redirects name. The connection cap is lowered to
-    what the descriptor limit (raised to its hard limit first) holds.
+    what the descriptor limit (raised to its hard limit first) holds. ``durability`` and
+    ``tier_patience`` go to :func:`~sos_client.journal.open.open_namespace`: with "tier" every
+    barrier (protocol.md 3.4) also waits for the server's bucket, and a server without a tier
+    is refused here (JournalTierUnavailable) before anything is served.
     """
     host, port = parse_listen(listen)
     if insecure_no_auth and not is_loopback(host):
@@ -148,7 +168,10 @@ def run_gateway(namespace: str, listen: str, *, server: str, key: str, cache_dir
     opened = open_namespace(namespace, cache_dir or default_cache_dir(namespace), server=server,
                             key=key, timeout=timeout, tls=tls_client,
                             client_factory=client_factory, sync=False,
-                            max_lag_bytes=max_lag_bytes, generation_bytes=generation_bytes)
+                            max_lag_bytes=max_lag_bytes, generation_bytes=generation_bytes,
+                            durability=durability, tier_patience=tier_patience)
+    if opened.writer is not None:
+        report_previous_writer(opened, client_factory or opened.client_factory)
     try:
         owner = getpass.getuser()
     except (KeyError, OSError):
@@ -166,32 +189,139 @@ def run_gateway(namespace: str, listen: str, *, server: str, key: str, cache_dir
                     "must then hold; give --advertise NAME:PORT (a name of the certificate)",
                     listen)
     code = 0
+    watch = (FenceWatch(opened, client_factory or opened.client_factory, fence_check)
+             if opened.writer is not None else None)
     try:
-        trio.run(_serve, gateway, host, port, f"(namespace {namespace}, {'sync' if sync else 'async'}"
-                 f"{', no auth' if insecure_no_auth else ''})", drain_timeout)
+        mode = ("sync" if sync else "async") + (", durability tier" if durability == "tier" else "")
+        trio.run(_serve, gateway, host, port, f"(namespace {namespace}, {mode}"
+                 f"{', no auth' if insecure_no_auth else ''})", drain_timeout, watch)
         log.info("stopped; requests served:\n%s", gateway.summary() or "(none)")
         try:
-            if opened.writer is not None:  # None only for a read-only namespace (nothing to flush)
+            if gateway.fenced is not None:
+                code = EXIT_FENCED  # nothing to flush: the server refuses this writer
+            elif opened.writer is not None:  # None only for a read-only namespace
                 opened.writer.barrier(timeout=flush_timeout)
         except Exception as exc:  # noqa: BLE001 - reported, exit code says it
             log.error("final flush failed (the spool in %s keeps the journal; the next gateway "
                       "on this cache ships it): %r", opened.spool_dir, exc)
             code = 1
     finally:
+        if watch is not None:
+            watch.close()
         try:
             opened.close(timeout=0)
         except Exception as exc:  # noqa: BLE001
-            log.error("closing the journal failed: %r", exc)
-            code = 1
+            if gateway.fenced is None:
+                log.error("closing the journal failed: %r", exc)
+                code = 1
     return code
 
 
-async def _serve(gateway: Gateway, host: str, port: int, about: str, drain_timeout: float) -> None:
+def report_previous_writer(opened: OpenNamespace, client_factory: ClientFactory | None) -> None:
+    """Log whom this gateway fenced at open: the writer of the newest journal segment of an
+    older epoch, and how long ago it wrote its last record (the record's own time). Within
+    LIVE_WRITER_WINDOW that writer was probably still running (a warning: it is fenced now,
+    its changes fail, and a gateway or mount stops); older, an ordinary takeover (info)."""
+    writer = opened.writer
+    if writer is None or client_factory is None:
+        return
+    try:
+        client = client_factory()
+        try:
+            segs = [seg for g in layout.scan_listing(client.list(layout.GEN_PREFIX)).values()
+                    for seg in g.segments if seg.epoch < writer.epoch and seg.length > 0]
+            if not segs:
+                return
+            last = max(segs, key=lambda seg: (seg.generation, seg.first_seq))
+            found = server_last_record(client, last.name)
+        finally:
+            client.close()
+    except (SOSError, OSError) as exc:
+        log.info("took over namespace %r at epoch %d (the previous writer could not be read: %s)",
+                 opened.namespace, writer.epoch, exc)
+        return
+    if found is None:
+        return
+    age = max(0.0, time.time() - found[1] / 1e9)
+    if age < LIVE_WRITER_WINDOW:
+        log.warning("FENCED A LIVE WRITER? this gateway took namespace %r over at epoch %d from the "
+                    "writer of epoch %d, whose last record (seq %d, segment %s) is %.0f s old: it was "
+                    "probably still running (another gateway or mount on this namespace); it can no "
+                    "longer change the namespace and stops", opened.namespace, writer.epoch,
+                    last.epoch, found[0], last.name, age)
+    else:
+        log.info("took over namespace %r at epoch %d from the writer of epoch %d (its last record, "
+                 "seq %d, is %.0f s old)", opened.namespace, writer.epoch, last.epoch, found[0], age)
+
+
+class FenceWatch:
+    """Tells whether a newer writer fenced this gateway's writer: the writer's own failure
+    (FENCED or SEALED from the replicator), or the namespace's fence epoch above the
+    writer's, asked every ``interval`` s with FENCE(0) (it never passes and changes nothing,
+    protocol.md 1.11), so an idle gateway learns it too."""
+
+    def __init__(self, opened: OpenNamespace, client_factory: ClientFactory | None, interval: float) -> None:
+        self.opened = opened
+        self.factory: Callable[[], Any] | None = client_factory
+        self.interval = interval
+        self._client: Any = None
+        self._asked = time.monotonic()
+
+    def _writer_fenced(self) -> str | None:
+        writer = self.opened.writer
+        if writer is None:
+            return None
+        status = writer.status()
+        error = status.get("error") or ""
+        if status["state"] == "failed" and error.startswith(("Fenced:", "SealedError:")):
+            return f"its writer (epoch {writer.epoch}) was refused by the server: {error}"
+        return None
+
+    def check(self) -> str | None:
+        """Why this gateway is fenced, or None (blocking: a worker thread calls it)."""
+        reason = self._writer_fenced()
+        if reason is not None or self.factory is None or self.opened.writer is None:
+            return reason
+        if time.monotonic() - self._asked < self.interval:
+            return None
+        self._asked = time.monotonic()
+        epoch = self.opened.writer.epoch
+        try:
+            if self._client is None:
+                self._client = self.factory()
+            self._client.fence(0)
+        except Fenced as exc:
+            current = int(getattr(exc, "epoch", 0) or exc.length or 0)
+            if current > epoch:
+                return (f"namespace {self.opened.namespace!r} was fenced at epoch {current} by a newer "
+                        f"writer (this gateway's writer holds epoch {epoch})")
+        except (SOSError, OSError) as exc:  # the server unreachable: the writer retries too
+            log.debug("fence check failed: %r", exc)
+            self.close()
+        return None
+
+    def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(SOSError, OSError):
+                client.close()
+
+
+async def _serve(gateway: Gateway, host: str, port: int, about: str, drain_timeout: float,
+                 watch: FenceWatch | None = None) -> None:
     """Serve until SIGTERM/SIGINT, then drain: no new connection, the requests in
-    progress finish (at most ``drain_timeout`` s); a second signal stops at once."""
+    progress finish (at most ``drain_timeout`` s); a second signal stops at once. With
+    ``watch``, a fenced gateway refuses every request and stops the same way."""
 
     async def serve(task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
-        await gateway.serve(host, port, task_status=task_status)
+        async with trio.open_nursery() as nursery:
+            async def serve_then_stop(task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
+                await gateway.serve(host, port, task_status=task_status)
+                nursery.cancel_scope.cancel()  # served: the fence watch ends too
+
+            task_status.started(await nursery.start(serve_then_stop))
+            if watch is not None:
+                nursery.start_soon(_watch_fence, gateway, watch, drain_timeout, nursery.cancel_scope)
 
     def drain(name: str) -> None:
         busy = gateway.drain()
@@ -200,3 +330,15 @@ async def _serve(gateway: Gateway, host: str, port: int, about: str, drain_timeo
 
     await serve_until_signal(serve, lambda _address: f"{READY_MARKER} {gateway.url} {about}",
                              stop=drain, grace=drain_timeout)
+
+
+async def _watch_fence(gateway: Gateway, watch: FenceWatch, drain_timeout: float,
+                       scope: trio.CancelScope) -> None:
+    """Check every 0.5 s; once fenced, refuse and drain (at most ``drain_timeout`` s)."""
+    while not gateway.draining:
+        reason = await trio.to_thread.run_sync(watch.check, abandon_on_cancel=True)
+        if reason is not None:
+            gateway.fence(reason)
+            scope.deadline = min(scope.deadline, trio.current_time() + drain_timeout)
+            return
+        await trio.sleep(0.5)

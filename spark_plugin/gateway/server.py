@@ -62,7 +62,7 @@ from .http import (
 from .operations import KNOWN_OPS, OPEN_MEMORY, OPERATIONS, WEBHDFS_PREFIX, Call, Operations, check_operation
 from .webhdfs import WebHdfsError, WebHdfsNamespace, rel_path
 
-__all__ = ["MARKER_PATH", "Gateway"]
+__all__ = ["EXIT_FENCED", "MARKER_PATH", "Gateway"]
 
 log = logging.getLogger("sos.gateway")
 
@@ -74,6 +74,8 @@ ACCEPT_LOG_INTERVAL = 10.0
 _ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 #: latencies kept per operation for its percentiles (a uniform sample of all of them)
 LATENCY_SAMPLES = 2048
+#: exit code of a gateway that stopped because a newer writer fenced it
+EXIT_FENCED = 3
 
 
 @dataclass
@@ -147,6 +149,9 @@ class Gateway:
         self.address: tuple[str, int] | None = None
         #: True once :meth:`drain` was called (the gateway is stopping)
         self.draining = False
+        #: why this gateway is no longer its namespace's writer (a newer one fenced it), or
+        #: None: once set, every request is refused (503) and the gateway stops
+        self.fenced: str | None = None
         self._accepting: trio.CancelScope | None = None
         self._idle: set[trio.CancelScope] = set()
         self._conns: set[Conn] = set()
@@ -218,6 +223,16 @@ class Gateway:
         for scope in list(self._idle):
             scope.cancel()
         return len(self._conns) - len(self._idle)
+
+    def fence(self, reason: str) -> None:
+        """A newer writer took the namespace over: refuse every request from now on (the
+        mutating ones first of all; the health check's too, so it fails) and stop."""
+        if self.fenced is not None:
+            return
+        self.fenced = reason
+        log.error("FENCED: %s; this gateway refuses every request and stops now (exit code %d): "
+                  "the newer writer serves the namespace", reason, EXIT_FENCED)
+        self.drain()
 
     @property
     def url(self) -> str:
@@ -371,6 +386,9 @@ class Gateway:
 
     async def _dispatch(self, conn: Conn, method: str, path: str, params: dict[str, str],
                         headers: dict[str, str], op: str) -> int:
+        if self.fenced is not None:  # before anything, even the token and its check
+            raise Reply(503, remote_error("IOException", f"this gateway no longer serves the namespace: "
+                                                         f"{self.fenced}"), [("connection", "close")])
         if path == TOKEN_PATH:
             status = await self.oauth.token(conn, method, headers)
             if status == 200:

@@ -25,6 +25,12 @@ Quota (protocol.md 3.4, 3.5): while the SOS server refuses the journal for the n
 quota, every change is refused before it touches the tree, and a barrier fails promptly,
 both as HDFS's DSQuotaExceededException (403); reads never wait for the writer.
 
+Durability "tier" (``sos gateway --durability tier``, protocol.md 3.4): every barrier above
+also waits until the server's object-store tier (the bucket) holds the records; one that the
+bucket did not reach within ``--tier-patience`` answers 403 RetriableException (HDFS's class
+for "try again later", at the status HDFS gives every IOException): the change was applied and
+is durable on the SOS server, only the bucket is behind.
+
 The cache is only reached through descriptors (:class:`sos_client.journal.beneath.Beneath`):
 no request follows a symbolic link planted in it (reads, SETPERMISSION and SETTIMES
 included), and entries that are neither directories nor regular files are not shown.
@@ -46,7 +52,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from sos_client.errors import SOSError, errno_of, is_fenced, to_oserror
 from sos_client.journal.beneath import Beneath
-from sos_client.journal.errors import JournalError, JournalQuotaExceeded
+from sos_client.journal.errors import JournalError, JournalQuotaExceeded, JournalTierBehind
 from sos_client.journal.facade import journal_error
 from sos_client.journal.records import validate_path
 from sos_wire.crc import crc32c
@@ -73,6 +79,7 @@ JAVA_CLASSES: dict[str, tuple[str, int]] = {
         "org.apache.hadoop.hdfs.protocol.AlreadyBeingCreatedException", 403),
     "DSQuotaExceededException": (
         "org.apache.hadoop.hdfs.protocol.DSQuotaExceededException", 403),
+    "RetriableException": ("org.apache.hadoop.ipc.RetriableException", 403),
     "AccessControlException": ("org.apache.hadoop.security.AccessControlException", 403),
     "IOException": ("java.io.IOException", 403),
     "EOFException": ("java.io.EOFException", 403),
@@ -399,6 +406,11 @@ class WebHdfsNamespace:
             if errno_of(exc) == errno.EDQUOT:
                 raise self._quota_refusal(exc) from exc
             err = to_oserror(journal_error(exc, self.namespace, "this gateway"))
+            if isinstance(exc, JournalTierBehind):
+                raise WebHdfsError("RetriableException",
+                                   f"{err.strerror or err}. The change was applied and is durable "
+                                   f"on the SOS server; its records reach the bucket once it "
+                                   f"catches up (GETFILESTATUS tells what the namespace holds)") from exc
             if is_fenced(exc) or isinstance(exc, JournalError):
                 raise WebHdfsError("IOException", str(err.strerror or err),
                                    500 if not is_fenced(exc) else None) from exc
@@ -411,7 +423,8 @@ class WebHdfsNamespace:
 
     def barrier(self, seq: int | None = None) -> None:
         """In sync mode: wait until every record up to ``seq`` (default: all so far) is
-        durable on the server."""
+        durable on the server (with durability "tier": and in its bucket; 403
+        RetriableException after the writer's tier patience)."""
         if self.sync and self.writer is not None:
             self._journal(self.writer.barrier, seq)
 
@@ -679,6 +692,7 @@ class WebHdfsNamespace:
                 return {"boolean": True}
             for sub in [*self._check_parent(rel, create_parent=True), rel]:
                 self._journal(self.tree.mkdir, sub, mode | 0o300 if sub != rel else mode)
+        self.barrier()  # sync: durable before 200, and a fenced gateway's MKDIRS fails here
         return {"boolean": True}
 
     def rename(self, rel: str, dst_path: str, options: set[str] | None) -> dict | None:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from sos_client.cli import add_connection_options, client_from_args, key_from_args
 from sos_client.errors import SOSError
+from sos_client.journal.facade import add_durability_options, durability_refusal, tier_patience_of
 from sos_wire import argtypes
 from sos_wire.names import validate_namespace
 
@@ -60,6 +61,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="local cache + spool directory (default: ~/.cache/sos/NAMESPACE)")
     p.add_argument("--async", dest="async_", action="store_true",
                    help="do not wait for the server on rename/close; bound the lag instead")
+    add_durability_options(p, what="a rename onto (or the close of) a Spark batch file, fsync "
+                                   "and markers")
     p.add_argument("--max-lag", type=argtypes.size(0), default=64 << 20, metavar="BYTES",
                    help="async mode: most unshipped journal bytes before writes wait "
                         "(default 64M)")
@@ -98,6 +101,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"sos: {exc}", file=sys.stderr)
         return 2
+    refusal = durability_refusal(args.durability, not args.async_)
+    if refusal:
+        print(f"sos: {refusal}", file=sys.stderr)
+        return 2
 
     def factory() -> Client:
         return client_from_args(args, args.namespace)
@@ -106,14 +113,16 @@ def run(args: argparse.Namespace) -> int:
                          cache_dir=args.cache, sync=not args.async_, max_lag_bytes=args.max_lag,
                          allow_other=args.allow_other, debug=args.debug, client_factory=factory,
                          writeback_cache=args.writeback_cache, owner=args.owner,
-                         generation_bytes=args.generation_bytes)
+                         generation_bytes=args.generation_bytes, durability=args.durability,
+                         tier_patience=tier_patience_of(args.tier_patience))
     except KeyboardInterrupt:  # before mounting, or a second ^C during the final flush
         print("sos: mount interrupted (the spool keeps what the server does not have yet)",
               file=sys.stderr)
         return 130
     except Exception as exc:
         logging.getLogger("sos.mount").debug("mount failed", exc_info=True)
-        print(f"sos: mount failed: {exc}", file=sys.stderr)
+        print(f"sos: mount failed: {' '.join(str(exc).split()) or type(exc).__name__}",
+              file=sys.stderr)
         return 1
 
 

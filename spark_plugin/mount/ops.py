@@ -14,7 +14,9 @@ FUSE reply carries.
   `sos_client.journal.barriers.needs_barrier` names (Spark's `offsets/N` and
   `commits/N`) return only after every record so far is durable on the server;
   other renames and closes are carried by the next such barrier (one ordered
-  journal). In async mode only fsync and fsyncdir wait (explicit requests for
+  journal). With durability "tier" (`sos mount --durability tier`) those barriers
+  also wait for the server's bucket; one it did not reach within the tier patience
+  fails with ETIMEDOUT (the change stays applied and durable on the server). In async mode only fsync and fsyncdir wait (explicit requests for
   durability) and the writer bounds the lag;
 * once the writer reports that a newer writer fenced it, the mount turns
   read-only: every later change fails with EROFS (the first failure with EIO)
@@ -132,6 +134,8 @@ def _guard(
             code = errno_for(exc)
             if code == errno.EIO:
                 log.error("%s failed: %r", fn.__name__, exc)
+            elif code == errno.ETIMEDOUT:  # durability "tier": the bucket is behind
+                log.warning("%s: %s -> ETIMEDOUT", fn.__name__, exc)
             else:
                 log.debug("%s: %r -> %s", fn.__name__, exc, errno.errorcode.get(code, code))
             raise pyfuse3.FUSEError(code) from None
@@ -145,6 +149,8 @@ class SOSOperations(_OperationsBase):
     supports_dot_lookup = False
     enable_writeback_cache = False
     enable_acl = False
+    #: what the barriers wait for ("server" or "tier": open_namespace's), shown in the ready line
+    durability = "server"
 
     def __init__(self, tree: JournaledTree, cache_root: str, *, sync: bool = True, namespace: str = "",
                  writeback_cache: bool = False, chown_to_caller: bool | None = None) -> None:
@@ -396,11 +402,18 @@ class SOSOperations(_OperationsBase):
     @_guard
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
         dir_ino, names = self._dirs[fh]
+        # "." and ".." first (ids 1 and 2; the kernel counts no lookup for them), as every
+        # POSIX file system lists them (`ls -a`)
+        for index in range(start_id, 2):
+            if not pyfuse3.readdir_reply(token, b"." * (index + 1), self._dot_entry(dir_ino, index == 1),
+                                         index + 1):
+                return
+        start_id = max(start_id - 2, 0)
         if dir_ino == CONTROL_DIR_INO:
             for index in range(start_id, len(names)):
                 vname = names[index].encode()
                 if not pyfuse3.readdir_reply(token, vname,
-                                             self._virtual_entry(_CONTROL_FILES[vname]), index + 1):
+                                             self._virtual_entry(_CONTROL_FILES[vname]), index + 3):
                     break
             return
         for index in range(start_id, len(names)):
@@ -412,9 +425,18 @@ class SOSOperations(_OperationsBase):
                 ino, st = self._stat_path(path)
             except FileNotFoundError:
                 continue  # removed since opendir
-            if not pyfuse3.readdir_reply(token, os.fsencode(name), self._entry(ino, st), index + 1):
+            if not pyfuse3.readdir_reply(token, os.fsencode(name), self._entry(ino, st), index + 3):
                 break
             self.inodes.lookup(ino)  # readdirplus counts as a lookup
+
+    def _dot_entry(self, dir_ino: int, parent: bool) -> pyfuse3.EntryAttributes:
+        """The attributes of "." (``parent`` False) or ".." of the directory ``dir_ino``."""
+        if dir_ino == CONTROL_DIR_INO:
+            return self._virtual_entry(CONTROL_DIR_INO) if not parent else self._entry(*self._stat_path(""))
+        path = self.inodes.live_path(dir_ino)
+        if parent:
+            path = path.rpartition("/")[0]  # the root's ".." is the root
+        return self._entry(*self._stat_path(path))
 
     async def releasedir(self, fh: int) -> None:
         self._dirs.pop(fh, None)

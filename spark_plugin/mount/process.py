@@ -40,12 +40,15 @@ class MountProcess(ReadyChild):
     and lazily unmounts the dead mount. The child's stderr goes to
     ``log_path`` (a temp file by default); ``log()`` returns it.
     The key is passed through the environment, never on the command line.
+    ``durability``: ``--durability`` ("tier": barriers also wait for the server's bucket);
+    ``tier_patience``: ``--tier-patience`` in seconds (None: the default).
     """
 
     def __init__(self, namespace: str, mountpoint: str, cache_dir: str, server: str, key: str,
                  sync: bool = True, *, log_path: str | None = None,
                  extra_args: tuple[str, ...] | list[str] = (), env: dict[str, str] | None = None,
-                 start_timeout: float = 120.0) -> None:
+                 start_timeout: float = 120.0, durability: str = "server",
+                 tier_patience: float | None = None) -> None:
         super().__init__("sos mount", READY_MARKER, log_path or child_log_path("sos-mount-"),
                          start_timeout=start_timeout, new_session=True)
         self.namespace = namespace
@@ -56,12 +59,18 @@ class MountProcess(ReadyChild):
         self.sync = sync
         self.extra_args = list(extra_args)
         self.env = env
+        self.durability = durability
+        self.tier_patience = tier_patience
 
     def command(self) -> list[str]:
         cmd = [sys.executable, "-m", "spark_plugin.mount.cli", self.namespace, self.mountpoint,
                "--cache", self.cache_dir, "--server", self.server]
         if not self.sync:
             cmd.append("--async")
+        if self.durability != "server":
+            cmd += ["--durability", self.durability]
+        if self.tier_patience is not None:
+            cmd += ["--tier-patience", f"{self.tier_patience:g}"]
         return cmd + self.extra_args
 
     def environment(self) -> dict[str, str]:

@@ -67,7 +67,8 @@ class MountedTree:
     def __init__(self, namespace: str, server: str, key: str, cache_dir: str, *,
                  sync: bool = True, max_lag_bytes: int = 64 << 20,
                  generation_bytes: int | None = None, client_factory: ClientFactory | None = None,
-                 timeout: float = 30.0, tls: ssl.SSLContext | bool | None = None) -> None:
+                 timeout: float = 30.0, tls: ssl.SSLContext | bool | None = None,
+                 durability: str = "server", tier_patience: float | None = None) -> None:
         self.namespace = namespace
         self._client_factory = client_factory
         self.server = server
@@ -80,6 +81,8 @@ class MountedTree:
         self.sync = sync
         self.max_lag_bytes = max_lag_bytes
         self.generation_bytes = generation_bytes
+        self.durability = durability
+        self.tier_patience = tier_patience
         self.writer: JournalWriter | None = None
         self.tree: JournaledTree | None = None
 
@@ -89,7 +92,8 @@ class MountedTree:
                                 timeout=self.timeout, tls=self.tls,
                                 client_factory=self._client_factory, sync=self.sync,
                                 max_lag_bytes=self.max_lag_bytes,
-                                generation_bytes=self.generation_bytes)
+                                generation_bytes=self.generation_bytes,
+                                durability=self.durability, tier_patience=self.tier_patience)
         tree, writer = opened.tree, opened.writer
         if not isinstance(tree, JournaledTree) or writer is None:  # pragma: no cover - read keys are refused
             opened.close()
@@ -111,6 +115,8 @@ async def _serve(ops: SOSOperations, namespace: str, mountpoint: str) -> None:
     """Serve the FUSE session until SIGTERM/SIGINT (or an external unmount); a signal that
     came between the mount and this loop (``_early_signals``) counts as one that comes now."""
     mode = "sync" if ops.sync_mode else "async"
+    if ops.durability == "tier":
+        mode += ", durability tier"
     if ops.enable_writeback_cache:
         mode += ", writeback cache"
 
@@ -162,7 +168,8 @@ def run_mount(namespace: str, mountpoint: str, *, server: str, key: str,
               client_factory: ClientFactory | None = None,
               flush_timeout: float = 120.0, writeback_cache: bool = False,
               owner: tuple[int, int] | None = None,
-              generation_bytes: int | None = None) -> int:
+              generation_bytes: int | None = None, durability: str = "server",
+              tier_patience: float | None = None) -> int:
     """Mount `namespace` at `mountpoint` until SIGTERM/SIGINT or an external unmount.
 
     Returns the process exit code (0 after a clean unmount with everything
@@ -175,6 +182,10 @@ def run_mount(namespace: str, mountpoint: str, *, server: str, key: str,
     from the server (needs root unless it is the mount's own user); implies allow_other
     when it is another user. `generation_bytes`: journal bytes after which a new
     generation starts with a snapshot of the tree (default: the writer's, 1 GiB).
+    `durability` ("server" or "tier") and `tier_patience` go to `open_namespace`: with
+    "tier" each barrier (a rename onto `commits/N`...) also waits for the server's bucket,
+    failing with ETIMEDOUT after `tier_patience` seconds, and a server without a tier is
+    refused before anything is mounted (JournalTierUnavailable).
     """
     if pyfuse3 is None:
         raise RuntimeError("pyfuse3 is not installed (pip install 'sos[mount]')")
@@ -200,7 +211,8 @@ def run_mount(namespace: str, mountpoint: str, *, server: str, key: str,
             allow_other = True
     journal = MountedTree(namespace, server, key, cache_dir or default_cache_dir(namespace),
                           sync=sync, max_lag_bytes=max_lag_bytes,
-                          generation_bytes=generation_bytes, client_factory=client_factory)
+                          generation_bytes=generation_bytes, client_factory=client_factory,
+                          durability=durability, tier_patience=tier_patience)
     tree, writer = journal.open()
     if owner is not None:
         try:  # rebuilt entries have no owner in the journal: they are the owner's
@@ -210,6 +222,7 @@ def run_mount(namespace: str, mountpoint: str, *, server: str, key: str,
             raise
     ops = SOSOperations(tree, journal.tree_dir, sync=sync, namespace=namespace,
                         writeback_cache=writeback_cache)
+    ops.durability = durability
     code = 0
     # From the mount on, SIGTERM/SIGINT must unmount, never kill the process outright.
     previous = {s: signal.signal(s, _record_early_signal) for s in (signal.SIGTERM, signal.SIGINT)}
