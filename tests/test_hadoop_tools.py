@@ -193,7 +193,8 @@ def test_file_checksum_is_hdfs_md5_of_md5_of_crc32c(java_env, gateway, tmp_path)
     and MD5Hash in the harness, and in Python), null for an empty file, `-checksum` exits 0;
     a directory is refused with an IOException (FileNotFoundException), which DistCp
     catches."""
-    r = harness(java_env, gateway, "gap4", "checksum", "checksum-dir")
+    r = harness(java_env, gateway, "gap4", "checksum", "checksum-dir", "checksum-2blocks")
+    assert r["checksum-2blocks"] == ("ok", "MD5-of-262144MD5-of-512CRC32C true"), r
     # an empty file: HDFS's "magic entry", the MD5 of 32 zero bytes
     assert r["checksum"] == ("ok", "MD5-of-0MD5-of-512CRC32C true 28 empty=MD5-of-0MD5-of-0CRC32:"
                                    "70bc8f4b72a86921468bf8e8441dce51"), r

@@ -233,6 +233,15 @@ public class HadoopHarness {
                 return got.getAlgorithmName() + " " + (got.equals(want) ? "true" : got + "!=" + want) + " " + got.getLength()
                        + " empty=" + empty;
             }
+            case "checksum-2blocks": {
+                // a block and a bit: crcPerBlock is the first block's CRC count (262144)
+                byte[] data = bytes((int) BLOCK_SIZE + 1000, 3);
+                Path f = p("sum2");
+                write(f, data);
+                FileChecksum got = fs.getFileChecksum(f);
+                FileChecksum want = expectedChecksum(data);
+                return got.getAlgorithmName() + " " + (got.equals(want) ? "true" : got + "!=" + want);
+            }
             case "checksum-dir": {
                 fs.mkdirs(p("sum-dir"));
                 return String.valueOf(fs.getFileChecksum(p("sum-dir")));
