@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import getpass
 import logging
+import os
 import resource
 import ssl
 import time
@@ -19,7 +20,11 @@ import trio
 
 from sos_client.errors import Fenced, SOSError
 from sos_client.journal import layout
+from sos_client.journal.beneath import clear_directory
 from sos_client.journal.open import ClientFactory, OpenNamespace, default_cache_dir, open_namespace
+from sos_client.journal.points import parse_batch
+from sos_client.journal.rollback import RollbackPoint, rollback_rebuild
+from sos_client.journal.tree import RebuildCache
 from sos_client.journal.writer import server_last_record
 from sos_client.serving import serve_until_signal
 from sos_wire.addresses import is_loopback, is_wildcard, parse_address, split_address
@@ -27,13 +32,14 @@ from sos_wire.auth import Key
 
 from .auth import DEFAULT_KEY_RECHECK, DEFAULT_TOKEN_TTL, TOKEN_PATH, TokenAuthority, key_verifier
 from .http import HEAD_TIMEOUT, MAX_CONNECTIONS, MAX_CONNECTIONS_PER_ADDRESS, SEND_TIMEOUT
+from .metrics import serve_metrics
 from .operations import OPEN_MEMORY
 from .process import READY_MARKER
 from .server import EXIT_FENCED, Gateway
 from .webhdfs import WebHdfsNamespace
 
-__all__ = ["fit_connections", "parse_advertise", "parse_listen", "plaintext_refusal", "raise_nofile_limit",
-           "run_gateway"]
+__all__ = ["fit_connections", "parse_advertise", "parse_listen", "parse_metrics_listen", "plaintext_refusal",
+           "prepare_rollback", "raise_nofile_limit", "run_gateway"]
 
 log = logging.getLogger("sos.gateway")
 
@@ -123,7 +129,8 @@ def run_gateway(namespace: str, listen: str, *, server: str, key: str, cache_dir
                 head_timeout: float = HEAD_TIMEOUT, send_timeout: float = SEND_TIMEOUT,
                 open_memory: int = OPEN_MEMORY, key_recheck: float = DEFAULT_KEY_RECHECK,
                 durability: str = "server", tier_patience: float | None = None,
-                fence_check: float = FENCE_CHECK) -> int:
+                fence_check: float = FENCE_CHECK, metrics: str | None = None,
+                restore_batch: str | None = None, restore_yes: bool = False) -> int:
     """Serve ``namespace`` on ``listen`` until SIGTERM/SIGINT; returns the exit code
     (0 after a clean stop with the journal flushed, 1 if the final flush failed,
     EXIT_FENCED (3) when a newer writer fenced it: it then refuses every request and stops
@@ -141,6 +148,12 @@ def run_gateway(namespace: str, listen: str, *, server: str, key: str, cache_dir
     ``tier_patience`` go to :func:`~sos_client.journal.open.open_namespace`: with "tier" every
     barrier (protocol.md 3.4) also waits for the server's bucket, and a server without a tier
     is refused here (JournalTierUnavailable) before anything is served.
+
+    ``metrics``: ``HOST:PORT`` of the Prometheus endpoint (:mod:`.metrics`; ``:PORT`` is
+    127.0.0.1). ``restore_batch``: ``CHECKPOINT:N``: before serving, roll the whole namespace
+    back to right after batch N of that checkpoint committed (:mod:`sos_client.journal.rollback`;
+    every other checkpoint goes back to the same journal position); refused
+    (RollbackRefused) if records follow it unless ``restore_yes``.
     """
     host, port = parse_listen(listen)
     if insecure_no_auth and not is_loopback(host):
@@ -165,11 +178,18 @@ def run_gateway(namespace: str, listen: str, *, server: str, key: str, cache_dir
         tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         tls.load_cert_chain(tls_cert, tls_key)
     secret = Key.parse(key).secret
-    opened = open_namespace(namespace, cache_dir or default_cache_dir(namespace), server=server,
+    if metrics is not None:
+        parse_metrics_listen(metrics)  # a bad address: refused before anything is opened
+    cache_dir = cache_dir or default_cache_dir(namespace)
+    rebuild = prepare_rollback(cache_dir, restore_batch, restore_yes) if restore_batch else None
+    opened = open_namespace(namespace, cache_dir, server=server,
                             key=key, timeout=timeout, tls=tls_client,
                             client_factory=client_factory, sync=False,
                             max_lag_bytes=max_lag_bytes, generation_bytes=generation_bytes,
-                            durability=durability, tier_patience=tier_patience)
+                            durability=durability, tier_patience=tier_patience, rebuild=rebuild)
+    if restore_batch and not opened.rebuilt:  # e.g. a new namespace: no batch to go back to
+        opened.close(timeout=0)
+        raise ValueError(f"--restore-batch {restore_batch}: namespace {namespace!r} has no journal to roll back")
     if opened.writer is not None:
         report_previous_writer(opened, client_factory or opened.client_factory)
     try:
@@ -188,6 +208,12 @@ def run_gateway(namespace: str, listen: str, *, server: str, key: str, cache_dir
                     "and OPEN name the IP address each client reached, which the certificate "
                     "must then hold; give --advertise NAME:PORT (a name of the certificate)",
                     listen)
+    exported = None
+    try:
+        exported = serve_metrics(gateway, ns, metrics, parse_metrics_listen) if metrics else None
+    except OSError as exc:
+        opened.close(timeout=0)
+        raise OSError(exc.errno, f"cannot listen for metrics on {metrics}: {exc.strerror or exc}") from None
     code = 0
     watch = (FenceWatch(opened, client_factory or opened.client_factory, fence_check)
              if opened.writer is not None else None)
@@ -208,6 +234,8 @@ def run_gateway(namespace: str, listen: str, *, server: str, key: str, cache_dir
     finally:
         if watch is not None:
             watch.close()
+        if exported is not None:
+            exported.close()
         try:
             opened.close(timeout=0)
         except Exception as exc:  # noqa: BLE001
@@ -215,6 +243,31 @@ def run_gateway(namespace: str, listen: str, *, server: str, key: str, cache_dir
                 log.error("closing the journal failed: %r", exc)
                 code = 1
     return code
+
+
+def parse_metrics_listen(text: str) -> tuple[str, int]:
+    """``--metrics``: ``HOST:PORT``, ``[V6]:PORT`` or ``:PORT`` (127.0.0.1), as ``sos-server serve
+    --metrics``; port 0 picks a free one."""
+    stripped = text.strip()
+    try:
+        return parse_address("127.0.0.1" + stripped if stripped.startswith(":") else stripped, any_port=True)
+    except ValueError as exc:
+        raise ValueError(f"--metrics {text!r}: {exc}: expected HOST:PORT (e.g. 127.0.0.1:9871)") from None
+
+
+def prepare_rollback(cache_dir: str, point: str, discard: bool) -> RebuildCache:
+    """``--restore-batch CHECKPOINT:N``: empty the cache's tree (so that the opener rebuilds
+    it, after shipping the spool) and return the rebuild that restores it at the batch."""
+    parse_batch(point)  # a malformed point: refused before the cache is touched
+    tree_dir = os.path.join(os.path.abspath(cache_dir), "tree")
+    if os.path.isdir(tree_dir) and not os.path.islink(tree_dir):
+        clear_directory(tree_dir)
+
+    def found(at: RollbackPoint) -> None:
+        log.info("--restore-batch: batch %d of checkpoint %r committed at journal record %d; the journal "
+                 "ends at %d", at.batch, at.checkpoint or ".", at.position, at.end)
+
+    return rollback_rebuild(point, discard=discard, on_point=found)
 
 
 def report_previous_writer(opened: OpenNamespace, client_factory: ClientFactory | None) -> None:
