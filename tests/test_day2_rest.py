@@ -20,6 +20,7 @@ from deploy_support import documented_line
 from test_gateway import NS, Gw, restore
 
 from spark_plugin.gateway.process import GatewayProcess
+from spark_plugin.mount.process import MountProcess, is_mounted
 from spark_plugin.spark import sos_command
 
 pytestmark = pytest.mark.slow
@@ -226,6 +227,36 @@ def test_restore_batch_of_an_unknown_batch_is_refused_and_changes_nothing(sos_se
         assert gw.session.get(gw.u("/chk/commits/0", op="GETFILESTATUS")).status_code == 200
     finally:
         gw.stop()
+
+
+# ---------------------------------------------------------------------------- item 4: the mount
+
+
+@pytest.mark.fuse
+@pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="/dev/fuse is missing: no FUSE")
+def test_a_fenced_idle_mount_unmounts_itself_and_exits_3(sos_server, tmp_path):
+    """An idle mount whose namespace a gateway takes over learns it from its fence check (the
+    gateway's FenceWatch, shared), says who fenced it, unmounts and exits 3."""
+    key = sos_server.keygen(NS, "append")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    mp = MountProcess(NS, str(mnt), str(tmp_path / "mcache"), sos_server.address, key,
+                      log_path=str(tmp_path / "mount.log"), extra_args=["--fence-check", "1"]).start()
+    try:
+        (mnt / "before").write_bytes(b"x")
+        gw = Gw(sos_server, tmp_path, key=key, name="newcomer")  # fences the mount
+        try:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and mp.returncode is None:
+                time.sleep(0.2)
+            assert mp.returncode == 3, mp.log()
+            assert "FENCED" in mp.log() and "by a newer writer" in mp.log(), mp.log()
+            assert not is_mounted(str(mnt))
+            assert "FENCED A LIVE WRITER?" in gw.proc.log()
+        finally:
+            gw.stop()
+    finally:
+        mp.stop()
 
 
 # ---------------------------------------------------------------------------- item 10

@@ -6,21 +6,20 @@ loopback and the connection cap that fits the descriptor limit."""
 
 from __future__ import annotations
 
-import contextlib
 import getpass
 import logging
 import os
 import resource
 import ssl
 import time
-from collections.abc import Callable
 from typing import Any
 
 import trio
 
-from sos_client.errors import Fenced, SOSError
+from sos_client.errors import SOSError
 from sos_client.journal import layout
 from sos_client.journal.beneath import clear_directory
+from sos_client.journal.facade import FenceWatch
 from sos_client.journal.open import ClientFactory, OpenNamespace, default_cache_dir, open_namespace
 from sos_client.journal.points import parse_batch
 from sos_client.journal.rollback import RollbackPoint, rollback_rebuild
@@ -215,7 +214,8 @@ def run_gateway(namespace: str, listen: str, *, server: str, key: str, cache_dir
         opened.close(timeout=0)
         raise OSError(exc.errno, f"cannot listen for metrics on {metrics}: {exc.strerror or exc}") from None
     code = 0
-    watch = (FenceWatch(opened, client_factory or opened.client_factory, fence_check)
+    watch = (FenceWatch(namespace, opened.writer, client_factory or opened.client_factory, fence_check,
+                        who="this gateway")
              if opened.writer is not None else None)
     try:
         mode = ("sync" if sync else "async") + (", durability tier" if durability == "tier" else "")
@@ -305,59 +305,6 @@ def report_previous_writer(opened: OpenNamespace, client_factory: ClientFactory 
     else:
         log.info("took over namespace %r at epoch %d from the writer of epoch %d (its last record, "
                  "seq %d, is %.0f s old)", opened.namespace, writer.epoch, last.epoch, found[0], age)
-
-
-class FenceWatch:
-    """Tells whether a newer writer fenced this gateway's writer: the writer's own failure
-    (FENCED or SEALED from the replicator), or the namespace's fence epoch above the
-    writer's, asked every ``interval`` s with FENCE(0) (it never passes and changes nothing,
-    protocol.md 1.11), so an idle gateway learns it too."""
-
-    def __init__(self, opened: OpenNamespace, client_factory: ClientFactory | None, interval: float) -> None:
-        self.opened = opened
-        self.factory: Callable[[], Any] | None = client_factory
-        self.interval = interval
-        self._client: Any = None
-        self._asked = time.monotonic()
-
-    def _writer_fenced(self) -> str | None:
-        writer = self.opened.writer
-        if writer is None:
-            return None
-        status = writer.status()
-        error = status.get("error") or ""
-        if status["state"] == "failed" and error.startswith(("Fenced:", "SealedError:")):
-            return f"its writer (epoch {writer.epoch}) was refused by the server: {error}"
-        return None
-
-    def check(self) -> str | None:
-        """Why this gateway is fenced, or None (blocking: a worker thread calls it)."""
-        reason = self._writer_fenced()
-        if reason is not None or self.factory is None or self.opened.writer is None:
-            return reason
-        if time.monotonic() - self._asked < self.interval:
-            return None
-        self._asked = time.monotonic()
-        epoch = self.opened.writer.epoch
-        try:
-            if self._client is None:
-                self._client = self.factory()
-            self._client.fence(0)
-        except Fenced as exc:
-            current = int(getattr(exc, "epoch", 0) or exc.length or 0)
-            if current > epoch:
-                return (f"namespace {self.opened.namespace!r} was fenced at epoch {current} by a newer "
-                        f"writer (this gateway's writer holds epoch {epoch})")
-        except (SOSError, OSError) as exc:  # the server unreachable: the writer retries too
-            log.debug("fence check failed: %r", exc)
-            self.close()
-        return None
-
-    def close(self) -> None:
-        client, self._client = self._client, None
-        if client is not None:
-            with contextlib.suppress(SOSError, OSError):
-                client.close()
 
 
 async def _serve(gateway: Gateway, host: str, port: int, about: str, drain_timeout: float,
