@@ -229,6 +229,29 @@ def test_restore_batch_of_an_unknown_batch_is_refused_and_changes_nothing(sos_se
         gw.stop()
 
 
+def test_a_rollback_cut_short_is_not_taken_for_the_namespace(sos_server, tmp_path):
+    """A --restore-batch killed between emptying the cache and starting its new generation
+    leaves a half-restored tree the journal does not hold, and its marker: the next plain start
+    rebuilds the tree from the journal's end instead of journaling on top of it."""
+    cache = tmp_path / "cache"
+    gw = Gw(sos_server, tmp_path, cache=cache)
+    key = gw.key
+    for batch in range(3):
+        commit_batch(gw, "chk", batch)
+    assert gw.stop() == 0
+    # the state such a crash leaves: the marker, a partly restored tree
+    (cache / "rollback-pending").write_text("--restore-batch chk:0 in progress\n")
+    shutil.rmtree(cache / "tree" / "chk" / "commits")
+    gw = Gw(sos_server, tmp_path, key=key, cache=cache, name="after-crash")
+    try:
+        st = gw.session.get(gw.u("/chk/commits", op="LISTSTATUS")).json()
+        assert sorted(e["pathSuffix"] for e in st["FileStatuses"]["FileStatus"]) == ["0", "1", "2"]
+        assert "did not finish" in gw.proc.log()
+    finally:
+        assert gw.stop() == 0
+    assert not (cache / "rollback-pending").exists()
+
+
 # ---------------------------------------------------------------------------- item 4: the mount
 
 

@@ -6,6 +6,7 @@ loopback and the connection cap that fits the descriptor limit."""
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import logging
 import os
@@ -23,6 +24,7 @@ from sos_client.journal.facade import FenceWatch
 from sos_client.journal.open import ClientFactory, OpenNamespace, default_cache_dir, open_namespace
 from sos_client.journal.points import parse_batch
 from sos_client.journal.rollback import RollbackPoint, rollback_rebuild
+from sos_client.journal.spool import private_file
 from sos_client.journal.tree import RebuildCache
 from sos_client.journal.writer import server_last_record
 from sos_client.serving import serve_until_signal
@@ -55,6 +57,8 @@ FENCE_CHECK = 5.0
 #: a previous writer whose last record is younger than this was probably still running
 #: when this gateway fenced it (logged as a warning, else as information)
 LIVE_WRITER_WINDOW = 300.0
+#: in the cache directory while a --restore-batch is under way (prepare_rollback)
+ROLLBACK_PENDING = "rollback-pending"
 
 
 def parse_listen(text: str) -> tuple[str, int]:
@@ -181,6 +185,7 @@ def run_gateway(namespace: str, listen: str, *, server: str, key: str, cache_dir
         parse_metrics_listen(metrics)  # a bad address: refused before anything is opened
     cache_dir = cache_dir or default_cache_dir(namespace)
     rebuild = prepare_rollback(cache_dir, restore_batch, restore_yes) if restore_batch else None
+    interrupted = not restore_batch and finish_interrupted_rollback(cache_dir)
     opened = open_namespace(namespace, cache_dir, server=server,
                             key=key, timeout=timeout, tls=tls_client,
                             client_factory=client_factory, sync=False,
@@ -189,6 +194,9 @@ def run_gateway(namespace: str, listen: str, *, server: str, key: str, cache_dir
     if restore_batch and not opened.rebuilt:  # e.g. a new namespace: no batch to go back to
         opened.close(timeout=0)
         raise ValueError(f"--restore-batch {restore_batch}: namespace {namespace!r} has no journal to roll back")
+    if restore_batch or interrupted:  # the cache and the journal agree again
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(os.path.abspath(cache_dir), ROLLBACK_PENDING))
     if opened.writer is not None:
         report_previous_writer(opened, client_factory or opened.client_factory)
     try:
@@ -257,9 +265,16 @@ def parse_metrics_listen(text: str) -> tuple[str, int]:
 
 def prepare_rollback(cache_dir: str, point: str, discard: bool) -> RebuildCache:
     """``--restore-batch CHECKPOINT:N``: empty the cache's tree (so that the opener rebuilds
-    it, after shipping the spool) and return the rebuild that restores it at the batch."""
+    it, after shipping the spool) and return the rebuild that restores it at the batch.
+    ROLLBACK_PENDING, written first and removed once the new generation started, makes a
+    start after a crash in between rebuild the tree from the journal's end
+    (:func:`finish_interrupted_rollback`): a half-restored or rolled-back tree that the
+    journal does not hold yet is never taken for the namespace's state."""
     parse_batch(point)  # a malformed point: refused before the cache is touched
-    tree_dir = os.path.join(os.path.abspath(cache_dir), "tree")
+    cache_dir = os.path.abspath(cache_dir)
+    os.makedirs(cache_dir, mode=0o700, exist_ok=True)
+    private_file(os.path.join(cache_dir, ROLLBACK_PENDING), f"--restore-batch {point} in progress\n")
+    tree_dir = os.path.join(cache_dir, "tree")
     if os.path.isdir(tree_dir) and not os.path.islink(tree_dir):
         clear_directory(tree_dir)
 
@@ -268,6 +283,21 @@ def prepare_rollback(cache_dir: str, point: str, discard: bool) -> RebuildCache:
                  "ends at %d", at.batch, at.checkpoint or ".", at.position, at.end)
 
     return rollback_rebuild(point, discard=discard, on_point=found)
+
+
+def finish_interrupted_rollback(cache_dir: str) -> bool:
+    """A --restore-batch stopped before its new generation started (ROLLBACK_PENDING left):
+    empty the tree so that it is rebuilt from the journal (its end: the rollback did not
+    happen, or the new generation if it was complete); True if so."""
+    cache_dir = os.path.abspath(cache_dir)
+    if not os.path.exists(os.path.join(cache_dir, ROLLBACK_PENDING)):
+        return False
+    log.warning("a --restore-batch on this cache did not finish: the cache is rebuilt from the server "
+                "(the journal's end); run --restore-batch again to roll back")
+    tree_dir = os.path.join(cache_dir, "tree")
+    if os.path.isdir(tree_dir) and not os.path.islink(tree_dir):
+        clear_directory(tree_dir)
+    return True
 
 
 def report_previous_writer(opened: OpenNamespace, client_factory: ClientFactory | None) -> None:
