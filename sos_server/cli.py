@@ -141,16 +141,24 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     s.set_defaults(func=cmd_serve)
 
 
+def _data_command(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str,
+                  func: Callable[[argparse.Namespace], int], *, help: str, description: str) -> argparse.ArgumentParser:
+    """The parser of an admin command on the data directory: ``--data`` (required) first, ``func`` to run."""
+    p = sub.add_parser(name, help=help, description=description)
+    p.add_argument("--data", required=True)
+    p.set_defaults(func=func)
+    return p
+
+
 def _add_admin(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """keygen, quota, reset-fence, gc: on the data directory, not over the network."""
-    k = sub.add_parser(
-        "keygen", help="create a key for a namespace and print it",
+    k = _data_command(
+        sub, "keygen", cmd_keygen, help="create a key for a namespace and print it",
         description="Create a key for NAMESPACE and print it. Roles: append (write, fence and read), read (read"
         " only), token (a gateway client's credential: `sos gateway` issues an append bearer token for it, and"
         " the server itself answers its every request but PING with FORBIDDEN, so a Spark job holding it cannot"
         " FENCE or write the namespace directly).",
     )
-    k.add_argument("--data", required=True)
     k.add_argument("namespace")
     k.add_argument("--role", required=True, choices=["append", "read", "token"])
     k.add_argument("--quota", type=parse_size, default=None, metavar="SIZE",
@@ -158,7 +166,6 @@ def _add_admin(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     k.add_argument("--out", default=None, metavar="FILE",
                    help="write the key to FILE (created with mode 0600; an existing FILE is refused) instead of"
                    " printing it; the key id goes to stderr")
-    k.set_defaults(func=cmd_keygen)
 
     ks = sub.add_parser(
         "keys", help="list or revoke the keys of namespaces",
@@ -166,28 +173,24 @@ def _add_admin(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         " runs. Rotation: `keygen` a new key, give it to the client, then `keys revoke` the old one.",
     )
     kss = ks.add_subparsers(dest="keys_command", required=True)
-    kl = kss.add_parser(
-        "list", help="one key per line: NAMESPACE, KEY_ID, ROLE, CREATED (UTC), tab-separated",
+    kl = _data_command(
+        kss, "list", cmd_keys_list, help="one key per line: NAMESPACE, KEY_ID, ROLE, CREATED (UTC), tab-separated",
         description="Print one line per key: NAMESPACE<TAB>KEY_ID<TAB>ROLE<TAB>CREATED (ISO 8601, UTC), for"
         " NAMESPACE or every namespace. Never a secret. Only reads: safe while the server runs. An unreadable"
         " key file is listed with role `?` and the reason on stderr (exit 1).",
     )
-    kl.add_argument("--data", required=True)
     kl.add_argument("namespace", nargs="?", default=None, help="only this namespace (default: all)")
-    kl.set_defaults(func=cmd_keys_list)
-    kr = kss.add_parser(
-        "revoke", help="remove a key (the running server refuses it from its next request)",
+    kr = _data_command(
+        kss, "revoke", cmd_keys_revoke, help="remove a key (the running server refuses it from its next request)",
         description="Remove key KEY_ID of NAMESPACE durably. A running server refuses its next AUTH, and every"
         " connection authenticated with it gets AUTH_FAILED at its next request and is closed; a `sos gateway`"
         " holding a bearer token made from it refuses the token within its --key-recheck.",
     )
-    kr.add_argument("--data", required=True)
     kr.add_argument("namespace")
     kr.add_argument("key_id", metavar="KEY_ID", help="16 hex digits: the part of the key before the '.'")
-    kr.set_defaults(func=cmd_keys_revoke)
 
-    q = sub.add_parser(
-        "quota", help="show or set a namespace's byte quota, and its usage",
+    q = _data_command(
+        sub, "quota", cmd_quota, help="show or set a namespace's byte quota, and its usage",
         description="Print the byte quota of NAMESPACE beside its usage, or set it to SIZE (`none` removes it) and"
         " print the same line: NAMESPACE<TAB>QUOTA (bytes, or none)<TAB>used USED (objects N, data bytes D), where"
         " USED = D + 4096 N is what the quota counts, read from the object files (safe while the server runs;"
@@ -197,54 +200,46 @@ def _add_admin(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         " per object (its file's block, header and name: protocol.md 1.9); the objects of a namespace are also"
         " capped by `serve --max-objects` (default 10000).",
     )
-    q.add_argument("--data", required=True)
     q.add_argument("namespace")
     q.add_argument("size", nargs="?", default=None, help="bytes (e.g. 500G), or none")
-    q.set_defaults(func=cmd_quota)
 
-    f = sub.add_parser(
-        "reset-fence", help="set a namespace's fence epoch (the server must not be running on --data)",
+    f = _data_command(
+        sub, "reset-fence", cmd_reset_fence, help="set a namespace's fence epoch (the server must not be running on --data)",
         description="Set the fence epoch of NAMESPACE, e.g. after a hostile FENCE pushed it to the end of the"
         " epoch range. Default: the highest epoch in the namespace's segment names (the newest writer's), so a"
         " writer that restarts fences one above it. A lower fence lets writers of epochs up to it back in:"
         " stop every old writer first.",
     )
-    f.add_argument("--data", required=True)
     f.add_argument("namespace")
     f.add_argument("--epoch", type=_epoch, default=None,
                    help="the new fence epoch (default: the highest epoch in the namespace's segment names)")
-    f.set_defaults(func=cmd_reset_fence)
 
-    r = sub.add_parser(
-        "retention", help="show or set the retention settings a running server re-reads",
+    r = _data_command(
+        sub, "retention", cmd_retention, help="show or set the retention settings a running server re-reads",
         description="Print the retention settings in DATA/retention, or set them (--keep-generations N --min-age"
         " DURATION) or remove them (none). The file, when it exists, overrides serve's --keep-generations and"
         " --min-age; without it those apply. A running server re-reads it at every retention round (each"
         " --gc-interval) and at once on SIGHUP (`kill -HUP PID`), which also runs a round with the new settings;"
         " a damaged file keeps the settings in force (error logged) and stops a start.",
     )
-    r.add_argument("--data", required=True)
     r.add_argument("--keep-generations", type=_positive, default=None,
                    help="complete generations kept (with --min-age)")
     r.add_argument("--min-age", type=parse_duration, default=None,
                    help="minimum age before removal (with --keep-generations)")
     r.add_argument("action", nargs="?", choices=["none"], default=None,
                    help="none: remove the file (serve's options apply again)")
-    r.set_defaults(func=cmd_retention)
 
-    g = sub.add_parser(
-        "gc", help="apply retention once (the server must not be running on --data; --dry-run may run beside it)",
+    g = _data_command(
+        sub, "gc", cmd_gc, help="apply retention once (the server must not be running on --data; --dry-run may run beside it)",
         description="Remove the journal generations older than the newest --keep-generations complete ones that"
         " have been complete for --min-age (protocol.md 2.1, as `serve --keep-generations` does every"
         " --gc-interval). Refused while a server runs on --data, except --dry-run, which only reads the object"
         " files (no lock, no repair) and prints what would be removed.",
     )
-    g.add_argument("--data", required=True)
     g.add_argument("--keep-generations", type=_positive, required=True)
     g.add_argument("--min-age", type=parse_duration, required=True)
     g.add_argument("--dry-run", action="store_true",
                    help="print what would be removed, change nothing (works while the server runs)")
-    g.set_defaults(func=cmd_gc)
 
 
 def main(argv: list[str] | None = None) -> int:

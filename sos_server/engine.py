@@ -589,79 +589,95 @@ class Engine:
                 )
             obj = ns.get(name)
             if obj is None:
-                if offset != 0:
-                    raise _err(ErrorCode.OFFSET_MISMATCH, f"object {name!r} does not exist: append at offset 0", 0)
-                if len(ns.objects) + ns.creating >= self.limits.max_objects:
-                    raise _err(
-                        ErrorCode.QUOTA_EXCEEDED,
-                        f"namespace {namespace!r} already has {len(ns.objects) + ns.creating} objects, the limit"
-                        " (--max-objects)",
-                    )
-                total = self.storage.object_count()
-                if total >= self.limits.max_total_objects:
-                    raise _err(
-                        ErrorCode.QUOTA_EXCEEDED,
-                        f"the server holds {total} objects, its limit (--max-objects-total): no new object",
-                    )
-                self._check_new_generation(ns, name)
-                if n > self.limits.max_object_size:
-                    raise _err(
-                        ErrorCode.QUOTA_EXCEEDED, f"{n} bytes exceed the object size limit {self.limits.max_object_size}"
-                    )
-                quota = self._quota(ns)
-                if quota is not None and ns.charged() + OBJECT_CHARGE + n > quota:
-                    raise _err(
-                        ErrorCode.QUOTA_EXCEEDED,
-                        f"namespace {namespace!r} is charged {ns.charged()} bytes ({len(ns.objects)} objects at"
-                        f" {OBJECT_CHARGE} bytes each plus {ns.usage.bytes} data bytes): a new object ({OBJECT_CHARGE}"
-                        f" bytes) with {n} data bytes would exceed its quota of {quota} bytes (nothing written)",
-                    )
-                # concurrent creations (pipelined) count this one while its file is made
-                ns.creating += 1
-                ns.reserved += OBJECT_CHARGE + n
-                try:
-                    path, header_size = await trio.to_thread.run_sync(ns.create_file, name)
-                finally:
-                    ns.creating -= 1
-                    ns.reserved -= OBJECT_CHARGE + n
-                obj = ns.adopt(name, path, header_size)  # the in-memory tables: event loop only
-                if self.tier is not None:
-                    self.tier.note(obj, 0)  # its file is durable: an empty object goes to the tier too
+                obj = await self._create_for_append(ns, namespace, name, offset, n)
             obj.refuse_writes("append to")
             if offset < obj.length:
-                # a retry of something that landed? (same bytes at the same offset)
-                if offset + n <= obj.length and await self._same_bytes(obj, offset, data):
-                    return Pending(obj, self._file_end_of(obj, offset + n), obj.rollbacks, offset + n, n)
-                if obj.sealed:
-                    raise _err(ErrorCode.SEALED, f"object {name!r} is sealed at {obj.length}", obj.length)
-                raise _err(
-                    ErrorCode.OFFSET_MISMATCH, f"append at {offset} but {name!r} is {obj.length} bytes long", obj.length
-                )
-            if offset > obj.length:
-                raise _err(
-                    ErrorCode.OFFSET_MISMATCH, f"append at {offset} but {name!r} is {obj.length} bytes long", obj.length
-                )
-            if obj.sealed:
-                raise _err(ErrorCode.SEALED, f"object {name!r} is sealed at {obj.length}", obj.length)
-            if obj.length + n > self.limits.max_object_size:
-                raise _err(
-                    ErrorCode.QUOTA_EXCEEDED,
-                    f"{name!r} would grow to {obj.length + n} bytes, the limit is {self.limits.max_object_size}",
-                )
-            quota = self._quota(ns) if n else None
-            if quota is not None and ns.charged() + n > quota:
-                raise _err(
-                    ErrorCode.QUOTA_EXCEEDED,
-                    f"namespace {namespace!r} is charged {ns.charged()} bytes ({len(ns.objects)} objects at"
-                    f" {OBJECT_CHARGE} bytes each plus {ns.usage.bytes} data bytes): {n} more would exceed its quota"
-                    f" of {quota} bytes (nothing written)",
-                )
+                return await self._append_retry(obj, name, offset, data, n)
+            self._check_append_growth(ns, namespace, name, obj, offset, n)  # the one call the hot path adds
             if n:
                 if n >= THREAD_WRITE_MIN:
                     await trio.to_thread.run_sync(obj.append, data, crc)
                 else:
                     obj.append(data, crc)
             return Pending(obj, obj.file_size, obj.rollbacks, offset + n, n)
+
+    async def _create_for_append(self, ns: Namespace, namespace: str, name: str, offset: int, n: int) -> StoredObject:
+        """The first append to *name*: the object-count, size and quota checks for a new object,
+        then its file made (durable) and adopted. Under the object's lock."""
+        if offset != 0:
+            raise _err(ErrorCode.OFFSET_MISMATCH, f"object {name!r} does not exist: append at offset 0", 0)
+        if len(ns.objects) + ns.creating >= self.limits.max_objects:
+            raise _err(
+                ErrorCode.QUOTA_EXCEEDED,
+                f"namespace {namespace!r} already has {len(ns.objects) + ns.creating} objects, the limit"
+                " (--max-objects)",
+            )
+        total = self.storage.object_count()
+        if total >= self.limits.max_total_objects:
+            raise _err(
+                ErrorCode.QUOTA_EXCEEDED,
+                f"the server holds {total} objects, its limit (--max-objects-total): no new object",
+            )
+        self._check_new_generation(ns, name)
+        if n > self.limits.max_object_size:
+            raise _err(
+                ErrorCode.QUOTA_EXCEEDED, f"{n} bytes exceed the object size limit {self.limits.max_object_size}"
+            )
+        quota = self._quota(ns)
+        if quota is not None and ns.charged() + OBJECT_CHARGE + n > quota:
+            raise _err(
+                ErrorCode.QUOTA_EXCEEDED,
+                f"namespace {namespace!r} is charged {ns.charged()} bytes ({len(ns.objects)} objects at"
+                f" {OBJECT_CHARGE} bytes each plus {ns.usage.bytes} data bytes): a new object ({OBJECT_CHARGE}"
+                f" bytes) with {n} data bytes would exceed its quota of {quota} bytes (nothing written)",
+            )
+        # concurrent creations (pipelined) count this one while its file is made
+        ns.creating += 1
+        ns.reserved += OBJECT_CHARGE + n
+        try:
+            path, header_size = await trio.to_thread.run_sync(ns.create_file, name)
+        finally:
+            ns.creating -= 1
+            ns.reserved -= OBJECT_CHARGE + n
+        obj = ns.adopt(name, path, header_size)  # the in-memory tables: event loop only
+        if self.tier is not None:
+            self.tier.note(obj, 0)  # its file is durable: an empty object goes to the tier too
+        return obj
+
+    async def _append_retry(self, obj: StoredObject, name: str, offset: int, data: Payload, n: int) -> Pending:
+        """An append below the object's end: a retry of something that landed (the same bytes
+        at the same offset) is acknowledged again; anything else is refused."""
+        if offset + n <= obj.length and await self._same_bytes(obj, offset, data):
+            return Pending(obj, self._file_end_of(obj, offset + n), obj.rollbacks, offset + n, n)
+        if obj.sealed:
+            raise _err(ErrorCode.SEALED, f"object {name!r} is sealed at {obj.length}", obj.length)
+        raise _err(
+            ErrorCode.OFFSET_MISMATCH, f"append at {offset} but {name!r} is {obj.length} bytes long", obj.length
+        )
+
+    def _check_append_growth(self, ns: Namespace, namespace: str, name: str, obj: StoredObject, offset: int,
+                             n: int) -> None:
+        """An append at or past the object's end: it must be at the end, the object open, and
+        the object's size and the namespace's quota leave room for *n* bytes."""
+        if offset > obj.length:
+            raise _err(
+                ErrorCode.OFFSET_MISMATCH, f"append at {offset} but {name!r} is {obj.length} bytes long", obj.length
+            )
+        if obj.sealed:
+            raise _err(ErrorCode.SEALED, f"object {name!r} is sealed at {obj.length}", obj.length)
+        if obj.length + n > self.limits.max_object_size:
+            raise _err(
+                ErrorCode.QUOTA_EXCEEDED,
+                f"{name!r} would grow to {obj.length + n} bytes, the limit is {self.limits.max_object_size}",
+            )
+        quota = self._quota(ns) if n else None
+        if quota is not None and ns.charged() + n > quota:
+            raise _err(
+                ErrorCode.QUOTA_EXCEEDED,
+                f"namespace {namespace!r} is charged {ns.charged()} bytes ({len(ns.objects)} objects at"
+                f" {OBJECT_CHARGE} bytes each plus {ns.usage.bytes} data bytes): {n} more would exceed its quota"
+                f" of {quota} bytes (nothing written)",
+            )
 
     @staticmethod
     def _check_new_generation(ns: Namespace, name: str) -> None:

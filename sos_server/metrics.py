@@ -92,7 +92,13 @@ _SYNC_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
-        r = self.registry
+        self._request_metrics(self.registry)
+        self._connection_metrics(self.registry)
+        self._storage_metrics(self.registry)
+        self._tier_metrics(self.registry)
+
+    def _request_metrics(self, r: CollectorRegistry) -> None:
+        """What the requests did: appends, reads, opcodes, errors, group-commit syncs."""
         self.appends = Counter("sos_appends", "Appends acknowledged (durable)", registry=r)
         self.append_bytes = Counter("sos_append_bytes", "Bytes appended and acknowledged", registry=r)
         self.read_bytes = Counter("sos_read_bytes", "Bytes returned by READ", registry=r)
@@ -103,6 +109,9 @@ class Metrics:
             buckets=_SYNC_BUCKETS, registry=r,
         )
         self.sync_files = Counter("sos_synced_files", "fdatasync calls made by group commit", registry=r)
+
+    def _connection_metrics(self, r: CollectorRegistry) -> None:
+        """The connections: open, accepted, and closed for a timeout or to make room."""
         self.connections = Gauge("sos_open_connections", "Open client connections", registry=r)
         self.connections_total = Counter("sos_connections", "Connections accepted", registry=r)
         self.handshake_timeouts = Counter(
@@ -122,6 +131,9 @@ class Metrics:
             " pool (--max-unauthenticated) or --max-connections was full",
             registry=r,
         )
+
+    def _storage_metrics(self, r: CollectorRegistry) -> None:
+        """The data directory: retention, completed generations, open files, start-up repairs."""
         self.gc_removed = Counter("sos_gc_removed_objects", "Objects removed by retention", registry=r)
         self.generations_completed = Counter(
             "sos_generations_completed",
@@ -143,7 +155,8 @@ class Metrics:
             registry=r,
         )
 
-        # the object-store tier (serve --tier): per namespace, and the whole server's
+    def _tier_metrics(self, r: CollectorRegistry) -> None:
+        """The object-store tier (serve --tier): per namespace, and the whole server's."""
         ns = ["namespace"]
         self.tier_lag_bytes = Gauge(
             "sos_tier_lag_bytes", "Bytes acknowledged (durable on this server) and not yet in the tier's store",

@@ -6,11 +6,12 @@ Exit codes: RESTORE_EXIT_CODES and VERIFY_EXIT_CODES (printed by each command's 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TextIO
 
 from sos_client._common import resolve_server
@@ -203,6 +204,33 @@ def _where(args: argparse.Namespace) -> str:
     return f" (server {server})" if server else ""
 
 
+def _source(args: argparse.Namespace) -> Callable[[], StoreClient] | int:
+    """The client factory of ``args.namespace``'s source (restore's and verify's), or, when
+    the options name none, the exit status after saying why on stderr."""
+    try:
+        return _factory(args, args.namespace)
+    except _Usage as e:
+        _err(str(e))
+        return EXIT_USAGE
+    except (JournalError, ValueError) as e:
+        _err(str(e))
+        return EXIT_FAIL
+
+
+@contextlib.contextmanager
+def _progress(args: argparse.Namespace, verb: str, factory: Callable[[], StoreClient]
+              ) -> Iterator[ProgressBar | None]:
+    """The progress bar of ``verb`` (None with --quiet); on the way out, however it ends,
+    its line ended and the source closed."""
+    bar = None if args.quiet else ProgressBar(f"{verb} {args.namespace}")
+    try:
+        yield bar
+    finally:
+        if bar:
+            bar.finish()
+        _close(factory)
+
+
 def cmd_restore(args: argparse.Namespace) -> int:
     opts: dict[str, Any] = {}
     if args.at is not None:
@@ -215,23 +243,13 @@ def cmd_restore(args: argparse.Namespace) -> int:
         opts["generation"] = args.generation
     if args.workers is not None:
         opts["workers"] = args.workers
-    bar = None if args.quiet else ProgressBar(f"restore {args.namespace}")
+    factory = _source(args)
+    if isinstance(factory, int):
+        return factory
     try:
-        factory = _factory(args, args.namespace)
-    except _Usage as e:
-        _err(str(e))
-        return EXIT_USAGE
-    except (JournalError, ValueError) as e:
-        _err(str(e))
-        return EXIT_FAIL
-    try:
-        try:
+        with _progress(args, "restore", factory) as bar:
             summary = restore(factory, args.namespace, args.target, force=args.force,
                               progress=bar, **opts)
-        finally:
-            if bar:
-                bar.finish()
-            _close(factory)
     except GenerationBreak as e:
         _err(f"{e}; nothing written")
         return EXIT_CORRUPT
@@ -264,22 +282,12 @@ def cmd_restore(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    bar = None if args.quiet else ProgressBar(f"verify {args.namespace}")
+    factory = _source(args)
+    if isinstance(factory, int):
+        return factory
     try:
-        factory = _factory(args, args.namespace)
-    except _Usage as e:
-        _err(str(e))
-        return EXIT_USAGE
-    except (JournalError, ValueError) as e:
-        _err(str(e))
-        return EXIT_FAIL
-    try:
-        try:
+        with _progress(args, "verify", factory) as bar:
             rep = verify(factory, args.namespace, progress=bar)
-        finally:
-            if bar:
-                bar.finish()
-            _close(factory)
     except JournalError as e:
         _err(str(e))
         return EXIT_FAIL
