@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from sos_client.cli import add_connection_options, client_from_args, key_from_args
 from sos_client.errors import SOSError
 from sos_client.journal.facade import add_durability_options, durability_refusal, tier_patience_of
+from sos_client.journal.points import parse_batch
 from sos_wire import argtypes
 from sos_wire.names import validate_namespace
 
@@ -106,9 +107,28 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "(default 5): a fenced gateway refuses every request (503; its health "
                         "check fails), logs who fenced it and exits with code 3")
     p.add_argument("--debug", action="store_true", help="log every request")
+    add_operations_options(p)
     add_connection_options(p)
     p.set_defaults(func=run)
     return p
+
+
+def add_operations_options(p: argparse.ArgumentParser) -> None:
+    """--metrics, --restore-batch and --yes (issue 23 items 5 and 8)."""
+    p.add_argument("--metrics", metavar="HOST:PORT", default=None,
+                   help="serve Prometheus metrics on this address (:PORT is 127.0.0.1:PORT; port 0: any "
+                        "free one): spool lag, writer state, replicator errors, barrier latency, last "
+                        "committed batch per checkpoint, fenced, requests by operation (docs/DEPLOY.md, "
+                        "Gateway metrics; default: none)")
+    p.add_argument("--restore-batch", metavar="CHECKPOINT:N", default=None,
+                   help="before serving, roll the namespace back to right after batch N of the "
+                        "checkpoint CHECKPOINT (its path in the namespace) committed: the cache is "
+                        "rebuilt at that journal position and a new journal generation starts from "
+                        "that tree. THE WHOLE NAMESPACE goes back: every other checkpoint in it "
+                        "returns to the same point in the journal. Refused when it discards later "
+                        "changes unless --yes is given (docs/SPARK.md, Rolling back)")
+    p.add_argument("--yes", action="store_true",
+                   help="with --restore-batch: confirm discarding everything written after the batch")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -125,9 +145,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"sos: {exc}", file=sys.stderr)
         return 2
     # trio, h11 and the gateway: only when it runs (`sos` loads every command's parser)
+    from sos_client.journal.rollback import RollbackRefused  # noqa: PLC0415
     from spark_plugin.gateway.run import (  # noqa: PLC0415
         parse_advertise,
         parse_listen,
+        parse_metrics_listen,
         plaintext_refusal,
         run_gateway,
     )
@@ -136,6 +158,10 @@ def run(args: argparse.Namespace) -> int:
         parse_listen(args.listen)
         if args.advertise:
             parse_advertise(args.advertise)
+        if args.metrics:
+            parse_metrics_listen(args.metrics)
+        if args.restore_batch:
+            parse_batch(args.restore_batch)
     except ValueError as exc:
         print(f"sos: {exc}", file=sys.stderr)
         return 2
@@ -171,7 +197,11 @@ def run(args: argparse.Namespace) -> int:
                            open_memory=args.open_memory, key_recheck=args.key_recheck,
                            durability=args.durability,
                            tier_patience=tier_patience_of(args.tier_patience),
-                           fence_check=args.fence_check)
+                           fence_check=args.fence_check, metrics=args.metrics,
+                           restore_batch=args.restore_batch, restore_yes=args.yes)
+    except RollbackRefused as exc:
+        print(f"sos: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("sos: gateway interrupted (the spool keeps what the server does not have yet)",
               file=sys.stderr)

@@ -9,17 +9,23 @@ from __future__ import annotations
 import contextlib
 import getpass
 import logging
+import os
 import resource
 import ssl
 import time
-from collections.abc import Callable
 from typing import Any
 
 import trio
 
-from sos_client.errors import Fenced, SOSError
+from sos_client.errors import SOSError
 from sos_client.journal import layout
+from sos_client.journal.beneath import clear_directory
+from sos_client.journal.facade import FenceWatch
 from sos_client.journal.open import ClientFactory, OpenNamespace, default_cache_dir, open_namespace
+from sos_client.journal.points import parse_batch
+from sos_client.journal.rollback import RollbackPoint, rollback_rebuild
+from sos_client.journal.spool import private_file
+from sos_client.journal.tree import RebuildCache
 from sos_client.journal.writer import server_last_record
 from sos_client.serving import serve_until_signal
 from sos_wire.addresses import is_loopback, is_wildcard, parse_address, split_address
@@ -27,13 +33,14 @@ from sos_wire.auth import Key
 
 from .auth import DEFAULT_KEY_RECHECK, DEFAULT_TOKEN_TTL, TOKEN_PATH, TokenAuthority, key_verifier
 from .http import HEAD_TIMEOUT, MAX_CONNECTIONS, MAX_CONNECTIONS_PER_ADDRESS, SEND_TIMEOUT
+from .metrics import serve_metrics
 from .operations import OPEN_MEMORY
 from .process import READY_MARKER
 from .server import EXIT_FENCED, Gateway
 from .webhdfs import WebHdfsNamespace
 
-__all__ = ["fit_connections", "parse_advertise", "parse_listen", "plaintext_refusal", "raise_nofile_limit",
-           "run_gateway"]
+__all__ = ["fit_connections", "parse_advertise", "parse_listen", "parse_metrics_listen", "plaintext_refusal",
+           "prepare_rollback", "raise_nofile_limit", "run_gateway"]
 
 log = logging.getLogger("sos.gateway")
 
@@ -50,6 +57,8 @@ FENCE_CHECK = 5.0
 #: a previous writer whose last record is younger than this was probably still running
 #: when this gateway fenced it (logged as a warning, else as information)
 LIVE_WRITER_WINDOW = 300.0
+#: in the cache directory while a --restore-batch is under way (prepare_rollback)
+ROLLBACK_PENDING = "rollback-pending"
 
 
 def parse_listen(text: str) -> tuple[str, int]:
@@ -123,7 +132,8 @@ def run_gateway(namespace: str, listen: str, *, server: str, key: str, cache_dir
                 head_timeout: float = HEAD_TIMEOUT, send_timeout: float = SEND_TIMEOUT,
                 open_memory: int = OPEN_MEMORY, key_recheck: float = DEFAULT_KEY_RECHECK,
                 durability: str = "server", tier_patience: float | None = None,
-                fence_check: float = FENCE_CHECK) -> int:
+                fence_check: float = FENCE_CHECK, metrics: str | None = None,
+                restore_batch: str | None = None, restore_yes: bool = False) -> int:
     """Serve ``namespace`` on ``listen`` until SIGTERM/SIGINT; returns the exit code
     (0 after a clean stop with the journal flushed, 1 if the final flush failed,
     EXIT_FENCED (3) when a newer writer fenced it: it then refuses every request and stops
@@ -141,6 +151,12 @@ def run_gateway(namespace: str, listen: str, *, server: str, key: str, cache_dir
     ``tier_patience`` go to :func:`~sos_client.journal.open.open_namespace`: with "tier" every
     barrier (protocol.md 3.4) also waits for the server's bucket, and a server without a tier
     is refused here (JournalTierUnavailable) before anything is served.
+
+    ``metrics``: ``HOST:PORT`` of the Prometheus endpoint (:mod:`.metrics`; ``:PORT`` is
+    127.0.0.1). ``restore_batch``: ``CHECKPOINT:N``: before serving, roll the whole namespace
+    back to right after batch N of that checkpoint committed (:mod:`sos_client.journal.rollback`;
+    every other checkpoint goes back to the same journal position); refused
+    (RollbackRefused) if records follow it unless ``restore_yes``.
     """
     host, port = parse_listen(listen)
     if insecure_no_auth and not is_loopback(host):
@@ -165,11 +181,22 @@ def run_gateway(namespace: str, listen: str, *, server: str, key: str, cache_dir
         tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         tls.load_cert_chain(tls_cert, tls_key)
     secret = Key.parse(key).secret
-    opened = open_namespace(namespace, cache_dir or default_cache_dir(namespace), server=server,
+    if metrics is not None:
+        parse_metrics_listen(metrics)  # a bad address: refused before anything is opened
+    cache_dir = cache_dir or default_cache_dir(namespace)
+    rebuild = prepare_rollback(cache_dir, restore_batch, restore_yes) if restore_batch else None
+    interrupted = not restore_batch and finish_interrupted_rollback(cache_dir)
+    opened = open_namespace(namespace, cache_dir, server=server,
                             key=key, timeout=timeout, tls=tls_client,
                             client_factory=client_factory, sync=False,
                             max_lag_bytes=max_lag_bytes, generation_bytes=generation_bytes,
-                            durability=durability, tier_patience=tier_patience)
+                            durability=durability, tier_patience=tier_patience, rebuild=rebuild)
+    if restore_batch and not opened.rebuilt:  # e.g. a new namespace: no batch to go back to
+        opened.close(timeout=0)
+        raise ValueError(f"--restore-batch {restore_batch}: namespace {namespace!r} has no journal to roll back")
+    if restore_batch or interrupted:  # the cache and the journal agree again
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(os.path.abspath(cache_dir), ROLLBACK_PENDING))
     if opened.writer is not None:
         report_previous_writer(opened, client_factory or opened.client_factory)
     try:
@@ -188,8 +215,15 @@ def run_gateway(namespace: str, listen: str, *, server: str, key: str, cache_dir
                     "and OPEN name the IP address each client reached, which the certificate "
                     "must then hold; give --advertise NAME:PORT (a name of the certificate)",
                     listen)
+    exported = None
+    try:
+        exported = serve_metrics(gateway, ns, metrics, parse_metrics_listen) if metrics else None
+    except OSError as exc:
+        opened.close(timeout=0)
+        raise OSError(exc.errno, f"cannot listen for metrics on {metrics}: {exc.strerror or exc}") from None
     code = 0
-    watch = (FenceWatch(opened, client_factory or opened.client_factory, fence_check)
+    watch = (FenceWatch(namespace, opened.writer, client_factory or opened.client_factory, fence_check,
+                        who="this gateway")
              if opened.writer is not None else None)
     try:
         mode = ("sync" if sync else "async") + (", durability tier" if durability == "tier" else "")
@@ -208,6 +242,8 @@ def run_gateway(namespace: str, listen: str, *, server: str, key: str, cache_dir
     finally:
         if watch is not None:
             watch.close()
+        if exported is not None:
+            exported.close()
         try:
             opened.close(timeout=0)
         except Exception as exc:  # noqa: BLE001
@@ -215,6 +251,53 @@ def run_gateway(namespace: str, listen: str, *, server: str, key: str, cache_dir
                 log.error("closing the journal failed: %r", exc)
                 code = 1
     return code
+
+
+def parse_metrics_listen(text: str) -> tuple[str, int]:
+    """``--metrics``: ``HOST:PORT``, ``[V6]:PORT`` or ``:PORT`` (127.0.0.1), as ``sos-server serve
+    --metrics``; port 0 picks a free one."""
+    stripped = text.strip()
+    try:
+        return parse_address("127.0.0.1" + stripped if stripped.startswith(":") else stripped, any_port=True)
+    except ValueError as exc:
+        raise ValueError(f"--metrics {text!r}: {exc}: expected HOST:PORT (e.g. 127.0.0.1:9871)") from None
+
+
+def prepare_rollback(cache_dir: str, point: str, discard: bool) -> RebuildCache:
+    """``--restore-batch CHECKPOINT:N``: empty the cache's tree (so that the opener rebuilds
+    it, after shipping the spool) and return the rebuild that restores it at the batch.
+    ROLLBACK_PENDING, written first and removed once the new generation started, makes a
+    start after a crash in between rebuild the tree from the journal's end
+    (:func:`finish_interrupted_rollback`): a half-restored or rolled-back tree that the
+    journal does not hold yet is never taken for the namespace's state."""
+    parse_batch(point)  # a malformed point: refused before the cache is touched
+    cache_dir = os.path.abspath(cache_dir)
+    os.makedirs(cache_dir, mode=0o700, exist_ok=True)
+    private_file(os.path.join(cache_dir, ROLLBACK_PENDING), f"--restore-batch {point} in progress\n")
+    tree_dir = os.path.join(cache_dir, "tree")
+    if os.path.isdir(tree_dir) and not os.path.islink(tree_dir):
+        clear_directory(tree_dir)
+
+    def found(at: RollbackPoint) -> None:
+        log.info("--restore-batch: batch %d of checkpoint %r committed at journal record %d; the journal "
+                 "ends at %d", at.batch, at.checkpoint or ".", at.position, at.end)
+
+    return rollback_rebuild(point, discard=discard, on_point=found)
+
+
+def finish_interrupted_rollback(cache_dir: str) -> bool:
+    """A --restore-batch stopped before its new generation started (ROLLBACK_PENDING left):
+    empty the tree so that it is rebuilt from the journal (its end: the rollback did not
+    happen, or the new generation if it was complete); True if so."""
+    cache_dir = os.path.abspath(cache_dir)
+    if not os.path.exists(os.path.join(cache_dir, ROLLBACK_PENDING)):
+        return False
+    log.warning("a --restore-batch on this cache did not finish: the cache is rebuilt from the server "
+                "(the journal's end); run --restore-batch again to roll back")
+    tree_dir = os.path.join(cache_dir, "tree")
+    if os.path.isdir(tree_dir) and not os.path.islink(tree_dir):
+        clear_directory(tree_dir)
+    return True
 
 
 def report_previous_writer(opened: OpenNamespace, client_factory: ClientFactory | None) -> None:
@@ -252,59 +335,6 @@ def report_previous_writer(opened: OpenNamespace, client_factory: ClientFactory 
     else:
         log.info("took over namespace %r at epoch %d from the writer of epoch %d (its last record, "
                  "seq %d, is %.0f s old)", opened.namespace, writer.epoch, last.epoch, found[0], age)
-
-
-class FenceWatch:
-    """Tells whether a newer writer fenced this gateway's writer: the writer's own failure
-    (FENCED or SEALED from the replicator), or the namespace's fence epoch above the
-    writer's, asked every ``interval`` s with FENCE(0) (it never passes and changes nothing,
-    protocol.md 1.11), so an idle gateway learns it too."""
-
-    def __init__(self, opened: OpenNamespace, client_factory: ClientFactory | None, interval: float) -> None:
-        self.opened = opened
-        self.factory: Callable[[], Any] | None = client_factory
-        self.interval = interval
-        self._client: Any = None
-        self._asked = time.monotonic()
-
-    def _writer_fenced(self) -> str | None:
-        writer = self.opened.writer
-        if writer is None:
-            return None
-        status = writer.status()
-        error = status.get("error") or ""
-        if status["state"] == "failed" and error.startswith(("Fenced:", "SealedError:")):
-            return f"its writer (epoch {writer.epoch}) was refused by the server: {error}"
-        return None
-
-    def check(self) -> str | None:
-        """Why this gateway is fenced, or None (blocking: a worker thread calls it)."""
-        reason = self._writer_fenced()
-        if reason is not None or self.factory is None or self.opened.writer is None:
-            return reason
-        if time.monotonic() - self._asked < self.interval:
-            return None
-        self._asked = time.monotonic()
-        epoch = self.opened.writer.epoch
-        try:
-            if self._client is None:
-                self._client = self.factory()
-            self._client.fence(0)
-        except Fenced as exc:
-            current = int(getattr(exc, "epoch", 0) or exc.length or 0)
-            if current > epoch:
-                return (f"namespace {self.opened.namespace!r} was fenced at epoch {current} by a newer "
-                        f"writer (this gateway's writer holds epoch {epoch})")
-        except (SOSError, OSError) as exc:  # the server unreachable: the writer retries too
-            log.debug("fence check failed: %r", exc)
-            self.close()
-        return None
-
-    def close(self) -> None:
-        client, self._client = self._client, None
-        if client is not None:
-            with contextlib.suppress(SOSError, OSError):
-                client.close()
 
 
 async def _serve(gateway: Gateway, host: str, port: int, about: str, drain_timeout: float,
