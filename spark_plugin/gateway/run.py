@@ -21,6 +21,7 @@ from sos_wire.auth import Key
 
 from .auth import DEFAULT_KEY_RECHECK, DEFAULT_TOKEN_TTL, TOKEN_PATH, TokenAuthority, key_verifier
 from .http import HEAD_TIMEOUT, MAX_CONNECTIONS, MAX_CONNECTIONS_PER_ADDRESS, SEND_TIMEOUT
+from .lease import hold_lease
 from .operations import OPEN_MEMORY
 from .process import READY_MARKER
 from .server import Gateway
@@ -109,7 +110,8 @@ def run_gateway(namespace: str, listen: str, *, server: str, key: str, cache_dir
                 max_per_address: int = MAX_CONNECTIONS_PER_ADDRESS,
                 head_timeout: float = HEAD_TIMEOUT, send_timeout: float = SEND_TIMEOUT,
                 open_memory: int = OPEN_MEMORY, key_recheck: float = DEFAULT_KEY_RECHECK,
-                durability: str = "server", tier_patience: float | None = None) -> int:
+                durability: str = "server", tier_patience: float | None = None,
+                lease: float | None = None) -> int:
     """Serve ``namespace`` on ``listen`` until SIGTERM/SIGINT; returns the exit code
     (0 after a clean stop with the journal flushed, 1 if the final flush failed). On the
     signal it stops accepting connections and gives the requests in progress
@@ -124,7 +126,9 @@ def run_gateway(namespace: str, listen: str, *, server: str, key: str, cache_dir
     what the descriptor limit (raised to its hard limit first) holds. ``durability`` and
     ``tier_patience`` go to :func:`~sos_client.journal.open.open_namespace`: with "tier" every
     barrier (protocol.md 3.4) also waits for the server's bucket, and a server without a tier
-    is refused here (JournalTierUnavailable) before anything is served.
+    is refused here (JournalTierUnavailable) before anything is served. ``lease``: seconds;
+    renew a lease a standby gateway watches (lease.py, protocol.md 3.6) and serve only while
+    holding it.
     """
     host, port = parse_listen(listen)
     if insecure_no_auth and not is_loopback(host):
@@ -170,8 +174,10 @@ def run_gateway(namespace: str, listen: str, *, server: str, key: str, cache_dir
                     "and OPEN name the IP address each client reached, which the certificate "
                     "must then hold; give --advertise NAME:PORT (a name of the certificate)",
                     listen)
+    holder = None
     code = 0
     try:
+        holder = hold_lease(gateway, opened, lease, advertise or listen) if lease else None
         mode = ("sync" if sync else "async") + (", durability tier" if durability == "tier" else "")
         trio.run(_serve, gateway, host, port, f"(namespace {namespace}, {mode}"
                  f"{', no auth' if insecure_no_auth else ''})", drain_timeout)
@@ -184,6 +190,8 @@ def run_gateway(namespace: str, listen: str, *, server: str, key: str, cache_dir
                       "on this cache ships it): %r", opened.spool_dir, exc)
             code = 1
     finally:
+        if holder is not None:
+            holder.stop()
         try:
             opened.close(timeout=0)
         except Exception as exc:  # noqa: BLE001
