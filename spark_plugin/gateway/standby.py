@@ -279,8 +279,7 @@ class Standby:
             self._stop.wait(1.0)
             return
         self.opened, self.holder, self.epoch = opened, holder, opened.writer.epoch
-        self.gateway.become_active(ns)
-        self.gateway.gate = holder.gate
+        self.gateway.become_active(ns)  # its gate stays this one: PROMOTE_PATH, then the lease
         self.state = "active"
         self._wanted.clear()
         log.warning("standby: promoted in %.2f s: fenced epoch %d, the writer at epoch %d "
