@@ -298,3 +298,99 @@ def test_sigstop_past_the_lease_never_makes_two_writers(sos_server, tmp_path, ha
             os.kill(active.pid, signal.SIGCONT)
         for g in (active, standby):
             g.kill()
+
+
+# ------------------------------------------------------------------ Spark through the helper
+
+SPARK_DRIVER = '''
+import json, os, signal, sys, time
+cfg = json.load(open(sys.argv[1]))
+from pyspark.sql import SparkSession
+from tools.demo import DRIVER_JVM_OPTIONS, write_batch_output
+from spark_plugin.spark import gateway_checkpoint
+
+builder = (SparkSession.builder.master("local[2]").appName("sos-gateway-pair")
+           .config("spark.sql.shuffle.partitions", "2")
+           .config("spark.ui.enabled", "false")
+           .config("spark.ui.showConsoleProgress", "false")
+           .config("spark.driver.extraJavaOptions", DRIVER_JVM_OPTIONS))
+loc = gateway_checkpoint(builder, cfg["urls"], cfg["ns"], os.environ["SOS_KEY"], "queries/q1",
+                         token_url=cfg["token_url"])
+spark = builder.getOrCreate()
+spark.sparkContext.setLogLevel("ERROR")
+loc.attach(spark)
+batches = []
+
+def sink(df, batch_id):
+    write_batch_output(cfg["out"], df, batch_id)
+    batches.append(batch_id)
+    if batch_id == cfg["kill_at"]:  # mid-batch: before Spark renames onto commits/N
+        os.kill(cfg["kill_pid"], signal.SIGKILL)
+        with open(cfg["killed"], "w") as f:
+            f.write(str(time.monotonic()))
+
+os.makedirs(cfg["out"], exist_ok=True)
+query = (spark.readStream.schema("id LONG, payload STRING")
+         .option("maxFilesPerTrigger", 1).json(cfg["input"])
+         .dropDuplicates(["id"])
+         .writeStream.foreachBatch(sink).option("checkpointLocation", str(loc))
+         .trigger(availableNow=True).start())
+query.awaitTermination()
+deadline = time.monotonic() + 120  # the listener runs asynchronously
+while set(loc.listener.written) < set(batches) and time.monotonic() < deadline:
+    time.sleep(0.2)
+with open(cfg["result"], "w") as f:
+    json.dump({"location": str(loc), "batches": batches, "markers": loc.listener.written,
+               "errors": loc.listener.errors, "conf": loc.conf}, f)
+spark.stop()
+'''
+
+
+@pytest.mark.spark
+@pytest.mark.timeout(900)
+def test_spark_query_through_the_helper_rides_through_the_loss_of_the_active(sos_server, tmp_path):
+    import json
+    import sys
+    from collections import Counter
+
+    from tools.demo import committed_batches, make_input
+
+    pytest.importorskip("pyspark")
+    key = sos_server.keygen(NS)
+    files, records = 8, 400
+    make_input(str(tmp_path / "input"), records, files)
+    active = gateway(sos_server, key, tmp_path, "active")
+    standby = gateway(sos_server, key, tmp_path, "standby", "--standby")
+    try:
+        cfg = {"urls": [active.url, standby.url], "ns": NS, "input": str(tmp_path / "input"),
+               "out": str(tmp_path / "out"), "kill_at": 3, "kill_pid": active.pid,
+               "killed": str(tmp_path / "killed"), "result": str(tmp_path / "result.json"),
+               "token_url": standby.url}
+        (tmp_path / "cfg.json").write_text(json.dumps(cfg))
+        (tmp_path / "driver.py").write_text(SPARK_DRIVER)
+        env = dict(os.environ, SOS_KEY=key,
+                   PYTHONPATH=os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p))
+        with open(tmp_path / "driver.log", "wb") as logf:
+            proc = subprocess.run([sys.executable, str(tmp_path / "driver.py"), str(tmp_path / "cfg.json")],
+                                  stdout=logf, stderr=subprocess.STDOUT, env=env, timeout=800)
+        assert proc.returncode == 0, (tmp_path / "driver.log").read_text()[-6000:]
+        result = json.loads((tmp_path / "result.json").read_text())
+    finally:
+        for g in (active, standby):
+            g.kill()
+    assert result["location"] == f"webhdfs://sos-{NS}/queries/q1"
+    conf = result["conf"]
+    assert conf[f"spark.hadoop.dfs.ha.namenodes.sos-{NS}"] == "gw1,gw2"
+    assert conf[f"spark.hadoop.dfs.namenode.http-address.sos-{NS}.gw2"] == addr(standby.url)
+    assert result["batches"][-1] == files - 1
+    assert sorted(set(result["batches"])) == list(range(files))
+    assert result["errors"] == [] and sorted(set(result["markers"])) == list(range(files))
+    assert "standby: promoted" in standby.log()
+    ids = Counter()
+    for name in os.listdir(tmp_path / "out"):
+        with open(tmp_path / "out" / name) as f:
+            ids.update(json.loads(line)["id"] for line in f)
+    assert sorted(ids) == list(range(records)) and set(ids.values()) == {1}, "exactly once"
+    sos(sos_server, key, "restore", "-q", NS, str(tmp_path / "restored"))
+    assert committed_batches(str(tmp_path / "restored" / "queries" / "q1")) == set(range(files))
+    assert sos(sos_server, key, "verify", "-q", NS).returncode == 0
