@@ -2,7 +2,7 @@
 // (tests/test_standby.py). Each batch i: write /ha/tmp/i (overwrite), rename it onto
 // /ha/commits/i (HDFS's rename, no overwrite), then print "COMMITTED i <ms>" once the rename
 // returned: what the client was told is committed. A failed attempt is retried as Spark
-// retries a task (after 0.5 s, at most 40 times); a rename whose reply was lost is seen by
+// retries a task (after 0.5 s, at most 40 times: -Dhawriter.attempts=N); a rename whose reply was lost is seen by
 // the existence of its target. Stops after N batches or when the file STOP exists.
 //
 // java -cp 'pyspark/jars/*:DIR' HaWriter NAMESERVICE ADDR1,ADDR2 TOKEN_URL NAMESPACE N STOP
@@ -46,6 +46,7 @@ public class HaWriter {
       }
     }
     int n = Integer.parseInt(args[4]);
+    int attempts = Integer.getInteger("hawriter.attempts", 40);
     File stop = new File(args[5]);
     FileSystem fs = FileSystem.newInstance(new URI("webhdfs://" + ns), conf);
     fs.mkdirs(new Path("/ha/tmp"));
@@ -77,7 +78,7 @@ public class HaWriter {
         } catch (java.io.IOException e) {
           System.out.println("RETRY " + i + " " + attempt + " " + e.toString().replace('\n', ' '));
           System.out.flush();
-          if (attempt >= 40) {
+          if (attempt >= attempts) {
             throw e;
           }
           Thread.sleep(500);
