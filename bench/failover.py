@@ -40,9 +40,9 @@ import requests
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from spark_plugin.gateway.process import GatewayProcess  # noqa: E402 - after sys.path
-from spark_plugin.spark import sos_command  # noqa: E402
 from sos_wire import argtypes  # noqa: E402
+from spark_plugin.gateway.process import GatewayProcess  # noqa: E402 - after sys.path
+from spark_plugin.spark import GATEWAY_FAILOVER, sos_command  # noqa: E402
 from tools.server import ServerProcess  # noqa: E402
 
 NS = "failover"
@@ -56,7 +56,7 @@ def free_port() -> int:
 
 
 def compile_writer(out: str) -> str:
-    import pyspark  # noqa: PLC0415 - the bench needs the spark extra
+    import pyspark
 
     jars = os.path.join(os.path.dirname(pyspark.__file__), "jars")
     if not glob.glob(os.path.join(jars, "hadoop-client-api-*.jar")):
@@ -96,7 +96,9 @@ class Writer:
         self.log_path = os.path.join(work, "java.log")
         with open(os.path.join(work, "java.log"), "w") as log:
             self.proc = subprocess.Popen(
-                ["java", "-Dhawriter.attempts=1000", "-cp", classpath, "HaWriter", "bench",
+                ["java", "-Dhawriter.attempts=1000",
+                 # the failover settings gateway_checkpoint gives a pair (spark.GATEWAY_FAILOVER)
+                 *(f"-Dhadoop.{k}={v}" for k, v in GATEWAY_FAILOVER.items()), "-cp", classpath, "HaWriter", "bench",
                  ",".join(addresses), token_url + "/oauth2/token", NS, "100000", self.stop_file],
                 stdout=subprocess.PIPE, stderr=log, text=True, env=dict(os.environ, SOS_KEY=key))
         self.thread = threading.Thread(target=self._read, daemon=True)
@@ -217,7 +219,7 @@ def main() -> int:
                 r = run_one(classpath, size, mode, args.lease, base)
                 print(json.dumps(r), flush=True)
                 results.append(r)
-    print(f"\n| state | mode | SIGKILL of the active (+ its cache) -> next committed batch |")
+    print("\n| state | mode | SIGKILL of the active (+ its cache) -> next committed batch |")
     print("|---|---|---|")
     for r in results:
         print(f"| {int(r['state_bytes']) >> 20} MiB | {r['mode']} | {r['seconds_to_next_commit']} s |")

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from sos_client.errors import Fenced, OffsetMismatch, SOSError, SOSNotFound
+from sos_wire.addresses import is_wildcard, split_address
 
 from .http import Conn, Reply
 from .webhdfs import remote_exception
@@ -45,6 +46,7 @@ __all__ = [
     "LeaseWatcher",
     "hold_lease",
     "lease_name",
+    "lease_url",
     "parse_lease_name",
     "standby_reply",
 ]
@@ -184,6 +186,35 @@ def hold_lease(gateway: Gateway, opened: OpenNamespace, lease: float, url: str) 
     return holder
 
 
+def _last_url(client: RoleClient, name: str, length: int) -> str:
+    """The "url" of the last whole line of lease object ``name`` ("" if none)."""
+    if length <= 0:
+        return ""
+    try:
+        tail = b"".join(bytes(c) for c in client.read_iter(name, max(0, length - 1024), 0))
+    except (SOSError, OSError):
+        return ""
+    for line in reversed(tail.split(b"\n")):
+        try:
+            doc = json.loads(line)
+        except ValueError:
+            continue
+        return str(doc.get("url", "")) if isinstance(doc, dict) else ""
+    return ""
+
+
+def lease_url(advertise: str | None, listen: str) -> str:
+    """What a lease line names: the address clients (and a standby's probe) reach the gateway
+    at: ``--advertise``, else the listen address unless it is a wildcard ("")."""
+    if advertise:
+        return advertise
+    try:
+        host, _port = split_address(listen)
+    except ValueError:
+        return ""
+    return "" if is_wildcard(host) else listen
+
+
 class LeaseWatcher:
     """The standby side: :meth:`observe` (every poll) notes whether the newest ``lease/``
     object grew; :meth:`silent_for` is how long, by this process's clock, it did not while the
@@ -194,6 +225,8 @@ class LeaseWatcher:
         self.lease = lease
         self._clock = clock
         self.current: tuple[str, int] | None = None  # (name, length) last seen
+        #: HOST:PORT the newest lease's holder serves on (its last line's "url"), or ""
+        self.active_address = ""
         self._since: float | None = None  # when it was last seen to change (or contact came back)
         self._contact = True
 
@@ -217,6 +250,7 @@ class LeaseWatcher:
         if seen != self.current:
             self.current = seen
             self._since = now
+            self.active_address = _last_url(client, seen[0], seen[1])
 
     def forget(self) -> None:
         """After a promotion: the old active's silence counts no more."""

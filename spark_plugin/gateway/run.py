@@ -21,7 +21,7 @@ from sos_wire.auth import Key
 
 from .auth import DEFAULT_KEY_RECHECK, DEFAULT_TOKEN_TTL, TOKEN_PATH, TokenAuthority, key_verifier
 from .http import HEAD_TIMEOUT, MAX_CONNECTIONS, MAX_CONNECTIONS_PER_ADDRESS, SEND_TIMEOUT
-from .lease import hold_lease
+from .lease import hold_lease, lease_url
 from .operations import OPEN_MEMORY
 from .process import READY_MARKER
 from .server import Gateway
@@ -177,7 +177,7 @@ def run_gateway(namespace: str, listen: str, *, server: str, key: str, cache_dir
     holder = None
     code = 0
     try:
-        holder = hold_lease(gateway, opened, lease, advertise or listen) if lease else None
+        holder = hold_lease(gateway, opened, lease, lease_url(advertise, listen)) if lease else None
         mode = ("sync" if sync else "async") + (", durability tier" if durability == "tier" else "")
         trio.run(_serve, gateway, host, port, f"(namespace {namespace}, {mode}"
                  f"{', no auth' if insecure_no_auth else ''})", drain_timeout)

@@ -54,14 +54,14 @@ from sos_client.journal.reading import list_generations
 from sos_client.journal.records import RecordDecoder, SnapshotEnd
 from sos_client.journal.replay import Replayer, ReplayError
 from sos_client.journal.restore import rebuild_cache
-from sos_wire.addresses import is_loopback, is_wildcard
+from sos_wire.addresses import is_loopback, is_wildcard, split_address
 from sos_wire.auth import Key
 from sos_wire.events import KeyRole
 
 from .auth import DEFAULT_KEY_RECHECK, DEFAULT_TOKEN_TTL, TokenAuthority, TokenInfo, key_verifier
 from .client import GatewayClient
 from .http import HEAD_TIMEOUT, MAX_CONNECTIONS, MAX_CONNECTIONS_PER_ADDRESS, SEND_TIMEOUT, Conn, Reply, json_body
-from .lease import DEFAULT_LEASE, LeaseHolder, LeaseWatcher, standby_reply
+from .lease import DEFAULT_LEASE, LeaseHolder, LeaseWatcher, lease_url, standby_reply
 from .operations import OPEN_MEMORY
 from .run import (
     DRAIN_TIMEOUT,
@@ -188,8 +188,9 @@ class Standby:
 
     def __init__(self, gateway: Gateway, tailer: Tailer, factory: ClientFactory, *,
                  lease: float, open_active: Callable[[int], tuple[OpenNamespace, WebHdfsNamespace]],
-                 poll: float = POLL, hold: float = HOLD) -> None:
+                 poll: float = POLL, hold: float = HOLD, lease_url: str = "") -> None:
         self.gateway = gateway
+        self.lease_url = lease_url
         self.tailer = tailer
         self.factory = factory
         self.lease = lease
@@ -204,6 +205,7 @@ class Standby:
         self.promotion_error = ""
         self.epoch = 0
         self._wanted = threading.Event()  # a promotion by hand was asked
+        self._probed: tuple[float, str, bool] | None = None  # (when, address, down)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -269,7 +271,7 @@ class Standby:
             self.tailer.close()
             opened, ns = self.open_active(self.tailer.seq)
             assert opened.writer is not None
-            holder = LeaseHolder(self.factory, opened.writer.epoch, self.lease, url=self.gateway.url)
+            holder = LeaseHolder(self.factory, opened.writer.epoch, self.lease, url=self.lease_url)
             holder.start()
         except Exception as exc:  # noqa: BLE001 - reported; the loop tries again
             self.state = "standby"
@@ -292,12 +294,40 @@ class Standby:
         if path == PROMOTE_PATH:
             return await self._promote_request(conn, method, grant)
         if self.state != "active" and (self.state == "promoting" or self._wanted.is_set()
-                                        or self.watcher.lapsing):
+                                        or self.watcher.lapsing or await self._active_down()):
             await _until(lambda: self.state == "active", self.hold)
         if self.state == "active" and self.holder is not None:
             return await self.holder.gate(conn, method, path, grant)
         raise standby_reply("this sos gateway is a standby (it tails the journal and takes over "
                             "when the active gateway's lease lapses)")
+
+    async def _active_down(self) -> bool:
+        """Does the active gateway's address (its lease's "url") refuse connections, or not
+        answer one within a second? A client is sent here by exactly that, or by a standby
+        NameNode's answer: while the active is down, hold its request until this standby
+        takes over rather than send it back to a dead address (the lease still decides the
+        promotion). Remembered for half a second."""
+        address = self.watcher.active_address
+        if not address or self.watcher.silent_for() is None:
+            return False
+        now = trio.current_time()
+        if self._probed is not None and now - self._probed[0] < 0.5 and self._probed[1] == address:
+            return self._probed[2]
+        try:
+            host, port = split_address(address)
+        except ValueError:
+            return False
+        down = True
+        with trio.move_on_after(1.0):
+            try:
+                stream = await trio.open_tcp_stream(host, port or 9870)
+            except OSError:
+                pass
+            else:
+                await stream.aclose()
+                down = False
+        self._probed = (now, address, down)
+        return down
 
     async def _promote_request(self, conn: Conn, method: str, grant: TokenInfo) -> int:
         if method != "POST":
@@ -408,7 +438,8 @@ def run_standby(namespace: str, listen: str, *, server: str, key: str, cache_dir
                                 tier_patience=tier_patience, replayed_to=replayed_to)
         return opened, WebHdfsNamespace(opened, sync=sync, owner=owner, group=owner)
 
-    standby = Standby(gateway, tailer, factory, lease=lease, open_active=open_active, poll=poll)
+    standby = Standby(gateway, tailer, factory, lease=lease, open_active=open_active, poll=poll,
+                      lease_url=lease_url(advertise, listen))
     gateway.gate = standby.gate
     if advertised is None and tls is not None and is_wildcard(host):
         log.warning("--listen %s with TLS and no --advertise: give --advertise NAME:PORT", listen)

@@ -40,7 +40,14 @@ def main(argv=None) -> int:
     p = _parser()
     args = p.parse_args(argv)
     cls = ClusterSoak if args.cluster else Soak
-    weights = dict(CLUSTER_WEIGHTS if args.cluster else DEFAULT_WEIGHTS, **args.weights)
+    defaults = CLUSTER_WEIGHTS if args.cluster else DEFAULT_WEIGHTS
+    if args.gateway_pair:
+        if not args.cluster:
+            p.error("--gateway-pair goes with --cluster")
+        from tools.soak.pair_mode import PAIR_WEIGHTS, PairSoak
+
+        cls, defaults = PairSoak, PAIR_WEIGHTS
+    weights = dict(defaults, **args.weights)
     wrong = sorted(set(weights) - set(cls.KINDS))
     if wrong:
         p.error(f"--weights: {', '.join(wrong)} is no kind of the {cls.MODE} mode "
@@ -66,6 +73,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="cluster mode: a Spark standalone cluster (Master, two 1-core Workers, "
                         "driver, each a node with its own local disk) checkpointing through "
                         "`sos gateway`; kills of gateway, server, executor, worker, driver, all")
+    p.add_argument("--gateway-pair", action="store_true",
+                   help="--cluster with a gateway pair: an active `sos gateway --lease 5s` and a "
+                        "`--standby`, the query on webhdfs://<nameservice> over both; kills of "
+                        "the active (gateway), split-brain attempts (zombie: the active paused "
+                        "past its lease, resumed, sent a write), kills of the standby")
     p.add_argument("--weights", type=_weights, default={},
                    help="relative frequency of each kind, e.g. server=5,mount=2,driver=1,all=1 "
                         "(--cluster: gateway=4,server=1,executor=2,worker=2,driver=1,all=1)")
