@@ -152,7 +152,9 @@ class Tailer:
                 self._cur = seg
                 self._dec = RecordDecoder(seg.name)
                 self._read_to = 0
-                if starts_generation and seg.first_seq == self.seq + 1:
+                # a new generation's snapshot restates the tree this one holds: skipped; the
+                # first generation's (seq 0: the tree is empty) is applied like any records
+                if starts_generation and seg.first_seq == self.seq + 1 and self.seq > 0:
                     self._snapshot = True
             before = self.seq
             for chunk in client.read_iter(seg.name, self._read_to, 0):
