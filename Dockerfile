@@ -1,4 +1,3 @@
-# syntax=docker/dockerfile:1
 # One image for three roles:
 #   server (default):  docker run -p 7070:7070 -v sos-data:/data -v "$PWD/tls:/tls:ro" IMAGE
 #                      (TLS: /tls/tls.crt and /tls/tls.key, made as docs/DEPLOY.md shows)
@@ -11,13 +10,23 @@
 #   mount sidecar:     docker run --device /dev/fuse --cap-add SYS_ADMIN IMAGE \
 #                        sos mount NAMESPACE /mnt/sos --cache /cache --tls-ca /tls/tls.crt
 # See docs/DEPLOY.md.
+#
+# No `# syntax=` line: it makes BuildKit pull a frontend image from Docker Hub, so an offline
+# build fails. The base comes from PYTHON_IMAGE (a registry's python:3.11-slim-bookworm by
+# default; without a registry, a stand-in made from Debian's packages:
+# `python -m tools.container build`, docs/DEPLOY.md). Build with podman as
+# `podman build --format docker ...`: in its default OCI format podman drops HEALTHCHECK.
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 # ---- build: wheels for the project and its dependencies (pyfuse3 compiles here)
-FROM python:3.11-slim-bookworm AS build
+FROM ${PYTHON_IMAGE} AS build
 # Debian point releases replace package versions in place: exact pins would break the build
-# hadolint ignore=DL3008
+# python3-dev only where the base has no Python headers (the stand-in made of Debian's python3);
+# the command substitution is meant to give no word or one
+# hadolint ignore=DL3008,SC2046
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev libfuse3-dev pkg-config \
+       $(python -c 'import sysconfig, os; print("" if os.path.exists(sysconfig.get_paths()["include"] + "/Python.h") else "python3-dev")') \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY pyproject.toml README.md ./
@@ -30,7 +39,7 @@ COPY spark_plugin ./spark_plugin
 RUN pip wheel --no-cache-dir --wheel-dir /wheels '.[mount,tier]'
 
 # ---- runtime
-FROM python:3.11-slim-bookworm
+FROM ${PYTHON_IMAGE}
 LABEL org.opencontainers.image.title="sos" \
       org.opencontainers.image.description="SOS: journal replication for Spark streaming checkpoints (sos-server, sos gateway and the sos mount sidecar)" \
       org.opencontainers.image.licenses="Apache-2.0"
@@ -62,7 +71,14 @@ EXPOSE 7070 9070 9870
 # writes no __pycache__ (PYTHONDONTWRITEBYTECODE: it does not even try); the only writable
 # places are the volumes (/data for the server, --cache for the gateway) and TMPDIR (a
 # tmpfs / emptyDir at /tmp where the root is read-only; nothing of SOS writes there today)
-ENV SOS_HEALTH_ADDR=127.0.0.1:7070 \
+# SOS_LISTEN, SOS_METRICS_LISTEN: the default command's addresses. Every interface of the
+# container suits a private network namespace (docker run -p, compose, a pod); with the
+# host's network (--network host) that is every interface of the host, so there give an
+# address of the host: -e SOS_LISTEN=127.0.0.1:7070 -e SOS_METRICS_LISTEN=127.0.0.1:9070.
+# The health check follows the running server's (or gateway's) --listen; SOS_HEALTH_ADDR,
+# when set, wins.
+ENV SOS_LISTEN=0.0.0.0:7070 \
+    SOS_METRICS_LISTEN=0.0.0.0:9070 \
     SOS_HEALTH_TLS=1 \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
@@ -70,5 +86,5 @@ ENV SOS_HEALTH_ADDR=127.0.0.1:7070 \
 HEALTHCHECK --interval=30s --timeout=10s --start-period=20s --retries=3 \
     CMD ["python", "/usr/local/lib/sos/healthcheck.py"]
 ENTRYPOINT ["/usr/bin/tini", "--"]
-CMD ["sos-server", "serve", "--data", "/data", "--listen", "0.0.0.0:7070", "--metrics", "0.0.0.0:9070", \
-     "--tls-cert", "/tls/tls.crt", "--tls-key", "/tls/tls.key"]
+# sh only expands the two addresses, then becomes sos-server (exec): tini's only child
+CMD ["sh", "-c", "exec sos-server serve --data /data --listen \"$SOS_LISTEN\" --metrics \"$SOS_METRICS_LISTEN\" --tls-cert /tls/tls.crt --tls-key /tls/tls.key"]

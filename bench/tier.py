@@ -60,6 +60,19 @@ def start_moto(env: dict[str, str]) -> tuple[subprocess.Popen, str]:
     raise SystemExit("moto's server did not start")
 
 
+def start_moto_env(work: str) -> tuple[subprocess.Popen, dict[str, str]]:
+    """moto's S3 server (start_moto) and the environment boto3 reads to reach it, with dummy
+    keys and no shared config (the files named are under *work*, which has none), put into
+    os.environ too, so that a server started after inherits it. (process, that environment)"""
+    cfg = os.path.join(work, "aws")
+    env = dict(os.environ, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1",
+               AWS_CONFIG_FILE=cfg, AWS_SHARED_CREDENTIALS_FILE=cfg, AWS_EC2_METADATA_DISABLED="true")
+    moto, endpoint = start_moto(env)
+    env["AWS_ENDPOINT_URL"] = endpoint
+    os.environ.update(env)
+    return moto, env
+
+
 class Writer(threading.Thread):
     """Appends *size*-byte blocks to one object, one request in flight; keeps (time, length) of
     every acknowledgement."""
@@ -195,12 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     import boto3
 
     work = tempfile.mkdtemp(prefix="sos-bench-tier-")
-    cfg = os.path.join(work, "aws")
-    env = dict(os.environ, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1",
-               AWS_CONFIG_FILE=cfg, AWS_SHARED_CREDENTIALS_FILE=cfg, AWS_EC2_METADATA_DISABLED="true")
-    moto, endpoint = start_moto(env)
-    env["AWS_ENDPOINT_URL"] = endpoint
-    os.environ.update(env)
+    moto, env = start_moto_env(work)
+    endpoint = env["AWS_ENDPOINT_URL"]
     try:
         boto3.client("s3").create_bucket(Bucket="bench")
         url = "s3://bench/sos"

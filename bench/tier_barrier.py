@@ -29,7 +29,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.tier import start_moto  # noqa: E402
+from bench.tier import start_moto_env  # noqa: E402
 from sos_wire import argtypes  # noqa: E402
 
 
@@ -79,12 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     from tools.server import ServerProcess
 
     work = tempfile.mkdtemp(prefix="sos-bench-tier-barrier-")
-    cfg = os.path.join(work, "aws")
-    env = dict(os.environ, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1",
-               AWS_CONFIG_FILE=cfg, AWS_SHARED_CREDENTIALS_FILE=cfg, AWS_EC2_METADATA_DISABLED="true")
-    moto, endpoint = start_moto(env)
-    env["AWS_ENDPOINT_URL"] = endpoint
-    os.environ.update(env)
+    moto, env = start_moto_env(work)
+    endpoint = env["AWS_ENDPOINT_URL"]
     servers = []
     try:
         boto3.client("s3").create_bucket(Bucket="bench")

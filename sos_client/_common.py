@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import select
+import socket
 import ssl
 from collections import deque
 from collections.abc import Generator
@@ -49,8 +50,10 @@ __all__ = [
     "channel_binding_of",
     "parse_server",
     "readable_now",
+    "resolve_tls",
     "settings_from_env",
     "tier_wait_ms",
+    "tls_required",
 ]
 
 DEFAULT_PORT = 7070
@@ -120,6 +123,63 @@ def resolve_key(key: str | Key | None) -> Key:
         raise BadKey(f"bad key (expected <key_id>.<secret>): {exc}") from None
 
 
+#: environment variable naming the CA file that verifies the server's TLS certificate (as
+#: ``--tls-ca FILE``; like AWS_CA_BUNDLE): read wherever a client is made without a TLS setting
+TLS_CA_ENV = "SOS_TLS_CA"
+
+
+def resolve_tls(tls: ssl.SSLContext | bool | None) -> ssl.SSLContext | None:
+    """The one reading of a client's TLS setting: an SSLContext as it is; True: the system
+    CAs; False: plain TCP; None: ``$SOS_TLS_CA`` (a CA file) if set, else plain TCP."""
+    if isinstance(tls, ssl.SSLContext):
+        return tls
+    if tls is True:
+        return ssl.create_default_context()
+    if tls is None:
+        cafile = os.environ.get(TLS_CA_ENV)
+        if cafile:
+            try:
+                return ssl.create_default_context(cafile=cafile)
+            except (OSError, ssl.SSLError) as exc:
+                raise ValueError(f"${TLS_CA_ENV}={cafile}: cannot load it as a CA file: {exc}") from None
+    return None
+
+
+#: the first bytes of a TLS record a server sends: an alert (0x15) or a handshake (0x16),
+#: then the major version 3
+TLS_RECORD_PREFIXES = (b"\x15\x03", b"\x16\x03")
+
+
+def _answers_tls(host: str, port: int, timeout: float) -> bool:
+    """Does the server at host:port complete a TLS handshake (certificate not checked: the
+    question is only whether it speaks TLS)? One short extra connection."""
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as raw:
+            raw.settimeout(timeout)
+            with ctx.wrap_socket(raw, server_hostname=host):
+                return True
+    except (OSError, ssl.SSLError):
+        return False
+
+
+def tls_required(host: str, port: int, server: str, exc: ConnectionLost, *,
+                 received: bytes = b"", timeout: float = 5.0) -> ConnectionLost:
+    """What a plain-TCP client says when its HELLO/AUTH failed with ``exc`` (the server closed
+    the connection, or sent bytes that are no frame): if the server answered with a TLS
+    record, or completes a TLS handshake when asked, it requires TLS, and the error says so
+    (not retryable: retrying without TLS cannot work). Otherwise ``exc`` as it was."""
+    if received[:2] in TLS_RECORD_PREFIXES or _answers_tls(host, port, min(timeout, 5.0)):
+        err = ConnectionLost(f"{server}: the server requires TLS: pass --tls-ca FILE (or set "
+                             f"{TLS_CA_ENV}=FILE; --tls for a certificate of a public CA)",
+                             retryable=False)
+        err.__cause__ = exc
+        return err
+    return exc
+
+
 def settings_from_env(server: str | None, key: str | Key | None, namespace: str) -> tuple[str, int, Key, str]:
     """Resolve (host, port, Key, namespace), defaulting server/key from SOS_SERVER/SOS_KEY."""
     host, port = parse_server(server)
@@ -166,9 +226,7 @@ class ClientSettings:
         self.server = f"{self.host}:{self.port}"
         self.timeout = timeout
         self.reconnect_timeout = timeout if reconnect_timeout is None else reconnect_timeout
-        if tls is True:
-            tls = ssl.create_default_context()
-        self._tls = tls or None
+        self._tls = resolve_tls(tls)  # None: $SOS_TLS_CA, else plain TCP
         self._client_name = client_name
         self._core: Core | None = None
         self._closed = False

@@ -37,6 +37,7 @@ from ._common import (
     channel_binding_of,
     readable_now,
     tier_wait_ms,
+    tls_required,
 )
 from .errors import ConnectionLost
 from .retry import async_retrying
@@ -103,6 +104,15 @@ class AsyncClient(ClientSettings):
         core = self._core = Core(self._key, self.namespace, client_name=self._client_name, channel_binding=binding)
         try:
             await self._drive(core, core.handshake())
+        except ConnectionLost as exc:
+            await self._drop()
+            if self._tls is not None:
+                raise
+            err = await trio.to_thread.run_sync(
+                partial(tls_required, self.host, self.port, self.server, exc, timeout=self.timeout))
+            if err is exc:
+                raise
+            raise err from exc
         except BaseException:
             await self._drop()
             raise

@@ -36,6 +36,7 @@ from ._common import (
     channel_binding_of,
     readable_now,
     tier_wait_ms,
+    tls_required,
 )
 from .errors import ConnectionLost
 from .retry import retrying
@@ -118,6 +119,14 @@ class Client(ClientSettings):
         core = self._core = Core(self._key, self.namespace, client_name=self._client_name, channel_binding=binding)
         try:
             self._drive(core, core.handshake())
+        except ConnectionLost as exc:
+            self._drop()
+            if self._tls is not None:
+                raise
+            err = tls_required(self.host, self.port, self.server, exc, timeout=self.timeout)
+            if err is exc:
+                raise
+            raise err from exc
         except BaseException:
             self._drop()
             raise

@@ -29,6 +29,7 @@ import ssl
 import sys
 from collections.abc import Callable, Iterator
 from importlib.metadata import entry_points
+from typing import BinaryIO
 
 from sos_wire import argtypes
 from sos_wire.auth import Key
@@ -38,7 +39,16 @@ from sos_wire.names import BadName, validate_name, validate_namespace
 
 from ._common import DEFAULT_PORT, DEFAULT_SERVER, resolve_key, resolve_server
 from .blocking import Client
-from .errors import BadKey, Fenced, SOSError, SOSNotFound, SOSPermissionError, token_key_message
+from .errors import (
+    BadKey,
+    Fenced,
+    QuotaExceeded,
+    SOSError,
+    SOSNotFound,
+    SOSPermissionError,
+    TooLarge,
+    token_key_message,
+)
 
 __all__ = [
     "UsageError",
@@ -51,6 +61,10 @@ __all__ = [
 ]
 
 CHUNK = 1 << 20
+#: a file up to this size is uploaded as ONE append at offset 0, which creates the object
+#: with its data or, refused (over the quota, ...), creates nothing (protocol.md 1.11 APPEND
+#: rule 5). Every server takes it: max_body is at least 8 MiB + 4 KiB (1.9), a name at most 1 KiB.
+ONE_APPEND = 8 << 20
 #: the entry point group of the subcommands other packages add (see :func:`plugged_commands`)
 COMMANDS_GROUP = "sos.commands"
 
@@ -87,7 +101,8 @@ def add_connection_options(parser: argparse.ArgumentParser) -> None:
                         "Keys are never taken as arguments: --key is refused")
     g.add_argument("--key", dest="_key_argument", nargs="?", action=_RefuseKeyArgument, help=argparse.SUPPRESS)
     g.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system CAs")
-    g.add_argument("--tls-ca", metavar="FILE", default=None, help="connect with TLS, trusting this CA file")
+    g.add_argument("--tls-ca", metavar="FILE", default=None,
+                   help="connect with TLS, trusting this CA file (default: $SOS_TLS_CA if set)")
     g.add_argument("--timeout", type=float, default=30.0, metavar="S",
                    help="seconds to wait for the server (default: %(default)s)")
 
@@ -187,7 +202,12 @@ def cmd_put(args: argparse.Namespace) -> int:
                 f"{ns}/{name} already exists ({length} bytes{', sealed' if sealed else ''}); objects are append-only"
             )
 
+        # the first 8 MiB: a file no larger goes in one append, so a refusal (quota) creates nothing
+        head = _read_up_to(src, ONE_APPEND + 1)
+
         def chunks() -> Iterator[bytes]:
+            for start in range(0, len(head), CHUNK):
+                yield head[start : start + CHUNK]
             while True:
                 data = src.read(CHUNK)
                 if not data:
@@ -199,9 +219,14 @@ def cmd_put(args: argparse.Namespace) -> int:
         # upload runs ends it (FENCED), with what was sent kept in the object.
         epoch = _current_epoch(client, ns)
         try:
-            total = client.append_many(name, 0, chunks(), epoch=epoch)
-            if total == 0:
-                client.append(name, 0, b"", epoch=epoch)  # an empty file becomes an empty object
+            total = -1
+            if len(head) <= ONE_APPEND:
+                try:
+                    total = client.append(name, 0, head, epoch=epoch)  # also an empty file: an empty object
+                except TooLarge:  # a server with a smaller max_body (the client checks before sending)
+                    total = -1
+            if total < 0:
+                total = client.append_many(name, 0, chunks(), epoch=epoch)
             if args.seal:
                 client.seal(name, epoch=epoch)
         except Fenced as exc:
@@ -209,9 +234,36 @@ def cmd_put(args: argparse.Namespace) -> int:
                 f"a writer fenced namespace {ns!r} during the upload (epoch {epoch} -> {exc.epoch}): {ns}/{name}"
                 " is incomplete; upload again under another name"
             ) from None
+        except QuotaExceeded as exc:
+            raise SOSError(_over_quota(client, ns, name, exc), exc.code) from None
     if args.verbose:
         print(f"{ns}/{name}: {total} bytes", file=sys.stderr)
     return 0
+
+
+def _read_up_to(src: BinaryIO, n: int) -> bytes:
+    """Up to *n* bytes of *src* (fewer only at its end: a pipe returns short reads)."""
+    parts: list[bytes] = []
+    got = 0
+    while got < n:
+        data = src.read(min(CHUNK, n - got))
+        if not data:
+            break
+        parts.append(data)
+        got += len(data)
+    return b"".join(parts)
+
+
+def _over_quota(client: Client, ns: str, name: str, exc: QuotaExceeded) -> str:
+    """What a put refused by a limit left: nothing (the first append creates the object
+    with its data, refused whole), or, for a file over one append, the part written."""
+    try:
+        length, _sealed = client.stat(name)
+    except SOSError:
+        return f"{exc.message} ({ns}/{name} was not created)"
+    return (f"{exc.message}; {ns}/{name} was created and holds the first {length} bytes of the file: it is"
+            f" larger than one append ({ONE_APPEND} bytes), and objects are append-only, so the part stays and the"
+            " name is taken (`sos-server quota --data DIR NS` shows the namespace's usage beside its quota)")
 
 
 def cmd_cat(args: argparse.Namespace) -> int:

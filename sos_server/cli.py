@@ -1,9 +1,11 @@
-"""The ``sos-server`` command: serve, keygen, quota, gc, reset-fence. A thin shell over the layers."""
+"""The ``sos-server`` command: serve, keygen, keys, quota, gc, reset-fence. A thin shell over the layers."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -14,7 +16,7 @@ from sos_wire.errors import ErrorCode
 from sos_wire.names import BadName
 
 from .logs import setup_logging
-from .storage import MAX_EPOCH, Storage, StorageError
+from .storage import MAX_EPOCH, OBJECT_CHARGE, Retention, Storage, StorageError
 
 __all__ = ["build_parser", "main", "parse_duration", "parse_hostport", "parse_size"]
 
@@ -51,14 +53,18 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     s = sub.add_parser("serve", help="run the server")
     s.add_argument("--data", required=True, help="data directory")
     s.add_argument("--listen", type=parse_hostport, default=("127.0.0.1", 7070),
-                   help="HOST:PORT or [IPV6]:PORT (port 0: any free; :PORT is 127.0.0.1)")
-    s.add_argument("--metrics", type=parse_hostport, default=None, help="HOST:PORT of the Prometheus endpoint")
+                   help="HOST:PORT or [IPV6]:PORT (port 0: any free; :PORT is 127.0.0.1; default 127.0.0.1:7070)")
+    s.add_argument("--metrics", type=parse_hostport, default=None,
+                   help="HOST:PORT of the Prometheus endpoint (docs/DEPLOY.md, Metrics; default: none)")
     s.add_argument("--tls-cert", default=None, metavar="PEM",
                    help="serve TLS with this certificate (chain) file; AUTH proofs are then bound to it")
     s.add_argument("--tls-key", default=None, metavar="PEM", help="the private key of --tls-cert")
-    s.add_argument("--keep-generations", type=_positive, default=None, help="retention: complete generations kept")
-    s.add_argument("--min-age", type=parse_duration, default=None, help="retention: minimum age before removal")
-    s.add_argument("--max-connections", type=_positive, default=1024)
+    s.add_argument("--keep-generations", type=_positive, default=None,
+                   help="retention: complete generations kept (with --min-age; default: no retention; the file of"
+                   " `sos-server retention`, re-read on SIGHUP, overrides both)")
+    s.add_argument("--min-age", type=parse_duration, default=None,
+                   help="retention: minimum age before removal (with --keep-generations; default: none)")
+    s.add_argument("--max-connections", type=_positive, default=1024, help="open connections, at most (default 1024)")
     s.add_argument(
         "--max-unauthenticated", type=_positive, default=128,
         help="connections not authenticated yet, at most (BUSY beyond; default 128)",
@@ -87,9 +93,9 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     s.add_argument(
         "--max-objects-total", type=_positive, default=2_000_000,
-        help="limit: objects in all namespaces together (each costs ~0.75 KiB of memory)",
+        help="limit: objects in all namespaces together (each costs ~0.75 KiB of memory; default 2000000)",
     )
-    s.add_argument("--max-object-size", type=_positive, default=1 << 40, help="quota: bytes per object")
+    s.add_argument("--max-object-size", type=_positive, default=1 << 40, help="quota: bytes per object (default 1 TiB)")
     s.add_argument(
         "--namespace-quota", type=parse_size, default=None, metavar="SIZE",
         help="quota: bytes per namespace, for namespaces without their own (`sos-server quota`); default none",
@@ -104,7 +110,8 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="checkpoint when the write-ahead log file reaches SIZE: object files are synced and the log"
         " file deleted (default 64MiB; a crash replays at most about this much at the next start)",
     )
-    s.add_argument("--gc-interval", type=parse_duration, default=300.0, help="how often retention runs")
+    s.add_argument("--gc-interval", type=parse_duration, default=300.0,
+                   help="how often retention runs (default 5m; SIGHUP runs it at once with re-read settings)")
     s.add_argument(
         "--tier", default=None, metavar="URL",
         help="copy every object to an object store as write-once pieces (protocol.md Part 4): s3://BUCKET/PREFIX"
@@ -129,57 +136,110 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--tier-parallel", type=_positive, default=4, metavar="N",
         help="objects uploaded at once (default 4)",
     )
-    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="default info")
     s.set_defaults(func=cmd_serve)
+
+
+def _data_command(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str,
+                  func: Callable[[argparse.Namespace], int], *, help: str, description: str) -> argparse.ArgumentParser:
+    """The parser of an admin command on the data directory: ``--data`` (required) first, ``func`` to run."""
+    p = sub.add_parser(name, help=help, description=description)
+    p.add_argument("--data", required=True)
+    p.set_defaults(func=func)
+    return p
 
 
 def _add_admin(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """keygen, quota, reset-fence, gc: on the data directory, not over the network."""
-    k = sub.add_parser(
-        "keygen", help="create a key for a namespace and print it",
+    k = _data_command(
+        sub, "keygen", cmd_keygen, help="create a key for a namespace and print it",
         description="Create a key for NAMESPACE and print it. Roles: append (write, fence and read), read (read"
         " only), token (a gateway client's credential: `sos gateway` issues an append bearer token for it, and"
         " the server itself answers its every request but PING with FORBIDDEN, so a Spark job holding it cannot"
         " FENCE or write the namespace directly).",
     )
-    k.add_argument("--data", required=True)
     k.add_argument("namespace")
     k.add_argument("--role", required=True, choices=["append", "read", "token"])
     k.add_argument("--quota", type=parse_size, default=None, metavar="SIZE",
                    help="also set the namespace's byte quota (as `sos-server quota`)")
-    k.set_defaults(func=cmd_keygen)
+    k.add_argument("--out", default=None, metavar="FILE",
+                   help="write the key to FILE (created with mode 0600; an existing FILE is refused) instead of"
+                   " printing it; the key id goes to stderr")
 
-    q = sub.add_parser(
-        "quota", help="show or set a namespace's byte quota",
-        description="Print the byte quota of NAMESPACE, or set it to SIZE (`none` removes it). A running server"
+    ks = sub.add_parser(
+        "keys", help="list or revoke the keys of namespaces",
+        description="List the keys under --data (never their secrets) or revoke one. Both work while the server"
+        " runs. Rotation: `keygen` a new key, give it to the client, then `keys revoke` the old one.",
+    )
+    kss = ks.add_subparsers(dest="keys_command", required=True)
+    kl = _data_command(
+        kss, "list", cmd_keys_list, help="one key per line: NAMESPACE, KEY_ID, ROLE, CREATED (UTC), tab-separated",
+        description="Print one line per key: NAMESPACE<TAB>KEY_ID<TAB>ROLE<TAB>CREATED (ISO 8601, UTC), for"
+        " NAMESPACE or every namespace. Never a secret. Only reads: safe while the server runs. An unreadable"
+        " key file is listed with role `?` and the reason on stderr (exit 1).",
+    )
+    kl.add_argument("namespace", nargs="?", default=None, help="only this namespace (default: all)")
+    kr = _data_command(
+        kss, "revoke", cmd_keys_revoke, help="remove a key (the running server refuses it from its next request)",
+        description="Remove key KEY_ID of NAMESPACE durably. A running server refuses its next AUTH, and every"
+        " connection authenticated with it gets AUTH_FAILED at its next request and is closed; a `sos gateway`"
+        " holding a bearer token made from it refuses the token within its --key-recheck.",
+    )
+    kr.add_argument("namespace")
+    kr.add_argument("key_id", metavar="KEY_ID", help="16 hex digits: the part of the key before the '.'")
+
+    q = _data_command(
+        sub, "quota", cmd_quota, help="show or set a namespace's byte quota, and its usage",
+        description="Print the byte quota of NAMESPACE beside its usage, or set it to SIZE (`none` removes it) and"
+        " print the same line: NAMESPACE<TAB>QUOTA (bytes, or none)<TAB>used USED (objects N, data bytes D), where"
+        " USED = D + 4096 N is what the quota counts, read from the object files (safe while the server runs;"
+        " `serve --namespace-quota` applies to a namespace whose QUOTA is none). A running server"
         " applies it from the next APPEND to the namespace, also on connections already open; an APPEND beyond"
         " it is refused (QUOTA_EXCEEDED) and writes nothing. The quota counts each object's data plus 4096 bytes"
         " per object (its file's block, header and name: protocol.md 1.9); the objects of a namespace are also"
         " capped by `serve --max-objects` (default 10000).",
     )
-    q.add_argument("--data", required=True)
     q.add_argument("namespace")
     q.add_argument("size", nargs="?", default=None, help="bytes (e.g. 500G), or none")
-    q.set_defaults(func=cmd_quota)
 
-    f = sub.add_parser(
-        "reset-fence", help="set a namespace's fence epoch (the server must not be running on --data)",
+    f = _data_command(
+        sub, "reset-fence", cmd_reset_fence, help="set a namespace's fence epoch (the server must not be running on --data)",
         description="Set the fence epoch of NAMESPACE, e.g. after a hostile FENCE pushed it to the end of the"
         " epoch range. Default: the highest epoch in the namespace's segment names (the newest writer's), so a"
         " writer that restarts fences one above it. A lower fence lets writers of epochs up to it back in:"
         " stop every old writer first.",
     )
-    f.add_argument("--data", required=True)
     f.add_argument("namespace")
-    f.add_argument("--epoch", type=_epoch, default=None)
-    f.set_defaults(func=cmd_reset_fence)
+    f.add_argument("--epoch", type=_epoch, default=None,
+                   help="the new fence epoch (default: the highest epoch in the namespace's segment names)")
 
-    g = sub.add_parser("gc", help="apply retention once (the server must not be running on --data)")
-    g.add_argument("--data", required=True)
+    r = _data_command(
+        sub, "retention", cmd_retention, help="show or set the retention settings a running server re-reads",
+        description="Print the retention settings in DATA/retention, or set them (--keep-generations N --min-age"
+        " DURATION) or remove them (none). The file, when it exists, overrides serve's --keep-generations and"
+        " --min-age; without it those apply. A running server re-reads it at every retention round (each"
+        " --gc-interval) and at once on SIGHUP (`kill -HUP PID`), which also runs a round with the new settings;"
+        " a damaged file keeps the settings in force (error logged) and stops a start.",
+    )
+    r.add_argument("--keep-generations", type=_positive, default=None,
+                   help="complete generations kept (with --min-age)")
+    r.add_argument("--min-age", type=parse_duration, default=None,
+                   help="minimum age before removal (with --keep-generations)")
+    r.add_argument("action", nargs="?", choices=["none"], default=None,
+                   help="none: remove the file (serve's options apply again)")
+
+    g = _data_command(
+        sub, "gc", cmd_gc, help="apply retention once (the server must not be running on --data; --dry-run may run beside it)",
+        description="Remove the journal generations older than the newest --keep-generations complete ones that"
+        " have been complete for --min-age (protocol.md 2.1, as `serve --keep-generations` does every"
+        " --gc-interval). Refused while a server runs on --data, except --dry-run, which only reads the object"
+        " files (no lock, no repair) and prints what would be removed.",
+    )
     g.add_argument("--keep-generations", type=_positive, required=True)
     g.add_argument("--min-age", type=parse_duration, required=True)
-    g.add_argument("--dry-run", action="store_true", help="print what would be removed")
-    g.set_defaults(func=cmd_gc)
+    g.add_argument("--dry-run", action="store_true",
+                   help="print what would be removed, change nothing (works while the server runs)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,16 +266,77 @@ def _usage(msg: str) -> int:
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
+    out_fd = None
+    if args.out is not None:
+        # before the key exists: a FILE that cannot be made costs nothing (O_EXCL: never
+        # overwrite, never follow a planted symlink; 0600 whatever the umask)
+        try:
+            out_fd = os.open(args.out, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            os.fchmod(out_fd, 0o600)
+        except FileExistsError:
+            return _fail(f"{args.out} exists: keygen --out never overwrites a file (remove it, or choose another)")
+        except OSError as exc:
+            return _fail(f"cannot create {args.out}: {exc.strerror or exc}")
     try:
-        key = Storage(args.data).keygen(args.namespace, args.role)
-        if args.quota is not None:
-            Storage(args.data).set_quota(args.namespace, args.quota)
-    except (BadName, ValueError) as exc:
+        try:
+            key = Storage(args.data).keygen(args.namespace, args.role)
+            if args.quota is not None:
+                Storage(args.data).set_quota(args.namespace, args.quota)
+        except (BadName, ValueError) as exc:
+            return _fail(str(exc))
+        except OSError as exc:
+            where = f" ({exc.filename})" if exc.filename else ""
+            return _fail(f"cannot write a key under {args.data}: {exc.strerror or exc}{where}")
+        if out_fd is None:
+            print(key)
+            return 0
+        try:
+            os.write(out_fd, (key + "\n").encode())
+            os.fsync(out_fd)
+        except OSError as exc:
+            # the key exists on the server but its holder lost it: revoke it
+            key_id = key.partition(".")[0]
+            with contextlib.suppress(OSError, ValueError):
+                Storage(args.data).revoke(args.namespace, key_id)
+            return _fail(f"cannot write {args.out}: {exc.strerror or exc} (the key was revoked again)")
+        os.close(out_fd)
+        out_fd = None
+        print(f"key {key.partition('.')[0]} ({args.role}) of {args.namespace} written to {args.out}",
+              file=sys.stderr)
+        return 0
+    finally:
+        if out_fd is not None:  # failed: the file holds no usable key
+            os.close(out_fd)
+            with contextlib.suppress(OSError):
+                os.unlink(args.out)
+
+
+def _utc(ts: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
+
+
+def cmd_keys_list(args: argparse.Namespace) -> int:
+    st = Storage(args.data)
+    try:
+        if args.namespace is None and not os.path.isdir(args.data):
+            return _fail(f"data directory {os.path.abspath(args.data)} does not exist")
+        keys = st.list_keys(args.namespace)
+    except BadName as exc:
         return _fail(str(exc))
-    except OSError as exc:
-        where = f" ({exc.filename})" if exc.filename else ""
-        return _fail(f"cannot write a key under {args.data}: {exc.strerror or exc}{where}")
-    print(key)
+    rc = 0
+    for k in keys:
+        print(f"{k.namespace}\t{k.key_id}\t{k.role or '?'}\t{_utc(k.created)}")
+        if k.problem:
+            rc = _fail(f"{k.namespace}/{k.key_id}: {k.problem}")
+    return rc
+
+
+def cmd_keys_revoke(args: argparse.Namespace) -> int:
+    try:
+        Storage(args.data).revoke(args.namespace, args.key_id)
+    except (BadName, ValueError, FileNotFoundError) as exc:
+        return _fail(str(exc))
+    print(f"revoked {args.namespace}/{args.key_id.strip().lower()}", file=sys.stderr)
     return 0
 
 
@@ -232,9 +353,11 @@ def cmd_quota(args: argparse.Namespace) -> int:
                     return _usage(str(exc))
             st.set_quota(args.namespace, size)
         quota = st.get_quota(args.namespace)
+        objects, data = st.usage(args.namespace)
     except (BadName, ValueError) as exc:
         return _fail(str(exc))
-    print(f"{args.namespace}\t{'none' if quota is None else quota}")
+    used = data + OBJECT_CHARGE * objects
+    print(f"{args.namespace}\t{'none' if quota is None else quota}\tused {used} (objects {objects}, data bytes {data})")
     return 0
 
 
@@ -256,16 +379,50 @@ def cmd_reset_fence(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_retention(args: argparse.Namespace) -> int:
+    st = Storage(args.data)
+    given = args.keep_generations is not None or args.min_age is not None
+    if given and args.action == "none":
+        return _usage("none removes the settings: no --keep-generations or --min-age with it")
+    if given and (args.keep_generations is None or args.min_age is None):
+        return _usage("--keep-generations and --min-age go together")
+    if not os.path.isdir(st.root):
+        return _fail(f"data directory {st.root} does not exist")
+    if args.action == "none":
+        st.write_retention(None)
+    elif given:
+        st.write_retention(Retention(args.keep_generations, args.min_age))
+    current = st.read_retention()
+    if current is None:
+        print("retention\tnone (serve's --keep-generations/--min-age apply)")
+    else:
+        print(f"retention\tkeep-generations {current.keep_generations}\tmin-age {current.min_age:g}s")
+    return 0
+
+
 def cmd_gc(args: argparse.Namespace) -> int:
     from .engine import plan_retention  # noqa: PLC0415 - the engine (and trio) for gc alone: the others start faster
 
     setup_logging("info")
     st = Storage(args.data)
+    if args.dry_run:
+        # read-only: no lock, nothing replayed or repaired, so it also runs beside a live server
+        if not os.path.isdir(os.path.join(st.root, "ns")) and not os.path.exists(os.path.join(st.root, "LOCK")):
+            return _fail(f"{st.root} is not an sos-server data directory (no ns/ and no LOCK in it)")
+        now = time.time()
+        total = 0
+        for ns in st.read_only_namespaces():
+            for name in plan_retention(ns, args.keep_generations, args.min_age, now=now):
+                print(f"would remove {ns.name}/{name}")
+                total += 1
+        print(f"{total} objects to remove", file=sys.stderr)
+        return 0
     try:
         st.lock(create=False)  # a mistyped --data must not become a new, empty data directory
     except StorageError as exc:
         if exc.code is ErrorCode.BUSY:
-            return _fail(exc.message + " (retention runs inside it: use serve --keep-generations)")
+            return _fail(exc.message + " (retention runs inside it: use serve --keep-generations, or gc --dry-run"
+                         " to see what it would remove)")
         return _fail(exc.message)
     try:
         st.open()
@@ -273,11 +430,10 @@ def cmd_gc(args: argparse.Namespace) -> int:
         total = 0
         for ns in list(st.namespaces.values()):
             for name in plan_retention(ns, args.keep_generations, args.min_age, now=now):
-                print(f"{'would remove' if args.dry_run else 'removed'} {ns.name}/{name}")
-                if not args.dry_run:
-                    ns.remove(name)
+                print(f"removed {ns.name}/{name}")
+                ns.remove(name)
                 total += 1
-        print(f"{total} objects {'to remove' if args.dry_run else 'removed'}", file=sys.stderr)
+        print(f"{total} objects removed", file=sys.stderr)
     finally:
         st.close()
     return 0
@@ -326,6 +482,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         failed = server.run()
         if failed is not None:
             rc = _fail(failed)
+    except serve.StartError as exc:
+        rc = _fail(exc.message, exc.status)
     finally:
         storage.close()
         server.close()

@@ -55,7 +55,7 @@ from sos_wire.events import Payload
 from sos_wire.frames import MAX_TIER_WAIT_MS
 from sos_wire.names import BadName, validate_name, validate_namespace
 
-from .metrics import Metrics, NullMetrics
+from .metrics import Metrics, NamespaceStats, NullMetrics
 from .storage import (
     MAX_EPOCH,
     OBJECT_CHARGE,
@@ -318,6 +318,10 @@ class Engine:
         self._fault = fault_after_syncs()
         self._spare_retry_at = 0.0
         self.metrics.open_files.set_function(lambda: len(storage.files))
+        #: per namespace: [appends, bytes appended, unix time of the last] acknowledged since the start
+        self._appended: dict[str, list[float]] = {}
+        self._newest_mtime: dict[str, float | None] = {}  # before an append: the newest object file's mtime
+        self.metrics.watch_namespaces(self.namespace_stats)
 
     # -- lifecycle -------------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -467,6 +471,32 @@ class Engine:
         if obj.rollbacks != rollbacks and any(cut < end_size for cut in obj.cuts[rollbacks:]):
             raise obj.sync_error or _err(ErrorCode.INTERNAL, "append was cut back")
 
+    def namespace_stats(self) -> builtins.list[NamespaceStats]:
+        """The per-namespace figures of the metrics endpoint. Runs in the endpoint's thread:
+        reads only (snapshots of the tables; the quota file read afresh, not cached)."""
+        out = []
+        for ns in builtins.list(self.storage.namespaces.values()):
+            counts = self._appended.get(ns.name)
+            if counts is not None:
+                last: float | None = counts[2]
+            elif ns.name in self._newest_mtime:
+                last = self._newest_mtime[ns.name]
+            else:
+                last = self._newest_mtime[ns.name] = _newest_mtime(ns)
+            quota = ns.peek_quota()
+            out.append(NamespaceStats(
+                namespace=ns.name,
+                data_bytes=ns.usage.bytes,
+                objects=len(ns.objects),
+                charged_bytes=ns.charged(),
+                quota_bytes=quota if quota is not None else self.limits.namespace_quota,
+                fence_epoch=ns.fence,
+                appends=int(counts[0]) if counts else 0,
+                append_bytes=int(counts[1]) if counts else 0,
+                last_append=last,
+            ))
+        return out
+
     # -- auth ------------------------------------------------------------------------
     def authenticate(self, namespace: str, key_id: bytes, nonce: bytes, proof: bytes,
                      channel_binding: bytes = b"") -> str:
@@ -559,79 +589,95 @@ class Engine:
                 )
             obj = ns.get(name)
             if obj is None:
-                if offset != 0:
-                    raise _err(ErrorCode.OFFSET_MISMATCH, f"object {name!r} does not exist: append at offset 0", 0)
-                if len(ns.objects) + ns.creating >= self.limits.max_objects:
-                    raise _err(
-                        ErrorCode.QUOTA_EXCEEDED,
-                        f"namespace {namespace!r} already has {len(ns.objects) + ns.creating} objects, the limit"
-                        " (--max-objects)",
-                    )
-                total = self.storage.object_count()
-                if total >= self.limits.max_total_objects:
-                    raise _err(
-                        ErrorCode.QUOTA_EXCEEDED,
-                        f"the server holds {total} objects, its limit (--max-objects-total): no new object",
-                    )
-                self._check_new_generation(ns, name)
-                if n > self.limits.max_object_size:
-                    raise _err(
-                        ErrorCode.QUOTA_EXCEEDED, f"{n} bytes exceed the object size limit {self.limits.max_object_size}"
-                    )
-                quota = self._quota(ns)
-                if quota is not None and ns.charged() + OBJECT_CHARGE + n > quota:
-                    raise _err(
-                        ErrorCode.QUOTA_EXCEEDED,
-                        f"namespace {namespace!r} is charged {ns.charged()} bytes ({len(ns.objects)} objects at"
-                        f" {OBJECT_CHARGE} bytes each plus {ns.usage.bytes} data bytes): a new object ({OBJECT_CHARGE}"
-                        f" bytes) with {n} data bytes would exceed its quota of {quota} bytes (nothing written)",
-                    )
-                # concurrent creations (pipelined) count this one while its file is made
-                ns.creating += 1
-                ns.reserved += OBJECT_CHARGE + n
-                try:
-                    path, header_size = await trio.to_thread.run_sync(ns.create_file, name)
-                finally:
-                    ns.creating -= 1
-                    ns.reserved -= OBJECT_CHARGE + n
-                obj = ns.adopt(name, path, header_size)  # the in-memory tables: event loop only
-                if self.tier is not None:
-                    self.tier.note(obj, 0)  # its file is durable: an empty object goes to the tier too
+                obj = await self._create_for_append(ns, namespace, name, offset, n)
             obj.refuse_writes("append to")
             if offset < obj.length:
-                # a retry of something that landed? (same bytes at the same offset)
-                if offset + n <= obj.length and await self._same_bytes(obj, offset, data):
-                    return Pending(obj, self._file_end_of(obj, offset + n), obj.rollbacks, offset + n, n)
-                if obj.sealed:
-                    raise _err(ErrorCode.SEALED, f"object {name!r} is sealed at {obj.length}", obj.length)
-                raise _err(
-                    ErrorCode.OFFSET_MISMATCH, f"append at {offset} but {name!r} is {obj.length} bytes long", obj.length
-                )
-            if offset > obj.length:
-                raise _err(
-                    ErrorCode.OFFSET_MISMATCH, f"append at {offset} but {name!r} is {obj.length} bytes long", obj.length
-                )
-            if obj.sealed:
-                raise _err(ErrorCode.SEALED, f"object {name!r} is sealed at {obj.length}", obj.length)
-            if obj.length + n > self.limits.max_object_size:
-                raise _err(
-                    ErrorCode.QUOTA_EXCEEDED,
-                    f"{name!r} would grow to {obj.length + n} bytes, the limit is {self.limits.max_object_size}",
-                )
-            quota = self._quota(ns) if n else None
-            if quota is not None and ns.charged() + n > quota:
-                raise _err(
-                    ErrorCode.QUOTA_EXCEEDED,
-                    f"namespace {namespace!r} is charged {ns.charged()} bytes ({len(ns.objects)} objects at"
-                    f" {OBJECT_CHARGE} bytes each plus {ns.usage.bytes} data bytes): {n} more would exceed its quota"
-                    f" of {quota} bytes (nothing written)",
-                )
+                return await self._append_retry(obj, name, offset, data, n)
+            self._check_append_growth(ns, namespace, name, obj, offset, n)  # the one call the hot path adds
             if n:
                 if n >= THREAD_WRITE_MIN:
                     await trio.to_thread.run_sync(obj.append, data, crc)
                 else:
                     obj.append(data, crc)
             return Pending(obj, obj.file_size, obj.rollbacks, offset + n, n)
+
+    async def _create_for_append(self, ns: Namespace, namespace: str, name: str, offset: int, n: int) -> StoredObject:
+        """The first append to *name*: the object-count, size and quota checks for a new object,
+        then its file made (durable) and adopted. Under the object's lock."""
+        if offset != 0:
+            raise _err(ErrorCode.OFFSET_MISMATCH, f"object {name!r} does not exist: append at offset 0", 0)
+        if len(ns.objects) + ns.creating >= self.limits.max_objects:
+            raise _err(
+                ErrorCode.QUOTA_EXCEEDED,
+                f"namespace {namespace!r} already has {len(ns.objects) + ns.creating} objects, the limit"
+                " (--max-objects)",
+            )
+        total = self.storage.object_count()
+        if total >= self.limits.max_total_objects:
+            raise _err(
+                ErrorCode.QUOTA_EXCEEDED,
+                f"the server holds {total} objects, its limit (--max-objects-total): no new object",
+            )
+        self._check_new_generation(ns, name)
+        if n > self.limits.max_object_size:
+            raise _err(
+                ErrorCode.QUOTA_EXCEEDED, f"{n} bytes exceed the object size limit {self.limits.max_object_size}"
+            )
+        quota = self._quota(ns)
+        if quota is not None and ns.charged() + OBJECT_CHARGE + n > quota:
+            raise _err(
+                ErrorCode.QUOTA_EXCEEDED,
+                f"namespace {namespace!r} is charged {ns.charged()} bytes ({len(ns.objects)} objects at"
+                f" {OBJECT_CHARGE} bytes each plus {ns.usage.bytes} data bytes): a new object ({OBJECT_CHARGE}"
+                f" bytes) with {n} data bytes would exceed its quota of {quota} bytes (nothing written)",
+            )
+        # concurrent creations (pipelined) count this one while its file is made
+        ns.creating += 1
+        ns.reserved += OBJECT_CHARGE + n
+        try:
+            path, header_size = await trio.to_thread.run_sync(ns.create_file, name)
+        finally:
+            ns.creating -= 1
+            ns.reserved -= OBJECT_CHARGE + n
+        obj = ns.adopt(name, path, header_size)  # the in-memory tables: event loop only
+        if self.tier is not None:
+            self.tier.note(obj, 0)  # its file is durable: an empty object goes to the tier too
+        return obj
+
+    async def _append_retry(self, obj: StoredObject, name: str, offset: int, data: Payload, n: int) -> Pending:
+        """An append below the object's end: a retry of something that landed (the same bytes
+        at the same offset) is acknowledged again; anything else is refused."""
+        if offset + n <= obj.length and await self._same_bytes(obj, offset, data):
+            return Pending(obj, self._file_end_of(obj, offset + n), obj.rollbacks, offset + n, n)
+        if obj.sealed:
+            raise _err(ErrorCode.SEALED, f"object {name!r} is sealed at {obj.length}", obj.length)
+        raise _err(
+            ErrorCode.OFFSET_MISMATCH, f"append at {offset} but {name!r} is {obj.length} bytes long", obj.length
+        )
+
+    def _check_append_growth(self, ns: Namespace, namespace: str, name: str, obj: StoredObject, offset: int,
+                             n: int) -> None:
+        """An append at or past the object's end: it must be at the end, the object open, and
+        the object's size and the namespace's quota leave room for *n* bytes."""
+        if offset > obj.length:
+            raise _err(
+                ErrorCode.OFFSET_MISMATCH, f"append at {offset} but {name!r} is {obj.length} bytes long", obj.length
+            )
+        if obj.sealed:
+            raise _err(ErrorCode.SEALED, f"object {name!r} is sealed at {obj.length}", obj.length)
+        if obj.length + n > self.limits.max_object_size:
+            raise _err(
+                ErrorCode.QUOTA_EXCEEDED,
+                f"{name!r} would grow to {obj.length + n} bytes, the limit is {self.limits.max_object_size}",
+            )
+        quota = self._quota(ns) if n else None
+        if quota is not None and ns.charged() + n > quota:
+            raise _err(
+                ErrorCode.QUOTA_EXCEEDED,
+                f"namespace {namespace!r} is charged {ns.charged()} bytes ({len(ns.objects)} objects at"
+                f" {OBJECT_CHARGE} bytes each plus {ns.usage.bytes} data bytes): {n} more would exceed its quota"
+                f" of {quota} bytes (nothing written)",
+            )
 
     @staticmethod
     def _check_new_generation(ns: Namespace, name: str) -> None:
@@ -655,6 +701,12 @@ class Engine:
         await self._wait_durable(pending.obj, pending.end_size, pending.rollbacks)
         if pending.appended is not None:
             self.metrics.appended(pending.appended)
+            counts = self._appended.get(pending.obj.namespace)
+            if counts is None:
+                counts = self._appended[pending.obj.namespace] = [0, 0, 0.0]
+            counts[0] += 1
+            counts[1] += pending.appended
+            counts[2] = time.time()
         elif pending.completes is not None and _durably_sealed(pending.obj):
             self.metrics.generations_completed.inc()
             log.info(
@@ -775,6 +827,18 @@ class Engine:
             self.metrics.gc_removed.inc(len(removed))
             log.info("retention removed %d objects", len(removed))
         return removed
+
+
+def _newest_mtime(ns: Namespace) -> float | None:
+    """The newest modification time of *ns*'s object files (None without objects)."""
+    newest = None
+    for obj in list(ns.objects.values()):
+        try:
+            t = os.stat(obj.path).st_mtime
+        except OSError:
+            continue
+        newest = t if newest is None else max(newest, t)
+    return newest
 
 
 def _durably_sealed(obj: StoredObject) -> bool:

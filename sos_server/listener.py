@@ -283,7 +283,9 @@ class Listener:
                         with trio.fail_at(min(deadline, now + 30)):
                             await stream.do_handshake()
                     except (trio.BrokenResourceError, trio.TooSlowError, ssl.SSLError) as exc:
-                        log.warning("TLS handshake failed", extra={"peer": peer, "error": str(exc)})
+                        cause = exc.__cause__ or exc  # trio's BrokenResourceError wraps the SSLError
+                        reason = f"{type(cause).__name__}: {cause}".rstrip(": ")
+                        log.warning("TLS handshake failed", extra={"peer": peer, "error": reason})
                         await trio.aclose_forcefully(stream)
                         return
                 session = waiting.session = Session(

@@ -2,14 +2,87 @@
 
 from __future__ import annotations
 
+import logging
 import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import TypeVar
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.registry import Collector
 
-__all__ = ["Metrics", "NullMetrics"]
+__all__ = ["Metrics", "NamespaceStats", "NullMetrics"]
+
+log = logging.getLogger("sos_server.metrics")
+
+
+@dataclass(frozen=True)
+class NamespaceStats:
+    """One namespace's figures at a scrape (the ``sos_namespace_*`` series, label ``namespace``)."""
+
+    namespace: str
+    data_bytes: int  # its objects' data bytes
+    objects: int
+    charged_bytes: int  # what its byte quota counts: data + 4096 per object (+ objects being created)
+    quota_bytes: int | None  # its byte quota (its own or --namespace-quota), None: none
+    fence_epoch: int
+    appends: int  # acknowledged appends since the server started
+    append_bytes: int  # their data bytes
+    last_append: float | None  # unix time of the last acknowledged append (before one: newest object file's mtime)
+
+
+class _NamespaceCollector(Collector):
+    """Builds the per-namespace series at each scrape from *source* (the engine's figures):
+    nothing on the append path but two dict updates. Namespaces are made by the operator
+    (a key is needed before one exists), so the label's values stay few."""
+
+    def __init__(self, source: Callable[[], list[NamespaceStats]]) -> None:
+        self.source = source
+
+    def collect(self) -> Iterable[Metric]:
+        try:
+            stats = self.source()
+        except Exception:  # a scrape must not fail the endpoint: logged, the series left out
+            log.exception("per-namespace metrics failed")
+            return []
+        ns = ["namespace"]
+        data = GaugeMetricFamily("sos_namespace_bytes", "Data bytes stored in the namespace's objects", labels=ns)
+        objects = GaugeMetricFamily("sos_namespace_objects", "Objects in the namespace", labels=ns)
+        charged = GaugeMetricFamily(
+            "sos_namespace_quota_used_bytes",
+            "Bytes the namespace's byte quota counts: data bytes plus 4096 per object (protocol.md 1.9)", labels=ns,
+        )
+        quota = GaugeMetricFamily(
+            "sos_namespace_quota_bytes",
+            "The namespace's byte quota (its own, else serve --namespace-quota); absent when it has none", labels=ns,
+        )
+        fence = GaugeMetricFamily("sos_namespace_fence_epoch", "The namespace's fence epoch (a new writer raises it)",
+                                  labels=ns)
+        last = GaugeMetricFamily(
+            "sos_namespace_last_append_timestamp_seconds",
+            "Unix time of the namespace's last durable (acknowledged) append; until one since the start, the"
+            " newest object file's modification time; absent for a namespace without objects", labels=ns,
+        )
+        appends = CounterMetricFamily("sos_namespace_appends", "Appends acknowledged (durable) in the namespace",
+                                      labels=ns)
+        appended = CounterMetricFamily("sos_namespace_append_bytes", "Data bytes appended and acknowledged in the"
+                                       " namespace", labels=ns)
+        for st in stats:
+            v = [st.namespace]
+            data.add_metric(v, st.data_bytes)
+            objects.add_metric(v, st.objects)
+            charged.add_metric(v, st.charged_bytes)
+            if st.quota_bytes is not None:
+                quota.add_metric(v, st.quota_bytes)
+            fence.add_metric(v, st.fence_epoch)
+            if st.last_append is not None:
+                last.add_metric(v, st.last_append)
+            appends.add_metric(v, st.appends)
+            appended.add_metric(v, st.append_bytes)
+        return [data, objects, charged, quota, fence, last, appends, appended]
 
 _M = TypeVar("_M", bound=MetricWrapperBase)  # a metric; its labels(...) child is of its own type
 
@@ -19,7 +92,13 @@ _SYNC_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
-        r = self.registry
+        self._request_metrics(self.registry)
+        self._connection_metrics(self.registry)
+        self._storage_metrics(self.registry)
+        self._tier_metrics(self.registry)
+
+    def _request_metrics(self, r: CollectorRegistry) -> None:
+        """What the requests did: appends, reads, opcodes, errors, group-commit syncs."""
         self.appends = Counter("sos_appends", "Appends acknowledged (durable)", registry=r)
         self.append_bytes = Counter("sos_append_bytes", "Bytes appended and acknowledged", registry=r)
         self.read_bytes = Counter("sos_read_bytes", "Bytes returned by READ", registry=r)
@@ -30,6 +109,9 @@ class Metrics:
             buckets=_SYNC_BUCKETS, registry=r,
         )
         self.sync_files = Counter("sos_synced_files", "fdatasync calls made by group commit", registry=r)
+
+    def _connection_metrics(self, r: CollectorRegistry) -> None:
+        """The connections: open, accepted, and closed for a timeout or to make room."""
         self.connections = Gauge("sos_open_connections", "Open client connections", registry=r)
         self.connections_total = Counter("sos_connections", "Connections accepted", registry=r)
         self.handshake_timeouts = Counter(
@@ -49,6 +131,9 @@ class Metrics:
             " pool (--max-unauthenticated) or --max-connections was full",
             registry=r,
         )
+
+    def _storage_metrics(self, r: CollectorRegistry) -> None:
+        """The data directory: retention, completed generations, open files, start-up repairs."""
         self.gc_removed = Counter("sos_gc_removed_objects", "Objects removed by retention", registry=r)
         self.generations_completed = Counter(
             "sos_generations_completed",
@@ -70,7 +155,8 @@ class Metrics:
             registry=r,
         )
 
-        # the object-store tier (serve --tier): per namespace, and the whole server's
+    def _tier_metrics(self, r: CollectorRegistry) -> None:
+        """The object-store tier (serve --tier): per namespace, and the whole server's."""
         ns = ["namespace"]
         self.tier_lag_bytes = Gauge(
             "sos_tier_lag_bytes", "Bytes acknowledged (durable on this server) and not yet in the tier's store",
@@ -103,6 +189,11 @@ class Metrics:
         self.tier_upload_errors = Counter(
             "sos_tier_upload_errors", "Failed rounds of uploads to the tier's store (each retried)", registry=r
         )
+
+    def watch_namespaces(self, source: Callable[[], list[NamespaceStats]]) -> None:
+        """Export the ``sos_namespace_*`` series from *source*, called at each scrape (in the
+        endpoint's thread: it must only read)."""
+        self.registry.register(_NamespaceCollector(source))
 
     def serve(self, host: str, port: int) -> tuple[WSGIServer, threading.Thread]:
         """Start the HTTP endpoint in a daemon thread; returns (server, thread)."""

@@ -40,7 +40,7 @@ from .objfile import (
 )
 from .stored_object import Damage, StoredObject
 
-__all__ = ["DEFAULT_VERIFY_TAIL", "RepairNote", "load_object"]
+__all__ = ["DEFAULT_VERIFY_TAIL", "RepairNote", "load_object", "read_object"]
 
 log = logging.getLogger("sos_server.storage")
 
@@ -253,13 +253,60 @@ namespace: str, path: str, verify_tail: int, repairs: list[RepairNote], corrupti
     bytes of a frame header, a frame the file ends inside of, or zero bytes (a power
     loss). Anything else that is not a whole frame is damage to stored, possibly
     acknowledged, bytes: it is kept and recorded (see :class:`Damage`)."""
+    found = _scan_file(namespace, path, verify_tail, tighten_mode=True)
+    if found is None:
+        return None
+    obj, pos, logical, cut, damage, size = found
+    for d in damage:
+        _report_damage(obj, d, corruptions)
+    if pos < size:
+        with open(path, "r+b") as f:
+            f.truncate(pos)
+            os.fsync(f.fileno())
+        name = obj.name
+        note = RepairNote(namespace, name, path, pos, size - pos, cut)
+        repairs.append(note)
+        log.warning(
+            "torn tail cut back (a crash during an unacknowledged write): %s/%s (%s) kept %d bytes, cut %d: %s",
+            namespace, name, path, pos, size - pos, note.reason,
+        )
+    obj.length = obj.synced_length = logical
+    obj.file_size = obj.synced_size = pos
+    obj._sync_points = (logical, pos)
+    return obj
+
+
+def read_object(namespace: str, path: str, verify_tail: int = DEFAULT_VERIFY_TAIL) -> StoredObject | None:
+    """The object in *path* as :func:`load_object` finds it, without changing anything (no
+    cut, no chmod, nothing logged): what a read-only look at a live data directory sees
+    (``sos-server gc --dry-run``). A torn tail is left out of its length; damage is kept
+    in ``obj.damage``. None if the file has no object header."""
+    found = _scan_file(namespace, path, verify_tail, tighten_mode=False)
+    if found is None:
+        return None
+    obj, pos, logical, _cut, damage, _size = found
+    for d in damage:
+        if d.end > d.start or d.to_end:
+            obj.add_damage(d)
+    obj.length = obj.synced_length = logical
+    obj.file_size = obj.synced_size = pos
+    obj._sync_points = (logical, pos)
+    return obj
+
+
+def _scan_file(
+    namespace: str, path: str, verify_tail: int, *, tighten_mode: bool
+) -> tuple[StoredObject, int, int, str, list[Damage], int] | None:
+    """(object, end of its whole frames, logical length, why a tail is cut, damage, file size)."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        tighten(path, FILE_MODE, fd)
+        if tighten_mode:
+            tighten(path, FILE_MODE, fd)
         head = os.pread(fd, 8 + 2 + 1024 * 4 + 4, 0)
         dec = decode_header(head)
         if dec is None:
-            log.error("ignoring %s: not an SOS object file (bad header)", path)
+            if tighten_mode:
+                log.error("ignoring %s: not an SOS object file (bad header)", path)
             return None
         name, hsize = dec
         size = os.fstat(fd).st_size
@@ -272,22 +319,8 @@ namespace: str, path: str, verify_tail: int, repairs: list[RepairNote], corrupti
     finally:
         os.close(fd)
     obj, pos, logical, cut, damage = scan
-    for d in damage:
-        _report_damage(obj, d, corruptions)
-    if pos < size:
-        with open(path, "r+b") as f:
-            f.truncate(pos)
-            os.fsync(f.fileno())
-        note = RepairNote(namespace, name, path, pos, size - pos, cut)
-        repairs.append(note)
-        log.warning(
-            "torn tail cut back (a crash during an unacknowledged write): %s/%s (%s) kept %d bytes, cut %d: %s",
-            namespace, name, path, pos, size - pos, note.reason,
-        )
-    obj.length = obj.synced_length = logical
-    obj.file_size = obj.synced_size = pos
-    obj._sync_points = (logical, pos)
-    return obj
+    return obj, pos, logical, cut, list(damage), size
+
 
 def _report_damage(obj: StoredObject, d: Damage, corruptions: list[tuple[str, str, int]]) -> None:
     if d.end > d.start or d.to_end:

@@ -25,7 +25,7 @@ from sos_wire.addresses import is_loopback
 from .engine import Engine, Limits
 from .listener import Listener, ListenError, certificate_binding, make_tls_context, raise_nofile_limit, tune_malloc
 from .metrics import Metrics
-from .storage import Storage, StorageError
+from .storage import Retention, Storage, StorageError
 from .tier_bootstrap import BootstrapError, bootstrap, needs_bootstrap
 from .tiering import Tier
 
@@ -149,6 +149,11 @@ class Server:
     def __init__(self, args: argparse.Namespace, storage: Storage, store: Store | None, metrics: Metrics,
                  tls: ssl.SSLContext | None, binding: bytes | None) -> None:
         self.args = args
+        self.storage = storage
+        #: the retention settings in force: DATA/retention if it exists, else --keep-generations/--min-age
+        self.retention: Retention | None = None
+        self._retention_source = ""
+        self._gc_lock = trio.Lock()  # one retention round at a time (the timer's, a SIGHUP's)
         limits = Limits(
             max_objects=args.max_objects,
             max_object_size=args.max_object_size,
@@ -178,29 +183,36 @@ class Server:
 
     def run(self) -> str | None:
         """Serve until SIGTERM or SIGINT: the engine, the tier, retention once before the
-        listener starts (clients see its result) and then every ``--gc-interval``. Returns
-        None after a signal, or why the listening address could not be bound."""
+        listener starts (clients see its result) and then every ``--gc-interval``; SIGHUP
+        re-reads the retention settings and applies them at once. Returns None after a
+        signal, or why the listening address could not be bound. StartError if the
+        retention file is damaged."""
         failed: str | None = None
+        try:
+            self.reload_retention()
+        except StorageError as exc:
+            raise StartError(exc.message) from None
 
         async def main_task() -> None:
             nonlocal failed
-            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
                 async with trio.open_nursery() as nursery:
                     await nursery.start(self.engine.run)
                     if self.tier is not None:
                         await nursery.start(self.tier.run)
-                    if self.args.keep_generations:
-                        await self._retention_once()  # before serving: clients see the result
+                    await self._retention_once()  # before serving: clients see the result
                     try:
                         host, port = await nursery.start(self.listener.serve)
                     except ListenError as exc:
                         failed = str(exc)
                         nursery.cancel_scope.cancel()
                         return
-                    if self.args.keep_generations:
-                        nursery.start_soon(self._retention)
+                    nursery.start_soon(self._retention)
                     print(f"sos-server listening on {host}:{port}", file=sys.stderr, flush=True)
                     async for signum in signals:
+                        if signum == signal.SIGHUP:
+                            nursery.start_soon(self._reload_and_apply)
+                            continue
                         log.info("stopping", extra={"signal": signal.Signals(signum).name})
                         nursery.cancel_scope.cancel()
                         break
@@ -208,11 +220,49 @@ class Server:
         trio.run(main_task)
         return failed
 
-    async def _retention_once(self) -> None:
+    def reload_retention(self) -> bool:
+        """Read the retention settings: ``DATA/retention`` (`sos-server retention`) if it
+        exists, else the command line's. Logs them when they change; returns whether they did.
+        StorageError (the old settings kept) if the file is damaged."""
+        from_file = self.storage.read_retention()
+        if from_file is not None:
+            new, source = from_file, self.storage.retention_path
+        elif self.args.keep_generations:
+            new, source = Retention(self.args.keep_generations, self.args.min_age), "command line"
+        else:
+            new, source = None, "none"
+        changed = (new, source) != (self.retention, self._retention_source)
+        self.retention, self._retention_source = new, source
+        if changed:
+            log.info("retention settings", extra={
+                "keep_generations": new.keep_generations if new else None,
+                "min_age": new.min_age if new else None, "source": source,
+            })
+        return changed
+
+    async def _reload_and_apply(self) -> None:
+        """SIGHUP: re-read the retention settings and run retention now with them."""
         try:
-            await self.engine.gc(self.args.keep_generations, self.args.min_age)
-        except Exception:  # the retention task's last resort: logged, the next round retries
-            log.exception("retention failed")
+            self.reload_retention()
+        except StorageError as exc:
+            log.error("SIGHUP: %s; the retention settings in force are kept", exc.message)
+            return
+        await self._retention_once(reload=False)
+
+    async def _retention_once(self, *, reload: bool = True) -> None:
+        if reload:
+            try:
+                self.reload_retention()  # `sos-server retention` without a SIGHUP: taken up here
+            except StorageError as exc:
+                log.error("retention: %s; the settings in force are kept", exc.message)
+        retention = self.retention
+        if retention is None:
+            return
+        async with self._gc_lock:
+            try:
+                await self.engine.gc(retention.keep_generations, retention.min_age)
+            except Exception:  # the retention task's last resort: logged, the next round retries
+                log.exception("retention failed")
 
     async def _retention(self) -> None:
         while True:

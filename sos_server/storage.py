@@ -4,6 +4,7 @@ Layout under the data directory::
 
     DATA/LOCK                                  flock held by a running server
     DATA/wal/<16 digits>.log                   the shared write-ahead log (sos_server.wal)
+    DATA/retention                             optional retention settings (JSON), replaced atomically
     DATA/ns/<namespace>/fence                  fence epoch (decimal), replaced atomically
     DATA/ns/<namespace>/quota                  byte quota (decimal), optional, replaced atomically
     DATA/ns/<namespace>/keys/<key_id hex>      JSON {"namespace", "role", "secret" hex}
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import bisect
 import fcntl
+import json
 import logging
 import os
 from collections.abc import Iterator
@@ -58,7 +60,7 @@ from .objfile import (
     object_file_name,
     segment_epoch,
 )
-from .recovery import DEFAULT_VERIFY_TAIL, RepairNote, load_object
+from .recovery import DEFAULT_VERIFY_TAIL, RepairNote, load_object, read_object
 from .stored_object import DEFAULT_MAX_OPEN_FILES, Damage, OpenFiles, StoredObject, Usage
 from .wal import DEFAULT_CHECKPOINT_BYTES, ReplayNote, WriteAheadLog, replay
 
@@ -81,6 +83,7 @@ __all__ = [
     "Namespace",
     "OpenFiles",
     "RepairNote",
+    "Retention",
     "Storage",
     "StorageError",
     "StoredObject",
@@ -95,6 +98,15 @@ __all__ = [
 ]
 
 log = logging.getLogger("sos_server.storage")
+
+@dataclass(frozen=True)
+class Retention:
+    """Retention settings: the newest *keep_generations* complete generations are kept, older
+    ones go once complete for *min_age* seconds (engine.plan_retention)."""
+
+    keep_generations: int
+    min_age: float
+
 
 #: what one object costs a namespace's byte quota besides its data (protocol.md 1.9): its
 #: file's filesystem block (the header with the name, up to 1,038 bytes, sits in it), inode
@@ -162,6 +174,21 @@ class Namespace:
         if self._quota_stat() != self._quota_state:
             self.read_quota()
         return self.quota
+
+    def peek_quota(self) -> int | None:
+        """The byte quota as the ``quota`` file says now, changing nothing (another thread
+        may call it: the metrics endpoint); the last value read if the file is unreadable."""
+        try:
+            with open(self.quota_path, "rb") as f:
+                text = f.read(64).strip()
+        except FileNotFoundError:
+            return None
+        except OSError:
+            return self.quota
+        try:
+            return int(text.decode("ascii")) if text else None
+        except (UnicodeDecodeError, ValueError):
+            return self.quota
 
     def read_quota(self) -> int | None:
         """(Re)read the ``quota`` file: the namespace's byte quota, None if there is none.
@@ -355,6 +382,9 @@ class Storage(KeyStore):
     def ns_path(self, namespace: str) -> str:
         return os.path.join(self.root, "ns", validate_namespace(namespace))
 
+    def _ns_root(self) -> str:
+        return os.path.join(self.root, "ns")
+
     def open(self) -> None:
         """Replay the write-ahead log onto the object files, then load every namespace on
         disk, repairing torn tails."""
@@ -491,6 +521,106 @@ class Storage(KeyStore):
         validate_namespace(namespace)
         return Namespace(namespace, self.ns_path(namespace)).read_quota()
 
+    def read_only_namespaces(self) -> list[Namespace]:
+        """Every namespace with its objects as their files hold them now, changing nothing and
+        taking no lock (no log replay, no torn tail cut, no checksum read: lengths from the
+        frame headers): what ``gc --dry-run`` plans on, also while the server runs."""
+        base = self._ns_root()
+        out: list[Namespace] = []
+        if not os.path.isdir(base):
+            return out
+        for entry in sorted(os.listdir(base)):
+            try:
+                validate_namespace(entry)
+            except BadName:
+                continue
+            ns = Namespace(entry, os.path.join(base, entry))
+            objdir = ns.objects_dir
+            for h2 in sorted(os.listdir(objdir)) if os.path.isdir(objdir) else ():
+                d = os.path.join(objdir, h2)
+                if not os.path.isdir(d):
+                    continue
+                for fn in sorted(os.listdir(d)):
+                    if ".tmp-" in fn:
+                        continue
+                    try:
+                        obj = read_object(entry, os.path.join(d, fn), verify_tail=0)
+                    except FileNotFoundError:  # removed by the server's retention meanwhile
+                        continue
+                    if obj is not None:
+                        ns.usage.bytes += obj.length
+                        ns._added(obj)
+            out.append(ns)
+        return out
+
+    # -- retention settings (``sos-server retention``; the server re-reads them) ----------
+    @property
+    def retention_path(self) -> str:
+        return os.path.join(self.root, "retention")
+
+    def read_retention(self) -> Retention | None:
+        """The settings of ``DATA/retention``, None without the file. A damaged file is
+        StorageError(INTERNAL) saying what: guessing could remove generations."""
+        path = self.retention_path
+        try:
+            with open(path, "rb") as f:
+                text = f.read(4096)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise StorageError(ErrorCode.INTERNAL, f"cannot read {path}: {exc.strerror}") from None
+        try:
+            rec = json.loads(text)
+            keep, min_age = rec["keep_generations"], rec["min_age"]
+            if (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1
+                    or not isinstance(min_age, (int, float)) or isinstance(min_age, bool) or not min_age >= 0):
+                raise ValueError(f"keep_generations {keep!r} (an integer >= 1), min_age {min_age!r} (seconds >= 0)")
+        except (ValueError, KeyError, TypeError) as exc:
+            raise StorageError(
+                ErrorCode.INTERNAL, f"the retention file {path} is damaged ({exc}): rewrite it with `sos-server retention`"
+            ) from None
+        return Retention(keep, float(min_age))
+
+    def write_retention(self, retention: Retention | None) -> None:
+        """Write (or with None remove) ``DATA/retention``; a running server applies it at its
+        next retention round, or at once on SIGHUP."""
+        makedirs_durable(self.root)
+        if retention is None:
+            try:
+                os.unlink(self.retention_path)
+            except FileNotFoundError:
+                return
+            fsync_dir(self.root)
+            return
+        body = {"keep_generations": retention.keep_generations, "min_age": retention.min_age}
+        write_file_durable(self.retention_path, (json.dumps(body) + "\n").encode())
+
+    def usage(self, namespace: str) -> tuple[int, int]:
+        """(objects, data bytes) of *namespace* from its files, read-only (no lock, nothing
+        repaired: safe while the server runs; a write in progress may count or not). An
+        object's data bytes are its frames' lengths up to its seal, its end or the first
+        frame that does not fit the file; what the byte quota charges is data bytes plus
+        ``OBJECT_CHARGE`` per object."""
+        objdir = os.path.join(self.ns_path(namespace), "objects")
+        objects = data = 0
+        if not os.path.isdir(objdir):
+            return 0, 0
+        for h2 in sorted(os.listdir(objdir)):
+            d = os.path.join(objdir, h2)
+            if not os.path.isdir(d):
+                continue
+            for fn in sorted(os.listdir(d)):
+                if ".tmp-" in fn:
+                    continue
+                try:
+                    n = _data_bytes(os.path.join(d, fn))
+                except FileNotFoundError:  # removed by retention meanwhile
+                    continue
+                if n is not None:
+                    objects += 1
+                    data += n
+        return objects, data
+
     def object_names(self, namespace: str) -> Iterator[str]:
         """The names of *namespace*'s objects, from the file headers alone (no scan)."""
         objdir = os.path.join(self.ns_path(namespace), "objects")
@@ -527,3 +657,23 @@ class Storage(KeyStore):
             old = "0"
         Namespace(namespace, path).set_fence(epoch)
         return old, epoch
+
+
+def _data_bytes(path: str) -> int | None:
+    """The data bytes of the object file *path* by its frame headers (None: no object header)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        dec = decode_header(os.pread(fd, 8 + 2 + 1024 * 4 + 4, 0))
+        if dec is None:
+            return None
+        pos, total = dec[1], 0
+        while pos + FRAME_HDR <= size:
+            n, _crc = FRAME.unpack(os.pread(fd, FRAME_HDR, pos))
+            if n == SEAL_LEN or n == 0 or n > MAX_FRAME or pos + FRAME_HDR + n > size:
+                break
+            total += n
+            pos += FRAME_HDR + n
+        return total
+    finally:
+        os.close(fd)

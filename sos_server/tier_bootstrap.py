@@ -232,71 +232,98 @@ def bootstrap(data_dir: str, store: Store, *, progress: Progress | None = None, 
     try:
         done = os.path.join(root, DONE)
         if os.path.isdir(done):
-            report = _load_report(done, root, store)
-            report.finished_moves = True
-            log.warning("tier bootstrap: an earlier run committed its tree in %s; moving the rest in", done)
-            _install(root, done, say)
-            report.seconds = time.monotonic() - t0
-            return report
-        held = holds_namespaces(root)
-        if held:
-            raise BootstrapRefused(
-                f"cannot bootstrap {root} from the tier: it already holds namespace(s) {', '.join(held)} "
-                "(objects or a fence file); a replacement server starts on an empty data directory "
-                "(key files alone are fine)")
+            return _finish_moves(root, done, store, say, t0)
+        _refuse_held(root)
         report = BootstrapReport(root, store.url)
         partial = os.path.join(root, PARTIAL)
-        try:
-            if os.path.lexists(partial):
-                log.warning("tier bootstrap: deleting %s, left by a run that did not finish; starting clean",
-                            partial)
-                shutil.rmtree(partial)
-                fsync_dir(root)
-                report.restarted = True
-            wal = replay(storage.wal_dir, storage.object_path)  # onto no file: every record skipped
-            report.wal_records_skipped = wal.skipped
-            makedirs_durable(os.path.join(partial, "ns"))
-        except OSError as exc:
-            raise BootstrapError(f"cannot prepare {root} for the bootstrap: {exc}") from exc
+        _prepare(root, partial, storage, report)
         try:
             states = scan(store, workers=workers)
         except TierError as exc:
             raise BootstrapError(f"cannot list the tier {store.url}: {exc}") from exc
-        total_objects = sum(len(s.objects) for s in states.values())
-        total_bytes = sum(o.length for s in states.values() for o in s.objects.values())
-        say(f"tier bootstrap from {store.url}: {len(states)} namespaces, {total_objects} objects, "
-            f"{total_bytes} bytes listed")
-        counter = _Counter(say, total_objects, total_bytes)
-        try:
-            for ns in sorted(states):
-                try:
-                    validate_namespace(ns)
-                except BadName:  # only keys the layout cannot have made (scan calls them foreign)
-                    for p in states[ns].all_problems():
-                        _report_problem(report, p)
-                    continue
-                _build_namespace(partial, store, states[ns], report, counter, workers)
-            write_file_durable(os.path.join(partial, REPORT), report.to_json())
-            os.rename(partial, done)  # the commit point
-            fsync_dir(root)
-        except TierError as exc:
-            raise BootstrapError(f"reading the tier {store.url} failed: {exc}; nothing was put into "
-                                 f"{root}/ns: run again (it starts clean)") from exc
-        except (OSError, StorageError) as exc:
-            raise BootstrapError(f"writing {partial} failed: {exc}; nothing was put into "
-                                 f"{root}/ns: run again (it starts clean)") from exc
+        _build_and_commit(root, partial, done, store, states, report, say, workers)
         _install(root, done, say)
         report.seconds = time.monotonic() - t0
-        cut = report.cut
-        log.info("tier bootstrap done: %d namespaces, %d objects, %d bytes from %s in %.1f s; %d objects cut, "
-                 "%d problems", len(report.namespaces), len(report.objects), report.total_bytes, store.url,
-                 report.seconds, len(cut), len(report.problems))
-        say(f"tier bootstrap done: {len(report.objects)} objects, {report.total_bytes} bytes; "
-            f"{len(cut)} cut, {len(report.problems)} problems")
+        _log_done(report, store, say)
         return report
     finally:
         if lock:
             storage.close()
+
+
+def _finish_moves(root: str, done: str, store: Store, say: Progress, t0: float) -> BootstrapReport:
+    """A rerun after the commit point: the tree in *done* is whole; move the rest of it in."""
+    report = _load_report(done, root, store)
+    report.finished_moves = True
+    log.warning("tier bootstrap: an earlier run committed its tree in %s; moving the rest in", done)
+    _install(root, done, say)
+    report.seconds = time.monotonic() - t0
+    return report
+
+
+def _refuse_held(root: str) -> None:
+    """A bootstrap starts on a data directory without namespaces (key files alone are fine)."""
+    held = holds_namespaces(root)
+    if held:
+        raise BootstrapRefused(
+            f"cannot bootstrap {root} from the tier: it already holds namespace(s) {', '.join(held)} "
+            "(objects or a fence file); a replacement server starts on an empty data directory "
+            "(key files alone are fine)")
+
+
+def _prepare(root: str, partial: str, storage: Storage, report: BootstrapReport) -> None:
+    """Start clean: delete a staging tree left by a run that did not finish, skip the WAL's
+    records (there is no file for them), make the empty staging tree."""
+    try:
+        if os.path.lexists(partial):
+            log.warning("tier bootstrap: deleting %s, left by a run that did not finish; starting clean",
+                        partial)
+            shutil.rmtree(partial)
+            fsync_dir(root)
+            report.restarted = True
+        wal = replay(storage.wal_dir, storage.object_path)  # onto no file: every record skipped
+        report.wal_records_skipped = wal.skipped
+        makedirs_durable(os.path.join(partial, "ns"))
+    except OSError as exc:
+        raise BootstrapError(f"cannot prepare {root} for the bootstrap: {exc}") from exc
+
+
+def _build_and_commit(root: str, partial: str, done: str, store: Store, states: dict[str, NamespaceState],
+                      report: BootstrapReport, say: Progress, workers: int) -> None:
+    """Build every namespace listed in *states* under *partial*, write the report beside them,
+    and rename *partial* to *done*: the commit point. A failure leaves nothing in ``ns/``."""
+    total_objects = sum(len(s.objects) for s in states.values())
+    total_bytes = sum(o.length for s in states.values() for o in s.objects.values())
+    say(f"tier bootstrap from {store.url}: {len(states)} namespaces, {total_objects} objects, "
+        f"{total_bytes} bytes listed")
+    counter = _Counter(say, total_objects, total_bytes)
+    try:
+        for ns in sorted(states):
+            try:
+                validate_namespace(ns)
+            except BadName:  # only keys the layout cannot have made (scan calls them foreign)
+                for p in states[ns].all_problems():
+                    _report_problem(report, p)
+                continue
+            _build_namespace(partial, store, states[ns], report, counter, workers)
+        write_file_durable(os.path.join(partial, REPORT), report.to_json())
+        os.rename(partial, done)  # the commit point
+        fsync_dir(root)
+    except TierError as exc:
+        raise BootstrapError(f"reading the tier {store.url} failed: {exc}; nothing was put into "
+                             f"{root}/ns: run again (it starts clean)") from exc
+    except (OSError, StorageError) as exc:
+        raise BootstrapError(f"writing {partial} failed: {exc}; nothing was put into "
+                             f"{root}/ns: run again (it starts clean)") from exc
+
+
+def _log_done(report: BootstrapReport, store: Store, say: Progress) -> None:
+    cut = report.cut
+    log.info("tier bootstrap done: %d namespaces, %d objects, %d bytes from %s in %.1f s; %d objects cut, "
+             "%d problems", len(report.namespaces), len(report.objects), report.total_bytes, store.url,
+             report.seconds, len(cut), len(report.problems))
+    say(f"tier bootstrap done: {len(report.objects)} objects, {report.total_bytes} bytes; "
+        f"{len(cut)} cut, {len(report.problems)} problems")
 
 
 class _Counter:

@@ -32,10 +32,14 @@ import json
 import logging
 import os
 import re
+import shlex
+import shutil
+import ssl
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 import urllib.parse
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, cast
@@ -209,7 +213,7 @@ def journaled_checkpoint(spark_or_none: SparkSession | None, namespace: str, *, 
                          cache_dir: str | None = None, sync: bool = True, checkpoint: str = DEFAULT_CHECKPOINT,
                          listener: bool = True, mount_args: Sequence[str] = (),
                          timeout: float = 180.0, durability: str = "server",
-                         tier_patience: float | None = None) -> CheckpointLocation:
+                         tier_patience: float | None = None, tls_ca: str | None = None) -> CheckpointLocation:
     """Mount ``namespace`` if needed and return a checkpointLocation on the mount.
 
     If ``mountpoint`` already is a live SOS mount of ``namespace`` (a sidecar, or the
@@ -217,8 +221,9 @@ def journaled_checkpoint(spark_or_none: SparkSession | None, namespace: str, *, 
     ``server``/``key``/``cache_dir``/``sync``/``mount_args``/``durability`` are not used, and
     the mount is not stopped at exit. A mount of another namespace, or anything else mounted there,
     is a ValueError. Otherwise ``sos mount`` is started (``server`` and ``key`` needed;
-    ``mount_args``: more ``sos mount`` options such as ``["--tls-ca", "ca.pem"]``) and
-    stopped at interpreter exit or by ``location.stop()``. ``durability="tier"`` (and
+    ``mount_args``: more ``sos mount`` options; ``tls_ca``: the CA file of a TLS server, the
+    same as ``mount_args=["--tls-ca", FILE]``) and stopped at interpreter exit or by
+    ``location.stop()``. ``durability="tier"`` (and
     ``tier_patience``, see :func:`start_mount`): a batch's commit returns once the server's
     object-store tier holds it, so it survives the loss of the server and its disk too.
 
@@ -243,8 +248,9 @@ def journaled_checkpoint(spark_or_none: SparkSession | None, namespace: str, *, 
         if mount_fstype(mountpoint) is None:  # a dead mount there: the mount detaches it
             os.makedirs(mountpoint, exist_ok=True)
         os.makedirs(cache_dir, exist_ok=True)
+        extra = [*mount_args, *(["--tls-ca", os.fspath(tls_ca)] if tls_ca else [])]
         mount = start_mount(namespace, mountpoint, server=server, key=key, cache_dir=cache_dir,
-                            sync=sync, extra_args=mount_args, timeout=timeout,
+                            sync=sync, extra_args=extra, timeout=timeout,
                             durability=durability, tier_patience=tier_patience)
         with _mounts_lock:
             _mounts.append(mount)
@@ -347,7 +353,8 @@ def sos_command() -> list[str]:
 
 def restore_to_batch(namespace: str, target: str | os.PathLike[str], checkpoint: str, batch_id: int, *,
                      server: str | None = None, key: str | None = None, from_url: str | None = None,
-                     force: bool = False, timeout: float = 900) -> str:
+                     force: bool = False, timeout: float = 900, tls_ca: str | None = None,
+                     tls: bool = False) -> str:
     """Rebuild ``namespace`` into ``target`` as it was when batch ``batch_id`` committed.
 
     ``checkpoint`` is the checkpoint's path inside the namespace (``location.relpath``).
@@ -357,7 +364,9 @@ def restore_to_batch(namespace: str, target: str | os.PathLike[str], checkpoint:
     ``--tier``) from the bucket alone, no server needed (``sos restore --from URL``; the
     store's credentials and endpoint come from the environment, as boto3 reads them).
     Returns the restored checkpoint directory, ready to be copied or mounted for the query
-    to resume from. Raises RuntimeError with sos's one-line message and exit code (4: no
+    to resume from. ``tls_ca``: the CA file that verifies a TLS server (``--tls-ca``;
+    ``$SOS_TLS_CA`` when not given), ``tls=True``: TLS trusting the system CAs. Raises
+    RuntimeError with sos's one-line message and exit code (4: no
     journal in the namespace, 1: batch N not in the journal, the target not empty or the
     bucket unreachable, 3: corrupt or missing data).
     """
@@ -378,6 +387,10 @@ def restore_to_batch(namespace: str, target: str | os.PathLike[str], checkpoint:
            "--batch", f"{rel}:{int(batch_id)}"]
     if force:
         cmd.append("--force")
+    if from_url is None and tls_ca:
+        cmd += ["--tls-ca", os.fspath(tls_ca)]
+    elif from_url is None and tls:
+        cmd.append("--tls")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"sos restore failed ({proc.returncode}): {proc.stderr.strip()}")
@@ -395,6 +408,127 @@ GATEWAY_RETRY_SPEC = "200,10,2000,10"
 #: Spark's redaction pattern plus "credential", so the key in
 #: spark.hadoop.dfs.webhdfs.oauth2.credential is hidden in the UI and event logs
 GATEWAY_REDACTION_REGEX = "(?i)secret|password|token|access[.]key|credential"
+#: a marker listener that cannot reach the gateway warns once, then at most this often (s)
+MARKER_WARN_INTERVAL = 60.0
+
+
+#: password of a truststore :func:`make_truststore` makes from a PEM file. It protects
+#: nothing (a truststore holds only public certificates), but Java 17 needs the right one to
+#: read a PKCS12 store's certificates: without it, "the trustAnchors parameter must be
+#: non-empty"
+TRUSTSTORE_PASSWORD = "changeit"
+_PEM_CERT = ("-----BEGIN CERTIFICATE-----", "-----END CERTIFICATE-----")
+
+
+def keytool() -> str:
+    """The JDK's ``keytool`` ($JAVA_HOME/bin first, then $PATH)."""
+    home = os.environ.get("JAVA_HOME")
+    if home and os.access(os.path.join(home, "bin", "keytool"), os.X_OK):
+        return os.path.join(home, "bin", "keytool")
+    found = shutil.which("keytool")
+    if not found:
+        raise FileNotFoundError("keytool (of a Java runtime) is needed to turn a PEM CA file into the "
+                                "PKCS12 truststore the Spark JVMs read: set JAVA_HOME, or pass "
+                                "truststore= a PKCS12 file made once with keytool -importcert")
+    return found
+
+
+def pem_certificates(text: str) -> list[str]:
+    """The PEM certificate blocks of ``text`` (a CA file, or ``keytool -list -rfc``'s output)."""
+    begin, end = _PEM_CERT
+    certs, at = [], 0
+    while (i := text.find(begin, at)) >= 0:
+        j = text.find(end, i)
+        if j < 0:
+            break
+        certs.append(text[i:j + len(end)] + "\n")
+        at = j + len(end)
+    return certs
+
+
+def make_truststore(cafile: str | os.PathLike[str], path: str | os.PathLike[str] | None = None, *,
+                    password: str = TRUSTSTORE_PASSWORD) -> str:
+    """A PKCS12 truststore holding every certificate of the PEM file ``cafile`` (keytool
+    -importcert, one alias per certificate); ``path`` default: a new file in a private
+    temporary directory. Returns its path."""
+    with open(cafile, encoding="ascii", errors="replace") as f:
+        certs = pem_certificates(f.read())
+    if not certs:
+        raise ValueError(f"{cafile} holds no PEM certificate (-----BEGIN CERTIFICATE-----)")
+    work = tempfile.mkdtemp(prefix="sos-trust-")
+    store = os.fspath(path) if path is not None else os.path.join(work, "truststore.p12")
+    tool = keytool()
+    for n, cert in enumerate(certs):
+        one = os.path.join(work, f"ca-{n}.pem")
+        with open(one, "w", encoding="ascii") as f:
+            f.write(cert)
+        proc = subprocess.run([tool, "-importcert", "-noprompt", "-alias", f"sos-ca-{n}", "-file", one,
+                               "-keystore", store, "-storetype", "PKCS12", "-storepass", password],
+                              capture_output=True, text=True, timeout=120)
+        if proc.returncode != 0:
+            raise RuntimeError(f"keytool -importcert of {cafile} failed: "
+                               f"{(proc.stderr or proc.stdout).strip()}")
+    return store
+
+
+def truststore_certificates(truststore: str | os.PathLike[str], password: str) -> str:
+    """The certificates of a PKCS12 truststore as PEM text (``keytool -list -rfc``): what
+    Python's ssl module can load (``cadata=``)."""
+    proc = subprocess.run([keytool(), "-list", "-rfc", "-keystore", os.fspath(truststore),
+                           "-storetype", "PKCS12", "-storepass", password],
+                          capture_output=True, text=True, timeout=120)
+    certs = pem_certificates(proc.stdout)
+    if proc.returncode != 0 or not certs:
+        raise ValueError(f"cannot read the certificates of truststore {truststore} (is "
+                         f"truststore_password= right?): {(proc.stderr or proc.stdout).strip()}")
+    return "".join(certs)
+
+
+def java_trust_options(truststore: str | os.PathLike[str], password: str) -> str:
+    """The JVM options that make every HTTPS client of a JVM (Hadoop's WebHdfsFileSystem, its
+    OAuth2 token fetch) trust the certificates of a PKCS12 truststore."""
+    return " ".join(shlex.quote(o) for o in (
+        f"-Djavax.net.ssl.trustStore={os.path.abspath(os.fspath(truststore))}",
+        "-Djavax.net.ssl.trustStoreType=PKCS12",
+        f"-Djavax.net.ssl.trustStorePassword={password}"))
+
+
+class GatewayTrust:
+    """Trust in a gateway's TLS certificate, for both sides of a Spark application: the JVMs
+    (``.java_options``: javax.net.ssl.trustStore, trustStoreType=PKCS12, trustStorePassword,
+    for spark.driver.extraJavaOptions and spark.executor.extraJavaOptions) and Python (the
+    marker listener's ``.context``).
+
+    ``cafile``: a PEM file of the gateway's certificate or its CA (what ``--tls-ca`` takes);
+    without ``truststore`` a PKCS12 truststore is made from it on this machine
+    (:func:`make_truststore`, keytool), which the executors of a cluster find only if they
+    run here or see the same path: give ``truststore=`` a file at the same path on every
+    node for them (e.g. baked into the image or mounted from a Secret).
+    ``truststore`` + ``truststore_password``: a PKCS12 truststore; without ``cafile`` its
+    certificates are read back for Python (``keytool -list -rfc``)."""
+
+    def __init__(self, *, cafile: str | os.PathLike[str] | None = None,
+                 truststore: str | os.PathLike[str] | None = None,
+                 truststore_password: str | None = None) -> None:
+        if cafile is None and truststore is None:
+            raise ValueError("GatewayTrust needs cafile= (PEM) or truststore= (PKCS12)")
+        if truststore is not None and truststore_password is None:
+            raise ValueError("truststore= needs truststore_password=: Java 17 cannot read the "
+                             "certificates of a PKCS12 truststore without it (\"the trustAnchors "
+                             "parameter must be non-empty\")")
+        self.password = truststore_password if truststore_password is not None else TRUSTSTORE_PASSWORD
+        self.truststore = (os.path.abspath(os.fspath(truststore)) if truststore is not None
+                           else make_truststore(cast("str", cafile), password=self.password))
+        if cafile is not None:
+            self.context = ssl.create_default_context(cafile=os.fspath(cafile))
+        else:
+            self.context = ssl.create_default_context(
+                cadata=truststore_certificates(self.truststore, self.password))
+        self.java_options = java_trust_options(self.truststore, self.password)
+
+
+def _with_java_options(current: str | None, options: str) -> str:
+    return f"{current} {options}" if current and options not in current else (current or options)
 
 
 #: Hadoop's HA client (a ``webhdfs://<nameservice>`` over a gateway pair) uses these instead
@@ -493,22 +627,26 @@ class GatewayCheckpoint(str):
     ``.relpath``: the checkpoint's path inside the namespace (what ``sos restore --batch
     RELPATH:N`` takes); ``.namespace``; ``.gateway_url``; ``.conf``: the session settings
     (``spark.hadoop.*`` keys) it needs; ``.listener``: the registered
-    :class:`GatewayMarkerListener` (None before :meth:`attach`)."""
+    :class:`GatewayMarkerListener` (None before :meth:`attach`); ``.trust``: the
+    :class:`GatewayTrust` of an https gateway given ``cafile=``/``truststore=`` (None: the
+    JVM's and Python's default trust)."""
 
     relpath: str = ""
     namespace: str = ""
     gateway_url: str = ""
     conf: dict[str, str]
     listener: GatewayMarkerListener | None = None
+    trust: GatewayTrust | None = None
     _key: str
 
     def __new__(cls, location: str, *, relpath: str, namespace: str, gateway_url: str, conf: dict[str, str],
-                key: str) -> GatewayCheckpoint:
+                key: str, trust: GatewayTrust | None = None) -> GatewayCheckpoint:
         self = super().__new__(cls, location)
         self.relpath = relpath
         self.namespace = namespace
         self.gateway_url = gateway_url
         self.conf = conf
+        self.trust = trust
         self._key = key
         return self
 
@@ -518,6 +656,18 @@ class GatewayCheckpoint(str):
         hconf = spark.sparkContext._jsc.hadoopConfiguration()
         for k, v in self.conf.items():
             hconf.set(k.removeprefix("spark.hadoop."), v)
+        if self.trust is not None:
+            # the driver JVM's trust, before its first https request (it is read once);
+            # executors started elsewhere need the options at launch: pass the Builder
+            system = spark.sparkContext._jvm.java.lang.System  # type: ignore[union-attr]
+            system.setProperty("javax.net.ssl.trustStore", self.trust.truststore)
+            system.setProperty("javax.net.ssl.trustStoreType", "PKCS12")
+            system.setProperty("javax.net.ssl.trustStorePassword", self.trust.password)
+            if not str(spark.sparkContext.master).startswith("local"):
+                log.warning("gateway_checkpoint on a live session: the driver trusts %s now, but "
+                            "executors on other nodes need spark.executor.extraJavaOptions %s when "
+                            "they start: give gateway_checkpoint the SparkSession.Builder",
+                            self.trust.truststore, self.trust.java_options)
         if listener and self.listener is None:
             self.listener = GatewayMarkerListener(self, query_name=query_name)
             spark.streams.addListener(self.listener)
@@ -528,12 +678,15 @@ class GatewayCheckpoint(str):
         # the mount's Spark job ships spark.py without it (deploy/k8s/spark-driver.yaml)
         from spark_plugin.gateway.client import GatewayClient  # noqa: PLC0415
 
-        return GatewayClient(self.gateway_url, self.namespace, self._key)
+        return GatewayClient(self.gateway_url, self.namespace, self._key,
+                             context=self.trust.context if self.trust is not None else None)
 
 
 def gateway_checkpoint(spark_or_builder: SparkSession | SparkSession.Builder | None, url: str | Sequence[str],
                        namespace: str, key: str, checkpoint: str = DEFAULT_CHECKPOINT, *, listener: bool = True,
-                       retry_spec: str = GATEWAY_RETRY_SPEC, nameservice: str | None = None,
+                       retry_spec: str = GATEWAY_RETRY_SPEC, cafile: str | os.PathLike[str] | None = None,
+                       truststore: str | os.PathLike[str] | None = None,
+                       truststore_password: str | None = None, nameservice: str | None = None,
                        token_url: str | None = None) -> GatewayCheckpoint:
     """The checkpointLocation of ``checkpoint`` in ``namespace`` through the gateway at
     ``url`` (``http(s)://HOST:PORT`` of ``sos gateway NAMESPACE``), with ``key`` a key of
@@ -551,6 +704,13 @@ def gateway_checkpoint(spark_or_builder: SparkSession | SparkSession.Builder | N
     ``SparkSession`` (settings applied to its Hadoop configuration before any webhdfs
     path of that gateway is used, and a :class:`GatewayMarkerListener` registered unless
     ``listener=False``), or None (just compute; ``.conf`` holds the settings).
+
+    An ``https://`` gateway whose certificate no default trust holds: ``cafile=`` (PEM: its
+    certificate or CA, what ``--tls-ca`` takes) and/or ``truststore=`` +
+    ``truststore_password=`` (PKCS12) set both sides (:class:`GatewayTrust`): the JVMs'
+    ``-Djavax.net.ssl.trustStore``/``trustStoreType=PKCS12``/``trustStorePassword`` (added to
+    spark.driver.extraJavaOptions and spark.executor.extraJavaOptions of a Builder; on a
+    live session the driver's system properties) and the marker listener's HTTPS context.
     """
     relpath = checkpoint.strip("/")
     urls = gateway_urls(url)
@@ -558,8 +718,12 @@ def gateway_checkpoint(spark_or_builder: SparkSession | SparkSession.Builder | N
     conf = {f"spark.hadoop.{k}": v for k, v in gateway_conf(urls, namespace, key, retry_spec=retry_spec,
                                                             nameservice=nameservice,
                                                             token_url=token_url).items()}
+    trust = None
+    if cafile is not None or truststore is not None:
+        trust = GatewayTrust(cafile=cafile, truststore=truststore, truststore_password=truststore_password)
     loc = GatewayCheckpoint(webhdfs_url(urls, relpath, nameservice=nameservice), relpath=relpath,
-                            namespace=namespace, gateway_url=",".join(urls), conf=conf, key=str(key))
+                            namespace=namespace, gateway_url=",".join(urls), conf=conf, key=str(key),
+                            trust=trust)
     if spark_or_builder is None:
         return loc
     if hasattr(spark_or_builder, "streams"):  # a live session
@@ -567,6 +731,10 @@ def gateway_checkpoint(spark_or_builder: SparkSession | SparkSession.Builder | N
     for k, v in conf.items():
         spark_or_builder.config(k, v)
     spark_or_builder.config("spark.redaction.regex", GATEWAY_REDACTION_REGEX)
+    if trust is not None:
+        options: dict[str, str] = getattr(spark_or_builder, "_options", {})
+        for name in ("spark.driver.extraJavaOptions", "spark.executor.extraJavaOptions"):
+            spark_or_builder.config(name, _with_java_options(options.get(name), trust.java_options))
     return loc
 
 
@@ -583,6 +751,8 @@ class GatewayMarkerListener(_ListenerBase):
         self.query_name = query_name
         self.written: list[int] = []
         self.errors: list[str] = []
+        self._warned_at: float | None = None
+        self._unreported = 0
 
     def onQueryStarted(self, event: QueryStartedEvent) -> None:
         pass
@@ -598,9 +768,24 @@ class GatewayMarkerListener(_ListenerBase):
                 return
             self._client.marker(MARKER_LABEL, marker_payload(self.relpath, progress.id, batch_id))
             self.written.append(batch_id)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a listener must never break the query
             self.errors.append(repr(exc))
-            log.exception("writing the batch marker through the gateway failed")
+            self._warn(exc)
+
+    def _warn(self, exc: BaseException) -> None:
+        """One warning line, then at most one per MARKER_WARN_INTERVAL (with the count of
+        failures since), never a traceback per batch: the markers only label batches, and
+        restoring to a batch does not need them."""
+        now = time.monotonic()
+        self._unreported += 1
+        if self._warned_at is not None and now - self._warned_at < MARKER_WARN_INTERVAL:
+            return
+        since = f" ({self._unreported} failures since the last warning)" if self._warned_at is not None else ""
+        log.warning("batch markers are not being written through the gateway %s: %s%s; the query "
+                    "goes on (sos restore --batch works without markers; they only label batches)",
+                    self._client.url, exc, since)
+        self._warned_at = now
+        self._unreported = 0
 
     def onQueryIdle(self, event: QueryIdleEvent) -> None:
         pass

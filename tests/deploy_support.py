@@ -3,6 +3,7 @@ manifests, the compose file, the spark-submit conf and the commands of docs/DEPL
 
 from __future__ import annotations
 
+import json
 import pathlib
 import re
 import shlex
@@ -105,3 +106,14 @@ def documented_line(*needles: str) -> str:
     lines = [line for line in documented_lines(needles[0]) if all(n in line for n in needles)]
     assert len(lines) == 1, (needles, lines)
     return lines[0]
+
+
+def dockerfile_command(**env: str) -> list[str]:
+    """The server's argv that the image's default CMD runs: its ``sh -c "exec ..."`` with the
+    image's ENV (and ``env`` over it) expanded, as the shell does."""
+    final = dockerfile_final_stage()
+    cmd = json.loads([a for i, a in final if i == "CMD"][-1])
+    assert cmd[:2] == ["sh", "-c"] and cmd[2].startswith("exec "), cmd
+    values = dockerfile_env() | env
+    words = shlex.split(cmd[2])[1:]
+    return [re.sub(r"\$\{?(\w+)\}?", lambda m: values[m.group(1)], w) for w in words]

@@ -4,7 +4,6 @@ make a certificate works with the real server, the image's health check and the 
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import re
@@ -14,6 +13,7 @@ import sys
 
 import pytest
 import yaml
+from deploy_support import dockerfile_command
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -43,7 +43,7 @@ def _no_key_on_argv(argv: list[str]) -> None:
 
 def test_image_serves_tls_by_default_and_its_healthcheck_speaks_it():
     final = _dockerfile_final_stage()
-    cmd = json.loads([a for i, a in final if i == "CMD"][-1])
+    cmd = dockerfile_command()
     assert cmd[:2] == ["sos-server", "serve"]
     assert _option(cmd, "--tls-cert") == "/tls/tls.crt"
     assert _option(cmd, "--tls-key") == "/tls/tls.key"

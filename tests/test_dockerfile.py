@@ -60,8 +60,13 @@ def test_multi_stage_non_root_server_with_healthcheck():
     users = [a for i, a in final if i == "USER"]
     assert users and users[-1].split(":")[0] not in ("0", "root")
     assert any(i == "HEALTHCHECK" and "healthcheck.py" in a for i, a in final)
-    cmd = [a for i, a in final if i == "CMD"][-1]
-    assert '"sos-server", "serve"' in cmd
+    from deploy_support import dockerfile_command
+
+    cmd = dockerfile_command()
+    assert cmd[:2] == ["sos-server", "serve"]
+    # the addresses come from the environment: with the host's network, give one of the host
+    assert cmd[cmd.index("--listen") + 1] == "0.0.0.0:7070"
+    assert dockerfile_command(SOS_LISTEN="127.0.0.1:7171")[cmd.index("--listen") + 1] == "127.0.0.1:7171"
     assert any(i == "COPY" and "--from=build" in a for i, a in final)
 
 

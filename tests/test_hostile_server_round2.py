@@ -242,7 +242,8 @@ def test_quota_lowered_on_the_live_server_binds_an_open_connection(sos_server_fa
         assert isinstance(c.login(key, NS), ev.AuthOk)
         assert isinstance(c.append("log", 0, b"x" * 1000), ev.AppendOk)  # no quota yet
         out = server_cli("quota", "--data", str(srv.data_dir), NS, "4K")  # below 4096 + 1000 charged
-        assert out.returncode == 0 and out.stdout == f"{NS}\t4096\n", (out.stdout, out.stderr)
+        used = "used 5096 (objects 1, data bytes 1000)"  # over it: the quota shows beside the usage
+        assert out.returncode == 0 and out.stdout == f"{NS}\t4096\t{used}\n", (out.stdout, out.stderr)
         r = c.append("log", 1000, b"y")  # the same connection, opened before the change
         assert isinstance(r, ev.Error) and r.code is ErrorCode.QUOTA_EXCEEDED and "quota of 4096" in r.message, r
         # raised again (and removed): taken up at once too

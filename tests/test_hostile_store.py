@@ -389,7 +389,8 @@ def test_namespace_byte_quota(sos_server_factory, tmp_path):
         assert isinstance(c.append("a", 0, b"x" * 600), ev.AppendOk)  # identical retries still acked
         # the operator raises it while the server runs: taken up at once
         out = server_cli("quota", "--data", srv.data_dir, "q", str(C + 2048))
-        assert out.returncode == 0 and out.stdout == f"q\t{C + 2048}\n", (out.stdout, out.stderr)
+        used = f"used {C + 1000} (objects 1, data bytes 1000)"  # C: one object's charge
+        assert out.returncode == 0 and out.stdout == f"q\t{C + 2048}\t{used}\n", (out.stdout, out.stderr)
         with Client(srv.address, key, "q") as cl:
             assert cl.append("a", 1000, b"z" * 500) == 1500
             with pytest.raises(QuotaExceeded):
@@ -400,7 +401,7 @@ def test_namespace_byte_quota(sos_server_factory, tmp_path):
         assert isinstance(c.append("a", 0, b"x" * 100), ev.AppendOk)
         r = c.append("a", 100, b"x")
         assert isinstance(r, ev.Error) and r.code is ErrorCode.QUOTA_EXCEEDED, r
-    assert server_cli("quota", "--data", srv.data_dir, "q").stdout == f"q\t{C + 2048}\n"
+    assert server_cli("quota", "--data", srv.data_dir, "q").stdout == f"q\t{C + 2048}\tused {C + 1500} (objects 1, data bytes 1500)\n"
     # the quota survives a restart (usage is counted again from the files)
     srv.restart()
     with RawClient(srv.address) as c:

@@ -70,6 +70,16 @@ def standby_refusal(r):
     return doc
 
 
+def refused_or_gone(url, tok, path):
+    """A fenced gateway of a pair refuses as a standby until it has stopped (exit 3)."""
+    try:
+        r = put(url, tok, path, b"z")
+    except requests.ConnectionError:
+        return "gone"
+    standby_refusal(r)
+    return "refused"
+
+
 def sos(server, key, *args, check=True):
     done = subprocess.run([*sos_command(), *args, "--server", server.address],
                           env=dict(os.environ, SOS_KEY=key), capture_output=True, text=True,
@@ -156,10 +166,11 @@ def test_promote_by_hand_fences_the_active(sos_server, tmp_path):
         assert "promoted: writer epoch" in done.stdout, done.stdout
         again = sos(sos_server, key, "gateway", "promote", NS, standby.url)
         assert "already active" in again.stdout
-        # the old active is fenced: its lease renewal was refused, so it refuses as a standby
-        wait_for(lambda: put(active.url, tok, "/zombie", b"z").status_code == 403, 10,
-                 "the fenced active refuses")
-        standby_refusal(put(active.url, tok, "/zombie", b"z"))
+        # the old active is fenced: its lease renewal (or its fence check) says so: it refuses
+        # as a standby, and stops with exit status 3
+        refused_or_gone(active.url, tok, "/zombie")
+        assert active.proc.wait(timeout=30) == 3
+        assert "FENCED" in active.log()
         assert put(standby.url, tok, "/b", b"after").status_code == 201
         assert restored(sos_server, key, tmp_path / "r") == {"a": b"before", "b": b"after"}
     finally:
@@ -282,10 +293,10 @@ def test_sigstop_past_the_lease_never_makes_two_writers(sos_server, tmp_path, ha
         writer.wait(n + 10, 120)  # the standby took over while the active is paused
         print(f"first commit {writer.gap_after(paused):.2f} s after SIGSTOP of the active")
         os.kill(active.pid, signal.SIGCONT)
-        # the resumed zombie: its lease lapsed, then its renewal is refused as fenced
-        standby_refusal(put(active.url, tok, "/zombie-write", b"z"))
-        wait_for(lambda: "no longer serves" in active.log(), 10, "the zombie learnt it is fenced")
-        standby_refusal(put(active.url, tok, "/zombie-write", b"z"))
+        # the resumed zombie: its lease lapsed (StandbyException at once), then its renewal or
+        # its fence check finds it fenced: it stops with exit status 3
+        assert refused_or_gone(active.url, tok, "/zombie-write") == "refused"
+        assert active.proc.wait(timeout=30) == 3, active.log()[-3000:]
         n = len(writer.commits)
         writer.wait(n + 10, 120)
         writer.finish()

@@ -250,7 +250,7 @@ def restore_keys(backup_dir: str, data_dir: str, namespace: str) -> None:
     shutil.copytree(os.path.join(backup_dir, "ns", namespace, "keys"), os.path.join(ns_dir, "keys"))
 
 
-def tree_of(root: str) -> dict[str, bytes | None]:
+def tree_of(root: str | os.PathLike[str]) -> dict[str, bytes | None]:
     """{relative path: None for a directory, the bytes for a file} under ``root``."""
     out: dict[str, bytes | None] = {}
     for dirpath, dirnames, filenames in os.walk(root):

@@ -6,16 +6,19 @@ Exit codes: RESTORE_EXIT_CODES and VERIFY_EXIT_CODES (printed by each command's 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TextIO
 
 from sos_client._common import resolve_server
 from sos_client.cli import add_connection_options, client_from_args
+from sos_client.errors import SOSPermissionError
 from sos_wire import argtypes
+from sos_wire.errors import ErrorCode
 
 from ._store import StoreClient
 from .errors import GenerationBreak, JournalCorrupt, JournalError, JournalNotFound
@@ -47,7 +50,9 @@ RESTORE_EXIT_CODES = """exit status:
       middle (a gap) or in conflict (another server's history), its key named:
       restore applied every whole record before it and stopped there
   4   no journal in this namespace (no complete generation on this server: a mistyped
-      namespace, the wrong server, or a lost one): nothing written
+      namespace, the wrong server, or a lost one): nothing written. Also when the
+      server refuses the key for NAMESPACE (AUTH_FAILED): no such namespace there, or
+      the key is not one of its keys (the server does not say which, by design)
   130 interrupted"""
 
 VERIFY_EXIT_CODES = """exit status:
@@ -59,7 +64,9 @@ VERIFY_EXIT_CODES = """exit status:
       not form one chain (a generation that does not continue the one before it);
       with --from also pieces damaged, missing or in conflict (their keys named)
   4   no journal in this namespace (no complete generation on this server: a mistyped
-      namespace, the wrong server, or a lost one)
+      namespace, the wrong server, or a lost one). Also when the server refuses the
+      key for NAMESPACE (AUTH_FAILED): no such namespace there, or the key is not one
+      of its keys (the server does not say which, by design)
   130 interrupted"""
 
 
@@ -178,12 +185,50 @@ def _err(msg: str) -> None:
     print(f"sos: {msg}", file=sys.stderr)
 
 
+def _auth_refused(exc: BaseException) -> bool:
+    """The server answered AUTH_FAILED: an unknown namespace and a key of another one look
+    the same by design (protocol.md 1.6), so neither is named; exit 4 like no journal."""
+    return isinstance(exc, SOSPermissionError) and exc.code == ErrorCode.AUTH_FAILED
+
+
+def _auth_message(namespace: str, args: argparse.Namespace) -> str:
+    return (f"the server refused the key for namespace {namespace!r}: no such namespace{_where(args)}, or the key"
+            " is not for it (the server does not say which)")
+
+
 def _where(args: argparse.Namespace) -> str:
     url = getattr(args, "from_url", None)
     if url is not None:
         return f" (bucket {url})"
     server = getattr(args, "server", None)
     return f" (server {server})" if server else ""
+
+
+def _source(args: argparse.Namespace) -> Callable[[], StoreClient] | int:
+    """The client factory of ``args.namespace``'s source (restore's and verify's), or, when
+    the options name none, the exit status after saying why on stderr."""
+    try:
+        return _factory(args, args.namespace)
+    except _Usage as e:
+        _err(str(e))
+        return EXIT_USAGE
+    except (JournalError, ValueError) as e:
+        _err(str(e))
+        return EXIT_FAIL
+
+
+@contextlib.contextmanager
+def _progress(args: argparse.Namespace, verb: str, factory: Callable[[], StoreClient]
+              ) -> Iterator[ProgressBar | None]:
+    """The progress bar of ``verb`` (None with --quiet); on the way out, however it ends,
+    its line ended and the source closed."""
+    bar = None if args.quiet else ProgressBar(f"{verb} {args.namespace}")
+    try:
+        yield bar
+    finally:
+        if bar:
+            bar.finish()
+        _close(factory)
 
 
 def cmd_restore(args: argparse.Namespace) -> int:
@@ -198,23 +243,13 @@ def cmd_restore(args: argparse.Namespace) -> int:
         opts["generation"] = args.generation
     if args.workers is not None:
         opts["workers"] = args.workers
-    bar = None if args.quiet else ProgressBar(f"restore {args.namespace}")
+    factory = _source(args)
+    if isinstance(factory, int):
+        return factory
     try:
-        factory = _factory(args, args.namespace)
-    except _Usage as e:
-        _err(str(e))
-        return EXIT_USAGE
-    except (JournalError, ValueError) as e:
-        _err(str(e))
-        return EXIT_FAIL
-    try:
-        try:
+        with _progress(args, "restore", factory) as bar:
             summary = restore(factory, args.namespace, args.target, force=args.force,
                               progress=bar, **opts)
-        finally:
-            if bar:
-                bar.finish()
-            _close(factory)
     except GenerationBreak as e:
         _err(f"{e}; nothing written")
         return EXIT_CORRUPT
@@ -226,6 +261,12 @@ def cmd_restore(args: argparse.Namespace) -> int:
     except JournalNotFound as e:
         _err(f"{e}{_where(args)}")
         return EXIT_NO_JOURNAL
+    except SOSPermissionError as e:
+        if _auth_refused(e):
+            _err(_auth_message(args.namespace, args) + "; nothing written")
+            return EXIT_NO_JOURNAL
+        _err(str(e))
+        return EXIT_FAIL
     except (JournalError, ValueError, OSError) as e:
         _err(str(e))
         return EXIT_FAIL
@@ -241,23 +282,19 @@ def cmd_restore(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    bar = None if args.quiet else ProgressBar(f"verify {args.namespace}")
+    factory = _source(args)
+    if isinstance(factory, int):
+        return factory
     try:
-        factory = _factory(args, args.namespace)
-    except _Usage as e:
-        _err(str(e))
-        return EXIT_USAGE
-    except (JournalError, ValueError) as e:
+        with _progress(args, "verify", factory) as bar:
+            rep = verify(factory, args.namespace, progress=bar)
+    except JournalError as e:
         _err(str(e))
         return EXIT_FAIL
-    try:
-        try:
-            rep = verify(factory, args.namespace, progress=bar)
-        finally:
-            if bar:
-                bar.finish()
-            _close(factory)
-    except JournalError as e:
+    except SOSPermissionError as e:
+        if _auth_refused(e):
+            _err(_auth_message(args.namespace, args))
+            return EXIT_NO_JOURNAL
         _err(str(e))
         return EXIT_FAIL
     except Exception as e:  # noqa: BLE001

@@ -20,17 +20,19 @@ message saying the change is durable on the SOS server and nothing is lost.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import logging
+import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, Protocol, TypeVar
 
-from sos_client.errors import SOSError, is_fenced, to_oserror
+from sos_client.errors import Fenced, SOSError, is_fenced, to_oserror
 from sos_wire import argtypes
 
 from .errors import JournalError, JournalTierBehind
 
-__all__ = ["DEFAULT_TIER_PATIENCE", "DURABILITIES", "FenceLatch", "add_durability_options",
+__all__ = ["DEFAULT_TIER_PATIENCE", "DURABILITIES", "FENCE_CHECK", "FenceLatch", "FenceWatch", "add_durability_options",
            "call_journal", "durability_refusal", "journal_error", "tier_patience_of"]
 
 #: what ``durability`` takes (JournalWriter's DURABILITIES, named here without importing the writer)
@@ -124,3 +126,71 @@ class FenceLatch:
                            "from now on, its later changes fail; restart it to continue",
                            self.who, self.namespace, self.fenced)
         return True
+
+
+#: how often a face asks the SOS server for its namespace's fence epoch (FenceWatch)
+FENCE_CHECK = 5.0
+
+log = logging.getLogger("sos.journal.facade")
+
+
+class _Writer(Protocol):
+    """What FenceWatch reads of a JournalWriter (named without importing the writer)."""
+
+    epoch: int
+
+    def status(self) -> dict[str, Any]: ...
+
+
+class FenceWatch:
+    """Tells whether a newer writer fenced a face's writer (the gateway and the mount both
+    stop on it): the writer's own failure (FENCED or SEALED from the replicator), or the
+    namespace's fence epoch above the writer's, asked every ``interval`` s with FENCE(0) (it
+    never passes and changes nothing, protocol.md 1.11), so an idle face learns it too.
+    :meth:`check` blocks (call it from a worker thread); ``who`` names the face."""
+
+    def __init__(self, namespace: str, writer: _Writer, client_factory: Callable[[], Any] | None,
+                 interval: float = FENCE_CHECK, *, who: str = "this process") -> None:
+        self.namespace = namespace
+        self.writer = writer
+        self.factory = client_factory
+        self.interval = interval
+        self.who = who
+        self._client: Any = None
+        self._asked = time.monotonic()
+
+    def _writer_fenced(self) -> str | None:
+        status = self.writer.status()
+        error = status.get("error") or ""
+        if status["state"] == "failed" and error.startswith(("Fenced:", "SealedError:")):
+            return f"its writer (epoch {self.writer.epoch}) was refused by the server: {error}"
+        return None
+
+    def check(self) -> str | None:
+        """Why this face is fenced, or None."""
+        reason = self._writer_fenced()
+        if reason is not None or self.factory is None:
+            return reason
+        if time.monotonic() - self._asked < self.interval:
+            return None
+        self._asked = time.monotonic()
+        epoch = self.writer.epoch
+        try:
+            if self._client is None:
+                self._client = self.factory()
+            self._client.fence(0)
+        except Fenced as exc:
+            current = int(getattr(exc, "epoch", 0) or exc.length or 0)
+            if current > epoch:
+                return (f"namespace {self.namespace!r} was fenced at epoch {current} by a newer "
+                        f"writer ({self.who}'s writer holds epoch {epoch})")
+        except (SOSError, OSError) as exc:  # the server unreachable: the writer retries too
+            log.debug("fence check failed: %r", exc)
+            self.close()
+        return None
+
+    def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(SOSError, OSError):
+                client.close()

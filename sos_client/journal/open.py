@@ -44,7 +44,7 @@ from ._store import StoreClient
 from .errors import SpoolStale
 from .records import validate_path
 from .restore import rebuild_cache
-from .tree import JournaledTree
+from .tree import JournaledTree, RebuildCache
 from .writer import JournalWriter
 
 __all__ = ["OpenNamespace", "ReadOnlyTree", "client_factory_for",
@@ -199,6 +199,7 @@ def open_namespace(namespace: str, cache_dir: str, *, server: str | None = None,
                    max_lag_bytes: int | None = None, generation_bytes: int | None = None,
                    allow_read_only: bool = False, durability: str = "server",
                    tier_patience: float | None = None,
+                   rebuild: RebuildCache | None = None,
                    replayed_to: int | None = None) -> OpenNamespace:
     """Open ``namespace`` with its cache in ``cache_dir`` (see the module docstring).
 
@@ -214,6 +215,9 @@ def open_namespace(namespace: str, cache_dir: str, *, server: str | None = None,
     (``sos gateway``/``sos mount`` ``--durability``, fsspec's ``durability=``). With "tier" a
     server without a tier is refused here (JournalTierUnavailable): the opener fails before
     anything is served.
+
+    ``rebuild``: what fills an empty cache (default: restore's rebuild_cache, the journal's end;
+    ``sos gateway --restore-batch`` gives :func:`~sos_client.journal.rollback.rollback_rebuild`).
 
     ``replayed_to``: the cache's tree is the journal replayed up to that record (a standby
     gateway's tail, taken after its FENCE): the writer continues the generation from there
@@ -251,7 +255,8 @@ def open_namespace(namespace: str, cache_dir: str, *, server: str | None = None,
     try:
         # opens the writer (fencing older epochs) and, if the cache is empty, rebuilds it
         # from the server by the same code as restore
-        tree = JournaledTree(tree_dir, writer, rebuild=rebuild_cache, replayed_to=replayed_to).open()
+        tree = JournaledTree(tree_dir, writer, rebuild=rebuild or rebuild_cache,
+                             replayed_to=replayed_to).open()
         try:
             writer.check_tier(timeout)  # durability "tier" on a server without one: refused now
         except BaseException:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from sos_client.cli import add_connection_options, client_from_args, key_from_args
 from sos_client.errors import SOSError
 from sos_client.journal.facade import add_durability_options, durability_refusal, tier_patience_of
+from sos_client.journal.points import parse_batch
 from sos_wire import argtypes
 from sos_wire.names import validate_namespace
 
@@ -43,9 +44,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                     "the namespace's single journal writer: every node of a Spark cluster "
                     "checkpoints to webhdfs://HOST:PORT/path with no privileges. Clients get a "
                     "bearer token at /oauth2/token (client_id = NAMESPACE, client_secret = a "
-                    "key of it). An empty cache is first restored from the server. RENAME, "
-                    "DELETE, TRUNCATE and file bodies (CREATE, APPEND) reply once durable on "
-                    "the server (sync mode). SIGTERM/SIGINT stop it gracefully: no new "
+                    "key of it). An empty cache is first restored from the server. MKDIRS, "
+                    "RENAME, DELETE, TRUNCATE and file bodies (CREATE, APPEND) reply once "
+                    "durable on the server (sync mode). Fenced by a newer writer, it refuses "
+                    "every request and exits with code 3. SIGTERM/SIGINT stop it gracefully: no new "
                     "connections, the requests in progress finish (at most 25 s; a second "
                     "signal stops at once), then the journal is flushed.")
     p.add_argument("namespace", help="the namespace to serve; or `promote` to promote a standby: "
@@ -109,7 +111,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--insecure-no-auth", action="store_true",
                    help="serve every request without a token, with full rights (only accepted "
                         "on a loopback --listen address: tests and single-machine demos)")
+    p.add_argument("--fence-check", type=_positive_duration, default=5.0, metavar="DURATION",
+                   help="ask the SOS server this often whether a newer writer fenced this gateway "
+                        "(default 5): a fenced gateway refuses every request (503; its health "
+                        "check fails), logs who fenced it and exits with code 3")
     p.add_argument("--debug", action="store_true", help="log every request")
+    add_operations_options(p)
     add_connection_options(p)
     p.set_defaults(func=run)
     return p
@@ -153,6 +160,24 @@ def run_promote(args: argparse.Namespace, key: str) -> int:
     return 0
 
 
+def add_operations_options(p: argparse.ArgumentParser) -> None:
+    """--metrics, --restore-batch and --yes (issue 23 items 5 and 8)."""
+    p.add_argument("--metrics", metavar="HOST:PORT", default=None,
+                   help="serve Prometheus metrics on this address (:PORT is 127.0.0.1:PORT; port 0: any "
+                        "free one): spool lag, writer state, replicator errors, barrier latency, last "
+                        "committed batch per checkpoint, fenced, requests by operation (docs/DEPLOY.md, "
+                        "Gateway metrics; default: none)")
+    p.add_argument("--restore-batch", metavar="CHECKPOINT:N", default=None,
+                   help="before serving, roll the namespace back to right after batch N of the "
+                        "checkpoint CHECKPOINT (its path in the namespace) committed: the cache is "
+                        "rebuilt at that journal position and a new journal generation starts from "
+                        "that tree. THE WHOLE NAMESPACE goes back: every other checkpoint in it "
+                        "returns to the same point in the journal. Refused when it discards later "
+                        "changes unless --yes is given (docs/SPARK.md, Rolling back)")
+    p.add_argument("--yes", action="store_true",
+                   help="with --restore-batch: confirm discarding everything written after the batch")
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -176,9 +201,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"sos: {exc}", file=sys.stderr)
         return 2
     # trio, h11 and the gateway: only when it runs (`sos` loads every command's parser)
+    from sos_client.journal.rollback import RollbackRefused  # noqa: PLC0415
     from spark_plugin.gateway.run import (  # noqa: PLC0415
         parse_advertise,
         parse_listen,
+        parse_metrics_listen,
         plaintext_refusal,
         run_gateway,
     )
@@ -187,6 +214,10 @@ def run(args: argparse.Namespace) -> int:
         parse_listen(args.listen)
         if args.advertise:
             parse_advertise(args.advertise)
+        if args.metrics:
+            parse_metrics_listen(args.metrics)
+        if args.restore_batch:
+            parse_batch(args.restore_batch)
     except ValueError as exc:
         print(f"sos: {exc}", file=sys.stderr)
         return 2
@@ -209,26 +240,37 @@ def run(args: argparse.Namespace) -> int:
         tls_client = (ssl.create_default_context(cafile=args.tls_ca) if args.tls_ca
                       else ssl.create_default_context())
     serve: Callable[..., int] = run_gateway
-    extra: dict[str, float] = {"lease": args.lease} if args.lease else {}
+    extra: dict[str, object] = {"restore_batch": args.restore_batch, "restore_yes": args.yes,
+                                "metrics": args.metrics}
+    if args.lease:
+        extra["lease"] = args.lease
     if args.standby:
         from spark_plugin.gateway.standby import run_standby  # noqa: PLC0415 - as run_gateway
 
+        if args.restore_batch or args.metrics:
+            print("sos: --restore-batch and --metrics are not served by a --standby gateway "
+                  "(roll back or watch the active one)", file=sys.stderr)
+            return 2
         serve = run_standby
         extra = {"lease": args.lease or DEFAULT_LEASE_SECONDS}
     try:
         return serve(args.namespace, args.listen, server=args.server, key=key,
-                           cache_dir=args.cache, client_factory=factory, timeout=args.timeout,
-                           tls_client=tls_client, tls_cert=args.tls_cert, tls_key=args.tls_key,
-                           sync=not args.async_, max_lag_bytes=args.max_lag,
-                           generation_bytes=args.generation_bytes,
-                           insecure_no_auth=args.insecure_no_auth, token_ttl=args.token_ttl,
-                           threads=args.threads, insecure_plaintext=args.insecure_plaintext,
-                           advertise=args.advertise, max_connections=args.max_connections,
-                           max_per_address=args.max_connections_per_address,
-                           head_timeout=args.head_timeout, send_timeout=args.send_timeout,
-                           open_memory=args.open_memory, key_recheck=args.key_recheck,
-                           durability=args.durability,
-                           tier_patience=tier_patience_of(args.tier_patience), **extra)
+                     cache_dir=args.cache, client_factory=factory, timeout=args.timeout,
+                     tls_client=tls_client, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                     sync=not args.async_, max_lag_bytes=args.max_lag,
+                     generation_bytes=args.generation_bytes,
+                     insecure_no_auth=args.insecure_no_auth, token_ttl=args.token_ttl,
+                     threads=args.threads, insecure_plaintext=args.insecure_plaintext,
+                     advertise=args.advertise, max_connections=args.max_connections,
+                     max_per_address=args.max_connections_per_address,
+                     head_timeout=args.head_timeout, send_timeout=args.send_timeout,
+                     open_memory=args.open_memory, key_recheck=args.key_recheck,
+                     durability=args.durability,
+                     tier_patience=tier_patience_of(args.tier_patience),
+                     fence_check=args.fence_check, **extra)
+    except RollbackRefused as exc:
+        print(f"sos: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("sos: gateway interrupted (the spool keeps what the server does not have yet)",
               file=sys.stderr)

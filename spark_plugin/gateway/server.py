@@ -59,10 +59,11 @@ from .http import (
     json_body,
     remote_error,
 )
+from .lease import standby_reply
 from .operations import KNOWN_OPS, OPEN_MEMORY, OPERATIONS, WEBHDFS_PREFIX, Call, Operations, check_operation
 from .webhdfs import WebHdfsError, WebHdfsNamespace, rel_path
 
-__all__ = ["MARKER_PATH", "Gate", "Gateway"]
+__all__ = ["EXIT_FENCED", "MARKER_PATH", "Gate", "Gateway"]
 
 log = logging.getLogger("sos.gateway")
 
@@ -76,6 +77,8 @@ _ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, e
 Gate = Callable[[Conn, str, str, TokenInfo], Awaitable[int | None]]
 #: latencies kept per operation for its percentiles (a uniform sample of all of them)
 LATENCY_SAMPLES = 2048
+#: exit code of a gateway that stopped because a newer writer fenced it
+EXIT_FENCED = 3
 
 
 @dataclass
@@ -149,6 +152,9 @@ class Gateway:
         self.address: tuple[str, int] | None = None
         #: True once :meth:`drain` was called (the gateway is stopping)
         self.draining = False
+        #: why this gateway is no longer its namespace's writer (a newer one fenced it), or
+        #: None: once set, every request is refused (503) and the gateway stops
+        self.fenced: str | None = None
         self._accepting: trio.CancelScope | None = None
         self._idle: set[trio.CancelScope] = set()
         self._conns: set[Conn] = set()
@@ -225,6 +231,16 @@ class Gateway:
         for scope in list(self._idle):
             scope.cancel()
         return len(self._conns) - len(self._idle)
+
+    def fence(self, reason: str) -> None:
+        """A newer writer took the namespace over: refuse every request from now on (the
+        mutating ones first of all; the health check's too, so it fails) and stop."""
+        if self.fenced is not None:
+            return
+        self.fenced = reason
+        log.error("FENCED: %s; this gateway refuses every request and stops now (exit code %d): "
+                  "the newer writer serves the namespace", reason, EXIT_FENCED)
+        self.drain()
 
     @property
     def url(self) -> str:
@@ -378,6 +394,11 @@ class Gateway:
 
     async def _dispatch(self, conn: Conn, method: str, path: str, params: dict[str, str],
                         headers: dict[str, str], op: str) -> int:
+        if self.fenced is not None:  # before anything, even the token and its check
+            if self.gate is not None:  # one of a pair (lease.py): its clients go to the other
+                raise standby_reply(f"this gateway no longer serves the namespace: {self.fenced}")
+            raise Reply(503, remote_error("IOException", f"this gateway no longer serves the namespace: "
+                                                         f"{self.fenced}"), [("connection", "close")])
         if path == TOKEN_PATH:
             status = await self.oauth.token(conn, method, headers)
             if status == 200:

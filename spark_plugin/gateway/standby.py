@@ -39,6 +39,7 @@ import trio
 from sos_client.errors import Fenced, SOSError
 from sos_client.journal import layout
 from sos_client.journal.errors import JournalCorrupt, JournalError
+from sos_client.journal.facade import FENCE_CHECK, FenceWatch
 from sos_client.journal.open import (
     ClientFactory,
     OpenNamespace,
@@ -365,6 +366,29 @@ async def _until(done: Callable[[], bool], seconds: float) -> None:
         await trio.sleep(0.05)
 
 
+class PromotedFenceWatch(FenceWatch):
+    """run.py's fence watch of a standby: nothing to watch until it is promoted, then its
+    writer's (a newer writer fencing the promoted gateway stops it as it stops any)."""
+
+    def __init__(self, standby: Standby, interval: float) -> None:
+        self.standby = standby
+        self.interval = interval
+        self._inner: FenceWatch | None = None
+
+    def check(self) -> str | None:
+        opened = self.standby.opened
+        if opened is None or opened.writer is None:
+            return None
+        if self._inner is None:
+            self._inner = FenceWatch(opened.namespace, opened.writer, opened.client_factory,
+                                     self.interval, who="this gateway")
+        return self._inner.check()
+
+    def close(self) -> None:
+        if self._inner is not None:
+            self._inner.close()
+
+
 def prepare_cache(cache_dir: str) -> str:
     """The standby's cache: private, its tree emptied (it is rebuilt from the server), and
     a spool left by an earlier gateway on it moved aside (its writer was fenced or stopped;
@@ -392,7 +416,8 @@ def run_standby(namespace: str, listen: str, *, server: str, key: str, cache_dir
                 head_timeout: float = HEAD_TIMEOUT, send_timeout: float = SEND_TIMEOUT,
                 open_memory: int = OPEN_MEMORY, key_recheck: float = DEFAULT_KEY_RECHECK,
                 durability: str = "server", tier_patience: float | None = None,
-                lease: float = DEFAULT_LEASE, poll: float = POLL) -> int:
+                fence_check: float = FENCE_CHECK, lease: float = DEFAULT_LEASE,
+                poll: float = POLL) -> int:
     """What ``sos gateway NS --standby`` runs: the arguments are run_gateway's, plus
     ``lease`` (seconds of silence of the active's lease before taking over) and ``poll``."""
     host, port = parse_listen(listen)
@@ -449,7 +474,7 @@ def run_standby(namespace: str, listen: str, *, server: str, key: str, cache_dir
     standby.start()
     try:
         trio.run(_serve, gateway, host, port, f"(namespace {namespace}, standby, lease {lease:g} s, "
-                 f"tail at record {tailer.seq})", drain_timeout)
+                 f"tail at record {tailer.seq})", drain_timeout, PromotedFenceWatch(standby, fence_check))
     finally:
         standby.stop()
         opened = standby.opened

@@ -496,6 +496,7 @@ class WebHdfsNamespace:
                 return {"boolean": True}
             for sub in [*self._check_parent(rel, create_parent=True), rel]:
                 self._journal(self.tree.mkdir, sub, mode | 0o300 if sub != rel else mode)
+        self.barrier()  # sync: durable before 200, and a fenced gateway's MKDIRS fails here
         return {"boolean": True}
 
     def rename(self, rel: str, dst_path: str, options: set[str] | None) -> dict | None:

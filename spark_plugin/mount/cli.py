@@ -80,6 +80,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="owner of the mount's root directory and of everything rebuilt from "
                         "the server, e.g. 185:185 (the Spark image's user); needs root, "
                         "implies --allow-other")
+    p.add_argument("--fence-check", type=argtypes.duration, default=5.0, metavar="DURATION",
+                   help="ask the SOS server this often whether a newer writer fenced this mount "
+                        "(default 5): a fenced mount logs who fenced it, unmounts itself and exits "
+                        "with code 3")
     p.add_argument("--debug", action="store_true", help="verbose logging, FUSE debug")
     add_connection_options(p)
     p.set_defaults(func=run)
@@ -114,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
                          allow_other=args.allow_other, debug=args.debug, client_factory=factory,
                          writeback_cache=args.writeback_cache, owner=args.owner,
                          generation_bytes=args.generation_bytes, durability=args.durability,
-                         tier_patience=tier_patience_of(args.tier_patience))
+                         tier_patience=tier_patience_of(args.tier_patience),
+                         fence_check=args.fence_check)
     except KeyboardInterrupt:  # before mounting, or a second ^C during the final flush
         print("sos: mount interrupted (the spool keeps what the server does not have yet)",
               file=sys.stderr)

@@ -402,11 +402,18 @@ class SOSOperations(_OperationsBase):
     @_guard
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
         dir_ino, names = self._dirs[fh]
+        # "." and ".." first (ids 1 and 2; the kernel counts no lookup for them), as every
+        # POSIX file system lists them (`ls -a`)
+        for index in range(start_id, 2):
+            if not pyfuse3.readdir_reply(token, b"." * (index + 1), self._dot_entry(dir_ino, index == 1),
+                                         index + 1):
+                return
+        start_id = max(start_id - 2, 0)
         if dir_ino == CONTROL_DIR_INO:
             for index in range(start_id, len(names)):
                 vname = names[index].encode()
                 if not pyfuse3.readdir_reply(token, vname,
-                                             self._virtual_entry(_CONTROL_FILES[vname]), index + 1):
+                                             self._virtual_entry(_CONTROL_FILES[vname]), index + 3):
                     break
             return
         for index in range(start_id, len(names)):
@@ -418,9 +425,18 @@ class SOSOperations(_OperationsBase):
                 ino, st = self._stat_path(path)
             except FileNotFoundError:
                 continue  # removed since opendir
-            if not pyfuse3.readdir_reply(token, os.fsencode(name), self._entry(ino, st), index + 1):
+            if not pyfuse3.readdir_reply(token, os.fsencode(name), self._entry(ino, st), index + 3):
                 break
             self.inodes.lookup(ino)  # readdirplus counts as a lookup
+
+    def _dot_entry(self, dir_ino: int, parent: bool) -> pyfuse3.EntryAttributes:
+        """The attributes of "." (``parent`` False) or ".." of the directory ``dir_ino``."""
+        if dir_ino == CONTROL_DIR_INO:
+            return self._virtual_entry(CONTROL_DIR_INO) if not parent else self._entry(*self._stat_path(""))
+        path = self.inodes.live_path(dir_ino)
+        if parent:
+            path = path.rpartition("/")[0]  # the root's ".." is the root
+        return self._entry(*self._stat_path(path))
 
     async def releasedir(self, fh: int) -> None:
         self._dirs.pop(fh, None)

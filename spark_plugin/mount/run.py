@@ -16,6 +16,7 @@ import trio
 
 from sos_client.errors import is_fenced
 from sos_client.journal.beneath import Beneath
+from sos_client.journal.facade import FENCE_CHECK, FenceWatch
 from sos_client.journal.open import ClientFactory, open_namespace
 from sos_client.journal.open import default_cache_dir as _journal_cache_dir
 from sos_client.journal.tree import JournaledTree
@@ -35,6 +36,9 @@ from .ops import SOSOperations
 from .process import READY_MARKER, is_mounted, lazy_unmount
 
 log = logging.getLogger("sos.mount")
+
+#: exit code of a mount that stopped because a newer writer fenced it (as the gateway's)
+EXIT_FENCED = 3
 
 # ---------------------------------------------------------------------------
 # Running a mount: server connection -> writer -> tree -> FUSE
@@ -111,9 +115,11 @@ class MountedTree:
             self.writer.close()
 
 
-async def _serve(ops: SOSOperations, namespace: str, mountpoint: str) -> None:
+async def _serve(ops: SOSOperations, namespace: str, mountpoint: str,
+                 watch: FenceWatch | None = None) -> None:
     """Serve the FUSE session until SIGTERM/SIGINT (or an external unmount); a signal that
-    came between the mount and this loop (``_early_signals``) counts as one that comes now."""
+    came between the mount and this loop (``_early_signals``) counts as one that comes now.
+    With ``watch``, a mount that a newer writer fenced unmounts itself (:func:`_watch_fence`)."""
     mode = "sync" if ops.sync_mode else "async"
     if ops.durability == "tier":
         mode += ", durability tier"
@@ -121,8 +127,12 @@ async def _serve(ops: SOSOperations, namespace: str, mountpoint: str) -> None:
         mode += ", writeback cache"
 
     async def serve(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
-        await pyfuse3.main()
+        async with trio.open_nursery() as nursery:
+            if watch is not None:
+                nursery.start_soon(_watch_fence, ops, watch)
+            task_status.started()
+            await pyfuse3.main()
+            nursery.cancel_scope.cancel()  # unmounted: the fence watch ends too
 
     def unmount(name: str) -> None:
         log.info("%s: unmounting", name)
@@ -131,6 +141,21 @@ async def _serve(ops: SOSOperations, namespace: str, mountpoint: str) -> None:
     await serve_until_signal(serve, lambda _: f"{READY_MARKER}: namespace {namespace} mounted at "
                                               f"{mountpoint} ({mode})",
                              stop=unmount, pending=_early_signals)
+
+
+async def _watch_fence(ops: SOSOperations, watch: FenceWatch) -> None:
+    """Check every 0.5 s; once fenced, make the mount read-only, say who fenced it, unmount
+    (run_mount then exits with EXIT_FENCED)."""
+    while True:
+        reason = ops.fenced or await trio.to_thread.run_sync(watch.check, abandon_on_cancel=True)
+        if reason is not None:
+            if ops.fenced is None:
+                ops._fence.fenced = reason
+            log.error("FENCED: %s; this mount of namespace %r can no longer change it: unmounting "
+                      "(exit code %d)", reason, watch.namespace, EXIT_FENCED)
+            pyfuse3.terminate()
+            return
+        await trio.sleep(0.5)
 
 
 _early_signals: list[int] = []
@@ -169,11 +194,13 @@ def run_mount(namespace: str, mountpoint: str, *, server: str, key: str,
               flush_timeout: float = 120.0, writeback_cache: bool = False,
               owner: tuple[int, int] | None = None,
               generation_bytes: int | None = None, durability: str = "server",
-              tier_patience: float | None = None) -> int:
+              tier_patience: float | None = None, fence_check: float = FENCE_CHECK) -> int:
     """Mount `namespace` at `mountpoint` until SIGTERM/SIGINT or an external unmount.
 
     Returns the process exit code (0 after a clean unmount with everything
-    flushed, 1 if the final flush failed, e.g. because the mount was fenced).
+    flushed, 1 if the final flush failed, EXIT_FENCED (3) when a newer writer fenced it: seen
+    by its writer or by a FENCE(0) check every ``fence_check`` s (:class:`FenceWatch`, the
+    gateway's), it then unmounts itself and says why).
     `client_factory` (optional) returns a connected client for the namespace
     (TLS, timeouts); by default `sos_client.Client(server, key, namespace)`.
     After the unmount the journal gets `flush_timeout` seconds to reach the
@@ -230,7 +257,12 @@ def run_mount(namespace: str, mountpoint: str, *, server: str, key: str,
         pyfuse3.init(ops, mountpoint, fuse_options(namespace, allow_other=allow_other,
                                                    debug=debug))
         try:
-            trio.run(_serve, ops, namespace, mountpoint)
+            watch = FenceWatch(namespace, writer, client_factory or writer.client_factory, fence_check,
+                               who="this mount")
+            try:
+                trio.run(_serve, ops, namespace, mountpoint, watch)
+            finally:
+                watch.close()
         finally:
             pyfuse3.close(unmount=True)
             # Unmounted: a second signal may now interrupt the final flush (the spool keeps
@@ -246,7 +278,7 @@ def run_mount(namespace: str, mountpoint: str, *, server: str, key: str,
                           "mount ships it): %r", journal.spool_dir, exc)
                 code = 1
         else:
-            code = 1
+            code = EXIT_FENCED
     finally:
         _restore_signals(previous)
         try:

@@ -242,30 +242,14 @@ class ClusterSoak(Soak):
         mode = self.rng.choice(("sos-restore", "empty-cache"))
         order = ["server", "gateway", "cluster"]
         self.rng.shuffle(order)
-        for what in order:
-            if what == "server":
-                self.server.kill()
-                self.processes_killed["server"] += 1
-            elif what == "gateway":
-                self.kill_gateway_only()
-            else:
-                self.kill_cluster()
+        self.kill_in_order(order, {"gateway": self.kill_gateway_only, "cluster": self.kill_cluster})
         self.driver = None
         # every local directory: each node's disk (a tmpfs in its mount namespace) went with
         # its last process (the cluster's base directory holds only the harness's logs); the
         # gateway's cache and spool go here
         shutil.rmtree(self.gateway_cache, ignore_errors=True)
         self.server.start()
-        detail = ""
-        if mode == "sos-restore":
-            target = os.path.join(self.paths["restore"], f"r{self.restores['sos-restore'] + 1}")
-            t = time.monotonic()
-            self.sos_restore(target)
-            detail = f"sos restore into a fresh directory in {time.monotonic() - t:.1f}s"
-            verdict = self.check(os.path.join(target, CHECKPOINT), "after sos restore")
-            detail += f" ({verdict}); "
-            shutil.rmtree(target)
-        self.restores[mode] += 1
+        detail = self.restore_after_total_loss(mode)
         took = self.start_gateway(empty=True)
         verdict = self.check(self.view(), "after a total loss, through the rebuilt gateway")
         detail += f"gateway on an EMPTY cache rebuilt it in {took:.1f}s; check: {verdict}"

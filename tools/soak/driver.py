@@ -71,22 +71,26 @@ def driver_main(cfg_path: str) -> int:
         _write_json_atomic(status_path, {"seq": seq, "state": state, "error": error, "pid": pid,
                                          "checkpoint_unreadable": unreadable})
 
+    def record_ack(listener, event, committed) -> None:
+        """A batch with data whose ``commits/N`` is there (``committed(N)``): append it and its
+        source's end offset to the ``acked`` file; a failure goes to ``listener.errors``."""
+        try:
+            p = event.progress
+            if int(p.numInputRows) > 0 and committed(int(p.batchId)):
+                try:
+                    log_offset = int(json.loads(p.sources[0].endOffset)["logOffset"])
+                except Exception:
+                    log_offset = -1
+                with open(acked_path, "a") as f:
+                    f.write(f"{int(p.batchId)} {log_offset}\n")
+        except Exception as exc:
+            listener.errors.append(repr(exc))
+
     class AckListener(MarkerListener):
         """Records committed batches for the harness, then writes the batch marker."""
 
         def onQueryProgress(self, event):
-            try:
-                p = event.progress
-                if int(p.numInputRows) > 0 and os.path.exists(
-                        os.path.join(self.checkpoint, "commits", str(int(p.batchId)))):
-                    try:
-                        log_offset = int(json.loads(p.sources[0].endOffset)["logOffset"])
-                    except Exception:
-                        log_offset = -1
-                    with open(acked_path, "a") as f:
-                        f.write(f"{int(p.batchId)} {log_offset}\n")
-            except Exception as exc:
-                self.errors.append(repr(exc))
+            record_ack(self, event, lambda batch: os.path.exists(os.path.join(self.checkpoint, "commits", str(batch))))
             super().onQueryProgress(event)
 
     if gw:
@@ -112,17 +116,7 @@ def driver_main(cfg_path: str) -> int:
                         time.sleep(0.5)
 
             def onQueryProgress(self, event):
-                try:
-                    p = event.progress
-                    if int(p.numInputRows) > 0 and self.committed(int(p.batchId)):
-                        try:
-                            log_offset = int(json.loads(p.sources[0].endOffset)["logOffset"])
-                        except Exception:
-                            log_offset = -1
-                        with open(acked_path, "a") as f:
-                            f.write(f"{int(p.batchId)} {log_offset}\n")
-                except Exception as exc:
-                    self.errors.append(repr(exc))
+                record_ack(self, event, self.committed)
                 super().onQueryProgress(event)
 
     def sink(df, batch_id):  # the demo's sink, without its hang hook

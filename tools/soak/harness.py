@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 from tools import child_env
 from tools.demo_common import (
@@ -326,8 +327,7 @@ class Soak(Checks):
     # ------------------------------------------------------------------ events
     def kill_server(self) -> str:
         pid = self.server.proc.pid
-        self.server.kill()
-        self.processes_killed["server"] += 1
+        self.kill_server_only()
         outage = self.rng.uniform(0.0, 1.5)
         time.sleep(outage)
         t = time.monotonic()
@@ -410,19 +410,36 @@ class Soak(Checks):
         order = ["server", "mount", "driver"]
         self.rng.shuffle(order)
         mode = self.rng.choice(("sos-restore", "empty-cache"))
-        for what in order:
-            if what == "server":
-                self.server.kill()
-                self.processes_killed["server"] += 1
-            elif what == "mount":
-                self.kill_mount_only()
-            else:
-                self.kill_driver()
+        self.kill_in_order(order, {"mount": self.kill_mount_only, "driver": self.kill_driver})
         self.driver = None
         self.drop_mount()
         shutil.rmtree(self.worker_dir)  # the worker is gone: mount point, cache, spool
         self.server.start()
         self.new_worker()
+        detail = self.restore_after_total_loss(mode)
+        took = self.start_mount()
+        verdict = self.check(self.checkpoint(), "after a total loss, on the rebuilt mount")
+        detail += f"mount on an EMPTY cache rebuilt it in {took:.1f}s; check: {verdict}"
+        how = self.start_driver()
+        return f"SIGKILL {'+'.join(order)}, worker deleted; {detail}; query on {how}"
+
+    def kill_server_only(self) -> None:
+        """SIGKILL the server, counted."""
+        self.server.kill()
+        self.processes_killed["server"] += 1
+
+    def kill_in_order(self, order: list[str], kills: dict[str, Callable[[], None]]) -> None:
+        """A total loss: SIGKILL what ``order`` names, in its order: "server", or one of ``kills``."""
+        for what in order:
+            if what == "server":
+                self.kill_server_only()
+            else:
+                kills[what]()
+
+    def restore_after_total_loss(self, mode: str) -> str:
+        """In mode "sos-restore": ``sos restore`` the namespace into a fresh directory and
+        check the checkpoint there (then remove it); in either mode, count it. The start of
+        the event's detail ("" in mode "empty-cache")."""
         detail = ""
         if mode == "sos-restore":
             target = os.path.join(self.paths["restore"], f"r{self.restores['sos-restore'] + 1}")
@@ -433,11 +450,7 @@ class Soak(Checks):
             detail += f" ({verdict}); "
             shutil.rmtree(target)
         self.restores[mode] += 1
-        took = self.start_mount()
-        verdict = self.check(self.checkpoint(), "after a total loss, on the rebuilt mount")
-        detail += f"mount on an EMPTY cache rebuilt it in {took:.1f}s; check: {verdict}"
-        how = self.start_driver()
-        return f"SIGKILL {'+'.join(order)}, worker deleted; {detail}; query on {how}"
+        return detail
 
     def sos_restore(self, target: str) -> None:
         from spark_plugin.spark import sos_command
