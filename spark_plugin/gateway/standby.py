@@ -73,7 +73,7 @@ from .run import (
     plaintext_refusal,
     raise_nofile_limit,
 )
-from .server import Gateway
+from .server import EXIT_FENCED, Gateway
 from .webhdfs import WebHdfsNamespace, remote_exception
 
 __all__ = ["PROMOTE_PATH", "Standby", "Tailer", "promote", "run_standby"]
@@ -478,9 +478,11 @@ def run_standby(namespace: str, listen: str, *, server: str, key: str, cache_dir
     finally:
         standby.stop()
         opened = standby.opened
+        if gateway.fenced is not None:
+            code = EXIT_FENCED  # promoted, then fenced by a newer writer: nothing to flush
         if opened is not None:
             try:
-                if opened.writer is not None:
+                if opened.writer is not None and gateway.fenced is None:
                     opened.writer.barrier(timeout=flush_timeout)
             except Exception as exc:  # noqa: BLE001 - reported, exit code says it
                 log.error("final flush failed (the spool in %s keeps the journal): %r",
@@ -489,8 +491,9 @@ def run_standby(namespace: str, listen: str, *, server: str, key: str, cache_dir
             try:
                 opened.close(timeout=0)
             except Exception as exc:  # noqa: BLE001
-                log.error("closing the journal failed: %r", exc)
-                code = 1
+                if gateway.fenced is None:
+                    log.error("closing the journal failed: %r", exc)
+                    code = 1
     log.info("stopped (%s); requests served:\n%s", standby.state, gateway.summary() or "(none)")
     return code
 

@@ -16,6 +16,9 @@ from tools.soak.driver import driver_main
 from tools.soak.harness import Soak
 from tools.soak.report import report
 
+#: the kinds only --gateway-pair has (tools.soak.pair_mode.PAIR_KINDS)
+PAIR_ONLY = ("zombie", "standby")
+
 
 def _weights(text: str, defaults: dict | None = None) -> dict:
     """``kind=w,...`` over ``defaults`` (the mode's weights; a kind of neither mode is an
@@ -25,10 +28,11 @@ def _weights(text: str, defaults: dict | None = None) -> dict:
         if not part.strip():
             continue
         k, _, v = part.partition("=")
-        if k.strip() not in KINDS + CLUSTER_KINDS:
+        if k.strip() not in (*KINDS, *CLUSTER_KINDS, *PAIR_ONLY):
             raise argparse.ArgumentTypeError(
                 f"unknown kind {k!r}: one of {', '.join(KINDS)} (mount mode) or "
-                f"{', '.join(CLUSTER_KINDS)} (--cluster)")
+                f"{', '.join(CLUSTER_KINDS)} (--cluster), and {', '.join(PAIR_ONLY)} "
+                f"(--cluster --gateway-pair)")
         w[k.strip()] = float(v)
     return w
 

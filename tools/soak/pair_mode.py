@@ -51,6 +51,13 @@ class PairSoak(ClusterSoak):
         self.failover_s: list[float] = []
 
     # ------------------------------------------------------------------ parts
+    def setup(self) -> None:
+        self.start_gateway(empty=True)
+        self.say(f"gateway pair: active {self.gateway.url}, standby {self.standby_gw.url} "
+                 f"(--lease {LEASE:g}s); the query on {self.checkpoint()}")
+        self.start_cluster()
+        self.say(f"Spark cluster: Master {self.cluster.master_url}, 2 Workers of 1 core")
+
     def urls(self) -> str:
         return ",".join(f"http://127.0.0.1:{p}" for p in self.ports)
 
@@ -98,10 +105,11 @@ class PairSoak(ClusterSoak):
         return time.monotonic() - t
 
     def _swap(self) -> None:
-        """The standby was promoted: it is the active now, on its port (slot 1 -> 0)."""
+        """The standby was promoted: it is the active now (slot 1 -> 0); the old active's
+        port and cache (slot 0 -> 1) are the next standby's."""
         self.ports.reverse()
         self.caches.reverse()
-        self.gateway, self.standby_gw = self.standby_gw, self.gateway
+        self.gateway, self.standby_gw = self.standby_gw, None
 
     def _promotions(self) -> int:
         return self.standby_gw.log().count("standby: promoted")
@@ -126,11 +134,14 @@ class PairSoak(ClusterSoak):
         return dict(super().handlers(), zombie=self.kill_zombie, standby=self.kill_standby)
 
     def kill_gateway(self) -> str:
-        pid = self.gateway.pid
+        dead = self.gateway
+        pid = dead.pid
         empty = self.rng.random() < GATEWAY_EMPTY_CACHE
         before = self._promotions()
         t = time.monotonic()
-        self.kill_gateway_only()
+        self.gateway = None  # the supervisor must not restart it: the standby takes over
+        dead.kill()
+        self.processes_killed["gateway"] += 1
         if empty:
             shutil.rmtree(self.caches[0], ignore_errors=True)
         took = self._wait_promoted(t, before)
@@ -148,7 +159,8 @@ class PairSoak(ClusterSoak):
         resume it and send it a write of its own."""
         import requests
 
-        pid = self.gateway.pid
+        zombie = self.gateway
+        pid = zombie.pid
         url = f"http://127.0.0.1:{self.ports[0]}"
         token = requests.post(url + "/oauth2/token", data={"grant_type": "client_credentials",
                                                            "client_id": NAMESPACE,
@@ -161,23 +173,32 @@ class PairSoak(ClusterSoak):
         try:
             took = self._wait_promoted(t, before)
         finally:
+            self.gateway = None  # it stops by itself once it finds itself fenced (exit 3)
             os.kill(pid, signal.SIGCONT)
         self.failover_s.append(took)
         self.gateway_restarts["failovers"] += 1
-        r = requests.put(f"{url}/webhdfs/v1/zombie-{self.gateway_n}?op=MKDIRS", headers=h, timeout=60)
-        if r.status_code < 300:
+        try:
+            r = requests.put(f"{url}/webhdfs/v1/zombie-{self.gateway_n}?op=MKDIRS", headers=h, timeout=60)
+        except requests.ConnectionError:
+            r = None  # it had already stopped
+        if r is not None and r.status_code < 300:
             raise Violation(f"split brain: the paused and resumed gateway pid {pid} accepted a "
                             f"write ({r.status_code} {r.text[:200]}) after the standby took over")
-        if "StandbyException" not in r.text:
+        if r is not None and "StandbyException" not in r.text:
             raise Violation(f"the resumed gateway refused with {r.status_code} {r.text[:200]}, "
                             f"not as a standby")
         self.gateway_restarts["split-brain-refused"] += 1
-        self.kill_gateway_only()
+        try:
+            rc = zombie.proc.wait(timeout=60)
+        except Exception:
+            zombie.kill()
+            rc = None
         self._swap()
         self.standby_gw = self._start(1, standby=True, empty=False)
         verdict = self.check(self.view(), "after a paused active was fenced")
+        refusal = "it had stopped" if r is None else f"{r.status_code} StandbyException"
         return (f"active gateway pid {pid} SIGSTOPped, the standby took over in {took:.1f}s, "
-                f"SIGCONT: its write refused ({r.status_code} StandbyException); restarted as the "
+                f"SIGCONT: its write refused ({refusal}), it exited {rc}; restarted as the "
                 f"standby; check: {verdict}")
 
     def kill_standby(self) -> str:
