@@ -405,3 +405,50 @@ def test_spark_query_through_the_helper_rides_through_the_loss_of_the_active(sos
     sos(sos_server, key, "restore", "-q", NS, str(tmp_path / "restored"))
     assert committed_batches(str(tmp_path / "restored" / "queries" / "q1")) == set(range(files))
     assert sos(sos_server, key, "verify", "-q", NS).returncode == 0
+
+
+# ------------------------------------------------------------------ the crash loop (item 5)
+
+PAIR_KILLS = 8
+
+
+def _node_isolation_problem():
+    from tools.cluster import can_isolate_nodes
+
+    return can_isolate_nodes()
+
+
+@pytest.mark.spark
+@pytest.mark.skipif(_node_isolation_problem() is not None,
+                    reason=f"cluster nodes cannot be isolated here: {_node_isolation_problem()}")
+@pytest.mark.timeout(900)
+def test_cluster_crash_loop_with_a_gateway_pair(tmp_path):
+    """scripts/soak --cluster --gateway-pair, bounded: kills of the active gateway (the
+    standby takes over), split-brain attempts (the active paused past its lease, resumed and
+    sent a write), kills of the standby, with server, executor and total-loss events: exactly
+    once throughout, every split-brain write refused."""
+    import json
+    import sys
+
+    from tools import child_env
+
+    pytest.importorskip("pyspark")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-m", "tools.soak", "--cluster", "--gateway-pair", "--seed", "3",
+                           "--duration", "600", "--max-kills", str(PAIR_KILLS), "--weights",
+                           "gateway=3,zombie=2,standby=1,server=1,executor=1,worker=0,driver=0,all=1",
+                           "--workdir", str(tmp_path / "soak")],
+                          capture_output=True, text=True, cwd=root, env=child_env(), timeout=840)
+    lines = proc.stdout.splitlines()
+    result = next((json.loads(ln.split(" ", 1)[1]) for ln in reversed(lines)
+                   if ln.startswith("SOAK-RESULT ")), None)
+    assert result is not None, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert result["violations"] == [], "\n".join(lines[-40:])
+    assert proc.returncode == 0, "\n".join(lines[-40:])
+    assert result["mode"] == "cluster-pair" and result["kill_events"] == PAIR_KILLS
+    kills = result["kills"]
+    assert kills["gateway"] >= 1 and kills["zombie"] >= 1, kills
+    g = result["gateway_restarts"]
+    assert g["failovers"] == kills["gateway"] + kills["zombie"], g
+    assert g["split-brain-refused"] == kills["zombie"], g
+    assert result["records_final"] > 0 and result["checks"] >= result["kill_events"]
