@@ -208,8 +208,10 @@ class PairSoak(ClusterSoak):
         self.processes_killed["standby"] += 1
         t = time.monotonic()
         self.standby_gw = self._start(1, standby=True, empty=empty)
+        took = time.monotonic() - t
+        verdict = self.check(self.view(), "after a standby kill")
         return (f"standby gateway pid {pid} SIGKILLed, restarted on {'an EMPTY' if empty else 'its'} "
-                f"cache in {time.monotonic() - t:.1f}s")
+                f"cache in {took:.1f}s; check: {verdict}")
 
     def kill_all(self) -> str:
         if self.standby_gw is not None:
