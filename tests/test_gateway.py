@@ -270,7 +270,7 @@ def test_no_reply_carries_a_content_type(gw):
         s.get(gw.u("/", op="GETSERVERDEFAULTS")),
         s.get(gw.u("/", op="GETHOMEDIRECTORY", **{"user.name": "spark"})),
         s.get(gw.u("/nope", op="GETFILESTATUS")),  # 404
-        s.get(gw.u("/", op="GETFILECHECKSUM")),  # 400
+        s.get(gw.u("/", op="GETACLSTATUS")),  # 400
         s.get(gw.url + "/elsewhere"),
         s.put(gw.u("/h/f", op="RENAME", destination="/h/g2", renameoptions="NONE")),
         s.delete(gw.u("/h/g2", op="DELETE")),
@@ -405,9 +405,9 @@ def test_every_refusal_has_hdfs_status_and_exception(gw):
         (s.put(u("/e/p", op="MKDIRS", permission="999")), 400, "IllegalArgumentException"),
         (s.get(u("/e/f", op="OPEN", data="true", offset="-1")), 400, "IllegalArgumentException"),
         (s.delete(u("/e", op="DELETE", recursive="maybe")), 400, "IllegalArgumentException"),
-        (s.get(u("/e/f", op="GETFILECHECKSUM")), 400, "UnsupportedOperationException"),
+        (s.get(u("/e/f", op="GETACLSTATUS")), 400, "UnsupportedOperationException"),
         (s.get(u("/e/f", op="GETDELEGATIONTOKEN")), 400, "UnsupportedOperationException"),
-        (s.put(u("/e/f", op="SETOWNER", owner="x")), 400, "UnsupportedOperationException"),
+        (s.put(u("/e/f", op="SETACL", aclspec="user::rwx")), 400, "UnsupportedOperationException"),
         (s.put(u("/e/l", op="CREATESYMLINK", destination="/e/f")), 400,
          "UnsupportedOperationException"),
         (s.post(u("/e/f", op="CONCAT", sources="/e/d/sub/x")), 400, "UnsupportedOperationException"),

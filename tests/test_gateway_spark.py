@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from collections import Counter
 
 import pytest
@@ -145,3 +146,148 @@ def test_spark_query_checkpoints_through_the_gateway_and_resumes(sos_server, tmp
     at2 = restore_to_batch(NS, str(tmp_path / "at2"), "queries/q1", 2,
                            server=sos_server.address, key=key)
     assert committed_batches(at2) == {0, 1, 2}
+
+
+# ---------------------------------------------------------------------------- beyond the checkpoint
+# (issue 20) Spark reads and writes data through the gateway, not only its checkpoint: a batch
+# parquet dataset, and a streaming query whose file source, file sink (with _spark_metadata)
+# and checkpoint are all on webhdfs://. The query rides through a SIGKILLed gateway restarted
+# on the same cache (with the project's settings only), then its driver is SIGKILLed and a
+# new one resumes it: every id comes out exactly once.
+
+STREAM_FILES = 6
+STREAM_RECORDS = 60
+
+FILES_DRIVER = textwrap.dedent('''
+    import json, os, sys, time
+    cfg = json.load(open(sys.argv[1]))
+    from pyspark.sql import SparkSession
+    from tools.demo import DRIVER_JVM_OPTIONS
+    from spark_plugin.spark import gateway_checkpoint, webhdfs_url
+
+    builder = (SparkSession.builder.master("local[2]").appName("sos-gateway-files")
+               .config("spark.sql.shuffle.partitions", "2")
+               .config("spark.ui.enabled", "false")
+               .config("spark.ui.showConsoleProgress", "false")
+               .config("spark.driver.extraJavaOptions", DRIVER_JVM_OPTIONS))
+    loc = gateway_checkpoint(builder, cfg["url"], cfg["ns"], os.environ["SOS_KEY"], "stream/ckpt")
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    base = webhdfs_url(cfg["url"])
+    result = {}
+
+    def put(path, text):
+        """A file written through Hadoop's client on the gateway, then renamed into place
+        (what a producer of a file source's input does)."""
+        jvm = spark._jvm
+        tmp = jvm.org.apache.hadoop.fs.Path(base + "/stream/staging/" + path.rsplit("/", 1)[1])
+        fs = tmp.getFileSystem(spark._jsc.hadoopConfiguration())
+        out = fs.create(tmp, True)
+        out.write(bytearray(text.encode()))
+        out.close()
+        fs.mkdirs(jvm.org.apache.hadoop.fs.Path(base + "/stream/in"))
+        assert fs.rename(tmp, jvm.org.apache.hadoop.fs.Path(base + path))
+
+    if cfg["phase"] == "first":
+        per = cfg["records"] // cfg["files"]
+        for f in range(cfg["files"]):
+            put(f"/stream/in/part-{f:03d}.json",
+                "".join(json.dumps({"id": i}) + "\\n" for i in range(f * per, (f + 1) * per)))
+        # a batch job: a parquet dataset written through webhdfs:// and read back; the
+        # text files just written, read back
+        ds = base + "/batch/ids.parquet"
+        spark.range(0, 1000, 1, 4).selectExpr("id", "id * 2 AS twice").write.parquet(ds)
+        back = spark.read.parquet(ds)
+        result["batch"] = [back.count(), back.selectExpr("sum(twice)").first()[0],
+                           spark.read.text(base + "/stream/in").count()]
+        with open(cfg["result"], "w") as fh:
+            json.dump(result, fh)
+
+    query = (spark.readStream.schema("id LONG").option("maxFilesPerTrigger", 1)
+             .json(base + "/stream/in")
+             .writeStream.format("parquet").option("path", base + "/stream/out")
+             .option("checkpointLocation", str(loc)))
+    if cfg["phase"] == "first":
+        # a batch every 2 s (room to kill things mid-query) until the test kills this driver
+        q = query.trigger(processingTime="2 seconds").start()
+        q.awaitTermination()
+    else:
+        q = query.trigger(availableNow=True).start()
+        q.awaitTermination()
+        ids = [r.id for r in spark.read.parquet(base + "/stream/out").collect()]
+        result["ids"] = ids
+        result["sink_files"] = len(spark.read.parquet(base + "/stream/out").inputFiles())
+        with open(cfg["result"], "w") as fh:
+            json.dump(result, fh)
+    spark.stop()
+''')
+
+
+def test_spark_batch_and_file_stream_through_the_gateway_ride_a_gateway_restart(sos_server, tmp_path):
+    from tools.demo import committed_batches, kill_tree
+
+    key = sos_server.keygen("gwfiles", "append")
+    cache = tmp_path / "cache"
+    gw = GatewayProcess("gwfiles", str(cache), sos_server.address, key, debug=True,
+                        log_path=str(tmp_path / "gateway.log")).start()
+    port = gw.url.rsplit(":", 1)[1]
+    script = tmp_path / "files_driver.py"
+    script.write_text(FILES_DRIVER)
+    env = dict(os.environ, SOS_KEY=key,
+               PYTHONPATH=os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH"))
+                                          if p))
+    ckpt = cache / "tree" / "stream" / "ckpt"
+    cfg = {"url": gw.url, "ns": "gwfiles", "records": STREAM_RECORDS, "files": STREAM_FILES}
+
+    def start(phase):
+        path = tmp_path / f"{phase}.json"
+        path.write_text(json.dumps(dict(cfg, phase=phase, result=str(tmp_path / f"{phase}-result.json"))))
+        log = open(tmp_path / f"{phase}.log", "wb")  # noqa: SIM115 - closed below
+        proc = subprocess.Popen([sys.executable, str(script), str(path)], stdout=log,
+                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        return proc, log
+
+    def wait(pred, what, proc, timeout=300.0):
+        deadline = time.monotonic() + timeout
+        while not pred():
+            assert proc.poll() is None, f"{what}: the driver died first\n" + \
+                (tmp_path / "first.log").read_text(errors="replace")[-6000:]
+            assert time.monotonic() < deadline, f"{what}: not after {timeout:.0f} s"
+            time.sleep(0.1)
+
+    first, log1 = start("first")
+    restarted = None
+    try:
+        wait(lambda: 0 in committed_batches(str(ckpt)), "batch 0 committed", first)
+        batch = json.loads((tmp_path / "first-result.json").read_text())["batch"]
+        assert batch == [1000, 999000, STREAM_RECORDS], batch  # parquet and text read back
+        # the gateway dies mid-query, just as batch 0's commit is renamed into place (the
+        # rename answered after the server has it: the client resends it), and comes back on the same
+        # cache and port: the query must carry on with the project's settings alone
+        gw.kill()
+        time.sleep(2.0)
+        restarted = GatewayProcess("gwfiles", str(cache), sos_server.address, key, debug=True,
+                                   listen=f"127.0.0.1:{port}",
+                                   log_path=str(tmp_path / "gateway2.log")).start()
+        before = committed_batches(str(ckpt))
+        wait(lambda: len(committed_batches(str(ckpt)) - before) >= 2,
+             "two more batches after the gateway restart", first)
+        assert first.poll() is None
+    finally:
+        kill_tree(first)  # the driver dies mid-query (SIGKILL, its JVM too)
+        log1.close()
+    done_before = committed_batches(str(ckpt))
+    assert len(done_before) < STREAM_FILES, "the driver was killed before the end"
+
+    second, log2 = start("second")
+    try:
+        assert second.wait(timeout=600) == 0, (tmp_path / "second.log").read_text(errors="replace")[-6000:]
+    finally:
+        kill_tree(second)
+        log2.close()
+        assert (restarted or gw).stop() == 0
+    result = json.loads((tmp_path / "second-result.json").read_text())
+    ids = Counter(result["ids"])
+    assert sorted(ids) == list(range(STREAM_RECORDS)) and set(ids.values()) == {1}, "exactly once"
+    assert committed_batches(str(ckpt)) == set(range(STREAM_FILES))
+    assert (cache / "tree" / "stream" / "out" / "_spark_metadata").is_dir()

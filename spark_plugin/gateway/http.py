@@ -49,12 +49,32 @@ HEAD_TIMEOUT = 20.0
 #: memory it holds are freed); a step of SEND_STEP bytes must go out within it
 SEND_TIMEOUT = 60.0
 SEND_STEP = 64 << 10
+#: sent with every reply: Java's HttpURLConnection (Hadoop's WebHDFS client) then drops a
+#: pooled connection idle longer than this instead of reusing it. After a gateway restart
+#: its pool holds connections to the dead process; a reused one fails a request that
+#: streams a body (CREATE, APPEND data) with "Unexpected end of file from server", never
+#: retried. A restart takes longer than this, so no connection of the old process is reused.
+#: (Java reads Keep-Alive only beside "Connection: keep-alive")
+KEEP_ALIVE_HINT = [(b"connection", b"keep-alive"), (b"keep-alive", b"timeout=1")]
 #: connection caps: all at once, per client address (IPv4 address, IPv6 /64)
 MAX_CONNECTIONS = 1024
 MAX_CONNECTIONS_PER_ADDRESS = 64
 #: after a refusal that closes the connection: read and discard what the client still
 #: sends for at most this long and this many bytes (seconds, bytes) before closing
 LINGER = (2.0, 1 << 20)
+
+
+def ascii_request_line(line: bytes) -> bytes:
+    """A request line with every byte outside printable ASCII in its target percent-encoded.
+
+    Hadoop's client sends a path's non-ASCII characters as raw UTF-8 bytes in the request
+    line (Jetty, HDFS's server, reads them as UTF-8); h11 accepts only printable ASCII
+    there. Percent-encoding them gives the same path once the target is decoded (the
+    server percent-decodes it as UTF-8). Only bytes >= 0x80 change: a control byte or a
+    space stays, so a request line that is malformed in any other way is still refused."""
+    if line.isascii():
+        return line
+    return bytes(b for c in line for b in (f"%{c:02X}".encode() if c >= 0x80 else bytes((c,))))
 
 
 class Reply(Exception):
@@ -121,6 +141,27 @@ class Conn:
         self.deadline: float | None = None
         #: cancelled to close the connection from outside (:meth:`Slots.make_room`)
         self.scope = trio.CancelScope()
+        #: the bytes of a request line not yet given to h11 (None: not reading one); see
+        #: :func:`ascii_request_line`
+        self._line: bytearray | None = None
+
+    def _receive(self, data: bytes) -> None:
+        """Give received bytes to h11; a request line is held back until it is whole (or
+        longer than MAX_HEAD, or the client closed) and made ASCII (:func:`ascii_request_line`)."""
+        if self._line is None:
+            self.h11.receive_data(data)
+            return
+        self._line += data
+        end = self._line.find(b"\n")
+        if end < 0 and data and len(self._line) <= MAX_HEAD:
+            return
+        head = bytes(self._line)
+        self._line = None
+        if end >= 0:
+            head = ascii_request_line(head[:end]) + head[end:]
+        self.h11.receive_data(head)
+        if not data:
+            self.h11.receive_data(b"")
 
     async def wait_for_request(
         self, timeout: float, idle: set[trio.CancelScope],  # noqa: ASYNC109 - ends in False, not a cancellation
@@ -132,13 +173,15 @@ class Conn:
         data, closed = self.h11.trailing_data
         if data or closed:
             return True
+        if self.h11.their_state is h11.IDLE:
+            self._line = bytearray()  # the next request's line: made ASCII before h11
         with trio.CancelScope() as scope:
             idle.add(scope)
             self.waiting = True
             try:
                 with trio.move_on_after(timeout):
                     chunk = await self.stream.receive_some(RECV_SIZE)
-                    self.h11.receive_data(bytes(chunk))  # b"": the client closed
+                    self._receive(bytes(chunk))  # b"": the client closed
                     return True
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                 raise Drop(f"receive failed: {exc!r}") from exc
@@ -178,12 +221,16 @@ class Conn:
                                               "the request head did not arrive whole in time"),
                                  [("connection", "close")], reason="Request Timeout")
                 raise Drop("the client stalled")
-            self.h11.receive_data(bytes(data))
+            self._receive(bytes(data))
 
     async def send(self, event: h11.Event) -> None:
         if isinstance(event, h11.Response) and self.closing:
             event = h11.Response(status_code=event.status_code, reason=event.reason,
                                  headers=[*event.headers, (b"connection", b"close")])
+        elif isinstance(event, h11.Response) and not any(k.lower() == b"connection"
+                                                         for k, _ in event.headers):
+            event = h11.Response(status_code=event.status_code, reason=event.reason,
+                                 headers=[*event.headers, *KEEP_ALIVE_HINT])
         data = self.h11.send(event)
         if data:
             await self.send_bytes(data)

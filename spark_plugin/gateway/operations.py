@@ -46,15 +46,17 @@ SERVER_DEFAULTS = {"FsServerDefaults": {
 #: operations Hadoop's WebHdfsFileSystem knows that the gateway refuses
 #: (UnsupportedOperationException, 400), with why
 UNSUPPORTED: dict[str, dict[str, str]] = {
-    "GET": dict.fromkeys(
-        ["GETFILECHECKSUM", "GETDELEGATIONTOKEN", "GETACLSTATUS", "GETXATTRS", "LISTXATTRS",
-         "GETTRASHROOT", "GETTRASHROOTS", "GETALLSTORAGEPOLICY", "GETSTORAGEPOLICY",
-         "GETFILEBLOCKLOCATIONS", "GET_BLOCK_LOCATIONS", "GETSNAPSHOTDIFF",
-         "GETSNAPSHOTDIFFLISTING", "GETSNAPSHOTTABLEDIRECTORYLIST", "GETSNAPSHOTLIST",
-         "GETECPOLICY", "GETECPOLICIES", "GETECCODECS", "GETLINKTARGET", "GETQUOTAUSAGE",
-         "GETSTATUS"],
-        "the gateway serves files and directories only (no checksums, delegation tokens, "
-        "ACLs, xattrs, trash, storage or erasure-coding policies, snapshots, quotas, links)"),
+    "GET": {
+        **dict.fromkeys(
+            ["GETDELEGATIONTOKEN", "GETACLSTATUS", "GETXATTRS", "LISTXATTRS",
+             "GETALLSTORAGEPOLICY", "GETSTORAGEPOLICY", "GETSNAPSHOTDIFF",
+             "GETSNAPSHOTDIFFLISTING", "GETSNAPSHOTTABLEDIRECTORYLIST", "GETSNAPSHOTLIST",
+             "GETECPOLICY", "GETECPOLICIES", "GETECCODECS", "GETLINKTARGET", "GETQUOTAUSAGE"],
+            "the gateway serves files and directories only (no delegation tokens, ACLs, "
+            "xattrs, storage or erasure-coding policies, snapshots, quotas, links)"),
+        "GET_BLOCK_LOCATIONS": "the gateway has no datanodes or block ids to name; "
+                               "GETFILEBLOCKLOCATIONS answers the block locations",
+    },
     "PUT": {
         **dict.fromkeys(
             ["CREATESYMLINK", "RENEWDELEGATIONTOKEN", "CANCELDELEGATIONTOKEN",
@@ -63,7 +65,6 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
              "ALLOWSNAPSHOT", "DISALLOWSNAPSHOT", "CREATESNAPSHOT", "RENAMESNAPSHOT",
              "SETSTORAGEPOLICY", "SETQUOTA", "SETQUOTABYSTORAGETYPE", "SATISFYSTORAGEPOLICY"],
             "the journal has no record for links, ACLs, xattrs, policies, snapshots or quotas"),
-        "SETOWNER": "the journal records no owners",
     },
     "POST": {"CONCAT": "the journal has no concat record",
              "UNSETSTORAGEPOLICY": "the gateway has no storage policies",
@@ -93,6 +94,31 @@ def int_param(params: dict[str, str], name: str, default: int | None) -> int | N
         raise WebHdfsError("IllegalArgumentException",
                            f'Invalid value for webhdfs parameter "{name}": {value!r} is not '
                            f"an integer") from None
+
+
+#: Hadoop's CreateFlag names (the ``createflag`` parameter: a comma-separated set)
+CREATE_FLAGS = frozenset({"CREATE", "OVERWRITE", "APPEND", "SYNC_BLOCK", "LAZY_PERSIST",
+                          "NEW_BLOCK", "NO_LOCAL_WRITE", "SHOULD_REPLICATE",
+                          "IGNORE_CLIENT_LOCALITY", "NO_LOCAL_RACK"})
+
+
+def create_flags(params: dict[str, str]) -> tuple[bool, bool]:
+    """(overwrite, append) of a CREATE, as HDFS's DataNode reads them: ``overwrite=true``
+    or OVERWRITE in ``createflag`` replaces an existing file; APPEND in ``createflag``
+    appends to an existing one (CreateFlag.validate refuses both at once); the other flags
+    are hints about blocks and placement, nothing to the gateway."""
+    flags = {f.strip().upper() for f in params.get("createflag", "").split(",") if f.strip()}
+    unknown = flags - CREATE_FLAGS
+    if unknown:
+        raise WebHdfsError("IllegalArgumentException",
+                           f'Invalid value for webhdfs parameter "createflag": '
+                           f"{','.join(sorted(unknown))} is not one of {sorted(CREATE_FLAGS)}")
+    overwrite = bool_param(params, "overwrite", False) or "OVERWRITE" in flags
+    append = "APPEND" in flags
+    if overwrite and append:
+        raise WebHdfsError("HadoopIllegalArgumentException",
+                           "Both append and overwrite options cannot be enabled.")
+    return overwrite, append
 
 
 @dataclass
@@ -178,7 +204,41 @@ class Operations:
 
     @_document
     async def home_directory(self, call: Call) -> dict | None:
-        return {"Path": f"/user/{call.params.get('user.name') or self.ns.owner}"}
+        return {"Path": f"/user/{self._user(call)}"}
+
+    def _user(self, call: Call) -> str:
+        """The user a request names (``user.name``, what Hadoop's client sends on a cluster
+        without Kerberos), else the gateway's --owner: home and trash directories."""
+        return call.params.get("user.name") or self.ns.owner
+
+    @_document
+    async def block_locations(self, call: Call) -> dict | None:
+        return await self.run(self.ns.block_locations, call.rel,
+                              int_param(call.params, "offset", 0) or 0,
+                              int_param(call.params, "length", None))
+
+    @_document
+    async def file_checksum(self, call: Call) -> dict | None:
+        return await self.run(self.ns.file_checksum, call.rel)
+
+    @_document
+    async def fs_status(self, call: Call) -> dict | None:
+        return await self.run(self.ns.fs_status)
+
+    @_document
+    async def trash_root(self, call: Call) -> dict | None:
+        return self.ns.trash_root(self._user(call))
+
+    @_document
+    async def trash_roots(self, call: Call) -> dict | None:
+        return await self.run(self.ns.trash_roots, self._user(call),
+                              bool_param(call.params, "allusers", False))
+
+    @_document
+    async def set_owner(self, call: Call) -> dict | None:
+        await self.run(self.ns.set_owner, call.rel, call.params.get("owner", ""),
+                       call.params.get("group", ""))
+        return None
 
     @_document
     async def server_defaults(self, call: Call) -> dict | None:
@@ -265,10 +325,11 @@ class Operations:
         if call.params.get("data") == "true":
             return await self._receive_file(call)
         await call.conn.read_small_body()
-        overwrite = bool_param(call.params, "overwrite", False)
+        overwrite, append = create_flags(call.params)
         create_parent = bool_param(call.params, "createparent", True)
-        await self.run(lambda: self.ns.check_create(call.rel, overwrite=overwrite,
-                                                    create_parent=create_parent))
+        if not (append and await self.run(self.ns.is_file, call.rel)):
+            await self.run(lambda: self.ns.check_create(call.rel, overwrite=overwrite,
+                                                        create_parent=create_parent))
         await self.run(self.ns.check_lease, call.rel)
         return await self._redirect(call)
 
@@ -290,9 +351,9 @@ class Operations:
     async def _receive_file(self, call: Call) -> int:
         ns, conn, op, rel, params = self.ns, call.conn, call.op, call.rel, call.params
         try:
-            if op == "CREATE":
+            overwrite, append = create_flags(params) if op == "CREATE" else (False, True)
+            if op == "CREATE" and not (append and await self.run(ns.is_file, rel)):
                 mode = parse_permission(params.get("permission"), 0o644)
-                overwrite = bool_param(params, "overwrite", False)
                 create_parent = bool_param(params, "createparent", True)
                 await self.run(lambda: ns.begin_create(rel, mode, overwrite=overwrite,
                                                         create_parent=create_parent))
@@ -403,6 +464,12 @@ OPERATIONS: dict[tuple[str, str], Handler] = {
     ("GET", "GETHOMEDIRECTORY"): Operations.home_directory,
     ("GET", "GETSERVERDEFAULTS"): Operations.server_defaults,
     ("GET", "CHECKACCESS"): Operations.check_access,
+    ("GET", "GETFILEBLOCKLOCATIONS"): Operations.block_locations,
+    ("GET", "GETFILECHECKSUM"): Operations.file_checksum,
+    ("GET", "GETSTATUS"): Operations.fs_status,
+    ("GET", "GETTRASHROOT"): Operations.trash_root,
+    ("GET", "GETTRASHROOTS"): Operations.trash_roots,
+    ("PUT", "SETOWNER"): Operations.set_owner,
     ("PUT", "CREATE"): Operations.create,
     ("PUT", "MKDIRS"): Operations.mkdirs,
     ("PUT", "RENAME"): Operations.rename,

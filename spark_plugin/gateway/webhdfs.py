@@ -40,12 +40,18 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
+import json
 import os
 import posixpath
 import stat as stat_mod
+import struct
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
+
+from crc32c import crc32c  # sos_wire.crc's, without its wrapper: one call per 512 bytes
 
 from sos_client.errors import SOSError, errno_of, is_fenced, to_oserror
 from sos_client.journal.beneath import Beneath
@@ -78,12 +84,29 @@ JAVA_CLASSES: dict[str, tuple[str, int]] = {
     "RetriableException": ("org.apache.hadoop.ipc.RetriableException", 403),
     "AccessControlException": ("org.apache.hadoop.security.AccessControlException", 403),
     "IOException": ("java.io.IOException", 403),
+    "EOFException": ("java.io.EOFException", 403),
     "IllegalArgumentException": ("java.lang.IllegalArgumentException", 400),
     "HadoopIllegalArgumentException": ("org.apache.hadoop.HadoopIllegalArgumentException", 400),
     "UnsupportedOperationException": ("java.lang.UnsupportedOperationException", 400),
 }
 
 BLOCK_SIZE = 128 << 20
+#: bytes per CRC of HDFS's block checksums (dfs.bytes-per-checksum), GETFILECHECKSUM's unit
+BYTES_PER_CRC = 512
+#: the one host of every block: a filesystem without locality (Hadoop's filesystem
+#: specification, FileSystem.getFileBlockLocations' default: localhost, port 9866)
+BLOCK_HOST = "localhost"
+BLOCK_NAME = "localhost:9866"
+#: ContentSummary.ecPolicy of a file with no erasure-coding policy (HDFS's name for it); a
+#: directory without a policy has "" (HDFS's ContentSummaryComputationContext)
+REPLICATED = "Replicated"
+#: GETFILECHECKSUM reads the file in pieces of this size (a multiple of BYTES_PER_CRC)
+CHECKSUM_PIECE = 1 << 20
+#: RENAMEs remembered for a client's retry (see WebHdfsNamespace.recent_renames), at most
+#: this many, for this long (seconds), in this file of the cache directory (beside tree/)
+RENAME_MEMORY = 256
+RENAME_RETRY_WINDOW = 600.0
+RENAME_MEMORY_FILE = "gateway-renames.json"
 #: LISTSTATUS_BATCH entries per reply (HDFS's dfs.ls.limit default)
 LIST_BATCH = 1000
 #: a file whose body streams is written to the journal in pieces of this size
@@ -240,6 +263,63 @@ class WebHdfsNamespace:
         self.lock = threading.Lock()
         self._leases: set[str] = set()
         self._leases_lock = threading.Lock()
+        #: (source, destination asked) -> [destination, its _identity, wall time] of the last
+        #: RENAMEs, kept in the cache directory: see :meth:`_renamed_already`
+        self._renames_file = os.path.join(os.path.dirname(self.root), RENAME_MEMORY_FILE)
+        self.recent_renames: dict[tuple[str, str], list[Any]] = self._load_renames()
+
+    # ------------------------------------------------------------------ rename retries
+    def _load_renames(self) -> dict[tuple[str, str], list[Any]]:
+        try:
+            with open(self._renames_file, encoding="utf-8") as f:
+                rows = json.load(f)
+            return {(str(r[0]), str(r[1])): [str(r[2]), int(r[3]), float(r[4])] for r in rows}
+        except (OSError, ValueError, TypeError, IndexError):
+            return {}  # none yet, or unreadable: no retry is recognised, nothing else changes
+
+    def _remember_rename(self, at: Beneath, rel: str, asked: str, dst: str) -> None:
+        """Note a RENAME that was applied, before its reply (called under :attr:`lock`).
+        The file is written whole (a few KiB) and replaced: a SIGKILLed gateway leaves it
+        whole for the next one on the same cache."""
+        st = self._stat(dst, at)
+        if st is None:
+            return
+        now = time.time()
+        renames = {k: v for k, v in self.recent_renames.items() if now - v[2] < RENAME_RETRY_WINDOW}
+        renames.pop((rel, asked), None)
+        renames[(rel, asked)] = [dst, self._identity(st), now]
+        while len(renames) > RENAME_MEMORY:
+            del renames[next(iter(renames))]
+        self.recent_renames = renames
+        tmp = self._renames_file + ".tmp"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump([[k[0], k[1], *v] for k, v in renames.items()], f)
+            os.replace(tmp, self._renames_file)
+        except OSError:
+            pass  # a retry after a crash is then not recognised: the client sees HDFS's answer
+
+    def _renamed_already(self, at: Beneath, rel: str, asked: str) -> bool:
+        """Whether a RENAME of a missing ``rel`` to ``asked`` is the retry of one this gateway
+        (or the one before it on this cache) applied in the last RENAME_RETRY_WINDOW seconds,
+        its destination still the entry it renamed: Hadoop's client resends a request whose
+        reply it did not get (a gateway killed after applying a RENAME, before answering
+        it), and a checkpoint's rename of its temporary file must not fail for it. HDFS's
+        NameNode answers such a retry from its RetryCache, rebuilt from its edit log after a
+        restart; this is the gateway's."""
+        seen = self.recent_renames.get((rel, asked))
+        if seen is None or time.time() - seen[2] >= RENAME_RETRY_WINDOW:
+            return False
+        st = self._stat(seen[0], at)
+        return st is not None and self._identity(st) == seen[1]
+
+    @staticmethod
+    def _identity(st: os.stat_result) -> int:
+        """What a rebuilt cache keeps of an entry (a gateway restarted after a crash may
+        rebuild its tree from the server: new inodes, new times): -1 for a directory, else
+        the file's size."""
+        return -1 if stat_mod.S_ISDIR(st.st_mode) else st.st_size
 
     # ------------------------------------------------------------------ helpers
     def local(self, rel: str) -> str:
@@ -446,9 +526,124 @@ class WebHdfsNamespace:
                     pass  # changed while summed up: HDFS does not lock either
             else:
                 files, length = 1, st.st_size
-        return {"ContentSummary": {"directoryCount": dirs, "fileCount": files, "length": length,
-                                   "quota": -1, "spaceConsumed": length, "spaceQuota": -1,
-                                   "typeQuota": {}}}
+        ec_policy = "" if stat_mod.S_ISDIR(st.st_mode) else REPLICATED
+        return {"ContentSummary": {"directoryCount": dirs, "ecPolicy": ec_policy,
+                                   "fileCount": files, "length": length, "quota": -1,
+                                   "spaceConsumed": length, "spaceQuota": -1, "typeQuota": {}}}
+
+    def block_locations(self, rel: str, offset: int, length: int | None) -> dict:
+        """GETFILEBLOCKLOCATIONS: one BlockLocation per BLOCK_SIZE block of the file that
+        overlaps [offset, offset + length) (the block holding ``offset`` at least, as HDFS's
+        BlockManager gives it even for length 0), each on BLOCK_HOST: the filesystem
+        specification's answer for a filesystem without locality. None past the end, none
+        for an empty file; a directory is refused as HDFS refuses it (Path is not a file)."""
+        if offset < 0:
+            raise WebHdfsError("HadoopIllegalArgumentException",
+                               f"Negative offset is not supported. File: {hdfs_path(rel)}")
+        if length is not None and length < 0:
+            raise WebHdfsError("HadoopIllegalArgumentException",
+                               f"Negative length is not supported. File: {hdfs_path(rel)}")
+        size = self._require_file(rel).st_size
+        end = size if length is None else min(size, offset + length)
+        blocks: list[dict[str, Any]] = []
+        start = offset - offset % BLOCK_SIZE
+        while offset < size and start < size and (start < end or not blocks):
+            blocks.append({"cachedHosts": [], "corrupt": False, "hosts": [BLOCK_HOST],
+                           "length": min(BLOCK_SIZE, size - start), "names": [BLOCK_NAME],
+                           "offset": start, "storageIds": [], "storageTypes": ["DISK"],
+                           "topologyPaths": []})
+            start += BLOCK_SIZE
+        return {"BlockLocations": {"BlockLocation": blocks}}
+
+    def file_checksum(self, rel: str) -> dict:
+        """GETFILECHECKSUM: HDFS's MD5MD5CRC32FileChecksum of a replicated file, computed as
+        a DataNode and DFSClient compute it (MD5MD5CRC combine mode, CRC32C): for each
+        BLOCK_SIZE block the MD5 of its chunk CRCs (CRC32C of every BYTES_PER_CRC bytes,
+        the last chunk short, 4 bytes big-endian each, as in the block's meta file), then
+        the MD5 of those MD5s. crcPerBlock is the first block's CRC count when the file has
+        more than one block, else 0 (FileChecksumHelper). An empty file has no block and no
+        checksum of blocks: HDFS gives it the "magic entry" of earlier versions, the CRC32
+        (gzip) checksum with bytesPerCRC 0, crcPerBlock 0 and the MD5 of 32 zero bytes
+        (FileChecksumHelper.FileChecksumComputer.compute)."""
+        fd, _start, count = self.open_for_read(rel, 0, None)
+        try:
+            if count == 0:
+                raw = bytes(12) + hashlib.md5(bytes(32), usedforsecurity=False).digest()
+                return {"FileChecksum": {"algorithm": "MD5-of-0MD5-of-0CRC32",
+                                         "bytes": raw.hex(), "length": len(raw)}}
+            file_md5 = hashlib.md5(usedforsecurity=False)  # of the blocks' MD5s
+            blocks = 0
+            for block_start in range(0, count, BLOCK_SIZE):
+                block_end = min(count, block_start + BLOCK_SIZE)
+                crcs = bytearray()
+                pos = block_start
+                while pos < block_end:
+                    piece = os.pread(fd, min(CHECKSUM_PIECE, block_end - pos), pos)
+                    if not piece:
+                        raise WebHdfsError("IOException", f"{hdfs_path(rel)} shrank while "
+                                           f"its checksum was computed")
+                    view = memoryview(piece)
+                    sums = [crc32c(view[i:i + BYTES_PER_CRC]) for i in range(0, len(view), BYTES_PER_CRC)]
+                    crcs += struct.pack(f">{len(sums)}I", *sums)
+                    pos += len(piece)
+                file_md5.update(hashlib.md5(crcs, usedforsecurity=False).digest())
+                blocks += 1
+        finally:
+            os.close(fd)
+        crc_per_block = -(-BLOCK_SIZE // BYTES_PER_CRC) if blocks > 1 else 0
+        raw = BYTES_PER_CRC.to_bytes(4, "big") + crc_per_block.to_bytes(8, "big") + file_md5.digest()
+        return {"FileChecksum": {"algorithm": f"MD5-of-{crc_per_block}MD5-of-{BYTES_PER_CRC}CRC32C",
+                                 "bytes": raw.hex(), "length": len(raw)}}
+
+    def fs_status(self) -> dict:
+        """GETSTATUS: capacity, used and remaining bytes of the gateway's cache filesystem
+        (statvfs): the SOS server tells a client neither its quota nor its disk."""
+        sv = os.statvfs(self.root)
+        return {"FsStatus": {"capacity": sv.f_blocks * sv.f_frsize,
+                             "remaining": sv.f_bavail * sv.f_frsize,
+                             "used": (sv.f_blocks - sv.f_bfree) * sv.f_frsize}}
+
+    @staticmethod
+    def trash_root(user: str) -> dict:
+        """GETTRASHROOT: /user/USER/.Trash, as HDFS outside an encryption zone."""
+        return {"Path": f"/user/{user}/.Trash"}
+
+    def trash_roots(self, user: str, all_users: bool) -> dict:
+        """GETTRASHROOTS: the trash directories that exist (/user/*/.Trash for all users,
+        else the caller's), as HDFS's DistributedFileSystem.getTrashRoots lists them, in the
+        FileStatus form JsonUtil gives that list."""
+        paths = []
+        with self._cache() as at:
+            if all_users:
+                st = self._stat("user", at)
+                users = sorted(at.listdir("user")) if st is not None and stat_mod.S_ISDIR(st.st_mode) else []
+            else:
+                users = [user]
+            for name in users:
+                rel = f"user/{name}/.Trash"
+                try:
+                    validate_path(rel)
+                except ValueError:
+                    continue
+                tst = self._stat(rel, at)
+                if tst is None or not stat_mod.S_ISDIR(tst.st_mode):
+                    continue
+                paths.append({"path": hdfs_path(rel), "length": 0, "isdir": True,
+                              "block_replication": 0, "blocksize": 0,
+                              "modification_time": tst.st_mtime_ns // 1_000_000,
+                              "access_time": tst.st_atime_ns // 1_000_000,
+                              "permission": format(stat_mod.S_IMODE(tst.st_mode) & 0o1777, "o"),
+                              "owner": self.owner, "group": self.group})
+        return {"Paths": paths}
+
+    def set_owner(self, rel: str, owner: str, group: str) -> None:
+        """SETOWNER: accepted and nothing recorded, as Hadoop's FileSystem base class and the
+        object stores do for a filesystem without owners: the journal has no owner record,
+        every entry reports the gateway's --owner/--group. The path must exist (HDFS's
+        FileNotFoundException otherwise) and one of owner, group be given."""
+        if not owner and not group:
+            raise _illegal("Both owner and group are empty.")
+        self._require(rel)
 
     def check_access(self, rel: str, fsaction: str, can_write: bool) -> None:
         self._require(rel)
@@ -477,6 +672,9 @@ class WebHdfsNamespace:
                                        f"Permission denied: {hdfs_path(rel)}: {exc.strerror}") from None
                 raise _not_found(hdfs_path(rel)) from None  # gone, or swapped for a link
         st = os.fstat(fd)
+        if offset > st.st_size:  # HDFS's DataNode: DFSInputStream.seek refuses it
+            os.close(fd)
+            raise WebHdfsError("EOFException", "Cannot seek after EOF")
         start = min(offset, st.st_size)
         count = st.st_size - start
         if length is not None:
@@ -515,7 +713,10 @@ class WebHdfsNamespace:
         src_st = self._stat(rel, at)
         boolean = options is None
         src_name, dst_name = hdfs_path(rel), hdfs_path(dst)
+        asked = dst
         if src_st is None:
+            if self._renamed_already(at, rel, asked):
+                return True  # a retry of a RENAME already applied: its first answer
             if boolean:
                 return False
             raise _not_found(src_name)
@@ -543,6 +744,8 @@ class WebHdfsNamespace:
             raise WebHdfsError("FileAlreadyExistsException",
                                f"rename destination {dst_name} already exists")
         if src_is_dir and (dst + "/").startswith(rel + "/"):
+            if boolean:
+                return False  # HDFS's boolean rename: false (rename2 raises)
             raise WebHdfsError("IOException", f"Rename destination {dst_name} is a directory or "
                                f"file under source {src_name}")
         parent = posixpath.dirname(dst)
@@ -580,12 +783,18 @@ class WebHdfsNamespace:
             if boolean and exc.exception == "FileAlreadyExistsException":
                 return False  # appeared meanwhile (atomic no-replace rename)
             raise
+        self._remember_rename(at, rel, asked, dst)
         return True
 
     def delete(self, rel: str, recursive: bool) -> dict:
         with self.lock, self._admission():
             with self._cache() as at:
                 st = self._stat(rel, at)
+                if rel == "" and not recursive and at.listdir(rel):
+                    # HDFS's FSDirDeleteOp checks a non-recursive delete of a non-empty
+                    # directory before it refuses the root
+                    raise WebHdfsError("PathIsNotEmptyDirectoryException",
+                                       "`/ is non empty': Directory is not empty")
                 if st is None or rel == "":
                     return {"boolean": False}  # HDFS: false for a missing path and for the root
                 if stat_mod.S_ISDIR(st.st_mode):
@@ -723,6 +932,11 @@ class WebHdfsNamespace:
             except BaseException:
                 self.release(rel)
                 raise
+
+    def is_file(self, rel: str) -> bool:
+        """``rel`` is an existing regular file (CREATE with the APPEND flag appends to it)."""
+        st = self._stat(rel)
+        return st is not None and stat_mod.S_ISREG(st.st_mode)
 
     def check_append(self, rel: str) -> os.stat_result:
         return self._require_file(rel)
