@@ -31,6 +31,7 @@ import errno
 import json
 import logging
 import os
+import re
 import shlex
 import shutil
 import ssl
@@ -530,29 +531,93 @@ def _with_java_options(current: str | None, options: str) -> str:
     return f"{current} {options}" if current and options not in current else (current or options)
 
 
-def gateway_conf(url: str, namespace: str, key: str, *, retry_spec: str = GATEWAY_RETRY_SPEC) -> dict[str, str]:
+#: Hadoop's HA client (a ``webhdfs://<nameservice>`` over a gateway pair) uses these instead
+#: of the retry policy above: a request that finds a gateway unreachable or a standby
+#: (StandbyException) goes to the other one; 20 attempts (the default is 10), the sleeps
+#: between them from 0.5 s doubling up to 5 s (jittered; the default cap is 15 s), so the
+#: client outlasts a promotion (the standby's --lease, 10 s by default) with room to spare
+GATEWAY_FAILOVER = {
+    "dfs.http.client.retry.max.attempts": "20",
+    "dfs.http.client.failover.sleep.base.millis": "500",
+    "dfs.http.client.failover.sleep.max.millis": "5000",
+}
+#: what makes Hadoop's client treat a nameservice as HA (it only checks that it is set)
+FAILOVER_PROXY_PROVIDER = "org.apache.hadoop.hdfs.server.namenode.ha.ConfiguredFailoverProxyProvider"
+
+
+def gateway_urls(url: str | Sequence[str]) -> list[str]:
+    """One gateway's ``http(s)://HOST:PORT``, or a pair's (a sequence, or comma-separated)."""
+    urls = url.split(",") if isinstance(url, str) else list(url)
+    out = [u.strip().rstrip("/") for u in urls if u.strip()]
+    if not out:
+        raise ValueError("no gateway url")
+    if len({urllib.parse.urlsplit(u).scheme for u in out}) > 1:
+        raise ValueError(f"gateways of one nameservice all speak http or all https: {out}")
+    return out
+
+
+def nameservice_for(namespace: str) -> str:
+    """The default nameservice (the host of ``webhdfs://<nameservice>/``) of a namespace."""
+    return "sos-" + (re.sub(r"[^a-z0-9-]+", "-", namespace.lower()).strip("-") or "ns")
+
+
+def nameservice_conf(urls: Sequence[str], nameservice: str) -> dict[str, str]:
+    """The plain Hadoop settings of a nameservice over gateways (docs/SPARK.md): the logical
+    URI ``webhdfs://<nameservice>/`` then reaches whichever of them is active."""
+    urls = gateway_urls(urls)
+    https = urllib.parse.urlsplit(urls[0]).scheme == "https"
+    ids = [f"gw{i + 1}" for i in range(len(urls))]
+    conf = {"dfs.nameservices": nameservice, f"dfs.ha.namenodes.{nameservice}": ",".join(ids),
+            f"dfs.client.failover.proxy.provider.{nameservice}": FAILOVER_PROXY_PROVIDER}
+    for gid, u in zip(ids, urls, strict=True):
+        parsed = urllib.parse.urlsplit(u)
+        if parsed.scheme not in ("http", "https") or not parsed.netloc:
+            raise ValueError(f"gateway url must be http(s)://HOST:PORT, not {u!r}")
+        kind = "https-address" if https else "http-address"
+        conf[f"dfs.namenode.{kind}.{nameservice}.{gid}"] = parsed.netloc
+    return conf | GATEWAY_FAILOVER
+
+
+def gateway_conf(url: str | Sequence[str], namespace: str, key: str, *, retry_spec: str = GATEWAY_RETRY_SPEC,
+                 nameservice: str | None = None, token_url: str | None = None) -> dict[str, str]:
     """Hadoop settings (keys without ``spark.hadoop.``) for ``webhdfs://`` paths served by
     the gateway at ``url`` (``http(s)://HOST:PORT``): OAuth2 client credentials against its
     ``/oauth2/token`` (client id: the namespace, credential: ``key``) and the HTTP retry
-    policy that rides through a gateway restart."""
-    return {
+    policy that rides through a gateway restart.
+
+    Several URLs (a gateway pair: an active ``sos gateway --lease`` and a ``--standby``):
+    the nameservice settings of :func:`nameservice_conf` (``nameservice``, default
+    :func:`nameservice_for`) and Hadoop's failover settings instead of the retry policy. The
+    token endpoint is one URL (Hadoop's token provider knows one): ``token_url`` (``http(s)://
+    HOST:PORT``, e.g. a name that reaches both gateways, such as a Kubernetes Service over
+    both), else the first gateway. Both gateways issue tokens and accept each other's."""
+    urls = gateway_urls(url)
+    conf = {
         "dfs.webhdfs.oauth2.enabled": "true",
         "dfs.webhdfs.oauth2.access.token.provider":
             "org.apache.hadoop.hdfs.web.oauth2.ConfCredentialBasedAccessTokenProvider",
         "dfs.webhdfs.oauth2.client.id": namespace,
         "dfs.webhdfs.oauth2.credential": str(key),
-        "dfs.webhdfs.oauth2.refresh.url": url.rstrip("/") + "/oauth2/token",
-        "dfs.http.client.retry.policy.enabled": "true",
-        "dfs.http.client.retry.policy.spec": retry_spec,
+        "dfs.webhdfs.oauth2.refresh.url": (token_url or urls[0]).rstrip("/") + "/oauth2/token",
     }
+    if len(urls) > 1:
+        return conf | nameservice_conf(urls, nameservice or nameservice_for(namespace))
+    return conf | {"dfs.http.client.retry.policy.enabled": "true",
+                   "dfs.http.client.retry.policy.spec": retry_spec}
 
 
-def webhdfs_url(url: str, path: str = "") -> str:
-    """``http://H:P`` -> ``webhdfs://H:P/path`` (``https`` -> ``swebhdfs``)."""
-    parsed = urllib.parse.urlsplit(url)
+def webhdfs_url(url: str | Sequence[str], path: str = "", *, nameservice: str | None = None) -> str:
+    """``http://H:P`` -> ``webhdfs://H:P/path`` (``https`` -> ``swebhdfs``); several URLs (a
+    gateway pair) -> ``webhdfs://<nameservice>/path`` (``nameservice`` required then)."""
+    urls = gateway_urls(url)
+    parsed = urllib.parse.urlsplit(urls[0])
     if parsed.scheme not in ("http", "https") or not parsed.netloc:
-        raise ValueError(f"gateway url must be http(s)://HOST:PORT, not {url!r}")
+        raise ValueError(f"gateway url must be http(s)://HOST:PORT, not {urls[0]!r}")
     scheme = "swebhdfs" if parsed.scheme == "https" else "webhdfs"
+    if len(urls) > 1:
+        if not nameservice:
+            raise ValueError("several gateways: give the nameservice")
+        return f"{scheme}://{nameservice}/{path.strip('/')}"
     return f"{scheme}://{parsed.netloc}/{path.strip('/')}"
 
 
@@ -617,14 +682,21 @@ class GatewayCheckpoint(str):
                              context=self.trust.context if self.trust is not None else None)
 
 
-def gateway_checkpoint(spark_or_builder: SparkSession | SparkSession.Builder | None, url: str, namespace: str,
-                       key: str, checkpoint: str = DEFAULT_CHECKPOINT, *, listener: bool = True,
+def gateway_checkpoint(spark_or_builder: SparkSession | SparkSession.Builder | None, url: str | Sequence[str],
+                       namespace: str, key: str, checkpoint: str = DEFAULT_CHECKPOINT, *, listener: bool = True,
                        retry_spec: str = GATEWAY_RETRY_SPEC, cafile: str | os.PathLike[str] | None = None,
                        truststore: str | os.PathLike[str] | None = None,
-                       truststore_password: str | None = None) -> GatewayCheckpoint:
+                       truststore_password: str | None = None, nameservice: str | None = None,
+                       token_url: str | None = None) -> GatewayCheckpoint:
     """The checkpointLocation of ``checkpoint`` in ``namespace`` through the gateway at
     ``url`` (``http(s)://HOST:PORT`` of ``sos gateway NAMESPACE``), with ``key`` a key of
     the namespace (its role decides what the session may do).
+
+    ``url`` may name several gateways (a sequence, or comma-separated: an active ``sos
+    gateway --lease`` and its ``--standby``): the location is then
+    ``webhdfs://<nameservice>/CHECKPOINT`` (``nameservice``, default ``sos-<namespace>``)
+    with Hadoop's nameservice settings (:func:`gateway_conf`, ``token_url``), so the
+    session follows whichever is active; the marker listener does too.
 
     ``spark_or_builder``: a ``SparkSession.Builder`` (the settings go in as
     ``spark.hadoop.*`` configs, with Spark's redaction extended to the credential; call
@@ -641,13 +713,17 @@ def gateway_checkpoint(spark_or_builder: SparkSession | SparkSession.Builder | N
     live session the driver's system properties) and the marker listener's HTTPS context.
     """
     relpath = checkpoint.strip("/")
-    conf = {f"spark.hadoop.{k}": v for k, v in gateway_conf(url, namespace, key,
-                                                            retry_spec=retry_spec).items()}
+    urls = gateway_urls(url)
+    nameservice = (nameservice or nameservice_for(namespace)) if len(urls) > 1 else None
+    conf = {f"spark.hadoop.{k}": v for k, v in gateway_conf(urls, namespace, key, retry_spec=retry_spec,
+                                                            nameservice=nameservice,
+                                                            token_url=token_url).items()}
     trust = None
     if cafile is not None or truststore is not None:
         trust = GatewayTrust(cafile=cafile, truststore=truststore, truststore_password=truststore_password)
-    loc = GatewayCheckpoint(webhdfs_url(url, relpath), relpath=relpath, namespace=namespace,
-                            gateway_url=url.rstrip("/"), conf=conf, key=str(key), trust=trust)
+    loc = GatewayCheckpoint(webhdfs_url(urls, relpath, nameservice=nameservice), relpath=relpath,
+                            namespace=namespace, gateway_url=",".join(urls), conf=conf, key=str(key),
+                            trust=trust)
     if spark_or_builder is None:
         return loc
     if hasattr(spark_or_builder, "streams"):  # a live session

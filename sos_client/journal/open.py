@@ -199,7 +199,8 @@ def open_namespace(namespace: str, cache_dir: str, *, server: str | None = None,
                    max_lag_bytes: int | None = None, generation_bytes: int | None = None,
                    allow_read_only: bool = False, durability: str = "server",
                    tier_patience: float | None = None,
-                   rebuild: RebuildCache | None = None) -> OpenNamespace:
+                   rebuild: RebuildCache | None = None,
+                   replayed_to: int | None = None) -> OpenNamespace:
     """Open ``namespace`` with its cache in ``cache_dir`` (see the module docstring).
 
     Connection: ``client_factory`` (a callable returning a connected client), or one built
@@ -217,6 +218,10 @@ def open_namespace(namespace: str, cache_dir: str, *, server: str | None = None,
 
     ``rebuild``: what fills an empty cache (default: restore's rebuild_cache, the journal's end;
     ``sos gateway --restore-batch`` gives :func:`~sos_client.journal.rollback.rollback_rebuild`).
+
+    ``replayed_to``: the cache's tree is the journal replayed up to that record (a standby
+    gateway's tail, taken after its FENCE): the writer continues the generation from there
+    instead of starting a new one from a snapshot of the tree (JournaledTree).
 
     Raises PermissionError for a refused key (or a read key without ``allow_read_only``),
     RuntimeError for a stale spool (another writer took the namespace over since this
@@ -250,7 +255,8 @@ def open_namespace(namespace: str, cache_dir: str, *, server: str | None = None,
     try:
         # opens the writer (fencing older epochs) and, if the cache is empty, rebuilds it
         # from the server by the same code as restore
-        tree = JournaledTree(tree_dir, writer, rebuild=rebuild or rebuild_cache).open()
+        tree = JournaledTree(tree_dir, writer, rebuild=rebuild or rebuild_cache,
+                             replayed_to=replayed_to).open()
         try:
             writer.check_tier(timeout)  # durability "tier" on a server without one: refused now
         except BaseException:

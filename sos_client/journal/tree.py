@@ -179,8 +179,14 @@ RebuildCache = Callable[[Callable[[], StoreClient], str, str], int]
 class JournaledTree:
     """Construct, then :meth:`open` (the constructor does no I/O on the network)."""
 
-    def __init__(self, cache_dir: str, writer: JournalWriter, *, rebuild: RebuildCache | None = None) -> None:
+    def __init__(self, cache_dir: str, writer: JournalWriter, *, rebuild: RebuildCache | None = None,
+                 replayed_to: int | None = None) -> None:
+        """``replayed_to``: the cache holds exactly the journal up to that record, replayed
+        from the server by a standby gateway after its FENCE (nothing else can have changed
+        it): a writer that resumes at that record in a complete generation continues it
+        without a new snapshot."""
         self.cache_dir = os.path.abspath(cache_dir)
+        self._replayed_to = replayed_to
         os.makedirs(self.cache_dir, exist_ok=True)
         self._at = Beneath(self.cache_dir)
         self._writer = writer
@@ -235,6 +241,9 @@ class JournaledTree:
             self.rebuilt = True
             if not w.generation_complete or last != w.last_seq:
                 w.rotate(self._snapshot_ops())
+        elif (self._replayed_to is not None and self._replayed_to == w.last_seq and not crashed
+              and w.generation_complete and not w.had_spool):
+            pass  # a standby's tail of the journal, to its last record: continue the generation
         elif not w.had_spool or not w.generation_complete:
             # The cache's relation to the server's journal is unknown (fresh spool with an
             # existing cache, e.g. after a point-in-time restore) or the current generation's

@@ -11,6 +11,7 @@ import argparse
 import logging
 import ssl
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from sos_client.cli import add_connection_options, client_from_args, key_from_args
@@ -24,6 +25,9 @@ if TYPE_CHECKING:
     from sos_client import Client
 
 __all__ = ["add_parser", "main", "run"]
+
+#: --lease with --standby when not given (lease.DEFAULT_LEASE: not imported at parse time)
+DEFAULT_LEASE_SECONDS = 10.0
 
 
 def _positive_duration(text: str) -> float:
@@ -46,9 +50,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                     "every request and exits with code 3. SIGTERM/SIGINT stop it gracefully: no new "
                     "connections, the requests in progress finish (at most 25 s; a second "
                     "signal stops at once), then the journal is flushed.")
-    p.add_argument("namespace")
-    p.add_argument("--listen", required=True, metavar="HOST:PORT",
-                   help="address to serve on, e.g. 0.0.0.0:9870 (port 0: any free one)")
+    p.add_argument("namespace", help="the namespace to serve; or `promote` to promote a standby: "
+                                     "sos gateway promote NAMESPACE URL (URL: the standby's "
+                                     "loopback address, e.g. http://127.0.0.1:9870; the key as "
+                                     "for serving)")
+    p.add_argument("promote_args", nargs="*", metavar="NAMESPACE URL", help=argparse.SUPPRESS)
+    p.add_argument("--listen", metavar="HOST:PORT",
+                   help="address to serve on, e.g. 0.0.0.0:9870 (port 0: any free one); required")
+    add_standby_options(p)
     p.add_argument("--cache", metavar="DIR", default=None,
                    help="local cache + spool directory (default: ~/.cache/sos/NAMESPACE)")
     p.add_argument("--async", dest="async_", action="store_true",
@@ -113,6 +122,44 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return p
 
 
+def add_standby_options(p: argparse.ArgumentParser) -> None:
+    """``--standby`` and ``--lease`` (a gateway pair, protocol.md 3.6)."""
+    p.add_argument("--standby", action="store_true",
+                   help="serve as a standby (a standby NameNode for Hadoop's HA client): tail the "
+                        "namespace's journal into the cache, answer every WebHDFS request with "
+                        "StandbyException, and take over as the writer once the active gateway's "
+                        "lease is silent for --lease seconds, or on `sos gateway promote`")
+    p.add_argument("--lease", type=_positive_duration, default=None, metavar="DURATION",
+                   help="renew a lease the standby watches (every DURATION/4) and serve only "
+                        "while holding it; the standby takes over after DURATION of silence "
+                        "(default with --standby: 10s; without it, no lease)")
+
+
+def run_promote(args: argparse.Namespace, key: str) -> int:
+    """``sos gateway promote NAMESPACE URL``."""
+    from spark_plugin.gateway.client import GatewayError  # noqa: PLC0415 - as below
+    from spark_plugin.gateway.standby import promote  # noqa: PLC0415 - only when it runs
+
+    namespace, url = args.promote_args
+    try:
+        validate_namespace(namespace)
+    except ValueError as exc:
+        print(f"sos: {exc}", file=sys.stderr)
+        return 2
+    context = None
+    if url.startswith("https:"):
+        context = (ssl.create_default_context(cafile=args.tls_ca) if getattr(args, "tls_ca", None)
+                   else ssl.create_default_context())
+    try:
+        doc = promote(url, namespace, key, context=context)
+    except (GatewayError, OSError) as exc:
+        print(f"sos: promote failed: {one_line(exc)}", file=sys.stderr)
+        return 1
+    state = "promoted" if doc.get("promoted") else "already active"
+    print(f"{url}: {state}: writer epoch {doc.get('epoch')}, journal at record {doc.get('seq')}")
+    return 0
+
+
 def add_operations_options(p: argparse.ArgumentParser) -> None:
     """--metrics, --restore-batch and --yes (issue 23 items 5 and 8)."""
     p.add_argument("--metrics", metavar="HOST:PORT", default=None,
@@ -139,6 +186,15 @@ def run(args: argparse.Namespace) -> int:
     except SOSError as exc:
         print(f"sos: {exc.message}", file=sys.stderr)
         return 1
+    if args.namespace == "promote" and args.listen is None:
+        if len(args.promote_args) != 2:
+            print("sos: usage: sos gateway promote NAMESPACE URL", file=sys.stderr)
+            return 2
+        return run_promote(args, key)
+    if args.promote_args or args.listen is None:
+        print("sos: usage: sos gateway NAMESPACE --listen HOST:PORT [...] (or: sos gateway "
+              "promote NAMESPACE URL)", file=sys.stderr)
+        return 2
     try:
         validate_namespace(args.namespace)
     except ValueError as exc:
@@ -183,22 +239,35 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "tls_ca", None) or getattr(args, "tls", False):
         tls_client = (ssl.create_default_context(cafile=args.tls_ca) if args.tls_ca
                       else ssl.create_default_context())
+    serve: Callable[..., int] = run_gateway
+    extra: dict[str, object] = {"restore_batch": args.restore_batch, "restore_yes": args.yes,
+                                "metrics": args.metrics}
+    if args.lease:
+        extra["lease"] = args.lease
+    if args.standby:
+        from spark_plugin.gateway.standby import run_standby  # noqa: PLC0415 - as run_gateway
+
+        if args.restore_batch or args.metrics:
+            print("sos: --restore-batch and --metrics are not served by a --standby gateway "
+                  "(roll back or watch the active one)", file=sys.stderr)
+            return 2
+        serve = run_standby
+        extra = {"lease": args.lease or DEFAULT_LEASE_SECONDS}
     try:
-        return run_gateway(args.namespace, args.listen, server=args.server, key=key,
-                           cache_dir=args.cache, client_factory=factory, timeout=args.timeout,
-                           tls_client=tls_client, tls_cert=args.tls_cert, tls_key=args.tls_key,
-                           sync=not args.async_, max_lag_bytes=args.max_lag,
-                           generation_bytes=args.generation_bytes,
-                           insecure_no_auth=args.insecure_no_auth, token_ttl=args.token_ttl,
-                           threads=args.threads, insecure_plaintext=args.insecure_plaintext,
-                           advertise=args.advertise, max_connections=args.max_connections,
-                           max_per_address=args.max_connections_per_address,
-                           head_timeout=args.head_timeout, send_timeout=args.send_timeout,
-                           open_memory=args.open_memory, key_recheck=args.key_recheck,
-                           durability=args.durability,
-                           tier_patience=tier_patience_of(args.tier_patience),
-                           fence_check=args.fence_check, metrics=args.metrics,
-                           restore_batch=args.restore_batch, restore_yes=args.yes)
+        return serve(args.namespace, args.listen, server=args.server, key=key,
+                     cache_dir=args.cache, client_factory=factory, timeout=args.timeout,
+                     tls_client=tls_client, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                     sync=not args.async_, max_lag_bytes=args.max_lag,
+                     generation_bytes=args.generation_bytes,
+                     insecure_no_auth=args.insecure_no_auth, token_ttl=args.token_ttl,
+                     threads=args.threads, insecure_plaintext=args.insecure_plaintext,
+                     advertise=args.advertise, max_connections=args.max_connections,
+                     max_per_address=args.max_connections_per_address,
+                     head_timeout=args.head_timeout, send_timeout=args.send_timeout,
+                     open_memory=args.open_memory, key_recheck=args.key_recheck,
+                     durability=args.durability,
+                     tier_patience=tier_patience_of(args.tier_patience),
+                     fence_check=args.fence_check, **extra)
     except RollbackRefused as exc:
         print(f"sos: {exc}", file=sys.stderr)
         return 2

@@ -15,6 +15,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Sequence
 from typing import Any
 
 __all__ = ["GatewayClient", "GatewayError"]
@@ -30,12 +31,19 @@ class GatewayError(OSError):
 
 
 class GatewayClient:
-    """``url``: ``http(s)://HOST:PORT`` of the gateway; ``key``: a key of ``namespace``
-    (as ``sos-server keygen`` prints it); ``context``: SSL context for https."""
+    """``url``: ``http(s)://HOST:PORT`` of the gateway, or several (a sequence, or separated
+    by commas) of a gateway pair: a request that finds its gateway unreachable or a standby
+    (StandbyException) goes to the next one, as Hadoop's HA client does; ``key``: a key of
+    ``namespace`` (as ``sos-server keygen`` prints it); ``context``: SSL context for https."""
 
-    def __init__(self, url: str, namespace: str, key: str, *, timeout: float = 60.0,
-                 context: ssl.SSLContext | None = None) -> None:
-        self.url = url.rstrip("/")
+    def __init__(self, url: str | Sequence[str], namespace: str, key: str, *, timeout: float = 60.0,
+                 context: ssl.SSLContext | None = None, failover_patience: float = 60.0) -> None:
+        urls = url.split(",") if isinstance(url, str) else list(url)
+        self.urls = [u.strip().rstrip("/") for u in urls if u.strip()]
+        if not self.urls:
+            raise ValueError("no gateway url")
+        self.url = self.urls[0]
+        self.failover_patience = failover_patience
         self.namespace = namespace
         self._key = key
         self.timeout = timeout
@@ -79,7 +87,29 @@ class GatewayClient:
 
     def call(self, method: str, path: str, body: bytes | None = None,
              **params: str) -> dict[str, Any]:
-        """One authenticated request (a 401 fetches a new token once and retries)."""
+        """One authenticated request (a 401 fetches a new token once and retries). With
+        several gateways, one that is unreachable or a standby sends it to the next (for at
+        most ``failover_patience`` seconds, sleeping 0.5 s once every address was tried)."""
+        if len(self.urls) == 1:
+            return self._call_one(method, path, body, params)
+        deadline = time.monotonic() + self.failover_patience
+        tried = 0
+        while True:
+            try:
+                return self._call_one(method, path, body, params)
+            except (GatewayError, urllib.error.URLError, ConnectionError) as exc:
+                standby = isinstance(exc, GatewayError) and exc.exception == "StandbyException"
+                unreachable = not isinstance(exc, GatewayError)
+                if not (standby or unreachable) or time.monotonic() > deadline:
+                    raise
+            tried += 1
+            with self._lock:
+                self.url = self.urls[(self.urls.index(self.url) + 1) % len(self.urls)]
+            if tried % len(self.urls) == 0:
+                time.sleep(0.5)
+
+    def _call_one(self, method: str, path: str, body: bytes | None,
+                  params: dict[str, str]) -> dict[str, Any]:
         query = urllib.parse.urlencode(params)
         url = f"{self.url}{urllib.parse.quote(path)}" + (f"?{query}" if query else "")
         for attempt in (0, 1):

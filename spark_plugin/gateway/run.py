@@ -33,6 +33,7 @@ from sos_wire.auth import Key
 
 from .auth import DEFAULT_KEY_RECHECK, DEFAULT_TOKEN_TTL, TOKEN_PATH, TokenAuthority, key_verifier
 from .http import HEAD_TIMEOUT, MAX_CONNECTIONS, MAX_CONNECTIONS_PER_ADDRESS, SEND_TIMEOUT
+from .lease import hold_lease, lease_url
 from .metrics import serve_metrics
 from .operations import OPEN_MEMORY
 from .process import READY_MARKER
@@ -133,7 +134,8 @@ def run_gateway(namespace: str, listen: str, *, server: str, key: str, cache_dir
                 open_memory: int = OPEN_MEMORY, key_recheck: float = DEFAULT_KEY_RECHECK,
                 durability: str = "server", tier_patience: float | None = None,
                 fence_check: float = FENCE_CHECK, metrics: str | None = None,
-                restore_batch: str | None = None, restore_yes: bool = False) -> int:
+                restore_batch: str | None = None, restore_yes: bool = False,
+                lease: float | None = None) -> int:
     """Serve ``namespace`` on ``listen`` until SIGTERM/SIGINT; returns the exit code
     (0 after a clean stop with the journal flushed, 1 if the final flush failed,
     EXIT_FENCED (3) when a newer writer fenced it: it then refuses every request and stops
@@ -157,6 +159,9 @@ def run_gateway(namespace: str, listen: str, *, server: str, key: str, cache_dir
     back to right after batch N of that checkpoint committed (:mod:`sos_client.journal.rollback`;
     every other checkpoint goes back to the same journal position); refused
     (RollbackRefused) if records follow it unless ``restore_yes``.
+
+    ``lease``: seconds; renew a lease a standby gateway watches (lease.py, protocol.md 3.6)
+    and serve only while holding it.
     """
     host, port = parse_listen(listen)
     if insecure_no_auth and not is_loopback(host):
@@ -215,6 +220,7 @@ def run_gateway(namespace: str, listen: str, *, server: str, key: str, cache_dir
                     "and OPEN name the IP address each client reached, which the certificate "
                     "must then hold; give --advertise NAME:PORT (a name of the certificate)",
                     listen)
+    holder = None
     exported = None
     try:
         exported = serve_metrics(gateway, ns, metrics, parse_metrics_listen) if metrics else None
@@ -226,6 +232,7 @@ def run_gateway(namespace: str, listen: str, *, server: str, key: str, cache_dir
                         who="this gateway")
              if opened.writer is not None else None)
     try:
+        holder = hold_lease(gateway, opened, lease, lease_url(advertise, listen)) if lease else None
         mode = ("sync" if sync else "async") + (", durability tier" if durability == "tier" else "")
         trio.run(_serve, gateway, host, port, f"(namespace {namespace}, {mode}"
                  f"{', no auth' if insecure_no_auth else ''})", drain_timeout, watch)
@@ -240,6 +247,8 @@ def run_gateway(namespace: str, listen: str, *, server: str, key: str, cache_dir
                       "on this cache ships it): %r", opened.spool_dir, exc)
             code = 1
     finally:
+        if holder is not None:
+            holder.stop()
         if watch is not None:
             watch.close()
         if exported is not None:

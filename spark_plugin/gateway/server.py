@@ -34,7 +34,7 @@ import resource
 import ssl
 import time
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,10 +59,11 @@ from .http import (
     json_body,
     remote_error,
 )
+from .lease import standby_reply
 from .operations import KNOWN_OPS, OPEN_MEMORY, OPERATIONS, WEBHDFS_PREFIX, Call, Operations, check_operation
 from .webhdfs import WebHdfsError, WebHdfsNamespace, rel_path
 
-__all__ = ["EXIT_FENCED", "MARKER_PATH", "Gateway"]
+__all__ = ["EXIT_FENCED", "MARKER_PATH", "Gate", "Gateway"]
 
 log = logging.getLogger("sos.gateway")
 
@@ -72,6 +73,8 @@ MARKER_PATH = "/sos/v1/marker"
 ACCEPT_RETRY = (0.1, 2.0)
 ACCEPT_LOG_INTERVAL = 10.0
 _ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+#: (conn, method, path, grant) -> None (serve it), a status (answered), or raises Reply
+Gate = Callable[[Conn, str, str, TokenInfo], Awaitable[int | None]]
 #: latencies kept per operation for its percentiles (a uniform sample of all of them)
 LATENCY_SAMPLES = 2048
 #: exit code of a gateway that stopped because a newer writer fenced it
@@ -159,6 +162,11 @@ class Gateway:
         self._accept_delay = ACCEPT_RETRY[0]
         self._accept_failures = 0
         self._accept_logged = -ACCEPT_LOG_INTERVAL
+        self._open_memory = open_memory
+        #: a standby's or a lease holder's say before every request but a token request
+        #: (standby.py, lease.py): None lets it through, a status means it answered, a Reply
+        #: refuses it (StandbyException); None: no gateway pair
+        self.gate: Gate | None = None
 
     # ------------------------------------------------------------------ serving
     async def serve(self, host: str, port: int, *,
@@ -387,6 +395,8 @@ class Gateway:
     async def _dispatch(self, conn: Conn, method: str, path: str, params: dict[str, str],
                         headers: dict[str, str], op: str) -> int:
         if self.fenced is not None:  # before anything, even the token and its check
+            if self.gate is not None:  # one of a pair (lease.py): its clients go to the other
+                raise standby_reply(f"this gateway no longer serves the namespace: {self.fenced}")
             raise Reply(503, remote_error("IOException", f"this gateway no longer serves the namespace: "
                                                          f"{self.fenced}"), [("connection", "close")])
         if path == TOKEN_PATH:
@@ -396,6 +406,10 @@ class Gateway:
             return status
         grant = await self.oauth.bearer(headers)
         self._granted(conn)
+        if self.gate is not None:
+            answered = await self.gate(conn, method, path, grant)
+            if answered is not None:
+                return answered
         if path == MARKER_PATH:
             return await self._marker(conn, method, params, grant)
         if path != WEBHDFS_PREFIX and not path.startswith(WEBHDFS_PREFIX + "/"):
@@ -406,6 +420,13 @@ class Gateway:
         check_operation(method, op, grant)
         handler = OPERATIONS[(method, op)]
         return await handler(self.operations, Call(conn, method, op, rel, params, headers, grant))
+
+    def become_active(self, ns: WebHdfsNamespace) -> None:
+        """A promoted standby (standby.py): serve ``ns``, its namespace opened as the writer,
+        from the next request on."""
+        self.ns = ns
+        self.operations = Operations(ns, self._run, self._advertised_base,
+                                     open_memory=self._open_memory, send_timeout=self.send_timeout)
 
     def _advertised_base(self) -> str:
         """``scheme://host:port`` of the redirects of the two-step operations: the gateway's

@@ -87,6 +87,8 @@ class GatewayView:
     def read(self, rel: str) -> str:
         import urllib.request
 
+        if len(self.client.urls) > 1:  # a gateway pair: land on the active one first
+            self.client.call("GET", f"/webhdfs/v1/{self.relpath}/{rel}", op="GETFILESTATUS")
         url = f"{self.client.url}/webhdfs/v1/{self.relpath}/{rel}?op=OPEN&data=true"
         req = urllib.request.Request(url, headers={"Authorization":
                                                    f"Bearer {self.client.token()}"})

@@ -16,6 +16,9 @@ from tools.soak.driver import driver_main
 from tools.soak.harness import Soak
 from tools.soak.report import report
 
+#: the kinds only --gateway-pair has (tools.soak.pair_mode.PAIR_KINDS)
+PAIR_ONLY = ("zombie", "standby")
+
 
 def _weights(text: str, defaults: dict | None = None) -> dict:
     """``kind=w,...`` over ``defaults`` (the mode's weights; a kind of neither mode is an
@@ -25,10 +28,11 @@ def _weights(text: str, defaults: dict | None = None) -> dict:
         if not part.strip():
             continue
         k, _, v = part.partition("=")
-        if k.strip() not in KINDS + CLUSTER_KINDS:
+        if k.strip() not in (*KINDS, *CLUSTER_KINDS, *PAIR_ONLY):
             raise argparse.ArgumentTypeError(
                 f"unknown kind {k!r}: one of {', '.join(KINDS)} (mount mode) or "
-                f"{', '.join(CLUSTER_KINDS)} (--cluster)")
+                f"{', '.join(CLUSTER_KINDS)} (--cluster), and {', '.join(PAIR_ONLY)} "
+                f"(--cluster --gateway-pair)")
         w[k.strip()] = float(v)
     return w
 
@@ -40,7 +44,14 @@ def main(argv=None) -> int:
     p = _parser()
     args = p.parse_args(argv)
     cls = ClusterSoak if args.cluster else Soak
-    weights = dict(CLUSTER_WEIGHTS if args.cluster else DEFAULT_WEIGHTS, **args.weights)
+    defaults = CLUSTER_WEIGHTS if args.cluster else DEFAULT_WEIGHTS
+    if args.gateway_pair:
+        if not args.cluster:
+            p.error("--gateway-pair goes with --cluster")
+        from tools.soak.pair_mode import PAIR_WEIGHTS, PairSoak
+
+        cls, defaults = PairSoak, PAIR_WEIGHTS
+    weights = dict(defaults, **args.weights)
     wrong = sorted(set(weights) - set(cls.KINDS))
     if wrong:
         p.error(f"--weights: {', '.join(wrong)} is no kind of the {cls.MODE} mode "
@@ -66,6 +77,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="cluster mode: a Spark standalone cluster (Master, two 1-core Workers, "
                         "driver, each a node with its own local disk) checkpointing through "
                         "`sos gateway`; kills of gateway, server, executor, worker, driver, all")
+    p.add_argument("--gateway-pair", action="store_true",
+                   help="--cluster with a gateway pair: an active `sos gateway --lease 5s` and a "
+                        "`--standby`, the query on webhdfs://<nameservice> over both; kills of "
+                        "the active (gateway), split-brain attempts (zombie: the active paused "
+                        "past its lease, resumed, sent a write), kills of the standby")
     p.add_argument("--weights", type=_weights, default={},
                    help="relative frequency of each kind, e.g. server=5,mount=2,driver=1,all=1 "
                         "(--cluster: gateway=4,server=1,executor=2,worker=2,driver=1,all=1)")

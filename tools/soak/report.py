@@ -19,6 +19,11 @@ def report(result: dict, kinds: tuple[str, ...], *, cluster: bool, code: int, wo
         print(f"gateway restarts after a gateway kill: {g['same-cache']} on the same cache, "
               f"{g['empty-cache']} on an empty cache; processes SIGKILLed: "
               + ", ".join(f"{n} {w}" for w, n in result["processes_killed"].items()), flush=True)
+        if "failovers" in g:  # --gateway-pair
+            print(f"gateway pair: {g['failovers']} failovers to the standby (median "
+                  f"{result['failover_median_s']}s, max {result['failover_max_s']}s from the "
+                  f"kill or pause to its promotion), {g['split-brain-refused']} split-brain "
+                  f"attempts refused", flush=True)
     print(f"restores after total loss: {result['restores']['sos-restore']} via sos restore, "
           f"{result['restores']['empty-cache']} via a "
           f"{'gateway' if cluster else 'mount'} on an empty cache; "

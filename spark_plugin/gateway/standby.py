@@ -1,0 +1,506 @@
+"""`sos gateway NS --standby`: a warm standby of a namespace's gateway (protocol.md 3.6).
+
+A standby serves the same WebHDFS address space as the active gateway but writes nothing:
+
+* it keeps its cache's tree equal to the namespace's journal by tailing it from the server
+  (:class:`Tailer`: the journal core's reading and replay, record after record, with the
+  same sequence checks as restore; a new generation's snapshot restates the tree it already
+  holds and is skipped);
+* it answers every WebHDFS request (and markers) with 403 StandbyException, as a standby
+  NameNode does, so Hadoop's HA client (a ``webhdfs://<nameservice>`` URI) goes to the
+  other address; it issues tokens (a token request only needs the key check at the server,
+  and tokens sealed with the namespace's gateway key verify on either gateway);
+* it watches the active gateway's lease (:class:`~.lease.LeaseWatcher`) and, once the lease
+  was silent for ``--lease`` seconds, or when asked (``sos gateway promote``: ``POST
+  /sos/v1/promote`` from a loopback address with an append token), it is promoted
+  (:meth:`Standby.promote`): FENCE (epoch + 1: every later append of the old active is
+  refused), the tail finished to the journal's last record, the journal writer opened on its
+  cache as a new gateway's is (``open_namespace(replayed_to=...)``: no snapshot, the
+  generation continues), a lease of its own, then it serves. Requests that come while the
+  active's lease is lapsing or the promotion is under way are held (at most ``hold``
+  seconds) and served once it is active, rather than bounced between a dead address and a
+  standby until the client's retries run out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import getpass
+import logging
+import os
+import ssl
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import trio
+
+from sos_client.errors import Fenced, SOSError
+from sos_client.journal import layout
+from sos_client.journal.errors import JournalCorrupt, JournalError
+from sos_client.journal.facade import FENCE_CHECK, FenceWatch
+from sos_client.journal.open import (
+    ClientFactory,
+    OpenNamespace,
+    ReadOnlyTree,
+    RoleClient,
+    client_factory_for,
+    default_cache_dir,
+    key_role,
+    open_namespace,
+    private_cache_dir,
+)
+from sos_client.journal.reading import list_generations
+from sos_client.journal.records import RecordDecoder, SnapshotEnd
+from sos_client.journal.replay import Replayer, ReplayError
+from sos_client.journal.restore import rebuild_cache
+from sos_wire.addresses import is_loopback, is_wildcard, split_address
+from sos_wire.auth import Key
+from sos_wire.events import KeyRole
+
+from .auth import DEFAULT_KEY_RECHECK, DEFAULT_TOKEN_TTL, TokenAuthority, TokenInfo, key_verifier
+from .client import GatewayClient
+from .http import HEAD_TIMEOUT, MAX_CONNECTIONS, MAX_CONNECTIONS_PER_ADDRESS, SEND_TIMEOUT, Conn, Reply, json_body
+from .lease import DEFAULT_LEASE, LeaseHolder, LeaseWatcher, lease_url, standby_reply
+from .operations import OPEN_MEMORY
+from .run import (
+    DRAIN_TIMEOUT,
+    _serve,
+    fit_connections,
+    parse_advertise,
+    parse_listen,
+    plaintext_refusal,
+    raise_nofile_limit,
+)
+from .server import EXIT_FENCED, Gateway
+from .webhdfs import WebHdfsNamespace, remote_exception
+
+__all__ = ["PROMOTE_PATH", "Standby", "Tailer", "promote", "run_standby"]
+
+log = logging.getLogger("sos.gateway.standby")
+
+PROMOTE_PATH = "/sos/v1/promote"
+#: seconds between two looks at the server (journal tail and lease)
+POLL = 0.25
+#: most seconds a request waits at a standby whose promotion is near or under way
+HOLD = 30.0
+
+
+class Tailer:
+    """Keeps ``tree_dir`` equal to the namespace's journal up to record :attr:`seq`."""
+
+    def __init__(self, factory: ClientFactory, namespace: str, tree_dir: str) -> None:
+        self.factory = factory
+        self.namespace = namespace
+        self.tree_dir = tree_dir
+        self.seq = 0
+        self.needs_rebuild = True
+        self.rebuilds = 0
+        self._snapshot = False  # skipping a new generation's snapshot (it restates the tree)
+        self._cur: layout.SegmentInfo | None = None
+        self._dec = RecordDecoder()
+        self._read_to = 0
+        self._replayer: Replayer | None = None
+
+    def rebuild(self) -> None:
+        """The tree rebuilt from the server (restore's code), the tail from its last record."""
+        self.close()
+        self.seq = rebuild_cache(self.factory, self.namespace, self.tree_dir)
+        self._cur = None
+        self._snapshot = False
+        self._replayer = Replayer(self.tree_dir)
+        self.needs_rebuild = False
+        self.rebuilds += 1
+        log.info("standby cache rebuilt from the server up to record %d", self.seq)
+
+    @staticmethod
+    def _locate(gens: dict[int, layout.GenerationInfo], wanted: int) -> tuple[layout.SegmentInfo, bool] | None:
+        """The segment that holds record ``wanted`` (the newest one starting at or before
+        it: a later segment starting exactly there supersedes the tail of an earlier one)
+        and whether it starts a generation."""
+        best: tuple[tuple[int, int, int], layout.SegmentInfo, bool] | None = None
+        for g in gens.values():
+            for i, s in enumerate(g.segments):
+                if s.first_seq <= wanted:
+                    key = (s.first_seq, s.generation, s.epoch)
+                    if best is None or key > best[0]:
+                        best = (key, s, i == 0)
+        return None if best is None else (best[1], best[2])
+
+    def step(self, client: RoleClient) -> int:
+        """Apply every record the server holds beyond :attr:`seq`; returns how many. A
+        journal that does not continue the tree (a gap, a record that does not apply)
+        raises, and the next step starts with a rebuild."""
+        if self.needs_rebuild:
+            self.rebuild()
+        try:
+            return self._step(client)
+        except (JournalCorrupt, JournalError, ReplayError):
+            self.needs_rebuild = True
+            raise
+
+    def _step(self, client: RoleClient) -> int:
+        assert self._replayer is not None
+        gens = list_generations(client)
+        applied = 0
+        while True:
+            found = self._locate(gens, self.seq + 1)
+            if found is None:
+                return applied
+            seg, starts_generation = found
+            if self._cur is None or seg.name != self._cur.name:
+                self._cur = seg
+                self._dec = RecordDecoder(seg.name)
+                self._read_to = 0
+                # a new generation's snapshot restates the tree this one holds: skipped; the
+                # first generation's (seq 0: the tree is empty) is applied like any records
+                if starts_generation and seg.first_seq == self.seq + 1 and self.seq > 0:
+                    self._snapshot = True
+            before = self.seq
+            for chunk in client.read_iter(seg.name, self._read_to, 0):
+                self._read_to += len(chunk)
+                self._dec.feed(chunk)
+                for rec in self._dec:
+                    if rec.seq <= self.seq:
+                        continue
+                    if rec.seq != self.seq + 1:
+                        raise JournalCorrupt(seg.name, rec.offset, f"sequence gap: expected record "
+                                                                   f"{self.seq + 1}, found {rec.seq}")
+                    if self._snapshot:
+                        if type(rec.op) is SnapshotEnd:
+                            self._snapshot = False
+                    else:
+                        self._replayer.apply(rec)
+                    self.seq = rec.seq
+                    applied += 1
+            if self.seq == before:
+                return applied  # nothing new here; a segment after it would start at seq + 1
+
+    def close(self) -> None:
+        if self._replayer is not None:
+            self._replayer.close()
+            self._replayer = None
+
+
+class Standby:
+    """A standby gateway's state and its thread (see the module docstring).
+
+    ``open_active()`` opens the namespace as its writer on the standby's cache once fenced
+    (``replayed_to``: the last record of the tail) and returns the WebHDFS view to serve."""
+
+    def __init__(self, gateway: Gateway, tailer: Tailer, factory: ClientFactory, *,
+                 lease: float, open_active: Callable[[int], tuple[OpenNamespace, WebHdfsNamespace]],
+                 poll: float = POLL, hold: float = HOLD, lease_url: str = "") -> None:
+        self.gateway = gateway
+        self.lease_url = lease_url
+        self.tailer = tailer
+        self.factory = factory
+        self.lease = lease
+        self.open_active = open_active
+        self.poll = poll
+        self.hold = hold
+        self.watcher = LeaseWatcher(lease)
+        self.state = "standby"  # then "promoting", "active"
+        self.opened: OpenNamespace | None = None
+        self.holder: LeaseHolder | None = None
+        self.promote_reason = ""
+        self.promotion_error = ""
+        self.epoch = 0
+        self._wanted = threading.Event()  # a promotion by hand was asked
+        self._probed: tuple[float, str, bool] | None = None  # (when, address, down)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ the thread
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="sos-standby", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        if self.holder is not None:
+            self.holder.stop()
+        self.tailer.close()
+
+    def _run(self) -> None:
+        client: RoleClient | None = None
+        logged = 0.0
+        while not self._stop.is_set() and self.state != "active":
+            try:
+                if client is None:
+                    client = self.factory()
+                self.tailer.step(client)
+                self.watcher.observe(client)
+            except (SOSError, OSError, JournalError, JournalCorrupt, ReplayError) as exc:
+                log.warning("standby: tail or lease check failed (retrying): %r", exc)
+                if client is not None:
+                    with contextlib.suppress(SOSError, OSError):
+                        client.close()
+                client = None
+                self._stop.wait(min(2.0, self.poll * 4))
+                continue
+            silent = self.watcher.silent_for()
+            if self._wanted.is_set():
+                self._promote(client, self.promote_reason or "asked by hand")
+            elif silent is not None and silent >= self.lease:
+                self._promote(client, f"the active gateway's lease {self.watcher.current[0] if self.watcher.current else ''} "
+                                      f"was not renewed for {silent:.1f} s (--lease {self.lease:g})")
+            elif silent is None and time.monotonic() - logged > 60:
+                logged = time.monotonic()
+                log.info("standby: no lease under lease/ yet: waiting for an active gateway run "
+                         "with --lease (it is never taken over otherwise; `sos gateway promote` is)")
+            self._stop.wait(self.poll)
+        if client is not None:
+            with contextlib.suppress(SOSError, OSError):
+                client.close()
+
+    def _promote(self, client: RoleClient, reason: str) -> None:
+        """FENCE, finish the tail, open the writer on the cache, take a lease, serve."""
+        self.state = "promoting"
+        log.warning("standby: promoting: %s", reason)
+        started = time.monotonic()
+        try:
+            try:
+                client.fence(0)  # answers FENCED with the namespace's fence
+                current = 0
+            except Fenced as exc:
+                current = exc.epoch
+            epoch = client.fence(current + 1) or current + 1
+            # nothing older can append now: what the server holds is the whole journal
+            self.tailer.step(client)
+            self.tailer.close()
+            opened, ns = self.open_active(self.tailer.seq)
+            assert opened.writer is not None
+            holder = LeaseHolder(self.factory, opened.writer.epoch, self.lease, url=self.lease_url)
+            holder.start()
+        except Exception as exc:  # noqa: BLE001 - reported; the loop tries again
+            self.state = "standby"
+            self.promotion_error = f"{type(exc).__name__}: {exc}"
+            self.tailer.needs_rebuild = True
+            log.error("standby: promotion failed (the loop tries again): %r", exc)
+            self._stop.wait(1.0)
+            return
+        self.opened, self.holder, self.epoch = opened, holder, opened.writer.epoch
+        self.gateway.become_active(ns)  # its gate stays this one: PROMOTE_PATH, then the lease
+        self.state = "active"
+        self._wanted.clear()
+        log.warning("standby: promoted in %.2f s: fenced epoch %d, the writer at epoch %d "
+                    "continues the journal after record %d%s", time.monotonic() - started, epoch,
+                    opened.writer.epoch, self.tailer.seq,
+                    "" if not opened.rebuilt else " (its cache was rebuilt)")
+
+    # ------------------------------------------------------------------ the gate
+    async def gate(self, conn: Conn, method: str, path: str, grant: TokenInfo) -> int | None:
+        if path == PROMOTE_PATH:
+            return await self._promote_request(conn, method, grant)
+        if self.state != "active" and (self.state == "promoting" or self._wanted.is_set()
+                                        or self.watcher.lapsing or await self._active_down()):
+            await _until(lambda: self.state == "active", self.hold)
+        if self.state == "active" and self.holder is not None:
+            return await self.holder.gate(conn, method, path, grant)
+        raise standby_reply("this sos gateway is a standby (it tails the journal and takes over "
+                            "when the active gateway's lease lapses)")
+
+    async def _active_down(self) -> bool:
+        """Does the active gateway's address (its lease's "url") refuse connections, or not
+        answer one within a second? A client is sent here by exactly that, or by a standby
+        NameNode's answer: while the active is down, hold its request until this standby
+        takes over rather than send it back to a dead address (the lease still decides the
+        promotion). Remembered for half a second."""
+        address = self.watcher.active_address
+        if not address or self.watcher.silent_for() is None:
+            return False
+        now = trio.current_time()
+        if self._probed is not None and now - self._probed[0] < 0.5 and self._probed[1] == address:
+            return self._probed[2]
+        try:
+            host, port = split_address(address)
+        except ValueError:
+            return False
+        down = True
+        with trio.move_on_after(1.0):
+            try:
+                stream = await trio.open_tcp_stream(host, port or 9870)
+            except OSError:
+                pass
+            else:
+                await stream.aclose()
+                down = False
+        self._probed = (now, address, down)
+        return down
+
+    async def _promote_request(self, conn: Conn, method: str, grant: TokenInfo) -> int:
+        if method != "POST":
+            raise Reply(405, remote_exception("UnsupportedOperationException",
+                                              f"{PROMOTE_PATH} takes POST"), [("allow", "POST")])
+        host = conn.peer.split("/")[0]
+        if not (host and is_loopback(host)) or not grant.can_write:
+            raise Reply(403, remote_exception(
+                "AccessControlException", f"{PROMOTE_PATH} is accepted from a loopback address "
+                                          f"with a token of an append key only",
+                "org.apache.hadoop.security.AccessControlException"))
+        was = self.state
+        if was != "active":
+            self.promote_reason = "asked by hand (sos gateway promote)"
+            self.promotion_error = ""
+            self._wanted.set()
+            await _until(lambda: self.state == "active" or bool(self.promotion_error), 300)
+        if self.state != "active":
+            self._wanted.clear()
+            raise Reply(500, remote_exception("IOException", f"promotion failed: "
+                                                             f"{self.promotion_error or 'timed out'}"))
+        await conn.respond(200, json_body({"promoted": was != "active", "epoch": self.epoch,
+                                           "seq": self.tailer.seq}))
+        return 200
+
+
+async def _until(done: Callable[[], bool], seconds: float) -> None:
+    """Wait until ``done()`` (the standby's thread changes the state it reads), at most
+    ``seconds``; polled every 50 ms (the thread has no trio token to wake us with)."""
+    for _ in range(max(1, int(seconds / 0.05))):
+        if done():
+            return
+        await trio.sleep(0.05)
+
+
+class PromotedFenceWatch(FenceWatch):
+    """run.py's fence watch of a standby: nothing to watch until it is promoted, then its
+    writer's (a newer writer fencing the promoted gateway stops it as it stops any)."""
+
+    def __init__(self, standby: Standby, interval: float) -> None:
+        self.standby = standby
+        self.interval = interval
+        self._inner: FenceWatch | None = None
+
+    def check(self) -> str | None:
+        opened = self.standby.opened
+        if opened is None or opened.writer is None:
+            return None
+        if self._inner is None:
+            self._inner = FenceWatch(opened.namespace, opened.writer, opened.client_factory,
+                                     self.interval, who="this gateway")
+        return self._inner.check()
+
+    def close(self) -> None:
+        if self._inner is not None:
+            self._inner.close()
+
+
+def prepare_cache(cache_dir: str) -> str:
+    """The standby's cache: private, its tree emptied (it is rebuilt from the server), and
+    a spool left by an earlier gateway on it moved aside (its writer was fenced or stopped;
+    a newer writer's journal is the truth). Returns the tree's directory."""
+    private_cache_dir(cache_dir, {"tree": 0o755})
+    spool = os.path.join(cache_dir, "spool")
+    if os.path.isdir(spool) and os.listdir(spool):
+        aside = f"{spool}.replaced-{int(time.time())}"
+        os.rename(spool, aside)
+        log.warning("the cache's spool of an earlier gateway was moved to %s (a standby starts "
+                    "from the server's journal)", aside)
+    return os.path.join(cache_dir, "tree")
+
+
+def run_standby(namespace: str, listen: str, *, server: str, key: str, cache_dir: str | None = None,
+                client_factory: ClientFactory | None = None, timeout: float = 30.0,
+                tls_client: ssl.SSLContext | None = None, tls_cert: str | None = None,
+                tls_key: str | None = None, sync: bool = True, max_lag_bytes: int = 64 << 20,
+                generation_bytes: int | None = None, insecure_no_auth: bool = False,
+                token_ttl: int = DEFAULT_TOKEN_TTL, threads: int = 32,
+                flush_timeout: float = 120.0, drain_timeout: float = DRAIN_TIMEOUT,
+                insecure_plaintext: bool = False, advertise: str | None = None,
+                max_connections: int = MAX_CONNECTIONS,
+                max_per_address: int = MAX_CONNECTIONS_PER_ADDRESS,
+                head_timeout: float = HEAD_TIMEOUT, send_timeout: float = SEND_TIMEOUT,
+                open_memory: int = OPEN_MEMORY, key_recheck: float = DEFAULT_KEY_RECHECK,
+                durability: str = "server", tier_patience: float | None = None,
+                fence_check: float = FENCE_CHECK, lease: float = DEFAULT_LEASE,
+                poll: float = POLL) -> int:
+    """What ``sos gateway NS --standby`` runs: the arguments are run_gateway's, plus
+    ``lease`` (seconds of silence of the active's lease before taking over) and ``poll``."""
+    host, port = parse_listen(listen)
+    if insecure_no_auth and not is_loopback(host):
+        raise ValueError(f"--insecure-no-auth is only accepted on a loopback address, not {host}")
+    refusal = plaintext_refusal(listen, tls=bool(tls_cert or tls_key), insecure_plaintext=insecure_plaintext)
+    if refusal:
+        raise ValueError(refusal)
+    advertised = parse_advertise(advertise) if advertise else None
+    soft, _hard = raise_nofile_limit()
+    cap = fit_connections(max_connections, soft, threads)
+    tls = None
+    if tls_cert or tls_key:
+        if not (tls_cert and tls_key):
+            raise ValueError("--tls-cert and --tls-key go together")
+        tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        tls.load_cert_chain(tls_cert, tls_key)
+    secret = Key.parse(key).secret
+    cache_dir = os.path.abspath(cache_dir or default_cache_dir(namespace))
+    factory = client_factory or client_factory_for(server, key, namespace, timeout=timeout, tls=tls_client)
+    if key_role(factory, timeout) != KeyRole.APPEND:
+        raise PermissionError(f"a standby gateway needs a key of namespace {namespace!r} with the "
+                              f"append role: it becomes the namespace's writer when promoted")
+    tree_dir = prepare_cache(cache_dir)
+    tailer = Tailer(factory, namespace, tree_dir)
+    tailer.rebuild()
+    try:
+        owner = getpass.getuser()
+    except (KeyError, OSError):
+        owner = "sos"
+    view = OpenNamespace(namespace, cache_dir, tree_dir, "", ReadOnlyTree(tree_dir, namespace),
+                         None, factory, read_only=True)
+    gateway = Gateway(WebHdfsNamespace(view, sync=sync, owner=owner, group=owner),
+                      TokenAuthority(namespace, secret, ttl=token_ttl),
+                      key_verifier(server, namespace, timeout=timeout, tls=tls_client),
+                      insecure=insecure_no_auth, tls=tls, threads=threads,
+                      max_connections=cap, max_per_address=max_per_address,
+                      head_timeout=head_timeout, send_timeout=send_timeout,
+                      open_memory=open_memory, advertise=advertised, key_recheck=key_recheck)
+
+    def open_active(replayed_to: int) -> tuple[OpenNamespace, WebHdfsNamespace]:
+        opened = open_namespace(namespace, cache_dir, client_factory=factory, timeout=timeout,
+                                sync=False, max_lag_bytes=max_lag_bytes,
+                                generation_bytes=generation_bytes, durability=durability,
+                                tier_patience=tier_patience, replayed_to=replayed_to)
+        return opened, WebHdfsNamespace(opened, sync=sync, owner=owner, group=owner)
+
+    standby = Standby(gateway, tailer, factory, lease=lease, open_active=open_active, poll=poll,
+                      lease_url=lease_url(advertise, listen))
+    gateway.gate = standby.gate
+    if advertised is None and tls is not None and is_wildcard(host):
+        log.warning("--listen %s with TLS and no --advertise: give --advertise NAME:PORT", listen)
+    code = 0
+    standby.start()
+    try:
+        trio.run(_serve, gateway, host, port, f"(namespace {namespace}, standby, lease {lease:g} s, "
+                 f"tail at record {tailer.seq})", drain_timeout, PromotedFenceWatch(standby, fence_check))
+    finally:
+        standby.stop()
+        opened = standby.opened
+        if gateway.fenced is not None:
+            code = EXIT_FENCED  # promoted, then fenced by a newer writer: nothing to flush
+        if opened is not None:
+            try:
+                if opened.writer is not None and gateway.fenced is None:
+                    opened.writer.barrier(timeout=flush_timeout)
+            except Exception as exc:  # noqa: BLE001 - reported, exit code says it
+                log.error("final flush failed (the spool in %s keeps the journal): %r",
+                          opened.spool_dir, exc)
+                code = 1
+            try:
+                opened.close(timeout=0)
+            except Exception as exc:  # noqa: BLE001
+                if gateway.fenced is None:
+                    log.error("closing the journal failed: %r", exc)
+                    code = 1
+    log.info("stopped (%s); requests served:\n%s", standby.state, gateway.summary() or "(none)")
+    return code
+
+
+def promote(url: str, namespace: str, key: str, *, timeout: float = 300.0,
+            context: ssl.SSLContext | None = None) -> dict[str, Any]:
+    """``sos gateway promote``: ask the standby at ``url`` (``http[s]://127.0.0.1:PORT``) to
+    take over now; returns its answer (``promoted``, ``epoch``, ``seq``)."""
+    client = GatewayClient(url, namespace, key, timeout=timeout, context=context)
+    return client.call("POST", PROMOTE_PATH)
