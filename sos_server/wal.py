@@ -438,7 +438,10 @@ def replay(wal_dir: str, object_path: Callable[[str, str], str]) -> ReplayNote:
     if note.records:
         log.warning(
             "replayed the write-ahead log: %d records, %d bytes onto %d objects (%d skipped)",
-            note.records, note.bytes, note.objects, note.skipped,
+            note.records,
+            note.bytes,
+            note.objects,
+            note.skipped,
         )
     return note
 
@@ -461,7 +464,9 @@ def _replay_file(path: str, objects: _ReplayTarget, note: ReplayNote, damaged: l
                     damaged.append(path)
                     log.error(
                         "damaged write-ahead log record: %s; the records before it were replayed, the"
-                        " file is kept as %s.damaged", note.damaged, path,
+                        " file is kept as %s.damaged",
+                        note.damaged,
+                        path,
                     )
                 return False
             objects.apply(namespace, name, fpos, payload)
@@ -527,8 +532,13 @@ class _ReplayTarget:
             note.skipped += 1
             return
         if fpos > sizes[opath]:  # a hole: an earlier record of it is missing
-            log.error("log record for %s/%s at file offset %d is beyond its file's end %d: skipped",
-                      namespace, name, fpos, sizes[opath])
+            log.error(
+                "log record for %s/%s at file offset %d is beyond its file's end %d: skipped",
+                namespace,
+                name,
+                fpos,
+                sizes[opath],
+            )
             note.skipped += 1
             return
         if isinstance(payload, tuple):  # in place: there and whole, or never acknowledged
