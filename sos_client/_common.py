@@ -172,7 +172,9 @@ def tls_required(
     the connection, or sent bytes that are no frame): if the server answered with a TLS
     record, or completes a TLS handshake when asked, it requires TLS, and the error says so
     (not retryable: retrying without TLS cannot work). Otherwise ``exc`` as it was."""
-    if received[:2] in TLS_RECORD_PREFIXES or _answers_tls(host, port, min(timeout, 5.0)):
+    # a short probe: a TLS server answers a ClientHello at once; a server that does not (a
+    # broken or hostile one) must not cost a failing client seconds per attempt
+    if received[:2] in TLS_RECORD_PREFIXES or _answers_tls(host, port, min(timeout, 0.5)):
         err = ConnectionLost(
             f"{server}: the server requires TLS: pass --tls-ca FILE (or set "
             f"{TLS_CA_ENV}=FILE; --tls for a certificate of a public CA)",
