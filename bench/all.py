@@ -88,8 +88,7 @@ class Row:
         return f"| {self.measure} | {self.sos} | {self.other} | {self.ratio} | {self.target} | {self.verdict} |"
 
 
-HEADER = ("| measure | SOS | compared with, same run | ratio | target | verdict |\n"
-          "|---|---|---|---|---|---|")
+HEADER = "| measure | SOS | compared with, same run | ratio | target | verdict |\n|---|---|---|---|---|---|"
 
 
 def met(ok: bool) -> str:
@@ -131,7 +130,7 @@ def put_vs_dd(work: str, server: LocalServer, key: str, ns: str, mib: int, runs:
     blob = os.urandom(4 * MIB)
     with open(src, "wb") as f:
         for i in range(mib):
-            f.write(blob[(i * 4096) % (3 * MIB):][:MIB])
+            f.write(blob[(i * 4096) % (3 * MIB) :][:MIB])
         f.flush()
         os.fsync(f.fileno())
     env = child_env()
@@ -159,19 +158,28 @@ def put_vs_dd(work: str, server: LocalServer, key: str, ns: str, mib: int, runs:
     timed([*put_cmd, "--help"], startup, env=env)
     sos, dd = mib / min(put_s), mib / min(dd_s)
     r = sos / dd
-    return Row(f"`sos put` of {_size(mib)} vs `dd bs=1M conv=fsync` of the same file (best of {runs})",
-               f"{sos:,.0f} MiB/s ({min(put_s):.2f} s, of which CLI start-up {startup[0]:.2f} s)",
-               f"dd {dd:,.0f} MiB/s ({min(dd_s):.2f} s)", f"{r:.2f}x", ">= 0.85x", met(r >= 0.85))
+    return Row(
+        f"`sos put` of {_size(mib)} vs `dd bs=1M conv=fsync` of the same file (best of {runs})",
+        f"{sos:,.0f} MiB/s ({min(put_s):.2f} s, of which CLI start-up {startup[0]:.2f} s)",
+        f"dd {dd:,.0f} MiB/s ({min(dd_s):.2f} s)",
+        f"{r:.2f}x",
+        ">= 0.85x",
+        met(r >= 0.85),
+    )
 
 
 # -- appends ------------------------------------------------------------------------------
 APPEND_CASES = [  # (size, writers, with pyftpdlib)
-    (MIB, 1, False), (MIB, 8, True), (KIB4, 1, True), (KIB4, 64, True),
+    (MIB, 1, False),
+    (MIB, 8, True),
+    (KIB4, 1, True),
+    (KIB4, 64, True),
 ]
 
 
-def run_appends(work: str, server: LocalServer, key: str, ns: str, seconds: float,
-                ftp: appends.FtpServer | None) -> dict[tuple[str, int, int], appends.Result]:
+def run_appends(
+    work: str, server: LocalServer, key: str, ns: str, seconds: float, ftp: appends.FtpServer | None
+) -> dict[tuple[str, int, int], appends.Result]:
     """Each case: SOS, raw and pyftpdlib back to back. Keys: (system, size, writers)."""
     from sos_wire.auth import Key
 
@@ -204,50 +212,91 @@ def append_rows(res: dict[tuple[str, int, int], appends.Result]) -> list[Row]:
         other = f"raw write+fdatasync, {writers} thread{'s' * (writers > 1)}: {raw.mb_s:,.0f} MB/s"
         if ftp is not None:
             other += f"; pyftpdlib (no fsync) {ftp.mb_s:,.0f} MB/s"
-        rows.append(Row(f"1 MiB appends, {writers} writer{'s' * (writers > 1)}, ack after fsync",
-                        f"{sos.mb_s:,.0f} MB/s, p99 {pct(sos.lat, 99) * 1e3:.1f} ms", other,
-                        fmt(r), f">= {target:.2f}x raw", judge(r >= target, sos.mb_s, raw.mb_s)))
+        rows.append(
+            Row(
+                f"1 MiB appends, {writers} writer{'s' * (writers > 1)}, ack after fsync",
+                f"{sos.mb_s:,.0f} MB/s, p99 {pct(sos.lat, 99) * 1e3:.1f} ms",
+                other,
+                fmt(r),
+                f">= {target:.2f}x raw",
+                judge(r >= target, sos.mb_s, raw.mb_s),
+            )
+        )
     sos, raw, ftp = (res.get((s, KIB4, 1)) for s in ("sos", "raw", "ftp"))
     if ftp is not None:
         r = ratio(sos.ops_s, ftp.ops_s)
-        rows.append(Row("4 KiB appends, 1 writer", f"{sos.ops_s:,.0f}/s, p50 {pct(sos.lat, 50) * 1e3:.2f} ms",
-                        f"pyftpdlib (no fsync!) {ftp.ops_s:,.0f}/s; raw 1 thread {raw.ops_s:,.0f}/s "
-                        f"({fmt(ratio(sos.ops_s, raw.ops_s))} of raw)", fmt(r), ">= 2x pyftpdlib",
-                        judge(r >= 2, sos.ops_s, ftp.ops_s)))
+        rows.append(
+            Row(
+                "4 KiB appends, 1 writer",
+                f"{sos.ops_s:,.0f}/s, p50 {pct(sos.lat, 50) * 1e3:.2f} ms",
+                f"pyftpdlib (no fsync!) {ftp.ops_s:,.0f}/s; raw 1 thread {raw.ops_s:,.0f}/s "
+                f"({fmt(ratio(sos.ops_s, raw.ops_s))} of raw)",
+                fmt(r),
+                ">= 2x pyftpdlib",
+                judge(r >= 2, sos.ops_s, ftp.ops_s),
+            )
+        )
     else:
-        rows.append(Row("4 KiB appends, 1 writer", f"{sos.ops_s:,.0f}/s", f"raw 1 thread {raw.ops_s:,.0f}/s", "-",
-                        ">= 2x pyftpdlib", "NOT RUN (pyftpdlib missing)"))
+        rows.append(
+            Row(
+                "4 KiB appends, 1 writer",
+                f"{sos.ops_s:,.0f}/s",
+                f"raw 1 thread {raw.ops_s:,.0f}/s",
+                "-",
+                ">= 2x pyftpdlib",
+                "NOT RUN (pyftpdlib missing)",
+            )
+        )
     sos, raw, ftp = (res.get((s, KIB4, 64)) for s in ("sos", "raw", "ftp"))
     p99 = pct(sos.lat, 99)
     other = f"raw 64 threads on 64 files {raw.ops_s:,.0f}/s, p99 {pct(raw.lat, 99) * 1e3:.1f} ms"
     if ftp is not None:
         other += f"; pyftpdlib (no fsync) {ftp.ops_s:,.0f}/s"
-    rows.append(Row("4 KiB appends, 64 writers", f"{sos.ops_s:,.0f}/s, p99 {p99 * 1e3:.1f} ms", other,
-                    fmt(ratio(sos.ops_s, raw.ops_s), suffix="x raw"), ">= 25,000/s, p99 <= 10 ms",
-                    judge(sos.ops_s >= 25000 and p99 <= 0.010, sos.ops_s)))
+    rows.append(
+        Row(
+            "4 KiB appends, 64 writers",
+            f"{sos.ops_s:,.0f}/s, p99 {p99 * 1e3:.1f} ms",
+            other,
+            fmt(ratio(sos.ops_s, raw.ops_s), suffix="x raw"),
+            ">= 25,000/s, p99 <= 10 ms",
+            judge(sos.ops_s >= 25000 and p99 <= 0.010, sos.ops_s),
+        )
+    )
     for writers in (1, 64):
         sos, raw = res[("sos", KIB4, writers)], res[("raw", KIB4, writers)]
         s_us = ratio(sos.cpu, sos.ops) * 1e6 if sos.cpu is not None else math.nan
         r_us = ratio(raw.cpu, raw.ops) * 1e6 if raw.cpu is not None else math.nan
-        rows.append(Row(f"server CPU per 4 KiB append, {writers} writer{'s' * (writers > 1)}",
-                        fmt(s_us, ",.0f", " µs"),
-                        f"raw loop ({writers} thread{'s' * (writers > 1)}) {fmt(r_us, ',.0f', ' µs')} per "
-                        "write+fdatasync", fmt(ratio(s_us, r_us), ".1f"), "<= 80 µs", judge(s_us <= 80, s_us)))
+        rows.append(
+            Row(
+                f"server CPU per 4 KiB append, {writers} writer{'s' * (writers > 1)}",
+                fmt(s_us, ",.0f", " µs"),
+                f"raw loop ({writers} thread{'s' * (writers > 1)}) {fmt(r_us, ',.0f', ' µs')} per write+fdatasync",
+                fmt(ratio(s_us, r_us), ".1f"),
+                "<= 80 µs",
+                judge(s_us <= 80, s_us),
+            )
+        )
     return rows
 
 
 # -- restore ------------------------------------------------------------------------------
 def restore_row(work: str, server: LocalServer, key: str, ns: str, mode: Mode) -> Row:
     os.makedirs(work)
-    tree, fac = restores.prepare(work, server.address, key, ns, mode.restore_small, mode.restore_large,
-                                 mode.restore_large_mib, say=say)
+    tree, fac = restores.prepare(
+        work, server.address, key, ns, mode.restore_small, mode.restore_large, mode.restore_large_mib, say=say
+    )
     c = restores.compare(work, tree, fac, ns, mode.restore_runs, say=say)
     cp, rs = min(c.cp_s), min(c.restore_s)
     mib = tree.bytes / MIB
     ratios = ", ".join(f"{x:.2f}" for x in c.run_ratios)
-    return Row(f"restore of {mib:,.0f} MiB ({tree.files:,} files) vs `cp -r`, best of {mode.restore_runs} vs best",
-               f"{rs:.2f} s ({mib / rs:,.0f} MiB/s)", f"cp -r {cp:.2f} s ({mib / cp:,.0f} MiB/s); per run: {ratios}",
-               f"{c.best_ratio:.2f}x", ">= 1.00x (100% of cp's speed)", met(c.best_ratio >= 1.0))
+    return Row(
+        f"restore of {mib:,.0f} MiB ({tree.files:,} files) vs `cp -r`, best of {mode.restore_runs} vs best",
+        f"{rs:.2f} s ({mib / rs:,.0f} MiB/s)",
+        f"cp -r {cp:.2f} s ({mib / cp:,.0f} MiB/s); per run: {ratios}",
+        f"{c.best_ratio:.2f}x",
+        ">= 1.00x (100% of cp's speed)",
+        met(c.best_ratio >= 1.0),
+    )
 
 
 # -- Spark ----------------------------------------------------------------------------------
@@ -283,8 +332,14 @@ def spark_row(work: str, mode: Mode, jvm_options: str) -> Row:
         return Row(SPARK_MEASURE, "-", "-", "-", target, f"NOT RUN (exit {code}, no figures)")
     r = res["mount_median_ms"] / res["local_median_ms"]
     n = res.get("batches_each", "?")
-    return Row(f"{SPARK_MEASURE} ({n} batches each, median)", f"mount {res['mount_median_ms']:.0f} ms",
-               f"local dir {res['local_median_ms']:.0f} ms", f"{r:.2f}x", target, met(r <= 1.05))
+    return Row(
+        f"{SPARK_MEASURE} ({n} batches each, median)",
+        f"mount {res['mount_median_ms']:.0f} ms",
+        f"local dir {res['local_median_ms']:.0f} ms",
+        f"{r:.2f}x",
+        target,
+        met(r <= 1.05),
+    )
 
 
 # -- main ---------------------------------------------------------------------------------
@@ -295,9 +350,12 @@ def main(argv: list[str] | None = None) -> int:
     size.add_argument("--smoke", action="store_true", help="seconds: checks the script runs (no Spark)")
     p.add_argument("--dir", default="/var/tmp", help="where all data goes, one disk (default /var/tmp)")
     p.add_argument("--no-spark", action="store_true", help="skip the Spark row")
-    p.add_argument("--spark-jvm-options", default=DRIVER_JVM_OPTIONS,
-                   help=f"driver JVM options for the Spark row (default: {DRIVER_JVM_OPTIONS!r}, light on "
-                        "shared cores; '' for the JVM's defaults; ignored if PYSPARK_SUBMIT_ARGS is set)")
+    p.add_argument(
+        "--spark-jvm-options",
+        default=DRIVER_JVM_OPTIONS,
+        help=f"driver JVM options for the Spark row (default: {DRIVER_JVM_OPTIONS!r}, light on "
+        "shared cores; '' for the JVM's defaults; ignored if PYSPARK_SUBMIT_ARGS is set)",
+    )
     p.add_argument("--json", default=None, help="also write the rows as JSON to this file")
     args = p.parse_args(argv)
     mode = MODES["smoke" if args.smoke else "quick" if args.quick else "full"]
@@ -308,15 +366,16 @@ def main(argv: list[str] | None = None) -> int:
     work = tempfile.mkdtemp(prefix="sos-bench-all-", dir=args.dir)
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     load0 = os.getloadavg()[0]
-    say(f"bench/all.py, mode {mode.name}, data under {work} ({os.cpu_count()} cpus), started {started}, "
-        f"load average {load0:.1f}")
+    say(
+        f"bench/all.py, mode {mode.name}, data under {work} ({os.cpu_count()} cpus), started {started}, "
+        f"load average {load0:.1f}"
+    )
     rows: list[Row] = []
     server = ftp = None
     try:
         data = os.path.join(work, "server")
         keys = {ns: keygen(data, ns) for ns in ("appends", "put", "restore")}
-        server = LocalServer(data, os.path.join(work, "server.log"), metrics=True,
-                             args=appends.SERVER_ARGS).start()
+        server = LocalServer(data, os.path.join(work, "server.log"), metrics=True, args=appends.SERVER_ARGS).start()
         say(f"sos-server at {server.address}")
         try:
             ftp = appends.FtpServer(os.path.join(work, "ftp"))
@@ -333,8 +392,16 @@ def main(argv: list[str] | None = None) -> int:
         server.stop()
         server = None
         if args.no_spark or mode.spark_batches == 0:
-            rows.append(Row(SPARK_MEASURE, "-", "-", "-", "<= 1.05x",
-                            "NOT RUN (--no-spark)" if args.no_spark else f"NOT RUN ({mode.name} mode)"))
+            rows.append(
+                Row(
+                    SPARK_MEASURE,
+                    "-",
+                    "-",
+                    "-",
+                    "<= 1.05x",
+                    "NOT RUN (--no-spark)" if args.no_spark else f"NOT RUN ({mode.name} mode)",
+                )
+            )
         else:
             rows.append(spark_row(work, mode, args.spark_jvm_options))
     finally:
@@ -345,22 +412,29 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
     load1 = os.getloadavg()[0]
     print()
-    print(f"Issue 13's targets, one run ({mode.name} mode"
-          + (": smaller sizes than the issue's, see the measure column" if mode.name != "full" else "")
-          + f"), {started}, {os.cpu_count()} cpus, load average {load0:.1f} at the start and {load1:.1f} at the end, "
-          f"data on {args.dir}, {mode.seconds:g} s per append case:")
+    print(
+        f"Issue 13's targets, one run ({mode.name} mode"
+        + (": smaller sizes than the issue's, see the measure column" if mode.name != "full" else "")
+        + f"), {started}, {os.cpu_count()} cpus, load average {load0:.1f} at the start and {load1:.1f} at the end, "
+        f"data on {args.dir}, {mode.seconds:g} s per append case:"
+    )
     print()
     print(HEADER)
     for r in rows:
         print(r.line())
     verdicts = [r.verdict for r in rows]
     print()
-    print(f"{verdicts.count('MET')} met, {verdicts.count('MISSED')} missed, "
-          f"{sum(v.startswith('NOT RUN') for v in verdicts)} not run")
+    print(
+        f"{verdicts.count('MET')} met, {verdicts.count('MISSED')} missed, "
+        f"{sum(v.startswith('NOT RUN') for v in verdicts)} not run"
+    )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"mode": mode.name, "started": started, "load": [load0, load1],
-                       "rows": [asdict(r) for r in rows]}, f, indent=1)
+            json.dump(
+                {"mode": mode.name, "started": started, "load": [load0, load1], "rows": [asdict(r) for r in rows]},
+                f,
+                indent=1,
+            )
     return 0
 
 

@@ -137,8 +137,9 @@ SERVER_ARGS = ["--log-level", "warning", "--max-unauthenticated-per-address", "1
 
 def start_server(data: str, profile: str | None = None) -> LocalServer:
     """A real ``sos-server`` with metrics on (the shared launcher, tools.demo.LocalServer)."""
-    return LocalServer(data, os.path.join(os.path.dirname(data), "server.log"), metrics=True,
-                       args=SERVER_ARGS, profile=profile).start()
+    return LocalServer(
+        data, os.path.join(os.path.dirname(data), "server.log"), metrics=True, args=SERVER_ARGS, profile=profile
+    ).start()
 
 
 def sync_stats(server: LocalServer) -> tuple[float, float, float]:
@@ -220,8 +221,11 @@ def sos_case(server: LocalServer, key: Key, ns: str, size: int, writers: int, se
     s1 = sync_stats(server)
     batches, busy, files = (b - a for a, b in zip(s0, s1))
     if batches:
-        print(f"<!-- {writers} x {_size_name(size)}: {batches:.0f} group commits, {busy / batches * 1e3:.2f} ms each, "
-              f"{files / batches:.1f} files/batch, syncer busy {busy / (seconds + warm):.0%} -->", flush=True)
+        print(
+            f"<!-- {writers} x {_size_name(size)}: {batches:.0f} group commits, {busy / batches * 1e3:.2f} ms each, "
+            f"{files / batches:.1f} files/batch, syncer busy {busy / (seconds + warm):.0%} -->",
+            flush=True,
+        )
     lat = [x for _, ls in out for x in ls]
     ops = sum(o for o, _ in out)
     # CPU covers the warm-up too: scale it to the measured share of the appends
@@ -247,8 +251,9 @@ class FtpServer:
             "s = FTPServer(('127.0.0.1', int(sys.argv[2])), FTPHandler); s.max_cons = 1024\n"
             "s.serve_forever()\n"
         )
-        self.proc = subprocess.Popen([sys.executable, "-c", code, root, str(self.port)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code, root, str(self.port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         self.pid = self.proc.pid
         deadline = time.monotonic() + 30
         while True:
@@ -305,9 +310,9 @@ def ftp_case(ftp: FtpServer, size: int, writers: int, seconds: float, tag: str) 
 def verdicts(results: list[Result]) -> list[str]:
     """The targets, judged like for like: SOS with N writers against raw write+fdatasync
     with N threads (same append size, same run), never against another writer count."""
+
     def find(name: str, size: int, writers: int) -> Result | None:
-        return next((r for r in results if r.name.startswith(name) and r.size == size and r.writers == writers),
-                    None)
+        return next((r for r in results if r.name.startswith(name) and r.size == size and r.writers == writers), None)
 
     lines = []
     for r in sorted((r for r in results if r.name == "sos-server" and r.size == 1 << 20), key=lambda r: r.writers):
@@ -315,14 +320,18 @@ def verdicts(results: list[Result]) -> list[str]:
         if raw is None or not raw.mb_s:
             continue
         ratio = r.mb_s / raw.mb_s
-        lines.append(f"target 1 MiB >= 85% of raw, {r.writers} writer(s) vs {raw.writers} raw thread(s): "
-                     f"sos {r.mb_s:.1f} MB/s = {ratio:.0%} of raw {raw.mb_s:.1f} MB/s"
-                     f" -> {'MET' if ratio >= 0.85 else 'MISSED'}")
+        lines.append(
+            f"target 1 MiB >= 85% of raw, {r.writers} writer(s) vs {raw.writers} raw thread(s): "
+            f"sos {r.mb_s:.1f} MB/s = {ratio:.0%} of raw {raw.mb_s:.1f} MB/s"
+            f" -> {'MET' if ratio >= 0.85 else 'MISSED'}"
+        )
     r = find("sos-server", 4096, 64)
     if r is not None:
         ok = r.ops_s >= 25000 and pct(r.lat, 99) < 0.010
-        lines.append(f"target 4 KiB x 64 >= 25,000/s, p99 < 10 ms: {r.ops_s:,.0f}/s, p99 {pct(r.lat, 99) * 1e3:.2f} ms"
-                     f" -> {'MET' if ok else 'MISSED'}")
+        lines.append(
+            f"target 4 KiB x 64 >= 25,000/s, p99 < 10 ms: {r.ops_s:,.0f}/s, p99 {pct(r.lat, 99) * 1e3:.2f} ms"
+            f" -> {'MET' if ok else 'MISSED'}"
+        )
     return lines
 
 

@@ -61,14 +61,19 @@ def compile_writer(out: str) -> str:
     jars = os.path.join(os.path.dirname(pyspark.__file__), "jars")
     if not glob.glob(os.path.join(jars, "hadoop-client-api-*.jar")):
         raise SystemExit("pyspark's Hadoop jars are missing")
-    subprocess.run(["javac", "-cp", os.path.join(jars, "*"), "-d", out,
-                    os.path.join(ROOT, "tests", "data", "HaWriter.java")], check=True)
+    subprocess.run(
+        ["javac", "-cp", os.path.join(jars, "*"), "-d", out, os.path.join(ROOT, "tests", "data", "HaWriter.java")],
+        check=True,
+    )
     return f"{jars}/*:{out}"
 
 
 def token(url: str, key: str) -> str:
-    r = requests.post(url + "/oauth2/token", data={"grant_type": "client_credentials",
-                                                   "client_id": NS, "client_secret": key}, timeout=60)
+    r = requests.post(
+        url + "/oauth2/token",
+        data={"grant_type": "client_credentials", "client_id": NS, "client_secret": key},
+        timeout=60,
+    )
     r.raise_for_status()
     return str(r.json()["access_token"])
 
@@ -79,8 +84,12 @@ def write_state(url: str, key: str, size: int) -> dict[str, str]:
     digests = {}
     for i in range(max(1, size // PIECE)):
         data = os.urandom(PIECE)
-        r = requests.put(f"{url}/webhdfs/v1/state/part-{i:05d}?op=CREATE&overwrite=true", headers=h,
-                         allow_redirects=False, timeout=120)
+        r = requests.put(
+            f"{url}/webhdfs/v1/state/part-{i:05d}?op=CREATE&overwrite=true",
+            headers=h,
+            allow_redirects=False,
+            timeout=120,
+        )
         r = requests.put(r.headers["Location"], data=data, headers=h, timeout=300)
         if r.status_code != 201:
             raise RuntimeError(f"state write: {r.status_code} {r.text}")
@@ -96,11 +105,26 @@ class Writer:
         self.log_path = os.path.join(work, "java.log")
         with open(os.path.join(work, "java.log"), "w") as log:
             self.proc = subprocess.Popen(
-                ["java", "-Dhawriter.attempts=1000",
-                 # the failover settings gateway_checkpoint gives a pair (spark.GATEWAY_FAILOVER)
-                 *(f"-Dhadoop.{k}={v}" for k, v in GATEWAY_FAILOVER.items()), "-cp", classpath, "HaWriter", "bench",
-                 ",".join(addresses), token_url + "/oauth2/token", NS, "100000", self.stop_file],
-                stdout=subprocess.PIPE, stderr=log, text=True, env=dict(os.environ, SOS_KEY=key))
+                [
+                    "java",
+                    "-Dhawriter.attempts=1000",
+                    # the failover settings gateway_checkpoint gives a pair (spark.GATEWAY_FAILOVER)
+                    *(f"-Dhadoop.{k}={v}" for k, v in GATEWAY_FAILOVER.items()),
+                    "-cp",
+                    classpath,
+                    "HaWriter",
+                    "bench",
+                    ",".join(addresses),
+                    token_url + "/oauth2/token",
+                    NS,
+                    "100000",
+                    self.stop_file,
+                ],
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                env=dict(os.environ, SOS_KEY=key),
+            )
         self.thread = threading.Thread(target=self._read, daemon=True)
         self.thread.start()
 
@@ -129,8 +153,14 @@ class Writer:
 
 
 def sos(server: ServerProcess, key: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*sos_command(), *args, "--server", server.address], env=dict(os.environ, SOS_KEY=key),
-                          capture_output=True, text=True, timeout=1800, check=True)
+    return subprocess.run(
+        [*sos_command(), *args, "--server", server.address],
+        env=dict(os.environ, SOS_KEY=key),
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=True,
+    )
 
 
 def check(server: ServerProcess, key: str, writer: Writer, digests: dict[str, str], work: str) -> None:
@@ -140,8 +170,10 @@ def check(server: ServerProcess, key: str, writer: Writer, digests: dict[str, st
     sos(server, key, "restore", "-q", NS, target)
     commits = {int(n) for n in os.listdir(os.path.join(target, "ha", "commits"))}
     if commits != set(writer.commits):
-        raise RuntimeError(f"restore has batches {sorted(commits ^ set(writer.commits))} the client "
-                           f"was not told committed, or lacks them")
+        raise RuntimeError(
+            f"restore has batches {sorted(commits ^ set(writer.commits))} the client "
+            f"was not told committed, or lacks them"
+        )
     for i in commits:
         with open(os.path.join(target, "ha", "commits", str(i)), "rb") as f:
             if f.read() != f"batch {i}\n".encode():
@@ -163,9 +195,16 @@ def run_one(classpath: str, size: int, mode: str, lease: float, base: str) -> di
         listen = f"127.0.0.1:{free_port()}"
 
         def gateway(name: str, listen: str, *extra: str) -> GatewayProcess:
-            g = GatewayProcess(NS, os.path.join(work, f"{name}-cache"), server.address, key, listen=listen,
-                               extra_args=["--lease", f"{lease:g}", *extra],
-                               log_path=os.path.join(work, f"{name}.log"), start_timeout=1800).start()
+            g = GatewayProcess(
+                NS,
+                os.path.join(work, f"{name}-cache"),
+                server.address,
+                key,
+                listen=listen,
+                extra_args=["--lease", f"{lease:g}", *extra],
+                log_path=os.path.join(work, f"{name}.log"),
+                start_timeout=1800,
+            ).start()
             procs.append(g)
             return g
 
@@ -192,8 +231,14 @@ def run_one(classpath: str, size: int, mode: str, lease: float, base: str) -> di
         writer.wait(n + 5, 600)
         writer.finish()
         check(server, key, writer, digests, work)
-        return {"mode": mode, "state_bytes": len(digests) * PIECE, "seconds_to_next_commit": round(gap, 2),
-                "state_write_seconds": round(wrote, 1), "batches": len(writer.commits), "exactly_once": True}
+        return {
+            "mode": mode,
+            "state_bytes": len(digests) * PIECE,
+            "seconds_to_next_commit": round(gap, 2),
+            "state_write_seconds": round(wrote, 1),
+            "batches": len(writer.commits),
+            "exactly_once": True,
+        }
     finally:
         if writer is not None and writer.proc.poll() is None:
             writer.proc.kill()

@@ -59,8 +59,10 @@ from tools.demo import LocalServer, keygen
 SIDES = ("local", "mount", "gateway", "gwtier")
 LABELS = {"local": "local", "mount": "mount", "gateway": "gateway", "gwtier": "gateway tier"}
 #: a line of the gateway's summary: "RENAME: ...", "CREATE data: ...", "token: ..."
-STATS_RE = re.compile(r"^(.+?): (\d+) requests, mean ([\d.]+) ms, p50 ([\d.]+) ms, "
-                      r"p99 ([\d.]+) ms, max ([\d.]+) ms$")
+STATS_RE = re.compile(
+    r"^(.+?): (\d+) requests, mean ([\d.]+) ms, p50 ([\d.]+) ms, "
+    r"p99 ([\d.]+) ms, max ([\d.]+) ms$"
+)
 
 
 def gateway_stats(log_text: str) -> dict[str, dict[str, float]]:
@@ -72,9 +74,13 @@ def gateway_stats(log_text: str) -> dict[str, dict[str, float]]:
     for line in part[1].splitlines():
         m = STATS_RE.match(line.strip())
         if m:
-            out[m.group(1)] = {"count": int(m.group(2)), "mean_ms": float(m.group(3)),
-                               "p50_ms": float(m.group(4)), "p99_ms": float(m.group(5)),
-                               "max_ms": float(m.group(6))}
+            out[m.group(1)] = {
+                "count": int(m.group(2)),
+                "mean_ms": float(m.group(3)),
+                "p50_ms": float(m.group(4)),
+                "p99_ms": float(m.group(5)),
+                "max_ms": float(m.group(6)),
+            }
     return out
 
 
@@ -84,6 +90,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 # --------------------------------------------------------------------------- HTTP load
+
 
 class _Conn:
     """One keep-alive connection to the gateway, with the bearer token."""
@@ -107,8 +114,7 @@ class _Conn:
         return data
 
     def create(self, path: str, body: bytes) -> None:
-        doc = json.loads(self.request("PUT", path, op="CREATE", overwrite="true",
-                                      noredirect="true"))
+        doc = json.loads(self.request("PUT", path, op="CREATE", overwrite="true", noredirect="true"))
         loc = urllib.parse.urlsplit(doc["Location"])
         self.target("PUT", f"{loc.path}?{loc.query}", body)
 
@@ -161,16 +167,17 @@ def http_load(url: str, token: str, threads: int, per_thread: int) -> dict[str, 
 
     def rename(i: int, j: int) -> None:
         src, dst = ("a", "b") if j % 2 == 0 else ("b", "a")
-        conns[i].request("PUT", f"/load/t{i}/{src}", op="RENAME",
-                         destination=f"/load/t{i}/{dst}")
+        conns[i].request("PUT", f"/load/t{i}/{src}", op="RENAME", destination=f"/load/t{i}/{dst}")
 
     results = {}
-    for name, fn in (("GETFILESTATUS", getfilestatus), ("CREATE (2 requests)", create),
-                     ("RENAME", rename)):
+    for name, fn in (("GETFILESTATUS", getfilestatus), ("CREATE (2 requests)", create), ("RENAME", rename)):
         lat, wall = _timed(fn, threads, per_thread)
-        results[name] = {"ops": len(lat), "ops_per_s": len(lat) / wall,
-                         "p50_ms": percentile(lat, 0.5) * 1e3,
-                         "p99_ms": percentile(lat, 0.99) * 1e3}
+        results[name] = {
+            "ops": len(lat),
+            "ops_per_s": len(lat) / wall,
+            "p50_ms": percentile(lat, 0.5) * 1e3,
+            "p99_ms": percentile(lat, 0.99) * 1e3,
+        }
     for c in conns:
         c.conn.close()
     return results
@@ -178,24 +185,41 @@ def http_load(url: str, token: str, threads: int, per_thread: int) -> dict[str, 
 
 # --------------------------------------------------------------------------- main
 
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batches", type=int, default=60, help="batches per run (default 60)")
-    p.add_argument("--rounds", type=int, default=3,
-                   help="rounds over the 3 sides, each round starting with the next side "
-                        "(default 3)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="rounds over the 3 sides, each round starting with the next side (default 3)",
+    )
     p.add_argument("--records-per-batch", type=int, default=500)
     p.add_argument("--state-store", choices=("hdfs", "rocksdb"), default="hdfs")
-    p.add_argument("--no-crc", action="store_true",
-                   help="local and mount without Hadoop's .crc files (webhdfs never has them)")
+    p.add_argument(
+        "--no-crc", action="store_true", help="local and mount without Hadoop's .crc files (webhdfs never has them)"
+    )
     p.add_argument("--threads", type=int, default=8, help="HTTP load threads (default 8)")
-    p.add_argument("--load-requests", type=int, default=400,
-                   help="operations per thread and per kind in the HTTP load (default 400)")
-    p.add_argument("--sides", type=_sides, default=SIDES, metavar="LIST",
-                   help=f"comma-separated sides to run, local always among them (default "
-                        f"{','.join(SIDES)})")
-    p.add_argument("--tier-interval", default="1s", metavar="DURATION",
-                   help="gwtier: the tier server's --tier-interval (default 1s, its default)")
+    p.add_argument(
+        "--load-requests",
+        type=int,
+        default=400,
+        help="operations per thread and per kind in the HTTP load (default 400)",
+    )
+    p.add_argument(
+        "--sides",
+        type=_sides,
+        default=SIDES,
+        metavar="LIST",
+        help=f"comma-separated sides to run, local always among them (default {','.join(SIDES)})",
+    )
+    p.add_argument(
+        "--tier-interval",
+        default="1s",
+        metavar="DURATION",
+        help="gwtier: the tier server's --tier-interval (default 1s, its default)",
+    )
     p.add_argument("--keep", action="store_true")
     args = p.parse_args(argv)
     sides_run: tuple[str, ...] = args.sides
@@ -211,22 +235,40 @@ def main(argv: list[str] | None = None) -> int:
         server.start()
         mnt = os.path.join(work, "mnt")
         if "mount" in sides_run:
-            mount = start_mount("benchmnt", mnt, server=server.address, key=keys["benchmnt"],
-                                cache_dir=os.path.join(work, "mount-cache"),
-                                log_path=os.path.join(work, "mount.log"))
+            mount = start_mount(
+                "benchmnt",
+                mnt,
+                server=server.address,
+                key=keys["benchmnt"],
+                cache_dir=os.path.join(work, "mount-cache"),
+                log_path=os.path.join(work, "mount.log"),
+            )
         if "gateway" in sides_run:
-            gw = GatewayProcess("benchgw", os.path.join(work, "gateway-cache"), server.address,
-                                keys["benchgw"], log_path=os.path.join(work, "gateway.log")).start()
+            gw = GatewayProcess(
+                "benchgw",
+                os.path.join(work, "gateway-cache"),
+                server.address,
+                keys["benchgw"],
+                log_path=os.path.join(work, "gateway.log"),
+            ).start()
         if "gwtier" in sides_run:
             moto, tier_url = start_tier_store(work)
             tier_data = os.path.join(work, "tier-server")
             keys["benchtier"] = keygen(tier_data, "benchtier")
-            tier_server = LocalServer(tier_data, os.path.join(work, "tier-server.log"),
-                                      args=["--tier", tier_url, "--tier-interval", args.tier_interval])
+            tier_server = LocalServer(
+                tier_data,
+                os.path.join(work, "tier-server.log"),
+                args=["--tier", tier_url, "--tier-interval", args.tier_interval],
+            )
             tier_server.start()
-            tier_gw = start_gateway("benchtier", server=tier_server.address, key=keys["benchtier"],
-                                    cache_dir=os.path.join(work, "tier-gateway-cache"),
-                                    durability="tier", log_path=os.path.join(work, "tier-gateway.log"))
+            tier_gw = start_gateway(
+                "benchtier",
+                server=tier_server.address,
+                key=keys["benchtier"],
+                cache_dir=os.path.join(work, "tier-gateway-cache"),
+                durability="tier",
+                log_path=os.path.join(work, "tier-gateway.log"),
+            )
 
         spark = open_session(args.state_store, args.no_crc, app="sos-bench-gateway")
         timer = BatchTimer(spark)
@@ -234,15 +276,26 @@ def main(argv: list[str] | None = None) -> int:
         def on_gateway(proc, ns: str):
             def location(r: int) -> str:  # the settings go on the live session's Hadoop conf
                 return str(gateway_checkpoint(spark, proc.url, ns, keys[ns], f"chk-{r}", listener=False))
+
             return location
 
-        every = {"local": lambda r: os.path.join(work, "local", f"chk-{r}"),
-                 "mount": lambda r: os.path.join(mnt, f"chk-{r}"),
-                 "gateway": on_gateway(gw, "benchgw") if gw else None,
-                 "gwtier": on_gateway(tier_gw, "benchtier") if tier_gw else None}
+        every = {
+            "local": lambda r: os.path.join(work, "local", f"chk-{r}"),
+            "mount": lambda r: os.path.join(mnt, f"chk-{r}"),
+            "gateway": on_gateway(gw, "benchgw") if gw else None,
+            "gwtier": on_gateway(tier_gw, "benchtier") if tier_gw else None,
+        }
         sides = {w: every[w] for w in SIDES if w in sides_run}
-        elapsed = alternate(spark, timer, work, sides, batches=args.batches, rounds=args.rounds,
-                            records_per_batch=args.records_per_batch, rotate=True)
+        elapsed = alternate(
+            spark,
+            timer,
+            work,
+            sides,
+            batches=args.batches,
+            rounds=args.rounds,
+            records_per_batch=args.records_per_batch,
+            rotate=True,
+        )
         spark.stop()
         stats: dict[str, dict] = {}
         for w, proc in (("gateway", gw), ("gwtier", tier_gw)):
@@ -252,11 +305,17 @@ def main(argv: list[str] | None = None) -> int:
                 stats[w] = {"wall": wall, "ops": gateway_stats(proc.log())}
 
         fig = {w: side_figures(timer, w) for w in sides}
-        res: dict = {"state_store": args.state_store, "no_crc": args.no_crc,
-                     "records_per_batch": args.records_per_batch, "rounds": args.rounds,
-                     "batches": {w: fig[w]["n"] for w in sides}, "elapsed_s": elapsed,
-                     "cores": os.cpu_count(), "load_avg_end": os.getloadavg(),
-                     "tier_interval": args.tier_interval if tier_gw else None}
+        res: dict = {
+            "state_store": args.state_store,
+            "no_crc": args.no_crc,
+            "records_per_batch": args.records_per_batch,
+            "rounds": args.rounds,
+            "batches": {w: fig[w]["n"] for w in sides},
+            "elapsed_s": elapsed,
+            "cores": os.cpu_count(),
+            "load_avg_end": os.getloadavg(),
+            "tier_interval": args.tier_interval if tier_gw else None,
+        }
         for w in sides:
             for k in ("median_ms", "mean_ms", "p90_ms"):
                 res[f"{w}_{k}"] = fig[w][k]
@@ -266,23 +325,30 @@ def main(argv: list[str] | None = None) -> int:
                 res[f"ratio_{w}_local_mean"] = fig[w]["mean_ms"] / fig["local"]["mean_ms"]
         if "gateway" in sides and "gwtier" in sides:
             res["gwtier_minus_gateway_median_ms"] = fig["gwtier"]["median_ms"] - fig["gateway"]["median_ms"]
-        res["phases_median_ms"] = {w: {k: statistics.median(v) for k, v in
-                                       timer.phases[w].items()} for w in sides}
+        res["phases_median_ms"] = {w: {k: statistics.median(v) for k, v in timer.phases[w].items()} for w in sides}
         for w, st in stats.items():
             total = sum(int(s["count"]) for s in st["ops"].values())
-            res[f"{w}_spark"] = {"requests": total, "per_batch": total / max(1, fig[w]["n"]),
-                                 "requests_per_s": total / st["wall"] if st["wall"] else 0.0,
-                                 "ops": st["ops"]}
+            res[f"{w}_spark"] = {
+                "requests": total,
+                "per_batch": total / max(1, fig[w]["n"]),
+                "requests_per_s": total / st["wall"] if st["wall"] else 0.0,
+                "ops": st["ops"],
+            }
 
         if args.load_requests > 0:
             # the HTTP load, on a gateway of its own (its stats are not mixed with Spark's)
-            load_gw = GatewayProcess("benchload", os.path.join(work, "load-cache"), server.address,
-                                     keys["benchload"],
-                                     log_path=os.path.join(work, "load-gateway.log")).start()
+            load_gw = GatewayProcess(
+                "benchload",
+                os.path.join(work, "load-cache"),
+                server.address,
+                keys["benchload"],
+                log_path=os.path.join(work, "load-gateway.log"),
+            ).start()
             token = GatewayClient(load_gw.url, "benchload", keys["benchload"]).token()
-            res["http_load"] = {"threads": args.threads,
-                                "client": http_load(load_gw.url, token, args.threads,
-                                                    args.load_requests)}
+            res["http_load"] = {
+                "threads": args.threads,
+                "client": http_load(load_gw.url, token, args.threads, args.load_requests),
+            }
             load_gw.stop()
             res["http_load"]["gateway"] = gateway_stats(load_gw.log())
 
@@ -324,8 +390,14 @@ def start_tier_store(work: str):
     cfg = os.path.join(work, "aws-none")
     for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3", "AWS_CA_BUNDLE"):
         os.environ.pop(var, None)
-    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1",
-                      AWS_CONFIG_FILE=cfg, AWS_SHARED_CREDENTIALS_FILE=cfg, AWS_EC2_METADATA_DISABLED="true")
+    os.environ.update(
+        AWS_ACCESS_KEY_ID="bench",
+        AWS_SECRET_ACCESS_KEY="bench",
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_CONFIG_FILE=cfg,
+        AWS_SHARED_CREDENTIALS_FILE=cfg,
+        AWS_EC2_METADATA_DISABLED="true",
+    )
     proc, endpoint = start_moto(dict(os.environ))
     os.environ["AWS_ENDPOINT_URL"] = endpoint
     boto3.session.Session().client("s3").create_bucket(Bucket="bench")
@@ -333,39 +405,49 @@ def start_tier_store(work: str):
 
 
 def report(args, sides: dict, fig: dict, timer, res: dict) -> None:
-    print(f"Spark micro-batch duration (triggerExecution), {args.state_store} state store, "
-          f"sync, {'no .crc files on local/mount, ' if args.no_crc else ''}"
-          f"{args.rounds} rounds x {args.batches} batches per side, "
-          f"{os.cpu_count()} cores:")
+    print(
+        f"Spark micro-batch duration (triggerExecution), {args.state_store} state store, "
+        f"sync, {'no .crc files on local/mount, ' if args.no_crc else ''}"
+        f"{args.rounds} rounds x {args.batches} batches per side, "
+        f"{os.cpu_count()} cores:"
+    )
     print(f"  {'':13} {'median':>9} {'mean':>9} {'p90':>9} {'x local (median)':>17}")
     for w in sides:
-        print(f"  {LABELS[w]:13} {fig[w]['median_ms']:8.0f}ms {fig[w]['mean_ms']:8.0f}ms "
-              f"{fig[w]['p90_ms']:8.0f}ms {fig[w]['median_ms'] / fig['local']['median_ms']:17.3f}")
+        print(
+            f"  {LABELS[w]:13} {fig[w]['median_ms']:8.0f}ms {fig[w]['mean_ms']:8.0f}ms "
+            f"{fig[w]['p90_ms']:8.0f}ms {fig[w]['median_ms'] / fig['local']['median_ms']:17.3f}"
+        )
     if "gateway" in sides:
         ratio = res["ratio_gateway_local_median"]
-        print(f"  gateway/local median {ratio:.3f}: target <= 1.05 "
-              f"{'met' if ratio <= 1.05 else 'MISSED'}")
+        print(f"  gateway/local median {ratio:.3f}: target <= 1.05 {'met' if ratio <= 1.05 else 'MISSED'}")
     if "gwtier_minus_gateway_median_ms" in res:
-        print(f"  --durability tier costs {res['gwtier_minus_gateway_median_ms']:.0f} ms per batch "
-              f"(median) over the sync gateway (tier server: --tier-interval {args.tier_interval})")
-    print(f"  median per phase (ms), {'/'.join(sides)}: " + ", ".join(
-        f"{k} " + "/".join(f"{statistics.median(timer.phases[w].get(k, [0])):.0f}"
-                           for w in sides) for k in PHASES))
+        print(
+            f"  --durability tier costs {res['gwtier_minus_gateway_median_ms']:.0f} ms per batch "
+            f"(median) over the sync gateway (tier server: --tier-interval {args.tier_interval})"
+        )
+    print(
+        f"  median per phase (ms), {'/'.join(sides)}: "
+        + ", ".join(
+            f"{k} " + "/".join(f"{statistics.median(timer.phases[w].get(k, [0])):.0f}" for w in sides) for k in PHASES
+        )
+    )
     for w in ("gateway", "gwtier"):
         g = res.get(f"{w}_spark")
         if g is None:
             continue
-        print(f"{LABELS[w].capitalize()} under Spark: {g['requests']} requests, {g['per_batch']:.1f} per "
-              f"batch, {g['requests_per_s']:.0f}/s over its runs; per operation (gateway side):")
+        print(
+            f"{LABELS[w].capitalize()} under Spark: {g['requests']} requests, {g['per_batch']:.1f} per "
+            f"batch, {g['requests_per_s']:.0f}/s over its runs; per operation (gateway side):"
+        )
         for op, s in sorted(g["ops"].items(), key=lambda kv: -kv[1]["count"]):
-            print(f"  {op:28} {int(s['count']):6d}  p50 {s['p50_ms']:7.2f} ms  "
-                  f"p99 {s['p99_ms']:7.2f} ms")
+            print(f"  {op:28} {int(s['count']):6d}  p50 {s['p50_ms']:7.2f} ms  p99 {s['p99_ms']:7.2f} ms")
     if "http_load" in res:
-        print(f"HTTP load, {args.threads} threads x {args.load_requests} per operation "
-              "(client side, keep-alive, bearer token):")
+        print(
+            f"HTTP load, {args.threads} threads x {args.load_requests} per operation "
+            "(client side, keep-alive, bearer token):"
+        )
         for op, s in res["http_load"]["client"].items():
-            print(f"  {op:22} {s['ops_per_s']:8.0f} ops/s  p50 {s['p50_ms']:7.2f} ms  "
-                  f"p99 {s['p99_ms']:7.2f} ms")
+            print(f"  {op:22} {s['ops_per_s']:8.0f} ops/s  p50 {s['p50_ms']:7.2f} ms  p99 {s['p99_ms']:7.2f} ms")
     print(json.dumps(res, sort_keys=True))
 
 

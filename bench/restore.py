@@ -42,13 +42,13 @@ def build_tree(src: str, n_small: int, n_large: int, large_mib: int) -> int:
         size = rnd.randint(1 << 10, 32 << 10)
         off = rnd.randrange(0, len(blob) - size)
         with open(os.path.join(d, f"{i}.delta"), "wb") as f:
-            f.write(blob[off:off + size])
+            f.write(blob[off : off + size])
         total += size
     os.makedirs(os.path.join(src, "big"), exist_ok=True)
     for j in range(n_large):
         with open(os.path.join(src, "big", f"{j}.zip"), "wb") as f:
             for k in range(large_mib):
-                f.write(blob[(k * 4096) % (3 << 20):][:1 << 20])
+                f.write(blob[(k * 4096) % (3 << 20) :][: 1 << 20])
         total += large_mib << 20
     return total
 
@@ -94,8 +94,16 @@ class Comparison:
         return sorted(c / r for c, r in zip(self.cp_s, self.restore_s))
 
 
-def prepare(work: str, address: str, key: str, ns: str, n_small: int, n_large: int, large_mib: int,
-            say: Callable[[str], None] = print) -> tuple[Tree, Callable]:
+def prepare(
+    work: str,
+    address: str,
+    key: str,
+    ns: str,
+    n_small: int,
+    n_large: int,
+    large_mib: int,
+    say: Callable[[str], None] = print,
+) -> tuple[Tree, Callable]:
     """Build the tree under WORK/src and journal it into NS on the server at ADDRESS as
     generation 1's snapshot. Returns the tree and a client factory for ``restore()``."""
     from sos_client import Client
@@ -121,8 +129,15 @@ def prepare(work: str, address: str, key: str, ns: str, n_small: int, n_large: i
     return tree, fac
 
 
-def compare(work: str, tree: Tree, fac: Callable, ns: str, runs: int,
-            say: Callable[[str], None] = print, workers: int | None = None) -> Comparison:
+def compare(
+    work: str,
+    tree: Tree,
+    fac: Callable,
+    ns: str,
+    runs: int,
+    say: Callable[[str], None] = print,
+    workers: int | None = None,
+) -> Comparison:
     """Time ``cp -r`` and ``restore()`` of TREE RUNS times each, alternating which goes first,
     ``sync`` before each timed step; the first restore is checked against the source.
     ``workers``: restore's lanes (None: its default)."""
@@ -164,8 +179,16 @@ def compare(work: str, tree: Tree, fac: Callable, ns: str, runs: int,
     return out
 
 
-def compare_lanes(work: str, tree: Tree, fac: Callable, ns: str, runs: int, counts: list[int],
-                  say: Callable[[str], None] = print, server_pid: int | None = None) -> dict[str, list[float]]:
+def compare_lanes(
+    work: str,
+    tree: Tree,
+    fac: Callable,
+    ns: str,
+    runs: int,
+    counts: list[int],
+    say: Callable[[str], None] = print,
+    server_pid: int | None = None,
+) -> dict[str, list[float]]:
     """Seconds per run of ``cp -r`` and of restore with each lane count in ``counts``; every
     run takes them in a rotated order, so each sees the disk in each state (the page cache
     fills up over a run: later steps meet writeback). Each restore's line gives its own CPU
@@ -184,7 +207,7 @@ def compare_lanes(work: str, tree: Tree, fac: Callable, ns: str, runs: int, coun
         return t.user + t.system
 
     for run in range(runs):
-        order = steps[run % len(steps):] + steps[:run % len(steps)]
+        order = steps[run % len(steps) :] + steps[: run % len(steps)]
         cpus = {}
         for step in order:
             dst = os.path.join(work, f"lanes-{step}-{run}")
@@ -209,8 +232,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--large-mib", type=int, default=160, help="size of each large file in MiB")
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--workdir", default=None)
-    ap.add_argument("--workers", default="", help="restore's lane counts to compare, e.g. 1,4: every run times cp -r and each, "
-                    "in a rotated order (default: cp -r against restore's default)")
+    ap.add_argument(
+        "--workers",
+        default="",
+        help="restore's lane counts to compare, e.g. 1,4: every run times cp -r and each, "
+        "in a rotated order (default: cp -r against restore's default)",
+    )
     args = ap.parse_args(argv)
     lane_counts: list[int | None] = [int(x) for x in args.workers.split(",") if x] or [None]
 
@@ -227,15 +254,20 @@ def main(argv: list[str] | None = None) -> int:
             cp_best = min(got["cp"])
             for k, secs in got.items():
                 med = sorted(secs)[len(secs) // 2]
-                print(f"{k:>4}: best {min(secs):.2f}s, median {med:.2f}s; speed vs cp -r best/best "
-                      f"{cp_best / min(secs) * 100:.0f}%, median/median "
-                      f"{sorted(got['cp'])[len(secs) // 2] / med * 100:.0f}%")
+                print(
+                    f"{k:>4}: best {min(secs):.2f}s, median {med:.2f}s; speed vs cp -r best/best "
+                    f"{cp_best / min(secs) * 100:.0f}%, median/median "
+                    f"{sorted(got['cp'])[len(secs) // 2] / med * 100:.0f}%"
+                )
             return 0
         for lanes in lane_counts:
             c = compare(work, tree, fac, ns, args.runs, workers=lanes)
             ratios = c.run_ratios
-            print(f"workers={lanes or 'default'}: per-run restore/cp speed: "
-                  + ", ".join(f"{x * 100:.0f}%" for x in ratios) + f" (median {ratios[len(ratios) // 2] * 100:.0f}%)")
+            print(
+                f"workers={lanes or 'default'}: per-run restore/cp speed: "
+                + ", ".join(f"{x * 100:.0f}%" for x in ratios)
+                + f" (median {ratios[len(ratios) // 2] * 100:.0f}%)"
+            )
             cp, rs = min(c.cp_s), min(c.restore_s)
             print(f"cp -r:   {cp:.2f}s  {tree.bytes / 2**20 / cp:.0f} MiB/s  {tree.files / cp:.0f} files/s")
             print(f"restore: {rs:.2f}s  {tree.bytes / 2**20 / rs:.0f} MiB/s  {tree.files / rs:.0f} files/s")

@@ -78,10 +78,13 @@ def open_session(state_store: str = "hdfs", no_crc: bool = False, app: str = "so
     defaults (``no_crc``: NO_CRC_CONF; ``state_store``: hdfs or rocksdb)."""
     from pyspark.sql import SparkSession
 
-    builder = (SparkSession.builder.master("local[2]").appName(app)
-               .config("spark.sql.shuffle.partitions", "2")
-               .config("spark.ui.enabled", "false")
-               .config("spark.ui.showConsoleProgress", "false"))
+    builder = (
+        SparkSession.builder.master("local[2]")
+        .appName(app)
+        .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+    )
     if no_crc:
         for k, v in NO_CRC_CONF.items():
             builder = builder.config("spark.hadoop." + k, v)
@@ -92,8 +95,9 @@ def open_session(state_store: str = "hdfs", no_crc: bool = False, app: str = "so
     return spark
 
 
-def run_query(spark, timer: BatchTimer, label: str, checkpoint: str, input_dir: str,
-              out_dir: str, batches: int) -> None:
+def run_query(
+    spark, timer: BatchTimer, label: str, checkpoint: str, input_dir: str, out_dir: str, batches: int
+) -> None:
     """The measured query (file source, maxFilesPerTrigger=1, dropDuplicates, foreachBatch)
     over ``input_dir`` until it is used up, its batches timed under ``label``."""
     timer.current = label
@@ -105,10 +109,16 @@ def run_query(spark, timer: BatchTimer, label: str, checkpoint: str, input_dir: 
             f.write(str(n))
 
     t0 = time.monotonic()
-    q = (spark.readStream.schema("id LONG, payload STRING")
-         .option("maxFilesPerTrigger", 1).json(input_dir).dropDuplicates(["id"])
-         .writeStream.foreachBatch(sink).option("checkpointLocation", checkpoint)
-         .trigger(availableNow=True).start())
+    q = (
+        spark.readStream.schema("id LONG, payload STRING")
+        .option("maxFilesPerTrigger", 1)
+        .json(input_dir)
+        .dropDuplicates(["id"])
+        .writeStream.foreachBatch(sink)
+        .option("checkpointLocation", checkpoint)
+        .trigger(availableNow=True)
+        .start()
+    )
     q.awaitTermination()
     timer.wall[label] = time.monotonic() - t0
     deadline = time.monotonic() + 60  # progress events arrive asynchronously
@@ -117,8 +127,17 @@ def run_query(spark, timer: BatchTimer, label: str, checkpoint: str, input_dir: 
     timer.current = None
 
 
-def alternate(spark, timer: BatchTimer, work: str, sides: dict, *, batches: int, rounds: int,
-              records_per_batch: int, rotate: bool = False) -> float:
+def alternate(
+    spark,
+    timer: BatchTimer,
+    work: str,
+    sides: dict,
+    *,
+    batches: int,
+    rounds: int,
+    records_per_batch: int,
+    rotate: bool = False,
+) -> float:
     """Warm up on a local checkpoint (not counted), then ``rounds`` times run the query on
     each side in turn: ``sides[name](round) -> checkpointLocation``; the same input (same
     records, same files) on every side. ``rotate``: round r starts with side r (mod the
@@ -126,26 +145,38 @@ def alternate(spark, timer: BatchTimer, work: str, sides: dict, *, batches: int,
     measured part."""
     records = batches * records_per_batch
     make_input(os.path.join(work, "in-warm"), 5 * records_per_batch, 5)
-    run_query(spark, timer, "warmup", os.path.join(work, "local-warm"),
-              os.path.join(work, "in-warm"), os.path.join(work, "out", "warmup"), 5)
+    run_query(
+        spark,
+        timer,
+        "warmup",
+        os.path.join(work, "local-warm"),
+        os.path.join(work, "in-warm"),
+        os.path.join(work, "out", "warmup"),
+        5,
+    )
     t0 = time.monotonic()
     for r in range(rounds):
         order = list(sides.items())
         if rotate:
-            order = order[r % len(order):] + order[:r % len(order)]
+            order = order[r % len(order) :] + order[: r % len(order)]
         for where, checkpoint_of in order:
             inp = os.path.join(work, f"in-{where}-{r}")
             make_input(inp, records, batches)
-            run_query(spark, timer, f"{where}-{r}", checkpoint_of(r), inp,
-                      os.path.join(work, "out", f"{where}-{r}"), batches)
+            run_query(
+                spark, timer, f"{where}-{r}", checkpoint_of(r), inp, os.path.join(work, "out", f"{where}-{r}"), batches
+            )
     return time.monotonic() - t0
 
 
 def side_figures(timer: BatchTimer, where: str) -> dict:
     """median, mean and p90 (ms) of one side's pooled batch durations."""
     values = timer.pooled(where)
-    return {"n": len(values), "median_ms": statistics.median(values),
-            "mean_ms": statistics.fmean(values), "p90_ms": statistics.quantiles(values, n=10)[-1]}
+    return {
+        "n": len(values),
+        "median_ms": statistics.median(values),
+        "mean_ms": statistics.fmean(values),
+        "p90_ms": statistics.quantiles(values, n=10)[-1],
+    }
 
 
 PHASES = ("walCommit", "addBatch", "commitOffsets", "latestOffset", "queryPlanning")
@@ -154,14 +185,16 @@ PHASES = ("walCommit", "addBatch", "commitOffsets", "latestOffset", "queryPlanni
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batches", type=int, default=60, help="batches per run (default 60)")
-    p.add_argument("--rounds", type=int, default=2,
-                   help="alternations local/mount (default 2)")
+    p.add_argument("--rounds", type=int, default=2, help="alternations local/mount (default 2)")
     p.add_argument("--records-per-batch", type=int, default=500)
     p.add_argument("--state-store", choices=("hdfs", "rocksdb"), default="hdfs")
     p.add_argument("--async", dest="async_", action="store_true", help="mount in async mode")
-    p.add_argument("--no-crc", action="store_true",
-                   help="both sides: Hadoop's raw local FS (no .crc sidecar files, half the "
-                        "renames; see spark_plugin.spark.NO_CRC_CONF)")
+    p.add_argument(
+        "--no-crc",
+        action="store_true",
+        help="both sides: Hadoop's raw local FS (no .crc sidecar files, half the "
+        "renames; see spark_plugin.spark.NO_CRC_CONF)",
+    )
     p.add_argument("--keep", action="store_true")
     args = p.parse_args(argv)
 
@@ -172,44 +205,70 @@ def main(argv=None) -> int:
         key = keygen(os.path.join(work, "server"), "bench")
         server.start()
         mnt = os.path.join(work, "mnt")
-        mount = start_mount("bench", mnt, server=server.address, key=key,
-                            cache_dir=os.path.join(work, "cache"), sync=not args.async_,
-                            log_path=os.path.join(work, "mount.log"))
+        mount = start_mount(
+            "bench",
+            mnt,
+            server=server.address,
+            key=key,
+            cache_dir=os.path.join(work, "cache"),
+            sync=not args.async_,
+            log_path=os.path.join(work, "mount.log"),
+        )
 
         spark = open_session(args.state_store, args.no_crc)
         timer = BatchTimer(spark)
-        sides = {"local": lambda r: os.path.join(work, "local", f"chk-{r}"),
-                 "mount": lambda r: os.path.join(mnt, f"chk-{r}")}
-        elapsed = alternate(spark, timer, work, sides, batches=args.batches, rounds=args.rounds,
-                            records_per_batch=args.records_per_batch)
+        sides = {
+            "local": lambda r: os.path.join(work, "local", f"chk-{r}"),
+            "mount": lambda r: os.path.join(mnt, f"chk-{r}"),
+        }
+        elapsed = alternate(
+            spark,
+            timer,
+            work,
+            sides,
+            batches=args.batches,
+            rounds=args.rounds,
+            records_per_batch=args.records_per_batch,
+        )
         spark.stop()
 
         fig = {w: side_figures(timer, w) for w in sides}
-        res = {"batches_each": fig["local"]["n"], "batches_mount": fig["mount"]["n"],
-               "no_crc": args.no_crc,
-               "state_store": args.state_store, "mode": "async" if args.async_ else "sync",
-               "records_per_batch": args.records_per_batch, "elapsed_s": elapsed}
+        res = {
+            "batches_each": fig["local"]["n"],
+            "batches_mount": fig["mount"]["n"],
+            "no_crc": args.no_crc,
+            "state_store": args.state_store,
+            "mode": "async" if args.async_ else "sync",
+            "records_per_batch": args.records_per_batch,
+            "elapsed_s": elapsed,
+        }
         for w in sides:
             for k in ("median_ms", "mean_ms", "p90_ms"):
                 res[f"{w}_{k}"] = fig[w][k]
         res["ratio_median"] = res["mount_median_ms"] / res["local_median_ms"]
         res["ratio_mean"] = res["mount_mean_ms"] / res["local_mean_ms"]
-        print(f"Spark micro-batch duration (triggerExecution), {res['state_store']} state store, "
-              f"mount {res['mode']}, {'no .crc files, ' if args.no_crc else ''}"
-              f"{res['batches_each']} batches each:")
+        print(
+            f"Spark micro-batch duration (triggerExecution), {res['state_store']} state store, "
+            f"mount {res['mode']}, {'no .crc files, ' if args.no_crc else ''}"
+            f"{res['batches_each']} batches each:"
+        )
         print(f"  {'':8} {'median':>9} {'mean':>9} {'p90':>9}")
         for w in ("local", "mount"):
-            print(f"  {w:8} {res[w + '_median_ms']:8.0f}ms {res[w + '_mean_ms']:8.0f}ms "
-                  f"{res[w + '_p90_ms']:8.0f}ms")
-        print(f"  ratio mount/local: median {res['ratio_median']:.3f}, "
-              f"mean {res['ratio_mean']:.3f} (target <= 1.10)")
+            print(f"  {w:8} {res[w + '_median_ms']:8.0f}ms {res[w + '_mean_ms']:8.0f}ms {res[w + '_p90_ms']:8.0f}ms")
+        print(f"  ratio mount/local: median {res['ratio_median']:.3f}, mean {res['ratio_mean']:.3f} (target <= 1.10)")
         phases = timer.phases
-        print("  median per phase (ms): " + ", ".join(
-            f"{k} {statistics.median(phases['local'].get(k, [0])):.0f}/"
-            f"{statistics.median(phases['mount'].get(k, [0])):.0f}" for k in PHASES)
-            + " (local/mount)")
-        res["phases_median_ms"] = {w: {k: statistics.median(v) for k, v in phases[w].items()}
-                                   for w in ("local", "mount")}
+        print(
+            "  median per phase (ms): "
+            + ", ".join(
+                f"{k} {statistics.median(phases['local'].get(k, [0])):.0f}/"
+                f"{statistics.median(phases['mount'].get(k, [0])):.0f}"
+                for k in PHASES
+            )
+            + " (local/mount)"
+        )
+        res["phases_median_ms"] = {
+            w: {k: statistics.median(v) for k, v in phases[w].items()} for w in ("local", "mount")
+        }
         print(json.dumps(res, sort_keys=True))
         return 0
     finally:

@@ -46,8 +46,12 @@ def free_port() -> int:
 
 def start_moto(env: dict[str, str]) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )
     endpoint = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -65,8 +69,15 @@ def start_moto_env(work: str) -> tuple[subprocess.Popen, dict[str, str]]:
     keys and no shared config (the files named are under *work*, which has none), put into
     os.environ too, so that a server started after inherits it. (process, that environment)"""
     cfg = os.path.join(work, "aws")
-    env = dict(os.environ, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1",
-               AWS_CONFIG_FILE=cfg, AWS_SHARED_CREDENTIALS_FILE=cfg, AWS_EC2_METADATA_DISABLED="true")
+    env = dict(
+        os.environ,
+        AWS_ACCESS_KEY_ID="bench",
+        AWS_SECRET_ACCESS_KEY="bench",
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_CONFIG_FILE=cfg,
+        AWS_SHARED_CREDENTIALS_FILE=cfg,
+        AWS_EC2_METADATA_DISABLED="true",
+    )
     moto, endpoint = start_moto(env)
     env["AWS_ENDPOINT_URL"] = endpoint
     os.environ.update(env)
@@ -129,8 +140,9 @@ def one_run(i: int, args, env: dict[str, str], url: str, work: str) -> dict[str,
     from tools.server import ServerProcess
 
     data = os.path.join(work, f"data{i}")
-    srv = ServerProcess(data, ["--tier", url, *args.server_arg], log_path=os.path.join(work, f"server{i}.log"),
-                        metrics=False)
+    srv = ServerProcess(
+        data, ["--tier", url, *args.server_arg], log_path=os.path.join(work, f"server{i}.log"), metrics=False
+    )
     os.environ.update(env)
     srv.start()
     ns = f"bench{i}"
@@ -176,8 +188,9 @@ def one_run(i: int, args, env: dict[str, str], url: str, work: str) -> dict[str,
             st = scan(store, ns).get(ns)
         finally:
             store.close()
-        if st is not None and all(w.name in st.objects and st.objects[w.name].length >= (w.acks[-1][1] if w.acks else 0)
-                                  for w in writers):
+        if st is not None and all(
+            w.name in st.objects and st.objects[w.name].length >= (w.acks[-1][1] if w.acks else 0) for w in writers
+        ):
             done = time.monotonic()
             break
         time.sleep(0.2)
@@ -196,14 +209,21 @@ def one_run(i: int, args, env: dict[str, str], url: str, work: str) -> dict[str,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
     p.add_argument("--writers", type=argtypes.integer(1), default=4, help="writer threads (default 4)")
     p.add_argument("--size", type=argtypes.size(1), default=64 << 10, help="bytes per append (default 64KiB)")
     p.add_argument("--load", type=argtypes.duration, default=10.0, help="seconds of load before the kill (default 10s)")
     p.add_argument("--kills", type=argtypes.integer(1), default=5, help="runs (default 5)")
-    p.add_argument("--server-arg", action="append", default=[],
-                   help="extra sos-server serve argument (repeat), e.g. --server-arg=--tier-interval=5s")
+    p.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        help="extra sos-server serve argument (repeat), e.g. --server-arg=--tier-interval=5s",
+    )
     args = p.parse_args(argv)
     import boto3
 
@@ -213,22 +233,29 @@ def main(argv: list[str] | None = None) -> int:
     try:
         boto3.client("s3").create_bucket(Bucket="bench")
         url = "s3://bench/sos"
-        print(f"sos-server --tier {url} {' '.join(args.server_arg) or '(defaults: --tier-interval 1s --tier-bytes 8MiB)'};"
-              f" {args.writers} writers x {args.size} B appends"
-              f", {args.load:g} s of load, then SIGKILL; moto at {endpoint}")
+        print(
+            f"sos-server --tier {url} {' '.join(args.server_arg) or '(defaults: --tier-interval 1s --tier-bytes 8MiB)'};"
+            f" {args.writers} writers x {args.size} B appends"
+            f", {args.load:g} s of load, then SIGKILL; moto at {endpoint}"
+        )
         rows = []
         for i in range(args.kills):
             r = one_run(i, args, env, url, work)
             rows.append(r)
-            print(f"run {i + 1}: {r['rate']:.1f} MiB/s acknowledged, at the kill {r['lost_bytes'] / MIB:.2f} MiB"
-                  f" ({r['lost_bytes']} bytes) not in the bucket, oldest {r['lag_s']:.2f} s old; bucket problems"
-                  f" {r['problems']}; after restart complete: {'yes' if r['complete_after_restart'] else 'NO'}"
-                  f" ({r['restart_s']:.1f} s after the kill)", flush=True)
+            print(
+                f"run {i + 1}: {r['rate']:.1f} MiB/s acknowledged, at the kill {r['lost_bytes'] / MIB:.2f} MiB"
+                f" ({r['lost_bytes']} bytes) not in the bucket, oldest {r['lag_s']:.2f} s old; bucket problems"
+                f" {r['problems']}; after restart complete: {'yes' if r['complete_after_restart'] else 'NO'}"
+                f" ({r['restart_s']:.1f} s after the kill)",
+                flush=True,
+            )
         lost = [r["lost_bytes"] / MIB for r in rows]
         lag = [r["lag_s"] for r in rows]
-        print(f"lag at the kill: median {statistics.median(lost):.2f} MiB / {statistics.median(lag):.2f} s,"
-              f" max {max(lost):.2f} MiB / {max(lag):.2f} s over {len(rows)} kills;"
-              f" load median {statistics.median(r['rate'] for r in rows):.1f} MiB/s")
+        print(
+            f"lag at the kill: median {statistics.median(lost):.2f} MiB / {statistics.median(lag):.2f} s,"
+            f" max {max(lost):.2f} MiB / {max(lag):.2f} s over {len(rows)} kills;"
+            f" load median {statistics.median(r['rate'] for r in rows):.1f} MiB/s"
+        )
     finally:
         moto.kill()
         moto.wait()

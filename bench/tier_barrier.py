@@ -37,8 +37,7 @@ def run_mode(srv, ns: str, durability: str, n: int, size: int, work: str) -> lis
     from sos_client.journal.open import open_namespace
 
     key = srv.keygen(ns)
-    opened = open_namespace(ns, os.path.join(work, f"cache-{ns}"), server=srv.address, key=key,
-                            durability=durability)
+    opened = open_namespace(ns, os.path.join(work, f"cache-{ns}"), server=srv.address, key=key, durability=durability)
     tree = opened.tree
     try:
         for d in ("chk", "chk/offsets", "chk/commits"):
@@ -62,17 +61,25 @@ def run_mode(srv, ns: str, durability: str, n: int, size: int, work: str) -> lis
 def summary(label: str, times: list[float]) -> str:
     ms = sorted(t * 1000 for t in times)
     p90 = ms[min(len(ms) - 1, int(len(ms) * 0.9))]
-    return (f"| {label} | {len(ms)} | {statistics.median(ms):.1f} | {statistics.mean(ms):.1f} | {p90:.1f} |"
-            f" {ms[-1]:.1f} |")
+    return (
+        f"| {label} | {len(ms)} | {statistics.median(ms):.1f} | {statistics.mean(ms):.1f} | {p90:.1f} | {ms[-1]:.1f} |"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
     p.add_argument("-n", type=argtypes.integer(1), default=50, help="barriers per durability (default 50)")
     p.add_argument("--size", type=argtypes.size(1), default=1024, help="bytes of each offsets/N file (default 1KiB)")
-    p.add_argument("--server-arg", action="append", default=[],
-                   help="extra sos-server serve argument (repeat), e.g. --server-arg=--tier-interval=5s")
+    p.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        help="extra sos-server serve argument (repeat), e.g. --server-arg=--tier-interval=5s",
+    )
     args = p.parse_args(argv)
     import boto3
 
@@ -84,18 +91,30 @@ def main(argv: list[str] | None = None) -> int:
     servers = []
     try:
         boto3.client("s3").create_bucket(Bucket="bench")
-        srv = ServerProcess(os.path.join(work, "data"), ["--tier", "s3://bench/sos", *args.server_arg],
-                            log_path=os.path.join(work, "server.log"), metrics=False)
+        srv = ServerProcess(
+            os.path.join(work, "data"),
+            ["--tier", "s3://bench/sos", *args.server_arg],
+            log_path=os.path.join(work, "server.log"),
+            metrics=False,
+        )
         servers.append(srv.start())
-        slow = ServerProcess(os.path.join(work, "data-1h"), ["--tier", "s3://bench/sos-1h", "--tier-interval", "1h"],
-                             log_path=os.path.join(work, "server-1h.log"), metrics=False)
+        slow = ServerProcess(
+            os.path.join(work, "data-1h"),
+            ["--tier", "s3://bench/sos-1h", "--tier-interval", "1h"],
+            log_path=os.path.join(work, "server-1h.log"),
+            metrics=False,
+        )
         servers.append(slow.start())
-        print(f"sos-server --tier s3://bench/sos {' '.join(args.server_arg) or '(default --tier-interval 1s)'}; moto at"
-              f" {endpoint}; {args.n} batches per row: offsets/N of {args.size} B, then the rename onto commits/N",
-              flush=True)
-        rows = [("server", run_mode(srv, "bserver", "server", args.n, args.size, work)),
-                ("tier", run_mode(srv, "btier", "tier", args.n, args.size, work)),
-                ("tier (interval 1h)", run_mode(slow, "bslow", "tier", args.n, args.size, work))]
+        print(
+            f"sos-server --tier s3://bench/sos {' '.join(args.server_arg) or '(default --tier-interval 1s)'}; moto at"
+            f" {endpoint}; {args.n} batches per row: offsets/N of {args.size} B, then the rename onto commits/N",
+            flush=True,
+        )
+        rows = [
+            ("server", run_mode(srv, "bserver", "server", args.n, args.size, work)),
+            ("tier", run_mode(srv, "btier", "tier", args.n, args.size, work)),
+            ("tier (interval 1h)", run_mode(slow, "bslow", "tier", args.n, args.size, work)),
+        ]
         print("| durability | barriers | median ms | mean ms | p90 ms | max ms |")
         print("|---|---|---|---|---|---|")
         for label, times in rows:

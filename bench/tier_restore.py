@@ -64,9 +64,14 @@ def main() -> int:
 
     base = tempfile.mkdtemp(prefix="sos-tier-restore-")
     os.environ.pop("AWS_PROFILE", None)
-    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1",
-                      AWS_EC2_METADATA_DISABLED="true", AWS_CONFIG_FILE=f"{base}/aws-config",
-                      AWS_SHARED_CREDENTIALS_FILE=f"{base}/aws-credentials")
+    os.environ.update(
+        AWS_ACCESS_KEY_ID="bench",
+        AWS_SECRET_ACCESS_KEY="bench",
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_EC2_METADATA_DISABLED="true",
+        AWS_CONFIG_FILE=f"{base}/aws-config",
+        AWS_SHARED_CREDENTIALS_FILE=f"{base}/aws-credentials",
+    )
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     moto.start()
@@ -96,6 +101,7 @@ def main() -> int:
         for store in (S3Store(s3_url), LocalStore(file_url)):
             up = Uploader(store)
             for name, (data, sealed) in objects.items():
+
                 def read(b: int, e: int, d: bytes = data) -> bytes:
                     return d[b:e]
 
@@ -107,8 +113,12 @@ def main() -> int:
         for label, extra in (("server", []), ("s3 (moto)", ["--from", s3_url]), ("file://", ["--from", file_url])):
             out = f"{base}/out-{len(outs)}"
             t0 = time.monotonic()
-            r = subprocess.run([*timer, sys.executable, "-m", "sos_client.cli", "restore", "-q", ns, out, *extra],
-                               env=env, capture_output=True, text=True)
+            r = subprocess.run(
+                [*timer, sys.executable, "-m", "sos_client.cli", "restore", "-q", ns, out, *extra],
+                env=env,
+                capture_output=True,
+                text=True,
+            )
             dt = time.monotonic() - t0
             if r.returncode != 0:
                 print(r.stderr, file=sys.stderr)
@@ -126,7 +136,9 @@ def main() -> int:
             t0 = time.monotonic()
             restore(src, ns, f"{base}/slow{k}")
             dt = time.monotonic() - t0
-            print(f"library restore, file:// + {args.latency_ms:g} ms per GET, {k} GET workers: {dt:6.2f} s", flush=True)
+            print(
+                f"library restore, file:// + {args.latency_ms:g} ms per GET, {k} GET workers: {dt:6.2f} s", flush=True
+            )
             shutil.rmtree(f"{base}/slow{k}")
     finally:
         srv.stop()

@@ -64,8 +64,7 @@ def check_gateway(address: str, timeout: float = 5.0, tls: bool = False) -> bool
         ctx = ssl.create_default_context()
         ctx.check_hostname = False
         ctx.verify_mode = ssl.CERT_NONE
-        conn: http.client.HTTPConnection = http.client.HTTPSConnection(
-            host, int(port), timeout=timeout, context=ctx)
+        conn: http.client.HTTPConnection = http.client.HTTPSConnection(host, int(port), timeout=timeout, context=ctx)
     else:
         conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
     try:
@@ -85,9 +84,9 @@ def _role(argv: list[str]) -> str | None:
     """'server' for ``... sos-server serve ...``, 'gateway' for ``... sos gateway ...``."""
     names = [os.path.basename(a) for a in argv]
     for i, name in enumerate(names):
-        if name == "sos-server" and "serve" in argv[i + 1:]:
+        if name == "sos-server" and "serve" in argv[i + 1 :]:
             return "server"
-        if name == "sos" and "gateway" in argv[i + 1:]:
+        if name == "sos" and "gateway" in argv[i + 1 :]:
             return "gateway"
     return None
 
@@ -132,8 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         procs = running()
         if not gateway and "gateway" in procs and "server" not in procs:
             gateway = True
-        address = procs.get("gateway" if gateway else "server") \
-            or ("127.0.0.1:9870" if gateway else "127.0.0.1:7070")
+        address = procs.get("gateway" if gateway else "server") or ("127.0.0.1:9870" if gateway else "127.0.0.1:7070")
     tls = os.environ.get("SOS_HEALTH_TLS", "0") not in ("", "0")
     try:
         ok = (check_gateway if gateway else check)(address, tls=tls)

@@ -55,8 +55,7 @@ def namespace_key() -> str:
     return key
 
 
-builder = (SparkSession.builder.appName("sos-example")
-           .config("spark.sql.shuffle.partitions", "2"))
+builder = SparkSession.builder.appName("sos-example").config("spark.sql.shuffle.partitions", "2")
 if GATEWAY:
     # the settings go in before the session starts: the executors get them from the driver
     checkpoint = gateway_checkpoint(builder, GATEWAY, NAMESPACE, namespace_key(), CHECKPOINT)
@@ -70,9 +69,14 @@ else:
     # is not an SOS mount); the MarkerListener is registered on `spark`
     checkpoint = journaled_checkpoint(spark, NAMESPACE, mountpoint=MOUNT, checkpoint=CHECKPOINT)
 
-counts = (spark.readStream.format("rate-micro-batch").option("rowsPerBatch", 100).load()
-          .withColumn("bucket", F.col("value") % 10)
-          .groupBy("bucket").count())
+counts = (
+    spark.readStream.format("rate-micro-batch")
+    .option("rowsPerBatch", 100)
+    .load()
+    .withColumn("bucket", F.col("value") % 10)
+    .groupBy("bucket")
+    .count()
+)
 
 
 def sink(df, batch_id):
@@ -80,9 +84,13 @@ def sink(df, batch_id):
     df.coalesce(1).write.mode("overwrite").json(os.path.join(OUTPUT, f"batch-{batch_id:09d}"))
 
 
-query = (counts.writeStream.outputMode("update").foreachBatch(sink)
-         .option("checkpointLocation", str(checkpoint)).trigger(processingTime=TRIGGER)
-         .start())
+query = (
+    counts.writeStream.outputMode("update")
+    .foreachBatch(sink)
+    .option("checkpointLocation", str(checkpoint))
+    .trigger(processingTime=TRIGGER)
+    .start()
+)
 if not MAX_BATCHES:
     query.awaitTermination()
 else:
@@ -96,7 +104,10 @@ else:
         time.sleep(0.5)
     if query.exception() is not None:
         raise SystemExit(f"spark_job: the query failed: {query.exception()}")
-    print(f"spark_job: {MAX_BATCHES} batches committed to {checkpoint}; markers "
-          f"{sorted(getattr(listener, 'written', []))}, listener errors "
-          f"{getattr(listener, 'errors', [])}", flush=True)
+    print(
+        f"spark_job: {MAX_BATCHES} batches committed to {checkpoint}; markers "
+        f"{sorted(getattr(listener, 'written', []))}, listener errors "
+        f"{getattr(listener, 'errors', [])}",
+        flush=True,
+    )
     spark.stop()

@@ -165,16 +165,19 @@ def _answers_tls(host: str, port: int, timeout: float) -> bool:
         return False
 
 
-def tls_required(host: str, port: int, server: str, exc: ConnectionLost, *,
-                 received: bytes = b"", timeout: float = 5.0) -> ConnectionLost:
+def tls_required(
+    host: str, port: int, server: str, exc: ConnectionLost, *, received: bytes = b"", timeout: float = 5.0
+) -> ConnectionLost:
     """What a plain-TCP client says when its HELLO/AUTH failed with ``exc`` (the server closed
     the connection, or sent bytes that are no frame): if the server answered with a TLS
     record, or completes a TLS handshake when asked, it requires TLS, and the error says so
     (not retryable: retrying without TLS cannot work). Otherwise ``exc`` as it was."""
     if received[:2] in TLS_RECORD_PREFIXES or _answers_tls(host, port, min(timeout, 5.0)):
-        err = ConnectionLost(f"{server}: the server requires TLS: pass --tls-ca FILE (or set "
-                             f"{TLS_CA_ENV}=FILE; --tls for a certificate of a public CA)",
-                             retryable=False)
+        err = ConnectionLost(
+            f"{server}: the server requires TLS: pass --tls-ca FILE (or set "
+            f"{TLS_CA_ENV}=FILE; --tls for a certificate of a public CA)",
+            retryable=False,
+        )
         err.__cause__ = exc
         return err
     return exc
@@ -217,9 +220,18 @@ class ClientSettings:
     """What both clients resolve the same way before connecting: server, key and namespace
     (defaults from $SOS_SERVER/$SOS_KEY), timeouts, TLS context, client name."""
 
-    def __init__(self, server: str | None, key: str | Key | None, namespace: str | None, *, timeout: float,
-                 tls: ssl.SSLContext | bool | None, reconnect_timeout: float | None,
-                 client_name: str, who: str) -> None:
+    def __init__(
+        self,
+        server: str | None,
+        key: str | Key | None,
+        namespace: str | None,
+        *,
+        timeout: float,
+        tls: ssl.SSLContext | bool | None,
+        reconnect_timeout: float | None,
+        client_name: str,
+        who: str,
+    ) -> None:
         if namespace is None:
             raise TypeError(f"{who} needs a namespace")
         self.host, self.port, self._key, self.namespace = settings_from_env(server, key, namespace)
@@ -247,8 +259,9 @@ def channel_binding_of(tls: Any) -> bytes:
     server refuses."""
     der = tls.getpeercert(binary_form=True)
     if not der:
-        raise ConnectionLost("the TLS server presented no certificate: the AUTH proof cannot be bound to it",
-                             retryable=False)
+        raise ConnectionLost(
+            "the TLS server presented no certificate: the AUTH proof cannot be bound to it", retryable=False
+        )
     return tls_server_end_point(der)
 
 
@@ -287,8 +300,9 @@ def tier_wait_ms(timeout: float) -> int:
 class Core:
     """Protocol logic over one authenticated connection (no I/O)."""
 
-    def __init__(self, key: Key, namespace: str, *, client_name: str = CLIENT_NAME,
-                 channel_binding: bytes = b"") -> None:
+    def __init__(
+        self, key: Key, namespace: str, *, client_name: str = CLIENT_NAME, channel_binding: bytes = b""
+    ) -> None:
         """*channel_binding*: ``b""`` on plain TCP, :func:`channel_binding_of` the TLS
         connection otherwise (it goes into the AUTH proof)."""
         self.conn = Connection(Role.CLIENT)
@@ -312,8 +326,9 @@ class Core:
             raise ConnectionLost(f"the server closed the connection: {event.message}", event.code)
         return event
 
-    def _request(self, event: ev.Request, what: str, reply_type: type[_Reply], *,
-                 name: str | None = None) -> Op[_Reply]:
+    def _request(
+        self, event: ev.Request, what: str, reply_type: type[_Reply], *, name: str | None = None
+    ) -> Op[_Reply]:
         """Generator: send one request, return its reply or raise the mapped error."""
         yield self._send(event)
         reply = yield from self._recv()
@@ -333,7 +348,8 @@ class Core:
     def handshake(self) -> Op[ev.KeyRole]:
         hello = yield from self._request(
             ev.Hello(self._rid(), self.client_name, min(SUPPORTED_VERSIONS), max(SUPPORTED_VERSIONS)),
-            "hello", ev.HelloOk,
+            "hello",
+            ev.HelloOk,
         )
         if hello.version != VERSION:
             raise ConnectionLost(f"the server chose protocol version {hello.version}, this client speaks {VERSION}")
@@ -342,7 +358,8 @@ class Core:
         proof = self.key.proof(hello.nonce, self.namespace, self.channel_binding)
         ok = yield from self._request(
             ev.Auth(self._rid(), self.key.key_id, self.namespace, proof),
-            f"authenticate key {self.key.key_id.hex()} to namespace {self.namespace!r}", ev.AuthOk,
+            f"authenticate key {self.key.key_id.hex()} to namespace {self.namespace!r}",
+            ev.AuthOk,
         )
         self.role = ok.role
         return ok.role
@@ -356,8 +373,9 @@ class Core:
         reply = yield from self._request(ev.Stat(self._rid(), name), f"stat {self._where(name)}", ev.StatOk, name=name)
         return reply.length, reply.sealed
 
-    def list_page(self, prefix: str, after: str,
-                  limit: int = MAX_LIST_LIMIT) -> Op[tuple[tuple[ev.ListEntry, ...], bool]]:
+    def list_page(
+        self, prefix: str, after: str, limit: int = MAX_LIST_LIMIT
+    ) -> Op[tuple[tuple[ev.ListEntry, ...], bool]]:
         reply = yield from self._request(
             ev.List(self._rid(), prefix, after, limit), f"list {self.namespace}/{prefix}", ev.ListOk
         )
@@ -384,7 +402,9 @@ class Core:
         self._check_piece(name, len(data))
         reply = yield from self._request(
             ev.Append(self._rid(), name, offset, epoch, crc32c(data), data),
-            f"append {len(data)} bytes to {self._where(name)} at offset {offset}", ev.AppendOk, name=name,
+            f"append {len(data)} bytes to {self._where(name)} at offset {offset}",
+            ev.AppendOk,
+            name=name,
         )
         return reply.length
 
@@ -397,7 +417,9 @@ class Core:
         if size > limit:
             raise TooLarge(
                 f"append of {size} bytes to {self._where(name)}: the server takes at most {limit} per append "
-                "(use append_many, which splits)", ErrorCode.TOO_LARGE, name=name,
+                "(use append_many, which splits)",
+                ErrorCode.TOO_LARGE,
+                name=name,
             )
 
     def read_step(self, name: str, offset: int, length: int) -> Op[list[ev.Payload]]:
@@ -434,11 +456,15 @@ class Core:
             raise ValueError(f"timeout_ms must be an integer in 0..2**32-1, not {timeout_ms!r}")
         reply = yield from self._request(
             ev.TierWait(self._rid(), name, offset, timeout_ms),
-            f"wait for the tier to hold {self._where(name)} up to offset {offset}", ev.TierWaitOk, name=name,
+            f"wait for the tier to hold {self._where(name)} up to offset {offset}",
+            ev.TierWaitOk,
+            name=name,
         )
         if reply.tiered < offset:
-            raise SOSError(f"tier_wait {self._where(name)}: the server answered tiered={reply.tiered}, "
-                           f"below the offset {offset} waited for (protocol.md 1.11: at least offset)")
+            raise SOSError(
+                f"tier_wait {self._where(name)}: the server answered tiered={reply.tiered}, "
+                f"below the offset {offset} waited for (protocol.md 1.11: at least offset)"
+            )
         return reply.tiered
 
     def fence(self, epoch: int) -> Op[int]:
@@ -471,8 +497,15 @@ class AppendJob:
     compares the bytes), the others are appended.  Nothing is missing or doubled.
     """
 
-    def __init__(self, name: str, offset: int, epoch: int, *, window_bytes: int = DEFAULT_WINDOW_BYTES,
-                 window_frames: int = DEFAULT_WINDOW_FRAMES) -> None:
+    def __init__(
+        self,
+        name: str,
+        offset: int,
+        epoch: int,
+        *,
+        window_bytes: int = DEFAULT_WINDOW_BYTES,
+        window_frames: int = DEFAULT_WINDOW_FRAMES,
+    ) -> None:
         check_name(name)
         self.name = name
         self.epoch = _u64(epoch, "epoch")
@@ -496,7 +529,10 @@ class AppendJob:
         if length < self.acked:
             raise Corrupt(
                 f"append to {core._where(self.name)}: the server reports length {length} but acknowledged "
-                f"{self.acked} bytes before the connection was lost", ErrorCode.CORRUPT, name=self.name, length=length,
+                f"{self.acked} bytes before the connection was lost",
+                ErrorCode.CORRUPT,
+                name=self.name,
+                length=length,
             )
         return length
 
@@ -531,8 +567,9 @@ class AppendJob:
                             self._enqueue(view)
                     continue
                 piece = self.queue[sent]
-                if by_rid and (in_flight_bytes + len(piece.data) > self.window_bytes
-                               or len(by_rid) >= self.window_frames):
+                if by_rid and (
+                    in_flight_bytes + len(piece.data) > self.window_bytes or len(by_rid) >= self.window_frames
+                ):
                     break
                 piece.rid = core._rid()
                 piece.acked = False
@@ -549,7 +586,8 @@ class AppendJob:
             in_flight_bytes -= len(piece.data)
             if isinstance(event, ev.Error):
                 exc = error_from_reply(
-                    event, f"append {len(piece.data)} bytes to {core._where(self.name)} at offset {piece.offset}",
+                    event,
+                    f"append {len(piece.data)} bytes to {core._where(self.name)} at offset {piece.offset}",
                     name=self.name,
                 )
                 if first_error is None or piece.offset < first_error[0]:
@@ -559,7 +597,9 @@ class AppendJob:
             if reply.length != piece.offset + len(piece.data):
                 raise Corrupt(
                     f"append to {core._where(self.name)} at {piece.offset}: server acknowledged length "
-                    f"{reply.length}, expected {piece.offset + len(piece.data)}", ErrorCode.CORRUPT, name=self.name,
+                    f"{reply.length}, expected {piece.offset + len(piece.data)}",
+                    ErrorCode.CORRUPT,
+                    name=self.name,
                 )
             piece.acked = True
             while self.queue and self.queue[0].acked:

@@ -1,9 +1,9 @@
 """The trio client: same operations as :class:`sos_client.Client`, async.
 
-    async with open_client("127.0.0.1:7070", key, "ns") as c:
-        await c.append_many("log", 0, chunks)       # chunks: iterable or async iterable
-        async for chunk in c.read_iter("log"):
-            ...
+async with open_client("127.0.0.1:7070", key, "ns") as c:
+    await c.append_many("log", 0, chunks)       # chunks: iterable or async iterable
+    async for chunk in c.read_iter("log"):
+        ...
 """
 
 from __future__ import annotations
@@ -53,14 +53,20 @@ def _lost(exc: BaseException) -> bool:
 
 
 @asynccontextmanager
-async def open_client(server: str | None = None, key: str | Key | None = None, namespace: str | None = None,
-                      *, timeout: float = 30,  # noqa: ASYNC109 - each network wait's limit, not a deadline
-                      tls: _ssl.SSLContext | bool | None = None,
-                      reconnect_timeout: float | None = None,
-                      client_name: str = CLIENT_NAME) -> AsyncIterator[AsyncClient]:
+async def open_client(
+    server: str | None = None,
+    key: str | Key | None = None,
+    namespace: str | None = None,
+    *,
+    timeout: float = 30,  # noqa: ASYNC109 - each network wait's limit, not a deadline
+    tls: _ssl.SSLContext | bool | None = None,
+    reconnect_timeout: float | None = None,
+    client_name: str = CLIENT_NAME,
+) -> AsyncIterator[AsyncClient]:
     """Connect, authenticate, yield an :class:`AsyncClient`, close on exit."""
-    client = AsyncClient(server, key, namespace, timeout=timeout, tls=tls, reconnect_timeout=reconnect_timeout,
-                         client_name=client_name)
+    client = AsyncClient(
+        server, key, namespace, timeout=timeout, tls=tls, reconnect_timeout=reconnect_timeout, client_name=client_name
+    )
     await client.connect()
     try:
         yield client
@@ -69,12 +75,27 @@ async def open_client(server: str | None = None, key: str | Key | None = None, n
 
 
 class AsyncClient(ClientSettings):
-    def __init__(self, server: str | None = None, key: str | Key | None = None, namespace: str | None = None,
-                 *, timeout: float = 30, tls: _ssl.SSLContext | bool | None = None,
-                 reconnect_timeout: float | None = None, client_name: str = CLIENT_NAME) -> None:
-        super().__init__(server, key, namespace, timeout=timeout, tls=tls,
-                         reconnect_timeout=reconnect_timeout, client_name=client_name,
-                         who="open_client()")
+    def __init__(
+        self,
+        server: str | None = None,
+        key: str | Key | None = None,
+        namespace: str | None = None,
+        *,
+        timeout: float = 30,
+        tls: _ssl.SSLContext | bool | None = None,
+        reconnect_timeout: float | None = None,
+        client_name: str = CLIENT_NAME,
+    ) -> None:
+        super().__init__(
+            server,
+            key,
+            namespace,
+            timeout=timeout,
+            tls=tls,
+            reconnect_timeout=reconnect_timeout,
+            client_name=client_name,
+            who="open_client()",
+        )
         self._lock = trio.Lock()
         self._stream: trio.abc.Stream | None = None
         self._recv_extra = 0.0  # seconds a reply may take beyond self.timeout (a TIER_WAIT's wait)
@@ -109,7 +130,8 @@ class AsyncClient(ClientSettings):
             if self._tls is not None:
                 raise
             err = await trio.to_thread.run_sync(
-                partial(tls_required, self.host, self.port, self.server, exc, timeout=self.timeout))
+                partial(tls_required, self.host, self.port, self.server, exc, timeout=self.timeout)
+            )
             if err is exc:
                 raise
             raise err from exc
@@ -190,7 +212,9 @@ class AsyncClient(ClientSettings):
                 await self._open_stream().send_all(data)
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError) as exc:
             await self._drop()
-            raise ConnectionLost(f"connection to {self.server} lost while sending: {exc or type(exc).__name__}") from exc
+            raise ConnectionLost(
+                f"connection to {self.server} lost while sending: {exc or type(exc).__name__}"
+            ) from exc
 
     async def _recv_event(self, core: Core) -> Any:
         conn = core.conn
@@ -244,8 +268,7 @@ class AsyncClient(ClientSettings):
     async def list(self, prefix: str = "") -> AsyncIterator[ListEntry]:
         after = ""
         while True:
-            entries, more = await self._call(partial(Core.list_page, prefix=prefix, after=after,
-                                                     limit=MAX_LIST_LIMIT))
+            entries, more = await self._call(partial(Core.list_page, prefix=prefix, after=after, limit=MAX_LIST_LIMIT))
             for entry in entries:
                 yield entry
             if not more or not entries:
@@ -255,10 +278,16 @@ class AsyncClient(ClientSettings):
     async def append(self, name: str, offset: int, data: bytes | bytearray | memoryview, *, epoch: int = 0) -> int:
         return await self._call(lambda core: core.append(name, offset, data, epoch))
 
-    async def append_many(self, name: str, offset: int,
-                          chunks: Iterable[bytes | bytearray | memoryview] | AsyncIterable[bytes | bytearray | memoryview],
-                          *, epoch: int = 0,
-                          window_bytes: int = DEFAULT_WINDOW_BYTES, window_frames: int = DEFAULT_WINDOW_FRAMES) -> int:
+    async def append_many(
+        self,
+        name: str,
+        offset: int,
+        chunks: Iterable[bytes | bytearray | memoryview] | AsyncIterable[bytes | bytearray | memoryview],
+        *,
+        epoch: int = 0,
+        window_bytes: int = DEFAULT_WINDOW_BYTES,
+        window_frames: int = DEFAULT_WINDOW_FRAMES,
+    ) -> int:
         """*chunks*: an iterable or an async iterable of bytes-like objects."""
         job = AppendJob(name, offset, epoch, window_bytes=window_bytes, window_frames=window_frames)
         it = chunks.__aiter__() if isinstance(chunks, AsyncIterable) else iter(chunks)
@@ -276,8 +305,9 @@ class AsyncClient(ClientSettings):
     async def read(self, name: str, offset: int = 0, length: int = 0) -> bytes:
         return b"".join([chunk async for chunk in self.read_iter(name, offset, length)])
 
-    async def read_iter(self, name: str, offset: int = 0, length: int = 0, *,
-                        step: int = READ_STEP) -> AsyncIterator[Payload]:
+    async def read_iter(
+        self, name: str, offset: int = 0, length: int = 0, *, step: int = READ_STEP
+    ) -> AsyncIterator[Payload]:
         cur = ReadCursor(offset, length, step)
         while True:
             ask = cur.ask()
@@ -296,9 +326,12 @@ class AsyncClient(ClientSettings):
     async def fence(self, epoch: int) -> int:
         return await self._call(lambda core: core.fence(epoch), retry=False)
 
-    async def tier_wait(self, name: str, offset: int,
-                        timeout: float = 30.0,  # noqa: ASYNC109 - the server's wait, sent in the request
-                        ) -> int:
+    async def tier_wait(
+        self,
+        name: str,
+        offset: int,
+        timeout: float = 30.0,  # noqa: ASYNC109 - the server's wait, sent in the request
+    ) -> int:
         """:meth:`sos_client.Client.tier_wait`: the bucket's length of *name* once >= *offset*."""
         ms = tier_wait_ms(timeout)
 

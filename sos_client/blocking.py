@@ -1,9 +1,9 @@
 """The blocking client: one socket, thread-safe, pipelined appends, streamed reads.
 
-    with Client("127.0.0.1:7070", key, "ns") as c:
-        c.append_many("log", 0, chunks)
-        for chunk in c.read_iter("log"):
-            ...
+with Client("127.0.0.1:7070", key, "ns") as c:
+    c.append_many("log", 0, chunks)
+    for chunk in c.read_iter("log"):
+        ...
 """
 
 from __future__ import annotations
@@ -87,12 +87,27 @@ class Client(ClientSettings):
     between threads (calls are serialized).
     """
 
-    def __init__(self, server: str | None = None, key: str | Key | None = None, namespace: str | None = None,
-                 *, timeout: float = 30, tls: _ssl.SSLContext | bool | None = None,
-                 reconnect_timeout: float | None = None, client_name: str = CLIENT_NAME) -> None:
-        super().__init__(server, key, namespace, timeout=timeout, tls=tls,
-                         reconnect_timeout=reconnect_timeout, client_name=client_name,
-                         who="Client()")
+    def __init__(
+        self,
+        server: str | None = None,
+        key: str | Key | None = None,
+        namespace: str | None = None,
+        *,
+        timeout: float = 30,
+        tls: _ssl.SSLContext | bool | None = None,
+        reconnect_timeout: float | None = None,
+        client_name: str = CLIENT_NAME,
+    ) -> None:
+        super().__init__(
+            server,
+            key,
+            namespace,
+            timeout=timeout,
+            tls=tls,
+            reconnect_timeout=reconnect_timeout,
+            client_name=client_name,
+            who="Client()",
+        )
         self._lock = threading.RLock()
         self._sock: socket.socket | None = None
         self._connect()
@@ -287,8 +302,16 @@ class Client(ClientSettings):
         Safe to retry: if it already landed, the server acknowledges it again."""
         return self._call(lambda core: core.append(name, offset, data, epoch))
 
-    def append_many(self, name: str, offset: int, chunks: Iterable[bytes | bytearray | memoryview], *, epoch: int = 0,
-                    window_bytes: int = DEFAULT_WINDOW_BYTES, window_frames: int = DEFAULT_WINDOW_FRAMES) -> int:
+    def append_many(
+        self,
+        name: str,
+        offset: int,
+        chunks: Iterable[bytes | bytearray | memoryview],
+        *,
+        epoch: int = 0,
+        window_bytes: int = DEFAULT_WINDOW_BYTES,
+        window_frames: int = DEFAULT_WINDOW_FRAMES,
+    ) -> int:
         """Append every chunk in order starting at *offset*, pipelined; returns the new length.
 
         At most *window_bytes* are unacknowledged at once (memory stays bounded however

@@ -83,8 +83,13 @@ KEY_ON_COMMAND_LINE = (
 class _RefuseKeyArgument(argparse.Action):
     """``--key``/``--key=...``: a usage error naming the alternatives (the value is never shown)."""
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
-                 option_string: str | None = None) -> None:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
         parser.error(KEY_ON_COMMAND_LINE)
 
 
@@ -93,18 +98,32 @@ def add_connection_options(parser: argparse.ArgumentParser) -> None:
     SOS_SERVER, SOS_KEY_FILE; the key itself from SOS_KEY). ``--key`` is refused."""
     g = parser.add_argument_group("connection")
     # "" is read as $SOS_SERVER, else the default (argparse passes a string default through type)
-    g.add_argument("--server", type=_server_arg, default="", metavar="HOST[:PORT]",
-                   help=f"SOS server (default: $SOS_SERVER, else {DEFAULT_SERVER}; port {DEFAULT_PORT} if none is given)")
-    g.add_argument("--key-file", default=os.environ.get("SOS_KEY_FILE") or None, metavar="PATH",
-                   help="file holding the key of the namespace, as printed by `sos-server keygen` "
-                        "(default: $SOS_KEY_FILE; without either the key is $SOS_KEY). "
-                        "Keys are never taken as arguments: --key is refused")
+    g.add_argument(
+        "--server",
+        type=_server_arg,
+        default="",
+        metavar="HOST[:PORT]",
+        help=f"SOS server (default: $SOS_SERVER, else {DEFAULT_SERVER}; port {DEFAULT_PORT} if none is given)",
+    )
+    g.add_argument(
+        "--key-file",
+        default=os.environ.get("SOS_KEY_FILE") or None,
+        metavar="PATH",
+        help="file holding the key of the namespace, as printed by `sos-server keygen` "
+        "(default: $SOS_KEY_FILE; without either the key is $SOS_KEY). "
+        "Keys are never taken as arguments: --key is refused",
+    )
     g.add_argument("--key", dest="_key_argument", nargs="?", action=_RefuseKeyArgument, help=argparse.SUPPRESS)
     g.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system CAs")
-    g.add_argument("--tls-ca", metavar="FILE", default=None,
-                   help="connect with TLS, trusting this CA file (default: $SOS_TLS_CA if set)")
-    g.add_argument("--timeout", type=float, default=30.0, metavar="S",
-                   help="seconds to wait for the server (default: %(default)s)")
+    g.add_argument(
+        "--tls-ca",
+        metavar="FILE",
+        default=None,
+        help="connect with TLS, trusting this CA file (default: $SOS_TLS_CA if set)",
+    )
+    g.add_argument(
+        "--timeout", type=float, default=30.0, metavar="S", help="seconds to wait for the server (default: %(default)s)"
+    )
 
 
 def _server_arg(text: str) -> str:
@@ -261,9 +280,11 @@ def _over_quota(client: Client, ns: str, name: str, exc: QuotaExceeded) -> str:
         length, _sealed = client.stat(name)
     except SOSError:
         return f"{exc.message} ({ns}/{name} was not created)"
-    return (f"{exc.message}; {ns}/{name} was created and holds the first {length} bytes of the file: it is"
-            f" larger than one append ({ONE_APPEND} bytes), and objects are append-only, so the part stays and the"
-            " name is taken (`sos-server quota --data DIR NS` shows the namespace's usage beside its quota)")
+    return (
+        f"{exc.message}; {ns}/{name} was created and holds the first {length} bytes of the file: it is"
+        f" larger than one append ({ONE_APPEND} bytes), and objects are append-only, so the part stays and the"
+        " name is taken (`sos-server quota --data DIR NS` shows the namespace's usage beside its quota)"
+    )
 
 
 def cmd_cat(args: argparse.Namespace) -> int:
@@ -299,16 +320,20 @@ def cmd_stat(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="sos", description="SOS: append-only journal replication for Spark checkpoints.",
+        prog="sos",
+        description="SOS: append-only journal replication for Spark checkpoints.",
         epilog="Exit status: 0 ok, 1 the operation failed, 2 usage; restore and verify also use 3 (corrupt data) and 4 (no journal in the namespace): see `sos restore --help`.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    p = sub.add_parser("put", help="upload a local file as a new object",
-                       description="Upload LOCALFILE (- for stdin) as the new object NS/NAME, e.g. a file "
-                                   "kept beside a journal. Refuses a name that exists (objects are "
-                                   "append-only) and names under gen/ (the journal's). Works in a namespace "
-                                   "a journal writer has fenced: it appends with the current epoch.")
+    p = sub.add_parser(
+        "put",
+        help="upload a local file as a new object",
+        description="Upload LOCALFILE (- for stdin) as the new object NS/NAME, e.g. a file "
+        "kept beside a journal. Refuses a name that exists (objects are "
+        "append-only) and names under gen/ (the journal's). Works in a namespace "
+        "a journal writer has fenced: it appends with the current epoch.",
+    )
     p.add_argument("localfile", metavar="LOCALFILE")
     p.add_argument("target", metavar="NS/NAME")
     p.add_argument("--seal", action="store_true", help="seal the object after the upload")
@@ -323,9 +348,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_connection_options(p)
     p.set_defaults(func=cmd_cat)
 
-    p = sub.add_parser("ls", help="list objects",
-                       description="List the objects of NS whose names start with PREFIX, "
-                                   "one per line: NAME<TAB>LENGTH[<TAB>sealed].")
+    p = sub.add_parser(
+        "ls",
+        help="list objects",
+        description="List the objects of NS whose names start with PREFIX, one per line: NAME<TAB>LENGTH[<TAB>sealed].",
+    )
     p.add_argument("target", metavar="NS[/PREFIX]")
     add_connection_options(p)
     p.set_defaults(func=cmd_ls)
@@ -341,7 +368,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-
 def plugged_commands() -> list[Callable[[argparse._SubParsersAction], object]]:
     """The ``add_parser(subparsers)`` functions that the ``sos.commands`` entry points name
     (``pyproject.toml``: restore and verify, mount, gateway), in the order of their names.
@@ -353,8 +379,9 @@ def plugged_commands() -> list[Callable[[argparse._SubParsersAction], object]]:
     ``sos`` distribution is not installed (its metadata is where they are)."""
     found = sorted(entry_points(group=COMMANDS_GROUP), key=lambda ep: ep.name)
     if not found:
-        raise RuntimeError(f"no {COMMANDS_GROUP} entry points: the sos distribution is not installed "
-                           f"(pip install -e .)")
+        raise RuntimeError(
+            f"no {COMMANDS_GROUP} entry points: the sos distribution is not installed (pip install -e .)"
+        )
     return [ep.load() for ep in found]
 
 

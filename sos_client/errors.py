@@ -65,10 +65,16 @@ __all__ = [
 #: not reach the store is repeated with a higher epoch). Every other code (and a code this
 #: version does not know) is an answer about the request or the key, which repeating does
 #: not change.
-RETRYABLE_CODES = frozenset({
-    ErrorCode.BUSY, ErrorCode.NO_SPACE, ErrorCode.QUOTA_EXCEEDED, ErrorCode.CHECKSUM_MISMATCH,
-    ErrorCode.INTERNAL, ErrorCode.TIER_UNAVAILABLE,
-})
+RETRYABLE_CODES = frozenset(
+    {
+        ErrorCode.BUSY,
+        ErrorCode.NO_SPACE,
+        ErrorCode.QUOTA_EXCEEDED,
+        ErrorCode.CHECKSUM_MISMATCH,
+        ErrorCode.INTERNAL,
+        ErrorCode.TIER_UNAVAILABLE,
+    }
+)
 
 #: The errno a filesystem reports for each server refusal (codes not listed: EIO).
 _ERRNO_OF_CODE: dict[int, int] = {
@@ -96,12 +102,27 @@ _ERRNO_OF_CODE: dict[int, int] = {
 
 #: OSError errnos of a network or a peer that may recover (other OSErrors, e.g.
 #: EACCES or ENOENT, are answers that repeating does not change).
-TRANSIENT_ERRNOS = frozenset({
-    errno.EAGAIN, errno.EINTR, errno.ETIMEDOUT, errno.ECONNREFUSED, errno.ECONNRESET,
-    errno.ECONNABORTED, errno.EPIPE, errno.ENOTCONN, errno.ESHUTDOWN, errno.EHOSTUNREACH,
-    errno.EHOSTDOWN, errno.ENETUNREACH, errno.ENETDOWN, errno.ENETRESET, errno.EADDRNOTAVAIL,
-    errno.ENOBUFS, errno.EBUSY,
-})
+TRANSIENT_ERRNOS = frozenset(
+    {
+        errno.EAGAIN,
+        errno.EINTR,
+        errno.ETIMEDOUT,
+        errno.ECONNREFUSED,
+        errno.ECONNRESET,
+        errno.ECONNABORTED,
+        errno.EPIPE,
+        errno.ENOTCONN,
+        errno.ESHUTDOWN,
+        errno.EHOSTUNREACH,
+        errno.EHOSTDOWN,
+        errno.ENETUNREACH,
+        errno.ENETDOWN,
+        errno.ENETRESET,
+        errno.EADDRNOTAVAIL,
+        errno.ENOBUFS,
+        errno.EBUSY,
+    }
+)
 
 
 class SOSError(Exception):
@@ -115,8 +136,15 @@ class SOSError(Exception):
     _retryable_default = False
     _errno_default = errno.EIO
 
-    def __init__(self, message: str = "", code: ErrorCode | int | None = None, *, name: str | None = None,
-                 length: int = 0, retryable: bool | None = None) -> None:
+    def __init__(
+        self,
+        message: str = "",
+        code: ErrorCode | int | None = None,
+        *,
+        name: str | None = None,
+        length: int = 0,
+        retryable: bool | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.code = code
@@ -419,13 +447,20 @@ def to_oserror(exc: BaseException, context: str = "", filename: str | None = Non
     (:func:`is_fenced`) gets errno EROFS as a PermissionError: the process may no longer
     change the namespace. The caller chains ``exc`` (``raise to_oserror(exc) from exc``).
     """
-    if (not context and filename is None and isinstance(exc, OSError) and not isinstance(exc, SOSError)
-            and getattr(type(exc), "os_errno", None) is None
-            and isinstance(exc.errno, int) and exc.errno > 0):
+    if (
+        not context
+        and filename is None
+        and isinstance(exc, OSError)
+        and not isinstance(exc, SOSError)
+        and getattr(type(exc), "os_errno", None) is None
+        and isinstance(exc.errno, int)
+        and exc.errno > 0
+    ):
         return exc
     code = errno_of(exc)
-    text = (exc.strerror if isinstance(exc, OSError) and exc.strerror and not isinstance(exc, SOSError)
-            else str(exc)) or type(exc).__name__
+    text = (
+        exc.strerror if isinstance(exc, OSError) and exc.strerror and not isinstance(exc, SOSError) else str(exc)
+    ) or type(exc).__name__
     message = f"{context}: {text}" if context else text
     if filename is None:
         filename = getattr(exc, "filename", None)

@@ -44,8 +44,9 @@ class ReadyChild:
     #: seconds :meth:`stop` waits after SIGTERM before SIGKILL
     stop_timeout = 120.0
 
-    def __init__(self, name: str, ready_prefix: str, log_path: str, *, start_timeout: float = 120.0,
-                 new_session: bool = False) -> None:
+    def __init__(
+        self, name: str, ready_prefix: str, log_path: str, *, start_timeout: float = 120.0, new_session: bool = False
+    ) -> None:
         self.name = name
         self.ready_prefix = ready_prefix
         self.log_path = log_path
@@ -83,20 +84,25 @@ class ReadyChild:
                     self.ready_line = line
                     return self
             if self.proc is not None and self.proc.poll() is not None:
-                raise ChildStartError(f"{self.name} exited with {self.proc.returncode} before it was "
-                                      f"ready:\n{text[-_TAIL:]}")
+                raise ChildStartError(
+                    f"{self.name} exited with {self.proc.returncode} before it was ready:\n{text[-_TAIL:]}"
+                )
             if time.monotonic() > deadline:
                 self.kill()
-                raise ChildStartError(f"{self.name} was not ready after {timeout:.0f} s:\n"
-                                      f"{text[-_TAIL:]}")
+                raise ChildStartError(f"{self.name} was not ready after {timeout:.0f} s:\n{text[-_TAIL:]}")
             time.sleep(0.05)
 
     def _spawn(self, command: Sequence[str], env: Mapping[str, str] | None) -> None:
         with open(self.log_path, "ab") as logf:
             self._log_offset = logf.tell()
-            self.proc = subprocess.Popen(list(command), stdin=subprocess.DEVNULL, stdout=logf,
-                                         stderr=logf, env=None if env is None else dict(env),
-                                         start_new_session=self.new_session)
+            self.proc = subprocess.Popen(
+                list(command),
+                stdin=subprocess.DEVNULL,
+                stdout=logf,
+                stderr=logf,
+                env=None if env is None else dict(env),
+                start_new_session=self.new_session,
+            )
 
     def output(self) -> str:
         """What the child wrote since its last start."""

@@ -46,22 +46,38 @@ def _log_before_sleep(log: logging.Logger | None, what: str) -> Callable[[RetryC
     return before_sleep
 
 
-def retrying(patience: float, *, cap: float = MAX_DELAY,
-             retry_on: Callable[[BaseException], bool] = is_retryable,
-             log: logging.Logger | None = None, what: str = "retry") -> Retrying:
+def retrying(
+    patience: float,
+    *,
+    cap: float = MAX_DELAY,
+    retry_on: Callable[[BaseException], bool] = is_retryable,
+    log: logging.Logger | None = None,
+    what: str = "retry",
+) -> Retrying:
     """``for attempt in retrying(30): with attempt: ...``: retries what ``retry_on`` accepts
     while the next wait still ends within ``patience`` seconds; then the last error is raised."""
-    return Retrying(retry=retry_if_exception(retry_on), wait=_wait(cap), stop=stop_before_delay(patience),
-                    reraise=True, before_sleep=_log_before_sleep(log, what))
+    return Retrying(
+        retry=retry_if_exception(retry_on),
+        wait=_wait(cap),
+        stop=stop_before_delay(patience),
+        reraise=True,
+        before_sleep=_log_before_sleep(log, what),
+    )
 
 
-def async_retrying(patience: float, *, cap: float = MAX_DELAY,
-                   retry_on: Callable[[BaseException], bool] = is_retryable) -> AsyncRetrying:
+def async_retrying(
+    patience: float, *, cap: float = MAX_DELAY, retry_on: Callable[[BaseException], bool] = is_retryable
+) -> AsyncRetrying:
     """The same policy for trio code: ``async for attempt in async_retrying(30): with attempt: ...``."""
     import trio  # noqa: PLC0415 - only trio callers load trio (the blocking client does not)
 
-    return AsyncRetrying(retry=retry_if_exception(retry_on), wait=_wait(cap), stop=stop_before_delay(patience),
-                         reraise=True, sleep=trio.sleep)
+    return AsyncRetrying(
+        retry=retry_if_exception(retry_on),
+        wait=_wait(cap),
+        stop=stop_before_delay(patience),
+        reraise=True,
+        sleep=trio.sleep,
+    )
 
 
 class Backoff:

@@ -19,9 +19,14 @@ log = logging.getLogger("sos.serve")
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-async def serve_until_signal(serve: Callable[..., Awaitable[Any]], ready_line: Callable[[Any], str], *,
-                             stop: Callable[[str], None] | None = None, grace: float | None = None,
-                             pending: Sequence[int] = ()) -> None:
+async def serve_until_signal(
+    serve: Callable[..., Awaitable[Any]],
+    ready_line: Callable[[Any], str],
+    *,
+    stop: Callable[[str], None] | None = None,
+    grace: float | None = None,
+    pending: Sequence[int] = (),
+) -> None:
     """Run ``serve(task_status=...)`` until it returns or a signal stops it.
 
     Once it has started, ``ready_line(value it started with)`` is printed on stderr. The first

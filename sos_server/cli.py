@@ -52,97 +52,161 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     s = sub.add_parser("serve", help="run the server")
     s.add_argument("--data", required=True, help="data directory")
-    s.add_argument("--listen", type=parse_hostport, default=("127.0.0.1", 7070),
-                   help="HOST:PORT or [IPV6]:PORT (port 0: any free; :PORT is 127.0.0.1; default 127.0.0.1:7070)")
-    s.add_argument("--metrics", type=parse_hostport, default=None,
-                   help="HOST:PORT of the Prometheus endpoint (docs/DEPLOY.md, Metrics; default: none)")
-    s.add_argument("--tls-cert", default=None, metavar="PEM",
-                   help="serve TLS with this certificate (chain) file; AUTH proofs are then bound to it")
+    s.add_argument(
+        "--listen",
+        type=parse_hostport,
+        default=("127.0.0.1", 7070),
+        help="HOST:PORT or [IPV6]:PORT (port 0: any free; :PORT is 127.0.0.1; default 127.0.0.1:7070)",
+    )
+    s.add_argument(
+        "--metrics",
+        type=parse_hostport,
+        default=None,
+        help="HOST:PORT of the Prometheus endpoint (docs/DEPLOY.md, Metrics; default: none)",
+    )
+    s.add_argument(
+        "--tls-cert",
+        default=None,
+        metavar="PEM",
+        help="serve TLS with this certificate (chain) file; AUTH proofs are then bound to it",
+    )
     s.add_argument("--tls-key", default=None, metavar="PEM", help="the private key of --tls-cert")
-    s.add_argument("--keep-generations", type=_positive, default=None,
-                   help="retention: complete generations kept (with --min-age; default: no retention; the file of"
-                   " `sos-server retention`, re-read on SIGHUP, overrides both)")
-    s.add_argument("--min-age", type=parse_duration, default=None,
-                   help="retention: minimum age before removal (with --keep-generations; default: none)")
+    s.add_argument(
+        "--keep-generations",
+        type=_positive,
+        default=None,
+        help="retention: complete generations kept (with --min-age; default: no retention; the file of"
+        " `sos-server retention`, re-read on SIGHUP, overrides both)",
+    )
+    s.add_argument(
+        "--min-age",
+        type=parse_duration,
+        default=None,
+        help="retention: minimum age before removal (with --keep-generations; default: none)",
+    )
     s.add_argument("--max-connections", type=_positive, default=1024, help="open connections, at most (default 1024)")
     s.add_argument(
-        "--max-unauthenticated", type=_positive, default=128,
+        "--max-unauthenticated",
+        type=_positive,
+        default=128,
         help="connections not authenticated yet, at most (BUSY beyond; default 128)",
     )
     s.add_argument(
-        "--max-unauthenticated-per-address", type=_positive, default=8,
+        "--max-unauthenticated-per-address",
+        type=_positive,
+        default=8,
         help="connections not authenticated yet from one IPv4 address or IPv6 /64, at most (default 8)",
     )
     s.add_argument(
-        "--idle-timeout", type=parse_duration, default=600.0,
+        "--idle-timeout",
+        type=parse_duration,
+        default=600.0,
         help="close a connection after this long without a request (default 10m; 0: never)",
     )
     s.add_argument(
-        "--handshake-timeout", type=parse_duration, default=10.0,
+        "--handshake-timeout",
+        type=parse_duration,
+        default=10.0,
         help="close a connection not authenticated this long after it was accepted (default 10s; 0: never)",
     )
     s.add_argument(
-        "--send-timeout", type=parse_duration, default=60.0,
+        "--send-timeout",
+        type=parse_duration,
+        default=60.0,
         help="close a connection whose replies make no progress this long: the peer does not read them"
         " (default 60s; 0: never)",
     )
     s.add_argument(
-        "--max-objects", type=_positive, default=10_000,
+        "--max-objects",
+        type=_positive,
+        default=10_000,
         help="quota: objects per namespace (default 10000: a journal needs a few dozen per generation; each"
         " object also counts 4 KiB toward the namespace's byte quota)",
     )
     s.add_argument(
-        "--max-objects-total", type=_positive, default=2_000_000,
+        "--max-objects-total",
+        type=_positive,
+        default=2_000_000,
         help="limit: objects in all namespaces together (each costs ~0.75 KiB of memory; default 2000000)",
     )
     s.add_argument("--max-object-size", type=_positive, default=1 << 40, help="quota: bytes per object (default 1 TiB)")
     s.add_argument(
-        "--namespace-quota", type=parse_size, default=None, metavar="SIZE",
+        "--namespace-quota",
+        type=parse_size,
+        default=None,
+        metavar="SIZE",
         help="quota: bytes per namespace, for namespaces without their own (`sos-server quota`); default none",
     )
     s.add_argument(
-        "--max-open-objects", type=_positive, default=None, metavar="N",
+        "--max-open-objects",
+        type=_positive,
+        default=None,
+        metavar="N",
         help="object write descriptors kept open (least recently used closed first; default: a quarter of"
         " the descriptor limit, at most 4096)",
     )
     s.add_argument(
-        "--wal-size", type=parse_size, default=64 << 20, metavar="SIZE",
+        "--wal-size",
+        type=parse_size,
+        default=64 << 20,
+        metavar="SIZE",
         help="checkpoint when the write-ahead log file reaches SIZE: object files are synced and the log"
         " file deleted (default 64MiB; a crash replays at most about this much at the next start)",
     )
-    s.add_argument("--gc-interval", type=parse_duration, default=300.0,
-                   help="how often retention runs (default 5m; SIGHUP runs it at once with re-read settings)")
     s.add_argument(
-        "--tier", default=None, metavar="URL",
+        "--gc-interval",
+        type=parse_duration,
+        default=300.0,
+        help="how often retention runs (default 5m; SIGHUP runs it at once with re-read settings)",
+    )
+    s.add_argument(
+        "--tier",
+        default=None,
+        metavar="URL",
         help="copy every object to an object store as write-once pieces (protocol.md Part 4): s3://BUCKET/PREFIX"
         " (credentials, region and endpoint only from boto3's standard chain: environment, shared files, instance"
         " or workload identity, AWS_ENDPOINT_URL for an S3-compatible store) or file:///PATH (another disk);"
         " default: none",
     )
     s.add_argument(
-        "--tier-interval", type=parse_duration, default=1.0,
+        "--tier-interval",
+        type=parse_duration,
+        default=1.0,
         help="upload what is pending at least this often (default 1s)",
     )
     s.add_argument(
-        "--tier-bytes", type=parse_size, default=8 << 20, metavar="SIZE",
+        "--tier-bytes",
+        type=parse_size,
+        default=8 << 20,
+        metavar="SIZE",
         help="upload at once when this much was acknowledged since the last upload round (default 8MiB)",
     )
     s.add_argument(
-        "--tier-lag-warn", type=parse_duration, default=30.0,
+        "--tier-lag-warn",
+        type=parse_duration,
+        default=30.0,
         help="log a warning when the oldest acknowledged byte not in the store is older than this, and again"
         " when it recovers (default 30s)",
     )
     s.add_argument(
-        "--tier-parallel", type=_positive, default=4, metavar="N",
+        "--tier-parallel",
+        type=_positive,
+        default=4,
+        metavar="N",
         help="objects uploaded at once (default 4)",
     )
-    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
-                   help="default info")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="default info")
     s.set_defaults(func=cmd_serve)
 
 
-def _data_command(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str,
-                  func: Callable[[argparse.Namespace], int], *, help: str, description: str) -> argparse.ArgumentParser:
+def _data_command(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+    name: str,
+    func: Callable[[argparse.Namespace], int],
+    *,
+    help: str,
+    description: str,
+) -> argparse.ArgumentParser:
     """The parser of an admin command on the data directory: ``--data`` (required) first, ``func`` to run."""
     p = sub.add_parser(name, help=help, description=description)
     p.add_argument("--data", required=True)
@@ -153,7 +217,10 @@ def _data_command(sub: argparse._SubParsersAction[argparse.ArgumentParser], name
 def _add_admin(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """keygen, quota, reset-fence, gc: on the data directory, not over the network."""
     k = _data_command(
-        sub, "keygen", cmd_keygen, help="create a key for a namespace and print it",
+        sub,
+        "keygen",
+        cmd_keygen,
+        help="create a key for a namespace and print it",
         description="Create a key for NAMESPACE and print it. Roles: append (write, fence and read), read (read"
         " only), token (a gateway client's credential: `sos gateway` issues an append bearer token for it, and"
         " the server itself answers its every request but PING with FORBIDDEN, so a Spark job holding it cannot"
@@ -161,27 +228,43 @@ def _add_admin(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     k.add_argument("namespace")
     k.add_argument("--role", required=True, choices=["append", "read", "token"])
-    k.add_argument("--quota", type=parse_size, default=None, metavar="SIZE",
-                   help="also set the namespace's byte quota (as `sos-server quota`)")
-    k.add_argument("--out", default=None, metavar="FILE",
-                   help="write the key to FILE (created with mode 0600; an existing FILE is refused) instead of"
-                   " printing it; the key id goes to stderr")
+    k.add_argument(
+        "--quota",
+        type=parse_size,
+        default=None,
+        metavar="SIZE",
+        help="also set the namespace's byte quota (as `sos-server quota`)",
+    )
+    k.add_argument(
+        "--out",
+        default=None,
+        metavar="FILE",
+        help="write the key to FILE (created with mode 0600; an existing FILE is refused) instead of"
+        " printing it; the key id goes to stderr",
+    )
 
     ks = sub.add_parser(
-        "keys", help="list or revoke the keys of namespaces",
+        "keys",
+        help="list or revoke the keys of namespaces",
         description="List the keys under --data (never their secrets) or revoke one. Both work while the server"
         " runs. Rotation: `keygen` a new key, give it to the client, then `keys revoke` the old one.",
     )
     kss = ks.add_subparsers(dest="keys_command", required=True)
     kl = _data_command(
-        kss, "list", cmd_keys_list, help="one key per line: NAMESPACE, KEY_ID, ROLE, CREATED (UTC), tab-separated",
+        kss,
+        "list",
+        cmd_keys_list,
+        help="one key per line: NAMESPACE, KEY_ID, ROLE, CREATED (UTC), tab-separated",
         description="Print one line per key: NAMESPACE<TAB>KEY_ID<TAB>ROLE<TAB>CREATED (ISO 8601, UTC), for"
         " NAMESPACE or every namespace. Never a secret. Only reads: safe while the server runs. An unreadable"
         " key file is listed with role `?` and the reason on stderr (exit 1).",
     )
     kl.add_argument("namespace", nargs="?", default=None, help="only this namespace (default: all)")
     kr = _data_command(
-        kss, "revoke", cmd_keys_revoke, help="remove a key (the running server refuses it from its next request)",
+        kss,
+        "revoke",
+        cmd_keys_revoke,
+        help="remove a key (the running server refuses it from its next request)",
         description="Remove key KEY_ID of NAMESPACE durably. A running server refuses its next AUTH, and every"
         " connection authenticated with it gets AUTH_FAILED at its next request and is closed; a `sos gateway`"
         " holding a bearer token made from it refuses the token within its --key-recheck.",
@@ -190,7 +273,10 @@ def _add_admin(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     kr.add_argument("key_id", metavar="KEY_ID", help="16 hex digits: the part of the key before the '.'")
 
     q = _data_command(
-        sub, "quota", cmd_quota, help="show or set a namespace's byte quota, and its usage",
+        sub,
+        "quota",
+        cmd_quota,
+        help="show or set a namespace's byte quota, and its usage",
         description="Print the byte quota of NAMESPACE beside its usage, or set it to SIZE (`none` removes it) and"
         " print the same line: NAMESPACE<TAB>QUOTA (bytes, or none)<TAB>used USED (objects N, data bytes D), where"
         " USED = D + 4096 N is what the quota counts, read from the object files (safe while the server runs;"
@@ -204,33 +290,49 @@ def _add_admin(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     q.add_argument("size", nargs="?", default=None, help="bytes (e.g. 500G), or none")
 
     f = _data_command(
-        sub, "reset-fence", cmd_reset_fence, help="set a namespace's fence epoch (the server must not be running on --data)",
+        sub,
+        "reset-fence",
+        cmd_reset_fence,
+        help="set a namespace's fence epoch (the server must not be running on --data)",
         description="Set the fence epoch of NAMESPACE, e.g. after a hostile FENCE pushed it to the end of the"
         " epoch range. Default: the highest epoch in the namespace's segment names (the newest writer's), so a"
         " writer that restarts fences one above it. A lower fence lets writers of epochs up to it back in:"
         " stop every old writer first.",
     )
     f.add_argument("namespace")
-    f.add_argument("--epoch", type=_epoch, default=None,
-                   help="the new fence epoch (default: the highest epoch in the namespace's segment names)")
+    f.add_argument(
+        "--epoch",
+        type=_epoch,
+        default=None,
+        help="the new fence epoch (default: the highest epoch in the namespace's segment names)",
+    )
 
     r = _data_command(
-        sub, "retention", cmd_retention, help="show or set the retention settings a running server re-reads",
+        sub,
+        "retention",
+        cmd_retention,
+        help="show or set the retention settings a running server re-reads",
         description="Print the retention settings in DATA/retention, or set them (--keep-generations N --min-age"
         " DURATION) or remove them (none). The file, when it exists, overrides serve's --keep-generations and"
         " --min-age; without it those apply. A running server re-reads it at every retention round (each"
         " --gc-interval) and at once on SIGHUP (`kill -HUP PID`), which also runs a round with the new settings;"
         " a damaged file keeps the settings in force (error logged) and stops a start.",
     )
-    r.add_argument("--keep-generations", type=_positive, default=None,
-                   help="complete generations kept (with --min-age)")
-    r.add_argument("--min-age", type=parse_duration, default=None,
-                   help="minimum age before removal (with --keep-generations)")
-    r.add_argument("action", nargs="?", choices=["none"], default=None,
-                   help="none: remove the file (serve's options apply again)")
+    r.add_argument(
+        "--keep-generations", type=_positive, default=None, help="complete generations kept (with --min-age)"
+    )
+    r.add_argument(
+        "--min-age", type=parse_duration, default=None, help="minimum age before removal (with --keep-generations)"
+    )
+    r.add_argument(
+        "action", nargs="?", choices=["none"], default=None, help="none: remove the file (serve's options apply again)"
+    )
 
     g = _data_command(
-        sub, "gc", cmd_gc, help="apply retention once (the server must not be running on --data; --dry-run may run beside it)",
+        sub,
+        "gc",
+        cmd_gc,
+        help="apply retention once (the server must not be running on --data; --dry-run may run beside it)",
         description="Remove the journal generations older than the newest --keep-generations complete ones that"
         " have been complete for --min-age (protocol.md 2.1, as `serve --keep-generations` does every"
         " --gc-interval). Refused while a server runs on --data, except --dry-run, which only reads the object"
@@ -238,8 +340,11 @@ def _add_admin(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     g.add_argument("--keep-generations", type=_positive, required=True)
     g.add_argument("--min-age", type=parse_duration, required=True)
-    g.add_argument("--dry-run", action="store_true",
-                   help="print what would be removed, change nothing (works while the server runs)")
+    g.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print what would be removed, change nothing (works while the server runs)",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -301,8 +406,7 @@ def cmd_keygen(args: argparse.Namespace) -> int:
             return _fail(f"cannot write {args.out}: {exc.strerror or exc} (the key was revoked again)")
         os.close(out_fd)
         out_fd = None
-        print(f"key {key.partition('.')[0]} ({args.role}) of {args.namespace} written to {args.out}",
-              file=sys.stderr)
+        print(f"key {key.partition('.')[0]} ({args.role}) of {args.namespace} written to {args.out}", file=sys.stderr)
         return 0
     finally:
         if out_fd is not None:  # failed: the file holds no usable key
@@ -421,8 +525,10 @@ def cmd_gc(args: argparse.Namespace) -> int:
         st.lock(create=False)  # a mistyped --data must not become a new, empty data directory
     except StorageError as exc:
         if exc.code is ErrorCode.BUSY:
-            return _fail(exc.message + " (retention runs inside it: use serve --keep-generations, or gc --dry-run"
-                         " to see what it would remove)")
+            return _fail(
+                exc.message + " (retention runs inside it: use serve --keep-generations, or gc --dry-run"
+                " to see what it would remove)"
+            )
         return _fail(exc.message)
     try:
         st.open()

@@ -98,11 +98,9 @@ def write_file_durable(path: str, data: bytes, mode: int = FILE_MODE) -> None:
     fsync_dir(d)
 
 
-
 def unlink_durable(path: str) -> None:
     os.unlink(path)
     fsync_dir(os.path.dirname(path))
-
 
 
 def tighten(path: str, mode: int, fd: int | None = None) -> None:
@@ -119,4 +117,3 @@ def tighten(path: str, mode: int, fd: int | None = None) -> None:
         pass
     except OSError as exc:
         log.warning("cannot restrict the permissions of %s to %o: %s", path, mode, exc.strerror)
-

@@ -430,7 +430,9 @@ class Engine:
                 log.error(
                     "checkpoint: fdatasync of %d object files failed (first: %s: %s); the log files are kept"
                     " (replayed at the next start) and the checkpoint is tried again later",
-                    len(failed), obj.path, exc,
+                    len(failed),
+                    obj.path,
+                    exc,
                 )
             else:
                 for obj, res in zip(objs, results):
@@ -484,22 +486,25 @@ class Engine:
             else:
                 last = self._newest_mtime[ns.name] = _newest_mtime(ns)
             quota = ns.peek_quota()
-            out.append(NamespaceStats(
-                namespace=ns.name,
-                data_bytes=ns.usage.bytes,
-                objects=len(ns.objects),
-                charged_bytes=ns.charged(),
-                quota_bytes=quota if quota is not None else self.limits.namespace_quota,
-                fence_epoch=ns.fence,
-                appends=int(counts[0]) if counts else 0,
-                append_bytes=int(counts[1]) if counts else 0,
-                last_append=last,
-            ))
+            out.append(
+                NamespaceStats(
+                    namespace=ns.name,
+                    data_bytes=ns.usage.bytes,
+                    objects=len(ns.objects),
+                    charged_bytes=ns.charged(),
+                    quota_bytes=quota if quota is not None else self.limits.namespace_quota,
+                    fence_epoch=ns.fence,
+                    appends=int(counts[0]) if counts else 0,
+                    append_bytes=int(counts[1]) if counts else 0,
+                    last_append=last,
+                )
+            )
         return out
 
     # -- auth ------------------------------------------------------------------------
-    def authenticate(self, namespace: str, key_id: bytes, nonce: bytes, proof: bytes,
-                     channel_binding: bytes = b"") -> str:
+    def authenticate(
+        self, namespace: str, key_id: bytes, nonce: bytes, proof: bytes, channel_binding: bytes = b""
+    ) -> str:
         """Check an AUTH proof; returns the key's role. AUTH_FAILED says nothing more.
 
         *channel_binding*: ``b""`` on plain TCP; inside TLS the tls-server-end-point
@@ -651,12 +656,11 @@ class Engine:
             return Pending(obj, self._file_end_of(obj, offset + n), obj.rollbacks, offset + n, n)
         if obj.sealed:
             raise _err(ErrorCode.SEALED, f"object {name!r} is sealed at {obj.length}", obj.length)
-        raise _err(
-            ErrorCode.OFFSET_MISMATCH, f"append at {offset} but {name!r} is {obj.length} bytes long", obj.length
-        )
+        raise _err(ErrorCode.OFFSET_MISMATCH, f"append at {offset} but {name!r} is {obj.length} bytes long", obj.length)
 
-    def _check_append_growth(self, ns: Namespace, namespace: str, name: str, obj: StoredObject, offset: int,
-                             n: int) -> None:
+    def _check_append_growth(
+        self, ns: Namespace, namespace: str, name: str, obj: StoredObject, offset: int, n: int
+    ) -> None:
         """An append at or past the object's end: it must be at the end, the object open, and
         the object's size and the namespace's quota leave room for *n* bytes."""
         if offset > obj.length:
@@ -764,13 +768,17 @@ class Engine:
                         " `sos-server reset-fence`"
                     )
                 raise _err(
-                    ErrorCode.FENCED, f"fence epoch {epoch} must be greater than the current {ns.fence}{stuck}", ns.fence
+                    ErrorCode.FENCED,
+                    f"fence epoch {epoch} must be greater than the current {ns.fence}{stuck}",
+                    ns.fence,
                 )
             highest = min(MAX_EPOCH, ns.fence + MAX_FENCE_STEP)
             if epoch > highest:
                 stuck = ""
                 if highest <= ns.fence:
-                    stuck = "; the fence is at the end of the range: the operator resets it with `sos-server reset-fence`"
+                    stuck = (
+                        "; the fence is at the end of the range: the operator resets it with `sos-server reset-fence`"
+                    )
                 raise _err(
                     ErrorCode.TOO_LARGE,
                     f"fence epoch {epoch} is too far above the current {ns.fence}: at most {highest} (one FENCE"
@@ -812,8 +820,13 @@ class Engine:
                 try:
                     await self.tier.remove(ns.name, names)
                 except Exception as exc:  # noqa: BLE001 - whatever the store did, the objects wait for the next run
-                    log.warning("retention: cannot remove %d objects of %s from the tier, keeping them for the next"
-                                " run: %s", len(names), ns.name, exc, extra={"namespace": ns.name})
+                    log.warning(
+                        "retention: cannot remove %d objects of %s from the tier, keeping them for the next run: %s",
+                        len(names),
+                        ns.name,
+                        exc,
+                        extra={"namespace": ns.name},
+                    )
                     continue
             for name in names:
                 async with self._locks((ns.name, name)):

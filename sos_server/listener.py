@@ -40,8 +40,13 @@ from .engine import Engine
 from .session import Session
 
 __all__ = [
-    "AuthFailures", "ListenError", "Listener", "certificate_binding", "make_tls_context",
-    "raise_nofile_limit", "tune_malloc",
+    "AuthFailures",
+    "ListenError",
+    "Listener",
+    "certificate_binding",
+    "make_tls_context",
+    "raise_nofile_limit",
+    "tune_malloc",
 ]
 
 log = logging.getLogger("sos_server.listener")
@@ -289,9 +294,14 @@ class Listener:
                         await trio.aclose_forcefully(stream)
                         return
                 session = waiting.session = Session(
-                    self.engine, stream, peer=peer, idle_timeout=self.idle_timeout, handshake_deadline=deadline,
+                    self.engine,
+                    stream,
+                    peer=peer,
+                    idle_timeout=self.idle_timeout,
+                    handshake_deadline=deadline,
                     channel_binding=self.channel_binding,
-                    send_timeout=self.send_timeout, on_authenticated=on_authenticated,
+                    send_timeout=self.send_timeout,
+                    on_authenticated=on_authenticated,
                     on_auth_failed=on_auth_failed,
                 )
                 await session.run()

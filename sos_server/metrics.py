@@ -53,23 +53,29 @@ class _NamespaceCollector(Collector):
         objects = GaugeMetricFamily("sos_namespace_objects", "Objects in the namespace", labels=ns)
         charged = GaugeMetricFamily(
             "sos_namespace_quota_used_bytes",
-            "Bytes the namespace's byte quota counts: data bytes plus 4096 per object (protocol.md 1.9)", labels=ns,
+            "Bytes the namespace's byte quota counts: data bytes plus 4096 per object (protocol.md 1.9)",
+            labels=ns,
         )
         quota = GaugeMetricFamily(
             "sos_namespace_quota_bytes",
-            "The namespace's byte quota (its own, else serve --namespace-quota); absent when it has none", labels=ns,
+            "The namespace's byte quota (its own, else serve --namespace-quota); absent when it has none",
+            labels=ns,
         )
-        fence = GaugeMetricFamily("sos_namespace_fence_epoch", "The namespace's fence epoch (a new writer raises it)",
-                                  labels=ns)
+        fence = GaugeMetricFamily(
+            "sos_namespace_fence_epoch", "The namespace's fence epoch (a new writer raises it)", labels=ns
+        )
         last = GaugeMetricFamily(
             "sos_namespace_last_append_timestamp_seconds",
             "Unix time of the namespace's last durable (acknowledged) append; until one since the start, the"
-            " newest object file's modification time; absent for a namespace without objects", labels=ns,
+            " newest object file's modification time; absent for a namespace without objects",
+            labels=ns,
         )
-        appends = CounterMetricFamily("sos_namespace_appends", "Appends acknowledged (durable) in the namespace",
-                                      labels=ns)
-        appended = CounterMetricFamily("sos_namespace_append_bytes", "Data bytes appended and acknowledged in the"
-                                       " namespace", labels=ns)
+        appends = CounterMetricFamily(
+            "sos_namespace_appends", "Appends acknowledged (durable) in the namespace", labels=ns
+        )
+        appended = CounterMetricFamily(
+            "sos_namespace_append_bytes", "Data bytes appended and acknowledged in the namespace", labels=ns
+        )
         for st in stats:
             v = [st.namespace]
             data.add_metric(v, st.data_bytes)
@@ -83,6 +89,7 @@ class _NamespaceCollector(Collector):
             appends.add_metric(v, st.appends)
             appended.add_metric(v, st.append_bytes)
         return [data, objects, charged, quota, fence, last, appends, appended]
+
 
 _M = TypeVar("_M", bound=MetricWrapperBase)  # a metric; its labels(...) child is of its own type
 
@@ -105,8 +112,10 @@ class Metrics:
         self.requests = Counter("sos_requests", "Requests handled, by opcode", ["op"], registry=r)
         self.errors = Counter("sos_errors", "ERROR replies sent, by code", ["code"], registry=r)
         self.sync_seconds = Histogram(
-            "sos_sync_seconds", "Duration of one group-commit batch (all its fdatasyncs)",
-            buckets=_SYNC_BUCKETS, registry=r,
+            "sos_sync_seconds",
+            "Duration of one group-commit batch (all its fdatasyncs)",
+            buckets=_SYNC_BUCKETS,
+            registry=r,
         )
         self.sync_files = Counter("sos_synced_files", "fdatasync calls made by group commit", registry=r)
 
@@ -115,11 +124,13 @@ class Metrics:
         self.connections = Gauge("sos_open_connections", "Open client connections", registry=r)
         self.connections_total = Counter("sos_connections", "Connections accepted", registry=r)
         self.handshake_timeouts = Counter(
-            "sos_handshake_timeouts", "Connections closed for not authenticating within --handshake-timeout",
+            "sos_handshake_timeouts",
+            "Connections closed for not authenticating within --handshake-timeout",
             registry=r,
         )
         self.send_timeouts = Counter(
-            "sos_send_timeouts", "Connections closed because their replies were not read within --send-timeout",
+            "sos_send_timeouts",
+            "Connections closed because their replies were not read within --send-timeout",
             registry=r,
         )
         self.unauthenticated = Gauge(
@@ -141,11 +152,13 @@ class Metrics:
             registry=r,
         )
         self.open_files = Gauge(
-            "sos_open_object_files", "Object write descriptors open (at most --max-open-objects while clean)",
+            "sos_open_object_files",
+            "Object write descriptors open (at most --max-open-objects while clean)",
             registry=r,
         )
         self.repairs = Counter(
-            "sos_torn_tail_repairs", "Object files whose torn tail (an unacknowledged write) was cut at start-up",
+            "sos_torn_tail_repairs",
+            "Object files whose torn tail (an unacknowledged write) was cut at start-up",
             registry=r,
         )
         self.damaged = Counter(
@@ -159,33 +172,46 @@ class Metrics:
         """The object-store tier (serve --tier): per namespace, and the whole server's."""
         ns = ["namespace"]
         self.tier_lag_bytes = Gauge(
-            "sos_tier_lag_bytes", "Bytes acknowledged (durable on this server) and not yet in the tier's store",
-            ns, registry=r,
+            "sos_tier_lag_bytes",
+            "Bytes acknowledged (durable on this server) and not yet in the tier's store",
+            ns,
+            registry=r,
         )
         self.tier_lag_seconds = Gauge(
-            "sos_tier_lag_seconds", "Age of the oldest acknowledged byte (or seal) not yet in the tier's store; 0 when"
-            " none", ns, registry=r,
+            "sos_tier_lag_seconds",
+            "Age of the oldest acknowledged byte (or seal) not yet in the tier's store; 0 when none",
+            ns,
+            registry=r,
         )
         self.tier_last_error = Gauge(
-            "sos_tier_last_error_timestamp_seconds", "When the last upload to the tier's store failed (Unix time)",
-            ns, registry=r,
+            "sos_tier_last_error_timestamp_seconds",
+            "When the last upload to the tier's store failed (Unix time)",
+            ns,
+            registry=r,
         )
         self.tier_failing = Gauge(
             "sos_tier_failing", "1 while uploads of the namespace fail (retried with back-off), else 0", ns, registry=r
         )
         self.tier_fenced = Gauge(
-            "sos_tier_fenced", "1 when the store holds a higher fence marker: another server took the namespace over"
-            " and this one stopped uploading it", ns, registry=r,
+            "sos_tier_fenced",
+            "1 when the store holds a higher fence marker: another server took the namespace over"
+            " and this one stopped uploading it",
+            ns,
+            registry=r,
         )
         self.tier_uploaded_bytes = Counter(
             "sos_tier_uploaded_bytes", "Bytes this server wrote to the tier's store (pieces it created)", ns, registry=r
         )
         self.tier_conflicts = Counter(
-            "sos_tier_conflicts", "Objects whose upload a conflict stopped (a different piece exists in the store:"
-            " a zombie server or damage; nothing is overwritten)", ns, registry=r,
+            "sos_tier_conflicts",
+            "Objects whose upload a conflict stopped (a different piece exists in the store:"
+            " a zombie server or damage; nothing is overwritten)",
+            ns,
+            registry=r,
         )
-        self.tier_pieces = Counter("sos_tier_pieces_written", "Pieces this server created in the tier's store",
-                                   registry=r)
+        self.tier_pieces = Counter(
+            "sos_tier_pieces_written", "Pieces this server created in the tier's store", registry=r
+        )
         self.tier_upload_errors = Counter(
             "sos_tier_upload_errors", "Failed rounds of uploads to the tier's store (each retried)", registry=r
         )

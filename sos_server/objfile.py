@@ -69,7 +69,6 @@ def segment_epoch(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-
 def object_file_name(name: str) -> tuple[str, str]:
     h = hashlib.sha256(name.encode("utf-8")).hexdigest()
     return h[:2], h
@@ -98,7 +97,6 @@ def decode_header(buf: bytes) -> tuple[str, int] | None:
         return None
 
 
-
 def pread_all(fd: int, n: int, pos: int) -> bytes:
     out = []
     while n > 0:
@@ -109,4 +107,3 @@ def pread_all(fd: int, n: int, pos: int) -> bytes:
         n -= len(b)
         pos += len(b)
     return b"".join(out)
-

@@ -136,8 +136,7 @@ def _length_confirmed(fd: int, pos: int, n: int, crc: int, size: int) -> int | N
 
 
 #: what _examine says of bytes that are not a whole, checksummed frame (its docstring)
-_Verdict = (tuple[Literal["cut"], str] | tuple[Literal["frame"], int, str]
-            | tuple[Literal["rest"], int, bool, str])
+_Verdict = tuple[Literal["cut"], str] | tuple[Literal["frame"], int, str] | tuple[Literal["rest"], int, bool, str]
 
 
 def _examine(fd: int, pos: int, n: int | None, crc: int | None, size: int) -> _Verdict:
@@ -243,9 +242,8 @@ class RepairNote:
     reason: str
 
 
-
 def load_object(
-namespace: str, path: str, verify_tail: int, repairs: list[RepairNote], corruptions: list[tuple[str, str, int]]
+    namespace: str, path: str, verify_tail: int, repairs: list[RepairNote], corruptions: list[tuple[str, str, int]]
 ) -> StoredObject | None:
     """Scan an object file: rebuild its length and index, cut a torn tail, keep damage.
 
@@ -268,7 +266,12 @@ namespace: str, path: str, verify_tail: int, repairs: list[RepairNote], corrupti
         repairs.append(note)
         log.warning(
             "torn tail cut back (a crash during an unacknowledged write): %s/%s (%s) kept %d bytes, cut %d: %s",
-            namespace, name, path, pos, size - pos, note.reason,
+            namespace,
+            name,
+            path,
+            pos,
+            size - pos,
+            note.reason,
         )
     obj.length = obj.synced_length = logical
     obj.file_size = obj.synced_size = pos
@@ -335,6 +338,11 @@ def _report_damage(obj: StoredObject, d: Damage, corruptions: list[tuple[str, st
     log.error(
         "damaged object file kept, not cut (READ of the damaged bytes answers CORRUPT; APPEND and SEAL are"
         " refused): %s/%s file offsets %d..%d, %s: %s (%s)",
-        obj.namespace, obj.name, d.file_pos, d.file_end, what, d.reason, obj.path,
+        obj.namespace,
+        obj.name,
+        d.file_pos,
+        d.file_end,
+        what,
+        d.reason,
+        obj.path,
     )
-

@@ -126,9 +126,17 @@ def _bootstrap_if_empty(args: argparse.Namespace, storage: Storage, store: Store
     except BootstrapError as exc:
         storage.close()
         raise StartError(f"--tier {args.tier}: {exc}") from None
-    log.info("tier bootstrap", extra={"namespaces": len(report.namespaces), "objects": len(report.objects),
-                                      "bytes": report.total_bytes, "cut": len(report.cut),
-                                      "problems": len(report.problems), "seconds": round(report.seconds, 3)})
+    log.info(
+        "tier bootstrap",
+        extra={
+            "namespaces": len(report.namespaces),
+            "objects": len(report.objects),
+            "bytes": report.total_bytes,
+            "cut": len(report.cut),
+            "problems": len(report.problems),
+            "seconds": round(report.seconds, 3),
+        },
+    )
 
 
 def start_metrics(args: argparse.Namespace, metrics: Metrics) -> None:
@@ -146,8 +154,15 @@ class Server:
     """The engine, its tier (with ``--tier``) and the listener over an opened *storage*;
     :meth:`run` serves until SIGTERM or SIGINT."""
 
-    def __init__(self, args: argparse.Namespace, storage: Storage, store: Store | None, metrics: Metrics,
-                 tls: ssl.SSLContext | None, binding: bytes | None) -> None:
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        storage: Storage,
+        store: Store | None,
+        metrics: Metrics,
+        tls: ssl.SSLContext | None,
+        binding: bytes | None,
+    ) -> None:
         self.args = args
         self.storage = storage
         #: the retention settings in force: DATA/retention if it exists, else --keep-generations/--min-age
@@ -164,8 +179,13 @@ class Server:
         self.tier: Tier | None = None
         if store is not None:
             self.tier = self.engine.tier = Tier(
-                store, storage, metrics, interval=args.tier_interval, bytes_trigger=args.tier_bytes,
-                lag_warn=args.tier_lag_warn, parallel=args.tier_parallel,
+                store,
+                storage,
+                metrics,
+                interval=args.tier_interval,
+                bytes_trigger=args.tier_bytes,
+                lag_warn=args.tier_lag_warn,
+                parallel=args.tier_parallel,
             )
         self.listener = Listener(
             self.engine,
@@ -234,10 +254,14 @@ class Server:
         changed = (new, source) != (self.retention, self._retention_source)
         self.retention, self._retention_source = new, source
         if changed:
-            log.info("retention settings", extra={
-                "keep_generations": new.keep_generations if new else None,
-                "min_age": new.min_age if new else None, "source": source,
-            })
+            log.info(
+                "retention settings",
+                extra={
+                    "keep_generations": new.keep_generations if new else None,
+                    "min_age": new.min_age if new else None,
+                    "source": source,
+                },
+            )
         return changed
 
     async def _reload_and_apply(self) -> None:

@@ -386,7 +386,8 @@ class Session:
             extra={"peer": self.peer, "namespace": self.namespace, "key_id": auth.key_id.hex()},
         )
         await self._send_error(
-            rid, ErrorCode.AUTH_FAILED,
+            rid,
+            ErrorCode.AUTH_FAILED,
             f"key {auth.key_id.hex()} of namespace {self.namespace!r} was removed or changed"
             " since AUTH: closing the connection",
         )
@@ -400,7 +401,8 @@ class Session:
             return
         if not (event.min_version <= VERSION <= event.max_version) or event.min_version > event.max_version:
             await self._send_error(
-                rid, ErrorCode.UNSUPPORTED_VERSION,
+                rid,
+                ErrorCode.UNSUPPORTED_VERSION,
                 f"client speaks versions {event.min_version}..{event.max_version}, "
                 f"server speaks {', '.join(map(str, SUPPORTED_VERSIONS))}",
             )
@@ -471,8 +473,9 @@ class Session:
             raise ServerError(ErrorCode.NOT_AUTHENTICATED, "request before AUTH")
         return self.namespace, self.role
 
-    async def _handle_write(self, event: ev.Append | ev.Seal, prev: trio.Event | None, mine: trio.Event,
-                            size: int) -> None:
+    async def _handle_write(
+        self, event: ev.Append | ev.Seal, prev: trio.Event | None, mine: trio.Event, size: int
+    ) -> None:
         rid = event.request_id
         try:
             try:

@@ -99,6 +99,7 @@ __all__ = [
 
 log = logging.getLogger("sos_server.storage")
 
+
 @dataclass(frozen=True)
 class Retention:
     """Retention settings: the newest *keep_generations* complete generations are kept, older
@@ -303,7 +304,6 @@ class Namespace:
         return obj.path
 
 
-
 class Storage(KeyStore):
     """All namespaces under one data directory."""
 
@@ -347,8 +347,9 @@ class Storage(KeyStore):
             fd = os.open(os.path.join(self.root, "LOCK"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
         except OSError as exc:
             raise StorageError(
-                ErrorCode.INTERNAL, f"cannot use data directory {self.root}: {exc.strerror or exc}"
-                + (f" ({exc.filename})" if exc.filename and exc.filename != self.root else "")
+                ErrorCode.INTERNAL,
+                f"cannot use data directory {self.root}: {exc.strerror or exc}"
+                + (f" ({exc.filename})" if exc.filename and exc.filename != self.root else ""),
             ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -394,7 +395,12 @@ class Storage(KeyStore):
             self.repairs.append(note)
             log.warning(
                 "torn tail cut back (a crash during an unacknowledged write): %s/%s (%s) kept %d bytes, cut %d: %s",
-                namespace, name, path, kept, cut, note.reason,
+                namespace,
+                name,
+                path,
+                kept,
+                cut,
+                note.reason,
             )
         base = os.path.join(self.root, "ns")
         if not os.path.isdir(base):
@@ -572,12 +578,19 @@ class Storage(KeyStore):
         try:
             rec = json.loads(text)
             keep, min_age = rec["keep_generations"], rec["min_age"]
-            if (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1
-                    or not isinstance(min_age, (int, float)) or isinstance(min_age, bool) or not min_age >= 0):
+            if (
+                not isinstance(keep, int)
+                or isinstance(keep, bool)
+                or keep < 1
+                or not isinstance(min_age, (int, float))
+                or isinstance(min_age, bool)
+                or not min_age >= 0
+            ):
                 raise ValueError(f"keep_generations {keep!r} (an integer >= 1), min_age {min_age!r} (seconds >= 0)")
         except (ValueError, KeyError, TypeError) as exc:
             raise StorageError(
-                ErrorCode.INTERNAL, f"the retention file {path} is damaged ({exc}): rewrite it with `sos-server retention`"
+                ErrorCode.INTERNAL,
+                f"the retention file {path} is damaged ({exc}): rewrite it with `sos-server retention`",
             ) from None
         return Retention(keep, float(min_age))
 

@@ -394,4 +394,3 @@ class StoredObject:
 
     def mtime(self) -> float:
         return os.stat(self.path).st_mtime
-

@@ -150,19 +150,30 @@ class BootstrapReport:
         return [p for p in self.problems if p.namespace == namespace and p.name == name]
 
     def to_json(self) -> bytes:
-        return json.dumps({
-            "data_dir": self.data_dir, "store": self.store, "restarted": self.restarted,
-            "wal_records_skipped": self.wal_records_skipped, "seconds": self.seconds,
-            "namespaces": [asdict(n) for n in self.namespaces.values()],
-            "objects": [asdict(o) for o in self.objects.values()],
-            "problems": [asdict(p) for p in self.problems],
-        }, sort_keys=True).encode()
+        return json.dumps(
+            {
+                "data_dir": self.data_dir,
+                "store": self.store,
+                "restarted": self.restarted,
+                "wal_records_skipped": self.wal_records_skipped,
+                "seconds": self.seconds,
+                "namespaces": [asdict(n) for n in self.namespaces.values()],
+                "objects": [asdict(o) for o in self.objects.values()],
+                "problems": [asdict(p) for p in self.problems],
+            },
+            sort_keys=True,
+        ).encode()
 
     @classmethod
     def from_json(cls, raw: bytes) -> BootstrapReport:
         d = json.loads(raw)
-        r = cls(d["data_dir"], d["store"], restarted=d["restarted"],
-                wal_records_skipped=d["wal_records_skipped"], seconds=d["seconds"])
+        r = cls(
+            d["data_dir"],
+            d["store"],
+            restarted=d["restarted"],
+            wal_records_skipped=d["wal_records_skipped"],
+            seconds=d["seconds"],
+        )
         for n in d["namespaces"]:
             r.namespaces[n["namespace"]] = NamespaceReport(**n)
         for o in d["objects"]:
@@ -211,8 +222,9 @@ def needs_bootstrap(data_dir: str) -> bool:
 # the bootstrap
 
 
-def bootstrap(data_dir: str, store: Store, *, progress: Progress | None = None, lock: bool = True,
-              workers: int = 4) -> BootstrapReport:
+def bootstrap(
+    data_dir: str, store: Store, *, progress: Progress | None = None, lock: bool = True, workers: int = 4
+) -> BootstrapReport:
     """Rebuild *data_dir*'s namespaces from *store* (see the module docstring). *progress* gets
     one line per object and per piece read (bytes and objects done of the totals) and one per
     namespace moved in. With ``lock=False`` the caller holds ``DATA/LOCK`` already (``serve``
@@ -268,7 +280,8 @@ def _refuse_held(root: str) -> None:
         raise BootstrapRefused(
             f"cannot bootstrap {root} from the tier: it already holds namespace(s) {', '.join(held)} "
             "(objects or a fence file); a replacement server starts on an empty data directory "
-            "(key files alone are fine)")
+            "(key files alone are fine)"
+        )
 
 
 def _prepare(root: str, partial: str, storage: Storage, report: BootstrapReport) -> None:
@@ -276,8 +289,7 @@ def _prepare(root: str, partial: str, storage: Storage, report: BootstrapReport)
     records (there is no file for them), make the empty staging tree."""
     try:
         if os.path.lexists(partial):
-            log.warning("tier bootstrap: deleting %s, left by a run that did not finish; starting clean",
-                        partial)
+            log.warning("tier bootstrap: deleting %s, left by a run that did not finish; starting clean", partial)
             shutil.rmtree(partial)
             fsync_dir(root)
             report.restarted = True
@@ -288,14 +300,24 @@ def _prepare(root: str, partial: str, storage: Storage, report: BootstrapReport)
         raise BootstrapError(f"cannot prepare {root} for the bootstrap: {exc}") from exc
 
 
-def _build_and_commit(root: str, partial: str, done: str, store: Store, states: dict[str, NamespaceState],
-                      report: BootstrapReport, say: Progress, workers: int) -> None:
+def _build_and_commit(
+    root: str,
+    partial: str,
+    done: str,
+    store: Store,
+    states: dict[str, NamespaceState],
+    report: BootstrapReport,
+    say: Progress,
+    workers: int,
+) -> None:
     """Build every namespace listed in *states* under *partial*, write the report beside them,
     and rename *partial* to *done*: the commit point. A failure leaves nothing in ``ns/``."""
     total_objects = sum(len(s.objects) for s in states.values())
     total_bytes = sum(o.length for s in states.values() for o in s.objects.values())
-    say(f"tier bootstrap from {store.url}: {len(states)} namespaces, {total_objects} objects, "
-        f"{total_bytes} bytes listed")
+    say(
+        f"tier bootstrap from {store.url}: {len(states)} namespaces, {total_objects} objects, "
+        f"{total_bytes} bytes listed"
+    )
     counter = _Counter(say, total_objects, total_bytes)
     try:
         for ns in sorted(states):
@@ -310,20 +332,31 @@ def _build_and_commit(root: str, partial: str, done: str, store: Store, states: 
         os.rename(partial, done)  # the commit point
         fsync_dir(root)
     except TierError as exc:
-        raise BootstrapError(f"reading the tier {store.url} failed: {exc}; nothing was put into "
-                             f"{root}/ns: run again (it starts clean)") from exc
+        raise BootstrapError(
+            f"reading the tier {store.url} failed: {exc}; nothing was put into {root}/ns: run again (it starts clean)"
+        ) from exc
     except (OSError, StorageError) as exc:
-        raise BootstrapError(f"writing {partial} failed: {exc}; nothing was put into "
-                             f"{root}/ns: run again (it starts clean)") from exc
+        raise BootstrapError(
+            f"writing {partial} failed: {exc}; nothing was put into {root}/ns: run again (it starts clean)"
+        ) from exc
 
 
 def _log_done(report: BootstrapReport, store: Store, say: Progress) -> None:
     cut = report.cut
-    log.info("tier bootstrap done: %d namespaces, %d objects, %d bytes from %s in %.1f s; %d objects cut, "
-             "%d problems", len(report.namespaces), len(report.objects), report.total_bytes, store.url,
-             report.seconds, len(cut), len(report.problems))
-    say(f"tier bootstrap done: {len(report.objects)} objects, {report.total_bytes} bytes; "
-        f"{len(cut)} cut, {len(report.problems)} problems")
+    log.info(
+        "tier bootstrap done: %d namespaces, %d objects, %d bytes from %s in %.1f s; %d objects cut, %d problems",
+        len(report.namespaces),
+        len(report.objects),
+        report.total_bytes,
+        store.url,
+        report.seconds,
+        len(cut),
+        len(report.problems),
+    )
+    say(
+        f"tier bootstrap done: {len(report.objects)} objects, {report.total_bytes} bytes; "
+        f"{len(cut)} cut, {len(report.problems)} problems"
+    )
 
 
 class _Counter:
@@ -334,17 +367,22 @@ class _Counter:
 
     def bytes(self, ns: str, name: str, n: int, at: int, length: int) -> None:
         self.done_bytes += n
-        self.say(f"{ns}/{name}: {at}/{length} bytes; total {self.done_bytes}/{self.total} bytes, "
-                 f"{self.done_objects}/{self.objects} objects")
+        self.say(
+            f"{ns}/{name}: {at}/{length} bytes; total {self.done_bytes}/{self.total} bytes, "
+            f"{self.done_objects}/{self.objects} objects"
+        )
 
     def object(self, ns: str, name: str, length: int, sealed: bool) -> None:
         self.done_objects += 1
-        self.say(f"{ns}/{name}: rebuilt, {length} bytes{', sealed' if sealed else ''}; total "
-                 f"{self.done_bytes}/{self.total} bytes, {self.done_objects}/{self.objects} objects")
+        self.say(
+            f"{ns}/{name}: rebuilt, {length} bytes{', sealed' if sealed else ''}; total "
+            f"{self.done_bytes}/{self.total} bytes, {self.done_objects}/{self.objects} objects"
+        )
 
 
-def _build_namespace(partial: str, store: Store, state: NamespaceState, report: BootstrapReport,
-                     counter: _Counter, workers: int) -> None:
+def _build_namespace(
+    partial: str, store: Store, state: NamespaceState, report: BootstrapReport, counter: _Counter, workers: int
+) -> None:
     ns_name = state.namespace
     path = os.path.join(partial, "ns", ns_name)
     ns = Namespace(ns_name, path)
@@ -363,8 +401,13 @@ def _build_namespace(partial: str, store: Store, state: NamespaceState, report: 
         if e is not None and e > nsr.fence:
             nsr.fence = e
     if nsr.fence != state.fence:
-        log.warning("tier bootstrap: %s: the highest fence marker is %d, a segment name carries epoch %d: "
-                    "the fence is %d", ns_name, state.fence, nsr.fence, nsr.fence)
+        log.warning(
+            "tier bootstrap: %s: the highest fence marker is %d, a segment name carries epoch %d: the fence is %d",
+            ns_name,
+            state.fence,
+            nsr.fence,
+            nsr.fence,
+        )
     if nsr.fence:
         ns.set_fence(nsr.fence)  # the server's own fence file (decimal, replaced atomically)
     report.namespaces[ns_name] = nsr
@@ -377,8 +420,9 @@ def _report_problem(report: BootstrapReport, p: Problem) -> None:
     (log.info if p.kind == "foreign" else log.error)("tier bootstrap: %s: %s", p.kind, p.message)
 
 
-def _build_object(ns: Namespace, store: Store, obj: ObjectState, report: BootstrapReport, counter: _Counter,
-                  workers: int) -> ObjectReport:
+def _build_object(
+    ns: Namespace, store: Store, obj: ObjectState, report: BootstrapReport, counter: _Counter, workers: int
+) -> ObjectReport:
     """The object file of *obj*, up to its good length (less if reading finds damage or a
     conflict the listing could not show), sealed if the bucket holds it sealed and whole."""
     for p in obj.problems:  # what the listing shows: gaps, sizes that lie, conflicting seals
@@ -414,10 +458,16 @@ def _build_object(ns: Namespace, store: Store, obj: ObjectState, report: Bootstr
     cut = length < furthest or (obj.seal_length is not None and not sealed)
     if cut:
         why = "; ".join(p.message for p in report.problems_of(obj.namespace, obj.name)) or "see the problems"
-        log.error("tier bootstrap: %s/%s rebuilt up to byte %d only%s (%s); nothing past it is served",
-                  obj.namespace, obj.name, length,
-                  f", not sealed although the bucket has a seal marker at {obj.seal_length}"
-                  if obj.seal_length is not None and not sealed else "", why)
+        log.error(
+            "tier bootstrap: %s/%s rebuilt up to byte %d only%s (%s); nothing past it is served",
+            obj.namespace,
+            obj.name,
+            length,
+            f", not sealed although the bucket has a seal marker at {obj.seal_length}"
+            if obj.seal_length is not None and not sealed
+            else "",
+            why,
+        )
     counter.object(obj.namespace, obj.name, length, sealed)
     return ObjectReport(obj.namespace, obj.name, length, sealed, furthest, obj.seal_length, cut)
 
@@ -436,8 +486,9 @@ def _reopen(ns: Namespace, name: str, length: int) -> StoredObject:
     return so
 
 
-def _write_object(ns: Namespace, store: Store, obj: ObjectState, end: int, counter: _Counter, workers: int,
-                  report: BootstrapReport) -> tuple[int, int | None]:
+def _write_object(
+    ns: Namespace, store: Store, obj: ObjectState, end: int, counter: _Counter, workers: int, report: BootstrapReport
+) -> tuple[int, int | None]:
     """Create the object's file (replacing one an earlier attempt of this run wrote) and append
     its bytes [0, end) in frames of at most FRAME_BYTES. Returns (bytes written, where reading
     found the good length to stop: None if it did not)."""
@@ -452,19 +503,22 @@ def _write_object(ns: Namespace, store: Store, obj: ObjectState, end: int, count
         for chunk in iter_object(store, obj, 0, end, workers=workers):
             view = memoryview(chunk)
             for i in range(0, len(view), FRAME_BYTES):
-                part = view[i: i + FRAME_BYTES]
+                part = view[i : i + FRAME_BYTES]
                 so.append(part, crc32c(part))  # one frame, as an APPEND of these bytes writes it
             written += len(view)
             counter.bytes(obj.namespace, obj.name, len(view), written, end)
     except TierDamage as exc:
         bad = next((p for p in obj.pieces if p.key == exc.key), None)
         cut_at = bad.begin if bad is not None else written
-        _report_problem(report, Problem("damage", obj.namespace, obj.name, exc.key, cut_at,
-                                        f"{obj.namespace}/{obj.name}: {exc}"))
+        _report_problem(
+            report, Problem("damage", obj.namespace, obj.name, exc.key, cut_at, f"{obj.namespace}/{obj.name}: {exc}")
+        )
     except TierConflict as exc:
         cut_at = exc.offset
-        _report_problem(report, Problem("conflict", obj.namespace, obj.name, exc.key, exc.offset,
-                                        f"{obj.namespace}/{obj.name}: {exc}"))
+        _report_problem(
+            report,
+            Problem("conflict", obj.namespace, obj.name, exc.key, exc.offset, f"{obj.namespace}/{obj.name}: {exc}"),
+        )
     finally:
         so.close()
     return written, cut_at
@@ -483,16 +537,27 @@ def _check_others(ns: Namespace, store: Store, obj: ObjectState, length: int, re
             try:
                 theirs = _get_piece(store, q)[: hi - q.begin]
             except TierDamage as exc:
-                _report_problem(report, Problem("damage", obj.namespace, obj.name, q.key, q.begin,
-                                                f"{obj.namespace}/{obj.name}: {exc}"))
+                _report_problem(
+                    report,
+                    Problem("damage", obj.namespace, obj.name, q.key, q.begin, f"{obj.namespace}/{obj.name}: {exc}"),
+                )
                 continue
             ours = so.read_bytes(q.begin, hi - q.begin, limit=length)
             if ours != theirs:
-                at = q.begin + next((i for i, (x, y) in enumerate(zip(ours, theirs)) if x != y),
-                                    min(len(ours), len(theirs)))
-                _report_problem(report, Problem("conflict", obj.namespace, obj.name, q.key, at,
-                                                f"{obj.namespace}/{obj.name}: piece {q.key} differs from the "
-                                                f"run at byte {at}"))
+                at = q.begin + next(
+                    (i for i, (x, y) in enumerate(zip(ours, theirs)) if x != y), min(len(ours), len(theirs))
+                )
+                _report_problem(
+                    report,
+                    Problem(
+                        "conflict",
+                        obj.namespace,
+                        obj.name,
+                        q.key,
+                        at,
+                        f"{obj.namespace}/{obj.name}: piece {q.key} differs from the run at byte {at}",
+                    ),
+                )
                 cut = at if cut is None else min(cut, at)
     finally:
         so.close()
@@ -527,8 +592,10 @@ def _install(root: str, done: str, say: Progress) -> None:
                 try:
                     os.rmdir(dst_obj)  # keygen makes an empty one
                 except OSError as exc:
-                    raise BootstrapError(f"cannot move the rebuilt objects of {ns} in: {dst_obj} is not "
-                                         f"empty ({exc.strerror}); the rebuilt tree is kept in {done}") from None
+                    raise BootstrapError(
+                        f"cannot move the rebuilt objects of {ns} in: {dst_obj} is not "
+                        f"empty ({exc.strerror}); the rebuilt tree is kept in {done}"
+                    ) from None
             os.rename(src_obj, dst_obj)
             fsync_dir(dst)
         makedirs_durable(os.path.join(dst, "keys"))

@@ -76,9 +76,19 @@ class _NsState:
 
 
 class Tier:
-    def __init__(self, store: Store, storage: Storage, metrics: Metrics, *, interval: float = 1.0,
-                 bytes_trigger: int = 8 << 20, lag_warn: float = 30.0, parallel: int = 4,
-                 max_piece: int = DEFAULT_MAX_PIECE, fence_timeout: float = FENCE_TIMEOUT) -> None:
+    def __init__(
+        self,
+        store: Store,
+        storage: Storage,
+        metrics: Metrics,
+        *,
+        interval: float = 1.0,
+        bytes_trigger: int = 8 << 20,
+        lag_warn: float = 30.0,
+        parallel: int = 4,
+        max_piece: int = DEFAULT_MAX_PIECE,
+        fence_timeout: float = FENCE_TIMEOUT,
+    ) -> None:
         self.store = store
         self.storage = storage
         self.metrics = metrics
@@ -121,8 +131,15 @@ class Tier:
         for ns in list(self.storage.namespaces.values()):  # start-up: what the disk holds
             for obj in list(ns.objects.values()):
                 self.note(obj, 0)
-        log.info("tier started", extra={"tier": self.store.url, "interval": self.interval,
-                                         "bytes": self.bytes_trigger, "lag_warn": self.lag_warn})
+        log.info(
+            "tier started",
+            extra={
+                "tier": self.store.url,
+                "interval": self.interval,
+                "bytes": self.bytes_trigger,
+                "lag_warn": self.lag_warn,
+            },
+        )
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._lag_loop)
             task_status.started()
@@ -155,10 +172,10 @@ class Tier:
             waiting = any(k[0] == namespace for k in self._waiters)
             if not pending and not waiting:
                 return
-            await trio.to_thread.run_sync(self.uploader.learn, namespace, limiter=self._limiter,
-                                          abandon_on_cancel=True)
-            await trio.to_thread.run_sync(self.uploader.check_fence, namespace, ns.fence, limiter=self._limiter,
-                                          abandon_on_cancel=True)
+            await trio.to_thread.run_sync(self.uploader.learn, namespace, limiter=self._limiter, abandon_on_cancel=True)
+            await trio.to_thread.run_sync(
+                self.uploader.check_fence, namespace, ns.fence, limiter=self._limiter, abandon_on_cancel=True
+            )
             errors: list[BaseException] = []
             async with trio.open_nursery() as nursery:
                 for name in self.uploader.pending(namespace):
@@ -189,8 +206,9 @@ class Tier:
         done = self._busy[key] = trio.Event()
         try:
             # abandoned on cancel (the server stopping): the store call ends in its own time
-            await trio.to_thread.run_sync(self._sync_object, obj, durable, sealed, limiter=self._limiter,
-                                          abandon_on_cancel=True)
+            await trio.to_thread.run_sync(
+                self._sync_object, obj, durable, sealed, limiter=self._limiter, abandon_on_cancel=True
+            )
         except TierError as exc:
             errors.append(exc)
         except (StorageError, OSError) as exc:  # the server's own copy: damaged, or removed meanwhile
@@ -198,8 +216,13 @@ class Tier:
                 # this object stops (its lag stays, TIER_WAIT says why); the namespace's others go on
                 msg = exc.message if isinstance(exc, StorageError) else str(exc)
                 self._stuck[key] = f"cannot read the server's copy: {msg}"
-                log.error("tier: cannot read %s/%s to upload it, not uploading it: %s", namespace, name, msg,
-                          extra={"namespace": namespace, "object": name})
+                log.error(
+                    "tier: cannot read %s/%s to upload it, not uploading it: %s",
+                    namespace,
+                    name,
+                    msg,
+                    extra={"namespace": namespace, "object": name},
+                )
         finally:
             del self._busy[key]
             done.set()
@@ -220,8 +243,13 @@ class Tier:
                 log.error("tier: %s", step.message, extra={"namespace": obj.namespace, "object": obj.name})
             if step.kind == "stuck":
                 self._stuck[(obj.namespace, obj.name)] = step.message
-                log.error("tier: a conflict stops uploading %s/%s: %s (nothing is overwritten)", obj.namespace,
-                          obj.name, step.message, extra={"namespace": obj.namespace, "object": obj.name})
+                log.error(
+                    "tier: a conflict stops uploading %s/%s: %s (nothing is overwritten)",
+                    obj.namespace,
+                    obj.name,
+                    step.message,
+                    extra={"namespace": obj.namespace, "object": obj.name},
+                )
                 self._wake_soon(obj.namespace)
             if step.kind in ("idle", "stuck", "ahead"):
                 return
@@ -234,16 +262,20 @@ class Tier:
         self.metrics.tier_failing.labels(namespace=namespace).set(1)
         self.metrics.tier_last_error.labels(namespace=namespace).set(time.time())
         if st.failing is None:
-            log.warning("tier: uploads fail, appends go on and uploads are retried: %s", exc,
-                        extra={"namespace": namespace, "tier": self.store.url, "retry_in": st.delay})
+            log.warning(
+                "tier: uploads fail, appends go on and uploads are retried: %s",
+                exc,
+                extra={"namespace": namespace, "tier": self.store.url, "retry_in": st.delay},
+            )
         st.failing = str(exc)
 
     def _stop(self, namespace: str, why: str) -> None:
         st = self._state(namespace)
         if st.stopped is None:
             st.stopped = why
-            log.error("tier: stopped uploading the namespace: %s", why,
-                      extra={"namespace": namespace, "tier": self.store.url})
+            log.error(
+                "tier: stopped uploading the namespace: %s", why, extra={"namespace": namespace, "tier": self.store.url}
+            )
             self.metrics.tier_fenced.labels(namespace=namespace).set(1)
         self._wake_waiters(namespace)
 
@@ -299,7 +331,10 @@ class Tier:
         return None
 
     async def wait(
-        self, namespace: str, name: str, offset: int,
+        self,
+        namespace: str,
+        name: str,
+        offset: int,
         timeout: float,  # noqa: ASYNC109 - TIER_WAIT's own timeout_ms: answered after it, not a cancellation
     ) -> int:
         """TIER_WAIT once the engine checked the object and *offset* (protocol.md 1.11): the
@@ -328,9 +363,11 @@ class Tier:
                 return tiered
         if why is None:
             ms = round((trio.current_time() - t0) * 1000)
-            why = (f"bucket holds {tiered} of {offset} bytes of {name!r} after {ms} ms" if tiered < offset
-                   else f"bucket does not hold {name!r}{' and its seal' if offset == tiered else ''} "
-                        f"after {ms} ms")
+            why = (
+                f"bucket holds {tiered} of {offset} bytes of {name!r} after {ms} ms"
+                if tiered < offset
+                else f"bucket does not hold {name!r}{' and its seal' if offset == tiered else ''} after {ms} ms"
+            )
             st = self._ns.get(namespace)
             last = st.failing if st is not None and st.failing else self.uploader.lag(namespace).last_error
             if last:
@@ -349,13 +386,13 @@ class Tier:
         with trio.move_on_at(deadline):
             while True:
                 try:
-                    await trio.to_thread.run_sync(self.uploader.check_fence, namespace, epoch,
-                                                  abandon_on_cancel=True)
+                    await trio.to_thread.run_sync(self.uploader.check_fence, namespace, epoch, abandon_on_cancel=True)
                     return
                 except TierFenced as exc:
                     self._stop(namespace, str(exc))
-                    raise StorageError(ErrorCode.TIER_UNAVAILABLE,
-                                       f"fence {epoch} set on this server, but {exc}") from None
+                    raise StorageError(
+                        ErrorCode.TIER_UNAVAILABLE, f"fence {epoch} set on this server, but {exc}"
+                    ) from None
                 except TierError as exc:
                     last = exc
                     self.metrics.tier_upload_errors.inc()
@@ -417,14 +454,22 @@ class Tier:
                 st.lagging = True
                 log.warning(
                     "tier: acknowledged bytes not in the store for %.0f s (over --tier-lag-warn %g s): %d bytes",
-                    lag.seconds, self.lag_warn, lag.bytes,
-                    extra={"namespace": namespace, "lag_bytes": lag.bytes, "lag_seconds": round(lag.seconds, 1),
-                           "last_error": lag.last_error or st.failing},
+                    lag.seconds,
+                    self.lag_warn,
+                    lag.bytes,
+                    extra={
+                        "namespace": namespace,
+                        "lag_bytes": lag.bytes,
+                        "lag_seconds": round(lag.seconds, 1),
+                        "last_error": lag.last_error or st.failing,
+                    },
                 )
             elif st.lagging and lag.seconds <= self.lag_warn:
                 st.lagging = False
-                log.info("tier: lag back under --tier-lag-warn", extra={
-                    "namespace": namespace, "lag_bytes": lag.bytes, "lag_seconds": round(lag.seconds, 1)})
+                log.info(
+                    "tier: lag back under --tier-lag-warn",
+                    extra={"namespace": namespace, "lag_bytes": lag.bytes, "lag_seconds": round(lag.seconds, 1)},
+                )
 
     def close(self) -> None:
         self.store.close()

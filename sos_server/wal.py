@@ -27,7 +27,11 @@ Log file: ``b"SOSWAL1\\n" | u64 seq`` then records::
 ``crc`` is CRC32C of everything after it up to the payload's 8-byte frame header
 included; the frame's own CRC covers its data. A record that fails either check, or that
 the file ends inside of, ends the log: what follows it was never acknowledged (a group
-commit acknowledges only after every record before it is synced). A bad record followed
+commit acknowledges only after every record before it is synced). Zero bytes after a
+file's last record (written ahead, :data:`ZERO_AHEAD`) end that file only: replay goes on
+with the next one (a crash between a switch and its checkpoint leaves the old file, and the
+new one holds acknowledged records). An object's records follow one another in its file,
+so a gap before one (records lost with an older file's unsynced tail) cuts the object there. A bad record followed
 by anything but zero bytes is damage: logged at error level, the file kept as
 ``.log.damaged`` for an operator, the records before it replayed.
 
@@ -434,25 +438,35 @@ def replay(wal_dir: str, object_path: Callable[[str, str], str]) -> ReplayNote:
     if note.records:
         log.warning(
             "replayed the write-ahead log: %d records, %d bytes onto %d objects (%d skipped)",
-            note.records, note.bytes, note.objects, note.skipped,
+            note.records,
+            note.bytes,
+            note.objects,
+            note.skipped,
         )
     return note
 
 
 def _replay_file(path: str, objects: _ReplayTarget, note: ReplayNote, damaged: list[str]) -> bool:
-    """Apply the records of one log file in order; False if a record that is not whole
-    stopped the replay (a damaged one, not a torn tail or zeros, also goes into *damaged*)."""
+    """Apply the records of one log file in order. True if the file ended cleanly: at its
+    end or in zero bytes (the zeros written ahead of the records, ZERO_AHEAD), so the replay
+    goes on with the next file: a file the log switched away from ends so, and the next
+    one holds acknowledged records. False if a record that is not whole stopped the replay
+    (a damaged one, not a torn tail, also goes into *damaged*)."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         for pos, fpos, namespace, name, payload in _records(fd, os.fstat(fd).st_size):
             if fpos < 0:
                 why = namespace
-                if not _all_zero_from(fd, pos) and why != "torn record header" and why != "torn record":
+                if _all_zero_from(fd, pos):
+                    return True  # the clean end of this file's records
+                if why != "torn record header" and why != "torn record":
                     note.damaged = f"{path} offset {pos}: {why}"
                     damaged.append(path)
                     log.error(
                         "damaged write-ahead log record: %s; the records before it were replayed, the"
-                        " file is kept as %s.damaged", note.damaged, path,
+                        " file is kept as %s.damaged",
+                        note.damaged,
+                        path,
                     )
                 return False
             objects.apply(namespace, name, fpos, payload)
@@ -510,9 +524,21 @@ class _ReplayTarget:
         if opath in self.broken:  # after an in-place write that did not reach the disk
             note.skipped += 1
             return
+        if fpos > last_end.get(opath, fpos):
+            # an object's records follow one another in its file; a gap means records of it
+            # were lost with the unsynced tail of an earlier log file (then nothing of it from
+            # there on was acknowledged): cut it where its last record ended
+            self.broken.add(opath)
+            note.skipped += 1
+            return
         if fpos > sizes[opath]:  # a hole: an earlier record of it is missing
-            log.error("log record for %s/%s at file offset %d is beyond its file's end %d: skipped",
-                      namespace, name, fpos, sizes[opath])
+            log.error(
+                "log record for %s/%s at file offset %d is beyond its file's end %d: skipped",
+                namespace,
+                name,
+                fpos,
+                sizes[opath],
+            )
             note.skipped += 1
             return
         if isinstance(payload, tuple):  # in place: there and whole, or never acknowledged

@@ -92,8 +92,7 @@ class ObjectIncomplete(TierError):
 
     def __init__(self, namespace: str, name: str, length: int, start: int, problems: list[Problem]) -> None:
         why = "; ".join(p.message for p in problems) or "no more bytes"
-        super().__init__(f"{namespace}/{name}: the bucket holds bytes up to {length} only, "
-                         f"asked from {start} ({why})")
+        super().__init__(f"{namespace}/{name}: the bucket holds bytes up to {length} only, asked from {start} ({why})")
         self.length = length
         self.problems = problems
 
@@ -149,8 +148,9 @@ def seal_content(sealed_at_ns: int | None) -> bytes:
     """The content of a seal marker: a JSON object; ``sealed_at_ns`` is when the server sealed
     the object by its clock (retention ages generations by it), absent if unknown. Must be the
     same bytes on every retry of one seal (the caller passes a time it stored durably)."""
-    return json.dumps({} if sealed_at_ns is None else {"sealed_at_ns": sealed_at_ns},
-                      separators=(",", ":"), sort_keys=True).encode()
+    return json.dumps(
+        {} if sealed_at_ns is None else {"sealed_at_ns": sealed_at_ns}, separators=(",", ":"), sort_keys=True
+    ).encode()
 
 
 def name_key(namespace: str, name: str) -> str | None:
@@ -259,8 +259,9 @@ class ObjectState:
         return self.seal_length is not None and self.length == self.seal_length
 
     def _problem(self, kind: str, key: str, offset: int, message: str) -> None:
-        self.problems.append(Problem(kind, self.namespace, self.name, key, offset,
-                                     f"{self.namespace}/{self.name}: {message}"))
+        self.problems.append(
+            Problem(kind, self.namespace, self.name, key, offset, f"{self.namespace}/{self.name}: {message}")
+        )
 
 
 @dataclass(slots=True)
@@ -274,8 +275,9 @@ class NamespaceState:
         return [*self.problems, *(p for o in self.objects.values() for p in o.problems)]
 
 
-def scan(store: Store, namespace: str | None = None, *, verify: bool = False,
-         workers: int = 4) -> dict[str, NamespaceState]:
+def scan(
+    store: Store, namespace: str | None = None, *, verify: bool = False, workers: int = 4
+) -> dict[str, NamespaceState]:
     """Rebuild, from the store's listing alone, every namespace (or one): per object its good
     length, seal, the pieces to read and the problems found (protocol.md 4.4). The listing
     says nothing about content: with *verify* every piece is read and checked against its CRC,
@@ -323,8 +325,9 @@ def scan_object(store: Store, namespace: str, name: str, *, verify: bool = False
     return obj
 
 
-def _object_name(store: Store, ns: str, edir: str, keys: list[tuple[ParsedKey, StoredKey]],
-                 st: NamespaceState) -> str | None:
+def _object_name(
+    store: Store, ns: str, edir: str, keys: list[tuple[ParsedKey, StoredKey]], st: NamespaceState
+) -> str | None:
     if not edir.startswith(HASHED):
         return unescape_name(edir)
     key = f"{namespace_prefix(ns)}o/{edir}/name"
@@ -351,8 +354,12 @@ def _build(ns: str, name: str, edir: str, keys: list[tuple[ParsedKey, StoredKey]
         if pk.kind == "piece":
             obj.exists = True
             if item.size != pk.end - pk.begin:
-                obj._problem("damage", item.key, pk.begin,
-                             f"piece {item.key} holds {item.size} bytes, its name says {pk.end - pk.begin}")
+                obj._problem(
+                    "damage",
+                    item.key,
+                    pk.begin,
+                    f"piece {item.key} holds {item.size} bytes, its name says {pk.end - pk.begin}",
+                )
                 continue
             pieces.append(Piece(item.key, pk.begin, pk.end, pk.crc, item.size))
         elif pk.kind == "seal":
@@ -380,31 +387,43 @@ def _build(ns: str, name: str, edir: str, keys: list[tuple[ParsedKey, StoredKey]
     obj.run_end = obj.length = pos
     later = [p for p in pieces if p.begin > pos]
     if later:
-        obj._problem("gap", later[0].key, pos,
-                     f"no piece holds byte {pos}; the next piece starts at {later[0].begin} ({later[0].key})")
+        obj._problem(
+            "gap",
+            later[0].key,
+            pos,
+            f"no piece holds byte {pos}; the next piece starts at {later[0].begin} ({later[0].key})",
+        )
     # same range, other checksum: two histories, whichever is right (no read needed to know)
     same_range: dict[tuple[int, int], list[Piece]] = {}
     for p in pieces:
         same_range.setdefault((p.begin, p.end), []).append(p)
     for (begin, _end), group in sorted(same_range.items()):
         if len(group) > 1:
-            obj._problem("conflict", group[1].key, begin, "pieces " + " and ".join(p.key for p in group)
-                         + " hold the same range with different checksums")
+            obj._problem(
+                "conflict",
+                group[1].key,
+                begin,
+                "pieces " + " and ".join(p.key for p in group) + " hold the same range with different checksums",
+            )
             obj.length = min(obj.length, begin)
     if seals:
         seals.sort()
         obj.seal_length, first = seals[0]
         obj.seal_keys = [k for _, k in seals]
         if len({s for s, _ in seals}) > 1:
-            obj._problem("conflict", seals[-1][1], seals[0][0],
-                         "sealed at different lengths: " + ", ".join(str(s) for s, _ in seals))
+            obj._problem(
+                "conflict",
+                seals[-1][1],
+                seals[0][0],
+                "sealed at different lengths: " + ", ".join(str(s) for s, _ in seals),
+            )
         if obj.run_end > obj.seal_length:
-            obj._problem("conflict", first, obj.seal_length,
-                         f"pieces reach {obj.run_end}, past its seal at {obj.seal_length}")
+            obj._problem(
+                "conflict", first, obj.seal_length, f"pieces reach {obj.run_end}, past its seal at {obj.seal_length}"
+            )
             obj.length = min(obj.length, obj.seal_length)
         elif obj.length < obj.seal_length and not later:
-            obj._problem("gap", first, obj.length,
-                         f"sealed at {obj.seal_length} but the pieces end at {obj.length}")
+            obj._problem("gap", first, obj.length, f"sealed at {obj.seal_length} but the pieces end at {obj.length}")
     return obj
 
 
@@ -488,37 +507,45 @@ def _fetch_run(store: Store, obj: ObjectState, start: int, end: int, workers: in
                 # overlap with the piece before: the bytes both hold (inside the range asked) agree
                 lo_o, hi_o = max(p.begin, start), min(prev[0].end, end) if prev is not None else 0
                 if prev is not None and hi_o > lo_o:
-                    a = prev[1][lo_o - prev[0].begin: hi_o - prev[0].begin]
-                    b = data[lo_o - p.begin: hi_o - p.begin]
+                    a = prev[1][lo_o - prev[0].begin : hi_o - prev[0].begin]
+                    b = data[lo_o - p.begin : hi_o - p.begin]
                     if a != b:
                         at = lo_o + _first_difference(a, b)
                         raise TierConflict(p.key, f"differs from {prev[0].key} at byte {at}", at)
                 lo = max(start, prev[0].end if prev else p.begin, p.begin)
                 hi = min(end, p.end)
                 if hi > lo:
-                    yield lo, data[lo - p.begin: hi - p.begin]
+                    yield lo, data[lo - p.begin : hi - p.begin]
                 prev = (p, data)
                 idx += 1
         finally:
             parts.shutdown(wait=True, cancel_futures=True)
 
 
-def iter_object(store: Store, obj: ObjectState, start: int = 0, end: int | None = None, *,
-                workers: int = 4) -> Iterator[bytes]:
+def iter_object(
+    store: Store, obj: ObjectState, start: int = 0, end: int | None = None, *, workers: int = 4
+) -> Iterator[bytes]:
     """The object's bytes [start, end) (end None: its good length) in chunks, in order, every
     chunk from a piece whose CRC32C was checked; memory bounded by *workers* pieces.
     ObjectIncomplete if the range reaches past the good length; TierDamage / TierConflict
     if reading finds what the listing could not."""
     stop = obj.length if end is None else end
     if start < 0 or stop < start or stop > obj.length:
-        raise ObjectIncomplete(obj.namespace, obj.name, obj.length, start if start > obj.length else stop,
-                               obj.problems)
+        raise ObjectIncomplete(obj.namespace, obj.name, obj.length, start if start > obj.length else stop, obj.problems)
     for _off, chunk in _fetch_run(store, obj, start, stop, workers):
         yield chunk
 
 
-def read_object(store: Store, namespace: str, name: str, start: int = 0, end: int | None = None, *,
-                state: ObjectState | None = None, workers: int = 4) -> bytes:
+def read_object(
+    store: Store,
+    namespace: str,
+    name: str,
+    start: int = 0,
+    end: int | None = None,
+    *,
+    state: ObjectState | None = None,
+    workers: int = 4,
+) -> bytes:
     """The bytes [start, end) of one object, verified (see :func:`iter_object`); one listing of
     its prefix unless *state* (from :func:`scan`) is given."""
     obj = state if state is not None else scan_object(store, namespace, name)
@@ -552,6 +579,6 @@ def delete_object(store: Store, obj: ObjectState) -> None:
     they are gone, the seal markers and the name key. Take *obj* from a fresh scan."""
     pieces = [p.key for p in sorted([*obj.pieces, *obj.extra], key=lambda p: (p.begin, p.end, p.key))]
     store.delete(pieces)
-    rest = keys_of(obj)[len(pieces):]
+    rest = keys_of(obj)[len(pieces) :]
     if rest:
         store.delete(rest)

@@ -164,13 +164,16 @@ class S3Store:
     def _delete(self, full_keys: builtins.list[str]) -> None:
         try:
             resp = self._s3.delete_objects(
-                Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in full_keys], "Quiet": True})
+                Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in full_keys], "Quiet": True}
+            )
         except (botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError) as exc:
             raise TierError(f"S3 DELETE in s3://{self.bucket}/{self.prefix}: {exc}") from exc
         errors = [e for e in resp.get("Errors", ()) if e.get("Code") not in ("NoSuchKey",)]
         if errors:
-            raise TierError(f"S3 DELETE in s3://{self.bucket}: {len(errors)} keys not deleted, "
-                            f"first {errors[0].get('Key')}: {errors[0].get('Code')} {errors[0].get('Message')}")
+            raise TierError(
+                f"S3 DELETE in s3://{self.bucket}: {len(errors)} keys not deleted, "
+                f"first {errors[0].get('Key')}: {errors[0].get('Code')} {errors[0].get('Message')}"
+            )
 
     def close(self) -> None:
         self._s3.close()

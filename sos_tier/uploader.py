@@ -61,8 +61,10 @@ class TierFenced(TierError):
     took it over (this one is a zombie); it must not upload that namespace any more."""
 
     def __init__(self, namespace: str, bucket_epoch: int, epoch: int) -> None:
-        super().__init__(f"namespace {namespace}: the bucket is fenced at epoch {bucket_epoch}, "
-                         f"this server holds {epoch}; another server took the namespace over")
+        super().__init__(
+            f"namespace {namespace}: the bucket is fenced at epoch {bucket_epoch}, "
+            f"this server holds {epoch}; another server took the namespace over"
+        )
         self.namespace = namespace
         self.bucket_epoch = bucket_epoch
         self.epoch = epoch
@@ -126,9 +128,15 @@ class _Ns:
 
 
 class Uploader:
-    def __init__(self, store: Store, *, max_piece: int = DEFAULT_MAX_PIECE,
-                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
-                 on_progress: Callable[[str, str, int, bool], None] | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        max_piece: int = DEFAULT_MAX_PIECE,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+        on_progress: Callable[[str, str, int, bool], None] | None = None,
+    ) -> None:
         """*on_progress(namespace, name, uploaded, sealed_in_bucket)* is called (in the thread
         that made the step) after every write that moved an object on: the server wakes its
         wait-for-bucket waiters with it (``trio.lowlevel.TrioToken.run_sync_soon``)."""
@@ -144,8 +152,9 @@ class Uploader:
 
     # -- what the server tells us (cheap; any thread) -------------------------------------------
 
-    def note(self, namespace: str, name: str, durable: int, sealed: bool = False,
-             sealed_at_ns: int | None = None) -> None:
+    def note(
+        self, namespace: str, name: str, durable: int, sealed: bool = False, sealed_at_ns: int | None = None
+    ) -> None:
         """The server made *name* durable up to *durable* (and sealed it): start its lag clock."""
         now = self._clock()
         with self._lock:
@@ -228,8 +237,15 @@ class Uploader:
 
     # -- uploading ---------------------------------------------------------------------------------
 
-    def step(self, namespace: str, name: str, read: Reader, durable: int, sealed: bool = False,
-             sealed_at_ns: int | None = None) -> Step:
+    def step(
+        self,
+        namespace: str,
+        name: str,
+        read: Reader,
+        durable: int,
+        sealed: bool = False,
+        sealed_at_ns: int | None = None,
+    ) -> Step:
         """Make one write of progress on *name*: the next piece, else the seal marker, else (an
         empty object the bucket does not know) the ``0-0`` piece. *durable*/*sealed* are what
         the server holds now (noted as by :meth:`note`). TierError from the store propagates
@@ -252,13 +268,24 @@ class Uploader:
                 self._on_progress(namespace, name, o.uploaded, o.bucket_seal is not None)
             return step
 
-    def _step(self, namespace: str, name: str, ns: _Ns, o: _Obj, read: Reader, durable: int,
-              sealed: bool, sealed_at_ns: int | None) -> Step:
+    def _step(
+        self,
+        namespace: str,
+        name: str,
+        ns: _Ns,
+        o: _Obj,
+        read: Reader,
+        durable: int,
+        sealed: bool,
+        sealed_at_ns: int | None,
+    ) -> Step:
         if o.stuck:
             return Step("stuck", message=o.stuck)
         if o.uploaded > durable:
-            msg = (f"{namespace}/{name}: the bucket holds {o.uploaded} bytes, this server {durable}: "
-                   "another server wrote it, or this one lost data; not uploading it")
+            msg = (
+                f"{namespace}/{name}: the bucket holds {o.uploaded} bytes, this server {durable}: "
+                "another server wrote it, or this one lost data; not uploading it"
+            )
             with self._lock:
                 self._error(ns, msg)
             return Step("ahead", message=msg)
@@ -289,8 +316,12 @@ class Uploader:
                 self._drop_marks(o)
             return Step("seal", key, durable, durable, outcome)
         if sealed and o.bucket_seal != durable:
-            return self._stuck(ns, o, seal_key(namespace, name, o.bucket_seal or 0),
-                               f"sealed in the bucket at {o.bucket_seal}, on this server at {durable}")
+            return self._stuck(
+                ns,
+                o,
+                seal_key(namespace, name, o.bucket_seal or 0),
+                f"sealed in the bucket at {o.bucket_seal}, on this server at {durable}",
+            )
         if durable == 0 and not o.exists:
             if not o.exists:
                 self._name_key(namespace, name)
@@ -301,8 +332,17 @@ class Uploader:
             return Step("exists", key, 0, 0, outcome)
         return Step("idle")
 
-    def sync(self, namespace: str, name: str, read: Reader, durable: int, sealed: bool = False,
-             sealed_at_ns: int | None = None, *, max_steps: int | None = None) -> int:
+    def sync(
+        self,
+        namespace: str,
+        name: str,
+        read: Reader,
+        durable: int,
+        sealed: bool = False,
+        sealed_at_ns: int | None = None,
+        *,
+        max_steps: int | None = None,
+    ) -> int:
         """Steps until the bucket holds *name* up to *durable* (and its seal), or a step is
         stuck/ahead, or *max_steps* were taken; returns where the bucket's run now ends."""
         n = 0
@@ -338,9 +378,12 @@ class Uploader:
             ns = self._ns.get(namespace)
             if ns is None:
                 return []
-            return sorted(n for n, o in ns.objects.items()
-                          if not o.stuck and (o.uploaded < o.durable or (o.sealed and o.bucket_seal is None)
-                                              or (o.noted and not o.exists)))
+            return sorted(
+                n
+                for n, o in ns.objects.items()
+                if not o.stuck
+                and (o.uploaded < o.durable or (o.sealed and o.bucket_seal is None) or (o.noted and not o.exists))
+            )
 
     def lag(self, namespace: str) -> Lag:
         now = self._clock()
@@ -356,9 +399,16 @@ class Uploader:
                     seals += 1
                 if o.marks:
                     oldest = o.marks[0][1] if oldest is None else min(oldest, o.marks[0][1])
-            return Lag(behind, 0.0 if oldest is None else max(0.0, now - oldest), seals, ns.last_error,
-                       ns.last_error_at, {n: o.stuck for n, o in ns.objects.items() if o.stuck}, ns.fenced,
-                       ns.uploaded_bytes)
+            return Lag(
+                behind,
+                0.0 if oldest is None else max(0.0, now - oldest),
+                seals,
+                ns.last_error,
+                ns.last_error_at,
+                {n: o.stuck for n, o in ns.objects.items() if o.stuck},
+                ns.fenced,
+                ns.uploaded_bytes,
+            )
 
     def namespaces(self) -> list[str]:
         with self._lock:

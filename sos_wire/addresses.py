@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import ipaddress
 
-__all__ = ["address_key", "format_address", "is_loopback", "is_wildcard", "parse_address",
-           "split_address"]
+__all__ = ["address_key", "format_address", "is_loopback", "is_wildcard", "parse_address", "split_address"]
 
 
 def split_address(text: str) -> tuple[str, int | None]:
@@ -45,8 +44,7 @@ def split_address(text: str) -> tuple[str, int | None]:
     return host, int(port_text)
 
 
-def parse_address(text: str, *, default_port: int | None = None,
-                  any_port: bool = False) -> tuple[str, int]:
+def parse_address(text: str, *, default_port: int | None = None, any_port: bool = False) -> tuple[str, int]:
     """:func:`split_address`, then the caller's policy: without a port, ``default_port`` (a
     ValueError if None: the port is required); port 0 only with ``any_port`` (a listener)."""
     host, port = split_address(text)

@@ -112,7 +112,8 @@ def proof(secret: bytes, nonce: bytes, namespace: str, key_id: bytes, channel_bi
     return hmac.new(secret, message, hashlib.sha256).digest()
 
 
-def verify_proof(secret: bytes, nonce: bytes, namespace: str, key_id: bytes, candidate: bytes,
-                 channel_binding: bytes = b"") -> bool:
+def verify_proof(
+    secret: bytes, nonce: bytes, namespace: str, key_id: bytes, candidate: bytes, channel_binding: bytes = b""
+) -> bool:
     """Constant-time check of a client's proof (server side), bound to *channel_binding*."""
     return hmac.compare_digest(proof(secret, nonce, namespace, key_id, channel_binding), bytes(candidate))

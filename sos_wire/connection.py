@@ -93,11 +93,26 @@ class Role(Enum):
 
 
 EVENT_OF: dict[Op, type] = {
-    Op.HELLO: ev.Hello, Op.HELLO_OK: ev.HelloOk, Op.AUTH: ev.Auth, Op.AUTH_OK: ev.AuthOk,
-    Op.PING: ev.Ping, Op.PONG: ev.Pong, Op.LIST: ev.List, Op.LIST_OK: ev.ListOk,
-    Op.STAT: ev.Stat, Op.STAT_OK: ev.StatOk, Op.APPEND: ev.Append, Op.APPEND_OK: ev.AppendOk,
-    Op.READ: ev.Read, Op.READ_DATA: ev.ReadData, Op.SEAL: ev.Seal, Op.SEAL_OK: ev.SealOk,
-    Op.FENCE: ev.Fence, Op.FENCE_OK: ev.FenceOk, Op.TIER_WAIT: ev.TierWait, Op.TIER_WAIT_OK: ev.TierWaitOk,
+    Op.HELLO: ev.Hello,
+    Op.HELLO_OK: ev.HelloOk,
+    Op.AUTH: ev.Auth,
+    Op.AUTH_OK: ev.AuthOk,
+    Op.PING: ev.Ping,
+    Op.PONG: ev.Pong,
+    Op.LIST: ev.List,
+    Op.LIST_OK: ev.ListOk,
+    Op.STAT: ev.Stat,
+    Op.STAT_OK: ev.StatOk,
+    Op.APPEND: ev.Append,
+    Op.APPEND_OK: ev.AppendOk,
+    Op.READ: ev.Read,
+    Op.READ_DATA: ev.ReadData,
+    Op.SEAL: ev.Seal,
+    Op.SEAL_OK: ev.SealOk,
+    Op.FENCE: ev.Fence,
+    Op.FENCE_OK: ev.FenceOk,
+    Op.TIER_WAIT: ev.TierWait,
+    Op.TIER_WAIT_OK: ev.TierWaitOk,
     Op.ERROR: ev.Error,
 }
 OP_OF: dict[type, Op] = {cls: op for op, cls in EVENT_OF.items()}
@@ -156,9 +171,7 @@ def decode_body(op: Op, request_id: int, body: bytes) -> ev.Event:
     try:
         c = BODIES[op].parse(body)
     except Exception as exc:  # noqa: BLE001 - construct's errors, UnicodeDecodeError, ...: all a malformed body
-        raise RemoteProtocolError(
-            f"malformed {op.name} body: {_short(exc)}", request_id=request_id
-        ) from None
+        raise RemoteProtocolError(f"malformed {op.name} body: {_short(exc)}", request_id=request_id) from None
     cls = EVENT_OF[op]
     if op is Op.LIST_OK:
         entries = tuple(ev.ListEntry(e.name, e.length, bool(e.sealed)) for e in c.entries)
@@ -175,7 +188,9 @@ def decode_body(op: Op, request_id: int, body: bytes) -> ev.Event:
     elif op in (Op.PING, Op.PONG) and len(kw["payload"]) > MAX_PING_PAYLOAD:
         raise RemoteProtocolError(
             f"{op.name} payload is {len(kw['payload'])} bytes, the limit is {MAX_PING_PAYLOAD}",
-            code=ErrorCode.BAD_REQUEST, request_id=request_id, fatal=op is Op.PONG,
+            code=ErrorCode.BAD_REQUEST,
+            request_id=request_id,
+            fatal=op is Op.PONG,
         )
     event: ev.Event = cls(request_id, **kw)
     return event
@@ -253,7 +268,7 @@ class Connection:
         body = self._body
         if body is not None and self._filled < len(body):
             n = min(len(body) - self._filled, len(data))
-            body[self._filled:self._filled + n] = data[:n] if n < len(data) else data
+            body[self._filled : self._filled + n] = data[:n] if n < len(data) else data
             self._filled += n
             if n == len(data):
                 return
@@ -296,7 +311,7 @@ class Connection:
             self._body, self._filled = body, have
         if self._filled >= len(body) or self._error is not None:
             return None
-        return memoryview(body)[self._filled:]
+        return memoryview(body)[self._filled :]
 
     def received(self, n: int) -> None:
         """``n`` bytes were written into the view :meth:`receive_buffer` returned; 0 means
@@ -321,7 +336,8 @@ class Connection:
         if self._error is not None:
             raise RemoteProtocolError(
                 f"connection already failed: {self._error.message}",
-                code=self._error.code, request_id=self._error.request_id,
+                code=self._error.code,
+                request_id=self._error.request_id,
             )
         buf = self._buf
         hdr = self._hdr
@@ -370,7 +386,9 @@ class Connection:
                 event = self._fast_read_data(request_id, src, start, end)
             elif op is Op.APPEND_OK:
                 if body_len != 8:
-                    raise RemoteProtocolError(f"malformed APPEND_OK body: {body_len} bytes, expected 8", request_id=request_id)
+                    raise RemoteProtocolError(
+                        f"malformed APPEND_OK body: {body_len} bytes, expected 8", request_id=request_id
+                    )
                 event = ev.AppendOk(request_id, _U64.unpack_from(buf, HEADER_LEN)[0])
             else:
                 with memoryview(buf) as mv:
@@ -396,12 +414,14 @@ class Connection:
         if version not in SUPPORTED_VERSIONS:
             raise self._fail(
                 f"unsupported protocol version {version} (supported: {', '.join(map(str, SUPPORTED_VERSIONS))})",
-                code=ErrorCode.UNSUPPORTED_VERSION, request_id=request_id,
+                code=ErrorCode.UNSUPPORTED_VERSION,
+                request_id=request_id,
             )
         if body_len > self.max_body:
             raise self._fail(
                 f"frame body of {body_len} bytes exceeds the limit of {self.max_body}",
-                code=ErrorCode.TOO_LARGE, request_id=request_id,
+                code=ErrorCode.TOO_LARGE,
+                request_id=request_id,
             )
         known = opcode in Op._value2member_map_
         if self.role is Role.SERVER:
@@ -462,7 +482,9 @@ class Connection:
             raise RemoteProtocolError("malformed READ_DATA body: truncated", request_id=request_id)
         offset, last, data_len = _READ_DATA_HEAD.unpack_from(buf, pos)
         if last > 1:
-            raise RemoteProtocolError(f"malformed READ_DATA body: last must be 0 or 1, got {last}", request_id=request_id)
+            raise RemoteProtocolError(
+                f"malformed READ_DATA body: last must be 0 or 1, got {last}", request_id=request_id
+            )
         pos += _READ_DATA_HEAD.size
         if pos + data_len != end:
             raise RemoteProtocolError(

@@ -128,9 +128,7 @@ ListEntryBody = Struct("name" / String, "length" / Int64ub, "sealed" / Bool8)
 
 BODIES = {
     Op.HELLO: Struct("client" / String, "min_version" / Int8ub, "max_version" / Int8ub, Terminated),
-    Op.HELLO_OK: Struct(
-        "version" / Int8ub, "nonce" / Bytes(32), "max_body" / Int32ub, "server" / String, Terminated
-    ),
+    Op.HELLO_OK: Struct("version" / Int8ub, "nonce" / Bytes(32), "max_body" / Int32ub, "server" / String, Terminated),
     Op.AUTH: Struct("key_id" / Bytes(8), "namespace" / String, "proof" / Bytes(32), Terminated),
     Op.AUTH_OK: Struct("role" / OneOf(Int8ub, [1, 2, 3]), Terminated),
     Op.PING: Struct("payload" / Blob, Terminated),

@@ -47,9 +47,7 @@ def validate_name(name: str) -> str:
         if seg in (".", ".."):
             raise BadName(f"object name {name!r} has a {seg!r} segment")
         if len(seg) > MAX_SEGMENT_BYTES:
-            raise BadName(
-                f"object name {name!r} has a segment of {len(seg)} bytes, the limit is {MAX_SEGMENT_BYTES}"
-            )
+            raise BadName(f"object name {name!r} has a segment of {len(seg)} bytes, the limit is {MAX_SEGMENT_BYTES}")
         if not _SEGMENT.fullmatch(seg):
             bad = next(c for c in seg if not _SEGMENT.fullmatch(c))
             raise BadName(f"object name {name!r} contains the forbidden character {bad!r}")
@@ -61,7 +59,5 @@ def validate_namespace(namespace: str) -> str:
     if not isinstance(namespace, str):
         raise BadName(f"namespace must be str, not {type(namespace).__name__}")
     if not _NAMESPACE.fullmatch(namespace):
-        raise BadName(
-            f"namespace {namespace!r} is invalid: it must match [a-z0-9][a-z0-9_-]{{0,62}}"
-        )
+        raise BadName(f"namespace {namespace!r} is invalid: it must match [a-z0-9][a-z0-9_-]{{0,62}}")
     return namespace

@@ -26,8 +26,9 @@ def mount_fstype(mountpoint: str) -> str | None:
                 fields = line.split()
                 if len(fields) < 7 or "-" not in fields:
                     continue
-                where = (fields[4].replace("\\040", " ").replace("\\011", "\t")
-                         .replace("\\012", "\n").replace("\\134", "\\"))
+                where = (
+                    fields[4].replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
+                )
                 if where == target:
                     found = fields[fields.index("-", 6) + 1]  # the last mount on top wins
     except FileNotFoundError:  # pragma: no cover - not Linux

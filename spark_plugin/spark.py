@@ -107,8 +107,15 @@ class CheckpointLocation(str):
     def reused(self) -> bool:
         return self.mount is None
 
-    def __new__(cls, path: str, *, mount: MountProcess | None = None, mountpoint: str = "", relpath: str = "",
-                namespace: str = "") -> CheckpointLocation:
+    def __new__(
+        cls,
+        path: str,
+        *,
+        mount: MountProcess | None = None,
+        mountpoint: str = "",
+        relpath: str = "",
+        namespace: str = "",
+    ) -> CheckpointLocation:
         self = super().__new__(cls, path)
         self.mount = mount
         self.mountpoint = mountpoint
@@ -140,10 +147,20 @@ def _stop_all_mounts() -> None:
 atexit.register(_stop_all_mounts)
 
 
-def start_mount(namespace: str, mountpoint: str, *, server: str, key: str, cache_dir: str, sync: bool = True,
-                timeout: float = 180.0, log_path: str | None = None,
-                extra_args: Sequence[str] = (), durability: str = "server",
-                tier_patience: float | None = None) -> MountProcess:
+def start_mount(
+    namespace: str,
+    mountpoint: str,
+    *,
+    server: str,
+    key: str,
+    cache_dir: str,
+    sync: bool = True,
+    timeout: float = 180.0,
+    log_path: str | None = None,
+    extra_args: Sequence[str] = (),
+    durability: str = "server",
+    tier_patience: float | None = None,
+) -> MountProcess:
     """Start ``sos mount`` for ``namespace`` on ``mountpoint`` and wait until it serves.
 
     ``extra_args``: more ``sos mount`` options (``--tls-ca FILE``, ``--owner 185``, ...).
@@ -155,17 +172,37 @@ def start_mount(namespace: str, mountpoint: str, *, server: str, key: str, cache
     # needs sos_client: the Spark job ships spark.py without it (docs/DEPLOY.md)
     from spark_plugin.mount.process import MountProcess  # noqa: PLC0415
 
-    mount = MountProcess(namespace, mountpoint, cache_dir, server, str(key), sync,
-                         log_path=log_path, start_timeout=timeout, extra_args=list(extra_args),
-                         durability=durability, tier_patience=tier_patience)
+    mount = MountProcess(
+        namespace,
+        mountpoint,
+        cache_dir,
+        server,
+        str(key),
+        sync,
+        log_path=log_path,
+        start_timeout=timeout,
+        extra_args=list(extra_args),
+        durability=durability,
+        tier_patience=tier_patience,
+    )
     mount.start()
     return mount
 
 
-def start_gateway(namespace: str, *, server: str, key: str, cache_dir: str, listen: str = "127.0.0.1:0",
-                  sync: bool = True, durability: str = "server", tier_patience: float | None = None,
-                  timeout: float = 180.0, log_path: str | None = None,
-                  extra_args: Sequence[str] = ()) -> GatewayProcess:
+def start_gateway(
+    namespace: str,
+    *,
+    server: str,
+    key: str,
+    cache_dir: str,
+    listen: str = "127.0.0.1:0",
+    sync: bool = True,
+    durability: str = "server",
+    tier_patience: float | None = None,
+    timeout: float = 180.0,
+    log_path: str | None = None,
+    extra_args: Sequence[str] = (),
+) -> GatewayProcess:
     """Start ``sos gateway`` for ``namespace`` and wait until it serves; ``.url`` is its
     ``http(s)://HOST:PORT`` (what :func:`gateway_checkpoint` takes), ``.stop()`` stops it.
 
@@ -177,9 +214,19 @@ def start_gateway(namespace: str, *, server: str, key: str, cache_dir: str, list
     # needs sos_client: the Spark job ships spark.py without it (docs/DEPLOY.md)
     from spark_plugin.gateway.process import GatewayProcess  # noqa: PLC0415
 
-    gateway = GatewayProcess(namespace, cache_dir, server, str(key), listen=listen, sync=sync,
-                             log_path=log_path, extra_args=list(extra_args), start_timeout=timeout,
-                             durability=durability, tier_patience=tier_patience)
+    gateway = GatewayProcess(
+        namespace,
+        cache_dir,
+        server,
+        str(key),
+        listen=listen,
+        sync=sync,
+        log_path=log_path,
+        extra_args=list(extra_args),
+        start_timeout=timeout,
+        durability=durability,
+        tier_patience=tier_patience,
+    )
     gateway.start()
     return gateway
 
@@ -195,25 +242,39 @@ def mounted_namespace(mountpoint: str) -> str | None:
     if fstype is None:
         return None
     if fstype != SOS_FSTYPE:
-        raise ValueError(f"{mountpoint} is already a mount point, but not an SOS mount "
-                         f"({fstype}); give another mountpoint")
+        raise ValueError(
+            f"{mountpoint} is already a mount point, but not an SOS mount ({fstype}); give another mountpoint"
+        )
     try:
         with open(os.path.join(mountpoint, NAMESPACE_CONTROL), encoding="utf-8") as f:
             return f.read().rstrip("\n")
     except OSError as exc:
         if exc.errno == errno.ENOTCONN:  # a dead mount: its daemon died
             return None
-        raise ValueError(f"{mountpoint} is an SOS mount that does not say its namespace "
-                         f"({exc.strerror} for {NAMESPACE_CONTROL}: an older sos mount?); "
-                         f"unmount it first") from None
+        raise ValueError(
+            f"{mountpoint} is an SOS mount that does not say its namespace "
+            f"({exc.strerror} for {NAMESPACE_CONTROL}: an older sos mount?); "
+            f"unmount it first"
+        ) from None
 
 
-def journaled_checkpoint(spark_or_none: SparkSession | None, namespace: str, *, server: str | None = None,
-                         key: str | None = None, mountpoint: str | None = None,
-                         cache_dir: str | None = None, sync: bool = True, checkpoint: str = DEFAULT_CHECKPOINT,
-                         listener: bool = True, mount_args: Sequence[str] = (),
-                         timeout: float = 180.0, durability: str = "server",
-                         tier_patience: float | None = None, tls_ca: str | None = None) -> CheckpointLocation:
+def journaled_checkpoint(
+    spark_or_none: SparkSession | None,
+    namespace: str,
+    *,
+    server: str | None = None,
+    key: str | None = None,
+    mountpoint: str | None = None,
+    cache_dir: str | None = None,
+    sync: bool = True,
+    checkpoint: str = DEFAULT_CHECKPOINT,
+    listener: bool = True,
+    mount_args: Sequence[str] = (),
+    timeout: float = 180.0,
+    durability: str = "server",
+    tier_patience: float | None = None,
+    tls_ca: str | None = None,
+) -> CheckpointLocation:
     """Mount ``namespace`` if needed and return a checkpointLocation on the mount.
 
     If ``mountpoint`` already is a live SOS mount of ``namespace`` (a sidecar, or the
@@ -239,8 +300,9 @@ def journaled_checkpoint(spark_or_none: SparkSession | None, namespace: str, *, 
         raise ValueError(f"{mountpoint} is a mount of namespace {current!r}, not {namespace!r}")
     if current is None:
         if not server or not key:
-            raise ValueError(f"nothing serves namespace {namespace!r} at {mountpoint}: "
-                             f"server= and key= are needed to mount it")
+            raise ValueError(
+                f"nothing serves namespace {namespace!r} at {mountpoint}: server= and key= are needed to mount it"
+            )
         if mountpoint is None:
             mountpoint = tempfile.mkdtemp(prefix=f"sos-mnt-{namespace}-")
         if cache_dir is None:
@@ -249,9 +311,18 @@ def journaled_checkpoint(spark_or_none: SparkSession | None, namespace: str, *, 
             os.makedirs(mountpoint, exist_ok=True)
         os.makedirs(cache_dir, exist_ok=True)
         extra = [*mount_args, *(["--tls-ca", os.fspath(tls_ca)] if tls_ca else [])]
-        mount = start_mount(namespace, mountpoint, server=server, key=key, cache_dir=cache_dir,
-                            sync=sync, extra_args=extra, timeout=timeout,
-                            durability=durability, tier_patience=tier_patience)
+        mount = start_mount(
+            namespace,
+            mountpoint,
+            server=server,
+            key=key,
+            cache_dir=cache_dir,
+            sync=sync,
+            extra_args=extra,
+            timeout=timeout,
+            durability=durability,
+            tier_patience=tier_patience,
+        )
         with _mounts_lock:
             _mounts.append(mount)
     else:
@@ -259,8 +330,9 @@ def journaled_checkpoint(spark_or_none: SparkSession | None, namespace: str, *, 
         log.info("reusing the live SOS mount of namespace %r at %s", namespace, mountpoint)
     path = os.path.join(os.path.abspath(mountpoint), relpath)
     os.makedirs(path, exist_ok=True)
-    loc = CheckpointLocation(path, mount=mount, mountpoint=os.path.abspath(mountpoint),
-                             relpath=relpath, namespace=namespace)
+    loc = CheckpointLocation(
+        path, mount=mount, mountpoint=os.path.abspath(mountpoint), relpath=relpath, namespace=namespace
+    )
     if spark_or_none is not None and listener:
         spark_or_none.streams.addListener(MarkerListener(loc))
     return loc
@@ -268,8 +340,9 @@ def journaled_checkpoint(spark_or_none: SparkSession | None, namespace: str, *, 
 
 def marker_payload(checkpoint_relpath: str, query_id: object, batch_id: int) -> bytes:
     """The MARKER payload for a committed batch (names the query and batch in the journal)."""
-    return json.dumps({"checkpoint": checkpoint_relpath, "query_id": str(query_id),
-                       "batch_id": int(batch_id)}, sort_keys=True).encode()
+    return json.dumps(
+        {"checkpoint": checkpoint_relpath, "query_id": str(query_id), "batch_id": int(batch_id)}, sort_keys=True
+    ).encode()
 
 
 def write_marker(mountpoint: str, checkpoint_relpath: str, query_id: object, batch_id: int) -> bool:
@@ -280,8 +353,7 @@ def write_marker(mountpoint: str, checkpoint_relpath: str, query_id: object, bat
     control = os.path.join(mountpoint, MARKER_CONTROL)
     if not os.path.exists(control):
         return False
-    doc = {"label": MARKER_LABEL,
-           "payload": json.loads(marker_payload(checkpoint_relpath, query_id, batch_id))}
+    doc = {"label": MARKER_LABEL, "payload": json.loads(marker_payload(checkpoint_relpath, query_id, batch_id))}
     data = json.dumps(doc, sort_keys=True).encode()
     fd = os.open(control, os.O_WRONLY)
     try:
@@ -333,8 +405,7 @@ class MarkerListener(_ListenerBase):
                 self.written.append(batch_id)
             elif not self._missing_control_logged:
                 self._missing_control_logged = True
-                log.warning("mount %s has no %s: batch markers are not written",
-                            self.mountpoint, MARKER_CONTROL)
+                log.warning("mount %s has no %s: batch markers are not written", self.mountpoint, MARKER_CONTROL)
         except Exception as exc:
             self.errors.append(repr(exc))
             log.exception("writing the batch marker failed")
@@ -351,10 +422,20 @@ def sos_command() -> list[str]:
     return [sys.executable, "-c", "import sys; from sos_client.cli import main; sys.exit(main())"]
 
 
-def restore_to_batch(namespace: str, target: str | os.PathLike[str], checkpoint: str, batch_id: int, *,
-                     server: str | None = None, key: str | None = None, from_url: str | None = None,
-                     force: bool = False, timeout: float = 900, tls_ca: str | None = None,
-                     tls: bool = False) -> str:
+def restore_to_batch(
+    namespace: str,
+    target: str | os.PathLike[str],
+    checkpoint: str,
+    batch_id: int,
+    *,
+    server: str | None = None,
+    key: str | None = None,
+    from_url: str | None = None,
+    force: bool = False,
+    timeout: float = 900,
+    tls_ca: str | None = None,
+    tls: bool = False,
+) -> str:
     """Rebuild ``namespace`` into ``target`` as it was when batch ``batch_id`` committed.
 
     ``checkpoint`` is the checkpoint's path inside the namespace (``location.relpath``).
@@ -373,8 +454,7 @@ def restore_to_batch(namespace: str, target: str | os.PathLike[str], checkpoint:
     rel = str(getattr(checkpoint, "relpath", checkpoint)).strip("/")
     if from_url is not None:
         if server is not None or key is not None:
-            raise ValueError("restore_to_batch: from_url reads the bucket alone: give it without "
-                             "server= and key=")
+            raise ValueError("restore_to_batch: from_url reads the bucket alone: give it without server= and key=")
         source = ["--from", str(from_url)]
         # neither the server nor a key plays a part (sos refuses --key-file with --from)
         env = {k: v for k, v in os.environ.items() if k not in ("SOS_KEY", "SOS_KEY_FILE")}
@@ -383,8 +463,7 @@ def restore_to_batch(namespace: str, target: str | os.PathLike[str], checkpoint:
             raise ValueError("restore_to_batch: server= and key= are needed (or from_url=)")
         source = ["--server", server]
         env = dict(os.environ, SOS_KEY=str(key))  # the key stays off the command line
-    cmd = [*sos_command(), "restore", "-q", *source, namespace, str(target),
-           "--batch", f"{rel}:{int(batch_id)}"]
+    cmd = [*sos_command(), "restore", "-q", *source, namespace, str(target), "--batch", f"{rel}:{int(batch_id)}"]
     if force:
         cmd.append("--force")
     if from_url is None and tls_ca:
@@ -427,9 +506,11 @@ def keytool() -> str:
         return os.path.join(home, "bin", "keytool")
     found = shutil.which("keytool")
     if not found:
-        raise FileNotFoundError("keytool (of a Java runtime) is needed to turn a PEM CA file into the "
-                                "PKCS12 truststore the Spark JVMs read: set JAVA_HOME, or pass "
-                                "truststore= a PKCS12 file made once with keytool -importcert")
+        raise FileNotFoundError(
+            "keytool (of a Java runtime) is needed to turn a PEM CA file into the "
+            "PKCS12 truststore the Spark JVMs read: set JAVA_HOME, or pass "
+            "truststore= a PKCS12 file made once with keytool -importcert"
+        )
     return found
 
 
@@ -441,13 +522,14 @@ def pem_certificates(text: str) -> list[str]:
         j = text.find(end, i)
         if j < 0:
             break
-        certs.append(text[i:j + len(end)] + "\n")
+        certs.append(text[i : j + len(end)] + "\n")
         at = j + len(end)
     return certs
 
 
-def make_truststore(cafile: str | os.PathLike[str], path: str | os.PathLike[str] | None = None, *,
-                    password: str = TRUSTSTORE_PASSWORD) -> str:
+def make_truststore(
+    cafile: str | os.PathLike[str], path: str | os.PathLike[str] | None = None, *, password: str = TRUSTSTORE_PASSWORD
+) -> str:
     """A PKCS12 truststore holding every certificate of the PEM file ``cafile`` (keytool
     -importcert, one alias per certificate); ``path`` default: a new file in a private
     temporary directory. Returns its path."""
@@ -462,35 +544,70 @@ def make_truststore(cafile: str | os.PathLike[str], path: str | os.PathLike[str]
         one = os.path.join(work, f"ca-{n}.pem")
         with open(one, "w", encoding="ascii") as f:
             f.write(cert)
-        proc = subprocess.run([tool, "-importcert", "-noprompt", "-alias", f"sos-ca-{n}", "-file", one,
-                               "-keystore", store, "-storetype", "PKCS12", "-storepass", password],
-                              capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [
+                tool,
+                "-importcert",
+                "-noprompt",
+                "-alias",
+                f"sos-ca-{n}",
+                "-file",
+                one,
+                "-keystore",
+                store,
+                "-storetype",
+                "PKCS12",
+                "-storepass",
+                password,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         if proc.returncode != 0:
-            raise RuntimeError(f"keytool -importcert of {cafile} failed: "
-                               f"{(proc.stderr or proc.stdout).strip()}")
+            raise RuntimeError(f"keytool -importcert of {cafile} failed: {(proc.stderr or proc.stdout).strip()}")
     return store
 
 
 def truststore_certificates(truststore: str | os.PathLike[str], password: str) -> str:
     """The certificates of a PKCS12 truststore as PEM text (``keytool -list -rfc``): what
     Python's ssl module can load (``cadata=``)."""
-    proc = subprocess.run([keytool(), "-list", "-rfc", "-keystore", os.fspath(truststore),
-                           "-storetype", "PKCS12", "-storepass", password],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            keytool(),
+            "-list",
+            "-rfc",
+            "-keystore",
+            os.fspath(truststore),
+            "-storetype",
+            "PKCS12",
+            "-storepass",
+            password,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     certs = pem_certificates(proc.stdout)
     if proc.returncode != 0 or not certs:
-        raise ValueError(f"cannot read the certificates of truststore {truststore} (is "
-                         f"truststore_password= right?): {(proc.stderr or proc.stdout).strip()}")
+        raise ValueError(
+            f"cannot read the certificates of truststore {truststore} (is "
+            f"truststore_password= right?): {(proc.stderr or proc.stdout).strip()}"
+        )
     return "".join(certs)
 
 
 def java_trust_options(truststore: str | os.PathLike[str], password: str) -> str:
     """The JVM options that make every HTTPS client of a JVM (Hadoop's WebHdfsFileSystem, its
     OAuth2 token fetch) trust the certificates of a PKCS12 truststore."""
-    return " ".join(shlex.quote(o) for o in (
-        f"-Djavax.net.ssl.trustStore={os.path.abspath(os.fspath(truststore))}",
-        "-Djavax.net.ssl.trustStoreType=PKCS12",
-        f"-Djavax.net.ssl.trustStorePassword={password}"))
+    return " ".join(
+        shlex.quote(o)
+        for o in (
+            f"-Djavax.net.ssl.trustStore={os.path.abspath(os.fspath(truststore))}",
+            "-Djavax.net.ssl.trustStoreType=PKCS12",
+            f"-Djavax.net.ssl.trustStorePassword={password}",
+        )
+    )
 
 
 class GatewayTrust:
@@ -507,23 +624,31 @@ class GatewayTrust:
     ``truststore`` + ``truststore_password``: a PKCS12 truststore; without ``cafile`` its
     certificates are read back for Python (``keytool -list -rfc``)."""
 
-    def __init__(self, *, cafile: str | os.PathLike[str] | None = None,
-                 truststore: str | os.PathLike[str] | None = None,
-                 truststore_password: str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        cafile: str | os.PathLike[str] | None = None,
+        truststore: str | os.PathLike[str] | None = None,
+        truststore_password: str | None = None,
+    ) -> None:
         if cafile is None and truststore is None:
             raise ValueError("GatewayTrust needs cafile= (PEM) or truststore= (PKCS12)")
         if truststore is not None and truststore_password is None:
-            raise ValueError("truststore= needs truststore_password=: Java 17 cannot read the "
-                             "certificates of a PKCS12 truststore without it (\"the trustAnchors "
-                             "parameter must be non-empty\")")
+            raise ValueError(
+                "truststore= needs truststore_password=: Java 17 cannot read the "
+                'certificates of a PKCS12 truststore without it ("the trustAnchors '
+                'parameter must be non-empty")'
+            )
         self.password = truststore_password if truststore_password is not None else TRUSTSTORE_PASSWORD
-        self.truststore = (os.path.abspath(os.fspath(truststore)) if truststore is not None
-                           else make_truststore(cast("str", cafile), password=self.password))
+        self.truststore = (
+            os.path.abspath(os.fspath(truststore))
+            if truststore is not None
+            else make_truststore(cast("str", cafile), password=self.password)
+        )
         if cafile is not None:
             self.context = ssl.create_default_context(cafile=os.fspath(cafile))
         else:
-            self.context = ssl.create_default_context(
-                cadata=truststore_certificates(self.truststore, self.password))
+            self.context = ssl.create_default_context(cadata=truststore_certificates(self.truststore, self.password))
         self.java_options = java_trust_options(self.truststore, self.password)
 
 
@@ -567,8 +692,11 @@ def nameservice_conf(urls: Sequence[str], nameservice: str) -> dict[str, str]:
     urls = gateway_urls(urls)
     https = urllib.parse.urlsplit(urls[0]).scheme == "https"
     ids = [f"gw{i + 1}" for i in range(len(urls))]
-    conf = {"dfs.nameservices": nameservice, f"dfs.ha.namenodes.{nameservice}": ",".join(ids),
-            f"dfs.client.failover.proxy.provider.{nameservice}": FAILOVER_PROXY_PROVIDER}
+    conf = {
+        "dfs.nameservices": nameservice,
+        f"dfs.ha.namenodes.{nameservice}": ",".join(ids),
+        f"dfs.client.failover.proxy.provider.{nameservice}": FAILOVER_PROXY_PROVIDER,
+    }
     for gid, u in zip(ids, urls, strict=True):
         parsed = urllib.parse.urlsplit(u)
         if parsed.scheme not in ("http", "https") or not parsed.netloc:
@@ -578,8 +706,15 @@ def nameservice_conf(urls: Sequence[str], nameservice: str) -> dict[str, str]:
     return conf | GATEWAY_FAILOVER
 
 
-def gateway_conf(url: str | Sequence[str], namespace: str, key: str, *, retry_spec: str = GATEWAY_RETRY_SPEC,
-                 nameservice: str | None = None, token_url: str | None = None) -> dict[str, str]:
+def gateway_conf(
+    url: str | Sequence[str],
+    namespace: str,
+    key: str,
+    *,
+    retry_spec: str = GATEWAY_RETRY_SPEC,
+    nameservice: str | None = None,
+    token_url: str | None = None,
+) -> dict[str, str]:
     """Hadoop settings (keys without ``spark.hadoop.``) for ``webhdfs://`` paths served by
     the gateway at ``url`` (``http(s)://HOST:PORT``): OAuth2 client credentials against its
     ``/oauth2/token`` (client id: the namespace, credential: ``key``) and the HTTP retry
@@ -594,16 +729,14 @@ def gateway_conf(url: str | Sequence[str], namespace: str, key: str, *, retry_sp
     urls = gateway_urls(url)
     conf = {
         "dfs.webhdfs.oauth2.enabled": "true",
-        "dfs.webhdfs.oauth2.access.token.provider":
-            "org.apache.hadoop.hdfs.web.oauth2.ConfCredentialBasedAccessTokenProvider",
+        "dfs.webhdfs.oauth2.access.token.provider": "org.apache.hadoop.hdfs.web.oauth2.ConfCredentialBasedAccessTokenProvider",
         "dfs.webhdfs.oauth2.client.id": namespace,
         "dfs.webhdfs.oauth2.credential": str(key),
         "dfs.webhdfs.oauth2.refresh.url": (token_url or urls[0]).rstrip("/") + "/oauth2/token",
     }
     if len(urls) > 1:
         return conf | nameservice_conf(urls, nameservice or nameservice_for(namespace))
-    return conf | {"dfs.http.client.retry.policy.enabled": "true",
-                   "dfs.http.client.retry.policy.spec": retry_spec}
+    return conf | {"dfs.http.client.retry.policy.enabled": "true", "dfs.http.client.retry.policy.spec": retry_spec}
 
 
 def webhdfs_url(url: str | Sequence[str], path: str = "", *, nameservice: str | None = None) -> str:
@@ -639,8 +772,17 @@ class GatewayCheckpoint(str):
     trust: GatewayTrust | None = None
     _key: str
 
-    def __new__(cls, location: str, *, relpath: str, namespace: str, gateway_url: str, conf: dict[str, str],
-                key: str, trust: GatewayTrust | None = None) -> GatewayCheckpoint:
+    def __new__(
+        cls,
+        location: str,
+        *,
+        relpath: str,
+        namespace: str,
+        gateway_url: str,
+        conf: dict[str, str],
+        key: str,
+        trust: GatewayTrust | None = None,
+    ) -> GatewayCheckpoint:
         self = super().__new__(cls, location)
         self.relpath = relpath
         self.namespace = namespace
@@ -664,10 +806,13 @@ class GatewayCheckpoint(str):
             system.setProperty("javax.net.ssl.trustStoreType", "PKCS12")
             system.setProperty("javax.net.ssl.trustStorePassword", self.trust.password)
             if not str(spark.sparkContext.master).startswith("local"):
-                log.warning("gateway_checkpoint on a live session: the driver trusts %s now, but "
-                            "executors on other nodes need spark.executor.extraJavaOptions %s when "
-                            "they start: give gateway_checkpoint the SparkSession.Builder",
-                            self.trust.truststore, self.trust.java_options)
+                log.warning(
+                    "gateway_checkpoint on a live session: the driver trusts %s now, but "
+                    "executors on other nodes need spark.executor.extraJavaOptions %s when "
+                    "they start: give gateway_checkpoint the SparkSession.Builder",
+                    self.trust.truststore,
+                    self.trust.java_options,
+                )
         if listener and self.listener is None:
             self.listener = GatewayMarkerListener(self, query_name=query_name)
             spark.streams.addListener(self.listener)
@@ -678,16 +823,26 @@ class GatewayCheckpoint(str):
         # the mount's Spark job ships spark.py without it (deploy/k8s/spark-driver.yaml)
         from spark_plugin.gateway.client import GatewayClient  # noqa: PLC0415
 
-        return GatewayClient(self.gateway_url, self.namespace, self._key,
-                             context=self.trust.context if self.trust is not None else None)
+        return GatewayClient(
+            self.gateway_url, self.namespace, self._key, context=self.trust.context if self.trust is not None else None
+        )
 
 
-def gateway_checkpoint(spark_or_builder: SparkSession | SparkSession.Builder | None, url: str | Sequence[str],
-                       namespace: str, key: str, checkpoint: str = DEFAULT_CHECKPOINT, *, listener: bool = True,
-                       retry_spec: str = GATEWAY_RETRY_SPEC, cafile: str | os.PathLike[str] | None = None,
-                       truststore: str | os.PathLike[str] | None = None,
-                       truststore_password: str | None = None, nameservice: str | None = None,
-                       token_url: str | None = None) -> GatewayCheckpoint:
+def gateway_checkpoint(
+    spark_or_builder: SparkSession | SparkSession.Builder | None,
+    url: str | Sequence[str],
+    namespace: str,
+    key: str,
+    checkpoint: str = DEFAULT_CHECKPOINT,
+    *,
+    listener: bool = True,
+    retry_spec: str = GATEWAY_RETRY_SPEC,
+    cafile: str | os.PathLike[str] | None = None,
+    truststore: str | os.PathLike[str] | None = None,
+    truststore_password: str | None = None,
+    nameservice: str | None = None,
+    token_url: str | None = None,
+) -> GatewayCheckpoint:
     """The checkpointLocation of ``checkpoint`` in ``namespace`` through the gateway at
     ``url`` (``http(s)://HOST:PORT`` of ``sos gateway NAMESPACE``), with ``key`` a key of
     the namespace (its role decides what the session may do).
@@ -715,15 +870,24 @@ def gateway_checkpoint(spark_or_builder: SparkSession | SparkSession.Builder | N
     relpath = checkpoint.strip("/")
     urls = gateway_urls(url)
     nameservice = (nameservice or nameservice_for(namespace)) if len(urls) > 1 else None
-    conf = {f"spark.hadoop.{k}": v for k, v in gateway_conf(urls, namespace, key, retry_spec=retry_spec,
-                                                            nameservice=nameservice,
-                                                            token_url=token_url).items()}
+    conf = {
+        f"spark.hadoop.{k}": v
+        for k, v in gateway_conf(
+            urls, namespace, key, retry_spec=retry_spec, nameservice=nameservice, token_url=token_url
+        ).items()
+    }
     trust = None
     if cafile is not None or truststore is not None:
         trust = GatewayTrust(cafile=cafile, truststore=truststore, truststore_password=truststore_password)
-    loc = GatewayCheckpoint(webhdfs_url(urls, relpath, nameservice=nameservice), relpath=relpath,
-                            namespace=namespace, gateway_url=",".join(urls), conf=conf, key=str(key),
-                            trust=trust)
+    loc = GatewayCheckpoint(
+        webhdfs_url(urls, relpath, nameservice=nameservice),
+        relpath=relpath,
+        namespace=namespace,
+        gateway_url=",".join(urls),
+        conf=conf,
+        key=str(key),
+        trust=trust,
+    )
     if spark_or_builder is None:
         return loc
     if hasattr(spark_or_builder, "streams"):  # a live session
@@ -743,8 +907,9 @@ class GatewayMarkerListener(_ListenerBase):
     (``commits/N`` exists on the gateway) it appends the same ``spark.batch`` MARKER record
     through ``POST /sos/v1/marker``, durable when the gateway answers (sync mode)."""
 
-    def __init__(self, checkpoint: GatewayCheckpoint, *, query_name: str | None = None,
-                 client: GatewayClient | None = None) -> None:
+    def __init__(
+        self, checkpoint: GatewayCheckpoint, *, query_name: str | None = None, client: GatewayClient | None = None
+    ) -> None:
         super().__init__()
         self.relpath = checkpoint.relpath
         self._client = client or checkpoint.client()
@@ -781,9 +946,13 @@ class GatewayMarkerListener(_ListenerBase):
         if self._warned_at is not None and now - self._warned_at < MARKER_WARN_INTERVAL:
             return
         since = f" ({self._unreported} failures since the last warning)" if self._warned_at is not None else ""
-        log.warning("batch markers are not being written through the gateway %s: %s%s; the query "
-                    "goes on (sos restore --batch works without markers; they only label batches)",
-                    self._client.url, exc, since)
+        log.warning(
+            "batch markers are not being written through the gateway %s: %s%s; the query "
+            "goes on (sos restore --batch works without markers; they only label batches)",
+            self._client.url,
+            exc,
+            since,
+        )
         self._warned_at = now
         self._unreported = 0
 

@@ -75,7 +75,6 @@ def pytest_make_collect_report(collector):
         report.longrepr = f"module skipped, but SOS_TEST_NO_SKIP=1 forbids skips: {reason}"
 
 
-
 def pytest_terminal_summary(terminalreporter, config):
     """With pytest-cov on and no table asked for (``.ci/run``: ``--cov=PKG ... --cov-branch
     --cov-report=``), one line with the total, just before pytest's closing line."""
@@ -92,8 +91,10 @@ def pytest_terminal_summary(terminalreporter, config):
         return
     what = ", ".join(cov.options.cov_source or ()) or "the measured code"
     kind = "branch coverage" if cov.options.cov_branch else "line coverage"
-    terminalreporter.write_line(f"{kind} of {what}: {total:.1f} % (in the pytest process; the "
-                                f"servers, mounts and gateways the tests start are not measured)")
+    terminalreporter.write_line(
+        f"{kind} of {what}: {total:.1f} % (in the pytest process; the "
+        f"servers, mounts and gateways the tests start are not measured)"
+    )
 
 
 @pytest.fixture

@@ -66,8 +66,7 @@ def all_k8s_documents() -> list[tuple[str, dict[str, Any]]]:
 
 
 def one(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
-    found = [d for d in docs if d["kind"] == kind
-             and (name is None or d.get("metadata", {}).get("name") == name)]
+    found = [d for d in docs if d["kind"] == kind and (name is None or d.get("metadata", {}).get("name") == name)]
     assert len(found) == 1, f"{kind} {name}: {len(found)} found"
     return found[0]
 

@@ -18,15 +18,21 @@ from typing import Any
 from deploy_support import K8S, all_k8s_documents, k8s_documents, spark_conf
 
 #: kinds the manifests use that have no namespace
-CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "PersistentVolume",
-                  "StorageClass", "PriorityClass"}
+CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "PersistentVolume", "StorageClass", "PriorityClass"}
 #: the Spark pod templates: Spark creates them in spark.kubernetes.namespace
 POD_TEMPLATES = ("spark-pod-driver.yaml", "spark-pod-executor.yaml")
 #: what can start a pod (and so use any service account, Secret, ConfigMap or volume claim
 #: of its namespace)
-POD_MAKERS = {("", "pods"), ("", "replicationcontrollers"), ("apps", "deployments"),
-              ("apps", "replicasets"), ("apps", "statefulsets"), ("apps", "daemonsets"),
-              ("batch", "jobs"), ("batch", "cronjobs")}
+POD_MAKERS = {
+    ("", "pods"),
+    ("", "replicationcontrollers"),
+    ("apps", "deployments"),
+    ("apps", "replicasets"),
+    ("apps", "statefulsets"),
+    ("apps", "daemonsets"),
+    ("batch", "jobs"),
+    ("batch", "cronjobs"),
+}
 WORKLOADS = {"Pod", "Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job", "CronJob"}
 
 Obj = dict[str, Any]
@@ -152,9 +158,12 @@ def selector_matches(selector: dict[str, Any] | None, labels: dict[str, str]) ->
         return False
     for e in selector.get("matchExpressions", []):
         key, op, values = e["key"], e["operator"], e.get("values", [])
-        ok = {"In": key in labels and labels[key] in values,
-              "NotIn": key not in labels or labels[key] not in values,
-              "Exists": key in labels, "DoesNotExist": key not in labels}[op]
+        ok = {
+            "In": key in labels and labels[key] in values,
+            "NotIn": key not in labels or labels[key] not in values,
+            "Exists": key in labels,
+            "DoesNotExist": key not in labels,
+        }[op]
         if not ok:
             return False
     return True
@@ -214,16 +223,21 @@ def allowed(objs: list[Obj], src: Pod, dst: Pod, port: int) -> bool:
     policies = network_policies(objs)
 
     def side(pod: Pod, kind: str, peers_key: str, other: Pod) -> bool:
-        selecting = [p for p in policies if p["ns"] == pod.ns
-                     and selector_matches(p["spec"]["podSelector"], pod.label_dict)
-                     and kind in _policy_types(p["spec"])]
+        selecting = [
+            p
+            for p in policies
+            if p["ns"] == pod.ns
+            and selector_matches(p["spec"]["podSelector"], pod.label_dict)
+            and kind in _policy_types(p["spec"])
+        ]
         if not selecting:
             return True  # no policy selects it in that direction: open
         for p in selecting:
             for rule in p["spec"].get(kind.lower(), []):
                 peers = rule.get(peers_key)
-                if (not peers or any(_peer_matches(objs, x, p["ns"], other) for x in peers)) \
-                        and _port_matches(rule, port):
+                if (not peers or any(_peer_matches(objs, x, p["ns"], other) for x in peers)) and _port_matches(
+                    rule, port
+                ):
                     return True
         return False
 
@@ -262,6 +276,7 @@ class ServiceAccount:
 class Grant:
     """One rule of a role, granted to a subject in ``ns`` (None: every namespace and the
     cluster-scoped objects, through a ClusterRoleBinding)."""
+
     ns: str | None
     rule: tuple[tuple[str, tuple[str, ...]], ...]
     via: str
@@ -284,8 +299,11 @@ def _binding_applies(subject: dict[str, Any], sa: ServiceAccount, binding_ns: st
 
 def _role_rules(objs: list[Obj], ref: dict[str, Any], ns: str | None) -> list[dict[str, Any]]:
     kind, name = ref["kind"], ref["name"]
-    found = [o for o in objs if o["kind"] == kind and o["metadata"]["name"] == name
-             and (kind == "ClusterRole" or o["ns"] == ns)]
+    found = [
+        o
+        for o in objs
+        if o["kind"] == kind and o["metadata"]["name"] == name and (kind == "ClusterRole" or o["ns"] == ns)
+    ]
     if not found:
         # a role that is not in the manifests (cluster-admin, edit, ...): assume it grants all
         return [{"apiGroups": ["*"], "resources": ["*"], "verbs": ["*"]}]
@@ -321,27 +339,33 @@ def _resource_matches(granted: Iterable[str], resource: str) -> bool:
     return False
 
 
-def rule_allows(rule: dict[str, tuple[str, ...]], verb: str, group: str, resource: str,
-                name: str | None = None) -> bool:
+def rule_allows(
+    rule: dict[str, tuple[str, ...]], verb: str, group: str, resource: str, name: str | None = None
+) -> bool:
     if "nonResourceURLs" in rule and "resources" not in rule:
         return False
-    return ((verb in rule.get("verbs", ()) or "*" in rule.get("verbs", ()))
-            and (group in rule.get("apiGroups", ()) or "*" in rule.get("apiGroups", ()))
-            and _resource_matches(rule.get("resources", ()), resource)
-            and (not rule.get("resourceNames") or name in rule["resourceNames"]))
+    return (
+        (verb in rule.get("verbs", ()) or "*" in rule.get("verbs", ()))
+        and (group in rule.get("apiGroups", ()) or "*" in rule.get("apiGroups", ()))
+        and _resource_matches(rule.get("resources", ()), resource)
+        and (not rule.get("resourceNames") or name in rule["resourceNames"])
+    )
 
 
 def service_accounts(objs: list[Obj], ns: str) -> set[ServiceAccount]:
     """The accounts a pod of ``ns`` can run as: those of the manifests, and `default`."""
-    named = {ServiceAccount(ns, o["metadata"]["name"]) for o in objs
-             if o["kind"] == "ServiceAccount" and o["ns"] == ns}
+    named = {ServiceAccount(ns, o["metadata"]["name"]) for o in objs if o["kind"] == "ServiceAccount" and o["ns"] == ns}
     return named | {ServiceAccount(ns, "default")}
 
 
-def can(objs: list[Obj], sa: ServiceAccount, verb: str, resource: str, ns: str,
-        group: str = "", name: str | None = None) -> bool:
-    return any(g.ns in (None, ns) and rule_allows(g.rule_dict, verb, group, resource, name)
-               for s in reachable(objs, sa) for g in grants(objs, s))
+def can(
+    objs: list[Obj], sa: ServiceAccount, verb: str, resource: str, ns: str, group: str = "", name: str | None = None
+) -> bool:
+    return any(
+        g.ns in (None, ns) and rule_allows(g.rule_dict, verb, group, resource, name)
+        for s in reachable(objs, sa)
+        for g in grants(objs, s)
+    )
 
 
 def reachable(objs: list[Obj], sa: ServiceAccount) -> set[ServiceAccount]:
@@ -350,18 +374,18 @@ def reachable(objs: list[Obj], sa: ServiceAccount) -> set[ServiceAccount]:
     impersonating one is acting as it."""
     seen = {sa}
     todo = [sa]
-    namespaces = {o["ns"] for o in objs if o["ns"]} | {o["metadata"]["name"] for o in objs
-                                                        if o["kind"] == "Namespace"}
+    namespaces = {o["ns"] for o in objs if o["ns"]} | {o["metadata"]["name"] for o in objs if o["kind"] == "Namespace"}
     while todo:
         cur = todo.pop()
         for g in grants(objs, cur):
             rule = g.rule_dict
             targets: set[ServiceAccount] = set()
-            for ns in ([g.ns] if g.ns else sorted(namespaces)):
+            for ns in [g.ns] if g.ns else sorted(namespaces):
                 if any(rule_allows(rule, "create", grp, res) for grp, res in POD_MAKERS):
                     targets |= service_accounts(objs, ns)
-                if rule_allows(rule, "impersonate", "", "serviceaccounts") \
-                        or rule_allows(rule, "create", "", "serviceaccounts/token"):
+                if rule_allows(rule, "impersonate", "", "serviceaccounts") or rule_allows(
+                    rule, "create", "", "serviceaccounts/token"
+                ):
                     targets |= service_accounts(objs, ns)
             for t in targets - seen:
                 seen.add(t)
@@ -376,4 +400,3 @@ def pod_template_path(role: str) -> pathlib.Path:
 def template_pod(role: str) -> Obj:
     (doc,) = k8s_documents(pod_template_path(role).name)
     return doc
-

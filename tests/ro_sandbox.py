@@ -31,9 +31,15 @@ import sys
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_MOVE = 32, 1024, 2048, 4096, 8192
 MS_REC, MS_RELATIME, MS_STRICTATIME = 16384, 1 << 21, 1 << 24
-_PER_MOUNT = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC,
-              "noatime": MS_NOATIME, "nodiratime": MS_NODIRATIME, "relatime": MS_RELATIME,
-              "strictatime": MS_STRICTATIME}
+_PER_MOUNT = {
+    "nosuid": MS_NOSUID,
+    "nodev": MS_NODEV,
+    "noexec": MS_NOEXEC,
+    "noatime": MS_NOATIME,
+    "nodiratime": MS_NODIRATIME,
+    "relatime": MS_RELATIME,
+    "strictatime": MS_STRICTATIME,
+}
 _CONTAINER_OWN = ("/proc", "/sys", "/dev")
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -43,8 +49,7 @@ def _enc(text: str | None) -> bytes | None:
     return text.encode() if text is not None else None
 
 
-def _mount(source: str | None, target: str, fstype: str | None, flags: int,
-           data: str | None = None) -> None:
+def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
     enc = _enc
     if _libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)) != 0:
         err = ctypes.get_errno()
@@ -54,8 +59,8 @@ def _mount(source: str | None, target: str, fstype: str | None, flags: int,
 def _unescape(field: str) -> str:
     out, i = [], 0
     while i < len(field):
-        if field[i] == "\\" and i + 3 < len(field) and field[i + 1:i + 4].isdigit():
-            out.append(chr(int(field[i + 1:i + 4], 8)))
+        if field[i] == "\\" and i + 3 < len(field) and field[i + 1 : i + 4].isdigit():
+            out.append(chr(int(field[i + 1 : i + 4], 8)))
             i += 4
         else:
             out.append(field[i])

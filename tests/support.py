@@ -25,8 +25,10 @@ def client_expecting(reply_op, request_id: int):
     want = Op.STAT if reply_op == Op.ERROR else Op(reply_op & 0x7F)
     cls = next(c for c, op in OP_OF.items() if op == want)
     hints = typing.get_type_hints(cls, vars(ev))
-    fields = {f.name: {int: 0, str: "x", bytes: b"", ev.Payload: b"", bool: False}.get(hints[f.name], 0)
-              for f in dataclasses.fields(cls)}
+    fields = {
+        f.name: {int: 0, str: "x", bytes: b"", ev.Payload: b"", bool: False}.get(hints[f.name], 0)
+        for f in dataclasses.fields(cls)
+    }
     fields["request_id"] = request_id
     if want == Op.AUTH:
         fields.update(key_id=b"\0" * 8, proof=b"\0" * 32)

@@ -47,8 +47,9 @@ def test_append_verdicts_skip_a_writer_count_without_its_raw_figure():
 
 
 def test_all_help_names_its_modes():
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "all.py"), "--help"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "all.py"), "--help"], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     for word in ("--quick", "--smoke", "--dir", "--no-spark", "dd bs=1M conv=fsync", "cp -r"):
         assert word in out.stdout, word
@@ -59,14 +60,34 @@ def test_all_smoke_prints_every_row_with_a_verdict(tmp_path):
     """Issue 13 step 1: one run prints every row of the table, each with its SOS figure, the
     figure measured beside it, a ratio, the target and a verdict (whatever the speeds)."""
     report = tmp_path / "rows.json"
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "all.py"), "--smoke", "--dir", str(tmp_path),
-                          "--json", str(report)], capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "bench", "all.py"),
+            "--smoke",
+            "--dir",
+            str(tmp_path),
+            "--json",
+            str(report),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = json.loads(report.read_text())["rows"]
     measures = [r["measure"] for r in rows]
-    expected = ["`sos put`", "1 MiB appends, 1 writer", "1 MiB appends, 8 writers", "4 KiB appends, 1 writer",
-                "4 KiB appends, 64 writers", "server CPU per 4 KiB append, 1 writer",
-                "server CPU per 4 KiB append, 64 writers", "restore of", "Spark micro-batch"]
+    expected = [
+        "`sos put`",
+        "1 MiB appends, 1 writer",
+        "1 MiB appends, 8 writers",
+        "4 KiB appends, 1 writer",
+        "4 KiB appends, 64 writers",
+        "server CPU per 4 KiB append, 1 writer",
+        "server CPU per 4 KiB append, 64 writers",
+        "restore of",
+        "Spark micro-batch",
+    ]
     assert len(rows) == len(expected), measures
     for row, start in zip(rows, expected):
         assert row["measure"].startswith(start), (row, start)
@@ -79,7 +100,7 @@ def test_all_smoke_prints_every_row_with_a_verdict(tmp_path):
     assert rows[-1]["verdict"].startswith("NOT RUN"), rows[-1]  # --smoke runs no Spark
     # like for like: the comparison names the same writer count
     assert "8 threads" in rows[2]["other"] and "64 threads" in rows[4]["other"]
-    table = out.stdout[out.stdout.index("| measure |"):]
+    table = out.stdout[out.stdout.index("| measure |") :]
     assert len([ln for ln in table.splitlines() if ln.startswith("| ")]) == 1 + len(rows)
     assert os.listdir(tmp_path) == ["rows.json"]  # its data is gone
 

@@ -36,8 +36,7 @@ def test_ci_run_calls_the_readme_test_command():
     assert "set -euo pipefail" in text
     assert "exec ./scripts/test" in text
     assert "export SOS_TEST_NO_SKIP=1" in text  # CI's machine has FUSE and Spark: no skips
-    for opt in ("--cov=sos_wire", "--cov=sos_server", "--cov=sos_client", "--cov=spark_plugin",
-                "--cov-branch"):
+    for opt in ("--cov=sos_wire", "--cov=sos_server", "--cov=sos_client", "--cov=spark_plugin", "--cov-branch"):
         assert opt in text, opt
 
 
@@ -51,15 +50,35 @@ def test_coverage_prints_one_total_line_and_leaves_child_processes_alone(tmp_pat
         "def test_crc():\n    assert crc32c(b'123456789') == 0xE3069283\n"
         "def test_child_unmeasured():\n"
         "    out = subprocess.run([sys.executable, '-c', 'import os; print(sorted(k for k in os.environ'\n"
-        "                          ' if k.startswith((\"COV_\", \"COVERAGE_\"))))'],\n"
+        '                          \' if k.startswith(("COV_", "COVERAGE_"))))\'],\n'
         "                         capture_output=True, text=True, check=True).stdout\n"
-        "    assert out.strip() == '[]', out\n")
+        "    assert out.strip() == '[]', out\n"
+    )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]))
     env.pop("PYTEST_ADDOPTS", None)
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider",
-                           "--rootdir", str(tmp_path), "--cov=sos_wire", "--cov-branch", "--cov-report=",
-                           str(tmp_path / "test_c.py")],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "conftest",
+            "-p",
+            "no:cacheprovider",
+            "--rootdir",
+            str(tmp_path),
+            "--cov=sos_wire",
+            "--cov-branch",
+            "--cov-report=",
+            str(tmp_path / "test_c.py"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.strip().splitlines()
     assert lines[-1].startswith("2 passed"), lines
@@ -70,13 +89,26 @@ def test_no_skip_mode_turns_skips_into_failures(tmp_path):
     (tmp_path / "test_s.py").write_text(
         "import pytest\n"
         "def test_skips():\n    pytest.skip('no /dev/fuse')\n"
-        "@pytest.mark.xfail(strict=True)\ndef test_xfails():\n    assert 0\n")
+        "@pytest.mark.xfail(strict=True)\ndef test_xfails():\n    assert 0\n"
+    )
     env = dict(os.environ, PYTHONPATH=str(ROOT / "tests"))
     env.pop("PYTEST_ADDOPTS", None)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider",
-           "--rootdir", str(tmp_path), str(tmp_path / "test_s.py")]
-    strict = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                            env=dict(env, SOS_TEST_NO_SKIP="1"))
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "conftest",
+        "-p",
+        "no:cacheprovider",
+        "--rootdir",
+        str(tmp_path),
+        str(tmp_path / "test_s.py"),
+    ]
+    strict = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=dict(env, SOS_TEST_NO_SKIP="1")
+    )
     assert strict.returncode == 1 and "1 failed, 1 xfailed" in strict.stdout, strict.stdout
     assert "forbids skips: Skipped: no /dev/fuse" in strict.stdout
     env.pop("SOS_TEST_NO_SKIP", None)
@@ -99,14 +131,14 @@ def test_scripts_are_executable_bash_with_strict_mode():
 def test_setup_is_idempotent_and_leaves_the_tools_usable():
     # scripts/test already ran it once before pytest; a second run must succeed with
     # nothing to do, and what it installed must be importable / on PATH.
-    proc = subprocess.run([str(ROOT / "scripts" / "setup")], capture_output=True, text=True,
-                          timeout=900)
+    proc = subprocess.run([str(ROOT / "scripts" / "setup")], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr
     assert "setup: ok" in proc.stderr
     java = subprocess.run(["java", "-version"], capture_output=True, text=True, timeout=120)
     assert java.returncode == 0
-    check = subprocess.run([sys.executable, "-c", "import pyspark, pyfuse3, fsspec, trio"],
-                           capture_output=True, text=True, timeout=120)
+    check = subprocess.run(
+        [sys.executable, "-c", "import pyspark, pyfuse3, fsspec, trio"], capture_output=True, text=True, timeout=120
+    )
     assert check.returncode == 0, check.stderr
 
 
@@ -117,22 +149,27 @@ def test_test_script_passes_arguments_and_exit_code_through(tmp_path):
     bad.write_text("def test_no():\n    assert 1 == 2\n")
     env = dict(os.environ)
     env.pop("PYTEST_ADDOPTS", None)
-    proc = subprocess.run([str(ROOT / "scripts" / "test"), str(bad),
-                           "--rootdir", str(tmp_path)],
-                          capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path)
+    proc = subprocess.run(
+        [str(ROOT / "scripts" / "test"), str(bad), "--rootdir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "1 failed" in proc.stdout
 
 
 @pytest.mark.slow  # runs scripts/setup
 def test_demo_script_runs_the_demo_module():
-    proc = subprocess.run([str(ROOT / "scripts" / "demo"), "--help"], capture_output=True,
-                          text=True, timeout=900)
+    proc = subprocess.run([str(ROOT / "scripts" / "demo"), "--help"], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr
     for opt in ("--records", "--batches", "--keep", "--state-store"):
         assert opt in proc.stdout
-    bad = subprocess.run([str(ROOT / "scripts" / "demo"), "--state-store", "nope"],
-                         capture_output=True, text=True, timeout=900)
+    bad = subprocess.run(
+        [str(ROOT / "scripts" / "demo"), "--state-store", "nope"], capture_output=True, text=True, timeout=900
+    )
     assert bad.returncode == 2  # usage error, before anything starts
 
 
@@ -140,8 +177,9 @@ def test_demo_is_the_cluster_demo_and_the_mount_demo_is_behind_a_flag():
     env = dict(os.environ, PYTHONPATH=str(ROOT))
 
     def demo(*args):
-        return subprocess.run([sys.executable, "-m", "tools.demo", *args], capture_output=True,
-                              text=True, timeout=120, cwd=ROOT, env=env)
+        return subprocess.run(
+            [sys.executable, "-m", "tools.demo", *args], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env
+        )
 
     cluster = demo("--help")
     assert cluster.returncode == 0, cluster.stderr

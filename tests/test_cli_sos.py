@@ -54,8 +54,9 @@ def test_options_instead_of_environment(server, tmp_path):
     key_file = tmp_path / "opts.key"
     key_file.write_text(key + "\n")
     e = {k: v for k, v in os.environ.items() if k not in ("SOS_SERVER", "SOS_KEY", "SOS_KEY_FILE")}
-    r = sos("put", "-", "opts/from-stdin", "--server", server.address, "--key-file", str(key_file), env=e,
-            input=b"piped")
+    r = sos(
+        "put", "-", "opts/from-stdin", "--server", server.address, "--key-file", str(key_file), env=e, input=b"piped"
+    )
     assert r.returncode == 0, r.stderr
     r = sos("cat", "opts/from-stdin", "--server", server.address, "--key-file", str(key_file), env=e)
     assert r.stdout == b"piped"
@@ -129,8 +130,17 @@ def test_split_target():
             cli.split_target(bad)
 
 
-@pytest.mark.parametrize("args", [["stat", "no-slash"], ["cat", "BAD/x"], ["stat", "ns/../x"], ["frobnicate"], [],
-                                  ["cat", "ns/x", "--offset", "-1"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["stat", "no-slash"],
+        ["cat", "BAD/x"],
+        ["stat", "ns/../x"],
+        ["frobnicate"],
+        [],
+        ["cat", "ns/x", "--offset", "-1"],
+    ],
+)
 def test_usage_errors_exit_2(args, capsys):
     assert cli.main(args) == 2
     assert capsys.readouterr().err

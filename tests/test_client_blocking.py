@@ -172,7 +172,7 @@ class _CorruptingRelay:
             if not done:  # (the needle is small and arrives in one piece here)
                 at = data.find(self.needle)
                 if at >= 0:
-                    data = data[:at] + bytes([data[at] ^ 0xFF]) + data[at + 1:]
+                    data = data[:at] + bytes([data[at] ^ 0xFF]) + data[at + 1 :]
                     done = True
             dst.sendall(data)
 
@@ -180,8 +180,10 @@ class _CorruptingRelay:
 def test_data_damaged_in_transit_is_refused_and_nothing_written(server, ns):
     name, key, _ = ns
     host, port = server.address.rsplit(":", 1)
-    with _CorruptingRelay((host, int(port)), b"payload-to-damage") as relay, \
-            Client(relay.address, key, name, timeout=60) as c:
+    with (
+        _CorruptingRelay((host, int(port)), b"payload-to-damage") as relay,
+        Client(relay.address, key, name, timeout=60) as c,
+    ):
         with pytest.raises(ChecksumMismatch) as info:
             c.append("c", 0, b"payload-to-damage")
         assert info.value.code == ErrorCode.CHECKSUM_MISMATCH

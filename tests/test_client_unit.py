@@ -115,14 +115,15 @@ class FakeServer:
             if e.offset == len(obj):
                 obj += e.data
                 return ev.AppendOk(e.request_id, end)
-            if end <= len(obj) and obj[e.offset:end] == e.data:
+            if end <= len(obj) and obj[e.offset : end] == e.data:
                 return ev.AppendOk(e.request_id, end)
             return ev.Error(e.request_id, ErrorCode.OFFSET_MISMATCH, len(obj), "offset mismatch")
         if isinstance(e, ev.List):
             names = sorted(n for n in objs if n.startswith(e.prefix) and n > e.after)
             page = names[: min(e.limit, self.page_size)]
-            return ev.ListOk(e.request_id, tuple(ev.ListEntry(n, len(objs[n]), False) for n in page),
-                             len(names) > len(page))
+            return ev.ListOk(
+                e.request_id, tuple(ev.ListEntry(n, len(objs[n]), False) for n in page), len(names) > len(page)
+            )
         if isinstance(e, ev.Ping):
             return ev.Pong(e.request_id, e.payload)
         return ev.Error(e.request_id, ErrorCode.UNKNOWN_OP, 0, "not in the fake")
@@ -324,8 +325,9 @@ def test_error_draining_keeps_the_connection_in_step(fake):
 
 
 def test_one_gib_append_many_holds_no_more_than_the_window(fake):
-    fake.on_request = lambda n, e: [ev.AppendOk(e.request_id, e.offset + len(e.data))] if isinstance(
-        e, ev.Append) else [fake.answer(e)]
+    fake.on_request = lambda n, e: (
+        [ev.AppendOk(e.request_id, e.offset + len(e.data))] if isinstance(e, ev.Append) else [fake.answer(e)]
+    )
     fake.record = False
     chunk = 1 << 20
     window = 8 << 20
@@ -350,14 +352,23 @@ def test_one_gib_append_many_holds_no_more_than_the_window(fake):
 @pytest.mark.parametrize(
     "code,cls",
     [
-        (ErrorCode.OFFSET_MISMATCH, cerr.OffsetMismatch), (ErrorCode.FENCED, cerr.Fenced),
-        (ErrorCode.SEALED, cerr.SealedError), (ErrorCode.CHECKSUM_MISMATCH, cerr.ChecksumMismatch),
-        (ErrorCode.CORRUPT, cerr.Corrupt), (ErrorCode.NO_SPACE, cerr.NoSpace),
-        (ErrorCode.QUOTA_EXCEEDED, cerr.QuotaExceeded), (ErrorCode.TOO_LARGE, cerr.TooLarge),
-        (ErrorCode.BUSY, cerr.ServerBusy), (ErrorCode.NOT_FOUND, cerr.SOSNotFound),
-        (ErrorCode.AUTH_FAILED, cerr.SOSPermissionError), (ErrorCode.FORBIDDEN, cerr.SOSPermissionError),
-        (ErrorCode.NOT_AUTHENTICATED, cerr.SOSPermissionError), (ErrorCode.BAD_NAME, cerr.BadNameError),
-        (ErrorCode.INTERNAL, cerr.SOSError), (ErrorCode.BAD_REQUEST, cerr.SOSError), (999, cerr.SOSError),
+        (ErrorCode.OFFSET_MISMATCH, cerr.OffsetMismatch),
+        (ErrorCode.FENCED, cerr.Fenced),
+        (ErrorCode.SEALED, cerr.SealedError),
+        (ErrorCode.CHECKSUM_MISMATCH, cerr.ChecksumMismatch),
+        (ErrorCode.CORRUPT, cerr.Corrupt),
+        (ErrorCode.NO_SPACE, cerr.NoSpace),
+        (ErrorCode.QUOTA_EXCEEDED, cerr.QuotaExceeded),
+        (ErrorCode.TOO_LARGE, cerr.TooLarge),
+        (ErrorCode.BUSY, cerr.ServerBusy),
+        (ErrorCode.NOT_FOUND, cerr.SOSNotFound),
+        (ErrorCode.AUTH_FAILED, cerr.SOSPermissionError),
+        (ErrorCode.FORBIDDEN, cerr.SOSPermissionError),
+        (ErrorCode.NOT_AUTHENTICATED, cerr.SOSPermissionError),
+        (ErrorCode.BAD_NAME, cerr.BadNameError),
+        (ErrorCode.INTERNAL, cerr.SOSError),
+        (ErrorCode.BAD_REQUEST, cerr.SOSError),
+        (999, cerr.SOSError),
     ],
 )
 def test_error_mapping(code, cls):
@@ -373,8 +384,13 @@ def test_error_mapping(code, cls):
 
 @pytest.mark.parametrize(
     "text,want",
-    [("h:1", ("h", 1)), ("h", ("h", 7070)), ("[::1]:9", ("::1", 9)), ("[::1]", ("::1", 7070)),
-     (" 10.0.0.1:7071 ", ("10.0.0.1", 7071))],
+    [
+        ("h:1", ("h", 1)),
+        ("h", ("h", 7070)),
+        ("[::1]:9", ("::1", 9)),
+        ("[::1]", ("::1", 7070)),
+        (" 10.0.0.1:7071 ", ("10.0.0.1", 7071)),
+    ],
 )
 def test_parse_server(text, want):
     assert parse_server(text) == want

@@ -51,13 +51,24 @@ BATCHES = 8
 K1, K2, K3 = 2, 4, 6  # worker loss after batch K1, gateway restart after K2, total loss in K3
 STORES = ("hdfs", "rocksdb")
 
+
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     """One run of ``python -m tools.demo`` (the cluster demo): its exit code, stdout lines,
     JSON result and work directory."""
     work = tmp_path_factory.mktemp("cluster-demo") / "work"
-    cmd = [sys.executable, "-m", "tools.demo", "--records", str(RECORDS), "--batches",
-           str(BATCHES), "--workdir", str(work), "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tools.demo",
+        "--records",
+        str(RECORDS),
+        "--batches",
+        str(BATCHES),
+        "--workdir",
+        str(work),
+        "--json",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1400, env=child_env())
     lines = proc.stdout.strip().splitlines()
     result = next((json.loads(line) for line in lines if line.startswith("{")), None)
@@ -74,6 +85,7 @@ def _log(work, name, start=0, end=None):
 
 # ---- the run: verdict and exactly once --------------------------------------------------
 
+
 @pytest.mark.spark
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
@@ -81,16 +93,16 @@ def test_cluster_demo_passes_exactly_once_for_both_state_stores(demo):
     proc, lines, result, _work = demo
     assert proc.returncode == 0, "\n".join(lines[-30:]) + proc.stderr[-3000:]
     assert lines[-1].startswith("VERDICT: PASS"), lines[-1]  # the verdict comes last
-    assert all(re.match(r"\[ *\d+\.\ds\] ", line) for line in lines[:-1]
-               if not line.startswith("{")), lines  # progress lines carry their time
+    assert all(re.match(r"\[ *\d+\.\ds\] ", line) for line in lines[:-1] if not line.startswith("{")), (
+        lines
+    )  # progress lines carry their time
     assert result["ok"] is True and result["problems"] == []
     assert result["stores"] == list(STORES)
     for store in STORES:
         assert result["committed_final"][store] == list(range(BATCHES))
         check = result["check"][store]
         assert check["records_in"] == check["records_out"] == RECORDS
-        for k in ("lost", "doubled", "corrupted", "unknown", "committed_without_output",
-                  "uncommitted_output_ignored"):
+        for k in ("lost", "doubled", "corrupted", "unknown", "committed_without_output", "uncommitted_output_ignored"):
             assert check[k] == [], (store, k)
         # the resumed driver's GatewayMarkerListener marked the batches it committed
         assert result["markers"][store]["errors"] == []
@@ -98,6 +110,7 @@ def test_cluster_demo_passes_exactly_once_for_both_state_stores(demo):
 
 
 # ---- worker loss ------------------------------------------------------------------------
+
 
 @pytest.mark.spark
 @pytest.mark.slow
@@ -118,8 +131,7 @@ def test_worker_loss_the_survivor_reads_the_lost_executors_state(demo):
     # from the raw logs: the lost executor's own log names the state files it wrote ...
     with open(os.path.join(work, "flags", "runs1.json")) as f:
         runs = json.load(f)
-    victim_log = _log(work, f"before-worker-loss-worker{victim}-executor"
-                            f"{loss['victim_executor']}.log")
+    victim_log = _log(work, f"before-worker-loss-worker{victim}-executor{loss['victim_executor']}.log")
     assert victim_parts <= executor_partitions(victim_log, runs)
     # each query runs the state store it was started with (one session, two providers)
     for store, provider in (("hdfs", "HDFSBackedStateStoreProvider"), ("rocksdb", "RocksDB")):
@@ -130,8 +142,7 @@ def test_worker_loss_the_survivor_reads_the_lost_executors_state(demo):
     # the next batches alone (before the new worker joined)
     assert loss["gateway_offset"] <= loss["kill_offset"] < loss["evidence_end_offset"]
     before = gateway_requests(_log(work, "gateway.log", 0, loss["kill_offset"]))
-    after = gateway_requests(_log(work, "gateway.log", loss["kill_offset"],
-                                  loss["evidence_end_offset"]))
+    after = gateway_requests(_log(work, "gateway.log", loss["kill_offset"], loss["evidence_end_offset"]))
     read_by_survivor = set()
     for store, p in victim_parts:
         written = state_files_written(before, store, p)
@@ -142,18 +153,19 @@ def test_worker_loss_the_survivor_reads_the_lost_executors_state(demo):
         assert sorted(written & read) == loss["state_files_read"][f"{store}/{p}"]
         # files the lost executor's own log names as written by it: HDFS deltas by their
         # URL, RocksDB SSTs by their unique DFS name
-        named = {f for f in written & read
-                 if f in victim_log or (f.endswith(".sst") and os.path.basename(f) in victim_log)}
+        named = {
+            f for f in written & read if f in victim_log or (f.endswith(".sst") and os.path.basename(f) in victim_log)
+        }
         read_by_survivor |= {(store, f) for f in named}
     # for every query it held state of, the survivor read files the lost executor wrote
     assert {s for s, _ in read_by_survivor} == {s for s, _ in victim_parts}, read_by_survivor
     # and the survivor's log shows it loaded those partitions of the same query runs
-    survivor_log = _log(work, f"before-total-loss-worker{survivor}-executor"
-                              f"{loss['survivor_executor']}.log")
+    survivor_log = _log(work, f"before-total-loss-worker{survivor}-executor{loss['survivor_executor']}.log")
     assert victim_parts <= executor_partitions(survivor_log, runs)
 
 
 # ---- gateway restart --------------------------------------------------------------------
+
 
 @pytest.mark.spark
 @pytest.mark.slow
@@ -166,8 +178,9 @@ def test_gateway_restart_mid_batch_the_query_rides_through(demo):
     # refused, retried by Hadoop's retry policy (spark_plugin.spark.GATEWAY_RETRY_SPEC)
     # until the gateway was back on the same port and cache
     assert gw["retries"] >= 1, gw
-    assert all("Retrying connect to namenode" in line and "MultipleLinearRandomRetry" in line
-               for line in gw["retry_lines"]), gw["retry_lines"]
+    assert all(
+        "Retrying connect to namenode" in line and "MultipleLinearRandomRetry" in line for line in gw["retry_lines"]
+    ), gw["retry_lines"]
     # no query failed: the same driver went on to commit every batch up to the total loss
     assert gw["driver_alive"] is True
     for store in STORES:
@@ -180,6 +193,7 @@ def test_gateway_restart_mid_batch_the_query_rides_through(demo):
 
 # ---- total loss -------------------------------------------------------------------------
 
+
 @pytest.mark.spark
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
@@ -191,8 +205,10 @@ def test_total_loss_a_gateway_on_an_empty_cache_restores_every_committed_batch(d
         assert result["restored_committed"][store] == list(range(K3))
     gateway_log = _log(work, "gateway.log")
     last_start = gateway_log.rindex("sos gateway: ready on")
-    assert "was rebuilt from the server" in gateway_log[gateway_log.rindex(
-        "sos gateway: ready on", 0, last_start):last_start]
+    assert (
+        "was rebuilt from the server"
+        in gateway_log[gateway_log.rindex("sos gateway: ready on", 0, last_start) : last_start]
+    )
     # the restarted queries ran on new nodes: a second cluster, whose driver resumed
     assert os.path.isdir(os.path.join(work, "cluster2", "logs"))
     for store in STORES:
@@ -215,6 +231,7 @@ def test_total_loss_with_the_servers_disk_the_bucket_brings_it_back(demo):
     boot = loss["bootstrap"]
     assert boot["namespaces"] == 1 and boot["objects"] >= 1 and boot["bytes"] > 0, boot
     assert boot["cut"] == 0 and boot["problems"] == 0, boot
+
     def bootstraps(name):
         docs = [json.loads(ln) for ln in _log(work, name).splitlines() if ln.startswith("{")]
         return [d for d in docs if d.get("msg") == "tier bootstrap"]
@@ -233,47 +250,68 @@ def test_total_loss_with_the_servers_disk_the_bucket_brings_it_back(demo):
     from_server = tree_snapshot(os.path.join(work, "restored-from-server"))
     assert from_bucket == from_server
     for store in STORES:
-        commits = sorted(int(p.rsplit("/", 1)[1]) for p in from_bucket
-                         if p.startswith(f"queries/{store}/commits/") and p.rsplit("/", 1)[1].isdigit())
+        commits = sorted(
+            int(p.rsplit("/", 1)[1])
+            for p in from_bucket
+            if p.startswith(f"queries/{store}/commits/") and p.rsplit("/", 1)[1].isdigit()
+        )
         assert commits == list(range(K3)), (store, commits)
         assert loss["restore"]["committed"][store] == list(range(K3))
         # and the new gateway, on the replacement server, served the same
         assert result["restored_committed"][store] == list(range(K3))
     # the progress lines say it, in order, and the verdict does
     text = "\n".join(lines)
-    order = [text.index(s) for s in ("TOTAL LOSS", "server's data directory deleted",
-                                     "a replacement sos-server on an EMPTY data directory",
-                                     "sos restore --from s3://", "a new gateway on an empty cache")]
+    order = [
+        text.index(s)
+        for s in (
+            "TOTAL LOSS",
+            "server's data directory deleted",
+            "a replacement sos-server on an EMPTY data directory",
+            "sos restore --from s3://",
+            "a new gateway on an empty cache",
+        )
+    ]
     assert order == sorted(order), order
     assert "restored from the bucket" in lines[-1]
 
 
 # ---- the log readers (no Spark) ---------------------------------------------------------
 
+
 def test_request_log_parser_reads_creates_renames_and_opens():
     dest = urllib.parse.quote("/queries/hdfs/state/0/1/3.delta", safe="")
-    text = "\n".join([
-        "2026-01-01 00:00:00,000 sos.gateway DEBUG PUT CREATE /webhdfs/v1/queries/hdfs/state/0/1/"
-        ".3.delta.x.tmp [data] -> 201 (3.1 ms) op=CREATE&data=true",
-        "2026-01-01 00:00:00,001 sos.gateway DEBUG PUT RENAME /webhdfs/v1/queries/hdfs/state/0/1/"
-        f".3.delta.x.tmp -> 200 (1.0 ms) op=RENAME&destination={dest}&renameoptions=NONE",
-        "2026-01-01 00:00:00,002 sos.gateway DEBUG PUT CREATE /webhdfs/v1/queries/rocksdb/state/0/"
-        "0/SSTs/000008-u.sst [data] -> 201 (2.0 ms) op=CREATE&data=true",
-        "2026-01-01 00:00:00,003 sos.gateway DEBUG GET OPEN /webhdfs/v1/queries/hdfs/state/0/1/"
-        "3.delta -> 307 (0.5 ms) op=OPEN",
-        "2026-01-01 00:00:00,004 sos.gateway DEBUG GET OPEN /webhdfs/v1/queries/hdfs/state/0/1/"
-        "3.delta [data] -> 200 (0.5 ms) op=OPEN&data=true",
-        "2026-01-01 00:00:00,005 sos.gateway DEBUG GET OPEN /webhdfs/v1/queries/hdfs/state/0/1/"
-        "4.delta [data] -> 404 (0.5 ms) op=OPEN&data=true",
-        "2026-01-01 00:00:00,006 sos.gateway INFO issued a append token for key k (3600 s)",
-    ])
+    text = "\n".join(
+        [
+            "2026-01-01 00:00:00,000 sos.gateway DEBUG PUT CREATE /webhdfs/v1/queries/hdfs/state/0/1/"
+            ".3.delta.x.tmp [data] -> 201 (3.1 ms) op=CREATE&data=true",
+            "2026-01-01 00:00:00,001 sos.gateway DEBUG PUT RENAME /webhdfs/v1/queries/hdfs/state/0/1/"
+            f".3.delta.x.tmp -> 200 (1.0 ms) op=RENAME&destination={dest}&renameoptions=NONE",
+            "2026-01-01 00:00:00,002 sos.gateway DEBUG PUT CREATE /webhdfs/v1/queries/rocksdb/state/0/"
+            "0/SSTs/000008-u.sst [data] -> 201 (2.0 ms) op=CREATE&data=true",
+            "2026-01-01 00:00:00,003 sos.gateway DEBUG GET OPEN /webhdfs/v1/queries/hdfs/state/0/1/"
+            "3.delta -> 307 (0.5 ms) op=OPEN",
+            "2026-01-01 00:00:00,004 sos.gateway DEBUG GET OPEN /webhdfs/v1/queries/hdfs/state/0/1/"
+            "3.delta [data] -> 200 (0.5 ms) op=OPEN&data=true",
+            "2026-01-01 00:00:00,005 sos.gateway DEBUG GET OPEN /webhdfs/v1/queries/hdfs/state/0/1/"
+            "4.delta [data] -> 404 (0.5 ms) op=OPEN&data=true",
+            "2026-01-01 00:00:00,006 sos.gateway INFO issued a append token for key k (3600 s)",
+        ]
+    )
     reqs = gateway_requests(text)
     assert len(reqs) == 6
-    assert reqs[1] == Request("PUT", "RENAME", "/queries/hdfs/state/0/1/.3.delta.x.tmp", False,
-                              200, f"op=RENAME&destination={dest}&renameoptions=NONE")
+    assert reqs[1] == Request(
+        "PUT",
+        "RENAME",
+        "/queries/hdfs/state/0/1/.3.delta.x.tmp",
+        False,
+        200,
+        f"op=RENAME&destination={dest}&renameoptions=NONE",
+    )
     assert reqs[1].destination == "/queries/hdfs/state/0/1/3.delta"
-    assert state_files_written(reqs, "hdfs", 1) == {"/queries/hdfs/state/0/1/.3.delta.x.tmp",
-                                                    "/queries/hdfs/state/0/1/3.delta"}
+    assert state_files_written(reqs, "hdfs", 1) == {
+        "/queries/hdfs/state/0/1/.3.delta.x.tmp",
+        "/queries/hdfs/state/0/1/3.delta",
+    }
     assert state_files_written(reqs, "rocksdb", 0) == {"/queries/rocksdb/state/0/0/SSTs/000008-u.sst"}
     assert state_files_written(reqs, "hdfs", 0) == set()
     # only a served data step is a read (not the redirect, not a 404)
@@ -281,11 +319,12 @@ def test_request_log_parser_reads_creates_renames_and_opens():
 
 
 def test_executor_partitions_maps_query_runs_to_stores():
-    line = ("INFO StateStore: Reported that the loaded instance StateStoreProviderId[ storeId="
-            "StateStoreId[ operatorId=0, partitionId={p}, storeName=default ], queryRunId={r} ] "
-            "is active")
-    text = "\n".join([line.format(p=1, r="aaaa-1"), line.format(p=0, r="bbbb-2"),
-                      line.format(p=1, r="cccc-3")])
+    line = (
+        "INFO StateStore: Reported that the loaded instance StateStoreProviderId[ storeId="
+        "StateStoreId[ operatorId=0, partitionId={p}, storeName=default ], queryRunId={r} ] "
+        "is active"
+    )
+    text = "\n".join([line.format(p=1, r="aaaa-1"), line.format(p=0, r="bbbb-2"), line.format(p=1, r="cccc-3")])
     assert PROVIDER_ID_RE.search(text)
     runs = {"hdfs": "aaaa-1", "rocksdb": "bbbb-2"}
     assert executor_partitions(text, runs) == {("hdfs", 1), ("rocksdb", 0)}  # cccc: another run

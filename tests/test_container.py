@@ -57,8 +57,7 @@ UNRUN = {
     "no cluster DNS, no CNI policy: SOS_SERVER's sos-server and --advertise's "
     "sos-gateway.sos.svc become localhost (a name of both certificates; hostAliases are "
     "ignored with host networking)",
-    "StatefulSet sos-server": "not a kind kube play 4.3 plays: its pod template runs as a Pod "
-    "named sos-server-0",
+    "StatefulSet sos-server": "not a kind kube play 4.3 plays: its pod template runs as a Pod named sos-server-0",
     "volumes[].secret": "kube play 4.3 panics on Secret volumes: each becomes a hostPath "
     "directory holding the Secret's files with the manifest's modes, root:10001 (what the "
     "kubelet's fsGroup gives)",
@@ -68,8 +67,7 @@ UNRUN = {
     "startupProbe, readinessProbe": "not run by podman (the test waits for the port as the "
     "startup probe would); livenessProbe becomes the container's "
     "health check (run with `podman healthcheck run`: no systemd timers here)",
-    "resources, ephemeral-storage, emptyDir sizeLimit/medium": "not enforced by kube play "
-    "here (cgroup v1 under runc)",
+    "resources, ephemeral-storage, emptyDir sizeLimit/medium": "not enforced by kube play here (cgroup v1 under runc)",
     "emptyDir": "kube play 4.3 makes a named volume that outlives the pod: the test removes "
     "it with the pod, so a new pod starts on an empty one as with the kubelet",
     "ConfigMap sos-tier": "AWS_ENDPOINT_URL added (the manifest's optional key): moto's S3 "
@@ -90,17 +88,20 @@ def image():
     t0 = time.monotonic()
     times = container.build_image()
     size = container.image_size()
-    print(f"\nimage {container.IMAGE}: {size / 1e6:.0f} MB; build {time.monotonic() - t0:.0f} s "
-          f"(debootstrap {times['debian']:.0f} s, python base {times['python']:.0f} s, "
-          f"image {times['image']:.0f} s; 0 = reused)")
+    print(
+        f"\nimage {container.IMAGE}: {size / 1e6:.0f} MB; build {time.monotonic() - t0:.0f} s "
+        f"(debootstrap {times['debian']:.0f} s, python base {times['python']:.0f} s, "
+        f"image {times['image']:.0f} s; 0 = reused)"
+    )
     layers = _podman("history", "--format", "{{.Size}}\t{{.CreatedBy}}", container.IMAGE).stdout
     print("\n".join(line[:150] for line in layers.splitlines() if not line.startswith("0B")))
     return container.IMAGE
 
 
 def _documented(tmp_path, *needles):
-    subprocess.run(["bash", "-c", documented_line(*needles)], cwd=tmp_path, check=True,
-                   capture_output=True, timeout=300)
+    subprocess.run(
+        ["bash", "-c", documented_line(*needles)], cwd=tmp_path, check=True, capture_output=True, timeout=300
+    )
 
 
 @pytest.fixture(scope="module")
@@ -126,8 +127,9 @@ def _secret_dir(root: pathlib.Path, name: str, files: dict[str, bytes], mode: in
     return d
 
 
-def _podman_pod(pod: dict[str, Any], secrets: dict[str, dict[str, bytes]], root: pathlib.Path,
-                ports: dict[int, int]) -> dict[str, Any]:
+def _podman_pod(
+    pod: dict[str, Any], secrets: dict[str, dict[str, bytes]], root: pathlib.Path, ports: dict[int, int]
+) -> dict[str, Any]:
     """The pod spec as podman runs it: Secret volumes as hostPath directories, host
     networking's addresses (UNRUN says why). Everything else as written."""
     spec = pod["spec"]
@@ -138,13 +140,14 @@ def _podman_pod(pod: dict[str, Any], secrets: dict[str, dict[str, bytes]], root:
             if "items" in src:
                 files = {i["path"]: files[i["key"]] for i in src["items"]}
             mode = src.get("defaultMode", 0o644)
-            vol["hostPath"] = {"path": str(_secret_dir(root, f"{pod['metadata']['name']}-{vol['name']}",
-                                                       files, mode)), "type": "Directory"}
+            vol["hostPath"] = {
+                "path": str(_secret_dir(root, f"{pod['metadata']['name']}-{vol['name']}", files, mode)),
+                "type": "Directory",
+            }
 
     def local(addr: str) -> str:
         host, _, port = addr.rpartition(":")
-        host = {"0.0.0.0": "127.0.0.1", "sos-server": "localhost",
-                "sos-gateway.sos.svc": "localhost"}.get(host, host)
+        host = {"0.0.0.0": "127.0.0.1", "sos-server": "localhost", "sos-gateway.sos.svc": "localhost"}.get(host, host)
         return f"{host}:{ports.get(int(port), port)}"
 
     for c in spec["containers"]:
@@ -208,8 +211,11 @@ def _assert_hardened(ctr: str) -> None:
     for cap in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
         assert int(st[cap], 16) == 0, (ctr, cap, st[cap])
     assert st["NoNewPrivs"] == "1"
-    root = next(line.split() for line in pathlib.Path(f"/proc/{pid}/mountinfo").read_text().splitlines()
-                if line.split()[4] == "/")
+    root = next(
+        line.split()
+        for line in pathlib.Path(f"/proc/{pid}/mountinfo").read_text().splitlines()
+        if line.split()[4] == "/"
+    )
     assert "ro" in root[5].split(","), root
 
 
@@ -217,7 +223,7 @@ def _server_key(ctr: str, role: str) -> str:
     return _podman("exec", ctr, "sos-server", "keygen", "--data", "/data", NS, "--role", role).stdout.strip()
 
 
-DRIVER = textwrap.dedent('''
+DRIVER = textwrap.dedent("""
     import json, os, sys, time
     cfg = json.load(open(sys.argv[1]))
     from pyspark.sql import SparkSession
@@ -248,7 +254,7 @@ DRIVER = textwrap.dedent('''
              .trigger(availableNow=True).start())
     query.awaitTermination()
     spark.stop()
-''')
+""")
 
 
 def _ids(out_dir: pathlib.Path) -> Counter:
@@ -272,28 +278,59 @@ def test_default_command_under_host_networking(image, tls, tmp_path):
     name = f"sos-test-default-{os.getpid()}"
     health = _podman("image", "inspect", "--format", "{{json .Config.Healthcheck}}", image).stdout
     assert "healthcheck.py" in health, health
-    _podman("run", "-d", "--name", name, "--network", "host", "--read-only", "--tmpfs", "/tmp",
-            "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
-            "-e", f"SOS_LISTEN=127.0.0.1:{port}", "-e", f"SOS_METRICS_LISTEN=127.0.0.1:{metrics}",
-            "-v", f"{tmp_path / 'tls'}:/tls:ro", "--mount", "type=volume,destination=/data", image)
+    _podman(
+        "run",
+        "-d",
+        "--name",
+        name,
+        "--network",
+        "host",
+        "--read-only",
+        "--tmpfs",
+        "/tmp",
+        "--cap-drop",
+        "ALL",
+        "--security-opt",
+        "no-new-privileges",
+        "-e",
+        f"SOS_LISTEN=127.0.0.1:{port}",
+        "-e",
+        f"SOS_METRICS_LISTEN=127.0.0.1:{metrics}",
+        "-v",
+        f"{tmp_path / 'tls'}:/tls:ro",
+        "--mount",
+        "type=volume,destination=/data",
+        image,
+    )
     try:
         _wait_healthy(name)
         _assert_hardened(name)
         import psutil
 
-        listening = {c.laddr for c in psutil.Process(_main_pid(name)).net_connections("tcp")
-                     if c.status == psutil.CONN_LISTEN}
+        listening = {
+            c.laddr for c in psutil.Process(_main_pid(name)).net_connections("tcp") if c.status == psutil.CONN_LISTEN
+        }
         assert {(a.ip, a.port) for a in listening} == {("127.0.0.1", port), ("127.0.0.1", metrics)}
         # plaintext is refused: a client without TLS gets no session
-        key = _podman("exec", name, "sos-server", "keygen", "--data", "/data", "t", "--role",
-                      "append").stdout.strip()
+        key = _podman("exec", name, "sos-server", "keygen", "--data", "/data", "t", "--role", "append").stdout.strip()
         env = dict(os.environ, SOS_KEY=key)
-        plain = subprocess.run([*sos_command(), "ls", "--server", f"127.0.0.1:{port}", "t"],
-                               env=env, capture_output=True, text=True, timeout=60, check=False)
+        plain = subprocess.run(
+            [*sos_command(), "ls", "--server", f"127.0.0.1:{port}", "t"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
         assert plain.returncode != 0
-        ok = subprocess.run([*sos_command(), "ls", "--server", f"127.0.0.1:{port}",
-                             "--tls-ca", str(tls / "tls.crt"), "t"],
-                            env=env, capture_output=True, text=True, timeout=60, check=False)
+        ok = subprocess.run(
+            [*sos_command(), "ls", "--server", f"127.0.0.1:{port}", "--tls-ca", str(tls / "tls.crt"), "t"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
         assert ok.returncode == 0, ok.stderr
     finally:
         _podman("rm", "-f", "-v", "-t", "0", name, check=False)
@@ -318,20 +355,33 @@ def test_kube_manifests_run_and_a_query_survives_a_gateway_sigkill(image, tls, m
 
     secrets: dict[str, dict[str, bytes]] = {
         "sos-tls": {"tls.crt": (tls / "tls.crt").read_bytes(), "tls.key": (tls / "tls.key").read_bytes()},
-        "sos-gateway-tls": {"tls.crt": (tls / "gateway.crt").read_bytes(),
-                            "tls.key": (tls / "gateway.key").read_bytes()},
+        "sos-gateway-tls": {
+            "tls.crt": (tls / "gateway.crt").read_bytes(),
+            "tls.key": (tls / "gateway.key").read_bytes(),
+        },
     }
     # env secretKeyRef: a podman secret (kube play 4.3 reads it as a JSON map of base64 values)
     tier_secret = "sos-tier-credentials"
     _podman("secret", "rm", tier_secret, check=False)
     creds = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
-    _podman("secret", "create", tier_secret, "-", input=json.dumps(
-        {k: base64.b64encode(v.encode()).decode() for k, v in creds.items()}))
+    _podman(
+        "secret",
+        "create",
+        tier_secret,
+        "-",
+        input=json.dumps({k: base64.b64encode(v.encode()).decode() for k, v in creds.items()}),
+    )
 
-    server_pod = {"apiVersion": "v1", "kind": "Pod",
-                  "metadata": {"name": "sos-server-0", "namespace": "sos",
-                               "labels": sts["spec"]["template"]["metadata"]["labels"]},
-                  "spec": sts["spec"]["template"]["spec"]}
+    server_pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": "sos-server-0",
+            "namespace": "sos",
+            "labels": sts["spec"]["template"]["metadata"]["labels"],
+        },
+        "spec": sts["spec"]["template"]["spec"],
+    }
     others = [d for d in server_docs if d["kind"] in ("ConfigMap", "PersistentVolumeClaim")]
     for d in others:
         if d["kind"] == "ConfigMap":
@@ -341,8 +391,7 @@ def test_kube_manifests_run_and_a_query_survives_a_gateway_sigkill(image, tls, m
     _podman("pod", "rm", "-f", "sos-server-0", "sos-gateway-pod-0", check=False)
     _podman("volume", "rm", "-f", "sos-data", *EMPTY_DIRS, check=False)
     try:
-        server_yaml.write_text(yaml.safe_dump_all(
-            [*others, _podman_pod(server_pod, secrets, tmp_path, ports)]))
+        server_yaml.write_text(yaml.safe_dump_all([*others, _podman_pod(server_pod, secrets, tmp_path, ports)]))
         t0 = time.monotonic()
         _kube_play(server_yaml)
         _wait_listening(ports[7070])
@@ -352,11 +401,14 @@ def test_kube_manifests_run_and_a_query_survives_a_gateway_sigkill(image, tls, m
         writer, job = _server_key(srv_ctr, "append"), _server_key(srv_ctr, "token")
         secrets["sos-gateway-key"] = {"key": writer.encode() + b"\n"}
 
-        gw_pod = {"apiVersion": "v1", "kind": "Pod", "metadata": dep["metadata"],
-                  "spec": dep["spec"]["template"]["spec"]}
+        gw_pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": dep["metadata"],
+            "spec": dep["spec"]["template"]["spec"],
+        }
         _podman_pod(gw_pod, secrets, tmp_path / "gw", ports)
-        gw_doc = dict(dep, spec=dict(dep["spec"], template=dict(dep["spec"]["template"],
-                                                                 spec=gw_pod["spec"])))
+        gw_doc = dict(dep, spec=dict(dep["spec"], template=dict(dep["spec"]["template"], spec=gw_pod["spec"])))
         gateway_yaml.write_text(yaml.safe_dump(gw_doc))
         _kube_play(gateway_yaml)
         _wait_listening(ports[9870])
@@ -372,23 +424,38 @@ def test_kube_manifests_run_and_a_query_survives_a_gateway_sigkill(image, tls, m
         shutil.copytree(staging, inp)
         (tmp_path / "job.key").write_text(job + "\n")
         os.chmod(tmp_path / "job.key", 0o600)
-        trust = (f"-Djavax.net.ssl.trustStore={tls / 'truststore.p12'} "
-                 "-Djavax.net.ssl.trustStoreType=PKCS12 -Djavax.net.ssl.trustStorePassword=changeit")
-        cfg = {"url": f"https://localhost:{ports[9870]}", "ns": NS, "input": str(inp),
-               "out": str(out), "jvm": f"{trust} {DRIVER_JVM_OPTIONS}"}
+        trust = (
+            f"-Djavax.net.ssl.trustStore={tls / 'truststore.p12'} "
+            "-Djavax.net.ssl.trustStoreType=PKCS12 -Djavax.net.ssl.trustStorePassword=changeit"
+        )
+        cfg = {
+            "url": f"https://localhost:{ports[9870]}",
+            "ns": NS,
+            "input": str(inp),
+            "out": str(out),
+            "jvm": f"{trust} {DRIVER_JVM_OPTIONS}",
+        }
         (tmp_path / "cfg.json").write_text(json.dumps(cfg))
         (tmp_path / "driver.py").write_text(DRIVER)
-        env = dict(os.environ, SOS_KEY_FILE=str(tmp_path / "job.key"),
-                   SSL_CERT_FILE=str(tls / "gateway.crt"),
-                   PYTHONPATH=os.pathsep.join(p for p in (str(pathlib.Path(__file__).parent.parent),
-                                                          os.environ.get("PYTHONPATH")) if p))
+        env = dict(
+            os.environ,
+            SOS_KEY_FILE=str(tmp_path / "job.key"),
+            SSL_CERT_FILE=str(tls / "gateway.crt"),
+            PYTHONPATH=os.pathsep.join(
+                p for p in (str(pathlib.Path(__file__).parent.parent), os.environ.get("PYTHONPATH")) if p
+            ),
+        )
 
         def run_driver(name: str) -> int:
             with open(tmp_path / f"{name}.log", "wb") as logf:
-                return subprocess.run([sys.executable, str(tmp_path / "driver.py"),
-                                       str(tmp_path / "cfg.json")], stdout=logf,
-                                      stderr=subprocess.STDOUT, env=env, timeout=900,
-                                      check=False).returncode
+                return subprocess.run(
+                    [sys.executable, str(tmp_path / "driver.py"), str(tmp_path / "cfg.json")],
+                    stdout=logf,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    timeout=900,
+                    check=False,
+                ).returncode
 
         result: dict[str, int] = {}
         t = threading.Thread(target=lambda: result.setdefault("rc", run_driver("run1")))
@@ -408,8 +475,9 @@ def test_kube_manifests_run_and_a_query_survives_a_gateway_sigkill(image, tls, m
         _kube_play(gateway_yaml)
         _wait_listening(ports[9870])
         _wait_healthy(gw_ctr)
-        print(f"gateway SIGKILLed after {killed_after} batches; the new one healthy "
-              f"{time.monotonic() - t1:.1f} s later")
+        print(
+            f"gateway SIGKILLed after {killed_after} batches; the new one healthy {time.monotonic() - t1:.1f} s later"
+        )
         second_cache = _podman("volume", "inspect", "--format", "{{.CreatedAt}}", "cache").stdout
         assert second_cache and second_cache != first_cache
         t.join(900)
@@ -425,14 +493,26 @@ def test_kube_manifests_run_and_a_query_survives_a_gateway_sigkill(image, tls, m
 
         # the journal on the server holds the committed batches
         restored = tmp_path / "restored"
-        subprocess.run([*sos_command(), "restore", "-q", "--server", f"localhost:{ports[7070]}",
-                        "--tls-ca", str(tls / "tls.crt"), NS, str(restored)],
-                       env=dict(os.environ, SOS_KEY=writer), check=True, timeout=300,
-                       capture_output=True)
+        subprocess.run(
+            [
+                *sos_command(),
+                "restore",
+                "-q",
+                "--server",
+                f"localhost:{ports[7070]}",
+                "--tls-ca",
+                str(tls / "tls.crt"),
+                NS,
+                str(restored),
+            ],
+            env=dict(os.environ, SOS_KEY=writer),
+            check=True,
+            timeout=300,
+            capture_output=True,
+        )
         assert committed_batches(str(restored / "checkpoint")) == set(range(FILES))
         # the tier: the server copied the journal to the bucket (moto on the host)
-        objs = boto3.session.Session().client("s3").list_objects_v2(Bucket="sos-tier-bucket",
-                                                                     Prefix="sos/")
+        objs = boto3.session.Session().client("s3").list_objects_v2(Bucket="sos-tier-bucket", Prefix="sos/")
         assert objs.get("KeyCount", 0) > 0
     finally:
         for y in (gateway_yaml, server_yaml):

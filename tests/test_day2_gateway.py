@@ -74,8 +74,15 @@ def test_mkdirs_on_a_fenced_gateway_is_refused_not_200(sos_server, tmp_path):
 def _healthy(addr: str) -> bool:
     """The image's health check of a gateway (deploy/healthcheck.py --gateway), as run."""
     env = dict(os.environ, SOS_HEALTH_ADDR=addr, SOS_HEALTH_TLS="0")
-    return subprocess.run([sys.executable, str(ROOT / "deploy" / "healthcheck.py"), "--gateway"],
-                          env=env, capture_output=True, timeout=60).returncode == 0
+    return (
+        subprocess.run(
+            [sys.executable, str(ROOT / "deploy" / "healthcheck.py"), "--gateway"],
+            env=env,
+            capture_output=True,
+            timeout=60,
+        ).returncode
+        == 0
+    )
 
 
 def test_a_fenced_gateway_fails_the_health_check(sos_server, tmp_path):
@@ -112,8 +119,9 @@ class _Event:
 
 
 def test_a_listener_that_cannot_reach_the_gateway_warns_once_not_per_batch(caplog):
-    chk = GatewayCheckpoint("webhdfs://127.0.0.1:9/chk", relpath="chk", namespace=NS,
-                            gateway_url="http://127.0.0.1:9", conf={}, key="00.00")
+    chk = GatewayCheckpoint(
+        "webhdfs://127.0.0.1:9/chk", relpath="chk", namespace=NS, gateway_url="http://127.0.0.1:9", conf={}, key="00.00"
+    )
     listener = GatewayMarkerListener(chk, client=_Unreachable())
     with caplog.at_level(logging.WARNING, logger="sos.spark"):
         for batch in range(5):
@@ -148,19 +156,21 @@ def test_ls_a_on_the_mount_shows_dot_and_dotdot(sos_server, tmp_path):
     key = sos_server.keygen(ns, "append")
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    mp = MountProcess(ns, str(mnt), str(tmp_path / "cache"), sos_server.address, key,
-                      log_path=str(tmp_path / "mount.log")).start()
+    mp = MountProcess(
+        ns, str(mnt), str(tmp_path / "cache"), sos_server.address, key, log_path=str(tmp_path / "mount.log")
+    ).start()
     try:
         (mnt / "d").mkdir()
         (mnt / "d" / "f").write_bytes(b"x")
-        out = subprocess.run(["ls", "-a1", str(mnt / "d")], capture_output=True, text=True,
-                             check=True).stdout.split()
+        out = subprocess.run(["ls", "-a1", str(mnt / "d")], capture_output=True, text=True, check=True).stdout.split()
         assert out == [".", "..", "f"]
-        assert subprocess.run(["ls", "-a1", str(mnt)], capture_output=True, text=True,
-                              check=True).stdout.split() == [".", "..", "d"]
+        assert subprocess.run(["ls", "-a1", str(mnt)], capture_output=True, text=True, check=True).stdout.split() == [
+            ".",
+            "..",
+            "d",
+        ]
         assert sorted(os.listdir(mnt / "d")) == ["f"]  # Python's listdir leaves them out
-        la = subprocess.run(["ls", "-la", str(mnt / "d")], capture_output=True, text=True,
-                            check=True).stdout
+        la = subprocess.run(["ls", "-la", str(mnt / "d")], capture_output=True, text=True, check=True).stdout
         assert la.splitlines()[1].endswith(" .") and la.splitlines()[2].endswith(" ..")
         assert os.stat(mnt / "d").st_ino == os.stat(mnt / "d" / ".").st_ino
     finally:

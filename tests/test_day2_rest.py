@@ -51,7 +51,7 @@ def commit_batch(gw: Gw, chk: str, batch: int) -> None:
     CHK/commits/N (offsets first, as a micro-batch does)."""
     assert gw.put_file(f"/{chk}/offsets/{batch}", f"v1\noffsets {batch}".encode()).status_code == 201
     tmp = f"/{chk}/commits/.{batch}.tmp"
-    assert gw.put_file(tmp, f"v1\n{{\"nextBatchWatermarkMs\":{batch}}}".encode()).status_code == 201
+    assert gw.put_file(tmp, f'v1\n{{"nextBatchWatermarkMs":{batch}}}'.encode()).status_code == 201
     r = gw.session.put(gw.u(tmp, op="RENAME", destination=f"/{chk}/commits/{batch}"))
     assert r.status_code == 200 and r.json() == {"boolean": True}, r.text
 
@@ -120,9 +120,25 @@ def test_gateway_metrics_show_the_lag_while_the_server_is_down(sos_server, tmp_p
 
 def test_gateway_metrics_address_is_checked_before_anything_runs(sos_server, tmp_path):
     env = dict(os.environ, SOS_KEY=sos_server.keygen(NS, "append"))
-    r = subprocess.run([*sos_command(), "gateway", NS, "--listen", "127.0.0.1:0", "--server",
-                        sos_server.address, "--cache", str(tmp_path / "c"), "--metrics", "nonsense"],
-                       env=env, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            *sos_command(),
+            "gateway",
+            NS,
+            "--listen",
+            "127.0.0.1:0",
+            "--server",
+            sos_server.address,
+            "--cache",
+            str(tmp_path / "c"),
+            "--metrics",
+            "nonsense",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and "--metrics 'nonsense'" in r.stderr, r.stderr
 
 
@@ -145,10 +161,10 @@ def test_every_metric_in_the_alert_rules_exists(sos_server_factory, new_bucket, 
     and a real server (with --tier, against moto) expose; promtool is not installed here
     (apt's prometheus package is large), so the YAML's shape is checked by this parse."""
     if shutil.which("promtool"):
-        subprocess.run(["promtool", "check", "rules", str(ROOT / "deploy/prometheus/sos-alerts.yaml")],
-                       check=True, timeout=60)
-    srv = sos_server_factory(args=["--tier", new_bucket(), "--tier-interval", "1s",
-                                   "--namespace-quota", "64MiB"])
+        subprocess.run(
+            ["promtool", "check", "rules", str(ROOT / "deploy/prometheus/sos-alerts.yaml")], check=True, timeout=60
+        )
+    srv = sos_server_factory(args=["--tier", new_bucket(), "--tier-interval", "1s", "--namespace-quota", "64MiB"])
     gw = Gw(srv, tmp_path, args=["--metrics", ":0"])
     names = _rule_metric_names()
     try:
@@ -161,8 +177,13 @@ def test_every_metric_in_the_alert_rules_exists(sos_server_factory, new_bucket, 
             time.sleep(0.5)
     finally:
         gw.stop()
-    assert {"sos_gateway_spool_lag_seconds", "sos_gateway_fenced", "sos_namespace_quota_bytes",
-            "sos_gateway_last_commit_timestamp_seconds", "sos_tier_lag_seconds"} <= names
+    assert {
+        "sos_gateway_spool_lag_seconds",
+        "sos_gateway_fenced",
+        "sos_namespace_quota_bytes",
+        "sos_gateway_last_commit_timestamp_seconds",
+        "sos_tier_lag_seconds",
+    } <= names
     missing = sorted(n for n in names if not _exposed(n, scraped))
     assert not missing, f"alert rules name series nobody exposes: {missing}"
 
@@ -183,17 +204,28 @@ def test_restore_batch_rolls_the_namespace_back_and_the_journal_goes_on(sos_serv
     assert gw.stop() == 0
 
     # without --yes: refused, nothing changed on the server
-    refused = GatewayProcess(NS, str(tmp_path / "cache"), sos_server.address, key,
-                             extra_args=["--restore-batch", "chk:2"],
-                             log_path=str(tmp_path / "refused.log"))
+    refused = GatewayProcess(
+        NS,
+        str(tmp_path / "cache"),
+        sos_server.address,
+        key,
+        extra_args=["--restore-batch", "chk:2"],
+        log_path=str(tmp_path / "refused.log"),
+    )
     with pytest.raises(Exception):  # noqa: B017 - it exits before its ready line
         refused.start()
     refused.stop()
     assert "pass --yes" in refused.log() and "EVERY other checkpoint" in refused.log(), refused.log()
     assert "chk/commits/4" in _tree(restore(sos_server, key, tmp_path / "still-latest"))
 
-    gw = Gw(sos_server, tmp_path, key=key, cache=tmp_path / "cache", name="rolled",
-            args=["--restore-batch", "chk:2", "--yes"])
+    gw = Gw(
+        sos_server,
+        tmp_path,
+        key=key,
+        cache=tmp_path / "cache",
+        name="rolled",
+        args=["--restore-batch", "chk:2", "--yes"],
+    )
     try:
         st = gw.session.get(gw.u("/chk/commits", op="LISTSTATUS")).json()
         names = sorted(e["pathSuffix"] for e in st["FileStatuses"]["FileStatus"])
@@ -216,10 +248,26 @@ def test_restore_batch_of_an_unknown_batch_is_refused_and_changes_nothing(sos_se
     commit_batch(gw, "chk", 0)
     assert gw.stop() == 0
     env = dict(os.environ, SOS_KEY=key)
-    r = subprocess.run([*sos_command(), "gateway", NS, "--listen", "127.0.0.1:0", "--server",
-                        sos_server.address, "--cache", str(tmp_path / "cache"),
-                        "--restore-batch", "chk:9", "--yes"], env=env, capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run(
+        [
+            *sos_command(),
+            "gateway",
+            NS,
+            "--listen",
+            "127.0.0.1:0",
+            "--server",
+            sos_server.address,
+            "--cache",
+            str(tmp_path / "cache"),
+            "--restore-batch",
+            "chk:9",
+            "--yes",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 1 and "no chk/commits/9" in r.stderr, r.stderr
     # the emptied cache is rebuilt at the journal's end by the next plain start
     gw = Gw(sos_server, tmp_path, key=key, cache=tmp_path / "cache", name="after")
@@ -263,8 +311,15 @@ def test_a_fenced_idle_mount_unmounts_itself_and_exits_3(sos_server, tmp_path):
     key = sos_server.keygen(NS, "append")
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    mp = MountProcess(NS, str(mnt), str(tmp_path / "mcache"), sos_server.address, key,
-                      log_path=str(tmp_path / "mount.log"), extra_args=["--fence-check", "1"]).start()
+    mp = MountProcess(
+        NS,
+        str(mnt),
+        str(tmp_path / "mcache"),
+        sos_server.address,
+        key,
+        log_path=str(tmp_path / "mount.log"),
+        extra_args=["--fence-check", "1"],
+    ).start()
     try:
         (mnt / "before").write_bytes(b"x")
         gw = Gw(sos_server, tmp_path, key=key, name="newcomer")  # fences the mount
@@ -291,11 +346,28 @@ def test_the_documented_gateway_certificate_names_localhost(tmp_path):
     connect by that name: the documented certificate carries DNS:localhost as well."""
     if shutil.which("openssl") is None:
         pytest.skip("openssl is needed")
-    subprocess.run(["bash", "-c", documented_line("openssl req", "/CN=sos-gateway")], cwd=tmp_path,
-                   check=True, capture_output=True, timeout=120)
-    text = subprocess.run(["openssl", "x509", "-noout", "-ext", "subjectAltName", "-in",
-                           str(tmp_path / "deploy" / "tls" / "gateway.crt")],
-                          check=True, capture_output=True, text=True, timeout=60).stdout
+    subprocess.run(
+        ["bash", "-c", documented_line("openssl req", "/CN=sos-gateway")],
+        cwd=tmp_path,
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    text = subprocess.run(
+        [
+            "openssl",
+            "x509",
+            "-noout",
+            "-ext",
+            "subjectAltName",
+            "-in",
+            str(tmp_path / "deploy" / "tls" / "gateway.crt"),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
     assert "DNS:localhost" in text and "IP Address:127.0.0.1" in text, text
     spark = (ROOT / "docs" / "SPARK.md").read_text()
     assert "getHostName" in spark and "DNS:localhost" in spark

@@ -27,15 +27,21 @@ TIMEOUT = 120  # generous: two shared cores
 
 
 def server_cli(*args: object) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "sos_server.cli", *map(str, args)], capture_output=True,
-                          text=True, timeout=TIMEOUT)
+    return subprocess.run(
+        [sys.executable, "-m", "sos_server.cli", *map(str, args)], capture_output=True, text=True, timeout=TIMEOUT
+    )
 
 
 def sos(srv, key: str, *args: object, stdin: bytes | None = None) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, SOS_SERVER=srv.address, SOS_KEY=key)
     env.pop("SOS_KEY_FILE", None)
-    out = subprocess.run([sys.executable, "-m", "sos_client.cli", *map(str, args)], capture_output=True,
-                         env=env, timeout=TIMEOUT, input=stdin)
+    out = subprocess.run(
+        [sys.executable, "-m", "sos_client.cli", *map(str, args)],
+        capture_output=True,
+        env=env,
+        timeout=TIMEOUT,
+        input=stdin,
+    )
     return subprocess.CompletedProcess(out.args, out.returncode, out.stdout.decode(), out.stderr.decode())
 
 
@@ -73,7 +79,8 @@ def test_keys_list_revoke_and_keygen_out_against_a_running_server(sos_server, tm
     assert listed.returncode == 0, listed.stderr
     rows = [line.split("\t") for line in listed.stdout.splitlines()]
     assert {(r[0], r[1], r[2]) for r in rows} == {
-        ("kns", key_id, "append"), ("kns", printed.stdout.partition(".")[0], "read"),
+        ("kns", key_id, "append"),
+        ("kns", printed.stdout.partition(".")[0], "read"),
         ("other", other.partition(".")[0], "token"),
     }
     for r in rows:
@@ -204,7 +211,9 @@ def test_gc_dry_run_beside_a_running_server(sos_server):
     time.sleep(0.05)  # objects older than --min-age 0
     r = server_cli("gc", "--data", srv.data_dir, "--keep-generations", "1", "--min-age", "0", "--dry-run")
     assert r.returncode == 0, r.stderr
-    assert sorted(r.stdout.splitlines()) == sorted(f"would remove ret/{n}" for n in before if not n.startswith("gen/0000000003/"))
+    assert sorted(r.stdout.splitlines()) == sorted(
+        f"would remove ret/{n}" for n in before if not n.startswith("gen/0000000003/")
+    )
     assert "4 objects to remove" in r.stderr
     assert names(srv, key, "ret") == before  # changed nothing
     real = server_cli("gc", "--data", srv.data_dir, "--keep-generations", "1", "--min-age", "0")
@@ -221,11 +230,16 @@ def test_sighup_applies_new_retention_settings(sos_server_factory):
     assert r.returncode == 0 and r.stdout == "retention\tkeep-generations 1\tmin-age 0s\n", (r.stdout, r.stderr)
     assert len(names(srv, key, "hup")) == 6  # not applied yet: the next round is an hour away
     os.kill(srv.pid, signal.SIGHUP)
-    wait_for("retention after SIGHUP",
-             lambda: names(srv, key, "hup") == ["gen/0000000003/0000000001-0000000000.seg", "gen/0000000003/ready"])
+    wait_for(
+        "retention after SIGHUP",
+        lambda: names(srv, key, "hup") == ["gen/0000000003/0000000001-0000000000.seg", "gen/0000000003/ready"],
+    )
     assert srv.running()  # SIGHUP's default action would have ended it
-    settings = [json.loads(line) for line in srv.log_text().splitlines()
-                if line.startswith("{") and "retention settings" in line]
+    settings = [
+        json.loads(line)
+        for line in srv.log_text().splitlines()
+        if line.startswith("{") and "retention settings" in line
+    ]
     assert settings[0]["source"] == "command line" and settings[0]["keep_generations"] == 5
     assert settings[-1]["source"].endswith("/retention") and settings[-1]["keep_generations"] == 1
     # a damaged file: the settings in force are kept, the server serves on
@@ -253,16 +267,32 @@ def test_every_option_with_a_default_says_it_in_help():
         for path, parser in _parsers(top, [name]):
             walked.add(" ".join(path))
             for a in parser._actions:
-                if (not a.option_strings or a.required or a.help == argparse.SUPPRESS
-                        or a.default in (None, False, argparse.SUPPRESS)):
+                if (
+                    not a.option_strings
+                    or a.required
+                    or a.help == argparse.SUPPRESS
+                    or a.default in (None, False, argparse.SUPPRESS)
+                ):
                     continue
                 if "default" not in (a.help or ""):
                     missing.append(f"{' '.join(path)} {a.option_strings[0]} (default {a.default!r})")
-    assert {"sos-server serve", "sos-server gc", "sos-server keys list", "sos-server retention", "sos put",
-            "sos restore", "sos verify"} <= walked
+    assert {
+        "sos-server serve",
+        "sos-server gc",
+        "sos-server keys list",
+        "sos-server retention",
+        "sos put",
+        "sos restore",
+        "sos verify",
+    } <= walked
     assert not missing, missing
-    shown = subprocess.run([sys.executable, "-m", "sos_server.cli", "serve", "--help"], capture_output=True,
-                           text=True, timeout=TIMEOUT, env=dict(os.environ, COLUMNS="200")).stdout
+    shown = subprocess.run(
+        [sys.executable, "-m", "sos_server.cli", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=dict(os.environ, COLUMNS="200"),
+    ).stdout
     assert re.search(r"--gc-interval \S+\s+how often retention runs \(default 5m", shown), shown
 
 
@@ -300,8 +330,12 @@ def _run_documented(line: str, data: str, cwd, **subs: str) -> subprocess.Comple
 def test_documented_key_and_retention_commands(sos_server, tmp_path):
     srv = sos_server
     keys = [line for line in _documented("Keys") if line.startswith("sos-server ") and "docker" not in line]
-    assert [line.split()[1:3] for line in keys] == [["keygen", "--data"], ["keys", "list"], ["keys", "list"],
-                                                   ["keys", "revoke"]]
+    assert [line.split()[1:3] for line in keys] == [
+        ["keygen", "--data"],
+        ["keys", "list"],
+        ["keys", "list"],
+        ["keys", "revoke"],
+    ]
     made = _run_documented(keys[0], srv.data_dir, tmp_path)
     assert made.returncode == 0 and made.stdout == "", made.stderr
     keyfile = tmp_path / "sparkjob.key"
@@ -323,5 +357,7 @@ def test_documented_key_and_retention_commands(sos_server, tmp_path):
         r = _run_documented(line, srv.data_dir, tmp_path, **{'"$(pidof sos-server)"': str(srv.pid)})
         assert r.returncode == 0, (line, r.stderr)
     assert srv.running()
-    wait_for("the SIGHUP's reload", lambda: "retention settings" in srv.log_text()
-             and os.path.join(srv.data_dir, "retention") in srv.log_text())
+    wait_for(
+        "the SIGHUP's reload",
+        lambda: "retention settings" in srv.log_text() and os.path.join(srv.data_dir, "retention") in srv.log_text(),
+    )

@@ -38,10 +38,29 @@ def _cert(directory, name: str) -> tuple[str, str]:
     if shutil.which("openssl") is None:
         pytest.skip("openssl is needed to make a test certificate")
     cert, key = directory / f"{name}.crt", directory / f"{name}.key"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
-                    "-out", str(cert), "-days", "2", "-subj", f"/CN={name}",
-                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
-                   check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "2",
+            "-subj",
+            f"/CN={name}",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1,DNS:localhost",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     return str(cert), str(key)
 
 
@@ -55,8 +74,7 @@ def tls_server(sos_server_factory, tmp_path):
 
 
 def _sos(*args, env=None, timeout=120):
-    return subprocess.run([*sos_command(), *args], capture_output=True, text=True, timeout=timeout,
-                          env=env)
+    return subprocess.run([*sos_command(), *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def test_no_tls_ca_against_a_tls_server_says_so_at_once(tls_server):
@@ -104,8 +122,7 @@ def test_sos_tls_ca_is_read_wherever_tls_ca_is(tls_server, tmp_path):
     finally:
         del os.environ["SOS_TLS_CA"]
     gw_env = dict(os.environ, SOS_TLS_CA=cert)
-    g = GatewayProcess(NS, str(tmp_path / "gw-cache"), srv.address, key,
-                       log_path=str(tmp_path / "gw.log"))
+    g = GatewayProcess(NS, str(tmp_path / "gw-cache"), srv.address, key, log_path=str(tmp_path / "gw.log"))
     g.environment = lambda: dict(gw_env, SOS_KEY=key)  # type: ignore[method-assign]
     g.start()
     try:
@@ -121,8 +138,13 @@ def test_a_gateway_without_tls_ca_fails_fast_saying_why(tls_server, tmp_path):
     env = dict(os.environ, SOS_KEY=key)
     env.pop("SOS_TLS_CA", None)
     started = time.monotonic()
-    r = subprocess.run([*GatewayProcess(NS, str(tmp_path / "c"), srv.address, key).command()],
-                       env=env, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [*GatewayProcess(NS, str(tmp_path / "c"), srv.address, key).command()],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode != 0
     assert "the server requires TLS: pass --tls-ca" in r.stderr, r.stderr[-2000:]
     assert time.monotonic() - started < 25, "it should not wait out the 30 s of retries"
@@ -130,18 +152,23 @@ def test_a_gateway_without_tls_ca_fails_fast_saying_why(tls_server, tmp_path):
 
 def test_restore_to_batch_over_tls(tls_server, tmp_path):
     srv, key, cert = tls_server
-    g = GatewayProcess(NS, str(tmp_path / "gw-cache"), srv.address, key, extra_args=["--tls-ca", cert],
-                       log_path=str(tmp_path / "gw.log")).start()
+    g = GatewayProcess(
+        NS,
+        str(tmp_path / "gw-cache"),
+        srv.address,
+        key,
+        extra_args=["--tls-ca", cert],
+        log_path=str(tmp_path / "gw.log"),
+    ).start()
     try:
         client = GatewayClient(g.url, NS, key)
         auth = {"Authorization": f"Bearer {client.token()}"}
         for n in (0, 1):
-            r = requests.put(f"{g.url}/webhdfs/v1/chk/commits/.{n}.tmp?op=CREATE", headers=auth,
-                             allow_redirects=False, timeout=60)
-            assert requests.put(r.headers["Location"], data=b"v1", headers=auth,
-                                timeout=60).status_code == 201
-            client.call("PUT", f"/webhdfs/v1/chk/commits/.{n}.tmp", op="RENAME",
-                        destination=f"/chk/commits/{n}")
+            r = requests.put(
+                f"{g.url}/webhdfs/v1/chk/commits/.{n}.tmp?op=CREATE", headers=auth, allow_redirects=False, timeout=60
+            )
+            assert requests.put(r.headers["Location"], data=b"v1", headers=auth, timeout=60).status_code == 201
+            client.call("PUT", f"/webhdfs/v1/chk/commits/.{n}.tmp", op="RENAME", destination=f"/chk/commits/{n}")
     finally:
         assert g.stop() == 0
     with pytest.raises(RuntimeError, match="requires TLS"):
@@ -155,9 +182,14 @@ def test_gateway_trust_sets_the_jvm_and_python_sides(tls_server, tmp_path):
         pytest.skip("keytool (a JDK) is needed")
     srv, key, cert = tls_server
     gcert, gkey = _cert(tmp_path, "gateway")
-    g = GatewayProcess(NS, str(tmp_path / "gw-cache"), srv.address, key,
-                       extra_args=["--tls-ca", cert, "--tls-cert", gcert, "--tls-key", gkey],
-                       log_path=str(tmp_path / "gw.log")).start()
+    g = GatewayProcess(
+        NS,
+        str(tmp_path / "gw-cache"),
+        srv.address,
+        key,
+        extra_args=["--tls-ca", cert, "--tls-cert", gcert, "--tls-key", gkey],
+        log_path=str(tmp_path / "gw.log"),
+    ).start()
     try:
         chk = gateway_checkpoint(None, g.url, NS, key, "chk", cafile=gcert)
         assert chk.startswith("swebhdfs://") and chk.trust is not None
@@ -166,8 +198,11 @@ def test_gateway_trust_sets_the_jvm_and_python_sides(tls_server, tmp_path):
         assert f"-Djavax.net.ssl.trustStorePassword={chk.trust.password}" in opts
         store = next(o.split("=", 1)[1] for o in opts if o.startswith("-Djavax.net.ssl.trustStore="))
         # the JVM reads the truststore with that password (keytool is the JDK's own reader)
-        listed = subprocess.run(["keytool", "-list", "-keystore", store, "-storetype", "PKCS12",
-                                 "-storepass", chk.trust.password], capture_output=True, text=True)
+        listed = subprocess.run(
+            ["keytool", "-list", "-keystore", store, "-storetype", "PKCS12", "-storepass", chk.trust.password],
+            capture_output=True,
+            text=True,
+        )
         assert listed.returncode == 0 and "trustedCertEntry" in listed.stdout, listed.stdout
         # the Python side: the marker listener's client verifies the gateway's certificate
         client = chk.client()
@@ -209,9 +244,16 @@ def test_spark_md_tls_section_commands_run_and_its_table_has_the_redaction(tmp_p
     _cert(tmp_path, "gw")
     (tmp_path / "gw.crt").rename(tmp_path / "gw.pem")
     subprocess.run(shlex.split(line), cwd=tmp_path, check=True, capture_output=True, timeout=120)
-    listed = subprocess.run(["keytool", "-list", "-keystore", "truststore.p12", "-storetype", "PKCS12",
-                             "-storepass", "changeit"], cwd=tmp_path, capture_output=True, text=True)
+    listed = subprocess.run(
+        ["keytool", "-list", "-keystore", "truststore.p12", "-storetype", "PKCS12", "-storepass", "changeit"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
     assert "trustedCertEntry" in listed.stdout
-    for opt in ("-Djavax.net.ssl.trustStore=PATH", "-Djavax.net.ssl.trustStoreType=PKCS12",
-                "-Djavax.net.ssl.trustStorePassword=PW"):
+    for opt in (
+        "-Djavax.net.ssl.trustStore=PATH",
+        "-Djavax.net.ssl.trustStoreType=PKCS12",
+        "-Djavax.net.ssl.trustStorePassword=PW",
+    ):
         assert opt in doc.replace("\n  ", " ")

@@ -51,12 +51,40 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 UID = 10001
 #: syscalls that create, change or remove something in the file system
-_ALWAYS_WRITES = {"mkdir", "mkdirat", "rename", "renameat", "renameat2", "unlink", "unlinkat",
-                  "rmdir", "link", "linkat", "symlink", "symlinkat", "truncate", "chmod",
-                  "fchmodat", "chown", "lchown", "fchownat", "utimensat", "mknod", "mknodat",
-                  # on a descriptor (strace -y names its file)
-                  "fchmod", "fchown", "ftruncate", "fallocate", "setxattr", "lsetxattr",
-                  "fsetxattr", "removexattr", "lremovexattr", "fremovexattr"}
+_ALWAYS_WRITES = {
+    "mkdir",
+    "mkdirat",
+    "rename",
+    "renameat",
+    "renameat2",
+    "unlink",
+    "unlinkat",
+    "rmdir",
+    "link",
+    "linkat",
+    "symlink",
+    "symlinkat",
+    "truncate",
+    "chmod",
+    "fchmodat",
+    "chown",
+    "lchown",
+    "fchownat",
+    "utimensat",
+    "mknod",
+    "mknodat",
+    # on a descriptor (strace -y names its file)
+    "fchmod",
+    "fchown",
+    "ftruncate",
+    "fallocate",
+    "setxattr",
+    "lsetxattr",
+    "fsetxattr",
+    "removexattr",
+    "lremovexattr",
+    "fremovexattr",
+}
 TRACED = ",".join(sorted({"open", "openat", "openat2", "creat"} | _ALWAYS_WRITES))
 _WRITE_FLAGS = ("O_WRONLY", "O_RDWR", "O_CREAT", "O_TRUNC", "O_APPEND")
 
@@ -111,10 +139,9 @@ class Pod:
 
     def host_path(self, path: str) -> str:
         """A path in the container -> the same file here (through the volume mounts)."""
-        best = max((mp for mp in self.mounts if path == mp or path.startswith(mp + "/")),
-                   key=len, default=None)
+        best = max((mp for mp in self.mounts if path == mp or path.startswith(mp + "/")), key=len, default=None)
         assert best is not None, f"{path} is on no volume of the pod"
-        return str(self.mounts[best]) + path[len(best):]
+        return str(self.mounts[best]) + path[len(best) :]
 
     def map_arg(self, arg: str) -> str:
         if arg.startswith("/") and any(arg == mp or arg.startswith(mp + "/") for mp in self.mounts):
@@ -142,7 +169,7 @@ def _reveal(paths: list[str]) -> list[str]:
     for path in paths:
         parts = pathlib.Path(os.path.realpath(path)).parts
         for i in range(1, len(parts) - 1):
-            ancestor = os.path.join(*parts[:i + 1])
+            ancestor = os.path.join(*parts[: i + 1])
             if not os.stat(ancestor).st_mode & stat.S_IXOTH:
                 child = os.path.join(ancestor, parts[i + 1])
                 if child not in out:
@@ -176,8 +203,16 @@ class Sandboxed:
     """``argv`` run by ro_sandbox.py as uid 10001 (group fsGroup), no capabilities,
     no_new_privs, under strace."""
 
-    def __init__(self, tmp_path: pathlib.Path, name: str, argv: list[str], env: dict[str, str],
-                 writable: list[pathlib.Path], fs_group: int, registry: list) -> None:
+    def __init__(
+        self,
+        tmp_path: pathlib.Path,
+        name: str,
+        argv: list[str],
+        env: dict[str, str],
+        writable: list[pathlib.Path],
+        fs_group: int,
+        registry: list,
+    ) -> None:
         self.trace = tmp_path / f"{name}.strace"
         self.log = tmp_path / f"{name}.log"
         trace_fd = os.open(self.trace, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -191,10 +226,24 @@ class Sandboxed:
             "cwd": "/",
             "env": env,
             "argv": [
-                _tool("strace"), "-f", "-qq", "--seccomp-bpf", "-y", "-e", f"trace={TRACED}",
-                "-o", f"/proc/self/fd/{trace_fd}", "--",
-                _tool("setpriv"), f"--reuid={UID}", f"--regid={UID}", f"--groups={fs_group}",
-                "--no-new-privs", "--inh-caps=-all", "--bounding-set=-all", "--",
+                _tool("strace"),
+                "-f",
+                "-qq",
+                "--seccomp-bpf",
+                "-y",
+                "-e",
+                f"trace={TRACED}",
+                "-o",
+                f"/proc/self/fd/{trace_fd}",
+                "--",
+                _tool("setpriv"),
+                f"--reuid={UID}",
+                f"--regid={UID}",
+                f"--groups={fs_group}",
+                "--no-new-privs",
+                "--inh-caps=-all",
+                "--bounding-set=-all",
+                "--",
                 *argv,
             ],
         }
@@ -202,9 +251,20 @@ class Sandboxed:
         spec_path.write_text(json.dumps(spec))
         with open(self.log, "wb") as logf:
             self.proc = subprocess.Popen(
-                [_tool("unshare"), "--mount", "--propagation", "private", sys.executable,
-                 str(ROOT / "tests" / "ro_sandbox.py"), str(spec_path)],
-                stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, pass_fds=(trace_fd,))
+                [
+                    _tool("unshare"),
+                    "--mount",
+                    "--propagation",
+                    "private",
+                    sys.executable,
+                    str(ROOT / "tests" / "ro_sandbox.py"),
+                    str(spec_path),
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=logf,
+                stderr=logf,
+                pass_fds=(trace_fd,),
+            )
         os.close(trace_fd)
         registry.append(self)
 
@@ -236,7 +296,7 @@ class Sandboxed:
         while True:
             for line in self.text().splitlines():
                 if line.startswith(READY_MARKER):
-                    return line[len(READY_MARKER):].split()[0]
+                    return line[len(READY_MARKER) :].split()[0]
             assert self.proc.poll() is None, f"exited {self.proc.returncode}:\n{self.text()[-4000:]}"
             assert time.monotonic() < end, f"not ready:\n{self.text()[-4000:]}"
             time.sleep(0.1)
@@ -280,8 +340,13 @@ def _paths(call: str, args: str) -> list[str]:
 def _make_certificates(tmp_path: pathlib.Path) -> pathlib.Path:
     """The documented commands (docs/DEPLOY.md): the server's and the gateway's."""
     for cn in ("/CN=sos-server", "/CN=sos-gateway"):
-        subprocess.run(["bash", "-c", documented_line("openssl req", cn)], cwd=tmp_path,
-                       check=True, capture_output=True, timeout=120)
+        subprocess.run(
+            ["bash", "-c", documented_line("openssl req", cn)],
+            cwd=tmp_path,
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
     return tmp_path / "deploy" / "tls"
 
 
@@ -291,16 +356,19 @@ class _Client:
 
     def __init__(self, url: str, key: str, namespace: str, ca: str) -> None:
         self.ca = ca
-        r = requests.post(url + "/oauth2/token", verify=ca, timeout=60,
-                          data={"grant_type": "client_credentials", "client_id": namespace,
-                                "client_secret": key})
+        r = requests.post(
+            url + "/oauth2/token",
+            verify=ca,
+            timeout=60,
+            data={"grant_type": "client_credentials", "client_id": namespace, "client_secret": key},
+        )
         assert r.status_code == 200, r.text
         self.headers = {"Authorization": f"Bearer {r.json()['access_token']}"}
 
     def __getattr__(self, method: str):
         def call(url: str, **kwargs):
-            return requests.request(method.upper(), url, headers=self.headers, verify=self.ca,
-                                    timeout=60, **kwargs)
+            return requests.request(method.upper(), url, headers=self.headers, verify=self.ca, timeout=60, **kwargs)
+
         return call
 
 
@@ -328,10 +396,10 @@ def sandboxes():
 
 
 def test_gateway_runs_unprivileged_on_a_read_only_root_as_the_deployment_says(
-        tmp_path, open_to_others, sos_server_factory, sandboxes):
+    tmp_path, open_to_others, sos_server_factory, sandboxes
+):
     tls = _make_certificates(tmp_path)
-    srv = sos_server_factory(args=["--tls-cert", tls / "tls.crt", "--tls-key", tls / "tls.key"],
-                             start=False)
+    srv = sos_server_factory(args=["--tls-cert", tls / "tls.crt", "--tls-key", tls / "tls.key"], start=False)
     pod0 = one(k8s_documents("sos-gateway.yaml"), "Deployment")["spec"]["template"]["spec"]
     argv0 = pod0["containers"][0]["args"]
     assert argv0[:2] == ["sos", "gateway"]
@@ -341,8 +409,10 @@ def test_gateway_runs_unprivileged_on_a_read_only_root_as_the_deployment_says(
     srv.start()
     secrets = {
         "sos-tls": {"tls.crt": (tls / "tls.crt").read_bytes(), "tls.key": (tls / "tls.key").read_bytes()},
-        "sos-gateway-tls": {"tls.crt": (tls / "gateway.crt").read_bytes(),
-                            "tls.key": (tls / "gateway.key").read_bytes()},
+        "sos-gateway-tls": {
+            "tls.crt": (tls / "gateway.crt").read_bytes(),
+            "tls.key": (tls / "gateway.key").read_bytes(),
+        },
         "sos-gateway-key": {"key": writer_key.encode() + b"\n"},
     }
     open_to_others(tmp_path)
@@ -361,7 +431,7 @@ def test_gateway_runs_unprivileged_on_a_read_only_root_as_the_deployment_says(
         advertise = option(argv, "--advertise")
         assert advertise == f"sos-gateway.sos.svc:{listen.rsplit(':', 1)[1]}", advertise
         i = argv.index("--advertise")
-        del argv[i:i + 2]
+        del argv[i : i + 2]
         server = pod.environment()["SOS_SERVER"]
         assert server.split(":")[0] == "sos-server"
         env = pod.environment(SOS_SERVER=f"localhost:{srv.host_port[1]}")  # the cert's name here
@@ -391,13 +461,22 @@ def test_gateway_runs_unprivileged_on_a_read_only_root_as_the_deployment_says(
     port = urllib.parse.urlsplit(url).port
     c = pod.container
     assert c["startupProbe"]["tcpSocket"]["port"] == c["readinessProbe"]["tcpSocket"]["port"] == "webhdfs"
-    assert {p["name"]: p["containerPort"] for p in c["ports"]}["webhdfs"] == int(option(c["args"], "--listen").rsplit(":", 1)[1])
+    assert {p["name"]: p["containerPort"] for p in c["ports"]}["webhdfs"] == int(
+        option(c["args"], "--listen").rsplit(":", 1)[1]
+    )
     probe = c["livenessProbe"]["exec"]["command"]
     assert probe[0] == "python"
     image_files = dockerfile_copies()
     probe_argv = [sys.executable, str(image_files[probe[1]]), *probe[2:]]
-    health = Sandboxed(tmp_path, "liveness", probe_argv,
-                       pod.environment(SOS_HEALTH_ADDR=f"127.0.0.1:{port}"), pod.empty_dirs, pod.fs_group, sandboxes)
+    health = Sandboxed(
+        tmp_path,
+        "liveness",
+        probe_argv,
+        pod.environment(SOS_HEALTH_ADDR=f"127.0.0.1:{port}"),
+        pod.empty_dirs,
+        pod.fs_group,
+        sandboxes,
+    )
     assert health.proc.wait(300) == 0, health.text()
 
     s = _Client(url, job_key, namespace, gw_ca)
@@ -422,9 +501,23 @@ def test_gateway_runs_unprivileged_on_a_read_only_root_as_the_deployment_says(
     assert box2.proc.wait(300) == 0, box2.text()[-4000:]
 
     env = dict(os.environ, SOS_KEY=writer_key)
-    subprocess.run([*sos_command(), "restore", "-q", "--server", f"localhost:{srv.host_port[1]}",
-                    "--tls-ca", str(tls / "tls.crt"), namespace, str(tmp_path / "restored")],
-                   env=env, check=True, timeout=300, capture_output=True)
+    subprocess.run(
+        [
+            *sos_command(),
+            "restore",
+            "-q",
+            "--server",
+            f"localhost:{srv.host_port[1]}",
+            "--tls-ca",
+            str(tls / "tls.crt"),
+            namespace,
+            str(tmp_path / "restored"),
+        ],
+        env=env,
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
     assert (tmp_path / "restored" / "checkpoint" / "offsets" / "0").read_bytes() == b"v1\n{}\n"
 
     # ---- what the gateways and the probe tried to write: their cache volume, nothing else
@@ -448,8 +541,7 @@ def test_gateway_runs_unprivileged_on_a_read_only_root_as_the_deployment_says(
     assert tmp_writes == [], f"writes in TMPDIR (an emptyDir, allowed, but DEPLOY.md says none): {tmp_writes[:20]}"
 
 
-def test_image_env_keeps_python_from_writing_and_the_trace_would_see_it(tmp_path, open_to_others,
-                                                                         sandboxes):
+def test_image_env_keeps_python_from_writing_and_the_trace_would_see_it(tmp_path, open_to_others, sandboxes):
     """The check above is not vacuous: in the same sandbox, Python without the image's
     PYTHONDONTWRITEBYTECODE tries to write a __pycache__ (EROFS, silently), and a write to
     /tmp fails; both show up in the trace. With the image's environment neither happens."""
@@ -460,9 +552,11 @@ def test_image_env_keeps_python_from_writing_and_the_trace_would_see_it(tmp_path
     cache.mkdir()
     os.chmod(cache, 0o777)
     open_to_others(mod)
-    script = ("import errno, fresh_module\n"
-              "try:\n    open('/tmp/sos-ro-probe', 'w')\n"
-              "except OSError as exc:\n    print(errno.errorcode[exc.errno])\n")
+    script = (
+        "import errno, fresh_module\n"
+        "try:\n    open('/tmp/sos-ro-probe', 'w')\n"
+        "except OSError as exc:\n    print(errno.errorcode[exc.errno])\n"
+    )
 
     def run(name: str, env: dict[str, str]) -> tuple[str, list[tuple[str, str]]]:
         env = dict(env, PYTHONPATH=str(mod), PATH="/usr/bin:/bin", HOME="/nonexistent")

@@ -60,8 +60,9 @@ MOUNT_NS = namespace_of(objects(), "Pod", "spark-driver")
 _DRIVER_SA = spark_conf()["spark.kubernetes.authenticate.driver.serviceAccountName"]
 DRIVER = ServiceAccount(JOBS_NS, _DRIVER_SA)
 # Spark's executors run as the driver's account unless told otherwise
-EXECUTOR = ServiceAccount(JOBS_NS, spark_conf().get(
-    "spark.kubernetes.authenticate.executor.serviceAccountName", _DRIVER_SA))
+EXECUTOR = ServiceAccount(
+    JOBS_NS, spark_conf().get("spark.kubernetes.authenticate.executor.serviceAccountName", _DRIVER_SA)
+)
 WRITE_VERBS = ("create", "update", "patch", "delete", "deletecollection")
 #: what a job must never get at
 SOS_SECRETS = {"sos-tls", "sos-gateway-tls", "sos-gateway-key", "sos-tier-credentials"}
@@ -88,12 +89,15 @@ def test_the_namespaces_are_separate_and_every_object_names_its_own():
             # the context points at: next to SOS, for a careless operator
             assert o["ns_named"], f"{o['file']}: {o['kind']} {o['metadata']['name']} names no namespace"
     where = {(o["kind"], o["metadata"]["name"]): o["ns"] for o in objs}
-    for kind, name in (("StatefulSet", "sos-server"), ("Service", "sos-server"),
-                       ("PersistentVolumeClaim", "sos-data"), ("Deployment", "sos-gateway"),
-                       ("Service", "sos-gateway")):
+    for kind, name in (
+        ("StatefulSet", "sos-server"),
+        ("Service", "sos-server"),
+        ("PersistentVolumeClaim", "sos-data"),
+        ("Deployment", "sos-gateway"),
+        ("Service", "sos-gateway"),
+    ):
         assert where[(kind, name)] == SOS_NS, (kind, name)
-    for kind, name in (("ServiceAccount", "spark"), ("Role", "spark-driver"),
-                       ("RoleBinding", "spark-driver")):
+    for kind, name in (("ServiceAccount", "spark"), ("Role", "spark-driver"), ("RoleBinding", "spark-driver")):
         assert where[(kind, name)] == JOBS_NS, (kind, name)
     assert spark_conf()["spark.kubernetes.authenticate.driver.serviceAccountName"] == DRIVER.name
     assert spark_conf()["spark.kubernetes.authenticate.executor.serviceAccountName"] == EXECUTOR.name
@@ -119,13 +123,23 @@ def test_a_the_drivers_account_can_do_nothing_outside_its_namespace():
     # what the job's code can do with the driver's token
     assert can(objs, DRIVER, "create", "pods", JOBS_NS)  # its executors
     for verb in ("create", "patch", "delete", "get", "list"):
-        for resource in ("pods", "pods/exec", "services", "configmaps", "secrets",
-                         "persistentvolumeclaims", "serviceaccounts/token"):
+        for resource in (
+            "pods",
+            "pods/exec",
+            "services",
+            "configmaps",
+            "secrets",
+            "persistentvolumeclaims",
+            "serviceaccounts/token",
+        ):
             assert not can(objs, DRIVER, verb, resource, SOS_NS), (verb, resource)
     for resource in ("secrets", "persistentvolumeclaims", "serviceaccounts/token"):
         assert not can(objs, DRIVER, "get", resource, JOBS_NS) and not can(objs, DRIVER, "create", resource, JOBS_NS)
-    for group, resource in (("rbac.authorization.k8s.io", "rolebindings"), ("apps", "deployments"),
-                            ("networking.k8s.io", "networkpolicies")):
+    for group, resource in (
+        ("rbac.authorization.k8s.io", "rolebindings"),
+        ("apps", "deployments"),
+        ("networking.k8s.io", "networkpolicies"),
+    ):
         for ns in (SOS_NS, JOBS_NS):
             assert not can(objs, DRIVER, "create", resource, ns, group=group), (resource, ns)
     assert not can(objs, DRIVER, "patch", "namespaces", SOS_NS)  # e.g. its labels
@@ -133,7 +147,7 @@ def test_a_the_drivers_account_can_do_nothing_outside_its_namespace():
 
 def test_a_the_executors_and_the_sos_accounts_have_no_rights_at_all():
     objs = objects()
-    for sa in ({EXECUTOR} | service_accounts(objs, SOS_NS) | service_accounts(objs, MOUNT_NS)):
+    for sa in {EXECUTOR} | service_accounts(objs, SOS_NS) | service_accounts(objs, MOUNT_NS):
         assert reachable(objs, sa) == {sa} and grants(objs, sa) == [], sa
     assert {sa.name for sa in service_accounts(objs, SOS_NS)} == {"sos-server", "sos-gateway", "default"}
 
@@ -142,17 +156,26 @@ def test_a_the_rbac_model_sees_what_would_open_sos():
     """Each of these manifests, added, gives the job a way into sos: the model must say so."""
     base = objects()
     assert not can(base, DRIVER, "create", "pods", SOS_NS)
-    binding_in_sos = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-                      "metadata": {"name": "x", "namespace": SOS_NS},
-                      "subjects": [{"kind": "ServiceAccount", "name": "spark", "namespace": JOBS_NS}],
-                      "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "edit"}}
-    cluster_wide = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
-                    "metadata": {"name": "y"},
-                    "subjects": [{"kind": "Group", "name": f"system:serviceaccounts:{JOBS_NS}"}],
-                    "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "z"}}
-    cluster_role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
-                    "metadata": {"name": "z"},
-                    "rules": [{"apiGroups": [""], "resources": ["services"], "verbs": ["patch"]}]}
+    binding_in_sos = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": {"name": "x", "namespace": SOS_NS},
+        "subjects": [{"kind": "ServiceAccount", "name": "spark", "namespace": JOBS_NS}],
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "edit"},
+    }
+    cluster_wide = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRoleBinding",
+        "metadata": {"name": "y"},
+        "subjects": [{"kind": "Group", "name": f"system:serviceaccounts:{JOBS_NS}"}],
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "z"},
+    }
+    cluster_role = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRole",
+        "metadata": {"name": "z"},
+        "rules": [{"apiGroups": [""], "resources": ["services"], "verbs": ["patch"]}],
+    }
     # a second hop: the driver may start pods in spark-jobs, a pod may run as spark-executor,
     # and spark-executor holds a binding into sos
     via_executor = copy.deepcopy(binding_in_sos)
@@ -216,8 +239,9 @@ def test_b_sos_secrets_and_volume_live_in_sos_only_and_no_job_object_names_them(
 
 def test_b_the_tiers_store_credentials_live_in_sos_and_only_the_server_gets_them():
     objs = objects()
-    users = [(o["file"], o["kind"], o["ns"]) for o in objs
-             if "sos-tier-credentials" in referenced_secrets_and_claims(o)[0]]
+    users = [
+        (o["file"], o["kind"], o["ns"]) for o in objs if "sos-tier-credentials" in referenced_secrets_and_claims(o)[0]
+    ]
     assert users == [("sos-server.yaml", "StatefulSet", SOS_NS)], users
     assert _documented_created_secrets()["sos-tier-credentials"] == SOS_NS
     (line,) = documented_lines("create secret generic sos-tier-credentials")
@@ -294,7 +318,7 @@ def _pods(objs):
     for role in ("driver", "executor"):
         labels = dict(template_pod(role)["metadata"].get("labels", {}))
         prefix = f"spark.kubernetes.{role}.label."
-        labels |= {k[len(prefix):]: v for k, v in conf.items() if k.startswith(prefix)}
+        labels |= {k[len(prefix) :]: v for k, v in conf.items() if k.startswith(prefix)}
         pods[role] = Pod.of(JOBS_NS, labels | {"spark-role": role})
     return pods
 
@@ -316,8 +340,7 @@ def test_d_a_job_pod_labelled_like_sos_reaches_nothing_in_sos():
     assert gateway.ns == server.ns == SOS_NS
     assert allowed(objs, gateway, server, 7070) and allowed(objs, pods["driver"], gateway, 9870)
     assert allowed(objs, pods["spark-driver"], server, 7070)  # the mount alternative's own way in
-    every_label = gateway.label_dict | server.label_dict | pods["driver"].label_dict \
-        | pods["spark-driver"].label_dict
+    every_label = gateway.label_dict | server.label_dict | pods["driver"].label_dict | pods["spark-driver"].label_dict
     impostors = {
         "app=sos-gateway in spark-jobs": Pod.of(JOBS_NS, gateway.label_dict),
         "every label in spark-jobs": Pod.of(JOBS_NS, every_label),

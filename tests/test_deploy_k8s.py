@@ -72,8 +72,15 @@ def _validate(doc: dict, version: str) -> None:
 def test_every_manifest_validates_against_the_kubernetes_schema(version):
     docs = all_k8s_documents()
     names = {p.name for p in K8S.glob("*.yaml")}
-    assert {"sos-server.yaml", "sos-gateway.yaml", "networkpolicy.yaml", "spark-rbac.yaml",
-            "spark-pod-driver.yaml", "spark-pod-executor.yaml", "spark-driver.yaml"} <= names
+    assert {
+        "sos-server.yaml",
+        "sos-gateway.yaml",
+        "networkpolicy.yaml",
+        "spark-rbac.yaml",
+        "spark-pod-driver.yaml",
+        "spark-pod-executor.yaml",
+        "spark-driver.yaml",
+    } <= names
     assert {f for f, _ in docs} == names  # every file holds at least one document
     for name, doc in docs:
         try:
@@ -148,8 +155,11 @@ def _env(container: dict) -> dict[str, dict]:
 
 def _volume_of(pod: dict, container: dict, path: str) -> tuple[dict, dict]:
     """(volumeMount, volume) under which ``path`` lies in ``container``."""
-    mounts = [m for m in container["volumeMounts"]
-              if path == m["mountPath"] or path.startswith(m["mountPath"].rstrip("/") + "/")]
+    mounts = [
+        m
+        for m in container["volumeMounts"]
+        if path == m["mountPath"] or path.startswith(m["mountPath"].rstrip("/") + "/")
+    ]
     assert mounts, f"{path} is on no volume"
     m = max(mounts, key=lambda m: len(m["mountPath"]))
     return m, next(v for v in pod["volumes"] if v["name"] == m["name"])
@@ -296,14 +306,14 @@ def test_spark_conf_runs_executors_with_the_key_and_the_truststore():
         # every JVM trusts the gateway's certificate: a truststore from a mounted Secret
         opts = conf[f"spark.{role}.extraJavaOptions"].split()
         store = next(o.split("=", 1)[1] for o in opts if o.startswith("-Djavax.net.ssl.trustStore="))
-        mounts = {k.rsplit(".", 1)[1]: v for k, v in conf.items()
-                  if k.startswith(f"spark.kubernetes.{role}.secrets.")}
+        mounts = {k.rsplit(".", 1)[1]: v for k, v in conf.items() if k.startswith(f"spark.kubernetes.{role}.secrets.")}
         assert any(store.startswith(mp + "/") for mp in mounts.values()), (role, store, mounts)
         assert "-Djavax.net.ssl.trustStoreType=PKCS12" in opts
     # the driver's key: a file of a mounted Secret, named by SOS_KEY_FILE
     key_file = conf["spark.kubernetes.driverEnv.SOS_KEY_FILE"]
-    driver_secrets = {k.rsplit(".", 1)[1]: v for k, v in conf.items()
-                      if k.startswith("spark.kubernetes.driver.secrets.")}
+    driver_secrets = {
+        k.rsplit(".", 1)[1]: v for k, v in conf.items() if k.startswith("spark.kubernetes.driver.secrets.")
+    }
     assert os.path.dirname(key_file) == driver_secrets["sparkjob-key"]
     assert not any(k.startswith("spark.kubernetes.driver.secretKeyRef.") for k in conf)
     ca = conf["spark.kubernetes.driverEnv.SSL_CERT_FILE"]
@@ -328,8 +338,14 @@ def test_configmap_items_are_the_files_the_job_imports():
         assert sources.setdefault(item["key"], src.read_bytes()) == src.read_bytes(), item
     # the job's imports are all there: spark.py's own, and the gateway's client it names
     paths = {i["path"] for i in items}
-    assert {"spark_job.py", "spark_plugin/__init__.py", "spark_plugin/spark.py", "spark_plugin/mounttable.py",
-            "spark_plugin/gateway/__init__.py", "spark_plugin/gateway/client.py"} <= paths, paths
+    assert {
+        "spark_job.py",
+        "spark_plugin/__init__.py",
+        "spark_plugin/spark.py",
+        "spark_plugin/mounttable.py",
+        "spark_plugin/gateway/__init__.py",
+        "spark_plugin/gateway/client.py",
+    } <= paths, paths
     # the documented `kubectl create configmap spark-job` puts exactly these keys in
     cmd = documented_line("create configmap spark-job", f"-n {conf_namespace()}")
     files = [a.split("=", 1)[1] for a in cmd.split() if a.startswith("--from-file=")]
@@ -355,7 +371,7 @@ def _pods() -> dict[str, Pod]:
         (tpl,) = k8s_documents(pathlib.Path(conf[f"spark.kubernetes.{role}.podTemplateFile"]).name)
         labels = dict(tpl["metadata"].get("labels", {}))
         prefix = f"spark.kubernetes.{role}.label."
-        labels |= {k[len(prefix):]: v for k, v in conf.items() if k.startswith(prefix)}
+        labels |= {k[len(prefix) :]: v for k, v in conf.items() if k.startswith(prefix)}
         labels |= {"spark-role": role, "spark-app-selector": "spark-0123"}  # what Spark adds
         pods[role] = Pod.of(jobs, labels)
     mount_pod = one(k8s_documents("spark-driver.yaml"), "Pod")
@@ -402,8 +418,7 @@ def test_the_policy_evaluator_is_not_vacuous():
     assert allowed([], pods["other"], pods["gateway"], 9870)
     # a policy that admits every pod of every namespace lets "other" in
     open_policy = copy.deepcopy(_policies("networkpolicy.yaml"))
-    gw_policy = next(o for o in open_policy if o["kind"] == "NetworkPolicy"
-                     and o["metadata"]["name"] == "sos-gateway")
+    gw_policy = next(o for o in open_policy if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == "sos-gateway")
     gw_policy["spec"]["ingress"][0]["from"] = [{"namespaceSelector": {}, "podSelector": {}}]
     assert allowed(open_policy, pods["other"], pods["gateway"], 9870)
 
@@ -424,10 +439,8 @@ def test_compose_validates_against_the_compose_specification():
 def test_compose_runs_server_gateway_master_two_workers_and_the_driver():
     services = compose()["services"]
     default = {n for n, s in services.items() if not s.get("profiles")}
-    assert default == {"sos-server", "sos-gateway", "spark-master", "spark-worker-1",
-                       "spark-worker-2", "spark-job"}
-    assert {n for n, s in services.items() if "mount" in s.get("profiles", [])} == \
-        {"sos-mount", "spark-mount-job"}
+    assert default == {"sos-server", "sos-gateway", "spark-master", "spark-worker-1", "spark-worker-2", "spark-job"}
+    assert {n for n, s in services.items() if "mount" in s.get("profiles", [])} == {"sos-mount", "spark-mount-job"}
     for name, svc in services.items():
         for dep in svc.get("depends_on", []):
             assert dep in services, (name, dep)
@@ -483,7 +496,7 @@ def test_compose_spark_cluster_is_wired_to_the_gateway():
     job = s["spark-job"]
     argv = job["command"]
     assert option(argv, "--master") == master_url and option(argv, "--deploy-mode") == "client"
-    confs = dict(a.split("=", 1) for a in argv[argv.index("--master"):] if "=" in a and a.startswith("spark."))
+    confs = dict(a.split("=", 1) for a in argv[argv.index("--master") :] if "=" in a and a.startswith("spark."))
     assert confs["spark.driver.host"] == job["hostname"]
     # every JVM (driver; executors, children of the workers) has the truststore mounted
     for role, services in (("driver", ["spark-job"]), ("executor", ["spark-worker-1", "spark-worker-2"])):
@@ -509,16 +522,24 @@ def test_compose_spark_cluster_is_wired_to_the_gateway():
 def test_compose_bind_sources_exist_or_are_made_by_the_documented_commands():
     c = compose()
     made = ("./tls", "./keys/", "./shared")
-    sources = [v.split(":")[0] for svc in c["services"].values() for v in svc.get("volumes", [])
-               if isinstance(v, str) and v.startswith(".")]
-    sources += [v["source"] for svc in c["services"].values() for v in svc.get("volumes", [])
-                if isinstance(v, dict) and v.get("type") == "bind"]
+    sources = [
+        v.split(":")[0]
+        for svc in c["services"].values()
+        for v in svc.get("volumes", [])
+        if isinstance(v, str) and v.startswith(".")
+    ]
+    sources += [
+        v["source"]
+        for svc in c["services"].values()
+        for v in svc.get("volumes", [])
+        if isinstance(v, dict) and v.get("type") == "bind"
+    ]
     sources += [s["file"] for s in c["secrets"].values()]
     header = COMPOSE.read_text().split("\nname:")[0]  # the commands at the top
     made_keys = re.findall(r"> deploy/keys/(\S+)", header)
     for src in sources:
         if src.startswith("./keys/"):
-            assert src[len("./keys/"):] in made_keys, src
+            assert src[len("./keys/") :] in made_keys, src
         elif src.startswith(made):  # deploy/tls/X, or /tls/X in the keytool container
             assert f"tls/{os.path.basename(src)}" in header or src == "./shared", src
         else:

@@ -33,8 +33,9 @@ K8S_GATEWAY = spark_conf()["spark.kubernetes.driverEnv.SOS_GATEWAY"]  # the conf
 
 
 def _documented(tmp_path, *needles):
-    subprocess.run(["bash", "-c", documented_line(*needles)], cwd=tmp_path, check=True,
-                   capture_output=True, timeout=300)
+    subprocess.run(
+        ["bash", "-c", documented_line(*needles)], cwd=tmp_path, check=True, capture_output=True, timeout=300
+    )
 
 
 def _configmap_files(job_dir):
@@ -58,8 +59,7 @@ def test_spark_job_checkpoints_over_swebhdfs_with_the_kubernetes_conf(tmp_path, 
 
     conf = spark_conf()
     namespace = conf["spark.kubernetes.driverEnv.SOS_NAMESPACE"]
-    srv = sos_server_factory(args=["--tls-cert", tls / "tls.crt", "--tls-key", tls / "tls.key"],
-                             start=False)
+    srv = sos_server_factory(args=["--tls-cert", tls / "tls.crt", "--tls-key", tls / "tls.key"], start=False)
     writer_key = srv.keygen(namespace, "append")
     job_key = srv.keygen(namespace, "append")
     srv.start()
@@ -69,11 +69,15 @@ def test_spark_job_checkpoints_over_swebhdfs_with_the_kubernetes_conf(tmp_path, 
     dep = one(k8s_documents("sos-gateway.yaml"), "Deployment")
     args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[2] == namespace
-    local = {option(args, "--tls-ca"): tls / "tls.crt", option(args, "--tls-cert"): tls / "gateway.crt",
-             option(args, "--tls-key"): tls / "gateway.key"}
+    local = {
+        option(args, "--tls-ca"): tls / "tls.crt",
+        option(args, "--tls-cert"): tls / "gateway.crt",
+        option(args, "--tls-key"): tls / "gateway.key",
+    }
     extra = [x for opt in ("--tls-ca", "--tls-cert", "--tls-key") for x in (opt, str(local[option(args, opt)]))]
-    gw = GatewayProcess(namespace, str(tmp_path / "cache"), server, writer_key, extra_args=extra,
-                        log_path=str(tmp_path / "gateway.log")).start()
+    gw = GatewayProcess(
+        namespace, str(tmp_path / "cache"), server, writer_key, extra_args=extra, log_path=str(tmp_path / "gateway.log")
+    ).start()
     try:
         assert gw.url.startswith("https://")
         # the properties file: the conf without its Kubernetes part, paths mapped here
@@ -86,11 +90,17 @@ def test_spark_job_checkpoints_over_swebhdfs_with_the_kubernetes_conf(tmp_path, 
         (tmp_path / "keys" / "key").write_text(job_key + "\n")
 
         def here(value: str) -> str:
-            return (value.replace(trust_dir, str(tmp_path / "trust"))
-                    .replace(key_dir, str(tmp_path / "keys")).replace(K8S_GATEWAY, gw.url))
+            return (
+                value.replace(trust_dir, str(tmp_path / "trust"))
+                .replace(key_dir, str(tmp_path / "keys"))
+                .replace(K8S_GATEWAY, gw.url)
+            )
 
-        props = {k: here(v) for k, v in conf.items()
-                 if not k.startswith("spark.kubernetes.") and k != "spark.submit.deployMode"}
+        props = {
+            k: here(v)
+            for k, v in conf.items()
+            if not k.startswith("spark.kubernetes.") and k != "spark.submit.deployMode"
+        }
         props["spark.driver.extraJavaOptions"] += " " + DRIVER_JVM_OPTIONS
         props["spark.driver.memory"] = "768m"
         props["spark.ui.enabled"] = "false"
@@ -104,24 +114,44 @@ def test_spark_job_checkpoints_over_swebhdfs_with_the_kubernetes_conf(tmp_path, 
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SOS_", "PYSPARK", "SPARK_"))}
         env.pop("PYTHONPATH", None)  # the job finds spark_plugin next to itself, as in the pod
         prefix = "spark.kubernetes.driverEnv."
-        env |= {k[len(prefix):]: here(v) for k, v in conf.items() if k.startswith(prefix)}
-        env |= {"SOS_KEY_FILE": str(tmp_path / "keys" / "key"), "MAX_BATCHES": str(BATCHES),
-                "TRIGGER": "1 second", "PYSPARK_PYTHON": sys.executable,
-                "PYSPARK_DRIVER_PYTHON": sys.executable}
+        env |= {k[len(prefix) :]: here(v) for k, v in conf.items() if k.startswith(prefix)}
+        env |= {
+            "SOS_KEY_FILE": str(tmp_path / "keys" / "key"),
+            "MAX_BATCHES": str(BATCHES),
+            "TRIGGER": "1 second",
+            "PYSPARK_PYTHON": sys.executable,
+            "PYSPARK_DRIVER_PYTHON": sys.executable,
+        }
         assert env["SOS_GATEWAY"] == gw.url and env["SSL_CERT_FILE"].endswith("/trust/ca.crt")
         spark_submit = os.path.join(os.path.dirname(sys.executable), "spark-submit")
         log = tmp_path / "driver.log"
         with open(log, "wb") as logf:
-            proc = subprocess.run([spark_submit, "--master", "local[2]", "--deploy-mode", "client",
-                                   "--properties-file", str(props_file),
-                                   str(job_dir / os.path.relpath(app, mount_path))],
-                                  cwd=tmp_path, env=env, stdout=logf, stderr=subprocess.STDOUT,
-                                  timeout=1200, check=False)
+            proc = subprocess.run(
+                [
+                    spark_submit,
+                    "--master",
+                    "local[2]",
+                    "--deploy-mode",
+                    "client",
+                    "--properties-file",
+                    str(props_file),
+                    str(job_dir / os.path.relpath(app, mount_path)),
+                ],
+                cwd=tmp_path,
+                env=env,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                timeout=1200,
+                check=False,
+            )
         text = log.read_text(errors="replace")
         assert proc.returncode == 0, text[-8000:]
         assert job_key not in text  # the credential is redacted
-        m = re.search(r"spark_job: (\d+) batches committed to (\S+); markers \[([\d, ]*)\], "
-                      r"listener errors \[\]", text)
+        m = re.search(
+            r"spark_job: (\d+) batches committed to (\S+); markers \[([\d, ]*)\], "
+            r"listener errors \[\]",
+            text,
+        )
         assert m, text[-8000:]
         assert m.group(2) == gw.url.replace("https://", "swebhdfs://") + "/checkpoint"
         markers = {int(x) for x in m.group(3).split(",") if x.strip()}
@@ -131,8 +161,13 @@ def test_spark_job_checkpoints_over_swebhdfs_with_the_kubernetes_conf(tmp_path, 
 
     env = dict(os.environ, SOS_KEY=writer_key)
     tls_args = ["--server", server, "--tls-ca", str(tls / "tls.crt")]
-    subprocess.run([*sos_command(), "restore", "-q", *tls_args, namespace, str(tmp_path / "restored")],
-                   env=env, check=True, timeout=300, capture_output=True)
+    subprocess.run(
+        [*sos_command(), "restore", "-q", *tls_args, namespace, str(tmp_path / "restored")],
+        env=env,
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
     restored = tmp_path / "restored"
     done = committed_batches(str(restored / "checkpoint"))
     assert set(range(BATCHES)) <= done
@@ -141,6 +176,11 @@ def test_spark_job_checkpoints_over_swebhdfs_with_the_kubernetes_conf(tmp_path, 
         assert (out / "_SUCCESS").exists(), sorted(os.listdir(restored / "output"))
         assert any(p.name.startswith("part-") for p in out.iterdir())
     # the markers: a restore stops right after batch 1's commit
-    subprocess.run([*sos_command(), "restore", "-q", *tls_args, namespace, str(tmp_path / "at1"),
-                    "--batch", "checkpoint:1"], env=env, check=True, timeout=300, capture_output=True)
+    subprocess.run(
+        [*sos_command(), "restore", "-q", *tls_args, namespace, str(tmp_path / "at1"), "--batch", "checkpoint:1"],
+        env=env,
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
     assert committed_batches(str(tmp_path / "at1" / "checkpoint")) == {0, 1}

@@ -83,8 +83,9 @@ def test_kubernetes_server_and_sidecar_use_tls_from_a_secret():
     assert volume["secret"]["defaultMode"] & 0o007 == 0  # the key is not world-readable
     assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsUser"]
 
-    driver = next(d for d in yaml.safe_load_all((ROOT / "deploy" / "k8s" / "spark-driver.yaml").read_text())
-                  if d["kind"] == "Pod")
+    driver = next(
+        d for d in yaml.safe_load_all((ROOT / "deploy" / "k8s" / "spark-driver.yaml").read_text()) if d["kind"] == "Pod"
+    )
     sidecar = next(c for c in driver["spec"]["initContainers"] if c["name"] == "sos-mount")
     argv = sidecar["command"] + sidecar.get("args", [])
     ca = _option(argv, "--tls-ca")
@@ -95,8 +96,10 @@ def test_kubernetes_server_and_sidecar_use_tls_from_a_secret():
     assert secret == "sos-tls" and ca_volume["secret"]["secretName"] == "sos-server-ca"
     assert driver["metadata"]["namespace"] != sts["metadata"]["namespace"]
     made = (ROOT / "deploy" / "k8s" / "spark-driver.yaml").read_text()
-    assert (f"-n {driver['metadata']['namespace']} create secret generic sos-server-ca "
-            "--from-file=tls.crt=deploy/tls/tls.crt") in made
+    assert (
+        f"-n {driver['metadata']['namespace']} create secret generic sos-server-ca "
+        "--from-file=tls.crt=deploy/tls/tls.crt"
+    ) in made
     # only the certificate is projected into the sidecar, at the path --tls-ca names
     assert ca_volume["secret"]["items"] == [{"key": "tls.crt", "path": os.path.relpath(ca, ca_mount["mountPath"])}]
     _no_key_on_argv(argv)
@@ -106,8 +109,7 @@ def test_kubernetes_server_and_sidecar_use_tls_from_a_secret():
 def _documented_cert_command() -> str:
     text = (ROOT / "docs" / "DEPLOY.md").read_text()
     blocks = re.findall(r"```sh\n(.*?)```", text, re.DOTALL)
-    lines = [line for b in blocks for line in b.splitlines()
-             if "openssl req" in line and "/CN=sos-server" in line]
+    lines = [line for b in blocks for line in b.splitlines() if "openssl req" in line and "/CN=sos-server" in line]
     assert len(lines) == 1, lines
     return lines[0]
 
@@ -115,8 +117,9 @@ def _documented_cert_command() -> str:
 def test_documented_certificate_serves_tls_to_the_cli_and_the_healthcheck(tmp_path, sos_server_factory):
     if shutil.which("openssl") is None:
         pytest.skip("openssl is needed to make a certificate")
-    subprocess.run(["bash", "-c", _documented_cert_command()], cwd=tmp_path, check=True,
-                   capture_output=True, timeout=120)
+    subprocess.run(
+        ["bash", "-c", _documented_cert_command()], cwd=tmp_path, check=True, capture_output=True, timeout=120
+    )
     cert, key = tmp_path / "deploy" / "tls" / "tls.crt", tmp_path / "deploy" / "tls" / "tls.key"
     srv = sos_server_factory(args=["--tls-cert", cert, "--tls-key", key], start=False)
     sos_key = srv.keygen("deployed", "append")
@@ -124,24 +127,52 @@ def test_documented_certificate_serves_tls_to_the_cli_and_the_healthcheck(tmp_pa
     port = srv.host_port[1]
 
     health = [sys.executable, str(ROOT / "deploy" / "healthcheck.py")]
-    ok = subprocess.run(health, env=dict(os.environ, SOS_HEALTH_ADDR=srv.address, SOS_HEALTH_TLS="1"),
-                        capture_output=True, text=True, timeout=120, check=False)
+    ok = subprocess.run(
+        health,
+        env=dict(os.environ, SOS_HEALTH_ADDR=srv.address, SOS_HEALTH_TLS="1"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert ok.returncode == 0, ok.stderr
-    plain = subprocess.run(health, env=dict(os.environ, SOS_HEALTH_ADDR=srv.address, SOS_HEALTH_TLS="0"),
-                           capture_output=True, text=True, timeout=120, check=False)
+    plain = subprocess.run(
+        health,
+        env=dict(os.environ, SOS_HEALTH_ADDR=srv.address, SOS_HEALTH_TLS="0"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert plain.returncode == 1
 
     env = dict(os.environ, SOS_KEY=sos_key, PYTHONPATH=str(ROOT))
     env.pop("SOS_SERVER", None)
     sos = [sys.executable, "-m", "sos_client.cli"]
     # by name (the certificate's DNS name localhost), verified against the certificate
-    put = subprocess.run([*sos, "put", "-", "deployed/over-tls", "--server", f"localhost:{port}",
-                          "--tls-ca", str(cert)], input=b"hello", env=env, capture_output=True, timeout=120, check=False)
+    put = subprocess.run(
+        [*sos, "put", "-", "deployed/over-tls", "--server", f"localhost:{port}", "--tls-ca", str(cert)],
+        input=b"hello",
+        env=env,
+        capture_output=True,
+        timeout=120,
+        check=False,
+    )
     assert put.returncode == 0, put.stderr
-    cat = subprocess.run([*sos, "cat", "deployed/over-tls", "--server", f"localhost:{port}", "--tls-ca", str(cert)],
-                         env=env, capture_output=True, timeout=120, check=False)
+    cat = subprocess.run(
+        [*sos, "cat", "deployed/over-tls", "--server", f"localhost:{port}", "--tls-ca", str(cert)],
+        env=env,
+        capture_output=True,
+        timeout=120,
+        check=False,
+    )
     assert cat.returncode == 0 and cat.stdout == b"hello", cat.stderr
     # without TLS the client gets nowhere
-    bare = subprocess.run([*sos, "stat", "deployed/over-tls", "--server", f"localhost:{port}", "--timeout", "20"],
-                          env=env, capture_output=True, timeout=120, check=False)
+    bare = subprocess.run(
+        [*sos, "stat", "deployed/over-tls", "--server", f"localhost:{port}", "--timeout", "20"],
+        env=env,
+        capture_output=True,
+        timeout=120,
+        check=False,
+    )
     assert bare.returncode == 1

@@ -38,16 +38,18 @@ def _instructions():
 
 
 def test_hadolint_clean():
-    proc = subprocess.run([_hadolint(), "--no-color", str(DOCKERFILE)], capture_output=True,
-                          text=True, timeout=120, cwd=ROOT)
+    proc = subprocess.run(
+        [_hadolint(), "--no-color", str(DOCKERFILE)], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def test_hadolint_would_catch_a_bad_dockerfile(tmp_path):
     bad = tmp_path / "Dockerfile"
     bad.write_text("FROM python:latest\nRUN cd /tmp && apt-get install curl\n")
-    proc = subprocess.run([_hadolint(), "--no-color", str(bad)], capture_output=True, text=True,
-                          timeout=120, cwd=tmp_path)
+    proc = subprocess.run(
+        [_hadolint(), "--no-color", str(bad)], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
     assert proc.returncode != 0
     assert "DL3007" in proc.stdout  # the :latest tag
 
@@ -56,7 +58,7 @@ def test_multi_stage_non_root_server_with_healthcheck():
     ins = _instructions()
     froms = [a for i, a in ins if i == "FROM"]
     assert len(froms) >= 2 and " AS " in froms[0].upper()
-    final = ins[max(k for k, (i, _) in enumerate(ins) if i == "FROM"):]
+    final = ins[max(k for k, (i, _) in enumerate(ins) if i == "FROM") :]
     users = [a for i, a in final if i == "USER"]
     assert users and users[-1].split(":")[0] not in ("0", "root")
     assert any(i == "HEALTHCHECK" and "healthcheck.py" in a for i, a in final)
@@ -71,8 +73,11 @@ def test_multi_stage_non_root_server_with_healthcheck():
 
 
 def test_copied_sources_exist_and_are_in_the_build_context():
-    ignored = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
-               if line.strip() and not line.startswith("#")]
+    ignored = [
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
     for ins, args in _instructions():
         if ins != "COPY" or "--from=" in args:
             continue
@@ -87,8 +92,7 @@ def test_pinned_version_matches_pyproject():
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     m = re.search(r"ARG SOS_VERSION=(\S+)", DOCKERFILE.read_text())
     assert m and m.group(1) == version
-    for f in ("deploy/docker-compose.yml", "deploy/k8s/sos-server.yaml",
-              "deploy/k8s/spark-driver.yaml"):
+    for f in ("deploy/docker-compose.yml", "deploy/k8s/sos-server.yaml", "deploy/k8s/spark-driver.yaml"):
         assert f"sos:{version}" in (ROOT / f).read_text(), f
 
 
@@ -109,17 +113,16 @@ def test_compose_and_kubernetes_examples_are_wired_for_fuse():
     assert props["sos-mnt"] == "Bidirectional"
     assert any(v.get("hostPath", {}).get("path") == "/dev/fuse" for v in pod["spec"]["volumes"])
     driver = pod["spec"]["containers"][0]
-    assert {m["name"]: m.get("mountPropagation") for m in driver["volumeMounts"]}["sos-mnt"] \
-        == "HostToContainer"
-    server_docs = list(yaml.safe_load_all(
-        (ROOT / "deploy" / "k8s" / "sos-server.yaml").read_text()))
+    assert {m["name"]: m.get("mountPropagation") for m in driver["volumeMounts"]}["sos-mnt"] == "HostToContainer"
+    server_docs = list(yaml.safe_load_all((ROOT / "deploy" / "k8s" / "sos-server.yaml").read_text()))
     assert {d["kind"] for d in server_docs} >= {"StatefulSet", "Service"}
 
 
 def _healthcheck(address):
     env = dict(os.environ, SOS_HEALTH_ADDR=address)
-    return subprocess.run([sys.executable, str(ROOT / "deploy" / "healthcheck.py")], env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "deploy" / "healthcheck.py")], env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_image_healthcheck_answers_a_real_server(tmp_path):

@@ -34,8 +34,7 @@ def _load(value: str) -> object:
     return obj
 
 
-@pytest.mark.parametrize("group,name,value", [(g, n, v) for g, eps in _declared().items()
-                                               for n, v in eps.items()])
+@pytest.mark.parametrize("group,name,value", [(g, n, v) for g, eps in _declared().items() for n, v in eps.items()])
 def test_every_declared_entry_point_names_an_importable_object(group, name, value):
     obj = _load(value)
     assert callable(obj), (group, name, value)

@@ -85,23 +85,26 @@ def test_a_code_this_client_does_not_know_is_not_retried():
     assert to_oserror(exc).errno == errno.EIO
 
 
-@pytest.mark.parametrize("cls,retryable,want_errno", [
-    (cerr.SOSPermissionError, False, errno.EACCES),  # e.g. a malformed key, refused before connecting
-    (cerr.BadNameError, False, errno.EINVAL),
-    (cerr.SOSNotFound, False, errno.ENOENT),
-    (cerr.Corrupt, False, errno.EIO),  # the client found a damaged copy itself
-    (cerr.TooLarge, False, errno.EFBIG),
-    (cerr.Fenced, False, errno.EROFS),
-    (cerr.SealedError, False, errno.EROFS),
-    (cerr.OffsetMismatch, False, errno.EIO),
-    (cerr.SOSError, False, errno.EIO),
-    (cerr.ChecksumMismatch, True, errno.EIO),
-    (cerr.NoSpace, True, errno.ENOSPC),
-    (cerr.QuotaExceeded, True, errno.EDQUOT),
-    (cerr.ServerBusy, True, errno.EBUSY),
-    (cerr.TierUnavailable, True, errno.ETIMEDOUT),
-    (cerr.ConnectionLost, True, errno.ECONNRESET),
-])
+@pytest.mark.parametrize(
+    "cls,retryable,want_errno",
+    [
+        (cerr.SOSPermissionError, False, errno.EACCES),  # e.g. a malformed key, refused before connecting
+        (cerr.BadNameError, False, errno.EINVAL),
+        (cerr.SOSNotFound, False, errno.ENOENT),
+        (cerr.Corrupt, False, errno.EIO),  # the client found a damaged copy itself
+        (cerr.TooLarge, False, errno.EFBIG),
+        (cerr.Fenced, False, errno.EROFS),
+        (cerr.SealedError, False, errno.EROFS),
+        (cerr.OffsetMismatch, False, errno.EIO),
+        (cerr.SOSError, False, errno.EIO),
+        (cerr.ChecksumMismatch, True, errno.EIO),
+        (cerr.NoSpace, True, errno.ENOSPC),
+        (cerr.QuotaExceeded, True, errno.EDQUOT),
+        (cerr.ServerBusy, True, errno.EBUSY),
+        (cerr.TierUnavailable, True, errno.ETIMEDOUT),
+        (cerr.ConnectionLost, True, errno.ECONNRESET),
+    ],
+)
 def test_errors_without_a_code_are_classified_by_class(cls, retryable, want_errno):
     exc = cls("found by the client")
     assert exc.code is None
@@ -129,29 +132,32 @@ def test_connection_lost_is_retryable_unless_the_certificate_failed():
         assert to_oserror(exc).errno == errno.ECONNREFUSED
 
 
-@pytest.mark.parametrize("exc,retryable", [
-    (PermissionError(errno.EACCES, "Permission denied"), False),
-    (FileNotFoundError(errno.ENOENT, "No such file"), False),
-    (IsADirectoryError(errno.EISDIR, "Is a directory"), False),
-    (OSError(errno.EIO, "I/O error"), False),
-    (OSError(errno.ENOSPC, "disk full (local)"), False),
-    (PermissionError(), False),
-    (ConnectionResetError(errno.ECONNRESET, "reset"), True),
-    (ConnectionRefusedError(), True),
-    (BrokenPipeError(), True),
-    (TimeoutError(), True),
-    (OSError(errno.EHOSTUNREACH, "No route to host"), True),
-    (OSError(errno.ENETUNREACH, "Network is unreachable"), True),
-    (OSError(errno.EAGAIN, "try again"), True),
-    (ssl.SSLCertVerificationError(1, "certificate verify failed"), False),
-    (ssl.SSLError(1, "wrong version number"), False),
-    (ssl.SSLEOFError(8, "EOF occurred in violation of protocol"), True),
-    (JournalError("the spool and the server disagree"), False),
-    (WriterFenced("fenced"), False),
-    (JournalCorrupt("seg", 3, "bad checksum"), False),
-    (ValueError("bad argument"), False),
-    (RuntimeError("a bug"), False),
-])
+@pytest.mark.parametrize(
+    "exc,retryable",
+    [
+        (PermissionError(errno.EACCES, "Permission denied"), False),
+        (FileNotFoundError(errno.ENOENT, "No such file"), False),
+        (IsADirectoryError(errno.EISDIR, "Is a directory"), False),
+        (OSError(errno.EIO, "I/O error"), False),
+        (OSError(errno.ENOSPC, "disk full (local)"), False),
+        (PermissionError(), False),
+        (ConnectionResetError(errno.ECONNRESET, "reset"), True),
+        (ConnectionRefusedError(), True),
+        (BrokenPipeError(), True),
+        (TimeoutError(), True),
+        (OSError(errno.EHOSTUNREACH, "No route to host"), True),
+        (OSError(errno.ENETUNREACH, "Network is unreachable"), True),
+        (OSError(errno.EAGAIN, "try again"), True),
+        (ssl.SSLCertVerificationError(1, "certificate verify failed"), False),
+        (ssl.SSLError(1, "wrong version number"), False),
+        (ssl.SSLEOFError(8, "EOF occurred in violation of protocol"), True),
+        (JournalError("the spool and the server disagree"), False),
+        (WriterFenced("fenced"), False),
+        (JournalCorrupt("seg", 3, "bad checksum"), False),
+        (ValueError("bad argument"), False),
+        (RuntimeError("a bug"), False),
+    ],
+)
 def test_is_retryable_of_any_exception(exc, retryable):
     assert is_retryable(exc) is retryable
 
@@ -214,29 +220,42 @@ class _Faulty:
             if len(self._calls) == 1:
                 raise self._exc
             raise AssertionError(f"{name} was called again after {self._exc!r}: the writer retried it")
+
         return faulty
 
 
-@pytest.mark.parametrize("exc", [PermissionError(errno.EACCES, "Permission denied", "gen/"),
-                                 FileNotFoundError(errno.ENOENT, "No such file or directory", "gen/")])
+@pytest.mark.parametrize(
+    "exc",
+    [
+        PermissionError(errno.EACCES, "Permission denied", "gen/"),
+        FileNotFoundError(errno.ENOENT, "No such file or directory", "gen/"),
+    ],
+)
 def test_writer_open_does_not_retry_a_permission_or_not_found_error(tmp_path, exc):
     store, calls = MemStore(), []
-    w = JournalWriter(lambda: _Faulty(store.client(), "list", exc, calls), "ns", str(tmp_path / "spool"),
-                      open_timeout=3600)
+    w = JournalWriter(
+        lambda: _Faulty(store.client(), "list", exc, calls), "ns", str(tmp_path / "spool"), open_timeout=3600
+    )
     with pytest.raises(type(exc)) as info:
         w.open()
     assert info.value is exc and calls == ["list"]
     assert not w.is_open
 
 
-@pytest.mark.parametrize("exc", [PermissionError(errno.EACCES, "Permission denied"),
-                                 FileNotFoundError(errno.ENOENT, "No such file or directory"),
-                                 cerr.SOSError("append to ns/x: BAD_REQUEST: no", ErrorCode.BAD_REQUEST)])
+@pytest.mark.parametrize(
+    "exc",
+    [
+        PermissionError(errno.EACCES, "Permission denied"),
+        FileNotFoundError(errno.ENOENT, "No such file or directory"),
+        cerr.SOSError("append to ns/x: BAD_REQUEST: no", ErrorCode.BAD_REQUEST),
+    ],
+)
 def test_replicator_stops_on_an_error_that_is_not_retryable(tmp_path, exc):
     store, calls = MemStore(), []
-    w = JournalWriter(lambda: _Faulty(store.client(), "append", exc, calls), "ns", str(tmp_path / "spool"),
-                      sync=False)
-    t = JournaledTree(str(tmp_path / "cache"), w, rebuild=rebuild_cache).open()  # opens the writer; the first snapshot waits in the spool
+    w = JournalWriter(lambda: _Faulty(store.client(), "append", exc, calls), "ns", str(tmp_path / "spool"), sync=False)
+    t = JournaledTree(
+        str(tmp_path / "cache"), w, rebuild=rebuild_cache
+    ).open()  # opens the writer; the first snapshot waits in the spool
     try:
         with pytest.raises(JournalError, match="replicator stopped") as info:
             w.barrier(timeout=WAIT)
@@ -313,8 +332,7 @@ def test_server_bad_request_stops_the_writer_with_a_journal_error(sos_server, tm
     JournalError saying so; before, it retried the refused append forever."""
     ns_a, key_a = _ns(sos_server, "badreq-a")
     spool = str(tmp_path / "spool")
-    w = JournalWriter(lambda: Client(sos_server.address, key_a, ns_a, timeout=60), ns_a, spool,
-                      generation_bytes=200)
+    w = JournalWriter(lambda: Client(sos_server.address, key_a, ns_a, timeout=60), ns_a, spool, generation_bytes=200)
     t = JournaledTree(str(tmp_path / "cache"), w, rebuild=rebuild_cache).open()
     t.create("f")
     t.write("f", 0, b"x" * 300)  # starts generation 2: the spool's current segment belongs to it

@@ -45,8 +45,7 @@ class _Env:
 
     def fs(self, **kw):
         kw.setdefault("cache_dir", self.cache)
-        return SOSFileSystem(server=self.server.address, key=self.key,
-                             skip_instance_cache=True, **kw)
+        return SOSFileSystem(server=self.server.address, key=self.key, skip_instance_cache=True, **kw)
 
     def client_factory(self):
         from sos_client import Client
@@ -67,7 +66,6 @@ def env(server, tmp_path_factory):
     e = _Env(server, tmp_path_factory)
     yield e
     sosfs.close_all()
-
 
 
 def fs_snapshot(fs, top):
@@ -130,8 +128,7 @@ def test_bad_options_and_paths_raise_typed_errors(env, monkeypatch):
 
 def test_key_of_another_namespace_is_refused(env, server, tmp_path_factory):
     other = _Env(server, tmp_path_factory)
-    fs = SOSFileSystem(server=server.address, key=other.key, cache_dir=env.cache,
-                       skip_instance_cache=True)
+    fs = SOSFileSystem(server=server.address, key=other.key, cache_dir=env.cache, skip_instance_cache=True)
     with pytest.raises(PermissionError):
         fs.pipe_file(f"{env.ns}/x", b"data")
 
@@ -139,8 +136,12 @@ def test_key_of_another_namespace_is_refused(env, server, tmp_path_factory):
 def test_read_key_reads_without_fencing_the_writer(env, tmp_path):
     fs = env.fs()
     fs.pipe_file(f"{env.ns}/r/x", b"visible")
-    reader = SOSFileSystem(server=env.server.address, key=env.server.keygen(env.ns, "read"),
-                           cache_dir=str(tmp_path / "reader"), skip_instance_cache=True)
+    reader = SOSFileSystem(
+        server=env.server.address,
+        key=env.server.keygen(env.ns, "read"),
+        cache_dir=str(tmp_path / "reader"),
+        skip_instance_cache=True,
+    )
     assert reader.cat_file(f"sos://{env.ns}/r/x") == b"visible"
     assert reader.ls(f"{env.ns}/r", detail=False) == [f"{env.ns}/r/x"]
     with pytest.raises(PermissionError):
@@ -155,8 +156,7 @@ def test_read_key_reads_without_fencing_the_writer(env, tmp_path):
     # the reader fenced nobody: the writer goes on
     fs.pipe_file(f"{env.ns}/r/after", b"still writing")
     fs.fsync(env.ns)
-    assert local_snapshot(env.restore()) == {
-        "r": None, "r/x": b"visible", "r/after": b"still writing"}
+    assert local_snapshot(env.restore()) == {"r": None, "r/x": b"visible", "r/after": b"still writing"}
 
 
 # ------------------------------------------------------------------ files
@@ -300,19 +300,16 @@ def test_journal_records_stream_and_rename(env):
     fs.mv(f"{env.ns}/j/.f.tmp", f"{env.ns}/j/f", overwrite=False)
     fs.pipe_file(f"{env.ns}/j/g", b"g")
     fs.mv(f"{env.ns}/j/g", f"{env.ns}/j/f")
-    ops = [op for op in _journal_ops(env) if getattr(op, "path", "").startswith("j/")
-           or isinstance(op, Rename)]
+    ops = [op for op in _journal_ops(env) if getattr(op, "path", "").startswith("j/") or isinstance(op, Rename)]
     tmp_ops = [op for op in ops if getattr(op, "path", None) == "j/.f.tmp"]
     assert isinstance(tmp_ops[0], Create)
     writes = tmp_ops[1:]
     assert writes and all(isinstance(w, Write) for w in writes)
     assert len(writes) >= 3 and all(len(w.data) <= 1 << 20 for w in writes)
-    assert [w.offset for w in writes] == list(
-        itertools.accumulate([0] + [len(w.data) for w in writes[:-1]]))
+    assert [w.offset for w in writes] == list(itertools.accumulate([0] + [len(w.data) for w in writes[:-1]]))
     assert b"".join(w.data for w in writes) == data
     renames = [op for op in ops if isinstance(op, Rename)]
-    assert [(r.src, r.dst, r.overwrite) for r in renames] == [
-        ("j/.f.tmp", "j/f", False), ("j/g", "j/f", True)]
+    assert [(r.src, r.dst, r.overwrite) for r in renames] == [("j/.f.tmp", "j/f", False), ("j/g", "j/f", True)]
 
 
 def test_generation_bytes_starts_new_generations_and_restore_equals_tree(env):
@@ -333,8 +330,7 @@ def test_generation_bytes_starts_new_generations_and_restore_equals_tree(env):
         gens = list_generations(client)
     assert len(gens) >= 4 and all(g.ready for g in gens.values())
     live = fs_snapshot(fs, env.ns)
-    assert set(live) == {"g"} | {f"g/f{i}" for i in range(12) if i % 3 == 1} \
-        | {f"g/moved{i}" for i in range(2, 12, 3)}
+    assert set(live) == {"g"} | {f"g/f{i}" for i in range(12) if i % 3 == 1} | {f"g/moved{i}" for i in range(2, 12, 3)}
     assert local_snapshot(env.restore()) == live
 
 
@@ -360,8 +356,7 @@ def test_touch_pipe_cp_put_get(env, tmp_path):
     fs.touch(f"{env.ns}/t/full")
     assert fs.cat_file(f"{env.ns}/t/full") == b""
     fs.pipe({f"{env.ns}/t/p1": b"1", f"{env.ns}/t/p2": b"2"})
-    assert fs.cat([f"{env.ns}/t/p1", f"{env.ns}/t/p2"]) == {
-        f"{env.ns}/t/p1": b"1", f"{env.ns}/t/p2": b"2"}
+    assert fs.cat([f"{env.ns}/t/p1", f"{env.ns}/t/p2"]) == {f"{env.ns}/t/p1": b"1", f"{env.ns}/t/p2": b"2"}
     with pytest.raises(FileExistsError):
         fs.pipe_file(f"{env.ns}/t/p1", b"x", mode="create")
     big = payload("cp", (1 << 20) + 77)
@@ -587,7 +582,9 @@ def test_async_mode_catches_up(env):
 def _run_child(code, *args):
     out = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code), *args],
-        capture_output=True, text=True, timeout=240,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout
@@ -609,7 +606,10 @@ def test_close_returns_only_when_durable(env, tmp_path):
             f.write(b"closed")
         os._exit(0)
         """,
-        env.server.address, env.key, env.ns, str(tmp_path / "child-cache"),
+        env.server.address,
+        env.key,
+        env.ns,
+        str(tmp_path / "child-cache"),
     )
     restored = local_snapshot(env.restore())
     assert restored == {"chk": None, "chk/1": b"batch-1" * 1000, "chk/last": b"closed"}
@@ -627,7 +627,10 @@ def test_async_process_flushes_at_exit(env, tmp_path):
             fs.pipe_file(f"{ns}/async/{i}", str(i).encode() * 100)
         fs.rm(f"{ns}/async/0")
         """,
-        env.server.address, env.key, env.ns, str(tmp_path / "child-cache"),
+        env.server.address,
+        env.key,
+        env.ns,
+        str(tmp_path / "child-cache"),
     )
     restored = local_snapshot(env.restore())
     expected = {f"async/{i}": str(i).encode() * 100 for i in range(1, 20)}
@@ -654,12 +657,21 @@ def test_second_process_rebuilds_cache_from_server(env, tmp_path):
                                  if info["type"] == "file" else None)
                           for name, info in found.items()}))
         """,
-        env.server.address, env.key, env.ns, str(child_cache),
+        env.server.address,
+        env.key,
+        env.ns,
+        str(child_cache),
     )
     seen = json.loads(out.strip().splitlines()[-1])
     expected = {name: ["file", hashlib.sha256(data).hexdigest()] for name, data in files.items()}
-    expected.update({env.ns: ["directory", None], f"{env.ns}/data": ["directory", None], f"{env.ns}/empty": ["directory", None],
-                     f"{env.ns}/empty/dir": ["directory", None]})
+    expected.update(
+        {
+            env.ns: ["directory", None],
+            f"{env.ns}/data": ["directory", None],
+            f"{env.ns}/empty": ["directory", None],
+            f"{env.ns}/empty/dir": ["directory", None],
+        }
+    )
     assert seen == expected
     # the child's cache now holds the tree
     with open(child_cache / env.ns / "tree" / "data" / "zero", "rb") as f:
@@ -672,10 +684,7 @@ _SEGMENTS = ["a", "b", "c"]
 _SIZES = [0, 1, 5, 300, 70_000]
 
 # each depth equally likely, so short paths (which exist more often) dominate
-_path = st.one_of(*(
-    st.sampled_from(["/".join(p) for p in itertools.product(_SEGMENTS, repeat=n)])
-    for n in (1, 2, 3)
-))
+_path = st.one_of(*(st.sampled_from(["/".join(p) for p in itertools.product(_SEGMENTS, repeat=n)]) for n in (1, 2, 3)))
 _data = st.tuples(st.integers(0, 1000), st.sampled_from(_SIZES)).map(lambda t: payload(*t))
 _write = st.tuples(st.just("write"), _path, _data)
 _op = st.one_of(
@@ -774,7 +783,7 @@ class Model:
                 raise OSError(errno.ENOTEMPTY, "not empty")
         if src_dir:
             self.dirs.discard(dst)
-            moved = [(x, dst + x[len(src):]) for x in [src, *self._subtree(src)]]
+            moved = [(x, dst + x[len(src) :]) for x in [src, *self._subtree(src)]]
             for old, new in moved:
                 if old in self.dirs:
                     self.dirs.discard(old)
@@ -818,8 +827,13 @@ def generated_env(server, tmp_path_factory):
 _example = itertools.count()
 
 
-@settings(max_examples=40, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=40,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 @given(ops=st.lists(_op, min_size=1, max_size=15))
 def test_generated_sequences_restore_equals_live_tree(generated_env, ops):
     env = generated_env
@@ -875,11 +889,16 @@ def test_errors_the_tree_decides_name_the_fsspec_path(env):
 
     fs = env.fs()
     fs.pipe_file(f"{env.ns}/d/f", b"x")
-    cases = [(fs.mkdir, f"{env.ns}/d", _errno.EEXIST), (fs.rmdir, f"{env.ns}/d", _errno.ENOTEMPTY),
-             (fs.rmdir, f"{env.ns}/d/f", _errno.ENOTDIR), (fs.rmdir, f"{env.ns}/none", _errno.ENOENT),
-             (fs.rm_file, f"{env.ns}/d", _errno.EISDIR), (fs.rm_file, f"{env.ns}/none", _errno.ENOENT),
-             (lambda p: fs.mkdir(p, create_parents=False), f"{env.ns}/no/sub", _errno.ENOENT),
-             (fs.mkdir, f"{env.ns}/d/f/sub", _errno.ENOTDIR)]
+    cases = [
+        (fs.mkdir, f"{env.ns}/d", _errno.EEXIST),
+        (fs.rmdir, f"{env.ns}/d", _errno.ENOTEMPTY),
+        (fs.rmdir, f"{env.ns}/d/f", _errno.ENOTDIR),
+        (fs.rmdir, f"{env.ns}/none", _errno.ENOENT),
+        (fs.rm_file, f"{env.ns}/d", _errno.EISDIR),
+        (fs.rm_file, f"{env.ns}/none", _errno.ENOENT),
+        (lambda p: fs.mkdir(p, create_parents=False), f"{env.ns}/no/sub", _errno.ENOENT),
+        (fs.mkdir, f"{env.ns}/d/f/sub", _errno.ENOTDIR),
+    ]
     for call, path, code in cases:
         with pytest.raises(OSError) as info:
             call(path)

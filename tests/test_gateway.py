@@ -28,13 +28,22 @@ NS = "gw"
 class Gw:
     """A running gateway plus an authenticated requests session."""
 
-    def __init__(self, server, tmp_path, *, key=None, name="gateway", cache=None, args=(),
-                 listen="127.0.0.1:0", sync=True):
+    def __init__(
+        self, server, tmp_path, *, key=None, name="gateway", cache=None, args=(), listen="127.0.0.1:0", sync=True
+    ):
         self.server = server
         self.key = key or server.keygen(NS, "append")
-        self.proc = GatewayProcess(NS, str(cache or tmp_path / f"{name}-cache"), server.address,
-                                   self.key, listen=listen, sync=sync, extra_args=list(args),
-                                   debug=True, log_path=str(tmp_path / f"{name}.log")).start()
+        self.proc = GatewayProcess(
+            NS,
+            str(cache or tmp_path / f"{name}-cache"),
+            server.address,
+            self.key,
+            listen=listen,
+            sync=sync,
+            extra_args=list(args),
+            debug=True,
+            log_path=str(tmp_path / f"{name}.log"),
+        ).start()
         self.url = self.proc.url
         self.host, _, port = urllib.parse.urlsplit(self.url).netloc.rpartition(":")
         self.port = int(port)
@@ -63,9 +72,9 @@ class Gw:
 
 
 def token_for(url, key, namespace=NS):
-    r = requests.post(url + "/oauth2/token", data={"grant_type": "client_credentials",
-                                                   "client_id": namespace,
-                                                   "client_secret": key})
+    r = requests.post(
+        url + "/oauth2/token", data={"grant_type": "client_credentials", "client_id": namespace, "client_secret": key}
+    )
     assert r.status_code == 200, r.text
     doc = r.json()
     assert doc["token_type"] == "Bearer" and doc["expires_in"] > 0
@@ -81,10 +90,14 @@ def gw(sos_server, tmp_path):
 
 def restore(server, key, target):
     env = dict(os.environ, SOS_KEY=key)
-    subprocess.run([*sos_command(), "restore", "-q", "--server", server.address, NS, str(target)],
-                   env=env, check=True, timeout=300, capture_output=True)
+    subprocess.run(
+        [*sos_command(), "restore", "-q", "--server", server.address, NS, str(target)],
+        env=env,
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
     return target
-
 
 
 def remote(r):
@@ -134,8 +147,9 @@ def test_empty_cache_is_restored_from_the_server(sos_server, tmp_path):
     g1.proc.kill()  # a crash: the RENAME was durable when it replied
     g2 = Gw(sos_server, tmp_path, key=g1.key, name="second")  # a new, empty cache
     try:
-        names = [e["pathSuffix"] for e in
-                 g2.session.get(g2.u("/q", op="LISTSTATUS")).json()["FileStatuses"]["FileStatus"]]
+        names = [
+            e["pathSuffix"] for e in g2.session.get(g2.u("/q", op="LISTSTATUS")).json()["FileStatuses"]["FileStatus"]
+        ]
         assert names == ["g"]
         assert g2.read("/q/g") == b"kept"
     finally:
@@ -146,10 +160,12 @@ def test_empty_cache_is_restored_from_the_server(sos_server, tmp_path):
 
 
 def test_requests_without_a_valid_token_get_401(gw):
-    for r in (requests.get(gw.u("/", op="LISTSTATUS")),
-              requests.get(gw.u("/", op="LISTSTATUS"), headers={"Authorization": "Bearer nope"}),
-              requests.put(gw.u("/x", op="MKDIRS"), headers={"Authorization": "Basic Zm9vOmJhcg=="}),
-              requests.post(gw.url + "/sos/v1/marker?label=x", data=b"")):
+    for r in (
+        requests.get(gw.u("/", op="LISTSTATUS")),
+        requests.get(gw.u("/", op="LISTSTATUS"), headers={"Authorization": "Bearer nope"}),
+        requests.put(gw.u("/x", op="MKDIRS"), headers={"Authorization": "Basic Zm9vOmJhcg=="}),
+        requests.post(gw.url + "/sos/v1/marker?label=x", data=b""),
+    ):
         assert r.status_code == 401
         assert "Bearer" in r.headers["www-authenticate"]
         assert remote(r)["javaClassName"] == "org.apache.hadoop.security.AccessControlException"
@@ -181,8 +197,7 @@ def test_token_endpoint_refuses_bad_credentials(gw, sos_server):
         assert "content-type" not in r.headers and r.headers["cache-control"] == "no-store"
     assert requests.get(gw.url + "/oauth2/token").status_code == 405
     # client credentials in an HTTP Basic header work too (RFC 6749 2.3.1)
-    r = requests.post(gw.url + "/oauth2/token", data={"grant_type": "client_credentials"},
-                      auth=(NS, gw.key))
+    r = requests.post(gw.url + "/oauth2/token", data={"grant_type": "client_credentials"}, auth=(NS, gw.key))
     assert r.status_code == 200 and r.json()["access_token"].startswith("sos2.")
 
 
@@ -192,13 +207,15 @@ def test_read_key_token_reads_but_cannot_write(gw, sos_server):
     h = {"Authorization": f"Bearer {read_token}"}
     assert requests.get(gw.u("/r/f", op="GETFILESTATUS"), headers=h).json()["FileStatus"]["length"] == 4
     assert requests.get(gw.u("/r/f", op="OPEN"), headers=h).content == b"data"
-    refused = [requests.put(gw.u("/r/d", op="MKDIRS"), headers=h),
-               requests.put(gw.u("/r/new", op="CREATE"), headers=h, allow_redirects=False),
-               requests.put(gw.u("/r/new", op="CREATE", data="true"), headers=h, data=b"x"),
-               requests.put(gw.u("/r/f", op="RENAME", destination="/r/g"), headers=h),
-               requests.delete(gw.u("/r/f", op="DELETE"), headers=h),
-               requests.post(gw.u("/r/f", op="APPEND"), headers=h, allow_redirects=False),
-               requests.post(gw.url + "/sos/v1/marker?label=x", headers=h, data=b"p")]
+    refused = [
+        requests.put(gw.u("/r/d", op="MKDIRS"), headers=h),
+        requests.put(gw.u("/r/new", op="CREATE"), headers=h, allow_redirects=False),
+        requests.put(gw.u("/r/new", op="CREATE", data="true"), headers=h, data=b"x"),
+        requests.put(gw.u("/r/f", op="RENAME", destination="/r/g"), headers=h),
+        requests.delete(gw.u("/r/f", op="DELETE"), headers=h),
+        requests.post(gw.u("/r/f", op="APPEND"), headers=h, allow_redirects=False),
+        requests.post(gw.url + "/sos/v1/marker?label=x", headers=h, data=b"p"),
+    ]
     for r in refused:
         assert r.status_code == 403, r.text
         assert remote(r)["exception"] == "AccessControlException"
@@ -223,8 +240,14 @@ def test_tokens_survive_a_gateway_restart(sos_server, tmp_path):
     g = Gw(sos_server, tmp_path, name="one")
     port = g.port
     g.proc.kill()
-    g2 = GatewayProcess(NS, str(tmp_path / "two-cache"), sos_server.address, g.key,
-                        listen=f"127.0.0.1:{port}", log_path=str(tmp_path / "two.log")).start()
+    g2 = GatewayProcess(
+        NS,
+        str(tmp_path / "two-cache"),
+        sos_server.address,
+        g.key,
+        listen=f"127.0.0.1:{port}",
+        log_path=str(tmp_path / "two.log"),
+    ).start()
     try:
         r = g.session.get(g.u("/", op="LISTSTATUS"))  # the old token, the new process
         assert r.status_code == 200, r.text
@@ -235,13 +258,28 @@ def test_tokens_survive_a_gateway_restart(sos_server, tmp_path):
 def test_insecure_no_auth_only_on_loopback(sos_server, tmp_path):
     key = sos_server.keygen(NS, "append")
     env = dict(os.environ, SOS_KEY=key)
-    base = [*sos_command(), "gateway", NS, "--server", sos_server.address, "--cache",
-            str(tmp_path / "c"), "--insecure-no-auth"]
-    proc = subprocess.run([*base, "--listen", "0.0.0.0:0"], env=env, capture_output=True,
-                          text=True, timeout=120, check=False)
+    base = [
+        *sos_command(),
+        "gateway",
+        NS,
+        "--server",
+        sos_server.address,
+        "--cache",
+        str(tmp_path / "c"),
+        "--insecure-no-auth",
+    ]
+    proc = subprocess.run(
+        [*base, "--listen", "0.0.0.0:0"], env=env, capture_output=True, text=True, timeout=120, check=False
+    )
     assert proc.returncode == 1 and "loopback" in proc.stderr
-    g = GatewayProcess(NS, str(tmp_path / "c"), sos_server.address, key,
-                       extra_args=["--insecure-no-auth"], log_path=str(tmp_path / "i.log")).start()
+    g = GatewayProcess(
+        NS,
+        str(tmp_path / "c"),
+        sos_server.address,
+        key,
+        extra_args=["--insecure-no-auth"],
+        log_path=str(tmp_path / "i.log"),
+    ).start()
     try:
         assert requests.put(f"{g.url}/webhdfs/v1/open?op=MKDIRS").json() == {"boolean": True}
     finally:
@@ -254,8 +292,10 @@ def test_insecure_no_auth_only_on_loopback(sos_server, tmp_path):
 def test_no_reply_carries_a_content_type(gw):
     s = gw.session
     replies = [
-        requests.post(gw.url + "/oauth2/token", data={"grant_type": "client_credentials",
-                                                      "client_id": NS, "client_secret": gw.key}),
+        requests.post(
+            gw.url + "/oauth2/token",
+            data={"grant_type": "client_credentials", "client_id": NS, "client_secret": gw.key},
+        ),
         requests.get(gw.u("/", op="LISTSTATUS")),  # 401
         s.put(gw.u("/h", op="MKDIRS")),
         s.put(gw.u("/h/f", op="CREATE"), allow_redirects=False),  # 307
@@ -277,8 +317,28 @@ def test_no_reply_carries_a_content_type(gw):
         s.post(gw.url + "/sos/v1/marker?label=test", data=b"payload"),
     ]
     statuses = [r.status_code for r in replies]
-    assert statuses == [200, 401, 200, 307, 201, 403, 200, 307, 200, 200, 200, 200, 200, 200,
-                        404, 400, 404, 200, 200, 200]
+    assert statuses == [
+        200,
+        401,
+        200,
+        307,
+        201,
+        403,
+        200,
+        307,
+        200,
+        200,
+        200,
+        200,
+        200,
+        200,
+        404,
+        400,
+        404,
+        200,
+        200,
+        200,
+    ]
     for r in replies:
         assert "content-type" not in r.headers, (r.request.url, r.headers)
     assert replies[6].json()["Location"].endswith("data=true")
@@ -296,7 +356,9 @@ def test_file_status_fields_match_hdfs(gw):
     assert isinstance(st["modificationTime"], int) and isinstance(st["fileId"], int)
     d = gw.session.get(gw.u("/s", op="LISTSTATUS")).json()["FileStatuses"]["FileStatus"]
     assert [(e["pathSuffix"], e["type"], e["permission"]) for e in d] == [
-        ("d", "DIRECTORY", "750"), ("f", "FILE", "600")]
+        ("d", "DIRECTORY", "750"),
+        ("f", "FILE", "600"),
+    ]
     assert gw.session.get(gw.u("/s", op="GETFILESTATUS")).json()["FileStatus"]["childrenNum"] == 2
     batch = gw.session.get(gw.u("/s", op="LISTSTATUS_BATCH", startafter="d")).json()
     listing = batch["DirectoryListing"]
@@ -338,8 +400,9 @@ def test_a_streaming_create_does_not_block_other_requests(sos_server, tmp_path):
         assert g.read("/c/older") == b"old log"
         assert s.get(g.u("/c", op="LISTSTATUS")).status_code == 200
         assert g.put_file("/c/third", b"3").status_code == 201
-        assert s.put(g.u("/c/third", op="RENAME", destination="/c/third2",
-                         renameoptions="OVERWRITE")).status_code == 200
+        assert (
+            s.put(g.u("/c/third", op="RENAME", destination="/c/third2", renameoptions="OVERWRITE")).status_code == 200
+        )
         assert s.delete(g.u("/c/third2", op="DELETE")).json() == {"boolean": True}
         # a second writer of a file being written is refused, as HDFS's lease does
         r = g.put_file("/c/new", b"intruder", overwrite="true")
@@ -371,33 +434,25 @@ def test_every_refusal_has_hdfs_status_and_exception(gw):
         (s.get(u("/e/missing", op="OPEN"), allow_redirects=False), 404, "FileNotFoundException"),
         (s.get(u("/e/d", op="OPEN"), allow_redirects=False), 404, "FileNotFoundException"),
         (s.post(u("/e/missing", op="APPEND"), allow_redirects=False), 404, "FileNotFoundException"),
-        (s.put(u("/e/missing", op="RENAME", destination="/e/z", renameoptions="NONE")), 404,
-         "FileNotFoundException"),
-        (s.put(u("/e/f", op="RENAME", destination="/e/nodir/z", renameoptions="NONE")), 404,
-         "FileNotFoundException"),
-        (s.put(u("/e/nodir/f", op="CREATE", createparent="false"), allow_redirects=False), 404,
-         "FileNotFoundException"),
+        (s.put(u("/e/missing", op="RENAME", destination="/e/z", renameoptions="NONE")), 404, "FileNotFoundException"),
+        (s.put(u("/e/f", op="RENAME", destination="/e/nodir/z", renameoptions="NONE")), 404, "FileNotFoundException"),
+        (
+            s.put(u("/e/nodir/f", op="CREATE", createparent="false"), allow_redirects=False),
+            404,
+            "FileNotFoundException",
+        ),
         (s.put(u("/e/f", op="CREATE"), allow_redirects=False), 403, "FileAlreadyExistsException"),
-        (s.put(u("/e/f", op="CREATE", data="true"), data=b"new"), 403,
-         "FileAlreadyExistsException"),
-        (s.put(u("/e/d", op="CREATE", overwrite="true"), allow_redirects=False), 403,
-         "FileAlreadyExistsException"),
+        (s.put(u("/e/f", op="CREATE", data="true"), data=b"new"), 403, "FileAlreadyExistsException"),
+        (s.put(u("/e/d", op="CREATE", overwrite="true"), allow_redirects=False), 403, "FileAlreadyExistsException"),
         (s.put(u("/e/f", op="MKDIRS")), 403, "FileAlreadyExistsException"),
-        (s.put(u("/e/f", op="RENAME", destination="/e/d", renameoptions="NONE")), 403,
-         "FileAlreadyExistsException"),
-        (s.put(u("/e/f", op="RENAME", destination="/e/f", renameoptions="NONE")), 403,
-         "FileAlreadyExistsException"),
+        (s.put(u("/e/f", op="RENAME", destination="/e/d", renameoptions="NONE")), 403, "FileAlreadyExistsException"),
+        (s.put(u("/e/f", op="RENAME", destination="/e/f", renameoptions="NONE")), 403, "FileAlreadyExistsException"),
         (s.put(u("/e/f/x", op="CREATE"), allow_redirects=False), 403, "ParentNotDirectoryException"),
-        (s.put(u("/e/f", op="RENAME", destination="/e/f/y", renameoptions="NONE")), 403,
-         "ParentNotDirectoryException"),
-        (s.delete(u("/e/d", op="DELETE", recursive="false")), 403,
-         "PathIsNotEmptyDirectoryException"),
-        (s.put(u("/e/d", op="RENAME", destination="/e/d/sub/in", renameoptions="NONE")), 403,
-         "IOException"),
-        (s.put(u("/e/f", op="RENAME", destination="/e/d", renameoptions="OVERWRITE")), 403,
-         "IOException"),
-        (s.put(u("/e/d/sub/x", op="RENAME", destination="/e/d", renameoptions="OVERWRITE")), 403,
-         "IOException"),
+        (s.put(u("/e/f", op="RENAME", destination="/e/f/y", renameoptions="NONE")), 403, "ParentNotDirectoryException"),
+        (s.delete(u("/e/d", op="DELETE", recursive="false")), 403, "PathIsNotEmptyDirectoryException"),
+        (s.put(u("/e/d", op="RENAME", destination="/e/d/sub/in", renameoptions="NONE")), 403, "IOException"),
+        (s.put(u("/e/f", op="RENAME", destination="/e/d", renameoptions="OVERWRITE")), 403, "IOException"),
+        (s.put(u("/e/d/sub/x", op="RENAME", destination="/e/d", renameoptions="OVERWRITE")), 403, "IOException"),
         (s.post(u("/e/f", op="TRUNCATE", newlength="99")), 400, "HadoopIllegalArgumentException"),
         (s.get(u("/e", op="NOSUCHOP")), 400, "IllegalArgumentException"),
         (s.get(u("/e")), 400, "IllegalArgumentException"),
@@ -408,18 +463,17 @@ def test_every_refusal_has_hdfs_status_and_exception(gw):
         (s.get(u("/e/f", op="GETACLSTATUS")), 400, "UnsupportedOperationException"),
         (s.get(u("/e/f", op="GETDELEGATIONTOKEN")), 400, "UnsupportedOperationException"),
         (s.put(u("/e/f", op="SETACL", aclspec="user::rwx")), 400, "UnsupportedOperationException"),
-        (s.put(u("/e/l", op="CREATESYMLINK", destination="/e/f")), 400,
-         "UnsupportedOperationException"),
+        (s.put(u("/e/l", op="CREATESYMLINK", destination="/e/f")), 400, "UnsupportedOperationException"),
         (s.post(u("/e/f", op="CONCAT", sources="/e/d/sub/x")), 400, "UnsupportedOperationException"),
-        (s.put(u("/e/f", op="SETXATTR", **{"xattr.name": "user.a"})), 400,
-         "UnsupportedOperationException"),
-        (s.delete(u("/e", op="DELETESNAPSHOT", snapshotname="s")), 400,
-         "UnsupportedOperationException"),
+        (s.put(u("/e/f", op="SETXATTR", **{"xattr.name": "user.a"})), 400, "UnsupportedOperationException"),
+        (s.delete(u("/e", op="DELETESNAPSHOT", snapshotname="s")), 400, "UnsupportedOperationException"),
     ]
-    java = {"FileNotFoundException": "java.io.FileNotFoundException",
-            "IOException": "java.io.IOException",
-            "UnsupportedOperationException": "java.lang.UnsupportedOperationException",
-            "IllegalArgumentException": "java.lang.IllegalArgumentException"}
+    java = {
+        "FileNotFoundException": "java.io.FileNotFoundException",
+        "IOException": "java.io.IOException",
+        "UnsupportedOperationException": "java.lang.UnsupportedOperationException",
+        "IllegalArgumentException": "java.lang.IllegalArgumentException",
+    }
     for r, status, exception in cases:
         assert r.status_code == status, (r.request.method, r.request.url, r.text)
         doc = remote(r)
@@ -431,11 +485,9 @@ def test_every_refusal_has_hdfs_status_and_exception(gw):
             assert doc["javaClassName"].endswith("." + exception)
     # a path with a '..' segment is refused, not resolved
     conn = http.client.HTTPConnection(gw.host, gw.port, timeout=60)
-    conn.request("GET", "/webhdfs/v1/e/../../etc?op=GETFILESTATUS",
-                 headers={"Authorization": f"Bearer {gw.token}"})
+    conn.request("GET", "/webhdfs/v1/e/../../etc?op=GETFILESTATUS", headers={"Authorization": f"Bearer {gw.token}"})
     r = conn.getresponse()
-    assert r.status == 400 and json.loads(r.read())["RemoteException"]["exception"] == \
-        "IllegalArgumentException"
+    assert r.status == 400 and json.loads(r.read())["RemoteException"]["exception"] == "IllegalArgumentException"
     conn.close()
     # nothing of the refused operations changed the tree
     assert gw.read("/e/f") == b"file"
@@ -454,8 +506,7 @@ def test_boolean_rename_and_delete_answer_false_as_hdfs(gw):
     assert gw.read("/b/dir/f") == b"f"  # an existing directory receives the source
     assert s.delete(u("/b/missing", op="DELETE")).json() == {"boolean": False}
     assert s.delete(u("/", op="DELETE", recursive="true")).json() == {"boolean": False}
-    assert s.put(u("/b/g", op="RENAME", destination="/b/dir/f",
-                   renameoptions="OVERWRITE")).status_code == 200
+    assert s.put(u("/b/g", op="RENAME", destination="/b/dir/f", renameoptions="OVERWRITE")).status_code == 200
     assert gw.read("/b/dir/f") == b"g"
 
 
@@ -471,8 +522,7 @@ def test_rename_replies_only_once_durable_on_the_server(sos_server, tmp_path):
         replies = []
 
         def rename():
-            replies.append(g.session.put(g.u("/d/.0.tmp", op="RENAME", destination="/d/0",
-                                             renameoptions="NONE")))
+            replies.append(g.session.put(g.u("/d/.0.tmp", op="RENAME", destination="/d/0", renameoptions="NONE")))
             done.set()
 
         t = threading.Thread(target=rename)
@@ -486,12 +536,10 @@ def test_rename_replies_only_once_durable_on_the_server(sos_server, tmp_path):
         assert replies and replies[0].status_code == 200
     finally:
         g.proc.kill()  # every disk of the gateway burns right after the reply
-    assert tree_of(restore(sos_server, g.key, tmp_path / "r")) == {
-        "d": None, "d/0": b"batch 0 committed"}
+    assert tree_of(restore(sos_server, g.key, tmp_path / "r")) == {"d": None, "d/0": b"batch 0 committed"}
 
 
-def test_a_file_acknowledged_before_the_gateway_is_lost_is_whole_behind_its_replacement(
-        sos_server, tmp_path):
+def test_a_file_acknowledged_before_the_gateway_is_lost_is_whole_behind_its_replacement(sos_server, tmp_path):
     """Found by the cluster crash loop (scripts/soak --cluster): an executor's CREATE of a
     state file got its 201, the gateway was SIGKILLed before it shipped the body, a gateway
     on an EMPTY cache took over, and the executor's RENAME there committed an EMPTY
@@ -499,8 +547,7 @@ def test_a_file_acknowledged_before_the_gateway_is_lost_is_whole_behind_its_repl
     resume. In sync mode a file body's reply must mean durable."""
     g1 = Gw(sos_server, tmp_path, name="first")
     data = b"state of batch 759\n" * 8
-    step1 = g1.session.put(g1.u("/s/.759.delta.tmp", op="CREATE", overwrite="true"),
-                           allow_redirects=False)
+    step1 = g1.session.put(g1.u("/s/.759.delta.tmp", op="CREATE", overwrite="true"), allow_redirects=False)
     assert step1.status_code == 307, step1.text
     replies = []
     done = threading.Event()
@@ -526,8 +573,9 @@ def test_a_file_acknowledged_before_the_gateway_is_lost_is_whole_behind_its_repl
     g2 = Gw(sos_server, tmp_path, key=g1.key, name="second")  # empty cache: from the server
     try:
         assert isinstance(replies[0], requests.Response) and replies[0].status_code == 201
-        rename = g2.session.put(g2.u("/s/.759.delta.tmp", op="RENAME",
-                                     destination="/s/759.delta", renameoptions="NONE"))
+        rename = g2.session.put(
+            g2.u("/s/.759.delta.tmp", op="RENAME", destination="/s/759.delta", renameoptions="NONE")
+        )
         assert rename.status_code == 200, rename.text  # the writer's next step, elsewhere
         assert g2.read("/s/759.delta") == data
     finally:
@@ -565,8 +613,7 @@ def test_async_mode_does_not_wait_for_the_server(sos_server, tmp_path):
         assert g.put_file("/a/.0.tmp", b"x").status_code == 201
         os.kill(sos_server.pid, signal.SIGSTOP)
         try:
-            r = g.session.put(g.u("/a/.0.tmp", op="RENAME", destination="/a/0",
-                                  renameoptions="NONE"), timeout=60)
+            r = g.session.put(g.u("/a/.0.tmp", op="RENAME", destination="/a/0", renameoptions="NONE"), timeout=60)
             assert r.status_code == 200
         finally:
             os.kill(sos_server.pid, signal.SIGCONT)
@@ -606,8 +653,7 @@ def test_a_big_file_streams_through_in_bounded_memory(sos_server, tmp_path):
                 got += len(chunk)
         assert got == size
         grown = _peak_rss(g.proc.pid) - before
-        assert grown < 96 << 20, f"gateway peak RSS grew by {grown >> 20} MiB for a " \
-                                 f"{size >> 20} MiB file"
+        assert grown < 96 << 20, f"gateway peak RSS grew by {grown >> 20} MiB for a {size >> 20} MiB file"
     finally:
         assert g.stop() == 0
     restored = restore(sos_server, g.key, tmp_path / "r")
@@ -617,19 +663,46 @@ def test_a_big_file_streams_through_in_bounded_memory(sos_server, tmp_path):
 def test_https_with_tls_cert_and_key(sos_server, tmp_path):
     cert, keyf = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(keyf),
-         "-out", str(cert), "-days", "2", "-subj", "/CN=127.0.0.1",
-         "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True, timeout=120)
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(keyf),
+            "-out",
+            str(cert),
+            "-days",
+            "2",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     key = sos_server.keygen(NS, "append")
-    g = GatewayProcess(NS, str(tmp_path / "c"), sos_server.address, key,
-                       extra_args=["--tls-cert", str(cert), "--tls-key", str(keyf)],
-                       log_path=str(tmp_path / "tls.log")).start()
+    g = GatewayProcess(
+        NS,
+        str(tmp_path / "c"),
+        sos_server.address,
+        key,
+        extra_args=["--tls-cert", str(cert), "--tls-key", str(keyf)],
+        log_path=str(tmp_path / "tls.log"),
+    ).start()
     try:
         assert g.url.startswith("https://")
         v = {"verify": str(cert)}  # per request: $REQUESTS_CA_BUNDLE beats Session.verify
         with requests.Session() as s:
-            r = s.post(g.url + "/oauth2/token", data={"grant_type": "client_credentials",
-                                                      "client_id": NS, "client_secret": key}, **v)
+            r = s.post(
+                g.url + "/oauth2/token",
+                data={"grant_type": "client_credentials", "client_id": NS, "client_secret": key},
+                **v,
+            )
             s.headers["Authorization"] = f"Bearer {r.json()['access_token']}"
             r = s.put(f"{g.url}/webhdfs/v1/t/f?op=CREATE", allow_redirects=False, **v)
             assert r.status_code == 307 and r.headers["location"].startswith("https://")
@@ -637,22 +710,19 @@ def test_https_with_tls_cert_and_key(sos_server, tmp_path):
             assert s.get(f"{g.url}/webhdfs/v1/t/f?op=OPEN", **v).content == b"over tls"
         # a plaintext client gets no answer, and the gateway keeps serving
         with pytest.raises(requests.ConnectionError):
-            requests.get(g.url.replace("https://", "http://") + "/webhdfs/v1/?op=LISTSTATUS",
-                         timeout=30)
+            requests.get(g.url.replace("https://", "http://") + "/webhdfs/v1/?op=LISTSTATUS", timeout=30)
     finally:
         assert g.stop() == 0
 
 
-def test_sigterm_lets_the_requests_in_progress_finish_and_refuses_new_connections(
-        sos_server, tmp_path):
+def test_sigterm_lets_the_requests_in_progress_finish_and_refuses_new_connections(sos_server, tmp_path):
     # a rolling restart (Kubernetes sends SIGTERM, then SIGKILL after the grace period):
     # a CREATE whose body is streaming must still be answered and journaled; new
     # connections are refused (Hadoop's retry policy waits for the next gateway); an
     # idle keep-alive connection is closed at once instead of holding the stop
     g = Gw(sos_server, tmp_path)
     idle = http.client.HTTPConnection(g.host, g.port, timeout=120)
-    idle.request("GET", "/webhdfs/v1/?op=GETFILESTATUS",
-                 headers={"Authorization": f"Bearer {g.token}"})
+    idle.request("GET", "/webhdfs/v1/?op=GETFILESTATUS", headers={"Authorization": f"Bearer {g.token}"})
     first = idle.getresponse()
     first.read()
     assert first.status == 200 and not first.will_close  # kept alive, now idle
@@ -682,14 +752,14 @@ def test_sigterm_lets_the_requests_in_progress_finish_and_refuses_new_connection
     slow.close()
     assert g.proc.proc.wait(120) == 0  # then it stops, journal flushed
     assert "in progress get" in g.proc.log()
-    assert tree_of(restore(sos_server, g.key, tmp_path / "restored"))["d/file"] == \
-        b"first part;second part"
+    assert tree_of(restore(sos_server, g.key, tmp_path / "restored"))["d/file"] == b"first part;second part"
 
 
 def test_every_token_request_asks_the_server(gw, sos_server):
     """No cache issues a token (protocol.md 3.2(1)): every token request authenticates with
     its key at the SOS server, so a key removed there gets no new token at once (issue 17
     item 8; this used to trust an accepted secret for 60 s)."""
+
     def authentications() -> int:
         return sum(1 for line in sos_server.log_text().splitlines() if '"authenticated"' in line)
 
@@ -704,6 +774,7 @@ def test_every_token_request_asks_the_server(gw, sos_server):
     assert authentications() == before + 5  # five tokens, five AUTHs at the server
     bad = "0123456789abcdef." + "cd" * 32
     for _ in range(2):
-        r = requests.post(gw.url + "/oauth2/token", data={"grant_type": "client_credentials",
-                                                          "client_id": NS, "client_secret": bad})
+        r = requests.post(
+            gw.url + "/oauth2/token", data={"grant_type": "client_credentials", "client_id": NS, "client_secret": bad}
+        )
         assert r.status_code == 401

@@ -39,14 +39,17 @@ def test_tokens_are_bound_to_the_gateway_key_and_namespace():
     assert TokenAuthority("ns", None, clock=clock).check(token) is None  # random secret
 
 
-@pytest.mark.parametrize("mangle", [
-    lambda t: t + "x",
-    lambda t: t.replace("sos2.", "sos1."),  # the old format (no sealed secret) is refused
-    lambda t: ".".join([t.split(".")[0], t.split(".")[2], t.split(".")[1]]),
-    lambda t: t.split(".")[0] + "." + t.split(".")[1],
-    lambda t: "",
-    lambda t: "sos2.!!!.###",
-])
+@pytest.mark.parametrize(
+    "mangle",
+    [
+        lambda t: t + "x",
+        lambda t: t.replace("sos2.", "sos1."),  # the old format (no sealed secret) is refused
+        lambda t: ".".join([t.split(".")[0], t.split(".")[2], t.split(".")[1]]),
+        lambda t: t.split(".")[0] + "." + t.split(".")[1],
+        lambda t: "",
+        lambda t: "sos2.!!!.###",
+    ],
+)
 def test_malformed_or_tampered_tokens_are_refused(mangle):
     auth = TokenAuthority("ns", b"k" * 32)
     token, _ = auth.issue("append")

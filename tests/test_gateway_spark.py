@@ -28,7 +28,7 @@ RECORDS = 500
 FILES = 5
 FIRST_RUN_FILES = 3
 
-DRIVER = textwrap.dedent('''
+DRIVER = textwrap.dedent("""
     import json, os, sys, time
     cfg = json.load(open(sys.argv[1]))
     from pyspark.sql import SparkSession
@@ -64,7 +64,7 @@ DRIVER = textwrap.dedent('''
         json.dump({"location": str(loc), "batches": batches, "markers": loc.listener.written,
                    "errors": loc.listener.errors}, f)
     spark.stop()
-''')
+""")
 
 
 def _run_driver(tmp_path, name, cfg, key):
@@ -73,13 +73,19 @@ def _run_driver(tmp_path, name, cfg, key):
     cfg_path = tmp_path / f"{name}.json"
     cfg = dict(cfg, result=str(tmp_path / f"{name}-result.json"))
     cfg_path.write_text(json.dumps(cfg))
-    env = dict(os.environ, SOS_KEY=key,
-               PYTHONPATH=os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH"))
-                                          if p))
+    env = dict(
+        os.environ, SOS_KEY=key, PYTHONPATH=os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)
+    )
     log_path = tmp_path / f"{name}.log"
     with open(log_path, "wb") as logf:
-        proc = subprocess.run([sys.executable, str(script), str(cfg_path)], stdout=logf,
-                              stderr=subprocess.STDOUT, env=env, timeout=900, check=False)
+        proc = subprocess.run(
+            [sys.executable, str(script), str(cfg_path)],
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            env=env,
+            timeout=900,
+            check=False,
+        )
     assert proc.returncode == 0, log_path.read_text()[-6000:]
     return json.loads((tmp_path / f"{name}-result.json").read_text())
 
@@ -94,8 +100,7 @@ def _ids(out_dir):
 
 def _requests_by_op(gateway_log: str) -> Counter:
     ops = Counter()
-    for m in re.finditer(r"DEBUG (GET|PUT|POST|DELETE) (\S+) \S+( \[data\])? -> (\d+)",
-                         gateway_log):
+    for m in re.finditer(r"DEBUG (GET|PUT|POST|DELETE) (\S+) \S+( \[data\])? -> (\d+)", gateway_log):
         ops[f"{m.group(1)} {m.group(2)}{' data' if m.group(3) else ''} {m.group(4)}"] += 1
     return ops
 
@@ -109,11 +114,17 @@ def test_spark_query_checkpoints_through_the_gateway_and_resumes(sos_server, tmp
     for name in names[:FIRST_RUN_FILES]:
         shutil.copy2(staging / name, tmp_path / "input" / name)
 
-    gw = GatewayProcess(NS, str(tmp_path / "cache"), sos_server.address, key, debug=True,
-                        log_path=str(tmp_path / "gateway.log")).start()
+    gw = GatewayProcess(
+        NS, str(tmp_path / "cache"), sos_server.address, key, debug=True, log_path=str(tmp_path / "gateway.log")
+    ).start()
     try:
-        cfg = {"url": gw.url, "ns": NS, "checkpoint": "queries/q1", "input": str(tmp_path / "input"),
-               "out": str(tmp_path / "out")}
+        cfg = {
+            "url": gw.url,
+            "ns": NS,
+            "checkpoint": "queries/q1",
+            "input": str(tmp_path / "input"),
+            "out": str(tmp_path / "out"),
+        }
         first = _run_driver(tmp_path, "run1", cfg, key)
         assert first["batches"] == list(range(FIRST_RUN_FILES))
         assert first["location"].startswith("webhdfs://")
@@ -140,11 +151,14 @@ def test_spark_query_checkpoints_through_the_gateway_and_resumes(sos_server, tmp
     # the journal holds the checkpoint: a restore has every committed batch, and a restore
     # to batch 2 stops at its commit
     env = dict(os.environ, SOS_KEY=key)
-    subprocess.run([*sos_command(), "restore", "-q", "--server", sos_server.address, NS,
-                    str(tmp_path / "restored")], env=env, check=True, timeout=300)
+    subprocess.run(
+        [*sos_command(), "restore", "-q", "--server", sos_server.address, NS, str(tmp_path / "restored")],
+        env=env,
+        check=True,
+        timeout=300,
+    )
     assert committed_batches(str(tmp_path / "restored" / "queries" / "q1")) == set(range(FILES))
-    at2 = restore_to_batch(NS, str(tmp_path / "at2"), "queries/q1", 2,
-                           server=sos_server.address, key=key)
+    at2 = restore_to_batch(NS, str(tmp_path / "at2"), "queries/q1", 2, server=sos_server.address, key=key)
     assert committed_batches(at2) == {0, 1, 2}
 
 
@@ -228,14 +242,15 @@ def test_spark_batch_and_file_stream_through_the_gateway_ride_a_gateway_restart(
 
     key = sos_server.keygen("gwfiles", "append")
     cache = tmp_path / "cache"
-    gw = GatewayProcess("gwfiles", str(cache), sos_server.address, key, debug=True,
-                        log_path=str(tmp_path / "gateway.log")).start()
+    gw = GatewayProcess(
+        "gwfiles", str(cache), sos_server.address, key, debug=True, log_path=str(tmp_path / "gateway.log")
+    ).start()
     port = gw.url.rsplit(":", 1)[1]
     script = tmp_path / "files_driver.py"
     script.write_text(FILES_DRIVER)
-    env = dict(os.environ, SOS_KEY=key,
-               PYTHONPATH=os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH"))
-                                          if p))
+    env = dict(
+        os.environ, SOS_KEY=key, PYTHONPATH=os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)
+    )
     ckpt = cache / "tree" / "stream" / "ckpt"
     cfg = {"url": gw.url, "ns": "gwfiles", "records": STREAM_RECORDS, "files": STREAM_FILES}
 
@@ -243,15 +258,21 @@ def test_spark_batch_and_file_stream_through_the_gateway_ride_a_gateway_restart(
         path = tmp_path / f"{phase}.json"
         path.write_text(json.dumps(dict(cfg, phase=phase, result=str(tmp_path / f"{phase}-result.json"))))
         log = open(tmp_path / f"{phase}.log", "wb")  # noqa: SIM115 - closed below
-        proc = subprocess.Popen([sys.executable, str(script), str(path)], stdout=log,
-                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, str(script), str(path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
         return proc, log
 
     def wait(pred, what, proc, timeout=300.0):
         deadline = time.monotonic() + timeout
         while not pred():
-            assert proc.poll() is None, f"{what}: the driver died first\n" + \
-                (tmp_path / "first.log").read_text(errors="replace")[-6000:]
+            assert proc.poll() is None, (
+                f"{what}: the driver died first\n" + (tmp_path / "first.log").read_text(errors="replace")[-6000:]
+            )
             assert time.monotonic() < deadline, f"{what}: not after {timeout:.0f} s"
             time.sleep(0.1)
 
@@ -266,12 +287,19 @@ def test_spark_batch_and_file_stream_through_the_gateway_ride_a_gateway_restart(
         # cache and port: the query must carry on with the project's settings alone
         gw.kill()
         time.sleep(2.0)
-        restarted = GatewayProcess("gwfiles", str(cache), sos_server.address, key, debug=True,
-                                   listen=f"127.0.0.1:{port}",
-                                   log_path=str(tmp_path / "gateway2.log")).start()
+        restarted = GatewayProcess(
+            "gwfiles",
+            str(cache),
+            sos_server.address,
+            key,
+            debug=True,
+            listen=f"127.0.0.1:{port}",
+            log_path=str(tmp_path / "gateway2.log"),
+        ).start()
         before = committed_batches(str(ckpt))
-        wait(lambda: len(committed_batches(str(ckpt)) - before) >= 2,
-             "two more batches after the gateway restart", first)
+        wait(
+            lambda: len(committed_batches(str(ckpt)) - before) >= 2, "two more batches after the gateway restart", first
+        )
         assert first.poll() is None
     finally:
         kill_tree(first)  # the driver dies mid-query (SIGKILL, its JVM too)

@@ -66,10 +66,8 @@ def served_tree(client: GatewayClient, rel: str = "") -> dict[str, bytes | None]
             tree.update(served_tree(client, child))
         else:
             assert st["type"] == "FILE", st
-            location = client.call("GET", "/webhdfs/v1/" + child, op="OPEN",
-                                   noredirect="true")["Location"]
-            req = urllib.request.Request(location,
-                                         headers={"Authorization": f"Bearer {client.token()}"})
+            location = client.call("GET", "/webhdfs/v1/" + child, op="OPEN", noredirect="true")["Location"]
+            req = urllib.request.Request(location, headers={"Authorization": f"Bearer {client.token()}"})
             with urllib.request.urlopen(req, timeout=120) as resp:
                 data = resp.read()
             assert len(data) == st["length"], child
@@ -77,10 +75,8 @@ def served_tree(client: GatewayClient, rel: str = "") -> dict[str, bytes | None]
     return tree
 
 
-
 @pytest.mark.parametrize("state_store", sorted(STATE_STORES))
-def test_driver_gateway_and_cache_lost_mid_batch_then_exactly_once(sos_server, tmp_path,
-                                                                   state_store):
+def test_driver_gateway_and_cache_lost_mid_batch_then_exactly_once(sos_server, tmp_path, state_store):
     key = sos_server.keygen(NS, "append")
     paths = {k: str(tmp_path / k) for k in ("input", "out", "flags", "cache", "logs")}
     for k in ("flags", "logs"):
@@ -92,8 +88,9 @@ def test_driver_gateway_and_cache_lost_mid_batch_then_exactly_once(sos_server, t
     drivers: list[subprocess.Popen] = []
 
     def gateway(n: int, listen: str = "127.0.0.1:0") -> GatewayProcess:
-        gw = GatewayProcess(NS, paths["cache"], sos_server.address, key, listen=listen,
-                            log_path=os.path.join(logs, f"gateway{n}.log"))
+        gw = GatewayProcess(
+            NS, paths["cache"], sos_server.address, key, listen=listen, log_path=os.path.join(logs, f"gateway{n}.log")
+        )
         gateways.append(gw)
         return gw.start()
 
@@ -101,15 +98,24 @@ def test_driver_gateway_and_cache_lost_mid_batch_then_exactly_once(sos_server, t
         # ---- the first life: gateway 1, driver 1 stopped in the middle of batch CRASH_AFTER
         gw1 = gateway(1)
         client = GatewayClient(gw1.url, NS, key)
-        cfg = {"input": paths["input"], "out": paths["out"], "flags": paths["flags"],
-               "gateway": {"url": gw1.url, "namespace": NS, "checkpoint": CHECKPOINT},
-               "markers": True, "state_store": state_store,
-               "spark_conf": STATE_STORES[state_store], "hang_at_batch": CRASH_AFTER}
-        d1 = start_driver(cfg, os.path.join(logs, "driver1.log"), str(tmp_path / "driver1.json"),
-                          key=key)
+        cfg = {
+            "input": paths["input"],
+            "out": paths["out"],
+            "flags": paths["flags"],
+            "gateway": {"url": gw1.url, "namespace": NS, "checkpoint": CHECKPOINT},
+            "markers": True,
+            "state_store": state_store,
+            "spark_conf": STATE_STORES[state_store],
+            "hang_at_batch": CRASH_AFTER,
+        }
+        d1 = start_driver(cfg, os.path.join(logs, "driver1.log"), str(tmp_path / "driver1.json"), key=key)
         drivers.append(d1)
-        wait_for(lambda: os.path.exists(os.path.join(paths["flags"], f"hang-{CRASH_AFTER}")),
-                 1200, f"driver 1 reaching batch {CRASH_AFTER}", alive=lambda: d1.poll() is None)
+        wait_for(
+            lambda: os.path.exists(os.path.join(paths["flags"], f"hang-{CRASH_AFTER}")),
+            1200,
+            f"driver 1 reaching batch {CRASH_AFTER}",
+            alive=lambda: d1.poll() is None,
+        )
         before = gateway_committed_batches(client, CHECKPOINT)
         assert before == set(range(CRASH_AFTER)), tail(os.path.join(logs, "driver1.log"))
         # mid-batch: its output is written and its offsets are logged, its commit is not
@@ -130,8 +136,9 @@ def test_driver_gateway_and_cache_lost_mid_batch_then_exactly_once(sos_server, t
         assert not client.exists(f"{CHECKPOINT}/commits/{CRASH_AFTER}")
 
         # ---- the query restarts on the same webhdfs checkpoint and runs to the end
-        d2 = start_driver(dict(cfg, hang_at_batch=None), os.path.join(logs, "driver2.log"),
-                          str(tmp_path / "driver2.json"), key=key)
+        d2 = start_driver(
+            dict(cfg, hang_at_batch=None), os.path.join(logs, "driver2.log"), str(tmp_path / "driver2.json"), key=key
+        )
         drivers.append(d2)
         assert d2.wait(1200) == 0, tail(os.path.join(logs, "driver2.log"), 80)
         final = gateway_committed_batches(client, CHECKPOINT)
@@ -145,8 +152,7 @@ def test_driver_gateway_and_cache_lost_mid_batch_then_exactly_once(sos_server, t
         check = check_output(paths["out"], final, expected)
         assert check["records_in"] == RECORDS
         assert check["records_out"] == RECORDS, check
-        for k in ("lost", "doubled", "corrupted", "unknown", "committed_without_output",
-                  "uncommitted_output_ignored"):
+        for k in ("lost", "doubled", "corrupted", "unknown", "committed_without_output", "uncommitted_output_ignored"):
             assert check[k] == [], (k, check[k][:10])
 
         # ---- `sos restore` gives what the gateway serves. A marker is a barrier in sync
@@ -158,8 +164,12 @@ def test_driver_gateway_and_cache_lost_mid_batch_then_exactly_once(sos_server, t
         state_files = {os.path.splitext(p)[1] for p in served if p.startswith(f"{CHECKPOINT}/state/")}
         assert {"hdfs": ".delta", "rocksdb": ".changelog"}[state_store] in state_files, state_files
         restored_dir = str(tmp_path / "restored")
-        subprocess.run([*sos_command(), "restore", "-q", "--server", sos_server.address, NS, restored_dir],
-                       env=dict(os.environ, SOS_KEY=key), check=True, timeout=600)
+        subprocess.run(
+            [*sos_command(), "restore", "-q", "--server", sos_server.address, NS, restored_dir],
+            env=dict(os.environ, SOS_KEY=key),
+            check=True,
+            timeout=600,
+        )
         restored = local_tree(restored_dir)
         assert sorted(restored) == sorted(served)
         assert [p for p in served if served[p] != restored[p]] == []
@@ -167,8 +177,7 @@ def test_driver_gateway_and_cache_lost_mid_batch_then_exactly_once(sos_server, t
         # ---- and `sos restore --batch CHECKPOINT:N` stops at commit N: before the loss
         # (first journal generation) and after it (the new gateway's generation)
         for n in (CRASH_AFTER - 1, BATCHES - 2):
-            at = restore_to_batch(NS, str(tmp_path / f"at-{n}"), CHECKPOINT, n,
-                                  server=sos_server.address, key=key)
+            at = restore_to_batch(NS, str(tmp_path / f"at-{n}"), CHECKPOINT, n, server=sos_server.address, key=key)
             assert committed_batches(at) == set(range(n + 1)), n
     finally:
         for d in drivers:

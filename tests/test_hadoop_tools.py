@@ -42,13 +42,27 @@ def java_env(tmp_path_factory):
         pytest.skip("no JDK (java and javac) on this machine")
     jars = _jars()
     classes = tmp_path_factory.mktemp("harness")
-    subprocess.run(["javac", "-nowarn", "-d", str(classes), "-cp", os.path.join(jars, "*"),
-                    os.path.join(HERE, "java", "HadoopHarness.java")],
-                   check=True, timeout=300, capture_output=True)
+    subprocess.run(
+        [
+            "javac",
+            "-nowarn",
+            "-d",
+            str(classes),
+            "-cp",
+            os.path.join(jars, "*"),
+            os.path.join(HERE, "java", "HadoopHarness.java"),
+        ],
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
     # UTF-8 arguments and output whatever the machine's locale
-    env = dict(os.environ, LC_ALL="C.UTF-8", LANG="C.UTF-8",
-               JAVA_TOOL_OPTIONS="-Dfile.encoding=UTF-8 -Dsun.stdout.encoding=UTF-8 "
-                                 "-Dsun.stderr.encoding=UTF-8 -Xshare:auto")
+    env = dict(
+        os.environ,
+        LC_ALL="C.UTF-8",
+        LANG="C.UTF-8",
+        JAVA_TOOL_OPTIONS="-Dfile.encoding=UTF-8 -Dsun.stdout.encoding=UTF-8 -Dsun.stderr.encoding=UTF-8 -Xshare:auto",
+    )
     return f"{classes}{os.pathsep}{os.path.join(jars, '*')}", env
 
 
@@ -56,8 +70,9 @@ def java_env(tmp_path_factory):
 def gateway(server, tmp_path_factory):
     key = server.keygen(NS, "append")
     base = tmp_path_factory.mktemp("hadoop-gw")
-    gw = GatewayProcess(NS, str(base / "cache"), server.address, key, debug=True,
-                        log_path=str(base / "gateway.log")).start()
+    gw = GatewayProcess(
+        NS, str(base / "cache"), server.address, key, debug=True, log_path=str(base / "gateway.log")
+    ).start()
     yield gw, key
     assert gw.stop() == 0, gw.log()[-4000:]
 
@@ -70,9 +85,13 @@ def harness(java_env, gateway, base: str, *cases: str) -> dict[str, tuple[str, s
     """Run the harness's CASES against webhdfs://gateway/BASE: {case: (ok|error, result)}."""
     classpath, env = java_env
     gw, key = gateway
-    out = subprocess.run(["java", "-cp", classpath, "HadoopHarness", webhdfs_url(gw.url, base),
-                          *_conf_args(gw, key), "--", *cases],
-                         capture_output=True, env=env, timeout=600, check=False)
+    out = subprocess.run(
+        ["java", "-cp", classpath, "HadoopHarness", webhdfs_url(gw.url, base), *_conf_args(gw, key), "--", *cases],
+        capture_output=True,
+        env=env,
+        timeout=600,
+        check=False,
+    )
     text = out.stdout.decode("utf-8", "replace")
     assert out.returncode == 0, text + out.stderr.decode("utf-8", "replace")[-4000:]
     results = {}
@@ -92,17 +111,20 @@ def shell(java_env, gateway, *commands: list[str]) -> list[tuple[int, str, str]]
     gw, key = gateway
     u = webhdfs_url(gw.url).rstrip("/")
     cases = ["shell:" + "|".join(arg.replace("{u}", u) for arg in cmd) for cmd in commands]
-    out = subprocess.run(["java", "-cp", classpath, "HadoopHarness", webhdfs_url(gw.url, "shell"),
-                          *_conf_args(gw, key), "--", *cases],
-                         capture_output=True, env=env, timeout=600, check=False)
+    out = subprocess.run(
+        ["java", "-cp", classpath, "HadoopHarness", webhdfs_url(gw.url, "shell"), *_conf_args(gw, key), "--", *cases],
+        capture_output=True,
+        env=env,
+        timeout=600,
+        check=False,
+    )
     text = out.stdout.decode("utf-8")
     assert out.returncode == 0, text + out.stderr.decode("utf-8", "replace")[-4000:]
     results = []
     for line in text.splitlines():
         if line.startswith("shell\t"):
             _, code, sout, serr = line.split("\t")
-            unesc = [s.replace("\\n", "\n").replace("\\t", "\t").replace("\\\\", "\\")
-                     for s in (sout, serr)]
+            unesc = [s.replace("\\n", "\n").replace("\\t", "\t").replace("\\\\", "\\") for s in (sout, serr)]
             results.append((int(code), unesc[0], unesc[1]))
     assert len(results) == len(commands), text
     return results
@@ -115,10 +137,10 @@ def conf_dir(gateway, tmp_path_factory):
     core-site.xml)."""
     gw, key = gateway
     d = tmp_path_factory.mktemp("hadoop-conf")
-    props = "".join(f"<property><name>{k}</name><value>{v}</value></property>\n"
-                    for k, v in gateway_conf(gw.url, NS, key).items())
-    (d / "core-site.xml").write_text(f"<?xml version=\"1.0\"?>\n<configuration>\n{props}"
-                                     f"</configuration>\n")
+    props = "".join(
+        f"<property><name>{k}</name><value>{v}</value></property>\n" for k, v in gateway_conf(gw.url, NS, key).items()
+    )
+    (d / "core-site.xml").write_text(f'<?xml version="1.0"?>\n<configuration>\n{props}</configuration>\n')
     return str(d)
 
 
@@ -127,15 +149,18 @@ def fs_shell(java_env, conf_dir, *args: str, conf: dict[str, str] | None = None)
     the configuration directory first on the classpath, -D for the rest)."""
     classpath, env = java_env
     defs = [a for k, v in (conf or {}).items() for a in ("-D", f"{k}={v}")]
-    return subprocess.run(["java", "-cp", f"{conf_dir}{os.pathsep}{classpath}",
-                           "org.apache.hadoop.fs.FsShell", *defs, *args],
-                          capture_output=True, env=env, timeout=300, check=False)
+    return subprocess.run(
+        ["java", "-cp", f"{conf_dir}{os.pathsep}{classpath}", "org.apache.hadoop.fs.FsShell", *defs, *args],
+        capture_output=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
 
 
 def _crc32c_md5md5(data: bytes) -> str:
     """HDFS's MD5-of-0MD5-of-512CRC32C of a one-block file (bytes field, hex), in Python."""
-    crcs = b"".join(crc32c.crc32c(data[i:i + 512]).to_bytes(4, "big")
-                    for i in range(0, len(data), 512))
+    crcs = b"".join(crc32c.crc32c(data[i : i + 512]).to_bytes(4, "big") for i in range(0, len(data), 512))
     md5 = hashlib.md5(hashlib.md5(crcs).digest()).digest()
     return (512).to_bytes(4, "big").hex() + (0).to_bytes(8, "big").hex() + md5.hex()
 
@@ -149,13 +174,14 @@ def test_block_locations_one_per_block_on_localhost(java_env, gateway):
     r = harness(java_env, gateway, "gap1", "blocklocations", "blocklocations-dir")
     status, value = r["blocklocations"]
     assert status == "ok", value
-    assert value == ("whole=0+3000@localhost/localhost:9866; past= empty= "
-                     "listFiles=a=0+3000@localhost/localhost:9866; empty= listLocatedStatus=2")
+    assert value == (
+        "whole=0+3000@localhost/localhost:9866; past= empty= "
+        "listFiles=a=0+3000@localhost/localhost:9866; empty= listLocatedStatus=2"
+    )
     # HDFS refuses a directory: Path is not a file
     assert r["blocklocations-dir"][0] == "error"
     assert r["blocklocations-dir"][1].startswith("java.io.FileNotFoundException"), r
-    [(code, out, err)] = shell(java_env, gateway,
-                               ["-setrep", "-w", "1", "{u}/gap1/blocks/a"])
+    [(code, out, err)] = shell(java_env, gateway, ["-setrep", "-w", "1", "{u}/gap1/blocks/a"])
     assert code == 0, err
     assert "Replication 1 set" in out and "Waiting for" in out, out
 
@@ -183,8 +209,7 @@ def test_create_flags_overwrite_and_append(java_env, gateway):
     """Gap 3: createflag (createNonRecursive, createFile(p).overwrite(true).build(),
     FileContext.create with CREATE|OVERWRITE and CREATE|APPEND)."""
     r = harness(java_env, gateway, "gap3", "createNonRecursive", "createFileBuilder")
-    assert r["createNonRecursive"] == (
-        "ok", "new FileNotFoundException FileAlreadyExistsException"), r
+    assert r["createNonRecursive"] == ("ok", "new FileNotFoundException FileAlreadyExistsException"), r
     assert r["createFileBuilder"] == ("ok", "built context context+more"), r
 
 
@@ -196,16 +221,17 @@ def test_file_checksum_is_hdfs_md5_of_md5_of_crc32c(java_env, gateway, tmp_path)
     r = harness(java_env, gateway, "gap4", "checksum", "checksum-dir", "checksum-2blocks")
     assert r["checksum-2blocks"] == ("ok", "MD5-of-262144MD5-of-512CRC32C true"), r
     # an empty file: HDFS's "magic entry", the MD5 of 32 zero bytes
-    assert r["checksum"] == ("ok", "MD5-of-0MD5-of-512CRC32C true 28 empty=MD5-of-0MD5-of-0CRC32:"
-                                   "70bc8f4b72a86921468bf8e8441dce51"), r
+    assert r["checksum"] == (
+        "ok",
+        "MD5-of-0MD5-of-512CRC32C true 28 empty=MD5-of-0MD5-of-0CRC32:70bc8f4b72a86921468bf8e8441dce51",
+    ), r
     assert r["checksum-dir"][0] == "error"
     assert r["checksum-dir"][1].startswith("java.io.FileNotFoundException"), r
     data = bytes((k * 31 + 7 + (k >> 9)) & 0xFF for k in range(5 * 512 + 77))
     gw, _ = gateway
     [(code, out, err)] = shell(java_env, gateway, ["-checksum", "{u}/gap4/sum"])
     assert code == 0, err
-    assert out.split() == [f"{webhdfs_url(gw.url, 'gap4/sum')}", "MD5-of-0MD5-of-512CRC32C",
-                           _crc32c_md5md5(data)], out
+    assert out.split() == [f"{webhdfs_url(gw.url, 'gap4/sum')}", "MD5-of-0MD5-of-512CRC32C", _crc32c_md5md5(data)], out
 
 
 def test_trash_rm_moves_to_user_trash(java_env, gateway, conf_dir):
@@ -229,14 +255,17 @@ def test_set_owner_is_accepted_and_records_nothing(java_env, gateway, tmp_path):
     gateway's; a missing path is refused as HDFS refuses it."""
     local = tmp_path / "p.txt"
     local.write_text("preserved")
-    results = shell(java_env, gateway,
-                    ["-mkdir", "-p", "{u}/gap6"],
-                    ["-put", "-p", str(local), "{u}/gap6/p.txt"],
-                    ["-chown", "alice:staff", "{u}/gap6/p.txt"],
-                    ["-chgrp", "-R", "staff", "{u}/gap6"],
-                    ["-cp", "-p", "{u}/gap6/p.txt", "{u}/gap6/q.txt"],
-                    ["-cat", "{u}/gap6/q.txt"],
-                    ["-chown", "bob", "{u}/gap6/missing"])
+    results = shell(
+        java_env,
+        gateway,
+        ["-mkdir", "-p", "{u}/gap6"],
+        ["-put", "-p", str(local), "{u}/gap6/p.txt"],
+        ["-chown", "alice:staff", "{u}/gap6/p.txt"],
+        ["-chgrp", "-R", "staff", "{u}/gap6"],
+        ["-cp", "-p", "{u}/gap6/p.txt", "{u}/gap6/q.txt"],
+        ["-cat", "{u}/gap6/q.txt"],
+        ["-chown", "bob", "{u}/gap6/missing"],
+    )
     for code, _out, err in results[:6]:
         assert code == 0, err
     assert results[5][1] == "preserved"
@@ -298,30 +327,25 @@ def test_a_rename_resent_after_a_gateway_crash_answers_as_the_first(server, tmp_
         c = GatewayClient(gw.url, "retries", key)
         c.call("PUT", "/webhdfs/v1/ckpt/.0.tmp", b"", op="CREATE", data="true")
         c.call("PUT", "/webhdfs/v1/ckpt/.1.tmp", b"x", op="CREATE", data="true")
-        c.call("PUT", "/webhdfs/v1/ckpt/.0.tmp", op="RENAME", destination="/ckpt/0",
-               renameoptions="NONE")
-        assert c.call("PUT", "/webhdfs/v1/ckpt/.1.tmp", op="RENAME",
-                      destination="/ckpt/1") == {"boolean": True}
-        with urllib.request.urlopen(urllib.request.Request(
-                f"{gw.url}/webhdfs/v1/ckpt?op=LISTSTATUS",
-                headers={"Authorization": f"Bearer {c.token()}"})) as r:
+        c.call("PUT", "/webhdfs/v1/ckpt/.0.tmp", op="RENAME", destination="/ckpt/0", renameoptions="NONE")
+        assert c.call("PUT", "/webhdfs/v1/ckpt/.1.tmp", op="RENAME", destination="/ckpt/1") == {"boolean": True}
+        with urllib.request.urlopen(
+            urllib.request.Request(
+                f"{gw.url}/webhdfs/v1/ckpt?op=LISTSTATUS", headers={"Authorization": f"Bearer {c.token()}"}
+            )
+        ) as r:
             assert r.headers["Keep-Alive"] == "timeout=1"  # (urllib asked to close: h11 says close)
         port = gw.url.rsplit(":", 1)[1]
         gw.kill()
-        gw = GatewayProcess("retries", str(tmp_path / "cache"), server.address, key,
-                            listen=f"127.0.0.1:{port}").start()
+        gw = GatewayProcess("retries", str(tmp_path / "cache"), server.address, key, listen=f"127.0.0.1:{port}").start()
         c = GatewayClient(gw.url, "retries", key)
         # resent: the first answers
-        assert c.call("PUT", "/webhdfs/v1/ckpt/.0.tmp", op="RENAME", destination="/ckpt/0",
-                      renameoptions="NONE") == {}
-        assert c.call("PUT", "/webhdfs/v1/ckpt/.1.tmp", op="RENAME",
-                      destination="/ckpt/1") == {"boolean": True}
+        assert c.call("PUT", "/webhdfs/v1/ckpt/.0.tmp", op="RENAME", destination="/ckpt/0", renameoptions="NONE") == {}
+        assert c.call("PUT", "/webhdfs/v1/ckpt/.1.tmp", op="RENAME", destination="/ckpt/1") == {"boolean": True}
         # not a retry: another destination, or a source never renamed
         with pytest.raises(GatewayError) as err:
-            c.call("PUT", "/webhdfs/v1/ckpt/.0.tmp", op="RENAME", destination="/ckpt/9",
-                   renameoptions="NONE")
+            c.call("PUT", "/webhdfs/v1/ckpt/.0.tmp", op="RENAME", destination="/ckpt/9", renameoptions="NONE")
         assert err.value.exception == "FileNotFoundException"
-        assert c.call("PUT", "/webhdfs/v1/ckpt/.7.tmp", op="RENAME",
-                      destination="/ckpt/7") == {"boolean": False}
+        assert c.call("PUT", "/webhdfs/v1/ckpt/.7.tmp", op="RENAME", destination="/ckpt/7") == {"boolean": False}
     finally:
         assert gw.stop() == 0, gw.log()[-4000:]

@@ -122,8 +122,19 @@ def _bad_reply(kind: str, blob: bytes, code: int):
     return make
 
 
-KINDS = ["garbage", "truncated_frame", "wrong_rid", "wrong_reply_type", "error_unknown_code", "error_rid0",
-         "bad_utf8_error", "random_body", "read_never_last", "hello_version_2", "huge_header"]
+KINDS = [
+    "garbage",
+    "truncated_frame",
+    "wrong_rid",
+    "wrong_reply_type",
+    "error_unknown_code",
+    "error_rid0",
+    "bad_utf8_error",
+    "random_body",
+    "read_never_last",
+    "hello_version_2",
+    "huge_header",
+]
 OPS = {
     "stat": lambda c: c.stat("a"),
     "read": lambda c: c.read("a"),
@@ -143,10 +154,14 @@ def fake():
 def test_garbage_from_the_server_always_surfaces_as_a_typed_error(fake):
     seen = {}
 
-    @settings(max_examples=150, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
-    @given(step=st.sampled_from([0, 1, 2, 2]), kind=st.sampled_from(KINDS), op=st.sampled_from(sorted(OPS)),
-           blob=st.binary(max_size=64), code=st.integers(0, 0xFFFF))
+    @settings(max_examples=150, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+    @given(
+        step=st.sampled_from([0, 1, 2, 2]),
+        kind=st.sampled_from(KINDS),
+        op=st.sampled_from(sorted(OPS)),
+        blob=st.binary(max_size=64),
+        code=st.integers(0, 0xFFFF),
+    )
     def check(step, kind, op, blob, code):
         good = [_hello_ok, _auth_ok]
         fake.script = [*good[:step], _bad_reply(kind, blob, code)]

@@ -41,7 +41,10 @@ def _sos(srv, key, *args):
     env = dict(os.environ, SOS_SERVER=srv.address, SOS_KEY=key)
     return subprocess.run(
         [sys.executable, "-c", "import sys; from sos_client.cli import main; sys.exit(main())", *args],
-        capture_output=True, text=True, env=env, timeout=300,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
 
 
@@ -70,8 +73,15 @@ def journal(sos_server, tmp_path):
         stored = c.read(seg)
     logical = stored.find(_payload(BROKEN)[:40])
     assert logical > 0
-    return {"srv": sos_server, "key": key, "factory": factory, "seg": seg, "stored": stored,
-            "logical": logical, "tmp": tmp_path}
+    return {
+        "srv": sos_server,
+        "key": key,
+        "factory": factory,
+        "seg": seg,
+        "stored": stored,
+        "logical": logical,
+        "tmp": tmp_path,
+    }
 
 
 def _flip_on_disk(srv, marker: bytes) -> str:
@@ -248,8 +258,11 @@ def test_flipped_frame_length_in_the_middle_loses_no_acknowledged_byte(five_fram
             assert "obj" in str(ei.value) and str(pos3) in str(ei.value)
         _assert_damaged_and_refusing(c, "obj", len(whole))
     # one damaged range counted and logged at error level, no torn-tail repair
-    errors = [rec for rec in map(json.loads, (ln for ln in srv.log_text().splitlines() if ln.startswith("{")))
-              if rec.get("level") == "error"]
+    errors = [
+        rec
+        for rec in map(json.loads, (ln for ln in srv.log_text().splitlines() if ln.startswith("{")))
+        if rec.get("level") == "error"
+    ]
     assert len(errors) == 1
     assert _metric(srv, "sos_damaged_ranges_total") == 1
     assert _metric(srv, "sos_torn_tail_repairs_total") == 0
@@ -317,8 +330,9 @@ def test_writer_stops_on_a_damaged_segment_instead_of_retrying_forever(sos_serve
     answers CORRUPT from then on. That is fatal for the writer (a clear error at the next
     barrier), not a transient failure retried until the barrier times out."""
     key = sos_server.keygen(NS, "append")
-    writer = JournalWriter(lambda: Client(sos_server.address, key, NS, timeout=TIMEOUT), NS,
-                           str(tmp_path / "spool"), max_backoff=0.1)
+    writer = JournalWriter(
+        lambda: Client(sos_server.address, key, NS, timeout=TIMEOUT), NS, str(tmp_path / "spool"), max_backoff=0.1
+    )
     tree = JournaledTree(str(tmp_path / "cache"), writer, rebuild=rebuild_cache).open()
     try:
         for i in range(3):

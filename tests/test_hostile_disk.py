@@ -29,8 +29,9 @@ TMPFS_SIZE = "8m"
 def tmpfs(tmp_path):
     d = tmp_path / "disk"
     d.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={TMPFS_SIZE}", "tmpfs", str(d)],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={TMPFS_SIZE}", "tmpfs", str(d)], capture_output=True, text=True
+    )
     if r.returncode != 0:
         pytest.skip(f"cannot mount a {TMPFS_SIZE} tmpfs (needs root or CAP_SYS_ADMIN): {r.stderr.strip()}")
     try:

@@ -221,8 +221,21 @@ def test_sealed_object_refuses_appends_through_the_client(srv):
 # -- names ------------------------------------------------------------------------------------
 
 TRAVERSAL = [
-    "../hostile2/x", "../../etc/passwd", "/etc/passwd", "a/../../b", "a/./b", "a//b", "a/", ".", "..",
-    "..\\..\\windows", "nul\x00byte", "new\nline", "x" * 1025, "seg/" + "y" * 256, "\u2215etc\u2215passwd",
+    "../hostile2/x",
+    "../../etc/passwd",
+    "/etc/passwd",
+    "a/../../b",
+    "a/./b",
+    "a//b",
+    "a/",
+    ".",
+    "..",
+    "..\\..\\windows",
+    "nul\x00byte",
+    "new\nline",
+    "x" * 1025,
+    "seg/" + "y" * 256,
+    "\u2215etc\u2215passwd",
 ]
 
 
@@ -313,7 +326,9 @@ def test_oversized_frame_before_hello_is_refused_without_reading_the_body(srv):
         r.close()
 
 
-@pytest.mark.parametrize("case", ["header_swallows_next_request", "inner_blob_longer_than_frame", "string_longer_than_frame"])
+@pytest.mark.parametrize(
+    "case", ["header_swallows_next_request", "inner_blob_longer_than_frame", "string_longer_than_frame"]
+)
 def test_lying_lengths_close_the_connection_and_write_nothing(srv, case):
     r = Raw(srv, srv.key)
     try:

@@ -49,10 +49,26 @@ EXAMPLES = 150
 U32 = st.integers(0, 0xFFFFFFFF)
 U64 = st.one_of(st.sampled_from([0, 1, 2, 5, 1 << 32, (1 << 64) - 1]), st.integers(0, (1 << 64) - 1))
 NAMES = st.one_of(
-    st.sampled_from([
-        "keep/a", "keep/sealed", "f/1", "f/2", "f/3", "../keep/a", "../" + OTHER_NS + "/iso", "/keep/a",
-        "keep//a", "keep/./a", "", ".", "a" * 1025, "b/" * 600, "\x00", "é/ü",
-    ]),
+    st.sampled_from(
+        [
+            "keep/a",
+            "keep/sealed",
+            "f/1",
+            "f/2",
+            "f/3",
+            "../keep/a",
+            "../" + OTHER_NS + "/iso",
+            "/keep/a",
+            "keep//a",
+            "keep/./a",
+            "",
+            ".",
+            "a" * 1025,
+            "b/" * 600,
+            "\x00",
+            "é/ü",
+        ]
+    ),
     st.from_regex(r"[a-z]{1,3}/[A-Za-z0-9._=+-]{1,12}", fullmatch=True),
     st.text(max_size=40),
 )
@@ -88,11 +104,21 @@ def good_appends(draw):
 REQUESTS = st.one_of(
     good_appends(),
     st.builds(ev.Hello, st.just(0), st.text(max_size=20), st.integers(0, 255), st.integers(0, 255)),
-    st.builds(ev.Auth, st.just(0), st.binary(min_size=8, max_size=8), st.sampled_from([NS, OTHER_NS, "", "X"]),
-              st.binary(min_size=32, max_size=32)),
+    st.builds(
+        ev.Auth,
+        st.just(0),
+        st.binary(min_size=8, max_size=8),
+        st.sampled_from([NS, OTHER_NS, "", "X"]),
+        st.binary(min_size=32, max_size=32),
+    ),
     st.builds(ev.Ping, st.just(0), st.binary(max_size=80)),
-    st.builds(ev.List, st.just(0), st.one_of(st.sampled_from(["", "keep/", "../", "f"]), st.text(max_size=10)),
-              st.text(max_size=10), U32),
+    st.builds(
+        ev.List,
+        st.just(0),
+        st.one_of(st.sampled_from(["", "keep/", "../", "f"]), st.text(max_size=10)),
+        st.text(max_size=10),
+        U32,
+    ),
     st.builds(ev.Stat, st.just(0), NAMES),
     appends(),
     appends(),
@@ -114,14 +140,28 @@ def actions(draw):
     if kind in ("event", "mutated"):
         e = draw(REQUESTS)
         rid = draw(st.one_of(st.just(None), st.just(None), U32))  # None: a fresh id
-        return kind, e, rid, (draw(st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), max_size=4))
-                              if kind == "mutated" else None)
+        return (
+            kind,
+            e,
+            rid,
+            (
+                draw(st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), max_size=4))
+                if kind == "mutated"
+                else None
+            ),
+        )
     if kind == "frame":
         return kind, draw(st.integers(0, 255)), draw(U32), draw(st.binary(max_size=300))
     if kind == "header":  # a valid header whose length lies about the body that follows
-        return kind, draw(st.sampled_from([0x03, 0x05, 0x06, 0x07])), draw(U32), (
-            draw(st.one_of(st.integers(0, 64), st.integers(0, DEFAULT_MAX_BODY + 10), U32)),
-            draw(st.binary(max_size=100)))
+        return (
+            kind,
+            draw(st.sampled_from([0x03, 0x05, 0x06, 0x07])),
+            draw(U32),
+            (
+                draw(st.one_of(st.integers(0, 64), st.integers(0, DEFAULT_MAX_BODY + 10), U32)),
+                draw(st.binary(max_size=100)),
+            ),
+        )
     return kind, draw(st.binary(min_size=1, max_size=200)), None, None
 
 
@@ -180,8 +220,10 @@ class Fuzzee:
                 rid += 1
             for kind, a, b, c in steps:
                 if kind in ("event", "mutated"):
-                    e = type(a)(b if b is not None else rid,
-                                *(getattr(a, f) for f in a.__dataclass_fields__ if f != "request_id"))
+                    e = type(a)(
+                        b if b is not None else rid,
+                        *(getattr(a, f) for f in a.__dataclass_fields__ if f != "request_id"),
+                    )
                     rid += 1
                     try:
                         raw = bytearray(encode_event(e))
@@ -277,11 +319,14 @@ def test_fuzzed_frames_never_crash_the_server_or_change_acked_bytes(fuzzee):
     f = fuzzee
     rss_before = _rss(f.srv.pid)
 
-    @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
-    @given(mode=st.sampled_from(["none", "append", "append", "read", "wrong"]),
-           steps=st.lists(actions(), min_size=1, max_size=12),
-           piece=st.sampled_from([1, 7, 100, 4096, 1 << 20]))
+    @settings(
+        max_examples=EXAMPLES, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck)
+    )
+    @given(
+        mode=st.sampled_from(["none", "append", "append", "read", "wrong"]),
+        steps=st.lists(actions(), min_size=1, max_size=12),
+        piece=st.sampled_from([1, 7, 100, 4096, 1 << 20]),
+    )
     def fuzz(mode, steps, piece):
         f.run(mode, steps, piece)
         f.ping_fresh()

@@ -43,8 +43,9 @@ TIMEOUT = 120
 # ---------------------------------------------------------------------------- helpers
 
 
-def start_gateway(server, tmp_path, *args, name="gateway", key=None, debug=False,
-                  prefix=(), listen="127.0.0.1:0") -> GatewayProcess:
+def start_gateway(
+    server, tmp_path, *args, name="gateway", key=None, debug=False, prefix=(), listen="127.0.0.1:0"
+) -> GatewayProcess:
     """A real `sos gateway` child (``prefix``: a command it runs under, e.g. prlimit)."""
 
     class Prefixed(GatewayProcess):
@@ -52,8 +53,16 @@ def start_gateway(server, tmp_path, *args, name="gateway", key=None, debug=False
             return [*prefix, *super().command()]
 
     key = key or server.keygen(NS, "append")
-    gw = Prefixed(NS, str(tmp_path / f"{name}-cache"), server.address, key, listen=listen,
-                  extra_args=list(args), debug=debug, log_path=str(tmp_path / f"{name}.log"))
+    gw = Prefixed(
+        NS,
+        str(tmp_path / f"{name}-cache"),
+        server.address,
+        key,
+        listen=listen,
+        extra_args=list(args),
+        debug=debug,
+        log_path=str(tmp_path / f"{name}.log"),
+    )
     gw.key = key
     return gw.start()
 
@@ -63,15 +72,18 @@ def port_of(gw: GatewayProcess) -> int:
 
 
 def token_for(gw: GatewayProcess, key: str) -> str:
-    r = requests.post(gw.url + "/oauth2/token", timeout=TIMEOUT,
-                      data={"grant_type": "client_credentials", "client_id": NS,
-                            "client_secret": key})
+    r = requests.post(
+        gw.url + "/oauth2/token",
+        timeout=TIMEOUT,
+        data={"grant_type": "client_credentials", "client_id": NS, "client_secret": key},
+    )
     assert r.status_code == 200, r.text
     return r.json()["access_token"]
 
 
-def connect(port: int, source: str = "127.0.0.1", *, rcvbuf: int | None = None,
-            timeout: float = TIMEOUT) -> socket.socket:
+def connect(
+    port: int, source: str = "127.0.0.1", *, rcvbuf: int | None = None, timeout: float = TIMEOUT
+) -> socket.socket:
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     if rcvbuf:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
@@ -142,12 +154,10 @@ def is_closed(sock: socket.socket) -> tuple[bool, bytes]:
         sock.settimeout(timeout)
 
 
-def request(method: str, target: str, token: str | None = None, extra: str = "",
-            body: bytes = b"") -> bytes:
+def request(method: str, target: str, token: str | None = None, extra: str = "", body: bytes = b"") -> bytes:
     auth = f"Authorization: Bearer {token}\r\n" if token else ""
     length = f"Content-Length: {len(body)}\r\n" if body else ""
-    return (f"{method} {target} HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}{length}{extra}\r\n"
-            .encode() + body)
+    return f"{method} {target} HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}{length}{extra}\r\n".encode() + body
 
 
 def gateway_fds(gw: GatewayProcess) -> int:
@@ -157,8 +167,11 @@ def gateway_fds(gw: GatewayProcess) -> int:
 def established(gw: GatewayProcess) -> int:
     """Client connections the gateway process holds open."""
     port = port_of(gw)
-    return sum(1 for c in psutil.Process(gw.pid).net_connections("tcp")
-               if c.laddr and c.laddr.port == port and c.status == psutil.CONN_ESTABLISHED)
+    return sum(
+        1
+        for c in psutil.Process(gw.pid).net_connections("tcp")
+        if c.laddr and c.laddr.port == port and c.status == psutil.CONN_ESTABLISHED
+    )
 
 
 def peak_rss(pid: int) -> int:
@@ -176,8 +189,9 @@ def served(gw: GatewayProcess, key: str, source: str = "127.0.0.1") -> tuple[flo
     s = connect(port_of(gw), source)
     try:
         form = f"grant_type=client_credentials&client_id={NS}&client_secret={key}".encode()
-        s.sendall(request("POST", "/oauth2/token", body=form,
-                          extra="Content-Type: application/x-www-form-urlencoded\r\n"))
+        s.sendall(
+            request("POST", "/oauth2/token", body=form, extra="Content-Type: application/x-www-form-urlencoded\r\n")
+        )
         buf = bytearray()
         status, _, body = read_reply(s, buf)
         assert status == 200, body
@@ -193,8 +207,7 @@ def served(gw: GatewayProcess, key: str, source: str = "127.0.0.1") -> tuple[flo
 
 
 @pytest.mark.slow
-def test_dripped_heads_cannot_hold_the_slots_and_a_client_with_a_token_gets_in(sos_server,
-                                                                              tmp_path):
+def test_dripped_heads_cannot_hold_the_slots_and_a_client_with_a_token_gets_in(sos_server, tmp_path):
     gw = start_gateway(sos_server, tmp_path)
     port = port_of(gw)
     try:
@@ -253,16 +266,14 @@ def test_dripped_heads_cannot_hold_the_slots_and_a_client_with_a_token_gets_in(s
 
 
 @pytest.mark.slow
-def test_unread_open_replies_keep_memory_bounded_and_are_closed_by_the_send_timeout(
-        sos_server, tmp_path):
+def test_unread_open_replies_keep_memory_bounded_and_are_closed_by_the_send_timeout(sos_server, tmp_path):
     gw = start_gateway(sos_server, tmp_path, "--send-timeout", "10")
     port = port_of(gw)
     try:
         writer = token_for(gw, gw.key)
         big = os.urandom(8 << 20)  # more than the kernel's socket buffers absorb
         h = {"Authorization": f"Bearer {writer}"}
-        r = requests.put(f"{gw.url}/webhdfs/v1/big?op=CREATE&data=true", data=big, headers=h,
-                         timeout=TIMEOUT)
+        r = requests.put(f"{gw.url}/webhdfs/v1/big?op=CREATE&data=true", data=big, headers=h, timeout=TIMEOUT)
         assert r.status_code == 201, r.text
         reader = token_for(gw, sos_server.keygen(NS, "read"))
         base_fds = gateway_fds(gw)
@@ -277,8 +288,11 @@ def test_unread_open_replies_keep_memory_bounded_and_are_closed_by_the_send_time
         # a normal client is served meanwhile
         seconds, status = served(gw, gw.key)
         assert status == 200 and seconds < 15, (status, seconds)
-        r = requests.get(f"{gw.url}/webhdfs/v1/big?op=OPEN&data=true&length=1000",
-                         headers={"Authorization": f"Bearer {reader}"}, timeout=TIMEOUT)
+        r = requests.get(
+            f"{gw.url}/webhdfs/v1/big?op=OPEN&data=true&length=1000",
+            headers={"Authorization": f"Bearer {reader}"},
+            timeout=TIMEOUT,
+        )
         assert r.status_code == 200 and r.content == big[:1000]
         growth = peak_rss(gw.pid) - before
         print(f"gateway peak RSS grew {growth / 2**20:.1f} MiB for 240 unread OPENs")
@@ -303,9 +317,12 @@ def test_a_full_open_memory_budget_answers_503_instead_of_piling_up(sos_server, 
     port = port_of(gw)
     try:
         writer = token_for(gw, gw.key)
-        r = requests.put(f"{gw.url}/webhdfs/v1/big?op=CREATE&data=true",
-                         data=os.urandom(8 << 20), timeout=TIMEOUT,
-                         headers={"Authorization": f"Bearer {writer}"})
+        r = requests.put(
+            f"{gw.url}/webhdfs/v1/big?op=CREATE&data=true",
+            data=os.urandom(8 << 20),
+            timeout=TIMEOUT,
+            headers={"Authorization": f"Bearer {writer}"},
+        )
         assert r.status_code == 201, r.text
         stalled = []
         for _ in range(16):  # 8 pieces of 128 KiB fill 1 MiB
@@ -314,22 +331,27 @@ def test_a_full_open_memory_budget_answers_503_instead_of_piling_up(sos_server, 
             stalled.append(s)
         time.sleep(3)
         t0 = time.monotonic()
-        r = requests.get(f"{gw.url}/webhdfs/v1/big?op=OPEN&data=true",
-                         headers={"Authorization": f"Bearer {writer}"}, timeout=TIMEOUT)
+        r = requests.get(
+            f"{gw.url}/webhdfs/v1/big?op=OPEN&data=true", headers={"Authorization": f"Bearer {writer}"}, timeout=TIMEOUT
+        )
         assert r.status_code == 503, r.status_code
         assert r.json()["RemoteException"]["exception"] == "IOException"
         assert time.monotonic() - t0 < 40  # 10 s of waiting for room, then the answer
         # the metadata is served all along
-        r = requests.get(f"{gw.url}/webhdfs/v1/big?op=GETFILESTATUS",
-                         headers={"Authorization": f"Bearer {writer}"}, timeout=TIMEOUT)
+        r = requests.get(
+            f"{gw.url}/webhdfs/v1/big?op=GETFILESTATUS", headers={"Authorization": f"Bearer {writer}"}, timeout=TIMEOUT
+        )
         assert r.status_code == 200 and r.json()["FileStatus"]["length"] == 8 << 20
         for s in stalled:
             s.close()
         # once the readers are gone, their room is back
         deadline = time.monotonic() + 60
         while True:
-            r = requests.get(f"{gw.url}/webhdfs/v1/big?op=OPEN&data=true",
-                             headers={"Authorization": f"Bearer {writer}"}, timeout=TIMEOUT)
+            r = requests.get(
+                f"{gw.url}/webhdfs/v1/big?op=OPEN&data=true",
+                headers={"Authorization": f"Bearer {writer}"},
+                timeout=TIMEOUT,
+            )
             if r.status_code == 200 or time.monotonic() > deadline:
                 break
         assert r.status_code == 200 and len(r.content) == 8 << 20
@@ -341,27 +363,35 @@ def test_a_full_open_memory_budget_answers_503_instead_of_piling_up(sos_server, 
 
 
 @pytest.mark.slow
-def test_plaintext_on_an_address_that_is_not_loopback_needs_an_explicit_flag(sos_server,
-                                                                             tmp_path):
+def test_plaintext_on_an_address_that_is_not_loopback_needs_an_explicit_flag(sos_server, tmp_path):
     key = sos_server.keygen(NS, "append")
     env = dict(os.environ, SOS_KEY=key)
-    cmd = [*sos_command(), "gateway", NS, "--server", sos_server.address, "--cache",
-           str(tmp_path / "c"), "--listen", "0.0.0.0:0"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT,
-                          check=False)
+    cmd = [
+        *sos_command(),
+        "gateway",
+        NS,
+        "--server",
+        sos_server.address,
+        "--cache",
+        str(tmp_path / "c"),
+        "--listen",
+        "0.0.0.0:0",
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT, check=False)
     assert proc.returncode == 2, proc.stderr
     assert "not a loopback address" in proc.stderr and "--insecure-plaintext" in proc.stderr
     assert "--tls-cert" in proc.stderr
     assert not (tmp_path / "c").exists()  # refused before it touched anything
     # with the flag it serves (and still wants tokens)
-    gw = start_gateway(sos_server, tmp_path, "--insecure-plaintext", key=key,
-                       listen="0.0.0.0:0")
+    gw = start_gateway(sos_server, tmp_path, "--insecure-plaintext", key=key, listen="0.0.0.0:0")
     try:
         url = f"http://127.0.0.1:{port_of(gw)}"
         assert requests.get(f"{url}/webhdfs/v1/?op=LISTSTATUS", timeout=TIMEOUT).status_code == 401
-        r = requests.post(url + "/oauth2/token", timeout=TIMEOUT,
-                          data={"grant_type": "client_credentials", "client_id": NS,
-                                "client_secret": key})
+        r = requests.post(
+            url + "/oauth2/token",
+            timeout=TIMEOUT,
+            data={"grant_type": "client_credentials", "client_id": NS, "client_secret": key},
+        )
         assert r.status_code == 200
     finally:
         assert gw.stop() == 0
@@ -379,8 +409,7 @@ def shared_gw(server, tmp_path_factory):
     assert gw.stop() == 0
 
 
-def exchange(gw: GatewayProcess, data: bytes, *, close: bool = True
-             ) -> tuple[int, dict, bytes, bool]:
+def exchange(gw: GatewayProcess, data: bytes, *, close: bool = True) -> tuple[int, dict, bytes, bool]:
     """Send ``data`` in one write, read one reply; (status, headers, body, closed after it:
     only waited for if ``close``)."""
     s = connect(port_of(gw))
@@ -394,51 +423,61 @@ def exchange(gw: GatewayProcess, data: bytes, *, close: bool = True
 
 @pytest.mark.slow
 def test_content_length_with_chunked_is_refused_and_the_connection_closed(shared_gw):
-    smuggled = request("PUT", "/webhdfs/v1/cl-te?op=MKDIRS", shared_gw.token,
-                       extra="Content-Length: 5\r\nTransfer-Encoding: chunked\r\n")
+    smuggled = request(
+        "PUT",
+        "/webhdfs/v1/cl-te?op=MKDIRS",
+        shared_gw.token,
+        extra="Content-Length: 5\r\nTransfer-Encoding: chunked\r\n",
+    )
     smuggled += b"0\r\n\r\n" + request("GET", "/webhdfs/v1/?op=LISTSTATUS", shared_gw.token)
     status, _, body, closed = exchange(shared_gw, smuggled)
     assert status == 400 and b"Transfer-Encoding" in body
     assert closed
-    r = requests.get(f"{shared_gw.url}/webhdfs/v1/cl-te?op=GETFILESTATUS", timeout=TIMEOUT,
-                     headers={"Authorization": f"Bearer {shared_gw.token}"})
+    r = requests.get(
+        f"{shared_gw.url}/webhdfs/v1/cl-te?op=GETFILESTATUS",
+        timeout=TIMEOUT,
+        headers={"Authorization": f"Bearer {shared_gw.token}"},
+    )
     assert r.status_code == 404  # the refused request did nothing
 
 
 @pytest.mark.slow
 def test_two_authorization_headers_are_refused(shared_gw):
     for second in ("Bearer forged", f"Bearer {shared_gw.token}", "Basic eDp5"):
-        data = request("PUT", "/webhdfs/v1/two-auth?op=MKDIRS", shared_gw.token,
-                       extra=f"Authorization: {second}\r\n")
+        data = request("PUT", "/webhdfs/v1/two-auth?op=MKDIRS", shared_gw.token, extra=f"Authorization: {second}\r\n")
         status, _, body, closed = exchange(shared_gw, data)
         assert status == 400 and b"Authorization" in body, (second, status, body)
         assert closed
-    r = requests.get(f"{shared_gw.url}/webhdfs/v1/two-auth?op=GETFILESTATUS", timeout=TIMEOUT,
-                     headers={"Authorization": f"Bearer {shared_gw.token}"})
+    r = requests.get(
+        f"{shared_gw.url}/webhdfs/v1/two-auth?op=GETFILESTATUS",
+        timeout=TIMEOUT,
+        headers={"Authorization": f"Bearer {shared_gw.token}"},
+    )
     assert r.status_code == 404
 
 
 @pytest.mark.slow
 def test_a_head_over_64_kib_in_one_read_gets_431(shared_gw):
-    data = request("GET", "/webhdfs/v1/?op=GETFILESTATUS", shared_gw.token,
-                   extra=f"X-Filler: {'a' * (70 << 10)}\r\n")
+    data = request("GET", "/webhdfs/v1/?op=GETFILESTATUS", shared_gw.token, extra=f"X-Filler: {'a' * (70 << 10)}\r\n")
     status, _, body, closed = exchange(shared_gw, data)
     assert status == 431, body
     assert closed
     # just under the limit is served
-    data = request("GET", "/webhdfs/v1/?op=GETFILESTATUS", shared_gw.token,
-                   extra=f"X-Filler: {'a' * (60 << 10)}\r\n")
+    data = request("GET", "/webhdfs/v1/?op=GETFILESTATUS", shared_gw.token, extra=f"X-Filler: {'a' * (60 << 10)}\r\n")
     assert exchange(shared_gw, data, close=False)[0] == 200
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("head", [
-    b"GARBAGE\r\n\r\n",
-    b"GET /webhdfs/v1/ HTTP/1.1 extra\r\nHost: x\r\n\r\n",
-    b"GET /webhdfs/v1/?op=LISTSTATUS HTTP/1.1\r\nHost: x\r\nno colon here\r\n\r\n",
-    b"GET /webhdfs/v1/?op=LISTSTATUS HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n",
-    b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + b"\x00" * 40 + b"\r\n\r\n",
-])
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"GARBAGE\r\n\r\n",
+        b"GET /webhdfs/v1/ HTTP/1.1 extra\r\nHost: x\r\n\r\n",
+        b"GET /webhdfs/v1/?op=LISTSTATUS HTTP/1.1\r\nHost: x\r\nno colon here\r\n\r\n",
+        b"GET /webhdfs/v1/?op=LISTSTATUS HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n",
+        b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + b"\x00" * 40 + b"\r\n\r\n",
+    ],
+)
 def test_a_malformed_head_gets_400_before_the_close(shared_gw, head):
     status, _, body, closed = exchange(shared_gw, head)
     assert status == 400, body
@@ -453,22 +492,29 @@ def test_the_redirect_names_the_advertised_address_never_the_host_header(sos_ser
         token = token_for(gw, gw.key)
         for op, method in (("CREATE", "PUT"), ("APPEND", "POST"), ("OPEN", "GET")):
             if op == "APPEND":
-                r = requests.put(f"{gw.url}/webhdfs/v1/loc?op=CREATE&data=true&overwrite=true",
-                                 data=b"x", timeout=TIMEOUT,
-                                 headers={"Authorization": f"Bearer {token}"})
+                r = requests.put(
+                    f"{gw.url}/webhdfs/v1/loc?op=CREATE&data=true&overwrite=true",
+                    data=b"x",
+                    timeout=TIMEOUT,
+                    headers={"Authorization": f"Bearer {token}"},
+                )
                 assert r.status_code == 201
             data = request(method, f"/webhdfs/v1/loc?op={op}&overwrite=true", token)
             data = data.replace(b"Host: 127.0.0.1", b"Host: evil.example:666")
             status, headers, _, _ = exchange(gw, data, close=False)
             assert status == 307, (op, status)
-            assert headers["location"].startswith("http://gw.example:9999/webhdfs/v1/loc?"), \
-                headers
+            assert headers["location"].startswith("http://gw.example:9999/webhdfs/v1/loc?"), headers
     finally:
         assert gw.stop() == 0
     # a malformed --advertise is refused at once
-    proc = subprocess.run([*sos_command(), "gateway", NS, "--listen", "127.0.0.1:0", "--advertise", "0.0.0.0:99999"],
-                          env=dict(os.environ, SOS_KEY=gw.key), capture_output=True, text=True,
-                          timeout=TIMEOUT, check=False)
+    proc = subprocess.run(
+        [*sos_command(), "gateway", NS, "--listen", "127.0.0.1:0", "--advertise", "0.0.0.0:99999"],
+        env=dict(os.environ, SOS_KEY=gw.key),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        check=False,
+    )
     assert proc.returncode == 2 and "--advertise" in proc.stderr, proc.stderr
 
 
@@ -477,26 +523,25 @@ def test_without_advertise_the_redirect_names_the_listen_address(sos_server, tmp
     gw = start_gateway(sos_server, tmp_path)
     try:
         token = token_for(gw, gw.key)
-        data = request("PUT", "/webhdfs/v1/f?op=CREATE", token).replace(
-            b"Host: 127.0.0.1", b"Host: evil.example")
+        data = request("PUT", "/webhdfs/v1/f?op=CREATE", token).replace(b"Host: 127.0.0.1", b"Host: evil.example")
         status, headers, _, _ = exchange(gw, data, close=False)
         assert status == 307
         assert headers["location"].startswith(f"{gw.url}/webhdfs/v1/f?"), headers["location"]
         # noredirect=true: the same URL in the JSON body
-        status, _, body, _ = exchange(gw, request("PUT", "/webhdfs/v1/f?op=CREATE&noredirect=true",
-                                                  token, extra="X-Forwarded-Host: evil\r\n"),
-                                    close=False)
+        status, _, body, _ = exchange(
+            gw,
+            request("PUT", "/webhdfs/v1/f?op=CREATE&noredirect=true", token, extra="X-Forwarded-Host: evil\r\n"),
+            close=False,
+        )
         assert status == 200 and f'"{gw.url}/webhdfs/v1/f?'.encode() in body
     finally:
         assert gw.stop() == 0
     # a wildcard listener names the address the client reached
-    gw = start_gateway(sos_server, tmp_path, "--insecure-plaintext", listen="0.0.0.0:0",
-                       name="wild", key=gw.key)
+    gw = start_gateway(sos_server, tmp_path, "--insecure-plaintext", listen="0.0.0.0:0", name="wild", key=gw.key)
     try:
         port = port_of(gw)
         s = connect(port)
-        s.sendall(request("PUT", "/webhdfs/v1/f?op=CREATE", token).replace(
-            b"Host: 127.0.0.1", b"Host: evil.example"))
+        s.sendall(request("PUT", "/webhdfs/v1/f?op=CREATE", token).replace(b"Host: 127.0.0.1", b"Host: evil.example"))
         status, headers, _ = read_reply(s)
         s.close()
         assert status == 307
@@ -519,16 +564,14 @@ def _limits(pid: int) -> tuple[int, int]:
 
 @pytest.mark.slow
 def test_the_descriptor_limit_is_raised_and_the_connection_cap_fits_it(sos_server, tmp_path):
-    gw = start_gateway(sos_server, tmp_path, prefix=["prlimit", "--nofile=256:4096", "--"],
-                       name="raised")
+    gw = start_gateway(sos_server, tmp_path, prefix=["prlimit", "--nofile=256:4096", "--"], name="raised")
     try:
         assert _limits(gw.pid) == (4096, 4096)
     finally:
         assert gw.stop() == 0
     # a hard limit of 256: the cap shrinks to fit it, and 400 connections at once (from 8
     # addresses, none with a token) never run the gateway out of descriptors
-    gw = start_gateway(sos_server, tmp_path, prefix=["prlimit", "--nofile=256:256", "--"],
-                       name="low", key=gw.key)
+    gw = start_gateway(sos_server, tmp_path, prefix=["prlimit", "--nofile=256:256", "--"], name="low", key=gw.key)
     port = port_of(gw)
     try:
         assert _limits(gw.pid) == (256, 256)
@@ -571,7 +614,7 @@ def pipeline(port: int, requests_: list[bytes], source: str = "127.0.0.1") -> li
     statuses: list[int] = []
     while len(statuses) < len(requests_):
         s = connect(port, source)
-        rest = requests_[len(statuses):]
+        rest = requests_[len(statuses) :]
         writer = threading.Thread(target=_send_quietly, args=(s, b"".join(rest)), daemon=True)
         writer.start()
         buf = bytearray()
@@ -604,14 +647,12 @@ def test_statistics_stay_bounded_over_distinct_paths_and_ops(sos_server, tmp_pat
         # 10,000 requests, every one on a path of its own
         unauthenticated = [request("GET", f"/webhdfs/v1/u{i}?op=GETFILESTATUS") for i in range(2500)]
         unauthenticated += [request("GET", f"/nowhere/{i}") for i in range(2500)]
-        authenticated = [request("GET", f"/webhdfs/v1/a{i}?op=GETFILESTATUS", token)
-                         for i in range(2500)]
-        authenticated += [request("GET", f"/webhdfs/v1/b{i}?op=MADEUP{i}", token)
-                          for i in range(2500)]
+        authenticated = [request("GET", f"/webhdfs/v1/a{i}?op=GETFILESTATUS", token) for i in range(2500)]
+        authenticated += [request("GET", f"/webhdfs/v1/b{i}?op=MADEUP{i}", token) for i in range(2500)]
         statuses = []
         for batch in range(0, 5000, 500):
-            statuses += pipeline(port, unauthenticated[batch:batch + 500])
-            statuses += pipeline(port, authenticated[batch:batch + 500])
+            statuses += pipeline(port, unauthenticated[batch : batch + 500])
+            statuses += pipeline(port, authenticated[batch : batch + 500])
         assert statuses.count(401) == 5000
         assert statuses.count(404) == 2500 and statuses.count(400) == 2500
         rss = psutil.Process(gw.pid).memory_info().rss
@@ -668,8 +709,9 @@ def test_accept_out_of_descriptors_backs_off_and_logs_once_per_interval(tmp_path
     CLI never builds one: previous test); it logged a traceback every 0.1 s."""
     log_path = tmp_path / "emfile.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-c", _EMFILE_GATEWAY, "40"],
-                                stdout=subprocess.PIPE, stderr=log, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _EMFILE_GATEWAY, "40"], stdout=subprocess.PIPE, stderr=log, text=True
+        )
     try:
         port = int(proc.stdout.readline().split()[1])
         socks = []

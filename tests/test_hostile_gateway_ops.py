@@ -41,8 +41,9 @@ PATIENCE = 60
 
 
 def server_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sos_server.cli", *args], capture_output=True,
-                          text=True, timeout=PATIENCE)
+    return subprocess.run(
+        [sys.executable, "-m", "sos_server.cli", *args], capture_output=True, text=True, timeout=PATIENCE
+    )
 
 
 def set_quota(srv, namespace: str, size: str) -> None:
@@ -67,8 +68,11 @@ class Gw:
         self.cache = cache
         self.tree = cache / "tree"
         self.url = self.proc.url
-        r = requests.post(self.url + "/oauth2/token", timeout=PATIENCE,
-                          data={"grant_type": "client_credentials", "client_id": NS, "client_secret": key})
+        r = requests.post(
+            self.url + "/oauth2/token",
+            timeout=PATIENCE,
+            data={"grant_type": "client_credentials", "client_id": NS, "client_secret": key},
+        )
         assert r.status_code == 200, r.text
         self.headers = {"Authorization": f"Bearer {r.json()['access_token']}"}
         self.local = threading.local()
@@ -125,8 +129,7 @@ class _AsUser(GatewayProcess):
         self.uid = uid
 
     def command(self) -> list[str]:
-        return ["setpriv", f"--reuid={self.uid}", f"--regid={self.uid}", "--clear-groups",
-                *super().command()]
+        return ["setpriv", f"--reuid={self.uid}", f"--regid={self.uid}", "--clear-groups", *super().command()]
 
 
 def remote(r: requests.Response) -> dict:
@@ -146,7 +149,7 @@ def classify(path: str, body: bytes, message: str, journaled: dict[str, bytes]) 
     the quota allows); or a file's first N bytes (a body refused between two pieces)."""
     partial = re.search(r"keeps its first (\d+) bytes", message)
     if partial:
-        journaled[path] = body[:int(partial.group(1))]
+        journaled[path] = body[: int(partial.group(1))]
     elif "cannot become durable" in message:
         journaled[path] = body
     else:
@@ -155,8 +158,13 @@ def classify(path: str, body: bytes, message: str, journaled: dict[str, bytes]) 
 
 def restored(srv, key: str, target) -> dict:
     env = dict(os.environ, SOS_KEY=key)
-    subprocess.run([*sos_command(), "restore", "-q", "--server", srv.address, NS, str(target)],
-                   env=env, check=True, timeout=300, capture_output=True)
+    subprocess.run(
+        [*sos_command(), "restore", "-q", "--server", srv.address, NS, str(target)],
+        env=env,
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
     return tree_snapshot(target)
 
 
@@ -164,7 +172,9 @@ def restored(srv, key: str, target) -> dict:
 
 
 @pytest.mark.slow
-def test_gateway_at_the_quota_refuses_with_dsquota_never_hangs_and_restores_what_it_said(sos_server, tmp_path, gateways):
+def test_gateway_at_the_quota_refuses_with_dsquota_never_hangs_and_restores_what_it_said(
+    sos_server, tmp_path, gateways
+):
     key = sos_server.keygen(NS, "append")
     set_quota(sos_server, NS, "64K")
     gw = gateways(sos_server, key, tmp_path)
@@ -185,11 +195,13 @@ def test_gateway_at_the_quota_refuses_with_dsquota_never_hangs_and_restores_what
     assert acknowledged, "the quota was reached before any file"
 
     # the next CREATE and RENAME are refused at once, before they change anything
-    for attempt in (lambda: gw.create("/after", b"refused"),
-                    lambda: gw.op("PUT", "/fill/f000", op="RENAME", destination="/fill/moved"),
-                    lambda: gw.op("PUT", "/made", op="MKDIRS"),
-                    lambda: gw.op("POST", "/fill/f000", op="APPEND"),
-                    lambda: gw.op("DELETE", "/fill/f000", op="DELETE")):
+    for attempt in (
+        lambda: gw.create("/after", b"refused"),
+        lambda: gw.op("PUT", "/fill/f000", op="RENAME", destination="/fill/moved"),
+        lambda: gw.op("PUT", "/made", op="MKDIRS"),
+        lambda: gw.op("POST", "/fill/f000", op="APPEND"),
+        lambda: gw.op("DELETE", "/fill/f000", op="DELETE"),
+    ):
         started = time.monotonic()
         assert "nothing was changed" in assert_dsquota(attempt())
         assert time.monotonic() - started < PATIENCE / 2
@@ -245,8 +257,13 @@ def test_writer_and_fsspec_at_the_quota_fail_with_edquot_and_drain_when_raised(s
 
     key = sos_server.keygen(NS, "append")
     set_quota(sos_server, NS, "64K")
-    writer = JournalWriter(lambda: Client(sos_server.address, key, NS, timeout=PATIENCE), NS,
-                           str(tmp_path / "spool"), sync=True, max_backoff=0.5)
+    writer = JournalWriter(
+        lambda: Client(sos_server.address, key, NS, timeout=PATIENCE),
+        NS,
+        str(tmp_path / "spool"),
+        sync=True,
+        max_backoff=0.5,
+    )
     tree = JournaledTree(str(tmp_path / "cache"), writer, rebuild=rebuild_cache).open()
     failure = None
     for i in range(200):
@@ -282,8 +299,7 @@ def test_writer_and_fsspec_at_the_quota_fail_with_edquot_and_drain_when_raised(s
     ns2 = "gwq-fs"
     key2 = sos_server.keygen(ns2, "append")
     set_quota(sos_server, ns2, "64K")
-    fs = SOSFileSystem(server=sos_server.address, key=key2, cache_dir=str(tmp_path / "fs"),
-                       skip_instance_cache=True)
+    fs = SOSFileSystem(server=sos_server.address, key=key2, cache_dir=str(tmp_path / "fs"), skip_instance_cache=True)
     try:
         with pytest.raises(OSError) as over:
             for i in range(200):
@@ -332,8 +348,7 @@ def test_links_planted_in_the_cache_are_never_followed(sos_server, tmp_path, gat
             assert r.status_code in (403, 404), (path, r.text)
         for path in ("/link", "/dlink/secret", "/d/inner", "/dlink"):
             assert gw.op("GET", path, op="GETFILESTATUS").status_code == 404, path
-        listed = {e["pathSuffix"] for e in
-                  gw.op("GET", "/", op="LISTSTATUS").json()["FileStatuses"]["FileStatus"]}
+        listed = {e["pathSuffix"] for e in gw.op("GET", "/", op="LISTSTATUS").json()["FileStatuses"]["FileStatus"]}
         assert listed == {"d", "hard"}  # links are not entries of the journal
         assert gw.op("GET", "/dlink", op="LISTSTATUS").status_code == 404
         summary = gw.op("GET", "/", op="GETCONTENTSUMMARY").json()["ContentSummary"]
@@ -366,11 +381,19 @@ def test_setpermission_is_masked_and_000_on_the_root_leaves_a_non_root_gateway_w
         assert r.status_code == 200, r.text
         return r.json()["FileStatus"]["permission"]
 
-    for path, asked, given in [("/dir/f", "777", "755"), ("/dir/f", "1777", "755"),
-                               ("/dir/f", "000", "600"), ("/dir/f", "1640", "640"),
-                               ("/dir/f", "640", "640"), ("/dir", "777", "755"),
-                               ("/dir", "000", "700"), ("/dir", "775", "755"),
-                               ("/", "000", "700"), ("/", "777", "755"), ("/", "000", "700")]:
+    for path, asked, given in [
+        ("/dir/f", "777", "755"),
+        ("/dir/f", "1777", "755"),
+        ("/dir/f", "000", "600"),
+        ("/dir/f", "1640", "640"),
+        ("/dir/f", "640", "640"),
+        ("/dir", "777", "755"),
+        ("/dir", "000", "700"),
+        ("/dir", "775", "755"),
+        ("/", "000", "700"),
+        ("/", "777", "755"),
+        ("/", "000", "700"),
+    ]:
         r = gw.op("PUT", path, op="SETPERMISSION", permission=asked)
         assert r.status_code == 200, r.text
         assert permission(path) == given, (path, asked)
@@ -398,8 +421,9 @@ def test_mount_at_the_quota_answers_edquot_instead_of_hanging(sos_server, tmp_pa
     key = sos_server.keygen(ns, "append")
     set_quota(sos_server, ns, "64K")
     mnt = tmp_path / "mnt"
-    mp = MountProcess(ns, str(mnt), str(tmp_path / "cache"), sos_server.address, key,
-                      log_path=str(tmp_path / "mount.log")).start()
+    mp = MountProcess(
+        ns, str(mnt), str(tmp_path / "cache"), sos_server.address, key, log_path=str(tmp_path / "mount.log")
+    ).start()
     errors: list[OSError] = []
 
     def fill() -> None:

@@ -29,18 +29,18 @@ def _bogus_key() -> str:
     return os.urandom(8).hex() + "." + os.urandom(32).hex()
 
 
-def post_token(url: str, secret: str, *, source: str | None = None,
-               timeout: float = 90.0) -> tuple[int, dict[str, str], dict, float]:
+def post_token(
+    url: str, secret: str, *, source: str | None = None, timeout: float = 90.0
+) -> tuple[int, dict[str, str], dict, float]:
     """(status, headers, JSON body, seconds) of one token request, sent from ``source``."""
     parts = urllib.parse.urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout,
-                                      source_address=(source, 0) if source else None)
-    body = urllib.parse.urlencode({"grant_type": "client_credentials", "client_id": NS,
-                                   "client_secret": secret})
+    conn = http.client.HTTPConnection(
+        parts.hostname, parts.port, timeout=timeout, source_address=(source, 0) if source else None
+    )
+    body = urllib.parse.urlencode({"grant_type": "client_credentials", "client_id": NS, "client_secret": secret})
     started = time.monotonic()
     try:
-        conn.request("POST", "/oauth2/token", body=body,
-                     headers={"Content-Type": "application/x-www-form-urlencoded"})
+        conn.request("POST", "/oauth2/token", body=body, headers={"Content-Type": "application/x-www-form-urlencoded"})
         r = conn.getresponse()
         data = r.read()
         elapsed = time.monotonic() - started
@@ -56,21 +56,20 @@ def token(url: str, secret: str, **kw) -> str:
     return doc["access_token"]
 
 
-def call(url: str, method: str, path: str, tok: str, *, body: bytes | None = None,
-         **params: str) -> int:
+def call(url: str, method: str, path: str, tok: str, *, body: bytes | None = None, **params: str) -> int:
     """Status of one WebHDFS request (CREATE: both steps when the first answers 307)."""
     parts = urllib.parse.urlsplit(url)
     query = urllib.parse.urlencode(params)
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=90)
     try:
-        conn.request(method, f"/webhdfs/v1{path}?{query}", body=body,
-                     headers={"Authorization": f"Bearer {tok}"})
+        conn.request(method, f"/webhdfs/v1{path}?{query}", body=body, headers={"Authorization": f"Bearer {tok}"})
         r = conn.getresponse()
         r.read()
         if r.status == 307:
             loc = urllib.parse.urlsplit(r.getheader("location"))
-            conn.request(method, f"{loc.path}?{loc.query}", body=body or b"x",
-                         headers={"Authorization": f"Bearer {tok}"})
+            conn.request(
+                method, f"{loc.path}?{loc.query}", body=body or b"x", headers={"Authorization": f"Bearer {tok}"}
+            )
             r = conn.getresponse()
             r.read()
         return r.status
@@ -79,8 +78,14 @@ def call(url: str, method: str, path: str, tok: str, *, body: bytes | None = Non
 
 
 def start_gateway(server, tmp_path, key: str, name: str = "gateway", args=()) -> GatewayProcess:
-    return GatewayProcess(NS, str(tmp_path / f"{name}-cache"), server.address, key,
-                          extra_args=list(args), log_path=str(tmp_path / f"{name}.log")).start()
+    return GatewayProcess(
+        NS,
+        str(tmp_path / f"{name}-cache"),
+        server.address,
+        key,
+        extra_args=list(args),
+        log_path=str(tmp_path / f"{name}.log"),
+    ).start()
 
 
 def server_log_count(server, marker: str) -> int:
@@ -97,8 +102,9 @@ class Flood:
         self.answers: list[tuple[str, int, str | None, float]] = []  # source, status, retry-after, s
         self.errors: list[BaseException] = []
         self._lock = threading.Lock()
-        self.threads = [threading.Thread(target=self._run, args=(src,), daemon=True)
-                        for src, n in sources.items() for _ in range(n)]
+        self.threads = [
+            threading.Thread(target=self._run, args=(src,), daemon=True) for src, n in sources.items() for _ in range(n)
+        ]
 
     def _run(self, source: str) -> None:
         while not self.stop.is_set():
@@ -128,8 +134,7 @@ class Flood:
 
 
 @pytest.mark.slow
-def test_a_token_flood_from_one_and_from_several_addresses_does_not_delay_a_real_client(
-        sos_server, tmp_path):
+def test_a_token_flood_from_one_and_from_several_addresses_does_not_delay_a_real_client(sos_server, tmp_path):
     gateway_key = sos_server.keygen(NS, "append")
     known = sos_server.keygen(NS, "append")
     fresh = sos_server.keygen(NS, "append")
@@ -168,8 +173,7 @@ def test_a_token_flood_from_one_and_from_several_addresses_does_not_delay_a_real
 
 
 @pytest.mark.slow
-def test_malformed_and_just_refused_keys_are_answered_without_asking_the_server(
-        sos_server, tmp_path):
+def test_malformed_and_just_refused_keys_are_answered_without_asking_the_server(sos_server, tmp_path):
     gw = start_gateway(sos_server, tmp_path, sos_server.keygen(NS, "append"))
     try:
         before = server_log_count(sos_server, '"auth failed"')
@@ -182,8 +186,7 @@ def test_malformed_and_just_refused_keys_are_answered_without_asking_the_server(
             status, _, doc, _ = post_token(gw.url, bogus)
             assert status == 401 and doc["error"] == "invalid_client"
         deadline = time.monotonic() + 30
-        while server_log_count(sos_server, '"auth failed"') < before + 1 and \
-                time.monotonic() < deadline:
+        while server_log_count(sos_server, '"auth failed"') < before + 1 and time.monotonic() < deadline:
             time.sleep(0.1)
         time.sleep(0.5)
         assert server_log_count(sos_server, '"auth failed"') == before + 1
@@ -200,8 +203,7 @@ def revoke(server, key: str) -> None:
 
 
 @pytest.mark.slow
-def test_a_revoked_key_gets_no_new_token_and_its_tokens_stop_within_the_recheck_interval(
-        sos_server, tmp_path):
+def test_a_revoked_key_gets_no_new_token_and_its_tokens_stop_within_the_recheck_interval(sos_server, tmp_path):
     recheck = 2
     gateway_key = sos_server.keygen(NS, "append")
     job = sos_server.keygen(NS, "append")

@@ -72,12 +72,11 @@ HOSTILE = {
     "create_absolute": lambda tmp: _raw_record(CREATE, 5, _s(str(tmp / ESCAPE)) + struct.pack(">I", 0o644)),
     "create_nul": lambda tmp: _raw_record(CREATE, 5, _s("d/x\x00y") + struct.pack(">I", 0o644)),
     "rename_out": lambda tmp: _raw_record(RENAME, 5, _s("d/ok") + _s(f"../{ESCAPE}") + b"\x01"),
-    "write_dotdot": lambda tmp: _raw_record(
-        WRITE, 5, _s(f"../{ESCAPE}") + struct.pack(">QI", 0, 4) + b"evil"),
-    "write_huge_offset": lambda tmp: _raw_record(
-        WRITE, 5, _s("d/ok") + struct.pack(">QI", (1 << 64) - 1, 4) + b"evil"),
+    "write_dotdot": lambda tmp: _raw_record(WRITE, 5, _s(f"../{ESCAPE}") + struct.pack(">QI", 0, 4) + b"evil"),
+    "write_huge_offset": lambda tmp: _raw_record(WRITE, 5, _s("d/ok") + struct.pack(">QI", (1 << 64) - 1, 4) + b"evil"),
     "write_blob_over_limit": lambda tmp: _raw_record(
-        WRITE, 5, _s("d/ok") + struct.pack(">QI", 0, (1 << 20) + 1) + b"evil"),
+        WRITE, 5, _s("d/ok") + struct.pack(">QI", 0, (1 << 20) + 1) + b"evil"
+    ),
 }
 
 
@@ -106,9 +105,19 @@ def test_crafted_records_never_escape_the_target(victim, case):
         targets.append(cli_target)
         env = dict(os.environ, SOS_SERVER=srv.address, SOS_KEY=key)
         r = subprocess.run(
-            [sys.executable, "-c", "import sys; from sos_client.cli import main; sys.exit(main())",
-             "restore", "-q", ns, str(cli_target)],
-            capture_output=True, text=True, env=env, timeout=300,
+            [
+                sys.executable,
+                "-c",
+                "import sys; from sos_client.cli import main; sys.exit(main())",
+                "restore",
+                "-q",
+                ns,
+                str(cli_target),
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
         )
         assert r.returncode != 0, r.stderr
         assert "Traceback" not in r.stderr and "sos:" in r.stderr, r.stderr

@@ -98,9 +98,19 @@ def test_restore_never_creates_setuid_setgid_sticky_or_world_writable_entries(tm
     """The journal says 04755, 02777, 01777, 0666: replay (run as root here, as `sos restore`
     often is) gives exactly mode & 0o775, whatever the record, the umask or a setgid target."""
     store = MemStore()
-    publish(store, [SnapshotEnd(1), Mkdir("d", 0o3777), Create("d/suid", 0o4755),
-                    Write("d/suid", 0, b"#!/bin/sh\nid\n"), Create("d/sgid", 0o2777),
-                    Mkdir("d/sticky", 0o1777), Create("d/ww", 0o666), Create("d/plain", 0o640)])
+    publish(
+        store,
+        [
+            SnapshotEnd(1),
+            Mkdir("d", 0o3777),
+            Create("d/suid", 0o4755),
+            Write("d/suid", 0, b"#!/bin/sh\nid\n"),
+            Create("d/sgid", 0o2777),
+            Mkdir("d/sticky", 0o1777),
+            Create("d/ww", 0o666),
+            Create("d/plain", 0o640),
+        ],
+    )
     target = tmp_path / "out"
     target.mkdir()
     os.chmod(target, 0o2755)  # a setgid target: its children must not inherit the bit either
@@ -183,8 +193,14 @@ def test_a_symlink_planted_during_replay_is_never_followed(outside):
 
 def test_a_symlinked_directory_planted_during_replay_is_never_entered(outside):
     _secret, elsewhere, target = outside
-    ops = [SnapshotEnd(1), Mkdir("d"), Mkdir("d/sub"), Create("d/sub/x"), Write("d/sub/x", 0, b"x"),
-           Rename("d/sub/x", "d/sub/y", True)]
+    ops = [
+        SnapshotEnd(1),
+        Mkdir("d"),
+        Mkdir("d/sub"),
+        Create("d/sub/x"),
+        Write("d/sub/x", 0, b"x"),
+        Rename("d/sub/x", "d/sub/y", True),
+    ]
 
     def plant():
         os.rmdir(target / "d" / "sub")
@@ -268,9 +284,14 @@ def test_the_tree_never_follows_a_link_planted_in_its_cache(outside, tmp_path):
     os.symlink(elsewhere, os.path.join(cache, "chk"))
     os.symlink(secret, os.path.join(cache, "f"))
     before = w.last_seq
-    for call in (lambda: t.mkdir("chk/d"), lambda: t.create("chk/x"), lambda: t.create("f"),
-                 lambda: t.write("f", 0, b"pwned"), lambda: t.truncate("f", 0),
-                 lambda: t.rename("chk", "chk2", overwrite=True) or t.create("chk2/y")):
+    for call in (
+        lambda: t.mkdir("chk/d"),
+        lambda: t.create("chk/x"),
+        lambda: t.create("f"),
+        lambda: t.write("f", 0, b"pwned"),
+        lambda: t.truncate("f", 0),
+        lambda: t.rename("chk", "chk2", overwrite=True) or t.create("chk2/y"),
+    ):
         with pytest.raises(OSError):
             call()
     assert os.listdir(elsewhere) == [] and secret.read_bytes() == b"root:secret\n"
@@ -451,9 +472,12 @@ def test_every_corrupt_record_listed_in_protocol_2_2_is_refused(case):
 
 
 def test_the_largest_allowed_fields_decode():
-    for typ, body in ((1, s16("d") + struct.pack(">I", 0o7777)), (8, s16("l" * 255) + struct.pack(">I", 0)),
-                      (5, s16("f") + struct.pack(">Q", MAX_FILE_SIZE)),
-                      (3, s16("/".join(["n" * 255] * 16)) + struct.pack(">I", 0o644))):
+    for typ, body in (
+        (1, s16("d") + struct.pack(">I", 0o7777)),
+        (8, s16("l" * 255) + struct.pack(">I", 0)),
+        (5, s16("f") + struct.pack(">Q", MAX_FILE_SIZE)),
+        (3, s16("/".join(["n" * 255] * 16)) + struct.pack(">I", 0o644)),
+    ):
         assert len(decode_all(raw_record(typ, 1, body))) == 1
     with pytest.raises(ValueError):
         encode(Mkdir("d", 0o40755), 1, 1)

@@ -39,8 +39,9 @@ OBJECT_CHARGE = 4096  # what each object costs the byte quota besides its data (
 
 
 def server_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sos_server.cli", *args], capture_output=True, text=True,
-                          timeout=TIMEOUT)
+    return subprocess.run(
+        [sys.executable, "-m", "sos_server.cli", *args], capture_output=True, text=True, timeout=TIMEOUT
+    )
 
 
 def _metric(srv, name: str) -> float:
@@ -59,6 +60,7 @@ def _wait_for(what: str, check) -> None:
 
 
 # -- item 5: the pre-AUTH pool ------------------------------------------------------------
+
 
 def _silent(srv, host: str) -> socket.socket:
     """A connection from *host* (any 127.0.0.0/8 address is this machine) that sends nothing."""
@@ -161,6 +163,7 @@ def test_evicted_connection_that_was_mid_handshake_is_told_busy(sos_server_facto
 
 # -- item 7: objects cost quota -----------------------------------------------------------
 
+
 def test_empty_objects_with_long_names_stop_at_quota_over_charge(sos_server_factory):
     srv = sos_server_factory(start=False)
     out = server_cli("keygen", "--data", str(srv.data_dir), NS, "--role", "append", "--quota", "64K")
@@ -219,8 +222,7 @@ def test_the_default_object_cap_is_10000_per_namespace(sos_server_factory, tmp_p
         n = 10_001
         with RawClient(srv.address) as c:
             assert isinstance(c.login(key, NS), ev.AuthOk)
-            frames = b"".join(c.conn.send(ev.Append(c.rid(), f"o/{i:05d}", 0, 0, crc32c(b""), b""))
-                              for i in range(n))
+            frames = b"".join(c.conn.send(ev.Append(c.rid(), f"o/{i:05d}", 0, 0, crc32c(b""), b"")) for i in range(n))
             sender = threading.Thread(target=c.send_raw, args=(frames,), daemon=True)
             sender.start()  # pipelined; the replies are read meanwhile
             replies = [c.next() for _ in range(n)]
@@ -233,6 +235,7 @@ def test_the_default_object_cap_is_10000_per_namespace(sos_server_factory, tmp_p
 
 
 # -- item 12: a quota change binds open connections ---------------------------------------
+
 
 def test_quota_lowered_on_the_live_server_binds_an_open_connection(sos_server_factory):
     srv = sos_server_factory(start=False)
@@ -257,6 +260,7 @@ def test_quota_lowered_on_the_live_server_binds_an_open_connection(sos_server_fa
 
 # -- item 10: the token role --------------------------------------------------------------
 
+
 def _token_key(srv) -> str:
     out = server_cli("keygen", "--data", str(srv.data_dir), NS, "--role", "token")
     assert out.returncode == 0, out.stderr
@@ -275,9 +279,15 @@ def test_a_token_key_authenticates_and_is_forbidden_everything_but_ping(sos_serv
     with RawClient(srv.address) as c:
         ok = c.login(token_key, NS)
         assert ok == ev.AuthOk(c.conn._next_id, KeyRole.TOKEN)
-        for request in (ev.Fence(c.rid(), 2), ev.Append(c.rid(), "obj", 4, 1, crc32c(b"x"), b"x"),
-                        ev.Append(c.rid(), "new", 0, 1, crc32c(b""), b""), ev.Read(c.rid(), "obj", 0, 0),
-                        ev.List(c.rid(), "", "", 10), ev.Stat(c.rid(), "obj"), ev.Seal(c.rid(), "obj", 1)):
+        for request in (
+            ev.Fence(c.rid(), 2),
+            ev.Append(c.rid(), "obj", 4, 1, crc32c(b"x"), b"x"),
+            ev.Append(c.rid(), "new", 0, 1, crc32c(b""), b""),
+            ev.Read(c.rid(), "obj", 0, 0),
+            ev.List(c.rid(), "", "", 10),
+            ev.Stat(c.rid(), "obj"),
+            ev.Seal(c.rid(), "obj", 1),
+        ):
             r = c.call(request)
             assert isinstance(r, ev.Error) and r.code is ErrorCode.FORBIDDEN, (request, r)
             assert r.request_id == request.request_id and "gateway" in r.message, r
@@ -299,8 +309,13 @@ def test_sos_commands_say_a_token_key_is_gateway_only(sos_server_factory):
         assert c.ping(b"p") == b"p"
     env = dict(os.environ, SOS_KEY=token_key)
     for args in (["ls", NS], ["stat", f"{NS}/x"], ["cat", f"{NS}/x"]):
-        out = subprocess.run([sys.executable, "-m", "sos_client.cli", *args, "--server", srv.address],
-                             capture_output=True, text=True, env=env, timeout=TIMEOUT)
+        out = subprocess.run(
+            [sys.executable, "-m", "sos_client.cli", *args, "--server", srv.address],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=TIMEOUT,
+        )
         assert out.returncode == 1, (args, out.stdout, out.stderr)
         assert "gateway-only key" in out.stderr and "token role" in out.stderr, out.stderr
     from sos_client.journal.open import open_namespace
@@ -316,11 +331,20 @@ def test_the_gateway_exchanges_a_token_key_for_an_append_token(sos_server_factor
     gateway_key = srv.keygen(NS, "append")
     token_key = _token_key(srv)
     srv.start()
-    gw = GatewayProcess(NS, str(tmp_path / "cache"), srv.address, gateway_key, listen="127.0.0.1:0",
-                        log_path=str(tmp_path / "gateway.log")).start()
+    gw = GatewayProcess(
+        NS,
+        str(tmp_path / "cache"),
+        srv.address,
+        gateway_key,
+        listen="127.0.0.1:0",
+        log_path=str(tmp_path / "gateway.log"),
+    ).start()
     try:
-        r = requests.post(gw.url + "/oauth2/token", data={"grant_type": "client_credentials", "client_id": NS,
-                                                          "client_secret": token_key}, timeout=TIMEOUT)
+        r = requests.post(
+            gw.url + "/oauth2/token",
+            data={"grant_type": "client_credentials", "client_id": NS, "client_secret": token_key},
+            timeout=TIMEOUT,
+        )
         assert r.status_code == 200, r.text
         h = {"Authorization": f"Bearer {r.json()['access_token']}"}
         url = f"{gw.url}/webhdfs/v1/chk/f"

@@ -36,13 +36,13 @@ HOUR = 3600
 
 
 def server_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sos_server.cli", *args], capture_output=True, text=True,
-                          timeout=WAIT)
+    return subprocess.run([sys.executable, "-m", "sos_server.cli", *args], capture_output=True, text=True, timeout=WAIT)
 
 
 def sos_cli(*args: str, env: dict, input: bytes | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sos_client.cli", *args], capture_output=True, timeout=WAIT,
-                          env=env, input=input)
+    return subprocess.run(
+        [sys.executable, "-m", "sos_client.cli", *args], capture_output=True, timeout=WAIT, env=env, input=input
+    )
 
 
 def factory(srv, ns: str, key: str):
@@ -207,8 +207,13 @@ def test_generation_numbers_only_grow_by_one(sos_server, tmp_path):
         # names under gen/ that are not generation directories are no journal: not refused
         assert isinstance(c.append("gen/notes", 0, b"n", epoch=1), ev.AppendOk)
     # a real writer writes several generations (each the next one) and stays restorable
-    w = JournalWriter(factory(srv, "gens2", srv.keygen("gens2", "append")), "gens2", str(tmp_path / "spool"),
-                      segment_bytes=2048, generation_bytes=2500)
+    w = JournalWriter(
+        factory(srv, "gens2", srv.keygen("gens2", "append")),
+        "gens2",
+        str(tmp_path / "spool"),
+        segment_bytes=2048,
+        generation_bytes=2500,
+    )
     t = JournaledTree(str(tmp_path / "cache"), w, rebuild=rebuild_cache).open()
     for i in range(12):
         t.create(f"f{i}")
@@ -401,7 +406,10 @@ def test_namespace_byte_quota(sos_server_factory, tmp_path):
         assert isinstance(c.append("a", 0, b"x" * 100), ev.AppendOk)
         r = c.append("a", 100, b"x")
         assert isinstance(r, ev.Error) and r.code is ErrorCode.QUOTA_EXCEEDED, r
-    assert server_cli("quota", "--data", srv.data_dir, "q").stdout == f"q\t{C + 2048}\tused {C + 1500} (objects 1, data bytes 1500)\n"
+    assert (
+        server_cli("quota", "--data", srv.data_dir, "q").stdout
+        == f"q\t{C + 2048}\tused {C + 1500} (objects 1, data bytes 1500)\n"
+    )
     # the quota survives a restart (usage is counted again from the files)
     srv.restart()
     with RawClient(srv.address) as c:

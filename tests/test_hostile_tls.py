@@ -38,9 +38,27 @@ def _make_cert(directory, name: str) -> tuple[str, str]:
         pytest.skip("openssl is needed to make a test certificate")
     cert, key = directory / f"{name}.crt", directory / f"{name}.key"
     subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-         "-days", "2", "-subj", f"/CN={name}", "-addext", "subjectAltName=IP:127.0.0.1"],
-        check=True, capture_output=True, timeout=120,
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "2",
+            "-subj",
+            f"/CN={name}",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
     )
     return str(cert), str(key)
 
@@ -54,8 +72,17 @@ class Relay:
     every frame the server sent (``replies``).  ``mode="tcp"``: it copies TCP bytes and
     does not touch TLS (the victim then talks TLS to the real server through it)."""
 
-    def __init__(self, server: str, *, mode: str, cert: str | None = None, key: str | None = None,
-                 server_ca: str | None = None, inject: bytes = b"", inject_ids: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self,
+        server: str,
+        *,
+        mode: str,
+        cert: str | None = None,
+        key: str | None = None,
+        server_ca: str | None = None,
+        inject: bytes = b"",
+        inject_ids: tuple[int, ...] = (),
+    ) -> None:
         self.host, port = server.rsplit(":", 1)
         self.port = int(port)
         self.mode = mode
@@ -158,8 +185,8 @@ class Relay:
             _magic, _version, op, rid, body_len = struct.unpack_from(">2sBBII", buf)
             if len(buf) < HEADER_LEN + body_len:
                 return
-            body = bytes(buf[HEADER_LEN:HEADER_LEN + body_len])
-            del buf[:HEADER_LEN + body_len]
+            body = bytes(buf[HEADER_LEN : HEADER_LEN + body_len])
+            del buf[: HEADER_LEN + body_len]
             self.replies.append(decode_body(Op(op), rid, body))
             if self.inject_ids and self.inject_ids <= {r.request_id for r in self.replies}:
                 got_injected.set()
@@ -188,8 +215,15 @@ def test_relay_terminating_tls_with_its_own_certificate_gets_no_session(tls_setu
     fence = ev.Fence(100, 7)
     append = ev.Append(101, "injected", 0, 7, crc32c(b"evil"), b"evil")
     victim_ctx = ssl.create_default_context(cafile=relay_cert) if victim_trust == "relay-cert" else _no_verify()
-    with Relay(srv.address, mode="terminate", cert=relay_cert, key=relay_key, server_ca=server_cert,
-               inject=encode_event(fence) + encode_event(append), inject_ids=(100, 101)) as relay:
+    with Relay(
+        srv.address,
+        mode="terminate",
+        cert=relay_cert,
+        key=relay_key,
+        server_ca=server_cert,
+        inject=encode_event(fence) + encode_event(append),
+        inject_ids=(100, 101),
+    ) as relay:
         # the victim's own AUTH is refused: its proof names the relay's certificate
         with pytest.raises(SOSPermissionError) as info:
             Client(relay.address, key, NS, timeout=TIMEOUT, tls=victim_ctx)

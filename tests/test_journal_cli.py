@@ -33,8 +33,9 @@ def new_ns(server, prefix="r"):
 
 def run_sos(server, key, *args, **kw):
     env = dict(os.environ, SOS_SERVER=server.address, SOS_KEY=key)
-    return subprocess.run([sys.executable, "-m", "sos_client.cli", *args], capture_output=True, text=True,
-                          timeout=WAIT, env=env, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "sos_client.cli", *args], capture_output=True, text=True, timeout=WAIT, env=env, **kw
+    )
 
 
 def one_line(text: str) -> str:
@@ -71,8 +72,10 @@ def test_a_namespace_without_journal_exits_4_and_writes_nothing(server, tmp_path
     target = tmp_path / "target"
     r = run_sos(server, key, "restore", ns, str(target))
     assert r.returncode == 4, r.stderr
-    assert one_line(r.stderr) == (f"sos: namespace '{ns}' has no journal (no objects under gen/): nothing to "
-                                  f"restore; check the namespace and the server (server {server.address})\n")
+    assert one_line(r.stderr) == (
+        f"sos: namespace '{ns}' has no journal (no objects under gen/): nothing to "
+        f"restore; check the namespace and the server (server {server.address})\n"
+    )
     assert r.stdout == "" and not target.exists()
     target.mkdir()
     (target / "keep").write_text("precious")
@@ -157,8 +160,10 @@ def test_restore_at_a_time(server, tmp_path):
     assert r.returncode == 0 and tree_state(str(tmp_path / "late")) == live
     r = run_sos(server, key, "restore", "-q", "--at", "2001-01-01T00:00:00Z", ns, str(tmp_path / "early"))
     assert r.returncode == 1
-    assert (f"time 2001-01-01T00:00:00.000000000Z is before the first record of the journal (generation 1, "
-            f"first record at {format_time(recs[0].time_ns)})") in one_line(r.stderr)
+    assert (
+        f"time 2001-01-01T00:00:00.000000000Z is before the first record of the journal (generation 1, "
+        f"first record at {format_time(recs[0].time_ns)})"
+    ) in one_line(r.stderr)
     assert not (tmp_path / "early").exists()
     r = run_sos(server, key, "restore", "-q", "--at", "yesterday", ns, str(tmp_path / "bad"))
     assert r.returncode == 2 and "bad time 'yesterday'" in r.stderr and not (tmp_path / "bad").exists()
@@ -265,8 +270,13 @@ def run_in_pty(server, key, *args):
 
     master, slave = pty.openpty()
     env = dict(os.environ, SOS_SERVER=server.address, SOS_KEY=key)
-    proc = subprocess.Popen([sys.executable, "-m", "sos_client.cli", *args], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=slave, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sos_client.cli", *args],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=slave,
+        env=env,
+    )
     os.close(slave)
     data = b""
     try:

@@ -59,16 +59,31 @@ def factory(server, ns, key):
 
 def run_sos(server, key, *args):
     env = dict(os.environ, SOS_SERVER=server.address, SOS_KEY=key)
-    return subprocess.run([sys.executable, "-m", "sos_client.cli", *args], check=False, capture_output=True, text=True,
-                          timeout=WAIT, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "sos_client.cli", *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=WAIT,
+        env=env,
+    )
 
 
 def records(ops, first_seq: int) -> bytes:
     return b"".join(encode(op, first_seq + i, T0 + first_seq + i) for i, op in enumerate(ops))
 
 
-def publish(c, generation: int, first_seq: int, ops, *, epoch: int = 0, ready: bool | None = True,
-            tail: bytes = b"", seal: bool = False) -> int:
+def publish(
+    c,
+    generation: int,
+    first_seq: int,
+    ops,
+    *,
+    epoch: int = 0,
+    ready: bool | None = True,
+    tail: bytes = b"",
+    seal: bool = False,
+) -> int:
     """Write one segment of ``ops`` (+ raw ``tail``) and, if ``ready``, a sealed empty ready
     (``ready=False``: an empty ready left unsealed; None: none). Returns the last seq."""
     name = layout.segment_name(generation, first_seq, epoch)
@@ -106,8 +121,7 @@ def test_forged_far_future_generation_is_refused_by_restore_verify_and_a_new_wri
     attacker = sos_server.keygen(ns, "append")
     with Client(sos_server.address, attacker, ns, timeout=60) as c:
         with pytest.raises(SOSError, match="generations grow by one"):
-            publish(c, layout.MAX_GENERATION, 1, [Create("evil"), SnapshotEnd(layout.MAX_GENERATION)],
-                    epoch=w.epoch)
+            publish(c, layout.MAX_GENERATION, 1, [Create("evil"), SnapshotEnd(layout.MAX_GENERATION)], epoch=w.epoch)
         # ... so it publishes a small complete generation 2 that does not continue generation 1
         # (its snapshot starts at seq 1), with the writer's epoch: the fence lets it through
         publish(c, 2, 1, [Create("evil"), Write("evil", 0, b"attacker"), SnapshotEnd(2)], epoch=w.epoch)
@@ -171,8 +185,9 @@ def test_a_forged_next_generation_breaks_the_chain_once_the_writer_goes_on(sos_s
 
     with pytest.raises(GenerationBreak) as ei:
         restore(fac, ns, str(tmp_path / "out"))
-    assert (f"generation 2 does not continue generation 1: it starts with record {end + 1}" in str(ei.value)
-            and f"generation 1 ends with record {last}" in str(ei.value)), str(ei.value)
+    assert f"generation 2 does not continue generation 1: it starts with record {end + 1}" in str(
+        ei.value
+    ) and f"generation 1 ends with record {last}" in str(ei.value), str(ei.value)
     rep = verify(fac, ns)
     assert not rep.ok and any("does not continue generation 1" in p.message for p in rep.problems), rep.text()
     s = restore(fac, ns, str(tmp_path / "gen1"), generation=1)
@@ -259,7 +274,9 @@ def test_a_ready_holding_bytes_does_not_complete_a_generation_and_stops_the_writ
     gens = list_generations(store.client())
     assert gens[1].ready and not gens[2].ready and "holds 1 bytes" in gens[2].ready_problem
     w = JournalWriter(store.factory, "ns", str(tmp_path / "spool"))
-    t = JournaledTree(str(tmp_path / "cache"), w, rebuild=rebuild_cache).open()  # resumes on its spool: creates the missing ready
+    t = JournaledTree(
+        str(tmp_path / "cache"), w, rebuild=rebuild_cache
+    ).open()  # resumes on its spool: creates the missing ready
     with pytest.raises(JournalError, match="ready object is empty"):
         t.sync(wait=True)
     t.close()
@@ -401,8 +418,21 @@ def test_a_record_cut_at_the_end_of_a_generation_continued_by_the_next_one(sos_s
         # generation 1 ends inside record 7 (its writer died mid-append; the next one sealed it)
         publish(c, 1, 1, g1, tail=cut[:20], seal=True, epoch=1)
         # generation 2 starts with record 7, the one that was cut
-        publish(c, 2, 7, [Mkdir("q"), Mkdir("q/commits"), Create("q/commits/0"), Create("a"), Write("a", 0, b"one"),
-                          SnapshotEnd(2), Write("a", 0, b"two")], epoch=2)
+        publish(
+            c,
+            2,
+            7,
+            [
+                Mkdir("q"),
+                Mkdir("q/commits"),
+                Create("q/commits/0"),
+                Create("a"),
+                Write("a", 0, b"one"),
+                SnapshotEnd(2),
+                Write("a", 0, b"two"),
+            ],
+            epoch=2,
+        )
     v = run_sos(sos_server, key, "verify", "-q", ns)
     assert v.returncode == 0, v.stdout + v.stderr
     assert "abandoned partial record at offset" in v.stdout and "generation 2 starts with record 7" in v.stdout
@@ -428,14 +458,25 @@ def test_a_record_cut_at_the_end_of_a_generation_continued_by_the_next_one(sos_s
 
 # ---------------------------------------------------------------- spec: records before ready
 @pytest.mark.parametrize("ready", [None, False], ids=["no-ready", "unsealed-ready"])
-def test_records_of_a_generation_without_a_sealed_ready_are_announced_not_silently_dropped(
-        sos_server, tmp_path, ready):
+def test_records_of_a_generation_without_a_sealed_ready_are_announced_not_silently_dropped(sos_server, tmp_path, ready):
     ns, key = new_ns(sos_server, "r")
     with Client(sos_server.address, key, ns, timeout=60) as c:
         publish(c, 1, 1, [SnapshotEnd(1), Mkdir("q"), Mkdir("q/commits")], epoch=1)
         # generation 2: its snapshot, then Spark's commit of batch 0 -- but no (sealed) ready
-        publish(c, 2, 4, [Mkdir("q"), Mkdir("q/commits"), SnapshotEnd(2), Create("q/commits/.0.tmp"),
-                          Rename("q/commits/.0.tmp", "q/commits/0", False)], epoch=1, ready=ready)
+        publish(
+            c,
+            2,
+            4,
+            [
+                Mkdir("q"),
+                Mkdir("q/commits"),
+                SnapshotEnd(2),
+                Create("q/commits/.0.tmp"),
+                Rename("q/commits/.0.tmp", "q/commits/0", False),
+            ],
+            epoch=1,
+            ready=ready,
+        )
     r = run_sos(sos_server, key, "restore", "-q", ns, str(tmp_path / "out"))
     assert r.returncode == 0, r.stderr
     assert tree_state(str(tmp_path / "out")) == {"q": "<dir>", "q/commits": "<dir>"}  # generation 1

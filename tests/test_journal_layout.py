@@ -33,11 +33,25 @@ from sos_wire.crc import crc32c
 LONG_PATH = "/".join(["s" * 255] * 16)[:4096].rstrip("/")  # 4096 bytes at most, segments of 255
 
 EDGES = [
-    Mkdir("d", 0), Mkdir("d", MAX_MODE), Rmdir("d"), Create("a/b", 0o644), Create(LONG_PATH, 0o600),
-    Write("f", 0, b""), Write("f", 0, b"x" * MAX_DATA), Write("f", MAX_FILE_SIZE - 3, b"end"),
-    Write("\u00e9t\u00e9/\udcff", 7, b"\x00\xff"), Truncate("f", 0), Truncate("f", MAX_FILE_SIZE),
-    Rename("a", "b", False), Rename(LONG_PATH, "b", True), Delete("x"), Marker("spark.batch", b'{"batch_id": 3}'),
-    Marker("l" * 255, b"p" * MAX_DATA), Marker("", b""), SnapshotEnd(0), SnapshotEnd(2**64 - 1),
+    Mkdir("d", 0),
+    Mkdir("d", MAX_MODE),
+    Rmdir("d"),
+    Create("a/b", 0o644),
+    Create(LONG_PATH, 0o600),
+    Write("f", 0, b""),
+    Write("f", 0, b"x" * MAX_DATA),
+    Write("f", MAX_FILE_SIZE - 3, b"end"),
+    Write("\u00e9t\u00e9/\udcff", 7, b"\x00\xff"),
+    Truncate("f", 0),
+    Truncate("f", MAX_FILE_SIZE),
+    Rename("a", "b", False),
+    Rename(LONG_PATH, "b", True),
+    Delete("x"),
+    Marker("spark.batch", b'{"batch_id": 3}'),
+    Marker("l" * 255, b"p" * MAX_DATA),
+    Marker("", b""),
+    SnapshotEnd(0),
+    SnapshotEnd(2**64 - 1),
 ]
 
 
@@ -56,16 +70,20 @@ def test_every_kind_and_edge_size_is_the_same_bytes_both_ways(op):
     same(op, seq=2**64 - 1, time_ns=2**64 - 1)
 
 
-segment = st.text(st.characters(blacklist_characters="/\x00", blacklist_categories=("Cs",)),
-                  min_size=1, max_size=20).filter(lambda s: s not in (".", ".."))
+segment = st.text(
+    st.characters(blacklist_characters="/\x00", blacklist_categories=("Cs",)), min_size=1, max_size=20
+).filter(lambda s: s not in (".", ".."))
 paths = st.lists(segment, min_size=1, max_size=4).map("/".join)
 u64 = st.integers(0, 2**64 - 1)
 ops = st.one_of(
-    st.builds(Mkdir, paths, st.integers(0, MAX_MODE)), st.builds(Rmdir, paths),
+    st.builds(Mkdir, paths, st.integers(0, MAX_MODE)),
+    st.builds(Rmdir, paths),
     st.builds(Create, paths, st.integers(0, MAX_MODE)),
     st.builds(Write, paths, st.integers(0, MAX_FILE_SIZE - 64), st.binary(max_size=64)),
-    st.builds(Truncate, paths, st.integers(0, MAX_FILE_SIZE)), st.builds(Rename, paths, paths, st.booleans()),
-    st.builds(Delete, paths), st.builds(Marker, st.text(max_size=30), st.binary(max_size=64)),
+    st.builds(Truncate, paths, st.integers(0, MAX_FILE_SIZE)),
+    st.builds(Rename, paths, paths, st.booleans()),
+    st.builds(Delete, paths),
+    st.builds(Marker, st.text(max_size=30), st.binary(max_size=64)),
     st.builds(SnapshotEnd, u64),
 )
 

@@ -19,16 +19,16 @@ import pytest
 GIB = 1 << 30
 RSS_BOUND = 200 << 20  # honest: measured ~40-45 MB here; the file is 1024 MB
 
-PEAK_RSS = textwrap.dedent('''
+PEAK_RSS = textwrap.dedent("""
     def peak_rss():
         # VmHWM belongs to this process's own address space.  ru_maxrss does not: Linux
         # carries the parent's high-water mark across fork/vfork + exec, so a child of a
         # big pytest process reports the parent's peak (seen: 333 MB in a full CI run).
         with open("/proc/self/status") as f:
             return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:"))
-''')
+""")
 
-WRITE_SCRIPT = PEAK_RSS + textwrap.dedent('''
+WRITE_SCRIPT = PEAK_RSS + textwrap.dedent("""
     import hashlib, os, sys
     from sos_client import Client
     from sos_client.journal import JournalWriter, JournaledTree
@@ -50,16 +50,16 @@ WRITE_SCRIPT = PEAK_RSS + textwrap.dedent('''
     t.rename("big", "big.done", overwrite=False)  # carried by the close's flush
     t.close()
     print(h.hexdigest(), peak_rss(), flush=True)
-''')
+""")
 
-RESTORE_SCRIPT = PEAK_RSS + textwrap.dedent('''
+RESTORE_SCRIPT = PEAK_RSS + textwrap.dedent("""
     import sys
     from sos_client import Client
     from sos_client.journal import restore
     addr, key, ns, target = sys.argv[1:]
     s = restore(lambda: Client(addr, key, ns, timeout=120), ns, target)
     print(s.bytes, peak_rss(), flush=True)
-''')
+""")
 
 
 @pytest.mark.slow
@@ -69,9 +69,21 @@ def test_one_gib_file_streams_in_bounded_memory(sos_server, tmp_path):
     key = sos_server.keygen(ns, "append")
     (tmp_path / "w.py").write_text(WRITE_SCRIPT)
     (tmp_path / "r.py").write_text(RESTORE_SCRIPT)
-    out = subprocess.run([sys.executable, str(tmp_path / "w.py"), sos_server.address, key, ns,
-                          str(tmp_path / "spool"), str(tmp_path / "cache"), str(GIB)],
-                         capture_output=True, text=True, timeout=850)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(tmp_path / "w.py"),
+            sos_server.address,
+            key,
+            ns,
+            str(tmp_path / "spool"),
+            str(tmp_path / "cache"),
+            str(GIB),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=850,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     digest, rss = out.stdout.split()
     print(f"writer peak RSS {int(rss) >> 20} MB")
@@ -82,8 +94,12 @@ def test_one_gib_file_streams_in_bounded_memory(sos_server, tmp_path):
     assert spool_bytes <= 64 << 20
     os.unlink(tmp_path / "cache" / "big.done")  # disk space: the server copy is what matters
 
-    out = subprocess.run([sys.executable, str(tmp_path / "r.py"), sos_server.address, key, ns,
-                          str(tmp_path / "out")], capture_output=True, text=True, timeout=850)
+    out = subprocess.run(
+        [sys.executable, str(tmp_path / "r.py"), sos_server.address, key, ns, str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=850,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     nbytes, rss = out.stdout.split()
     assert int(nbytes) == GIB

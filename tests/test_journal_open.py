@@ -25,8 +25,7 @@ def test_append_key_opens_writer_and_tree_read_key_a_read_only_copy(sos_server, 
     read_key = sos_server.keygen(NS, "read")
     with pytest.raises(PermissionError, match="read role"):
         open_namespace(NS, str(tmp_path / "r"), server=sos_server.address, key=read_key)
-    ro = open_namespace(NS, str(tmp_path / "r"), server=sos_server.address, key=read_key,
-                        allow_read_only=True)
+    ro = open_namespace(NS, str(tmp_path / "r"), server=sos_server.address, key=read_key, allow_read_only=True)
     try:
         assert ro.read_only and ro.writer is None
         with open(os.path.join(ro.tree_dir, "d", "g"), "rb") as f:

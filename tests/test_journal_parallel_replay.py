@@ -64,7 +64,7 @@ def random_journal(seed: int, n: int = 600) -> tuple[list, dict]:
             off = rnd.randint(0, len(files[p]))
             data = rnd.randbytes(rnd.randint(1, 3000))
             f = files[p]
-            f[off:off + len(data)] = data
+            f[off : off + len(data)] = data
             ops.append(Write(p, off, data))
         elif k < 0.62 and files:
             p = rnd.choice(sorted(files))
@@ -105,10 +105,10 @@ def random_journal(seed: int, n: int = 600) -> tuple[list, dict]:
                     for d in sorted(dirs):
                         if d == src or d.startswith(pre):
                             dirs.discard(d)
-                            dirs.add(dst + d[len(src):])
+                            dirs.add(dst + d[len(src) :])
                     for f in sorted(files):
                         if f.startswith(pre):
-                            files[dst + f[len(src):]] = files.pop(f)
+                            files[dst + f[len(src) :]] = files.pop(f)
                     ops.append(Rename(src, dst, False))
     model: dict = {d: None for d in dirs if d}
     model.update({p: bytes(b) for p, b in files.items()})
@@ -140,7 +140,10 @@ def test_parallel_replay_ends_where_replay_in_order_ends(tmp_path, seed):
         assert tree_snapshot(many) == tree_snapshot(one), workers
         assert modes(many) == modes(one), workers
         assert (stats.records, stats.last_seq, stats.bytes_written) == (
-            stats1.records, stats1.last_seq, stats1.bytes_written)
+            stats1.records,
+            stats1.last_seq,
+            stats1.bytes_written,
+        )
     assert tree_snapshot(one) == model
 
 

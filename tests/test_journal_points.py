@@ -280,8 +280,9 @@ def test_position_past_the_end_fails_and_leaves_nothing(tmp_path):
     t.close()
     s = restore(store.factory, "ns", str(tmp_path / "end"), position=last)
     assert s.last_seq == last and sorted(os.listdir(tmp_path / "end")) == ["a", "b"]
-    with pytest.raises(PositionUnavailable, match=f"position {last + 1} is past the end of the journal: "
-                                                  f"the last record is {last}"):
+    with pytest.raises(
+        PositionUnavailable, match=f"position {last + 1} is past the end of the journal: the last record is {last}"
+    ):
         restore(store.factory, "ns", str(tmp_path / "past"), position=last + 1)
     assert not (tmp_path / "past").exists()
     (tmp_path / "forced").mkdir()
@@ -309,8 +310,11 @@ def test_time_before_the_first_record_or_the_oldest_generation(tmp_path):
     t.close()
     recs = _records(store)
     first = recs[0].time_ns
-    with pytest.raises(PositionUnavailable, match=r"before the first record of the journal \(generation 1, "
-                                                  r"first record at " + format_time(first)):
+    with pytest.raises(
+        PositionUnavailable,
+        match=r"before the first record of the journal \(generation 1, "
+        r"first record at " + format_time(first),
+    ):
         restore(store.factory, "ns", str(tmp_path / "early"), at=first - 1)
     assert not (tmp_path / "early").exists()
     s = restore(store.factory, "ns", str(tmp_path / "first"), at=format_time(first))  # exact, to the ns
@@ -318,8 +322,11 @@ def test_time_before_the_first_record_or_the_oldest_generation(tmp_path):
     for name in [n for n in store.objects if n.startswith(layout.gen_prefix(1))]:
         del store.objects[name]
     gen2_first = _records(store)[0].time_ns
-    with pytest.raises(PositionUnavailable, match=r"before the oldest generation the server keeps \(generation 2, "
-                                                  r"first record at " + format_time(gen2_first)):
+    with pytest.raises(
+        PositionUnavailable,
+        match=r"before the oldest generation the server keeps \(generation 2, "
+        r"first record at " + format_time(gen2_first),
+    ):
         restore(store.factory, "ns", str(tmp_path / "old"), at=gen2_first - 1)
     s = restore(store.factory, "ns", str(tmp_path / "late"), at="2999-01-01T00:00:00")
     assert sorted(os.listdir(tmp_path / "late")) == ["a", "b"]

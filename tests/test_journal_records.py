@@ -56,7 +56,7 @@ def test_round_trip_any_split(items, step):
     dec = RecordDecoder("s")
     got = []
     for i in range(0, len(data), step):  # fed in arbitrary pieces
-        dec.feed(data[i:i + step])
+        dec.feed(data[i : i + step])
         got.extend(dec)
     assert dec.pending == 0
     assert [(r.op, r.seq, r.time_ns) for r in got] == items
@@ -144,8 +144,11 @@ def test_write_data_is_capped_and_split():
     with pytest.raises(ValueError):
         encode(Write("f", 0, b"x" * (MAX_DATA + 1)), 1, 1)
     parts = list(split_write("f", 10, b"y" * (2 * MAX_DATA + 5)))
-    assert [(p.offset, len(p.data)) for p in parts] == [(10, MAX_DATA), (10 + MAX_DATA, MAX_DATA),
-                                                        (10 + 2 * MAX_DATA, 5)]
+    assert [(p.offset, len(p.data)) for p in parts] == [
+        (10, MAX_DATA),
+        (10 + MAX_DATA, MAX_DATA),
+        (10 + 2 * MAX_DATA, 5),
+    ]
 
 
 def test_documented_hex_example_decodes():
@@ -157,10 +160,16 @@ def test_documented_hex_example_decodes():
     recs = decode_all(data, "gen/0000000001/0000000001-0000000001.seg")
     t0 = 1763900000000000000
     assert [(r.seq, r.time_ns, r.offset) for r in recs] == [
-        (i + 1, t0 + 1000 * i, off) for i, off in enumerate([0, 33, 67, 108, 160, 205])]
+        (i + 1, t0 + 1000 * i, off) for i, off in enumerate([0, 33, 67, 108, 160, 205])
+    ]
     assert [r.op for r in recs] == [
-        SnapshotEnd(1), Mkdir("chk", 0o755), Create("chk/.a.tmp", 0o644), Write("chk/.a.tmp", 0, b"hi\n"),
-        Rename("chk/.a.tmp", "chk/a", False), Marker("spark.batch", b'{"batch_id":0}')]
+        SnapshotEnd(1),
+        Mkdir("chk", 0o755),
+        Create("chk/.a.tmp", 0o644),
+        Write("chk/.a.tmp", 0, b"hi\n"),
+        Rename("chk/.a.tmp", "chk/a", False),
+        Marker("spark.batch", b'{"batch_id":0}'),
+    ]
     # and the code encodes exactly those bytes
     assert b"".join(encode(r.op, r.seq, r.time_ns) for r in recs) == data
 

@@ -49,8 +49,9 @@ def factory(server, ns, key):
 def run_sos(*args, env_extra=None):
     env = dict(os.environ)
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-m", "sos_client.cli", *args], capture_output=True, text=True,
-                          timeout=WAIT, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "sos_client.cli", *args], capture_output=True, text=True, timeout=WAIT, env=env
+    )
 
 
 # ---------------------------------------------------------------- hypothesis sequences
@@ -61,8 +62,9 @@ op_st = st.one_of(
     st.tuples(st.just("create"), st.sampled_from(NAMES)),
     st.tuples(st.just("write"), st.sampled_from(NAMES), st.integers(0, 3000), st.binary(min_size=1, max_size=2500)),
     st.tuples(st.just("truncate"), st.sampled_from(NAMES), st.integers(0, 4000)),
-    st.tuples(st.just("rename"), st.sampled_from([*NAMES, "d", "e"]), st.sampled_from([*NAMES, "d", "e"]),
-              st.booleans()),
+    st.tuples(
+        st.just("rename"), st.sampled_from([*NAMES, "d", "e"]), st.sampled_from([*NAMES, "d", "e"]), st.booleans()
+    ),
     st.tuples(st.just("unlink"), st.sampled_from(NAMES)),
     st.tuples(st.just("marker"), st.binary(max_size=30)),
 )
@@ -82,8 +84,9 @@ def apply_op(t, op):
         return False
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                 HealthCheck.too_slow])
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(ops=st.lists(op_st, min_size=1, max_size=40), sync=st.booleans())
 def test_random_operations_restore_equals_live_tree(sos_server, tmp_path_factory, ops, sync):
     tmp = tmp_path_factory.mktemp("hyp")
@@ -156,7 +159,7 @@ def test_restore_at_every_position_matches_the_tree_at_that_moment(sos_server, t
 
 
 # ---------------------------------------------------------------- SIGKILL of the writer
-WRITER_SCRIPT = textwrap.dedent('''
+WRITER_SCRIPT = textwrap.dedent("""
     import os, sys
     from sos_client import Client
     from sos_client.journal import JournalWriter, JournaledTree
@@ -185,7 +188,7 @@ WRITER_SCRIPT = textwrap.dedent('''
     t.sync(wait=True)
     t.close()
     print("finished", flush=True)
-''')
+""")
 
 
 def expected_file(i):
@@ -198,8 +201,17 @@ def test_sigkill_writer_mid_stream_then_restart(sos_server, tmp_path, sync):
     script = tmp_path / "writer.py"
     script.write_text(WRITER_SCRIPT)
     n = 120
-    args = [sys.executable, str(script), sos_server.address, key, ns, str(tmp_path / "spool"),
-            str(tmp_path / "cache"), str(n), sync]
+    args = [
+        sys.executable,
+        str(script),
+        sos_server.address,
+        key,
+        ns,
+        str(tmp_path / "spool"),
+        str(tmp_path / "cache"),
+        str(n),
+        sync,
+    ]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
     try:
         for line in proc.stdout:

@@ -40,7 +40,7 @@ def make(tmp_path, store, name="w", cache="cache", **kw):
 
 def all_records(store):
     out = []
-    for name in sorted(store.objects, key=lambda n: (layout.parse_segment_name(n) or layout.SegmentName(0, 0, 0))):
+    for name in sorted(store.objects, key=lambda n: layout.parse_segment_name(n) or layout.SegmentName(0, 0, 0)):
         if layout.parse_segment_name(name):
             d = RecordDecoder(name)
             d.feed(bytes(store.objects[name]))
@@ -190,7 +190,9 @@ def test_resume_from_spool_after_crash_ships_everything_once(tmp_path):
     (gdir / f"{last + 1:010d}-{w.epoch:010d}.seg").write_bytes(b"")
     store.down = False
     w2 = JournalWriter(store.factory, "ns", str(spool), segment_bytes=2000)
-    t2 = JournaledTree(str(tmp_path / "cache"), w2, rebuild=rebuild_cache).open()  # crash flag set: cache rebuilt from the journal
+    t2 = JournaledTree(
+        str(tmp_path / "cache"), w2, rebuild=rebuild_cache
+    ).open()  # crash flag set: cache rebuilt from the journal
     assert w2.last_seq == last and w2.epoch > w.epoch
     t2.sync()
     assert_journal_exact(store, last)
@@ -220,8 +222,8 @@ def test_resume_completes_a_record_cut_in_the_middle_on_the_server(tmp_path):
     name = str(seg.relative_to(tmp_path / "spool-w"))
     shipped = len(store.objects.get(name, b""))
     data = seg.read_bytes()
-    rec_len = 8 + int.from_bytes(data[shipped:shipped + 4], "big")
-    store.objects[name] = bytearray(data[:shipped + rec_len + rec_len // 2])
+    rec_len = 8 + int.from_bytes(data[shipped : shipped + 4], "big")
+    store.objects[name] = bytearray(data[: shipped + rec_len + rec_len // 2])
     w2 = JournalWriter(store.factory, "ns", str(tmp_path / "spool-w"))
     w2.open()
     w2.barrier(timeout=WAIT)

@@ -66,9 +66,16 @@ def test_running_mount_keeps_the_key_off_its_command_line(server, tmp_path, how)
     elif how == "SOS_KEY_FILE":
         env["SOS_KEY_FILE"] = str(key_file)
     # MountProcess always exports SOS_KEY: "" here unless the key is meant to come from it
-    mp = MountProcess(NS, str(tmp_path / "mnt"), str(tmp_path / "cache"), server.address,
-                      key if how == "SOS_KEY" else "", log_path=str(tmp_path / "mount.log"),
-                      extra_args=extra, env=env)
+    mp = MountProcess(
+        NS,
+        str(tmp_path / "mnt"),
+        str(tmp_path / "cache"),
+        server.address,
+        key if how == "SOS_KEY" else "",
+        log_path=str(tmp_path / "mount.log"),
+        extra_args=extra,
+        env=env,
+    )
     try:
         mp.start()
         mine = _cmdlines()[mp.pid]
@@ -97,9 +104,26 @@ def test_mount_with_key_argument_is_refused_before_mounting(server, tmp_path):
     key = server.keygen(NS, "append")
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    proc = subprocess.Popen([sys.executable, "-m", "sos_client.cli", "mount", NS, str(mnt), "--cache",
-                             str(tmp_path / "cache"), "--server", server.address, "--key", key],
-                            env=_env_without_keys(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "sos_client.cli",
+            "mount",
+            NS,
+            str(mnt),
+            "--cache",
+            str(tmp_path / "cache"),
+            "--server",
+            server.address,
+            "--key",
+            key,
+        ],
+        env=_env_without_keys(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         _out, err = proc.communicate(timeout=TIMEOUT)
     except subprocess.TimeoutExpired:  # it mounted and runs with the key on its command line
@@ -113,10 +137,18 @@ def test_mount_with_key_argument_is_refused_before_mounting(server, tmp_path):
     assert not is_mounted(str(mnt))
 
 
-@pytest.mark.parametrize("argv", [
-    ["put", "-", "ns/x"], ["cat", "ns/x"], ["ls", "ns"], ["stat", "ns/x"],
-    ["restore", "ns", "/nonexistent/target"], ["verify", "ns"], ["mount", "ns", "/nonexistent/mnt"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["put", "-", "ns/x"],
+        ["cat", "ns/x"],
+        ["ls", "ns"],
+        ["stat", "ns/x"],
+        ["restore", "ns", "/nonexistent/target"],
+        ["verify", "ns"],
+        ["mount", "ns", "/nonexistent/mnt"],
+    ],
+)
 @pytest.mark.parametrize("form", ["separate", "equals", "bare"])
 def test_every_command_refuses_key_argument(argv, form, capsys, monkeypatch):
     secret = "0123456789abcdef." + "ab" * 32
@@ -132,9 +164,14 @@ def test_key_file_errors_name_the_file_not_the_content(server, tmp_path):
     env = dict(_env_without_keys(), PYTHONPATH=os.pathsep.join(sys.path))
 
     def stat(*args: str, **more: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "sos_client.cli", "stat", f"{NS}/x", "--server",
-                               server.address, *args], env=dict(env, **more), capture_output=True, text=True,
-                              timeout=TIMEOUT, check=False)
+        return subprocess.run(
+            [sys.executable, "-m", "sos_client.cli", "stat", f"{NS}/x", "--server", server.address, *args],
+            env=dict(env, **more),
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+            check=False,
+        )
 
     r = stat("--key-file", str(tmp_path / "missing"))
     assert r.returncode == 1 and f"cannot read the key file {tmp_path / 'missing'}" in r.stderr

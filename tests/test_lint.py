@@ -18,8 +18,9 @@ PENDING: frozenset[str] = frozenset()
 
 def _run(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=600, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600, check=False
+    )
 
 
 def _split(findings: list[tuple[str, str]]) -> tuple[list[str], list[str]]:
@@ -32,14 +33,35 @@ def _split(findings: list[tuple[str, str]]) -> tuple[list[str], list[str]]:
 def test_ruff_finds_nothing():
     r = _run("ruff", "check", ".", "--no-cache", "--output-format", "json")
     assert r.returncode in (0, 1) and r.stdout.strip().startswith("["), (r.returncode, r.stdout, r.stderr)
-    findings = [(os.path.relpath(f["filename"], ROOT),
-                 f"{os.path.relpath(f['filename'], ROOT)}:{f['location']['row']}: {f['code']} {f['message']}")
-                for f in json.loads(r.stdout)]
+    findings = [
+        (
+            os.path.relpath(f["filename"], ROOT),
+            f"{os.path.relpath(f['filename'], ROOT)}:{f['location']['row']}: {f['code']} {f['message']}",
+        )
+        for f in json.loads(r.stdout)
+    ]
     bad, pending = _split(findings)
     print("\n".join(["ruff, in files still being changed elsewhere:", *pending]))
     assert not bad, "ruff check . found:\n" + "\n".join(bad)
     if not pending:
         assert r.returncode == 0, (r.stdout, r.stderr)
+
+
+def test_ruff_format_is_applied():
+    """The tree is as `ruff format` writes it (applied once to everything; pre-commit keeps it)."""
+    r = _run("ruff", "format", "--check", ".", "--no-cache")
+    assert r.returncode == 0, "ruff format --check . would reformat:\n" + r.stdout + r.stderr
+
+
+def test_pre_commit_runs_what_this_file_checks():
+    """.pre-commit-config.yaml runs the same tools as these tests, so a commit that passes its
+    hooks passes CI's lint."""
+    import yaml
+
+    config = yaml.safe_load((ROOT / ".pre-commit-config.yaml").read_text())
+    entries = " ".join(h["entry"] for repo in config["repos"] for h in repo["hooks"])
+    for tool in ("ruff check", "ruff format --check", "mypy", "lint-imports"):
+        assert tool in entries, tool
 
 
 def test_mypy_finds_nothing(tmp_path):
@@ -58,6 +80,13 @@ def test_import_contracts_hold():
     tools; the journal above the clients; the Spark helpers above the faces, which do not
     import each other), no cycle inside a package."""
     lint_imports = Path(sys.executable).parent / "lint-imports"
-    r = subprocess.run([str(lint_imports), "--no-cache"], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
-                       capture_output=True, text=True, timeout=600, check=False)
+    r = subprocess.run(
+        [str(lint_imports), "--no-cache"],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert r.returncode == 0 and "0 broken" in r.stdout, r.stdout[-6000:] + r.stderr[-2000:]

@@ -36,7 +36,6 @@ pytestmark = [
 ]
 
 
-
 # --------------------------------------------------------------------------- fixtures
 
 
@@ -69,11 +68,16 @@ def mounts(tmp_path, server, key, ns):
     started = []
 
     def make(name="m", cache=None, sync=True, start=True, writeback=False, extra_args=()):
-        mp = MountProcess(ns, str(tmp_path / f"mnt-{name}"),
-                          str(cache or tmp_path / f"cache-{name}"), server.address, key,
-                          sync=sync, log_path=str(tmp_path / f"mount-{name}-{len(started)}.log"),
-                          extra_args=(["--writeback-cache"] if writeback else [])
-                          + list(extra_args))
+        mp = MountProcess(
+            ns,
+            str(tmp_path / f"mnt-{name}"),
+            str(cache or tmp_path / f"cache-{name}"),
+            server.address,
+            key,
+            sync=sync,
+            log_path=str(tmp_path / f"mount-{name}-{len(started)}.log"),
+            extra_args=(["--writeback-cache"] if writeback else []) + list(extra_args),
+        )
         started.append(mp)
         if start:
             mp.start()
@@ -89,7 +93,6 @@ def mounts(tmp_path, server, key, ns):
 
 
 # --------------------------------------------------------------------------- helpers
-
 
 
 def restored(server, key, tmp_path, ns):
@@ -118,7 +121,7 @@ def durable(mountpoint):
 def write_file(path, data, chunk=64 << 10):
     with open(path, "wb") as f:
         for i in range(0, len(data), chunk):
-            f.write(data[i:i + chunk])
+            f.write(data[i : i + chunk])
 
 
 def read_file(path):
@@ -289,8 +292,7 @@ def test_spark_checkpoint_pattern_many_files(mounts, server, key, tmp_path, ns):
         expected_files[f"chk/offsets/{batch}"] = b"v1\noffset %d" % batch
     for rel, data in expected_files.items():
         assert got[rel] == data
-    assert sorted(os.listdir(os.path.join(chk, "state/0/0"))) == sorted(
-        f"{v}.delta" for v in range(16, 26))
+    assert sorted(os.listdir(os.path.join(chk, "state/0/0"))) == sorted(f"{v}.delta" for v in range(16, 26))
     durable(m)
     assert restored(server, key, tmp_path, ns) == got
 
@@ -360,9 +362,13 @@ def test_mount_over_a_tree_made_by_sos_restore(mounts, server, key, tmp_path, ns
     first.kill()  # the worker is lost (its cache is simply not used again)
 
     cache = tmp_path / "cache-b"
-    proc = subprocess.run([*sos_command(), "restore", "-q", "--server", server.address, ns, str(cache / "tree")],
-                          capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, SOS_KEY=key))
+    proc = subprocess.run(
+        [*sos_command(), "restore", "-q", "--server", server.address, ns, str(cache / "tree")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, SOS_KEY=key),
+    )
     assert proc.returncode == 0, proc.stderr
     assert snapshot(cache / "tree") == before
     with Client(server.address, key, ns) as client:
@@ -402,10 +408,23 @@ def test_generation_bytes_option_starts_new_generations(mounts, server, key, tmp
 def test_cli_generation_bytes_must_be_a_positive_size(tmp_path, server, ns):
     env = dict(os.environ, SOS_KEY="k")
     for bad in ("0", "lots"):
-        proc = subprocess.run([sys.executable, "-m", "spark_plugin.mount.cli", ns,
-                               str(tmp_path), "--server", server.address,
-                               "--generation-bytes", bad],
-                              capture_output=True, text=True, env=env, timeout=60)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "spark_plugin.mount.cli",
+                ns,
+                str(tmp_path),
+                "--server",
+                server.address,
+                "--generation-bytes",
+                bad,
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
         assert proc.returncode == 2 and "--generation-bytes" in proc.stderr, proc.stderr
 
 
@@ -446,8 +465,7 @@ def _world_python():
         parts = [real, os.path.dirname(real)]
         while parts[-1] != "/":
             parts.append(os.path.dirname(parts[-1]))
-        if os.path.isfile(real) and all(
-                os.path.exists(p) and os.stat(p).st_mode & stat.S_IXOTH for p in parts):
+        if os.path.isfile(real) and all(os.path.exists(p) and os.stat(p).st_mode & stat.S_IXOTH for p in parts):
             return real
     pytest.skip("no Python interpreter that a non-root user may run")
 
@@ -459,9 +477,17 @@ def as_user(uid, cwd, *steps):
     0700 pytest directories above the mount point need not be traversable)."""
     import json
 
-    proc = subprocess.run([_world_python(), "-I", "-c", _AS_USER, json.dumps(steps)], cwd=cwd,
-                          user=uid, group=uid, extra_groups=[], capture_output=True, text=True,
-                          timeout=120, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
+    proc = subprocess.run(
+        [_world_python(), "-I", "-c", _AS_USER, json.dumps(steps)],
+        cwd=cwd,
+        user=uid,
+        group=uid,
+        extra_groups=[],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+    )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["uid"] == uid and out["groups"] == []
@@ -474,8 +500,7 @@ def owner(path):
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root (the sidecar's situation)")
-def test_non_root_user_owns_what_it_creates_and_others_are_refused(mounts, server, key,
-                                                                   tmp_path, ns):
+def test_non_root_user_owns_what_it_creates_and_others_are_refused(mounts, server, key, tmp_path, ns):
     """The sidecar runs as root, Spark as uid 185: --owner gives 185 the root directory;
     what 185 creates is 185's (cache too); another user is refused by the kernel's
     permission checks; an empty cache rebuilt from the server is 185's again."""
@@ -483,18 +508,22 @@ def test_non_root_user_owns_what_it_creates_and_others_are_refused(mounts, serve
     mp = mounts("a", extra_args=["--owner", spark])
     m = mp.mountpoint
     assert owner(m) == (SPARK_UID, SPARK_UID)
-    out = as_user(SPARK_UID, m,
-                  ["mkdir", "checkpoint"], ["mkdir", "checkpoint/offsets"],
-                  ["write", "checkpoint/offsets/.0.tmp", "offsets of batch 0"],
-                  ["rename", "checkpoint/offsets/.0.tmp", "checkpoint/offsets/0"],
-                  ["write", "checkpoint/metadata", "{}"], ["chmod", "checkpoint/metadata", 0o640],
-                  ["read", "checkpoint/offsets/0"],
-                  ["write", ".sos/marker", '{"label": "spark.batch", "payload": {"batch_id": 0}}'],
-                  ["chown", "checkpoint/metadata", 0])  # only root may give files away
+    out = as_user(
+        SPARK_UID,
+        m,
+        ["mkdir", "checkpoint"],
+        ["mkdir", "checkpoint/offsets"],
+        ["write", "checkpoint/offsets/.0.tmp", "offsets of batch 0"],
+        ["rename", "checkpoint/offsets/.0.tmp", "checkpoint/offsets/0"],
+        ["write", "checkpoint/metadata", "{}"],
+        ["chmod", "checkpoint/metadata", 0o640],
+        ["read", "checkpoint/offsets/0"],
+        ["write", ".sos/marker", '{"label": "spark.batch", "payload": {"batch_id": 0}}'],
+        ["chown", "checkpoint/metadata", 0],
+    )  # only root may give files away
     assert out["data:checkpoint/offsets/0"] == "offsets of batch 0"
     assert out["chown:checkpoint/metadata:0"] == errno.EPERM
-    assert all(v == "ok" for k, v in out.items() if k.split(":")[0] in ("mkdir", "write",
-                                                                        "rename", "chmod"))
+    assert all(v == "ok" for k, v in out.items() if k.split(":")[0] in ("mkdir", "write", "rename", "chmod"))
     assert len([k for k in out if k.startswith("write:.sos/marker")]) == 1  # the listener's
     cache_tree = os.path.join(mp.cache_dir, "tree")
     for rel in ("checkpoint", "checkpoint/offsets", "checkpoint/offsets/0", "checkpoint/metadata"):
@@ -505,21 +534,36 @@ def test_non_root_user_owns_what_it_creates_and_others_are_refused(mounts, serve
     write_file(os.path.join(m, "checkpoint", "by-root"), b"r")
     assert owner(os.path.join(m, "checkpoint", "by-root")) == (0, 0)
     # another user: default_permissions refuses writes into 185's 0755 directories and files
-    other = as_user(OTHER_UID, m,
-                    ["mkdir", "checkpoint/commits"], ["write", "checkpoint/offsets/1", "x"],
-                    ["write", "checkpoint/offsets/0", "overwritten"],
-                    ["rename", "checkpoint/offsets/0", "checkpoint/offsets/9"],
-                    ["unlink", "checkpoint/offsets/0"], ["read", "checkpoint/offsets/0"],
-                    ["read", "checkpoint/metadata"], ["write", ".sos/marker", "{}"])
-    for step in ("write:.sos/marker:{}", "mkdir:checkpoint/commits", "write:checkpoint/offsets/1:x",
-                 "write:checkpoint/offsets/0:overwritten",
-                 "rename:checkpoint/offsets/0:checkpoint/offsets/9",
-                 "unlink:checkpoint/offsets/0", "read:checkpoint/metadata"):
+    other = as_user(
+        OTHER_UID,
+        m,
+        ["mkdir", "checkpoint/commits"],
+        ["write", "checkpoint/offsets/1", "x"],
+        ["write", "checkpoint/offsets/0", "overwritten"],
+        ["rename", "checkpoint/offsets/0", "checkpoint/offsets/9"],
+        ["unlink", "checkpoint/offsets/0"],
+        ["read", "checkpoint/offsets/0"],
+        ["read", "checkpoint/metadata"],
+        ["write", ".sos/marker", "{}"],
+    )
+    for step in (
+        "write:.sos/marker:{}",
+        "mkdir:checkpoint/commits",
+        "write:checkpoint/offsets/1:x",
+        "write:checkpoint/offsets/0:overwritten",
+        "rename:checkpoint/offsets/0:checkpoint/offsets/9",
+        "unlink:checkpoint/offsets/0",
+        "read:checkpoint/metadata",
+    ):
         assert other[step] == errno.EACCES, step
     assert other["data:checkpoint/offsets/0"] == "offsets of batch 0"  # 0644: readable
-    expected = {"checkpoint": None, "checkpoint/offsets": None,
-                "checkpoint/offsets/0": b"offsets of batch 0", "checkpoint/metadata": b"{}",
-                "checkpoint/by-root": b"r"}
+    expected = {
+        "checkpoint": None,
+        "checkpoint/offsets": None,
+        "checkpoint/offsets/0": b"offsets of batch 0",
+        "checkpoint/metadata": b"{}",
+        "checkpoint/by-root": b"r",
+    }
     assert snapshot(m) == expected
     durable(m)
     assert restored(server, key, tmp_path, ns) == expected
@@ -530,17 +574,18 @@ def test_non_root_user_owns_what_it_creates_and_others_are_refused(mounts, serve
     assert snapshot(f) == expected
     for rel in ("", *expected):
         assert owner(os.path.join(f, rel)) == (SPARK_UID, SPARK_UID), rel
-    out = as_user(SPARK_UID, f, ["mkdir", "checkpoint/commits"],
-                  ["write", "checkpoint/commits/0", "c0"])
+    out = as_user(SPARK_UID, f, ["mkdir", "checkpoint/commits"], ["write", "checkpoint/commits/0", "c0"])
     assert out["mkdir:checkpoint/commits"] == out["write:checkpoint/commits/0:c0"] == "ok"
     assert fresh.stop() == 0
-    assert restored(server, key, tmp_path, ns) == {**expected, "checkpoint/commits": None,
-                                               "checkpoint/commits/0": b"c0"}
+    assert restored(server, key, tmp_path, ns) == {
+        **expected,
+        "checkpoint/commits": None,
+        "checkpoint/commits/0": b"c0",
+    }
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root (the sidecar's situation)")
-def test_without_owner_the_root_directory_is_the_mounts_and_setgid_is_inherited(
-        mounts, tmp_path):
+def test_without_owner_the_root_directory_is_the_mounts_and_setgid_is_inherited(mounts, tmp_path):
     mp = mounts("a", extra_args=["--allow-other"])
     m = mp.mountpoint
     assert owner(m) == (0, 0)
@@ -558,9 +603,23 @@ def test_without_owner_the_root_directory_is_the_mounts_and_setgid_is_inherited(
 
 def test_cli_owner_option_is_checked(tmp_path, server, ns):
     env = dict(os.environ, SOS_KEY="k")
-    proc = subprocess.run([sys.executable, "-m", "spark_plugin.mount.cli", ns, str(tmp_path),
-                           "--server", server.address, "--owner", "no-such-user-sos"],
-                          capture_output=True, text=True, env=env, timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "spark_plugin.mount.cli",
+            ns,
+            str(tmp_path),
+            "--server",
+            server.address,
+            "--owner",
+            "no-such-user-sos",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert proc.returncode == 2 and "unknown user or group" in proc.stderr
 
 
@@ -589,8 +648,9 @@ def test_journaled_checkpoint_mounts_if_needed_and_reuses_a_live_mount(server, k
 
     mnt = str(tmp_path / "mnt")
     spark = FakeSpark()
-    first = journaled_checkpoint(spark, ns, server=server.address, key=key, mountpoint=mnt,
-                                 cache_dir=str(tmp_path / "cache"))
+    first = journaled_checkpoint(
+        spark, ns, server=server.address, key=key, mountpoint=mnt, cache_dir=str(tmp_path / "cache")
+    )
     try:
         assert not first.reused and first.mount.pid is not None
         assert mounted_namespace(mnt) == ns
@@ -606,8 +666,7 @@ def test_journaled_checkpoint_mounts_if_needed_and_reuses_a_live_mount(server, k
         again.stop()  # not ours: left alone
         assert is_mounted(mnt) and mounted_namespace(mnt) == ns
         with pytest.raises(ValueError, match=f"namespace '{ns}', not 'other'"):
-            journaled_checkpoint(spark, "other", server=server.address, key=key,
-                                 mountpoint=mnt)
+            journaled_checkpoint(spark, "other", server=server.address, key=key, mountpoint=mnt)
         # what deploy/spark_job.py does in the Spark image: neither pyfuse3, trio nor the
         # sos packages are there, only spark_plugin/spark.py
         code = textwrap.dedent(f"""
@@ -619,8 +678,7 @@ def test_journaled_checkpoint_mounts_if_needed_and_reuses_a_live_mount(server, k
             loc = journaled_checkpoint(None, {ns!r}, mountpoint={mnt!r})
             print(loc.reused, loc)
             """)
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                              timeout=120)
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.split() == ["True", str(first)]
     finally:
@@ -686,14 +744,19 @@ def test_journaled_checkpoint_reuses_the_mount_a_killed_driver_left(server, key,
     env = dict(os.environ, SOS_KEY=key)
     orphan = None
     try:
-        proc = subprocess.run([sys.executable, "-c", _KILLED_DRIVER, server.address, mnt,
-                               str(tmp_path / "cache"), ns], capture_output=True, text=True,
-                              env=env, timeout=180)
+        proc = subprocess.run(
+            [sys.executable, "-c", _KILLED_DRIVER, server.address, mnt, str(tmp_path / "cache"), ns],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=180,
+        )
         assert proc.returncode == -signal.SIGKILL, proc.stderr
         orphan = int(proc.stdout.split()[0])
         assert is_mounted(mnt)
-        loc = journaled_checkpoint(FakeSpark(), ns, server=server.address, key=key,
-                                   mountpoint=mnt, cache_dir=str(tmp_path / "other-cache"))
+        loc = journaled_checkpoint(
+            FakeSpark(), ns, server=server.address, key=key, mountpoint=mnt, cache_dir=str(tmp_path / "other-cache")
+        )
         assert loc.reused  # not a second mount (that would fence the first)
         assert read_file(os.path.join(loc, "commits", "0")) == b"v1"
         spark_write(mnt, "checkpoint/commits/1", b"v1 again", overwrite=False)
@@ -705,8 +768,11 @@ def test_journaled_checkpoint_reuses_the_mount_a_killed_driver_left(server, key,
         if is_mounted(mnt):
             subprocess.run(["fusermount3", "-u", "-z", mnt], capture_output=True)
     assert restored(server, key, tmp_path, ns) == {
-        "checkpoint": None, "checkpoint/commits": None,
-        "checkpoint/commits/0": b"v1", "checkpoint/commits/1": b"v1 again"}
+        "checkpoint": None,
+        "checkpoint/commits": None,
+        "checkpoint/commits/0": b"v1",
+        "checkpoint/commits/1": b"v1 again",
+    }
 
 
 def test_journaled_checkpoint_replaces_a_dead_mount(mounts, server, key, tmp_path, ns):
@@ -718,8 +784,9 @@ def test_journaled_checkpoint_replaces_a_dead_mount(mounts, server, key, tmp_pat
     mp.proc.kill()  # the mount dies, its mount point stays (ENOTCONN)
     mp.proc.wait()
     assert is_mounted(mp.mountpoint) and mounted_namespace(mp.mountpoint) is None
-    loc = journaled_checkpoint(None, ns, server=server.address, key=key,
-                               mountpoint=mp.mountpoint, cache_dir=str(tmp_path / "cache-b"))
+    loc = journaled_checkpoint(
+        None, ns, server=server.address, key=key, mountpoint=mp.mountpoint, cache_dir=str(tmp_path / "cache-b")
+    )
     try:
         assert not loc.reused
         assert read_file(os.path.join(mp.mountpoint, "kept")) == b"k"
@@ -781,19 +848,40 @@ def test_remount_over_a_dead_mount_detaches_it(mounts, server, key, tmp_path):
 
 def test_cli_refuses_missing_key_and_bad_mountpoint(tmp_path, server, ns):
     env = {k: v for k, v in os.environ.items() if k != "SOS_KEY"}
-    out = subprocess.run([sys.executable, "-m", "spark_plugin.mount.cli", ns, str(tmp_path),
-                          "--server", server.address], env=env, capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "spark_plugin.mount.cli", ns, str(tmp_path), "--server", server.address],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 1 and out.stderr.startswith("sos: no key given")
     keyed = dict(env, SOS_KEY="0" * 16 + "." + "0" * 64)
-    out = subprocess.run([sys.executable, "-m", "sos_client.cli", "mount", "Bad/ns", str(tmp_path),
-                          "--server", server.address],
-                         env=keyed, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "sos_client.cli", "mount", "Bad/ns", str(tmp_path), "--server", server.address],
+        env=keyed,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2 and "sos:" in out.stderr
-    out = subprocess.run([sys.executable, "-m", "spark_plugin.mount.cli", ns,
-                          str(tmp_path / "missing"), "--server", server.address,
-                          "--cache", str(tmp_path / "c")],
-                         env=keyed, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "spark_plugin.mount.cli",
+            ns,
+            str(tmp_path / "missing"),
+            "--server",
+            server.address,
+            "--cache",
+            str(tmp_path / "c"),
+        ],
+        env=keyed,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 1 and out.stderr.strip().splitlines()[-1].startswith("sos:")
     assert not is_mounted(str(tmp_path / "missing"))
 
@@ -809,8 +897,7 @@ def test_marker_control_file_then_restore_to_batch(mounts, server, key, tmp_path
     os.makedirs(os.path.join(m, "chk", "commits"))
     for batch in range(5):
         spark_write(m, f"chk/commits/{batch}", b"v1\n{}", overwrite=False)
-        doc = {"label": "spark.batch",
-               "payload": {"checkpoint": "chk", "query_id": "q", "batch_id": batch}}
+        doc = {"label": "spark.batch", "payload": {"checkpoint": "chk", "query_id": "q", "batch_id": batch}}
         fd = os.open(os.path.join(m, ".sos", "marker"), os.O_WRONLY)
         try:
             os.write(fd, json.dumps(doc).encode())
@@ -820,8 +907,7 @@ def test_marker_control_file_then_restore_to_batch(mounts, server, key, tmp_path
     assert "marker" not in str(sorted(os.listdir(m)))  # nothing visible in the tree
     target = tmp_path / "at-batch-2"
     restore(lambda: Client(server.address, key, ns), ns, str(target), batch=("chk", 2))
-    assert snapshot(target) == {"chk": None, "chk/commits": None,
-                                **{f"chk/commits/{b}": b"v1\n{}" for b in range(3)}}
+    assert snapshot(target) == {"chk": None, "chk/commits": None, **{f"chk/commits/{b}": b"v1\n{}" for b in range(3)}}
 
 
 def test_second_mount_on_the_same_cache_is_refused(mounts, server, key, tmp_path, ns):
@@ -873,8 +959,7 @@ def _apply(root, op, a):
 
 
 @pytest.mark.parametrize("seed,writeback", [(1, False), (2, False), (3, True)])
-def test_random_operations_behave_like_a_local_directory(mounts, server, key, tmp_path, seed,
-                                                         writeback, ns):
+def test_random_operations_behave_like_a_local_directory(mounts, server, key, tmp_path, seed, writeback, ns):
     """Seeded random sequences: every outcome (errno included) equals a plain directory's;
     the final tree, and its restore from the server, equal the plain directory."""
     import random
@@ -883,8 +968,18 @@ def test_random_operations_behave_like_a_local_directory(mounts, server, key, tm
     m = mounts(writeback=writeback).mountpoint
     ref = str(tmp_path / "reference")
     os.mkdir(ref)
-    ops = ["mkdir", "mkdir", "rmdir", "unlink", "write_whole", "write_whole", "pwrite",
-           "truncate", "rename", "rename_noreplace"]
+    ops = [
+        "mkdir",
+        "mkdir",
+        "rmdir",
+        "unlink",
+        "write_whole",
+        "write_whole",
+        "pwrite",
+        "truncate",
+        "rename",
+        "rename_noreplace",
+    ]
     for step in range(150):
         op = rng.choice(ops)
         if op in ("mkdir", "rmdir", "unlink"):
@@ -962,8 +1057,10 @@ def test_server_crash_while_mounted_blocks_then_completes(mounts, server, key, t
     assert not t.is_alive() and not errors
     assert read_file(os.path.join(m, "commits/0")) == b"written while the server was down"
     assert restored(server, key, tmp_path, ns) == {
-        "before": b"written before the crash", "commits": None,
-        "commits/0": b"written while the server was down"}
+        "before": b"written before the crash",
+        "commits": None,
+        "commits/0": b"written while the server was down",
+    }
 
 
 # --------------------------------------------------------------------------- barriers
@@ -1019,8 +1116,7 @@ def spark_files_up_to(batch):
 
 
 @pytest.mark.own_server
-def test_sigkill_of_mount_and_writer_right_after_a_commit_keeps_the_batch(mounts, server, key,
-                                                                           tmp_path, ns):
+def test_sigkill_of_mount_and_writer_right_after_a_commit_keeps_the_batch(mounts, server, key, tmp_path, ns):
     """RPO 0 for committed batches with barriers only at offsets/N and commits/N: a
     Spark-like writer (state files, temp files and .crc files, renames onto offsets/N and
     commits/N) and the mount are SIGKILLed as soon as the rename onto commits/3 returned;
@@ -1028,8 +1124,7 @@ def test_sigkill_of_mount_and_writer_right_after_a_commit_keeps_the_batch(mounts
     before it."""
     mp = mounts()
     chk = os.path.join(mp.mountpoint, "chk")
-    writer = subprocess.Popen([sys.executable, "-c", SPARK_WRITER, chk], stdout=subprocess.PIPE,
-                              text=True)
+    writer = subprocess.Popen([sys.executable, "-c", SPARK_WRITER, chk], stdout=subprocess.PIPE, text=True)
     try:
         for line in writer.stdout:
             if line.strip() == "committed 3":
@@ -1092,6 +1187,8 @@ def test_only_a_barrier_rename_waits_for_a_stopped_server(mounts, server, key, t
     durable(m)  # state/2.delta came after the commit's record: its barrier does not carry it
     got = restored(server, key, tmp_path, ns)
     assert {k: v for k, v in got.items() if k.startswith("chk/state/")} == {
-        "chk/state/1.delta": b"state 1", "chk/state/.1.delta.crc": b"crc 1",
-        "chk/state/2.delta": b"state 2"}
+        "chk/state/1.delta": b"state 1",
+        "chk/state/.1.delta.crc": b"crc 1",
+        "chk/state/2.delta": b"state 2",
+    }
     assert got["chk/commits/1"] == b"c1"

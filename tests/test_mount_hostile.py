@@ -48,9 +48,15 @@ def mount(tmp_path, sos_server, key):
     started = []
 
     def make(cache: str) -> MountProcess:
-        mp = MountProcess(NS, str(tmp_path / f"mnt-{len(started)}"), cache, sos_server.address, key,
-                          log_path=str(tmp_path / f"mount-{len(started)}.log"),
-                          extra_args=["--owner", f"{SPARK_UID}:{SPARK_UID}"])
+        mp = MountProcess(
+            NS,
+            str(tmp_path / f"mnt-{len(started)}"),
+            cache,
+            sos_server.address,
+            key,
+            log_path=str(tmp_path / f"mount-{len(started)}.log"),
+            extra_args=["--owner", f"{SPARK_UID}:{SPARK_UID}"],
+        )
         started.append(mp)
         return mp.start()
 
@@ -61,6 +67,7 @@ def mount(tmp_path, sos_server, key):
                 mp.kill()
         finally:
             subprocess.run(["fusermount3", "-u", "-z", mp.mountpoint], capture_output=True, check=False)
+
 
 _ATTACK = r"""
 import json, os
@@ -74,9 +81,18 @@ print(json.dumps({"uid": os.getuid()}))
 
 
 def run_as(uid: int, cwd: str, script: str) -> dict:
-    proc = subprocess.run([_world_python(), "-I", "-c", script], check=False, cwd=cwd, user=uid, group=uid,
-                          extra_groups=[], capture_output=True, text=True, timeout=120,
-                          env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
+    proc = subprocess.run(
+        [_world_python(), "-I", "-c", script],
+        check=False,
+        cwd=cwd,
+        user=uid,
+        group=uid,
+        extra_groups=[],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 
@@ -106,7 +122,8 @@ def open_dir():
 
 
 def test_a_setuid_file_made_through_the_mount_never_comes_back_setuid_from_restore(
-        mount, sos_server, key, tmp_path, open_dir):
+    mount, sos_server, key, tmp_path, open_dir
+):
     from sos_client import Client
     from sos_client.journal.restore import restore
 

@@ -376,10 +376,16 @@ def test_close_waits_for_the_server_only_for_a_barrier_file_fsync_always(mounted
     mnt, tree, _ = mounted
     for d in ("chk/state/0/0", "chk/commits", "chk/offsets"):
         os.makedirs(os.path.join(mnt, d))
-    cases = [("chk/state/0/0/.1.delta.77.tmp", False), ("chk/state/0/0/1.delta", False),
-             ("chk/commits/..0.77.tmp.crc", False), ("chk/commits/.0.crc", False),
-             ("chk/offsets/.0.77.tmp", False), ("chk/metadata", False),
-             ("chk/offsets/0", True), ("chk/commits/0", True)]
+    cases = [
+        ("chk/state/0/0/.1.delta.77.tmp", False),
+        ("chk/state/0/0/1.delta", False),
+        ("chk/commits/..0.77.tmp.crc", False),
+        ("chk/commits/.0.crc", False),
+        ("chk/offsets/.0.77.tmp", False),
+        ("chk/metadata", False),
+        ("chk/offsets/0", True),
+        ("chk/commits/0", True),
+    ]
     for rel, waits in cases:
         before = tree.syncs
         with open(os.path.join(mnt, rel), "wb") as f:

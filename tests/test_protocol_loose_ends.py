@@ -228,8 +228,22 @@ def test_fence_at_the_top_of_the_epoch_range(sos_server):
     srv = sos_server
     key = srv.keygen("top", "append")
     srv.stop()
-    out = subprocess.run([sys.executable, "-m", "sos_server.cli", "reset-fence", "--data", srv.data_dir, "top",
-                          "--epoch", str(MAX_EPOCH - 5)], capture_output=True, text=True, timeout=WAIT)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sos_server.cli",
+            "reset-fence",
+            "--data",
+            srv.data_dir,
+            "top",
+            "--epoch",
+            str(MAX_EPOCH - 5),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=WAIT,
+    )
     assert out.returncode == 0, out.stderr
     srv.start()
     with RawClient(srv.address) as c:
@@ -273,8 +287,9 @@ def test_a_restarted_server_drops_a_cut_append_and_takes_its_resend(sos_server):
 
 def run_sos(server, key, *args):
     env = dict(os.environ, SOS_SERVER=server.address, SOS_KEY=key)
-    return subprocess.run([sys.executable, "-m", "sos_client.cli", *args], capture_output=True, text=True,
-                          timeout=WAIT, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "sos_client.cli", *args], capture_output=True, text=True, timeout=WAIT, env=env
+    )
 
 
 T0 = 1_763_900_000_000_000_000
@@ -314,8 +329,7 @@ def test_an_incomplete_generation_restore_names_its_first_record_verify_exits_0(
         c.append(layout.segment_name(1, 1, 0), 0, _records((1, SnapshotEnd(1)), (2, Create("a"))))
         _complete(c, 1)
         # generation 2: snapshot (record 3), SNAPSHOT_END (4), then a journal record (5); no ready
-        c.append(layout.segment_name(2, 3, 0), 0,
-                 _records((3, Create("a")), (4, SnapshotEnd(2)), (5, Create("b"))))
+        c.append(layout.segment_name(2, 3, 0), 0, _records((3, Create("a")), (4, SnapshotEnd(2)), (5, Create("b"))))
     r = run_sos(server, key, "restore", "-q", ns, str(tmp_path / "t"))
     assert r.returncode == 0, r.stderr
     assert sorted(os.listdir(tmp_path / "t")) == ["a"]
@@ -334,8 +348,11 @@ def test_the_root_checkpoint_is_written_empty_and_dot_is_the_same(server, tmp_pa
     ns = f"root-{os.getpid()}"
     key = server.keygen(ns, "append")
     with Client(server.address, key, ns) as c:
-        c.append(layout.segment_name(1, 1, 0), 0, _records(
-            (1, SnapshotEnd(1)), (2, Mkdir("commits")), (3, Create("commits/0")), (4, Create("later"))))
+        c.append(
+            layout.segment_name(1, 1, 0),
+            0,
+            _records((1, SnapshotEnd(1)), (2, Mkdir("commits")), (3, Create("commits/0")), (4, Create("later"))),
+        )
         _complete(c, 1)
     for i, querydir in enumerate(("", ".")):
         target = tmp_path / f"t{i}"

@@ -207,9 +207,7 @@ def test_group_commit_acks_only_after_sync_and_batches(tmp_path, monkeypatch):
     assert len(calls) <= 2  # 40 objects touched: one fdatasync per batch, not one per object
     s = Storage(str(tmp_path))
     s.open()
-    assert sorted(o.read_bytes(0, 0) for o in s.namespaces[NS].objects.values()) == sorted(
-        b"%d" % i for i in range(40)
-    )
+    assert sorted(o.read_bytes(0, 0) for o in s.namespaces[NS].objects.values()) == sorted(b"%d" % i for i in range(40))
 
 
 def test_pipelined_appends_to_one_object_share_syncs(tmp_path, monkeypatch):
@@ -291,7 +289,9 @@ def _gen_ns(tmp_path, spec):
 
 
 def test_retention_keeps_newest_complete_generations(tmp_path):
-    s, ns, now = _gen_ns(tmp_path, {1: (True, 5000), 2: (True, 5000), 3: (False, 5000), 4: (True, 5000), 5: (False, 10)})
+    s, ns, now = _gen_ns(
+        tmp_path, {1: (True, 5000), 2: (True, 5000), 3: (False, 5000), 4: (True, 5000), 5: (False, 10)}
+    )
     plan = plan_retention(ns, 2, 60, now=now)
     # complete: 1, 2, 4 -> keep 4 and 2 (and 3, 5: newer than the oldest kept) -> remove 1
     assert plan == sorted(n for n in ns.objects if n.startswith("gen/0000000001/"))

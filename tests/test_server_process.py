@@ -127,7 +127,8 @@ def test_unknown_opcode_is_answered_and_connection_survives(srv, bystander):
 
 
 @pytest.mark.parametrize(
-    "case", ["over_cap", "length_lies_short", "length_lies_long_then_eof", "bad_magic", "bad_crc", "id_zero", "reply_op"]
+    "case",
+    ["over_cap", "length_lies_short", "length_lies_long_then_eof", "bad_magic", "bad_crc", "id_zero", "reply_op"],
 )
 def test_broken_frames_get_an_error_then_close(srv, bystander, case):
     with RawClient(srv.address) as c:
@@ -170,14 +171,18 @@ def test_keygen_and_gc_commands(tmp_path, sos_server_factory):
     data = tmp_path / "d"
     out = subprocess.run(
         [sys.executable, "-m", "sos_server.cli", "keygen", "--data", str(data), "tenant", "--role", "append"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 0, out.stderr
     key = out.stdout.strip()
     Key.parse(key)
     bad = subprocess.run(
         [sys.executable, "-m", "sos_server.cli", "keygen", "--data", str(data), "Bad/NS", "--role", "append"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert bad.returncode != 0 and "namespace" in bad.stderr
 
@@ -191,14 +196,40 @@ def test_keygen_and_gc_commands(tmp_path, sos_server_factory):
         assert c.append("other/keep", 0, b"k").length == 1
     # gc refuses while the server holds the data directory
     busy = subprocess.run(
-        [sys.executable, "-m", "sos_server.cli", "gc", "--data", str(data), "--keep-generations", "1", "--min-age", "0s"],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "sos_server.cli",
+            "gc",
+            "--data",
+            str(data),
+            "--keep-generations",
+            "1",
+            "--min-age",
+            "0s",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert busy.returncode == 1 and "in use" in busy.stderr
     srv.stop()
     gc = subprocess.run(
-        [sys.executable, "-m", "sos_server.cli", "gc", "--data", str(data), "--keep-generations", "2", "--min-age", "0s"],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "sos_server.cli",
+            "gc",
+            "--data",
+            str(data),
+            "--keep-generations",
+            "2",
+            "--min-age",
+            "0s",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert gc.returncode == 0, gc.stderr
     assert "removed tenant/gen/0000000001/ready" in gc.stdout
@@ -207,8 +238,11 @@ def test_keygen_and_gc_commands(tmp_path, sos_server_factory):
         c.login(key, "tenant")
         names = [e.name for e in c.call(ev.List(c.rid(), "", "", 100)).entries]
         assert names == [
-            "gen/0000000002/0000000001-0000000001.seg", "gen/0000000002/ready",
-            "gen/0000000003/0000000001-0000000001.seg", "gen/0000000003/ready", "other/keep",
+            "gen/0000000002/0000000001-0000000001.seg",
+            "gen/0000000002/ready",
+            "gen/0000000003/0000000001-0000000001.seg",
+            "gen/0000000003/ready",
+            "other/keep",
         ]
 
 
@@ -290,7 +324,9 @@ def test_sigterm_stops_cleanly_and_data_is_kept(srv):
 def test_serve_usage_errors(tmp_path):
     r = subprocess.run(
         [sys.executable, "-m", "sos_server.cli", "serve", "--data", str(tmp_path), "--listen", "nope"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert r.returncode == 2 and "HOST:PORT" in r.stderr
 
@@ -331,9 +367,27 @@ def test_tls_listener(tmp_path, sos_server_factory):
         pytest.skip("openssl command not available to make a test certificate")
     cert, keyf = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(keyf), "-out", str(cert),
-         "-days", "2", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-        check=True, capture_output=True, timeout=120,
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(keyf),
+            "-out",
+            str(cert),
+            "-days",
+            "2",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
     )
     srv = sos_server_factory(args=["--tls-cert", cert, "--tls-key", keyf], start=False)
     key = srv.keygen("tls")
@@ -366,7 +420,9 @@ def test_address_in_use_is_a_clear_error(tmp_path):
         port = blocker.getsockname()[1]
         r = subprocess.run(
             [sys.executable, "-m", "sos_server.cli", "serve", "--data", str(tmp_path), "--listen", f"127.0.0.1:{port}"],
-            capture_output=True, text=True, timeout=120,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
     assert r.returncode == 1
     assert f"sos-server: cannot listen on 127.0.0.1:{port}" in r.stderr
@@ -376,7 +432,9 @@ def test_address_in_use_is_a_clear_error(tmp_path):
 def test_second_server_on_the_same_data_dir_is_refused(srv):
     r = subprocess.run(
         [sys.executable, "-m", "sos_server.cli", "serve", "--data", srv.data_dir, "--listen", "127.0.0.1:0"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert r.returncode == 1 and "in use by another sos-server" in r.stderr
 
@@ -405,8 +463,9 @@ def test_torn_tail_is_cut_back_at_restart(srv):
 
 
 def _sos_server(*args, timeout: float = 120):
-    return subprocess.run([sys.executable, "-m", "sos_server.cli", *map(str, args)],
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "sos_server.cli", *map(str, args)], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def _one_line_error(r, status: int, *words: str) -> str:

@@ -77,7 +77,10 @@ def test_acked_bytes_never_change(server: ServerProcess, ops):
                     length[obj] = max(length[obj], r.length)
                 else:
                     assert r.code in (
-                        ErrorCode.OFFSET_MISMATCH, ErrorCode.CHECKSUM_MISMATCH, ErrorCode.SEALED, ErrorCode.FENCED,
+                        ErrorCode.OFFSET_MISMATCH,
+                        ErrorCode.CHECKSUM_MISMATCH,
+                        ErrorCode.SEALED,
+                        ErrorCode.FENCED,
                     ), r
                     if r.code is ErrorCode.OFFSET_MISMATCH:
                         length[obj] = r.length

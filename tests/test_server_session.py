@@ -63,11 +63,15 @@ class Peer:
                 return True
 
 
-def run_session(tmp_path, body, *, idle_timeout=None, clock=None, handshake_timeout=None,
-                pair=trio.testing.memory_stream_pair):
+def run_session(
+    tmp_path, body, *, idle_timeout=None, clock=None, handshake_timeout=None, pair=trio.testing.memory_stream_pair
+):
     storage = Storage(str(tmp_path))
-    keys = {"append": storage.keygen(NS, "append"), "read": storage.keygen(NS, "read"),
-            "other": storage.keygen("other", "append")}
+    keys = {
+        "append": storage.keygen(NS, "append"),
+        "read": storage.keygen(NS, "read"),
+        "other": storage.keygen("other", "append"),
+    }
     engine = Engine(storage)
 
     async def main():
@@ -298,14 +302,20 @@ def test_handshake_deadline_closes_unauthenticated_connections_pings_do_not_exte
 def test_handshake_deadline_closes_a_peer_that_never_reads(tmp_path):
     """HELLOs whose replies are never read block the server's send: the deadline still
     closes the connection."""
+
     async def body(p, keys):
         with trio.fail_after(3600):
             await p.stream.send_all(p.conn.send(ev.Hello(p.rid(), "t", 1, 1)))
             await trio.sleep(60)  # not reading: the server is stuck sending HELLO_OK
             assert await p.closed()
 
-    run_session(tmp_path, body, handshake_timeout=10, clock=trio.testing.MockClock(autojump_threshold=0),
-                pair=trio.testing.lockstep_stream_pair)
+    run_session(
+        tmp_path,
+        body,
+        handshake_timeout=10,
+        clock=trio.testing.MockClock(autojump_threshold=0),
+        pair=trio.testing.lockstep_stream_pair,
+    )
 
 
 def test_authenticated_connection_outlives_the_handshake_deadline(tmp_path):

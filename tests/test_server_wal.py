@@ -89,6 +89,57 @@ def test_replay_rebuilds_objects_from_the_log(tmp_path):
     assert s3.namespaces["n"].get("o").read_bytes(0, 0) == b"".join(parts)
 
 
+def test_replay_goes_on_past_a_switched_log_files_zeros(tmp_path):
+    """A crash between a log switch and its checkpoint leaves two log files; the older one
+    ends in the zeros written ahead of its records. Those zeros are its clean end, not the
+    log's: the records of the newer file were acknowledged too and must be replayed."""
+    s = Storage(str(tmp_path))
+    s.open()
+    s.start_wal()
+    o = s.namespace("n", create=True).create("o")
+    parts = [b"one", b"two" * 100, b"three"]
+    o.append(parts[0], crc32c(parts[0]))
+    assert s.wal is not None
+    old = s.wal.switch()  # a checkpoint begins: later records go to the spare
+    for p in parts[1:]:
+        o.append(p, crc32c(p))
+    old.sync()
+    s.wal.current.sync()
+    assert os.path.getsize(old.path) > old.size  # zeros after its last record
+    os.truncate(o.path, o.header_size)  # the checkpoint never synced the object: a crash
+    s2 = Storage(str(tmp_path))
+    s2.open()
+    assert (s2.replayed.files, s2.replayed.records) == (2, 3)
+    assert s2.namespaces["n"].get("o").read_bytes(0, 0) == b"".join(parts)
+
+
+def test_replay_cuts_an_object_whose_records_have_a_gap(tmp_path):
+    """Records lost with an older log file's unsynced tail (a power loss: zeros where they
+    were) leave a gap before the object's records in the newer file: nothing from the gap
+    on was acknowledged, so the object is cut where its last replayed record ended."""
+    s = Storage(str(tmp_path))
+    s.open()
+    s.start_wal()
+    o = s.namespace("n", create=True).create("o")
+    parts = [b"one", b"two" * 100, b"three"]
+    o.append(parts[0], crc32c(parts[0]))
+    assert s.wal is not None
+    keep = s.wal.current.size
+    o.append(parts[1], crc32c(parts[1]))
+    old = s.wal.switch()
+    o.append(parts[2], crc32c(parts[2]))
+    old.sync()
+    s.wal.current.sync()
+    with open(old.path, "r+b") as f:  # the second record never reached the disk
+        f.seek(keep)
+        f.write(bytes(old.size - keep))
+    s2 = Storage(str(tmp_path))
+    s2.open()
+    assert s2.replayed.records == 1 and s2.replayed.skipped == 1
+    assert s2.namespaces["n"].get("o").read_bytes(0, 0) == parts[0]
+    assert not s2.corruptions
+
+
 def test_damaged_log_record_is_kept_and_stops_replay(tmp_path):
     s, parts = _storage_with_log(tmp_path)
     assert s.wal is not None

@@ -18,9 +18,21 @@ KILLS = 32
 # losses are rarer but seed 57 draws one driver kill, two total losses (one restored with
 # `sos restore`, one by a mount on an empty cache) and one loss of the server's disk (a
 # replacement server rebuilds from the tier's bucket) among its 32 events.
-SOAK_ARGS = ["--duration", "330", "--max-kills", str(KILLS), "--seed", "57",
-             "--weights", "server=6,mount=3,driver=1,all=1,disk=1", "--delay", "0.2", "2",
-             "--stall-timeout", "150"]
+SOAK_ARGS = [
+    "--duration",
+    "330",
+    "--max-kills",
+    str(KILLS),
+    "--seed",
+    "57",
+    "--weights",
+    "server=6,mount=3,driver=1,all=1,disk=1",
+    "--delay",
+    "0.2",
+    "2",
+    "--stall-timeout",
+    "150",
+]
 
 
 def _unmount_leftovers(root):
@@ -43,9 +55,13 @@ def test_crash_loop_exactly_once(tmp_path):
     pytest.importorskip("pyfuse3")
     pytest.importorskip("pyspark")
     work = tmp_path / "soak"
-    proc = subprocess.Popen([os.path.join(ROOT, "scripts", "soak"), *SOAK_ARGS,
-                             "--workdir", str(work)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    proc = subprocess.Popen(
+        [os.path.join(ROOT, "scripts", "soak"), *SOAK_ARGS, "--workdir", str(work)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+    )
     try:
         out, _ = proc.communicate(timeout=420)
     except subprocess.TimeoutExpired:
@@ -63,8 +79,9 @@ def test_crash_loop_exactly_once(tmp_path):
             proc.wait()
     _unmount_leftovers(str(work))
     lines = out.splitlines()
-    result = next((json.loads(line.split(" ", 1)[1]) for line in reversed(lines)
-                   if line.startswith("SOAK-RESULT ")), None)
+    result = next(
+        (json.loads(line.split(" ", 1)[1]) for line in reversed(lines) if line.startswith("SOAK-RESULT ")), None
+    )
     assert result is not None, out[-4000:]
     assert result["violations"] == [], "\n".join(lines[-40:])
     assert proc.returncode == 0, "\n".join(lines[-40:])
@@ -88,10 +105,19 @@ def test_crash_loop_exactly_once(tmp_path):
 # worker kills, a driver kill, and two total losses (one restored with `sos restore`, one by
 # a gateway on an empty cache).
 CLUSTER_KILLS = 10
-CLUSTER_ARGS = ["--cluster", "--duration", "400", "--max-kills", str(CLUSTER_KILLS),
-                "--seed", "113",
-                "--weights", "gateway=2,server=1,executor=2,worker=2,driver=2,all=2,disk=0",
-                "--stall-timeout", "200"]
+CLUSTER_ARGS = [
+    "--cluster",
+    "--duration",
+    "400",
+    "--max-kills",
+    str(CLUSTER_KILLS),
+    "--seed",
+    "113",
+    "--weights",
+    "gateway=2,server=1,executor=2,worker=2,driver=2,all=2,disk=0",
+    "--stall-timeout",
+    "200",
+]
 
 
 def _node_isolation_problem():
@@ -102,8 +128,9 @@ def _node_isolation_problem():
 
 @pytest.mark.spark
 @pytest.mark.slow
-@pytest.mark.skipif(_node_isolation_problem() is not None,
-                    reason=f"cluster nodes cannot be isolated here: {_node_isolation_problem()}")
+@pytest.mark.skipif(
+    _node_isolation_problem() is not None, reason=f"cluster nodes cannot be isolated here: {_node_isolation_problem()}"
+)
 @pytest.mark.timeout(720)
 def test_cluster_crash_loop_exactly_once(tmp_path):
     pytest.importorskip("pyspark")
@@ -111,10 +138,14 @@ def test_cluster_crash_loop_exactly_once(tmp_path):
     from tools import child_env
 
     # what scripts/soak runs, minus its setup step (this interpreter has what it needs)
-    proc = subprocess.Popen([sys.executable, "-m", "tools.soak", *CLUSTER_ARGS,
-                             "--workdir", str(work)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                            env=child_env())
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tools.soak", *CLUSTER_ARGS, "--workdir", str(work)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        env=child_env(),
+    )
     try:
         out, _ = proc.communicate(timeout=660)
     except subprocess.TimeoutExpired:
@@ -130,8 +161,7 @@ def test_cluster_crash_loop_exactly_once(tmp_path):
             proc.kill()
             proc.wait()
     lines = out.splitlines()
-    result = next((json.loads(ln.split(" ", 1)[1]) for ln in reversed(lines)
-                   if ln.startswith("SOAK-RESULT ")), None)
+    result = next((json.loads(ln.split(" ", 1)[1]) for ln in reversed(lines) if ln.startswith("SOAK-RESULT ")), None)
     assert result is not None, out[-4000:]
     assert result["violations"] == [], "\n".join(lines[-40:])
     assert proc.returncode == 0, "\n".join(lines[-40:])
@@ -151,12 +181,23 @@ def test_cluster_crash_loop_exactly_once(tmp_path):
 
 # ---- the harness's check must catch each kind of violation (no Spark, no processes)
 
+
 def _fake_soak(tmp_path):
     from tools.soak import Soak
 
-    soak = Soak(duration=1, seed=0, workdir=str(tmp_path / "w"), rows=5, max_kills=None,
-                weights={"server": 1, "mount": 1, "driver": 1, "all": 1}, state_store="hdfs",
-                ahead=0, stall_timeout=60, delay=(0, 0), quiet=True)
+    soak = Soak(
+        duration=1,
+        seed=0,
+        workdir=str(tmp_path / "w"),
+        rows=5,
+        max_kills=None,
+        weights={"server": 1, "mount": 1, "driver": 1, "all": 1},
+        state_store="hdfs",
+        ahead=0,
+        stall_timeout=60,
+        delay=(0, 0),
+        quiet=True,
+    )
     soak.prepare_input()
     soak.acked_files = 4
     soak.feed()  # files 0..3 into the input directory
@@ -200,8 +241,9 @@ def test_check_accepts_a_committed_prefix(tmp_path):
     soak.cleanup()
 
 
-@pytest.mark.parametrize("damage", ["lost_commit", "gap", "doubled", "lost_record", "corrupt",
-                                    "empty_state", "lost_state"])
+@pytest.mark.parametrize(
+    "damage", ["lost_commit", "gap", "doubled", "lost_record", "corrupt", "empty_state", "lost_state"]
+)
 def test_check_catches_violations(tmp_path, damage):
     from tools.soak import Violation
 
@@ -245,10 +287,17 @@ def test_a_committed_state_the_query_cannot_load_is_a_violation(tmp_path):
     soak.driver = subprocess.Popen(["sleep", "120"])
     try:
         seq = soak.command("run")
-        _write_json_atomic(os.path.join(soak.driver_ctl, "status.json"), {
-            "seq": seq, "state": "failed", "pid": soak.driver.pid, "checkpoint_unreadable": True,
-            "error": "[CANNOT_LOAD_STATE_STORE.UNCATEGORIZED] An error occurred during loading "
-                     "state. Caused by: java.io.EOFException"})
+        _write_json_atomic(
+            os.path.join(soak.driver_ctl, "status.json"),
+            {
+                "seq": seq,
+                "state": "failed",
+                "pid": soak.driver.pid,
+                "checkpoint_unreadable": True,
+                "error": "[CANNOT_LOAD_STATE_STORE.UNCATEGORIZED] An error occurred during loading "
+                "state. Caused by: java.io.EOFException",
+            },
+        )
         with pytest.raises(Violation, match="cannot load the state"):
             soak.pump()
         assert soak.query_restarts == 0

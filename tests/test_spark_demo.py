@@ -21,9 +21,22 @@ CRASH_AFTER = 2
 
 
 def run_demo(tmp_path, *extra):
-    cmd = [sys.executable, "-m", "tools.demo", "--mount", "--records", str(RECORDS), "--batches",
-           str(BATCHES), "--crash-after", str(CRASH_AFTER), "--workdir", str(tmp_path / "work"),
-           "--json", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tools.demo",
+        "--mount",
+        "--records",
+        str(RECORDS),
+        "--batches",
+        str(BATCHES),
+        "--crash-after",
+        str(CRASH_AFTER),
+        "--workdir",
+        str(tmp_path / "work"),
+        "--json",
+        *extra,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
     lines = proc.stdout.strip().splitlines()
     assert lines, proc.stderr[-3000:]
@@ -65,6 +78,7 @@ def test_demo_rocksdb_state_store_with_the_mount_killed_mid_batch(tmp_path):
 
 
 # ---- the checker itself must catch each kind of failure (no Spark needed)
+
 
 def _write_batch(out, bid, recs):
     with open(os.path.join(out, f"batch-{bid:06d}.jsonl"), "w") as f:

@@ -49,16 +49,26 @@ def test_markers_then_restore_to_batch_and_resume(sos_server, tmp_path):
     key = sos_server.keygen(NS, "append")
     make_input(str(tmp_path / "input"), RECORDS, FILES)
     (tmp_path / "flags").mkdir()
-    loc = journaled_checkpoint(None, NS, server=sos_server.address, key=key,
-                               mountpoint=str(tmp_path / "mnt"),
-                               cache_dir=str(tmp_path / "cache"))
+    loc = journaled_checkpoint(
+        None,
+        NS,
+        server=sos_server.address,
+        key=key,
+        mountpoint=str(tmp_path / "mnt"),
+        cache_dir=str(tmp_path / "cache"),
+    )
     try:
         assert isinstance(loc, CheckpointLocation)
         assert loc.relpath == "checkpoint" and os.path.isdir(loc)
         assert os.path.exists(os.path.join(loc.mountpoint, MARKER_CONTROL))
-        cfg = {"input": str(tmp_path / "input"), "out": str(tmp_path / "out1"),
-               "flags": str(tmp_path / "flags"), "checkpoint": str(loc),
-               "mountpoint": loc.mountpoint, "markers": True}
+        cfg = {
+            "input": str(tmp_path / "input"),
+            "out": str(tmp_path / "out1"),
+            "flags": str(tmp_path / "flags"),
+            "checkpoint": str(loc),
+            "mountpoint": loc.mountpoint,
+            "markers": True,
+        }
         _run_driver(cfg, tmp_path, "driver1")
         assert committed_batches(loc) == set(range(FILES))
     finally:
@@ -68,19 +78,16 @@ def test_markers_then_restore_to_batch_and_resume(sos_server, tmp_path):
     assert markers["written"] == list(range(FILES))
 
     # the checkpoint as it was when batch 1 committed, and as at the end
-    chk1 = restore_to_batch(NS, str(tmp_path / "at1"), loc.relpath, 1,
-                            server=sos_server.address, key=key)
+    chk1 = restore_to_batch(NS, str(tmp_path / "at1"), loc.relpath, 1, server=sos_server.address, key=key)
     assert committed_batches(chk1) == {0, 1}
-    chk3 = restore_to_batch(NS, str(tmp_path / "at3"), loc, 3, server=sos_server.address,
-                            key=key)
+    chk3 = restore_to_batch(NS, str(tmp_path / "at3"), loc, 3, server=sos_server.address, key=key)
     assert committed_batches(chk3) == {0, 1, 2, 3}
 
     # Spark resumes from the batch-1 checkpoint (a plain local copy now). It redoes what
     # came after batch 1 only (Spark may fold files 2 and 3 into one batch when the
     # restored file-source log already lists file 2), and its restored dedup state still
     # drops the ids of file 1 that file 2 sends again: exactly ids 200..399, once each
-    cfg2 = dict(cfg, checkpoint=chk1, out=str(tmp_path / "out2"), mountpoint=None,
-                markers=False)
+    cfg2 = dict(cfg, checkpoint=chk1, out=str(tmp_path / "out2"), mountpoint=None, markers=False)
     _run_driver(cfg2, tmp_path, "driver2")
     after = committed_batches(chk1)
     assert {0, 1} < after
@@ -106,9 +113,15 @@ def test_journaled_checkpoint_registers_listener_and_survives_the_loss(sos_serve
             def addListener(listener):
                 added.append(listener)
 
-    loc = journaled_checkpoint(FakeSpark(), "jc", server=sos_server.address, key=key,
-                               mountpoint=str(tmp_path / "mnt"),
-                               cache_dir=str(tmp_path / "cache"), checkpoint="q1/chk")
+    loc = journaled_checkpoint(
+        FakeSpark(),
+        "jc",
+        server=sos_server.address,
+        key=key,
+        mountpoint=str(tmp_path / "mnt"),
+        cache_dir=str(tmp_path / "cache"),
+        checkpoint="q1/chk",
+    )
     try:
         assert [type(listener) for listener in added] == [MarkerListener]
         assert added[0].relpath == "q1/chk" and added[0].checkpoint == str(loc)
@@ -121,9 +134,13 @@ def test_journaled_checkpoint_registers_listener_and_survives_the_loss(sos_serve
         loc.mount.kill()  # a crash right after the rename returned
     shutil.rmtree(tmp_path / "cache")
     env = dict(os.environ, SOS_KEY=key)
-    proc = subprocess.run([*sos_command(), "restore", "-q", "--server", sos_server.address, "jc",
-                           str(tmp_path / "restored")],
-                          capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(
+        [*sos_command(), "restore", "-q", "--server", sos_server.address, "jc", str(tmp_path / "restored")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "restored" / "q1" / "chk" / "commits" / "0").read_text() == "v1\n{}"
 
@@ -131,8 +148,7 @@ def test_journaled_checkpoint_registers_listener_and_survives_the_loss(sos_serve
 def test_restore_to_batch_without_such_batch_fails_clearly(sos_server, tmp_path):
     key = sos_server.keygen("nobatch", "append")
     with pytest.raises(RuntimeError, match="sos restore failed"):
-        restore_to_batch("nobatch", str(tmp_path / "t"), "checkpoint", 5,
-                         server=sos_server.address, key=key)
+        restore_to_batch("nobatch", str(tmp_path / "t"), "checkpoint", 5, server=sos_server.address, key=key)
 
 
 def test_marker_payload_and_listener_without_control_file(tmp_path):
@@ -156,7 +172,6 @@ def test_marker_payload_and_listener_without_control_file(tmp_path):
     listener.onQueryProgress(P(1))  # commits/1 does not exist: no marker for it
     assert listener.written == [0]
     written = json.loads((tmp_path / "mnt" / ".sos" / "marker").read_text())
-    assert written == {"label": "spark.batch",
-                       "payload": {"checkpoint": "chk", "query_id": "q", "batch_id": 0}}
+    assert written == {"label": "spark.batch", "payload": {"checkpoint": "chk", "query_id": "q", "batch_id": 0}}
     with pytest.raises(ValueError):
         MarkerListener(str(tmp_path / "elsewhere"), mountpoint=str(tmp_path / "mnt"))

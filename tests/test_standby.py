@@ -38,22 +38,28 @@ def _jars() -> str | None:
 
 
 def gateway(server, key, tmp_path, name, *args, lease=LEASE, cache=None):
-    return GatewayProcess(NS, str(cache or tmp_path / f"{name}-cache"), server.address, key,
-                          extra_args=["--lease", str(lease), *args], debug=True,
-                          log_path=str(tmp_path / f"{name}.log")).start()
+    return GatewayProcess(
+        NS,
+        str(cache or tmp_path / f"{name}-cache"),
+        server.address,
+        key,
+        extra_args=["--lease", str(lease), *args],
+        debug=True,
+        log_path=str(tmp_path / f"{name}.log"),
+    ).start()
 
 
 def token(url, key):
-    r = requests.post(url + "/oauth2/token", data={"grant_type": "client_credentials",
-                                                   "client_id": NS, "client_secret": key})
+    r = requests.post(
+        url + "/oauth2/token", data={"grant_type": "client_credentials", "client_id": NS, "client_secret": key}
+    )
     assert r.status_code == 200, r.text
     return r.json()["access_token"]
 
 
 def put(url, tok, path, data):
     h = {"Authorization": f"Bearer {tok}"}
-    r = requests.put(f"{url}/webhdfs/v1{path}?op=CREATE&overwrite=true", headers=h,
-                     allow_redirects=False, timeout=60)
+    r = requests.put(f"{url}/webhdfs/v1{path}?op=CREATE&overwrite=true", headers=h, allow_redirects=False, timeout=60)
     if r.status_code != 307:
         return r
     return requests.put(r.headers["Location"], data=data, headers=h, timeout=60)
@@ -81,9 +87,13 @@ def refused_or_gone(url, tok, path):
 
 
 def sos(server, key, *args, check=True):
-    done = subprocess.run([*sos_command(), *args, "--server", server.address],
-                          env=dict(os.environ, SOS_KEY=key), capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [*sos_command(), *args, "--server", server.address],
+        env=dict(os.environ, SOS_KEY=key),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert not check or done.returncode == 0, (args, done.stdout, done.stderr)
     return done
 
@@ -120,27 +130,32 @@ def test_standby_tails_the_journal_answers_standby_exception_and_takes_over(sos_
         tok2 = token(standby.url, key)
         for i in range(40):  # several generations (64 KiB each): their snapshots are skipped
             assert put(active.url, tok2, f"/d/f{i % 7}", os.urandom(5000) + b"%d" % i).status_code == 201
-        r = requests.put(f"{active.url}/webhdfs/v1/d/f1?op=RENAME&destination=/d/moved",
-                         headers={"Authorization": f"Bearer {tok}"})
+        r = requests.put(
+            f"{active.url}/webhdfs/v1/d/f1?op=RENAME&destination=/d/moved", headers={"Authorization": f"Bearer {tok}"}
+        )
         assert r.json() == {"boolean": True}
         h = {"Authorization": f"Bearer {tok}"}
         # every WebHDFS request and a marker: StandbyException, as a standby NameNode
         standby_refusal(requests.get(f"{standby.url}/webhdfs/v1/d?op=LISTSTATUS", headers=h))
         standby_refusal(requests.put(f"{standby.url}/webhdfs/v1/x?op=MKDIRS", headers=h))
-        standby_refusal(requests.put(f"{standby.url}/webhdfs/v1/x?op=CREATE", headers=h,
-                                     allow_redirects=False))
+        standby_refusal(requests.put(f"{standby.url}/webhdfs/v1/x?op=CREATE", headers=h, allow_redirects=False))
         standby_refusal(requests.post(f"{standby.url}/sos/v1/marker?label=x", headers=h, data=b"p"))
         assert requests.get(f"{standby.url}/webhdfs/v1/d?op=LISTSTATUS").status_code == 401
         assert len(generations(sos_server, key)) > 2
         expected = tree_snapshot(os.path.join(active.cache_dir, "tree"))
-        wait_for(lambda: tree_snapshot(os.path.join(standby.cache_dir, "tree")) == expected, 20,
-                 "the standby's cache equals the active's")
+        wait_for(
+            lambda: tree_snapshot(os.path.join(standby.cache_dir, "tree")) == expected,
+            20,
+            "the standby's cache equals the active's",
+        )
         before = generations(sos_server, key)
         active.kill()
         # the standby takes over within its lease (plus a poll): then it serves, and writes
-        wait_for(lambda: requests.get(f"{standby.url}/webhdfs/v1/d?op=LISTSTATUS", headers=h,
-                                      timeout=60).status_code == 200, LEASE + 15,
-                 "the standby promoted itself")
+        wait_for(
+            lambda: requests.get(f"{standby.url}/webhdfs/v1/d?op=LISTSTATUS", headers=h, timeout=60).status_code == 200,
+            LEASE + 15,
+            "the standby promoted itself",
+        )
         assert put(standby.url, tok, "/d/after", b"after").status_code == 201
         # it continued the journal's generation (no snapshot of the whole tree)
         assert generations(sos_server, key) == before
@@ -187,8 +202,11 @@ def ha_writer(tmp_path_factory):
     if jars is None or shutil.which("javac") is None:
         pytest.skip("needs pyspark's Hadoop jars and javac")
     out = tmp_path_factory.mktemp("hawriter")
-    subprocess.run(["javac", "-cp", os.path.join(jars, "*"), "-d", str(out),
-                    os.path.join(DATA, "HaWriter.java")], check=True, timeout=300)
+    subprocess.run(
+        ["javac", "-cp", os.path.join(jars, "*"), "-d", str(out), os.path.join(DATA, "HaWriter.java")],
+        check=True,
+        timeout=300,
+    )
     return f"{jars}/*:{out}"
 
 
@@ -199,11 +217,23 @@ class JavaWriter:
         self.stop_file = tmp_path / "STOP"
         self.lines: list[str] = []
         self.commits: dict[int, float] = {}
-        cmd = ["java", *props, "-cp", classpath, "HaWriter", "sosha", ",".join(addresses),
-               token_url, NS, str(batches), str(self.stop_file)]
+        cmd = [
+            "java",
+            *props,
+            "-cp",
+            classpath,
+            "HaWriter",
+            "sosha",
+            ",".join(addresses),
+            token_url,
+            NS,
+            str(batches),
+            str(self.stop_file),
+        ]
         with open(tmp_path / "java.log", "w") as log:  # the child keeps its own descriptor
-            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True,
-                                         env=dict(os.environ, SOS_KEY=key))
+            self.proc = subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=dict(os.environ, SOS_KEY=key)
+            )
         self.thread = threading.Thread(target=self._read, daemon=True)
         self.thread.start()
 
@@ -214,8 +244,7 @@ class JavaWriter:
                 self.commits[int(line.split()[1])] = time.monotonic()
 
     def wait(self, n, timeout):
-        wait_for(lambda: len(self.commits) >= n or self.proc.poll() is not None, timeout,
-                 f"{n} batches committed")
+        wait_for(lambda: len(self.commits) >= n or self.proc.poll() is not None, timeout, f"{n} batches committed")
         assert len(self.commits) >= n, self.lines[-20:]
 
     def finish(self):
@@ -256,8 +285,9 @@ def test_hadoop_client_fails_over_when_the_active_is_killed(sos_server, tmp_path
     writer = None
     try:
         # the standby first: the client is sent on by its StandbyException
-        writer = JavaWriter(ha_writer, key, [addr(standby.url), addr(active.url)],
-                            standby.url + "/oauth2/token", tmp_path)
+        writer = JavaWriter(
+            ha_writer, key, [addr(standby.url), addr(active.url)], standby.url + "/oauth2/token", tmp_path
+        )
         writer.wait(20, 120)
         killed = time.monotonic()
         active.kill()
@@ -283,9 +313,14 @@ def test_sigstop_past_the_lease_never_makes_two_writers(sos_server, tmp_path, ha
     try:
         tok = token(active.url, key)
         # a request held by the paused gateway times out after 8 s and goes to the other
-        writer = JavaWriter(ha_writer, key, [addr(active.url), addr(standby.url)],
-                            standby.url + "/oauth2/token", tmp_path,
-                            props=["-Dhadoop.dfs.webhdfs.socket.read-timeout=8s"])
+        writer = JavaWriter(
+            ha_writer,
+            key,
+            [addr(active.url), addr(standby.url)],
+            standby.url + "/oauth2/token",
+            tmp_path,
+            props=["-Dhadoop.dfs.webhdfs.socket.read-timeout=8s"],
+        )
         writer.wait(20, 120)
         os.kill(active.pid, signal.SIGSTOP)
         paused = time.monotonic()
@@ -313,7 +348,7 @@ def test_sigstop_past_the_lease_never_makes_two_writers(sos_server, tmp_path, ha
 
 # ------------------------------------------------------------------ Spark through the helper
 
-SPARK_DRIVER = '''
+SPARK_DRIVER = """
 import json, os, signal, sys, time
 cfg = json.load(open(sys.argv[1]))
 from pyspark.sql import SparkSession
@@ -354,7 +389,7 @@ with open(cfg["result"], "w") as f:
     json.dump({"location": str(loc), "batches": batches, "markers": loc.listener.written,
                "errors": loc.listener.errors, "conf": loc.conf}, f)
 spark.stop()
-'''
+"""
 
 
 @pytest.mark.spark
@@ -373,17 +408,32 @@ def test_spark_query_through_the_helper_rides_through_the_loss_of_the_active(sos
     active = gateway(sos_server, key, tmp_path, "active")
     standby = gateway(sos_server, key, tmp_path, "standby", "--standby")
     try:
-        cfg = {"urls": [active.url, standby.url], "ns": NS, "input": str(tmp_path / "input"),
-               "out": str(tmp_path / "out"), "kill_at": 3, "kill_pid": active.pid,
-               "killed": str(tmp_path / "killed"), "result": str(tmp_path / "result.json"),
-               "token_url": standby.url}
+        cfg = {
+            "urls": [active.url, standby.url],
+            "ns": NS,
+            "input": str(tmp_path / "input"),
+            "out": str(tmp_path / "out"),
+            "kill_at": 3,
+            "kill_pid": active.pid,
+            "killed": str(tmp_path / "killed"),
+            "result": str(tmp_path / "result.json"),
+            "token_url": standby.url,
+        }
         (tmp_path / "cfg.json").write_text(json.dumps(cfg))
         (tmp_path / "driver.py").write_text(SPARK_DRIVER)
-        env = dict(os.environ, SOS_KEY=key,
-                   PYTHONPATH=os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p))
+        env = dict(
+            os.environ,
+            SOS_KEY=key,
+            PYTHONPATH=os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p),
+        )
         with open(tmp_path / "driver.log", "wb") as logf:
-            proc = subprocess.run([sys.executable, str(tmp_path / "driver.py"), str(tmp_path / "cfg.json")],
-                                  stdout=logf, stderr=subprocess.STDOUT, env=env, timeout=800)
+            proc = subprocess.run(
+                [sys.executable, str(tmp_path / "driver.py"), str(tmp_path / "cfg.json")],
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                env=env,
+                timeout=800,
+            )
         assert proc.returncode == 0, (tmp_path / "driver.log").read_text()[-6000:]
         result = json.loads((tmp_path / "result.json").read_text())
     finally:
@@ -419,8 +469,9 @@ def _node_isolation_problem():
 
 
 @pytest.mark.spark
-@pytest.mark.skipif(_node_isolation_problem() is not None,
-                    reason=f"cluster nodes cannot be isolated here: {_node_isolation_problem()}")
+@pytest.mark.skipif(
+    _node_isolation_problem() is not None, reason=f"cluster nodes cannot be isolated here: {_node_isolation_problem()}"
+)
 @pytest.mark.timeout(900)
 def test_cluster_crash_loop_with_a_gateway_pair(tmp_path):
     """scripts/soak --cluster --gateway-pair, bounded: kills of the active gateway (the
@@ -434,14 +485,32 @@ def test_cluster_crash_loop_with_a_gateway_pair(tmp_path):
 
     pytest.importorskip("pyspark")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-m", "tools.soak", "--cluster", "--gateway-pair", "--seed", "3",
-                           "--duration", "600", "--max-kills", str(PAIR_KILLS), "--weights",
-                           "gateway=3,zombie=2,standby=1,server=1,executor=1,worker=0,driver=0,all=1",
-                           "--workdir", str(tmp_path / "soak")],
-                          capture_output=True, text=True, cwd=root, env=child_env(), timeout=840)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tools.soak",
+            "--cluster",
+            "--gateway-pair",
+            "--seed",
+            "3",
+            "--duration",
+            "600",
+            "--max-kills",
+            str(PAIR_KILLS),
+            "--weights",
+            "gateway=3,zombie=2,standby=1,server=1,executor=1,worker=0,driver=0,all=1",
+            "--workdir",
+            str(tmp_path / "soak"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        env=child_env(),
+        timeout=840,
+    )
     lines = proc.stdout.splitlines()
-    result = next((json.loads(ln.split(" ", 1)[1]) for ln in reversed(lines)
-                   if ln.startswith("SOAK-RESULT ")), None)
+    result = next((json.loads(ln.split(" ", 1)[1]) for ln in reversed(lines) if ln.startswith("SOAK-RESULT ")), None)
     assert result is not None, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert result["violations"] == [], "\n".join(lines[-40:])
     assert proc.returncode == 0, "\n".join(lines[-40:])

@@ -110,12 +110,16 @@ def origin(tmp_path_factory, moto) -> Origin:
                         c.append(name, 0, b"", epoch=epoch)
                     else:
                         step = 700 * 1024
-                        c.append_many(name, 0, (blob[i: i + step] for i in range(0, len(blob), step)), epoch=epoch)
+                        c.append_many(name, 0, (blob[i : i + step] for i in range(0, len(blob), step)), epoch=epoch)
                     if sealed:
                         c.seal(name, epoch=epoch)
             st = Storage(str(data))
-            mtimes = {(ns, n): os.stat(st.object_path(ns, n)).st_mtime_ns
-                      for ns, objs in CONTENT.items() for n, (_b, s) in objs.items() if s}
+            mtimes = {
+                (ns, n): os.stat(st.object_path(ns, n)).st_mtime_ns
+                for ns, objs in CONTENT.items()
+                for n, (_b, s) in objs.items()
+                if s
+            }
             from tier_support import make_bucket
 
             from sos_tier.s3 import S3Store
@@ -195,8 +199,10 @@ def test_replacement_server_serves_what_the_bucket_holds_and_writers_carry_on(or
     srv = _serve(data, tmp_path)
     try:
         assert '"repairs": 0, "damaged": 0' in srv.log_text()  # every rebuilt file loads whole
-        with Client(srv.address, origin.key["jobs"], "jobs", timeout=60) as c, \
-                Client(srv.address, origin.key["other"], "other", timeout=60) as o:
+        with (
+            Client(srv.address, origin.key["jobs"], "jobs", timeout=60) as c,
+            Client(srv.address, origin.key["other"], "other", timeout=60) as o,
+        ):
             for ns, cl in (("jobs", c), ("other", o)):
                 assert sorted(e.name for e in cl.list()) == sorted(CONTENT[ns])
                 for name, (blob, sealed) in CONTENT[ns].items():
@@ -244,7 +250,7 @@ def test_a_gap_in_the_bucket_cuts_the_object_there_and_is_reported(origin, tmp_p
             assert c.stat(SEG) == (len(CONTENT["jobs"][SEG][0]), True)  # the others are whole
             # the writer that still has the bytes (its spool) sends them again at the cut
             blob = CONTENT["jobs"]["big"][0]
-            assert c.append("big", PIECE, blob[PIECE: 2 * PIECE], epoch=EPOCH) == 2 * PIECE
+            assert c.append("big", PIECE, blob[PIECE : 2 * PIECE], epoch=EPOCH) == 2 * PIECE
     finally:
         srv.stop()
 
@@ -260,7 +266,12 @@ def test_a_damaged_piece_is_named_and_nothing_past_it_is_served(origin, tmp_path
     assert [(p.name, p.key, p.offset) for p in damage] == [("log", key, PIECE)]
     assert key in damage[0].message and "CRC32C" in damage[0].message
     [cut] = report.cut
-    assert (cut.name, cut.length, cut.sealed, cut.bucket_length) == ("log", PIECE, False, len(CONTENT["jobs"]["log"][0]))
+    assert (cut.name, cut.length, cut.sealed, cut.bucket_length) == (
+        "log",
+        PIECE,
+        False,
+        len(CONTENT["jobs"]["log"][0]),
+    )
     _copy_keys(origin, data)
     srv = _serve(data, tmp_path)
     try:
@@ -306,7 +317,9 @@ def test_keys_the_layout_cannot_have_made_are_reported_and_ignored(origin, tmp_p
     data = tmp_path / "data"
     report = bootstrap(str(data), store)
     assert sorted(p.key for p in report.problems if p.kind == "foreign") == [
-        "v1/ns/Not_A_Namespace/o/x/seal-0000000000000000", "v1/ns/jobs/junk/x"]
+        "v1/ns/Not_A_Namespace/o/x/seal-0000000000000000",
+        "v1/ns/jobs/junk/x",
+    ]
     assert report.cut == [] and sorted(os.listdir(data / "ns")) == ["jobs", "other"]
     assert len(report.objects) == 6
 
@@ -338,18 +351,25 @@ bootstrap(data, LocalStore(url), progress=progress)
 """
 
 
-@pytest.mark.parametrize("needle, nth, left", [
-    ("jobs/big: ", 5, PARTIAL),  # SIGKILL while rebuilding: the rerun starts clean
-    ("moving namespace other", 1, DONE),  # SIGKILL after the commit, between namespaces: it finishes
-])
+@pytest.mark.parametrize(
+    "needle, nth, left",
+    [
+        ("jobs/big: ", 5, PARTIAL),  # SIGKILL while rebuilding: the rerun starts clean
+        ("moving namespace other", 1, DONE),  # SIGKILL after the commit, between namespaces: it finishes
+    ],
+)
 def test_a_crash_midway_is_rerun_without_mixing(origin, tmp_path, needle, nth, left):
     store = _local_copy(origin, tmp_path)
     reference = tmp_path / "reference"
     bootstrap(str(reference), store)
     data = tmp_path / "data"
     env = dict(os.environ, PYTHONPATH=ROOT)
-    proc = subprocess.run([sys.executable, "-c", _CRASHER, str(data), store.url, needle, str(nth)],
-                          env=env, capture_output=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", _CRASHER, str(data), store.url, needle, str(nth)],
+        env=env,
+        capture_output=True,
+        timeout=300,
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()
     assert os.path.isdir(data / left)
     assert needs_bootstrap(str(data))
@@ -403,8 +423,13 @@ def test_a_large_object_is_rebuilt_in_bounded_memory(tmp_path):
     up = Uploader(store)
     up.sync("big", "huge", lambda b, e: random.Random(b).randbytes(e - b), size, True, 1)
     env = dict(os.environ, PYTHONPATH=ROOT)
-    proc = subprocess.run([sys.executable, "-c", _MEASURE, str(tmp_path / "data"), store.url], env=env,
-                          capture_output=True, timeout=300, check=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", _MEASURE, str(tmp_path / "data"), store.url],
+        env=env,
+        capture_output=True,
+        timeout=300,
+        check=True,
+    )
     total, base_kib, peak_kib = map(int, proc.stdout.split())
     assert total == size
     assert (peak_kib - base_kib) << 10 < size // 2, (base_kib, peak_kib)

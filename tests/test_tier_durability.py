@@ -58,8 +58,13 @@ def server_lengths(srv, key: str, ns: str) -> dict[str, int]:
 
 def restore_from(url: str, ns: str, out) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("SOS_SERVER", "SOS_KEY", "SOS_KEY_FILE")}
-    return subprocess.run([sys.executable, "-m", "sos_client.cli", "restore", "-q", ns, str(out), "--from", url],
-                          capture_output=True, text=True, timeout=WAIT, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "sos_client.cli", "restore", "-q", ns, str(out), "--from", url],
+        capture_output=True,
+        text=True,
+        timeout=WAIT,
+        env=env,
+    )
 
 
 def commit(tree, n: int, body: bytes = b"{}") -> None:
@@ -128,12 +133,14 @@ def test_durability_tier_refuses_a_server_without_a_tier(sos_server, tmp_path):
         JournalWriter(lambda: None, "nt", str(tmp_path / "s"), durability="bucket")
     for sync in (True, False):
         with pytest.raises(JournalTierUnavailable, match="--tier") as info:
-            open_namespace("nt", str(tmp_path / f"new-{sync}"), server=sos_server.address, key=key,
-                           durability="tier", sync=sync)
+            open_namespace(
+                "nt", str(tmp_path / f"new-{sync}"), server=sos_server.address, key=key, durability="tier", sync=sync
+            )
         assert isinstance(info.value.__cause__, TierUnavailable)
     # the namespace now holds a journal: the same refusal, from the writer's open
-    w = JournalWriter(lambda: Client(sos_server.address, key, "nt", timeout=30), "nt", str(tmp_path / "spool"),
-                      durability="tier")
+    w = JournalWriter(
+        lambda: Client(sos_server.address, key, "nt", timeout=30), "nt", str(tmp_path / "spool"), durability="tier"
+    )
     with pytest.raises(JournalTierUnavailable, match="no object-store tier"):
         w.open()
     assert not w.is_open
@@ -145,8 +152,9 @@ def test_durability_tier_refuses_a_server_without_a_tier(sos_server, tmp_path):
     opened.close()
 
 
-def test_a_barrier_means_the_bucket_holds_the_record_restore_after_the_server_is_lost(sos_server_factory,
-                                                                                       new_bucket, tmp_path):
+def test_a_barrier_means_the_bucket_holds_the_record_restore_after_the_server_is_lost(
+    sos_server_factory, new_bucket, tmp_path
+):
     """After the rename onto commits/N returns, the bucket holds the journal up to it: the
     server's data directory deleted right after, `sos restore --from URL` gives the tree with
     the rename. The server's interval is an hour: the barrier's own waits brought it there."""
@@ -225,7 +233,8 @@ def own_moto(moto, monkeypatch):
 
 
 def test_with_the_store_down_a_barrier_waits_until_it_is_back_or_fails_after_its_patience(
-        sos_server_factory, own_moto, tmp_path):
+    sos_server_factory, own_moto, tmp_path
+):
     import boto3
 
     boto3.client("s3").create_bucket(Bucket="down")

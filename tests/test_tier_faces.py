@@ -38,8 +38,13 @@ NEVER = "1h"  # an upload interval no test waits for: only a barrier's TIER_WAIT
 def restore_from(url: str, ns: str, out) -> dict:
     """``sos restore NS OUT --from URL`` (no server, no key); the restored tree."""
     env = {k: v for k, v in os.environ.items() if k not in ("SOS_SERVER", "SOS_KEY", "SOS_KEY_FILE")}
-    r = subprocess.run([sys.executable, "-m", "sos_client.cli", "restore", "-q", ns, str(out), "--from", url],
-                       capture_output=True, text=True, timeout=WAIT, env=env)
+    r = subprocess.run(
+        [sys.executable, "-m", "sos_client.cli", "restore", "-q", ns, str(out), "--from", url],
+        capture_output=True,
+        text=True,
+        timeout=WAIT,
+        env=env,
+    )
     assert r.returncode == 0, r.stderr
     return tree_snapshot(out)
 
@@ -55,8 +60,11 @@ class Http:
 
     def __init__(self, url: str, ns: str, key: str) -> None:
         self.url = url
-        r = requests.post(url + "/oauth2/token", data={"grant_type": "client_credentials", "client_id": ns,
-                                                       "client_secret": key}, timeout=WAIT)
+        r = requests.post(
+            url + "/oauth2/token",
+            data={"grant_type": "client_credentials", "client_id": ns, "client_secret": key},
+            timeout=WAIT,
+        )
         assert r.status_code == 200, r.text
         self.session = requests.Session()
         self.session.headers["Authorization"] = f"Bearer {r.json()['access_token']}"
@@ -93,8 +101,9 @@ def spark_commit(http: Http, n: int, body: bytes) -> None:
 
 
 def start_gateway(srv, ns: str, key: str, tmp_path, **kwargs) -> GatewayProcess:
-    return GatewayProcess(ns, str(tmp_path / f"gw-cache-{ns}"), srv.address, key,
-                          log_path=str(tmp_path / f"gw-{ns}.log"), **kwargs).start()
+    return GatewayProcess(
+        ns, str(tmp_path / f"gw-cache-{ns}"), srv.address, key, log_path=str(tmp_path / f"gw-{ns}.log"), **kwargs
+    ).start()
 
 
 # ------------------------------------------------------------------ the gateway
@@ -128,8 +137,9 @@ def test_gateway_tier_rename_returns_once_the_bucket_holds_it(sos_server_factory
 def cli(module: str, *args: str, key: str, timeout: float = WAIT) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("SOS_KEY_FILE", "SOS_SERVER")}
     env["SOS_KEY"] = key
-    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 def assert_one_line_failure(r: subprocess.CompletedProcess, prefix: str) -> str:
@@ -145,8 +155,19 @@ def test_faces_with_durability_tier_refuse_a_server_without_a_tier(sos_server, t
     and the mount, on a new namespace and on one that holds a journal."""
     key = sos_server.keygen("nt", "append")
     for attempt in ("new", "with a journal"):
-        r = cli("spark_plugin.gateway.cli", "nt", "--listen", "127.0.0.1:0", "--cache",
-                str(tmp_path / f"gw-{attempt}"), "--server", sos_server.address, "--durability", "tier", key=key)
+        r = cli(
+            "spark_plugin.gateway.cli",
+            "nt",
+            "--listen",
+            "127.0.0.1:0",
+            "--cache",
+            str(tmp_path / f"gw-{attempt}"),
+            "--server",
+            sos_server.address,
+            "--durability",
+            "tier",
+            key=key,
+        )
         line = assert_one_line_failure(r, "sos: gateway failed: ")
         assert "no object-store tier" in line and "sos-server serve --tier URL" in line, line
         assert "ready on" not in r.stderr
@@ -155,14 +176,26 @@ def test_faces_with_durability_tier_refuse_a_server_without_a_tier(sos_server, t
             gw.stop()
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    r = cli("spark_plugin.mount.cli", "nt", str(mnt), "--cache", str(tmp_path / "mount-cache"),
-            "--server", sos_server.address, "--durability", "tier", key=key)
+    r = cli(
+        "spark_plugin.mount.cli",
+        "nt",
+        str(mnt),
+        "--cache",
+        str(tmp_path / "mount-cache"),
+        "--server",
+        sos_server.address,
+        "--durability",
+        "tier",
+        key=key,
+    )
     line = assert_one_line_failure(r, "sos: mount failed: ")
     assert "no object-store tier" in line, line
     assert not os.path.ismount(mnt)
     # --async waits for nothing: with --durability tier it is a usage error (2), before anything
-    for module, extra in (("spark_plugin.gateway.cli", ["--listen", "127.0.0.1:0"]),
-                          ("spark_plugin.mount.cli", [str(mnt)])):
+    for module, extra in (
+        ("spark_plugin.gateway.cli", ["--listen", "127.0.0.1:0"]),
+        ("spark_plugin.mount.cli", [str(mnt)]),
+    ):
         r = cli(module, "nt", *extra, "--server", sos_server.address, "--durability", "tier", "--async", key=key)
         assert r.returncode == 2 and "--async" in r.stderr and "Traceback" not in r.stderr, r.stderr
     r = cli("spark_plugin.gateway.cli", "nt", "--listen", "127.0.0.1:0", "--durability", "bucket", key=key)
@@ -206,7 +239,8 @@ def own_moto(moto, monkeypatch):
 
 
 def test_gateway_answers_a_bucket_behind_as_retriable_and_goes_on_once_it_is_back(
-        sos_server_factory, own_moto, tmp_path):
+    sos_server_factory, own_moto, tmp_path
+):
     """The store down: a RENAME past --tier-patience answers 403 RetriableException (HDFS's
     "try later"), the change applied and durable on the server; once the store is back the
     next commit replies and the bucket holds both."""
@@ -255,8 +289,7 @@ def test_gateway_answers_a_bucket_behind_as_retriable_and_goes_on_once_it_is_bac
 # ------------------------------------------------------------------ the mount
 @pytest.mark.fuse
 @pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="/dev/fuse is missing: no FUSE")
-def test_mount_tier_rename_onto_commits_returns_once_the_bucket_holds_it(sos_server_factory, new_bucket,
-                                                                          tmp_path):
+def test_mount_tier_rename_onto_commits_returns_once_the_bucket_holds_it(sos_server_factory, new_bucket, tmp_path):
     pytest.importorskip("pyfuse3")
     from spark_plugin.spark import start_mount
 
@@ -264,8 +297,15 @@ def test_mount_tier_rename_onto_commits_returns_once_the_bucket_holds_it(sos_ser
     srv = sos_server_factory(args=["--tier", url, "--tier-interval", NEVER])
     key = srv.keygen("mnt", "append")
     mnt = tmp_path / "mnt"
-    mount = start_mount("mnt", str(mnt), server=srv.address, key=key, cache_dir=str(tmp_path / "cache"),
-                        log_path=str(tmp_path / "mount.log"), durability="tier")
+    mount = start_mount(
+        "mnt",
+        str(mnt),
+        server=srv.address,
+        key=key,
+        cache_dir=str(tmp_path / "cache"),
+        log_path=str(tmp_path / "mount.log"),
+        durability="tier",
+    )
     try:
         assert "durability tier" in mount.log()
         chk = mnt / "chk"
@@ -294,8 +334,16 @@ def test_mount_reports_a_bucket_behind_as_etimedout(sos_server_factory, own_moto
     srv = sos_server_factory(args=["--tier", "s3://mdown/faces"])
     key = srv.keygen("mdn", "append")
     mnt = tmp_path / "mnt"
-    mount = start_mount("mdn", str(mnt), server=srv.address, key=key, cache_dir=str(tmp_path / "cache"),
-                        log_path=str(tmp_path / "mount.log"), durability="tier", tier_patience=2)
+    mount = start_mount(
+        "mdn",
+        str(mnt),
+        server=srv.address,
+        key=key,
+        cache_dir=str(tmp_path / "cache"),
+        log_path=str(tmp_path / "mount.log"),
+        durability="tier",
+        tier_patience=2,
+    )
     try:
         commits = mnt / "chk" / "commits"
         commits.mkdir(parents=True)
@@ -336,8 +384,9 @@ def test_fsspec_durability_tier(sos_server_factory, new_bucket, sos_server, tmp_
     url = new_bucket()
     srv = sos_server_factory(args=["--tier", url, "--tier-interval", NEVER])
     key = srv.keygen("fs", "append")
-    fs = SOSFileSystem(server=srv.address, key=key, cache_dir=str(tmp_path / "c"), durability="tier",
-                       skip_instance_cache=True)
+    fs = SOSFileSystem(
+        server=srv.address, key=key, cache_dir=str(tmp_path / "c"), durability="tier", skip_instance_cache=True
+    )
     try:
         fs.makedirs("fs/chk/commits", exist_ok=True)
         fs.pipe_file("fs/chk/commits/.0.tmp", b"batch 0")
@@ -356,8 +405,13 @@ def test_fsspec_durability_tier(sos_server_factory, new_bucket, sos_server, tmp_
         SOSFileSystem(server=sos_server.address, key=key, durability="bucket", skip_instance_cache=True)
     # a server without a tier: refused at the namespace's first use
     nt_key = sos_server.keygen("fsnt", "append")
-    fs2 = SOSFileSystem(server=sos_server.address, key=nt_key, cache_dir=str(tmp_path / "c2"), durability="tier",
-                        skip_instance_cache=True)
+    fs2 = SOSFileSystem(
+        server=sos_server.address,
+        key=nt_key,
+        cache_dir=str(tmp_path / "c2"),
+        durability="tier",
+        skip_instance_cache=True,
+    )
     with pytest.raises(JournalTierUnavailable, match="--tier"):
         fs2.pipe_file("fsnt/x", b"x")
     close_all(timeout=0)

@@ -83,8 +83,12 @@ def test_longest_keys_fit_s3():
     validate_name(name)
     prefix = "p" * 256
     ns = "n" * 63
-    for key in (piece_key(ns, name, 2**64 - 2, 2**64 - 1, 2**32 - 1), seal_key(ns, name, 2**64 - 1),
-                layout.name_key(ns, name), fence_key(ns, 2**64 - 1)):
+    for key in (
+        piece_key(ns, name, 2**64 - 2, 2**64 - 1, 2**32 - 1),
+        seal_key(ns, name, 2**64 - 1),
+        layout.name_key(ns, name),
+        fence_key(ns, 2**64 - 1),
+    ):
         assert key is not None and len(f"{prefix}/{key}".encode()) <= 1024
     plain = "a" * 255 + "/" + "b" * 255 + "/" + "c" * 130  # 642 bytes: just over
     assert escape_name(plain).startswith("!")
@@ -92,21 +96,24 @@ def test_longest_keys_fit_s3():
     assert len(f"{prefix}/{piece_key(ns, plain[:MAX_PLAIN_NAME], 2**64 - 2, 2**64 - 1, 0)}".encode()) <= 1024
 
 
-@pytest.mark.parametrize("key", [
-    "v1/ns/job1/o/a/0000000000000000-0000000000000001",  # no crc
-    "v1/ns/job1/o/a/0000000000000005-0000000000000001-00000000",  # end before begin
-    "v1/ns/job1/o/a/0000000000000005-0000000000000005-00000000",  # empty piece not at 0
-    "v1/ns/job1/o/a/0000000000000000-0000000000000000-00000001",  # empty piece with a crc
-    "v1/ns/job1/o/a/00000000000000AA-00000000000000BB-00000000",  # upper case
-    "v1/ns/job1/o/a/seal-1",
-    "v1/ns/job1/o/a/name",  # name keys only in hashed dirs
-    "v1/ns/job1/o/a/b/seal-0000000000000000",  # '/' in a name is escaped
-    "v1/ns/job1/o/..!a/seal-0000000000000000",  # not a valid name
-    "v1/ns/Job1/fence/0000000000000001",  # not a namespace
-    "v1/ns/job1/fence/1",
-    "v2/ns/job1/fence/0000000000000001",
-    "v1/ns/job1/other/x",
-])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "v1/ns/job1/o/a/0000000000000000-0000000000000001",  # no crc
+        "v1/ns/job1/o/a/0000000000000005-0000000000000001-00000000",  # end before begin
+        "v1/ns/job1/o/a/0000000000000005-0000000000000005-00000000",  # empty piece not at 0
+        "v1/ns/job1/o/a/0000000000000000-0000000000000000-00000001",  # empty piece with a crc
+        "v1/ns/job1/o/a/00000000000000AA-00000000000000BB-00000000",  # upper case
+        "v1/ns/job1/o/a/seal-1",
+        "v1/ns/job1/o/a/name",  # name keys only in hashed dirs
+        "v1/ns/job1/o/a/b/seal-0000000000000000",  # '/' in a name is escaped
+        "v1/ns/job1/o/..!a/seal-0000000000000000",  # not a valid name
+        "v1/ns/Job1/fence/0000000000000001",  # not a namespace
+        "v1/ns/job1/fence/1",
+        "v2/ns/job1/fence/0000000000000001",
+        "v1/ns/job1/other/x",
+    ],
+)
 def test_parse_key_refuses_what_the_layout_cannot_make(key):
     assert parse_key(key) is None
 
@@ -128,7 +135,7 @@ def test_protocol_worked_example(tmp_path):
     for key in listing:
         pk = parse_key(key)
         assert pk is not None
-        content = segment[pk.begin:pk.end] if pk.kind == "piece" else b"{}" if pk.kind == "seal" else b""
+        content = segment[pk.begin : pk.end] if pk.kind == "piece" else b"{}" if pk.kind == "seal" else b""
         if pk.kind == "piece":
             assert crc32c(content) == pk.crc
         store.put_once(key, content)
@@ -156,8 +163,16 @@ def put_piece(store: Store, name: str, begin: int, data: bytes, ns: str = NS) ->
     return key
 
 
-def upload(store: Store, name: str, data: bytes, *, sealed: bool = False, max_piece: int = 10,
-           ns: str = NS, uploader: Uploader | None = None) -> Uploader:
+def upload(
+    store: Store,
+    name: str,
+    data: bytes,
+    *,
+    sealed: bool = False,
+    max_piece: int = 10,
+    ns: str = NS,
+    uploader: Uploader | None = None,
+) -> Uploader:
     up = uploader or Uploader(store, max_piece=max_piece)
     up.sync(ns, name, lambda b, e: data[b:e], len(data), sealed)
     return up
@@ -225,8 +240,11 @@ def test_gap_stops_the_object_and_is_reported(store):
     obj = scan(store)[NS].objects["obj"]
     assert obj.length == 20 and obj.run_end == 20
     gaps = problems(obj, "gap")
-    assert len(gaps) == 1 and gaps[0].offset == 20 and gaps[0].key.endswith("000000000000001e-0000000000000028-"
-                                                                            + f"{crc32c(data[30:40]):08x}")
+    assert (
+        len(gaps) == 1
+        and gaps[0].offset == 20
+        and gaps[0].key.endswith("000000000000001e-0000000000000028-" + f"{crc32c(data[30:40]):08x}")
+    )
     assert read_object(store, NS, "obj", state=obj) == data[:20]
     with pytest.raises(ObjectIncomplete, match="no piece holds byte 20"):
         read_object(store, NS, "obj", 0, 21, state=obj)
@@ -260,8 +278,10 @@ def test_piece_of_the_wrong_size_is_damage_from_the_listing(store, clobber):
     clobber(store, bad, b"short")
     obj = scan(store)[NS].objects["obj"]
     assert obj.length == 10
-    assert [(p.kind, p.key) for p in obj.problems] == [("damage", bad), ("gap", piece_key(
-        NS, "obj", 20, 30, crc32c(data[20:30])))]
+    assert [(p.kind, p.key) for p in obj.problems] == [
+        ("damage", bad),
+        ("gap", piece_key(NS, "obj", 20, 30, crc32c(data[20:30]))),
+    ]
 
 
 def test_overlapping_pieces_with_the_same_bytes_are_accepted(store):
@@ -429,8 +449,10 @@ def test_uploader_whose_put_landed_but_was_not_recorded(store):
     assert (s.kind, s.outcome) == ("piece", PutOutcome.ALREADY_SAME)
     rec = Recording(store)
     upload(rec, "o", data, max_piece=10)
-    assert [k.rsplit("/", 1)[1][:33] for k, _ in rec.puts] == ["000000000000000a-0000000000000014",
-                                                                "0000000000000014-000000000000001e"]
+    assert [k.rsplit("/", 1)[1][:33] for k, _ in rec.puts] == [
+        "000000000000000a-0000000000000014",
+        "0000000000000014-000000000000001e",
+    ]
     assert read_object(store, NS, "o") == data
 
 

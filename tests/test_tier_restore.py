@@ -71,8 +71,9 @@ def run_sos(*args: str, env: dict | None = None, drop: tuple[str, ...] = ()) -> 
     for var in ("SOS_SERVER", "SOS_KEY", "SOS_KEY_FILE", *drop):
         e.pop(var, None)  # no server: the bucket alone
     e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "sos_client.cli", *args], capture_output=True, text=True,
-                          timeout=WAIT, env=e)
+    return subprocess.run(
+        [sys.executable, "-m", "sos_client.cli", *args], capture_output=True, text=True, timeout=WAIT, env=e
+    )
 
 
 @pytest.fixture(scope="module")
@@ -109,8 +110,7 @@ def journal(moto, tmp_path_factory) -> Journal:
             step(t.rename, tmpn, f"chk/offsets/{n}", overwrite=False)
             step(t.create, f"chk/commits/.{n}.tmp")
             step(t.rename, f"chk/commits/.{n}.tmp", f"chk/commits/{n}", overwrite=False)
-            step(t.marker, "spark.batch",
-                 json.dumps({"checkpoint": "chk", "query_id": "q", "batch_id": n}).encode())
+            step(t.marker, "spark.batch", json.dumps({"checkpoint": "chk", "query_id": "q", "batch_id": n}).encode())
             if n >= 2:
                 step(t.unlink, f"chk/offsets/{n - 2}")
         t.sync()
@@ -130,8 +130,12 @@ def journal(moto, tmp_path_factory) -> Journal:
         j = Journal(ns, objects, states, records)
         mid = records[len(records) // 2]
         j.at_ns, j.position = mid.time_ns, records[len(records) // 3].seq
-        points = {"latest": {}, "batch": {"batch": "chk:9"}, "at": {"at": j.at_ns},
-                  "position": {"position": j.position}}
+        points = {
+            "latest": {},
+            "batch": {"batch": "chk:9"},
+            "at": {"at": j.at_ns},
+            "position": {"position": j.position},
+        }
         for label, opts in points.items():
             out = base / f"server-{label}"
             restore(fac, ns, str(out), **opts)
@@ -193,8 +197,12 @@ def last_whole_before(j: Journal, seg: str, offset: int) -> int:
 # ---------------------------------------------------------------- the same as from the server
 def test_restore_from_the_bucket_equals_restore_from_the_server(journal, tmp_path):
     j = journal
-    cases = {"latest": [], "batch": ["--batch", "chk:9"], "at": ["--at", format_time(j.at_ns)],
-             "position": ["--position", str(j.position), "--workers", "1"]}
+    cases = {
+        "latest": [],
+        "batch": ["--batch", "chk:9"],
+        "at": ["--at", format_time(j.at_ns)],
+        "position": ["--position", str(j.position), "--workers", "1"],
+    }
     for label, opts in cases.items():
         out = tmp_path / label
         r = run_sos("restore", "-q", j.ns, str(out), "--from", j.url, *opts)
@@ -308,8 +316,15 @@ def test_a_second_history_is_a_conflict_named_by_its_key(journal, tmp_path):
 # ---------------------------------------------------------------- no bucket to read
 def test_an_unreachable_endpoint_or_no_credentials_fails_clearly(journal, tmp_path):
     j = journal
-    r = run_sos("restore", "-q", j.ns, str(tmp_path / "a"), "--from", j.url,
-                env={"AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_MAX_ATTEMPTS": "1"})
+    r = run_sos(
+        "restore",
+        "-q",
+        j.ns,
+        str(tmp_path / "a"),
+        "--from",
+        j.url,
+        env={"AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_MAX_ATTEMPTS": "1"},
+    )
     assert r.returncode == 1, r.stderr
     assert r.stderr.startswith(f"sos: cannot read the bucket {j.url}: ") and r.stderr.count("\n") == 1, r.stderr
     assert not (tmp_path / "a").exists()

@@ -136,8 +136,10 @@ def test_appends_reach_the_bucket_within_the_interval(sos_server_factory, new_bu
             r = tier_wait(c, name, len(body), 0)
             assert isinstance(r, ev.TierWaitOk) and r.tiered == len(body), r
     assert took < 30  # the interval is 1 s; a loaded 2-core machine is slow, never this slow
-    m = wait_for(lambda: (lambda m: m if m.get('sos_tier_lag_bytes{namespace="job"}') == 0.0 else None)(metrics(srv)),
-                 what="the lag metric at 0")
+    m = wait_for(
+        lambda: (lambda m: m if m.get('sos_tier_lag_bytes{namespace="job"}') == 0.0 else None)(metrics(srv)),
+        what="the lag metric at 0",
+    )
     assert m["sos_tier_pieces_written_total"] >= 3
     assert m['sos_tier_uploaded_bytes_total{namespace="job"}'] == 100_011
     assert m['sos_tier_lag_seconds{namespace="job"}'] == 0
@@ -255,8 +257,10 @@ def test_store_unreachable_appends_go_on_lag_grows_and_drains(sos_server_factory
         r = c.next()  # the wait ends when the upload lands (back-off is at most 30 s)
         assert r == ev.TierWaitOk(wait_rid, length), r
         assert time.monotonic() - t_up < 45
-    wait_for(lambda: metric(srv, "sos_tier_lag_bytes", "out") == 0 and metric(srv, "sos_tier_failing", "out") == 0,
-             what="the backlog drained")
+    wait_for(
+        lambda: metric(srv, "sos_tier_lag_bytes", "out") == 0 and metric(srv, "sos_tier_failing", "out") == 0,
+        what="the backlog drained",
+    )
     wait_for(lambda: "lag back under" in srv.log_text(), what="the recovery log line")
     assert "uploads work again" in srv.log_text()
     state = bucket(url, "out")
@@ -358,8 +362,7 @@ def test_zombie_server_is_told_and_the_bucket_keeps_one_history(sos_server_facto
 
 def test_retention_removes_the_pieces_of_a_removed_generation(sos_server_factory, new_bucket):
     url = new_bucket()
-    srv = sos_server_factory(args=["--tier", url, "--keep-generations", "1", "--min-age", "1s",
-                                   "--gc-interval", "1s"])
+    srv = sos_server_factory(args=["--tier", url, "--keep-generations", "1", "--min-age", "1s", "--gc-interval", "1s"])
     with login(srv, "ret") as c:
         assert isinstance(c.call(ev.Fence(c.rid(), 1)), ev.FenceOk)
         for g in (1, 2):
@@ -373,8 +376,13 @@ def test_retention_removes_the_pieces_of_a_removed_generation(sos_server_factory
         wait_for(lambda: isinstance(c.stat(gen1), ev.Error), what="retention to remove generation 1")
     names = set(bucket(url, "ret").objects)
     assert not any(n.startswith("gen/0000000001/") for n in names), names
-    wait_for(lambda: {"gen/0000000002/0000000001-0000000001.seg", "gen/0000000002/ready", "other"}
-             <= set(bucket_lengths(url, "ret")), what="generation 2 in the bucket")
+    wait_for(
+        lambda: (
+            {"gen/0000000002/0000000001-0000000001.seg", "gen/0000000002/ready", "other"}
+            <= set(bucket_lengths(url, "ret"))
+        ),
+        what="generation 2 in the bucket",
+    )
     store = open_store(url)
     try:
         assert not [k.key for k in store.list("v1/ns/ret/o/gen!0000000001")]
@@ -435,8 +443,9 @@ def test_a_store_down_from_the_start_and_the_bound_on_waits(sos_server_factory, 
     wait_for(lambda: bucket_lengths("s3://late/x", "down") == {"log": 5001}, what="the object in the bucket")
 
 
-def test_a_replacement_server_on_an_empty_data_dir_serves_the_bucket_and_carries_on(sos_server_factory, new_bucket,
-                                                                                     tmp_path):
+def test_a_replacement_server_on_an_empty_data_dir_serves_the_bucket_and_carries_on(
+    sos_server_factory, new_bucket, tmp_path
+):
     """`serve --tier` on an empty --data rebuilds it from the bucket (sos_server.tier_bootstrap),
     then uploads on from where the bucket ends: the writer fences above the old epoch, appends,
     and TIER_WAIT sees its bytes land."""

@@ -190,8 +190,12 @@ def test_s3_unreachable_is_tier_error(moto, monkeypatch):
 
     s = S3Store("s3://nobucket/p")
     try:
-        for call in (lambda: s.put_once("k", b"x"), lambda: s.get("k"), lambda: list(s.list("")),
-                     lambda: s.delete(["k"])):
+        for call in (
+            lambda: s.put_once("k", b"x"),
+            lambda: s.get("k"),
+            lambda: list(s.list("")),
+            lambda: s.delete(["k"]),
+        ):
             with pytest.raises(TierError) as e:
                 call()
             assert not isinstance(e.value, TierNotFound)

@@ -96,7 +96,9 @@ def client_expecting(reply):
     return support.client_expecting(OP_OF[type(reply)], reply.request_id)
 
 
-@settings(deadline=None, derandomize=DERANDOMIZE, max_examples=EXAMPLES * 300, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    deadline=None, derandomize=DERANDOMIZE, max_examples=EXAMPLES * 300, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(requests)
 def test_request_round_trip(event):
     client = Connection(Role.CLIENT)
@@ -110,7 +112,9 @@ def test_request_round_trip(event):
     assert server.buffered == 0
 
 
-@settings(deadline=None, derandomize=DERANDOMIZE, max_examples=EXAMPLES * 300, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    deadline=None, derandomize=DERANDOMIZE, max_examples=EXAMPLES * 300, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(replies)
 def test_reply_round_trip(event):
     data = encode_event(event)
@@ -145,7 +149,9 @@ def drain(conn):
     raise AssertionError("next_event never returned NEED_DATA")
 
 
-@settings(deadline=None, derandomize=DERANDOMIZE, max_examples=EXAMPLES * 400, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    deadline=None, derandomize=DERANDOMIZE, max_examples=EXAMPLES * 400, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(st.binary(max_size=200), st.sampled_from(list(Role)))
 def test_garbage_raises_only_remote_protocol_error(data, role):
     conn = Connection(role)
@@ -156,7 +162,9 @@ def test_garbage_raises_only_remote_protocol_error(data, role):
 
 
 # garbage that gets past the header checks: a valid header in front of random bodies
-@settings(deadline=None, derandomize=DERANDOMIZE, max_examples=EXAMPLES * 400, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    deadline=None, derandomize=DERANDOMIZE, max_examples=EXAMPLES * 400, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(st.sampled_from(sorted(Op)), st.binary(max_size=120))
 def test_random_body_behind_valid_header(op, body):
     from sos_wire.connection import _header
@@ -170,7 +178,9 @@ def test_random_body_behind_valid_header(op, body):
         assert encode_event(events[0])[16:] == body
 
 
-@settings(deadline=None, derandomize=DERANDOMIZE, max_examples=EXAMPLES * 300, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    deadline=None, derandomize=DERANDOMIZE, max_examples=EXAMPLES * 300, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(requests, st.data())
 def test_bit_flips_are_detected_or_harmless(event, data):
     frame = bytearray(encode_event(event))
@@ -188,7 +198,9 @@ def test_bit_flips_are_detected_or_harmless(event, data):
         assert events != [event]
 
 
-@settings(deadline=None, derandomize=DERANDOMIZE, max_examples=EXAMPLES * 200, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    deadline=None, derandomize=DERANDOMIZE, max_examples=EXAMPLES * 200, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(requests, st.data())
 def test_truncation_needs_data_then_eof_fails(event, data):
     frame = encode_event(event)
@@ -204,7 +216,9 @@ def test_truncation_needs_data_then_eof_fails(event, data):
             conn.next_event()
 
 
-@settings(deadline=None, derandomize=DERANDOMIZE, max_examples=EXAMPLES * 50, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    deadline=None, derandomize=DERANDOMIZE, max_examples=EXAMPLES * 50, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(st.lists(requests, min_size=1, max_size=20, unique_by=lambda e: e.request_id), st.data())
 def test_pipelined_stream_split_anywhere(events, data):
     stream = b"".join(encode_event(e) for e in events)

@@ -358,16 +358,15 @@ def test_big_payload_is_not_rejoined_per_chunk():
     assert got.data == data and type(got.data) is bytes
 
 
-
-
 def test_large_bodies_are_received_straight_into_their_own_buffer():
     """receive_buffer/received (recv_into): a big APPEND's body is written in place, the
     bytes after it (the next frame, a small one) are buffered as usual; both decode."""
     client, server = pair()
     big = os.urandom(300_000)
     small = b"tail"
-    stream = (client.send(Append(1, "a", 0, 0, crc32c(big), big))
-              + client.send(Append(2, "b", 0, 0, crc32c(small), small)))
+    stream = client.send(Append(1, "a", 0, 0, crc32c(big), big)) + client.send(
+        Append(2, "b", 0, 0, crc32c(small), small)
+    )
     got = []
     pos = 0
     direct = 0
@@ -376,11 +375,11 @@ def test_large_bodies_are_received_straight_into_their_own_buffer():
             got.append(e)
         view = server.receive_buffer()
         if view is None:
-            server.receive_data(stream[pos:pos + 70_000])
+            server.receive_data(stream[pos : pos + 70_000])
             pos += 70_000
         else:
             n = min(len(view), 50_000)
-            view[:n] = stream[pos:pos + n]
+            view[:n] = stream[pos : pos + n]
             server.received(n)
             pos += n
             direct += n

@@ -77,7 +77,9 @@ def _mutated_bodies():
         st.builds(lambda n, o, d: (Op.APPEND, encode_append(n, o, d)), text, u64, st.binary(max_size=40)),
         st.builds(
             lambda o, last, d: (Op.READ_DATA, b"".join(_encode_body_parts(Op.READ_DATA, ReadData(1, o, last, d)))),
-            u64, st.booleans(), st.binary(max_size=40),
+            u64,
+            st.booleans(),
+            st.binary(max_size=40),
         ),
         st.builds(lambda n: (Op.APPEND_OK, n.to_bytes(8, "big")), u64),
     )
@@ -88,7 +90,9 @@ def encode_append(name, offset, data):
     return b"".join(_encode_body_parts(Op.APPEND, Append(1, name, offset, 0, 0, data)))
 
 
-@settings(deadline=None, derandomize=DERANDOMIZE, max_examples=EXAMPLES * 500, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    deadline=None, derandomize=DERANDOMIZE, max_examples=EXAMPLES * 500, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(_mutated_bodies(), st.data())
 def test_fast_and_reference_decoders_agree_on_damaged_bodies(case, data):
     op, body = case

@@ -10,8 +10,15 @@ from sos_wire import BadKey, BadName, Key, proof, validate_name, validate_namesp
 
 @pytest.mark.parametrize(
     "name",
-    ["a", "a/b", "gen/0000000001/0000000000-0000000001.seg", ".hidden", "x=1+2,y@z~w_-.", "a" * 255,
-     "/".join(["abc"] * 256)[:1024].rstrip("/")],
+    [
+        "a",
+        "a/b",
+        "gen/0000000001/0000000000-0000000001.seg",
+        ".hidden",
+        "x=1+2,y@z~w_-.",
+        "a" * 255,
+        "/".join(["abc"] * 256)[:1024].rstrip("/"),
+    ],
 )
 def test_valid_names(name):
     assert validate_name(name) == name
@@ -66,8 +73,9 @@ def test_key_text_round_trip_and_secret_hidden():
     assert Key.generate() != key
 
 
-@pytest.mark.parametrize("text", ["", "abc", "0" * 16 + "." + "0" * 63, "0" * 16 + ":" + "0" * 64,
-                                  "g" * 16 + "." + "0" * 64, 42])
+@pytest.mark.parametrize(
+    "text", ["", "abc", "0" * 16 + "." + "0" * 63, "0" * 16 + ":" + "0" * 64, "g" * 16 + "." + "0" * 64, 42]
+)
 def test_bad_key_text(text):
     with pytest.raises(BadKey) as info:
         Key.parse(text)

@@ -66,7 +66,7 @@ def can_isolate_nodes() -> str | None:
 def node_command(argv: list[str], tmpfs_mb: int = 2048) -> list[str]:
     """``argv`` run in a new mount namespace with a private tmpfs on NODE_ROOT."""
     script = (
-        f'mkdir -p {NODE_ROOT} && mount -t tmpfs -o size={tmpfs_mb}m,mode=1777 sos-node {NODE_ROOT}'
+        f"mkdir -p {NODE_ROOT} && mount -t tmpfs -o size={tmpfs_mb}m,mode=1777 sos-node {NODE_ROOT}"
         f' && mkdir -p {NODE_ROOT}/work {NODE_ROOT}/local {NODE_ROOT}/tmp && exec "$@"'
     )
     return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sos-node", *argv]
@@ -117,8 +117,15 @@ class Node:
 class SparkCluster:
     """A standalone Master and ``workers`` Workers of ``cores`` cores each, on 127.0.0.1."""
 
-    def __init__(self, base_dir: str, *, workers: int = 2, cores: int = 1, memory: str = "768m",
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        base_dir: str,
+        *,
+        workers: int = 2,
+        cores: int = 1,
+        memory: str = "768m",
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.base = base_dir
         self.n_workers = workers
         self.cores = cores
@@ -145,8 +152,9 @@ class SparkCluster:
         log_path = os.path.join(self.base, "logs", f"{name}.log")
         log = open(log_path, "ab")  # noqa: SIM115 - handed to the child
         try:
-            proc = subprocess.Popen(node_command(argv), stdout=log, stderr=subprocess.STDOUT,
-                                    env=env or self.env, start_new_session=True)
+            proc = subprocess.Popen(
+                node_command(argv), stdout=log, stderr=subprocess.STDOUT, env=env or self.env, start_new_session=True
+            )
         finally:
             log.close()
         return Node(name, proc, log_path)
@@ -155,9 +163,18 @@ class SparkCluster:
         return [os.path.join(spark_home(), "bin", "spark-class"), cls, *args]
 
     def start(self, timeout: float = 120.0) -> None:
-        self.master = self._spawn("master", self._spark_class(
-            "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
-            "--port", str(self.master_port), "--webui-port", "0"))
+        self.master = self._spawn(
+            "master",
+            self._spark_class(
+                "org.apache.spark.deploy.master.Master",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.master_port),
+                "--webui-port",
+                "0",
+            ),
+        )
         self._wait_log(self.master, "I have been elected leader", timeout)
         for i in range(self.n_workers):
             self.start_worker(i, timeout=timeout)
@@ -166,11 +183,24 @@ class SparkCluster:
         old = self.workers[i]
         if old is not None and old.alive():
             raise ClusterError(f"worker {i} is still running")
-        node = self._spawn(f"worker{i}-{int(time.time() * 1000)}", self._spark_class(
-            "org.apache.spark.deploy.worker.Worker", self.master_url, "--host", "127.0.0.1",
-            "--webui-port", "0", "--cores", str(self.cores), "--memory", self.memory,
-            "--work-dir", f"{NODE_ROOT}/work"),
-            env=dict(self.env, SPARK_LOCAL_DIRS=f"{NODE_ROOT}/local", TMPDIR=f"{NODE_ROOT}/tmp"))
+        node = self._spawn(
+            f"worker{i}-{int(time.time() * 1000)}",
+            self._spark_class(
+                "org.apache.spark.deploy.worker.Worker",
+                self.master_url,
+                "--host",
+                "127.0.0.1",
+                "--webui-port",
+                "0",
+                "--cores",
+                str(self.cores),
+                "--memory",
+                self.memory,
+                "--work-dir",
+                f"{NODE_ROOT}/work",
+            ),
+            env=dict(self.env, SPARK_LOCAL_DIRS=f"{NODE_ROOT}/local", TMPDIR=f"{NODE_ROOT}/tmp"),
+        )
         self.workers[i] = node
         self._wait_log(node, "Successfully registered with master", timeout)
         return node
@@ -182,8 +212,9 @@ class SparkCluster:
 
     def start_driver(self, argv: list[str], env: dict[str, str] | None = None, name: str = "driver") -> Node:
         """A driver process (e.g. ``python -m ...``) on a node of its own."""
-        node = self._spawn(f"{name}-{int(time.time() * 1000)}", argv,
-                           env=dict(self.env, TMPDIR=f"{NODE_ROOT}/tmp", **(env or {})))
+        node = self._spawn(
+            f"{name}-{int(time.time() * 1000)}", argv, env=dict(self.env, TMPDIR=f"{NODE_ROOT}/tmp", **(env or {}))
+        )
         self.drivers.append(node)
         return node
 

@@ -85,8 +85,10 @@ def _pid_max() -> int:
 def host_ulimits() -> dict[str, int]:
     """The host's hard limits: a container may not ask for more (and, here, for no more
     processes than kernel.pid_max: runc's setrlimit is refused above it)."""
-    return {"nofile": resource.getrlimit(resource.RLIMIT_NOFILE)[1],
-            "nproc": min(resource.getrlimit(resource.RLIMIT_NPROC)[1], _pid_max())}
+    return {
+        "nofile": resource.getrlimit(resource.RLIMIT_NOFILE)[1],
+        "nproc": min(resource.getrlimit(resource.RLIMIT_NPROC)[1], _pid_max()),
+    }
 
 
 def ulimit_args() -> list[str]:
@@ -97,12 +99,14 @@ def ulimit_args() -> list[str]:
 
 def containers_conf() -> str:
     limits = ulimit_args()
-    return ("[containers]\n"
-            f"default_ulimits = [{', '.join(repr(x).replace(chr(39), chr(34)) for x in limits)}]\n"
-            "[engine]\n"
-            'runtime = "runc"\n'
-            'cgroup_manager = "cgroupfs"\n'
-            'events_logger = "file"\n')
+    return (
+        "[containers]\n"
+        f"default_ulimits = [{', '.join(repr(x).replace(chr(39), chr(34)) for x in limits)}]\n"
+        "[engine]\n"
+        'runtime = "runc"\n'
+        'cgroup_manager = "cgroupfs"\n'
+        'events_logger = "file"\n'
+    )
 
 
 def engine_env(state: pathlib.Path = STATE) -> dict[str, str]:
@@ -115,13 +119,16 @@ def engine_env(state: pathlib.Path = STATE) -> dict[str, str]:
     return dict(os.environ, CONTAINERS_CONF=str(conf))
 
 
-def podman(*args: str, env: dict[str, str] | None = None, timeout: float = 600,
-           check: bool = True, **kw) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(["podman", *args], env=env or engine_env(), text=True,
-                          capture_output=True, timeout=timeout, check=False, **kw)
+def podman(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 600, check: bool = True, **kw
+) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        ["podman", *args], env=env or engine_env(), text=True, capture_output=True, timeout=timeout, check=False, **kw
+    )
     if check and proc.returncode != 0:
-        raise RuntimeError(f"podman {' '.join(args)}: exit {proc.returncode}\n"
-                           f"{proc.stdout[-4000:]}{proc.stderr[-4000:]}")
+        raise RuntimeError(
+            f"podman {' '.join(args)}: exit {proc.returncode}\n{proc.stdout[-4000:]}{proc.stderr[-4000:]}"
+        )
     return proc
 
 
@@ -131,8 +138,7 @@ def image_exists(name: str) -> bool:
 
 def apt_mirror() -> str:
     """The Debian mirror apt uses here (sources.list one-line or deb822 format)."""
-    files = [pathlib.Path("/etc/apt/sources.list"),
-             *sorted(pathlib.Path("/etc/apt/sources.list.d").glob("*"))]
+    files = [pathlib.Path("/etc/apt/sources.list"), *sorted(pathlib.Path("/etc/apt/sources.list.d").glob("*"))]
     for f in files:
         if not f.is_file():
             continue
@@ -158,8 +164,13 @@ def build_debian(env: dict[str, str]) -> float:
     _log(f"debootstrap --variant=minbase bookworm from {mirror}")
     with tempfile.TemporaryDirectory(prefix="sos-rootfs-", dir="/var/tmp") as tmp:
         rootfs = os.path.join(tmp, "rootfs")
-        proc = subprocess.run(["debootstrap", "--variant=minbase", "bookworm", rootfs, mirror],
-                              capture_output=True, text=True, timeout=900, check=False)
+        proc = subprocess.run(
+            ["debootstrap", "--variant=minbase", "bookworm", rootfs, mirror],
+            capture_output=True,
+            text=True,
+            timeout=900,
+            check=False,
+        )
         if proc.returncode != 0:
             raise RuntimeError("debootstrap failed:\n" + (proc.stdout + proc.stderr)[-4000:])
         # the same sources the host uses, and no leftovers of debootstrap's own downloads
@@ -167,13 +178,17 @@ def build_debian(env: dict[str, str]) -> float:
         os.makedirs(os.path.join(rootfs, "var/cache/apt/archives/partial"), exist_ok=True)
         shutil.rmtree(os.path.join(rootfs, "var/lib/apt/lists"), ignore_errors=True)
         os.makedirs(os.path.join(rootfs, "var/lib/apt/lists/partial"), exist_ok=True)
-        tar = subprocess.Popen(["tar", "-C", rootfs, "--numeric-owner", "-c", "."],
-                               stdout=subprocess.PIPE)
+        tar = subprocess.Popen(["tar", "-C", rootfs, "--numeric-owner", "-c", "."], stdout=subprocess.PIPE)
         try:
-            imp = subprocess.run(["podman", "import", "--change", f"ENV PATH={PATH}",
-                                  "--change", 'CMD ["bash"]', "-", DEBIAN],
-                                 stdin=tar.stdout, env=env, capture_output=True, text=True,
-                                 timeout=600, check=False)
+            imp = subprocess.run(
+                ["podman", "import", "--change", f"ENV PATH={PATH}", "--change", 'CMD ["bash"]', "-", DEBIAN],
+                stdin=tar.stdout,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=600,
+                check=False,
+            )
         finally:
             assert tar.stdout is not None
             tar.stdout.close()
@@ -183,10 +198,20 @@ def build_debian(env: dict[str, str]) -> float:
     return time.monotonic() - t0
 
 
-def _build(env: dict[str, str], tag: str, context: str, *extra: str,
-           containerfile: str | None = None, mount_ca: bool = True) -> None:
-    args = ["build", "--format", "docker", "--network", "host",
-            *(x for lim in ulimit_args() for x in ("--ulimit", lim)), *extra, "-t", tag]
+def _build(
+    env: dict[str, str], tag: str, context: str, *extra: str, containerfile: str | None = None, mount_ca: bool = True
+) -> None:
+    args = [
+        "build",
+        "--format",
+        "docker",
+        "--network",
+        "host",
+        *(x for lim in ulimit_args() for x in ("--ulimit", lim)),
+        *extra,
+        "-t",
+        tag,
+    ]
     if mount_ca:  # over the base's own bundle, for this build's RUN steps only
         args[1:1] = ["-v", f"{ca_bundle()}:/etc/ssl/certs/ca-certificates.crt:ro"]
     if containerfile is not None:
@@ -200,8 +225,7 @@ def _recipe() -> str:
 
 def python_base_current() -> bool:
     """The stand-in base is in local storage and made by this PYTHON_CONTAINERFILE."""
-    r = podman("image", "inspect", "--format", '{{index .Labels "sos.base-recipe"}}', PYTHON,
-               check=False)
+    r = podman("image", "inspect", "--format", '{{index .Labels "sos.base-recipe"}}', PYTHON, check=False)
     return r.returncode == 0 and r.stdout.strip() == _recipe()
 
 
@@ -210,13 +234,11 @@ def build_python(env: dict[str, str]) -> float:
     _log(f"building {PYTHON} from {DEBIAN} (Debian's python3)")
     with tempfile.TemporaryDirectory(prefix="sos-pybase-") as ctx:
         # no bundle mounted: ca-certificates (pip's dependency) writes its own bundle here
-        _build(env, PYTHON, ctx, containerfile=PYTHON_CONTAINERFILE.replace("{recipe}", _recipe()),
-               mount_ca=False)
+        _build(env, PYTHON, ctx, containerfile=PYTHON_CONTAINERFILE.replace("{recipe}", _recipe()), mount_ca=False)
     return time.monotonic() - t0
 
 
-def build_image(tag: str = IMAGE, *, rebuild_base: bool = False,
-                env: dict[str, str] | None = None) -> dict[str, float]:
+def build_image(tag: str = IMAGE, *, rebuild_base: bool = False, env: dict[str, str] | None = None) -> dict[str, float]:
     """Build the image (and, when missing, its stand-in base); the seconds of each step
     (0.0 for a base reused from local storage)."""
     env = env or engine_env()
@@ -249,8 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     times = build_image(args.tag, rebuild_base=args.rebuild_base)
     size = image_size(args.tag)
-    print(f"{args.tag}: {size / 1e6:.0f} MB; seconds: "
-          + ", ".join(f"{k} {v:.0f}" for k, v in times.items()))
+    print(f"{args.tag}: {size / 1e6:.0f} MB; seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in times.items()))
     return 0
 
 

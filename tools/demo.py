@@ -64,8 +64,8 @@ NAMESPACE = "sparkdemo"
 
 # --------------------------------------------------------------------------- driver process
 
-def start_driver(cfg: dict, log_path: str, cfg_path: str, *,
-                 key: str | None = None) -> subprocess.Popen:
+
+def start_driver(cfg: dict, log_path: str, cfg_path: str, *, key: str | None = None) -> subprocess.Popen:
     """Start ``driver_main`` in its own process (and session: :func:`kill_tree` kills it
     with its JVM). ``key``: the namespace key a gateway checkpoint needs, given to the
     driver as ``$SOS_KEY`` (never in the config file or on the command line)."""
@@ -75,9 +75,14 @@ def start_driver(cfg: dict, log_path: str, cfg_path: str, *,
     if key is not None:
         env["SOS_KEY"] = str(key)
     with open(log_path, "ab") as logf:
-        return subprocess.Popen([sys.executable, "-m", "tools.demo", "_driver", cfg_path],
-                                stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
-                                start_new_session=True, env=env)
+        return subprocess.Popen(
+            [sys.executable, "-m", "tools.demo", "_driver", cfg_path],
+            stdin=subprocess.DEVNULL,
+            stdout=logf,
+            stderr=logf,
+            start_new_session=True,
+            env=env,
+        )
 
 
 def driver_main(cfg_path: str) -> int:
@@ -91,17 +96,18 @@ def driver_main(cfg_path: str) -> int:
         cfg = json.load(f)
     from pyspark.sql import SparkSession
 
-    builder = (SparkSession.builder.master("local[2]").appName("sos-demo")
-               .config("spark.sql.shuffle.partitions", "2")
-               .config("spark.ui.enabled", "false")
-               .config("spark.ui.showConsoleProgress", "false")
-               .config("spark.sql.streaming.stateStore.maintenanceInterval",
-                       cfg.get("maintenance_interval", "60s")))
+    builder = (
+        SparkSession.builder.master("local[2]")
+        .appName("sos-demo")
+        .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.sql.streaming.stateStore.maintenanceInterval", cfg.get("maintenance_interval", "60s"))
+    )
     if cfg.get("state_store") == "rocksdb":
         builder = builder.config("spark.sql.streaming.stateStore.providerClass", ROCKSDB_PROVIDER)
     if cfg.get("jvm_options", DRIVER_JVM_OPTIONS):
-        builder = builder.config("spark.driver.extraJavaOptions",
-                                 cfg.get("jvm_options", DRIVER_JVM_OPTIONS))
+        builder = builder.config("spark.driver.extraJavaOptions", cfg.get("jvm_options", DRIVER_JVM_OPTIONS))
     for k, v in cfg.get("spark_conf", {}).items():
         builder = builder.config(k, v)
     gateway = cfg.get("gateway")
@@ -109,8 +115,9 @@ def driver_main(cfg_path: str) -> int:
     if gateway:
         from spark_plugin.spark import gateway_checkpoint
 
-        location = gateway_checkpoint(builder, gateway["url"], gateway["namespace"],
-                                      os.environ["SOS_KEY"], gateway["checkpoint"])
+        location = gateway_checkpoint(
+            builder, gateway["url"], gateway["namespace"], os.environ["SOS_KEY"], gateway["checkpoint"]
+        )
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
 
@@ -150,12 +157,18 @@ def driver_main(cfg_path: str) -> int:
             while not os.path.exists(release):
                 time.sleep(0.1)
 
-    stream = (spark.readStream.schema("id LONG, payload STRING")
-              .option("maxFilesPerTrigger", 1).json(cfg["input"])
-              .dropDuplicates(["id"]))
-    query = (stream.writeStream.foreachBatch(sink)
-             .option("checkpointLocation", checkpoint)
-             .trigger(availableNow=True).start())
+    stream = (
+        spark.readStream.schema("id LONG, payload STRING")
+        .option("maxFilesPerTrigger", 1)
+        .json(cfg["input"])
+        .dropDuplicates(["id"])
+    )
+    query = (
+        stream.writeStream.foreachBatch(sink)
+        .option("checkpointLocation", checkpoint)
+        .trigger(availableNow=True)
+        .start()
+    )
     query.awaitTermination()
     if listener is not None:
         # progress events are delivered asynchronously: wait for the last one
@@ -173,17 +186,25 @@ def driver_main(cfg_path: str) -> int:
 
 # --------------------------------------------------------------------------- the demo
 
-def run_demo(*, records: int = 3000, batches: int = 8, crash_after: int = 4,
-             kill: str = "both", state_store: str = "hdfs", workdir: str | None = None,
-             keep: bool = False, markers: bool = True) -> dict:
+
+def run_demo(
+    *,
+    records: int = 3000,
+    batches: int = 8,
+    crash_after: int = 4,
+    kill: str = "both",
+    state_store: str = "hdfs",
+    workdir: str | None = None,
+    keep: bool = False,
+    markers: bool = True,
+) -> dict:
     """Run the whole scenario; returns the result dict (``ok`` True/False)."""
     if not 0 < crash_after < batches:
         raise ValueError("need 0 < --crash-after < --batches")
     own_dir = workdir is None
     work = workdir or tempfile.mkdtemp(prefix="sos-demo-")
     os.makedirs(work, exist_ok=True)
-    paths = {k: os.path.join(work, k) for k in
-             ("input", "out", "server-data", "flags", "logs")}
+    paths = {k: os.path.join(work, k) for k in ("input", "out", "server-data", "flags", "logs")}
     for k in ("flags", "logs"):
         os.makedirs(paths[k], exist_ok=True)
     server = LocalServer(paths["server-data"], os.path.join(paths["logs"], "server.log"))
@@ -193,8 +214,10 @@ def run_demo(*, records: int = 3000, batches: int = 8, crash_after: int = 4,
     try:
         say(f"work dir {work}; state store {state_store}; {records} records in {batches} files")
         expected = make_input(paths["input"], records, batches)
-        say(f"input: {batches} files, {records} unique ids, each sent twice "
-            "(dropDuplicates state must remember them across the crash)")
+        say(
+            f"input: {batches} files, {records} unique ids, each sent twice "
+            "(dropDuplicates state must remember them across the crash)"
+        )
 
         key = keygen(paths["server-data"], NAMESPACE)
         server.start()
@@ -205,8 +228,14 @@ def run_demo(*, records: int = 3000, batches: int = 8, crash_after: int = 4,
         def mount(n):
             mnt = os.path.join(work, f"worker{n}", "mnt")
             cache = os.path.join(work, f"worker{n}", "cache")
-            m = start_mount(NAMESPACE, mnt, server=server.address, key=key, cache_dir=cache,
-                            log_path=os.path.join(paths["logs"], f"mount{n}.log"))
+            m = start_mount(
+                NAMESPACE,
+                mnt,
+                server=server.address,
+                key=key,
+                cache_dir=cache,
+                log_path=os.path.join(paths["logs"], f"mount{n}.log"),
+            )
             mounts.append(m)
             return m, mnt, cache
 
@@ -214,19 +243,31 @@ def run_demo(*, records: int = 3000, batches: int = 8, crash_after: int = 4,
         m1, mnt1, cache1 = mount(1)
         chk1 = os.path.join(mnt1, CHECKPOINT)
         say(f"worker 1: {NAMESPACE} mounted at {mnt1} (cache {cache1})")
-        cfg = {"input": paths["input"], "out": paths["out"], "flags": paths["flags"],
-               "checkpoint": chk1, "mountpoint": mnt1, "markers": markers,
-               "state_store": state_store, "hang_at_batch": crash_after}
-        d1 = start_driver(cfg, os.path.join(paths["logs"], "driver1.log"),
-                          os.path.join(work, "driver1.json"))
+        cfg = {
+            "input": paths["input"],
+            "out": paths["out"],
+            "flags": paths["flags"],
+            "checkpoint": chk1,
+            "mountpoint": mnt1,
+            "markers": markers,
+            "state_store": state_store,
+            "hang_at_batch": crash_after,
+        }
+        d1 = start_driver(cfg, os.path.join(paths["logs"], "driver1.log"), os.path.join(work, "driver1.json"))
         drivers.append(d1)
         say(f"worker 1: Spark driver started (pid {d1.pid}), checkpointLocation {chk1}")
         hang_flag = os.path.join(paths["flags"], f"hang-{crash_after}")
-        wait_for(lambda: os.path.exists(hang_flag), 600,
-                 f"driver 1 reaching batch {crash_after}", alive=lambda: d1.poll() is None)
+        wait_for(
+            lambda: os.path.exists(hang_flag),
+            600,
+            f"driver 1 reaching batch {crash_after}",
+            alive=lambda: d1.poll() is None,
+        )
         before = committed_batches(chk1)
-        say(f"worker 1: batches {fmt(before)} committed; batch {crash_after} output written, "
-            f"commits/{crash_after} not yet")
+        say(
+            f"worker 1: batches {fmt(before)} committed; batch {crash_after} output written, "
+            f"commits/{crash_after} not yet"
+        )
         if before != set(range(crash_after)):
             raise DemoFailure(f"expected batches 0..{crash_after - 1} committed, got {before}")
         result["committed_before_crash"] = sorted(before)
@@ -243,8 +284,11 @@ def run_demo(*, records: int = 3000, batches: int = 8, crash_after: int = 4,
             try:
                 d1.wait(300)
                 result["driver1_exit"] = d1.returncode
-                say(f"worker 1: driver failed on the dead mount (exit {d1.returncode})"
-                    if d1.returncode != 0 else "worker 1: driver exited 0 on a dead mount?!")
+                say(
+                    f"worker 1: driver failed on the dead mount (exit {d1.returncode})"
+                    if d1.returncode != 0
+                    else "worker 1: driver exited 0 on a dead mount?!"
+                )
             except subprocess.TimeoutExpired:
                 say("worker 1: driver still alive on the dead mount: killing it")
             kill_tree(d1)
@@ -265,14 +309,20 @@ def run_demo(*, records: int = 3000, batches: int = 8, crash_after: int = 4,
         cache2 = os.path.join(work, "worker2", "cache")
         tree2 = os.path.join(cache2, "tree")
         gens_before = journal_generations(server.address, key)
-        proc = subprocess.run([*sos_command(), "restore", "-q", "--server", server.address, NAMESPACE, tree2],
-                              capture_output=True, text=True, timeout=900,
-                              env=dict(os.environ, SOS_KEY=key))
+        proc = subprocess.run(
+            [*sos_command(), "restore", "-q", "--server", server.address, NAMESPACE, tree2],
+            capture_output=True,
+            text=True,
+            timeout=900,
+            env=dict(os.environ, SOS_KEY=key),
+        )
         if proc.returncode != 0:
             raise DemoFailure(f"sos restore failed: {proc.stderr.strip()}")
         restored = committed_batches(os.path.join(tree2, CHECKPOINT))
-        say(f"worker 2: sos restore into its empty cache ({tree2}): the server gave back a "
-            f"checkpoint with batches {fmt(restored)} committed")
+        say(
+            f"worker 2: sos restore into its empty cache ({tree2}): the server gave back a "
+            f"checkpoint with batches {fmt(restored)} committed"
+        )
         result["restored_committed"] = sorted(restored)
         if restored != before:
             raise DemoFailure(f"restored checkpoint has commits {restored}, expected {before}")
@@ -282,13 +332,14 @@ def run_demo(*, records: int = 3000, batches: int = 8, crash_after: int = 4,
         seen = committed_batches(chk2)
         gens_after = journal_generations(server.address, key)
         result["generations"] = [gens_before, gens_after]
-        say(f"worker 2: sos mount serves the restored tree (batches {fmt(seen)} committed); "
-            f"journal generation {gens_after} starts with its snapshot (was {gens_before})")
+        say(
+            f"worker 2: sos mount serves the restored tree (batches {fmt(seen)} committed); "
+            f"journal generation {gens_after} starts with its snapshot (was {gens_before})"
+        )
         if seen != restored:
             raise DemoFailure(f"the mount shows commits {seen}, the restore gave {restored}")
         cfg2 = dict(cfg, checkpoint=chk2, mountpoint=mnt2, hang_at_batch=None)
-        d2 = start_driver(cfg2, os.path.join(paths["logs"], "driver2.log"),
-                          os.path.join(work, "driver2.json"))
+        d2 = start_driver(cfg2, os.path.join(paths["logs"], "driver2.log"), os.path.join(work, "driver2.json"))
         drivers.append(d2)
         say(f"worker 2: Spark driver restarted (pid {d2.pid}) on the restored checkpoint")
         try:
@@ -296,8 +347,7 @@ def run_demo(*, records: int = 3000, batches: int = 8, crash_after: int = 4,
         except subprocess.TimeoutExpired:
             raise DemoFailure("driver 2 did not finish in 900s") from None
         if rc != 0:
-            raise DemoFailure(f"driver 2 failed (exit {rc}):\n"
-                              f"{tail(os.path.join(paths['logs'], 'driver2.log'))}")
+            raise DemoFailure(f"driver 2 failed (exit {rc}):\n{tail(os.path.join(paths['logs'], 'driver2.log'))}")
         final = committed_batches(chk2)
         say(f"worker 2: query finished; batches {fmt(final)} committed")
         result["committed_final"] = sorted(final)
@@ -318,15 +368,16 @@ def run_demo(*, records: int = 3000, batches: int = 8, crash_after: int = 4,
         for k in ("lost", "doubled", "corrupted", "unknown", "committed_without_output"):
             if check[k]:
                 problems.append(f"{len(check[k])} {k.replace('_', ' ')} (e.g. {check[k][:5]})")
-        say(f"check: {check['records_in']} records in, {check['records_out']} out "
+        say(
+            f"check: {check['records_in']} records in, {check['records_out']} out "
             f"of committed batches; lost {len(check['lost'])}, doubled {len(check['doubled'])}, "
-            f"corrupted {len(check['corrupted'])}")
+            f"corrupted {len(check['corrupted'])}"
+        )
         result["problems"] = problems
         result["ok"] = not problems
         return result
     except Exception as exc:
-        result["problems"] = [str(exc) if isinstance(exc, DemoFailure)
-                              else f"{type(exc).__name__}: {exc}"]
+        result["problems"] = [str(exc) if isinstance(exc, DemoFailure) else f"{type(exc).__name__}: {exc}"]
         for d, n in zip(drivers, (1, 2)):
             if d.poll() is not None and d.returncode not in (0, -9):
                 say(f"driver {n} log tail:\n{tail(os.path.join(paths['logs'], f'driver{n}.log'))}")
@@ -364,11 +415,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="scripts/demo --mount", description=__doc__.split("\n\n")[0])
     p.add_argument("--records", type=int, default=3000, help="unique record ids (default 3000)")
     p.add_argument("--batches", type=int, default=8, help="input files = micro-batches (default 8)")
-    p.add_argument("--crash-after", type=int, default=None,
-                   help="committed batches before the crash (default: half)")
-    p.add_argument("--kill", choices=("both", "mount"), default="both",
-                   help="both: SIGKILL driver and mount; mount: SIGKILL only the mount under a "
-                        "live driver (default both)")
+    p.add_argument("--crash-after", type=int, default=None, help="committed batches before the crash (default: half)")
+    p.add_argument(
+        "--kill",
+        choices=("both", "mount"),
+        default="both",
+        help="both: SIGKILL driver and mount; mount: SIGKILL only the mount under a live driver (default both)",
+    )
     p.add_argument("--state-store", choices=("hdfs", "rocksdb"), default="hdfs")
     p.add_argument("--workdir", help="work directory (default: a new temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the work directory")
@@ -376,15 +429,26 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     crash_after = args.crash_after if args.crash_after is not None else max(1, args.batches // 2)
     try:
-        result = run_demo(records=args.records, batches=args.batches, crash_after=crash_after,
-                          kill=args.kill, state_store=args.state_store, workdir=args.workdir,
-                          keep=args.keep)
+        result = run_demo(
+            records=args.records,
+            batches=args.batches,
+            crash_after=crash_after,
+            kill=args.kill,
+            state_store=args.state_store,
+            workdir=args.workdir,
+            keep=args.keep,
+        )
     except ValueError as exc:
         p.error(str(exc))
-    return report(result, as_json=args.json,
-                  passed=lambda: f"exactly once after losing the worker in batch {crash_after}: "
-                         f"{result['records_in']} records in, {result['records_out']} out, 0 lost, "
-                         f"0 doubled, 0 corrupted ({args.state_store} state store)")
+    return report(
+        result,
+        as_json=args.json,
+        passed=lambda: (
+            f"exactly once after losing the worker in batch {crash_after}: "
+            f"{result['records_in']} records in, {result['records_out']} out, 0 lost, "
+            f"0 doubled, 0 corrupted ({args.state_store} state store)"
+        ),
+    )
 
 
 if __name__ == "__main__":

@@ -107,6 +107,7 @@ def checkpoint_of(store: str) -> str:
 
 # --------------------------------------------------------------------------- driver process
 
+
 def driver_main(cfg_path: str) -> int:
     """The Spark driver (on a node of its own): one stateful query per state store, all
     checkpointing through the gateway, run until the input is used up."""
@@ -117,17 +118,18 @@ def driver_main(cfg_path: str) -> int:
     from spark_plugin.spark import gateway_checkpoint
 
     key = os.environ["SOS_KEY"]
-    builder = (SparkSession.builder.appName("sos-cluster-demo")
-               .config("spark.ui.showConsoleProgress", "false")
-               .config("spark.driver.memory", "768m")
-               .config("spark.sql.streaming.stateStore.maintenanceInterval", "60s")
-               # wait for both executors before the first batch: the state is spread
-               .config("spark.scheduler.minRegisteredResourcesRatio", "1.0")
-               .config("spark.scheduler.maxRegisteredResourcesWaitingTime", "120s"))
+    builder = (
+        SparkSession.builder.appName("sos-cluster-demo")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.driver.memory", "768m")
+        .config("spark.sql.streaming.stateStore.maintenanceInterval", "60s")
+        # wait for both executors before the first batch: the state is spread
+        .config("spark.scheduler.minRegisteredResourcesRatio", "1.0")
+        .config("spark.scheduler.maxRegisteredResourcesWaitingTime", "120s")
+    )
     for k, v in cfg["spark_conf"].items():
         builder = builder.config(k, v)
-    locations = {s: gateway_checkpoint(builder, cfg["url"], NAMESPACE, key, checkpoint_of(s))
-                 for s in cfg["stores"]}
+    locations = {s: gateway_checkpoint(builder, cfg["url"], NAMESPACE, key, checkpoint_of(s)) for s in cfg["stores"]}
     spark = builder.getOrCreate()
     pause_at = set(cfg.get("pause_at", []))
     flags = cfg["flags"]
@@ -152,12 +154,17 @@ def driver_main(cfg_path: str) -> int:
                     time.sleep(0.1)
 
         # the query clones the session's settings when it starts: each keeps its provider
-        query = (spark.readStream.schema("id LONG, payload STRING")
-                 .option("maxFilesPerTrigger", 1).json(cfg["input"])
-                 .dropDuplicates(["id"])
-                 .writeStream.queryName(store).foreachBatch(sink)
-                 .option("checkpointLocation", str(loc))
-                 .trigger(availableNow=True).start())
+        query = (
+            spark.readStream.schema("id LONG, payload STRING")
+            .option("maxFilesPerTrigger", 1)
+            .json(cfg["input"])
+            .dropDuplicates(["id"])
+            .writeStream.queryName(store)
+            .foreachBatch(sink)
+            .option("checkpointLocation", str(loc))
+            .trigger(availableNow=True)
+            .start()
+        )
         queries.append((store, loc, query))
     with open(cfg["runs"], "w") as f:  # which query run is which (executor logs name runs)
         json.dump({store: str(query.runId) for store, _loc, query in queries}, f)
@@ -180,8 +187,12 @@ def driver_main(cfg_path: str) -> int:
         last = query.lastProgress
         last_batch = int(last["batchId"]) if last else -1
         deadline = time.monotonic() + 120
-        while (last_batch >= 0 and last_batch not in loc.listener.written
-               and not loc.listener.errors and time.monotonic() < deadline):
+        while (
+            last_batch >= 0
+            and last_batch not in loc.listener.written
+            and not loc.listener.errors
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.1)
         markers[store] = {"written": loc.listener.written, "errors": loc.listener.errors}
     with open(cfg["result"], "w") as f:
@@ -193,8 +204,11 @@ def driver_main(cfg_path: str) -> int:
 # --------------------------------------------------------------------------- what the logs say
 
 #: one request in the gateway's request log (``sos gateway --debug``)
-REQUEST_RE = re.compile(r" DEBUG (GET|PUT|POST|DELETE) (\S+) /webhdfs/v1(/\S*?)( \[data\])? "
-                        r"-> (\d+) \([\d.]+ ms\) ?(\S*)$", re.MULTILINE)
+REQUEST_RE = re.compile(
+    r" DEBUG (GET|PUT|POST|DELETE) (\S+) /webhdfs/v1(/\S*?)( \[data\])? "
+    r"-> (\d+) \([\d.]+ ms\) ?(\S*)$",
+    re.MULTILINE,
+)
 
 
 @dataclass(frozen=True)
@@ -223,8 +237,10 @@ def read_from(path: str, start: int = 0, end: int | None = None) -> str:
 
 
 def gateway_requests(text: str) -> list[Request]:
-    return [Request(m.group(1), m.group(2), m.group(3), bool(m.group(4)), int(m.group(5)),
-                    m.group(6)) for m in REQUEST_RE.finditer(text)]
+    return [
+        Request(m.group(1), m.group(2), m.group(3), bool(m.group(4)), int(m.group(5)), m.group(6))
+        for m in REQUEST_RE.finditer(text)
+    ]
 
 
 def state_dir(store: str, partition: int) -> str:
@@ -254,8 +270,7 @@ def state_files_written(reqs: list[Request], store: str, partition: int) -> set[
 def state_files_read(reqs: list[Request], store: str, partition: int) -> set[str]:
     """Data files of a state-store partition that ``reqs`` served (OPEN, data step)."""
     prefix = state_dir(store, partition)
-    return {r.path for r in reqs
-            if _is_state_data(r.path, prefix) and r.op == "OPEN" and r.data and r.status == 200}
+    return {r.path for r in reqs if _is_state_data(r.path, prefix) and r.op == "OPEN" and r.data and r.status == 200}
 
 
 #: an executor's state store names the partition and the query run it serves
@@ -266,8 +281,9 @@ def executor_partitions(log_text: str, runs: dict[str, str]) -> set[tuple[str, i
     """(store, partition) pairs an executor's log shows it loaded, for the query runs
     ``runs`` ({store: run id})."""
     store_of = {run: store for store, run in runs.items()}
-    return {(store_of[m.group(2)], int(m.group(1))) for m in PROVIDER_ID_RE.finditer(log_text)
-            if m.group(2) in store_of}
+    return {
+        (store_of[m.group(2)], int(m.group(1))) for m in PROVIDER_ID_RE.finditer(log_text) if m.group(2) in store_of
+    }
 
 
 def executor_logs(node) -> dict[str, str]:
@@ -291,6 +307,7 @@ def executor_logs(node) -> dict[str, str]:
 
 # --------------------------------------------------------------------------- the demo
 
+
 class Demo:
     """The scenario's moving parts: server, gateway, cluster, driver, and their logs."""
 
@@ -299,9 +316,10 @@ class Demo:
         self.records = records
         self.batches = batches
         self.stores = stores
-        self.paths = {k: os.path.join(work, k) for k in
-                      ("input", "out", "server-data", "flags", "logs", "gateway-cache",
-                       "key-backup", "aws")}
+        self.paths = {
+            k: os.path.join(work, k)
+            for k in ("input", "out", "server-data", "flags", "logs", "gateway-cache", "key-backup", "aws")
+        }
         for k in ("flags", "logs"):
             os.makedirs(self.paths[k], exist_ok=True)
         # the object store the server copies every acknowledged byte to (--tier)
@@ -323,8 +341,12 @@ class Demo:
     def new_server(self, n: int) -> LocalServer:
         """The sos-server on ``server-data`` with ``--tier`` on the demo's bucket (metrics on:
         the demo reads the tier's lag)."""
-        return LocalServer(self.paths["server-data"], os.path.join(self.paths["logs"], f"server{n}.log"),
-                           args=["--tier", self.store.url], metrics=True)
+        return LocalServer(
+            self.paths["server-data"],
+            os.path.join(self.paths["logs"], f"server{n}.log"),
+            args=["--tier", self.store.url],
+            metrics=True,
+        )
 
     def replace_server(self) -> dict:
         """After the server and its data directory are gone: the key files back from the
@@ -342,11 +364,9 @@ class Demo:
             except ValueError:
                 continue
             if doc.get("msg") == "tier bootstrap":
-                info.update({k: doc.get(k) for k in ("namespaces", "objects", "bytes", "cut",
-                                                     "problems", "seconds")})
+                info.update({k: doc.get(k) for k in ("namespaces", "objects", "bytes", "cut", "problems", "seconds")})
         if "objects" not in info:
-            raise DemoFailure(f"the replacement server logged no tier bootstrap:\n"
-                              f"{self.server.log_text()[-3000:]}")
+            raise DemoFailure(f"the replacement server logged no tier bootstrap:\n{self.server.log_text()[-3000:]}")
         if info["cut"] or info["problems"]:
             raise DemoFailure(f"the bootstrap from the bucket found problems: {info}")
         return info
@@ -356,36 +376,51 @@ class Demo:
         server, no key) and from the replacement server; the two trees must be equal."""
         from spark_plugin.spark import sos_command
 
-        dirs = {"bucket": os.path.join(self.work, "restored-from-bucket"),
-                "server": os.path.join(self.work, "restored-from-server")}
-        args = {"bucket": ["--from", self.store.url],
-                "server": ["--server", self.server.address]}
+        dirs = {
+            "bucket": os.path.join(self.work, "restored-from-bucket"),
+            "server": os.path.join(self.work, "restored-from-server"),
+        }
+        args = {"bucket": ["--from", self.store.url], "server": ["--server", self.server.address]}
         trees = {}
         for how in ("bucket", "server"):
             env = dict(os.environ, SOS_KEY=self.key) if how == "server" else dict(os.environ)
-            proc = subprocess.run([*sos_command(), "restore", "-q", *args[how], NAMESPACE, dirs[how]],
-                                  capture_output=True, text=True, timeout=900, env=env)
+            proc = subprocess.run(
+                [*sos_command(), "restore", "-q", *args[how], NAMESPACE, dirs[how]],
+                capture_output=True,
+                text=True,
+                timeout=900,
+                env=env,
+            )
             if proc.returncode != 0:
-                raise DemoFailure(f"sos restore {' '.join(args[how])} failed: "
-                                  f"{proc.stderr.strip()[-2000:]}")
+                raise DemoFailure(f"sos restore {' '.join(args[how])} failed: {proc.stderr.strip()[-2000:]}")
             trees[how] = tree_of(dirs[how])
         if trees["bucket"] != trees["server"]:
             only = sorted(set(trees["bucket"]) ^ set(trees["server"]))
-            differ = sorted(p for p in set(trees["bucket"]) & set(trees["server"])
-                            if trees["bucket"][p] != trees["server"][p])
-            raise DemoFailure(f"the restore from the bucket differs from the replacement "
-                              f"server's: only one has {only[:5]}, contents differ {differ[:5]}")
-        return {"files": sum(1 for v in trees["bucket"].values() if v is not None),
-                "bytes": sum(len(v) for v in trees["bucket"].values() if v is not None),
-                "committed": {s: sorted(int(n) for n in _commit_names(trees["bucket"], s))
-                              for s in self.stores}}
+            differ = sorted(
+                p for p in set(trees["bucket"]) & set(trees["server"]) if trees["bucket"][p] != trees["server"][p]
+            )
+            raise DemoFailure(
+                f"the restore from the bucket differs from the replacement "
+                f"server's: only one has {only[:5]}, contents differ {differ[:5]}"
+            )
+        return {
+            "files": sum(1 for v in trees["bucket"].values() if v is not None),
+            "bytes": sum(len(v) for v in trees["bucket"].values() if v is not None),
+            "committed": {s: sorted(int(n) for n in _commit_names(trees["bucket"], s)) for s in self.stores},
+        }
 
     def start_gateway(self, port: int = 0):
         from spark_plugin.gateway.process import GatewayProcess
 
-        self.gateway = GatewayProcess(NAMESPACE, self.paths["gateway-cache"], self.server.address,
-                                      self.key, listen=f"127.0.0.1:{port}", debug=True,
-                                      log_path=self.gateway_log).start()
+        self.gateway = GatewayProcess(
+            NAMESPACE,
+            self.paths["gateway-cache"],
+            self.server.address,
+            self.key,
+            listen=f"127.0.0.1:{port}",
+            debug=True,
+            log_path=self.gateway_log,
+        ).start()
         return self.gateway
 
     @property
@@ -408,17 +443,26 @@ class Demo:
         log4j = f"-Dlog4j2.configurationFile=file:{self.log4j}"
         conf["spark.executor.extraJavaOptions"] += f" {log4j}"
         conf["spark.driver.extraJavaOptions"] = f"{DRIVER_JVM_OPTIONS} {log4j}"
-        cfg = {"url": self.gateway.url, "stores": list(self.stores), "input": self.paths["input"],
-               "out": self.paths["out"], "flags": self.paths["flags"], "pause_at": pause_at,
-               "spark_conf": conf, "result": os.path.join(self.paths["flags"], f"driver{n}.json"),
-               "runs": os.path.join(self.paths["flags"], f"runs{n}.json")}
+        cfg = {
+            "url": self.gateway.url,
+            "stores": list(self.stores),
+            "input": self.paths["input"],
+            "out": self.paths["out"],
+            "flags": self.paths["flags"],
+            "pause_at": pause_at,
+            "spark_conf": conf,
+            "result": os.path.join(self.paths["flags"], f"driver{n}.json"),
+            "runs": os.path.join(self.paths["flags"], f"runs{n}.json"),
+        }
         cfg_path = os.path.join(self.work, f"driver{n}.json")
         with open(cfg_path, "w") as f:
             json.dump(cfg, f)
         env = child_env({"SOS_KEY": self.key})
         self.driver = self.cluster.start_driver(
             [sys.executable, "-m", "tools.demo_cluster", "_driver", cfg_path],
-            env={"SOS_KEY": self.key, "PYTHONPATH": env["PYTHONPATH"]}, name=f"driver{n}")
+            env={"SOS_KEY": self.key, "PYTHONPATH": env["PYTHONPATH"]},
+            name=f"driver{n}",
+        )
         self.driver_result = cfg["result"]
         self.runs_file = cfg["runs"]
         return self.driver
@@ -432,11 +476,9 @@ class Demo:
                 if os.path.exists(failed):
                     with open(failed, encoding="utf-8", errors="replace") as f:
                         why = f.read()
-                    raise DemoFailure(f"query {store} failed before batch {batch}: "
-                                      f"{why[:2000]}")
+                    raise DemoFailure(f"query {store} failed before batch {batch}: {why[:2000]}")
             if not self.driver.alive():
-                raise DemoFailure(f"the driver died before batch {batch}:\n"
-                                  f"{tail(self.driver.log_path, 60)}")
+                raise DemoFailure(f"the driver died before batch {batch}:\n{tail(self.driver.log_path, 60)}")
             if time.monotonic() > deadline:
                 raise DemoFailure(f"batch {batch} not reached after {timeout:.0f}s")
             time.sleep(0.2)
@@ -466,14 +508,12 @@ class Demo:
 
         client = GatewayClient(self.gateway.url, NAMESPACE, self.key)
         try:
-            doc = client.call("GET", f"/webhdfs/v1/{checkpoint_of(store)}/commits",
-                              op="LISTSTATUS")
+            doc = client.call("GET", f"/webhdfs/v1/{checkpoint_of(store)}/commits", op="LISTSTATUS")
         except GatewayError as exc:
             if exc.status == 404:
                 return set()
             raise
-        return {int(s["pathSuffix"]) for s in doc["FileStatuses"]["FileStatus"]
-                if s["pathSuffix"].isdigit()}
+        return {int(s["pathSuffix"]) for s in doc["FileStatuses"]["FileStatus"] if s["pathSuffix"].isdigit()}
 
     def committed_all(self) -> dict[str, set[int]]:
         return {s: self.committed(s) for s in self.stores}
@@ -507,8 +547,11 @@ class Demo:
 def _commit_names(tree: dict[str, bytes | None], store: str) -> list[str]:
     """The batch numbers under ``queries/<store>/commits/`` of a restored tree."""
     prefix = f"{checkpoint_of(store)}/commits/"
-    return [p[len(prefix):] for p, v in tree.items()
-            if v is not None and p.startswith(prefix) and p[len(prefix):].isdigit()]
+    return [
+        p[len(prefix) :]
+        for p, v in tree.items()
+        if v is not None and p.startswith(prefix) and p[len(prefix) :].isdigit()
+    ]
 
 
 def _expect_commits(found: dict[str, set[int]], upto: int, when: str) -> None:
@@ -518,9 +561,17 @@ def _expect_commits(found: dict[str, set[int]], upto: int, when: str) -> None:
         raise DemoFailure(f"{when}: expected batches {fmt(want)} committed, got {bad}")
 
 
-def run_cluster_demo(*, records: int = 2000, batches: int = 8, stores: tuple[str, ...] = STORES,
-                     worker_loss_at: int = 2, gateway_restart_at: int = 4, total_loss_at: int = 6,
-                     workdir: str | None = None, keep: bool = False) -> dict:
+def run_cluster_demo(
+    *,
+    records: int = 2000,
+    batches: int = 8,
+    stores: tuple[str, ...] = STORES,
+    worker_loss_at: int = 2,
+    gateway_restart_at: int = 4,
+    total_loss_at: int = 6,
+    workdir: str | None = None,
+    keep: bool = False,
+) -> dict:
     """Run the whole scenario; returns the result dict (``ok`` True/False)."""
     if not 0 < worker_loss_at < gateway_restart_at < total_loss_at < batches - 1:
         raise ValueError("need 0 < worker loss < gateway restart < total loss < batches - 1")
@@ -534,28 +585,38 @@ def run_cluster_demo(*, records: int = 2000, batches: int = 8, stores: tuple[str
     try:
         why = can_isolate_nodes()
         if why:
-            raise DemoFailure(f"cannot run the cluster demo here: {why} "
-                              f"(./scripts/demo --mount runs the single-JVM demo)")
-        say(f"work dir {work}; state stores {', '.join(stores)}; {records} records in "
-            f"{batches} files (each id sent twice: dropDuplicates state must remember them)")
+            raise DemoFailure(
+                f"cannot run the cluster demo here: {why} (./scripts/demo --mount runs the single-JVM demo)"
+            )
+        say(
+            f"work dir {work}; state stores {', '.join(stores)}; {records} records in "
+            f"{batches} files (each id sent twice: dropDuplicates state must remember them)"
+        )
         expected = make_input(demo.paths["input"], records, batches)
         demo.key = keygen(demo.paths["server-data"], NAMESPACE)
         backup_keys(demo.paths["server-data"], NAMESPACE, demo.paths["key-backup"])
         demo.store.start()
-        say(f"object store: moto's S3 server at {demo.store.endpoint} (embedded), bucket "
-            f"{demo.store.url}")
+        say(f"object store: moto's S3 server at {demo.store.endpoint} (embedded), bucket {demo.store.url}")
         demo.server.start()
-        say(f"sos-server listening on {demo.server.address} (the remote storage), copying "
-            f"every acknowledged byte to {demo.store.url} (--tier); its keys backed up")
+        say(
+            f"sos-server listening on {demo.server.address} (the remote storage), copying "
+            f"every acknowledged byte to {demo.store.url} (--tier); its keys backed up"
+        )
         demo.start_gateway()
-        say(f"sos gateway serving {NAMESPACE} at {demo.gateway.url} (cache "
-            f"{demo.paths['gateway-cache']}, OAuth2 tokens for the namespace key)")
+        say(
+            f"sos gateway serving {NAMESPACE} at {demo.gateway.url} (cache "
+            f"{demo.paths['gateway-cache']}, OAuth2 tokens for the namespace key)"
+        )
         cluster = demo.start_cluster()
-        say(f"Spark cluster: Master {cluster.master_url}, 2 Workers of 1 core; every node in a "
-            f"mount namespace of its own with a private tmpfs as local disk")
+        say(
+            f"Spark cluster: Master {cluster.master_url}, 2 Workers of 1 core; every node in a "
+            f"mount namespace of its own with a private tmpfs as local disk"
+        )
         drv = demo.start_driver([worker_loss_at, gateway_restart_at, total_loss_at])
-        say(f"driver started on its own node: queries {', '.join(stores)} checkpoint to "
-            f"webhdfs://127.0.0.1:{demo.gateway_port}/queries/<store>")
+        say(
+            f"driver started on its own node: queries {', '.join(stores)} checkpoint to "
+            f"webhdfs://127.0.0.1:{demo.gateway_port}/queries/<store>"
+        )
 
         # ---- 1. worker loss
         k1 = worker_loss_at
@@ -569,16 +630,18 @@ def run_cluster_demo(*, records: int = 2000, batches: int = 8, stores: tuple[str
         demo.wait_paused(k2)
         _expect_commits(demo.committed_all(), k2, f"after the worker loss, in batch {k2}")
         loss.update(state_read_after_loss(demo, loss))
-        say(f"worker {loss['survivor']}'s executor took over partitions "
+        say(
+            f"worker {loss['survivor']}'s executor took over partitions "
             f"{', '.join(f'{s}/{p}' for s, p in loss['survivor_took_over']) or '(none)'} and ran "
             f"batch{'es' if k2 - k1 > 2 else ''} {fmt(range(k1 + 1, k2))} alone, reading {loss['state_files_read_count']} state "
             f"files the lost executor wrote through the gateway "
-            f"({loss['task_failure_count']} task attempts lost with it)")
-        missing = sorted({s for s, _ in loss["victim_partitions"]}
-                         - {k.split("/")[0] for k in loss["state_files_read"]})
+            f"({loss['task_failure_count']} task attempts lost with it)"
+        )
+        missing = sorted(
+            {s for s, _ in loss["victim_partitions"]} - {k.split("/")[0] for k in loss["state_files_read"]}
+        )
         if missing:
-            raise DemoFailure(f"the surviving executor read no state file of the lost one for "
-                              f"{', '.join(missing)}")
+            raise DemoFailure(f"the surviving executor read no state file of the lost one for {', '.join(missing)}")
         cluster.start_worker(loss["victim"])
         say(f"a new worker {loss['victim']} joins (an empty node)")
         result["gateway_restart"] = gateway_restart(demo, k2)
@@ -588,14 +651,15 @@ def run_cluster_demo(*, records: int = 2000, batches: int = 8, stores: tuple[str
         demo.wait_paused(k3)
         result["gateway_restart"].update(what_the_query_saw(demo, result["gateway_restart"]))
         saw = result["gateway_restart"]
-        say(f"the query rode through the gateway restart: {saw['retries']} retried requests "
+        say(
+            f"the query rode through the gateway restart: {saw['retries']} retried requests "
             f"({saw['driver_retries']} in the driver), {saw['task_failure_count']} failed task "
-            f"attempts; batches went on committing")
+            f"attempts; batches went on committing"
+        )
         before = demo.committed_all()
         _expect_commits(before, k3, f"after the gateway restart, in batch {k3}")
         result["committed_before_total_loss"] = {s: sorted(c) for s, c in before.items()}
-        say(f"batches {fmt(range(k3))} committed; batch {k3}'s output written, "
-            f"commits/{k3} not yet")
+        say(f"batches {fmt(range(k3))} committed; batch {k3}'s output written, commits/{k3} not yet")
         demo.save_executor_logs("before-total-loss")
         demo.kill_everything()
         shutil.rmtree(demo.paths["gateway-cache"])
@@ -606,29 +670,36 @@ def run_cluster_demo(*, records: int = 2000, batches: int = 8, stores: tuple[str
         demo.server.kill()
         shutil.rmtree(demo.paths["server-data"])
         result["server_loss"] = {"tier_drain_wait_s": round(waited, 2)}
-        say(f"TOTAL LOSS: driver, Workers, Master, gateway and sos-server SIGKILLed; the "
+        say(
+            f"TOTAL LOSS: driver, Workers, Master, gateway and sos-server SIGKILLed; the "
             f"gateway's cache and the server's data directory deleted; every node's local "
-            f"disk gone with its namespace (the bucket had caught up {waited:.1f}s before)")
+            f"disk gone with its namespace (the bucket had caught up {waited:.1f}s before)"
+        )
 
         boot = demo.replace_server()
         result["server_loss"]["bootstrap"] = boot
-        say(f"a replacement sos-server on an EMPTY data directory with the same --tier "
+        say(
+            f"a replacement sos-server on an EMPTY data directory with the same --tier "
             f"rebuilt {NAMESPACE} from the bucket before listening ({boot['objects']} objects, "
             f"{boot['bytes']} bytes in {boot['seconds']}s); keys from the backup; listening on "
-            f"{demo.server.address}")
+            f"{demo.server.address}"
+        )
         both = demo.restore_both_ways()
         result["server_loss"]["restore"] = both
-        say(f"sos restore --from {demo.store.url} (the bucket alone, no server, no key) gives "
+        say(
+            f"sos restore --from {demo.store.url} (the bucket alone, no server, no key) gives "
             f"the same {both['files']} files ({both['bytes']} bytes) as sos restore from the "
-            f"replacement server: batches {fmt(both['committed'][stores[0]])} committed")
-        _expect_commits({s: set(c) for s, c in both["committed"].items()}, k3,
-                        "restored from the bucket")
+            f"replacement server: batches {fmt(both['committed'][stores[0]])} committed"
+        )
+        _expect_commits({s: set(c) for s, c in both["committed"].items()}, k3, "restored from the bucket")
 
         demo.start_gateway()
         restored = demo.committed_all()
         result["restored_committed"] = {s: sorted(c) for s, c in restored.items()}
-        say(f"a new gateway on an empty cache restored {NAMESPACE} from the replacement "
-            f"server ({demo.gateway.url}): batches {fmt(restored[stores[0]])} committed")
+        say(
+            f"a new gateway on an empty cache restored {NAMESPACE} from the replacement "
+            f"server ({demo.gateway.url}): batches {fmt(restored[stores[0]])} committed"
+        )
         _expect_commits(restored, k3, "restored from the replacement server")
         demo.start_cluster()
         drv = demo.start_driver([])
@@ -652,22 +723,21 @@ def run_cluster_demo(*, records: int = 2000, batches: int = 8, stores: tuple[str
             check = check_output(os.path.join(demo.paths["out"], store), final[store], expected)
             result["check"][store] = check
             if final[store] != set(range(batches)):
-                problems.append(f"{store}: committed batches {fmt(final[store])}, "
-                                f"expected 0..{batches - 1}")
+                problems.append(f"{store}: committed batches {fmt(final[store])}, expected 0..{batches - 1}")
             for k in ("lost", "doubled", "corrupted", "unknown", "committed_without_output"):
                 if check[k]:
-                    problems.append(f"{store}: {len(check[k])} {k.replace('_', ' ')} "
-                                    f"(e.g. {check[k][:5]})")
-            say(f"check {store}: {check['records_in']} records in, {check['records_out']} out "
+                    problems.append(f"{store}: {len(check[k])} {k.replace('_', ' ')} (e.g. {check[k][:5]})")
+            say(
+                f"check {store}: {check['records_in']} records in, {check['records_out']} out "
                 f"of committed batches; lost {len(check['lost'])}, doubled "
-                f"{len(check['doubled'])}, corrupted {len(check['corrupted'])}")
+                f"{len(check['doubled'])}, corrupted {len(check['corrupted'])}"
+            )
         result["records_in"] = len(expected)
         result["problems"] = problems
         result["ok"] = not problems
         return result
     except Exception as exc:
-        result["problems"] = [str(exc) if isinstance(exc, DemoFailure)
-                              else f"{type(exc).__name__}: {exc}"]
+        result["problems"] = [str(exc) if isinstance(exc, DemoFailure) else f"{type(exc).__name__}: {exc}"]
         return result
     finally:
         demo.close()
@@ -694,18 +764,25 @@ def worker_loss(demo: Demo, batch: int) -> dict:
     exec_id, _text, parts = held[victim]
     if not parts:
         raise DemoFailure(f"no executor holds state after {batch} batches")
-    info = {"victim": victim, "survivor": survivor, "victim_executor": exec_id,
-            "survivor_executor": held[survivor][0],
-            "victim_partitions": sorted([s, p] for s, p in parts),
-            "gateway_offset": demo.log_size(demo.gateway_log),
-            "driver_offset": demo.log_size(demo.driver.log_path)}
+    info = {
+        "victim": victim,
+        "survivor": survivor,
+        "victim_executor": exec_id,
+        "survivor_executor": held[survivor][0],
+        "victim_partitions": sorted([s, p] for s, p in parts),
+        "gateway_offset": demo.log_size(demo.gateway_log),
+        "driver_offset": demo.log_size(demo.driver.log_path),
+    }
     demo.resume(batch)
     prefixes = tuple(state_dir(s, p) for s, p in parts)
     deadline = time.monotonic() + 120
     touched: list[Request] = []
     while not touched and time.monotonic() < deadline:
-        touched = [r for r in gateway_requests(read_from(demo.gateway_log, info["gateway_offset"]))
-                   if any(_is_state_data(r.path, prefix) for prefix in prefixes)]
+        touched = [
+            r
+            for r in gateway_requests(read_from(demo.gateway_log, info["gateway_offset"]))
+            if any(_is_state_data(r.path, prefix) for prefix in prefixes)
+        ]
         if not demo.driver.alive():
             raise DemoFailure(f"the driver died:\n{tail(demo.driver.log_path, 60)}")
         time.sleep(0.05)
@@ -713,9 +790,11 @@ def worker_loss(demo: Demo, batch: int) -> dict:
     info["kill_offset"] = demo.log_size(demo.gateway_log)
     cluster.kill_worker(victim)
     info["killed_after"] = f"{touched[0].op} {touched[0].path}" if touched else ""
-    say(f"WORKER LOSS in batch {batch + 1}: worker {victim} and its executor {exec_id} "
+    say(
+        f"WORKER LOSS in batch {batch + 1}: worker {victim} and its executor {exec_id} "
         f"SIGKILLed while at work ({info['killed_after'] or 'no request seen'}); it held state "
-        f"partitions {', '.join(f'{s}/{p}' for s, p in sorted(parts))}; its node's disk is gone")
+        f"partitions {', '.join(f'{s}/{p}' for s, p in sorted(parts))}; its node's disk is gone"
+    )
     return info
 
 
@@ -738,12 +817,15 @@ def state_read_after_loss(demo: Demo, info: dict) -> dict:
         survivor_parts |= executor_partitions(text, demo.query_runs())
     drv = read_from(demo.driver.log_path, info["driver_offset"])
     victim_parts = {tuple(x) for x in info["victim_partitions"]}
-    return {"state_files_read": read, "evidence_end_offset": end,
-            "state_files_read_count": sum(len(v) for v in read.values()),
-            "survivor_took_over": sorted([s, p] for s, p in survivor_parts & victim_parts),
-            "task_failures": sorted(set(LOST_TASK_RE.findall(drv))),
-            "task_failure_count": len(LOST_TASK_RE.findall(drv)),
-            "driver_saw": sorted(set(re.findall(r"Lost executor \S+", drv)))}
+    return {
+        "state_files_read": read,
+        "evidence_end_offset": end,
+        "state_files_read_count": sum(len(v) for v in read.values()),
+        "survivor_took_over": sorted([s, p] for s, p in survivor_parts & victim_parts),
+        "task_failures": sorted(set(LOST_TASK_RE.findall(drv))),
+        "task_failure_count": len(LOST_TASK_RE.findall(drv)),
+        "driver_saw": sorted(set(re.findall(r"Lost executor \S+", drv))),
+    }
 
 
 RETRY_RE = re.compile(r"Retrying connect to namenode")
@@ -772,8 +854,10 @@ def gateway_restart(demo: Demo, batch: int) -> dict:
     retries_before, _ = _retries(demo)
     t0 = time.monotonic()
     demo.gateway.kill()
-    say(f"GATEWAY KILLED (SIGKILL) in batch {batch} (output written, commits/{batch} not yet); "
-        f"the queries go on against the dead gateway")
+    say(
+        f"GATEWAY KILLED (SIGKILL) in batch {batch} (output written, commits/{batch} not yet); "
+        f"the queries go on against the dead gateway"
+    )
     demo.resume(batch)
     # the retry policy allows about 22 s from the first refusal: restart as soon as the
     # query has met the dead gateway
@@ -786,23 +870,25 @@ def gateway_restart(demo: Demo, batch: int) -> dict:
         time.sleep(0.05)
     demo.start_gateway(port)
     downtime = time.monotonic() - t0
-    say(f"gateway restarted on the same port and cache after {downtime:.1f}s"
-        + (f"; the query was retrying: {hit[0].split(': ', 1)[-1][:90]}..." if hit else
-           "; no retry seen"))
-    return {"downtime_s": round(downtime, 2), "driver_offset": drv_offset,
-            "retries_before": retries_before}
+    say(
+        f"gateway restarted on the same port and cache after {downtime:.1f}s"
+        + (f"; the query was retrying: {hit[0].split(': ', 1)[-1][:90]}..." if hit else "; no retry seen")
+    )
+    return {"downtime_s": round(downtime, 2), "driver_offset": drv_offset, "retries_before": retries_before}
 
 
 def what_the_query_saw(demo: Demo, info: dict) -> dict:
     """Retries and task failures in the driver's and live executors' logs since the kill."""
     drv = read_from(demo.driver.log_path, info["driver_offset"])
     n, lines = _retries(demo)
-    return {"retries": n - info["retries_before"],
-            "retry_lines": lines[info["retries_before"]:][:5],
-            "driver_retries": len(RETRY_RE.findall(drv)),
-            "task_failures": sorted(set(LOST_TASK_RE.findall(drv))),
-            "task_failure_count": len(LOST_TASK_RE.findall(drv)),
-            "driver_alive": demo.driver.alive()}
+    return {
+        "retries": n - info["retries_before"],
+        "retry_lines": lines[info["retries_before"] :][:5],
+        "driver_retries": len(RETRY_RE.findall(drv)),
+        "task_failures": sorted(set(LOST_TASK_RE.findall(drv))),
+        "task_failure_count": len(LOST_TASK_RE.findall(drv)),
+        "driver_alive": demo.driver.alive(),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -812,34 +898,52 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="scripts/demo",
         description="A Spark cluster checkpoints through sos gateway: a worker loss, a gateway "
-                    "restart and a total loss, then the committed output is checked exactly "
-                    "once. --mount runs the single-JVM FUSE mount demo instead (see "
-                    "scripts/demo --mount --help).")
+        "restart and a total loss, then the committed output is checked exactly "
+        "once. --mount runs the single-JVM FUSE mount demo instead (see "
+        "scripts/demo --mount --help).",
+    )
     p.add_argument("--records", type=int, default=2000, help="unique record ids (default 2000)")
     p.add_argument("--batches", type=int, default=8, help="input files = micro-batches (default 8)")
-    p.add_argument("--state-store", choices=("hdfs", "rocksdb", "both"), default="both",
-                   help="the queries' state stores (default both: one query each)")
+    p.add_argument(
+        "--state-store",
+        choices=("hdfs", "rocksdb", "both"),
+        default="both",
+        help="the queries' state stores (default both: one query each)",
+    )
     p.add_argument("--workdir", help="work directory (default: a new temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the work directory")
     p.add_argument("--json", action="store_true", help="print the result as JSON before the verdict")
-    p.add_argument("--mount", action="store_true",
-                   help="run the single-JVM FUSE mount demo instead (its options: --mount --help)")
+    p.add_argument(
+        "--mount", action="store_true", help="run the single-JVM FUSE mount demo instead (its options: --mount --help)"
+    )
     args = p.parse_args(argv)
     if args.mount:  # listed for --help; tools.demo.main (the entry) dispatches it before this
         p.error("--mount: run python -m tools.demo --mount (./scripts/demo --mount)")
     stores = STORES if args.state_store == "both" else (args.state_store,)
     b = args.batches
     try:
-        result = run_cluster_demo(records=args.records, batches=b, stores=stores,
-                                  worker_loss_at=max(1, b // 4), gateway_restart_at=b // 2,
-                                  total_loss_at=3 * b // 4, workdir=args.workdir, keep=args.keep)
+        result = run_cluster_demo(
+            records=args.records,
+            batches=b,
+            stores=stores,
+            worker_loss_at=max(1, b // 4),
+            gateway_restart_at=b // 2,
+            total_loss_at=3 * b // 4,
+            workdir=args.workdir,
+            keep=args.keep,
+        )
     except ValueError as exc:
         p.error(f"{exc} (--batches 5 or more)")
-    return report(result, as_json=args.json,
-                  passed=lambda: f"exactly once through a worker loss, a gateway restart and a total "
-                              f"loss with the server's data directory (restored from the bucket): "
-                              f"{result['records_in']} records in, 0 lost, 0 doubled, 0 corrupted "
-                              f"({' and '.join(stores)} state store{'s' if len(stores) > 1 else ''})")
+    return report(
+        result,
+        as_json=args.json,
+        passed=lambda: (
+            f"exactly once through a worker loss, a gateway restart and a total "
+            f"loss with the server's data directory (restored from the bucket): "
+            f"{result['records_in']} records in, 0 lost, 0 doubled, 0 corrupted "
+            f"({' and '.join(stores)} state store{'s' if len(stores) > 1 else ''})"
+        ),
+    )
 
 
 if __name__ == "__main__":

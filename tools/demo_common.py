@@ -41,6 +41,7 @@ class DemoFailure(Exception):
 
 # --------------------------------------------------------------------------- input/output
 
+
 def payload_of(rid: int) -> str:
     return hashlib.sha256(f"sos-demo-record-{rid}".encode()).hexdigest()[:40]
 
@@ -62,7 +63,7 @@ def make_input(input_dir: str, records: int, files: int) -> dict[int, str]:
         ids = list(chunks[i])
         if i > 0:
             prev = chunks[i - 1]
-            ids += prev[len(prev) // 2:]
+            ids += prev[len(prev) // 2 :]
         path = os.path.join(input_dir, f"part-{i:05d}.json")
         with open(path + ".tmp", "w") as f:
             for rid in ids:
@@ -110,20 +111,32 @@ def check_output(out_dir: str, committed: set[int], expected: dict[int, str]) ->
     doubled = sorted(r for r, n in seen.items() if n > 1)
     unknown = sorted(set(seen) - set(expected))
     missing_output = sorted(committed - batches_with_output)
-    return {"records_in": len(expected), "records_out": sum(seen.values()),
-            "lost": lost, "doubled": doubled, "corrupted": corrupted, "unknown": unknown,
-            "uncommitted_output_ignored": outside, "committed_without_output": missing_output}
+    return {
+        "records_in": len(expected),
+        "records_out": sum(seen.values()),
+        "lost": lost,
+        "doubled": doubled,
+        "corrupted": corrupted,
+        "unknown": unknown,
+        "uncommitted_output_ignored": outside,
+        "committed_without_output": missing_output,
+    }
 
 
 # --------------------------------------------------------------------------- processes
+
 
 def _python_call(module: str, func: str = "main") -> list[str]:
     return [sys.executable, "-c", f"import sys; from {module} import {func}; sys.exit({func}())"]
 
 
 def keygen(data_dir: str, namespace: str, role: str = "append") -> str:
-    proc = subprocess.run([*_python_call("sos_server.cli"), "keygen", "--data", data_dir, namespace, "--role", role],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [*_python_call("sos_server.cli"), "keygen", "--data", data_dir, namespace, "--role", role],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     if proc.returncode != 0:
         raise DemoFailure(f"sos-server keygen failed: {proc.stderr.strip()}")
     return proc.stdout.strip().splitlines()[-1].strip()
@@ -133,8 +146,15 @@ class LocalServer(ServerProcess):
     """The one server launcher (tools.server.ServerProcess) as the demo and the benches use
     it: metrics only when asked for, and a failed start is a DemoFailure."""
 
-    def __init__(self, data_dir: str, log_path: str, *, args: Sequence[str] = (),
-                 metrics: bool = False, profile: str | None = None):
+    def __init__(
+        self,
+        data_dir: str,
+        log_path: str,
+        *,
+        args: Sequence[str] = (),
+        metrics: bool = False,
+        profile: str | None = None,
+    ):
         super().__init__(data_dir, args, log_path=log_path, metrics=metrics, profile=profile)
 
     def start(self, timeout: float = 120.0) -> LocalServer:
@@ -146,6 +166,7 @@ class LocalServer(ServerProcess):
 
 
 # --------------------------------------------------------------------------- the object-store tier
+
 
 class EmbeddedStore:
     """The demos' object store: moto's S3 server (``moto[server]``, in the extras
@@ -171,16 +192,22 @@ class EmbeddedStore:
             import boto3
             from moto.server import ThreadedMotoServer
         except ImportError as exc:
-            raise DemoFailure(f"the demo's object store needs moto[server] and boto3 ({exc}): "
-                              f"run ./scripts/setup") from None
+            raise DemoFailure(
+                f"the demo's object store needs moto[server] and boto3 ({exc}): run ./scripts/setup"
+            ) from None
         os.makedirs(self.workdir, exist_ok=True)
         for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3", "AWS_CA_BUNDLE"):
             os.environ.pop(var, None)
-        os.environ.update({
-            "AWS_ACCESS_KEY_ID": "demo", "AWS_SECRET_ACCESS_KEY": "demo",
-            "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
-            "AWS_CONFIG_FILE": os.path.join(self.workdir, "no-config"),
-            "AWS_SHARED_CREDENTIALS_FILE": os.path.join(self.workdir, "no-credentials")})
+        os.environ.update(
+            {
+                "AWS_ACCESS_KEY_ID": "demo",
+                "AWS_SECRET_ACCESS_KEY": "demo",
+                "AWS_DEFAULT_REGION": "us-east-1",
+                "AWS_EC2_METADATA_DISABLED": "true",
+                "AWS_CONFIG_FILE": os.path.join(self.workdir, "no-config"),
+                "AWS_SHARED_CREDENTIALS_FILE": os.path.join(self.workdir, "no-credentials"),
+            }
+        )
         import logging
 
         logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no line per request
@@ -226,19 +253,20 @@ def wait_tier_drained(server: ServerProcess, namespace: str, timeout: float = 12
 
     def drained() -> bool:
         m = metrics_of(server)
-        return (f"sos_tier_lag_bytes{label}" in m and m[f"sos_tier_lag_bytes{label}"] == 0
-                and m.get(f"sos_tier_lag_seconds{label}", 0) == 0)
+        return (
+            f"sos_tier_lag_bytes{label}" in m
+            and m[f"sos_tier_lag_bytes{label}"] == 0
+            and m.get(f"sos_tier_lag_seconds{label}", 0) == 0
+        )
 
-    wait_for(drained, timeout, f"the bucket catching up with the server ({namespace})",
-             alive=server.running)
+    wait_for(drained, timeout, f"the bucket catching up with the server ({namespace})", alive=server.running)
     return time.monotonic() - t0
 
 
 def backup_keys(data_dir: str, namespace: str, backup_dir: str) -> None:
     """Copy the namespace's key files out of the server's data directory (keys are not in
     the bucket: docs/DEPLOY.md, "Replacing a lost server")."""
-    shutil.copytree(os.path.join(data_dir, "ns", namespace, "keys"),
-                    os.path.join(backup_dir, "ns", namespace, "keys"))
+    shutil.copytree(os.path.join(data_dir, "ns", namespace, "keys"), os.path.join(backup_dir, "ns", namespace, "keys"))
 
 
 def restore_keys(backup_dir: str, data_dir: str, namespace: str) -> None:
@@ -304,6 +332,7 @@ def wait_for(pred, timeout: float, what: str, alive=None, poll: float = 0.2):
 
 # --------------------------------------------------------------------------- checkpoint, sink, verdict
 
+
 def gateway_committed_batches(client, checkpoint_relpath: str) -> set[int]:
     """:func:`committed_batches` of a checkpoint served by ``sos gateway`` (``client``: a
     :class:`spark_plugin.gateway.client.GatewayClient`), by LISTSTATUS of ``commits``."""
@@ -316,8 +345,7 @@ def gateway_committed_batches(client, checkpoint_relpath: str) -> set[int]:
         if exc.status == 404:
             return set()
         raise
-    return {int(st["pathSuffix"]) for st in doc["FileStatuses"]["FileStatus"]
-            if st["pathSuffix"].isdigit()}
+    return {int(st["pathSuffix"]) for st in doc["FileStatuses"]["FileStatus"] if st["pathSuffix"].isdigit()}
 
 
 def write_batch_output(out_dir: str, df, batch_id: int) -> None:

@@ -37,13 +37,25 @@ ServerStartError = ChildStartError
 class ServerProcess(ReadyChild):
     stop_timeout = STOP_TIMEOUT
 
-    def __init__(self, data_dir: str | os.PathLike[str], args: Sequence[object] = (), *,
-                 log_path: str | os.PathLike[str] | None = None, port: int = 0, fixed_port: bool = False,
-                 metrics: bool = True, profile: str | None = None) -> None:
+    def __init__(
+        self,
+        data_dir: str | os.PathLike[str],
+        args: Sequence[object] = (),
+        *,
+        log_path: str | os.PathLike[str] | None = None,
+        port: int = 0,
+        fixed_port: bool = False,
+        metrics: bool = True,
+        profile: str | None = None,
+    ) -> None:
         self.data_dir = os.fspath(data_dir)
-        super().__init__("sos-server", LISTENING,
-                         os.fspath(log_path) if log_path else self.data_dir.rstrip("/") + "-server.log",
-                         start_timeout=START_TIMEOUT, new_session=True)
+        super().__init__(
+            "sos-server",
+            LISTENING,
+            os.fspath(log_path) if log_path else self.data_dir.rstrip("/") + "-server.log",
+            start_timeout=START_TIMEOUT,
+            new_session=True,
+        )
         self.args = [str(a) for a in args]
         self.port = port
         self.fixed_port = fixed_port
@@ -84,11 +96,11 @@ class ServerProcess(ReadyChild):
                 else:
                     time.sleep(0.5)  # wait for the port to be free again
                 continue
-            self.address = self.ready_line[len(LISTENING):].strip()
+            self.address = self.ready_line[len(LISTENING) :].strip()
             self.port = int(self.address.rsplit(":", 1)[1])
             for line in self.output().splitlines():
                 if line.startswith(METRICS):
-                    self.metrics_address = line[len(METRICS):].strip()
+                    self.metrics_address = line[len(METRICS) :].strip()
             return self
 
     def log_text(self) -> str:

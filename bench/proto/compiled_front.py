@@ -43,8 +43,9 @@ def build(out: str) -> tuple[str, str]:
     paths = []
     for prog in ("appendload", "appendfront"):
         exe = os.path.join(out, prog)
-        subprocess.run(["gcc", "-O2", "-msse4.2", "-Wall", "-o", exe, os.path.join(HERE, f"{prog}.c"), "-lcrypto"],
-                       check=True)
+        subprocess.run(
+            ["gcc", "-O2", "-msse4.2", "-Wall", "-o", exe, os.path.join(HERE, f"{prog}.c"), "-lcrypto"], check=True
+        )
         paths.append(exe)
     return paths[0], paths[1]
 
@@ -56,12 +57,12 @@ def cpu(pid: int) -> float:
     return t.user + t.system
 
 
-def load(loader: str, port: int, ns: str, key: str, writers: int, size: int, seconds: float,
-         server_pid: int) -> dict:
+def load(loader: str, port: int, ns: str, key: str, writers: int, size: int, seconds: float, server_pid: int) -> dict:
     """Run the C load generator; the server's CPU is read over the measured window (the
     loader warms up 0.5 s first)."""
-    proc = subprocess.Popen([loader, str(port), ns, key, str(writers), str(size), str(seconds)],
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [loader, str(port), ns, key, str(writers), str(size), str(seconds)], stdout=subprocess.PIPE, text=True
+    )
     time.sleep(0.5 + min(0.2, seconds / 10))
     c0, t0 = cpu(server_pid), time.monotonic()
     time.sleep(seconds - 2 * min(0.2, seconds / 10))
@@ -71,8 +72,12 @@ def load(loader: str, port: int, ns: str, key: str, writers: int, size: int, sec
         raise SystemExit(f"appendload failed ({proc.returncode}): {out}")
     got = dict(kv.split("=") for kv in out.split())
     rate = int(got["appends"]) / float(got["seconds"])
-    return {"rate": rate, "p50": float(got["p50_ms"]), "p99": float(got["p99_ms"]),
-            "cpu_us": (c1 - c0) / (rate * (t1 - t0)) * 1e6 if rate else float("nan")}
+    return {
+        "rate": rate,
+        "p50": float(got["p50_ms"]),
+        "p99": float(got["p99_ms"]),
+        "cpu_us": (c1 - c0) / (rate * (t1 - t0)) * 1e6 if rate else float("nan"),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,8 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default="/var/tmp")
     ap.add_argument("--cases", default="4K:64,4K:1")
     args = ap.parse_args(argv)
-    cases = [(int(s[:-1]) * (1024 if s.endswith("K") else 1 << 20), int(w))
-             for s, w in (c.split(":") for c in args.cases.split(","))]
+    cases = [
+        (int(s[:-1]) * (1024 if s.endswith("K") else 1 << 20), int(w))
+        for s, w in (c.split(":") for c in args.cases.split(","))
+    ]
     work = tempfile.mkdtemp(prefix="sos-proto-", dir=args.dir)
     rows = []
     try:
@@ -113,17 +120,28 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(rawdir)
         for size, writers in cases:
             res = raw_case(rawdir, size, writers, args.seconds)
-            rows.append(("raw write+fdatasync (Python threads)", size, writers,
-                         {"rate": res.ops_s, "p50": sorted(res.lat)[len(res.lat) // 2] * 1e3,
-                          "p99": sorted(res.lat)[int(len(res.lat) * 0.99)] * 1e3,
-                          "cpu_us": res.cpu / res.ops * 1e6 if res.cpu and res.ops else float("nan")}))
+            rows.append(
+                (
+                    "raw write+fdatasync (Python threads)",
+                    size,
+                    writers,
+                    {
+                        "rate": res.ops_s,
+                        "p50": sorted(res.lat)[len(res.lat) // 2] * 1e3,
+                        "p99": sorted(res.lat)[int(len(res.lat) * 0.99)] * 1e3,
+                        "cpu_us": res.cpu / res.ops * 1e6 if res.cpu and res.ops else float("nan"),
+                    },
+                )
+            )
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print("| system | append | writers | appends/s | p50 ms | p99 ms | CPU µs/append |")
     print("|---|---|---|---|---|---|---|")
     for name, size, writers, r in rows:
-        print(f"| {name} | {size // 1024} KiB | {writers} | {r['rate']:,.0f} | {r['p50']:.2f} | {r['p99']:.2f} | "
-              f"{r['cpu_us']:,.0f} |")
+        print(
+            f"| {name} | {size // 1024} KiB | {writers} | {r['rate']:,.0f} | {r['p50']:.2f} | {r['p99']:.2f} | "
+            f"{r['cpu_us']:,.0f} |"
+        )
     return 0
 
 

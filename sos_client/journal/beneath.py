@@ -113,7 +113,7 @@ class Beneath:
                 break
             anc = self._dirs.get(rel[:pos])
             if anc is not None:
-                base, rest = anc, rel[pos + 1:]
+                base, rest = anc, rel[pos + 1 :]
                 break
         cur = base
         try:

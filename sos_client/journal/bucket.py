@@ -115,8 +115,9 @@ class BucketSource:
     :func:`~sos_client.journal.verify.verify`. Thread-safe. The listing is taken once, at the
     first call that needs it; :meth:`refresh` takes it again."""
 
-    def __init__(self, store: Store, namespace: str, *, workers: int = DEFAULT_GET_WORKERS,
-                 owns_store: bool = False) -> None:
+    def __init__(
+        self, store: Store, namespace: str, *, workers: int = DEFAULT_GET_WORKERS, owns_store: bool = False
+    ) -> None:
         if workers < 1:
             raise ValueError("workers must be at least 1")
         self.store = store
@@ -140,8 +141,9 @@ class BucketSource:
         try:
             store = open_store(url)
         except ImportError as exc:
-            raise BucketUnavailable(f"cannot read {url}: the s3:// tier needs boto3 "
-                                    f"(pip install 'sos[tier]'): {exc}") from exc
+            raise BucketUnavailable(
+                f"cannot read {url}: the s3:// tier needs boto3 (pip install 'sos[tier]'): {exc}"
+            ) from exc
         except TierError as exc:
             raise BucketUnavailable(f"cannot read {url}: {exc}") from exc
         return cls(store, namespace, workers=workers, owns_store=True)
@@ -205,8 +207,11 @@ class BucketSource:
 
     def entries(self, prefix: str = "") -> list[BucketEntry]:
         st = self.state()
-        return [BucketEntry(name, self.listed_length(o), o.seal_length is not None)
-                for name, o in sorted(st.objects.items()) if name.startswith(prefix) and o.exists]
+        return [
+            BucketEntry(name, self.listed_length(o), o.seal_length is not None)
+            for name, o in sorted(st.objects.items())
+            if name.startswith(prefix) and o.exists
+        ]
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -238,7 +243,9 @@ class BucketSource:
                 assert isinstance(exc, TierConflict)
                 at, kind, key = exc.offset, "conflict", exc.key
             if not any(p.key == key and p.kind == kind for p in obj.problems):
-                obj.problems.append(Problem(kind, obj.namespace, obj.name, key, at, f"{obj.namespace}/{obj.name}: {exc}"))
+                obj.problems.append(
+                    Problem(kind, obj.namespace, obj.name, key, at, f"{obj.namespace}/{obj.name}: {exc}")
+                )
             obj.length = min(obj.length, at)
             self._cache.clear()
         return self.why_short(obj, at)
@@ -269,7 +276,7 @@ class BucketSource:
                 if p is not None:
                     data = self._piece(obj, p)
                     if stop - p.begin <= len(data):
-                        yield data[start - p.begin: stop - p.begin]
+                        yield data[start - p.begin : stop - p.begin]
                         return
             yield from iter_object(self.store, obj, start, stop, workers=self.workers)
         except (TierDamage, TierConflict) as exc:
@@ -292,9 +299,13 @@ class BucketSource:
         object's good length at the scan: reading reports it.)"""
         with self._lock:
             st = self.state()
-            return [(name, p.offset, f"{self.url}: {p.message}") for name, o in sorted(st.objects.items())
-                    if name.startswith(prefix) for p in o.problems
-                    if p.kind == "damage" and any(q.key == p.key for q in o.extra)]
+            return [
+                (name, p.offset, f"{self.url}: {p.message}")
+                for name, o in sorted(st.objects.items())
+                if name.startswith(prefix)
+                for p in o.problems
+                if p.kind == "damage" and any(q.key == p.key for q in o.extra)
+            ]
 
     def _check_extras(self, obj: ObjectState) -> None:
         """Pieces outside the run (protocol.md 4.4 step 5): each read whole and checked against
@@ -318,9 +329,14 @@ class BucketSource:
                 continue  # the run's own problem, kept by read()
             if ours != theirs[: hi - q.begin]:
                 at = q.begin + next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), len(ours))
-                obj._problem("conflict", q.key, at, f"piece {q.key} differs from the run at byte {at} (two "
-                                                    f"histories: another server wrote it, or damage that kept "
-                                                    f"its CRC)")
+                obj._problem(
+                    "conflict",
+                    q.key,
+                    at,
+                    f"piece {q.key} differs from the run at byte {at} (two "
+                    f"histories: another server wrote it, or damage that kept "
+                    f"its CRC)",
+                )
                 obj.length = min(obj.length, at)
 
 

@@ -86,8 +86,10 @@ def _factory(args: argparse.Namespace, namespace: str) -> Callable[[], StoreClie
     if url is not None:
         given = [flag for attr, flag in _SERVER_OPTIONS if getattr(args, attr, None)]
         if given:
-            raise _Usage(f"--from reads the bucket alone: {', '.join(given)} cannot go with it "
-                         f"(credentials and the endpoint come from the environment, see docs/DEPLOY.md)")
+            raise _Usage(
+                f"--from reads the bucket alone: {', '.join(given)} cannot go with it "
+                f"(credentials and the endpoint come from the environment, see docs/DEPLOY.md)"
+            )
         from .bucket import BucketSource  # noqa: PLC0415 - the tier's modules only for --from
 
         return BucketSource.open(url, namespace)
@@ -115,8 +117,14 @@ class ProgressBar:
     Calls may come from several threads. ``clock`` is for tests of the log lines.
     """
 
-    def __init__(self, label: str, stream: TextIO | None = None, *, interval: float | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        label: str,
+        stream: TextIO | None = None,
+        *,
+        interval: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.label = label
         self.stream = stream or sys.stderr
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
@@ -146,17 +154,27 @@ class ProgressBar:
         """The progress text: tqdm's meter in binary byte units."""
         from tqdm import tqdm  # noqa: PLC0415 - 70 ms at every `sos` command's start: only for progress
 
-        return tqdm.format_meter(done, total or None, elapsed, ncols=100, prefix=self.label,
-                                 unit="B", unit_scale=True, unit_divisor=1024)
+        return tqdm.format_meter(
+            done, total or None, elapsed, ncols=100, prefix=self.label, unit="B", unit_scale=True, unit_divisor=1024
+        )
 
     def _draw(self, done: int, total: int) -> None:
         from tqdm import tqdm  # noqa: PLC0415 - 70 ms at every `sos` command's start: only for progress
 
         if self._bar is None:
             cols, rows = self._size()
-            self._bar = tqdm(total=total or None, desc=self.label, file=self.stream, unit="B",
-                             unit_scale=True, unit_divisor=1024, mininterval=self.interval,
-                             ncols=cols, nrows=rows, leave=True)
+            self._bar = tqdm(
+                total=total or None,
+                desc=self.label,
+                file=self.stream,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                mininterval=self.interval,
+                ncols=cols,
+                nrows=rows,
+                leave=True,
+            )
         if total and self._bar.total != total:
             self._bar.total = total
         self._bar.update(done - self._bar.n)
@@ -192,8 +210,10 @@ def _auth_refused(exc: BaseException) -> bool:
 
 
 def _auth_message(namespace: str, args: argparse.Namespace) -> str:
-    return (f"the server refused the key for namespace {namespace!r}: no such namespace{_where(args)}, or the key"
-            " is not for it (the server does not say which)")
+    return (
+        f"the server refused the key for namespace {namespace!r}: no such namespace{_where(args)}, or the key"
+        " is not for it (the server does not say which)"
+    )
 
 
 def _where(args: argparse.Namespace) -> str:
@@ -218,8 +238,7 @@ def _source(args: argparse.Namespace) -> Callable[[], StoreClient] | int:
 
 
 @contextlib.contextmanager
-def _progress(args: argparse.Namespace, verb: str, factory: Callable[[], StoreClient]
-              ) -> Iterator[ProgressBar | None]:
+def _progress(args: argparse.Namespace, verb: str, factory: Callable[[], StoreClient]) -> Iterator[ProgressBar | None]:
     """The progress bar of ``verb`` (None with --quiet); on the way out, however it ends,
     its line ended and the source closed."""
     bar = None if args.quiet else ProgressBar(f"{verb} {args.namespace}")
@@ -248,15 +267,16 @@ def cmd_restore(args: argparse.Namespace) -> int:
         return factory
     try:
         with _progress(args, "restore", factory) as bar:
-            summary = restore(factory, args.namespace, args.target, force=args.force,
-                              progress=bar, **opts)
+            summary = restore(factory, args.namespace, args.target, force=args.force, progress=bar, **opts)
     except GenerationBreak as e:
         _err(f"{e}; nothing written")
         return EXIT_CORRUPT
     except JournalCorrupt as e:
         s = getattr(e, "summary", None)
-        _err(f"{e}; restore stopped before it"
-             + (f" (applied up to record {s.last_seq}: {s.files} files, {s.bytes} bytes)" if s else ""))
+        _err(
+            f"{e}; restore stopped before it"
+            + (f" (applied up to record {s.last_seq}: {s.files} files, {s.bytes} bytes)" if s else "")
+        )
         return EXIT_CORRUPT
     except JournalNotFound as e:
         _err(f"{e}{_where(args)}")
@@ -301,8 +321,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         _err(f"{type(e).__name__}: {e}")
         return EXIT_FAIL
     if not rep.generations:
-        _err(f"namespace {args.namespace!r} has no journal (no objects under gen/): nothing to verify"
-             f"{_where(args)}")
+        _err(f"namespace {args.namespace!r} has no journal (no objects under gen/): nothing to verify{_where(args)}")
         return EXIT_NO_JOURNAL
     print(rep.text())
     if not rep.ok:
@@ -331,12 +350,16 @@ def _iso(text: str) -> str:
 
 def _add_source_options(p: argparse.ArgumentParser) -> None:
     """The server's connection options, and ``--from URL`` instead of them."""
-    p.add_argument("--from", dest="from_url", metavar="URL",
-                   help="read the namespace from the object-store tier's bucket alone, with no server: "
-                        "s3://BUCKET/PREFIX (credentials, region and endpoint from the AWS SDK's standard "
-                        "chain and AWS_ENDPOINT_URL, never arguments) or file:///PATH. Every check and "
-                        "option works as from a server; --server, --key-file, --tls and --tls-ca cannot "
-                        "go with it")
+    p.add_argument(
+        "--from",
+        dest="from_url",
+        metavar="URL",
+        help="read the namespace from the object-store tier's bucket alone, with no server: "
+        "s3://BUCKET/PREFIX (credentials, region and endpoint from the AWS SDK's standard "
+        "chain and AWS_ENDPOINT_URL, never arguments) or file:///PATH. Every check and "
+        "option works as from a server; --server, --key-file, --tls and --tls-ca cannot "
+        "go with it",
+    )
     add_connection_options(p)
     # None = not given, so that --from can refuse them; _factory fills in the usual defaults
     p.set_defaults(server=None, key_file=None)
@@ -345,46 +368,69 @@ def _add_source_options(p: argparse.ArgumentParser) -> None:
 def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``restore`` and ``verify`` to the ``sos`` command's subparsers."""
     p = subparsers.add_parser(
-        "restore", help="rebuild a namespace's tree from the server into an empty directory",
+        "restore",
+        help="rebuild a namespace's tree from the server into an empty directory",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Restore NAMESPACE into the empty directory TARGET, to the latest state or to a\n"
-                    "point: --at ISO-TIME, --position N (right after record N) or --batch QUERYDIR:N\n"
-                    "(right after Spark committed batch N of the query checkpointed in QUERYDIR, i.e.\n"
-                    "right after the record that makes QUERYDIR/commits/N exist). Progress goes to\n"
-                    "stderr: redrawn in place on a terminal; elsewhere a line every 10 s (none for a\n"
-                    "quick run); -q: none.",
-        epilog=RESTORE_EXIT_CODES)
+        "point: --at ISO-TIME, --position N (right after record N) or --batch QUERYDIR:N\n"
+        "(right after Spark committed batch N of the query checkpointed in QUERYDIR, i.e.\n"
+        "right after the record that makes QUERYDIR/commits/N exist). Progress goes to\n"
+        "stderr: redrawn in place on a terminal; elsewhere a line every 10 s (none for a\n"
+        "quick run); -q: none.",
+        epilog=RESTORE_EXIT_CODES,
+    )
     p.add_argument("namespace")
     p.add_argument("target")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--at", metavar="ISO-TIME", type=_iso,
-                   help="state after every record stamped at or before this time, e.g. "
-                        "2026-11-23T12:00:00Z or with up to 9 fractional digits (naive = UTC)")
-    g.add_argument("--position", metavar="N", type=argtypes.integer(0),
-                   help="state right after record N")
-    g.add_argument("--batch", metavar="QUERYDIR:N", type=_batch,
-                   help="state right after Spark batch N committed; QUERYDIR is the checkpoint "
-                        "directory's path relative to the namespace root (e.g. 'checkpoint' for "
-                        "MOUNTPOINT/checkpoint; '' for the root itself: --batch :N, the same as "
-                        "--batch .:N), as in the 'checkpoint' field of the spark.batch markers")
-    p.add_argument("--generation", metavar="G", type=argtypes.integer(0),
-                   help="restore from generation G alone (its end, or a point inside it) without reading "
-                        "or checking the others: the way out when the generations do not form one chain "
-                        "(exit 3, see `sos verify`)")
-    p.add_argument("--force", action="store_true",
-                   help="replace the contents of a non-empty TARGET (without it: exit 1, nothing written)")
-    p.add_argument("--workers", metavar="N", type=argtypes.integer(1, 64),
-                   help="threads writing different files at once, each file's records in journal order "
-                        "(default: the CPU count, at most 4; 1: every record in order in one thread)")
+    g.add_argument(
+        "--at",
+        metavar="ISO-TIME",
+        type=_iso,
+        help="state after every record stamped at or before this time, e.g. "
+        "2026-11-23T12:00:00Z or with up to 9 fractional digits (naive = UTC)",
+    )
+    g.add_argument("--position", metavar="N", type=argtypes.integer(0), help="state right after record N")
+    g.add_argument(
+        "--batch",
+        metavar="QUERYDIR:N",
+        type=_batch,
+        help="state right after Spark batch N committed; QUERYDIR is the checkpoint "
+        "directory's path relative to the namespace root (e.g. 'checkpoint' for "
+        "MOUNTPOINT/checkpoint; '' for the root itself: --batch :N, the same as "
+        "--batch .:N), as in the 'checkpoint' field of the spark.batch markers",
+    )
+    p.add_argument(
+        "--generation",
+        metavar="G",
+        type=argtypes.integer(0),
+        help="restore from generation G alone (its end, or a point inside it) without reading "
+        "or checking the others: the way out when the generations do not form one chain "
+        "(exit 3, see `sos verify`)",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace the contents of a non-empty TARGET (without it: exit 1, nothing written)",
+    )
+    p.add_argument(
+        "--workers",
+        metavar="N",
+        type=argtypes.integer(1, 64),
+        help="threads writing different files at once, each file's records in journal order "
+        "(default: the CPU count, at most 4; 1: every record in order in one thread)",
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress")
     _add_source_options(p)
     p.set_defaults(func=cmd_restore)
 
-    v = subparsers.add_parser("verify", help="check every segment and record of a namespace",
-                              formatter_class=argparse.RawDescriptionHelpFormatter,
-                              description="Read and check every record of NAMESPACE without restoring;\n"
-                                          "names each broken range. Progress on stderr as for restore.",
-                              epilog=VERIFY_EXIT_CODES)
+    v = subparsers.add_parser(
+        "verify",
+        help="check every segment and record of a namespace",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Read and check every record of NAMESPACE without restoring;\n"
+        "names each broken range. Progress on stderr as for restore.",
+        epilog=VERIFY_EXIT_CODES,
+    )
     v.add_argument("namespace")
     v.add_argument("-q", "--quiet", action="store_true", help="no progress")
     _add_source_options(v)

@@ -32,8 +32,18 @@ from sos_wire import argtypes
 
 from .errors import JournalError, JournalTierBehind
 
-__all__ = ["DEFAULT_TIER_PATIENCE", "DURABILITIES", "FENCE_CHECK", "FenceLatch", "FenceWatch", "add_durability_options",
-           "call_journal", "durability_refusal", "journal_error", "tier_patience_of"]
+__all__ = [
+    "DEFAULT_TIER_PATIENCE",
+    "DURABILITIES",
+    "FENCE_CHECK",
+    "FenceLatch",
+    "FenceWatch",
+    "add_durability_options",
+    "call_journal",
+    "durability_refusal",
+    "journal_error",
+    "tier_patience_of",
+]
 
 #: what ``durability`` takes (JournalWriter's DURABILITIES, named here without importing the writer)
 DURABILITIES = ("server", "tier")
@@ -47,32 +57,40 @@ def add_durability_options(parser: argparse.ArgumentParser, *, what: str, failur
     """``--durability server|tier`` and ``--tier-patience DURATION`` (``what``: the barriers
     named in the help, e.g. "RENAME, DELETE and file bodies"; ``failure``: how the face reports
     a barrier the bucket did not reach in time)."""
-    parser.add_argument("--durability", choices=DURABILITIES, default="server",
-                        help=f"what {what} wait for: 'server' (default), the SOS server's disk; "
-                             f"'tier', also the server's object-store tier (the bucket of "
-                             f"`sos-server serve --tier URL`): a committed batch then survives the "
-                             f"loss of the server and its disk. Refused at start by a server "
-                             f"without --tier")
-    parser.add_argument("--tier-patience", type=argtypes.duration, default=DEFAULT_TIER_PATIENCE,
-                        metavar="DURATION",
-                        help=f"--durability tier: how long a barrier waits for the bucket before "
-                             f"it fails with {failure} (the change stays applied and durable on "
-                             f"the server; nothing is lost); 0: wait as long as it takes "
-                             f"(default {DEFAULT_TIER_PATIENCE:g}s)")
+    parser.add_argument(
+        "--durability",
+        choices=DURABILITIES,
+        default="server",
+        help=f"what {what} wait for: 'server' (default), the SOS server's disk; "
+        f"'tier', also the server's object-store tier (the bucket of "
+        f"`sos-server serve --tier URL`): a committed batch then survives the "
+        f"loss of the server and its disk. Refused at start by a server "
+        f"without --tier",
+    )
+    parser.add_argument(
+        "--tier-patience",
+        type=argtypes.duration,
+        default=DEFAULT_TIER_PATIENCE,
+        metavar="DURATION",
+        help=f"--durability tier: how long a barrier waits for the bucket before "
+        f"it fails with {failure} (the change stays applied and durable on "
+        f"the server; nothing is lost); 0: wait as long as it takes "
+        f"(default {DEFAULT_TIER_PATIENCE:g}s)",
+    )
 
 
 def durability_refusal(durability: str, sync: bool) -> str:
     """Why a face's ``--durability``/``--async`` combination is refused ("" if it is not):
     in async mode nothing waits, so the bucket would never be waited for either."""
     if durability == "tier" and not sync:
-        return ("--durability tier waits for the bucket at each barrier, and --async waits for "
-                "nothing: drop one of them")
+        return "--durability tier waits for the bucket at each barrier, and --async waits for nothing: drop one of them"
     return ""
 
 
 def tier_patience_of(seconds: float | None) -> float | None:
     """The writer's ``tier_patience`` for a face's ``--tier-patience`` (0: no bound)."""
     return None if not seconds else float(seconds)
+
 
 T = TypeVar("T")
 
@@ -92,8 +110,7 @@ def journal_error(exc: BaseException, namespace: str, who: str = "this process")
     return to_oserror(exc, f"journal of namespace {namespace!r} {what}", namespace)
 
 
-def call_journal(namespace: str, fn: Callable[..., T], *args: object, who: str = "this process",
-                 **kwargs: object) -> T:
+def call_journal(namespace: str, fn: Callable[..., T], *args: object, who: str = "this process", **kwargs: object) -> T:
     """``fn(*args, **kwargs)``, its journal failures raised as :func:`journal_error`."""
     try:
         return fn(*args, **kwargs)
@@ -113,8 +130,9 @@ class FenceLatch:
 
     def check(self) -> None:
         if self.fenced is not None:
-            raise PermissionError(errno.EROFS, f"{self.who} of namespace {self.namespace!r} is read-only: "
-                                  f"fenced ({self.fenced})")
+            raise PermissionError(
+                errno.EROFS, f"{self.who} of namespace {self.namespace!r} is read-only: fenced ({self.fenced})"
+            )
 
     def note(self, exc: BaseException) -> bool:
         """Remember ``exc`` if it says a newer writer took over; True if it did."""
@@ -122,9 +140,13 @@ class FenceLatch:
             return False
         if self.fenced is None:
             self.fenced = str(exc) or type(exc).__name__
-            self.log.error("%s: FENCED: a newer writer took over namespace %r (%s); it is read-only "
-                           "from now on, its later changes fail; restart it to continue",
-                           self.who, self.namespace, self.fenced)
+            self.log.error(
+                "%s: FENCED: a newer writer took over namespace %r (%s); it is read-only "
+                "from now on, its later changes fail; restart it to continue",
+                self.who,
+                self.namespace,
+                self.fenced,
+            )
         return True
 
 
@@ -149,8 +171,15 @@ class FenceWatch:
     never passes and changes nothing, protocol.md 1.11), so an idle face learns it too.
     :meth:`check` blocks (call it from a worker thread); ``who`` names the face."""
 
-    def __init__(self, namespace: str, writer: _Writer, client_factory: Callable[[], Any] | None,
-                 interval: float = FENCE_CHECK, *, who: str = "this process") -> None:
+    def __init__(
+        self,
+        namespace: str,
+        writer: _Writer,
+        client_factory: Callable[[], Any] | None,
+        interval: float = FENCE_CHECK,
+        *,
+        who: str = "this process",
+    ) -> None:
         self.namespace = namespace
         self.writer = writer
         self.factory = client_factory
@@ -182,8 +211,10 @@ class FenceWatch:
         except Fenced as exc:
             current = int(getattr(exc, "epoch", 0) or exc.length or 0)
             if current > epoch:
-                return (f"namespace {self.namespace!r} was fenced at epoch {current} by a newer "
-                        f"writer ({self.who}'s writer holds epoch {epoch})")
+                return (
+                    f"namespace {self.namespace!r} was fenced at epoch {current} by a newer "
+                    f"writer ({self.who}'s writer holds epoch {epoch})"
+                )
         except (SOSError, OSError) as exc:  # the server unreachable: the writer retries too
             log.debug("fence check failed: %r", exc)
             self.close()

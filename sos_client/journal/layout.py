@@ -121,8 +121,7 @@ def scan_listing(entries: Iterable[ListedObject]) -> dict[int, GenerationInfo]:
         sn = parse_segment_name(e.name)
         if sn is not None:
             g = gens.setdefault(sn.generation, GenerationInfo(sn.generation, []))
-            g.segments.append(SegmentInfo(e.name, sn.generation, sn.first_seq, sn.epoch,
-                                          int(e.length), bool(e.sealed)))
+            g.segments.append(SegmentInfo(e.name, sn.generation, sn.first_seq, sn.epoch, int(e.length), bool(e.sealed)))
             continue
         rg = parse_ready_name(e.name)
         if rg is not None:
@@ -140,13 +139,16 @@ def continues(prev_generation: int, prev_end: int, gen: GenerationInfo) -> str |
     present after G must be G + 1, and its first segment must start with record
     ``prev_end + 1``."""
     if gen.generation != prev_generation + 1:
-        return (f"generation {gen.generation} does not continue generation {prev_generation}: "
-                f"generation numbers grow by 1 (expected generation {prev_generation + 1})")
+        return (
+            f"generation {gen.generation} does not continue generation {prev_generation}: "
+            f"generation numbers grow by 1 (expected generation {prev_generation + 1})"
+        )
     if not gen.segments:
-        return (f"generation {gen.generation} has no segment: it does not continue generation "
-                f"{prev_generation}")
+        return f"generation {gen.generation} has no segment: it does not continue generation {prev_generation}"
     if gen.first_seq != prev_end + 1:
-        return (f"generation {gen.generation} does not continue generation {prev_generation}: it starts "
-                f"with record {gen.first_seq} ({gen.segments[0].name}) but generation {prev_generation} "
-                f"ends with record {prev_end}")
+        return (
+            f"generation {gen.generation} does not continue generation {prev_generation}: it starts "
+            f"with record {gen.first_seq} ({gen.segments[0].name}) but generation {prev_generation} "
+            f"ends with record {prev_end}"
+        )
     return None

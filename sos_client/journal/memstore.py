@@ -101,8 +101,9 @@ class MemClient:
     def list(self, prefix: str = "") -> Iterator[_Entry]:
         with self.s.lock:
             self._check()
-            out = [_Entry(n, len(b), n in self.s.sealed) for n, b in sorted(self.s.objects.items())
-                   if n.startswith(prefix)]
+            out = [
+                _Entry(n, len(b), n in self.s.sealed) for n, b in sorted(self.s.objects.items()) if n.startswith(prefix)
+            ]
         return iter(out)
 
     def append(self, name: str, offset: int, data: Payload, *, epoch: int = 0) -> int:
@@ -114,8 +115,12 @@ class MemClient:
                 raise _err(Fenced, f"epoch {epoch} is not the fence {self.s.fence_epoch}", epoch=self.s.fence_epoch)
             obj = self.s.objects.get(name)
             cur = len(obj) if obj is not None else 0
-            if obj is not None and offset < cur and offset + len(data) <= cur \
-                    and obj[offset:offset + len(data)] == data:
+            if (
+                obj is not None
+                and offset < cur
+                and offset + len(data) <= cur
+                and obj[offset : offset + len(data)] == data
+            ):
                 return offset + len(data)  # an identical retry (protocol.md 1.11 APPEND rule 6)
             if name in self.s.sealed:
                 raise _err(SealedError, f"{name} is sealed")
@@ -149,7 +154,7 @@ class MemClient:
             end = len(obj) if length == 0 else min(len(obj), offset + length)
             data = bytes(obj[offset:end])
         for i in range(0, len(data), 1 << 20):
-            yield data[i:i + (1 << 20)]
+            yield data[i : i + (1 << 20)]
 
     def seal(self, name: str, *, epoch: int = 0) -> int:
         with self.s.lock:
@@ -167,7 +172,10 @@ class MemClient:
             if epoch <= self.s.fence_epoch:
                 raise _err(Fenced, f"epoch {epoch} <= fence {self.s.fence_epoch}", epoch=self.s.fence_epoch)
             if epoch > self.s.fence_epoch + MAX_FENCE_STEP:  # as the server (protocol.md 1.11)
-                raise _err(TooLarge, f"fence {epoch} jumps more than {MAX_FENCE_STEP} past {self.s.fence_epoch}",
-                           length=self.s.fence_epoch + MAX_FENCE_STEP)
+                raise _err(
+                    TooLarge,
+                    f"fence {epoch} jumps more than {MAX_FENCE_STEP} past {self.s.fence_epoch}",
+                    length=self.s.fence_epoch + MAX_FENCE_STEP,
+                )
             self.s.fence_epoch = epoch
             return epoch

@@ -47,11 +47,9 @@ from .restore import rebuild_cache
 from .tree import JournaledTree, RebuildCache
 from .writer import JournalWriter
 
-__all__ = ["OpenNamespace", "ReadOnlyTree", "client_factory_for",
-           "default_cache_dir", "key_role", "open_namespace"]
+__all__ = ["OpenNamespace", "ReadOnlyTree", "client_factory_for", "default_cache_dir", "key_role", "open_namespace"]
 
 log = logging.getLogger("sos.journal.open")
-
 
 
 class RoleClient(StoreClient, Protocol):
@@ -70,8 +68,14 @@ def default_cache_dir(namespace: str) -> str:
     return os.path.join(base, "sos", namespace)
 
 
-def client_factory_for(server: str | None, key: str | Key | None, namespace: str, *, timeout: float = 30.0,
-                       tls: ssl.SSLContext | bool | None = None) -> ClientFactory:
+def client_factory_for(
+    server: str | None,
+    key: str | Key | None,
+    namespace: str,
+    *,
+    timeout: float = 30.0,
+    tls: ssl.SSLContext | bool | None = None,
+) -> ClientFactory:
     """A factory of connected blocking clients (TLS and timeouts included)."""
 
     def factory() -> Client:
@@ -168,16 +172,20 @@ def private_cache_dir(cache_dir: str, subdirs: dict[str, int] | None = None) -> 
         fd = os.open(cache_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise NotADirectoryError(errno.ENOTDIR, "a namespace's cache must be a directory, not a "
-                                     "symbolic link or a file", cache_dir) from None
+            raise NotADirectoryError(
+                errno.ENOTDIR, "a namespace's cache must be a directory, not a symbolic link or a file", cache_dir
+            ) from None
         raise
     try:
         st = os.fstat(fd)
         me = os.geteuid()
         if st.st_uid != me:
             if me != 0:
-                raise PermissionError(errno.EPERM, f"the cache directory belongs to uid {st.st_uid}, "
-                                      f"not to this process's user {me}", cache_dir)
+                raise PermissionError(
+                    errno.EPERM,
+                    f"the cache directory belongs to uid {st.st_uid}, not to this process's user {me}",
+                    cache_dir,
+                )
             os.fchown(fd, 0, 0)
         if stat.S_IMODE(st.st_mode) != 0o700:
             os.fchmod(fd, 0o700)
@@ -186,21 +194,31 @@ def private_cache_dir(cache_dir: str, subdirs: dict[str, int] | None = None) -> 
                 os.mkdir(name, mode, dir_fd=fd)
             except FileExistsError:
                 if not stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
-                    raise NotADirectoryError(errno.ENOTDIR, "not a directory (a link?) in the "
-                                             "cache", os.path.join(cache_dir, name)) from None
+                    raise NotADirectoryError(
+                        errno.ENOTDIR, "not a directory (a link?) in the cache", os.path.join(cache_dir, name)
+                    ) from None
     finally:
         os.close(fd)
 
 
-def open_namespace(namespace: str, cache_dir: str, *, server: str | None = None,
-                   key: str | Key | None = None, timeout: float = 30.0,
-                   tls: ssl.SSLContext | bool | None = None,
-                   client_factory: ClientFactory | None = None, sync: bool = True,
-                   max_lag_bytes: int | None = None, generation_bytes: int | None = None,
-                   allow_read_only: bool = False, durability: str = "server",
-                   tier_patience: float | None = None,
-                   rebuild: RebuildCache | None = None,
-                   replayed_to: int | None = None) -> OpenNamespace:
+def open_namespace(
+    namespace: str,
+    cache_dir: str,
+    *,
+    server: str | None = None,
+    key: str | Key | None = None,
+    timeout: float = 30.0,
+    tls: ssl.SSLContext | bool | None = None,
+    client_factory: ClientFactory | None = None,
+    sync: bool = True,
+    max_lag_bytes: int | None = None,
+    generation_bytes: int | None = None,
+    allow_read_only: bool = False,
+    durability: str = "server",
+    tier_patience: float | None = None,
+    rebuild: RebuildCache | None = None,
+    replayed_to: int | None = None,
+) -> OpenNamespace:
     """Open ``namespace`` with its cache in ``cache_dir`` (see the module docstring).
 
     Connection: ``client_factory`` (a callable returning a connected client), or one built
@@ -239,8 +257,11 @@ def open_namespace(namespace: str, cache_dir: str, *, server: str | None = None,
     if read_role and allow_read_only:
         return _open_read_only(factory, namespace, cache_dir)
     if read_role:
-        raise PermissionError(errno.EACCES, f"the key has the read role: writing namespace "
-                              f"{namespace!r} needs a key with the append role", namespace)
+        raise PermissionError(
+            errno.EACCES,
+            f"the key has the read role: writing namespace {namespace!r} needs a key with the append role",
+            namespace,
+        )
 
     tree_dir = os.path.join(cache_dir, "tree")
     spool_dir = os.path.join(cache_dir, "spool")
@@ -255,8 +276,7 @@ def open_namespace(namespace: str, cache_dir: str, *, server: str | None = None,
     try:
         # opens the writer (fencing older epochs) and, if the cache is empty, rebuilds it
         # from the server by the same code as restore
-        tree = JournaledTree(tree_dir, writer, rebuild=rebuild or rebuild_cache,
-                             replayed_to=replayed_to).open()
+        tree = JournaledTree(tree_dir, writer, rebuild=rebuild or rebuild_cache, replayed_to=replayed_to).open()
         try:
             writer.check_tier(timeout)  # durability "tier" on a server without one: refused now
         except BaseException:
@@ -268,13 +288,16 @@ def open_namespace(namespace: str, cache_dir: str, *, server: str | None = None,
         except Exception as close_exc:  # noqa: BLE001 - the original error is what matters
             log.debug("closing the writer after a failed open: %r", close_exc)
         if isinstance(exc, SpoolStale):
-            raise RuntimeError(f"{exc}. The cache {cache_dir} is stale: remove it (or use "
-                               f"another cache directory) to start from the server's state") from exc
+            raise RuntimeError(
+                f"{exc}. The cache {cache_dir} is stale: remove it (or use "
+                f"another cache directory) to start from the server's state"
+            ) from exc
         raise
     if tree.rebuilt:
         log.info("cache %s was rebuilt from the server", tree_dir)
-    return OpenNamespace(namespace, cache_dir, tree_dir, spool_dir, tree, writer, factory,
-                         read_only=False, rebuilt=tree.rebuilt)
+    return OpenNamespace(
+        namespace, cache_dir, tree_dir, spool_dir, tree, writer, factory, read_only=False, rebuilt=tree.rebuilt
+    )
 
 
 def _open_read_only(factory: ClientFactory, namespace: str, cache_dir: str) -> OpenNamespace:
@@ -282,5 +305,14 @@ def _open_read_only(factory: ClientFactory, namespace: str, cache_dir: str) -> O
     tree_dir = os.path.join(cache_dir, "read-tree")
     private_cache_dir(cache_dir, {"read-tree": 0o755})
     rebuild_cache(factory, namespace, tree_dir)  # force: replaces an older copy
-    return OpenNamespace(namespace, cache_dir, tree_dir, "", ReadOnlyTree(tree_dir, namespace),
-                         None, factory, read_only=True, rebuilt=True)
+    return OpenNamespace(
+        namespace,
+        cache_dir,
+        tree_dir,
+        "",
+        ReadOnlyTree(tree_dir, namespace),
+        None,
+        factory,
+        read_only=True,
+        rebuilt=True,
+    )

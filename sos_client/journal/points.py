@@ -25,7 +25,7 @@ def parse_time(at: int | str | _dt.datetime | None) -> int | None:
         m = _FRACTION.search(text)
         if m:  # datetime keeps microseconds: carry the nanoseconds ourselves
             extra_ns = int(m.group(2).ljust(3, "0"))
-            text = text[:m.start()] + m.group(1) + text[m.end():]
+            text = text[: m.start()] + m.group(1) + text[m.end() :]
         try:
             at = _dt.datetime.fromisoformat(text)
         except ValueError:
@@ -72,6 +72,8 @@ def parse_batch(batch: str | tuple[str, int]) -> tuple[str, int]:
         try:
             validate_path(q)
         except ValueError:
-            raise ValueError(f"bad batch {batch!r}: QUERYDIR must be a path relative to the namespace "
-                             f"root without empty, '.' or '..' parts") from None
+            raise ValueError(
+                f"bad batch {batch!r}: QUERYDIR must be a path relative to the namespace "
+                f"root without empty, '.' or '..' parts"
+            ) from None
     return q, n

@@ -59,8 +59,9 @@ def _readable_prefix(client: StoreClient, name: str, start: int, limit: int) -> 
     return lo
 
 
-def read_segment_bytes(client: StoreClient, name: str, offset: int = 0, *,
-                       salvage_limit: int = 8 << 20) -> Iterator[Payload]:
+def read_segment_bytes(
+    client: StoreClient, name: str, offset: int = 0, *, salvage_limit: int = 8 << 20
+) -> Iterator[Payload]:
     """Chunks of a segment from ``offset`` to its end. If the server reports stored data
     corrupt, the readable bytes before the damage are still yielded, then ServerCorrupt."""
     pos = offset
@@ -79,8 +80,9 @@ def read_segment_bytes(client: StoreClient, name: str, offset: int = 0, *,
         raise ServerCorrupt(pos, why) from e
 
 
-def segment_records(client: StoreClient, seg: layout.SegmentInfo, *, on_bytes: Callable[[int], None] | None = None
-                    ) -> Iterator[Record]:
+def segment_records(
+    client: StoreClient, seg: layout.SegmentInfo, *, on_bytes: Callable[[int], None] | None = None
+) -> Iterator[Record]:
     """Decoded records of one segment. Raises JournalCorrupt (server-side corruption too) or
     JournalTruncated if the segment ends inside a record."""
     dec = RecordDecoder(seg.name)
@@ -97,10 +99,15 @@ def segment_records(client: StoreClient, seg: layout.SegmentInfo, *, on_bytes: C
         raise JournalTruncated(seg.name, dec.offset, f"segment ends inside a record ({dec.pending} bytes)")
 
 
-def generation_records(client: StoreClient, gen: layout.GenerationInfo, *,
-                       on_bytes: Callable[[int], None] | None = None, notes: list[str] | None = None,
-                       source: Callable[[int, layout.SegmentInfo], Iterator[Record]] | None = None,
-                       next_first: int | None = None) -> Iterator[Record]:
+def generation_records(
+    client: StoreClient,
+    gen: layout.GenerationInfo,
+    *,
+    on_bytes: Callable[[int], None] | None = None,
+    notes: list[str] | None = None,
+    source: Callable[[int, layout.SegmentInfo], Iterator[Record]] | None = None,
+    next_first: int | None = None,
+) -> Iterator[Record]:
     """Every record of a generation in order, with the sequence checks.
 
     A torn tail of the last, unsealed segment is a write in progress: the stream ends
@@ -113,8 +120,10 @@ def generation_records(client: StoreClient, gen: layout.GenerationInfo, *,
     of :class:`SegmentReaders`).
     """
     if source is None:
+
         def source(_i: int, seg: layout.SegmentInfo) -> Iterator[Record]:
             return segment_records(client, seg, on_bytes=on_bytes)
+
     expected = None
     segs = gen.segments
     for i, seg in enumerate(segs):
@@ -124,22 +133,31 @@ def generation_records(client: StoreClient, gen: layout.GenerationInfo, *,
                 if first:
                     first = False
                     if rec.seq != seg.first_seq:
-                        raise JournalCorrupt(seg.name, rec.offset, f"first record has seq {rec.seq} but the "
-                                                                   f"segment name says {seg.first_seq}")
+                        raise JournalCorrupt(
+                            seg.name,
+                            rec.offset,
+                            f"first record has seq {rec.seq} but the segment name says {seg.first_seq}",
+                        )
                 if expected is not None and rec.seq != expected:
-                    raise JournalCorrupt(seg.name, rec.offset,
-                                         f"sequence gap: expected record {expected}, found {rec.seq}")
+                    raise JournalCorrupt(
+                        seg.name, rec.offset, f"sequence gap: expected record {expected}, found {rec.seq}"
+                    )
                 if type(rec.op) is SnapshotEnd and rec.op.generation != gen.generation:
-                    raise JournalCorrupt(seg.name, rec.offset, f"SNAPSHOT_END of generation "
-                                                               f"{rec.op.generation} inside generation {gen.generation}")
+                    raise JournalCorrupt(
+                        seg.name,
+                        rec.offset,
+                        f"SNAPSHOT_END of generation {rec.op.generation} inside generation {gen.generation}",
+                    )
                 expected = rec.seq + 1
                 yield rec
         except JournalTruncated as e:
             cut = expected if expected is not None else seg.first_seq  # the seq the cut record has
             if i == len(segs) - 1 and next_first is not None and next_first == cut:
                 if notes is not None:
-                    notes.append(f"{seg.name}: abandoned partial record at offset {e.offset} (generation "
-                                 f"{gen.generation + 1} starts with record {cut})")
+                    notes.append(
+                        f"{seg.name}: abandoned partial record at offset {e.offset} (generation "
+                        f"{gen.generation + 1} starts with record {cut})"
+                    )
                 return
             if i == len(segs) - 1 and not seg.sealed:
                 if notes is not None:
@@ -149,8 +167,9 @@ def generation_records(client: StoreClient, gen: layout.GenerationInfo, *,
                 # A writer died in the middle of an append; the next writer resumed with the
                 # record that was cut (same seq) in a new segment: the partial bytes are dead.
                 if notes is not None:
-                    notes.append(f"{seg.name}: abandoned partial record at offset {e.offset} "
-                                 f"(superseded by {segs[i + 1].name})")
+                    notes.append(
+                        f"{seg.name}: abandoned partial record at offset {e.offset} (superseded by {segs[i + 1].name})"
+                    )
                 continue
             raise
 
@@ -196,8 +215,9 @@ class ChainBreak:
         return self.reason
 
 
-def chain_breaks(client: StoreClient, gens: dict[int, layout.GenerationInfo], *,
-                 ends: dict[int, tuple[int, bool]] | None = None) -> list[ChainBreak]:
+def chain_breaks(
+    client: StoreClient, gens: dict[int, layout.GenerationInfo], *, ends: dict[int, tuple[int, bool]] | None = None
+) -> list[ChainBreak]:
     """Every break of the chain of generations (protocol.md 2.1): a generation with segments
     whose number is not the previous one's + 1 or that does not start with the record after
     the previous one's last, generation 0, and a ``ready`` object of a generation without
@@ -209,22 +229,30 @@ def chain_breaks(client: StoreClient, gens: dict[int, layout.GenerationInfo], *,
     oldest = written[0].generation if written else None
     for g in gens.values():
         if not g.segments and g.ready_object is not None and (oldest is None or g.generation > oldest):
-            out.append(ChainBreak(g.generation, None, layout.ready_name(g.generation),
-                                  f"generation {g.generation} has a ready object but no segment: no writer "
-                                  f"wrote that generation"))
+            out.append(
+                ChainBreak(
+                    g.generation,
+                    None,
+                    layout.ready_name(g.generation),
+                    f"generation {g.generation} has a ready object but no segment: no writer wrote that generation",
+                )
+            )
     prev = None
     for g in written:
         if g.generation == 0:
-            out.append(ChainBreak(0, None, g.segments[0].name,
-                                  "generation 0 holds segments: generation numbers start at 1"))
+            out.append(
+                ChainBreak(0, None, g.segments[0].name, "generation 0 holds segments: generation numbers start at 1")
+            )
         if prev is not None:
             end, exact = ends[prev.generation] if ends and prev.generation in ends else generation_end(client, prev)
             if exact or g.generation != prev.generation + 1:
                 reason = layout.continues(prev.generation, end, g)
             elif g.segments[0].first_seq <= end:
                 # damage hides where the previous generation ended: it holds at least record `end`
-                reason = (f"generation {g.generation} does not continue generation {prev.generation}: it starts "
-                          f"with record {g.segments[0].first_seq} but generation {prev.generation} holds record {end}")
+                reason = (
+                    f"generation {g.generation} does not continue generation {prev.generation}: it starts "
+                    f"with record {g.segments[0].first_seq} but generation {prev.generation} holds record {end}"
+                )
             else:
                 reason = None
             if reason is not None:
@@ -245,11 +273,14 @@ def refuse_breaks(breaks: list[ChainBreak]) -> GenerationBreak:
     more = "; ".join(b.reason for b in breaks[1:])
     return GenerationBreak(
         first.name,
-        first.reason + (f"; also: {more}" if more else "")
+        first.reason
+        + (f"; also: {more}" if more else "")
         + ". Objects under gen/ were written by someone else with an append key, or are damaged: "
-          "restore does not guess which side is the journal (`sos verify` lists every break; "
-          "--generation G restores one generation without checking the others)",
-        generation=first.generation, previous=first.previous or 0)
+        "restore does not guess which side is the journal (`sos verify` lists every break; "
+        "--generation G restores one generation without checking the others)",
+        generation=first.generation,
+        previous=first.previous or 0,
+    )
 
 
 class _End:
@@ -268,26 +299,37 @@ class SegmentReaders:
     consumer applies records strictly in order. Exceptions reach the consumer in order.
     """
 
-    def __init__(self, client_factory: Callable[[], StoreClient], segs: list[layout.SegmentInfo], *,
-                 readers: int = 2, on_bytes: Callable[[int], None] | None = None, max_batches: int = 2,
-                 batch_bytes: int = 2 << 20) -> None:
+    def __init__(
+        self,
+        client_factory: Callable[[], StoreClient],
+        segs: list[layout.SegmentInfo],
+        *,
+        readers: int = 2,
+        on_bytes: Callable[[int], None] | None = None,
+        max_batches: int = 2,
+        batch_bytes: int = 2 << 20,
+    ) -> None:
         self._segs = segs
         # per segment: lists of records, then _END (or the exception that stopped the reader)
         self._queues: list[queue.Queue[list[Record] | BaseException | _End]] = [
-            queue.Queue(maxsize=max_batches) for _ in segs]
+            queue.Queue(maxsize=max_batches) for _ in segs
+        ]
         self._next = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._factory = client_factory
         self._on_bytes = on_bytes
         self._batch_bytes = batch_bytes
-        self._threads = [threading.Thread(target=self._work, name=f"sos-restore-reader-{k}", daemon=True)
-                         for k in range(max(1, min(readers, len(segs))))]
+        self._threads = [
+            threading.Thread(target=self._work, name=f"sos-restore-reader-{k}", daemon=True)
+            for k in range(max(1, min(readers, len(segs))))
+        ]
         for th in self._threads:
             th.start()
 
-    def _put(self, q: queue.Queue[list[Record] | BaseException | _End], item: list[Record] | BaseException | _End
-             ) -> bool:
+    def _put(
+        self, q: queue.Queue[list[Record] | BaseException | _End], item: list[Record] | BaseException | _End
+    ) -> bool:
         while not self._stop.is_set():
             try:
                 q.put(item, timeout=0.5)
@@ -362,8 +404,13 @@ def complete_generations(gens: dict[int, layout.GenerationInfo]) -> list[layout.
     return sorted((g for g in gens.values() if g.ready and g.segments), key=lambda g: -g.generation)
 
 
-def choose_generation(client: StoreClient, gens: dict[int, layout.GenerationInfo], *, position: int | None = None,
-                      at_ns: int | None = None) -> layout.GenerationInfo | None:
+def choose_generation(
+    client: StoreClient,
+    gens: dict[int, layout.GenerationInfo],
+    *,
+    position: int | None = None,
+    at_ns: int | None = None,
+) -> layout.GenerationInfo | None:
     """The generation to replay for a point (None: no complete generation)."""
     cands = complete_generations(gens)
     if not cands:
@@ -383,15 +430,21 @@ def choose_generation(client: StoreClient, gens: dict[int, layout.GenerationInfo
     if position is not None:
         if oldest_first == 1:
             return oldest  # generation 1: the point is before anything was written
-        raise PositionUnavailable(f"position {position} is before the oldest generation the server keeps "
-                                  f"(generation {oldest.generation} starts after record {oldest_first - 1})")
+        raise PositionUnavailable(
+            f"position {position} is before the oldest generation the server keeps "
+            f"(generation {oldest.generation} starts after record {oldest_first - 1})"
+        )
     assert at_ns is not None  # neither a position nor a time returned the newest above
     when = f"first record at {format_time(first_time)}" if first_time is not None else "no first record"
     if oldest_first == 1:
-        raise PositionUnavailable(f"time {format_time(at_ns)} is before the first record of the journal "
-                                  f"(generation 1, {when}): nothing was journaled yet")
-    raise PositionUnavailable(f"time {format_time(at_ns)} is before the oldest generation the server keeps "
-                              f"(generation {oldest.generation}, {when})")
+        raise PositionUnavailable(
+            f"time {format_time(at_ns)} is before the first record of the journal "
+            f"(generation 1, {when}): nothing was journaled yet"
+        )
+    raise PositionUnavailable(
+        f"time {format_time(at_ns)} is before the oldest generation the server keeps "
+        f"(generation {oldest.generation}, {when})"
+    )
 
 
 def incomplete_after(gens: dict[int, layout.GenerationInfo], generation: int) -> list[layout.GenerationInfo]:

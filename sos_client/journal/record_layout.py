@@ -95,14 +95,22 @@ BODIES = {
     RecordType.MKDIR: Struct("path" / Path, "mode" / Mode, Check(this.mode <= MAX_MODE)),
     RecordType.RMDIR: Struct("path" / Path),
     RecordType.CREATE: Struct("path" / Path, "mode" / Mode, Check(this.mode <= MAX_MODE)),
-    RecordType.WRITE: Struct("path" / Path, "offset" / FileSize, "data" / Data,
-                             Check(lambda c: len(c.data) <= MAX_DATA),
-                             Check(lambda c: c.offset + len(c.data) <= MAX_FILE_SIZE)),
+    RecordType.WRITE: Struct(
+        "path" / Path,
+        "offset" / FileSize,
+        "data" / Data,
+        Check(lambda c: len(c.data) <= MAX_DATA),
+        Check(lambda c: c.offset + len(c.data) <= MAX_FILE_SIZE),
+    ),
     RecordType.TRUNCATE: Struct("path" / Path, "size" / FileSize, Check(this.size <= MAX_FILE_SIZE)),
     RecordType.RENAME: Struct("src" / Path, "dst" / Path, "overwrite" / OneOf(Int8ub, [0, 1])),
     RecordType.DELETE: Struct("path" / Path),
-    RecordType.MARKER: Struct("label" / Label, Check(lambda c: len(c.label.encode("utf-8", "surrogateescape")) <= MAX_LABEL_BYTES),
-                              "payload" / Data, Check(lambda c: len(c.payload) <= MAX_DATA)),
+    RecordType.MARKER: Struct(
+        "label" / Label,
+        Check(lambda c: len(c.label.encode("utf-8", "surrogateescape")) <= MAX_LABEL_BYTES),
+        "payload" / Data,
+        Check(lambda c: len(c.payload) <= MAX_DATA),
+    ),
     RecordType.SNAPSHOT_END: Struct("generation" / Int64ub),
 }
 
@@ -111,21 +119,31 @@ RECORD = Struct(
     "length" / Int32ub,
     Check(lambda c: MIN_LENGTH <= c.length <= MAX_RECORD_LENGTH),
     "crc" / Int32ub,
-    "content" / RawCopy(FixedSized(this.length, Struct(
-        "type" / OneOf(Int8ub, [int(t) for t in RecordType]),
-        "seq" / Int64ub,
-        "time_ns" / Int64ub,
-        "body" / Switch(this.type, BODIES),
-        Terminated,
-    ))),
+    "content"
+    / RawCopy(
+        FixedSized(
+            this.length,
+            Struct(
+                "type" / OneOf(Int8ub, [int(t) for t in RecordType]),
+                "seq" / Int64ub,
+                "time_ns" / Int64ub,
+                "body" / Switch(this.type, BODIES),
+                Terminated,
+            ),
+        )
+    ),
     Check(lambda c: crc32c(c.content.data) == c.crc),
 )
 
 _FIELDS = {  # op class -> (type, body fields in order)
-    Mkdir: (RecordType.MKDIR, ("path", "mode")), Rmdir: (RecordType.RMDIR, ("path",)),
-    Create: (RecordType.CREATE, ("path", "mode")), Write: (RecordType.WRITE, ("path", "offset", "data")),
-    Truncate: (RecordType.TRUNCATE, ("path", "size")), Rename: (RecordType.RENAME, ("src", "dst", "overwrite")),
-    Delete: (RecordType.DELETE, ("path",)), Marker: (RecordType.MARKER, ("label", "payload")),
+    Mkdir: (RecordType.MKDIR, ("path", "mode")),
+    Rmdir: (RecordType.RMDIR, ("path",)),
+    Create: (RecordType.CREATE, ("path", "mode")),
+    Write: (RecordType.WRITE, ("path", "offset", "data")),
+    Truncate: (RecordType.TRUNCATE, ("path", "size")),
+    Rename: (RecordType.RENAME, ("src", "dst", "overwrite")),
+    Delete: (RecordType.DELETE, ("path",)),
+    Marker: (RecordType.MARKER, ("label", "payload")),
     SnapshotEnd: (RecordType.SNAPSHOT_END, ("generation",)),
 }
 _OPS = {typ: (cls, names) for cls, (typ, names) in _FIELDS.items()}
@@ -136,7 +154,8 @@ def build_record(op: Op, seq: int, time_ns: int) -> bytes:
     typ, names = _FIELDS[type(op)]
     body = {n: (int(getattr(op, n)) if n == "overwrite" else getattr(op, n)) for n in names}
     content = Struct("type" / Int8ub, "seq" / Int64ub, "time_ns" / Int64ub, "body" / BODIES[typ]).build(
-        {"type": int(typ), "seq": seq, "time_ns": time_ns, "body": body})
+        {"type": int(typ), "seq": seq, "time_ns": time_ns, "body": body}
+    )
     try:
         return RECORD.build({"length": len(content), "crc": crc32c(content), "content": {"data": content}})
     except ConstructError as exc:

@@ -203,8 +203,7 @@ def _encode_body(op: Op) -> list[bytes]:
             raise ValueError(f"WRITE data of {len(data)} bytes exceeds {MAX_DATA}; use split_write")
         if op.offset < 0 or op.offset + len(data) > MAX_FILE_SIZE:
             raise ValueError(f"WRITE at offset {op.offset} ends outside 0..{MAX_FILE_SIZE} (largest file)")
-        return [_s(validate_path(op.path), "path", MAX_PATH_BYTES), _U64.pack(op.offset),
-                _U32.pack(len(data)), data]
+        return [_s(validate_path(op.path), "path", MAX_PATH_BYTES), _U64.pack(op.offset), _U32.pack(len(data)), data]
     if isinstance(op, (Create, Mkdir)):
         if not 0 <= op.mode <= MAX_MODE:
             raise ValueError(f"mode {op.mode:#o} outside 0..{MAX_MODE:#o} (permission bits only)")
@@ -216,8 +215,11 @@ def _encode_body(op: Op) -> list[bytes]:
             raise ValueError(f"TRUNCATE size {op.size} outside 0..{MAX_FILE_SIZE} (largest file)")
         return [_s(validate_path(op.path), "path", MAX_PATH_BYTES), _U64.pack(op.size)]
     if isinstance(op, Rename):
-        return [_s(validate_path(op.src), "path", MAX_PATH_BYTES),
-                _s(validate_path(op.dst), "path", MAX_PATH_BYTES), bytes([1 if op.overwrite else 0])]
+        return [
+            _s(validate_path(op.src), "path", MAX_PATH_BYTES),
+            _s(validate_path(op.dst), "path", MAX_PATH_BYTES),
+            bytes([1 if op.overwrite else 0]),
+        ]
     if isinstance(op, Marker):
         payload = bytes(op.payload)
         if len(payload) > MAX_DATA:
@@ -247,7 +249,7 @@ def split_write(path: str, offset: int, data: Buffer) -> Iterator[Write]:
     if len(mv) == 0:
         return
     for i in range(0, len(mv), MAX_DATA):
-        yield Write(path, offset + i, bytes(mv[i:i + MAX_DATA]))
+        yield Write(path, offset + i, bytes(mv[i : i + MAX_DATA]))
 
 
 def encode_ops(ops: Iterable[tuple[Op, int, int]]) -> bytes:
@@ -275,7 +277,7 @@ class _Body:
     def take(self, n: int) -> memoryview:
         if self.pos + n > len(self.mv):
             raise self.bad("body shorter than its fields")
-        v = self.mv[self.pos:self.pos + n]
+        v = self.mv[self.pos : self.pos + n]
         self.pos += n
         return v
 
@@ -387,7 +389,7 @@ class RecordDecoder:
 
     def feed(self, data: Buffer) -> None:
         if self._pos and self._pos >= len(self._buf) // 2:
-            del self._buf[:self._pos]
+            del self._buf[: self._pos]
             self._pos = 0
         self._buf += data
 
@@ -398,12 +400,13 @@ class RecordDecoder:
             return None
         length, crc = PREFIX.unpack_from(buf, pos)
         if length < MIN_LENGTH or length > MAX_RECORD_LENGTH:
-            raise JournalCorrupt(self.segment, self.offset,
-                                 f"record length {length} outside [{MIN_LENGTH}, {MAX_RECORD_LENGTH}]")
+            raise JournalCorrupt(
+                self.segment, self.offset, f"record length {length} outside [{MIN_LENGTH}, {MAX_RECORD_LENGTH}]"
+            )
         total = PREFIX_SIZE + length
         if avail < total:
             return None
-        with memoryview(buf) as mv, mv[pos + PREFIX_SIZE:pos + total] as rec_mv:
+        with memoryview(buf) as mv, mv[pos + PREFIX_SIZE : pos + total] as rec_mv:
             if _crc32c(rec_mv) != crc:
                 raise JournalCorrupt(self.segment, self.offset, "CRC32C mismatch")
             typ, seq, t = HEAD.unpack_from(rec_mv, 0)

@@ -144,8 +144,9 @@ class Replayer:
             else:  # pragma: no cover - the decoder only yields known ops
                 raise ReplayError(rec.seq, f"unknown op {op!r}")
         except OSError as e:
-            raise ReplayError(rec.seq, f"cannot apply {op.__class__.__name__} "
-                                       f"({getattr(op, 'path', getattr(op, 'src', ''))}): {e}") from e
+            raise ReplayError(
+                rec.seq, f"cannot apply {op.__class__.__name__} ({getattr(op, 'path', getattr(op, 'src', ''))}): {e}"
+            ) from e
         self.stats.records += 1
         self.stats.last_seq = rec.seq
         self.stats.last_time_ns = rec.time_ns
@@ -330,13 +331,14 @@ class ParallelReplayer:
             moved = [d for d in self._dirs if d == op.src or d.startswith(pre)]
             for d in moved:
                 self._dirs.discard(d)
-                self._dirs.add(op.dst + d[len(op.src):])
+                self._dirs.add(op.dst + d[len(op.src) :])
 
     def drain(self) -> None:
         """Return once every record handed out is applied; raises the first lane error."""
         self._quiesce()
         self.stats.bytes_written = self.main.stats.bytes_written + sum(
-            lane.rep.stats.bytes_written for lane in self.lanes)
+            lane.rep.stats.bytes_written for lane in self.lanes
+        )
 
     def close(self) -> None:
         if self._closed:
@@ -350,8 +352,14 @@ class ParallelReplayer:
         self.main.close()
 
 
-def replay(records_iter: Iterable[Record], target_dir: str, *, stop: Callable[[Record], bool] | None = None,
-           snapshot: bool = False, workers: int = 1) -> ReplayStats:
+def replay(
+    records_iter: Iterable[Record],
+    target_dir: str,
+    *,
+    stop: Callable[[Record], bool] | None = None,
+    snapshot: bool = False,
+    workers: int = 1,
+) -> ReplayStats:
     """Apply ``records_iter`` to ``target_dir``; returns what was applied.
 
     ``snapshot=True``: the stream starts with a generation's snapshot, which is applied

@@ -107,10 +107,12 @@ class Summary:
         return format_time(self.last_time_ns)
 
     def text(self) -> str:
-        return (f"restored {self.namespace} into {self.target}: {self.files} files, {self.dirs} dirs, "
-                f"{self.bytes} bytes; generation {self.generation}, last record {self.last_seq} "
-                f"at {self.last_time}; {self.records} records, {self.bytes_read} journal bytes "
-                f"in {self.seconds:.2f}s")
+        return (
+            f"restored {self.namespace} into {self.target}: {self.files} files, {self.dirs} dirs, "
+            f"{self.bytes} bytes; generation {self.generation}, last record {self.last_seq} "
+            f"at {self.last_time}; {self.records} records, {self.bytes_read} journal bytes "
+            f"in {self.seconds:.2f}s"
+        )
 
 
 def _through(records: Iterable[Record], position: int) -> Iterator[Record]:
@@ -132,8 +134,9 @@ def _check_target(target: str, force: bool) -> None:
     if os.path.isdir(target) and not force:
         n = len(os.listdir(target))
         if n:
-            raise TargetNotEmpty(f"restore target {target} is not empty ({n} entries); "
-                                 f"use force (--force) to replace its contents")
+            raise TargetNotEmpty(
+                f"restore target {target} is not empty ({n} entries); use force (--force) to replace its contents"
+            )
 
 
 def _prepare_target(target: str, force: bool) -> None:
@@ -144,11 +147,17 @@ def _prepare_target(target: str, force: bool) -> None:
 
 def _no_journal(namespace: str, gens: dict[int, layout.GenerationInfo]) -> JournalNotFound:
     if not gens:
-        return JournalNotFound(namespace, f"namespace {namespace!r} has no journal (no objects under gen/): "
-                                          f"nothing to restore; check the namespace and the server")
-    return JournalNotFound(namespace, f"namespace {namespace!r} has no complete generation "
-                                      f"({len(gens)} incomplete: its first snapshot never finished): "
-                                      f"nothing to restore")
+        return JournalNotFound(
+            namespace,
+            f"namespace {namespace!r} has no journal (no objects under gen/): "
+            f"nothing to restore; check the namespace and the server",
+        )
+    return JournalNotFound(
+        namespace,
+        f"namespace {namespace!r} has no complete generation "
+        f"({len(gens)} incomplete: its first snapshot never finished): "
+        f"nothing to restore",
+    )
 
 
 def _count(target: str, summary: Summary) -> None:
@@ -163,16 +172,26 @@ def _count(target: str, summary: Summary) -> None:
 
 def _unused_text(g: layout.GenerationInfo) -> str:
     why = g.ready_problem or f"no {layout.ready_name(g.generation)}"
-    return (f"generation {g.generation} is not complete ({why}): restore does not use its {g.total_bytes} "
-            f"bytes of records from record {g.first_seq} on. A writer reports no record of a generation "
-            f"durable before its ready object exists: it is starting that generation, or it stopped first")
+    return (
+        f"generation {g.generation} is not complete ({why}): restore does not use its {g.total_bytes} "
+        f"bytes of records from record {g.first_seq} on. A writer reports no record of a generation "
+        f"durable before its ready object exists: it is starting that generation, or it stopped first"
+    )
 
 
-def restore(client_factory: Callable[[], StoreClient], namespace: str, target: str, *,
-            at: int | str | _dt.datetime | None = None, position: int | None = None,
-            batch: str | tuple[str, int] | None = None, force: bool = False,
-            progress: Callable[[int, int], None] | None = None, generation: int | None = None,
-            workers: int = DEFAULT_WORKERS) -> Summary:
+def restore(
+    client_factory: Callable[[], StoreClient],
+    namespace: str,
+    target: str,
+    *,
+    at: int | str | _dt.datetime | None = None,
+    position: int | None = None,
+    batch: str | tuple[str, int] | None = None,
+    force: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+    generation: int | None = None,
+    workers: int = DEFAULT_WORKERS,
+) -> Summary:
     """Rebuild the tree of ``namespace`` in the empty directory ``target``; see module doc.
 
     The generations on the server must form one chain (protocol.md 2.1), else GenerationBreak
@@ -206,8 +225,9 @@ def restore(client_factory: Callable[[], StoreClient], namespace: str, target: s
         meter = _Meter(summary, progress)
         if bq is not None:
             meter.total = sum(g.total_bytes for g in complete_generations(gens))  # at most: the scan may stop sooner
-            position = find_batch(client, gens, bq[0], bq[1], on_bytes=meter.on_bytes, notes=summary.notes,
-                                  listed=listed)
+            position = find_batch(
+                client, gens, bq[0], bq[1], on_bytes=meter.on_bytes, notes=summary.notes, listed=listed
+            )
             meter.done = 0
         gen = choose_generation(client, gens, position=position, at_ns=at_ns)
         if gen is None:  # not reached: complete_generations(gens) was checked above
@@ -216,8 +236,19 @@ def restore(client_factory: Callable[[], StoreClient], namespace: str, target: s
         _prepare_target(target, force)
         summary.generation = gen.generation
         meter.start(gen.total_bytes)
-        stats = _replay_generation(client_factory, client, gen, listed, target, summary, meter,
-                                   position=position, at_ns=at_ns, workers=workers, t0=t0)
+        stats = _replay_generation(
+            client_factory,
+            client,
+            gen,
+            listed,
+            target,
+            summary,
+            meter,
+            position=position,
+            at_ns=at_ns,
+            workers=workers,
+            t0=t0,
+        )
         _check_point_reached(summary, stats, gens, gen, position, target, created)
     finally:
         close_quietly(client)
@@ -226,8 +257,13 @@ def restore(client_factory: Callable[[], StoreClient], namespace: str, target: s
     return summary
 
 
-def _check_args(*, at: int | str | _dt.datetime | None, position: int | None, batch: str | tuple[str, int] | None,
-                generation: int | None) -> None:
+def _check_args(
+    *,
+    at: int | str | _dt.datetime | None,
+    position: int | None,
+    batch: str | tuple[str, int] | None,
+    generation: int | None,
+) -> None:
     if sum(x is not None for x in (at, position, batch)) > 1:
         raise ValueError("give at most one of at, position, batch")
     if position is not None and (not isinstance(position, int) or position < 0):
@@ -236,20 +272,31 @@ def _check_args(*, at: int | str | _dt.datetime | None, position: int | None, ba
         raise ValueError(f"bad generation {generation!r}")
 
 
-def _generations(client: StoreClient, namespace: str, listed: dict[int, layout.GenerationInfo],
-                 generation: int | None, summary: Summary) -> dict[int, layout.GenerationInfo]:
+def _generations(
+    client: StoreClient,
+    namespace: str,
+    listed: dict[int, layout.GenerationInfo],
+    generation: int | None,
+    summary: Summary,
+) -> dict[int, layout.GenerationInfo]:
     """The generations to restore from: generation ``generation`` alone, or every listed one
     once they form one chain (else GenerationBreak); JournalNotFound if none is complete."""
     if generation is not None:
         g = listed.get(generation)
         if g is None or not g.segments or not g.ready:
-            why = ("not on the server" if g is None or not g.segments
-                   else f"not complete ({g.ready_problem or 'no ready object'})")
-            raise JournalNotFound(namespace, f"namespace {namespace!r}: generation {generation} is {why}: "
-                                             f"nothing to restore")
+            why = (
+                "not on the server"
+                if g is None or not g.segments
+                else f"not complete ({g.ready_problem or 'no ready object'})"
+            )
+            raise JournalNotFound(
+                namespace, f"namespace {namespace!r}: generation {generation} is {why}: nothing to restore"
+            )
         gens = {generation: g}
-        summary.warnings.append(f"restoring generation {generation} alone (--generation): the other "
-                                f"generations were neither read nor checked")
+        summary.warnings.append(
+            f"restoring generation {generation} alone (--generation): the other "
+            f"generations were neither read nor checked"
+        )
     else:
         breaks = chain_breaks(client, listed)
         if breaks:
@@ -288,27 +335,46 @@ class _Meter:
 def _stop_rule(position: int | None, at_ns: int | None) -> Callable[[Record], bool] | None:
     """The replay stops before the first record past the point (None: at the end)."""
     if position is not None:
+
         def stop(rec: Record, _p: int = position) -> bool:
             return rec.seq > _p
+
         return stop
     if at_ns is not None:
+
         def stop_at(rec: Record, _t: int = at_ns) -> bool:
             return rec.time_ns > _t
+
         return stop_at
     return None
 
 
-def _replay_generation(client_factory: Callable[[], StoreClient], client: StoreClient,
-                       gen: layout.GenerationInfo, listed: dict[int, layout.GenerationInfo], target: str,
-                       summary: Summary, meter: _Meter, *, position: int | None, at_ns: int | None,
-                       workers: int, t0: float) -> ReplayStats:
+def _replay_generation(
+    client_factory: Callable[[], StoreClient],
+    client: StoreClient,
+    gen: layout.GenerationInfo,
+    listed: dict[int, layout.GenerationInfo],
+    target: str,
+    summary: Summary,
+    meter: _Meter,
+    *,
+    position: int | None,
+    at_ns: int | None,
+    workers: int,
+    t0: float,
+) -> ReplayStats:
     """Replay ``gen`` into ``target`` up to the point. A JournalCorrupt leaves what came
     before the broken record applied and carries the summary of it (``exc.summary``)."""
     try:
         readers = SegmentReaders(client_factory, gen.segments, readers=2, on_bytes=meter.on_bytes)
         try:
-            records = generation_records(client, gen, notes=summary.notes, source=readers.records,
-                                         next_first=next_first_seq(listed, gen.generation))
+            records = generation_records(
+                client,
+                gen,
+                notes=summary.notes,
+                source=readers.records,
+                next_first=next_first_seq(listed, gen.generation),
+            )
             if position is not None:
                 records = _through(records, position)
             stats = replay(records, target, stop=_stop_rule(position, at_ns), snapshot=True, workers=workers)
@@ -323,13 +389,21 @@ def _replay_generation(client_factory: Callable[[], StoreClient], client: StoreC
         e.summary = summary
         raise
     if not stats.snapshot_done:
-        raise JournalCorrupt(gen.segments[-1].name, 0,
-                             f"generation {gen.generation} is marked ready but has no SNAPSHOT_END")
+        raise JournalCorrupt(
+            gen.segments[-1].name, 0, f"generation {gen.generation} is marked ready but has no SNAPSHOT_END"
+        )
     return stats
 
 
-def _check_point_reached(summary: Summary, stats: ReplayStats, gens: dict[int, layout.GenerationInfo],
-                         gen: layout.GenerationInfo, position: int | None, target: str, created: bool) -> None:
+def _check_point_reached(
+    summary: Summary,
+    stats: ReplayStats,
+    gens: dict[int, layout.GenerationInfo],
+    gen: layout.GenerationInfo,
+    position: int | None,
+    target: str,
+    created: bool,
+) -> None:
     """After the replay: a position past the journal's end is undone (PositionUnavailable);
     the summary takes the replay's figures and what a restore did not use."""
     if position is not None and not stats.stopped and stats.last_seq < position:
@@ -338,12 +412,15 @@ def _check_point_reached(summary: Summary, stats: ReplayStats, gens: dict[int, l
             if created:
                 os.rmdir(target)
             unused = "".join(f"; {_unused_text(g)}" for g in incomplete_after(gens, gen.generation))
-            raise PositionUnavailable(f"position {position} is past the end of the journal: the last "
-                                      f"record is {stats.last_seq} (at {format_time(stats.last_time_ns)})"
-                                      + unused)
-        summary.notes.append(f"position {position} is in a range of records no complete generation "
-                             f"holds (a generation abandoned before its snapshot was done): restored "
-                             f"the end of generation {gen.generation}, record {stats.last_seq}")
+            raise PositionUnavailable(
+                f"position {position} is past the end of the journal: the last "
+                f"record is {stats.last_seq} (at {format_time(stats.last_time_ns)})" + unused
+            )
+        summary.notes.append(
+            f"position {position} is in a range of records no complete generation "
+            f"holds (a generation abandoned before its snapshot was done): restored "
+            f"the end of generation {gen.generation}, record {stats.last_seq}"
+        )
     if gen is complete_generations(gens)[0] and position is None and not stats.stopped:
         summary.warnings.extend(_unused_text(g) for g in incomplete_after(gens, gen.generation))
     summary.records = stats.records

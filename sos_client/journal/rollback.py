@@ -75,9 +75,9 @@ def find_rollback_point(client: StoreClient, point: str | tuple[str, int]) -> Ro
     return RollbackPoint(checkpoint, batch, position, end)
 
 
-def rollback_rebuild(point: str | tuple[str, int], *, discard: bool,
-                     on_point: Callable[[RollbackPoint], None] | None = None
-                     ) -> Callable[[Callable[[], StoreClient], str, str], int]:
+def rollback_rebuild(
+    point: str | tuple[str, int], *, discard: bool, on_point: Callable[[RollbackPoint], None] | None = None
+) -> Callable[[Callable[[], StoreClient], str, str], int]:
     """A rebuild function for :func:`~sos_client.journal.open.open_namespace` that fills the
     (emptied) cache with the tree right after batch N of CHECKPOINT (see the module
     docstring); ``discard`` confirms dropping the records after it. ``on_point`` sees the
@@ -96,11 +96,18 @@ def rollback_rebuild(point: str | tuple[str, int], *, discard: bool,
                 f"rolling namespace {namespace!r} back to batch {found.batch} of checkpoint "
                 f"{found.checkpoint or '.'!r} (journal record {found.position}) discards the {found.discards} "
                 f"later records (up to {found.end}): newer batches of this and EVERY other checkpoint of the "
-                f"namespace. Nothing was changed; pass --yes to roll back")
+                f"namespace. Nothing was changed; pass --yes to roll back"
+            )
         summary = restore(client_factory, namespace, cache_dir, position=found.position, force=True)
-        log.warning("namespace %r rolled back to batch %d of checkpoint %r (journal record %d of %d): "
-                    "a new generation starts from that tree", namespace, found.batch,
-                    found.checkpoint or ".", found.position, found.end)
+        log.warning(
+            "namespace %r rolled back to batch %d of checkpoint %r (journal record %d of %d): "
+            "a new generation starts from that tree",
+            namespace,
+            found.batch,
+            found.checkpoint or ".",
+            found.position,
+            found.end,
+        )
         return summary.last_seq
 
     return rebuild

@@ -36,7 +36,7 @@ def _commit_of(path: str) -> tuple[str, int] | None:
     if parent == "commits":
         return "", int(name)
     if parent.endswith("/commits"):
-        return parent[:-len("/commits")], int(name)
+        return parent[: -len("/commits")], int(name)
     return None
 
 
@@ -63,8 +63,9 @@ class _CommitScan:
     tmp_crc: str | None = None  # checksum file of the temp file renamed onto P
 
 
-def _scan_generation(records: Iterable[Record], path: str, crc: str, seen: dict[str, set[int]],
-                     r: _CommitScan) -> _CommitScan:
+def _scan_generation(
+    records: Iterable[Record], path: str, crc: str, seen: dict[str, set[int]], r: _CommitScan
+) -> _CommitScan:
     # (isinstance is ``type(op) is``: the record classes are final dataclasses)
     in_snap = True
     for rec in records:
@@ -104,14 +105,17 @@ def _scan_generation(records: Iterable[Record], path: str, crc: str, seen: dict[
             if isinstance(op, Rename):
                 d, _, name = op.src.rpartition("/")
                 r.tmp_crc = f"{d}/.{name}.crc" if d else f".{name}.crc"
-        elif ((isinstance(op, Rename) and (op.src == path or path.startswith(op.src + "/")
-                                or path.startswith(op.dst + "/")))
-              or (isinstance(op, Delete) and op.path == path)):
+        elif (
+            isinstance(op, Rename)
+            and (op.src == path or path.startswith(op.src + "/") or path.startswith(op.dst + "/"))
+        ) or (isinstance(op, Delete) and op.path == path):
             r.open = False  # P moved away, replaced by a directory rename, or deleted
             r.head_closed = True
-        elif (isinstance(op, (Write, Truncate)) and (op.path == path or op.path == crc)) or (
-                (isinstance(op, Create) and op.path == crc) or (isinstance(op, Rename) and op.dst == crc)) or (
-                isinstance(op, Delete) and op.path == r.tmp_crc):
+        elif (
+            (isinstance(op, (Write, Truncate)) and (op.path == path or op.path == crc))
+            or ((isinstance(op, Create) and op.path == crc) or (isinstance(op, Rename) and op.dst == crc))
+            or (isinstance(op, Delete) and op.path == r.tmp_crc)
+        ):
             if r.open:
                 r.stop = rec.seq
             elif not r.head_closed:
@@ -131,9 +135,16 @@ def _ranges(batch_ids: Iterable[int]) -> str:
     return ", ".join(out)
 
 
-def find_batch(client: StoreClient, gens: dict[int, layout.GenerationInfo], querydir: str, batch_id: int, *,
-               on_bytes: Callable[[int], None] | None = None, notes: list[str] | None = None,
-               listed: dict[int, layout.GenerationInfo] | None = None) -> int:
+def find_batch(
+    client: StoreClient,
+    gens: dict[int, layout.GenerationInfo],
+    querydir: str,
+    batch_id: int,
+    *,
+    on_bytes: Callable[[int], None] | None = None,
+    notes: list[str] | None = None,
+    listed: dict[int, layout.GenerationInfo] | None = None,
+) -> int:
     """The position right after batch ``batch_id`` of the checkpoint ``querydir`` committed.
 
     That is the sequence number of the last journal record that makes
@@ -154,17 +165,25 @@ def find_batch(client: StoreClient, gens: dict[int, layout.GenerationInfo], quer
     for g in cands:
         r = _CommitScan()
         try:
-            _scan_generation(generation_records(client, g, on_bytes=on_bytes,
-                                                next_first=next_first_seq(listed or gens, g.generation)),
-                             path, crc, seen, r)
+            _scan_generation(
+                generation_records(
+                    client, g, on_bytes=on_bytes, next_first=next_first_seq(listed or gens, g.generation)
+                ),
+                path,
+                crc,
+                seen,
+                r,
+            )
         except JournalCorrupt as e:
             if r.start is None:
                 raise
             # the batch committed before the damage: the replay stops before it too
             r.open = False
             if notes is not None:
-                notes.append(f"the journal is corrupt after batch {batch_id} committed ({e}); a later "
-                             f"commit of the same batch would be behind it")
+                notes.append(
+                    f"the journal is corrupt after batch {batch_id} committed ({e}); a later "
+                    f"commit of the same batch would be behind it"
+                )
         if r.start is not None:
             stop = r.start if r.stop is None else r.stop
             if r.open:  # the file may be completed in the next generation(s)
@@ -174,9 +193,12 @@ def find_batch(client: StoreClient, gens: dict[int, layout.GenerationInfo], quer
                     if nr.head_closed:
                         break
             if notes is not None:
-                notes.append(f"batch {batch_id} of checkpoint {querydir or '.'!r}: {path} appears at record "
-                             f"{r.start}" + (f", complete at record {stop}" if stop != r.start else "")
-                             + f"; restored to position {stop}")
+                notes.append(
+                    f"batch {batch_id} of checkpoint {querydir or '.'!r}: {path} appears at record "
+                    f"{r.start}"
+                    + (f", complete at record {stop}" if stop != r.start else "")
+                    + f"; restored to position {stop}"
+                )
             return stop
         newer.append(r)
     # Not in a complete generation: a commit in a newer, incomplete one was never reported
@@ -190,17 +212,23 @@ def find_batch(client: StoreClient, gens: dict[int, layout.GenerationInfo], quer
                 f"batch {batch_id} of checkpoint {querydir or '.'!r}: {path} appears at record {r.start}, in "
                 f"generation {g.generation}, which is not complete "
                 f"({g.ready_problem or 'no ' + layout.ready_name(g.generation)}): a writer reports no record "
-                f"of a generation durable before its ready object exists, and restore does not use it")
+                f"of a generation durable before its ready object exists, and restore does not use it"
+            )
     if any(r.in_snapshot for r in newer):
         oldest = cands[-1]
         raise PositionUnavailable(
             f"batch {batch_id} of checkpoint {querydir or '.'!r} committed before the oldest generation the "
             f"server keeps (generation {oldest.generation} starts after record {oldest.segments[0].first_seq - 1} and "
-            f"already holds {path}): the state right after that batch is gone")
+            f"already holds {path}): the state right after that batch is gone"
+        )
     if querydir in seen:
-        raise BatchNotFound(f"checkpoint {querydir or '.'!r} has no {path} in the journal the server keeps "
-                            f"(its batches: {_ranges(seen[querydir])})")
+        raise BatchNotFound(
+            f"checkpoint {querydir or '.'!r} has no {path} in the journal the server keeps "
+            f"(its batches: {_ranges(seen[querydir])})"
+        )
     known = ", ".join(repr(q or ".") for q in sorted(seen)) or "none"
-    raise BatchNotFound(f"no checkpoint {querydir or '.'!r} in this namespace's journal: no {path} "
-                        f"(checkpoints found: {known}; QUERYDIR is the checkpoint's path relative to "
-                        f"the namespace root)")
+    raise BatchNotFound(
+        f"no checkpoint {querydir or '.'!r} in this namespace's journal: no {path} "
+        f"(checkpoints found: {known}; QUERYDIR is the checkpoint's path relative to "
+        f"the namespace root)"
+    )

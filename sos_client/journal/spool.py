@@ -92,8 +92,7 @@ class SpoolSegment:
     def pread(self, n: int, offset: int) -> bytes:
         out = os.pread(self.fd, n, offset)
         if len(out) != n:
-            raise JournalError(f"spool file {self.path} shorter than expected "
-                               f"({len(out)} of {n} bytes at {offset})")
+            raise JournalError(f"spool file {self.path} shorter than expected ({len(out)} of {n} bytes at {offset})")
         return out
 
     def next_boundary(self, pos: int) -> tuple[int, int | None]:

@@ -77,14 +77,18 @@ def renameat_noreplace(src_dir_fd: int | None, src: str, dst_dir_fd: int | None,
     """Atomically rename src to dst (each relative to its directory descriptor, None: the
     working directory); FileExistsError if dst exists (files and directories)."""
     if _renameat2 is not None:
-        r = _renameat2(_AT_FDCWD if src_dir_fd is None else src_dir_fd, os.fsencode(src),
-                       _AT_FDCWD if dst_dir_fd is None else dst_dir_fd, os.fsencode(dst), _RENAME_NOREPLACE)
+        r = _renameat2(
+            _AT_FDCWD if src_dir_fd is None else src_dir_fd,
+            os.fsencode(src),
+            _AT_FDCWD if dst_dir_fd is None else dst_dir_fd,
+            os.fsencode(dst),
+            _RENAME_NOREPLACE,
+        )
         if r == 0:
             return
         e = ctypes.get_errno()
         if e not in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
-            raise OSError(e, os.strerror(e), dst) if e != errno.EEXIST else FileExistsError(
-                e, os.strerror(e), dst)
+            raise OSError(e, os.strerror(e), dst) if e != errno.EEXIST else FileExistsError(e, os.strerror(e), dst)
     # Fallback: link+unlink is atomic for files; directories cannot be linked.
     if _stat.S_ISDIR(os.stat(src, dir_fd=src_dir_fd, follow_symlinks=False).st_mode):
         try:
@@ -167,8 +171,10 @@ def _file_ops(fd: int, rel: str) -> Iterator[Op]:
 def _name_too_long(path: str) -> bool:
     if len(path) > MAX_PATH_BYTES // 4 and len(path.encode("utf-8", "surrogateescape")) > MAX_PATH_BYTES:
         return True
-    return any(len(p) > MAX_NAME_BYTES // 4 and len(p.encode("utf-8", "surrogateescape")) > MAX_NAME_BYTES
-               for p in path.split("/"))
+    return any(
+        len(p) > MAX_NAME_BYTES // 4 and len(p.encode("utf-8", "surrogateescape")) > MAX_NAME_BYTES
+        for p in path.split("/")
+    )
 
 
 #: Fills a cache directory with the namespace's latest tree from the server; returns the
@@ -179,8 +185,14 @@ RebuildCache = Callable[[Callable[[], StoreClient], str, str], int]
 class JournaledTree:
     """Construct, then :meth:`open` (the constructor does no I/O on the network)."""
 
-    def __init__(self, cache_dir: str, writer: JournalWriter, *, rebuild: RebuildCache | None = None,
-                 replayed_to: int | None = None) -> None:
+    def __init__(
+        self,
+        cache_dir: str,
+        writer: JournalWriter,
+        *,
+        rebuild: RebuildCache | None = None,
+        replayed_to: int | None = None,
+    ) -> None:
         """``replayed_to``: the cache holds exactly the journal up to that record, replayed
         from the server by a standby gateway after its FENCE (nothing else can have changed
         it): a writer that resumes at that record in a complete generation continues it
@@ -230,8 +242,10 @@ class JournaledTree:
             if w.had_spool:
                 w.barrier()
             if self._rebuild is None:
-                raise JournalError(f"the cache {self.cache_dir} must be rebuilt from the server, "
-                                   "but this tree was given no rebuild function")
+                raise JournalError(
+                    f"the cache {self.cache_dir} must be rebuilt from the server, "
+                    "but this tree was given no rebuild function"
+                )
             self._at.clear()
             self._at.forget("")
             try:
@@ -241,8 +255,13 @@ class JournaledTree:
             self.rebuilt = True
             if not w.generation_complete or last != w.last_seq:
                 w.rotate(self._snapshot_ops())
-        elif (self._replayed_to is not None and self._replayed_to == w.last_seq and not crashed
-              and w.generation_complete and not w.had_spool):
+        elif (
+            self._replayed_to is not None
+            and self._replayed_to == w.last_seq
+            and not crashed
+            and w.generation_complete
+            and not w.had_spool
+        ):
             pass  # a standby's tail of the journal, to its last record: continue the generation
         elif not w.had_spool or not w.generation_complete:
             # The cache's relation to the server's journal is unknown (fresh spool with an
@@ -250,7 +269,8 @@ class JournaledTree:
             # snapshot was cut short: start a new generation from the cache as it is.
             w.rotate(self._snapshot_ops())
         private_file(  # 0600, like everything in the spool
-            self._dirty_path, "cache in use; removed by a clean close\n")
+            self._dirty_path, "cache in use; removed by a clean close\n"
+        )
 
     def _snapshot_ops(self) -> Iterator[Op]:
         """Records rebuilding the cache, streamed from the files (see :func:`snapshot_ops`)."""
@@ -336,7 +356,7 @@ class JournaledTree:
             finally:
                 os.close(fd)
             for i in range(0, len(mv), MAX_DATA):
-                self._append(Write(path, offset + i, bytes(mv[i:i + MAX_DATA])))
+                self._append(Write(path, offset + i, bytes(mv[i : i + MAX_DATA])))
             self._after()
         return len(mv)
 

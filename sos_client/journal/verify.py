@@ -77,11 +77,17 @@ class VerifyReport:
         return "OK"
 
     def text(self) -> str:
-        head = (f"{self.namespace}: {self.generations} generations ({self.complete_generations} complete), "
-                f"{self.segments} segments, {self.records} records, {self.bytes} bytes, "
-                f"records {self.first_seq}..{self.last_seq}: " + self.verdict)
-        lines = ([head] + [f"  BROKEN {p}" for p in self.problems] + [f"  WARNING {w}" for w in self.warnings]
-                 + [f"  note: {n}" for n in self.notes])
+        head = (
+            f"{self.namespace}: {self.generations} generations ({self.complete_generations} complete), "
+            f"{self.segments} segments, {self.records} records, {self.bytes} bytes, "
+            f"records {self.first_seq}..{self.last_seq}: " + self.verdict
+        )
+        lines = (
+            [head]
+            + [f"  BROKEN {p}" for p in self.problems]
+            + [f"  WARNING {w}" for w in self.warnings]
+            + [f"  note: {n}" for n in self.notes]
+        )
         return "\n".join(lines)
 
 
@@ -94,7 +100,7 @@ def _valid_at(buf: bytes, i: int) -> bool:
     typ = buf[i + 8]
     if not 1 <= typ <= max(RecordType):
         return False
-    return _crc32c(memoryview(buf)[i + 8:i + 8 + length]) == crc
+    return _crc32c(memoryview(buf)[i + 8 : i + 8 + length]) == crc
 
 
 def _readable_from(client: StoreClient, name: str, start: int, length: int) -> int | None:
@@ -182,8 +188,9 @@ class _Scan:
             self.progress(self.done, self.total)
 
 
-def verify(client_factory: Callable[[], StoreClient], namespace: str, *,
-           progress: Callable[[int, int], None] | None = None) -> VerifyReport:
+def verify(
+    client_factory: Callable[[], StoreClient], namespace: str, *, progress: Callable[[int, int], None] | None = None
+) -> VerifyReport:
     """Read and check every record of every generation; returns a VerifyReport.
 
     Besides each record, it checks that the generations form one chain (protocol.md 2.1:
@@ -196,8 +203,13 @@ def verify(client_factory: Callable[[], StoreClient], namespace: str, *,
         gens = list_generations(client)
         rep.generations = len(gens)
         written = [g for g in gens.values() if g.segments]
-        scan = _Scan(client, rep, total=sum(g.total_bytes for g in gens.values()), progress=progress,
-                     newest=written[-1].generation if written else None)
+        scan = _Scan(
+            client,
+            rep,
+            total=sum(g.total_bytes for g in gens.values()),
+            progress=progress,
+            newest=written[-1].generation if written else None,
+        )
         ends: dict[int, tuple[int, bool]] = {}  # generation -> (last whole record, exact)
         for gi, g in enumerate(written):
             nxt = written[gi + 1] if gi + 1 < len(written) else None
@@ -231,21 +243,22 @@ def _note_readiness(rep: VerifyReport, g: layout.GenerationInfo, newest: int | N
     elif g.ready_object is not None:
         problem = g.ready_problem
         if g.ready_object[0]:
-            rep.problems.append(Problem(layout.ready_name(g.generation), 0, None,
-                                        f"{problem}: generation {g.generation} is not complete"))
+            rep.problems.append(
+                Problem(
+                    layout.ready_name(g.generation), 0, None, f"{problem}: generation {g.generation} is not complete"
+                )
+            )
         elif g.generation == newest:
             rep.notes.append(f"generation {g.generation} is not complete yet ({problem})")
         else:
-            rep.warnings.append(f"generation {g.generation} is not complete ({problem}): restore "
-                                f"does not use it")
+            rep.warnings.append(f"generation {g.generation} is not complete ({problem}): restore does not use it")
     elif g.generation != newest:
         rep.notes.append(f"generation {g.generation} has no ready object (abandoned snapshot)")
     else:
         rep.notes.append(f"generation {g.generation} is not complete yet (snapshot in progress)")
 
 
-def _verify_generation(scan: _Scan, g: layout.GenerationInfo,
-                       nxt: layout.GenerationInfo | None) -> tuple[int, bool]:
+def _verify_generation(scan: _Scan, g: layout.GenerationInfo, nxt: layout.GenerationInfo | None) -> tuple[int, bool]:
     """Check one generation's segments; returns (its last whole record, exact) as
     ``generation_end()`` sees it, for the chain check."""
     rep = scan.rep
@@ -258,19 +271,22 @@ def _verify_generation(scan: _Scan, g: layout.GenerationInfo,
             end = last_here if last_here is not None else seg.first_seq - 1
             exact = clean
     if g.ready and not scan.saw_end:
-        rep.problems.append(Problem(layout.ready_name(g.generation), 0, 0,
-                                    "generation is marked ready but no SNAPSHOT_END was read"))
+        rep.problems.append(
+            Problem(layout.ready_name(g.generation), 0, 0, "generation is marked ready but no SNAPSHOT_END was read")
+        )
     after_end = scan.after_end
     if not g.ready and after_end:
         rep.warnings.append(
             f"generation {g.generation} is not complete but holds records {after_end[0]}.."
             f"{after_end[-1]} after its SNAPSHOT_END: restore does not use them (a writer reports no "
-            f"record of a generation durable before its ready object exists)")
+            f"record of a generation durable before its ready object exists)"
+        )
     return end, exact
 
 
-def _verify_segment(scan: _Scan, g: layout.GenerationInfo, i: int,
-                    nxt: layout.GenerationInfo | None) -> tuple[int | None, bool]:
+def _verify_segment(
+    scan: _Scan, g: layout.GenerationInfo, i: int, nxt: layout.GenerationInfo | None
+) -> tuple[int | None, bool]:
     """Read segment ``i`` of ``g`` record by record, past any broken range (resynced on the
     next valid record); returns (seq of its last whole record or None, no broken range)."""
     seg = g.segments[i]
@@ -295,8 +311,7 @@ def _verify_segment(scan: _Scan, g: layout.GenerationInfo, i: int,
                     last_here = rec.seq
                     first = False
             if dec.pending:
-                raise JournalTruncated(seg.name, dec.offset, f"segment ends inside a record "
-                                                             f"({dec.pending} bytes)")
+                raise JournalTruncated(seg.name, dec.offset, f"segment ends inside a record ({dec.pending} bytes)")
             break
         except JournalTruncated as e:
             _note_truncation(scan, g, i, nxt, e)
@@ -321,44 +336,57 @@ def _verify_segment(scan: _Scan, g: layout.GenerationInfo, i: int,
     return last_here, clean
 
 
-def _check_record(scan: _Scan, g: layout.GenerationInfo, seg: layout.SegmentInfo, rec: Record,
-                  first: bool) -> None:
+def _check_record(scan: _Scan, g: layout.GenerationInfo, seg: layout.SegmentInfo, rec: Record, first: bool) -> None:
     """One decoded record: its seq against the segment's name and the one before it, and
     SNAPSHOT_END against its generation."""
     rep = scan.rep
     rep.records += 1
     if first and rec.seq != seg.first_seq:
-        rep.problems.append(Problem(seg.name, rec.offset, rec.offset + rec.size,
-                                    f"first record has seq {rec.seq}, name says {seg.first_seq}"))
+        rep.problems.append(
+            Problem(
+                seg.name,
+                rec.offset,
+                rec.offset + rec.size,
+                f"first record has seq {rec.seq}, name says {seg.first_seq}",
+            )
+        )
     if scan.expected is not None and rec.seq != scan.expected:
-        rep.problems.append(Problem(seg.name, rec.offset, rec.offset + rec.size,
-                                    f"sequence gap: expected {scan.expected}, found {rec.seq}"))
+        rep.problems.append(
+            Problem(
+                seg.name, rec.offset, rec.offset + rec.size, f"sequence gap: expected {scan.expected}, found {rec.seq}"
+            )
+        )
     scan.expected = rec.seq + 1
     rep.first_seq = rep.first_seq or rec.seq
     rep.last_seq = max(rep.last_seq, rec.seq)
     if scan.saw_end:  # a journal record: first and last kept
-        scan.after_end[1 if scan.after_end else 0:] = [rec.seq]
+        scan.after_end[1 if scan.after_end else 0 :] = [rec.seq]
     if type(rec.op) is SnapshotEnd:
         scan.saw_end = True
         if rec.op.generation != g.generation:
-            rep.problems.append(Problem(seg.name, rec.offset, rec.offset + rec.size,
-                                        f"SNAPSHOT_END of generation {rec.op.generation}"))
+            rep.problems.append(
+                Problem(seg.name, rec.offset, rec.offset + rec.size, f"SNAPSHOT_END of generation {rec.op.generation}")
+            )
 
 
-def _note_truncation(scan: _Scan, g: layout.GenerationInfo, i: int, nxt: layout.GenerationInfo | None,
-                     e: JournalTruncated) -> None:
+def _note_truncation(
+    scan: _Scan, g: layout.GenerationInfo, i: int, nxt: layout.GenerationInfo | None, e: JournalTruncated
+) -> None:
     """A segment that ends inside a record: a note where a writer abandoned it (the next
     segment or generation starts with the cut record) or is still writing, else a problem."""
     seg = g.segments[i]
     cut = scan.expected if scan.expected is not None else seg.first_seq
     last_seg = i == len(g.segments) - 1
     if last_seg and nxt is not None and nxt.generation == g.generation + 1 and nxt.first_seq == cut:
-        scan.rep.notes.append(f"{seg.name}: abandoned partial record at offset {e.offset} "
-                              f"(generation {nxt.generation} starts with record {cut})")
+        scan.rep.notes.append(
+            f"{seg.name}: abandoned partial record at offset {e.offset} "
+            f"(generation {nxt.generation} starts with record {cut})"
+        )
     elif last_seg and not seg.sealed and g.generation == scan.newest:
         scan.rep.notes.append(f"{seg.name}: write in progress at offset {e.offset}")
     elif not last_seg and g.segments[i + 1].first_seq == cut:
-        scan.rep.notes.append(f"{seg.name}: abandoned partial record at offset {e.offset} "
-                              f"(superseded by {g.segments[i + 1].name})")
+        scan.rep.notes.append(
+            f"{seg.name}: abandoned partial record at offset {e.offset} (superseded by {g.segments[i + 1].name})"
+        )
     else:
         scan.rep.problems.append(Problem(seg.name, e.offset, None, e.reason))

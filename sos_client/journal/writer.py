@@ -114,11 +114,24 @@ def _drop_empty(spool: Spool, segs: list[SpoolSegment]) -> tuple[list[SpoolSegme
 
 
 class JournalWriter:
-    def __init__(self, client_factory: Callable[[], StoreClient], namespace: str, spool_dir: str, *, sync: bool = True,
-                 max_lag_bytes: int = 64 << 20, segment_bytes: int = 64 << 20,
-                 generation_bytes: int = 1 << 30, chunk_bytes: int = 2 << 20, pipeline: int = 4,
-                 max_backoff: float = 2.0, open_timeout: float = 120.0, durability: str = "server",
-                 tier_wait: float = 30.0, tier_patience: float | None = None) -> None:
+    def __init__(
+        self,
+        client_factory: Callable[[], StoreClient],
+        namespace: str,
+        spool_dir: str,
+        *,
+        sync: bool = True,
+        max_lag_bytes: int = 64 << 20,
+        segment_bytes: int = 64 << 20,
+        generation_bytes: int = 1 << 30,
+        chunk_bytes: int = 2 << 20,
+        pipeline: int = 4,
+        max_backoff: float = 2.0,
+        open_timeout: float = 120.0,
+        durability: str = "server",
+        tier_wait: float = 30.0,
+        tier_patience: float | None = None,
+    ) -> None:
         """*durability*: "server" or "tier" (see the module docstring); *tier_wait*: seconds one
         TIER_WAIT asks the server to wait (at most 60); *tier_patience*: seconds a barrier
         without a timeout waits for the bucket before it fails with JournalTierBehind (None:
@@ -255,7 +268,9 @@ class JournalWriter:
                 f"namespace {self.namespace!r} is over its quota on the SOS server ({quota}); nothing was "
                 f"changed. The writer keeps {self.unshipped_bytes} bytes of journal in its spool and "
                 f"retries: changes are accepted again once the server's operator raises the quota "
-                f"(sos-server quota)", applied=False)
+                f"(sos-server quota)",
+                applied=False,
+            )
 
     @contextlib.contextmanager
     def admission(self) -> Iterator[None]:
@@ -302,8 +317,7 @@ class JournalWriter:
             self._spool = None
             raise
         self.is_open = True
-        self._thread = threading.Thread(target=self._run, name=f"sos-replicator-{self.namespace}",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"sos-replicator-{self.namespace}", daemon=True)
         self._thread.start()
 
     def _open_with(self, client: StoreClient) -> None:
@@ -330,20 +344,21 @@ class JournalWriter:
             self._resume_from_spool(client, spool, segs, gens, floor)
         else:
             self._resume_from_server(client, gens, floor)
-        self._foreign_unsealed = [s.name for s in server_segs if not s.sealed
-                                  and s.name not in {x.name for x in segs}]
+        self._foreign_unsealed = [s.name for s in server_segs if not s.sealed and s.name not in {x.name for x in segs}]
         # an empty ready object its writer did not get to seal: that writer saw SNAPSHOT_END
         # acknowledged (it creates ready only then); readers count it once sealed
-        self._foreign_unsealed += [layout.ready_name(g.generation) for g in gens.values()
-                                   if g.segments and g.ready_object == (0, False)]
+        self._foreign_unsealed += [
+            layout.ready_name(g.generation) for g in gens.values() if g.segments and g.ready_object == (0, False)
+        ]
         self._segs = segs
         self._cur = None  # new records go to a new segment named with our epoch
         self.epoch = epoch
         if self.durability == "tier":
             self._tier_open(client, entries, gens)
 
-    def _refuse_stale_spool(self, spool: Spool, segs: list[SpoolSegment],
-                            server_segs: list[layout.SegmentInfo]) -> None:
+    def _refuse_stale_spool(
+        self, spool: Spool, segs: list[SpoolSegment], server_segs: list[layout.SegmentInfo]
+    ) -> None:
         """SpoolStale if the server has segments newer than the spool's last: another writer
         took over (continuing the spool would fork the journal)."""
         last = segs[-1]
@@ -354,10 +369,17 @@ class JournalWriter:
             raise SpoolStale(
                 f"spool {spool.dir} ends at segment {last.name} but the server has newer segment "
                 f"{newer[-1].name}: another writer took over namespace {self.namespace!r}; "
-                f"move the spool away to start from the server's state")
+                f"move the spool away to start from the server's state"
+            )
 
-    def _resume_from_spool(self, client: StoreClient, spool: Spool, segs: list[SpoolSegment],
-                           gens: dict[int, layout.GenerationInfo], floor: int) -> None:
+    def _resume_from_spool(
+        self,
+        client: StoreClient,
+        spool: Spool,
+        segs: list[SpoolSegment],
+        gens: dict[int, layout.GenerationInfo],
+        floor: int,
+    ) -> None:
         """The position from the spool's newest segment (completed from the server), and the
         ready objects its finished generations still owe."""
         last = segs[-1]
@@ -422,8 +444,7 @@ class JournalWriter:
         which an earlier writer may have left acknowledged but not uploaded."""
         complete = [g.generation for g in gens.values() if g.ready and g.segments]
         floor = max(complete, default=0)
-        owed = {s.name: s.length for g in gens.values() if g.generation >= floor for s in g.segments
-                if s.length > 0}
+        owed = {s.name: s.length for g in gens.values() if g.generation >= floor for s in g.segments if s.length > 0}
         # a complete generation's ready marker too: a reader of the bucket alone needs it
         owed |= {layout.ready_name(g.generation): 0 for g in gens.values() if g.generation >= floor and g.ready}
         with self._cv:
@@ -437,11 +458,15 @@ class JournalWriter:
         if breaks:
             b = breaks[0]
             raise GenerationBreak(
-                b.name, f"{b.reason}" + "".join(f"; also: {x.reason}" for x in breaks[1:])
+                b.name,
+                f"{b.reason}"
+                + "".join(f"; also: {x.reason}" for x in breaks[1:])
                 + f". The writer of namespace {self.namespace!r} refuses to open: objects under gen/ were "
-                  f"written by someone else with an append key (or are damaged) and it would continue them. "
-                  f"`sos verify` lists every break; the server's operator removes the foreign objects",
-                generation=b.generation, previous=b.previous or 0)
+                f"written by someone else with an append key (or are damaged) and it would continue them. "
+                f"`sos verify` lists every break; the server's operator removes the foreign objects",
+                generation=b.generation,
+                previous=b.previous or 0,
+            )
 
     def _fence(self, client: StoreClient, start: int) -> int:
         epoch = max(start, 1)
@@ -470,8 +495,11 @@ class JournalWriter:
             now = max(time.time_ns(), self._last_time)
             data = encode(op, seq, now)
             cur = self._cur
-            if (cur is None or cur.generation != self.generation
-                    or (cur.written and cur.written + len(data) > self.segment_bytes)):
+            if (
+                cur is None
+                or cur.generation != self.generation
+                or (cur.written and cur.written + len(data) > self.segment_bytes)
+            ):
                 cur = self._new_segment(seq)
             cur.write(data)
             cur.last_seq = seq
@@ -497,10 +525,10 @@ class JournalWriter:
                 raise JournalError(f"replicator stopped: {self._error}") from self._error
             if not isinstance(self._error, (Fenced, SealedError)):
                 # a refused key, a bad name, a damaged segment (CORRUPT): not a takeover
-                raise JournalError(f"replicator stopped: {type(self._error).__name__}: "
-                                   f"{self._error}") from self._error
-            raise WriterFenced(f"writer epoch {self.epoch} was fenced or its segment sealed by a newer "
-                               f"writer: {self._error}") from self._error
+                raise JournalError(f"replicator stopped: {type(self._error).__name__}: {self._error}") from self._error
+            raise WriterFenced(
+                f"writer epoch {self.epoch} was fenced or its segment sealed by a newer writer: {self._error}"
+            ) from self._error
         if self._closed:
             raise WriterClosed("writer is closed")
         if not self.is_open:
@@ -519,8 +547,10 @@ class JournalWriter:
             with self._cv:
                 self._check_usable()
                 if self.generation >= layout.MAX_GENERATION:
-                    raise JournalError(f"generation {self.generation} is the last one a segment name can hold "
-                                       f"(protocol.md 2.1): namespace {self.namespace!r} cannot start another")
+                    raise JournalError(
+                        f"generation {self.generation} is the last one a segment name can hold "
+                        f"(protocol.md 2.1): namespace {self.namespace!r} cannot start another"
+                    )
                 self.generation += 1
                 self.generation_complete = False
                 self._gen_bytes = 0
@@ -574,8 +604,10 @@ class JournalWriter:
                 if deadline is not None:
                     wait = deadline - time.monotonic()
                     if wait <= 0:
-                        raise TimeoutError(f"barrier: record {target} not durable after {timeout} s "
-                                           f"(acked {self._acked}; last error: {self.last_error})")
+                        raise TimeoutError(
+                            f"barrier: record {target} not durable after {timeout} s "
+                            f"(acked {self._acked}; last error: {self.last_error})"
+                        )
                     wait = min(wait, 1.0)
                 self._cv.wait(wait)
 
@@ -585,8 +617,10 @@ class JournalWriter:
         server's durability of the barrier's records is already there)."""
         # one barrier asks at a time: the others wait here, then find its answers
         if not self._tier_lock.acquire(timeout=-1 if deadline is None else max(0.0, deadline - time.monotonic())):
-            raise JournalTierBehind(f"barrier: another barrier of namespace {self.namespace!r} is still waiting for "
-                                    f"the object-store tier after the caller's patience ran out")
+            raise JournalTierBehind(
+                f"barrier: another barrier of namespace {self.namespace!r} is still waiting for "
+                f"the object-store tier after the caller's patience ran out"
+            )
         try:
             with self._cv:
                 owed = sorted(self._tier_owed.items())
@@ -632,8 +666,10 @@ class JournalWriter:
         tier or its tier stopped copying the namespace or the object (protocol.md 1.11)."""
         wait = getattr(client, "tier_wait", None)
         if wait is None:
-            raise JournalTierUnavailable(f"durability 'tier' for namespace {self.namespace!r}: this client "
-                                         f"({type(client).__name__}) cannot ask for the server's tier (TIER_WAIT)")
+            raise JournalTierUnavailable(
+                f"durability 'tier' for namespace {self.namespace!r}: this client "
+                f"({type(client).__name__}) cannot ask for the server's tier (TIER_WAIT)"
+            )
         try:
             wait(name, 0, 0)
         except TierUnavailable as e:
@@ -646,11 +682,15 @@ class JournalWriter:
             no_tier = "no tier configured" in e.message
             raise JournalTierUnavailable(
                 f"durability 'tier' for namespace {self.namespace!r}: "
-                + ("the SOS server has no object-store tier: start it with `sos-server serve --tier URL`, "
-                   "or use durability 'server'" if no_tier else
-                   "the SOS server's tier does not copy this namespace's journal (another server took the "
-                   "namespace over in the bucket, or a conflict: see the server's log)")
-                + f" ({e})") from e
+                + (
+                    "the SOS server has no object-store tier: start it with `sos-server serve --tier URL`, "
+                    "or use durability 'server'"
+                    if no_tier
+                    else "the SOS server's tier does not copy this namespace's journal (another server took the "
+                    "namespace over in the bucket, or a conflict: see the server's log)"
+                )
+                + f" ({e})"
+            ) from e
         self._tier_checked = True
 
     def _tier_wait_for(self, name: str, length: int, deadline: float | None) -> None:
@@ -669,7 +709,10 @@ class JournalWriter:
                     f"barrier: the journal of namespace {self.namespace!r} is durable on the SOS server but its "
                     f"object-store tier (the bucket) holds {tiered} of the {length} bytes of {name} waited for, "
                     f"after the caller's patience ran out: {last}. Nothing is lost: the server keeps uploading",
-                    segment=name, tiered=tiered, wanted=length) from last
+                    segment=name,
+                    tiered=tiered,
+                    wanted=length,
+                ) from last
             wait = self.tier_wait if left is None else min(self.tier_wait, max(0.0, left))
             started = time.monotonic()
             try:
@@ -687,8 +730,9 @@ class JournalWriter:
                 raise
             except Exception as e:
                 if not is_retryable(e):
-                    raise JournalError(f"barrier: waiting for the tier to hold {name} up to {length}: "
-                                       f"{type(e).__name__}: {e}") from e
+                    raise JournalError(
+                        f"barrier: waiting for the tier to hold {name} up to {length}: {type(e).__name__}: {e}"
+                    ) from e
                 last = e
                 self._tier_drop()
                 delay = backoff.next()
@@ -718,8 +762,9 @@ class JournalWriter:
         limit = time.monotonic() + QUOTA_RECHECK
         if deadline is not None:
             limit = min(limit, deadline)
-        while (self._quota is not None and self._attempts == attempts and self._error is None
-               and not self._durable(target)):
+        while (
+            self._quota is not None and self._attempts == attempts and self._error is None and not self._durable(target)
+        ):
             left = limit - time.monotonic()
             if left <= 0:
                 break
@@ -729,7 +774,9 @@ class JournalWriter:
                 f"namespace {self.namespace!r} is over its quota on the SOS server ({self._quota}): record "
                 f"{target} cannot become durable (acknowledged up to {self._acked}). It and every record "
                 f"before it stay in the spool and are shipped, in order, once the server's operator raises "
-                f"the quota (sos-server quota)", applied=True)
+                f"the quota (sos-server quota)",
+                applied=True,
+            )
 
     # ------------------------------------------------------------------ close
     def close(self, timeout: float | None = None) -> None:
@@ -845,15 +892,22 @@ class JournalWriter:
             if isinstance(error, QuotaExceeded):
                 if self._quota is None:
                     self._quota_since = time.monotonic()
-                    log.warning("replicator: namespace %r is over its quota on the server: the spool "
-                                "(%d bytes unshipped) is kept and retried; barriers fail and new changes "
-                                "are refused until the quota is raised: %s",
-                                self.namespace, self._unshipped(), error)
+                    log.warning(
+                        "replicator: namespace %r is over its quota on the server: the spool "
+                        "(%d bytes unshipped) is kept and retried; barriers fail and new changes "
+                        "are refused until the quota is raised: %s",
+                        self.namespace,
+                        self._unshipped(),
+                        error,
+                    )
                 self._quota = error
                 self._quota_kind = task[0]
             elif error is None and self._quota is not None and task[0] == self._quota_kind:
-                log.warning("replicator: the server accepts namespace %r's journal again after %.1f s "
-                            "over its quota", self.namespace, time.monotonic() - self._quota_since)
+                log.warning(
+                    "replicator: the server accepts namespace %r's journal again after %.1f s over its quota",
+                    self.namespace,
+                    time.monotonic() - self._quota_since,
+                )
                 self._quota = None
             self._failing = error is not None
             self._cv.notify_all()
@@ -877,9 +931,11 @@ class JournalWriter:
                 except OffsetMismatch as e:
                     length = mismatch_length(e)  # created meanwhile (by a retry that landed?)
             if length:
-                raise JournalError(f"{name} holds {length} bytes: a ready object is empty, so this one was not "
-                                   f"written by a writer (someone else with an append key?); generation {g} "
-                                   f"cannot be marked complete")
+                raise JournalError(
+                    f"{name} holds {length} bytes: a ready object is empty, so this one was not "
+                    f"written by a writer (someone else with an append key?); generation {g} "
+                    f"cannot be marked complete"
+                )
             client.seal(name, epoch=self.epoch)
             with self._cv:
                 if self.durability == "tier":
@@ -908,8 +964,7 @@ class JournalWriter:
             except SOSNotFound:
                 length = 0
             if length > seg.written:
-                raise JournalError(f"server object {seg.name} is longer ({length}) than the spool "
-                                   f"({seg.written})")
+                raise JournalError(f"server object {seg.name} is longer ({length}) than the spool ({seg.written})")
             if length > seg.confirmed:
                 self._confirm(client, seg, length)  # bytes we have not had acknowledged ourselves
             with self._cv:
@@ -961,8 +1016,7 @@ class JournalWriter:
         except OffsetMismatch as e:
             have = mismatch_length(e)
             if have > seg.written:
-                raise JournalError(f"server object {seg.name} is longer ({have}) than the spool "
-                                   f"({seg.written})") from e
+                raise JournalError(f"server object {seg.name} is longer ({have}) than the spool ({seg.written})") from e
             with self._cv:
                 seg.shipped = -1  # STAT, then confirm whatever we did not send ourselves
             return
@@ -984,10 +1038,12 @@ class JournalWriter:
         prefix = layout.gen_prefix(seg.generation)
         others = sorted(e.name for e in client.list(prefix) if e.name != seg.name)
         if others:
-            raise JournalError(f"generation {seg.generation} that this writer starts already holds "
-                               f"{', '.join(others[:3])}{' ...' if len(others) > 3 else ''}: written by "
-                               f"someone else with an append key; the writer stops rather than mix them "
-                               f"into the journal")
+            raise JournalError(
+                f"generation {seg.generation} that this writer starts already holds "
+                f"{', '.join(others[:3])}{' ...' if len(others) > 3 else ''}: written by "
+                f"someone else with an append key; the writer stops rather than mix them "
+                f"into the journal"
+            )
         with self._cv:
             self._new_generations.pop(seg.generation, None)
 
@@ -1016,10 +1072,12 @@ class JournalWriter:
                     f"server object {seg.name} holds bytes in [{pos}, {nxt}) that differ from this writer's "
                     f"spool ({seg.path}): this writer did not send them (another client with an append key "
                     f"wrote there first?); they are not counted as acknowledged and the writer stops "
-                    f"({type(e).__name__}: {e})") from e
+                    f"({type(e).__name__}: {e})"
+                ) from e
             if got != nxt:
-                raise JournalError(f"server object {seg.name}: re-sending [{pos}, {nxt}) to compare it answered "
-                                   f"length {got}")
+                raise JournalError(
+                    f"server object {seg.name}: re-sending [{pos}, {nxt}) to compare it answered length {got}"
+                )
             with self._cv:
                 seg.confirmed = nxt
             pos = nxt
@@ -1037,4 +1095,3 @@ class JournalWriter:
         elif last_seq is not None and last_seq > self._acked:
             self._acked = last_seq
         self._cv.notify_all()
-

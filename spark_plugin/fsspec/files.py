@@ -42,8 +42,15 @@ class SOSReadFile(AbstractBufferedFile):
     """Reads a snapshot of the cached file: the descriptor is opened when the
     file is, so a later rename or delete does not disturb the reader."""
 
-    def __init__(self, fs: SOSFileSystem, path: str, local: str, block_size: int | None = None,
-                 cache_type: str = "none", cache_options: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        fs: SOSFileSystem,
+        path: str,
+        local: str,
+        block_size: int | None = None,
+        cache_type: str = "none",
+        cache_options: dict[str, Any] | None = None,
+    ) -> None:
         try:
             fd = os.open(local, os.O_RDONLY)
         except (FileNotFoundError, NotADirectoryError):
@@ -58,11 +65,19 @@ class SOSReadFile(AbstractBufferedFile):
         self._fd: int | None = fd
         self._mtime = st.st_mtime
         super().__init__(
-            fs, path, mode="rb", block_size=block_size or _READ_CHUNK,
-            cache_type=cache_type, cache_options=cache_options, size=st.st_size,
+            fs,
+            path,
+            mode="rb",
+            block_size=block_size or _READ_CHUNK,
+            cache_type=cache_type,
+            cache_options=cache_options,
+            size=st.st_size,
         )
         self.details = {
-            "name": path, "size": st.st_size, "type": "file", "mtime": st.st_mtime,
+            "name": path,
+            "size": st.st_size,
+            "type": "file",
+            "mtime": st.st_mtime,
             "mode": stat_mod.S_IMODE(st.st_mode),
         }
 
@@ -93,8 +108,18 @@ class SOSWriteFile(AbstractBufferedFile):
     offset: int | None
     buffer: io.BytesIO
 
-    def __init__(self, fs: SOSFileSystem, path: str, mode: str, handle: _Namespace, target: str, final: str,
-                 offset: int, block_size: int | None = None, autocommit: bool = True) -> None:
+    def __init__(
+        self,
+        fs: SOSFileSystem,
+        path: str,
+        mode: str,
+        handle: _Namespace,
+        target: str,
+        final: str,
+        offset: int,
+        block_size: int | None = None,
+        autocommit: bool = True,
+    ) -> None:
         super().__init__(fs, path, mode=mode, block_size=block_size, autocommit=autocommit)
         self._h = handle
         self._target = target  # what the records name (a temp file in a transaction)

@@ -88,6 +88,7 @@ def _named(name: str) -> Iterator[None]:
             raise
         raise _err(exc.errno, name) from None
 
+
 __all__ = ["SOSFileSystem", "SOSReadFile", "SOSWriteFile", "close_all"]
 
 # --------------------------------------------------------------------------
@@ -118,9 +119,7 @@ class SOSFileSystem(AbstractFileSystem):
         self.server = resolve_server(server)  # what the clients and `sos` accept, the same way
         self.key = str(resolve_key(key))
         if cache_dir is None:
-            cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(
-                os.path.expanduser("~"), ".cache"
-            )
+            cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
             cache_dir = os.path.join(cache_home, "sos")
         self.cache_dir = os.fspath(cache_dir)
         self.sync_mode = bool(sync)
@@ -128,15 +127,15 @@ class SOSFileSystem(AbstractFileSystem):
         self.timeout = timeout
         self.tls = tls
         if generation_bytes is not None and (
-            isinstance(generation_bytes, bool) or not isinstance(generation_bytes, int)
-            or generation_bytes < 1
+            isinstance(generation_bytes, bool) or not isinstance(generation_bytes, int) or generation_bytes < 1
         ):
             raise ValueError(f"sos: generation_bytes must be a positive int, got {generation_bytes!r}")
         self.generation_bytes = generation_bytes
         if durability not in DURABILITIES:
             raise ValueError(f"sos: durability must be one of {', '.join(DURABILITIES)}, got {durability!r}")
-        if tier_patience is not None and (isinstance(tier_patience, bool) or not isinstance(tier_patience, (int, float))
-                                          or tier_patience < 0):
+        if tier_patience is not None and (
+            isinstance(tier_patience, bool) or not isinstance(tier_patience, (int, float)) or tier_patience < 0
+        ):
             raise ValueError(f"sos: tier_patience must be seconds >= 0 or None, got {tier_patience!r}")
         self.durability = durability
         self.tier_patience = tier_patience
@@ -378,7 +377,9 @@ class SOSFileSystem(AbstractFileSystem):
         h, rel, local, name = self._resolve(path)
         if mode == "rb":
             return SOSReadFile(
-                self, name, local,
+                self,
+                name,
+                local,
                 block_size=block_size,
                 cache_type=kwargs.pop("cache_type", "none"),
                 cache_options=cache_options,
@@ -410,8 +411,15 @@ class SOSFileSystem(AbstractFileSystem):
                 target, offset = rel, 0
                 h.tree.create(rel)
         return SOSWriteFile(
-            self, name, mode, h, target, rel, offset,
-            block_size=block_size, autocommit=autocommit,
+            self,
+            name,
+            mode,
+            h,
+            target,
+            rel,
+            offset,
+            block_size=block_size,
+            autocommit=autocommit,
         )
 
     @staticmethod
@@ -492,8 +500,15 @@ class SOSFileSystem(AbstractFileSystem):
 
     # ----------------------------------------------------------------- rename
 
-    def mv(self, path1: str | os.PathLike[str] | list[str], path2: str | os.PathLike[str] | list[str],
-           recursive: bool = False, maxdepth: int | None = None, overwrite: bool = True, **kwargs: Any) -> None:
+    def mv(
+        self,
+        path1: str | os.PathLike[str] | list[str],
+        path2: str | os.PathLike[str] | list[str],
+        recursive: bool = False,
+        maxdepth: int | None = None,
+        overwrite: bool = True,
+        **kwargs: Any,
+    ) -> None:
         """Atomic rename (one RENAME record; directories move whole).
 
         ``path2`` naming an existing directory (or ending in ``/``) moves

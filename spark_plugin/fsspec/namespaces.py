@@ -69,8 +69,7 @@ class _GuardedTree:
     namespace over) -> PermissionError (errno EROFS); any other journal failure
     -> OSError EIO. The original error is chained. Reads keep working from the cache."""
 
-    _MUTATIONS = ("mkdir", "rmdir", "create", "write", "truncate", "rename", "unlink", "marker",
-                  "sync")
+    _MUTATIONS = ("mkdir", "rmdir", "create", "write", "truncate", "rename", "unlink", "marker", "sync")
 
     def __init__(self, tree: FsTree, namespace: str) -> None:
         self._tree = tree
@@ -98,10 +97,19 @@ _REGISTRY_LOCK = threading.Lock()
 _REGISTRY_PID = os.getpid()
 
 
-def _open_namespace(server: str, key: str, namespace: str, base_dir: str, max_lag_bytes: int | None,
-                    timeout: float, tls: ssl.SSLContext | bool | None = None,
-                    generation_bytes: int | None = None, *, durability: str = "server",
-                    tier_patience: float | None = None) -> _Namespace:
+def _open_namespace(
+    server: str,
+    key: str,
+    namespace: str,
+    base_dir: str,
+    max_lag_bytes: int | None,
+    timeout: float,
+    tls: ssl.SSLContext | bool | None = None,
+    generation_bytes: int | None = None,
+    *,
+    durability: str = "server",
+    tier_patience: float | None = None,
+) -> _Namespace:
     """The process-wide tree of (server, namespace, cache dir) for this key's role.
 
     ``durability`` is the writer's (one per namespace and cache): a second filesystem object
@@ -127,17 +135,28 @@ def _open_namespace(server: str, key: str, namespace: str, base_dir: str, max_la
                     f"sos: namespace {namespace!r} (cache {root}) is already open in this process "
                     f"with durability {ns.durability!r}; one writer serves it, so a filesystem "
                     f"with durability {durability!r} cannot share it: give every filesystem "
-                    f"object of the namespace the same durability (or close_all() first)")
+                    f"object of the namespace the same durability (or close_all() first)"
+                )
             return ns
         # One writer serves every filesystem object of this namespace in the
         # process, whatever each object's ``sync``, so it runs in sync mode:
         # the tree's rename (mv) always waits for the server. Objects with
         # sync=True also wait on close, cp and commit (tree.sync(wait=True));
         # objects with sync=False do not.
-        opened = open_namespace(namespace, root, server=server, key=key, timeout=timeout, tls=tls,
-                                sync=True, max_lag_bytes=max_lag_bytes,
-                                generation_bytes=generation_bytes, allow_read_only=True,
-                                durability=durability, tier_patience=tier_patience)
+        opened = open_namespace(
+            namespace,
+            root,
+            server=server,
+            key=key,
+            timeout=timeout,
+            tls=tls,
+            sync=True,
+            max_lag_bytes=max_lag_bytes,
+            generation_bytes=generation_bytes,
+            allow_read_only=True,
+            durability=durability,
+            tier_patience=tier_patience,
+        )
         tree: FsTree = opened.tree if opened.read_only else _GuardedTree(opened.tree, namespace)
         ns = _Namespace(opened, tree, durability)
         _REGISTRY[ident] = ns

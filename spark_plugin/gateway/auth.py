@@ -51,8 +51,18 @@ from sos_wire.events import KeyRole
 
 from .http import Conn, Reply, json_body, remote_error
 
-__all__ = ["DEFAULT_KEY_RECHECK", "DEFAULT_TOKEN_TTL", "TOKEN_PATH", "KeyChecks", "KeyRevoked", "OAuth2",
-           "Throttled", "TokenAuthority", "TokenInfo", "key_verifier"]
+__all__ = [
+    "DEFAULT_KEY_RECHECK",
+    "DEFAULT_TOKEN_TTL",
+    "TOKEN_PATH",
+    "KeyChecks",
+    "KeyRevoked",
+    "OAuth2",
+    "Throttled",
+    "TokenAuthority",
+    "TokenInfo",
+    "key_verifier",
+]
 
 log = logging.getLogger("sos.gateway")
 
@@ -101,8 +111,14 @@ class TokenAuthority:
     for a random one (tokens then die with the process). ``clock``: seconds since the epoch.
     """
 
-    def __init__(self, namespace: str, secret: bytes | None, *, ttl: int = DEFAULT_TOKEN_TTL,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        namespace: str,
+        secret: bytes | None,
+        *,
+        ttl: int = DEFAULT_TOKEN_TTL,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         if ttl < 1:
             raise ValueError("token ttl must be at least 1 second")
         self.namespace = namespace
@@ -120,8 +136,10 @@ class TokenAuthority:
     def _keystream_xor(self, nonce: bytes, data: bytes) -> bytes:
         """``data`` XOR HMAC-SHA256(enc_key, nonce || counter) blocks (a stream cipher in
         counter mode from the standard library; the nonce is fresh for every token)."""
-        stream = b"".join(hmac.new(self._enc_key, nonce + i.to_bytes(4, "big"), hashlib.sha256).digest()
-                          for i in range((len(data) + 31) // 32))
+        stream = b"".join(
+            hmac.new(self._enc_key, nonce + i.to_bytes(4, "big"), hashlib.sha256).digest()
+            for i in range((len(data) + 31) // 32)
+        )
         return bytes(a ^ b for a, b in zip(data, stream, strict=False))
 
     def issue(self, role: str, key_id: str = "", key_secret: bytes = b"") -> tuple[str, int]:
@@ -132,8 +150,7 @@ class TokenAuthority:
         expires = int(self._clock()) + self.ttl
         nonce = secrets.token_bytes(_NONCE_LEN)
         sealed = self._keystream_xor(nonce, key_secret)
-        payload = "\n".join([self.namespace, role, str(expires), key_id, nonce.hex(),
-                             _b64(sealed)]).encode()
+        payload = "\n".join([self.namespace, role, str(expires), key_id, nonce.hex(), _b64(sealed)]).encode()
         return f"{_PREFIX}.{_b64(payload)}.{_b64(self._mac(payload))}", self.ttl
 
     def check(self, token: str) -> TokenInfo | None:
@@ -280,12 +297,20 @@ class KeyChecks:
     most another ``recheck``). Between re-checks a request costs no server round trip.
     """
 
-    def __init__(self, verify: Callable[[str], tuple[str, str]], *,
-                 recheck: float = DEFAULT_KEY_RECHECK, slots: int = CHECK_SLOTS,
-                 fast_slots: int = FAST_SLOTS, queue: int = CHECK_QUEUE,
-                 per_address_queue: int = CHECK_QUEUE_PER_ADDRESS, burst: int = TOKEN_BURST,
-                 rate: float = TOKEN_RATE, negative_ttl: float = NEGATIVE_TTL,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        verify: Callable[[str], tuple[str, str]],
+        *,
+        recheck: float = DEFAULT_KEY_RECHECK,
+        slots: int = CHECK_SLOTS,
+        fast_slots: int = FAST_SLOTS,
+        queue: int = CHECK_QUEUE,
+        per_address_queue: int = CHECK_QUEUE_PER_ADDRESS,
+        burst: int = TOKEN_BURST,
+        rate: float = TOKEN_RATE,
+        negative_ttl: float = NEGATIVE_TTL,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if recheck <= 0:
             raise ValueError("the key re-check interval must be positive")
         self._verify = verify
@@ -352,9 +377,9 @@ class KeyChecks:
     def _charge(self, address: str) -> None:
         wait = self._buckets.take(address)
         if wait > 0:
-            raise Throttled(429, math.ceil(wait),
-                            f"too many token requests from {address}: retry in "
-                            f"{math.ceil(wait)} s")
+            raise Throttled(
+                429, math.ceil(wait), f"too many token requests from {address}: retry in {math.ceil(wait)} s"
+            )
 
     async def _acquire(self, address: str) -> None:
         """A check slot for ``address`` (at most one per address at a time)."""
@@ -363,11 +388,13 @@ class KeyChecks:
             return
         mine = self._waiting.get(address)
         if mine is not None and len(mine) >= self.per_address_queue:
-            raise Throttled(429, 1, f"too many token requests from {address} are waiting for "
-                                    "a key check")
+            raise Throttled(429, 1, f"too many token requests from {address} are waiting for a key check")
         if self._n_waiting >= self.queue:
-            raise Throttled(503, math.ceil(self._n_waiting / max(self.slots, 1)),
-                            "every key check slot is busy and the wait queue is full")
+            raise Throttled(
+                503,
+                math.ceil(self._n_waiting / max(self.slots, 1)),
+                "every key check slot is busy and the wait queue is full",
+            )
         waiter = _Waiter(address, next(self._arrivals))
         self._waiting.setdefault(address, deque()).append(waiter)
         self._n_waiting += 1
@@ -403,16 +430,14 @@ class KeyChecks:
             if not ready:
                 return
             # least recently served first (never served: first of all), then arrival order
-            best = min(ready, key=lambda a: (self._served.get(a, -math.inf),
-                                             self._waiting[a][0].arrival))
+            best = min(ready, key=lambda a: (self._served.get(a, -math.inf), self._waiting[a][0].arrival))
             waiter = self._waiting[best][0]
             self._unqueue(waiter)
             self._grant(best)
             waiter.granted = True
             waiter.event.set()
 
-    async def _ask(self, ident: _Ident, key_text: str,
-                   limiter: trio.CapacityLimiter) -> tuple[str, str]:
+    async def _ask(self, ident: _Ident, key_text: str, limiter: trio.CapacityLimiter) -> tuple[str, str]:
         try:
             role, key_id = await trio.to_thread.run_sync(self._verify, key_text, limiter=limiter)
         except (PermissionError, ValueError):
@@ -459,11 +484,9 @@ class KeyChecks:
                 await pending.wait()
             verdict = self._verdict(ident, info.role, 2 * self.recheck)
         if verdict is None:
-            raise ConnectionError("the SOS server could not be asked whether the token's key "
-                                  "still stands")
+            raise ConnectionError("the SOS server could not be asked whether the token's key still stands")
         if not verdict:
-            raise KeyRevoked("the SOS server no longer accepts the key of this token (removed, "
-                             "or its role changed)")
+            raise KeyRevoked("the SOS server no longer accepts the key of this token (removed, or its role changed)")
 
     def _verdict(self, ident: _Ident, role: str, window: float) -> bool | None:
         """True/False: the server's answer of the last ``window`` seconds; None: none."""
@@ -491,12 +514,14 @@ class KeyChecks:
 # The endpoint: token requests and bearer checks, over the connection layer
 # ---------------------------------------------------------------------------
 
+
 class OAuth2:
     """The gateway's OAuth2 side: :meth:`token` serves TOKEN_PATH, :meth:`bearer` checks
     every other request's token (``insecure``: every request is granted the append role)."""
 
-    def __init__(self, namespace: str, authority: TokenAuthority, key_checks: KeyChecks, *,
-                 insecure: bool = False) -> None:
+    def __init__(
+        self, namespace: str, authority: TokenAuthority, key_checks: KeyChecks, *, insecure: bool = False
+    ) -> None:
         self.namespace = namespace
         self.authority = authority
         self.key_checks = key_checks
@@ -506,56 +531,69 @@ class OAuth2:
         """``POST TOKEN_PATH``: a bearer token for a key the SOS server accepts now (asked
         every time: a removed key gets no new token), throttled per client address."""
         if method != "POST":
-            raise Reply(405, {"error": "invalid_request",
-                               "error_description": f"{TOKEN_PATH} takes POST"},
-                         [("allow", "POST")])
+            raise Reply(
+                405, {"error": "invalid_request", "error_description": f"{TOKEN_PATH} takes POST"}, [("allow", "POST")]
+            )
         body = await conn.read_small_body()
-        form = dict(urllib.parse.parse_qsl(body.decode("utf-8", "replace"),
-                                           keep_blank_values=True))
+        form = dict(urllib.parse.parse_qsl(body.decode("utf-8", "replace"), keep_blank_values=True))
         auth = headers.get("authorization", "")
         if auth.lower().startswith("basic "):  # RFC 6749 2.3.1: credentials in the header
             try:
                 user, _, secret = base64.b64decode(auth[6:].strip()).decode().partition(":")
             except (binascii.Error, UnicodeDecodeError):
-                raise Reply(400, {"error": "invalid_request",
-                                   "error_description": "malformed Basic credentials"}) from None
+                raise Reply(
+                    400, {"error": "invalid_request", "error_description": "malformed Basic credentials"}
+                ) from None
             form.setdefault("client_id", urllib.parse.unquote_plus(user))
             form.setdefault("client_secret", urllib.parse.unquote_plus(secret))
         no_store = [("cache-control", "no-store"), ("pragma", "no-cache")]
         if form.get("grant_type") != "client_credentials":
-            raise Reply(400, {"error": "unsupported_grant_type",
-                               "error_description": "only grant_type=client_credentials"},
-                         no_store)
+            raise Reply(
+                400,
+                {"error": "unsupported_grant_type", "error_description": "only grant_type=client_credentials"},
+                no_store,
+            )
         if form.get("client_id") != self.namespace:
-            raise Reply(401, {"error": "invalid_client",
-                               "error_description": "client_id must be the gateway's namespace"},
-                         no_store)
+            raise Reply(
+                401,
+                {"error": "invalid_client", "error_description": "client_id must be the gateway's namespace"},
+                no_store,
+            )
         secret = form.get("client_secret", "")
         if not secret:
-            raise Reply(400, {"error": "invalid_request",
-                               "error_description": "client_secret (a key of the namespace) "
-                                                   "is missing"}, no_store)
+            raise Reply(
+                400,
+                {"error": "invalid_request", "error_description": "client_secret (a key of the namespace) is missing"},
+                no_store,
+            )
         try:
             role, key_id = await self.key_checks.for_token(secret, conn.peer or "?")
         except Throttled as exc:
             log.info("token request throttled: %s", exc.message)
-            raise Reply(exc.status, {"error": "temporarily_unavailable",
-                                      "error_description": exc.message},
-                         [*no_store, ("retry-after", str(exc.retry_after))]) from None
+            raise Reply(
+                exc.status,
+                {"error": "temporarily_unavailable", "error_description": exc.message},
+                [*no_store, ("retry-after", str(exc.retry_after))],
+            ) from None
         except (PermissionError, ValueError) as exc:
             log.info("token refused: %s", exc)
-            raise Reply(401, {"error": "invalid_client",
-                               "error_description": "the SOS server refused this key for the "
-                                                   "namespace"}, no_store) from None
+            raise Reply(
+                401,
+                {"error": "invalid_client", "error_description": "the SOS server refused this key for the namespace"},
+                no_store,
+            ) from None
         except ConnectionError as exc:
             log.warning("cannot check a client key: %s", exc)
-            raise Reply(503, {"error": "temporarily_unavailable",
-                               "error_description": "the SOS server cannot be reached"},
-                         [*no_store, ("retry-after", "5")]) from None
+            raise Reply(
+                503,
+                {"error": "temporarily_unavailable", "error_description": "the SOS server cannot be reached"},
+                [*no_store, ("retry-after", "5")],
+            ) from None
         token, expires_in = self.authority.issue(role, key_id, Key.parse(secret).secret)
         log.info("issued a %s token for key %s (%d s)", role, key_id or "?", expires_in)
-        await conn.respond(200, json_body({"access_token": token, "token_type": "Bearer",
-                                       "expires_in": expires_in}), no_store)
+        await conn.respond(
+            200, json_body({"access_token": token, "token_type": "Bearer", "expires_in": expires_in}), no_store
+        )
         return 200
 
     async def bearer(self, headers: dict[str, str]) -> TokenInfo:
@@ -569,16 +607,24 @@ class OAuth2:
             if grant is not None:
                 await self._key_stands(grant)
                 return grant
-            raise Reply(401, remote_error("AccessControlException",
-                                      "the bearer token is invalid or expired: get a new one "
-                                      f"at {TOKEN_PATH}"),
-                         [("www-authenticate", 'Bearer realm="sos", error="invalid_token"')],
-                         reason="Unauthorized: invalid or expired bearer token")
-        raise Reply(401, remote_error("AccessControlException",
-                                  f"authentication required: send Authorization: Bearer <token> "
-                                  f"(POST client credentials to {TOKEN_PATH} for one)"),
-                     [("www-authenticate", 'Bearer realm="sos"')],
-                     reason="Unauthorized: no bearer token")
+            raise Reply(
+                401,
+                remote_error(
+                    "AccessControlException", f"the bearer token is invalid or expired: get a new one at {TOKEN_PATH}"
+                ),
+                [("www-authenticate", 'Bearer realm="sos", error="invalid_token"')],
+                reason="Unauthorized: invalid or expired bearer token",
+            )
+        raise Reply(
+            401,
+            remote_error(
+                "AccessControlException",
+                f"authentication required: send Authorization: Bearer <token> "
+                f"(POST client credentials to {TOKEN_PATH} for one)",
+            ),
+            [("www-authenticate", 'Bearer realm="sos"')],
+            reason="Unauthorized: no bearer token",
+        )
 
     async def _key_stands(self, grant: TokenInfo) -> None:
         """401 once the SOS server refuses the token's key (revoked: asked again every
@@ -587,17 +633,21 @@ class OAuth2:
             await self.key_checks.for_bearer(grant)
         except KeyRevoked as exc:
             log.info("token of key %s refused: %s", grant.key_id or "?", exc)
-            raise Reply(401, remote_error("AccessControlException",
-                                      f"the bearer token's key was revoked: {exc}"),
-                         [("www-authenticate", 'Bearer realm="sos", error="invalid_token"')],
-                         reason="Unauthorized: the token's key was revoked") from None
+            raise Reply(
+                401,
+                remote_error("AccessControlException", f"the bearer token's key was revoked: {exc}"),
+                [("www-authenticate", 'Bearer realm="sos", error="invalid_token"')],
+                reason="Unauthorized: the token's key was revoked",
+            ) from None
         except ConnectionError as exc:
-            raise Reply(503, remote_error("IOException", f"cannot check the token's key: {exc}"),
-                         [("retry-after", "5")]) from None
+            raise Reply(
+                503, remote_error("IOException", f"cannot check the token's key: {exc}"), [("retry-after", "5")]
+            ) from None
 
 
-def key_verifier(server: str, namespace: str, *, timeout: float = 30.0,
-                 tls: ssl.SSLContext | None = None) -> Callable[[str], tuple[str, str]]:
+def key_verifier(
+    server: str, namespace: str, *, timeout: float = 30.0, tls: ssl.SSLContext | None = None
+) -> Callable[[str], tuple[str, str]]:
     """``verify(key_text) -> (role, key_id)``: authenticates with the key at the SOS server."""
 
     def verify(key_text: str) -> tuple[str, str]:

@@ -39,82 +39,149 @@ def _positive_duration(text: str) -> float:
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "gateway", help="serve a namespace over WebHDFS (webhdfs:// for a Spark cluster)",
+        "gateway",
+        help="serve a namespace over WebHDFS (webhdfs:// for a Spark cluster)",
         description="Serve NAMESPACE over the WebHDFS REST API that Hadoop's client speaks, as "
-                    "the namespace's single journal writer: every node of a Spark cluster "
-                    "checkpoints to webhdfs://HOST:PORT/path with no privileges. Clients get a "
-                    "bearer token at /oauth2/token (client_id = NAMESPACE, client_secret = a "
-                    "key of it). An empty cache is first restored from the server. MKDIRS, "
-                    "RENAME, DELETE, TRUNCATE and file bodies (CREATE, APPEND) reply once "
-                    "durable on the server (sync mode). Fenced by a newer writer, it refuses "
-                    "every request and exits with code 3. SIGTERM/SIGINT stop it gracefully: no new "
-                    "connections, the requests in progress finish (at most 25 s; a second "
-                    "signal stops at once), then the journal is flushed.")
-    p.add_argument("namespace", help="the namespace to serve; or `promote` to promote a standby: "
-                                     "sos gateway promote NAMESPACE URL (URL: the standby's "
-                                     "loopback address, e.g. http://127.0.0.1:9870; the key as "
-                                     "for serving)")
+        "the namespace's single journal writer: every node of a Spark cluster "
+        "checkpoints to webhdfs://HOST:PORT/path with no privileges. Clients get a "
+        "bearer token at /oauth2/token (client_id = NAMESPACE, client_secret = a "
+        "key of it). An empty cache is first restored from the server. MKDIRS, "
+        "RENAME, DELETE, TRUNCATE and file bodies (CREATE, APPEND) reply once "
+        "durable on the server (sync mode). Fenced by a newer writer, it refuses "
+        "every request and exits with code 3. SIGTERM/SIGINT stop it gracefully: no new "
+        "connections, the requests in progress finish (at most 25 s; a second "
+        "signal stops at once), then the journal is flushed.",
+    )
+    p.add_argument(
+        "namespace",
+        help="the namespace to serve; or `promote` to promote a standby: "
+        "sos gateway promote NAMESPACE URL (URL: the standby's "
+        "loopback address, e.g. http://127.0.0.1:9870; the key as "
+        "for serving)",
+    )
     p.add_argument("promote_args", nargs="*", metavar="NAMESPACE URL", help=argparse.SUPPRESS)
-    p.add_argument("--listen", metavar="HOST:PORT",
-                   help="address to serve on, e.g. 0.0.0.0:9870 (port 0: any free one); required")
+    p.add_argument(
+        "--listen", metavar="HOST:PORT", help="address to serve on, e.g. 0.0.0.0:9870 (port 0: any free one); required"
+    )
     add_standby_options(p)
-    p.add_argument("--cache", metavar="DIR", default=None,
-                   help="local cache + spool directory (default: ~/.cache/sos/NAMESPACE)")
-    p.add_argument("--async", dest="async_", action="store_true",
-                   help="do not wait for the server (RENAME, DELETE, file bodies); bound the lag "
-                        "instead")
-    add_durability_options(p, what="RENAME, DELETE, TRUNCATE, markers and file bodies",
-                           failure="403 RetriableException")
-    p.add_argument("--max-lag", type=argtypes.size(1), default=64 << 20, metavar="BYTES",
-                   help="most unshipped journal bytes before writes wait (default 64M)")
-    p.add_argument("--generation-bytes", type=argtypes.size(1), default=None, metavar="BYTES",
-                   help="start a new journal generation once the current one holds this many "
-                        "bytes (default 1G)")
-    p.add_argument("--tls-cert", metavar="FILE", default=None,
-                   help="serve HTTPS (swebhdfs://) with this certificate chain (PEM)")
-    p.add_argument("--tls-key", metavar="FILE", default=None,
-                   help="private key of --tls-cert (PEM)")
-    p.add_argument("--token-ttl", type=argtypes.integer(1), default=3600, metavar="SECONDS",
-                   help="lifetime of the bearer tokens it issues (default 3600)")
-    p.add_argument("--key-recheck", type=argtypes.integer(1), default=10, metavar="SECONDS",
-                   help="ask the SOS server again whether a bearer token's key still stands "
-                        "once its last answer is this old: a removed key's tokens stop within "
-                        "it (default 10)")
-    p.add_argument("--threads", type=argtypes.integer(1), default=32,
-                   help="most worker threads at once (default 32)")
-    p.add_argument("--advertise", metavar="HOST[:PORT]", default=None,
-                   help="the address clients reach the gateway at, named in the redirects of "
-                        "CREATE, APPEND and OPEN (default: the --listen address; for a wildcard "
-                        "one such as 0.0.0.0, the address each client connected to). With TLS, "
-                        "a name of the certificate, e.g. sos-gateway:9870")
-    p.add_argument("--insecure-plaintext", action="store_true",
-                   help="serve plain HTTP on a --listen address that is not loopback (refused "
-                        "without it: token requests carry a key of the namespace in clear); "
-                        "only where the network itself is trusted or encrypted")
-    p.add_argument("--max-connections", type=argtypes.integer(8), default=1024, metavar="N",
-                   help="most client connections at once (default 1024; lowered to what the "
-                        "descriptor limit holds); a quarter of them for connections that have "
-                        "not shown a valid token yet")
-    p.add_argument("--max-connections-per-address", type=argtypes.integer(1), default=64,
-                   metavar="N", help="most connections from one client address (an IPv4 "
-                                     "address or an IPv6 /64; default 64)")
-    p.add_argument("--head-timeout", type=_positive_duration, default=20.0, metavar="DURATION",
-                   help="a request head must arrive whole within this long of its first byte "
-                        "(of the connection, for its first request; default 20)")
-    p.add_argument("--send-timeout", type=_positive_duration, default=60.0, metavar="DURATION",
-                   help="close a connection whose client reads nothing of its reply for this "
-                        "long (default 60)")
-    p.add_argument("--open-memory", type=argtypes.size(1 << 20), default=64 << 20,
-                   metavar="BYTES", help="most bytes of OPEN replies held in memory for their "
-                                         "readers, gateway-wide (default 64M; a new OPEN that "
-                                         "finds no room in 10 s gets 503)")
-    p.add_argument("--insecure-no-auth", action="store_true",
-                   help="serve every request without a token, with full rights (only accepted "
-                        "on a loopback --listen address: tests and single-machine demos)")
-    p.add_argument("--fence-check", type=_positive_duration, default=5.0, metavar="DURATION",
-                   help="ask the SOS server this often whether a newer writer fenced this gateway "
-                        "(default 5): a fenced gateway refuses every request (503; its health "
-                        "check fails), logs who fenced it and exits with code 3")
+    p.add_argument(
+        "--cache", metavar="DIR", default=None, help="local cache + spool directory (default: ~/.cache/sos/NAMESPACE)"
+    )
+    p.add_argument(
+        "--async",
+        dest="async_",
+        action="store_true",
+        help="do not wait for the server (RENAME, DELETE, file bodies); bound the lag instead",
+    )
+    add_durability_options(
+        p, what="RENAME, DELETE, TRUNCATE, markers and file bodies", failure="403 RetriableException"
+    )
+    p.add_argument(
+        "--max-lag",
+        type=argtypes.size(1),
+        default=64 << 20,
+        metavar="BYTES",
+        help="most unshipped journal bytes before writes wait (default 64M)",
+    )
+    p.add_argument(
+        "--generation-bytes",
+        type=argtypes.size(1),
+        default=None,
+        metavar="BYTES",
+        help="start a new journal generation once the current one holds this many bytes (default 1G)",
+    )
+    p.add_argument(
+        "--tls-cert", metavar="FILE", default=None, help="serve HTTPS (swebhdfs://) with this certificate chain (PEM)"
+    )
+    p.add_argument("--tls-key", metavar="FILE", default=None, help="private key of --tls-cert (PEM)")
+    p.add_argument(
+        "--token-ttl",
+        type=argtypes.integer(1),
+        default=3600,
+        metavar="SECONDS",
+        help="lifetime of the bearer tokens it issues (default 3600)",
+    )
+    p.add_argument(
+        "--key-recheck",
+        type=argtypes.integer(1),
+        default=10,
+        metavar="SECONDS",
+        help="ask the SOS server again whether a bearer token's key still stands "
+        "once its last answer is this old: a removed key's tokens stop within "
+        "it (default 10)",
+    )
+    p.add_argument("--threads", type=argtypes.integer(1), default=32, help="most worker threads at once (default 32)")
+    p.add_argument(
+        "--advertise",
+        metavar="HOST[:PORT]",
+        default=None,
+        help="the address clients reach the gateway at, named in the redirects of "
+        "CREATE, APPEND and OPEN (default: the --listen address; for a wildcard "
+        "one such as 0.0.0.0, the address each client connected to). With TLS, "
+        "a name of the certificate, e.g. sos-gateway:9870",
+    )
+    p.add_argument(
+        "--insecure-plaintext",
+        action="store_true",
+        help="serve plain HTTP on a --listen address that is not loopback (refused "
+        "without it: token requests carry a key of the namespace in clear); "
+        "only where the network itself is trusted or encrypted",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=argtypes.integer(8),
+        default=1024,
+        metavar="N",
+        help="most client connections at once (default 1024; lowered to what the "
+        "descriptor limit holds); a quarter of them for connections that have "
+        "not shown a valid token yet",
+    )
+    p.add_argument(
+        "--max-connections-per-address",
+        type=argtypes.integer(1),
+        default=64,
+        metavar="N",
+        help="most connections from one client address (an IPv4 address or an IPv6 /64; default 64)",
+    )
+    p.add_argument(
+        "--head-timeout",
+        type=_positive_duration,
+        default=20.0,
+        metavar="DURATION",
+        help="a request head must arrive whole within this long of its first byte "
+        "(of the connection, for its first request; default 20)",
+    )
+    p.add_argument(
+        "--send-timeout",
+        type=_positive_duration,
+        default=60.0,
+        metavar="DURATION",
+        help="close a connection whose client reads nothing of its reply for this long (default 60)",
+    )
+    p.add_argument(
+        "--open-memory",
+        type=argtypes.size(1 << 20),
+        default=64 << 20,
+        metavar="BYTES",
+        help="most bytes of OPEN replies held in memory for their "
+        "readers, gateway-wide (default 64M; a new OPEN that "
+        "finds no room in 10 s gets 503)",
+    )
+    p.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        help="serve every request without a token, with full rights (only accepted "
+        "on a loopback --listen address: tests and single-machine demos)",
+    )
+    p.add_argument(
+        "--fence-check",
+        type=_positive_duration,
+        default=5.0,
+        metavar="DURATION",
+        help="ask the SOS server this often whether a newer writer fenced this gateway "
+        "(default 5): a fenced gateway refuses every request (503; its health "
+        "check fails), logs who fenced it and exits with code 3",
+    )
     p.add_argument("--debug", action="store_true", help="log every request")
     add_operations_options(p)
     add_connection_options(p)
@@ -124,15 +191,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def add_standby_options(p: argparse.ArgumentParser) -> None:
     """``--standby`` and ``--lease`` (a gateway pair, protocol.md 3.6)."""
-    p.add_argument("--standby", action="store_true",
-                   help="serve as a standby (a standby NameNode for Hadoop's HA client): tail the "
-                        "namespace's journal into the cache, answer every WebHDFS request with "
-                        "StandbyException, and take over as the writer once the active gateway's "
-                        "lease is silent for --lease seconds, or on `sos gateway promote`")
-    p.add_argument("--lease", type=_positive_duration, default=None, metavar="DURATION",
-                   help="renew a lease the standby watches (every DURATION/4) and serve only "
-                        "while holding it; the standby takes over after DURATION of silence "
-                        "(default with --standby: 10s; without it, no lease)")
+    p.add_argument(
+        "--standby",
+        action="store_true",
+        help="serve as a standby (a standby NameNode for Hadoop's HA client): tail the "
+        "namespace's journal into the cache, answer every WebHDFS request with "
+        "StandbyException, and take over as the writer once the active gateway's "
+        "lease is silent for --lease seconds, or on `sos gateway promote`",
+    )
+    p.add_argument(
+        "--lease",
+        type=_positive_duration,
+        default=None,
+        metavar="DURATION",
+        help="renew a lease the standby watches (every DURATION/4) and serve only "
+        "while holding it; the standby takes over after DURATION of silence "
+        "(default with --standby: 10s; without it, no lease)",
+    )
 
 
 def run_promote(args: argparse.Namespace, key: str) -> int:
@@ -148,8 +223,11 @@ def run_promote(args: argparse.Namespace, key: str) -> int:
         return 2
     context = None
     if url.startswith("https:"):
-        context = (ssl.create_default_context(cafile=args.tls_ca) if getattr(args, "tls_ca", None)
-                   else ssl.create_default_context())
+        context = (
+            ssl.create_default_context(cafile=args.tls_ca)
+            if getattr(args, "tls_ca", None)
+            else ssl.create_default_context()
+        )
     try:
         doc = promote(url, namespace, key, context=context)
     except (GatewayError, OSError) as exc:
@@ -162,25 +240,37 @@ def run_promote(args: argparse.Namespace, key: str) -> int:
 
 def add_operations_options(p: argparse.ArgumentParser) -> None:
     """--metrics, --restore-batch and --yes (issue 23 items 5 and 8)."""
-    p.add_argument("--metrics", metavar="HOST:PORT", default=None,
-                   help="serve Prometheus metrics on this address (:PORT is 127.0.0.1:PORT; port 0: any "
-                        "free one): spool lag, writer state, replicator errors, barrier latency, last "
-                        "committed batch per checkpoint, fenced, requests by operation (docs/DEPLOY.md, "
-                        "Gateway metrics; default: none)")
-    p.add_argument("--restore-batch", metavar="CHECKPOINT:N", default=None,
-                   help="before serving, roll the namespace back to right after batch N of the "
-                        "checkpoint CHECKPOINT (its path in the namespace) committed: the cache is "
-                        "rebuilt at that journal position and a new journal generation starts from "
-                        "that tree. THE WHOLE NAMESPACE goes back: every other checkpoint in it "
-                        "returns to the same point in the journal. Refused when it discards later "
-                        "changes unless --yes is given (docs/SPARK.md, Rolling back)")
-    p.add_argument("--yes", action="store_true",
-                   help="with --restore-batch: confirm discarding everything written after the batch")
+    p.add_argument(
+        "--metrics",
+        metavar="HOST:PORT",
+        default=None,
+        help="serve Prometheus metrics on this address (:PORT is 127.0.0.1:PORT; port 0: any "
+        "free one): spool lag, writer state, replicator errors, barrier latency, last "
+        "committed batch per checkpoint, fenced, requests by operation (docs/DEPLOY.md, "
+        "Gateway metrics; default: none)",
+    )
+    p.add_argument(
+        "--restore-batch",
+        metavar="CHECKPOINT:N",
+        default=None,
+        help="before serving, roll the namespace back to right after batch N of the "
+        "checkpoint CHECKPOINT (its path in the namespace) committed: the cache is "
+        "rebuilt at that journal position and a new journal generation starts from "
+        "that tree. THE WHOLE NAMESPACE goes back: every other checkpoint in it "
+        "returns to the same point in the journal. Refused when it discards later "
+        "changes unless --yes is given (docs/SPARK.md, Rolling back)",
+    )
+    p.add_argument(
+        "--yes", action="store_true", help="with --restore-batch: confirm discarding everything written after the batch"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.debug else logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
     try:
         key = key_from_args(args)  # $SOS_KEY or --key-file: never an argument (/proc/PID/cmdline)
     except SOSError as exc:
@@ -192,8 +282,10 @@ def run(args: argparse.Namespace) -> int:
             return 2
         return run_promote(args, key)
     if args.promote_args or args.listen is None:
-        print("sos: usage: sos gateway NAMESPACE --listen HOST:PORT [...] (or: sos gateway "
-              "promote NAMESPACE URL)", file=sys.stderr)
+        print(
+            "sos: usage: sos gateway NAMESPACE --listen HOST:PORT [...] (or: sos gateway promote NAMESPACE URL)",
+            file=sys.stderr,
+        )
         return 2
     try:
         validate_namespace(args.namespace)
@@ -221,9 +313,13 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"sos: {exc}", file=sys.stderr)
         return 2
-    refusal = "" if args.insecure_no_auth else plaintext_refusal(  # that one: loopback only
-        args.listen, tls=bool(args.tls_cert or args.tls_key),
-        insecure_plaintext=args.insecure_plaintext)
+    refusal = (
+        ""
+        if args.insecure_no_auth
+        else plaintext_refusal(  # that one: loopback only
+            args.listen, tls=bool(args.tls_cert or args.tls_key), insecure_plaintext=args.insecure_plaintext
+        )
+    )
     if refusal:
         print(f"sos: {refusal}", file=sys.stderr)
         return 2
@@ -237,43 +333,59 @@ def run(args: argparse.Namespace) -> int:
 
     tls_client = None  # checking client keys at the server: the connection's trust
     if getattr(args, "tls_ca", None) or getattr(args, "tls", False):
-        tls_client = (ssl.create_default_context(cafile=args.tls_ca) if args.tls_ca
-                      else ssl.create_default_context())
+        tls_client = ssl.create_default_context(cafile=args.tls_ca) if args.tls_ca else ssl.create_default_context()
     serve: Callable[..., int] = run_gateway
-    extra: dict[str, object] = {"restore_batch": args.restore_batch, "restore_yes": args.yes,
-                                "metrics": args.metrics}
+    extra: dict[str, object] = {"restore_batch": args.restore_batch, "restore_yes": args.yes, "metrics": args.metrics}
     if args.lease:
         extra["lease"] = args.lease
     if args.standby:
         from spark_plugin.gateway.standby import run_standby  # noqa: PLC0415 - as run_gateway
 
         if args.restore_batch or args.metrics:
-            print("sos: --restore-batch and --metrics are not served by a --standby gateway "
-                  "(roll back or watch the active one)", file=sys.stderr)
+            print(
+                "sos: --restore-batch and --metrics are not served by a --standby gateway "
+                "(roll back or watch the active one)",
+                file=sys.stderr,
+            )
             return 2
         serve = run_standby
         extra = {"lease": args.lease or DEFAULT_LEASE_SECONDS}
     try:
-        return serve(args.namespace, args.listen, server=args.server, key=key,
-                     cache_dir=args.cache, client_factory=factory, timeout=args.timeout,
-                     tls_client=tls_client, tls_cert=args.tls_cert, tls_key=args.tls_key,
-                     sync=not args.async_, max_lag_bytes=args.max_lag,
-                     generation_bytes=args.generation_bytes,
-                     insecure_no_auth=args.insecure_no_auth, token_ttl=args.token_ttl,
-                     threads=args.threads, insecure_plaintext=args.insecure_plaintext,
-                     advertise=args.advertise, max_connections=args.max_connections,
-                     max_per_address=args.max_connections_per_address,
-                     head_timeout=args.head_timeout, send_timeout=args.send_timeout,
-                     open_memory=args.open_memory, key_recheck=args.key_recheck,
-                     durability=args.durability,
-                     tier_patience=tier_patience_of(args.tier_patience),
-                     fence_check=args.fence_check, **extra)
+        return serve(
+            args.namespace,
+            args.listen,
+            server=args.server,
+            key=key,
+            cache_dir=args.cache,
+            client_factory=factory,
+            timeout=args.timeout,
+            tls_client=tls_client,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+            sync=not args.async_,
+            max_lag_bytes=args.max_lag,
+            generation_bytes=args.generation_bytes,
+            insecure_no_auth=args.insecure_no_auth,
+            token_ttl=args.token_ttl,
+            threads=args.threads,
+            insecure_plaintext=args.insecure_plaintext,
+            advertise=args.advertise,
+            max_connections=args.max_connections,
+            max_per_address=args.max_connections_per_address,
+            head_timeout=args.head_timeout,
+            send_timeout=args.send_timeout,
+            open_memory=args.open_memory,
+            key_recheck=args.key_recheck,
+            durability=args.durability,
+            tier_patience=tier_patience_of(args.tier_patience),
+            fence_check=args.fence_check,
+            **extra,
+        )
     except RollbackRefused as exc:
         print(f"sos: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("sos: gateway interrupted (the spool keeps what the server does not have yet)",
-              file=sys.stderr)
+        print("sos: gateway interrupted (the spool keeps what the server does not have yet)", file=sys.stderr)
         return 130
     except Exception as exc:
         logging.getLogger("sos.gateway").debug("gateway failed", exc_info=True)

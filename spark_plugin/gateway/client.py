@@ -36,8 +36,16 @@ class GatewayClient:
     (StandbyException) goes to the next one, as Hadoop's HA client does; ``key``: a key of
     ``namespace`` (as ``sos-server keygen`` prints it); ``context``: SSL context for https."""
 
-    def __init__(self, url: str | Sequence[str], namespace: str, key: str, *, timeout: float = 60.0,
-                 context: ssl.SSLContext | None = None, failover_patience: float = 60.0) -> None:
+    def __init__(
+        self,
+        url: str | Sequence[str],
+        namespace: str,
+        key: str,
+        *,
+        timeout: float = 60.0,
+        context: ssl.SSLContext | None = None,
+        failover_patience: float = 60.0,
+    ) -> None:
         urls = url.split(",") if isinstance(url, str) else list(url)
         self.urls = [u.strip().rstrip("/") for u in urls if u.strip()]
         if not self.urls:
@@ -56,16 +64,15 @@ class GatewayClient:
         """A valid bearer token (fetched again 30 s before the old one expires)."""
         with self._lock:
             if renew or self._token is None or time.monotonic() > self._expires - 30:
-                form = urllib.parse.urlencode({"grant_type": "client_credentials",
-                                               "client_id": self.namespace,
-                                               "client_secret": self._key}).encode()
+                form = urllib.parse.urlencode(
+                    {"grant_type": "client_credentials", "client_id": self.namespace, "client_secret": self._key}
+                ).encode()
                 doc = self._send("POST", self.url + "/oauth2/token", form, {})
                 self._token = str(doc["access_token"])
                 self._expires = time.monotonic() + float(doc["expires_in"])
             return self._token
 
-    def _send(self, method: str, url: str, body: bytes | None,
-              headers: dict[str, str]) -> dict[str, Any]:
+    def _send(self, method: str, url: str, body: bytes | None, headers: dict[str, str]) -> dict[str, Any]:
         req = urllib.request.Request(url, data=body, method=method, headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=self.timeout, context=self.context) as resp:
@@ -78,15 +85,15 @@ class GatewayClient:
                 doc = {}
             remote = doc.get("RemoteException") if isinstance(doc, dict) else None
             if remote:
-                raise GatewayError(exc.code, remote.get("exception", ""),
-                                   remote.get("message", "")) from None
-            raise GatewayError(exc.code, str(doc.get("error", "")) if isinstance(doc, dict) else "",
-                               str(doc.get("error_description", raw[:200]))
-                               if isinstance(doc, dict) else raw[:200].decode()) from None
+                raise GatewayError(exc.code, remote.get("exception", ""), remote.get("message", "")) from None
+            raise GatewayError(
+                exc.code,
+                str(doc.get("error", "")) if isinstance(doc, dict) else "",
+                str(doc.get("error_description", raw[:200])) if isinstance(doc, dict) else raw[:200].decode(),
+            ) from None
         return json.loads(text) if text else {}
 
-    def call(self, method: str, path: str, body: bytes | None = None,
-             **params: str) -> dict[str, Any]:
+    def call(self, method: str, path: str, body: bytes | None = None, **params: str) -> dict[str, Any]:
         """One authenticated request (a 401 fetches a new token once and retries). With
         several gateways, one that is unreachable or a standby sends it to the next (for at
         most ``failover_patience`` seconds, sleeping 0.5 s once every address was tried)."""
@@ -108,8 +115,7 @@ class GatewayClient:
             if tried % len(self.urls) == 0:
                 time.sleep(0.5)
 
-    def _call_one(self, method: str, path: str, body: bytes | None,
-                  params: dict[str, str]) -> dict[str, Any]:
+    def _call_one(self, method: str, path: str, body: bytes | None, params: dict[str, str]) -> dict[str, Any]:
         query = urllib.parse.urlencode(params)
         url = f"{self.url}{urllib.parse.quote(path)}" + (f"?{query}" if query else "")
         for attempt in (0, 1):

@@ -80,8 +80,9 @@ def ascii_request_line(line: bytes) -> bytes:
 class Reply(Exception):
     """Raised inside a handler to answer at once (status, JSON document, extra headers)."""
 
-    def __init__(self, status: int, doc: dict | None, headers: list[tuple[str, str]] | None = None,
-                 reason: str = "") -> None:
+    def __init__(
+        self, status: int, doc: dict | None, headers: list[tuple[str, str]] | None = None, reason: str = ""
+    ) -> None:
         super().__init__(status)
         self.status = status
         self.doc = doc
@@ -164,7 +165,9 @@ class Conn:
             self.h11.receive_data(b"")
 
     async def wait_for_request(
-        self, timeout: float, idle: set[trio.CancelScope],  # noqa: ASYNC109 - ends in False, not a cancellation
+        self,
+        timeout: float,  # noqa: ASYNC109 - its expiry is an outcome (False), not a cancellation
+        idle: set[trio.CancelScope],
     ) -> bool:
         """Wait for the first bytes of the next request: True once some are here, False
         after ``timeout`` or when a stopping gateway cancels the wait. While it waits the
@@ -197,9 +200,11 @@ class Conn:
             try:
                 event = self.h11.next_event()
             except h11.RemoteProtocolError as exc:
-                raise Reply(exc.error_status_hint,
-                             remote_error("IllegalArgumentException", f"bad HTTP request: {exc}"),
-                             [("connection", "close")]) from exc
+                raise Reply(
+                    exc.error_status_hint,
+                    remote_error("IllegalArgumentException", f"bad HTTP request: {exc}"),
+                    [("connection", "close")],
+                ) from exc
             if event is not h11.NEED_DATA:  # (mypy does not narrow a sentinel class by identity)
                 return cast("h11.Event | type[h11.PAUSED]", event)
             if self.h11.they_are_waiting_for_100_continue:
@@ -217,20 +222,24 @@ class Conn:
                 self.waiting = False
             if scope.cancelled_caught:
                 if self.deadline is not None and trio.current_time() >= self.deadline:
-                    raise Reply(408, remote_error("IllegalArgumentException",
-                                              "the request head did not arrive whole in time"),
-                                 [("connection", "close")], reason="Request Timeout")
+                    raise Reply(
+                        408,
+                        remote_error("IllegalArgumentException", "the request head did not arrive whole in time"),
+                        [("connection", "close")],
+                        reason="Request Timeout",
+                    )
                 raise Drop("the client stalled")
             self._receive(bytes(data))
 
     async def send(self, event: h11.Event) -> None:
         if isinstance(event, h11.Response) and self.closing:
-            event = h11.Response(status_code=event.status_code, reason=event.reason,
-                                 headers=[*event.headers, (b"connection", b"close")])
-        elif isinstance(event, h11.Response) and not any(k.lower() == b"connection"
-                                                         for k, _ in event.headers):
-            event = h11.Response(status_code=event.status_code, reason=event.reason,
-                                 headers=[*event.headers, *KEEP_ALIVE_HINT])
+            event = h11.Response(
+                status_code=event.status_code, reason=event.reason, headers=[*event.headers, (b"connection", b"close")]
+            )
+        elif isinstance(event, h11.Response) and not any(k.lower() == b"connection" for k, _ in event.headers):
+            event = h11.Response(
+                status_code=event.status_code, reason=event.reason, headers=[*event.headers, *KEEP_ALIVE_HINT]
+            )
         data = self.h11.send(event)
         if data:
             await self.send_bytes(data)
@@ -244,18 +253,22 @@ class Conn:
             self.waiting = True
             try:
                 with trio.move_on_after(self.send_timeout) as scope:
-                    await self.stream.send_all(view[start:start + SEND_STEP])
+                    await self.stream.send_all(view[start : start + SEND_STEP])
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                 raise Drop(f"send failed: {exc!r}") from exc
             finally:
                 self.waiting = False
             if scope.cancelled_caught:
-                log.info("closing a connection from %s: it read nothing of its reply for %.0f s",
-                         self.peer or "?", self.send_timeout)
+                log.info(
+                    "closing a connection from %s: it read nothing of its reply for %.0f s",
+                    self.peer or "?",
+                    self.send_timeout,
+                )
                 raise Drop("the client does not read its reply")
 
-    async def respond(self, status: int, body: bytes = b"",
-                      headers: list[tuple[str, str]] | None = None, reason: str = "") -> None:
+    async def respond(
+        self, status: int, body: bytes = b"", headers: list[tuple[str, str]] | None = None, reason: str = ""
+    ) -> None:
         hdrs = [(b"content-length", str(len(body)).encode())]
         hdrs += [(k.encode(), v.encode()) for k, v in (headers or [])]
         kwargs: dict[str, Any] = {"status_code": status, "headers": hdrs}
@@ -274,9 +287,11 @@ class Conn:
             if isinstance(event, h11.Data):
                 size += len(event.data)
                 if size > limit:
-                    raise Reply(413, remote_error("IllegalArgumentException",
-                                              f"request body larger than {limit} bytes"),
-                                 [("connection", "close")])
+                    raise Reply(
+                        413,
+                        remote_error("IllegalArgumentException", f"request body larger than {limit} bytes"),
+                        [("connection", "close")],
+                    )
                 chunks.append(bytes(event.data))
             elif isinstance(event, h11.EndOfMessage):
                 return b"".join(chunks)
@@ -322,8 +337,7 @@ class Conn:
 
 
 #: the connection the current task serves (each connection is one trio task)
-CURRENT_CONN: contextvars.ContextVar[Conn | None] = contextvars.ContextVar(
-    "sos_gateway_conn", default=None)
+CURRENT_CONN: contextvars.ContextVar[Conn | None] = contextvars.ContextVar("sos_gateway_conn", default=None)
 
 
 class Slots:
@@ -347,8 +361,7 @@ class Slots:
 
     def admit(self, conn: Conn) -> str | None:
         """Take a slot for ``conn``, making room if needed; None, or why it was refused."""
-        if (self.by_address[conn.peer] >= self.per_address
-                and not self.make_room(lambda c: c.peer == conn.peer)):
+        if self.by_address[conn.peer] >= self.per_address and not self.make_room(lambda c: c.peer == conn.peer):
             return f"too many connections from {conn.peer or 'this address'}"
         if len(self.open) >= self.total and not self.make_room():
             return "too many connections"
@@ -376,8 +389,11 @@ class Slots:
         client; False if there is none."""
         for conn in self.pending:
             if conn.waiting and match(conn):
-                log.debug("closing an unauthenticated connection from %s (open %.0f s) to "
-                          "make room", conn.peer or "?", trio.current_time() - conn.accepted)
+                log.debug(
+                    "closing an unauthenticated connection from %s (open %.0f s) to make room",
+                    conn.peer or "?",
+                    trio.current_time() - conn.accepted,
+                )
                 self.release(conn)
                 conn.scope.cancel()
                 return True

@@ -64,7 +64,7 @@ def lease_name(epoch: int) -> str:
 
 
 def parse_lease_name(name: str) -> int | None:
-    tail = name[len(LEASE_PREFIX):] if name.startswith(LEASE_PREFIX) else ""
+    tail = name[len(LEASE_PREFIX) :] if name.startswith(LEASE_PREFIX) else ""
     return int(tail) if len(tail) == 10 and tail.isdigit() else None
 
 
@@ -75,9 +75,14 @@ def standby_reply(why: str) -> Reply:
     policy retries on the next NameNode after an exponential, jittered sleep
     (``dfs.http.client.failover.sleep.base.millis``), not at once: a client whose active
     gateway just died does not spend its retries before the standby has taken over."""
-    return Reply(403, remote_exception(
-        "StandbyException", f"Operation category WRITE is not supported in state standby: {why}: "
-                            f"StandbyException", STANDBY_CLASS))
+    return Reply(
+        403,
+        remote_exception(
+            "StandbyException",
+            f"Operation category WRITE is not supported in state standby: {why}: StandbyException",
+            STANDBY_CLASS,
+        ),
+    )
 
 
 class LeaseHolder:
@@ -87,8 +92,15 @@ class LeaseHolder:
     gateway's address, written in each line for operators. ``lost`` is set (for good) once
     the server refuses a renewal as fenced. :meth:`gate` is the gateway's gate."""
 
-    def __init__(self, factory: ClientFactory, epoch: int, lease: float, *,
-                 url: str = "", clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        factory: ClientFactory,
+        epoch: int,
+        lease: float,
+        *,
+        url: str = "",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if lease <= 0:
             raise ValueError("the lease must be more than 0 s")
         self.factory = factory
@@ -114,8 +126,7 @@ class LeaseHolder:
     def renew(self) -> bool:
         """One renewal (blocking); True if the server took it."""
         sent = self._clock()
-        line = json.dumps({"t": int(time.time() * 1000), "url": self.url},
-                          separators=(",", ":")).encode() + b"\n"
+        line = json.dumps({"t": int(time.time() * 1000), "url": self.url}, separators=(",", ":")).encode() + b"\n"
         try:
             if self._client is None:
                 self._client = self.factory()
@@ -126,8 +137,7 @@ class LeaseHolder:
                     self._offset = 0
             self._offset = self._client.append(self.name, self._offset, line, epoch=self.epoch)
         except Fenced as exc:
-            self.lost = (f"a newer writer fenced namespace at epoch {exc.epoch} (this gateway's "
-                         f"epoch is {self.epoch})")
+            self.lost = f"a newer writer fenced namespace at epoch {exc.epoch} (this gateway's epoch is {self.epoch})"
             log.error("lease %s: %s: this gateway no longer serves", self.name, self.lost)
             return False
         except OffsetMismatch as exc:
@@ -170,8 +180,10 @@ class LeaseHolder:
         if self.lost is not None:
             raise standby_reply(f"this sos gateway is no longer the namespace's writer: {self.lost}")
         if not self.valid:
-            raise standby_reply(f"this sos gateway could not renew its lease {self.name} for "
-                                f"{self.lease:g} s (paused, or the SOS server is unreachable)")
+            raise standby_reply(
+                f"this sos gateway could not renew its lease {self.name} for "
+                f"{self.lease:g} s (paused, or the SOS server is unreachable)"
+            )
         return None
 
 

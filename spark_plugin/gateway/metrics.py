@@ -58,7 +58,7 @@ def commit_of(dst_path: str) -> tuple[str, int] | None:
     if parent == "commits":
         return "/", int(name)
     if parent.endswith("/commits"):
-        return "/" + parent[:-len("/commits")], int(name)
+        return "/" + parent[: -len("/commits")], int(name)
     return None
 
 
@@ -71,8 +71,12 @@ class GatewayMetrics(Collector):
         self.ns = ns
         self.registry = CollectorRegistry()
         self.barrier_seconds = Histogram(
-            "sos_gateway_barrier_seconds", "Time a barrier waited until the journal was durable (sync RENAME, "
-            "DELETE, TRUNCATE, MKDIRS and file bodies)", buckets=_BARRIER_BUCKETS, registry=self.registry)
+            "sos_gateway_barrier_seconds",
+            "Time a barrier waited until the journal was durable (sync RENAME, "
+            "DELETE, TRUNCATE, MKDIRS and file bodies)",
+            buckets=_BARRIER_BUCKETS,
+            registry=self.registry,
+        )
         self.registry.register(self)
         self._lock = threading.Lock()
         self.commits: collections.OrderedDict[str, tuple[int, float]] = collections.OrderedDict()
@@ -154,8 +158,10 @@ class GatewayMetrics(Collector):
 
     def _collect(self) -> Iterable[Metric]:
         writer = self.ns.writer
-        fenced = GaugeMetricFamily("sos_gateway_fenced", "1 once a newer writer fenced this gateway (it then "
-                                   "refuses every request and exits with code 3)")
+        fenced = GaugeMetricFamily(
+            "sos_gateway_fenced",
+            "1 once a newer writer fenced this gateway (it then refuses every request and exits with code 3)",
+        )
         fenced.add_metric([], 1.0 if self.gateway.fenced is not None else 0.0)
         yield fenced
         up = GaugeMetricFamily("sos_gateway_up", "1 while the gateway serves (0 while it drains or is fenced)")
@@ -165,31 +171,42 @@ class GatewayMetrics(Collector):
             self.sample()
             status = writer.status()
             acked = int(status["acked_seq"])
-            lag_b = GaugeMetricFamily("sos_gateway_spool_lag_bytes", "Journal bytes in the spool not yet durable "
-                                      "on the SOS server")
+            lag_b = GaugeMetricFamily(
+                "sos_gateway_spool_lag_bytes", "Journal bytes in the spool not yet durable on the SOS server"
+            )
             lag_b.add_metric([], float(status["unshipped_bytes"]))
-            lag_r = GaugeMetricFamily("sos_gateway_spool_lag_records", "Journal records not yet durable on the "
-                                      "SOS server")
+            lag_r = GaugeMetricFamily(
+                "sos_gateway_spool_lag_records", "Journal records not yet durable on the SOS server"
+            )
             lag_r.add_metric([], float(max(0, int(status["last_seq"]) - acked)))
-            lag_s = GaugeMetricFamily("sos_gateway_spool_lag_seconds", "Age of the oldest journal record not yet "
-                                      "durable on the SOS server (0: none)")
+            lag_s = GaugeMetricFamily(
+                "sos_gateway_spool_lag_seconds",
+                "Age of the oldest journal record not yet durable on the SOS server (0: none)",
+            )
             lag_s.add_metric([], self.lag_seconds(acked))
-            state = GaugeMetricFamily("sos_gateway_writer_state", "The journal writer's state: 1 for the current "
-                                      "one", labels=["state"])
+            state = GaugeMetricFamily(
+                "sos_gateway_writer_state", "The journal writer's state: 1 for the current one", labels=["state"]
+            )
             for name in WRITER_STATES:
                 state.add_metric([name], 1.0 if status["state"] == name else 0.0)
-            errors = CounterMetricFamily("sos_gateway_replicator_errors", "Errors of the replicator shipping "
-                                         "the journal (each retried; a fatal one, e.g. fenced, stops it)")
+            errors = CounterMetricFamily(
+                "sos_gateway_replicator_errors",
+                "Errors of the replicator shipping the journal (each retried; a fatal one, e.g. fenced, stops it)",
+            )
             errors.add_metric([], float(int(status["reconnects"]) + (1 if status["state"] == "failed" else 0)))
             epoch = GaugeMetricFamily("sos_gateway_writer_epoch", "The fence epoch this gateway's writer holds")
             epoch.add_metric([], float(status["epoch"]))
             gen = GaugeMetricFamily("sos_gateway_journal_generation", "The journal generation being written")
             gen.add_metric([], float(status["generation"]))
             yield from (lag_b, lag_r, lag_s, state, errors, epoch, gen)
-        batch = GaugeMetricFamily("sos_gateway_last_commit_batch", "Last batch committed per checkpoint "
-                                  "(a rename onto CHECKPOINT/commits/N through this gateway)", labels=["checkpoint"])
-        when = GaugeMetricFamily("sos_gateway_last_commit_timestamp_seconds", "Unix time of that commit",
-                                 labels=["checkpoint"])
+        batch = GaugeMetricFamily(
+            "sos_gateway_last_commit_batch",
+            "Last batch committed per checkpoint (a rename onto CHECKPOINT/commits/N through this gateway)",
+            labels=["checkpoint"],
+        )
+        when = GaugeMetricFamily(
+            "sos_gateway_last_commit_timestamp_seconds", "Unix time of that commit", labels=["checkpoint"]
+        )
         with self._lock:
             commits = list(self.commits.items())
         for checkpoint, (n, t) in commits:
@@ -197,10 +214,12 @@ class GatewayMetrics(Collector):
             when.add_metric([checkpoint], t)
         yield batch
         yield when
-        reqs = CounterMetricFamily("sos_gateway_requests", "Requests with a valid token served, by operation",
-                                   labels=["op"])
-        secs = CounterMetricFamily("sos_gateway_request_seconds", "Time spent serving them, by operation",
-                                   labels=["op"])
+        reqs = CounterMetricFamily(
+            "sos_gateway_requests", "Requests with a valid token served, by operation", labels=["op"]
+        )
+        secs = CounterMetricFamily(
+            "sos_gateway_request_seconds", "Time spent serving them, by operation", labels=["op"]
+        )
         for op, s in sorted(list(self.gateway.stats.items())):
             reqs.add_metric([op], float(s.count))
             secs.add_metric([op], s.seconds)
@@ -224,8 +243,9 @@ class GatewayMetrics(Collector):
             httpd.server_close()
 
 
-def serve_metrics(gateway: Gateway, ns: WebHdfsNamespace, listen: str,
-                  parse: Callable[[str], tuple[str, int]]) -> GatewayMetrics:
+def serve_metrics(
+    gateway: Gateway, ns: WebHdfsNamespace, listen: str, parse: Callable[[str], tuple[str, int]]
+) -> GatewayMetrics:
     """Instrument ``ns`` and serve the endpoint on ``listen`` (parsed by ``parse``)."""
     host, port = parse(listen)
     metrics = GatewayMetrics(gateway, ns)

@@ -36,11 +36,20 @@ OPEN_MEMORY = 64 << 20
 OPEN_MEMORY_WAIT = 10.0
 _MUTATING_METHODS = {"PUT", "POST", "DELETE"}
 
-SERVER_DEFAULTS = {"FsServerDefaults": {
-    "blockSize": 128 << 20, "bytesPerChecksum": 512, "writePacketSize": 64 << 10,
-    "replication": 1, "fileBufferSize": 4096, "encryptDataTransfer": False,
-    "trashInterval": 0, "checksumType": 2, "keyProviderUri": "", "defaultStoragePolicyId": 7,
-}}
+SERVER_DEFAULTS = {
+    "FsServerDefaults": {
+        "blockSize": 128 << 20,
+        "bytesPerChecksum": 512,
+        "writePacketSize": 64 << 10,
+        "replication": 1,
+        "fileBufferSize": 4096,
+        "encryptDataTransfer": False,
+        "trashInterval": 0,
+        "checksumType": 2,
+        "keyProviderUri": "",
+        "defaultStoragePolicyId": 7,
+    }
+}
 
 
 #: operations Hadoop's WebHdfsFileSystem knows that the gateway refuses
@@ -48,29 +57,65 @@ SERVER_DEFAULTS = {"FsServerDefaults": {
 UNSUPPORTED: dict[str, dict[str, str]] = {
     "GET": {
         **dict.fromkeys(
-            ["GETDELEGATIONTOKEN", "GETACLSTATUS", "GETXATTRS", "LISTXATTRS",
-             "GETALLSTORAGEPOLICY", "GETSTORAGEPOLICY", "GETSNAPSHOTDIFF",
-             "GETSNAPSHOTDIFFLISTING", "GETSNAPSHOTTABLEDIRECTORYLIST", "GETSNAPSHOTLIST",
-             "GETECPOLICY", "GETECPOLICIES", "GETECCODECS", "GETLINKTARGET", "GETQUOTAUSAGE"],
+            [
+                "GETDELEGATIONTOKEN",
+                "GETACLSTATUS",
+                "GETXATTRS",
+                "LISTXATTRS",
+                "GETALLSTORAGEPOLICY",
+                "GETSTORAGEPOLICY",
+                "GETSNAPSHOTDIFF",
+                "GETSNAPSHOTDIFFLISTING",
+                "GETSNAPSHOTTABLEDIRECTORYLIST",
+                "GETSNAPSHOTLIST",
+                "GETECPOLICY",
+                "GETECPOLICIES",
+                "GETECCODECS",
+                "GETLINKTARGET",
+                "GETQUOTAUSAGE",
+            ],
             "the gateway serves files and directories only (no delegation tokens, ACLs, "
-            "xattrs, storage or erasure-coding policies, snapshots, quotas, links)"),
+            "xattrs, storage or erasure-coding policies, snapshots, quotas, links)",
+        ),
         "GET_BLOCK_LOCATIONS": "the gateway has no datanodes or block ids to name; "
-                               "GETFILEBLOCKLOCATIONS answers the block locations",
+        "GETFILEBLOCKLOCATIONS answers the block locations",
     },
     "PUT": {
         **dict.fromkeys(
-            ["CREATESYMLINK", "RENEWDELEGATIONTOKEN", "CANCELDELEGATIONTOKEN",
-             "MODIFYACLENTRIES", "REMOVEACLENTRIES", "REMOVEDEFAULTACL", "REMOVEACL", "SETACL",
-             "SETXATTR", "REMOVEXATTR", "ENABLEECPOLICY", "DISABLEECPOLICY", "SETECPOLICY",
-             "ALLOWSNAPSHOT", "DISALLOWSNAPSHOT", "CREATESNAPSHOT", "RENAMESNAPSHOT",
-             "SETSTORAGEPOLICY", "SETQUOTA", "SETQUOTABYSTORAGETYPE", "SATISFYSTORAGEPOLICY"],
-            "the journal has no record for links, ACLs, xattrs, policies, snapshots or quotas"),
+            [
+                "CREATESYMLINK",
+                "RENEWDELEGATIONTOKEN",
+                "CANCELDELEGATIONTOKEN",
+                "MODIFYACLENTRIES",
+                "REMOVEACLENTRIES",
+                "REMOVEDEFAULTACL",
+                "REMOVEACL",
+                "SETACL",
+                "SETXATTR",
+                "REMOVEXATTR",
+                "ENABLEECPOLICY",
+                "DISABLEECPOLICY",
+                "SETECPOLICY",
+                "ALLOWSNAPSHOT",
+                "DISALLOWSNAPSHOT",
+                "CREATESNAPSHOT",
+                "RENAMESNAPSHOT",
+                "SETSTORAGEPOLICY",
+                "SETQUOTA",
+                "SETQUOTABYSTORAGETYPE",
+                "SATISFYSTORAGEPOLICY",
+            ],
+            "the journal has no record for links, ACLs, xattrs, policies, snapshots or quotas",
+        ),
     },
-    "POST": {"CONCAT": "the journal has no concat record",
-             "UNSETSTORAGEPOLICY": "the gateway has no storage policies",
-             "UNSETECPOLICY": "the gateway has no erasure-coding policies"},
+    "POST": {
+        "CONCAT": "the journal has no concat record",
+        "UNSETSTORAGEPOLICY": "the gateway has no storage policies",
+        "UNSETECPOLICY": "the gateway has no erasure-coding policies",
+    },
     "DELETE": {"DELETESNAPSHOT": "the gateway has no snapshots"},
 }
+
 
 def bool_param(params: dict[str, str], name: str, default: bool) -> bool:
     value = params.get(name)
@@ -78,9 +123,9 @@ def bool_param(params: dict[str, str], name: str, default: bool) -> bool:
         return default
     low = value.lower()
     if low not in ("true", "false"):
-        raise WebHdfsError("IllegalArgumentException",
-                           f'Invalid value for webhdfs parameter "{name}": {value!r} is not '
-                           f"true or false")
+        raise WebHdfsError(
+            "IllegalArgumentException", f'Invalid value for webhdfs parameter "{name}": {value!r} is not true or false'
+        )
     return low == "true"
 
 
@@ -91,15 +136,26 @@ def int_param(params: dict[str, str], name: str, default: int | None) -> int | N
     try:
         return int(value)
     except ValueError:
-        raise WebHdfsError("IllegalArgumentException",
-                           f'Invalid value for webhdfs parameter "{name}": {value!r} is not '
-                           f"an integer") from None
+        raise WebHdfsError(
+            "IllegalArgumentException", f'Invalid value for webhdfs parameter "{name}": {value!r} is not an integer'
+        ) from None
 
 
 #: Hadoop's CreateFlag names (the ``createflag`` parameter: a comma-separated set)
-CREATE_FLAGS = frozenset({"CREATE", "OVERWRITE", "APPEND", "SYNC_BLOCK", "LAZY_PERSIST",
-                          "NEW_BLOCK", "NO_LOCAL_WRITE", "SHOULD_REPLICATE",
-                          "IGNORE_CLIENT_LOCALITY", "NO_LOCAL_RACK"})
+CREATE_FLAGS = frozenset(
+    {
+        "CREATE",
+        "OVERWRITE",
+        "APPEND",
+        "SYNC_BLOCK",
+        "LAZY_PERSIST",
+        "NEW_BLOCK",
+        "NO_LOCAL_WRITE",
+        "SHOULD_REPLICATE",
+        "IGNORE_CLIENT_LOCALITY",
+        "NO_LOCAL_RACK",
+    }
+)
 
 
 def create_flags(params: dict[str, str]) -> tuple[bool, bool]:
@@ -110,14 +166,15 @@ def create_flags(params: dict[str, str]) -> tuple[bool, bool]:
     flags = {f.strip().upper() for f in params.get("createflag", "").split(",") if f.strip()}
     unknown = flags - CREATE_FLAGS
     if unknown:
-        raise WebHdfsError("IllegalArgumentException",
-                           f'Invalid value for webhdfs parameter "createflag": '
-                           f"{','.join(sorted(unknown))} is not one of {sorted(CREATE_FLAGS)}")
+        raise WebHdfsError(
+            "IllegalArgumentException",
+            f'Invalid value for webhdfs parameter "createflag": '
+            f"{','.join(sorted(unknown))} is not one of {sorted(CREATE_FLAGS)}",
+        )
     overwrite = bool_param(params, "overwrite", False) or "OVERWRITE" in flags
     append = "APPEND" in flags
     if overwrite and append:
-        raise WebHdfsError("HadoopIllegalArgumentException",
-                           "Both append and overwrite options cannot be enabled.")
+        raise WebHdfsError("HadoopIllegalArgumentException", "Both append and overwrite options cannot be enabled.")
     return overwrite, append
 
 
@@ -138,20 +195,20 @@ class Call:
 def check_operation(method: str, op: str, grant: TokenInfo) -> None:
     """A WebHdfsError for a request the table does not serve (or not with this token)."""
     if not op:
-        raise WebHdfsError("IllegalArgumentException",
-                           'Invalid value for webhdfs parameter "op": no op given')
+        raise WebHdfsError("IllegalArgumentException", 'Invalid value for webhdfs parameter "op": no op given')
     if (method, op) not in OPERATIONS:
         why = UNSUPPORTED.get(method, {}).get(op)
         if why is not None:
-            raise WebHdfsError("UnsupportedOperationException",
-                               f"{op} is not supported by sos gateway: {why}")
-        raise WebHdfsError("IllegalArgumentException",
-                           f'Invalid value for webhdfs parameter "op": {op} is not a valid '
-                           f"{method} operation.")
+            raise WebHdfsError("UnsupportedOperationException", f"{op} is not supported by sos gateway: {why}")
+        raise WebHdfsError(
+            "IllegalArgumentException",
+            f'Invalid value for webhdfs parameter "op": {op} is not a valid {method} operation.',
+        )
     if method in _MUTATING_METHODS and not grant.can_write:
-        raise WebHdfsError("AccessControlException",
-                           f"Permission denied: {op} needs a token of a key with the "
-                           f"append role; this token is read-only")
+        raise WebHdfsError(
+            "AccessControlException",
+            f"Permission denied: {op} needs a token of a key with the append role; this token is read-only",
+        )
 
 
 def _document(fn: Callable[[Operations, Call], Awaitable[dict | None]]) -> Handler:
@@ -175,9 +232,15 @@ class Operations:
     ``scheme://host:port`` the redirects of the two-step operations name; ``open_memory``:
     room for OPEN pieces (one token each); ``send_timeout``: see http.SEND_TIMEOUT."""
 
-    def __init__(self, ns: WebHdfsNamespace, run: Callable[..., Awaitable[Any]],
-                 base_url: Callable[[], str], *, open_memory: int = OPEN_MEMORY,
-                 send_timeout: float) -> None:
+    def __init__(
+        self,
+        ns: WebHdfsNamespace,
+        run: Callable[..., Awaitable[Any]],
+        base_url: Callable[[], str],
+        *,
+        open_memory: int = OPEN_MEMORY,
+        send_timeout: float,
+    ) -> None:
         self.ns = ns
         self.run = run
         self.base_url = base_url
@@ -213,9 +276,12 @@ class Operations:
 
     @_document
     async def block_locations(self, call: Call) -> dict | None:
-        return await self.run(self.ns.block_locations, call.rel,
-                              int_param(call.params, "offset", 0) or 0,
-                              int_param(call.params, "length", None))
+        return await self.run(
+            self.ns.block_locations,
+            call.rel,
+            int_param(call.params, "offset", 0) or 0,
+            int_param(call.params, "length", None),
+        )
 
     @_document
     async def file_checksum(self, call: Call) -> dict | None:
@@ -231,13 +297,11 @@ class Operations:
 
     @_document
     async def trash_roots(self, call: Call) -> dict | None:
-        return await self.run(self.ns.trash_roots, self._user(call),
-                              bool_param(call.params, "allusers", False))
+        return await self.run(self.ns.trash_roots, self._user(call), bool_param(call.params, "allusers", False))
 
     @_document
     async def set_owner(self, call: Call) -> dict | None:
-        await self.run(self.ns.set_owner, call.rel, call.params.get("owner", ""),
-                       call.params.get("group", ""))
+        await self.run(self.ns.set_owner, call.rel, call.params.get("owner", ""), call.params.get("group", ""))
         return None
 
     @_document
@@ -246,8 +310,7 @@ class Operations:
 
     @_document
     async def check_access(self, call: Call) -> dict | None:
-        await self.run(self.ns.check_access, call.rel, call.params.get("fsaction", ""),
-                       call.grant.can_write)
+        await self.run(self.ns.check_access, call.rel, call.params.get("fsaction", ""), call.grant.can_write)
         return None
 
     @_document
@@ -260,16 +323,16 @@ class Operations:
         params = call.params
         dst = params.get("destination")
         if not dst:
-            raise WebHdfsError("IllegalArgumentException",
-                               'Invalid value for webhdfs parameter "destination": missing')
+            raise WebHdfsError("IllegalArgumentException", 'Invalid value for webhdfs parameter "destination": missing')
         options = None
         if "renameoptions" in params:
             options = {o.strip().upper() for o in params["renameoptions"].split(",") if o.strip()}
             unknown = options - {"NONE", "OVERWRITE", "TO_TRASH"}
             if unknown:
-                raise WebHdfsError("IllegalArgumentException",
-                                   f'Invalid value for webhdfs parameter "renameoptions": '
-                                   f"{sorted(unknown)}")
+                raise WebHdfsError(
+                    "IllegalArgumentException",
+                    f'Invalid value for webhdfs parameter "renameoptions": {sorted(unknown)}',
+                )
         return await self.run(self.ns.rename, call.rel, dst, options)
 
     @_document
@@ -278,14 +341,17 @@ class Operations:
 
     @_document
     async def set_permission(self, call: Call) -> dict | None:
-        await self.run(self.ns.set_permission, call.rel,
-                       parse_permission(call.params.get("permission"), 0o755))
+        await self.run(self.ns.set_permission, call.rel, parse_permission(call.params.get("permission"), 0o755))
         return None
 
     @_document
     async def set_times(self, call: Call) -> dict | None:
-        await self.run(self.ns.set_times, call.rel, int_param(call.params, "modificationtime", -1),
-                       int_param(call.params, "accesstime", -1))
+        await self.run(
+            self.ns.set_times,
+            call.rel,
+            int_param(call.params, "modificationtime", -1),
+            int_param(call.params, "accesstime", -1),
+        )
         return None
 
     @_document
@@ -296,8 +362,7 @@ class Operations:
     async def truncate(self, call: Call) -> dict | None:
         new_length = int_param(call.params, "newlength", None)
         if new_length is None:
-            raise WebHdfsError("IllegalArgumentException",
-                               'Invalid value for webhdfs parameter "newlength": missing')
+            raise WebHdfsError("IllegalArgumentException", 'Invalid value for webhdfs parameter "newlength": missing')
         return await self.run(self.ns.truncate, call.rel, new_length)
 
     # ------------------------------------------------------------------ CREATE / APPEND / OPEN
@@ -308,8 +373,7 @@ class Operations:
         query = {k: v for k, v in call.params.items() if k not in ("noredirect", "data")}
         query["data"] = "true"
         path = WEBHDFS_PREFIX + "/" + call.rel
-        return (f"{self.base_url()}{urllib.parse.quote(path, errors='surrogateescape')}"
-                f"?{urllib.parse.urlencode(query)}")
+        return f"{self.base_url()}{urllib.parse.quote(path, errors='surrogateescape')}?{urllib.parse.urlencode(query)}"
 
     async def _redirect(self, call: Call) -> int:
         """Step 1 (no ``data=true``), checked: 307 to this same URL with ``data=true``
@@ -328,8 +392,7 @@ class Operations:
         overwrite, append = create_flags(call.params)
         create_parent = bool_param(call.params, "createparent", True)
         if not (append and await self.run(self.ns.is_file, call.rel)):
-            await self.run(lambda: self.ns.check_create(call.rel, overwrite=overwrite,
-                                                        create_parent=create_parent))
+            await self.run(lambda: self.ns.check_create(call.rel, overwrite=overwrite, create_parent=create_parent))
         await self.run(self.ns.check_lease, call.rel)
         return await self._redirect(call)
 
@@ -355,8 +418,7 @@ class Operations:
             if op == "CREATE" and not (append and await self.run(ns.is_file, rel)):
                 mode = parse_permission(params.get("permission"), 0o644)
                 create_parent = bool_param(params, "createparent", True)
-                await self.run(lambda: ns.begin_create(rel, mode, overwrite=overwrite,
-                                                        create_parent=create_parent))
+                await self.run(lambda: ns.begin_create(rel, mode, overwrite=overwrite, create_parent=create_parent))
                 offset = 0
             else:
                 offset = await self.run(ns.begin_append, rel)
@@ -418,11 +480,14 @@ class Operations:
             if count:
                 held = await self._open_room(OPEN_MEMORY_WAIT)
                 if not held:
-                    raise Reply(503, remote_error("IOException", "the gateway holds too many replies "
-                                              "that are not read yet: try again"),
-                                 [("retry-after", "1")])
-            await conn.send(h11.Response(status_code=200,
-                                         headers=[(b"content-length", str(count).encode())]))
+                    raise Reply(
+                        503,
+                        remote_error(
+                            "IOException", "the gateway holds too many replies that are not read yet: try again"
+                        ),
+                        [("retry-after", "1")],
+                    )
+            await conn.send(h11.Response(status_code=200, headers=[(b"content-length", str(count).encode())]))
             pos, end = start, start + count
             while pos < end:
                 if not held:

@@ -24,15 +24,28 @@ class GatewayProcess(ReadyChild):
     server's bucket); ``tier_patience``: ``--tier-patience`` in seconds (None: the default).
     """
 
-    def __init__(self, namespace: str, cache_dir: str, server: str, key: str, *,
-                 listen: str = "127.0.0.1:0", sync: bool = True, log_path: str | None = None,
-                 extra_args: tuple[str, ...] | list[str] = (), start_timeout: float = 120.0,
-                 debug: bool = False, durability: str = "server",
-                 tier_patience: float | None = None) -> None:
-        super().__init__("sos gateway", READY_MARKER,
-                         log_path or os.path.join(tempfile.mkdtemp(prefix="sos-gateway-log-"),
-                                                  "gateway.log"),
-                         start_timeout=start_timeout)
+    def __init__(
+        self,
+        namespace: str,
+        cache_dir: str,
+        server: str,
+        key: str,
+        *,
+        listen: str = "127.0.0.1:0",
+        sync: bool = True,
+        log_path: str | None = None,
+        extra_args: tuple[str, ...] | list[str] = (),
+        start_timeout: float = 120.0,
+        debug: bool = False,
+        durability: str = "server",
+        tier_patience: float | None = None,
+    ) -> None:
+        super().__init__(
+            "sos gateway",
+            READY_MARKER,
+            log_path or os.path.join(tempfile.mkdtemp(prefix="sos-gateway-log-"), "gateway.log"),
+            start_timeout=start_timeout,
+        )
         self.namespace = namespace
         self.cache_dir = cache_dir
         self.server = server
@@ -45,8 +58,18 @@ class GatewayProcess(ReadyChild):
         self.tier_patience = tier_patience
 
     def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "spark_plugin.gateway.cli", self.namespace,
-               "--listen", self.listen, "--cache", self.cache_dir, "--server", self.server]
+        cmd = [
+            sys.executable,
+            "-m",
+            "spark_plugin.gateway.cli",
+            self.namespace,
+            "--listen",
+            self.listen,
+            "--cache",
+            self.cache_dir,
+            "--server",
+            self.server,
+        ]
         if not self.sync:
             cmd.append("--async")
         if self.debug:
@@ -65,4 +88,4 @@ class GatewayProcess(ReadyChild):
         """``scheme://host:port`` of the running gateway (None before it started)."""
         if not self.ready_line:
             return None
-        return self.ready_line[len(READY_MARKER):].split()[0]
+        return self.ready_line[len(READY_MARKER) :].split()[0]

@@ -40,8 +40,16 @@ from .process import READY_MARKER
 from .server import EXIT_FENCED, Gateway
 from .webhdfs import WebHdfsNamespace
 
-__all__ = ["fit_connections", "parse_advertise", "parse_listen", "parse_metrics_listen", "plaintext_refusal",
-           "prepare_rollback", "raise_nofile_limit", "run_gateway"]
+__all__ = [
+    "fit_connections",
+    "parse_advertise",
+    "parse_listen",
+    "parse_metrics_listen",
+    "plaintext_refusal",
+    "prepare_rollback",
+    "raise_nofile_limit",
+    "run_gateway",
+]
 
 log = logging.getLogger("sos.gateway")
 
@@ -80,8 +88,10 @@ def parse_advertise(text: str) -> tuple[str, int | None]:
         if port == 0:
             raise ValueError("port must be 1..65535")
     except ValueError as exc:
-        raise ValueError(f"--advertise {text!r}: {exc}: expected HOST or HOST:PORT, the name "
-                         f"clients reach the gateway at (e.g. sos-gateway:9870)") from None
+        raise ValueError(
+            f"--advertise {text!r}: {exc}: expected HOST or HOST:PORT, the name "
+            f"clients reach the gateway at (e.g. sos-gateway:9870)"
+        ) from None
     return host, port
 
 
@@ -92,10 +102,12 @@ def plaintext_refusal(listen: str, *, tls: bool, insecure_plaintext: bool) -> st
     host, _ = parse_listen(listen)
     if tls or insecure_plaintext or is_loopback(host):
         return ""
-    return (f"--listen {listen} is not a loopback address and there is no --tls-cert: clients "
-            f"would send their keys (at {TOKEN_PATH}) and bearer tokens in clear. Serve HTTPS "
-            f"with --tls-cert/--tls-key, or pass --insecure-plaintext if the network between "
-            f"the clients and the gateway is trusted (e.g. an encrypted overlay)")
+    return (
+        f"--listen {listen} is not a loopback address and there is no --tls-cert: clients "
+        f"would send their keys (at {TOKEN_PATH}) and bearer tokens in clear. Serve HTTPS "
+        f"with --tls-cert/--tls-key, or pass --insecure-plaintext if the network between "
+        f"the clients and the gateway is trusted (e.g. an encrypted overlay)"
+    )
 
 
 def raise_nofile_limit() -> tuple[int, int]:
@@ -120,22 +132,42 @@ def fit_connections(wanted: int, soft_limit: int, threads: int) -> int:
     return max(8, min(wanted, (soft_limit - FD_RESERVE - threads) // 2))
 
 
-def run_gateway(namespace: str, listen: str, *, server: str, key: str, cache_dir: str | None = None,
-                client_factory: ClientFactory | None = None, timeout: float = 30.0,
-                tls_client: ssl.SSLContext | None = None, tls_cert: str | None = None,
-                tls_key: str | None = None, sync: bool = True, max_lag_bytes: int = 64 << 20,
-                generation_bytes: int | None = None, insecure_no_auth: bool = False,
-                token_ttl: int = DEFAULT_TOKEN_TTL, threads: int = 32,
-                flush_timeout: float = 120.0, drain_timeout: float = DRAIN_TIMEOUT,
-                insecure_plaintext: bool = False, advertise: str | None = None,
-                max_connections: int = MAX_CONNECTIONS,
-                max_per_address: int = MAX_CONNECTIONS_PER_ADDRESS,
-                head_timeout: float = HEAD_TIMEOUT, send_timeout: float = SEND_TIMEOUT,
-                open_memory: int = OPEN_MEMORY, key_recheck: float = DEFAULT_KEY_RECHECK,
-                durability: str = "server", tier_patience: float | None = None,
-                fence_check: float = FENCE_CHECK, metrics: str | None = None,
-                restore_batch: str | None = None, restore_yes: bool = False,
-                lease: float | None = None) -> int:
+def run_gateway(
+    namespace: str,
+    listen: str,
+    *,
+    server: str,
+    key: str,
+    cache_dir: str | None = None,
+    client_factory: ClientFactory | None = None,
+    timeout: float = 30.0,
+    tls_client: ssl.SSLContext | None = None,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+    sync: bool = True,
+    max_lag_bytes: int = 64 << 20,
+    generation_bytes: int | None = None,
+    insecure_no_auth: bool = False,
+    token_ttl: int = DEFAULT_TOKEN_TTL,
+    threads: int = 32,
+    flush_timeout: float = 120.0,
+    drain_timeout: float = DRAIN_TIMEOUT,
+    insecure_plaintext: bool = False,
+    advertise: str | None = None,
+    max_connections: int = MAX_CONNECTIONS,
+    max_per_address: int = MAX_CONNECTIONS_PER_ADDRESS,
+    head_timeout: float = HEAD_TIMEOUT,
+    send_timeout: float = SEND_TIMEOUT,
+    open_memory: int = OPEN_MEMORY,
+    key_recheck: float = DEFAULT_KEY_RECHECK,
+    durability: str = "server",
+    tier_patience: float | None = None,
+    fence_check: float = FENCE_CHECK,
+    metrics: str | None = None,
+    restore_batch: str | None = None,
+    restore_yes: bool = False,
+    lease: float | None = None,
+) -> int:
     """Serve ``namespace`` on ``listen`` until SIGTERM/SIGINT; returns the exit code
     (0 after a clean stop with the journal flushed, 1 if the final flush failed,
     EXIT_FENCED (3) when a newer writer fenced it: it then refuses every request and stops
@@ -166,19 +198,28 @@ def run_gateway(namespace: str, listen: str, *, server: str, key: str, cache_dir
     host, port = parse_listen(listen)
     if insecure_no_auth and not is_loopback(host):
         raise ValueError(f"--insecure-no-auth is only accepted on a loopback address, not {host}")
-    refusal = plaintext_refusal(listen, tls=bool(tls_cert or tls_key),
-                                insecure_plaintext=insecure_plaintext)
+    refusal = plaintext_refusal(listen, tls=bool(tls_cert or tls_key), insecure_plaintext=insecure_plaintext)
     if refusal:
         raise ValueError(refusal)
     advertised = parse_advertise(advertise) if advertise else None
     soft, hard = raise_nofile_limit()
     cap = fit_connections(max_connections, soft, threads)
-    log.info("descriptor limit %d (hard %d): at most %d connections (%d without a valid token, "
-             "%d per client address)", soft, hard, cap, max(4, cap // 4),
-             min(max_per_address, cap))
+    log.info(
+        "descriptor limit %d (hard %d): at most %d connections (%d without a valid token, %d per client address)",
+        soft,
+        hard,
+        cap,
+        max(4, cap // 4),
+        min(max_per_address, cap),
+    )
     if cap < max_connections:
-        log.warning("the descriptor limit (%d) holds only %d connections, not %d: raise its hard "
-                    "limit (ulimit -Hn, LimitNOFILE=) for more", soft, cap, max_connections)
+        log.warning(
+            "the descriptor limit (%d) holds only %d connections, not %d: raise its hard "
+            "limit (ulimit -Hn, LimitNOFILE=) for more",
+            soft,
+            cap,
+            max_connections,
+        )
     tls = None
     if tls_cert or tls_key:
         if not (tls_cert and tls_key):
@@ -191,11 +232,21 @@ def run_gateway(namespace: str, listen: str, *, server: str, key: str, cache_dir
     cache_dir = cache_dir or default_cache_dir(namespace)
     rebuild = prepare_rollback(cache_dir, restore_batch, restore_yes) if restore_batch else None
     interrupted = not restore_batch and finish_interrupted_rollback(cache_dir)
-    opened = open_namespace(namespace, cache_dir, server=server,
-                            key=key, timeout=timeout, tls=tls_client,
-                            client_factory=client_factory, sync=False,
-                            max_lag_bytes=max_lag_bytes, generation_bytes=generation_bytes,
-                            durability=durability, tier_patience=tier_patience, rebuild=rebuild)
+    opened = open_namespace(
+        namespace,
+        cache_dir,
+        server=server,
+        key=key,
+        timeout=timeout,
+        tls=tls_client,
+        client_factory=client_factory,
+        sync=False,
+        max_lag_bytes=max_lag_bytes,
+        generation_bytes=generation_bytes,
+        durability=durability,
+        tier_patience=tier_patience,
+        rebuild=rebuild,
+    )
     if restore_batch and not opened.rebuilt:  # e.g. a new namespace: no batch to go back to
         opened.close(timeout=0)
         raise ValueError(f"--restore-batch {restore_batch}: namespace {namespace!r} has no journal to roll back")
@@ -209,17 +260,28 @@ def run_gateway(namespace: str, listen: str, *, server: str, key: str, cache_dir
     except (KeyError, OSError):
         owner = "sos"
     ns = WebHdfsNamespace(opened, sync=sync, owner=owner, group=owner)
-    gateway = Gateway(ns, TokenAuthority(namespace, secret, ttl=token_ttl),
-                      key_verifier(server, namespace, timeout=timeout, tls=tls_client),
-                      insecure=insecure_no_auth, tls=tls, threads=threads,
-                      max_connections=cap, max_per_address=max_per_address,
-                      head_timeout=head_timeout, send_timeout=send_timeout,
-                      open_memory=open_memory, advertise=advertised, key_recheck=key_recheck)
+    gateway = Gateway(
+        ns,
+        TokenAuthority(namespace, secret, ttl=token_ttl),
+        key_verifier(server, namespace, timeout=timeout, tls=tls_client),
+        insecure=insecure_no_auth,
+        tls=tls,
+        threads=threads,
+        max_connections=cap,
+        max_per_address=max_per_address,
+        head_timeout=head_timeout,
+        send_timeout=send_timeout,
+        open_memory=open_memory,
+        advertise=advertised,
+        key_recheck=key_recheck,
+    )
     if advertised is None and tls is not None and is_wildcard(host):
-        log.warning("--listen %s with TLS and no --advertise: the redirects of CREATE, APPEND "
-                    "and OPEN name the IP address each client reached, which the certificate "
-                    "must then hold; give --advertise NAME:PORT (a name of the certificate)",
-                    listen)
+        log.warning(
+            "--listen %s with TLS and no --advertise: the redirects of CREATE, APPEND "
+            "and OPEN name the IP address each client reached, which the certificate "
+            "must then hold; give --advertise NAME:PORT (a name of the certificate)",
+            listen,
+        )
     holder = None
     exported = None
     try:
@@ -228,14 +290,23 @@ def run_gateway(namespace: str, listen: str, *, server: str, key: str, cache_dir
         opened.close(timeout=0)
         raise OSError(exc.errno, f"cannot listen for metrics on {metrics}: {exc.strerror or exc}") from None
     code = 0
-    watch = (FenceWatch(namespace, opened.writer, client_factory or opened.client_factory, fence_check,
-                        who="this gateway")
-             if opened.writer is not None else None)
+    watch = (
+        FenceWatch(namespace, opened.writer, client_factory or opened.client_factory, fence_check, who="this gateway")
+        if opened.writer is not None
+        else None
+    )
     try:
         holder = hold_lease(gateway, opened, lease, lease_url(advertise, listen)) if lease else None
         mode = ("sync" if sync else "async") + (", durability tier" if durability == "tier" else "")
-        trio.run(_serve, gateway, host, port, f"(namespace {namespace}, {mode}"
-                 f"{', no auth' if insecure_no_auth else ''})", drain_timeout, watch)
+        trio.run(
+            _serve,
+            gateway,
+            host,
+            port,
+            f"(namespace {namespace}, {mode}{', no auth' if insecure_no_auth else ''})",
+            drain_timeout,
+            watch,
+        )
         log.info("stopped; requests served:\n%s", gateway.summary() or "(none)")
         try:
             if gateway.fenced is not None:
@@ -243,8 +314,11 @@ def run_gateway(namespace: str, listen: str, *, server: str, key: str, cache_dir
             elif opened.writer is not None:  # None only for a read-only namespace
                 opened.writer.barrier(timeout=flush_timeout)
         except Exception as exc:  # noqa: BLE001 - reported, exit code says it
-            log.error("final flush failed (the spool in %s keeps the journal; the next gateway "
-                      "on this cache ships it): %r", opened.spool_dir, exc)
+            log.error(
+                "final flush failed (the spool in %s keeps the journal; the next gateway on this cache ships it): %r",
+                opened.spool_dir,
+                exc,
+            )
             code = 1
     finally:
         if holder is not None:
@@ -288,8 +362,13 @@ def prepare_rollback(cache_dir: str, point: str, discard: bool) -> RebuildCache:
         clear_directory(tree_dir)
 
     def found(at: RollbackPoint) -> None:
-        log.info("--restore-batch: batch %d of checkpoint %r committed at journal record %d; the journal "
-                 "ends at %d", at.batch, at.checkpoint or ".", at.position, at.end)
+        log.info(
+            "--restore-batch: batch %d of checkpoint %r committed at journal record %d; the journal ends at %d",
+            at.batch,
+            at.checkpoint or ".",
+            at.position,
+            at.end,
+        )
 
     return rollback_rebuild(point, discard=discard, on_point=found)
 
@@ -301,8 +380,10 @@ def finish_interrupted_rollback(cache_dir: str) -> bool:
     cache_dir = os.path.abspath(cache_dir)
     if not os.path.exists(os.path.join(cache_dir, ROLLBACK_PENDING)):
         return False
-    log.warning("a --restore-batch on this cache did not finish: the cache is rebuilt from the server "
-                "(the journal's end); run --restore-batch again to roll back")
+    log.warning(
+        "a --restore-batch on this cache did not finish: the cache is rebuilt from the server "
+        "(the journal's end); run --restore-batch again to roll back"
+    )
     tree_dir = os.path.join(cache_dir, "tree")
     if os.path.isdir(tree_dir) and not os.path.islink(tree_dir):
         clear_directory(tree_dir)
@@ -320,8 +401,12 @@ def report_previous_writer(opened: OpenNamespace, client_factory: ClientFactory 
     try:
         client = client_factory()
         try:
-            segs = [seg for g in layout.scan_listing(client.list(layout.GEN_PREFIX)).values()
-                    for seg in g.segments if seg.epoch < writer.epoch and seg.length > 0]
+            segs = [
+                seg
+                for g in layout.scan_listing(client.list(layout.GEN_PREFIX)).values()
+                for seg in g.segments
+                if seg.epoch < writer.epoch and seg.length > 0
+            ]
             if not segs:
                 return
             last = max(segs, key=lambda seg: (seg.generation, seg.first_seq))
@@ -329,31 +414,50 @@ def report_previous_writer(opened: OpenNamespace, client_factory: ClientFactory 
         finally:
             client.close()
     except (SOSError, OSError) as exc:
-        log.info("took over namespace %r at epoch %d (the previous writer could not be read: %s)",
-                 opened.namespace, writer.epoch, exc)
+        log.info(
+            "took over namespace %r at epoch %d (the previous writer could not be read: %s)",
+            opened.namespace,
+            writer.epoch,
+            exc,
+        )
         return
     if found is None:
         return
     age = max(0.0, time.time() - found[1] / 1e9)
     if age < LIVE_WRITER_WINDOW:
-        log.warning("FENCED A LIVE WRITER? this gateway took namespace %r over at epoch %d from the "
-                    "writer of epoch %d, whose last record (seq %d, segment %s) is %.0f s old: it was "
-                    "probably still running (another gateway or mount on this namespace); it can no "
-                    "longer change the namespace and stops", opened.namespace, writer.epoch,
-                    last.epoch, found[0], last.name, age)
+        log.warning(
+            "FENCED A LIVE WRITER? this gateway took namespace %r over at epoch %d from the "
+            "writer of epoch %d, whose last record (seq %d, segment %s) is %.0f s old: it was "
+            "probably still running (another gateway or mount on this namespace); it can no "
+            "longer change the namespace and stops",
+            opened.namespace,
+            writer.epoch,
+            last.epoch,
+            found[0],
+            last.name,
+            age,
+        )
     else:
-        log.info("took over namespace %r at epoch %d from the writer of epoch %d (its last record, "
-                 "seq %d, is %.0f s old)", opened.namespace, writer.epoch, last.epoch, found[0], age)
+        log.info(
+            "took over namespace %r at epoch %d from the writer of epoch %d (its last record, seq %d, is %.0f s old)",
+            opened.namespace,
+            writer.epoch,
+            last.epoch,
+            found[0],
+            age,
+        )
 
 
-async def _serve(gateway: Gateway, host: str, port: int, about: str, drain_timeout: float,
-                 watch: FenceWatch | None = None) -> None:
+async def _serve(
+    gateway: Gateway, host: str, port: int, about: str, drain_timeout: float, watch: FenceWatch | None = None
+) -> None:
     """Serve until SIGTERM/SIGINT, then drain: no new connection, the requests in
     progress finish (at most ``drain_timeout`` s); a second signal stops at once. With
     ``watch``, a fenced gateway refuses every request and stops the same way."""
 
     async def serve(task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
+
             async def serve_then_stop(task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
                 await gateway.serve(host, port, task_status=task_status)
                 nursery.cancel_scope.cancel()  # served: the fence watch ends too
@@ -364,15 +468,14 @@ async def _serve(gateway: Gateway, host: str, port: int, about: str, drain_timeo
 
     def drain(name: str) -> None:
         busy = gateway.drain()
-        log.info("%s: stopping: no new connections; %d in progress get %.0f s to finish", name,
-                 busy, drain_timeout)
+        log.info("%s: stopping: no new connections; %d in progress get %.0f s to finish", name, busy, drain_timeout)
 
-    await serve_until_signal(serve, lambda _address: f"{READY_MARKER} {gateway.url} {about}",
-                             stop=drain, grace=drain_timeout)
+    await serve_until_signal(
+        serve, lambda _address: f"{READY_MARKER} {gateway.url} {about}", stop=drain, grace=drain_timeout
+    )
 
 
-async def _watch_fence(gateway: Gateway, watch: FenceWatch, drain_timeout: float,
-                       scope: trio.CancelScope) -> None:
+async def _watch_fence(gateway: Gateway, watch: FenceWatch, drain_timeout: float, scope: trio.CancelScope) -> None:
     """Check every 0.5 s; once fenced, refuse and drain (at most ``drain_timeout`` s)."""
     while not gateway.draining:
         reason = await trio.to_thread.run_sync(watch.check, abandon_on_cancel=True)

@@ -121,15 +121,23 @@ class Gateway:
     ``key_recheck``: seconds after which a bearer token's key is asked again at the server.
     """
 
-    def __init__(self, ns: WebHdfsNamespace, authority: TokenAuthority,
-                 verify_key: Callable[[str], tuple[str, str]], *, insecure: bool = False,
-                 tls: ssl.SSLContext | None = None, threads: int = 32,
-                 max_connections: int = MAX_CONNECTIONS,
-                 max_per_address: int = MAX_CONNECTIONS_PER_ADDRESS,
-                 head_timeout: float = HEAD_TIMEOUT, send_timeout: float = SEND_TIMEOUT,
-                 open_memory: int = OPEN_MEMORY,
-                 advertise: tuple[str, int | None] | None = None,
-                 key_recheck: float = DEFAULT_KEY_RECHECK) -> None:
+    def __init__(
+        self,
+        ns: WebHdfsNamespace,
+        authority: TokenAuthority,
+        verify_key: Callable[[str], tuple[str, str]],
+        *,
+        insecure: bool = False,
+        tls: ssl.SSLContext | None = None,
+        threads: int = 32,
+        max_connections: int = MAX_CONNECTIONS,
+        max_per_address: int = MAX_CONNECTIONS_PER_ADDRESS,
+        head_timeout: float = HEAD_TIMEOUT,
+        send_timeout: float = SEND_TIMEOUT,
+        open_memory: int = OPEN_MEMORY,
+        advertise: tuple[str, int | None] | None = None,
+        key_recheck: float = DEFAULT_KEY_RECHECK,
+    ) -> None:
         self.ns = ns
         self.authority = authority
         self.verify_key = verify_key
@@ -141,12 +149,12 @@ class Gateway:
         #: client address; bearer tokens' keys asked again every key_recheck seconds
         self.key_checks = KeyChecks(verify_key, recheck=key_recheck)
         self.oauth = OAuth2(authority.namespace, authority, self.key_checks, insecure=insecure)
-        self.slots = Slots(max_connections, max(4, max_connections // 4),
-                            min(max_per_address, max_connections))
+        self.slots = Slots(max_connections, max(4, max_connections // 4), min(max_per_address, max_connections))
         self.head_timeout = head_timeout
         self.send_timeout = send_timeout
-        self.operations = Operations(ns, self._run, self._advertised_base, open_memory=open_memory,
-                                     send_timeout=send_timeout)
+        self.operations = Operations(
+            ns, self._run, self._advertised_base, open_memory=open_memory, send_timeout=send_timeout
+        )
         self.advertise = advertise
         self.stats: dict[str, _OpStats] = {}
         self.address: tuple[str, int] | None = None
@@ -169,8 +177,9 @@ class Gateway:
         self.gate: Gate | None = None
 
     # ------------------------------------------------------------------ serving
-    async def serve(self, host: str, port: int, *,
-                    task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED) -> None:
+    async def serve(
+        self, host: str, port: int, *, task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED
+    ) -> None:
         tcp = await trio.open_tcp_listeners(port, host=host or None)
         addr = tcp[0].socket.getsockname()
         self.address = (addr[0], addr[1])
@@ -207,10 +216,15 @@ class Gateway:
         now = trio.current_time()
         if now - self._accept_logged >= ACCEPT_LOG_INTERVAL:
             soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-            log.warning("cannot accept connections: %s (%d times since the last report; %d "
-                        "connections open, descriptor limit %d): retrying in up to %.1f s",
-                        os.strerror(exc.errno or 0), self._accept_failures, len(self._conns),
-                        soft, ACCEPT_RETRY[1])
+            log.warning(
+                "cannot accept connections: %s (%d times since the last report; %d "
+                "connections open, descriptor limit %d): retrying in up to %.1f s",
+                os.strerror(exc.errno or 0),
+                self._accept_failures,
+                len(self._conns),
+                soft,
+                ACCEPT_RETRY[1],
+            )
             self._accept_logged = now
             self._accept_failures = 0
         self.slots.make_room()  # an idle connection without a token gives its descriptor back
@@ -238,8 +252,12 @@ class Gateway:
         if self.fenced is not None:
             return
         self.fenced = reason
-        log.error("FENCED: %s; this gateway refuses every request and stops now (exit code %d): "
-                  "the newer writer serves the namespace", reason, EXIT_FENCED)
+        log.error(
+            "FENCED: %s; this gateway refuses every request and stops now (exit code %d): "
+            "the newer writer serves the namespace",
+            reason,
+            EXIT_FENCED,
+        )
         self.drain()
 
     @property
@@ -259,8 +277,11 @@ class Gateway:
             log.debug("connection from %s refused: %s", conn.peer or "?", refused)
             conn.send_timeout = min(self.send_timeout, 5.0)
             with contextlib.suppress(Drop):
-                await conn.respond(503, json_body(remote_error("IOException", refused)),
-                                   [("connection", "close"), ("retry-after", "1")])
+                await conn.respond(
+                    503,
+                    json_body(remote_error("IOException", refused)),
+                    [("connection", "close"), ("retry-after", "1")],
+                )
             await trio.aclose_forcefully(stream)
             return
         self._conns.add(conn)
@@ -269,8 +290,11 @@ class Gateway:
         try:
             with conn.scope:
                 await self._serve_connection(conn)
-                if (conn.h11.our_state is h11.MUST_CLOSE
-                        and conn.h11.their_state not in (h11.DONE, h11.MUST_CLOSE, h11.CLOSED)):
+                if conn.h11.our_state is h11.MUST_CLOSE and conn.h11.their_state not in (
+                    h11.DONE,
+                    h11.MUST_CLOSE,
+                    h11.CLOSED,
+                ):
                     await conn.linger()  # a refusal (400, 408, 413, 431...) must reach it
         except Drop as exc:
             log.debug("connection dropped: %s", exc)
@@ -335,21 +359,28 @@ class Gateway:
     def _check_head(req: h11.Request) -> None:
         """What h11 lets through and RFC 9112 or the spec refuses (400/431, then close)."""
         close = [("connection", "close")]
-        size = len(req.method) + len(req.target) + 12 + sum(len(k) + len(v) + 4
-                                                            for k, v in req.headers)
+        size = len(req.method) + len(req.target) + 12 + sum(len(k) + len(v) + 4 for k, v in req.headers)
         if size > MAX_HEAD:  # it came in one read: h11 bounds only incomplete heads
-            raise Reply(431, remote_error("IllegalArgumentException",
-                                      f"request head larger than {MAX_HEAD} bytes"),
-                         close, reason="Request Header Fields Too Large")
+            raise Reply(
+                431,
+                remote_error("IllegalArgumentException", f"request head larger than {MAX_HEAD} bytes"),
+                close,
+                reason="Request Header Fields Too Large",
+            )
         names = [name for name, _ in req.headers]  # h11 gives them in lower case
         if b"transfer-encoding" in names and b"content-length" in names:
             # RFC 9112 6.1: a request smuggling attempt, or a broken client: never reuse
-            raise Reply(400, remote_error("IllegalArgumentException", "bad HTTP request: both "
-                                      "Content-Length and Transfer-Encoding"), close)
+            raise Reply(
+                400,
+                remote_error("IllegalArgumentException", "bad HTTP request: both Content-Length and Transfer-Encoding"),
+                close,
+            )
         if names.count(b"authorization") > 1:
-            raise Reply(400, remote_error("IllegalArgumentException",
-                                      "bad HTTP request: more than one Authorization header"),
-                         close)
+            raise Reply(
+                400,
+                remote_error("IllegalArgumentException", "bad HTTP request: more than one Authorization header"),
+                close,
+            )
 
     async def _request(self, conn: Conn, req: h11.Request) -> None:
         started = time.perf_counter()
@@ -358,8 +389,7 @@ class Gateway:
         raw_path, _, query = target.partition("?")
         path = urllib.parse.unquote(raw_path, errors="surrogateescape")
         params = {k.lower(): v for k, v in urllib.parse.parse_qsl(query, keep_blank_values=True)}
-        headers = {k.decode("ascii", "replace").lower(): v.decode("latin-1")
-                   for k, v in req.headers}
+        headers = {k.decode("ascii", "replace").lower(): v.decode("latin-1") for k, v in req.headers}
         op = params.get("op", "").upper()
         conn.granted = False
         status = 500
@@ -376,33 +406,49 @@ class Gateway:
         except Reply as reply:
             status = reply.status
             if reply.status >= 500:
-                log.warning("%s %s %s -> %d %s", method, op, path, reply.status,
-                            (reply.doc or {}).get("RemoteException", {}).get("message", ""))
+                log.warning(
+                    "%s %s %s -> %d %s",
+                    method,
+                    op,
+                    path,
+                    reply.status,
+                    (reply.doc or {}).get("RemoteException", {}).get("message", ""),
+                )
             await self._send_reply(conn, reply)
         except Drop:
             raise
         except Exception as exc:
             log.exception("%s %s %s failed", method, op, path)
             status = 500
-            await self._send_reply(conn, Reply(500, remote_error("IOException",
-                                                              f"internal error: {exc!r}")))
+            await self._send_reply(conn, Reply(500, remote_error("IOException", f"internal error: {exc!r}")))
         finally:
             elapsed = time.perf_counter() - started
             if conn.granted:  # a bounded set of names: what clients without a token send,
                 # and paths, never make new entries
                 label = stats_label(path, op, params)
                 self.stats.setdefault(label, _OpStats()).add(elapsed)
-            log.debug("%s %s %s%s -> %d (%.1f ms) %s", method, op or "-", path,
-                      " [data]" if params.get("data") == "true" else "", status, elapsed * 1e3,
-                      query)
+            log.debug(
+                "%s %s %s%s -> %d (%.1f ms) %s",
+                method,
+                op or "-",
+                path,
+                " [data]" if params.get("data") == "true" else "",
+                status,
+                elapsed * 1e3,
+                query,
+            )
 
-    async def _dispatch(self, conn: Conn, method: str, path: str, params: dict[str, str],
-                        headers: dict[str, str], op: str) -> int:
+    async def _dispatch(
+        self, conn: Conn, method: str, path: str, params: dict[str, str], headers: dict[str, str], op: str
+    ) -> int:
         if self.fenced is not None:  # before anything, even the token and its check
             if self.gate is not None:  # one of a pair (lease.py): its clients go to the other
                 raise standby_reply(f"this gateway no longer serves the namespace: {self.fenced}")
-            raise Reply(503, remote_error("IOException", f"this gateway no longer serves the namespace: "
-                                                         f"{self.fenced}"), [("connection", "close")])
+            raise Reply(
+                503,
+                remote_error("IOException", f"this gateway no longer serves the namespace: {self.fenced}"),
+                [("connection", "close")],
+            )
         if path == TOKEN_PATH:
             status = await self.oauth.token(conn, method, headers)
             if status == 200:
@@ -417,10 +463,14 @@ class Gateway:
         if path == MARKER_PATH:
             return await self._marker(conn, method, params, grant)
         if path != WEBHDFS_PREFIX and not path.startswith(WEBHDFS_PREFIX + "/"):
-            raise Reply(404, remote_error("FileNotFoundException",
-                                          f"no such endpoint: {path} (WebHDFS is served under "
-                                          f"{WEBHDFS_PREFIX}/, tokens at {TOKEN_PATH})"))
-        rel = rel_path(path[len(WEBHDFS_PREFIX):] or "/")
+            raise Reply(
+                404,
+                remote_error(
+                    "FileNotFoundException",
+                    f"no such endpoint: {path} (WebHDFS is served under {WEBHDFS_PREFIX}/, tokens at {TOKEN_PATH})",
+                ),
+            )
+        rel = rel_path(path[len(WEBHDFS_PREFIX) :] or "/")
         check_operation(method, op, grant)
         handler = OPERATIONS[(method, op)]
         return await handler(self.operations, Call(conn, method, op, rel, params, headers, grant))
@@ -437,8 +487,9 @@ class Gateway:
         """A promoted standby (standby.py): serve ``ns``, its namespace opened as the writer,
         from the next request on."""
         self.ns = ns
-        self.operations = Operations(ns, self._run, self._advertised_base,
-                                     open_memory=self._open_memory, send_timeout=self.send_timeout)
+        self.operations = Operations(
+            ns, self._run, self._advertised_base, open_memory=self._open_memory, send_timeout=self.send_timeout
+        )
 
     def _advertised_base(self) -> str:
         """``scheme://host:port`` of the redirects of the two-step operations: the gateway's
@@ -453,21 +504,21 @@ class Gateway:
             local = conn.local if conn is not None else ""
             host = local if local and not is_wildcard(local) else "127.0.0.1"
             if host.startswith("::ffff:") and "." in host:  # dual-stack socket, IPv4 client
-                host = host[len("::ffff:"):]
+                host = host[len("::ffff:") :]
         if ":" in host:
             host = f"[{host}]"
         return f"{self.scheme}://{host}:{port}"
 
     # ------------------------------------------------------------------ marker, statistics
-    async def _marker(self, conn: Conn, method: str, params: dict[str, str],
-                      grant: TokenInfo) -> int:
+    async def _marker(self, conn: Conn, method: str, params: dict[str, str], grant: TokenInfo) -> int:
         if method != "POST":
-            raise Reply(405, remote_error("UnsupportedOperationException",
-                                      f"{MARKER_PATH} takes POST"), [("allow", "POST")])
+            raise Reply(
+                405, remote_error("UnsupportedOperationException", f"{MARKER_PATH} takes POST"), [("allow", "POST")]
+            )
         if not grant.can_write:
-            raise WebHdfsError("AccessControlException",
-                               "Permission denied: a marker needs a token of a key with the "
-                               "append role")
+            raise WebHdfsError(
+                "AccessControlException", "Permission denied: a marker needs a token of a key with the append role"
+            )
         label = params.get("label", "")
         if not label:
             raise WebHdfsError("IllegalArgumentException", "marker: label= is missing")
@@ -487,9 +538,11 @@ class Gateway:
             lat = sorted(s.samples)
             p50 = lat[len(lat) // 2] if lat else 0.0
             p99 = lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else 0.0
-            lines.append(f"{name}: {s.count} requests, mean {s.seconds / max(s.count, 1) * 1e3:.2f}"
-                         f" ms, p50 {p50 * 1e3:.2f} ms, p99 {p99 * 1e3:.2f} ms, "
-                         f"max {s.worst * 1e3:.2f} ms")
+            lines.append(
+                f"{name}: {s.count} requests, mean {s.seconds / max(s.count, 1) * 1e3:.2f}"
+                f" ms, p50 {p50 * 1e3:.2f} ms, p99 {p99 * 1e3:.2f} ms, "
+                f"max {s.worst * 1e3:.2f} ms"
+            )
         return "\n".join(lines)
 
 
@@ -503,8 +556,7 @@ def stats_label(path: str, op: str, params: dict[str, str]) -> str:
         return "token"
     if path == MARKER_PATH:
         return "marker"
-    if op not in KNOWN_OPS or not (path == WEBHDFS_PREFIX or
-                                    path.startswith(WEBHDFS_PREFIX + "/")):
+    if op not in KNOWN_OPS or not (path == WEBHDFS_PREFIX or path.startswith(WEBHDFS_PREFIX + "/")):
         return "other"
     if op in ("CREATE", "APPEND", "OPEN") and params.get("data") == "true":
         return f"{op} data"

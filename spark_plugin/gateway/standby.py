@@ -165,8 +165,9 @@ class Tailer:
                     if rec.seq <= self.seq:
                         continue
                     if rec.seq != self.seq + 1:
-                        raise JournalCorrupt(seg.name, rec.offset, f"sequence gap: expected record "
-                                                                   f"{self.seq + 1}, found {rec.seq}")
+                        raise JournalCorrupt(
+                            seg.name, rec.offset, f"sequence gap: expected record {self.seq + 1}, found {rec.seq}"
+                        )
                     if self._snapshot:
                         if type(rec.op) is SnapshotEnd:
                             self._snapshot = False
@@ -189,9 +190,18 @@ class Standby:
     ``open_active()`` opens the namespace as its writer on the standby's cache once fenced
     (``replayed_to``: the last record of the tail) and returns the WebHDFS view to serve."""
 
-    def __init__(self, gateway: Gateway, tailer: Tailer, factory: ClientFactory, *,
-                 lease: float, open_active: Callable[[int], tuple[OpenNamespace, WebHdfsNamespace]],
-                 poll: float = POLL, hold: float = HOLD, lease_url: str = "") -> None:
+    def __init__(
+        self,
+        gateway: Gateway,
+        tailer: Tailer,
+        factory: ClientFactory,
+        *,
+        lease: float,
+        open_active: Callable[[int], tuple[OpenNamespace, WebHdfsNamespace]],
+        poll: float = POLL,
+        hold: float = HOLD,
+        lease_url: str = "",
+    ) -> None:
         self.gateway = gateway
         self.lease_url = lease_url
         self.tailer = tailer
@@ -246,12 +256,17 @@ class Standby:
             if self._wanted.is_set():
                 self._promote(client, self.promote_reason or "asked by hand")
             elif silent is not None and silent >= self.lease:
-                self._promote(client, f"the active gateway's lease {self.watcher.current[0] if self.watcher.current else ''} "
-                                      f"was not renewed for {silent:.1f} s (--lease {self.lease:g})")
+                self._promote(
+                    client,
+                    f"the active gateway's lease {self.watcher.current[0] if self.watcher.current else ''} "
+                    f"was not renewed for {silent:.1f} s (--lease {self.lease:g})",
+                )
             elif silent is None and time.monotonic() - logged > 60:
                 logged = time.monotonic()
-                log.info("standby: no lease under lease/ yet: waiting for an active gateway run "
-                         "with --lease (it is never taken over otherwise; `sos gateway promote` is)")
+                log.info(
+                    "standby: no lease under lease/ yet: waiting for an active gateway run "
+                    "with --lease (it is never taken over otherwise; `sos gateway promote` is)"
+                )
             self._stop.wait(self.poll)
         if client is not None:
             with contextlib.suppress(SOSError, OSError):
@@ -287,22 +302,29 @@ class Standby:
         self.gateway.become_active(ns)  # its gate stays this one: PROMOTE_PATH, then the lease
         self.state = "active"
         self._wanted.clear()
-        log.warning("standby: promoted in %.2f s: fenced epoch %d, the writer at epoch %d "
-                    "continues the journal after record %d%s", time.monotonic() - started, epoch,
-                    opened.writer.epoch, self.tailer.seq,
-                    "" if not opened.rebuilt else " (its cache was rebuilt)")
+        log.warning(
+            "standby: promoted in %.2f s: fenced epoch %d, the writer at epoch %d "
+            "continues the journal after record %d%s",
+            time.monotonic() - started,
+            epoch,
+            opened.writer.epoch,
+            self.tailer.seq,
+            "" if not opened.rebuilt else " (its cache was rebuilt)",
+        )
 
     # ------------------------------------------------------------------ the gate
     async def gate(self, conn: Conn, method: str, path: str, grant: TokenInfo) -> int | None:
         if path == PROMOTE_PATH:
             return await self._promote_request(conn, method, grant)
-        if self.state != "active" and (self.state == "promoting" or self._wanted.is_set()
-                                        or self.watcher.lapsing or await self._active_down()):
+        if self.state != "active" and (
+            self.state == "promoting" or self._wanted.is_set() or self.watcher.lapsing or await self._active_down()
+        ):
             await _until(lambda: self.state == "active", self.hold)
         if self.state == "active" and self.holder is not None:
             return await self.holder.gate(conn, method, path, grant)
-        raise standby_reply("this sos gateway is a standby (it tails the journal and takes over "
-                            "when the active gateway's lease lapses)")
+        raise standby_reply(
+            "this sos gateway is a standby (it tails the journal and takes over when the active gateway's lease lapses)"
+        )
 
     async def _active_down(self) -> bool:
         """Does the active gateway's address (its lease's "url") refuse connections, or not
@@ -334,14 +356,21 @@ class Standby:
 
     async def _promote_request(self, conn: Conn, method: str, grant: TokenInfo) -> int:
         if method != "POST":
-            raise Reply(405, remote_exception("UnsupportedOperationException",
-                                              f"{PROMOTE_PATH} takes POST"), [("allow", "POST")])
+            raise Reply(
+                405,
+                remote_exception("UnsupportedOperationException", f"{PROMOTE_PATH} takes POST"),
+                [("allow", "POST")],
+            )
         host = conn.peer.split("/")[0]
         if not (host and is_loopback(host)) or not grant.can_write:
-            raise Reply(403, remote_exception(
-                "AccessControlException", f"{PROMOTE_PATH} is accepted from a loopback address "
-                                          f"with a token of an append key only",
-                "org.apache.hadoop.security.AccessControlException"))
+            raise Reply(
+                403,
+                remote_exception(
+                    "AccessControlException",
+                    f"{PROMOTE_PATH} is accepted from a loopback address with a token of an append key only",
+                    "org.apache.hadoop.security.AccessControlException",
+                ),
+            )
         was = self.state
         if was != "active":
             self.promote_reason = "asked by hand (sos gateway promote)"
@@ -350,10 +379,10 @@ class Standby:
             await _until(lambda: self.state == "active" or bool(self.promotion_error), 300)
         if self.state != "active":
             self._wanted.clear()
-            raise Reply(500, remote_exception("IOException", f"promotion failed: "
-                                                             f"{self.promotion_error or 'timed out'}"))
-        await conn.respond(200, json_body({"promoted": was != "active", "epoch": self.epoch,
-                                           "seq": self.tailer.seq}))
+            raise Reply(
+                500, remote_exception("IOException", f"promotion failed: {self.promotion_error or 'timed out'}")
+            )
+        await conn.respond(200, json_body({"promoted": was != "active", "epoch": self.epoch, "seq": self.tailer.seq}))
         return 200
 
 
@@ -380,8 +409,9 @@ class PromotedFenceWatch(FenceWatch):
         if opened is None or opened.writer is None:
             return None
         if self._inner is None:
-            self._inner = FenceWatch(opened.namespace, opened.writer, opened.client_factory,
-                                     self.interval, who="this gateway")
+            self._inner = FenceWatch(
+                opened.namespace, opened.writer, opened.client_factory, self.interval, who="this gateway"
+            )
         return self._inner.check()
 
     def close(self) -> None:
@@ -398,26 +428,47 @@ def prepare_cache(cache_dir: str) -> str:
     if os.path.isdir(spool) and os.listdir(spool):
         aside = f"{spool}.replaced-{int(time.time())}"
         os.rename(spool, aside)
-        log.warning("the cache's spool of an earlier gateway was moved to %s (a standby starts "
-                    "from the server's journal)", aside)
+        log.warning(
+            "the cache's spool of an earlier gateway was moved to %s (a standby starts from the server's journal)",
+            aside,
+        )
     return os.path.join(cache_dir, "tree")
 
 
-def run_standby(namespace: str, listen: str, *, server: str, key: str, cache_dir: str | None = None,
-                client_factory: ClientFactory | None = None, timeout: float = 30.0,
-                tls_client: ssl.SSLContext | None = None, tls_cert: str | None = None,
-                tls_key: str | None = None, sync: bool = True, max_lag_bytes: int = 64 << 20,
-                generation_bytes: int | None = None, insecure_no_auth: bool = False,
-                token_ttl: int = DEFAULT_TOKEN_TTL, threads: int = 32,
-                flush_timeout: float = 120.0, drain_timeout: float = DRAIN_TIMEOUT,
-                insecure_plaintext: bool = False, advertise: str | None = None,
-                max_connections: int = MAX_CONNECTIONS,
-                max_per_address: int = MAX_CONNECTIONS_PER_ADDRESS,
-                head_timeout: float = HEAD_TIMEOUT, send_timeout: float = SEND_TIMEOUT,
-                open_memory: int = OPEN_MEMORY, key_recheck: float = DEFAULT_KEY_RECHECK,
-                durability: str = "server", tier_patience: float | None = None,
-                fence_check: float = FENCE_CHECK, lease: float = DEFAULT_LEASE,
-                poll: float = POLL) -> int:
+def run_standby(
+    namespace: str,
+    listen: str,
+    *,
+    server: str,
+    key: str,
+    cache_dir: str | None = None,
+    client_factory: ClientFactory | None = None,
+    timeout: float = 30.0,
+    tls_client: ssl.SSLContext | None = None,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+    sync: bool = True,
+    max_lag_bytes: int = 64 << 20,
+    generation_bytes: int | None = None,
+    insecure_no_auth: bool = False,
+    token_ttl: int = DEFAULT_TOKEN_TTL,
+    threads: int = 32,
+    flush_timeout: float = 120.0,
+    drain_timeout: float = DRAIN_TIMEOUT,
+    insecure_plaintext: bool = False,
+    advertise: str | None = None,
+    max_connections: int = MAX_CONNECTIONS,
+    max_per_address: int = MAX_CONNECTIONS_PER_ADDRESS,
+    head_timeout: float = HEAD_TIMEOUT,
+    send_timeout: float = SEND_TIMEOUT,
+    open_memory: int = OPEN_MEMORY,
+    key_recheck: float = DEFAULT_KEY_RECHECK,
+    durability: str = "server",
+    tier_patience: float | None = None,
+    fence_check: float = FENCE_CHECK,
+    lease: float = DEFAULT_LEASE,
+    poll: float = POLL,
+) -> int:
     """What ``sos gateway NS --standby`` runs: the arguments are run_gateway's, plus
     ``lease`` (seconds of silence of the active's lease before taking over) and ``poll``."""
     host, port = parse_listen(listen)
@@ -439,8 +490,10 @@ def run_standby(namespace: str, listen: str, *, server: str, key: str, cache_dir
     cache_dir = os.path.abspath(cache_dir or default_cache_dir(namespace))
     factory = client_factory or client_factory_for(server, key, namespace, timeout=timeout, tls=tls_client)
     if key_role(factory, timeout) != KeyRole.APPEND:
-        raise PermissionError(f"a standby gateway needs a key of namespace {namespace!r} with the "
-                              f"append role: it becomes the namespace's writer when promoted")
+        raise PermissionError(
+            f"a standby gateway needs a key of namespace {namespace!r} with the "
+            f"append role: it becomes the namespace's writer when promoted"
+        )
     tree_dir = prepare_cache(cache_dir)
     tailer = Tailer(factory, namespace, tree_dir)
     tailer.rebuild()
@@ -448,33 +501,64 @@ def run_standby(namespace: str, listen: str, *, server: str, key: str, cache_dir
         owner = getpass.getuser()
     except (KeyError, OSError):
         owner = "sos"
-    view = OpenNamespace(namespace, cache_dir, tree_dir, "", ReadOnlyTree(tree_dir, namespace),
-                         None, factory, read_only=True)
-    gateway = Gateway(WebHdfsNamespace(view, sync=sync, owner=owner, group=owner),
-                      TokenAuthority(namespace, secret, ttl=token_ttl),
-                      key_verifier(server, namespace, timeout=timeout, tls=tls_client),
-                      insecure=insecure_no_auth, tls=tls, threads=threads,
-                      max_connections=cap, max_per_address=max_per_address,
-                      head_timeout=head_timeout, send_timeout=send_timeout,
-                      open_memory=open_memory, advertise=advertised, key_recheck=key_recheck)
+    view = OpenNamespace(
+        namespace, cache_dir, tree_dir, "", ReadOnlyTree(tree_dir, namespace), None, factory, read_only=True
+    )
+    gateway = Gateway(
+        WebHdfsNamespace(view, sync=sync, owner=owner, group=owner),
+        TokenAuthority(namespace, secret, ttl=token_ttl),
+        key_verifier(server, namespace, timeout=timeout, tls=tls_client),
+        insecure=insecure_no_auth,
+        tls=tls,
+        threads=threads,
+        max_connections=cap,
+        max_per_address=max_per_address,
+        head_timeout=head_timeout,
+        send_timeout=send_timeout,
+        open_memory=open_memory,
+        advertise=advertised,
+        key_recheck=key_recheck,
+    )
 
     def open_active(replayed_to: int) -> tuple[OpenNamespace, WebHdfsNamespace]:
-        opened = open_namespace(namespace, cache_dir, client_factory=factory, timeout=timeout,
-                                sync=False, max_lag_bytes=max_lag_bytes,
-                                generation_bytes=generation_bytes, durability=durability,
-                                tier_patience=tier_patience, replayed_to=replayed_to)
+        opened = open_namespace(
+            namespace,
+            cache_dir,
+            client_factory=factory,
+            timeout=timeout,
+            sync=False,
+            max_lag_bytes=max_lag_bytes,
+            generation_bytes=generation_bytes,
+            durability=durability,
+            tier_patience=tier_patience,
+            replayed_to=replayed_to,
+        )
         return opened, WebHdfsNamespace(opened, sync=sync, owner=owner, group=owner)
 
-    standby = Standby(gateway, tailer, factory, lease=lease, open_active=open_active, poll=poll,
-                      lease_url=lease_url(advertise, listen))
+    standby = Standby(
+        gateway,
+        tailer,
+        factory,
+        lease=lease,
+        open_active=open_active,
+        poll=poll,
+        lease_url=lease_url(advertise, listen),
+    )
     gateway.gate = standby.gate
     if advertised is None and tls is not None and is_wildcard(host):
         log.warning("--listen %s with TLS and no --advertise: give --advertise NAME:PORT", listen)
     code = 0
     standby.start()
     try:
-        trio.run(_serve, gateway, host, port, f"(namespace {namespace}, standby, lease {lease:g} s, "
-                 f"tail at record {tailer.seq})", drain_timeout, PromotedFenceWatch(standby, fence_check))
+        trio.run(
+            _serve,
+            gateway,
+            host,
+            port,
+            f"(namespace {namespace}, standby, lease {lease:g} s, tail at record {tailer.seq})",
+            drain_timeout,
+            PromotedFenceWatch(standby, fence_check),
+        )
     finally:
         standby.stop()
         opened = standby.opened
@@ -485,8 +569,7 @@ def run_standby(namespace: str, listen: str, *, server: str, key: str, cache_dir
                 if opened.writer is not None and gateway.fenced is None:
                     opened.writer.barrier(timeout=flush_timeout)
             except Exception as exc:  # noqa: BLE001 - reported, exit code says it
-                log.error("final flush failed (the spool in %s keeps the journal): %r",
-                          opened.spool_dir, exc)
+                log.error("final flush failed (the spool in %s keeps the journal): %r", opened.spool_dir, exc)
                 code = 1
             try:
                 opened.close(timeout=0)
@@ -498,8 +581,9 @@ def run_standby(namespace: str, listen: str, *, server: str, key: str, cache_dir
     return code
 
 
-def promote(url: str, namespace: str, key: str, *, timeout: float = 300.0,
-            context: ssl.SSLContext | None = None) -> dict[str, Any]:
+def promote(
+    url: str, namespace: str, key: str, *, timeout: float = 300.0, context: ssl.SSLContext | None = None
+) -> dict[str, Any]:
     """``sos gateway promote``: ask the standby at ``url`` (``http[s]://127.0.0.1:PORT``) to
     take over now; returns its answer (``promoted``, ``epoch``, ``seq``)."""
     client = GatewayClient(url, namespace, key, timeout=timeout, context=context)

@@ -64,9 +64,17 @@ if TYPE_CHECKING:
 
 _R = TypeVar("_R")
 
-__all__ = ["JAVA_CLASSES", "SETPERMISSION_MASK", "WebHdfsError", "WebHdfsNamespace",
-           "effective_permission", "file_status", "hdfs_path", "parse_permission",
-           "remote_exception"]
+__all__ = [
+    "JAVA_CLASSES",
+    "SETPERMISSION_MASK",
+    "WebHdfsError",
+    "WebHdfsNamespace",
+    "effective_permission",
+    "file_status",
+    "hdfs_path",
+    "parse_permission",
+    "remote_exception",
+]
 
 #: Java class of each exception the gateway reports, and the HTTP status HDFS gives it
 #: (ExceptionHandler: FileNotFoundException 404, other IOExceptions 403,
@@ -75,12 +83,9 @@ JAVA_CLASSES: dict[str, tuple[str, int]] = {
     "FileNotFoundException": ("java.io.FileNotFoundException", 404),
     "FileAlreadyExistsException": ("org.apache.hadoop.fs.FileAlreadyExistsException", 403),
     "ParentNotDirectoryException": ("org.apache.hadoop.fs.ParentNotDirectoryException", 403),
-    "PathIsNotEmptyDirectoryException": (
-        "org.apache.hadoop.fs.PathIsNotEmptyDirectoryException", 403),
-    "AlreadyBeingCreatedException": (
-        "org.apache.hadoop.hdfs.protocol.AlreadyBeingCreatedException", 403),
-    "DSQuotaExceededException": (
-        "org.apache.hadoop.hdfs.protocol.DSQuotaExceededException", 403),
+    "PathIsNotEmptyDirectoryException": ("org.apache.hadoop.fs.PathIsNotEmptyDirectoryException", 403),
+    "AlreadyBeingCreatedException": ("org.apache.hadoop.hdfs.protocol.AlreadyBeingCreatedException", 403),
+    "DSQuotaExceededException": ("org.apache.hadoop.hdfs.protocol.DSQuotaExceededException", 403),
     "RetriableException": ("org.apache.hadoop.ipc.RetriableException", 403),
     "AccessControlException": ("org.apache.hadoop.security.AccessControlException", 403),
     "IOException": ("java.io.IOException", 403),
@@ -117,8 +122,7 @@ def remote_exception(exception: str, message: str, java_class: str | None = None
     """The JSON document HDFS sends for a refusal."""
     if java_class is None:
         java_class = JAVA_CLASSES.get(exception, ("java.io.IOException", 500))[0]
-    return {"RemoteException": {"exception": exception, "javaClassName": java_class,
-                                "message": message}}
+    return {"RemoteException": {"exception": exception, "javaClassName": java_class, "message": message}}
 
 
 class WebHdfsError(Exception):
@@ -160,10 +164,12 @@ def _not_found(path: str) -> WebHdfsError:
 
 
 def _hard_link(rel: str) -> WebHdfsError:
-    return WebHdfsError("AccessControlException",
-                        f"Permission denied: {hdfs_path(rel)} has more than one hard link; the "
-                        f"journal never makes one, so another name of it may be outside the "
-                        f"cache: refused")
+    return WebHdfsError(
+        "AccessControlException",
+        f"Permission denied: {hdfs_path(rel)} has more than one hard link; the "
+        f"journal never makes one, so another name of it may be outside the "
+        f"cache: refused",
+    )
 
 
 def _illegal(message: str) -> WebHdfsError:
@@ -210,16 +216,13 @@ def parse_permission(text: str | None, default: int) -> int:
     try:
         mode = int(text, 8)
     except ValueError:
-        raise _illegal(f'Invalid value for webhdfs parameter "permission": {text!r} is not '
-                       f"an octal number") from None
+        raise _illegal(f'Invalid value for webhdfs parameter "permission": {text!r} is not an octal number') from None
     if not 0 <= mode <= 0o1777:
-        raise _illegal(f'Invalid value for webhdfs parameter "permission": {text} is out of '
-                       f"the range [0, 1777]")
+        raise _illegal(f'Invalid value for webhdfs parameter "permission": {text} is out of the range [0, 1777]')
     return mode & 0o777  # the journal keeps rwx bits only
 
 
-def file_status(st: os.stat_result, suffix: str, owner: str, group: str,
-                children: int | None = None) -> dict[str, Any]:
+def file_status(st: os.stat_result, suffix: str, owner: str, group: str, children: int | None = None) -> dict[str, Any]:
     """An HDFS FileStatus JSON object (JsonUtil.toJsonMap's field names and types)."""
     is_dir = stat_mod.S_ISDIR(st.st_mode)
     doc: dict[str, Any] = {
@@ -250,8 +253,7 @@ class WebHdfsNamespace:
     reports (the journal records no owners).
     """
 
-    def __init__(self, opened: OpenNamespace, *, sync: bool = True, owner: str = "sos",
-                 group: str = "sos") -> None:
+    def __init__(self, opened: OpenNamespace, *, sync: bool = True, owner: str = "sos", group: str = "sos") -> None:
         self.opened = opened
         self.tree = opened.tree
         self.writer = opened.writer
@@ -395,9 +397,9 @@ class WebHdfsNamespace:
             yield
 
     def _quota_refusal(self, exc: BaseException) -> WebHdfsError:
-        return WebHdfsError("DSQuotaExceededException",
-                            f"The DiskSpace quota of namespace {self.namespace!r} is exceeded: "
-                            f"{exc}")
+        return WebHdfsError(
+            "DSQuotaExceededException", f"The DiskSpace quota of namespace {self.namespace!r} is exceeded: {exc}"
+        )
 
     def _journal(self, fn: Callable[..., _R], *args: Any, **kwargs: Any) -> _R:
         """Call a tree mutation; journal failures and races become WebHdfsErrors (by the
@@ -409,16 +411,20 @@ class WebHdfsNamespace:
                 raise self._quota_refusal(exc) from exc
             err = to_oserror(journal_error(exc, self.namespace, "this gateway"))
             if isinstance(exc, JournalTierBehind):
-                raise WebHdfsError("RetriableException",
-                                   f"{err.strerror or err}. The change was applied and is durable "
-                                   f"on the SOS server; its records reach the bucket once it "
-                                   f"catches up (GETFILESTATUS tells what the namespace holds)") from exc
+                raise WebHdfsError(
+                    "RetriableException",
+                    f"{err.strerror or err}. The change was applied and is durable "
+                    f"on the SOS server; its records reach the bucket once it "
+                    f"catches up (GETFILESTATUS tells what the namespace holds)",
+                ) from exc
             if is_fenced(exc) or isinstance(exc, JournalError):
-                raise WebHdfsError("IOException", str(err.strerror or err),
-                                   500 if not is_fenced(exc) else None) from exc
+                raise WebHdfsError(
+                    "IOException", str(err.strerror or err), 500 if not is_fenced(exc) else None
+                ) from exc
             where = f": {err.filename}" if err.filename is not None else ""
-            raise WebHdfsError(_EXCEPTION_OF_ERRNO.get(err.errno or 0, "IOException"),
-                               f"{err.strerror or err}{where}") from exc
+            raise WebHdfsError(
+                _EXCEPTION_OF_ERRNO.get(err.errno or 0, "IOException"), f"{err.strerror or err}{where}"
+            ) from exc
 
     def _last_seq(self) -> int:
         return self.writer.last_seq if self.writer is not None else 0
@@ -442,8 +448,7 @@ class WebHdfsNamespace:
             raise WebHdfsError("FileNotFoundException", f"Path is not a file: {hdfs_path(rel)}")
         return st
 
-    def _check_parent(self, rel: str, *, create_parent: bool,
-                      at: Beneath | None = None) -> list[str]:
+    def _check_parent(self, rel: str, *, create_parent: bool, at: Beneath | None = None) -> list[str]:
         """The missing ancestors of ``rel`` (outermost first); refuses a file in the way,
         or a missing parent when ``create_parent`` is false."""
         parts = rel.split("/")[:-1]
@@ -456,12 +461,10 @@ class WebHdfsNamespace:
             st = self._stat(sub, at)
             if st is None:
                 if not create_parent:
-                    raise WebHdfsError("FileNotFoundException",
-                                       f"Parent directory doesn't exist: {hdfs_path(sub)}")
+                    raise WebHdfsError("FileNotFoundException", f"Parent directory doesn't exist: {hdfs_path(sub)}")
                 missing.append(sub)
             elif not stat_mod.S_ISDIR(st.st_mode):
-                raise WebHdfsError("ParentNotDirectoryException",
-                                   f"Parent path is not a directory: {hdfs_path(sub)}")
+                raise WebHdfsError("ParentNotDirectoryException", f"Parent path is not a directory: {hdfs_path(sub)}")
         return missing
 
     # ------------------------------------------------------------------ reads
@@ -504,11 +507,14 @@ class WebHdfsNamespace:
         entries = self._entries(rel)
         if start_after:
             key = start_after.encode("utf-8", "surrogateescape")
-            entries = [e for e in entries
-                       if e["pathSuffix"].encode("utf-8", "surrogateescape") > key]
+            entries = [e for e in entries if e["pathSuffix"].encode("utf-8", "surrogateescape") > key]
         page, rest = entries[:LIST_BATCH], entries[LIST_BATCH:]
-        return {"DirectoryListing": {"partialListing": {"FileStatuses": {"FileStatus": page}},
-                                     "remainingEntries": len(rest)}}
+        return {
+            "DirectoryListing": {
+                "partialListing": {"FileStatuses": {"FileStatus": page}},
+                "remainingEntries": len(rest),
+            }
+        }
 
     def content_summary(self, rel: str) -> dict:
         files = dirs = length = 0
@@ -527,9 +533,18 @@ class WebHdfsNamespace:
             else:
                 files, length = 1, st.st_size
         ec_policy = "" if stat_mod.S_ISDIR(st.st_mode) else REPLICATED
-        return {"ContentSummary": {"directoryCount": dirs, "ecPolicy": ec_policy,
-                                   "fileCount": files, "length": length, "quota": -1,
-                                   "spaceConsumed": length, "spaceQuota": -1, "typeQuota": {}}}
+        return {
+            "ContentSummary": {
+                "directoryCount": dirs,
+                "ecPolicy": ec_policy,
+                "fileCount": files,
+                "length": length,
+                "quota": -1,
+                "spaceConsumed": length,
+                "spaceQuota": -1,
+                "typeQuota": {},
+            }
+        }
 
     def block_locations(self, rel: str, offset: int, length: int | None) -> dict:
         """GETFILEBLOCKLOCATIONS: one BlockLocation per BLOCK_SIZE block of the file that
@@ -538,20 +553,31 @@ class WebHdfsNamespace:
         specification's answer for a filesystem without locality. None past the end, none
         for an empty file; a directory is refused as HDFS refuses it (Path is not a file)."""
         if offset < 0:
-            raise WebHdfsError("HadoopIllegalArgumentException",
-                               f"Negative offset is not supported. File: {hdfs_path(rel)}")
+            raise WebHdfsError(
+                "HadoopIllegalArgumentException", f"Negative offset is not supported. File: {hdfs_path(rel)}"
+            )
         if length is not None and length < 0:
-            raise WebHdfsError("HadoopIllegalArgumentException",
-                               f"Negative length is not supported. File: {hdfs_path(rel)}")
+            raise WebHdfsError(
+                "HadoopIllegalArgumentException", f"Negative length is not supported. File: {hdfs_path(rel)}"
+            )
         size = self._require_file(rel).st_size
         end = size if length is None else min(size, offset + length)
         blocks: list[dict[str, Any]] = []
         start = offset - offset % BLOCK_SIZE
         while offset < size and start < size and (start < end or not blocks):
-            blocks.append({"cachedHosts": [], "corrupt": False, "hosts": [BLOCK_HOST],
-                           "length": min(BLOCK_SIZE, size - start), "names": [BLOCK_NAME],
-                           "offset": start, "storageIds": [], "storageTypes": ["DISK"],
-                           "topologyPaths": []})
+            blocks.append(
+                {
+                    "cachedHosts": [],
+                    "corrupt": False,
+                    "hosts": [BLOCK_HOST],
+                    "length": min(BLOCK_SIZE, size - start),
+                    "names": [BLOCK_NAME],
+                    "offset": start,
+                    "storageIds": [],
+                    "storageTypes": ["DISK"],
+                    "topologyPaths": [],
+                }
+            )
             start += BLOCK_SIZE
         return {"BlockLocations": {"BlockLocation": blocks}}
 
@@ -569,8 +595,7 @@ class WebHdfsNamespace:
         try:
             if count == 0:
                 raw = bytes(12) + hashlib.md5(bytes(32), usedforsecurity=False).digest()
-                return {"FileChecksum": {"algorithm": "MD5-of-0MD5-of-0CRC32",
-                                         "bytes": raw.hex(), "length": len(raw)}}
+                return {"FileChecksum": {"algorithm": "MD5-of-0MD5-of-0CRC32", "bytes": raw.hex(), "length": len(raw)}}
             file_md5 = hashlib.md5(usedforsecurity=False)  # of the blocks' MD5s
             blocks = 0
             for block_start in range(0, count, BLOCK_SIZE):
@@ -580,10 +605,9 @@ class WebHdfsNamespace:
                 while pos < block_end:
                     piece = os.pread(fd, min(CHECKSUM_PIECE, block_end - pos), pos)
                     if not piece:
-                        raise WebHdfsError("IOException", f"{hdfs_path(rel)} shrank while "
-                                           f"its checksum was computed")
+                        raise WebHdfsError("IOException", f"{hdfs_path(rel)} shrank while its checksum was computed")
                     view = memoryview(piece)
-                    sums = [crc32c(view[i:i + BYTES_PER_CRC]) for i in range(0, len(view), BYTES_PER_CRC)]
+                    sums = [crc32c(view[i : i + BYTES_PER_CRC]) for i in range(0, len(view), BYTES_PER_CRC)]
                     crcs += struct.pack(f">{len(sums)}I", *sums)
                     pos += len(piece)
                 file_md5.update(hashlib.md5(crcs, usedforsecurity=False).digest())
@@ -592,16 +616,25 @@ class WebHdfsNamespace:
             os.close(fd)
         crc_per_block = -(-BLOCK_SIZE // BYTES_PER_CRC) if blocks > 1 else 0
         raw = BYTES_PER_CRC.to_bytes(4, "big") + crc_per_block.to_bytes(8, "big") + file_md5.digest()
-        return {"FileChecksum": {"algorithm": f"MD5-of-{crc_per_block}MD5-of-{BYTES_PER_CRC}CRC32C",
-                                 "bytes": raw.hex(), "length": len(raw)}}
+        return {
+            "FileChecksum": {
+                "algorithm": f"MD5-of-{crc_per_block}MD5-of-{BYTES_PER_CRC}CRC32C",
+                "bytes": raw.hex(),
+                "length": len(raw),
+            }
+        }
 
     def fs_status(self) -> dict:
         """GETSTATUS: capacity, used and remaining bytes of the gateway's cache filesystem
         (statvfs): the SOS server tells a client neither its quota nor its disk."""
         sv = os.statvfs(self.root)
-        return {"FsStatus": {"capacity": sv.f_blocks * sv.f_frsize,
-                             "remaining": sv.f_bavail * sv.f_frsize,
-                             "used": (sv.f_blocks - sv.f_bfree) * sv.f_frsize}}
+        return {
+            "FsStatus": {
+                "capacity": sv.f_blocks * sv.f_frsize,
+                "remaining": sv.f_bavail * sv.f_frsize,
+                "used": (sv.f_blocks - sv.f_bfree) * sv.f_frsize,
+            }
+        }
 
     @staticmethod
     def trash_root(user: str) -> dict:
@@ -628,12 +661,20 @@ class WebHdfsNamespace:
                 tst = self._stat(rel, at)
                 if tst is None or not stat_mod.S_ISDIR(tst.st_mode):
                     continue
-                paths.append({"path": hdfs_path(rel), "length": 0, "isdir": True,
-                              "block_replication": 0, "blocksize": 0,
-                              "modification_time": tst.st_mtime_ns // 1_000_000,
-                              "access_time": tst.st_atime_ns // 1_000_000,
-                              "permission": format(stat_mod.S_IMODE(tst.st_mode) & 0o1777, "o"),
-                              "owner": self.owner, "group": self.group})
+                paths.append(
+                    {
+                        "path": hdfs_path(rel),
+                        "length": 0,
+                        "isdir": True,
+                        "block_replication": 0,
+                        "blocksize": 0,
+                        "modification_time": tst.st_mtime_ns // 1_000_000,
+                        "access_time": tst.st_atime_ns // 1_000_000,
+                        "permission": format(stat_mod.S_IMODE(tst.st_mode) & 0o1777, "o"),
+                        "owner": self.owner,
+                        "group": self.group,
+                    }
+                )
         return {"Paths": paths}
 
     def set_owner(self, rel: str, owner: str, group: str) -> None:
@@ -648,9 +689,10 @@ class WebHdfsNamespace:
     def check_access(self, rel: str, fsaction: str, can_write: bool) -> None:
         self._require(rel)
         if "w" in fsaction and not can_write:
-            raise WebHdfsError("AccessControlException",
-                               f"Permission denied: write access to {hdfs_path(rel)} needs a "
-                               f"token of a key with the append role")
+            raise WebHdfsError(
+                "AccessControlException",
+                f"Permission denied: write access to {hdfs_path(rel)} needs a token of a key with the append role",
+            )
 
     def open_for_read(self, rel: str, offset: int, length: int | None) -> tuple[int, int, int]:
         """(fd, start, count): a snapshot of the file (a later rename or delete does not
@@ -668,8 +710,9 @@ class WebHdfsNamespace:
                 if exc.errno == errno.EMLINK:
                     raise _hard_link(rel) from None
                 if exc.errno in (errno.EACCES, errno.EPERM):
-                    raise WebHdfsError("AccessControlException",
-                                       f"Permission denied: {hdfs_path(rel)}: {exc.strerror}") from None
+                    raise WebHdfsError(
+                        "AccessControlException", f"Permission denied: {hdfs_path(rel)}: {exc.strerror}"
+                    ) from None
                 raise _not_found(hdfs_path(rel)) from None  # gone, or swapped for a link
         st = os.fstat(fd)
         if offset > st.st_size:  # HDFS's DataNode: DFSInputStream.seek refuses it
@@ -688,8 +731,7 @@ class WebHdfsNamespace:
             if st is not None:
                 if stat_mod.S_ISDIR(st.st_mode):
                     return {"boolean": True}
-                raise WebHdfsError("FileAlreadyExistsException",
-                                   f"Path is not a directory: {hdfs_path(rel)}")
+                raise WebHdfsError("FileAlreadyExistsException", f"Path is not a directory: {hdfs_path(rel)}")
             if rel == "":
                 return {"boolean": True}
             for sub in [*self._check_parent(rel, create_parent=True), rel]:
@@ -736,18 +778,19 @@ class WebHdfsNamespace:
             if dst_st is not None:
                 return False
         elif dst == rel:
-            raise WebHdfsError("FileAlreadyExistsException",
-                               f"The source {src_name} and destination {dst_name} are the same")
+            raise WebHdfsError(
+                "FileAlreadyExistsException", f"The source {src_name} and destination {dst_name} are the same"
+            )
         if dst == "":
             if boolean:
                 return False
-            raise WebHdfsError("FileAlreadyExistsException",
-                               f"rename destination {dst_name} already exists")
+            raise WebHdfsError("FileAlreadyExistsException", f"rename destination {dst_name} already exists")
         if src_is_dir and (dst + "/").startswith(rel + "/"):
             if boolean:
                 return False  # HDFS's boolean rename: false (rename2 raises)
-            raise WebHdfsError("IOException", f"Rename destination {dst_name} is a directory or "
-                               f"file under source {src_name}")
+            raise WebHdfsError(
+                "IOException", f"Rename destination {dst_name} is a directory or file under source {src_name}"
+            )
         parent = posixpath.dirname(dst)
         if parent:
             pst = self._stat(parent, at)
@@ -755,28 +798,28 @@ class WebHdfsNamespace:
                 if boolean:
                     return False
                 if pst is None:
-                    raise WebHdfsError("FileNotFoundException",
-                                       f"rename destination parent {hdfs_path(parent)} not found.")
-                raise WebHdfsError("ParentNotDirectoryException",
-                                   f"rename destination parent {hdfs_path(parent)} is a file.")
+                    raise WebHdfsError(
+                        "FileNotFoundException", f"rename destination parent {hdfs_path(parent)} not found."
+                    )
+                raise WebHdfsError(
+                    "ParentNotDirectoryException", f"rename destination parent {hdfs_path(parent)} is a file."
+                )
         overwrite = options is not None and "OVERWRITE" in options
         if dst_st is not None:
             if not overwrite:
-                raise WebHdfsError("FileAlreadyExistsException",
-                                   f"rename destination {dst_name} already exists")
+                raise WebHdfsError("FileAlreadyExistsException", f"rename destination {dst_name} already exists")
             dst_is_dir = stat_mod.S_ISDIR(dst_st.st_mode)
             if dst_is_dir != src_is_dir:
                 kind = "directories" if src_is_dir else "files"
-                raise WebHdfsError("IOException", f"Source {src_name} and destination {dst_name} "
-                                   f"must both be {kind}")
+                raise WebHdfsError("IOException", f"Source {src_name} and destination {dst_name} must both be {kind}")
             if dst_is_dir and at.listdir(dst):
-                raise WebHdfsError("IOException",
-                                   f"rename destination directory is not empty: {dst_name}")
+                raise WebHdfsError("IOException", f"rename destination directory is not empty: {dst_name}")
         with self._leases_lock:
             if rel in self._leases or dst in self._leases:
-                raise WebHdfsError("AlreadyBeingCreatedException",
-                                   f"{src_name if rel in self._leases else dst_name} is being "
-                                   f"written by another request")
+                raise WebHdfsError(
+                    "AlreadyBeingCreatedException",
+                    f"{src_name if rel in self._leases else dst_name} is being written by another request",
+                )
         try:
             self._journal(self.tree.rename, rel, dst, overwrite=overwrite)
         except WebHdfsError as exc:
@@ -793,14 +836,15 @@ class WebHdfsNamespace:
                 if rel == "" and not recursive and at.listdir(rel):
                     # HDFS's FSDirDeleteOp checks a non-recursive delete of a non-empty
                     # directory before it refuses the root
-                    raise WebHdfsError("PathIsNotEmptyDirectoryException",
-                                       "`/ is non empty': Directory is not empty")
+                    raise WebHdfsError("PathIsNotEmptyDirectoryException", "`/ is non empty': Directory is not empty")
                 if st is None or rel == "":
                     return {"boolean": False}  # HDFS: false for a missing path and for the root
                 if stat_mod.S_ISDIR(st.st_mode):
                     if not recursive and at.listdir(rel):
-                        raise WebHdfsError("PathIsNotEmptyDirectoryException",
-                                           f"`{hdfs_path(rel)} is non empty': Directory is not empty")
+                        raise WebHdfsError(
+                            "PathIsNotEmptyDirectoryException",
+                            f"`{hdfs_path(rel)} is non empty': Directory is not empty",
+                        )
                     doomed = self._doomed(at, rel)
                 else:
                     doomed = [(rel, False)]
@@ -822,10 +866,12 @@ class WebHdfsNamespace:
             for name, est in entries:
                 path = f"{d}/{name}"
                 if not stat_mod.S_ISREG(est.st_mode):
-                    raise WebHdfsError("IOException",
-                                       f"{hdfs_path(path)} is not a file or directory of the "
-                                       f"journal (a link or special file put in the gateway's "
-                                       f"cache by hand?): {hdfs_path(rel)} is not deleted")
+                    raise WebHdfsError(
+                        "IOException",
+                        f"{hdfs_path(path)} is not a file or directory of the "
+                        f"journal (a link or special file put in the gateway's "
+                        f"cache by hand?): {hdfs_path(rel)} is not deleted",
+                    )
                 files.append(path)
             walked.append((d, files))
         doomed: list[tuple[str, bool]] = []
@@ -840,8 +886,7 @@ class WebHdfsNamespace:
         with self._cache() as at:
             fd, st = self._entry(at, rel)
             try:
-                os.chmod(_PROC_FD.format(fd),
-                         effective_permission(mode, stat_mod.S_ISDIR(st.st_mode)))
+                os.chmod(_PROC_FD.format(fd), effective_permission(mode, stat_mod.S_ISDIR(st.st_mode)))
             finally:
                 os.close(fd)
 
@@ -867,9 +912,10 @@ class WebHdfsNamespace:
         with self.lock, self._admission():
             st = self._require_file(rel)
             if new_length > st.st_size:
-                raise WebHdfsError("HadoopIllegalArgumentException",
-                                   f"Cannot truncate to a larger file size. Current size: "
-                                   f"{st.st_size}, truncate size: {new_length}.")
+                raise WebHdfsError(
+                    "HadoopIllegalArgumentException",
+                    f"Cannot truncate to a larger file size. Current size: {st.st_size}, truncate size: {new_length}.",
+                )
             self._take_lease(rel)
             try:
                 seq = self._journal(self.tree.truncate, rel, new_length)
@@ -882,8 +928,9 @@ class WebHdfsNamespace:
     def _take_lease(self, rel: str) -> None:
         with self._leases_lock:
             if rel in self._leases:
-                raise WebHdfsError("AlreadyBeingCreatedException",
-                                   f"{hdfs_path(rel)} is being written by another request")
+                raise WebHdfsError(
+                    "AlreadyBeingCreatedException", f"{hdfs_path(rel)} is being written by another request"
+                )
             self._leases.add(rel)
 
     def check_lease(self, rel: str) -> None:
@@ -895,8 +942,9 @@ class WebHdfsNamespace:
             pass
         with self._leases_lock:
             if rel in self._leases:
-                raise WebHdfsError("AlreadyBeingCreatedException",
-                                   f"{hdfs_path(rel)} is being written by another request")
+                raise WebHdfsError(
+                    "AlreadyBeingCreatedException", f"{hdfs_path(rel)} is being written by another request"
+                )
 
     def release(self, rel: str) -> None:
         """End of a CREATE/APPEND body (or of its failure): the path can be written again."""
@@ -913,8 +961,7 @@ class WebHdfsNamespace:
         st = self._stat(rel)
         if st is not None:
             if stat_mod.S_ISDIR(st.st_mode):
-                raise WebHdfsError("FileAlreadyExistsException",
-                                   f"{hdfs_path(rel)} already exists as a directory")
+                raise WebHdfsError("FileAlreadyExistsException", f"{hdfs_path(rel)} already exists as a directory")
             if not overwrite:
                 raise WebHdfsError("FileAlreadyExistsException", f"{hdfs_path(rel)} already exists")
         self._check_parent(rel, create_parent=create_parent)
@@ -957,8 +1004,11 @@ class WebHdfsNamespace:
         except WebHdfsError as exc:
             if exc.exception != "DSQuotaExceededException":
                 raise
-            raise WebHdfsError(exc.exception, f"{exc.message}. {hdfs_path(rel)} keeps its first "
-                               f"{offset} bytes, journaled before the quota was reached") from exc
+            raise WebHdfsError(
+                exc.exception,
+                f"{exc.message}. {hdfs_path(rel)} keeps its first "
+                f"{offset} bytes, journaled before the quota was reached",
+            ) from exc
 
     def marker(self, label: str, payload: bytes) -> int:
         seq = self._journal(self.tree.marker, label, payload)

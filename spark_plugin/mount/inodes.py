@@ -115,14 +115,14 @@ class InodeTable:
             else:
                 moves = [(src, ino)]
         for old, moved in moves:
-            new = dst + old[len(src):]
+            new = dst + old[len(src) :]
             del self._inos[old]
             self._inos[new] = moved
             self._paths[moved] = new
 
         def undo() -> None:
             for old, moved in moves:
-                new = dst + old[len(src):]
+                new = dst + old[len(src) :]
                 if self._paths.get(moved) == new:
                     self._inos.pop(new, None)
                     self._inos[old] = moved

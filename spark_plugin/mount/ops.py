@@ -152,8 +152,16 @@ class SOSOperations(_OperationsBase):
     #: what the barriers wait for ("server" or "tier": open_namespace's), shown in the ready line
     durability = "server"
 
-    def __init__(self, tree: JournaledTree, cache_root: str, *, sync: bool = True, namespace: str = "",
-                 writeback_cache: bool = False, chown_to_caller: bool | None = None) -> None:
+    def __init__(
+        self,
+        tree: JournaledTree,
+        cache_root: str,
+        *,
+        sync: bool = True,
+        namespace: str = "",
+        writeback_cache: bool = False,
+        chown_to_caller: bool | None = None,
+    ) -> None:
         super().__init__()
         # Kernel writeback cache (read by pyfuse3 at FUSE INIT): write(2) lands in the page
         # cache and reaches us in large WRITEs, at the latest when close(2) flushes (before
@@ -285,8 +293,9 @@ class SOSOperations(_OperationsBase):
 
     # ------------------------------------------------------------ attributes
     @_guard
-    async def lookup(self, parent_inode: int, name: bytes,
-                     ctx: pyfuse3.RequestContext | None = None) -> pyfuse3.EntryAttributes:
+    async def lookup(
+        self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext | None = None
+    ) -> pyfuse3.EntryAttributes:
         if parent_inode == ROOT_INODE and name == CONTROL_DIR.encode():
             return self._virtual_entry(CONTROL_DIR_INO)
         if parent_inode == CONTROL_DIR_INO:
@@ -311,8 +320,14 @@ class SOSOperations(_OperationsBase):
         return self._entry(inode, os.lstat(self._local(path)))
 
     @_guard
-    async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields,
-                      fh: int | None, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+    async def setattr(
+        self,
+        inode: int,
+        attr: pyfuse3.EntryAttributes,
+        fields: pyfuse3.SetattrFields,
+        fh: int | None,
+        ctx: pyfuse3.RequestContext,
+    ) -> pyfuse3.EntryAttributes:
         if inode in _VIRTUAL:
             if fields.update_size and inode == MARKER_INO and attr.st_size == 0:
                 return self._virtual_entry(inode)
@@ -325,8 +340,14 @@ class SOSOperations(_OperationsBase):
             if fields.update_size:
                 os.ftruncate(fd, attr.st_size)
             return self._entry(inode, os.fstat(fd))
-        changing = (fields.update_size or fields.update_mode or fields.update_uid
-                    or fields.update_gid or fields.update_atime or fields.update_mtime)
+        changing = (
+            fields.update_size
+            or fields.update_mode
+            or fields.update_uid
+            or fields.update_gid
+            or fields.update_atime
+            or fields.update_mtime
+        )
         if changing:
             self._check_writable()
         local = self._local(path)
@@ -337,8 +358,12 @@ class SOSOperations(_OperationsBase):
         if fields.update_mode:
             os.chmod(local, stat.S_IMODE(attr.st_mode))
         if fields.update_uid or fields.update_gid:
-            os.chown(local, attr.st_uid if fields.update_uid else -1,
-                     attr.st_gid if fields.update_gid else -1, follow_symlinks=False)
+            os.chown(
+                local,
+                attr.st_uid if fields.update_uid else -1,
+                attr.st_gid if fields.update_gid else -1,
+                follow_symlinks=False,
+            )
         if fields.update_atime or fields.update_mtime:
             st = os.lstat(local)
             atime = attr.st_atime_ns if fields.update_atime else st.st_atime_ns
@@ -355,8 +380,7 @@ class SOSOperations(_OperationsBase):
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
         sv = os.statvfs(self.cache_root)
         out = pyfuse3.StatvfsData()
-        for name in ("f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_bavail",
-                     "f_files", "f_ffree", "f_favail"):
+        for name in ("f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_bavail", "f_files", "f_ffree", "f_favail"):
             setattr(out, name, getattr(sv, name))
         out.f_namemax = min(sv.f_namemax, 255)
         return out
@@ -370,8 +394,9 @@ class SOSOperations(_OperationsBase):
 
     # ------------------------------------------------------------ directories
     @_guard
-    async def mkdir(self, parent_inode: int, name: bytes, mode: int,
-                    ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+    async def mkdir(
+        self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
         path = self._child(parent_inode, name)
         await self._call(self.tree.mkdir, path, stat.S_IMODE(mode))
         self._give_to_caller(path, ctx)
@@ -405,15 +430,13 @@ class SOSOperations(_OperationsBase):
         # "." and ".." first (ids 1 and 2; the kernel counts no lookup for them), as every
         # POSIX file system lists them (`ls -a`)
         for index in range(start_id, 2):
-            if not pyfuse3.readdir_reply(token, b"." * (index + 1), self._dot_entry(dir_ino, index == 1),
-                                         index + 1):
+            if not pyfuse3.readdir_reply(token, b"." * (index + 1), self._dot_entry(dir_ino, index == 1), index + 1):
                 return
         start_id = max(start_id - 2, 0)
         if dir_ino == CONTROL_DIR_INO:
             for index in range(start_id, len(names)):
                 vname = names[index].encode()
-                if not pyfuse3.readdir_reply(token, vname,
-                                             self._virtual_entry(_CONTROL_FILES[vname]), index + 3):
+                if not pyfuse3.readdir_reply(token, vname, self._virtual_entry(_CONTROL_FILES[vname]), index + 3):
                     break
             return
         for index in range(start_id, len(names)):
@@ -461,8 +484,9 @@ class SOSOperations(_OperationsBase):
         return fh
 
     @_guard
-    async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
-                     ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+    async def create(
+        self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: pyfuse3.RequestContext
+    ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         path = self._child(parent_inode, name)
         existed = os.path.lexists(self._local(path))  # noqa: ASYNC240 - a cache lstat; an existing name is opened
         await self._call(self.tree.create, path, stat.S_IMODE(mode))
@@ -489,8 +513,7 @@ class SOSOperations(_OperationsBase):
                 raise pyfuse3.FUSEError(errno.EACCES)
             fh = self._next_fh
             self._next_fh += 1
-            self._handles[fh] = _Handle(ino=inode, fd=-1, writable=False,
-                                        content=self._namespace_bytes())
+            self._handles[fh] = _Handle(ino=inode, fd=-1, writable=False, content=self._namespace_bytes())
             return pyfuse3.FileInfo(fh=fh, direct_io=True)
         path = self.inodes.live_path(inode)
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
@@ -510,7 +533,7 @@ class SOSOperations(_OperationsBase):
         if h.marker is not None:
             return b""
         if h.content is not None:
-            return h.content[off:off + size]
+            return h.content[off : off + size]
         return os.pread(h.fd, size, off)
 
     @_guard
@@ -520,7 +543,7 @@ class SOSOperations(_OperationsBase):
         if h.marker is not None:
             if off > len(h.marker) + (1 << 20):
                 raise pyfuse3.FUSEError(errno.EFBIG)
-            h.marker[off:off + len(buf)] = buf
+            h.marker[off : off + len(buf)] = buf
             return len(buf)
         path = self.inodes.path(h.ino)
         if path is None:  # unlinked while open: the tree no longer has it
@@ -616,8 +639,15 @@ class SOSOperations(_OperationsBase):
         self.inodes.removed(path)
 
     @_guard
-    async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int, name_new: bytes,
-                     flags: int, ctx: pyfuse3.RequestContext) -> None:
+    async def rename(
+        self,
+        parent_inode_old: int,
+        name_old: bytes,
+        parent_inode_new: int,
+        name_new: bytes,
+        flags: int,
+        ctx: pyfuse3.RequestContext,
+    ) -> None:
         if flags & _RENAME_EXCHANGE:
             raise pyfuse3.FUSEError(errno.EINVAL)
         src = self._child(parent_inode_old, name_old)

@@ -22,8 +22,9 @@ READY_MARKER = "sos mount: ready"
 
 def lazy_unmount(mountpoint: str) -> None:
     """`fusermount3 -u -z`: detach a (possibly dead) mount; quiet if nothing is mounted."""
-    subprocess.run(["fusermount3", "-u", "-z", mountpoint], stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL, check=False)
+    subprocess.run(
+        ["fusermount3", "-u", "-z", mountpoint], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False
+    )
 
 
 def is_mounted(mountpoint: str) -> bool:
@@ -44,13 +45,29 @@ class MountProcess(ReadyChild):
     ``tier_patience``: ``--tier-patience`` in seconds (None: the default).
     """
 
-    def __init__(self, namespace: str, mountpoint: str, cache_dir: str, server: str, key: str,
-                 sync: bool = True, *, log_path: str | None = None,
-                 extra_args: tuple[str, ...] | list[str] = (), env: dict[str, str] | None = None,
-                 start_timeout: float = 120.0, durability: str = "server",
-                 tier_patience: float | None = None) -> None:
-        super().__init__("sos mount", READY_MARKER, log_path or child_log_path("sos-mount-"),
-                         start_timeout=start_timeout, new_session=True)
+    def __init__(
+        self,
+        namespace: str,
+        mountpoint: str,
+        cache_dir: str,
+        server: str,
+        key: str,
+        sync: bool = True,
+        *,
+        log_path: str | None = None,
+        extra_args: tuple[str, ...] | list[str] = (),
+        env: dict[str, str] | None = None,
+        start_timeout: float = 120.0,
+        durability: str = "server",
+        tier_patience: float | None = None,
+    ) -> None:
+        super().__init__(
+            "sos mount",
+            READY_MARKER,
+            log_path or child_log_path("sos-mount-"),
+            start_timeout=start_timeout,
+            new_session=True,
+        )
         self.namespace = namespace
         self.mountpoint = os.path.abspath(mountpoint)
         self.cache_dir = cache_dir
@@ -63,8 +80,17 @@ class MountProcess(ReadyChild):
         self.tier_patience = tier_patience
 
     def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "spark_plugin.mount.cli", self.namespace, self.mountpoint,
-               "--cache", self.cache_dir, "--server", self.server]
+        cmd = [
+            sys.executable,
+            "-m",
+            "spark_plugin.mount.cli",
+            self.namespace,
+            self.mountpoint,
+            "--cache",
+            self.cache_dir,
+            "--server",
+            self.server,
+        ]
         if not self.sync:
             cmd.append("--async")
         if self.durability != "server":

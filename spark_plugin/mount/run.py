@@ -44,6 +44,7 @@ EXIT_FENCED = 3
 # Running a mount: server connection -> writer -> tree -> FUSE
 # ---------------------------------------------------------------------------
 
+
 def default_cache_dir(namespace: str) -> str:
     return _journal_cache_dir(namespace)
 
@@ -68,11 +69,22 @@ class MountedTree:
     A refused key fails at once; a read key is refused (a mount writes).
     """
 
-    def __init__(self, namespace: str, server: str, key: str, cache_dir: str, *,
-                 sync: bool = True, max_lag_bytes: int = 64 << 20,
-                 generation_bytes: int | None = None, client_factory: ClientFactory | None = None,
-                 timeout: float = 30.0, tls: ssl.SSLContext | bool | None = None,
-                 durability: str = "server", tier_patience: float | None = None) -> None:
+    def __init__(
+        self,
+        namespace: str,
+        server: str,
+        key: str,
+        cache_dir: str,
+        *,
+        sync: bool = True,
+        max_lag_bytes: int = 64 << 20,
+        generation_bytes: int | None = None,
+        client_factory: ClientFactory | None = None,
+        timeout: float = 30.0,
+        tls: ssl.SSLContext | bool | None = None,
+        durability: str = "server",
+        tier_patience: float | None = None,
+    ) -> None:
         self.namespace = namespace
         self._client_factory = client_factory
         self.server = server
@@ -92,12 +104,20 @@ class MountedTree:
 
     def open(self) -> tuple[JournaledTree, JournalWriter]:
         """Open the writer and the tree (see the class docstring); returns them."""
-        opened = open_namespace(self.namespace, self.cache_dir, server=self.server, key=self.key,
-                                timeout=self.timeout, tls=self.tls,
-                                client_factory=self._client_factory, sync=self.sync,
-                                max_lag_bytes=self.max_lag_bytes,
-                                generation_bytes=self.generation_bytes,
-                                durability=self.durability, tier_patience=self.tier_patience)
+        opened = open_namespace(
+            self.namespace,
+            self.cache_dir,
+            server=self.server,
+            key=self.key,
+            timeout=self.timeout,
+            tls=self.tls,
+            client_factory=self._client_factory,
+            sync=self.sync,
+            max_lag_bytes=self.max_lag_bytes,
+            generation_bytes=self.generation_bytes,
+            durability=self.durability,
+            tier_patience=self.tier_patience,
+        )
         tree, writer = opened.tree, opened.writer
         if not isinstance(tree, JournaledTree) or writer is None:  # pragma: no cover - read keys are refused
             opened.close()
@@ -115,8 +135,7 @@ class MountedTree:
             self.writer.close()
 
 
-async def _serve(ops: SOSOperations, namespace: str, mountpoint: str,
-                 watch: FenceWatch | None = None) -> None:
+async def _serve(ops: SOSOperations, namespace: str, mountpoint: str, watch: FenceWatch | None = None) -> None:
     """Serve the FUSE session until SIGTERM/SIGINT (or an external unmount); a signal that
     came between the mount and this loop (``_early_signals``) counts as one that comes now.
     With ``watch``, a mount that a newer writer fenced unmounts itself (:func:`_watch_fence`)."""
@@ -138,9 +157,12 @@ async def _serve(ops: SOSOperations, namespace: str, mountpoint: str,
         log.info("%s: unmounting", name)
         pyfuse3.terminate()
 
-    await serve_until_signal(serve, lambda _: f"{READY_MARKER}: namespace {namespace} mounted at "
-                                              f"{mountpoint} ({mode})",
-                             stop=unmount, pending=_early_signals)
+    await serve_until_signal(
+        serve,
+        lambda _: f"{READY_MARKER}: namespace {namespace} mounted at {mountpoint} ({mode})",
+        stop=unmount,
+        pending=_early_signals,
+    )
 
 
 async def _watch_fence(ops: SOSOperations, watch: FenceWatch) -> None:
@@ -151,8 +173,12 @@ async def _watch_fence(ops: SOSOperations, watch: FenceWatch) -> None:
         if reason is not None:
             if ops.fenced is None:
                 ops._fence.fenced = reason
-            log.error("FENCED: %s; this mount of namespace %r can no longer change it: unmounting "
-                      "(exit code %d)", reason, watch.namespace, EXIT_FENCED)
+            log.error(
+                "FENCED: %s; this mount of namespace %r can no longer change it: unmounting (exit code %d)",
+                reason,
+                watch.namespace,
+                EXIT_FENCED,
+            )
             pyfuse3.terminate()
             return
         await trio.sleep(0.5)
@@ -187,14 +213,26 @@ def give_tree_to(tree_dir: str, owner: tuple[int, int], *, everything: bool) -> 
                 at.chown(pre + name, uid, gid)
 
 
-def run_mount(namespace: str, mountpoint: str, *, server: str, key: str,
-              cache_dir: str | None = None, sync: bool = True, max_lag_bytes: int = 64 << 20,
-              allow_other: bool = False, debug: bool = False,
-              client_factory: ClientFactory | None = None,
-              flush_timeout: float = 120.0, writeback_cache: bool = False,
-              owner: tuple[int, int] | None = None,
-              generation_bytes: int | None = None, durability: str = "server",
-              tier_patience: float | None = None, fence_check: float = FENCE_CHECK) -> int:
+def run_mount(
+    namespace: str,
+    mountpoint: str,
+    *,
+    server: str,
+    key: str,
+    cache_dir: str | None = None,
+    sync: bool = True,
+    max_lag_bytes: int = 64 << 20,
+    allow_other: bool = False,
+    debug: bool = False,
+    client_factory: ClientFactory | None = None,
+    flush_timeout: float = 120.0,
+    writeback_cache: bool = False,
+    owner: tuple[int, int] | None = None,
+    generation_bytes: int | None = None,
+    durability: str = "server",
+    tier_patience: float | None = None,
+    fence_check: float = FENCE_CHECK,
+) -> int:
     """Mount `namespace` at `mountpoint` until SIGTERM/SIGINT or an external unmount.
 
     Returns the process exit code (0 after a clean unmount with everything
@@ -236,10 +274,18 @@ def run_mount(namespace: str, mountpoint: str, *, server: str, key: str,
         if owner[0] != os.geteuid() and not allow_other:
             log.info("--owner %d:%d is another user: mounting with allow_other", *owner)
             allow_other = True
-    journal = MountedTree(namespace, server, key, cache_dir or default_cache_dir(namespace),
-                          sync=sync, max_lag_bytes=max_lag_bytes,
-                          generation_bytes=generation_bytes, client_factory=client_factory,
-                          durability=durability, tier_patience=tier_patience)
+    journal = MountedTree(
+        namespace,
+        server,
+        key,
+        cache_dir or default_cache_dir(namespace),
+        sync=sync,
+        max_lag_bytes=max_lag_bytes,
+        generation_bytes=generation_bytes,
+        client_factory=client_factory,
+        durability=durability,
+        tier_patience=tier_patience,
+    )
     tree, writer = journal.open()
     if owner is not None:
         try:  # rebuilt entries have no owner in the journal: they are the owner's
@@ -247,18 +293,17 @@ def run_mount(namespace: str, mountpoint: str, *, server: str, key: str,
         except BaseException:
             journal.close()
             raise
-    ops = SOSOperations(tree, journal.tree_dir, sync=sync, namespace=namespace,
-                        writeback_cache=writeback_cache)
+    ops = SOSOperations(tree, journal.tree_dir, sync=sync, namespace=namespace, writeback_cache=writeback_cache)
     ops.durability = durability
     code = 0
     # From the mount on, SIGTERM/SIGINT must unmount, never kill the process outright.
     previous = {s: signal.signal(s, _record_early_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        pyfuse3.init(ops, mountpoint, fuse_options(namespace, allow_other=allow_other,
-                                                   debug=debug))
+        pyfuse3.init(ops, mountpoint, fuse_options(namespace, allow_other=allow_other, debug=debug))
         try:
-            watch = FenceWatch(namespace, writer, client_factory or writer.client_factory, fence_check,
-                               who="this mount")
+            watch = FenceWatch(
+                namespace, writer, client_factory or writer.client_factory, fence_check, who="this mount"
+            )
             try:
                 trio.run(_serve, ops, namespace, mountpoint, watch)
             finally:
@@ -274,8 +319,11 @@ def run_mount(namespace: str, mountpoint: str, *, server: str, key: str,
                 writer.barrier(timeout=flush_timeout)
             except Exception as exc:  # noqa: BLE001 - reported, exit code says it
                 ops._note_failure(exc)
-                log.error("final flush failed (the spool in %s keeps the journal; the next "
-                          "mount ships it): %r", journal.spool_dir, exc)
+                log.error(
+                    "final flush failed (the spool in %s keeps the journal; the next mount ships it): %r",
+                    journal.spool_dir,
+                    exc,
+                )
                 code = 1
         else:
             code = EXIT_FENCED

@@ -70,6 +70,20 @@ from tools.soak.common import (
 from tools.soak.driver import driver_main
 from tools.soak.harness import Soak
 
-__all__ = ["CLUSTER_KINDS", "KINDS", "NAMESPACE", "ClusterSoak", "GatewayView", "HarnessError", "Soak",
-           "Violation", "_read_json", "_write_json_atomic", "checkpoint_commits", "driver_main", "main",
-           "source_offset", "state_files"]
+__all__ = [
+    "CLUSTER_KINDS",
+    "KINDS",
+    "NAMESPACE",
+    "ClusterSoak",
+    "GatewayView",
+    "HarnessError",
+    "Soak",
+    "Violation",
+    "_read_json",
+    "_write_json_atomic",
+    "checkpoint_commits",
+    "driver_main",
+    "main",
+    "source_offset",
+    "state_files",
+]

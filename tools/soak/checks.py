@@ -35,8 +35,7 @@ def state_files(checkpoint_dir, rel: str) -> dict[str, int]:
     d = os.path.join(checkpoint_dir, rel)
     if not os.path.isdir(d):
         return {}
-    return {n: os.path.getsize(os.path.join(d, n)) for n in os.listdir(d)
-            if os.path.isfile(os.path.join(d, n))}
+    return {n: os.path.getsize(os.path.join(d, n)) for n in os.listdir(d) if os.path.isfile(os.path.join(d, n))}
 
 
 def checkpoint_commits(checkpoint_dir) -> set[int]:
@@ -68,8 +67,7 @@ class GatewayView:
             if exc.status == 404:
                 return set()
             raise
-        return {int(st["pathSuffix"]) for st in doc["FileStatuses"]["FileStatus"]
-                if st["pathSuffix"].isdigit()}
+        return {int(st["pathSuffix"]) for st in doc["FileStatuses"]["FileStatus"] if st["pathSuffix"].isdigit()}
 
     def sizes(self, rel: str) -> dict[str, int]:
         """{name: length} of the files in ``rel`` ({} if it does not exist)."""
@@ -81,8 +79,7 @@ class GatewayView:
             if exc.status == 404:
                 return {}
             raise
-        return {st["pathSuffix"]: int(st["length"]) for st in doc["FileStatuses"]["FileStatus"]
-                if st["type"] == "FILE"}
+        return {st["pathSuffix"]: int(st["length"]) for st in doc["FileStatuses"]["FileStatus"] if st["type"] == "FILE"}
 
     def read(self, rel: str) -> str:
         import urllib.request
@@ -90,8 +87,7 @@ class GatewayView:
         if len(self.client.urls) > 1:  # a gateway pair: land on the active one first
             self.client.call("GET", f"/webhdfs/v1/{self.relpath}/{rel}", op="GETFILESTATUS")
         url = f"{self.client.url}/webhdfs/v1/{self.relpath}/{rel}?op=OPEN&data=true"
-        req = urllib.request.Request(url, headers={"Authorization":
-                                                   f"Bearer {self.client.token()}"})
+        req = urllib.request.Request(url, headers={"Authorization": f"Bearer {self.client.token()}"})
         with urllib.request.urlopen(req, timeout=120) as resp:
             return resp.read().decode("utf-8")
 
@@ -122,41 +118,45 @@ class Checks:
         self.last_check_hi = max(commits, default=-1)
         if not commits:
             if acked >= 0:
-                raise Violation(f"{label}: no commits in {chk_dir}, but batch {acked} was "
-                                "acknowledged committed (RPO 0 broken)")
+                raise Violation(
+                    f"{label}: no commits in {chk_dir}, but batch {acked} was acknowledged committed (RPO 0 broken)"
+                )
             return "no batch committed yet"
         hi, lo = max(commits), min(commits)
         if commits != set(range(lo, hi + 1)):
             raise Violation(f"{label}: commits/ has gaps: {fmt(commits)}")
         if hi < acked:
-            raise Violation(f"{label}: last commit is batch {hi} but batch {acked} was "
-                            "acknowledged committed before (RPO 0 broken: a committed batch "
-                            "was lost)")
+            raise Violation(
+                f"{label}: last commit is batch {hi} but batch {acked} was "
+                "acknowledged committed before (RPO 0 broken: a committed batch "
+                "was lost)"
+            )
         # the file source's log offset L of batch hi: batches 0..hi read files 0..L (one file
         # per source offset, maxFilesPerTrigger=1; a batch re-planned after a crash can span
         # several offsets)
         last_file = source_offset(chk_dir, hi)
         if last_file < hi or last_file >= self.fed:
-            raise Violation(f"{label}: batch {hi} ends at input file {last_file}, but "
-                            f"{self.fed} files were fed")
+            raise Violation(f"{label}: batch {hi} ends at input file {last_file}, but {self.fed} files were fed")
         # older commit files are purged by Spark (minBatchesToRetain): every batch up to hi
         # has committed
         committed = set(range(hi + 1))
-        prefix = {rid: self.expected_all[rid] for i in range(last_file + 1)
-                  for rid in self.file_ids[i]}
+        prefix = {rid: self.expected_all[rid] for i in range(last_file + 1) for rid in self.file_ids[i]}
         res = check_output(self.paths["out"], committed, prefix)
-        problems = [f"{len(res[k])} {k.replace('_', ' ')} (e.g. {res[k][:5]})"
-                    for k in ("lost", "doubled", "corrupted", "unknown", "committed_without_output")
-                    if res[k]]
+        problems = [
+            f"{len(res[k])} {k.replace('_', ' ')} (e.g. {res[k][:5]})"
+            for k in ("lost", "doubled", "corrupted", "unknown", "committed_without_output")
+            if res[k]
+        ]
         if problems or res["records_out"] != len(prefix):
-            raise Violation(f"{label}: committed batches 0..{hi}: " + "; ".join(problems or [
-                f"{res['records_out']} records out, {len(prefix)} expected"]))
+            raise Violation(
+                f"{label}: committed batches 0..{hi}: "
+                + "; ".join(problems or [f"{res['records_out']} records out, {len(prefix)} expected"])
+            )
         if self.state_store == "hdfs":
             self.check_state(chk_dir, hi, label)
         self.records_checked += res["records_out"]
         self.last_check_records = res["records_out"]
-        return (f"batches 0..{hi} committed (input files 0..{last_file}), "
-                f"{res['records_out']} records exactly once")
+        return f"batches 0..{hi} committed (input files 0..{last_file}), {res['records_out']} records exactly once"
 
     def check_state(self, chk_dir, hi: int, label: str) -> None:
         """The dedup state of committed batch ``hi`` (state version hi+1) is there: in each
@@ -166,12 +166,16 @@ class Checks:
         for part in range(SHUFFLE_PARTITIONS):
             files = state_files(chk_dir, f"state/0/{part}")
             if f"{hi + 1}.delta" not in files:
-                raise Violation(f"{label}: batch {hi} committed, but state/0/{part}/"
-                                f"{hi + 1}.delta is missing")
-            empty = sorted((n for n, size in files.items() if size == 0
-                            and re.fullmatch(r"\d+\.(delta|snapshot)", n)
-                            and int(n.split(".")[0]) <= hi + 1),
-                           key=lambda n: int(n.split(".")[0]))
+                raise Violation(f"{label}: batch {hi} committed, but state/0/{part}/{hi + 1}.delta is missing")
+            empty = sorted(
+                (
+                    n
+                    for n, size in files.items()
+                    if size == 0 and re.fullmatch(r"\d+\.(delta|snapshot)", n) and int(n.split(".")[0]) <= hi + 1
+                ),
+                key=lambda n: int(n.split(".")[0]),
+            )
             if empty:
-                raise Violation(f"{label}: batch {hi} committed, but the state files "
-                                f"state/0/{part}/{', '.join(empty)} are empty")
+                raise Violation(
+                    f"{label}: batch {hi} committed, but the state files state/0/{part}/{', '.join(empty)} are empty"
+                )

@@ -32,7 +32,8 @@ def _weights(text: str, defaults: dict | None = None) -> dict:
             raise argparse.ArgumentTypeError(
                 f"unknown kind {k!r}: one of {', '.join(KINDS)} (mount mode) or "
                 f"{', '.join(CLUSTER_KINDS)} (--cluster), and {', '.join(PAIR_ONLY)} "
-                f"(--cluster --gateway-pair)")
+                f"(--cluster --gateway-pair)"
+            )
         w[k.strip()] = float(v)
     return w
 
@@ -54,14 +55,22 @@ def main(argv=None) -> int:
     weights = dict(defaults, **args.weights)
     wrong = sorted(set(weights) - set(cls.KINDS))
     if wrong:
-        p.error(f"--weights: {', '.join(wrong)} is no kind of the {cls.MODE} mode "
-                f"({', '.join(cls.KINDS)})")
+        p.error(f"--weights: {', '.join(wrong)} is no kind of the {cls.MODE} mode ({', '.join(cls.KINDS)})")
     work = args.workdir or tempfile.mkdtemp(prefix="sos-soak-")
     os.makedirs(work, exist_ok=True)
-    soak = cls(duration=args.duration, seed=args.seed, workdir=work, rows=args.rows,
-               max_kills=args.max_kills, weights=weights, state_store=args.state_store,
-               ahead=args.ahead, stall_timeout=args.stall_timeout, delay=tuple(args.delay),
-               standby=args.standby)
+    soak = cls(
+        duration=args.duration,
+        seed=args.seed,
+        workdir=work,
+        rows=args.rows,
+        max_kills=args.max_kills,
+        weights=weights,
+        state_store=args.state_store,
+        ahead=args.ahead,
+        stall_timeout=args.stall_timeout,
+        delay=tuple(args.delay),
+        standby=args.standby,
+    )
     code, result = _run(soak)
     report(result, cls.KINDS, cluster=args.cluster, code=code, work=work, keep=args.keep)
     return code
@@ -71,30 +80,53 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="scripts/soak", description=(tools.soak.__doc__ or "").split("\n\n")[0])
     p.add_argument("--duration", type=float, default=300, help="seconds of crash loop (default 300)")
     p.add_argument("--seed", type=int, default=1, help="RNG seed of the kill schedule (default 1)")
-    p.add_argument("--max-kills", type=int, default=None,
-                   help="stop after this many kill events even if time is left")
-    p.add_argument("--cluster", action="store_true",
-                   help="cluster mode: a Spark standalone cluster (Master, two 1-core Workers, "
-                        "driver, each a node with its own local disk) checkpointing through "
-                        "`sos gateway`; kills of gateway, server, executor, worker, driver, all")
-    p.add_argument("--gateway-pair", action="store_true",
-                   help="--cluster with a gateway pair: an active `sos gateway --lease 5s` and a "
-                        "`--standby`, the query on webhdfs://<nameservice> over both; kills of "
-                        "the active (gateway), split-brain attempts (zombie: the active paused "
-                        "past its lease, resumed, sent a write), kills of the standby")
-    p.add_argument("--weights", type=_weights, default={},
-                   help="relative frequency of each kind, e.g. server=5,mount=2,driver=1,all=1 "
-                        "(--cluster: gateway=4,server=1,executor=2,worker=2,driver=1,all=1)")
-    p.add_argument("--delay", type=float, nargs=2, default=(0.3, 3.0), metavar=("MIN", "MAX"),
-                   help="seconds between a restart and the next kill (uniform, default 0.3 3)")
+    p.add_argument("--max-kills", type=int, default=None, help="stop after this many kill events even if time is left")
+    p.add_argument(
+        "--cluster",
+        action="store_true",
+        help="cluster mode: a Spark standalone cluster (Master, two 1-core Workers, "
+        "driver, each a node with its own local disk) checkpointing through "
+        "`sos gateway`; kills of gateway, server, executor, worker, driver, all",
+    )
+    p.add_argument(
+        "--gateway-pair",
+        action="store_true",
+        help="--cluster with a gateway pair: an active `sos gateway --lease 5s` and a "
+        "`--standby`, the query on webhdfs://<nameservice> over both; kills of "
+        "the active (gateway), split-brain attempts (zombie: the active paused "
+        "past its lease, resumed, sent a write), kills of the standby",
+    )
+    p.add_argument(
+        "--weights",
+        type=_weights,
+        default={},
+        help="relative frequency of each kind, e.g. server=5,mount=2,driver=1,all=1 "
+        "(--cluster: gateway=4,server=1,executor=2,worker=2,driver=1,all=1)",
+    )
+    p.add_argument(
+        "--delay",
+        type=float,
+        nargs=2,
+        default=(0.3, 3.0),
+        metavar=("MIN", "MAX"),
+        help="seconds between a restart and the next kill (uniform, default 0.3 3)",
+    )
     p.add_argument("--rows", type=int, default=20, help="new record ids per input file/batch")
     p.add_argument("--ahead", type=int, default=2, help="input files fed ahead of the query")
     p.add_argument("--state-store", choices=("hdfs", "rocksdb"), default="hdfs")
-    p.add_argument("--stall-timeout", type=float, default=240,
-                   help="seconds without a committed batch before the run gives up (exit 2)")
-    p.add_argument("--no-spare", dest="standby", action="store_false",
-                   help="start every replacement driver cold (default: keep one warm spare "
-                        "driver process with its SparkSession up to replace a killed driver)")
+    p.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=240,
+        help="seconds without a committed batch before the run gives up (exit 2)",
+    )
+    p.add_argument(
+        "--no-spare",
+        dest="standby",
+        action="store_false",
+        help="start every replacement driver cold (default: keep one warm spare "
+        "driver process with its SparkSession up to replace a killed driver)",
+    )
     p.add_argument("--workdir", help="work directory (default: a new temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the work directory on success")
     return p
@@ -103,6 +135,7 @@ def _parser() -> argparse.ArgumentParser:
 def _run(soak: Soak) -> tuple[int, dict]:
     """Run the crash loop; (exit code, result): 0 ok, 1 a violation, 2 a harness error or
     an interruption (SIGINT, SIGTERM). Whatever happens, what is left is cleaned up."""
+
     def on_term(signum, _frame):
         raise KeyboardInterrupt(signal.Signals(signum).name)
 

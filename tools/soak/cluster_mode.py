@@ -114,18 +114,22 @@ class ClusterSoak(Soak):
         t = time.monotonic()
         while True:
             self.gateway_n += 1
-            gw = GatewayProcess(NAMESPACE, self.gateway_cache, self.server.address, self.key,
-                                listen=f"127.0.0.1:{self.gateway_port}", start_timeout=300,
-                                debug=self.gateway_debug,
-                                log_path=os.path.join(self.paths["logs"],
-                                                      f"gateway{self.gateway_n}.log"))
+            gw = GatewayProcess(
+                NAMESPACE,
+                self.gateway_cache,
+                self.server.address,
+                self.key,
+                listen=f"127.0.0.1:{self.gateway_port}",
+                start_timeout=300,
+                debug=self.gateway_debug,
+                log_path=os.path.join(self.paths["logs"], f"gateway{self.gateway_n}.log"),
+            )
             try:
                 gw.start()
                 break
             except RuntimeError as exc:  # e.g. the port still taken for a moment
                 if time.monotonic() > deadline:
-                    raise HarnessError(f"sos gateway #{self.gateway_n} did not start: "
-                                       f"{str(exc)[-1500:]}") from exc
+                    raise HarnessError(f"sos gateway #{self.gateway_n} did not start: {str(exc)[-1500:]}") from exc
                 time.sleep(0.5)
         self.gateway = gw
         self.gateway_url = gw.url
@@ -140,8 +144,9 @@ class ClusterSoak(Soak):
         from tools.cluster import SparkCluster
 
         self.cluster_n += 1
-        self.cluster = SparkCluster(os.path.join(self.work, f"cluster{self.cluster_n}"),
-                                    workers=2, cores=1, env=child_env())
+        self.cluster = SparkCluster(
+            os.path.join(self.work, f"cluster{self.cluster_n}"), workers=2, cores=1, env=child_env()
+        )
         try:
             self.cluster.start(timeout=300)
         except Exception as exc:
@@ -153,15 +158,22 @@ class ClusterSoak(Soak):
         self.driver_n += 1
         ctl = os.path.join(self.paths["control"], f"d{self.driver_n}")
         os.makedirs(ctl, exist_ok=True)
-        cfg = {"input": self.paths["input"], "out": self.paths["out"], "control": ctl,
-               "acked": self.acked_path, "state_store": self.state_store,
-               "spark_conf": self.cluster.spark_conf(),
-               "gateway": {"url": self.gateway_url, "namespace": NAMESPACE}}
+        cfg = {
+            "input": self.paths["input"],
+            "out": self.paths["out"],
+            "control": ctl,
+            "acked": self.acked_path,
+            "state_store": self.state_store,
+            "spark_conf": self.cluster.spark_conf(),
+            "gateway": {"url": self.gateway_url, "namespace": NAMESPACE},
+        }
         cfg_path = os.path.join(ctl, "driver.json")
         _write_json_atomic(cfg_path, cfg)
-        node = self.cluster.start_driver([sys.executable, "-m", "tools.soak", "_driver", cfg_path],
-                                         env=child_env(dict(os.environ, SOS_KEY=self.key)),
-                                         name=f"driver{self.driver_n}")
+        node = self.cluster.start_driver(
+            [sys.executable, "-m", "tools.soak", "_driver", cfg_path],
+            env=child_env(dict(os.environ, SOS_KEY=self.key)),
+            name=f"driver{self.driver_n}",
+        )
         return node.proc, ctl
 
     def executors(self) -> list:
@@ -173,10 +185,15 @@ class ClusterSoak(Soak):
 
     # ------------------------------------------------------------------ events
     def handlers(self) -> dict:
-        return {"gateway": self.kill_gateway, "server": self.kill_server,
-                "executor": self.kill_executor, "worker": self.kill_worker,
-                "driver": self.kill_driver_event, "all": self.kill_all,
-                "disk": self.kill_server_disk}
+        return {
+            "gateway": self.kill_gateway,
+            "server": self.kill_server,
+            "executor": self.kill_executor,
+            "worker": self.kill_worker,
+            "driver": self.kill_driver_event,
+            "all": self.kill_all,
+            "disk": self.kill_server_disk,
+        }
 
     def writer_pid(self) -> int:
         """The journal's writer here is the gateway."""
@@ -191,9 +208,11 @@ class ClusterSoak(Soak):
         took = self.start_gateway(empty=empty)
         self.gateway_restarts["empty-cache" if empty else "same-cache"] += 1
         verdict = self.check(self.view(), "after a gateway kill")
-        return (f"gateway pid {pid} SIGKILLed, down {outage:.1f}s, restarted on the same port "
-                f"on {'an EMPTY' if empty else 'the same'} cache in {took:.1f}s; "
-                f"check: {verdict}")
+        return (
+            f"gateway pid {pid} SIGKILLed, down {outage:.1f}s, restarted on the same port "
+            f"on {'an EMPTY' if empty else 'the same'} cache in {took:.1f}s; "
+            f"check: {verdict}"
+        )
 
     def kill_executor(self) -> str:
         # an executor exists unless one is being relaunched: wait for one (pumping)
@@ -234,9 +253,11 @@ class ClusterSoak(Soak):
         except Exception as exc:
             raise HarnessError(f"replacement worker {i} did not start: {exc}") from exc
         self.worker_starts += 1
-        return (f"worker {i} (pid {node.proc.pid}, {n_exec} executor) SIGKILLed with its node's "
-                f"disk; check: {verdict}; a new worker node registered in "
-                f"{time.monotonic() - t:.1f}s")
+        return (
+            f"worker {i} (pid {node.proc.pid}, {n_exec} executor) SIGKILLed with its node's "
+            f"disk; check: {verdict}; a new worker node registered in "
+            f"{time.monotonic() - t:.1f}s"
+        )
 
     def kill_all(self) -> str:
         mode = self.rng.choice(("sos-restore", "empty-cache"))
@@ -294,10 +315,11 @@ class ClusterSoak(Soak):
         self.peek()
         if self.gateway is not None and self.gateway.proc.poll() is not None:
             rc = self.gateway.proc.returncode
-            self.unexpected.append(f"t={self.elapsed():.0f}s: sos gateway #{self.gateway_n} "
-                                   f"exited by itself ({rc})")
-            self.say(f"UNEXPECTED: sos gateway #{self.gateway_n} exited ({rc}); see "
-                     f"{self.gateway.log_path}; restarting it on the same cache")
+            self.unexpected.append(f"t={self.elapsed():.0f}s: sos gateway #{self.gateway_n} exited by itself ({rc})")
+            self.say(
+                f"UNEXPECTED: sos gateway #{self.gateway_n} exited ({rc}); see "
+                f"{self.gateway.log_path}; restarting it on the same cache"
+            )
             self.start_gateway(empty=False)
             return True
         c = self.cluster
@@ -306,8 +328,9 @@ class ClusterSoak(Soak):
         if c is not None:
             for i, w in enumerate(c.workers):
                 if w is not None and not w.alive():
-                    self.unexpected.append(f"t={self.elapsed():.0f}s: worker {i} exited by "
-                                           f"itself ({w.proc.returncode})")
+                    self.unexpected.append(
+                        f"t={self.elapsed():.0f}s: worker {i} exited by itself ({w.proc.returncode})"
+                    )
                     self.say(f"UNEXPECTED: worker {i} exited; see {w.log_path}; replacing it")
                     c.start_worker(i, timeout=300)
                     self.worker_starts += 1
@@ -325,9 +348,13 @@ class ClusterSoak(Soak):
 
     def summary(self) -> dict:
         out = super().summary()
-        out.update(mode="cluster", gateway_starts=self.gateway_n,
-                   gateway_restarts=dict(self.gateway_restarts),
-                   worker_starts=self.worker_starts, clusters=self.cluster_n)
+        out.update(
+            mode="cluster",
+            gateway_starts=self.gateway_n,
+            gateway_restarts=dict(self.gateway_restarts),
+            worker_starts=self.worker_starts,
+            clusters=self.cluster_n,
+        )
         return out
 
     def cleanup(self) -> None:

@@ -42,12 +42,18 @@ def _read_json(path: str):
         return None
 
 
-
 CLUSTER_KINDS = ("gateway", "server", "executor", "worker", "driver", "all", "disk")
 #: gateway and server kills are cheap (Hadoop's retry policy and the journal writer ride
 #: through them); an executor or worker kill costs a JVM start, a driver kill the whole
 #: application (driver and both executors), a total loss the cluster as well
-CLUSTER_WEIGHTS = {"gateway": 0.32, "server": 0.12, "executor": 0.2, "worker": 0.14,
-                   "driver": 0.12, "all": 0.10, "disk": 0.05}
+CLUSTER_WEIGHTS = {
+    "gateway": 0.32,
+    "server": 0.12,
+    "executor": 0.2,
+    "worker": 0.14,
+    "driver": 0.12,
+    "all": 0.10,
+    "disk": 0.05,
+}
 #: share of gateway kills whose replacement starts on an EMPTY cache (restored from the server)
 GATEWAY_EMPTY_CACHE = 0.3

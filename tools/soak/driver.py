@@ -31,8 +31,7 @@ def driver_main(cfg_path: str) -> int:
     from spark_plugin.spark import MarkerListener
 
     def note(msg):
-        print(f"soak driver [{time.monotonic() - t_start:6.1f}s]: {msg}", file=sys.stderr,
-              flush=True)
+        print(f"soak driver [{time.monotonic() - t_start:6.1f}s]: {msg}", file=sys.stderr, flush=True)
 
     gw = cfg.get("gateway")  # cluster mode: {"url", "namespace"}; the key in $SOS_KEY
     builder = SparkSession.builder.appName("sos-soak-cluster" if gw else "sos-soak")
@@ -41,20 +40,20 @@ def driver_main(cfg_path: str) -> int:
             builder = builder.config(k, v)
     else:
         builder = builder.master("local[2]")
-    builder = (builder.config("spark.sql.shuffle.partitions", "2")
-               .config("spark.ui.enabled", "false")
-               .config("spark.ui.showConsoleProgress", "false")
-               .config("spark.driver.extraJavaOptions", DRIVER_JAVA_OPTIONS)
-               .config("spark.sql.streaming.stateStore.maintenanceInterval",
-                       cfg.get("maintenance_interval", "10s")))
+    builder = (
+        builder.config("spark.sql.shuffle.partitions", "2")
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.driver.extraJavaOptions", DRIVER_JAVA_OPTIONS)
+        .config("spark.sql.streaming.stateStore.maintenanceInterval", cfg.get("maintenance_interval", "10s"))
+    )
     if cfg.get("state_store") == "rocksdb":
         builder = builder.config("spark.sql.streaming.stateStore.providerClass", ROCKSDB_PROVIDER)
     location = None
     if gw:
         from spark_plugin.spark import gateway_checkpoint
 
-        location = gateway_checkpoint(builder, gw["url"], gw["namespace"], os.environ["SOS_KEY"],
-                                      CHECKPOINT)
+        location = gateway_checkpoint(builder, gw["url"], gw["namespace"], os.environ["SOS_KEY"], CHECKPOINT)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     note("Spark session up")
@@ -68,8 +67,9 @@ def driver_main(cfg_path: str) -> int:
     pid = os.getpid()
 
     def status(seq, state, error=None, unreadable=False):
-        _write_json_atomic(status_path, {"seq": seq, "state": state, "error": error, "pid": pid,
-                                         "checkpoint_unreadable": unreadable})
+        _write_json_atomic(
+            status_path, {"seq": seq, "state": state, "error": error, "pid": pid, "checkpoint_unreadable": unreadable}
+        )
 
     def record_ack(listener, event, committed) -> None:
         """A batch with data whose ``commits/N`` is there (``committed(N)``): append it and its
@@ -124,9 +124,12 @@ def driver_main(cfg_path: str) -> int:
 
     # the demo's query (same source, dedup and sink); a processing-time trigger instead of
     # availableNow because the input keeps coming
-    stream = (spark.readStream.schema("id LONG, payload STRING")
-              .option("maxFilesPerTrigger", 1).json(cfg["input"])
-              .dropDuplicates(["id"]))
+    stream = (
+        spark.readStream.schema("id LONG, payload STRING")
+        .option("maxFilesPerTrigger", 1)
+        .json(cfg["input"])
+        .dropDuplicates(["id"])
+    )
 
     handled = -1
     query = None
@@ -155,12 +158,14 @@ def driver_main(cfg_path: str) -> int:
                 status(handled, "failed", f"{mnt} is not a mount point")
                 continue
             try:
-                listener = (GatewayAckListener(location) if location is not None
-                            else AckListener(chk, mountpoint=mnt))
+                listener = GatewayAckListener(location) if location is not None else AckListener(chk, mountpoint=mnt)
                 spark.streams.addListener(listener)
-                query = (stream.writeStream.foreachBatch(sink)
-                         .option("checkpointLocation", chk)
-                         .trigger(processingTime=TRIGGER).start())
+                query = (
+                    stream.writeStream.foreachBatch(sink)
+                    .option("checkpointLocation", chk)
+                    .trigger(processingTime=TRIGGER)
+                    .start()
+                )
             except Exception as exc:
                 status(handled, "failed", f"start: {type(exc).__name__}: {str(exc)[:400]}")
                 query = None
@@ -178,7 +183,7 @@ def driver_main(cfg_path: str) -> int:
                 unreadable = "CANNOT_LOAD_STATE_STORE" in full
                 if unreadable:
                     i = full.index("CANNOT_LOAD_STATE_STORE")
-                    err = full[max(0, i - 40):i + 500]
+                    err = full[max(0, i - 40) : i + 500]
             except Exception as e:
                 err = repr(e)[:600]
             status(handled, "failed", err, unreadable)
@@ -187,4 +192,3 @@ def driver_main(cfg_path: str) -> int:
         time.sleep(0.1)
     spark.stop()
     return 0
-

@@ -35,8 +35,9 @@ def ServerProc(data_dir: str, log_path: str, tier: str | None = None) -> ServerP
     """``sos-server serve`` on a FIXED port (the mount and the gateway must find it again
     after a restart): the one launcher, tools.server. With ``tier``: ``--tier`` on that
     bucket, and metrics on (the ``disk`` event reads the tier's lag)."""
-    return ServerProcess(data_dir, ["--tier", tier] if tier else [], log_path=log_path,
-                         fixed_port=True, metrics=tier is not None)
+    return ServerProcess(
+        data_dir, ["--tier", tier] if tier else [], log_path=log_path, fixed_port=True, metrics=tier is not None
+    )
 
 
 class Soak(Checks):
@@ -47,10 +48,22 @@ class Soak(Checks):
     CHEAP = ("server",)
     MODE = "mount"
 
-    def __init__(self, *, duration: float, seed: int, workdir: str, rows: int,
-                 max_kills: int | None, weights: dict, state_store: str, ahead: int,
-                 stall_timeout: float, delay: tuple[float, float], quiet: bool = False,
-                 standby: bool = True):
+    def __init__(
+        self,
+        *,
+        duration: float,
+        seed: int,
+        workdir: str,
+        rows: int,
+        max_kills: int | None,
+        weights: dict,
+        state_store: str,
+        ahead: int,
+        stall_timeout: float,
+        delay: tuple[float, float],
+        quiet: bool = False,
+        standby: bool = True,
+    ):
         self.duration = duration
         self.seed = seed
         self.rng = random.Random(seed)
@@ -63,9 +76,10 @@ class Soak(Checks):
         self.stall_timeout = stall_timeout
         self.delay = delay
         self.quiet = quiet
-        p = {k: os.path.join(workdir, k) for k in
-             ("staging", "input", "out", "server-data", "control", "logs", "restore",
-              "key-backup", "aws")}
+        p = {
+            k: os.path.join(workdir, k)
+            for k in ("staging", "input", "out", "server-data", "control", "logs", "restore", "key-backup", "aws")
+        }
         self.paths = p
         for k in ("staging", "input", "out", "control", "logs"):
             os.makedirs(p[k], exist_ok=True)
@@ -76,8 +90,9 @@ class Soak(Checks):
         # with ``disk`` events the server copies every acknowledged byte to a bucket (--tier)
         # on moto's S3 server in this process, so that a replacement can rebuild from it
         self.store = EmbeddedStore(p["aws"]) if weights.get("disk", 0) > 0 else None
-        self.server = ServerProc(p["server-data"], os.path.join(p["logs"], "server.log"),
-                                 self.store.url if self.store else None)
+        self.server = ServerProc(
+            p["server-data"], os.path.join(p["logs"], "server.log"), self.store.url if self.store else None
+        )
         self.bootstraps: list[float] = []  # seconds each replacement server took to listen
         self.key = ""
         self.mount = None
@@ -113,11 +128,11 @@ class Soak(Checks):
         self.kills = {k: 0 for k in self.KINDS}
         self.restores = {"sos-restore": 0, "empty-cache": 0}
         self.processes_killed = {"server": 0, "mount": 0, "driver": 0, "server-disk": 0}
-        self.query_restarts = 0          # same JVM, after a mount kill
+        self.query_restarts = 0  # same JVM, after a mount kill
         self.query_failures: list[str] = []  # failures the harness did not cause directly
         self.unexpected: list[str] = []  # processes that died without being killed
         self.checks = 0
-        self.records_checked = 0         # records of committed output compared, all checks
+        self.records_checked = 0  # records of committed output compared, all checks
         self.last_check_records = 0
         self.violations: list[str] = []
         self.restart_times = {k: [] for k in self.KINDS}
@@ -149,8 +164,10 @@ class Soak(Checks):
         bounds = [records * i // self.total_files for i in range(self.total_files + 1)]
         # the ids new in file i (make_input: file i = chunk i + half of chunk i-1 again)
         self.file_ids = [list(range(bounds[i], bounds[i + 1])) for i in range(self.total_files)]
-        self.say(f"input: {self.total_files} files of {self.rows} new ids (+ duplicates of the "
-                 f"previous file) staged; fed {self.ahead} batches ahead of the query")
+        self.say(
+            f"input: {self.total_files} files of {self.rows} new ids (+ duplicates of the "
+            f"previous file) staged; fed {self.ahead} batches ahead of the query"
+        )
 
     def consumed_files(self) -> int:
         """Input files the committed batches consumed: the driver's acknowledgements, or
@@ -161,8 +178,9 @@ class Soak(Checks):
         target = min(self.total_files, self.consumed_files() + self.ahead)
         while self.fed < target:
             name = f"part-{self.fed:05d}.json"
-            os.rename(os.path.join(self.paths["staging"], name),
-                      os.path.join(self.paths["input"], name))  # keeps make_input's mtime
+            os.rename(
+                os.path.join(self.paths["staging"], name), os.path.join(self.paths["input"], name)
+            )  # keeps make_input's mtime
             for rid in self.file_ids[self.fed]:
                 self.expected_prefix[rid] = self.expected_all[rid]
             self.fed += 1
@@ -207,11 +225,15 @@ class Soak(Checks):
         self.mountpoint = os.path.join(self.worker_dir, f"mnt{self.mount_n}")
         t = time.monotonic()
         try:
-            self.mount = start_mount(NAMESPACE, self.mountpoint, server=self.server.address,
-                                     key=self.key, cache_dir=os.path.join(self.worker_dir, "cache"),
-                                     timeout=300,
-                                     log_path=os.path.join(self.paths["logs"],
-                                                           f"mount{self.mount_n}.log"))
+            self.mount = start_mount(
+                NAMESPACE,
+                self.mountpoint,
+                server=self.server.address,
+                key=self.key,
+                cache_dir=os.path.join(self.worker_dir, "cache"),
+                timeout=300,
+                log_path=os.path.join(self.paths["logs"], f"mount{self.mount_n}.log"),
+            )
         except Exception as exc:
             raise HarnessError(f"sos mount #{self.mount_n} did not start: {exc}") from exc
         os.makedirs(self.checkpoint(), exist_ok=True)
@@ -272,15 +294,25 @@ class Soak(Checks):
         self.driver_n += 1
         ctl = os.path.join(self.paths["control"], f"d{self.driver_n}")
         os.makedirs(ctl, exist_ok=True)
-        cfg = {"input": self.paths["input"], "out": self.paths["out"], "control": ctl,
-               "acked": self.acked_path, "state_store": self.state_store}
+        cfg = {
+            "input": self.paths["input"],
+            "out": self.paths["out"],
+            "control": ctl,
+            "acked": self.acked_path,
+            "state_store": self.state_store,
+        }
         cfg_path = os.path.join(ctl, "driver.json")
         _write_json_atomic(cfg_path, cfg)
         log_path = os.path.join(self.paths["logs"], f"driver{self.driver_n}.log")
         with open(log_path, "ab") as logf:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "tools.soak", "_driver", cfg_path],
-                stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True, env=child_env())
+                stdin=subprocess.DEVNULL,
+                stdout=logf,
+                stderr=logf,
+                start_new_session=True,
+                env=child_env(),
+            )
         return proc, ctl
 
     def start_driver(self) -> str:
@@ -323,7 +355,6 @@ class Soak(Checks):
                 self.processes_killed["driver"] += 1
             kill_tree(self.driver)
 
-
     # ------------------------------------------------------------------ events
     def kill_server(self) -> str:
         pid = self.server.proc.pid
@@ -333,8 +364,10 @@ class Soak(Checks):
         t = time.monotonic()
         self.server.start()
         verdict = self.check(self.view(), "after a server kill")
-        return (f"server pid {pid} SIGKILLed, down {outage:.1f}s, restarted in "
-                f"{time.monotonic() - t:.1f}s; check: {verdict}")
+        return (
+            f"server pid {pid} SIGKILLed, down {outage:.1f}s, restarted in "
+            f"{time.monotonic() - t:.1f}s; check: {verdict}"
+        )
 
     def writer_pid(self) -> int:
         """The process that writes the journal to the server (here: the mount)."""
@@ -368,12 +401,16 @@ class Soak(Checks):
         finally:
             os.kill(writer, signal.SIGCONT)
         if self.server.log_text().count('"tier bootstrap"') != boots + 1:
-            raise Violation("the replacement server on an empty data directory did not rebuild "
-                            "from the bucket (no tier bootstrap in its log)")
+            raise Violation(
+                "the replacement server on an empty data directory did not rebuild "
+                "from the bucket (no tier bootstrap in its log)"
+            )
         verdict = self.check(self.view(), "after the server's disk was lost")
-        return (f"writer pid {writer} frozen, the bucket caught up in {waited:.1f}s; server pid "
-                f"{pid} SIGKILLed and its data directory deleted; a replacement on an empty one "
-                f"rebuilt from the bucket and listened in {took:.1f}s; check: {verdict}")
+        return (
+            f"writer pid {writer} frozen, the bucket caught up in {waited:.1f}s; server pid "
+            f"{pid} SIGKILLed and its data directory deleted; a replacement on an empty one "
+            f"rebuilt from the bucket and listened in {took:.1f}s; check: {verdict}"
+        )
 
     def kill_mount(self) -> str:
         pid = self.mount.pid
@@ -384,8 +421,7 @@ class Soak(Checks):
         note = ""
         if st is None:
             note = "; driver did not stop its query within 120s: driver killed"
-            self.unexpected.append(f"t={self.elapsed():.0f}s: driver did not stop its query "
-                                   "after a mount kill")
+            self.unexpected.append(f"t={self.elapsed():.0f}s: driver did not stop its query after a mount kill")
             self.kill_driver()
             self.driver = None
         self.drop_mount()
@@ -396,8 +432,10 @@ class Soak(Checks):
             self.query_restarts += 1
         else:
             self.start_driver()
-        return (f"mount pid {pid} SIGKILLed, query stopped, new mount on the same cache in "
-                f"{took:.1f}s; check: {verdict}; query restarted in the same driver{note}")
+        return (
+            f"mount pid {pid} SIGKILLed, query stopped, new mount on the same cache in "
+            f"{took:.1f}s; check: {verdict}; query restarted in the same driver{note}"
+        )
 
     def kill_driver_event(self) -> str:
         pid = self.driver.pid if self.driver else None
@@ -455,14 +493,19 @@ class Soak(Checks):
     def sos_restore(self, target: str) -> None:
         from spark_plugin.spark import sos_command
 
-        proc = subprocess.run([*sos_command(), "restore", "-q", "--server", self.server.address, NAMESPACE, target],
-                              capture_output=True, text=True, timeout=600,
-                              env=dict(os.environ, SOS_KEY=self.key))
+        proc = subprocess.run(
+            [*sos_command(), "restore", "-q", "--server", self.server.address, NAMESPACE, target],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=dict(os.environ, SOS_KEY=self.key),
+        )
         with open(os.path.join(self.paths["logs"], "restore.log"), "a") as f:
             f.write(f"--- {target}: exit {proc.returncode}\n{proc.stdout}{proc.stderr}")
         if proc.returncode != 0:
-            raise Violation(f"sos restore failed after a total loss (exit {proc.returncode}): "
-                            f"{proc.stderr.strip()[-500:]}")
+            raise Violation(
+                f"sos restore failed after a total loss (exit {proc.returncode}): {proc.stderr.strip()[-500:]}"
+            )
 
     # ------------------------------------------------------------------ supervision
     def pump(self) -> None:
@@ -471,43 +514,45 @@ class Soak(Checks):
         self.feed()
         self.tend_standby()
         if not self.server.alive():
-            self.unexpected.append(f"t={self.elapsed():.0f}s: sos-server exited by itself "
-                                   f"({self.server.proc.returncode})")
+            self.unexpected.append(
+                f"t={self.elapsed():.0f}s: sos-server exited by itself ({self.server.proc.returncode})"
+            )
             self.say(f"UNEXPECTED: sos-server exited ({self.server.proc.returncode}); restarting")
             self.server.start()
         if self.supervise():
             return
         if self.mount is not None and self.mount.proc.poll() is not None:
             rc = self.mount.proc.returncode
-            self.unexpected.append(f"t={self.elapsed():.0f}s: sos mount #{self.mount_n} exited "
-                                   f"by itself ({rc})")
-            self.say(f"UNEXPECTED: sos mount #{self.mount_n} exited ({rc}); see "
-                     f"{self.mount.log_path}; remounting")
+            self.unexpected.append(f"t={self.elapsed():.0f}s: sos mount #{self.mount_n} exited by itself ({rc})")
+            self.say(f"UNEXPECTED: sos mount #{self.mount_n} exited ({rc}); see {self.mount.log_path}; remounting")
             self.kill_mount()
             return
         if self.driver is not None and self.driver.poll() is not None:
             rc = self.driver.returncode
-            self.unexpected.append(f"t={self.elapsed():.0f}s: driver #{self.driver_n} exited "
-                                   f"by itself ({rc})")
+            self.unexpected.append(f"t={self.elapsed():.0f}s: driver #{self.driver_n} exited by itself ({rc})")
             self.say(f"UNEXPECTED: the driver exited ({rc}); starting a new one")
             self.start_driver()
             return
         st = self.status()
-        if st is not None and st["seq"] == self.cmd_seq and st["state"] == "failed" \
-                and self.want_running:
+        if st is not None and st["seq"] == self.cmd_seq and st["state"] == "failed" and self.want_running:
             if st.get("checkpoint_unreadable"):
-                raise Violation(f"the query cannot load the state of its committed checkpoint "
-                                f"(a state file of a committed batch is lost, empty or "
-                                f"truncated): {(st.get('error') or '')[:500]}")
+                raise Violation(
+                    f"the query cannot load the state of its committed checkpoint "
+                    f"(a state file of a committed batch is lost, empty or "
+                    f"truncated): {(st.get('error') or '')[:500]}"
+                )
             err = (st.get("error") or "").splitlines()[0][:300] if st.get("error") else ""
             self.query_failures.append(f"t={self.elapsed():.0f}s: {err}")
-            self.say(f"query failed{' without a mount kill' if self.MODE == 'mount' else ''}: "
-                     f"{err}; restarting it in the same driver")
+            self.say(
+                f"query failed{' without a mount kill' if self.MODE == 'mount' else ''}: "
+                f"{err}; restarting it in the same driver"
+            )
             self.command("run")
             self.query_restarts += 1
         if time.monotonic() - self.last_progress_t > self.stall_timeout:
-            raise HarnessError(f"no batch committed for {self.stall_timeout:.0f}s (stall); "
-                               f"last committed batch {self.acked_max}")
+            raise HarnessError(
+                f"no batch committed for {self.stall_timeout:.0f}s (stall); last committed batch {self.acked_max}"
+            )
 
     def supervise(self) -> bool:
         """Notice and repair the mode's own parts dying by themselves; True if it did."""
@@ -523,18 +568,21 @@ class Soak(Checks):
 
     # ------------------------------------------------------------------ the run
     def run(self) -> dict:
-        self.say(f"soak: seed {self.seed}, duration {self.duration:.0f}s"
-                 + (f", at most {self.max_kills} kill events" if self.max_kills else "")
-                 + f", work dir {self.work}")
+        self.say(
+            f"soak: seed {self.seed}, duration {self.duration:.0f}s"
+            + (f", at most {self.max_kills} kill events" if self.max_kills else "")
+            + f", work dir {self.work}"
+        )
         self.prepare_input()
         self.key = keygen(self.paths["server-data"], NAMESPACE)
         if self.store is not None:
             backup_keys(self.paths["server-data"], NAMESPACE, self.paths["key-backup"])
             self.store.start()
         self.start_server()
-        self.say(f"sos-server on {self.server.address}"
-                 + (f", --tier {self.store.url} (moto's S3 server at {self.store.endpoint})"
-                    if self.store else ""))
+        self.say(
+            f"sos-server on {self.server.address}"
+            + (f", --tier {self.store.url} (moto's S3 server at {self.store.endpoint})" if self.store else "")
+        )
         self.setup()
         self.feed()
         self.start_driver()
@@ -590,29 +638,35 @@ class Soak(Checks):
         self.say(f"mounted {NAMESPACE} at {self.mountpoint}")
 
     def handlers(self) -> dict:
-        return {"server": self.kill_server, "mount": self.kill_mount,
-                "driver": self.kill_driver_event, "all": self.kill_all,
-                "disk": self.kill_server_disk}
+        return {
+            "server": self.kill_server,
+            "mount": self.kill_mount,
+            "driver": self.kill_driver_event,
+            "all": self.kill_all,
+            "disk": self.kill_server_disk,
+        }
 
     def drain(self) -> None:
         final_fed = self.fed
         deadline = time.monotonic() + max(self.stall_timeout, 120)
         while self.consumed_files() < final_fed:
             if time.monotonic() > deadline:
-                raise HarnessError(f"drain: batch {self.acked_max} is the last committed, it "
-                                   f"read {self.consumed_files()} of the {final_fed} files fed")
+                raise HarnessError(
+                    f"drain: batch {self.acked_max} is the last committed, it "
+                    f"read {self.consumed_files()} of the {final_fed} files fed"
+                )
             self.read_acked()
             self.pump_no_feed()
             time.sleep(0.1)
         verdict = self.check(self.view(), "final")
         hi = max(checkpoint_commits(self.view()))
         if source_offset(self.view(), hi) != final_fed - 1:
-            raise Violation(f"final: last committed batch {hi} does not end at the last fed "
-                            f"file {final_fed - 1}")
+            raise Violation(f"final: last committed batch {hi} does not end at the last fed file {final_fed - 1}")
         res = check_output(self.paths["out"], set(range(hi + 1)), self.expected_prefix)
         if res["lost"] or res["records_out"] != len(self.expected_prefix):
-            raise Violation(f"final: {len(res['lost'])} records lost of "
-                            f"{len(self.expected_prefix)} fed (e.g. {res['lost'][:5]})")
+            raise Violation(
+                f"final: {len(res['lost'])} records lost of {len(self.expected_prefix)} fed (e.g. {res['lost'][:5]})"
+            )
         self.final_records = res["records_out"]
         self.say(f"final check: every fed record came out exactly once: {verdict}")
         if self.standby is not None:
@@ -635,7 +689,7 @@ class Soak(Checks):
         self.mount = None
 
     def pump_no_feed(self) -> None:
-        saved, self.ahead = self.ahead, -10**9
+        saved, self.ahead = self.ahead, -(10**9)
         try:
             self.pump()
         finally:
@@ -647,19 +701,27 @@ class Soak(Checks):
             return round(xs[len(xs) // 2], 1) if xs else None
 
         return {
-            "ok": not self.violations, "seed": self.seed, "duration_s": round(self.elapsed(), 1),
-            "kill_events": sum(self.kills.values()), "kills": dict(self.kills),
+            "ok": not self.violations,
+            "seed": self.seed,
+            "duration_s": round(self.elapsed(), 1),
+            "kill_events": sum(self.kills.values()),
+            "kills": dict(self.kills),
             "processes_killed": dict(self.processes_killed),
-            "restores": dict(self.restores), "query_restarts_same_jvm": self.query_restarts,
-            "driver_starts": self.driver_n, "spare_driver_promotions": self.promoted,
+            "restores": dict(self.restores),
+            "query_restarts_same_jvm": self.query_restarts,
+            "driver_starts": self.driver_n,
+            "spare_driver_promotions": self.promoted,
             "mount_starts": self.mount_n,
             "server_starts": self.server.starts,
             "server_bootstraps": len(self.bootstraps),
             "median_bootstrap_s": med(self.bootstraps),
-            "batches_committed": self.acked_max + 1, "input_files_fed": self.fed,
+            "batches_committed": self.acked_max + 1,
+            "input_files_fed": self.fed,
             "records_final": getattr(self, "final_records", 0),
-            "checks": self.checks, "records_checked": self.records_checked,
-            "violations": list(self.violations), "query_failures": list(self.query_failures),
+            "checks": self.checks,
+            "records_checked": self.records_checked,
+            "violations": list(self.violations),
+            "query_failures": list(self.query_failures),
             "unexpected": list(self.unexpected),
             "median_event_s": {k: med(v) for k, v in self.restart_times.items()},
             "median_recovery_s": {k: med(v) for k, v in self.recovery.items()},

@@ -32,8 +32,16 @@ from tools.soak.common import CLUSTER_KINDS, GATEWAY_EMPTY_CACHE, NAMESPACE, Har
 #: --lease of both gateways (seconds)
 LEASE = 5.0
 PAIR_KINDS = (*tuple(k for k in CLUSTER_KINDS if k != "disk"), "zombie", "standby")
-PAIR_WEIGHTS = {"gateway": 0.22, "zombie": 0.08, "standby": 0.06, "server": 0.12,
-                "executor": 0.2, "worker": 0.14, "driver": 0.1, "all": 0.08}
+PAIR_WEIGHTS = {
+    "gateway": 0.22,
+    "zombie": 0.08,
+    "standby": 0.06,
+    "server": 0.12,
+    "executor": 0.2,
+    "worker": 0.14,
+    "driver": 0.1,
+    "all": 0.08,
+}
 
 
 class PairSoak(ClusterSoak):
@@ -53,8 +61,10 @@ class PairSoak(ClusterSoak):
     # ------------------------------------------------------------------ parts
     def setup(self) -> None:
         self.start_gateway(empty=True)
-        self.say(f"gateway pair: active {self.gateway.url}, standby {self.standby_gw.url} "
-                 f"(--lease {LEASE:g}s); the query on {self.checkpoint()}")
+        self.say(
+            f"gateway pair: active {self.gateway.url}, standby {self.standby_gw.url} "
+            f"(--lease {LEASE:g}s); the query on {self.checkpoint()}"
+        )
         self.start_cluster()
         self.say(f"Spark cluster: Master {self.cluster.master_url}, 2 Workers of 1 core")
 
@@ -77,17 +87,24 @@ class PairSoak(ClusterSoak):
         while True:
             self.gateway_n += 1
             args = ["--lease", f"{LEASE:g}"] + (["--standby"] if standby else [])
-            gw = GatewayProcess(NAMESPACE, self.caches[slot], self.server.address, self.key,
-                                listen=f"127.0.0.1:{self.ports[slot]}", start_timeout=300,
-                                debug=self.gateway_debug, extra_args=args,
-                                log_path=os.path.join(self.paths["logs"], f"gateway{self.gateway_n}"
-                                                      f"{'-standby' if standby else ''}.log"))
+            gw = GatewayProcess(
+                NAMESPACE,
+                self.caches[slot],
+                self.server.address,
+                self.key,
+                listen=f"127.0.0.1:{self.ports[slot]}",
+                start_timeout=300,
+                debug=self.gateway_debug,
+                extra_args=args,
+                log_path=os.path.join(
+                    self.paths["logs"], f"gateway{self.gateway_n}{'-standby' if standby else ''}.log"
+                ),
+            )
             try:
                 return gw.start()
             except RuntimeError as exc:
                 if time.monotonic() > deadline:
-                    raise HarnessError(f"sos gateway #{self.gateway_n} did not start: "
-                                       f"{str(exc)[-1500:]}") from exc
+                    raise HarnessError(f"sos gateway #{self.gateway_n} did not start: {str(exc)[-1500:]}") from exc
                 time.sleep(0.5)
 
     def start_gateway(self, *, empty: bool) -> float:
@@ -120,11 +137,13 @@ class PairSoak(ClusterSoak):
         deadline = time.monotonic() + LEASE + 60
         while self._promotions() <= before:
             if time.monotonic() > deadline:
-                raise HarnessError(f"the standby did not take over within {LEASE + 60:.0f}s; see "
-                                   f"{self.standby_gw.log_path}")
+                raise HarnessError(
+                    f"the standby did not take over within {LEASE + 60:.0f}s; see {self.standby_gw.log_path}"
+                )
             if self.standby_gw.proc.poll() is not None:
-                raise HarnessError(f"the standby exited ({self.standby_gw.proc.returncode}); see "
-                                   f"{self.standby_gw.log_path}")
+                raise HarnessError(
+                    f"the standby exited ({self.standby_gw.proc.returncode}); see {self.standby_gw.log_path}"
+                )
             self.pump()
             time.sleep(0.1)
         return time.monotonic() - since
@@ -151,8 +170,10 @@ class PairSoak(ClusterSoak):
         self.standby_gw = self._start(1, standby=True, empty=empty)
         self.gateway_restarts["empty-cache" if empty else "same-cache"] += 1
         verdict = self.check(self.view(), "after the active gateway's kill")
-        return (f"active gateway pid {pid} SIGKILLed{' with its cache' if empty else ''}; the "
-                f"standby took over in {took:.1f}s; the killed one is the new standby; check: {verdict}")
+        return (
+            f"active gateway pid {pid} SIGKILLed{' with its cache' if empty else ''}; the "
+            f"standby took over in {took:.1f}s; the killed one is the new standby; check: {verdict}"
+        )
 
     def kill_zombie(self) -> str:
         """A split-brain attempt: pause the active past its lease, let the standby take over,
@@ -162,9 +183,11 @@ class PairSoak(ClusterSoak):
         zombie = self.gateway
         pid = zombie.pid
         url = f"http://127.0.0.1:{self.ports[0]}"
-        token = requests.post(url + "/oauth2/token", data={"grant_type": "client_credentials",
-                                                           "client_id": NAMESPACE,
-                                                           "client_secret": self.key}, timeout=60)
+        token = requests.post(
+            url + "/oauth2/token",
+            data={"grant_type": "client_credentials", "client_id": NAMESPACE, "client_secret": self.key},
+            timeout=60,
+        )
         token.raise_for_status()
         h = {"Authorization": f"Bearer {token.json()['access_token']}"}
         before = self._promotions()
@@ -182,11 +205,12 @@ class PairSoak(ClusterSoak):
         except requests.ConnectionError:
             r = None  # it had already stopped
         if r is not None and r.status_code < 300:
-            raise Violation(f"split brain: the paused and resumed gateway pid {pid} accepted a "
-                            f"write ({r.status_code} {r.text[:200]}) after the standby took over")
+            raise Violation(
+                f"split brain: the paused and resumed gateway pid {pid} accepted a "
+                f"write ({r.status_code} {r.text[:200]}) after the standby took over"
+            )
         if r is not None and "StandbyException" not in r.text:
-            raise Violation(f"the resumed gateway refused with {r.status_code} {r.text[:200]}, "
-                            f"not as a standby")
+            raise Violation(f"the resumed gateway refused with {r.status_code} {r.text[:200]}, not as a standby")
         self.gateway_restarts["split-brain-refused"] += 1
         try:
             rc = zombie.proc.wait(timeout=60)
@@ -197,9 +221,11 @@ class PairSoak(ClusterSoak):
         self.standby_gw = self._start(1, standby=True, empty=False)
         verdict = self.check(self.view(), "after a paused active was fenced")
         refusal = "it had stopped" if r is None else f"{r.status_code} StandbyException"
-        return (f"active gateway pid {pid} SIGSTOPped, the standby took over in {took:.1f}s, "
-                f"SIGCONT: its write refused ({refusal}), it exited {rc}; restarted as the "
-                f"standby; check: {verdict}")
+        return (
+            f"active gateway pid {pid} SIGSTOPped, the standby took over in {took:.1f}s, "
+            f"SIGCONT: its write refused ({refusal}), it exited {rc}; restarted as the "
+            f"standby; check: {verdict}"
+        )
 
     def kill_standby(self) -> str:
         pid = self.standby_gw.pid
@@ -210,8 +236,10 @@ class PairSoak(ClusterSoak):
         self.standby_gw = self._start(1, standby=True, empty=empty)
         took = time.monotonic() - t
         verdict = self.check(self.view(), "after a standby kill")
-        return (f"standby gateway pid {pid} SIGKILLed, restarted on {'an EMPTY' if empty else 'its'} "
-                f"cache in {took:.1f}s; check: {verdict}")
+        return (
+            f"standby gateway pid {pid} SIGKILLed, restarted on {'an EMPTY' if empty else 'its'} "
+            f"cache in {took:.1f}s; check: {verdict}"
+        )
 
     def kill_all(self) -> str:
         if self.standby_gw is not None:
@@ -239,8 +267,11 @@ class PairSoak(ClusterSoak):
     def summary(self) -> dict:
         out = super().summary()
         fs = sorted(self.failover_s)
-        out.update(mode="cluster-pair", failover_median_s=fs[len(fs) // 2] if fs else None,
-                   failover_max_s=fs[-1] if fs else None)
+        out.update(
+            mode="cluster-pair",
+            failover_median_s=fs[len(fs) // 2] if fs else None,
+            failover_max_s=fs[-1] if fs else None,
+        )
         return out
 
     def cleanup(self) -> None:
