@@ -398,6 +398,10 @@ class Gateway:
                 self._check_head(req)
                 status = await self._dispatch(conn, method, path, params, headers, op)
             except WebHdfsError as exc:
+                if self.gate is not None and self._writer_fenced():
+                    # one of a pair whose write a newer writer's fence refused: its client
+                    # goes to the other gateway (the server kept nothing of it)
+                    raise standby_reply(f"this gateway's writer was fenced: {exc.message}") from exc
                 raise Reply(exc.status, exc.body()) from exc
         except Reply as reply:
             status = reply.status
@@ -470,6 +474,14 @@ class Gateway:
         check_operation(method, op, grant)
         handler = OPERATIONS[(method, op)]
         return await handler(self.operations, Call(conn, method, op, rel, params, headers, grant))
+
+    def _writer_fenced(self) -> bool:
+        """Did the server refuse this gateway's writer as fenced (or its segment as sealed)?"""
+        writer = self.ns.writer
+        if writer is None:
+            return False
+        status = writer.status()
+        return status["state"] == "failed" and str(status.get("error") or "").startswith(("Fenced:", "SealedError:"))
 
     def become_active(self, ns: WebHdfsNamespace) -> None:
         """A promoted standby (standby.py): serve ``ns``, its namespace opened as the writer,
