@@ -557,6 +557,17 @@ def pem_certificates(text: str) -> list[str]:
     return certs
 
 
+def _run_keytool(tool: str, store: str, password: str, *command: str) -> subprocess.CompletedProcess[str]:
+    """``keytool COMMAND... -keystore STORE -storetype PKCS12 -storepass PASSWORD``, its
+    output captured (the caller reads the return code)."""
+    return subprocess.run(
+        [tool, *command, "-keystore", store, "-storetype", "PKCS12", "-storepass", password],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 def make_truststore(
     cafile: str | os.PathLike[str], path: str | os.PathLike[str] | None = None, *, password: str = TRUSTSTORE_PASSWORD
 ) -> str:
@@ -574,26 +585,7 @@ def make_truststore(
         one = os.path.join(work, f"ca-{n}.pem")
         with open(one, "w", encoding="ascii") as f:
             f.write(cert)
-        proc = subprocess.run(
-            [
-                tool,
-                "-importcert",
-                "-noprompt",
-                "-alias",
-                f"sos-ca-{n}",
-                "-file",
-                one,
-                "-keystore",
-                store,
-                "-storetype",
-                "PKCS12",
-                "-storepass",
-                password,
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        proc = _run_keytool(tool, store, password, "-importcert", "-noprompt", "-alias", f"sos-ca-{n}", "-file", one)
         if proc.returncode != 0:
             raise RuntimeError(f"keytool -importcert of {cafile} failed: {(proc.stderr or proc.stdout).strip()}")
     return store
@@ -602,22 +594,7 @@ def make_truststore(
 def truststore_certificates(truststore: str | os.PathLike[str], password: str) -> str:
     """The certificates of a PKCS12 truststore as PEM text (``keytool -list -rfc``): what
     Python's ssl module can load (``cadata=``)."""
-    proc = subprocess.run(
-        [
-            keytool(),
-            "-list",
-            "-rfc",
-            "-keystore",
-            os.fspath(truststore),
-            "-storetype",
-            "PKCS12",
-            "-storepass",
-            password,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = _run_keytool(keytool(), os.fspath(truststore), password, "-list", "-rfc")
     certs = pem_certificates(proc.stdout)
     if proc.returncode != 0 or not certs:
         raise ValueError(
