@@ -11,7 +11,7 @@ import logging
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
 
 from sos_client.cli import client_from_args, key_from_args
 from sos_client.errors import SOSError
@@ -19,7 +19,7 @@ from sos_client.process import ReadyChild
 from sos_wire import argtypes
 from sos_wire.names import validate_namespace
 
-from .facade import add_durability_options, durability_refusal
+from .facade import add_durability_options, durability_refusal, tier_patience_of
 
 if TYPE_CHECKING:
     from sos_client.blocking import Client
@@ -28,11 +28,13 @@ __all__ = [
     "MAX_LAG",
     "CommandStart",
     "FaceChild",
+    "JournalOptions",
     "add_journal_options",
     "configure_logging",
     "fail",
     "one_line",
     "read_key",
+    "run_alone",
     "serve_command",
     "start_command",
 ]
@@ -159,6 +161,21 @@ def read_key(args: argparse.Namespace) -> str | int:
         return fail(exc.message, 1)
 
 
+class JournalOptions(TypedDict):
+    """The keywords a face's runner (``run_mount``, ``GatewayOptions``) takes for its
+    journal, as the command line gives them (:meth:`CommandStart.journal_options`)."""
+
+    server: str
+    key: str
+    client_factory: Callable[[], Client]
+    cache_dir: str | None
+    sync: bool
+    max_lag_bytes: int
+    generation_bytes: int | None
+    durability: str
+    tier_patience: float | None
+
+
 @dataclass(frozen=True)
 class CommandStart:
     """A face's command past its checks: the key and a factory of connected clients for
@@ -169,6 +186,21 @@ class CommandStart:
 
     def client(self) -> Client:
         return client_from_args(self.args, self.args.namespace)
+
+    def journal_options(self) -> JournalOptions:
+        """The server, key, client factory and the options of :func:`add_journal_options`."""
+        args = self.args
+        return JournalOptions(
+            server=args.server,
+            key=self.key,
+            client_factory=self.client,
+            cache_dir=args.cache,
+            sync=not args.async_,
+            max_lag_bytes=args.max_lag,
+            generation_bytes=args.generation_bytes,
+            durability=args.durability,
+            tier_patience=tier_patience_of(args.tier_patience),
+        )
 
 
 def start_command(args: argparse.Namespace, key: str | int | None = None) -> CommandStart | int:
@@ -200,3 +232,18 @@ def serve_command(face: str, serve: Callable[[], int]) -> int:
     except Exception as exc:
         logging.getLogger(f"sos.{face}").debug("%s failed", face, exc_info=True)
         return fail(f"{face} failed: {one_line(exc)}", 1)
+
+
+def run_alone(
+    add_parser: Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], argparse.ArgumentParser],
+    command: str,
+    argv: list[str] | None = None,
+) -> int:
+    """``python -m`` of a face's command (what its child process runs, before the ``sos``
+    console script may be installed): ``sos COMMAND`` with ``argv`` (default: sys.argv[1:])."""
+    parser = argparse.ArgumentParser(prog="sos")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_parser(sub)
+    args = parser.parse_args([command, *(sys.argv[1:] if argv is None else argv)])
+    code: int = args.func(args)
+    return code

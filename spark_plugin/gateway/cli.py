@@ -13,13 +13,13 @@ import sys
 from typing import TYPE_CHECKING
 
 from sos_client.cli import add_connection_options
-from sos_client.journal.facade import tier_patience_of
 from sos_client.journal.face_command import (
     CommandStart,
     add_journal_options,
     fail,
     one_line,
     read_key,
+    run_alone,
     serve_command,
     start_command,
 )
@@ -312,17 +312,10 @@ def gateway_options(args: argparse.Namespace, start: CommandStart) -> GatewayOpt
     return GatewayOptions(
         namespace=args.namespace,
         listen=args.listen,
-        server=args.server,
-        key=start.key,
-        cache_dir=args.cache,
-        client_factory=start.client,
         timeout=args.timeout,
         tls_client=_trust(args) if args.tls_ca or args.tls else None,  # checks client keys at the server
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
-        sync=not args.async_,
-        max_lag_bytes=args.max_lag,
-        generation_bytes=args.generation_bytes,
         insecure_no_auth=args.insecure_no_auth,
         token_ttl=args.token_ttl,
         threads=args.threads,
@@ -334,13 +327,12 @@ def gateway_options(args: argparse.Namespace, start: CommandStart) -> GatewayOpt
         send_timeout=args.send_timeout,
         open_memory=args.open_memory,
         key_recheck=args.key_recheck,
-        durability=args.durability,
-        tier_patience=tier_patience_of(args.tier_patience),
         fence_check=args.fence_check,
         metrics=args.metrics,
         restore_batch=args.restore_batch,
         restore_yes=args.yes,
         lease=args.lease,
+        **start.journal_options(),
     )
 
 
@@ -357,11 +349,7 @@ def serve(options: GatewayOptions, *, standby: bool) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="sos")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_parser(sub)
-    args = parser.parse_args(["gateway", *(sys.argv[1:] if argv is None else argv)])
-    return args.func(args)
+    return run_alone(add_parser, "gateway", argv)
 
 
 if __name__ == "__main__":

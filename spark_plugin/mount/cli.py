@@ -13,8 +13,7 @@ import pwd
 import sys
 
 from sos_client.cli import add_connection_options
-from sos_client.journal.facade import tier_patience_of
-from sos_client.journal.face_command import add_journal_options, serve_command, start_command
+from sos_client.journal.face_command import add_journal_options, run_alone, serve_command, start_command
 from sos_wire import argtypes
 
 
@@ -106,30 +105,18 @@ def run(args: argparse.Namespace) -> int:
         lambda: run_mount(
             args.namespace,
             args.mountpoint,
-            server=args.server,
-            key=start.key,
-            cache_dir=args.cache,
-            sync=not args.async_,
-            max_lag_bytes=args.max_lag,
             allow_other=args.allow_other,
             debug=args.debug,
-            client_factory=start.client,
             writeback_cache=args.writeback_cache,
             owner=args.owner,
-            generation_bytes=args.generation_bytes,
-            durability=args.durability,
-            tier_patience=tier_patience_of(args.tier_patience),
             fence_check=args.fence_check,
+            **start.journal_options(),
         ),
     )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="sos")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_parser(sub)
-    args = parser.parse_args(["mount", *(sys.argv[1:] if argv is None else argv)])
-    return args.func(args)
+    return run_alone(add_parser, "mount", argv)
 
 
 if __name__ == "__main__":
