@@ -35,7 +35,6 @@ import http.client
 import json
 import os
 import re
-import shutil
 import statistics
 import sys
 import tempfile
@@ -47,8 +46,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import contextlib
 
-from spark_checkpoint import PHASES, BatchTimer, alternate, open_session, side_figures
+from spark_checkpoint import (
+    PHASES,
+    BatchTimer,
+    add_query_options,
+    alternate,
+    local_and_mount,
+    open_session,
+    side_figures,
+)
 
+from bench.common import BUCKET, doc_parser, remove_work, start_moto_bucket, stop_moto
 from spark_plugin.gateway.client import GatewayClient
 from spark_plugin.gateway.process import GatewayProcess
 from spark_plugin.spark import gateway_checkpoint, start_gateway, start_mount
@@ -187,16 +195,10 @@ def http_load(url: str, token: str, threads: int, per_thread: int) -> dict[str, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--batches", type=int, default=60, help="batches per run (default 60)")
-    p.add_argument(
-        "--rounds",
-        type=int,
-        default=3,
-        help="rounds over the 3 sides, each round starting with the next side (default 3)",
+    p = doc_parser(__doc__, epilog=False)
+    add_query_options(
+        p, rounds=3, rounds_help="rounds over the 3 sides, each round starting with the next side (default 3)"
     )
-    p.add_argument("--records-per-batch", type=int, default=500)
-    p.add_argument("--state-store", choices=("hdfs", "rocksdb"), default="hdfs")
     p.add_argument(
         "--no-crc", action="store_true", help="local and mount without Hadoop's .crc files (webhdfs never has them)"
     )
@@ -280,22 +282,12 @@ def main(argv: list[str] | None = None) -> int:
             return location
 
         every = {
-            "local": lambda r: os.path.join(work, "local", f"chk-{r}"),
-            "mount": lambda r: os.path.join(mnt, f"chk-{r}"),
+            **local_and_mount(work, mnt),
             "gateway": on_gateway(gw, "benchgw") if gw else None,
             "gwtier": on_gateway(tier_gw, "benchtier") if tier_gw else None,
         }
         sides = {w: every[w] for w in SIDES if w in sides_run}
-        elapsed = alternate(
-            spark,
-            timer,
-            work,
-            sides,
-            batches=args.batches,
-            rounds=args.rounds,
-            records_per_batch=args.records_per_batch,
-            rotate=True,
-        )
+        elapsed = alternate(spark, timer, work, sides, args, rotate=True)
         spark.stop()
         stats: dict[str, dict] = {}
         for w, proc in (("gateway", gw), ("gwtier", tier_gw)):
@@ -363,12 +355,8 @@ def main(argv: list[str] | None = None) -> int:
         if tier_server is not None:
             tier_server.stop()
         if moto is not None:
-            moto.kill()
-            moto.wait()
-        if not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
-        else:
-            print(f"kept {work}")
+            stop_moto(moto)
+        remove_work(work, args.keep)
 
 
 def _sides(text: str) -> tuple[str, ...]:
@@ -380,28 +368,10 @@ def _sides(text: str) -> tuple[str, ...]:
 
 
 def start_tier_store(work: str):
-    """moto's S3 server as a process of its own on 127.0.0.1 and a bucket on it; the
-    environment the tier reads (boto3's chain: endpoint, dummy keys, no shared config) goes
-    into os.environ, so the tier server started after inherits it. (process, s3:// URL)"""
-    import boto3
-
-    from bench.tier import start_moto
-
-    cfg = os.path.join(work, "aws-none")
-    for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3", "AWS_CA_BUNDLE"):
-        os.environ.pop(var, None)
-    os.environ.update(
-        AWS_ACCESS_KEY_ID="bench",
-        AWS_SECRET_ACCESS_KEY="bench",
-        AWS_DEFAULT_REGION="us-east-1",
-        AWS_CONFIG_FILE=cfg,
-        AWS_SHARED_CREDENTIALS_FILE=cfg,
-        AWS_EC2_METADATA_DISABLED="true",
-    )
-    proc, endpoint = start_moto(dict(os.environ))
-    os.environ["AWS_ENDPOINT_URL"] = endpoint
-    boto3.session.Session().client("s3").create_bucket(Bucket="bench")
-    return proc, "s3://bench/gateway"
+    """moto's S3 server with its bucket (bench.common.start_moto_bucket), the environment the tier
+    reads in os.environ, so the tier server started after inherits it. (process, s3:// URL)"""
+    moto, _env = start_moto_bucket(work)
+    return moto, f"s3://{BUCKET}/gateway"
 
 
 def report(args, sides: dict, fig: dict, timer, res: dict) -> None:
