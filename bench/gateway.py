@@ -51,6 +51,7 @@ from spark_checkpoint import (
     BatchTimer,
     add_query_options,
     alternate,
+    flat_figures,
     local_and_mount,
     open_session,
     side_figures,
@@ -194,7 +195,7 @@ def http_load(url: str, token: str, threads: int, per_thread: int) -> dict[str, 
 # --------------------------------------------------------------------------- main
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = doc_parser(__doc__, epilog=False)
     add_query_options(
         p, rounds=3, rounds_help="rounds over the 3 sides, each round starting with the next side (default 3)"
@@ -223,20 +224,118 @@ def main(argv: list[str] | None = None) -> int:
         help="gwtier: the tier server's --tier-interval (default 1s, its default)",
     )
     p.add_argument("--keep", action="store_true")
-    args = p.parse_args(argv)
-    sides_run: tuple[str, ...] = args.sides
+    return p
 
-    work = tempfile.mkdtemp(prefix="sos-bench-gateway-")
-    server = LocalServer(os.path.join(work, "server"), os.path.join(work, "server.log"))
-    tier_server: LocalServer | None = None
-    moto = None
-    mount = gw = tier_gw = load_gw = None
+
+def _stopped_at_exit(stack: contextlib.ExitStack, proc):
+    """*proc*, stopped when *stack* closes (a failure to stop is not the run's failure)."""
+
+    def stop() -> None:
+        with contextlib.suppress(Exception):
+            proc.stop()
+
+    stack.callback(stop)
+    return proc
+
+
+def _start_gateways(stack: contextlib.ExitStack, args, work: str, server: LocalServer, keys: dict[str, str]):
+    """The gateway sides asked for by --sides: (the gateway on *server* or None, the gateway with
+    durability "tier" on a tier server of its own, over moto, or None); stopped with *stack*."""
+    gw = tier_gw = None
+    if "gateway" in args.sides:
+        gw = GatewayProcess(
+            "benchgw",
+            os.path.join(work, "gateway-cache"),
+            server.address,
+            keys["benchgw"],
+            log_path=os.path.join(work, "gateway.log"),
+        )
+        _stopped_at_exit(stack, gw).start()
+    if "gwtier" in args.sides:
+        moto, tier_url = start_tier_store(work)
+        stack.callback(stop_moto, moto)
+        tier_data = os.path.join(work, "tier-server")
+        keys["benchtier"] = keygen(tier_data, "benchtier")
+        tier_server = LocalServer(
+            tier_data,
+            os.path.join(work, "tier-server.log"),
+            args=["--tier", tier_url, "--tier-interval", args.tier_interval],
+        )
+        stack.callback(tier_server.stop)
+        tier_server.start()
+        tier_gw = start_gateway(
+            "benchtier",
+            server=tier_server.address,
+            key=keys["benchtier"],
+            cache_dir=os.path.join(work, "tier-gateway-cache"),
+            durability="tier",
+            log_path=os.path.join(work, "tier-gateway.log"),
+        )
+        _stopped_at_exit(stack, tier_gw)
+    return gw, tier_gw
+
+
+def _results(args, sides: dict, fig: dict, timer, elapsed: float, stats: dict[str, dict]) -> dict:
+    """The JSON line's figures: per side, the ratios to local, per phase, the gateways' requests."""
+    res: dict = {
+        "state_store": args.state_store,
+        "no_crc": args.no_crc,
+        "records_per_batch": args.records_per_batch,
+        "rounds": args.rounds,
+        "batches": {w: fig[w]["n"] for w in sides},
+        "elapsed_s": elapsed,
+        "cores": os.cpu_count(),
+        "load_avg_end": os.getloadavg(),
+        "tier_interval": args.tier_interval if "gwtier" in sides else None,
+    }
+    res.update(flat_figures(fig, sides))
+    for w in sides:
+        if w != "local":
+            res[f"ratio_{w}_local_median"] = fig[w]["median_ms"] / fig["local"]["median_ms"]
+            res[f"ratio_{w}_local_mean"] = fig[w]["mean_ms"] / fig["local"]["mean_ms"]
+    if "gateway" in sides and "gwtier" in sides:
+        res["gwtier_minus_gateway_median_ms"] = fig["gwtier"]["median_ms"] - fig["gateway"]["median_ms"]
+    res["phases_median_ms"] = {w: {k: statistics.median(v) for k, v in timer.phases[w].items()} for w in sides}
+    for w, st in stats.items():
+        total = sum(int(s["count"]) for s in st["ops"].values())
+        res[f"{w}_spark"] = {
+            "requests": total,
+            "per_batch": total / max(1, fig[w]["n"]),
+            "requests_per_s": total / st["wall"] if st["wall"] else 0.0,
+            "ops": st["ops"],
+        }
+    return res
+
+
+def _http_load_figures(args, work: str, server: LocalServer, key: str) -> dict:
+    """The HTTP load, on a gateway of its own (its stats are not mixed with Spark's)."""
+    load_gw = GatewayProcess(
+        "benchload",
+        os.path.join(work, "load-cache"),
+        server.address,
+        key,
+        log_path=os.path.join(work, "load-gateway.log"),
+    ).start()
     try:
+        token = GatewayClient(load_gw.url, "benchload", key).token()
+        client = http_load(load_gw.url, token, args.threads, args.load_requests)
+    finally:
+        load_gw.stop()
+    return {"threads": args.threads, "client": client, "gateway": gateway_stats(load_gw.log())}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    work = tempfile.mkdtemp(prefix="sos-bench-gateway-")
+    with contextlib.ExitStack() as stack:
+        stack.callback(remove_work, work, args.keep)
         data = os.path.join(work, "server")
+        server = LocalServer(data, os.path.join(work, "server.log"))
         keys = {ns: keygen(data, ns) for ns in ("benchmnt", "benchgw", "benchload")}
+        stack.callback(server.stop)
         server.start()
         mnt = os.path.join(work, "mnt")
-        if "mount" in sides_run:
+        if "mount" in args.sides:
             mount = start_mount(
                 "benchmnt",
                 mnt,
@@ -245,32 +344,8 @@ def main(argv: list[str] | None = None) -> int:
                 cache_dir=os.path.join(work, "mount-cache"),
                 log_path=os.path.join(work, "mount.log"),
             )
-        if "gateway" in sides_run:
-            gw = GatewayProcess(
-                "benchgw",
-                os.path.join(work, "gateway-cache"),
-                server.address,
-                keys["benchgw"],
-                log_path=os.path.join(work, "gateway.log"),
-            ).start()
-        if "gwtier" in sides_run:
-            moto, tier_url = start_tier_store(work)
-            tier_data = os.path.join(work, "tier-server")
-            keys["benchtier"] = keygen(tier_data, "benchtier")
-            tier_server = LocalServer(
-                tier_data,
-                os.path.join(work, "tier-server.log"),
-                args=["--tier", tier_url, "--tier-interval", args.tier_interval],
-            )
-            tier_server.start()
-            tier_gw = start_gateway(
-                "benchtier",
-                server=tier_server.address,
-                key=keys["benchtier"],
-                cache_dir=os.path.join(work, "tier-gateway-cache"),
-                durability="tier",
-                log_path=os.path.join(work, "tier-gateway.log"),
-            )
+            _stopped_at_exit(stack, mount)
+        gw, tier_gw = _start_gateways(stack, args, work, server, keys)
 
         spark = open_session(args.state_store, args.no_crc, app="sos-bench-gateway")
         timer = BatchTimer(spark)
@@ -286,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
             "gateway": on_gateway(gw, "benchgw") if gw else None,
             "gwtier": on_gateway(tier_gw, "benchtier") if tier_gw else None,
         }
-        sides = {w: every[w] for w in SIDES if w in sides_run}
+        sides = {w: every[w] for w in SIDES if w in args.sides}
         elapsed = alternate(spark, timer, work, sides, args, rotate=True)
         spark.stop()
         stats: dict[str, dict] = {}
@@ -297,66 +372,11 @@ def main(argv: list[str] | None = None) -> int:
                 stats[w] = {"wall": wall, "ops": gateway_stats(proc.log())}
 
         fig = {w: side_figures(timer, w) for w in sides}
-        res: dict = {
-            "state_store": args.state_store,
-            "no_crc": args.no_crc,
-            "records_per_batch": args.records_per_batch,
-            "rounds": args.rounds,
-            "batches": {w: fig[w]["n"] for w in sides},
-            "elapsed_s": elapsed,
-            "cores": os.cpu_count(),
-            "load_avg_end": os.getloadavg(),
-            "tier_interval": args.tier_interval if tier_gw else None,
-        }
-        for w in sides:
-            for k in ("median_ms", "mean_ms", "p90_ms"):
-                res[f"{w}_{k}"] = fig[w][k]
-        for w in sides:
-            if w != "local":
-                res[f"ratio_{w}_local_median"] = fig[w]["median_ms"] / fig["local"]["median_ms"]
-                res[f"ratio_{w}_local_mean"] = fig[w]["mean_ms"] / fig["local"]["mean_ms"]
-        if "gateway" in sides and "gwtier" in sides:
-            res["gwtier_minus_gateway_median_ms"] = fig["gwtier"]["median_ms"] - fig["gateway"]["median_ms"]
-        res["phases_median_ms"] = {w: {k: statistics.median(v) for k, v in timer.phases[w].items()} for w in sides}
-        for w, st in stats.items():
-            total = sum(int(s["count"]) for s in st["ops"].values())
-            res[f"{w}_spark"] = {
-                "requests": total,
-                "per_batch": total / max(1, fig[w]["n"]),
-                "requests_per_s": total / st["wall"] if st["wall"] else 0.0,
-                "ops": st["ops"],
-            }
-
+        res = _results(args, sides, fig, timer, elapsed, stats)
         if args.load_requests > 0:
-            # the HTTP load, on a gateway of its own (its stats are not mixed with Spark's)
-            load_gw = GatewayProcess(
-                "benchload",
-                os.path.join(work, "load-cache"),
-                server.address,
-                keys["benchload"],
-                log_path=os.path.join(work, "load-gateway.log"),
-            ).start()
-            token = GatewayClient(load_gw.url, "benchload", keys["benchload"]).token()
-            res["http_load"] = {
-                "threads": args.threads,
-                "client": http_load(load_gw.url, token, args.threads, args.load_requests),
-            }
-            load_gw.stop()
-            res["http_load"]["gateway"] = gateway_stats(load_gw.log())
-
+            res["http_load"] = _http_load_figures(args, work, server, keys["benchload"])
         report(args, sides, fig, timer, res)
-        return 0
-    finally:
-        for proc in (load_gw, tier_gw, gw, mount):
-            if proc is not None:
-                with contextlib.suppress(Exception):
-                    proc.stop()
-        server.stop()
-        if tier_server is not None:
-            tier_server.stop()
-        if moto is not None:
-            stop_moto(moto)
-        remove_work(work, args.keep)
+    return 0
 
 
 def _sides(text: str) -> tuple[str, ...]:

@@ -190,6 +190,11 @@ def side_figures(timer: BatchTimer, where: str) -> dict:
     }
 
 
+def flat_figures(fig: dict[str, dict], sides) -> dict[str, float]:
+    """``{side}_median_ms``, ``{side}_mean_ms``, ``{side}_p90_ms`` of each side's side_figures, for the JSON line."""
+    return {f"{w}_{k}": fig[w][k] for w in sides for k in ("median_ms", "mean_ms", "p90_ms")}
+
+
 PHASES = ("walCommit", "addBatch", "commitOffsets", "latestOffset", "queryPlanning")
 
 
@@ -239,9 +244,7 @@ def main(argv=None) -> int:
             "records_per_batch": args.records_per_batch,
             "elapsed_s": elapsed,
         }
-        for w in sides:
-            for k in ("median_ms", "mean_ms", "p90_ms"):
-                res[f"{w}_{k}"] = fig[w][k]
+        res.update(flat_figures(fig, sides))
         res["ratio_median"] = res["mount_median_ms"] / res["local_median_ms"]
         res["ratio_mean"] = res["mount_mean_ms"] / res["local_mean_ms"]
         print(
