@@ -380,10 +380,11 @@ class Core:
         self.role = ok.role
         return ok.role
 
-    def tls_refusal(self, server: str, exc: ConnectionLost) -> Op[ConnectionLost | None]:
-        """Run after this connection's handshake failed with *exc* (the server closed it, or
-        sent bytes that are no frame): the error that says the server requires TLS, not
-        retryable (retrying without TLS cannot work), or None (*exc* stands).
+    def tls_refusal(self, server: str) -> Op[ConnectionLost | None]:
+        """Run after this connection's handshake failed (the server closed it, or sent bytes
+        that are no frame): the error that says the server requires TLS, not retryable
+        (retrying without TLS cannot work; the driver raises it from the handshake's error),
+        or None (the handshake's error stands).
 
         Over TLS already: None. Otherwise the bytes received decide: a TLS record (a TLS
         server's alert to a plaintext HELLO) says TLS; any other byte, a server that speaks
@@ -398,13 +399,11 @@ class Core:
             wants_tls = yield PROBE_TLS
         if not wants_tls:
             return None
-        err = ConnectionLost(
+        return ConnectionLost(
             f"{server}: the server requires TLS: pass --tls-ca FILE (or set "
             f"{TLS_CA_ENV}=FILE; --tls for a certificate of a public CA)",
             retryable=False,
         )
-        err.__cause__ = exc
-        return err
 
     def ping(self, payload: bytes = b"") -> Op[bytes]:
         reply = yield from self._request(ev.Ping(self._rid(), bytes(payload)), "ping", ev.Pong)

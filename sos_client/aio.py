@@ -108,7 +108,7 @@ class AsyncClient(ClientSettings):
             await self._drive(core, core.handshake())
         except ConnectionLost as exc:
             await self._drop()
-            err = await self._drive(core, core.tls_refusal(self.server, exc))
+            err = await self._drive(core, core.tls_refusal(self.server))
             if err is None:
                 raise
             raise err from exc

@@ -116,7 +116,7 @@ class Client(ClientSettings):
             self._drive(core, core.handshake())
         except ConnectionLost as exc:
             self._drop()
-            err = self._drive(core, core.tls_refusal(self.server, exc))
+            err = self._drive(core, core.tls_refusal(self.server))
             if err is None:
                 raise
             raise err from exc
