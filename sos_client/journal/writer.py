@@ -79,6 +79,9 @@ def _check_options(
 
 
 class JournalWriter(Replicator, Resume, Barriers):
+    """One namespace's journal: records appended to the spool, shipped by the replicator
+    thread, waited for by the barriers (the module docstring says which module holds what)."""
+
     def __init__(
         self,
         client_factory: Callable[[], StoreClient],
