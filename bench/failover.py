@@ -28,7 +28,6 @@ import hashlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,7 @@ import requests
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench.common import free_port  # noqa: E402
 from sos_wire import argtypes  # noqa: E402
 from spark_plugin.gateway.process import GatewayProcess  # noqa: E402 - after sys.path
 from spark_plugin.spark import GATEWAY_FAILOVER, sos_command  # noqa: E402
@@ -47,12 +47,6 @@ from tools.server import ServerProcess  # noqa: E402
 
 NS = "failover"
 PIECE = 8 << 20
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def compile_writer(out: str) -> str:

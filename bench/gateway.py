@@ -35,7 +35,6 @@ import http.client
 import json
 import os
 import re
-import shutil
 import statistics
 import sys
 import tempfile
@@ -47,8 +46,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import contextlib
 
-from spark_checkpoint import PHASES, BatchTimer, alternate, open_session, side_figures
+from spark_checkpoint import (
+    PHASES,
+    BatchTimer,
+    add_query_options,
+    alternate,
+    flat_figures,
+    local_and_mount,
+    open_session,
+    side_figures,
+)
 
+from bench.common import BUCKET, doc_parser, remove_work, start_moto_bucket, stop_moto
 from spark_plugin.gateway.client import GatewayClient
 from spark_plugin.gateway.process import GatewayProcess
 from spark_plugin.spark import gateway_checkpoint, start_gateway, start_mount
@@ -186,17 +195,11 @@ def http_load(url: str, token: str, threads: int, per_thread: int) -> dict[str, 
 # --------------------------------------------------------------------------- main
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--batches", type=int, default=60, help="batches per run (default 60)")
-    p.add_argument(
-        "--rounds",
-        type=int,
-        default=3,
-        help="rounds over the 3 sides, each round starting with the next side (default 3)",
+def _parser() -> argparse.ArgumentParser:
+    p = doc_parser(__doc__, epilog=False)
+    add_query_options(
+        p, rounds=3, rounds_help="rounds over the 3 sides, each round starting with the next side (default 3)"
     )
-    p.add_argument("--records-per-batch", type=int, default=500)
-    p.add_argument("--state-store", choices=("hdfs", "rocksdb"), default="hdfs")
     p.add_argument(
         "--no-crc", action="store_true", help="local and mount without Hadoop's .crc files (webhdfs never has them)"
     )
@@ -221,20 +224,118 @@ def main(argv: list[str] | None = None) -> int:
         help="gwtier: the tier server's --tier-interval (default 1s, its default)",
     )
     p.add_argument("--keep", action="store_true")
-    args = p.parse_args(argv)
-    sides_run: tuple[str, ...] = args.sides
+    return p
 
-    work = tempfile.mkdtemp(prefix="sos-bench-gateway-")
-    server = LocalServer(os.path.join(work, "server"), os.path.join(work, "server.log"))
-    tier_server: LocalServer | None = None
-    moto = None
-    mount = gw = tier_gw = load_gw = None
+
+def _stopped_at_exit(stack: contextlib.ExitStack, proc):
+    """*proc*, stopped when *stack* closes (a failure to stop is not the run's failure)."""
+
+    def stop() -> None:
+        with contextlib.suppress(Exception):
+            proc.stop()
+
+    stack.callback(stop)
+    return proc
+
+
+def _start_gateways(stack: contextlib.ExitStack, args, work: str, server: LocalServer, keys: dict[str, str]):
+    """The gateway sides asked for by --sides: (the gateway on *server* or None, the gateway with
+    durability "tier" on a tier server of its own, over moto, or None); stopped with *stack*."""
+    gw = tier_gw = None
+    if "gateway" in args.sides:
+        gw = GatewayProcess(
+            "benchgw",
+            os.path.join(work, "gateway-cache"),
+            server.address,
+            keys["benchgw"],
+            log_path=os.path.join(work, "gateway.log"),
+        )
+        _stopped_at_exit(stack, gw).start()
+    if "gwtier" in args.sides:
+        moto, tier_url = start_tier_store(work)
+        stack.callback(stop_moto, moto)
+        tier_data = os.path.join(work, "tier-server")
+        keys["benchtier"] = keygen(tier_data, "benchtier")
+        tier_server = LocalServer(
+            tier_data,
+            os.path.join(work, "tier-server.log"),
+            args=["--tier", tier_url, "--tier-interval", args.tier_interval],
+        )
+        stack.callback(tier_server.stop)
+        tier_server.start()
+        tier_gw = start_gateway(
+            "benchtier",
+            server=tier_server.address,
+            key=keys["benchtier"],
+            cache_dir=os.path.join(work, "tier-gateway-cache"),
+            durability="tier",
+            log_path=os.path.join(work, "tier-gateway.log"),
+        )
+        _stopped_at_exit(stack, tier_gw)
+    return gw, tier_gw
+
+
+def _results(args, sides: dict, fig: dict, timer, elapsed: float, stats: dict[str, dict]) -> dict:
+    """The JSON line's figures: per side, the ratios to local, per phase, the gateways' requests."""
+    res: dict = {
+        "state_store": args.state_store,
+        "no_crc": args.no_crc,
+        "records_per_batch": args.records_per_batch,
+        "rounds": args.rounds,
+        "batches": {w: fig[w]["n"] for w in sides},
+        "elapsed_s": elapsed,
+        "cores": os.cpu_count(),
+        "load_avg_end": os.getloadavg(),
+        "tier_interval": args.tier_interval if "gwtier" in sides else None,
+    }
+    res.update(flat_figures(fig, sides))
+    for w in sides:
+        if w != "local":
+            res[f"ratio_{w}_local_median"] = fig[w]["median_ms"] / fig["local"]["median_ms"]
+            res[f"ratio_{w}_local_mean"] = fig[w]["mean_ms"] / fig["local"]["mean_ms"]
+    if "gateway" in sides and "gwtier" in sides:
+        res["gwtier_minus_gateway_median_ms"] = fig["gwtier"]["median_ms"] - fig["gateway"]["median_ms"]
+    res["phases_median_ms"] = {w: {k: statistics.median(v) for k, v in timer.phases[w].items()} for w in sides}
+    for w, st in stats.items():
+        total = sum(int(s["count"]) for s in st["ops"].values())
+        res[f"{w}_spark"] = {
+            "requests": total,
+            "per_batch": total / max(1, fig[w]["n"]),
+            "requests_per_s": total / st["wall"] if st["wall"] else 0.0,
+            "ops": st["ops"],
+        }
+    return res
+
+
+def _http_load_figures(args, work: str, server: LocalServer, key: str) -> dict:
+    """The HTTP load, on a gateway of its own (its stats are not mixed with Spark's)."""
+    load_gw = GatewayProcess(
+        "benchload",
+        os.path.join(work, "load-cache"),
+        server.address,
+        key,
+        log_path=os.path.join(work, "load-gateway.log"),
+    ).start()
     try:
+        token = GatewayClient(load_gw.url, "benchload", key).token()
+        client = http_load(load_gw.url, token, args.threads, args.load_requests)
+    finally:
+        load_gw.stop()
+    return {"threads": args.threads, "client": client, "gateway": gateway_stats(load_gw.log())}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    work = tempfile.mkdtemp(prefix="sos-bench-gateway-")
+    with contextlib.ExitStack() as stack:
+        stack.callback(remove_work, work, args.keep)
         data = os.path.join(work, "server")
+        server = LocalServer(data, os.path.join(work, "server.log"))
         keys = {ns: keygen(data, ns) for ns in ("benchmnt", "benchgw", "benchload")}
+        stack.callback(server.stop)
         server.start()
         mnt = os.path.join(work, "mnt")
-        if "mount" in sides_run:
+        if "mount" in args.sides:
             mount = start_mount(
                 "benchmnt",
                 mnt,
@@ -243,32 +344,8 @@ def main(argv: list[str] | None = None) -> int:
                 cache_dir=os.path.join(work, "mount-cache"),
                 log_path=os.path.join(work, "mount.log"),
             )
-        if "gateway" in sides_run:
-            gw = GatewayProcess(
-                "benchgw",
-                os.path.join(work, "gateway-cache"),
-                server.address,
-                keys["benchgw"],
-                log_path=os.path.join(work, "gateway.log"),
-            ).start()
-        if "gwtier" in sides_run:
-            moto, tier_url = start_tier_store(work)
-            tier_data = os.path.join(work, "tier-server")
-            keys["benchtier"] = keygen(tier_data, "benchtier")
-            tier_server = LocalServer(
-                tier_data,
-                os.path.join(work, "tier-server.log"),
-                args=["--tier", tier_url, "--tier-interval", args.tier_interval],
-            )
-            tier_server.start()
-            tier_gw = start_gateway(
-                "benchtier",
-                server=tier_server.address,
-                key=keys["benchtier"],
-                cache_dir=os.path.join(work, "tier-gateway-cache"),
-                durability="tier",
-                log_path=os.path.join(work, "tier-gateway.log"),
-            )
+            _stopped_at_exit(stack, mount)
+        gw, tier_gw = _start_gateways(stack, args, work, server, keys)
 
         spark = open_session(args.state_store, args.no_crc, app="sos-bench-gateway")
         timer = BatchTimer(spark)
@@ -280,22 +357,12 @@ def main(argv: list[str] | None = None) -> int:
             return location
 
         every = {
-            "local": lambda r: os.path.join(work, "local", f"chk-{r}"),
-            "mount": lambda r: os.path.join(mnt, f"chk-{r}"),
+            **local_and_mount(work, mnt),
             "gateway": on_gateway(gw, "benchgw") if gw else None,
             "gwtier": on_gateway(tier_gw, "benchtier") if tier_gw else None,
         }
-        sides = {w: every[w] for w in SIDES if w in sides_run}
-        elapsed = alternate(
-            spark,
-            timer,
-            work,
-            sides,
-            batches=args.batches,
-            rounds=args.rounds,
-            records_per_batch=args.records_per_batch,
-            rotate=True,
-        )
+        sides = {w: every[w] for w in SIDES if w in args.sides}
+        elapsed = alternate(spark, timer, work, sides, args, rotate=True)
         spark.stop()
         stats: dict[str, dict] = {}
         for w, proc in (("gateway", gw), ("gwtier", tier_gw)):
@@ -305,70 +372,11 @@ def main(argv: list[str] | None = None) -> int:
                 stats[w] = {"wall": wall, "ops": gateway_stats(proc.log())}
 
         fig = {w: side_figures(timer, w) for w in sides}
-        res: dict = {
-            "state_store": args.state_store,
-            "no_crc": args.no_crc,
-            "records_per_batch": args.records_per_batch,
-            "rounds": args.rounds,
-            "batches": {w: fig[w]["n"] for w in sides},
-            "elapsed_s": elapsed,
-            "cores": os.cpu_count(),
-            "load_avg_end": os.getloadavg(),
-            "tier_interval": args.tier_interval if tier_gw else None,
-        }
-        for w in sides:
-            for k in ("median_ms", "mean_ms", "p90_ms"):
-                res[f"{w}_{k}"] = fig[w][k]
-        for w in sides:
-            if w != "local":
-                res[f"ratio_{w}_local_median"] = fig[w]["median_ms"] / fig["local"]["median_ms"]
-                res[f"ratio_{w}_local_mean"] = fig[w]["mean_ms"] / fig["local"]["mean_ms"]
-        if "gateway" in sides and "gwtier" in sides:
-            res["gwtier_minus_gateway_median_ms"] = fig["gwtier"]["median_ms"] - fig["gateway"]["median_ms"]
-        res["phases_median_ms"] = {w: {k: statistics.median(v) for k, v in timer.phases[w].items()} for w in sides}
-        for w, st in stats.items():
-            total = sum(int(s["count"]) for s in st["ops"].values())
-            res[f"{w}_spark"] = {
-                "requests": total,
-                "per_batch": total / max(1, fig[w]["n"]),
-                "requests_per_s": total / st["wall"] if st["wall"] else 0.0,
-                "ops": st["ops"],
-            }
-
+        res = _results(args, sides, fig, timer, elapsed, stats)
         if args.load_requests > 0:
-            # the HTTP load, on a gateway of its own (its stats are not mixed with Spark's)
-            load_gw = GatewayProcess(
-                "benchload",
-                os.path.join(work, "load-cache"),
-                server.address,
-                keys["benchload"],
-                log_path=os.path.join(work, "load-gateway.log"),
-            ).start()
-            token = GatewayClient(load_gw.url, "benchload", keys["benchload"]).token()
-            res["http_load"] = {
-                "threads": args.threads,
-                "client": http_load(load_gw.url, token, args.threads, args.load_requests),
-            }
-            load_gw.stop()
-            res["http_load"]["gateway"] = gateway_stats(load_gw.log())
-
+            res["http_load"] = _http_load_figures(args, work, server, keys["benchload"])
         report(args, sides, fig, timer, res)
-        return 0
-    finally:
-        for proc in (load_gw, tier_gw, gw, mount):
-            if proc is not None:
-                with contextlib.suppress(Exception):
-                    proc.stop()
-        server.stop()
-        if tier_server is not None:
-            tier_server.stop()
-        if moto is not None:
-            moto.kill()
-            moto.wait()
-        if not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
-        else:
-            print(f"kept {work}")
+    return 0
 
 
 def _sides(text: str) -> tuple[str, ...]:
@@ -380,28 +388,10 @@ def _sides(text: str) -> tuple[str, ...]:
 
 
 def start_tier_store(work: str):
-    """moto's S3 server as a process of its own on 127.0.0.1 and a bucket on it; the
-    environment the tier reads (boto3's chain: endpoint, dummy keys, no shared config) goes
-    into os.environ, so the tier server started after inherits it. (process, s3:// URL)"""
-    import boto3
-
-    from bench.tier import start_moto
-
-    cfg = os.path.join(work, "aws-none")
-    for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3", "AWS_CA_BUNDLE"):
-        os.environ.pop(var, None)
-    os.environ.update(
-        AWS_ACCESS_KEY_ID="bench",
-        AWS_SECRET_ACCESS_KEY="bench",
-        AWS_DEFAULT_REGION="us-east-1",
-        AWS_CONFIG_FILE=cfg,
-        AWS_SHARED_CREDENTIALS_FILE=cfg,
-        AWS_EC2_METADATA_DISABLED="true",
-    )
-    proc, endpoint = start_moto(dict(os.environ))
-    os.environ["AWS_ENDPOINT_URL"] = endpoint
-    boto3.session.Session().client("s3").create_bucket(Bucket="bench")
-    return proc, "s3://bench/gateway"
+    """moto's S3 server with its bucket (bench.common.start_moto_bucket), the environment the tier
+    reads in os.environ, so the tier server started after inherits it. (process, s3:// URL)"""
+    moto, _env = start_moto_bucket(work)
+    return moto, f"s3://{BUCKET}/gateway"
 
 
 def report(args, sides: dict, fig: dict, timer, res: dict) -> None:

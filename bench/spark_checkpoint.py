@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -27,6 +26,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.common import doc_parser, remove_work
 from spark_plugin.spark import NO_CRC_CONF, start_mount
 from tools.demo import ROCKSDB_PROVIDER, LocalServer, keygen, make_input
 
@@ -127,22 +127,33 @@ def run_query(
     timer.current = None
 
 
+def add_query_options(p: argparse.ArgumentParser, *, rounds: int, rounds_help: str) -> None:
+    """The options of the query that alternate() runs and open_session() opens: --batches,
+    --rounds (default *rounds*), --records-per-batch, --state-store."""
+    p.add_argument("--batches", type=int, default=60, help="batches per run (default 60)")
+    p.add_argument("--rounds", type=int, default=rounds, help=rounds_help)
+    p.add_argument("--records-per-batch", type=int, default=500)
+    p.add_argument("--state-store", choices=("hdfs", "rocksdb"), default="hdfs")
+
+
+def local_and_mount(work: str, mnt: str) -> dict:
+    """The two sides every run has, for alternate(): a local directory under *work* and the mount at *mnt*."""
+    return {
+        "local": lambda r: os.path.join(work, "local", f"chk-{r}"),
+        "mount": lambda r: os.path.join(mnt, f"chk-{r}"),
+    }
+
+
 def alternate(
-    spark,
-    timer: BatchTimer,
-    work: str,
-    sides: dict,
-    *,
-    batches: int,
-    rounds: int,
-    records_per_batch: int,
-    rotate: bool = False,
+    spark, timer: BatchTimer, work: str, sides: dict, args: argparse.Namespace, *, rotate: bool = False
 ) -> float:
-    """Warm up on a local checkpoint (not counted), then ``rounds`` times run the query on
+    """Warm up on a local checkpoint (not counted), then ``args.rounds`` times run the query on
     each side in turn: ``sides[name](round) -> checkpointLocation``; the same input (same
-    records, same files) on every side. ``rotate``: round r starts with side r (mod the
+    records, same files: ``args.batches`` batches of ``args.records_per_batch``, the options of
+    add_query_options) on every side. ``rotate``: round r starts with side r (mod the
     number of sides), so no side always runs first. Returns the elapsed seconds of the
     measured part."""
+    batches, rounds, records_per_batch = args.batches, args.rounds, args.records_per_batch
     records = batches * records_per_batch
     make_input(os.path.join(work, "in-warm"), 5 * records_per_batch, 5)
     run_query(
@@ -179,15 +190,17 @@ def side_figures(timer: BatchTimer, where: str) -> dict:
     }
 
 
+def flat_figures(fig: dict[str, dict], sides) -> dict[str, float]:
+    """``{side}_median_ms``, ``{side}_mean_ms``, ``{side}_p90_ms`` of each side's side_figures, for the JSON line."""
+    return {f"{w}_{k}": fig[w][k] for w in sides for k in ("median_ms", "mean_ms", "p90_ms")}
+
+
 PHASES = ("walCommit", "addBatch", "commitOffsets", "latestOffset", "queryPlanning")
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--batches", type=int, default=60, help="batches per run (default 60)")
-    p.add_argument("--rounds", type=int, default=2, help="alternations local/mount (default 2)")
-    p.add_argument("--records-per-batch", type=int, default=500)
-    p.add_argument("--state-store", choices=("hdfs", "rocksdb"), default="hdfs")
+    p = doc_parser(__doc__, epilog=False)
+    add_query_options(p, rounds=2, rounds_help="alternations local/mount (default 2)")
     p.add_argument("--async", dest="async_", action="store_true", help="mount in async mode")
     p.add_argument(
         "--no-crc",
@@ -217,19 +230,8 @@ def main(argv=None) -> int:
 
         spark = open_session(args.state_store, args.no_crc)
         timer = BatchTimer(spark)
-        sides = {
-            "local": lambda r: os.path.join(work, "local", f"chk-{r}"),
-            "mount": lambda r: os.path.join(mnt, f"chk-{r}"),
-        }
-        elapsed = alternate(
-            spark,
-            timer,
-            work,
-            sides,
-            batches=args.batches,
-            rounds=args.rounds,
-            records_per_batch=args.records_per_batch,
-        )
+        sides = local_and_mount(work, mnt)
+        elapsed = alternate(spark, timer, work, sides, args)
         spark.stop()
 
         fig = {w: side_figures(timer, w) for w in sides}
@@ -242,9 +244,7 @@ def main(argv=None) -> int:
             "records_per_batch": args.records_per_batch,
             "elapsed_s": elapsed,
         }
-        for w in sides:
-            for k in ("median_ms", "mean_ms", "p90_ms"):
-                res[f"{w}_{k}"] = fig[w][k]
+        res.update(flat_figures(fig, sides))
         res["ratio_median"] = res["mount_median_ms"] / res["local_median_ms"]
         res["ratio_mean"] = res["mount_mean_ms"] / res["local_mean_ms"]
         print(
@@ -275,10 +275,7 @@ def main(argv=None) -> int:
         if mount is not None:
             mount.stop()
         server.stop()
-        if not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
-        else:
-            print(f"kept {work}")
+        remove_work(work, args.keep)
 
 
 if __name__ == "__main__":

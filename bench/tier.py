@@ -16,72 +16,22 @@ that it uploads the rest (nothing lost, no problem in the bucket). Repeated --ki
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench.common import add_server_arg, doc_parser, moto_work  # noqa: E402
 from sos_wire import NEED_DATA, Connection, Key, Role, argtypes, crc32c  # noqa: E402
 from sos_wire import events as ev  # noqa: E402
 
 MIB = 1 << 20
-
-
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
-def start_moto(env: dict[str, str]) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=env,
-    )
-    endpoint = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return proc, endpoint
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    raise SystemExit("moto's server did not start")
-
-
-def start_moto_env(work: str) -> tuple[subprocess.Popen, dict[str, str]]:
-    """moto's S3 server (start_moto) and the environment boto3 reads to reach it, with dummy
-    keys and no shared config (the files named are under *work*, which has none), put into
-    os.environ too, so that a server started after inherits it. (process, that environment)"""
-    cfg = os.path.join(work, "aws")
-    env = dict(
-        os.environ,
-        AWS_ACCESS_KEY_ID="bench",
-        AWS_SECRET_ACCESS_KEY="bench",
-        AWS_DEFAULT_REGION="us-east-1",
-        AWS_CONFIG_FILE=cfg,
-        AWS_SHARED_CREDENTIALS_FILE=cfg,
-        AWS_EC2_METADATA_DISABLED="true",
-    )
-    moto, endpoint = start_moto(env)
-    env["AWS_ENDPOINT_URL"] = endpoint
-    os.environ.update(env)
-    return moto, env
 
 
 class Writer(threading.Thread):
@@ -209,34 +159,19 @@ def one_run(i: int, args, env: dict[str, str], url: str, work: str) -> dict[str,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__.split("\n\n", 1)[1],
-    )
+    p = doc_parser(__doc__)
     p.add_argument("--writers", type=argtypes.integer(1), default=4, help="writer threads (default 4)")
     p.add_argument("--size", type=argtypes.size(1), default=64 << 10, help="bytes per append (default 64KiB)")
     p.add_argument("--load", type=argtypes.duration, default=10.0, help="seconds of load before the kill (default 10s)")
     p.add_argument("--kills", type=argtypes.integer(1), default=5, help="runs (default 5)")
-    p.add_argument(
-        "--server-arg",
-        action="append",
-        default=[],
-        help="extra sos-server serve argument (repeat), e.g. --server-arg=--tier-interval=5s",
-    )
+    add_server_arg(p)
     args = p.parse_args(argv)
-    import boto3
-
-    work = tempfile.mkdtemp(prefix="sos-bench-tier-")
-    moto, env = start_moto_env(work)
-    endpoint = env["AWS_ENDPOINT_URL"]
-    try:
-        boto3.client("s3").create_bucket(Bucket="bench")
+    with moto_work("sos-bench-tier-") as (work, env):
         url = "s3://bench/sos"
         print(
             f"sos-server --tier {url} {' '.join(args.server_arg) or '(defaults: --tier-interval 1s --tier-bytes 8MiB)'};"
             f" {args.writers} writers x {args.size} B appends"
-            f", {args.load:g} s of load, then SIGKILL; moto at {endpoint}"
+            f", {args.load:g} s of load, then SIGKILL; moto at {env['AWS_ENDPOINT_URL']}"
         )
         rows = []
         for i in range(args.kills):
@@ -256,10 +191,6 @@ def main(argv: list[str] | None = None) -> int:
             f" max {max(lost):.2f} MiB / {max(lag):.2f} s over {len(rows)} kills;"
             f" load median {statistics.median(r['rate'] for r in rows):.1f} MiB/s"
         )
-    finally:
-        moto.kill()
-        moto.wait()
-        shutil.rmtree(work, ignore_errors=True)
     return 0
 
 

@@ -18,18 +18,15 @@ markers and one PUT per object) whatever the interval.
 
 from __future__ import annotations
 
-import argparse
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.tier import start_moto_env  # noqa: E402
+from bench.common import add_server_arg, doc_parser, moto_work  # noqa: E402
 from sos_wire import argtypes  # noqa: E402
 
 
@@ -67,66 +64,50 @@ def summary(label: str, times: list[float]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__.split("\n\n", 1)[1],
-    )
+    p = doc_parser(__doc__)
     p.add_argument("-n", type=argtypes.integer(1), default=50, help="barriers per durability (default 50)")
     p.add_argument("--size", type=argtypes.size(1), default=1024, help="bytes of each offsets/N file (default 1KiB)")
-    p.add_argument(
-        "--server-arg",
-        action="append",
-        default=[],
-        help="extra sos-server serve argument (repeat), e.g. --server-arg=--tier-interval=5s",
-    )
+    add_server_arg(p)
     args = p.parse_args(argv)
-    import boto3
-
     from tools.server import ServerProcess
 
-    work = tempfile.mkdtemp(prefix="sos-bench-tier-barrier-")
-    moto, env = start_moto_env(work)
-    endpoint = env["AWS_ENDPOINT_URL"]
-    servers = []
-    try:
-        boto3.client("s3").create_bucket(Bucket="bench")
-        srv = ServerProcess(
-            os.path.join(work, "data"),
-            ["--tier", "s3://bench/sos", *args.server_arg],
-            log_path=os.path.join(work, "server.log"),
-            metrics=False,
-        )
-        servers.append(srv.start())
-        slow = ServerProcess(
-            os.path.join(work, "data-1h"),
-            ["--tier", "s3://bench/sos-1h", "--tier-interval", "1h"],
-            log_path=os.path.join(work, "server-1h.log"),
-            metrics=False,
-        )
-        servers.append(slow.start())
-        print(
-            f"sos-server --tier s3://bench/sos {' '.join(args.server_arg) or '(default --tier-interval 1s)'}; moto at"
-            f" {endpoint}; {args.n} batches per row: offsets/N of {args.size} B, then the rename onto commits/N",
-            flush=True,
-        )
-        rows = [
-            ("server", run_mode(srv, "bserver", "server", args.n, args.size, work)),
-            ("tier", run_mode(srv, "btier", "tier", args.n, args.size, work)),
-            ("tier (interval 1h)", run_mode(slow, "bslow", "tier", args.n, args.size, work)),
-        ]
-        print("| durability | barriers | median ms | mean ms | p90 ms | max ms |")
-        print("|---|---|---|---|---|---|")
-        for label, times in rows:
-            print(summary(label, times))
-        med = {label: statistics.median(times) for label, times in rows}
-        print(f"tier costs {1000 * (med['tier'] - med['server']):.1f} ms more per barrier (median) than server")
-    finally:
-        for s in servers:
-            s.stop()
-        moto.kill()
-        moto.wait()
-        shutil.rmtree(work, ignore_errors=True)
+    with moto_work("sos-bench-tier-barrier-") as (work, env):
+        servers = []
+        try:
+            srv = ServerProcess(
+                os.path.join(work, "data"),
+                ["--tier", "s3://bench/sos", *args.server_arg],
+                log_path=os.path.join(work, "server.log"),
+                metrics=False,
+            )
+            servers.append(srv.start())
+            slow = ServerProcess(
+                os.path.join(work, "data-1h"),
+                ["--tier", "s3://bench/sos-1h", "--tier-interval", "1h"],
+                log_path=os.path.join(work, "server-1h.log"),
+                metrics=False,
+            )
+            servers.append(slow.start())
+            print(
+                f"sos-server --tier s3://bench/sos {' '.join(args.server_arg) or '(default --tier-interval 1s)'};"
+                f" moto at {env['AWS_ENDPOINT_URL']}; {args.n} batches per row: offsets/N of {args.size} B, then"
+                " the rename onto commits/N",
+                flush=True,
+            )
+            rows = [
+                ("server", run_mode(srv, "bserver", "server", args.n, args.size, work)),
+                ("tier", run_mode(srv, "btier", "tier", args.n, args.size, work)),
+                ("tier (interval 1h)", run_mode(slow, "bslow", "tier", args.n, args.size, work)),
+            ]
+        finally:
+            for s in servers:
+                s.stop()
+    print("| durability | barriers | median ms | mean ms | p90 ms | max ms |")
+    print("|---|---|---|---|---|---|")
+    for label, times in rows:
+        print(summary(label, times))
+    med = {label: statistics.median(times) for label, times in rows}
+    print(f"tier costs {1000 * (med['tier'] - med['server']):.1f} ms more per barrier (median) than server")
     return 0
 
 

@@ -1,57 +1,15 @@
 """sos_client: blocking and trio clients of the SOS protocol, and the `sos` command.
 
-``Client`` (blocking) and ``aio.open_client`` (trio); exceptions in ``sos_client.errors``.
+``Client`` (blocking) and ``aio.open_client`` (trio); exceptions in ``sos_client.errors``,
+re-exported here (their one list is ``sos_client.errors.__all__``).
 """
 
 from sos_wire import Key, ListEntry
 
+from . import errors
 from ._common import resolve_key, resolve_server
 from .blocking import Client
-from .errors import (
-    BadKey,
-    BadNameError,
-    ChecksumMismatch,
-    ConnectionLost,
-    Corrupt,
-    Fenced,
-    NoSpace,
-    OffsetMismatch,
-    QuotaExceeded,
-    SealedError,
-    ServerBusy,
-    SOSError,
-    SOSNotFound,
-    SOSPermissionError,
-    TierUnavailable,
-    TooLarge,
-    is_fenced,
-    is_retryable,
-    to_oserror,
-)
+from .errors import *  # noqa: F403 - the exceptions and their classification, listed once in errors.__all__
 
-__all__ = [
-    "BadKey",
-    "BadNameError",
-    "ChecksumMismatch",
-    "Client",
-    "ConnectionLost",
-    "Corrupt",
-    "Fenced",
-    "Key",
-    "ListEntry",
-    "NoSpace",
-    "OffsetMismatch",
-    "QuotaExceeded",
-    "SOSError",
-    "SOSNotFound",
-    "SOSPermissionError",
-    "SealedError",
-    "ServerBusy",
-    "TierUnavailable",
-    "TooLarge",
-    "is_fenced",
-    "is_retryable",
-    "resolve_key",
-    "resolve_server",
-    "to_oserror",
-]
+__all__ = ["Client", "Key", "ListEntry", "resolve_key", "resolve_server"]
+__all__ += errors.__all__

@@ -6,6 +6,8 @@ Every operation is a generator over one ``sos_wire.Connection`` that yields
 * ``bytes``       -> the driver sends them; result None
 * ``RECV``        -> the driver returns the next event received
 * ``NEXT_CHUNK``  -> the driver returns the next chunk of the caller's data, or None at the end
+* ``PROBE_TLS``   -> the driver returns whether the server completes a TLS handshake on a
+  second connection (:func:`answers_tls`; only :meth:`Core.tls_refusal` asks)
 
 The blocking client drives them with a socket, the trio client with a stream.
 An operation raises only after it received every reply it asked for, so a
@@ -41,19 +43,20 @@ __all__ = [
     "DEFAULT_WINDOW_BYTES",
     "DEFAULT_WINDOW_FRAMES",
     "NEXT_CHUNK",
+    "PROBE_TLS",
     "READ_STEP",
     "RECV",
     "AppendJob",
     "ClientSettings",
     "Core",
     "Op",
+    "answers_tls",
     "channel_binding_of",
     "parse_server",
     "readable_now",
     "resolve_tls",
     "settings_from_env",
     "tier_wait_ms",
-    "tls_required",
 ]
 
 DEFAULT_PORT = 7070
@@ -80,6 +83,7 @@ class _Command:
 
 RECV = _Command("RECV")
 NEXT_CHUNK = _Command("NEXT_CHUNK")
+PROBE_TLS = _Command("PROBE_TLS")
 
 T = TypeVar("T")
 _Reply = TypeVar("_Reply", bound=ev.Event)
@@ -148,14 +152,19 @@ def resolve_tls(tls: ssl.SSLContext | bool | None) -> ssl.SSLContext | None:
 #: the first bytes of a TLS record a server sends: an alert (0x15) or a handshake (0x16),
 #: then the major version 3
 TLS_RECORD_PREFIXES = (b"\x15\x03", b"\x16\x03")
+#: seconds a TLS probe may take at most: a TLS server answers a ClientHello at once; a server
+#: that does not (a broken or hostile one) must not cost a failing client seconds per attempt
+TLS_PROBE_TIMEOUT = 0.5
 
 
-def _answers_tls(host: str, port: int, timeout: float) -> bool:
+def answers_tls(host: str, port: int, timeout: float) -> bool:
     """Does the server at host:port complete a TLS handshake (certificate not checked: the
-    question is only whether it speaks TLS)? One short extra connection."""
+    question is only whether it speaks TLS)? One short extra connection, of at most
+    :data:`TLS_PROBE_TIMEOUT` seconds (blocking: the trio client runs it in a thread)."""
     ctx = ssl.create_default_context()
     ctx.check_hostname = False
     ctx.verify_mode = ssl.CERT_NONE
+    timeout = min(timeout, TLS_PROBE_TIMEOUT)
     try:
         with socket.create_connection((host, port), timeout=timeout) as raw:
             raw.settimeout(timeout)
@@ -163,26 +172,6 @@ def _answers_tls(host: str, port: int, timeout: float) -> bool:
                 return True
     except (OSError, ssl.SSLError):
         return False
-
-
-def tls_required(
-    host: str, port: int, server: str, exc: ConnectionLost, *, received: bytes = b"", timeout: float = 5.0
-) -> ConnectionLost:
-    """What a plain-TCP client says when its HELLO/AUTH failed with ``exc`` (the server closed
-    the connection, or sent bytes that are no frame): if the server answered with a TLS
-    record, or completes a TLS handshake when asked, it requires TLS, and the error says so
-    (not retryable: retrying without TLS cannot work). Otherwise ``exc`` as it was."""
-    # a short probe: a TLS server answers a ClientHello at once; a server that does not (a
-    # broken or hostile one) must not cost a failing client seconds per attempt
-    if received[:2] in TLS_RECORD_PREFIXES or _answers_tls(host, port, min(timeout, 0.5)):
-        err = ConnectionLost(
-            f"{server}: the server requires TLS: pass --tls-ca FILE (or set "
-            f"{TLS_CA_ENV}=FILE; --tls for a certificate of a public CA)",
-            retryable=False,
-        )
-        err.__cause__ = exc
-        return err
-    return exc
 
 
 def settings_from_env(server: str | None, key: str | Key | None, namespace: str) -> tuple[str, int, Key, str]:
@@ -220,22 +209,26 @@ class ReadCursor:
 
 class ClientSettings:
     """What both clients resolve the same way before connecting: server, key and namespace
-    (defaults from $SOS_SERVER/$SOS_KEY), timeouts, TLS context, client name."""
+    (defaults from $SOS_SERVER/$SOS_KEY), timeouts, TLS context, client name; and the
+    :class:`Core` of each connection they open. A driver sets up its own state in
+    :meth:`_start`, called last."""
+
+    #: how errors name the client ("Client() needs a namespace")
+    _who = "a client"
 
     def __init__(
         self,
-        server: str | None,
-        key: str | Key | None,
-        namespace: str | None,
+        server: str | None = None,
+        key: str | Key | None = None,
+        namespace: str | None = None,
         *,
-        timeout: float,
-        tls: ssl.SSLContext | bool | None,
-        reconnect_timeout: float | None,
-        client_name: str,
-        who: str,
+        timeout: float = 30,
+        tls: ssl.SSLContext | bool | None = None,
+        reconnect_timeout: float | None = None,
+        client_name: str = CLIENT_NAME,
     ) -> None:
         if namespace is None:
-            raise TypeError(f"{who} needs a namespace")
+            raise TypeError(f"{self._who} needs a namespace")
         self.host, self.port, self._key, self.namespace = settings_from_env(server, key, namespace)
         self.server = f"{self.host}:{self.port}"
         self.timeout = timeout
@@ -244,6 +237,17 @@ class ClientSettings:
         self._client_name = client_name
         self._core: Core | None = None
         self._closed = False
+        self._start()
+
+    def _start(self) -> None:
+        """The driver's own set-up (its lock, its first connection), after the settings."""
+
+    def _new_core(self, transport: Any) -> Core:
+        """The :class:`Core` of a connection just opened (*transport*: its TLS socket or
+        stream, whose certificate the AUTH proof is bound to; unused on plain TCP)."""
+        binding = channel_binding_of(transport) if self._tls is not None else b""
+        self._core = Core(self._key, self.namespace, client_name=self._client_name, channel_binding=binding)
+        return self._core
 
     @property
     def role(self) -> ev.KeyRole | None:
@@ -315,6 +319,16 @@ class Core:
         self.role: ev.KeyRole | None = None
         self.server_name = ""
         self.max_body = DEFAULT_MAX_BODY
+        #: the first bytes the server sent (as many as tell a TLS record): tls_refusal reads them
+        self.first_bytes = b""
+
+    # -- what the driver received ---------------------------------------------------------
+    def receive_data(self, data: ev.Payload) -> None:
+        """Bytes the driver received (the zero-copy path of a large body goes to
+        ``conn.received`` directly: that is never a connection's first bytes)."""
+        if len(self.first_bytes) < 2:
+            self.first_bytes += bytes(data[: 2 - len(self.first_bytes)])
+        self.conn.receive_data(data)
 
     # -- plumbing ---------------------------------------------------------------------
     def _send(self, event: ev.Event) -> list:
@@ -365,6 +379,31 @@ class Core:
         )
         self.role = ok.role
         return ok.role
+
+    def tls_refusal(self, server: str) -> Op[ConnectionLost | None]:
+        """Run after this connection's handshake failed (the server closed it, or sent bytes
+        that are no frame): the error that says the server requires TLS, not retryable
+        (retrying without TLS cannot work; the driver raises it from the handshake's error),
+        or None (the handshake's error stands).
+
+        Over TLS already: None. Otherwise the bytes received decide: a TLS record (a TLS
+        server's alert to a plaintext HELLO) says TLS; any other byte, a server that speaks
+        something else. Nothing received is not enough: OpenSSL (the sos-server's TLS) closes
+        without an alert when the first record is not TLS, and so does any server that just
+        went away; then a second connection probes (``PROBE_TLS``)."""
+        if self.channel_binding:
+            return None
+        if self.first_bytes:
+            wants_tls = self.first_bytes in TLS_RECORD_PREFIXES
+        else:
+            wants_tls = yield PROBE_TLS
+        if not wants_tls:
+            return None
+        return ConnectionLost(
+            f"{server}: the server requires TLS: pass --tls-ca FILE (or set "
+            f"{TLS_CA_ENV}=FILE; --tls for a certificate of a public CA)",
+            retryable=False,
+        )
 
     def ping(self, payload: bytes = b"") -> Op[bytes]:
         reply = yield from self._request(ev.Ping(self._rid(), bytes(payload)), "ping", ev.Pong)

@@ -26,6 +26,7 @@ from ._common import (
     DEFAULT_WINDOW_BYTES,
     DEFAULT_WINDOW_FRAMES,
     NEXT_CHUNK,
+    PROBE_TLS,
     READ_STEP,
     RECV,
     AppendJob,
@@ -34,10 +35,9 @@ from ._common import (
     Op,
     ReadCursor,
     T,
-    channel_binding_of,
+    answers_tls,
     readable_now,
     tier_wait_ms,
-    tls_required,
 )
 from .errors import ConnectionLost
 from .retry import async_retrying
@@ -75,27 +75,9 @@ async def open_client(
 
 
 class AsyncClient(ClientSettings):
-    def __init__(
-        self,
-        server: str | None = None,
-        key: str | Key | None = None,
-        namespace: str | None = None,
-        *,
-        timeout: float = 30,
-        tls: _ssl.SSLContext | bool | None = None,
-        reconnect_timeout: float | None = None,
-        client_name: str = CLIENT_NAME,
-    ) -> None:
-        super().__init__(
-            server,
-            key,
-            namespace,
-            timeout=timeout,
-            tls=tls,
-            reconnect_timeout=reconnect_timeout,
-            client_name=client_name,
-            who="open_client()",
-        )
+    _who = "open_client()"
+
+    def _start(self) -> None:
         self._lock = trio.Lock()
         self._stream: trio.abc.Stream | None = None
         self._recv_extra = 0.0  # seconds a reply may take beyond self.timeout (a TIER_WAIT's wait)
@@ -118,21 +100,16 @@ class AsyncClient(ClientSettings):
             raise ConnectionLost(f"cannot connect to {self.server}: {exc or type(exc).__name__}") from exc
         self._stream = stream
         try:
-            binding = channel_binding_of(stream) if self._tls is not None else b""
+            core = self._new_core(stream)
         except ConnectionLost:
             await self._drop()
             raise
-        core = self._core = Core(self._key, self.namespace, client_name=self._client_name, channel_binding=binding)
         try:
             await self._drive(core, core.handshake())
         except ConnectionLost as exc:
             await self._drop()
-            if self._tls is not None:
-                raise
-            err = await trio.to_thread.run_sync(
-                partial(tls_required, self.host, self.port, self.server, exc, timeout=self.timeout)
-            )
-            if err is exc:
+            err = await self._drive(core, core.tls_refusal(self.server))
+            if err is None:
                 raise
             raise err from exc
         except BaseException:
@@ -187,6 +164,8 @@ class AsyncClient(ClientSettings):
                     value = await self._recv_event(core)
                 elif cmd is NEXT_CHUNK:
                     value = await _next_chunk(chunks)
+                elif cmd is PROBE_TLS:
+                    value = await trio.to_thread.run_sync(answers_tls, self.host, self.port, self.timeout)
                 else:
                     await self._send_bytes(cmd)
                     value = None
@@ -238,7 +217,7 @@ class AsyncClient(ClientSettings):
             if not data:
                 await self._drop()
                 raise ConnectionLost(f"{self.server} closed the connection")
-            conn.receive_data(data)
+            core.receive_data(data)
 
     async def _call(self, make_gen: Callable[[Core], Op[T]], *, retry: bool = True) -> T:
         async with self._lock:

@@ -16,15 +16,15 @@ from collections.abc import Callable, Iterable, Iterator
 from functools import partial
 from typing import Any
 
-from sos_wire import NEED_DATA, Key, ListEntry, RemoteProtocolError
+from sos_wire import NEED_DATA, ListEntry, RemoteProtocolError
 from sos_wire.events import Payload
 from sos_wire.frames import MAX_LIST_LIMIT
 
 from ._common import (
-    CLIENT_NAME,
     DEFAULT_WINDOW_BYTES,
     DEFAULT_WINDOW_FRAMES,
     NEXT_CHUNK,
+    PROBE_TLS,
     READ_STEP,
     RECV,
     AppendJob,
@@ -33,10 +33,9 @@ from ._common import (
     Op,
     ReadCursor,
     T,
-    channel_binding_of,
+    answers_tls,
     readable_now,
     tier_wait_ms,
-    tls_required,
 )
 from .errors import ConnectionLost
 from .retry import retrying
@@ -87,27 +86,9 @@ class Client(ClientSettings):
     between threads (calls are serialized).
     """
 
-    def __init__(
-        self,
-        server: str | None = None,
-        key: str | Key | None = None,
-        namespace: str | None = None,
-        *,
-        timeout: float = 30,
-        tls: _ssl.SSLContext | bool | None = None,
-        reconnect_timeout: float | None = None,
-        client_name: str = CLIENT_NAME,
-    ) -> None:
-        super().__init__(
-            server,
-            key,
-            namespace,
-            timeout=timeout,
-            tls=tls,
-            reconnect_timeout=reconnect_timeout,
-            client_name=client_name,
-            who="Client()",
-        )
+    _who = "Client()"
+
+    def _start(self) -> None:
         self._lock = threading.RLock()
         self._sock: socket.socket | None = None
         self._connect()
@@ -127,19 +108,16 @@ class Client(ClientSettings):
             raise ConnectionLost(f"TLS handshake with {self.server} failed: {exc}") from exc
         self._sock = sock
         try:
-            binding = channel_binding_of(sock) if self._tls is not None else b""
+            core = self._new_core(sock)
         except ConnectionLost:
             self._drop()
             raise
-        core = self._core = Core(self._key, self.namespace, client_name=self._client_name, channel_binding=binding)
         try:
             self._drive(core, core.handshake())
         except ConnectionLost as exc:
             self._drop()
-            if self._tls is not None:
-                raise
-            err = tls_required(self.host, self.port, self.server, exc, timeout=self.timeout)
-            if err is exc:
+            err = self._drive(core, core.tls_refusal(self.server))
+            if err is None:
                 raise
             raise err from exc
         except BaseException:
@@ -196,6 +174,8 @@ class Client(ClientSettings):
                     value = self._recv_event(core)
                 elif cmd is NEXT_CHUNK:
                     value = next(chunks, None) if chunks is not None else None
+                elif cmd is PROBE_TLS:
+                    value = answers_tls(self.host, self.port, self.timeout)
                 else:
                     self._send_bytes(cmd)
                     value = None
@@ -257,7 +237,7 @@ class Client(ClientSettings):
             if not data:
                 self._drop()
                 raise ConnectionLost(f"{self.server} closed the connection")
-            conn.receive_data(data)
+            core.receive_data(data)
 
     def _call(self, make_gen: Callable[[Core], Op[T]], *, retry: bool = True) -> T:
         """Run one operation; after a lost connection, reconnect and retry once if *retry*."""

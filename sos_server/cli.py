@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import logging
 import os
 import sys
 import time
 from collections.abc import Callable
+from typing import TypeAlias
 
 from sos_wire import argtypes
 from sos_wire.addresses import parse_address
@@ -49,8 +51,28 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+_Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"  # argparse names no public type
+
+
+def _add_serve(sub: _Subparsers) -> None:
+    """serve's options, in the order ``--help`` lists them: one function per group."""
     s = sub.add_parser("serve", help="run the server")
+    _serve_endpoint_options(s)
+    _retention_options(
+        s,
+        keep_help="retention: complete generations kept (with --min-age; default: no retention; the file of"
+        " `sos-server retention`, re-read on SIGHUP, overrides both)",
+        age_help="retention: minimum age before removal (with --keep-generations; default: none)",
+    )
+    _serve_connection_options(s)
+    _serve_storage_options(s)
+    _serve_tier_options(s)
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="default info")
+    s.set_defaults(func=cmd_serve)
+
+
+def _serve_endpoint_options(s: argparse.ArgumentParser) -> None:
+    """Where serve keeps its data and listens: --data, --listen, --metrics, TLS."""
     s.add_argument("--data", required=True, help="data directory")
     s.add_argument(
         "--listen",
@@ -71,19 +93,18 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="serve TLS with this certificate (chain) file; AUTH proofs are then bound to it",
     )
     s.add_argument("--tls-key", default=None, metavar="PEM", help="the private key of --tls-cert")
-    s.add_argument(
-        "--keep-generations",
-        type=_positive,
-        default=None,
-        help="retention: complete generations kept (with --min-age; default: no retention; the file of"
-        " `sos-server retention`, re-read on SIGHUP, overrides both)",
-    )
-    s.add_argument(
-        "--min-age",
-        type=parse_duration,
-        default=None,
-        help="retention: minimum age before removal (with --keep-generations; default: none)",
-    )
+
+
+def _retention_options(
+    p: argparse.ArgumentParser, *, keep_help: str | None = None, age_help: str | None = None, required: bool = False
+) -> None:
+    """--keep-generations N and --min-age D, the retention pair of serve, retention and gc."""
+    p.add_argument("--keep-generations", type=_positive, default=None, required=required, help=keep_help)
+    p.add_argument("--min-age", type=parse_duration, default=None, required=required, help=age_help)
+
+
+def _serve_connection_options(s: argparse.ArgumentParser) -> None:
+    """The caps on connections and their timeouts."""
     s.add_argument("--max-connections", type=_positive, default=1024, help="open connections, at most (default 1024)")
     s.add_argument(
         "--max-unauthenticated",
@@ -116,6 +137,10 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="close a connection whose replies make no progress this long: the peer does not read them"
         " (default 60s; 0: never)",
     )
+
+
+def _serve_storage_options(s: argparse.ArgumentParser) -> None:
+    """Quotas and limits on objects, open descriptors, the write-ahead log, the retention round."""
     s.add_argument(
         "--max-objects",
         type=_positive,
@@ -159,6 +184,10 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=300.0,
         help="how often retention runs (default 5m; SIGHUP runs it at once with re-read settings)",
     )
+
+
+def _serve_tier_options(s: argparse.ArgumentParser) -> None:
+    """--tier URL and how the copy to the object store is paced."""
     s.add_argument(
         "--tier",
         default=None,
@@ -195,38 +224,44 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         metavar="N",
         help="objects uploaded at once (default 4)",
     )
-    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="default info")
-    s.set_defaults(func=cmd_serve)
 
 
 def _data_command(
-    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+    sub: _Subparsers,
     name: str,
     func: Callable[[argparse.Namespace], int],
     *,
     help: str,
-    description: str,
+    namespace: bool = True,
 ) -> argparse.ArgumentParser:
-    """The parser of an admin command on the data directory: ``--data`` (required) first, ``func`` to run."""
-    p = sub.add_parser(name, help=help, description=description)
+    """The parser of an admin command on the data directory: ``--data`` (required), the positional
+    ``namespace`` unless *namespace* is false, ``func`` to run; its docstring is the command's
+    description in ``--help`` (argparse refills it: line breaks do not matter)."""
+    p = sub.add_parser(name, help=help, description=inspect.getdoc(func))
     p.add_argument("--data", required=True)
+    if namespace:
+        p.add_argument("namespace")
     p.set_defaults(func=func)
     return p
 
 
-def _add_admin(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """keygen, quota, reset-fence, gc: on the data directory, not over the network."""
+def _add_admin(sub: _Subparsers) -> None:
+    """keygen, keys, quota, reset-fence, retention, gc: on the data directory, not over the network."""
+    _add_keygen(sub)
+    _add_keys(sub)
+    _add_quota(sub)
+    _add_reset_fence(sub)
+    _add_retention(sub)
+    _add_gc(sub)
+
+
+def _add_keygen(sub: _Subparsers) -> None:
     k = _data_command(
         sub,
         "keygen",
         cmd_keygen,
         help="create a key for a namespace and print it",
-        description="Create a key for NAMESPACE and print it. Roles: append (write, fence and read), read (read"
-        " only), token (a gateway client's credential: `sos gateway` issues an append bearer token for it, and"
-        " the server itself answers its every request but PING with FORBIDDEN, so a Spark job holding it cannot"
-        " FENCE or write the namespace directly).",
     )
-    k.add_argument("namespace")
     k.add_argument("--role", required=True, choices=["append", "read", "token"])
     k.add_argument(
         "--quota",
@@ -243,6 +278,8 @@ def _add_admin(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         " printing it; the key id goes to stderr",
     )
 
+
+def _add_keys(sub: _Subparsers) -> None:
     ks = sub.add_parser(
         "keys",
         help="list or revoke the keys of namespaces",
@@ -254,10 +291,8 @@ def _add_admin(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         kss,
         "list",
         cmd_keys_list,
+        namespace=False,
         help="one key per line: NAMESPACE, KEY_ID, ROLE, CREATED (UTC), tab-separated",
-        description="Print one line per key: NAMESPACE<TAB>KEY_ID<TAB>ROLE<TAB>CREATED (ISO 8601, UTC), for"
-        " NAMESPACE or every namespace. Never a secret. Only reads: safe while the server runs. An unreadable"
-        " key file is listed with role `?` and the reason on stderr (exit 1).",
     )
     kl.add_argument("namespace", nargs="?", default=None, help="only this namespace (default: all)")
     kr = _data_command(
@@ -265,41 +300,27 @@ def _add_admin(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "revoke",
         cmd_keys_revoke,
         help="remove a key (the running server refuses it from its next request)",
-        description="Remove key KEY_ID of NAMESPACE durably. A running server refuses its next AUTH, and every"
-        " connection authenticated with it gets AUTH_FAILED at its next request and is closed; a `sos gateway`"
-        " holding a bearer token made from it refuses the token within its --key-recheck.",
     )
-    kr.add_argument("namespace")
     kr.add_argument("key_id", metavar="KEY_ID", help="16 hex digits: the part of the key before the '.'")
 
+
+def _add_quota(sub: _Subparsers) -> None:
     q = _data_command(
         sub,
         "quota",
         cmd_quota,
         help="show or set a namespace's byte quota, and its usage",
-        description="Print the byte quota of NAMESPACE beside its usage, or set it to SIZE (`none` removes it) and"
-        " print the same line: NAMESPACE<TAB>QUOTA (bytes, or none)<TAB>used USED (objects N, data bytes D), where"
-        " USED = D + 4096 N is what the quota counts, read from the object files (safe while the server runs;"
-        " `serve --namespace-quota` applies to a namespace whose QUOTA is none). A running server"
-        " applies it from the next APPEND to the namespace, also on connections already open; an APPEND beyond"
-        " it is refused (QUOTA_EXCEEDED) and writes nothing. The quota counts each object's data plus 4096 bytes"
-        " per object (its file's block, header and name: protocol.md 1.9); the objects of a namespace are also"
-        " capped by `serve --max-objects` (default 10000).",
     )
-    q.add_argument("namespace")
     q.add_argument("size", nargs="?", default=None, help="bytes (e.g. 500G), or none")
 
+
+def _add_reset_fence(sub: _Subparsers) -> None:
     f = _data_command(
         sub,
         "reset-fence",
         cmd_reset_fence,
         help="set a namespace's fence epoch (the server must not be running on --data)",
-        description="Set the fence epoch of NAMESPACE, e.g. after a hostile FENCE pushed it to the end of the"
-        " epoch range. Default: the highest epoch in the namespace's segment names (the newest writer's), so a"
-        " writer that restarts fences one above it. A lower fence lets writers of epochs up to it back in:"
-        " stop every old writer first.",
     )
-    f.add_argument("namespace")
     f.add_argument(
         "--epoch",
         type=_epoch,
@@ -307,39 +328,34 @@ def _add_admin(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="the new fence epoch (default: the highest epoch in the namespace's segment names)",
     )
 
+
+def _add_retention(sub: _Subparsers) -> None:
     r = _data_command(
         sub,
         "retention",
         cmd_retention,
+        namespace=False,
         help="show or set the retention settings a running server re-reads",
-        description="Print the retention settings in DATA/retention, or set them (--keep-generations N --min-age"
-        " DURATION) or remove them (none). The file, when it exists, overrides serve's --keep-generations and"
-        " --min-age; without it those apply. A running server re-reads it at every retention round (each"
-        " --gc-interval) and at once on SIGHUP (`kill -HUP PID`), which also runs a round with the new settings;"
-        " a damaged file keeps the settings in force (error logged) and stops a start.",
     )
-    r.add_argument(
-        "--keep-generations", type=_positive, default=None, help="complete generations kept (with --min-age)"
-    )
-    r.add_argument(
-        "--min-age", type=parse_duration, default=None, help="minimum age before removal (with --keep-generations)"
+    _retention_options(
+        r,
+        keep_help="complete generations kept (with --min-age)",
+        age_help="minimum age before removal (with --keep-generations)",
     )
     r.add_argument(
         "action", nargs="?", choices=["none"], default=None, help="none: remove the file (serve's options apply again)"
     )
 
+
+def _add_gc(sub: _Subparsers) -> None:
     g = _data_command(
         sub,
         "gc",
         cmd_gc,
+        namespace=False,
         help="apply retention once (the server must not be running on --data; --dry-run may run beside it)",
-        description="Remove the journal generations older than the newest --keep-generations complete ones that"
-        " have been complete for --min-age (protocol.md 2.1, as `serve --keep-generations` does every"
-        " --gc-interval). Refused while a server runs on --data, except --dry-run, which only reads the object"
-        " files (no lock, no repair) and prints what would be removed.",
     )
-    g.add_argument("--keep-generations", type=_positive, required=True)
-    g.add_argument("--min-age", type=parse_duration, required=True)
+    _retention_options(g, required=True)
     g.add_argument(
         "--dry-run",
         action="store_true",
@@ -371,6 +387,9 @@ def _usage(msg: str) -> int:
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
+    """Create a key for NAMESPACE and print it. Roles: append (write, fence and read), read (read only), token (a gateway
+    client's credential: `sos gateway` issues an append bearer token for it, and the server itself answers its every
+    request but PING with FORBIDDEN, so a Spark job holding it cannot FENCE or write the namespace directly)."""
     out_fd = None
     if args.out is not None:
         # before the key exists: a FILE that cannot be made costs nothing (O_EXCL: never
@@ -420,6 +439,9 @@ def _utc(ts: float) -> str:
 
 
 def cmd_keys_list(args: argparse.Namespace) -> int:
+    """Print one line per key: NAMESPACE<TAB>KEY_ID<TAB>ROLE<TAB>CREATED (ISO 8601, UTC), for NAMESPACE or every namespace.
+    Never a secret. Only reads: safe while the server runs. An unreadable key file is listed with role `?` and the
+    reason on stderr (exit 1)."""
     st = Storage(args.data)
     try:
         if args.namespace is None and not os.path.isdir(args.data):
@@ -436,6 +458,9 @@ def cmd_keys_list(args: argparse.Namespace) -> int:
 
 
 def cmd_keys_revoke(args: argparse.Namespace) -> int:
+    """Remove key KEY_ID of NAMESPACE durably. A running server refuses its next AUTH, and every connection authenticated
+    with it gets AUTH_FAILED at its next request and is closed; a `sos gateway` holding a bearer token made from it
+    refuses the token within its --key-recheck."""
     try:
         Storage(args.data).revoke(args.namespace, args.key_id)
     except (BadName, ValueError, FileNotFoundError) as exc:
@@ -445,6 +470,13 @@ def cmd_keys_revoke(args: argparse.Namespace) -> int:
 
 
 def cmd_quota(args: argparse.Namespace) -> int:
+    """Print the byte quota of NAMESPACE beside its usage, or set it to SIZE (`none` removes it) and print the same line:
+    NAMESPACE<TAB>QUOTA (bytes, or none)<TAB>used USED (objects N, data bytes D), where USED = D + 4096 N is what the
+    quota counts, read from the object files (safe while the server runs; `serve --namespace-quota` applies to a
+    namespace whose QUOTA is none). A running server applies it from the next APPEND to the namespace, also on
+    connections already open; an APPEND beyond it is refused (QUOTA_EXCEEDED) and writes nothing. The quota counts each
+    object's data plus 4096 bytes per object (its file's block, header and name: protocol.md 1.9); the objects of a
+    namespace are also capped by `serve --max-objects` (default 10000)."""
     st = Storage(args.data)
     try:
         if args.size is not None:
@@ -466,6 +498,9 @@ def cmd_quota(args: argparse.Namespace) -> int:
 
 
 def cmd_reset_fence(args: argparse.Namespace) -> int:
+    """Set the fence epoch of NAMESPACE, e.g. after a hostile FENCE pushed it to the end of the epoch range. Default: the
+    highest epoch in the namespace's segment names (the newest writer's), so a writer that restarts fences one above it.
+    A lower fence lets writers of epochs up to it back in: stop every old writer first."""
     st = Storage(args.data)
     try:
         st.lock(create=False)
@@ -484,6 +519,11 @@ def cmd_reset_fence(args: argparse.Namespace) -> int:
 
 
 def cmd_retention(args: argparse.Namespace) -> int:
+    """Print the retention settings in DATA/retention, or set them (--keep-generations N --min-age DURATION) or remove them
+    (none). The file, when it exists, overrides serve's --keep-generations and --min-age; without it those apply. A
+    running server re-reads it at every retention round (each --gc-interval) and at once on SIGHUP (`kill -HUP PID`),
+    which also runs a round with the new settings; a damaged file keeps the settings in force (error logged) and stops a
+    start."""
     st = Storage(args.data)
     given = args.keep_generations is not None or args.min_age is not None
     if given and args.action == "none":
@@ -505,6 +545,9 @@ def cmd_retention(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
+    """Remove the journal generations older than the newest --keep-generations complete ones that have been complete for
+    --min-age (protocol.md 2.1, as `serve --keep-generations` does every --gc-interval). Refused while a server runs on
+    --data, except --dry-run, which only reads the object files (no lock, no repair) and prints what would be removed."""
     from .engine import plan_retention  # noqa: PLC0415 - the engine (and trio) for gc alone: the others start faster
 
     setup_logging("info")

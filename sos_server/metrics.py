@@ -170,44 +170,40 @@ class Metrics:
 
     def _tier_metrics(self, r: CollectorRegistry) -> None:
         """The object-store tier (serve --tier): per namespace, and the whole server's."""
-        ns = ["namespace"]
-        self.tier_lag_bytes = Gauge(
-            "sos_tier_lag_bytes",
-            "Bytes acknowledged (durable on this server) and not yet in the tier's store",
-            ns,
-            registry=r,
+
+        def per_namespace(kind: type[_M], name: str, documentation: str) -> _M:
+            return kind(name, documentation, ["namespace"], registry=r)
+
+        self.tier_lag_bytes = per_namespace(
+            Gauge, "sos_tier_lag_bytes", "Bytes acknowledged (durable on this server) and not yet in the tier's store"
         )
-        self.tier_lag_seconds = Gauge(
+        self.tier_lag_seconds = per_namespace(
+            Gauge,
             "sos_tier_lag_seconds",
             "Age of the oldest acknowledged byte (or seal) not yet in the tier's store; 0 when none",
-            ns,
-            registry=r,
         )
-        self.tier_last_error = Gauge(
+        self.tier_last_error = per_namespace(
+            Gauge,
             "sos_tier_last_error_timestamp_seconds",
             "When the last upload to the tier's store failed (Unix time)",
-            ns,
-            registry=r,
         )
-        self.tier_failing = Gauge(
-            "sos_tier_failing", "1 while uploads of the namespace fail (retried with back-off), else 0", ns, registry=r
+        self.tier_failing = per_namespace(
+            Gauge, "sos_tier_failing", "1 while uploads of the namespace fail (retried with back-off), else 0"
         )
-        self.tier_fenced = Gauge(
+        self.tier_fenced = per_namespace(
+            Gauge,
             "sos_tier_fenced",
             "1 when the store holds a higher fence marker: another server took the namespace over"
             " and this one stopped uploading it",
-            ns,
-            registry=r,
         )
-        self.tier_uploaded_bytes = Counter(
-            "sos_tier_uploaded_bytes", "Bytes this server wrote to the tier's store (pieces it created)", ns, registry=r
+        self.tier_uploaded_bytes = per_namespace(
+            Counter, "sos_tier_uploaded_bytes", "Bytes this server wrote to the tier's store (pieces it created)"
         )
-        self.tier_conflicts = Counter(
+        self.tier_conflicts = per_namespace(
+            Counter,
             "sos_tier_conflicts",
             "Objects whose upload a conflict stopped (a different piece exists in the store:"
             " a zombie server or damage; nothing is overwritten)",
-            ns,
-            registry=r,
         )
         self.tier_pieces = Counter(
             "sos_tier_pieces_written", "Pieces this server created in the tier's store", registry=r

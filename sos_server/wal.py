@@ -25,15 +25,19 @@ Log file: ``b"SOSWAL1\\n" | u64 seq`` then records::
     | namespace | name | n payload bytes (one object frame: u32 len | u32 crc | data, or a seal)
 
 ``crc`` is CRC32C of everything after it up to the payload's 8-byte frame header
-included; the frame's own CRC covers its data. A record that fails either check, or that
-the file ends inside of, ends the log: what follows it was never acknowledged (a group
-commit acknowledges only after every record before it is synced). Zero bytes after a
-file's last record (written ahead, :data:`ZERO_AHEAD`) end that file only: replay goes on
-with the next one (a crash between a switch and its checkpoint leaves the old file, and the
-new one holds acknowledged records). An object's records follow one another in its file,
-so a gap before one (records lost with an older file's unsynced tail) cuts the object there. A bad record followed
-by anything but zero bytes is damage: logged at error level, the file kept as
-``.log.damaged`` for an operator, the records before it replayed.
+included; the frame's own CRC covers its data. Zero bytes after a file's last record
+(written ahead, :data:`ZERO_AHEAD`) end that file only: replay goes on with the next one (a
+crash between a switch and its checkpoint leaves the old file, and the new one holds
+acknowledged records). A *torn* record ends its file the same way: one the file ends
+inside of, or one that fails a check while every byte from where the failed check's bytes
+end (the last of them included) to the file's end is zero: a write the crash interrupted
+lands in the zeros written ahead, so its record holds what was written and zeros after
+(its header, key or data cut). It was never acknowledged (a group commit acknowledges only
+after every record before it is synced); logged at info level. An object's records follow
+one another in its file, so a gap before one (records lost with an older file's unsynced
+tail or torn record) cuts the object there. A bad record followed by anything but zero
+bytes is damage: logged at error level, the file kept as ``.log.damaged`` for an
+operator, the records before it replayed, nothing after it.
 
 Records of an object that retention removed are skipped at replay (its file is gone; a
 removed name never comes back: journal generations only grow).
@@ -350,6 +354,18 @@ class ReplayNote:
     objects: int = 0
     skipped: int = 0  # records of objects whose file is gone (removed by retention)
     damaged: str = ""  # where a damaged record stopped the replay, "" if none
+    torn: list[str] = field(default_factory=list)  # where a torn record ended a file's records
+
+
+@dataclass(frozen=True)
+class _End:
+    """Where a log file's records stop before the file's end (see :func:`_records`)."""
+
+    pos: int  # the offset of the record that is not whole
+    why: str
+    #: a torn write if every byte from here to the file's end is zero (the file's size: the
+    #: file ends inside the record); None: no write the crash interrupted looks like this
+    torn_from: int | None
 
 
 def _all_zero_from(fd: int, pos: int) -> bool:
@@ -362,50 +378,62 @@ def _all_zero_from(fd: int, pos: int) -> bool:
     return True
 
 
-def _records(fd: int, size: int) -> Iterable[tuple[int, int, str, str, bytes | tuple[int, int, bytes]]]:
-    """(record offset, file offset, namespace, name, payload) per whole record (for an
-    indirect or truncate record (kind, extent length, frame header) instead of the
-    payload), then, if the file does not end cleanly, (offset of the first bad record,
-    -1, why, "", b"")."""
+def _records(fd: int, size: int) -> Iterable[tuple[int, str, str, bytes | tuple[int, int, bytes]] | _End]:
+    """(file offset, namespace, name, payload) per whole record (for an indirect or
+    truncate record (kind, extent length, frame header) instead of the payload), then, if
+    the records stop before the file's end, an :class:`_End`.
+
+    A write the crash interrupted leaves its record's first bytes and zeros after them (the
+    file is written with zeros ahead, ZERO_AHEAD): whatever check it fails, the bytes that
+    check covers end in a zero byte and only zeros follow to the file's end. So a record
+    that fails a check is torn if the file is zero from the last byte the check covers on
+    (``torn_from``): the header's for a bad kind or length, the record checksum's (header,
+    key, frame header) for that checksum, the whole record's for the data's. A check that
+    bytes a torn write cannot change fail (the frame length against the record's, the
+    name's UTF-8: both under the record checksum) is damage wherever it is."""
     head = os.pread(fd, WAL_HEAD.size, 0)
     if len(head) < WAL_HEAD.size or WAL_HEAD.unpack(head)[0] != WAL_MAGIC:
         if head.strip(b"\0"):
-            yield 0, -1, "not a log file (bad header)", "", b""
+            yield _End(0, "not a log file (bad header)", None)  # made and synced before any record
         return
     pos = WAL_HEAD.size
     while pos < size:
         h = os.pread(fd, REC.size, pos)
         if len(h) < REC.size:
-            yield pos, -1, "torn record header", "", b""
+            yield _End(pos, "torn record header", size)
             return
         crc, kind, fpos, n, nl, ml = REC.unpack(h)
         if kind == KIND_TRUNCATE and n == 0:
             stored = 0
         elif kind in (KIND_WRITE, KIND_INDIRECT) and FRAME_HDR <= n <= FRAME_HDR + MAX_FRAME:
             stored = n if kind == KIND_WRITE else FRAME_HDR
-        else:
-            yield pos, -1, f"bad record (kind {kind}, length {n})", "", b""
+        else:  # a header cut inside its kind or length reads as zeros there: kind 0, or a length too small
+            yield _End(pos, f"bad record (kind {kind}, length {n})", pos + REC.size - 1)
             return
         key = os.pread(fd, nl + ml, pos + REC.size)
         payload = pread_all(fd, stored, pos + REC.size + nl + ml)
         if len(key) < nl + ml or len(payload) < stored:
-            yield pos, -1, "torn record", "", b""
+            yield _End(pos, "torn record", size)
             return
+        end = pos + REC.size + nl + ml + stored
         if crc32c(payload[:FRAME_HDR], crc32c(h[4:] + key)) != crc:
-            yield pos, -1, "record checksum mismatch", "", b""
+            yield _End(pos, "record checksum mismatch", end - stored + min(stored, FRAME_HDR) - 1)
             return
         if kind == KIND_WRITE and payload != SEAL_FRAME:
             flen, fcrc = FRAME.unpack_from(payload)
-            if flen != n - FRAME_HDR or crc32c(memoryview(payload)[FRAME_HDR:]) != fcrc:
-                yield pos, -1, "record data checksum mismatch", "", b""
+            if flen != n - FRAME_HDR:
+                yield _End(pos, f"record frame length {flen} is not the record's {n - FRAME_HDR}", None)
+                return
+            if crc32c(memoryview(payload)[FRAME_HDR:]) != fcrc:
+                yield _End(pos, "record data checksum mismatch", end - 1)
                 return
         try:
             namespace, name = key[:nl].decode("utf-8"), key[nl:].decode("utf-8")
         except UnicodeDecodeError:
-            yield pos, -1, "bad object name", "", b""
+            yield _End(pos, "bad object name", None)
             return
-        yield pos, fpos, namespace, name, (payload if kind == KIND_WRITE else (kind, n, payload))
-        pos += REC.size + nl + ml + stored
+        yield fpos, namespace, name, (payload if kind == KIND_WRITE else (kind, n, payload))
+        pos = end
 
 
 def _frame_in_place(fd: int, pos: int, n: int, hdr: bytes) -> bool:
@@ -430,7 +458,7 @@ def replay(wal_dir: str, object_path: Callable[[str, str], str]) -> ReplayNote:
         for _seq, path in files:
             note.files += 1
             if not _replay_file(path, objects, note, damaged):
-                break  # a damaged or torn record: nothing after it is replayed
+                break  # a damaged record: nothing after it is replayed
         objects.finish()
     finally:
         objects.close()
@@ -447,29 +475,41 @@ def replay(wal_dir: str, object_path: Callable[[str, str], str]) -> ReplayNote:
 
 
 def _replay_file(path: str, objects: _ReplayTarget, note: ReplayNote, damaged: list[str]) -> bool:
-    """Apply the records of one log file in order. True if the file ended cleanly: at its
-    end or in zero bytes (the zeros written ahead of the records, ZERO_AHEAD), so the replay
-    goes on with the next file: a file the log switched away from ends so, and the next
-    one holds acknowledged records. False if a record that is not whole stopped the replay
-    (a damaged one, not a torn tail, also goes into *damaged*)."""
+    """Apply the records of one log file in order. True if the file's records ended
+    cleanly: at its end, in zero bytes (the zeros written ahead of the records, ZERO_AHEAD)
+    or in a torn record (a write the crash interrupted, then zeros), so the replay goes on
+    with the next file: a file the log switched away from ends so, and the next one may
+    hold acknowledged records (an object whose next record there does not follow on is cut,
+    _ReplayTarget). False if a damaged record stopped the replay (*damaged* gets the file)."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        for pos, fpos, namespace, name, payload in _records(fd, os.fstat(fd).st_size):
-            if fpos < 0:
-                why = namespace
-                if _all_zero_from(fd, pos):
-                    return True  # the clean end of this file's records
-                if why != "torn record header" and why != "torn record":
-                    note.damaged = f"{path} offset {pos}: {why}"
-                    damaged.append(path)
-                    log.error(
-                        "damaged write-ahead log record: %s; the records before it were replayed, the"
-                        " file is kept as %s.damaged",
-                        note.damaged,
-                        path,
-                    )
-                return False
-            objects.apply(namespace, name, fpos, payload)
+        for rec in _records(fd, os.fstat(fd).st_size):
+            if not isinstance(rec, _End):
+                fpos, namespace, name, payload = rec
+                objects.apply(namespace, name, fpos, payload)
+                continue
+            if _all_zero_from(fd, rec.pos):
+                return True  # the clean end of this file's records
+            where = f"{path} offset {rec.pos}: {rec.why}"
+            if rec.torn_from is not None and _all_zero_from(fd, rec.torn_from):
+                note.torn.append(where)
+                log.info(
+                    "write-ahead log %s ends in a torn record at offset %d (%s, then zero bytes): a write"
+                    " the crash interrupted, never acknowledged; the records before it were replayed",
+                    path,
+                    rec.pos,
+                    rec.why,
+                )
+                return True
+            note.damaged = where
+            damaged.append(path)
+            log.error(
+                "damaged write-ahead log record: %s; the records before it were replayed, the"
+                " file is kept as %s.damaged",
+                note.damaged,
+                path,
+            )
+            return False
     finally:
         os.close(fd)
     return True

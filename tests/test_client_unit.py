@@ -454,3 +454,63 @@ def _fd_open(fd: int) -> bool:
         return True
     except OSError:
         return False
+
+
+class _OneReplyServer:
+    """Answers every connection's first bytes with ``reply`` (maybe nothing) and closes it;
+    counts the connections (a TLS probe is a second one)."""
+
+    def __init__(self, reply: bytes) -> None:
+        self.reply = reply
+        self.connections = 0
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            with conn:
+                try:
+                    conn.recv(4096)
+                    conn.sendall(self.reply)
+                except OSError:
+                    pass
+
+
+#: what a TLS server that sends an alert (not OpenSSL: it closes) answers a plaintext HELLO
+TLS_ALERT = bytes([0x15, 0x03, 0x03, 0x00, 0x02, 0x02, 0x46])
+
+
+@pytest.mark.parametrize(
+    ("reply", "says_tls", "connections"),
+    [
+        (TLS_ALERT, True, 1),  # a TLS record received: decided by it, no probe
+        (b"HTTP/1.1 400 Bad Request\r\n\r\n", False, 1),  # something else, not TLS: no probe
+        (b"", False, 2),  # closed without a byte: a probe decides (this server speaks no TLS)
+    ],
+)
+def test_a_failed_plain_handshake_is_explained_by_what_the_server_sent(reply, says_tls, connections):
+    for use_trio in (False, True):
+        srv = _OneReplyServer(reply)
+        try:
+            if use_trio:
+
+                async def main(address: str) -> None:
+                    async with open_client(address, KEY, "ns", timeout=5, reconnect_timeout=0):
+                        pass
+
+                with pytest.raises(ConnectionLost) as info:
+                    trio.run(main, srv.address)
+            else:
+                with pytest.raises(ConnectionLost) as info:
+                    Client(srv.address, KEY, "ns", timeout=5, reconnect_timeout=0)
+            assert ("the server requires TLS: pass --tls-ca" in str(info.value)) is says_tls, info.value
+            assert info.value.retryable is not says_tls
+            assert srv.connections == connections
+        finally:
+            srv.sock.close()

@@ -371,3 +371,51 @@ def test_the_documented_gateway_certificate_names_localhost(tmp_path):
     assert "DNS:localhost" in text and "IP Address:127.0.0.1" in text, text
     spark = (ROOT / "docs" / "SPARK.md").read_text()
     assert "getHostName" in spark and "DNS:localhost" in spark
+
+
+# ---------------------------------------------------------------------------- newcomer: is my batch committed?
+
+
+def committed_lines() -> list[str]:
+    """The command lines of docs/SPARK.md's "Is my batch committed?" block."""
+    doc = (ROOT / "docs" / "SPARK.md").read_text()
+    section = doc.split("### Is my batch committed?", 1)[1]
+    block = re.search(r"```sh\n(.*?)```", section, re.DOTALL)
+    assert block, "no sh block under 'Is my batch committed?'"
+    lines = [line for line in block.group(1).splitlines() if line and not line.startswith("#")]
+    assert len(lines) == 2, lines
+    return lines
+
+
+def test_is_my_batch_committed_as_documented(sos_server, tmp_path):
+    """docs/SPARK.md's two commands, run as written (the documented port and scratch
+    directory swapped for this test's): the metric names the batch only once it is
+    committed, and the read-key restore exits 1 before the commit, 0 after it with
+    commits/0 listed."""
+    curl_line, restore_line = committed_lines()
+    assert "--role read --out myjob-read.key" in (ROOT / "docs" / "SPARK.md").read_text()
+    gw = Gw(sos_server, tmp_path, args=["--metrics", ":0"])
+    try:
+        port = metrics_url(gw.proc).rpartition(":")[2]
+        curl = ["bash", "-c", curl_line.replace("127.0.0.1:9102", f"127.0.0.1:{port}")]
+        (tmp_path / "myjob-read.key").write_text(sos_server.keygen(NS, "read") + "\n")
+        peek = tmp_path / "peek"
+        restore = ["bash", "-c", restore_line.replace(" myjob ", f" {NS} ").replace("/tmp/peek", str(peek))]
+        env = os.environ | {
+            "SOS_SERVER": sos_server.address,
+            "PATH": f"{pathlib.Path(sos_command()[0]).parent}:{os.environ['PATH']}",
+        }
+        before = subprocess.run(curl, capture_output=True, text=True, timeout=60)
+        assert before.returncode == 1 and before.stdout == "", before  # grep: no commit yet
+        assert gw.put_file("/checkpoint/metadata", b'{"id":"q"}').status_code == 201  # no commit yet
+        early = subprocess.run(restore, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        assert early.returncode == 1 and "no checkpoint/commits/0" in early.stderr, early
+        shutil.rmtree(peek, ignore_errors=True)
+        commit_batch(gw, "checkpoint", 0)
+        after = subprocess.run(curl, capture_output=True, text=True, timeout=60)
+        assert after.stdout.strip() == 'sos_gateway_last_commit_batch{checkpoint="/checkpoint"} 0.0', after
+        done = subprocess.run(restore, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done
+        assert done.stdout.split() == ["0"], done.stdout
+    finally:
+        gw.stop()

@@ -31,6 +31,7 @@ from sos_client.errors import Fenced, SOSError, is_fenced, to_oserror
 from sos_wire import argtypes
 
 from .errors import JournalError, JournalTierBehind
+from .tier_wait import DURABILITIES
 
 __all__ = [
     "DEFAULT_TIER_PATIENCE",
@@ -45,8 +46,6 @@ __all__ = [
     "tier_patience_of",
 ]
 
-#: what ``durability`` takes (JournalWriter's DURABILITIES, named here without importing the writer)
-DURABILITIES = ("server", "tier")
 #: a face's barrier waits this long for the bucket before it reports JournalTierBehind
 #: (ETIMEDOUT; the gateway's 503): below Hadoop's 60 s WebHDFS read timeout, so that the
 #: client hears why rather than a timeout of its own

@@ -250,28 +250,51 @@ def open_namespace(
         factory = client_factory_for(server, key, namespace, timeout=timeout, tls=tls)
     else:
         factory = client_factory
-    role = key_role(factory, timeout)
-    if role == KeyRole.TOKEN:
-        raise PermissionError(errno.EACCES, token_key_message(namespace), namespace)
-    read_role = role == KeyRole.READ
-    if read_role and allow_read_only:
+    if not _may_write(factory, namespace, timeout, allow_read_only):
         return _open_read_only(factory, namespace, cache_dir)
-    if read_role:
-        raise PermissionError(
-            errno.EACCES,
-            f"the key has the read role: writing namespace {namespace!r} needs a key with the append role",
-            namespace,
-        )
-
-    tree_dir = os.path.join(cache_dir, "tree")
-    spool_dir = os.path.join(cache_dir, "spool")
-    # tree/ is a mount's root directory as users see it (0755 by default)
-    private_cache_dir(cache_dir, {"tree": 0o755, "spool": 0o700})
     writer_kwargs: dict[str, Any] = {"sync": sync, "durability": durability, "tier_patience": tier_patience}
     if max_lag_bytes is not None:
         writer_kwargs["max_lag_bytes"] = max_lag_bytes
     if generation_bytes is not None:
         writer_kwargs["generation_bytes"] = generation_bytes
+    return _open_writer(
+        factory, namespace, cache_dir, writer_kwargs, timeout=timeout, rebuild=rebuild, replayed_to=replayed_to
+    )
+
+
+def _may_write(factory: ClientFactory, namespace: str, timeout: float, allow_read_only: bool) -> bool:
+    """Connect once to learn the key's role: True for the append role, False for the read role
+    with ``allow_read_only``; PermissionError for a token key or a read key without it."""
+    role = key_role(factory, timeout)
+    if role == KeyRole.TOKEN:
+        raise PermissionError(errno.EACCES, token_key_message(namespace), namespace)
+    if role != KeyRole.READ:
+        return True
+    if allow_read_only:
+        return False
+    raise PermissionError(
+        errno.EACCES,
+        f"the key has the read role: writing namespace {namespace!r} needs a key with the append role",
+        namespace,
+    )
+
+
+def _open_writer(
+    factory: ClientFactory,
+    namespace: str,
+    cache_dir: str,
+    writer_kwargs: dict[str, Any],
+    *,
+    timeout: float,
+    rebuild: RebuildCache | None,
+    replayed_to: int | None,
+) -> OpenNamespace:
+    """An append-role key: the writer (fencing older epochs) and the tree over ``tree/``, rebuilt
+    from the server first if the cache is empty; a stale spool is a RuntimeError."""
+    tree_dir = os.path.join(cache_dir, "tree")
+    spool_dir = os.path.join(cache_dir, "spool")
+    # tree/ is a mount's root directory as users see it (0755 by default)
+    private_cache_dir(cache_dir, {"tree": 0o755, "spool": 0o700})
     writer = JournalWriter(factory, namespace, spool_dir, **writer_kwargs)
     try:
         # opens the writer (fencing older epochs) and, if the cache is empty, rebuilds it

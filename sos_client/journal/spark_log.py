@@ -7,15 +7,11 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from . import layout
 from ._store import StoreClient
-from .errors import (
-    BatchNotFound,
-    JournalCorrupt,
-    PositionUnavailable,
-)
+from .errors import BatchNotFound, JournalCorrupt, JournalError, PositionUnavailable
 from .points import norm_dir
 from .reading import complete_generations, generation_records, incomplete_after, next_first_seq
 from .records import Create, Delete, Marker, Record, Rename, SnapshotEnd, Truncate, Write
@@ -157,78 +153,107 @@ def find_batch(
     Raises BatchNotFound (naming the checkpoints and batches the journal does hold) or
     PositionUnavailable (the batch committed before the oldest generation kept).
     """
-    path = commit_path(querydir, batch_id)
-    crc = path.rpartition("/")[0] + f"/.{batch_id}.crc"
-    seen: dict[str, set[int]] = {}
+    search = _BatchSearch(client, querydir, batch_id, on_bytes, notes)
     newer: list[_CommitScan] = []  # newest first
     cands = complete_generations(gens)
     for g in cands:
+        r = search.scan_complete(g, next_first_seq(listed or gens, g.generation))
+        if r.start is not None:
+            return search.position(r, newer)
+        newer.append(r)
+    raise search.not_found(gens, cands, newer)
+
+
+@dataclass
+class _BatchSearch:
+    """One :func:`find_batch`: the commit file it looks for, and the checkpoints and batches
+    the generations scanned so far hold (``seen``, for the error that names them)."""
+
+    client: StoreClient
+    querydir: str
+    batch_id: int
+    on_bytes: Callable[[int], None] | None
+    notes: list[str] | None
+    seen: dict[str, set[int]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.path = commit_path(self.querydir, self.batch_id)
+        self.crc = self.path.rpartition("/")[0] + f"/.{self.batch_id}.crc"
+        self.where = f"batch {self.batch_id} of checkpoint {self.querydir or '.'!r}"
+
+    def scan_complete(self, g: layout.GenerationInfo, next_first: int | None) -> _CommitScan:
+        """What complete generation ``g`` says about the commit file; damage after the commit
+        ends the scan (the replay stops before it too), damage before it raises."""
         r = _CommitScan()
         try:
-            _scan_generation(
-                generation_records(
-                    client, g, on_bytes=on_bytes, next_first=next_first_seq(listed or gens, g.generation)
-                ),
-                path,
-                crc,
-                seen,
-                r,
-            )
+            records = generation_records(self.client, g, on_bytes=self.on_bytes, next_first=next_first)
+            _scan_generation(records, self.path, self.crc, self.seen, r)
         except JournalCorrupt as e:
             if r.start is None:
                 raise
-            # the batch committed before the damage: the replay stops before it too
             r.open = False
-            if notes is not None:
-                notes.append(
-                    f"the journal is corrupt after batch {batch_id} committed ({e}); a later "
-                    f"commit of the same batch would be behind it"
-                )
-        if r.start is not None:
-            stop = r.start if r.stop is None else r.stop
-            if r.open:  # the file may be completed in the next generation(s)
-                for nr in reversed(newer):
-                    if nr.head_ext is not None:
-                        stop = nr.head_ext
-                    if nr.head_closed:
-                        break
-            if notes is not None:
-                notes.append(
-                    f"batch {batch_id} of checkpoint {querydir or '.'!r}: {path} appears at record "
-                    f"{r.start}"
-                    + (f", complete at record {stop}" if stop != r.start else "")
-                    + f"; restored to position {stop}"
-                )
-            return stop
-        newer.append(r)
-    # Not in a complete generation: a commit in a newer, incomplete one was never reported
-    # durable (protocol.md 2.1) and restore does not use it. Say so rather than "no batch".
-    for g in incomplete_after(gens, cands[0].generation if cands else -1):
-        r = _CommitScan()
-        with contextlib.suppress(JournalCorrupt):
-            _scan_generation(generation_records(client, g, on_bytes=on_bytes), path, crc, {}, r)
-        if r.start is not None:
-            raise BatchNotFound(
-                f"batch {batch_id} of checkpoint {querydir or '.'!r}: {path} appears at record {r.start}, in "
-                f"generation {g.generation}, which is not complete "
-                f"({g.ready_problem or 'no ' + layout.ready_name(g.generation)}): a writer reports no record "
-                f"of a generation durable before its ready object exists, and restore does not use it"
+            self._note(
+                f"the journal is corrupt after batch {self.batch_id} committed ({e}); a later "
+                f"commit of the same batch would be behind it"
             )
-    if any(r.in_snapshot for r in newer):
-        oldest = cands[-1]
-        raise PositionUnavailable(
-            f"batch {batch_id} of checkpoint {querydir or '.'!r} committed before the oldest generation the "
-            f"server keeps (generation {oldest.generation} starts after record {oldest.segments[0].first_seq - 1} and "
-            f"already holds {path}): the state right after that batch is gone"
+        return r
+
+    def position(self, r: _CommitScan, newer: list[_CommitScan]) -> int:
+        """The position right after the commit ``r`` found, moved past the records of the
+        newer generations (``newer``, newest first) that complete a file still open."""
+        assert r.start is not None
+        stop = r.start if r.stop is None else r.stop
+        if r.open:  # the file may be completed in the next generation(s)
+            for nr in reversed(newer):
+                if nr.head_ext is not None:
+                    stop = nr.head_ext
+                if nr.head_closed:
+                    break
+        self._note(
+            f"{self.where}: {self.path} appears at record {r.start}"
+            + (f", complete at record {stop}" if stop != r.start else "")
+            + f"; restored to position {stop}"
         )
-    if querydir in seen:
-        raise BatchNotFound(
-            f"checkpoint {querydir or '.'!r} has no {path} in the journal the server keeps "
-            f"(its batches: {_ranges(seen[querydir])})"
+        return stop
+
+    def not_found(
+        self, gens: dict[int, layout.GenerationInfo], cands: list[layout.GenerationInfo], newer: list[_CommitScan]
+    ) -> JournalError:
+        """Why no complete generation holds the commit: it is in an incomplete one, it came
+        before the oldest generation kept, or the journal holds other batches or checkpoints."""
+        # a commit in a newer, incomplete generation was never reported durable (protocol.md
+        # 2.1) and restore does not use it: say so rather than "no batch"
+        for g in incomplete_after(gens, cands[0].generation if cands else -1):
+            r = _CommitScan()
+            with contextlib.suppress(JournalCorrupt):
+                _scan_generation(generation_records(self.client, g, on_bytes=self.on_bytes), self.path, self.crc, {}, r)
+            if r.start is not None:
+                return BatchNotFound(
+                    f"{self.where}: {self.path} appears at record {r.start}, in "
+                    f"generation {g.generation}, which is not complete "
+                    f"({g.ready_problem or 'no ' + layout.ready_name(g.generation)}): a writer reports no record "
+                    f"of a generation durable before its ready object exists, and restore does not use it"
+                )
+        if any(r.in_snapshot for r in newer):
+            oldest = cands[-1]
+            return PositionUnavailable(
+                f"{self.where} committed before the oldest generation the server keeps (generation "
+                f"{oldest.generation} starts after record {oldest.segments[0].first_seq - 1} and "
+                f"already holds {self.path}): the state right after that batch is gone"
+            )
+        q = self.querydir
+        if q in self.seen:
+            return BatchNotFound(
+                f"checkpoint {q or '.'!r} has no {self.path} in the journal the server keeps "
+                f"(its batches: {_ranges(self.seen[q])})"
+            )
+        known = ", ".join(repr(k or ".") for k in sorted(self.seen)) or "none"
+        return BatchNotFound(
+            f"no checkpoint {q or '.'!r} in this namespace's journal: no {self.path} "
+            f"(checkpoints found: {known}; QUERYDIR is the checkpoint's path relative to "
+            f"the namespace root)"
         )
-    known = ", ".join(repr(q or ".") for q in sorted(seen)) or "none"
-    raise BatchNotFound(
-        f"no checkpoint {querydir or '.'!r} in this namespace's journal: no {path} "
-        f"(checkpoints found: {known}; QUERYDIR is the checkpoint's path relative to "
-        f"the namespace root)"
-    )
+
+    def _note(self, note: str) -> None:
+        if self.notes is not None:
+            self.notes.append(note)

@@ -8,26 +8,29 @@ silently missing subcommand); also runnable alone as `python -m spark_plugin.gat
 from __future__ import annotations
 
 import argparse
-import logging
 import ssl
 import sys
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from sos_client.cli import add_connection_options, client_from_args, key_from_args
-from sos_client.errors import SOSError
-from sos_client.journal.facade import add_durability_options, durability_refusal, tier_patience_of
+from sos_client.cli import add_connection_options
+from sos_client.journal.face_command import (
+    CommandStart,
+    add_journal_options,
+    fail,
+    one_line,
+    read_key,
+    run_alone,
+    serve_command,
+    start_command,
+)
 from sos_client.journal.points import parse_batch
 from sos_wire import argtypes
 from sos_wire.names import validate_namespace
 
 if TYPE_CHECKING:
-    from sos_client import Client
+    from spark_plugin.gateway.options import GatewayOptions
 
 __all__ = ["add_parser", "main", "run"]
-
-#: --lease with --standby when not given (lease.DEFAULT_LEASE: not imported at parse time)
-DEFAULT_LEASE_SECONDS = 10.0
 
 
 def _positive_duration(text: str) -> float:
@@ -64,32 +67,38 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--listen", metavar="HOST:PORT", help="address to serve on, e.g. 0.0.0.0:9870 (port 0: any free one); required"
     )
     add_standby_options(p)
-    p.add_argument(
-        "--cache", metavar="DIR", default=None, help="local cache + spool directory (default: ~/.cache/sos/NAMESPACE)"
+    add_journal_options(
+        p,
+        waits="(RENAME, DELETE, file bodies)",
+        barriers="RENAME, DELETE, TRUNCATE, markers and file bodies",
+        failure="403 RetriableException",
     )
+    add_http_options(p)
+    add_limit_options(p)
     p.add_argument(
-        "--async",
-        dest="async_",
+        "--insecure-no-auth",
         action="store_true",
-        help="do not wait for the server (RENAME, DELETE, file bodies); bound the lag instead",
-    )
-    add_durability_options(
-        p, what="RENAME, DELETE, TRUNCATE, markers and file bodies", failure="403 RetriableException"
+        help="serve every request without a token, with full rights (only accepted "
+        "on a loopback --listen address: tests and single-machine demos)",
     )
     p.add_argument(
-        "--max-lag",
-        type=argtypes.size(1),
-        default=64 << 20,
-        metavar="BYTES",
-        help="most unshipped journal bytes before writes wait (default 64M)",
+        "--fence-check",
+        type=_positive_duration,
+        default=5.0,
+        metavar="DURATION",
+        help="ask the SOS server this often whether a newer writer fenced this gateway "
+        "(default 5): a fenced gateway refuses every request (503; its health "
+        "check fails), logs who fenced it and exits with code 3",
     )
-    p.add_argument(
-        "--generation-bytes",
-        type=argtypes.size(1),
-        default=None,
-        metavar="BYTES",
-        help="start a new journal generation once the current one holds this many bytes (default 1G)",
-    )
+    p.add_argument("--debug", action="store_true", help="log every request")
+    add_operations_options(p)
+    add_connection_options(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def add_http_options(p: argparse.ArgumentParser) -> None:
+    """HTTPS, tokens, threads and the address the redirects name."""
     p.add_argument(
         "--tls-cert", metavar="FILE", default=None, help="serve HTTPS (swebhdfs://) with this certificate chain (PEM)"
     )
@@ -127,6 +136,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "without it: token requests carry a key of the namespace in clear); "
         "only where the network itself is trusted or encrypted",
     )
+
+
+def add_limit_options(p: argparse.ArgumentParser) -> None:
+    """The bounds a client cannot push the gateway past: connections, deadlines, OPEN memory."""
     p.add_argument(
         "--max-connections",
         type=argtypes.integer(8),
@@ -167,26 +180,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "readers, gateway-wide (default 64M; a new OPEN that "
         "finds no room in 10 s gets 503)",
     )
-    p.add_argument(
-        "--insecure-no-auth",
-        action="store_true",
-        help="serve every request without a token, with full rights (only accepted "
-        "on a loopback --listen address: tests and single-machine demos)",
-    )
-    p.add_argument(
-        "--fence-check",
-        type=_positive_duration,
-        default=5.0,
-        metavar="DURATION",
-        help="ask the SOS server this often whether a newer writer fenced this gateway "
-        "(default 5): a fenced gateway refuses every request (503; its health "
-        "check fails), logs who fenced it and exits with code 3",
-    )
-    p.add_argument("--debug", action="store_true", help="log every request")
-    add_operations_options(p)
-    add_connection_options(p)
-    p.set_defaults(func=run)
-    return p
 
 
 def add_standby_options(p: argparse.ArgumentParser) -> None:
@@ -219,23 +212,19 @@ def run_promote(args: argparse.Namespace, key: str) -> int:
     try:
         validate_namespace(namespace)
     except ValueError as exc:
-        print(f"sos: {exc}", file=sys.stderr)
-        return 2
-    context = None
-    if url.startswith("https:"):
-        context = (
-            ssl.create_default_context(cafile=args.tls_ca)
-            if getattr(args, "tls_ca", None)
-            else ssl.create_default_context()
-        )
+        return fail(str(exc), 2)
     try:
-        doc = promote(url, namespace, key, context=context)
+        doc = promote(url, namespace, key, context=_trust(args) if url.startswith("https:") else None)
     except (GatewayError, OSError) as exc:
-        print(f"sos: promote failed: {one_line(exc)}", file=sys.stderr)
-        return 1
+        return fail(f"promote failed: {one_line(exc)}", 1)
     state = "promoted" if doc.get("promoted") else "already active"
     print(f"{url}: {state}: writer epoch {doc.get('epoch')}, journal at record {doc.get('seq')}")
     return 0
+
+
+def _trust(args: argparse.Namespace) -> ssl.SSLContext:
+    """The TLS trust of the connection options: ``--tls-ca``, else the system CAs."""
+    return ssl.create_default_context(cafile=args.tls_ca) if args.tls_ca else ssl.create_default_context()
 
 
 def add_operations_options(p: argparse.ArgumentParser) -> None:
@@ -266,40 +255,34 @@ def add_operations_options(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(
-        level=logging.DEBUG if args.debug else logging.INFO,
-        stream=sys.stderr,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-    )
-    try:
-        key = key_from_args(args)  # $SOS_KEY or --key-file: never an argument (/proc/PID/cmdline)
-    except SOSError as exc:
-        print(f"sos: {exc.message}", file=sys.stderr)
-        return 1
+    key = read_key(args)
+    if isinstance(key, int):
+        return key
     if args.namespace == "promote" and args.listen is None:
         if len(args.promote_args) != 2:
-            print("sos: usage: sos gateway promote NAMESPACE URL", file=sys.stderr)
-            return 2
+            return fail("usage: sos gateway promote NAMESPACE URL", 2)
         return run_promote(args, key)
     if args.promote_args or args.listen is None:
-        print(
-            "sos: usage: sos gateway NAMESPACE --listen HOST:PORT [...] (or: sos gateway promote NAMESPACE URL)",
-            file=sys.stderr,
-        )
-        return 2
-    try:
-        validate_namespace(args.namespace)
-    except ValueError as exc:
-        print(f"sos: {exc}", file=sys.stderr)
-        return 2
+        return fail("usage: sos gateway NAMESPACE --listen HOST:PORT [...] (or: sos gateway promote NAMESPACE URL)", 2)
+    start = start_command(args, key)
+    if isinstance(start, int):
+        return start
+    refusal = usage_refusal(args)
+    if refusal:
+        return fail(refusal, 2)
+    options = gateway_options(args, start)
+    return serve_command("gateway", lambda: serve(options, standby=args.standby))
+
+
+def usage_refusal(args: argparse.Namespace) -> str:
+    """Why the serving options are refused as a usage error ("" if they are not): addresses,
+    the rollback point, plain HTTP off loopback, what a standby does not serve."""
     # trio, h11 and the gateway: only when it runs (`sos` loads every command's parser)
-    from sos_client.journal.rollback import RollbackRefused  # noqa: PLC0415
     from spark_plugin.gateway.run import (  # noqa: PLC0415
         parse_advertise,
         parse_listen,
         parse_metrics_listen,
         plaintext_refusal,
-        run_gateway,
     )
 
     try:
@@ -311,99 +294,62 @@ def run(args: argparse.Namespace) -> int:
         if args.restore_batch:
             parse_batch(args.restore_batch)
     except ValueError as exc:
-        print(f"sos: {exc}", file=sys.stderr)
-        return 2
-    refusal = (
-        ""
-        if args.insecure_no_auth
-        else plaintext_refusal(  # that one: loopback only
-            args.listen, tls=bool(args.tls_cert or args.tls_key), insecure_plaintext=args.insecure_plaintext
-        )
+        return str(exc)
+    if not args.insecure_no_auth:  # that one: loopback only
+        tls = bool(args.tls_cert or args.tls_key)
+        refusal = plaintext_refusal(args.listen, tls=tls, insecure_plaintext=args.insecure_plaintext)
+        if refusal:
+            return refusal
+    if args.standby and (args.restore_batch or args.metrics):
+        return "--restore-batch and --metrics are not served by a --standby gateway (roll back or watch the active one)"
+    return ""
+
+
+def gateway_options(args: argparse.Namespace, start: CommandStart) -> GatewayOptions:
+    """The :class:`~spark_plugin.gateway.options.GatewayOptions` of the command line."""
+    from spark_plugin.gateway.options import GatewayOptions  # noqa: PLC0415 - as usage_refusal
+
+    return GatewayOptions(
+        namespace=args.namespace,
+        listen=args.listen,
+        timeout=args.timeout,
+        tls_client=_trust(args) if args.tls_ca or args.tls else None,  # checks client keys at the server
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        insecure_no_auth=args.insecure_no_auth,
+        token_ttl=args.token_ttl,
+        threads=args.threads,
+        insecure_plaintext=args.insecure_plaintext,
+        advertise=args.advertise,
+        max_connections=args.max_connections,
+        max_per_address=args.max_connections_per_address,
+        head_timeout=args.head_timeout,
+        send_timeout=args.send_timeout,
+        open_memory=args.open_memory,
+        key_recheck=args.key_recheck,
+        fence_check=args.fence_check,
+        metrics=args.metrics,
+        restore_batch=args.restore_batch,
+        restore_yes=args.yes,
+        lease=args.lease,
+        **start.journal_options(),
     )
-    if refusal:
-        print(f"sos: {refusal}", file=sys.stderr)
-        return 2
-    refusal = durability_refusal(args.durability, not args.async_)
-    if refusal:
-        print(f"sos: {refusal}", file=sys.stderr)
-        return 2
 
-    def factory() -> Client:
-        return client_from_args(args, args.namespace)
 
-    tls_client = None  # checking client keys at the server: the connection's trust
-    if getattr(args, "tls_ca", None) or getattr(args, "tls", False):
-        tls_client = ssl.create_default_context(cafile=args.tls_ca) if args.tls_ca else ssl.create_default_context()
-    serve: Callable[..., int] = run_gateway
-    extra: dict[str, object] = {"restore_batch": args.restore_batch, "restore_yes": args.yes, "metrics": args.metrics}
-    if args.lease:
-        extra["lease"] = args.lease
-    if args.standby:
-        from spark_plugin.gateway.standby import run_standby  # noqa: PLC0415 - as run_gateway
+def serve(options: GatewayOptions, *, standby: bool) -> int:
+    """Run the gateway (a standby with ``standby``); a refused rollback is a usage error."""
+    from sos_client.journal.rollback import RollbackRefused  # noqa: PLC0415 - as usage_refusal
+    from spark_plugin.gateway.run import run_gateway  # noqa: PLC0415
+    from spark_plugin.gateway.standby import run_standby  # noqa: PLC0415
 
-        if args.restore_batch or args.metrics:
-            print(
-                "sos: --restore-batch and --metrics are not served by a --standby gateway "
-                "(roll back or watch the active one)",
-                file=sys.stderr,
-            )
-            return 2
-        serve = run_standby
-        extra = {"lease": args.lease or DEFAULT_LEASE_SECONDS}
     try:
-        return serve(
-            args.namespace,
-            args.listen,
-            server=args.server,
-            key=key,
-            cache_dir=args.cache,
-            client_factory=factory,
-            timeout=args.timeout,
-            tls_client=tls_client,
-            tls_cert=args.tls_cert,
-            tls_key=args.tls_key,
-            sync=not args.async_,
-            max_lag_bytes=args.max_lag,
-            generation_bytes=args.generation_bytes,
-            insecure_no_auth=args.insecure_no_auth,
-            token_ttl=args.token_ttl,
-            threads=args.threads,
-            insecure_plaintext=args.insecure_plaintext,
-            advertise=args.advertise,
-            max_connections=args.max_connections,
-            max_per_address=args.max_connections_per_address,
-            head_timeout=args.head_timeout,
-            send_timeout=args.send_timeout,
-            open_memory=args.open_memory,
-            key_recheck=args.key_recheck,
-            durability=args.durability,
-            tier_patience=tier_patience_of(args.tier_patience),
-            fence_check=args.fence_check,
-            **extra,
-        )
+        return run_standby(options) if standby else run_gateway(options)
     except RollbackRefused as exc:
-        print(f"sos: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("sos: gateway interrupted (the spool keeps what the server does not have yet)", file=sys.stderr)
-        return 130
-    except Exception as exc:
-        logging.getLogger("sos.gateway").debug("gateway failed", exc_info=True)
-        print(f"sos: gateway failed: {one_line(exc)}", file=sys.stderr)
-        return 1
-
-
-def one_line(exc: BaseException) -> str:
-    """``exc``'s message on one line (a server's message may hold newlines)."""
-    return " ".join(str(exc).split()) or type(exc).__name__
+        return fail(str(exc), 2)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="sos")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_parser(sub)
-    args = parser.parse_args(["gateway", *(sys.argv[1:] if argv is None else argv)])
-    return args.func(args)
+    return run_alone(add_parser, "gateway", argv)
 
 
 if __name__ == "__main__":

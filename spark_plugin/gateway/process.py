@@ -7,7 +7,7 @@ import os
 import sys
 import tempfile
 
-from sos_client.process import ReadyChild
+from sos_client.journal.face_command import FaceChild
 
 __all__ = ["READY_MARKER", "GatewayProcess"]
 
@@ -15,7 +15,7 @@ __all__ = ["READY_MARKER", "GatewayProcess"]
 READY_MARKER = "sos gateway: ready on"
 
 
-class GatewayProcess(ReadyChild):
+class GatewayProcess(FaceChild):
     """Runs ``sos gateway NAMESPACE --listen LISTEN --cache CACHE`` in a child process.
 
     ``.url`` (``http://host:port``) is known once :meth:`start` returns; ``.stop()``
@@ -44,41 +44,22 @@ class GatewayProcess(ReadyChild):
             "sos gateway",
             READY_MARKER,
             log_path or os.path.join(tempfile.mkdtemp(prefix="sos-gateway-log-"), "gateway.log"),
+            namespace=namespace,
+            cache_dir=cache_dir,
+            server=server,
+            key=key,
+            sync=sync,
+            extra_args=extra_args,
+            durability=durability,
+            tier_patience=tier_patience,
             start_timeout=start_timeout,
         )
-        self.namespace = namespace
-        self.cache_dir = cache_dir
-        self.server = server
-        self.key = key
         self.listen = listen
-        self.sync = sync
-        self.extra_args = list(extra_args)
         self.debug = debug
-        self.durability = durability
-        self.tier_patience = tier_patience
 
     def command(self) -> list[str]:
-        cmd = [
-            sys.executable,
-            "-m",
-            "spark_plugin.gateway.cli",
-            self.namespace,
-            "--listen",
-            self.listen,
-            "--cache",
-            self.cache_dir,
-            "--server",
-            self.server,
-        ]
-        if not self.sync:
-            cmd.append("--async")
-        if self.debug:
-            cmd.append("--debug")
-        if self.durability != "server":
-            cmd += ["--durability", self.durability]
-        if self.tier_patience is not None:
-            cmd += ["--tier-patience", f"{self.tier_patience:g}"]
-        return cmd + self.extra_args
+        head = [sys.executable, "-m", "spark_plugin.gateway.cli", self.namespace, "--listen", self.listen]
+        return [*head, *self.journal_args(), *(["--debug"] if self.debug else []), *self.extra_args]
 
     def environment(self) -> dict[str, str]:
         return dict(os.environ, SOS_KEY=str(self.key))

@@ -13,6 +13,7 @@ import os
 import resource
 import ssl
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import trio
@@ -21,7 +22,7 @@ from sos_client.errors import SOSError
 from sos_client.journal import layout
 from sos_client.journal.beneath import clear_directory
 from sos_client.journal.facade import FenceWatch
-from sos_client.journal.open import ClientFactory, OpenNamespace, default_cache_dir, open_namespace
+from sos_client.journal.open import ClientFactory, OpenNamespace, default_cache_dir
 from sos_client.journal.points import parse_batch
 from sos_client.journal.rollback import RollbackPoint, rollback_rebuild
 from sos_client.journal.spool import private_file
@@ -31,16 +32,23 @@ from sos_client.serving import serve_until_signal
 from sos_wire.addresses import is_loopback, is_wildcard, parse_address, split_address
 from sos_wire.auth import Key
 
-from .auth import DEFAULT_KEY_RECHECK, DEFAULT_TOKEN_TTL, TOKEN_PATH, TokenAuthority, key_verifier
-from .http import HEAD_TIMEOUT, MAX_CONNECTIONS, MAX_CONNECTIONS_PER_ADDRESS, SEND_TIMEOUT
+from .auth import TOKEN_PATH, TokenAuthority, key_verifier
 from .lease import hold_lease, lease_url
-from .metrics import serve_metrics
-from .operations import OPEN_MEMORY
+from .metrics import GatewayMetrics, serve_metrics
+from .options import DRAIN_TIMEOUT, GatewayOptions
 from .process import READY_MARKER
 from .server import EXIT_FENCED, Gateway
 from .webhdfs import WebHdfsNamespace
 
 __all__ = [
+    "DRAIN_TIMEOUT",
+    "GatewayOptions",
+    "Serving",
+    "build_gateway",
+    "check_serving",
+    "close_journal",
+    "connection_cap",
+    "final_flush",
     "fit_connections",
     "parse_advertise",
     "parse_listen",
@@ -49,6 +57,7 @@ __all__ = [
     "prepare_rollback",
     "raise_nofile_limit",
     "run_gateway",
+    "webhdfs_view",
 ]
 
 log = logging.getLogger("sos.gateway")
@@ -56,13 +65,6 @@ log = logging.getLogger("sos.gateway")
 #: descriptors kept for everything but client connections (the journal's spool and cache,
 #: the SOS server's connections, the listeners, logs); each worker thread may hold one more
 FD_RESERVE = 128
-#: on SIGTERM/SIGINT, the requests in progress get this long to finish (Kubernetes gives
-#: a pod 30 s by default between SIGTERM and SIGKILL)
-DRAIN_TIMEOUT = 25.0
-#: how often the gateway asks the SOS server for its namespace's fence epoch (a FENCE(0),
-#: which never passes and answers the current fence): a newer writer's takeover is seen
-#: within this long even while no request comes; the writer's own failure within 0.5 s
-FENCE_CHECK = 5.0
 #: a previous writer whose last record is younger than this was probably still running
 #: when this gateway fenced it (logged as a warning, else as information)
 LIVE_WRITER_WINDOW = 300.0
@@ -132,194 +134,198 @@ def fit_connections(wanted: int, soft_limit: int, threads: int) -> int:
     return max(8, min(wanted, (soft_limit - FD_RESERVE - threads) // 2))
 
 
-def run_gateway(
-    namespace: str,
-    listen: str,
-    *,
-    server: str,
-    key: str,
-    cache_dir: str | None = None,
-    client_factory: ClientFactory | None = None,
-    timeout: float = 30.0,
-    tls_client: ssl.SSLContext | None = None,
-    tls_cert: str | None = None,
-    tls_key: str | None = None,
-    sync: bool = True,
-    max_lag_bytes: int = 64 << 20,
-    generation_bytes: int | None = None,
-    insecure_no_auth: bool = False,
-    token_ttl: int = DEFAULT_TOKEN_TTL,
-    threads: int = 32,
-    flush_timeout: float = 120.0,
-    drain_timeout: float = DRAIN_TIMEOUT,
-    insecure_plaintext: bool = False,
-    advertise: str | None = None,
-    max_connections: int = MAX_CONNECTIONS,
-    max_per_address: int = MAX_CONNECTIONS_PER_ADDRESS,
-    head_timeout: float = HEAD_TIMEOUT,
-    send_timeout: float = SEND_TIMEOUT,
-    open_memory: int = OPEN_MEMORY,
-    key_recheck: float = DEFAULT_KEY_RECHECK,
-    durability: str = "server",
-    tier_patience: float | None = None,
-    fence_check: float = FENCE_CHECK,
-    metrics: str | None = None,
-    restore_batch: str | None = None,
-    restore_yes: bool = False,
-    lease: float | None = None,
-) -> int:
-    """Serve ``namespace`` on ``listen`` until SIGTERM/SIGINT; returns the exit code
-    (0 after a clean stop with the journal flushed, 1 if the final flush failed,
-    EXIT_FENCED (3) when a newer writer fenced it: it then refuses every request and stops
-    at once, seen by its writer or by a fence check every ``fence_check`` s). On the
-    signal it stops accepting connections and gives the requests in progress
-    ``drain_timeout`` seconds to finish (a second signal stops at once).
+@dataclass(frozen=True)
+class Serving:
+    """Where and how a gateway serves, checked (:func:`check_serving`) before anything is
+    opened: the listen address, the redirects' address, the connection cap that fits the
+    descriptor limit, the HTTPS context (None: plain HTTP) and the secret its tokens are
+    sealed with."""
 
-    ``client_factory`` (optional) returns a connected client for the namespace (TLS and
-    timeouts of the CLI's connection options); ``tls_client`` is the SSL context that
-    checks client keys at the server (the same trust as the factory's). ``tls_cert`` +
-    ``tls_key`` serve HTTPS (``swebhdfs://``); without them a listen address that is not
-    loopback is refused unless ``insecure_plaintext`` (:func:`plaintext_refusal`).
-    ``advertise``: ``HOST[:PORT]`` the redirects name. The connection cap is lowered to
-    what the descriptor limit (raised to its hard limit first) holds. ``durability`` and
-    ``tier_patience`` go to :func:`~sos_client.journal.open.open_namespace`: with "tier" every
-    barrier (protocol.md 3.4) also waits for the server's bucket, and a server without a tier
-    is refused here (JournalTierUnavailable) before anything is served.
+    host: str
+    port: int
+    advertised: tuple[str, int | None] | None
+    max_connections: int
+    tls: ssl.SSLContext | None
+    secret: bytes
 
-    ``metrics``: ``HOST:PORT`` of the Prometheus endpoint (:mod:`.metrics`; ``:PORT`` is
-    127.0.0.1). ``restore_batch``: ``CHECKPOINT:N``: before serving, roll the whole namespace
-    back to right after batch N of that checkpoint committed (:mod:`sos_client.journal.rollback`;
-    every other checkpoint goes back to the same journal position); refused
-    (RollbackRefused) if records follow it unless ``restore_yes``.
 
-    ``lease``: seconds; renew a lease a standby gateway watches (lease.py, protocol.md 3.6)
-    and serve only while holding it.
-    """
-    host, port = parse_listen(listen)
-    if insecure_no_auth and not is_loopback(host):
+def check_serving(options: GatewayOptions) -> Serving:
+    """``options``' addresses, TLS files and key checked (ValueError: refused; an
+    ``insecure_no_auth`` gateway only on loopback, plain HTTP as :func:`plaintext_refusal`
+    says), the descriptor limit raised and the connection cap fitted to it."""
+    host, port = parse_listen(options.listen)
+    if options.insecure_no_auth and not is_loopback(host):
         raise ValueError(f"--insecure-no-auth is only accepted on a loopback address, not {host}")
-    refusal = plaintext_refusal(listen, tls=bool(tls_cert or tls_key), insecure_plaintext=insecure_plaintext)
+    refusal = plaintext_refusal(
+        options.listen, tls=bool(options.tls_cert or options.tls_key), insecure_plaintext=options.insecure_plaintext
+    )
     if refusal:
         raise ValueError(refusal)
-    advertised = parse_advertise(advertise) if advertise else None
+    advertised = parse_advertise(options.advertise) if options.advertise else None
+    cap = connection_cap(options.max_connections, options.max_per_address, options.threads)
+    tls = None
+    if options.tls_cert or options.tls_key:
+        if not (options.tls_cert and options.tls_key):
+            raise ValueError("--tls-cert and --tls-key go together")
+        tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        tls.load_cert_chain(options.tls_cert, options.tls_key)
+    return Serving(host, port, advertised, cap, tls, Key.parse(options.key).secret)
+
+
+def connection_cap(wanted: int, per_address: int, threads: int) -> int:
+    """The descriptor limit raised to its hard limit, and the connection cap it holds
+    (:func:`fit_connections`), logged (a warning when it is below ``wanted``)."""
     soft, hard = raise_nofile_limit()
-    cap = fit_connections(max_connections, soft, threads)
+    cap = fit_connections(wanted, soft, threads)
     log.info(
         "descriptor limit %d (hard %d): at most %d connections (%d without a valid token, %d per client address)",
         soft,
         hard,
         cap,
         max(4, cap // 4),
-        min(max_per_address, cap),
+        min(per_address, cap),
     )
-    if cap < max_connections:
+    if cap < wanted:
         log.warning(
             "the descriptor limit (%d) holds only %d connections, not %d: raise its hard "
             "limit (ulimit -Hn, LimitNOFILE=) for more",
             soft,
             cap,
-            max_connections,
+            wanted,
         )
-    tls = None
-    if tls_cert or tls_key:
-        if not (tls_cert and tls_key):
-            raise ValueError("--tls-cert and --tls-key go together")
-        tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        tls.load_cert_chain(tls_cert, tls_key)
-    secret = Key.parse(key).secret
-    if metrics is not None:
-        parse_metrics_listen(metrics)  # a bad address: refused before anything is opened
-    cache_dir = cache_dir or default_cache_dir(namespace)
-    rebuild = prepare_rollback(cache_dir, restore_batch, restore_yes) if restore_batch else None
-    interrupted = not restore_batch and finish_interrupted_rollback(cache_dir)
-    opened = open_namespace(
-        namespace,
-        cache_dir,
-        server=server,
-        key=key,
-        timeout=timeout,
-        tls=tls_client,
-        client_factory=client_factory,
-        sync=False,
-        max_lag_bytes=max_lag_bytes,
-        generation_bytes=generation_bytes,
-        durability=durability,
-        tier_patience=tier_patience,
-        rebuild=rebuild,
-    )
-    if restore_batch and not opened.rebuilt:  # e.g. a new namespace: no batch to go back to
-        opened.close(timeout=0)
-        raise ValueError(f"--restore-batch {restore_batch}: namespace {namespace!r} has no journal to roll back")
-    if restore_batch or interrupted:  # the cache and the journal agree again
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(os.path.abspath(cache_dir), ROLLBACK_PENDING))
-    if opened.writer is not None:
-        report_previous_writer(opened, client_factory or opened.client_factory)
+    return cap
+
+
+def webhdfs_view(opened: OpenNamespace, sync: bool) -> WebHdfsNamespace:
+    """WebHDFS over ``opened``, its files owned by the user the gateway runs as."""
     try:
         owner = getpass.getuser()
     except (KeyError, OSError):
         owner = "sos"
-    ns = WebHdfsNamespace(opened, sync=sync, owner=owner, group=owner)
+    return WebHdfsNamespace(opened, sync=sync, owner=owner, group=owner)
+
+
+def build_gateway(options: GatewayOptions, serving: Serving, ns: WebHdfsNamespace) -> Gateway:
+    """The HTTP server of ``ns`` (not serving yet): tokens, key checks, caps and timeouts."""
     gateway = Gateway(
         ns,
-        TokenAuthority(namespace, secret, ttl=token_ttl),
-        key_verifier(server, namespace, timeout=timeout, tls=tls_client),
-        insecure=insecure_no_auth,
-        tls=tls,
-        threads=threads,
-        max_connections=cap,
-        max_per_address=max_per_address,
-        head_timeout=head_timeout,
-        send_timeout=send_timeout,
-        open_memory=open_memory,
-        advertise=advertised,
-        key_recheck=key_recheck,
+        TokenAuthority(options.namespace, serving.secret, ttl=options.token_ttl),
+        key_verifier(options.server, options.namespace, timeout=options.timeout, tls=options.tls_client),
+        insecure=options.insecure_no_auth,
+        tls=serving.tls,
+        threads=options.threads,
+        max_connections=serving.max_connections,
+        max_per_address=options.max_per_address,
+        head_timeout=options.head_timeout,
+        send_timeout=options.send_timeout,
+        open_memory=options.open_memory,
+        advertise=serving.advertised,
+        key_recheck=options.key_recheck,
     )
-    if advertised is None and tls is not None and is_wildcard(host):
+    if serving.advertised is None and serving.tls is not None and is_wildcard(serving.host):
         log.warning(
             "--listen %s with TLS and no --advertise: the redirects of CREATE, APPEND "
             "and OPEN name the IP address each client reached, which the certificate "
             "must then hold; give --advertise NAME:PORT (a name of the certificate)",
-            listen,
+            options.listen,
         )
-    holder = None
-    exported = None
+    return gateway
+
+
+def final_flush(gateway: Gateway, opened: OpenNamespace | None, flush_timeout: float) -> int:
+    """After serving: EXIT_FENCED when a newer writer fenced ``gateway`` (nothing to flush:
+    the server refuses this writer), else 0 once the journal reached the server (or there is
+    no writer), 1 (logged) if it did not within ``flush_timeout`` s."""
+    if gateway.fenced is not None:
+        return EXIT_FENCED
+    if opened is None or opened.writer is None:  # None: a read-only namespace, an unpromoted standby
+        return 0
     try:
-        exported = serve_metrics(gateway, ns, metrics, parse_metrics_listen) if metrics else None
+        opened.writer.barrier(timeout=flush_timeout)
+    except Exception as exc:  # noqa: BLE001 - reported, exit code says it
+        log.error(
+            "final flush failed (the spool in %s keeps the journal; the next gateway on this cache ships it): %r",
+            opened.spool_dir,
+            exc,
+        )
+        return 1
+    return 0
+
+
+def close_journal(gateway: Gateway, opened: OpenNamespace) -> int:
+    """``opened`` closed: 0, or 1 (logged) if that failed and ``gateway`` was not fenced."""
+    try:
+        opened.close(timeout=0)
+    except Exception as exc:  # noqa: BLE001
+        if gateway.fenced is None:
+            log.error("closing the journal failed: %r", exc)
+            return 1
+    return 0
+
+
+def run_gateway(options: GatewayOptions) -> int:
+    """Serve ``options.namespace`` on ``options.listen`` until SIGTERM/SIGINT; returns the
+    exit code (0 after a clean stop with the journal flushed, 1 if the final flush failed,
+    EXIT_FENCED (3) when a newer writer fenced it: it then refuses every request and stops
+    at once, seen by its writer or by a fence check every ``fence_check`` s). On the signal
+    it stops accepting connections and gives the requests in progress ``drain_timeout``
+    seconds to finish (a second signal stops at once). The options: :class:`GatewayOptions`.
+    """
+    serving = check_serving(options)
+    if options.metrics is not None:
+        parse_metrics_listen(options.metrics)  # a bad address: refused before anything is opened
+    opened = open_active(options)
+    ns = webhdfs_view(opened, options.sync)
+    gateway = build_gateway(options, serving, ns)
+    try:
+        exported = serve_metrics(gateway, ns, options.metrics, parse_metrics_listen) if options.metrics else None
     except OSError as exc:
         opened.close(timeout=0)
-        raise OSError(exc.errno, f"cannot listen for metrics on {metrics}: {exc.strerror or exc}") from None
-    code = 0
+        raise OSError(exc.errno, f"cannot listen for metrics on {options.metrics}: {exc.strerror or exc}") from None
+    return serve_active(options, serving, gateway, opened, exported)
+
+
+def open_active(options: GatewayOptions) -> OpenNamespace:
+    """The namespace opened as its writer on the gateway's cache: rolled back first with
+    ``restore_batch`` (:func:`prepare_rollback`), or rebuilt after a rollback that did not
+    finish (:func:`finish_interrupted_rollback`); whom it fenced logged."""
+    cache_dir = options.cache_dir or default_cache_dir(options.namespace)
+    point = options.restore_batch
+    rebuild = prepare_rollback(cache_dir, point, options.restore_yes) if point else None
+    interrupted = not point and finish_interrupted_rollback(cache_dir)
+    opened = options.open_journal(cache_dir, rebuild=rebuild)
+    if point and not opened.rebuilt:  # e.g. a new namespace: no batch to go back to
+        opened.close(timeout=0)
+        raise ValueError(f"--restore-batch {point}: namespace {options.namespace!r} has no journal to roll back")
+    if point or interrupted:  # the cache and the journal agree again
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(os.path.abspath(cache_dir), ROLLBACK_PENDING))
+    if opened.writer is not None:
+        report_previous_writer(opened, options.client_factory or opened.client_factory)
+    return opened
+
+
+def serve_active(
+    options: GatewayOptions, serving: Serving, gateway: Gateway, opened: OpenNamespace, exported: GatewayMetrics | None
+) -> int:
+    """Serve ``gateway`` (holding the lease with ``options.lease``, watching the fence) until
+    it stops, flush the journal, close everything; returns the exit code."""
+    factory = options.client_factory or opened.client_factory
     watch = (
-        FenceWatch(namespace, opened.writer, client_factory or opened.client_factory, fence_check, who="this gateway")
+        FenceWatch(options.namespace, opened.writer, factory, options.fence_check, who="this gateway")
         if opened.writer is not None
         else None
     )
+    holder = None
+    code = 0
     try:
-        holder = hold_lease(gateway, opened, lease, lease_url(advertise, listen)) if lease else None
-        mode = ("sync" if sync else "async") + (", durability tier" if durability == "tier" else "")
-        trio.run(
-            _serve,
-            gateway,
-            host,
-            port,
-            f"(namespace {namespace}, {mode}{', no auth' if insecure_no_auth else ''})",
-            drain_timeout,
-            watch,
-        )
+        if options.lease:
+            holder = hold_lease(gateway, opened, options.lease, lease_url(options.advertise, options.listen))
+        mode = ("sync" if options.sync else "async") + (", durability tier" if options.durability == "tier" else "")
+        about = f"(namespace {options.namespace}, {mode}{', no auth' if options.insecure_no_auth else ''})"
+        trio.run(_serve, gateway, serving.host, serving.port, about, options.drain_timeout, watch)
         log.info("stopped; requests served:\n%s", gateway.summary() or "(none)")
-        try:
-            if gateway.fenced is not None:
-                code = EXIT_FENCED  # nothing to flush: the server refuses this writer
-            elif opened.writer is not None:  # None only for a read-only namespace
-                opened.writer.barrier(timeout=flush_timeout)
-        except Exception as exc:  # noqa: BLE001 - reported, exit code says it
-            log.error(
-                "final flush failed (the spool in %s keeps the journal; the next gateway on this cache ships it): %r",
-                opened.spool_dir,
-                exc,
-            )
-            code = 1
+        code = final_flush(gateway, opened, options.flush_timeout)  # still holding the lease
     finally:
         if holder is not None:
             holder.stop()
@@ -327,12 +333,8 @@ def run_gateway(
             watch.close()
         if exported is not None:
             exported.close()
-        try:
-            opened.close(timeout=0)
-        except Exception as exc:  # noqa: BLE001
-            if gateway.fenced is None:
-                log.error("closing the journal failed: %r", exc)
-                code = 1
+        if close_journal(gateway, opened):
+            code = 1
     return code
 
 

@@ -25,7 +25,6 @@ A standby serves the same WebHDFS address space as the active gateway but writes
 from __future__ import annotations
 
 import contextlib
-import getpass
 import logging
 import os
 import ssl
@@ -39,7 +38,7 @@ import trio
 from sos_client.errors import Fenced, SOSError
 from sos_client.journal import layout
 from sos_client.journal.errors import JournalCorrupt, JournalError
-from sos_client.journal.facade import FENCE_CHECK, FenceWatch
+from sos_client.journal.facade import FenceWatch
 from sos_client.journal.open import (
     ClientFactory,
     OpenNamespace,
@@ -48,32 +47,22 @@ from sos_client.journal.open import (
     client_factory_for,
     default_cache_dir,
     key_role,
-    open_namespace,
     private_cache_dir,
 )
 from sos_client.journal.reading import list_generations
 from sos_client.journal.records import RecordDecoder, SnapshotEnd
 from sos_client.journal.replay import Replayer, ReplayError
 from sos_client.journal.restore import rebuild_cache
-from sos_wire.addresses import is_loopback, is_wildcard, split_address
-from sos_wire.auth import Key
+from sos_wire.addresses import is_loopback, split_address
 from sos_wire.events import KeyRole
 
-from .auth import DEFAULT_KEY_RECHECK, DEFAULT_TOKEN_TTL, TokenAuthority, TokenInfo, key_verifier
+from .auth import TokenInfo
 from .client import GatewayClient
-from .http import HEAD_TIMEOUT, MAX_CONNECTIONS, MAX_CONNECTIONS_PER_ADDRESS, SEND_TIMEOUT, Conn, Reply, json_body
+from .http import Conn, Reply, json_body
 from .lease import DEFAULT_LEASE, LeaseHolder, LeaseWatcher, lease_url, standby_reply
-from .operations import OPEN_MEMORY
-from .run import (
-    DRAIN_TIMEOUT,
-    _serve,
-    fit_connections,
-    parse_advertise,
-    parse_listen,
-    plaintext_refusal,
-    raise_nofile_limit,
-)
-from .server import EXIT_FENCED, Gateway
+from .options import GatewayOptions
+from .run import Serving, _serve, build_gateway, check_serving, close_journal, final_flush, webhdfs_view
+from .server import Gateway
 from .webhdfs import WebHdfsNamespace, remote_exception
 
 __all__ = ["PROMOTE_PATH", "Standby", "Tailer", "promote", "run_standby"]
@@ -435,148 +424,74 @@ def prepare_cache(cache_dir: str) -> str:
     return os.path.join(cache_dir, "tree")
 
 
-def run_standby(
-    namespace: str,
-    listen: str,
-    *,
-    server: str,
-    key: str,
-    cache_dir: str | None = None,
-    client_factory: ClientFactory | None = None,
-    timeout: float = 30.0,
-    tls_client: ssl.SSLContext | None = None,
-    tls_cert: str | None = None,
-    tls_key: str | None = None,
-    sync: bool = True,
-    max_lag_bytes: int = 64 << 20,
-    generation_bytes: int | None = None,
-    insecure_no_auth: bool = False,
-    token_ttl: int = DEFAULT_TOKEN_TTL,
-    threads: int = 32,
-    flush_timeout: float = 120.0,
-    drain_timeout: float = DRAIN_TIMEOUT,
-    insecure_plaintext: bool = False,
-    advertise: str | None = None,
-    max_connections: int = MAX_CONNECTIONS,
-    max_per_address: int = MAX_CONNECTIONS_PER_ADDRESS,
-    head_timeout: float = HEAD_TIMEOUT,
-    send_timeout: float = SEND_TIMEOUT,
-    open_memory: int = OPEN_MEMORY,
-    key_recheck: float = DEFAULT_KEY_RECHECK,
-    durability: str = "server",
-    tier_patience: float | None = None,
-    fence_check: float = FENCE_CHECK,
-    lease: float = DEFAULT_LEASE,
-    poll: float = POLL,
-) -> int:
-    """What ``sos gateway NS --standby`` runs: the arguments are run_gateway's, plus
-    ``lease`` (seconds of silence of the active's lease before taking over) and ``poll``."""
-    host, port = parse_listen(listen)
-    if insecure_no_auth and not is_loopback(host):
-        raise ValueError(f"--insecure-no-auth is only accepted on a loopback address, not {host}")
-    refusal = plaintext_refusal(listen, tls=bool(tls_cert or tls_key), insecure_plaintext=insecure_plaintext)
-    if refusal:
-        raise ValueError(refusal)
-    advertised = parse_advertise(advertise) if advertise else None
-    soft, _hard = raise_nofile_limit()
-    cap = fit_connections(max_connections, soft, threads)
-    tls = None
-    if tls_cert or tls_key:
-        if not (tls_cert and tls_key):
-            raise ValueError("--tls-cert and --tls-key go together")
-        tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        tls.load_cert_chain(tls_cert, tls_key)
-    secret = Key.parse(key).secret
-    cache_dir = os.path.abspath(cache_dir or default_cache_dir(namespace))
-    factory = client_factory or client_factory_for(server, key, namespace, timeout=timeout, tls=tls_client)
-    if key_role(factory, timeout) != KeyRole.APPEND:
+def run_standby(options: GatewayOptions, *, poll: float = POLL) -> int:
+    """What ``sos gateway NS --standby`` runs: ``options`` as run_gateway's (``lease``:
+    seconds of silence of the active's lease before taking over, None: DEFAULT_LEASE;
+    ``metrics`` and ``restore_batch`` are the active's own), ``poll``: seconds between two
+    looks at the server."""
+    serving = check_serving(options)
+    cache_dir = os.path.abspath(options.cache_dir or default_cache_dir(options.namespace))
+    factory = options.client_factory or client_factory_for(
+        options.server, options.key, options.namespace, timeout=options.timeout, tls=options.tls_client
+    )
+    if key_role(factory, options.timeout) != KeyRole.APPEND:
         raise PermissionError(
-            f"a standby gateway needs a key of namespace {namespace!r} with the "
+            f"a standby gateway needs a key of namespace {options.namespace!r} with the "
             f"append role: it becomes the namespace's writer when promoted"
         )
-    tree_dir = prepare_cache(cache_dir)
-    tailer = Tailer(factory, namespace, tree_dir)
+    tailer = Tailer(factory, options.namespace, prepare_cache(cache_dir))
     tailer.rebuild()
-    try:
-        owner = getpass.getuser()
-    except (KeyError, OSError):
-        owner = "sos"
     view = OpenNamespace(
-        namespace, cache_dir, tree_dir, "", ReadOnlyTree(tree_dir, namespace), None, factory, read_only=True
+        options.namespace,
+        cache_dir,
+        tailer.tree_dir,
+        "",
+        ReadOnlyTree(tailer.tree_dir, options.namespace),
+        None,
+        factory,
+        read_only=True,
     )
-    gateway = Gateway(
-        WebHdfsNamespace(view, sync=sync, owner=owner, group=owner),
-        TokenAuthority(namespace, secret, ttl=token_ttl),
-        key_verifier(server, namespace, timeout=timeout, tls=tls_client),
-        insecure=insecure_no_auth,
-        tls=tls,
-        threads=threads,
-        max_connections=cap,
-        max_per_address=max_per_address,
-        head_timeout=head_timeout,
-        send_timeout=send_timeout,
-        open_memory=open_memory,
-        advertise=advertised,
-        key_recheck=key_recheck,
-    )
+    gateway = build_gateway(options, serving, webhdfs_view(view, options.sync))
 
     def open_active(replayed_to: int) -> tuple[OpenNamespace, WebHdfsNamespace]:
-        opened = open_namespace(
-            namespace,
-            cache_dir,
-            client_factory=factory,
-            timeout=timeout,
-            sync=False,
-            max_lag_bytes=max_lag_bytes,
-            generation_bytes=generation_bytes,
-            durability=durability,
-            tier_patience=tier_patience,
-            replayed_to=replayed_to,
-        )
-        return opened, WebHdfsNamespace(opened, sync=sync, owner=owner, group=owner)
+        opened = options.open_journal(cache_dir, client_factory=factory, replayed_to=replayed_to)
+        return opened, webhdfs_view(opened, options.sync)
 
     standby = Standby(
         gateway,
         tailer,
         factory,
-        lease=lease,
+        lease=DEFAULT_LEASE if options.lease is None else options.lease,
         open_active=open_active,
         poll=poll,
-        lease_url=lease_url(advertise, listen),
+        lease_url=lease_url(options.advertise, options.listen),
     )
     gateway.gate = standby.gate
-    if advertised is None and tls is not None and is_wildcard(host):
-        log.warning("--listen %s with TLS and no --advertise: give --advertise NAME:PORT", listen)
+    return serve_standby(options, serving, standby)
+
+
+def serve_standby(options: GatewayOptions, serving: Serving, standby: Standby) -> int:
+    """Serve ``standby``'s gateway (its thread tailing and watching the lease) until it
+    stops, then flush and close the journal of a promoted one; returns the exit code."""
+    gateway = standby.gateway
+    about = f"(namespace {options.namespace}, standby, lease {standby.lease:g} s, tail at record {standby.tailer.seq})"
     code = 0
     standby.start()
     try:
         trio.run(
             _serve,
             gateway,
-            host,
-            port,
-            f"(namespace {namespace}, standby, lease {lease:g} s, tail at record {tailer.seq})",
-            drain_timeout,
-            PromotedFenceWatch(standby, fence_check),
+            serving.host,
+            serving.port,
+            about,
+            options.drain_timeout,
+            PromotedFenceWatch(standby, options.fence_check),
         )
     finally:
         standby.stop()
-        opened = standby.opened
-        if gateway.fenced is not None:
-            code = EXIT_FENCED  # promoted, then fenced by a newer writer: nothing to flush
-        if opened is not None:
-            try:
-                if opened.writer is not None and gateway.fenced is None:
-                    opened.writer.barrier(timeout=flush_timeout)
-            except Exception as exc:  # noqa: BLE001 - reported, exit code says it
-                log.error("final flush failed (the spool in %s keeps the journal): %r", opened.spool_dir, exc)
-                code = 1
-            try:
-                opened.close(timeout=0)
-            except Exception as exc:  # noqa: BLE001
-                if gateway.fenced is None:
-                    log.error("closing the journal failed: %r", exc)
-                    code = 1
+        code = final_flush(gateway, standby.opened, options.flush_timeout)
+        if standby.opened is not None and close_journal(gateway, standby.opened):
+            code = 1
     log.info("stopped (%s); requests served:\n%s", standby.state, gateway.summary() or "(none)")
     return code
 

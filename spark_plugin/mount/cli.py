@@ -9,19 +9,12 @@ from __future__ import annotations
 
 import argparse
 import grp
-import logging
 import pwd
 import sys
-from typing import TYPE_CHECKING
 
-from sos_client.cli import add_connection_options, client_from_args, key_from_args
-from sos_client.errors import SOSError
-from sos_client.journal.facade import add_durability_options, durability_refusal, tier_patience_of
+from sos_client.cli import add_connection_options
+from sos_client.journal.face_command import add_journal_options, run_alone, serve_command, start_command
 from sos_wire import argtypes
-from sos_wire.names import validate_namespace
-
-if TYPE_CHECKING:
-    from sos_client import Client
 
 
 def _owner(text: str) -> tuple[int, int]:
@@ -59,31 +52,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     p.add_argument("namespace")
     p.add_argument("mountpoint")
-    p.add_argument(
-        "--cache", metavar="DIR", default=None, help="local cache + spool directory (default: ~/.cache/sos/NAMESPACE)"
-    )
-    p.add_argument(
-        "--async",
-        dest="async_",
-        action="store_true",
-        help="do not wait for the server on rename/close; bound the lag instead",
-    )
-    add_durability_options(p, what="a rename onto (or the close of) a Spark batch file, fsync and markers")
-    p.add_argument(
-        "--max-lag",
-        type=argtypes.size(0),
-        default=64 << 20,
-        metavar="BYTES",
-        help="async mode: most unshipped journal bytes before writes wait (default 64M)",
-    )
-    p.add_argument(
-        "--generation-bytes",
-        type=argtypes.size(1),
-        default=None,
-        metavar="BYTES",
-        help="start a new journal generation (a snapshot of the tree, after "
-        "which the server may drop older generations) once the current one "
-        "holds this many bytes (default 1G)",
+    add_journal_options(
+        p,
+        waits="on rename/close",
+        barriers="a rename onto (or the close of) a Spark batch file, fsync and markers",
+        min_lag=0,
+        lag_when="async mode: ",
     )
     p.add_argument(
         "--writeback-cache",
@@ -123,63 +97,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def run(args: argparse.Namespace) -> int:
     from spark_plugin.mount.run import run_mount  # noqa: PLC0415 - trio, pyfuse3 (optional): only when a mount runs
 
-    logging.basicConfig(
-        level=logging.DEBUG if args.debug else logging.INFO,
-        stream=sys.stderr,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-    )
-    try:
-        key = key_from_args(args)  # $SOS_KEY or --key-file: never an argument (/proc/PID/cmdline)
-    except SOSError as exc:
-        print(f"sos: {exc.message}", file=sys.stderr)
-        return 1  # as put/cat/ls/stat/restore/verify: a missing key is an operation failure
-    try:
-        validate_namespace(args.namespace)
-    except ValueError as exc:
-        print(f"sos: {exc}", file=sys.stderr)
-        return 2
-    refusal = durability_refusal(args.durability, not args.async_)
-    if refusal:
-        print(f"sos: {refusal}", file=sys.stderr)
-        return 2
-
-    def factory() -> Client:
-        return client_from_args(args, args.namespace)
-
-    try:
-        return run_mount(
+    start = start_command(args)
+    if isinstance(start, int):
+        return start
+    return serve_command(
+        "mount",
+        lambda: run_mount(
             args.namespace,
             args.mountpoint,
-            server=args.server,
-            key=key,
-            cache_dir=args.cache,
-            sync=not args.async_,
-            max_lag_bytes=args.max_lag,
             allow_other=args.allow_other,
             debug=args.debug,
-            client_factory=factory,
             writeback_cache=args.writeback_cache,
             owner=args.owner,
-            generation_bytes=args.generation_bytes,
-            durability=args.durability,
-            tier_patience=tier_patience_of(args.tier_patience),
             fence_check=args.fence_check,
-        )
-    except KeyboardInterrupt:  # before mounting, or a second ^C during the final flush
-        print("sos: mount interrupted (the spool keeps what the server does not have yet)", file=sys.stderr)
-        return 130
-    except Exception as exc:
-        logging.getLogger("sos.mount").debug("mount failed", exc_info=True)
-        print(f"sos: mount failed: {' '.join(str(exc).split()) or type(exc).__name__}", file=sys.stderr)
-        return 1
+            **start.journal_options(),
+        ),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="sos")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_parser(sub)
-    args = parser.parse_args(["mount", *(sys.argv[1:] if argv is None else argv)])
-    return args.func(args)
+    return run_alone(add_parser, "mount", argv)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ import os
 import subprocess
 import sys
 
-from sos_client.process import ChildStartError, ReadyChild, child_log_path
+from sos_client.journal.face_command import FaceChild
+from sos_client.process import ChildStartError, child_log_path
 
 from ..mounttable import mount_fstype
 
@@ -32,7 +33,7 @@ def is_mounted(mountpoint: str) -> bool:
     return mount_fstype(mountpoint) is not None
 
 
-class MountProcess(ReadyChild):
+class MountProcess(FaceChild):
     """Run `sos mount NAMESPACE MOUNTPOINT` as a child process.
 
     ``start()`` (or ``with``) returns once the mount is live: the child printed
@@ -65,39 +66,23 @@ class MountProcess(ReadyChild):
             "sos mount",
             READY_MARKER,
             log_path or child_log_path("sos-mount-"),
+            namespace=namespace,
+            cache_dir=cache_dir,
+            server=server,
+            key=key,
+            sync=sync,
+            extra_args=extra_args,
+            durability=durability,
+            tier_patience=tier_patience,
             start_timeout=start_timeout,
             new_session=True,
         )
-        self.namespace = namespace
         self.mountpoint = os.path.abspath(mountpoint)
-        self.cache_dir = cache_dir
-        self.server = server
-        self.key = key
-        self.sync = sync
-        self.extra_args = list(extra_args)
         self.env = env
-        self.durability = durability
-        self.tier_patience = tier_patience
 
     def command(self) -> list[str]:
-        cmd = [
-            sys.executable,
-            "-m",
-            "spark_plugin.mount.cli",
-            self.namespace,
-            self.mountpoint,
-            "--cache",
-            self.cache_dir,
-            "--server",
-            self.server,
-        ]
-        if not self.sync:
-            cmd.append("--async")
-        if self.durability != "server":
-            cmd += ["--durability", self.durability]
-        if self.tier_patience is not None:
-            cmd += ["--tier-patience", f"{self.tier_patience:g}"]
-        return cmd + self.extra_args
+        head = [sys.executable, "-m", "spark_plugin.mount.cli", self.namespace, self.mountpoint]
+        return [*head, *self.journal_args(), *self.extra_args]
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ if self.env is None else self.env)

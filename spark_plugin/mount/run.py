@@ -254,26 +254,9 @@ def run_mount(
     """
     if pyfuse3 is None:
         raise RuntimeError("pyfuse3 is not installed (pip install 'sos[mount]')")
-    mountpoint = os.path.abspath(mountpoint)
-    if is_mounted(mountpoint):
-        try:  # OPENDIR always asks the daemon; a stat may be answered from cached attributes
-            with os.scandir(mountpoint):
-                pass
-        except OSError as exc:
-            if exc.errno != errno.ENOTCONN:
-                raise
-            log.warning("%s is a dead mount (its daemon died): detaching it", mountpoint)
-            lazy_unmount(mountpoint)
-        else:
-            raise RuntimeError(f"{mountpoint} is already a mount point")
-    if not os.path.isdir(mountpoint):
-        raise FileNotFoundError(errno.ENOENT, "mountpoint is not a directory", mountpoint)
+    mountpoint = free_mountpoint(mountpoint)
     if owner is not None:
-        if os.geteuid() != 0 and tuple(owner) != (os.geteuid(), os.getegid()):
-            raise PermissionError(errno.EPERM, "--owner needs the mount to run as root")
-        if owner[0] != os.geteuid() and not allow_other:
-            log.info("--owner %d:%d is another user: mounting with allow_other", *owner)
-            allow_other = True
+        allow_other = check_owner(owner, allow_other)
     journal = MountedTree(
         namespace,
         server,
@@ -296,39 +279,11 @@ def run_mount(
     ops = SOSOperations(tree, journal.tree_dir, sync=sync, namespace=namespace, writeback_cache=writeback_cache)
     ops.durability = durability
     code = 0
-    # From the mount on, SIGTERM/SIGINT must unmount, never kill the process outright.
-    previous = {s: signal.signal(s, _record_early_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        pyfuse3.init(ops, mountpoint, fuse_options(namespace, allow_other=allow_other, debug=debug))
-        try:
-            watch = FenceWatch(
-                namespace, writer, client_factory or writer.client_factory, fence_check, who="this mount"
-            )
-            try:
-                trio.run(_serve, ops, namespace, mountpoint, watch)
-            finally:
-                watch.close()
-        finally:
-            pyfuse3.close(unmount=True)
-            # Unmounted: a second signal may now interrupt the final flush (the spool keeps
-            # whatever is not on the server yet; the next mount ships it).
-            _restore_signals(previous)
-        log.info("unmounted %s", mountpoint)
-        if ops.fenced is None:
-            try:
-                writer.barrier(timeout=flush_timeout)
-            except Exception as exc:  # noqa: BLE001 - reported, exit code says it
-                ops._note_failure(exc)
-                log.error(
-                    "final flush failed (the spool in %s keeps the journal; the next mount ships it): %r",
-                    journal.spool_dir,
-                    exc,
-                )
-                code = 1
-        else:
-            code = EXIT_FENCED
+        watch = FenceWatch(namespace, writer, client_factory or writer.client_factory, fence_check, who="this mount")
+        serve_mounted(ops, mountpoint, fuse_options(namespace, allow_other=allow_other, debug=debug), watch)
+        code = final_flush(ops, writer, journal.spool_dir, flush_timeout)
     finally:
-        _restore_signals(previous)
         try:
             journal.close()
         except Exception as exc:  # noqa: BLE001
@@ -336,3 +291,71 @@ def run_mount(
                 log.error("closing the journal failed: %r", exc)
                 code = 1
     return code
+
+
+def free_mountpoint(mountpoint: str) -> str:
+    """``mountpoint`` as an absolute path, a dead mount there (its daemon died) detached;
+    RuntimeError if something live is mounted there, FileNotFoundError if it is no directory."""
+    mountpoint = os.path.abspath(mountpoint)
+    if is_mounted(mountpoint):
+        try:  # OPENDIR always asks the daemon; a stat may be answered from cached attributes
+            with os.scandir(mountpoint):
+                pass
+        except OSError as exc:
+            if exc.errno != errno.ENOTCONN:
+                raise
+            log.warning("%s is a dead mount (its daemon died): detaching it", mountpoint)
+            lazy_unmount(mountpoint)
+        else:
+            raise RuntimeError(f"{mountpoint} is already a mount point")
+    if not os.path.isdir(mountpoint):
+        raise FileNotFoundError(errno.ENOENT, "mountpoint is not a directory", mountpoint)
+    return mountpoint
+
+
+def check_owner(owner: tuple[int, int], allow_other: bool) -> bool:
+    """``--owner`` checked (root, unless it is the mount's own user); returns ``allow_other``,
+    True when the owner is another user (it must reach the mount)."""
+    if os.geteuid() != 0 and tuple(owner) != (os.geteuid(), os.getegid()):
+        raise PermissionError(errno.EPERM, "--owner needs the mount to run as root")
+    if owner[0] != os.geteuid() and not allow_other:
+        log.info("--owner %d:%d is another user: mounting with allow_other", *owner)
+        return True
+    return allow_other
+
+
+def serve_mounted(ops: SOSOperations, mountpoint: str, options: set[str], watch: FenceWatch) -> None:
+    """Mount ``ops`` at ``mountpoint``, serve until SIGTERM/SIGINT, an external unmount or a
+    fence (``watch``), unmount. From the mount on, SIGTERM/SIGINT must unmount, never kill
+    the process outright; once unmounted, a second signal may interrupt the final flush (the
+    spool keeps whatever is not on the server yet; the next mount ships it)."""
+    previous = {s: signal.signal(s, _record_early_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        pyfuse3.init(ops, mountpoint, options)
+        try:
+            trio.run(_serve, ops, watch.namespace, mountpoint, watch)
+        finally:
+            pyfuse3.close(unmount=True)
+    finally:
+        watch.close()
+        _restore_signals(previous)
+    log.info("unmounted %s", mountpoint)
+
+
+def final_flush(ops: SOSOperations, writer: JournalWriter, spool_dir: str, flush_timeout: float) -> int:
+    """After the unmount: EXIT_FENCED when a newer writer fenced the mount (nothing to flush),
+    else 0 once the journal reached the server, 1 (logged) if it did not within
+    ``flush_timeout`` s (the spool keeps it; the next mount ships it)."""
+    if ops.fenced is not None:
+        return EXIT_FENCED
+    try:
+        writer.barrier(timeout=flush_timeout)
+    except Exception as exc:  # noqa: BLE001 - reported, exit code says it
+        ops._note_failure(exc)
+        log.error(
+            "final flush failed (the spool in %s keeps the journal; the next mount ships it): %r",
+            spool_dir,
+            exc,
+        )
+        return 1
+    return 0

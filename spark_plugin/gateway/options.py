@@ -1,0 +1,112 @@
+"""`GatewayOptions`: everything ``sos gateway`` is run with, built once by the command
+(:mod:`.cli`) and read by both :func:`~.run.run_gateway` and :func:`~.standby.run_standby`;
+the library defaults are here and nowhere else."""
+
+from __future__ import annotations
+
+import ssl
+from dataclasses import dataclass
+
+from sos_client.journal.facade import FENCE_CHECK
+from sos_client.journal.open import ClientFactory, OpenNamespace, open_namespace
+from sos_client.journal.tree import RebuildCache
+
+from .auth import DEFAULT_KEY_RECHECK, DEFAULT_TOKEN_TTL
+from .http import HEAD_TIMEOUT, MAX_CONNECTIONS, MAX_CONNECTIONS_PER_ADDRESS, SEND_TIMEOUT
+from .operations import OPEN_MEMORY
+
+__all__ = ["DRAIN_TIMEOUT", "GatewayOptions"]
+
+#: on SIGTERM/SIGINT, the requests in progress get this long to finish (Kubernetes gives
+#: a pod 30 s by default between SIGTERM and SIGKILL)
+DRAIN_TIMEOUT = 25.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class GatewayOptions:
+    """What a gateway (active or standby) serves, and how.
+
+    ``client_factory`` (optional) returns a connected client for the namespace (TLS and
+    timeouts of the CLI's connection options); ``tls_client`` is the SSL context that checks
+    client keys at the server (the same trust as the factory's). ``tls_cert`` + ``tls_key``
+    serve HTTPS (``swebhdfs://``); without them a listen address that is not loopback is
+    refused unless ``insecure_plaintext`` (:func:`~.run.plaintext_refusal`). ``advertise``:
+    ``HOST[:PORT]`` the redirects name. ``max_connections`` is lowered to what the descriptor
+    limit (raised to its hard limit first) holds. ``durability`` and ``tier_patience`` go to
+    :func:`~sos_client.journal.open.open_namespace`: with "tier" every barrier (protocol.md
+    3.4) also waits for the server's bucket, and a server without a tier is refused before
+    anything is served (JournalTierUnavailable). A fenced gateway is seen by its writer or by
+    a fence check every ``fence_check`` s. On SIGTERM/SIGINT the requests in progress get
+    ``drain_timeout`` s, then the journal ``flush_timeout`` s to reach the server.
+
+    The active gateway's own: ``metrics``, ``HOST:PORT`` of the Prometheus endpoint
+    (:mod:`.metrics`; ``:PORT`` is 127.0.0.1); ``restore_batch``, ``CHECKPOINT:N``: before
+    serving, roll the whole namespace back to right after batch N of that checkpoint
+    committed (:mod:`sos_client.journal.rollback`), refused (RollbackRefused) if records
+    follow it unless ``restore_yes``. ``lease``: seconds; the active renews a lease a standby
+    watches (lease.py, protocol.md 3.6) and serves only while holding it (None: no lease);
+    a standby takes over after that long of silence (None: lease.DEFAULT_LEASE).
+    """
+
+    namespace: str
+    listen: str
+    server: str
+    key: str
+    cache_dir: str | None = None
+    client_factory: ClientFactory | None = None
+    timeout: float = 30.0
+    tls_client: ssl.SSLContext | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    sync: bool = True
+    max_lag_bytes: int = 64 << 20
+    generation_bytes: int | None = None
+    insecure_no_auth: bool = False
+    token_ttl: int = DEFAULT_TOKEN_TTL
+    threads: int = 32
+    flush_timeout: float = 120.0
+    drain_timeout: float = DRAIN_TIMEOUT
+    insecure_plaintext: bool = False
+    advertise: str | None = None
+    max_connections: int = MAX_CONNECTIONS
+    max_per_address: int = MAX_CONNECTIONS_PER_ADDRESS
+    head_timeout: float = HEAD_TIMEOUT
+    send_timeout: float = SEND_TIMEOUT
+    open_memory: int = OPEN_MEMORY
+    key_recheck: float = DEFAULT_KEY_RECHECK
+    durability: str = "server"
+    tier_patience: float | None = None
+    fence_check: float = FENCE_CHECK
+    metrics: str | None = None
+    restore_batch: str | None = None
+    restore_yes: bool = False
+    lease: float | None = None
+
+    def open_journal(
+        self,
+        cache_dir: str,
+        *,
+        client_factory: ClientFactory | None = None,
+        rebuild: RebuildCache | None = None,
+        replayed_to: int | None = None,
+    ) -> OpenNamespace:
+        """The namespace opened on ``cache_dir`` as every gateway opens it
+        (:func:`~sos_client.journal.open.open_namespace`; ``client_factory``: None, this
+        one's): its writer never waits, the gateway's barriers do; ``rebuild`` and
+        ``replayed_to`` as there."""
+        return open_namespace(
+            self.namespace,
+            cache_dir,
+            server=self.server,
+            key=self.key,
+            timeout=self.timeout,
+            tls=self.tls_client,
+            client_factory=client_factory or self.client_factory,
+            sync=False,
+            max_lag_bytes=self.max_lag_bytes,
+            generation_bytes=self.generation_bytes,
+            durability=self.durability,
+            tier_patience=self.tier_patience,
+            rebuild=rebuild,
+            replayed_to=replayed_to,
+        )
