@@ -364,31 +364,28 @@ def write_marker(mountpoint: str, checkpoint_relpath: str, query_id: object, bat
     return True
 
 
-class MarkerListener(_ListenerBase):
-    """Writes a MARKER ``spark.batch`` record after each committed micro-batch.
+class _BatchMarkerListener(_ListenerBase):
+    """What both marker listeners share: after each progress event of the query (or of
+    ``query_name`` only), if ``commits/N`` exists (:meth:`_committed`), write the batch's
+    MARKER (:meth:`_write_marker`) and note N in ``written``; a failure goes to ``errors``
+    (and :meth:`_failed`), never to the query. Subclasses set ``relpath`` and say where
+    the checkpoint lives (a mount or a gateway)."""
 
-    ``checkpoint``: the query's checkpointLocation on a mount (a :class:`CheckpointLocation`
-    from :func:`journaled_checkpoint`, or a path with ``mountpoint=`` given). Spark calls
-    ``onQueryProgress`` after ``commits/N`` exists; the listener checks that file before
-    writing, so a marker never names an uncommitted batch. ``query_name`` restricts it to
-    one query when the session runs several.
-    """
-
-    def __init__(self, checkpoint: str, *, mountpoint: str | None = None, query_name: str | None = None) -> None:
+    def __init__(self, *, query_name: str | None) -> None:
         super().__init__()
-        mountpoint = mountpoint or getattr(checkpoint, "mountpoint", "")
-        if not mountpoint:
-            raise ValueError("MarkerListener needs the mount point of the checkpoint")
-        self.checkpoint = os.path.abspath(str(checkpoint))
-        self.mountpoint = os.path.abspath(mountpoint)
-        rel = os.path.relpath(self.checkpoint, self.mountpoint)
-        if rel.startswith(".."):
-            raise ValueError(f"checkpoint {checkpoint} is not under {mountpoint}")
-        self.relpath = "" if rel == "." else rel
         self.query_name = query_name
         self.written: list[int] = []
         self.errors: list[str] = []
-        self._missing_control_logged = False
+
+    def _committed(self, batch_id: int) -> bool:
+        raise NotImplementedError
+
+    def _write_marker(self, query_id: object, batch_id: int) -> bool:
+        """Write the marker; False when it could not be written (and that is no error)."""
+        raise NotImplementedError
+
+    def _failed(self, exc: BaseException) -> None:
+        """Say that a marker failed (it is already in ``errors``)."""
 
     def onQueryStarted(self, event: QueryStartedEvent) -> None:
         pass
@@ -399,22 +396,55 @@ class MarkerListener(_ListenerBase):
             if self.query_name is not None and progress.name != self.query_name:
                 return
             batch_id = int(progress.batchId)
-            if not os.path.exists(os.path.join(self.checkpoint, "commits", str(batch_id))):
-                return
-            if write_marker(self.mountpoint, self.relpath, progress.id, batch_id):
+            if self._committed(batch_id) and self._write_marker(progress.id, batch_id):
                 self.written.append(batch_id)
-            elif not self._missing_control_logged:
-                self._missing_control_logged = True
-                log.warning("mount %s has no %s: batch markers are not written", self.mountpoint, MARKER_CONTROL)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a listener must never break the query
             self.errors.append(repr(exc))
-            log.exception("writing the batch marker failed")
+            self._failed(exc)
 
     def onQueryIdle(self, event: QueryIdleEvent) -> None:
         pass
 
     def onQueryTerminated(self, event: QueryTerminatedEvent) -> None:
         pass
+
+
+class MarkerListener(_BatchMarkerListener):
+    """Writes a MARKER ``spark.batch`` record after each committed micro-batch.
+
+    ``checkpoint``: the query's checkpointLocation on a mount (a :class:`CheckpointLocation`
+    from :func:`journaled_checkpoint`, or a path with ``mountpoint=`` given). Spark calls
+    ``onQueryProgress`` after ``commits/N`` exists; the listener checks that file before
+    writing, so a marker never names an uncommitted batch. ``query_name`` restricts it to
+    one query when the session runs several.
+    """
+
+    def __init__(self, checkpoint: str, *, mountpoint: str | None = None, query_name: str | None = None) -> None:
+        super().__init__(query_name=query_name)
+        mountpoint = mountpoint or getattr(checkpoint, "mountpoint", "")
+        if not mountpoint:
+            raise ValueError("MarkerListener needs the mount point of the checkpoint")
+        self.checkpoint = os.path.abspath(str(checkpoint))
+        self.mountpoint = os.path.abspath(mountpoint)
+        rel = os.path.relpath(self.checkpoint, self.mountpoint)
+        if rel.startswith(".."):
+            raise ValueError(f"checkpoint {checkpoint} is not under {mountpoint}")
+        self.relpath = "" if rel == "." else rel
+        self._missing_control_logged = False
+
+    def _committed(self, batch_id: int) -> bool:
+        return os.path.exists(os.path.join(self.checkpoint, "commits", str(batch_id)))
+
+    def _write_marker(self, query_id: object, batch_id: int) -> bool:
+        if write_marker(self.mountpoint, self.relpath, query_id, batch_id):
+            return True
+        if not self._missing_control_logged:
+            self._missing_control_logged = True
+            log.warning("mount %s has no %s: batch markers are not written", self.mountpoint, MARKER_CONTROL)
+        return False
+
+    def _failed(self, exc: BaseException) -> None:
+        log.exception("writing the batch marker failed")
 
 
 def sos_command() -> list[str]:
@@ -527,6 +557,17 @@ def pem_certificates(text: str) -> list[str]:
     return certs
 
 
+def _run_keytool(tool: str, store: str, password: str, *command: str) -> subprocess.CompletedProcess[str]:
+    """``keytool COMMAND... -keystore STORE -storetype PKCS12 -storepass PASSWORD``, its
+    output captured (the caller reads the return code)."""
+    return subprocess.run(
+        [tool, *command, "-keystore", store, "-storetype", "PKCS12", "-storepass", password],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 def make_truststore(
     cafile: str | os.PathLike[str], path: str | os.PathLike[str] | None = None, *, password: str = TRUSTSTORE_PASSWORD
 ) -> str:
@@ -544,26 +585,7 @@ def make_truststore(
         one = os.path.join(work, f"ca-{n}.pem")
         with open(one, "w", encoding="ascii") as f:
             f.write(cert)
-        proc = subprocess.run(
-            [
-                tool,
-                "-importcert",
-                "-noprompt",
-                "-alias",
-                f"sos-ca-{n}",
-                "-file",
-                one,
-                "-keystore",
-                store,
-                "-storetype",
-                "PKCS12",
-                "-storepass",
-                password,
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        proc = _run_keytool(tool, store, password, "-importcert", "-noprompt", "-alias", f"sos-ca-{n}", "-file", one)
         if proc.returncode != 0:
             raise RuntimeError(f"keytool -importcert of {cafile} failed: {(proc.stderr or proc.stdout).strip()}")
     return store
@@ -572,22 +594,7 @@ def make_truststore(
 def truststore_certificates(truststore: str | os.PathLike[str], password: str) -> str:
     """The certificates of a PKCS12 truststore as PEM text (``keytool -list -rfc``): what
     Python's ssl module can load (``cadata=``)."""
-    proc = subprocess.run(
-        [
-            keytool(),
-            "-list",
-            "-rfc",
-            "-keystore",
-            os.fspath(truststore),
-            "-storetype",
-            "PKCS12",
-            "-storepass",
-            password,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = _run_keytool(keytool(), os.fspath(truststore), password, "-list", "-rfc")
     certs = pem_certificates(proc.stdout)
     if proc.returncode != 0 or not certs:
         raise ValueError(
@@ -902,7 +909,7 @@ def gateway_checkpoint(
     return loc
 
 
-class GatewayMarkerListener(_ListenerBase):
+class GatewayMarkerListener(_BatchMarkerListener):
     """:class:`MarkerListener` for a checkpoint on the gateway: after each committed batch
     (``commits/N`` exists on the gateway) it appends the same ``spark.batch`` MARKER record
     through ``POST /sos/v1/marker``, durable when the gateway answers (sync mode)."""
@@ -910,32 +917,22 @@ class GatewayMarkerListener(_ListenerBase):
     def __init__(
         self, checkpoint: GatewayCheckpoint, *, query_name: str | None = None, client: GatewayClient | None = None
     ) -> None:
-        super().__init__()
+        super().__init__(query_name=query_name)
         self.relpath = checkpoint.relpath
         self._client = client or checkpoint.client()
-        self.query_name = query_name
-        self.written: list[int] = []
-        self.errors: list[str] = []
         self._warned_at: float | None = None
         self._unreported = 0
 
-    def onQueryStarted(self, event: QueryStartedEvent) -> None:
-        pass
+    def _committed(self, batch_id: int) -> bool:
+        commit = f"{self.relpath}/commits/{batch_id}" if self.relpath else f"commits/{batch_id}"
+        return self._client.exists(commit)
 
-    def onQueryProgress(self, event: QueryProgressEvent) -> None:
-        try:
-            progress = event.progress
-            if self.query_name is not None and progress.name != self.query_name:
-                return
-            batch_id = int(progress.batchId)
-            commit = f"{self.relpath}/commits/{batch_id}" if self.relpath else f"commits/{batch_id}"
-            if not self._client.exists(commit):
-                return
-            self._client.marker(MARKER_LABEL, marker_payload(self.relpath, progress.id, batch_id))
-            self.written.append(batch_id)
-        except Exception as exc:  # noqa: BLE001 - a listener must never break the query
-            self.errors.append(repr(exc))
-            self._warn(exc)
+    def _write_marker(self, query_id: object, batch_id: int) -> bool:
+        self._client.marker(MARKER_LABEL, marker_payload(self.relpath, query_id, batch_id))
+        return True
+
+    def _failed(self, exc: BaseException) -> None:
+        self._warn(exc)
 
     def _warn(self, exc: BaseException) -> None:
         """One warning line, then at most one per MARKER_WARN_INTERVAL (with the count of
@@ -955,9 +952,3 @@ class GatewayMarkerListener(_ListenerBase):
         )
         self._warned_at = now
         self._unreported = 0
-
-    def onQueryIdle(self, event: QueryIdleEvent) -> None:
-        pass
-
-    def onQueryTerminated(self, event: QueryTerminatedEvent) -> None:
-        pass

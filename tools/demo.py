@@ -37,6 +37,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from typing import Any
 
 from tools import child_env
 from tools.demo_common import (  # the tests and benches import these from here too
@@ -46,6 +48,8 @@ from tools.demo_common import (  # the tests and benches import these from here 
     DemoFailure,
     LocalServer,
     check_output,
+    check_problems,
+    check_summary,
     committed_batches,
     fmt,
     gateway_committed_batches,
@@ -94,6 +98,32 @@ def driver_main(cfg_path: str) -> int:
     from ``$SOS_KEY``."""
     with open(cfg_path) as f:
         cfg = json.load(f)
+    spark, location = _driver_session(cfg)
+    checkpoint, committed, listener = _driver_checkpoint(cfg, spark, location)
+    os.makedirs(cfg["out"], exist_ok=True)
+    stream = (
+        spark.readStream.schema("id LONG, payload STRING")
+        .option("maxFilesPerTrigger", 1)
+        .json(cfg["input"])
+        .dropDuplicates(["id"])
+    )
+    query = (
+        stream.writeStream.foreachBatch(_hanging_sink(cfg["out"], cfg["flags"], cfg.get("hang_at_batch")))
+        .option("checkpointLocation", checkpoint)
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination()
+    if listener is not None:
+        _save_markers(listener, committed, cfg["flags"])
+    spark.stop()
+    return 0
+
+
+def _driver_session(cfg: dict):
+    """The driver's SparkSession (``local[2]``, the state store and JVM options ``cfg``
+    asks for) and, with ``cfg["gateway"]``, the checkpoint's location on the gateway
+    (else None)."""
     from pyspark.sql import SparkSession
 
     builder = (
@@ -120,32 +150,30 @@ def driver_main(cfg_path: str) -> int:
         )
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
+    return spark, location
 
-    listener = None
+
+def _driver_checkpoint(cfg: dict, spark, location) -> tuple[str, Callable[[], set[int]], Any]:
+    """The query's checkpointLocation, how to list its committed batches, and the batch
+    marker listener registered on ``spark`` (None without ``cfg["markers"]``, or on a
+    plain directory)."""
     if location is not None:
         location.attach(spark, listener=bool(cfg.get("markers")))
-        listener = location.listener
-        checkpoint = str(location)
         client = location.client()
+        return str(location), lambda: gateway_committed_batches(client, location.relpath), location.listener
+    checkpoint = cfg["checkpoint"]
+    listener = None
+    if cfg.get("markers") and cfg.get("mountpoint"):
+        from spark_plugin.spark import MarkerListener
 
-        def committed() -> set[int]:
-            return gateway_committed_batches(client, location.relpath)
-    else:
-        checkpoint = cfg["checkpoint"]
+        listener = MarkerListener(checkpoint, mountpoint=cfg["mountpoint"])
+        spark.streams.addListener(listener)
+    return checkpoint, lambda: committed_batches(checkpoint), listener
 
-        def committed() -> set[int]:
-            return committed_batches(checkpoint)
 
-        if cfg.get("markers") and cfg.get("mountpoint"):
-            from spark_plugin.spark import MarkerListener
-
-            listener = MarkerListener(checkpoint, mountpoint=cfg["mountpoint"])
-            spark.streams.addListener(listener)
-
-    out_dir = cfg["out"]
-    os.makedirs(out_dir, exist_ok=True)
-    hang_at = cfg.get("hang_at_batch")
-    flag_dir = cfg["flags"]
+def _hanging_sink(out_dir: str, flag_dir: str, hang_at: int | None) -> Callable[[Any, int], None]:
+    """The foreachBatch sink: writes the batch's output; in batch ``hang_at`` it then says
+    so (``flags/hang-N``) and waits for ``flags/release-N``."""
 
     def sink(df, batch_id):
         write_batch_output(out_dir, df, batch_id)
@@ -157,31 +185,20 @@ def driver_main(cfg_path: str) -> int:
             while not os.path.exists(release):
                 time.sleep(0.1)
 
-    stream = (
-        spark.readStream.schema("id LONG, payload STRING")
-        .option("maxFilesPerTrigger", 1)
-        .json(cfg["input"])
-        .dropDuplicates(["id"])
-    )
-    query = (
-        stream.writeStream.foreachBatch(sink)
-        .option("checkpointLocation", checkpoint)
-        .trigger(availableNow=True)
-        .start()
-    )
-    query.awaitTermination()
-    if listener is not None:
-        # progress events are delivered asynchronously: wait for the last one
-        last = max(committed(), default=-1)
-        deadline = time.monotonic() + 120
-        while last >= 0 and last not in listener.written and time.monotonic() < deadline:
-            if listener.errors:
-                break
-            time.sleep(0.1)
-        with open(os.path.join(flag_dir, "markers.json"), "w") as f:
-            json.dump({"written": listener.written, "errors": listener.errors}, f)
-    spark.stop()
-    return 0
+    return sink
+
+
+def _save_markers(listener, committed: Callable[[], set[int]], flag_dir: str) -> None:
+    """Wait for the marker of the last committed batch (progress events are delivered
+    asynchronously), then write what the listener did to ``flags/markers.json``."""
+    last = max(committed(), default=-1)
+    deadline = time.monotonic() + 120
+    while last >= 0 and last not in listener.written and time.monotonic() < deadline:
+        if listener.errors:
+            break
+        time.sleep(0.1)
+    with open(os.path.join(flag_dir, "markers.json"), "w") as f:
+        json.dump({"written": listener.written, "errors": listener.errors}, f)
 
 
 # --------------------------------------------------------------------------- the demo
@@ -204,59 +221,106 @@ def run_demo(
     own_dir = workdir is None
     work = workdir or tempfile.mkdtemp(prefix="sos-demo-")
     os.makedirs(work, exist_ok=True)
-    paths = {k: os.path.join(work, k) for k in ("input", "out", "server-data", "flags", "logs")}
-    for k in ("flags", "logs"):
-        os.makedirs(paths[k], exist_ok=True)
-    server = LocalServer(paths["server-data"], os.path.join(paths["logs"], "server.log"))
-    mounts = []
-    drivers = []
-    result: dict = {"ok": False, "workdir": work, "state_store": state_store}
+    demo = MountDemo(work, state_store=state_store, markers=markers)
+    result = demo.result
     try:
         say(f"work dir {work}; state store {state_store}; {records} records in {batches} files")
-        expected = make_input(paths["input"], records, batches)
+        expected = make_input(demo.paths["input"], records, batches)
         say(
             f"input: {batches} files, {records} unique ids, each sent twice "
             "(dropDuplicates state must remember them across the crash)"
         )
+        demo.start_server()
+        # ---- worker 1: runs until it is destroyed in the middle of batch `crash_after`
+        m1, d1, cfg, before = demo.worker1_until(crash_after)
+        demo.destroy_worker1(m1, d1, crash_after, kill)
+        # ---- worker 2: restores, mounts the restored tree and runs the query to the end
+        final = demo.worker2_to_the_end(cfg, before)
+        # ---- the check
+        check = check_output(demo.paths["out"], final, expected)
+        result.update(check)
+        problems = check_problems(check, final, batches)
+        say(f"check: {check_summary(check)}")
+        result["problems"] = problems
+        result["ok"] = not problems
+        return result
+    except Exception as exc:
+        result["problems"] = [str(exc) if isinstance(exc, DemoFailure) else f"{type(exc).__name__}: {exc}"]
+        demo.show_failed_drivers()
+        return result
+    finally:
+        demo.close()
+        if own_dir and not keep and result.get("ok"):
+            shutil.rmtree(work, ignore_errors=True)
+            result["workdir"] = None
 
-        key = keygen(paths["server-data"], NAMESPACE)
-        server.start()
-        say(f"sos-server listening on {server.address} (data {paths['server-data']})")
 
+class MountDemo:
+    """The mount demo's moving parts (server, mounts, drivers) and its steps; ``result``
+    collects what each step saw."""
+
+    def __init__(self, work: str, *, state_store: str, markers: bool) -> None:
+        self.work = work
+        self.state_store = state_store
+        self.markers = markers
+        self.paths = {k: os.path.join(work, k) for k in ("input", "out", "server-data", "flags", "logs")}
+        for k in ("flags", "logs"):
+            os.makedirs(self.paths[k], exist_ok=True)
+        self.server = LocalServer(self.paths["server-data"], os.path.join(self.paths["logs"], "server.log"))
+        self.key = ""
+        self.mounts: list = []
+        self.drivers: list[subprocess.Popen] = []
+        self.result: dict = {"ok": False, "workdir": work, "state_store": state_store}
+
+    def start_server(self) -> None:
+        self.key = keygen(self.paths["server-data"], NAMESPACE)
+        self.server.start()
+        say(f"sos-server listening on {self.server.address} (data {self.paths['server-data']})")
+
+    def mount(self, n: int):
+        """``sos mount`` of worker ``n``: (the mount, its mount point, its cache)."""
         from spark_plugin.spark import start_mount
 
-        def mount(n):
-            mnt = os.path.join(work, f"worker{n}", "mnt")
-            cache = os.path.join(work, f"worker{n}", "cache")
-            m = start_mount(
-                NAMESPACE,
-                mnt,
-                server=server.address,
-                key=key,
-                cache_dir=cache,
-                log_path=os.path.join(paths["logs"], f"mount{n}.log"),
-            )
-            mounts.append(m)
-            return m, mnt, cache
+        mnt = os.path.join(self.work, f"worker{n}", "mnt")
+        cache = os.path.join(self.work, f"worker{n}", "cache")
+        m = start_mount(
+            NAMESPACE,
+            mnt,
+            server=self.server.address,
+            key=self.key,
+            cache_dir=cache,
+            log_path=os.path.join(self.paths["logs"], f"mount{n}.log"),
+        )
+        self.mounts.append(m)
+        return m, mnt, cache
 
-        # ---- worker 1: runs until it is destroyed in the middle of batch `crash_after`
-        m1, mnt1, cache1 = mount(1)
+    def start_driver(self, n: int, cfg: dict) -> subprocess.Popen:
+        d = start_driver(
+            cfg, os.path.join(self.paths["logs"], f"driver{n}.log"), os.path.join(self.work, f"driver{n}.json")
+        )
+        self.drivers.append(d)
+        return d
+
+    def worker1_until(self, crash_after: int):
+        """Worker 1 mounts the namespace and runs the query until batch ``crash_after``'s
+        output is written (its commit not yet). Returns (mount, driver, driver config, the
+        batches committed)."""
+        m1, mnt1, cache1 = self.mount(1)
         chk1 = os.path.join(mnt1, CHECKPOINT)
         say(f"worker 1: {NAMESPACE} mounted at {mnt1} (cache {cache1})")
         cfg = {
-            "input": paths["input"],
-            "out": paths["out"],
-            "flags": paths["flags"],
+            "input": self.paths["input"],
+            "out": self.paths["out"],
+            "flags": self.paths["flags"],
             "checkpoint": chk1,
             "mountpoint": mnt1,
-            "markers": markers,
-            "state_store": state_store,
+            "markers": self.markers,
+            "state_store": self.state_store,
             "hang_at_batch": crash_after,
         }
-        d1 = start_driver(cfg, os.path.join(paths["logs"], "driver1.log"), os.path.join(work, "driver1.json"))
-        drivers.append(d1)
+        d1 = self.start_driver(1, cfg)
         say(f"worker 1: Spark driver started (pid {d1.pid}), checkpointLocation {chk1}")
-        hang_flag = os.path.join(paths["flags"], f"hang-{crash_after}")
+        hang_flag = os.path.join(self.paths["flags"], f"hang-{crash_after}")
         wait_for(
             lambda: os.path.exists(hang_flag),
             600,
@@ -270,8 +334,12 @@ def run_demo(
         )
         if before != set(range(crash_after)):
             raise DemoFailure(f"expected batches 0..{crash_after - 1} committed, got {before}")
-        result["committed_before_crash"] = sorted(before)
+        self.result["committed_before_crash"] = sorted(before)
+        return m1, d1, cfg, before
 
+    def destroy_worker1(self, m1, d1: subprocess.Popen, crash_after: int, kill: str) -> None:
+        """SIGKILL worker 1's driver and mount (``kill="mount"``: the mount first, under the
+        live driver), then delete its mount point, cache and spool."""
         if kill == "mount":
             # the mount process dies first, under a live driver that then tries to commit:
             # the dead mount stays in place (every access fails with ENOTCONN) until the
@@ -279,11 +347,11 @@ def run_demo(
             os.kill(m1.pid, signal.SIGKILL)
             m1.proc.wait()
             say("CRASH: sos mount SIGKILLed in the middle of the batch; releasing the driver")
-            with open(os.path.join(paths["flags"], f"release-{crash_after}"), "w"):
+            with open(os.path.join(self.paths["flags"], f"release-{crash_after}"), "w"):
                 pass
             try:
                 d1.wait(300)
-                result["driver1_exit"] = d1.returncode
+                self.result["driver1_exit"] = d1.returncode
                 say(
                     f"worker 1: driver failed on the dead mount (exit {d1.returncode})"
                     if d1.returncode != 0
@@ -297,24 +365,24 @@ def run_demo(
             kill_tree(d1)
             m1.kill()
             say("CRASH: Spark driver and sos mount SIGKILLed in the middle of the batch")
-        shutil.rmtree(os.path.join(work, "worker1"))
+        shutil.rmtree(os.path.join(self.work, "worker1"))
         say("worker 1 destroyed: mount point, cache and spool deleted")
 
-        # ---- worker 2: `sos restore` rebuilds the namespace into its fresh cache's tree
-        # directory; `sos mount` then serves that tree (a non-empty tree with an empty spool:
-        # the mount fences older writers, then starts a new journal generation whose snapshot
-        # is the restored tree, so the journal goes on from exactly what restore produced)
+    def restore_worker2(self, before: set[int]) -> tuple[set[int], int]:
+        """``sos restore`` rebuilds the namespace into worker 2's fresh cache's tree
+        directory; it must hold what worker 1 committed (``before``). Returns (its commits, the journal
+        generation before)."""
         from spark_plugin.spark import sos_command
 
-        cache2 = os.path.join(work, "worker2", "cache")
+        cache2 = os.path.join(self.work, "worker2", "cache")
         tree2 = os.path.join(cache2, "tree")
-        gens_before = journal_generations(server.address, key)
+        gens_before = journal_generations(self.server.address, self.key)
         proc = subprocess.run(
-            [*sos_command(), "restore", "-q", "--server", server.address, NAMESPACE, tree2],
+            [*sos_command(), "restore", "-q", "--server", self.server.address, NAMESPACE, tree2],
             capture_output=True,
             text=True,
             timeout=900,
-            env=dict(os.environ, SOS_KEY=key),
+            env=dict(os.environ, SOS_KEY=self.key),
         )
         if proc.returncode != 0:
             raise DemoFailure(f"sos restore failed: {proc.stderr.strip()}")
@@ -323,75 +391,61 @@ def run_demo(
             f"worker 2: sos restore into its empty cache ({tree2}): the server gave back a "
             f"checkpoint with batches {fmt(restored)} committed"
         )
-        result["restored_committed"] = sorted(restored)
+        self.result["restored_committed"] = sorted(restored)
         if restored != before:
             raise DemoFailure(f"restored checkpoint has commits {restored}, expected {before}")
+        return restored, gens_before
 
-        m2, mnt2, cache2 = mount(2)
+    def worker2_to_the_end(self, cfg: dict, before: set[int]) -> set[int]:
+        """Worker 2: ``sos restore`` into its fresh cache's tree directory, then ``sos
+        mount`` serves that tree (a non-empty tree with an empty spool: the mount fences
+        older writers, then starts a new journal generation whose snapshot is the restored
+        tree, so the journal goes on from exactly what restore produced); the query restarts
+        on it and runs to the end. Returns the batches committed."""
+        restored, gens_before = self.restore_worker2(before)
+        m2, mnt2, _cache2 = self.mount(2)
         chk2 = os.path.join(mnt2, CHECKPOINT)
         seen = committed_batches(chk2)
-        gens_after = journal_generations(server.address, key)
-        result["generations"] = [gens_before, gens_after]
+        gens_after = journal_generations(self.server.address, self.key)
+        self.result["generations"] = [gens_before, gens_after]
         say(
             f"worker 2: sos mount serves the restored tree (batches {fmt(seen)} committed); "
             f"journal generation {gens_after} starts with its snapshot (was {gens_before})"
         )
         if seen != restored:
             raise DemoFailure(f"the mount shows commits {seen}, the restore gave {restored}")
-        cfg2 = dict(cfg, checkpoint=chk2, mountpoint=mnt2, hang_at_batch=None)
-        d2 = start_driver(cfg2, os.path.join(paths["logs"], "driver2.log"), os.path.join(work, "driver2.json"))
-        drivers.append(d2)
+        d2 = self.start_driver(2, dict(cfg, checkpoint=chk2, mountpoint=mnt2, hang_at_batch=None))
         say(f"worker 2: Spark driver restarted (pid {d2.pid}) on the restored checkpoint")
         try:
             rc = d2.wait(900)
         except subprocess.TimeoutExpired:
             raise DemoFailure("driver 2 did not finish in 900s") from None
         if rc != 0:
-            raise DemoFailure(f"driver 2 failed (exit {rc}):\n{tail(os.path.join(paths['logs'], 'driver2.log'))}")
+            raise DemoFailure(f"driver 2 failed (exit {rc}):\n{tail(os.path.join(self.paths['logs'], 'driver2.log'))}")
         final = committed_batches(chk2)
         say(f"worker 2: query finished; batches {fmt(final)} committed")
-        result["committed_final"] = sorted(final)
-        if markers:
+        self.result["committed_final"] = sorted(final)
+        if self.markers:
             try:
-                with open(os.path.join(paths["flags"], "markers.json")) as f:
-                    result["markers_written"] = json.load(f)["written"]
+                with open(os.path.join(self.paths["flags"], "markers.json")) as f:
+                    self.result["markers_written"] = json.load(f)["written"]
             except FileNotFoundError:
-                result["markers_written"] = []
+                self.result["markers_written"] = []
         m2.stop()
+        return final
 
-        # ---- the check
-        check = check_output(paths["out"], final, expected)
-        result.update(check)
-        problems = []
-        if final != set(range(batches)):
-            problems.append(f"committed batches {fmt(final)}, expected 0..{batches - 1}")
-        for k in ("lost", "doubled", "corrupted", "unknown", "committed_without_output"):
-            if check[k]:
-                problems.append(f"{len(check[k])} {k.replace('_', ' ')} (e.g. {check[k][:5]})")
-        say(
-            f"check: {check['records_in']} records in, {check['records_out']} out "
-            f"of committed batches; lost {len(check['lost'])}, doubled {len(check['doubled'])}, "
-            f"corrupted {len(check['corrupted'])}"
-        )
-        result["problems"] = problems
-        result["ok"] = not problems
-        return result
-    except Exception as exc:
-        result["problems"] = [str(exc) if isinstance(exc, DemoFailure) else f"{type(exc).__name__}: {exc}"]
-        for d, n in zip(drivers, (1, 2)):
+    def show_failed_drivers(self) -> None:
+        for d, n in zip(self.drivers, (1, 2)):
             if d.poll() is not None and d.returncode not in (0, -9):
-                say(f"driver {n} log tail:\n{tail(os.path.join(paths['logs'], f'driver{n}.log'))}")
-        return result
-    finally:
-        for d in drivers:
+                say(f"driver {n} log tail:\n{tail(os.path.join(self.paths['logs'], f'driver{n}.log'))}")
+
+    def close(self) -> None:
+        for d in self.drivers:
             kill_tree(d)
-        for m in mounts:
+        for m in self.mounts:
             with contextlib.suppress(Exception):
                 m.stop()
-        server.stop()
-        if own_dir and not keep and result.get("ok"):
-            shutil.rmtree(work, ignore_errors=True)
-            result["workdir"] = None
+        self.server.stop()
 
 
 def journal_generations(server_address: str, key: str) -> int:

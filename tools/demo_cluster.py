@@ -64,6 +64,8 @@ from tools.demo_common import (
     LocalServer,
     backup_keys,
     check_output,
+    check_problems,
+    check_summary,
     fmt,
     keygen,
     make_input,
@@ -113,6 +115,21 @@ def driver_main(cfg_path: str) -> int:
     checkpointing through the gateway, run until the input is used up."""
     with open(cfg_path) as f:
         cfg = json.load(f)
+    spark, locations = _driver_session(cfg)
+    queries = [(store, loc, _start_query(spark, cfg, store, loc)) for store, loc in locations.items()]
+    with open(cfg["runs"], "w") as f:  # which query run is which (executor logs name runs)
+        json.dump({store: str(query.runId) for store, _loc, query in queries}, f)
+    failed = _await_queries(queries, cfg["flags"])
+    markers = {store: _markers_of(loc.listener, query) for store, loc, query in queries}
+    with open(cfg["result"], "w") as f:
+        json.dump({"failed": failed, "markers": markers}, f)
+    spark.stop()
+    return 1 if failed else 0
+
+
+def _driver_session(cfg: dict):
+    """The SparkSession on the cluster (``cfg["spark_conf"]``) and, for each state store,
+    its query's checkpoint location on the gateway (the key from ``$SOS_KEY``)."""
     from pyspark.sql import SparkSession
 
     from spark_plugin.spark import gateway_checkpoint
@@ -130,47 +147,52 @@ def driver_main(cfg_path: str) -> int:
     for k, v in cfg["spark_conf"].items():
         builder = builder.config(k, v)
     locations = {s: gateway_checkpoint(builder, cfg["url"], NAMESPACE, key, checkpoint_of(s)) for s in cfg["stores"]}
-    spark = builder.getOrCreate()
+    return builder.getOrCreate(), locations
+
+
+def _start_query(spark, cfg: dict, store: str, loc):
+    """The stateful query of ``store`` (its state store provider), checkpointing at ``loc``;
+    its sink writes ``out/<store>/`` and parks in the batches ``cfg["pause_at"]``."""
+    out_dir = os.path.join(cfg["out"], store)
+    os.makedirs(out_dir, exist_ok=True)
+    loc.attach(spark, query_name=store)
+    provider = PROVIDER[store]
+    if provider:
+        spark.conf.set("spark.sql.streaming.stateStore.providerClass", provider)
+    else:
+        spark.conf.unset("spark.sql.streaming.stateStore.providerClass")
     pause_at = set(cfg.get("pause_at", []))
     flags = cfg["flags"]
-    queries = []
-    for store, loc in locations.items():
-        out_dir = os.path.join(cfg["out"], store)
-        os.makedirs(out_dir, exist_ok=True)
-        loc.attach(spark, query_name=store)
-        provider = PROVIDER[store]
-        if provider:
-            spark.conf.set("spark.sql.streaming.stateStore.providerClass", provider)
-        else:
-            spark.conf.unset("spark.sql.streaming.stateStore.providerClass")
 
-        def sink(df, batch_id, store=store, out_dir=out_dir):
-            write_batch_output(out_dir, df, batch_id)
-            if batch_id in pause_at:
-                # output written, commits/N not yet: where the demo strikes
-                with open(os.path.join(flags, f"paused-{store}-{batch_id}"), "w") as f:
-                    f.write(str(os.getpid()))
-                while not os.path.exists(os.path.join(flags, f"resume-{batch_id}")):
-                    time.sleep(0.1)
+    def sink(df, batch_id):
+        write_batch_output(out_dir, df, batch_id)
+        if batch_id in pause_at:
+            # output written, commits/N not yet: where the demo strikes
+            with open(os.path.join(flags, f"paused-{store}-{batch_id}"), "w") as f:
+                f.write(str(os.getpid()))
+            while not os.path.exists(os.path.join(flags, f"resume-{batch_id}")):
+                time.sleep(0.1)
 
-        # the query clones the session's settings when it starts: each keeps its provider
-        query = (
-            spark.readStream.schema("id LONG, payload STRING")
-            .option("maxFilesPerTrigger", 1)
-            .json(cfg["input"])
-            .dropDuplicates(["id"])
-            .writeStream.queryName(store)
-            .foreachBatch(sink)
-            .option("checkpointLocation", str(loc))
-            .trigger(availableNow=True)
-            .start()
-        )
-        queries.append((store, loc, query))
-    with open(cfg["runs"], "w") as f:  # which query run is which (executor logs name runs)
-        json.dump({store: str(query.runId) for store, _loc, query in queries}, f)
+    # the query clones the session's settings when it starts: each keeps its provider
+    return (
+        spark.readStream.schema("id LONG, payload STRING")
+        .option("maxFilesPerTrigger", 1)
+        .json(cfg["input"])
+        .dropDuplicates(["id"])
+        .writeStream.queryName(store)
+        .foreachBatch(sink)
+        .option("checkpointLocation", str(loc))
+        .trigger(availableNow=True)
+        .start()
+    )
+
+
+def _await_queries(queries: list, flags: str) -> list[str]:
+    """Wait for every query to end; a query that fails is reported at once
+    (``flags/failed-<store>``: the demo may be waiting on it). Returns the failures."""
     failed = []
     running = list(queries)
-    while running:  # a query that fails is reported at once (the demo may be waiting on it)
+    while running:
         for store, loc, query in list(running):
             if query.isActive:
                 continue
@@ -181,24 +203,20 @@ def driver_main(cfg_path: str) -> int:
                 with open(os.path.join(flags, f"failed-{store}"), "w") as f:
                     f.write(str(exc))
         time.sleep(0.2)
-    markers = {}
-    for store, loc, query in queries:
-        # progress events reach the listener asynchronously: wait for the last one
-        last = query.lastProgress
-        last_batch = int(last["batchId"]) if last else -1
-        deadline = time.monotonic() + 120
-        while (
-            last_batch >= 0
-            and last_batch not in loc.listener.written
-            and not loc.listener.errors
-            and time.monotonic() < deadline
-        ):
-            time.sleep(0.1)
-        markers[store] = {"written": loc.listener.written, "errors": loc.listener.errors}
-    with open(cfg["result"], "w") as f:
-        json.dump({"failed": failed, "markers": markers}, f)
-    spark.stop()
-    return 1 if failed else 0
+    return failed
+
+
+def _markers_of(listener, query) -> dict:
+    """The markers the query's listener wrote, once it has seen the last batch (progress
+    events reach the listener asynchronously)."""
+    last = query.lastProgress
+    last_batch = int(last["batchId"]) if last else -1
+    deadline = time.monotonic() + 120
+    while (
+        last_batch >= 0 and last_batch not in listener.written and not listener.errors and time.monotonic() < deadline
+    ):
+        time.sleep(0.1)
+    return {"written": listener.written, "errors": listener.errors}
 
 
 # --------------------------------------------------------------------------- what the logs say
@@ -593,145 +611,32 @@ def run_cluster_demo(
             f"{batches} files (each id sent twice: dropDuplicates state must remember them)"
         )
         expected = make_input(demo.paths["input"], records, batches)
-        demo.key = keygen(demo.paths["server-data"], NAMESPACE)
-        backup_keys(demo.paths["server-data"], NAMESPACE, demo.paths["key-backup"])
-        demo.store.start()
-        say(f"object store: moto's S3 server at {demo.store.endpoint} (embedded), bucket {demo.store.url}")
-        demo.server.start()
-        say(
-            f"sos-server listening on {demo.server.address} (the remote storage), copying "
-            f"every acknowledged byte to {demo.store.url} (--tier); its keys backed up"
-        )
-        demo.start_gateway()
-        say(
-            f"sos gateway serving {NAMESPACE} at {demo.gateway.url} (cache "
-            f"{demo.paths['gateway-cache']}, OAuth2 tokens for the namespace key)"
-        )
-        cluster = demo.start_cluster()
-        say(
-            f"Spark cluster: Master {cluster.master_url}, 2 Workers of 1 core; every node in a "
-            f"mount namespace of its own with a private tmpfs as local disk"
-        )
-        drv = demo.start_driver([worker_loss_at, gateway_restart_at, total_loss_at])
-        say(
-            f"driver started on its own node: queries {', '.join(stores)} checkpoint to "
-            f"webhdfs://127.0.0.1:{demo.gateway_port}/queries/<store>"
-        )
-
+        start_everything(demo, [worker_loss_at, gateway_restart_at, total_loss_at])
         # ---- 1. worker loss
-        k1 = worker_loss_at
+        k1, k2, k3 = worker_loss_at, gateway_restart_at, total_loss_at
         demo.wait_paused(k1)
         _expect_commits(demo.committed_all(), k1, f"before the worker loss in batch {k1}")
         result["worker_loss"] = worker_loss(demo, k1)
-        loss = result["worker_loss"]
-
         # ---- 2. gateway restart
-        k2 = gateway_restart_at
         demo.wait_paused(k2)
         _expect_commits(demo.committed_all(), k2, f"after the worker loss, in batch {k2}")
-        loss.update(state_read_after_loss(demo, loss))
-        say(
-            f"worker {loss['survivor']}'s executor took over partitions "
-            f"{', '.join(f'{s}/{p}' for s, p in loss['survivor_took_over']) or '(none)'} and ran "
-            f"batch{'es' if k2 - k1 > 2 else ''} {fmt(range(k1 + 1, k2))} alone, reading {loss['state_files_read_count']} state "
-            f"files the lost executor wrote through the gateway "
-            f"({loss['task_failure_count']} task attempts lost with it)"
-        )
-        missing = sorted(
-            {s for s, _ in loss["victim_partitions"]} - {k.split("/")[0] for k in loss["state_files_read"]}
-        )
-        if missing:
-            raise DemoFailure(f"the surviving executor read no state file of the lost one for {', '.join(missing)}")
-        cluster.start_worker(loss["victim"])
-        say(f"a new worker {loss['victim']} joins (an empty node)")
+        survivor_took_over(demo, result["worker_loss"], k1, k2)
         result["gateway_restart"] = gateway_restart(demo, k2)
-
         # ---- 3. total loss
-        k3 = total_loss_at
         demo.wait_paused(k3)
-        result["gateway_restart"].update(what_the_query_saw(demo, result["gateway_restart"]))
-        saw = result["gateway_restart"]
-        say(
-            f"the query rode through the gateway restart: {saw['retries']} retried requests "
-            f"({saw['driver_retries']} in the driver), {saw['task_failure_count']} failed task "
-            f"attempts; batches went on committing"
-        )
-        before = demo.committed_all()
-        _expect_commits(before, k3, f"after the gateway restart, in batch {k3}")
-        result["committed_before_total_loss"] = {s: sorted(c) for s, c in before.items()}
-        say(f"batches {fmt(range(k3))} committed; batch {k3}'s output written, commits/{k3} not yet")
-        demo.save_executor_logs("before-total-loss")
-        demo.kill_everything()
-        shutil.rmtree(demo.paths["gateway-cache"])
-        # the server dies with its disk too. Without --durability tier, what the bucket
-        # lacks when the server dies is lost with it (the upload lag, about --tier-interval):
-        # the demo shows the bucket caught up, then the loss
-        waited = wait_tier_drained(demo.server, NAMESPACE)
-        demo.server.kill()
-        shutil.rmtree(demo.paths["server-data"])
-        result["server_loss"] = {"tier_drain_wait_s": round(waited, 2)}
-        say(
-            f"TOTAL LOSS: driver, Workers, Master, gateway and sos-server SIGKILLed; the "
-            f"gateway's cache and the server's data directory deleted; every node's local "
-            f"disk gone with its namespace (the bucket had caught up {waited:.1f}s before)"
-        )
-
-        boot = demo.replace_server()
-        result["server_loss"]["bootstrap"] = boot
-        say(
-            f"a replacement sos-server on an EMPTY data directory with the same --tier "
-            f"rebuilt {NAMESPACE} from the bucket before listening ({boot['objects']} objects, "
-            f"{boot['bytes']} bytes in {boot['seconds']}s); keys from the backup; listening on "
-            f"{demo.server.address}"
-        )
-        both = demo.restore_both_ways()
-        result["server_loss"]["restore"] = both
-        say(
-            f"sos restore --from {demo.store.url} (the bucket alone, no server, no key) gives "
-            f"the same {both['files']} files ({both['bytes']} bytes) as sos restore from the "
-            f"replacement server: batches {fmt(both['committed'][stores[0]])} committed"
-        )
-        _expect_commits({s: set(c) for s, c in both["committed"].items()}, k3, "restored from the bucket")
-
-        demo.start_gateway()
-        restored = demo.committed_all()
-        result["restored_committed"] = {s: sorted(c) for s, c in restored.items()}
-        say(
-            f"a new gateway on an empty cache restored {NAMESPACE} from the replacement "
-            f"server ({demo.gateway.url}): batches {fmt(restored[stores[0]])} committed"
-        )
-        _expect_commits(restored, k3, "restored from the replacement server")
-        demo.start_cluster()
-        drv = demo.start_driver([])
-        say("a new cluster and driver resume the queries from the restored checkpoints")
-        while drv.alive():
-            time.sleep(0.5)
-        demo.save_executor_logs("resumed")
-        rc = drv.proc.returncode
-        if rc != 0:
-            raise DemoFailure(f"the resumed driver failed (exit {rc}):\n{tail(drv.log_path, 60)}")
-        final = demo.committed_all()
-        result["committed_final"] = {s: sorted(c) for s, c in final.items()}
-        with open(demo.driver_result) as f:
-            result["markers"] = json.load(f)["markers"]
-        say(f"queries finished: batches {fmt(final[stores[0]])} committed")
-
+        rode_through(demo, result["gateway_restart"])
+        total_loss(demo, k3, result)
+        rebuild_from_the_bucket(demo, k3, result["server_loss"])
+        restore_the_gateway(demo, k3, result)
+        final = resume(demo, result)
         # ---- the check
-        problems = []
         result["check"] = {}
+        problems = []
         for store in stores:
             check = check_output(os.path.join(demo.paths["out"], store), final[store], expected)
             result["check"][store] = check
-            if final[store] != set(range(batches)):
-                problems.append(f"{store}: committed batches {fmt(final[store])}, expected 0..{batches - 1}")
-            for k in ("lost", "doubled", "corrupted", "unknown", "committed_without_output"):
-                if check[k]:
-                    problems.append(f"{store}: {len(check[k])} {k.replace('_', ' ')} (e.g. {check[k][:5]})")
-            say(
-                f"check {store}: {check['records_in']} records in, {check['records_out']} out "
-                f"of committed batches; lost {len(check['lost'])}, doubled "
-                f"{len(check['doubled'])}, corrupted {len(check['corrupted'])}"
-            )
+            problems += [f"{store}: {p}" for p in check_problems(check, final[store], batches)]
+            say(f"check {store}: {check_summary(check)}")
         result["records_in"] = len(expected)
         result["problems"] = problems
         result["ok"] = not problems
@@ -744,6 +649,146 @@ def run_cluster_demo(
         if own_dir and not keep and result.get("ok"):
             shutil.rmtree(work, ignore_errors=True)
             result["workdir"] = None
+
+
+def start_everything(demo: Demo, pause_at: list[int]) -> None:
+    """The key (backed up), the object store, the server with ``--tier``, the gateway, the
+    cluster, and the driver that pauses in the batches ``pause_at``."""
+    demo.key = keygen(demo.paths["server-data"], NAMESPACE)
+    backup_keys(demo.paths["server-data"], NAMESPACE, demo.paths["key-backup"])
+    demo.store.start()
+    say(f"object store: moto's S3 server at {demo.store.endpoint} (embedded), bucket {demo.store.url}")
+    demo.server.start()
+    say(
+        f"sos-server listening on {demo.server.address} (the remote storage), copying "
+        f"every acknowledged byte to {demo.store.url} (--tier); its keys backed up"
+    )
+    demo.start_gateway()
+    say(
+        f"sos gateway serving {NAMESPACE} at {demo.gateway.url} (cache "
+        f"{demo.paths['gateway-cache']}, OAuth2 tokens for the namespace key)"
+    )
+    cluster = demo.start_cluster()
+    say(
+        f"Spark cluster: Master {cluster.master_url}, 2 Workers of 1 core; every node in a "
+        f"mount namespace of its own with a private tmpfs as local disk"
+    )
+    demo.start_driver(pause_at)
+    say(
+        f"driver started on its own node: queries {', '.join(demo.stores)} checkpoint to "
+        f"webhdfs://127.0.0.1:{demo.gateway_port}/queries/<store>"
+    )
+
+
+def survivor_took_over(demo: Demo, loss: dict, k1: int, k2: int) -> None:
+    """After the worker loss in batch ``k1``, parked in ``k2``: the surviving executor must
+    have read state files the lost one wrote, for every query; then a new worker joins.
+    Adds what the logs show (:func:`state_read_after_loss`) to ``loss``."""
+    loss.update(state_read_after_loss(demo, loss))
+    say(
+        f"worker {loss['survivor']}'s executor took over partitions "
+        f"{', '.join(f'{s}/{p}' for s, p in loss['survivor_took_over']) or '(none)'} and ran "
+        f"batch{'es' if k2 - k1 > 2 else ''} {fmt(range(k1 + 1, k2))} alone, reading {loss['state_files_read_count']} state "
+        f"files the lost executor wrote through the gateway "
+        f"({loss['task_failure_count']} task attempts lost with it)"
+    )
+    missing = sorted({s for s, _ in loss["victim_partitions"]} - {k.split("/")[0] for k in loss["state_files_read"]})
+    if missing:
+        raise DemoFailure(f"the surviving executor read no state file of the lost one for {', '.join(missing)}")
+    demo.cluster.start_worker(loss["victim"])
+    say(f"a new worker {loss['victim']} joins (an empty node)")
+
+
+def rode_through(demo: Demo, restart: dict) -> None:
+    """What the query saw of the gateway restart (:func:`what_the_query_saw`): added to
+    ``restart`` and said."""
+    restart.update(what_the_query_saw(demo, restart))
+    say(
+        f"the query rode through the gateway restart: {restart['retries']} retried requests "
+        f"({restart['driver_retries']} in the driver), {restart['task_failure_count']} failed task "
+        f"attempts; batches went on committing"
+    )
+
+
+def total_loss(demo: Demo, k3: int, result: dict) -> None:
+    """Parked in batch ``k3`` with ``0..k3-1`` committed: every process SIGKILLed, the
+    gateway's cache deleted, and, once the bucket has caught up, the server and its data
+    directory. Notes the commits before and ``server_loss`` (the bucket's wait) in
+    ``result``."""
+    before = demo.committed_all()
+    _expect_commits(before, k3, f"after the gateway restart, in batch {k3}")
+    result["committed_before_total_loss"] = {s: sorted(c) for s, c in before.items()}
+    say(f"batches {fmt(range(k3))} committed; batch {k3}'s output written, commits/{k3} not yet")
+    demo.save_executor_logs("before-total-loss")
+    demo.kill_everything()
+    shutil.rmtree(demo.paths["gateway-cache"])
+    # the server dies with its disk too. Without --durability tier, what the bucket
+    # lacks when the server dies is lost with it (the upload lag, about --tier-interval):
+    # the demo shows the bucket caught up, then the loss
+    waited = wait_tier_drained(demo.server, NAMESPACE)
+    demo.server.kill()
+    shutil.rmtree(demo.paths["server-data"])
+    result["server_loss"] = {"tier_drain_wait_s": round(waited, 2)}
+    say(
+        f"TOTAL LOSS: driver, Workers, Master, gateway and sos-server SIGKILLed; the "
+        f"gateway's cache and the server's data directory deleted; every node's local "
+        f"disk gone with its namespace (the bucket had caught up {waited:.1f}s before)"
+    )
+
+
+def rebuild_from_the_bucket(demo: Demo, k3: int, server_loss: dict) -> None:
+    """A replacement server rebuilds from the bucket; ``sos restore`` from the bucket alone
+    and from it give the same tree, with batches ``0..k3-1`` committed. Notes what each
+    says in ``server_loss`` ("bootstrap", "restore")."""
+    boot = demo.replace_server()
+    server_loss["bootstrap"] = boot
+    say(
+        f"a replacement sos-server on an EMPTY data directory with the same --tier "
+        f"rebuilt {NAMESPACE} from the bucket before listening ({boot['objects']} objects, "
+        f"{boot['bytes']} bytes in {boot['seconds']}s); keys from the backup; listening on "
+        f"{demo.server.address}"
+    )
+    both = demo.restore_both_ways()
+    server_loss["restore"] = both
+    say(
+        f"sos restore --from {demo.store.url} (the bucket alone, no server, no key) gives "
+        f"the same {both['files']} files ({both['bytes']} bytes) as sos restore from the "
+        f"replacement server: batches {fmt(both['committed'][demo.stores[0]])} committed"
+    )
+    _expect_commits({s: set(c) for s, c in both["committed"].items()}, k3, "restored from the bucket")
+
+
+def restore_the_gateway(demo: Demo, k3: int, result: dict) -> None:
+    """A new gateway on an empty cache restores the namespace from the replacement server;
+    it must hold batches ``0..k3-1`` (noted in ``result``)."""
+    demo.start_gateway()
+    restored = demo.committed_all()
+    result["restored_committed"] = {s: sorted(c) for s, c in restored.items()}
+    say(
+        f"a new gateway on an empty cache restored {NAMESPACE} from the replacement "
+        f"server ({demo.gateway.url}): batches {fmt(restored[demo.stores[0]])} committed"
+    )
+    _expect_commits(restored, k3, "restored from the replacement server")
+
+
+def resume(demo: Demo, result: dict) -> dict[str, set[int]]:
+    """A new cluster and driver run the queries to the end from the restored checkpoints;
+    returns the batches committed (and notes them and the markers in ``result``)."""
+    demo.start_cluster()
+    drv = demo.start_driver([])
+    say("a new cluster and driver resume the queries from the restored checkpoints")
+    while drv.alive():
+        time.sleep(0.5)
+    demo.save_executor_logs("resumed")
+    rc = drv.proc.returncode
+    if rc != 0:
+        raise DemoFailure(f"the resumed driver failed (exit {rc}):\n{tail(drv.log_path, 60)}")
+    final = demo.committed_all()
+    result["committed_final"] = {s: sorted(c) for s, c in final.items()}
+    with open(demo.driver_result) as f:
+        result["markers"] = json.load(f)["markers"]
+    say(f"queries finished: batches {fmt(final[demo.stores[0]])} committed")
+    return final
 
 
 def worker_loss(demo: Demo, batch: int) -> dict:

@@ -126,6 +126,28 @@ def check_output(out_dir: str, committed: set[int], expected: dict[int, str]) ->
 # --------------------------------------------------------------------------- processes
 
 
+def check_problems(check: dict, committed: set[int], batches: int) -> list[str]:
+    """What is wrong after the run: batches ``0..batches-1`` not all committed, or records
+    of the committed output (``check``, from :func:`check_output`) lost, doubled, corrupted,
+    unknown, or a committed batch without output."""
+    problems = []
+    if committed != set(range(batches)):
+        problems.append(f"committed batches {fmt(committed)}, expected 0..{batches - 1}")
+    for k in ("lost", "doubled", "corrupted", "unknown", "committed_without_output"):
+        if check[k]:
+            problems.append(f"{len(check[k])} {k.replace('_', ' ')} (e.g. {check[k][:5]})")
+    return problems
+
+
+def check_summary(check: dict) -> str:
+    """The check's line in the demo's output."""
+    return (
+        f"{check['records_in']} records in, {check['records_out']} out "
+        f"of committed batches; lost {len(check['lost'])}, doubled {len(check['doubled'])}, "
+        f"corrupted {len(check['corrupted'])}"
+    )
+
+
 def _python_call(module: str, func: str = "main") -> list[str]:
     return [sys.executable, "-c", f"import sys; from {module} import {func}; sys.exit({func}())"]
 

@@ -15,7 +15,7 @@ import time
 from tools import child_env
 from tools.demo_common import CHECKPOINT
 from tools.soak.checks import GatewayView, source_offset
-from tools.soak.common import CLUSTER_KINDS, GATEWAY_EMPTY_CACHE, NAMESPACE, HarnessError, _write_json_atomic
+from tools.soak.common import CLUSTER_KINDS, GATEWAY_EMPTY_CACHE, NAMESPACE, HarnessError
 from tools.soak.harness import Soak
 
 
@@ -155,20 +155,9 @@ class ClusterSoak(Soak):
 
     def _spawn_driver(self) -> tuple[subprocess.Popen, str]:
         """A driver on a node of its own of the current cluster."""
-        self.driver_n += 1
-        ctl = os.path.join(self.paths["control"], f"d{self.driver_n}")
-        os.makedirs(ctl, exist_ok=True)
-        cfg = {
-            "input": self.paths["input"],
-            "out": self.paths["out"],
-            "control": ctl,
-            "acked": self.acked_path,
-            "state_store": self.state_store,
-            "spark_conf": self.cluster.spark_conf(),
-            "gateway": {"url": self.gateway_url, "namespace": NAMESPACE},
-        }
-        cfg_path = os.path.join(ctl, "driver.json")
-        _write_json_atomic(cfg_path, cfg)
+        ctl, cfg_path = self._driver_config(
+            spark_conf=self.cluster.spark_conf(), gateway={"url": self.gateway_url, "namespace": NAMESPACE}
+        )
         node = self.cluster.start_driver(
             [sys.executable, "-m", "tools.soak", "_driver", cfg_path],
             env=child_env(dict(os.environ, SOS_KEY=self.key)),

@@ -76,6 +76,14 @@ class Soak(Checks):
         self.stall_timeout = stall_timeout
         self.delay = delay
         self.quiet = quiet
+        self._init_files(workdir)
+        self.t0 = time.monotonic()
+        self._init_processes(standby)
+        self._init_progress()
+        self._init_figures()
+
+    def _init_files(self, workdir: str) -> None:
+        """The run's directories, the ``acked`` file the drivers append to, the events log."""
         p = {
             k: os.path.join(workdir, k)
             for k in ("staging", "input", "out", "server-data", "control", "logs", "restore", "key-backup", "aws")
@@ -86,10 +94,13 @@ class Soak(Checks):
         self.acked_path = os.path.join(workdir, "acked.log")
         open(self.acked_path, "a").close()
         self.events_log = open(os.path.join(p["logs"], "events.log"), "a")  # noqa: SIM115 - for the run; closed at its end
-        self.t0 = time.monotonic()
+
+    def _init_processes(self, standby: bool) -> None:
+        """The server (not started yet), and no mount, worker or driver so far."""
+        p = self.paths
         # with ``disk`` events the server copies every acknowledged byte to a bucket (--tier)
         # on moto's S3 server in this process, so that a replacement can rebuild from it
-        self.store = EmbeddedStore(p["aws"]) if weights.get("disk", 0) > 0 else None
+        self.store = EmbeddedStore(p["aws"]) if self.weights.get("disk", 0) > 0 else None
         self.server = ServerProc(
             p["server-data"], os.path.join(p["logs"], "server.log"), self.store.url if self.store else None
         )
@@ -112,6 +123,9 @@ class Soak(Checks):
         self.promoted = 0
         self.cmd_seq = 0
         self.want_running = False  # the harness asked the driver to run the query
+
+    def _init_progress(self) -> None:
+        """The input fed so far and the batches acknowledged."""
         # input
         self.total_files = 0
         self.fed = 0
@@ -124,7 +138,9 @@ class Soak(Checks):
         self.acked_files = 0  # input files consumed by acknowledged batches
         self.seen_files = 0  # input files consumed by batches a look at the checkpoint saw
         self.last_progress_t = time.monotonic()
-        # figures
+
+    def _init_figures(self) -> None:
+        """What the report counts: kills, restores, checks, violations, recovery times."""
         self.kills = {k: 0 for k in self.KINDS}
         self.restores = {"sos-restore": 0, "empty-cache": 0}
         self.processes_killed = {"server": 0, "mount": 0, "driver": 0, "server-disk": 0}
@@ -289,8 +305,10 @@ class Soak(Checks):
             time.sleep(0.05)
         return None
 
-    def _spawn_driver(self) -> tuple[subprocess.Popen, str]:
-        """A new driver process with its own control directory; it idles until told."""
+    def _driver_config(self, **extra: object) -> tuple[str, str]:
+        """The next driver's control directory and its config file (``tools.soak.driver``
+        reads it: input, output, control, acked file, state store, and ``extra``).
+        Returns (control directory, config path)."""
         self.driver_n += 1
         ctl = os.path.join(self.paths["control"], f"d{self.driver_n}")
         os.makedirs(ctl, exist_ok=True)
@@ -300,9 +318,15 @@ class Soak(Checks):
             "control": ctl,
             "acked": self.acked_path,
             "state_store": self.state_store,
+            **extra,
         }
         cfg_path = os.path.join(ctl, "driver.json")
         _write_json_atomic(cfg_path, cfg)
+        return ctl, cfg_path
+
+    def _spawn_driver(self) -> tuple[subprocess.Popen, str]:
+        """A new driver process with its own control directory; it idles until told."""
+        ctl, cfg_path = self._driver_config()
         log_path = os.path.join(self.paths["logs"], f"driver{self.driver_n}.log")
         with open(log_path, "ab") as logf:
             proc = subprocess.Popen(
