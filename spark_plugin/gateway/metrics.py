@@ -29,8 +29,9 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from .hdfs import rel_path
 from .server import Gateway
-from .webhdfs import WebHdfsNamespace, rel_path
+from .webhdfs import WebHdfsNamespace
 
 __all__ = ["MAX_CHECKPOINTS", "SAMPLE_INTERVAL", "WRITER_STATES", "GatewayMetrics", "commit_of"]
 
