@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tools.sizes import LONG, sizes
+
 ROOT = Path(__file__).resolve().parent.parent
 
 #: Files whose findings are shown (``pytest -rP``) but not failed on: none. Keep it empty.
@@ -90,3 +92,11 @@ def test_import_contracts_hold():
         check=False,
     )
     assert r.returncode == 0 and "0 broken" in r.stdout, r.stdout[-6000:] + r.stderr[-2000:]
+
+
+def test_no_product_function_is_over_80_lines():
+    """Issue 18's "smaller pieces": no function in the product packages or tools/ is longer than
+    80 lines (``python -m tools.sizes`` lists the largest)."""
+    _files, funcs = sizes(ROOT)
+    assert funcs, "no function found: wrong root?"
+    assert [f"{name} ({n} lines)" for n, name in funcs if n > LONG] == []
