@@ -329,8 +329,10 @@ def test_sigstop_past_the_lease_never_makes_two_writers(sos_server, tmp_path, ha
         print(f"first commit {writer.gap_after(paused):.2f} s after SIGSTOP of the active")
         os.kill(active.pid, signal.SIGCONT)
         # the resumed zombie: its lease lapsed (StandbyException at once), then its renewal or
-        # its fence check finds it fenced: it stops with exit status 3
-        assert refused_or_gone(active.url, tok, "/zombie-write") == "refused"
+        # its fence check finds it fenced: it stops with exit status 3. Its overdue renewal runs
+        # the moment it resumes, so it may be gone before this request: either way it writes
+        # nothing (the restored tree below has no zombie-write)
+        assert refused_or_gone(active.url, tok, "/zombie-write") in ("refused", "gone")
         assert active.proc.wait(timeout=30) == 3, active.log()[-3000:]
         n = len(writer.commits)
         writer.wait(n + 10, 120)
