@@ -27,7 +27,7 @@ import trio
 
 from sos_wire.addresses import address_key
 
-from .webhdfs import WebHdfsError
+from .hdfs import WebHdfsError
 
 __all__ = ["CURRENT_CONN", "Conn", "Drop", "Reply", "Slots", "json_body", "peer_address", "remote_error"]
 

@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING
 from sos_client.errors import Fenced, OffsetMismatch, SOSError, SOSNotFound
 from sos_wire.addresses import is_wildcard, split_address
 
+from .hdfs import remote_exception
 from .http import Conn, Reply
-from .webhdfs import remote_exception
 
 if TYPE_CHECKING:
     from sos_client.journal.open import ClientFactory, OpenNamespace, RoleClient

@@ -12,8 +12,9 @@ Gateway metrics), answering "is my checkpoint protected?":
 - whether a newer writer fenced the gateway;
 - the requests served by operation (the same bounded set of names as the stop summary).
 
-Series are computed at scrape time by a collector over the gateway's own state; the two
-instrumented calls (``barrier``, ``rename`` of the namespace) are wrapped on the instance.
+Series are computed at scrape time by a collector over the gateway's own state; the barriers
+and the renames are what the namespace tells its observer (:class:`GatewayMetrics` is one,
+:class:`~spark_plugin.gateway.webhdfs_core.NamespaceObserver`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from .server import Gateway
-from .webhdfs import WebHdfsNamespace, rel_path
+from .webhdfs import WebHdfsNamespace
 
 __all__ = ["MAX_CHECKPOINTS", "SAMPLE_INTERVAL", "WRITER_STATES", "GatewayMetrics", "commit_of"]
 
@@ -46,12 +47,9 @@ MAX_CHECKPOINTS = 256
 _BARRIER_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
-def commit_of(dst_path: str) -> tuple[str, int] | None:
-    """(checkpoint as an absolute path, batch) if ``dst_path`` is ``CHECKPOINT/commits/N``."""
-    try:
-        rel = rel_path(dst_path)
-    except Exception:  # noqa: BLE001 - an invalid path commits nothing (the rename refused it)
-        return None
+def commit_of(rel: str) -> tuple[str, int] | None:
+    """(checkpoint as an absolute path, batch) if ``rel`` (namespace-relative) is
+    ``CHECKPOINT/commits/N``."""
     parent, _, name = rel.rpartition("/")
     if not (name.isascii() and name.isdigit()):
         return None
@@ -63,8 +61,9 @@ def commit_of(dst_path: str) -> tuple[str, int] | None:
 
 
 class GatewayMetrics(Collector):
-    """The gateway's series (module docstring); :meth:`instrument` wraps the namespace's
-    calls, :meth:`serve` starts the endpoint, :meth:`close` stops the sampler."""
+    """The gateway's series (module docstring); the namespace's observer
+    (:meth:`barrier_waited`, :meth:`renamed`), :meth:`serve` starts the endpoint,
+    :meth:`close` stops the sampler."""
 
     def __init__(self, gateway: Gateway, ns: WebHdfsNamespace) -> None:
         self.gateway = gateway
@@ -85,29 +84,14 @@ class GatewayMetrics(Collector):
         self._sampler: threading.Thread | None = None
         self._httpd: Any = None
 
-    # ------------------------------------------------------------------ instrumentation
-    def instrument(self) -> None:
-        ns = self.ns
-        barrier, rename = ns.barrier, ns.rename
+    # ------------------------------------------------------------------ the namespace's observer
+    def barrier_waited(self, seconds: float) -> None:
+        self.barrier_seconds.observe(seconds)
 
-        def timed_barrier(seq: int | None = None) -> None:
-            started = time.perf_counter()
-            try:
-                barrier(seq)
-            finally:
-                if ns.sync and ns.writer is not None:
-                    self.barrier_seconds.observe(time.perf_counter() - started)
-
-        def counted_rename(rel: str, dst_path: str, options: set[str] | None) -> dict | None:
-            result = rename(rel, dst_path, options)
-            if result is None or result.get("boolean") is True:
-                found = commit_of(dst_path)
-                if found is not None:
-                    self.committed(*found)
-            return result
-
-        ns.barrier = timed_barrier  # type: ignore[method-assign]
-        ns.rename = counted_rename  # type: ignore[method-assign]
+    def renamed(self, rel_dst: str) -> None:
+        found = commit_of(rel_dst)
+        if found is not None:
+            self.committed(*found)
 
     def committed(self, checkpoint: str, batch: int) -> None:
         with self._lock:
@@ -246,10 +230,10 @@ class GatewayMetrics(Collector):
 def serve_metrics(
     gateway: Gateway, ns: WebHdfsNamespace, listen: str, parse: Callable[[str], tuple[str, int]]
 ) -> GatewayMetrics:
-    """Instrument ``ns`` and serve the endpoint on ``listen`` (parsed by ``parse``)."""
+    """Observe ``ns`` and serve the endpoint on ``listen`` (parsed by ``parse``)."""
     host, port = parse(listen)
     metrics = GatewayMetrics(gateway, ns)
-    metrics.instrument()
+    ns.observer = metrics
     bound = metrics.serve(host, port)
     log.info("metrics on http://%s:%d/metrics", *bound)
     return metrics

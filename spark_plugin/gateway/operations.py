@@ -22,8 +22,10 @@ import h11
 import trio
 
 from .auth import TokenInfo
+from .hdfs import WebHdfsError, parse_permission
 from .http import Conn, Drop, Reply, json_body, remote_error
-from .webhdfs import WRITE_PIECE, WebHdfsError, WebHdfsNamespace, parse_permission
+from .webhdfs import WebHdfsNamespace
+from .webhdfs_changes import WRITE_PIECE
 
 __all__ = ["OPERATIONS", "UNSUPPORTED", "Call", "Operations", "check_operation"]
 

@@ -44,6 +44,7 @@ import trio
 from sos_wire.addresses import is_wildcard
 
 from .auth import DEFAULT_KEY_RECHECK, TOKEN_PATH, KeyChecks, OAuth2, TokenAuthority, TokenInfo
+from .hdfs import WebHdfsError, rel_path
 from .http import (
     CURRENT_CONN,
     HEAD_TIMEOUT,
@@ -61,7 +62,7 @@ from .http import (
 )
 from .lease import standby_reply
 from .operations import KNOWN_OPS, OPEN_MEMORY, OPERATIONS, WEBHDFS_PREFIX, Call, Operations, check_operation
-from .webhdfs import WebHdfsError, WebHdfsNamespace, rel_path
+from .webhdfs import WebHdfsNamespace
 
 __all__ = ["EXIT_FENCED", "MARKER_PATH", "Gate", "Gateway"]
 

@@ -58,12 +58,13 @@ from sos_wire.events import KeyRole
 
 from .auth import TokenInfo
 from .client import GatewayClient
+from .hdfs import remote_exception
 from .http import Conn, Reply, json_body
 from .lease import DEFAULT_LEASE, LeaseHolder, LeaseWatcher, lease_url, standby_reply
 from .options import GatewayOptions
 from .run import Serving, _serve, build_gateway, check_serving, close_journal, final_flush, webhdfs_view
 from .server import Gateway
-from .webhdfs import WebHdfsNamespace, remote_exception
+from .webhdfs import WebHdfsNamespace
 
 __all__ = ["PROMOTE_PATH", "Standby", "Tailer", "promote", "run_standby"]
 
