@@ -297,13 +297,25 @@ def test_spark_batch_and_file_stream_through_the_gateway_ride_a_gateway_restart(
             log_path=str(tmp_path / "gateway2.log"),
         ).start()
         before = committed_batches(str(ckpt))
-        wait(
-            lambda: len(committed_batches(str(ckpt)) - before) >= 2, "two more batches after the gateway restart", first
-        )
-        assert first.poll() is None
+        deadline = time.monotonic() + 300
+        while len(committed_batches(str(ckpt)) - before) < 2:
+            if first.poll() is not None:
+                # The one way the first run may end here: the kill cut a file body in flight
+                # (the data PUT after CREATE's redirect). Hadoop's WebHDFS output stream does not
+                # resend a body, so that write fails and the query stops (docs/SPARK.md, "When
+                # the gateway goes away"); the second run below resumes it from the checkpoint.
+                text = (tmp_path / "first.log").read_text(errors="replace")
+                assert "Unexpected end of file from server" in text and "FsPathOutputStreamRunner" in text, text[-6000:]
+                break
+            assert time.monotonic() < deadline, "two more batches after the gateway restart: not after 300 s"
+            time.sleep(0.1)
     finally:
         kill_tree(first)  # the driver dies mid-query (SIGKILL, its JVM too)
         log1.close()
+        if sys.exc_info()[0] is not None:
+            for g in (restarted, gw):
+                if g is not None:
+                    g.kill()
     done_before = committed_batches(str(ckpt))
     assert len(done_before) < STREAM_FILES, "the driver was killed before the end"
 
@@ -317,5 +329,8 @@ def test_spark_batch_and_file_stream_through_the_gateway_ride_a_gateway_restart(
     result = json.loads((tmp_path / "second-result.json").read_text())
     ids = Counter(result["ids"])
     assert sorted(ids) == list(range(STREAM_RECORDS)) and set(ids.values()) == {1}, "exactly once"
-    assert committed_batches(str(ckpt)) == set(range(STREAM_FILES))
+    # one file per trigger, but a run cut while writing its file-source log resumes with the
+    # files of two triggers in one batch: the batches stay 0..N with no gap
+    done = committed_batches(str(ckpt))
+    assert done == set(range(len(done))) and len(done) >= STREAM_FILES - 1, done
     assert (cache / "tree" / "stream" / "out" / "_spark_metadata").is_dir()
