@@ -567,8 +567,9 @@ def cmd_quota(args: argparse.Namespace) -> int:
     """Print the byte quota of NAMESPACE beside its usage, or set it to SIZE (`none` removes it) and print the same line:
     NAMESPACE<TAB>QUOTA (bytes, or none)<TAB>used USED (objects N, data bytes D), where USED = D + 4096 N is what the
     quota counts, read from the object files (safe while the server runs; `serve --namespace-quota`, by default 25%
-    of the data filesystem, applies to a namespace whose QUOTA is none). A running server applies it from the next APPEND to the namespace, also on
-    connections already open; an APPEND beyond it is refused (QUOTA_EXCEEDED) and writes nothing. The quota counts each
+    of the data filesystem, applies to a namespace whose QUOTA is none). A running server applies it from the next
+    APPEND to the namespace, also on connections already open; an APPEND beyond it is refused (QUOTA_EXCEEDED) and
+    writes nothing. The quota counts each
     object's data plus 4096 bytes per object (its file's block, header and name: protocol.md 1.9); the objects of a
     namespace are also capped by `serve --max-objects` (default 10000)."""
     st = Storage(args.data)

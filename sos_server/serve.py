@@ -145,8 +145,10 @@ def namespace_quota(args: argparse.Namespace, root: str) -> int | None:
     directory) is taken of its size now; logged, as every namespace without a quota of its
     own (`sos-server quota`) gets it."""
     setting = args.namespace_quota
-    if setting is None or isinstance(setting, int):  # a caller's own argparse.Namespace
-        return int(setting) if setting is not None else None
+    if setting is None:  # a caller's own argparse.Namespace without it
+        return None
+    if isinstance(setting, int):  # ... or with a size of its own
+        return setting
     filesystem = 0
     if setting.percent is not None:
         st = os.statvfs(root)
