@@ -64,8 +64,8 @@ RUN groupadd --system --gid 10001 sos \
     && chown sos:sos /data /cache
 USER 10001:10001
 VOLUME ["/data"]
-# 7070 server (TLS), 9070 its metrics, 9870 the gateway (WebHDFS, HTTPS)
-EXPOSE 7070 9070 9870
+# 7070 server (TLS), 9870 the gateway (WebHDFS, HTTPS); the metrics (9070) are on loopback
+EXPOSE 7070 9870
 # the server listens with TLS only (certificate and key mounted at /tls): the health check too.
 # A read-only root filesystem works: the wheels were byte-compiled when installed, so Python
 # writes no __pycache__ (PYTHONDONTWRITEBYTECODE: it does not even try); the only writable
@@ -74,11 +74,19 @@ EXPOSE 7070 9070 9870
 # SOS_LISTEN, SOS_METRICS_LISTEN: the default command's addresses. Every interface of the
 # container suits a private network namespace (docker run -p, compose, a pod); with the
 # host's network (--network host) that is every interface of the host, so there give an
-# address of the host: -e SOS_LISTEN=127.0.0.1:7070 -e SOS_METRICS_LISTEN=127.0.0.1:9070.
+# address of the host: -e SOS_LISTEN=127.0.0.1:7070. The metrics stay on the container's
+# loopback (their pages name every namespace and need no authentication; the server refuses
+# another address without --metrics-public): a Prometheus in the container's network
+# namespace scrapes them (compose: --profile monitoring); to publish them, run the command
+# with --metrics 0.0.0.0:9070 --metrics-public behind a firewall that admits only
+# Prometheus (docs/DEPLOY.md, Server metrics).
+# SOS_NAMESPACE_QUOTA: each namespace's byte quota unless `sos-server quota` sets its own: a
+# quarter of the /data volume's filesystem (a size such as 10GiB, or none, also work).
 # The health check follows the running server's (or gateway's) --listen; SOS_HEALTH_ADDR,
 # when set, wins.
 ENV SOS_LISTEN=0.0.0.0:7070 \
-    SOS_METRICS_LISTEN=0.0.0.0:9070 \
+    SOS_METRICS_LISTEN=127.0.0.1:9070 \
+    SOS_NAMESPACE_QUOTA=25% \
     SOS_HEALTH_TLS=1 \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
@@ -87,4 +95,4 @@ HEALTHCHECK --interval=30s --timeout=10s --start-period=20s --retries=3 \
     CMD ["python", "/usr/local/lib/sos/healthcheck.py"]
 ENTRYPOINT ["/usr/bin/tini", "--"]
 # sh only expands the two addresses, then becomes sos-server (exec): tini's only child
-CMD ["sh", "-c", "exec sos-server serve --data /data --listen \"$SOS_LISTEN\" --metrics \"$SOS_METRICS_LISTEN\" --tls-cert /tls/tls.crt --tls-key /tls/tls.key"]
+CMD ["sh", "-c", "exec sos-server serve --data /data --listen \"$SOS_LISTEN\" --metrics \"$SOS_METRICS_LISTEN\" --namespace-quota \"$SOS_NAMESPACE_QUOTA\" --tls-cert /tls/tls.crt --tls-key /tls/tls.key"]

@@ -10,17 +10,28 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TypeAlias
 
 from sos_wire import argtypes
-from sos_wire.addresses import parse_address
+from sos_wire.addresses import format_address, is_loopback, is_wildcard, parse_address
 from sos_wire.errors import ErrorCode
 from sos_wire.names import BadName
 
 from .logs import setup_logging
 from .storage import MAX_EPOCH, OBJECT_CHARGE, Retention, Storage, StorageError
 
-__all__ = ["build_parser", "main", "parse_duration", "parse_hostport", "parse_size"]
+__all__ = [
+    "DEFAULT_NAMESPACE_QUOTA",
+    "NamespaceQuota",
+    "build_parser",
+    "main",
+    "metrics_refusal",
+    "parse_duration",
+    "parse_hostport",
+    "parse_namespace_quota",
+    "parse_size",
+]
 
 log = logging.getLogger("sos_server.cli")
 
@@ -41,6 +52,79 @@ def parse_hostport(text: str) -> tuple[str, int]:
 
 
 _epoch = argtypes.integer(0, MAX_EPOCH)
+
+
+@dataclass(frozen=True)
+class NamespaceQuota:
+    """``serve --namespace-quota``: the byte quota of every namespace without one of its own
+    (`sos-server quota`): ``size`` bytes, or ``percent`` % of the size of the filesystem that
+    holds the data directory (read when the server starts), or neither: no quota."""
+
+    size: int | None = None
+    percent: float | None = None
+
+    def resolve(self, filesystem_bytes: int) -> int | None:
+        """The quota in bytes on a data filesystem of *filesystem_bytes* (None: no quota)."""
+        if self.percent is None:
+            return self.size
+        return int(filesystem_bytes * self.percent / 100)
+
+    def __str__(self) -> str:
+        if self.percent is not None:
+            return f"{self.percent:g}%"
+        return "none" if self.size is None else str(self.size)
+
+
+#: the byte quota of a namespace when neither `sos-server quota` nor ``--namespace-quota``
+#: sets one: a quarter of the data filesystem, so that one namespace (a runaway job, a
+#: hostile key holder) leaves at least three quarters of the disk to the others, on a disk
+#: of any size (a fixed default would protect nothing on a small volume and cap a big one
+#: needlessly); `--namespace-quota none` turns it off
+DEFAULT_NAMESPACE_QUOTA = "25%"
+
+
+def parse_namespace_quota(text: str) -> NamespaceQuota:
+    """An argparse type: ``SIZE`` (``10GiB``, ``500M``, bytes), ``PERCENT%`` of the data
+    filesystem (above 0, at most 100) or ``none``."""
+    stripped = text.strip()
+    if stripped.lower() == "none":
+        return NamespaceQuota()
+    if stripped.endswith("%"):
+        try:
+            percent = float(stripped[:-1])
+        except ValueError:
+            percent = -1.0
+        if not 0 < percent <= 100:  # also NaN
+            raise argparse.ArgumentTypeError(
+                f"bad percentage {text!r}: a share of the data filesystem above 0% and at most 100%, e.g. 25%"
+            )
+        return NamespaceQuota(percent=percent)
+    try:
+        return NamespaceQuota(size=parse_size(stripped))
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"bad quota {text!r}: use a size (e.g. 10GiB), a share of the data filesystem (e.g. 25%) or none"
+        ) from None
+
+
+parse_namespace_quota.__name__ = "quota"  # argparse names the type in its error message
+
+
+def metrics_refusal(option: str, host: str, port: int, *, what: str) -> str | None:
+    """Why ``OPTION HOST:PORT`` (a metrics endpoint) is refused without ``--metrics-public``,
+    or None if it is loopback. Its pages need no authentication and their labels name *what*,
+    so by default they are served where only this host (or this network namespace: a pod, a
+    container with its Prometheus sidecar) reaches them."""
+    if is_loopback(host):
+        return None
+    where = "every interface" if is_wildcard(host) else "an address that is not loopback"
+    return (
+        f"{option} {format_address(host, port)} serves {where}: the metrics pages need no authentication and"
+        f" their labels name {what} to whoever reaches them. Bind them to loopback (e.g. {option}"
+        f" {format_address('127.0.0.1', port)}, for a Prometheus on this host or in this pod or container's"
+        f" network), or add --metrics-public where a firewall or NetworkPolicy lets only Prometheus reach"
+        f" {format_address(host, port)} (docs/DEPLOY.md, Server metrics)"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,7 +168,15 @@ def _serve_endpoint_options(s: argparse.ArgumentParser) -> None:
         "--metrics",
         type=parse_hostport,
         default=None,
-        help="HOST:PORT of the Prometheus endpoint (docs/DEPLOY.md, Metrics; default: none)",
+        help="HOST:PORT of the Prometheus endpoint (docs/DEPLOY.md, Server metrics; default: none); loopback"
+        " only, unless --metrics-public",
+    )
+    s.add_argument(
+        "--metrics-public",
+        action="store_true",
+        help="let --metrics bind an address that is not loopback (every interface, a pod's address): its pages"
+        " need no authentication and name every namespace, so only where a firewall or NetworkPolicy admits"
+        " only Prometheus",
     )
     s.add_argument(
         "--tls-cert",
@@ -157,10 +249,12 @@ def _serve_storage_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--max-object-size", type=_positive, default=1 << 40, help="quota: bytes per object (default 1 TiB)")
     s.add_argument(
         "--namespace-quota",
-        type=parse_size,
-        default=None,
-        metavar="SIZE",
-        help="quota: bytes per namespace, for namespaces without their own (`sos-server quota`); default none",
+        type=parse_namespace_quota,
+        default=DEFAULT_NAMESPACE_QUOTA,
+        metavar="SIZE|PERCENT%|none",
+        help="quota: bytes per namespace, for namespaces without their own (`sos-server quota`): a size, a share"
+        " of the data directory's filesystem (its size when the server starts) or none (default"
+        f" {DEFAULT_NAMESPACE_QUOTA.replace('%', '%%')}: one namespace cannot fill the disk of the others)",
     )
     s.add_argument(
         "--max-open-objects",
@@ -472,9 +566,10 @@ def cmd_keys_revoke(args: argparse.Namespace) -> int:
 def cmd_quota(args: argparse.Namespace) -> int:
     """Print the byte quota of NAMESPACE beside its usage, or set it to SIZE (`none` removes it) and print the same line:
     NAMESPACE<TAB>QUOTA (bytes, or none)<TAB>used USED (objects N, data bytes D), where USED = D + 4096 N is what the
-    quota counts, read from the object files (safe while the server runs; `serve --namespace-quota` applies to a
-    namespace whose QUOTA is none). A running server applies it from the next APPEND to the namespace, also on
-    connections already open; an APPEND beyond it is refused (QUOTA_EXCEEDED) and writes nothing. The quota counts each
+    quota counts, read from the object files (safe while the server runs; `serve --namespace-quota`, by default 25%
+    of the data filesystem, applies to a namespace whose QUOTA is none). A running server applies it from the next
+    APPEND to the namespace, also on connections already open; an APPEND beyond it is refused (QUOTA_EXCEEDED) and
+    writes nothing. The quota counts each
     object's data plus 4096 bytes per object (its file's block, header and name: protocol.md 1.9); the objects of a
     namespace are also capped by `serve --max-objects` (default 10000)."""
     st = Storage(args.data)
@@ -600,6 +695,8 @@ def _serve_usage(args: argparse.Namespace) -> str | None:
         return "--tier-interval must be positive"
     if args.tier_bytes < 1:
         return "--tier-bytes must be at least 1 byte"
+    if args.metrics and not args.metrics_public:
+        return metrics_refusal("--metrics", *args.metrics, what="every namespace the server holds")
     return None
 
 

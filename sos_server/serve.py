@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import ssl
 import sys
@@ -29,7 +30,7 @@ from .storage import Retention, Storage, StorageError
 from .tier_bootstrap import BootstrapError, bootstrap, needs_bootstrap
 from .tiering import Tier
 
-__all__ = ["Server", "StartError", "load_tls", "open_storage", "open_tier_store", "start_metrics"]
+__all__ = ["Server", "StartError", "load_tls", "namespace_quota", "open_storage", "open_tier_store", "start_metrics"]
 
 log = logging.getLogger("sos_server.cli")  # the command's logger, as before the split
 
@@ -139,6 +140,30 @@ def _bootstrap_if_empty(args: argparse.Namespace, storage: Storage, store: Store
     )
 
 
+def namespace_quota(args: argparse.Namespace, root: str) -> int | None:
+    """``--namespace-quota`` in bytes: a share of the filesystem holding *root* (the data
+    directory) is taken of its size now; logged, as every namespace without a quota of its
+    own (`sos-server quota`) gets it."""
+    setting = args.namespace_quota
+    if setting is None:  # a caller's own argparse.Namespace without it
+        return None
+    if isinstance(setting, int):  # ... or with a size of its own
+        return setting
+    filesystem = 0
+    if setting.percent is not None:
+        st = os.statvfs(root)
+        filesystem = st.f_blocks * st.f_frsize
+        if filesystem <= 0:  # a filesystem that does not say its size
+            log.warning("--namespace-quota %s: the data filesystem reports no size: no default quota", setting)
+            return None
+    quota: int | None = setting.resolve(filesystem)
+    log.info(
+        "namespace quota",
+        extra={"setting": str(setting), "bytes": quota, "filesystem_bytes": filesystem or None},
+    )
+    return quota
+
+
 def start_metrics(args: argparse.Namespace, metrics: Metrics) -> None:
     """The Prometheus endpoint of ``--metrics`` (none without), in a daemon thread."""
     if not args.metrics:
@@ -173,7 +198,7 @@ class Server:
             max_objects=args.max_objects,
             max_object_size=args.max_object_size,
             max_total_objects=args.max_objects_total,
-            namespace_quota=args.namespace_quota,
+            namespace_quota=namespace_quota(args, storage.root),
         )
         self.engine = Engine(storage, limits=limits, metrics=metrics)
         self.tier: Tier | None = None

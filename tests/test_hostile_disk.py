@@ -60,7 +60,8 @@ def _fill(path) -> int:
 
 
 def _server_on(tmpfs, factory, ns):
-    srv = factory(data_dir=tmpfs / "data", start=False)
+    # no byte quota: the disk fills, not the namespace's quota (by default a quarter of it)
+    srv = factory(data_dir=tmpfs / "data", args=["--namespace-quota", "none"], start=False)
     key = srv.keygen(ns, "append")
     srv.start()
     return srv, key

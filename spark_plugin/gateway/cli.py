@@ -25,6 +25,7 @@ from sos_client.journal.face_command import (
 )
 from sos_client.journal.points import parse_batch
 from sos_wire import argtypes
+from sos_wire.addresses import format_address, is_loopback, is_wildcard
 from sos_wire.names import validate_namespace
 
 if TYPE_CHECKING:
@@ -236,7 +237,14 @@ def add_operations_options(p: argparse.ArgumentParser) -> None:
         help="serve Prometheus metrics on this address (:PORT is 127.0.0.1:PORT; port 0: any "
         "free one): spool lag, writer state, replicator errors, barrier latency, last "
         "committed batch per checkpoint, fenced, requests by operation (docs/DEPLOY.md, "
-        "Gateway metrics; default: none)",
+        "Gateway metrics; default: none); loopback only, unless --metrics-public",
+    )
+    p.add_argument(
+        "--metrics-public",
+        action="store_true",
+        help="let --metrics bind an address that is not loopback (every interface, a pod's "
+        "address): its page needs no authentication and names the namespace and its "
+        "checkpoints, so only where a firewall or NetworkPolicy admits only Prometheus",
     )
     p.add_argument(
         "--restore-batch",
@@ -290,7 +298,9 @@ def usage_refusal(args: argparse.Namespace) -> str:
         if args.advertise:
             parse_advertise(args.advertise)
         if args.metrics:
-            parse_metrics_listen(args.metrics)
+            host, port = parse_metrics_listen(args.metrics)
+            if not args.metrics_public and not is_loopback(host):
+                return metrics_public_refusal(host, port)
         if args.restore_batch:
             parse_batch(args.restore_batch)
     except ValueError as exc:
@@ -303,6 +313,19 @@ def usage_refusal(args: argparse.Namespace) -> str:
     if args.standby and (args.restore_batch or args.metrics):
         return "--restore-batch and --metrics are not served by a --standby gateway (roll back or watch the active one)"
     return ""
+
+
+def metrics_public_refusal(host: str, port: int) -> str:
+    """Why ``--metrics HOST:PORT`` off loopback is refused without ``--metrics-public``."""
+    where = "every interface" if is_wildcard(host) else "an address that is not loopback"
+    return (
+        f"--metrics {format_address(host, port)} serves {where}: the metrics page needs no "
+        "authentication and its labels name the namespace and its checkpoints to whoever reaches "
+        f"it. Bind it to loopback (e.g. --metrics {format_address('127.0.0.1', port)}, for a "
+        "Prometheus on this host or in this pod or container's network), or add --metrics-public "
+        f"where a firewall or NetworkPolicy lets only Prometheus reach {format_address(host, port)} "
+        "(docs/DEPLOY.md, Gateway metrics)"
+    )
 
 
 def gateway_options(args: argparse.Namespace, start: CommandStart) -> GatewayOptions:
