@@ -235,7 +235,8 @@ def add_operations_options(p: argparse.ArgumentParser) -> None:
         default=None,
         help="serve Prometheus metrics on this address (:PORT is 127.0.0.1:PORT; port 0: any "
         "free one): spool lag, writer state, replicator errors, barrier latency, last "
-        "committed batch per checkpoint, fenced, requests by operation (docs/DEPLOY.md, "
+        "committed batch per checkpoint, fenced, requests by operation; a --standby serves "
+        "its role, tail and lease view, and keeps serving once promoted (docs/DEPLOY.md, "
         "Gateway metrics; default: none)",
     )
     p.add_argument(
@@ -300,8 +301,8 @@ def usage_refusal(args: argparse.Namespace) -> str:
         refusal = plaintext_refusal(args.listen, tls=tls, insecure_plaintext=args.insecure_plaintext)
         if refusal:
             return refusal
-    if args.standby and (args.restore_batch or args.metrics):
-        return "--restore-batch and --metrics are not served by a --standby gateway (roll back or watch the active one)"
+    if args.standby and args.restore_batch:
+        return "--restore-batch is not served by a --standby gateway (roll back on the active one)"
     return ""
 
 

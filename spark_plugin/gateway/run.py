@@ -38,6 +38,7 @@ from .metrics import GatewayMetrics, serve_metrics
 from .options import DRAIN_TIMEOUT, GatewayOptions
 from .process import READY_MARKER
 from .server import EXIT_FENCED, Gateway
+from .standby_metrics import RoleCollector
 from .webhdfs import WebHdfsNamespace
 
 __all__ = [
@@ -282,6 +283,8 @@ def run_gateway(options: GatewayOptions) -> int:
     except OSError as exc:
         opened.close(timeout=0)
         raise OSError(exc.errno, f"cannot listen for metrics on {options.metrics}: {exc.strerror or exc}") from None
+    if exported is not None:
+        exported.registry.register(RoleCollector(lambda: "active"))
     return serve_active(options, serving, gateway, opened, exported)
 
 
