@@ -45,6 +45,7 @@ __all__ = [
     "LeaseHolder",
     "LeaseWatcher",
     "hold_lease",
+    "last_renewals",
     "lease_name",
     "lease_url",
     "parse_lease_name",
@@ -213,6 +214,23 @@ def _last_url(client: RoleClient, name: str, length: int) -> str:
             continue
         return str(doc.get("url", "")) if isinstance(doc, dict) else ""
     return ""
+
+
+def last_renewals(client: RoleClient, epoch: int) -> list[float]:
+    """The Unix times (s) of the last renewals of ``lease/<epoch>`` (at most a few, oldest
+    first; [] if that writer held no lease or it cannot be read): a gateway that takes a
+    namespace over tells by them whether the previous writer was still alive."""
+    name = lease_name(epoch)
+    try:
+        length = int(client.stat(name)[0])
+        tail = b"".join(bytes(c) for c in client.read_iter(name, max(0, length - 1024), 0))
+    except (SOSError, OSError):
+        return []
+    times = []
+    for line in tail.split(b"\n"):
+        with contextlib.suppress(ValueError, TypeError, KeyError):
+            times.append(float(json.loads(line)["t"]) / 1000)
+    return times[-4:]
 
 
 def lease_url(advertise: str | None, listen: str) -> str:
