@@ -53,7 +53,7 @@ def section(doc: str, heading: str) -> str:
     out, fenced = [], False
     for line in doc.split(f"\n{heading}\n", 1)[1].splitlines(keepends=True):
         fenced ^= line.startswith("```")
-        if not fenced and re.match(r"#{1,%d} " % level, line):
+        if not fenced and re.match(rf"#{{1,{level}}} ", line):
             break
         out.append(line)
     return "".join(out)
@@ -108,7 +108,11 @@ class Background:
         self.log_path = log
         with open(log, "w") as out:
             self.proc = subprocess.Popen(
-                ["bash", "-c", line], cwd=cwd, env=env(**extra), stdout=out, stderr=subprocess.STDOUT,
+                ["bash", "-c", line],
+                cwd=cwd,
+                env=env(**extra),
+                stdout=out,
+                stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
         wait_for(lambda: marker in self.log() or self.proc.poll() is not None, TIMEOUT, marker)
@@ -136,10 +140,10 @@ def certificates(tmp_path) -> tuple[pathlib.Path, pathlib.Path, pathlib.Path, pa
     return tls / "tls.crt", tls / "tls.key", tls / "gateway.crt", tls / "gateway.key"
 
 
-def token(url: str, key: str, verify=True) -> str:
+def token(url: str, key: str, verify=True, namespace: str = NS) -> str:
     r = requests.post(
         url + "/oauth2/token",
-        data={"grant_type": "client_credentials", "client_id": NS, "client_secret": key},
+        data={"grant_type": "client_credentials", "client_id": namespace, "client_secret": key},
         verify=verify,
         timeout=60,
     )
@@ -321,7 +325,276 @@ def test_is_my_batch_committed_as_documented(sos_server_factory, tmp_path):
         five = run(batch.replace("checkpoint:41", "checkpoint:5"))
         assert five.returncode == 0 and five.stdout == "5\n", five
         # without the certificate the same command says what is missing
-        bare = sh(f"{export.replace('SOS_TLS_CA=deploy/tls/tls.crt ', '')}\n{newest.replace('/tmp/peek', 'p2').replace(' myjob ', f' {NS} ')}", tmp_path)
+        bare = sh(
+            f"{export.replace('SOS_TLS_CA=deploy/tls/tls.crt ', '')}\n{newest.replace('/tmp/peek', 'p2').replace(' myjob ', f' {NS} ')}",
+            tmp_path,
+        )
         assert bare.returncode != 0 and "SOS_TLS_CA" in bare.stderr, bare
     finally:
         gw.stop()
+
+
+# ---------------------------------------------------------------------------- DEPLOY.md, Replacing a lost server
+
+
+def test_replacing_a_lost_server_as_documented(moto, new_bucket, tmp_path):
+    """Items 9 and 10: a server with --tier and a gateway with --durability tier and a lease;
+    batches committed; the gateway SIGKILLed, the server SIGKILLed, its disk and the cache
+    deleted. Then the block of "Replacing a lost server" as written (keys from the backup into
+    0700 directories, new keys, the quota, all before the start; the server on that directory
+    with the same --tier and TLS): the rebuild accepts them and keeps them, and a gateway on an
+    empty cache serves every committed batch, logging an ordinary takeover (the lost writer's
+    lease stopped), not FENCED A LIVE WRITER?."""
+    url = new_bucket()
+    crt, tls_key, _gc, _gk = certificates(tmp_path)
+    old = ServerProcess(tmp_path / "old-data", ["--tier", url, "--tls-cert", crt, "--tls-key", tls_key]).start()
+    key = old.keygen(NS)
+    gw = GatewayProcess(
+        NS,
+        str(tmp_path / "old-cache"),
+        old.address,
+        key,
+        durability="tier",
+        extra_args=["--tls-ca", str(crt), "--lease", "1s"],
+        log_path=str(tmp_path / "old-gateway.log"),
+    ).start()
+    try:
+        tok = token(gw.url, key)
+        for n in range(3):
+            commit(gw.url, tok, n)  # durability tier: in the bucket once committed
+        backup = tmp_path / "backup"
+        assert (
+            sh(
+                f"mkdir -p {backup}/ns/{NS} && cp -a {old.data_dir}/ns/{NS}/keys {backup}/ns/{NS}/keys", tmp_path
+            ).returncode
+            == 0
+        )
+    finally:
+        gw.kill()
+        old.kill()
+    lost_at = time.time()
+    shutil.rmtree(old.data_dir)
+    shutil.rmtree(tmp_path / "old-cache")
+
+    lines = commands(section(DEPLOY, "## Replacing a lost server"))
+    assert len(lines) == 5 and lines[-1].startswith("sos-server serve"), lines
+    data = tmp_path / "new-data"
+    for line in lines[:-1]:
+        done = sh("umask 022\n" + line.replace("/data", str(data)).replace("/backup", str(backup)), tmp_path)
+        assert done.returncode == 0, (line, done.stderr)
+    for d in (data, data / "ns", data / "ns" / NS, data / "ns" / NS / "keys"):
+        assert stat.S_IMODE(os.stat(d).st_mode) == 0o700, d
+    for f in (data / "ns" / NS / "keys").iterdir():
+        assert stat.S_IMODE(os.stat(f).st_mode) == 0o600, f
+    assert os.listdir(data / "ns" / NS / "objects") == []  # keygen and quota made it: accepted
+    new_key = (tmp_path / "sparkjob-append.key").read_text().strip()
+    subs = {
+        "/data": str(data),
+        "0.0.0.0:7070": "127.0.0.1:0",
+        "s3://my-bucket/sos": url,
+        "/tls/tls.crt": str(crt),
+        "/tls/tls.key": str(tls_key),
+    }
+    server = Background(swap(lines[-1], subs), tmp_path, tmp_path / "new-server.log", LISTENING)
+    gw2 = None
+    try:
+        address = server.line(LISTENING).split(LISTENING, 1)[1].split()[0].strip('",')
+        quota = sh(f"sos-server quota --data {data} {NS}", tmp_path)
+        assert re.match(rf"{NS}\t10737418240\tused \d+ \(objects [1-9]", quota.stdout), quota  # kept, and filled
+        time.sleep(max(0.0, lost_at + LEASE_GONE_MIN + 1 - time.time()))
+        gw2 = GatewayProcess(
+            NS,
+            str(tmp_path / "new-cache"),
+            address,
+            new_key,
+            durability="tier",
+            extra_args=["--tls-ca", str(crt)],
+            log_path=str(tmp_path / "new-gateway.log"),
+        ).start()
+        tok = token(gw2.url, key)  # the backed-up key too
+        assert listing(gw2.url, tok, "/checkpoint/commits") == ["0", "1", "2"]
+        commit(gw2.url, tok, 3)  # the query goes on
+        log = gw2.log()
+        assert "FENCED A LIVE WRITER?" not in log, log[-3000:]
+        assert re.search(r"took over namespace .* its lease was last renewed \d+ s ago: it had stopped", log), log[
+            -3000:
+        ]
+    finally:
+        if gw2 is not None:
+            gw2.stop()
+        server.kill(signal.SIGTERM)
+
+
+def test_the_first_writer_after_a_loss_without_a_lease_says_it_is_expected(sos_server, tmp_path):
+    """Item 10, the other case: a previous writer without a lease (no heartbeat) whose last
+    record is recent: the warning stays, and says that after a loss it is expected."""
+    key = sos_server.keygen(NS)
+    first = GatewayProcess(NS, str(tmp_path / "c1"), sos_server.address, key).start()
+    try:
+        commit(first.url, token(first.url, key), 0)
+    finally:
+        first.kill()
+    second = GatewayProcess(NS, str(tmp_path / "c2"), sos_server.address, key).start()
+    try:
+        log = second.log()
+        assert "FENCED A LIVE WRITER?" in log and "Expected after a loss" in log, log[-3000:]
+    finally:
+        second.stop()
+
+
+# ---------------------------------------------------------------------------- SPARK.md, A gateway pair
+
+
+def test_gateway_pair_as_documented(moto, new_bucket, tmp_path):
+    """Items 1 and 3: the pair's three commands as written (HTTPS with DEPLOY.md's gateway
+    certificate, --durability tier against a server with a tier and TLS, --metrics on both);
+    the standby logs what it will run with, serves metrics as a standby, is promoted by the
+    documented `sos gateway promote` line, logs the options its writer opens with, fences the
+    active (exit 3) and serves the next commit, which its metrics report."""
+    url = new_bucket()
+    crt, tls_key, gw_crt, gw_key = certificates(tmp_path)
+    srv = ServerProcess(tmp_path / "data", ["--tier", url, "--tls-cert", crt, "--tls-key", tls_key]).start()
+    key = srv.keygen("myjob")
+    pair = section(SPARK, "### A gateway pair: fail over in seconds (issue 22)")
+    active_line, standby_line, promote_line = commands(pair, "bash")
+    assert "--standby" in standby_line and "--standby" not in active_line, (active_line, standby_line)
+    ports = {"a": free_port("127.0.0.1"), "b": free_port("127.0.0.1")}
+    started: list[Background] = []
+    try:
+        for name, line in (("a", active_line), ("b", standby_line)):
+            subs = {
+                "<append key>": key,
+                "0.0.0.0:9870": f"127.0.0.1:{ports[name]}",
+                "sos-server:7070": srv.address,
+                "sos-ca.pem": str(crt),
+                "/var/cache/sos-gateway/myjob": str(tmp_path / f"cache-{name}"),
+                f"gw-{name}.pem": str(gw_crt),
+                f"gw-{name}.key": str(gw_key),
+                f"gw-{name}:9870": f"localhost:{ports[name]}",
+                "--metrics :9102": "--metrics :0",
+            }
+            started.append(Background(swap(line, subs), tmp_path, tmp_path / f"gw-{name}.log", READY_MARKER))
+        active, standby = started
+        a_url, b_url = (f"https://127.0.0.1:{ports[n]}" for n in "ab")
+        assert re.search(
+            r"once promoted, the writer runs with sync, durability tier, .*HTTPS, advertised as localhost:\d+, lease 10 s",
+            standby.log(),
+        ), standby.log()[-3000:]
+        b_metrics = metrics_url(standby.log())
+        assert scrape(b_metrics)['sos_gateway_role{role="standby"}'] == 1
+        tok = token(a_url, key, verify=str(gw_crt), namespace="myjob")
+        for n in range(2):
+            commit(a_url, tok, n, verify=str(gw_crt))
+        done = sh(
+            swap(promote_line, {"<append key>": key, "https://127.0.0.1:9870": b_url, "gw-b.pem": str(gw_crt)}),
+            tmp_path,
+        )
+        assert done.returncode == 0 and "promoted: writer epoch" in done.stdout, done
+        assert re.search(r"the namespace's writer opens with sync, durability tier, .*HTTPS", standby.log())
+        wait_for(lambda: active.proc.poll() is not None, 60, "the fenced active stops")
+        assert active.proc.returncode == 3, active.log()[-3000:]
+        tok = token(b_url, key, verify=str(gw_crt), namespace="myjob")
+        commit(b_url, tok, 2, verify=str(gw_crt))
+        assert listing(b_url, tok, "/checkpoint/commits", verify=str(gw_crt)) == ["0", "1", "2"]
+        m = scrape(b_metrics)
+        assert (
+            m['sos_gateway_role{role="active"}'] == 1
+            and m['sos_gateway_last_commit_batch{checkpoint="/checkpoint"}'] == 2
+        )
+    finally:
+        for b in started:
+            b.kill(signal.SIGTERM)
+        srv.stop()
+
+
+# ---------------------------------------------------------------------------- the token URL, with Hadoop's client
+
+
+def _jars() -> str | None:
+    try:
+        import pyspark
+    except ImportError:
+        return None
+    jars = os.path.join(os.path.dirname(pyspark.__file__), "jars")
+    return jars if glob.glob(os.path.join(jars, "hadoop-client-api-*.jar")) else None
+
+
+def test_a_token_url_resolving_to_both_gateways_survives_the_loss_of_the_first(sos_server, tmp_path):
+    """Item 4, what SPARK.md recommends: the token URL's name resolves to both gateways of a
+    pair (here by a hosts file bind-mounted in a private mount namespace of the JVM, as a
+    headless Service's DNS name does). The gateway at the first address is SIGKILLed; a JVM
+    started afterwards (a new executor) gets its token from the other one through Hadoop's own
+    token provider and commits. The same JVM given the first gateway's URL alone (the old
+    default) fails; given the helper's default (the last URL) it works."""
+    jars = _jars()
+    if jars is None or shutil.which("javac") is None or shutil.which("unshare") is None or os.geteuid() != 0:
+        pytest.skip("needs pyspark's Hadoop jars, javac, unshare and root (a private /etc/hosts)")
+    classes = tmp_path / "classes"
+    subprocess.run(
+        ["javac", "-cp", os.path.join(jars, "*"), "-d", str(classes), str(ROOT / "tests" / "data" / "HaWriter.java")],
+        check=True,
+        timeout=300,
+    )
+    port = free_port("127.0.0.1", "127.0.0.2")
+    key = sos_server.keygen(NS)
+    first = GatewayProcess(
+        NS,
+        str(tmp_path / "c1"),
+        sos_server.address,
+        key,
+        listen=f"127.0.0.1:{port}",
+        extra_args=["--lease", "3"],
+        log_path=str(tmp_path / "first.log"),
+    ).start()
+    second = GatewayProcess(
+        NS,
+        str(tmp_path / "c2"),
+        sos_server.address,
+        key,
+        listen=f"127.0.0.2:{port}",
+        extra_args=["--standby", "--lease", "3"],
+        log_path=str(tmp_path / "second.log"),
+    ).start()
+    hosts = tmp_path / "hosts"
+    # each address's own name first: Hadoop names a gateway by a reverse lookup of its address
+    # (NetUtils.getHostPortString), which must not give the shared name
+    hosts.write_text("127.0.0.1 localhost\n127.0.0.2 gw-b\n127.0.0.1 sos-pair\n127.0.0.2 sos-pair\n")
+    addresses = f"127.0.0.1:{port},127.0.0.2:{port}"
+
+    def jvm(token_url: str, run: str, *props: str) -> subprocess.CompletedProcess[str]:
+        java = ["java", *props, "-cp", f"{jars}/*:{classes}", "HaWriter", "sosha", addresses, token_url, NS, "2"]
+        script = f"mount --bind {hosts} /etc/hosts && exec " + " ".join([*java, str(tmp_path / f"STOP-{run}")])
+        return subprocess.run(
+            ["unshare", "-m", "sh", "-c", script],
+            env=dict(os.environ, SOS_KEY=key),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    order = subprocess.run(
+        ["unshare", "-m", "sh", "-c", f"mount --bind {hosts} /etc/hosts && getent ahostsv4 sos-pair"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout.split()
+    assert [a for a in order if a.startswith("127.")][::3] == ["127.0.0.1", "127.0.0.2"], order  # the dead one first
+    try:
+        first.kill()  # the first address of the name: connections refused from now on
+        wait_for(lambda: "standby: promoted" in second.log(), 60, "the standby's promotion")
+        both = jvm(f"http://sos-pair:{port}/oauth2/token", "both")
+        assert both.returncode == 0 and both.stdout.split("\n")[-2] == "DONE", (both.stdout, both.stderr[-3000:])
+        assert "COMMITTED 1" in both.stdout
+        default = gateway_conf([f"http://127.0.0.1:{port}", f"http://127.0.0.2:{port}"], NS, key)
+        last = jvm(default["dfs.webhdfs.oauth2.refresh.url"], "default")
+        assert last.returncode == 0 and "DONE" in last.stdout, (last.stdout, last.stderr[-3000:])
+        lost = jvm(
+            f"http://127.0.0.1:{port}/oauth2/token",
+            "lost",
+            "-Dhawriter.attempts=1",
+            "-Dhadoop.dfs.http.client.retry.max.attempts=2",
+        )
+        assert lost.returncode != 0 and "Unable to obtain access token" in lost.stdout + lost.stderr, lost.stdout
+    finally:
+        first.kill()
+        second.kill()
