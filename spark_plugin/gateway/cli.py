@@ -190,7 +190,10 @@ def add_standby_options(p: argparse.ArgumentParser) -> None:
         help="serve as a standby (a standby NameNode for Hadoop's HA client): tail the "
         "namespace's journal into the cache, answer every WebHDFS request with "
         "StandbyException, and take over as the writer once the active gateway's "
-        "lease is silent for --lease seconds, or on `sos gateway promote`",
+        "lease is silent for --lease seconds, or on `sos gateway promote`. Promoted, it "
+        "runs with its own options: give it the active's (--durability, --async, "
+        "--generation-bytes, --lease, --tls-ca, ...) with its own --tls-cert/--tls-key, "
+        "--advertise, --cache and --metrics (docs/SPARK.md, A gateway pair)",
     )
     p.add_argument(
         "--lease",
