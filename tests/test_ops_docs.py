@@ -250,6 +250,19 @@ def test_the_default_token_url_of_a_pair_is_the_standby():
     assert "the **last** URL" in pair and "resolves to both" in pair
 
 
+def test_the_pair_python_block_runs_and_says_what_it_returns():
+    """SPARK.md's gateway_checkpoint block of "A gateway pair", run as written (no session:
+    builder None): the location its comment gives, the token URL it passes."""
+    pair = section(SPARK, "### A gateway pair: fail over in seconds (issue 22)")
+    (block,) = re.findall(r"```python\n(.*?)```", pair, re.DOTALL)
+    scope: dict[str, object] = {"builder": None, "KEY": "0123456789abcdef.00", "gateway_checkpoint": gateway_checkpoint}
+    exec(block, scope)
+    chk = scope["chk"]
+    said = re.search(r'# chk == "([^"]+)"', block)
+    assert said and chk == said.group(1) == "swebhdfs://sos-myjob/checkpoint"
+    assert chk.conf["spark.hadoop.dfs.webhdfs.oauth2.refresh.url"] == "https://sos-gateway-pair:9870/oauth2/token"
+
+
 def test_the_commit_label_example_is_what_is_served():
     """Item 6: the label example of DEPLOY.md is the path in the namespace (the value
     served is checked in test_is_my_batch_committed_as_documented)."""
@@ -282,6 +295,16 @@ def test_documented_quota_commands(sos_server, tmp_path):
         done = sh(swap(line, subs), tmp_path)
         assert done.returncode == 0, done.stderr
         assert re.fullmatch(rf"{NS}\t10737418240\tused 0 \(objects 0, data bytes 0\)\n", done.stdout), done.stdout
+    # the section's `docker exec <server> ...` lines, run as they run inside the container
+    docker = [line for line in commands(section(DEPLOY, "## Keys")) if line.startswith("docker exec <server> ")]
+    roles = []
+    for line in docker:
+        done = sh(swap(line, {"docker exec <server> ": "", "/data": sos_server.data_dir}), tmp_path)
+        assert done.returncode == 0 and re.fullmatch(r"[0-9a-f]{16}\.[0-9a-f]{64}\n", done.stdout), done
+        roles.append(line.split("--role ")[1])
+    assert roles == ["append", "token"]
+    listed = sh(f"sos-server keys list --data {sos_server.data_dir} {NS}", tmp_path).stdout
+    assert sorted(row.split("\t")[2] for row in listed.splitlines()) == ["append", "append", "token"], listed
 
 
 # ---------------------------------------------------------------------------- SPARK.md, Is my batch committed?
