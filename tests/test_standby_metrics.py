@@ -102,3 +102,24 @@ def test_a_standby_still_refuses_restore_batch(sos_server, tmp_path):
         timeout=60,
     )
     assert done.returncode == 2 and "--restore-batch is not served by a --standby gateway" in done.stderr, done
+
+
+def test_a_standby_warns_when_its_durability_is_not_the_actives(sos_server, tmp_path):
+    """Issue 31 item 3: a promoted standby writes with its own options; the active names its
+    --durability in its lease, and a standby started with another one says so at once."""
+    key = sos_server.keygen(NS)
+    active = gateway(sos_server, key, tmp_path, "active", lease=LEASE)
+    standby = gateway(sos_server, key, tmp_path, "standby", "--standby", "--durability", "tier", lease=LEASE)
+    same = gateway(sos_server, key, tmp_path, "same", "--standby", lease=LEASE)
+    try:
+        wait_for(
+            lambda: "runs with --durability server, this standby with --durability tier" in standby.log(),
+            20,
+            "the warning",
+        )
+        time.sleep(1)  # several polls of the other standby
+        assert "this standby with --durability" not in same.log()
+        assert standby.log().count("runs with --durability server") == 1  # once per lease
+    finally:
+        for g in (active, standby, same):
+            g.kill()

@@ -327,7 +327,8 @@ def serve_active(
     code = 0
     try:
         if options.lease:
-            holder = hold_lease(gateway, opened, options.lease, lease_url(options.advertise, options.listen))
+            url = lease_url(options.advertise, options.listen)
+            holder = hold_lease(gateway, opened, options.lease, url, durability=options.durability)
         mode = ("sync" if options.sync else "async") + (", durability tier" if options.durability == "tier" else "")
         about = f"(namespace {options.namespace}, {mode}{', no auth' if options.insecure_no_auth else ''})"
         trio.run(_serve, gateway, serving.host, serving.port, about, options.drain_timeout, watch)

@@ -219,6 +219,8 @@ class Standby:
         self.promotion_error = ""
         self.epoch = 0
         self.last_tail = 0.0  # Unix time of the last successful tail and lease check
+        self.durability = ""  # what it writes with once promoted (run_standby: its options')
+        self._compared = ""  # the lease whose durability was compared with it
         self._wanted = threading.Event()  # a promotion by hand was asked
         self._probed: tuple[float, str, bool] | None = None  # (when, address, down)
         self._stop = threading.Event()
@@ -247,6 +249,7 @@ class Standby:
                 self.tailer.step(client)
                 self.watcher.observe(client)
                 self.last_tail = time.time()
+                self._compare_durability()
             except (SOSError, OSError, JournalError, JournalCorrupt, ReplayError) as exc:
                 log.warning("standby: tail or lease check failed (retrying): %r", exc)
                 if client is not None:
@@ -274,6 +277,24 @@ class Standby:
         if client is not None:
             with contextlib.suppress(SOSError, OSError):
                 client.close()
+
+    def _compare_durability(self) -> None:
+        """Warn (once per lease) when the active's lease names a durability other than the
+        one this standby would write with once promoted (it runs with its own options)."""
+        theirs = self.watcher.active_durability
+        lease = self.watcher.current[0] if self.watcher.current else ""
+        if not theirs or not self.durability or theirs == self.durability or lease == self._compared:
+            return
+        self._compared = lease
+        log.warning(
+            "standby: the active gateway (lease %s) runs with --durability %s, this standby with "
+            "--durability %s: once promoted it would write with %s. Start it with the active's "
+            "options (docs/SPARK.md, A gateway pair)",
+            lease,
+            theirs,
+            self.durability,
+            self.durability,
+        )
 
     def _promote(self, client: RoleClient, reason: str) -> None:
         """FENCE, finish the tail, open the writer on the cache, take a lease, serve."""
@@ -491,6 +512,7 @@ def run_standby(options: GatewayOptions, *, poll: float = POLL) -> int:
         poll=poll,
         lease_url=lease_url(options.advertise, options.listen),
     )
+    standby.durability = options.durability
     gateway.gate = standby.gate
     if options.metrics is not None:
         exported.append(serve_standby_metrics(options.metrics, standby, tail_view))
