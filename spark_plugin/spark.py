@@ -730,16 +730,21 @@ def gateway_conf(
     Several URLs (a gateway pair: an active ``sos gateway --lease`` and a ``--standby``):
     the nameservice settings of :func:`nameservice_conf` (``nameservice``, default
     :func:`nameservice_for`) and Hadoop's failover settings instead of the retry policy. The
-    token endpoint is one URL (Hadoop's token provider knows one): ``token_url`` (``http(s)://
-    HOST:PORT``, e.g. a name that reaches both gateways, such as a Kubernetes Service over
-    both), else the first gateway. Both gateways issue tokens and accept each other's."""
+    token endpoint is one URL (Hadoop's token provider knows one; every JVM fetches a token at
+    its first request and before the last one expires): ``token_url`` (``http(s)://HOST:PORT``),
+    best a name that resolves to every gateway's address (a headless Kubernetes Service over
+    both pods, DNS with both records: Hadoop's token client tries each address in turn), which
+    survives the loss of either gateway; else the **last** URL, the standby in the documented
+    order (active first), so that the loss the pair exists for, the active's, leaves every JVM
+    able to fetch tokens (docs/SPARK.md, "A gateway pair"). Both gateways issue tokens and
+    accept each other's."""
     urls = gateway_urls(url)
     conf = {
         "dfs.webhdfs.oauth2.enabled": "true",
         "dfs.webhdfs.oauth2.access.token.provider": "org.apache.hadoop.hdfs.web.oauth2.ConfCredentialBasedAccessTokenProvider",
         "dfs.webhdfs.oauth2.client.id": namespace,
         "dfs.webhdfs.oauth2.credential": str(key),
-        "dfs.webhdfs.oauth2.refresh.url": (token_url or urls[0]).rstrip("/") + "/oauth2/token",
+        "dfs.webhdfs.oauth2.refresh.url": (token_url or urls[-1]).rstrip("/") + "/oauth2/token",
     }
     if len(urls) > 1:
         return conf | nameservice_conf(urls, nameservice or nameservice_for(namespace))

@@ -191,7 +191,10 @@ def add_standby_options(p: argparse.ArgumentParser) -> None:
         help="serve as a standby (a standby NameNode for Hadoop's HA client): tail the "
         "namespace's journal into the cache, answer every WebHDFS request with "
         "StandbyException, and take over as the writer once the active gateway's "
-        "lease is silent for --lease seconds, or on `sos gateway promote`",
+        "lease is silent for --lease seconds, or on `sos gateway promote`. Promoted, it "
+        "runs with its own options: give it the active's (--durability, --async, "
+        "--generation-bytes, --lease, --tls-ca, ...) with its own --tls-cert/--tls-key, "
+        "--advertise, --cache and --metrics (docs/SPARK.md, A gateway pair)",
     )
     p.add_argument(
         "--lease",
@@ -236,7 +239,8 @@ def add_operations_options(p: argparse.ArgumentParser) -> None:
         default=None,
         help="serve Prometheus metrics on this address (:PORT is 127.0.0.1:PORT; port 0: any "
         "free one): spool lag, writer state, replicator errors, barrier latency, last "
-        "committed batch per checkpoint, fenced, requests by operation (docs/DEPLOY.md, "
+        "committed batch per checkpoint, fenced, requests by operation; a --standby serves "
+        "its role, tail and lease view, and keeps serving once promoted (docs/DEPLOY.md, "
         "Gateway metrics; default: none); loopback only, unless --metrics-public",
     )
     p.add_argument(
@@ -310,8 +314,8 @@ def usage_refusal(args: argparse.Namespace) -> str:
         refusal = plaintext_refusal(args.listen, tls=tls, insecure_plaintext=args.insecure_plaintext)
         if refusal:
             return refusal
-    if args.standby and (args.restore_batch or args.metrics):
-        return "--restore-batch and --metrics are not served by a --standby gateway (roll back or watch the active one)"
+    if args.standby and args.restore_batch:
+        return "--restore-batch is not served by a --standby gateway (roll back on the active one)"
     return ""
 
 

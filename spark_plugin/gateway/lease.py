@@ -45,6 +45,7 @@ __all__ = [
     "LeaseHolder",
     "LeaseWatcher",
     "hold_lease",
+    "last_renewals",
     "lease_name",
     "lease_url",
     "parse_lease_name",
@@ -100,6 +101,7 @@ class LeaseHolder:
         *,
         url: str = "",
         clock: Callable[[], float] = time.monotonic,
+        durability: str = "",
     ) -> None:
         if lease <= 0:
             raise ValueError("the lease must be more than 0 s")
@@ -108,6 +110,7 @@ class LeaseHolder:
         self.lease = lease
         self.interval = lease / 4
         self.url = url
+        self.durability = durability  # named in each line (a standby compares it with its own)
         self.name = lease_name(epoch)
         self._clock = clock
         self._offset: int | None = None
@@ -126,7 +129,10 @@ class LeaseHolder:
     def renew(self) -> bool:
         """One renewal (blocking); True if the server took it."""
         sent = self._clock()
-        line = json.dumps({"t": int(time.time() * 1000), "url": self.url}, separators=(",", ":")).encode() + b"\n"
+        doc: dict[str, object] = {"t": int(time.time() * 1000), "url": self.url}
+        if self.durability:
+            doc["durability"] = self.durability
+        line = json.dumps(doc, separators=(",", ":")).encode() + b"\n"
         try:
             if self._client is None:
                 self._client = self.factory()
@@ -187,32 +193,49 @@ class LeaseHolder:
         return None
 
 
-def hold_lease(gateway: Gateway, opened: OpenNamespace, lease: float, url: str) -> LeaseHolder:
+def hold_lease(gateway: Gateway, opened: OpenNamespace, lease: float, url: str, durability: str = "") -> LeaseHolder:
     """``sos gateway --lease``: renew a lease with the writer's epoch from now on; the gateway
-    serves only while it holds it (its gate)."""
+    serves only while it holds it (its gate). ``durability``: named in the lease's lines."""
     if opened.writer is None or opened.client_factory is None:
         raise ValueError("a lease needs the namespace opened as its writer")
-    holder = LeaseHolder(opened.client_factory, opened.writer.epoch, lease, url=url)
+    holder = LeaseHolder(opened.client_factory, opened.writer.epoch, lease, url=url, durability=durability)
     holder.start()
     gateway.gate = holder.gate
     return holder
 
 
-def _last_url(client: RoleClient, name: str, length: int) -> str:
-    """The "url" of the last whole line of lease object ``name`` ("" if none)."""
+def _last_line(client: RoleClient, name: str, length: int) -> dict[str, object]:
+    """The last whole line of lease object ``name`` ({} if none)."""
     if length <= 0:
-        return ""
+        return {}
     try:
         tail = b"".join(bytes(c) for c in client.read_iter(name, max(0, length - 1024), 0))
     except (SOSError, OSError):
-        return ""
+        return {}
     for line in reversed(tail.split(b"\n")):
         try:
             doc = json.loads(line)
         except ValueError:
             continue
-        return str(doc.get("url", "")) if isinstance(doc, dict) else ""
-    return ""
+        return doc if isinstance(doc, dict) else {}
+    return {}
+
+
+def last_renewals(client: RoleClient, epoch: int) -> list[float]:
+    """The Unix times (s) of the last renewals of ``lease/<epoch>`` (at most a few, oldest
+    first; [] if that writer held no lease or it cannot be read): a gateway that takes a
+    namespace over tells by them whether the previous writer was still alive."""
+    name = lease_name(epoch)
+    try:
+        length = int(client.stat(name)[0])
+        tail = b"".join(bytes(c) for c in client.read_iter(name, max(0, length - 1024), 0))
+    except (SOSError, OSError):
+        return []
+    times = []
+    for line in tail.split(b"\n"):
+        with contextlib.suppress(ValueError, TypeError, KeyError):
+            times.append(float(json.loads(line)["t"]) / 1000)
+    return times[-4:]
 
 
 def lease_url(advertise: str | None, listen: str) -> str:
@@ -239,6 +262,8 @@ class LeaseWatcher:
         self.current: tuple[str, int] | None = None  # (name, length) last seen
         #: HOST:PORT the newest lease's holder serves on (its last line's "url"), or ""
         self.active_address = ""
+        #: the durability the newest lease's holder names ("" if its lines do not say)
+        self.active_durability = ""
         self._since: float | None = None  # when it was last seen to change (or contact came back)
         self._contact = True
 
@@ -262,7 +287,9 @@ class LeaseWatcher:
         if seen != self.current:
             self.current = seen
             self._since = now
-            self.active_address = _last_url(client, seen[0], seen[1])
+            last = _last_line(client, seen[0], seen[1])
+            self.active_address = str(last.get("url", ""))
+            self.active_durability = str(last.get("durability", ""))
 
     def forget(self) -> None:
         """After a promotion: the old active's silence counts no more."""

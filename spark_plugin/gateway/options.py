@@ -39,8 +39,9 @@ class GatewayOptions:
     a fence check every ``fence_check`` s. On SIGTERM/SIGINT the requests in progress get
     ``drain_timeout`` s, then the journal ``flush_timeout`` s to reach the server.
 
-    The active gateway's own: ``metrics``, ``HOST:PORT`` of the Prometheus endpoint
-    (:mod:`.metrics`; ``:PORT`` is 127.0.0.1); ``restore_batch``, ``CHECKPOINT:N``: before
+    ``metrics``, ``HOST:PORT`` of the Prometheus endpoint (:mod:`.metrics`; ``:PORT`` is
+    127.0.0.1; a standby's adds :mod:`.standby_metrics`). The active gateway's own:
+    ``restore_batch``, ``CHECKPOINT:N``: before
     serving, roll the whole namespace back to right after batch N of that checkpoint
     committed (:mod:`sos_client.journal.rollback`), refused (RollbackRefused) if records
     follow it unless ``restore_yes``. ``lease``: seconds; the active renews a lease a standby

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import getpass
+import itertools
 import logging
 import os
 import resource
@@ -33,11 +34,12 @@ from sos_wire.addresses import is_loopback, is_wildcard, parse_address, split_ad
 from sos_wire.auth import Key
 
 from .auth import TOKEN_PATH, TokenAuthority, key_verifier
-from .lease import hold_lease, lease_url
+from .lease import hold_lease, last_renewals, lease_url
 from .metrics import GatewayMetrics, serve_metrics
 from .options import DRAIN_TIMEOUT, GatewayOptions
 from .process import READY_MARKER
 from .server import EXIT_FENCED, Gateway
+from .standby_metrics import RoleCollector
 from .webhdfs import WebHdfsNamespace
 
 __all__ = [
@@ -68,6 +70,9 @@ FD_RESERVE = 128
 #: a previous writer whose last record is younger than this was probably still running
 #: when this gateway fenced it (logged as a warning, else as information)
 LIVE_WRITER_WINDOW = 300.0
+#: a previous writer's lease not renewed for this long (and four of its renewal intervals) is
+#: gone: the writer had stopped (clocks of two machines may differ by a few seconds)
+LEASE_GONE_MIN = 15.0
 #: in the cache directory while a --restore-batch is under way (prepare_rollback)
 ROLLBACK_PENDING = "rollback-pending"
 
@@ -282,6 +287,8 @@ def run_gateway(options: GatewayOptions) -> int:
     except OSError as exc:
         opened.close(timeout=0)
         raise OSError(exc.errno, f"cannot listen for metrics on {options.metrics}: {exc.strerror or exc}") from None
+    if exported is not None:
+        exported.registry.register(RoleCollector(lambda: "active"))
     return serve_active(options, serving, gateway, opened, exported)
 
 
@@ -320,7 +327,8 @@ def serve_active(
     code = 0
     try:
         if options.lease:
-            holder = hold_lease(gateway, opened, options.lease, lease_url(options.advertise, options.listen))
+            url = lease_url(options.advertise, options.listen)
+            holder = hold_lease(gateway, opened, options.lease, url, durability=options.durability)
         mode = ("sync" if options.sync else "async") + (", durability tier" if options.durability == "tier" else "")
         about = f"(namespace {options.namespace}, {mode}{', no auth' if options.insecure_no_auth else ''})"
         trio.run(_serve, gateway, serving.host, serving.port, about, options.drain_timeout, watch)
@@ -396,7 +404,9 @@ def report_previous_writer(opened: OpenNamespace, client_factory: ClientFactory 
     """Log whom this gateway fenced at open: the writer of the newest journal segment of an
     older epoch, and how long ago it wrote its last record (the record's own time). Within
     LIVE_WRITER_WINDOW that writer was probably still running (a warning: it is fenced now,
-    its changes fail, and a gateway or mount stops); older, an ordinary takeover (info)."""
+    its changes fail, and a gateway or mount stops), unless it held a lease (a gateway of a
+    pair) whose renewals stopped well before now (:func:`lease_gone`); otherwise an ordinary
+    takeover (info)."""
     writer = opened.writer
     if writer is None or client_factory is None:
         return
@@ -413,6 +423,7 @@ def report_previous_writer(opened: OpenNamespace, client_factory: ClientFactory 
                 return
             last = max(segs, key=lambda seg: (seg.generation, seg.first_seq))
             found = server_last_record(client, last.name)
+            renewals = last_renewals(client, last.epoch)
         finally:
             client.close()
     except (SOSError, OSError) as exc:
@@ -426,12 +437,15 @@ def report_previous_writer(opened: OpenNamespace, client_factory: ClientFactory 
     if found is None:
         return
     age = max(0.0, time.time() - found[1] / 1e9)
-    if age < LIVE_WRITER_WINDOW:
+    gone = lease_gone(renewals)
+    if age < LIVE_WRITER_WINDOW and gone is None:
         log.warning(
             "FENCED A LIVE WRITER? this gateway took namespace %r over at epoch %d from the "
             "writer of epoch %d, whose last record (seq %d, segment %s) is %.0f s old: it was "
             "probably still running (another gateway or mount on this namespace); it can no "
-            "longer change the namespace and stops",
+            "longer change the namespace and stops. Expected after a loss: the first writer "
+            "after the previous one died (its node, its cache, or the server restored from its "
+            "bucket) finds a record this recent and no heartbeat to tell it is gone",
             opened.namespace,
             writer.epoch,
             last.epoch,
@@ -441,13 +455,27 @@ def report_previous_writer(opened: OpenNamespace, client_factory: ClientFactory 
         )
     else:
         log.info(
-            "took over namespace %r at epoch %d from the writer of epoch %d (its last record, seq %d, is %.0f s old)",
+            "took over namespace %r at epoch %d from the writer of epoch %d (its last record, seq %d, is %.0f s old%s)",
             opened.namespace,
             writer.epoch,
             last.epoch,
             found[0],
             age,
+            "" if gone is None else f"; its lease was last renewed {gone:.0f} s ago: it had stopped",
         )
+
+
+def lease_gone(renewals: list[float], now: float | None = None) -> float | None:
+    """Seconds since the last of a previous writer's lease ``renewals`` (Unix times, oldest
+    first) when they stopped: longer than four of its renewal intervals (its lease: four
+    intervals) and LEASE_GONE_MIN, which absorbs clock skew between machines; None if it
+    held no lease or renewed it lately."""
+    if not renewals:
+        return None
+    silent = (time.time() if now is None else now) - renewals[-1]
+    steps = [b - a for a, b in itertools.pairwise(renewals) if b > a]
+    interval = max(steps) if steps else LEASE_GONE_MIN / 4
+    return silent if silent > max(4 * interval, LEASE_GONE_MIN) else None
 
 
 async def _serve(

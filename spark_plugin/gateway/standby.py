@@ -61,9 +61,20 @@ from .client import GatewayClient
 from .hdfs import remote_exception
 from .http import Conn, Reply, json_body
 from .lease import DEFAULT_LEASE, LeaseHolder, LeaseWatcher, lease_url, standby_reply
+from .metrics import GatewayMetrics, serve_metrics
 from .options import GatewayOptions
-from .run import Serving, _serve, build_gateway, check_serving, close_journal, final_flush, webhdfs_view
+from .run import (
+    Serving,
+    _serve,
+    build_gateway,
+    check_serving,
+    close_journal,
+    final_flush,
+    parse_metrics_listen,
+    webhdfs_view,
+)
 from .server import Gateway
+from .standby_metrics import StandbyCollector
 from .webhdfs import WebHdfsNamespace
 
 __all__ = ["PROMOTE_PATH", "Standby", "Tailer", "promote", "run_standby"]
@@ -207,6 +218,9 @@ class Standby:
         self.promote_reason = ""
         self.promotion_error = ""
         self.epoch = 0
+        self.last_tail = 0.0  # Unix time of the last successful tail and lease check
+        self.durability = ""  # what it writes with once promoted (run_standby: its options')
+        self._compared = ""  # the lease whose durability was compared with it
         self._wanted = threading.Event()  # a promotion by hand was asked
         self._probed: tuple[float, str, bool] | None = None  # (when, address, down)
         self._stop = threading.Event()
@@ -234,6 +248,8 @@ class Standby:
                     client = self.factory()
                 self.tailer.step(client)
                 self.watcher.observe(client)
+                self.last_tail = time.time()
+                self._compare_durability()
             except (SOSError, OSError, JournalError, JournalCorrupt, ReplayError) as exc:
                 log.warning("standby: tail or lease check failed (retrying): %r", exc)
                 if client is not None:
@@ -261,6 +277,24 @@ class Standby:
         if client is not None:
             with contextlib.suppress(SOSError, OSError):
                 client.close()
+
+    def _compare_durability(self) -> None:
+        """Warn (once per lease) when the active's lease names a durability other than the
+        one this standby would write with once promoted (it runs with its own options)."""
+        theirs = self.watcher.active_durability
+        lease = self.watcher.current[0] if self.watcher.current else ""
+        if not theirs or not self.durability or theirs == self.durability or lease == self._compared:
+            return
+        self._compared = lease
+        log.warning(
+            "standby: the active gateway (lease %s) runs with --durability %s, this standby with "
+            "--durability %s: once promoted it would write with %s. Start it with the active's "
+            "options (docs/SPARK.md, A gateway pair)",
+            lease,
+            theirs,
+            self.durability,
+            self.durability,
+        )
 
     def _promote(self, client: RoleClient, reason: str) -> None:
         """FENCE, finish the tail, open the writer on the cache, take a lease, serve."""
@@ -428,9 +462,13 @@ def prepare_cache(cache_dir: str) -> str:
 def run_standby(options: GatewayOptions, *, poll: float = POLL) -> int:
     """What ``sos gateway NS --standby`` runs: ``options`` as run_gateway's (``lease``:
     seconds of silence of the active's lease before taking over, None: DEFAULT_LEASE;
-    ``metrics`` and ``restore_batch`` are the active's own), ``poll``: seconds between two
-    looks at the server."""
+    ``metrics``: the endpoint serves the standby's series from the start and the writer's
+    once promoted (:mod:`.standby_metrics`); ``restore_batch`` is the active's own), ``poll``:
+    seconds between two looks at the server. Promoted, it is the writer with ``options``
+    (durability, sync, generation bytes, TLS, lease...): logged as it opens the journal."""
     serving = check_serving(options)
+    if options.metrics is not None:
+        parse_metrics_listen(options.metrics)  # a bad address: refused before anything is opened
     cache_dir = os.path.abspath(options.cache_dir or default_cache_dir(options.namespace))
     factory = options.client_factory or client_factory_for(
         options.server, options.key, options.namespace, timeout=options.timeout, tls=options.tls_client
@@ -452,11 +490,18 @@ def run_standby(options: GatewayOptions, *, poll: float = POLL) -> int:
         factory,
         read_only=True,
     )
-    gateway = build_gateway(options, serving, webhdfs_view(view, options.sync))
+    tail_view = webhdfs_view(view, options.sync)
+    gateway = build_gateway(options, serving, tail_view)
+    exported: list[GatewayMetrics] = []
 
     def open_active(replayed_to: int) -> tuple[OpenNamespace, WebHdfsNamespace]:
+        log.warning("standby: promoting: the namespace's writer opens with %s", runs_as(options, serving))
         opened = options.open_journal(cache_dir, client_factory=factory, replayed_to=replayed_to)
-        return opened, webhdfs_view(opened, options.sync)
+        ns = webhdfs_view(opened, options.sync)
+        for metrics in exported:  # the endpoint now reports the writer (and its commits)
+            metrics.ns = ns
+            ns.observer = metrics
+        return opened, ns
 
     standby = Standby(
         gateway,
@@ -467,15 +512,53 @@ def run_standby(options: GatewayOptions, *, poll: float = POLL) -> int:
         poll=poll,
         lease_url=lease_url(options.advertise, options.listen),
     )
+    standby.durability = options.durability
     gateway.gate = standby.gate
-    return serve_standby(options, serving, standby)
+    if options.metrics is not None:
+        exported.append(serve_standby_metrics(options.metrics, standby, tail_view))
+    return serve_standby(options, serving, standby, exported[0] if exported else None)
 
 
-def serve_standby(options: GatewayOptions, serving: Serving, standby: Standby) -> int:
+def runs_as(options: GatewayOptions, serving: Serving) -> str:
+    """What a gateway serves with, in a few words (a promoted standby logs it: it becomes the
+    writer with its own command line's options, not the old active's)."""
+    mode = "sync" if options.sync else f"async (max lag {options.max_lag_bytes} bytes)"
+    words = [mode, f"durability {options.durability}"]
+    if options.durability == "tier":
+        patience = options.tier_patience
+        words.append(f"tier patience {'none' if not patience else f'{patience:g} s'}")
+    if options.generation_bytes:
+        words.append(f"generation bytes {options.generation_bytes}")
+    words.append("HTTPS" if serving.tls is not None else "plain HTTP")
+    if options.advertise:
+        words.append(f"advertised as {options.advertise}")
+    words.append(f"lease {DEFAULT_LEASE if options.lease is None else options.lease:g} s")
+    words.append(f"token ttl {options.token_ttl} s")
+    if options.metrics:
+        words.append(f"metrics on {options.metrics}")
+    return ", ".join(words)
+
+
+def serve_standby_metrics(listen: str, standby: Standby, tail_view: WebHdfsNamespace) -> GatewayMetrics:
+    """The standby's Prometheus endpoint on ``listen``: the gateway's series (no writer until
+    promoted) and the standby's (:class:`~.standby_metrics.StandbyCollector`)."""
+    try:
+        metrics = serve_metrics(standby.gateway, tail_view, listen, parse_metrics_listen)
+    except OSError as exc:
+        standby.tailer.close()
+        raise OSError(exc.errno, f"cannot listen for metrics on {listen}: {exc.strerror or exc}") from None
+    metrics.registry.register(StandbyCollector(standby))
+    return metrics
+
+
+def serve_standby(
+    options: GatewayOptions, serving: Serving, standby: Standby, exported: GatewayMetrics | None = None
+) -> int:
     """Serve ``standby``'s gateway (its thread tailing and watching the lease) until it
     stops, then flush and close the journal of a promoted one; returns the exit code."""
     gateway = standby.gateway
     about = f"(namespace {options.namespace}, standby, lease {standby.lease:g} s, tail at record {standby.tailer.seq})"
+    log.info("standby: once promoted, the writer runs with %s", runs_as(options, serving))
     code = 0
     standby.start()
     try:
@@ -491,6 +574,8 @@ def serve_standby(options: GatewayOptions, serving: Serving, standby: Standby) -
     finally:
         standby.stop()
         code = final_flush(gateway, standby.opened, options.flush_timeout)
+        if exported is not None:
+            exported.close()
         if standby.opened is not None and close_journal(gateway, standby.opened):
             code = 1
     log.info("stopped (%s); requests served:\n%s", standby.state, gateway.summary() or "(none)")
