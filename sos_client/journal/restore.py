@@ -152,11 +152,12 @@ def _no_journal(namespace: str, gens: dict[int, layout.GenerationInfo]) -> Journ
             f"namespace {namespace!r} has no journal (no objects under gen/): "
             f"nothing to restore; check the namespace and the server",
         )
+    why = "; ".join(f"generation {g}: {i.ready_problem or 'no ready object'}" for g, i in gens.items())
     return JournalNotFound(
         namespace,
-        f"namespace {namespace!r} has no complete generation "
-        f"({len(gens)} incomplete: its first snapshot never finished): "
-        f"nothing to restore",
+        f"namespace {namespace!r} has no complete generation ({why}): nothing to restore. A writer "
+        f"opening the namespace (`sos gateway`, `sos mount`, fsspec) continues from the records of "
+        f"the newest one whose snapshot is whole (protocol.md 2.1); `sos verify` shows what they hold",
     )
 
 
