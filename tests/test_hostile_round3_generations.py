@@ -354,3 +354,39 @@ def test_first_snapshot_cut_short_is_refused_and_its_writer_cache_finishes_it(so
     rc, err, got = restore(sos_server, key, tmp_path / "after")
     assert rc == 0, err
     assert got == {"chk/a": b"a" * 5000, "chk/b": b"b" * 7000}
+
+
+def test_restore_refuses_an_empty_tree_a_writer_started_over_records_and_a_writer_recovers_them(sos_server, tmp_path):
+    """A namespace an older writer damaged: generation 1 not complete (its writer killed before
+    ready) with records, then generation 2 started from an EMPTY tree (what 70eb7dc's rebuild
+    did: no complete generation, so an empty cache). Restore does not call that empty tree the
+    namespace's; the next writer continues from generation 1's records."""
+    key = sos_server.keygen(NS, "append")
+    crashed_writer(tmp_path, sos_server, key, "ready1", tmp_path / "cache-dead")
+
+    def start_over(_factory, _namespace, _cache_dir) -> int:  # the old rebuild: nothing complete, an empty tree
+        return 0  # (the tree emptied the cache before calling it)
+
+    w = open_namespace(NS, str(tmp_path / "cache-old"), server=sos_server.address, key=key, rebuild=start_over)
+    w.close()
+    gens = generations(sos_server, key)
+    assert gens[2].ready and not gens[1].ready_object  # an empty generation 2 over generation 1's records
+
+    r = sos("restore", "-q", "--server", sos_server.address, NS, str(tmp_path / "empty"), key=key)
+    assert r.returncode == 1, r.stderr
+    msg = " ".join(r.stderr.split())
+    assert "generation 2" in msg and "generation 1" in msg and "--generation 2" in msg, msg
+    assert not (tmp_path / "empty").exists()  # nothing written
+    rc, err, got = restore(sos_server, key, tmp_path / "chosen")
+    assert rc == 1 and got == {}
+    r = sos("restore", "-q", "--server", sos_server.address, NS, str(tmp_path / "g2"), "--generation", "2", key=key)
+    assert r.returncode == 0 and files(tmp_path / "g2") == {}, r.stderr  # the empty tree, when asked for
+
+    w = open_namespace(NS, str(tmp_path / "cache-new"), server=sos_server.address, key=key)
+    try:
+        assert files(w.tree_dir) == AFTER_CRASH
+    finally:
+        w.close()
+    rc, err, got = restore(sos_server, key, tmp_path / "after")
+    assert rc == 0 and got == AFTER_CRASH, err
+    assert generations(sos_server, key)[3].ready

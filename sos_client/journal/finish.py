@@ -18,7 +18,9 @@ predecessor created (the rebuild races that seal).
 of its last segment is a write its writer did not finish), and the writer then starts the next
 generation from that tree, which every restore uses from then on. It refuses (JournalIncomplete)
 only when records exist and no generation holds a whole snapshot: there is no tree to continue.
-A complete newest generation is rebuilt by restore itself.
+A complete newest generation is rebuilt by restore itself, unless its tree is empty while a
+generation before it that is not complete holds records (what a writer that started over without
+them left, restore refuses it): that generation is finished instead.
 """
 
 from __future__ import annotations
@@ -68,22 +70,46 @@ def rebuild_journal_end(
             if breaks:
                 raise refuse_breaks(breaks)
             written = [g for g in reversed(gens.values()) if g.segments]  # the newest first
+            first_complete = True
             for g in written:
                 if g.ready:
-                    break  # restore's own case (below)
+                    last = _restore_complete(client_factory, namespace, cache_dir, g, first_complete)
+                    if last is not None:
+                        return last
+                    first_complete = False
+                    continue
                 stats = _replay_incomplete(client, gens, g, cache_dir, newest=g is written[0])
                 if stats.snapshot_done:
                     _log_finished(namespace, g, stats, cut_short)
                     return stats.last_seq
                 cut_short.append((g, stats.records))
-            else:
-                return _nothing_to_continue(namespace, cache_dir, cut_short, refuse)
+            return _nothing_to_continue(namespace, cache_dir, cut_short, refuse)
         finally:
             close_quietly(client)
-        return restore(client_factory, namespace, cache_dir, force=True).last_seq
     except SOSNotFound:
         _empty(cache_dir)
         return 0
+
+
+def _restore_complete(
+    client_factory: Callable[[], StoreClient],
+    namespace: str,
+    cache_dir: str,
+    g: layout.GenerationInfo,
+    newest: bool,
+) -> int | None:
+    """The end of complete generation ``g`` by restore (the newest complete one: restore's own
+    choice, with its checks; an older one, reached because everything newer held no tree to
+    continue: that generation alone). None when restore refuses an empty tree over records of a
+    generation that is not complete (an older writer started over without them): the loop goes
+    on to that generation and finishes it."""
+    try:
+        if newest:
+            return restore(client_factory, namespace, cache_dir, force=True).last_seq
+        return restore(client_factory, namespace, cache_dir, force=True, generation=g.generation).last_seq
+    except JournalIncomplete as e:
+        log.warning("%s; the writer continues from those records", e)
+        return None
 
 
 def _empty(cache_dir: str) -> None:
