@@ -158,3 +158,15 @@ class ReplayError(JournalError):
 
 class JournalTruncated(JournalCorrupt):
     """A segment ends inside a record (a torn tail: in progress, or broken if sealed)."""
+
+
+class JournalIncomplete(JournalError):
+    """A writer (a gateway, a mount, fsspec) opening on an empty cache found records on the
+    server but no generation whose snapshot is whole (the namespace's first snapshot was cut
+    short): there is no tree to continue, and starting a new generation from an empty tree
+    would put an empty history in front of those records (protocol.md 2.1, "Opening over a
+    generation that is not complete"). Nothing was written."""
+
+    def __init__(self, namespace: str, message: str):
+        self.namespace = namespace
+        super().__init__(message)

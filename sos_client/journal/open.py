@@ -12,8 +12,9 @@ fails here, at once: it is not retryable, :func:`sos_client.errors.is_retryable`
 
 * append role: opens a :class:`~sos_client.journal.writer.JournalWriter` (fencing every
   older writer of the namespace) and a :class:`~sos_client.journal.tree.JournaledTree`
-  over ``tree/``; an empty (or crash-dirty) cache is first rebuilt from the server by
-  the same code as ``sos restore``;
+  over ``tree/``; an empty (or crash-dirty) cache is first rebuilt from the server to the
+  journal's end (:func:`~sos_client.journal.finish.rebuild_journal_end`: restore's code, and a
+  newest generation that is not complete is finished from its records, never skipped);
 * read role (only with ``allow_read_only=True``): rebuilds ``read-tree/`` from the
   server and returns a :class:`ReadOnlyTree` whose mutations raise PermissionError;
   nothing is fenced.
@@ -42,8 +43,8 @@ from sos_wire.events import KeyRole
 
 from ._store import StoreClient
 from .errors import SpoolStale
+from .finish import rebuild_journal_end
 from .records import validate_path
-from .restore import rebuild_cache
 from .tree import JournaledTree, RebuildCache
 from .writer import JournalWriter
 
@@ -234,7 +235,8 @@ def open_namespace(
     server without a tier is refused here (JournalTierUnavailable): the opener fails before
     anything is served.
 
-    ``rebuild``: what fills an empty cache (default: restore's rebuild_cache, the journal's end;
+    ``rebuild``: what fills an empty cache (default: :func:`~sos_client.journal.finish.rebuild_journal_end`,
+    the journal's end, a generation that is not complete finished, protocol.md 2.1;
     ``sos gateway --restore-batch`` gives :func:`~sos_client.journal.rollback.rollback_rebuild`).
 
     ``replayed_to``: the cache's tree is the journal replayed up to that record (a standby
@@ -299,7 +301,7 @@ def _open_writer(
     try:
         # opens the writer (fencing older epochs) and, if the cache is empty, rebuilds it
         # from the server by the same code as restore
-        tree = JournaledTree(tree_dir, writer, rebuild=rebuild or rebuild_cache, replayed_to=replayed_to).open()
+        tree = JournaledTree(tree_dir, writer, rebuild=rebuild or rebuild_journal_end, replayed_to=replayed_to).open()
         try:
             writer.check_tier(timeout)  # durability "tier" on a server without one: refused now
         except BaseException:
@@ -327,7 +329,9 @@ def _open_read_only(factory: ClientFactory, namespace: str, cache_dir: str) -> O
     """A read-role key: rebuild a private copy of the tree from the server."""
     tree_dir = os.path.join(cache_dir, "read-tree")
     private_cache_dir(cache_dir, {"read-tree": 0o755})
-    rebuild_cache(factory, namespace, tree_dir)  # force: replaces an older copy
+    # replaces an older copy; the journal's end, as a writer would continue it (an empty tree
+    # rather than a refusal when no generation's snapshot is whole: a reader changes nothing)
+    rebuild_journal_end(factory, namespace, tree_dir, refuse=False)
     return OpenNamespace(
         namespace,
         cache_dir,

@@ -17,7 +17,9 @@ before it, e.g. a far-future generation published with an append key) raise Gene
 before anything is written; ``generation=G`` restores generation G alone, unchecked. Records
 of a newer generation that is not complete are not restored: ``Summary.warnings`` says so.
 A corrupt record stops the restore before it (JournalCorrupt names segment and offset).
-A namespace without a complete generation raises JournalNotFound; a point the journal does
+An empty tree at the journal's end over records of an older generation that is not complete
+(a writer started over without them) raises JournalIncomplete. A namespace without a complete
+generation raises JournalNotFound; a point the journal does
 not hold (before its first record or oldest kept generation, past its last record, a batch
 that never committed) raises PositionUnavailable or BatchNotFound. Every error found before
 replaying leaves the target untouched (not even created); a position found to lie past the
@@ -39,6 +41,7 @@ from .beneath import Beneath
 from .beneath import clear_directory as _clear
 from .errors import (
     JournalCorrupt,
+    JournalIncomplete,
     JournalNotFound,
     PositionUnavailable,
     TargetNotEmpty,
@@ -58,7 +61,7 @@ from .reading import (
     refuse_breaks,
     segment_records,
 )
-from .records import Record, SnapshotEnd
+from .records import HEADER_SIZE, Record, RecordType, SnapshotEnd, peek_header
 from .replay import DEFAULT_WORKERS, ReplayStats, replay
 from .spark_log import commit_path, find_batch
 
@@ -152,11 +155,12 @@ def _no_journal(namespace: str, gens: dict[int, layout.GenerationInfo]) -> Journ
             f"namespace {namespace!r} has no journal (no objects under gen/): "
             f"nothing to restore; check the namespace and the server",
         )
+    why = "; ".join(f"generation {g}: {i.ready_problem or 'no ready object'}" for g, i in gens.items())
     return JournalNotFound(
         namespace,
-        f"namespace {namespace!r} has no complete generation "
-        f"({len(gens)} incomplete: its first snapshot never finished): "
-        f"nothing to restore",
+        f"namespace {namespace!r} has no complete generation ({why}): nothing to restore. A writer "
+        f"opening the namespace (`sos gateway`, `sos mount`, fsspec) continues from the records of "
+        f"the newest one whose snapshot is whole (protocol.md 2.1); `sos verify` shows what they hold",
     )
 
 
@@ -250,6 +254,8 @@ def restore(
             t0=t0,
         )
         _check_point_reached(summary, stats, gens, gen, position, target, created)
+        if generation is None and position is None and at_ns is None and bq is None:
+            _refuse_empty_over_records(client, namespace, gens, gen, target, created)
     finally:
         close_quietly(client)
     summary.seconds = time.monotonic() - t0
@@ -427,6 +433,49 @@ def _check_point_reached(
     summary.last_seq = stats.last_seq
     summary.last_time_ns = stats.last_time_ns
     summary.stopped = stats.stopped or (position is not None and stats.last_seq >= position)
+
+
+def _bare_snapshot_end(client: StoreClient, g: layout.GenerationInfo) -> bool:
+    """True if ``g`` holds one record, its SNAPSHOT_END, and nothing else (an empty tree)."""
+    head = b"".join(client.read_iter(g.segments[0].name, 0, HEADER_SIZE))
+    if len(head) < HEADER_SIZE:
+        return g.total_bytes == 0
+    length, typ, _seq, _t = peek_header(head)
+    return typ == RecordType.SNAPSHOT_END and g.total_bytes == 8 + length
+
+
+def _refuse_empty_over_records(
+    client: StoreClient,
+    namespace: str,
+    gens: dict[int, layout.GenerationInfo],
+    gen: layout.GenerationInfo,
+    target: str,
+    created: bool,
+) -> None:
+    """JournalIncomplete (the target emptied, removed if restore made it) when the journal's end
+    is an empty tree while a generation before it that is not complete, newer than every complete
+    one before it, holds records: a writer started over without them (protocol.md 2.1, "Opening
+    over a generation that is not complete"); restore does not call that the namespace's tree."""
+    if os.listdir(target):
+        return
+    for g in sorted(gens.values(), key=lambda x: -x.generation):
+        if g.generation >= gen.generation or not g.segments:
+            continue
+        if g.ready:
+            return
+        if g.total_bytes and not _bare_snapshot_end(client, g):
+            if created:
+                os.rmdir(target)
+            raise JournalIncomplete(
+                namespace,
+                f"namespace {namespace!r}: the newest complete generation, {gen.generation}, holds an empty "
+                f"tree, but generation {g.generation} before it is not complete "
+                f"({g.ready_problem or 'no ready object'}) and holds {g.total_bytes} bytes of records from "
+                f"record {g.first_seq} on: a writer started generation {gen.generation} without them "
+                f"(protocol.md 2.1). Nothing restored. A writer that opens the namespace (`sos gateway`, "
+                f"`sos mount`) continues from those records; `sos restore --generation {gen.generation}` "
+                f"restores the empty tree if that is what is meant; `sos verify` shows every generation",
+            )
 
 
 def rebuild_cache(client_factory: Callable[[], StoreClient], namespace: str, cache_dir: str) -> int:
