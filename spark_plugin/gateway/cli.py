@@ -206,15 +206,18 @@ def add_standby_options(p: argparse.ArgumentParser) -> None:
 def run_promote(args: argparse.Namespace, key: str) -> int:
     """``sos gateway promote NAMESPACE URL``."""
     from spark_plugin.gateway.client import GatewayError  # noqa: PLC0415 - as below
-    from spark_plugin.gateway.standby import promote  # noqa: PLC0415 - only when it runs
+    from spark_plugin.gateway.standby import promote, promote_url_refusal  # noqa: PLC0415 - only when it runs
 
     namespace, url = args.promote_args
     try:
         validate_namespace(namespace)
     except ValueError as exc:
         return fail(str(exc), 2)
+    refusal = promote_url_refusal(url)
+    if refusal:  # before anything is sent: the key would go in clear
+        return fail(refusal, 2)
     try:
-        doc = promote(url, namespace, key, context=_trust(args) if url.startswith("https:") else None)
+        doc = promote(url, namespace, key, context=_trust(args) if url.strip().startswith("https:") else None)
     except (GatewayError, OSError) as exc:
         return fail(f"promote failed: {one_line(exc)}", 1)
     state = "promoted" if doc.get("promoted") else "already active"
