@@ -369,3 +369,83 @@ def test_an_error_answer_that_echoes_the_token_request_never_shows_the_key(tmp_p
     finally:
         server.shutdown()
         server.server_close()
+
+
+# ------------------------------------------------------------------ item 6: every other path
+
+
+def _secret_forms(key: str) -> list[str]:
+    secret = key.split(".")[1]
+    return [key, secret, secret.upper()]
+
+
+def _cmdline(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().decode("utf-8", "replace")
+
+
+def test_no_key_in_argv_logs_or_errors_of_gateways_and_promote(sos_server, tmp_path):
+    """The paths a key takes besides the token request: command lines (the gateways get it
+    by environment, `sos gateway promote` from $SOS_KEY), the gateways' logs at --debug
+    (every request is logged: a key a client put in a URL's query is shown redacted), the
+    server's log, and what `sos gateway promote` prints when it fails (refused key, 403,
+    404, nothing listening)."""
+    append = sos_server.keygen(NS)
+    token_key = sos_server.keygen(NS, "token")
+    wrong = append.split(".")[0] + "." + "0" * 64  # the right id, another secret
+    keys = (append, token_key, wrong)
+    active = GatewayProcess(
+        NS, str(tmp_path / "active"), sos_server.address, append, extra_args=["--lease", "60"], debug=True
+    ).start()
+    standby = GatewayProcess(
+        NS, str(tmp_path / "standby"), sos_server.address, append, extra_args=["--standby", "--lease", "60"], debug=True
+    ).start()
+    outputs = []
+    try:
+        for g in (active, standby):
+            line = _cmdline(g.proc.pid)
+            assert not any(f in line for k in keys for f in _secret_forms(k)), line
+        for key in keys:
+            requests.post(
+                active.url + "/oauth2/token",
+                data={"grant_type": "client_credentials", "client_id": NS, "client_secret": key},
+                timeout=60,
+            )
+            # a client that puts the key in the URL instead (and one with a token as well)
+            requests.post(
+                active.url + "/oauth2/token",
+                params={"grant_type": "client_credentials", "client_id": NS, "client_secret": key},
+                timeout=60,
+            )
+            requests.post(active.url + "/oauth2/token", auth=(NS, key), data={"grant_type": "client_credentials"})
+        tok = _token(active.url, append)
+        r = requests.get(
+            active.url + "/webhdfs/v1/",
+            params={"op": "LISTSTATUS", "client_secret": append},
+            headers={"Authorization": f"Bearer {tok}"},
+            timeout=60,
+        )
+        assert r.status_code == 200
+        closed = socket.socket()
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+        closed.close()
+        for key, url in (
+            (token_key, standby.url),  # 403
+            (wrong, standby.url),  # the token request refused: 401
+            (append, active.url),  # not a standby: 404
+            (append, f"http://127.0.0.1:{port}"),  # nothing listens
+        ):
+            done = _sos(sos_server, key, "gateway", "promote", NS, url)
+            assert done.returncode == 1, (url, done.stdout, done.stderr)
+            outputs.append(done.stdout + done.stderr)
+    finally:
+        active.kill()
+        standby.kill()
+    texts = {"active log": active.log(), "standby log": standby.log(), "server log": sos_server.log_text()}
+    texts.update({f"promote output {i}": out for i, out in enumerate(outputs)})
+    assert "client_secret=<redacted>" in texts["active log"]  # the request was logged, its key not
+    for what, text in texts.items():
+        for key in keys:
+            for form in _secret_forms(key):
+                assert form not in text, f"{what} holds a key's secret"
