@@ -59,8 +59,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "namespace",
         help="the namespace to serve; or `promote` to promote a standby: "
         "sos gateway promote NAMESPACE URL (URL: the standby's "
-        "loopback address, e.g. http://127.0.0.1:9870; the key as "
-        "for serving)",
+        "loopback address, e.g. http://127.0.0.1:9870: plain http:// "
+        "is refused to any other host, the token request carries the "
+        "key; the key as for serving: an append-role key)",
     )
     p.add_argument("promote_args", nargs="*", metavar="NAMESPACE URL", help=argparse.SUPPRESS)
     p.add_argument(

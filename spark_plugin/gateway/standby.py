@@ -553,8 +553,8 @@ def promote_url_refusal(url: str) -> str:
     if parts.scheme == "http" and not is_loopback(host):
         return (
             f"refusing to send the key in clear over http:// to {host}, which is not a loopback "
-            f"address: use https:// (with --tls-ca), or run the command on the standby's node "
-            f"against http://127.0.0.1:PORT (the standby accepts a promotion from loopback only)"
+            f"address (the token request carries it): run the command on the standby's node (or "
+            f"through a port forward to it) against http://127.0.0.1:PORT, or use https:// (with --tls-ca)"
         )
     return ""
 
