@@ -26,6 +26,7 @@ import logging
 import os
 import stat as stat_mod
 import time
+from collections import Counter
 from typing import NamedTuple
 
 from sos_client.journal.beneath import Beneath
@@ -78,6 +79,15 @@ def identity(at: Beneath, rel: str, st: os.stat_result) -> str:
     return f"f{size}:{digest.hexdigest()}"
 
 
+def _and_above(path: str) -> list[str]:
+    """``path`` and every directory above it, up to the root ``""``."""
+    out = [path]
+    while path:
+        path = path.rpartition("/")[0]
+        out.append(path)
+    return out
+
+
 class Renamed(NamedTuple):
     """A RENAME applied: where the entry went, its :func:`identity` there, wall time."""
 
@@ -94,6 +104,9 @@ class RenameMemory:
     def __init__(self, path: str) -> None:
         self.path = path
         self.recent: dict[tuple[str, str], Renamed] = {}
+        #: every destination of :attr:`recent` and each directory above it, counted: a change
+        #: of a path none of them is (the usual case) is told apart without a scan
+        self._paths: Counter[str] = Counter()
         self._lines = 0
         self._fd = -1
         with contextlib.suppress(FileNotFoundError):
@@ -119,7 +132,7 @@ class RenameMemory:
                     number,
                     len(lines),
                 )
-                self.recent = {}
+                self.recent, self._paths = {}, Counter()
                 return
 
     def _apply(self, row: list) -> None:
@@ -127,14 +140,23 @@ class RenameMemory:
         ``["forget", dst, under]``."""
         if row[0] == "rename":
             key = (str(row[1]), str(row[2]))
-            self.recent.pop(key, None)
-            self.recent[key] = Renamed(str(row[3]), str(row[4]), float(row[5]))
+            self._remove(key)
+            self._add(key, Renamed(str(row[3]), str(row[4]), float(row[5])))
             if len(self.recent) > RENAME_MEMORY:
-                del self.recent[next(iter(self.recent))]
+                self._remove(next(iter(self.recent)))
         elif row[0] == "forget":
             self._drop(str(row[1]), under=bool(row[2]))
         else:
             raise ValueError(f"unknown line {row[0]!r}")
+
+    def _add(self, key: tuple[str, str], renamed: Renamed) -> None:
+        self.recent[key] = renamed
+        self._paths.update(_and_above(renamed.dst))
+
+    def _remove(self, key: tuple[str, str]) -> None:
+        renamed = self.recent.pop(key, None)
+        if renamed is not None:
+            self._paths.subtract(_and_above(renamed.dst))
 
     def _write(self, row: list, *, sync: bool = False) -> None:
         """Append one line (one write on an O_APPEND descriptor); ``sync``: fdatasync it."""
@@ -159,7 +181,9 @@ class RenameMemory:
         a crash leaves the old log or the new one, whole), and append from then on."""
         self._close()
         now = time.time()
-        self.recent = {k: v for k, v in self.recent.items() if now - v.when < RENAME_RETRY_WINDOW}
+        for key in [k for k, v in self.recent.items() if now - v.when >= RENAME_RETRY_WINDOW]:
+            self._remove(key)
+        self._paths = +self._paths  # without the paths counted down to 0
         tmp = self.path + ".tmp"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -203,10 +227,12 @@ class RenameMemory:
             self._write(["forget", path, under], sync=True)
 
     def _drop(self, path: str, *, under: bool) -> bool:
+        if self._paths[path] <= 0:
+            return False  # no destination is this path or below it
         prefix = path + "/" if path else ""
         doomed = [k for k, r in self.recent.items() if r.dst == path or (under and r.dst.startswith(prefix))]
         for k in doomed:
-            del self.recent[k]
+            self._remove(k)
         return bool(doomed)
 
     def applied(self, rel: str, asked: str) -> Renamed | None:
