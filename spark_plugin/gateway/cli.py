@@ -60,8 +60,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "namespace",
         help="the namespace to serve; or `promote` to promote a standby: "
         "sos gateway promote NAMESPACE URL (URL: the standby's "
-        "loopback address, e.g. http://127.0.0.1:9870; the key as "
-        "for serving)",
+        "loopback address, e.g. http://127.0.0.1:9870: plain http:// "
+        "is refused to any other host, the token request carries the "
+        "key; the key as for serving: an append-role key)",
     )
     p.add_argument("promote_args", nargs="*", metavar="NAMESPACE URL", help=argparse.SUPPRESS)
     p.add_argument(
@@ -210,15 +211,18 @@ def add_standby_options(p: argparse.ArgumentParser) -> None:
 def run_promote(args: argparse.Namespace, key: str) -> int:
     """``sos gateway promote NAMESPACE URL``."""
     from spark_plugin.gateway.client import GatewayError  # noqa: PLC0415 - as below
-    from spark_plugin.gateway.standby import promote  # noqa: PLC0415 - only when it runs
+    from spark_plugin.gateway.standby import promote, promote_url_refusal  # noqa: PLC0415 - only when it runs
 
     namespace, url = args.promote_args
     try:
         validate_namespace(namespace)
     except ValueError as exc:
         return fail(str(exc), 2)
+    refusal = promote_url_refusal(url)
+    if refusal:  # before anything is sent: the key would go in clear
+        return fail(refusal, 2)
     try:
-        doc = promote(url, namespace, key, context=_trust(args) if url.startswith("https:") else None)
+        doc = promote(url, namespace, key, context=_trust(args) if url.strip().startswith("https:") else None)
     except (GatewayError, OSError) as exc:
         return fail(f"promote failed: {one_line(exc)}", 1)
     state = "promoted" if doc.get("promoted") else "already active"

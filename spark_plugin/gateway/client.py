@@ -9,6 +9,7 @@ from ``/oauth2/token`` with the namespace's key, renews it before it expires (or
 from __future__ import annotations
 
 import json
+import re
 import ssl
 import threading
 import time
@@ -85,13 +86,28 @@ class GatewayClient:
                 doc = {}
             remote = doc.get("RemoteException") if isinstance(doc, dict) else None
             if remote:
-                raise GatewayError(exc.code, remote.get("exception", ""), remote.get("message", "")) from None
+                raise GatewayError(
+                    exc.code, self._scrub(str(remote.get("exception", ""))), self._scrub(str(remote.get("message", "")))
+                ) from None
             raise GatewayError(
                 exc.code,
-                str(doc.get("error", "")) if isinstance(doc, dict) else "",
-                str(doc.get("error_description", raw[:200])) if isinstance(doc, dict) else raw[:200].decode(),
+                self._scrub(str(doc.get("error", "")) if isinstance(doc, dict) else ""),
+                self._scrub(
+                    str(doc.get("error_description", raw[:200]))
+                    if isinstance(doc, dict)
+                    else raw[:200].decode("utf-8", "replace")
+                ),
             ) from None
         return json.loads(text) if text else {}
+
+    def _scrub(self, text: str) -> str:
+        """``text`` (an answer's error, which ends up in messages and logs) without the key's
+        secret: whatever answers at the URL (a proxy, a wrong service) may echo the token
+        request's body, which holds it."""
+        secret = self._key.strip().rpartition(".")[2]
+        if len(secret) < 16:
+            return text
+        return re.sub(re.escape(secret), "<secret>", text, flags=re.IGNORECASE)
 
     def call(self, method: str, path: str, body: bytes | None = None, **params: str) -> dict[str, Any]:
         """One authenticated request (a 401 fetches a new token once and retries). With

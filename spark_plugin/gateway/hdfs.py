@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import stat as stat_mod
 from typing import Any
 
@@ -31,9 +32,21 @@ __all__ = [
     "illegal",
     "not_found",
     "parse_permission",
+    "redact_query",
     "rel_path",
     "remote_exception",
 ]
+
+#: query parameters whose values a log line never shows: credentials a client may put in a
+#: URL (a key as client_secret, a token as access_token or delegation, a password)
+_SECRET_PARAM = re.compile(r"(?i)([^&=]*(?:secret|token|delegation|password|credential|key)[^&=]*=)[^&]*")
+
+
+def redact_query(query: str) -> str:
+    """``query`` (a request's, as sent) with the value of every credential-like parameter
+    replaced by ``<redacted>``: for the request log, which must never hold a key."""
+    return _SECRET_PARAM.sub(r"\1<redacted>", query)
+
 
 #: Java class of each exception the gateway reports, and the HTTP status HDFS gives it
 #: (ExceptionHandler: FileNotFoundException 404, other IOExceptions 403,

@@ -44,7 +44,7 @@ import trio
 from sos_wire.addresses import is_wildcard
 
 from .auth import DEFAULT_KEY_RECHECK, TOKEN_PATH, KeyChecks, OAuth2, TokenAuthority, TokenInfo
-from .hdfs import WebHdfsError, rel_path
+from .hdfs import WebHdfsError, redact_query, rel_path
 from .http import (
     CURRENT_CONN,
     HEAD_TIMEOUT,
@@ -436,7 +436,7 @@ class Gateway:
                 " [data]" if params.get("data") == "true" else "",
                 status,
                 elapsed * 1e3,
-                query,
+                redact_query(query),  # a key a client put in the URL is never logged
             )
 
     async def _dispatch(

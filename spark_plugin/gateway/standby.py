@@ -12,7 +12,8 @@ A standby serves the same WebHDFS address space as the active gateway but writes
   and tokens sealed with the namespace's gateway key verify on either gateway);
 * it watches the active gateway's lease (:class:`~.lease.LeaseWatcher`) and, once the lease
   was silent for ``--lease`` seconds, or when asked (``sos gateway promote``: ``POST
-  /sos/v1/promote`` from a loopback address with an append token), it is promoted
+  /sos/v1/promote`` from a loopback address with a token of an append-role key: not a
+  token-role key, whose token is an append token too), it is promoted
   (:meth:`Standby.promote`): FENCE (epoch + 1: every later append of the old active is
   refused), the tail finished to the journal's last record, the journal writer opened on its
   cache as a new gateway's is (``open_namespace(replayed_to=...)``: no snapshot, the
@@ -30,6 +31,7 @@ import os
 import ssl
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
@@ -77,7 +79,7 @@ from .server import Gateway
 from .standby_metrics import StandbyCollector
 from .webhdfs import WebHdfsNamespace
 
-__all__ = ["PROMOTE_PATH", "Standby", "Tailer", "promote", "run_standby"]
+__all__ = ["PROMOTE_PATH", "Standby", "Tailer", "promote", "promote_url_refusal", "run_standby"]
 
 log = logging.getLogger("sos.gateway.standby")
 
@@ -202,8 +204,11 @@ class Standby:
         poll: float = POLL,
         hold: float = HOLD,
         lease_url: str = "",
+        key_role_of: Callable[[str], KeyRole | None] | None = None,
     ) -> None:
         self.gateway = gateway
+        #: the role of a key (its text) at the SOS server: a promotion needs an append key
+        self.key_role_of = key_role_of
         self.lease_url = lease_url
         self.tailer = tailer
         self.factory = factory
@@ -387,14 +392,8 @@ class Standby:
             )
         host = conn.peer.split("/")[0]
         if not (host and is_loopback(host)) or not grant.can_write:
-            raise Reply(
-                403,
-                remote_exception(
-                    "AccessControlException",
-                    f"{PROMOTE_PATH} is accepted from a loopback address with a token of an append key only",
-                    "org.apache.hadoop.security.AccessControlException",
-                ),
-            )
+            raise _promote_refusal("")
+        await self._check_append_key(grant)
         was = self.state
         if was != "active":
             self.promote_reason = "asked by hand (sos gateway promote)"
@@ -408,6 +407,39 @@ class Standby:
             )
         await conn.respond(200, json_body({"promoted": was != "active", "epoch": self.epoch, "seq": self.tailer.seq}))
         return 200
+
+    async def _check_append_key(self, grant: TokenInfo) -> None:
+        """403 unless the token's key has the append role at the SOS server now. The gateway
+        issues append tokens for token-role keys too (a job's credential, which DEPLOY.md
+        says cannot fence the writer): a promotion FENCEs, so it asks the server what the
+        key itself may do, as the server does for FENCE. (``--insecure-no-auth``, loopback
+        only: no key, every request has every right.)"""
+        if not grant.key_secret or self.key_role_of is None:
+            return
+        try:
+            role = await trio.to_thread.run_sync(self.key_role_of, grant.key_text, abandon_on_cancel=True)
+        except PermissionError:
+            raise _promote_refusal("the SOS server no longer accepts this token's key") from None
+        except (SOSError, OSError) as exc:
+            raise Reply(
+                503, remote_exception("IOException", f"cannot ask the SOS server for the key's role: {exc}")
+            ) from None
+        if role != KeyRole.APPEND:
+            name = role.name.lower() if role is not None else "unknown"
+            raise _promote_refusal(f"this token's key has the {name} role, which cannot fence the writer")
+
+
+def _promote_refusal(why: str) -> Reply:
+    """403 AccessControlException for a promotion refused (``why``: more than the rule)."""
+    rule = f"{PROMOTE_PATH} is accepted from a loopback address with a token of an append-role key only"
+    return Reply(
+        403,
+        remote_exception(
+            "AccessControlException",
+            f"{rule}: {why}" if why else rule,
+            "org.apache.hadoop.security.AccessControlException",
+        ),
+    )
 
 
 async def _until(done: Callable[[], bool], seconds: float) -> None:
@@ -511,6 +543,12 @@ def run_standby(options: GatewayOptions, *, poll: float = POLL) -> int:
         open_active=open_active,
         poll=poll,
         lease_url=lease_url(options.advertise, options.listen),
+        key_role_of=lambda text: key_role(
+            client_factory_for(
+                options.server, text, options.namespace, timeout=options.timeout, tls=options.tls_client
+            ),
+            options.timeout,
+        ),
     )
     standby.durability = options.durability
     gateway.gate = standby.gate
@@ -582,10 +620,38 @@ def serve_standby(
     return code
 
 
+def promote_url_refusal(url: str) -> str:
+    """Why ``sos gateway promote`` refuses ``url`` before connecting ("" if it does not): one
+    ``http://`` or ``https://`` URL, and plain ``http://`` only to a loopback host
+    (:func:`sos_wire.addresses.is_loopback`, no name resolved), as the gateway serves plain
+    HTTP only there: the token request carries the key (``client_secret``) in the body."""
+    if "," in url:
+        return f"one URL (the standby's), not a list: {url!r}"
+    parts = urllib.parse.urlsplit(url.strip())
+    try:
+        host = parts.hostname or ""
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number in 0..65535
+    except ValueError as exc:
+        return f"not a URL {url!r}: {exc}"
+    if parts.scheme not in ("http", "https") or not host:
+        return f"expected http[s]://HOST:PORT of the standby, not {url!r}"
+    if parts.scheme == "http" and not is_loopback(host):
+        return (
+            f"refusing to send the key in clear over http:// to {host}, which is not a loopback "
+            f"address (the token request carries it): run the command on the standby's node (or "
+            f"through a port forward to it) against http://127.0.0.1:PORT, or use https:// (with --tls-ca)"
+        )
+    return ""
+
+
 def promote(
     url: str, namespace: str, key: str, *, timeout: float = 300.0, context: ssl.SSLContext | None = None
 ) -> dict[str, Any]:
     """``sos gateway promote``: ask the standby at ``url`` (``http[s]://127.0.0.1:PORT``) to
-    take over now; returns its answer (``promoted``, ``epoch``, ``seq``)."""
-    client = GatewayClient(url, namespace, key, timeout=timeout, context=context)
+    take over now; returns its answer (``promoted``, ``epoch``, ``seq``). ValueError, before
+    anything is sent, for a URL :func:`promote_url_refusal` refuses."""
+    refusal = promote_url_refusal(url)
+    if refusal:
+        raise ValueError(refusal)
+    client = GatewayClient(url.strip(), namespace, key, timeout=timeout, context=context)
     return client.call("POST", PROMOTE_PATH)

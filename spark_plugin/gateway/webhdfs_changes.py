@@ -1,7 +1,8 @@
 """The changes of the WebHDFS namespace: every operation that journals a record or alters the cache.
 
 MKDIRS, RENAME (HDFS's boolean rename and rename2, a resent one answered from
-:mod:`spark_plugin.gateway.renames`), DELETE (recursive: one record per entry, deepest
+:mod:`spark_plugin.gateway.renames`, which every change of a path tells to forget the RENAMEs
+that left an entry there), DELETE (recursive: one record per entry, deepest
 first), SETPERMISSION/SETTIMES (the cache only), SETOWNER/SETREPLICATION (nothing to record),
 TRUNCATE, the leases of files being written and CREATE/APPEND with their bodies, and the
 batch markers, as :class:`ChangeOperations`, a part of
@@ -12,6 +13,7 @@ namespace's lock and places its barrier outside it (the module docstring of
 
 from __future__ import annotations
 
+import contextlib
 import os
 import posixpath
 import stat as stat_mod
@@ -39,17 +41,23 @@ class ChangeOperations(NamespaceCore):
         """Note a RENAME that was applied, before its reply (called under :attr:`lock`)."""
         st = self._stat(dst, at)
         if st is not None:
-            self.renames.remember(rel, asked, dst, identity(st))
+            # not readable (a planted hard link?): not remembered, a resend gets HDFS's answer
+            with contextlib.suppress(OSError):
+                self.renames.remember(rel, asked, dst, identity(at, dst, st))
 
     def _renamed_already(self, at: Beneath, rel: str, asked: str) -> bool:
         """Whether a RENAME of a missing ``rel`` to ``asked`` is the retry of one this gateway
-        (or the one before it on this cache) applied in the last RENAME_RETRY_WINDOW seconds,
-        its destination still the entry it renamed (:mod:`spark_plugin.gateway.renames`)."""
+        (or the one before it on this cache) applied in the last RENAME_RETRY_WINDOW seconds:
+        nothing changed its destination since, which still holds the very entry it renamed
+        (the same kind, size and contents: :mod:`spark_plugin.gateway.renames`)."""
         seen = self.renames.applied(rel, asked)
         if seen is None:
             return False
-        st = self._stat(seen[0], at)
-        return st is not None and identity(st) == seen[1]
+        st = self._stat(seen.dst, at)
+        try:
+            return st is not None and identity(at, seen.dst, st) == seen.ident
+        except OSError:
+            return False
 
     # ------------------------------------------------------------------ metadata changes
     def mkdirs(self, rel: str, mode: int) -> dict:
@@ -62,6 +70,7 @@ class ChangeOperations(NamespaceCore):
             if rel == "":
                 return {"boolean": True}
             for sub in [*self._check_parent(rel, create_parent=True), rel]:
+                self.renames.forget(sub)
                 self._journal(self.tree.mkdir, sub, mode | 0o300 if sub != rel else mode)
         self.barrier()  # sync: durable before 200, and a fenced gateway's MKDIRS fails here
         return {"boolean": True}
@@ -149,6 +158,9 @@ class ChangeOperations(NamespaceCore):
                     "AlreadyBeingCreatedException",
                     f"{src_name if rel in self._leases else dst_name} is being written by another request",
                 )
+        # what was at the destination, and the source (a directory with all below it), change
+        self.renames.forget(rel, under=True)
+        self.renames.forget(dst, under=True)
         try:
             self._journal(self.tree.rename, rel, dst, overwrite=overwrite)
         except WebHdfsError as exc:
@@ -178,6 +190,7 @@ class ChangeOperations(NamespaceCore):
                 else:
                     doomed = [(rel, False)]
             # every check done: the records follow, deepest first, none refused half-way
+            self.renames.forget(rel, under=True)
             for path, is_dir in doomed:
                 self._journal(self.tree.rmdir if is_dir else self.tree.unlink, path)
             seq = self._last_seq()
@@ -256,6 +269,7 @@ class ChangeOperations(NamespaceCore):
                 )
             self._take_lease(rel)
             try:
+                self.renames.forget(rel)
                 seq = self._journal(self.tree.truncate, rel, new_length)
             finally:
                 self.release(rel)
@@ -312,7 +326,9 @@ class ChangeOperations(NamespaceCore):
             self._take_lease(rel)
             try:
                 for sub in self._check_parent(rel, create_parent=create_parent):
+                    self.renames.forget(sub)
                     self._journal(self.tree.mkdir, sub, 0o755)
+                self.renames.forget(rel)  # an overwritten file is another file
                 self._journal(self.tree.create, rel, mode)
             except BaseException:
                 self.release(rel)
@@ -331,6 +347,7 @@ class ChangeOperations(NamespaceCore):
         with self.lock, self._admission():
             st = self._require_file(rel)
             self._take_lease(rel)
+            self.renames.forget(rel)  # its contents change
             return st.st_size
 
     def write(self, rel: str, offset: int, data: bytes) -> None:
