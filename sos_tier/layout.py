@@ -45,6 +45,7 @@ __all__ = [
     "Problem",
     "TierConflict",
     "TierDamage",
+    "TierPieceTooLarge",
     "believe_fence",
     "delete_object",
     "escape_name",
@@ -101,6 +102,15 @@ class TierDamage(TierError):
     def __init__(self, key: str, message: str) -> None:
         super().__init__(f"damaged piece {key}: {message}")
         self.key = key
+
+
+class TierPieceTooLarge(TierDamage):
+    """A piece's name claims more bytes than a writer ever puts in one (MAX_PIECE_BYTES,
+    protocol.md 4.2): refused unread, whatever the key holds."""
+
+    def __init__(self, key: str, size: int) -> None:
+        super().__init__(key, f"claims {size} bytes, over the {MAX_PIECE_BYTES} a writer ever makes; not read")
+        self.size = size
 
 
 class TierConflict(TierError):
@@ -591,7 +601,7 @@ def _get_piece(store: Store, p: Piece, pool: ThreadPoolExecutor | None = None) -
     """A piece's bytes, checked against its name (size, CRC32C); never more than its name's
     size (at most MAX_PIECE_BYTES) plus one byte is read, whatever the key holds."""
     if p.end - p.begin > MAX_PIECE_BYTES:
-        raise TierDamage(p.key, f"claims {p.end - p.begin} bytes, over the {MAX_PIECE_BYTES} a writer ever makes")
+        raise TierPieceTooLarge(p.key, p.end - p.begin)
     if pool is None:
         data = store.get(p.key, 0, p.end - p.begin + 1)
     else:

@@ -295,10 +295,13 @@ def test_a_listed_size_is_never_trusted_for_memory(tmp_path):
     state = scan(store, "ns", verify=True)["ns"]
     assert state.objects["o"].length == 10
     plant(store, key, b"0123456789", size=MAX_PIECE_BYTES * 4)  # grown behind the listing's back
-    from sos_tier.layout import TierDamage, _get_piece
+    from sos_tier.layout import Piece, TierDamage, TierPieceTooLarge, _get_piece
 
     with pytest.raises(TierDamage, match="holds 11 bytes"):
         _get_piece(store, state.objects["o"].pieces[0])
+    big = Piece(piece_key("ns", "o", 0, 1 << 30, 0), 0, 1 << 30, 0, 1 << 30)  # as a listing would say
+    with pytest.raises(TierPieceTooLarge):
+        _get_piece(store, big)  # refused before any GET (the key does not even exist)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -306,18 +306,21 @@ class BucketSource:
                 (name, p.offset, f"{self.url}: {p.message}")
                 for name, o in sorted(st.objects.items())
                 if name.startswith(prefix)
-                for p in o.problems
-                if p.kind == "damage" and self._off_the_read_path(o, p)
+                for p in self._off_the_read_path(o)
             ]
 
     @staticmethod
-    def _off_the_read_path(obj: ObjectState, p: Problem) -> bool:
-        """A damaged piece no read will name: outside the run (a retry's copy, another server's),
-        or left out by the listing (a size that lies, over what a writer makes) below the good
-        length, where the run's other pieces hold the bytes."""
-        if any(q.key == p.key for q in obj.extra):
-            return True
-        return p.offset < obj.length and not any(q.key == p.key for q in obj.pieces)
+    def _off_the_read_path(obj: ObjectState) -> list[Problem]:
+        """The damaged pieces no read will name: outside the run (a retry's copy, another
+        server's), or left out by the listing (a size that lies, over what a writer makes) below
+        the good length, where the run's other pieces hold the bytes."""
+        extra = {q.key for q in obj.extra}
+        run = {q.key for q in obj.pieces}
+        return [
+            p
+            for p in obj.problems
+            if p.kind == "damage" and (p.key in extra or (p.offset < obj.length and p.key not in run))
+        ]
 
     def _check_extras(self, obj: ObjectState) -> None:
         """Pieces outside the run (protocol.md 4.4 step 5): each read whole and checked against
