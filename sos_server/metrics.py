@@ -196,6 +196,12 @@ class Metrics:
             "1 when the store holds a higher fence marker: another server took the namespace over"
             " and this one stopped uploading it",
         )
+        self.tier_ignored_fences = per_namespace(
+            Gauge,
+            "sos_tier_ignored_fence_markers",
+            "Fence markers in the store this server does not believe (empty, other content, far above every"
+            " epoch known, or holding the key of its own marker): logged and ignored, never obeyed",
+        )
         self.tier_uploaded_bytes = per_namespace(
             Counter, "sos_tier_uploaded_bytes", "Bytes this server wrote to the tier's store (pieces it created)"
         )

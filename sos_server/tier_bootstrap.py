@@ -54,11 +54,12 @@ from sos_tier.layout import (
     TierConflict,
     TierDamage,
     _get_piece,
+    believe_fence,
     iter_object,
     scan,
     seal_time,
 )
-from sos_tier.store import Store, TierError
+from sos_tier.store import Store, TierError, TierNotFound
 from sos_wire.crc import crc32c
 from sos_wire.names import BadName, validate_namespace
 
@@ -390,7 +391,12 @@ def _build_namespace(
     makedirs_durable(os.path.join(path, "keys"))
     for p in state.problems:  # foreign keys, unreadable long names
         _report_problem(report, p)
-    nsr = NamespaceReport(ns_name, fence=state.fence, bucket_fence=state.fence)
+    # the fence markers are believed up to FENCE_SLACK above the highest segment epoch (4.8)
+    seen = max((e for e in map(segment_epoch, state.objects) if e is not None), default=0)
+    verdict = believe_fence(store, ns_name, state.fence_markers, known=seen)
+    for p in verdict.ignored:
+        _report_problem(report, p)
+    nsr = NamespaceReport(ns_name, fence=verdict.epoch, bucket_fence=verdict.epoch)
     for name in sorted(state.objects):
         obj = state.objects[name]
         orep = _build_object(ns, store, obj, report, counter, workers)
@@ -400,11 +406,11 @@ def _build_namespace(
         e = segment_epoch(name)
         if e is not None and e > nsr.fence:
             nsr.fence = e
-    if nsr.fence != state.fence:
+    if nsr.fence != verdict.epoch:
         log.warning(
             "tier bootstrap: %s: the highest fence marker is %d, a segment name carries epoch %d: the fence is %d",
             ns_name,
-            state.fence,
+            verdict.epoch,
             nsr.fence,
             nsr.fence,
         )
@@ -542,6 +548,8 @@ def _check_others(ns: Namespace, store: Store, obj: ObjectState, length: int, re
                     Problem("damage", obj.namespace, obj.name, q.key, q.begin, f"{obj.namespace}/{obj.name}: {exc}"),
                 )
                 continue
+            except TierNotFound:
+                continue  # deleted since the listing: a larger piece of the run holds its bytes
             ours = so.read_bytes(q.begin, hi - q.begin, limit=length)
             if ours != theirs:
                 at = q.begin + next(

@@ -35,11 +35,12 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 import trio
 
 from sos_tier import PutOutcome, Store, TierError, TierFenced, Uploader
-from sos_tier.uploader import DEFAULT_MAX_PIECE
+from sos_tier.uploader import DEFAULT_MAX_PIECE, TierMarkerTaken
 from sos_wire.errors import ErrorCode
 
 from .metrics import Metrics
@@ -386,8 +387,14 @@ class Tier:
         with trio.move_on_at(deadline):
             while True:
                 try:
-                    await trio.to_thread.run_sync(self.uploader.check_fence, namespace, epoch, abandon_on_cancel=True)
+                    await trio.to_thread.run_sync(
+                        partial(self.uploader.check_fence, strict=True), namespace, epoch, abandon_on_cancel=True
+                    )
                     return
+                except TierMarkerTaken as exc:  # retrying cannot help: a higher epoch can
+                    raise StorageError(
+                        ErrorCode.TIER_UNAVAILABLE, f"fence {epoch} set on this server, but {exc}"
+                    ) from None
                 except TierFenced as exc:
                     self._stop(namespace, str(exc))
                     raise StorageError(
@@ -450,6 +457,7 @@ class Tier:
                 m.tier_conflicts.labels(namespace=namespace).inc(len(new_stuck))
                 st.stuck_seen |= new_stuck
             m.tier_fenced.labels(namespace=namespace).set(1 if (lag.fenced or st.stopped) else 0)
+            m.tier_ignored_fences.labels(namespace=namespace).set(len(lag.ignored_fences))
             if lag.seconds > self.lag_warn and not st.lagging:
                 st.lagging = True
                 log.warning(

@@ -4,7 +4,8 @@ Nothing here knows the server: a store's listing (and, for names too long for a 
 key per object) is all a reader needs to rebuild every namespace. Keys are relative to the
 store's root (the ``prefix`` of ``s3://bucket/prefix``)::
 
-    v1/ns/<ns>/fence/<epoch 16 hex>                          empty; the highest one is the fence
+    v1/ns/<ns>/fence/<epoch 16 hex>                          {"epoch":E,"namespace":NS}; the highest
+                                                             believable one is the fence
     v1/ns/<ns>/o/<E>/<begin 16 hex>-<end 16 hex>-<crc 8 hex> the object's bytes [begin, end)
     v1/ns/<ns>/o/<E>/seal-<length 16 hex>                    the object is sealed at length
     v1/ns/<ns>/o/!<sha256 hex>/name                          (long names only) the name, UTF-8
@@ -15,6 +16,8 @@ that is over :data:`MAX_PLAIN_NAME` bytes, ``!`` and the SHA-256 of the name in 
 
 from __future__ import annotations
 
+import bisect
+import functools
 import hashlib
 import json
 import re
@@ -24,11 +27,16 @@ from dataclasses import dataclass, field
 
 from sos_tier.store import Store, StoredKey, TierError, TierNotFound
 from sos_wire.crc import crc32c
-from sos_wire.names import BadName, validate_name, validate_namespace
+from sos_wire.names import MAX_NAME_BYTES, BadName, validate_name, validate_namespace
 
 __all__ = [
+    "FENCE_SLACK",
     "LAYOUT_VERSION",
+    "MAX_FENCE_EPOCH",
+    "MAX_MARKER_BYTES",
+    "MAX_PIECE_BYTES",
     "MAX_PLAIN_NAME",
+    "FenceVerdict",
     "NamespaceState",
     "ObjectIncomplete",
     "ObjectState",
@@ -37,8 +45,11 @@ __all__ = [
     "Problem",
     "TierConflict",
     "TierDamage",
+    "TierPieceTooLarge",
+    "believe_fence",
     "delete_object",
     "escape_name",
+    "fence_content",
     "fence_key",
     "iter_object",
     "keys_of",
@@ -62,6 +73,21 @@ LAYOUT_VERSION = "v1"
 #: S3's 1024 bytes: 256 + 1 + len("v1/ns/") + 63 + len("/o/") + 640 + 1 + 42 = 1012.
 MAX_PLAIN_NAME = 640
 HASHED = "!"  # an escaped name never starts with it (a name never starts with '/')
+#: The largest piece a writer makes (protocol.md 4.2): readers refuse a piece whose name claims
+#: more (damage, never read), so no key of the bucket, whatever it claims, costs a reader more
+#: memory than this (times the pieces it reads ahead).
+MAX_PIECE_BYTES = 8 * 1024 * 1024
+#: Seal markers and fence markers are small JSON objects; a reader reads at most this much of one.
+MAX_MARKER_BYTES = 4096
+#: A fence marker is believed only up to this far above the highest epoch the reader knows from
+#: elsewhere (its own fence, the epochs in journal segment names): a marker far beyond is bogus.
+#: A FENCE moves a fence by at most 1000 (protocol.md 1.11): this is a thousand of them.
+FENCE_SLACK = 1_000_000
+#: No FENCE sets an epoch above this (protocol.md 1.11, segment names carry 10 digits): a marker
+#: above it is bogus whatever else is known.
+MAX_FENCE_EPOCH = 9_999_999_999
+#: Of the fence markers that might be the fence, at most this many are read (highest first).
+MAX_FENCE_READS = 64
 
 _HEX16 = "[0-9a-f]{16}"
 _PIECE = re.compile(rf"({_HEX16})-({_HEX16})-([0-9a-f]{{8}})")
@@ -76,6 +102,15 @@ class TierDamage(TierError):
     def __init__(self, key: str, message: str) -> None:
         super().__init__(f"damaged piece {key}: {message}")
         self.key = key
+
+
+class TierPieceTooLarge(TierDamage):
+    """A piece's name claims more bytes than a writer ever puts in one (MAX_PIECE_BYTES,
+    protocol.md 4.2): refused unread, whatever the key holds."""
+
+    def __init__(self, key: str, size: int) -> None:
+        super().__init__(key, f"claims {size} bytes, over the {MAX_PIECE_BYTES} a writer ever makes; not read")
+        self.size = size
 
 
 class TierConflict(TierError):
@@ -165,6 +200,63 @@ def fence_key(namespace: str, epoch: int) -> str:
     return f"{namespace_prefix(namespace)}fence/{epoch:016x}"
 
 
+def fence_content(namespace: str, epoch: int) -> bytes:
+    """The content of a fence marker (protocol.md 4.2): the JSON object naming its namespace and
+    epoch, ``{"epoch":E,"namespace":"NS"}``, compact, keys sorted. A reader believes a marker
+    only if its content is exactly this (an empty or other marker is not one a writer made)."""
+    return json.dumps({"epoch": epoch, "namespace": namespace}, separators=(",", ":"), sort_keys=True).encode()
+
+
+@dataclass(frozen=True, slots=True)
+class FenceVerdict:
+    """The fence a reader believes from a namespace's markers, and the markers it ignored."""
+
+    epoch: int  # the highest believable marker (0: none)
+    key: str | None
+    ignored: list[Problem]
+
+
+def believe_fence(
+    store: Store, namespace: str, markers: list[tuple[int, str, int]], known: int | None = None
+) -> FenceVerdict:
+    """Of the fence markers *markers* (epoch, key, listed size), the highest a reader can believe
+    (protocol.md 4.4): its listed size and its content (at most MAX_MARKER_BYTES read) exactly
+    :func:`fence_content`, and, when *known* (the highest epoch the reader knows from elsewhere)
+    is given, at most FENCE_SLACK above it. Markers above the one believed that fail are
+    returned as ``fence`` problems (to log and count, never to obey); those below are not read.
+    At most MAX_FENCE_READS markers are read."""
+    ignored: list[Problem] = []
+    reads = 0
+
+    def bogus(key: str, epoch: int, why: str) -> None:
+        ignored.append(Problem("fence", namespace, "", key, epoch, f"{key}: {why}; ignored (not obeyed)"))
+
+    for epoch, key, size in sorted(markers, reverse=True):
+        want = fence_content(namespace, epoch)
+        if epoch > MAX_FENCE_EPOCH:
+            bogus(key, epoch, f"fence marker {epoch} is above {MAX_FENCE_EPOCH}, the highest epoch a FENCE sets")
+            continue
+        if known is not None and epoch > known + FENCE_SLACK:
+            bogus(key, epoch, f"fence marker {epoch} is far beyond every epoch known ({known})")
+            continue
+        if size != len(want):
+            bogus(key, epoch, f"fence marker of {size} bytes, not the {len(want)} its writer makes")
+            continue
+        if reads >= MAX_FENCE_READS:
+            bogus(key, epoch, f"not read: over {MAX_FENCE_READS} fence markers to check")
+            continue
+        reads += 1
+        try:
+            got = store.get(key, 0, MAX_MARKER_BYTES)
+        except TierNotFound:
+            continue  # deleted meanwhile
+        if got != want:
+            bogus(key, epoch, "fence marker content is not the namespace and epoch its writer writes")
+            continue
+        return FenceVerdict(epoch, key, ignored)
+    return FenceVerdict(0, None, ignored)
+
+
 @dataclass(frozen=True, slots=True)
 class ParsedKey:
     kind: str  # "piece", "seal", "name", "fence"
@@ -175,6 +267,18 @@ class ParsedKey:
     crc: int = 0
     length: int = 0  # seal
     epoch: int = 0  # fence
+
+
+@functools.lru_cache(maxsize=4096)
+def _edir_ok(edir: str) -> bool:
+    """Whether *edir* is an escaped or hashed object name (cached: an object's keys share it)."""
+    if _HASH.fullmatch(edir):
+        return True
+    try:
+        unescape_name(edir)
+    except ValueError:
+        return False
+    return True
 
 
 def parse_key(key: str) -> ParsedKey | None:
@@ -192,13 +296,8 @@ def parse_key(key: str) -> ParsedKey | None:
     if len(parts) != 6 or parts[3] != "o":
         return None
     edir, last = parts[4], parts[5]
-    if _HASH.fullmatch(edir):
-        pass
-    else:
-        try:
-            unescape_name(edir)
-        except ValueError:
-            return None
+    if not _edir_ok(edir):
+        return None
     if m := _PIECE.fullmatch(last):
         begin, end, crc = int(m[1], 16), int(m[2], 16), int(m[3], 16)
         if begin > end or (begin == end and (begin != 0 or crc != 0)):
@@ -229,7 +328,9 @@ class Problem:
     """Something a reader reports. kind: ``gap`` (the run of pieces from 0 stops before later
     pieces or before its seal), ``damage`` (a piece's content fails its checksum or its size its
     name; ``key`` names it), ``conflict`` (pieces or seals that disagree; ``key`` names one),
-    ``foreign`` (a key the layout cannot have made; ignored)."""
+    ``foreign`` (a key the layout cannot have made; ignored), ``fence`` (a fence marker that is not
+    believable: empty, other content, far beyond the epochs known; ignored, ``offset`` is its
+    epoch)."""
 
     kind: str
     namespace: str
@@ -267,7 +368,9 @@ class ObjectState:
 @dataclass(slots=True)
 class NamespaceState:
     namespace: str
-    fence: int = 0  # the highest fence marker (0: none)
+    fence: int = 0  # the highest believable fence marker (0: none); see believe_fence
+    #: every fence marker listed: (epoch, key, size), whatever its content
+    fence_markers: list[tuple[int, str, int]] = field(default_factory=list)
     objects: dict[str, ObjectState] = field(default_factory=dict)
     problems: list[Problem] = field(default_factory=list)  # namespace-level (foreign keys, names)
 
@@ -295,9 +398,14 @@ def scan(
             continue
         st = out.setdefault(pk.namespace, NamespaceState(pk.namespace))
         if pk.kind == "fence":
-            st.fence = max(st.fence, pk.epoch)
+            st.fence_markers.append((pk.epoch, item.key, item.size))
         else:
             by_dir.setdefault((pk.namespace, pk.edir), []).append((pk, item))
+    for st in out.values():
+        if st.fence_markers:
+            verdict = believe_fence(store, st.namespace, st.fence_markers)
+            st.fence = verdict.epoch
+            st.problems.extend(verdict.ignored)
     for (ns, edir), keys in by_dir.items():
         st = out[ns]
         name = _object_name(store, ns, edir, keys, st)
@@ -332,7 +440,7 @@ def _object_name(
         return unescape_name(edir)
     key = f"{namespace_prefix(ns)}o/{edir}/name"
     try:
-        raw = store.get(key)
+        raw = store.get(key, 0, MAX_NAME_BYTES + 1)  # a name is at most 1024 bytes: read no more
         name = raw.decode()
         validate_name(name)
         if escape_name(name) != edir:
@@ -353,6 +461,15 @@ def _build(ns: str, name: str, edir: str, keys: list[tuple[ParsedKey, StoredKey]
     for pk, item in keys:
         if pk.kind == "piece":
             obj.exists = True
+            if pk.end - pk.begin > MAX_PIECE_BYTES:
+                obj._problem(
+                    "damage",
+                    item.key,
+                    pk.begin,
+                    f"piece {item.key} claims {pk.end - pk.begin} bytes, over the {MAX_PIECE_BYTES} a writer"
+                    " ever makes; not read",
+                )
+                continue
             if item.size != pk.end - pk.begin:
                 obj._problem(
                     "damage",
@@ -365,22 +482,7 @@ def _build(ns: str, name: str, edir: str, keys: list[tuple[ParsedKey, StoredKey]
         elif pk.kind == "seal":
             obj.exists = True
             seals.append((pk.length, item.key))
-    # the run from 0: at each point take, of the pieces that start at or before it and reach
-    # past it, the one that extends furthest (ties: the first key); protocol.md 4.4
-    pieces.sort(key=lambda p: (p.begin, -p.end, p.key))
-    pos, i, chosen = 0, 0, []
-    candidates: list[Piece] = []
-    while True:
-        while i < len(pieces) and pieces[i].begin <= pos:
-            candidates.append(pieces[i])
-            i += 1
-        reach = [p for p in candidates if p.end > pos]
-        if not reach:
-            break
-        best = max(reach, key=lambda p: (p.end, -p.begin))
-        best = min((p for p in reach if p.end == best.end), key=lambda p: (p.begin, p.key))
-        chosen.append(best)
-        pos = best.end
+    chosen, pos = _take_run(pieces)
     in_run = {p.key for p in chosen}
     obj.pieces = chosen
     obj.extra = [p for p in pieces if p.key not in in_run]  # also a 0-0 piece ("exists, empty")
@@ -427,6 +529,31 @@ def _build(ns: str, name: str, edir: str, keys: list[tuple[ParsedKey, StoredKey]
     return obj
 
 
+def _take_run(pieces: list[Piece]) -> tuple[list[Piece], int]:
+    """The run from 0 (protocol.md 4.4 step 2) of *pieces* (sorted here) and where it ends."""
+    # the run from 0: at each point take, of the pieces that start at or before it and reach
+    # past it, the one that extends furthest (ties: the first key); protocol.md 4.4
+    # Linear after the sort: every piece is looked at once. The pieces that start at or before
+    # pos are considered once, when pos passes their begin; the one taken reaches furthest of
+    # them, so once pos moves to its end none of them reaches past pos any more.
+    pieces.sort(key=lambda p: (p.begin, -p.end, p.key))
+    chosen: list[Piece] = []
+    pos, i = 0, 0
+    while True:
+        best: Piece | None = None
+        while i < len(pieces) and pieces[i].begin <= pos:
+            p = pieces[i]
+            i += 1
+            # in sort order: a later piece with the same end has a higher begin or key (ties)
+            if p.end > pos and (best is None or p.end > best.end):
+                best = p
+        if best is None:
+            break
+        chosen.append(best)
+        pos = best.end
+    return chosen, pos
+
+
 def _verify(store: Store, obj: ObjectState, workers: int) -> None:
     """Read every piece: the run's (damage cuts the good length at the piece) and the others
     that overlap it (their bytes must agree with the run's)."""
@@ -446,6 +573,8 @@ def _verify(store: Store, obj: ObjectState, workers: int) -> None:
         except TierDamage as exc:
             obj._problem("damage", q.key, q.begin, str(exc))
             continue
+        except TierNotFound:
+            continue  # deleted since the listing: a larger piece holds its bytes
         hi = min(q.end, obj.length)
         if q.begin >= hi:
             continue
@@ -465,13 +594,19 @@ def _first_difference(a: bytes, b: bytes) -> int:
 # the reader
 
 PART_SIZE = 4 * 1024 * 1024  # one ranged GET; a piece is fetched in parts of this, in parallel
+RELISTS = 3  # a read that finds a listed piece gone lists the object again, this many times
 
 
 def _get_piece(store: Store, p: Piece, pool: ThreadPoolExecutor | None = None) -> bytes:
+    """A piece's bytes, checked against its name (size, CRC32C); never more than its name's
+    size (at most MAX_PIECE_BYTES) plus one byte is read, whatever the key holds."""
+    if p.end - p.begin > MAX_PIECE_BYTES:
+        raise TierPieceTooLarge(p.key, p.end - p.begin)
     if pool is None:
-        data = store.get(p.key)
+        data = store.get(p.key, 0, p.end - p.begin + 1)
     else:
-        futs = [pool.submit(store.get, p.key, s, min(s + PART_SIZE, p.size)) for s in range(0, p.size, PART_SIZE)]
+        size = p.end - p.begin
+        futs = [pool.submit(store.get, p.key, s, min(s + PART_SIZE, size)) for s in range(0, size, PART_SIZE)]
         data = b"".join(f.result() for f in futs)
     if len(data) != p.end - p.begin:
         raise TierDamage(p.key, f"holds {len(data)} bytes, its name says {p.end - p.begin}")
@@ -480,12 +615,29 @@ def _get_piece(store: Store, p: Piece, pool: ThreadPoolExecutor | None = None) -
     return data
 
 
+def _run_slice(obj: ObjectState, start: int, end: int) -> list[Piece]:
+    """The run's pieces that hold some byte of [start, end): a binary search (the run's begins
+    and ends both increase), so a read costs no more for a long run than for a short one."""
+    run = obj.pieces
+    i = bisect.bisect_right(run, start, key=lambda p: p.end)
+    j = i
+    while j < len(run) and run[j].begin < end:
+        j += 1
+    return run[i:j]
+
+
 def _fetch_run(store: Store, obj: ObjectState, start: int, end: int, workers: int) -> Iterator[tuple[int, bytes]]:
     """(offset, bytes) of [start, end) from the run, each piece fetched whole (in parallel
     ranged parts, up to *workers* pieces ahead), its CRC32C checked, and the bytes it shares
     with the piece before it compared (a difference is a TierConflict)."""
-    need = [p for p in obj.pieces if p.end > start and p.begin < end]
+    need = _run_slice(obj, start, end)
     if not need:
+        return
+    if len(need) == 1 and need[0].size <= PART_SIZE:  # one small piece: no threads to start
+        p = need[0]
+        data = _get_piece(store, p)
+        lo, hi = max(start, p.begin), min(end, p.end)
+        yield lo, data[lo - p.begin : hi - p.begin]
         return
     with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="tier-get") as pool:
         parts = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="tier-part")
@@ -532,8 +684,23 @@ def iter_object(
     stop = obj.length if end is None else end
     if start < 0 or stop < start or stop > obj.length:
         raise ObjectIncomplete(obj.namespace, obj.name, obj.length, start if start > obj.length else stop, obj.problems)
-    for _off, chunk in _fetch_run(store, obj, start, stop, workers):
-        yield chunk
+    pos = start
+    for attempt in range(RELISTS + 1):
+        try:
+            for off, chunk in _fetch_run(store, obj, pos, stop, workers):
+                yield chunk
+                pos = off + len(chunk)
+            return
+        except TierNotFound:
+            # a piece of the listing is gone: a writer replaced small pieces by one that holds
+            # their bytes (protocol.md 4.3 step 7), or retention removed the object. List the
+            # object again and go on from where we are, if the new listing still holds it.
+            if attempt == RELISTS:
+                raise
+            fresh = scan_object(store, obj.namespace, obj.name)
+            if fresh.length < stop:
+                raise ObjectIncomplete(obj.namespace, obj.name, fresh.length, pos, fresh.problems) from None
+            obj.pieces, obj.extra = fresh.pieces, fresh.extra
 
 
 def read_object(
@@ -557,7 +724,7 @@ def seal_time(store: Store, obj: ObjectState) -> int | None:
     if not obj.seal_keys:
         return None
     try:
-        info = json.loads(store.get(obj.seal_keys[0]) or b"{}")
+        info = json.loads(store.get(obj.seal_keys[0], 0, MAX_MARKER_BYTES) or b"{}")
         t = info.get("sealed_at_ns") if isinstance(info, dict) else None
         return t if isinstance(t, int) else None
     except (TierNotFound, ValueError):

@@ -32,7 +32,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sos_tier.layout import (
+    MAX_MARKER_BYTES,
+    MAX_PIECE_BYTES,
+    Problem,
+    believe_fence,
     delete_object,
+    fence_content,
     fence_key,
     name_key,
     namespace_prefix,
@@ -46,11 +51,16 @@ from sos_tier.layout import (
 from sos_tier.store import PutOutcome, Store, TierError
 from sos_wire.crc import crc32c
 
-__all__ = ["DEFAULT_MAX_PIECE", "Lag", "Step", "TierFenced", "Uploader"]
+__all__ = ["DEFAULT_MAX_PIECE", "Lag", "Step", "TierFenced", "TierMarkerTaken", "Uploader"]
 
 log = logging.getLogger("sos.tier")
 
-DEFAULT_MAX_PIECE = 8 * 1024 * 1024
+DEFAULT_MAX_PIECE = MAX_PIECE_BYTES  # readers refuse larger pieces (protocol.md 4.2)
+
+#: Pieces under this size are absorbed by the next piece of their object (Uploader._absorb)
+MERGE_BELOW = 1024 * 1024
+#: Pieces of an object's run end the uploader remembers for absorbing (more than a block holds)
+MAX_TAIL = 64
 
 #: read(begin, end) -> the object's durable bytes [begin, end), exactly end - begin of them
 Reader = Callable[[int, int], bytes]
@@ -68,6 +78,15 @@ class TierFenced(TierError):
         self.namespace = namespace
         self.bucket_epoch = bucket_epoch
         self.epoch = epoch
+
+
+class TierMarkerTaken(TierError):
+    """The key of this server's own fence marker exists with other content (planted, or damage):
+    the bucket cannot record this fence, so a FENCE of this epoch must not be answered OK."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(message)
+        self.key = key
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +118,8 @@ class Lag:
     stuck: dict[str, str]
     fenced: bool
     uploaded_bytes: int  # written by this uploader since it started (pieces it created)
+    #: fence markers of the namespace not believed (key -> why): ignored, never obeyed
+    ignored_fences: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -112,6 +133,8 @@ class _Obj:
     marks: deque[tuple[int, float]] = field(default_factory=deque)  # (durable length, first seen)
     stuck: str | None = None
     noted: bool = False  # the server told us of it (an empty object must reach the bucket too)
+    #: the run's pieces (begin, end, key) at its end that a later piece may absorb (MERGE_BELOW)
+    tail: list[tuple[int, int, str]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -124,6 +147,9 @@ class _Ns:
     last_error: str | None = None
     last_error_at: float | None = None
     uploaded_bytes: int = 0
+    delete_refused: bool = False  # the store refused to delete absorbed pieces (logged once)
+    marker_ok: int = 0  # the epoch whose marker this uploader wrote or checked
+    ignored_fences: dict[str, str] = field(default_factory=dict)
     learn_lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -140,8 +166,8 @@ class Uploader:
         """*on_progress(namespace, name, uploaded, sealed_in_bucket)* is called (in the thread
         that made the step) after every write that moved an object on: the server wakes its
         wait-for-bucket waiters with it (``trio.lowlevel.TrioToken.run_sync_soon``)."""
-        if max_piece < 1:
-            raise ValueError("max_piece must be positive")
+        if not 1 <= max_piece <= MAX_PIECE_BYTES:
+            raise ValueError(f"max_piece must be from 1 to {MAX_PIECE_BYTES} (readers refuse larger pieces)")
         self.store = store
         self.max_piece = max_piece
         self._on_progress = on_progress
@@ -202,6 +228,7 @@ class Uploader:
                     for name, os_ in state.objects.items():
                         o = self._obj(namespace, name)
                         o.uploaded = os_.length
+                        o.tail = [(p.begin, p.end, p.key) for p in os_.pieces[-MAX_TAIL:] if p.end <= os_.length]
                         o.exists = os_.exists
                         # a seal marker counts even if pieces before it are missing: it is
                         # never written again (its key exists); the missing pieces are
@@ -213,27 +240,65 @@ class Uploader:
                             ns.last_error_at = self._wall()
                 ns.learned = True
 
-    def check_fence(self, namespace: str, epoch: int) -> None:
+    def check_fence(self, namespace: str, epoch: int, *, strict: bool = False) -> None:
         """Compare the namespace's fence (the server's, *epoch*) with the bucket's markers (one
-        listing): TierFenced if the bucket's is higher, which also stops every later upload of
-        the namespace; if ours is higher, write our marker (once). Call it when the server's
-        fence changes and at each upload round, so a zombie learns within a round."""
+        listing): TierFenced if the bucket holds a believable marker above it (protocol.md 4.4:
+        content ``{"epoch":E,"namespace":NS}``, at most FENCE_SLACK above *epoch*), which also
+        stops every later upload of the namespace; if ours is higher, write our marker (once).
+        A marker that is not believable (empty, other content, far beyond) is ignored: kept in
+        :meth:`lag` (``ignored_fences``) and logged, never obeyed. When our own marker's key
+        holds other content the bucket cannot record our fence: *strict* (FENCE, which must not
+        be answered then) raises :class:`TierMarkerTaken`; otherwise (an upload round) it is
+        kept like an ignored marker and uploading goes on. Call it when the server's fence
+        changes and at each upload round, so a zombie learns within a round."""
         prefix = f"{namespace_prefix(namespace)}fence/"
-        highest = 0
+        above: list[tuple[int, str, int]] = []
+        own: tuple[int, str, int] | None = None
         for item in self.store.list(prefix):
             pk = parse_key(item.key)
             if pk is not None and pk.kind == "fence":
-                highest = max(highest, pk.epoch)
+                if pk.epoch > epoch:
+                    above.append((pk.epoch, item.key, item.size))
+                elif pk.epoch == epoch:
+                    own = (pk.epoch, item.key, item.size)
         ns = self._namespace(namespace)
-        if highest > epoch:
+        verdict = believe_fence(self.store, namespace, above, known=epoch)
+        self._ignored(ns, verdict.ignored)
+        if verdict.epoch > epoch:
             with self._lock:
-                ns.bucket_fence, ns.fenced = highest, True
-                self._error(ns, str(TierFenced(namespace, highest, epoch)))
-            raise TierFenced(namespace, highest, epoch)
-        if epoch > highest:
-            self.store.put_once(fence_key(namespace, epoch), b"")  # CONFLICT impossible: empty content
+                ns.bucket_fence, ns.fenced = verdict.epoch, True
+                self._error(ns, str(TierFenced(namespace, verdict.epoch, epoch)))
+            raise TierFenced(namespace, verdict.epoch, epoch)
+        if epoch > 0 and ns.marker_ok != epoch:
+            self._own_marker(namespace, ns, epoch, own, strict)
         with self._lock:
             ns.bucket_fence = epoch
+
+    def _own_marker(self, namespace: str, ns: _Ns, epoch: int, own: tuple[int, str, int] | None, strict: bool) -> None:
+        """Our marker for *epoch*: written if the listing lacks it, else checked (once)."""
+        key, want = fence_key(namespace, epoch), fence_content(namespace, epoch)
+        if own is None:
+            ok = self.store.put_once(key, want) is not PutOutcome.CONFLICT
+        else:
+            ok = own[2] == len(want) and self.store.get(key, 0, MAX_MARKER_BYTES) == want
+        if ok:
+            ns.marker_ok = epoch
+            return
+        why = (
+            f"{key}: the key of this server's fence marker (epoch {epoch}) holds content this server did not"
+            " write; the bucket cannot record this fence"
+        )
+        self._ignored(ns, [Problem("fence", namespace, "", key, epoch, f"{why}; ignored (not obeyed)")])
+        if strict:
+            raise TierMarkerTaken(key, f"{why}: fence again with a higher epoch")
+
+    def _ignored(self, ns: _Ns, problems: list[Problem]) -> None:
+        """Fence markers not believed: kept (for the metric) and logged once each, loudly."""
+        with self._lock:
+            for p in problems:
+                if p.key not in ns.ignored_fences:
+                    ns.ignored_fences[p.key] = p.message
+                    log.error("tier: bogus fence marker: %s", p.message)
 
     # -- uploading ---------------------------------------------------------------------------------
 
@@ -290,19 +355,7 @@ class Uploader:
                 self._error(ns, msg)
             return Step("ahead", message=msg)
         if o.uploaded < durable:
-            begin = o.uploaded
-            end = min(durable, (begin // self.max_piece + 1) * self.max_piece)
-            data = read(begin, end)
-            if len(data) != end - begin:
-                raise TierError(f"{namespace}/{name}: reading [{begin}, {end}) gave {len(data)} bytes")
-            if not o.exists:
-                self._name_key(namespace, name)
-            key = piece_key(namespace, name, begin, end, crc32c(data))
-            outcome = self.store.put_once(key, data)
-            if outcome is PutOutcome.CONFLICT:
-                return self._stuck(ns, o, key, f"piece {key} exists with other bytes (damage in the bucket)")
-            self._advance(ns, o, end, end - begin if outcome is PutOutcome.CREATED else 0)
-            return Step("piece", key, begin, end, outcome)
+            return self._piece(namespace, name, ns, o, read, durable)
         if sealed and o.bucket_seal is None:
             key = seal_key(namespace, name, durable)
             if not o.exists:
@@ -331,6 +384,65 @@ class Uploader:
                 o.exists = True
             return Step("exists", key, 0, 0, outcome)
         return Step("idle")
+
+    def _piece(self, namespace: str, name: str, ns: _Ns, o: _Obj, read: Reader, durable: int) -> Step:
+        """The next piece: from where the run ends to the durable length (cut at a multiple of
+        max_piece), started further back to absorb the small pieces before it (:meth:`_absorb`),
+        which are deleted once it is written (protocol.md 4.3 step 7)."""
+        start = o.uploaded
+        end = min(durable, (start // self.max_piece + 1) * self.max_piece)
+        absorbed = self._absorb(o, start, end)
+        begin = absorbed[0][0] if absorbed else start
+        data = read(begin, end)
+        if len(data) != end - begin:
+            raise TierError(f"{namespace}/{name}: reading [{begin}, {end}) gave {len(data)} bytes")
+        if not o.exists:
+            self._name_key(namespace, name)
+        key = piece_key(namespace, name, begin, end, crc32c(data))
+        outcome = self.store.put_once(key, data)
+        if outcome is PutOutcome.CONFLICT:
+            return self._stuck(ns, o, key, f"piece {key} exists with other bytes (damage in the bucket)")
+        kept = [t for t in o.tail if t not in absorbed][-MAX_TAIL + 1 :]
+        o.tail = [*kept, (begin, end, key)]
+        self._advance(ns, o, end, end - begin if outcome is PutOutcome.CREATED else 0)
+        if absorbed:
+            self._delete_absorbed(ns, namespace, name, [k for _, _, k in absorbed if k != key])
+        return Step("piece", key, begin, end, outcome)
+
+    def _absorb(self, o: _Obj, start: int, end: int) -> list[tuple[int, int, str]]:
+        """The pieces at the end of the run that the piece [start, end) takes in: while the one
+        before is small (under MERGE_BELOW), in the same max_piece block, reaches *start* and is
+        under twice the piece's size so far. Sizes then at least double going back, so an object
+        that grows by small appends keeps about log2(MERGE_BELOW) small pieces per block, and
+        every byte is written again only that many times."""
+        block = start // self.max_piece * self.max_piece
+        absorbed: list[tuple[int, int, str]] = []
+        begin = start
+        for b, e, k in reversed(o.tail):
+            if b < block or e < begin or e - b >= MERGE_BELOW or e - b >= 2 * (end - begin):
+                break
+            absorbed.insert(0, (b, e, k))
+            begin = b
+        return absorbed
+
+    def _delete_absorbed(self, ns: _Ns, namespace: str, name: str, keys: list[str]) -> None:
+        """Delete pieces a written piece holds whole (same bytes, it was read from the same
+        durable object). A store that refuses (object lock, no DeleteObject) leaves them: readers
+        take the larger piece anyway (4.4); logged once per namespace, uploading goes on."""
+        if not keys:
+            return
+        try:
+            self.store.delete(keys)
+        except TierError as exc:
+            with self._lock:
+                if not ns.delete_refused:
+                    ns.delete_refused = True
+                    log.warning(
+                        "tier: %s/%s: cannot delete pieces a larger piece replaced (%s); they stay in the bucket",
+                        namespace,
+                        name,
+                        exc,
+                    )
 
     def sync(
         self,
@@ -408,6 +520,7 @@ class Uploader:
                 {n: o.stuck for n, o in ns.objects.items() if o.stuck},
                 ns.fenced,
                 ns.uploaded_bytes,
+                dict(ns.ignored_fences),
             )
 
     def namespaces(self) -> list[str]:

@@ -23,6 +23,7 @@ from sos_tier.layout import (
     TierDamage,
     delete_object,
     escape_name,
+    fence_content,
     fence_key,
     keys_of,
     object_prefix,
@@ -135,7 +136,10 @@ def test_protocol_worked_example(tmp_path):
     for key in listing:
         pk = parse_key(key)
         assert pk is not None
-        content = segment[pk.begin : pk.end] if pk.kind == "piece" else b"{}" if pk.kind == "seal" else b""
+        if pk.kind == "piece":
+            content = segment[pk.begin : pk.end]
+        else:
+            content = b"{}" if pk.kind == "seal" else fence_content(pk.namespace, pk.epoch)
         if pk.kind == "piece":
             assert crc32c(content) == pk.crc
         store.put_once(key, content)
@@ -349,7 +353,7 @@ def test_seals(store):
 
 def test_fence_highest_marker_wins(store):
     for e in (1, 5, 3):
-        store.put_once(fence_key(NS, e), b"")
+        store.put_once(fence_key(NS, e), fence_content(NS, e))
     assert scan(store)[NS].fence == 5
 
 

@@ -37,6 +37,7 @@ from a small cache of verified pieces.
 
 from __future__ import annotations
 
+import bisect
 import builtins
 import threading
 from collections import OrderedDict
@@ -56,7 +57,7 @@ from sos_tier.layout import (
     scan,
 )
 from sos_tier.open import open_store
-from sos_tier.store import Store, TierError
+from sos_tier.store import Store, TierError, TierNotFound
 from sos_wire.names import BadName, validate_namespace
 
 from ._store import Corrupt, SOSNotFound
@@ -272,7 +273,9 @@ class BucketSource:
         good) or BucketUnavailable."""
         try:
             if stop - start <= _SMALL_READ:
-                p = next((q for q in obj.pieces if q.begin <= start and stop <= q.end), None)
+                run = obj.pieces  # begins and ends both increase: a binary search
+                i = bisect.bisect_right(run, start, key=lambda q: q.end)
+                p = run[i] if i < len(run) and run[i].begin <= start and stop <= run[i].end else None
                 if p is not None:
                     data = self._piece(obj, p)
                     if stop - p.begin <= len(data):
@@ -303,9 +306,21 @@ class BucketSource:
                 (name, p.offset, f"{self.url}: {p.message}")
                 for name, o in sorted(st.objects.items())
                 if name.startswith(prefix)
-                for p in o.problems
-                if p.kind == "damage" and any(q.key == p.key for q in o.extra)
+                for p in self._off_the_read_path(o)
             ]
+
+    @staticmethod
+    def _off_the_read_path(obj: ObjectState) -> list[Problem]:
+        """The damaged pieces no read will name: outside the run (a retry's copy, another
+        server's), or left out by the listing (a size that lies, over what a writer makes) below
+        the good length, where the run's other pieces hold the bytes."""
+        extra = {q.key for q in obj.extra}
+        run = {q.key for q in obj.pieces}
+        return [
+            p
+            for p in obj.problems
+            if p.kind == "damage" and (p.key in extra or (p.offset < obj.length and p.key not in run))
+        ]
 
     def _check_extras(self, obj: ObjectState) -> None:
         """Pieces outside the run (protocol.md 4.4 step 5): each read whole and checked against
@@ -320,6 +335,8 @@ class BucketSource:
             except TierDamage as exc:
                 obj._problem("damage", q.key, q.begin, str(exc))
                 continue
+            except (TierNotFound, ObjectIncomplete):
+                continue  # deleted since the listing: a larger piece of the run holds its bytes
             hi = min(q.end, obj.length)
             if q.begin >= hi:
                 continue
