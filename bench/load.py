@@ -292,7 +292,7 @@ def make_pattern(
     bodies = _body_sizes(batch, sizes)
     requests = []
     for i, r in enumerate(batch):
-        params = [(k, t.path(v) if k == "destination" else v) for k, v in r.params]
+        params = [[k, t.path(v) if k == "destination" else v] for k, v in r.params]
         requests.append(
             {
                 "method": r.method,

@@ -231,7 +231,9 @@ class Conn:
                 raise Drop("the client stalled")
             self._receive(bytes(data))
 
-    async def send(self, event: h11.Event) -> None:
+    def _encode(self, event: h11.Event) -> bytes:
+        """``event`` as bytes for the wire (h11's state moves on); a response says whether the
+        connection stays (KEEP_ALIVE_HINT) or closes (the gateway is stopping)."""
         if isinstance(event, h11.Response) and self.closing:
             event = h11.Response(
                 status_code=event.status_code, reason=event.reason, headers=[*event.headers, (b"connection", b"close")]
@@ -240,7 +242,10 @@ class Conn:
             event = h11.Response(
                 status_code=event.status_code, reason=event.reason, headers=[*event.headers, *KEEP_ALIVE_HINT]
             )
-        data = self.h11.send(event)
+        return self.h11.send(event) or b""
+
+    async def send(self, event: h11.Event) -> None:
+        data = self._encode(event)
         if data:
             await self.send_bytes(data)
 
@@ -274,10 +279,12 @@ class Conn:
         kwargs: dict[str, Any] = {"status_code": status, "headers": hdrs}
         if reason:
             kwargs["reason"] = reason.encode("ascii", "replace")
-        await self.send(h11.Response(**kwargs))
+        # head, body and end in one send: one system call (and one TCP segment) per reply
+        data = self._encode(h11.Response(**kwargs))
         if body:
-            await self.send(h11.Data(data=body))
-        await self.send(h11.EndOfMessage())
+            data += self._encode(h11.Data(data=body))
+        data += self._encode(h11.EndOfMessage())
+        await self.send_bytes(data)
 
     async def read_small_body(self, limit: int = MAX_SMALL_BODY) -> bytes:
         chunks: list[bytes] = []
