@@ -586,11 +586,31 @@ class Query:
 # --------------------------------------------------------------------------- CPU and the report
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of process ``pid`` (all its threads) so far, from /proc."""
+def cpu_times(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of process ``pid`` (all its threads) so far, from /proc."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
+def run_queue_seconds(pid: int) -> float:
+    """Seconds the threads of process ``pid`` alive now spent runnable but waiting for a CPU
+    (/proc/PID/task/*/schedstat): on a shared machine, what the process could not run."""
+    total = 0
+    with contextlib.suppress(FileNotFoundError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with (
+                contextlib.suppress(FileNotFoundError, IndexError, ValueError),
+                open(f"/proc/{pid}/task/{tid}/schedstat") as f,
+            ):
+                total += int(f.read().split()[1])
+    return total / 1e9
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` (all its threads) so far, from /proc."""
+    return sum(cpu_times(pid))
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -638,7 +658,7 @@ def summarize(
 def report_lines(rows: list[dict[str, Any]]) -> list[str]:
     head = (
         f"{'mode':5} {'N':>4} {'offered/s':>9} {'achieved/s':>10} {'p50 ms':>8} {'p99 ms':>8} "
-        f"{'req/s':>7} {'gw us/req':>9} {'gw core':>7} {'srv us/req':>10} {'srv core':>8}  mismatches"
+        f"{'req/s':>7} {'gw us/req':>9} {'gw core':>7} {'gw waits':>8} {'srv us/req':>10} {'srv core':>8}  mismatches"
     )
     lines = [head]
     for r in rows:
@@ -646,6 +666,7 @@ def report_lines(rows: list[dict[str, Any]]) -> list[str]:
             f"{r['mode']:5} {r['queries']:4d} {r['offered_batches_per_s']:9.1f} {r['achieved_batches_per_s']:10.2f} "
             f"{r['batch_p50_ms']:8.1f} {r['batch_p99_ms']:8.1f} {r['requests_per_s']:7.0f} "
             f"{r['gateway_cpu_us_per_request']:9.0f} {r['gateway_cpu_share'] * 100:6.0f}% "
+            f"{r.get('gateway_run_queue_share', 0.0) * 100:7.0f}% "
             f"{r['server_cpu_us_per_request']:10.0f} {r['server_cpu_share'] * 100:7.0f}%  "
             f"{sum(r['mismatches'].values()) or '-'}"
         )
@@ -690,18 +711,26 @@ def replay(
     for t in threads:
         t.start()
     time.sleep(max(0.0, t0 + warmup - time.monotonic()))
-    c0 = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    s0 = {name: cpu_times(pid) for name, pid in pids.items()}
+    q0 = {name: run_queue_seconds(pid) for name, pid in pids.items()}
     r0 = sum(q.stats.requests for q in queries)
     w0 = time.monotonic()
     time.sleep(seconds)
     w1 = time.monotonic()
     r1 = sum(q.stats.requests for q in queries)
-    c1 = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    s1 = {name: cpu_times(pid) for name, pid in pids.items()}
+    q1 = {name: run_queue_seconds(pid) for name, pid in pids.items()}
     stop.set()
     for t in threads:
         t.join(timeout=120)
-    cpu = {name: (c0[name], c1[name]) for name in pids}
-    return summarize([q.stats for q in queries], (w0, w1), cpu, (r0, r1), interval)
+    cpu = {name: (sum(s0[name]), sum(s1[name])) for name in pids}
+    row = summarize([q.stats for q in queries], (w0, w1), cpu, (r0, r1), interval)
+    for name in pids:  # the kernel's part: system calls (sockets, the cache's files)
+        used = sum(s1[name]) - sum(s0[name])
+        row[f"{name}_system_share_of_cpu"] = (s1[name][1] - s0[name][1]) / used if used > 0 else 0.0
+        # runnable but not running, per second of the window (threads alive at both ends)
+        row[f"{name}_run_queue_share"] = (q1[name] - q0[name]) / (w1 - w0)
+    return row
 
 
 class Stack(contextlib.ExitStack):

@@ -281,8 +281,8 @@ class SharedBarrier:
         try:
             await self.run(self.ns.wait_durable, ongoing.target)
             self.covered = max(self.covered, ongoing.target)
-        except BaseException as exc:
-            ongoing.error = exc
+        except Exception as exc:  # the wait's verdict, every waiter's (a cancellation of the
+            ongoing.error = exc  # task that started it is its own: the others wait again)
             raise
         finally:
             self._ongoing = None

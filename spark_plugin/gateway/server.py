@@ -18,9 +18,12 @@ the journal, its format and ``sos restore`` are the same. The package, by layer:
   :mod:`.process` (``GatewayProcess``: the command in a child process), :mod:`.client`
   (``GatewayClient``, standard library only: what the Spark helpers use).
 
-Blocking tree calls run in worker threads with a bounded limiter; no lock is held while a
-request body streams (Hadoop's client reads other files meanwhile); replies carry no
-Content-Type header (Hadoop's shaded client cannot parse one).
+Tree calls that are microseconds of system calls run in the event loop (:meth:`Gateway._quick`:
+reads of the cache; small changes while the namespace lock is free and the writer has room,
+so none waits), the others in worker threads with a bounded limiter; concurrent barriers
+share one wait (:class:`.operations.SharedBarrier`). No lock is held while a request body
+streams (Hadoop's client reads other files meanwhile); replies carry no Content-Type header
+(Hadoop's shaded client cannot parse one).
 """
 
 from __future__ import annotations
