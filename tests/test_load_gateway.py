@@ -167,8 +167,10 @@ def test_concurrent_barriers_share_one_wait_and_each_is_observed():
         await shared.wait(11)  # covered by the last one: no wait at all
 
     trio.run(main)
-    # the first wait covers seq 1; the nine that came meanwhile share the next, for all ten
-    assert ns.durable_calls == [1, 10, 12]
+    # the first wait covers what was journaled when it started; the requests that came
+    # meanwhile share the next one, for all ten; then one for 12, none for 11
+    calls = ns.durable_calls
+    assert len(calls) == 3 and calls[0] < 10 and calls[1:] == [10, 12], calls
     assert len(ns.observed) == 12
     assert shared.covered == 12
 
@@ -215,3 +217,40 @@ def test_the_writer_has_room_only_below_its_lag_bound_and_generation_size(gen_by
     w._gen_bytes = gen_bytes
     w._unshipped = lambda: unshipped  # type: ignore[method-assign]
     assert w.has_room(4096) is room
+
+
+def test_a_reply_is_one_write_with_its_connection_headers_and_no_header_can_be_injected():
+    import socket
+
+    from spark_plugin.gateway.http import Conn
+
+    async def main() -> tuple[bytes, bytes]:
+        lis = socket.create_server(("127.0.0.1", 0))
+        s2 = socket.create_connection(lis.getsockname())
+        s1, _ = lis.accept()
+        lis.close()
+        conn = Conn(trio.SocketStream(trio.socket.from_stdlib_socket(s1)))
+        conn.h11.receive_data(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n")
+        conn.h11.next_event()  # the request
+        conn.h11.next_event()  # its end
+        with pytest.raises(ValueError, match="bad reply header"):
+            await conn.respond(307, b"", [("location", "http://x/a\r\nSet-Cookie: stolen=1")])
+        await conn.respond(200, b'{"boolean":true}', [("Location", "http://x/a%0D%0A")])
+        first = s2.recv(65536)
+        conn.h11.start_next_cycle()
+        conn.h11.receive_data(b"GET /b HTTP/1.1\r\nHost: x\r\n\r\n")
+        conn.h11.next_event()  # the request
+        conn.h11.next_event()  # its end
+        conn.closing = True  # the gateway is stopping: the reply says so
+        await conn.respond(404, b"{}")
+        second = s2.recv(65536)
+        s2.close()
+        await conn.stream.aclose()
+        return first, second
+
+    first, second = trio.run(main)
+    head, _, body = first.partition(b"\r\n\r\n")
+    assert first.startswith(b"HTTP/1.1 200 ") and body == b'{"boolean":true}'
+    assert b"\r\nlocation: http://x/a%0D%0A" in head and b"set-cookie" not in first.lower()
+    assert b"connection: keep-alive" in head.lower() and b"keep-alive: timeout=1" in head.lower()
+    assert second.startswith(b"HTTP/1.1 404 ") and b"connection: close" in second.lower()
