@@ -141,7 +141,6 @@ def test_the_pattern_holds_the_bodies_and_what_must_exist_before_a_batch():
     paths = [e["path"] for e in pattern["setup"]]
     assert paths.index("{root}/state") < paths.index("{root}/state/0") < paths.index("{root}/state/0/11")
     assert load.op_counts(pattern)["marker"] == 1
-    assert load.load_pattern  # round trip through the file format
     text = load.dump_pattern(pattern)
     assert text.count("\n") > len(pattern["requests"])  # one request a line
     import json
@@ -157,6 +156,19 @@ def test_the_checked_in_small_query_is_the_issues_54_requests():
     assert counts["GETSERVERDEFAULTS"] == 6 and counts["RENAME"] == 5 and counts["marker"] == 1
     assert counts["CREATE"] == counts["CREATE data"] == 5
     assert counts["OPEN"] == counts["OPEN data"] == 1
+
+
+def test_the_checked_in_query_at_200_partitions_writes_a_changelog_per_partition():
+    pattern = load.load_pattern(os.path.join(ROOT, "bench", "data", "rocksdb_200.json"))
+    counts = load.op_counts(pattern)
+    assert len(pattern["requests"]) > 1800 and counts["marker"] == 1
+    changelogs = {
+        r["path"].split("/")[3]
+        for r in pattern["requests"]
+        if r["data"] and r["path"].startswith("{root}/state/0/") and ".changelog." in r["path"]
+    }
+    assert changelogs == {str(p) for p in range(200)}  # partition directories kept as they are
+    assert sum(1 for e in pattern["setup"] if e["path"].startswith("{root}/state/0/")) == 200
 
 
 def test_the_report_divides_cpu_by_the_requests_of_the_window():
