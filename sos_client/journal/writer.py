@@ -255,6 +255,20 @@ class JournalWriter(Replicator, Resume, Barriers):
             self._cv.notify_all()
             return seq
 
+    def has_room(self, nbytes: int) -> bool:
+        """Whether appending about ``nbytes`` of records now returns at once: the unshipped
+        spool stays below the lag bound and no new generation falls due (JournaledTree
+        starts one inside the change that crosses ``generation_bytes``, waiting for the
+        server in sync mode). An estimate read without the lock, for a caller that must not
+        block (the gateway's event loop), which otherwise hands the change to a thread."""
+        margin = nbytes + MAX_RECORD_LENGTH
+        return (
+            self.is_open
+            and not self.rotation_due()
+            and self._gen_bytes + margin < self.generation_bytes
+            and self._unshipped() + margin <= self.max_lag_bytes
+        )
+
     def rotation_due(self) -> bool:
         return self.generation == 0 or self._gen_bytes >= self.generation_bytes
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import hashlib
 import hmac
 import logging
@@ -38,7 +39,7 @@ import secrets
 import ssl
 import time
 import urllib.parse
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import count
@@ -73,6 +74,8 @@ DEFAULT_TOKEN_TTL = 3600
 #: seconds after which a token's key is asked again at the SOS server (``--key-recheck``)
 DEFAULT_KEY_RECHECK = 10.0
 _PREFIX = "sos2"
+#: tokens a gateway remembers as verified (TokenAuthority.check): a few per client
+VERIFIED_TOKENS = 4096
 ROLES = ("append", "read")
 _NONCE_LEN = 16
 
@@ -129,6 +132,8 @@ class TokenAuthority:
         # two keys, never one for both jobs: one encrypts the sealed secret, one MACs
         self._mac_key = hmac.new(base, b"sos-gateway-token-v2-mac\x00" + ns, hashlib.sha256).digest()
         self._enc_key = hmac.new(base, b"sos-gateway-token-v2-enc\x00" + ns, hashlib.sha256).digest()
+        #: tokens found good: token -> grant, least recently used first (see check)
+        self._verified: OrderedDict[str, TokenInfo] = OrderedDict()
 
     def _mac(self, payload: bytes) -> bytes:
         return hmac.new(self._mac_key, payload, hashlib.sha256).digest()
@@ -155,7 +160,24 @@ class TokenAuthority:
 
     def check(self, token: str) -> TokenInfo | None:
         """The token's grant, or None if it is malformed, forged, expired, of the old format
-        or for another namespace."""
+        or for another namespace. A token found good is remembered (at most
+        VERIFIED_TOKENS, the least recently used forgotten first), so the next requests that
+        carry it skip the MAC and the decryption; its expiry is checked every time."""
+        grant = self._verified.get(token)
+        if grant is not None:
+            if self._clock() >= grant.expires:
+                del self._verified[token]
+                return None
+            self._verified.move_to_end(token)
+            return grant
+        grant = self._check(token)
+        if grant is not None:
+            self._verified[token] = grant
+            while len(self._verified) > VERIFIED_TOKENS:
+                self._verified.popitem(last=False)
+        return grant
+
+    def _check(self, token: str) -> TokenInfo | None:
         parts = token.split(".")
         if len(parts) != 3 or parts[0] != _PREFIX:
             return None
@@ -208,6 +230,15 @@ _Ident = tuple[bytes, bytes]  # (key id, SHA-256 of the secret): never the secre
 
 def _ident(key_id: bytes, secret: bytes) -> _Ident:
     return key_id, hashlib.sha256(secret).digest()
+
+
+@functools.lru_cache(maxsize=MAX_REMEMBERED)
+def _bearer_ident(key_id: str, secret: bytes) -> _Ident:
+    """The _Ident of a token's key (every request of a token asks for it: computed once)."""
+    try:
+        return _ident(bytes.fromhex(key_id), secret)
+    except ValueError:
+        return b"", b""
 
 
 class Throttled(Exception):
@@ -469,10 +500,7 @@ class KeyChecks:
         """Returns if the server accepted the token's key, with the token's role, within the
         last ``recheck`` seconds (asking it again if not). KeyRevoked if it refuses it now;
         ConnectionError if it could not be asked for two intervals."""
-        try:
-            ident = _ident(bytes.fromhex(info.key_id), info.key_secret)
-        except ValueError:
-            ident = (b"", b"")
+        ident = _bearer_ident(info.key_id, info.key_secret)
         if len(ident[0]) != 8 or len(info.key_secret) != 32:
             raise KeyRevoked("the token names no key the gateway can check again")
         verdict = self._verdict(ident, info.role, self.recheck)

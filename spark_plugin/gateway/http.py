@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextvars
 import json
 import logging
+import os
 from collections import Counter
 from collections.abc import Callable
 from typing import Any, cast
@@ -94,8 +95,11 @@ class Drop(Exception):
     """The connection cannot go on (broken, stalled, or a protocol error): close it."""
 
 
+_JSON = json.JSONEncoder(separators=(",", ":"))
+
+
 def json_body(doc: Any) -> bytes:
-    return json.dumps(doc, separators=(",", ":")).encode()
+    return _JSON.encode(doc).encode()
 
 
 def remote_error(exception: str, message: str) -> dict:
@@ -178,14 +182,14 @@ class Conn:
             return True
         if self.h11.their_state is h11.IDLE:
             self._line = bytearray()  # the next request's line: made ASCII before h11
-        with trio.CancelScope() as scope:
+        # one scope for both ends of the wait: its deadline, and a stopping gateway's cancel
+        with trio.CancelScope(deadline=trio.current_time() + timeout) as scope:
             idle.add(scope)
             self.waiting = True
             try:
-                with trio.move_on_after(timeout):
-                    chunk = await self.stream.receive_some(RECV_SIZE)
-                    self._receive(bytes(chunk))  # b"": the client closed
-                    return True
+                chunk = await self.stream.receive_some(RECV_SIZE)
+                self._receive(bytes(chunk))  # b"": the client closed
+                return True
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                 raise Drop(f"receive failed: {exc!r}") from exc
             finally:
@@ -231,7 +235,9 @@ class Conn:
                 raise Drop("the client stalled")
             self._receive(bytes(data))
 
-    async def send(self, event: h11.Event) -> None:
+    def _encode(self, event: h11.Event) -> bytes:
+        """``event`` as bytes for the wire (h11's state moves on); a response says whether the
+        connection stays (KEEP_ALIVE_HINT) or closes (the gateway is stopping)."""
         if isinstance(event, h11.Response) and self.closing:
             event = h11.Response(
                 status_code=event.status_code, reason=event.reason, headers=[*event.headers, (b"connection", b"close")]
@@ -240,7 +246,27 @@ class Conn:
             event = h11.Response(
                 status_code=event.status_code, reason=event.reason, headers=[*event.headers, *KEEP_ALIVE_HINT]
             )
-        data = self.h11.send(event)
+        return self.h11.send(event) or b""
+
+    def _reply_head(self, status: int, headers: list[tuple[bytes, bytes]], reason: bytes) -> bytes:
+        """A reply's head (:meth:`_encode` of its Response) built once: the connection headers
+        added here, and h11's regular-expression check of every header replaced by the one
+        that matters for headers the gateway writes itself: no CR, LF or NUL (no header or
+        reply can be injected through a value, e.g. a Location naming a client's path)."""
+        for name, value in headers:
+            if b"\r" in value or b"\n" in value or b"\0" in value or not name.replace(b"-", b"").isalnum():
+                raise ValueError(f"bad reply header {name!r}: {value!r}")
+        if self.closing:
+            headers.append((b"connection", b"close"))
+        elif not any(k == b"connection" for k, _ in headers):
+            headers += KEEP_ALIVE_HINT
+        if b"\r" in reason or b"\n" in reason:
+            raise ValueError(f"bad reason {reason!r}")
+        response = h11.Response(status_code=status, headers=headers, reason=reason, _parsed=True)
+        return self.h11.send(response) or b""
+
+    async def send(self, event: h11.Event) -> None:
+        data = self._encode(event)
         if data:
             await self.send_bytes(data)
 
@@ -249,6 +275,18 @@ class Conn:
         timeout drops the connection (a client that stops reading must not keep its slot,
         nor the reply's memory, for as long as it keeps the socket open)."""
         view = memoryview(data)
+        if len(view) <= SEND_STEP and isinstance(self.stream, trio.SocketStream):
+            # a small reply usually fits the socket's buffer at once: written without the
+            # timeout's scope and trio's wait (what does not fit goes the usual way)
+            try:
+                sent = os.write(self.stream.socket.fileno(), view)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError as exc:
+                raise Drop(f"send failed: {exc!r}") from exc
+            view = view[sent:]
+            if not view:
+                return  # (the request loop's next receive is the checkpoint)
         for start in range(0, len(view), SEND_STEP):
             self.waiting = True
             try:
@@ -270,14 +308,13 @@ class Conn:
         self, status: int, body: bytes = b"", headers: list[tuple[str, str]] | None = None, reason: str = ""
     ) -> None:
         hdrs = [(b"content-length", str(len(body)).encode())]
-        hdrs += [(k.encode(), v.encode()) for k, v in (headers or [])]
-        kwargs: dict[str, Any] = {"status_code": status, "headers": hdrs}
-        if reason:
-            kwargs["reason"] = reason.encode("ascii", "replace")
-        await self.send(h11.Response(**kwargs))
+        hdrs += [(k.lower().encode(), v.encode()) for k, v in (headers or [])]
+        # head, body and end in one send: one system call (and one TCP segment) per reply
+        data = self._reply_head(status, hdrs, reason.encode("ascii", "replace"))
         if body:
-            await self.send(h11.Data(data=body))
-        await self.send(h11.EndOfMessage())
+            data += self.h11.send(h11.Data(data=body)) or b""
+        data += self.h11.send(h11.EndOfMessage()) or b""
+        await self.send_bytes(data)
 
     async def read_small_body(self, limit: int = MAX_SMALL_BODY) -> bytes:
         chunks: list[bytes] = []

@@ -13,6 +13,7 @@ journal, or the file read from the cache in pieces within a gateway-wide memory 
 from __future__ import annotations
 
 import os
+import time
 import urllib.parse
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -37,6 +38,9 @@ OPEN_MEMORY = 64 << 20
 #: a new OPEN data step waits this long for room in OPEN_MEMORY, then answers 503
 OPEN_MEMORY_WAIT = 10.0
 _MUTATING_METHODS = {"PUT", "POST", "DELETE"}
+#: the journal bytes a metadata change (a RENAME, the start of a CREATE with its missing
+#: parents) is counted at when deciding whether it may run inline (Operations.quick)
+QUICK_CHANGE = 64 << 10
 
 SERVER_DEFAULTS = {
     "FsServerDefaults": {
@@ -228,9 +232,69 @@ def _document(fn: Callable[[Operations, Call], Awaitable[dict | None]]) -> Handl
     return handler
 
 
+@dataclass(eq=False)
+class _Wait:
+    """One wait of :class:`SharedBarrier` in a worker thread: for every record up to ``target``."""
+
+    target: int
+    done: trio.Event
+    error: BaseException | None = None
+
+
+class SharedBarrier:
+    """The barriers of concurrent requests share waits: a request whose records an ongoing
+    wait covers waits for that one; otherwise it starts one, for every record journaled so
+    far (so the requests that come meanwhile find it covering theirs). One worker thread
+    waits for the writer, however many requests wait; each request tells the observer how
+    long it waited, and gets the wait's failure (quota, fenced, tier behind) as its own."""
+
+    def __init__(self, ns: WebHdfsNamespace, run: Callable[..., Awaitable[Any]]) -> None:
+        self.ns = ns
+        self.run = run
+        #: every record up to this one is durable (a wait that passed said so)
+        self.covered = 0
+        self._ongoing: _Wait | None = None
+
+    async def wait(self, seq: int | None = None) -> None:
+        """The barrier of :meth:`NamespaceCore.barrier`: every record up to ``seq`` (default:
+        all so far) durable, in sync mode."""
+        ns = self.ns
+        if not ns.waits:
+            return
+        target = ns._last_seq() if seq is None else seq
+        started = time.perf_counter()
+        try:
+            while target > self.covered:
+                ongoing = self._ongoing
+                if ongoing is None:
+                    await self._wait_for_all()
+                    continue
+                await ongoing.done.wait()
+                if ongoing.error is not None and ongoing.target >= target:
+                    raise ongoing.error
+        finally:
+            if ns.observer is not None:
+                ns.observer.barrier_waited(time.perf_counter() - started)
+
+    async def _wait_for_all(self) -> None:
+        ongoing = self._ongoing = _Wait(self.ns._last_seq(), trio.Event())
+        try:
+            await self.run(self.ns.wait_durable, ongoing.target)
+            self.covered = max(self.covered, ongoing.target)
+        except Exception as exc:  # the wait's verdict, every waiter's (a cancellation of the
+            ongoing.error = exc  # task that started it is its own: the others wait again)
+            raise
+        finally:
+            self._ongoing = None
+            ongoing.done.set()
+
+
 class Operations:
     """The handlers (see the module docstring). ``ns``: the WebHDFS view of the namespace;
-    ``run(fn, *args)``: a blocking call in a worker thread; ``base_url()``: the
+    ``run(fn, *args)``: a blocking call in a worker thread; ``quick(fn, *args, change=)``:
+    a call that is microseconds of system calls, made at once when it cannot block (a read
+    of the cache; a change when the namespace lock is free and the writer has room for
+    ``change`` bytes), else as ``run`` (default: ``run``); ``base_url()``: the
     ``scheme://host:port`` the redirects of the two-step operations name; ``open_memory``:
     room for OPEN pieces (one token each); ``send_timeout``: see http.SEND_TIMEOUT."""
 
@@ -242,18 +306,24 @@ class Operations:
         *,
         open_memory: int = OPEN_MEMORY,
         send_timeout: float,
+        quick: Callable[..., Awaitable[Any]] | None = None,
     ) -> None:
         self.ns = ns
         self.run = run
+        self.quick = quick if quick is not None else self._slow
         self.base_url = base_url
         #: one token per OPEN_PIECE of OPEN reply held in memory
         self.open_memory = trio.CapacityLimiter(max(1, open_memory // OPEN_PIECE))
         self.send_timeout = send_timeout
+        self.barriers = SharedBarrier(ns, run)
+
+    async def _slow(self, fn: Callable[..., Any], *args: Any, change: int | None = None) -> Any:
+        return await self.run(fn, *args)
 
     # ------------------------------------------------------------------ JSON documents
     @_document
     async def file_status(self, call: Call) -> dict | None:
-        return await self.run(self.ns.get_file_status, call.rel)
+        return await self.quick(self.ns.get_file_status, call.rel)
 
     @_document
     async def list_status(self, call: Call) -> dict | None:
@@ -335,7 +405,11 @@ class Operations:
                     "IllegalArgumentException",
                     f'Invalid value for webhdfs parameter "renameoptions": {sorted(unknown)}',
                 )
-        return await self.run(self.ns.rename, call.rel, dst, options)
+        result, seq = await self.quick(self.ns.rename_now, call.rel, dst, options, change=QUICK_CHANGE)
+        if result is not False:
+            await self.barriers.wait(seq)
+            self.ns.renamed(dst)
+        return {"boolean": result} if options is None else None
 
     @_document
     async def delete(self, call: Call) -> dict | None:
@@ -393,37 +467,36 @@ class Operations:
         await call.conn.read_small_body()
         overwrite, append = create_flags(call.params)
         create_parent = bool_param(call.params, "createparent", True)
-        if not (append and await self.run(self.ns.is_file, call.rel)):
-            await self.run(lambda: self.ns.check_create(call.rel, overwrite=overwrite, create_parent=create_parent))
-        await self.run(self.ns.check_lease, call.rel)
+        await self.quick(self._check_create, call.rel, overwrite, append, create_parent)
         return await self._redirect(call)
+
+    def _check_create(self, rel: str, overwrite: bool, append: bool, create_parent: bool) -> None:
+        if not (append and self.ns.is_file(rel)):
+            self.ns.check_create(rel, overwrite=overwrite, create_parent=create_parent)
+        self.ns.check_lease(rel)
 
     async def append(self, call: Call) -> int:
         if call.params.get("data") == "true":
             return await self._receive_file(call)
         await call.conn.read_small_body()
-        await self.run(self.ns.check_append, call.rel)
-        await self.run(self.ns.check_lease, call.rel)
+        await self.quick(self._check_append, call.rel)
         return await self._redirect(call)
+
+    def _check_append(self, rel: str) -> None:
+        self.ns.check_append(rel)
+        self.ns.check_lease(rel)
 
     async def open(self, call: Call) -> int:
         await call.conn.read_small_body()
         if call.params.get("data") == "true":
             return await self._send_file(call)
-        await self.run(self.ns.check_append, call.rel)  # an existing file
+        await self.quick(self.ns.check_append, call.rel)  # an existing file
         return await self._redirect(call)
 
     async def _receive_file(self, call: Call) -> int:
         ns, conn, op, rel, params = self.ns, call.conn, call.op, call.rel, call.params
         try:
-            overwrite, append = create_flags(params) if op == "CREATE" else (False, True)
-            if op == "CREATE" and not (append and await self.run(ns.is_file, rel)):
-                mode = parse_permission(params.get("permission"), 0o644)
-                create_parent = bool_param(params, "createparent", True)
-                await self.run(lambda: ns.begin_create(rel, mode, overwrite=overwrite, create_parent=create_parent))
-                offset = 0
-            else:
-                offset = await self.run(ns.begin_append, rel)
+            offset = await self.quick(self._begin, op, rel, params, change=QUICK_CHANGE)
         except WebHdfsError:
             if not conn.h11.they_are_waiting_for_100_continue:
                 await conn.drain()  # Hadoop's client sends the whole body before it reads a reply
@@ -449,24 +522,35 @@ class Operations:
                     data = b"".join(pending)
                     pending, size = [], 0
                     try:
-                        await self.run(ns.write, rel, offset, data)
+                        await self.quick(ns.write, rel, offset, data, change=len(data))
                         offset += len(data)
                     except WebHdfsError as exc:
                         failure = exc
                 if isinstance(event, h11.EndOfMessage):
                     break
         finally:
-            await self.run(ns.release, rel)
+            ns.release(rel)  # a set under its own lock: nothing to wait for
         if failure is not None:
             raise failure
         # sync mode: the file's contents are durable before the writer is told so (the
         # RENAME that follows may reach a replacement gateway that never saw them)
-        await self.run(ns.barrier)
+        await self.barriers.wait()
         if op == "CREATE":
             await conn.respond(201)
             return 201
         await conn.respond(200)
         return 200
+
+    def _begin(self, op: str, rel: str, params: dict[str, str]) -> int:
+        """The start of a CREATE or APPEND data step (its lease taken): the offset its body
+        is written at."""
+        overwrite, append = create_flags(params) if op == "CREATE" else (False, True)
+        if op == "CREATE" and not (append and self.ns.is_file(rel)):
+            mode = parse_permission(params.get("permission"), 0o644)
+            create_parent = bool_param(params, "createparent", True)
+            self.ns.begin_create(rel, mode, overwrite=overwrite, create_parent=create_parent)
+            return 0
+        return self.ns.begin_append(rel)
 
     async def _send_file(self, call: Call) -> int:
         """The data step of OPEN, in pieces of OPEN_PIECE read as the client takes them; each
@@ -476,7 +560,7 @@ class Operations:
         conn, rel = call.conn, call.rel
         offset = int_param(call.params, "offset", 0) or 0
         length = int_param(call.params, "length", None)
-        fd, start, count = await self.run(self.ns.open_for_read, rel, offset, length)
+        fd, start, count = await self.quick(self.ns.open_for_read, rel, offset, length)
         held = False
         try:
             if count:

@@ -18,9 +18,12 @@ the journal, its format and ``sos restore`` are the same. The package, by layer:
   :mod:`.process` (``GatewayProcess``: the command in a child process), :mod:`.client`
   (``GatewayClient``, standard library only: what the Spark helpers use).
 
-Blocking tree calls run in worker threads with a bounded limiter; no lock is held while a
-request body streams (Hadoop's client reads other files meanwhile); replies carry no
-Content-Type header (Hadoop's shaded client cannot parse one).
+Tree calls that are microseconds of system calls run in the event loop (:meth:`Gateway._quick`:
+reads of the cache; small changes while the namespace lock is free and the writer has room,
+so none waits), the others in worker threads with a bounded limiter; concurrent barriers
+share one wait (:class:`.operations.SharedBarrier`). No lock is held while a request body
+streams (Hadoop's client reads other files meanwhile); replies carry no Content-Type header
+(Hadoop's shaded client cannot parse one).
 """
 
 from __future__ import annotations
@@ -80,6 +83,9 @@ Gate = Callable[[Conn, str, str, TokenInfo], Awaitable[int | None]]
 LATENCY_SAMPLES = 2048
 #: exit code of a gateway that stopped because a newer writer fenced it
 EXIT_FENCED = 3
+#: a change journaling more than this many bytes (a large piece of a file body) always runs
+#: in a worker thread (Gateway._quick)
+QUICK_LIMIT = 256 << 10
 
 
 @dataclass
@@ -154,7 +160,7 @@ class Gateway:
         self.head_timeout = head_timeout
         self.send_timeout = send_timeout
         self.operations = Operations(
-            ns, self._run, self._advertised_base, open_memory=open_memory, send_timeout=send_timeout
+            ns, self._run, self._advertised_base, open_memory=open_memory, send_timeout=send_timeout, quick=self._quick
         )
         self.advertise = advertise
         self.stats: dict[str, _OpStats] = {}
@@ -270,6 +276,23 @@ class Gateway:
 
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter)
+
+    async def _quick(self, fn: Callable[..., Any], *args: Any, change: int | None = None) -> Any:
+        """``fn(*args)`` at once, in the event loop, when it is microseconds of system calls
+        that cannot wait: a read of the cache (``change`` None), or a change journaling about
+        ``change`` bytes (at most QUICK_LIMIT) while the namespace lock is free and the
+        writer has room (no wait for the lag bound, no new generation). Otherwise in a
+        worker thread (:meth:`_run`): handing a call to a thread and back costs more than
+        most of these calls themselves."""
+        if change is None:
+            return fn(*args)
+        ns = self.ns
+        if change > QUICK_LIMIT or not ns.has_room(change) or not ns.lock.acquire(blocking=False):
+            return await self._run(fn, *args)
+        try:
+            return fn(*args)
+        finally:
+            ns.lock.release()
 
     async def _connection(self, stream: trio.abc.Stream) -> None:
         conn = Conn(stream, send_timeout=self.send_timeout)
@@ -489,7 +512,12 @@ class Gateway:
         from the next request on."""
         self.ns = ns
         self.operations = Operations(
-            ns, self._run, self._advertised_base, open_memory=self._open_memory, send_timeout=self.send_timeout
+            ns,
+            self._run,
+            self._advertised_base,
+            open_memory=self._open_memory,
+            send_timeout=self.send_timeout,
+            quick=self._quick,
         )
 
     def _advertised_base(self) -> str:
@@ -525,9 +553,10 @@ class Gateway:
             raise WebHdfsError("IllegalArgumentException", "marker: label= is missing")
         payload = await conn.read_small_body()
         try:
-            seq = await self._run(self.ns.marker, label, payload)
+            seq = await self._quick(self.ns.marker_now, label, payload, change=len(payload) + len(label))
         except ValueError as exc:  # a label the journal refuses
             raise WebHdfsError("IllegalArgumentException", f"marker: {exc}") from None
+        await self.operations.barriers.wait(seq)
         await conn.respond(200, json_body({"seq": seq}))
         return 200
 

@@ -79,15 +79,24 @@ class ChangeOperations(NamespaceCore):
         """RENAME: without ``options`` HDFS's boolean rename (false when it cannot; an
         existing directory as destination receives the source); with ``options`` (the
         ``renameoptions`` set: NONE, OVERWRITE) rename2, which raises instead."""
+        result, seq = self.rename_now(rel, dst_path, options)
+        if result is not False:
+            self.barrier(seq)
+            self.renamed(dst_path)
+        return {"boolean": result} if options is None else None
+
+    def rename_now(self, rel: str, dst_path: str, options: set[str] | None) -> tuple[bool, int]:
+        """:meth:`rename` without its barrier: (its answer, the sequence number the barrier
+        waits for). A True answer needs that barrier, then :meth:`renamed`."""
         dst = rel_path(dst_path)
         with self.lock, self._admission(), self._cache() as at:
             result = self._rename(at, rel, dst, options)
-            seq = self._last_seq()
-        if result is not False:
-            self.barrier(seq)
-            if self.observer is not None:
-                self.observer.renamed(dst)
-        return {"boolean": result} if options is None else None
+            return result, self._last_seq()
+
+    def renamed(self, dst_path: str) -> None:
+        """A RENAME to ``dst_path`` succeeded, its barrier with it: the observer hears of it."""
+        if self.observer is not None:
+            self.observer.renamed(rel_path(dst_path))
 
     def _rename(self, at: Beneath, rel: str, dst: str, options: set[str] | None) -> bool:
         src_st = self._stat(rel, at)
@@ -366,6 +375,10 @@ class ChangeOperations(NamespaceCore):
             ) from exc
 
     def marker(self, label: str, payload: bytes) -> int:
-        seq = self._journal(self.tree.marker, label, payload)
+        seq = self.marker_now(label, payload)
         self.barrier(seq)
-        return int(seq)
+        return seq
+
+    def marker_now(self, label: str, payload: bytes) -> int:
+        """:meth:`marker` without its barrier: the marker's sequence number."""
+        return int(self._journal(self.tree.marker, label, payload))

@@ -77,7 +77,9 @@ class NamespaceCore:
         self.owner = owner
         self.group = group
         self.observer = observer
-        self.lock = threading.Lock()
+        #: reentrant: the gateway's event loop takes it without blocking before it runs a
+        #: change inline (:meth:`has_room`), and the change takes it again
+        self.lock = threading.RLock()
         self._leases: set[str] = set()
         self._leases_lock = threading.Lock()
         #: the last RENAMEs, kept in the cache directory: see WebHdfsNamespace._renamed_already
@@ -193,14 +195,31 @@ class NamespaceCore:
         durable on the server (with durability "tier": and in its bucket; 403
         RetriableException after the writer's tier patience). The observer is told how long
         it waited, whether it passed or failed."""
-        if not (self.sync and self.writer is not None):
+        if not self.waits:
             return
         started = time.perf_counter()
         try:
-            self._journal(self.writer.barrier, seq)
+            self.wait_durable(seq)
         finally:
             if self.observer is not None:
                 self.observer.barrier_waited(time.perf_counter() - started)
+
+    @property
+    def waits(self) -> bool:
+        """Whether a barrier waits for anything (sync mode, with a writer)."""
+        return self.sync and self.writer is not None
+
+    def wait_durable(self, seq: int | None) -> None:
+        """:meth:`barrier`'s wait, without telling the observer (the gateway's event loop
+        shares one wait between the requests that need it and tells it per request)."""
+        if self.writer is not None:
+            self._journal(self.writer.barrier, seq)
+
+    def has_room(self, nbytes: int) -> bool:
+        """Whether a change journaling about ``nbytes`` can run without waiting for the
+        server: the writer's lag bound and generation size are far enough
+        (:meth:`JournalWriter.has_room`)."""
+        return self.writer is None or self.writer.has_room(nbytes)
 
     def _require(self, rel: str, at: Beneath | None = None) -> os.stat_result:
         st = self._stat(rel, at)
