@@ -1,7 +1,9 @@
 """The journal record layout in construct: the single definition of protocol.md Part 2,
 like ``sos_wire/frames.py`` is for the wire frames.
 
-    u32 length | u32 crc32c | u8 type | u64 seq | u64 time_ns | body
+    u32 length | u32 crc32c | u8 type | u64 seq | u64 time_ns | body [| key_id(8) | tag(16)]
+
+(the trailer when ``type`` has the flag 0x80: an authenticated record, protocol.md 2.5)
 
 ``records.py`` keeps a hand-written ``struct`` fast path (journals are read at hundreds of
 MB/s during a restore; construct parses a few MB/s); ``tests/test_journal_layout.py``
@@ -16,10 +18,12 @@ from typing import Any
 
 from construct import (
     Adapter,
+    Bytes,
     Check,
     ConstructError,
     FixedSized,
     GreedyBytes,
+    If,
     Int8ub,
     Int16ub,
     Int32ub,
@@ -37,12 +41,15 @@ from sos_wire.crc import crc32c
 
 from .errors import JournalCorrupt
 from .records import (
+    AUTH_FLAG,
+    KEY_ID_SIZE,
     MAX_DATA,
     MAX_FILE_SIZE,
     MAX_LABEL_BYTES,
     MAX_MODE,
     MAX_RECORD_LENGTH,
     MIN_LENGTH,
+    TAG_SIZE,
     Create,
     Delete,
     Marker,
@@ -58,7 +65,7 @@ from .records import (
     validate_path,
 )
 
-__all__ = ["BODIES", "RECORD", "build_record", "parse_record"]
+__all__ = ["BODIES", "CONTENT", "RECORD", "build_record", "parse_record"]
 
 
 class _Text(Adapter):
@@ -114,24 +121,26 @@ BODIES = {
     RecordType.SNAPSHOT_END: Struct("generation" / Int64ub),
 }
 
+_TYPES = [int(t) for t in RecordType] + [int(t) | AUTH_FLAG for t in RecordType]
+
+#: What the length counts and the CRC covers: the head, the body of the type without its flag,
+#: and for an authenticated record the key's fingerprint and the tag.
+CONTENT = Struct(
+    "type" / OneOf(Int8ub, _TYPES),
+    "seq" / Int64ub,
+    "time_ns" / Int64ub,
+    "body" / Switch(this.type & ~AUTH_FLAG, BODIES),
+    "key_id" / If(this.type & AUTH_FLAG, Bytes(KEY_ID_SIZE)),
+    "tag" / If(this.type & AUTH_FLAG, Bytes(TAG_SIZE)),
+    Terminated,
+)
+
 #: One record. ``content`` is what the length counts and the CRC covers.
 RECORD = Struct(
     "length" / Int32ub,
     Check(lambda c: MIN_LENGTH <= c.length <= MAX_RECORD_LENGTH),
     "crc" / Int32ub,
-    "content"
-    / RawCopy(
-        FixedSized(
-            this.length,
-            Struct(
-                "type" / OneOf(Int8ub, [int(t) for t in RecordType]),
-                "seq" / Int64ub,
-                "time_ns" / Int64ub,
-                "body" / Switch(this.type, BODIES),
-                Terminated,
-            ),
-        )
-    ),
+    "content" / RawCopy(FixedSized(this.length, CONTENT)),
     Check(lambda c: crc32c(c.content.data) == c.crc),
 )
 
@@ -149,13 +158,19 @@ _FIELDS = {  # op class -> (type, body fields in order)
 _OPS = {typ: (cls, names) for cls, (typ, names) in _FIELDS.items()}
 
 
-def build_record(op: Op, seq: int, time_ns: int) -> bytes:
-    """The record's bytes, built from this definition (ValueError for what it refuses)."""
+def build_record(op: Op, seq: int, time_ns: int, trailer: bytes | None = None) -> bytes:
+    """The record's bytes, built from this definition (ValueError for what it refuses);
+    ``trailer``: an authenticated record's key fingerprint + tag (24 bytes)."""
     typ, names = _FIELDS[type(op)]
     body = {n: (int(getattr(op, n)) if n == "overwrite" else getattr(op, n)) for n in names}
-    content = Struct("type" / Int8ub, "seq" / Int64ub, "time_ns" / Int64ub, "body" / BODIES[typ]).build(
-        {"type": int(typ), "seq": seq, "time_ns": time_ns, "body": body}
-    )
+    flag = AUTH_FLAG if trailer is not None else 0
+    key_id, tag = (trailer[:KEY_ID_SIZE], trailer[KEY_ID_SIZE:]) if trailer is not None else (None, None)
+    try:
+        content = CONTENT.build(
+            {"type": int(typ) | flag, "seq": seq, "time_ns": time_ns, "body": body, "key_id": key_id, "tag": tag}
+        )
+    except ConstructError as exc:
+        raise ValueError(str(exc)) from None
     try:
         return RECORD.build({"length": len(content), "crc": crc32c(content), "content": {"data": content}})
     except ConstructError as exc:
@@ -168,8 +183,10 @@ def parse_record(data: bytes, segment: str = "", offset: int = 0) -> Record:
         rec = RECORD.parse(data)
     except ConstructError as exc:
         raise JournalCorrupt(segment, offset, f"not a record by the layout: {exc}") from None
-    cls, names = _OPS[RecordType(rec.content.value.type)]
-    body = rec.content.value.body
+    value = rec.content.value
+    cls, names = _OPS[RecordType(value.type & ~AUTH_FLAG)]
+    body = value.body
     fields = [bool(body[n]) if n == "overwrite" else body[n] for n in names]
     op = cls(*fields)
-    return Record(rec.content.value.seq, rec.content.value.time_ns, op, segment, offset, 8 + rec.length)
+    key_id, tag = (value.key_id, value.tag) if value.type & AUTH_FLAG else (b"", b"")
+    return Record(value.seq, value.time_ns, op, segment, offset, 8 + rec.length, key_id, tag)
