@@ -195,17 +195,21 @@ def test_a_wrong_key_or_no_key_refuses(origin, tmp_path):
 
 
 # ---------------------------------------------------------------- the server
-@pytest.fixture
-def forged_server(origin, tmp_path):
-    """A copy of the origin's server whose open segment got a record appended with the
-    namespace's append key at the current epoch (someone holding the server's data and keys)."""
+def _server_copy(origin: Origin, tmp_path) -> ServerProcess:
     data = tmp_path / "data"
     origin.srv.stop()
     try:
         shutil.copytree(origin.srv.data_dir, data)
     finally:
         origin.srv.start()
-    srv = ServerProcess(data, log_path=tmp_path / "forged.log").start()
+    return ServerProcess(data, log_path=tmp_path / "copy.log").start()
+
+
+@pytest.fixture
+def forged_server(origin, tmp_path):
+    """A copy of the origin's server whose open segment got a record appended with the
+    namespace's append key at the current epoch (someone holding the server's data and keys)."""
+    srv = _server_copy(origin, tmp_path)
     seg = _open_segment(origin.objects)
     old = origin.objects[seg][0]
     with Client(srv.address, origin.key, origin.ns, timeout=60) as c:
@@ -373,3 +377,36 @@ def test_the_chain_refuses_moved_reordered_and_spliced_records():
         _check(parts[0] + encode(Write("a", 0, b"x"), 2, 5), "ns", 3)
     with pytest.raises(JournalKeyRequired):
         _check(good, "ns", 3, key=None)
+
+
+def test_a_standby_tail_follows_the_key_s_records_and_refuses_a_forged_one(origin, tmp_path, monkeypatch):
+    from spark_plugin.gateway.standby import Tailer
+
+    monkeypatch.setenv("SOS_JOURNAL_KEY", KEY)
+    srv = _server_copy(origin, tmp_path)
+    try:
+
+        def fac():
+            return Client(srv.address, origin.key, origin.ns, timeout=60)
+
+        tailer = Tailer(fac, origin.ns, str(tmp_path / "standby"))
+        with fac() as c:
+            tailer.step(c)
+            assert tree_state(str(tmp_path / "standby")) == origin.state
+            # the writer goes on (an empty cache: rebuilt, then a new generation): followed
+            on = open_namespace(origin.ns, str(tmp_path / "cache"), client_factory=fac, journal_key=KEY)
+            on.tree.create("d/more")
+            on.close()
+            assert tailer.step(c) > 0
+            assert (tmp_path / "standby" / "d" / "more").exists()
+            objects = _objects(c)
+            seg = _open_segment(objects)
+            old = objects[seg][0]
+            c.append(seg, len(old), _forged(old, seg), epoch=layout.parse_segment_name(seg).epoch)
+            with pytest.raises(JournalAuthError) as ei:
+                tailer.step(c)
+            assert ei.value.segment == seg and ei.value.offset == len(old)
+            assert (tmp_path / "standby" / "d" / "secret").read_bytes() == SECRET
+        tailer.close()
+    finally:
+        srv.stop()

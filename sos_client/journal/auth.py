@@ -46,6 +46,7 @@ __all__ = [
     "JournalKeys",
     "ReadAuth",
     "Signer",
+    "TailCheck",
     "load_journal_keys",
     "mac_starter",
     "resolve_journal_keys",
@@ -292,3 +293,49 @@ class ChainCheck:
             )
         self.key_id = bytes(rec.key_id)
         self.prev = bytes(rec.tag)
+
+
+class TailCheck:
+    """The journal key's check for a reader that follows the journal's end (a standby
+    gateway's tail) from a record ``seq`` it already holds: the chain is anchored at that
+    record's tag (read again: a tag that is not the journal's only makes the next genuine
+    record fail, never a forged one pass) or restarts where a generation starts."""
+
+    def __init__(self, keys: JournalKeys | None, namespace: str) -> None:
+        self.keys = keys
+        self.namespace = namespace
+        self.chain: ChainCheck | None = None
+        self.anchored = False
+
+    @property
+    def mac_start(self) -> Callable[[bytes], Any] | None:
+        return mac_starter(self.keys, self.namespace)
+
+    def reset(self) -> None:
+        """The reader's tree was rebuilt: anchor again."""
+        self.chain = None
+
+    def enter(self, seg: Any, starts_generation: bool, seq: int, previous_last: Callable[[], Any]) -> None:
+        """The reader starts reading segment ``seg`` for record ``seq + 1``; ``previous_last()``
+        gives the last record of the segment before ``seg`` in its generation (None: none)."""
+        if starts_generation and seg.first_seq == seq + 1:
+            self.chain, self.anchored = ChainCheck(self.keys, self.namespace, seg.generation), True
+            return
+        if self.chain is not None and self.chain.generation == seg.generation:
+            return
+        self.chain = ChainCheck(self.keys, self.namespace, seg.generation)
+        self.anchored = self.keys is None
+        if not self.anchored and seg.first_seq == seq + 1:
+            self.seen(previous_last(), seq)
+
+    def seen(self, rec: Any, seq: int) -> None:
+        """A record the reader holds already (``rec.seq <= seq``): the anchor if it is ``seq``."""
+        if self.chain is not None and not self.anchored and rec is not None and rec.seq == seq and rec.tag:
+            self.chain.prev, self.chain.key_id, self.anchored = bytes(rec.tag), bytes(rec.key_id), True
+
+    def check(self, rec: Any) -> None:
+        if self.chain is None or not self.anchored:
+            raise JournalAuthError(
+                rec.segment, rec.offset, f"record {rec.seq}: the record before it could not be read to check it"
+            )
+        self.chain.check(rec)
