@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -337,6 +338,11 @@ def test_the_authenticated_form_matches_the_construct_definition_byte_for_byte()
         pos += rec.size
     # golden vector of protocol.md 2.5 (key 0x5c * 32, namespace "ns", generation 1)
     assert data[: recs[0].size].hex() == GOLDEN_CREATE
+    doc = (Path(__file__).resolve().parent.parent / "protocol.md").read_text()
+    section = doc[doc.index("## 2.5 ") : doc.index("# Part 3")]
+    block = section[section.index("**Example.**") :].split("```")[1]
+    assert "".join(block.split()) == GOLDEN_CREATE
+    assert keys.signer.fingerprint in section
 
 
 GOLDEN_CREATE = "".join(
