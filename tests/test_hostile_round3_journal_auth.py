@@ -31,11 +31,11 @@ import pytest
 
 from sos_client import Client
 from sos_client.journal import layout, restore, verify
-from sos_client.journal.auth import ChainCheck, JournalKeys, Signer
+from sos_client.journal.auth import ChainCheck, JournalKeys, SegmentKeys, Signer
 from sos_client.journal.errors import JournalAuthError, JournalKeyRequired
 from sos_client.journal.open import open_namespace
 from sos_client.journal.record_layout import build_record, parse_record
-from sos_client.journal.records import Create, Marker, RecordDecoder, Write, decode_all, encode
+from sos_client.journal.records import Create, Encrypted, Marker, RecordDecoder, Write, decode_all, encode
 from sos_client.journal.testing import tree_state
 from sos_server.tier_bootstrap import bootstrap
 from sos_tier import LocalStore, Uploader
@@ -153,6 +153,23 @@ def test_the_bucket_as_written_restores_and_verifies_with_the_key(origin, tmp_pa
     assert tree_state(str(tmp_path / "out")) == origin.state
     v = run_sos("verify", origin.ns, "--from", url, "-q", env={"SOS_JOURNAL_KEY": KEY})
     assert v.returncode == 0, v.stdout + v.stderr
+
+
+def test_the_bucket_and_the_server_s_disk_hold_no_plaintext(origin, tmp_path):
+    """Encryption (protocol.md 2.5): a copied bucket, or the server's data directory, shows
+    neither the known file's content nor its name, nor the marker's payload."""
+    _bucket(origin, tmp_path)
+    needles = [SECRET[:29], b"d/secret", b".secret.tmp", b"query_id"]
+    seen = 0
+    for root in (tmp_path / "tier", os.path.join(origin.base, "data")):
+        for dirpath, _dirs, files in os.walk(root):
+            for f in files:
+                with open(os.path.join(dirpath, f), "rb") as fh:
+                    data = fh.read()
+                seen += len(data)
+                for needle in needles:
+                    assert needle not in data, (needle, os.path.join(dirpath, f))
+    assert seen > len(SECRET)  # the journal is there, sealed
 
 
 @pytest.mark.parametrize("how", ["unsigned", "other-key"])
@@ -313,9 +330,10 @@ def test_without_a_key_the_journal_works_as_before_and_the_writer_warns(tmp_path
 
 
 # ---------------------------------------------------------------- the format and the chain
-def _signed(ns: str, generation: int, ops, key: str = KEY, first_seq: int = 1) -> bytes:
-    sign = Signer(JournalKeys.parse(key), ns)
+def _signed(ns: str, generation: int, ops, key: str = KEY, first_seq: int = 1, encrypt: bool = True) -> bytes:
+    sign = Signer(JournalKeys.parse(key), ns, encrypt=encrypt)
     sign.restart(generation)
+    sign.epoch = 1
     out = []
     for i, op in enumerate(ops):
         rec = encode(op, first_seq + i, 1_000 + i, sign)
@@ -326,7 +344,7 @@ def _signed(ns: str, generation: int, ops, key: str = KEY, first_seq: int = 1) -
 
 def test_the_authenticated_form_matches_the_construct_definition_byte_for_byte():
     keys = JournalKeys.parse(KEY)
-    data = _signed("ns", 1, [Create("a", 0o644), Write("a", 0, b"xyz"), Marker("m", b"p")])
+    data = _signed("ns", 1, [Create("a", 0o644), Write("a", 0, b"xyz"), Marker("m", b"p")], encrypt=False)
     recs = decode_all(data, "seg")
     pos = 0
     for rec in recs:
@@ -343,18 +361,40 @@ def test_the_authenticated_form_matches_the_construct_definition_byte_for_byte()
     block = section[section.index("**Example.**") :].split("```")[1]
     assert "".join(block.split()) == GOLDEN_CREATE
     assert keys.signer.fingerprint in section
+    # encrypted: without the key the body is sealed (an Encrypted op), with it the same ops
+    sealed = _signed("ns", 1, [Create("a", 0o644), Write("a", 0, b"xyz"), Marker("m", b"p")])
+    seg = layout.segment_name(1, 1, 1)
+    opaque = decode_all(sealed, seg)
+    assert all(type(r.op) is Encrypted and r.tag for r in opaque)
+    assert b"xyz" not in sealed
+    pos = 0
+    for rec in opaque:
+        one = sealed[pos : pos + rec.size]
+        assert one[8] & 0xC0 == 0xC0
+        assert build_record(rec.op, rec.seq, rec.time_ns, one[-24:]) == one
+        assert parse_record(one, seg, pos).op == rec.op
+        pos += rec.size
+    dec = RecordDecoder(seg, keys=SegmentKeys(keys, "ns", seg))
+    dec.feed(sealed)
+    assert [r.op for r in dec] == [r.op for r in recs]
+    block2 = section[section.index("**Encrypted example.**") :].split("```")[1]
+    assert "".join(block2.split()) == sealed[: opaque[0].size].hex()
 
 
 GOLDEN_CREATE = "".join(
-    ["00000030", "6f47c67c", "83", "0000000000000001", "00000000000003e8", "0001", "61", "000001a4"]
-    + ["bfe1df15f390fb5f", "c7525022d0470a62e2b96cf10e282004"]  # key fingerprint, tag
+    [
+        *["00000030", "6f47c67c", "83", "0000000000000001", "00000000000003e8", "0001", "61", "000001a4"],
+        *["bfe1df15f390fb5f", "c7525022d0470a62e2b96cf10e282004"],  # key fingerprint, tag
+    ]
 )
 
 
 def _check(data: bytes, ns: str, generation: int, key: str | None = KEY):
     keys = JournalKeys.parse(key) if key else None
     chk = ChainCheck(keys, ns, generation)
-    dec = RecordDecoder("seg", mac_start=chk.mac_start)
+    dec = RecordDecoder(
+        layout.segment_name(generation, 1, 1), keys=chk.for_segment(layout.segment_name(generation, 1, 1))
+    )
     dec.feed(data)
     for rec in dec:
         chk.check(rec)
@@ -364,10 +404,14 @@ def test_the_chain_refuses_moved_reordered_and_spliced_records():
     ops = [Create("a"), Write("a", 0, b"1"), Write("a", 1, b"2"), Write("a", 2, b"3")]
     good = _signed("ns", 3, ops)
     _check(good, "ns", 3)
-    with pytest.raises(JournalAuthError, match="fails authentication"):
+    with pytest.raises(JournalAuthError, match=r"fails authentication|does not open"):
         _check(good, "other", 3)  # another namespace
-    with pytest.raises(JournalAuthError, match="fails authentication"):
+    with pytest.raises(JournalAuthError, match=r"fails authentication|does not open"):
         _check(good, "ns", 4)  # another generation
+    plain = _signed("ns", 3, ops, encrypt=False)
+    _check(plain, "ns", 3)  # authenticated, not encrypted: read as well
+    with pytest.raises(JournalAuthError, match="fails authentication"):
+        _check(plain, "other", 3)
     recs = decode_all(good)
     parts = [good[r.offset : r.offset + r.size] for r in recs]
     with pytest.raises(JournalAuthError, match="record 3 fails"):
@@ -416,3 +460,28 @@ def test_a_standby_tail_follows_the_key_s_records_and_refuses_a_forged_one(origi
         tailer.close()
     finally:
         srv.stop()
+
+
+def test_a_gateway_on_an_empty_cache_refuses_a_forged_journal(origin, forged_server, tmp_path):
+    """The face a cluster runs: `sos gateway --journal-key-file` restoring its empty cache from a
+    server whose journal got a forged append exits non-zero naming the segment and offset."""
+    from sos_client.process import ChildStartError
+    from spark_plugin.gateway.process import GatewayProcess
+
+    srv, seg, offset, _objects_ = forged_server
+    kf = tmp_path / "journal.key"
+    kf.write_text(KEY + "\n")
+    gw = GatewayProcess(
+        origin.ns,
+        str(tmp_path / "gw-cache"),
+        srv.address,
+        origin.key,
+        log_path=str(tmp_path / "gw.log"),
+        extra_args=["--journal-key-file", str(kf)],
+    )
+    with pytest.raises(ChildStartError) as ei:
+        gw.start(timeout=120)
+    gw.stop()
+    text = str(ei.value)
+    assert "not authentic" in text and seg in text and f"offset {offset}" in text, text[-2000:]
+    assert KEY not in text

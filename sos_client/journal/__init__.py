@@ -1,11 +1,14 @@
 """The journal core: record format, layout, writer (spool + replicator), JournaledTree,
 replay, restore and verify. See protocol.md, Part 2 for the format."""
 
+from .auth import JournalKeys
 from .errors import (
     BatchNotFound,
     GenerationBreak,
+    JournalAuthError,
     JournalCorrupt,
     JournalError,
+    JournalKeyRequired,
     JournalNotFound,
     JournalQuotaExceeded,
     JournalTierBehind,
@@ -43,8 +46,11 @@ __all__ = [
     "Create",
     "Delete",
     "GenerationBreak",
+    "JournalAuthError",
     "JournalCorrupt",
     "JournalError",
+    "JournalKeyRequired",
+    "JournalKeys",
     "JournalNotFound",
     "JournalQuotaExceeded",
     "JournalTierBehind",

@@ -15,8 +15,14 @@ Every record a writer with a key appends carries the key's fingerprint and a 16-
 ``record[8:-16]`` is the record from its type byte (with the flag 0x80) through the key
 fingerprint, ``G`` the generation of the segment that holds it and ``prev_tag`` the tag of the
 record before it in the generation (16 zero bytes for a generation's first record). The
-decoder hashes the part that depends on the record alone (:meth:`JournalKeys.mac_start`, in
-the read-ahead threads); :class:`ChainCheck` adds the generation and the previous tag in order.
+decoder hashes the part that depends on the record alone (:class:`SegmentKeys`, in the
+read-ahead threads); :class:`ChainCheck` adds the generation and the previous tag in order.
+
+A writer also encrypts each record's body (flag 0x40): ChaCha20-Poly1305 under a key derived
+from the journal key, the namespace, the generation and the writer's epoch (the segment's name
+holds both), nonce the record's sequence number, the record's 17-byte head as associated data.
+One writer (one epoch) writes each sequence number of a generation once, so a nonce never
+repeats under a key; the HMAC tag then covers the sealed body (encrypt-then-MAC).
 """
 
 from __future__ import annotations
@@ -30,9 +36,10 @@ import logging
 import os
 import struct
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from . import layout
 from .errors import JournalAuthError, JournalKeyRequired
 
 __all__ = [
@@ -45,11 +52,12 @@ __all__ = [
     "JournalKey",
     "JournalKeys",
     "ReadAuth",
+    "SegmentKeys",
     "Signer",
     "TailCheck",
     "load_journal_keys",
-    "mac_starter",
     "resolve_journal_keys",
+    "segment_keys",
 ]
 
 log = logging.getLogger("sos.journal.auth")
@@ -96,12 +104,22 @@ class JournalKey:
 
     key_id: bytes
     mac_key: bytes
+    enc_key: bytes = field(default=b"", repr=False)
 
     @classmethod
     def from_bytes(cls, master: bytes) -> JournalKey:
         if len(master) != KEY_SIZE:
             raise ValueError(f"a journal key is {KEY_SIZE} bytes, not {len(master)}")
-        return cls(_subkey(master, b"key id")[:KEY_ID_SIZE], _subkey(master, b"mac"))
+        return cls(_subkey(master, b"key id")[:KEY_ID_SIZE], _subkey(master, b"mac"), _subkey(master, b"enc"))
+
+    def cipher(self, namespace: str, generation: int, epoch: int) -> Any:
+        """The AEAD of the records one writer (``epoch``) writes in ``generation`` of
+        ``namespace``: each such record has its own sequence number, hence its own nonce."""
+        from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305  # noqa: PLC0415
+
+        ns = namespace.encode("utf-8", "surrogateescape")
+        material = _U16.pack(len(ns)) + ns + _U64.pack(generation) + _U64.pack(epoch)
+        return ChaCha20Poly1305(hmac.new(self.enc_key, material, hashlib.sha256).digest())
 
     @property
     def fingerprint(self) -> str:
@@ -187,16 +205,32 @@ class Signer:
     """What a writer signs its records with: the ring's first key, the namespace, the
     generation and the tag of the previous record (:meth:`restart` at a generation's start)."""
 
-    def __init__(self, keys: JournalKeys, namespace: str) -> None:
+    def __init__(self, keys: JournalKeys, namespace: str, *, encrypt: bool = True) -> None:
         self.keys = keys
         self.key = keys.signer
         self.namespace = namespace
         self.generation = 0
+        self.epoch = 0
         self.prev = ZERO_TAG
+        self.encrypts = encrypt
+        self._cipher: tuple[tuple[int, int], Any] | None = None
 
     def restart(self, generation: int) -> None:
         self.generation = generation
         self.prev = ZERO_TAG
+
+    @property
+    def encrypt(self) -> Callable[[bytes, int, bytes], bytes] | None:
+        return self._encrypt if self.encrypts else None
+
+    def _encrypt(self, head: bytes, seq: int, body: bytes) -> bytes:
+        """The sealed body: ChaCha20-Poly1305 under the writer's (generation, epoch) key, nonce
+        the sequence number, the record's head as associated data (protocol.md 2.5)."""
+        place = (self.generation, self.epoch)
+        if self._cipher is None or self._cipher[0] != place:
+            self._cipher = (place, self.key.cipher(self.namespace, *place))
+        sealed: bytes = self._cipher[1].encrypt(_nonce(seq), body, head)
+        return sealed
 
     def __call__(self, parts: list[bytes]) -> bytes:
         """The trailer (fingerprint + tag) of a record whose bytes from the type byte to the
@@ -210,11 +244,55 @@ class Signer:
         return self.key.key_id + m.digest()[:TAG_SIZE]
 
 
-def mac_starter(keys: JournalKeys | None, namespace: str) -> Callable[[bytes], Any] | None:
-    """What a RecordDecoder of ``namespace`` starts each authenticated record's MAC with."""
+def _nonce(seq: int) -> bytes:
+    return b"\0\0\0\0" + _U64.pack(seq)
+
+
+class SegmentKeys:
+    """The key ring as a RecordDecoder of one segment uses it: each authenticated record's
+    MAC started, each encrypted record's body opened (the segment's name gives the
+    generation and the writer's epoch of its key)."""
+
+    def __init__(self, keys: JournalKeys, namespace: str, segment: str) -> None:
+        self.keys = keys
+        self.namespace = namespace
+        self.segment = segment
+        sn = layout.parse_segment_name(segment)
+        self.place = (sn.generation, sn.epoch) if sn is not None else (0, 0)
+        self._ciphers: dict[bytes, Any] = {}
+
+    def mac_start(self, key_id: bytes) -> Any:
+        return self.keys.mac_start(self.namespace, key_id)
+
+    def decrypt(self, key_id: bytes, head: bytes, sealed: bytes, offset: int = 0) -> bytes | None:
+        """The body of an encrypted record (None: its key is not in the ring); a body that does
+        not open under it is a JournalAuthError."""
+        cipher = self._ciphers.get(key_id)
+        if cipher is None:
+            key = self.keys.get(key_id)
+            if key is None:
+                return None
+            cipher = self._ciphers[key_id] = key.cipher(self.namespace, *self.place)
+        from cryptography.exceptions import InvalidTag  # noqa: PLC0415
+
+        seq = _U64.unpack_from(head, 1)[0]
+        try:
+            plain: bytes = cipher.decrypt(_nonce(seq), sealed, head)
+        except InvalidTag:
+            raise JournalAuthError(
+                self.segment,
+                offset,
+                f"record {seq}: its encrypted body does not open with journal key {key_id.hex()}: not written "
+                f"here by a holder of the key (altered, or moved from another segment)",
+            ) from None
+        return plain
+
+
+def segment_keys(keys: JournalKeys | None, namespace: str) -> Callable[[str], SegmentKeys | None]:
+    """What a reader of ``namespace`` gives each segment's RecordDecoder (None: no key)."""
     if keys is None:
-        return None
-    return functools.partial(keys.mac_start, namespace)
+        return lambda _segment: None
+    return functools.partial(SegmentKeys, keys, namespace)
 
 
 @dataclass(frozen=True)
@@ -227,9 +305,8 @@ class ReadAuth:
     def chain(self, generation: int) -> ChainCheck:
         return ChainCheck(self.keys, self.namespace, generation)
 
-    @property
-    def mac_start(self) -> Callable[[bytes], Any] | None:
-        return mac_starter(self.keys, self.namespace)
+    def for_segment(self, segment: str) -> SegmentKeys | None:
+        return segment_keys(self.keys, self.namespace)(segment)
 
 
 class ChainCheck:
@@ -247,9 +324,8 @@ class ChainCheck:
         self.prev = ZERO_TAG
         self.key_id: bytes | None = None
 
-    @property
-    def mac_start(self) -> Callable[[bytes], Any] | None:
-        return mac_starter(self.keys, self.namespace)
+    def for_segment(self, segment: str) -> SegmentKeys | None:
+        return segment_keys(self.keys, self.namespace)(segment)
 
     def check(self, rec: Any) -> None:
         where = (rec.segment, rec.offset)
@@ -307,9 +383,8 @@ class TailCheck:
         self.chain: ChainCheck | None = None
         self.anchored = False
 
-    @property
-    def mac_start(self) -> Callable[[bytes], Any] | None:
-        return mac_starter(self.keys, self.namespace)
+    def for_segment(self, segment: str) -> SegmentKeys | None:
+        return segment_keys(self.keys, self.namespace)(segment)
 
     def reset(self) -> None:
         """The reader's tree was rebuilt: anchor again."""

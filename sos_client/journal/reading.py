@@ -87,12 +87,13 @@ def segment_records(
     seg: layout.SegmentInfo,
     *,
     on_bytes: Callable[[int], None] | None = None,
-    mac_start: Callable[[bytes], Any] | None = None,
+    keys: Any = None,
 ) -> Iterator[Record]:
     """Decoded records of one segment. Raises JournalCorrupt (server-side corruption too) or
-    JournalTruncated if the segment ends inside a record. ``mac_start``: the journal key ring's
-    (auth.mac_starter): authenticated records carry their MAC so far, for a ChainCheck."""
-    dec = RecordDecoder(seg.name, mac_start=mac_start)
+    JournalTruncated if the segment ends inside a record. ``keys``: the journal key ring's
+    (auth.SegmentKeys): authenticated records carry their MAC so far, for a ChainCheck, and
+    encrypted ones are opened."""
+    dec = RecordDecoder(seg.name, keys=keys)
     try:
         for chunk in read_segment_bytes(client, seg.name):
             dec.feed(chunk)
@@ -134,7 +135,7 @@ def generation_records(
     if source is None:
 
         def source(_i: int, seg: layout.SegmentInfo) -> Iterator[Record]:
-            return segment_records(client, seg, on_bytes=on_bytes, mac_start=auth.mac_start)
+            return segment_records(client, seg, on_bytes=on_bytes, keys=auth.for_segment(seg.name))
 
     expected = None
     segs = gen.segments
@@ -321,10 +322,10 @@ class SegmentReaders:
         on_bytes: Callable[[int], None] | None = None,
         max_batches: int = 2,
         batch_bytes: int = 2 << 20,
-        mac_start: Callable[[bytes], Any] | None = None,
+        segment_keys: Callable[[str], Any] | None = None,
     ) -> None:
         self._segs = segs
-        self._mac_start = mac_start
+        self._segment_keys = segment_keys
         # per segment: lists of records, then _END (or the exception that stopped the reader)
         self._queues: list[queue.Queue[list[Record] | BaseException | _End]] = [
             queue.Queue(maxsize=max_batches) for _ in segs
@@ -368,7 +369,10 @@ class SegmentReaders:
                     if client is None:
                         client = self._factory()
                     for rec in segment_records(
-                        client, self._segs[i], on_bytes=self._on_bytes, mac_start=self._mac_start
+                        client,
+                        self._segs[i],
+                        on_bytes=self._on_bytes,
+                        keys=self._segment_keys(self._segs[i].name) if self._segment_keys else None,
                     ):
                         batch.append(rec)
                         size += rec.size

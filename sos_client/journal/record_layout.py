@@ -24,6 +24,7 @@ from construct import (
     FixedSized,
     GreedyBytes,
     If,
+    IfThenElse,
     Int8ub,
     Int16ub,
     Int32ub,
@@ -41,7 +42,9 @@ from sos_wire.crc import crc32c
 
 from .errors import JournalCorrupt
 from .records import (
+    AEAD_TAG_SIZE,
     AUTH_FLAG,
+    ENC_FLAG,
     KEY_ID_SIZE,
     MAX_DATA,
     MAX_FILE_SIZE,
@@ -52,6 +55,7 @@ from .records import (
     TAG_SIZE,
     Create,
     Delete,
+    Encrypted,
     Marker,
     Mkdir,
     Op,
@@ -121,7 +125,7 @@ BODIES = {
     RecordType.SNAPSHOT_END: Struct("generation" / Int64ub),
 }
 
-_TYPES = [int(t) for t in RecordType] + [int(t) | AUTH_FLAG for t in RecordType]
+_TYPES = [int(t) | flags for flags in (0, AUTH_FLAG, AUTH_FLAG | ENC_FLAG) for t in RecordType]
 
 #: What the length counts and the CRC covers: the head, the body of the type without its flag,
 #: and for an authenticated record the key's fingerprint and the tag.
@@ -129,7 +133,13 @@ CONTENT = Struct(
     "type" / OneOf(Int8ub, _TYPES),
     "seq" / Int64ub,
     "time_ns" / Int64ub,
-    "body" / Switch(this.type & ~AUTH_FLAG, BODIES),
+    "body"
+    / IfThenElse(
+        this.type & ENC_FLAG,
+        # the sealed body (ChaCha20-Poly1305 output): everything up to the trailer
+        Bytes(this._.length - MIN_LENGTH - KEY_ID_SIZE - TAG_SIZE),
+        Switch(this.type & ~AUTH_FLAG, BODIES),
+    ),
     "key_id" / If(this.type & AUTH_FLAG, Bytes(KEY_ID_SIZE)),
     "tag" / If(this.type & AUTH_FLAG, Bytes(TAG_SIZE)),
     Terminated,
@@ -160,14 +170,21 @@ _OPS = {typ: (cls, names) for cls, (typ, names) in _FIELDS.items()}
 
 def build_record(op: Op, seq: int, time_ns: int, trailer: bytes | None = None) -> bytes:
     """The record's bytes, built from this definition (ValueError for what it refuses);
-    ``trailer``: an authenticated record's key fingerprint + tag (24 bytes)."""
-    typ, names = _FIELDS[type(op)]
-    body = {n: (int(getattr(op, n)) if n == "overwrite" else getattr(op, n)) for n in names}
-    flag = AUTH_FLAG if trailer is not None else 0
+    ``trailer``: an authenticated record's key fingerprint + tag (24 bytes); an
+    :class:`Encrypted` op (with a trailer) is built with its sealed body as it is."""
+    body: Any
+    if isinstance(op, Encrypted):
+        typ, flag, body = op.type, AUTH_FLAG | ENC_FLAG, op.sealed
+    else:
+        typ, names = _FIELDS[type(op)]
+        body = {n: (int(getattr(op, n)) if n == "overwrite" else getattr(op, n)) for n in names}
+        flag = AUTH_FLAG if trailer is not None else 0
     key_id, tag = (trailer[:KEY_ID_SIZE], trailer[KEY_ID_SIZE:]) if trailer is not None else (None, None)
+    size = MIN_LENGTH + (len(body) if isinstance(body, bytes) else 0) + KEY_ID_SIZE + TAG_SIZE
     try:
         content = CONTENT.build(
-            {"type": int(typ) | flag, "seq": seq, "time_ns": time_ns, "body": body, "key_id": key_id, "tag": tag}
+            {"type": int(typ) | flag, "seq": seq, "time_ns": time_ns, "body": body, "key_id": key_id, "tag": tag},
+            length=size,
         )
     except ConstructError as exc:
         raise ValueError(str(exc)) from None
@@ -184,9 +201,16 @@ def parse_record(data: bytes, segment: str = "", offset: int = 0) -> Record:
     except ConstructError as exc:
         raise JournalCorrupt(segment, offset, f"not a record by the layout: {exc}") from None
     value = rec.content.value
-    cls, names = _OPS[RecordType(value.type & ~AUTH_FLAG)]
-    body = value.body
-    fields = [bool(body[n]) if n == "overwrite" else body[n] for n in names]
-    op = cls(*fields)
+    base = RecordType(value.type & ~(AUTH_FLAG | ENC_FLAG))
+    op: Op
+    if value.type & ENC_FLAG:
+        if len(value.body) < AEAD_TAG_SIZE:
+            raise JournalCorrupt(segment, offset, "not a record by the layout: sealed body shorter than its tag")
+        op = Encrypted(base, bytes(value.body))
+    else:
+        cls, names = _OPS[base]
+        body = value.body
+        fields = [bool(body[n]) if n == "overwrite" else body[n] for n in names]
+        op = cls(*fields)
     key_id, tag = (value.key_id, value.tag) if value.type & AUTH_FLAG else (b"", b"")
     return Record(value.seq, value.time_ns, op, segment, offset, 8 + rec.length, key_id, tag)

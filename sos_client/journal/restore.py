@@ -373,7 +373,7 @@ def _replay_generation(
     before the broken record applied and carries the summary of it (``exc.summary``)."""
     try:
         readers = SegmentReaders(
-            client_factory, gen.segments, readers=2, on_bytes=meter.on_bytes, mac_start=auth.mac_start
+            client_factory, gen.segments, readers=2, on_bytes=meter.on_bytes, segment_keys=auth.for_segment
         )
         try:
             records = generation_records(

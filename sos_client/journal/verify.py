@@ -20,9 +20,11 @@ from .errors import JournalAuthError, JournalCorrupt, JournalTruncated
 from .reading import ServerCorrupt, chain_breaks, list_generations, read_segment_bytes
 from .records import (
     AUTH_FLAG,
+    ENC_FLAG,
     MAX_RECORD_LENGTH,
     MIN_LENGTH,
     PREFIX,
+    Encrypted,
     Record,
     RecordDecoder,
     RecordType,
@@ -99,7 +101,10 @@ def _valid_at(buf: bytes, i: int) -> bool:
     length, crc = PREFIX.unpack_from(buf, i)
     if length < MIN_LENGTH or length > MAX_RECORD_LENGTH or i + 8 + length > len(buf):
         return False
-    typ = buf[i + 8] & ~AUTH_FLAG
+    typ = buf[i + 8]
+    if typ & ENC_FLAG and not typ & AUTH_FLAG:
+        return False
+    typ &= ~(AUTH_FLAG | ENC_FLAG)
     if not 1 <= typ <= max(RecordType):
         return False
     return _crc32c(memoryview(buf)[i + 8 : i + 8 + length]) == crc
@@ -315,7 +320,7 @@ def _verify_segment(
     offset = 0
     first = True
     while True:
-        dec = RecordDecoder(seg.name, offset, mac_start=scan.auth.mac_start)
+        dec = RecordDecoder(seg.name, offset, keys=scan.auth.for_segment(seg.name))
         try:
             for chunk in read_segment_bytes(scan.client, seg.name, offset):
                 dec.feed(chunk)
@@ -376,6 +381,8 @@ def _check_record(scan: _Scan, g: layout.GenerationInfo, seg: layout.SegmentInfo
     rep.last_seq = max(rep.last_seq, rec.seq)
     if scan.saw_end:  # a journal record: first and last kept
         scan.after_end[1 if scan.after_end else 0 :] = [rec.seq]
+    if type(rec.op) is Encrypted and rec.op.type == RecordType.SNAPSHOT_END:
+        scan.saw_end = True  # sealed without the key (its authentication is reported): no more to check
     if type(rec.op) is SnapshotEnd:
         scan.saw_end = True
         if rec.op.generation != g.generation:

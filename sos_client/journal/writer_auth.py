@@ -95,6 +95,7 @@ class WriterAuth(WriterState):
                 JOURNAL_KEY_ENV,
             )
             return
+        signer.epoch = self.epoch  # the key of the records it encrypts (protocol.md 2.5)
         last = self._last_auth
         if self.generation == 0:
             return  # a new namespace: generation 1 is started by the tree

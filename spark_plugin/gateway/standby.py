@@ -152,7 +152,7 @@ class Tailer:
             seg, starts_generation = found
             if self._cur is None or seg.name != self._cur.name:
                 self._cur = seg
-                self._dec = RecordDecoder(seg.name, mac_start=self._auth.mac_start)
+                self._dec = RecordDecoder(seg.name, keys=self._auth.for_segment(seg.name))
                 self._read_to = 0
                 self._auth.enter(seg, starts_generation, self.seq, functools.partial(_before, client, gens, seg))
                 # a new generation's snapshot restates the tree this one holds: skipped; the
