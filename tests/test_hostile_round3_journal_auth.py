@@ -153,6 +153,7 @@ def test_the_bucket_as_written_restores_and_verifies_with_the_key(origin, tmp_pa
     assert tree_state(str(tmp_path / "out")) == origin.state
     v = run_sos("verify", origin.ns, "--from", url, "-q", env={"SOS_JOURNAL_KEY": KEY})
     assert v.returncode == 0, v.stdout + v.stderr
+    assert "every record authenticated by journal key bfe1df15f390fb5f" in v.stdout, v.stdout
 
 
 def test_the_bucket_and_the_server_s_disk_hold_no_plaintext(origin, tmp_path):

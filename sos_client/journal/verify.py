@@ -293,6 +293,10 @@ def _verify_generation(scan: _Scan, g: layout.GenerationInfo, nxt: layout.Genera
         rep.problems.append(
             Problem(layout.ready_name(g.generation), 0, 0, "generation is marked ready but no SNAPSHOT_END was read")
         )
+    if scan.chain is not None and scan.chain.key_id and not scan.auth_problems:
+        rep.notes.append(
+            f"generation {g.generation}: every record authenticated by journal key {scan.chain.key_id.hex()}"
+        )
     after_end = scan.after_end
     if not g.ready and after_end:
         rep.warnings.append(
