@@ -80,10 +80,10 @@ def _open_segment(objects: dict[str, tuple[bytes, bool]]) -> str:
     return segs[-1]
 
 
-def _forged(data: bytes, seg: str, *, sign=None) -> bytes:
-    """A WRITE over the known file with a valid CRC, as the next record of ``seg``."""
+def _forged(data: bytes, seg: str, *, sign=None, op=None) -> bytes:
+    """A WRITE over the known file (or ``op``) with a valid CRC, as the next record of ``seg``."""
     last = decode_all(data, seg)[-1]
-    return encode(Write("d/secret", 0, b"EVIL" * 8), last.seq + 1, last.time_ns + 1, sign)
+    return encode(op or Write("d/secret", 0, b"EVIL" * 8), last.seq + 1, last.time_ns + 1, sign)
 
 
 def run_sos(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -108,7 +108,11 @@ def origin(tmp_path_factory):
         t.create("d/.secret.tmp")
         t.write("d/.secret.tmp", 0, SECRET)
         t.rename("d/.secret.tmp", "d/secret", overwrite=False)
-        t.marker("spark.batch", b'{"checkpoint": "", "query_id": "q", "batch_id": 0}')
+        t.mkdir("chk")
+        t.mkdir("chk/commits")
+        t.create("chk/commits/.0.tmp")
+        t.rename("chk/commits/.0.tmp", "chk/commits/0", overwrite=False)
+        t.marker("spark.batch", b'{"checkpoint": "chk", "query_id": "q", "batch_id": 0}')
         o.state = tree_state(t.local_path(""))
         on.close()
         with o.factory() as c:
@@ -486,3 +490,17 @@ def test_a_gateway_on_an_empty_cache_refuses_a_forged_journal(origin, forged_ser
     text = str(ei.value)
     assert "not authentic" in text and seg in text and f"offset {offset}" in text, text[-2000:]
     assert KEY not in text
+
+
+def test_a_planted_commit_is_no_batch_to_restore_to(origin, tmp_path):
+    """`sos restore --batch` scans the journal for the commit: a commit file planted in the
+    bucket (a CREATE of chk/commits/1) is refused, not restored as batch 1."""
+    url = _bucket(origin, tmp_path)
+    env = {"SOS_JOURNAL_KEY": KEY}
+    ok = run_sos("restore", origin.ns, str(tmp_path / "b0"), "--from", url, "--batch", "chk:0", "-q", env=env)
+    assert ok.returncode == 0 and (tmp_path / "b0" / "chk" / "commits" / "0").exists(), ok.stderr
+    seg = _open_segment(origin.objects)
+    seg, offset = _plant_piece(origin, url, _forged(origin.objects[seg][0], seg, op=Create("chk/commits/1")))
+    r = run_sos("restore", origin.ns, str(tmp_path / "b1"), "--from", url, "--batch", "chk:1", "-q", env=env)
+    assert r.returncode == 3 and seg in r.stderr and f"offset {offset}" in r.stderr, r.stderr
+    assert not (tmp_path / "b1" / "chk" / "commits" / "1").exists()
