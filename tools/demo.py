@@ -59,6 +59,7 @@ from tools.demo_common import (  # the tests and benches import these from here 
     report,
     say,
     tail,
+    use_journal_key,
     wait_for,
     write_batch_output,
 )
@@ -221,6 +222,7 @@ def run_demo(
     own_dir = workdir is None
     work = workdir or tempfile.mkdtemp(prefix="sos-demo-")
     os.makedirs(work, exist_ok=True)
+    undo_key = use_journal_key(work)  # every writer and restore of the demo authenticates the journal
     demo = MountDemo(work, state_store=state_store, markers=markers)
     result = demo.result
     try:
@@ -250,6 +252,7 @@ def run_demo(
         return result
     finally:
         demo.close()
+        undo_key()
         if own_dir and not keep and result.get("ok"):
             shutil.rmtree(work, ignore_errors=True)
             result["workdir"] = None

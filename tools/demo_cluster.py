@@ -74,6 +74,7 @@ from tools.demo_common import (
     say,
     tail,
     tree_of,
+    use_journal_key,
     wait_tier_drained,
     write_batch_output,
 )
@@ -599,6 +600,7 @@ def run_cluster_demo(
     work = workdir or tempfile.mkdtemp(prefix="sos-cluster-demo-")
     os.makedirs(work, exist_ok=True)
     result: dict = {"ok": False, "workdir": work, "stores": list(stores)}
+    undo_key = use_journal_key(work)  # every writer and restore of the demo authenticates the journal
     demo = Demo(work, records=records, batches=batches, stores=stores)
     try:
         why = can_isolate_nodes()
@@ -646,6 +648,7 @@ def run_cluster_demo(
         return result
     finally:
         demo.close()
+        undo_key()
         if own_dir and not keep and result.get("ok"):
             shutil.rmtree(work, ignore_errors=True)
             result["workdir"] = None

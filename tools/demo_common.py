@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -150,6 +151,26 @@ def check_summary(check: dict) -> str:
 
 def _python_call(module: str, func: str = "main") -> list[str]:
     return [sys.executable, "-c", f"import sys; from {module} import {func}; sys.exit({func}())"]
+
+
+def use_journal_key(work: str) -> Callable[[], None]:
+    """The demo namespace's journal key (protocol.md 2.5, docs/DEPLOY.md "The journal key"):
+    made once in a 0600 file of the work directory and set as ``$SOS_JOURNAL_KEY_FILE`` for
+    this process and every child it starts (mounts, gateways, ``sos restore``); returns what
+    puts the environment back. The deployments do the same from a Secret."""
+    path = os.path.join(work, "journal.key")
+    if not os.path.exists(path):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32) + "\n")
+    before = {v: os.environ.pop(v, None) for v in ("SOS_JOURNAL_KEY", "SOS_JOURNAL_KEY_FILE")}
+    os.environ["SOS_JOURNAL_KEY_FILE"] = path
+
+    def undo() -> None:
+        os.environ.pop("SOS_JOURNAL_KEY_FILE", None)
+        os.environ.update({k: v for k, v in before.items() if v is not None})
+
+    return undo
 
 
 def keygen(data_dir: str, namespace: str, role: str = "append") -> str:

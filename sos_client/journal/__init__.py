@@ -1,12 +1,15 @@
 """The journal core: record format, layout, writer (spool + replicator), JournaledTree,
 replay, restore and verify. See protocol.md, Part 2 for the format."""
 
+from .auth import JournalKeys
 from .errors import (
     BatchNotFound,
     GenerationBreak,
+    JournalAuthError,
     JournalCorrupt,
     JournalError,
     JournalIncomplete,
+    JournalKeyRequired,
     JournalNotFound,
     JournalQuotaExceeded,
     JournalTierBehind,
@@ -44,9 +47,12 @@ __all__ = [
     "Create",
     "Delete",
     "GenerationBreak",
+    "JournalAuthError",
     "JournalCorrupt",
     "JournalError",
     "JournalIncomplete",
+    "JournalKeyRequired",
+    "JournalKeys",
     "JournalNotFound",
     "JournalQuotaExceeded",
     "JournalTierBehind",

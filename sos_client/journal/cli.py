@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import sys
 import threading
@@ -21,6 +22,7 @@ from sos_wire import argtypes
 from sos_wire.errors import ErrorCode
 
 from ._store import StoreClient
+from .auth import JournalKeys, load_journal_keys, resolve_journal_keys
 from .errors import GenerationBreak, JournalCorrupt, JournalError, JournalNotFound
 from .points import parse_batch, parse_time
 from .restore import restore
@@ -42,7 +44,10 @@ RESTORE_EXIT_CODES = """exit status:
       is only found while replaying: with --force, TARGET is then left empty
   2   usage
   3   corrupt data before the requested point (segment and offset named): restore
-      applied what came before the broken record and stopped there. Or the
+      applied what came before the broken record and stopped there. So is a record
+      the journal key does not vouch for (planted, altered, reordered; not
+      authenticated, or by another key, when a journal key is given; any
+      authenticated record when none is given). Or the
       generations on the server do not form one chain (one does not continue the
       one before it: written by someone else with an append key, or damaged):
       nothing written; `sos verify` lists the breaks, --generation G restores one.
@@ -61,7 +66,9 @@ VERIFY_EXIT_CODES = """exit status:
   1   failed: server or bucket error (--from: unreachable, no credentials), no key
   2   usage
   3   corrupt data: broken ranges found (listed on stdout), or generations that do
-      not form one chain (a generation that does not continue the one before it);
+      not form one chain (a generation that does not continue the one before it),
+      or records the journal key does not vouch for (or an authenticated journal
+      read without its key);
       with --from also pieces damaged, missing or in conflict (their keys named)
   4   no journal in this namespace (no complete generation on this server: a mistyped
       namespace, the wrong server, or a lost one). Also when the server refuses the
@@ -250,6 +257,21 @@ def _progress(args: argparse.Namespace, verb: str, factory: Callable[[], StoreCl
         _close(factory)
 
 
+def _journal_key(args: argparse.Namespace) -> JournalKeys | int | None:
+    """The journal key ring (``--journal-key-file``, else $SOS_JOURNAL_KEY or
+    $SOS_JOURNAL_KEY_FILE; None: none), or exit 1 said why (a malformed or unreadable key)."""
+    try:
+        if getattr(args, "journal_key_file", None):
+            return load_journal_keys(args.journal_key_file)
+        keys = resolve_journal_keys()
+    except ValueError as e:
+        _err(str(e))
+        return EXIT_FAIL
+    if keys is None:
+        logging.getLogger("sos.journal").debug("no journal key: the journal is read unauthenticated")
+    return keys
+
+
 def cmd_restore(args: argparse.Namespace) -> int:
     opts: dict[str, Any] = {}
     if args.at is not None:
@@ -262,12 +284,17 @@ def cmd_restore(args: argparse.Namespace) -> int:
         opts["generation"] = args.generation
     if args.workers is not None:
         opts["workers"] = args.workers
+    keys = _journal_key(args)
+    if isinstance(keys, int):
+        return keys
     factory = _source(args)
     if isinstance(factory, int):
         return factory
     try:
         with _progress(args, "restore", factory) as bar:
-            summary = restore(factory, args.namespace, args.target, force=args.force, progress=bar, **opts)
+            summary = restore(
+                factory, args.namespace, args.target, force=args.force, progress=bar, journal_key=keys, **opts
+            )
     except GenerationBreak as e:
         _err(f"{e}; nothing written")
         return EXIT_CORRUPT
@@ -302,12 +329,15 @@ def cmd_restore(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    keys = _journal_key(args)
+    if isinstance(keys, int):
+        return keys
     factory = _source(args)
     if isinstance(factory, int):
         return factory
     try:
         with _progress(args, "verify", factory) as bar:
-            rep = verify(factory, args.namespace, progress=bar)
+            rep = verify(factory, args.namespace, progress=bar, journal_key=keys)
     except JournalError as e:
         _err(str(e))
         return EXIT_FAIL
@@ -359,6 +389,13 @@ def _add_source_options(p: argparse.ArgumentParser) -> None:
         "chain and AWS_ENDPOINT_URL, never arguments) or file:///PATH. Every check and "
         "option works as from a server; --server, --key-file, --tls and --tls-ca cannot "
         "go with it",
+    )
+    p.add_argument(
+        "--journal-key-file",
+        metavar="PATH",
+        help="the namespace's journal key (protocol.md 2.5; default: $SOS_JOURNAL_KEY, else the file "
+        "$SOS_JOURNAL_KEY_FILE): every record must verify under it. Without one, an "
+        "authenticated journal is refused (exit 3)",
     )
     add_connection_options(p)
     # None = not given, so that --from can refuse them; _factory fills in the usual defaults

@@ -170,3 +170,20 @@ class JournalIncomplete(JournalError):
     def __init__(self, namespace: str, message: str):
         self.namespace = namespace
         super().__init__(message)
+
+
+class JournalAuthError(JournalCorrupt):
+    """A record the journal key does not vouch for (protocol.md 2.5): its tag does not verify
+    (planted, altered, reordered, replayed, or from another namespace or generation), it is
+    not authenticated in a journal read with a key, or it is authenticated with a key the
+    reader does not hold. ``segment`` and ``offset`` name the object and the record's
+    position; nothing from it on is applied."""
+
+    def __init__(self, segment: str, offset: int, reason: str) -> None:
+        super().__init__(segment, offset, reason)
+        self.args = (f"journal not authentic: {segment or '<stream>'} at offset {offset}: {reason}",)
+
+
+class JournalKeyRequired(JournalAuthError):
+    """The journal is authenticated (its records carry a key fingerprint) but no journal key
+    was given (``SOS_JOURNAL_KEY`` or ``--journal-key-file``)."""

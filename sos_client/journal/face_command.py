@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from sos_client.process import ReadyChild
 from sos_wire import argtypes
 from sos_wire.names import validate_namespace
 
+from .auth import JOURNAL_KEY_ENV, JOURNAL_KEY_FILE_ENV, load_journal_keys, resolve_journal_keys
 from .facade import add_durability_options, durability_refusal, tier_patience_of
 
 if TYPE_CHECKING:
@@ -84,6 +86,14 @@ def add_journal_options(
         "which the server may drop older generations) once the current one "
         "holds this many bytes (default 1G)",
     )
+    p.add_argument(
+        "--journal-key-file",
+        metavar="PATH",
+        default=None,
+        help="the namespace's journal key, which authenticates every record so that neither the "
+        "server nor its bucket can forge the journal (protocol.md 2.5; default: $SOS_JOURNAL_KEY, "
+        "else the file $SOS_JOURNAL_KEY_FILE; none: the journal is unauthenticated, with a warning)",
+    )
 
 
 class FaceChild(ReadyChild):
@@ -107,6 +117,7 @@ class FaceChild(ReadyChild):
         tier_patience: float | None = None,
         start_timeout: float = 120.0,
         new_session: bool = False,
+        journal_key_file: str | None = None,
     ) -> None:
         super().__init__(name, ready_prefix, log_path, start_timeout=start_timeout, new_session=new_session)
         self.namespace = namespace
@@ -117,6 +128,7 @@ class FaceChild(ReadyChild):
         self.extra_args = list(extra_args)
         self.durability = durability
         self.tier_patience = tier_patience
+        self.journal_key_file = journal_key_file
 
     def journal_args(self) -> list[str]:
         """``--cache``, ``--server`` and the journal options that differ from the defaults."""
@@ -127,6 +139,8 @@ class FaceChild(ReadyChild):
             args += ["--durability", self.durability]
         if self.tier_patience is not None:
             args += ["--tier-patience", f"{self.tier_patience:g}"]
+        if self.journal_key_file:  # a path: the key itself never goes on a command line
+            args += ["--journal-key-file", self.journal_key_file]
         return args
 
 
@@ -218,7 +232,26 @@ def start_command(args: argparse.Namespace, key: str | int | None = None) -> Com
     refusal = durability_refusal(args.durability, not args.async_)
     if refusal:
         return fail(refusal, 2)
+    refusal = _journal_key_refusal(getattr(args, "journal_key_file", None))
+    if refusal:
+        return fail(refusal, 2)
     return CommandStart(key, args)
+
+
+def _journal_key_refusal(path: str | None) -> str:
+    """Check the journal key (``--journal-key-file``, else the environment) before serving;
+    the file given becomes the process's $SOS_JOURNAL_KEY_FILE, which every writer and reader
+    of the face (its cache rebuild, a standby's tail) reads. A refusal's text, or ""."""
+    try:
+        if path:
+            load_journal_keys(path)
+            os.environ.pop(JOURNAL_KEY_ENV, None)
+            os.environ[JOURNAL_KEY_FILE_ENV] = os.path.abspath(path)
+        else:
+            resolve_journal_keys()
+    except ValueError as exc:
+        return str(exc)
+    return ""
 
 
 def serve_command(face: str, serve: Callable[[], int]) -> int:

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 
 from . import layout
 from ._store import SOSNotFound, StoreClient, close_quietly
+from .auth import JournalKeys, ReadAuth, resolve_journal_keys
 from .beneath import clear_directory
 from .errors import JournalIncomplete, JournalTruncated
 from .reading import (
@@ -51,7 +52,12 @@ log = logging.getLogger("sos.journal.finish")
 
 
 def rebuild_journal_end(
-    client_factory: Callable[[], StoreClient], namespace: str, cache_dir: str, *, refuse: bool = True
+    client_factory: Callable[[], StoreClient],
+    namespace: str,
+    cache_dir: str,
+    *,
+    refuse: bool = True,
+    journal_key: JournalKeys | str | None = None,
 ) -> int:
     """Fill ``cache_dir`` (emptied first) with the tree at the end of the newest generation
     whose snapshot is whole, complete or not (module doc); returns the seq of its last record, 0
@@ -59,8 +65,11 @@ def rebuild_journal_end(
 
     GenerationBreak when the generations do not form one chain; JournalIncomplete (with
     ``refuse``, the writer's case; else an empty tree, a read-only view's) when records exist
-    but no generation holds a whole snapshot; JournalCorrupt as restore."""
+    but no generation holds a whole snapshot; JournalCorrupt as restore. ``journal_key``:
+    restore's (protocol.md 2.5): every record read is checked under it, those of a generation
+    that is not complete too."""
     cache_dir = os.path.abspath(cache_dir)
+    keys = resolve_journal_keys(journal_key)
     cut_short: list[tuple[layout.GenerationInfo, int]] = []  # snapshots not whole: (generation, records)
     try:
         client = client_factory()
@@ -73,12 +82,14 @@ def rebuild_journal_end(
             first_complete = True
             for g in written:
                 if g.ready:
-                    last = _restore_complete(client_factory, namespace, cache_dir, g, first_complete)
+                    last = _restore_complete(client_factory, namespace, cache_dir, g, first_complete, keys)
                     if last is not None:
                         return last
                     first_complete = False
                     continue
-                stats = _replay_incomplete(client, gens, g, cache_dir, newest=g is written[0])
+                stats = _replay_incomplete(
+                    client, gens, g, cache_dir, newest=g is written[0], auth=ReadAuth(keys, namespace)
+                )
                 if stats.snapshot_done:
                     _log_finished(namespace, g, stats, cut_short)
                     return stats.last_seq
@@ -97,6 +108,7 @@ def _restore_complete(
     cache_dir: str,
     g: layout.GenerationInfo,
     newest: bool,
+    keys: JournalKeys | None,
 ) -> int | None:
     """The end of complete generation ``g`` by restore (the newest complete one: restore's own
     choice, with its checks; an older one, reached because everything newer held no tree to
@@ -105,8 +117,10 @@ def _restore_complete(
     on to that generation and finishes it."""
     try:
         if newest:
-            return restore(client_factory, namespace, cache_dir, force=True).last_seq
-        return restore(client_factory, namespace, cache_dir, force=True, generation=g.generation).last_seq
+            return restore(client_factory, namespace, cache_dir, force=True, journal_key=keys).last_seq
+        return restore(
+            client_factory, namespace, cache_dir, force=True, generation=g.generation, journal_key=keys
+        ).last_seq
     except JournalIncomplete as e:
         log.warning("%s; the writer continues from those records", e)
         return None
@@ -124,6 +138,7 @@ def _replay_incomplete(
     cache_dir: str,
     *,
     newest: bool,
+    auth: ReadAuth,
 ) -> ReplayStats:
     """``g`` replayed into the emptied ``cache_dir``: its snapshot, then every whole record. The
     last segment of the newest generation may end inside a record even once sealed (the writer
@@ -131,10 +146,11 @@ def _replay_incomplete(
     generation the writer starts next begins with its seq (protocol.md 2.3 step 3)."""
     _empty(cache_dir)
     last = len(g.segments) - 1
+    check = auth.chain(g.generation)
 
     def source(i: int, seg: layout.SegmentInfo) -> Iterator[Record]:
         try:
-            yield from segment_records(client, seg)
+            yield from segment_records(client, seg, keys=check.for_segment(seg.name))
         except JournalTruncated as e:
             if not (newest and i == last):
                 raise
@@ -142,7 +158,9 @@ def _replay_incomplete(
                 "%s: partial record at offset %d (its writer stopped in that append): left out", seg.name, e.offset
             )
 
-    records = generation_records(client, g, notes=[], source=source, next_first=next_first_seq(gens, g.generation))
+    records = generation_records(
+        client, g, notes=[], source=source, next_first=next_first_seq(gens, g.generation), check=check
+    )
     return replay(records, cache_dir, snapshot=True, workers=DEFAULT_WORKERS)
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 import os
 import ssl
@@ -42,6 +43,7 @@ from sos_wire.auth import Key
 from sos_wire.events import KeyRole
 
 from ._store import StoreClient
+from .auth import JournalKeys, resolve_journal_keys
 from .errors import SpoolStale
 from .finish import rebuild_journal_end
 from .records import validate_path
@@ -219,6 +221,7 @@ def open_namespace(
     tier_patience: float | None = None,
     rebuild: RebuildCache | None = None,
     replayed_to: int | None = None,
+    journal_key: JournalKeys | str | None = None,
 ) -> OpenNamespace:
     """Open ``namespace`` with its cache in ``cache_dir`` (see the module docstring).
 
@@ -243,18 +246,29 @@ def open_namespace(
     gateway's tail, taken after its FENCE): the writer continues the generation from there
     instead of starting a new one from a snapshot of the tree (JournaledTree).
 
+    ``journal_key``: the namespace's journal key ring (protocol.md 2.5): the writer authenticates
+    its records with it and a rebuild of the cache verifies every record under it (default:
+    ``$SOS_JOURNAL_KEY``, else the file ``$SOS_JOURNAL_KEY_FILE``; none: unauthenticated).
+
     Raises PermissionError for a refused key (or a read key without ``allow_read_only``),
     RuntimeError for a stale spool (another writer took the namespace over since this
     cache was last used), ConnectionError if the server stays unreachable.
     """
     cache_dir = os.path.abspath(cache_dir)
+    keys = resolve_journal_keys(journal_key)
+    rebuild = rebuild or functools.partial(rebuild_journal_end, journal_key=keys)
     if client_factory is None:
         factory = client_factory_for(server, key, namespace, timeout=timeout, tls=tls)
     else:
         factory = client_factory
     if not _may_write(factory, namespace, timeout, allow_read_only):
-        return _open_read_only(factory, namespace, cache_dir)
-    writer_kwargs: dict[str, Any] = {"sync": sync, "durability": durability, "tier_patience": tier_patience}
+        return _open_read_only(factory, namespace, cache_dir, keys)
+    writer_kwargs: dict[str, Any] = {
+        "sync": sync,
+        "durability": durability,
+        "tier_patience": tier_patience,
+        "journal_key": keys,
+    }
     if max_lag_bytes is not None:
         writer_kwargs["max_lag_bytes"] = max_lag_bytes
     if generation_bytes is not None:
@@ -288,7 +302,7 @@ def _open_writer(
     writer_kwargs: dict[str, Any],
     *,
     timeout: float,
-    rebuild: RebuildCache | None,
+    rebuild: RebuildCache,
     replayed_to: int | None,
 ) -> OpenNamespace:
     """An append-role key: the writer (fencing older epochs) and the tree over ``tree/``, rebuilt
@@ -301,7 +315,7 @@ def _open_writer(
     try:
         # opens the writer (fencing older epochs) and, if the cache is empty, rebuilds it
         # from the server by the same code as restore
-        tree = JournaledTree(tree_dir, writer, rebuild=rebuild or rebuild_journal_end, replayed_to=replayed_to).open()
+        tree = JournaledTree(tree_dir, writer, rebuild=rebuild, replayed_to=replayed_to).open()
         try:
             writer.check_tier(timeout)  # durability "tier" on a server without one: refused now
         except BaseException:
@@ -325,13 +339,13 @@ def _open_writer(
     )
 
 
-def _open_read_only(factory: ClientFactory, namespace: str, cache_dir: str) -> OpenNamespace:
+def _open_read_only(factory: ClientFactory, namespace: str, cache_dir: str, keys: JournalKeys | None) -> OpenNamespace:
     """A read-role key: rebuild a private copy of the tree from the server."""
     tree_dir = os.path.join(cache_dir, "read-tree")
     private_cache_dir(cache_dir, {"read-tree": 0o755})
     # replaces an older copy; the journal's end, as a writer would continue it (an empty tree
     # rather than a refusal when no generation's snapshot is whole: a reader changes nothing)
-    rebuild_journal_end(factory, namespace, tree_dir, refuse=False)
+    rebuild_journal_end(factory, namespace, tree_dir, refuse=False, journal_key=keys)
     return OpenNamespace(
         namespace,
         cache_dir,

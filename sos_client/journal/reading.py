@@ -9,11 +9,13 @@ import queue
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from sos_wire.events import Payload
 
 from . import layout
 from ._store import Corrupt, StoreClient, close_quietly
+from .auth import ChainCheck
 from .errors import (
     GenerationBreak,
     JournalCorrupt,
@@ -81,11 +83,17 @@ def read_segment_bytes(
 
 
 def segment_records(
-    client: StoreClient, seg: layout.SegmentInfo, *, on_bytes: Callable[[int], None] | None = None
+    client: StoreClient,
+    seg: layout.SegmentInfo,
+    *,
+    on_bytes: Callable[[int], None] | None = None,
+    keys: Any = None,
 ) -> Iterator[Record]:
     """Decoded records of one segment. Raises JournalCorrupt (server-side corruption too) or
-    JournalTruncated if the segment ends inside a record."""
-    dec = RecordDecoder(seg.name)
+    JournalTruncated if the segment ends inside a record. ``keys``: the journal key ring's
+    (auth.SegmentKeys): authenticated records carry their MAC so far, for a ChainCheck, and
+    encrypted ones are opened."""
+    dec = RecordDecoder(seg.name, keys=keys)
     try:
         for chunk in read_segment_bytes(client, seg.name):
             dec.feed(chunk)
@@ -107,8 +115,11 @@ def generation_records(
     notes: list[str] | None = None,
     source: Callable[[int, layout.SegmentInfo], Iterator[Record]] | None = None,
     next_first: int | None = None,
+    check: ChainCheck | None = None,
 ) -> Iterator[Record]:
-    """Every record of a generation in order, with the sequence checks.
+    """Every record of a generation in order, with the sequence checks and the journal key's
+    (``check``, a :class:`~.auth.ChainCheck` of this generation; default: without a key, so an
+    authenticated journal is refused with JournalKeyRequired: protocol.md 2.5).
 
     A torn tail of the last, unsealed segment is a write in progress: the stream ends
     before it (noted). So is one of the last segment, sealed or not, when the next
@@ -119,10 +130,12 @@ def generation_records(
     records of segment i (default: read them with ``client``; restore passes the read-ahead
     of :class:`SegmentReaders`).
     """
+    auth = check if check is not None else ChainCheck(None, "", gen.generation)
+    auth.generation = gen.generation
     if source is None:
 
         def source(_i: int, seg: layout.SegmentInfo) -> Iterator[Record]:
-            return segment_records(client, seg, on_bytes=on_bytes)
+            return segment_records(client, seg, on_bytes=on_bytes, keys=auth.for_segment(seg.name))
 
     expected = None
     segs = gen.segments
@@ -148,6 +161,7 @@ def generation_records(
                         rec.offset,
                         f"SNAPSHOT_END of generation {rec.op.generation} inside generation {gen.generation}",
                     )
+                auth.check(rec)
                 expected = rec.seq + 1
                 yield rec
         except JournalTruncated as e:
@@ -308,8 +322,10 @@ class SegmentReaders:
         on_bytes: Callable[[int], None] | None = None,
         max_batches: int = 2,
         batch_bytes: int = 2 << 20,
+        segment_keys: Callable[[str], Any] | None = None,
     ) -> None:
         self._segs = segs
+        self._segment_keys = segment_keys
         # per segment: lists of records, then _END (or the exception that stopped the reader)
         self._queues: list[queue.Queue[list[Record] | BaseException | _End]] = [
             queue.Queue(maxsize=max_batches) for _ in segs
@@ -352,7 +368,12 @@ class SegmentReaders:
                 try:
                     if client is None:
                         client = self._factory()
-                    for rec in segment_records(client, self._segs[i], on_bytes=self._on_bytes):
+                    for rec in segment_records(
+                        client,
+                        self._segs[i],
+                        on_bytes=self._on_bytes,
+                        keys=self._segment_keys(self._segs[i].name) if self._segment_keys else None,
+                    ):
                         batch.append(rec)
                         size += rec.size
                         if size >= self._batch_bytes or len(batch) >= 4096:

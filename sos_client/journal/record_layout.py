@@ -1,7 +1,9 @@
 """The journal record layout in construct: the single definition of protocol.md Part 2,
 like ``sos_wire/frames.py`` is for the wire frames.
 
-    u32 length | u32 crc32c | u8 type | u64 seq | u64 time_ns | body
+    u32 length | u32 crc32c | u8 type | u64 seq | u64 time_ns | body [| key_id(8) | tag(16)]
+
+(the trailer when ``type`` has the flag 0x80: an authenticated record, protocol.md 2.5)
 
 ``records.py`` keeps a hand-written ``struct`` fast path (journals are read at hundreds of
 MB/s during a restore; construct parses a few MB/s); ``tests/test_journal_layout.py``
@@ -16,10 +18,13 @@ from typing import Any
 
 from construct import (
     Adapter,
+    Bytes,
     Check,
     ConstructError,
     FixedSized,
     GreedyBytes,
+    If,
+    IfThenElse,
     Int8ub,
     Int16ub,
     Int32ub,
@@ -37,14 +42,20 @@ from sos_wire.crc import crc32c
 
 from .errors import JournalCorrupt
 from .records import (
+    AEAD_TAG_SIZE,
+    AUTH_FLAG,
+    ENC_FLAG,
+    KEY_ID_SIZE,
     MAX_DATA,
     MAX_FILE_SIZE,
     MAX_LABEL_BYTES,
     MAX_MODE,
     MAX_RECORD_LENGTH,
     MIN_LENGTH,
+    TAG_SIZE,
     Create,
     Delete,
+    Encrypted,
     Marker,
     Mkdir,
     Op,
@@ -58,7 +69,7 @@ from .records import (
     validate_path,
 )
 
-__all__ = ["BODIES", "RECORD", "build_record", "parse_record"]
+__all__ = ["BODIES", "CONTENT", "RECORD", "build_record", "parse_record"]
 
 
 class _Text(Adapter):
@@ -114,24 +125,32 @@ BODIES = {
     RecordType.SNAPSHOT_END: Struct("generation" / Int64ub),
 }
 
+_TYPES = [int(t) | flags for flags in (0, AUTH_FLAG, AUTH_FLAG | ENC_FLAG) for t in RecordType]
+
+#: What the length counts and the CRC covers: the head, the body of the type without its flag,
+#: and for an authenticated record the key's fingerprint and the tag.
+CONTENT = Struct(
+    "type" / OneOf(Int8ub, _TYPES),
+    "seq" / Int64ub,
+    "time_ns" / Int64ub,
+    "body"
+    / IfThenElse(
+        this.type & ENC_FLAG,
+        # the sealed body (ChaCha20-Poly1305 output): everything up to the trailer
+        Bytes(this._.length - MIN_LENGTH - KEY_ID_SIZE - TAG_SIZE),
+        Switch(this.type & ~AUTH_FLAG, BODIES),
+    ),
+    "key_id" / If(this.type & AUTH_FLAG, Bytes(KEY_ID_SIZE)),
+    "tag" / If(this.type & AUTH_FLAG, Bytes(TAG_SIZE)),
+    Terminated,
+)
+
 #: One record. ``content`` is what the length counts and the CRC covers.
 RECORD = Struct(
     "length" / Int32ub,
     Check(lambda c: MIN_LENGTH <= c.length <= MAX_RECORD_LENGTH),
     "crc" / Int32ub,
-    "content"
-    / RawCopy(
-        FixedSized(
-            this.length,
-            Struct(
-                "type" / OneOf(Int8ub, [int(t) for t in RecordType]),
-                "seq" / Int64ub,
-                "time_ns" / Int64ub,
-                "body" / Switch(this.type, BODIES),
-                Terminated,
-            ),
-        )
-    ),
+    "content" / RawCopy(FixedSized(this.length, CONTENT)),
     Check(lambda c: crc32c(c.content.data) == c.crc),
 )
 
@@ -149,13 +168,26 @@ _FIELDS = {  # op class -> (type, body fields in order)
 _OPS = {typ: (cls, names) for cls, (typ, names) in _FIELDS.items()}
 
 
-def build_record(op: Op, seq: int, time_ns: int) -> bytes:
-    """The record's bytes, built from this definition (ValueError for what it refuses)."""
-    typ, names = _FIELDS[type(op)]
-    body = {n: (int(getattr(op, n)) if n == "overwrite" else getattr(op, n)) for n in names}
-    content = Struct("type" / Int8ub, "seq" / Int64ub, "time_ns" / Int64ub, "body" / BODIES[typ]).build(
-        {"type": int(typ), "seq": seq, "time_ns": time_ns, "body": body}
-    )
+def build_record(op: Op, seq: int, time_ns: int, trailer: bytes | None = None) -> bytes:
+    """The record's bytes, built from this definition (ValueError for what it refuses);
+    ``trailer``: an authenticated record's key fingerprint + tag (24 bytes); an
+    :class:`Encrypted` op (with a trailer) is built with its sealed body as it is."""
+    body: Any
+    if isinstance(op, Encrypted):
+        typ, flag, body = op.type, AUTH_FLAG | ENC_FLAG, op.sealed
+    else:
+        typ, names = _FIELDS[type(op)]
+        body = {n: (int(getattr(op, n)) if n == "overwrite" else getattr(op, n)) for n in names}
+        flag = AUTH_FLAG if trailer is not None else 0
+    key_id, tag = (trailer[:KEY_ID_SIZE], trailer[KEY_ID_SIZE:]) if trailer is not None else (None, None)
+    size = MIN_LENGTH + (len(body) if isinstance(body, bytes) else 0) + KEY_ID_SIZE + TAG_SIZE
+    try:
+        content = CONTENT.build(
+            {"type": int(typ) | flag, "seq": seq, "time_ns": time_ns, "body": body, "key_id": key_id, "tag": tag},
+            length=size,
+        )
+    except ConstructError as exc:
+        raise ValueError(str(exc)) from None
     try:
         return RECORD.build({"length": len(content), "crc": crc32c(content), "content": {"data": content}})
     except ConstructError as exc:
@@ -168,8 +200,17 @@ def parse_record(data: bytes, segment: str = "", offset: int = 0) -> Record:
         rec = RECORD.parse(data)
     except ConstructError as exc:
         raise JournalCorrupt(segment, offset, f"not a record by the layout: {exc}") from None
-    cls, names = _OPS[RecordType(rec.content.value.type)]
-    body = rec.content.value.body
-    fields = [bool(body[n]) if n == "overwrite" else body[n] for n in names]
-    op = cls(*fields)
-    return Record(rec.content.value.seq, rec.content.value.time_ns, op, segment, offset, 8 + rec.length)
+    value = rec.content.value
+    base = RecordType(value.type & ~(AUTH_FLAG | ENC_FLAG))
+    op: Op
+    if value.type & ENC_FLAG:
+        if len(value.body) < AEAD_TAG_SIZE:
+            raise JournalCorrupt(segment, offset, "not a record by the layout: sealed body shorter than its tag")
+        op = Encrypted(base, bytes(value.body))
+    else:
+        cls, names = _OPS[base]
+        body = value.body
+        fields = [bool(body[n]) if n == "overwrite" else body[n] for n in names]
+        op = cls(*fields)
+    key_id, tag = (value.key_id, value.tag) if value.type & AUTH_FLAG else (b"", b"")
+    return Record(value.seq, value.time_ns, op, segment, offset, 8 + rec.length, key_id, tag)

@@ -2,25 +2,30 @@
 
 Normative description: protocol.md, Part 2. Every record is
 
-    u32 length | u32 crc32c | u8 type | u64 seq | u64 time_ns | body
+    u32 length | u32 crc32c | u8 type | u64 seq | u64 time_ns | body [| key_id(8) | tag(16)]
 
-big-endian; ``length`` counts the bytes after the crc field (type .. end of body, so
-``17 + len(body)``) and ``crc32c`` (Castagnoli) covers exactly those bytes.
-Strings are u16 length + UTF-8, blobs u32 length + bytes.
+big-endian; ``length`` counts the bytes after the crc field (type .. end of the record, so
+``17 + len(body)``, + 24 for an authenticated record) and ``crc32c`` (Castagnoli) covers
+exactly those bytes. Strings are u16 length + UTF-8, blobs u32 length + bytes. A type byte
+with the flag 0x80 (``AUTH_FLAG``) marks an authenticated record: the journal key's
+fingerprint and the record's tag follow the body (protocol.md 2.5, ``auth.py``).
 """
 
 from __future__ import annotations
 
 import enum
 import struct
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
 from sos_wire.crc import crc32c as _crc32c
 
 from .errors import JournalCorrupt
 
 __all__ = [
+    "AUTH_FLAG",
+    "ENC_FLAG",
     "HEADER_SIZE",
     "MAX_DATA",
     "MAX_FILE_SIZE",
@@ -29,8 +34,10 @@ __all__ = [
     "MAX_RECORD_LENGTH",
     "PREFIX_SIZE",
     "REPLAY_MODE_MASK",
+    "TRAILER_SIZE",
     "Create",
     "Delete",
+    "Encrypted",
     "Marker",
     "Mkdir",
     "Op",
@@ -68,8 +75,16 @@ HEADER = struct.Struct(">IIBQQ")
 PREFIX_SIZE = PREFIX.size  # 8
 HEADER_SIZE = HEADER.size  # 25
 MIN_LENGTH = HEAD.size  # 17
-# Largest legal length field: WRITE with the longest path and 1 MiB of data.
-MAX_RECORD_LENGTH = MIN_LENGTH + 2 + MAX_PATH_BYTES + 8 + 4 + MAX_DATA
+#: the type byte's flag of an authenticated record, followed by KEY_ID_SIZE + TAG_SIZE bytes
+AUTH_FLAG = 0x80
+#: with AUTH_FLAG: the body is encrypted (ChaCha20-Poly1305: the body's bytes, then 16 bytes)
+ENC_FLAG = 0x40
+KEY_ID_SIZE = 8
+TAG_SIZE = 16
+AEAD_TAG_SIZE = 16
+TRAILER_SIZE = KEY_ID_SIZE + TAG_SIZE  # 24
+# Largest legal length field: an encrypted WRITE with the longest path and 1 MiB of data.
+MAX_RECORD_LENGTH = MIN_LENGTH + 2 + MAX_PATH_BYTES + 8 + 4 + MAX_DATA + AEAD_TAG_SIZE + TRAILER_SIZE
 
 _U16 = struct.Struct(">H")
 _U32 = struct.Struct(">I")
@@ -172,7 +187,16 @@ class SnapshotEnd:
     type = RecordType.SNAPSHOT_END
 
 
-Op = Mkdir | Rmdir | Create | Write | Truncate | Rename | Delete | Marker | SnapshotEnd
+@dataclass(frozen=True, slots=True)
+class Encrypted:
+    """An encrypted record read without its journal key: its type and its sealed body. Never
+    applied: a reader without the key refuses the record (auth.ChainCheck) before replay."""
+
+    type: RecordType
+    sealed: bytes
+
+
+Op = Mkdir | Rmdir | Create | Write | Truncate | Rename | Delete | Marker | SnapshotEnd | Encrypted
 #: What the codec reads bytes from (collections.abc.Buffer once Python 3.12 is the minimum).
 Buffer = bytes | bytearray | memoryview
 
@@ -187,6 +211,10 @@ class Record:
     segment: str = ""
     offset: int = 0  # byte offset of the record's first byte in its segment
     size: int = 0  # total encoded size (8 + length)
+    key_id: bytes = b""  # an authenticated record: its key's fingerprint and its tag
+    tag: bytes = b""
+    #: the record's HMAC so far (auth.ChainCheck completes it), when decoded with the key ring
+    mac: Any = field(default=None, compare=False, repr=False)
 
 
 def _s(text: str, what: str, limit: int) -> bytes:
@@ -230,12 +258,23 @@ def _encode_body(op: Op) -> list[bytes]:
     raise TypeError(f"not a journal op: {op!r}")
 
 
-def encode(op: Op, seq: int, time_ns: int) -> bytes:
-    """Encode one record. Raises ValueError/TypeError on an op that cannot be encoded."""
+def encode(op: Op, seq: int, time_ns: int, sign: Callable[[list[bytes]], bytes] | None = None) -> bytes:
+    """Encode one record. Raises ValueError/TypeError on an op that cannot be encoded.
+
+    ``sign`` (an :class:`~.auth.Signer`): the record is authenticated; ``sign(parts)`` gets
+    its bytes from the type byte (flagged) to the end of the body and returns the trailer;
+    with ``sign.encrypt`` set, the body is first replaced by ``sign.encrypt(head, seq, body)``."""
     if not (0 <= seq < 1 << 64) or not (0 <= time_ns < 1 << 64):
         raise ValueError("seq and time_ns must fit in u64")
     parts = _encode_body(op)
-    head = HEAD.pack(int(op.type), seq, time_ns)
+    if sign is None:
+        head = HEAD.pack(int(op.type), seq, time_ns)
+    else:
+        encrypt = getattr(sign, "encrypt", None)
+        head = HEAD.pack(int(op.type) | AUTH_FLAG | (ENC_FLAG if encrypt else 0), seq, time_ns)
+        if encrypt:
+            parts = [encrypt(head, seq, b"".join(parts))]
+        parts.append(sign([head, *parts]))
     length = len(head) + sum(len(p) for p in parts)
     crc = _crc32c(head)
     for p in parts:
@@ -368,6 +407,9 @@ def _decode_op(typ: int, body: memoryview, seg: str, off: int) -> Op:
     return op
 
 
+_TYPES = frozenset(int(t) for t in RecordType)
+
+
 class RecordDecoder:
     """Incremental decoder: ``feed(bytes)`` then ``next_record()`` until it returns None.
 
@@ -377,9 +419,12 @@ class RecordDecoder:
     buffered bytes that do not yet form a whole record (a torn tail if the stream ended).
     """
 
-    def __init__(self, segment: str = "", offset: int = 0) -> None:
+    def __init__(self, segment: str = "", offset: int = 0, keys: Any = None) -> None:
         self.segment = segment
         self.offset = offset
+        #: the journal key ring for this segment (``auth.SegmentKeys``): authenticated records
+        #: then carry their partial MAC (``Record.mac``) and encrypted ones are decrypted
+        self.keys = keys
         self._buf = bytearray()
         self._pos = 0
 
@@ -410,12 +455,42 @@ class RecordDecoder:
             if _crc32c(rec_mv) != crc:
                 raise JournalCorrupt(self.segment, self.offset, "CRC32C mismatch")
             typ, seq, t = HEAD.unpack_from(rec_mv, 0)
-            with rec_mv[MIN_LENGTH:] as body:
-                op = _decode_op(typ, body, self.segment, self.offset)
-        rec = Record(seq, t, op, self.segment, self.offset, total)
+            key_id = tag = b""
+            mac = None
+            end = length
+            if typ & AUTH_FLAG:
+                if length < MIN_LENGTH + TRAILER_SIZE:
+                    raise JournalCorrupt(self.segment, self.offset, "authenticated record shorter than its tag")
+                end = length - TRAILER_SIZE
+                key_id, tag = bytes(rec_mv[end : end + KEY_ID_SIZE]), bytes(rec_mv[end + KEY_ID_SIZE :])
+                if self.keys is not None:
+                    mac = self.keys.mac_start(key_id)
+                    if mac is not None:
+                        mac.update(rec_mv[: length - TAG_SIZE])
+            if typ & ENC_FLAG and typ & AUTH_FLAG:
+                op = self._open(typ & ~(AUTH_FLAG | ENC_FLAG), rec_mv, end, key_id)
+            else:
+                with rec_mv[MIN_LENGTH:end] as body:
+                    op = _decode_op(typ & ~AUTH_FLAG, body, self.segment, self.offset)
+        rec = Record(seq, t, op, self.segment, self.offset, total, key_id, tag, mac)
         self._pos = pos + total
         self.offset += total
         return rec
+
+    def _open(self, typ: int, rec_mv: memoryview, end: int, key_id: bytes) -> Op:
+        """The op of an encrypted record: decrypted with the ring's key (a sealed body that does
+        not open is a JournalAuthError), or :class:`Encrypted` without the key."""
+        sealed = bytes(rec_mv[MIN_LENGTH:end])
+        plain = (
+            self.keys.decrypt(key_id, bytes(rec_mv[:MIN_LENGTH]), sealed, self.offset)
+            if self.keys is not None
+            else None
+        )
+        if plain is None:
+            if typ not in _TYPES or len(sealed) < AEAD_TAG_SIZE:
+                raise JournalCorrupt(self.segment, self.offset, f"unknown record type {typ} or short sealed body")
+            return Encrypted(RecordType(typ), sealed)
+        return _decode_op(typ, memoryview(plain), self.segment, self.offset)
 
     def __iter__(self) -> Iterator[Record]:
         while True:

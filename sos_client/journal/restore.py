@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 from . import layout
 from ._store import SOSNotFound, StoreClient, close_quietly
+from .auth import JournalKeys, ReadAuth, resolve_journal_keys
 from .beneath import Beneath
 from .beneath import clear_directory as _clear
 from .errors import (
@@ -195,6 +196,7 @@ def restore(
     progress: Callable[[int, int], None] | None = None,
     generation: int | None = None,
     workers: int = DEFAULT_WORKERS,
+    journal_key: JournalKeys | str | None = None,
 ) -> Summary:
     """Rebuild the tree of ``namespace`` in the empty directory ``target``; see module doc.
 
@@ -213,8 +215,10 @@ def restore(
 
     ``workers``: threads that apply records of different files in parallel (each path in
     journal order; directories, renames and deletes in journal order for their paths);
-    1 applies every record in order in this thread.
+    1 applies every record in order in this thread. ``journal_key``: protocol.md 2.5 (default
+    $SOS_JOURNAL_KEY[_FILE]); a record it does not vouch for is a JournalAuthError (corrupt).
     """
+    auth = ReadAuth(resolve_journal_keys(journal_key), namespace)
     _check_args(at=at, position=position, batch=batch, generation=generation)
     at_ns = parse_time(at)
     bq = parse_batch(batch) if batch is not None else None
@@ -230,7 +234,7 @@ def restore(
         if bq is not None:
             meter.total = sum(g.total_bytes for g in complete_generations(gens))  # at most: the scan may stop sooner
             position = find_batch(
-                client, gens, bq[0], bq[1], on_bytes=meter.on_bytes, notes=summary.notes, listed=listed
+                client, gens, bq[0], bq[1], on_bytes=meter.on_bytes, notes=summary.notes, listed=listed, auth=auth
             )
             meter.done = 0
         gen = choose_generation(client, gens, position=position, at_ns=at_ns)
@@ -252,6 +256,7 @@ def restore(
             at_ns=at_ns,
             workers=workers,
             t0=t0,
+            auth=auth,
         )
         _check_point_reached(summary, stats, gens, gen, position, target, created)
         if generation is None and position is None and at_ns is None and bq is None:
@@ -368,11 +373,14 @@ def _replay_generation(
     at_ns: int | None,
     workers: int,
     t0: float,
+    auth: ReadAuth,
 ) -> ReplayStats:
     """Replay ``gen`` into ``target`` up to the point. A JournalCorrupt leaves what came
     before the broken record applied and carries the summary of it (``exc.summary``)."""
     try:
-        readers = SegmentReaders(client_factory, gen.segments, readers=2, on_bytes=meter.on_bytes)
+        readers = SegmentReaders(
+            client_factory, gen.segments, readers=2, on_bytes=meter.on_bytes, segment_keys=auth.for_segment
+        )
         try:
             records = generation_records(
                 client,
@@ -380,6 +388,7 @@ def _replay_generation(
                 notes=summary.notes,
                 source=readers.records,
                 next_first=next_first_seq(listed, gen.generation),
+                check=auth.chain(gen.generation),
             )
             if position is not None:
                 records = _through(records, position)
@@ -478,11 +487,17 @@ def _refuse_empty_over_records(
             )
 
 
-def rebuild_cache(client_factory: Callable[[], StoreClient], namespace: str, cache_dir: str) -> int:
+def rebuild_cache(
+    client_factory: Callable[[], StoreClient],
+    namespace: str,
+    cache_dir: str,
+    journal_key: JournalKeys | str | None = None,
+) -> int:
     """Fill a cache directory with the namespace's latest tree (replacing what it holds);
-    returns the last seq, 0 for a namespace without a complete generation (empty tree)."""
+    returns the last seq, 0 for a namespace without a complete generation (empty tree).
+    ``journal_key`` as :func:`restore`'s."""
     try:
-        return restore(client_factory, namespace, cache_dir, force=True).last_seq
+        return restore(client_factory, namespace, cache_dir, force=True, journal_key=journal_key).last_seq
     except (SOSNotFound, JournalNotFound):
         _prepare_target(os.path.abspath(cache_dir), True)
         return 0

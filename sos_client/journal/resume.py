@@ -18,19 +18,25 @@ from .errors import GenerationBreak, JournalError, SpoolStale
 from .reading import chain_breaks
 from .records import Record, RecordDecoder
 from .spool import Spool, SpoolSegment
-from .writer_state import WriterState
+from .writer_auth import WriterAuth
 
 __all__ = ["Resume", "server_last_record"]
 
 
-def server_last_record(client: StoreClient, seg_name: str, length: int | None = None) -> tuple[int, int] | None:
-    """(last seq, last time_ns) of the records in one server segment (None if empty)."""
+def server_last(client: StoreClient, seg_name: str) -> Record | None:
+    """The last record of one server segment (None if empty)."""
     dec = RecordDecoder(seg_name)
     last: Record | None = None
     for chunk in client.read_iter(seg_name, 0, 0):
         dec.feed(chunk)
         for rec in dec:
             last = rec
+    return last
+
+
+def server_last_record(client: StoreClient, seg_name: str, length: int | None = None) -> tuple[int, int] | None:
+    """(last seq, last time_ns) of the records in one server segment (None if empty)."""
+    last = server_last(client, seg_name)
     return (last.seq, last.time_ns) if last is not None else None
 
 
@@ -48,7 +54,7 @@ def _drop_empty(spool: Spool, segs: list[SpoolSegment]) -> tuple[list[SpoolSegme
     return kept, floor
 
 
-class Resume(WriterState):
+class Resume(WriterAuth):
     """The open of a writer (see the module docstring)."""
 
     def _open_with(self, client: StoreClient) -> None:
@@ -68,6 +74,7 @@ class Resume(WriterState):
         if segs:
             self._refuse_stale_spool(spool, segs, server_segs)
 
+        self._check_journal_key(client, gens)  # before fencing anyone (writer_auth.py)
         epoch = self._fence(client, max_epoch + 1)
 
         if segs:
@@ -83,6 +90,7 @@ class Resume(WriterState):
         self._segs = segs
         self._cur = None  # new records go to a new segment named with our epoch
         self.epoch = epoch
+        self._adopt_chain()
         if self.durability == "tier":
             self._tier.open(client, entries, gens)
 
@@ -123,6 +131,7 @@ class Resume(WriterState):
             for chunk in client.read_iter(last.name, last.written, 0):
                 last.write(chunk)
         spool.repair(last)
+        self._last_auth = (last.generation, last.last_key_id, last.last_tag) if last.records else None
         for s in segs[:-1]:
             s.last_seq = -1  # not needed: only the newest segment is decoded
         self._seq = max(last.last_seq, floor)
@@ -143,6 +152,7 @@ class Resume(WriterState):
     def _resume_from_server(self, client: StoreClient, gens: dict[int, layout.GenerationInfo], floor: int) -> None:
         """No spool: the position from the server's newest generation and its last record."""
         self.had_spool = False
+        self._last_auth = None
         if not any(g.segments for g in gens.values()):
             self.generation = 0
             self._seq = floor
@@ -157,11 +167,12 @@ class Resume(WriterState):
                 found = None
                 for seg_info in reversed(info.segments):
                     if seg_info.length > 0:
-                        found = server_last_record(client, seg_info.name)
+                        found = server_last(client, seg_info.name)
                         if found:
                             break
                 if found:
-                    last_seq, last_time = max(found[0], floor), found[1]
+                    last_seq, last_time = max(found.seq, floor), found.time_ns
+                    self._last_auth = (info.generation, found.key_id, found.tag)
                     break
             self._seq = last_seq
             self._last_time = last_time

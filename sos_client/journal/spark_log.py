@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from . import layout
 from ._store import StoreClient
+from .auth import ReadAuth
 from .errors import BatchNotFound, JournalCorrupt, JournalError, PositionUnavailable
 from .points import norm_dir
 from .reading import complete_generations, generation_records, incomplete_after, next_first_seq
@@ -140,6 +141,7 @@ def find_batch(
     on_bytes: Callable[[int], None] | None = None,
     notes: list[str] | None = None,
     listed: dict[int, layout.GenerationInfo] | None = None,
+    auth: ReadAuth | None = None,
 ) -> int:
     """The position right after batch ``batch_id`` of the checkpoint ``querydir`` committed.
 
@@ -153,7 +155,7 @@ def find_batch(
     Raises BatchNotFound (naming the checkpoints and batches the journal does hold) or
     PositionUnavailable (the batch committed before the oldest generation kept).
     """
-    search = _BatchSearch(client, querydir, batch_id, on_bytes, notes)
+    search = _BatchSearch(client, querydir, batch_id, on_bytes, notes, auth=auth)
     newer: list[_CommitScan] = []  # newest first
     cands = complete_generations(gens)
     for g in cands:
@@ -175,6 +177,11 @@ class _BatchSearch:
     on_bytes: Callable[[int], None] | None
     notes: list[str] | None
     seen: dict[str, set[int]] = field(default_factory=dict)
+    auth: ReadAuth | None = None
+
+    def _records(self, g: layout.GenerationInfo, next_first: int | None = None) -> Iterator[Record]:
+        check = self.auth.chain(g.generation) if self.auth is not None else None
+        return generation_records(self.client, g, on_bytes=self.on_bytes, next_first=next_first, check=check)
 
     def __post_init__(self) -> None:
         self.path = commit_path(self.querydir, self.batch_id)
@@ -186,7 +193,7 @@ class _BatchSearch:
         ends the scan (the replay stops before it too), damage before it raises."""
         r = _CommitScan()
         try:
-            records = generation_records(self.client, g, on_bytes=self.on_bytes, next_first=next_first)
+            records = self._records(g, next_first)
             _scan_generation(records, self.path, self.crc, self.seen, r)
         except JournalCorrupt as e:
             if r.start is None:
@@ -226,7 +233,7 @@ class _BatchSearch:
         for g in incomplete_after(gens, cands[0].generation if cands else -1):
             r = _CommitScan()
             with contextlib.suppress(JournalCorrupt):
-                _scan_generation(generation_records(self.client, g, on_bytes=self.on_bytes), self.path, self.crc, {}, r)
+                _scan_generation(self._records(g), self.path, self.crc, {}, r)
             if r.start is not None:
                 return BatchNotFound(
                     f"{self.where}: {self.path} appears at record {r.start}, in "

@@ -79,6 +79,8 @@ class SpoolSegment:
         self.boundary = 0  # a record boundary <= shipped (where header walks may start)
         self.last_seq = sn.first_seq - 1
         self.last_time = 0
+        self.last_key_id = b""  # the last record's key fingerprint and tag (authenticated: protocol.md 2.5)
+        self.last_tag = b""
         self.records = 0
         self.fd = open_private(path, os.O_RDWR | os.O_APPEND)
 
@@ -189,6 +191,7 @@ class Spool:
                 for rec in dec:
                     last = rec.seq
                     seg.last_time = rec.time_ns
+                    seg.last_key_id, seg.last_tag = rec.key_id, rec.tag
                     n += 1
                     good = dec.offset
         except JournalCorrupt:

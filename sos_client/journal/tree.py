@@ -268,6 +268,10 @@ class JournaledTree:
             # existing cache, e.g. after a point-in-time restore) or the current generation's
             # snapshot was cut short: start a new generation from the cache as it is.
             w.rotate(self._snapshot_ops())
+        if w.key_rotation_due:
+            # the current generation is not authenticated by the writer's journal key (adopted
+            # or rotated since): the key's first record starts a generation (protocol.md 2.5)
+            w.rotate(self._snapshot_ops())
         private_file(  # 0600, like everything in the spool
             self._dirty_path, "cache in use; removed by a clean close\n"
         )

@@ -15,12 +15,16 @@ from sos_wire.crc import crc32c as _crc32c
 
 from . import layout
 from ._store import Corrupt, StoreClient, close_quietly
-from .errors import JournalCorrupt, JournalTruncated
+from .auth import ChainCheck, JournalKeys, ReadAuth, resolve_journal_keys
+from .errors import JournalAuthError, JournalCorrupt, JournalTruncated
 from .reading import ServerCorrupt, chain_breaks, list_generations, read_segment_bytes
 from .records import (
+    AUTH_FLAG,
+    ENC_FLAG,
     MAX_RECORD_LENGTH,
     MIN_LENGTH,
     PREFIX,
+    Encrypted,
     Record,
     RecordDecoder,
     RecordType,
@@ -98,6 +102,9 @@ def _valid_at(buf: bytes, i: int) -> bool:
     if length < MIN_LENGTH or length > MAX_RECORD_LENGTH or i + 8 + length > len(buf):
         return False
     typ = buf[i + 8]
+    if typ & ENC_FLAG and not typ & AUTH_FLAG:
+        return False
+    typ &= ~(AUTH_FLAG | ENC_FLAG)
     if not 1 <= typ <= max(RecordType):
         return False
     return _crc32c(memoryview(buf)[i + 8 : i + 8 + length]) == crc
@@ -180,6 +187,9 @@ class _Scan:
     expected: int | None = None  # seq of the next record (None: after a break, anything goes)
     saw_end: bool = False
     after_end: list[int] = field(default_factory=list)  # first and last seq after SNAPSHOT_END
+    auth: ReadAuth = field(default_factory=lambda: ReadAuth(None, ""))
+    chain: ChainCheck | None = None  # the journal key's check of the generation being read
+    auth_problems: int = 0  # of the generation being read (the first few are listed)
 
     def count(self, n: int) -> None:
         self.rep.bytes += n
@@ -189,13 +199,20 @@ class _Scan:
 
 
 def verify(
-    client_factory: Callable[[], StoreClient], namespace: str, *, progress: Callable[[int, int], None] | None = None
+    client_factory: Callable[[], StoreClient],
+    namespace: str,
+    *,
+    progress: Callable[[int, int], None] | None = None,
+    journal_key: JournalKeys | str | None = None,
 ) -> VerifyReport:
     """Read and check every record of every generation; returns a VerifyReport.
 
     Besides each record, it checks that the generations form one chain (protocol.md 2.1:
     each continues the one before it); a break is a problem. Records a restore would not use
-    because their generation is not complete are warnings."""
+    because their generation is not complete are warnings. ``journal_key`` (default: from
+    ``$SOS_JOURNAL_KEY`` / ``$SOS_JOURNAL_KEY_FILE``): every record must verify under it
+    (protocol.md 2.5); without one an authenticated generation is a problem."""
+    auth = ReadAuth(resolve_journal_keys(journal_key), namespace)
     t0 = time.monotonic()
     rep = VerifyReport(namespace)
     client = client_factory()
@@ -209,6 +226,7 @@ def verify(
             total=sum(g.total_bytes for g in gens.values()),
             progress=progress,
             newest=written[-1].generation if written else None,
+            auth=auth,
         )
         ends: dict[int, tuple[int, bool]] = {}  # generation -> (last whole record, exact)
         for gi, g in enumerate(written):
@@ -264,6 +282,7 @@ def _verify_generation(scan: _Scan, g: layout.GenerationInfo, nxt: layout.Genera
     rep = scan.rep
     _note_readiness(rep, g, scan.newest)
     scan.expected, scan.saw_end, scan.after_end = None, False, []
+    scan.chain, scan.auth_problems = scan.auth.chain(g.generation), 0
     end, exact = g.segments[0].first_seq - 1, True
     for i, seg in enumerate(g.segments):
         last_here, clean = _verify_segment(scan, g, i, nxt)
@@ -273,6 +292,10 @@ def _verify_generation(scan: _Scan, g: layout.GenerationInfo, nxt: layout.Genera
     if g.ready and not scan.saw_end:
         rep.problems.append(
             Problem(layout.ready_name(g.generation), 0, 0, "generation is marked ready but no SNAPSHOT_END was read")
+        )
+    if scan.chain is not None and scan.chain.key_id and not scan.auth_problems:
+        rep.notes.append(
+            f"generation {g.generation}: every record authenticated by journal key {scan.chain.key_id.hex()}"
         )
     after_end = scan.after_end
     if not g.ready and after_end:
@@ -301,7 +324,7 @@ def _verify_segment(
     offset = 0
     first = True
     while True:
-        dec = RecordDecoder(seg.name, offset)
+        dec = RecordDecoder(seg.name, offset, keys=scan.auth.for_segment(seg.name))
         try:
             for chunk in read_segment_bytes(scan.client, seg.name, offset):
                 dec.feed(chunk)
@@ -357,16 +380,42 @@ def _check_record(scan: _Scan, g: layout.GenerationInfo, seg: layout.SegmentInfo
             )
         )
     scan.expected = rec.seq + 1
+    _check_auth(scan, rec)
     rep.first_seq = rep.first_seq or rec.seq
     rep.last_seq = max(rep.last_seq, rec.seq)
     if scan.saw_end:  # a journal record: first and last kept
         scan.after_end[1 if scan.after_end else 0 :] = [rec.seq]
+    if type(rec.op) is Encrypted and rec.op.type == RecordType.SNAPSHOT_END:
+        scan.saw_end = True  # sealed without the key (its authentication is reported): no more to check
     if type(rec.op) is SnapshotEnd:
         scan.saw_end = True
         if rec.op.generation != g.generation:
             rep.problems.append(
                 Problem(seg.name, rec.offset, rec.offset + rec.size, f"SNAPSHOT_END of generation {rec.op.generation}")
             )
+
+
+_AUTH_LISTED = 10  # records failing the journal key's check listed per generation
+
+
+def _check_auth(scan: _Scan, rec: Record) -> None:
+    """The journal key's check of one record (protocol.md 2.5): a failure is a problem (the
+    first few of a generation listed, then one line with the count); the chain goes on from
+    the record, so the records after a planted one are checked against it."""
+    if scan.chain is None:
+        return
+    try:
+        scan.chain.check(rec)
+        return
+    except JournalAuthError as e:
+        scan.auth_problems += 1
+        if scan.auth_problems <= _AUTH_LISTED:
+            scan.rep.problems.append(Problem(rec.segment, rec.offset, rec.offset + rec.size, e.reason))
+        elif scan.auth_problems == _AUTH_LISTED + 1:
+            scan.rep.problems.append(
+                Problem(rec.segment, rec.offset, None, "more records fail the journal key's check (not listed)")
+            )
+    scan.chain.prev = bytes(rec.tag) or scan.chain.prev
 
 
 def _note_truncation(

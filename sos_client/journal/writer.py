@@ -44,9 +44,10 @@ from typing import Any
 from ..retry import retrying
 from . import layout
 from ._store import StoreClient, close_quietly
+from .auth import JournalKeys, Signer, resolve_journal_keys
 from .commit_wait import CLOSE_TIER_PATIENCE, QUOTA_RECHECK, Barriers
 from .errors import JournalError, JournalQuotaExceeded, WriterClosed
-from .records import MAX_RECORD_LENGTH, Op, SnapshotEnd, encode
+from .records import MAX_RECORD_LENGTH, TAG_SIZE, Op, SnapshotEnd, encode
 from .replicator import Replicator
 from .resume import Resume, server_last_record
 from .spool import Spool
@@ -99,11 +100,14 @@ class JournalWriter(Replicator, Resume, Barriers):
         durability: str = "server",
         tier_wait: float = 30.0,
         tier_patience: float | None = None,
+        journal_key: JournalKeys | str | None = None,
     ) -> None:
         """*durability*: "server" or "tier" (see the module docstring); *tier_wait*: seconds one
         TIER_WAIT asks the server to wait (at most 60); *tier_patience*: seconds a barrier
         without a timeout waits for the bucket before it fails with JournalTierBehind (None:
-        until the bucket holds its records)."""
+        until the bucket holds its records); *journal_key*: the key ring records are
+        authenticated with (protocol.md 2.5; default: $SOS_JOURNAL_KEY, else the file
+        $SOS_JOURNAL_KEY_FILE; none: unauthenticated, with a warning in the log)."""
         _check_options(
             durability=durability,
             tier_wait=tier_wait,
@@ -111,7 +115,9 @@ class JournalWriter(Replicator, Resume, Barriers):
             chunk_bytes=chunk_bytes,
             sizes=(max_lag_bytes, segment_bytes, generation_bytes, pipeline),
         )
+        keys = resolve_journal_keys(journal_key)
         super().__init__()
+        self.signer = Signer(keys, namespace) if keys is not None else None
         self.client_factory = client_factory
         self.namespace = namespace
         self.spool_dir = spool_dir
@@ -238,7 +244,13 @@ class JournalWriter(Replicator, Resume, Barriers):
                 self._check_usable()
             seq = self._seq + 1
             now = max(time.time_ns(), self._last_time)
-            data = encode(op, seq, now)
+            sign = self.signer
+            if sign is not None and self.key_rotation_due and not self._in_snapshot:
+                raise JournalError(
+                    f"namespace {self.namespace!r}: generation {self.generation} is not authenticated by "
+                    f"journal key {sign.key.fingerprint}: a new generation must start before any record"
+                )
+            data = encode(op, seq, now, sign)
             cur = self._cur
             if (
                 cur is None
@@ -247,6 +259,8 @@ class JournalWriter(Replicator, Resume, Barriers):
             ):
                 cur = self._new_segment(seq)
             cur.write(data)
+            if sign is not None:
+                sign.prev = data[-TAG_SIZE:]
             cur.last_seq = seq
             self._seq = seq
             self._last_time = now
@@ -270,7 +284,7 @@ class JournalWriter(Replicator, Resume, Barriers):
         )
 
     def rotation_due(self) -> bool:
-        return self.generation == 0 or self._gen_bytes >= self.generation_bytes
+        return self.generation == 0 or self._gen_bytes >= self.generation_bytes or self.key_rotation_due
 
     def rotate(self, snapshot_ops: Iterable[Op]) -> int:
         """Start generation G+1: the snapshot records, then SNAPSHOT_END; returns its seq.
@@ -287,6 +301,9 @@ class JournalWriter(Replicator, Resume, Barriers):
                         f"(protocol.md 2.1): namespace {self.namespace!r} cannot start another"
                     )
                 self.generation += 1
+                if self.signer is not None:
+                    self.signer.restart(self.generation)
+                self.key_rotation_due = False
                 self.generation_complete = False
                 self._gen_bytes = 0
                 self._in_snapshot = True

@@ -69,6 +69,7 @@ from fsspec.spec import AbstractFileSystem
 from fsspec.utils import stringify_path
 
 from sos_client import resolve_key, resolve_server
+from sos_client.journal.auth import load_journal_keys, resolve_journal_keys
 from sos_client.journal.facade import DEFAULT_TIER_PATIENCE, DURABILITIES
 from sos_client.journal.records import validate_path
 from sos_wire.names import validate_namespace
@@ -113,9 +114,14 @@ class SOSFileSystem(AbstractFileSystem):
         generation_bytes: int | None = None,
         durability: str = "server",
         tier_patience: float | None = DEFAULT_TIER_PATIENCE,
+        journal_key_file: str | os.PathLike[str] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        # the journal key (protocol.md 2.5): the file, else $SOS_JOURNAL_KEY / $SOS_JOURNAL_KEY_FILE
+        self.journal_key = (
+            load_journal_keys(os.fspath(journal_key_file)) if journal_key_file else resolve_journal_keys()
+        )
         self.server = resolve_server(server)  # what the clients and `sos` accept, the same way
         self.key = str(resolve_key(key))
         if cache_dir is None:
@@ -189,6 +195,7 @@ class SOSFileSystem(AbstractFileSystem):
             self.generation_bytes,
             durability=self.durability,
             tier_patience=self.tier_patience,
+            journal_key=self.journal_key,
         )
         self._handles[namespace] = h
         return h

@@ -12,6 +12,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from sos_client.journal.auth import JournalKeys
 from sos_client.journal.facade import call_journal
 from sos_client.journal.open import OpenNamespace, client_factory_for, key_role, open_namespace
 from sos_wire.events import KeyRole
@@ -109,6 +110,7 @@ def _open_namespace(
     *,
     durability: str = "server",
     tier_patience: float | None = None,
+    journal_key: JournalKeys | None = None,
 ) -> _Namespace:
     """The process-wide tree of (server, namespace, cache dir) for this key's role.
 
@@ -156,6 +158,7 @@ def _open_namespace(
             allow_read_only=True,
             durability=durability,
             tier_patience=tier_patience,
+            journal_key=journal_key,
         )
         tree: FsTree = opened.tree if opened.read_only else _GuardedTree(opened.tree, namespace)
         ns = _Namespace(opened, tree, durability)

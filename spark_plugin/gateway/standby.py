@@ -26,6 +26,7 @@ A standby serves the same WebHDFS address space as the active gateway but writes
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import ssl
@@ -39,6 +40,7 @@ import trio
 
 from sos_client.errors import Fenced, SOSError
 from sos_client.journal import layout
+from sos_client.journal.auth import TailCheck, resolve_journal_keys
 from sos_client.journal.errors import JournalCorrupt, JournalError
 from sos_client.journal.facade import FenceWatch
 from sos_client.journal.open import (
@@ -52,9 +54,10 @@ from sos_client.journal.open import (
     private_cache_dir,
 )
 from sos_client.journal.reading import list_generations
-from sos_client.journal.records import RecordDecoder, SnapshotEnd
+from sos_client.journal.records import Record, RecordDecoder, SnapshotEnd
 from sos_client.journal.replay import Replayer, ReplayError
 from sos_client.journal.restore import rebuild_cache
+from sos_client.journal.resume import server_last
 from sos_wire.addresses import is_loopback, split_address
 from sos_wire.events import KeyRole
 
@@ -90,6 +93,12 @@ POLL = 0.25
 HOLD = 30.0
 
 
+def _before(client: RoleClient, gens: dict[int, layout.GenerationInfo], seg: layout.SegmentInfo) -> Record | None:
+    """The last record of the segment before ``seg`` in its generation (None: none)."""
+    earlier = [s for s in gens[seg.generation].segments if s.first_seq < seg.first_seq and s.length]
+    return server_last(client, earlier[-1].name) if earlier else None
+
+
 class Tailer:
     """Keeps ``tree_dir`` equal to the namespace's journal up to record :attr:`seq`."""
 
@@ -105,12 +114,14 @@ class Tailer:
         self._dec = RecordDecoder()
         self._read_to = 0
         self._replayer: Replayer | None = None
+        self._auth = TailCheck(resolve_journal_keys(), namespace)  # protocol.md 2.5
 
     def rebuild(self) -> None:
         """The tree rebuilt from the server (restore's code), the tail from its last record."""
         self.close()
         self.seq = rebuild_cache(self.factory, self.namespace, self.tree_dir)
         self._cur = None
+        self._auth.reset()
         self._snapshot = False
         self._replayer = Replayer(self.tree_dir)
         self.needs_rebuild = False
@@ -154,8 +165,9 @@ class Tailer:
             seg, starts_generation = found
             if self._cur is None or seg.name != self._cur.name:
                 self._cur = seg
-                self._dec = RecordDecoder(seg.name)
+                self._dec = RecordDecoder(seg.name, keys=self._auth.for_segment(seg.name))
                 self._read_to = 0
+                self._auth.enter(seg, starts_generation, self.seq, functools.partial(_before, client, gens, seg))
                 # a new generation's snapshot restates the tree this one holds: skipped; the
                 # first generation's (seq 0: the tree is empty) is applied like any records
                 if starts_generation and seg.first_seq == self.seq + 1 and self.seq > 0:
@@ -166,11 +178,13 @@ class Tailer:
                 self._dec.feed(chunk)
                 for rec in self._dec:
                     if rec.seq <= self.seq:
+                        self._auth.seen(rec, self.seq)
                         continue
                     if rec.seq != self.seq + 1:
                         raise JournalCorrupt(
                             seg.name, rec.offset, f"sequence gap: expected record {self.seq + 1}, found {rec.seq}"
                         )
+                    self._auth.check(rec)
                     if self._snapshot:
                         if type(rec.op) is SnapshotEnd:
                             self._snapshot = False
