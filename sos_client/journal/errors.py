@@ -9,11 +9,8 @@ the namespace over).
 from __future__ import annotations
 
 import errno
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .replay import ReplayStats
-    from .restore import Summary
+from .stats import ReplayStats, Summary
 
 
 class JournalError(Exception):

@@ -43,8 +43,9 @@ from .reading import (
     segment_records,
 )
 from .records import Record
-from .replay import DEFAULT_WORKERS, ReplayStats, replay
+from .replay import DEFAULT_WORKERS, replay
 from .restore import restore
+from .stats import ReplayStats
 
 __all__ = ["rebuild_journal_end"]
 

@@ -38,12 +38,6 @@ def parse_time(at: int | str | _dt.datetime | None) -> int | None:
     raise TypeError(f"bad time {at!r}")
 
 
-def format_time(ns: int) -> str:
-    """ISO-8601 UTC with nanoseconds (what ``--at`` accepts back exactly)."""
-    s, frac = divmod(ns, 1_000_000_000)
-    return (_EPOCH + _dt.timedelta(seconds=s)).strftime("%Y-%m-%dT%H:%M:%S") + f".{frac:09d}Z"
-
-
 def norm_dir(p: str) -> str:
     p = p.strip().strip("/")
     while p.startswith("./"):

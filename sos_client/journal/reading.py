@@ -23,8 +23,8 @@ from .errors import (
     JournalTruncated,
     PositionUnavailable,
 )
-from .points import format_time
 from .records import HEADER_SIZE, Record, RecordDecoder, SnapshotEnd, peek_header
+from .stats import format_time
 
 
 def list_generations(client: StoreClient) -> dict[int, layout.GenerationInfo]:

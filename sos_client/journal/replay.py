@@ -34,7 +34,6 @@ import stat as _stat
 import threading
 import zlib
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from functools import partial
 
 from .beneath import Beneath
@@ -52,6 +51,7 @@ from .records import (
     Write,
     replay_mode,
 )
+from .stats import ReplayStats
 
 __all__ = ["DEFAULT_WORKERS", "ReplayStats", "Replayer", "replay"]
 
@@ -65,16 +65,6 @@ DEFAULT_WORKERS = max(1, min(4, os.cpu_count() or 1))
 BATCH = 64
 BATCH_BYTES = 1 << 20
 QUEUED_BATCHES = 4
-
-
-@dataclass
-class ReplayStats:
-    records: int = 0
-    bytes_written: int = 0
-    last_seq: int = 0
-    last_time_ns: int = 0
-    stopped: bool = False  # a stop condition ended the replay
-    snapshot_done: bool = False
 
 
 class Replayer:

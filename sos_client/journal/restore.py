@@ -33,7 +33,6 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
 
 from . import layout
 from ._store import SOSNotFound, StoreClient, close_quietly
@@ -47,7 +46,7 @@ from .errors import (
     PositionUnavailable,
     TargetNotEmpty,
 )
-from .points import format_time, parse_batch, parse_time
+from .points import parse_batch, parse_time
 from .reading import (
     SegmentReaders,
     ServerCorrupt,
@@ -63,8 +62,9 @@ from .reading import (
     segment_records,
 )
 from .records import HEADER_SIZE, Record, RecordType, SnapshotEnd, peek_header
-from .replay import DEFAULT_WORKERS, ReplayStats, replay
+from .replay import DEFAULT_WORKERS, replay
 from .spark_log import commit_path, find_batch
+from .stats import ReplayStats, Summary, format_time
 
 __all__ = [
     "BATCH_LABEL",
@@ -85,38 +85,6 @@ __all__ = [
 ]  # (the last ones: from their modules)
 
 BATCH_LABEL = layout.BATCH_LABEL
-
-
-@dataclass
-class Summary:
-    namespace: str
-    target: str
-    generation: int = 0
-    files: int = 0
-    dirs: int = 0
-    bytes: int = 0  # total size of the restored files
-    records: int = 0  # records applied (snapshot included)
-    last_seq: int = 0
-    last_time_ns: int = 0
-    bytes_read: int = 0  # journal bytes read from the server
-    stopped: bool = False  # a point was requested and reached (rather than the end of the journal)
-    seconds: float = 0.0
-    notes: list = field(default_factory=list)
-    warnings: list = field(default_factory=list)  # things the caller must hear (the CLI prints them first)
-
-    @property
-    def last_time(self) -> str:
-        if not self.last_time_ns:
-            return "-"
-        return format_time(self.last_time_ns)
-
-    def text(self) -> str:
-        return (
-            f"restored {self.namespace} into {self.target}: {self.files} files, {self.dirs} dirs, "
-            f"{self.bytes} bytes; generation {self.generation}, last record {self.last_seq} "
-            f"at {self.last_time}; {self.records} records, {self.bytes_read} journal bytes "
-            f"in {self.seconds:.2f}s"
-        )
 
 
 def _through(records: Iterable[Record], position: int) -> Iterator[Record]:

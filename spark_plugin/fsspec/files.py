@@ -7,30 +7,29 @@ import errno
 import io
 import os
 import stat as stat_mod
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
-from fsspec.spec import AbstractBufferedFile
+from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
 
-if TYPE_CHECKING:
-    from .filesystem import SOSFileSystem
-    from .namespaces import _Namespace
+from .namespaces import SharedNamespace
 
 #: WRITE records carry at most this many bytes (journal format limit).
 RECORD_DATA_MAX = 1 << 20
-_READ_CHUNK = 1 << 20
+READ_CHUNK = 1 << 20
 
 
-def _err(code: int, path: str, message: str | None = None) -> OSError:
+def os_error(code: int, path: str, message: str | None = None) -> OSError:
     """``OSError(code, ...)``: Python makes it the matching subclass (ENOENT:
     FileNotFoundError, EEXIST: FileExistsError, ...), so no table of them is kept here."""
     return OSError(code, message or os.strerror(code), path)
 
 
-def _pread_all(fd: int, start: int, end: int) -> bytes:
+def pread_all(fd: int, start: int, end: int) -> bytes:
     out = []
     pos = start
     while pos < end:
-        chunk = os.pread(fd, min(end - pos, _READ_CHUNK), pos)
+        chunk = os.pread(fd, min(end - pos, READ_CHUNK), pos)
         if not chunk:
             break
         out.append(chunk)
@@ -44,7 +43,7 @@ class SOSReadFile(AbstractBufferedFile):
 
     def __init__(
         self,
-        fs: SOSFileSystem,
+        fs: AbstractFileSystem,
         path: str,
         local: str,
         block_size: int | None = None,
@@ -54,11 +53,11 @@ class SOSReadFile(AbstractBufferedFile):
         try:
             fd = os.open(local, os.O_RDONLY)
         except (FileNotFoundError, NotADirectoryError):
-            raise _err(errno.ENOENT, path) from None
+            raise os_error(errno.ENOENT, path) from None
         try:
             st = os.fstat(fd)
             if stat_mod.S_ISDIR(st.st_mode):
-                raise _err(errno.EISDIR, path)
+                raise os_error(errno.EISDIR, path)
         except BaseException:
             os.close(fd)
             raise
@@ -68,7 +67,7 @@ class SOSReadFile(AbstractBufferedFile):
             fs,
             path,
             mode="rb",
-            block_size=block_size or _READ_CHUNK,
+            block_size=block_size or READ_CHUNK,
             cache_type=cache_type,
             cache_options=cache_options,
             size=st.st_size,
@@ -87,7 +86,7 @@ class SOSReadFile(AbstractBufferedFile):
             return b""
         if self._fd is None:  # closed (fsspec's read checks that first)
             raise ValueError("I/O operation on closed file.")
-        return _pread_all(self._fd, start, end)
+        return pread_all(self._fd, start, end)
 
     def close(self) -> None:
         try:
@@ -110,10 +109,11 @@ class SOSWriteFile(AbstractBufferedFile):
 
     def __init__(
         self,
-        fs: SOSFileSystem,
+        fs: AbstractFileSystem,
         path: str,
         mode: str,
-        handle: _Namespace,
+        handle: SharedNamespace,
+        barrier: Callable[[], None],
         target: str,
         final: str,
         offset: int,
@@ -122,6 +122,7 @@ class SOSWriteFile(AbstractBufferedFile):
     ) -> None:
         super().__init__(fs, path, mode=mode, block_size=block_size, autocommit=autocommit)
         self._h = handle
+        self._barrier = barrier  # the filesystem's: waits in sync mode, not in async
         self._target = target  # what the records name (a temp file in a transaction)
         self._final = final
         self._pos = offset
@@ -140,7 +141,7 @@ class SOSWriteFile(AbstractBufferedFile):
     def _upload_chunk(self, final: bool = False) -> bool:
         self._write_buffer()
         if final and self.autocommit:
-            self.fs._barrier(self._h)
+            self._barrier()
         return True
 
     def fsync(self) -> None:
@@ -162,7 +163,7 @@ class SOSWriteFile(AbstractBufferedFile):
         with self._h.lock:
             # "xb" stays exclusive: a file that appeared meanwhile is not replaced
             self._h.tree.rename(self._target, self._final, overwrite=self.mode != "xb")
-        self.fs._barrier(self._h)
+        self._barrier()
 
     def discard(self) -> None:
         if self.autocommit or self._committed:

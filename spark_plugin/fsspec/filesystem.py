@@ -29,7 +29,7 @@ Storage options:
                False: closing a file (and cp, rm, mkdir) returns at once; the
                replicator ships in the background, its lag bounded by
                ``max_lag_bytes`` (writes block beyond it). ``mv`` still waits
-               (see the note in ``_open_namespace``).
+               (see the note in ``open_shared``).
 ``durability`` "server" (default): those waits end once the records are durable on
                the SOS server. "tier": once the server's object-store tier (the
                bucket of ``sos-server serve --tier URL``) holds them too, so a
@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import posixpath
 import ssl
@@ -74,8 +75,8 @@ from sos_client.journal.facade import DEFAULT_TIER_PATIENCE, DURABILITIES
 from sos_client.journal.records import validate_path
 from sos_wire.names import validate_namespace
 
-from .files import _READ_CHUNK, RECORD_DATA_MAX, SOSReadFile, SOSWriteFile, _err, _pread_all
-from .namespaces import _Namespace, _open_namespace, close_all
+from .files import READ_CHUNK, RECORD_DATA_MAX, SOSReadFile, SOSWriteFile, os_error, pread_all
+from .namespaces import SharedNamespace, close_all, open_shared
 
 
 @contextlib.contextmanager
@@ -87,7 +88,7 @@ def _named(name: str) -> Iterator[None]:
     except OSError as exc:
         if exc.errno is None:
             raise
-        raise _err(exc.errno, name) from None
+        raise os_error(exc.errno, name) from None
 
 
 __all__ = ["SOSFileSystem", "SOSReadFile", "SOSWriteFile", "close_all"]
@@ -145,7 +146,7 @@ class SOSFileSystem(AbstractFileSystem):
             raise ValueError(f"sos: tier_patience must be seconds >= 0 or None, got {tier_patience!r}")
         self.durability = durability
         self.tier_patience = tier_patience
-        self._handles: dict[str, _Namespace] = {}  # namespace -> shared _Namespace (see _open_namespace)
+        self._handles: dict[str, SharedNamespace] = {}  # namespace -> shared SharedNamespace (see open_shared)
 
     # ---------------------------------------------------------------- paths
 
@@ -180,11 +181,11 @@ class SOSFileSystem(AbstractFileSystem):
             validate_path(rel)  # ValueError: '.', '..', NUL, too long
         return ns, rel
 
-    def _ns(self, namespace: str) -> _Namespace:
+    def _ns(self, namespace: str) -> SharedNamespace:
         h = self._handles.get(namespace)
         if h is not None and not h.closed and h.pid == os.getpid():
             return h
-        h = _open_namespace(
+        h = open_shared(
             self.server,
             self.key,
             namespace,
@@ -200,7 +201,7 @@ class SOSFileSystem(AbstractFileSystem):
         self._handles[namespace] = h
         return h
 
-    def _resolve(self, path: str | os.PathLike[str]) -> tuple[_Namespace, str, str, str]:
+    def _resolve(self, path: str | os.PathLike[str]) -> tuple[SharedNamespace, str, str, str]:
         ns, rel = self._split(path)
         h = self._ns(ns)
         return h, rel, h.local(rel), f"{ns}/{rel}" if rel else ns
@@ -212,7 +213,7 @@ class SOSFileSystem(AbstractFileSystem):
         except (FileNotFoundError, NotADirectoryError):
             return None
 
-    def _barrier(self, h: _Namespace) -> None:
+    def _barrier(self, h: SharedNamespace) -> None:
         if self.sync_mode:
             h.tree.sync(wait=True)
 
@@ -238,7 +239,7 @@ class SOSFileSystem(AbstractFileSystem):
         _, _, local, name = self._resolve(path)
         st = self._stat(local)
         if st is None:
-            raise _err(errno.ENOENT, name)
+            raise os_error(errno.ENOENT, name)
         return self._info_from_stat(name, st)
 
     @overload
@@ -259,10 +260,10 @@ class SOSFileSystem(AbstractFileSystem):
         except NotADirectoryError:
             file_st = self._stat(local)
             if file_st is None:
-                raise _err(errno.ENOENT, name) from None
+                raise os_error(errno.ENOENT, name) from None
             entries = [self._info_from_stat(name, file_st)]
         except FileNotFoundError:
-            raise _err(errno.ENOENT, name) from None
+            raise os_error(errno.ENOENT, name) from None
         entries.sort(key=lambda e: e["name"])
         if detail:
             return entries
@@ -296,7 +297,7 @@ class SOSFileSystem(AbstractFileSystem):
 
     # ----------------------------------------------------------- directories
 
-    def _ensure_dirs(self, h: _Namespace, rel: str, mode: int = 0o755) -> None:
+    def _ensure_dirs(self, h: SharedNamespace, rel: str, mode: int = 0o755) -> None:
         """Create ``rel`` and its missing ancestors as directories; a file in
         the way raises NotADirectoryError. Caller holds ``h.lock``."""
         parts = rel.split("/")
@@ -306,20 +307,20 @@ class SOSFileSystem(AbstractFileSystem):
             if st is None:
                 h.tree.mkdir(sub, mode)
             elif not stat_mod.S_ISDIR(st.st_mode):
-                raise _err(errno.ENOTDIR, f"{h.namespace}/{sub}")
+                raise os_error(errno.ENOTDIR, f"{h.namespace}/{sub}")
 
     def makedirs(self, path: str, exist_ok: bool = False, mode: int = 0o755) -> None:
         h, rel, local, name = self._resolve(path)
         if rel == "":
             if not exist_ok:
-                raise _err(errno.EEXIST, name)
+                raise os_error(errno.EEXIST, name)
             return
         with h.lock:
             st = self._stat(local)
             if st is not None:
                 if stat_mod.S_ISDIR(st.st_mode) and exist_ok:
                     return
-                raise _err(errno.EEXIST, name)
+                raise os_error(errno.EEXIST, name)
             self._ensure_dirs(h, rel, mode)
 
     def mkdirs(self, path: str, exist_ok: bool = False) -> None:
@@ -328,7 +329,7 @@ class SOSFileSystem(AbstractFileSystem):
     def mkdir(self, path: str, create_parents: bool = True, mode: int = 0o755, **kwargs: Any) -> None:
         h, rel, _, name = self._resolve(path)
         if rel == "":
-            raise _err(errno.EEXIST, name)
+            raise os_error(errno.EEXIST, name)
         with h.lock, _named(name):
             parent = posixpath.dirname(rel)
             if parent and create_parents and self._stat(h.local(parent)) is None:
@@ -338,7 +339,7 @@ class SOSFileSystem(AbstractFileSystem):
     def rmdir(self, path: str) -> None:
         h, rel, _, name = self._resolve(path)
         if rel == "":
-            raise _err(errno.EPERM, name, "cannot remove a namespace root")
+            raise os_error(errno.EPERM, name, "cannot remove a namespace root")
         with h.lock, _named(name):
             h.tree.rmdir(rel)  # the tree decides: ENOENT, ENOTDIR, ENOTEMPTY
 
@@ -358,12 +359,12 @@ class SOSFileSystem(AbstractFileSystem):
             with h.lock:
                 st = self._stat(local)
                 if st is None:
-                    raise _err(errno.ENOENT, name)
+                    raise os_error(errno.ENOENT, name)
                 if not stat_mod.S_ISDIR(st.st_mode):
                     h.tree.unlink(rel)
                     continue
                 if not recursive:
-                    raise _err(errno.EISDIR, name, "is a directory (use recursive=True)")
+                    raise os_error(errno.EISDIR, name, "is a directory (use recursive=True)")
                 if rel == "":
                     continue  # a namespace root is emptied, never removed
                 if maxdepth is not None and os.listdir(local):
@@ -394,13 +395,13 @@ class SOSFileSystem(AbstractFileSystem):
         if mode not in ("wb", "xb", "ab"):
             raise ValueError(f"sos: unsupported mode {mode!r}")
         if rel == "":
-            raise _err(errno.EISDIR, name)
+            raise os_error(errno.EISDIR, name)
         with h.lock:
             st = self._stat(local)
             if st is not None and stat_mod.S_ISDIR(st.st_mode):
-                raise _err(errno.EISDIR, name)
+                raise os_error(errno.EISDIR, name)
             if mode == "xb" and st is not None:
-                raise _err(errno.EEXIST, name)
+                raise os_error(errno.EEXIST, name)
             parent = posixpath.dirname(rel)
             if parent:
                 self._ensure_dirs(h, parent)
@@ -422,6 +423,7 @@ class SOSFileSystem(AbstractFileSystem):
             name,
             mode,
             h,
+            functools.partial(self._barrier, h),
             target,
             rel,
             offset,
@@ -430,7 +432,7 @@ class SOSFileSystem(AbstractFileSystem):
         )
 
     @staticmethod
-    def _copy_into(h: _Namespace, local_src: str, target: str) -> int:
+    def _copy_into(h: SharedNamespace, local_src: str, target: str) -> int:
         """Append the bytes of a cached file to ``target`` (WRITE records)."""
         fd = os.open(local_src, os.O_RDONLY)
         try:
@@ -449,20 +451,20 @@ class SOSFileSystem(AbstractFileSystem):
         try:
             fd = os.open(local, os.O_RDONLY)
         except FileNotFoundError:
-            raise _err(errno.ENOENT, name) from None
+            raise os_error(errno.ENOENT, name) from None
         except NotADirectoryError:
-            raise _err(errno.ENOENT, name) from None
+            raise os_error(errno.ENOENT, name) from None
         try:
             st = os.fstat(fd)
             if stat_mod.S_ISDIR(st.st_mode):
-                raise _err(errno.EISDIR, name)
+                raise os_error(errno.EISDIR, name)
             size = st.st_size
             start = 0 if start is None else (start if start >= 0 else max(0, size + start))
             end = size if end is None else (end if end >= 0 else max(0, size + end))
             end = min(end, size)
             if end <= start:
                 return b""
-            return _pread_all(fd, start, end)
+            return pread_all(fd, start, end)
         finally:
             os.close(fd)
 
@@ -492,12 +494,12 @@ class SOSFileSystem(AbstractFileSystem):
         try:
             fd = os.open(local1, os.O_RDONLY)
         except (FileNotFoundError, NotADirectoryError):
-            raise _err(errno.ENOENT, name1) from None
+            raise os_error(errno.ENOENT, name1) from None
         try:
             with self.open(path2, "wb", block_size=RECORD_DATA_MAX) as out:
                 offset = 0
                 while True:
-                    chunk = os.pread(fd, _READ_CHUNK, offset)
+                    chunk = os.pread(fd, READ_CHUNK, offset)
                     if not chunk:
                         break
                     out.write(chunk)
@@ -538,10 +540,10 @@ class SOSFileSystem(AbstractFileSystem):
         name1 = f"{ns1}/{rel1}" if rel1 else ns1
         with h.lock:
             if rel1 == "":
-                raise _err(errno.EPERM, name1, "cannot move a namespace root")
+                raise os_error(errno.EPERM, name1, "cannot move a namespace root")
             st1 = self._stat(h.local(rel1))
             if st1 is None:
-                raise _err(errno.ENOENT, name1)
+                raise os_error(errno.ENOENT, name1)
             src_is_dir = stat_mod.S_ISDIR(st1.st_mode)
             if rel2 == rel1:
                 return
@@ -555,7 +557,7 @@ class SOSFileSystem(AbstractFileSystem):
             if rel2 == rel1:
                 return
             if src_is_dir and (rel2 + "/").startswith(rel1 + "/"):
-                raise _err(errno.EINVAL, name2, "cannot move a directory into itself")
+                raise os_error(errno.EINVAL, name2, "cannot move a directory into itself")
             # The tree decides the rest as rename(2) does: a missing parent (ENOENT), a file
             # as parent (ENOTDIR), an existing target without overwrite (EEXIST), a file onto
             # a directory (EISDIR), a directory onto a file (ENOTDIR) or onto a non-empty

@@ -36,7 +36,7 @@ class FsTree(Protocol):
     def close(self) -> None: ...
 
 
-class _Namespace:
+class SharedNamespace:
     """A shared opened namespace (:func:`sos_client.journal.open.open_namespace`) plus the
     lock that makes compound operations (exclusive create, checked rename, makedirs)
     atomic within the process. Other processes cannot write the namespace without
@@ -93,12 +93,12 @@ class _GuardedTree:
         return guarded
 
 
-_REGISTRY: dict[tuple[str, str, str, str], _Namespace] = {}
+_REGISTRY: dict[tuple[str, str, str, str], SharedNamespace] = {}
 _REGISTRY_LOCK = threading.Lock()
 _REGISTRY_PID = os.getpid()
 
 
-def _open_namespace(
+def open_shared(
     server: str,
     key: str,
     namespace: str,
@@ -111,7 +111,7 @@ def _open_namespace(
     durability: str = "server",
     tier_patience: float | None = None,
     journal_key: JournalKeys | None = None,
-) -> _Namespace:
+) -> SharedNamespace:
     """The process-wide tree of (server, namespace, cache dir) for this key's role.
 
     ``durability`` is the writer's (one per namespace and cache): a second filesystem object
@@ -161,7 +161,7 @@ def _open_namespace(
             journal_key=journal_key,
         )
         tree: FsTree = opened.tree if opened.read_only else _GuardedTree(opened.tree, namespace)
-        ns = _Namespace(opened, tree, durability)
+        ns = SharedNamespace(opened, tree, durability)
         _REGISTRY[ident] = ns
         return ns
 
