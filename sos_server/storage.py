@@ -124,7 +124,7 @@ class Namespace:
     objects: dict[str, StoredObject] = field(default_factory=dict)
     _sorted: list[str] | None = None
     files: OpenFiles | None = None
-    wal: WriteAheadLog | None = None  # the server's write-ahead log (None offline)
+    wal: WriteAheadLog[StoredObject] | None = None  # the server's write-ahead log (None offline)
     usage: Usage = field(default_factory=Usage)  # bytes held by the objects
     quota: int | None = None  # byte quota from the ``quota`` file, None: none set
     #: the ``quota`` file's fingerprint when it was last read (False: never read; None: no file)
@@ -321,7 +321,7 @@ class Storage(KeyStore):
         self.namespaces: dict[str, Namespace] = {}
         self.repairs: list[RepairNote] = []
         self.corruptions: list[tuple[str, str, int]] = []  # (namespace, name, file offset)
-        self.wal: WriteAheadLog | None = None  # started by start_wal (the engine), None offline
+        self.wal: WriteAheadLog[StoredObject] | None = None  # started by start_wal (the engine), None offline
         self.wal_checkpoint_bytes = wal_checkpoint_bytes
         self.replayed = ReplayNote()
         self._lock_fd: int | None = None
@@ -421,7 +421,7 @@ class Storage(KeyStore):
         h2, h = object_file_name(name)
         return os.path.join(self.ns_path(namespace), "objects", h2, h)
 
-    def start_wal(self) -> WriteAheadLog:
+    def start_wal(self) -> WriteAheadLog[StoredObject]:
         """Start logging every object write (the server does, before it serves). The log
         must have been replayed (:meth:`open`) if a crash left one. StorageError
         (NO_SPACE or INTERNAL) if its files cannot be made."""

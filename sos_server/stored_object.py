@@ -156,7 +156,7 @@ class StoredObject:
         self._files = files
         self.usage = usage
         self.pins = 0  # > 0 while a sync may use the descriptor: OpenFiles does not close it
-        self.wal: WriteAheadLog | None = None  # the server's log: every write is logged there too
+        self.wal: WriteAheadLog[StoredObject] | None = None  # the server's log: every write is logged there too
         self.checkpointed_size = header_size  # file bytes known durable in the file itself
         self.removed = False  # forgotten by retention: its file is gone
         self._log_key: bytes | None = None

@@ -59,7 +59,7 @@ import signal
 import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Generic, Protocol, TypeVar
 
 from sos_wire.crc import crc32c
 from sos_wire.errors import ErrorCode
@@ -69,8 +69,25 @@ from sos_wire.names import BadName, validate_name, validate_namespace
 from .durable import FILE_MODE, StorageError, fsync_dir, is_no_space, makedirs_durable, no_space
 from .objfile import FRAME, FRAME_HDR, MAX_FRAME, SEAL_FRAME, pread_all
 
-if TYPE_CHECKING:
-    from .stored_object import StoredObject
+
+class LoggedObject(Protocol):
+    """What the log needs of an object it writes for (``stored_object.Obj`` is the one
+    the server uses): declared here so that the log does not import the layer above it."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def path(self) -> str: ...
+    @property
+    def log_key(self) -> bytes: ...
+    @property
+    def removed(self) -> bool: ...
+    @property
+    def checkpointed_size(self) -> int: ...
+    def sync(self) -> tuple[int, int]: ...
+
+
+Obj = TypeVar("Obj", bound=LoggedObject)
 
 __all__ = [
     "DEFAULT_CHECKPOINT_BYTES",
@@ -113,7 +130,7 @@ def log_key(namespace: str, name: str) -> bytes:
     return struct.pack(">HH", len(ns), len(nm)) + ns + nm
 
 
-class LogFile:
+class LogFile(Generic[Obj]):
     """One log file: its descriptor, its end, and the objects it holds records of."""
 
     def __init__(self, path: str, seq: int, fd: int, size: int) -> None:
@@ -122,10 +139,10 @@ class LogFile:
         self.fd = fd
         self.size = size  # where the next record goes
         self.allocated = size  # the file's size: zeros from self.size on
-        self.dirty: dict[int, StoredObject] = {}  # objects with records here, by id
+        self.dirty: dict[int, Obj] = {}  # objects with records here, by id
 
     def sync(self) -> tuple[int, int]:
-        """fdatasync (from a worker thread); (size, size) covered, like StoredObject.sync."""
+        """fdatasync (from a worker thread); (size, size) covered, like stored_object.StoredObject.sync."""
         size = self.size
         os.fdatasync(self.fd)
         return size, size
@@ -149,7 +166,7 @@ def _log_files(wal_dir: str) -> list[tuple[int, str]]:
     return sorted(out)
 
 
-def _new_log_file(wal_dir: str, seq: int) -> LogFile:
+def _new_log_file(wal_dir: str, seq: int) -> LogFile[Any]:
     """Create log file *seq* durably (header synced, directory entry synced)."""
     path = os.path.join(wal_dir, f"{seq:016d}.log")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
@@ -166,7 +183,7 @@ def _new_log_file(wal_dir: str, seq: int) -> LogFile:
     return LogFile(path, seq, fd, WAL_HEAD.size)
 
 
-def _open_log_file(path: str, seq: int) -> LogFile:
+def _open_log_file(path: str, seq: int) -> LogFile[Any]:
     """Reuse an empty log file (header only, or nothing: the header is rewritten)."""
     fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
     try:
@@ -179,7 +196,7 @@ def _open_log_file(path: str, seq: int) -> LogFile:
     return LogFile(path, seq, fd, WAL_HEAD.size)
 
 
-class WriteAheadLog:
+class WriteAheadLog(Generic[Obj]):
     """The log of a running server (see the module docstring). Event-loop thread only,
     except :meth:`LogFile.sync` and the file work of a checkpoint (worker threads)."""
 
@@ -194,19 +211,19 @@ class WriteAheadLog:
             raise RuntimeError(f"{wal_dir} holds log records that were not replayed (Storage.open replays them)")
         # empty files a stop or a replay left are reused: a server restarted on a full disk
         # needs no new space for its log
-        reuse = [_open_log_file(p, seq) for seq, p in files[-2:]]
+        reuse: list[LogFile[Obj]] = [_open_log_file(p, seq) for seq, p in files[-2:]]
         for _, p in files[:-2]:
             os.unlink(p)
         while len(reuse) < 2:
             reuse.append(_new_log_file(wal_dir, (reuse[-1].seq if reuse else 0) + 1))
-        self.current: LogFile = reuse[0]
-        self.spare: LogFile | None = reuse[1]
-        self.retired: list[LogFile] = []  # switched away from, not yet checkpointed
-        self.indirect: dict[int, StoredObject] = {}  # in-place writes the next group commit syncs
+        self.current: LogFile[Obj] = reuse[0]
+        self.spare: LogFile[Obj] | None = reuse[1]
+        self.retired: list[LogFile[Obj]] = []  # switched away from, not yet checkpointed
+        self.indirect: dict[int, Obj] = {}  # in-place writes the next group commit syncs
         self.syncs = 0
 
     # -- writes (event loop) ---------------------------------------------------------
-    def write(self, obj: StoredObject, file_pos: int, bufs: list[Payload], total: int) -> None:
+    def write(self, obj: Obj, file_pos: int, bufs: list[Payload], total: int) -> None:
         """Append the record of *bufs* (total bytes, the first 8 a frame header) written at
         *file_pos* of *obj*'s file. No sync. StorageError(NO_SPACE) on a full disk, with
         the log cut back to where it was.
@@ -221,17 +238,17 @@ class WriteAheadLog:
         else:
             self._append(obj, KIND_WRITE, file_pos, total, bufs)
 
-    def truncated(self, obj: StoredObject, size: int) -> None:
+    def truncated(self, obj: Obj, size: int) -> None:
         """Record that *obj*'s file was cut back to *size* (a rollback): replay must not
         bring back what an older record of it holds."""
         self._append(obj, KIND_TRUNCATE, size, 0, [])
 
-    def take_indirect(self) -> list[StoredObject]:
+    def take_indirect(self) -> list[Obj]:
         """The objects with in-place writes since the last group commit (event loop)."""
         objs, self.indirect = list(self.indirect.values()), {}
         return objs
 
-    def _append(self, obj: StoredObject, kind: int, file_pos: int, n: int, bufs: list[Payload]) -> None:
+    def _append(self, obj: Obj, kind: int, file_pos: int, n: int, bufs: list[Payload]) -> None:
         lf = self.current
         meta = META.pack(kind, file_pos, n) + obj.log_key
         crc = crc32c(bufs[0][:FRAME_HDR], crc32c(meta)) if bufs else crc32c(meta)
@@ -259,7 +276,7 @@ class WriteAheadLog:
         lf.dirty[id(obj)] = obj
 
     @staticmethod
-    def _zero_ahead(lf: LogFile, end: int) -> None:
+    def _zero_ahead(lf: LogFile[Obj], end: int) -> None:
         """Write zeros past *end* (best effort: not on a full disk). A group commit's
         fdatasync then overwrites blocks the file already has, and does not also commit
         the file's growth: half the cost on this machine's disk (docs/BENCHMARKS.md).
@@ -275,7 +292,7 @@ class WriteAheadLog:
     def wants_checkpoint(self) -> bool:
         return self.current.size >= self.checkpoint_bytes and self.spare is not None
 
-    def switch(self) -> LogFile:
+    def switch(self) -> LogFile[Obj]:
         """Make the spare current (at a group-commit boundary); returns the old file, now
         retired: the caller syncs it for the group commit, then checkpoints it."""
         assert self.spare is not None
@@ -284,14 +301,14 @@ class WriteAheadLog:
         return old
 
     # -- checkpoint (worker thread for the file work) --------------------------------
-    def checkpoint_objects(self) -> list[StoredObject]:
+    def checkpoint_objects(self) -> list[Obj]:
         """The objects a checkpoint of the retired files must make durable (event loop)."""
-        objs: dict[int, StoredObject] = {}
+        objs: dict[int, Obj] = {}
         for lf in self.retired:
             objs.update(lf.dirty)
         return list(objs.values())
 
-    def drop_retired(self, files: list[LogFile]) -> None:
+    def drop_retired(self, files: list[LogFile[Obj]]) -> None:
         """Delete retired log files whose objects are durable (worker thread)."""
         for lf in files:
             lf.close()
@@ -310,7 +327,7 @@ class WriteAheadLog:
         except OSError as exc:
             log.error("cannot create the next log file in %s: %s (checkpoints wait)", self.dir, exc.strerror)
 
-    def close_checkpoint(self, objects: Iterable[StoredObject]) -> bool:
+    def close_checkpoint(self, objects: Iterable[Obj]) -> bool:
         """At a clean stop: fdatasync *objects* (every object with records in a live log
         file), then delete every log file. False (logs kept, replayed at the next start)
         if a sync fails."""
@@ -329,8 +346,8 @@ class WriteAheadLog:
         self.current.dirty.clear()
         return True
 
-    def live_objects(self) -> list[StoredObject]:
-        objs: dict[int, StoredObject] = {}
+    def live_objects(self) -> list[Obj]:
+        objs: dict[int, Obj] = {}
         for lf in [*self.retired, self.current]:
             objs.update(lf.dirty)
         return list(objs.values())
