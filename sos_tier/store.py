@@ -44,7 +44,11 @@ __all__ = [
     "PutOutcome",
     "Store",
     "StoredKey",
+    "TierBadRange",
+    "TierBusy",
+    "TierDenied",
     "TierError",
+    "TierExists",
     "TierNotFound",
 ]
 
@@ -60,6 +64,29 @@ class TierNotFound(TierError):
     def __init__(self, key: str) -> None:
         super().__init__(f"no such key: {key}")
         self.key = key
+
+
+class TierExists(TierError):
+    """A conditional create found the key there already (S3 ``412 PreconditionFailed`` on
+    ``If-None-Match: *``): the write-once conflict. ``put_once`` never raises it: it reads the
+    key and answers :attr:`PutOutcome.ALREADY_SAME` or :attr:`PutOutcome.CONFLICT`."""
+
+
+class TierBusy(TierError):
+    """Another conditional write of the key is in flight (S3 ``409 ConditionalRequestConflict``):
+    try again shortly. ``put_once`` does, a few times (:func:`sos_tier.retry.busy_retrying`),
+    before it lets this reach the caller like any other TierError."""
+
+
+class TierBadRange(TierError):
+    """A ranged read starts at or past the end of the key (S3 ``416 InvalidRange``): there is
+    nothing there; ``get`` answers ``b""``, never raises it."""
+
+
+class TierDenied(TierError):
+    """The store refused the credentials or the request (S3 ``403 AccessDenied``, a bad key or
+    signature, an expired token, no credentials at all). Retried like any TierError: a
+    credential renewed or a policy fixed while the server runs heals it."""
 
 
 class PutOutcome(enum.Enum):
