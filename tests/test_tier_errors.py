@@ -219,6 +219,14 @@ def test_the_servers_backoff_doubles_from_1s_to_30s_and_starts_over():
     assert [b.next() for _ in range(2)] == [1, 2]
 
 
+def test_the_server_uses_that_backoff():
+    from sos_server import tiering
+
+    assert tiering.BACKOFF_MIN == 1.0 and tiering.BACKOFF_MAX == 30.0
+    st = tiering._NsState()
+    assert [st.backoff.next() for _ in range(7)] == [1, 2, 4, 8, 16, 30, 30]
+
+
 def test_fence_retries_store_errors_only():
     assert fence_retryable(TierError("x"))
     assert fence_retryable(TierBusy("x"))
