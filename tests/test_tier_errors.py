@@ -385,3 +385,81 @@ def test_list_and_delete_errors(stubbed):
     with pytest.raises(TierDenied) as e2:
         store.delete(["a", "b"])
     assert "1 keys not deleted, first pre/b: AccessDenied no" in str(e2.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# the server's FENCE on that policy: a real Tier on a real directory store whose fence marker
+# cannot be written (a file stands where its directory goes) until the test removes it
+
+
+def _fence(tmp_path, timeout: float, unblock_after: float | None, *, planted: bytes | None = None):
+    trio = pytest.importorskip("trio")
+    from sos_server.metrics import Metrics
+    from sos_server.storage import Storage
+    from sos_server.tiering import Tier
+    from sos_tier.layout import fence_key, namespace_prefix
+    from sos_tier.store import LocalStore
+
+    store = LocalStore((tmp_path / "tier").as_uri())
+    blocker = tmp_path / "tier" / namespace_prefix("ns") / "fence"
+    blocker.parent.mkdir(parents=True)
+    if planted is None:
+        blocker.write_bytes(b"not a directory")
+    else:
+        store.put_once(fence_key("ns", 3), planted)
+    metrics = Metrics()
+    out: dict = {}
+
+    async def main():
+        tier = Tier(store, Storage(str(tmp_path / "data")), metrics, fence_timeout=timeout)
+        async with trio.open_nursery() as nursery:
+            if unblock_after is not None:
+
+                async def unblock():
+                    await trio.sleep(unblock_after)
+                    blocker.unlink()
+
+                nursery.start_soon(unblock)
+            t0 = trio.current_time()
+            try:
+                await tier.fence("ns", 3)
+            except Exception as exc:
+                out["error"] = exc
+            out["seconds"] = trio.current_time() - t0
+
+    trio.run(main)
+    out["errors_counted"] = metrics.registry.get_sample_value("sos_tier_upload_errors_total")
+    out["marker"] = store.get(fence_key("ns", 3)) if (tmp_path / "tier" / fence_key("ns", 3)).exists() else None
+    return out
+
+
+def test_fence_retries_until_the_marker_is_written(tmp_path):
+    from sos_tier.layout import fence_content
+
+    out = _fence(tmp_path, timeout=10.0, unblock_after=0.5)
+    assert "error" not in out, out
+    assert out["marker"] == fence_content("ns", 3)
+    # tries at 0, 0.2, 0.6 (failed: counted), 1.4 s (written)
+    assert out["errors_counted"] >= 2 and 0.5 <= out["seconds"] < 5, out
+
+
+def test_fence_gives_up_at_its_deadline_with_the_last_error(tmp_path):
+    from sos_server.storage import StorageError
+    from sos_wire.errors import ErrorCode
+
+    out = _fence(tmp_path, timeout=1.0, unblock_after=None)
+    err = out["error"]
+    assert isinstance(err, StorageError) and err.code == ErrorCode.TIER_UNAVAILABLE
+    assert "did not reach the tier within 1 s (cannot write" in err.message, err.message
+    assert out["errors_counted"] >= 2 and 1.0 <= out["seconds"] < 3, out
+    assert out["marker"] is None
+
+
+def test_fence_does_not_retry_a_marker_key_holding_other_bytes(tmp_path):
+    from sos_server.storage import StorageError
+
+    out = _fence(tmp_path, timeout=10.0, unblock_after=None, planted=b"planted")
+    err = out["error"]
+    assert isinstance(err, StorageError) and err.message.startswith("fence 3 set on this server, but "), err
+    assert "fence again with a higher epoch" in err.message and "did not reach" not in err.message, err
+    assert out["errors_counted"] == 0 and out["seconds"] < 1, out
