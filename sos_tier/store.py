@@ -23,9 +23,9 @@ The contract every backend keeps:
 - A key that does not exist is :class:`TierNotFound` in ``get``, in every backend. Any other
   failure (network, permissions, a full disk) is :class:`TierError` with the backend's cause
   chained; callers retry those. Its subclasses here say what it is where a backend can tell
-  (:class:`TierDenied`; :class:`TierExists`, :class:`TierBusy` and :class:`TierBadRange` stay
-  inside ``put_once`` and ``get``); S3's errors are mapped to them by one table
-  (``errors.py``).
+  (:class:`TierDenied`; :class:`TierBusy` once ``put_once``'s own retries are spent;
+  :class:`TierExists` and :class:`TierBadRange` never leave ``put_once`` and ``get``); S3's
+  errors are mapped to them by one table (``errors.py``).
 """
 
 from __future__ import annotations
