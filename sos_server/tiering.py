@@ -12,15 +12,16 @@
   time), compare the fence markers (:meth:`Uploader.check_fence`: a zombie learns within a
   round), then upload every pending object (``Uploader.step`` until idle) in worker threads,
   at most ``parallel`` at once, reading the object's verified bytes from its file.
-- A store failure (TierError) puts the namespace in back-off (1 s doubling to 30 s) and is
-  logged and counted; appends go on. A conflict (another piece exists with other bytes) stops
+- A store failure (TierError) puts the namespace in back-off (1 s doubling to 30 s,
+  :class:`sos_tier.retry.Backoff`) and is logged and counted; appends go on. A conflict (another piece exists with other bytes) stops
   that object, a higher fence marker in the store (:class:`TierFenced`: another server took
   the namespace over) stops the whole namespace: both are logged as errors and exported, and
   nothing is ever overwritten.
 - :meth:`Tier.wait` is TIER_WAIT: waiters are woken by the uploader's ``on_progress`` (called
   in the worker thread; handed to the event loop with the trio token) and at the end of each
   round (progress learned from the listing).
-- :meth:`Tier.fence` writes the fence marker before FENCE_OK (protocol.md 1.11 FENCE).
+- :meth:`Tier.fence` writes the fence marker before FENCE_OK (protocol.md 1.11 FENCE), retried
+  (:func:`sos_tier.retry.fence_retrying`: 0.2 s doubling to 2 s) within ``fence_timeout``.
 - :meth:`Tier.remove` deletes a generation's objects from the store before retention deletes
   them locally (so a failure or a crash in between leaves the objects on the server and the
   next retention run does both again: nothing is orphaned in the bucket).
@@ -38,20 +39,20 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import trio
+from tenacity import RetryCallState
 
 from sos_tier import PutOutcome, Store, TierError, TierFenced, Uploader
+from sos_tier.retry import BACKOFF_MAX, BACKOFF_MIN, Backoff, fence_retrying
 from sos_tier.uploader import DEFAULT_MAX_PIECE, TierMarkerTaken
 from sos_wire.errors import ErrorCode
 
 from .metrics import Metrics
 from .storage import Storage, StorageError, StoredObject
 
-__all__ = ["BACKOFF_MAX", "FENCE_TIMEOUT", "Tier"]
+__all__ = ["BACKOFF_MAX", "BACKOFF_MIN", "FENCE_TIMEOUT", "Tier"]
 
 log = logging.getLogger("sos_server.tier")
 
-BACKOFF_MIN = 1.0
-BACKOFF_MAX = 30.0  # a failing store is retried at least this often
 FENCE_TIMEOUT = 10.0  # FENCE waits this long for its marker to reach the store
 
 
@@ -69,6 +70,7 @@ class _Waiter:
 class _NsState:
     retry_at: float = 0.0  # trio time before which the namespace is not tried again
     delay: float = 0.0  # the current back-off, 0 when healthy
+    backoff: Backoff = field(default_factory=Backoff)  # the next delay (BACKOFF_MIN doubling to BACKOFF_MAX)
     failing: str | None = None  # the last store error while failing
     stopped: str | None = None  # why uploading stopped for good (fenced)
     lagging: bool = False  # the lag warning was logged
@@ -192,6 +194,7 @@ class Tier:
                 log.info("tier: uploads work again", extra={"namespace": namespace, "tier": self.store.url})
                 self.metrics.tier_failing.labels(namespace=namespace).set(0)
             st.failing, st.delay, st.retry_at = None, 0.0, 0.0
+            st.backoff.reset()
 
     async def _upload(self, namespace: str, name: str, errors: list[BaseException]) -> None:
         key = (namespace, name)
@@ -257,7 +260,7 @@ class Tier:
 
     def _failed(self, namespace: str, exc: TierError) -> None:
         st = self._state(namespace)
-        st.delay = min(BACKOFF_MAX, st.delay * 2 if st.delay else BACKOFF_MIN)
+        st.delay = st.backoff.next()
         st.retry_at = trio.current_time() + st.delay
         self.metrics.tier_upload_errors.inc()
         self.metrics.tier_failing.labels(namespace=namespace).set(1)
@@ -381,30 +384,26 @@ class Tier:
         """Write the fence marker of *epoch* (the namespace's new fence, already durable on the
         server) before FENCE_OK; StorageError TIER_UNAVAILABLE if the store holds a higher one
         or does not take it within ``fence_timeout``."""
-        deadline = trio.current_time() + self.fence_timeout
-        delay = 0.2
-        last: TierError | None = None
-        with trio.move_on_at(deadline):
-            while True:
-                try:
-                    await trio.to_thread.run_sync(
-                        partial(self.uploader.check_fence, strict=True), namespace, epoch, abandon_on_cancel=True
-                    )
-                    return
-                except TierMarkerTaken as exc:  # retrying cannot help: a higher epoch can
-                    raise StorageError(
-                        ErrorCode.TIER_UNAVAILABLE, f"fence {epoch} set on this server, but {exc}"
-                    ) from None
-                except TierFenced as exc:
-                    self._stop(namespace, str(exc))
-                    raise StorageError(
-                        ErrorCode.TIER_UNAVAILABLE, f"fence {epoch} set on this server, but {exc}"
-                    ) from None
-                except TierError as exc:
-                    last = exc
-                    self.metrics.tier_upload_errors.inc()
-                    await trio.sleep(delay)
-                    delay = min(2.0, delay * 2)
+        failed: list[BaseException] = []
+
+        def before_sleep(state: RetryCallState) -> None:  # a store error: counted, retried
+            if state.outcome is not None and (exc := state.outcome.exception()) is not None:
+                failed.append(exc)
+            self.metrics.tier_upload_errors.inc()
+
+        check = partial(self.uploader.check_fence, strict=True)
+        try:
+            with trio.move_on_after(self.fence_timeout):  # also cancels a call in flight
+                async for attempt in fence_retrying(trio.sleep, before_sleep):
+                    with attempt:
+                        await trio.to_thread.run_sync(check, namespace, epoch, abandon_on_cancel=True)
+                return
+        except TierMarkerTaken as exc:  # retrying cannot help: a higher epoch can
+            raise StorageError(ErrorCode.TIER_UNAVAILABLE, f"fence {epoch} set on this server, but {exc}") from None
+        except TierFenced as exc:
+            self._stop(namespace, str(exc))
+            raise StorageError(ErrorCode.TIER_UNAVAILABLE, f"fence {epoch} set on this server, but {exc}") from None
+        last = failed[-1] if failed else None
         raise StorageError(
             ErrorCode.TIER_UNAVAILABLE,
             f"fence {epoch} set on this server, but its marker did not reach the tier within"

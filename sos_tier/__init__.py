@@ -4,7 +4,11 @@ object store, from whose listing alone a reader rebuilds every namespace.
 - ``store.py``: the :class:`Store` interface (``put_once``, ranged ``get``, paginated
   ``list``, ``delete``), its typed errors and :class:`LocalStore` (``file:///path``);
   ``s3.py``: :class:`S3Store` (``s3://bucket/prefix``, boto3; imported only when used, it is
-  the optional extra ``tier``); ``open.py``: :func:`open_store`, the store a URL names.
+  the optional extra ``tier``); ``errors.py``: botocore's errors into the typed errors (one
+  table, :func:`~sos_tier.errors.translate`; imported by ``s3.py`` only); ``open.py``:
+  :func:`open_store`, the store a URL names.
+- ``retry.py``: the tier's retry policies on tenacity (S3's 409, the server's back-off,
+  FENCE's marker).
 - ``files.py``: the file modes and directory fsync of every local file (the server's data
   directory uses them too).
 - ``layout.py``: key names, :func:`scan` (the listing to per-object states and problems),
@@ -31,7 +35,18 @@ from sos_tier.layout import (
     scan_object,
 )
 from sos_tier.open import open_store
-from sos_tier.store import LocalStore, PutOutcome, Store, StoredKey, TierError, TierNotFound
+from sos_tier.store import (
+    LocalStore,
+    PutOutcome,
+    Store,
+    StoredKey,
+    TierBadRange,
+    TierBusy,
+    TierDenied,
+    TierError,
+    TierExists,
+    TierNotFound,
+)
 from sos_tier.uploader import Lag, Step, TierFenced, Uploader
 
 __all__ = [
@@ -46,9 +61,13 @@ __all__ = [
     "Step",
     "Store",
     "StoredKey",
+    "TierBadRange",
+    "TierBusy",
     "TierConflict",
     "TierDamage",
+    "TierDenied",
     "TierError",
+    "TierExists",
     "TierFenced",
     "TierNotFound",
     "TierPieceTooLarge",

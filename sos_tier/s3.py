@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import builtins
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -29,28 +29,23 @@ import boto3
 import botocore.config
 import botocore.exceptions
 
-from sos_tier.store import PutOutcome, StoredKey, TierError, TierNotFound, _range, check_key
+from sos_tier.errors import classify, translate
+from sos_tier.retry import busy_retrying
+from sos_tier.store import PutOutcome, StoredKey, TierBadRange, TierExists, TierNotFound, _range, check_key
 
-__all__ = ["MAX_ROOT_PREFIX", "S3Store"]
+__all__ = ["MAX_ROOT_PREFIX", "S3Store", "translate"]
 
 MAX_ROOT_PREFIX = 256
 
-_NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
-_EXISTS = {"PreconditionFailed", "412"}
-# 409 ConditionalRequestConflict: another conditional write of the key is in flight; S3 asks to retry
-_RACE = {"ConditionalRequestConflict", "409"}
-_BAD_RANGE = {"InvalidRange", "416"}
-
-
-def _code(exc: botocore.exceptions.ClientError) -> set[str]:
-    err = exc.response.get("Error", {})
-    status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-    return {str(err.get("Code", "")), str(status)}
+_BOTO_ERRORS = (botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError)
 
 
 class S3Store:
     """See the module docstring. *page_size* is the ``MaxKeys`` of each listing page (S3
-    returns at most 1000); *pool* the number of HTTP connections kept (parallel GETs)."""
+    returns at most 1000); *pool* the number of HTTP connections kept (parallel GETs).
+
+    Every boto3 call goes through :meth:`_call`, which turns botocore's errors into the store's
+    typed errors (:func:`sos_tier.errors.translate`, the one table)."""
 
     def __init__(self, url: str, *, page_size: int = 1000, pool: int = 16) -> None:
         parts = urlsplit(url)
@@ -65,6 +60,8 @@ class S3Store:
         if not 1 <= page_size <= 1000:
             raise ValueError("page_size must be 1..1000")
         self.page_size = page_size
+        #: the wait between the tries of a conditional PUT S3 answers 409 (sos_tier.retry)
+        self.sleep: Callable[[float], None] = time.sleep
         config = botocore.config.Config(
             max_pool_connections=pool,
             retries={"mode": "standard", "max_attempts": 3},
@@ -74,7 +71,7 @@ class S3Store:
         try:
             self._s3: Any = boto3.session.Session().client("s3", config=config)
         except botocore.exceptions.BotoCoreError as exc:
-            raise TierError(f"cannot set up the S3 client for {url}: {exc}") from exc
+            raise translate(exc, context=f"cannot set up the S3 client for {url}") from exc
 
     def __repr__(self) -> str:
         return f"S3Store({self.url!r})"
@@ -83,67 +80,53 @@ class S3Store:
         check_key(key)
         return f"{self.prefix}/{key}" if self.prefix else key
 
-    def _fail(self, what: str, key: str, exc: Exception) -> TierError:
-        return TierError(f"S3 {what} of s3://{self.bucket}/{self._full(key) if key else self.prefix}: {exc}")
+    def _call(self, what: str, where: str, key: str | None, call: Callable[..., Any], **args: Any) -> Any:
+        """``call(Bucket=self.bucket, **args)``, its botocore errors translated: *what* (``GET
+        of``) and *where* (the full key or prefix) begin the message; *key* (the store's key,
+        None for a listing or a batch) is what :class:`TierNotFound` names."""
+        try:
+            return call(Bucket=self.bucket, **args)
+        except _BOTO_ERRORS as exc:
+            raise translate(exc, context=f"S3 {what} s3://{self.bucket}/{where}", key=key) from exc
 
     def put_once(self, key: str, data: bytes) -> PutOutcome:
-        full = self._full(key)
-        for attempt in range(5):
-            try:
-                self._s3.put_object(Bucket=self.bucket, Key=full, Body=bytes(data), IfNoneMatch="*")
-                return PutOutcome.CREATED
-            except botocore.exceptions.ClientError as exc:
-                codes = _code(exc)
-                if codes & _EXISTS:
-                    break
-                if codes & _RACE and attempt < 4:
-                    time.sleep(0.05 * 2**attempt)
-                    continue
-                raise self._fail("conditional PUT", key, exc) from exc
-            except botocore.exceptions.BotoCoreError as exc:
-                raise self._fail("conditional PUT", key, exc) from exc
-        return PutOutcome.ALREADY_SAME if self.get(key) == bytes(data) else PutOutcome.CONFLICT
+        full, body, put = self._full(key), bytes(data), self._s3.put_object
+        try:
+            for attempt in busy_retrying(self.sleep):  # 409: another conditional write in flight
+                with attempt:
+                    self._call("conditional PUT of", full, key, put, Key=full, Body=body, IfNoneMatch="*")
+            return PutOutcome.CREATED
+        except TierExists:  # 412 PreconditionFailed: the key exists, the write-once conflict
+            pass
+        return PutOutcome.ALREADY_SAME if self.get(key) == body else PutOutcome.CONFLICT
 
     def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         s, e = _range(start, end)
         if e is not None and e == s:
             self.size(key)  # a missing key is still TierNotFound
             return b""
-        args: dict[str, Any] = {"Bucket": self.bucket, "Key": self._full(key)}
+        full = self._full(key)
+        args: dict[str, Any] = {"Key": full}
         if s or e is not None:
             args["Range"] = f"bytes={s}-{'' if e is None else e - 1}"
         try:
-            resp = self._s3.get_object(**args)
-            return bytes(resp["Body"].read())
-        except botocore.exceptions.ClientError as exc:
-            codes = _code(exc)
-            if codes & _NOT_FOUND:
-                raise TierNotFound(key) from exc
-            if codes & _BAD_RANGE:  # start at or past the end (or an empty key): nothing there
-                return b""
-            raise self._fail("GET", key, exc) from exc
-        except botocore.exceptions.BotoCoreError as exc:
-            raise self._fail("GET", key, exc) from exc
+            return bytes(self._call("GET of", full, key, self._fetch, **args))
+        except TierBadRange:  # start at or past the end (or an empty key): nothing there
+            return b""
+
+    def _fetch(self, **args: Any) -> bytes:
+        return bytes(self._s3.get_object(**args)["Body"].read())  # reading the body can fail too
 
     def size(self, key: str) -> int:
-        try:
-            return int(self._s3.head_object(Bucket=self.bucket, Key=self._full(key))["ContentLength"])
-        except botocore.exceptions.ClientError as exc:
-            if _code(exc) & _NOT_FOUND:
-                raise TierNotFound(key) from exc
-            raise self._fail("HEAD", key, exc) from exc
-        except botocore.exceptions.BotoCoreError as exc:
-            raise self._fail("HEAD", key, exc) from exc
+        full = self._full(key)
+        return int(self._call("HEAD of", full, key, self._s3.head_object, Key=full)["ContentLength"])
 
     def list(self, prefix: str = "") -> Iterator[StoredKey]:
         full = f"{self.prefix}/{prefix}" if self.prefix else prefix
         cut = len(self.prefix) + 1 if self.prefix else 0
-        args: dict[str, Any] = {"Bucket": self.bucket, "Prefix": full, "MaxKeys": self.page_size}
+        args: dict[str, Any] = {"Prefix": full, "MaxKeys": self.page_size}
         while True:
-            try:
-                page = self._s3.list_objects_v2(**args)
-            except (botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError) as exc:
-                raise TierError(f"S3 LIST of s3://{self.bucket}/{full}: {exc}") from exc
+            page = self._call("LIST of", full, None, self._s3.list_objects_v2, **args)
             for item in page.get("Contents", ()):
                 yield StoredKey(item["Key"][cut:], int(item["Size"]))
             token = page.get("NextContinuationToken")
@@ -162,17 +145,15 @@ class S3Store:
             self._delete(batch)
 
     def _delete(self, full_keys: builtins.list[str]) -> None:
-        try:
-            resp = self._s3.delete_objects(
-                Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in full_keys], "Quiet": True}
-            )
-        except (botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError) as exc:
-            raise TierError(f"S3 DELETE in s3://{self.bucket}/{self.prefix}: {exc}") from exc
-        errors = [e for e in resp.get("Errors", ()) if e.get("Code") not in ("NoSuchKey",)]
+        delete = {"Objects": [{"Key": k} for k in full_keys], "Quiet": True}
+        resp = self._call("DELETE in", self.prefix, None, self._s3.delete_objects, Delete=delete)
+        # per key, by code through the same table: a key not found is not an error
+        errors = [e for e in resp.get("Errors", ()) if classify(e.get("Code")) is not TierNotFound]
         if errors:
-            raise TierError(
+            first = errors[0]
+            raise classify(first.get("Code"))(
                 f"S3 DELETE in s3://{self.bucket}: {len(errors)} keys not deleted, "
-                f"first {errors[0].get('Key')}: {errors[0].get('Code')} {errors[0].get('Message')}"
+                f"first {first.get('Key')}: {first.get('Code')} {first.get('Message')}"
             )
 
     def close(self) -> None:

@@ -22,7 +22,10 @@ The contract every backend keeps:
 - ``delete(keys)`` removes keys; a key that does not exist is not an error.
 - A key that does not exist is :class:`TierNotFound` in ``get``, in every backend. Any other
   failure (network, permissions, a full disk) is :class:`TierError` with the backend's cause
-  chained; callers retry those.
+  chained; callers retry those. Its subclasses here say what it is where a backend can tell
+  (:class:`TierDenied`; :class:`TierBusy` once ``put_once``'s own retries are spent;
+  :class:`TierExists` and :class:`TierBadRange` never leave ``put_once`` and ``get``); S3's
+  errors are mapped to them by one table (``errors.py``).
 """
 
 from __future__ import annotations
@@ -44,7 +47,11 @@ __all__ = [
     "PutOutcome",
     "Store",
     "StoredKey",
+    "TierBadRange",
+    "TierBusy",
+    "TierDenied",
     "TierError",
+    "TierExists",
     "TierNotFound",
 ]
 
@@ -60,6 +67,29 @@ class TierNotFound(TierError):
     def __init__(self, key: str) -> None:
         super().__init__(f"no such key: {key}")
         self.key = key
+
+
+class TierExists(TierError):
+    """A conditional create found the key there already (S3 ``412 PreconditionFailed`` on
+    ``If-None-Match: *``): the write-once conflict. ``put_once`` never raises it: it reads the
+    key and answers :attr:`PutOutcome.ALREADY_SAME` or :attr:`PutOutcome.CONFLICT`."""
+
+
+class TierBusy(TierError):
+    """Another conditional write of the key is in flight (S3 ``409 ConditionalRequestConflict``):
+    try again shortly. ``put_once`` does, a few times (:func:`sos_tier.retry.busy_retrying`),
+    before it lets this reach the caller like any other TierError."""
+
+
+class TierBadRange(TierError):
+    """A ranged read starts at or past the end of the key (S3 ``416 InvalidRange``): there is
+    nothing there; ``get`` answers ``b""``, never raises it."""
+
+
+class TierDenied(TierError):
+    """The store refused the credentials or the request (S3 ``403 AccessDenied``, a bad key or
+    signature, an expired token, no credentials at all). Retried like any TierError: a
+    credential renewed or a policy fixed while the server runs heals it."""
 
 
 class PutOutcome(enum.Enum):
