@@ -200,11 +200,7 @@ def restore(
         gens = _generations(client, namespace, listed, generation, summary)
         meter = _Meter(summary, progress)
         if bq is not None:
-            meter.total = sum(g.total_bytes for g in complete_generations(gens))  # at most: the scan may stop sooner
-            position = find_batch(
-                client, gens, bq[0], bq[1], on_bytes=meter.on_bytes, notes=summary.notes, listed=listed, auth=auth
-            )
-            meter.done = 0
+            position = _batch_position(client, gens, listed, bq, meter, summary, auth)
         gen = choose_generation(client, gens, position=position, at_ns=at_ns)
         if gen is None:  # not reached: complete_generations(gens) was checked above
             raise _no_journal(namespace, gens)
@@ -234,6 +230,25 @@ def restore(
     summary.seconds = time.monotonic() - t0
     _count(target, summary)
     return summary
+
+
+def _batch_position(
+    client: StoreClient,
+    gens: dict[int, layout.GenerationInfo],
+    listed: dict[int, layout.GenerationInfo],
+    bq: tuple[str, int],
+    meter: _Meter,
+    summary: Summary,
+    auth: ReadAuth,
+) -> int:
+    """The position right after the record that commits batch ``bq`` (a first pass over the
+    journal, metered from 0; the replay's pass starts from 0 again)."""
+    meter.total = sum(g.total_bytes for g in complete_generations(gens))  # at most: the scan may stop sooner
+    position = find_batch(
+        client, gens, bq[0], bq[1], on_bytes=meter.on_bytes, notes=summary.notes, listed=listed, auth=auth
+    )
+    meter.done = 0
+    return position
 
 
 def _check_args(
