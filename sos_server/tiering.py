@@ -48,7 +48,7 @@ from .storage import Storage, StorageError, StoredObject
 
 __all__ = ["BACKOFF_MAX", "FENCE_TIMEOUT", "Tier"]
 
-log = logging.getLogger("sos_server.tier")
+log = logging.getLogger(__name__)
 
 BACKOFF_MIN = 1.0
 BACKOFF_MAX = 30.0  # a failing store is retried at least this often

@@ -48,7 +48,7 @@ from .restore import restore
 
 __all__ = ["rebuild_journal_end"]
 
-log = logging.getLogger("sos.journal.finish")
+log = logging.getLogger(__name__)
 
 
 def rebuild_journal_end(
