@@ -65,6 +65,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.common import BUCKET, remove_work, start_moto_bucket, stop_moto  # noqa: E402
+from tools.logtext import as_text  # noqa: E402
 
 DEFAULT_PATTERN = os.path.join(ROOT, "bench", "data", "small_query.json")
 PATTERN_FORMAT = "sos-bench-load-pattern/1"
@@ -74,9 +75,9 @@ WEBHDFS = "/webhdfs/v1"
 #: Java's HttpURLConnection drops a pooled connection idle longer than the gateway's
 #: Keep-Alive hint (http.KEEP_ALIVE_HINT: timeout=1)
 KEEP_ALIVE_S = 1.0
-#: one line of ``sos gateway --debug``'s request log
+#: one line of ``sos gateway --debug``'s request log (its JSON line as tools.logtext writes it)
 LOG_RE = re.compile(
-    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) sos\.gateway DEBUG (GET|PUT|POST|DELETE) (\S+) (/\S*?)"
+    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) (?:sos\.gateway|spark_plugin\.gateway\.\w+) DEBUG (GET|PUT|POST|DELETE) (\S+) (/\S*?)"
     r"( \[data\])? -> (\d+) \(([\d.]+) ms\) ?(\S*)$",
     re.MULTILINE,
 )
@@ -122,7 +123,9 @@ class Logged:
 
 def parse_log(text: str) -> list[Logged]:
     """Every request line of a gateway log, in order."""
-    return [Logged(m[1], m[2], m[3], m[4], bool(m[5]), int(m[6]), float(m[7]), m[8]) for m in LOG_RE.finditer(text)]
+    return [
+        Logged(m[1], m[2], m[3], m[4], bool(m[5]), int(m[6]), float(m[7]), m[8]) for m in LOG_RE.finditer(as_text(text))
+    ]
 
 
 def _touches(req: Logged, path: str) -> bool:

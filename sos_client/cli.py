@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import ssl
 import sys
@@ -35,7 +36,9 @@ from sos_wire import argtypes
 from sos_wire.auth import Key
 from sos_wire.errors import ErrorCode
 from sos_wire.events import KeyRole
+from sos_wire.logs import add_log_level_option, setup_logging
 from sos_wire.names import BadName, validate_name, validate_namespace
+from sos_wire.tls_options import add_tls_client_options
 
 from ._common import DEFAULT_PORT, DEFAULT_SERVER, resolve_key, resolve_server
 from .blocking import Client
@@ -59,6 +62,8 @@ __all__ = [
     "main",
     "split_target",
 ]
+
+log = logging.getLogger(__name__)
 
 CHUNK = 1 << 20
 #: a file up to this size is uploaded as ONE append at offset 0, which creates the object
@@ -95,7 +100,9 @@ class _RefuseKeyArgument(argparse.Action):
 
 def add_connection_options(parser: argparse.ArgumentParser) -> None:
     """Add --server, --key-file, --tls, --tls-ca, --timeout to *parser* (defaults from
-    SOS_SERVER, SOS_KEY_FILE; the key itself from SOS_KEY). ``--key`` is refused."""
+    SOS_SERVER, SOS_KEY_FILE; the key itself from SOS_KEY). ``--key`` is refused. Also
+    --log-level: every command that connects is one of ``sos``'s subcommands."""
+    add_log_level_option(parser, default=None)
     g = parser.add_argument_group("connection")
     # "" is read as $SOS_SERVER, else the default (argparse passes a string default through type)
     g.add_argument(
@@ -114,13 +121,7 @@ def add_connection_options(parser: argparse.ArgumentParser) -> None:
         "Keys are never taken as arguments: --key is refused",
     )
     g.add_argument("--key", dest="_key_argument", nargs="?", action=_RefuseKeyArgument, help=argparse.SUPPRESS)
-    g.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system CAs")
-    g.add_argument(
-        "--tls-ca",
-        metavar="FILE",
-        default=None,
-        help="connect with TLS, trusting this CA file (default: $SOS_TLS_CA if set)",
-    )
+    add_tls_client_options(g)
     g.add_argument(
         "--timeout", type=float, default=30.0, metavar="S", help="seconds to wait for the server (default: %(default)s)"
     )
@@ -168,6 +169,7 @@ def client_from_args(args: argparse.Namespace, namespace: str) -> Client:
     if client.role == KeyRole.TOKEN:
         client.close()
         raise SOSPermissionError(token_key_message(namespace), ErrorCode.FORBIDDEN)
+    log.debug("connected", extra={"server": args.server, "namespace": namespace, "tls": tls is not None})
     return client
 
 
@@ -324,6 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="SOS: append-only journal replication for Spark checkpoints.",
         epilog="Exit status: 0 ok, 1 the operation failed, 2 usage; restore and verify also use 3 (corrupt data) and 4 (no journal in the namespace): see `sos restore --help`.",
     )
+    add_log_level_option(parser)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser(
@@ -398,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "func", None) is None:
         parser.print_help(sys.stderr)
         return 2
+    setup_logging(args.log_level)
+    log.debug("command", extra={"command": args.command})
     try:
         return int(args.func(args) or 0)
     except UsageError as exc:
@@ -428,5 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # run as the module itself, so that its logger has its name
+    from sos_client.cli import main as _main
+
+    sys.exit(_main())

@@ -14,7 +14,7 @@ import trio
 
 __all__ = ["serve_until_signal"]
 
-log = logging.getLogger("sos.serve")
+log = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 

@@ -16,7 +16,9 @@ from typing import TypeAlias
 from sos_wire import argtypes
 from sos_wire.addresses import format_address, is_loopback, is_wildcard, parse_address
 from sos_wire.errors import ErrorCode
+from sos_wire.logs import add_log_level_option
 from sos_wire.names import BadName
+from sos_wire.tls_options import add_tls_server_options
 
 from .logs import setup_logging
 from .storage import MAX_EPOCH, OBJECT_CHARGE, Retention, Storage, StorageError
@@ -33,7 +35,7 @@ __all__ = [
     "parse_size",
 ]
 
-log = logging.getLogger("sos_server.cli")
+log = logging.getLogger(__name__)
 
 #: argparse types (humanfriendly's parsers, shared with `sos`): kept under these names
 parse_duration = argtypes.duration
@@ -129,6 +131,7 @@ def metrics_refusal(option: str, host: str, port: int, *, what: str) -> str | No
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sos-server", description="SOS append-only journal server")
+    add_log_level_option(p)
     sub = p.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     _add_admin(sub)
@@ -151,7 +154,7 @@ def _add_serve(sub: _Subparsers) -> None:
     _serve_connection_options(s)
     _serve_storage_options(s)
     _serve_tier_options(s)
-    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="default info")
+    add_log_level_option(s, default=None)
     s.set_defaults(func=cmd_serve)
 
 
@@ -178,13 +181,7 @@ def _serve_endpoint_options(s: argparse.ArgumentParser) -> None:
         " need no authentication and name every namespace, so only where a firewall or NetworkPolicy admits"
         " only Prometheus",
     )
-    s.add_argument(
-        "--tls-cert",
-        default=None,
-        metavar="PEM",
-        help="serve TLS with this certificate (chain) file; AUTH proofs are then bound to it",
-    )
-    s.add_argument("--tls-key", default=None, metavar="PEM", help="the private key of --tls-cert")
+    add_tls_server_options(s, note="; AUTH proofs are then bound to it")
 
 
 def _retention_options(
@@ -333,6 +330,7 @@ def _data_command(
     description in ``--help`` (argparse refills it: line breaks do not matter)."""
     p = sub.add_parser(name, help=help, description=inspect.getdoc(func))
     p.add_argument("--data", required=True)
+    add_log_level_option(p, default=None)
     if namespace:
         p.add_argument("namespace")
     p.set_defaults(func=func)
@@ -460,6 +458,8 @@ def _add_gc(sub: _Subparsers) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Exit status: 0 ok, 1 failed (one line ``sos-server: ...`` on stderr), 2 usage."""
     args = build_parser().parse_args(argv)
+    setup_logging(args.log_level)
+    log.debug("command", extra={"command": args.command, "data": args.data})
     command: Callable[[argparse.Namespace], int] = args.func
     try:
         return command(args)
@@ -645,7 +645,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     --data, except --dry-run, which only reads the object files (no lock, no repair) and prints what would be removed."""
     from .engine import plan_retention  # noqa: PLC0415 - the engine (and trio) for gc alone: the others start faster
 
-    setup_logging("info")
+    setup_logging(args.log_level)
     st = Storage(args.data)
     if args.dry_run:
         # read-only: no lock, nothing replayed or repaired, so it also runs beside a live server
@@ -737,5 +737,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return rc
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # run as the module itself, so that its logger has its name
+    from sos_server.cli import main as _main
+
+    sys.exit(_main())

@@ -31,7 +31,7 @@ __all__ = [
     "write_file_durable",
 ]
 
-log = logging.getLogger("sos_server.storage")
+log = logging.getLogger(__name__)
 
 NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 

@@ -85,7 +85,7 @@ __all__ = [
 if TYPE_CHECKING:
     from .tiering import Tier
 
-log = logging.getLogger("sos_server.engine")
+log = logging.getLogger(__name__)
 
 #: the engine's typed error is the storage one: a wire ErrorCode, a message and a u64
 ServerError = StorageError

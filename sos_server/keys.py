@@ -21,7 +21,7 @@ from .durable import makedirs_durable, unlink_durable, write_file_durable
 
 __all__ = ["ROLES", "ROLE_APPEND", "ROLE_READ", "ROLE_TOKEN", "KeyInfo", "KeyRecord", "KeyStore"]
 
-log = logging.getLogger("sos_server.storage")
+log = logging.getLogger(__name__)
 
 ROLE_APPEND = "append"
 ROLE_READ = "read"

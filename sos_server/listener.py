@@ -49,7 +49,7 @@ __all__ = [
     "tune_malloc",
 ]
 
-log = logging.getLogger("sos_server.listener")
+log = logging.getLogger(__name__)
 
 #: what the accept loop hands a connection's handler: TCP, or TLS over TCP
 AcceptedStream = trio.SocketStream | trio.SSLStream[trio.SocketStream]

@@ -16,7 +16,7 @@ from prometheus_client.registry import Collector
 
 __all__ = ["Metrics", "NamespaceStats", "NullMetrics"]
 
-log = logging.getLogger("sos_server.metrics")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

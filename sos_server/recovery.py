@@ -42,7 +42,7 @@ from .stored_object import Damage, StoredObject
 
 __all__ = ["DEFAULT_VERIFY_TAIL", "RepairNote", "load_object", "read_object"]
 
-log = logging.getLogger("sos_server.storage")
+log = logging.getLogger(__name__)
 
 DEFAULT_VERIFY_TAIL = 64 << 20
 

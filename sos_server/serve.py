@@ -32,7 +32,7 @@ from .tiering import Tier
 
 __all__ = ["Server", "StartError", "load_tls", "namespace_quota", "open_storage", "open_tier_store", "start_metrics"]
 
-log = logging.getLogger("sos_server.cli")  # the command's logger, as before the split
+log = logging.getLogger(__name__)
 
 
 class StartError(Exception):

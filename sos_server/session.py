@@ -60,7 +60,7 @@ from .storage import ROLE_APPEND, ROLE_READ, ROLE_TOKEN
 
 __all__ = ["MAX_AUTH_FAILURES", "PRE_AUTH_MAX_BODY", "READ_CHUNK", "SERVER_NAME", "TOKEN_FORBIDDEN", "Session"]
 
-log = logging.getLogger("sos_server.session")
+log = logging.getLogger(__name__)
 
 READ_CHUNK = 1 << 20  # data bytes per READ_DATA frame
 RECV_SIZE = 256 << 10

@@ -97,7 +97,7 @@ __all__ = [
     "unlink_durable",
 ]
 
-log = logging.getLogger("sos_server.storage")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_MAX_OPEN_FILES", "Damage", "OpenFiles", "StoredObject", "Usage"]
 
-log = logging.getLogger("sos_server.storage")
+log = logging.getLogger(__name__)
 
 INDEX_EVERY = 256 << 10  # sparse index: one (logical, file) offset pair per ~256 KiB
 DEFAULT_MAX_OPEN_FILES = 1024

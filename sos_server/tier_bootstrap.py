@@ -82,7 +82,7 @@ __all__ = [
     "needs_bootstrap",
 ]
 
-log = logging.getLogger("sos_server.tier_bootstrap")
+log = logging.getLogger(__name__)
 
 PARTIAL = "tier-bootstrap.partial"  # being built; deleted by a rerun
 DONE = "tier-bootstrap.done"  # whole; a rerun moves what is left of it into ns/

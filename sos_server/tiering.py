@@ -51,7 +51,7 @@ from .storage import Storage, StorageError, StoredObject
 
 __all__ = ["BACKOFF_MAX", "BACKOFF_MIN", "FENCE_TIMEOUT", "Tier"]
 
-log = logging.getLogger("sos_server.tier")
+log = logging.getLogger(__name__)
 
 FENCE_TIMEOUT = 10.0  # FENCE waits this long for its marker to reach the store
 

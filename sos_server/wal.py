@@ -99,7 +99,7 @@ __all__ = [
     "replay",
 ]
 
-log = logging.getLogger("sos_server.wal")
+log = logging.getLogger(__name__)
 
 WAL_MAGIC = b"SOSWAL1\n"
 WAL_HEAD = struct.Struct(">8sQ")

@@ -53,7 +53,7 @@ from sos_wire.crc import crc32c
 
 __all__ = ["DEFAULT_MAX_PIECE", "Lag", "Step", "TierFenced", "TierMarkerTaken", "Uploader"]
 
-log = logging.getLogger("sos.tier")
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_PIECE = MAX_PIECE_BYTES  # readers refuse larger pieces (protocol.md 4.2)
 

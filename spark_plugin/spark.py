@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     from .gateway.process import GatewayProcess
     from .mount.process import MountProcess
 
-log = logging.getLogger("sos.spark")
+log = logging.getLogger(__name__)
 
 #: control file on the mount: a JSON document written there becomes a MARKER record
 MARKER_CONTROL = os.path.join(".sos", "marker")

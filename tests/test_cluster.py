@@ -27,6 +27,7 @@ stateful queries (dropDuplicates, HDFS-backed and RocksDB state stores) run side
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import subprocess
@@ -36,6 +37,7 @@ import urllib.parse
 import pytest
 from support import tree_snapshot
 
+from sos_wire.logs import JsonFormatter
 from tools import child_env
 from tools.demo_cluster import (
     PROVIDER_ID_RE,
@@ -299,6 +301,13 @@ def test_request_log_parser_reads_creates_renames_and_opens():
     )
     reqs = gateway_requests(text)
     assert len(reqs) == 6
+    # the same log as the gateway writes it now: JSON lines (sos_wire.logs)
+    fmt = JsonFormatter()
+    as_json = [
+        fmt.format(logging.LogRecord("spark_plugin.gateway.server", getattr(logging, lv), "", 0, msg, (), None))
+        for _day, _time, _logger, lv, msg in (line.split(" ", 4) for line in text.splitlines())
+    ]
+    assert gateway_requests("\n".join(as_json)) == reqs
     assert reqs[1] == Request(
         "PUT",
         "RENAME",

@@ -20,6 +20,7 @@ import pytest
 from spark_plugin.gateway.process import GatewayProcess
 from spark_plugin.spark import restore_to_batch, sos_command
 from tools.demo import committed_batches, make_input
+from tools.logtext import as_text
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -100,7 +101,7 @@ def _ids(out_dir):
 
 def _requests_by_op(gateway_log: str) -> Counter:
     ops = Counter()
-    for m in re.finditer(r"DEBUG (GET|PUT|POST|DELETE) (\S+) \S+( \[data\])? -> (\d+)", gateway_log):
+    for m in re.finditer(r"DEBUG (GET|PUT|POST|DELETE) (\S+) \S+( \[data\])? -> (\d+)", as_text(gateway_log)):
         ops[f"{m.group(1)} {m.group(2)}{' data' if m.group(3) else ''} {m.group(4)}"] += 1
     return ops
 

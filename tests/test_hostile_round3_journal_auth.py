@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from sos_client import Client
-from sos_client.journal import layout, restore, verify
+from sos_client.journal import layout, restore, verify, writer_auth
 from sos_client.journal.auth import ChainCheck, JournalKeys, SegmentKeys, Signer
 from sos_client.journal.errors import JournalAuthError, JournalKeyRequired
 from sos_client.journal.open import open_namespace
@@ -309,7 +309,7 @@ def test_without_a_key_the_journal_works_as_before_and_the_writer_warns(tmp_path
 
         env_backup = {k: os.environ.pop(k) for k in ("SOS_JOURNAL_KEY", "SOS_JOURNAL_KEY_FILE") if k in os.environ}
         try:
-            with caplog.at_level(logging.WARNING, logger="sos.journal.writer"):
+            with caplog.at_level(logging.WARNING, logger=writer_auth.log.name):
                 on = open_namespace(ns, str(tmp_path / "cache"), client_factory=fac)
             assert any("unauthenticated" in r.getMessage() for r in caplog.records)
             on.tree.create("f")

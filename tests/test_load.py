@@ -4,6 +4,8 @@ the checked-in pattern of the small query still fits it (every reply as captured
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import sys
 import urllib.parse
@@ -14,6 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench import load  # noqa: E402 - bench/ is found from the checkout
+from sos_wire.logs import JsonFormatter  # noqa: E402
 
 U0 = "c17f0007-f45e-4cae-9535-a7562565a9b1"
 U1 = "4d94a29f-fe36-427e-af4a-63b1b0517d2e"
@@ -242,3 +245,25 @@ def test_the_small_query_replays_as_captured_on_a_real_gateway(server, tmp_path)
     assert row["errors"] == [] and row["mismatches"] == {}, row
     assert row["requests"] >= 54 and row["batches"] >= 1, row
     assert row["gateway_cpu_us_per_request"] > 0
+
+
+def _json_lines(text: str) -> str:
+    """The same log as ``sos gateway --debug`` writes it now: JSON lines (sos_wire.logs)."""
+    fmt = JsonFormatter()
+    lines = []
+    for line in text.splitlines():
+        _day, _time, _logger, level, msg = line.split(" ", 4)
+        name = "spark_plugin.gateway.server" if level == "DEBUG" else "spark_plugin.gateway.auth"
+        lines.append(fmt.format(logging.LogRecord(name, getattr(logging, level), "", 0, msg, (), None)))
+    return "\n".join(["sos gateway: ready on http://127.0.0.1:9870 (namespace q, sync)", *lines])
+
+
+def test_the_log_parser_reads_the_json_log_as_the_text_one():
+    text = _json_lines(_log())
+    assert text.splitlines()[1].startswith('{"ts": ')
+
+    def strip(reqs):
+        return [dataclasses.replace(r, when="") for r in reqs]
+
+    assert strip(load.parse_log(text)) == strip(load.parse_log(_log()))
+    assert len(load.parse_log(text)) == 18

@@ -78,6 +78,7 @@ from tools.demo_common import (
     wait_tier_drained,
     write_batch_output,
 )
+from tools.logtext import as_text
 
 NAMESPACE = "sparkcluster"
 STORES = ("hdfs", "rocksdb")
@@ -258,7 +259,7 @@ def read_from(path: str, start: int = 0, end: int | None = None) -> str:
 def gateway_requests(text: str) -> list[Request]:
     return [
         Request(m.group(1), m.group(2), m.group(3), bool(m.group(4)), int(m.group(5)), m.group(6))
-        for m in REQUEST_RE.finditer(text)
+        for m in REQUEST_RE.finditer(as_text(text))
     ]
 
 

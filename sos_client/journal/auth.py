@@ -60,7 +60,7 @@ __all__ = [
     "segment_keys",
 ]
 
-log = logging.getLogger("sos.journal.auth")
+log = logging.getLogger(__name__)
 
 JOURNAL_KEY_ENV = "SOS_JOURNAL_KEY"
 JOURNAL_KEY_FILE_ENV = "SOS_JOURNAL_KEY_FILE"

@@ -20,6 +20,7 @@ from sos_client.cli import add_connection_options, client_from_args
 from sos_client.errors import SOSPermissionError
 from sos_wire import argtypes
 from sos_wire.errors import ErrorCode
+from sos_wire.logs import setup_logging
 
 from ._store import StoreClient
 from .auth import JournalKeys, load_journal_keys, resolve_journal_keys
@@ -30,6 +31,8 @@ from .verify import verify
 
 if TYPE_CHECKING:
     from tqdm import tqdm
+
+log = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_CORRUPT, EXIT_NO_JOURNAL = 0, 1, 2, 3, 4
 
@@ -268,7 +271,7 @@ def _journal_key(args: argparse.Namespace) -> JournalKeys | int | None:
         _err(str(e))
         return EXIT_FAIL
     if keys is None:
-        logging.getLogger("sos.journal").debug("no journal key: the journal is read unauthenticated")
+        log.debug("no journal key: the journal is read unauthenticated")
     return keys
 
 
@@ -480,8 +483,11 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     add_parsers(sub)
     args = parser.parse_args(argv)
+    setup_logging(getattr(args, "log_level", "info"))
     return int(args.func(args))
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # run as the module itself, so that its logger has its name
+    from sos_client.journal.cli import main as _main
+
+    sys.exit(_main())

@@ -19,7 +19,7 @@ from .writer_state import WriterState
 
 __all__ = ["CLOSE_TIER_PATIENCE", "QUOTA_RECHECK", "Barriers"]
 
-log = logging.getLogger("sos.journal.writer")
+log = logging.getLogger(__name__)
 
 #: In the quota state a barrier waits at most this long for one more attempt of the
 #: replicator (woken at once) before it fails: a quota raised a moment ago is then seen,

@@ -152,7 +152,7 @@ class FenceLatch:
 #: how often a face asks the SOS server for its namespace's fence epoch (FenceWatch)
 FENCE_CHECK = 5.0
 
-log = logging.getLogger("sos.journal.facade")
+log = logging.getLogger(__name__)
 
 
 class _Writer(Protocol):

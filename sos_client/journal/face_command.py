@@ -18,6 +18,7 @@ from sos_client.cli import client_from_args, key_from_args
 from sos_client.errors import SOSError
 from sos_client.process import ReadyChild
 from sos_wire import argtypes
+from sos_wire.logs import setup_logging
 from sos_wire.names import validate_namespace
 
 from .auth import JOURNAL_KEY_ENV, JOURNAL_KEY_FILE_ENV, load_journal_keys, resolve_journal_keys
@@ -40,6 +41,8 @@ __all__ = [
     "serve_command",
     "start_command",
 ]
+
+log = logging.getLogger(__name__)
 
 #: the writer's default bound of unshipped journal bytes (``--max-lag``)
 MAX_LAG = 64 << 20
@@ -144,13 +147,10 @@ class FaceChild(ReadyChild):
         return args
 
 
-def configure_logging(debug: bool) -> None:
-    """A face's log on stderr (DEBUG with ``--debug``, else INFO)."""
-    logging.basicConfig(
-        level=logging.DEBUG if debug else logging.INFO,
-        stream=sys.stderr,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-    )
+def configure_logging(debug: bool, level: str = "info") -> None:
+    """A face's log on stderr, JSON lines as every command's (``--log-level``; ``--debug``
+    is ``--log-level debug``)."""
+    setup_logging("debug" if debug else level)
 
 
 def fail(message: str, code: int) -> int:
@@ -168,7 +168,7 @@ def read_key(args: argparse.Namespace) -> str | int:
     """Logging configured, the key read ($SOS_KEY or ``--key-file``: never an argument, it
     would show in /proc/PID/cmdline); the exit code 1 (said why) when there is none, as
     put/cat/ls/stat/restore/verify: a missing key is an operation failure."""
-    configure_logging(args.debug)
+    configure_logging(args.debug, getattr(args, "log_level", "info"))
     try:
         return key_from_args(args)
     except SOSError as exc:
@@ -257,13 +257,13 @@ def _journal_key_refusal(path: str | None) -> str:
 def serve_command(face: str, serve: Callable[[], int]) -> int:
     """``serve()``'s exit code; an interrupt (before serving, or a second one during the final
     flush) is 130 and any other failure 1, each said in one line (the traceback logged at
-    debug on ``sos.<face>``)."""
+    debug)."""
     try:
         return serve()
     except KeyboardInterrupt:
         return fail(f"{face} interrupted (the spool keeps what the server does not have yet)", 130)
     except Exception as exc:
-        logging.getLogger(f"sos.{face}").debug("%s failed", face, exc_info=True)
+        log.debug("%s failed", face, exc_info=True)
         return fail(f"{face} failed: {one_line(exc)}", 1)
 
 

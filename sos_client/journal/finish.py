@@ -49,7 +49,7 @@ from .stats import ReplayStats
 
 __all__ = ["rebuild_journal_end"]
 
-log = logging.getLogger("sos.journal.finish")
+log = logging.getLogger(__name__)
 
 
 def rebuild_journal_end(

@@ -52,7 +52,7 @@ from .writer import JournalWriter
 
 __all__ = ["OpenNamespace", "ReadOnlyTree", "client_factory_for", "default_cache_dir", "key_role", "open_namespace"]
 
-log = logging.getLogger("sos.journal.open")
+log = logging.getLogger(__name__)
 
 
 class RoleClient(StoreClient, Protocol):

@@ -42,7 +42,7 @@ from .writer_state import WriterState
 
 __all__ = ["Replicator", "append_round"]
 
-log = logging.getLogger("sos.journal.writer")
+log = logging.getLogger(__name__)
 
 #: A replicator task: ("seal_foreign", name), ("ready", (generation, seq)),
 #: ("ship", segment) or ("seal", segment).

@@ -38,7 +38,7 @@ from .spark_log import find_batch
 
 __all__ = ["RollbackPoint", "RollbackRefused", "find_rollback_point", "rollback_rebuild"]
 
-log = logging.getLogger("sos.journal.rollback")
+log = logging.getLogger(__name__)
 
 
 class RollbackRefused(JournalError):

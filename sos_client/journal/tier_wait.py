@@ -25,7 +25,7 @@ from .errors import JournalError, JournalTierBehind, JournalTierUnavailable, Wri
 
 __all__ = ["DURABILITIES", "TierDurability"]
 
-log = logging.getLogger("sos.journal.writer")
+log = logging.getLogger(__name__)
 
 #: ``durability`` values: a barrier waits for the server's disk, or also for its tier's bucket
 DURABILITIES = ("server", "tier")

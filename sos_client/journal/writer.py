@@ -55,7 +55,7 @@ from .tier_wait import DURABILITIES, TierDurability
 
 __all__ = ["CLOSE_TIER_PATIENCE", "DURABILITIES", "QUOTA_RECHECK", "JournalWriter", "server_last_record"]
 
-log = logging.getLogger("sos.journal.writer")
+log = logging.getLogger(__name__)
 
 
 def _check_options(

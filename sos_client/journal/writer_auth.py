@@ -24,7 +24,7 @@ from .writer_state import WriterState
 
 __all__ = ["WriterAuth", "first_record_key"]
 
-log = logging.getLogger("sos.journal.writer")
+log = logging.getLogger(__name__)
 
 
 def first_record_key(client: StoreClient, seg: layout.SegmentInfo) -> bytes | None:

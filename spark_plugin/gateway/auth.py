@@ -65,7 +65,7 @@ __all__ = [
     "key_verifier",
 ]
 
-log = logging.getLogger("sos.gateway")
+log = logging.getLogger(__name__)
 
 #: the token endpoint (client credentials)
 TOKEN_PATH = "/oauth2/token"

@@ -27,6 +27,7 @@ from sos_client.journal.points import parse_batch
 from sos_wire import argtypes
 from sos_wire.addresses import format_address, is_loopback, is_wildcard
 from sos_wire.names import validate_namespace
+from sos_wire.tls_options import add_tls_server_options
 
 if TYPE_CHECKING:
     from spark_plugin.gateway.options import GatewayOptions
@@ -101,10 +102,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def add_http_options(p: argparse.ArgumentParser) -> None:
     """HTTPS, tokens, threads and the address the redirects name."""
-    p.add_argument(
-        "--tls-cert", metavar="FILE", default=None, help="serve HTTPS (swebhdfs://) with this certificate chain (PEM)"
-    )
-    p.add_argument("--tls-key", metavar="FILE", default=None, help="private key of --tls-cert (PEM)")
+    add_tls_server_options(p, serves="HTTPS (swebhdfs://)")
     p.add_argument(
         "--token-ttl",
         type=argtypes.integer(1),

@@ -32,7 +32,7 @@ from .hdfs import WebHdfsError
 
 __all__ = ["CURRENT_CONN", "Conn", "Drop", "Reply", "Slots", "json_body", "peer_address", "remote_error"]
 
-log = logging.getLogger("sos.gateway")
+log = logging.getLogger(__name__)
 
 #: largest request head (request line + headers)
 MAX_HEAD = 64 << 10

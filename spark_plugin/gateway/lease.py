@@ -52,7 +52,7 @@ __all__ = [
     "standby_reply",
 ]
 
-log = logging.getLogger("sos.gateway.lease")
+log = logging.getLogger(__name__)
 
 LEASE_PREFIX = "lease/"
 #: seconds without a renewal after which a standby takes over (``--lease``)

@@ -35,7 +35,7 @@ from .webhdfs import WebHdfsNamespace
 
 __all__ = ["MAX_CHECKPOINTS", "SAMPLE_INTERVAL", "WRITER_STATES", "GatewayMetrics", "commit_of"]
 
-log = logging.getLogger("sos.gateway.metrics")
+log = logging.getLogger(__name__)
 
 #: the writer's states (JournalWriter.status()["state"])
 WRITER_STATES = ("ok", "retrying", "quota_exceeded", "failed", "closed")

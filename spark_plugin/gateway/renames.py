@@ -41,7 +41,7 @@ __all__ = [
     "identity",
 ]
 
-log = logging.getLogger("sos.gateway")
+log = logging.getLogger(__name__)
 
 #: RENAMEs remembered for a client's retry, at most this many, for this long (seconds), in
 #: this file of the cache directory (beside tree/)

@@ -62,7 +62,7 @@ __all__ = [
     "webhdfs_view",
 ]
 
-log = logging.getLogger("sos.gateway")
+log = logging.getLogger(__name__)
 
 #: descriptors kept for everything but client connections (the journal's spool and cache,
 #: the SOS server's connections, the listeners, logs); each worker thread may hold one more

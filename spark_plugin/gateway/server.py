@@ -69,7 +69,7 @@ from .webhdfs import WebHdfsNamespace
 
 __all__ = ["EXIT_FENCED", "MARKER_PATH", "Gate", "Gateway"]
 
-log = logging.getLogger("sos.gateway")
+log = logging.getLogger(__name__)
 
 MARKER_PATH = "/sos/v1/marker"
 #: accept() failing for lack of descriptors or memory: retry after 0.1 s, doubling to 2 s,

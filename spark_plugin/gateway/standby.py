@@ -84,7 +84,7 @@ from .webhdfs import WebHdfsNamespace
 
 __all__ = ["PROMOTE_PATH", "Standby", "Tailer", "promote", "promote_url_refusal", "run_standby"]
 
-log = logging.getLogger("sos.gateway.standby")
+log = logging.getLogger(__name__)
 
 PROMOTE_PATH = "/sos/v1/promote"
 #: seconds between two looks at the server (journal tail and lease)

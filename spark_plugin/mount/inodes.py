@@ -8,7 +8,7 @@ import errno
 import logging
 from collections.abc import Callable
 
-log = logging.getLogger("sos.mount")
+log = logging.getLogger(__name__)
 
 
 ROOT_INODE = 1

@@ -94,7 +94,7 @@ from .inodes import (
     InodeTable,
 )
 
-log = logging.getLogger("sos.mount")
+log = logging.getLogger(__name__)
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")

@@ -16,7 +16,7 @@ from ..mounttable import mount_fstype
 
 __all__ = ["READY_MARKER", "MountProcess", "is_mounted", "lazy_unmount"]
 
-log = logging.getLogger("sos.mount")
+log = logging.getLogger(__name__)
 
 READY_MARKER = "sos mount: ready"
 

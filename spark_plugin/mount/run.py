@@ -35,7 +35,7 @@ else:
 from .ops import SOSOperations
 from .process import READY_MARKER, is_mounted, lazy_unmount
 
-log = logging.getLogger("sos.mount")
+log = logging.getLogger(__name__)
 
 #: exit code of a mount that stopped because a newer writer fenced it (as the gateway's)
 EXIT_FENCED = 3
