@@ -6,10 +6,11 @@ The gateway runs with ``--advertise`` set to the proxy's address, so the two-ste
 with h11 (one request at a time per connection, as Hadoop sends them) and knows at every moment
 which requests are in flight at the gateway. Two points it can stop at:
 
-- between two requests (:meth:`hold`, :meth:`wait_quiet`, :meth:`release`): new requests wait
-  in the proxy, the ones in flight finish; then the gateway has no request at all and the test
-  kills it. The waiting requests go to the restarted gateway (:attr:`upstream`) on release; the
-  client's connections to the proxy stay open, so the client sees a slow answer, no error.
+- between two requests (:meth:`hold`, :meth:`wait_quiet`, :meth:`drop_idle`, :meth:`release`):
+  new requests wait in the proxy, the ones in flight finish; then the gateway has no request
+  at all and the test kills it. The client's idle connections are closed as the dead
+  gateway's would be; the requests that wait go to the restarted gateway (:attr:`upstream`)
+  on release, so their client sees a slow answer, no error.
 - inside a body (:meth:`arm_cut`, :meth:`wait_cut`, :meth:`finish_cut`): the next request that
   matches and has a body reaches the gateway with its head and the first half of its first
   chunk only; the proxy reads the rest from the client and holds every other request. After
@@ -22,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+import time
 from collections.abc import Callable
 
 import h11
@@ -35,6 +37,7 @@ class CutProxy:
         self._cond = threading.Condition()
         self._held = False
         self._inflight = 0  # requests forwarded whose answer is not complete
+        self._parked: set[socket.socket] = set()  # client connections whose request waits (hold)
         self._generation = 0  # bumped on release: upstream connections of older ones are dropped
         self._cut_match: Callable[[h11.Request], bool] | None = None
         self._cut: dict | None = None  # {"target", "client": socket, "done": bool}
@@ -59,6 +62,20 @@ class CutProxy:
             assert self._cond.wait_for(lambda: self._inflight == 0, timeout), (
                 f"{self._inflight} request(s) still in flight after {timeout:.0f} s"
             )
+
+    def drop_idle(self, idle: float = 1.5) -> int:
+        """After :meth:`wait_quiet`: wait *idle* seconds (longer than the gateway's
+        ``Keep-Alive: timeout=1``, so Hadoop reuses none of its pooled connections), then close
+        every client connection with no request waiting, as the kernel closes a killed
+        gateway's; returns how many."""
+        time.sleep(idle)
+        with self._cond:
+            assert self._held and self._inflight == 0
+            idle_socks = self._socks - self._parked
+        for s in idle_socks:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+        return len(idle_socks)
 
     def release(self, upstream: tuple[str, int] | None = None) -> None:
         """Let the waiting requests go, to *upstream* (the restarted gateway) if given, each
@@ -134,7 +151,9 @@ class CutProxy:
                 target = f"{req.method.decode()} {req.target.decode()}"
                 with self._cond:
                     self.requests.append(target)
+                    self._parked.add(client)
                     self._cond.wait_for(lambda: not self._held or self._closing)
+                    self._parked.discard(client)
                     if self._closing:
                         return
                     cut = self._cut is None and self._cut_match is not None and self._cut_match(req)

@@ -361,15 +361,17 @@ def files_query(sos_server, tmp_path):
 
 def test_spark_file_stream_rides_a_gateway_restart_between_two_requests(files_query):
     """The gateway is SIGKILLed at a moment when no request is in flight (the proxy holds the
-    next ones until then) and comes back on the same cache; the waiting requests reach the new
-    gateway: the query carries on with no error, two more batches commit, and a driver that
-    resumes it after a SIGKILL of the first gives every id exactly once."""
+    next ones until then; Hadoop's idle connections are closed as a dead gateway's are) and
+    comes back on the same cache with the project's settings only; the waiting requests reach
+    the new gateway: the query carries on with no error, two more batches commit, and a driver
+    that resumes it after a SIGKILL of the first gives every id exactly once."""
     q = files_query
     first = q.start("first")
     try:
         q.first_batch(first)
         q.proxy.hold()
         q.proxy.wait_quiet()
+        q.proxy.drop_idle()
         served = len(q.proxy.requests)
         upstream = q.restart_gateway()  # between two requests: the gateway has none
         q.proxy.release(upstream)
