@@ -46,10 +46,60 @@ NO_SKIP = os.environ.get("SOS_TEST_NO_SKIP") == "1"  # .ci/run sets it: CI here 
 OWN_PROCESS_FIXTURES = {"sos_server", "sos_server_factory", "mounts"}
 
 
+#: Module-scoped fixtures cheap enough to start once per xdist worker (a server process);
+#: a module using any other (a built image, a compiled Hadoop harness, a cluster demo run whose
+#: result several tests read) stays on one worker: ``--dist loadgroup`` with its module as group.
+CHEAP_MODULE_FIXTURES = {"server"}
+
+#: A rough cost per marker, to hand the longest work to the xdist workers first (the run ends
+#: when the last worker does; a cluster test dealt last would run alone at the end).
+MARK_COST = {"container": 40, "spark": 30, "hadoop": 8, "fuse": 4, "own_server": 2, "slow": 2}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which names each test's group in its id
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if OWN_PROCESS_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+    cost: dict[str, int] = {}
+    unit = {}
+    for item in items:
+        fixtures = getattr(item, "_fixtureinfo", None)
+        defs = fixtures.name2fixturedefs if fixtures is not None else {}
+        shared = any(d and d[-1].scope == "module" and n not in CHEAP_MODULE_FIXTURES for n, d in defs.items())
+        if shared or item.get_closest_marker("xdist_group"):
+            group = item.get_closest_marker("xdist_group")
+            name = group.args[0] if group and group.args else item.module.__name__
+            if not group:
+                item.add_marker(pytest.mark.xdist_group(name))
+            unit[item] = f"group {name}"
+        else:
+            unit[item] = item.nodeid
+        own = 1 + max((c for m, c in MARK_COST.items() if item.get_closest_marker(m)), default=0)
+        cost[unit[item]] = cost.get(unit[item], 0) + own
+    if hasattr(config, "workerinput"):  # an xdist worker: the costliest work first (stable)
+        items.sort(key=lambda item: -cost[unit[item]])
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's, which sends the ids to the controller
+def pytest_collection_finish(session):
+    """``--dist loadgroup`` deals the tests by id: xdist 3.8 appends ``@GROUP`` to the id of a
+    test marked ``xdist_group`` by setting ``item._nodeid``, which pytest >= 9.2 no longer
+    reads (the id lives in ``item._id``); without it every test of a group could go to a
+    different worker. Name the group here when xdist's own way left the id as it was."""
+    if not getattr(session.config.option, "loadgroup", False):
+        return
+    for item in session.items:
+        marks = [m.args[0] if m.args else m.kwargs.get("name", "default") for m in item.iter_markers("xdist_group")]
+        if not marks or "@" in item.nodeid.rpartition("]")[2].rpartition("::")[2]:
+            continue
+        want = f"{item.nodeid}@{'_'.join(sorted(set(map(str, marks))))}"
+        if hasattr(item, "_id"):
+            from _pytest.nodeid import coerce_node_id
+
+            item._id = coerce_node_id(want)
+        else:
+            item._nodeid = want
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -92,7 +142,7 @@ def pytest_terminal_summary(terminalreporter, config):
     what = ", ".join(cov.options.cov_source or ()) or "the measured code"
     kind = "branch coverage" if cov.options.cov_branch else "line coverage"
     terminalreporter.write_line(
-        f"{kind} of {what}: {total:.1f} % (in the pytest process; the "
+        f"{kind} of {what}: {total:.1f} % (in the pytest processes; the "
         f"servers, mounts and gateways the tests start are not measured)"
     )
 

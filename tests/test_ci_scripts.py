@@ -40,7 +40,12 @@ def test_ci_run_calls_the_readme_test_command():
         assert opt in text, opt
 
 
-def test_coverage_prints_one_total_line_and_leaves_child_processes_alone(tmp_path):
+#: one process, and scripts/test's parallel run (pytest-xdist workers, their coverage combined)
+WORKERS = pytest.mark.parametrize("workers", [["-n", "0"], ["-n", "2", "--dist", "loadgroup"]], ids=["serial", "xdist"])
+
+
+@WORKERS
+def test_coverage_prints_one_total_line_and_leaves_child_processes_alone(tmp_path, workers):
     """.ci/run's coverage options: a single 'branch coverage of ...: N %' line before pytest's
     closing line; a child Python process gets no coverage hook (no COVERAGE_PROCESS_* in its
     environment, so it runs as it would without coverage)."""
@@ -71,6 +76,7 @@ def test_coverage_prints_one_total_line_and_leaves_child_processes_alone(tmp_pat
             "--cov=sos_wire",
             "--cov-branch",
             "--cov-report=",
+            *workers,
             str(tmp_path / "test_c.py"),
         ],
         capture_output=True,
@@ -85,7 +91,8 @@ def test_coverage_prints_one_total_line_and_leaves_child_processes_alone(tmp_pat
     assert lines[-2].startswith("branch coverage of sos_wire: ") and " % " in lines[-2], lines
 
 
-def test_no_skip_mode_turns_skips_into_failures(tmp_path):
+@WORKERS
+def test_no_skip_mode_turns_skips_into_failures(tmp_path, workers):
     (tmp_path / "test_s.py").write_text(
         "import pytest\n"
         "def test_skips():\n    pytest.skip('no /dev/fuse')\n"
@@ -104,6 +111,7 @@ def test_no_skip_mode_turns_skips_into_failures(tmp_path):
         "no:cacheprovider",
         "--rootdir",
         str(tmp_path),
+        *workers,
         str(tmp_path / "test_s.py"),
     ]
     strict = subprocess.run(

@@ -16,10 +16,11 @@ import time
 from collections import Counter
 
 import pytest
+from gateway_cut_support import CutProxy
 
 from spark_plugin.gateway.process import GatewayProcess
 from spark_plugin.spark import restore_to_batch, sos_command
-from tools.demo import committed_batches, make_input
+from tools.demo import committed_batches, kill_tree, make_input
 from tools.logtext import as_text
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -238,100 +239,173 @@ FILES_DRIVER = textwrap.dedent('''
 ''')
 
 
-def test_spark_batch_and_file_stream_through_the_gateway_ride_a_gateway_restart(sos_server, tmp_path):
-    from tools.demo import committed_batches, kill_tree
+#: What Hadoop's WebHDFS client reports when the connection of a body it sent is cut (the
+#: gateway died while it read the body): the proxy below reads the whole body, so Hadoop is
+#: waiting for the answer and sees the end of the stream; a reset or a broken pipe is what it
+#: gives when it is still writing.
+CUT_ERRORS = ("Unexpected end of file from server", "Connection reset", "Broken pipe")
 
-    key = sos_server.keygen("gwfiles", "append")
-    cache = tmp_path / "cache"
-    gw = GatewayProcess(
-        "gwfiles", str(cache), sos_server.address, key, debug=True, log_path=str(tmp_path / "gateway.log")
-    ).start()
-    port = gw.url.rsplit(":", 1)[1]
-    script = tmp_path / "files_driver.py"
-    script.write_text(FILES_DRIVER)
-    env = dict(
-        os.environ, SOS_KEY=key, PYTHONPATH=os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)
-    )
-    ckpt = cache / "tree" / "stream" / "ckpt"
-    cfg = {"url": gw.url, "ns": "gwfiles", "records": STREAM_RECORDS, "files": STREAM_FILES}
 
-    def start(phase):
-        path = tmp_path / f"{phase}.json"
-        path.write_text(json.dumps(dict(cfg, phase=phase, result=str(tmp_path / f"{phase}-result.json"))))
-        log = open(tmp_path / f"{phase}.log", "wb")  # noqa: SIM115 - closed below
-        proc = subprocess.Popen(
-            [sys.executable, str(script), str(path)],
+class _FilesQuery:
+    """The files driver's query on a gateway behind a :class:`CutProxy` (the gateway
+    advertises the proxy, so Hadoop's redirects come back through it too)."""
+
+    def __init__(self, sos_server, tmp_path, ns):
+        self.tmp_path, self.ns, self.server = tmp_path, ns, sos_server.address
+        self.key = sos_server.keygen(ns, "append")
+        self.cache = tmp_path / "cache"
+        self.ckpt = self.cache / "tree" / "stream" / "ckpt"
+        self.proxy = CutProxy()
+        self.gateways = [self._gateway("gateway.log")]
+        self.proxy.upstream = _host_port(self.gateways[0].url)
+        (tmp_path / "files_driver.py").write_text(FILES_DRIVER)
+        self.env = dict(
+            os.environ,
+            SOS_KEY=self.key,
+            PYTHONPATH=os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p),
+        )
+        self.cfg = {"url": f"http://{self.proxy.address}", "ns": ns, "records": STREAM_RECORDS, "files": STREAM_FILES}
+        self.logs = []
+
+    def _gateway(self, log_name):
+        return GatewayProcess(
+            self.ns,
+            str(self.cache),
+            self.server,
+            self.key,
+            debug=True,
+            extra_args=("--advertise", self.proxy.address),
+            log_path=str(self.tmp_path / log_name),
+        ).start()
+
+    def restart_gateway(self):
+        """SIGKILL the gateway and start a new one on the same cache (the project's settings
+        only); the proxy sends what comes next to it."""
+        self.gateways[-1].kill()
+        self.gateways.append(self._gateway(f"gateway{len(self.gateways) + 1}.log"))
+        return _host_port(self.gateways[-1].url)
+
+    def start(self, phase):
+        path = self.tmp_path / f"{phase}.json"
+        path.write_text(json.dumps(dict(self.cfg, phase=phase, result=str(self.tmp_path / f"{phase}-result.json"))))
+        log = open(self.tmp_path / f"{phase}.log", "wb")  # noqa: SIM115 - closed in close()
+        self.logs.append(log)
+        return subprocess.Popen(
+            [sys.executable, str(self.tmp_path / "files_driver.py"), str(path)],
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=env,
+            env=self.env,
             start_new_session=True,
         )
-        return proc, log
 
-    def wait(pred, what, proc, timeout=300.0):
+    def log(self, phase):
+        return (self.tmp_path / f"{phase}.log").read_text(errors="replace")
+
+    def committed(self):
+        return committed_batches(str(self.ckpt))
+
+    def wait(self, pred, what, proc, timeout=300.0):
         deadline = time.monotonic() + timeout
         while not pred():
-            assert proc.poll() is None, (
-                f"{what}: the driver died first\n" + (tmp_path / "first.log").read_text(errors="replace")[-6000:]
-            )
+            assert proc.poll() is None, f"{what}: the driver died first\n" + self.log("first")[-6000:]
             assert time.monotonic() < deadline, f"{what}: not after {timeout:.0f} s"
             time.sleep(0.1)
 
-    first, log1 = start("first")
-    restarted = None
-    try:
-        wait(lambda: 0 in committed_batches(str(ckpt)), "batch 0 committed", first)
-        batch = json.loads((tmp_path / "first-result.json").read_text())["batch"]
+    def first_batch(self, first):
+        self.wait(lambda: 0 in self.committed(), "batch 0 committed", first)
+        batch = json.loads((self.tmp_path / "first-result.json").read_text())["batch"]
         assert batch == [1000, 999000, STREAM_RECORDS], batch  # parquet and text read back
-        # the gateway dies mid-query, just as batch 0's commit is renamed into place (the
-        # rename answered after the server has it: the client resends it), and comes back on the same
-        # cache and port: the query must carry on with the project's settings alone
-        gw.kill()
-        time.sleep(2.0)
-        restarted = GatewayProcess(
-            "gwfiles",
-            str(cache),
-            sos_server.address,
-            key,
-            debug=True,
-            listen=f"127.0.0.1:{port}",
-            log_path=str(tmp_path / "gateway2.log"),
-        ).start()
-        before = committed_batches(str(ckpt))
-        deadline = time.monotonic() + 300
-        while len(committed_batches(str(ckpt)) - before) < 2:
-            if first.poll() is not None:
-                # The one way the first run may end here: the kill cut a file body in flight
-                # (the data PUT after CREATE's redirect). Hadoop's WebHDFS output stream does not
-                # resend a body, so that write fails and the query stops (docs/SPARK.md, "When
-                # the gateway goes away"); the second run below resumes it from the checkpoint.
-                text = (tmp_path / "first.log").read_text(errors="replace")
-                assert "Unexpected end of file from server" in text and "FsPathOutputStreamRunner" in text, text[-6000:]
-                break
-            assert time.monotonic() < deadline, "two more batches after the gateway restart: not after 300 s"
-            time.sleep(0.1)
+
+    def resume_exactly_once(self):
+        """A new driver resumes the query (availableNow): every id exactly once, the batches
+        0..N with no gap, the file sink's log in place."""
+        done_before = self.committed()
+        assert len(done_before) < STREAM_FILES, "the first driver ended before the end"
+        second = self.start("second")
+        try:
+            assert second.wait(timeout=600) == 0, self.log("second")[-6000:]
+        finally:
+            kill_tree(second)
+        result = json.loads((self.tmp_path / "second-result.json").read_text())
+        ids = Counter(result["ids"])
+        assert sorted(ids) == list(range(STREAM_RECORDS)) and set(ids.values()) == {1}, "exactly once"
+        # one file per trigger, but a run cut while writing its file-source log resumes with the
+        # files of two triggers in one batch: the batches stay 0..N with no gap
+        done = self.committed()
+        assert done == set(range(len(done))) and len(done) >= STREAM_FILES - 1, done
+        assert (self.cache / "tree" / "stream" / "out" / "_spark_metadata").is_dir()
+
+    def stop_gateway(self):
+        """A clean stop of the gateway that serves now (it flushes): exit code 0."""
+        gw = self.gateways[-1]
+        assert gw.stop() == 0, gw.log()[-4000:]
+
+    def close(self):
+        self.proxy.close()
+        for log in self.logs:
+            log.close()
+        for gw in self.gateways:
+            gw.kill()  # a no-op for those already stopped
+
+
+def _host_port(url):
+    host, port = url.rsplit("/", 1)[-1].rsplit(":", 1)
+    return host, int(port)
+
+
+@pytest.fixture
+def files_query(sos_server, tmp_path):
+    q = _FilesQuery(sos_server, tmp_path, "gwfiles")
+    yield q
+    q.close()
+
+
+def test_spark_file_stream_rides_a_gateway_restart_between_two_requests(files_query):
+    """The gateway is SIGKILLed at a moment when no request is in flight (the proxy holds the
+    next ones until then; Hadoop's idle connections are closed as a dead gateway's are) and
+    comes back on the same cache with the project's settings only; the waiting requests reach
+    the new gateway: the query carries on with no error, two more batches commit, and a driver
+    that resumes it after a SIGKILL of the first gives every id exactly once."""
+    q = files_query
+    first = q.start("first")
+    try:
+        q.first_batch(first)
+        q.proxy.hold()
+        q.proxy.wait_quiet()
+        q.proxy.drop_idle()
+        served = len(q.proxy.requests)
+        upstream = q.restart_gateway()  # between two requests: the gateway has none
+        q.proxy.release(upstream)
+        before = q.committed()
+        q.wait(lambda: len(q.committed() - before) >= 2, "two more batches after the gateway restart", first)
     finally:
         kill_tree(first)  # the driver dies mid-query (SIGKILL, its JVM too)
-        log1.close()
-        if sys.exc_info()[0] is not None:
-            for g in (restarted, gw):
-                if g is not None:
-                    g.kill()
-    done_before = committed_batches(str(ckpt))
-    assert len(done_before) < STREAM_FILES, "the driver was killed before the end"
+    assert len(q.proxy.requests) > served
+    assert " -> 2" in q.gateways[-1].log(), "the restarted gateway served the query"
+    q.resume_exactly_once()
+    q.stop_gateway()
 
-    second, log2 = start("second")
+
+def test_spark_file_stream_stops_when_a_gateway_restart_cuts_a_file_body_and_resumes(files_query):
+    """The gateway is SIGKILLed while it reads a file body (the data PUT after CREATE's
+    redirect): Hadoop's WebHDFS output stream does not resend a body, so the query stops with
+    the error Hadoop gives for a cut connection (docs/SPARK.md, "When the gateway goes away"),
+    and the next run resumes it from the checkpoint: every id exactly once."""
+    q = files_query
+    first = q.start("first")
     try:
-        assert second.wait(timeout=600) == 0, (tmp_path / "second.log").read_text(errors="replace")[-6000:]
+        q.first_batch(first)
+        q.proxy.arm_cut(lambda r: r.method == b"PUT" and b"data=true" in r.target and b"/stream/" in r.target)
+        cut = q.proxy.wait_cut()
+        upstream = q.restart_gateway()  # inside that body, with no other request in flight
+        q.proxy.finish_cut()
+        q.proxy.release(upstream)
+        rc = first.wait(timeout=300)
     finally:
-        kill_tree(second)
-        log2.close()
-        assert (restarted or gw).stop() == 0
-    result = json.loads((tmp_path / "second-result.json").read_text())
-    ids = Counter(result["ids"])
-    assert sorted(ids) == list(range(STREAM_RECORDS)) and set(ids.values()) == {1}, "exactly once"
-    # one file per trigger, but a run cut while writing its file-source log resumes with the
-    # files of two triggers in one batch: the batches stay 0..N with no gap
-    done = committed_batches(str(ckpt))
-    assert done == set(range(len(done))) and len(done) >= STREAM_FILES - 1, done
-    assert (cache / "tree" / "stream" / "out" / "_spark_metadata").is_dir()
+        kill_tree(first)
+    text = q.log("first")
+    print("cut:", cut, "; the query stopped with:", [e for e in CUT_ERRORS if e in text])
+    assert rc != 0, "the query went on after its body was cut\n" + text[-6000:]
+    assert "FsPathOutputStreamRunner" in text and any(e in text for e in CUT_ERRORS), text[-6000:]
+    q.resume_exactly_once()
+    q.stop_gateway()

@@ -1,0 +1,276 @@
+"""`CutProxy`: an HTTP/1.1 relay between Hadoop's WebHDFS client and a gateway, so that a test
+can kill the gateway at a point it chooses instead of wherever a timer happens to fall.
+
+The gateway runs with ``--advertise`` set to the proxy's address, so the two-step redirects
+(CREATE/APPEND/OPEN with ``data=true``) come back through it too. The relay parses both sides
+with h11 (one request at a time per connection, as Hadoop sends them) and knows at every moment
+which requests are in flight at the gateway. Two points it can stop at:
+
+- between two requests (:meth:`hold`, :meth:`wait_quiet`, :meth:`drop_idle`, :meth:`release`):
+  new requests wait in the proxy, the ones in flight finish; then the gateway has no request
+  at all and the test kills it. The client's idle connections are closed as the dead
+  gateway's would be; the requests that wait go to the restarted gateway (:attr:`upstream`)
+  on release, so their client sees a slow answer, no error.
+- inside a body (:meth:`arm_cut`, :meth:`wait_cut`, :meth:`finish_cut`): the next request that
+  matches and has a body reaches the gateway with its head and the first half of its first
+  chunk only; the proxy reads the rest from the client and holds every other request. After
+  the test killed the gateway, :meth:`finish_cut` closes that client connection before any
+  answer, which is what the client sees when a gateway dies while it reads a body.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+import h11
+
+
+class CutProxy:
+    def __init__(self, upstream: tuple[str, int] | None = None) -> None:
+        self.upstream = upstream  # where new upstream connections go (the restarted gateway's address)
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self._cond = threading.Condition()
+        self._held = False
+        self._inflight = 0  # requests forwarded whose answer is not complete
+        self._parked: set[socket.socket] = set()  # client connections whose request waits (hold)
+        self._generation = 0  # bumped on release: upstream connections of older ones are dropped
+        self._cut_match: Callable[[h11.Request], bool] | None = None
+        self._cut: dict | None = None  # {"target", "client": socket, "done": bool}
+        self._closing = False
+        self.requests: list[str] = []  # "METHOD target" of every request seen, in order
+        self._threads: list[threading.Thread] = []
+        self._socks: set[socket.socket] = set()
+        accept = threading.Thread(target=self._accept, name="cut-proxy-accept", daemon=True)
+        accept.start()
+        self._threads.append(accept)
+
+    # ------------------------------------------------------------------------- test controls
+    def hold(self) -> None:
+        """New requests wait in the proxy until :meth:`release`."""
+        with self._cond:
+            self._held = True
+
+    def wait_quiet(self, timeout: float = 120.0) -> None:
+        """Until no request is in flight at the gateway (after :meth:`hold`)."""
+        with self._cond:
+            assert self._held, "wait_quiet without hold"
+            assert self._cond.wait_for(lambda: self._inflight == 0, timeout), (
+                f"{self._inflight} request(s) still in flight after {timeout:.0f} s"
+            )
+
+    def drop_idle(self, idle: float = 1.5) -> int:
+        """After :meth:`wait_quiet`: wait *idle* seconds (longer than the gateway's
+        ``Keep-Alive: timeout=1``, so Hadoop reuses none of its pooled connections), then close
+        every client connection with no request waiting, as the kernel closes a killed
+        gateway's; returns how many."""
+        time.sleep(idle)
+        with self._cond:
+            assert self._held and self._inflight == 0
+            idle_socks = self._socks - self._parked
+        for s in idle_socks:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+        return len(idle_socks)
+
+    def release(self, upstream: tuple[str, int] | None = None) -> None:
+        """Let the waiting requests go, to *upstream* (the restarted gateway) if given, each
+        on a new upstream connection."""
+        with self._cond:
+            if upstream is not None:
+                self.upstream = upstream
+            self._generation += 1
+            self._held = False
+            self._cond.notify_all()
+
+    def arm_cut(self, match: Callable[[h11.Request], bool]) -> None:
+        with self._cond:
+            self._cut_match = match
+
+    def wait_cut(self, timeout: float = 300.0) -> str:
+        """Until a matching body was cut, its client finished sending it, and no other request
+        is in flight; returns the cut request's "METHOD target"."""
+        with self._cond:
+            ok = self._cond.wait_for(
+                lambda: self._cut is not None and self._cut["body_read"] and self._inflight == 1, timeout
+            )
+            assert ok, f"no body cut after {timeout:.0f} s (cut: {self._cut}, in flight: {self._inflight})"
+            return self._cut["target"]
+
+    def finish_cut(self) -> None:
+        """Close the cut request's client connection with no answer (after the gateway died)."""
+        with self._cond:
+            assert self._cut is not None
+            self._cut["done"] = True
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closing = True
+            self._held = False
+            self._cond.notify_all()
+            socks = list(self._socks)
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        for s in socks:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+        for t in self._threads:
+            t.join(timeout=10)
+
+    # ------------------------------------------------------------------------------ the relay
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            with self._cond:
+                if self._closing:
+                    client.close()
+                    return
+                self._socks.add(client)
+            t = threading.Thread(target=self._serve, args=(client,), name="cut-proxy-conn", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _serve(self, client: socket.socket) -> None:
+        down = h11.Connection(h11.SERVER)
+        up: _Upstream | None = None
+        try:
+            while True:
+                req = _next(down, client)
+                if req is None or isinstance(req, h11.ConnectionClosed):
+                    return
+                assert isinstance(req, h11.Request), req
+                target = f"{req.method.decode()} {req.target.decode()}"
+                with self._cond:
+                    self.requests.append(target)
+                    self._parked.add(client)
+                    self._cond.wait_for(lambda: not self._held or self._closing)
+                    self._parked.discard(client)
+                    if self._closing:
+                        return
+                    cut = self._cut is None and self._cut_match is not None and self._cut_match(req)
+                    self._inflight += 1
+                    generation = self._generation
+                try:
+                    if up is None or up.generation != generation:
+                        if up is not None:
+                            up.close()
+                        up = _Upstream(self.upstream, generation)
+                    if cut and self._relay_cut(req, target, down, client, up):
+                        return
+                    self._relay(req, down, client, up)
+                finally:
+                    with self._cond:
+                        self._inflight -= 1
+                        self._cond.notify_all()
+                if down.our_state is h11.MUST_CLOSE or up.conn.our_state is h11.MUST_CLOSE:
+                    return
+                down.start_next_cycle()
+                up.conn.start_next_cycle()
+        except (OSError, h11.ProtocolError):
+            return
+        finally:
+            if up is not None:
+                up.close()
+            with self._cond:
+                self._socks.discard(client)
+            client.close()
+
+    def _relay(self, req: h11.Request, down: h11.Connection, client: socket.socket, up: _Upstream) -> None:
+        """One request to the gateway with its body, then its answer back to the client."""
+        if _expects_continue(req):
+            client.sendall(down.send(h11.InformationalResponse(status_code=100, headers=[])))
+        up.send(_without_expect(req))
+        self._relay_rest(down, client, up, _next(down, client))
+
+    def _relay_rest(self, down: h11.Connection, client: socket.socket, up: _Upstream, ev: object) -> None:
+        """The rest of a request's body from *ev* on, then the answer."""
+        while True:
+            assert ev is not None and not isinstance(ev, h11.ConnectionClosed), "client left mid-request"
+            up.send(ev)
+            if isinstance(ev, h11.EndOfMessage):
+                break
+            ev = _next(down, client)
+        while True:
+            ev = up.next()
+            if isinstance(ev, h11.InformationalResponse):
+                continue  # the proxy answered 100-continue itself
+            client.sendall(down.send(ev))
+            if isinstance(ev, h11.EndOfMessage):
+                return
+
+    def _relay_cut(
+        self, req: h11.Request, target: str, down: h11.Connection, client: socket.socket, up: _Upstream
+    ) -> bool:
+        """The armed cut: the head and half of the first chunk to the gateway, the rest read
+        from the client and dropped; False (relayed whole, still armed) if the body is empty."""
+        if _expects_continue(req):
+            client.sendall(down.send(h11.InformationalResponse(status_code=100, headers=[])))
+        first = _next(down, client)
+        up.send(_without_expect(req))
+        if not (isinstance(first, h11.Data) and first.data):  # no body to cut inside
+            self._relay_rest(down, client, up, first)
+            return False
+        with self._cond:
+            self._held = True  # nothing else reaches the gateway from here on
+            self._cut = {"target": target, "body_read": False, "done": False}
+        up.send(h11.Data(data=first.data[: max(1, len(first.data) // 2)]))
+        while not isinstance(ev := _next(down, client), h11.EndOfMessage):
+            assert ev is not None and not isinstance(ev, h11.ConnectionClosed), "client left mid-body"
+        with self._cond:
+            self._cut["body_read"] = True
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: self._cut["done"] or self._closing)
+        with contextlib.suppress(OSError):
+            client.shutdown(socket.SHUT_RDWR)
+        return True
+
+
+class _Upstream:
+    def __init__(self, address: tuple[str, int] | None, generation: int) -> None:
+        assert address is not None, "CutProxy.upstream not set"
+        self.sock = socket.create_connection(address, timeout=600)
+        self.conn = h11.Connection(h11.CLIENT)
+        self.generation = generation
+
+    def send(self, ev: object) -> None:
+        data = self.conn.send(ev)
+        if data:
+            self.sock.sendall(data)
+
+    def next(self) -> object:
+        ev = _next(self.conn, self.sock)
+        assert ev is not None and not isinstance(ev, h11.ConnectionClosed), "the gateway closed mid-answer"
+        return ev
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _next(conn: h11.Connection, sock: socket.socket) -> object | None:
+    """The next h11 event from *sock* (ConnectionClosed at EOF between messages)."""
+    while True:
+        ev = conn.next_event()
+        if ev is h11.NEED_DATA:
+            conn.receive_data(sock.recv(1 << 16))
+            continue
+        if ev is h11.PAUSED:
+            return None
+        return ev
+
+
+def _expects_continue(req: h11.Request) -> bool:
+    return any(k.lower() == b"expect" and v.lower() == b"100-continue" for k, v in req.headers)
+
+
+def _without_expect(req: h11.Request) -> h11.Request:
+    headers = [(k, v) for k, v in req.headers if k.lower() != b"expect"]
+    return h11.Request(method=req.method, target=req.target, headers=headers, http_version=req.http_version)
