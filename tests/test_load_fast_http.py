@@ -218,3 +218,31 @@ def test_a_refused_fast_request_closes_when_the_refusal_says_so(gw):
         assert closed_after(s, 30)
     finally:
         s.close()
+
+
+def test_an_open_reply_of_the_fast_path_streams_the_file_and_the_connection_goes_on(gw):
+    content = bytes(range(256)) * 1100  # 281,600 bytes: more than one OPEN piece
+    auth = b"Authorization: Bearer " + gw.token.encode() + b"\r\n"
+    s = connect(port_of(gw))
+    try:
+        s.sendall(
+            b"PUT /webhdfs/v1/d/f?op=CREATE&data=true&overwrite=true HTTP/1.1\r\nHost: a\r\n"
+            + auth
+            + b"Content-Length: %d\r\n\r\n" % len(content)
+            + content
+        )
+        assert read_reply(s)[0] == 201
+        for query, want in ((b"", content), (b"&offset=1000&length=70000", content[1000:71000])):
+            s.sendall(
+                b"GET /webhdfs/v1/d/f?op=OPEN&data=true"
+                + query
+                + b" HTTP/1.1\r\nHost: a\r\n"
+                + auth
+                + b"Connection: keep-alive\r\n\r\n"
+            )
+            status, headers, body = read_reply(s)
+            assert status == 200 and body == want and headers["content-length"] == str(len(want))
+        s.sendall(stat_head(gw.token))
+        assert read_reply(s)[0] == 200
+    finally:
+        s.close()

@@ -235,6 +235,8 @@ class Conn:
         #: (fast path) a reply went out / it said the connection closes
         self.replied = False
         self.must_close = False
+        #: (fast path) bytes of the reply's body still due (:meth:`send`)
+        self._body_left = 0
 
     def _receive(self, data: bytes) -> None:
         """Give received bytes to h11; a request line is held back until it is whole (or
@@ -407,13 +409,19 @@ class Conn:
         return self.h11.send(response) or b""
 
     async def send(self, event: h11.Event) -> None:
-        if self.fast:
+        if self.fast:  # h11's framing check kept: exactly Content-Length bytes of body
             if isinstance(event, h11.Response):
                 headers = [(name.lower(), value) for name, value in event.headers]
+                self._body_left = int(dict(headers)[b"content-length"])
                 data = self._reply_head(event.status_code, headers, bytes(event.reason))
             elif isinstance(event, h11.Data):
                 data = bytes(event.data)
+                self._body_left -= len(data)
+                if self._body_left < 0:
+                    raise Drop("a reply body longer than its Content-Length")
             else:
+                if self._body_left:
+                    raise Drop("a reply body shorter than its Content-Length")
                 data = b""
         else:
             data = self._encode(event)
