@@ -25,6 +25,10 @@ headers; a connection idle for more than a second is not reused, as Hadoop's cli
 after the gateway's ``Keep-Alive: timeout=1``). A batch that ends after the next one was due
 starts the next at once (a query that falls behind runs back to back, as Spark does).
 
+``stat``: one client, one keep-alive connection, nothing but GETFILESTATUS of a directory in
+Hadoop's request shape, ``--rounds`` times ``--requests``: the gateway's CPU per request
+(user and system) of the HTTP path and a cache read alone, on a plain ``sos-server``.
+
 Reported per mode and N, over ``--seconds`` after ``--warmup`` seconds: offered and achieved
 batches/s, p50/p99 batch time, requests/s, and the CPU time (user + system, all threads, from
 /proc/PID/stat) of the gateway and of the server per request and as a share of one core.
@@ -35,6 +39,7 @@ a mismatch is counted and shown (the pattern no longer fits the gateway).
     python3 bench/load.py [replay] [--pattern bench/data/small_query.json] [--queries 1,6,10]
                           [--modes sync,tier] [--seconds 20] [--warmup 3] [--interval 1.0]
                           [--json FILE] [--keep] [--gateway-arg ARG ...] [--profile DIR]
+    python3 bench/load.py stat [--requests 3000] [--rounds 3]
     python3 bench/load.py capture [--out FILE] [--partitions 2] [--state-store hdfs|rocksdb]
                           [--changelog] [--batches 12] [--records-per-batch 500]
 
@@ -855,6 +860,46 @@ def _stop_profile(proc: subprocess.Popen[bytes] | None) -> None:
         proc.wait(timeout=30)
 
 
+def run_stat(args: argparse.Namespace) -> int:
+    """``stat``: the gateway's CPU per GETFILESTATUS on one keep-alive connection."""
+    from spark_plugin.gateway.process import GatewayProcess
+
+    work = tempfile.mkdtemp(prefix="sos-bench-stat-")
+    with Stack() as stack:
+        stack.callback(remove_work, work, False)
+        server, key = _servers(stack, work, ["sync"])["sync"]
+        gw = GatewayProcess(
+            NAMESPACE, os.path.join(work, "cache"), server.address, key, log_path=os.path.join(work, "gateway.log")
+        )
+        stack.stopping(gw).start()
+        parsed = urllib.parse.urlsplit(str(gw.url))
+        http = Http((parsed.hostname or "127.0.0.1", int(parsed.port or 80)), "127.0.0.1")
+        token = http.token(NAMESPACE, key)
+        status, _ = http.request("PUT", "/webhdfs/v1/stat/d?op=MKDIRS&user.name=spark", token)
+        if status != 200:
+            raise HttpError(f"MKDIRS answered {status}")
+        target = "/webhdfs/v1/stat/d?op=GETFILESTATUS&user.name=spark"
+        for i in range(args.rounds + 1):  # the first round warms up
+            user0, system0 = cpu_times(int(gw.pid))
+            started = time.monotonic()
+            for _ in range(args.requests):
+                status, _ = http.request("GET", target, token)
+                if status != 200:
+                    raise HttpError(f"GETFILESTATUS answered {status}")
+                http.last_used = time.monotonic()  # (the pause of a slow machine is not Java's idle)
+            user1, system1 = cpu_times(int(gw.pid))
+            per = 1e6 / args.requests
+            if i:
+                print(
+                    f"GETFILESTATUS x{args.requests}: gateway {(user1 - user0 + system1 - system0) * per:.0f} us "
+                    f"CPU/request (user {(user1 - user0) * per:.0f}, system {(system1 - system0) * per:.0f}), "
+                    f"{(time.monotonic() - started) * per:.0f} us wall/request; load average {os.getloadavg()[0]:.1f}",
+                    flush=True,
+                )
+        gw.stop()
+    return 0
+
+
 # --------------------------------------------------------------------------- capture
 
 
@@ -979,6 +1024,9 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command")
     r = sub.add_parser("replay", help="replay a pattern for N queries (the default)")
     _replay_options(r)
+    st = sub.add_parser("stat", help="the gateway's CPU per GETFILESTATUS on one connection")
+    st.add_argument("--requests", type=int, default=3000, help="requests per round (default 3000)")
+    st.add_argument("--rounds", type=int, default=3, help="measured rounds (default 3)")
     c = sub.add_parser("capture", help="capture a real query's pattern")
     c.add_argument("--out", default=DEFAULT_PATTERN, help="pattern file to write (default bench/data/small_query.json)")
     c.add_argument("--partitions", type=int, default=2, help="spark.sql.shuffle.partitions (default 2)")
@@ -1005,11 +1053,13 @@ def _replay_options(p: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in ("replay", "capture", "-h", "--help"):
+    if not argv or argv[0] not in ("replay", "capture", "stat", "-h", "--help"):
         argv.insert(0, "replay")
     args = parser().parse_args(argv)
     if args.command == "capture":
         return run_capture(args)
+    if args.command == "stat":
+        return run_stat(args)
     return run_replay(args)
 
 

@@ -1,5 +1,10 @@
 """The gateway's HTTP connection layer: h11 under trio, no WebHDFS in it.
 
+* the fast path (:func:`parse_fast_head`, :meth:`Conn.fast_request`): the plain, bodiless
+  request heads Hadoop's client sends (most of a streaming query's requests) are read here
+  and their replies written here, without h11's per-event machinery; any other head (a
+  body, chunked, obs-text, HTTP/1.0, a head split over reads, ...) goes to h11 unchanged;
+
 * :class:`Conn`: one connection (h11 state and the stream): bounded heads (MAX_HEAD) and small
   bodies (MAX_SMALL_BODY), a head deadline, a stall timeout per receive, a send timeout per
   SEND_STEP (a client that stops reading its reply loses its connection), the linger after a
@@ -19,6 +24,7 @@ import contextvars
 import json
 import logging
 import os
+import re
 from collections import Counter
 from collections.abc import Callable
 from typing import Any, cast
@@ -30,7 +36,18 @@ from sos_wire.addresses import address_key
 
 from .hdfs import WebHdfsError
 
-__all__ = ["CURRENT_CONN", "Conn", "Drop", "Reply", "Slots", "json_body", "peer_address", "remote_error"]
+__all__ = [
+    "CURRENT_CONN",
+    "Conn",
+    "Drop",
+    "Head",
+    "Reply",
+    "Slots",
+    "json_body",
+    "parse_fast_head",
+    "peer_address",
+    "remote_error",
+]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +80,66 @@ MAX_CONNECTIONS_PER_ADDRESS = 64
 #: after a refusal that closes the connection: read and discard what the client still
 #: sends for at most this long and this many bytes (seconds, bytes) before closing
 LINGER = (2.0, 1 << 20)
+
+
+#: the fast path (:func:`parse_fast_head`) takes a request head only if it is whole within
+#: this many bytes of the first read; anything larger goes to h11 (and MAX_HEAD)
+FAST_HEAD = 8 << 10
+_FAST_LINE = re.compile(rb"(GET|PUT|POST|DELETE) (/[\x21-\x7e]*) HTTP/1\.1")
+#: a header field: a token, a colon, optional whitespace, a value of visible ASCII with
+#: inner spaces or tabs (no obs-text, no control byte), optional whitespace
+_FAST_FIELD = re.compile(rb"([!#$%&'*+.^_`|~0-9A-Za-z-]+):[ \t]*((?:[\x21-\x7e](?:[\x20-\x7e\t]*[\x21-\x7e])?)?)[ \t]*")
+#: header fields that put a request off the fast path (h11 handles them)
+_SLOW_FIELDS = frozenset({b"transfer-encoding", b"expect", b"upgrade", b"te", b"trailer"})
+
+
+class Head:
+    """A request head read by the fast path: what the server uses of h11's Request."""
+
+    __slots__ = ("headers", "method", "target")
+
+    def __init__(self, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+        self.method = method
+        self.target = target
+        #: (lower-case name, value without surrounding whitespace), in order
+        self.headers = headers
+
+
+def parse_fast_head(data: bytes) -> tuple[Head, int] | None:
+    """The request head at the start of ``data`` and its length, if it is one of the plain
+    shapes Hadoop's client and the Spark helpers send; None for anything else (h11 then
+    reads it and refuses it or not, exactly as without this path).
+
+    Taken: a whole head within FAST_HEAD bytes; ``GET|PUT|POST|DELETE``, a target of
+    visible ASCII starting with ``/``, ``HTTP/1.1``; CRLF line ends; fields of a token name
+    and a visible-ASCII value; exactly one Host; no body (Content-Length absent or ``0``,
+    no Transfer-Encoding); no Expect, Upgrade, TE, Trailer; Connection absent or
+    ``keep-alive``. Stricter than h11 in every point, so it accepts nothing h11 refuses."""
+    end = data.find(b"\r\n\r\n", 0, FAST_HEAD)
+    if end < 0:
+        return None
+    lines = data[:end].split(b"\r\n")
+    line = _FAST_LINE.fullmatch(lines[0])
+    if line is None:
+        return None
+    headers = []
+    hosts = 0
+    for raw in lines[1:]:
+        field = _FAST_FIELD.fullmatch(raw)
+        if field is None:
+            return None
+        name, value = field.group(1).lower(), field.group(2)
+        if name in _SLOW_FIELDS:
+            return None
+        if name == b"content-length" and value != b"0":
+            return None
+        if name == b"connection" and value.lower() != b"keep-alive":
+            return None
+        hosts += name == b"host"
+        headers.append((name, value))
+    if hosts != 1:
+        return None
+    return Head(line.group(1), line.group(2), headers), end + 4
 
 
 def ascii_request_line(line: bytes) -> bytes:
@@ -149,6 +226,17 @@ class Conn:
         #: the bytes of a request line not yet given to h11 (None: not reading one); see
         #: :func:`ascii_request_line`
         self._line: bytearray | None = None
+        #: bytes received between requests and not given to h11 yet: the fast path
+        #: (:meth:`fast_request`) reads a head from them, or hands them to h11
+        self._pending: bytes | None = None
+        #: the request being served was read by the fast path: no body, h11 stays IDLE,
+        #: the reply is written here (:meth:`_reply_head`)
+        self.fast = False
+        #: (fast path) a reply went out / it said the connection closes
+        self.replied = False
+        self.must_close = False
+        #: (fast path) bytes of the reply's body still due (:meth:`send`)
+        self._body_left = 0
 
     def _receive(self, data: bytes) -> None:
         """Give received bytes to h11; a request line is held back until it is whole (or
@@ -177,18 +265,22 @@ class Conn:
         after ``timeout`` or when a stopping gateway cancels the wait. While it waits the
         connection is idle: its scope is in ``idle`` (no byte of a request is lost by
         cancelling it)."""
+        if self._pending:  # the next request's bytes came with the last one
+            return True
         data, closed = self.h11.trailing_data
         if data or closed:
             return True
-        if self.h11.their_state is h11.IDLE:
-            self._line = bytearray()  # the next request's line: made ASCII before h11
+        between = self.h11.their_state is h11.IDLE and self.h11.our_state is h11.IDLE
         # one scope for both ends of the wait: its deadline, and a stopping gateway's cancel
         with trio.CancelScope(deadline=trio.current_time() + timeout) as scope:
             idle.add(scope)
             self.waiting = True
             try:
                 chunk = await self.stream.receive_some(RECV_SIZE)
-                self._receive(bytes(chunk))  # b"": the client closed
+                if between:
+                    self._pending = bytes(chunk)  # b"": the client closed
+                else:
+                    self._receive(bytes(chunk))
                 return True
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                 raise Drop(f"receive failed: {exc!r}") from exc
@@ -197,9 +289,51 @@ class Conn:
                 idle.discard(scope)
         return False
 
+    def fast_request(self) -> Head | None:
+        """The next request's head read without h11 (:func:`parse_fast_head`), if the bytes
+        received between requests begin with one of the plain shapes; otherwise None, and
+        those bytes go to h11 (:meth:`next_event` reads the request as before)."""
+        pending = self._pending
+        if pending is None:
+            self.fast = False
+            return None
+        self._pending = None
+        parsed = parse_fast_head(pending) if pending else None
+        if parsed is None:
+            self.fast = False
+            self._line = bytearray()  # the request line: made ASCII before h11
+            self._receive(pending)
+            return None
+        head, used = parsed
+        if used < len(pending):
+            self._pending = pending[used:]  # a pipelined request's first bytes
+        self.fast, self.replied, self.must_close = True, False, False
+        return head
+
+    def reply_due(self) -> bool:
+        """No reply to the request being served has started yet."""
+        if self.fast:
+            return not self.replied
+        return self.h11.our_state in (h11.IDLE, h11.SEND_RESPONSE)
+
+    def reusable(self) -> bool:
+        """The request and its reply are done and the connection may serve another one."""
+        if self.fast:
+            return self.replied and not self.must_close
+        if self.h11.our_state is h11.MUST_CLOSE or self.h11.their_state is not h11.DONE:
+            return False
+        try:
+            self.h11.start_next_cycle()
+        except h11.LocalProtocolError:
+            return False
+        return True
+
     async def next_event(self, timeout: float = STALL_TIMEOUT) -> h11.Event | type[h11.PAUSED]:  # noqa: ASYNC109 - a stall is a Drop
         """The next h11 event; a receive waits at most ``timeout`` (then the connection is
-        dropped) and never past :attr:`deadline` (then 408, and the connection closes)."""
+        dropped) and never past :attr:`deadline` (then 408, and the connection closes).
+        A request of the fast path has no body: its end at once."""
+        if self.fast:
+            return h11.EndOfMessage()
         while True:
             try:
                 event = self.h11.next_event()
@@ -262,11 +396,35 @@ class Conn:
             headers += KEEP_ALIVE_HINT
         if b"\r" in reason or b"\n" in reason:
             raise ValueError(f"bad reason {reason!r}")
+        if self.fast:  # what h11 writes for this response to a keep-alive HTTP/1.1 request
+            if self.replied:
+                raise ValueError("a second reply to one request")
+            self.replied = True
+            self.must_close = (b"connection", b"close") in headers
+            lines = [b"HTTP/1.1 %d %s\r\n" % (status, reason)]
+            lines += [b"%s: %s\r\n" % (name, value) for name, value in headers]
+            lines.append(b"\r\n")
+            return b"".join(lines)
         response = h11.Response(status_code=status, headers=headers, reason=reason, _parsed=True)
         return self.h11.send(response) or b""
 
     async def send(self, event: h11.Event) -> None:
-        data = self._encode(event)
+        if self.fast:  # h11's framing check kept: exactly Content-Length bytes of body
+            if isinstance(event, h11.Response):
+                headers = [(name.lower(), value) for name, value in event.headers]
+                self._body_left = int(dict(headers)[b"content-length"])
+                data = self._reply_head(event.status_code, headers, bytes(event.reason))
+            elif isinstance(event, h11.Data):
+                data = bytes(event.data)
+                self._body_left -= len(data)
+                if self._body_left < 0:
+                    raise Drop("a reply body longer than its Content-Length")
+            else:
+                if self._body_left:
+                    raise Drop("a reply body shorter than its Content-Length")
+                data = b""
+        else:
+            data = self._encode(event)
         if data:
             await self.send_bytes(data)
 
@@ -311,12 +469,17 @@ class Conn:
         hdrs += [(k.lower().encode(), v.encode()) for k, v in (headers or [])]
         # head, body and end in one send: one system call (and one TCP segment) per reply
         data = self._reply_head(status, hdrs, reason.encode("ascii", "replace"))
+        if self.fast:
+            await self.send_bytes(data + body)
+            return
         if body:
             data += self.h11.send(h11.Data(data=body)) or b""
         data += self.h11.send(h11.EndOfMessage()) or b""
         await self.send_bytes(data)
 
     async def read_small_body(self, limit: int = MAX_SMALL_BODY) -> bytes:
+        if self.fast:
+            return b""
         chunks: list[bytes] = []
         size = 0
         while True:
@@ -358,7 +521,7 @@ class Conn:
         """Discard what of the request body is already received, without waiting for more:
         a refusal of a request whose body is all here (a GET's empty one) keeps the
         connection."""
-        while self.h11.their_state is h11.SEND_BODY:
+        while not self.fast and self.h11.their_state is h11.SEND_BODY:
             try:
                 if self.h11.next_event() is h11.NEED_DATA:
                     return
@@ -367,7 +530,7 @@ class Conn:
 
     async def drain(self) -> None:
         """Read and discard the rest of the request body (memory stays bounded)."""
-        while self.h11.their_state is h11.SEND_BODY:
+        while not self.fast and self.h11.their_state is h11.SEND_BODY:
             event = await self.next_event()
             if isinstance(event, h11.ConnectionClosed):
                 raise Drop("closed in the middle of a request body")

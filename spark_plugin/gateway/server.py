@@ -6,7 +6,8 @@ applies each operation to its cache through the same journal core as the mount a
 fsspec filesystem (:func:`sos_client.journal.open.open_namespace`, JournaledTree), so
 the journal, its format and ``sos restore`` are the same. The package, by layer:
 
-* :mod:`.http`: HTTP/1.1 by h11 under trio (keep-alive, bounded heads and small bodies, head
+* :mod:`.http`: HTTP/1.1 by h11 under trio, Hadoop's plain bodiless heads by a stricter
+  fast path (keep-alive, bounded heads and small bodies, head
   deadline, send timeout, connection slots);
 * this module, :class:`Gateway`: the accept loop, each connection's request loop, and the
   routing of a request: ``POST /oauth2/token`` and the bearer check of every other request
@@ -58,6 +59,7 @@ from .http import (
     SEND_TIMEOUT,
     Conn,
     Drop,
+    Head,
     Reply,
     Slots,
     json_body,
@@ -342,33 +344,32 @@ class Gateway:
                 return  # stopping, or idle too long
             conn.deadline = (conn.accepted if first else trio.current_time()) + self.head_timeout
             first = False
-            try:
-                event = await conn.next_event(IDLE_TIMEOUT)
-            except Reply as reply:  # a malformed request head, or one too slow
-                await self._send_reply(conn, reply)
-                return
+            # Hadoop's plain requests are read without h11 (http.parse_fast_head)
+            event: h11.Event | type[h11.PAUSED] | Head | None = conn.fast_request()
+            if event is None:
+                try:
+                    event = await conn.next_event(IDLE_TIMEOUT)
+                except Reply as reply:  # a malformed request head, or one too slow
+                    await self._send_reply(conn, reply)
+                    return
             if isinstance(event, h11.ConnectionClosed):
                 return
-            if not isinstance(event, h11.Request):
+            if not isinstance(event, h11.Request | Head):
                 raise Drop(f"unexpected {type(event).__name__}")
             if conn.authenticated:
                 conn.deadline = None  # its body streams at its pace (STALL_TIMEOUT per read)
             await self._request(conn, event)
-            if conn.h11.our_state is h11.MUST_CLOSE or conn.h11.their_state is not h11.DONE:
-                return
-            try:
-                conn.h11.start_next_cycle()
-            except h11.LocalProtocolError:
+            if not conn.reusable():
                 return
 
     async def _send_reply(self, conn: Conn, reply: Reply) -> None:
         body = json_body(reply.doc) if reply.doc is not None else b""
         headers = list(reply.headers)
         conn.consume_buffered_body()
-        if conn.h11.their_state is not h11.DONE and ("connection", "close") not in headers:
+        if not conn.fast and conn.h11.their_state is not h11.DONE and ("connection", "close") not in headers:
             headers.append(("connection", "close"))  # an unread body makes reuse impossible
         # IDLE: the head was malformed or too slow (h11 lets a server answer it)
-        if conn.h11.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+        if conn.reply_due():
             await conn.respond(reply.status, body, headers, reply.reason)
 
     def _granted(self, conn: Conn) -> None:
@@ -380,7 +381,7 @@ class Gateway:
 
     # ------------------------------------------------------------------ requests
     @staticmethod
-    def _check_head(req: h11.Request) -> None:
+    def _check_head(req: h11.Request | Head) -> None:
         """What h11 lets through and RFC 9112 or the spec refuses (400/431, then close)."""
         close = [("connection", "close")]
         size = len(req.method) + len(req.target) + 12 + sum(len(k) + len(v) + 4 for k, v in req.headers)
@@ -406,13 +407,13 @@ class Gateway:
                 close,
             )
 
-    async def _request(self, conn: Conn, req: h11.Request) -> None:
+    async def _request(self, conn: Conn, req: h11.Request | Head) -> None:
         started = time.perf_counter()
         method = req.method.decode("ascii", "replace").upper()
         target = req.target.decode("utf-8", "surrogateescape")
         raw_path, _, query = target.partition("?")
         path = urllib.parse.unquote(raw_path, errors="surrogateescape")
-        params = {k.lower(): v for k, v in urllib.parse.parse_qsl(query, keep_blank_values=True)}
+        params = {k.lower(): v for k, v in query_pairs(query)}
         headers = {k.decode("ascii", "replace").lower(): v.decode("latin-1") for k, v in req.headers}
         op = params.get("op", "").upper()
         conn.granted = False
@@ -451,16 +452,17 @@ class Gateway:
                 # and paths, never make new entries
                 label = stats_label(path, op, params)
                 self.stats.setdefault(label, _OpStats()).add(elapsed)
-            log.debug(
-                "%s %s %s%s -> %d (%.1f ms) %s",
-                method,
-                op or "-",
-                path,
-                " [data]" if params.get("data") == "true" else "",
-                status,
-                elapsed * 1e3,
-                redact_query(query),  # a key a client put in the URL is never logged
-            )
+            if log.isEnabledFor(logging.DEBUG):  # (its redaction costs a regular expression)
+                log.debug(
+                    "%s %s %s%s -> %d (%.1f ms) %s",
+                    method,
+                    op or "-",
+                    path,
+                    " [data]" if params.get("data") == "true" else "",
+                    status,
+                    elapsed * 1e3,
+                    redact_query(query),  # a key a client put in the URL is never logged
+                )
 
     async def _dispatch(
         self, conn: Conn, method: str, path: str, params: dict[str, str], headers: dict[str, str], op: str
@@ -578,6 +580,19 @@ class Gateway:
 
 # ---------------------------------------------------------------------------
 # Running a gateway: server connection -> opener -> HTTP
+
+
+def query_pairs(query: str) -> list[tuple[str, str]]:
+    """``urllib.parse.parse_qsl(query, keep_blank_values=True)``, without its per-field
+    decoding when nothing in ``query`` needs it (no ``%``, no ``+``: Hadoop's usual query)."""
+    if "%" in query or "+" in query:
+        return urllib.parse.parse_qsl(query, keep_blank_values=True)
+    pairs = []
+    for item in query.split("&"):
+        if item:
+            name, _, value = item.partition("=")
+            pairs.append((name, value))
+    return pairs
 
 
 def stats_label(path: str, op: str, params: dict[str, str]) -> str:
