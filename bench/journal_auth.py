@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import time
 
-from sos_client.journal import layout
-from sos_client.journal.auth import ChainCheck, JournalKeys, SegmentKeys, Signer
-from sos_client.journal.records import Op, RecordDecoder, Rename, Write, encode
+from sos_journal.format import layout
+from sos_journal.format.auth import ChainCheck, JournalKeys, SegmentKeys, Signer
+from sos_journal.format.records import Op, RecordDecoder, Rename, Write, encode
 
 KEYS = JournalKeys.parse("5c" * 32)
 SEG = layout.segment_name(1, 1, 1)

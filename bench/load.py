@@ -82,7 +82,7 @@ WEBHDFS = "/webhdfs/v1"
 KEEP_ALIVE_S = 1.0
 #: one line of ``sos gateway --debug``'s request log (its JSON line as tools.logtext writes it)
 LOG_RE = re.compile(
-    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) (?:sos\.gateway|spark_plugin\.gateway\.\w+) DEBUG (GET|PUT|POST|DELETE) (\S+) (/\S*?)"
+    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) (?:sos\.gateway|spark_plugin\.gateway\.[\w.]+) DEBUG (GET|PUT|POST|DELETE) (\S+) (/\S*?)"
     r"( \[data\])? -> (\d+) \(([\d.]+) ms\) ?(\S*)$",
     re.MULTILINE,
 )

@@ -107,8 +107,8 @@ def prepare(
     """Build the tree under WORK/src and journal it into NS on the server at ADDRESS as
     generation 1's snapshot. Returns the tree and a client factory for ``restore()``."""
     from sos_client import Client
-    from sos_client.journal import JournaledTree, JournalWriter
-    from sos_client.journal.restore import rebuild_cache
+    from sos_journal import JournaledTree, JournalWriter
+    from sos_journal.rebuild.restore import rebuild_cache
 
     src = os.path.join(work, "src")
     t0 = time.monotonic()
@@ -141,8 +141,8 @@ def compare(
     """Time ``cp -r`` and ``restore()`` of TREE RUNS times each, alternating which goes first,
     ``sync`` before each timed step; the first restore is checked against the source.
     ``workers``: restore's lanes (None: its default)."""
-    from sos_client.journal import restore
-    from sos_client.journal.replay import DEFAULT_WORKERS
+    from sos_journal import restore
+    from sos_journal.rebuild.replay import DEFAULT_WORKERS
 
     lanes = DEFAULT_WORKERS if workers is None else workers
     tag = f"w{lanes}-"
@@ -195,7 +195,7 @@ def compare_lanes(
     (this process: readers, dispatcher, lanes) and the server's (psutil)."""
     import psutil
 
-    from sos_client.journal import restore
+    from sos_journal import restore
 
     steps: list[str] = ["cp"] + [f"w{n}" for n in counts]
     out: dict[str, list[float]] = {k: [] for k in steps}

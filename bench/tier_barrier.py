@@ -31,7 +31,7 @@ from sos_wire import argtypes  # noqa: E402
 
 
 def run_mode(srv, ns: str, durability: str, n: int, size: int, work: str) -> list[float]:
-    from sos_client.journal.open import open_namespace
+    from sos_journal.tree.open import open_namespace
 
     key = srv.keygen(ns)
     opened = open_namespace(ns, os.path.join(work, f"cache-{ns}"), server=srv.address, key=key, durability=durability)

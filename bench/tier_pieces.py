@@ -23,8 +23,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from sos_client import Client  # noqa: E402 - after the checkout is on sys.path
-from sos_client.journal import JournaledTree, JournalWriter  # noqa: E402
-from sos_client.journal.restore import rebuild_cache  # noqa: E402
+from sos_journal import JournaledTree, JournalWriter  # noqa: E402
+from sos_journal.rebuild.restore import rebuild_cache  # noqa: E402
 from sos_tier import LocalStore  # noqa: E402
 from sos_tier.layout import piece_key, seal_content, seal_key  # noqa: E402
 from sos_wire.crc import crc32c  # noqa: E402

@@ -28,9 +28,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from sos_client import Client  # noqa: E402 - after the checkout is on sys.path
-from sos_client.journal import JournaledTree, JournalWriter, restore  # noqa: E402
-from sos_client.journal.bucket import BucketSource  # noqa: E402
-from sos_client.journal.restore import rebuild_cache  # noqa: E402
+from sos_journal import JournaledTree, JournalWriter, restore  # noqa: E402
+from sos_journal.read.bucket import BucketSource  # noqa: E402
+from sos_journal.rebuild.restore import rebuild_cache  # noqa: E402
 from sos_tier import LocalStore, StoredKey, Uploader  # noqa: E402
 from tools.server import ServerProcess  # noqa: E402
 

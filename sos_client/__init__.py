@@ -4,12 +4,11 @@
 re-exported here (their one list is ``sos_client.errors.__all__``).
 """
 
+from sos_client import errors
+from sos_client.blocking import Client
+from sos_client.core import resolve_key, resolve_server
+from sos_client.errors import *  # noqa: F403 - the exceptions and their classification, listed once in errors.__all__
 from sos_wire import Key, ListEntry
-
-from . import errors
-from ._common import resolve_key, resolve_server
-from .blocking import Client
-from .errors import *  # noqa: F403 - the exceptions and their classification, listed once in errors.__all__
 
 __all__ = ["Client", "Key", "ListEntry", "resolve_key", "resolve_server"]
 __all__ += errors.__all__

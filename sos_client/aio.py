@@ -17,11 +17,7 @@ from typing import Any
 
 import trio
 
-from sos_wire import NEED_DATA, Key, ListEntry, RemoteProtocolError
-from sos_wire.events import Payload
-from sos_wire.frames import MAX_LIST_LIMIT
-
-from ._common import (
+from sos_client.core import (
     CLIENT_NAME,
     DEFAULT_WINDOW_BYTES,
     DEFAULT_WINDOW_FRAMES,
@@ -39,8 +35,11 @@ from ._common import (
     readable_now,
     tier_wait_ms,
 )
-from .errors import ConnectionLost
-from .retry import async_retrying
+from sos_client.errors import ConnectionLost
+from sos_client.retry import async_retrying
+from sos_wire import NEED_DATA, Key, ListEntry, RemoteProtocolError
+from sos_wire.events import Payload
+from sos_wire.frames import MAX_LIST_LIMIT
 
 __all__ = ["AsyncClient", "open_client"]
 

@@ -16,11 +16,7 @@ from collections.abc import Callable, Iterable, Iterator
 from functools import partial
 from typing import Any
 
-from sos_wire import NEED_DATA, ListEntry, RemoteProtocolError
-from sos_wire.events import Payload
-from sos_wire.frames import MAX_LIST_LIMIT
-
-from ._common import (
+from sos_client.core import (
     DEFAULT_WINDOW_BYTES,
     DEFAULT_WINDOW_FRAMES,
     NEXT_CHUNK,
@@ -37,8 +33,11 @@ from ._common import (
     readable_now,
     tier_wait_ms,
 )
-from .errors import ConnectionLost
-from .retry import retrying
+from sos_client.errors import ConnectionLost
+from sos_client.retry import retrying
+from sos_wire import NEED_DATA, ListEntry, RemoteProtocolError
+from sos_wire.events import Payload
+from sos_wire.frames import MAX_LIST_LIMIT
 
 __all__ = ["Client"]
 

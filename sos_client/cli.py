@@ -14,7 +14,7 @@ is refused (usage error), since every local user reads a process's command line 
 one line on stderr: ``sos: <message>``.
 
 Other parts plug in subcommands through the ``sos.commands`` entry points
-(:func:`plugged_commands`): ``sos_client.journal.cli.add_parsers`` (restore, verify),
+(:func:`plugged_commands`): ``sos_journal.cli.add_parsers`` (restore, verify),
 ``spark_plugin.mount.cli.add_parser``, ``spark_plugin.gateway.cli.add_parser``; this module
 names none of them (they sit above it).  Each subparser sets ``func=callable(args) -> int`` and calls
 :func:`add_connection_options`; :func:`client_from_args` builds a Client from them.
@@ -32,17 +32,9 @@ from collections.abc import Callable, Iterator
 from importlib.metadata import entry_points
 from typing import BinaryIO
 
-from sos_wire import argtypes
-from sos_wire.auth import Key
-from sos_wire.errors import ErrorCode
-from sos_wire.events import KeyRole
-from sos_wire.logs import add_log_level_option, setup_logging
-from sos_wire.names import BadName, validate_name, validate_namespace
-from sos_wire.tls_options import add_tls_client_options
-
-from ._common import DEFAULT_PORT, DEFAULT_SERVER, resolve_key, resolve_server
-from .blocking import Client
-from .errors import (
+from sos_client.blocking import Client
+from sos_client.core import DEFAULT_PORT, DEFAULT_SERVER, resolve_key, resolve_server
+from sos_client.errors import (
     BadKey,
     Fenced,
     QuotaExceeded,
@@ -52,6 +44,13 @@ from .errors import (
     TooLarge,
     token_key_message,
 )
+from sos_wire import argtypes
+from sos_wire.auth import Key
+from sos_wire.errors import ErrorCode
+from sos_wire.events import KeyRole
+from sos_wire.logs import add_log_level_option, setup_logging
+from sos_wire.names import BadName, validate_name, validate_namespace
+from sos_wire.tls_options import add_tls_client_options
 
 __all__ = [
     "UsageError",
@@ -375,7 +374,7 @@ def plugged_commands() -> list[Callable[[argparse._SubParsersAction], object]]:
     """The ``add_parser(subparsers)`` functions that the ``sos.commands`` entry points name
     (``pyproject.toml``: restore and verify, mount, gateway), in the order of their names.
 
-    This is how the layers above (``sos_client.journal``, ``spark_plugin``) add subcommands
+    This is how the layers above (``sos_journal``, ``spark_plugin``) add subcommands
     without this module naming them. Each of those modules imports only core dependencies
     when the parser is built (pyfuse3, Spark and the like when the command runs), so an
     import error is a bug and is raised, never hidden; no entry point at all means the

@@ -17,7 +17,7 @@ mount and the WebHDFS gateway):
 
 Exception classes outside this module take part by class attributes: ``retryable``
 (bool), ``os_errno`` (int) and ``fenced`` (bool); the journal errors
-(``sos_client.journal.errors``) declare them.
+(``sos_journal.errors``) declare them.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from tenacity import (
     wait_exponential_jitter,
 )
 
-from .errors import is_retryable
+from sos_client.errors import is_retryable
 
 __all__ = ["FIRST_DELAY", "MAX_DELAY", "Backoff", "async_retrying", "retrying"]
 

@@ -53,8 +53,8 @@ from sos_tier.layout import (
     Problem,
     TierConflict,
     TierDamage,
-    _get_piece,
     believe_fence,
+    get_piece,
     iter_object,
     scan,
     seal_time,
@@ -541,7 +541,7 @@ def _check_others(ns: Namespace, store: Store, obj: ObjectState, length: int, re
             if q.begin >= hi:
                 continue
             try:
-                theirs = _get_piece(store, q)[: hi - q.begin]
+                theirs = get_piece(store, q)[: hi - q.begin]
             except TierDamage as exc:
                 _report_problem(
                     report,

@@ -569,7 +569,7 @@ def _verify(store: Store, obj: ObjectState, workers: int) -> None:
         obj.length = min(obj.length, exc.offset)
     for q in obj.extra:
         try:
-            data = _get_piece(store, q)
+            data = get_piece(store, q)
         except TierDamage as exc:
             obj._problem("damage", q.key, q.begin, str(exc))
             continue
@@ -597,7 +597,7 @@ PART_SIZE = 4 * 1024 * 1024  # one ranged GET; a piece is fetched in parts of th
 RELISTS = 3  # a read that finds a listed piece gone lists the object again, this many times
 
 
-def _get_piece(store: Store, p: Piece, pool: ThreadPoolExecutor | None = None) -> bytes:
+def get_piece(store: Store, p: Piece, pool: ThreadPoolExecutor | None = None) -> bytes:
     """A piece's bytes, checked against its name (size, CRC32C); never more than its name's
     size (at most MAX_PIECE_BYTES) plus one byte is read, whatever the key holds."""
     if p.end - p.begin > MAX_PIECE_BYTES:
@@ -635,7 +635,7 @@ def _fetch_run(store: Store, obj: ObjectState, start: int, end: int, workers: in
         return
     if len(need) == 1 and need[0].size <= PART_SIZE:  # one small piece: no threads to start
         p = need[0]
-        data = _get_piece(store, p)
+        data = get_piece(store, p)
         lo, hi = max(start, p.begin), min(end, p.end)
         yield lo, data[lo - p.begin : hi - p.begin]
         return
@@ -645,7 +645,7 @@ def _fetch_run(store: Store, obj: ObjectState, start: int, end: int, workers: in
             window: list[Future[bytes]] = []
             it = iter(need)
             for p in it:
-                window.append(pool.submit(_get_piece, store, p, parts))
+                window.append(pool.submit(get_piece, store, p, parts))
                 if len(window) >= workers:
                     break
             prev: tuple[Piece, bytes] | None = None
@@ -655,7 +655,7 @@ def _fetch_run(store: Store, obj: ObjectState, start: int, end: int, workers: in
                 data = window.pop(0).result()
                 nxt = next(it, None)
                 if nxt is not None:
-                    window.append(pool.submit(_get_piece, store, nxt, parts))
+                    window.append(pool.submit(get_piece, store, nxt, parts))
                 # overlap with the piece before: the bytes both hold (inside the range asked) agree
                 lo_o, hi_o = max(p.begin, start), min(prev[0].end, end) if prev is not None else 0
                 if prev is not None and hi_o > lo_o:

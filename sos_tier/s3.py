@@ -31,7 +31,7 @@ import botocore.exceptions
 
 from sos_tier.errors import classify, translate
 from sos_tier.retry import busy_retrying
-from sos_tier.store import PutOutcome, StoredKey, TierBadRange, TierExists, TierNotFound, _range, check_key
+from sos_tier.store import PutOutcome, StoredKey, TierBadRange, TierExists, TierNotFound, byte_range, check_key
 
 __all__ = ["MAX_ROOT_PREFIX", "S3Store", "translate"]
 
@@ -101,7 +101,7 @@ class S3Store:
         return PutOutcome.ALREADY_SAME if self.get(key) == body else PutOutcome.CONFLICT
 
     def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
-        s, e = _range(start, end)
+        s, e = byte_range(start, end)
         if e is not None and e == s:
             self.size(key)  # a missing key is still TierNotFound
             return b""

@@ -130,7 +130,7 @@ def check_key(key: str) -> str:
     return key
 
 
-def _range(start: int | None, end: int | None) -> tuple[int, int | None]:
+def byte_range(start: int | None, end: int | None) -> tuple[int, int | None]:
     s = 0 if start is None else start
     if s < 0 or (end is not None and end < s):
         raise ValueError(f"bad range [{start}, {end})")
@@ -201,7 +201,7 @@ class LocalStore:
         return PutOutcome.ALREADY_SAME if self.get(key) == bytes(data) else PutOutcome.CONFLICT
 
     def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
-        s, e = _range(start, end)
+        s, e = byte_range(start, end)
         try:
             with open(self._path(key), "rb") as f:
                 f.seek(s)

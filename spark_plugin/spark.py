@@ -67,7 +67,7 @@ MARKER_CONTROL = os.path.join(".sos", "marker")
 NAMESPACE_CONTROL = os.path.join(".sos", "namespace")
 #: file system type of an SOS mount in /proc/self/mountinfo (fsname/subtype sos)
 SOS_FSTYPE = "fuse.sos"
-MARKER_LABEL = "spark.batch"  # = sos_client.journal.layout.BATCH_LABEL (this module imports no sos package)
+MARKER_LABEL = "spark.batch"  # = sos_journal.format.layout.BATCH_LABEL (this module imports no sos package)
 DEFAULT_CHECKPOINT = "checkpoint"
 
 #: Hadoop settings that make Spark write local (file://) checkpoints without the ``.crc``

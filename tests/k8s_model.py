@@ -15,7 +15,7 @@ import pathlib
 from collections.abc import Iterable
 from typing import Any
 
-from deploy_support import K8S, all_k8s_documents, k8s_documents, spark_conf
+from tests.deploy_support import K8S, all_k8s_documents, k8s_documents, spark_conf
 
 #: kinds the manifests use that have no namespace
 CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "PersistentVolume", "StorageClass", "PriorityClass"}

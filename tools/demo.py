@@ -454,7 +454,7 @@ class MountDemo:
 def journal_generations(server_address: str, key: str) -> int:
     """The newest journal generation of the demo's namespace on the server (0: none)."""
     from sos_client import Client
-    from sos_client.journal.restore import list_generations
+    from sos_journal.rebuild.restore import list_generations
 
     with Client(server_address, key, NAMESPACE) as client:
         return max(list_generations(client), default=0)

@@ -10,7 +10,7 @@ import argparse
 import ast
 import pathlib
 
-PACKAGES = ("sos_wire", "sos_tier", "sos_server", "sos_client", "spark_plugin", "tools")
+PACKAGES = ("sos_wire", "sos_tier", "sos_server", "sos_client", "sos_journal", "spark_plugin", "tools")
 LONG = 80
 
 

@@ -1,7 +1,7 @@
 """fsspec filesystem for protocol ``sos``: a thin layer over the journal core.
 
 Paths are ``sos://NAMESPACE/path/inside/namespace``. Every mutation goes through
-:class:`sos_client.journal.tree.JournaledTree`, which applies it to a local cache
+:class:`sos_journal.tree.tree.JournaledTree`, which applies it to a local cache
 directory (where every read is served from) and appends a journal record that a
 replicator ships to the SOS server. When the cache is empty the journal core
 rebuilds it from the server first (the same replay code as ``sos restore``).
@@ -70,9 +70,9 @@ from fsspec.spec import AbstractFileSystem
 from fsspec.utils import stringify_path
 
 from sos_client import resolve_key, resolve_server
-from sos_client.journal.auth import load_journal_keys, resolve_journal_keys
-from sos_client.journal.facade import DEFAULT_TIER_PATIENCE, DURABILITIES
-from sos_client.journal.records import validate_path
+from sos_journal.faces.facade import DEFAULT_TIER_PATIENCE, DURABILITIES
+from sos_journal.format.auth import load_journal_keys, resolve_journal_keys
+from sos_journal.format.records import validate_path
 from sos_wire.names import validate_namespace
 
 from .files import READ_CHUNK, RECORD_DATA_MAX, SOSReadFile, SOSWriteFile, os_error, pread_all

@@ -1,6 +1,6 @@
 """The fsspec filesystem's namespaces: one journaled tree per (server, namespace, cache
 directory) per process, shared by every SOSFileSystem instance addressing it (so two
-instances never fence each other), opened through sos_client.journal.open, flushed at exit."""
+instances never fence each other), opened through sos_journal.tree.open, flushed at exit."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from sos_client.journal.auth import JournalKeys
-from sos_client.journal.facade import call_journal
-from sos_client.journal.open import OpenNamespace, client_factory_for, key_role, open_namespace
+from sos_journal.faces.facade import call_journal
+from sos_journal.format.auth import JournalKeys
+from sos_journal.tree.open import OpenNamespace, client_factory_for, key_role, open_namespace
 from sos_wire.events import KeyRole
 
 # --------------------------------------------------------------------------
@@ -37,7 +37,7 @@ class FsTree(Protocol):
 
 
 class SharedNamespace:
-    """A shared opened namespace (:func:`sos_client.journal.open.open_namespace`) plus the
+    """A shared opened namespace (:func:`sos_journal.tree.open.open_namespace`) plus the
     lock that makes compound operations (exclusive create, checked rename, makedirs)
     atomic within the process. Other processes cannot write the namespace without
     fencing this one."""
@@ -65,7 +65,7 @@ class SharedNamespace:
 
 class _GuardedTree:
     """The JournaledTree as the filesystem sees it: journal failures become the
-    built-in exceptions fsspec users expect (:func:`sos_client.journal.facade.journal_error`,
+    built-in exceptions fsspec users expect (:func:`sos_journal.faces.facade.journal_error`,
     as the mount and the gateway map them). Fenced (another writer took the
     namespace over) -> PermissionError (errno EROFS); any other journal failure
     -> OSError EIO. The original error is chained. Reads keep working from the cache."""

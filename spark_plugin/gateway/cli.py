@@ -13,7 +13,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from sos_client.cli import add_connection_options
-from sos_client.journal.face_command import (
+from sos_journal.faces.command import (
     CommandStart,
     add_journal_options,
     fail,
@@ -23,7 +23,7 @@ from sos_client.journal.face_command import (
     serve_command,
     start_command,
 )
-from sos_client.journal.points import parse_batch
+from sos_journal.read.points import parse_batch
 from sos_wire import argtypes
 from sos_wire.addresses import format_address, is_loopback, is_wildcard
 from sos_wire.names import validate_namespace
@@ -209,7 +209,7 @@ def add_standby_options(p: argparse.ArgumentParser) -> None:
 def run_promote(args: argparse.Namespace, key: str) -> int:
     """``sos gateway promote NAMESPACE URL``."""
     from spark_plugin.gateway.client import GatewayError  # noqa: PLC0415 - as below
-    from spark_plugin.gateway.standby import promote, promote_url_refusal  # noqa: PLC0415 - only when it runs
+    from spark_plugin.gateway.pair.standby import promote, promote_url_refusal  # noqa: PLC0415 - only when it runs
 
     namespace, url = args.promote_args
     try:
@@ -292,7 +292,7 @@ def usage_refusal(args: argparse.Namespace) -> str:
     """Why the serving options are refused as a usage error ("" if they are not): addresses,
     the rollback point, plain HTTP off loopback, what a standby does not serve."""
     # trio, h11 and the gateway: only when it runs (`sos` loads every command's parser)
-    from spark_plugin.gateway.run import (  # noqa: PLC0415
+    from spark_plugin.gateway.serving import (  # noqa: PLC0415
         parse_advertise,
         parse_listen,
         parse_metrics_listen,
@@ -367,9 +367,9 @@ def gateway_options(args: argparse.Namespace, start: CommandStart) -> GatewayOpt
 
 def serve(options: GatewayOptions, *, standby: bool) -> int:
     """Run the gateway (a standby with ``standby``); a refused rollback is a usage error."""
-    from sos_client.journal.rollback import RollbackRefused  # noqa: PLC0415 - as usage_refusal
+    from sos_journal.rebuild.rollback import RollbackRefused  # noqa: PLC0415 - as usage_refusal
+    from spark_plugin.gateway.pair.standby import run_standby  # noqa: PLC0415
     from spark_plugin.gateway.run import run_gateway  # noqa: PLC0415
-    from spark_plugin.gateway.standby import run_standby  # noqa: PLC0415
 
     try:
         return run_standby(options) if standby else run_gateway(options)

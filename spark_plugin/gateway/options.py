@@ -7,13 +7,17 @@ from __future__ import annotations
 import ssl
 from dataclasses import dataclass
 
-from sos_client.journal.facade import FENCE_CHECK
-from sos_client.journal.open import ClientFactory, OpenNamespace, open_namespace
-from sos_client.journal.tree import RebuildCache
-
-from .auth import DEFAULT_KEY_RECHECK, DEFAULT_TOKEN_TTL
-from .http import HEAD_TIMEOUT, MAX_CONNECTIONS, MAX_CONNECTIONS_PER_ADDRESS, SEND_TIMEOUT
-from .operations import OPEN_MEMORY
+from sos_journal.faces.facade import FENCE_CHECK
+from sos_journal.tree.open import ClientFactory, OpenNamespace, open_namespace
+from sos_journal.tree.tree import RebuildCache
+from spark_plugin.gateway.http.auth import DEFAULT_KEY_RECHECK, DEFAULT_TOKEN_TTL
+from spark_plugin.gateway.http.connection import (
+    HEAD_TIMEOUT,
+    MAX_CONNECTIONS,
+    MAX_CONNECTIONS_PER_ADDRESS,
+    SEND_TIMEOUT,
+)
+from spark_plugin.gateway.http.operations import OPEN_MEMORY
 
 __all__ = ["DRAIN_TIMEOUT", "GatewayOptions"]
 
@@ -33,7 +37,7 @@ class GatewayOptions:
     refused unless ``insecure_plaintext`` (:func:`~.run.plaintext_refusal`). ``advertise``:
     ``HOST[:PORT]`` the redirects name. ``max_connections`` is lowered to what the descriptor
     limit (raised to its hard limit first) holds. ``durability`` and ``tier_patience`` go to
-    :func:`~sos_client.journal.open.open_namespace`: with "tier" every barrier (protocol.md
+    :func:`~sos_journal.tree.open.open_namespace`: with "tier" every barrier (protocol.md
     3.4) also waits for the server's bucket, and a server without a tier is refused before
     anything is served (JournalTierUnavailable). A fenced gateway is seen by its writer or by
     a fence check every ``fence_check`` s. On SIGTERM/SIGINT the requests in progress get
@@ -43,7 +47,7 @@ class GatewayOptions:
     127.0.0.1; a standby's adds :mod:`.standby_metrics`). The active gateway's own:
     ``restore_batch``, ``CHECKPOINT:N``: before
     serving, roll the whole namespace back to right after batch N of that checkpoint
-    committed (:mod:`sos_client.journal.rollback`), refused (RollbackRefused) if records
+    committed (:mod:`sos_journal.rebuild.rollback`), refused (RollbackRefused) if records
     follow it unless ``restore_yes``. ``lease``: seconds; the active renews a lease a standby
     watches (lease.py, protocol.md 3.6) and serves only while holding it (None: no lease);
     a standby takes over after that long of silence (None: lease.DEFAULT_LEASE).
@@ -92,7 +96,7 @@ class GatewayOptions:
         replayed_to: int | None = None,
     ) -> OpenNamespace:
         """The namespace opened on ``cache_dir`` as every gateway opens it
-        (:func:`~sos_client.journal.open.open_namespace`; ``client_factory``: None, this
+        (:func:`~sos_journal.tree.open.open_namespace`; ``client_factory``: None, this
         one's): its writer never waits, the gateway's barriers do; ``rebuild`` and
         ``replayed_to`` as there."""
         return open_namespace(

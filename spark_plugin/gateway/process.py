@@ -7,7 +7,7 @@ import os
 import sys
 import tempfile
 
-from sos_client.journal.face_command import FaceChild
+from sos_journal.faces.command import FaceChild
 
 __all__ = ["READY_MARKER", "GatewayProcess"]
 

@@ -13,7 +13,7 @@ import pwd
 import sys
 
 from sos_client.cli import add_connection_options
-from sos_client.journal.face_command import add_journal_options, run_alone, serve_command, start_command
+from sos_journal.faces.command import add_journal_options, run_alone, serve_command, start_command
 from sos_wire import argtypes
 
 

@@ -11,7 +11,7 @@ FUSE reply carries.
   (`trio.to_thread.run_sync`) so the FUSE loop keeps serving other requests;
 * in sync mode (the default) fsync, fsyncdir, the close of `.sos/marker` and a
   rename onto, or the close (flush/release) of a written file at, a path that
-  `sos_client.journal.barriers.needs_barrier` names (Spark's `offsets/N` and
+  `sos_journal.tree.barrier_rule.needs_barrier` names (Spark's `offsets/N` and
   `commits/N`) return only after every record so far is durable on the server;
   other renames and closes are carried by the next such barrier (one ordered
   journal). With durability "tier" (`sos mount --durability tier`) those barriers
@@ -61,14 +61,14 @@ from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 import trio
 
 from sos_client.errors import to_oserror
-from sos_client.journal.barriers import needs_barrier
-from sos_client.journal.facade import FenceLatch
+from sos_journal.faces.facade import FenceLatch
+from sos_journal.tree.barrier_rule import needs_barrier
 
 if TYPE_CHECKING:
     import pyfuse3
     from pyfuse3 import Operations as _OperationsBase
 
-    from sos_client.journal.tree import JournaledTree
+    from sos_journal.tree.tree import JournaledTree
 
 else:
     try:  # pyfuse3 is an optional dependency (extra "mount")
@@ -79,18 +79,18 @@ else:
         _OperationsBase = object
 
 from .inodes import (
-    _ATTR_TIMEOUT,
-    _CONTROL_FILES,
-    _RENAME_EXCHANGE,
-    _RENAME_NOREPLACE,
-    _VIRTUAL,
+    ATTR_TIMEOUT,
     CONTROL_DIR,
     CONTROL_DIR_INO,
+    CONTROL_FILES,
     MARKER_FILE,
     MARKER_INO,
     NAMESPACE_FILE,
     NAMESPACE_INO,
+    RENAME_EXCHANGE,
+    RENAME_NOREPLACE,
     ROOT_INODE,
+    VIRTUAL,
     InodeTable,
 )
 
@@ -194,7 +194,7 @@ class SOSOperations(_OperationsBase):
 
     def _child(self, parent_ino: int, name: bytes) -> str:
         """The tree path of `name` in a directory; EPERM inside/onto the control directory."""
-        if parent_ino in _VIRTUAL or (parent_ino == ROOT_INODE and name == CONTROL_DIR.encode()):
+        if parent_ino in VIRTUAL or (parent_ino == ROOT_INODE and name == CONTROL_DIR.encode()):
             raise pyfuse3.FUSEError(errno.EPERM)
         return self._join(self.inodes.live_path(parent_ino), name)
 
@@ -202,8 +202,8 @@ class SOSOperations(_OperationsBase):
         e = pyfuse3.EntryAttributes()
         e.st_ino = ino
         e.generation = 0
-        e.entry_timeout = _ATTR_TIMEOUT
-        e.attr_timeout = _ATTR_TIMEOUT
+        e.entry_timeout = ATTR_TIMEOUT
+        e.attr_timeout = ATTR_TIMEOUT
         root = os.stat(self.cache_root)
         e.st_size = 0
         if ino == CONTROL_DIR_INO:
@@ -228,8 +228,8 @@ class SOSOperations(_OperationsBase):
         e = pyfuse3.EntryAttributes()
         e.st_ino = ino
         e.generation = 0
-        e.entry_timeout = _ATTR_TIMEOUT
-        e.attr_timeout = _ATTR_TIMEOUT
+        e.entry_timeout = ATTR_TIMEOUT
+        e.attr_timeout = ATTR_TIMEOUT
         e.st_mode = st.st_mode
         e.st_nlink = st.st_nlink
         e.st_uid = st.st_uid
@@ -299,8 +299,8 @@ class SOSOperations(_OperationsBase):
         if parent_inode == ROOT_INODE and name == CONTROL_DIR.encode():
             return self._virtual_entry(CONTROL_DIR_INO)
         if parent_inode == CONTROL_DIR_INO:
-            if name in _CONTROL_FILES:
-                return self._virtual_entry(_CONTROL_FILES[name])
+            if name in CONTROL_FILES:
+                return self._virtual_entry(CONTROL_FILES[name])
             raise pyfuse3.FUSEError(errno.ENOENT)
         path = self._child(parent_inode, name)
         ino, st = self._stat_path(path)
@@ -309,7 +309,7 @@ class SOSOperations(_OperationsBase):
 
     @_guard
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext | None = None) -> pyfuse3.EntryAttributes:
-        if inode in _VIRTUAL:
+        if inode in VIRTUAL:
             return self._virtual_entry(inode)
         path = self.inodes.path(inode)
         if path is None:
@@ -328,7 +328,7 @@ class SOSOperations(_OperationsBase):
         fh: int | None,
         ctx: pyfuse3.RequestContext,
     ) -> pyfuse3.EntryAttributes:
-        if inode in _VIRTUAL:
+        if inode in VIRTUAL:
             if fields.update_size and inode == MARKER_INO and attr.st_size == 0:
                 return self._virtual_entry(inode)
             raise pyfuse3.FUSEError(errno.EPERM)
@@ -373,7 +373,7 @@ class SOSOperations(_OperationsBase):
 
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
         for ino, n in inode_list:
-            if ino not in _VIRTUAL:
+            if ino not in VIRTUAL:
                 self.inodes.forget(ino, n)
 
     @_guard
@@ -387,7 +387,7 @@ class SOSOperations(_OperationsBase):
 
     @_guard
     async def access(self, inode: int, mode: int, ctx: pyfuse3.RequestContext) -> bool:
-        path = None if inode in _VIRTUAL else self.inodes.path(inode)
+        path = None if inode in VIRTUAL else self.inodes.path(inode)
         if path is not None:
             os.lstat(self._local(path))
         return not (mode & os.W_OK and self.fenced is not None)
@@ -436,7 +436,7 @@ class SOSOperations(_OperationsBase):
         if dir_ino == CONTROL_DIR_INO:
             for index in range(start_id, len(names)):
                 vname = names[index].encode()
-                if not pyfuse3.readdir_reply(token, vname, self._virtual_entry(_CONTROL_FILES[vname]), index + 3):
+                if not pyfuse3.readdir_reply(token, vname, self._virtual_entry(CONTROL_FILES[vname]), index + 3):
                     break
             return
         for index in range(start_id, len(names)):
@@ -648,11 +648,11 @@ class SOSOperations(_OperationsBase):
         flags: int,
         ctx: pyfuse3.RequestContext,
     ) -> None:
-        if flags & _RENAME_EXCHANGE:
+        if flags & RENAME_EXCHANGE:
             raise pyfuse3.FUSEError(errno.EINVAL)
         src = self._child(parent_inode_old, name_old)
         dst = self._child(parent_inode_new, name_new)
-        overwrite = not (flags & _RENAME_NOREPLACE)
+        overwrite = not (flags & RENAME_NOREPLACE)
         # The table moves first: in sync mode the tree may return only after the barrier
         # (needs_barrier(dst)), and the moved inode must resolve to its new path meanwhile
         # (fstat of an open fd).

@@ -9,8 +9,8 @@ import os
 import subprocess
 import sys
 
-from sos_client.journal.face_command import FaceChild
 from sos_client.process import ChildStartError, child_log_path
+from sos_journal.faces.command import FaceChild
 
 from ..mounttable import mount_fstype
 

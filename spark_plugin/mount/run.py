@@ -15,17 +15,17 @@ from typing import TYPE_CHECKING
 import trio
 
 from sos_client.errors import is_fenced
-from sos_client.journal.beneath import Beneath
-from sos_client.journal.facade import FENCE_CHECK, FenceWatch
-from sos_client.journal.open import ClientFactory, open_namespace
-from sos_client.journal.open import default_cache_dir as _journal_cache_dir
-from sos_client.journal.tree import JournaledTree
 from sos_client.serving import serve_until_signal
+from sos_journal.beneath import Beneath
+from sos_journal.faces.facade import FENCE_CHECK, FenceWatch
+from sos_journal.tree.open import ClientFactory, open_namespace
+from sos_journal.tree.open import default_cache_dir as _journal_cache_dir
+from sos_journal.tree.tree import JournaledTree
 
 if TYPE_CHECKING:
     import pyfuse3
 
-    from sos_client.journal.writer import JournalWriter
+    from sos_journal.writer.writer import JournalWriter
 else:
     try:  # pyfuse3 is an optional dependency (extra "mount")
         import pyfuse3
@@ -61,7 +61,7 @@ def fuse_options(namespace: str, *, allow_other: bool = False, debug: bool = Fal
 
 class MountedTree:
     """The journal side of a mount: writer + tree over `<cache>/tree`, spool in `<cache>/spool`,
-    opened by `sos_client.journal.open.open_namespace` (the opener fsspec and the gateway use).
+    opened by `sos_journal.tree.open.open_namespace` (the opener fsspec and the gateway use).
 
     The writer fences every older writer first, then an empty (or crash-dirty) cache is
     rebuilt from the server by the same code as `sos restore`. A spool that the server has

@@ -64,8 +64,8 @@ from tools.soak.common import (
     NAMESPACE,
     HarnessError,
     Violation,
-    _read_json,
-    _write_json_atomic,
+    read_json,
+    write_json_atomic,
 )
 from tools.soak.driver import driver_main
 from tools.soak.harness import Soak
@@ -79,11 +79,11 @@ __all__ = [
     "HarnessError",
     "Soak",
     "Violation",
-    "_read_json",
-    "_write_json_atomic",
     "checkpoint_commits",
     "driver_main",
     "main",
+    "read_json",
     "source_offset",
     "state_files",
+    "write_json_atomic",
 ]

@@ -19,7 +19,7 @@ from tools.soak.common import CLUSTER_KINDS, GATEWAY_EMPTY_CACHE, NAMESPACE, Har
 from tools.soak.harness import Soak
 
 
-def _pick_port() -> int:
+def pick_port() -> int:
     """A free port below the usual ephemeral range (so no outgoing connection takes it
     while the server is down)."""
     rnd = random.SystemRandom()
@@ -109,7 +109,7 @@ class ClusterSoak(Soak):
                 shutil.rmtree(self.gateway_cache, ignore_errors=True)
             self.gateway_cache = os.path.join(self.work, f"gw-cache{self.gateway_n + 1}")
         if not self.gateway_port:
-            self.gateway_port = _pick_port()
+            self.gateway_port = pick_port()
         deadline = time.monotonic() + 300
         t = time.monotonic()
         while True:

@@ -27,14 +27,14 @@ class HarnessError(Exception):
     """The harness could not do its job (not a verdict on SOS's correctness)."""
 
 
-def _write_json_atomic(path: str, doc) -> None:
+def write_json_atomic(path: str, doc) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w") as f:
         json.dump(doc, f)
     os.replace(tmp, path)
 
 
-def _read_json(path: str):
+def read_json(path: str):
     try:
         with open(path) as f:
             return json.load(f)

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 
 from tools.demo_common import CHECKPOINT, ROCKSDB_PROVIDER, write_batch_output
-from tools.soak.common import DRIVER_JAVA_OPTIONS, TRIGGER, _read_json, _write_json_atomic
+from tools.soak.common import DRIVER_JAVA_OPTIONS, TRIGGER, read_json, write_json_atomic
 
 
 def driver_main(cfg_path: str) -> int:
@@ -166,7 +166,7 @@ class _QueryRunner:
         self.listener = None
 
     def status(self, seq: int, state: str, error: str | None = None, unreadable: bool = False) -> None:
-        _write_json_atomic(
+        write_json_atomic(
             self.status_path,
             {"seq": seq, "state": state, "error": error, "pid": self.pid, "checkpoint_unreadable": unreadable},
         )
@@ -177,7 +177,7 @@ class _QueryRunner:
     def serve(self) -> None:
         """Until the ``exit`` command: obey each new command, report a query that ended."""
         while True:
-            cmd = _read_json(self.cmd_path)
+            cmd = read_json(self.cmd_path)
             if cmd is not None and cmd["seq"] > self.handled:
                 self.handled = cmd["seq"]
                 if not self.obey(cmd):

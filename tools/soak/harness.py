@@ -28,7 +28,7 @@ from tools.demo_common import (
 )
 from tools.server import ServerProcess
 from tools.soak.checks import Checks, checkpoint_commits, source_offset
-from tools.soak.common import KINDS, NAMESPACE, HarnessError, Violation, _read_json, _write_json_atomic
+from tools.soak.common import KINDS, NAMESPACE, HarnessError, Violation, read_json, write_json_atomic
 
 
 def ServerProc(data_dir: str, log_path: str, tier: str | None = None) -> ServerProcess:
@@ -282,14 +282,14 @@ class Soak(Checks):
         doc = {"seq": self.cmd_seq, "action": action}
         if action == "run":
             doc.update(mountpoint=self.mountpoint, checkpoint=self.checkpoint())
-        _write_json_atomic(os.path.join(self.driver_ctl, "cmd.json"), doc)
+        write_json_atomic(os.path.join(self.driver_ctl, "cmd.json"), doc)
         self.want_running = action == "run"
         return self.cmd_seq
 
     def status(self):
         if self.driver is None:
             return None
-        st = _read_json(os.path.join(self.driver_ctl, "status.json"))
+        st = read_json(os.path.join(self.driver_ctl, "status.json"))
         if st is None or self.driver is None or st.get("pid") != self.driver.pid:
             return None
         return st
@@ -321,7 +321,7 @@ class Soak(Checks):
             **extra,
         }
         cfg_path = os.path.join(ctl, "driver.json")
-        _write_json_atomic(cfg_path, cfg)
+        write_json_atomic(cfg_path, cfg)
         return ctl, cfg_path
 
     def _spawn_driver(self) -> tuple[subprocess.Popen, str]:

@@ -26,7 +26,7 @@ import signal
 import time
 
 from tools.demo_common import CHECKPOINT
-from tools.soak.cluster_mode import ClusterSoak, _pick_port
+from tools.soak.cluster_mode import ClusterSoak, pick_port
 from tools.soak.common import CLUSTER_KINDS, GATEWAY_EMPTY_CACHE, NAMESPACE, HarnessError, Violation
 
 #: --lease of both gateways (seconds)
@@ -111,7 +111,7 @@ class PairSoak(ClusterSoak):
         """Both gateways, from nothing (setup, after a total loss): the active on the first
         port, then the standby."""
         if not self.ports:
-            self.ports = [_pick_port(), _pick_port()]
+            self.ports = [pick_port(), pick_port()]
         t = time.monotonic()
         for g in (self.gateway, self.standby_gw):
             if g is not None:

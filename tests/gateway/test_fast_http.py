@@ -1,0 +1,248 @@
+"""Issue 28 item 2: the gateway reads the request heads of Hadoop's plain requests without
+h11 (``http.parse_fast_head``) and writes their replies itself. It must accept nothing h11
+refuses, read what it accepts exactly as h11 does, hand everything else to h11 unchanged,
+and answer byte for byte as the h11 path does: checked on a corpus of heads, then against a
+real ``sos gateway`` and ``sos-server`` over raw sockets (pipelined requests, a head split
+over two reads, a fast request followed by one h11 reads, ``Connection: close``)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import h11
+import pytest
+
+from spark_plugin.gateway.http.connection import FAST_HEAD, parse_fast_head
+from tests.gateway.test_http_hostile import closed_after, connect, port_of, read_reply, start_gateway, token_for
+
+HADOOP_GET = (
+    b"GET /webhdfs/v1/cp/offsets/7?op=GETFILESTATUS&user.name=spark HTTP/1.1\r\n"
+    b"Authorization: Bearer abc.def\r\nUser-Agent: Java/17.0.15\r\nHost: 10.0.0.5:9870\r\n"
+    b"Accept: */*\r\nConnection: keep-alive\r\n\r\n"
+)
+HADOOP_PUT = (
+    b"PUT /webhdfs/v1/cp/a?op=RENAME&destination=/cp/b&user.name=spark HTTP/1.1\r\n"
+    b"Authorization: Bearer abc.def\r\nUser-Agent: Java/17.0.15\r\nHost: gw:9870\r\nAccept: */*\r\n"
+    b"Connection: keep-alive\r\nContent-type: application/x-www-form-urlencoded\r\nContent-Length: 0\r\n\r\n"
+)
+
+#: heads the fast path must leave to h11 (some h11 refuses, some it reads)
+SLOW = [
+    b"GET / HTTP/1.0\r\nHost: a\r\n\r\n",
+    b"HEAD / HTTP/1.1\r\nHost: a\r\n\r\n",
+    b"OPTIONS * HTTP/1.1\r\nHost: a\r\n\r\n",
+    b"GET /caf\xc3\xa9 HTTP/1.1\r\nHost: a\r\n\r\n",  # raw UTF-8 in the target (ascii_request_line)
+    b"GET / HTTP/1.1\r\nHost: a\r\nX-Note: caf\xe9\r\n\r\n",  # obs-text in a value
+    b"GET / HTTP/1.1\r\nHost: a\r\nX-Fold: a\r\n b\r\n\r\n",  # obs-fold
+    b"GET / HTTP/1.1\nHost: a\r\n\r\n",  # a bare LF
+    b"GET / HTTP/1.1\r\nHost: a\nX: b\r\n\r\n",
+    b"GET / HTTP/1.1\r\n\r\n",  # no Host
+    b"GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n",
+    b"GET / HTTP/1.1\r\nHost : a\r\n\r\n",  # space before the colon
+    b"GET / HTTP/1.1\r\nHost: a\r\nX: a\x00b\r\n\r\n",
+    b"GET / HTTP/1.1\r\nHost: a\r\nX: a\x7fb\r\n\r\n",
+    b"GET / HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n",
+    b"GET / HTTP/1.1\r\nHost: a\r\nConnection: keep-alive, Upgrade\r\nUpgrade: h2c\r\n\r\n",
+    b"PUT / HTTP/1.1\r\nHost: a\r\nExpect: 100-continue\r\nContent-Length: 0\r\n\r\n",
+    b"PUT / HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\n\r\nhello",
+    b"PUT / HTTP/1.1\r\nHost: a\r\nContent-Length: 00\r\n\r\n",
+    b"PUT / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    b"PUT / HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\nTransfer-Encoding: chunked\r\n\r\n",
+    b"\r\nGET / HTTP/1.1\r\nHost: a\r\n\r\n",  # a leading empty line
+    b"GET  / HTTP/1.1\r\nHost: a\r\n\r\n",
+    b"GET / HTTP/1.1 \r\nHost: a\r\n\r\n",
+    b"get / HTTP/1.1\r\nHost: a\r\n\r\n",
+    b"GET http://a/ HTTP/1.1\r\nHost: a\r\n\r\n",
+    b"GET / HTTP/1.1\r\nHost: a\r\n",  # not whole yet
+    b"GET / HTTP/1.1\r\nHost: a\r\nX: " + b"y" * FAST_HEAD + b"\r\n\r\n",
+]
+#: heads it takes
+FAST = [
+    HADOOP_GET,
+    HADOOP_PUT,
+    b"POST /sos/v1/marker?label=b7 HTTP/1.1\r\nHost: a\r\nAuthorization: Bearer t\r\nContent-Length: 0\r\n\r\n",
+    b"DELETE /webhdfs/v1/x?op=DELETE HTTP/1.1\r\nHOST:a\r\nX-Empty:\r\nX-Tab:\tv\t w \r\n\r\n",
+]
+
+
+def h11_reads(data: bytes) -> tuple[h11.Request, bytes] | None:
+    """What h11 reads from ``data``: its first request and the bytes left, or None."""
+    conn = h11.Connection(h11.SERVER)
+    conn.receive_data(data)
+    try:
+        event = conn.next_event()
+    except h11.RemoteProtocolError:
+        return None
+    if not isinstance(event, h11.Request):
+        return None
+    # a bodiless request's end (EndOfMessage) comes from the framing h11 chose
+    end = conn.next_event()
+    assert isinstance(end, h11.EndOfMessage), end
+    return event, conn.trailing_data[0]
+
+
+@pytest.mark.parametrize("head", FAST, ids=range(len(FAST)))
+def test_the_fast_path_reads_hadoops_heads_as_h11_does(head):
+    after = b"GET /next HTTP/1.1\r\nHost: a\r\n\r\n"
+    parsed = parse_fast_head(head + after)
+    assert parsed is not None, head
+    fast, used = parsed
+    theirs = h11_reads(head + after)
+    assert theirs is not None
+    req, rest = theirs
+    assert (fast.method, fast.target) == (req.method, req.target)
+    assert fast.headers == list(req.headers)  # lower-case names, values without outer whitespace
+    assert (head + after)[used:] == rest == after
+
+
+@pytest.mark.parametrize("head", SLOW, ids=range(len(SLOW)))
+def test_every_other_shape_is_left_to_h11(head):
+    assert parse_fast_head(head) is None
+
+
+# ---------------------------------------------------------------------------- a real gateway
+
+
+@pytest.fixture(scope="module")
+def gw(server, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gwfast")
+    g = start_gateway(server, tmp, name="fast")
+    g.token = token_for(g, g.key)
+    s = connect(port_of(g))
+    s.sendall(
+        f"PUT /webhdfs/v1/d?op=MKDIRS HTTP/1.1\r\nHost: a\r\nAuthorization: Bearer {g.token}\r\n"
+        "Content-Length: 0\r\n\r\n".encode()
+    )
+    assert read_reply(s)[0] == 200
+    s.close()
+    yield g
+    assert g.stop() == 0
+
+
+def stat_head(token: str, extra: bytes = b"") -> bytes:
+    return (
+        b"GET /webhdfs/v1/d?op=GETFILESTATUS&user.name=spark HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        b"Authorization: Bearer " + token.encode() + b"\r\nConnection: keep-alive\r\n" + extra + b"\r\n"
+    )
+
+
+def replies(sock, count: int) -> list[tuple[int, dict, bytes]]:
+    """``count`` whole replies (status, headers, body), in the order they came."""
+    buf = bytearray()
+    return [read_reply(sock, buf) for _ in range(count)]
+
+
+def raw_reply(sock) -> bytes:
+    """One whole reply as the bytes sent (head and body)."""
+    got = b""
+    while b"\r\n\r\n" not in got:
+        got += sock.recv(65536)
+    head = got.partition(b"\r\n\r\n")[0].lower()
+    length = int(head.partition(b"content-length: ")[2].partition(b"\r\n")[0])
+    while len(got) < len(head) + 4 + length:
+        got += sock.recv(65536)
+    return got
+
+
+def test_a_fast_reply_is_the_h11_reply_byte_for_byte(gw):
+    s = connect(port_of(gw))
+    try:
+        got = []
+        # fast; then one with an obs-text header value, which only h11 reads; then fast again
+        for extra in (b"", b"X-Note: caf\xe9\r\n", b""):
+            s.sendall(stat_head(gw.token, extra))
+            got.append(raw_reply(s))
+        heads = [reply.partition(b"\r\n\r\n")[0] for reply in got]
+        docs = [json.loads(reply.partition(b"\r\n\r\n")[2]) for reply in got]
+        for doc in docs:  # (the cache's access time of the directory: not the path's doing)
+            doc["FileStatus"].pop("accessTime")
+        assert heads[0] == heads[1] == heads[2]
+        assert docs[0] == docs[1] == docs[2] and docs[0]["FileStatus"]["type"] == "DIRECTORY"
+        assert got[0].startswith(b"HTTP/1.1 200 \r\n")
+        assert b"connection: keep-alive\r\nkeep-alive: timeout=1\r\n" in got[0]
+    finally:
+        s.close()
+
+
+def test_pipelined_requests_of_both_paths_are_answered_in_order(gw):
+    s = connect(port_of(gw))
+    try:
+        missing = (
+            b"GET /webhdfs/v1/nothing?op=GETFILESTATUS HTTP/1.1\r\nHost: a\r\nAuthorization: Bearer "
+            + gw.token.encode()
+            + b"\r\n\r\n"
+        )
+        slow = stat_head(gw.token, b"X-Note: caf\xe9\r\n")
+        s.sendall(stat_head(gw.token) + missing + slow + missing + stat_head(gw.token))
+        statuses = [status for status, _, _ in replies(s, 5)]
+        assert statuses == [200, 404, 200, 404, 200]
+        s.sendall(missing)  # the connection still serves
+        assert read_reply(s)[0] == 404
+    finally:
+        s.close()
+
+
+def test_a_head_split_over_two_reads_is_served(gw):
+    s = connect(port_of(gw))
+    try:
+        head = stat_head(gw.token)
+        s.sendall(head[:20])
+        time.sleep(0.3)
+        s.sendall(head[20:])
+        assert read_reply(s)[0] == 200
+        s.sendall(head)  # and the next, whole, on the same connection
+        assert read_reply(s)[0] == 200
+    finally:
+        s.close()
+
+
+def test_connection_close_is_honoured(gw):
+    s = connect(port_of(gw))
+    try:
+        s.sendall(stat_head(gw.token).replace(b"Connection: keep-alive", b"Connection: close"))
+        status, headers, _ = read_reply(s)
+        assert status == 200 and headers.get("connection") == "close"
+        assert closed_after(s, 30)
+    finally:
+        s.close()
+
+
+def test_a_refused_fast_request_closes_when_the_refusal_says_so(gw):
+    s = connect(port_of(gw))
+    try:
+        # two Authorization headers: both paths' head check refuses it (400, close)
+        s.sendall(stat_head(gw.token, b"Authorization: Bearer other\r\n"))
+        status, headers, _ = read_reply(s)
+        assert status == 400 and headers.get("connection") == "close"
+        assert closed_after(s, 30)
+    finally:
+        s.close()
+
+
+def test_an_open_reply_of_the_fast_path_streams_the_file_and_the_connection_goes_on(gw):
+    content = bytes(range(256)) * 1100  # 281,600 bytes: more than one OPEN piece
+    auth = b"Authorization: Bearer " + gw.token.encode() + b"\r\n"
+    s = connect(port_of(gw))
+    try:
+        s.sendall(
+            b"PUT /webhdfs/v1/d/f?op=CREATE&data=true&overwrite=true HTTP/1.1\r\nHost: a\r\n"
+            + auth
+            + b"Content-Length: %d\r\n\r\n" % len(content)
+            + content
+        )
+        assert read_reply(s)[0] == 201
+        for query, want in ((b"", content), (b"&offset=1000&length=70000", content[1000:71000])):
+            s.sendall(
+                b"GET /webhdfs/v1/d/f?op=OPEN&data=true"
+                + query
+                + b" HTTP/1.1\r\nHost: a\r\n"
+                + auth
+                + b"Connection: keep-alive\r\n\r\n"
+            )
+            status, headers, body = read_reply(s)
+            assert status == 200 and body == want and headers["content-length"] == str(len(want))
+        s.sendall(stat_head(gw.token))
+        assert read_reply(s)[0] == 200
+    finally:
+        s.close()

@@ -1,0 +1,351 @@
+"""Hadoop's own client against a real `sos gateway` and `sos-server` (issue 20): FsShell (as
+``java -cp <pyspark/jars/*> org.apache.hadoop.fs.FsShell``, and in one JVM through
+tests/java/HadoopHarness.java, compiled here with the JDK's javac) and FileSystem /
+FileContext calls through the same harness, with the OAuth2 and retry settings of
+spark_plugin.spark.gateway_conf. Each case is one of the gaps the issue lists: what HDFS
+answers, the gateway answers."""
+
+from __future__ import annotations
+
+import getpass
+import glob
+import hashlib
+import os
+import shutil
+import subprocess
+import urllib.request
+
+import crc32c
+import pytest
+
+from spark_plugin.gateway.process import GatewayProcess
+from spark_plugin.spark import gateway_conf, webhdfs_url
+
+pytestmark = [pytest.mark.hadoop, pytest.mark.slow, pytest.mark.timeout(900)]
+
+NS = "hadooptools"
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _jars() -> str:
+    pyspark = pytest.importorskip("pyspark")
+    jars = os.path.join(os.path.dirname(pyspark.__file__), "jars")
+    if not glob.glob(os.path.join(jars, "hadoop-client-api-*.jar")):
+        pytest.skip("pyspark has no Hadoop client jars")
+    return jars
+
+
+@pytest.fixture(scope="module")
+def java_env(tmp_path_factory):
+    """(classpath, env) to run Hadoop's client: the harness compiled with javac."""
+    if shutil.which("java") is None or shutil.which("javac") is None:
+        pytest.skip("no JDK (java and javac) on this machine")
+    jars = _jars()
+    classes = tmp_path_factory.mktemp("harness")
+    subprocess.run(
+        [
+            "javac",
+            "-nowarn",
+            "-d",
+            str(classes),
+            "-cp",
+            os.path.join(jars, "*"),
+            os.path.join(HERE, "java", "HadoopHarness.java"),
+        ],
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
+    # UTF-8 arguments and output whatever the machine's locale
+    env = dict(
+        os.environ,
+        LC_ALL="C.UTF-8",
+        LANG="C.UTF-8",
+        JAVA_TOOL_OPTIONS="-Dfile.encoding=UTF-8 -Dsun.stdout.encoding=UTF-8 -Dsun.stderr.encoding=UTF-8 -Xshare:auto",
+    )
+    return f"{classes}{os.pathsep}{os.path.join(jars, '*')}", env
+
+
+@pytest.fixture(scope="module")
+def gateway(server, tmp_path_factory):
+    key = server.keygen(NS, "append")
+    base = tmp_path_factory.mktemp("hadoop-gw")
+    gw = GatewayProcess(
+        NS, str(base / "cache"), server.address, key, debug=True, log_path=str(base / "gateway.log")
+    ).start()
+    yield gw, key
+    assert gw.stop() == 0, gw.log()[-4000:]
+
+
+def _conf_args(gw, key) -> list[str]:
+    return [f"{k}={v}" for k, v in gateway_conf(gw.url, NS, key).items()]
+
+
+def harness(java_env, gateway, base: str, *cases: str) -> dict[str, tuple[str, str]]:
+    """Run the harness's CASES against webhdfs://gateway/BASE: {case: (ok|error, result)}."""
+    classpath, env = java_env
+    gw, key = gateway
+    out = subprocess.run(
+        ["java", "-cp", classpath, "HadoopHarness", webhdfs_url(gw.url, base), *_conf_args(gw, key), "--", *cases],
+        capture_output=True,
+        env=env,
+        timeout=600,
+        check=False,
+    )
+    text = out.stdout.decode("utf-8", "replace")
+    assert out.returncode == 0, text + out.stderr.decode("utf-8", "replace")[-4000:]
+    results = {}
+    for line in text.splitlines():
+        name, _, rest = line.partition("\t")
+        if name in cases:
+            status, _, value = rest.partition("\t")
+            results[name] = (status, value)
+    assert set(results) == set(cases), text
+    return results
+
+
+def shell(java_env, gateway, *commands: list[str]) -> list[tuple[int, str, str]]:
+    """FsShell COMMANDS (argument lists; "{u}" is the gateway's webhdfs:// URL) run in one
+    JVM as `hadoop fs` runs them: [(exit code, stdout, stderr)]."""
+    classpath, env = java_env
+    gw, key = gateway
+    u = webhdfs_url(gw.url).rstrip("/")
+    cases = ["shell:" + "|".join(arg.replace("{u}", u) for arg in cmd) for cmd in commands]
+    out = subprocess.run(
+        ["java", "-cp", classpath, "HadoopHarness", webhdfs_url(gw.url, "shell"), *_conf_args(gw, key), "--", *cases],
+        capture_output=True,
+        env=env,
+        timeout=600,
+        check=False,
+    )
+    text = out.stdout.decode("utf-8")
+    assert out.returncode == 0, text + out.stderr.decode("utf-8", "replace")[-4000:]
+    results = []
+    for line in text.splitlines():
+        if line.startswith("shell\t"):
+            _, code, sout, serr = line.split("\t")
+            unesc = [s.replace("\\n", "\n").replace("\\t", "\t").replace("\\\\", "\\") for s in (sout, serr)]
+            results.append((int(code), unesc[0], unesc[1]))
+    assert len(results) == len(commands), text
+    return results
+
+
+@pytest.fixture(scope="module")
+def conf_dir(gateway, tmp_path_factory):
+    """A Hadoop configuration directory whose core-site.xml holds the gateway's settings
+    (what an operator puts in HADOOP_CONF_DIR for `hadoop fs`; FsShell's main insists on a
+    core-site.xml)."""
+    gw, key = gateway
+    d = tmp_path_factory.mktemp("hadoop-conf")
+    props = "".join(
+        f"<property><name>{k}</name><value>{v}</value></property>\n" for k, v in gateway_conf(gw.url, NS, key).items()
+    )
+    (d / "core-site.xml").write_text(f'<?xml version="1.0"?>\n<configuration>\n{props}</configuration>\n')
+    return str(d)
+
+
+def fs_shell(java_env, conf_dir, *args: str, conf: dict[str, str] | None = None):
+    """Hadoop's FsShell in a JVM of its own, exactly as an operator runs it (`hadoop fs`:
+    the configuration directory first on the classpath, -D for the rest)."""
+    classpath, env = java_env
+    defs = [a for k, v in (conf or {}).items() for a in ("-D", f"{k}={v}")]
+    return subprocess.run(
+        ["java", "-cp", f"{conf_dir}{os.pathsep}{classpath}", "org.apache.hadoop.fs.FsShell", *defs, *args],
+        capture_output=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+
+
+def _crc32c_md5md5(data: bytes) -> str:
+    """HDFS's MD5-of-0MD5-of-512CRC32C of a one-block file (bytes field, hex), in Python."""
+    crcs = b"".join(crc32c.crc32c(data[i : i + 512]).to_bytes(4, "big") for i in range(0, len(data), 512))
+    md5 = hashlib.md5(hashlib.md5(crcs).digest()).digest()
+    return (512).to_bytes(4, "big").hex() + (0).to_bytes(8, "big").hex() + md5.hex()
+
+
+# ---------------------------------------------------------------------------- the eight gaps
+
+
+def test_block_locations_one_per_block_on_localhost(java_env, gateway):
+    """Gap 1: GETFILEBLOCKLOCATIONS (what Spark's file index asks for every read), with
+    listFiles and listLocatedStatus built on it, and -setrep -w."""
+    r = harness(java_env, gateway, "gap1", "blocklocations", "blocklocations-dir")
+    status, value = r["blocklocations"]
+    assert status == "ok", value
+    assert value == (
+        "whole=0+3000@localhost/localhost:9866; past= empty= "
+        "listFiles=a=0+3000@localhost/localhost:9866; empty= listLocatedStatus=2"
+    )
+    # HDFS refuses a directory: Path is not a file
+    assert r["blocklocations-dir"][0] == "error"
+    assert r["blocklocations-dir"][1].startswith("java.io.FileNotFoundException"), r
+    [(code, out, err)] = shell(java_env, gateway, ["-setrep", "-w", "1", "{u}/gap1/blocks/a"])
+    assert code == 0, err
+    assert "Replication 1 set" in out and "Waiting for" in out, out
+
+
+def test_non_ascii_names_through_fs_shell(java_env, gateway, conf_dir, tmp_path):
+    """Gap 2: Hadoop sends raw UTF-8 in the request line; a real FsShell JVM puts, lists
+    and reads back a name with non-ASCII characters."""
+    gw, _ = gateway
+    u = webhdfs_url(gw.url).rstrip("/")
+    local = tmp_path / "local.txt"
+    local.write_text("grüße\n", encoding="utf-8")
+    name = "gap2/dïr ✓/fïlé 日本.txt"
+    r = fs_shell(java_env, conf_dir, "-mkdir", "-p", f"{u}/gap2/dïr ✓")
+    assert r.returncode == 0, r.stderr.decode()
+    r = fs_shell(java_env, conf_dir, "-put", str(local), f"{u}/{name}")
+    assert r.returncode == 0, r.stderr.decode()
+    ls = fs_shell(java_env, conf_dir, "-ls", f"{u}/gap2/dïr ✓")
+    assert ls.returncode == 0, ls.stderr.decode()
+    assert "fïlé 日本.txt" in ls.stdout.decode("utf-8")
+    cat = fs_shell(java_env, conf_dir, "-cat", f"{u}/{name}")
+    assert cat.returncode == 0 and cat.stdout.decode("utf-8") == "grüße\n", cat.stderr.decode()
+
+
+def test_create_flags_overwrite_and_append(java_env, gateway):
+    """Gap 3: createflag (createNonRecursive, createFile(p).overwrite(true).build(),
+    FileContext.create with CREATE|OVERWRITE and CREATE|APPEND)."""
+    r = harness(java_env, gateway, "gap3", "createNonRecursive", "createFileBuilder")
+    assert r["createNonRecursive"] == ("ok", "new FileNotFoundException FileAlreadyExistsException"), r
+    assert r["createFileBuilder"] == ("ok", "built context context+more"), r
+
+
+def test_file_checksum_is_hdfs_md5_of_md5_of_crc32c(java_env, gateway, tmp_path):
+    """Gap 4: GETFILECHECKSUM as HDFS computes it (checked against Hadoop's own DataChecksum
+    and MD5Hash in the harness, and in Python), null for an empty file, `-checksum` exits 0;
+    a directory is refused with an IOException (FileNotFoundException), which DistCp
+    catches."""
+    r = harness(java_env, gateway, "gap4", "checksum", "checksum-dir", "checksum-2blocks")
+    assert r["checksum-2blocks"] == ("ok", "MD5-of-262144MD5-of-512CRC32C true"), r
+    # an empty file: HDFS's "magic entry", the MD5 of 32 zero bytes
+    assert r["checksum"] == (
+        "ok",
+        "MD5-of-0MD5-of-512CRC32C true 28 empty=MD5-of-0MD5-of-0CRC32:70bc8f4b72a86921468bf8e8441dce51",
+    ), r
+    assert r["checksum-dir"][0] == "error"
+    assert r["checksum-dir"][1].startswith("java.io.FileNotFoundException"), r
+    data = bytes((k * 31 + 7 + (k >> 9)) & 0xFF for k in range(5 * 512 + 77))
+    gw, _ = gateway
+    [(code, out, err)] = shell(java_env, gateway, ["-checksum", "{u}/gap4/sum"])
+    assert code == 0, err
+    assert out.split() == [f"{webhdfs_url(gw.url, 'gap4/sum')}", "MD5-of-0MD5-of-512CRC32C", _crc32c_md5md5(data)], out
+
+
+def test_trash_rm_moves_to_user_trash(java_env, gateway, conf_dir):
+    """Gap 5: GETTRASHROOT(S); -rm with fs.trash.interval set moves to /user/USER/.Trash."""
+    gw, _ = gateway
+    u = webhdfs_url(gw.url).rstrip("/")
+    user = os.environ.get("HADOOP_USER_NAME") or getpass.getuser()
+    assert fs_shell(java_env, conf_dir, "-mkdir", "-p", f"{u}/gap5").returncode == 0
+    assert fs_shell(java_env, conf_dir, "-touchz", f"{u}/gap5/doomed").returncode == 0
+    r = fs_shell(java_env, conf_dir, "-rm", f"{u}/gap5/doomed", conf={"fs.trash.interval": "60"})
+    assert r.returncode == 0, r.stderr.decode()
+    ls = fs_shell(java_env, conf_dir, "-ls", "-R", f"{u}/user/{user}/.Trash")
+    assert ls.returncode == 0 and "gap5/doomed" in ls.stdout.decode(), ls.stderr.decode()
+    res = harness(java_env, gateway, "gap5", "trashRoot")
+    assert res["trashRoot"] == ("ok", f"/user/{user}/.Trash 1"), res
+
+
+def test_set_owner_is_accepted_and_records_nothing(java_env, gateway, tmp_path):
+    """Gap 6: SETOWNER accepted as on a filesystem without owners (FileSystem's own default,
+    the object stores): -chown, -chgrp, -cp -p and -put -p exit 0; the owner stays the
+    gateway's; a missing path is refused as HDFS refuses it."""
+    local = tmp_path / "p.txt"
+    local.write_text("preserved")
+    results = shell(
+        java_env,
+        gateway,
+        ["-mkdir", "-p", "{u}/gap6"],
+        ["-put", "-p", str(local), "{u}/gap6/p.txt"],
+        ["-chown", "alice:staff", "{u}/gap6/p.txt"],
+        ["-chgrp", "-R", "staff", "{u}/gap6"],
+        ["-cp", "-p", "{u}/gap6/p.txt", "{u}/gap6/q.txt"],
+        ["-cat", "{u}/gap6/q.txt"],
+        ["-chown", "bob", "{u}/gap6/missing"],
+    )
+    for code, _out, err in results[:6]:
+        assert code == 0, err
+    assert results[5][1] == "preserved"
+    assert results[6][0] != 0 and "No such file" in results[6][2], results[6]
+    r = harness(java_env, gateway, "gap6", "setOwner")
+    assert r["setOwner"] == ("ok", "true true false"), r
+
+
+def test_count_e_shows_the_erasure_coding_policy(java_env, gateway):
+    """Gap 7: GETCONTENTSUMMARY carries ecPolicy ("" for a directory without a policy,
+    "Replicated" for a file, as HDFS), so -count -e works."""
+    r = harness(java_env, gateway, "gap7", "contentSummary")
+    assert r["contentSummary"] == ("ok", "[] [Replicated] 10 1"), r
+    [(code, out, err)] = shell(java_env, gateway, ["-count", "-e", "{u}/gap7/cs/f"])
+    assert code == 0, err
+    assert out.split()[:4] == ["0", "1", "10", "Replicated"], out
+
+
+def test_df_reports_the_cache_filesystem(java_env, gateway):
+    """Gap 8: GETSTATUS (capacity, used, remaining of the gateway's cache filesystem), so
+    -df works."""
+    r = harness(java_env, gateway, "gap8", "status")
+    assert r["status"] == ("ok", "true true true true"), r
+    gw, _ = gateway
+    sv = os.statvfs(gw.cache_dir)
+    [(code, out, err)] = shell(java_env, gateway, ["-df", "{u}/"])
+    assert code == 0, err
+    fields = out.splitlines()[1].split()
+    assert int(fields[1]) == sv.f_blocks * sv.f_frsize, out
+
+
+# ---------------------------------------------------------------------------- smaller ones
+
+
+def test_open_past_end_rename_into_child_and_delete_root_as_hdfs(java_env, gateway):
+    """OPEN past the end: EOFException (HDFS's DataNode refuses the seek); renaming a
+    directory into its own child: false from rename, IOException from rename2 (FileContext);
+    delete("/", recursive): false, nothing deleted."""
+    r = harness(java_env, gateway, "small", "seekPastEnd", "renameIntoChild", "deleteRoot")
+    assert r["seekPastEnd"] == ("ok", "EOFException"), r
+    assert r["renameIntoChild"] == ("ok", "false IOException true"), r
+    assert r["deleteRoot"] == ("ok", "false true"), r
+
+
+# ---------------------------------------------------------------------------- retries after a crash
+
+
+def test_a_rename_resent_after_a_gateway_crash_answers_as_the_first(server, tmp_path):
+    """Hadoop's client resends a RENAME whose reply it did not get (the gateway killed
+    after applying it, before answering): the resent one, on the gateway restarted on the
+    same cache, answers as the first did (rename2: no error; rename: true), as HDFS's
+    RetryCache answers a retried call; a rename of a source that never was is still refused.
+    Every reply asks Java's client to drop pooled connections idle over 1 s."""
+    from spark_plugin.gateway.client import GatewayClient, GatewayError
+
+    key = server.keygen("retries", "append")
+    gw = GatewayProcess("retries", str(tmp_path / "cache"), server.address, key).start()
+    try:
+        c = GatewayClient(gw.url, "retries", key)
+        c.call("PUT", "/webhdfs/v1/ckpt/.0.tmp", b"", op="CREATE", data="true")
+        c.call("PUT", "/webhdfs/v1/ckpt/.1.tmp", b"x", op="CREATE", data="true")
+        c.call("PUT", "/webhdfs/v1/ckpt/.0.tmp", op="RENAME", destination="/ckpt/0", renameoptions="NONE")
+        assert c.call("PUT", "/webhdfs/v1/ckpt/.1.tmp", op="RENAME", destination="/ckpt/1") == {"boolean": True}
+        with urllib.request.urlopen(
+            urllib.request.Request(
+                f"{gw.url}/webhdfs/v1/ckpt?op=LISTSTATUS", headers={"Authorization": f"Bearer {c.token()}"}
+            )
+        ) as r:
+            assert r.headers["Keep-Alive"] == "timeout=1"  # (urllib asked to close: h11 says close)
+        port = gw.url.rsplit(":", 1)[1]
+        gw.kill()
+        gw = GatewayProcess("retries", str(tmp_path / "cache"), server.address, key, listen=f"127.0.0.1:{port}").start()
+        c = GatewayClient(gw.url, "retries", key)
+        # resent: the first answers
+        assert c.call("PUT", "/webhdfs/v1/ckpt/.0.tmp", op="RENAME", destination="/ckpt/0", renameoptions="NONE") == {}
+        assert c.call("PUT", "/webhdfs/v1/ckpt/.1.tmp", op="RENAME", destination="/ckpt/1") == {"boolean": True}
+        # not a retry: another destination, or a source never renamed
+        with pytest.raises(GatewayError) as err:
+            c.call("PUT", "/webhdfs/v1/ckpt/.0.tmp", op="RENAME", destination="/ckpt/9", renameoptions="NONE")
+        assert err.value.exception == "FileNotFoundException"
+        assert c.call("PUT", "/webhdfs/v1/ckpt/.7.tmp", op="RENAME", destination="/ckpt/7") == {"boolean": False}
+    finally:
+        assert gw.stop() == 0, gw.log()[-4000:]

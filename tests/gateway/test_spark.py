@@ -1,0 +1,411 @@
+"""A real Spark query (local[2], stateful: dropDuplicates) checkpoints on webhdfs:// through
+`sos gateway` with the OAuth2 and retry settings of `gateway_checkpoint`, runs 3 batches,
+restarts for 2 more; every id comes out exactly once, the batch markers are written, and
+`sos restore` (also `--batch`) gives back a checkpoint with the committed batches."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from collections import Counter
+
+import pytest
+
+from spark_plugin.gateway.process import GatewayProcess
+from spark_plugin.spark import restore_to_batch, sos_command
+from tests.gateway_cut_support import CutProxy
+from tools.demo import committed_batches, kill_tree, make_input
+from tools.logtext import as_text
+
+pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.timeout(1500)]
+
+NS = "gwspark"
+RECORDS = 500
+FILES = 5
+FIRST_RUN_FILES = 3
+
+DRIVER = textwrap.dedent("""
+    import json, os, sys, time
+    cfg = json.load(open(sys.argv[1]))
+    from pyspark.sql import SparkSession
+    from tools.demo import DRIVER_JVM_OPTIONS, write_batch_output
+    from spark_plugin.spark import gateway_checkpoint
+
+    builder = (SparkSession.builder.master("local[2]").appName("sos-gateway-smoke")
+               .config("spark.sql.shuffle.partitions", "2")
+               .config("spark.ui.enabled", "false")
+               .config("spark.ui.showConsoleProgress", "false")
+               .config("spark.driver.extraJavaOptions", DRIVER_JVM_OPTIONS))
+    loc = gateway_checkpoint(builder, cfg["url"], cfg["ns"], os.environ["SOS_KEY"], cfg["checkpoint"])
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    loc.attach(spark)
+    batches = []
+
+    def sink(df, batch_id):
+        write_batch_output(cfg["out"], df, batch_id)
+        batches.append(batch_id)
+
+    os.makedirs(cfg["out"], exist_ok=True)
+    query = (spark.readStream.schema("id LONG, payload STRING")
+             .option("maxFilesPerTrigger", 1).json(cfg["input"])
+             .dropDuplicates(["id"])
+             .writeStream.foreachBatch(sink).option("checkpointLocation", str(loc))
+             .trigger(availableNow=True).start())
+    query.awaitTermination()
+    deadline = time.monotonic() + 120  # the listener runs asynchronously
+    while set(loc.listener.written) < set(batches) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    with open(cfg["result"], "w") as f:
+        json.dump({"location": str(loc), "batches": batches, "markers": loc.listener.written,
+                   "errors": loc.listener.errors}, f)
+    spark.stop()
+""")
+
+
+def _run_driver(tmp_path, name, cfg, key):
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    cfg_path = tmp_path / f"{name}.json"
+    cfg = dict(cfg, result=str(tmp_path / f"{name}-result.json"))
+    cfg_path.write_text(json.dumps(cfg))
+    env = dict(
+        os.environ, SOS_KEY=key, PYTHONPATH=os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)
+    )
+    log_path = tmp_path / f"{name}.log"
+    with open(log_path, "wb") as logf:
+        proc = subprocess.run(
+            [sys.executable, str(script), str(cfg_path)],
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            env=env,
+            timeout=900,
+            check=False,
+        )
+    assert proc.returncode == 0, log_path.read_text()[-6000:]
+    return json.loads((tmp_path / f"{name}-result.json").read_text())
+
+
+def _ids(out_dir):
+    ids = Counter()
+    for name in os.listdir(out_dir):
+        with open(os.path.join(out_dir, name)) as f:
+            ids.update(json.loads(line)["id"] for line in f)
+    return ids
+
+
+def _requests_by_op(gateway_log: str) -> Counter:
+    ops = Counter()
+    for m in re.finditer(r"DEBUG (GET|PUT|POST|DELETE) (\S+) \S+( \[data\])? -> (\d+)", as_text(gateway_log)):
+        ops[f"{m.group(1)} {m.group(2)}{' data' if m.group(3) else ''} {m.group(4)}"] += 1
+    return ops
+
+
+def test_spark_query_checkpoints_through_the_gateway_and_resumes(sos_server, tmp_path):
+    key = sos_server.keygen(NS, "append")
+    staging = tmp_path / "staging"
+    make_input(str(staging), RECORDS, FILES)
+    (tmp_path / "input").mkdir()
+    names = sorted(os.listdir(staging))
+    for name in names[:FIRST_RUN_FILES]:
+        shutil.copy2(staging / name, tmp_path / "input" / name)
+
+    gw = GatewayProcess(
+        NS, str(tmp_path / "cache"), sos_server.address, key, debug=True, log_path=str(tmp_path / "gateway.log")
+    ).start()
+    try:
+        cfg = {
+            "url": gw.url,
+            "ns": NS,
+            "checkpoint": "queries/q1",
+            "input": str(tmp_path / "input"),
+            "out": str(tmp_path / "out"),
+        }
+        first = _run_driver(tmp_path, "run1", cfg, key)
+        assert first["batches"] == list(range(FIRST_RUN_FILES))
+        assert first["location"].startswith("webhdfs://")
+        for name in names[FIRST_RUN_FILES:]:
+            shutil.copy2(staging / name, tmp_path / "input" / name)
+        second = _run_driver(tmp_path, "run2", cfg, key)
+        assert second["batches"] == list(range(FIRST_RUN_FILES, FILES))
+    finally:
+        assert gw.stop() == 0, gw.log()[-4000:]
+    for run in (first, second):
+        assert run["errors"] == []
+        assert sorted(run["markers"]) == run["batches"]
+
+    ids = _ids(tmp_path / "out")
+    assert sorted(ids) == list(range(RECORDS)) and set(ids.values()) == {1}, "exactly once"
+
+    # what Hadoop asked of the gateway (the lead's per-batch request count)
+    ops = _requests_by_op(gw.log())
+    print("gateway requests for", FILES, "batches:", sum(ops.values()))
+    for op, n in sorted(ops.items()):
+        print(f"  {op}: {n}")
+    assert not [op for op in ops if op.endswith((" 400", " 401", " 500"))], ops
+
+    # the journal holds the checkpoint: a restore has every committed batch, and a restore
+    # to batch 2 stops at its commit
+    env = dict(os.environ, SOS_KEY=key)
+    subprocess.run(
+        [*sos_command(), "restore", "-q", "--server", sos_server.address, NS, str(tmp_path / "restored")],
+        env=env,
+        check=True,
+        timeout=300,
+    )
+    assert committed_batches(str(tmp_path / "restored" / "queries" / "q1")) == set(range(FILES))
+    at2 = restore_to_batch(NS, str(tmp_path / "at2"), "queries/q1", 2, server=sos_server.address, key=key)
+    assert committed_batches(at2) == {0, 1, 2}
+
+
+# ---------------------------------------------------------------------------- beyond the checkpoint
+# (issue 20) Spark reads and writes data through the gateway, not only its checkpoint: a batch
+# parquet dataset, and a streaming query whose file source, file sink (with _spark_metadata)
+# and checkpoint are all on webhdfs://. The query rides through a SIGKILLed gateway restarted
+# on the same cache (with the project's settings only), then its driver is SIGKILLed and a
+# new one resumes it: every id comes out exactly once.
+
+STREAM_FILES = 6
+STREAM_RECORDS = 60
+
+FILES_DRIVER = textwrap.dedent('''
+    import json, os, sys, time
+    cfg = json.load(open(sys.argv[1]))
+    from pyspark.sql import SparkSession
+    from tools.demo import DRIVER_JVM_OPTIONS
+    from spark_plugin.spark import gateway_checkpoint, webhdfs_url
+
+    builder = (SparkSession.builder.master("local[2]").appName("sos-gateway-files")
+               .config("spark.sql.shuffle.partitions", "2")
+               .config("spark.ui.enabled", "false")
+               .config("spark.ui.showConsoleProgress", "false")
+               .config("spark.driver.extraJavaOptions", DRIVER_JVM_OPTIONS))
+    loc = gateway_checkpoint(builder, cfg["url"], cfg["ns"], os.environ["SOS_KEY"], "stream/ckpt")
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    base = webhdfs_url(cfg["url"])
+    result = {}
+
+    def put(path, text):
+        """A file written through Hadoop's client on the gateway, then renamed into place
+        (what a producer of a file source's input does)."""
+        jvm = spark._jvm
+        tmp = jvm.org.apache.hadoop.fs.Path(base + "/stream/staging/" + path.rsplit("/", 1)[1])
+        fs = tmp.getFileSystem(spark._jsc.hadoopConfiguration())
+        out = fs.create(tmp, True)
+        out.write(bytearray(text.encode()))
+        out.close()
+        fs.mkdirs(jvm.org.apache.hadoop.fs.Path(base + "/stream/in"))
+        assert fs.rename(tmp, jvm.org.apache.hadoop.fs.Path(base + path))
+
+    if cfg["phase"] == "first":
+        per = cfg["records"] // cfg["files"]
+        for f in range(cfg["files"]):
+            put(f"/stream/in/part-{f:03d}.json",
+                "".join(json.dumps({"id": i}) + "\\n" for i in range(f * per, (f + 1) * per)))
+        # a batch job: a parquet dataset written through webhdfs:// and read back; the
+        # text files just written, read back
+        ds = base + "/batch/ids.parquet"
+        spark.range(0, 1000, 1, 4).selectExpr("id", "id * 2 AS twice").write.parquet(ds)
+        back = spark.read.parquet(ds)
+        result["batch"] = [back.count(), back.selectExpr("sum(twice)").first()[0],
+                           spark.read.text(base + "/stream/in").count()]
+        with open(cfg["result"], "w") as fh:
+            json.dump(result, fh)
+
+    query = (spark.readStream.schema("id LONG").option("maxFilesPerTrigger", 1)
+             .json(base + "/stream/in")
+             .writeStream.format("parquet").option("path", base + "/stream/out")
+             .option("checkpointLocation", str(loc)))
+    if cfg["phase"] == "first":
+        # a batch every 2 s (room to kill things mid-query) until the test kills this driver
+        q = query.trigger(processingTime="2 seconds").start()
+        q.awaitTermination()
+    else:
+        q = query.trigger(availableNow=True).start()
+        q.awaitTermination()
+        ids = [r.id for r in spark.read.parquet(base + "/stream/out").collect()]
+        result["ids"] = ids
+        result["sink_files"] = len(spark.read.parquet(base + "/stream/out").inputFiles())
+        with open(cfg["result"], "w") as fh:
+            json.dump(result, fh)
+    spark.stop()
+''')
+
+
+#: What Hadoop's WebHDFS client reports when the connection of a body it sent is cut (the
+#: gateway died while it read the body): the proxy below reads the whole body, so Hadoop is
+#: waiting for the answer and sees the end of the stream; a reset or a broken pipe is what it
+#: gives when it is still writing.
+CUT_ERRORS = ("Unexpected end of file from server", "Connection reset", "Broken pipe")
+
+
+class _FilesQuery:
+    """The files driver's query on a gateway behind a :class:`CutProxy` (the gateway
+    advertises the proxy, so Hadoop's redirects come back through it too)."""
+
+    def __init__(self, sos_server, tmp_path, ns):
+        self.tmp_path, self.ns, self.server = tmp_path, ns, sos_server.address
+        self.key = sos_server.keygen(ns, "append")
+        self.cache = tmp_path / "cache"
+        self.ckpt = self.cache / "tree" / "stream" / "ckpt"
+        self.proxy = CutProxy()
+        self.gateways = [self._gateway("gateway.log")]
+        self.proxy.upstream = _host_port(self.gateways[0].url)
+        (tmp_path / "files_driver.py").write_text(FILES_DRIVER)
+        self.env = dict(
+            os.environ,
+            SOS_KEY=self.key,
+            PYTHONPATH=os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p),
+        )
+        self.cfg = {"url": f"http://{self.proxy.address}", "ns": ns, "records": STREAM_RECORDS, "files": STREAM_FILES}
+        self.logs = []
+
+    def _gateway(self, log_name):
+        return GatewayProcess(
+            self.ns,
+            str(self.cache),
+            self.server,
+            self.key,
+            debug=True,
+            extra_args=("--advertise", self.proxy.address),
+            log_path=str(self.tmp_path / log_name),
+        ).start()
+
+    def restart_gateway(self):
+        """SIGKILL the gateway and start a new one on the same cache (the project's settings
+        only); the proxy sends what comes next to it."""
+        self.gateways[-1].kill()
+        self.gateways.append(self._gateway(f"gateway{len(self.gateways) + 1}.log"))
+        return _host_port(self.gateways[-1].url)
+
+    def start(self, phase):
+        path = self.tmp_path / f"{phase}.json"
+        path.write_text(json.dumps(dict(self.cfg, phase=phase, result=str(self.tmp_path / f"{phase}-result.json"))))
+        log = open(self.tmp_path / f"{phase}.log", "wb")  # noqa: SIM115 - closed in close()
+        self.logs.append(log)
+        return subprocess.Popen(
+            [sys.executable, str(self.tmp_path / "files_driver.py"), str(path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            start_new_session=True,
+        )
+
+    def log(self, phase):
+        return (self.tmp_path / f"{phase}.log").read_text(errors="replace")
+
+    def committed(self):
+        return committed_batches(str(self.ckpt))
+
+    def wait(self, pred, what, proc, timeout=300.0):
+        deadline = time.monotonic() + timeout
+        while not pred():
+            assert proc.poll() is None, f"{what}: the driver died first\n" + self.log("first")[-6000:]
+            assert time.monotonic() < deadline, f"{what}: not after {timeout:.0f} s"
+            time.sleep(0.1)
+
+    def first_batch(self, first):
+        self.wait(lambda: 0 in self.committed(), "batch 0 committed", first)
+        batch = json.loads((self.tmp_path / "first-result.json").read_text())["batch"]
+        assert batch == [1000, 999000, STREAM_RECORDS], batch  # parquet and text read back
+
+    def resume_exactly_once(self):
+        """A new driver resumes the query (availableNow): every id exactly once, the batches
+        0..N with no gap, the file sink's log in place."""
+        done_before = self.committed()
+        assert len(done_before) < STREAM_FILES, "the first driver ended before the end"
+        second = self.start("second")
+        try:
+            assert second.wait(timeout=600) == 0, self.log("second")[-6000:]
+        finally:
+            kill_tree(second)
+        result = json.loads((self.tmp_path / "second-result.json").read_text())
+        ids = Counter(result["ids"])
+        assert sorted(ids) == list(range(STREAM_RECORDS)) and set(ids.values()) == {1}, "exactly once"
+        # one file per trigger, but a run cut while writing its file-source log resumes with the
+        # files of two triggers in one batch: the batches stay 0..N with no gap
+        done = self.committed()
+        assert done == set(range(len(done))) and len(done) >= STREAM_FILES - 1, done
+        assert (self.cache / "tree" / "stream" / "out" / "_spark_metadata").is_dir()
+
+    def stop_gateway(self):
+        """A clean stop of the gateway that serves now (it flushes): exit code 0."""
+        gw = self.gateways[-1]
+        assert gw.stop() == 0, gw.log()[-4000:]
+
+    def close(self):
+        self.proxy.close()
+        for log in self.logs:
+            log.close()
+        for gw in self.gateways:
+            gw.kill()  # a no-op for those already stopped
+
+
+def _host_port(url):
+    host, port = url.rsplit("/", 1)[-1].rsplit(":", 1)
+    return host, int(port)
+
+
+@pytest.fixture
+def files_query(sos_server, tmp_path):
+    q = _FilesQuery(sos_server, tmp_path, "gwfiles")
+    yield q
+    q.close()
+
+
+def test_spark_file_stream_rides_a_gateway_restart_between_two_requests(files_query):
+    """The gateway is SIGKILLed at a moment when no request is in flight (the proxy holds the
+    next ones until then; Hadoop's idle connections are closed as a dead gateway's are) and
+    comes back on the same cache with the project's settings only; the waiting requests reach
+    the new gateway: the query carries on with no error, two more batches commit, and a driver
+    that resumes it after a SIGKILL of the first gives every id exactly once."""
+    q = files_query
+    first = q.start("first")
+    try:
+        q.first_batch(first)
+        q.proxy.hold()
+        q.proxy.wait_quiet()
+        q.proxy.drop_idle()
+        served = len(q.proxy.requests)
+        upstream = q.restart_gateway()  # between two requests: the gateway has none
+        q.proxy.release(upstream)
+        before = q.committed()
+        q.wait(lambda: len(q.committed() - before) >= 2, "two more batches after the gateway restart", first)
+    finally:
+        kill_tree(first)  # the driver dies mid-query (SIGKILL, its JVM too)
+    assert len(q.proxy.requests) > served
+    assert " -> 2" in q.gateways[-1].log(), "the restarted gateway served the query"
+    q.resume_exactly_once()
+    q.stop_gateway()
+
+
+def test_spark_file_stream_stops_when_a_gateway_restart_cuts_a_file_body_and_resumes(files_query):
+    """The gateway is SIGKILLed while it reads a file body (the data PUT after CREATE's
+    redirect): Hadoop's WebHDFS output stream does not resend a body, so the query stops with
+    the error Hadoop gives for a cut connection (docs/SPARK.md, "When the gateway goes away"),
+    and the next run resumes it from the checkpoint: every id exactly once."""
+    q = files_query
+    first = q.start("first")
+    try:
+        q.first_batch(first)
+        q.proxy.arm_cut(lambda r: r.method == b"PUT" and b"data=true" in r.target and b"/stream/" in r.target)
+        cut = q.proxy.wait_cut()
+        upstream = q.restart_gateway()  # inside that body, with no other request in flight
+        q.proxy.finish_cut()
+        q.proxy.release(upstream)
+        rc = first.wait(timeout=300)
+    finally:
+        kill_tree(first)
+    text = q.log("first")
+    print("cut:", cut, "; the query stopped with:", [e for e in CUT_ERRORS if e in text])
+    assert rc != 0, "the query went on after its body was cut\n" + text[-6000:]
+    assert "FsPathOutputStreamRunner" in text and any(e in text for e in CUT_ERRORS), text[-6000:]
+    q.resume_exactly_once()
+    q.stop_gateway()
