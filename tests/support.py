@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import urllib.request
+
 from tools.demo_common import tree_of
 
 #: {relative path: bytes for a file, None for a directory} of everything below root (the demos' own)
@@ -34,3 +38,22 @@ def client_expecting(reply_op, request_id: int):
         fields.update(key_id=b"\0" * 8, proof=b"\0" * 32)
     conn.send(cls(**fields))
     return conn
+
+
+def server_cli(*args: object, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """``sos-server ARGS`` (``python -m sos_server.cli``) run to its end: keygen, quota, keys..."""
+    return subprocess.run(
+        [sys.executable, "-m", "sos_server.cli", *map(str, args)], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def server_metric(srv, name: str, default: float | None = None, *, timeout: float = 60) -> float:
+    """The value of the unlabelled series ``name`` on a server's Prometheus page (``default``
+    when it is absent; without one, absence fails the test)."""
+    with urllib.request.urlopen(f"http://{srv.metrics_address}/metrics", timeout=timeout) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    if default is not None:
+        return default
+    raise AssertionError(f"no metric {name}")

@@ -15,7 +15,6 @@ import re
 import shutil
 import stat
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -31,7 +30,7 @@ from sos_journal.rebuild.restore import rebuild_cache
 from sos_journal.testing import tree_state
 from spark_plugin.gateway.process import GatewayProcess
 from spark_plugin.spark import sos_command
-from tests.support import tree_snapshot
+from tests.support import server_cli, tree_snapshot
 
 pytestmark = [pytest.mark.hostile]
 
@@ -40,12 +39,6 @@ DSQUOTA = "org.apache.hadoop.hdfs.protocol.DSQuotaExceededException"
 #: a bound no answer should come near, even on a loaded 2-core machine; the gateway on
 #: today's main never answers at all (its barrier waits for the quota forever)
 PATIENCE = 60
-
-
-def server_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "sos_server.cli", *args], capture_output=True, text=True, timeout=PATIENCE
-    )
 
 
 def set_quota(srv, namespace: str, size: str) -> None:

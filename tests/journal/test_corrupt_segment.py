@@ -25,6 +25,7 @@ import pytest
 from sos_client import Client, Corrupt
 from sos_journal import JournaledTree, JournalWriter
 from sos_journal.rebuild.restore import rebuild_cache
+from tests.support import server_metric
 
 pytestmark = [pytest.mark.hostile]
 
@@ -197,16 +198,6 @@ def _object_path(srv, ns: str, name: str) -> str:
     return os.path.join(srv.data_dir, "ns", ns, "objects", h2, h)
 
 
-def _metric(srv, name: str) -> float:
-    import urllib.request
-
-    with urllib.request.urlopen(f"http://{srv.metrics_address}/metrics", timeout=60) as resp:
-        for line in resp.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-    raise AssertionError(f"metric {name} not found")
-
-
 @pytest.fixture
 def five_frames(sos_server):
     """An object "obj" of 5 acknowledged appends (one stored frame each), server stopped."""
@@ -266,8 +257,8 @@ def test_flipped_frame_length_in_the_middle_loses_no_acknowledged_byte(five_fram
         if rec.get("level") == "error"
     ]
     assert len(errors) == 1
-    assert _metric(srv, "sos_damaged_ranges_total") == 1
-    assert _metric(srv, "sos_torn_tail_repairs_total") == 0
+    assert server_metric(srv, "sos_damaged_ranges_total") == 1
+    assert server_metric(srv, "sos_torn_tail_repairs_total") == 0
 
 
 def test_flipped_payload_byte_of_the_last_frame_is_kept_as_damage(five_frames):
@@ -286,8 +277,8 @@ def test_flipped_payload_byte_of_the_last_frame_is_kept_as_damage(five_frames):
         with pytest.raises(Corrupt):
             c.read("obj")
         _assert_damaged_and_refusing(c, "obj", len(whole))
-    assert _metric(srv, "sos_torn_tail_repairs_total") == 0
-    assert _metric(srv, "sos_damaged_ranges_total") == 1
+    assert server_metric(srv, "sos_torn_tail_repairs_total") == 0
+    assert server_metric(srv, "sos_damaged_ranges_total") == 1
 
 
 def test_partial_last_frame_is_still_cut_back(five_frames):
@@ -299,15 +290,17 @@ def test_partial_last_frame_is_still_cut_back(five_frames):
         f.truncate(pos5 + 8 + n5 // 2)
     srv.start()
     assert os.path.getsize(path) == pos5
-    assert _metric(srv, "sos_torn_tail_repairs_total") == 1 and _metric(srv, "sos_damaged_ranges_total") == 0
+    assert (
+        server_metric(srv, "sos_torn_tail_repairs_total") == 1 and server_metric(srv, "sos_damaged_ranges_total") == 0
+    )
     whole4 = b"".join(FRAMES[:4])
     with Client(srv.address, key, NS, timeout=TIMEOUT) as c:
         assert c.stat("obj") == (len(whole4), False)
         assert c.read("obj") == whole4
         assert c.append("obj", len(whole4), FRAMES[4]) == len(whole4) + len(FRAMES[4])
         assert c.read("obj") == b"".join(FRAMES)
-    assert _metric(srv, "sos_torn_tail_repairs_total") == 1
-    assert _metric(srv, "sos_damaged_ranges_total") == 0
+    assert server_metric(srv, "sos_torn_tail_repairs_total") == 1
+    assert server_metric(srv, "sos_damaged_ranges_total") == 0
 
 
 def test_flipped_frame_length_in_a_journal_segment_fails_restore(journal):

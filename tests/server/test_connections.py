@@ -26,6 +26,7 @@ from sos_wire import events as ev
 from sos_wire.auth import Key
 from sos_wire.connection import NEED_DATA, Connection, Role
 from sos_wire.crc import crc32c
+from tests.support import server_metric
 
 pytestmark = [pytest.mark.hostile]
 
@@ -276,14 +277,6 @@ class Pinger(threading.Thread):
             self.error = exc
 
 
-def _metric(srv, name: str) -> float:
-    with urllib.request.urlopen(f"http://{srv.metrics_address}/metrics", timeout=TIMEOUT) as resp:
-        for line in resp.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-    raise AssertionError(f"no metric {name}")
-
-
 def test_unauthenticated_connections_are_closed_by_the_handshake_timeout(sos_server_factory):
     """Silent connections filled every slot (everyone else got BUSY, for good): now a
     connection that has not authenticated --handshake-timeout after it was accepted is
@@ -310,7 +303,7 @@ def test_unauthenticated_connections_are_closed_by_the_handshake_timeout(sos_ser
         # the authenticated connection was not touched
         assert authed.append("kept", 6, b" after") == 12
         assert authed.read("kept") == b"before after"
-        assert _metric(srv, "sos_handshake_timeouts_total") >= 7
+        assert server_metric(srv, "sos_handshake_timeouts_total") >= 7
         # the slots are free again: a newcomer gets in (the server counts the closed ones
         # down on its own time, so allow it a moment)
         deadline = time.monotonic() + TIMEOUT

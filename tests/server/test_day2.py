@@ -23,16 +23,11 @@ from sos_server.cli import build_parser as server_parser
 from sos_wire import events as ev
 from sos_wire.errors import ErrorCode
 from tests.conftest import RawClient
+from tests.support import server_cli
 
 pytestmark = [pytest.mark.day2]
 
 TIMEOUT = 120  # generous: two shared cores
-
-
-def server_cli(*args: object) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "sos_server.cli", *map(str, args)], capture_output=True, text=True, timeout=TIMEOUT
-    )
 
 
 def sos(srv, key: str, *args: object, stdin: bytes | None = None) -> subprocess.CompletedProcess[str]:

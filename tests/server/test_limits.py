@@ -21,7 +21,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 
 import pytest
 import requests
@@ -32,26 +31,13 @@ from sos_wire.crc import crc32c
 from sos_wire.errors import ErrorCode
 from sos_wire.events import KeyRole
 from tests.conftest import RawClient
+from tests.support import server_cli, server_metric
 
 pytestmark = [pytest.mark.hostile]
 
 NS = "round2"
 TIMEOUT = 120
 OBJECT_CHARGE = 4096  # what each object costs the byte quota besides its data (protocol.md 1.9)
-
-
-def server_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "sos_server.cli", *args], capture_output=True, text=True, timeout=TIMEOUT
-    )
-
-
-def _metric(srv, name: str) -> float:
-    with urllib.request.urlopen(f"http://{srv.metrics_address}/metrics", timeout=TIMEOUT) as resp:
-        for line in resp.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-    raise AssertionError(f"no metric {name}")
 
 
 def _wait_for(what: str, check) -> None:
@@ -108,7 +94,7 @@ def test_silent_connections_from_16_addresses_do_not_lock_clients_out(sos_server
         for host in hosts:
             for _ in range(8):
                 crowd[len(crowd)] = (host, _silent(srv, host))
-        _wait_for("128 connections waiting", lambda: _metric(srv, "sos_unauthenticated_connections") == 128)
+        _wait_for("128 connections waiting", lambda: server_metric(srv, "sos_unauthenticated_connections") == 128)
         # the per-address cap still refuses a ninth from one address (nothing is evicted for it)
         with _silent(srv, hosts[0]) as ninth:
             assert _busy_then_closed(ninth)
@@ -130,9 +116,9 @@ def test_silent_connections_from_16_addresses_do_not_lock_clients_out(sos_server
             # the crowd reconnects at once: the pool is full again
             crowd[next_id] = (host, _silent(srv, host))
             next_id += 1
-            _wait_for("128 waiting again", lambda: _metric(srv, "sos_unauthenticated_connections") == 128)
+            _wait_for("128 waiting again", lambda: server_metric(srv, "sos_unauthenticated_connections") == 128)
         assert not _readable(crowd)  # nobody else was touched
-        assert _metric(srv, "sos_unauthenticated_evicted_total") == evicted
+        assert server_metric(srv, "sos_unauthenticated_evicted_total") == evicted
     finally:
         for _, s in crowd.values():
             s.close()

@@ -20,7 +20,6 @@ import socket
 import struct
 import threading
 import time
-import urllib.request
 
 import psutil
 import pytest
@@ -32,22 +31,12 @@ from sos_wire.crc import crc32c
 from sos_wire.errors import ErrorCode
 from sos_wire.frames import DEFAULT_MAX_BODY, Op
 from tests.conftest import RawClient
-from tests.support import client_expecting
+from tests.support import client_expecting, server_metric
 
 pytestmark = [pytest.mark.hostile]
 
 NS = "limits"
 TIMEOUT = 120
-
-
-def _metric(srv, name: str, default: float | None = None) -> float:
-    with urllib.request.urlopen(f"http://{srv.metrics_address}/metrics", timeout=TIMEOUT) as resp:
-        for line in resp.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-    if default is not None:
-        return default
-    raise AssertionError(f"no metric {name}")
 
 
 def _header(opcode: int, rid: int, body_len: int) -> bytes:
@@ -99,7 +88,7 @@ def test_unread_pipelined_reads_keep_memory_bounded_and_the_connection_is_closed
         while True:
             peak = max(peak, _rss(srv.pid))
             assert peak - base < 64 << 20, f"server grew by {(peak - base) >> 20} MiB for one connection"
-            if _metric(srv, "sos_send_timeouts_total", 0) >= 1:
+            if server_metric(srv, "sos_send_timeouts_total", 0) >= 1:
                 break
             assert time.monotonic() < deadline, "a connection that does not read its replies was never closed"
             time.sleep(0.05)
@@ -236,7 +225,7 @@ def test_unauthenticated_connections_have_their_own_cap(sos_server_factory):
         assert struct.unpack(">H", raw[16:18])[0] == ErrorCode.BUSY
         assert b"not authenticated yet" in raw
         deadline = time.monotonic() + TIMEOUT
-        while _metric(srv, "sos_unauthenticated_connections") != 3:
+        while server_metric(srv, "sos_unauthenticated_connections") != 3:
             assert time.monotonic() < deadline
             time.sleep(0.05)
         # the authenticated connection is not counted and keeps working
@@ -244,7 +233,7 @@ def test_unauthenticated_connections_have_their_own_cap(sos_server_factory):
         # one of the three authenticates: its slot is free for a newcomer
         assert isinstance(waiting[0].login(key, NS), ev.AuthOk)
         deadline = time.monotonic() + TIMEOUT
-        while _metric(srv, "sos_unauthenticated_connections") != 2:
+        while server_metric(srv, "sos_unauthenticated_connections") != 2:
             assert time.monotonic() < deadline
             time.sleep(0.05)
         with Client(srv.address, key, NS, timeout=TIMEOUT) as newcomer:

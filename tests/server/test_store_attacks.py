@@ -29,16 +29,13 @@ from sos_wire import events as ev
 from sos_wire.crc import crc32c
 from sos_wire.errors import ErrorCode
 from tests.conftest import RawClient
+from tests.support import server_cli
 
 pytestmark = [pytest.mark.hostile]
 
 WAIT = 180
 U64_MAX = 2**64 - 1
 HOUR = 3600
-
-
-def server_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sos_server.cli", *args], capture_output=True, text=True, timeout=WAIT)
 
 
 def sos_cli(*args: str, env: dict, input: bytes | None = None) -> subprocess.CompletedProcess:
