@@ -7,21 +7,34 @@ is in flight (the data PUT after CREATE's redirect).
   flushed to the gateway) and restarted: the write completes and the file holds exactly its
   bytes, through FileSystem and through FileContext (Spark's checkpoint file manager), from
   memory and spilled to disk. Without the jar the same write fails (the control).
+- A RocksDB query (one run, local[2], the helper's settings) under 7 SIGKILLs of its gateway,
+  3 of them inside a CREATE's body (a proxy holds the data step half sent while the gateway
+  dies), the others at random moments (seed: SOS_RIDE_SEED): it finishes, exactly once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
+import json
 import os
+import random
+import re
 import shutil
+import socket
+import struct
 import subprocess
 import sys
+import textwrap
+import threading
 import time
+from collections import Counter
 
 import pytest
 
 from spark_plugin.gateway.process import GatewayProcess
 from spark_plugin.spark import gateway_conf, ride_through_jar
+from tools.demo import make_input
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -181,3 +194,234 @@ def test_without_the_jar_a_body_in_flight_is_lost_with_the_query(harness, restar
     gw, key = restartable
     rc, out, err = _write_across_a_kill(harness, gw, key, "fs", "plain", 200_000, ride=False)
     assert rc != 0 and "VERIFIED" not in out, (out, err[-3000:])
+
+
+# ---------------------------------------------------------------- a RocksDB query, many kills
+#: a stateful query (dropDuplicates on RocksDB state) through the gateway, one run, settings
+#: from gateway_checkpoint and nothing else; it prints the resends its JVM made
+DRIVER = textwrap.dedent("""
+    import json, os, sys, time
+    cfg = json.load(open(sys.argv[1]))
+    from pyspark.sql import SparkSession
+    from tools.demo import DRIVER_JVM_OPTIONS, write_batch_output
+    from tools.demo_common import ROCKSDB_PROVIDER
+    from spark_plugin.spark import gateway_checkpoint
+
+    builder = (SparkSession.builder.master("local[2]").appName("sos-ride-through")
+               .config("spark.sql.shuffle.partitions", "2")
+               .config("spark.ui.enabled", "false")
+               .config("spark.ui.showConsoleProgress", "false")
+               .config("spark.sql.streaming.stateStore.providerClass", ROCKSDB_PROVIDER)
+               .config("spark.driver.extraJavaOptions", DRIVER_JVM_OPTIONS))
+    loc = gateway_checkpoint(builder, cfg["url"], cfg["ns"], os.environ["SOS_KEY"], cfg["checkpoint"])
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    batches = []
+
+    def sink(df, batch_id):
+        write_batch_output(cfg["out"], df, batch_id)
+        batches.append(batch_id)
+        time.sleep(cfg["pause"])
+
+    os.makedirs(cfg["out"], exist_ok=True)
+    query = (spark.readStream.schema("id LONG, payload STRING")
+             .option("maxFilesPerTrigger", 1).json(cfg["input"])
+             .dropDuplicates(["id"])
+             .writeStream.foreachBatch(sink).option("checkpointLocation", str(loc))
+             .trigger(availableNow=True).start())
+    query.awaitTermination()
+    ride = spark._jvm.sos.hadoop.RideThroughWebHdfsFileSystem
+    with open(cfg["result"], "w") as f:
+        json.dump({"batches": batches, "resent": ride.resentBodies(), "failures": ride.bodyFailures()}, f)
+    spark.stop()
+""")
+
+#: the data step of a CREATE (op=CREATE ... data=true), as the proxy sees its request line
+DATA_PUT = re.compile(rb"PUT /webhdfs/v1/[^ ]*op=CREATE[^ ]*data=true[^ ]* HTTP/1\.1\r\n")
+
+
+def _reset(sock: socket.socket) -> None:
+    """Close with a reset (what a peer whose process died leaves); shutdown first, so that
+    the other pump thread blocked in recv on it wakes (close alone does not free it)."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    with contextlib.suppress(OSError):
+        sock.close()
+
+
+class BodyProxy:
+    """A TCP proxy in front of the gateway (which advertises it, so the data steps come here
+    too). Armed, it holds the next CREATE data step after forwarding its headers and part of
+    its body: the gateway is then killed with that body in flight, for certain."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.armed = threading.Event()
+        self.held = threading.Event()
+        self.release = threading.Event()
+        self.held_request = b""
+        self.active = 0
+        self.most_active = 0
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _serve(self, client: socket.socket) -> None:
+        try:
+            upstream = socket.create_connection(("127.0.0.1", self.upstream_port), timeout=5)
+        except OSError:  # the gateway is down: the client's connection fails as it would
+            _reset(client)
+            return
+        upstream.settimeout(None)
+        with self.lock:
+            self.active += 1
+            self.most_active = max(self.most_active, self.active)
+        try:
+            threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
+            self._pump(client, upstream, True)
+        finally:
+            with self.lock:
+                self.active -= 1
+
+    def _pump(self, src: socket.socket, dst: socket.socket, inspect: bool) -> None:
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                m = DATA_PUT.search(data) if inspect and self.armed.is_set() else None
+                if m is not None:
+                    self.armed.clear()
+                    end = data.find(b"\r\n\r\n", m.start())
+                    cut = len(data) if end < 0 else end + 4 + (len(data) - end - 4) // 2
+                    dst.sendall(data[:cut])
+                    self.held_request = data[m.start() : m.end()]
+                    self.held.set()
+                    self.release.wait(120)
+                    data = data[cut:]
+                dst.sendall(data)
+        except OSError:
+            pass
+        _reset(src)
+        _reset(dst)
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def _kill_loop(gw: Restartable, proxy: BodyProxy, driver: subprocess.Popen, plan: list[str], rng) -> list[dict]:
+    """Kill the gateway as ``plan`` says ("body": inside a CREATE body, "random": at a random
+    moment), restarting it after a random gap; returns what each kill did."""
+    kills = []
+    for kind in plan:
+        if driver.poll() is not None:
+            break
+        if kind == "body":
+            proxy.held.clear()
+            proxy.release.clear()
+            proxy.armed.set()
+            if not proxy.held.wait(120):
+                proxy.armed.clear()
+                break
+            gw.kill()
+            proxy.release.set()
+        else:
+            time.sleep(rng.uniform(0.5, 5.0))
+            if driver.poll() is not None:
+                break
+            gw.kill()
+        down = time.monotonic()
+        time.sleep(rng.uniform(0.0, 2.0))
+        gw.restart()
+        kills.append(
+            {
+                "kind": kind,
+                "down_s": round(time.monotonic() - down, 2),
+                "held": proxy.held_request.decode() if kind == "body" else "",
+            }
+        )
+        time.sleep(rng.uniform(1.0, 4.0))
+    return kills
+
+
+@pytest.mark.spark
+def test_a_rocksdb_query_rides_through_gateway_kills_inside_bodies_and_at_random(sos_server, tmp_path):
+    """Issue 30.4: at least 6 SIGKILLs of the gateway under one run of a RocksDB query, 3
+    placed inside a CREATE's body on purpose, the others at random moments: the query
+    finishes, every id comes out exactly once, and its JVM did resend bodies."""
+    key = sos_server.keygen(NS, "append")
+    first = Restartable(sos_server, key, tmp_path)  # learn a free port, then go behind a proxy
+    gw_port = int(first.listen.rsplit(":", 1)[1])
+    proxy = BodyProxy(gw_port)
+    first.gw.stop()
+    gw = Restartable.__new__(Restartable)
+    gw.server, gw.key, gw.base, gw.generation = sos_server, key, tmp_path, first.generation
+    gw.kw = {"extra_args": ("--advertise", f"127.0.0.1:{proxy.port}")}
+    gw.listen = first.listen
+    gw.restart()
+    staging, files = tmp_path / "input", 30
+    make_input(str(staging), 1500, files)
+    cfg = {
+        "url": f"http://127.0.0.1:{proxy.port}",
+        "ns": NS,
+        "checkpoint": "queries/rocks",
+        "input": str(staging),
+        "out": str(tmp_path / "out"),
+        "pause": 1.0,
+        "result": str(tmp_path / "result.json"),
+    }
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
+    (tmp_path / "driver.py").write_text(DRIVER)
+    env = dict(
+        os.environ, SOS_KEY=key, PYTHONPATH=os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)
+    )
+    log_path = tmp_path / "driver.log"
+    rng = random.Random(int(os.environ.get("SOS_RIDE_SEED", time.time())))
+    try:
+        with open(log_path, "wb") as logf:
+            driver = subprocess.Popen(
+                [sys.executable, str(tmp_path / "driver.py"), str(tmp_path / "cfg.json")],
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
+            try:
+                deadline = time.monotonic() + 300
+                while not (tmp_path / "out").is_dir() or not os.listdir(tmp_path / "out"):
+                    assert driver.poll() is None, log_path.read_text()[-6000:]
+                    assert time.monotonic() < deadline, "the query committed no batch"
+                    time.sleep(0.5)
+                kills = _kill_loop(
+                    gw, proxy, driver, ["body", "random", "body", "random", "body", "random", "random"], rng
+                )
+                rc = driver.wait(timeout=900)
+            finally:
+                if driver.poll() is None:
+                    driver.kill()
+    finally:
+        proxy.release.set()
+        gw.stop()
+        proxy.close()
+    print("kills:", json.dumps(kills, indent=1), "most connections at once:", proxy.most_active)
+    assert rc == 0, log_path.read_text()[-8000:]
+    assert len(kills) >= 6 and sum(k["kind"] == "body" for k in kills) >= 3, kills
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["batches"][-1] == files - 1, result
+    assert result["failures"] >= 3 and result["resent"] >= 3, result  # the body kills broke bodies
+    ids = Counter()
+    for name in os.listdir(tmp_path / "out"):
+        with open(tmp_path / "out" / name) as f:
+            ids.update(json.loads(line)["id"] for line in f)
+    assert set(ids) == set(range(1500)), "ids lost"
+    assert max(ids.values()) == 1, "ids doubled"
