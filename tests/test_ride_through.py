@@ -33,7 +33,7 @@ from collections import Counter
 import pytest
 
 from spark_plugin.gateway.process import GatewayProcess
-from spark_plugin.spark import gateway_conf, ride_through_jar
+from spark_plugin.spark import gateway_conf, ride_through_jar, sos_command
 from tools.demo import make_input
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -132,12 +132,12 @@ def restartable(sos_server, tmp_path):
     gw.stop()
 
 
-def _write_across_a_kill(harness, gw, key, mode, name, size, *, ride=True, restart_first=True, extra=()):
+def _run_harness(harness, mode, uri, size, conf, interrupt, *, ride=True, extra=()):
+    """RideHarness writing ``uri``; ``interrupt(go)`` runs when half the body is at the
+    gateway and must call ``go()`` (let the writer go on) at some point."""
     classpath, jar, env = harness
-    conf = gateway_conf(gw.url, NS, key, ride_through=ride)
     args = [f"{k}={v}" for k, v in conf.items()] + list(extra)
     cp = f"{classpath}{os.pathsep}{jar}" if ride else classpath
-    uri = f"webhdfs://{gw.listen}/files/{name}"
     proc = subprocess.Popen(
         ["java", "-cp", cp, "RideHarness", mode, uri, str(size), *args],
         stdin=subprocess.PIPE,
@@ -146,6 +146,11 @@ def _write_across_a_kill(harness, gw, key, mode, name, size, *, ride=True, resta
         text=True,
         env=env,
     )
+
+    def go():
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+
     lines = []
     try:
         for line in proc.stdout:
@@ -153,21 +158,28 @@ def _write_across_a_kill(harness, gw, key, mode, name, size, *, ride=True, resta
             if line.strip() == "MID":
                 break
         assert lines and lines[-1] == "MID", "\n".join([*lines, proc.stderr.read()[:3000]])
-        gw.kill()  # half the body is at the gateway: it dies with the request in flight
-        if restart_first:
-            gw.restart()
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
-        else:  # the client finds the gateway down and waits for it
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
-            time.sleep(1.5)
-            gw.restart()
+        interrupt(go)
         out, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()
     return proc.returncode, lines + out.splitlines(), err
+
+
+def _write_across_a_kill(harness, gw, key, mode, name, size, *, ride=True, restart_first=True, extra=()):
+    def interrupt(go):
+        gw.kill()  # half the body is at the gateway: it dies with the request in flight
+        if restart_first:
+            gw.restart()
+            go()
+        else:  # the client finds the gateway down and waits for it
+            go()
+            time.sleep(1.5)
+            gw.restart()
+
+    conf = gateway_conf(gw.url, NS, key, ride_through=ride)
+    uri = f"webhdfs://{gw.listen}/files/{name}"
+    return _run_harness(harness, mode, uri, size, conf, interrupt, ride=ride, extra=extra)
 
 
 @pytest.mark.parametrize(
@@ -194,6 +206,55 @@ def test_without_the_jar_a_body_in_flight_is_lost_with_the_query(harness, restar
     gw, key = restartable
     rc, out, err = _write_across_a_kill(harness, gw, key, "fs", "plain", 200_000, ride=False)
     assert rc != 0 and "VERIFIED" not in out, (out, err[-3000:])
+
+
+# ---------------------------------------------------------------- a gateway pair
+LEASE = 3
+
+
+def _pair_member(server, key, tmp_path, name, *args):
+    return GatewayProcess(
+        NS,
+        str(tmp_path / f"{name}-cache"),
+        server.address,
+        key,
+        extra_args=["--lease", str(LEASE), *args],
+        debug=True,
+        log_path=str(tmp_path / f"{name}.log"),
+    ).start()
+
+
+@pytest.mark.parametrize("how", ["sigkill", "promote"])
+def test_a_body_in_flight_when_the_standby_takes_over_is_resent(harness, sos_server, tmp_path, how):
+    """Issue 30.1: the active of a pair dies (SIGKILL) or is replaced (`sos gateway promote`)
+    while a body is in flight to it: the writer resends it to the new active."""
+    key = sos_server.keygen(NS, "append")
+    active = _pair_member(sos_server, key, tmp_path, "active")
+    standby = _pair_member(sos_server, key, tmp_path, "standby", "--standby")
+
+    def interrupt(go):
+        if how == "sigkill":
+            active.kill()
+        else:
+            done = subprocess.run(
+                [*sos_command(), "gateway", "promote", NS, standby.url, "--server", sos_server.address],
+                env=dict(os.environ, SOS_KEY=key),
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert done.returncode == 0, done.stderr
+        go()
+
+    try:
+        conf = gateway_conf([active.url, standby.url], NS, key, ride_through=True)
+        rc, out, err = _run_harness(harness, "fc", "webhdfs://sos-ride/files/pair", 300_000, conf, interrupt)
+        assert rc == 0, err[-6000:]
+        assert "VERIFIED" in out and "FAILURES 1" in out and "RESENT 1" in out, (out, err[-3000:])
+        assert "standby: promoted" in standby.log()
+    finally:
+        for g in (active, standby):
+            g.kill()
 
 
 # ---------------------------------------------------------------- a RocksDB query, many kills
