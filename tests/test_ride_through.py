@@ -31,6 +31,7 @@ import time
 from collections import Counter
 
 import pytest
+import requests
 
 from spark_plugin.gateway.process import GatewayProcess
 from spark_plugin.spark import gateway_conf, ride_through_jar, sos_command
@@ -254,6 +255,49 @@ def test_a_body_in_flight_when_the_standby_takes_over_is_resent(harness, sos_ser
         assert "standby: promoted" in standby.log()
     finally:
         for g in (active, standby):
+            g.kill()
+
+
+def test_a_standby_whose_active_holds_no_lease_says_so(sos_server, tmp_path):
+    """Issue 30.5: an active run without --lease gives its standby nothing to watch: the standby
+    warns (every minute, the first within a few seconds) instead of waiting in silence; a
+    pair whose active holds a lease gets no such warning."""
+
+    key = sos_server.keygen(NS, "append")
+    bare = GatewayProcess(
+        NS, str(tmp_path / "bare-cache"), sos_server.address, key, log_path=str(tmp_path / "bare.log")
+    ).start()
+    standby = _pair_member(sos_server, key, tmp_path, "standby", "--standby")
+    try:
+        tok = requests.post(
+            bare.url + "/oauth2/token",
+            data={"grant_type": "client_credentials", "client_id": NS, "client_secret": key},
+            timeout=30,
+        ).json()["access_token"]
+        r = requests.put(
+            bare.url + "/webhdfs/v1/a?op=CREATE&data=true",
+            data=b"x",
+            headers={"Authorization": f"Bearer {tok}"},
+            timeout=30,
+        )
+        assert r.status_code == 201, r.text
+        deadline = time.monotonic() + 30
+        while "holds no lease" not in standby.log() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        log = standby.log()
+        assert "WARNING" in log and "holds no lease" in log and "--lease" in log, log[-3000:]
+        assert "will never take over by itself" in log
+    finally:
+        for g in (bare, standby):
+            g.kill()
+    leased = _pair_member(sos_server, key, tmp_path, "leased")
+    quiet = _pair_member(sos_server, key, tmp_path, "quiet", "--standby")
+    try:
+        time.sleep(LEASE + 4)
+        assert "holds no lease" not in quiet.log(), quiet.log()[-3000:]
+        assert "standby: promoted" not in quiet.log()
+    finally:
+        for g in (leased, quiet):
             g.kill()
 
 
