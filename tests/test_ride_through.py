@@ -21,6 +21,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import socket
 import struct
 import subprocess
@@ -207,6 +208,38 @@ def test_without_the_jar_a_body_in_flight_is_lost_with_the_query(harness, restar
     gw, key = restartable
     rc, out, err = _write_across_a_kill(harness, gw, key, "fs", "plain", 200_000, ride=False)
     assert rc != 0 and "VERIFIED" not in out, (out, err[-3000:])
+
+
+def test_sigterm_lets_a_body_in_flight_finish_before_the_gateway_exits(harness, restartable):
+    """Issue 30.3: a planned restart drains. SIGTERM arrives while half a body is at the
+    gateway; the rest comes after it: the gateway still takes the whole file (Hadoop's plain
+    client, no resend, so the drain alone must do it: close() returns), then exits 0, and the
+    file is there, whole, for the gateway that replaces it."""
+    gw, key = restartable
+    size = 200_000
+
+    def interrupt(go):
+        gw.gw.proc.send_signal(signal.SIGTERM)
+        time.sleep(1.0)  # draining: no new connection, this one goes on
+        go()
+
+    conf = gateway_conf(gw.url, NS, key)
+    rc, out, _err = _run_harness(
+        harness, "fs", f"webhdfs://{gw.listen}/files/drained", size, conf, interrupt, ride=False
+    )
+    assert "CLOSED" in out, out  # the gateway answered the body before it went
+    assert gw.gw.proc.wait(timeout=120) == 0, gw.gw.log()[-3000:]
+    assert "in progress get" in gw.gw.log()
+    gw.restart()
+    tok = requests.post(
+        gw.url + "/oauth2/token",
+        data={"grant_type": "client_credentials", "client_id": NS, "client_secret": key},
+        timeout=30,
+    ).json()["access_token"]
+    r = requests.get(
+        gw.url + "/webhdfs/v1/files/drained?op=OPEN&data=true", headers={"Authorization": f"Bearer {tok}"}, timeout=30
+    )
+    assert r.status_code == 200 and r.content == bytes(i % 251 for i in range(size))
 
 
 # ---------------------------------------------------------------- a gateway pair
