@@ -84,6 +84,21 @@ final class ResendingOutputStream extends OutputStream {
     return false;
   }
 
+  /**
+   * The gateway still holds the path for a body being written: after a connection failure
+   * that is this stream's own cut request, until the gateway sees its connection closed
+   * (HDFS's NameNode says the same while a dead writer's lease lasts): wait, then resend.
+   */
+  static boolean isOwnCutBody(Throwable e) {
+    for (Throwable t = e; t != null; t = t.getCause()) {
+      String cls = t instanceof RemoteException ? ((RemoteException) t).getClassName() : t.getClass().getName();
+      if (cls.endsWith("AlreadyBeingCreatedException")) {
+        return true;
+      }
+    }
+    return false;
+  }
+
   private void keep(byte[] b, int off, int len) throws IOException {
     if (spillOut == null && memory.size() + (long) len > memoryLimit) {
       spill = File.createTempFile("sos-webhdfs-ride-", ".body");
@@ -213,7 +228,7 @@ final class ResendingOutputStream extends OutputStream {
         LOG.info("{}: resent its {} bytes (attempt {})", path, length, attempt);
         return;
       } catch (IOException e) {
-        if (!isConnectionFailure(e)) {
+        if (!isConnectionFailure(e) && !isOwnCutBody(e)) {
           e.addSuppressed(last);
           throw e;
         }
