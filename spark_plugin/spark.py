@@ -904,6 +904,30 @@ class GatewayCheckpoint(str):
         )
 
 
+def _ride_jar() -> str | None:
+    jar = ride_through_jar()
+    if jar is None:
+        log.warning(
+            "%s is not built (scripts/build-jar): a gateway that dies while a file's body is in flight stops the query",
+            RIDE_THROUGH_JAR,
+        )
+    return jar
+
+
+def _configure_builder(
+    builder: SparkSession.Builder, conf: dict[str, str], jar: str | None, trust: GatewayTrust | None
+) -> None:
+    for k, v in conf.items():
+        builder.config(k, v)
+    builder.config("spark.redaction.regex", GATEWAY_REDACTION_REGEX)
+    options: dict[str, str] = getattr(builder, "_options", {})
+    if jar is not None:
+        builder.config("spark.jars", _with_jar(options.get("spark.jars"), jar))
+    if trust is not None:
+        for name in ("spark.driver.extraJavaOptions", "spark.executor.extraJavaOptions"):
+            builder.config(name, _with_java_options(options.get(name), trust.java_options))
+
+
 def gateway_checkpoint(
     spark_or_builder: SparkSession | SparkSession.Builder | None,
     url: str | Sequence[str],
@@ -953,12 +977,7 @@ def gateway_checkpoint(
     relpath = checkpoint.strip("/")
     urls = gateway_urls(url)
     nameservice = (nameservice or nameservice_for(namespace)) if len(urls) > 1 else None
-    jar = ride_through_jar() if ride_through else None
-    if ride_through and jar is None:
-        log.warning(
-            "%s is not built (scripts/build-jar): a gateway that dies while a file's body is in flight stops the query",
-            RIDE_THROUGH_JAR,
-        )
+    jar = _ride_jar() if ride_through else None
     conf = {
         f"spark.hadoop.{k}": v
         for k, v in gateway_conf(
@@ -987,15 +1006,7 @@ def gateway_checkpoint(
         return loc
     if hasattr(spark_or_builder, "streams"):  # a live session
         return loc.attach(cast("SparkSession", spark_or_builder), listener=listener)
-    for k, v in conf.items():
-        spark_or_builder.config(k, v)
-    spark_or_builder.config("spark.redaction.regex", GATEWAY_REDACTION_REGEX)
-    options: dict[str, str] = getattr(spark_or_builder, "_options", {})
-    if jar is not None:
-        spark_or_builder.config("spark.jars", _with_jar(options.get("spark.jars"), jar))
-    if trust is not None:
-        for name in ("spark.driver.extraJavaOptions", "spark.executor.extraJavaOptions"):
-            spark_or_builder.config(name, _with_java_options(options.get(name), trust.java_options))
+    _configure_builder(spark_or_builder, conf, jar, trust)
     return loc
 
 
