@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -197,6 +198,7 @@ def run_query_mode(mode: str, kills: int, lease: float, base: str, seed: int) ->
         if gws is not None:
             gws.stop()
         server.stop()
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def summarize(mode: str, kill_times: list[float], result: dict, rc: int) -> dict[str, object]:
