@@ -92,7 +92,7 @@ public class RideThroughWebHdfsFileSystem extends WebHdfsFileSystem {
         super.create(qualified, permission, true, bufferSize, replication, blockSize, progress);
     return new FSDataOutputStream(
         new ResendingOutputStream(qualified.toString(), first, again, memoryLimit, attempts, sleepBase, sleepMax),
-        statistics);
+        null); // the inner WebHDFS streams count the bytes they send
   }
 
   @Override
@@ -110,6 +110,6 @@ public class RideThroughWebHdfsFileSystem extends WebHdfsFileSystem {
         super.createNonRecursive(qualified, permission, again, bufferSize, replication, blockSize, progress);
     return new FSDataOutputStream(
         new ResendingOutputStream(qualified.toString(), first, opener, memoryLimit, attempts, sleepBase, sleepMax),
-        statistics);
+        null); // the inner WebHDFS streams count the bytes they send
   }
 }
