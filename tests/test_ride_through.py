@@ -35,7 +35,7 @@ import pytest
 import requests
 
 from spark_plugin.gateway.process import GatewayProcess
-from spark_plugin.spark import gateway_conf, ride_through_jar, sos_command
+from spark_plugin.spark import gateway_checkpoint, gateway_conf, ride_through_jar, sos_command
 from tools.demo import make_input
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -563,3 +563,34 @@ def test_a_rocksdb_query_rides_through_gateway_kills_inside_bodies_and_at_random
             ids.update(json.loads(line)["id"] for line in f)
     assert set(ids) == set(range(1500)), "ids lost"
     assert max(ids.values()) == 1, "ids doubled"
+
+
+# ---------------------------------------------------------------- the helper's settings
+class _Builder:
+    """What gateway_checkpoint uses of a SparkSession.Builder: config() and _options."""
+
+    def __init__(self, **options):
+        self._options = dict(options)
+
+    def config(self, key, value):
+        self._options[key] = value
+        return self
+
+
+def test_the_helper_registers_the_filesystem_for_the_gateways_and_ships_the_jar(harness):
+    _classpath, jar, _env = harness
+    b = _Builder(**{"spark.jars": "/opt/other.jar"})
+    loc = gateway_checkpoint(b, "http://gw.example:9870", NS, "k.s", "chk")
+    assert b._options["spark.jars"] == f"/opt/other.jar,{jar}"
+    assert b._options["spark.hadoop.fs.webhdfs.impl"] == "sos.hadoop.RideThroughWebHdfsFileSystem"
+    assert b._options["spark.hadoop.fs.AbstractFileSystem.webhdfs.impl"] == "sos.hadoop.RideThroughWebHdfs"
+    assert b._options["spark.hadoop.sos.webhdfs.ride.authorities"] == "gw.example:9870"
+    assert loc.conf["spark.hadoop.fs.swebhdfs.impl"] == "sos.hadoop.RideThroughSWebHdfsFileSystem"
+    # a pair: the nameservice (what the paths name) and both addresses
+    pair = gateway_checkpoint(None, ["http://a:9870", "http://b:9870"], NS, "k.s", "chk")
+    assert pair.conf["spark.hadoop.sos.webhdfs.ride.authorities"] == "sos-ride,a:9870,b:9870"
+    # opting out, and gateway_conf alone (no jar on any classpath): Hadoop's plain FileSystem
+    off = _Builder()
+    gateway_checkpoint(off, "http://gw.example:9870", NS, "k.s", "chk", ride_through=False)
+    assert "spark.jars" not in off._options and "spark.hadoop.fs.webhdfs.impl" not in off._options
+    assert "fs.webhdfs.impl" not in gateway_conf("http://gw.example:9870", NS, "k.s")
