@@ -3,6 +3,10 @@ active gateway, with its node's disk (its cache directory is deleted), to the ne
 committed by Hadoop's own WebHDFS client, with a standby gateway and without one.
 
     python bench/failover.py [--sizes 100M,1G] [--modes standby,restart] [--lease 10]
+    python bench/failover.py --query [--modes restart,standby,promote] [--kills 6] [--lease 3]
+
+``--query`` (issue 30 item 6): the delay added to the batch in flight of a running Spark query
+(not only the next commit) and the stopped queries: bench/failover_query.py.
 
 For each size: a real `sos-server` on 127.0.0.1, an active `sos gateway --lease L` on a fixed
 port, and the state: files of 8 MiB of random bytes written through the active (what a
@@ -248,8 +252,18 @@ def main() -> int:
     parser.add_argument("--modes", default="standby,restart", help="standby, restart or both")
     parser.add_argument("--lease", type=float, default=10.0, help="--lease of the gateways (default 10)")
     parser.add_argument("--workdir", default=None)
+    parser.add_argument("--query", action="store_true", help="a Spark query's batch in flight (failover_query.py)")
+    parser.add_argument("--kills", type=int, default=6, help="--query: kills per mode (default 6)")
+    parser.add_argument("--seed", type=int, default=None, help="--query: the random moments' seed")
     args = parser.parse_args()
     base = args.workdir or tempfile.gettempdir()
+    if args.query:
+        from bench.failover_query import main_query
+
+        modes = args.modes.split(",") if args.modes != "standby,restart" else ["restart", "standby", "promote"]
+        seed = args.seed if args.seed is not None else int(time.time())
+        print(f"seed {seed}", flush=True)
+        return main_query(modes, args.kills, args.lease if args.lease != 10.0 else 3.0, base, seed)
     with tempfile.TemporaryDirectory(prefix="hawriter-") as out:
         classpath = compile_writer(out)
         results = []

@@ -43,7 +43,7 @@ a mismatch is counted and shown (the pattern no longer fits the gateway).
     python3 bench/load.py capture [--out FILE] [--partitions 2] [--state-store hdfs|rocksdb]
                           [--changelog] [--batches 12] [--records-per-batch 500]
 
-Run on demand (minutes), not a test; tests/test_load.py checks its logic.
+Run on demand (minutes), not a test; tests/gateway/test_load.py checks its logic.
 """
 
 from __future__ import annotations

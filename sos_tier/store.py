@@ -4,7 +4,7 @@ A store holds immutable *keys* (relative to the root the store's URL names) whos
 written once. The engine and the layout (``layout.py``) talk only to :class:`Store`, as
 Litestream's replication engine talks only to its ``ReplicaClient`` and Gazette's persister
 to its fragment store; each backend is its own module (``LocalStore`` here, ``S3Store`` in
-``s3.py``) and one conformance suite (``tests/test_tier_store.py``) runs against each.
+``s3.py``) and one conformance suite (``tests/tier/test_store.py``) runs against each.
 
 Every call is synchronous and may block on the network or the disk: the server calls them
 from trio worker threads. A store object is safe to use from several threads at once.

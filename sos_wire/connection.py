@@ -23,7 +23,7 @@ Framing rules enforced here:
 
 The hot frames (header, APPEND, APPEND_OK, READ_DATA) use precompiled
 ``struct.Struct`` fast paths equivalent to the construct definitions in
-``frames.py`` (tests/test_wire_fastpath.py proves it); payloads are copied out
+``frames.py`` (tests/wire/test_fastpath.py proves it); payloads are copied out
 of the receive buffer exactly once. The body of a large APPEND or READ_DATA (at least
 ``DIRECT_BODY_MIN`` bytes) may get a buffer of its own once its header is parsed: the I/O
 layer asks for it (``receive_buffer``, which allocates it: the I/O layer owns the memory
@@ -118,7 +118,7 @@ EVENT_OF: dict[Op, type] = {
 OP_OF: dict[type, Op] = {cls: op for op, cls in EVENT_OF.items()}
 _FIELDS = {cls: [f.name for f in dataclasses.fields(cls) if f.name != "request_id"] for cls in OP_OF}
 
-# -- fast paths (checked against frames.py by tests/test_wire_fastpath.py) ----------
+# -- fast paths (checked against frames.py by tests/wire/test_fastpath.py) ----------
 _HEADER = struct.Struct(">2sBBIII")  # magic, version, opcode, request_id, body_len, header_crc
 _HEADER12 = struct.Struct(">2sBBII")
 _U16 = struct.Struct(">H")

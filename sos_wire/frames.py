@@ -6,7 +6,7 @@ integers are big-endian.  Only the bodies differ by opcode.  The codec in
 ``body_len`` against its cap, waits for the whole body, then parses it.
 
 The hot frames (header, APPEND, APPEND_OK, READ_DATA) also have precompiled
-``struct.Struct`` fast paths in ``connection.py``; ``tests/test_wire_fastpath.py``
+``struct.Struct`` fast paths in ``connection.py``; ``tests/wire/test_fastpath.py``
 checks them against these definitions byte for byte.  Never use construct's
 compiled parsers on untrusted bytes.
 """

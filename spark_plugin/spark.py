@@ -713,6 +713,41 @@ def nameservice_conf(urls: Sequence[str], nameservice: str) -> dict[str, str]:
     return conf | GATEWAY_FAILOVER
 
 
+#: the gateway's Hadoop FileSystem (spark_plugin/jvm/src, built by scripts/build-jar): a
+#: WebHdfsFileSystem whose output stream keeps a copy of the file's bytes and resends them when
+#: the gateway dies (or fails over) while the body is in flight (docs/SPARK.md)
+RIDE_THROUGH_JAR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jvm", "sos-webhdfs-ride.jar")
+RIDE_THROUGH_CLASS = "sos.hadoop.RideThroughWebHdfsFileSystem"
+
+
+def ride_through_jar() -> str | None:
+    """The path of the shipped ``sos-webhdfs-ride.jar``, None when it was not built."""
+    return RIDE_THROUGH_JAR if os.path.isfile(RIDE_THROUGH_JAR) else None
+
+
+def ride_through_conf(authorities: Sequence[str]) -> dict[str, str]:
+    """Hadoop settings (keys without ``spark.hadoop.``) that make ``webhdfs://`` and
+    ``swebhdfs://`` paths of ``authorities`` (``HOST:PORT`` of a gateway, or a nameservice)
+    resend a file body lost with its gateway; other authorities of those schemes keep
+    WebHdfsFileSystem's behaviour. The jar (:func:`ride_through_jar`) must be on the JVMs'
+    classpath (``spark.jars``: :func:`gateway_checkpoint` adds it)."""
+    return {
+        "fs.webhdfs.impl": RIDE_THROUGH_CLASS,
+        "fs.swebhdfs.impl": "sos.hadoop.RideThroughSWebHdfsFileSystem",
+        # Spark's checkpoint file manager writes through FileContext, whose webhdfs is its own
+        "fs.AbstractFileSystem.webhdfs.impl": "sos.hadoop.RideThroughWebHdfs",
+        "fs.AbstractFileSystem.swebhdfs.impl": "sos.hadoop.RideThroughWebHdfs$Secure",
+        "sos.webhdfs.ride.authorities": ",".join(authorities),
+        # the resends outlast a restart or a promotion; each waits in Hadoop's own policy too
+        "sos.webhdfs.ride.attempts": "10",
+    }
+
+
+def _with_jar(current: str | None, jar: str) -> str:
+    jars = [j for j in (current or "").split(",") if j.strip()]
+    return ",".join([*jars, jar]) if jar not in jars else ",".join(jars)
+
+
 def gateway_conf(
     url: str | Sequence[str],
     namespace: str,
@@ -721,6 +756,7 @@ def gateway_conf(
     retry_spec: str = GATEWAY_RETRY_SPEC,
     nameservice: str | None = None,
     token_url: str | None = None,
+    ride_through: bool = False,
 ) -> dict[str, str]:
     """Hadoop settings (keys without ``spark.hadoop.``) for ``webhdfs://`` paths served by
     the gateway at ``url`` (``http(s)://HOST:PORT``): OAuth2 client credentials against its
@@ -737,9 +773,18 @@ def gateway_conf(
     survives the loss of either gateway; else the **last** URL, the standby in the documented
     order (active first), so that the loss the pair exists for, the active's, leaves every JVM
     able to fetch tokens (docs/SPARK.md, "A gateway pair"). Both gateways issue tokens and
-    accept each other's."""
+    accept each other's.
+
+    ``ride_through``: also :func:`ride_through_conf` for these gateways (their authorities,
+    or the nameservice), so a file whose body was in flight when its gateway died is resent;
+    the caller puts :func:`ride_through_jar` on the classpath (:func:`gateway_checkpoint`
+    does both)."""
     urls = gateway_urls(url)
-    conf = {
+    ride: dict[str, str] = {}
+    if ride_through:
+        names = [nameservice or nameservice_for(namespace)] if len(urls) > 1 else []
+        ride = ride_through_conf(names + [urllib.parse.urlsplit(u).netloc for u in urls])
+    conf = ride | {
         "dfs.webhdfs.oauth2.enabled": "true",
         "dfs.webhdfs.oauth2.access.token.provider": "org.apache.hadoop.hdfs.web.oauth2.ConfCredentialBasedAccessTokenProvider",
         "dfs.webhdfs.oauth2.client.id": namespace,
@@ -764,6 +809,16 @@ def webhdfs_url(url: str | Sequence[str], path: str = "", *, nameservice: str | 
             raise ValueError("several gateways: give the nameservice")
         return f"{scheme}://{nameservice}/{path.strip('/')}"
     return f"{scheme}://{parsed.netloc}/{path.strip('/')}"
+
+
+def _driver_has_ride_through(spark: SparkSession) -> bool:
+    jvm = spark.sparkContext._jvm
+    try:
+        loader = jvm.java.lang.Thread.currentThread().getContextClassLoader()  # type: ignore[union-attr]
+        jvm.java.lang.Class.forName(RIDE_THROUGH_CLASS, False, loader)  # type: ignore[union-attr]
+    except Exception:  # noqa: BLE001  # py4j's error for ClassNotFoundException
+        return False
+    return True
 
 
 class GatewayCheckpoint(str):
@@ -808,7 +863,16 @@ class GatewayCheckpoint(str):
         """Apply the Hadoop settings to a live session and register the marker listener
         (``gateway_checkpoint`` calls it when given a session)."""
         hconf = spark.sparkContext._jsc.hadoopConfiguration()
-        for k, v in self.conf.items():
+        conf = self.conf
+        if "spark.hadoop.fs.webhdfs.impl" in conf and not _driver_has_ride_through(spark):
+            log.warning(
+                "this session's driver has no %s (give gateway_checkpoint the SparkSession.Builder): "
+                "a gateway that dies while a file's body is in flight stops the query",
+                RIDE_THROUGH_JAR,
+            )
+            ride = ride_through_conf([])
+            conf = {k: v for k, v in conf.items() if k.removeprefix("spark.hadoop.") not in ride}
+        for k, v in conf.items():
             hconf.set(k.removeprefix("spark.hadoop."), v)
         if self.trust is not None:
             # the driver JVM's trust, before its first https request (it is read once);
@@ -840,6 +904,30 @@ class GatewayCheckpoint(str):
         )
 
 
+def _ride_jar() -> str | None:
+    jar = ride_through_jar()
+    if jar is None:
+        log.warning(
+            "%s is not built (scripts/build-jar): a gateway that dies while a file's body is in flight stops the query",
+            RIDE_THROUGH_JAR,
+        )
+    return jar
+
+
+def _configure_builder(
+    builder: SparkSession.Builder, conf: dict[str, str], jar: str | None, trust: GatewayTrust | None
+) -> None:
+    for k, v in conf.items():
+        builder.config(k, v)
+    builder.config("spark.redaction.regex", GATEWAY_REDACTION_REGEX)
+    options: dict[str, str] = getattr(builder, "_options", {})
+    if jar is not None:
+        builder.config("spark.jars", _with_jar(options.get("spark.jars"), jar))
+    if trust is not None:
+        for name in ("spark.driver.extraJavaOptions", "spark.executor.extraJavaOptions"):
+            builder.config(name, _with_java_options(options.get(name), trust.java_options))
+
+
 def gateway_checkpoint(
     spark_or_builder: SparkSession | SparkSession.Builder | None,
     url: str | Sequence[str],
@@ -854,6 +942,7 @@ def gateway_checkpoint(
     truststore_password: str | None = None,
     nameservice: str | None = None,
     token_url: str | None = None,
+    ride_through: bool = True,
 ) -> GatewayCheckpoint:
     """The checkpointLocation of ``checkpoint`` in ``namespace`` through the gateway at
     ``url`` (``http(s)://HOST:PORT`` of ``sos gateway NAMESPACE``), with ``key`` a key of
@@ -878,14 +967,27 @@ def gateway_checkpoint(
     ``-Djavax.net.ssl.trustStore``/``trustStoreType=PKCS12``/``trustStorePassword`` (added to
     spark.driver.extraJavaOptions and spark.executor.extraJavaOptions of a Builder; on a
     live session the driver's system properties) and the marker listener's HTTPS context.
+
+    ``ride_through`` (default): the shipped ``sos-webhdfs-ride.jar`` goes on ``spark.jars``
+    (a Builder) and ``webhdfs://`` paths of these gateways use its FileSystem
+    (:func:`ride_through_conf`), so a query does not stop when its gateway dies or fails over
+    while a file's body is in flight (docs/SPARK.md). A live session can only use it when
+    its driver already has the jar (else a warning: the body is not resent).
     """
     relpath = checkpoint.strip("/")
     urls = gateway_urls(url)
     nameservice = (nameservice or nameservice_for(namespace)) if len(urls) > 1 else None
+    jar = _ride_jar() if ride_through else None
     conf = {
         f"spark.hadoop.{k}": v
         for k, v in gateway_conf(
-            urls, namespace, key, retry_spec=retry_spec, nameservice=nameservice, token_url=token_url
+            urls,
+            namespace,
+            key,
+            retry_spec=retry_spec,
+            nameservice=nameservice,
+            token_url=token_url,
+            ride_through=jar is not None,
         ).items()
     }
     trust = None
@@ -904,13 +1006,7 @@ def gateway_checkpoint(
         return loc
     if hasattr(spark_or_builder, "streams"):  # a live session
         return loc.attach(cast("SparkSession", spark_or_builder), listener=listener)
-    for k, v in conf.items():
-        spark_or_builder.config(k, v)
-    spark_or_builder.config("spark.redaction.regex", GATEWAY_REDACTION_REGEX)
-    if trust is not None:
-        options: dict[str, str] = getattr(spark_or_builder, "_options", {})
-        for name in ("spark.driver.extraJavaOptions", "spark.executor.extraJavaOptions"):
-            spark_or_builder.config(name, _with_java_options(options.get(name), trust.java_options))
+    _configure_builder(spark_or_builder, conf, jar, trust)
     return loc
 
 

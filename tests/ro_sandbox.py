@@ -1,6 +1,6 @@
 """Run a command as a container with a read-only root filesystem would run it (tests only).
 
-Started by tests/test_deploy_gateway.py as root as
+Started by tests/deploy/test_gateway.py as root as
 
     unshare --mount --propagation private python tests/ro_sandbox.py SPEC.json
 

@@ -6,7 +6,7 @@ like ``sos_wire/frames.py`` is for the wire frames.
 (the trailer when ``type`` has the flag 0x80: an authenticated record, protocol.md 2.5)
 
 ``records.py`` keeps a hand-written ``struct`` fast path (journals are read at hundreds of
-MB/s during a restore; construct parses a few MB/s); ``tests/test_journal_layout.py``
+MB/s during a restore; construct parses a few MB/s); ``tests/journal/test_layout.py``
 checks it against this definition byte for byte: every record kind, edge sizes, random
 records, and malformed ones (both refuse them with :class:`JournalCorrupt`).
 Never use construct's compiled parsers on untrusted bytes.

@@ -1,6 +1,6 @@
 """Hostile input, end to end: every refusal reaches the public client as its typed exception.
 
-tests/test_server_process.py already checks the ERROR codes of these cases frame by
+tests/server/test_process.py already checks the ERROR codes of these cases frame by
 frame (RawClient). Here the same refusals go through ``sos_client.Client`` (what the
 journal, fsspec and the mount use) against a real ``sos-server`` process, and raw sockets
 are used only where the client refuses to send the bytes at all (bad names, frames over

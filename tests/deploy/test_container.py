@@ -14,7 +14,7 @@ SIGKILLed mid-query, a new one starts on an empty cache, and the query resumes: 
 record comes out exactly once.
 
 What podman 4.3 cannot run of the manifests is changed by `_podman_pod()` and listed in
-UNRUN; tests/test_deploy_k8s.py validates those fields against the Kubernetes schemas.
+UNRUN; tests/deploy/test_k8s.py validates those fields against the Kubernetes schemas.
 """
 
 from __future__ import annotations
@@ -339,7 +339,7 @@ def test_default_command_under_host_networking(image, tls, tmp_path):
 def test_kube_manifests_run_and_a_query_survives_a_gateway_sigkill(image, tls, moto, tmp_path):
     import boto3
 
-    print("\nmanifest fields podman does not run (tests/test_deploy_k8s.py validates them):")
+    print("\nmanifest fields podman does not run (tests/deploy/test_k8s.py validates them):")
     for field, why in UNRUN.items():
         print(f"  {field}: {why}")
     boto3.session.Session().client("s3").create_bucket(Bucket="sos-tier-bucket")

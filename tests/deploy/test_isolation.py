@@ -17,7 +17,7 @@ server and a NetworkPolicy plugin would (tests/k8s_model.py), not by reading the
 (e) no SOS pod or account and no executor mounts a Kubernetes API token; only the driver
     does; the jobs' namespace enforces the "restricted" Pod Security Standard (so a job
     cannot start a privileged or hostPath pod and read the node's copy of the Secrets);
-(f) kubernetes-validate still passes on every manifest: tests/test_deploy_k8s.py.
+(f) kubernetes-validate still passes on every manifest: tests/deploy/test_k8s.py.
 
 Item 13 (compose): every Spark process authenticates with spark.authenticate and a secret
 from a file, and the master's UI is published on loopback only (the metrics port not at all:
@@ -474,7 +474,7 @@ def test_compose_publishes_the_master_ui_and_the_metrics_on_loopback_only():
     assert published("spark-master") == {master_ui: "127.0.0.1"}
     server = published("sos-server")
     # metrics (no authentication): not published at all, on the server's loopback for the
-    # Prometheus in its network namespace (tests/test_hostile_round3_deploy.py)
+    # Prometheus in its network namespace (tests/deploy/test_quota_metrics_hostile.py)
     assert 9070 not in server
     assert server[7070] == "0.0.0.0"  # TLS, every request authenticated: remote clients use it
     for name, svc in s.items():

@@ -351,7 +351,7 @@ def test_configmap_items_are_the_files_the_job_imports():
     files = [a.split("=", 1)[1] for a in cmd.split() if a.startswith("--from-file=")]
     assert sorted(pathlib.Path(f).name for f in files) == sorted(sources), (files, sorted(sources))
     assert all((ROOT / f).read_bytes() == sources[pathlib.Path(f).name] for f in files)
-    # (tests/test_deploy_spark.py runs the job with these files and nothing else)
+    # (tests/deploy/test_spark.py runs the job with these files and nothing else)
 
 
 # ------------------------------------------------------------------ NetworkPolicy

@@ -17,7 +17,7 @@
     with Prometheus in its network namespace (compose), loopback (the image).
 
 Real processes throughout where a flag is concerned: ``sos-server`` and ``sos gateway``
-child processes, real sockets, a real tmpfs (root, as tests/test_hostile_disk.py).
+child processes, real sockets, a real tmpfs (root, as tests/server/test_disk_full.py).
 """
 
 from __future__ import annotations

@@ -403,7 +403,7 @@ def test_is_my_batch_committed_as_documented(sos_server, tmp_path):
         restore = ["bash", "-c", restore_line.replace(" myjob ", f" {NS} ").replace("/tmp/peek", str(peek))]
         env = os.environ | {
             "SOS_SERVER": sos_server.address,
-            "SOS_KEY_FILE": "myjob-read.key",  # the block's export line (tests/test_ops_docs.py runs it whole)
+            "SOS_KEY_FILE": "myjob-read.key",  # the block's export line (tests/project/test_ops_docs.py runs it whole)
             "PATH": f"{pathlib.Path(sos_command()[0]).parent}:{os.environ['PATH']}",
         }
         before = subprocess.run(curl, capture_output=True, text=True, timeout=60)

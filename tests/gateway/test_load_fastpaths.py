@@ -1,7 +1,7 @@
 """The gateway's per-request savings of issue 28 item 2, each keeping its guarantees: a verified
 token is remembered but still expires; calls that are microseconds run in the event loop only
 when they cannot block it; the barriers of concurrent requests share one wait, and its
-failure is every waiter's. (bench/load.py measures the CPU they save; tests/test_load.py.)"""
+failure is every waiter's. (bench/load.py measures the CPU they save; tests/gateway/test_load.py.)"""
 
 from __future__ import annotations
 

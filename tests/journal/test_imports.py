@@ -1,6 +1,6 @@
 """The journal core's tree (issue 12.2): building one does no network I/O. Its module graph
 (the tree does not import restore: the cache rebuild is injected by the opener; no cycle) is
-import-linter's contracts in pyproject.toml (tests/test_lint.py runs them)."""
+import-linter's contracts in pyproject.toml (tests/project/test_lint.py runs them)."""
 
 from __future__ import annotations
 

@@ -281,7 +281,7 @@ def test_metrics_endpoint_shows_counters(srv):
 
 def test_max_connections_answers_busy(sos_server_factory):
     # authenticated holders: unauthenticated ones would be evicted for the newcomer (issue 17
-    # item 5: tests/test_hostile_server_round2.py)
+    # item 5: tests/server/test_limits.py)
     srv = sos_server_factory(args=["--max-connections", "2"])
     key = srv.keygen(NS, "append")
     a, b = RawClient(srv.address), RawClient(srv.address)

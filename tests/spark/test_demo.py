@@ -2,7 +2,7 @@
 sos-server, real FUSE mount, real Spark driver process, the mount SIGKILLed mid-batch,
 worker's local files deleted, restore, resume; the committed output must equal the input
 exactly once. Plus the checker's own negatives. (The cluster demo, ``./scripts/demo``
-without ``--mount``, runs in tests/test_cluster.py.)"""
+without ``--mount``, runs in tests/spark/test_cluster.py.)"""
 
 import json
 import os

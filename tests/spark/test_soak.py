@@ -99,7 +99,7 @@ def test_crash_loop_exactly_once(tmp_path):
 
 # ---- cluster mode: a standalone cluster checkpointing through `sos gateway`
 
-# (disk=0: the cluster demo, tests/test_cluster.py, loses the server's disk on a cluster; the
+# (disk=0: the cluster demo, tests/spark/test_cluster.py, loses the server's disk on a cluster; the
 # mount-mode loop above draws it at random.) Seed 113 draws, among its first 10 events (the draws do not depend on timing): a gateway
 # restart on an EMPTY cache and one on the same cache, a server kill, an executor kill, two
 # worker kills, a driver kill, and two total losses (one restored with `sos restore`, one by

@@ -44,7 +44,9 @@ class ClusterSoak(Soak):
 
     - ``gateway``: SIGKILL the gateway, restart it on the same port, on the same cache or
       (sometimes) on an EMPTY one that it restores from the server; the query rides through
-      on Hadoop's retry policy (``gateway_conf``);
+      on Hadoop's retry policy (``gateway_conf``) and, for a body cut by the kill, the
+      ride-through FileSystem's resend (``gateway_checkpoint``); a query that stops anyway
+      is counted against the kill before it (``stopped_queries`` in SOAK-RESULT);
     - ``server``: SIGKILL the sos-server (restarted on the same port and data);
     - ``executor``: SIGKILL one executor JVM only; its Worker launches a new one;
     - ``worker``: SIGKILL a Worker and its executors and unmount its node's local disk; a

@@ -40,6 +40,12 @@ def ServerProc(data_dir: str, log_path: str, tier: str | None = None) -> ServerP
     )
 
 
+def percentiles(xs: list[float]) -> list[float]:
+    """[p50, p99] of ``xs`` (nearest rank), rounded to 0.1 s."""
+    xs = sorted(xs)
+    return [round(xs[min(len(xs) - 1, int(q * len(xs)))], 1) for q in (0.5, 0.99)]
+
+
 class Soak(Checks):
     """The crash loop on one machine: the query in a local[2] driver on an ``sos mount``."""
 
@@ -158,6 +164,10 @@ class Soak(Checks):
         # (kind, t_event, last batch seen by the check) of every event not yet followed by a
         # committed batch (a later event does not cancel an earlier one's measure)
         self._pending_recovery: list[tuple[str, float, int]] = []
+        #: queries that stopped, by the kill event before them (issue 30: goal 0 for
+        #: "gateway" and a pair's failovers); "none": no kill in the 120 s before
+        self.stopped_by: dict[str, int] = {}
+        self.last_kill: tuple[str, float] | None = None
         self.last_check_hi = -1
 
     # ------------------------------------------------------------------ output
@@ -567,6 +577,8 @@ class Soak(Checks):
                 )
             err = (st.get("error") or "").splitlines()[0][:300] if st.get("error") else ""
             self.query_failures.append(f"t={self.elapsed():.0f}s: {err}")
+            by = self.last_kill[0] if self.last_kill and time.monotonic() - self.last_kill[1] < 120 else "none"
+            self.stopped_by[by] = self.stopped_by.get(by, 0) + 1
             self.say(
                 f"query failed{' without a mount kill' if self.MODE == 'mount' else ''}: "
                 f"{err}; restarting it in the same driver"
@@ -650,6 +662,7 @@ class Soak(Checks):
             what = self.handlers()[kind]()
             self.restart_times[kind].append(time.monotonic() - t)
             self._pending_recovery.append((kind, t, max(self.last_check_hi, self.acked_max)))
+            self.last_kill = (kind, time.monotonic())
             self.say(f"#{n} {kind}: {what} ({time.monotonic() - t:.1f}s)")
         self.say(f"{n} kill events; no more kills: draining the {self.fed} fed input files")
         self.drain()
@@ -749,6 +762,12 @@ class Soak(Checks):
             "unexpected": list(self.unexpected),
             "median_event_s": {k: med(v) for k, v in self.restart_times.items()},
             "median_recovery_s": {k: med(v) for k, v in self.recovery.items()},
+            # kill -> the next committed batch, the delay each kind of event gave the query
+            "recovery_p50_p99_s": {k: percentiles(v) for k, v in self.recovery.items() if v},
+            "stopped_queries": {k: self.stopped_by.get(k, 0) for k in [*self.KINDS, "none"]},
+            "stopped_queries_per_kill": {
+                k: round(self.stopped_by.get(k, 0) / n, 3) for k, n in self.kills.items() if n
+            },
             "kills_per_hour": round(sum(self.kills.values()) * 3600 / max(self.elapsed(), 1), 0),
         }
 

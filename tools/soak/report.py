@@ -1,5 +1,5 @@
 """What a run prints at the end: a few lines of figures, where the logs are, and last
-``SOAK-RESULT {json}`` (what tests/test_soak.py reads)."""
+``SOAK-RESULT {json}`` (what tests/spark/test_soak.py reads)."""
 
 from __future__ import annotations
 
@@ -52,6 +52,18 @@ def report(result: dict, kinds: tuple[str, ...], *, cluster: bool, code: int, wo
     print(
         "median time from a kill to the next committed batch: "
         + ", ".join(f"{k} {rec[k]}s" for k in kinds if rec[k] is not None),
+        flush=True,
+    )
+    pct = result.get("recovery_p50_p99_s", {})
+    stopped = result.get("stopped_queries", {})
+    print(
+        "stopped queries per kill event (goal 0 for gateway kills and failovers), and the "
+        "batch delay each caused (kill -> next commit, p50/p99): "
+        + ", ".join(
+            f"{k} {stopped.get(k, 0)}/{result['kills'][k]}" + (f" ({pct[k][0]}s/{pct[k][1]}s)" if k in pct else "")
+            for k in kinds
+            if result["kills"].get(k)
+        ),
         flush=True,
     )
     if result["unexpected"] or result["query_failures"]:

@@ -257,9 +257,31 @@ class Standby:
             self.holder.stop()
         self.tailer.close()
 
+    def _warn_no_lease(self, started: float, first_seq: int) -> bool:
+        """Warn that no lease is there to watch (the pair cannot fail over by itself): once the
+        standby has seen none for its own ``--lease`` (an active started with it has one by
+        then), and every minute after. True when it warned."""
+        if time.monotonic() - started < max(self.lease, 2.0):
+            return False
+        if self.tailer.seq > first_seq:
+            what = (
+                f"the active gateway is writing the journal (record {self.tailer.seq}) but holds no "
+                "lease: it runs without --lease"
+            )
+        else:
+            what = "no active gateway holds a lease under lease/"
+        log.warning(
+            "standby: %s, so this standby cannot tell when it dies and will never take over by "
+            "itself: run the active with --lease (both members of a pair: docs/SPARK.md, "
+            '"A gateway pair"), or promote this one by hand with `sos gateway promote`',
+            what,
+        )
+        return True
+
     def _run(self) -> None:
         client: RoleClient | None = None
         logged = 0.0
+        started, first_seq = time.monotonic(), self.tailer.seq
         while not self._stop.is_set() and self.state != "active":
             try:
                 if client is None:
@@ -285,12 +307,8 @@ class Standby:
                     f"the active gateway's lease {self.watcher.current[0] if self.watcher.current else ''} "
                     f"was not renewed for {silent:.1f} s (--lease {self.lease:g})",
                 )
-            elif silent is None and time.monotonic() - logged > 60:
+            elif silent is None and time.monotonic() - logged > 60 and self._warn_no_lease(started, first_seq):
                 logged = time.monotonic()
-                log.info(
-                    "standby: no lease under lease/ yet: waiting for an active gateway run "
-                    "with --lease (it is never taken over otherwise; `sos gateway promote` is)"
-                )
             self._stop.wait(self.poll)
         if client is not None:
             with contextlib.suppress(SOSError, OSError):
