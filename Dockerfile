@@ -34,6 +34,7 @@ COPY sos_wire ./sos_wire
 COPY sos_tier ./sos_tier
 COPY sos_server ./sos_server
 COPY sos_client ./sos_client
+COPY sos_journal ./sos_journal
 COPY spark_plugin ./spark_plugin
 # tier: boto3, for serve --tier s3://... (the object-store tier, protocol.md Part 4)
 RUN pip wheel --no-cache-dir --wheel-dir /wheels '.[mount,tier]'
