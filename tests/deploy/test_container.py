@@ -23,6 +23,7 @@ import base64
 import json
 import os
 import pathlib
+import secrets as secrets_module
 import shutil
 import socket
 import subprocess
@@ -400,6 +401,9 @@ def test_kube_manifests_run_and_a_query_survives_a_gateway_sigkill(image, tls, m
         _assert_hardened(srv_ctr)
         writer, job = _server_key(srv_ctr, "append"), _server_key(srv_ctr, "token")
         secrets["sos-gateway-key"] = {"key": writer.encode() + b"\n"}
+        # the namespace's journal key (docs/DEPLOY.md "The journal key"): 64 hex digits
+        journal_key = secrets_module.token_hex(32)
+        secrets["sos-journal-key"] = {"key": journal_key.encode() + b"\n"}
 
         gw_pod = {
             "apiVersion": "v1",
@@ -505,7 +509,7 @@ def test_kube_manifests_run_and_a_query_survives_a_gateway_sigkill(image, tls, m
                 NS,
                 str(restored),
             ],
-            env=dict(os.environ, SOS_KEY=writer),
+            env=dict(os.environ, SOS_KEY=writer, SOS_JOURNAL_KEY=journal_key),  # the gateway's journal key
             check=True,
             timeout=300,
             capture_output=True,

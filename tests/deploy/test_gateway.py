@@ -23,6 +23,7 @@ import json
 import os
 import pathlib
 import re
+import secrets as secrets_module
 import shutil
 import signal
 import stat
@@ -407,6 +408,7 @@ def test_gateway_runs_unprivileged_on_a_read_only_root_as_the_deployment_says(
     writer_key = srv.keygen(namespace, "append")
     job_key = srv.keygen(namespace, "token")  # the shipped job credential: gateway-only
     srv.start()
+    journal_key = secrets_module.token_hex(32)  # the namespace's (docs/DEPLOY.md "The journal key")
     secrets = {
         "sos-tls": {"tls.crt": (tls / "tls.crt").read_bytes(), "tls.key": (tls / "tls.key").read_bytes()},
         "sos-gateway-tls": {
@@ -414,6 +416,7 @@ def test_gateway_runs_unprivileged_on_a_read_only_root_as_the_deployment_says(
             "tls.key": (tls / "gateway.key").read_bytes(),
         },
         "sos-gateway-key": {"key": writer_key.encode() + b"\n"},
+        "sos-journal-key": {"key": journal_key.encode() + b"\n"},  # the journal key
     }
     open_to_others(tmp_path)
     gw_ca = str(tls / "gateway.crt")
@@ -500,7 +503,7 @@ def test_gateway_runs_unprivileged_on_a_read_only_root_as_the_deployment_says(
     box2.target().send_signal(signal.SIGTERM)
     assert box2.proc.wait(300) == 0, box2.text()[-4000:]
 
-    env = dict(os.environ, SOS_KEY=writer_key)
+    env = dict(os.environ, SOS_KEY=writer_key, SOS_JOURNAL_KEY=journal_key)  # what the gateway wrote with
     subprocess.run(
         [
             *sos_command(),

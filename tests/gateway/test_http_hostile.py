@@ -20,6 +20,7 @@ the loopback interface).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -631,13 +632,13 @@ def pipeline(port: int, requests_: list[bytes], source: str = "127.0.0.1") -> li
 
 
 def summary_lines(log: str) -> list[str]:
-    text = log.split("requests served:\n", 1)[1]
-    lines = []
-    for line in text.splitlines():
-        if re.match(r"\d{4}-\d\d-\d\d ", line):
-            break
-        lines.append(line)
-    return lines
+    """The per-operation lines of the gateway's stop summary (one JSON log record's message)."""
+    for line in log.splitlines():
+        if line.startswith("{"):
+            msg = json.loads(line).get("msg", "")
+            if "requests served:\n" in msg:
+                return msg.split("requests served:\n", 1)[1].splitlines()
+    raise AssertionError("no stop summary in the gateway's log:\n" + log[-3000:])
 
 
 @pytest.mark.slow

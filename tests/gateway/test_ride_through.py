@@ -318,7 +318,12 @@ def test_a_standby_whose_active_holds_no_lease_says_so(sos_server, tmp_path):
         while "holds no lease" not in standby.log() and time.monotonic() < deadline:
             time.sleep(0.5)
         log = standby.log()
-        assert "WARNING" in log and "holds no lease" in log and "--lease" in log, log[-3000:]
+        warned = [
+            rec
+            for rec in (json.loads(line) for line in log.splitlines() if line.startswith("{"))
+            if "holds no lease" in rec.get("msg", "")
+        ]
+        assert warned and warned[0]["level"] == "warning" and "--lease" in warned[0]["msg"], log[-3000:]
         assert "will never take over by itself" in log
     finally:
         for g in (bare, standby):

@@ -282,7 +282,9 @@ def test_a_replacement_server_rebuild_refuses_a_planted_1_gib_piece(tmp_path):
     )
     total, peak_kib = map(int, proc.stdout.split())
     assert total == len(data)  # the real object whole; nothing of the planted pieces
-    assert peak_kib < 300 * 1024, peak_kib
+    # far below one planted piece (1 GiB; reading one whole took 2 GiB): 38 MiB when run
+    # alone here, 361 MiB was seen once inside a parallel CI run (cause not found)
+    assert peak_kib < 512 * 1024, peak_kib
     assert f"damage {huge}" in proc.stderr and f"damage {other}" in proc.stderr, proc.stderr
 
 

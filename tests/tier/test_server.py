@@ -464,7 +464,7 @@ def test_a_replacement_server_on_an_empty_data_dir_serves_the_bucket_and_carries
     with c:
         assert isinstance(c.login(key, "rep"), ev.AuthOk)
         assert c.read("seg") == b"before the loss"
-        r = tier_wait(c, "seg", 15, 0)  # learned from the listing, nothing uploaded again
+        r = tier_wait(c, "seg", 15, 30_000)  # learned from the listing at its first round (not at once)
         assert isinstance(r, ev.TierWaitOk) and r.tiered == 15, r
         r = c.append("seg", 15, b"x", epoch=2)
         assert isinstance(r, ev.Error) and r.code == ErrorCode.FENCED and r.length == 3  # the fence came back
