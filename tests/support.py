@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
+import time
 import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
 
 from tools.demo_common import tree_of
 
@@ -57,3 +63,24 @@ def server_metric(srv, name: str, default: float | None = None, *, timeout: floa
     if default is not None:
         return default
     raise AssertionError(f"no metric {name}")
+
+
+@contextlib.contextmanager
+def tmpfs_mount(where: Path, size: str | int) -> Iterator[Path]:
+    """A tmpfs of ``size`` mounted on the new directory ``where`` (a small disk to fill), unmounted
+    after; the test is skipped where mounting is not allowed (needs root or CAP_SYS_ADMIN)."""
+    where.mkdir()
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True, text=True
+    )
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a {size} tmpfs (needs root or CAP_SYS_ADMIN): {r.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        for _ in range(50):
+            if subprocess.run(["umount", str(where)], capture_output=True).returncode == 0:
+                break
+            time.sleep(0.2)  # a process may still be closing files on it
+        else:
+            subprocess.run(["umount", "-l", str(where)], check=True)

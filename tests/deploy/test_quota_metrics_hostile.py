@@ -25,8 +25,6 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import sys
-import time
 import urllib.request
 
 import pytest
@@ -50,6 +48,7 @@ from tests.k8s_model import (
     pod_spec,
     template_pod,
 )
+from tests.support import server_cli, tmpfs_mount
 from tools.server import ServerProcess
 
 pytestmark = [pytest.mark.hostile, pytest.mark.slow]
@@ -98,33 +97,13 @@ def storage_settings(argv: list[str]) -> list[str]:
 
 @pytest.fixture
 def tmpfs(tmp_path):
-    d = tmp_path / "disk"
-    d.mkdir()
-    r = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={TMPFS_SIZE}", "tmpfs", str(d)], capture_output=True, text=True
-    )
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs (needs root or CAP_SYS_ADMIN): {r.stderr.strip()}")
-    try:
+    with tmpfs_mount(tmp_path / "disk", TMPFS_SIZE) as d:
         yield d
-    finally:
-        for _ in range(50):
-            if subprocess.run(["umount", str(d)], capture_output=True).returncode == 0:
-                break
-            time.sleep(0.2)  # a process may still be closing files on it
-        else:
-            subprocess.run(["umount", "-l", str(d)], check=True)
 
 
 def filesystem_size(path) -> int:
     st = os.statvfs(path)
     return st.f_blocks * st.f_frsize
-
-
-def server_cli(*args: object, timeout: float = TIMEOUT) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "sos_server.cli", *map(str, args)], capture_output=True, text=True, timeout=timeout
-    )
 
 
 def scrape(address: str) -> dict[str, float]:

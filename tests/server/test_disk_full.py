@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import errno
 import os
-import subprocess
 import time
 
 import pytest
@@ -20,6 +19,7 @@ from sos_client import Client, NoSpace
 from sos_journal import JournaledTree, JournalWriter, restore
 from sos_journal.rebuild.restore import rebuild_cache
 from sos_wire.errors import ErrorCode
+from tests.support import tmpfs_mount
 
 pytestmark = [pytest.mark.hostile]
 
@@ -29,22 +29,8 @@ TMPFS_SIZE = "8m"
 
 @pytest.fixture
 def tmpfs(tmp_path):
-    d = tmp_path / "disk"
-    d.mkdir()
-    r = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={TMPFS_SIZE}", "tmpfs", str(d)], capture_output=True, text=True
-    )
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a {TMPFS_SIZE} tmpfs (needs root or CAP_SYS_ADMIN): {r.stderr.strip()}")
-    try:
+    with tmpfs_mount(tmp_path / "disk", TMPFS_SIZE) as d:
         yield d
-    finally:
-        for _ in range(50):
-            if subprocess.run(["umount", str(d)], capture_output=True).returncode == 0:
-                break
-            time.sleep(0.2)  # a process may still be closing files on it
-        else:
-            subprocess.run(["umount", "-l", str(d)], check=True)
 
 
 def _fill(path) -> int:
