@@ -158,13 +158,14 @@ def connection_cap(wanted: int, per_address: int, threads: int) -> int:
     return cap
 
 
-def webhdfs_view(opened: OpenNamespace, sync: bool) -> WebHdfsNamespace:
-    """WebHDFS over ``opened``, its files owned by the user the gateway runs as."""
+def webhdfs_view(opened: OpenNamespace, sync: bool, barrier: str = "every") -> WebHdfsNamespace:
+    """WebHDFS over ``opened``, its files owned by the user the gateway runs as; ``barrier``:
+    ``--barrier`` (protocol.md 3.4)."""
     try:
         owner = getpass.getuser()
     except (KeyError, OSError):
         owner = "sos"
-    return WebHdfsNamespace(opened, sync=sync, owner=owner, group=owner)
+    return WebHdfsNamespace(opened, sync=sync, owner=owner, group=owner, barrier=barrier)
 
 
 def build_gateway(options: GatewayOptions, serving: Serving, ns: WebHdfsNamespace) -> Gateway:
