@@ -52,7 +52,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "bearer token at /oauth2/token (client_id = NAMESPACE, client_secret = a "
         "key of it). An empty cache is first restored from the server. MKDIRS, "
         "RENAME, DELETE, TRUNCATE and file bodies (CREATE, APPEND) reply once "
-        "durable on the server (sync mode). Fenced by a newer writer, it refuses "
+        "durable on the server (sync mode), but for a checkpoint's state files "
+        "with --barrier commit. Fenced by a newer writer, it refuses "
         "every request and exits with code 3. SIGTERM/SIGINT stop it gracefully: no new "
         "connections, the requests in progress finish (at most 25 s; a second "
         "signal stops at once), then the journal is flushed.",
