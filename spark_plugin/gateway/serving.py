@@ -24,6 +24,7 @@ from spark_plugin.gateway.http.auth import TOKEN_PATH, TokenAuthority, key_verif
 from spark_plugin.gateway.http.server import EXIT_FENCED, Gateway
 from spark_plugin.gateway.options import GatewayOptions
 from spark_plugin.gateway.process import READY_MARKER
+from spark_plugin.gateway.webhdfs.inflight import record_clean_stop
 from spark_plugin.gateway.webhdfs.namespace import WebHdfsNamespace
 
 log = logging.getLogger(__name__)
@@ -212,6 +213,7 @@ def final_flush(gateway: Gateway, opened: OpenNamespace | None, flush_timeout: f
             exc,
         )
         return 1
+    record_clean_stop(opened)  # the next gateway on an empty cache knows nothing was lost
     return 0
 
 

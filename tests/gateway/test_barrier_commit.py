@@ -203,6 +203,32 @@ def test_a_restart_on_the_same_cache_ships_the_spool_and_refuses_nothing(sos_ser
     assert tree[f"{CHK}/state/0/1/1.delta"] == b"state 1 of batch 0" and f"{CHK}/commits/0" in tree
 
 
+def test_a_gateway_stopped_cleanly_then_replaced_on_an_empty_cache_refuses_nothing(sos_server, tmp_path):
+    """A rolling update on an empty cache (a Deployment's emptyDir): SIGTERM drains and flushes,
+    and the stopped gateway's ``stopped/<epoch>`` tells its successor that nothing was lost."""
+    g1 = Gw(sos_server, tmp_path, name="first")
+    start(g1)
+    plan(g1, 0)
+    state(g1, 0, 2)  # batch 0 in flight: its state files answered early
+    assert g1.stop() == 0
+    g2 = Gw(sos_server, tmp_path, key=g1.key, name="second", args=["--metrics", "127.0.0.1:0"])
+    try:
+        assert scrape(metrics_url(g2.proc))["sos_gateway_batches_in_flight"] == 0
+        assert g2.read(f"/{CHK}/state/0/1/1.delta") == b"state 1 of batch 0"
+        assert commit(g2, 0).status_code == 200
+        # killed now (no clean stop): its successor on an empty cache refuses batch 1's commit
+        plan(g2, 1)
+    finally:
+        g2.proc.kill()
+    g3 = Gw(sos_server, tmp_path, key=g1.key, name="third")
+    try:
+        assert commit(g3, 1).status_code == 403
+    finally:
+        assert g3.stop() == 0
+    assert "in flight" not in (tmp_path / "second.log").read_text()
+    assert "batch 1 of checkpoint /q was in flight" in (tmp_path / "third.log").read_text()
+
+
 def test_a_damaged_note_stops_the_gateway_rather_than_accept_a_commit(sos_server, tmp_path):
     g1 = Gw(sos_server, tmp_path, name="gw")
     assert g1.stop() == 0

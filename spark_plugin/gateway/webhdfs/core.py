@@ -28,7 +28,7 @@ from sos_journal.errors import JournalError, JournalQuotaExceeded, JournalTierBe
 from sos_journal.faces.facade import journal_error
 from sos_journal.tree.barrier_rule import acknowledged_early
 from spark_plugin.gateway.webhdfs.hdfs import EXCEPTION_OF_ERRNO, WebHdfsError, hard_link, hdfs_path, not_found
-from spark_plugin.gateway.webhdfs.inflight import InFlightBatches
+from spark_plugin.gateway.webhdfs.inflight import InFlightBatches, predecessor_stopped_cleanly
 from spark_plugin.gateway.webhdfs.renames import RENAME_MEMORY_FILE, RenameMemory
 
 if TYPE_CHECKING:
@@ -99,6 +99,8 @@ class NamespaceCore:
         #: a cache rebuilt from the server by a writer that did not resume a spool (an empty
         #: cache, a spool moved aside): what its predecessor acknowledged early may be missing
         replaced = bool(opened.rebuilt) and self.writer is not None and not self.writer.had_spool
+        if replaced and self.early and predecessor_stopped_cleanly(opened):
+            replaced = False  # it flushed everything, then left stopped/<epoch>: nothing lost
         self.inflight = InFlightBatches.open(
             os.path.dirname(self.root), self.root, rebuilt=replaced, enabled=self.early
         )

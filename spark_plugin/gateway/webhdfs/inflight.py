@@ -13,6 +13,12 @@ batch (403 IOException naming the batch). The query stops; started again, its dr
 the refusal: the state files of the re-run all come through this gateway, and the commit's
 barrier carries them. The note survives a restart on the same cache (the file is rewritten,
 fsynced, before the change is answered); a new rebuild notes again from what the server holds.
+
+A gateway that stops cleanly (SIGTERM: drained, its journal flushed to the server) leaves
+``stopped/<epoch>`` on the server (:func:`record_clean_stop`: the sequence number of its last
+record): a gateway whose writer fences it next (epoch + 1) and finds the journal ending at that
+record lost nothing, and notes nothing (:func:`predecessor_stopped_cleanly`), so a rolling
+update of a gateway on an empty cache (a Kubernetes Deployment's emptyDir) stops no query.
 """
 
 from __future__ import annotations
@@ -22,16 +28,87 @@ import json
 import logging
 import os
 import threading
+import time
+from typing import TYPE_CHECKING
 
+from sos_client.errors import SOSError
+from sos_journal.format import layout
 from sos_journal.tree.barrier_rule import STATE_DIR, commit_of, in_flight, offsets_of
+from sos_journal.writer.writer import server_last_record
 from spark_plugin.gateway.webhdfs.hdfs import WebHdfsError, hdfs_path
 
-__all__ = ["INFLIGHT_FILE", "InFlightBatches", "scan_in_flight"]
+if TYPE_CHECKING:
+    from sos_journal.tree.open import OpenNamespace
+
+__all__ = [
+    "INFLIGHT_FILE",
+    "InFlightBatches",
+    "predecessor_stopped_cleanly",
+    "record_clean_stop",
+    "scan_in_flight",
+    "stopped_name",
+]
 
 log = logging.getLogger(__name__)
 
 #: in the cache directory, next to ``tree/`` and ``spool/``
 INFLIGHT_FILE = "gateway-inflight.json"
+#: on the server, outside ``gen/`` (readers of the journal ignore it, as the lease objects)
+STOPPED_PREFIX = "stopped/"
+
+
+def stopped_name(epoch: int) -> str:
+    return f"{STOPPED_PREFIX}{epoch:010d}"
+
+
+def record_clean_stop(opened: OpenNamespace) -> None:
+    """After a final flush that reached the server: ``stopped/<epoch>`` holds the sequence
+    number of this writer's last record (nothing it acknowledged is only in its spool).
+    Best effort: without it the next gateway on an empty cache refuses a commit in flight."""
+    writer, factory = opened.writer, opened.client_factory
+    if writer is None or factory is None:
+        return
+    doc = {"seq": int(writer.last_seq), "t": int(time.time() * 1000)}
+    try:
+        client = factory()
+        try:
+            client.append(stopped_name(writer.epoch), 0, json.dumps(doc).encode() + b"\n", epoch=writer.epoch)
+        finally:
+            client.close()
+    except (SOSError, OSError) as exc:
+        log.warning("could not record the clean stop of this gateway on the server: %r", exc)
+
+
+def predecessor_stopped_cleanly(opened: OpenNamespace) -> bool:
+    """Whether the writer this one fenced (the epoch just below its own, the newest segment's)
+    stopped cleanly at the last record the server holds of it (:func:`record_clean_stop`)."""
+    writer, factory = opened.writer, opened.client_factory
+    if writer is None or factory is None:
+        return False
+    try:
+        client = factory()
+        try:
+            segs = [
+                seg
+                for g in layout.scan_listing(client.list(layout.GEN_PREFIX)).values()
+                for seg in g.segments
+                if seg.epoch < writer.epoch and seg.length > 0
+            ]
+            if not segs:
+                return False
+            last = max(segs, key=lambda seg: (seg.generation, seg.first_seq))
+            if last.epoch != writer.epoch - 1:  # a writer between (fenced, nothing shipped)
+                return False
+            found = server_last_record(client, last.name)
+            name = stopped_name(last.epoch)
+            length = int(client.stat(name)[0])
+            doc = json.loads(b"".join(bytes(c) for c in client.read_iter(name, 0, 0))[: min(length, 4096)])
+        finally:
+            client.close()
+    except (SOSError, OSError, ValueError) as exc:
+        log.info("the previous writer left no clean stop that can be read: %r", exc)
+        return False
+    return found is not None and isinstance(doc, dict) and doc.get("seq") == found[0]
 
 
 def _names(path: str) -> list[str]:
