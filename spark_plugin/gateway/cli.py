@@ -52,7 +52,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "bearer token at /oauth2/token (client_id = NAMESPACE, client_secret = a "
         "key of it). An empty cache is first restored from the server. MKDIRS, "
         "RENAME, DELETE, TRUNCATE and file bodies (CREATE, APPEND) reply once "
-        "durable on the server (sync mode). Fenced by a newer writer, it refuses "
+        "durable on the server (sync mode), but for a checkpoint's state files "
+        "with --barrier commit. Fenced by a newer writer, it refuses "
         "every request and exits with code 3. SIGTERM/SIGINT stop it gracefully: no new "
         "connections, the requests in progress finish (at most 25 s; a second "
         "signal stops at once), then the journal is flushed.",
@@ -70,6 +71,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--listen", metavar="HOST:PORT", help="address to serve on, e.g. 0.0.0.0:9870 (port 0: any free one); required"
     )
     add_standby_options(p)
+    p.add_argument(
+        "--barrier",
+        choices=("commit", "every"),
+        default=None,
+        help="which changes wait until durable on the server (sync mode, protocol.md 3.4): "
+        "'commit' (default alone): a checkpoint's state files and temp files are answered "
+        "from the local spool, a batch's commit (offsets/N, commits/N, metadata, sources/, "
+        "_spark_metadata/N) and everything outside a checkpoint wait, and a gateway whose "
+        "cache was rebuilt from the server refuses the commit of a batch that was in flight "
+        "until the query runs it again; 'every' (default of a pair, --lease or --standby): "
+        "every RENAME, DELETE, TRUNCATE, MKDIRS and file body waits",
+    )
     add_journal_options(
         p,
         waits="(RENAME, DELETE, file bodies)",
@@ -318,6 +331,12 @@ def usage_refusal(args: argparse.Namespace) -> str:
             return refusal
     if args.standby and args.restore_batch:
         return "--restore-batch is not served by a --standby gateway (roll back on the active one)"
+    if args.barrier == "commit" and (args.standby or args.lease):
+        return (
+            "--barrier commit is not served by a gateway pair (--standby, --lease): a promoted standby "
+            "never holds its active's spool, so every failover in the middle of a batch would stop the "
+            "query; a pair runs --barrier every (protocol.md 3.4)"
+        )
     return ""
 
 
@@ -361,6 +380,7 @@ def gateway_options(args: argparse.Namespace, start: CommandStart) -> GatewayOpt
         restore_batch=args.restore_batch,
         restore_yes=args.yes,
         lease=args.lease,
+        barrier=args.barrier,
         **start.journal_options(),
     )
 

@@ -51,6 +51,7 @@ class GatewayOptions:
     follow it unless ``restore_yes``. ``lease``: seconds; the active renews a lease a standby
     watches (lease.py, protocol.md 3.6) and serves only while holding it (None: no lease);
     a standby takes over after that long of silence (None: lease.DEFAULT_LEASE).
+    ``barrier``: "commit" or "every" (protocol.md 3.4); None: :attr:`barrier_rule`'s default.
     """
 
     namespace: str
@@ -86,6 +87,15 @@ class GatewayOptions:
     restore_batch: str | None = None
     restore_yes: bool = False
     lease: float | None = None
+    barrier: str | None = None
+
+    @property
+    def barrier_rule(self) -> str:
+        """``--barrier`` as served: given, else "every" for a gateway of a pair (``--lease``;
+        a standby is always "every": it never holds its active's spool) and "commit" alone."""
+        if self.barrier is not None:
+            return self.barrier
+        return "every" if self.lease else "commit"
 
     def open_journal(
         self,

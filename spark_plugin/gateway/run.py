@@ -90,7 +90,7 @@ def run_gateway(options: GatewayOptions) -> int:
     if options.metrics is not None:
         parse_metrics_listen(options.metrics)  # a bad address: refused before anything is opened
     opened = open_active(options)
-    ns = webhdfs_view(opened, options.sync)
+    ns = webhdfs_view(opened, options.sync, options.barrier_rule)
     gateway = build_gateway(options, serving, ns)
     try:
         exported = serve_metrics(gateway, ns, options.metrics, parse_metrics_listen) if options.metrics else None

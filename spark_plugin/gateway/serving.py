@@ -24,6 +24,7 @@ from spark_plugin.gateway.http.auth import TOKEN_PATH, TokenAuthority, key_verif
 from spark_plugin.gateway.http.server import EXIT_FENCED, Gateway
 from spark_plugin.gateway.options import GatewayOptions
 from spark_plugin.gateway.process import READY_MARKER
+from spark_plugin.gateway.webhdfs.inflight import record_clean_stop
 from spark_plugin.gateway.webhdfs.namespace import WebHdfsNamespace
 
 log = logging.getLogger(__name__)
@@ -158,13 +159,14 @@ def connection_cap(wanted: int, per_address: int, threads: int) -> int:
     return cap
 
 
-def webhdfs_view(opened: OpenNamespace, sync: bool) -> WebHdfsNamespace:
-    """WebHDFS over ``opened``, its files owned by the user the gateway runs as."""
+def webhdfs_view(opened: OpenNamespace, sync: bool, barrier: str = "every") -> WebHdfsNamespace:
+    """WebHDFS over ``opened``, its files owned by the user the gateway runs as; ``barrier``:
+    ``--barrier`` (protocol.md 3.4)."""
     try:
         owner = getpass.getuser()
     except (KeyError, OSError):
         owner = "sos"
-    return WebHdfsNamespace(opened, sync=sync, owner=owner, group=owner)
+    return WebHdfsNamespace(opened, sync=sync, owner=owner, group=owner, barrier=barrier)
 
 
 def build_gateway(options: GatewayOptions, serving: Serving, ns: WebHdfsNamespace) -> Gateway:
@@ -211,6 +213,7 @@ def final_flush(gateway: Gateway, opened: OpenNamespace | None, flush_timeout: f
             exc,
         )
         return 1
+    record_clean_stop(opened)  # the next gateway on an empty cache knows nothing was lost
     return 0
 
 

@@ -6,7 +6,9 @@ Gateway metrics), answering "is my checkpoint protected?":
   SAMPLE_INTERVAL s: exact to that interval);
 - the writer's state (``sos_gateway_writer_state{state}``: 1 for the current one of ok,
   retrying, quota_exceeded, failed, closed) and its replicator's errors;
-- the latency of the barriers (what a sync RENAME, DELETE or file body waits for);
+- the latency of the barriers (what a sync RENAME, DELETE or file body waits for) and their
+  number (``sos_gateway_barrier_waits_total``: with ``--barrier commit`` a few per batch, not
+  one per state file), and the batches whose commit is refused after a rebuild (protocol.md 3.4);
 - the last batch committed per checkpoint: a RENAME (or rename2) onto ``CHECKPOINT/commits/N``
   this gateway performed, its number and Unix time;
 - whether a newer writer fenced the gateway;
@@ -26,7 +28,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -76,6 +78,12 @@ class GatewayMetrics(Collector):
             buckets=_BARRIER_BUCKETS,
             registry=self.registry,
         )
+        self.barrier_waits = Counter(
+            "sos_gateway_barrier_waits",
+            "Requests that waited for a barrier (protocol.md 3.4: with --barrier commit, a "
+            "checkpoint's state files are answered without one)",
+            registry=self.registry,
+        )
         self.registry.register(self)
         self._lock = threading.Lock()
         self.commits: collections.OrderedDict[str, tuple[int, float]] = collections.OrderedDict()
@@ -87,6 +95,7 @@ class GatewayMetrics(Collector):
     # ------------------------------------------------------------------ the namespace's observer
     def barrier_waited(self, seconds: float) -> None:
         self.barrier_seconds.observe(seconds)
+        self.barrier_waits.inc()
 
     def renamed(self, rel_dst: str) -> None:
         found = commit_of(rel_dst)
@@ -151,6 +160,13 @@ class GatewayMetrics(Collector):
         up = GaugeMetricFamily("sos_gateway_up", "1 while the gateway serves (0 while it drains or is fenced)")
         up.add_metric([], 0.0 if (self.gateway.draining or self.gateway.fenced is not None) else 1.0)
         yield up
+        in_flight = GaugeMetricFamily(
+            "sos_gateway_batches_in_flight",
+            "Batches in flight when the cache was rebuilt from the server, whose commit is refused "
+            "until the query runs them again (protocol.md 3.4)",
+        )
+        in_flight.add_metric([], float(len(self.ns.inflight.batches)))
+        yield in_flight
         if writer is not None:
             self.sample()
             status = writer.status()

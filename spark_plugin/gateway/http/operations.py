@@ -407,7 +407,8 @@ class Operations:
                 )
         result, seq = await self.quick(self.ns.rename_now, call.rel, dst, options, change=QUICK_CHANGE)
         if result is not False:
-            await self.barriers.wait(seq)
+            if seq is not None:  # None: acknowledged early (protocol.md 3.4, --barrier commit)
+                await self.barriers.wait(seq)
             self.ns.renamed(dst)
         return {"boolean": result} if options is None else None
 
@@ -533,8 +534,10 @@ class Operations:
         if failure is not None:
             raise failure
         # sync mode: the file's contents are durable before the writer is told so (the
-        # RENAME that follows may reach a replacement gateway that never saw them)
-        await self.barriers.wait()
+        # RENAME that follows may reach a replacement gateway that never saw them), but for
+        # a checkpoint's state and temp files with --barrier commit (protocol.md 3.4)
+        if self.ns.body_waits(rel):
+            await self.barriers.wait()
         if op == "CREATE":
             await conn.respond(201)
             return 201

@@ -9,6 +9,13 @@ batch markers, as :class:`ChangeOperations`, a part of
 :class:`~spark_plugin.gateway.webhdfs.namespace.WebHdfsNamespace`. Each checks then changes under the
 namespace's lock and places its barrier outside it (the module docstring of
 :mod:`spark_plugin.gateway.webhdfs.namespace` says what each waits for).
+
+The barrier decisions (protocol.md 3.4): with ``--barrier commit`` a change whose paths are all
+:meth:`~spark_plugin.gateway.webhdfs.core.NamespaceCore.acknowledged_early` (a checkpoint's state
+files, the temp files of its logs) is answered once journaled in the spool; every other one
+waits. A RENAME onto, or CREATE of, ``CHECKPOINT/commits/N`` of a batch that was in flight when
+this gateway's cache was rebuilt from the server is refused
+(:mod:`spark_plugin.gateway.webhdfs.inflight`).
 """
 
 from __future__ import annotations
@@ -78,7 +85,9 @@ class ChangeOperations(NamespaceCore):
             for sub in [*self._check_parent(rel, create_parent=True), rel]:
                 self.renames.forget(sub)
                 self._journal(self.tree.mkdir, sub, mode | 0o300 if sub != rel else mode)
-        self.barrier()  # sync: durable before 200, and a fenced gateway's MKDIRS fails here
+            seq = self._last_seq()
+        if not self.acknowledged_early(rel):  # its new parents are above it: early too if it is
+            self.barrier(seq)  # sync: durable before 200, and a fenced gateway's MKDIRS fails here
         return {"boolean": True}
 
     def rename(self, rel: str, dst_path: str, options: set[str] | None) -> dict | None:
@@ -87,17 +96,20 @@ class ChangeOperations(NamespaceCore):
         ``renameoptions`` set: NONE, OVERWRITE) rename2, which raises instead."""
         result, seq = self.rename_now(rel, dst_path, options)
         if result is not False:
-            self.barrier(seq)
+            if seq is not None:
+                self.barrier(seq)
             self.renamed(dst_path)
         return {"boolean": result} if options is None else None
 
-    def rename_now(self, rel: str, dst_path: str, options: set[str] | None) -> tuple[bool, int]:
+    def rename_now(self, rel: str, dst_path: str, options: set[str] | None) -> tuple[bool, int | None]:
         """:meth:`rename` without its barrier: (its answer, the sequence number the barrier
-        waits for). A True answer needs that barrier, then :meth:`renamed`."""
+        waits for, None when it waits for none: a RENAME within a checkpoint's state files
+        with ``--barrier commit``). A True answer needs that barrier, then :meth:`renamed`."""
         dst = rel_path(dst_path)
         with self.lock, self._admission(), self._cache() as at:
             result = self._rename(at, rel, dst, options)
-            return result, self._last_seq()
+            early = result is not False and self.acknowledged_early(rel, dst, at=at)
+            return result, None if early else self._last_seq()
 
     def renamed(self, dst_path: str) -> None:
         """A RENAME to ``dst_path`` succeeded, its barrier with it: the observer hears of it."""
@@ -167,12 +179,7 @@ class ChangeOperations(NamespaceCore):
                 raise WebHdfsError("IOException", f"Source {src_name} and destination {dst_name} must both be {kind}")
             if dst_is_dir and at.listdir(dst):
                 raise WebHdfsError("IOException", f"rename destination directory is not empty: {dst_name}")
-        with self._leases_lock:
-            if rel in self._leases or dst in self._leases:
-                raise WebHdfsError(
-                    "AlreadyBeingCreatedException",
-                    f"{src_name if rel in self._leases else dst_name} is being written by another request",
-                )
+        self._may_move(rel, dst)
         # what was at the destination, and the source (a directory with all below it), change
         self.renames.forget(rel, under=True)
         self.renames.forget(dst, under=True)
@@ -184,6 +191,19 @@ class ChangeOperations(NamespaceCore):
             raise
         self._remember_rename(at, rel, asked, dst)
         return True
+
+    def _may_move(self, rel: str, dst: str) -> None:
+        """The last checks of a RENAME: neither end is being written, and it is not the commit
+        of a batch in flight across a rebuild of the cache (inflight.py)."""
+        with self._leases_lock:
+            if rel in self._leases or dst in self._leases:
+                raise WebHdfsError(
+                    "AlreadyBeingCreatedException",
+                    f"{hdfs_path(rel if rel in self._leases else dst)} is being written by another request",
+                )
+        refusal = self.inflight.refusal(dst)
+        if refusal is not None:
+            raise refusal
 
     def delete(self, rel: str, recursive: bool) -> dict:
         with self.lock, self._admission():
@@ -209,7 +229,8 @@ class ChangeOperations(NamespaceCore):
             for path, is_dir in doomed:
                 self._journal(self.tree.rmdir if is_dir else self.tree.unlink, path)
             seq = self._last_seq()
-        self.barrier(seq)
+        if not self.acknowledged_early(rel):  # everything it removed is below rel
+            self.barrier(seq)
         return {"boolean": True}
 
     def _doomed(self, at: Beneath, rel: str) -> list[tuple[str, bool]]:
@@ -288,7 +309,8 @@ class ChangeOperations(NamespaceCore):
                 seq = self._journal(self.tree.truncate, rel, new_length)
             finally:
                 self.release(rel)
-        self.barrier(seq)  # outside the lock, as RENAME's
+        if not self.acknowledged_early(rel):
+            self.barrier(seq)  # outside the lock, as RENAME's
         return {"boolean": True}
 
     # ------------------------------------------------------------------ file bodies
@@ -325,6 +347,9 @@ class ChangeOperations(NamespaceCore):
             pass
         if rel == "":
             raise WebHdfsError("FileAlreadyExistsException", "/ already exists as a directory")
+        refusal = self.inflight.refusal(rel)  # a commit file written in place: as its RENAME
+        if refusal is not None:
+            raise refusal
         st = self._stat(rel)
         if st is not None:
             if stat_mod.S_ISDIR(st.st_mode):

@@ -26,7 +26,9 @@ from sos_client.errors import SOSError, errno_of, is_fenced, to_oserror
 from sos_journal.beneath import Beneath
 from sos_journal.errors import JournalError, JournalQuotaExceeded, JournalTierBehind
 from sos_journal.faces.facade import journal_error
+from sos_journal.tree.barrier_rule import acknowledged_early
 from spark_plugin.gateway.webhdfs.hdfs import EXCEPTION_OF_ERRNO, WebHdfsError, hard_link, hdfs_path, not_found
+from spark_plugin.gateway.webhdfs.inflight import InFlightBatches, predecessor_stopped_cleanly
 from spark_plugin.gateway.webhdfs.renames import RENAME_MEMORY_FILE, RenameMemory
 
 if TYPE_CHECKING:
@@ -34,7 +36,12 @@ if TYPE_CHECKING:
 
 _R = TypeVar("_R")
 
-__all__ = ["NamespaceCore", "NamespaceObserver"]
+__all__ = ["BARRIER_RULES", "NamespaceCore", "NamespaceObserver"]
+
+#: ``sos gateway --barrier``: "commit" (a checkpoint's state files are acknowledged from the
+#: spool, commits wait, a rebuilt cache refuses the commit of batches in flight) or "every"
+#: (every change waits), protocol.md 3.4
+BARRIER_RULES = ("commit", "every")
 
 
 class NamespaceObserver(Protocol):
@@ -55,7 +62,8 @@ class NamespaceCore:
     async mode: the namespace places the barriers itself, outside its lock). ``sync``: wait
     for the server on RENAME, DELETE and markers. ``owner``/``group``: what FileStatus
     reports (the journal records no owners). ``observer``: told of barriers and renames
-    (:attr:`observer` may also be set before the namespace serves).
+    (:attr:`observer` may also be set before the namespace serves). ``barrier``: one of
+    :data:`BARRIER_RULES` (protocol.md 3.4).
     """
 
     def __init__(
@@ -66,7 +74,10 @@ class NamespaceCore:
         owner: str = "sos",
         group: str = "sos",
         observer: NamespaceObserver | None = None,
+        barrier: str = "commit",
     ) -> None:
+        if barrier not in BARRIER_RULES:
+            raise ValueError(f"barrier must be one of {BARRIER_RULES}, not {barrier!r}")
         self.opened = opened
         self.tree = opened.tree
         self.writer = opened.writer
@@ -83,6 +94,35 @@ class NamespaceCore:
         self._leases_lock = threading.Lock()
         #: the last RENAMEs, kept in the cache directory: see WebHdfsNamespace._renamed_already
         self.renames = RenameMemory(os.path.join(os.path.dirname(self.root), RENAME_MEMORY_FILE))
+        #: ``--barrier commit`` in sync mode with a writer: state files acknowledged early
+        self.early = barrier == "commit" and sync and self.writer is not None
+        #: a cache rebuilt from the server by a writer that did not resume a spool (an empty
+        #: cache, a spool moved aside): what its predecessor acknowledged early may be missing
+        replaced = bool(opened.rebuilt) and self.writer is not None and not self.writer.had_spool
+        if replaced and self.early and predecessor_stopped_cleanly(opened):
+            replaced = False  # it flushed everything, then left stopped/<epoch>: nothing lost
+        self.inflight = InFlightBatches.open(
+            os.path.dirname(self.root), self.root, rebuilt=replaced, enabled=self.early
+        )
+
+    def _is_checkpoint(self, rel: str, at: Beneath | None = None) -> bool:
+        """``rel`` (``""``: the root) is a Spark checkpoint: it holds an ``offsets`` directory."""
+        st = self._stat(f"{rel}/offsets" if rel else "offsets", at)
+        return st is not None and stat_mod.S_ISDIR(st.st_mode)
+
+    def acknowledged_early(self, *paths: str, at: Beneath | None = None) -> bool:
+        """Whether a change of every one of ``paths`` is answered without a barrier
+        (``--barrier commit``: :func:`sos_journal.tree.barrier_rule.acknowledged_early`)."""
+        if not self.early:
+            return False
+        if at is None:
+            with self._cache() as at:
+                return self.acknowledged_early(*paths, at=at)
+        return all(acknowledged_early(p, lambda d: self._is_checkpoint(d, at)) for p in paths)
+
+    def body_waits(self, rel: str) -> bool:
+        """Whether the end of a CREATE or APPEND body of ``rel`` waits for a barrier."""
+        return self.waits and not self.acknowledged_early(rel)
 
     def local(self, rel: str) -> str:
         return self.root if rel == "" else os.path.join(self.root, rel)

@@ -14,13 +14,15 @@ request body streams nor while waiting for the server. A file being written (CRE
 APPEND body streaming) holds a lease: a second writer of the same path is refused with
 AlreadyBeingCreatedException, as HDFS does.
 
-Durability (protocol.md 3.4, stricter than the mount's): in sync mode RENAME, DELETE, a marker, TRUNCATE and
+Durability (protocol.md 3.4): in sync mode RENAME, DELETE, a marker, TRUNCATE, MKDIRS and
 the body of a CREATE or APPEND return only once their records (and every record before
-them) are durable on the SOS server; MKDIRS returns once its record is in the local spool.
-A file's contents must be durable when its writer is told so: the RENAME that makes the
-file visible may reach ANOTHER gateway (a replacement on an empty cache, restored from the
-server), whose barrier cannot cover what the lost one never shipped; it would rename an
-empty or truncated file. In async mode nothing waits; the writer bounds the lag.
+them) are durable on the SOS server, except, with ``--barrier commit`` (the default of a
+lone gateway), the changes of a checkpoint's state files and of its logs' temp files, which
+a re-run of the batch writes again: those return once in the local spool, and the batch's
+commit carries them. A gateway whose cache was rebuilt without its predecessor's spool
+refuses the commit of the batches that were in flight
+(:mod:`spark_plugin.gateway.webhdfs.inflight`): the lost gateway may have acknowledged
+state files it never shipped. In async mode nothing waits; the writer bounds the lag.
 
 Quota (protocol.md 3.4, 3.5): while the SOS server refuses the journal for the namespace's
 quota, every change is refused before it touches the tree, and a barrier fails promptly,
