@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -118,3 +119,13 @@ def self_signed_cert(directory: Path, name: str = "cert", cn: str | None = None)
         timeout=120,
     )
     return str(cert), str(key)
+
+
+def pair_listen(host: str = "127.0.0.1") -> str:
+    """``HOST:PORT`` on a port free now, for a member of a gateway pair (``--lease``). Not port 0:
+    the lease names the gateway's ``--listen`` address for the standby's probe of the active,
+    and ``HOST:0`` names no one, so a standby would find the active "down" and hold every
+    request it refuses for its 30 s (spark_plugin.gateway.pair.standby.HOLD) before answering."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return f"{host}:{s.getsockname()[1]}"

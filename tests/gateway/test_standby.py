@@ -21,7 +21,7 @@ import requests
 
 from spark_plugin.gateway.process import GatewayProcess
 from spark_plugin.spark import sos_command
-from tests.support import tree_snapshot
+from tests.support import pair_listen, tree_snapshot
 
 NS = "ha"
 LEASE = 3
@@ -43,6 +43,7 @@ def gateway(server, key, tmp_path, name, *args, lease=LEASE, cache=None):
         str(cache or tmp_path / f"{name}-cache"),
         server.address,
         key,
+        listen=pair_listen(),
         extra_args=["--lease", str(lease), *args],
         debug=True,
         log_path=str(tmp_path / f"{name}.log"),
