@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -84,3 +86,46 @@ def tmpfs_mount(where: Path, size: str | int) -> Iterator[Path]:
             time.sleep(0.2)  # a process may still be closing files on it
         else:
             subprocess.run(["umount", "-l", str(where)], check=True)
+
+
+def self_signed_cert(directory: Path, name: str = "cert", cn: str | None = None) -> tuple[str, str]:
+    """A self-signed certificate and its unencrypted key, ``directory/NAME.crt`` and
+    ``directory/NAME.key`` (``openssl req -x509``, RSA 2048, two days), for CN ``cn`` (default
+    ``name``) and valid for 127.0.0.1 and localhost; skips the test where openssl is missing."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make a test certificate")
+    cert, key = Path(directory) / f"{name}.crt", Path(directory) / f"{name}.key"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "2",
+            "-subj",
+            f"/CN={cn or name}",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1,DNS:localhost",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    return str(cert), str(key)
+
+
+def pair_listen(host: str = "127.0.0.1") -> str:
+    """``HOST:PORT`` on a port free now, for a member of a gateway pair (``--lease``). Not port 0:
+    the lease names the gateway's ``--listen`` address for the standby's probe of the active,
+    and ``HOST:0`` names no one, so a standby would find the active "down" and hold every
+    request it refuses for its 30 s (spark_plugin.gateway.pair.standby.HOLD) before answering."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return f"{host}:{s.getsockname()[1]}"

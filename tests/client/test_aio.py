@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import shutil
 import ssl
-import subprocess
 
 import pytest
 import trio
@@ -13,6 +11,7 @@ import trio.lowlevel
 from sos_client import Client, ConnectionLost, Fenced, OffsetMismatch, SealedError, SOSNotFound, SOSPermissionError
 from sos_client.aio import open_client
 from sos_wire import ErrorCode, KeyRole
+from tests.support import self_signed_cert
 
 _n = iter(range(10_000))
 
@@ -134,32 +133,7 @@ def test_refused_connection(ns):
 
 @pytest.fixture
 def tls_server(sos_server_factory, tmp_path):
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is needed to make a test certificate")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-            "-days",
-            "2",
-            "-subj",
-            "/CN=127.0.0.1",
-            "-addext",
-            "subjectAltName=IP:127.0.0.1",
-        ],
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
+    cert, key = self_signed_cert(tmp_path, cn="127.0.0.1")
     srv = sos_server_factory(args=["--tls-cert", cert, "--tls-key", key])
     return srv, ssl.create_default_context(cafile=str(cert))
 

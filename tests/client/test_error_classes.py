@@ -361,10 +361,10 @@ def test_writer_does_not_retry_a_server_certificate_it_does_not_trust(sos_server
     """A TLS server whose certificate the client's context does not trust: the client raises
     ConnectionLost (from SSLCertVerificationError), which is not retried; before, the
     writer retried it until open_timeout."""
-    from tests.server.test_tls_relay import _make_cert
+    from tests.support import self_signed_cert
 
-    cert, cert_key = _make_cert(tmp_path, "server")
-    other, _ = _make_cert(tmp_path, "other")
+    cert, cert_key = self_signed_cert(tmp_path, "server")
+    other, _ = self_signed_cert(tmp_path, "other")
     srv = sos_server_factory(args=["--tls-cert", cert, "--tls-key", cert_key], start=False)
     key = srv.keygen("tlsns", "append")
     srv.start()

@@ -20,6 +20,7 @@ import requests
 from spark_plugin.gateway.http.auth import TokenAuthority
 from spark_plugin.gateway.process import GatewayProcess
 from spark_plugin.spark import sos_command
+from tests.support import self_signed_cert
 from tests.support import tree_snapshot as tree_of
 
 NS = "gw"
@@ -661,30 +662,7 @@ def test_a_big_file_streams_through_in_bounded_memory(sos_server, tmp_path):
 
 
 def test_https_with_tls_cert_and_key(sos_server, tmp_path):
-    cert, keyf = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            str(keyf),
-            "-out",
-            str(cert),
-            "-days",
-            "2",
-            "-subj",
-            "/CN=127.0.0.1",
-            "-addext",
-            "subjectAltName=IP:127.0.0.1",
-        ],
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
+    cert, keyf = self_signed_cert(tmp_path, cn="127.0.0.1")
     key = sos_server.keygen(NS, "append")
     g = GatewayProcess(
         NS,

@@ -685,8 +685,13 @@ def test_latency_samples_are_bounded():
 
 _EMFILE_GATEWAY = """
 import logging, resource, sys, trio
+from spark_plugin.gateway.http import server
 from spark_plugin.gateway.http.server import Gateway
 from spark_plugin.gateway.http.auth import TokenAuthority
+
+# the report interval and the retry backoff made short (10 s and up to 2 s in the product)
+server.ACCEPT_LOG_INTERVAL = float(sys.argv[2])
+server.ACCEPT_RETRY = (0.05, 0.25)
 
 logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                     format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -711,9 +716,10 @@ def test_accept_out_of_descriptors_backs_off_and_logs_once_per_interval(tmp_path
     """The EMFILE path itself: a Gateway whose cap the descriptor limit cannot hold (the
     CLI never builds one: previous test); it logged a traceback every 0.1 s."""
     log_path = tmp_path / "emfile.log"
+    interval = 3.0  # the gateway's report interval, shortened for the test
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-c", _EMFILE_GATEWAY, "40"], stdout=subprocess.PIPE, stderr=log, text=True
+            [sys.executable, "-c", _EMFILE_GATEWAY, "40", str(interval)], stdout=subprocess.PIPE, stderr=log, text=True
         )
     try:
         port = int(proc.stdout.readline().split()[1])
@@ -721,7 +727,7 @@ def test_accept_out_of_descriptors_backs_off_and_logs_once_per_interval(tmp_path
         for _ in range(80):  # the backlog takes what the gateway cannot accept
             s = connect(port, "127.0.0.50", timeout=10)
             socks.append(s)
-        time.sleep(12)  # more than one report interval of failing accepts
+        time.sleep(interval * 1.2)  # more than one report interval of failing accepts
         text = log_path.read_text()
         reports = text.count("cannot accept connections")
         assert 1 <= reports <= 3, text[-3000:]
@@ -729,7 +735,7 @@ def test_accept_out_of_descriptors_backs_off_and_logs_once_per_interval(tmp_path
         # once descriptors are free again it accepts and serves
         for s in socks:
             s.close()
-        time.sleep(3)
+        time.sleep(1)  # past the longest backoff between two accepts
         status, _, _ = read_reply_of(port, request("GET", "/webhdfs/v1/?op=LISTSTATUS"))
         assert status == 401
         assert proc.poll() is None

@@ -33,19 +33,20 @@ from spark_plugin.gateway.pair.standby import promote
 from spark_plugin.gateway.process import GatewayProcess
 from spark_plugin.gateway.webhdfs import renames as rn
 from spark_plugin.spark import sos_command
+from tests.support import pair_listen
 
 pytestmark = [pytest.mark.hostile]
 
 NS = "round3"
 
 
-def _gateway(server, key, cache, *args, listen="127.0.0.1:0", name="gw"):
+def _gateway(server, key, cache, *args, listen=None, name="gw"):
     return GatewayProcess(
         NS,
         str(cache),
         server.address,
         key,
-        listen=listen,
+        listen=listen or pair_listen(),
         extra_args=list(args),
         log_path=str(cache) + f"-{name}.log",
     ).start()
@@ -397,10 +398,22 @@ def test_no_key_in_argv_logs_or_errors_of_gateways_and_promote(sos_server, tmp_p
     wrong = append.split(".")[0] + "." + "0" * 64  # the right id, another secret
     keys = (append, token_key, wrong)
     active = GatewayProcess(
-        NS, str(tmp_path / "active"), sos_server.address, append, extra_args=["--lease", "60"], debug=True
+        NS,
+        str(tmp_path / "active"),
+        sos_server.address,
+        append,
+        listen=pair_listen(),
+        extra_args=["--lease", "60"],
+        debug=True,
     ).start()
     standby = GatewayProcess(
-        NS, str(tmp_path / "standby"), sos_server.address, append, extra_args=["--standby", "--lease", "60"], debug=True
+        NS,
+        str(tmp_path / "standby"),
+        sos_server.address,
+        append,
+        listen=pair_listen(),
+        extra_args=["--standby", "--lease", "60"],
+        debug=True,
     ).start()
     outputs = []
     try:

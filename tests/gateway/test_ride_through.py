@@ -36,6 +36,7 @@ import requests
 
 from spark_plugin.gateway.process import GatewayProcess
 from spark_plugin.spark import gateway_checkpoint, gateway_conf, ride_through_jar, sos_command
+from tests.support import pair_listen
 from tools.demo import make_input
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -252,6 +253,7 @@ def _pair_member(server, key, tmp_path, name, *args):
         str(tmp_path / f"{name}-cache"),
         server.address,
         key,
+        listen=pair_listen(),
         extra_args=["--lease", str(LEASE), *args],
         debug=True,
         log_path=str(tmp_path / f"{name}.log"),

@@ -21,6 +21,7 @@ from sos_wire.crc import crc32c
 from sos_wire.errors import ErrorCode
 from sos_wire.frames import DEFAULT_MAX_BODY
 from tests.conftest import RawClient
+from tests.support import self_signed_cert
 
 NS = "proc"
 
@@ -360,35 +361,9 @@ def test_corrupt_byte_in_the_middle_answers_corrupt(srv):
 
 
 def test_tls_listener(tmp_path, sos_server_factory):
-    import shutil
     import ssl
 
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl command not available to make a test certificate")
-    cert, keyf = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            str(keyf),
-            "-out",
-            str(cert),
-            "-days",
-            "2",
-            "-subj",
-            "/CN=127.0.0.1",
-            "-addext",
-            "subjectAltName=IP:127.0.0.1",
-        ],
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
+    cert, keyf = self_signed_cert(tmp_path, cn="127.0.0.1")
     srv = sos_server_factory(args=["--tls-cert", cert, "--tls-key", keyf], start=False)
     key = srv.keygen("tls")
     srv.start()

@@ -29,44 +29,15 @@ from spark_plugin.spark import (
     restore_to_batch,
     sos_command,
 )
+from tests.support import self_signed_cert
 
 NS = "tlsday2"
 pytestmark = [pytest.mark.day2, pytest.mark.slow]
 
 
-def _cert(directory, name: str) -> tuple[str, str]:
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is needed to make a test certificate")
-    cert, key = directory / f"{name}.crt", directory / f"{name}.key"
-    subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-            "-days",
-            "2",
-            "-subj",
-            f"/CN={name}",
-            "-addext",
-            "subjectAltName=IP:127.0.0.1,DNS:localhost",
-        ],
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
-    return str(cert), str(key)
-
-
 @pytest.fixture
 def tls_server(sos_server_factory, tmp_path):
-    cert, key = _cert(tmp_path, "server")
+    cert, key = self_signed_cert(tmp_path, "server")
     srv = sos_server_factory(args=["--tls-cert", cert, "--tls-key", key], start=False)
     ns_key = srv.keygen(NS, "append")
     srv.start()
@@ -181,7 +152,7 @@ def test_gateway_trust_sets_the_jvm_and_python_sides(tls_server, tmp_path):
     if shutil.which("keytool") is None and not os.environ.get("JAVA_HOME"):
         pytest.skip("keytool (a JDK) is needed")
     srv, key, cert = tls_server
-    gcert, gkey = _cert(tmp_path, "gateway")
+    gcert, gkey = self_signed_cert(tmp_path, "gateway")
     g = GatewayProcess(
         NS,
         str(tmp_path / "gw-cache"),
@@ -241,7 +212,7 @@ def test_spark_md_tls_section_commands_run_and_its_table_has_the_redaction(tmp_p
     assert f"`{GATEWAY_REDACTION_REGEX.replace('|', chr(92) + '|')}`" in doc
     assert "`spark.redaction.regex`" in doc
     line = re.search(r"`(keytool -importcert[^`]*)`", doc.replace("\n  ", " ")).group(1)
-    _cert(tmp_path, "gw")
+    self_signed_cert(tmp_path, "gw")
     (tmp_path / "gw.crt").rename(tmp_path / "gw.pem")
     subprocess.run(shlex.split(line), cwd=tmp_path, check=True, capture_output=True, timeout=120)
     listed = subprocess.run(

@@ -10,10 +10,8 @@ requests are answered NOT_AUTHENTICATED. Real server process, real TLS, real soc
 from __future__ import annotations
 
 import pathlib
-import shutil
 import ssl
 import struct
-import subprocess
 import threading
 from typing import Self
 
@@ -28,41 +26,12 @@ from sos_wire.connection import decode_body, encode_event
 from sos_wire.crc import crc32c
 from sos_wire.errors import ErrorCode
 from sos_wire.frames import HEADER_LEN, Op
+from tests.support import self_signed_cert
 
 pytestmark = [pytest.mark.hostile]
 
 NS = "victim"
 TIMEOUT = 60
-
-
-def _make_cert(directory, name: str) -> tuple[str, str]:
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is needed to make a test certificate")
-    cert, key = directory / f"{name}.crt", directory / f"{name}.key"
-    subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-            "-days",
-            "2",
-            "-subj",
-            f"/CN={name}",
-            "-addext",
-            "subjectAltName=IP:127.0.0.1",
-        ],
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
-    return str(cert), str(key)
 
 
 class Relay:
@@ -196,8 +165,8 @@ class Relay:
 
 @pytest.fixture
 def tls_setup(sos_server_factory, tmp_path):
-    server_cert, server_key = _make_cert(tmp_path, "server")
-    relay_cert, relay_key = _make_cert(tmp_path, "relay")
+    server_cert, server_key = self_signed_cert(tmp_path, "server")
+    relay_cert, relay_key = self_signed_cert(tmp_path, "relay")
     srv = sos_server_factory(args=["--tls-cert", server_cert, "--tls-key", server_key], start=False)
     key = srv.keygen(NS, "append")
     srv.start()
@@ -280,8 +249,8 @@ def test_unbound_proof_over_tls_is_refused(tls_setup):
 
 
 def test_server_binds_to_the_first_certificate_of_a_chain_file(sos_server_factory, tmp_path):
-    leaf, leaf_key = _make_cert(tmp_path, "leaf")
-    other, _ = _make_cert(tmp_path, "other")
+    leaf, leaf_key = self_signed_cert(tmp_path, "leaf")
+    other, _ = self_signed_cert(tmp_path, "other")
     chain = tmp_path / "chain.pem"
     chain.write_bytes(pathlib.Path(leaf).read_bytes() + pathlib.Path(other).read_bytes())
     srv = sos_server_factory(args=["--tls-cert", chain, "--tls-key", leaf_key], start=False)

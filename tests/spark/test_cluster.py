@@ -49,8 +49,11 @@ from tools.demo_cluster import (
 )
 
 RECORDS = 1200
-BATCHES = 8
-K1, K2, K3 = 2, 4, 6  # worker loss after batch K1, gateway restart after K2, total loss in K3
+#: the fewest batches that keep each event apart (tools.demo_cluster: --batches 5 or more): the
+#: worker loss in batch K1 = 6 // 4, the survivor alone in batch 2, the gateway restart in K2 =
+#: 6 // 2, the total loss in K3 = 3 * 6 // 4, and batch 5 after the resume
+BATCHES = 6
+K1, K2, K3 = 1, 3, 4  # worker loss after batch K1, gateway restart after K2, total loss in K3
 STORES = ("hdfs", "rocksdb")
 
 

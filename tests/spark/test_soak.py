@@ -1,8 +1,14 @@
 """The crash loop, bounded for CI: `scripts/soak` with real sos-server, sos mount and Spark
 driver processes SIGKILLed at seeded random moments (plus total-loss restores); the
-committed output is checked against the input after every restart. 30+ kill events, zero
-violations, exit 0. Its cluster mode too (`scripts/soak --cluster`: a standalone cluster
-through `sos gateway`; gateway, server, executor, worker, driver and total-loss kills)."""
+committed output is checked against the input after every restart. Every kind of kill event
+at least once (both kinds of total-loss restore included), zero violations, exit 0. Its
+cluster mode too (`scripts/soak --cluster`: a standalone cluster through `sos gateway`;
+gateway, server, executor, worker, driver and total-loss kills).
+
+CI runs the shortest seeded schedule that draws every kind (the point: each kind of event
+is survived with exactly-once intact); a longer one on demand, same seed and weights, e.g.
+``SOS_SOAK_KILLS=32 SOS_SOAK_CLUSTER_KILLS=20 pytest tests/spark/test_soak.py`` (the
+schedule's first events stay the same, more follow). docs/RELIABILITY.md, "Crash loop"."""
 
 import json
 import os
@@ -13,18 +19,19 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-KILLS = 32
-# Cheap server and mount kills dominate (one JVM survives them); driver kills and total
-# losses are rarer but seed 57 draws one driver kill, two total losses (one restored with
-# `sos restore`, one by a mount on an empty cache) and one loss of the server's disk (a
-# replacement server rebuilds from the tier's bucket) among its 32 events.
+#: 6 events: seed 7382 draws, with these weights (the draws do not depend on timing), a
+#: server kill, a total loss restored with `sos restore`, a driver kill, a total loss
+#: restored by a mount on an empty cache, a mount kill and one loss of the server's disk (a
+#: replacement server rebuilds from the tier's bucket). Cheap server and mount kills
+#: dominate a longer run (SOS_SOAK_KILLS), as before.
+KILLS = max(6, int(os.environ.get("SOS_SOAK_KILLS", "6")))
 SOAK_ARGS = [
-    "--duration",
-    "330",
+    "--duration",  # the events end the run (--max-kills), not the clock: a slow machine gets them all
+    str(240 + 20 * KILLS),
     "--max-kills",
     str(KILLS),
     "--seed",
-    "57",
+    "7382",
     "--weights",
     "server=6,mount=3,driver=1,all=1,disk=1",
     "--delay",
@@ -33,6 +40,8 @@ SOAK_ARGS = [
     "--stall-timeout",
     "150",
 ]
+#: a run's bound: the events plus the start and the drain
+SOAK_TIMEOUT = 300 + 20 * KILLS
 
 
 def _unmount_leftovers(root):
@@ -50,20 +59,24 @@ def _unmount_leftovers(root):
 @pytest.mark.fuse
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="/dev/fuse is missing: no FUSE")
-@pytest.mark.timeout(460)
+@pytest.mark.timeout(SOAK_TIMEOUT + 40)
 def test_crash_loop_exactly_once(tmp_path):
     pytest.importorskip("pyfuse3")
     pytest.importorskip("pyspark")
     work = tmp_path / "soak"
+    from tools import child_env
+
+    # what scripts/soak runs, minus its setup step (this interpreter has what it needs)
     proc = subprocess.Popen(
-        [os.path.join(ROOT, "scripts", "soak"), *SOAK_ARGS, "--workdir", str(work)],
+        [sys.executable, "-m", "tools.soak", *SOAK_ARGS, "--workdir", str(work)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         cwd=ROOT,
+        env=child_env(),
     )
     try:
-        out, _ = proc.communicate(timeout=420)
+        out, _ = proc.communicate(timeout=SOAK_TIMEOUT)
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGTERM)  # the harness cleans up its processes and mounts
         try:
@@ -72,7 +85,7 @@ def test_crash_loop_exactly_once(tmp_path):
             proc.kill()
             out, _ = proc.communicate()
         _unmount_leftovers(str(work))
-        pytest.fail("scripts/soak did not finish in 420s:\n" + out[-4000:])
+        pytest.fail(f"scripts/soak did not finish in {SOAK_TIMEOUT}s:\n" + out[-4000:])
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -85,9 +98,10 @@ def test_crash_loop_exactly_once(tmp_path):
     assert result is not None, out[-4000:]
     assert result["violations"] == [], "\n".join(lines[-40:])
     assert proc.returncode == 0, "\n".join(lines[-40:])
-    assert result["kill_events"] >= 30, result
+    assert result["kill_events"] == KILLS, result
     for kind in ("server", "mount", "driver", "all", "disk"):
         assert result["kills"][kind] >= 1, (kind, result["kills"])
+    assert result["restores"]["sos-restore"] >= 1 and result["restores"]["empty-cache"] >= 1, result["restores"]
     assert sum(result["restores"].values()) == result["kills"]["all"]
     # every lost disk: a replacement server rebuilt from the bucket, the checks held after it
     assert result["server_bootstraps"] == result["kills"]["disk"]
@@ -99,25 +113,26 @@ def test_crash_loop_exactly_once(tmp_path):
 
 # ---- cluster mode: a standalone cluster checkpointing through `sos gateway`
 
-# (disk=0: the cluster demo, tests/spark/test_cluster.py, loses the server's disk on a cluster; the
-# mount-mode loop above draws it at random.) Seed 113 draws, among its first 10 events (the draws do not depend on timing): a gateway
-# restart on an EMPTY cache and one on the same cache, a server kill, an executor kill, two
-# worker kills, a driver kill, and two total losses (one restored with `sos restore`, one by
-# a gateway on an empty cache).
-CLUSTER_KILLS = 10
+# (disk=0: the cluster demo, tests/spark/test_cluster.py, loses the server's disk on a cluster;
+# the mount-mode loop above draws it.) 8 events, the fewest that hold every kind: seed 17418
+# draws (the draws do not depend on timing) a server kill, a gateway restart on the same
+# cache and one on an EMPTY cache, a total loss restored by a gateway on an empty cache, an
+# executor kill, a total loss restored with `sos restore`, a driver kill and a worker kill.
+CLUSTER_KILLS = max(8, int(os.environ.get("SOS_SOAK_CLUSTER_KILLS", "8")))
 CLUSTER_ARGS = [
     "--cluster",
-    "--duration",
-    "400",
+    "--duration",  # the events end the run (--max-kills), not the clock
+    str(540 + 30 * CLUSTER_KILLS),
     "--max-kills",
     str(CLUSTER_KILLS),
     "--seed",
-    "113",
+    "17418",
     "--weights",
     "gateway=2,server=1,executor=2,worker=2,driver=2,all=2,disk=0",
     "--stall-timeout",
     "200",
 ]
+CLUSTER_TIMEOUT = 600 + 30 * CLUSTER_KILLS
 
 
 def _node_isolation_problem():
@@ -131,7 +146,7 @@ def _node_isolation_problem():
 @pytest.mark.skipif(
     _node_isolation_problem() is not None, reason=f"cluster nodes cannot be isolated here: {_node_isolation_problem()}"
 )
-@pytest.mark.timeout(720)
+@pytest.mark.timeout(CLUSTER_TIMEOUT + 60)
 def test_cluster_crash_loop_exactly_once(tmp_path):
     pytest.importorskip("pyspark")
     work = tmp_path / "soak"
@@ -147,7 +162,7 @@ def test_cluster_crash_loop_exactly_once(tmp_path):
         env=child_env(),
     )
     try:
-        out, _ = proc.communicate(timeout=660)
+        out, _ = proc.communicate(timeout=CLUSTER_TIMEOUT)
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGTERM)  # the harness kills its cluster, gateway and server
         try:
@@ -155,7 +170,7 @@ def test_cluster_crash_loop_exactly_once(tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
             out, _ = proc.communicate()
-        pytest.fail("scripts/soak --cluster did not finish in 660s:\n" + out[-4000:])
+        pytest.fail(f"scripts/soak --cluster did not finish in {CLUSTER_TIMEOUT}s:\n" + out[-4000:])
     finally:
         if proc.poll() is None:
             proc.kill()
