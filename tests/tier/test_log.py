@@ -1,0 +1,245 @@
+"""The bucket as a batched log (issue 29, protocol.md 4.2a, 4.3a, 4.3b):
+
+- one flushed object per flush holds every namespace's new bytes, with its index; readers
+  take its entries as pieces (restore, verify, scan), alone or next to per-object pieces;
+- compaction rewrites them into per-object pieces, then deletes them; the server killed at
+  each step (after a flush landed, after compaction wrote its pieces, after it deleted the
+  flushed objects) loses nothing and no reader gets a byte twice;
+- a damaged index is reported by its key and never read; a bucket of the previous layout (per
+  object pieces only) still reads (tests/tier/test_layout.py, test_restore.py);
+- PUTs: one per flush for many namespaces and waiters at once, released together.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from sos_tier import LocalStore, open_store, read_object, scan
+from sos_tier.log import LOG_PREFIX, decode_batch, encode_batch, log_key
+from sos_tier.uploader import CRASH_ENV, FlushItem, Uploader
+from sos_wire import events as ev
+from sos_wire.crc import crc32c
+from tests.tier.test_server import bucket, login, metrics, tier_wait, wait_for
+
+pytest_plugins = ["tests.tier_support"]
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = LocalStore((tmp_path / "bucket").as_uri())
+    yield s
+    s.close()
+
+
+def _items(data: dict[tuple[str, str], bytes], sealed: frozenset = frozenset()) -> list[FlushItem]:
+    return [
+        FlushItem(ns, name, (lambda b, e, d=body: d[b:e]), len(body), (ns, name) in sealed, 7 if sealed else None)
+        for (ns, name), body in data.items()
+    ]
+
+
+def _log_keys(store) -> list[str]:
+    return [k.key for k in store.list(LOG_PREFIX)]
+
+
+def test_one_flushed_object_holds_every_namespace_and_readers_find_it(store):
+    data = {("a", "seg"): b"x" * 5000, ("a", "gen/1/ready"): b"", ("b", "lease"): b"owner 1\n", ("c", "/".join(["n" * 200] * 4)): b"L"}
+    u = Uploader(store)
+    res = u.flush(_items(data, frozenset({("a", "gen/1/ready")})))
+    assert res.key is not None and res.objects == 4 and res.bytes == 5009
+    assert _log_keys(store) == [res.key]  # ONE object, whatever the number of namespaces
+    assert not list(store.list("v1/ns/"))  # nothing per object yet (a long name needs no name key)
+    states = scan(store, verify=True)
+    assert sorted(states) == ["a", "b", "c"]
+    for (ns, name), body in data.items():
+        obj = states[ns].objects[name]
+        assert obj.exists and obj.length == len(body) and states[ns].all_problems() == []
+        assert read_object(store, ns, name) == body
+    assert states["a"].objects["gen/1/ready"].sealed
+    # a second flush carries only what is new
+    data[("b", "lease")] += b"owner 2\n"
+    res2 = u.flush(_items(data))
+    assert res2.objects == 1 and res2.bytes == 8
+    assert read_object(store, "b", "lease") == b"owner 1\nowner 2\n"
+    assert u.flush(_items(data)).key is None  # nothing new: no PUT
+
+
+def test_compaction_rewrites_into_pieces_then_deletes_and_both_read_once(store):
+    data = {("a", "seg"): b"", ("b", "seg"): b""}
+    u = Uploader(store)
+    for i in range(30):  # thirty flushes of small appends
+        for k in data:
+            data[k] += f"record {i} of {k[0]}\n".encode()
+        u.flush(_items(data))
+    assert len(_log_keys(store)) == 30
+    batches, bad = u.flushed_objects()
+    assert bad == {} and len(batches) == 30
+    # step 1 alone (pieces written, flushed objects kept): a reader finds both, reads each byte once
+    for k, body in data.items():
+        u.sync(k[0], k[1], lambda b, e, d=body: d[b:e], len(body))
+    states = scan(store, verify=True)
+    for (ns, name), body in data.items():
+        assert states[ns].all_problems() == []
+        assert read_object(store, ns, name) == body
+        assert not states[ns].objects[name].pieces[0].flushed  # ties go to the per-object piece
+    res = u.compact(batches, {(it.namespace, it.name): it for it in _items(data)})
+    assert res.deleted == 30 and res.left == {}
+    assert _log_keys(store) == []
+    for (ns, name), body in data.items():
+        assert read_object(store, ns, name) == body
+        assert len(scan(store, ns)[ns].objects[name].pieces) == 1
+
+
+def test_a_foreign_flushed_object_with_other_bytes_stays(store):
+    # another process flushed "a/seg" with bytes this server does not hold: never deleted
+    other = Uploader(store)
+    other.flush(_items({("a", "seg"): b"zombie bytes"}))
+    mine = Uploader(store)
+    batches, _ = mine.flushed_objects()
+    res = mine.compact(batches, {(i.namespace, i.name): i for i in _items({("a", "seg"): b"server bytes"})})
+    assert res.deleted == 0 and list(res.left) == [batches[0].key]
+    assert len(_log_keys(store)) == 1
+    problems = scan(store, "a", verify=True)["a"].all_problems()
+    assert [p.kind for p in problems] == ["conflict"]  # two histories: reported, never chosen
+
+
+@pytest.mark.parametrize(
+    "clobber",
+    [
+        lambda b: b"XXXXXXXX" + b[8:],  # not a flushed object's head
+        lambda b: b[:20] + bytes([b[20] ^ 1]) + b[21:],  # the index fails its CRC32C
+        lambda b: b[:-3],  # entries outside the object
+    ],
+)
+def test_a_damaged_index_is_reported_by_its_key_and_never_read(store, tmp_path, clobber):
+    body, _ = encode_batch([("a", "seg", 0, b"hello world")], [])
+    key = log_key(1, "00" * 8)
+    path = tmp_path / "bucket" / key
+    path.parent.mkdir(parents=True)
+    path.write_bytes(clobber(body))
+    st = scan(store, "a").get("a")
+    assert st is not None and "seg" not in st.objects
+    assert [(p.kind, p.key) for p in st.all_problems()] == [("damage", key)]
+
+
+def test_the_index_format_of_protocol_4_2a():
+    body, entries = encode_batch([("job1", "gen/1/seg", 200, b"abc"), ("job1", "e", 0, b"")], [("job1", "r", 0, None)])
+    n = int.from_bytes(body[8:12], "big")
+    index = body[16 : 16 + n]
+    assert body[:8] == b"SOSLOG1\n" and int.from_bytes(body[12:16], "big") == crc32c(index)
+    crc = crc32c(b"abc")
+    assert index == (
+        b'{"entries":[["job1","gen/1/seg",200,203,%d,0],["job1","e",0,0,0,3]],"seals":[["job1","r",0,null]]}' % crc
+    )
+    assert body[16 + n :] == b"abc"
+    b = decode_batch(log_key(5, "ab" * 8), body)
+    assert b.entries[0].at == 16 + n and b.seals[0].length == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# the server
+
+
+def _restart(srv, point: str | None) -> None:
+    if point is None:
+        os.environ.pop(CRASH_ENV, None)
+    else:
+        os.environ[CRASH_ENV] = point
+    try:
+        srv.start()
+    finally:
+        os.environ.pop(CRASH_ENV, None)
+
+
+def _append_and_wait(c, name: str, body: bytes, at: int) -> int:
+    r = c.append(name, at, body, epoch=1)
+    assert isinstance(r, ev.AppendOk), r
+    return r.length
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", ["flushed", "compacted", "deleted"])
+def test_server_killed_at_each_step_loses_nothing_and_reads_nothing_twice(sos_server_factory, new_bucket, point):
+    url = new_bucket()
+    args = ["--tier", url, "--tier-compact", "1s"]
+    srv = sos_server_factory(args=args, start=False)
+    _restart(srv, point)
+    want: dict[str, bytes] = {"seg": b"", "lease": b""}
+    try:
+        with login(srv, "crash") as c:
+            assert isinstance(c.call(ev.Fence(c.rid(), 1)), ev.FenceOk)
+            for i in range(20):
+                for name in want:
+                    body = f"{name} {i}\n".encode()
+                    _append_and_wait(c, name, body, len(want[name]))
+                    want[name] += body
+                r = tier_wait(c, "seg", len(want["seg"]), 5_000)
+                if not isinstance(r, ev.TierWaitOk):
+                    break
+                time.sleep(0.1)
+    except (EOFError, OSError):
+        pass  # the crash point ended the server under us
+    wait_for(lambda: not srv.alive(), what=f"the server to stop at the crash point {point}")
+    _restart(srv, None)
+    with login(srv, "crash") as c:
+        for name in want:
+            length = c.stat(name).length
+            assert length >= 1 and c.read(name).startswith(want[name][:length])
+            r = tier_wait(c, name, length, 60_000)
+            assert isinstance(r, ev.TierWaitOk) and r.tiered == length, r
+            want[name] = c.read(name)
+    store_ = open_store(url)
+    try:
+        state = bucket(url, "crash")
+        assert state.all_problems() == []
+        for name, body in want.items():
+            assert read_object(store_, "crash", name) == body  # every byte once, the server's bytes
+        wait_for(lambda: not _log_keys(store_), what="compaction to delete every flushed object")
+        for name, body in want.items():
+            assert read_object(store_, "crash", name) == body
+    finally:
+        store_.close()
+
+
+@pytest.mark.slow
+def test_one_flush_releases_every_waiter_and_puts_follow_the_flush_cadence(sos_server_factory, new_bucket):
+    url = new_bucket()
+    flush = 0.25
+    srv = sos_server_factory(args=["--tier", url, "--tier-flush", f"{flush}s", "--tier-compact", "1h"])
+    spaces = [f"ns{i}" for i in range(12)]
+    results: dict[str, int] = {}
+
+    clients = {ns: login(srv, ns) for ns in spaces}  # logged in one by one (the unauthenticated bound)
+
+    def query(ns: str) -> None:
+        c = clients[ns]
+        n = 0
+        for i in range(7):  # a barrier per batch
+            n = _append_and_wait(c, "seg", b"batch %d\n" % i, n)
+            w = tier_wait(c, "seg", n, 30_000)
+            assert isinstance(w, ev.TierWaitOk), w
+        results[ns] = n
+
+    for c in clients.values():
+        assert isinstance(c.call(ev.Fence(c.rid(), 1)), ev.FenceOk)
+    before = metrics(srv).get("sos_tier_flushes_total", 0.0)
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=query, args=(ns,)) for ns in spaces]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    elapsed = time.monotonic() - t0
+    for c in clients.values():
+        c.close()
+    assert len(results) == len(spaces)
+    flushes = metrics(srv)["sos_tier_flushes_total"] - before
+    # 12 namespaces x 7 barriers = 84 waits; at most one flush per --tier-flush (+1 at the start)
+    assert flushes <= elapsed / flush + 1, (flushes, elapsed)
+    assert flushes < 84
+    for ns in spaces:
+        assert bucket(url, ns).objects["seg"].length == results[ns]
