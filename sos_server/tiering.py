@@ -3,28 +3,28 @@
 :class:`Tier` drives a :class:`sos_tier.Uploader` from trio:
 
 - After each group commit the engine calls :meth:`Tier.note` for every object the batch made
-  durable (cheap, on the event loop: the uploader's bookkeeping under its lock). Nothing on the
-  append path ever waits for the store: appends are acknowledged when they are durable on the
-  server's disk, whether the store is up or not.
-- :meth:`Tier.run` is the upload task: a round at least every ``interval`` seconds, sooner when
-  ``bytes_trigger`` bytes were made durable since the last one or a TIER_WAIT asks. A round,
-  per namespace with something pending: learn the store's progress from its listing (first
-  time), compare the fence markers (:meth:`Uploader.check_fence`: a zombie learns within a
-  round), then upload every pending object (``Uploader.step`` until idle) in worker threads,
-  at most ``parallel`` at once, reading the object's verified bytes from its file.
+  durable (cheap, on the event loop). Nothing on the append path ever waits for the store:
+  appends are acknowledged when they are durable on the server's disk, whatever the store does.
+- :meth:`Tier.run` is the flush task (protocol.md 4.3a): at most one flush per ``flush``
+  seconds (``--tier-flush``), at least one per ``interval`` while bytes wait, sooner when a
+  TIER_WAIT waits or ``bytes_trigger`` bytes were made durable. A flush: per namespace with
+  something pending, learn the store's progress from its listing (first time) and compare the
+  fence markers (at most once per FENCE_CHECK; a zombie learns within about a second), then ONE
+  flushed object for every namespace's new bytes (:meth:`Uploader.flush`), read from the
+  objects' verified files in a worker thread. Every TIER_WAIT it satisfies is woken at once.
+- :meth:`Tier.compact` (every ``compact_every`` seconds, ``--tier-compact``, and when
+  COMPACT_AT flushed objects wait; protocol.md 4.3b): per-object pieces written from this
+  server's copy, then the flushed objects they hold deleted.
 - A store failure (TierError) puts the namespace in back-off (1 s doubling to 30 s,
-  :class:`sos_tier.retry.Backoff`) and is logged and counted; appends go on. A conflict (another piece exists with other bytes) stops
+  :class:`sos_tier.retry.Backoff`) and is logged and counted; appends go on. A conflict stops
   that object, a higher fence marker in the store (:class:`TierFenced`: another server took
   the namespace over) stops the whole namespace: both are logged as errors and exported, and
   nothing is ever overwritten.
-- :meth:`Tier.wait` is TIER_WAIT: waiters are woken by the uploader's ``on_progress`` (called
-  in the worker thread; handed to the event loop with the trio token) and at the end of each
-  round (progress learned from the listing).
 - :meth:`Tier.fence` writes the fence marker before FENCE_OK (protocol.md 1.11 FENCE), retried
   (:func:`sos_tier.retry.fence_retrying`: 0.2 s doubling to 2 s) within ``fence_timeout``.
-- :meth:`Tier.remove` deletes a generation's objects from the store before retention deletes
-  them locally (so a failure or a crash in between leaves the objects on the server and the
-  next retention run does both again: nothing is orphaned in the bucket).
+- :meth:`Tier.remove` compacts the flushed objects naming a generation's objects, then deletes
+  the objects from the store, before retention deletes them locally (so a failure or a crash in
+  between leaves the objects on the server and the next retention run does both again).
 - A lag task exports, per namespace, the bytes and seconds acknowledged but not in the store,
   and logs once when the oldest such byte is older than ``lag_warn`` and once when it recovers.
 """
@@ -68,6 +68,9 @@ DEFAULT_FLUSH = 0.1
 DEFAULT_COMPACT = 30.0
 #: a compaction pass at once when this many flushed objects wait for one
 COMPACT_AT = 600
+#: a namespace's fence markers are compared with the bucket's before a flush that carries it,
+#: at most once per this (one LIST each): a zombie flushes at most this long after a takeover
+FENCE_CHECK = 1.0
 
 
 def _durably_sealed(obj: StoredObject) -> bool:
@@ -129,6 +132,7 @@ class _NsState:
     lagging: bool = False  # the lag warning was logged
     uploaded_seen: int = 0  # Lag.uploaded_bytes at the last metrics refresh
     stuck_seen: set[str] = field(default_factory=set)
+    fence_checked: float = -float("inf")  # trio time of the last comparison with the bucket's markers
 
 
 class Tier:
@@ -255,9 +259,13 @@ class Tier:
             return
         try:
             await trio.to_thread.run_sync(self.uploader.learn, namespace, limiter=self._limiter, abandon_on_cancel=True)
-            await trio.to_thread.run_sync(
-                self.uploader.check_fence, namespace, ns.fence, limiter=self._limiter, abandon_on_cancel=True
-            )
+            st = self._state(namespace)
+            now = trio.current_time()
+            if now - st.fence_checked >= FENCE_CHECK or self.uploader.marker_due(namespace, ns.fence):
+                await trio.to_thread.run_sync(
+                    self.uploader.check_fence, namespace, ns.fence, limiter=self._limiter, abandon_on_cancel=True
+                )
+                st.fence_checked = now
         except TierFenced as exc:
             self._stop(namespace, str(exc))
         except TierError as exc:

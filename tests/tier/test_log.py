@@ -47,7 +47,12 @@ def _log_keys(store) -> list[str]:
 
 
 def test_one_flushed_object_holds_every_namespace_and_readers_find_it(store):
-    data = {("a", "seg"): b"x" * 5000, ("a", "gen/1/ready"): b"", ("b", "lease"): b"owner 1\n", ("c", "/".join(["n" * 200] * 4)): b"L"}
+    data = {
+        ("a", "seg"): b"x" * 5000,
+        ("a", "gen/1/ready"): b"",
+        ("b", "lease"): b"owner 1\n",
+        ("c", "/".join(["n" * 200] * 4)): b"L",
+    }
     u = Uploader(store)
     res = u.flush(_items(data, frozenset({("a", "gen/1/ready")})))
     assert res.key is not None and res.objects == 4 and res.bytes == 5009
