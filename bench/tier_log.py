@@ -147,9 +147,9 @@ def main(argv: list[str] | None = None) -> int:
             for t in threads:
                 t.start()
             time.sleep(3)  # every query opened
-            m0, c0, t0 = scrape(srv), cpu_seconds(srv.pid()), time.monotonic()
+            m0, c0, t0 = scrape(srv), cpu_seconds(srv.pid), time.monotonic()
             time.sleep(args.seconds)
-            m1, c1, elapsed = scrape(srv), cpu_seconds(srv.pid()), time.monotonic() - t0
+            m1, c1, elapsed = scrape(srv), cpu_seconds(srv.pid), time.monotonic() - t0
             stop.set()
             for t in threads:
                 t.join(180)

@@ -9,7 +9,7 @@
   seconds (``--tier-flush``), at least one per ``interval`` while bytes wait, sooner when a
   TIER_WAIT waits or ``bytes_trigger`` bytes were made durable. A flush: per namespace with
   something pending, learn the store's progress from its listing (first time) and compare the
-  fence markers (at most once per FENCE_CHECK; a zombie learns within about a second), then ONE
+  fence markers (a zombie learns within the flush it is in), then ONE
   flushed object for every namespace's new bytes (:meth:`Uploader.flush`), read from the
   objects' verified files in a worker thread. Every TIER_WAIT it satisfies is woken at once.
 - :meth:`Tier.compact` (every ``compact_every`` seconds, ``--tier-compact``, and when
@@ -68,9 +68,11 @@ DEFAULT_FLUSH = 0.1
 DEFAULT_COMPACT = 30.0
 #: a compaction pass at once when this many flushed objects wait for one
 COMPACT_AT = 600
-#: a namespace's fence markers are compared with the bucket's before a flush that carries it,
-#: at most once per this (one LIST each): a zombie flushes at most this long after a takeover
-FENCE_CHECK = 1.0
+#: a namespace's fence markers are compared with the bucket's before a flush that carries it
+#: if not done in the last FENCE_CHECK seconds (one LIST each). 0: before every flush that
+#: carries it, so a zombie writes at most the flush it was in (protocol.md 4.3 step 5, 4.5);
+#: a higher value trades that window for fewer LISTs
+FENCE_CHECK = 0.0
 
 
 def _durably_sealed(obj: StoredObject) -> bool:

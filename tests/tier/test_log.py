@@ -27,6 +27,8 @@ from tests.tier.test_server import bucket, login, metrics, tier_wait, wait_for
 
 pytest_plugins = ["tests.tier_support"]
 
+from tests.tier.test_restore import journal  # noqa: E402,F401  (the module's fixture: a real journal)
+
 
 @pytest.fixture
 def store(tmp_path):
@@ -248,3 +250,75 @@ def test_one_flush_releases_every_waiter_and_puts_follow_the_flush_cadence(sos_s
     assert flushes < 84
     for ns in spaces:
         assert bucket(url, ns).objects["seg"].length == results[ns]
+
+
+# ---------------------------------------------------------------------------------------------
+# restore and verify (item 3): a bucket of flushed objects, then partly compacted
+
+
+def _flush_in_rounds(store, ns: str, objects: dict[str, tuple[bytes, bool]], step: int) -> Uploader:
+    """What a flushing server would have written: every object grown by *step* bytes a flush."""
+    up = Uploader(store)
+    longest = max(len(d) for d, _ in objects.values())
+    for upto in [*range(step, longest, step), longest]:
+        items = [
+            FlushItem(
+                ns, n, (lambda b, e, d=d: d[b:e]), min(upto, len(d)), sealed and upto >= len(d), 1 if sealed else None
+            )
+            for n, (d, sealed) in objects.items()
+        ]
+        up.flush(items)
+    return up
+
+
+def test_restore_and_verify_read_flushed_objects_alone_and_next_to_pieces(journal, tmp_path):  # noqa: F811
+    from tests.tier.test_restore import run_sos
+
+    j = journal
+    root = tmp_path / "bucket"
+    store = LocalStore(root.as_uri())
+    try:
+        up = _flush_in_rounds(store, j.ns, j.objects, 700)
+        assert not list(store.list("v1/ns/")) and len(_log_keys(store)) > 3  # flushed objects only
+
+        def restored(label: str) -> dict:
+            out = tmp_path / label
+            r = run_sos("restore", "-q", j.ns, str(out), "--from", root.as_uri())
+            assert r.returncode == 0, r.stderr
+            v = run_sos("verify", "-q", j.ns, "--from", root.as_uri())
+            assert v.returncode == 0 and v.stdout.splitlines()[0].endswith(": OK"), v.stdout + v.stderr
+            from sos_journal.testing import tree_state
+
+            return tree_state(str(out))
+
+        assert restored("flushed") == j.points["latest"]
+        # half compacted: pieces written for every object, half the flushed objects deleted
+        batches, _ = up.flushed_objects()
+        local = {
+            (j.ns, n): FlushItem(j.ns, n, (lambda b, e, d=d: d[b:e]), len(d), s, 1 if s else None)
+            for n, (d, s) in j.objects.items()
+        }
+        res = up.compact(batches[: len(batches) // 2], local)
+        assert res.deleted == len(batches) // 2 and res.left == {}
+        assert list(store.list("v1/ns/")) and _log_keys(store)  # both
+        assert restored("both") == j.points["latest"]
+        res = up.compact(up.flushed_objects()[0], local)
+        assert _log_keys(store) == []
+        assert restored("compacted") == j.points["latest"]
+    finally:
+        store.close()
+
+
+def test_pieces_per_object_stay_bounded_under_many_small_flushes_and_compactions(store):
+    """A lease renewed every second, compacted every 10 s, for an hour: pieces per object bounded."""
+    body = b""
+    up = Uploader(store)
+    for i in range(360):  # compaction passes
+        for _ in range(10):  # flushes per pass
+            body += b"lease renewed by gateway-a at %08d\n" % i
+            up.flush(_items({("gw", "lease"): body}))
+        up.compact(up.flushed_objects()[0], {("gw", "lease"): _items({("gw", "lease"): body})[0]})
+    obj = scan(store, "gw")["gw"].objects["lease"]
+    assert obj.length == len(body) and _log_keys(store) == []
+    assert len(obj.pieces) <= 20 and len(obj.pieces) + len(obj.extra) <= 20, len(obj.pieces)
+    assert read_object(store, "gw", "lease") == body
