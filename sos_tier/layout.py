@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from sos_tier.log import LOG_PREFIX, LogDamage, read_index
+from sos_tier.log import LOG_PREFIX, Batch, LogDamage, read_index
 from sos_tier.store import Store, StoredKey, TierError, TierNotFound
 from sos_wire.crc import crc32c
 from sos_wire.names import MAX_NAME_BYTES, BadName, validate_name, validate_namespace
@@ -390,7 +390,12 @@ class NamespaceState:
 
 
 def scan(
-    store: Store, namespace: str | None = None, *, verify: bool = False, workers: int = 4
+    store: Store,
+    namespace: str | None = None,
+    *,
+    verify: bool = False,
+    workers: int = 4,
+    cache: dict[str, Batch] | None = None,
 ) -> dict[str, NamespaceState]:
     """Rebuild, from the store's listing alone, every namespace (or one): per object its good
     length, seal, the pieces to read and the problems found (protocol.md 4.4). The listing
@@ -398,7 +403,7 @@ def scan(
     and every piece that overlaps the run against the run's bytes (damage cuts the good length
     at the damaged piece, a conflict at the first byte that differs). The flushed objects
     (``v1/log/``, 4.2a) are listed too and their indexes read: their entries are pieces of
-    their objects like any other."""
+    their objects like any other (*cache*: indexes already read, by key; filled as read)."""
     prefix = namespace_prefix(namespace) if namespace is not None else f"{LAYOUT_VERSION}/ns/"
     out: dict[str, NamespaceState] = {}
     by_dir: dict[tuple[str, str], list[tuple[ParsedKey, StoredKey]]] = {}
@@ -414,7 +419,7 @@ def scan(
             st.fence_markers.append((pk.epoch, item.key, item.size))
         else:
             by_dir.setdefault((pk.namespace, pk.edir), []).append((pk, item))
-    logged = read_log(store, namespace, workers=workers)
+    logged = read_log(store, namespace, workers=workers, cache=cache)
     for ns, _edir in logged.objects:
         out.setdefault(ns, NamespaceState(ns))
     if logged.problems:
@@ -474,7 +479,14 @@ class LogState:
     batches: int = 0
 
 
-def read_log(store: Store, namespace: str | None = None, name: str | None = None, *, workers: int = 4) -> LogState:
+def read_log(
+    store: Store,
+    namespace: str | None = None,
+    name: str | None = None,
+    *,
+    workers: int = 4,
+    cache: dict[str, Batch] | None = None,
+) -> LogState:
     """List ``v1/log/`` and read every flushed object's index (at most *workers* at once,
     each at most HEAD + MAX_INDEX_BYTES): their entries, as pieces, for *namespace* (or all)
     and *name* (or all). A flushed object whose index cannot be read is reported (damage, by
@@ -491,8 +503,13 @@ def read_log(store: Store, namespace: str | None = None, name: str | None = None
     out.batches = len(items)
 
     def one(item: StoredKey) -> object:
+        if cache is not None and item.key in cache:
+            return cache[item.key]  # a flushed object never changes
         try:
-            return read_index(store, item.key, item.size)
+            got = read_index(store, item.key, item.size)
+            if cache is not None:
+                cache[item.key] = got
+            return got
         except TierNotFound:
             return None
         except LogDamage as exc:

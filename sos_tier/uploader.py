@@ -327,7 +327,7 @@ class Uploader:
         with ns.learn_lock:
             if ns.learned and not force:
                 return
-            state = scan(self.store, namespace).get(namespace)
+            state = scan(self.store, namespace, cache=self._batches).get(namespace)
             with self._lock:
                 ns.bucket_fence = state.fence if state else 0
                 if state is not None:
@@ -669,7 +669,7 @@ class Uploader:
             out.append(b)
         listed = {i.key for i in items}
         with self._lock:
-            for k in [k for k in self._batches if k not in listed]:
+            for k in [k for k in list(self._batches) if k not in listed]:  # list(): atomic
                 del self._batches[k]
         return out, bad
 
