@@ -68,11 +68,13 @@ DEFAULT_FLUSH = 0.1
 DEFAULT_COMPACT = 30.0
 #: a compaction pass at once when this many flushed objects wait for one
 COMPACT_AT = 600
-#: a namespace's fence markers are compared with the bucket's before a flush that carries it
-#: if not done in the last FENCE_CHECK seconds (one LIST each). 0: before every flush that
-#: carries it, so a zombie writes at most the flush it was in (protocol.md 4.3 step 5, 4.5);
-#: a higher value trades that window for fewer LISTs
-FENCE_CHECK = 0.0
+#: Before every flush ONE listing of ``v1/fence/`` (the copies of every namespace's fence
+#: markers) tells the server of any namespace another server fenced, whose own markers it then
+#: compares at once (a zombie writes at most the flush it was in). Each namespace's own markers
+#: are also compared at least every FENCE_CHECK seconds while it flushes (one LIST each): a
+#: marker without a copy (planted, or written by an older server) is found within that.
+FENCE_CHECK = 10.0
+FENCE_CHECKS = 32  # fence checks in flight at once
 
 
 def _durably_sealed(obj: StoredObject) -> bool:
@@ -164,6 +166,8 @@ class Tier:
         self.fence_timeout = fence_timeout
         self.uploader = Uploader(store, max_piece=max_piece, on_progress=self._progress_in_thread)
         self._limiter = trio.CapacityLimiter(parallel)
+        #: the fence checks before a flush, all at once (one LIST each): a flush waits for the slowest
+        self._checks = trio.CapacityLimiter(FENCE_CHECKS)
         self._token: trio.lowlevel.TrioToken | None = None
         self._wake = trio.Event()
         self._since = 0  # bytes made durable since the last round started
@@ -239,11 +243,11 @@ class Tier:
         now = trio.current_time()
         names = set(self.uploader.namespaces()) | {k[0] for k in self._waiters}
         ready: list[str] = []
+        due = {n for n in names if self._due(n, now)}
+        suspect = await self._taken_over(due) if due else set()
         async with trio.open_nursery() as nursery:
-            for namespace in sorted(names):
-                st = self._state(namespace)
-                if st.stopped is None and now >= st.retry_at:
-                    nursery.start_soon(self._prepare_ns, namespace, ready)
+            for namespace in sorted(due):
+                nursery.start_soon(self._prepare_ns, namespace, namespace in suspect, ready)
         items = self._flush_items(ready)
         if items:
             self._flushing = trio.Event()
@@ -254,18 +258,39 @@ class Tier:
         for namespace in names:
             self._wake_waiters(namespace)
 
-    async def _prepare_ns(self, namespace: str, ready: list[str]) -> None:
-        """Learn the namespace (first time) and check its fence; *ready* gets it if it flushes."""
+    def _due(self, namespace: str, now: float) -> bool:
+        """The namespace has something for this flush (bytes, a seal, its fence marker)."""
+        st = self._state(namespace)
         ns = self.storage.namespaces.get(namespace)
-        if ns is None or not (self.uploader.pending(namespace) or self.uploader.marker_due(namespace, ns.fence)):
+        if st.stopped is not None or now < st.retry_at or ns is None:
+            return False
+        return bool(self.uploader.pending(namespace)) or self.uploader.marker_due(namespace, ns.fence)
+
+    async def _taken_over(self, due: set[str]) -> set[str]:
+        """The namespaces of *due* with a copy of a fence marker above this server's fence
+        under ``v1/fence/`` (one listing for all, protocol.md 4.3a); on a store error, all."""
+        epochs = {n: self.storage.namespaces[n].fence for n in due if n in self.storage.namespaces}
+        try:
+            return await trio.to_thread.run_sync(
+                self.uploader.fences_above, epochs, limiter=self._checks, abandon_on_cancel=True
+            )
+        except TierError:
+            return set(due)  # each is then checked by its own listing (and fails there if the store does)
+
+    async def _prepare_ns(self, namespace: str, suspect: bool, ready: list[str]) -> None:
+        """Learn the namespace (first time) and, if *suspect* (a fence above ours was noticed),
+        its marker is due, or FENCE_CHECK passed, compare its fence markers (one LIST); *ready*
+        gets it if it flushes."""
+        ns = self.storage.namespaces.get(namespace)
+        if ns is None:
             return
         try:
             await trio.to_thread.run_sync(self.uploader.learn, namespace, limiter=self._limiter, abandon_on_cancel=True)
             st = self._state(namespace)
             now = trio.current_time()
-            if now - st.fence_checked >= FENCE_CHECK or self.uploader.marker_due(namespace, ns.fence):
+            if suspect or now - st.fence_checked >= FENCE_CHECK or self.uploader.marker_due(namespace, ns.fence):
                 await trio.to_thread.run_sync(
-                    self.uploader.check_fence, namespace, ns.fence, limiter=self._limiter, abandon_on_cancel=True
+                    self.uploader.check_fence, namespace, ns.fence, limiter=self._checks, abandon_on_cancel=True
                 )
                 st.fence_checked = now
         except TierFenced as exc:

@@ -37,6 +37,7 @@ __all__ = [
     "MAX_MARKER_BYTES",
     "MAX_PIECE_BYTES",
     "MAX_PLAIN_NAME",
+    "NOTICE_PREFIX",
     "FenceVerdict",
     "NamespaceState",
     "ObjectIncomplete",
@@ -56,6 +57,7 @@ __all__ = [
     "keys_of",
     "name_key",
     "namespace_prefix",
+    "notice_key",
     "object_prefix",
     "parse_key",
     "piece_key",
@@ -200,6 +202,17 @@ def fence_key(namespace: str, epoch: int) -> str:
     if not 0 <= epoch < 2**64:
         raise ValueError(f"bad epoch {epoch}")
     return f"{namespace_prefix(namespace)}fence/{epoch:016x}"
+
+
+#: copies of the fence markers, every namespace under one prefix (protocol.md 4.3a): one
+#: listing per flush tells a server of every namespace another server took over
+NOTICE_PREFIX = f"{LAYOUT_VERSION}/fence/"
+
+
+def notice_key(namespace: str, epoch: int) -> str:
+    if not 0 <= epoch < 2**64:
+        raise ValueError(f"bad epoch {epoch}")
+    return f"{NOTICE_PREFIX}{validate_namespace(namespace)}/{epoch:016x}"
 
 
 def fence_content(namespace: str, epoch: int) -> bytes:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import secrets
 import threading
 import time
@@ -36,6 +37,7 @@ from dataclasses import dataclass, field
 from sos_tier.layout import (
     MAX_MARKER_BYTES,
     MAX_PIECE_BYTES,
+    NOTICE_PREFIX,
     ObjectState,
     Problem,
     believe_fence,
@@ -44,6 +46,7 @@ from sos_tier.layout import (
     fence_key,
     name_key,
     namespace_prefix,
+    notice_key,
     parse_key,
     piece_key,
     scan,
@@ -390,6 +393,26 @@ class Uploader:
         with self._lock:
             ns.bucket_fence = epoch
 
+    def _notice(self, namespace: str, epoch: int) -> None:
+        """The copy of a fence marker under ``v1/fence/`` (protocol.md 4.3a): one listing tells a
+        flushing server of every namespace taken over. Not authoritative (readers never read it);
+        a key holding other content is logged and left."""
+        key = notice_key(namespace, epoch)
+        if self.store.put_once(key, fence_content(namespace, epoch)) is PutOutcome.CONFLICT:
+            log.warning("tier: %s holds other content; left (a copy only, never obeyed)", key)
+
+    def fences_above(self, epochs: dict[str, int]) -> set[str]:
+        """Of the namespaces *epochs* names (namespace -> this server's fence), those with a
+        copy of a fence marker above it under ``v1/fence/``: one listing for all of them. The
+        caller then checks each with :meth:`check_fence` (which believes or ignores it)."""
+        out: set[str] = set()
+        for item in self.store.list(NOTICE_PREFIX):
+            parts = item.key[len(NOTICE_PREFIX) :].split("/")
+            ok = len(parts) == 2 and parts[0] in epochs and re.fullmatch("[0-9a-f]{16}", parts[1])
+            if ok and int(parts[1], 16) > epochs[parts[0]]:
+                out.add(parts[0])
+        return out
+
     def marker_due(self, namespace: str, epoch: int) -> bool:
         """Whether the fence marker of *epoch* is not yet known to be in the bucket."""
         with self._lock:
@@ -404,6 +427,7 @@ class Uploader:
         else:
             ok = own[2] == len(want) and self.store.get(key, 0, MAX_MARKER_BYTES) == want
         if ok:
+            self._notice(namespace, epoch)
             ns.marker_ok = epoch
             return
         why = (
