@@ -285,7 +285,10 @@ class Tier:
         if ns is None:
             return
         try:
-            await trio.to_thread.run_sync(self.uploader.learn, namespace, limiter=self._limiter, abandon_on_cancel=True)
+            if not self.uploader.learned(namespace):  # no thread hop on every flush
+                await trio.to_thread.run_sync(
+                    self.uploader.learn, namespace, limiter=self._limiter, abandon_on_cancel=True
+                )
             st = self._state(namespace)
             now = trio.current_time()
             if suspect or now - st.fence_checked >= FENCE_CHECK or self.uploader.marker_due(namespace, ns.fence):

@@ -338,6 +338,11 @@ class Uploader:
                         self._learn_object(ns, self._obj(namespace, name), os_)
                 ns.learned = True
 
+    def learned(self, namespace: str) -> bool:
+        with self._lock:
+            ns = self._ns.get(namespace)
+            return ns is not None and ns.learned
+
     def _learn_object(self, ns: _Ns, o: _Obj, os_: ObjectState) -> None:  # under self._lock
         """What the bucket holds of one object: with flushed objects (``logged``, for TIER_WAIT)
         and in its own keys alone (``uploaded``, ``exists``, ``bucket_seal``: compaction's)."""
