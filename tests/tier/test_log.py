@@ -322,3 +322,33 @@ def test_pieces_per_object_stay_bounded_under_many_small_flushes_and_compactions
     assert obj.length == len(body) and _log_keys(store) == []
     assert len(obj.pieces) <= 20 and len(obj.pieces) + len(obj.extra) <= 20, len(obj.pieces)
     assert read_object(store, "gw", "lease") == body
+
+
+def test_protocol_worked_example_with_flushed_objects(tmp_path):
+    """protocol.md 4.7's second listing: the same history as two flushed objects."""
+    from tests.tier.test_layout import _doc_part
+
+    seg_hex = _doc_part("## 2.4 Worked example").split("```hex", 1)[1].split("```", 1)[0]
+    segment = bytes.fromhex("".join(line.split("#", 1)[0] for line in seg_hex.splitlines()).replace(" ", ""))
+    part = _doc_part("## 4.7 Worked example")
+    listing = part.split("```")[3].split()
+    doc_index = next(line for line in part.splitlines() if line.startswith('`{"entries"')).strip("`")
+    seg, ready = "gen/0000000001/0000000001-0000000001.seg", "gen/0000000001/ready"
+    first, _ = encode_batch(
+        [("job1", seg, 0, segment[:200]), ("job1", ready, 0, b"")], [("job1", ready, 0, 1763900000000000000)]
+    )
+    assert first[16 : 16 + int.from_bytes(first[8:12], "big")].decode() == doc_index
+    second, entries = encode_batch([("job1", seg, 200, segment[200:])], [])
+    assert entries[0][4] == 0x6BF8F009
+    store = LocalStore((tmp_path / "bucket").as_uri())
+    from sos_tier.layout import fence_content
+
+    logs = [k for k in listing if k.startswith("v1/log/")]
+    for key in listing:
+        body = {logs[0]: first, logs[1]: second}.get(key, fence_content("job1", 1))
+        store.put_once(key, body)
+    state = scan(store, verify=True)["job1"]
+    assert state.fence == 1 and not state.all_problems()
+    assert state.objects[seg].length == 261 and not state.objects[seg].sealed
+    assert state.objects[ready].sealed and state.objects[ready].length == 0
+    assert read_object(store, "job1", seg) == segment
