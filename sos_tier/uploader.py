@@ -747,6 +747,20 @@ class Uploader:
             return f"{namespace}/{name} is not on this server"
         if ns.fenced:
             return f"namespace {namespace} is fenced: another server took it over"
+        try:
+            n = self._compact_steps(it)
+        except LocalUnreadable as exc:
+            return f"{namespace}/{name}: cannot read this server's copy: {exc}"
+        if isinstance(n, str):
+            return n
+        res.pieces += n
+        with self._lock:
+            res.pieces_per_object.append(len(self._obj(namespace, name).tail))
+        return None
+
+    def _compact_steps(self, it: FlushItem) -> int | str:
+        """Steps of one object until idle: the pieces created, or why it stopped."""
+        namespace, name = it.namespace, it.name
         n = 0
         while True:
             s = self.step(namespace, name, it.read, it.durable, it.sealed, it.sealed_at_ns)
@@ -754,11 +768,7 @@ class Uploader:
             if s.kind in ("stuck", "ahead"):
                 return s.message
             if s.kind == "idle":
-                break
-        res.pieces += n
-        with self._lock:
-            res.pieces_per_object.append(len(self._obj(namespace, name).tail))
-        return None
+                return n
 
     def _uncovered(self, b: Batch, local: dict[tuple[str, str], FlushItem]) -> str | None:
         """Why a per-object piece does not yet hold some entry of *b* with the same bytes."""
@@ -769,7 +779,10 @@ class Uploader:
             if up < e.end or (e.end == 0 and not exists):
                 return f"{e.namespace}/{e.name}: pieces hold {up} bytes, the flushed object up to {e.end}"
             if b.writer != self.writer and e.end > e.begin:
-                data = local[(e.namespace, e.name)].read(e.begin, e.end)
+                try:
+                    data = local[(e.namespace, e.name)].read(e.begin, e.end)
+                except LocalUnreadable as exc:
+                    return f"{e.namespace}/{e.name}: cannot read this server's copy: {exc}"
                 if crc32c(data) != e.crc:
                     return f"{e.namespace}/{e.name}: [{e.begin}, {e.end}) differs from this server's bytes"
         for se in b.seals:
