@@ -352,3 +352,21 @@ def test_protocol_worked_example_with_flushed_objects(tmp_path):
     assert state.objects[seg].length == 261 and not state.objects[seg].sealed
     assert state.objects[ready].sealed and state.objects[ready].length == 0
     assert read_object(store, "job1", seg) == segment
+
+
+def test_one_listing_of_the_fence_copies_names_every_namespace_taken_over(store):
+    from sos_tier import TierFenced
+
+    a, b = Uploader(store), Uploader(store)
+    for ns in ("n1", "n2", "n3"):
+        a.check_fence(ns, 1, strict=True)  # the marker and its copy under v1/fence/
+    assert sorted(k.key for k in store.list("v1/fence/")) == [f"v1/fence/{ns}/{1:016x}" for ns in ("n1", "n2", "n3")]
+    assert a.fences_above({"n1": 1, "n2": 1, "n3": 1}) == set()
+    b.check_fence("n2", 2, strict=True)  # another server took n2 over
+    assert a.fences_above({"n1": 1, "n2": 1, "n3": 1}) == {"n2"}
+    with pytest.raises(TierFenced):
+        a.check_fence("n2", 1)
+    # a copy alone (planted: no marker of its own) is never obeyed
+    store.put_once(f"v1/fence/n3/{5:016x}", b'{"epoch":5,"namespace":"n3"}')
+    assert a.fences_above({"n3": 1}) == {"n3"}
+    a.check_fence("n3", 1)  # compares n3's own markers: none above 1, goes on
