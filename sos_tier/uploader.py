@@ -1,4 +1,11 @@
-"""The part of the tier the server drives: which piece to write next, written once, and the lag.
+"""The part of the tier the server drives: flushes, compaction, fence markers, and the lag.
+
+On the hot path the server calls :meth:`Uploader.flush`: ONE flushed object (``log.py``,
+protocol.md 4.2a, 4.3a) holding every namespace's and object's bytes made durable since the last
+flush; TIER_WAIT is answered by what the bucket holds in flushed objects and pieces together
+(:meth:`Uploader.holds`). In the background :meth:`Uploader.compact` (4.3b) writes the objects'
+per-object pieces with :meth:`Uploader.step` (below) and then deletes the flushed objects they
+hold. What follows describes the per-object pieces, as compaction writes them.
 
 Independent of the engine: the server tells the uploader what is durable (:meth:`Uploader.note`,
 cheap, from the event loop) and, from a worker thread, asks it to make progress on one object
