@@ -292,14 +292,29 @@ def _serve_tier_options(s: argparse.ArgumentParser) -> None:
         "--tier-interval",
         type=parse_duration,
         default=1.0,
-        help="upload what is pending at least this often (default 1s)",
+        help="flush what is pending at least this often when no TIER_WAIT asks sooner (default 1s)",
+    )
+    s.add_argument(
+        "--tier-flush",
+        type=parse_duration,
+        default=0.1,
+        help="at most one flush (ONE object in the store holding every namespace's new bytes) per this:"
+        " TIER_WAITs are answered together when it lands; the server's PUT rate is at most one per this"
+        " (default 100ms)",
     )
     s.add_argument(
         "--tier-bytes",
         type=parse_size,
-        default=8 << 20,
+        default=4 << 20,
         metavar="SIZE",
-        help="upload at once when this much was acknowledged since the last upload round (default 8MiB)",
+        help="flush (after --tier-flush) when this much was acknowledged since the last flush (default 4MiB;"
+        " a flushed object holds at most 8MiB)",
+    )
+    s.add_argument(
+        "--tier-compact",
+        type=parse_duration,
+        default=30.0,
+        help="rewrite flushed objects into per-object pieces and delete them at least this often (default 30s)",
     )
     s.add_argument(
         "--tier-lag-warn",
@@ -693,6 +708,10 @@ def _serve_usage(args: argparse.Namespace) -> str | None:
         return "--wal-size must be at least 1 byte"
     if args.tier_interval <= 0:
         return "--tier-interval must be positive"
+    if not 0 < args.tier_flush <= 60:
+        return "--tier-flush must be positive and at most 1m"
+    if args.tier_compact <= 0:
+        return "--tier-compact must be positive"
     if args.tier_bytes < 1:
         return "--tier-bytes must be at least 1 byte"
     if args.metrics and not args.metrics_public:

@@ -217,6 +217,48 @@ class Metrics:
         self.tier_upload_errors = Counter(
             "sos_tier_upload_errors", "Failed rounds of uploads to the tier's store (each retried)", registry=r
         )
+        self._tier_log_metrics(r)
+
+    def _tier_log_metrics(self, r: CollectorRegistry) -> None:
+        """The tier's flushes and compaction (protocol.md 4.3a, 4.3b) and its store requests."""
+        self.tier_flushes = Counter(
+            "sos_tier_flushes",
+            "Flushed objects this server wrote (one PUT each, every namespace's new bytes)",
+            registry=r,
+        )
+        self.tier_flush_bytes = Histogram(
+            "sos_tier_flush_bytes",
+            "Bytes per flushed object",
+            buckets=(1024, 16 << 10, 128 << 10, 1 << 20, 4 << 20, 8 << 20),
+            registry=r,
+        )
+        self.tier_flush_objects = Histogram(
+            "sos_tier_flush_objects", "Objects per flushed object", buckets=(1, 2, 5, 10, 30, 100, 1000), registry=r
+        )
+        self.tier_compacted = Counter(
+            "sos_tier_compacted_flushes",
+            "Flushed objects compaction deleted (their bytes are in per-object pieces)",
+            registry=r,
+        )
+        self.tier_compaction_lag = Gauge(
+            "sos_tier_compaction_lag_seconds",
+            "Age of the oldest flushed object left after the last compaction pass (0: none)",
+            registry=r,
+        )
+        self.tier_flushed_objects = Gauge(
+            "sos_tier_flushed_objects_left",
+            "Flushed objects the last compaction pass left in the store (named in a warning)",
+            registry=r,
+        )
+        self.tier_object_pieces = Histogram(
+            "sos_tier_object_pieces",
+            "Pieces in an object's run after compaction wrote it (the last 64 at most)",
+            buckets=(1, 2, 4, 8, 16, 24, 32, 64),
+            registry=r,
+        )
+        self.tier_requests = Counter(
+            "sos_tier_requests", "Requests to the tier's store, by operation", ["op"], registry=r
+        )
 
     def watch_namespaces(self, source: Callable[[], list[NamespaceStats]]) -> None:
         """Export the ``sos_namespace_*`` series from *source*, called at each scrape (in the

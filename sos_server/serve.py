@@ -208,6 +208,8 @@ class Server:
                 storage,
                 metrics,
                 interval=args.tier_interval,
+                flush=args.tier_flush,
+                compact_every=args.tier_compact,
                 bytes_trigger=args.tier_bytes,
                 lag_warn=args.tier_lag_warn,
                 parallel=args.tier_parallel,

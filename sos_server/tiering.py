@@ -3,28 +3,28 @@
 :class:`Tier` drives a :class:`sos_tier.Uploader` from trio:
 
 - After each group commit the engine calls :meth:`Tier.note` for every object the batch made
-  durable (cheap, on the event loop: the uploader's bookkeeping under its lock). Nothing on the
-  append path ever waits for the store: appends are acknowledged when they are durable on the
-  server's disk, whether the store is up or not.
-- :meth:`Tier.run` is the upload task: a round at least every ``interval`` seconds, sooner when
-  ``bytes_trigger`` bytes were made durable since the last one or a TIER_WAIT asks. A round,
-  per namespace with something pending: learn the store's progress from its listing (first
-  time), compare the fence markers (:meth:`Uploader.check_fence`: a zombie learns within a
-  round), then upload every pending object (``Uploader.step`` until idle) in worker threads,
-  at most ``parallel`` at once, reading the object's verified bytes from its file.
+  durable (cheap, on the event loop). Nothing on the append path ever waits for the store:
+  appends are acknowledged when they are durable on the server's disk, whatever the store does.
+- :meth:`Tier.run` is the flush task (protocol.md 4.3a): at most one flush per ``flush``
+  seconds (``--tier-flush``), at least one per ``interval`` while bytes wait, sooner when a
+  TIER_WAIT waits or ``bytes_trigger`` bytes were made durable. A flush: per namespace with
+  something pending, learn the store's progress from its listing (first time) and compare the
+  fence markers (a zombie learns within the flush it is in), then ONE
+  flushed object for every namespace's new bytes (:meth:`Uploader.flush`), read from the
+  objects' verified files in a worker thread. Every TIER_WAIT it satisfies is woken at once.
+- :meth:`Tier.compact` (every ``compact_every`` seconds, ``--tier-compact``, and when
+  COMPACT_AT flushed objects wait; protocol.md 4.3b): per-object pieces written from this
+  server's copy, then the flushed objects they hold deleted.
 - A store failure (TierError) puts the namespace in back-off (1 s doubling to 30 s,
-  :class:`sos_tier.retry.Backoff`) and is logged and counted; appends go on. A conflict (another piece exists with other bytes) stops
+  :class:`sos_tier.retry.Backoff`) and is logged and counted; appends go on. A conflict stops
   that object, a higher fence marker in the store (:class:`TierFenced`: another server took
   the namespace over) stops the whole namespace: both are logged as errors and exported, and
   nothing is ever overwritten.
-- :meth:`Tier.wait` is TIER_WAIT: waiters are woken by the uploader's ``on_progress`` (called
-  in the worker thread; handed to the event loop with the trio token) and at the end of each
-  round (progress learned from the listing).
 - :meth:`Tier.fence` writes the fence marker before FENCE_OK (protocol.md 1.11 FENCE), retried
   (:func:`sos_tier.retry.fence_retrying`: 0.2 s doubling to 2 s) within ``fence_timeout``.
-- :meth:`Tier.remove` deletes a generation's objects from the store before retention deletes
-  them locally (so a failure or a crash in between leaves the objects on the server and the
-  next retention run does both again: nothing is orphaned in the bucket).
+- :meth:`Tier.remove` compacts the flushed objects naming a generation's objects, then deletes
+  the objects from the store, before retention deletes them locally (so a failure or a crash in
+  between leaves the objects on the server and the next retention run does both again).
 - A lag task exports, per namespace, the bytes and seconds acknowledged but not in the store,
   and logs once when the oldest such byte is older than ``lag_warn`` and once when it recovers.
 """
@@ -35,29 +35,89 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 
 import trio
 from tenacity import RetryCallState
 
-from sos_tier import PutOutcome, Store, TierError, TierFenced, Uploader
+from sos_tier import PutOutcome, Store, StoredKey, TierError, TierFenced, Uploader
 from sos_tier.retry import BACKOFF_MAX, BACKOFF_MIN, Backoff, fence_retrying
-from sos_tier.uploader import DEFAULT_MAX_PIECE, TierMarkerTaken
+from sos_tier.uploader import (
+    DEFAULT_MAX_PIECE,
+    CompactResult,
+    FlushItem,
+    FlushResult,
+    LocalUnreadable,
+    TierMarkerTaken,
+)
 from sos_wire.errors import ErrorCode
 
 from .metrics import Metrics
 from .storage import Storage, StorageError, StoredObject
 
-__all__ = ["BACKOFF_MAX", "BACKOFF_MIN", "FENCE_TIMEOUT", "Tier"]
+__all__ = ["BACKOFF_MAX", "BACKOFF_MIN", "DEFAULT_COMPACT", "DEFAULT_FLUSH", "FENCE_TIMEOUT", "Tier"]
 
 log = logging.getLogger(__name__)
 
 FENCE_TIMEOUT = 10.0  # FENCE waits this long for its marker to reach the store
+#: --tier-flush: at most one flushed object per this (the whole server's PUT rate, 1/flush)
+DEFAULT_FLUSH = 0.1
+#: --tier-compact: a compaction pass at least this often
+DEFAULT_COMPACT = 30.0
+#: a compaction pass at once when this many flushed objects wait for one
+COMPACT_AT = 600
+#: Before every flush ONE listing of ``v1/fence/`` (the copies of every namespace's fence
+#: markers) tells the server of any namespace another server fenced, whose own markers it then
+#: compares at once (a zombie writes at most the flush it was in). Each namespace's own markers
+#: are also compared at least every FENCE_CHECK seconds while it flushes (one LIST each): a
+#: marker without a copy (planted, or written by an older server) is found within that.
+FENCE_CHECK = 10.0
+FENCE_CHECKS = 32  # fence checks in flight at once
 
 
 def _durably_sealed(obj: StoredObject) -> bool:
     return obj.sealed and obj.synced_size > obj.seal_pos
+
+
+def _seal_time(obj: StoredObject) -> int | None:
+    try:
+        return os.stat(obj.path).st_mtime_ns
+    except OSError:
+        return None
+
+
+class _Counted:
+    """The store, its requests counted by operation (``sos_tier_requests_total{op}``; a listing
+    counts one request per 1,000 keys, S3's page)."""
+
+    def __init__(self, store: Store, metrics: Metrics) -> None:
+        self.inner, self.url = store, store.url
+        self._count = metrics.tier_requests
+
+    def put_once(self, key: str, data: bytes) -> PutOutcome:
+        self._count.labels(op="put").inc()
+        return self.inner.put_once(key, data)
+
+    def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        self._count.labels(op="get").inc()
+        return self.inner.get(key, start, end)
+
+    def list(self, prefix: str = "") -> Iterator[StoredKey]:
+        self._count.labels(op="list").inc()
+        for i, item in enumerate(self.inner.list(prefix), 1):
+            if i % 1000 == 0:
+                self._count.labels(op="list").inc()
+            yield item
+
+    def delete(self, keys: Iterable[str]) -> None:
+        keys = list(keys)
+        self._count.labels(op="delete").inc(max(1, (len(keys) + 999) // 1000))
+        self.inner.delete(keys)
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 @dataclass
@@ -76,6 +136,7 @@ class _NsState:
     lagging: bool = False  # the lag warning was logged
     uploaded_seen: int = 0  # Lag.uploaded_bytes at the last metrics refresh
     stuck_seen: set[str] = field(default_factory=set)
+    fence_checked: float = -float("inf")  # trio time of the last comparison with the bucket's markers
 
 
 class Tier:
@@ -86,27 +147,38 @@ class Tier:
         metrics: Metrics,
         *,
         interval: float = 1.0,
+        flush: float = DEFAULT_FLUSH,
+        compact_every: float = DEFAULT_COMPACT,
         bytes_trigger: int = 8 << 20,
         lag_warn: float = 30.0,
         parallel: int = 4,
         max_piece: int = DEFAULT_MAX_PIECE,
         fence_timeout: float = FENCE_TIMEOUT,
     ) -> None:
-        self.store = store
+        self.store = store = _Counted(store, metrics)
         self.storage = storage
         self.metrics = metrics
         self.interval = interval
+        self.flush = flush
+        self.compact_every = compact_every
         self.bytes_trigger = bytes_trigger
         self.lag_warn = lag_warn
         self.fence_timeout = fence_timeout
         self.uploader = Uploader(store, max_piece=max_piece, on_progress=self._progress_in_thread)
         self._limiter = trio.CapacityLimiter(parallel)
+        #: the fence checks before a flush, all at once (one LIST each): a flush waits for the slowest
+        self._checks = trio.CapacityLimiter(FENCE_CHECKS)
         self._token: trio.lowlevel.TrioToken | None = None
         self._wake = trio.Event()
         self._since = 0  # bytes made durable since the last round started
         self._ns: dict[str, _NsState] = {}
         self._waiters: dict[tuple[str, str], list[_Waiter]] = {}
-        self._busy: dict[tuple[str, str], trio.Event] = {}  # uploads in flight
+        self._flushing = trio.Event()  # set when no flush is in flight
+        self._flushing.set()
+        self._more = False  # the last flush left bytes for the next one
+        self._compact_lock = trio.Lock()
+        self._compact_now = trio.Event()
+        self._left: set[str] = set()  # flushed objects compaction left (logged once each)
         self._removing: set[tuple[str, str]] = set()
         #: objects a conflict stopped (set in worker threads: one dict store each), and those the
         #: store holds more of than this server (both logged once)
@@ -139,124 +211,225 @@ class Tier:
             extra={
                 "tier": self.store.url,
                 "interval": self.interval,
+                "flush": self.flush,
                 "bytes": self.bytes_trigger,
+                "compact": self.compact_every,
                 "lag_warn": self.lag_warn,
             },
         )
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._lag_loop)
+            nursery.start_soon(self._compact_loop)
             task_status.started()
+            last = -float("inf")
             while True:
+                # at most one flush per --tier-flush, whatever asks (TIER_WAITs, the byte trigger)
+                await trio.sleep_until(last + self.flush)
+                last = trio.current_time()
                 await self._round()
+                if self._more:
+                    continue
                 with trio.move_on_after(self.interval):
                     await self._wake.wait()
                 self._wake = trio.Event()
 
     async def _round(self) -> None:
+        """One flush: per namespace with something pending, learn the bucket (first time) and
+        compare the fence markers (a zombie learns within a flush), then ONE flushed object for
+        every namespace's new bytes; the waiters it satisfies are woken together."""
         self._since = 0
+        self._more = False
         self.rounds += 1
         now = trio.current_time()
         names = set(self.uploader.namespaces()) | {k[0] for k in self._waiters}
+        ready: list[str] = []
+        due = {n for n in names if self._due(n, now)}
+        suspect = await self._taken_over(due) if due else set()
         async with trio.open_nursery() as nursery:
-            for namespace in sorted(names):
-                st = self._state(namespace)
-                if st.stopped is None and now >= st.retry_at:
-                    nursery.start_soon(self._round_ns, namespace)
+            for namespace in sorted(due):
+                nursery.start_soon(self._prepare_ns, namespace, namespace in suspect, ready)
+        items = self._flush_items(ready)
+        if items:
+            self._flushing = trio.Event()
+            try:
+                await self._flush(items, ready)
+            finally:
+                self._flushing.set()
         for namespace in names:
             self._wake_waiters(namespace)
 
-    async def _round_ns(self, namespace: str) -> None:
+    def _due(self, namespace: str, now: float) -> bool:
+        """The namespace has something for this flush (bytes, a seal, its fence marker)."""
         st = self._state(namespace)
+        ns = self.storage.namespaces.get(namespace)
+        if st.stopped is not None or now < st.retry_at or ns is None:
+            return False
+        return bool(self.uploader.pending(namespace)) or self.uploader.marker_due(namespace, ns.fence)
+
+    async def _taken_over(self, due: set[str]) -> set[str]:
+        """The namespaces of *due* with a copy of a fence marker above this server's fence
+        under ``v1/fence/`` (one listing for all, protocol.md 4.3a); on a store error, all."""
+        epochs = {n: self.storage.namespaces[n].fence for n in due if n in self.storage.namespaces}
+        try:
+            return await trio.to_thread.run_sync(
+                self.uploader.fences_above, epochs, limiter=self._checks, abandon_on_cancel=True
+            )
+        except TierError:
+            return set(due)  # each is then checked by its own listing (and fails there if the store does)
+
+    async def _prepare_ns(self, namespace: str, suspect: bool, ready: list[str]) -> None:
+        """Learn the namespace (first time) and, if *suspect* (a fence above ours was noticed),
+        its marker is due, or FENCE_CHECK passed, compare its fence markers (one LIST); *ready*
+        gets it if it flushes."""
         ns = self.storage.namespaces.get(namespace)
         if ns is None:
             return
         try:
-            pending = self.uploader.pending(namespace)
-            waiting = any(k[0] == namespace for k in self._waiters)
-            if not pending and not waiting:
-                return
-            await trio.to_thread.run_sync(self.uploader.learn, namespace, limiter=self._limiter, abandon_on_cancel=True)
-            await trio.to_thread.run_sync(
-                self.uploader.check_fence, namespace, ns.fence, limiter=self._limiter, abandon_on_cancel=True
-            )
-            errors: list[BaseException] = []
-            async with trio.open_nursery() as nursery:
-                for name in self.uploader.pending(namespace):
-                    nursery.start_soon(self._upload, namespace, name, errors)
-            if errors:
-                raise errors[0]
+            if not self.uploader.learned(namespace):  # no thread hop on every flush
+                await trio.to_thread.run_sync(
+                    self.uploader.learn, namespace, limiter=self._limiter, abandon_on_cancel=True
+                )
+            st = self._state(namespace)
+            now = trio.current_time()
+            if suspect or now - st.fence_checked >= FENCE_CHECK or self.uploader.marker_due(namespace, ns.fence):
+                await trio.to_thread.run_sync(
+                    self.uploader.check_fence, namespace, ns.fence, limiter=self._checks, abandon_on_cancel=True
+                )
+                st.fence_checked = now
         except TierFenced as exc:
             self._stop(namespace, str(exc))
         except TierError as exc:
             self._failed(namespace, exc)
         else:
-            if st.failing is not None:
-                log.info("tier: uploads work again", extra={"namespace": namespace, "tier": self.store.url})
-                self.metrics.tier_failing.labels(namespace=namespace).set(0)
-            st.failing, st.delay, st.retry_at = None, 0.0, 0.0
-            st.backoff.reset()
+            ready.append(namespace)
 
-    async def _upload(self, namespace: str, name: str, errors: list[BaseException]) -> None:
-        key = (namespace, name)
-        ns = self.storage.namespaces.get(namespace)
-        obj = ns.objects.get(name) if ns is not None else None
-        if key in self._removing or key in self._busy or key in self._stuck:
-            return
-        if obj is None or obj.removed:
-            self.uploader.forget(namespace, [name])
-            return
-        # what is durable, captured on the event loop (the engine changes these fields here)
+    def _flush_items(self, ready: list[str]) -> list[FlushItem]:
+        """On the event loop (the engine changes these fields here): what is durable of every
+        pending object of the *ready* namespaces, with a reader of its verified bytes."""
+        items: list[FlushItem] = []
+        for namespace in sorted(ready):
+            ns = self.storage.namespaces.get(namespace)
+            for name in self.uploader.pending(namespace):
+                key = (namespace, name)
+                obj = ns.objects.get(name) if ns is not None else None
+                if key in self._removing or key in self._stuck:
+                    continue
+                if obj is None or obj.removed:
+                    self.uploader.forget(namespace, [name])
+                    continue
+                items.append(self._item(obj))
+        return items
+
+    def _item(self, obj: StoredObject) -> FlushItem:
         durable, sealed = obj.synced_length, _durably_sealed(obj)
-        done = self._busy[key] = trio.Event()
+
+        def read(begin: int, end: int) -> bytes:
+            try:
+                return obj.read_bytes(begin, end - begin, limit=durable)
+            except (StorageError, OSError) as exc:
+                raise LocalUnreadable(exc.message if isinstance(exc, StorageError) else str(exc)) from None
+
+        sealed_at_ns = _seal_time(obj) if sealed else None
+        return FlushItem(obj.namespace, obj.name, read, durable, sealed, sealed_at_ns)
+
+    async def _flush(self, items: list[FlushItem], ready: list[str]) -> None:
         try:
-            # abandoned on cancel (the server stopping): the store call ends in its own time
-            await trio.to_thread.run_sync(
-                self._sync_object, obj, durable, sealed, limiter=self._limiter, abandon_on_cancel=True
+            res = await trio.to_thread.run_sync(
+                self.uploader.flush, items, limiter=self._limiter, abandon_on_cancel=True
             )
         except TierError as exc:
-            errors.append(exc)
-        except (StorageError, OSError) as exc:  # the server's own copy: damaged, or removed meanwhile
-            if not obj.removed:
-                # this object stops (its lag stays, TIER_WAIT says why); the namespace's others go on
-                msg = exc.message if isinstance(exc, StorageError) else str(exc)
-                self._stuck[key] = f"cannot read the server's copy: {msg}"
+            for namespace in {it.namespace for it in items}:
+                self._failed(namespace, exc)
+            return
+        self._more = res.more
+        self._flushed(res)
+        for (namespace, name), why in res.unreadable.items():
+            obj = self.storage.namespaces[namespace].objects.get(name)
+            if obj is not None and not obj.removed:
+                self._stuck[(namespace, name)] = f"cannot read the server's copy: {why}"
                 log.error(
                     "tier: cannot read %s/%s to upload it, not uploading it: %s",
                     namespace,
                     name,
-                    msg,
+                    why,
                     extra={"namespace": namespace, "object": name},
                 )
-        finally:
-            del self._busy[key]
-            done.set()
+        for key, why in res.ahead.items():
+            if key not in self._ahead:
+                self._ahead.add(key)
+                log.error("tier: %s", why, extra={"namespace": key[0], "object": key[1]})
+        for namespace in ready:
+            self._healthy(namespace)
 
-    def _sync_object(self, obj: StoredObject, durable: int, sealed: bool) -> None:
-        """In a worker thread: steps until the store holds *obj* up to *durable* (and its seal)."""
-        sealed_at_ns = os.stat(obj.path).st_mtime_ns if sealed else None
+    def _healthy(self, namespace: str) -> None:
+        """A write of the namespace's bytes landed: out of back-off, and say so once."""
+        st = self._state(namespace)
+        if st.failing is not None:
+            log.info("tier: uploads work again", extra={"namespace": namespace, "tier": self.store.url})
+            self.metrics.tier_failing.labels(namespace=namespace).set(0)
+        st.failing, st.delay, st.retry_at = None, 0.0, 0.0
+        st.backoff.reset()
 
-        def read(begin: int, end: int) -> bytes:
-            return obj.read_bytes(begin, end - begin, limit=durable)
+    def _flushed(self, res: FlushResult) -> None:
+        if res.key is None:
+            return
+        m = self.metrics
+        m.tier_flushes.inc()
+        m.tier_pieces.inc(res.pieces)
+        m.tier_flush_bytes.observe(res.bytes)
+        m.tier_flush_objects.observe(res.objects)
+        if self.uploader.flushed_count() >= COMPACT_AT:
+            self._compact_now.set()
 
+    # -- compaction --------------------------------------------------------------------------------
+
+    async def _compact_loop(self) -> None:
         while True:
-            step = self.uploader.step(obj.namespace, obj.name, read, durable, sealed, sealed_at_ns)
-            if step.kind in ("piece", "exists") and step.outcome is PutOutcome.CREATED:
-                self.metrics.tier_pieces.inc()
-            if step.kind == "ahead" and (obj.namespace, obj.name) not in self._ahead:
-                self._ahead.add((obj.namespace, obj.name))
-                log.error("tier: %s", step.message, extra={"namespace": obj.namespace, "object": obj.name})
-            if step.kind == "stuck":
-                self._stuck[(obj.namespace, obj.name)] = step.message
-                log.error(
-                    "tier: a conflict stops uploading %s/%s: %s (nothing is overwritten)",
-                    obj.namespace,
-                    obj.name,
-                    step.message,
-                    extra={"namespace": obj.namespace, "object": obj.name},
-                )
-                self._wake_soon(obj.namespace)
-            if step.kind in ("idle", "stuck", "ahead"):
-                return
+            with trio.move_on_after(self.compact_every):
+                await self._compact_now.wait()
+            self._compact_now = trio.Event()
+            try:
+                await self.compact()
+            except TierError as exc:
+                self.metrics.tier_upload_errors.inc()
+                log.warning("tier: compaction failed, retried at the next: %s", exc, extra={"tier": self.store.url})
+
+    async def compact(self, only: set[tuple[str, str]] | None = None) -> CompactResult:
+        """One compaction pass (protocol.md 4.3b): list the flushed objects (those naming one
+        of *only*, if given), write their objects' per-object pieces from this server's copy,
+        then delete each flushed object that pieces now hold whole. TierError propagates."""
+        async with self._compact_lock:
+            batches, bad = await trio.to_thread.run_sync(
+                self.uploader.flushed_objects, limiter=self._limiter, abandon_on_cancel=True
+            )
+            if only is not None:
+                batches = [b for b in batches if b.objects() & only]
+            local: dict[tuple[str, str], FlushItem] = {}
+            for b in batches:
+                for namespace, name in b.objects():
+                    ns = self.storage.namespaces.get(namespace)
+                    obj = ns.objects.get(name) if ns is not None else None
+                    st = self._ns.get(namespace)
+                    if obj is not None and not obj.removed and not (st is not None and st.stopped):
+                        local[(namespace, name)] = self._item(obj)
+            res = await trio.to_thread.run_sync(
+                self.uploader.compact, batches, local, limiter=self._limiter, abandon_on_cancel=True
+            )
+        res.left.update(bad)
+        for namespace in {ns for ns, _ in local}:
+            self._healthy(namespace)
+        m = self.metrics
+        m.tier_pieces.inc(res.pieces)
+        m.tier_compacted.inc(res.deleted)
+        m.tier_compaction_lag.set(res.oldest_age)
+        m.tier_flushed_objects.set(len(res.left))
+        for n in res.pieces_per_object:
+            m.tier_object_pieces.observe(n)
+        for key, why in res.left.items():
+            if key not in self._left:
+                log.warning("tier: a flushed object stays uncompacted: %s: %s", key, why, extra={"key": key})
+        self._left = set(res.left)
+        return res
 
     def _failed(self, namespace: str, exc: TierError) -> None:
         st = self._state(namespace)
@@ -412,14 +585,17 @@ class Tier:
 
     async def remove(self, namespace: str, names: list[str]) -> None:
         """Retention: delete these objects' keys from the store (the engine then deletes them
-        locally). TierError if the store refuses: the caller keeps them for the next run."""
+        locally). The flushed objects naming them are compacted and deleted first (else a reader
+        would find the objects again in them). TierError if the store refuses, or if a flushed
+        object naming them cannot be compacted: the caller keeps them for the next run."""
         keys = [(namespace, n) for n in names]
         self._removing.update(keys)
         try:
-            for k in keys:  # an upload in flight finishes first (its piece is then deleted too)
-                busy = self._busy.get(k)
-                if busy is not None:
-                    await busy.wait()
+            await self._flushing.wait()  # a flush in flight may name them: it lands first
+            res = await self.compact(only=set(keys))
+            if res.left:
+                key, why = next(iter(res.left.items()))
+                raise TierError(f"flushed object {key} names objects being removed and stays: {why}")
             await trio.to_thread.run_sync(self.uploader.remove, namespace, names, limiter=self._limiter)
         except BaseException:
             self._removing.difference_update(keys)

@@ -13,8 +13,11 @@ object store, from whose listing alone a reader rebuilds every namespace.
   directory uses them too).
 - ``layout.py``: key names, :func:`scan` (the listing to per-object states and problems),
   :func:`read_object` / :func:`iter_object` (parallel ranged GETs, every piece's CRC32C checked).
-- ``uploader.py``: :class:`Uploader`, the part the server drives (next piece, written once;
-  progress learned from the bucket; lag per namespace).
+- ``log.py``: flushed objects (``v1/log/``, protocol.md 4.2a): one per flush holding every
+  namespace's new bytes, with an index; readers take its entries as pieces.
+- ``uploader.py``: :class:`Uploader`, the part the server drives (a flush; compaction into
+  per-object pieces, written once, then the flushed objects deleted; progress learned from the
+  bucket; lag per namespace).
 
 Everything is synchronous; the server calls it from trio worker threads. Nothing here imports
 the engine or parses journal records.

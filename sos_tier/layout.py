@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from sos_tier.log import LOG_PREFIX, Batch, LogDamage, read_index
 from sos_tier.store import Store, StoredKey, TierError, TierNotFound
 from sos_wire.crc import crc32c
 from sos_wire.names import MAX_NAME_BYTES, BadName, validate_name, validate_namespace
@@ -36,6 +37,7 @@ __all__ = [
     "MAX_MARKER_BYTES",
     "MAX_PIECE_BYTES",
     "MAX_PLAIN_NAME",
+    "NOTICE_PREFIX",
     "FenceVerdict",
     "NamespaceState",
     "ObjectIncomplete",
@@ -55,6 +57,7 @@ __all__ = [
     "keys_of",
     "name_key",
     "namespace_prefix",
+    "notice_key",
     "object_prefix",
     "parse_key",
     "piece_key",
@@ -64,6 +67,7 @@ __all__ = [
     "seal_content",
     "seal_key",
     "seal_time",
+    "take_run",
     "unescape_name",
 ]
 
@@ -200,6 +204,17 @@ def fence_key(namespace: str, epoch: int) -> str:
     return f"{namespace_prefix(namespace)}fence/{epoch:016x}"
 
 
+#: copies of the fence markers, every namespace under one prefix (protocol.md 4.3a): one
+#: listing per flush tells a server of every namespace another server took over
+NOTICE_PREFIX = f"{LAYOUT_VERSION}/fence/"
+
+
+def notice_key(namespace: str, epoch: int) -> str:
+    if not 0 <= epoch < 2**64:
+        raise ValueError(f"bad epoch {epoch}")
+    return f"{NOTICE_PREFIX}{validate_namespace(namespace)}/{epoch:016x}"
+
+
 def fence_content(namespace: str, epoch: int) -> bytes:
     """The content of a fence marker (protocol.md 4.2): the JSON object naming its namespace and
     epoch, ``{"epoch":E,"namespace":"NS"}``, compact, keys sorted. A reader believes a marker
@@ -321,6 +336,13 @@ class Piece:
     end: int
     crc: int
     size: int  # as listed
+    #: -1: the key is the piece; else the piece is bytes [at, at + size) of the flushed object
+    #: ``key`` (protocol.md 4.2a), named by its index
+    at: int = -1
+
+    @property
+    def flushed(self) -> bool:
+        return self.at >= 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -353,6 +375,8 @@ class ObjectState:
     extra: list[Piece] = field(default_factory=list)  # listed pieces not in the run
     problems: list[Problem] = field(default_factory=list)
     exists: bool = False  # any piece or seal (a 0-0 piece alone says "exists, empty")
+    #: the seal's time from a flushed object's seal entry (no seal marker key yet)
+    log_sealed_at_ns: int | None = None
 
     @property
     def sealed(self) -> bool:
@@ -379,13 +403,20 @@ class NamespaceState:
 
 
 def scan(
-    store: Store, namespace: str | None = None, *, verify: bool = False, workers: int = 4
+    store: Store,
+    namespace: str | None = None,
+    *,
+    verify: bool = False,
+    workers: int = 4,
+    cache: dict[str, Batch] | None = None,
 ) -> dict[str, NamespaceState]:
     """Rebuild, from the store's listing alone, every namespace (or one): per object its good
     length, seal, the pieces to read and the problems found (protocol.md 4.4). The listing
     says nothing about content: with *verify* every piece is read and checked against its CRC,
     and every piece that overlaps the run against the run's bytes (damage cuts the good length
-    at the damaged piece, a conflict at the first byte that differs)."""
+    at the damaged piece, a conflict at the first byte that differs). The flushed objects
+    (``v1/log/``, 4.2a) are listed too and their indexes read: their entries are pieces of
+    their objects like any other (*cache*: indexes already read, by key; filled as read)."""
     prefix = namespace_prefix(namespace) if namespace is not None else f"{LAYOUT_VERSION}/ns/"
     out: dict[str, NamespaceState] = {}
     by_dir: dict[tuple[str, str], list[tuple[ParsedKey, StoredKey]]] = {}
@@ -401,17 +432,27 @@ def scan(
             st.fence_markers.append((pk.epoch, item.key, item.size))
         else:
             by_dir.setdefault((pk.namespace, pk.edir), []).append((pk, item))
+    logged = read_log(store, namespace, workers=workers, cache=cache)
+    for ns, _edir in logged.objects:
+        out.setdefault(ns, NamespaceState(ns))
+    if logged.problems:
+        targets = [out[namespace]] if namespace is not None and namespace in out else list(out.values())
+        if namespace is not None and not targets:
+            targets = [out.setdefault(namespace, NamespaceState(namespace))]
+        for st in targets:
+            st.problems.extend(logged.problems)
     for st in out.values():
         if st.fence_markers:
             verdict = believe_fence(store, st.namespace, st.fence_markers)
             st.fence = verdict.epoch
             st.problems.extend(verdict.ignored)
-    for (ns, edir), keys in by_dir.items():
+    for ns, edir in sorted(set(by_dir) | set(logged.objects)):
         st = out[ns]
-        name = _object_name(store, ns, edir, keys, st)
+        keys = by_dir.get((ns, edir), [])
+        name = logged.names.get((ns, edir)) or _object_name(store, ns, edir, keys, st)
         if name is None:
             continue
-        obj = _build(ns, name, edir, keys)
+        obj = _build(ns, name, edir, keys, logged.objects.get((ns, edir)))
         if verify:
             _verify(store, obj, workers)
         st.objects[name] = obj
@@ -419,18 +460,101 @@ def scan(
 
 
 def scan_object(store: Store, namespace: str, name: str, *, verify: bool = False, workers: int = 4) -> ObjectState:
-    """:func:`scan` of one object (one listing of its prefix); an object the store does not
-    hold comes back with ``exists`` False and length 0."""
+    """:func:`scan` of one object (one listing of its prefix, and of the flushed objects); an
+    object the store does not hold comes back with ``exists`` False and length 0."""
     keys = []
     edir = escape_name(name)
     for item in store.list(object_prefix(namespace, name)):
         pk = parse_key(item.key)
         if pk is not None and pk.kind != "name":
             keys.append((pk, item))
-    obj = _build(namespace, name, edir, keys)
+    logged = read_log(store, namespace, name, workers=workers)
+    obj = _build(namespace, name, edir, keys, logged.objects.get((namespace, edir)))
+    obj.problems.extend(logged.problems)
     if verify:
         _verify(store, obj, workers)
     return obj
+
+
+@dataclass(slots=True)
+class LogObject:
+    """What the flushed objects hold of one object: pieces inside them and seal entries."""
+
+    pieces: list[Piece] = field(default_factory=list)
+    seals: list[tuple[int, str, int | None]] = field(default_factory=list)  # (length, batch key, sealed_at_ns)
+
+
+@dataclass(slots=True)
+class LogState:
+    objects: dict[tuple[str, str], LogObject] = field(default_factory=dict)  # (ns, edir)
+    names: dict[tuple[str, str], str] = field(default_factory=dict)  # (ns, edir) -> name
+    problems: list[Problem] = field(default_factory=list)
+    batches: int = 0
+
+
+def read_log(
+    store: Store,
+    namespace: str | None = None,
+    name: str | None = None,
+    *,
+    workers: int = 4,
+    cache: dict[str, Batch] | None = None,
+) -> LogState:
+    """List ``v1/log/`` and read every flushed object's index (at most *workers* at once,
+    each at most HEAD + MAX_INDEX_BYTES): their entries, as pieces, for *namespace* (or all)
+    and *name* (or all). A flushed object whose index cannot be read is reported (damage, by
+    its key) and left out; one gone since the listing (compacted) is skipped."""
+    out = LogState()
+    items = []
+    for item in store.list(LOG_PREFIX):
+        if item.key.count("/") != 2 or not _LOG_KEY.fullmatch(item.key[len(LOG_PREFIX) :]):
+            out.problems.append(
+                Problem("foreign", "", "", item.key, 0, f"{item.key}: not a key of the layout; ignored")
+            )
+            continue
+        items.append(item)
+    out.batches = len(items)
+
+    def one(item: StoredKey) -> object:
+        if cache is not None and item.key in cache:
+            return cache[item.key]  # a flushed object never changes
+        try:
+            got = read_index(store, item.key, item.size)
+            if cache is not None:
+                cache[item.key] = got
+            return got
+        except TierNotFound:
+            return None
+        except LogDamage as exc:
+            return exc
+
+    with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="tier-index") as pool:
+        for item, got in zip(items, pool.map(one, items)):
+            if isinstance(got, LogDamage):
+                out.problems.append(Problem("damage", "", "", item.key, 0, str(got)))
+                continue
+            if got is None:
+                continue
+            for e in got.entries:  # type: ignore[attr-defined]
+                if (namespace is None or e.namespace == namespace) and (name is None or e.name == name):
+                    lo = _log_object(out, e.namespace, e.name)
+                    lo.pieces.append(Piece(item.key, e.begin, e.end, e.crc, e.end - e.begin, e.at))
+            for se in got.seals:  # type: ignore[attr-defined]
+                if (namespace is None or se.namespace == namespace) and (name is None or se.name == name):
+                    _log_object(out, se.namespace, se.name).seals.append((se.length, item.key, se.sealed_at_ns))
+    return out
+
+
+_LOG_KEY = re.compile(r"[0-9a-f]{16}-[0-9a-f]{16}")
+
+
+def _log_object(out: LogState, ns: str, name: str) -> LogObject:
+    edir = escape_name(name)
+    out.names[(ns, edir)] = name
+    lo = out.objects.get((ns, edir))
+    if lo is None:
+        lo = out.objects[(ns, edir)] = LogObject()
+    return lo
 
 
 def _object_name(
@@ -454,10 +578,16 @@ def _object_name(
     return name
 
 
-def _build(ns: str, name: str, edir: str, keys: list[tuple[ParsedKey, StoredKey]]) -> ObjectState:
+def _build(
+    ns: str, name: str, edir: str, keys: list[tuple[ParsedKey, StoredKey]], logged: LogObject | None = None
+) -> ObjectState:
     obj = ObjectState(ns, name, edir)
-    pieces: list[Piece] = []
-    seals: list[tuple[int, str]] = []
+    pieces: list[Piece] = list(logged.pieces) if logged else []
+    seals: list[tuple[int, str]] = [(length, key) for length, key, _ in logged.seals] if logged else []
+    if logged is not None and (logged.pieces or logged.seals):
+        obj.exists = True
+        times = [t for _, _, t in sorted(logged.seals) if t is not None]
+        obj.log_sealed_at_ns = times[0] if times else None
     for pk, item in keys:
         if pk.kind == "piece":
             obj.exists = True
@@ -511,7 +641,7 @@ def _build(ns: str, name: str, edir: str, keys: list[tuple[ParsedKey, StoredKey]
     if seals:
         seals.sort()
         obj.seal_length, first = seals[0]
-        obj.seal_keys = [k for _, k in seals]
+        obj.seal_keys = [k for _, k in seals if not k.startswith(LOG_PREFIX)]  # marker keys only
         if len({s for s, _ in seals}) > 1:
             obj._problem(
                 "conflict",
@@ -536,7 +666,8 @@ def _take_run(pieces: list[Piece]) -> tuple[list[Piece], int]:
     # Linear after the sort: every piece is looked at once. The pieces that start at or before
     # pos are considered once, when pos passes their begin; the one taken reaches furthest of
     # them, so once pos moves to its end none of them reaches past pos any more.
-    pieces.sort(key=lambda p: (p.begin, -p.end, p.key))
+    # among equals a per-object piece before a flushed object's entry (it outlives compaction)
+    pieces.sort(key=lambda p: (p.begin, -p.end, p.flushed, p.key))
     chosen: list[Piece] = []
     pos, i = 0, 0
     while True:
@@ -552,6 +683,9 @@ def _take_run(pieces: list[Piece]) -> tuple[list[Piece], int]:
         chosen.append(best)
         pos = best.end
     return chosen, pos
+
+
+take_run = _take_run
 
 
 def _verify(store: Store, obj: ObjectState, workers: int) -> None:
@@ -602,11 +736,16 @@ def get_piece(store: Store, p: Piece, pool: ThreadPoolExecutor | None = None) ->
     size (at most MAX_PIECE_BYTES) plus one byte is read, whatever the key holds."""
     if p.end - p.begin > MAX_PIECE_BYTES:
         raise TierPieceTooLarge(p.key, p.end - p.begin)
-    if pool is None:
-        data = store.get(p.key, 0, p.end - p.begin + 1)
+    size = p.end - p.begin
+    base = max(p.at, 0)
+    if size == 0:
+        data = b""
+    elif pool is None:
+        data = store.get(p.key, base, base + size + (0 if p.flushed else 1))
     else:
-        size = p.end - p.begin
-        futs = [pool.submit(store.get, p.key, s, min(s + PART_SIZE, size)) for s in range(0, size, PART_SIZE)]
+        futs = [
+            pool.submit(store.get, p.key, base + s, base + min(s + PART_SIZE, size)) for s in range(0, size, PART_SIZE)
+        ]
         data = b"".join(f.result() for f in futs)
     if len(data) != p.end - p.begin:
         raise TierDamage(p.key, f"holds {len(data)} bytes, its name says {p.end - p.begin}")
@@ -722,7 +861,7 @@ def read_object(
 def seal_time(store: Store, obj: ObjectState) -> int | None:
     """``sealed_at_ns`` from the object's seal marker, None if unsealed or not recorded."""
     if not obj.seal_keys:
-        return None
+        return obj.log_sealed_at_ns
     try:
         info = json.loads(store.get(obj.seal_keys[0], 0, MAX_MARKER_BYTES) or b"{}")
         t = info.get("sealed_at_ns") if isinstance(info, dict) else None
@@ -734,7 +873,8 @@ def seal_time(store: Store, obj: ObjectState) -> int | None:
 def keys_of(obj: ObjectState) -> list[str]:
     """Every key of an object: its pieces (from offset 0 up), then its seal markers and (hashed
     names) its name key."""
-    keys = [p.key for p in sorted([*obj.pieces, *obj.extra], key=lambda p: (p.begin, p.end, p.key))]
+    own = [p for p in (*obj.pieces, *obj.extra) if not p.flushed]  # a flushed object is not the object's
+    keys = [p.key for p in sorted(own, key=lambda p: (p.begin, p.end, p.key))]
     keys += obj.seal_keys
     if obj.edir.startswith(HASHED):
         keys.append(f"{namespace_prefix(obj.namespace)}o/{obj.edir}/name")
@@ -744,7 +884,8 @@ def keys_of(obj: ObjectState) -> list[str]:
 def delete_object(store: Store, obj: ObjectState) -> None:
     """Retention's removal of one whole object (protocol.md 4.6): every piece first, then, once
     they are gone, the seal markers and the name key. Take *obj* from a fresh scan."""
-    pieces = [p.key for p in sorted([*obj.pieces, *obj.extra], key=lambda p: (p.begin, p.end, p.key))]
+    own = [p for p in (*obj.pieces, *obj.extra) if not p.flushed]
+    pieces = [p.key for p in sorted(own, key=lambda p: (p.begin, p.end, p.key))]
     store.delete(pieces)
     rest = keys_of(obj)[len(pieces) :]
     if rest:

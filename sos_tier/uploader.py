@@ -1,4 +1,11 @@
-"""The part of the tier the server drives: which piece to write next, written once, and the lag.
+"""The part of the tier the server drives: flushes, compaction, fence markers, and the lag.
+
+On the hot path the server calls :meth:`Uploader.flush`: ONE flushed object (``log.py``,
+protocol.md 4.2a, 4.3a) holding every namespace's and object's bytes made durable since the last
+flush; TIER_WAIT is answered by what the bucket holds in flushed objects and pieces together
+(:meth:`Uploader.holds`). In the background :meth:`Uploader.compact` (4.3b) writes the objects'
+per-object pieces with :meth:`Uploader.step` (below) and then deletes the flushed objects they
+hold. What follows describes the per-object pieces, as compaction writes them.
 
 Independent of the engine: the server tells the uploader what is durable (:meth:`Uploader.note`,
 cheap, from the event loop) and, from a worker thread, asks it to make progress on one object
@@ -25,6 +32,9 @@ object's own.
 from __future__ import annotations
 
 import logging
+import os
+import re
+import secrets
 import threading
 import time
 from collections import deque
@@ -34,6 +44,8 @@ from dataclasses import dataclass, field
 from sos_tier.layout import (
     MAX_MARKER_BYTES,
     MAX_PIECE_BYTES,
+    NOTICE_PREFIX,
+    ObjectState,
     Problem,
     believe_fence,
     delete_object,
@@ -41,17 +53,41 @@ from sos_tier.layout import (
     fence_key,
     name_key,
     namespace_prefix,
+    notice_key,
     parse_key,
     piece_key,
     scan,
     scan_object,
     seal_content,
     seal_key,
+    take_run,
 )
-from sos_tier.store import PutOutcome, Store, TierError
+from sos_tier.log import (
+    LOG_PREFIX,
+    MAX_INDEX_BYTES,
+    MAX_LOG_DATA,
+    Batch,
+    LogDamage,
+    decode_batch,
+    encode_batch,
+    log_key,
+    read_index,
+)
+from sos_tier.store import PutOutcome, Store, TierError, TierNotFound
 from sos_wire.crc import crc32c
 
-__all__ = ["DEFAULT_MAX_PIECE", "Lag", "Step", "TierFenced", "TierMarkerTaken", "Uploader"]
+__all__ = [
+    "DEFAULT_MAX_PIECE",
+    "CompactResult",
+    "FlushItem",
+    "FlushResult",
+    "Lag",
+    "LocalUnreadable",
+    "Step",
+    "TierFenced",
+    "TierMarkerTaken",
+    "Uploader",
+]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +100,64 @@ MAX_TAIL = 64
 
 #: read(begin, end) -> the object's durable bytes [begin, end), exactly end - begin of them
 Reader = Callable[[int, int], bytes]
+
+#: Test hook: ``SOS_TIER_CRASH_AT=<point>`` ends the process (exit 137, like SIGKILL) at that
+#: point: ``flushed`` (a flushed object landed, its waiters not yet told), ``compacted`` (the
+#: per-object pieces of a compaction written, its flushed objects not yet deleted), ``deleted``
+#: (its flushed objects deleted). The crash tests restart the server after each.
+CRASH_ENV = "SOS_TIER_CRASH_AT"
+
+
+def _crash_point(point: str) -> None:
+    if os.environ.get(CRASH_ENV) == point:
+        log.error("tier: crash point %s reached (%s): exiting", point, CRASH_ENV)
+        logging.shutdown()
+        os._exit(137)
+
+
+class LocalUnreadable(Exception):
+    """A :class:`FlushItem`'s reader cannot read the server's own copy (damage on its disk, or
+    removed meanwhile): that object is left out of the flush, the others go on."""
+
+
+@dataclass(frozen=True, slots=True)
+class FlushItem:
+    """What the server holds of one object now (captured where the engine changes it)."""
+
+    namespace: str
+    name: str
+    read: Reader
+    durable: int
+    sealed: bool = False
+    sealed_at_ns: int | None = None
+
+
+@dataclass(slots=True)
+class FlushResult:
+    """One flush: the flushed object written (None: nothing to flush), its bytes and objects,
+    whether more was pending than one flushed object holds, objects whose server copy could
+    not be read (name -> why), and objects the bucket holds more of than the server."""
+
+    key: str | None = None
+    bytes: int = 0
+    objects: int = 0
+    pieces: int = 0  # entries (pieces inside the flushed object)
+    more: bool = False
+    unreadable: dict[tuple[str, str], str] = field(default_factory=dict)
+    ahead: dict[tuple[str, str], str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class CompactResult:
+    """One compaction pass: flushed objects listed, deleted, left (and why), pieces written,
+    the age in seconds of the oldest flushed object left (0: none), pieces per compacted object."""
+
+    listed: int = 0
+    deleted: int = 0
+    pieces: int = 0
+    left: dict[str, str] = field(default_factory=dict)
+    oldest_age: float = 0.0
+    pieces_per_object: list[int] = field(default_factory=list)
 
 
 class TierFenced(TierError):
@@ -136,6 +230,23 @@ class _Obj:
     #: the run's pieces (begin, end, key) at its end that a later piece may absorb (MERGE_BELOW)
     tail: list[tuple[int, int, str]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    #: the bucket holds bytes [0, logged) of it in flushed objects and pieces together (a TIER_WAIT
+    #: is answered by it); ``uploaded``/``exists``/``bucket_seal`` are the per-object keys alone
+    logged: int = 0
+    log_seal: bool = False
+    log_exists: bool = False
+
+    @property
+    def held(self) -> int:
+        return max(self.uploaded, self.logged)
+
+    @property
+    def seal_held(self) -> bool:
+        return self.bucket_seal is not None or self.log_seal
+
+    @property
+    def exists_held(self) -> bool:
+        return self.exists or self.log_exists
 
 
 @dataclass(slots=True)
@@ -175,6 +286,11 @@ class Uploader:
         self._wall = wall
         self._lock = threading.Lock()
         self._ns: dict[str, _Ns] = {}
+        #: this process's name in its flushed objects' keys (random: two servers never collide)
+        self.writer = secrets.token_hex(8)
+        self._seq = 0
+        self._batches: dict[str, Batch] = {}  # indexes of flushed objects known (immutable)
+        self._flush_lock = threading.Lock()
 
     # -- what the server tells us (cheap; any thread) -------------------------------------------
 
@@ -221,24 +337,39 @@ class Uploader:
         with ns.learn_lock:
             if ns.learned and not force:
                 return
-            state = scan(self.store, namespace).get(namespace)
+            state = scan(self.store, namespace, cache=self._batches).get(namespace)
             with self._lock:
                 ns.bucket_fence = state.fence if state else 0
                 if state is not None:
                     for name, os_ in state.objects.items():
-                        o = self._obj(namespace, name)
-                        o.uploaded = os_.length
-                        o.tail = [(p.begin, p.end, p.key) for p in os_.pieces[-MAX_TAIL:] if p.end <= os_.length]
-                        o.exists = os_.exists
-                        # a seal marker counts even if pieces before it are missing: it is
-                        # never written again (its key exists); the missing pieces are
-                        o.bucket_seal = os_.seal_length
-                        if os_.problems:
-                            # the bucket's copy has a gap, damage or a conflict: say so; uploading
-                            # goes on from the good length (new pieces may overlap the bad ones)
-                            ns.last_error = "; ".join(p.message for p in os_.problems)
-                            ns.last_error_at = self._wall()
+                        self._learn_object(ns, self._obj(namespace, name), os_)
                 ns.learned = True
+
+    def learned(self, namespace: str) -> bool:
+        with self._lock:
+            ns = self._ns.get(namespace)
+            return ns is not None and ns.learned
+
+    def _learn_object(self, ns: _Ns, o: _Obj, os_: ObjectState) -> None:  # under self._lock
+        """What the bucket holds of one object: with flushed objects (``logged``, for TIER_WAIT)
+        and in its own keys alone (``uploaded``, ``exists``, ``bucket_seal``: compaction's)."""
+        own = [p for p in (*os_.pieces, *os_.extra) if not p.flushed]
+        run, end = take_run(own)
+        o.logged = os_.length
+        o.uploaded = min(end, os_.length)
+        o.tail = [(p.begin, p.end, p.key) for p in run[-MAX_TAIL:] if p.end <= o.uploaded]
+        o.exists = bool(own) or bool(os_.seal_keys)
+        o.log_exists = os_.exists
+        # a seal marker counts even if pieces before it are missing: it is never written
+        # again (its key exists); the missing pieces are
+        lengths = [parse_key(k) for k in os_.seal_keys]
+        o.bucket_seal = min((pk.length for pk in lengths if pk is not None), default=None)
+        o.log_seal = os_.seal_length is not None
+        if os_.problems:
+            # the bucket's copy has a gap, damage or a conflict: say so; uploading goes on
+            # from the good length (new pieces may overlap the bad ones)
+            ns.last_error = "; ".join(p.message for p in os_.problems)
+            ns.last_error_at = self._wall()
 
     def check_fence(self, namespace: str, epoch: int, *, strict: bool = False) -> None:
         """Compare the namespace's fence (the server's, *epoch*) with the bucket's markers (one
@@ -274,6 +405,32 @@ class Uploader:
         with self._lock:
             ns.bucket_fence = epoch
 
+    def _notice(self, namespace: str, epoch: int) -> None:
+        """The copy of a fence marker under ``v1/fence/`` (protocol.md 4.3a): one listing tells a
+        flushing server of every namespace taken over. Not authoritative (readers never read it);
+        a key holding other content is logged and left."""
+        key = notice_key(namespace, epoch)
+        if self.store.put_once(key, fence_content(namespace, epoch)) is PutOutcome.CONFLICT:
+            log.warning("tier: %s holds other content; left (a copy only, never obeyed)", key)
+
+    def fences_above(self, epochs: dict[str, int]) -> set[str]:
+        """Of the namespaces *epochs* names (namespace -> this server's fence), those with a
+        copy of a fence marker above it under ``v1/fence/``: one listing for all of them. The
+        caller then checks each with :meth:`check_fence` (which believes or ignores it)."""
+        out: set[str] = set()
+        for item in self.store.list(NOTICE_PREFIX):
+            parts = item.key[len(NOTICE_PREFIX) :].split("/")
+            ok = len(parts) == 2 and parts[0] in epochs and re.fullmatch("[0-9a-f]{16}", parts[1])
+            if ok and int(parts[1], 16) > epochs[parts[0]]:
+                out.add(parts[0])
+        return out
+
+    def marker_due(self, namespace: str, epoch: int) -> bool:
+        """Whether the fence marker of *epoch* is not yet known to be in the bucket."""
+        with self._lock:
+            ns = self._ns.get(namespace)
+            return epoch > 0 and (ns is None or ns.marker_ok != epoch)
+
     def _own_marker(self, namespace: str, ns: _Ns, epoch: int, own: tuple[int, str, int] | None, strict: bool) -> None:
         """Our marker for *epoch*: written if the listing lacks it, else checked (once)."""
         key, want = fence_key(namespace, epoch), fence_content(namespace, epoch)
@@ -282,6 +439,7 @@ class Uploader:
         else:
             ok = own[2] == len(want) and self.store.get(key, 0, MAX_MARKER_BYTES) == want
         if ok:
+            self._notice(namespace, epoch)
             ns.marker_ok = epoch
             return
         why = (
@@ -404,7 +562,8 @@ class Uploader:
             return self._stuck(ns, o, key, f"piece {key} exists with other bytes (damage in the bucket)")
         kept = [t for t in o.tail if t not in absorbed][-MAX_TAIL + 1 :]
         o.tail = [*kept, (begin, end, key)]
-        self._advance(ns, o, end, end - begin if outcome is PutOutcome.CREATED else 0)
+        # bytes new to the bucket (compaction rewrites bytes a flushed object holds: not counted)
+        self._advance(ns, o, end, max(0, end - o.held) if outcome is PutOutcome.CREATED else 0)
         if absorbed:
             self._delete_absorbed(ns, namespace, name, [k for _, _, k in absorbed if k != key])
         return Step("piece", key, begin, end, outcome)
@@ -444,6 +603,202 @@ class Uploader:
                         exc,
                     )
 
+    # -- flushing: one flushed object for every namespace (protocol.md 4.3a) ------------------------
+
+    def flush(self, items: list[FlushItem]) -> FlushResult:
+        """Write one flushed object holding, of every item, the bytes past what the bucket holds
+        (up to MAX_LOG_DATA in all; the rest is left for the next flush, ``more``), its seal
+        entry once every byte to the seal is in, and the ``0-0`` entry of a new empty object.
+        Learn each item's namespace first. TierError from the store propagates (nothing is
+        advanced: the next flush writes the same bytes again, in another flushed object)."""
+        res = FlushResult()
+        parts: list[tuple[str, str, int, bytes]] = []
+        seals: list[tuple[str, str, int, int | None]] = []
+        room, index = MAX_LOG_DATA, 64
+        with self._flush_lock:
+            for it in items:
+                self.note(it.namespace, it.name, it.durable, it.sealed, it.sealed_at_ns)
+                with self._lock:
+                    o = self._obj(it.namespace, it.name)
+                    start, seal_held, exists_held = o.held, o.seal_held, o.exists_held
+                if o.stuck:
+                    continue
+                if start > it.durable:
+                    res.ahead[(it.namespace, it.name)] = (
+                        f"{it.namespace}/{it.name}: the bucket holds {start} bytes, this server {it.durable}: "
+                        "another server wrote it, or this one lost data; not uploading it"
+                    )
+                    continue
+                index += 64 + len(it.namespace) + 2 * len(it.name)  # JSON escapes at most double a name
+                take = min(it.durable - start, room)
+                if index > MAX_INDEX_BYTES or (take == 0 and start < it.durable):
+                    res.more = True
+                    break
+                if take:
+                    try:
+                        data = it.read(start, start + take)
+                    except LocalUnreadable as exc:  # the server's own copy: this object stops, not the flush
+                        res.unreadable[(it.namespace, it.name)] = str(exc)
+                        continue
+                    if len(data) != take:
+                        raise TierError(f"{it.namespace}/{it.name}: reading [{start}, {start + take}) gave {len(data)}")
+                    parts.append((it.namespace, it.name, start, data))
+                    room -= take
+                    res.more = res.more or start + take < it.durable
+                elif it.durable == 0 and not exists_held:
+                    parts.append((it.namespace, it.name, 0, b""))
+                if it.sealed and not seal_held and start + take == it.durable:
+                    seals.append((it.namespace, it.name, it.durable, it.sealed_at_ns))
+            if parts or seals:
+                self._write_flush(parts, seals, res)
+        return res
+
+    def _write_flush(
+        self, parts: list[tuple[str, str, int, bytes]], seals: list[tuple[str, str, int, int | None]], res: FlushResult
+    ) -> None:
+        self._seq = max(self._seq + 1, int(self._wall() * 1_000_000))  # wall microseconds: listing order is age
+        key = log_key(self._seq, self.writer)
+        body, entries = encode_batch(parts, seals)
+        if self.store.put_once(key, body) is PutOutcome.CONFLICT:  # a random writer id: damage or a planted key
+            raise TierError(f"{key}: a flushed object's key holds other bytes (planted, or damage)")
+        _crash_point("flushed")
+        res.key, res.bytes = key, sum(len(d) for *_, d in parts)
+        touched = {(ns, n) for ns, n, *_ in parts} | {(ns, n) for ns, n, *_ in seals}
+        res.objects, res.pieces = len(touched), len(parts)
+        with self._lock:
+            for ns_name, name, begin, end, _crc in entries:
+                o = self._obj(ns_name, name)
+                o.logged = max(o.logged, end)
+                o.log_exists = True
+                self._ns[ns_name].uploaded_bytes += end - begin
+            for ns_name, name, _length, _t in seals:
+                self._obj(ns_name, name).log_seal = True
+            for ns_name, name in touched:
+                self._drop_marks(self._obj(ns_name, name))
+            self._batches[key] = decode_batch(key, body)
+        if self._on_progress is not None:
+            for ns_name, name in sorted(touched):
+                with self._lock:
+                    o = self._obj(ns_name, name)
+                self._on_progress(ns_name, name, o.held, o.seal_held)
+
+    # -- compaction: flushed objects into per-object pieces, then deleted (protocol.md 4.3b) -----
+
+    def flushed_objects(self, workers: int = 4) -> tuple[list[Batch], dict[str, str]]:
+        """The flushed objects the bucket lists now (oldest first), each with its index (read
+        once, then remembered: a flushed object never changes), and those that cannot be read."""
+        items = list(self.store.list(LOG_PREFIX))
+        out: list[Batch] = []
+        bad: dict[str, str] = {}
+        for item in items:
+            b = self._batches.get(item.key)
+            if b is None:
+                try:
+                    b = read_index(self.store, item.key, item.size)
+                except TierNotFound:
+                    continue
+                except LogDamage as exc:
+                    bad[item.key] = str(exc)
+                    continue
+                with self._lock:
+                    self._batches[item.key] = b
+            out.append(b)
+        listed = {i.key for i in items}
+        with self._lock:
+            for k in [k for k in list(self._batches) if k not in listed]:  # list(): atomic
+                del self._batches[k]
+        return out, bad
+
+    def flushed_count(self) -> int:
+        """Flushed objects this uploader knows in the bucket (its own since the last pass)."""
+        with self._lock:
+            return len(self._batches)
+
+    def compact(self, batches: list[Batch], local: dict[tuple[str, str], FlushItem]) -> CompactResult:
+        """Write, from the server's own copy (*local*, captured by the caller), per-object pieces
+        and seal markers for every object the *batches* name, then delete each flushed object
+        whose every entry a per-object piece now holds with the same bytes (its CRC32C checked
+        against the server's copy when another process wrote it). A flushed object naming an
+        object this server does not hold, or whose bytes differ, is left (``left``: why)."""
+        res = CompactResult(listed=len(batches))
+        done: dict[tuple[str, str], str | None] = {}  # object -> why it cannot be compacted
+        for b in batches:
+            for key in sorted(b.objects()):
+                if key not in done:
+                    done[key] = self._compact_object(key, local.get(key), res)
+        _crash_point("compacted")
+        gone: list[str] = []
+        for b in batches:
+            why = next((done[k] for k in sorted(b.objects()) if done[k] is not None), None)
+            why = why or self._uncovered(b, local)
+            if why is None:
+                gone.append(b.key)
+            else:
+                res.left[b.key] = why
+        if gone:
+            self.store.delete(gone)
+            with self._lock:
+                for k in gone:
+                    self._batches.pop(k, None)
+        _crash_point("deleted")
+        res.deleted = len(gone)
+        now = self._wall()
+        ages = [now - b.seq / 1e6 for b in batches if b.key not in gone]
+        res.oldest_age = max(0.0, max(ages, default=0.0))
+        return res
+
+    def _compact_object(self, key: tuple[str, str], it: FlushItem | None, res: CompactResult) -> str | None:
+        namespace, name = key
+        ns = self._namespace(namespace)
+        if it is None:
+            return f"{namespace}/{name} is not on this server"
+        if ns.fenced:
+            return f"namespace {namespace} is fenced: another server took it over"
+        try:
+            n = self._compact_steps(it)
+        except LocalUnreadable as exc:
+            return f"{namespace}/{name}: cannot read this server's copy: {exc}"
+        if isinstance(n, str):
+            return n
+        res.pieces += n
+        with self._lock:
+            res.pieces_per_object.append(len(self._obj(namespace, name).tail))
+        return None
+
+    def _compact_steps(self, it: FlushItem) -> int | str:
+        """Steps of one object until idle: the pieces created, or why it stopped."""
+        namespace, name = it.namespace, it.name
+        n = 0
+        while True:
+            s = self.step(namespace, name, it.read, it.durable, it.sealed, it.sealed_at_ns)
+            n += s.kind in ("piece", "exists") and s.outcome is PutOutcome.CREATED
+            if s.kind in ("stuck", "ahead"):
+                return s.message
+            if s.kind == "idle":
+                return n
+
+    def _uncovered(self, b: Batch, local: dict[tuple[str, str], FlushItem]) -> str | None:
+        """Why a per-object piece does not yet hold some entry of *b* with the same bytes."""
+        for e in b.entries:
+            with self._lock:
+                o = self._obj(e.namespace, e.name)
+                up, exists = o.uploaded, o.exists
+            if up < e.end or (e.end == 0 and not exists):
+                return f"{e.namespace}/{e.name}: pieces hold {up} bytes, the flushed object up to {e.end}"
+            if b.writer != self.writer and e.end > e.begin:
+                try:
+                    data = local[(e.namespace, e.name)].read(e.begin, e.end)
+                except LocalUnreadable as exc:
+                    return f"{e.namespace}/{e.name}: cannot read this server's copy: {exc}"
+                if crc32c(data) != e.crc:
+                    return f"{e.namespace}/{e.name}: [{e.begin}, {e.end}) differs from this server's bytes"
+        for se in b.seals:
+            with self._lock:
+                seal = self._obj(se.namespace, se.name).bucket_seal
+            if seal != se.length:
+                return f"{se.namespace}/{se.name}: no seal marker at {se.length} yet"
+        return None
+
     def sync(
         self,
         namespace: str,
@@ -470,7 +825,7 @@ class Uploader:
         wait-for-bucket operation compares offsets with it)."""
         with self._lock:
             o = self._ns.get(namespace, _Ns()).objects.get(name)
-            return o.uploaded if o else 0
+            return o.held if o else 0
 
     def holds(self, namespace: str, name: str, offset: int, sealed: bool = False) -> bool:
         """Whether the bucket holds *name* as far as a TIER_WAIT for *offset* asks: its run from
@@ -479,10 +834,10 @@ class Uploader:
         is what a reader of the bucket alone needs)."""
         with self._lock:
             o = self._ns.get(namespace, _Ns()).objects.get(name)
-            uploaded = o.uploaded if o else 0
+            uploaded = o.held if o else 0
             if uploaded < offset:
                 return False
-            return not sealed or (o is not None and o.bucket_seal is not None)
+            return not sealed or (o is not None and o.seal_held)
 
     def pending(self, namespace: str) -> list[str]:
         """Names with something acknowledged and not in the bucket (and not stuck)."""
@@ -494,7 +849,7 @@ class Uploader:
                 n
                 for n, o in ns.objects.items()
                 if not o.stuck
-                and (o.uploaded < o.durable or (o.sealed and o.bucket_seal is None) or (o.noted and not o.exists))
+                and (o.held < o.durable or (o.sealed and not o.seal_held) or (o.noted and not o.exists_held))
             )
 
     def lag(self, namespace: str) -> Lag:
@@ -506,8 +861,8 @@ class Uploader:
             seals = 0
             for o in ns.objects.values():
                 self._drop_marks(o)
-                behind += max(0, o.durable - o.uploaded)
-                if o.sealed and o.bucket_seal is None:
+                behind += max(0, o.durable - o.held)
+                if o.sealed and not o.seal_held:
                     seals += 1
                 if o.marks:
                     oldest = o.marks[0][1] if oldest is None else min(oldest, o.marks[0][1])
@@ -548,7 +903,7 @@ class Uploader:
             self._drop_marks(o)
 
     def _drop_marks(self, o: _Obj) -> None:  # under self._lock
-        done = o.uploaded + (1 if o.bucket_seal is not None else 0)
+        done = o.held + (1 if o.seal_held else 0)
         while o.marks and o.marks[0][0] <= done:
             o.marks.popleft()
 

@@ -1,0 +1,177 @@
+"""The bucket as a batched log (issue 29): what ``--durability tier`` costs per barrier and in
+store requests when Q queries share one server, side by side with ``--durability server``.
+
+One run: moto's S3 server (its own process, 127.0.0.1) and one real ``sos-server serve --tier``
+(defaults: --tier-flush 100ms; --tier-compact as given). Q journal "queries" run at once, each
+in a namespace of its own opened by ``open_namespace`` (what the gateway, the mount and fsspec
+call), half with ``durability="tier"`` and half with ``"server"``, each committing batches as
+Spark does (a small ``offsets/N``, then a temporary file renamed onto ``commits/N``: the
+barrier) for --seconds. Printed: per durability the barrier's median/p99 and the batch time,
+the tier/server ratio; for the whole server the flushes (PUTs of flushed objects) per second,
+all PUTs per second, requests per query-hour by operation, the server's CPU seconds per batch
+(/proc), and after one compaction pass the most pieces any object has. Load average printed.
+
+    python bench/tier_log.py                     # 30 queries, 20 s
+    python bench/tier_log.py -q 10 --seconds 60 --server-arg=--tier-flush=50ms
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import threading
+import time
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.common import add_server_arg, doc_parser, moto_work  # noqa: E402
+from sos_wire import argtypes  # noqa: E402
+
+
+def scrape(srv) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://{srv.metrics_address}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            k, _, v = line.rpartition(" ")
+            out[k] = float(v)
+    return out
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def query(srv, ns: str, durability: str, stop: threading.Event, work: str, out: dict) -> None:
+    from sos_journal.tree.open import open_namespace
+
+    opened = open_namespace(
+        ns, os.path.join(work, f"cache-{ns}"), server=srv.address, key=srv.keygen(ns), durability=durability
+    )
+    tree = opened.tree
+    barriers, batches = [], []
+    try:
+        for d in ("chk", "chk/offsets", "chk/commits"):
+            tree.mkdir(d)
+        i = 0
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            tree.create(f"chk/offsets/{i}")
+            tree.write(f"chk/offsets/{i}", 0, b'{"batchWatermarkMs":0,"batchTimestampMs":%d}' % i)
+            tmp = f"chk/commits/.{i}.tmp"
+            tree.create(tmp)
+            tree.write(tmp, 0, b"{}")
+            t1 = time.perf_counter()
+            tree.rename(tmp, f"chk/commits/{i}", overwrite=False)  # the barrier
+            t2 = time.perf_counter()
+            barriers.append(t2 - t1)
+            batches.append(t2 - t0)
+            i += 1
+    finally:
+        opened.close(timeout=120)
+    out[ns] = (durability, barriers, batches)
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(len(xs) * q))] * 1000
+
+
+def report(results: dict, m0: dict, m1: dict, elapsed: float, cpu: float, queries: int) -> None:
+    print("| durability | queries | batches | barrier p50 ms | barrier p99 ms | batch mean ms |")
+    print("|---|---|---|---|---|---|")
+    mean = {}
+    for mode in ("server", "tier"):
+        rows = [v for v in results.values() if v[0] == mode]
+        bars = [b for r in rows for b in r[1]]
+        bats = [b for r in rows for b in r[2]]
+        if not bars:
+            continue
+        mean[mode] = statistics.mean(bats)
+        print(
+            f"| {mode} | {len(rows)} | {len(bats)} | {pct(bars, 0.5):.1f} | {pct(bars, 0.99):.1f} |"
+            f" {1000 * mean[mode]:.1f} |"
+        )
+    if len(mean) == 2:
+        print(f"tier/server batch time: {mean['tier'] / mean['server']:.2f}x")
+
+    def d(k: str) -> float:
+        return m1.get(k, 0.0) - m0.get(k, 0.0)
+
+    flushes = d("sos_tier_flushes_total")
+    print(f"flushes (PUTs of flushed objects): {flushes:.0f} in {elapsed:.1f} s = {flushes / elapsed:.2f}/s")
+    puts = d('sos_tier_requests_total{op="put"}')
+    print(f"all PUTs (flushes, fence markers, compaction): {puts / elapsed:.2f}/s")
+    for op in ("put", "get", "list", "delete"):
+        n = d(f'sos_tier_requests_total{{op="{op}"}}')
+        print(f"  {op}: {n / elapsed * 3600 / queries:.0f} per query-hour")
+    nb = sum(len(v[2]) for v in results.values())
+    print(f"server CPU: {cpu:.1f} s for {nb} batches = {1000 * cpu / max(1, nb):.1f} ms per batch")
+    if flushes:
+        print(
+            f"bytes per flush {d('sos_tier_flush_bytes_sum') / flushes:.0f}, objects per flush"
+            f" {d('sos_tier_flush_objects_sum') / flushes:.1f}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = doc_parser(__doc__)
+    p.add_argument("-q", "--queries", type=argtypes.integer(2), default=30, help="queries at once (default 30)")
+    p.add_argument("--seconds", type=float, default=20.0, help="how long they commit (default 20)")
+    p.add_argument("--compact", default="10s", help="--tier-compact of the server (default 10s)")
+    add_server_arg(p)
+    args = p.parse_args(argv)
+    from sos_tier import open_store, scan
+    from tools.server import ServerProcess
+
+    with moto_work("sos-bench-tier-log-") as (work, _env):
+        srv = ServerProcess(
+            os.path.join(work, "data"),
+            ["--tier", "s3://bench/sos", "--tier-compact", args.compact, *args.server_arg],
+            log_path=os.path.join(work, "server.log"),
+        ).start()
+        try:
+            results: dict = {}
+            stop = threading.Event()
+            modes = ["tier" if i % 2 else "server" for i in range(args.queries)]
+            threads = [
+                threading.Thread(target=query, args=(srv, f"q{i}", m, stop, work, results), daemon=True)
+                for i, m in enumerate(modes)
+            ]
+            for t in threads:
+                t.start()
+            time.sleep(3)  # every query opened
+            m0, c0, t0 = scrape(srv), cpu_seconds(srv.pid), time.monotonic()
+            time.sleep(args.seconds)
+            m1, c1, elapsed = scrape(srv), cpu_seconds(srv.pid), time.monotonic() - t0
+            stop.set()
+            for t in threads:
+                t.join(180)
+            print(
+                f"{args.queries} queries ({modes.count('tier')} tier, {modes.count('server')} server),"
+                f" {args.seconds:g} s; sos-server --tier s3://bench/sos {' '.join(args.server_arg)};"
+                f" load average {os.getloadavg()[0]:.1f}"
+            )
+            report(results, m0, m1, elapsed, c1 - c0, args.queries)
+            time.sleep(2 + float(args.compact.rstrip("s")))  # one compaction pass
+            store = open_store("s3://bench/sos")
+            try:
+                states = scan(store)
+                most = max((len(o.pieces) for st in states.values() for o in st.objects.values()), default=0)
+                left = sum(1 for _ in store.list("v1/log/"))
+            finally:
+                store.close()
+            print(f"after a compaction pass: at most {most} pieces per object, {left} flushed objects left")
+        finally:
+            srv.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
