@@ -300,7 +300,7 @@ def _serve_tier_options(s: argparse.ArgumentParser) -> None:
         default=0.1,
         help="at most one flush (ONE object in the store holding every namespace's new bytes) per this:"
         " TIER_WAITs are answered together when it lands; the server's PUT rate is at most one per this"
-        " (default 100ms)",
+        " sustained, up to 3 at once after a quiet spell (default 100ms)",
     )
     s.add_argument(
         "--tier-bytes",

@@ -6,7 +6,8 @@
   durable (cheap, on the event loop). Nothing on the append path ever waits for the store:
   appends are acknowledged when they are durable on the server's disk, whatever the store does.
 - :meth:`Tier.run` is the flush task (protocol.md 4.3a): at most one flush per ``flush``
-  seconds (``--tier-flush``), at least one per ``interval`` while bytes wait, sooner when a
+  seconds (``--tier-flush``) sustained (:class:`FlushSlots`: a few at once after a quiet
+  spell), at least one per ``interval`` while bytes wait, sooner when a
   TIER_WAIT waits or ``bytes_trigger`` bytes were made durable. A flush: per namespace with
   something pending, learn the store's progress from its listing (first time) and compare the
   fence markers (a zombie learns within the flush it is in), then ONE
@@ -74,7 +75,32 @@ COMPACT_AT = 600
 #: are also compared at least every FENCE_CHECK seconds while it flushes (one LIST each): a
 #: marker without a copy (planted, or written by an older server) is found within that.
 FENCE_CHECK = 10.0
+#: flush slots saved up while the server was quieter than one flush per --tier-flush: a
+#: batch's few barriers in a row each get a flush at once, while the sustained rate stays
+#: one per --tier-flush (a token bucket of this depth, protocol.md 4.3a)
+FLUSH_BURST = 3
 FENCE_CHECKS = 32  # fence checks in flight at once
+
+
+class FlushSlots:
+    """The flush cadence as a token bucket: one slot every ``every`` seconds, at most
+    ``depth`` saved up. :meth:`take` returns when the next flush may start (now, if a slot is
+    saved) and spends its slot: over any time T at most ``depth + T / every`` flushes."""
+
+    def __init__(self, every: float, depth: int, now: float) -> None:
+        self.every = every
+        self.depth = depth
+        self._slots = float(depth)
+        self._at = now
+
+    def take(self, now: float) -> float:
+        """Spend a slot; the time the flush may start (``now`` or when the slot refills)."""
+        self._slots = min(float(self.depth), self._slots + (now - self._at) / self.every)
+        self._at = now
+        self._slots -= 1.0
+        if self._slots >= 0.0:
+            return now
+        return now - self._slots * self.every  # the slot owed refills then
 
 
 def _durably_sealed(obj: StoredObject) -> bool:
@@ -221,11 +247,11 @@ class Tier:
             nursery.start_soon(self._lag_loop)
             nursery.start_soon(self._compact_loop)
             task_status.started()
-            last = -float("inf")
+            slots = FlushSlots(self.flush, FLUSH_BURST, trio.current_time())
             while True:
-                # at most one flush per --tier-flush, whatever asks (TIER_WAITs, the byte trigger)
-                await trio.sleep_until(last + self.flush)
-                last = trio.current_time()
+                # at most 1/--tier-flush flushes a second, whatever asks (TIER_WAITs, the byte
+                # trigger); a few at once when they were not used (a batch's barriers in a row)
+                await trio.sleep_until(slots.take(trio.current_time()))
                 await self._round()
                 if self._more:
                     continue

@@ -245,8 +245,9 @@ def test_one_flush_releases_every_waiter_and_puts_follow_the_flush_cadence(sos_s
         c.close()
     assert len(results) == len(spaces)
     flushes = metrics(srv)["sos_tier_flushes_total"] - before
-    # 12 namespaces x 7 barriers = 84 waits; at most one flush per --tier-flush (+1 at the start)
-    assert flushes <= elapsed / flush + 1, (flushes, elapsed)
+    # 12 namespaces x 7 barriers = 84 waits; at most one flush per --tier-flush sustained, plus
+    # the token bucket's 3 saved slots (protocol.md 4.3a item 2) and one in flight at the start
+    assert flushes <= elapsed / flush + 3 + 1, (flushes, elapsed)
     assert flushes < 84
     for ns in spaces:
         assert bucket(url, ns).objects["seg"].length == results[ns]
