@@ -51,6 +51,10 @@ class GatewayOptions:
     follow it unless ``restore_yes``. ``lease``: seconds; the active renews a lease a standby
     watches (lease.py, protocol.md 3.6) and serves only while holding it (None: no lease);
     a standby takes over after that long of silence (None: lease.DEFAULT_LEASE).
+
+    ``workers``: processes serving the namespace (:mod:`.workers`: the writer and
+    ``workers - 1`` read workers; 1: one process). ``tls_ca``: the CA file of
+    ``tls_client`` (None: the system's), for the workers' own key checks.
     """
 
     namespace: str
@@ -86,6 +90,8 @@ class GatewayOptions:
     restore_batch: str | None = None
     restore_yes: bool = False
     lease: float | None = None
+    workers: int = 1
+    tls_ca: str | None = None
 
     def open_journal(
         self,
