@@ -452,6 +452,7 @@ async def serve_worker(spec: WorkerSpec, gateway: WorkerGateway) -> None:
             task_status.started(started)
 
     def drain(name: str) -> None:
+        gateway.check_shared()  # a fenced writer's SIGTERM: fenced here too (exit code 3)
         busy = gateway.drain()
         log.info("worker %d: %s: stopping: %d requests in progress", spec.index, name, busy)
 

@@ -7,12 +7,16 @@ again, SIGTERM drains every process, a fence stops them all with code 3."""
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import threading
+import time
 
 import pytest
 import requests
 
-from tests.gateway.test_gateway import Gw, restore
+from tests.gateway.test_day2 import _wait_exit
+from tests.gateway.test_gateway import Gw, _chunked_create, _send_chunk, restore
 from tests.support import tree_snapshot as tree_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -121,3 +125,152 @@ def test_two_processes_answer_as_one_and_every_read_sees_the_writes_before_it(so
     expected = {f"ryw/c{n}/f{i}.done": f"{n}-{i}".encode() * 100 for n in range(8) for i in range(6)}
     restored = {k: v for k, v in tree_of(restore(sos_server, g.key, tmp_path / "restored")).items() if v is not None}
     assert restored == expected
+
+
+def test_fsspec_webhdfs_sees_the_same_through_two_processes(sos_server, tmp_path):
+    from fsspec.implementations.webhdfs import WebHDFS
+
+    g = Gw(sos_server, tmp_path, args=["--workers", "2"])
+    big = os.urandom(3 << 20) + b"tail"  # several upload blocks (APPENDs)
+    try:
+        for round_ in range(4):  # new filesystems, new connections
+            fs = WebHDFS(g.host, port=g.port, user="spark", skip_instance_cache=True)
+            fs.session.headers["Authorization"] = f"Bearer {g.token}"
+            top = f"/data{round_}"
+            fs.mkdir(f"{top}/sub")
+            with fs.open(f"{top}/a.bin", "wb", block_size=1 << 20) as f:
+                f.write(big)
+            fs.pipe_file(f"{top}/sub/small.txt", b"hello")
+            fs.pipe_file(f"{top}/gone.txt", b"to be deleted")
+            fs.mv(f"{top}/sub/small.txt", f"{top}/renamed.txt")
+            fs.rm(f"{top}/gone.txt")
+            assert fs.ls(top) == [f"{top}/a.bin", f"{top}/renamed.txt", f"{top}/sub"]
+            assert fs.info(f"{top}/a.bin")["size"] == len(big)
+            assert fs.cat(f"{top}/a.bin") == big
+            assert fs.cat(f"{top}/renamed.txt") == b"hello"
+            assert not fs.exists(f"{top}/gone.txt")
+            fs.session.close()
+    finally:
+        code = g.stop()
+    assert code == 0, g.proc.log()[-3000:]
+    expected: dict[str, bytes | None] = {}
+    for round_ in range(4):
+        expected.update({f"data{round_}": None, f"data{round_}/sub": None})
+        expected.update({f"data{round_}/a.bin": big, f"data{round_}/renamed.txt": b"hello"})
+    assert tree_of(g.proc.cache_dir + "/tree") == expected
+    assert tree_of(restore(sos_server, g.key, tmp_path / "restored")) == expected
+
+
+def test_a_killed_worker_is_started_again_and_the_gateway_goes_on(sos_server, tmp_path):
+    g = Gw(sos_server, tmp_path, args=["--workers", "3"])
+    try:
+        before = workers_of(g.proc.proc.pid)
+        assert len(before) == 2
+        os.kill(before[0], signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while True:
+            now = workers_of(g.proc.proc.pid)
+            if len(now) == 2 and before[0] not in now and "serves again" in g.proc.log():
+                break
+            assert time.monotonic() < deadline, g.proc.log()[-3000:]
+            time.sleep(0.1)
+        assert before[1] in now  # the other one was left alone
+        assert "exited with signal SIGKILL while serving" in g.proc.log()
+        for i in range(20):  # every process serves, the new one too
+            with fresh(g) as s:
+                assert s.put(g.u(f"/k/d{i}", op="MKDIRS")).json() == {"boolean": True}
+            with fresh(g) as s:
+                assert s.get(g.u(f"/k/d{i}", op="GETFILESTATUS")).status_code == 200
+    finally:
+        code = g.stop()
+    assert code == 0, g.proc.log()[-3000:]
+    assert all(not alive(pid) for pid in now)
+
+
+def test_sigterm_drains_every_process_then_flushes(sos_server, tmp_path):
+    # bodies streaming on several connections (the kernel spreads them over the processes):
+    # after SIGTERM every process stops accepting, each body is still answered and journaled
+    g = Gw(sos_server, tmp_path, args=["--workers", "2"])
+    pids = workers_of(g.proc.proc.pid)
+    slow = [_chunked_create(g, f"/d/file{i}") for i in range(8)]
+    for i, conn in enumerate(slow):
+        _send_chunk(conn, b"first part %d;" % i)
+    time.sleep(0.5)
+    assert g.session.get(g.u("/", op="LISTSTATUS")).status_code == 200
+    g.session.close()
+    g.proc.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 120
+    while True:  # the listening socket goes away in every process
+        try:
+            socket.create_connection((g.host, g.port), timeout=5).close()
+        except ConnectionRefusedError:
+            break
+        assert time.monotonic() < deadline, "the gateway still accepts connections"
+        time.sleep(0.05)
+    assert g.proc.proc.poll() is None  # still running: requests are in progress
+    for i, conn in enumerate(slow):
+        _send_chunk(conn, b"second part %d" % i)
+        conn.send(b"0\r\n\r\n")
+    for conn in slow:
+        reply = conn.getresponse()
+        assert reply.status == 201
+        assert reply.getheader("connection") == "close"
+        conn.close()
+    assert g.proc.proc.wait(120) == 0, g.proc.log()[-3000:]
+    assert all(not alive(pid) for pid in pids)
+    restored = tree_of(restore(sos_server, g.key, tmp_path / "restored"))
+    assert {k: v for k, v in restored.items() if k.startswith("d/")} == {
+        f"d/file{i}": b"first part %d;second part %d" % (i, i) for i in range(8)
+    }
+
+
+def test_a_fence_stops_every_process_with_code_3(sos_server, tmp_path):
+    old = Gw(sos_server, tmp_path, name="old", args=["--workers", "2", "--fence-check", "1"])
+    pids = workers_of(old.proc.proc.pid)
+    assert old.session.put(old.u("/chk/offsets", op="MKDIRS")).status_code == 200
+    new = Gw(sos_server, tmp_path, name="new", key=old.key)  # takes the namespace over
+    try:
+        code = _wait_exit(old.proc)
+        assert code == 3, old.proc.log()[-3000:]
+        assert all(not alive(pid) for pid in pids)
+        log = old.proc.log()
+        assert "FENCED" in log and "exited with code 3" in log
+        with pytest.raises(requests.ConnectionError):
+            fresh(old).get(old.u("/chk", op="GETFILESTATUS"), timeout=10)
+        assert new.session.put(new.u("/chk/y", op="MKDIRS")).status_code == 200
+    finally:
+        new.stop()
+        old.proc.stop()
+
+
+def test_the_workers_of_a_writer_whose_lease_lapsed_refuse_as_a_standby(sos_server, tmp_path):
+    # a paused writer (SIGSTOP: a zombie) renews no lease; its workers, still running, must
+    # not serve reads from its cache once the lease would have lapsed: StandbyException, so
+    # Hadoop's client goes to the other gateway of the pair
+    g = Gw(sos_server, tmp_path, args=["--workers", "2", "--lease", "2"])
+    try:
+        assert g.session.put(g.u("/l/d", op="MKDIRS")).status_code == 200
+        for _ in range(6):
+            with fresh(g) as s:
+                assert s.get(g.u("/l/d", op="GETFILESTATUS")).status_code == 200
+        g.proc.proc.send_signal(signal.SIGSTOP)
+        time.sleep(2.5)
+        refused = 0
+        for _ in range(40):  # connections the stopped writer accepts time out; a worker answers
+            try:
+                with fresh(g) as s:
+                    r = s.get(g.u("/l/d", op="GETFILESTATUS"), timeout=1)
+            except requests.RequestException:
+                continue
+            assert r.status_code == 403, r.text
+            assert "StandbyException" in r.json()["RemoteException"]["message"]
+            refused += 1
+        assert refused > 0
+    finally:
+        g.proc.proc.send_signal(signal.SIGCONT)
+    with fresh(g) as s:
+        deadline = time.monotonic() + 30
+        while s.get(g.u("/l/d", op="GETFILESTATUS"), timeout=30).status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+    assert g.stop() == 0, g.proc.log()[-3000:]
