@@ -45,7 +45,7 @@ from spark_plugin.gateway.serving import (
     serve_gateway,
     webhdfs_view,
 )
-from spark_plugin.gateway.workers import WriterGateway, serve_writer, worker_spec, writer_side
+from spark_plugin.gateway.workers import WriterGateway, serve_with_workers
 
 __all__ = [
     "DRAIN_TIMEOUT",
@@ -142,16 +142,9 @@ def serve_active(
             holder = hold_lease(gateway, opened, options.lease, url, durability=options.durability)
         mode = ("sync" if options.sync else "async") + (", durability tier" if options.durability == "tier" else "")
         about = f"(namespace {options.namespace}, {mode}{', no auth' if options.insecure_no_auth else ''})"
-        if options.workers > 1 and isinstance(gateway, WriterGateway):
-            about = f"{about[:-1]}, {options.workers} processes)"
-            side = writer_side(
-                options.workers, serving.host, serving.port, worker_spec(options, serving, opened.tree_dir)
-            )
-            gateway.shared = side.shared
-            try:
-                trio.run(serve_writer, gateway, side, serving.host, about, options.drain_timeout, watch, holder)
-            finally:
-                side.close()
+        if isinstance(gateway, WriterGateway):  # --workers N (N > 1)
+            registry = exported.registry if exported is not None else None
+            serve_with_workers(options, serving, gateway, opened.tree_dir, about, watch, holder, registry)
         else:
             trio.run(serve_gateway, gateway, serving.host, serving.port, about, options.drain_timeout, watch)
         log.info("stopped; requests served:\n%s", gateway.summary() or "(none)")

@@ -43,11 +43,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any, cast
 
 import h11
 import trio
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from sos_client.serving import serve_until_signal
 from sos_journal.faces.facade import FenceWatch
@@ -66,11 +70,13 @@ from spark_plugin.gateway.webhdfs.namespace import WebHdfsNamespace
 __all__ = [
     "SharedState",
     "WorkerGateway",
+    "WorkerRequests",
     "WorkerSpec",
     "Workers",
     "WriterGateway",
     "listen_sockets",
     "run_worker",
+    "serve_with_workers",
 ]
 
 log = logging.getLogger(__name__)
@@ -87,6 +93,9 @@ STATE_POLL = 0.1
 #: a pooled connection to the writer idle this long is closed by the worker (the writer
 #: closes one idle IDLE_TIMEOUT: never reused when the writer may be closing it)
 UPSTREAM_IDLE = IDLE_TIMEOUT / 2
+#: how often a worker writes its requests' figures for the writer's metrics endpoint
+STATS_EVERY = 2.0
+STATS_FILE = "requests.json"
 #: the largest reply of the writer a worker relays (its replies to changes are small JSON)
 MAX_RELAYED_REPLY = 1 << 20
 #: request headers a worker never passes on (hop by hop; its own, which the writer trusts)
@@ -431,6 +440,11 @@ async def serve_worker(spec: WorkerSpec, gateway: WorkerGateway) -> None:
         if gateway.fenced is not None:
             scope.deadline = min(scope.deadline, trio.current_time() + spec.drain_timeout)
 
+    async def publish_stats() -> None:
+        while True:
+            await trio.sleep(STATS_EVERY)
+            write_stats(gateway, spec.scratch, spec.index)
+
     async def orphaned() -> None:
         stdin = trio.lowlevel.FdStream(os.dup(0))
         while await stdin.receive_some(4096):
@@ -448,6 +462,7 @@ async def serve_worker(spec: WorkerSpec, gateway: WorkerGateway) -> None:
             started = await nursery.start(serve_then_stop)
             nursery.start_soon(watch, nursery.cancel_scope)
             nursery.start_soon(orphaned)
+            nursery.start_soon(publish_stats)
             os.write(1, b"ready\n")
             task_status.started(started)
 
@@ -473,8 +488,49 @@ def run_worker() -> int:
     os.makedirs(os.path.join(spec.scratch, f"worker-{spec.index}"), mode=0o700, exist_ok=True)
     gateway = worker_gateway(spec, shared)
     trio.run(serve_worker, spec, gateway)
+    write_stats(gateway, spec.scratch, spec.index)
     log.info("worker %d stopped; requests served:\n%s", spec.index, gateway.summary() or "(none)")
     return EXIT_FENCED if gateway.fenced is not None else 0
+
+
+def write_stats(gateway: Gateway, scratch: str, index: int) -> None:
+    """The worker's requests by operation (count, seconds) in ``scratch``, where the writer's
+    metrics endpoint reads them (:class:`WorkerRequests`)."""
+    doc = {op: [s.count, s.seconds] for op, s in list(gateway.stats.items())}
+    path = os.path.join(scratch, f"worker-{index}", STATS_FILE)
+    with contextlib.suppress(OSError):
+        with open(path + ".tmp", "w") as f:
+            json.dump(doc, f)
+        os.replace(path + ".tmp", path)
+
+
+class WorkerRequests(Collector):
+    """``sos_gateway_worker_requests{worker,op}`` and ``..._request_seconds``: the requests
+    each read worker served (``sos_gateway_requests`` counts the writer's, every change
+    included); a restarted worker's counters start again from 0 (a counter reset)."""
+
+    def __init__(self, scratch: str) -> None:
+        self.scratch = scratch
+
+    def collect(self) -> Iterable[Metric]:
+        reqs = CounterMetricFamily(
+            "sos_gateway_worker_requests", "Requests with a valid token a read worker served", labels=["worker", "op"]
+        )
+        secs = CounterMetricFamily(
+            "sos_gateway_worker_request_seconds", "Time a read worker spent serving them", labels=["worker", "op"]
+        )
+        with contextlib.suppress(FileNotFoundError):
+            for name in sorted(os.listdir(self.scratch)):
+                try:
+                    with open(os.path.join(self.scratch, name, STATS_FILE)) as f:
+                        doc = json.load(f)
+                except (OSError, ValueError):
+                    continue
+                for op, (count, seconds) in sorted(doc.items()):
+                    reqs.add_metric([name.removeprefix("worker-"), op], float(count))
+                    secs.add_metric([name.removeprefix("worker-"), op], float(seconds))
+        yield reqs
+        yield secs
 
 
 # ---------------------------------------------------------------------------------- the writer
@@ -758,6 +814,30 @@ def worker_spec(options: GatewayOptions, serving: Serving, tree_dir: str) -> dic
         "drain_timeout": options.drain_timeout,
         "log_level": logging.getLevelName(logging.getLogger("spark_plugin").getEffectiveLevel()).lower(),
     }
+
+
+def serve_with_workers(
+    options: GatewayOptions,
+    serving: Serving,
+    gateway: WriterGateway,
+    tree_dir: str,
+    about: str,
+    watch: FenceWatch | None,
+    holder: LeaseHolder | None,
+    registry: CollectorRegistry | None,
+) -> None:
+    """What :func:`~.run.serve_active` runs with ``--workers N``: the writer's side made,
+    the workers started, everything served until SIGTERM or a fence, the workers gone after;
+    ``registry``: the metrics endpoint's (the workers' requests join it)."""
+    about = f"{about[:-1]}, {options.workers} processes)"
+    side = writer_side(options.workers, serving.host, serving.port, worker_spec(options, serving, tree_dir))
+    gateway.shared = side.shared
+    if registry is not None:
+        registry.register(WorkerRequests(side.scratch))
+    try:
+        trio.run(serve_writer, gateway, side, serving.host, about, options.drain_timeout, watch, holder)
+    finally:
+        side.close()
 
 
 async def serve_writer(

@@ -274,3 +274,68 @@ def test_the_workers_of_a_writer_whose_lease_lapsed_refuse_as_a_standby(sos_serv
             assert time.monotonic() < deadline
             time.sleep(0.2)
     assert g.stop() == 0, g.proc.log()[-3000:]
+
+
+def test_the_metrics_endpoint_counts_every_process(sos_server, tmp_path):
+    g = Gw(sos_server, tmp_path, args=["--workers", "2", "--metrics", "127.0.0.1:0"])
+    try:
+        port = int(g.proc.log().split("metrics on http://127.0.0.1:")[1].split("/")[0])
+        assert g.session.put(g.u("/m", op="MKDIRS")).status_code == 200
+        for _ in range(30):
+            with fresh(g) as s:
+                assert s.get(g.u("/m", op="GETFILESTATUS")).status_code == 200
+        deadline = time.monotonic() + 30
+        while True:  # the workers write their figures every 2 s
+            page = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+            served = {}
+            for line in page.splitlines():
+                if line.startswith(("sos_gateway_requests_total{", "sos_gateway_worker_requests_total{")):
+                    served[line.split(" ")[0]] = float(line.split(" ")[1])
+            reads = sum(v for k, v in served.items() if 'op="GETFILESTATUS"' in k)
+            if reads == 30:
+                break
+            assert time.monotonic() < deadline, served
+            time.sleep(0.5)
+        assert served['sos_gateway_requests_total{op="MKDIRS"}'] == 1  # the writer's, once
+        assert any(
+            k.startswith('sos_gateway_worker_requests_total{op="GETFILESTATUS",worker="1"')
+            or (k.startswith("sos_gateway_worker_requests_total{") and 'worker="1"' in k)
+            for k in served
+        )
+    finally:
+        assert g.stop() == 0, g.proc.log()[-3000:]
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--workers", "0"], "at least 1"),
+        (["--workers", "many"], "expected a number of processes or auto"),
+        (["--workers", "2", "--standby"], "--workers is not served by a --standby gateway"),
+    ],
+)
+def test_bad_workers_are_refused_as_usage_errors(args, said, tmp_path):
+    import subprocess
+    import sys
+
+    env = dict(os.environ, SOS_KEY="00" * 8 + "." + "11" * 32)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "spark_plugin.gateway.cli",
+            "ns",
+            "--listen",
+            "127.0.0.1:0",
+            "--cache",
+            str(tmp_path),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=False,
+    )
+    assert r.returncode == 2, r.stderr
+    assert said in r.stderr
