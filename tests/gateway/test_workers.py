@@ -336,3 +336,40 @@ def test_bad_workers_are_refused_as_usage_errors(args, said, tmp_path):
     )
     assert r.returncode == 2, r.stderr
     assert said in r.stderr
+
+
+def test_a_killed_writer_takes_its_workers_with_it_and_a_restart_serves_the_same(sos_server, tmp_path):
+    # SIGKILL of the process `sos gateway` started (a crash, an OOM kill): no worker goes on
+    # serving reads of a cache that a replacement may rebuild; the replacement (here on the
+    # same cache and port) serves what was acknowledged
+    g = Gw(sos_server, tmp_path, args=["--workers", "3"])
+    pids = workers_of(g.proc.proc.pid)
+    assert len(pids) == 2
+    assert g.put_file("/k/acked", b"acknowledged").status_code == 201
+    with fresh(g) as s:
+        assert s.put(g.u("/k/acked", op="RENAME", destination="/k/done")).json() == {"boolean": True}
+    g.proc.kill()
+    deadline = time.monotonic() + 30
+    while any(alive(pid) for pid in pids):
+        assert time.monotonic() < deadline, "a worker outlived its writer"
+        time.sleep(0.05)
+    with pytest.raises(OSError):
+        socket.create_connection((g.host, g.port), timeout=5).close()
+    again = Gw(
+        sos_server,
+        tmp_path,
+        key=g.key,
+        name="again",
+        cache=g.proc.cache_dir,
+        listen=f"{g.host}:{g.port}",
+        args=["--workers", "2"],
+    )
+    try:
+        for _ in range(6):
+            with fresh(again) as s:
+                assert s.get(again.u("/k/done", op="OPEN")).content == b"acknowledged"
+        # the RENAME resent after the crash answers as the first one did (the writer's memory)
+        with fresh(again) as s:
+            assert s.put(again.u("/k/acked", op="RENAME", destination="/k/done")).json() == {"boolean": True}
+    finally:
+        assert again.stop() == 0, again.proc.log()[-3000:]
