@@ -139,10 +139,11 @@ def add_http_options(p: argparse.ArgumentParser) -> None:
         default=1,
         metavar="N",
         help="processes serving the namespace (default 1; auto: one per core this process may "
-        "run on): this one is the journal writer and N-1 read workers share its listening "
-        "socket, answer reads (GETFILESTATUS, LISTSTATUS, OPEN, ...) and token requests "
-        "from the cache themselves and hand every change to the writer; a worker that dies "
-        "is started again (docs/DEPLOY.md, Sizing). Not with --standby",
+        "run on): this one is the journal writer, and N-1 workers share its listening "
+        "socket, take every client connection, answer reads (GETFILESTATUS, LISTSTATUS, "
+        "OPEN, ...) and token requests from the cache themselves and hand every change to "
+        "the writer; a worker that dies is started again; --threads, --max-connections "
+        "and --open-memory are per process (docs/DEPLOY.md, Sizing the gateway). Not with --standby",
     )
     p.add_argument(
         "--advertise",

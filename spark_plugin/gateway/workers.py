@@ -2,9 +2,10 @@
 
 The process ``sos gateway`` starts is the namespace's one journal writer, as with one process:
 fencing, epochs, barriers, leases of files being written and the memory of RENAMEs stay in it.
-It makes the listening socket(s) and starts N-1 read workers (``python -m
-spark_plugin.gateway.workers``) that inherit them: the kernel hands each new connection to
-whichever process accepts it first. A worker
+It makes the listening socket(s) and starts N-1 workers (``python -m
+spark_plugin.gateway.workers``) that inherit them and take every client connection (the
+kernel hands each new one to whichever worker accepts it first); the writer accepts none,
+so its time goes to the changes, which are what one process runs out of first. A worker
 
 - answers every GET (GETFILESTATUS, GETFILELINKSTATUS, LISTSTATUS, OPEN, GETSERVERDEFAULTS,
   ...) itself from the writer's cache tree on disk, which every change has reached before its
@@ -551,12 +552,45 @@ class WriterGateway(Gateway):
             self.shared.set_fenced()  # first: no worker serves one more request
         super().fence(reason)
 
+    def drain(self) -> int:
+        """With workers: stop serving (:meth:`serve` returns, and :func:`serve_writer` then
+        drains the workers) but go on serving what they hand it until they are all gone: a
+        request a worker took before its own drain is answered, as with one process."""
+        if self.shared is None:
+            return super().drain()
+        if self._accepting is not None:
+            self._accepting.cancel()
+        return 0
+
     async def _request(self, conn: Conn, req: h11.Request | Head) -> None:
         if isinstance(conn, _Internal):  # the client the worker serves: its redirects' address
             fields = dict(req.headers)
             conn.local = fields.get(LOCAL_HEADER, b"").decode("latin-1")
             conn.peer = fields.get(PEER_HEADER, b"").decode("latin-1")
         await super()._request(conn, req)
+
+    async def serve(
+        self,
+        host: str,
+        port: int,
+        *,
+        sockets: list[trio.socket.SocketType] | None = None,
+        task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """With ``sockets`` (its workers'): accept nothing on them, the workers take every
+        client connection and hand the changes here, so this process's time goes to the
+        journal; until :meth:`drain`. Without: as :meth:`Gateway.serve`."""
+        if sockets is None:
+            await super().serve(host, port, task_status=task_status)
+            return
+        bound = sockets[0].getsockname()
+        self.address = (bound[0], bound[1])
+        self._listen_host = host  # the redirects name the address the clients reached
+        for sock in sockets:
+            sock.close()  # (copies: the workers' stay open)
+        with trio.CancelScope() as self._accepting:
+            task_status.started(self.address)
+            await trio.sleep_forever()
 
     async def serve_internal(self, path: str, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve the workers' connections on the Unix socket ``path`` until cancelled."""
@@ -864,6 +898,7 @@ async def serve_writer(
                 await gateway.serve(host, 0, sockets=sockets, task_status=task_status)
                 side.workers.stop()  # (fenced: they refuse already)
                 await side.workers.wait_stopped()  # their changes still come here meanwhile
+                gateway.draining = True
                 nursery.cancel_scope.cancel()
 
             started = await nursery.start(serve_then_stop)
