@@ -373,3 +373,62 @@ def test_a_killed_writer_takes_its_workers_with_it_and_a_restart_serves_the_same
             assert s.put(again.u("/k/acked", op="RENAME", destination="/k/done")).json() == {"boolean": True}
     finally:
         assert again.stop() == 0, again.proc.log()[-3000:]
+
+
+def test_https_through_the_workers(sos_server, tmp_path):
+    import subprocess
+
+    from spark_plugin.gateway.process import GatewayProcess
+
+    cert, keyf = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(keyf),
+            "-out",
+            str(cert),
+            "-days",
+            "2",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    key = sos_server.keygen("gw", "append")
+    g = GatewayProcess(
+        "gw",
+        str(tmp_path / "c"),
+        sos_server.address,
+        key,
+        extra_args=["--tls-cert", str(cert), "--tls-key", str(keyf), "--workers", "2"],
+        log_path=str(tmp_path / "tls.log"),
+    ).start()
+    try:
+        assert g.url.startswith("https://")
+        v = {"verify": str(cert)}
+        for i in range(4):
+            with requests.Session() as s:
+                r = s.post(
+                    g.url + "/oauth2/token",
+                    data={"grant_type": "client_credentials", "client_id": "gw", "client_secret": key},
+                    **v,
+                )
+                s.headers["Authorization"] = f"Bearer {r.json()['access_token']}"
+                r = s.put(f"{g.url}/webhdfs/v1/t/f{i}?op=CREATE", allow_redirects=False, **v)
+                assert r.status_code == 307 and r.headers["location"].startswith(g.url + "/"), r.headers
+                assert s.put(r.headers["location"], data=b"over tls", **v).status_code == 201
+                assert s.get(f"{g.url}/webhdfs/v1/t/f{i}?op=OPEN", **v).content == b"over tls"
+        with pytest.raises(requests.ConnectionError):
+            requests.get(g.url.replace("https://", "http://") + "/webhdfs/v1/?op=LISTSTATUS", timeout=30)
+    finally:
+        assert g.stop() == 0, g.log()[-3000:]
