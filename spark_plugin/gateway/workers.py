@@ -339,16 +339,21 @@ class WorkerGateway(Gateway):
             for name, value in req.headers
             if name.lower() not in _NOT_FORWARDED and not name.lower().startswith(_FORWARD_PREFIX)
         ]
+        if not any(name.lower() == b"host" for name, _ in headers):  # an HTTP/1.0 client's
+            headers.append((b"host", b"sos-gateway"))
         headers += [(PEER_HEADER, conn.peer.encode()), (LOCAL_HEADER, conn.local.encode())]
         up = await self._connect()
         ok = False
         try:
             await up.send(h11.Request(method=req.method, target=req.target, headers=headers))
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._pump_body, conn, up, nursery.cancel_scope)
+                nursery.start_soon(self._pump_body, conn, up)
                 response, body = await up.reply()
                 nursery.cancel_scope.cancel()  # an early reply (a refusal): the rest is not sent
             ok = True
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, h11.ProtocolError) as exc:
+            # the writer went away mid-request (it is stopping, or died: this worker follows)
+            raise Drop(f"the writer process's connection failed: {exc!r}") from exc
         finally:
             if ok and up.reusable():
                 up.idle_since = time.monotonic()
@@ -366,7 +371,7 @@ class WorkerGateway(Gateway):
         return response.status_code
 
     @staticmethod
-    async def _pump_body(conn: Conn, up: _Upstream, scope: trio.CancelScope) -> None:
+    async def _pump_body(conn: Conn, up: _Upstream) -> None:
         while True:
             event = await conn.next_event()
             if isinstance(event, h11.Data):

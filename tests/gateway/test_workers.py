@@ -118,6 +118,15 @@ def test_two_processes_answer_as_one_and_every_read_sees_the_writes_before_it(so
                 assert r.status_code == 200 and r.json() == {"boolean": False}
             r = requests.get(g.u("/", op="LISTSTATUS"))
             assert r.status_code == 401
+        for i in range(4):  # an HTTP/1.0 change without Host, relayed to the writer
+            with socket.create_connection((g.host, g.port), timeout=60) as raw:
+                raw.sendall(
+                    f"PUT /webhdfs/v1/old{i}?op=MKDIRS HTTP/1.0\r\nAuthorization: Bearer {g.token}\r\n\r\n".encode()
+                )
+                reply = b""
+                while chunk := raw.recv(65536):
+                    reply += chunk
+            assert reply.startswith(b"HTTP/1.1 200 ") and reply.endswith(b'{"boolean":true}'), reply
     finally:
         code = g.stop()
     assert code == 0, g.proc.log()[-3000:]
