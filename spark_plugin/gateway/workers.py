@@ -208,29 +208,6 @@ class WorkerNamespace(WebHdfsNamespace):
         self.root = tree_dir
 
 
-class _Unix(trio.abc.HalfCloseableStream):
-    """A Unix-socket stream that :class:`Conn` takes for one without addresses (a Unix peer
-    has no IP to count; the worker says which client it serves)."""
-
-    def __init__(self, inner: trio.SocketStream) -> None:
-        self.inner = inner
-
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        await self.inner.send_all(data)
-
-    async def wait_send_all_might_not_block(self) -> None:
-        await self.inner.wait_send_all_might_not_block()
-
-    async def send_eof(self) -> None:
-        await self.inner.send_eof()
-
-    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
-        return await self.inner.receive_some(max_bytes)
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
-
-
 class _Upstream:
     """One connection of a worker to the writer's Unix socket (HTTP/1.1, h11 as the client)."""
 
@@ -346,10 +323,14 @@ class WorkerGateway(Gateway):
         ok = False
         try:
             await up.send(h11.Request(method=req.method, target=req.target, headers=headers))
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._pump_body, conn, up)
+            if conn.fast:  # no body (Hadoop's plain heads): the reply at once
+                await up.send(h11.EndOfMessage())
                 response, body = await up.reply()
-                nursery.cancel_scope.cancel()  # an early reply (a refusal): the rest is not sent
+            else:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._pump_body, conn, up)
+                    response, body = await up.reply()
+                    nursery.cancel_scope.cancel()  # an early reply (a refusal): the rest is not sent
             ok = True
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, h11.ProtocolError) as exc:
             # the writer went away mid-request (it is stopping, or died: this worker follows)
@@ -611,7 +592,7 @@ class WriterGateway(Gateway):
                 nursery.start_soon(self._internal_connection, stream)
 
     async def _internal_connection(self, stream: trio.SocketStream) -> None:
-        conn = _Internal(_Unix(stream), send_timeout=self.send_timeout)
+        conn = _Internal(stream, send_timeout=self.send_timeout)
         CURRENT_CONN.set(conn)
         try:
             with conn.scope:
