@@ -441,3 +441,18 @@ def test_https_through_the_workers(sos_server, tmp_path):
             requests.get(g.url.replace("https://", "http://") + "/webhdfs/v1/?op=LISTSTATUS", timeout=30)
     finally:
         assert g.stop() == 0, g.log()[-3000:]
+
+
+def test_on_a_wildcard_address_the_redirects_name_the_address_each_client_reached(sos_server, tmp_path):
+    # the writer builds CREATE's redirect; the worker tells it which of its addresses the
+    # client connected to (as one process knows it from its own socket)
+    g = Gw(sos_server, tmp_path, listen="0.0.0.0:0", args=["--workers", "2", "--insecure-plaintext"])
+    try:
+        for host in ("127.0.0.1", "127.0.0.5"):
+            for i in range(3):
+                with fresh(g) as s:
+                    r = s.put(f"http://{host}:{g.port}/webhdfs/v1/w/f{i}?op=CREATE", allow_redirects=False)
+                assert r.status_code == 307, r.text
+                assert r.headers["location"].startswith(f"http://{host}:{g.port}/webhdfs/v1/w/f{i}?"), r.headers
+    finally:
+        assert g.stop() == 0, g.proc.log()[-3000:]
