@@ -797,10 +797,11 @@ def run_replay(args: argparse.Namespace) -> int:
                     key,
                     log_path=os.path.join(work, f"gateway-{name}.log"),
                     durability="tier" if mode == "tier" else "server",
-                    extra_args=list(args.gateway_arg),
+                    extra_args=[*args.gateway_arg, *gateway_workers_args(args.gateway_workers)],
                 )
                 stack.stopping(gw).start()
                 pids = {"gateway": int(gw.pid), "server": int(server.pid)}
+                pids.update(gateway_worker_pids(int(gw.pid)))
                 prof = _start_profile(args, gw, name)
                 try:
                     row = replay(
@@ -818,6 +819,7 @@ def run_replay(args: argparse.Namespace) -> int:
                     _stop_profile(prof)
                     gw.stop()
                 row["mode"] = mode
+                add_gateway_workers(row, pids)
                 rows.append(row)
                 print(report_lines([row])[-1 - len(row["errors"]) - len(row["examples"])], flush=True)
     print()
@@ -833,6 +835,31 @@ def run_replay(args: argparse.Namespace) -> int:
             json.dump(result, f, indent=1, sort_keys=True)
     print(json.dumps(result, sort_keys=True))
     return 0
+
+
+def gateway_workers_args(workers: int) -> list[str]:
+    """``--gateway-workers N``: the gateway's ``--workers N`` (nothing for 1)."""
+    return ["--workers", str(workers)] if workers > 1 else []
+
+
+def gateway_worker_pids(pid: int) -> dict[str, int]:
+    """The read workers of the gateway ``pid`` (``sos gateway --workers``), named worker1, ..."""
+    children: list[int] = []
+    with contextlib.suppress(FileNotFoundError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                children += [int(c) for c in f.read().split()]
+    return {f"worker{i + 1}": child for i, child in enumerate(sorted(children))}
+
+
+def add_gateway_workers(row: dict[str, Any], pids: dict[str, int]) -> None:
+    """The gateway's figures (CPU per request, cores) made those of all its processes: the
+    writer's alone stay as ``writer_*``, each worker's as ``workerN_*``."""
+    workers = [name for name in pids if name.startswith("worker")]
+    row["gateway_processes"] = 1 + len(workers)
+    for figure in ("cpu_us_per_request", "cpu_share"):
+        row[f"writer_{figure}"] = row[f"gateway_{figure}"]
+        row[f"gateway_{figure}"] += sum(row[f"{name}_{figure}"] for name in workers)
 
 
 def _start_profile(args: argparse.Namespace, gw: Any, name: str) -> subprocess.Popen[bytes] | None:
@@ -1048,6 +1075,13 @@ def _replay_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", help="write the figures here too")
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
     p.add_argument("--gateway-arg", action="append", default=[], help="extra sos gateway argument (repeat)")
+    p.add_argument(
+        "--gateway-workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="sos gateway --workers N; the gateway's CPU is then that of all its processes (default 1)",
+    )
     p.add_argument("--profile", metavar="DIR", help="py-spy the gateway of each run into DIR")
 
 

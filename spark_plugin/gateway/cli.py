@@ -8,6 +8,7 @@ silently missing subcommand); also runnable alone as `python -m spark_plugin.gat
 from __future__ import annotations
 
 import argparse
+import os
 import ssl
 import sys
 from typing import TYPE_CHECKING
@@ -40,6 +41,18 @@ def _positive_duration(text: str) -> float:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be more than 0 s, not {text!r}")
     return value
+
+
+def _workers(text: str) -> int:
+    try:
+        if text.strip().lower() == "auto":
+            return max(1, len(os.sched_getaffinity(0)))
+        count = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of processes or auto, not {text!r}") from None
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"at least 1 (1: one process), not {text!r}")
+    return count
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -133,6 +146,18 @@ def add_http_options(p: argparse.ArgumentParser) -> None:
         "it (default 10)",
     )
     p.add_argument("--threads", type=argtypes.integer(1), default=32, help="most worker threads at once (default 32)")
+    p.add_argument(
+        "--workers",
+        type=_workers,
+        default=1,
+        metavar="N",
+        help="processes serving the namespace (default 1; auto: one per core this process may "
+        "run on): this one is the journal writer, and N-1 workers share its listening "
+        "socket, take every client connection, answer reads (GETFILESTATUS, LISTSTATUS, "
+        "OPEN, ...) and token requests from the cache themselves and hand every change to "
+        "the writer; a worker that dies is started again; --threads, --max-connections "
+        "and --open-memory are per process (docs/DEPLOY.md, Sizing the gateway). Not with --standby",
+    )
     p.add_argument(
         "--advertise",
         metavar="HOST[:PORT]",
@@ -337,6 +362,8 @@ def usage_refusal(args: argparse.Namespace) -> str:
             "never holds its active's spool, so every failover in the middle of a batch would stop the "
             "query; a pair runs --barrier every (protocol.md 3.4)"
         )
+    if args.standby and args.workers > 1:
+        return "--workers is not served by a --standby gateway yet (a promoted standby serves with one process)"
     return ""
 
 
@@ -381,6 +408,8 @@ def gateway_options(args: argparse.Namespace, start: CommandStart) -> GatewayOpt
         restore_yes=args.yes,
         lease=args.lease,
         barrier=args.barrier,
+        workers=args.workers,
+        tls_ca=args.tls_ca,
         **start.journal_options(),
     )
 

@@ -52,6 +52,10 @@ class GatewayOptions:
     watches (lease.py, protocol.md 3.6) and serves only while holding it (None: no lease);
     a standby takes over after that long of silence (None: lease.DEFAULT_LEASE).
     ``barrier``: "commit" or "every" (protocol.md 3.4); None: :attr:`barrier_rule`'s default.
+
+    ``workers``: processes serving the namespace (:mod:`.workers`: the writer and
+    ``workers - 1`` read workers; 1: one process). ``tls_ca``: the CA file of
+    ``tls_client`` (None: the system's), for the workers' own key checks.
     """
 
     namespace: str
@@ -88,6 +92,8 @@ class GatewayOptions:
     restore_yes: bool = False
     lease: float | None = None
     barrier: str | None = None
+    workers: int = 1
+    tls_ca: str | None = None
 
     @property
     def barrier_rule(self) -> str:

@@ -45,6 +45,7 @@ from spark_plugin.gateway.serving import (
     serve_gateway,
     webhdfs_view,
 )
+from spark_plugin.gateway.workers import WriterGateway, serve_with_workers
 
 __all__ = [
     "DRAIN_TIMEOUT",
@@ -91,7 +92,7 @@ def run_gateway(options: GatewayOptions) -> int:
         parse_metrics_listen(options.metrics)  # a bad address: refused before anything is opened
     opened = open_active(options)
     ns = webhdfs_view(opened, options.sync, options.barrier_rule)
-    gateway = build_gateway(options, serving, ns)
+    gateway = build_gateway(options, serving, ns, WriterGateway if options.workers > 1 else Gateway)
     try:
         exported = serve_metrics(gateway, ns, options.metrics, parse_metrics_listen) if options.metrics else None
     except OSError as exc:
@@ -141,7 +142,11 @@ def serve_active(
             holder = hold_lease(gateway, opened, options.lease, url, durability=options.durability)
         mode = ("sync" if options.sync else "async") + (", durability tier" if options.durability == "tier" else "")
         about = f"(namespace {options.namespace}, {mode}{', no auth' if options.insecure_no_auth else ''})"
-        trio.run(serve_gateway, gateway, serving.host, serving.port, about, options.drain_timeout, watch)
+        if isinstance(gateway, WriterGateway):  # --workers N (N > 1)
+            registry = exported.registry if exported is not None else None
+            serve_with_workers(options, serving, gateway, opened.tree_dir, about, watch, holder, registry)
+        else:
+            trio.run(serve_gateway, gateway, serving.host, serving.port, about, options.drain_timeout, watch)
         log.info("stopped; requests served:\n%s", gateway.summary() or "(none)")
         code = final_flush(gateway, opened, options.flush_timeout)  # still holding the lease
     finally:

@@ -169,9 +169,12 @@ def webhdfs_view(opened: OpenNamespace, sync: bool, barrier: str = "every") -> W
     return WebHdfsNamespace(opened, sync=sync, owner=owner, group=owner, barrier=barrier)
 
 
-def build_gateway(options: GatewayOptions, serving: Serving, ns: WebHdfsNamespace) -> Gateway:
-    """The HTTP server of ``ns`` (not serving yet): tokens, key checks, caps and timeouts."""
-    gateway = Gateway(
+def build_gateway(
+    options: GatewayOptions, serving: Serving, ns: WebHdfsNamespace, kind: type[Gateway] = Gateway
+) -> Gateway:
+    """The HTTP server of ``ns`` (not serving yet): tokens, key checks, caps and timeouts;
+    ``kind``: Gateway, or a subclass (the writer of ``--workers``)."""
+    gateway = kind(
         ns,
         TokenAuthority(options.namespace, serving.secret, ttl=options.token_ttl),
         key_verifier(options.server, options.namespace, timeout=options.timeout, tls=options.tls_client),

@@ -128,7 +128,8 @@ def _while_the_server_hangs(sos_server, fn, seconds=10.0):
     return answered, out
 
 
-def test_a_replacement_on_an_empty_cache_refuses_the_commit_of_the_batch_in_flight(sos_server, tmp_path):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_replacement_on_an_empty_cache_refuses_the_commit_of_the_batch_in_flight(sos_server, tmp_path, workers):
     g1 = Gw(sos_server, tmp_path, name="first")
     start(g1)
     plan(g1, 0)
@@ -164,8 +165,13 @@ def test_a_replacement_on_an_empty_cache_refuses_the_commit_of_the_batch_in_flig
         atomic(g2, "/other/file", b"x")
     finally:
         g2.proc.kill()  # the note survives a crash of the replacement: same cache
-    g3 = Gw(
-        sos_server, tmp_path, key=key, name="third", cache=tmp_path / "second-cache", args=["--metrics", "127.0.0.1:0"]
+    g3 = Gw(  # with --workers 2 the read of offsets/1 reaches a read worker, which relays it
+        sos_server,
+        tmp_path,
+        key=key,
+        name="third",
+        cache=tmp_path / "second-cache",
+        args=["--metrics", "127.0.0.1:0", "--workers", str(workers)],
     )
     try:
         assert commit(g3, 1).status_code == 403

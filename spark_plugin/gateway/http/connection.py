@@ -192,6 +192,8 @@ def socket_addresses(stream: trio.abc.Stream) -> tuple[str, str]:
         peer, local = sock.getpeername()[0], sock.getsockname()[0]
     except OSError:  # the client is already gone: its first receive fails
         return "", ""
+    except IndexError:  # a Unix socket's unnamed peer (a --workers worker's): no IP
+        return "", ""
     return str(peer), str(local)
 
 

@@ -213,9 +213,20 @@ class Gateway:
 
     # ------------------------------------------------------------------ serving
     async def serve(
-        self, host: str, port: int, *, task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED
+        self,
+        host: str,
+        port: int,
+        *,
+        sockets: list[trio.socket.SocketType] | None = None,
+        task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        tcp = await trio.open_tcp_listeners(port, host=host or None)
+        """Accept on ``host:port`` (or on ``sockets``, listening already: ``sos gateway
+        --workers``, whose processes share them) until :meth:`drain`; returns once every
+        connection is done."""
+        if sockets is not None:
+            tcp = [trio.SocketListener(sock) for sock in sockets]
+        else:
+            tcp = await trio.open_tcp_listeners(port, host=host or None)
         addr = tcp[0].socket.getsockname()
         self.address = (addr[0], addr[1])
         self._listen_host = host

@@ -101,6 +101,12 @@ class LeaseHolder:
     def valid(self) -> bool:
         return self.lost is None and self._clock() < self._valid_until
 
+    @property
+    def valid_until(self) -> float:
+        """When the lease lapses without a renewal (its clock's time: time.monotonic by
+        default); what ``sos gateway --workers`` shows its read workers."""
+        return self._valid_until
+
     def renew(self) -> bool:
         """One renewal (blocking); True if the server took it."""
         sent = self._clock()
