@@ -77,6 +77,7 @@ class LeaseHolder:
         url: str = "",
         clock: Callable[[], float] = time.monotonic,
         durability: str = "",
+        bound: Callable[[], tuple[str, int] | None] | None = None,
     ) -> None:
         if lease <= 0:
             raise ValueError("the lease must be more than 0 s")
@@ -85,6 +86,7 @@ class LeaseHolder:
         self.lease = lease
         self.interval = lease / 4
         self.url = url
+        self._bound = bound  # the gateway's bound address: the port of a HOST:0 ``url``
         self.durability = durability  # named in each line (a standby compares it with its own)
         self.name = lease_name(epoch)
         self._clock = clock
@@ -107,10 +109,19 @@ class LeaseHolder:
         default); what ``sos gateway --workers`` shows its read workers."""
         return self._valid_until
 
+    def served_url(self) -> str:
+        """``url``, with the port the gateway bound when ``url`` names port 0 (``--listen
+        HOST:0``): a standby's probe of the active must reach it."""
+        address = self._bound() if self._bound is not None else None
+        head, sep, port = self.url.rpartition(":")
+        if sep and port == "0" and address is not None and address[1]:
+            return f"{head}:{address[1]}"
+        return self.url
+
     def renew(self) -> bool:
         """One renewal (blocking); True if the server took it."""
         sent = self._clock()
-        doc: dict[str, object] = {"t": int(time.time() * 1000), "url": self.url}
+        doc: dict[str, object] = {"t": int(time.time() * 1000), "url": self.served_url()}
         if self.durability:
             doc["durability"] = self.durability
         line = json.dumps(doc, separators=(",", ":")).encode() + b"\n"
@@ -179,7 +190,14 @@ def hold_lease(gateway: Gateway, opened: OpenNamespace, lease: float, url: str, 
     serves only while it holds it (its gate). ``durability``: named in the lease's lines."""
     if opened.writer is None or opened.client_factory is None:
         raise ValueError("a lease needs the namespace opened as its writer")
-    holder = LeaseHolder(opened.client_factory, opened.writer.epoch, lease, url=url, durability=durability)
+    holder = LeaseHolder(
+        opened.client_factory,
+        opened.writer.epoch,
+        lease,
+        url=url,
+        durability=durability,
+        bound=lambda: gateway.address,
+    )
     holder.start()
     gateway.gate = holder.gate
     return holder

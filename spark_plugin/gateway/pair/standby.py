@@ -349,7 +349,13 @@ class Standby:
             self.tailer.close()
             opened, ns = self.open_active(self.tailer.seq)
             assert opened.writer is not None
-            holder = LeaseHolder(self.factory, opened.writer.epoch, self.lease, url=self.lease_url)
+            holder = LeaseHolder(
+                self.factory,
+                opened.writer.epoch,
+                self.lease,
+                url=self.lease_url,
+                bound=lambda: self.gateway.address,
+            )
             holder.start()
         except Exception as exc:  # noqa: BLE001 - reported; the loop tries again
             self.state = "standby"
