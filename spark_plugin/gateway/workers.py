@@ -842,7 +842,7 @@ def worker_spec(options: GatewayOptions, serving: Serving, tree_dir: str) -> dic
         "tree_dir": tree_dir,
         "lease": options.lease,
         "drain_timeout": options.drain_timeout,
-        "log_level": logging.getLevelName(logging.getLogger("spark_plugin").getEffectiveLevel()).lower(),
+        "log_level": logging.getLevelName(log.getEffectiveLevel()).lower(),
     }
 
 
