@@ -69,6 +69,7 @@ class FakeNs:
         self.observed: list[float] = []
         self.observer = self
         self.room = True
+        self.writer: object = None  # no writer: SharedBarrier waits in a worker thread
 
     def has_room(self, nbytes: int) -> bool:
         return self.room
@@ -254,3 +255,65 @@ def test_a_reply_is_one_write_with_its_connection_headers_and_no_header_can_be_i
     assert b"\r\nlocation: http://x/a%0D%0A" in head and b"set-cookie" not in first.lower()
     assert b"connection: keep-alive" in head.lower() and b"keep-alive: timeout=1" in head.lower()
     assert second.startswith(b"HTTP/1.1 404 ") and b"connection: close" in second.lower()
+
+
+class DurableWriter:
+    """The writer's side of a wait in the event loop: durable_now() and the listener."""
+
+    def __init__(self) -> None:
+        self.durable: bool | None = False
+        self.progress_listener = None
+        self.asked: list[int] = []
+
+    def durable_now(self, seq: int | None = None) -> bool | None:
+        self.asked.append(seq or 0)
+        return self.durable
+
+    def acknowledge(self, durable: bool | None = True) -> None:
+        """The replicator's thread: an attempt ended."""
+        self.durable = durable
+        assert self.progress_listener is not None
+        self.progress_listener()
+
+
+def test_a_healthy_writer_is_waited_for_in_the_event_loop_woken_by_its_progress():
+    ns = FakeNs()
+    ns.writer = writer = DurableWriter()
+    shared = SharedBarrier(ns, _run_in_thread)  # type: ignore[arg-type]
+
+    async def main() -> None:
+        ns.seq = 4
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(shared.wait, 4)
+            nursery.start_soon(shared.wait, 3)
+            await trio.sleep(0.05)
+            assert shared.covered == 0  # still waiting
+            # the replicator reports from its own thread, as the real one does
+            await trio.to_thread.run_sync(writer.acknowledge)
+
+    trio.run(main)
+    assert ns.durable_calls == []  # no worker thread waited
+    assert shared.covered == 4 and len(ns.observed) == 2
+    assert writer.asked[-1] == 4
+
+
+def test_a_writer_that_cannot_say_at_once_is_waited_for_by_the_blocking_barrier():
+    """durable_now() None (durability tier, the quota state, a failed writer): the wait is
+    the namespace's blocking one, in a worker thread, with its failure as the answer."""
+    ns = FakeNs()
+    ns.writer = writer = DurableWriter()
+    shared = SharedBarrier(ns, _run_in_thread)  # type: ignore[arg-type]
+    ns.seq = 2
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(shared.wait, 2)
+            await trio.sleep(0.05)
+            ns.fail = WebHdfsError("DSQuotaExceededException", "over quota")
+            await trio.to_thread.run_sync(writer.acknowledge, None)  # the quota state began
+
+    with pytest.raises(BaseException) as info:
+        trio.run(main)
+    assert "DSQuotaExceededException" in repr(info.value) or "over quota" in repr(info.value)
+    assert ns.durable_calls == [2]
+    assert shared.covered == 0
