@@ -5,6 +5,7 @@ failure is every waiter's. (bench/load.py measures the CPU they save; tests/gate
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -317,3 +318,59 @@ def test_a_writer_that_cannot_say_at_once_is_waited_for_by_the_blocking_barrier(
     assert "DSQuotaExceededException" in repr(info.value) or "over quota" in repr(info.value)
     assert ns.durable_calls == [2]
     assert shared.covered == 0
+
+
+def _walk_answers(cls, root, paths):
+    out = []
+    with cls(str(root)) as at:
+        for p in paths:
+            try:
+                fd = at.dir_fd(p)
+                out.append((p, "dir", os.fstat(fd).st_ino))
+            except (OSError, ValueError) as exc:
+                out.append((p, type(exc).__name__, getattr(exc, "errno", None)))
+    return out
+
+
+@pytest.mark.hostile
+@pytest.mark.parametrize("openat2", [True, False])
+def test_the_one_call_walk_answers_as_the_component_walk_and_never_follows_a_link(tmp_path, monkeypatch, openat2):
+    """OneCallWalk (openat2 RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS) resolves the directories of
+    the cache in one call with the component walk's answers: links (to inside or outside
+    the cache), files where a directory is needed, missing names, odd paths; without
+    openat2 (an old kernel, a seccomp filter) it is the component walk."""
+    from sos_journal.beneath import Beneath
+    from spark_plugin.gateway.webhdfs import walk
+
+    if not openat2:
+        monkeypatch.setattr(walk, "_syscall", None)
+    root = tmp_path / "cache"
+    (root / "a" / "b" / "c").mkdir(parents=True)
+    (root / "f").write_bytes(b"x")
+    (root / "in").symlink_to("a")
+    (root / "a" / "out").symlink_to(tmp_path)
+    (tmp_path / "secret").mkdir()
+    paths = [
+        "a",
+        "a/b/c",
+        "a/b",
+        "in",
+        "in/b",
+        "a/out",
+        "a/out/secret",
+        "f",
+        "f/x",
+        "nx",
+        "a/nx/y",
+        "a/b/c/",
+        "a//b",
+        "./a",
+        "/a",
+        "a\0b",
+        "x" * 300,
+        "a/" + "y" * 4200,
+    ]
+    assert _walk_answers(walk.OneCallWalk, root, paths) == _walk_answers(Beneath, root, paths)
+    answers = dict((p, kind) for p, kind, _ in _walk_answers(walk.OneCallWalk, root, paths))
+    assert answers["in"] == answers["a/out"] == answers["a/out/secret"] == "NotADirectoryError"
+    assert answers["a/b/c"] == "dir"

@@ -28,6 +28,7 @@ from sos_journal.errors import JournalError, JournalQuotaExceeded, JournalTierBe
 from sos_journal.faces.facade import journal_error
 from spark_plugin.gateway.webhdfs.hdfs import EXCEPTION_OF_ERRNO, WebHdfsError, hard_link, hdfs_path, not_found
 from spark_plugin.gateway.webhdfs.renames import RENAME_MEMORY_FILE, RenameMemory
+from spark_plugin.gateway.webhdfs.walk import OneCallWalk
 
 if TYPE_CHECKING:
     from sos_journal.tree.open import OpenNamespace
@@ -92,8 +93,10 @@ class NamespaceCore:
         """The cache for one request: every path resolved from a descriptor of its root,
         component by component, never through a symbolic link (a link planted in the cache
         by another local user or a bad restore is never followed out of it). One per
-        request: a Beneath caches descriptors and is not shared between threads."""
-        at = Beneath(self.root)
+        request: a Beneath caches descriptors and is not shared between threads. Each
+        directory is resolved in one system call where the kernel can
+        (:class:`~spark_plugin.gateway.webhdfs.walk.OneCallWalk`)."""
+        at = OneCallWalk(self.root)
         try:
             yield at
         finally:
