@@ -5,6 +5,7 @@ failure is every waiter's. (bench/load.py measures the CPU they save; tests/gate
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -371,6 +372,14 @@ def test_the_one_call_walk_answers_as_the_component_walk_and_never_follows_a_lin
         "a/" + "y" * 4200,
     ]
     assert _walk_answers(walk.OneCallWalk, root, paths) == _walk_answers(Beneath, root, paths)
+    # over the namespace's own descriptor of the root, which the walk leaves open
+    root_fd = os.open(root, os.O_PATH | os.O_DIRECTORY)
+    try:
+        shared = functools.partial(walk.OneCallWalk, root_fd=root_fd)
+        assert _walk_answers(shared, root, paths) == _walk_answers(Beneath, root, paths)
+        os.fstat(root_fd)  # still open
+    finally:
+        os.close(root_fd)
     answers = dict((p, kind) for p, kind, _ in _walk_answers(walk.OneCallWalk, root, paths))
     assert answers["in"] == answers["a/out"] == answers["a/out/secret"] == "NotADirectoryError"
     assert answers["a/b/c"] == "dir"

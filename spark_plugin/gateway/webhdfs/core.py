@@ -19,6 +19,7 @@ import os
 import stat as stat_mod
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -84,6 +85,10 @@ class NamespaceCore:
         self._leases_lock = threading.Lock()
         #: the last RENAMEs, kept in the cache directory: see WebHdfsNamespace._renamed_already
         self.renames = RenameMemory(os.path.join(os.path.dirname(self.root), RENAME_MEMORY_FILE))
+        #: the cache's root, opened once (as the journaled tree's own walk keeps it open);
+        #: every request's walk starts from it
+        self._root_fd = os.open(self.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        weakref.finalize(self, os.close, self._root_fd)
 
     def local(self, rel: str) -> str:
         return self.root if rel == "" else os.path.join(self.root, rel)
@@ -96,7 +101,7 @@ class NamespaceCore:
         request: a Beneath caches descriptors and is not shared between threads. Each
         directory is resolved in one system call where the kernel can
         (:class:`~spark_plugin.gateway.webhdfs.walk.OneCallWalk`)."""
-        at = OneCallWalk(self.root)
+        at = OneCallWalk(self.root, root_fd=self._root_fd)
         try:
             yield at
         finally:

@@ -21,6 +21,7 @@ import ctypes
 import errno
 import os
 import sys
+from collections import OrderedDict
 
 from sos_journal.beneath import O_WALK, Beneath
 
@@ -39,12 +40,15 @@ class _OpenHow(ctypes.Structure):
 
 
 _HOW = _OpenHow(O_WALK, 0, _RESOLVE)
-_HOW_SIZE = ctypes.c_size_t(ctypes.sizeof(_OpenHow))
+_HOW_ADDRESS = ctypes.addressof(_HOW)
+_HOW_SIZE = ctypes.sizeof(_OpenHow)
 _syscall = None
 if sys.platform.startswith("linux"):
     try:
         _syscall = ctypes.CDLL(None, use_errno=True).syscall
         _syscall.restype = ctypes.c_long
+        # syscall(2) is variadic; these are passed in registers as its integer arguments
+        _syscall.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t]
     except (OSError, AttributeError):  # no libc to call through: the component walk
         _syscall = None
 
@@ -60,7 +64,7 @@ def openat2_dir(dir_fd: int, rel: str) -> int | None:
     path = os.fsencode(rel)
     if len(path) >= 4096:  # PATH_MAX: the component walk has no such bound
         return None
-    fd = call(_SYS_OPENAT2, ctypes.c_int(dir_fd), path, ctypes.byref(_HOW), _HOW_SIZE)
+    fd = call(_SYS_OPENAT2, dir_fd, path, _HOW_ADDRESS, _HOW_SIZE)
     if fd >= 0:
         return int(fd)
     err = ctypes.get_errno()
@@ -83,7 +87,27 @@ def _plain(rel: str) -> bool:
 
 class OneCallWalk(Beneath):
     """A :class:`Beneath` whose directories are resolved by :func:`openat2_dir` (module
-    docstring); everything else is Beneath's."""
+    docstring); everything else is Beneath's. ``root_fd``: a descriptor of ``root`` the
+    caller keeps open (the namespace's, as the journaled tree keeps its own): used as the
+    root, not opened and not closed here."""
+
+    def __init__(self, root: str, *, root_fd: int | None = None, max_dirs: int = 32) -> None:
+        if root_fd is None:
+            super().__init__(root, max_dirs=max_dirs)
+            self._owns_root = True
+            return
+        self.root = os.path.abspath(root)
+        self.fd = root_fd
+        self.max_dirs = max(2, max_dirs)
+        self._dirs = OrderedDict()
+        self._owns_root = False
+
+    def close(self) -> None:
+        if self._owns_root:
+            super().close()
+            return
+        self.forget("")
+        self.fd = -1
 
     def dir_fd(self, rel: str) -> int:
         if rel == "" or rel in self._dirs or not _plain(rel):
