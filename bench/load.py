@@ -25,13 +25,19 @@ headers; a connection idle for more than a second is not reused, as Hadoop's cli
 after the gateway's ``Keep-Alive: timeout=1``). A batch that ends after the next one was due
 starts the next at once (a query that falls behind runs back to back, as Spark does).
 
-``stat``: one client, one keep-alive connection, nothing but GETFILESTATUS of a directory in
-Hadoop's request shape, ``--rounds`` times ``--requests``: the gateway's CPU per request
-(user and system) of the HTTP path and a cache read alone, on a plain ``sos-server``.
+``stat``: one client, one keep-alive connection, ``--rounds`` times ``--requests`` operations
+one after the other in Hadoop's request shape: ``--op getfilestatus`` (the default: the HTTP
+path and a cache read alone) or ``--op commit`` (what Spark does per checkpoint file: CREATE
+of a temporary file, both steps, a 1,200-byte body, then RENAME onto its name: the write
+path, two barriers); the gateway's CPU per operation (user and system, and by thread), on a
+plain ``sos-server``.
 
 Reported per mode and N, over ``--seconds`` after ``--warmup`` seconds: offered and achieved
 batches/s, p50/p99 batch time, requests/s, and the CPU time (user + system, all threads, from
-/proc/PID/stat) of the gateway and of the server per request and as a share of one core.
+/proc/PID/stat) of the gateway and of the server per request and as a share of one core; the
+gateway's also by thread (/proc/PID/task: ``loop``, the event loop; ``workers``, trio's
+worker threads; ``others``, the replicator and the metrics sampler). ``--profile DIR``:
+py-spy records the gateway (samples holding the GIL, per thread: where its CPU goes).
 CPU time per request is the figure to compare across runs on a shared machine; wall times
 move with whatever else runs. Every reply's status is compared with the one the capture got:
 a mismatch is counted and shown (the pattern no longer fits the gateway).
@@ -39,7 +45,7 @@ a mismatch is counted and shown (the pattern no longer fits the gateway).
     python3 bench/load.py [replay] [--pattern bench/data/small_query.json] [--queries 1,6,10]
                           [--modes sync,tier] [--seconds 20] [--warmup 3] [--interval 1.0]
                           [--json FILE] [--keep] [--gateway-arg ARG ...] [--profile DIR]
-    python3 bench/load.py stat [--requests 3000] [--rounds 3]
+    python3 bench/load.py stat [--op getfilestatus|commit] [--requests 3000] [--rounds 3]
     python3 bench/load.py capture [--out FILE] [--partitions 2] [--state-store hdfs|rocksdb]
                           [--changelog] [--batches 12] [--records-per-batch 500]
 
@@ -921,7 +927,7 @@ def _stat_steps(op: str) -> Any:
 
     def commit(n: int) -> list[tuple[str, str, bytes | None, int]]:
         # what Spark's checkpoint does per file: CREATE (both steps) of a temporary file, RENAME
-        tmp, dst = f"{d}/.{n}.tmp", f"{d}/{n}"
+        tmp = f"{d}/.{n}.tmp"
         return [
             ("PUT", f"{tmp}?{create}", None, 307),
             ("PUT", f"{tmp}?{create}&data=true", body_of(1200), 201),
