@@ -25,13 +25,19 @@ headers; a connection idle for more than a second is not reused, as Hadoop's cli
 after the gateway's ``Keep-Alive: timeout=1``). A batch that ends after the next one was due
 starts the next at once (a query that falls behind runs back to back, as Spark does).
 
-``stat``: one client, one keep-alive connection, nothing but GETFILESTATUS of a directory in
-Hadoop's request shape, ``--rounds`` times ``--requests``: the gateway's CPU per request
-(user and system) of the HTTP path and a cache read alone, on a plain ``sos-server``.
+``stat``: one client, one keep-alive connection, ``--rounds`` times ``--requests`` operations
+one after the other in Hadoop's request shape: ``--op getfilestatus`` (the default: the HTTP
+path and a cache read alone) or ``--op commit`` (what Spark does per checkpoint file: CREATE
+of a temporary file, both steps, a 1,200-byte body, then RENAME onto its name: the write
+path, two barriers); the gateway's CPU per operation (user and system, and by thread), on a
+plain ``sos-server``.
 
 Reported per mode and N, over ``--seconds`` after ``--warmup`` seconds: offered and achieved
 batches/s, p50/p99 batch time, requests/s, and the CPU time (user + system, all threads, from
-/proc/PID/stat) of the gateway and of the server per request and as a share of one core.
+/proc/PID/stat) of the gateway and of the server per request and as a share of one core; the
+gateway's also by thread (/proc/PID/task: ``loop``, the event loop; ``workers``, trio's
+worker threads; ``others``, the replicator and the metrics sampler). ``--profile DIR``:
+py-spy records the gateway (samples holding the GIL, per thread: where its CPU goes).
 CPU time per request is the figure to compare across runs on a shared machine; wall times
 move with whatever else runs. Every reply's status is compared with the one the capture got:
 a mismatch is counted and shown (the pattern no longer fits the gateway).
@@ -39,7 +45,7 @@ a mismatch is counted and shown (the pattern no longer fits the gateway).
     python3 bench/load.py [replay] [--pattern bench/data/small_query.json] [--queries 1,6,10]
                           [--modes sync,tier] [--seconds 20] [--warmup 3] [--interval 1.0]
                           [--json FILE] [--keep] [--gateway-arg ARG ...] [--profile DIR]
-    python3 bench/load.py stat [--requests 3000] [--rounds 3]
+    python3 bench/load.py stat [--op getfilestatus|commit] [--requests 3000] [--rounds 3]
     python3 bench/load.py capture [--out FILE] [--partitions 2] [--state-store hdfs|rocksdb]
                           [--changelog] [--batches 12] [--records-per-batch 500]
 
@@ -616,6 +622,34 @@ def run_queue_seconds(pid: int) -> float:
     return total / 1e9
 
 
+def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
+    """tid -> (kind, user + system CPU seconds so far) of the threads of process ``pid``
+    alive now: ``loop`` (the main thread: the gateway's event loop), ``workers`` (trio's
+    worker threads, named "Trio thread N"), ``others`` (the replicator, the metrics sampler...)."""
+    out: dict[int, tuple[str, float]] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    with contextlib.suppress(FileNotFoundError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(FileNotFoundError, IndexError, ValueError):
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    head, rest = f.read().rsplit(")", 1)
+                fields = rest.split()
+                name = head.split("(", 1)[1]
+                kind = "loop" if int(tid) == pid else "workers" if name.startswith("Trio") else "others"
+                out[int(tid)] = (kind, (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def thread_split(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds per kind of thread between two :func:`thread_cpu` readings (a thread
+    born meanwhile counts from 0; one gone by the end is not seen: trio's idle workers live
+    10 s, so the worker figure is a lower bound)."""
+    split = {"loop": 0.0, "workers": 0.0, "others": 0.0}
+    for tid, (kind, t1) in after.items():
+        split[kind] += t1 - before.get(tid, (kind, 0.0))[1]
+    return split
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of process ``pid`` (all its threads) so far, from /proc."""
     return sum(cpu_times(pid))
@@ -678,6 +712,9 @@ def report_lines(rows: list[dict[str, Any]]) -> list[str]:
             f"{r['server_cpu_us_per_request']:10.0f} {r['server_cpu_share'] * 100:7.0f}%  "
             f"{sum(r['mismatches'].values()) or '-'}"
         )
+        threads = r.get("gateway_threads_us_per_request")
+        if threads:
+            lines.append("      gateway us/req by thread: " + ", ".join(f"{k} {v:.0f}" for k, v in threads.items()))
         for e in r["errors"] + r["examples"]:
             lines.append(f"      {e}")
     return lines
@@ -720,6 +757,7 @@ def replay(
         t.start()
     time.sleep(max(0.0, t0 + warmup - time.monotonic()))
     s0 = {name: cpu_times(pid) for name, pid in pids.items()}
+    t0_threads = thread_cpu(pids["gateway"])
     q0 = {name: run_queue_seconds(pid) for name, pid in pids.items()}
     r0 = sum(q.stats.requests for q in queries)
     w0 = time.monotonic()
@@ -727,12 +765,17 @@ def replay(
     w1 = time.monotonic()
     r1 = sum(q.stats.requests for q in queries)
     s1 = {name: cpu_times(pid) for name, pid in pids.items()}
+    t1_threads = thread_cpu(pids["gateway"])
     q1 = {name: run_queue_seconds(pid) for name, pid in pids.items()}
     stop.set()
     for t in threads:
         t.join(timeout=120)
     cpu = {name: (sum(s0[name]), sum(s1[name])) for name in pids}
     row = summarize([q.stats for q in queries], (w0, w1), cpu, (r0, r1), interval)
+    n_req = max(1, r1 - r0)
+    row["gateway_threads_us_per_request"] = {
+        kind: used / n_req * 1e6 for kind, used in thread_split(t0_threads, t1_threads).items()
+    }
     for name in pids:  # the kernel's part: system calls (sockets, the cache's files)
         used = sum(s1[name]) - sum(s0[name])
         row[f"{name}_system_share_of_cpu"] = (s1[name][1] - s0[name][1]) / used if used > 0 else 0.0
@@ -821,7 +864,7 @@ def run_replay(args: argparse.Namespace) -> int:
                 row["mode"] = mode
                 add_gateway_workers(row, pids)
                 rows.append(row)
-                print(report_lines([row])[-1 - len(row["errors"]) - len(row["examples"])], flush=True)
+                print("\n".join(report_lines([row])[1:]), flush=True)
     print()
     print(
         f"{len(pattern['requests'])}-request batches, one per {args.interval:g} s per query; "
@@ -864,14 +907,28 @@ def add_gateway_workers(row: dict[str, Any], pids: dict[str, int]) -> None:
 
 def _start_profile(args: argparse.Namespace, gw: Any, name: str) -> subprocess.Popen[bytes] | None:
     """``--profile DIR``: py-spy records the gateway over the run (DIR/gateway-NAME.txt,
-    collapsed stacks, all threads)."""
+    collapsed stacks per thread, samples holding the GIL: where the CPU goes)."""
     if not args.profile:
         return None
     os.makedirs(args.profile, exist_ok=True)
     out = os.path.join(args.profile, f"gateway-{name}.txt")
     spy = shutil.which("py-spy") or "py-spy"
     return subprocess.Popen(
-        [spy, "record", "--pid", str(gw.pid), "--format", "raw", "--output", out, "--rate", "200", "--nonblocking"],
+        [
+            spy,
+            "record",
+            "--pid",
+            str(gw.pid),
+            "--format",
+            "raw",
+            "--output",
+            out,
+            "--rate",
+            "200",
+            "--nonblocking",
+            "--gil",
+            "--threads",
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -887,8 +944,29 @@ def _stop_profile(proc: subprocess.Popen[bytes] | None) -> None:
         proc.wait(timeout=30)
 
 
+def _stat_steps(op: str) -> Any:
+    """``stat --op``: the requests of the n-th operation, as (method, target, body, status)."""
+    d = "/webhdfs/v1/stat/d"
+    create = "op=CREATE&user.name=spark&overwrite=true&permission=644"
+
+    def getfilestatus(n: int) -> list[tuple[str, str, bytes | None, int]]:
+        return [("GET", f"{d}?op=GETFILESTATUS&user.name=spark", None, 200)]
+
+    def commit(n: int) -> list[tuple[str, str, bytes | None, int]]:
+        # what Spark's checkpoint does per file: CREATE (both steps) of a temporary file, RENAME
+        tmp = f"{d}/.{n}.tmp"
+        return [
+            ("PUT", f"{tmp}?{create}", None, 307),
+            ("PUT", f"{tmp}?{create}&data=true", body_of(1200), 201),
+            ("PUT", f"{tmp}?op=RENAME&user.name=spark&destination=/stat/d/{n}&renameoptions=NONE", None, 200),
+        ]
+
+    return {"getfilestatus": getfilestatus, "commit": commit}[op]
+
+
 def run_stat(args: argparse.Namespace) -> int:
-    """``stat``: the gateway's CPU per GETFILESTATUS on one keep-alive connection."""
+    """``stat``: the gateway's CPU per operation (``--op``: GETFILESTATUS, or a commit: CREATE
+    both steps and RENAME) on one keep-alive connection, one after the other."""
     from spark_plugin.gateway.process import GatewayProcess
 
     work = tempfile.mkdtemp(prefix="sos-bench-stat-")
@@ -905,22 +983,28 @@ def run_stat(args: argparse.Namespace) -> int:
         status, _ = http.request("PUT", "/webhdfs/v1/stat/d?op=MKDIRS&user.name=spark", token)
         if status != 200:
             raise HttpError(f"MKDIRS answered {status}")
-        target = "/webhdfs/v1/stat/d?op=GETFILESTATUS&user.name=spark"
+        steps = _stat_steps(args.op)
+        n = 0
         for i in range(args.rounds + 1):  # the first round warms up
             user0, system0 = cpu_times(int(gw.pid))
+            threads0 = thread_cpu(int(gw.pid))
             started = time.monotonic()
             for _ in range(args.requests):
-                status, _ = http.request("GET", target, token)
-                if status != 200:
-                    raise HttpError(f"GETFILESTATUS answered {status}")
+                n += 1
+                for method, target, body, want in steps(n):
+                    status, _ = http.request(method, target, token, body)
+                    if status != want:
+                        raise HttpError(f"{method} {target} answered {status}, not {want}")
                 http.last_used = time.monotonic()  # (the pause of a slow machine is not Java's idle)
             user1, system1 = cpu_times(int(gw.pid))
+            split = thread_split(threads0, thread_cpu(int(gw.pid)))
             per = 1e6 / args.requests
             if i:
                 print(
-                    f"GETFILESTATUS x{args.requests}: gateway {(user1 - user0 + system1 - system0) * per:.0f} us "
-                    f"CPU/request (user {(user1 - user0) * per:.0f}, system {(system1 - system0) * per:.0f}), "
-                    f"{(time.monotonic() - started) * per:.0f} us wall/request; load average {os.getloadavg()[0]:.1f}",
+                    f"{args.op} x{args.requests}: gateway {(user1 - user0 + system1 - system0) * per:.0f} us "
+                    f"CPU/{args.op} (user {(user1 - user0) * per:.0f}, system {(system1 - system0) * per:.0f}), "
+                    f"{(time.monotonic() - started) * per:.0f} us wall/{args.op}; by thread: "
+                    f"{', '.join(f'{k} {v * per:.0f}' for k, v in split.items())}; load average {os.getloadavg()[0]:.1f}",
                     flush=True,
                 )
         gw.stop()
@@ -1051,9 +1135,15 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command")
     r = sub.add_parser("replay", help="replay a pattern for N queries (the default)")
     _replay_options(r)
-    st = sub.add_parser("stat", help="the gateway's CPU per GETFILESTATUS on one connection")
+    st = sub.add_parser("stat", help="the gateway's CPU per GETFILESTATUS (or commit) on one connection")
     st.add_argument("--requests", type=int, default=3000, help="requests per round (default 3000)")
     st.add_argument("--rounds", type=int, default=3, help="measured rounds (default 3)")
+    st.add_argument(
+        "--op",
+        choices=("getfilestatus", "commit"),
+        default="getfilestatus",
+        help="GETFILESTATUS (default), or commit: CREATE (both steps) of a temporary file, then RENAME",
+    )
     c = sub.add_parser("capture", help="capture a real query's pattern")
     c.add_argument("--out", default=DEFAULT_PATTERN, help="pattern file to write (default bench/data/small_query.json)")
     c.add_argument("--partitions", type=int, default=2, help="spark.sql.shuffle.partitions (default 2)")

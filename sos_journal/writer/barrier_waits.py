@@ -34,6 +34,28 @@ CLOSE_TIER_PATIENCE = 60.0
 class Barriers(WriterState):
     """The waiting side of a writer (see the module docstring)."""
 
+    def durable_now(self, seq: int | None = None) -> bool | None:
+        """Without waiting: True when :meth:`barrier` would return at once for ``seq``
+        (durability "server": every record <= ``seq`` acknowledged, the ready objects made);
+        False when it would wait while the writer is healthy (the replicator is shipping
+        them; its ``progress_listener`` tells when to ask again); None when only
+        :meth:`barrier` can tell (durability "tier": a round trip to the server; the quota
+        state; a failed, closed or stopped writer): call it, in a thread that may block."""
+        with self._cv:
+            if self.durability != "server":
+                return None
+            if self._durable(self._seq if seq is None else seq):
+                return True
+            if (
+                self._error is not None
+                or self._closed
+                or self._quota is not None
+                or self._thread is None
+                or not self._thread.is_alive()
+            ):
+                return None
+            return False
+
     def barrier(self, seq: int | None = None, timeout: float | None = None) -> None:
         """Block until every record <= seq (default: all so far) is durable on the server
         and restorable: the ``ready`` object of every generation that starts at or before

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from sos_client.errors import QuotaExceeded
@@ -70,6 +71,20 @@ def append_round(client: StoreClient, name: str, offset: int, chunks: list[bytes
 
 class Replicator(WriterState):
     """The replicator thread's side of a writer (see the module docstring)."""
+
+    #: called without the lock, from the replicator's thread, after each of its attempts
+    #: (an acknowledgement, a failure, its stop): a caller of ``durable_now()`` (barrier_waits.py)
+    #: that got False asks again then. It must be quick; what it raises is logged.
+    progress_listener: Callable[[], None] | None = None
+
+    def _progress(self) -> None:
+        """Tell :attr:`progress_listener` (without the lock held)."""
+        listener = self.progress_listener
+        if listener is not None:
+            try:
+                listener()
+            except Exception:  # a listener's bug must not stop the replicator
+                log.exception("progress listener failed")
 
     def _next_task(self) -> _Task | None:
         if self._foreign_unsealed:
@@ -113,6 +128,7 @@ class Replicator(WriterState):
                         self._error = e
                         self._attempts += 1
                         self._cv.notify_all()
+                    self._progress()
                     break
                 self.last_error = e
                 self._attempted(task, e)
@@ -130,6 +146,7 @@ class Replicator(WriterState):
                 if self._stop.is_set():
                     break
         close_quietly(client)
+        self._progress()  # stopped: a caller of durable_now() learns it from barrier()
 
     def _attempted(self, task: _Task, error: BaseException | None) -> None:
         """After each attempt: enter the quota state on QUOTA_EXCEEDED, leave it when a task
@@ -158,6 +175,7 @@ class Replicator(WriterState):
                 self._quota = None
             self._failing = error is not None
             self._cv.notify_all()
+        self._progress()
 
     def _do(self, client: StoreClient, task: _Task) -> None:
         kind, arg = task

@@ -204,8 +204,9 @@ class WorkerNamespace(WebHdfsNamespace):
             tree=cast("Any", None),
             read_only=True,
         )
+        os.makedirs(view.tree_dir, exist_ok=True)  # an empty stand-in, until the root is the writer's
         super().__init__(view, sync=False, owner=owner, group=owner)
-        self.root = tree_dir
+        self.set_root(tree_dir)
 
 
 class _Upstream:

@@ -246,3 +246,128 @@ def test_an_open_reply_of_the_fast_path_streams_the_file_and_the_connection_goes
         assert read_reply(s)[0] == 200
     finally:
         s.close()
+
+
+# ---------------------------------------------------------------------------- chunked bodies
+
+HADOOP_CREATE_DATA = (
+    b"PUT /webhdfs/v1/d/f?op=CREATE&user.name=spark&overwrite=true&data=true HTTP/1.1\r\n"
+    b"Authorization: Bearer abc.def\r\nUser-Agent: Java/17.0.15\r\nHost: gw:9870\r\nAccept: */*\r\n"
+    b"Connection: keep-alive\r\nContent-Type: application/octet-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+)
+
+#: chunked requests the fast path reads whole (their head and body)
+FAST_CHUNKED = [
+    HADOOP_CREATE_DATA + b"5\r\nhello\r\n0\r\n\r\n",
+    HADOOP_CREATE_DATA + b"3\r\nabc\r\nA\r\n0123456789\r\n0\r\n\r\n",
+    HADOOP_CREATE_DATA + b"0\r\n\r\n",  # an empty file
+    HADOOP_CREATE_DATA.replace(b"chunked", b"Chunked") + b"1\r\n\x00\r\n0\r\n\r\n",
+]
+#: chunked requests it leaves to h11: not whole, extensions, trailers, odd framing, too large
+SLOW_CHUNKED = [
+    HADOOP_CREATE_DATA + b"5\r\nhel",
+    HADOOP_CREATE_DATA + b"5\r\nhello\r\n0\r\n",
+    HADOOP_CREATE_DATA + b"5;ext=1\r\nhello\r\n0\r\n\r\n",
+    HADOOP_CREATE_DATA + b"5\r\nhello\r\n0\r\nX-Trailer: 1\r\n\r\n",
+    HADOOP_CREATE_DATA + b"5\r\nhelloXX0\r\n\r\n",
+    HADOOP_CREATE_DATA + b" 5\r\nhello\r\n0\r\n\r\n",
+    HADOOP_CREATE_DATA + b"5\nhello\r\n0\r\n\r\n",
+    HADOOP_CREATE_DATA + b"-5\r\nhello\r\n0\r\n\r\n",
+    HADOOP_CREATE_DATA.replace(b"Transfer-Encoding: chunked\r\n", b"Transfer-Encoding: gzip, chunked\r\n")
+    + b"0\r\n\r\n",
+    HADOOP_CREATE_DATA.replace(b"\r\n\r\n", b"\r\nContent-Length: 5\r\n\r\n") + b"5\r\nhello\r\n0\r\n\r\n",
+    HADOOP_CREATE_DATA.replace(b"\r\n\r\n", b"\r\nTransfer-Encoding: chunked\r\n\r\n") + b"0\r\n\r\n",
+    HADOOP_CREATE_DATA.replace(b"\r\n\r\n", b"\r\nExpect: 100-continue\r\n\r\n") + b"0\r\n\r\n",
+    HADOOP_CREATE_DATA + b"10001\r\n" + b"x" * 0x10001 + b"\r\n0\r\n\r\n",  # beyond FAST_BODY
+]
+
+
+def h11_reads_body(data: bytes) -> tuple[h11.Request, bytes, bytes] | None:
+    """What h11 reads from ``data``: its first request, its whole body, the bytes left."""
+    conn = h11.Connection(h11.SERVER)
+    conn.receive_data(data)
+    body = b""
+    try:
+        req = conn.next_event()
+        while True:
+            event = conn.next_event()
+            if isinstance(event, h11.Data):
+                body += bytes(event.data)
+            elif isinstance(event, h11.EndOfMessage):
+                break
+            else:
+                return None
+    except h11.RemoteProtocolError:
+        return None
+    assert isinstance(req, h11.Request)
+    return req, body, conn.trailing_data[0]
+
+
+@pytest.mark.parametrize("request_bytes", FAST_CHUNKED, ids=range(len(FAST_CHUNKED)))
+def test_the_fast_path_reads_a_whole_chunked_body_as_h11_does(request_bytes):
+    after = b"GET /next HTTP/1.1\r\nHost: a\r\n\r\n"
+    parsed = parse_fast_head(request_bytes + after, chunked=True)
+    assert parsed is not None
+    fast, used = parsed
+    theirs = h11_reads_body(request_bytes + after)
+    assert theirs is not None
+    req, body, rest = theirs
+    assert (fast.method, fast.target, fast.headers) == (req.method, req.target, list(req.headers))
+    assert fast.body == body
+    assert (request_bytes + after)[used:] == rest == after
+    assert parse_fast_head(request_bytes) is None  # without chunked=True: h11's, as before
+
+
+@pytest.mark.parametrize("request_bytes", SLOW_CHUNKED, ids=range(len(SLOW_CHUNKED)))
+def test_every_other_chunked_shape_is_left_to_h11(request_bytes):
+    assert parse_fast_head(request_bytes, chunked=True) is None
+
+
+def create_data(token: str, path: str, body: bytes, chunk: int = 32 << 10) -> bytes:
+    chunks = b"".join(
+        b"%x\r\n%b\r\n" % (len(body[i : i + chunk]), body[i : i + chunk]) for i in range(0, len(body), chunk)
+    )
+    return (
+        (
+            f"PUT /webhdfs/v1/{path}?op=CREATE&user.name=spark&overwrite=true&data=true HTTP/1.1\r\n"
+            f"Authorization: Bearer {token}\r\nHost: 127.0.0.1\r\nConnection: keep-alive\r\n"
+            "Content-Type: application/octet-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+        ).encode()
+        + chunks
+        + b"0\r\n\r\n"
+    )
+
+
+def open_data(token: str, path: str) -> bytes:
+    return (
+        f"GET /webhdfs/v1/{path}?op=OPEN&user.name=spark&data=true&offset=0 HTTP/1.1\r\n"
+        f"Authorization: Bearer {token}\r\nHost: 127.0.0.1\r\n\r\n"
+    ).encode()
+
+
+def test_chunked_bodies_of_both_paths_write_the_same_files_and_the_connection_goes_on(gw):
+    """A CREATE body read with its head (fast) and one split over reads (h11): the same
+    201 reply byte for byte, the same bytes in the file, pipelined requests after it served."""
+    s = connect(port_of(gw))
+    try:
+        fast_body, slow_body = b"fast\x00body" * 100, b"slow\x00body" * 100
+        s.sendall(create_data(gw.token, "d/fast", fast_body) + stat_head(gw.token))
+        fast_reply = raw_reply(s)
+        assert read_reply(s)[0] == 200  # the request pipelined behind the body
+        req = create_data(gw.token, "d/slow", slow_body)
+        s.sendall(req[:-30])
+        time.sleep(0.3)
+        s.sendall(req[-30:])
+        slow_reply = raw_reply(s)
+        assert fast_reply.startswith(b"HTTP/1.1 201 ") and fast_reply == slow_reply
+        for path, body in (("d/fast", fast_body), ("d/slow", slow_body)):
+            s.sendall(open_data(gw.token, path))
+            status, _, got = read_reply(s)
+            assert (status, got) == (200, body)
+        # a refused one (its parent is a file) keeps the connection as h11's path does
+        s.sendall(create_data(gw.token, "d/fast/under", b"x"))
+        assert read_reply(s)[0] in (400, 403, 404, 409)
+        s.sendall(stat_head(gw.token))
+        assert read_reply(s)[0] == 200
+    finally:
+        s.close()

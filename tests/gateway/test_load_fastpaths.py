@@ -5,6 +5,8 @@ failure is every waiter's. (bench/load.py measures the CPU they save; tests/gate
 
 from __future__ import annotations
 
+import functools
+import os
 import threading
 import time
 
@@ -69,6 +71,7 @@ class FakeNs:
         self.observed: list[float] = []
         self.observer = self
         self.room = True
+        self.writer: object = None  # no writer: SharedBarrier waits in a worker thread
 
     def has_room(self, nbytes: int) -> bool:
         return self.room
@@ -254,3 +257,129 @@ def test_a_reply_is_one_write_with_its_connection_headers_and_no_header_can_be_i
     assert b"\r\nlocation: http://x/a%0D%0A" in head and b"set-cookie" not in first.lower()
     assert b"connection: keep-alive" in head.lower() and b"keep-alive: timeout=1" in head.lower()
     assert second.startswith(b"HTTP/1.1 404 ") and b"connection: close" in second.lower()
+
+
+class DurableWriter:
+    """The writer's side of a wait in the event loop: durable_now() and the listener."""
+
+    def __init__(self) -> None:
+        self.durable: bool | None = False
+        self.progress_listener = None
+        self.asked: list[int] = []
+
+    def durable_now(self, seq: int | None = None) -> bool | None:
+        self.asked.append(seq or 0)
+        return self.durable
+
+    def acknowledge(self, durable: bool | None = True) -> None:
+        """The replicator's thread: an attempt ended."""
+        self.durable = durable
+        assert self.progress_listener is not None
+        self.progress_listener()
+
+
+def test_a_healthy_writer_is_waited_for_in_the_event_loop_woken_by_its_progress():
+    ns = FakeNs()
+    ns.writer = writer = DurableWriter()
+    shared = SharedBarrier(ns, _run_in_thread)  # type: ignore[arg-type]
+
+    async def main() -> None:
+        ns.seq = 4
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(shared.wait, 4)
+            nursery.start_soon(shared.wait, 3)
+            await trio.sleep(0.05)
+            assert shared.covered == 0  # still waiting
+            # the replicator reports from its own thread, as the real one does
+            await trio.to_thread.run_sync(writer.acknowledge)
+
+    trio.run(main)
+    assert ns.durable_calls == []  # no worker thread waited
+    assert shared.covered == 4 and len(ns.observed) == 2
+    assert writer.asked[-1] == 4
+
+
+def test_a_writer_that_cannot_say_at_once_is_waited_for_by_the_blocking_barrier():
+    """durable_now() None (durability tier, the quota state, a failed writer): the wait is
+    the namespace's blocking one, in a worker thread, with its failure as the answer."""
+    ns = FakeNs()
+    ns.writer = writer = DurableWriter()
+    shared = SharedBarrier(ns, _run_in_thread)  # type: ignore[arg-type]
+    ns.seq = 2
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(shared.wait, 2)
+            await trio.sleep(0.05)
+            ns.fail = WebHdfsError("DSQuotaExceededException", "over quota")
+            await trio.to_thread.run_sync(writer.acknowledge, None)  # the quota state began
+
+    with pytest.raises(BaseException) as info:
+        trio.run(main)
+    assert "DSQuotaExceededException" in repr(info.value) or "over quota" in repr(info.value)
+    assert ns.durable_calls == [2]
+    assert shared.covered == 0
+
+
+def _walk_answers(cls, root, paths):
+    out = []
+    with cls(str(root)) as at:
+        for p in paths:
+            try:
+                fd = at.dir_fd(p)
+                out.append((p, "dir", os.fstat(fd).st_ino))
+            except (OSError, ValueError) as exc:
+                out.append((p, type(exc).__name__, getattr(exc, "errno", None)))
+    return out
+
+
+@pytest.mark.hostile
+@pytest.mark.parametrize("openat2", [True, False])
+def test_the_one_call_walk_answers_as_the_component_walk_and_never_follows_a_link(tmp_path, monkeypatch, openat2):
+    """OneCallWalk (openat2 RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS) resolves the directories of
+    the cache in one call with the component walk's answers: links (to inside or outside
+    the cache), files where a directory is needed, missing names, odd paths; without
+    openat2 (an old kernel, a seccomp filter) it is the component walk."""
+    from sos_journal.beneath import Beneath
+    from spark_plugin.gateway.webhdfs import walk
+
+    if not openat2:
+        monkeypatch.setattr(walk, "_syscall", None)
+    root = tmp_path / "cache"
+    (root / "a" / "b" / "c").mkdir(parents=True)
+    (root / "f").write_bytes(b"x")
+    (root / "in").symlink_to("a")
+    (root / "a" / "out").symlink_to(tmp_path)
+    (tmp_path / "secret").mkdir()
+    paths = [
+        "a",
+        "a/b/c",
+        "a/b",
+        "in",
+        "in/b",
+        "a/out",
+        "a/out/secret",
+        "f",
+        "f/x",
+        "nx",
+        "a/nx/y",
+        "a/b/c/",
+        "a//b",
+        "./a",
+        "/a",
+        "a\0b",
+        "x" * 300,
+        "a/" + "y" * 4200,
+    ]
+    assert _walk_answers(walk.OneCallWalk, root, paths) == _walk_answers(Beneath, root, paths)
+    # over the namespace's own descriptor of the root, which the walk leaves open
+    root_fd = os.open(root, os.O_PATH | os.O_DIRECTORY)
+    try:
+        shared = functools.partial(walk.OneCallWalk, root_fd=root_fd)
+        assert _walk_answers(shared, root, paths) == _walk_answers(Beneath, root, paths)
+        os.fstat(root_fd)  # still open
+    finally:
+        os.close(root_fd)
+    answers = dict((p, kind) for p, kind, _ in _walk_answers(walk.OneCallWalk, root, paths))
+    assert answers["in"] == answers["a/out"] == answers["a/out/secret"] == "NotADirectoryError"
+    assert answers["a/b/c"] == "dir"

@@ -456,3 +456,53 @@ def test_modes_are_exact_in_the_cache_and_after_restore_whatever_the_umask(tmp_p
         os.umask(old)
     assert os.stat(tmp_path / "out" / "d").st_mode & 0o7777 == 0o775
     assert os.stat(tmp_path / "out" / "d" / "f").st_mode & 0o7777 == 0o664
+
+
+def test_durable_now_answers_at_once_and_the_listener_hears_every_attempt(tmp_path):
+    """What a caller that must not block (the gateway's event loop) relies on: durable_now()
+    never waits; False while the replicator works on it, True once acknowledged; and the
+    progress listener is called after each attempt, failed ones included."""
+    store = MemStore()
+    w, t = make(tmp_path, store, max_backoff=0.05)
+    heard = threading.Event()
+    calls: list[int] = []
+
+    def listener() -> None:
+        calls.append(w.acked_seq)
+        heard.set()
+
+    w.progress_listener = listener
+    t.create("f")
+    t.sync()
+    assert w.durable_now() is True
+    store.down = True
+    heard.clear()
+    t.write("f", 0, b"a" * 100)
+    seq = w.last_seq
+    assert w.durable_now(seq) is False  # healthy, shipping: a wait would wait
+    assert heard.wait(WAIT)  # a failed attempt is reported too
+    assert w.durable_now(seq) is False
+    store.down = False
+    for _ in range(1000):
+        heard.clear()
+        if w.durable_now(seq):
+            break
+        assert heard.wait(WAIT), "the replicator's progress was not reported"
+    assert w.durable_now(seq) is True and w.acked_seq >= seq
+    assert calls
+    t.close()
+    assert w.durable_now(seq) is True  # what was durable stays so, as barrier() says
+    assert w.durable_now(seq + 1) is None  # closed: only barrier() tells (WriterClosed)
+
+
+def test_durable_now_leaves_tier_durability_and_the_quota_state_to_barrier(tmp_path):
+    store = MemStore()
+    w, t = make(tmp_path, store)
+    t.create("f")
+    w._quota = RuntimeError("over quota")  # the quota state (the replicator's _attempted sets it)
+    assert w.durable_now(w.last_seq + 1) is None
+    w._quota = None
+    assert w.durable_now(w.last_seq + 1) is False
+    t.close()
+    tier = JournalWriter(store.factory, "ns", str(tmp_path / "spool-tier"), durability="tier")
+    assert tier.durable_now(0) is None  # a TIER_WAIT round trip: barrier() in a thread

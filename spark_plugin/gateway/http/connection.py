@@ -92,19 +92,54 @@ _FAST_FIELD = re.compile(rb"([!#$%&'*+.^_`|~0-9A-Za-z-]+):[ \t]*((?:[\x21-\x7e](
 _SLOW_FIELDS = frozenset({b"transfer-encoding", b"expect", b"upgrade", b"te", b"trailer"})
 
 
+#: (``chunked=True``) a chunked body is read on the fast path only if it is whole, with
+#: its head, in the bytes of the first read, and at most this large
+FAST_BODY = 64 << 10
+#: a chunk's size line on the fast path: hexadecimal digits only (no extension)
+_FAST_CHUNK = re.compile(rb"[0-9a-fA-F]{1,6}")
+
+
 class Head:
-    """A request head read by the fast path: what the server uses of h11's Request."""
+    """A request head read by the fast path: what the server uses of h11's Request, and the
+    request's body when the fast path read it too (``chunked=True``)."""
 
-    __slots__ = ("headers", "method", "target")
+    __slots__ = ("body", "headers", "method", "target")
 
-    def __init__(self, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+    def __init__(
+        self, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes | None = None
+    ) -> None:
         self.method = method
         self.target = target
         #: (lower-case name, value without surrounding whitespace), in order
         self.headers = headers
+        #: the whole body of a chunked request (None: the request has no body)
+        self.body = body
 
 
-def parse_fast_head(data: bytes) -> tuple[Head, int] | None:
+def _fast_chunked_body(data: bytes, pos: int) -> tuple[bytes, int] | None:
+    """The chunked body starting at ``data[pos]`` and where it ends, if it is whole there,
+    within FAST_BODY bytes, in the plain form (hexadecimal sizes without extensions, CRLF
+    line ends, the last chunk ``0`` with no trailer); None otherwise (h11 reads it)."""
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        eol = data.find(b"\r\n", pos, pos + 8)
+        if eol < 0 or _FAST_CHUNK.fullmatch(data, pos, eol) is None:
+            return None
+        n = int(data[pos:eol], 16)
+        pos = eol + 2
+        if n == 0:
+            if data[pos : pos + 2] != b"\r\n":
+                return None  # a trailer (or not whole yet)
+            return b"".join(parts), pos + 2
+        size += n
+        if size > FAST_BODY or data[pos + n : pos + n + 2] != b"\r\n":
+            return None
+        parts.append(data[pos : pos + n])
+        pos += n + 2
+
+
+def parse_fast_head(data: bytes, *, chunked: bool = False) -> tuple[Head, int] | None:
     """The request head at the start of ``data`` and its length, if it is one of the plain
     shapes Hadoop's client and the Spark helpers send; None for anything else (h11 then
     reads it and refuses it or not, exactly as without this path).
@@ -113,7 +148,12 @@ def parse_fast_head(data: bytes) -> tuple[Head, int] | None:
     visible ASCII starting with ``/``, ``HTTP/1.1``; CRLF line ends; fields of a token name
     and a visible-ASCII value; exactly one Host; no body (Content-Length absent or ``0``,
     no Transfer-Encoding); no Expect, Upgrade, TE, Trailer; Connection absent or
-    ``keep-alive``. Stricter than h11 in every point, so it accepts nothing h11 refuses."""
+    ``keep-alive``. Stricter than h11 in every point, so it accepts nothing h11 refuses.
+
+    With ``chunked``, also a request whose only framing field is ``Transfer-Encoding:
+    chunked`` (Hadoop's CREATE and APPEND data steps) when its whole body follows in
+    ``data`` in the plain form (:func:`_fast_chunked_body`): ``Head.body`` is that body and
+    the length returned includes it."""
     end = data.find(b"\r\n\r\n", 0, FAST_HEAD)
     if end < 0:
         return None
@@ -123,22 +163,35 @@ def parse_fast_head(data: bytes) -> tuple[Head, int] | None:
         return None
     headers = []
     hosts = 0
+    framing = 0  # Content-Length and Transfer-Encoding fields
+    body = None
     for raw in lines[1:]:
         field = _FAST_FIELD.fullmatch(raw)
         if field is None:
             return None
         name, value = field.group(1).lower(), field.group(2)
-        if name in _SLOW_FIELDS:
+        if name == b"transfer-encoding" and chunked and value.lower() == b"chunked":
+            body, value = b"", b"chunked"  # (h11 gives this value in lower case)
+        elif name in _SLOW_FIELDS:
             return None
         if name == b"content-length" and value != b"0":
             return None
         if name == b"connection" and value.lower() != b"keep-alive":
             return None
         hosts += name == b"host"
+        framing += name in (b"content-length", b"transfer-encoding")
         headers.append((name, value))
     if hosts != 1:
         return None
-    return Head(line.group(1), line.group(2), headers), end + 4
+    used = end + 4
+    if body is not None:
+        if framing != 1:
+            return None  # chunked beside a Content-Length, or twice
+        whole = _fast_chunked_body(data, used)
+        if whole is None:
+            return None
+        body, used = whole
+    return Head(line.group(1), line.group(2), headers, body), used
 
 
 def ascii_request_line(line: bytes) -> bytes:
@@ -238,6 +291,8 @@ class Conn:
         self.must_close = False
         #: (fast path) bytes of the reply's body still due (:meth:`send`)
         self._body_left = 0
+        #: (fast path) the request's chunked body, read with its head, until it is taken
+        self._fast_body: bytes | None = None
 
     def _receive(self, data: bytes) -> None:
         """Give received bytes to h11; a request line is held back until it is whole (or
@@ -299,7 +354,7 @@ class Conn:
             self.fast = False
             return None
         self._pending = None
-        parsed = parse_fast_head(pending) if pending else None
+        parsed = parse_fast_head(pending, chunked=True) if pending else None
         if parsed is None:
             self.fast = False
             self._line = bytearray()  # the request line: made ASCII before h11
@@ -309,6 +364,7 @@ class Conn:
         if used < len(pending):
             self._pending = pending[used:]  # a pipelined request's first bytes
         self.fast, self.replied, self.must_close = True, False, False
+        self._fast_body = head.body
         return head
 
     def reply_due(self) -> bool:
@@ -319,8 +375,8 @@ class Conn:
 
     def reusable(self) -> bool:
         """The request and its reply are done and the connection may serve another one."""
-        if self.fast:
-            return self.replied and not self.must_close
+        if self.fast:  # (a body nobody read: closed, as h11's state would say)
+            return self.replied and not self.must_close and self._fast_body is None
         if self.h11.our_state is h11.MUST_CLOSE or self.h11.their_state is not h11.DONE:
             return False
         try:
@@ -332,9 +388,10 @@ class Conn:
     async def next_event(self, timeout: float = STALL_TIMEOUT) -> h11.Event | type[h11.PAUSED]:  # noqa: ASYNC109 - a stall is a Drop
         """The next h11 event; a receive waits at most ``timeout`` (then the connection is
         dropped) and never past :attr:`deadline` (then 408, and the connection closes).
-        A request of the fast path has no body: its end at once."""
+        A request of the fast path: its body if it had one (read with its head), then its end."""
         if self.fast:
-            return h11.EndOfMessage()
+            body, self._fast_body = self._fast_body, None
+            return h11.Data(data=body) if body else h11.EndOfMessage()
         while True:
             try:
                 event = self.h11.next_event()
@@ -479,7 +536,7 @@ class Conn:
         await self.send_bytes(data)
 
     async def read_small_body(self, limit: int = MAX_SMALL_BODY) -> bytes:
-        if self.fast:
+        if self.fast and not self._fast_body:
             return b""
         chunks: list[bytes] = []
         size = 0
@@ -522,6 +579,7 @@ class Conn:
         """Discard what of the request body is already received, without waiting for more:
         a refusal of a request whose body is all here (a GET's empty one) keeps the
         connection."""
+        self._fast_body = None  # (read whole with its head: nothing to wait for)
         while not self.fast and self.h11.their_state is h11.SEND_BODY:
             try:
                 if self.h11.next_event() is h11.NEED_DATA:
@@ -531,6 +589,7 @@ class Conn:
 
     async def drain(self) -> None:
         """Read and discard the rest of the request body (memory stays bounded)."""
+        self._fast_body = None
         while not self.fast and self.h11.their_state is h11.SEND_BODY:
             event = await self.next_event()
             if isinstance(event, h11.ConnectionClosed):

@@ -12,6 +12,7 @@ journal, or the file read from the cache in pieces within a gateway-wide memory 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import urllib.parse
@@ -244,9 +245,20 @@ class _Wait:
 class SharedBarrier:
     """The barriers of concurrent requests share waits: a request whose records an ongoing
     wait covers waits for that one; otherwise it starts one, for every record journaled so
-    far (so the requests that come meanwhile find it covering theirs). One worker thread
-    waits for the writer, however many requests wait; each request tells the observer how
-    long it waited, and gets the wait's failure (quota, fenced, tier behind) as its own."""
+    far (so the requests that come meanwhile find it covering theirs). Each request tells the
+    observer how long it waited, and gets the wait's failure (quota, fenced, tier behind) as
+    its own.
+
+    A wait is made in the event loop while the writer is healthy and its durability is
+    "server": it asks the writer without blocking (``durable_now``) and sleeps until the
+    replicator's thread reports progress (``progress_listener``, which wakes the loop through
+    the trio token), asking again at least every second as the blocking barrier does. In any
+    other state (durability "tier", the quota state, a failed or stopped writer) the wait is
+    the namespace's blocking one in a worker thread, so its answers and failures are exactly
+    those of ``wait_durable``."""
+
+    #: a wait in the event loop asks the writer again at least this often
+    RECHECK = 1.0
 
     def __init__(self, ns: WebHdfsNamespace, run: Callable[..., Awaitable[Any]]) -> None:
         self.ns = ns
@@ -254,6 +266,10 @@ class SharedBarrier:
         #: every record up to this one is durable (a wait that passed said so)
         self.covered = 0
         self._ongoing: _Wait | None = None
+        #: set by the replicator's next report of progress (None: nobody is listening)
+        self._progress: trio.Event | None = None
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._listening = False
 
     async def wait(self, seq: int | None = None) -> None:
         """The barrier of :meth:`NamespaceCore.barrier`: every record up to ``seq`` (default:
@@ -279,7 +295,7 @@ class SharedBarrier:
     async def _wait_for_all(self) -> None:
         ongoing = self._ongoing = _Wait(self.ns._last_seq(), trio.Event())
         try:
-            await self.run(self.ns.wait_durable, ongoing.target)
+            await self._wait_durable(ongoing.target)
             self.covered = max(self.covered, ongoing.target)
         except Exception as exc:  # the wait's verdict, every waiter's (a cancellation of the
             ongoing.error = exc  # task that started it is its own: the others wait again)
@@ -287,6 +303,47 @@ class SharedBarrier:
         finally:
             self._ongoing = None
             ongoing.done.set()
+
+    async def _wait_durable(self, target: int) -> None:
+        """``ns.wait_durable(target)``, in the event loop while the writer can say so without
+        blocking (class docstring), else in a worker thread."""
+        writer = self.ns.writer
+        if writer is None:  # (a namespace that waits always has one: then its own answer)
+            await self.run(self.ns.wait_durable, target)
+            return
+        self._listen(writer)
+        while True:
+            progress = self._progress = trio.Event()  # before asking: no report is missed
+            try:
+                durable = writer.durable_now(target)
+                if durable is False:
+                    with trio.move_on_after(self.RECHECK):
+                        await progress.wait()
+                    continue
+            finally:
+                self._progress = None
+            if durable is None:
+                await self.run(self.ns.wait_durable, target)
+            return
+
+    def _listen(self, writer: Any) -> None:
+        """Be the writer's progress listener (once; the loop's token taken here, in trio)."""
+        if self._listening:
+            return
+        self._token = trio.lowlevel.current_trio_token()
+        writer.progress_listener = self._reported
+        self._listening = True
+
+    def _reported(self, *_: Any) -> None:
+        """The replicator's thread: progress. Wakes the loop only if a wait listens."""
+        if self._progress is not None and self._token is not None:
+            with contextlib.suppress(trio.RunFinishedError):
+                self._token.run_sync_soon(self._wake)
+
+    def _wake(self) -> None:
+        progress = self._progress
+        if progress is not None:
+            progress.set()
 
 
 class Operations:

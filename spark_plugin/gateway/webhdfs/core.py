@@ -19,6 +19,7 @@ import os
 import stat as stat_mod
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -30,6 +31,7 @@ from sos_journal.tree.barrier_rule import acknowledged_early
 from spark_plugin.gateway.webhdfs.hdfs import EXCEPTION_OF_ERRNO, WebHdfsError, hard_link, hdfs_path, not_found
 from spark_plugin.gateway.webhdfs.inflight import InFlightBatches, predecessor_stopped_cleanly
 from spark_plugin.gateway.webhdfs.renames import RENAME_MEMORY_FILE, RenameMemory
+from spark_plugin.gateway.webhdfs.walk import OneCallWalk
 
 if TYPE_CHECKING:
     from sos_journal.tree.open import OpenNamespace
@@ -94,6 +96,10 @@ class NamespaceCore:
         self._leases_lock = threading.Lock()
         #: the last RENAMEs, kept in the cache directory: see WebHdfsNamespace._renamed_already
         self.renames = RenameMemory(os.path.join(os.path.dirname(self.root), RENAME_MEMORY_FILE))
+        #: the cache's root, opened once (as the journaled tree's own walk keeps it open);
+        #: every request's walk starts from it
+        self._root_fd = os.open(self.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        self._root_closer = weakref.finalize(self, os.close, self._root_fd)
         #: ``--barrier commit`` in sync mode with a writer: state files acknowledged early
         self.early = barrier == "commit" and sync and self.writer is not None
         #: a cache rebuilt from the server by a writer that did not resume a spool (an empty
@@ -104,6 +110,13 @@ class NamespaceCore:
         self.inflight = InFlightBatches.open(
             os.path.dirname(self.root), self.root, rebuilt=replaced, enabled=self.early
         )
+
+    def set_root(self, root: str) -> None:
+        """Serve the tree at ``root`` (a read worker of ``--workers``: the writer's cache tree)."""
+        fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        self._root_closer()  # closes the old descriptor, once
+        self.root, self._root_fd = root, fd
+        self._root_closer = weakref.finalize(self, os.close, fd)
 
     def _is_checkpoint(self, rel: str, at: Beneath | None = None) -> bool:
         """``rel`` (``""``: the root) is a Spark checkpoint: it holds an ``offsets`` directory."""
@@ -132,8 +145,10 @@ class NamespaceCore:
         """The cache for one request: every path resolved from a descriptor of its root,
         component by component, never through a symbolic link (a link planted in the cache
         by another local user or a bad restore is never followed out of it). One per
-        request: a Beneath caches descriptors and is not shared between threads."""
-        at = Beneath(self.root)
+        request: a Beneath caches descriptors and is not shared between threads. Each
+        directory is resolved in one system call where the kernel can
+        (:class:`~spark_plugin.gateway.webhdfs.walk.OneCallWalk`)."""
+        at = OneCallWalk(self.root, root_fd=self._root_fd)
         try:
             yield at
         finally:
