@@ -324,7 +324,7 @@ class WorkerGateway(Gateway):
         ok = False
         try:
             await up.send(h11.Request(method=req.method, target=req.target, headers=headers))
-            if conn.fast:  # no body (Hadoop's plain heads): the reply at once
+            if conn.fast and not conn.fast_body:  # no body (Hadoop's plain heads): the reply at once
                 await up.send(h11.EndOfMessage())
                 response, body = await up.reply()
             else:

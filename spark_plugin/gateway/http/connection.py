@@ -367,6 +367,11 @@ class Conn:
         self._fast_body = head.body
         return head
 
+    @property
+    def fast_body(self) -> bool:
+        """(fast path) the request came with a body, read with its head and not taken yet."""
+        return self.fast and self._fast_body is not None
+
     def reply_due(self) -> bool:
         """No reply to the request being served has started yet."""
         if self.fast:
