@@ -1,8 +1,8 @@
 """Micro-batch time with the checkpoint on `sos gateway` (sync, and --durability tier) vs a
 local directory vs `sos mount`.
 
-One run, one Spark session (local[2], Spark's default settings but 2 shuffle partitions),
-the query of bench/spark_checkpoint.py (file source, maxFilesPerTrigger=1, dropDuplicates,
+One run, one Spark session (local[2], Spark's default settings but --partitions shuffle
+partitions, default 2), the query of bench/spark_checkpoint.py (file source, maxFilesPerTrigger=1, dropDuplicates,
 foreachBatch sink) over the same input, the same number of batches on each side, the
 sides taken in turn for --rounds rounds (round r starts with side r): a local directory,
 a journaled `sos mount` (sync) and `webhdfs://` through a `sos gateway` child process
@@ -21,7 +21,7 @@ connections, bearer token) on a fresh gateway: GETFILESTATUS, CREATE (both steps
 bodies) and RENAME, each alone: requests/s and client-side p50/p99.
 
     python3 bench/gateway.py [--batches 60] [--rounds 3] [--records-per-batch 500]
-                             [--state-store hdfs|rocksdb] [--no-crc]
+                             [--state-store hdfs|rocksdb] [--partitions N] [--changelog] [--no-crc]
                              [--sides local,mount,gateway,gwtier] [--tier-interval 1s]
                              [--threads 8] [--load-requests 400]   (0: no HTTP load)
 
@@ -347,7 +347,9 @@ def main(argv: list[str] | None = None) -> int:
             _stopped_at_exit(stack, mount)
         gw, tier_gw = _start_gateways(stack, args, work, server, keys)
 
-        spark = open_session(args.state_store, args.no_crc, app="sos-bench-gateway")
+        spark = open_session(
+            args.state_store, args.no_crc, app="sos-bench-gateway", partitions=args.partitions, changelog=args.changelog
+        )
         timer = BatchTimer(spark)
 
         def on_gateway(proc, ns: str):

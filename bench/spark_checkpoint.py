@@ -73,15 +73,22 @@ class BatchTimer:
         return [d for k, v in self.durations.items() if k.startswith(where + "-") for d in v]
 
 
-def open_session(state_store: str = "hdfs", no_crc: bool = False, app: str = "sos-bench"):
-    """The benchmark's Spark session: local[2], 2 shuffle partitions, otherwise Spark's
-    defaults (``no_crc``: NO_CRC_CONF; ``state_store``: hdfs or rocksdb)."""
+def open_session(
+    state_store: str = "hdfs",
+    no_crc: bool = False,
+    app: str = "sos-bench",
+    partitions: int = 2,
+    changelog: bool = False,
+):
+    """The benchmark's Spark session: local[2], ``partitions`` shuffle partitions (default 2;
+    Spark's own default is 200), otherwise Spark's defaults (``no_crc``: NO_CRC_CONF;
+    ``state_store``: hdfs or rocksdb; ``changelog``: RocksDB's changelog checkpointing)."""
     from pyspark.sql import SparkSession
 
     builder = (
         SparkSession.builder.master("local[2]")
         .appName(app)
-        .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.sql.shuffle.partitions", str(partitions))
         .config("spark.ui.enabled", "false")
         .config("spark.ui.showConsoleProgress", "false")
     )
@@ -90,6 +97,8 @@ def open_session(state_store: str = "hdfs", no_crc: bool = False, app: str = "so
             builder = builder.config("spark.hadoop." + k, v)
     if state_store == "rocksdb":
         builder = builder.config("spark.sql.streaming.stateStore.providerClass", ROCKSDB_PROVIDER)
+        if changelog:
+            builder = builder.config("spark.sql.streaming.stateStore.rocksdb.changelogCheckpointing.enabled", "true")
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     return spark
@@ -134,6 +143,10 @@ def add_query_options(p: argparse.ArgumentParser, *, rounds: int, rounds_help: s
     p.add_argument("--rounds", type=int, default=rounds, help=rounds_help)
     p.add_argument("--records-per-batch", type=int, default=500)
     p.add_argument("--state-store", choices=("hdfs", "rocksdb"), default="hdfs")
+    p.add_argument(
+        "--partitions", type=int, default=2, help="spark.sql.shuffle.partitions (default 2; Spark's default is 200)"
+    )
+    p.add_argument("--changelog", action="store_true", help="RocksDB's changelog checkpointing (with rocksdb)")
 
 
 def local_and_mount(work: str, mnt: str) -> dict:
@@ -228,7 +241,7 @@ def main(argv=None) -> int:
             log_path=os.path.join(work, "mount.log"),
         )
 
-        spark = open_session(args.state_store, args.no_crc)
+        spark = open_session(args.state_store, args.no_crc, partitions=args.partitions, changelog=args.changelog)
         timer = BatchTimer(spark)
         sides = local_and_mount(work, mnt)
         elapsed = alternate(spark, timer, work, sides, args)
