@@ -17,7 +17,6 @@ import trio
 from sos_client.errors import SOSError
 from sos_journal.beneath import clear_directory
 from sos_journal.faces.facade import FenceWatch
-from sos_journal.format import layout
 from sos_journal.read.points import parse_batch
 from sos_journal.rebuild.rollback import RollbackPoint, rollback_rebuild
 from sos_journal.tree.open import ClientFactory, OpenNamespace, default_cache_dir
@@ -45,6 +44,7 @@ from spark_plugin.gateway.serving import (
     serve_gateway,
     webhdfs_view,
 )
+from spark_plugin.gateway.webhdfs.inflight import previous_writer_segment
 from spark_plugin.gateway.workers import WriterGateway, serve_with_workers
 
 __all__ = [
@@ -218,15 +218,9 @@ def report_previous_writer(opened: OpenNamespace, client_factory: ClientFactory 
     try:
         client = client_factory()
         try:
-            segs = [
-                seg
-                for g in layout.scan_listing(client.list(layout.GEN_PREFIX)).values()
-                for seg in g.segments
-                if seg.epoch < writer.epoch and seg.length > 0
-            ]
-            if not segs:
+            last = previous_writer_segment(client, writer.epoch)
+            if last is None:
                 return
-            last = max(segs, key=lambda seg: (seg.generation, seg.first_seq))
             found = server_last_record(client, last.name)
             renewals = last_renewals(client, last.epoch)
         finally:

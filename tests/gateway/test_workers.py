@@ -385,34 +385,10 @@ def test_a_killed_writer_takes_its_workers_with_it_and_a_restart_serves_the_same
 
 
 def test_https_through_the_workers(sos_server, tmp_path):
-    import subprocess
-
     from spark_plugin.gateway.process import GatewayProcess
+    from tests.support import self_signed_cert
 
-    cert, keyf = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            str(keyf),
-            "-out",
-            str(cert),
-            "-days",
-            "2",
-            "-subj",
-            "/CN=127.0.0.1",
-            "-addext",
-            "subjectAltName=IP:127.0.0.1",
-        ],
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
+    cert, keyf = self_signed_cert(tmp_path, "cert", cn="127.0.0.1")
     key = sos_server.keygen("gw", "append")
     g = GatewayProcess(
         "gw",

@@ -38,12 +38,13 @@ from sos_journal.writer.writer import server_last_record
 from spark_plugin.gateway.webhdfs.hdfs import WebHdfsError, hdfs_path
 
 if TYPE_CHECKING:
-    from sos_journal.tree.open import OpenNamespace
+    from sos_journal.tree.open import OpenNamespace, RoleClient
 
 __all__ = [
     "INFLIGHT_FILE",
     "InFlightBatches",
     "predecessor_stopped_cleanly",
+    "previous_writer_segment",
     "record_clean_stop",
     "scan_in_flight",
     "stopped_name",
@@ -79,6 +80,18 @@ def record_clean_stop(opened: OpenNamespace) -> None:
         log.warning("could not record the clean stop of this gateway on the server: %r", exc)
 
 
+def previous_writer_segment(client: RoleClient, epoch: int) -> layout.SegmentInfo | None:
+    """The newest journal segment holding records of a writer older than ``epoch`` (the
+    writer a writer of ``epoch`` fenced), or None."""
+    segs = [
+        seg
+        for g in layout.scan_listing(client.list(layout.GEN_PREFIX)).values()
+        for seg in g.segments
+        if seg.epoch < epoch and seg.length > 0
+    ]
+    return max(segs, key=lambda seg: (seg.generation, seg.first_seq)) if segs else None
+
+
 def predecessor_stopped_cleanly(opened: OpenNamespace) -> bool:
     """Whether the writer this one fenced (the epoch just below its own, the newest segment's)
     stopped cleanly at the last record the server holds of it (:func:`record_clean_stop`)."""
@@ -88,16 +101,8 @@ def predecessor_stopped_cleanly(opened: OpenNamespace) -> bool:
     try:
         client = factory()
         try:
-            segs = [
-                seg
-                for g in layout.scan_listing(client.list(layout.GEN_PREFIX)).values()
-                for seg in g.segments
-                if seg.epoch < writer.epoch and seg.length > 0
-            ]
-            if not segs:
-                return False
-            last = max(segs, key=lambda seg: (seg.generation, seg.first_seq))
-            if last.epoch != writer.epoch - 1:  # a writer between (fenced, nothing shipped)
+            last = previous_writer_segment(client, writer.epoch)
+            if last is None or last.epoch != writer.epoch - 1:  # a writer between (fenced, nothing shipped)
                 return False
             found = server_last_record(client, last.name)
             name = stopped_name(last.epoch)
