@@ -39,6 +39,10 @@ SOAK_ARGS = [
     "2",
     "--stall-timeout",
     "150",
+    # the mount's barriers wait for the bucket, so the disk event deletes the server's disk
+    # without freezing the writer or waiting for the bucket: RPO 0 still (issue 29)
+    "--durability",
+    "tier",
 ]
 #: a run's bound: the events plus the start and the drain
 SOAK_TIMEOUT = 300 + 20 * KILLS
@@ -99,6 +103,7 @@ def test_crash_loop_exactly_once(tmp_path):
     assert result["violations"] == [], "\n".join(lines[-40:])
     assert proc.returncode == 0, "\n".join(lines[-40:])
     assert result["kill_events"] == KILLS, result
+    assert result["durability"] == "tier", result
     for kind in ("server", "mount", "driver", "all", "disk"):
         assert result["kills"][kind] >= 1, (kind, result["kills"])
     assert result["restores"]["sos-restore"] >= 1 and result["restores"]["empty-cache"] >= 1, result["restores"]
