@@ -326,3 +326,36 @@ def test_a_committed_state_the_query_cannot_load_is_a_violation(tmp_path):
         soak.driver.wait()
         soak.driver = None
         soak.cleanup()
+
+
+def test_durability_tier_gives_the_server_a_bucket_and_the_mount_tier_barriers(tmp_path):
+    """``--durability tier``: the server runs with --tier even without disk events, and the
+    mode is reported; anything but server or tier is refused before anything starts."""
+    from tools.soak import Soak, main
+
+    kw = dict(
+        duration=1,
+        seed=0,
+        rows=5,
+        max_kills=None,
+        weights={"server": 1, "mount": 1, "driver": 1, "all": 1, "disk": 0},
+        state_store="hdfs",
+        ahead=0,
+        stall_timeout=60,
+        delay=(0, 0),
+        quiet=True,
+    )
+    tier = Soak(workdir=str(tmp_path / "t"), durability="tier", **kw)
+    server = Soak(workdir=str(tmp_path / "s"), **kw)
+    try:
+        assert tier.store is not None and "--tier" in tier.server.args
+        assert server.store is None and "--tier" not in server.server.args
+        assert tier.summary()["durability"] == "tier" and server.summary()["durability"] == "server"
+    finally:
+        tier.cleanup()
+        server.cleanup()
+    with pytest.raises(ValueError, match="durability"):
+        Soak(workdir=str(tmp_path / "x"), durability="bucket", **kw)
+    with pytest.raises(SystemExit) as exc:
+        main(["--durability", "bucket", "--workdir", str(tmp_path / "y")])
+    assert exc.value.code == 2
