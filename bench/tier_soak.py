@@ -224,9 +224,10 @@ def main(argv: list[str] | None = None) -> int:
                 f" {args.batch:g} s, {args.minutes:g} min; sos-server --tier {URL} {' '.join(args.server_arg)}"
             )
             print(
-                "| min | batches | flushes | PUTs | objects | most pieces (object) | mean | in flushed | v1/log | left |"
+                "| min | batches | flushes | PUTs | objects | most pieces (object) | most compacted | lease |"
+                " mean | in flushed | v1/log | left |"
             )
-            print("|---|---|---|---|---|---|---|---|---|---|")
+            print("|---|---|---|---|---|---|---|---|---|---|---|---|")
             rows = []
             end = t0 + 60 * args.minutes
             while True:
@@ -278,12 +279,33 @@ def report(args, rows: list[dict], m0: dict, m1: dict, elapsed: float, cpu: floa
         f"server CPU {cpu:.1f} s = {1000 * cpu / max(1, load.batches):.1f} ms per batch;"
         f" load average {os.getloadavg()[0]:.1f}"
     )
-    for col, what in (("max", "pieces (flushed or compacted)"), ("compacted", "compacted pieces")):
-        cut = len(rows) - max(1, len(rows) // 3)
-        early = max((r[col] for r in rows[:cut]), default=0)
-        late = max((r[col] for r in rows[cut:]), default=0)
-        verdict = "no new high in the last third" if cut and late <= early else "a new high in the last third"
-        print(f"most {what} per object: {early} before the last third of the rows, {late} in it ({verdict})")
+    cut = len(rows) - max(1, len(rows) // 3)
+    early = max((r["compacted"] for r in rows[:cut]), default=0)
+    late = max((r["compacted"] for r in rows[cut:]), default=0)
+    verdict = "no new high in the last third" if cut and late <= early else "a new high in the last third"
+    print(f"most compacted pieces per object: {early} before the last third of the rows, {late} in it ({verdict})")
+    per_pass = d("sos_tier_flushes_total") / elapsed * compact_seconds(args.server_arg)
+    print(
+        f"most pieces per object a reader saw: {max((r['max'] for r in rows), default=0)} (the compacted ones and"
+        f" those in flushed objects waiting for the next compaction pass: ~{per_pass:.0f} flushes per pass)"
+    )
+    hist = sorted(
+        (float(k.split('le="')[1].split('"')[0]), v)
+        for k, v in m1.items()
+        if k.startswith("sos_tier_object_pieces_bucket")
+    )
+    cum = ", ".join(f"<={le:g}: {v:.0f}" for le, v in hist)
+    print(f"sos_tier_object_pieces (pieces per object each compaction wrote), cumulative: {cum}")
+
+
+def compact_seconds(server_args: list[str]) -> float:
+    """The server's --tier-compact in seconds (its default 30 s unless ``server_args`` say)."""
+    from sos_wire import argtypes
+
+    for a in server_args:
+        if a.startswith("--tier-compact="):
+            return float(argtypes.duration(a.split("=", 1)[1]))
+    return 30.0
 
 
 if __name__ == "__main__":
