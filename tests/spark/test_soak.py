@@ -19,11 +19,12 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-#: 6 events: seed 7382 draws, with these weights (the draws do not depend on timing), a
-#: server kill, a total loss restored with `sos restore`, a driver kill, a total loss
-#: restored by a mount on an empty cache, a mount kill and one loss of the server's disk (a
-#: replacement server rebuilds from the tier's bucket). Cheap server and mount kills
-#: dominate a longer run (SOS_SOAK_KILLS), as before.
+#: 6 events: seed 7382 draws, with these weights (the draws do not depend on timing nor on
+#: the durability), a server kill, a total loss restored with `sos restore`, a driver kill, a
+#: total loss restored by a mount on an empty cache, a mount kill and one loss of the server's
+#: disk (a replacement server rebuilds from the tier's bucket). With `--durability tier` that
+#: loss strikes with the mount's writer running, nothing waited for (issue 29). Cheap server
+#: and mount kills dominate a longer run (SOS_SOAK_KILLS), as before.
 KILLS = max(6, int(os.environ.get("SOS_SOAK_KILLS", "6")))
 SOAK_ARGS = [
     "--duration",  # the events end the run (--max-kills), not the clock: a slow machine gets them all
@@ -39,6 +40,10 @@ SOAK_ARGS = [
     "2",
     "--stall-timeout",
     "150",
+    # the mount's barriers wait for the bucket, so the disk event deletes the server's disk
+    # without freezing the writer or waiting for the bucket: RPO 0 still (issue 29)
+    "--durability",
+    "tier",
 ]
 #: a run's bound: the events plus the start and the drain
 SOAK_TIMEOUT = 300 + 20 * KILLS
@@ -99,6 +104,7 @@ def test_crash_loop_exactly_once(tmp_path):
     assert result["violations"] == [], "\n".join(lines[-40:])
     assert proc.returncode == 0, "\n".join(lines[-40:])
     assert result["kill_events"] == KILLS, result
+    assert result["durability"] == "tier", result
     for kind in ("server", "mount", "driver", "all", "disk"):
         assert result["kills"][kind] >= 1, (kind, result["kills"])
     assert result["restores"]["sos-restore"] >= 1 and result["restores"]["empty-cache"] >= 1, result["restores"]
@@ -321,3 +327,36 @@ def test_a_committed_state_the_query_cannot_load_is_a_violation(tmp_path):
         soak.driver.wait()
         soak.driver = None
         soak.cleanup()
+
+
+def test_durability_tier_gives_the_server_a_bucket_and_the_mount_tier_barriers(tmp_path):
+    """``--durability tier``: the server runs with --tier even without disk events, and the
+    mode is reported; anything but server or tier is refused before anything starts."""
+    from tools.soak import Soak, main
+
+    kw = dict(
+        duration=1,
+        seed=0,
+        rows=5,
+        max_kills=None,
+        weights={"server": 1, "mount": 1, "driver": 1, "all": 1, "disk": 0},
+        state_store="hdfs",
+        ahead=0,
+        stall_timeout=60,
+        delay=(0, 0),
+        quiet=True,
+    )
+    tier = Soak(workdir=str(tmp_path / "t"), durability="tier", **kw)
+    server = Soak(workdir=str(tmp_path / "s"), **kw)
+    try:
+        assert tier.store is not None and "--tier" in tier.server.args
+        assert server.store is None and "--tier" not in server.server.args
+        assert tier.summary()["durability"] == "tier" and server.summary()["durability"] == "server"
+    finally:
+        tier.cleanup()
+        server.cleanup()
+    with pytest.raises(ValueError, match="durability"):
+        Soak(workdir=str(tmp_path / "x"), durability="bucket", **kw)
+    with pytest.raises(SystemExit) as exc:
+        main(["--durability", "bucket", "--workdir", str(tmp_path / "y")])
+    assert exc.value.code == 2

@@ -19,7 +19,10 @@ at random moments drawn from a seeded RNG, SIGKILLs:
   embedded in the harness; the keys from a backup copy) rebuilds the namespace from the
   bucket before it listens, and the mount's writer reconnects to it. The writer is frozen
   (SIGSTOP) until the bucket holds everything the server acknowledged: without
-  ``--durability tier`` the upload lag would go with the disk;
+  ``--durability tier`` the upload lag would go with the disk. With ``--durability tier``
+  (the mount's, or the gateways' in ``--cluster``; the server always runs with ``--tier``
+  then) nothing is frozen or waited for: the disk goes at a random moment, mid-flush or
+  mid-barrier, and every barrier the writer saw return must be in the bucket (RPO 0);
 - ``all``: server, mount and driver at once, then the worker is lost: mount point, cache
   and spool are deleted; recovery is either ``sos restore`` into a fresh directory (checked)
   followed by a mount on an empty cache, or directly a mount on an empty cache. The spare

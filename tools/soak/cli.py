@@ -70,6 +70,7 @@ def main(argv=None) -> int:
         stall_timeout=args.stall_timeout,
         delay=tuple(args.delay),
         standby=args.standby,
+        durability=args.durability,
     )
     code, result = _run(soak)
     report(result, cls.KINDS, cluster=args.cluster, code=code, work=work, keep=args.keep)
@@ -126,6 +127,15 @@ def _parser() -> argparse.ArgumentParser:
         action="store_false",
         help="start every replacement driver cold (default: keep one warm spare "
         "driver process with its SparkSession up to replace a killed driver)",
+    )
+    p.add_argument(
+        "--durability",
+        choices=("server", "tier"),
+        default="server",
+        help="the mount's (--cluster: the gateways') --durability (default server). tier: "
+        "the server runs with --tier on a bucket (moto's S3 server) and every barrier "
+        "returns once the bucket holds it, so a disk event deletes the server's disk at a "
+        "random moment without freezing the writer or waiting for the bucket (RPO 0 still)",
     )
     p.add_argument("--workdir", help="work directory (default: a new temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the work directory on success")

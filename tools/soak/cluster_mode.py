@@ -125,6 +125,7 @@ class ClusterSoak(Soak):
                 start_timeout=300,
                 debug=self.gateway_debug,
                 log_path=os.path.join(self.paths["logs"], f"gateway{self.gateway_n}.log"),
+                durability=self.durability,
             )
             try:
                 gw.start()

@@ -40,6 +40,23 @@ def ServerProc(data_dir: str, log_path: str, tier: str | None = None) -> ServerP
     )
 
 
+def signal_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a driver and every process it started (its own session), without waiting:
+    :func:`tools.demo_common.kill_tree` reaps it later."""
+    if proc.poll() is not None:
+        return
+    pids = [proc.pid]
+    with contextlib.suppress(Exception):
+        import psutil
+
+        pids += [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def percentiles(xs: list[float]) -> list[float]:
     """[p50, p99] of ``xs`` (nearest rank), rounded to 0.1 s."""
     xs = sorted(xs)
@@ -69,6 +86,7 @@ class Soak(Checks):
         delay: tuple[float, float],
         quiet: bool = False,
         standby: bool = True,
+        durability: str = "server",
     ):
         self.duration = duration
         self.seed = seed
@@ -82,6 +100,11 @@ class Soak(Checks):
         self.stall_timeout = stall_timeout
         self.delay = delay
         self.quiet = quiet
+        if durability not in ("server", "tier"):
+            raise ValueError(f"durability {durability!r}: one of server, tier")
+        #: the writer's (mount's, gateway's) --durability; "tier": the server runs with
+        #: --tier and a barrier returns once the bucket holds it (RPO 0 with the disk lost)
+        self.durability = durability
         self._init_files(workdir)
         self.t0 = time.monotonic()
         self._init_processes(standby)
@@ -104,9 +127,11 @@ class Soak(Checks):
     def _init_processes(self, standby: bool) -> None:
         """The server (not started yet), and no mount, worker or driver so far."""
         p = self.paths
-        # with ``disk`` events the server copies every acknowledged byte to a bucket (--tier)
-        # on moto's S3 server in this process, so that a replacement can rebuild from it
-        self.store = EmbeddedStore(p["aws"]) if self.weights.get("disk", 0) > 0 else None
+        # with ``disk`` events (or tier durability) the server copies every acknowledged byte
+        # to a bucket (--tier) on moto's S3 server in this process, so that a replacement can
+        # rebuild from it
+        tiered = self.weights.get("disk", 0) > 0 or self.durability == "tier"
+        self.store = EmbeddedStore(p["aws"]) if tiered else None
         self.server = ServerProc(
             p["server-data"], os.path.join(p["logs"], "server.log"), self.store.url if self.store else None
         )
@@ -259,6 +284,7 @@ class Soak(Checks):
                 cache_dir=os.path.join(self.worker_dir, "cache"),
                 timeout=300,
                 log_path=os.path.join(self.paths["logs"], f"mount{self.mount_n}.log"),
+                durability=self.durability,
             )
         except Exception as exc:
             raise HarnessError(f"sos mount #{self.mount_n} did not start: {exc}") from exc
@@ -383,10 +409,22 @@ class Soak(Checks):
         if self.driver is not None and self.acked_max > self._standby_after:
             self.standby, self.standby_ctl = self._spawn_driver()
 
-    def kill_driver(self) -> None:
+    def kill_driver(self, wait: bool = True) -> None:
+        """SIGKILL the driver and its JVM; ``wait``: until they are gone. Not waiting is for a
+        total loss: a thread of the driver inside a call on the mount (a barrier waiting for
+        the killed server) cannot die before the mount answers or dies, so the waiting comes
+        after the mount's kill (:meth:`reap_driver`)."""
         if self.driver is not None:
             if self.driver.poll() is None:
                 self.processes_killed["driver"] += 1
+            if wait:
+                kill_tree(self.driver)
+            else:
+                signal_tree(self.driver)
+
+    def reap_driver(self) -> None:
+        """Wait for a driver :meth:`kill_driver` signalled without waiting."""
+        if self.driver is not None:
             kill_tree(self.driver)
 
     # ------------------------------------------------------------------ events
@@ -416,14 +454,22 @@ class Soak(Checks):
         (the upload lag, about ``--tier-interval``), and those may be committed batches: so
         the journal's writer is frozen (SIGSTOP) wherever the query is, the bucket catches up
         with everything the server acknowledged, and only then does the disk go. The writer
-        is thawed once the replacement listens and reconnects to it on its own."""
+        is thawed once the replacement listens and reconnects to it on its own.
+
+        With ``--durability tier`` nothing waits: the disk goes wherever the writer and the
+        bucket are (mid-flush, mid-barrier); every barrier the writer saw returned is in the
+        bucket, so the check after it must still find every committed batch (RPO 0)."""
         assert self.store is not None, "disk events need the tier (weights: disk > 0)"
         pid = self.server.proc.pid
         writer = self.writer_pid()
         boots = self.server.log_text().count('"tier bootstrap"')
-        os.kill(writer, signal.SIGSTOP)
+        frozen = self.durability != "tier"
+        waited = 0.0
+        if frozen:
+            os.kill(writer, signal.SIGSTOP)
         try:
-            waited = wait_tier_drained(self.server, NAMESPACE, timeout=min(self.stall_timeout, 120))
+            if frozen:
+                waited = wait_tier_drained(self.server, NAMESPACE, timeout=min(self.stall_timeout, 120))
             self.server.kill()
             self.processes_killed["server-disk"] += 1
             shutil.rmtree(self.paths["server-data"])
@@ -433,17 +479,22 @@ class Soak(Checks):
             took = time.monotonic() - t
             self.bootstraps.append(took)
         finally:
-            os.kill(writer, signal.SIGCONT)
+            if frozen:
+                os.kill(writer, signal.SIGCONT)
         if self.server.log_text().count('"tier bootstrap"') != boots + 1:
             raise Violation(
                 "the replacement server on an empty data directory did not rebuild "
                 "from the bucket (no tier bootstrap in its log)"
             )
         verdict = self.check(self.view(), "after the server's disk was lost")
+        how = (
+            f"writer pid {writer} frozen, the bucket caught up in {waited:.1f}s; "
+            if frozen
+            else f"writer pid {writer} running (durability tier, no wait for the bucket); "
+        )
         return (
-            f"writer pid {writer} frozen, the bucket caught up in {waited:.1f}s; server pid "
-            f"{pid} SIGKILLed and its data directory deleted; a replacement on an empty one "
-            f"rebuilt from the bucket and listened in {took:.1f}s; check: {verdict}"
+            f"{how}server pid {pid} SIGKILLed and its data directory deleted; a replacement on "
+            f"an empty one rebuilt from the bucket and listened in {took:.1f}s; check: {verdict}"
         )
 
     def kill_mount(self) -> str:
@@ -482,7 +533,9 @@ class Soak(Checks):
         order = ["server", "mount", "driver"]
         self.rng.shuffle(order)
         mode = self.rng.choice(("sos-restore", "empty-cache"))
-        self.kill_in_order(order, {"mount": self.kill_mount_only, "driver": self.kill_driver})
+        self.kill_in_order(order, {"mount": self.kill_mount_only, "driver": lambda: self.kill_driver(wait=False)})
+        self.kill_mount_only()  # (killed already) lets a driver stuck on the mount die
+        self.reap_driver()
         self.driver = None
         self.drop_mount()
         shutil.rmtree(self.worker_dir)  # the worker is gone: mount point, cache, spool
@@ -740,6 +793,7 @@ class Soak(Checks):
         return {
             "ok": not self.violations,
             "seed": self.seed,
+            "durability": self.durability,
             "duration_s": round(self.elapsed(), 1),
             "kill_events": sum(self.kills.values()),
             "kills": dict(self.kills),
@@ -773,15 +827,16 @@ class Soak(Checks):
 
     def cleanup(self) -> None:
         """Kill what is left, unmount. Safe to call twice."""
-        if self.driver is not None:
-            kill_tree(self.driver)
-            self.driver = None
-        if self.standby is not None:
-            kill_tree(self.standby)
-            self.standby = None
+        for proc in (self.driver, self.standby):
+            if proc is not None:
+                signal_tree(proc)  # reaped once the mount is gone (kill_driver)
         if self.mount is not None:
             self.mount.kill()
             self.mount = None
+        for proc in (self.driver, self.standby):
+            if proc is not None:
+                kill_tree(proc)
+        self.driver = self.standby = None
         self.server.kill()
         if self.store is not None:
             self.store.stop()

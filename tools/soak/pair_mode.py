@@ -96,6 +96,7 @@ class PairSoak(ClusterSoak):
                 start_timeout=300,
                 debug=self.gateway_debug,
                 extra_args=args,
+                durability=self.durability,
                 log_path=os.path.join(
                     self.paths["logs"], f"gateway{self.gateway_n}{'-standby' if standby else ''}.log"
                 ),
