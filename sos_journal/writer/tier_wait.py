@@ -17,11 +17,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from sos_client.errors import TierUnavailable
+from sos_client.errors import SOSError, TierUnavailable
 from sos_client.retry import Backoff, retrying
 from sos_journal.errors import JournalError, JournalTierBehind, JournalTierUnavailable, WriterClosed
 from sos_journal.format import layout
 from sos_journal.store import ListedObject, StoreClient, close_quietly, is_retryable
+from sos_wire.errors import ErrorCode
 
 __all__ = ["DURABILITIES", "TierDurability"]
 
@@ -195,6 +196,14 @@ class TierDurability:
             except JournalError:
                 raise
             except Exception as e:
+                if _not_durable_yet(e):
+                    # a replacement server (its disk lost, rebuilt from the bucket) holds less
+                    # of the object than this writer waits for until the replicator has resent
+                    # the rest: asked again after that, within the patience (protocol.md 1.11
+                    # TIER_WAIT rule 3)
+                    last = e
+                    self._sleep(backoff.next(), deadline)
+                    continue
                 if not is_retryable(e):
                     raise JournalError(
                         f"barrier: waiting for the tier to hold {name} up to {length}: {type(e).__name__}: {e}"
@@ -215,3 +224,14 @@ class TierDurability:
         if deadline is not None:
             delay = min(delay, max(0.0, deadline - time.monotonic()))
         self.stop.wait(delay)
+
+
+def _not_durable_yet(exc: BaseException) -> bool:
+    """What a replacement server answers a TIER_WAIT before this writer's resend reached it:
+    BAD_REQUEST for an offset beyond what it holds durably, NOT_FOUND for an object it does
+    not hold yet (protocol.md 1.11 TIER_WAIT)."""
+    if not isinstance(exc, SOSError):
+        return False
+    return exc.code == ErrorCode.NOT_FOUND or (
+        exc.code == ErrorCode.BAD_REQUEST and "beyond the durable length" in str(exc)
+    )
