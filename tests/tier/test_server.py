@@ -263,9 +263,12 @@ def test_store_unreachable_appends_go_on_lag_grows_and_drains(sos_server_factory
     )
     wait_for(lambda: "lag back under" in srv.log_text(), what="the recovery log line")
     assert "uploads work again" in srv.log_text()
+    # the marker that failed is written once the store is back (with a flush of its own, which
+    # may land after the backlog's)
+    wait_for(lambda: bucket(url, "out").fence == 2, what="the fence marker in the store")
     state = bucket(url, "out")
     assert state.all_problems() == [] and state.objects["log"].length == length
-    assert state.fence == 2  # the marker that failed was written once the store was back
+    assert state.fence == 2
 
 
 def test_sigkill_mid_upload_nothing_lost_duplicated_or_overwritten(sos_server_factory, new_bucket):
