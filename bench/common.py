@@ -16,10 +16,30 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator
 
 #: the bucket every moto-backed benchmark writes to
 BUCKET = "bench"
+
+
+def scrape(srv) -> dict[str, float]:
+    """The Prometheus series of a server started with ``--metrics`` (``srv.metrics_address``)."""
+    with urllib.request.urlopen(f"http://{srv.metrics_address}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            k, _, v = line.rpartition(" ")
+            out[k] = float(v)
+    return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` so far, from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def free_port() -> int:

@@ -22,30 +22,12 @@ import statistics
 import sys
 import threading
 import time
-import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.common import add_server_arg, doc_parser, moto_work  # noqa: E402
+from bench.common import add_server_arg, cpu_seconds, doc_parser, moto_work, scrape  # noqa: E402
 from sos_wire import argtypes  # noqa: E402
-
-
-def scrape(srv) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://{srv.metrics_address}/metrics", timeout=30) as r:
-        text = r.read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            k, _, v = line.rpartition(" ")
-            out[k] = float(v)
-    return out
-
-
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def query(srv, ns: str, durability: str, stop: threading.Event, work: str, out: dict) -> None:

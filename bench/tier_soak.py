@@ -28,14 +28,13 @@ import shutil
 import sys
 import threading
 import time
-import urllib.request
 
 import requests
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.common import add_server_arg, doc_parser, free_port, moto_work  # noqa: E402
+from bench.common import add_server_arg, cpu_seconds, doc_parser, free_port, moto_work, scrape  # noqa: E402
 
 NS = "soak"
 URL = "s3://bench/sos"
@@ -45,23 +44,6 @@ OPS = ("put", "get", "list", "delete")
 def req(op: str) -> str:
     """The metric of the store's requests of one operation."""
     return 'sos_tier_requests_total{op="' + op + '"}'
-
-
-def scrape(srv) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://{srv.metrics_address}/metrics", timeout=30) as r:
-        text = r.read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            k, _, v = line.rpartition(" ")
-            out[k] = float(v)
-    return out
-
-
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class Load:
