@@ -16,19 +16,13 @@ import textwrap
 
 import pytest
 
+from tests.support import PEAK_RSS_KIB
+
 GIB = 1 << 30
 RSS_BOUND = 200 << 20  # honest: measured ~40-45 MB here; the file is 1024 MB
 
-PEAK_RSS = textwrap.dedent("""
-    def peak_rss():
-        # VmHWM belongs to this process's own address space.  ru_maxrss does not: Linux
-        # carries the parent's high-water mark across fork/vfork + exec, so a child of a
-        # big pytest process reports the parent's peak (seen: 333 MB in a full CI run).
-        with open("/proc/self/status") as f:
-            return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:"))
-""")
 
-WRITE_SCRIPT = PEAK_RSS + textwrap.dedent("""
+WRITE_SCRIPT = PEAK_RSS_KIB + textwrap.dedent("""
     import hashlib, os, sys
     from sos_client import Client
     from sos_journal import JournalWriter, JournaledTree
@@ -49,16 +43,16 @@ WRITE_SCRIPT = PEAK_RSS + textwrap.dedent("""
             t.sync()  # an fsync now and then, like a closing writer would
     t.rename("big", "big.done", overwrite=False)  # carried by the close's flush
     t.close()
-    print(h.hexdigest(), peak_rss(), flush=True)
+    print(h.hexdigest(), peak_rss_kib() * 1024, flush=True)
 """)
 
-RESTORE_SCRIPT = PEAK_RSS + textwrap.dedent("""
+RESTORE_SCRIPT = PEAK_RSS_KIB + textwrap.dedent("""
     import sys
     from sos_client import Client
     from sos_journal import restore
     addr, key, ns, target = sys.argv[1:]
     s = restore(lambda: Client(addr, key, ns, timeout=120), ns, target)
-    print(s.bytes, peak_rss(), flush=True)
+    print(s.bytes, peak_rss_kib() * 1024, flush=True)
 """)
 
 

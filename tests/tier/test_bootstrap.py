@@ -29,6 +29,7 @@ from sos_server.tier_bootstrap import (
 from sos_tier.layout import scan, seal_time
 from sos_tier.store import LocalStore, Store
 from sos_tier.uploader import Uploader
+from tests.support import PEAK_RSS_KIB
 from tools.server import ServerProcess
 
 pytest_plugins = ["tests.tier_support"]
@@ -402,14 +403,17 @@ def test_seal_time_is_what_the_marker_says(origin):
     assert seal_time(store, jobs.objects[READY]) == origin.mtimes[("jobs", READY)]
 
 
-_MEASURE = """
-import resource, sys
+_MEASURE = (
+    PEAK_RSS_KIB
+    + """
+import sys
 from sos_tier.store import LocalStore
 from sos_server.tier_bootstrap import bootstrap
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+base = peak_rss_kib()
 r = bootstrap(sys.argv[1], LocalStore(sys.argv[2]), workers=2)
-print(r.total_bytes, base, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+print(r.total_bytes, base, peak_rss_kib())
 """
+)
 
 
 def test_a_large_object_is_rebuilt_in_bounded_memory(tmp_path):
