@@ -180,6 +180,20 @@ def _reveal(paths: list[str]) -> list[str]:
 
 
 @pytest.fixture
+def tmp_path():
+    """This module's tests' directory: outside pytest's base temporary directory, whose root
+    (/tmp/pytest-of-root) every pytest process that starts closes to others again (0700),
+    also while a sandbox of uid 10001 here is reading its key file below it (seen: another
+    xdist worker's first test, "Permission denied"). Under /tmp, open to traversal only."""
+    import tempfile
+
+    path = pathlib.Path(tempfile.mkdtemp(prefix="sos-test-deploy-"))
+    os.chmod(path, 0o711)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
 def open_to_others():
     """pytest makes its temporary directories 0700, and /tmp/pytest-of-root too (it closes
     it again at every session start): let uid 10001 traverse (o+x, no listing) from a path
