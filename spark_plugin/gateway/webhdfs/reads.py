@@ -52,7 +52,8 @@ class ReadOperations(NamespaceCore):
     """The read-only answers (module docstring)."""
 
     def get_file_status(self, rel: str) -> dict:
-        with self._cache() as at:
+        at = self._walk()  # (what _cache yields, without its context manager: every request's)
+        try:
             st = self._require(rel, at)
             children = None
             if stat_mod.S_ISDIR(st.st_mode):
@@ -60,6 +61,8 @@ class ReadOperations(NamespaceCore):
                     children = len(at.listdir(rel))
                 except OSError:
                     children = 0
+        finally:
+            at.close()
         return {"FileStatus": file_status(st, "", self.owner, self.group, children)}
 
     def _entries(self, rel: str) -> list[dict]:
