@@ -8,12 +8,14 @@ over two reads, a fast request followed by one h11 reads, ``Connection: close``)
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import h11
 import pytest
 
-from spark_plugin.gateway.http.connection import FAST_HEAD, parse_fast_head
+from spark_plugin.gateway.http.connection import FAST_HEAD, json_body, parse_fast_head
+from spark_plugin.gateway.webhdfs.hdfs import file_status, file_status_json
 from tests.gateway.test_http_hostile import closed_after, connect, port_of, read_reply, start_gateway, token_for
 
 HADOOP_GET = (
@@ -450,3 +452,13 @@ def test_the_read_lane_refuses_what_the_full_path_refuses(gw):
         assert status == 400 and headers.get("connection") == "close"
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("owner", ["sos", "spark", 'caf\u00e9 "q" \\ \u2603'])
+def test_the_read_lanes_file_status_is_the_json_encoders_byte_for_byte(tmp_path, owner):
+    (tmp_path / "f").write_bytes(b"x" * 1234)
+    (tmp_path / "d").mkdir(mode=0o1750)
+    for name, children in (("f", None), ("d", 0), ("d", 17)):
+        st = os.lstat(tmp_path / name)
+        want = json_body({"FileStatus": file_status(st, "", owner, owner + "g", children)})
+        assert file_status_json(st, owner, owner + "g", children) == want

@@ -452,7 +452,7 @@ class Gateway:
             status = 200
             if body is None:
                 try:
-                    body = json_body(self.ns.get_file_status(rel))
+                    body = self.ns.file_status_body(rel)
                 except WebHdfsError as exc:
                     if exc.status >= 500:
                         return False
