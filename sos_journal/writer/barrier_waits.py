@@ -44,7 +44,8 @@ class Barriers(WriterState):
         with self._cv:
             if self.durability != "server":
                 return None
-            if self._durable(self._seq if seq is None else seq):
+            target = self._seq if seq is None else seq
+            if self._durable(target):
                 return True
             if (
                 self._error is not None
@@ -54,6 +55,7 @@ class Barriers(WriterState):
                 or not self._thread.is_alive()
             ):
                 return None
+            self._want(target)  # the caller waits for it: nothing of it is held back
             return False
 
     def barrier(self, seq: int | None = None, timeout: float | None = None) -> None:
@@ -99,6 +101,7 @@ class Barriers(WriterState):
         with self._cv:
             target = self._seq if seq is None else seq
             while not self._durable(target):
+                self._want(target)
                 if self._error is not None:
                     self._check_usable()
                 if self._thread is None or not self._thread.is_alive():

@@ -100,17 +100,46 @@ class Replicator(WriterState):
                 return ("seal", s)
         return None
 
+    def _hold(self, task: _Task, until: float) -> float:
+        """With the lock held: how long to hold ``task`` back still (0: do it now). A ship
+        waits up to :attr:`linger` after the replicator found it (``until``) while no barrier
+        waits for a record (``_wanted``), the writer is not closing and the spool is far from
+        its lag bound: the records appended meanwhile go in the same round, one APPEND round
+        trip (and one wake-up of the writer's threads) for several changes."""
+        if task[0] != "ship" or self._closed or self._wanted > self._acked:
+            return 0.0
+        if 2 * self._unshipped() > self.max_lag_bytes:
+            return 0.0
+        return max(0.0, until - time.monotonic())
+
+    def _next_due(self) -> _Task | None:
+        """With the lock held: the next task, once it is due (:meth:`_hold`); None when the
+        writer failed or closed with nothing left to do."""
+        until = time.monotonic() + self.linger
+        while self._error is None:
+            task = self._next_task()
+            if task is None:
+                if self._closed:
+                    return None
+                self._cv.wait()
+                until = time.monotonic() + self.linger
+                continue
+            held = self._hold(task, until) if self.linger > 0 else 0.0
+            if held <= 0:
+                return task
+            self._lingering = True
+            try:
+                self._cv.wait(held)
+            finally:
+                self._lingering = False
+        return None
+
     def _run(self) -> None:
         client = None
         backoff = Backoff(self.max_backoff)
         while True:
             with self._cv:
-                task = None
-                while self._error is None:
-                    task = self._next_task()
-                    if task is not None or self._closed:
-                        break
-                    self._cv.wait()
+                task = self._next_due()
                 if task is None:
                     break
             try:

@@ -65,6 +65,13 @@ class WriterState:
         self._failing = False  # the last attempt failed (a retryable error)
         self._wake = threading.Event()  # cuts the replicator's backoff short
         self._admitted = threading.local()  # see JournalWriter.admission()
+        #: seconds the replicator holds back records nobody waits for, so that those appended
+        #: meanwhile go in the same round (0: each goes at once); see Replicator._hold
+        self.linger = 0.0
+        #: the highest sequence number a barrier waits for (or waited for)
+        self._wanted = 0
+        #: the replicator holds back records (appends then do not wake it; barriers do)
+        self._lingering = False
 
         self.is_open = False
         self.epoch = 0
@@ -118,6 +125,14 @@ class WriterState:
         self._segs.append(seg)
         self._cur = seg
         return seg
+
+    def _want(self, target: int) -> None:
+        """With the lock held: a barrier waits for every record up to ``target``: a replicator
+        holding records back ships them now."""
+        if target > self._wanted:
+            self._wanted = target
+            if self._lingering:
+                self._cv.notify_all()
 
     def _durable(self, target: int) -> bool:
         return self._acked >= target and not any(s <= target for _, s in self._pending_ready)

@@ -240,6 +240,7 @@ class JournalWriter(Replicator, Resume, Barriers):
             # in the quota state nothing drains: a change admitted before it began goes on
             # (admit() refuses new ones), rather than waiting with the caller's locks held
             while self._unshipped() > self.max_lag_bytes and self._quota is None:
+                self._want(self._seq)  # (nothing held back while an append waits for room)
                 self._cv.wait(1.0)
                 self._check_usable()
             seq = self._seq + 1
@@ -266,7 +267,8 @@ class JournalWriter(Replicator, Resume, Barriers):
             self._last_time = now
             if not self._in_snapshot:
                 self._gen_bytes += len(data)
-            self._cv.notify_all()
+            if not self._lingering:  # (one that holds records back ships them with this one)
+                self._cv.notify_all()
             return seq
 
     def has_room(self, nbytes: int) -> bool:

@@ -19,11 +19,15 @@ from spark_plugin.gateway.http.connection import (
 )
 from spark_plugin.gateway.http.operations import OPEN_MEMORY
 
-__all__ = ["DRAIN_TIMEOUT", "GatewayOptions"]
+__all__ = ["DRAIN_TIMEOUT", "SHIP_LINGER", "GatewayOptions"]
 
 #: on SIGTERM/SIGINT, the requests in progress get this long to finish (Kubernetes gives
 #: a pod 30 s by default between SIGTERM and SIGKILL)
 DRAIN_TIMEOUT = 25.0
+#: the gateway's writer holds back records no barrier waits for (a checkpoint's state files
+#: under --barrier commit, acknowledged from the spool) this long, so that the changes of
+#: that moment ship in one APPEND round (JournalWriter.linger); a barrier ships at once
+SHIP_LINGER = 0.005
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,7 +119,7 @@ class GatewayOptions:
         (:func:`~sos_journal.tree.open.open_namespace`; ``client_factory``: None, this
         one's): its writer never waits, the gateway's barriers do; ``rebuild`` and
         ``replayed_to`` as there."""
-        return open_namespace(
+        opened = open_namespace(
             self.namespace,
             cache_dir,
             server=self.server,
@@ -131,3 +135,6 @@ class GatewayOptions:
             rebuild=rebuild,
             replayed_to=replayed_to,
         )
+        if opened.writer is not None:  # records no barrier waits for go in shared rounds
+            opened.writer.linger = SHIP_LINGER
+        return opened

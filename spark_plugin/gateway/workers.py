@@ -285,6 +285,10 @@ class WorkerGateway(Gateway):
         conn.granted = False  # counted by the writer, which serves it
         return await self._forward(conn, req)
 
+    def _may_serve_fast(self, conn: Conn) -> bool:
+        self.check_shared()  # (as _dispatch does first)
+        return super()._may_serve_fast(conn)
+
     async def lease_gate(self, conn: Conn, method: str, path: str, grant: TokenInfo) -> int | None:
         """The writer's lease gate (:meth:`LeaseHolder.gate`), from the shared page."""
         _fenced, lost, until = self.shared.read()
@@ -558,6 +562,9 @@ class WriterGateway(Gateway):
         if self._accepting is not None:
             self._accepting.cancel()
         return 0
+
+    def _may_serve_fast(self, conn: Conn) -> bool:
+        return not isinstance(conn, _Internal) and super()._may_serve_fast(conn)
 
     async def _request(self, conn: Conn, req: h11.Request | Head) -> None:
         if isinstance(conn, _Internal):  # the client the worker serves: its redirects' address

@@ -8,12 +8,14 @@ over two reads, a fast request followed by one h11 reads, ``Connection: close``)
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import h11
 import pytest
 
-from spark_plugin.gateway.http.connection import FAST_HEAD, parse_fast_head
+from spark_plugin.gateway.http.connection import FAST_HEAD, json_body, parse_fast_head
+from spark_plugin.gateway.webhdfs.hdfs import file_status, file_status_json
 from tests.gateway.test_http_hostile import closed_after, connect, port_of, read_reply, start_gateway, token_for
 
 HADOOP_GET = (
@@ -133,15 +135,18 @@ def replies(sock, count: int) -> list[tuple[int, dict, bytes]]:
     return [read_reply(sock, buf) for _ in range(count)]
 
 
-def raw_reply(sock) -> bytes:
-    """One whole reply as the bytes sent (head and body)."""
-    got = b""
-    while b"\r\n\r\n" not in got:
-        got += sock.recv(65536)
-    head = got.partition(b"\r\n\r\n")[0].lower()
+def raw_reply(sock, buf: bytearray | None = None) -> bytes:
+    """One whole reply as the bytes sent (head and body); ``buf`` keeps what was read beyond
+    it (a pipelined reply that came in the same read), as read_reply's does."""
+    buf = bytearray() if buf is None else buf
+    while b"\r\n\r\n" not in buf:
+        buf += sock.recv(65536)
+    head = bytes(buf).partition(b"\r\n\r\n")[0].lower()
     length = int(head.partition(b"content-length: ")[2].partition(b"\r\n")[0])
-    while len(got) < len(head) + 4 + length:
-        got += sock.recv(65536)
+    while len(buf) < len(head) + 4 + length:
+        buf += sock.recv(65536)
+    got = bytes(buf[: len(head) + 4 + length])
+    del buf[: len(got)]
     return got
 
 
@@ -352,8 +357,10 @@ def test_chunked_bodies_of_both_paths_write_the_same_files_and_the_connection_go
     try:
         fast_body, slow_body = b"fast\x00body" * 100, b"slow\x00body" * 100
         s.sendall(create_data(gw.token, "d/fast", fast_body) + stat_head(gw.token))
-        fast_reply = raw_reply(s)
-        assert read_reply(s)[0] == 200  # the request pipelined behind the body
+        buf = bytearray()
+        fast_reply = raw_reply(s, buf)
+        assert read_reply(s, buf)[0] == 200  # the request pipelined behind the body
+        assert not buf
         req = create_data(gw.token, "d/slow", slow_body)
         s.sendall(req[:-30])
         time.sleep(0.3)
@@ -371,3 +378,87 @@ def test_chunked_bodies_of_both_paths_write_the_same_files_and_the_connection_go
         assert read_reply(s)[0] == 200
     finally:
         s.close()
+
+
+# ---------------------------------------------------------------------------- the read lane
+
+
+def read_head(token: str, target: str, extra: bytes = b"") -> bytes:
+    return (
+        (
+            f"GET /webhdfs/v1/{target} HTTP/1.1\r\nAuthorization: Bearer {token}\r\nUser-Agent: Java/17.0.15\r\n"
+            "Host: 127.0.0.1\r\nAccept: */*\r\nConnection: keep-alive\r\n"
+        ).encode()
+        + extra
+        + b"\r\n"
+    )
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        "d?op=GETFILESTATUS&user.name=spark",
+        "d/lane?op=GETFILESTATUS&user.name=spark",
+        "d/lane?op=GETFILELINKSTATUS&user.name=spark",
+        "d/lane?op=getfilestatus&OP=GETFILELINKSTATUS",  # the last op, in any case
+        "d/missing?op=GETFILESTATUS&user.name=spark",  # 404
+        "d/lane/under?op=GETFILESTATUS",  # below a file: 404
+        "d/%6Cane?op=GETFILESTATUS",  # percent-encoded: the full path's, the same answer
+        "d/../d?op=GETFILESTATUS",  # refused (400) by the full path
+        "?op=GETSERVERDEFAULTS&user.name=spark",
+        "d?op=GETSERVERDEFAULTS",
+    ],
+)
+def test_the_read_lane_answers_as_the_full_path_byte_for_byte(gw, target):
+    """GETFILESTATUS, GETFILELINKSTATUS and GETSERVERDEFAULTS of a plain head take the
+    gateway's read lane (Gateway._fast_read); a head only h11 reads takes the full path.
+    Both replies are the same bytes (but the access time of what was read), and the
+    connection goes on serving."""
+    s = connect(port_of(gw))
+    try:
+        s.sendall(create_data(gw.token, "d/lane", b"lane" * 300))
+        assert read_reply(s)[0] == 201
+        got = []
+        for extra in (b"", b"X-Note: caf\xe9\r\n", b""):  # lane, full path (h11), lane
+            s.sendall(read_head(gw.token, target, extra))
+            got.append(raw_reply(s))
+        heads = [reply.partition(b"\r\n\r\n")[0] for reply in got]
+        docs = [json.loads(reply.partition(b"\r\n\r\n")[2]) for reply in got]
+        for doc in docs:
+            doc.get("FileStatus", {}).pop("accessTime", None)
+        assert heads[0] == heads[1] == heads[2]
+        assert docs[0] == docs[1] == docs[2]
+        if "SERVERDEFAULTS" in target:
+            assert got[0] == got[1] and docs[0]["FsServerDefaults"]["blockSize"] == 128 << 20
+        s.sendall(stat_head(gw.token))
+        assert read_reply(s)[0] == 200
+    finally:
+        s.close()
+
+
+def test_the_read_lane_refuses_what_the_full_path_refuses(gw):
+    """No token, a forged one, a token beside another Authorization field: the same
+    refusals (401, 400) with or without the lane."""
+    s = connect(port_of(gw))
+    try:
+        for extra in (b"", b"X-Note: caf\xe9\r\n"):
+            s.sendall(read_head("forged.x.y", "d?op=GETFILESTATUS", extra))
+            status, headers, body = read_reply(s)
+            assert status == 401 and "invalid_token" in headers.get("www-authenticate", "")
+        s.sendall(b"GET /webhdfs/v1/d?op=GETSERVERDEFAULTS HTTP/1.1\r\nHost: a\r\nConnection: keep-alive\r\n\r\n")
+        assert read_reply(s)[0] == 401
+        s.sendall(read_head(gw.token, "d?op=GETFILESTATUS", b"Authorization: Bearer " + gw.token.encode() + b"\r\n"))
+        status, headers, _ = read_reply(s)
+        assert status == 400 and headers.get("connection") == "close"
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("owner", ["sos", "spark", 'caf\u00e9 "q" \\ \u2603'])
+def test_the_read_lanes_file_status_is_the_json_encoders_byte_for_byte(tmp_path, owner):
+    (tmp_path / "f").write_bytes(b"x" * 1234)
+    (tmp_path / "d").mkdir(mode=0o1750)
+    for name, children in (("f", None), ("d", 0), ("d", 17)):
+        st = os.lstat(tmp_path / name)
+        want = json_body({"FileStatus": file_status(st, "", owner, owner + "g", children)})
+        assert file_status_json(st, owner, owner + "g", children) == want

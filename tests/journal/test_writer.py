@@ -506,3 +506,34 @@ def test_durable_now_leaves_tier_durability_and_the_quota_state_to_barrier(tmp_p
     t.close()
     tier = JournalWriter(store.factory, "ns", str(tmp_path / "spool-tier"), durability="tier")
     assert tier.durable_now(0) is None  # a TIER_WAIT round trip: barrier() in a thread
+
+
+def test_a_lingering_writer_ships_held_records_in_one_round_when_a_barrier_asks(tmp_path):
+    """JournalWriter.linger (the gateway's): records no barrier waits for are held back so
+    that those appended meanwhile go in one APPEND round; a barrier, durable_now() and
+    close() ship them at once (a linger of an hour here: nothing else would ship them)."""
+    store = MemStore()
+    w, t = make(tmp_path, store)
+    t.create("f")
+    t.sync()
+    w.linger = 3600.0
+    appends = store.calls.count("append")
+    for i in range(3):
+        t.write("f", i, b"abc"[i : i + 1])
+    seq = w.last_seq
+    assert w.acked_seq < seq  # held back: nobody waits for them
+    w.barrier(seq, timeout=WAIT)  # ships them now (else TimeoutError after WAIT)
+    assert store.calls.count("append") == appends + 1  # the three records in one round
+    heard = threading.Event()
+    w.progress_listener = heard.set
+    t.write("f", 3, b"d")
+    seq = w.last_seq
+    for _ in range(1000):  # the gateway's event loop: durable_now, then the listener
+        heard.clear()
+        if w.durable_now(seq):
+            break
+        assert heard.wait(WAIT), "a record durable_now() asked for was held back"
+    assert w.durable_now(seq) is True
+    t.write("f", 4, b"e")
+    t.close()  # ships what is held
+    assert_journal_exact(store, w.last_seq)

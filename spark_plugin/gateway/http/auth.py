@@ -515,6 +515,14 @@ class KeyChecks:
         if not verdict:
             raise KeyRevoked("the SOS server no longer accepts the key of this token (removed, or its role changed)")
 
+    def stands_now(self, info: TokenInfo) -> bool:
+        """True when :meth:`for_bearer` would return at once: the server accepted the
+        token's key, with the token's role, within the last ``recheck`` seconds."""
+        ident = _bearer_ident(info.key_id, info.key_secret)
+        return (
+            len(ident[0]) == 8 and len(info.key_secret) == 32 and self._verdict(ident, info.role, self.recheck) is True
+        )
+
     def _verdict(self, ident: _Ident, role: str, window: float) -> bool | None:
         """True/False: the server's answer of the last ``window`` seconds; None: none."""
         now = self._clock()
@@ -622,6 +630,22 @@ class OAuth2:
             200, json_body({"access_token": token, "token_type": "Bearer", "expires_in": expires_in}), no_store
         )
         return 200
+
+    def bearer_now(self, auth: str) -> TokenInfo | None:
+        """The grant :meth:`bearer` gives a request whose ``Authorization`` field is ``auth``
+        when it gives it at once (a valid token whose key the server accepted within the
+        last key_recheck seconds); None when :meth:`bearer` must tell (a refusal, or a key
+        to ask the server about again)."""
+        if self.insecure:
+            return TokenInfo(self.namespace, "append", 0, "")
+        scheme, _, token = auth.partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            return None
+        grant = self.authority.check(token)
+        if grant is None or not self.key_checks.stands_now(grant):
+            return None
+        return grant
 
     async def bearer(self, headers: dict[str, str]) -> TokenInfo:
         """The grant of a request's ``Authorization: Bearer`` token; 401 without a valid one."""

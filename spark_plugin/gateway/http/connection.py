@@ -92,6 +92,11 @@ _FAST_FIELD = re.compile(rb"([!#$%&'*+.^_`|~0-9A-Za-z-]+):[ \t]*((?:[\x21-\x7e](
 _SLOW_FIELDS = frozenset({b"transfer-encoding", b"expect", b"upgrade", b"te", b"trailer"})
 
 
+#: the head of a reply with no header of its own and no reason phrase to a keep-alive request
+#: of the fast path: what :meth:`Conn._reply_head` (and h11) write for it, byte for byte
+_PLAIN_REPLY = b"HTTP/1.1 %d \r\ncontent-length: %d\r\nconnection: keep-alive\r\nkeep-alive: timeout=1\r\n\r\n"
+
+
 #: (``chunked=True``) a chunked body is read on the fast path only if it is whole, with
 #: its head, in the bytes of the first read, and at most this large
 FAST_BODY = 64 << 10
@@ -103,10 +108,15 @@ class Head:
     """A request head read by the fast path: what the server uses of h11's Request, and the
     request's body when the fast path read it too (``chunked=True``)."""
 
-    __slots__ = ("body", "headers", "method", "target")
+    __slots__ = ("auth", "body", "headers", "method", "target")
 
     def __init__(
-        self, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes | None = None
+        self,
+        method: bytes,
+        target: bytes,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes | None = None,
+        auth: bytes | None = None,
     ) -> None:
         self.method = method
         self.target = target
@@ -114,6 +124,9 @@ class Head:
         self.headers = headers
         #: the whole body of a chunked request (None: the request has no body)
         self.body = body
+        #: the value of its Authorization field if it has exactly one (None: none, or more
+        #: than one: the server's full path answers those)
+        self.auth = auth
 
 
 def _fast_chunked_body(data: bytes, pos: int) -> tuple[bytes, int] | None:
@@ -164,6 +177,8 @@ def parse_fast_head(data: bytes, *, chunked: bool = False) -> tuple[Head, int] |
     headers = []
     hosts = 0
     framing = 0  # Content-Length and Transfer-Encoding fields
+    auths = 0
+    auth = None
     body = None
     for raw in lines[1:]:
         field = _FAST_FIELD.fullmatch(raw)
@@ -180,6 +195,9 @@ def parse_fast_head(data: bytes, *, chunked: bool = False) -> tuple[Head, int] |
             return None
         hosts += name == b"host"
         framing += name in (b"content-length", b"transfer-encoding")
+        if name == b"authorization":
+            auths += 1
+            auth = value
         headers.append((name, value))
     if hosts != 1:
         return None
@@ -191,7 +209,7 @@ def parse_fast_head(data: bytes, *, chunked: bool = False) -> tuple[Head, int] |
         if whole is None:
             return None
         body, used = whole
-    return Head(line.group(1), line.group(2), headers, body), used
+    return Head(line.group(1), line.group(2), headers, body, auth if auths == 1 else None), used
 
 
 def ascii_request_line(line: bytes) -> bytes:
@@ -528,6 +546,13 @@ class Conn:
     async def respond(
         self, status: int, body: bytes = b"", headers: list[tuple[str, str]] | None = None, reason: str = ""
     ) -> None:
+        if self.fast and not headers and not reason and not self.closing:
+            # the usual reply of the fast path: its head from a template (_PLAIN_REPLY)
+            if self.replied:
+                raise ValueError("a second reply to one request")
+            self.replied = True
+            await self.send_bytes(_PLAIN_REPLY % (status, len(body)) + body)
+            return
         hdrs = [(b"content-length", str(len(body)).encode())]
         hdrs += [(k.lower().encode(), v.encode()) for k, v in (headers or [])]
         # head, body and end in one send: one system call (and one TCP segment) per reply

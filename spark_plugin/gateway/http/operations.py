@@ -29,7 +29,7 @@ from spark_plugin.gateway.webhdfs.changes import WRITE_PIECE
 from spark_plugin.gateway.webhdfs.hdfs import WebHdfsError, parse_permission
 from spark_plugin.gateway.webhdfs.namespace import WebHdfsNamespace
 
-__all__ = ["OPERATIONS", "UNSUPPORTED", "Call", "Operations", "check_operation"]
+__all__ = ["OPERATIONS", "SERVER_DEFAULTS_BODY", "UNSUPPORTED", "Call", "Operations", "check_operation"]
 
 WEBHDFS_PREFIX = "/webhdfs/v1"
 #: an OPEN reply is read from the cache and sent in pieces of this size ...
@@ -58,6 +58,8 @@ SERVER_DEFAULTS = {
     }
 }
 
+#: GETSERVERDEFAULTS' reply body, encoded once
+SERVER_DEFAULTS_BODY = json_body(SERVER_DEFAULTS)
 
 #: operations Hadoop's WebHdfsFileSystem knows that the gateway refuses
 #: (UnsupportedOperationException, 400), with why
@@ -183,6 +185,29 @@ def create_flags(params: dict[str, str]) -> tuple[bool, bool]:
     if overwrite and append:
         raise WebHdfsError("HadoopIllegalArgumentException", "Both append and overwrite options cannot be enabled.")
     return overwrite, append
+
+
+#: quote_plus of the parameter names and values of recent redirects (the same few, request
+#: after request: op=CREATE, user.name=spark, overwrite=true, ...), at most QUOTED_MEMORY
+_QUOTED: dict[str, str] = {}
+QUOTED_MEMORY = 4096
+
+
+def urlencode(query: dict[str, str]) -> str:
+    """``urllib.parse.urlencode(query)``, each name and value quoted once per process."""
+    parts = []
+    for pair in query.items():
+        quoted = []
+        for text in pair:
+            got = _QUOTED.get(text)
+            if got is None:
+                got = urllib.parse.quote_plus(text)
+                if len(_QUOTED) >= QUOTED_MEMORY:
+                    _QUOTED.clear()
+                _QUOTED[text] = got
+            quoted.append(got)
+        parts.append("=".join(quoted))
+    return "&".join(parts)
 
 
 @dataclass
@@ -433,9 +458,10 @@ class Operations:
         await self.run(self.ns.set_owner, call.rel, call.params.get("owner", ""), call.params.get("group", ""))
         return None
 
-    @_document
-    async def server_defaults(self, call: Call) -> dict | None:
-        return SERVER_DEFAULTS
+    async def server_defaults(self, call: Call) -> int:
+        await call.conn.read_small_body()
+        await call.conn.respond(200, SERVER_DEFAULTS_BODY)
+        return 200
 
     @_document
     async def check_access(self, call: Call) -> dict | None:
@@ -507,7 +533,7 @@ class Operations:
         query = {k: v for k, v in call.params.items() if k not in ("noredirect", "data")}
         query["data"] = "true"
         path = WEBHDFS_PREFIX + "/" + call.rel
-        return f"{self.base_url()}{urllib.parse.quote(path, errors='surrogateescape')}?{urllib.parse.urlencode(query)}"
+        return f"{self.base_url()}{urllib.parse.quote(path, errors='surrogateescape')}?{urlencode(query)}"
 
     async def _redirect(self, call: Call) -> int:
         """Step 1 (no ``data=true``), checked: 307 to this same URL with ``data=true``

@@ -327,8 +327,7 @@ class ChangeOperations(NamespaceCore):
         data step would be (HDFS's NameNode: AlreadyBeingCreatedException on create), not
         redirected to a step that is bound to fail after the client has sent its body. So is
         any first step while the namespace is over its quota (DSQuotaExceededException)."""
-        with self._admission():
-            pass
+        self._admit_now()
         with self._leases_lock:
             if rel in self._leases:
                 raise WebHdfsError(
@@ -343,20 +342,23 @@ class ChangeOperations(NamespaceCore):
     def check_create(self, rel: str, *, overwrite: bool, create_parent: bool) -> None:
         """The refusals of CREATE that can be told before its body is sent (the quota
         included: no body is sent for nothing)."""
-        with self._admission():
-            pass
+        self._admit_now()
         if rel == "":
             raise WebHdfsError("FileAlreadyExistsException", "/ already exists as a directory")
         refusal = self.inflight.refusal(rel)  # a commit file written in place: as its RENAME
         if refusal is not None:
             raise refusal
-        st = self._stat(rel)
-        if st is not None:
-            if stat_mod.S_ISDIR(st.st_mode):
-                raise WebHdfsError("FileAlreadyExistsException", f"{hdfs_path(rel)} already exists as a directory")
-            if not overwrite:
-                raise WebHdfsError("FileAlreadyExistsException", f"{hdfs_path(rel)} already exists")
-        self._check_parent(rel, create_parent=create_parent)
+        at = self._walk()  # (one walk for both: _cache's, without its context manager)
+        try:
+            st = self._stat(rel, at)
+            if st is not None:
+                if stat_mod.S_ISDIR(st.st_mode):
+                    raise WebHdfsError("FileAlreadyExistsException", f"{hdfs_path(rel)} already exists as a directory")
+                if not overwrite:
+                    raise WebHdfsError("FileAlreadyExistsException", f"{hdfs_path(rel)} already exists")
+            self._check_parent(rel, create_parent=create_parent, at=at)
+        finally:
+            at.close()
 
     def begin_create(self, rel: str, mode: int, *, overwrite: bool, create_parent: bool) -> None:
         """Create (or truncate) ``rel`` and take its lease; the body follows as

@@ -100,6 +100,7 @@ class NamespaceCore:
         #: every request's walk starts from it
         self._root_fd = os.open(self.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         self._root_closer = weakref.finalize(self, os.close, self._root_fd)
+        self._abs_root = os.path.abspath(self.root)
         #: ``--barrier commit`` in sync mode with a writer: state files acknowledged early
         self.early = barrier == "commit" and sync and self.writer is not None
         #: a cache rebuilt from the server by a writer that did not resume a spool (an empty
@@ -115,7 +116,7 @@ class NamespaceCore:
         """Serve the tree at ``root`` (a read worker of ``--workers``: the writer's cache tree)."""
         fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         self._root_closer()  # closes the old descriptor, once
-        self.root, self._root_fd = root, fd
+        self.root, self._root_fd, self._abs_root = root, fd, os.path.abspath(root)
         self._root_closer = weakref.finalize(self, os.close, fd)
 
     def _is_checkpoint(self, rel: str, at: Beneath | None = None) -> bool:
@@ -148,11 +149,15 @@ class NamespaceCore:
         request: a Beneath caches descriptors and is not shared between threads. Each
         directory is resolved in one system call where the kernel can
         (:class:`~spark_plugin.gateway.webhdfs.walk.OneCallWalk`)."""
-        at = OneCallWalk(self.root, root_fd=self._root_fd)
+        at = self._walk()
         try:
             yield at
         finally:
             at.close()
+
+    def _walk(self) -> OneCallWalk:
+        """A new walk of the cache from its root (what :meth:`_cache` yields); the caller closes it."""
+        return OneCallWalk(self._abs_root, root_fd=self._root_fd)
 
     def _stat(self, rel: str, at: Beneath | None = None) -> os.stat_result | None:
         """lstat of ``rel`` if it is a directory or a regular file, else None: missing,
@@ -210,6 +215,15 @@ class NamespaceCore:
             except JournalQuotaExceeded as exc:
                 raise self._quota_refusal(exc) from exc
             yield
+
+    def _admit_now(self) -> None:
+        """``with self._admission(): pass``: a change would be refused for quota now
+        (DSQuotaExceededException), without entering anything."""
+        if self.writer is not None:
+            try:
+                self.writer.admit()
+            except JournalQuotaExceeded as exc:
+                raise self._quota_refusal(exc) from exc
 
     def _quota_refusal(self, exc: BaseException) -> WebHdfsError:
         return WebHdfsError(
@@ -290,6 +304,12 @@ class NamespaceCore:
     def _check_parent(self, rel: str, *, create_parent: bool, at: Beneath | None = None) -> list[str]:
         """The missing ancestors of ``rel`` (outermost first); refuses a file in the way,
         or a missing parent when ``create_parent`` is false."""
+        parent = rel.rpartition("/")[0]
+        if parent:  # the usual case first: a parent that is a directory (so is every ancestor:
+            # its walk goes through directories only, never a link), in one lstat
+            st = self._stat(parent, at)
+            if st is not None and stat_mod.S_ISDIR(st.st_mode):
+                return []
         parts = rel.split("/")[:-1]
         missing: list[str] = []
         for i in range(1, len(parts) + 1):

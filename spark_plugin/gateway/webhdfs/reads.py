@@ -25,6 +25,7 @@ from spark_plugin.gateway.webhdfs.hdfs import (
     BLOCK_SIZE,
     WebHdfsError,
     file_status,
+    file_status_json,
     hard_link,
     hdfs_path,
     illegal,
@@ -52,7 +53,19 @@ class ReadOperations(NamespaceCore):
     """The read-only answers (module docstring)."""
 
     def get_file_status(self, rel: str) -> dict:
-        with self._cache() as at:
+        st, children = self._status_of(rel)
+        return {"FileStatus": file_status(st, "", self.owner, self.group, children)}
+
+    def file_status_body(self, rel: str) -> bytes:
+        """:meth:`get_file_status`'s document as the reply's JSON bytes (the gateway's read lane)."""
+        st, children = self._status_of(rel)
+        return file_status_json(st, self.owner, self.group, children)
+
+    def _status_of(self, rel: str) -> tuple[os.stat_result, int | None]:
+        """lstat of ``rel`` (404 unless a directory or a regular file) and, for a directory,
+        its number of entries (HDFS's childrenNum)."""
+        at = self._walk()  # (what _cache yields, without its context manager: every request's)
+        try:
             st = self._require(rel, at)
             children = None
             if stat_mod.S_ISDIR(st.st_mode):
@@ -60,7 +73,9 @@ class ReadOperations(NamespaceCore):
                     children = len(at.listdir(rel))
                 except OSError:
                     children = 0
-        return {"FileStatus": file_status(st, "", self.owner, self.group, children)}
+        finally:
+            at.close()
+        return st, children
 
     def _entries(self, rel: str) -> list[dict]:
         with self._cache() as at:

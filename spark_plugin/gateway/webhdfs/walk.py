@@ -96,7 +96,7 @@ class OneCallWalk(Beneath):
             super().__init__(root, max_dirs=max_dirs)
             self._owns_root = True
             return
-        self.root = os.path.abspath(root)
+        self.root = root if os.path.isabs(root) else os.path.abspath(root)  # (a name only)
         self.fd = root_fd
         self.max_dirs = max(2, max_dirs)
         self._dirs = OrderedDict()
