@@ -10,14 +10,19 @@ barrier) for --seconds. Printed: per durability the barrier's median/p99 and the
 the tier/server ratio; for the whole server the flushes (PUTs of flushed objects) per second,
 all PUTs per second, requests per query-hour by operation, the server's CPU seconds per batch
 (/proc), and after one compaction pass the most pieces any object has. Load average printed.
+The tier's barrier is set against its bound, "flush interval + one PUT" (protocol.md 4.3a item
+2), with the PUT's and the fence LIST's duration measured by the server in the same run
+(``sos_tier_request_seconds``: mean, and p50/p99 as the upper edge of their histogram bucket).
 
     python bench/tier_log.py                     # 30 queries, 20 s
-    python bench/tier_log.py -q 10 --seconds 60 --server-arg=--tier-flush=50ms
+    python bench/tier_log.py -q 2 --seconds 30   # one tier query beside one sync query
+    python bench/tier_log.py -q 10 --seconds 60 --tier-flush 50ms
 """
 
 from __future__ import annotations
 
 import os
+import re
 import statistics
 import sys
 import threading
@@ -65,7 +70,27 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(len(xs) * q))] * 1000
 
 
-def report(results: dict, m0: dict, m1: dict, elapsed: float, cpu: float, queries: int) -> None:
+def request_seconds(m0: dict, m1: dict, op: str) -> tuple[int, float, float, float]:
+    """Of the server's requests *op* in the run: count, mean s, and p50/p99 as the upper edge
+    of the ``sos_tier_request_seconds`` bucket that holds them."""
+    edges: list[tuple[float, float]] = []
+    for k, v in m1.items():
+        if k.startswith("sos_tier_request_seconds_bucket{") and f'op="{op}"' in k:
+            le = re.search(r'le="([^"]+)"', k)
+            if le is not None:
+                edges.append((float(le.group(1)), v - m0.get(k, 0.0)))
+    edges.sort()
+    name = f'sos_tier_request_seconds_{{}}{{{{op="{op}"}}}}'
+    n = m1.get(name.format("count"), 0.0) - m0.get(name.format("count"), 0.0)
+    total = m1.get(name.format("sum"), 0.0) - m0.get(name.format("sum"), 0.0)
+
+    def q(f: float) -> float:
+        return next((le for le, c in edges if c >= f * n), float("inf"))
+
+    return int(n), total / n if n else 0.0, q(0.5), q(0.99)
+
+
+def report(results: dict, m0: dict, m1: dict, elapsed: float, cpu: float, queries: int, flush: float) -> None:
     print("| durability | queries | batches | barrier p50 ms | barrier p99 ms | batch mean ms |")
     print("|---|---|---|---|---|---|")
     mean = {}
@@ -82,6 +107,18 @@ def report(results: dict, m0: dict, m1: dict, elapsed: float, cpu: float, querie
         )
     if len(mean) == 2:
         print(f"tier/server batch time: {mean['tier'] / mean['server']:.2f}x")
+    for op in ("put", "list"):
+        n, avg, p50, p99 = request_seconds(m0, m1, op)
+        print(
+            f"server's {op.upper()}s: {n}, mean {1000 * avg:.1f} ms, p50 <= {1000 * p50:.0f} ms, p99 <= {1000 * p99:.0f} ms"
+        )
+    tier = [b for v in results.values() if v[0] == "tier" for b in v[1]]
+    if tier:
+        _, put, _, put99 = request_seconds(m0, m1, "put")
+        print(
+            f"tier barrier p50 {pct(tier, 0.5):.1f} / p99 {pct(tier, 0.99):.1f} ms against flush interval + one PUT:"
+            f" {1000 * (flush + put):.1f} ms (mean PUT), {1000 * (flush + put99):.0f} ms (p99 PUT)"
+        )
 
     def d(k: str) -> float:
         return m1.get(k, 0.0) - m0.get(k, 0.0)
@@ -107,15 +144,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-q", "--queries", type=argtypes.integer(2), default=30, help="queries at once (default 30)")
     p.add_argument("--seconds", type=float, default=20.0, help="how long they commit (default 20)")
     p.add_argument("--compact", default="10s", help="--tier-compact of the server (default 10s)")
+    p.add_argument("--tier-flush", default="100ms", help="--tier-flush of the server (default 100ms)")
     add_server_arg(p)
     args = p.parse_args(argv)
     from sos_tier import open_store, scan
     from tools.server import ServerProcess
 
     with moto_work("sos-bench-tier-log-") as (work, _env):
+        tier_args = ["--tier", "s3://bench/sos", "--tier-compact", args.compact, "--tier-flush", args.tier_flush]
         srv = ServerProcess(
             os.path.join(work, "data"),
-            ["--tier", "s3://bench/sos", "--tier-compact", args.compact, *args.server_arg],
+            [*tier_args, *args.server_arg],
             log_path=os.path.join(work, "server.log"),
         ).start()
         try:
@@ -137,10 +176,11 @@ def main(argv: list[str] | None = None) -> int:
                 t.join(180)
             print(
                 f"{args.queries} queries ({modes.count('tier')} tier, {modes.count('server')} server),"
-                f" {args.seconds:g} s; sos-server --tier s3://bench/sos {' '.join(args.server_arg)};"
+                f" {args.seconds:g} s; sos-server --tier s3://bench/sos --tier-flush {args.tier_flush}"
+                f" {' '.join(args.server_arg)};"
                 f" load average {os.getloadavg()[0]:.1f}"
             )
-            report(results, m0, m1, elapsed, c1 - c0, args.queries)
+            report(results, m0, m1, elapsed, c1 - c0, args.queries, argtypes.duration(args.tier_flush))
             time.sleep(2 + float(args.compact.rstrip("s")))  # one compaction pass
             store = open_store("s3://bench/sos")
             try:

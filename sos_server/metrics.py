@@ -259,6 +259,13 @@ class Metrics:
         self.tier_requests = Counter(
             "sos_tier_requests", "Requests to the tier's store, by operation", ["op"], registry=r
         )
+        self.tier_request_seconds = Histogram(
+            "sos_tier_request_seconds",
+            "Duration of one request to the tier's store, by operation (a listing: all its pages)",
+            ["op"],
+            buckets=(0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0),
+            registry=r,
+        )
 
     def watch_namespaces(self, source: Callable[[], list[NamespaceStats]]) -> None:
         """Export the ``sos_namespace_*`` series from *source*, called at each scrape (in the
