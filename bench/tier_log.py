@@ -15,7 +15,7 @@ The tier's barrier is set against its bound, "flush interval + one PUT" (protoco
 (``sos_tier_request_seconds``: mean, and p50/p99 as the upper edge of their histogram bucket).
 
     python bench/tier_log.py                     # 30 queries, 20 s
-    python bench/tier_log.py -q 2 --seconds 30   # one tier query beside one sync query
+    python bench/tier_log.py -q 2 --seconds 30 --think 300ms   # one tier query, one sync
     python bench/tier_log.py -q 10 --seconds 60 --tier-flush 50ms
 """
 
@@ -35,7 +35,7 @@ from bench.common import add_server_arg, cpu_seconds, doc_parser, moto_work, scr
 from sos_wire import argtypes  # noqa: E402
 
 
-def query(srv, ns: str, durability: str, stop: threading.Event, work: str, out: dict) -> None:
+def query(srv, ns: str, durability: str, stop: threading.Event, work: str, out: dict, think: float) -> None:
     from sos_journal.tree.open import open_namespace
 
     opened = open_namespace(
@@ -60,6 +60,8 @@ def query(srv, ns: str, durability: str, stop: threading.Event, work: str, out: 
             barriers.append(t2 - t1)
             batches.append(t2 - t0)
             i += 1
+            if think:
+                stop.wait(think)  # the rest of a Spark batch: barriers come apart, not back to back
     finally:
         opened.close(timeout=120)
     out[ns] = (durability, barriers, batches)
@@ -71,16 +73,17 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def request_seconds(m0: dict, m1: dict, op: str) -> tuple[int, float, float, float]:
-    """Of the server's requests *op* in the run: count, mean s, and p50/p99 as the upper edge
-    of the ``sos_tier_request_seconds`` bucket that holds them."""
+    """Of the server's requests *op* in the run (or its TIER_WAITs: "wait"): count, mean s, and
+    p50/p99 as the upper edge of the histogram bucket that holds them."""
+    metric, sel = ("sos_tier_wait_seconds", "") if op == "wait" else ("sos_tier_request_seconds", f'op="{op}"')
     edges: list[tuple[float, float]] = []
     for k, v in m1.items():
-        if k.startswith("sos_tier_request_seconds_bucket{") and f'op="{op}"' in k:
+        if k.startswith(f"{metric}_bucket{{") and sel in k:
             le = re.search(r'le="([^"]+)"', k)
             if le is not None:
                 edges.append((float(le.group(1)), v - m0.get(k, 0.0)))
     edges.sort()
-    name = f'sos_tier_request_seconds_{{}}{{{{op="{op}"}}}}'
+    name = f"{metric}_{{}}{{{{{sel}}}}}" if sel else f"{metric}_{{}}"
     n = m1.get(name.format("count"), 0.0) - m0.get(name.format("count"), 0.0)
     total = m1.get(name.format("sum"), 0.0) - m0.get(name.format("sum"), 0.0)
 
@@ -107,11 +110,10 @@ def report(results: dict, m0: dict, m1: dict, elapsed: float, cpu: float, querie
         )
     if len(mean) == 2:
         print(f"tier/server batch time: {mean['tier'] / mean['server']:.2f}x")
-    for op in ("put", "list"):
+    for op in ("put", "list", "wait"):
         n, avg, p50, p99 = request_seconds(m0, m1, op)
-        print(
-            f"server's {op.upper()}s: {n}, mean {1000 * avg:.1f} ms, p50 <= {1000 * p50:.0f} ms, p99 <= {1000 * p99:.0f} ms"
-        )
+        what = "TIER_WAITs (on the server)" if op == "wait" else f"{op.upper()}s"
+        print(f"server's {what}: {n}, mean {1000 * avg:.1f} ms, p50 <= {1000 * p50:.0f} ms, p99 <= {1000 * p99:.0f} ms")
     tier = [b for v in results.values() if v[0] == "tier" for b in v[1]]
     if tier:
         _, put, _, put99 = request_seconds(m0, m1, "put")
@@ -145,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=20.0, help="how long they commit (default 20)")
     p.add_argument("--compact", default="10s", help="--tier-compact of the server (default 10s)")
     p.add_argument("--tier-flush", default="100ms", help="--tier-flush of the server (default 100ms)")
+    p.add_argument(
+        "--think", type=argtypes.duration, default=0.0, help="pause after each batch (default 0: back to back)"
+    )
     add_server_arg(p)
     args = p.parse_args(argv)
     from sos_tier import open_store, scan
@@ -162,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             stop = threading.Event()
             modes = ["tier" if i % 2 else "server" for i in range(args.queries)]
             threads = [
-                threading.Thread(target=query, args=(srv, f"q{i}", m, stop, work, results), daemon=True)
+                threading.Thread(target=query, args=(srv, f"q{i}", m, stop, work, results, args.think), daemon=True)
                 for i, m in enumerate(modes)
             ]
             for t in threads:

@@ -607,6 +607,7 @@ class Tier:
         why = self._unavailable(namespace, name)
         tiered = self.uploader.uploaded(namespace, name)
         if why is None and self._reached(namespace, name, offset):
+            self.metrics.tier_wait_seconds.observe(0.0)
             return tiered
         if why is None and timeout > 0:
             w = _Waiter(offset)
@@ -623,6 +624,7 @@ class Tier:
             why = self._unavailable(namespace, name)
             tiered = self.uploader.uploaded(namespace, name)
             if why is None and self._reached(namespace, name, offset):
+                self.metrics.tier_wait_seconds.observe(trio.current_time() - t0)
                 return tiered
         if why is None:
             ms = round((trio.current_time() - t0) * 1000)
