@@ -21,6 +21,7 @@ The tier's barrier is set against its bound, "flush interval + one PUT" (protoco
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import statistics
@@ -141,6 +142,24 @@ def report(results: dict, m0: dict, m1: dict, elapsed: float, cpu: float, querie
         )
 
 
+def print_warnings(path: str) -> None:
+    """The server's warnings and errors in the run, counted by message (a store error's
+    back-off delays barriers by a second or more)."""
+    import collections
+    import json
+
+    seen: collections.Counter[str] = collections.Counter()
+    with open(path, errors="replace") as f:
+        for line in f:
+            with contextlib.suppress(ValueError):
+                rec = json.loads(line)
+                if rec.get("level") in ("warning", "error"):
+                    seen[str(rec.get("msg", rec.get("message", "")))[:160]] += 1
+    print(f"server warnings and errors: {sum(seen.values())}")
+    for msg, n in seen.most_common(5):
+        print(f"  {n} x {msg}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = doc_parser(__doc__)
     p.add_argument("-q", "--queries", type=argtypes.integer(2), default=30, help="queries at once (default 30)")
@@ -195,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 store.close()
             print(f"after a compaction pass: at most {most} pieces per object, {left} flushed objects left")
+            print_warnings(os.path.join(work, "server.log"))
         finally:
             srv.stop()
     return 0

@@ -78,10 +78,13 @@ COMPACT_AT = 600
 #: FENCE_FRESH of the listing's start; a flush after a quieter spell lists first. A zombie thus
 #: writes, after the marker's copy lands, at most the flush in flight and one more, both
 #: started within FENCE_FRESH of it (protocol.md 4.3a, 4.5). Each namespace's own markers are
-#: also compared at least every FENCE_CHECK seconds while it flushes (one LIST each, beside
-#: the PUT too): a marker without a copy (planted, or written by an older server) is found
-#: within that and one flush.
+#: also compared about every FENCE_CHECK seconds while it flushes (one LIST each, beside the
+#: PUT too, at most FENCE_CHECKS_PER_FLUSH a flush, the longest unchecked first: thirty
+#: namespaces due at once would otherwise flood the store beside one PUT and hold up that
+#: flush's barriers): a marker without a copy (planted, or written by an older server) is found
+#: within that (longer when more namespaces flush than that many per flush covers) and one flush.
 FENCE_CHECK = 10.0
+FENCE_CHECKS_PER_FLUSH = 4
 FENCE_FRESH = 0.5
 #: flush slots saved up while the server was quieter than one flush per --tier-flush: a
 #: batch's few barriers in a row each get a flush at once, while the sustained rate stays
@@ -301,6 +304,8 @@ class Tier:
             for namespace in sorted(due):
                 nursery.start_soon(self._prepare_ns, namespace, namespace in suspect, ready, later)
         items = self._flush_items(ready)
+        later.sort(key=lambda n: self._state(n).fence_checked)
+        del later[FENCE_CHECKS_PER_FLUSH:]  # the others at the next flushes
         if items:
             self._flushing = trio.Event()
             try:
