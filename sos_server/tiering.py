@@ -10,9 +10,11 @@
   spell), at least one per ``interval`` while bytes wait, sooner when a
   TIER_WAIT waits or ``bytes_trigger`` bytes were made durable. A flush: per namespace with
   something pending, learn the store's progress from its listing (first time) and compare the
-  fence markers (a zombie learns within the flush it is in), then ONE
-  flushed object for every namespace's new bytes (:meth:`Uploader.flush`), read from the
-  objects' verified files in a worker thread. Every TIER_WAIT it satisfies is woken at once.
+  fence markers of those the last listing of ``v1/fence/`` names, then ONE flushed object for
+  every namespace's new bytes (:meth:`Uploader.flush`), read from the objects' verified files
+  in a worker thread, while the listing that gates the next flush runs beside its PUT (a
+  zombie writes at most the flush in flight and one more, FENCE_FRESH). Every TIER_WAIT it
+  satisfies is woken as it lands.
 - :meth:`Tier.compact` (every ``compact_every`` seconds, ``--tier-compact``, and when
   COMPACT_AT flushed objects wait; protocol.md 4.3b): per-object pieces written from this
   server's copy, then the flushed objects they hold deleted.
@@ -69,12 +71,21 @@ DEFAULT_FLUSH = 0.1
 DEFAULT_COMPACT = 30.0
 #: a compaction pass at once when this many flushed objects wait for one
 COMPACT_AT = 600
-#: Before every flush ONE listing of ``v1/fence/`` (the copies of every namespace's fence
-#: markers) tells the server of any namespace another server fenced, whose own markers it then
-#: compares at once (a zombie writes at most the flush it was in). Each namespace's own markers
-#: are also compared at least every FENCE_CHECK seconds while it flushes (one LIST each): a
-#: marker without a copy (planted, or written by an older server) is found within that.
+#: ONE listing of ``v1/fence/`` (the copies of every namespace's fence markers) tells the
+#: server of any namespace another server fenced, whose own markers it then compares before
+#: that namespace flushes again. The listing runs beside a flush's PUT and gates the NEXT flush
+#: (so a barrier waits for one PUT, not a LIST and a PUT in series), if that one starts within
+#: FENCE_FRESH of the listing's start; a flush after a quieter spell lists first. A zombie thus
+#: writes, after the marker's copy lands, at most the flush in flight and one more, both
+#: started within FENCE_FRESH of it (protocol.md 4.3a, 4.5). Each namespace's own markers are
+#: also compared about every FENCE_CHECK seconds while it flushes (one LIST each, beside the
+#: PUT too, at most FENCE_CHECKS_PER_FLUSH a flush, the longest unchecked first: thirty
+#: namespaces due at once would otherwise flood the store beside one PUT and hold up that
+#: flush's barriers): a marker without a copy (planted, or written by an older server) is found
+#: within that (longer when more namespaces flush than that many per flush covers) and one flush.
 FENCE_CHECK = 10.0
+FENCE_CHECKS_PER_FLUSH = 4
+FENCE_FRESH = 0.5
 #: flush slots saved up while the server was quieter than one flush per --tier-flush: a
 #: batch's few barriers in a row each get a flush at once, while the sustained rate stays
 #: one per --tier-flush (a token bucket of this depth, protocol.md 4.3a)
@@ -116,31 +127,38 @@ def _seal_time(obj: StoredObject) -> int | None:
 
 class _Counted:
     """The store, its requests counted by operation (``sos_tier_requests_total{op}``; a listing
-    counts one request per 1,000 keys, S3's page)."""
+    counts one request per 1,000 keys, S3's page) and timed (``sos_tier_request_seconds{op}``;
+    a listing from its first page to its last)."""
 
     def __init__(self, store: Store, metrics: Metrics) -> None:
         self.inner, self.url = store, store.url
         self._count = metrics.tier_requests
+        self._seconds = metrics.tier_request_seconds
 
     def put_once(self, key: str, data: bytes) -> PutOutcome:
         self._count.labels(op="put").inc()
-        return self.inner.put_once(key, data)
+        with self._seconds.labels(op="put").time():
+            return self.inner.put_once(key, data)
 
     def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         self._count.labels(op="get").inc()
-        return self.inner.get(key, start, end)
+        with self._seconds.labels(op="get").time():
+            return self.inner.get(key, start, end)
 
     def list(self, prefix: str = "") -> Iterator[StoredKey]:
         self._count.labels(op="list").inc()
+        t0 = time.perf_counter()
         for i, item in enumerate(self.inner.list(prefix), 1):
             if i % 1000 == 0:
                 self._count.labels(op="list").inc()
             yield item
+        self._seconds.labels(op="list").observe(time.perf_counter() - t0)
 
     def delete(self, keys: Iterable[str]) -> None:
         keys = list(keys)
         self._count.labels(op="delete").inc(max(1, (len(keys) + 999) // 1000))
-        self.inner.delete(keys)
+        with self._seconds.labels(op="delete").time():
+            self.inner.delete(keys)
 
     def close(self) -> None:
         self.inner.close()
@@ -180,6 +198,7 @@ class Tier:
         parallel: int = 4,
         max_piece: int = DEFAULT_MAX_PIECE,
         fence_timeout: float = FENCE_TIMEOUT,
+        fence_fresh: float = FENCE_FRESH,
     ) -> None:
         self.store = store = _Counted(store, metrics)
         self.storage = storage
@@ -190,12 +209,17 @@ class Tier:
         self.bytes_trigger = bytes_trigger
         self.lag_warn = lag_warn
         self.fence_timeout = fence_timeout
+        self.fence_fresh = fence_fresh
         self.uploader = Uploader(store, max_piece=max_piece, on_progress=self._progress_in_thread)
         self._limiter = trio.CapacityLimiter(parallel)
         #: the fence checks before a flush, all at once (one LIST each): a flush waits for the slowest
         self._checks = trio.CapacityLimiter(FENCE_CHECKS)
         self._token: trio.lowlevel.TrioToken | None = None
         self._wake = trio.Event()
+        #: the last listing of v1/fence/ (namespace -> highest copy's epoch; None: it failed,
+        #: every namespace then compares its own markers) and the trio time it started
+        self._copies: dict[str, int] | None = None
+        self._copies_at = -float("inf")
         self._since = 0  # bytes made durable since the last round started
         self._ns: dict[str, _NsState] = {}
         self._waiters: dict[tuple[str, str], list[_Waiter]] = {}
@@ -261,24 +285,36 @@ class Tier:
 
     async def _round(self) -> None:
         """One flush: per namespace with something pending, learn the bucket (first time) and
-        compare the fence markers (a zombie learns within a flush), then ONE flushed object for
-        every namespace's new bytes; the waiters it satisfies are woken together."""
+        compare the fence markers of those a listing of ``v1/fence/`` names (a zombie learns
+        within a flush or two), then ONE flushed object for every namespace's new bytes; the
+        waiters it satisfies are woken as it lands. The next flush's listing runs beside it."""
         self._since = 0
         self._more = False
         self.rounds += 1
         now = trio.current_time()
         names = set(self.uploader.namespaces()) | {k[0] for k in self._waiters}
         ready: list[str] = []
+        later: list[str] = []  # their periodic fence check runs beside the PUT
         due = {n for n in names if self._due(n, now)}
-        suspect = await self._taken_over(due) if due else set()
+        listed = bool(due) and now - self._copies_at > self.fence_fresh
+        if listed:  # no listing recent enough to gate this flush: list first
+            await self._list_fences(now)
+        suspect = self._suspects(due)
         async with trio.open_nursery() as nursery:
             for namespace in sorted(due):
-                nursery.start_soon(self._prepare_ns, namespace, namespace in suspect, ready)
+                nursery.start_soon(self._prepare_ns, namespace, namespace in suspect, ready, later)
         items = self._flush_items(ready)
+        later.sort(key=lambda n: self._state(n).fence_checked)
+        del later[FENCE_CHECKS_PER_FLUSH:]  # the others at the next flushes
         if items:
             self._flushing = trio.Event()
             try:
-                await self._flush(items, ready)
+                async with trio.open_nursery() as nursery:
+                    if not listed:  # the listing that gates the next flush
+                        nursery.start_soon(self._list_fences, trio.current_time())
+                    for namespace in later:
+                        nursery.start_soon(self._check_beside, namespace)
+                    await self._flush(items, ready)
             finally:
                 self._flushing.set()
         for namespace in names:
@@ -292,21 +328,28 @@ class Tier:
             return False
         return bool(self.uploader.pending(namespace)) or self.uploader.marker_due(namespace, ns.fence)
 
-    async def _taken_over(self, due: set[str]) -> set[str]:
-        """The namespaces of *due* with a copy of a fence marker above this server's fence
-        under ``v1/fence/`` (one listing for all, protocol.md 4.3a); on a store error, all."""
-        epochs = {n: self.storage.namespaces[n].fence for n in due if n in self.storage.namespaces}
+    async def _list_fences(self, started: float) -> None:
+        """List the copies of fence markers under ``v1/fence/`` (one LIST for every namespace,
+        protocol.md 4.3a); on a store error every namespace compares its own markers next."""
         try:
-            return await trio.to_thread.run_sync(
-                self.uploader.fences_above, epochs, limiter=self._checks, abandon_on_cancel=True
+            copies: dict[str, int] | None = await trio.to_thread.run_sync(
+                self.uploader.fence_copies, limiter=self._checks, abandon_on_cancel=True
             )
         except TierError:
-            return set(due)  # each is then checked by its own listing (and fails there if the store does)
+            copies = None  # each is then checked by its own listing (and fails there if the store does)
+        self._copies, self._copies_at = copies, started
 
-    async def _prepare_ns(self, namespace: str, suspect: bool, ready: list[str]) -> None:
-        """Learn the namespace (first time) and, if *suspect* (a fence above ours was noticed),
-        its marker is due, or FENCE_CHECK passed, compare its fence markers (one LIST); *ready*
-        gets it if it flushes."""
+    def _suspects(self, due: set[str]) -> set[str]:
+        """The namespaces of *due* the last listing names a copy above this server's fence of."""
+        if self._copies is None:
+            return set(due)
+        spaces = self.storage.namespaces
+        return {n for n in due if n in spaces and self._copies.get(n, 0) > spaces[n].fence}
+
+    async def _prepare_ns(self, namespace: str, suspect: bool, ready: list[str], later: list[str]) -> None:
+        """Learn the namespace (first time) and, if *suspect* (a fence above ours was noticed)
+        or its marker is due, compare its fence markers (one LIST); if only FENCE_CHECK passed,
+        *later* gets it (compared beside the PUT); *ready* gets it if it flushes."""
         ns = self.storage.namespaces.get(namespace)
         if ns is None:
             return
@@ -317,17 +360,39 @@ class Tier:
                 )
             st = self._state(namespace)
             now = trio.current_time()
-            if suspect or now - st.fence_checked >= FENCE_CHECK or self.uploader.marker_due(namespace, ns.fence):
+            if suspect or self.uploader.marker_due(namespace, ns.fence):
                 await trio.to_thread.run_sync(
                     self.uploader.check_fence, namespace, ns.fence, limiter=self._checks, abandon_on_cancel=True
                 )
                 st.fence_checked = now
+            elif now - st.fence_checked >= FENCE_CHECK:
+                later.append(namespace)
         except TierFenced as exc:
             self._stop(namespace, str(exc))
         except TierError as exc:
             self._failed(namespace, exc)
         else:
             ready.append(namespace)
+
+    async def _check_beside(self, namespace: str) -> None:
+        """The periodic comparison of a namespace's own fence markers (FENCE_CHECK), beside a
+        flush's PUT: a believed marker above this server's fence stops the namespace from the
+        next flush on; a store error leaves it for the next flush."""
+        ns = self.storage.namespaces.get(namespace)
+        if ns is None:
+            return
+        epoch, now = ns.fence, trio.current_time()
+        try:
+            await trio.to_thread.run_sync(
+                self.uploader.check_fence, namespace, epoch, limiter=self._checks, abandon_on_cancel=True
+            )
+        except TierFenced as exc:
+            if ns.fence == epoch:  # else a FENCE of this server raised it meanwhile: compared again next
+                self._stop(namespace, str(exc))
+        except TierError:
+            return
+        else:
+            self._state(namespace).fence_checked = now
 
     def _flush_items(self, ready: list[str]) -> list[FlushItem]:
         """On the event loop (the engine changes these fields here): what is durable of every
@@ -547,6 +612,7 @@ class Tier:
         why = self._unavailable(namespace, name)
         tiered = self.uploader.uploaded(namespace, name)
         if why is None and self._reached(namespace, name, offset):
+            self.metrics.tier_wait_seconds.observe(0.0)
             return tiered
         if why is None and timeout > 0:
             w = _Waiter(offset)
@@ -563,6 +629,7 @@ class Tier:
             why = self._unavailable(namespace, name)
             tiered = self.uploader.uploaded(namespace, name)
             if why is None and self._reached(namespace, name, offset):
+                self.metrics.tier_wait_seconds.observe(trio.current_time() - t0)
                 return tiered
         if why is None:
             ms = round((trio.current_time() - t0) * 1000)

@@ -42,12 +42,14 @@ _BOTO_ERRORS = (botocore.exceptions.ClientError, botocore.exceptions.BotoCoreErr
 
 class S3Store:
     """See the module docstring. *page_size* is the ``MaxKeys`` of each listing page (S3
-    returns at most 1000); *pool* the number of HTTP connections kept (parallel GETs).
+    returns at most 1000); *pool* the number of HTTP connections kept (parallel GETs; the
+    server's requests at once: up to 32 fence checks after a takeover, beside a flush, its
+    uploads and compaction's; a request beyond the pool opens a connection and discards it).
 
     Every boto3 call goes through :meth:`_call`, which turns botocore's errors into the store's
     typed errors (:func:`sos_tier.errors.translate`, the one table)."""
 
-    def __init__(self, url: str, *, page_size: int = 1000, pool: int = 16) -> None:
+    def __init__(self, url: str, *, page_size: int = 1000, pool: int = 64) -> None:
         parts = urlsplit(url)
         if parts.scheme != "s3" or not parts.netloc or parts.query or parts.fragment:
             raise ValueError(f"bad S3 tier URL {url!r}: s3://BUCKET/PREFIX")

@@ -413,17 +413,22 @@ class Uploader:
         if self.store.put_once(key, fence_content(namespace, epoch)) is PutOutcome.CONFLICT:
             log.warning("tier: %s holds other content; left (a copy only, never obeyed)", key)
 
+    def fence_copies(self) -> dict[str, int]:
+        """The highest epoch of the copies of fence markers under ``v1/fence/``, by namespace:
+        one listing for the whole bucket (keys that are not a copy's are skipped)."""
+        out: dict[str, int] = {}
+        for item in self.store.list(NOTICE_PREFIX):
+            parts = item.key[len(NOTICE_PREFIX) :].split("/")
+            if len(parts) == 2 and re.fullmatch("[0-9a-f]{16}", parts[1]):
+                out[parts[0]] = max(out.get(parts[0], 0), int(parts[1], 16))
+        return out
+
     def fences_above(self, epochs: dict[str, int]) -> set[str]:
         """Of the namespaces *epochs* names (namespace -> this server's fence), those with a
         copy of a fence marker above it under ``v1/fence/``: one listing for all of them. The
         caller then checks each with :meth:`check_fence` (which believes or ignores it)."""
-        out: set[str] = set()
-        for item in self.store.list(NOTICE_PREFIX):
-            parts = item.key[len(NOTICE_PREFIX) :].split("/")
-            ok = len(parts) == 2 and parts[0] in epochs and re.fullmatch("[0-9a-f]{16}", parts[1])
-            if ok and int(parts[1], 16) > epochs[parts[0]]:
-                out.add(parts[0])
-        return out
+        copies = self.fence_copies()
+        return {n for n, e in epochs.items() if copies.get(n, 0) > e}
 
     def marker_due(self, namespace: str, epoch: int) -> bool:
         """Whether the fence marker of *epoch* is not yet known to be in the bucket."""

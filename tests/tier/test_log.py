@@ -371,3 +371,73 @@ def test_one_listing_of_the_fence_copies_names_every_namespace_taken_over(store)
     store.put_once(f"v1/fence/n3/{5:016x}", b'{"epoch":5,"namespace":"n3"}')
     assert a.fences_above({"n3": 1}) == {"n3"}
     a.check_fence("n3", 1)  # compares n3's own markers: none above 1, goes on
+
+
+# ---------------------------------------------------------------------------------------------
+# the zombie's bound (protocol.md 4.3a, 4.5): a real Tier on a real directory store and a real
+# data directory; the listing of v1/fence/ runs beside a flush's PUT and gates the next flush
+
+
+def _zombie_flushes(tmp_path, fence_fresh: float) -> tuple[list[int], str | None, list]:
+    """A server at fence 1 flushes once; another server then takes the namespace over (its
+    marker and the marker's copy land) and writes its own next bytes; the first appends other
+    bytes and flushes three more times. The log keys after each of the four flushes, why the
+    tier stopped, and the bucket's problems."""
+    import trio
+
+    from sos_server.metrics import Metrics
+    from sos_server.storage import Storage
+    from sos_server.tiering import Tier
+
+    store = LocalStore((tmp_path / "bucket").as_uri())
+    storage = Storage(str(tmp_path / "data"))
+    ns = storage.namespace("zns", create=True)
+    assert ns is not None
+    ns.set_fence(1)
+    obj = ns.create("log")
+    counts: list[int] = []
+
+    def append(data: bytes) -> None:
+        obj.append(data, crc32c(data))
+        obj.mark_synced(*obj.sync())
+
+    async def main() -> str | None:
+        tier = Tier(store, storage, Metrics(), fence_fresh=fence_fresh)
+        await tier.fence("zns", 1)
+        for i in range(4):
+            if i == 1:  # the takeover: its marker, then the marker's copy (4.3 step 5), then its bytes
+                new = Uploader(store)
+                new.check_fence("zns", 2, strict=True)
+                new.learn("zns")
+                new.flush(_items({("zns", "log"): b"zombie 0;takeover;"}))
+            append(b"zombie %d;" % i)
+            tier.note(obj, len(b"zombie 0;"))
+            await tier._round()
+            counts.append(len(_log_keys(store)))
+        return tier._ns["zns"].stopped
+
+    try:
+        stopped = trio.run(main)
+        return counts, stopped, scan(store)["zns"].all_problems()
+    finally:
+        store.close()
+
+
+def test_a_zombie_whose_listing_is_stale_lists_before_it_flushes_and_writes_nothing_more(tmp_path):
+    counts, stopped, problems = _zombie_flushes(tmp_path, fence_fresh=0.0)
+    assert counts == [1, 2, 2, 2]  # the new server's flush; not one of the zombie's after it
+    assert stopped is not None and "another server took the namespace over" in stopped
+    assert problems == []
+
+
+def test_a_zombie_writes_at_most_one_flush_on_a_listing_taken_before_the_marker_landed(tmp_path):
+    """The listing beside flush k gates flush k+1 (within FENCE_FRESH of it, here always): the
+    marker lands between two flushes, the next one still goes (the "one more"), its own
+    listing sees the copy, and the one after it is not written. The bound is not what keeps a
+    reader safe: the zombie's bytes and the new server's for the same range differ in checksum,
+    and a reader reports the conflict by key rather than choose (protocol.md 4.4, 4.5)."""
+    counts, stopped, problems = _zombie_flushes(tmp_path, fence_fresh=3600.0)
+    assert counts == [1, 3, 3, 3]  # the new server's flush and the zombie's one more
+    assert stopped is not None and "another server took the namespace over" in stopped
+    assert [(p.kind, p.name, p.offset) for p in problems] == [("conflict", "log", 9)]
+    assert problems[0].key.startswith(LOG_PREFIX)
