@@ -274,3 +274,69 @@ def _expects_continue(req: h11.Request) -> bool:
 def _without_expect(req: h11.Request) -> h11.Request:
     headers = [(k, v) for k, v in req.headers if k.lower() != b"expect"]
     return h11.Request(method=req.method, target=req.target, headers=headers, http_version=req.http_version)
+
+
+class FreezableRelay:
+    """A TCP relay between a gateway's journal writer and the SOS server, so that a test can
+    lose what the gateway sends from a chosen moment on: after :meth:`freeze` the bytes its
+    connections send are read and dropped, never forwarded (the server's replies still flow).
+    That is a gateway whose records never left its machine, deterministically: a SIGSTOPped
+    server instead still takes what its kernel buffered and makes it durable once resumed."""
+
+    def __init__(self, upstream: str) -> None:
+        host, _, port = upstream.rpartition(":")
+        self.upstream = (host, int(port))
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self._frozen = threading.Event()
+        self._lock = threading.Lock()
+        self._socks: set[socket.socket] = set()
+        self.dropped = 0  # bytes read from clients after freeze()
+        threading.Thread(target=self._accept, name="relay-accept", daemon=True).start()
+
+    def freeze(self) -> None:
+        self._frozen.set()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._listener.close()
+        with self._lock:
+            socks, self._socks = set(self._socks), set()
+        for s in socks:
+            with contextlib.suppress(OSError):
+                s.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            try:
+                server = socket.create_connection(self.upstream, timeout=10)
+                server.settimeout(None)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._socks |= {client, server}
+            for src, dst, from_client in ((client, server, True), (server, client, False)):
+                threading.Thread(target=self._pump, args=(src, dst, from_client), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, from_client: bool) -> None:
+        while True:
+            try:
+                data = src.recv(65536)
+            except OSError:
+                break
+            if not data:
+                break
+            if from_client and self._frozen.is_set():
+                self.dropped += len(data)
+                continue
+            try:
+                dst.sendall(data)
+            except OSError:
+                break
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)

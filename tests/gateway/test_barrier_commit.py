@@ -17,12 +17,14 @@ import signal
 import subprocess
 import sys
 import threading
+from types import SimpleNamespace
 
 import pytest
 import requests
 
 from tests.gateway.test_day2_rest import metrics_url, scrape
 from tests.gateway.test_gateway import NS, Gw, restore, tree_of
+from tests.gateway_cut_support import FreezableRelay
 
 CHK = "q"
 
@@ -105,8 +107,9 @@ def test_with_barrier_every_each_state_file_waits(sos_server, tmp_path):
         assert gw.stop() == 0
 
 
-def _while_the_server_hangs(sos_server, fn, seconds=10.0):
-    """``fn()`` with the SOS server stopped (SIGSTOP): nothing becomes durable meanwhile."""
+def _answered_within(fn, seconds):
+    """(whether ``fn()`` returned within *seconds*, [its result or exception]); the thread
+    that runs it is left behind if not."""
     done = threading.Event()
     out: list = []
 
@@ -117,30 +120,38 @@ def _while_the_server_hangs(sos_server, fn, seconds=10.0):
             out.append(exc)
         done.set()
 
+    threading.Thread(target=run, daemon=True).start()
+    return done.wait(seconds), out
+
+
+def _while_the_server_hangs(sos_server, fn, seconds=10.0):
+    """``fn()`` with the SOS server stopped (SIGSTOP): nothing becomes durable meanwhile
+    (what the gateway sent it then is taken once it is resumed, after this returns)."""
     os.kill(sos_server.pid, signal.SIGSTOP)
     try:
-        t = threading.Thread(target=run, daemon=True)
-        t.start()
-        answered = done.wait(seconds)
+        return _answered_within(fn, seconds)
     finally:
         os.kill(sos_server.pid, signal.SIGCONT)
-    t.join(120)
-    return answered, out
 
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_replacement_on_an_empty_cache_refuses_the_commit_of_the_batch_in_flight(sos_server, tmp_path, workers):
-    g1 = Gw(sos_server, tmp_path, name="first")
-    start(g1)
-    plan(g1, 0)
-    state(g1, 0, 2)
-    assert commit(g1, 0).status_code == 200
-    plan(g1, 1)  # durable: offsets/1 waits
-    # batch 1's state file is answered from the spool while the server hangs, then the
-    # gateway and its disk are lost before it shipped it
-    answered, out = _while_the_server_hangs(sos_server, lambda: state(g1, 1, 1), seconds=30)
-    g1.proc.kill()
-    assert answered and out == [None], out
+    relay = FreezableRelay(sos_server.address)  # the first gateway's way to the server
+    try:
+        g1 = Gw(SimpleNamespace(address=relay.address, keygen=sos_server.keygen), tmp_path, name="first")
+        start(g1)
+        plan(g1, 0)
+        state(g1, 0, 2)
+        assert commit(g1, 0).status_code == 200
+        plan(g1, 1)  # durable: offsets/1 waits
+        # batch 1's state file is answered from the spool while nothing the gateway sends
+        # reaches the server any more, then the gateway and its disk are lost
+        relay.freeze()
+        answered, out = _answered_within(lambda: state(g1, 1, 1), 30)
+        g1.proc.kill()
+        assert answered and out == [None], out
+    finally:
+        relay.close()
     key = g1.key
 
     g2 = Gw(sos_server, tmp_path, key=key, name="second", args=["--metrics", "127.0.0.1:0"])
