@@ -583,6 +583,24 @@ def _object_name(
     return name
 
 
+def _same_range_conflicts(obj: ObjectState, pieces: list[Piece]) -> None:
+    """Same range, other checksum: two histories, whichever is right (no read needed to know).
+    One checksum is the same bytes twice (a flushed object's entry and the piece compaction
+    wrote of it, before the flushed object is deleted): the run takes one, no problem."""
+    same_range: dict[tuple[int, int], list[Piece]] = {}
+    for p in pieces:
+        same_range.setdefault((p.begin, p.end), []).append(p)
+    for (begin, _end), group in sorted(same_range.items()):
+        if len({p.crc for p in group}) > 1:
+            obj._problem(
+                "conflict",
+                group[1].key,
+                begin,
+                "pieces " + " and ".join(p.key for p in group) + " hold the same range with different checksums",
+            )
+            obj.length = min(obj.length, begin)
+
+
 def _build(
     ns: str, name: str, edir: str, keys: list[tuple[ParsedKey, StoredKey]], logged: LogObject | None = None
 ) -> ObjectState:
@@ -630,19 +648,7 @@ def _build(
             pos,
             f"no piece holds byte {pos}; the next piece starts at {later[0].begin} ({later[0].key})",
         )
-    # same range, other checksum: two histories, whichever is right (no read needed to know)
-    same_range: dict[tuple[int, int], list[Piece]] = {}
-    for p in pieces:
-        same_range.setdefault((p.begin, p.end), []).append(p)
-    for (begin, _end), group in sorted(same_range.items()):
-        if len(group) > 1:
-            obj._problem(
-                "conflict",
-                group[1].key,
-                begin,
-                "pieces " + " and ".join(p.key for p in group) + " hold the same range with different checksums",
-            )
-            obj.length = min(obj.length, begin)
+    _same_range_conflicts(obj, pieces)
     if seals:
         seals.sort()
         obj.seal_length, first = seals[0]

@@ -445,3 +445,21 @@ def test_a_zombie_writes_at_most_one_flush_on_a_listing_taken_before_the_marker_
     assert stopped is not None and "another server took the namespace over" in stopped
     assert [(p.kind, p.name, p.offset) for p in problems] == [("conflict", "log", 9)]
     assert problems[0].key.startswith(LOG_PREFIX)
+
+
+@pytest.mark.parametrize("same_bytes", [True, False])
+def test_a_flushed_entry_and_a_piece_of_the_same_range(store, same_bytes):
+    """Compaction wrote the piece, the flushed object is not deleted yet: the same bytes twice
+    are read once, no problem (4.4 "Both"); other bytes in the same range are a conflict."""
+    from sos_tier.layout import piece_key
+
+    data = b"lease 0\n"
+    body, _ = encode_batch([("a", "lease", 0, data if same_bytes else b"lease 9\n")], [])
+    assert store.put_once(log_key(1, "00" * 8), body)
+    assert store.put_once(piece_key("a", "lease", 0, len(data), crc32c(data)), data)
+    st = scan(store, "a", verify=True)["a"]
+    if same_bytes:
+        assert st.all_problems() == [] and st.objects["lease"].length == len(data)
+        assert read_object(store, "a", "lease") == data
+    else:
+        assert [p.kind for p in st.all_problems()] == ["conflict"] and st.objects["lease"].length == 0
