@@ -32,10 +32,13 @@ from dataclasses import dataclass, field
 
 import psutil
 
+from tools.jvm import spark_jvm_options
+
 #: the path every node sees as its own local disk (a private tmpfs in its namespace)
 NODE_ROOT = "/tmp/sos-node"
 
-_JVM_LIGHT = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+#: the daemons' and executors' JVMs: C1 only, serial GC, the class-data archive (tools/jvm.py)
+_JVM_LIGHT = spark_jvm_options()
 
 
 class ClusterError(Exception):

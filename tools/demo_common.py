@@ -19,14 +19,15 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
+from tools.jvm import spark_jvm_options
 from tools.server import ServerProcess, ServerStartError
 
 #: the query's checkpoint directory in the namespace (the mount demo, the crash loop)
 CHECKPOINT = "checkpoint"
 ROCKSDB_PROVIDER = "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"
-#: a short-lived local driver starts and runs ~2x faster on 2 busy cores with the C1 JIT
-#: only and the serial GC (measured: 44-50 s against 113-118 s for the same 4 batches)
-DRIVER_JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+#: a short-lived local driver's JVM: C1 only, serial GC, and this environment's class-data
+#: archive of Spark's classes when it has one (tools/jvm.py says why and how)
+DRIVER_JVM_OPTIONS = spark_jvm_options()
 
 
 _T0 = time.monotonic()

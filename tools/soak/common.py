@@ -6,14 +6,17 @@ from __future__ import annotations
 import json
 import os
 
+from tools.jvm import spark_jvm_options
+
 NAMESPACE = "soak"
 #: ``disk``: the server's disk lost (a replacement server rebuilds from the tier's bucket);
 #: last, so that a weight of 0 for it leaves a seed's draws of the other kinds as they were
 KINDS = ("server", "mount", "driver", "all", "disk")
 #: server kills are cheap (clients reconnect), driver kills cost a JVM start
 DEFAULT_WEIGHTS = {"server": 0.72, "mount": 0.20, "driver": 0.04, "all": 0.04, "disk": 0.04}
-#: the driver JVM restarts often: C1 only and a serial GC start it with less CPU
-DRIVER_JAVA_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+#: the driver JVM restarts often: C1 only, a serial GC and the class-data archive start it
+#: with less CPU (tools/jvm.py)
+DRIVER_JAVA_OPTIONS = spark_jvm_options()
 TRIGGER = "200 milliseconds"
 #: spark.sql.shuffle.partitions of the query: one state store directory each
 SHUFFLE_PARTITIONS = 2
