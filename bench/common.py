@@ -16,8 +16,9 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator
+
+from tools.demo_common import metrics_of
 
 #: the bucket every moto-backed benchmark writes to
 BUCKET = "bench"
@@ -25,14 +26,7 @@ BUCKET = "bench"
 
 def scrape(srv) -> dict[str, float]:
     """The Prometheus series of a server started with ``--metrics`` (``srv.metrics_address``)."""
-    with urllib.request.urlopen(f"http://{srv.metrics_address}/metrics", timeout=30) as r:
-        text = r.read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            k, _, v = line.rpartition(" ")
-            out[k] = float(v)
-    return out
+    return metrics_of(srv)
 
 
 def cpu_seconds(pid: int) -> float:

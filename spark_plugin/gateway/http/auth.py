@@ -550,6 +550,14 @@ class KeyChecks:
 # ---------------------------------------------------------------------------
 
 
+def bearer_token(auth: str) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` field's value; None for another
+    scheme or an empty token."""
+    scheme, _, token = auth.partition(" ")
+    token = token.strip()
+    return token if scheme.lower() == "bearer" and token else None
+
+
 class OAuth2:
     """The gateway's OAuth2 side: :meth:`token` serves TOKEN_PATH, :meth:`bearer` checks
     every other request's token (``insecure``: every request is granted the append role)."""
@@ -638,9 +646,8 @@ class OAuth2:
         to ask the server about again)."""
         if self.insecure:
             return TokenInfo(self.namespace, "append", 0, "")
-        scheme, _, token = auth.partition(" ")
-        token = token.strip()
-        if scheme.lower() != "bearer" or not token:
+        token = bearer_token(auth)
+        if token is None:
             return None
         grant = self.authority.check(token)
         if grant is None or not self.key_checks.stands_now(grant):
@@ -651,10 +658,9 @@ class OAuth2:
         """The grant of a request's ``Authorization: Bearer`` token; 401 without a valid one."""
         if self.insecure:
             return TokenInfo(self.namespace, "append", 0, "")
-        auth = headers.get("authorization", "")
-        scheme, _, token = auth.partition(" ")
-        if scheme.lower() == "bearer" and token.strip():
-            grant = self.authority.check(token.strip())
+        token = bearer_token(headers.get("authorization", ""))
+        if token is not None:
+            grant = self.authority.check(token)
             if grant is not None:
                 await self._key_stands(grant)
                 return grant
