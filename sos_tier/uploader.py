@@ -260,6 +260,9 @@ class _Ns:
     uploaded_bytes: int = 0
     delete_refused: bool = False  # the store refused to delete absorbed pieces (logged once)
     marker_ok: int = 0  # the epoch whose marker this uploader wrote or checked
+    # the highest epoch this server asked about (its own fence): a marker up to it that a
+    # check with an older epoch lists is this server's own, written by a FENCE meanwhile
+    own_fence: int = 0
     ignored_fences: dict[str, str] = field(default_factory=dict)
     learn_lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -385,6 +388,9 @@ class Uploader:
         prefix = f"{namespace_prefix(namespace)}fence/"
         above: list[tuple[int, str, int]] = []
         own: tuple[int, str, int] | None = None
+        ns = self._namespace(namespace)
+        with self._lock:  # before listing: a marker our own FENCE writes later is then known ours
+            ns.own_fence = max(ns.own_fence, epoch)
         for item in self.store.list(prefix):
             pk = parse_key(item.key)
             if pk is not None and pk.kind == "fence":
@@ -392,9 +398,14 @@ class Uploader:
                     above.append((pk.epoch, item.key, item.size))
                 elif pk.epoch == epoch:
                     own = (pk.epoch, item.key, item.size)
-        ns = self._namespace(namespace)
         verdict = believe_fence(self.store, namespace, above, known=epoch)
         self._ignored(ns, verdict.ignored)
+        with self._lock:
+            newer_here = ns.own_fence > epoch
+        if newer_here and verdict.epoch <= ns.own_fence:
+            # this check read the server's fence before a FENCE raised it; the marker above is
+            # that FENCE's own (or none): nothing to obey, and the marker is the newer check's
+            return
         if verdict.epoch > epoch:
             with self._lock:
                 ns.bucket_fence, ns.fenced = verdict.epoch, True

@@ -538,6 +538,24 @@ def test_uploader_fence_markers(store):
     assert list(store.list(f"v1/ns/{NS}/o/")) == []
 
 
+def test_a_check_with_the_fence_read_before_this_servers_own_fence_is_no_takeover(store):
+    """A flush's check reads the server's fence (3), then a FENCE on the same server raises it
+    to 4 and writes marker 4 before the check lists: the check sees a marker above 3, and it
+    is this server's own. Nothing is fenced and uploads go on; a marker of ANOTHER server above
+    the new fence still fences."""
+    up = Uploader(store)
+    up.check_fence(NS, 3)
+    up.check_fence(NS, 4, strict=True)  # the FENCE: its marker is written
+    up.check_fence(NS, 3)  # the flush's check, with the epoch it read before the FENCE
+    assert not up.lag(NS).fenced
+    assert up.step(NS, "o", lambda b, e: b"x"[b:e], 1).kind != "idle"
+    assert scan_object(store, NS, "o").length == 1
+    Uploader(store).check_fence(NS, 5)  # a replacement server's writer fenced again
+    with pytest.raises(TierFenced) as e:
+        up.check_fence(NS, 3)  # stale epoch or not: 5 is above anything this server set
+    assert e.value.bucket_epoch == 5 and up.lag(NS).fenced
+
+
 def test_empty_objects_exist_in_the_bucket(store):
     up = Uploader(store)
     assert up.step(NS, "e", lambda b, e: b"", 0).kind == "exists"
