@@ -3,15 +3,23 @@ seconds per run, the mean over --runs runs of a fresh interpreter each, from the
 rusage (resource.RUSAGE_CHILDREN), so the machine's load changes the figures less than wall
 time would. The commands run from this checkout (PYTHONPATH), with this interpreter's venv.
 
-    python -m bench.startup [--runs 10] [--only sos-help,...]
+    python -m bench.startup [--runs 10] [--only NAME,...] [--root CHECKOUT] [--bytecode]
 
 "against nothing": a real command whose server does not answer (127.0.0.1:1 refuses), so the
 figure is the command's start-up, its parse and its imports up to the connection.
+
+--root: the checkout whose code runs (default: this one), e.g. another worktree at main for a
+before/after; nothing is written into it. --bytecode: the commands write and read bytecode in a
+temporary PYTHONPYCACHEPREFIX (PYTHONDONTWRITEBYTECODE unset; each command's first, unmeasured
+run writes it), as on a machine that keeps bytecode, Python's default; without it, what the
+environment does (with PYTHONDONTWRITEBYTECODE=1 and no __pycache__ in the checkout, every
+process compiles every module of the checkout it imports from source).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import resource
 import subprocess
@@ -65,15 +73,24 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=10)
     p.add_argument("--only", default="", help="comma-separated names (a prefix is enough)")
+    p.add_argument("--root", type=Path, default=ROOT, help="the checkout whose code runs (default: this one)")
+    p.add_argument("--bytecode", action="store_true", help="keep bytecode, in a temporary folder (see above)")
     args = p.parse_args()
-    env = dict(os.environ, PYTHONPATH=str(ROOT), SOS_KEY=KEY)
+    env = dict(os.environ, PYTHONPATH=str(args.root.resolve()), SOS_KEY=KEY)
     env.pop("SOS_KEY_FILE", None)
-    print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}, {args.runs} runs each")
-    with tempfile.TemporaryDirectory(prefix="sos-startup-") as work:
+    bytecode = (
+        " (bytecode kept)" if args.bytecode else f" (PYTHONDONTWRITEBYTECODE={env.get('PYTHONDONTWRITEBYTECODE', '')})"
+    )
+    print(f"{args.root}{bytecode}: load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}, {args.runs} runs each")
+    with contextlib.ExitStack() as stack:
+        work = stack.enter_context(tempfile.TemporaryDirectory(prefix="sos-startup-"))
+        if args.bytecode:
+            env["PYTHONPYCACHEPREFIX"] = stack.enter_context(tempfile.TemporaryDirectory(prefix="sos-pyc-"))
+            env.pop("PYTHONDONTWRITEBYTECODE", None)
         for name, argv in commands(work).items():
             if args.only and not any(name.startswith(o) for o in args.only.split(",")):
                 continue
-            subprocess.run(argv, env=env, capture_output=True, check=False)  # warm the page cache
+            subprocess.run(argv, env=env, capture_output=True, check=False)  # the page cache; --bytecode's pycs
             user, system = cpu_per_run(argv, args.runs, env)
             print(f"{name:44} user {user:.3f} s  sys {system:.3f} s  total {user + system:.3f} s", flush=True)
     print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")

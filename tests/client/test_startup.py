@@ -63,14 +63,15 @@ def test_sos_help_lists_every_command_without_the_sdks():
 def test_sos_ls_imports_neither_the_journal_nor_the_entry_points():
     """``sos ls`` (and put, cat, stat) is the client alone: no sos_journal, no spark_plugin, no
     importlib.metadata (neither the plugged commands' entry points nor crc32c's own version
-    lookup), no humanfriendly (no size or duration to parse)."""
+    lookup), no humanfriendly (no size or duration to parse), no tenacity (no connection lost)."""
     code, err, modules = modules_after(["ls", "ns", "--server", "127.0.0.1:1", "--timeout", "1"])
     assert code == 1 and "cannot connect to 127.0.0.1:1" in err, err  # it got as far as connecting
     assert "sos_client.blocking" in modules and "sos_wire.crc" in modules
     unwanted = {
         m
         for m in modules
-        if m.split(".")[0] in ("sos_journal", "spark_plugin", "humanfriendly", "crc32c") or m == "importlib.metadata"
+        if m.split(".")[0] in ("sos_journal", "spark_plugin", "humanfriendly", "crc32c", "tenacity")
+        or m == "importlib.metadata"
     }
     assert not unwanted, sorted(unwanted)
     assert not modules & set(NEVER), modules & set(NEVER)
