@@ -1,15 +1,16 @@
 """CPU time of one start of each command the tests run most (issue 27 item 4): user + system
-seconds per run, the mean over --runs runs of a fresh interpreter each, from the children's
-rusage (resource.RUSAGE_CHILDREN), so the machine's load changes the figures less than wall
-time would. The commands run from this checkout (PYTHONPATH), with this interpreter's venv.
+seconds of one run, the median over --runs runs of a fresh interpreter each, from its own
+rusage (wait4), so the machine's load changes the figures less than wall time would. The commands run from this checkout (PYTHONPATH), with this interpreter's venv.
 
-    python -m bench.startup [--runs 10] [--only NAME,...] [--root CHECKOUT] [--bytecode]
+    python -m bench.startup [--runs N] [--only NAME,...] [--root DIR] [--before DIR] [--bytecode] [--valgrind]
 
 "against nothing": a real command whose server does not answer (127.0.0.1:1 refuses), so the
 figure is the command's start-up, its parse and its imports up to the connection.
 
---root: the checkout whose code runs (default: this one), e.g. another worktree at main for a
-before/after; nothing is written into it. --bytecode: the commands write and read bytecode in a
+--root: the checkout whose code runs (default: this one); --before: another one (e.g. ``git
+archive main | tar -x -C /tmp/base``) measured beside it, command by command, so that both see
+the same load; nothing is written into either. --valgrind: instructions executed instead (one run
+under valgrind's callgrind), a figure the load does not change. --bytecode: the commands write and read bytecode in a
 temporary PYTHONPYCACHEPREFIX (PYTHONDONTWRITEBYTECODE unset; each command's first, unmeasured
 run writes it), as on a machine that keeps bytecode, Python's default; without it, what the
 environment does (with PYTHONDONTWRITEBYTECODE=1 and no __pycache__ in the checkout, every
@@ -21,13 +22,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import resource
+import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+#: the commands' working directory: not a checkout (``python -m``/``-c`` put it first on sys.path)
+CWD = "/"
 BIN = Path(sys.executable).parent
 #: a key of the right form (what `sos-server keygen` prints): the commands "against nothing" get as far
 #: as the connection
@@ -60,13 +63,43 @@ def commands(work: str) -> dict[str, list[str]]:
     }
 
 
-def cpu_per_run(argv: list[str], runs: int, env: dict[str, str]) -> tuple[float, float]:
-    """(user, system) CPU seconds per run of *argv*, each run a fresh process."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+def cpu_of_one_run(argv: list[str], env: dict[str, str]) -> float:
+    """User + system CPU seconds of one run of *argv* in a fresh process (its own rusage)."""
+    proc = subprocess.Popen(argv, env=env, cwd=CWD, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _pid, _status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = 0  # reaped here; Popen must not wait for it again
+    return usage.ru_utime + usage.ru_stime
+
+
+def instructions(argv: list[str], env: dict[str, str]) -> float:
+    """Millions of instructions one run of *argv* executes (valgrind's callgrind): the same
+    figure whatever the load, at ~40x the run's time."""
+    out = subprocess.run(
+        ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", *argv],
+        env=env,
+        cwd=CWD,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        check=False,
+    ).stderr
+    refs = [line for line in out.splitlines() if "Collected :" in line]
+    return int(refs[-1].rsplit(":", 1)[1]) / 1e6
+
+
+def measure(argv: list[str], runs: int, envs: list[dict[str, str]], *, valgrind: bool = False) -> list[float]:
+    """The median CPU seconds per run of *argv* under each of *envs*, their runs interleaved
+    (A B A B ...: a burst of load falls on both), after one unmeasured run each (the page
+    cache; --bytecode's pycs)."""
+    for env in envs:
+        subprocess.run(argv, env=env, cwd=CWD, capture_output=True, check=False)
+    if valgrind:
+        return [instructions(argv, env) for env in envs]
+    samples: list[list[float]] = [[] for _ in envs]
     for _ in range(runs):
-        subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return (after.ru_utime - before.ru_utime) / runs, (after.ru_stime - before.ru_stime) / runs
+        for env, got in zip(envs, samples):
+            got.append(cpu_of_one_run(argv, env))
+    return [statistics.median(got) for got in samples]
 
 
 def main() -> None:
@@ -74,25 +107,34 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=10)
     p.add_argument("--only", default="", help="comma-separated names (a prefix is enough)")
     p.add_argument("--root", type=Path, default=ROOT, help="the checkout whose code runs (default: this one)")
+    p.add_argument("--before", type=Path, help="another checkout, measured beside --root command by command")
     p.add_argument("--bytecode", action="store_true", help="keep bytecode, in a temporary folder (see above)")
-    args = p.parse_args()
-    env = dict(os.environ, PYTHONPATH=str(args.root.resolve()), SOS_KEY=KEY)
-    env.pop("SOS_KEY_FILE", None)
-    bytecode = (
-        " (bytecode kept)" if args.bytecode else f" (PYTHONDONTWRITEBYTECODE={env.get('PYTHONDONTWRITEBYTECODE', '')})"
+    p.add_argument(
+        "--valgrind", action="store_true", help="millions of instructions of one run (callgrind) instead of CPU time"
     )
-    print(f"{args.root}{bytecode}: load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}, {args.runs} runs each")
+    args = p.parse_args()
+    roots = [r.resolve() for r in (args.before, args.root) if r is not None]
+    envs = [dict(os.environ, PYTHONPATH=str(root), SOS_KEY=KEY) for root in roots]
+    mode = (
+        "bytecode kept" if args.bytecode else f"PYTHONDONTWRITEBYTECODE={os.environ.get('PYTHONDONTWRITEBYTECODE', '')}"
+    )
+    unit = "millions of instructions per run" if args.valgrind else f"CPU s per run, median of {args.runs}"
+    print(f"{' vs '.join(map(str, roots))} ({mode}): {unit}")
+    print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     with contextlib.ExitStack() as stack:
         work = stack.enter_context(tempfile.TemporaryDirectory(prefix="sos-startup-"))
-        if args.bytecode:
-            env["PYTHONPYCACHEPREFIX"] = stack.enter_context(tempfile.TemporaryDirectory(prefix="sos-pyc-"))
-            env.pop("PYTHONDONTWRITEBYTECODE", None)
+        pycache = stack.enter_context(tempfile.TemporaryDirectory(prefix="sos-pyc-")) if args.bytecode else None
+        for env in envs:
+            env.pop("SOS_KEY_FILE", None)
+            if pycache is not None:
+                env["PYTHONPYCACHEPREFIX"] = pycache
+                env.pop("PYTHONDONTWRITEBYTECODE", None)
         for name, argv in commands(work).items():
             if args.only and not any(name.startswith(o) for o in args.only.split(",")):
                 continue
-            subprocess.run(argv, env=env, capture_output=True, check=False)  # the page cache; --bytecode's pycs
-            user, system = cpu_per_run(argv, args.runs, env)
-            print(f"{name:44} user {user:.3f} s  sys {system:.3f} s  total {user + system:.3f} s", flush=True)
+            figures = measure(argv, args.runs, envs, valgrind=args.valgrind)
+            ratio = f"  ({figures[1] / figures[0]:.2f}x)" if len(figures) == 2 and figures[0] else ""
+            print(f"{name:44} {'  '.join(f'{f:.3f}' if f < 100 else f'{f:.0f}' for f in figures)}{ratio}", flush=True)
     print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
