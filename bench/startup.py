@@ -58,6 +58,7 @@ def commands(work: str) -> dict[str, list[str]]:
         "python -m spark_plugin.gateway.cli --help": [py, "-m", "spark_plugin.gateway.cli", "--help"],
         "python -m spark_plugin.mount.cli --help": [py, "-m", "spark_plugin.mount.cli", "--help"],
         "import the fsspec filesystem": [py, "-c", "import fsspec; fsspec.get_filesystem_class('sos')"],
+        "import a gateway's run": [py, "-c", "import spark_plugin.gateway.cli, spark_plugin.gateway.run"],
         "import the gateway's workers": [py, "-c", "import spark_plugin.gateway.workers"],
         "import sos_server.serve": [py, "-c", "import sos_server.serve"],
     }
