@@ -29,10 +29,8 @@ import os
 import ssl
 import sys
 from collections.abc import Callable, Iterator
-from importlib.metadata import entry_points
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
-from sos_client.blocking import Client
 from sos_client.core import DEFAULT_PORT, DEFAULT_SERVER, resolve_key, resolve_server
 from sos_client.errors import (
     BadKey,
@@ -47,10 +45,12 @@ from sos_client.errors import (
 from sos_wire import argtypes
 from sos_wire.auth import Key
 from sos_wire.errors import ErrorCode
-from sos_wire.events import KeyRole
 from sos_wire.logs import add_log_level_option, setup_logging
 from sos_wire.names import BadName, validate_name, validate_namespace
 from sos_wire.tls_options import add_tls_client_options
+
+if TYPE_CHECKING:
+    from sos_client.blocking import Client
 
 __all__ = [
     "UsageError",
@@ -159,6 +159,10 @@ def key_from_args(args: argparse.Namespace) -> str:
 def client_from_args(args: argparse.Namespace, namespace: str) -> Client:
     """A connected blocking Client from the options of :func:`add_connection_options`.
     SOSPermissionError for a token-role key: the server serves it nothing (protocol.md 1.6)."""
+    # the client and the protocol's events only for a command that connects: not for --help
+    from sos_client.blocking import Client  # noqa: PLC0415
+    from sos_wire.events import KeyRole  # noqa: PLC0415
+
     tls = None
     if getattr(args, "tls_ca", None):
         tls = ssl.create_default_context(cafile=args.tls_ca)
@@ -319,7 +323,9 @@ def cmd_stat(args: argparse.Namespace) -> int:
 # -- parser ---------------------------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(*, plugged: bool = True) -> argparse.ArgumentParser:
+    """The ``sos`` command's parser: its own subcommands and, with *plugged*, those of the
+    ``sos.commands`` entry points (:func:`plugged_commands`)."""
     parser = argparse.ArgumentParser(
         prog="sos",
         description="SOS: append-only journal replication for Spark checkpoints.",
@@ -365,9 +371,33 @@ def build_parser() -> argparse.ArgumentParser:
     add_connection_options(p)
     p.set_defaults(func=cmd_stat)
 
-    for add_parser in plugged_commands():
-        add_parser(sub)
+    if plugged:
+        for add_parser in plugged_commands():
+            add_parser(sub)
     return parser
+
+
+#: the subcommands this module defines (the others are plugged in)
+OWN_COMMANDS = frozenset({"put", "cat", "ls", "stat"})
+
+
+def needs_plugged(argv: list[str]) -> bool:
+    """Whether parsing *argv* may need the plugged subcommands: False only when the command it
+    names is one of :data:`OWN_COMMANDS`, with nothing before it but ``--log-level LEVEL``.
+    So ``sos ls``, ``sos put``... do not import the entry points' metadata nor the modules of
+    gateway, mount, restore and verify, and parse as they would with them (the parser of an own
+    command and the top level's options are the same either way). Anything else (no command,
+    -h before it, another command, an unusual spelling) builds the whole parser."""
+    i = 0
+    while i < len(argv):
+        word = argv[i]
+        if word.startswith("--log-level="):
+            i += 1
+        elif len(word) > 2 and "--log-level".startswith(word):  # argparse takes an unambiguous prefix
+            i += 2
+        else:
+            return word not in OWN_COMMANDS
+    return True
 
 
 def plugged_commands() -> list[Callable[[argparse._SubParsersAction], object]]:
@@ -379,6 +409,8 @@ def plugged_commands() -> list[Callable[[argparse._SubParsersAction], object]]:
     when the parser is built (pyfuse3, Spark and the like when the command runs), so an
     import error is a bug and is raised, never hidden; no entry point at all means the
     ``sos`` distribution is not installed (its metadata is where they are)."""
+    from importlib.metadata import entry_points  # noqa: PLC0415 - 20-40 ms: only for the commands that need them
+
     found = sorted(entry_points(group=COMMANDS_GROUP), key=lambda ep: ep.name)
     if not found:
         raise RuntimeError(
@@ -392,7 +424,7 @@ def _error(message: str | BaseException) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    parser = build_parser(plugged=needs_plugged(sys.argv[1:] if argv is None else argv))
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help (0) or a usage error (2)

@@ -10,46 +10,51 @@ opener); ``faces/`` (what the faces share); ``cli`` (``sos restore/verify``).
 May import: sos_client, sos_tier, sos_wire. Never a face (spark_plugin), never sos_server.
 """
 
-from sos_journal.errors import (
-    BatchNotFound,
-    GenerationBreak,
-    JournalAuthError,
-    JournalCorrupt,
-    JournalError,
-    JournalIncomplete,
-    JournalKeyRequired,
-    JournalNotFound,
-    JournalQuotaExceeded,
-    JournalTierBehind,
-    JournalTierUnavailable,
-    JournalTruncated,
-    PositionUnavailable,
-    ReplayError,
-    SpoolStale,
-    TargetNotEmpty,
-    WriterClosed,
-    WriterFenced,
-)
-from sos_journal.format.auth import JournalKeys
-from sos_journal.format.records import (
-    Create,
-    Delete,
-    Marker,
-    Mkdir,
-    Record,
-    RecordDecoder,
-    RecordType,
-    Rename,
-    Rmdir,
-    SnapshotEnd,
-    Truncate,
-    Write,
-)
-from sos_journal.read.verify import verify
-from sos_journal.rebuild.replay import replay
-from sos_journal.rebuild.restore import Summary, restore
-from sos_journal.tree.tree import JournaledTree
-from sos_journal.writer.writer import JournalWriter
+from typing import TYPE_CHECKING
+
+from sos_wire.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from sos_journal.errors import (
+        BatchNotFound,
+        GenerationBreak,
+        JournalAuthError,
+        JournalCorrupt,
+        JournalError,
+        JournalIncomplete,
+        JournalKeyRequired,
+        JournalNotFound,
+        JournalQuotaExceeded,
+        JournalTierBehind,
+        JournalTierUnavailable,
+        JournalTruncated,
+        PositionUnavailable,
+        ReplayError,
+        SpoolStale,
+        TargetNotEmpty,
+        WriterClosed,
+        WriterFenced,
+    )
+    from sos_journal.format.auth import JournalKeys
+    from sos_journal.format.records import (
+        Create,
+        Delete,
+        Marker,
+        Mkdir,
+        Record,
+        RecordDecoder,
+        RecordType,
+        Rename,
+        Rmdir,
+        SnapshotEnd,
+        Truncate,
+        Write,
+    )
+    from sos_journal.read.verify import verify
+    from sos_journal.rebuild.replay import replay
+    from sos_journal.rebuild.restore import Summary, restore
+    from sos_journal.tree.tree import JournaledTree
+    from sos_journal.writer.writer import JournalWriter
 
 __all__ = [
     "BatchNotFound",
@@ -90,3 +95,52 @@ __all__ = [
     "restore",
     "verify",
 ]
+
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "sos_journal.errors": (
+            "BatchNotFound",
+            "GenerationBreak",
+            "JournalAuthError",
+            "JournalCorrupt",
+            "JournalError",
+            "JournalIncomplete",
+            "JournalKeyRequired",
+            "JournalNotFound",
+            "JournalQuotaExceeded",
+            "JournalTierBehind",
+            "JournalTierUnavailable",
+            "JournalTruncated",
+            "PositionUnavailable",
+            "ReplayError",
+            "SpoolStale",
+            "TargetNotEmpty",
+            "WriterClosed",
+            "WriterFenced",
+        ),
+        "sos_journal.format.auth": ("JournalKeys",),
+        "sos_journal.format.records": (
+            "Create",
+            "Delete",
+            "Marker",
+            "Mkdir",
+            "Record",
+            "RecordDecoder",
+            "RecordType",
+            "Rename",
+            "Rmdir",
+            "SnapshotEnd",
+            "Truncate",
+            "Write",
+        ),
+        "sos_journal.read.verify": ("verify",),
+        "sos_journal.rebuild.replay": ("replay",),
+        "sos_journal.rebuild.restore": (
+            "Summary",
+            "restore",
+        ),
+        "sos_journal.tree.tree": ("JournaledTree",),
+        "sos_journal.writer.writer": ("JournalWriter",),
+    },
+)

@@ -1,6 +1,9 @@
 """``sos restore`` and ``sos verify`` (thin shells over restore() and verify()).
 
 Exit codes: RESTORE_EXIT_CODES and VERIFY_EXIT_CODES (printed by each command's --help).
+
+``sos`` builds this module's parsers for every plugged command (``sos gateway``, ``sos mount``
+too), so the journal's reader, restore and key ring are imported only when a command runs.
 """
 
 from __future__ import annotations
@@ -19,17 +22,15 @@ from sos_client.cli import add_connection_options, client_from_args
 from sos_client.core import resolve_server
 from sos_client.errors import SOSPermissionError
 from sos_journal.errors import GenerationBreak, JournalCorrupt, JournalError, JournalNotFound
-from sos_journal.format.auth import JournalKeys, load_journal_keys, resolve_journal_keys
-from sos_journal.read.points import parse_batch, parse_time
-from sos_journal.read.verify import verify
-from sos_journal.rebuild.restore import restore
-from sos_journal.store import StoreClient
 from sos_wire import argtypes
 from sos_wire.errors import ErrorCode
 from sos_wire.logs import setup_logging
 
 if TYPE_CHECKING:
     from tqdm import tqdm
+
+    from sos_journal.format.auth import JournalKeys
+    from sos_journal.store import StoreClient
 
 log = logging.getLogger(__name__)
 
@@ -262,6 +263,8 @@ def _progress(args: argparse.Namespace, verb: str, factory: Callable[[], StoreCl
 def _journal_key(args: argparse.Namespace) -> JournalKeys | int | None:
     """The journal key ring (``--journal-key-file``, else $SOS_JOURNAL_KEY or
     $SOS_JOURNAL_KEY_FILE; None: none), or exit 1 said why (a malformed or unreadable key)."""
+    from sos_journal.format.auth import load_journal_keys, resolve_journal_keys  # noqa: PLC0415 - see the module's docstring
+
     try:
         if getattr(args, "journal_key_file", None):
             return load_journal_keys(args.journal_key_file)
@@ -275,6 +278,8 @@ def _journal_key(args: argparse.Namespace) -> JournalKeys | int | None:
 
 
 def cmd_restore(args: argparse.Namespace) -> int:
+    from sos_journal.rebuild.restore import restore  # noqa: PLC0415 - see the module's docstring
+
     opts: dict[str, Any] = {}
     if args.at is not None:
         opts["at"] = args.at
@@ -331,6 +336,8 @@ def cmd_restore(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    from sos_journal.read.verify import verify  # noqa: PLC0415 - see the module's docstring
+
     keys = _journal_key(args)
     if isinstance(keys, int):
         return keys
@@ -365,6 +372,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _batch(text: str) -> str:
+    from sos_journal.read.points import parse_batch  # noqa: PLC0415 - see the module's docstring
+
     try:
         parse_batch(text)
     except ValueError as e:
@@ -373,6 +382,8 @@ def _batch(text: str) -> str:
 
 
 def _iso(text: str) -> str:
+    from sos_journal.read.points import parse_time  # noqa: PLC0415 - see the module's docstring
+
     try:
         parse_time(text)
     except ValueError as e:

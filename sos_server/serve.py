@@ -2,7 +2,9 @@
 the store first when it is empty), the metrics endpoint, the engine with its tier and
 listener, and the run until a signal. ``cli.py`` parses the options, calls these in order and
 prints what fails; it imports this module for ``serve`` alone, so trio, the engine and the
-tier are not loaded for ``keygen``, ``quota``, ``reset-fence`` and ``gc``.
+tier are not loaded for ``keygen``, ``quota``, ``reset-fence`` and ``gc``. The tier's
+uploader and bootstrap (``tiering``, ``tier_bootstrap``: sos_tier's layout, log and uploader,
+tenacity; ~40 ms of CPU) are imported only by a server started with ``--tier``.
 
 A start-up step that fails raises :class:`StartError`: the one line ``cli.py`` prints and the
 exit status; nothing here prints.
@@ -17,18 +19,21 @@ import signal
 import ssl
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import trio
 
-from sos_tier import Store, TierError, open_store
+from sos_tier.open import open_store
+from sos_tier.store import Store, TierError
 from sos_wire.addresses import is_loopback
 
 from .engine import Engine, Limits
 from .listener import Listener, ListenError, certificate_binding, make_tls_context, raise_nofile_limit, tune_malloc
 from .metrics import Metrics
 from .storage import Retention, Storage, StorageError
-from .tier_bootstrap import BootstrapError, bootstrap, needs_bootstrap
-from .tiering import Tier
+
+if TYPE_CHECKING:
+    from .tiering import Tier
 
 __all__ = ["Server", "StartError", "load_tls", "namespace_quota", "open_storage", "open_tier_store", "start_metrics"]
 
@@ -120,6 +125,8 @@ def open_storage(args: argparse.Namespace, store: Store | None, metrics: Metrics
 def _bootstrap_if_empty(args: argparse.Namespace, storage: Storage, store: Store) -> None:
     """A replacement server on an empty ``--data``: rebuild what the store holds before
     serving it (protocol.md 4.8); an empty store makes an empty data directory."""
+    from .tier_bootstrap import BootstrapError, bootstrap, needs_bootstrap  # noqa: PLC0415 - with --tier only
+
     if not needs_bootstrap(storage.root):
         return
     try:
@@ -203,6 +210,8 @@ class Server:
         self.engine = Engine(storage, limits=limits, metrics=metrics)
         self.tier: Tier | None = None
         if store is not None:
+            from .tiering import Tier  # noqa: PLC0415 - with --tier only (the module's docstring)
+
             self.tier = self.engine.tier = Tier(
                 store,
                 storage,

@@ -23,34 +23,39 @@ Everything is synchronous; the server calls it from trio worker threads. Nothing
 the engine or parses journal records.
 """
 
-from sos_tier.layout import (
-    NamespaceState,
-    ObjectIncomplete,
-    ObjectState,
-    Piece,
-    Problem,
-    TierConflict,
-    TierDamage,
-    TierPieceTooLarge,
-    iter_object,
-    read_object,
-    scan,
-    scan_object,
-)
-from sos_tier.open import open_store
-from sos_tier.store import (
-    LocalStore,
-    PutOutcome,
-    Store,
-    StoredKey,
-    TierBadRange,
-    TierBusy,
-    TierDenied,
-    TierError,
-    TierExists,
-    TierNotFound,
-)
-from sos_tier.uploader import Lag, Step, TierFenced, Uploader
+from typing import TYPE_CHECKING
+
+from sos_wire.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from sos_tier.layout import (
+        NamespaceState,
+        ObjectIncomplete,
+        ObjectState,
+        Piece,
+        Problem,
+        TierConflict,
+        TierDamage,
+        TierPieceTooLarge,
+        iter_object,
+        read_object,
+        scan,
+        scan_object,
+    )
+    from sos_tier.open import open_store
+    from sos_tier.store import (
+        LocalStore,
+        PutOutcome,
+        Store,
+        StoredKey,
+        TierBadRange,
+        TierBusy,
+        TierDenied,
+        TierError,
+        TierExists,
+        TierNotFound,
+    )
+    from sos_tier.uploader import Lag, Step, TierFenced, Uploader
 
 __all__ = [
     "Lag",
@@ -81,3 +86,42 @@ __all__ = [
     "scan",
     "scan_object",
 ]
+
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "sos_tier.layout": (
+            "NamespaceState",
+            "ObjectIncomplete",
+            "ObjectState",
+            "Piece",
+            "Problem",
+            "TierConflict",
+            "TierDamage",
+            "TierPieceTooLarge",
+            "iter_object",
+            "read_object",
+            "scan",
+            "scan_object",
+        ),
+        "sos_tier.open": ("open_store",),
+        "sos_tier.store": (
+            "LocalStore",
+            "PutOutcome",
+            "Store",
+            "StoredKey",
+            "TierBadRange",
+            "TierBusy",
+            "TierDenied",
+            "TierError",
+            "TierExists",
+            "TierNotFound",
+        ),
+        "sos_tier.uploader": (
+            "Lag",
+            "Step",
+            "TierFenced",
+            "Uploader",
+        ),
+    },
+)

@@ -3,40 +3,45 @@
 See protocol.md (Part 1) for the normative description of the bytes.
 """
 
-from .auth import BadKey, Key, proof, tls_server_end_point, verify_proof
-from .connection import NEED_DATA, Connection, Role, decode_body, encode_event
-from .crc import crc32c
-from .errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError
-from .events import (
-    Append,
-    AppendOk,
-    Auth,
-    AuthOk,
-    Error,
-    Event,
-    Fence,
-    FenceOk,
-    Hello,
-    HelloOk,
-    KeyRole,
-    List,
-    ListEntry,
-    ListOk,
-    Ping,
-    Pong,
-    Read,
-    ReadData,
-    Reply,
-    Request,
-    Seal,
-    SealOk,
-    Stat,
-    StatOk,
-    TierWait,
-    TierWaitOk,
-)
-from .frames import DEFAULT_MAX_BODY, HEADER_LEN, MAX_LIST_LIMIT, MAX_PING_PAYLOAD, MAX_TIER_WAIT_MS, VERSION, Op
-from .names import BadName, validate_name, validate_namespace
+from typing import TYPE_CHECKING
+
+from .lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from .auth import BadKey, Key, proof, tls_server_end_point, verify_proof
+    from .connection import NEED_DATA, Connection, Role, decode_body, encode_event
+    from .crc import crc32c
+    from .errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError
+    from .events import (
+        Append,
+        AppendOk,
+        Auth,
+        AuthOk,
+        Error,
+        Event,
+        Fence,
+        FenceOk,
+        Hello,
+        HelloOk,
+        KeyRole,
+        List,
+        ListEntry,
+        ListOk,
+        Ping,
+        Pong,
+        Read,
+        ReadData,
+        Reply,
+        Request,
+        Seal,
+        SealOk,
+        Stat,
+        StatOk,
+        TierWait,
+        TierWaitOk,
+    )
+    from .frames import DEFAULT_MAX_BODY, HEADER_LEN, MAX_LIST_LIMIT, MAX_PING_PAYLOAD, MAX_TIER_WAIT_MS, VERSION, Op
+    from .names import BadName, validate_name, validate_namespace
 
 __all__ = [
     "DEFAULT_MAX_BODY",
@@ -91,3 +96,51 @@ __all__ = [
     "validate_namespace",
     "verify_proof",
 ]
+
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        ".auth": ("BadKey", "Key", "proof", "tls_server_end_point", "verify_proof"),
+        ".connection": ("NEED_DATA", "Connection", "Role", "decode_body", "encode_event"),
+        ".crc": ("crc32c",),
+        ".errors": ("ErrorCode", "LocalProtocolError", "ProtocolError", "RemoteProtocolError"),
+        ".events": (
+            "Append",
+            "AppendOk",
+            "Auth",
+            "AuthOk",
+            "Error",
+            "Event",
+            "Fence",
+            "FenceOk",
+            "Hello",
+            "HelloOk",
+            "KeyRole",
+            "List",
+            "ListEntry",
+            "ListOk",
+            "Ping",
+            "Pong",
+            "Read",
+            "ReadData",
+            "Reply",
+            "Request",
+            "Seal",
+            "SealOk",
+            "Stat",
+            "StatOk",
+            "TierWait",
+            "TierWaitOk",
+        ),
+        ".frames": (
+            "DEFAULT_MAX_BODY",
+            "HEADER_LEN",
+            "MAX_LIST_LIMIT",
+            "MAX_PING_PAYLOAD",
+            "MAX_TIER_WAIT_MS",
+            "VERSION",
+            "Op",
+        ),
+        ".names": ("BadName", "validate_name", "validate_namespace"),
+    },
+)

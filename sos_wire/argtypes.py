@@ -4,14 +4,14 @@ durations. Sizes and durations are humanfriendly's parsers (binary units: ``64M`
 
 Pure functions, no I/O: they live here because sos_wire is the one package both commands
 depend on. A bad value raises ``argparse.ArgumentTypeError``: argparse prints it and exits 2.
+humanfriendly is imported when a size or a duration is parsed (it costs ~8 ms of CPU, at the
+start of every command that would not parse one).
 """
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-
-from humanfriendly import InvalidSize, InvalidTimespan, parse_size, parse_timespan
 
 __all__ = ["duration", "integer", "size"]
 
@@ -42,6 +42,8 @@ def size(minimum: int = 0) -> Callable[[str], int]:
     """An argparse type: a byte count such as ``4096``, ``64K``, ``512MiB``, ``10G``."""
 
     def parse(text: str) -> int:
+        from humanfriendly import InvalidSize, parse_size  # noqa: PLC0415 - see the module's docstring
+
         try:
             value = parse_size(text, binary=True)
         except InvalidSize:
@@ -54,6 +56,8 @@ def size(minimum: int = 0) -> Callable[[str], int]:
 
 def duration(text: str) -> float:
     """An argparse type: seconds, from ``90``, ``90s``, ``15m``, ``2h``, ``7d``, ``250ms``."""
+    from humanfriendly import InvalidTimespan, parse_timespan  # noqa: PLC0415 - see the module's docstring
+
     try:
         value = float(parse_timespan(text))
     except InvalidTimespan:

@@ -417,11 +417,15 @@ def gateway_options(args: argparse.Namespace, start: CommandStart) -> GatewayOpt
 def serve(options: GatewayOptions, *, standby: bool) -> int:
     """Run the gateway (a standby with ``standby``); a refused rollback is a usage error."""
     from sos_journal.rebuild.rollback import RollbackRefused  # noqa: PLC0415 - as usage_refusal
-    from spark_plugin.gateway.pair.standby import run_standby  # noqa: PLC0415
-    from spark_plugin.gateway.run import run_gateway  # noqa: PLC0415
 
     try:
-        return run_standby(options) if standby else run_gateway(options)
+        if standby:
+            from spark_plugin.gateway.pair.standby import run_standby  # noqa: PLC0415 - the standby's alone
+
+            return run_standby(options)
+        from spark_plugin.gateway.run import run_gateway  # noqa: PLC0415
+
+        return run_gateway(options)
     except RollbackRefused as exc:
         return fail(str(exc), 2)
 

@@ -2,7 +2,9 @@
 writer, tree), the HTTP server (:class:`~spark_plugin.gateway.http.server.Gateway`) served until
 SIGTERM/SIGINT (a graceful drain), the final flush. Also the checks of its addresses
 (``--listen``, ``--advertise``: :mod:`sos_wire.addresses`), the refusal of plain HTTP off
-loopback and the connection cap that fits the descriptor limit."""
+loopback and the connection cap that fits the descriptor limit. ``--workers N`` (N > 1) alone
+imports :mod:`~spark_plugin.gateway.workers` (~20 ms of CPU at every gateway's start otherwise).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import itertools
 import logging
 import os
 import time
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -45,7 +48,9 @@ from spark_plugin.gateway.serving import (
     webhdfs_view,
 )
 from spark_plugin.gateway.webhdfs.inflight import previous_writer_segment
-from spark_plugin.gateway.workers import WriterGateway, serve_with_workers
+
+if TYPE_CHECKING:
+    from spark_plugin.gateway.workers import WriterGateway
 
 __all__ = [
     "DRAIN_TIMEOUT",
@@ -92,7 +97,7 @@ def run_gateway(options: GatewayOptions) -> int:
         parse_metrics_listen(options.metrics)  # a bad address: refused before anything is opened
     opened = open_active(options)
     ns = webhdfs_view(opened, options.sync, options.barrier_rule)
-    gateway = build_gateway(options, serving, ns, WriterGateway if options.workers > 1 else Gateway)
+    gateway = build_gateway(options, serving, ns, _writer_class() if options.workers > 1 else Gateway)
     try:
         exported = serve_metrics(gateway, ns, options.metrics, parse_metrics_listen) if options.metrics else None
     except OSError as exc:
@@ -101,6 +106,13 @@ def run_gateway(options: GatewayOptions) -> int:
     if exported is not None:
         exported.registry.register(RoleCollector(lambda: "active"))
     return serve_active(options, serving, gateway, opened, exported)
+
+
+def _writer_class() -> type[WriterGateway]:
+    """The gateway of ``--workers N``: the writer of N processes (see the module's docstring)."""
+    from spark_plugin.gateway.workers import WriterGateway  # noqa: PLC0415
+
+    return WriterGateway
 
 
 def open_active(options: GatewayOptions) -> OpenNamespace:
@@ -142,7 +154,9 @@ def serve_active(
             holder = hold_lease(gateway, opened, options.lease, url, durability=options.durability)
         mode = ("sync" if options.sync else "async") + (", durability tier" if options.durability == "tier" else "")
         about = f"(namespace {options.namespace}, {mode}{', no auth' if options.insecure_no_auth else ''})"
-        if isinstance(gateway, WriterGateway):  # --workers N (N > 1)
+        if options.workers > 1 and isinstance(gateway, _writer_class()):  # --workers N (N > 1)
+            from spark_plugin.gateway.workers import serve_with_workers  # noqa: PLC0415 - as _writer_class
+
             registry = exported.registry if exported is not None else None
             serve_with_workers(options, serving, gateway, opened.tree_dir, about, watch, holder, registry)
         else:

@@ -17,9 +17,8 @@ import stat as stat_mod
 import struct
 from typing import Any
 
-from crc32c import crc32c  # sos_wire.crc's, without its wrapper: one call per 512 bytes
-
 from sos_journal.format.records import validate_path
+from sos_wire.crc import crc32c_compiled  # without crc32c()'s Python frame: one call per 512 bytes
 from spark_plugin.gateway.webhdfs.core import NamespaceCore
 from spark_plugin.gateway.webhdfs.hdfs import (
     BLOCK_SIZE,
@@ -205,7 +204,7 @@ class ReadOperations(NamespaceCore):
                     if not piece:
                         raise WebHdfsError("IOException", f"{hdfs_path(rel)} shrank while its checksum was computed")
                     view = memoryview(piece)
-                    sums = [crc32c(view[i : i + BYTES_PER_CRC]) for i in range(0, len(view), BYTES_PER_CRC)]
+                    sums = [crc32c_compiled(view[i : i + BYTES_PER_CRC], 0) for i in range(0, len(view), BYTES_PER_CRC)]
                     crcs += struct.pack(f">{len(sums)}I", *sums)
                     pos += len(piece)
                 file_md5.update(hashlib.md5(crcs, usedforsecurity=False).digest())
