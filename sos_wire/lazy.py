@@ -30,6 +30,13 @@ def lazy_exports(
     def __getattr__(name: str) -> object:
         module = where.get(name)
         if module is None:
+            # a submodule (``sos_wire.events``), reachable as an attribute as when the package
+            # imported every module at its start
+            try:
+                return importlib.import_module(f"{package}.{name}")
+            except ModuleNotFoundError as exc:
+                if exc.name != f"{package}.{name}":
+                    raise
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         value = getattr(importlib.import_module(module, package), name)
         namespace[name] = value

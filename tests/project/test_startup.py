@@ -92,3 +92,18 @@ def test_crc32c_is_the_packages_function_without_its_version_lookup():
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("package", ["sos_wire", "sos_client", "sos_journal", "sos_tier"])
+def test_a_submodule_is_an_attribute_of_its_package_as_before(package):
+    """``import sos_wire; sos_wire.events`` worked when the package imported every module at
+    its start: it still does (imported then), and a name that is neither says so."""
+    code = (
+        f"import importlib, pkgutil, {package} as p\n"
+        "names = [m.name for m in pkgutil.iter_modules(p.__path__) if not m.name.startswith('_')]\n"
+        "assert names and all(getattr(p, n) is importlib.import_module(p.__name__ + '.' + n) for n in names)\n"
+        "try:\n    p.no_such_thing\nexcept AttributeError as e:\n    print('AttributeError', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=ENV)
+    assert out.returncode == 0, out.stderr
+    assert f"AttributeError module '{package}' has no attribute 'no_such_thing'" in out.stdout
