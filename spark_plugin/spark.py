@@ -831,7 +831,11 @@ class GatewayCheckpoint(str):
 
     ``.relpath``: the checkpoint's path inside the namespace (what ``sos restore --batch
     RELPATH:N`` takes); ``.namespace``; ``.gateway_url``; ``.conf``: the session settings
-    (``spark.hadoop.*`` keys) it needs; ``.listener``: the registered
+    (``spark.hadoop.*`` keys) it needs, the credential (:data:`CREDENTIAL_CONF`) included:
+    given to spark-submit, every one but the credential may be a ``--conf``; the credential
+    goes in a ``--properties-file`` (or ``spark-defaults.conf``) that only its user can
+    read, never a ``--conf``, which every local user reads on the JVM's command line
+    (docs/SPARK.md); ``.listener``: the registered
     :class:`GatewayMarkerListener` (None before :meth:`attach`); ``.trust``: the
     :class:`GatewayTrust` of an https gateway given ``cafile=``/``truststore=`` (None: the
     JVM's and Python's default trust)."""
@@ -996,9 +1000,12 @@ def gateway_checkpoint(
     with Hadoop's nameservice settings (:func:`gateway_conf`, ``token_url``), so the
     session follows whichever is active; the marker listener does too.
 
-    ``spark_or_builder``: a ``SparkSession.Builder`` (the settings go in as
-    ``spark.hadoop.*`` configs, with Spark's redaction extended to the credential; call
-    ``location.attach(spark)`` after ``getOrCreate()`` for the batch markers), a live
+    ``spark_or_builder``: a ``SparkSession.Builder`` (every setting but the credential goes
+    in as a ``spark.hadoop.*`` config, with Spark's redaction extended to the credential;
+    the credential goes on the session's Hadoop configuration when the Builder's
+    ``getOrCreate()`` returns, never on the driver JVM's command line, where PySpark puts
+    every Builder config; call ``location.attach(spark)`` after ``getOrCreate()`` for the
+    batch markers), a live
     ``SparkSession`` (settings applied to its Hadoop configuration before any webhdfs
     path of that gateway is used, and a :class:`GatewayMarkerListener` registered unless
     ``listener=False``), or None (just compute; ``.conf`` holds the settings).
