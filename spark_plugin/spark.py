@@ -1000,12 +1000,9 @@ def gateway_checkpoint(
     with Hadoop's nameservice settings (:func:`gateway_conf`, ``token_url``), so the
     session follows whichever is active; the marker listener does too.
 
-    ``spark_or_builder``: a ``SparkSession.Builder`` (every setting but the credential goes
-    in as a ``spark.hadoop.*`` config, with Spark's redaction extended to the credential;
-    the credential goes on the session's Hadoop configuration when the Builder's
-    ``getOrCreate()`` returns, never on the driver JVM's command line, where PySpark puts
-    every Builder config; call ``location.attach(spark)`` after ``getOrCreate()`` for the
-    batch markers), a live
+    ``spark_or_builder``: a ``SparkSession.Builder`` (``spark.hadoop.*`` configs but the
+    credential, which its ``getOrCreate()`` sets on the session: never on a command line;
+    ``location.attach(spark)`` after it for the batch markers), a live
     ``SparkSession`` (settings applied to its Hadoop configuration before any webhdfs
     path of that gateway is used, and a :class:`GatewayMarkerListener` registered unless
     ``listener=False``), or None (just compute; ``.conf`` holds the settings).
