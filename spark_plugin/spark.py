@@ -968,7 +968,14 @@ def _credential_after_create(builder: SparkSession.Builder, loc: GatewayCheckpoi
     @functools.wraps(create)
     def get_or_create() -> SparkSession:
         spark = create()
-        loc._set_hadoop_conf(spark)
+        if getattr(spark, "_jsc", None) is None:  # Spark Connect: no JVM of this process
+            log.warning(
+                "a Spark Connect session: the server's Spark configuration needs %s (the "
+                "client cannot set a Hadoop configuration)",
+                CREDENTIAL_CONF,
+            )
+        else:
+            loc._set_hadoop_conf(spark)
         return spark
 
     setattr(builder, "getOrCreate", get_or_create)  # noqa: B010  # an instance attribute

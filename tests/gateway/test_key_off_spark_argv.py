@@ -56,6 +56,7 @@ class _Session:
             _jsc = _Jsc()
 
         self.sparkContext = _Sc()
+        self._jsc = _Sc._jsc
 
 
 class _Builder:
