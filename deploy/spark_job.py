@@ -5,9 +5,10 @@ Two ways in, chosen by the environment:
 * through `sos gateway` (SOS_GATEWAY set, e.g. https://sos-gateway:9870): what a cluster
   uses (compose's standalone cluster, Spark on Kubernetes). The key of the namespace
   SOS_NAMESPACE comes from $SOS_KEY_FILE (a file) or $SOS_KEY, never from the command line;
-  `gateway_checkpoint` puts the OAuth2 and retry settings (spark.hadoop.dfs.webhdfs.*,
-  the key as the OAuth2 credential, redacted in the UI and the event log) into the session
-  before it starts, so the executors get them from the driver, and returns the
+  `gateway_checkpoint` puts the OAuth2 and retry settings (spark.hadoop.dfs.webhdfs.*)
+  into the session before it starts and the key (the OAuth2 credential, redacted in the UI
+  and the event log) on its Hadoop configuration when it has started, never on a command
+  line; the executors get them from the driver (the key with each task), and returns the
   webhdfs:// (swebhdfs:// for https) checkpointLocation SOS_GATEWAY/CHECKPOINT. Its
   GatewayMarkerListener marks every committed batch in the journal. The JVMs trust the
   gateway's certificate through their truststore (-Djavax.net.ssl.trustStore=...), this

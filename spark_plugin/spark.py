@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import errno
+import functools
 import json
 import logging
 import os
@@ -517,6 +518,10 @@ GATEWAY_RETRY_SPEC = "200,10,2000,10"
 #: Spark's redaction pattern plus "credential", so the key in
 #: spark.hadoop.dfs.webhdfs.oauth2.credential is hidden in the UI and event logs
 GATEWAY_REDACTION_REGEX = "(?i)secret|password|token|access[.]key|credential"
+#: the Builder config that would carry the namespace key: never set on a Builder (PySpark puts
+#: every Builder config on the driver JVM's command line), only on the live session's Hadoop
+#: configuration (GatewayCheckpoint.attach, or the Builder's getOrCreate() wrapped)
+CREDENTIAL_CONF = "spark.hadoop.dfs.webhdfs.oauth2.credential"
 #: a marker listener that cannot reach the gateway warns once, then at most this often (s)
 MARKER_WARN_INTERVAL = 60.0
 
@@ -826,7 +831,11 @@ class GatewayCheckpoint(str):
 
     ``.relpath``: the checkpoint's path inside the namespace (what ``sos restore --batch
     RELPATH:N`` takes); ``.namespace``; ``.gateway_url``; ``.conf``: the session settings
-    (``spark.hadoop.*`` keys) it needs; ``.listener``: the registered
+    (``spark.hadoop.*`` keys) it needs, the credential (:data:`CREDENTIAL_CONF`) included:
+    given to spark-submit, every one but the credential may be a ``--conf``; the credential
+    goes in a ``--properties-file`` (or ``spark-defaults.conf``) that only its user can
+    read, never a ``--conf``, which every local user reads on the JVM's command line
+    (docs/SPARK.md); ``.listener``: the registered
     :class:`GatewayMarkerListener` (None before :meth:`attach`); ``.trust``: the
     :class:`GatewayTrust` of an https gateway given ``cafile=``/``truststore=`` (None: the
     JVM's and Python's default trust)."""
@@ -860,8 +869,23 @@ class GatewayCheckpoint(str):
         return self
 
     def attach(self, spark: SparkSession, *, listener: bool = True, query_name: str | None = None) -> GatewayCheckpoint:
-        """Apply the Hadoop settings to a live session and register the marker listener
-        (``gateway_checkpoint`` calls it when given a session)."""
+        """Apply the Hadoop settings, the credential included, to a live session's Hadoop
+        configuration and register the marker listener (``gateway_checkpoint`` calls it when
+        given a session; the ``getOrCreate()`` of a Builder given to it applies the settings,
+        so after it ``attach`` is needed for the batch markers only). The driver's tasks and
+        every executor's get the settings with each task (Spark ships the session's Hadoop
+        configuration to them), never on a command line."""
+        self._set_hadoop_conf(spark)
+        if self.trust is not None:
+            self._trust_driver(spark)
+        if listener and self.listener is None:
+            self.listener = GatewayMarkerListener(self, query_name=query_name)
+            spark.streams.addListener(self.listener)
+        return self
+
+    def _set_hadoop_conf(self, spark: SparkSession) -> None:
+        """Every setting of ``.conf`` (the credential too) on the session's Hadoop
+        configuration, which the session's jobs copy (``sessionState.newHadoopConf()``)."""
         hconf = spark.sparkContext._jsc.hadoopConfiguration()
         conf = self.conf
         if "spark.hadoop.fs.webhdfs.impl" in conf and not _driver_has_ride_through(spark):
@@ -874,25 +898,23 @@ class GatewayCheckpoint(str):
             conf = {k: v for k, v in conf.items() if k.removeprefix("spark.hadoop.") not in ride}
         for k, v in conf.items():
             hconf.set(k.removeprefix("spark.hadoop."), v)
-        if self.trust is not None:
-            # the driver JVM's trust, before its first https request (it is read once);
-            # executors started elsewhere need the options at launch: pass the Builder
-            system = spark.sparkContext._jvm.java.lang.System  # type: ignore[union-attr]
-            system.setProperty("javax.net.ssl.trustStore", self.trust.truststore)
-            system.setProperty("javax.net.ssl.trustStoreType", "PKCS12")
-            system.setProperty("javax.net.ssl.trustStorePassword", self.trust.password)
-            if not str(spark.sparkContext.master).startswith("local"):
-                log.warning(
-                    "gateway_checkpoint on a live session: the driver trusts %s now, but "
-                    "executors on other nodes need spark.executor.extraJavaOptions %s when "
-                    "they start: give gateway_checkpoint the SparkSession.Builder",
-                    self.trust.truststore,
-                    self.trust.java_options,
-                )
-        if listener and self.listener is None:
-            self.listener = GatewayMarkerListener(self, query_name=query_name)
-            spark.streams.addListener(self.listener)
-        return self
+
+    def _trust_driver(self, spark: SparkSession) -> None:
+        """The driver JVM's trust, before its first https request (it is read once);
+        executors started elsewhere need the options at launch: pass the Builder."""
+        trust = cast("GatewayTrust", self.trust)
+        system = spark.sparkContext._jvm.java.lang.System  # type: ignore[union-attr]
+        system.setProperty("javax.net.ssl.trustStore", trust.truststore)
+        system.setProperty("javax.net.ssl.trustStoreType", "PKCS12")
+        system.setProperty("javax.net.ssl.trustStorePassword", trust.password)
+        if not str(spark.sparkContext.master).startswith("local"):
+            log.warning(
+                "gateway_checkpoint on a live session: the driver trusts %s now, but "
+                "executors on other nodes need spark.executor.extraJavaOptions %s when "
+                "they start: give gateway_checkpoint the SparkSession.Builder",
+                trust.truststore,
+                trust.java_options,
+            )
 
     def client(self) -> GatewayClient:
         """A :class:`~spark_plugin.gateway.client.GatewayClient` of this gateway."""
@@ -915,10 +937,15 @@ def _ride_jar() -> str | None:
 
 
 def _configure_builder(
-    builder: SparkSession.Builder, conf: dict[str, str], jar: str | None, trust: GatewayTrust | None
+    builder: SparkSession.Builder, loc: GatewayCheckpoint, jar: str | None, trust: GatewayTrust | None
 ) -> None:
-    for k, v in conf.items():
-        builder.config(k, v)
+    """Every setting but the credential as a Builder config (PySpark starts the driver JVM
+    with each one as a ``--conf`` argument, which every local user reads in ``ps``); the
+    credential goes on the session's Hadoop configuration when the Builder's
+    ``getOrCreate()`` returns (:func:`_credential_after_create`)."""
+    for k, v in loc.conf.items():
+        if k != CREDENTIAL_CONF:
+            builder.config(k, v)
     builder.config("spark.redaction.regex", GATEWAY_REDACTION_REGEX)
     options: dict[str, str] = getattr(builder, "_options", {})
     if jar is not None:
@@ -926,6 +953,32 @@ def _configure_builder(
     if trust is not None:
         for name in ("spark.driver.extraJavaOptions", "spark.executor.extraJavaOptions"):
             builder.config(name, _with_java_options(options.get(name), trust.java_options))
+    _credential_after_create(builder, loc)
+
+
+def _credential_after_create(builder: SparkSession.Builder, loc: GatewayCheckpoint) -> None:
+    """Wrap this Builder's ``getOrCreate()``: the session it returns gets ``loc``'s settings,
+    the credential included, on its Hadoop configuration, so a job that never calls
+    ``loc.attach(spark)`` still authenticates (several locations on one Builder: each wraps
+    the last)."""
+    create = getattr(builder, "getOrCreate", None)
+    if create is None:  # not a PySpark Builder (a stand-in that only takes config())
+        return
+
+    @functools.wraps(create)
+    def get_or_create() -> SparkSession:
+        spark = create()
+        if getattr(spark, "_jsc", None) is None:  # Spark Connect: no JVM of this process
+            log.warning(
+                "a Spark Connect session: the server's Spark configuration needs %s (the "
+                "client cannot set a Hadoop configuration)",
+                CREDENTIAL_CONF,
+            )
+        else:
+            loc._set_hadoop_conf(spark)
+        return spark
+
+    setattr(builder, "getOrCreate", get_or_create)  # noqa: B010  # an instance attribute
 
 
 def gateway_checkpoint(
@@ -954,9 +1007,9 @@ def gateway_checkpoint(
     with Hadoop's nameservice settings (:func:`gateway_conf`, ``token_url``), so the
     session follows whichever is active; the marker listener does too.
 
-    ``spark_or_builder``: a ``SparkSession.Builder`` (the settings go in as
-    ``spark.hadoop.*`` configs, with Spark's redaction extended to the credential; call
-    ``location.attach(spark)`` after ``getOrCreate()`` for the batch markers), a live
+    ``spark_or_builder``: a ``SparkSession.Builder`` (``spark.hadoop.*`` configs but the
+    credential, which its ``getOrCreate()`` sets on the session: never on a command line;
+    ``location.attach(spark)`` after it for the batch markers), a live
     ``SparkSession`` (settings applied to its Hadoop configuration before any webhdfs
     path of that gateway is used, and a :class:`GatewayMarkerListener` registered unless
     ``listener=False``), or None (just compute; ``.conf`` holds the settings).
@@ -1006,7 +1059,7 @@ def gateway_checkpoint(
         return loc
     if hasattr(spark_or_builder, "streams"):  # a live session
         return loc.attach(cast("SparkSession", spark_or_builder), listener=listener)
-    _configure_builder(spark_or_builder, conf, jar, trust)
+    _configure_builder(spark_or_builder, loc, jar, trust)
     return loc
 
 
