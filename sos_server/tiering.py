@@ -386,9 +386,8 @@ class Tier:
             await trio.to_thread.run_sync(
                 self.uploader.check_fence, namespace, epoch, limiter=self._checks, abandon_on_cancel=True
             )
-        except TierFenced as exc:
-            if ns.fence == epoch:  # else a FENCE of this server raised it meanwhile: compared again next
-                self._stop(namespace, str(exc))
+        except TierFenced as exc:  # never this server's own newer marker (Uploader.check_fence)
+            self._stop(namespace, str(exc))
         except TierError:
             return
         else:

@@ -48,9 +48,12 @@ def _pyspark_version() -> str:
 def spark_jvm_options() -> str:
     """LIGHT_JVM_OPTIONS, plus the class-data archive when this environment has one."""
     path = archive_path()
-    if os.path.isfile(path):
-        return f"{LIGHT_JVM_OPTIONS} -XX:SharedArchiveFile={path} {_QUIET_CDS}"
-    return LIGHT_JVM_OPTIONS
+    return options_with_archive(path) if os.path.isfile(path) else LIGHT_JVM_OPTIONS
+
+
+def options_with_archive(path: str) -> str:
+    """LIGHT_JVM_OPTIONS mapping the archive at *path*, its warnings kept off stdout."""
+    return f"{LIGHT_JVM_OPTIONS} -XX:SharedArchiveFile={path} {_QUIET_CDS}"
 
 
 def _run_driver(dump_to: str) -> None:

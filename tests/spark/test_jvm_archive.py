@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from tools import child_env
-from tools.jvm import LIGHT_JVM_OPTIONS, archive_path, spark_jvm_options
+from tools.jvm import LIGHT_JVM_OPTIONS, archive_path, options_with_archive, spark_jvm_options
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -51,7 +51,7 @@ def test_a_driver_and_an_executor_map_sparks_classes_from_the_archive(tmp_path):
     pytest.importorskip("pyspark")
     assert os.path.isfile(archive_path()), f"scripts/setup makes {archive_path()}"
     opts = spark_jvm_options()
-    assert opts.startswith(LIGHT_JVM_OPTIONS) and f"-XX:SharedArchiveFile={archive_path()}" in opts
+    assert opts == options_with_archive(archive_path()) and f"-XX:SharedArchiveFile={archive_path()}" in opts
     driver_log, executor_log = tmp_path / "driver.log", tmp_path / "executor.log"
     job = tmp_path / "job.py"
     job.write_text(_JOB)
@@ -84,9 +84,7 @@ def test_without_an_archive_the_options_are_the_light_ones(monkeypatch, tmp_path
 def test_an_archive_that_does_not_fit_is_ignored_silently(tmp_path, content):
     bad = tmp_path / "bad.jsa"
     bad.write_bytes(content)
-    opts = spark_jvm_options().replace(archive_path(), str(bad)).split()
-    if str(bad) not in " ".join(opts):  # no archive on this machine: name the bad one
-        opts = [*LIGHT_JVM_OPTIONS.split(), f"-XX:SharedArchiveFile={bad}", "-Xlog:cds=off,cds+dynamic=off"]
+    opts = options_with_archive(str(bad)).split()
     proc = subprocess.run(["java", *opts, "-version"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "", proc.stdout  # nothing on a driver's stdout
