@@ -59,6 +59,7 @@ def rebuild_journal_end(
     *,
     refuse: bool = True,
     journal_key: JournalKeys | str | None = None,
+    observe: Callable[[Record], None] | None = None,
 ) -> int:
     """Fill ``cache_dir`` (emptied first) with the tree at the end of the newest generation
     whose snapshot is whole, complete or not (module doc); returns the seq of its last record, 0
@@ -68,7 +69,9 @@ def rebuild_journal_end(
     ``refuse``, the writer's case; else an empty tree, a read-only view's) when records exist
     but no generation holds a whole snapshot; JournalCorrupt as restore. ``journal_key``:
     restore's (protocol.md 2.5): every record read is checked under it, those of a generation
-    that is not complete too."""
+    that is not complete too. ``observe``: :func:`~sos_journal.rebuild.replay.replay`'s, for
+    the records of the tree the cache ends with (a generation given up for an older one is
+    observed too: its records' seqs are higher than the older one's, which come after them)."""
     cache_dir = os.path.abspath(cache_dir)
     keys = resolve_journal_keys(journal_key)
     cut_short: list[tuple[layout.GenerationInfo, int]] = []  # snapshots not whole: (generation, records)
@@ -83,13 +86,13 @@ def rebuild_journal_end(
             first_complete = True
             for g in written:
                 if g.ready:
-                    last = _restore_complete(client_factory, namespace, cache_dir, g, first_complete, keys)
+                    last = _restore_complete(client_factory, namespace, cache_dir, g, first_complete, keys, observe)
                     if last is not None:
                         return last
                     first_complete = False
                     continue
                 stats = _replay_incomplete(
-                    client, gens, g, cache_dir, newest=g is written[0], auth=ReadAuth(keys, namespace)
+                    client, gens, g, cache_dir, newest=g is written[0], auth=ReadAuth(keys, namespace), observe=observe
                 )
                 if stats.snapshot_done:
                     _log_finished(namespace, g, stats, cut_short)
@@ -110,6 +113,7 @@ def _restore_complete(
     g: layout.GenerationInfo,
     newest: bool,
     keys: JournalKeys | None,
+    observe: Callable[[Record], None] | None,
 ) -> int | None:
     """The end of complete generation ``g`` by restore (the newest complete one: restore's own
     choice, with its checks; an older one, reached because everything newer held no tree to
@@ -118,9 +122,9 @@ def _restore_complete(
     on to that generation and finishes it."""
     try:
         if newest:
-            return restore(client_factory, namespace, cache_dir, force=True, journal_key=keys).last_seq
+            return restore(client_factory, namespace, cache_dir, force=True, journal_key=keys, observe=observe).last_seq
         return restore(
-            client_factory, namespace, cache_dir, force=True, generation=g.generation, journal_key=keys
+            client_factory, namespace, cache_dir, force=True, generation=g.generation, journal_key=keys, observe=observe
         ).last_seq
     except JournalIncomplete as e:
         log.warning("%s; the writer continues from those records", e)
@@ -140,6 +144,7 @@ def _replay_incomplete(
     *,
     newest: bool,
     auth: ReadAuth,
+    observe: Callable[[Record], None] | None = None,
 ) -> ReplayStats:
     """``g`` replayed into the emptied ``cache_dir``: its snapshot, then every whole record. The
     last segment of the newest generation may end inside a record even once sealed (the writer
@@ -162,7 +167,7 @@ def _replay_incomplete(
     records = generation_records(
         client, g, notes=[], source=source, next_first=next_first_seq(gens, g.generation), check=check
     )
-    return replay(records, cache_dir, snapshot=True, workers=DEFAULT_WORKERS)
+    return replay(records, cache_dir, snapshot=True, workers=DEFAULT_WORKERS, observe=observe)
 
 
 def _why(g: layout.GenerationInfo) -> str:

@@ -349,11 +349,14 @@ def replay(
     stop: Callable[[Record], bool] | None = None,
     snapshot: bool = False,
     workers: int = 1,
+    observe: Callable[[Record], None] | None = None,
 ) -> ReplayStats:
     """Apply ``records_iter`` to ``target_dir``; returns what was applied.
 
     ``snapshot=True``: the stream starts with a generation's snapshot, which is applied
-    whole before ``stop`` is consulted. ``workers`` > 1 applies different files in parallel
+    whole before ``stop`` is consulted. ``observe(record)`` is called, in journal order, with
+    each record applied after the snapshot (what a gateway rebuilds its memory of recent
+    RENAMEs from). ``workers`` > 1 applies different files in parallel
     (module doc); the target ends the same, and an error still names the record that failed
     (records of other files after it may have been applied).
     """
@@ -375,6 +378,8 @@ def replay(
                     r.stats.stopped = True
                     break
                 r.apply(rec)
+                if observe is not None:
+                    observe(rec)
         finally:
             if isinstance(r, ParallelReplayer):
                 r.drain()  # what was handed out is applied before anything is reported

@@ -165,6 +165,7 @@ def restore(
     generation: int | None = None,
     workers: int = DEFAULT_WORKERS,
     journal_key: JournalKeys | str | None = None,
+    observe: Callable[[Record], None] | None = None,
 ) -> Summary:
     """Rebuild the tree of ``namespace`` in the empty directory ``target``; see module doc.
 
@@ -185,7 +186,7 @@ def restore(
     journal order; directories, renames and deletes in journal order for their paths);
     1 applies every record in order in this thread. ``journal_key``: protocol.md 2.5 (default
     $SOS_JOURNAL_KEY[_FILE]); a record it does not vouch for is a JournalAuthError (corrupt).
-    """
+    ``observe``: :func:`~sos_journal.rebuild.replay.replay`'s."""
     auth = ReadAuth(resolve_journal_keys(journal_key), namespace)
     _check_args(at=at, position=position, batch=batch, generation=generation)
     at_ns = parse_time(at)
@@ -221,6 +222,7 @@ def restore(
             workers=workers,
             t0=t0,
             auth=auth,
+            observe=observe,
         )
         _check_point_reached(summary, stats, gens, gen, position, target, created)
         if generation is None and position is None and at_ns is None and bq is None:
@@ -357,6 +359,7 @@ def _replay_generation(
     workers: int,
     t0: float,
     auth: ReadAuth,
+    observe: Callable[[Record], None] | None = None,
 ) -> ReplayStats:
     """Replay ``gen`` into ``target`` up to the point. A JournalCorrupt leaves what came
     before the broken record applied and carries the summary of it (``exc.summary``)."""
@@ -375,7 +378,9 @@ def _replay_generation(
             )
             if position is not None:
                 records = _through(records, position)
-            stats = replay(records, target, stop=_stop_rule(position, at_ns), snapshot=True, workers=workers)
+            stats = replay(
+                records, target, stop=_stop_rule(position, at_ns), snapshot=True, workers=workers, observe=observe
+            )
         finally:
             readers.close()
     except JournalCorrupt as e:
@@ -475,12 +480,15 @@ def rebuild_cache(
     namespace: str,
     cache_dir: str,
     journal_key: JournalKeys | str | None = None,
+    observe: Callable[[Record], None] | None = None,
 ) -> int:
     """Fill a cache directory with the namespace's latest tree (replacing what it holds);
     returns the last seq, 0 for a namespace without a complete generation (empty tree).
-    ``journal_key`` as :func:`restore`'s."""
+    ``journal_key`` and ``observe`` as :func:`restore`'s."""
     try:
-        return restore(client_factory, namespace, cache_dir, force=True, journal_key=journal_key).last_seq
+        return restore(
+            client_factory, namespace, cache_dir, force=True, journal_key=journal_key, observe=observe
+        ).last_seq
     except (SOSNotFound, JournalNotFound):
         _prepare_target(os.path.abspath(cache_dir), True)
         return 0

@@ -41,7 +41,7 @@ from sos_client.errors import token_key_message
 from sos_client.retry import retrying
 from sos_journal.errors import SpoolStale
 from sos_journal.format.auth import JournalKeys, resolve_journal_keys
-from sos_journal.format.records import validate_path
+from sos_journal.format.records import Record, validate_path
 from sos_journal.rebuild.finish import rebuild_journal_end
 from sos_journal.store import StoreClient
 from sos_journal.tree.tree import JournaledTree, RebuildCache
@@ -221,6 +221,7 @@ def open_namespace(
     rebuild: RebuildCache | None = None,
     replayed_to: int | None = None,
     journal_key: JournalKeys | str | None = None,
+    observe_rebuild: Callable[[Record], None] | None = None,
 ) -> OpenNamespace:
     """Open ``namespace`` with its cache in ``cache_dir`` (see the module docstring).
 
@@ -240,6 +241,8 @@ def open_namespace(
     ``rebuild``: what fills an empty cache (default: :func:`~sos_journal.rebuild.finish.rebuild_journal_end`,
     the journal's end, a generation that is not complete finished, protocol.md 2.1;
     ``sos gateway --restore-batch`` gives :func:`~sos_journal.rebuild.rollback.rollback_rebuild`).
+    ``observe_rebuild``: called with each record the default rebuild applies after its
+    snapshot, in journal order (the gateway's memory of recent RENAMEs is rebuilt from them).
 
     ``replayed_to``: the cache's tree is the journal replayed up to that record (a standby
     gateway's tail, taken after its FENCE): the writer continues the generation from there
@@ -255,7 +258,7 @@ def open_namespace(
     """
     cache_dir = os.path.abspath(cache_dir)
     keys = resolve_journal_keys(journal_key)
-    rebuild = rebuild or functools.partial(rebuild_journal_end, journal_key=keys)
+    rebuild = rebuild or functools.partial(rebuild_journal_end, journal_key=keys, observe=observe_rebuild)
     if client_factory is None:
         factory = client_factory_for(server, key, namespace, timeout=timeout, tls=tls)
     else:

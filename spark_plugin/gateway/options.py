@@ -5,9 +5,11 @@ the library defaults are here and nowhere else."""
 from __future__ import annotations
 
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from sos_journal.faces.facade import FENCE_CHECK
+from sos_journal.format.records import Record
 from sos_journal.tree.open import ClientFactory, OpenNamespace, open_namespace
 from sos_journal.tree.tree import RebuildCache
 from spark_plugin.gateway.http.auth import DEFAULT_KEY_RECHECK, DEFAULT_TOKEN_TTL
@@ -114,11 +116,12 @@ class GatewayOptions:
         client_factory: ClientFactory | None = None,
         rebuild: RebuildCache | None = None,
         replayed_to: int | None = None,
+        observe_rebuild: Callable[[Record], None] | None = None,
     ) -> OpenNamespace:
         """The namespace opened on ``cache_dir`` as every gateway opens it
         (:func:`~sos_journal.tree.open.open_namespace`; ``client_factory``: None, this
-        one's): its writer never waits, the gateway's barriers do; ``rebuild`` and
-        ``replayed_to`` as there."""
+        one's): its writer never waits, the gateway's barriers do; ``rebuild``,
+        ``replayed_to`` and ``observe_rebuild`` as there."""
         opened = open_namespace(
             self.namespace,
             cache_dir,
@@ -134,6 +137,7 @@ class GatewayOptions:
             tier_patience=self.tier_patience,
             rebuild=rebuild,
             replayed_to=replayed_to,
+            observe_rebuild=observe_rebuild,
         )
         if opened.writer is not None:  # records no barrier waits for go in shared rounds
             opened.writer.linger = SHIP_LINGER

@@ -80,6 +80,7 @@ from spark_plugin.gateway.serving import (
 )
 from spark_plugin.gateway.webhdfs.hdfs import remote_exception
 from spark_plugin.gateway.webhdfs.namespace import WebHdfsNamespace
+from spark_plugin.gateway.webhdfs.renames import RENAME_MEMORY_FILE, JournalRenames, RenameMemory
 
 __all__ = ["PROMOTE_PATH", "Standby", "Tailer", "promote", "promote_url_refusal", "run_standby"]
 
@@ -114,11 +115,14 @@ class Tailer:
         self._read_to = 0
         self._replayer: Replayer | None = None
         self._auth = TailCheck(resolve_journal_keys(), namespace)  # protocol.md 2.5
+        #: the RENAMEs of the journal replayed, for the memory of a promotion (resends)
+        self.renames = JournalRenames()
 
     def rebuild(self) -> None:
         """The tree rebuilt from the server (restore's code), the tail from its last record."""
         self.close()
-        self.seq = rebuild_cache(self.factory, self.namespace, self.tree_dir)
+        self.renames = JournalRenames()
+        self.seq = rebuild_cache(self.factory, self.namespace, self.tree_dir, observe=self.renames)
         self._cur = None
         self._auth.reset()
         self._snapshot = False
@@ -189,6 +193,7 @@ class Tailer:
                             self._snapshot = False
                     else:
                         self._replayer.apply(rec)
+                        self.renames(rec)
                     self.seq = rec.seq
                     applied += 1
             if self.seq == before:
@@ -565,6 +570,13 @@ def run_standby(options: GatewayOptions, *, poll: float = POLL) -> int:
 
     def open_active(replayed_to: int) -> tuple[OpenNamespace, WebHdfsNamespace]:
         log.warning("standby: promoting: the namespace's writer opens with %s", runs_as(options, serving))
+        # a RENAME the active applied and died before answering is resent here: answered as
+        # the first was (protocol.md 3.3), from the RENAMEs of the journal the tail replayed
+        memory = RenameMemory(os.path.join(cache_dir, RENAME_MEMORY_FILE))
+        try:
+            memory.adopt(tailer.renames.found(tailer.tree_dir))
+        finally:
+            memory.close()
         opened = options.open_journal(cache_dir, client_factory=factory, replayed_to=replayed_to)
         ns = webhdfs_view(opened, options.sync)
         for metrics in exported:  # the endpoint now reports the writer (and its commits)

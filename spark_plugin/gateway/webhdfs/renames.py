@@ -13,8 +13,17 @@ gateway on the same cache: an append-only log of JSON lines, one ``write`` each 
 costs one line, not a rewrite of the whole memory), rewritten with only its live entries at
 start and once it holds :data:`RENAME_LOG_LINES` lines. A torn last line (a crash in the
 middle of a write) is ignored; a damaged line before the last makes the whole log
-distrusted (nothing is answered from it). No cache walking, no journal: the namespace
+distrusted (nothing is answered from it). No cache walking: the namespace
 (:mod:`spark_plugin.gateway.webhdfs.changes`) tells it what it renamed and what it changes.
+
+A gateway whose cache is rebuilt from the server (a replacement on an empty cache: a pod
+rescheduled with an ``emptyDir``, a lost disk) has no log; it rebuilds the memory from the
+journal instead, as the NameNode rebuilds its RetryCache from its edit log:
+:class:`JournalRenames` watches the records the rebuild applies and keeps the RENAMEs of the
+last RENAME_RETRY_WINDOW whose destination no later record changed, each with the identity
+of what the rebuilt tree holds there. The journal records where an entry went, not what
+the client asked: a RENAME into an existing directory (HDFS's boolean rename) is not
+remembered this way, and a resend of one gets HDFS's plain answer, as before.
 """
 
 from __future__ import annotations
@@ -30,12 +39,14 @@ from collections import Counter
 from typing import NamedTuple
 
 from sos_journal.beneath import Beneath
+from sos_journal.format.records import Create, Delete, Mkdir, Record, Rename, Rmdir, Truncate, Write
 
 __all__ = [
     "RENAME_LOG_LINES",
     "RENAME_MEMORY",
     "RENAME_MEMORY_FILE",
     "RENAME_RETRY_WINDOW",
+    "JournalRenames",
     "RenameMemory",
     "Renamed",
     "identity",
@@ -218,6 +229,14 @@ class RenameMemory:
         self._apply(["rename", rel, asked, dst, ident, now])
         self._write(["rename", rel, asked, dst, ident, now])
 
+    def adopt(self, renames: list[tuple[str, str, str, float]]) -> None:
+        """Remember RENAMEs a rebuild found in the journal (:class:`JournalRenames`): each
+        ``(source, destination, identity, wall time)``, oldest first, logged and synced."""
+        for src, dst, ident, when in renames:
+            self._apply(["rename", src, dst, dst, ident, when])
+        if renames:
+            self._compact()
+
     def forget(self, path: str, *, under: bool = False) -> None:
         """``path`` is about to change (replaced, written, truncated, removed or renamed away;
         ``under``: and everything below it): no RENAME that left an entry there is
@@ -242,3 +261,61 @@ class RenameMemory:
         if seen is None or time.time() - seen.when >= RENAME_RETRY_WINDOW:
             return None
         return seen
+
+
+class JournalRenames:
+    """The RENAMEs a rebuild of the cache replays (``observe`` of
+    :func:`~sos_journal.rebuild.finish.rebuild_journal_end`, called in journal order with
+    each record after the snapshot), for :meth:`RenameMemory.adopt`: each RENAME whose
+    destination no later record changed (the same forgetting as the live memory's), the
+    last RENAME_MEMORY of them."""
+
+    def __init__(self) -> None:
+        #: (source, destination) -> time of the RENAME (seconds), oldest first
+        self._seen: dict[tuple[str, str], float] = {}
+        self._paths: Counter[str] = Counter()
+        self._last_seq = -1
+
+    def __call__(self, rec: Record) -> None:
+        if rec.seq <= self._last_seq:  # another replay (an older generation): start over
+            self._seen, self._paths = {}, Counter()
+        self._last_seq = rec.seq
+        op = rec.op
+        if isinstance(op, Rename):
+            self._drop(op.src, under=True)
+            self._drop(op.dst, under=True)
+            self._seen[(op.src, op.dst)] = rec.time_ns / 1e9
+            self._paths.update(_and_above(op.dst))
+            if len(self._seen) > RENAME_MEMORY:
+                self._remove(next(iter(self._seen)))
+        elif isinstance(op, (Delete, Rmdir)):
+            self._drop(op.path, under=True)
+        elif isinstance(op, (Create, Write, Truncate, Mkdir)):
+            self._drop(op.path, under=False)
+
+    def _drop(self, path: str, *, under: bool) -> None:
+        if self._paths[path] <= 0:
+            return
+        prefix = path + "/" if path else ""
+        for key in [k for k in self._seen if k[1] == path or (under and k[1].startswith(prefix))]:
+            self._remove(key)
+
+    def _remove(self, key: tuple[str, str]) -> None:
+        del self._seen[key]
+        self._paths.subtract(_and_above(key[1]))
+
+    def found(self, tree_dir: str) -> list[tuple[str, str, str, float]]:
+        """``(source, destination, identity, time)`` of each RENAME seen within the last
+        RENAME_RETRY_WINDOW whose destination the rebuilt tree at ``tree_dir`` holds, oldest
+        first (for :meth:`RenameMemory.adopt`)."""
+        now = time.time()
+        out: list[tuple[str, str, str, float]] = []
+        with Beneath(tree_dir) as at:
+            for (src, dst), when in self._seen.items():
+                if now - when >= RENAME_RETRY_WINDOW:
+                    continue
+                try:
+                    out.append((src, dst, identity(at, dst, at.lstat(dst)), when))
+                except OSError:  # gone, or not a plain entry: a resend gets HDFS's answer
+                    continue
+        return out
