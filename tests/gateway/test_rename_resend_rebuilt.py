@@ -173,6 +173,8 @@ def test_the_journal_collector_keeps_the_window_and_the_last_ones_and_starts_ove
     found = seen.found(str(tree))
     assert len(found) == rn.RENAME_MEMORY
     assert found[0][:2] == (".5", "5") and found[-1][:2] == (f".{rn.RENAME_MEMORY + 4}", str(rn.RENAME_MEMORY + 4))
+    # what it counts stays bounded by what it remembers (a standby tails for days)
+    assert len(seen._paths) == rn.RENAME_MEMORY + 1  # each destination and the root
     # an older generation replayed after a newer one was given up: its seqs are lower
     seen(_rec(1, Rename(".1", "1", False)))
     assert [f[:2] for f in seen.found(str(tree))] == [(".1", "1")]

@@ -302,7 +302,12 @@ class JournalRenames:
 
     def _remove(self, key: tuple[str, str]) -> None:
         del self._seen[key]
-        self._paths.subtract(_and_above(key[1]))
+        for path in _and_above(key[1]):  # no count left at 0: a standby tails for days
+            left = self._paths[path] - 1
+            if left > 0:
+                self._paths[path] = left
+            else:
+                del self._paths[path]
 
     def found(self, tree_dir: str) -> list[tuple[str, str, str, float]]:
         """``(source, destination, identity, time)`` of each RENAME seen within the last
