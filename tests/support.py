@@ -140,3 +140,22 @@ def peak_rss_kib():
     with open("/proc/self/status") as f:
         return next(int(l.split()[1]) for l in f if l.startswith("VmHWM:"))
 """
+
+
+def webhdfs_put(c, path: str, data: bytes) -> None:
+    """CREATE (overwrite) ``path`` with ``data`` through a GatewayClient ``c``."""
+    c.call("PUT", "/webhdfs/v1" + path, data, op="CREATE", data="true", overwrite="true")
+
+
+def webhdfs_rename(c, src: str, dst: str, *, rename2: bool = False) -> bool | str:
+    """HDFS's boolean rename's answer, or rename2's (``renameoptions=NONE``): True (200) or
+    the name of the exception it answered."""
+    from spark_plugin.gateway.client import GatewayError
+
+    if not rename2:
+        return c.call("PUT", "/webhdfs/v1" + src, op="RENAME", destination=dst)["boolean"]
+    try:
+        assert c.call("PUT", "/webhdfs/v1" + src, op="RENAME", destination=dst, renameoptions="NONE") == {}
+    except GatewayError as exc:
+        return exc.exception
+    return True

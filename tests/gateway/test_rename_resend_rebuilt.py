@@ -18,11 +18,13 @@ import time
 import pytest
 
 from sos_journal.format.records import Create, Delete, Mkdir, Record, Rename, Write
-from spark_plugin.gateway.client import GatewayClient, GatewayError
+from spark_plugin.gateway.client import GatewayClient
 from spark_plugin.gateway.process import GatewayProcess
 from spark_plugin.gateway.webhdfs import renames as rn
 from spark_plugin.spark import sos_command
 from tests.support import pair_listen
+from tests.support import webhdfs_put as _put
+from tests.support import webhdfs_rename as _rename
 
 NS = "resend"
 
@@ -31,21 +33,6 @@ def _gateway(server, key, cache, *args):
     return GatewayProcess(
         NS, str(cache), server.address, key, listen=pair_listen(), extra_args=list(args), log_path=str(cache) + ".log"
     ).start()
-
-
-def _put(c: GatewayClient, path: str, data: bytes) -> None:
-    c.call("PUT", "/webhdfs/v1" + path, data, op="CREATE", data="true", overwrite="true")
-
-
-def _rename(c: GatewayClient, src: str, dst: str, *, rename2: bool = False):
-    """The boolean rename's answer, or rename2's: True (200) or the exception's name."""
-    if not rename2:
-        return c.call("PUT", "/webhdfs/v1" + src, op="RENAME", destination=dst)["boolean"]
-    try:
-        assert c.call("PUT", "/webhdfs/v1" + src, op="RENAME", destination=dst, renameoptions="NONE") == {}
-    except GatewayError as exc:
-        return exc.exception
-    return True
 
 
 def test_a_replacement_on_an_empty_cache_answers_a_resent_rename_as_the_first(sos_server, tmp_path):
