@@ -34,6 +34,8 @@ from spark_plugin.gateway.process import GatewayProcess
 from spark_plugin.gateway.webhdfs import renames as rn
 from spark_plugin.spark import sos_command
 from tests.support import pair_listen
+from tests.support import webhdfs_put as _put
+from tests.support import webhdfs_rename as _rename
 
 pytestmark = [pytest.mark.hostile]
 
@@ -50,21 +52,6 @@ def _gateway(server, key, cache, *args, listen=None, name="gw"):
         extra_args=list(args),
         log_path=str(cache) + f"-{name}.log",
     ).start()
-
-
-def _put(c: GatewayClient, path: str, data: bytes) -> None:
-    c.call("PUT", "/webhdfs/v1" + path, data, op="CREATE", data="true", overwrite="true")
-
-
-def _rename(c: GatewayClient, src: str, dst: str, *, rename2: bool = False):
-    """The boolean rename's answer, or rename2's: True (200) or the exception's name."""
-    if not rename2:
-        return c.call("PUT", "/webhdfs/v1" + src, op="RENAME", destination=dst)["boolean"]
-    try:
-        assert c.call("PUT", "/webhdfs/v1" + src, op="RENAME", destination=dst, renameoptions="NONE") == {}
-    except GatewayError as exc:
-        return exc.exception
-    return True
 
 
 def _read(c: GatewayClient, path: str) -> bytes:
