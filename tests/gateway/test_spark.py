@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import traceback
 from collections import Counter
 
 import pytest
@@ -171,8 +172,10 @@ def test_spark_query_checkpoints_through_the_gateway_and_resumes(sos_server, tmp
 # on the same cache (with the project's settings only), then its driver is SIGKILLed and a
 # new one resumes it: every id comes out exactly once.
 
-STREAM_FILES = 6
-STREAM_RECORDS = 60
+#: enough files for both restarts (a batch each 2 s: batch 0, two after each restart, the
+#: cut one) and a resume that still has input left
+STREAM_FILES = 10
+STREAM_RECORDS = 100
 
 FILES_DRIVER = textwrap.dedent('''
     import json, os, sys, time
@@ -352,60 +355,99 @@ def _host_port(url):
     return host, int(port)
 
 
-@pytest.fixture
-def files_query(sos_server, tmp_path):
-    q = _FilesQuery(sos_server, tmp_path, "gwfiles")
-    yield q
-    q.close()
+def _phase(step, *args):
+    """Run one step of the shared run: None if it held, else what failed (the test of that
+    step reports it)."""
+    try:
+        step(*args)
+    except Exception as exc:
+        return "".join(traceback.format_exception(exc))[-8000:]
+    return None
 
 
-def test_spark_file_stream_rides_a_gateway_restart_between_two_requests(files_query):
+def _restart_between_two_requests(q, first):
+    """The gateway is SIGKILLed at a moment when no request is in flight (the proxy holds the
+    next ones until then; Hadoop's idle connections are closed as a dead gateway's are) and
+    comes back on the same cache; the waiting requests reach the new gateway, which serves
+    them, and two more batches commit."""
+    q.proxy.hold()
+    q.proxy.wait_quiet()
+    q.proxy.drop_idle()
+    served = len(q.proxy.requests)
+    upstream = q.restart_gateway()  # between two requests: the gateway has none
+    q.proxy.release(upstream)
+    before = q.committed()
+    q.wait(lambda: len(q.committed() - before) >= 2, "two more batches after the gateway restart", first)
+    assert len(q.proxy.requests) > served
+    assert " -> 2" in q.gateways[-1].log(), "the restarted gateway served the query"
+    assert first.poll() is None, "the query stopped after the restart\n" + q.log("first")[-6000:]
+
+
+def _restart_inside_a_file_body(q, first):
+    """The gateway is SIGKILLed while it reads a file body (the data PUT after CREATE's
+    redirect), with no other request in flight; the query carries on with the same driver:
+    two more batches commit."""
+    q.proxy.arm_cut(lambda r: r.method == b"PUT" and b"data=true" in r.target and b"/stream/" in r.target)
+    q.cut = q.proxy.wait_cut()
+    upstream = q.restart_gateway()  # inside that body, with no other request in flight
+    q.proxy.finish_cut()
+    q.proxy.release(upstream)
+    before = q.committed()
+    q.wait(lambda: len(q.committed() - before) >= 2, "two more batches after the cut body", first)
+    assert first.poll() is None, "the query stopped after its body was cut\n" + q.log("first")[-6000:]
+
+
+def _resume(q):
+    """The first driver SIGKILLed mid-query (its JVM too); a new one resumes: every id
+    exactly once; then a clean stop of the last gateway."""
+    q.resume_exactly_once()
+    q.stop_gateway()
+
+
+@pytest.fixture(scope="module")
+def restarts(server, tmp_path_factory):
+    """One query (the files driver's, on a gateway behind a :class:`CutProxy`) through both
+    gateway restarts, each kill placed where it means to be: first between two requests,
+    then, once two more batches committed, inside a file body; then its driver is SIGKILLed
+    and a new one resumes it. One driver JVM for both placements (and one for the resume)
+    instead of two each: {step: None if it held, else what failed}."""
+    q = _FilesQuery(server, tmp_path_factory.mktemp("restarts"), "gwfiles")
+    out: dict[str, str | None] = {}
+    try:
+        first = q.start("first")
+        try:
+            q.first_batch(first)
+            out["between"] = _phase(_restart_between_two_requests, q, first)
+            out["cut"] = (
+                _phase(_restart_inside_a_file_body, q, first)
+                if out["between"] is None
+                else "not run: the restart between two requests failed first"
+            )
+        finally:
+            kill_tree(first)  # the driver dies mid-query (SIGKILL, its JVM too)
+        out["resume"] = _phase(_resume, q)
+        print("cut:", getattr(q, "cut", None))
+    finally:
+        q.close()
+    return out
+
+
+def test_spark_file_stream_rides_a_gateway_restart_between_two_requests(restarts):
     """The gateway is SIGKILLed at a moment when no request is in flight (the proxy holds the
     next ones until then; Hadoop's idle connections are closed as a dead gateway's are) and
     comes back on the same cache with the project's settings only; the waiting requests reach
     the new gateway: the query carries on with no error, two more batches commit, and a driver
     that resumes it after a SIGKILL of the first gives every id exactly once."""
-    q = files_query
-    first = q.start("first")
-    try:
-        q.first_batch(first)
-        q.proxy.hold()
-        q.proxy.wait_quiet()
-        q.proxy.drop_idle()
-        served = len(q.proxy.requests)
-        upstream = q.restart_gateway()  # between two requests: the gateway has none
-        q.proxy.release(upstream)
-        before = q.committed()
-        q.wait(lambda: len(q.committed() - before) >= 2, "two more batches after the gateway restart", first)
-    finally:
-        kill_tree(first)  # the driver dies mid-query (SIGKILL, its JVM too)
-    assert len(q.proxy.requests) > served
-    assert " -> 2" in q.gateways[-1].log(), "the restarted gateway served the query"
-    q.resume_exactly_once()
-    q.stop_gateway()
+    assert restarts["between"] is None, restarts["between"]
+    assert restarts["resume"] is None, restarts["resume"]
 
 
-def test_spark_file_stream_rides_a_gateway_restart_that_cuts_a_file_body(files_query):
+def test_spark_file_stream_rides_a_gateway_restart_that_cuts_a_file_body(restarts):
     """The gateway is SIGKILLed while it reads a file body (the data PUT after CREATE's
     redirect). Hadoop's own WebHDFS output stream does not resend a body, so before issue 30
     the query stopped ("Unexpected end of file from server", "Connection reset"); with the
     settings of `gateway_checkpoint` (the gateway's Hadoop FileSystem, which keeps the body
     and resends it whole) the query carries on: two more batches commit with the same driver,
     and a driver that resumes it after a SIGKILL of the first gives every id exactly once."""
-    q = files_query
-    first = q.start("first")
-    try:
-        q.first_batch(first)
-        q.proxy.arm_cut(lambda r: r.method == b"PUT" and b"data=true" in r.target and b"/stream/" in r.target)
-        cut = q.proxy.wait_cut()
-        upstream = q.restart_gateway()  # inside that body, with no other request in flight
-        q.proxy.finish_cut()
-        q.proxy.release(upstream)
-        before = q.committed()
-        q.wait(lambda: len(q.committed() - before) >= 2, "two more batches after the cut body", first)
-        assert first.poll() is None, "the query stopped after its body was cut\n" + q.log("first")[-6000:]
-    finally:
-        kill_tree(first)
-    print("cut:", cut)
-    q.resume_exactly_once()
-    q.stop_gateway()
+    assert restarts["cut"] is None, restarts["cut"]
+    assert restarts["resume"] is None, restarts["resume"]
