@@ -13,7 +13,8 @@ goes on the live session's Hadoop configuration only (the Builder's ``getOrCreat
   the machine (the PySpark parent, its driver JVM, any other) has the key on its command
   line; the JVM's command line does hold the other settings (what was read is the right
   thing); the query then finishes exactly once with its batch markers.
-  The cluster side (executors launched by a standalone Worker): tests/spark/test_cluster_key_argv.py.
+  The cluster side (executors launched by a standalone Worker): tests/spark/test_cluster.py
+  (the cluster demo's run, read from /proc).
 """
 
 from __future__ import annotations
