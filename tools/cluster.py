@@ -179,10 +179,18 @@ class SparkCluster:
             ),
         )
         self._wait_log(self.master, "I have been elected leader", timeout)
-        for i in range(self.n_workers):
-            self.start_worker(i, timeout=timeout)
+        # the Workers start side by side (each JVM's start-up is mostly one thread's work)
+        nodes = [self._spawn_worker(i) for i in range(self.n_workers)]
+        for node in nodes:
+            self._wait_log(node, "Successfully registered with master", timeout)
 
     def start_worker(self, i: int, timeout: float = 120.0) -> Node:
+        """(Re)start worker ``i`` and wait until it registered with the Master."""
+        node = self._spawn_worker(i)
+        self._wait_log(node, "Successfully registered with master", timeout)
+        return node
+
+    def _spawn_worker(self, i: int) -> Node:
         old = self.workers[i]
         if old is not None and old.alive():
             raise ClusterError(f"worker {i} is still running")
@@ -205,7 +213,6 @@ class SparkCluster:
             env=dict(self.env, SPARK_LOCAL_DIRS=f"{NODE_ROOT}/local", TMPDIR=f"{NODE_ROOT}/tmp"),
         )
         self.workers[i] = node
-        self._wait_log(node, "Successfully registered with master", timeout)
         return node
 
     def kill_worker(self, i: int) -> None:
