@@ -142,6 +142,7 @@ class SparkCluster:
         self.master: Node | None = None
         self.workers: list[Node | None] = [None] * workers
         self.drivers: list[Node] = []
+        self._starting: list[Node] = []  # Workers spawned by start(wait=False), not yet registered
         self.master_port = free_port()
         os.makedirs(os.path.join(base_dir, "logs"), exist_ok=True)
 
@@ -165,7 +166,10 @@ class SparkCluster:
     def _spark_class(self, cls: str, *args: str) -> list[str]:
         return [os.path.join(spark_home(), "bin", "spark-class"), cls, *args]
 
-    def start(self, timeout: float = 120.0) -> None:
+    def start(self, timeout: float = 120.0, *, wait: bool = True) -> None:
+        """The Master, then the Workers side by side (each JVM's start-up is mostly one
+        thread's work). ``wait``: until every Worker registered; else the caller calls
+        :meth:`wait_workers` later (a driver can start meanwhile: it waits for executors)."""
         self.master = self._spawn(
             "master",
             self._spark_class(
@@ -179,8 +183,13 @@ class SparkCluster:
             ),
         )
         self._wait_log(self.master, "I have been elected leader", timeout)
-        # the Workers start side by side (each JVM's start-up is mostly one thread's work)
-        nodes = [self._spawn_worker(i) for i in range(self.n_workers)]
+        self._starting = [self._spawn_worker(i) for i in range(self.n_workers)]
+        if wait:
+            self.wait_workers(timeout)
+
+    def wait_workers(self, timeout: float = 120.0) -> None:
+        """Until the Workers :meth:`start` spawned registered with the Master."""
+        nodes, self._starting = self._starting, []
         for node in nodes:
             self._wait_log(node, "Successfully registered with master", timeout)
 

@@ -135,6 +135,11 @@ CLUSTER_ARGS = [
     "17418",
     "--weights",
     "gateway=2,server=1,executor=2,worker=2,driver=2,all=2,disk=0",
+    # the gap between events, as the mount-mode loop has it (the draws stay the same: one
+    # uniform draw whatever its bounds)
+    "--delay",
+    "0.2",
+    "2",
     "--stall-timeout",
     "200",
 ]
