@@ -1,6 +1,6 @@
 """A real Spark query (local[2], stateful: dropDuplicates) checkpoints on webhdfs:// through
 `sos gateway` with the OAuth2 and retry settings of `gateway_checkpoint`, runs 3 batches,
-restarts for 2 more; every id comes out exactly once, the batch markers are written, and
+stops, and is started again (a new run of it, in the same driver) for 2 more; every id comes out exactly once, the batch markers are written, and
 `sos restore` (also `--batch`) gives back a checkpoint with the committed batches."""
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ RECORDS = 500
 FILES = 5
 FIRST_RUN_FILES = 3
 
+#: The query run once per entry of ``cfg["runs"]`` (one after the other in one driver: the
+#: second starts once its "wait_for" file exists and resumes from the checkpoint the first
+#: left, as a new query run of it)
 DRIVER = textwrap.dedent("""
     import json, os, sys, time
     cfg = json.load(open(sys.argv[1]))
@@ -47,50 +50,85 @@ DRIVER = textwrap.dedent("""
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     loc.attach(spark)
-    batches = []
-
-    def sink(df, batch_id):
-        write_batch_output(cfg["out"], df, batch_id)
-        batches.append(batch_id)
-
     os.makedirs(cfg["out"], exist_ok=True)
-    query = (spark.readStream.schema("id LONG, payload STRING")
-             .option("maxFilesPerTrigger", 1).json(cfg["input"])
-             .dropDuplicates(["id"])
-             .writeStream.foreachBatch(sink).option("checkpointLocation", str(loc))
-             .trigger(availableNow=True).start())
-    query.awaitTermination()
-    deadline = time.monotonic() + 120  # the listener runs asynchronously
-    while set(loc.listener.written) < set(batches) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    with open(cfg["result"], "w") as f:
-        json.dump({"location": str(loc), "batches": batches, "markers": loc.listener.written,
-                   "errors": loc.listener.errors}, f)
+
+    for run in cfg["runs"]:
+        while run.get("wait_for") and not os.path.exists(run["wait_for"]):
+            time.sleep(0.1)
+        batches, marked = [], len(loc.listener.written)
+
+        def sink(df, batch_id):
+            write_batch_output(cfg["out"], df, batch_id)
+            batches.append(batch_id)
+
+        query = (spark.readStream.schema("id LONG, payload STRING")
+                 .option("maxFilesPerTrigger", 1).json(cfg["input"])
+                 .dropDuplicates(["id"])
+                 .writeStream.foreachBatch(sink).option("checkpointLocation", str(loc))
+                 .trigger(availableNow=True).start())
+        query.awaitTermination()
+        deadline = time.monotonic() + 120  # the listener runs asynchronously
+        while set(loc.listener.written[marked:]) < set(batches) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        with open(run["result"] + ".tmp", "w") as f:
+            json.dump({"location": str(loc), "batches": batches, "markers": loc.listener.written[marked:],
+                       "errors": loc.listener.errors}, f)
+        os.replace(run["result"] + ".tmp", run["result"])
     spark.stop()
 """)
 
 
-def _run_driver(tmp_path, name, cfg, key):
-    script = tmp_path / "driver.py"
-    script.write_text(DRIVER)
-    cfg_path = tmp_path / f"{name}.json"
-    cfg = dict(cfg, result=str(tmp_path / f"{name}-result.json"))
-    cfg_path.write_text(json.dumps(cfg))
-    env = dict(
-        os.environ, SOS_KEY=key, PYTHONPATH=os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)
-    )
-    log_path = tmp_path / f"{name}.log"
-    with open(log_path, "wb") as logf:
-        proc = subprocess.run(
-            [sys.executable, str(script), str(cfg_path)],
-            stdout=logf,
-            stderr=subprocess.STDOUT,
-            env=env,
-            timeout=900,
-            check=False,
+class TwoRuns:
+    """The driver above in its own process: ``first()`` waits for the first run's result;
+    ``second()`` lets the second run go (the caller added input first) and waits for its
+    result and the driver's exit."""
+
+    def __init__(self, tmp_path, cfg, key):
+        self.tmp_path = tmp_path
+        self.runs = [
+            {"result": str(tmp_path / "run1-result.json")},
+            {"result": str(tmp_path / "run2-result.json"), "wait_for": str(tmp_path / "run2-go")},
+        ]
+        script = tmp_path / "driver.py"
+        script.write_text(DRIVER)
+        cfg_path = tmp_path / "driver.json"
+        cfg_path.write_text(json.dumps(dict(cfg, runs=self.runs)))
+        env = dict(
+            os.environ,
+            SOS_KEY=key,
+            PYTHONPATH=os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p),
         )
-    assert proc.returncode == 0, log_path.read_text()[-6000:]
-    return json.loads((tmp_path / f"{name}-result.json").read_text())
+        self.log_path = tmp_path / "driver.log"
+        with open(self.log_path, "wb") as logf:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(script), str(cfg_path)],
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+
+    def _result(self, i):
+        path = self.runs[i]["result"]
+        deadline = time.monotonic() + 900
+        while not os.path.exists(path):
+            assert self.proc.poll() is None or os.path.exists(path), self.log_path.read_text()[-6000:]
+            assert time.monotonic() < deadline, f"run {i + 1}: no result after 900 s"
+            time.sleep(0.2)
+        with open(path) as f:
+            return json.load(f)
+
+    def first(self):
+        return self._result(0)
+
+    def second(self):
+        (self.tmp_path / "run2-go").touch()
+        result = self._result(1)
+        assert self.proc.wait(600) == 0, self.log_path.read_text()[-6000:]
+        return result
+
+    def kill(self):
+        kill_tree(self.proc)
 
 
 def _ids(out_dir):
@@ -128,13 +166,17 @@ def test_spark_query_checkpoints_through_the_gateway_and_resumes(sos_server, tmp
             "input": str(tmp_path / "input"),
             "out": str(tmp_path / "out"),
         }
-        first = _run_driver(tmp_path, "run1", cfg, key)
-        assert first["batches"] == list(range(FIRST_RUN_FILES))
-        assert first["location"].startswith("webhdfs://")
-        for name in names[FIRST_RUN_FILES:]:
-            shutil.copy2(staging / name, tmp_path / "input" / name)
-        second = _run_driver(tmp_path, "run2", cfg, key)
-        assert second["batches"] == list(range(FIRST_RUN_FILES, FILES))
+        driver = TwoRuns(tmp_path, cfg, key)
+        try:
+            first = driver.first()
+            assert first["batches"] == list(range(FIRST_RUN_FILES))
+            assert first["location"].startswith("webhdfs://")
+            for name in names[FIRST_RUN_FILES:]:
+                shutil.copy2(staging / name, tmp_path / "input" / name)
+            second = driver.second()  # the query started again: it resumes from the checkpoint
+            assert second["batches"] == list(range(FIRST_RUN_FILES, FILES))
+        finally:
+            driver.kill()
     finally:
         assert gw.stop() == 0, gw.log()[-4000:]
     for run in (first, second):
