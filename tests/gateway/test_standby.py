@@ -514,6 +514,9 @@ def test_cluster_crash_loop_with_a_gateway_pair(tmp_path):
             str(PAIR_KILLS),
             "--weights",
             "gateway=3,zombie=2,standby=1,server=1,executor=1,worker=0,driver=0,all=1",
+            "--delay",  # the gap between events (one uniform draw whatever its bounds: same events)
+            "0.2",
+            "2",
             "--workdir",
             str(tmp_path / "soak"),
         ],
