@@ -70,6 +70,9 @@ class Soak(Checks):
     KINDS = KINDS
     CHEAP = ("server",)
     MODE = "mount"
+    #: start the first driver before the server and the mount (it idles until told to run;
+    #: a cluster-mode driver needs its cluster and gateway first)
+    EARLY_DRIVER = True
 
     def __init__(
         self,
@@ -714,6 +717,8 @@ class Soak(Checks):
             + (f", at most {self.max_kills} kill events" if self.max_kills else "")
             + f", work dir {self.work}"
         )
+        if self.EARLY_DRIVER:  # its JVM starts while the input, server and mount are made ready
+            self.driver, self.driver_ctl = self._spawn_driver()
         self.prepare_input()
         self.key = keygen(self.paths["server-data"], NAMESPACE)
         if self.store is not None:
@@ -726,7 +731,11 @@ class Soak(Checks):
         )
         self.setup()
         self.feed()
-        self.start_driver()
+        if self.driver is not None:  # the driver started at the beginning: it runs the query now
+            self.command("run")
+            self._standby_after = max(self.acked_max, self.last_check_hi)
+        else:
+            self.start_driver()
         self.last_progress_t = time.monotonic()
         if not self.wait_progress(-1, time.monotonic() + self.stall_timeout):
             raise HarnessError("the query committed no batch after start")
