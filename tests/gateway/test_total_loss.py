@@ -27,6 +27,7 @@ import subprocess
 import sys
 import urllib.request
 
+import psutil
 import pytest
 
 from spark_plugin.gateway.client import GatewayClient
@@ -100,6 +101,33 @@ def start_driver(cfg: dict, work, n: int, key: str) -> subprocess.Popen:
         )
 
 
+def _cmdline(p: psutil.Process) -> str:
+    try:
+        return "\0".join(p.cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return ""
+
+
+def _command_lines(driver: subprocess.Popen, key: str) -> dict:
+    """What ``ps`` shows while the driver is parked mid-batch (after checkpointing through
+    the gateway): its processes' command lines (the PySpark parent, its driver JVM, the
+    JVM's as /proc has it) and those of every process of the machine holding the key."""
+    secret = key.rpartition(".")[2] or key
+    ours = [psutil.Process(driver.pid), *psutil.Process(driver.pid).children(recursive=True)]
+    jvms = [p for p in ours if "org.apache.spark.deploy.SparkSubmit" in _cmdline(p)]
+    proc_cmdline = ""
+    if jvms:
+        with open(f"/proc/{jvms[0].pid}/cmdline", "rb") as f:
+            proc_cmdline = f.read().decode(errors="replace").rstrip("\0")
+    return {
+        "secret_len": len(secret),
+        "jvm": _cmdline(jvms[0]) if jvms else None,
+        "jvm_proc": proc_cmdline,
+        "ours_with_key": [p.pid for p in ours if secret in _cmdline(p)],
+        "leaks": {p.pid: _cmdline(p)[:200] for p in psutil.process_iter() if secret in _cmdline(p)},
+    }
+
+
 @pytest.fixture(scope="module")
 def total_loss(server, tmp_path_factory):
     """One run of the scenario for both state stores: {store: what was seen}, plus "restored"
@@ -142,6 +170,7 @@ def total_loss(server, tmp_path_factory):
             f"driver 1 reaching batch {CRASH_AFTER} in both queries",
             alive=lambda: d1.poll() is None,
         )
+        key_seen = _command_lines(d1, str(key))
         for store in STATE_STORES:
             ckpt = checkpoint_of(store)
             seen[store]["before"] = gateway_committed_batches(client, ckpt)
@@ -191,7 +220,7 @@ def total_loss(server, tmp_path_factory):
             check=True,
             timeout=600,
         )
-        out: dict = {"served": served, "restored": local_tree(restored_dir), "seen": seen}
+        out: dict = {"served": served, "restored": local_tree(restored_dir), "seen": seen, "key": key_seen}
         # ---- and `sos restore --batch CHECKPOINT:N` stops at commit N: before the loss
         # (first journal generation) and after it (the new gateway's generation)
         for store in STATE_STORES:
@@ -243,3 +272,25 @@ def test_driver_gateway_and_cache_lost_mid_batch_then_exactly_once(total_loss, s
     # `sos restore --batch CHECKPOINT:N` stops at commit N, before the loss and after it
     for n, batches in seen["at"].items():
         assert batches == set(range(n + 1)), n
+
+
+def test_no_key_on_any_command_line_while_the_driver_checkpoints_through_the_gateway(total_loss):
+    """The namespace key never reaches a Spark JVM's command line (least privilege: every
+    local user reads any process's ``/proc/<pid>/cmdline``): while the first driver is parked
+    in batch 2, having committed batches 0 and 1 through the gateway (the key worked in its
+    JVM), no process of the machine (the PySpark parent, its driver JVM, any other) has the
+    key on its command line; the JVM's command line does hold the other settings (what was
+    read is the right thing). Its successor, with the same settings, finishes exactly once
+    with its batch markers (the test above). (tests/gateway/test_key_off_spark_argv.py: the
+    Builder side; tests/spark/test_cluster.py: the executors of a standalone cluster.)"""
+    seen = total_loss["key"]
+    assert seen["secret_len"] >= 16
+    for store in STATE_STORES:
+        assert total_loss["seen"][store]["before"] == set(range(CRASH_AFTER))
+    jvm = seen["jvm"]
+    assert jvm, "no driver JVM among the driver's processes"
+    assert seen["jvm_proc"] == jvm  # what psutil read is /proc's
+    assert f"spark.hadoop.dfs.webhdfs.oauth2.client.id={NS}" in jvm
+    assert "dfs.webhdfs.oauth2.credential" not in jvm
+    assert seen["ours_with_key"] == [], "the key is on a command line of the driver's"
+    assert not seen["leaks"], seen["leaks"]
