@@ -36,7 +36,8 @@ CHECKPOINT = "queries/q"
 
 #: A driver that runs the query once per entry of ``cfg["runs"]``, one after the other in the
 #: same session (each with its shuffle partitions, checkpoint, input and output; an entry with
-#: "wait_for" starts once that flag exists): one JVM where a driver per run cost one each.
+#: "metrics" scrapes the gateway's barrier counter in each batch, one with "wait_for" starts
+#: once that flag exists): one JVM for both tests' four runs.
 DRIVER = textwrap.dedent("""
     import json, os, sys, time, urllib.request
     cfg = json.load(open(sys.argv[1]))
@@ -67,7 +68,7 @@ DRIVER = textwrap.dedent("""
         def sink(df, batch_id):
             write_batch_output(r["out"], df, batch_id)
             batches.append(batch_id)
-            if cfg.get("metrics"):
+            if r.get("metrics"):
                 waits[batch_id] = scrape()
             if batch_id == r.get("hang_at"):  # its state files are acknowledged, its commit is not
                 open(os.path.join(cfg["flags"], "hang"), "w").close()
@@ -142,81 +143,62 @@ def _state_files(gw_url, key, ns, checkpoint) -> int:
     return n
 
 
-def test_barrier_waits_per_batch_do_not_grow_with_shuffle_partitions(sos_server, tmp_path):
-    """The query at 2, then at 8 shuffle partitions (two checkpoints, one after the other in
-    one driver, through one gateway: the counter's steps within a run are that run's)."""
-    files = 6
-    ns = f"{NS}w"
-    key = sos_server.keygen(ns, "append")
+FILES = 6  # per partitions run
+RECORDS, Q_FILES, HANG_AT = 400, 5, 2  # the run whose gateway is replaced
+
+
+@pytest.fixture(scope="module")
+def barrier(server, tmp_path_factory):
+    """One driver, one namespace: the query at 2 then at 8 shuffle partitions through gateway
+    1 (its barrier counter scraped per batch), then the query on queries/q parked in batch 2
+    while gateway 1 is SIGKILLed, its cache deleted and gateway 2 started on an empty cache on
+    the same address; released, its commit is refused and it stops; started again (in the
+    same driver) it runs to the end. What each step showed, for the two tests."""
+    tmp_path = tmp_path_factory.mktemp("barrier")
+    key = server.keygen(NS, "append")
+    (tmp_path / "flags").mkdir()
+    cache = tmp_path / "cache"
     runs = []
     for partitions in (2, 8):
         work = tmp_path / f"p{partitions}"
-        make_input(str(work / "input"), 300, files)
+        make_input(str(work / "input"), 300, FILES)
         runs.append(
             {
                 "partitions": partitions,
+                "metrics": True,
                 "checkpoint": f"queries/p{partitions}",
                 "input": str(work / "input"),
                 "out": str(work / "out"),
                 "result": str(work / "result.json"),
             }
         )
-    gw = GatewayProcess(
-        ns,
-        str(tmp_path / "cache"),
-        sos_server.address,
-        key,
-        extra_args=["--metrics", "127.0.0.1:0"],
-        log_path=str(tmp_path / "gateway.log"),
-    ).start()
-    per_batch, written = {}, {}
-    try:
-        cfg = {"url": gw.url, "ns": ns, "metrics": metrics_url(gw), "flags": str(tmp_path), "runs": runs}
-        proc = _driver(tmp_path, cfg, key)
-        try:
-            assert proc.wait(900) == 0, (tmp_path / "driver.log").read_text()[-6000:]
-        finally:
-            kill_tree(proc)
-        for run in runs:
-            result = _result(tmp_path, proc, run["result"])
-            assert result["error"] is None, result
-            waits = {int(b): w for b, w in result["waits"].items()}
-            assert sorted(waits) == list(range(files))
-            # a steady batch: from the sink of batch N-1 to that of batch N (commit of N-1,
-            # planning and state of N); the first two carry the query's start
-            per_batch[run["partitions"]] = sorted({waits[n] - waits[n - 1] for n in range(3, files)})
-            written[run["partitions"]] = _state_files(gw.url, key, ns, run["checkpoint"])
-    finally:
-        assert gw.stop() == 0, gw.log()[-3000:]
-    print(f"barrier waits per steady batch: {per_batch}; state files: {written}")
-    assert written[8] >= 8 * files and written[8] >= 3 * written[2]  # the work grows with the partitions ...
-    assert per_batch[2] == per_batch[8]  # ... the waits do not
-    assert len(per_batch[2]) == 1 and per_batch[2][0] <= 6, per_batch
-
-
-def test_a_batch_in_flight_when_its_gateway_is_replaced_on_an_empty_cache_runs_again(sos_server, tmp_path):
-    """The query stops on the refused commit; started again (a new query on the same
-    checkpoint, in the same driver), Spark runs the batch again from its offsets."""
-    key = sos_server.keygen(NS, "append")
-    records, files, hang_at = 400, 5, 2
-    expected = make_input(str(tmp_path / "input"), records, files)
-    (tmp_path / "flags").mkdir()
-    cache = tmp_path / "cache"
+    expected = make_input(str(tmp_path / "input"), RECORDS, Q_FILES)
+    q = {"partitions": 2, "checkpoint": CHECKPOINT, "input": str(tmp_path / "input"), "out": str(tmp_path / "out")}
+    runs += [
+        dict(q, hang_at=HANG_AT, result=str(tmp_path / "run1.json")),
+        dict(q, wait_for="again", result=str(tmp_path / "run2.json")),
+    ]
 
     def gateway(n, listen="127.0.0.1:0"):
         return GatewayProcess(
-            NS, str(cache), sos_server.address, key, listen=listen, log_path=str(tmp_path / f"gateway{n}.log")
+            NS,
+            str(cache),
+            server.address,
+            key,
+            listen=listen,
+            extra_args=["--metrics", "127.0.0.1:0"],
+            log_path=str(tmp_path / f"gateway{n}.log"),
         ).start()
 
     gw1 = gateway(1)
     gw2 = None
-    run = {"partitions": 2, "checkpoint": CHECKPOINT, "input": str(tmp_path / "input"), "out": str(tmp_path / "out")}
-    runs = [
-        dict(run, hang_at=hang_at, result=str(tmp_path / "run1.json")),
-        dict(run, wait_for="again", result=str(tmp_path / "run2.json")),
-    ]
-    d = _driver(tmp_path, {"url": gw1.url, "ns": NS, "flags": str(tmp_path / "flags"), "runs": runs}, key)
+    out: dict = {"expected": expected}
+    cfg = {"url": gw1.url, "ns": NS, "metrics": metrics_url(gw1), "flags": str(tmp_path / "flags"), "runs": runs}
+    d = _driver(tmp_path, cfg, key)
     try:
+        for run in runs[:2]:
+            out[run["partitions"]] = _result(tmp_path, d, run["result"])
+            out[run["partitions"]]["state_files"] = _state_files(gw1.url, key, NS, run["checkpoint"])
         wait_for(
             lambda: (tmp_path / "flags" / "hang").exists(),
             900,
@@ -224,31 +206,65 @@ def test_a_batch_in_flight_when_its_gateway_is_replaced_on_an_empty_cache_runs_a
             alive=lambda: d.poll() is None,
         )
         client = GatewayClient(gw1.url, NS, key)
-        assert client.exists(f"{CHECKPOINT}/offsets/{hang_at}") and not client.exists(f"{CHECKPOINT}/commits/{hang_at}")
+        out["parked"] = (
+            client.exists(f"{CHECKPOINT}/offsets/{HANG_AT}"),
+            client.exists(f"{CHECKPOINT}/commits/{HANG_AT}"),
+        )
         # the gateway and its disk are lost; a new one on an empty cache, same address
         gw1.kill()
         shutil.rmtree(cache)
         gw2 = gateway(2, listen=gw1.url.removeprefix("http://"))
-        assert "batch 2 of checkpoint /queries/q was in flight" in gw2.log()
+        out["gateway2_log"] = gw2.log()
         (tmp_path / "flags" / "go").touch()
-        first = _result(tmp_path, d, runs[0]["result"])
-        assert first["error"] is not None, first  # the query stopped
-        assert "the commit of batch 2 of checkpoint /queries/q is refused" in first["error"], first["error"]
-        assert gateway_committed_batches(client, CHECKPOINT) == set(range(hang_at))
+        out["first"] = _result(tmp_path, d, runs[2]["result"])
+        out["committed_after_refusal"] = gateway_committed_batches(client, CHECKPOINT)
         # started again: Spark runs batch 2 again from offsets/2, then the rest
         (tmp_path / "flags" / "again").touch()
-        second = _result(tmp_path, d, runs[1]["result"])
-        assert second["error"] is None, second["error"]
+        out["second"] = _result(tmp_path, d, runs[3]["result"])
         assert d.wait(600) == 0, (tmp_path / "driver.log").read_text()[-6000:]
-        assert second["batches"] == list(range(hang_at, files))
-        final = gateway_committed_batches(client, CHECKPOINT)
-        assert final == set(range(files))
+        out["final"] = gateway_committed_batches(client, CHECKPOINT)
+        out["check"] = check_output(str(tmp_path / "out"), out["final"], expected)
     finally:
         kill_tree(d)
-        for g in (gw1, gw2):
-            if g is not None:
-                g.kill()
-    check = check_output(str(tmp_path / "out"), final, expected)
-    assert check["records_out"] == records, check
+        gw1.kill()
+        if gw2 is not None:
+            assert gw2.stop() == 0, gw2.log()[-3000:]
+    return out
+
+
+def test_barrier_waits_per_batch_do_not_grow_with_shuffle_partitions(barrier):
+    """The query at 2, then at 8 shuffle partitions (two checkpoints, one after the other in
+    one driver, through one gateway: the counter's steps within a run are that run's)."""
+    per_batch, written = {}, {}
+    for partitions in (2, 8):
+        result = barrier[partitions]
+        assert result["error"] is None, result
+        waits = {int(b): w for b, w in result["waits"].items()}
+        assert sorted(waits) == list(range(FILES))
+        # a steady batch: from the sink of batch N-1 to that of batch N (commit of N-1,
+        # planning and state of N); the first two carry the query's start
+        per_batch[partitions] = sorted({waits[n] - waits[n - 1] for n in range(3, FILES)})
+        written[partitions] = result["state_files"]
+    print(f"barrier waits per steady batch: {per_batch}; state files: {written}")
+    assert written[8] >= 8 * FILES and written[8] >= 3 * written[2]  # the work grows with the partitions ...
+    assert per_batch[2] == per_batch[8]  # ... the waits do not
+    assert len(per_batch[2]) == 1 and per_batch[2][0] <= 6, per_batch
+
+
+def test_a_batch_in_flight_when_its_gateway_is_replaced_on_an_empty_cache_runs_again(barrier):
+    """The query stops on the refused commit; started again (a new query on the same
+    checkpoint, in the same driver), Spark runs the batch again from its offsets."""
+    assert barrier["parked"] == (True, False)  # batch 2: offsets logged, not committed
+    assert "batch 2 of checkpoint /queries/q was in flight" in barrier["gateway2_log"]
+    first = barrier["first"]
+    assert first["error"] is not None, first  # the query stopped
+    assert "the commit of batch 2 of checkpoint /queries/q is refused" in first["error"], first["error"]
+    assert barrier["committed_after_refusal"] == set(range(HANG_AT))
+    second = barrier["second"]
+    assert second["error"] is None, second["error"]
+    assert second["batches"] == list(range(HANG_AT, Q_FILES))
+    assert barrier["final"] == set(range(Q_FILES))
+    check = barrier["check"]
+    assert check["records_out"] == RECORDS, check
     for k in ("lost", "doubled", "corrupted", "unknown", "committed_without_output"):
         assert check[k] == [], (k, check[k][:10])
