@@ -142,6 +142,7 @@ class SparkCluster:
         self.master: Node | None = None
         self.workers: list[Node | None] = [None] * workers
         self.drivers: list[Node] = []
+        self._starting: list[Node] = []  # Workers spawned by start(wait=False), not yet registered
         self.master_port = free_port()
         os.makedirs(os.path.join(base_dir, "logs"), exist_ok=True)
 
@@ -165,7 +166,10 @@ class SparkCluster:
     def _spark_class(self, cls: str, *args: str) -> list[str]:
         return [os.path.join(spark_home(), "bin", "spark-class"), cls, *args]
 
-    def start(self, timeout: float = 120.0) -> None:
+    def start(self, timeout: float = 120.0, *, wait: bool = True) -> None:
+        """The Master, then the Workers side by side (each JVM's start-up is mostly one
+        thread's work). ``wait``: until every Worker registered; else the caller calls
+        :meth:`wait_workers` later (a driver can start meanwhile: it waits for executors)."""
         self.master = self._spawn(
             "master",
             self._spark_class(
@@ -179,10 +183,23 @@ class SparkCluster:
             ),
         )
         self._wait_log(self.master, "I have been elected leader", timeout)
-        for i in range(self.n_workers):
-            self.start_worker(i, timeout=timeout)
+        self._starting = [self._spawn_worker(i) for i in range(self.n_workers)]
+        if wait:
+            self.wait_workers(timeout)
+
+    def wait_workers(self, timeout: float = 120.0) -> None:
+        """Until the Workers :meth:`start` spawned registered with the Master."""
+        nodes, self._starting = self._starting, []
+        for node in nodes:
+            self._wait_log(node, "Successfully registered with master", timeout)
 
     def start_worker(self, i: int, timeout: float = 120.0) -> Node:
+        """(Re)start worker ``i`` and wait until it registered with the Master."""
+        node = self._spawn_worker(i)
+        self._wait_log(node, "Successfully registered with master", timeout)
+        return node
+
+    def _spawn_worker(self, i: int) -> Node:
         old = self.workers[i]
         if old is not None and old.alive():
             raise ClusterError(f"worker {i} is still running")
@@ -205,7 +222,6 @@ class SparkCluster:
             env=dict(self.env, SPARK_LOCAL_DIRS=f"{NODE_ROOT}/local", TMPDIR=f"{NODE_ROOT}/tmp"),
         )
         self.workers[i] = node
-        self._wait_log(node, "Successfully registered with master", timeout)
         return node
 
     def kill_worker(self, i: int) -> None:

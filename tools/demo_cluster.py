@@ -453,7 +453,7 @@ class Demo:
         self.clusters += 1  # each cluster keeps its nodes' logs apart
         base = os.path.join(self.work, f"cluster{self.clusters}")
         self.cluster = SparkCluster(base, workers=2, cores=1)
-        self.cluster.start()
+        self.cluster.start(wait=False)  # the Workers register while the driver starts
         return self.cluster
 
     def start_driver(self, pause_at: list[int]):
@@ -483,6 +483,7 @@ class Demo:
             env={"SOS_KEY": self.key, "PYTHONPATH": env["PYTHONPATH"]},
             name=f"driver{n}",
         )
+        self.cluster.wait_workers()  # a new cluster's, spawned side by side with the driver
         self.driver_result = cfg["result"]
         self.runs_file = cfg["runs"]
         return self.driver

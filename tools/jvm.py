@@ -15,6 +15,9 @@ of the class path (size and time) and, finding any difference (another JDK, a py
 upgraded, a class path that is not the driver's), ignores it silently (``-Xlog:cds=off``:
 its warnings would go to the driver's stdout) and loads the classes as usual. A missing
 archive is ignored the same way, so the options are right on any machine.
+
+``$SOS_SPARK_JVM_EXTRA`` (options, e.g. ``-Xlog:class+load=info:file=DIR/%p.log``) is added
+to them, for a test that looks into the JVMs a run starts (tests/spark/test_cluster.py).
 """
 
 from __future__ import annotations
@@ -46,9 +49,12 @@ def _pyspark_version() -> str:
 
 
 def spark_jvm_options() -> str:
-    """LIGHT_JVM_OPTIONS, plus the class-data archive when this environment has one."""
+    """LIGHT_JVM_OPTIONS, plus the class-data archive when this environment has one (and
+    ``$SOS_SPARK_JVM_EXTRA``, when set)."""
     path = archive_path()
-    return options_with_archive(path) if os.path.isfile(path) else LIGHT_JVM_OPTIONS
+    opts = options_with_archive(path) if os.path.isfile(path) else LIGHT_JVM_OPTIONS
+    extra = os.environ.get("SOS_SPARK_JVM_EXTRA", "").strip()
+    return f"{opts} {extra}" if extra else opts
 
 
 def options_with_archive(path: str) -> str:

@@ -8,12 +8,13 @@ goes on the live session's Hadoop configuration only (the Builder's ``getOrCreat
 
 - unit: a Builder given to ``gateway_checkpoint`` holds every setting but the credential,
   and its ``getOrCreate()`` puts the credential on the session's Hadoop configuration;
-- real: the demo's own Spark driver (``python -m tools.demo _driver``, local mode, a real
-  ``sos gateway`` and ``sos-server``) checkpoints through the gateway while no process of
-  the machine (the PySpark parent, its driver JVM, any other) has the key on its command
-  line; the JVM's command line does hold the other settings (what was read is the right
-  thing); the query then finishes exactly once with its batch markers.
-  The cluster side (executors launched by a standalone Worker): tests/spark/test_cluster_key_argv.py.
+- real, local mode: tests/gateway/test_total_loss.py reads the command lines of its first
+  driver (the cluster demo's driver in local mode, a real ``sos gateway`` and ``sos-server``)
+  while it is parked mid-batch after checkpointing through the gateway: no process of the
+  machine has the key on its command line, the JVM's holds the other settings; its
+  successor finishes exactly once with its batch markers;
+- real, a standalone cluster (executors launched by a Worker): tests/spark/test_cluster.py
+  (the cluster demo's run, read from /proc).
 """
 
 from __future__ import annotations
@@ -23,13 +24,8 @@ import os
 from collections import Counter
 
 import psutil
-import pytest
 
-from spark_plugin.gateway.client import GatewayClient
-from spark_plugin.gateway.process import GatewayProcess
 from spark_plugin.spark import CREDENTIAL_CONF, GATEWAY_REDACTION_REGEX, gateway_checkpoint
-from tools.demo import kill_tree, make_input, start_driver
-from tools.demo_common import wait_for
 
 NS = "argvkey"
 RECORDS = 300
@@ -114,58 +110,3 @@ def _ids(out_dir) -> Counter:
         with open(os.path.join(out_dir, name)) as f:
             ids.update(json.loads(line)["id"] for line in f)
     return ids
-
-
-@pytest.mark.spark
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_the_demo_driver_checkpoints_through_the_gateway_with_no_key_on_any_command_line(sos_server, tmp_path):
-    key = sos_server.keygen(NS, "append")
-    secret = str(key).rpartition(".")[2] or str(key)
-    make_input(str(tmp_path / "input"), RECORDS, FILES)
-    (tmp_path / "flags").mkdir()
-    gw = GatewayProcess(NS, str(tmp_path / "cache"), sos_server.address, key, log_path=str(tmp_path / "gw.log")).start()
-    driver = None
-    try:
-        cfg = {
-            "input": str(tmp_path / "input"),
-            "out": str(tmp_path / "out"),
-            "flags": str(tmp_path / "flags"),
-            "markers": True,
-            "hang_at_batch": 1,
-            "gateway": {"url": gw.url, "namespace": NS, "checkpoint": CHECKPOINT},
-        }
-        log = tmp_path / "driver.log"
-        driver = start_driver(cfg, str(log), str(tmp_path / "driver.json"), key=key)
-        hang = tmp_path / "flags" / "hang-1"
-        wait_for(hang.exists, 600, "the driver in batch 1", alive=lambda: driver.poll() is None)
-        # batch 0 is committed through the gateway: the key worked in the driver's JVM
-        client = GatewayClient(gw.url, NS, key)
-        assert client.exists(f"{CHECKPOINT}/commits/0")
-        assert client.exists(f"{CHECKPOINT}/state/0/0/1.delta"), "the state store wrote through the gateway"
-
-        ours = [psutil.Process(driver.pid), *psutil.Process(driver.pid).children(recursive=True)]
-        jvms = [p for p in ours if "org.apache.spark.deploy.SparkSubmit" in _cmdline(p)]
-        assert jvms, [_cmdline(p) for p in ours]
-        jvm_cmdline = _cmdline(jvms[0])
-        with open(f"/proc/{jvms[0].pid}/cmdline", "rb") as f:
-            assert f.read().decode(errors="replace").rstrip("\0") == jvm_cmdline
-        # what we read is the driver's real command line: the other settings are on it
-        assert f"spark.hadoop.dfs.webhdfs.oauth2.client.id={NS}" in jvm_cmdline
-        assert "dfs.webhdfs.oauth2.credential" not in jvm_cmdline
-        for p in ours:
-            assert secret not in _cmdline(p), f"the key is on {p.pid}'s command line"
-        leaks = {p.pid: _cmdline(p)[:200] for p in psutil.process_iter() if secret in _cmdline(p)}
-        assert not leaks, leaks
-
-        (tmp_path / "flags" / "release-1").write_text("")
-        assert driver.wait(timeout=600) == 0, log.read_text()[-6000:]
-        assert client.exists(f"{CHECKPOINT}/commits/{FILES - 1}")
-    finally:
-        if driver is not None:
-            kill_tree(driver)
-        assert gw.stop() == 0, gw.log()[-4000:]
-    ids = _ids(tmp_path / "out")
-    assert sorted(ids) == list(range(RECORDS)) and set(ids.values()) == {1}, "exactly once"
-    markers = json.loads((tmp_path / "flags" / "markers.json").read_text())
-    assert markers["errors"] == [] and set(range(FILES)) <= set(markers["written"])

@@ -1,6 +1,6 @@
 """A real Spark query (local[2], stateful: dropDuplicates) checkpoints on webhdfs:// through
 `sos gateway` with the OAuth2 and retry settings of `gateway_checkpoint`, runs 3 batches,
-restarts for 2 more; every id comes out exactly once, the batch markers are written, and
+stops, and is started again (a new run of it, in the same driver) for 2 more; every id comes out exactly once, the batch markers are written, and
 `sos restore` (also `--batch`) gives back a checkpoint with the committed batches."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import traceback
 from collections import Counter
 
 import pytest
@@ -30,6 +31,9 @@ RECORDS = 500
 FILES = 5
 FIRST_RUN_FILES = 3
 
+#: The query run once per entry of ``cfg["runs"]`` (one after the other in one driver: the
+#: second starts once its "wait_for" file exists and resumes from the checkpoint the first
+#: left, as a new query run of it)
 DRIVER = textwrap.dedent("""
     import json, os, sys, time
     cfg = json.load(open(sys.argv[1]))
@@ -46,50 +50,85 @@ DRIVER = textwrap.dedent("""
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     loc.attach(spark)
-    batches = []
-
-    def sink(df, batch_id):
-        write_batch_output(cfg["out"], df, batch_id)
-        batches.append(batch_id)
-
     os.makedirs(cfg["out"], exist_ok=True)
-    query = (spark.readStream.schema("id LONG, payload STRING")
-             .option("maxFilesPerTrigger", 1).json(cfg["input"])
-             .dropDuplicates(["id"])
-             .writeStream.foreachBatch(sink).option("checkpointLocation", str(loc))
-             .trigger(availableNow=True).start())
-    query.awaitTermination()
-    deadline = time.monotonic() + 120  # the listener runs asynchronously
-    while set(loc.listener.written) < set(batches) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    with open(cfg["result"], "w") as f:
-        json.dump({"location": str(loc), "batches": batches, "markers": loc.listener.written,
-                   "errors": loc.listener.errors}, f)
+
+    for run in cfg["runs"]:
+        while run.get("wait_for") and not os.path.exists(run["wait_for"]):
+            time.sleep(0.1)
+        batches, marked = [], len(loc.listener.written)
+
+        def sink(df, batch_id):
+            write_batch_output(cfg["out"], df, batch_id)
+            batches.append(batch_id)
+
+        query = (spark.readStream.schema("id LONG, payload STRING")
+                 .option("maxFilesPerTrigger", 1).json(cfg["input"])
+                 .dropDuplicates(["id"])
+                 .writeStream.foreachBatch(sink).option("checkpointLocation", str(loc))
+                 .trigger(availableNow=True).start())
+        query.awaitTermination()
+        deadline = time.monotonic() + 120  # the listener runs asynchronously
+        while set(loc.listener.written[marked:]) < set(batches) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        with open(run["result"] + ".tmp", "w") as f:
+            json.dump({"location": str(loc), "batches": batches, "markers": loc.listener.written[marked:],
+                       "errors": loc.listener.errors}, f)
+        os.replace(run["result"] + ".tmp", run["result"])
     spark.stop()
 """)
 
 
-def _run_driver(tmp_path, name, cfg, key):
-    script = tmp_path / "driver.py"
-    script.write_text(DRIVER)
-    cfg_path = tmp_path / f"{name}.json"
-    cfg = dict(cfg, result=str(tmp_path / f"{name}-result.json"))
-    cfg_path.write_text(json.dumps(cfg))
-    env = dict(
-        os.environ, SOS_KEY=key, PYTHONPATH=os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)
-    )
-    log_path = tmp_path / f"{name}.log"
-    with open(log_path, "wb") as logf:
-        proc = subprocess.run(
-            [sys.executable, str(script), str(cfg_path)],
-            stdout=logf,
-            stderr=subprocess.STDOUT,
-            env=env,
-            timeout=900,
-            check=False,
+class TwoRuns:
+    """The driver above in its own process: ``first()`` waits for the first run's result;
+    ``second()`` lets the second run go (the caller added input first) and waits for its
+    result and the driver's exit."""
+
+    def __init__(self, tmp_path, cfg, key):
+        self.tmp_path = tmp_path
+        self.runs = [
+            {"result": str(tmp_path / "run1-result.json")},
+            {"result": str(tmp_path / "run2-result.json"), "wait_for": str(tmp_path / "run2-go")},
+        ]
+        script = tmp_path / "driver.py"
+        script.write_text(DRIVER)
+        cfg_path = tmp_path / "driver.json"
+        cfg_path.write_text(json.dumps(dict(cfg, runs=self.runs)))
+        env = dict(
+            os.environ,
+            SOS_KEY=key,
+            PYTHONPATH=os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p),
         )
-    assert proc.returncode == 0, log_path.read_text()[-6000:]
-    return json.loads((tmp_path / f"{name}-result.json").read_text())
+        self.log_path = tmp_path / "driver.log"
+        with open(self.log_path, "wb") as logf:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(script), str(cfg_path)],
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+
+    def _result(self, i):
+        path = self.runs[i]["result"]
+        deadline = time.monotonic() + 900
+        while not os.path.exists(path):
+            assert self.proc.poll() is None or os.path.exists(path), self.log_path.read_text()[-6000:]
+            assert time.monotonic() < deadline, f"run {i + 1}: no result after 900 s"
+            time.sleep(0.2)
+        with open(path) as f:
+            return json.load(f)
+
+    def first(self):
+        return self._result(0)
+
+    def second(self):
+        (self.tmp_path / "run2-go").touch()
+        result = self._result(1)
+        assert self.proc.wait(600) == 0, self.log_path.read_text()[-6000:]
+        return result
+
+    def kill(self):
+        kill_tree(self.proc)
 
 
 def _ids(out_dir):
@@ -127,13 +166,17 @@ def test_spark_query_checkpoints_through_the_gateway_and_resumes(sos_server, tmp
             "input": str(tmp_path / "input"),
             "out": str(tmp_path / "out"),
         }
-        first = _run_driver(tmp_path, "run1", cfg, key)
-        assert first["batches"] == list(range(FIRST_RUN_FILES))
-        assert first["location"].startswith("webhdfs://")
-        for name in names[FIRST_RUN_FILES:]:
-            shutil.copy2(staging / name, tmp_path / "input" / name)
-        second = _run_driver(tmp_path, "run2", cfg, key)
-        assert second["batches"] == list(range(FIRST_RUN_FILES, FILES))
+        driver = TwoRuns(tmp_path, cfg, key)
+        try:
+            first = driver.first()
+            assert first["batches"] == list(range(FIRST_RUN_FILES))
+            assert first["location"].startswith("webhdfs://")
+            for name in names[FIRST_RUN_FILES:]:
+                shutil.copy2(staging / name, tmp_path / "input" / name)
+            second = driver.second()  # the query started again: it resumes from the checkpoint
+            assert second["batches"] == list(range(FIRST_RUN_FILES, FILES))
+        finally:
+            driver.kill()
     finally:
         assert gw.stop() == 0, gw.log()[-4000:]
     for run in (first, second):
@@ -171,8 +214,10 @@ def test_spark_query_checkpoints_through_the_gateway_and_resumes(sos_server, tmp
 # on the same cache (with the project's settings only), then its driver is SIGKILLed and a
 # new one resumes it: every id comes out exactly once.
 
-STREAM_FILES = 6
-STREAM_RECORDS = 60
+#: enough files for both restarts (a batch each 2 s: batch 0, two after each restart, the
+#: cut one) and a resume that still has input left
+STREAM_FILES = 10
+STREAM_RECORDS = 100
 
 FILES_DRIVER = textwrap.dedent('''
     import json, os, sys, time
@@ -352,60 +397,99 @@ def _host_port(url):
     return host, int(port)
 
 
-@pytest.fixture
-def files_query(sos_server, tmp_path):
-    q = _FilesQuery(sos_server, tmp_path, "gwfiles")
-    yield q
-    q.close()
+def _phase(step, *args):
+    """Run one step of the shared run: None if it held, else what failed (the test of that
+    step reports it)."""
+    try:
+        step(*args)
+    except Exception as exc:
+        return "".join(traceback.format_exception(exc))[-8000:]
+    return None
 
 
-def test_spark_file_stream_rides_a_gateway_restart_between_two_requests(files_query):
+def _restart_between_two_requests(q, first):
+    """The gateway is SIGKILLed at a moment when no request is in flight (the proxy holds the
+    next ones until then; Hadoop's idle connections are closed as a dead gateway's are) and
+    comes back on the same cache; the waiting requests reach the new gateway, which serves
+    them, and two more batches commit."""
+    q.proxy.hold()
+    q.proxy.wait_quiet()
+    q.proxy.drop_idle()
+    served = len(q.proxy.requests)
+    upstream = q.restart_gateway()  # between two requests: the gateway has none
+    q.proxy.release(upstream)
+    before = q.committed()
+    q.wait(lambda: len(q.committed() - before) >= 2, "two more batches after the gateway restart", first)
+    assert len(q.proxy.requests) > served
+    assert " -> 2" in q.gateways[-1].log(), "the restarted gateway served the query"
+    assert first.poll() is None, "the query stopped after the restart\n" + q.log("first")[-6000:]
+
+
+def _restart_inside_a_file_body(q, first):
+    """The gateway is SIGKILLed while it reads a file body (the data PUT after CREATE's
+    redirect), with no other request in flight; the query carries on with the same driver:
+    two more batches commit."""
+    q.proxy.arm_cut(lambda r: r.method == b"PUT" and b"data=true" in r.target and b"/stream/" in r.target)
+    q.cut = q.proxy.wait_cut()
+    upstream = q.restart_gateway()  # inside that body, with no other request in flight
+    q.proxy.finish_cut()
+    q.proxy.release(upstream)
+    before = q.committed()
+    q.wait(lambda: len(q.committed() - before) >= 2, "two more batches after the cut body", first)
+    assert first.poll() is None, "the query stopped after its body was cut\n" + q.log("first")[-6000:]
+
+
+def _resume(q):
+    """The first driver SIGKILLed mid-query (its JVM too); a new one resumes: every id
+    exactly once; then a clean stop of the last gateway."""
+    q.resume_exactly_once()
+    q.stop_gateway()
+
+
+@pytest.fixture(scope="module")
+def restarts(server, tmp_path_factory):
+    """One query (the files driver's, on a gateway behind a :class:`CutProxy`) through both
+    gateway restarts, each kill placed where it means to be: first between two requests,
+    then, once two more batches committed, inside a file body; then its driver is SIGKILLed
+    and a new one resumes it. One driver JVM for both placements (and one for the resume)
+    instead of two each: {step: None if it held, else what failed}."""
+    q = _FilesQuery(server, tmp_path_factory.mktemp("restarts"), "gwfiles")
+    out: dict[str, str | None] = {}
+    try:
+        first = q.start("first")
+        try:
+            q.first_batch(first)
+            out["between"] = _phase(_restart_between_two_requests, q, first)
+            out["cut"] = (
+                _phase(_restart_inside_a_file_body, q, first)
+                if out["between"] is None
+                else "not run: the restart between two requests failed first"
+            )
+        finally:
+            kill_tree(first)  # the driver dies mid-query (SIGKILL, its JVM too)
+        out["resume"] = _phase(_resume, q)
+        print("cut:", getattr(q, "cut", None))
+    finally:
+        q.close()
+    return out
+
+
+def test_spark_file_stream_rides_a_gateway_restart_between_two_requests(restarts):
     """The gateway is SIGKILLed at a moment when no request is in flight (the proxy holds the
     next ones until then; Hadoop's idle connections are closed as a dead gateway's are) and
     comes back on the same cache with the project's settings only; the waiting requests reach
     the new gateway: the query carries on with no error, two more batches commit, and a driver
     that resumes it after a SIGKILL of the first gives every id exactly once."""
-    q = files_query
-    first = q.start("first")
-    try:
-        q.first_batch(first)
-        q.proxy.hold()
-        q.proxy.wait_quiet()
-        q.proxy.drop_idle()
-        served = len(q.proxy.requests)
-        upstream = q.restart_gateway()  # between two requests: the gateway has none
-        q.proxy.release(upstream)
-        before = q.committed()
-        q.wait(lambda: len(q.committed() - before) >= 2, "two more batches after the gateway restart", first)
-    finally:
-        kill_tree(first)  # the driver dies mid-query (SIGKILL, its JVM too)
-    assert len(q.proxy.requests) > served
-    assert " -> 2" in q.gateways[-1].log(), "the restarted gateway served the query"
-    q.resume_exactly_once()
-    q.stop_gateway()
+    assert restarts["between"] is None, restarts["between"]
+    assert restarts["resume"] is None, restarts["resume"]
 
 
-def test_spark_file_stream_rides_a_gateway_restart_that_cuts_a_file_body(files_query):
+def test_spark_file_stream_rides_a_gateway_restart_that_cuts_a_file_body(restarts):
     """The gateway is SIGKILLed while it reads a file body (the data PUT after CREATE's
     redirect). Hadoop's own WebHDFS output stream does not resend a body, so before issue 30
     the query stopped ("Unexpected end of file from server", "Connection reset"); with the
     settings of `gateway_checkpoint` (the gateway's Hadoop FileSystem, which keeps the body
     and resends it whole) the query carries on: two more batches commit with the same driver,
     and a driver that resumes it after a SIGKILL of the first gives every id exactly once."""
-    q = files_query
-    first = q.start("first")
-    try:
-        q.first_batch(first)
-        q.proxy.arm_cut(lambda r: r.method == b"PUT" and b"data=true" in r.target and b"/stream/" in r.target)
-        cut = q.proxy.wait_cut()
-        upstream = q.restart_gateway()  # inside that body, with no other request in flight
-        q.proxy.finish_cut()
-        q.proxy.release(upstream)
-        before = q.committed()
-        q.wait(lambda: len(q.committed() - before) >= 2, "two more batches after the cut body", first)
-        assert first.poll() is None, "the query stopped after its body was cut\n" + q.log("first")[-6000:]
-    finally:
-        kill_tree(first)
-    print("cut:", cut)
-    q.resume_exactly_once()
-    q.stop_gateway()
+    assert restarts["cut"] is None, restarts["cut"]
+    assert restarts["resume"] is None, restarts["resume"]

@@ -22,6 +22,7 @@ import requests
 from spark_plugin.gateway.process import GatewayProcess
 from spark_plugin.spark import sos_command
 from tests.support import pair_listen, tree_snapshot
+from tools.jvm import LIGHT_JVM_OPTIONS
 
 NS = "ha"
 LEASE = 3
@@ -197,6 +198,10 @@ def test_promote_by_hand_fences_the_active(sos_server, tmp_path):
 # ------------------------------------------------------------------ Hadoop's own HA client
 
 
+#: javac with the short-lived JVM options of tools/jvm.py (C1 only, serial GC): half the CPU
+JAVAC_LIGHT = [f"-J{o}" for o in LIGHT_JVM_OPTIONS.split()]
+
+
 @pytest.fixture(scope="module")
 def ha_writer(tmp_path_factory):
     jars = _jars()
@@ -204,7 +209,7 @@ def ha_writer(tmp_path_factory):
         pytest.skip("needs pyspark's Hadoop jars and javac")
     out = tmp_path_factory.mktemp("hawriter")
     subprocess.run(
-        ["javac", "-cp", os.path.join(jars, "*"), "-d", str(out), os.path.join(DATA, "HaWriter.java")],
+        ["javac", *JAVAC_LIGHT, "-cp", os.path.join(jars, "*"), "-d", str(out), os.path.join(DATA, "HaWriter.java")],
         check=True,
         timeout=300,
     )
@@ -220,6 +225,7 @@ class JavaWriter:
         self.commits: dict[int, float] = {}
         cmd = [
             "java",
+            *LIGHT_JVM_OPTIONS.split(),
             *props,
             "-cp",
             classpath,
@@ -508,6 +514,9 @@ def test_cluster_crash_loop_with_a_gateway_pair(tmp_path):
             str(PAIR_KILLS),
             "--weights",
             "gateway=3,zombie=2,standby=1,server=1,executor=1,worker=0,driver=0,all=1",
+            "--delay",  # the gap between events (one uniform draw whatever its bounds: same events)
+            "0.2",
+            "2",
             "--workdir",
             str(tmp_path / "soak"),
         ],

@@ -31,6 +31,7 @@ from spark_plugin.gateway.run import LEASE_GONE_MIN, lease_gone
 from spark_plugin.spark import gateway_checkpoint, gateway_conf
 from tests.deploy_support import documented_line
 from tools import child_env
+from tools.jvm import LIGHT_JVM_OPTIONS
 from tools.server import LISTENING, ServerProcess
 
 pytestmark = [pytest.mark.day2, pytest.mark.slow]
@@ -553,8 +554,17 @@ def test_a_token_url_resolving_to_both_gateways_survives_the_loss_of_the_first(s
     if jars is None or shutil.which("javac") is None or shutil.which("unshare") is None or os.geteuid() != 0:
         pytest.skip("needs pyspark's Hadoop jars, javac, unshare and root (a private /etc/hosts)")
     classes = tmp_path / "classes"
+    light = LIGHT_JVM_OPTIONS.split()  # C1 only, serial GC: half the CPU of a short-lived JVM
     subprocess.run(
-        ["javac", "-cp", os.path.join(jars, "*"), "-d", str(classes), str(ROOT / "tests" / "data" / "HaWriter.java")],
+        [
+            "javac",
+            *[f"-J{o}" for o in light],
+            "-cp",
+            os.path.join(jars, "*"),
+            "-d",
+            str(classes),
+            str(ROOT / "tests" / "data" / "HaWriter.java"),
+        ],
         check=True,
         timeout=300,
     )
@@ -585,7 +595,19 @@ def test_a_token_url_resolving_to_both_gateways_survives_the_loss_of_the_first(s
     addresses = f"127.0.0.1:{port},127.0.0.2:{port}"
 
     def jvm(token_url: str, run: str, *props: str) -> subprocess.CompletedProcess[str]:
-        java = ["java", *props, "-cp", f"{jars}/*:{classes}", "HaWriter", "sosha", addresses, token_url, NS, "2"]
+        java = [
+            "java",
+            *light,
+            *props,
+            "-cp",
+            f"{jars}/*:{classes}",
+            "HaWriter",
+            "sosha",
+            addresses,
+            token_url,
+            NS,
+            "2",
+        ]
         script = f"mount --bind {hosts} /etc/hosts && exec " + " ".join([*java, str(tmp_path / f"STOP-{run}")])
         return subprocess.run(
             ["unshare", "-m", "sh", "-c", script],

@@ -22,6 +22,10 @@ stateful queries (dropDuplicates, HDFS-backed and RocksDB state stores) run side
   empty cache restores the namespace from the replacement with every committed batch
   (RPO 0); a new cluster resumes; committed output exactly once, for both state stores.
   (issue 19 item 8's last case: this one run covers both state stores.)
+- the namespace key: the executors get it with their tasks, never on a command line nor in
+  their environment (the processes are read from /proc while the demo runs);
+- the class-data archive (tools/jvm.py): the drivers and executors map Spark's classes from
+  it (their class-loading logs: ``$SOS_SPARK_JVM_EXTRA`` adds ``-Xlog:class+load``).
 """
 
 from __future__ import annotations
@@ -32,8 +36,10 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import urllib.parse
 
+import psutil
 import pytest
 
 from sos_wire.logs import JsonFormatter
@@ -47,6 +53,7 @@ from tools.demo_cluster import (
     state_files_read,
     state_files_written,
 )
+from tools.jvm import archive_path
 
 RECORDS = 1200
 #: the fewest batches that keep each event apart (tools.demo_cluster: --batches 5 or more): the
@@ -57,11 +64,70 @@ K1, K2, K3 = 1, 3, 4  # worker loss after batch K1, gateway restart after K2, to
 STORES = ("hdfs", "rocksdb")
 
 
+class ProcessWatch(threading.Thread):
+    """Reads /proc every second while the demo runs: every command line of the machine, and
+    the command line and environment of each process of the demo's tree that is an
+    executor or a driver (what ``ps`` and ``/proc/PID/environ`` show a local user)."""
+
+    def __init__(self, root: int) -> None:
+        super().__init__(daemon=True)
+        self.root = root
+        self.cmdlines: set[str] = set()
+        self.executors: dict[int, tuple[list[str], str]] = {}  # pid: (argv, environment)
+        self.drivers: dict[int, tuple[list[str], dict[str, str]]] = {}
+        self.classes = None  # the directory of the JVMs' class-loading logs (PID.log)
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.wait(1.0):
+            self.scan()
+
+    def scan(self) -> None:
+        procs = list(psutil.process_iter(["pid", "ppid", "cmdline"]))
+        children: dict[int, list[int]] = {}
+        for p in procs:
+            children.setdefault(p.info["ppid"], []).append(p.info["pid"])
+        tree, todo = set(), [self.root]
+        while todo:
+            pid = todo.pop()
+            tree.add(pid)
+            todo.extend(children.get(pid, []))
+        for p in procs:
+            argv = p.info["cmdline"] or []
+            line = "\0".join(argv)
+            self.cmdlines.add(line)
+            if p.info["pid"] not in tree:
+                continue
+            try:
+                if "CoarseGrainedExecutorBackend" in line and p.pid not in self.executors:
+                    env = "\0".join(f"{k}={v}" for k, v in p.environ().items())
+                    self.executors[p.pid] = (argv, env)
+                elif "org.apache.spark.deploy.SparkSubmit" in argv or "tools.demo_cluster" in argv:
+                    self.drivers[p.pid] = (argv, p.environ())
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                pass
+
+
+def _driver_jvm(argv: list[str]) -> bool:
+    """A driver's JVM (PySpark's spark-submit execs it; not the launcher JVM that builds its
+    command line first)."""
+    return (
+        bool(argv)
+        and os.path.basename(argv[0]) == "java"
+        and "org.apache.spark.deploy.SparkSubmit" in argv
+        and "org.apache.spark.launcher.Main" not in argv
+    )
+
+
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory):
+def demo_run(tmp_path_factory):
     """One run of ``python -m tools.demo`` (the cluster demo): its exit code, stdout lines,
-    JSON result and work directory."""
-    work = tmp_path_factory.mktemp("cluster-demo") / "work"
+    JSON result and work directory, and what /proc showed while it ran."""
+    base = tmp_path_factory.mktemp("cluster-demo")
+    work, classes = base / "work", base / "classes"
+    classes.mkdir()
+    # every Spark JVM of the run logs the classes it loads, and where from, to classes/PID.log
+    env = child_env(dict(os.environ, SOS_SPARK_JVM_EXTRA=f"-Xlog:class+load=info:file={classes}/%p.log"))
     cmd = [
         sys.executable,
         "-m",
@@ -74,11 +140,35 @@ def demo(tmp_path_factory):
         str(work),
         "--json",
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1400, env=child_env())
-    lines = proc.stdout.strip().splitlines()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    watch = ProcessWatch(proc.pid)
+    watch.start()
+    try:
+        out, err = proc.communicate(timeout=1400)
+    finally:
+        watch.stop.set()
+        watch.join()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    run = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    lines = out.strip().splitlines()
     result = next((json.loads(line) for line in lines if line.startswith("{")), None)
-    assert result is not None, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc, lines, result, work
+    assert result is not None, out[-3000:] + err[-3000:]
+    watch.classes = classes
+    return run, lines, result, work, watch
+
+
+@pytest.fixture(scope="module")
+def demo(demo_run):
+    """The cluster demo's run: exit code, stdout lines, JSON result, work directory."""
+    return demo_run[:4]
+
+
+@pytest.fixture(scope="module")
+def watch(demo_run) -> ProcessWatch:
+    """What /proc showed while the cluster demo ran."""
+    return demo_run[4]
 
 
 def _log(work, name, start=0, end=None):
@@ -278,6 +368,83 @@ def test_total_loss_with_the_servers_disk_the_bucket_brings_it_back(demo):
     ]
     assert order == sorted(order), order
     assert "restored from the bucket" in lines[-1]
+
+
+# ---- the namespace key ------------------------------------------------------------------
+
+
+@pytest.mark.spark
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_executors_get_the_key_with_their_tasks_not_on_a_command_line(demo, watch):
+    """The credential is no Builder config (``gateway_checkpoint`` sets it on the session's
+    Hadoop configuration once getOrCreate returns), so no SparkConf carries it to the
+    executors: they can only have it from the Hadoop configuration the driver ships with
+    each task. They wrote state through the gateway, so they had it; no process of the
+    machine had it on its command line (executors, the drivers' PySpark parents and JVMs,
+    Master, Workers, gateway, server) and the executors' environments did not hold it; an
+    executor's command line is what a Worker gives (the JVM options and the ``spark.*``
+    startup confs, ``SparkConf.isExecutorStartupConf``), no ``spark.hadoop.*``."""
+    _proc, _lines, result, work = demo
+    # the key, as the demo gave it to its drivers (their environment, SOS_KEY)
+    keys = {env["SOS_KEY"] for argv, env in watch.drivers.values() if "tools.demo_cluster" in argv and "SOS_KEY" in env}
+    assert len(keys) == 1, keys
+    secret = keys.pop().rpartition(".")[2]
+    assert len(secret) >= 16
+    # both state stores' executors wrote state files through the gateway: they had the key
+    written = gateway_requests(_log(work, "gateway.log"))
+    for store in STORES:
+        assert state_files_written(written, store, 0) and state_files_written(written, store, 1), store
+    assert result["committed_final"] == {store: list(range(BATCHES)) for store in STORES}
+    # the executors of both clusters (before and after the total loss), as /proc showed them
+    assert len(watch.executors) >= 4, sorted(watch.executors)
+    for argv, env in watch.executors.values():
+        line = "\0".join(argv)
+        assert secret not in line and "oauth2.credential" not in line
+        assert not [a for a in argv if "spark.hadoop." in a], line
+        assert secret not in env
+    jvms = [argv for argv, _env in watch.drivers.values() if _driver_jvm(argv)]
+    assert jvms and all("spark.hadoop.dfs.webhdfs.oauth2.client.id=" in "\0".join(a) for a in jvms)
+    leaks = [line[:200] for line in watch.cmdlines if secret in line]
+    assert not leaks, leaks
+
+
+# ---- the class-data archive -------------------------------------------------------------
+
+
+def _from_archive(log: str, prefix: str = "") -> tuple[int, int]:
+    """(classes mapped from the archive, classes read from jars or directories), of those
+    whose name starts with ``prefix``."""
+    with open(log) as f:
+        lines = [ln for ln in f.read().splitlines() if ln.partition("] ")[2].startswith(prefix)]
+    shared = sum(1 for ln in lines if "source: shared objects file (top)" in ln)
+    read = sum(1 for ln in lines if "source: jar:" in ln or "source: file:" in ln)
+    return shared, read
+
+
+@pytest.mark.spark
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_a_driver_and_an_executor_map_sparks_classes_from_the_archive(demo, watch):
+    """The drivers and executors of the run, started with the options of tools/jvm.py, map
+    Spark's classes from the archive scripts/setup made instead of reading them from the
+    jars (a JVM that could not use it reads every class from the jars: thousands)."""
+    assert os.path.isfile(archive_path()), f"scripts/setup makes {archive_path()}"
+    drivers = [pid for pid, (argv, _env) in watch.drivers.items() if _driver_jvm(argv)]
+    assert drivers and watch.executors
+    counts = {}
+    for pid in [*drivers, *watch.executors]:
+        log = watch.classes / f"{pid}.log"
+        assert log.is_file(), (pid, sorted(os.listdir(watch.classes)))
+        counts[pid] = (*_from_archive(str(log)), *_from_archive(str(log), "org.apache.spark."))
+    print("classes (shared, read; Spark's shared, read) by pid:", counts)
+    # thousands of classes mapped; Spark's own almost all from the archive (what the query
+    # loads beyond the archive's driver: the webhdfs client, the ride-through jar)
+    for pid, (shared, _read, spark_shared, spark_read) in counts.items():
+        assert shared > 3000 and spark_read < spark_shared / 5, (pid, counts[pid])
+    for pid in drivers:
+        with open(watch.classes / f"{pid}.log") as f:
+            assert any("org.apache.spark.SparkContext source: shared objects file (top)" in ln for ln in f)
 
 
 # ---- the log readers (no Spark) ---------------------------------------------------------

@@ -1,81 +1,40 @@
-"""The class-data archive of Spark's classes (tools/jvm.py): scripts/setup made it; a driver
-and an executor started with the options the demo, the soak and the tests use map Spark's
-classes from it instead of reading them from the jars; an archive that does not fit (another
-JDK, damaged) is ignored without a word on the JVM's stdout."""
+"""The class-data archive of Spark's classes (tools/jvm.py): scripts/setup made it; the
+options the demo, the soak and the tests start Spark's JVMs with map it (that a driver and
+an executor then map Spark's classes from it instead of reading them from the jars:
+tests/spark/test_cluster.py, from the cluster demo's JVMs); an archive that does not fit
+(another JDK, damaged) is ignored without a word on the JVM's stdout."""
 
 import os
 import subprocess
-import sys
-import textwrap
 
 import pytest
 
-from tools import child_env
 from tools.jvm import LIGHT_JVM_OPTIONS, archive_path, options_with_archive, spark_jvm_options
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-_JOB = textwrap.dedent(
-    """
-    import sys
-    from pyspark.sql import SparkSession
-
-    opts, driver_log, executor_log = sys.argv[1:]
-    spark = (
-        SparkSession.builder.master("local-cluster[1,1,1024]")
-        .config("spark.ui.enabled", "false")
-        .config("spark.executor.memory", "512m")
-        .config("spark.driver.extraJavaOptions", f"{opts} -Xlog:class+load=info:file={driver_log}")
-        .config("spark.executor.extraJavaOptions", f"{opts} -Xlog:class+load=info:file={executor_log}")
-        .getOrCreate()
-    )
-    rows = spark.range(100).selectExpr("id % 3 AS k").groupBy("k").count().collect()
-    print(sorted((r.k, r["count"]) for r in rows))
-    spark.stop()
-    """
-)
-
-
-def _from_archive(log: str) -> tuple[int, int]:
-    """(classes mapped from the archive, classes read from jars or directories)."""
-    with open(log) as f:
-        lines = f.read().splitlines()
-    shared = sum(1 for ln in lines if "source: shared objects file (top)" in ln)
-    read = sum(1 for ln in lines if "source: jar:" in ln or "source: file:" in ln)
-    return shared, read
 
 
 @pytest.mark.spark
-@pytest.mark.slow
-def test_a_driver_and_an_executor_map_sparks_classes_from_the_archive(tmp_path):
+def test_setup_made_the_archive_and_the_options_map_it(monkeypatch):
+    """scripts/setup made the archive; the options every Spark JVM of the demo, the soak and
+    the tests starts with map it. (That a driver and an executor started with them load
+    Spark's classes from it: tests/spark/test_cluster.py reads the class-loading logs of the
+    cluster demo's JVMs.)"""
     pytest.importorskip("pyspark")
+    monkeypatch.delenv("SOS_SPARK_JVM_EXTRA", raising=False)
     assert os.path.isfile(archive_path()), f"scripts/setup makes {archive_path()}"
     opts = spark_jvm_options()
     assert opts == options_with_archive(archive_path()) and f"-XX:SharedArchiveFile={archive_path()}" in opts
-    driver_log, executor_log = tmp_path / "driver.log", tmp_path / "executor.log"
-    job = tmp_path / "job.py"
-    job.write_text(_JOB)
-    proc = subprocess.run(
-        [sys.executable, str(job), opts, str(driver_log), str(executor_log)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-        env=child_env(),
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "[(0, 34), (1, 33), (2, 33)]" in proc.stdout, proc.stdout[-2000:]
-    # a JVM that could not use the archive reads every class from the jars: thousands
-    for log in (driver_log, executor_log):
-        shared, read = _from_archive(str(log))
-        assert shared > 3000 and read < shared / 5, (log.name, shared, read)
-    with open(driver_log) as f:
-        assert any("org.apache.spark.SparkContext source: shared objects file (top)" in ln for ln in f)
+
+
+def test_extra_options_come_after_the_archive_ones(monkeypatch):
+    monkeypatch.setenv("SOS_SPARK_JVM_EXTRA", " -Xlog:class+load=info:file=/x/%p.log ")
+    assert spark_jvm_options().endswith(" -Xlog:class+load=info:file=/x/%p.log")
+    assert spark_jvm_options().startswith(LIGHT_JVM_OPTIONS)
 
 
 def test_without_an_archive_the_options_are_the_light_ones(monkeypatch, tmp_path):
     import tools.jvm
 
+    monkeypatch.delenv("SOS_SPARK_JVM_EXTRA", raising=False)
     monkeypatch.setattr(tools.jvm, "archive_path", lambda: str(tmp_path / "none.jsa"))
     assert tools.jvm.spark_jvm_options() == LIGHT_JVM_OPTIONS
 

@@ -135,6 +135,11 @@ CLUSTER_ARGS = [
     "17418",
     "--weights",
     "gateway=2,server=1,executor=2,worker=2,driver=2,all=2,disk=0",
+    # the gap between events, as the mount-mode loop has it (the draws stay the same: one
+    # uniform draw whatever its bounds)
+    "--delay",
+    "0.2",
+    "2",
     "--stall-timeout",
     "200",
 ]
@@ -360,3 +365,43 @@ def test_durability_tier_gives_the_server_a_bucket_and_the_mount_tier_barriers(t
     with pytest.raises(SystemExit) as exc:
         main(["--durability", "bucket", "--workdir", str(tmp_path / "y")])
     assert exc.value.code == 2
+
+
+def test_the_schedule_ahead_says_when_a_spare_driver_would_serve(tmp_path):
+    """The spare driver is started only while an event still to strike runs the query on a
+    new driver: the schedule ahead, from a copy of the RNG, is the one the run then draws
+    (the CI run's seed: its last two events, a mount kill and a disk loss, need none)."""
+    from tools.soak import Soak
+
+    weights = dict(w.split("=") for w in SOAK_ARGS[SOAK_ARGS.index("--weights") + 1].split(","))
+    soak = Soak(
+        duration=1,
+        seed=int(SOAK_ARGS[SOAK_ARGS.index("--seed") + 1]),
+        workdir=str(tmp_path / "w"),
+        rows=5,
+        max_kills=6,
+        weights={k: float(v) for k, v in weights.items()},
+        state_store="hdfs",
+        ahead=0,
+        stall_timeout=60,
+        delay=(0.2, 2),
+        quiet=True,
+    )
+    soak.events_log.close()
+    ahead = soak.upcoming_kinds()
+    assert ahead == ["server", "all", "driver", "all", "mount", "disk"]
+    drawn, needed = [], []
+    for _ in range(6):  # what the run's loop and the handlers draw, event by event
+        kind, _delay, _jitter = soak.draw_event(soak.rng)
+        soak._drawn, soak._events_drawn = kind, soak._events_drawn + 1
+        assert soak.upcoming_kinds() == ahead[len(drawn) :]
+        needed.append(soak.spare_needed())
+        soak.handler_draws(kind, soak.rng)
+        soak._drawn = None
+        drawn.append(kind)
+    assert drawn == ahead
+    assert needed == [True, True, True, True, False, False]
+    assert soak.upcoming_kinds() == [] and not soak.spare_needed()
+    # an unbounded run always keeps a spare
+    soak.max_kills = None
+    assert soak.upcoming_kinds() is None and soak.spare_needed()

@@ -13,7 +13,8 @@ at random moments drawn from a seeded RNG, SIGKILLs:
   stops it, a new mount starts on the same cache, the SAME driver JVM restarts the query);
 - ``driver``: the Spark driver (the query moves to a new driver process: the expensive
   case; a warm spare process with its SparkSession already up takes over if there is one,
-  ``--no-spare`` to start every replacement cold);
+  kept while an event still to come needs a new driver, ``--no-spare`` to start every
+  replacement cold);
 - ``disk``: the server's disk is lost: the server is SIGKILLed and its data directory
   deleted; a replacement on the empty directory with the same ``--tier`` (moto's S3 server,
   embedded in the harness; the keys from a backup copy) rebuilds the namespace from the

@@ -126,7 +126,8 @@ def _parser() -> argparse.ArgumentParser:
         dest="standby",
         action="store_false",
         help="start every replacement driver cold (default: keep one warm spare "
-        "driver process with its SparkSession up to replace a killed driver)",
+        "driver process with its SparkSession up to replace a killed driver, while an "
+        "event still to come needs one)",
     )
     p.add_argument(
         "--durability",

@@ -68,6 +68,7 @@ class ClusterSoak(Soak):
     KINDS = CLUSTER_KINDS
     CHEAP = ("gateway", "server")
     MODE = "cluster"
+    EARLY_DRIVER = False
 
     def __init__(self, **kw) -> None:
         kw["standby"] = False  # a spare application would queue for the cluster's cores
@@ -150,8 +151,8 @@ class ClusterSoak(Soak):
         self.cluster = SparkCluster(
             os.path.join(self.work, f"cluster{self.cluster_n}"), workers=2, cores=1, env=child_env()
         )
-        try:
-            self.cluster.start(timeout=300)
+        try:  # the Workers register while the next driver starts (_spawn_driver waits for them)
+            self.cluster.start(timeout=300, wait=False)
         except Exception as exc:
             raise HarnessError(f"the Spark cluster did not start: {exc}") from exc
         self.worker_starts += 2
@@ -166,6 +167,10 @@ class ClusterSoak(Soak):
             env=child_env(dict(os.environ, SOS_KEY=self.key)),
             name=f"driver{self.driver_n}",
         )
+        try:  # a new cluster's Workers, spawned side by side with this driver's start
+            self.cluster.wait_workers(timeout=300)
+        except Exception as exc:
+            raise HarnessError(f"the Spark cluster's Workers did not start: {exc}") from exc
         return node.proc, ctl
 
     def executors(self) -> list:

@@ -70,6 +70,9 @@ class Soak(Checks):
     KINDS = KINDS
     CHEAP = ("server",)
     MODE = "mount"
+    #: start the first driver before the server and the mount (it idles until told to run;
+    #: a cluster-mode driver needs its cluster and gateway first)
+    EARLY_DRIVER = True
 
     def __init__(
         self,
@@ -152,6 +155,8 @@ class Soak(Checks):
         self.standby_ctl = ""
         self._standby_after = 0  # spawn the spare once the active driver committed past this
         self.promoted = 0
+        self._drawn: str | None = None  # the kind of the event drawn and not struck yet
+        self._events_drawn = 0
         self.cmd_seq = 0
         self.want_running = False  # the harness asked the driver to run the query
 
@@ -405,9 +410,18 @@ class Soak(Checks):
                 self._standby_died()
             return
         # start the spare only once the active driver commits: its JVM start would
-        # otherwise slow the query's own start
-        if self.driver is not None and self.acked_max > self._standby_after:
+        # otherwise slow the query's own start; and only if an event ahead will need a new
+        # driver (a JVM that no event would use costs a driver's start-up CPU for nothing)
+        if self.driver is not None and self.acked_max > self._standby_after and self.spare_needed():
             self.standby, self.standby_ctl = self._spawn_driver()
+
+    #: the kinds of event that run the query on a new driver (:meth:`start_driver`)
+    NEW_DRIVER = ("driver", "all")
+
+    def spare_needed(self) -> bool:
+        """Does an event still to strike run the query on a new driver?"""
+        kinds = self.upcoming_kinds()
+        return kinds is None or any(k in self.NEW_DRIVER for k in kinds)
 
     def kill_driver(self, wait: bool = True) -> None:
         """SIGKILL the driver and its JVM; ``wait``: until they are gone. Not waiting is for a
@@ -428,10 +442,53 @@ class Soak(Checks):
             kill_tree(self.driver)
 
     # ------------------------------------------------------------------ events
+    @staticmethod
+    def server_outage(rng: random.Random) -> float:
+        """How long a killed server stays down (the server event's one draw)."""
+        return rng.uniform(0.0, 1.5)
+
+    @staticmethod
+    def total_loss_plan(rng: random.Random) -> tuple[list[str], str]:
+        """The order of a total loss's kills and how it is restored (the ``all`` event's draws)."""
+        order = ["server", "mount", "driver"]
+        rng.shuffle(order)
+        return order, rng.choice(("sos-restore", "empty-cache"))
+
+    def handler_draws(self, kind: str, rng: random.Random) -> None:
+        """Make on ``rng`` the draws that the handler of ``kind`` makes on :attr:`rng` (those
+        above), so that :meth:`upcoming_kinds` can follow the schedule ahead."""
+        if kind == "server":
+            self.server_outage(rng)
+        elif kind == "all":
+            self.total_loss_plan(rng)
+
+    def draw_event(self, rng: random.Random) -> tuple[str, float, float]:
+        """The next event's kind, the delay before it and its jitter."""
+        kind = rng.choices(self.KINDS, weights=[self.weights[k] for k in self.KINDS])[0]
+        return kind, rng.uniform(*self.delay), rng.uniform(0.0, 1.0)
+
+    def upcoming_kinds(self) -> list[str] | None:
+        """The kinds of the events still to strike, the one drawn and waiting included (the
+        draws do not depend on timing: the schedule ahead follows from a copy of the RNG);
+        None when the run has no bound on its events."""
+        if self.max_kills is None:
+            return None
+        rng = random.Random()
+        rng.setstate(self.rng.getstate())
+        kinds = []
+        if self._drawn is not None:
+            kinds.append(self._drawn)
+            self.handler_draws(self._drawn, rng)
+        for _ in range(self.max_kills - self._events_drawn):
+            kind = self.draw_event(rng)[0]
+            kinds.append(kind)
+            self.handler_draws(kind, rng)
+        return kinds
+
     def kill_server(self) -> str:
         pid = self.server.proc.pid
         self.kill_server_only()
-        outage = self.rng.uniform(0.0, 1.5)
+        outage = self.server_outage(self.rng)
         time.sleep(outage)
         t = time.monotonic()
         self.server.start()
@@ -530,9 +587,7 @@ class Soak(Checks):
         return f"driver pid {pid} (and its JVM) SIGKILLed; check: {verdict}; query on {how}"
 
     def kill_all(self) -> str:
-        order = ["server", "mount", "driver"]
-        self.rng.shuffle(order)
-        mode = self.rng.choice(("sos-restore", "empty-cache"))
+        order, mode = self.total_loss_plan(self.rng)
         self.kill_in_order(order, {"mount": self.kill_mount_only, "driver": lambda: self.kill_driver(wait=False)})
         self.kill_mount_only()  # (killed already) lets a driver stuck on the mount die
         self.reap_driver()
@@ -662,6 +717,8 @@ class Soak(Checks):
             + (f", at most {self.max_kills} kill events" if self.max_kills else "")
             + f", work dir {self.work}"
         )
+        if self.EARLY_DRIVER:  # its JVM starts while the input, server and mount are made ready
+            self.driver, self.driver_ctl = self._spawn_driver()
         self.prepare_input()
         self.key = keygen(self.paths["server-data"], NAMESPACE)
         if self.store is not None:
@@ -674,7 +731,11 @@ class Soak(Checks):
         )
         self.setup()
         self.feed()
-        self.start_driver()
+        if self.driver is not None:  # the driver started at the beginning: it runs the query now
+            self.command("run")
+            self._standby_after = max(self.acked_max, self.last_check_hi)
+        else:
+            self.start_driver()
         self.last_progress_t = time.monotonic()
         if not self.wait_progress(-1, time.monotonic() + self.stall_timeout):
             raise HarnessError("the query committed no batch after start")
@@ -684,9 +745,9 @@ class Soak(Checks):
         streak = 0  # server kills since the last committed batch
         while time.monotonic() < end and (self.max_kills is None or n < self.max_kills):
             # every draw happens for every event, so a seed gives the same sequence of events
-            kind = self.rng.choices(self.KINDS, weights=[self.weights[k] for k in self.KINDS])[0]
-            delay = self.rng.uniform(*self.delay)
-            jitter = self.rng.uniform(0.0, 1.0)
+            kind, delay, jitter = self.draw_event(self.rng)
+            self._drawn = kind
+            self._events_drawn += 1
             before = self.acked_max
             at = time.monotonic() + delay
             while time.monotonic() < at:
@@ -713,6 +774,7 @@ class Soak(Checks):
             self.kills[kind] += 1
             self.say(f"#{n} kill {kind} (batch {self.acked_max} committed last)")
             what = self.handlers()[kind]()
+            self._drawn = None
             self.restart_times[kind].append(time.monotonic() - t)
             self._pending_recovery.append((kind, t, max(self.last_check_hi, self.acked_max)))
             self.last_kill = (kind, time.monotonic())
