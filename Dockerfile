@@ -18,6 +18,15 @@
 # `podman build --format docker ...`: in its default OCI format podman drops HEALTHCHECK.
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
+# ---- requirements: the dependencies' list, read from pyproject.toml. The build stage COPYs the
+# list alone: podman and docker reuse a COPY's layer while the file's content is the same, so the
+# dependencies' wheels below are built again only when the list changes, not at every change to
+# the sources or to pyproject.toml's other tables (most of a rebuild's time: downloads, pyfuse3's
+# compile). The build backend is on the list: the project's wheel is built from local wheels only.
+FROM ${PYTHON_IMAGE} AS requirements
+COPY pyproject.toml /pyproject.toml
+RUN python -c 'import tomllib; p = tomllib.load(open("/pyproject.toml", "rb")); x = p["project"]["optional-dependencies"]; print("\n".join([*p["build-system"]["requires"], *p["project"]["dependencies"], *x["mount"], *x["tier"]]))' > /requirements.txt
+
 # ---- build: wheels for the project and its dependencies (pyfuse3 compiles here)
 FROM ${PYTHON_IMAGE} AS build
 # Debian point releases replace package versions in place: exact pins would break the build
@@ -28,6 +37,8 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev libfuse3-dev pkg-config \
        $(python -c 'import sysconfig, os; print("" if os.path.exists(sysconfig.get_paths()["include"] + "/Python.h") else "python3-dev")') \
     && rm -rf /var/lib/apt/lists/*
+COPY --from=requirements /requirements.txt /requirements.txt
+RUN pip wheel --no-cache-dir --wheel-dir /wheels -r /requirements.txt
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY sos_wire ./sos_wire
@@ -37,7 +48,7 @@ COPY sos_client ./sos_client
 COPY sos_journal ./sos_journal
 COPY spark_plugin ./spark_plugin
 # tier: boto3, for serve --tier s3://... (the object-store tier, protocol.md Part 4)
-RUN pip wheel --no-cache-dir --wheel-dir /wheels '.[mount,tier]'
+RUN pip wheel --no-cache-dir --no-index --find-links /wheels --wheel-dir /wheels '.[mount,tier]'
 
 # ---- runtime
 FROM ${PYTHON_IMAGE}

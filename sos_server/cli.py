@@ -324,6 +324,19 @@ def _serve_tier_options(s: argparse.ArgumentParser) -> None:
         " when it recovers (default 30s)",
     )
     s.add_argument(
+        "--tier-fence-timeout",
+        type=parse_duration,
+        default=10.0,
+        help="FENCE answers TIER_UNAVAILABLE when its marker is not in the store within this (default 10s)",
+    )
+    s.add_argument(
+        "--tier-retry-max",
+        type=parse_duration,
+        default=30.0,
+        help="the longest wait between two tries of a failing store: the back-off starts at 1s (or this, if"
+        " less) and doubles up to it (default 30s)",
+    )
+    s.add_argument(
         "--tier-parallel",
         type=_positive,
         default=4,
@@ -714,6 +727,8 @@ def _serve_usage(args: argparse.Namespace) -> str | None:
         return "--tier-compact must be positive"
     if args.tier_bytes < 1:
         return "--tier-bytes must be at least 1 byte"
+    if args.tier_fence_timeout <= 0 or args.tier_retry_max <= 0:
+        return "--tier-fence-timeout and --tier-retry-max must be positive"
     if args.metrics and not args.metrics_public:
         return metrics_refusal("--metrics", *args.metrics, what="every namespace the server holds")
     return None

@@ -222,6 +222,8 @@ class Server:
                 bytes_trigger=args.tier_bytes,
                 lag_warn=args.tier_lag_warn,
                 parallel=args.tier_parallel,
+                fence_timeout=args.tier_fence_timeout,
+                retry_max=args.tier_retry_max,
             )
         self.listener = Listener(
             self.engine,

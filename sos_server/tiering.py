@@ -199,6 +199,7 @@ class Tier:
         max_piece: int = DEFAULT_MAX_PIECE,
         fence_timeout: float = FENCE_TIMEOUT,
         fence_fresh: float = FENCE_FRESH,
+        retry_max: float = BACKOFF_MAX,
     ) -> None:
         self.store = store = _Counted(store, metrics)
         self.storage = storage
@@ -210,6 +211,7 @@ class Tier:
         self.lag_warn = lag_warn
         self.fence_timeout = fence_timeout
         self.fence_fresh = fence_fresh
+        self.retry_max = retry_max  # a failing namespace's back-off: BACKOFF_MIN doubling to this
         self.uploader = Uploader(store, max_piece=max_piece, on_progress=self._progress_in_thread)
         self._limiter = trio.CapacityLimiter(parallel)
         #: the fence checks before a flush, all at once (one LIST each): a flush waits for the slowest
@@ -549,7 +551,7 @@ class Tier:
     def _state(self, namespace: str) -> _NsState:
         st = self._ns.get(namespace)
         if st is None:
-            st = self._ns[namespace] = _NsState()
+            st = self._ns[namespace] = _NsState(backoff=Backoff(min(BACKOFF_MIN, self.retry_max), self.retry_max))
         return st
 
     # -- waking TIER_WAIT ------------------------------------------------------------------------

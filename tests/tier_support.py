@@ -11,22 +11,40 @@ from __future__ import annotations
 
 import itertools
 import os
+import subprocess
+import sys
 
 import pytest
 
 from sos_tier.store import LocalStore, Store
 
 boto3 = pytest.importorskip("boto3")
-moto_server = pytest.importorskip("moto.server")
+pytest.importorskip("moto.server")
 
 _bucket_ids = itertools.count(1)
 
 
+# moto's server in a child process of its own: its request handling runs outside the pytest
+# process, so pytest-cov's tracer (CI measures the pytest processes) does not slow every S3 call,
+# and it runs beside the test rather than taking the test's GIL. The child exits when its stdin
+# closes (the fixture's end, or the pytest process's death).
+_MOTO_CHILD = """
+import sys
+from moto.server import ThreadedMotoServer
+server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+server.start()
+host, port = server.get_host_and_port()
+print(f"http://{host}:{port}", flush=True)
+sys.stdin.read()
+server.stop()
+"""
+
+
 @pytest.fixture(scope="module")
 def moto(tmp_path_factory):
-    """moto's S3 server on 127.0.0.1 (a port the kernel picks), with the environment a tier
-    reads: AWS_ENDPOINT_URL, dummy credentials, a region, and no shared config files (so the
-    developer's own ~/.aws plays no part). Yields the endpoint URL."""
+    """moto's S3 server on 127.0.0.1 (a port the kernel picks, in a child process), with the
+    environment a tier reads: AWS_ENDPOINT_URL, dummy credentials, a region, and no shared config
+    files (so the developer's own ~/.aws plays no part). Yields the endpoint URL."""
     empty = tmp_path_factory.mktemp("aws")
     with pytest.MonkeyPatch.context() as mp:
         for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3", "AWS_CA_BUNDLE"):
@@ -37,15 +55,25 @@ def moto(tmp_path_factory):
         mp.setenv("AWS_CONFIG_FILE", str(empty / "config"))
         mp.setenv("AWS_SHARED_CREDENTIALS_FILE", str(empty / "credentials"))
         mp.setenv("AWS_EC2_METADATA_DISABLED", "true")
-        server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        server.start()
+        child = subprocess.Popen(
+            [sys.executable, "-c", _MOTO_CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
         try:
-            host, port = server.get_host_and_port()
-            endpoint = f"http://{host}:{port}"
+            assert child.stdout is not None
+            endpoint = child.stdout.readline().strip()
+            assert endpoint.startswith("http://127.0.0.1:"), f"moto did not start: {endpoint!r}"
             mp.setenv("AWS_ENDPOINT_URL", endpoint)
             yield endpoint
         finally:
-            server.stop()
+            assert child.stdin is not None
+            child.stdin.close()
+            try:
+                child.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+            assert child.stdout is not None
+            child.stdout.close()
 
 
 @pytest.fixture
@@ -54,10 +82,18 @@ def new_bucket(moto):
     return make_bucket
 
 
+_clients: dict[str, object] = {}
+
+
 def make_bucket(prefix: str = "tier/test") -> str:
-    """A fresh bucket on the moto server; returns its s3:// URL with *prefix*."""
+    """A fresh bucket on the moto server; returns its s3:// URL with *prefix*. One boto3 client
+    per endpoint makes them all (a client costs ~0.5 s of CPU to set up under coverage)."""
     name = f"sos-tier-{os.getpid()}-{next(_bucket_ids)}"
-    boto3.session.Session().client("s3").create_bucket(Bucket=name)
+    endpoint = os.environ.get("AWS_ENDPOINT_URL", "")
+    client = _clients.get(endpoint)
+    if client is None:
+        client = _clients[endpoint] = boto3.session.Session().client("s3")
+    client.create_bucket(Bucket=name)  # type: ignore[attr-defined]
     return f"s3://{name}/{prefix}" if prefix else f"s3://{name}"
 
 

@@ -81,12 +81,18 @@ def _conf_args(gw, key) -> list[str]:
     return [f"{k}={v}" for k, v in gateway_conf(gw.url, NS, key).items()]
 
 
-def harness(java_env, gateway, base: str, *cases: str) -> dict[str, tuple[str, str]]:
-    """Run the harness's CASES against webhdfs://gateway/BASE: {case: (ok|error, result)}."""
+def java(java_env, gateway, base: str, *cases: str | list[str]) -> tuple[dict[str, tuple[str, str]], list]:
+    """Run CASES in ONE harness JVM, in order, against webhdfs://gateway/BASE: a name is one of
+    the harness's cases, a list is an FsShell command (argument list; "{u}" is the gateway's
+    webhdfs:// URL) run in the JVM as `hadoop fs` runs it (ToolRunner: -D options too).
+    ({case: (ok|error, result)}, [(exit code, stdout, stderr) per command])."""
     classpath, env = java_env
     gw, key = gateway
+    u = webhdfs_url(gw.url).rstrip("/")
+    args = [c if isinstance(c, str) else "shell:" + "|".join(a.replace("{u}", u) for a in c) for c in cases]
+    named = [c for c in cases if isinstance(c, str)]
     out = subprocess.run(
-        ["java", "-cp", classpath, "HadoopHarness", webhdfs_url(gw.url, base), *_conf_args(gw, key), "--", *cases],
+        ["java", "-cp", classpath, "HadoopHarness", webhdfs_url(gw.url, base), *_conf_args(gw, key), "--", *args],
         capture_output=True,
         env=env,
         timeout=600,
@@ -95,39 +101,30 @@ def harness(java_env, gateway, base: str, *cases: str) -> dict[str, tuple[str, s
     text = out.stdout.decode("utf-8", "replace")
     assert out.returncode == 0, text + out.stderr.decode("utf-8", "replace")[-4000:]
     results = {}
+    shells = []
     for line in text.splitlines():
         name, _, rest = line.partition("\t")
-        if name in cases:
+        if name == "shell":
+            code, sout, serr = rest.split("\t")
+            unesc = [x.replace("\\n", "\n").replace("\\t", "\t").replace("\\\\", "\\") for x in (sout, serr)]
+            shells.append((int(code), unesc[0], unesc[1]))
+        elif name in named:
             status, _, value = rest.partition("\t")
             results[name] = (status, value)
-    assert set(results) == set(cases), text
-    return results
+    assert set(results) == set(named), text
+    assert len(shells) == len(cases) - len(named), text
+    return results, shells
+
+
+def harness(java_env, gateway, base: str, *cases: str) -> dict[str, tuple[str, str]]:
+    """Run the harness's CASES against webhdfs://gateway/BASE: {case: (ok|error, result)}."""
+    return java(java_env, gateway, base, *cases)[0]
 
 
 def shell(java_env, gateway, *commands: list[str]) -> list[tuple[int, str, str]]:
     """FsShell COMMANDS (argument lists; "{u}" is the gateway's webhdfs:// URL) run in one
     JVM as `hadoop fs` runs them: [(exit code, stdout, stderr)]."""
-    classpath, env = java_env
-    gw, key = gateway
-    u = webhdfs_url(gw.url).rstrip("/")
-    cases = ["shell:" + "|".join(arg.replace("{u}", u) for arg in cmd) for cmd in commands]
-    out = subprocess.run(
-        ["java", "-cp", classpath, "HadoopHarness", webhdfs_url(gw.url, "shell"), *_conf_args(gw, key), "--", *cases],
-        capture_output=True,
-        env=env,
-        timeout=600,
-        check=False,
-    )
-    text = out.stdout.decode("utf-8")
-    assert out.returncode == 0, text + out.stderr.decode("utf-8", "replace")[-4000:]
-    results = []
-    for line in text.splitlines():
-        if line.startswith("shell\t"):
-            _, code, sout, serr = line.split("\t")
-            unesc = [s.replace("\\n", "\n").replace("\\t", "\t").replace("\\\\", "\\") for s in (sout, serr)]
-            results.append((int(code), unesc[0], unesc[1]))
-    assert len(results) == len(commands), text
-    return results
+    return java(java_env, gateway, "shell", *commands)[1]
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +168,9 @@ def _crc32c_md5md5(data: bytes) -> str:
 def test_block_locations_one_per_block_on_localhost(java_env, gateway):
     """Gap 1: GETFILEBLOCKLOCATIONS (what Spark's file index asks for every read), with
     listFiles and listLocatedStatus built on it, and -setrep -w."""
-    r = harness(java_env, gateway, "gap1", "blocklocations", "blocklocations-dir")
+    r, [(code, out, err)] = java(
+        java_env, gateway, "gap1", "blocklocations", "blocklocations-dir", ["-setrep", "-w", "1", "{u}/gap1/blocks/a"]
+    )
     status, value = r["blocklocations"]
     assert status == "ok", value
     assert value == (
@@ -181,26 +180,30 @@ def test_block_locations_one_per_block_on_localhost(java_env, gateway):
     # HDFS refuses a directory: Path is not a file
     assert r["blocklocations-dir"][0] == "error"
     assert r["blocklocations-dir"][1].startswith("java.io.FileNotFoundException"), r
-    [(code, out, err)] = shell(java_env, gateway, ["-setrep", "-w", "1", "{u}/gap1/blocks/a"])
     assert code == 0, err
     assert "Replication 1 set" in out and "Waiting for" in out, out
 
 
 def test_non_ascii_names_through_fs_shell(java_env, gateway, conf_dir, tmp_path):
-    """Gap 2: Hadoop sends raw UTF-8 in the request line; a real FsShell JVM puts, lists
-    and reads back a name with non-ASCII characters."""
+    """Gap 2: Hadoop sends raw UTF-8 in the request line; FsShell puts, lists and reads back a
+    name with non-ASCII characters (the first three in one JVM, the read in a JVM of its own
+    started as `hadoop fs` is, the name on its command line)."""
     gw, _ = gateway
     u = webhdfs_url(gw.url).rstrip("/")
     local = tmp_path / "local.txt"
     local.write_text("grüße\n", encoding="utf-8")
     name = "gap2/dïr ✓/fïlé 日本.txt"
-    r = fs_shell(java_env, conf_dir, "-mkdir", "-p", f"{u}/gap2/dïr ✓")
-    assert r.returncode == 0, r.stderr.decode()
-    r = fs_shell(java_env, conf_dir, "-put", str(local), f"{u}/{name}")
-    assert r.returncode == 0, r.stderr.decode()
-    ls = fs_shell(java_env, conf_dir, "-ls", f"{u}/gap2/dïr ✓")
-    assert ls.returncode == 0, ls.stderr.decode()
-    assert "fïlé 日本.txt" in ls.stdout.decode("utf-8")
+    mkdir, put, ls = shell(
+        java_env,
+        gateway,
+        ["-mkdir", "-p", "{u}/gap2/dïr ✓"],
+        ["-put", str(local), "{u}/" + name],
+        ["-ls", "{u}/gap2/dïr ✓"],
+    )
+    assert mkdir[0] == 0, mkdir[2]
+    assert put[0] == 0, put[2]
+    assert ls[0] == 0, ls[2]
+    assert "fïlé 日本.txt" in ls[1]
     cat = fs_shell(java_env, conf_dir, "-cat", f"{u}/{name}")
     assert cat.returncode == 0 and cat.stdout.decode("utf-8") == "grüße\n", cat.stderr.decode()
 
@@ -218,7 +221,9 @@ def test_file_checksum_is_hdfs_md5_of_md5_of_crc32c(java_env, gateway, tmp_path)
     and MD5Hash in the harness, and in Python), null for an empty file, `-checksum` exits 0;
     a directory is refused with an IOException (FileNotFoundException), which DistCp
     catches."""
-    r = harness(java_env, gateway, "gap4", "checksum", "checksum-dir", "checksum-2blocks")
+    r, [(code, out, err)] = java(
+        java_env, gateway, "gap4", "checksum", "checksum-dir", "checksum-2blocks", ["-checksum", "{u}/gap4/sum"]
+    )
     assert r["checksum-2blocks"] == ("ok", "MD5-of-262144MD5-of-512CRC32C true"), r
     # an empty file: HDFS's "magic entry", the MD5 of 32 zero bytes
     assert r["checksum"] == (
@@ -229,23 +234,27 @@ def test_file_checksum_is_hdfs_md5_of_md5_of_crc32c(java_env, gateway, tmp_path)
     assert r["checksum-dir"][1].startswith("java.io.FileNotFoundException"), r
     data = bytes((k * 31 + 7 + (k >> 9)) & 0xFF for k in range(5 * 512 + 77))
     gw, _ = gateway
-    [(code, out, err)] = shell(java_env, gateway, ["-checksum", "{u}/gap4/sum"])
     assert code == 0, err
     assert out.split() == [f"{webhdfs_url(gw.url, 'gap4/sum')}", "MD5-of-0MD5-of-512CRC32C", _crc32c_md5md5(data)], out
 
 
-def test_trash_rm_moves_to_user_trash(java_env, gateway, conf_dir):
-    """Gap 5: GETTRASHROOT(S); -rm with fs.trash.interval set moves to /user/USER/.Trash."""
-    gw, _ = gateway
-    u = webhdfs_url(gw.url).rstrip("/")
+def test_trash_rm_moves_to_user_trash(java_env, gateway):
+    """Gap 5: GETTRASHROOT(S); -rm with fs.trash.interval set (-D, as on `hadoop fs`'s command
+    line) moves to /user/USER/.Trash. One JVM, in order."""
     user = os.environ.get("HADOOP_USER_NAME") or getpass.getuser()
-    assert fs_shell(java_env, conf_dir, "-mkdir", "-p", f"{u}/gap5").returncode == 0
-    assert fs_shell(java_env, conf_dir, "-touchz", f"{u}/gap5/doomed").returncode == 0
-    r = fs_shell(java_env, conf_dir, "-rm", f"{u}/gap5/doomed", conf={"fs.trash.interval": "60"})
-    assert r.returncode == 0, r.stderr.decode()
-    ls = fs_shell(java_env, conf_dir, "-ls", "-R", f"{u}/user/{user}/.Trash")
-    assert ls.returncode == 0 and "gap5/doomed" in ls.stdout.decode(), ls.stderr.decode()
-    res = harness(java_env, gateway, "gap5", "trashRoot")
+    res, [mkdir, touch, rm, ls] = java(
+        java_env,
+        gateway,
+        "gap5",
+        ["-mkdir", "-p", "{u}/gap5"],
+        ["-touchz", "{u}/gap5/doomed"],
+        ["-D", "fs.trash.interval=60", "-rm", "{u}/gap5/doomed"],
+        ["-ls", "-R", f"{{u}}/user/{user}/.Trash"],
+        "trashRoot",
+    )
+    assert mkdir[0] == 0 and touch[0] == 0, (mkdir, touch)
+    assert rm[0] == 0, rm[2]
+    assert ls[0] == 0 and "gap5/doomed" in ls[1], ls[2]
     assert res["trashRoot"] == ("ok", f"/user/{user}/.Trash 1"), res
 
 
@@ -255,9 +264,10 @@ def test_set_owner_is_accepted_and_records_nothing(java_env, gateway, tmp_path):
     gateway's; a missing path is refused as HDFS refuses it."""
     local = tmp_path / "p.txt"
     local.write_text("preserved")
-    results = shell(
+    r, results = java(
         java_env,
         gateway,
+        "gap6",
         ["-mkdir", "-p", "{u}/gap6"],
         ["-put", "-p", str(local), "{u}/gap6/p.txt"],
         ["-chown", "alice:staff", "{u}/gap6/p.txt"],
@@ -265,21 +275,20 @@ def test_set_owner_is_accepted_and_records_nothing(java_env, gateway, tmp_path):
         ["-cp", "-p", "{u}/gap6/p.txt", "{u}/gap6/q.txt"],
         ["-cat", "{u}/gap6/q.txt"],
         ["-chown", "bob", "{u}/gap6/missing"],
+        "setOwner",
     )
     for code, _out, err in results[:6]:
         assert code == 0, err
     assert results[5][1] == "preserved"
     assert results[6][0] != 0 and "No such file" in results[6][2], results[6]
-    r = harness(java_env, gateway, "gap6", "setOwner")
     assert r["setOwner"] == ("ok", "true true false"), r
 
 
 def test_count_e_shows_the_erasure_coding_policy(java_env, gateway):
     """Gap 7: GETCONTENTSUMMARY carries ecPolicy ("" for a directory without a policy,
     "Replicated" for a file, as HDFS), so -count -e works."""
-    r = harness(java_env, gateway, "gap7", "contentSummary")
+    r, [(code, out, err)] = java(java_env, gateway, "gap7", "contentSummary", ["-count", "-e", "{u}/gap7/cs/f"])
     assert r["contentSummary"] == ("ok", "[] [Replicated] 10 1"), r
-    [(code, out, err)] = shell(java_env, gateway, ["-count", "-e", "{u}/gap7/cs/f"])
     assert code == 0, err
     assert out.split()[:4] == ["0", "1", "10", "Replicated"], out
 
@@ -287,11 +296,10 @@ def test_count_e_shows_the_erasure_coding_policy(java_env, gateway):
 def test_df_reports_the_cache_filesystem(java_env, gateway):
     """Gap 8: GETSTATUS (capacity, used, remaining of the gateway's cache filesystem), so
     -df works."""
-    r = harness(java_env, gateway, "gap8", "status")
+    r, [(code, out, err)] = java(java_env, gateway, "gap8", "status", ["-df", "{u}/"])
     assert r["status"] == ("ok", "true true true true"), r
     gw, _ = gateway
     sv = os.statvfs(gw.cache_dir)
-    [(code, out, err)] = shell(java_env, gateway, ["-df", "{u}/"])
     assert code == 0, err
     fields = out.splitlines()[1].split()
     assert int(fields[1]) == sv.f_blocks * sv.f_frsize, out

@@ -211,7 +211,8 @@ def served(gw: GatewayProcess, key: str, source: str = "127.0.0.1") -> tuple[flo
 
 @pytest.mark.slow
 def test_dripped_heads_cannot_hold_the_slots_and_a_client_with_a_token_gets_in(sos_server, tmp_path):
-    gw = start_gateway(sos_server, tmp_path)
+    # --head-timeout 10 (default 20): what the survivors must outlast is the same deadline, sooner
+    gw = start_gateway(sos_server, tmp_path, "--head-timeout", "10")
     port = port_of(gw)
     try:
         # one address, 150 connections, each dripping a request head
@@ -235,8 +236,8 @@ def test_dripped_heads_cannot_hold_the_slots_and_a_client_with_a_token_gets_in(s
         assert seconds < 15, f"a real client took {seconds:.1f} s"
         open_now = [s for s in everyone if not is_closed(s)[0]]
         assert len(open_now) <= 1024 // 4, f"{len(open_now)} unauthenticated connections held"
-        # the survivors go on dripping, one byte every 5 s (a per-read timeout never fires):
-        # the whole head is due 20 s after the accept; they get 408 and are closed
+        # the survivors go on dripping, one byte every 2 s (a per-read timeout never fires):
+        # the whole head is due 10 s after the accept (--head-timeout); they get 408 and are closed
         t0 = time.monotonic()
         replies = []
         while open_now and time.monotonic() - t0 < 90:
@@ -252,7 +253,7 @@ def test_dripped_heads_cannot_hold_the_slots_and_a_client_with_a_token_gets_in(s
                 except (ConnectionResetError, BrokenPipeError):
                     pass
             open_now = still
-            time.sleep(5)
+            time.sleep(2)
         assert not open_now, f"{len(open_now)} dripping connections still open after 90 s"
         assert any(r.startswith(b"HTTP/1.1 408") for r in replies), replies[:3]
         assert gw.proc.poll() is None

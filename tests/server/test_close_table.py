@@ -298,11 +298,29 @@ def test_every_row_has_a_scenario_and_every_scenario_a_row():
 
 
 class Env:
-    def __init__(self, srv, busy_server) -> None:
-        self.srv, self.busy_server = srv, busy_server
-        self.key = srv.keygen(NS, "append")
-        self.busy_key = busy_server.keygen(NS, "append")
+    """A server of the test's own, and (started only by the scenarios that ask for it: two of
+    them) a second one that takes a single connection."""
+
+    def __init__(self, factory) -> None:
+        self._factory = factory
+        self.srv = factory()
+        self.key = self.srv.keygen(NS, "append")
+        self._busy: tuple | None = None
         self.later: list[Wire] = []
+
+    def _busy_pair(self) -> tuple:
+        if self._busy is None:
+            srv = self._factory(args=["--max-connections", "1", "--handshake-timeout", "10m"])
+            self._busy = (srv, srv.keygen(NS, "append"))
+        return self._busy
+
+    @property
+    def busy_server(self):
+        return self._busy_pair()[0]
+
+    @property
+    def busy_key(self) -> str:
+        return self._busy_pair()[1]
 
     def wire(self, srv=None) -> Wire:
         w = Wire(srv or self.srv)
@@ -317,7 +335,7 @@ class Env:
 
 @pytest.fixture
 def env(sos_server_factory):
-    e = Env(sos_server_factory(), sos_server_factory(args=["--max-connections", "1", "--handshake-timeout", "10m"]))
+    e = Env(sos_server_factory)
     yield e
     for w in e.later:
         w.close()

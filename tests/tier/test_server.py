@@ -206,11 +206,18 @@ def own_moto(moto, monkeypatch):
 
 
 def test_store_unreachable_appends_go_on_lag_grows_and_drains(sos_server_factory, own_moto):
+    """The store away ~8 s under appends. The server's clocks shortened by its flags (defaults:
+    lag warning 30 s, FENCE's wait 10 s, back-off up to 30 s) so that each passes in the outage."""
     import boto3
 
     boto3.client("s3").create_bucket(Bucket="outage")
     url = "s3://outage/t"
-    srv = sos_server_factory(args=["--tier", url, "--tier-interval", "1s", "--tier-lag-warn", "5s"])
+    srv = sos_server_factory(
+        args=[
+            *("--tier", url, "--tier-interval", "1s", "--tier-lag-warn", "2s"),
+            *("--tier-fence-timeout", "2s", "--tier-retry-max", "2s"),
+        ]
+    )
     with login(srv, "out") as c:
         assert isinstance(c.call(ev.Fence(c.rid(), 1)), ev.FenceOk)
         assert isinstance(c.append("log", 0, b"a" * 1000, epoch=1), ev.AppendOk)
@@ -220,7 +227,7 @@ def test_store_unreachable_appends_go_on_lag_grows_and_drains(sos_server_factory
         t_down = time.monotonic()
         length = 1000
         # appends go on being acknowledged while the store is down
-        while time.monotonic() - t_down < 8:
+        while time.monotonic() - t_down < 3:
             r = c.append("log", length, b"b" * 1000, epoch=1)
             assert isinstance(r, ev.AppendOk), r
             length += 1000
@@ -230,12 +237,12 @@ def test_store_unreachable_appends_go_on_lag_grows_and_drains(sos_server_factory
         assert isinstance(r, ev.Error) and r.code == ErrorCode.TIER_UNAVAILABLE, r
         assert r.length == 1000
         assert f"bucket holds 1000 of {length} bytes" in r.message and "last upload error" in r.message
-        # FENCE needs its marker in the store: TIER_UNAVAILABLE after 10 s, the connection lives on
+        # FENCE needs its marker in the store: TIER_UNAVAILABLE after 2 s, the connection lives on
         r = c.call(ev.Fence(c.rid(), 2))
         assert isinstance(r, ev.Error) and r.code == ErrorCode.TIER_UNAVAILABLE and "marker" in r.message
         assert isinstance(c.append("log", length, b"c" * 10, epoch=2), ev.AppendOk)  # the fence moved here
         length += 10
-        wait_for(lambda: metric(srv, "sos_tier_lag_seconds", "out") > 5, what="the lag metric over 5 s")
+        wait_for(lambda: metric(srv, "sos_tier_lag_seconds", "out") > 2, what="the lag metric over 2 s")
         # the metrics are refreshed every second
         wait_for(lambda: metric(srv, "sos_tier_lag_bytes", "out") == length - 1000, what="the lag in bytes")
         m = metrics(srv)
@@ -251,11 +258,11 @@ def test_store_unreachable_appends_go_on_lag_grows_and_drains(sos_server_factory
         c.send(ev.Stat(stat_rid, "log"))
         r = c.next()
         assert r == ev.StatOk(stat_rid, length, False), r
-        while time.monotonic() - t_down < 20:  # the store is away ~20 s in all
+        while time.monotonic() - t_down < 8:  # the store is away ~8 s in all
             time.sleep(0.5)
         own_moto.start()
         t_up = time.monotonic()
-        r = c.next()  # the wait ends when the upload lands (back-off is at most 30 s)
+        r = c.next()  # the wait ends when the upload lands (back-off is at most 2 s here)
         assert r == ev.TierWaitOk(wait_rid, length), r
         assert time.monotonic() - t_up < 45
     wait_for(
