@@ -48,7 +48,7 @@ from spark_plugin.gateway.serving import (
     webhdfs_view,
 )
 from spark_plugin.gateway.webhdfs.inflight import previous_writer_segment
-from spark_plugin.gateway.webhdfs.renames import RENAME_MEMORY_FILE, JournalRenames, RenameMemory
+from spark_plugin.gateway.webhdfs.renames import JournalRenames
 
 if TYPE_CHECKING:
     from spark_plugin.gateway.workers import WriterGateway
@@ -127,11 +127,7 @@ def open_active(options: GatewayOptions) -> OpenNamespace:
     renames = JournalRenames()  # a cache rebuilt from the server: its RENAMEs, for resends
     opened = options.open_journal(cache_dir, rebuild=rebuild, observe_rebuild=renames)
     if opened.rebuilt and rebuild is None:
-        memory = RenameMemory(os.path.join(os.path.dirname(opened.tree_dir), RENAME_MEMORY_FILE))
-        try:
-            memory.adopt(renames.found(opened.tree_dir))
-        finally:
-            memory.close()
+        renames.save(os.path.dirname(opened.tree_dir), opened.tree_dir)
     if point and not opened.rebuilt:  # e.g. a new namespace: no batch to go back to
         opened.close(timeout=0)
         raise ValueError(f"--restore-batch {point}: namespace {options.namespace!r} has no journal to roll back")

@@ -80,7 +80,7 @@ from spark_plugin.gateway.serving import (
 )
 from spark_plugin.gateway.webhdfs.hdfs import remote_exception
 from spark_plugin.gateway.webhdfs.namespace import WebHdfsNamespace
-from spark_plugin.gateway.webhdfs.renames import RENAME_MEMORY_FILE, JournalRenames, RenameMemory
+from spark_plugin.gateway.webhdfs.renames import JournalRenames
 
 __all__ = ["PROMOTE_PATH", "Standby", "Tailer", "promote", "promote_url_refusal", "run_standby"]
 
@@ -572,11 +572,7 @@ def run_standby(options: GatewayOptions, *, poll: float = POLL) -> int:
         log.warning("standby: promoting: the namespace's writer opens with %s", runs_as(options, serving))
         # a RENAME the active applied and died before answering is resent here: answered as
         # the first was (protocol.md 3.3), from the RENAMEs of the journal the tail replayed
-        memory = RenameMemory(os.path.join(cache_dir, RENAME_MEMORY_FILE))
-        try:
-            memory.adopt(tailer.renames.found(tailer.tree_dir))
-        finally:
-            memory.close()
+        tailer.renames.save(cache_dir, tailer.tree_dir)
         opened = options.open_journal(cache_dir, client_factory=factory, replayed_to=replayed_to)
         ns = webhdfs_view(opened, options.sync)
         for metrics in exported:  # the endpoint now reports the writer (and its commits)

@@ -47,6 +47,7 @@ __all__ = [
     "RENAME_MEMORY_FILE",
     "RENAME_RETRY_WINDOW",
     "JournalRenames",
+    "RenameIndex",
     "RenameMemory",
     "Renamed",
     "identity",
@@ -107,17 +108,53 @@ class Renamed(NamedTuple):
     when: float
 
 
-class RenameMemory:
-    """(source, destination asked) -> :class:`Renamed` of the last RENAMEs (:attr:`recent`,
-    oldest first), loaded from and logged to ``path``. Not locked: the namespace calls it
-    under its lock."""
+class RenameIndex:
+    """(source, destination asked) -> :class:`Renamed` of the last RENAME_MEMORY RENAMEs
+    (:attr:`recent`, oldest first), each forgotten when its destination changes
+    (:meth:`_drop`): what :class:`RenameMemory` keeps and :class:`JournalRenames` rebuilds."""
+
+    def __init__(self) -> None:
+        self.recent: dict[tuple[str, str], Renamed] = {}
+        #: every destination of :attr:`recent` and each directory above it, counted (none at
+        #: 0): a change of a path none of them is (the usual case) is told apart without a scan
+        self._paths: Counter[str] = Counter()
+
+    def _add(self, key: tuple[str, str], renamed: Renamed) -> None:
+        self._remove(key)
+        self.recent[key] = renamed
+        self._paths.update(_and_above(renamed.dst))
+        if len(self.recent) > RENAME_MEMORY:
+            self._remove(next(iter(self.recent)))
+
+    def _remove(self, key: tuple[str, str]) -> None:
+        renamed = self.recent.pop(key, None)
+        if renamed is None:
+            return
+        for path in _and_above(renamed.dst):
+            left = self._paths[path] - 1
+            if left > 0:
+                self._paths[path] = left
+            else:
+                del self._paths[path]
+
+    def _drop(self, path: str, *, under: bool) -> bool:
+        """Forget every RENAME whose destination is ``path`` (``under``: or below it)."""
+        if self._paths[path] <= 0:
+            return False  # no destination is this path or below it
+        prefix = path + "/" if path else ""
+        doomed = [k for k, r in self.recent.items() if r.dst == path or (under and r.dst.startswith(prefix))]
+        for k in doomed:
+            self._remove(k)
+        return bool(doomed)
+
+
+class RenameMemory(RenameIndex):
+    """:class:`RenameIndex` loaded from and logged to ``path``. Not locked: the namespace
+    calls it under its lock."""
 
     def __init__(self, path: str) -> None:
+        super().__init__()
         self.path = path
-        self.recent: dict[tuple[str, str], Renamed] = {}
-        #: every destination of :attr:`recent` and each directory above it, counted: a change
-        #: of a path none of them is (the usual case) is told apart without a scan
-        self._paths: Counter[str] = Counter()
         self._lines = 0
         self._fd = -1
         with contextlib.suppress(FileNotFoundError):
@@ -150,24 +187,11 @@ class RenameMemory:
         """One line of the log: ``["rename", src, asked, dst, identity, time]`` or
         ``["forget", dst, under]``."""
         if row[0] == "rename":
-            key = (str(row[1]), str(row[2]))
-            self._remove(key)
-            self._add(key, Renamed(str(row[3]), str(row[4]), float(row[5])))
-            if len(self.recent) > RENAME_MEMORY:
-                self._remove(next(iter(self.recent)))
+            self._add((str(row[1]), str(row[2])), Renamed(str(row[3]), str(row[4]), float(row[5])))
         elif row[0] == "forget":
             self._drop(str(row[1]), under=bool(row[2]))
         else:
             raise ValueError(f"unknown line {row[0]!r}")
-
-    def _add(self, key: tuple[str, str], renamed: Renamed) -> None:
-        self.recent[key] = renamed
-        self._paths.update(_and_above(renamed.dst))
-
-    def _remove(self, key: tuple[str, str]) -> None:
-        renamed = self.recent.pop(key, None)
-        if renamed is not None:
-            self._paths.subtract(_and_above(renamed.dst))
 
     def _write(self, row: list, *, sync: bool = False) -> None:
         """Append one line (one write on an O_APPEND descriptor); ``sync``: fdatasync it."""
@@ -194,7 +218,6 @@ class RenameMemory:
         now = time.time()
         for key in [k for k, v in self.recent.items() if now - v.when >= RENAME_RETRY_WINDOW]:
             self._remove(key)
-        self._paths = +self._paths  # without the paths counted down to 0
         tmp = self.path + ".tmp"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -245,15 +268,6 @@ class RenameMemory:
         if self._drop(path, under=under):
             self._write(["forget", path, under], sync=True)
 
-    def _drop(self, path: str, *, under: bool) -> bool:
-        if self._paths[path] <= 0:
-            return False  # no destination is this path or below it
-        prefix = path + "/" if path else ""
-        doomed = [k for k, r in self.recent.items() if r.dst == path or (under and r.dst.startswith(prefix))]
-        for k in doomed:
-            self._remove(k)
-        return bool(doomed)
-
     def applied(self, rel: str, asked: str) -> Renamed | None:
         """The RENAME of ``rel`` to ``asked`` applied in the last RENAME_RETRY_WINDOW seconds
         whose destination nothing changed since, else None."""
@@ -263,51 +277,30 @@ class RenameMemory:
         return seen
 
 
-class JournalRenames:
+class JournalRenames(RenameIndex):
     """The RENAMEs a rebuild of the cache replays (``observe`` of
     :func:`~sos_journal.rebuild.finish.rebuild_journal_end`, called in journal order with
-    each record after the snapshot), for :meth:`RenameMemory.adopt`: each RENAME whose
-    destination no later record changed (the same forgetting as the live memory's), the
-    last RENAME_MEMORY of them."""
+    each record after the snapshot), for :meth:`RenameMemory.adopt`: the live memory's
+    index, each RENAME keyed on the destination the record names, forgotten as the live
+    memory forgets (no identity yet: :meth:`found` reads it from the rebuilt tree)."""
 
     def __init__(self) -> None:
-        #: (source, destination) -> time of the RENAME (seconds), oldest first
-        self._seen: dict[tuple[str, str], float] = {}
-        self._paths: Counter[str] = Counter()
+        super().__init__()
         self._last_seq = -1
 
     def __call__(self, rec: Record) -> None:
         if rec.seq <= self._last_seq:  # another replay (an older generation): start over
-            self._seen, self._paths = {}, Counter()
+            super().__init__()
         self._last_seq = rec.seq
         op = rec.op
         if isinstance(op, Rename):
             self._drop(op.src, under=True)
             self._drop(op.dst, under=True)
-            self._seen[(op.src, op.dst)] = rec.time_ns / 1e9
-            self._paths.update(_and_above(op.dst))
-            if len(self._seen) > RENAME_MEMORY:
-                self._remove(next(iter(self._seen)))
+            self._add((op.src, op.dst), Renamed(op.dst, "", rec.time_ns / 1e9))
         elif isinstance(op, (Delete, Rmdir)):
             self._drop(op.path, under=True)
         elif isinstance(op, (Create, Write, Truncate, Mkdir)):
             self._drop(op.path, under=False)
-
-    def _drop(self, path: str, *, under: bool) -> None:
-        if self._paths[path] <= 0:
-            return
-        prefix = path + "/" if path else ""
-        for key in [k for k in self._seen if k[1] == path or (under and k[1].startswith(prefix))]:
-            self._remove(key)
-
-    def _remove(self, key: tuple[str, str]) -> None:
-        del self._seen[key]
-        for path in _and_above(key[1]):  # no count left at 0: a standby tails for days
-            left = self._paths[path] - 1
-            if left > 0:
-                self._paths[path] = left
-            else:
-                del self._paths[path]
 
     def found(self, tree_dir: str) -> list[tuple[str, str, str, float]]:
         """``(source, destination, identity, time)`` of each RENAME seen within the last
@@ -316,11 +309,20 @@ class JournalRenames:
         now = time.time()
         out: list[tuple[str, str, str, float]] = []
         with Beneath(tree_dir) as at:
-            for (src, dst), when in self._seen.items():
-                if now - when >= RENAME_RETRY_WINDOW:
+            for (src, dst), r in self.recent.items():
+                if now - r.when >= RENAME_RETRY_WINDOW:
                     continue
                 try:
-                    out.append((src, dst, identity(at, dst, at.lstat(dst)), when))
+                    out.append((src, dst, identity(at, dst, at.lstat(dst)), r.when))
                 except OSError:  # gone, or not a plain entry: a resend gets HDFS's answer
                     continue
         return out
+
+    def save(self, cache_dir: str, tree_dir: str) -> None:
+        """:meth:`found` adopted by the memory in ``cache_dir`` (its log written and synced),
+        before a rebuilt or promoted gateway serves."""
+        memory = RenameMemory(os.path.join(cache_dir, RENAME_MEMORY_FILE))
+        try:
+            memory.adopt(self.found(tree_dir))
+        finally:
+            memory.close()
