@@ -268,7 +268,7 @@ class JournalWriter(Replicator, Resume, Barriers):
             if not self._in_snapshot:
                 self._gen_bytes += len(data)
             if not self._lingering:  # (one that holds records back ships them with this one)
-                self._cv.notify_all()
+                self._work.notify()
             return seq
 
     def has_room(self, nbytes: int) -> bool:
@@ -323,6 +323,7 @@ class JournalWriter(Replicator, Resume, Barriers):
             with self._cv:
                 self._pending_ready.append((gen, seq))
                 self._cv.notify_all()
+                self._work.notify()
             if self.sync:
                 self.barrier(seq)
             return seq
@@ -345,6 +346,7 @@ class JournalWriter(Replicator, Resume, Barriers):
         with self._cv:
             self._closed = True
             self._cv.notify_all()
+            self._work.notify_all()
         self._stop.set()
         self._wake.set()
         if self._thread is not None:

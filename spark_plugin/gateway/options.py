@@ -4,10 +4,12 @@ the library defaults are here and nowhere else."""
 
 from __future__ import annotations
 
+import functools
 import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from sos_client.aio import AsyncClient
 from sos_journal.faces.facade import FENCE_CHECK
 from sos_journal.format.records import Record
 from sos_journal.tree.open import ClientFactory, OpenNamespace, open_namespace
@@ -141,4 +143,16 @@ class GatewayOptions:
         )
         if opened.writer is not None:  # records no barrier waits for go in shared rounds
             opened.writer.linger = SHIP_LINGER
+            # a barrier in the event loop ships its round there (loop_ship.py): a trio client
+            # with the connection options of the thread's (the CLI's factory: the same server,
+            # key, timeout and TLS trust); a lost connection is the thread's to retry
+            opened.writer.loop_client_factory = functools.partial(
+                AsyncClient,
+                self.server,
+                self.key,
+                self.namespace,
+                timeout=self.timeout,
+                tls=self.tls_client,
+                reconnect_timeout=0.0,
+            )
         return opened
