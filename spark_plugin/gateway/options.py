@@ -30,8 +30,12 @@ __all__ = ["DRAIN_TIMEOUT", "SHIP_LINGER", "GatewayOptions"]
 DRAIN_TIMEOUT = 25.0
 #: the gateway's writer holds back records no barrier waits for (a checkpoint's state files
 #: under --barrier commit, acknowledged from the spool) this long, so that the changes of
-#: that moment ship in one APPEND round (JournalWriter.linger); a barrier ships at once
-SHIP_LINGER = 0.005
+#: that moment ship in one APPEND round (JournalWriter.linger); a barrier ships at once, and
+#: with it every record held back. 50 ms: under load a barrier comes sooner, so the records
+#: ride in the barriers' rounds (shipped from the event loop) and the replicator thread
+#: rarely wakes; how long a record no barrier waits for sits in the spool changes no
+#: guarantee (protocol.md 3.4: a commit that follows it waits for it)
+SHIP_LINGER = 0.05
 
 
 @dataclass(frozen=True, kw_only=True)
