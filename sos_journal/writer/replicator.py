@@ -19,6 +19,16 @@ only if it holds exactly those bytes (an identical retry, protocol.md 1.11 APPEN
 Anything else (another client with an append key wrote there first) stops the writer with
 a JournalError, before anything in that segment is acknowledged.
 
+Rounds of another transport (``claim_round``, ``round_done``, ``round_failed``): a caller
+that waits for records and can send an APPEND round itself (the gateway's event loop,
+loop_ship.py) claims the next round, chosen here as the thread would; the thread ships
+nothing while it is out, and the answer goes through the same bookkeeping
+(``_acknowledged``). Only a plain round is claimable (a known server length, on a record
+boundary, no generation check due, the writer healthy); a failed one is the thread's again
+(a STAT, then the confirmation above), and rounds are claimable again after its next
+success. The thread waits on its own condition (``_work``): appends, barriers that want
+held-back records and the close wake it, acknowledgements do not.
+
 A retryable failure is retried with backoff; QUOTA_EXCEEDED puts the writer in the quota
 state until a task of the refused kind succeeds (the writer's module docstring); any other
 failure stops the replicator and every later call of the writer raises it.
@@ -138,12 +148,16 @@ class Replicator(WriterState):
             if task is None:
                 if self._closed:
                     return None
-                self._idle = True
+                # a writer whose barriers an event loop ships (loop_ship.py) is not woken by
+                # appends: it looks for records no barrier waits for every linger by itself
+                poll = self.linger if self.linger > 0 and self.loop_client_factory is not None else None
+                self._idle, self._polling = True, poll is not None
                 try:
-                    self._work.wait()
+                    woken = self._work.wait(poll)
                 finally:
-                    self._idle = False
-                until = time.monotonic() + self.linger
+                    self._idle = self._polling = False
+                # (records found by a poll waited a linger already: they go now)
+                until = time.monotonic() + (self.linger if woken else 0.0)
                 continue
             held = self._hold(task, until) if self.linger > 0 else 0.0
             if held <= 0:
@@ -394,8 +408,9 @@ class Replicator(WriterState):
         back records a barrier still waits for (the round failed)."""
         if self._shipper == "loop":
             self._shipper = None
-        if (self._idle and (self._next_task() is not None or self._closed)) or (
-            self._lingering and self._wanted > self._acked
+        held = self._lingering or self._polling  # (it looks again by itself)
+        if (self._idle and not self._polling and (self._next_task() is not None or self._closed)) or (
+            held and self._wanted > self._acked
         ):
             self._work.notify()
 

@@ -88,6 +88,8 @@ class WriterState:
         self._claims_ok = True
         #: the replicator thread waits with nothing to do (only a notify of _work wakes it)
         self._idle = False
+        #: ... and looks again by itself after ``linger`` (appends then do not wake it)
+        self._polling = False
         #: makes the trio client of an event loop that ships this writer's rounds itself
         #: (loop_ship.LoopShipper, the gateway's); None: only the thread ships
         self.loop_client_factory: Callable[[], Any] | None = None
@@ -150,7 +152,7 @@ class WriterState:
         holding records back ships them now."""
         if target > self._wanted:
             self._wanted = target
-            if self._lingering:
+            if self._lingering or self._polling:
                 self._work.notify()
 
     def _durable(self, target: int) -> bool:

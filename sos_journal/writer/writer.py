@@ -8,7 +8,8 @@ position, what is acknowledged, under one condition variable):
 
 * ``resume.py``: open: the spool and the server's generations reconciled, older epochs fenced;
 * ``replicator.py``: the thread that ships each spool segment to the server object of the same
-  name, seals complete ones and creates the ``ready`` objects;
+  name, seals complete ones and creates the ``ready`` objects; and the rounds another
+  transport may claim (``loop_ship.py``: the gateway's event loop ships a barrier's round);
 * ``commit_wait.py``: ``barrier``/``check_tier``: waiting until records are durable;
 * ``tier_wait.py``: durability "tier": what the barriers owe the server's bucket (TIER_WAIT).
 
@@ -267,7 +268,7 @@ class JournalWriter(Replicator, Resume, Barriers):
             self._last_time = now
             if not self._in_snapshot:
                 self._gen_bytes += len(data)
-            if not self._lingering:  # (one that holds records back ships them with this one)
+            if not (self._lingering or self._polling):  # (it ships this one with the others)
                 self._work.notify()
             return seq
 
