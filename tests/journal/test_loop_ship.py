@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+import time
 
 import pytest
 import trio
@@ -145,5 +146,22 @@ def test_the_thread_ships_nothing_while_a_round_is_claimed(server, tmp_path):
     w.round_failed(rnd)  # the thread takes over
     waiter.join(WAIT)
     assert done.is_set() and w.acked_seq >= target
+    _server_bytes(server, ns, key, w)
+    t.close()
+
+
+def test_records_nobody_waits_for_are_shipped_by_the_polling_thread(server, tmp_path):
+    # the gateway's writer: appends do not wake its replicator, which looks for records every
+    # linger by itself; a record no barrier ever waits for still reaches the server
+    ns, key, w, t = _open(server, tmp_path)
+    w.linger = 0.05
+    t.create("p")  # (the thread waits without a poll until this wakes it)
+    w.barrier(timeout=WAIT)
+    t.write("p", 0, b"s" * 100)  # now it polls: this append wakes nobody
+    target = w.last_seq
+    deadline = time.monotonic() + WAIT
+    while w.acked_seq < target:
+        assert time.monotonic() < deadline, "a record nobody waits for was never shipped"
+        time.sleep(0.01)
     _server_bytes(server, ns, key, w)
     t.close()
