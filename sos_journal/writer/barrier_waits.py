@@ -34,7 +34,7 @@ CLOSE_TIER_PATIENCE = 60.0
 class Barriers(WriterState):
     """The waiting side of a writer (see the module docstring)."""
 
-    def durable_now(self, seq: int | None = None, *, wake: bool = True) -> bool | None:
+    def durable_now(self, seq: int | None = None, *, wake: bool = True, server_part: bool = False) -> bool | None:
         """Without waiting: True when :meth:`barrier` would return at once for ``seq``
         (durability "server": every record <= ``seq`` acknowledged, the ready objects made);
         False when it would wait while the writer is healthy (the replicator is shipping
@@ -42,9 +42,11 @@ class Barriers(WriterState):
         :meth:`barrier` can tell (durability "tier": a round trip to the server; the quota
         state; a failed, closed or stopped writer): call it, in a thread that may block.
         ``wake=False``: a caller that ships the records itself (:meth:`claim_round`) does
-        not hurry the thread (it is told if the claim is refused)."""
+        not hurry the thread (it is told if the claim is refused). ``server_part``: the
+        same answers about the server's part alone, whatever the durability (with "tier",
+        True says only that :meth:`barrier` has the bucket's part left to wait for)."""
         with self._cv:
-            if self.durability != "server":
+            if self.durability != "server" and not server_part:
                 return None
             target = self._seq if seq is None else seq
             if self._durable(target):

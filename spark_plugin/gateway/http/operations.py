@@ -344,6 +344,9 @@ class SharedBarrier:
             return
         self._listen(writer)
         shipper = self.shipper
+        if shipper is not None and writer.durability != "server":
+            await self._ship_then_wait(writer, shipper, target)
+            return
         while True:
             progress = self._progress = trio.Event()  # before asking: no report is missed
             try:
@@ -359,6 +362,16 @@ class SharedBarrier:
             if durable is None:
                 await self.run(self.ns.wait_durable, target)
             return
+
+    async def _ship_then_wait(self, writer: Any, shipper: LoopShipper, target: int) -> None:
+        """Durability "tier": the server's part shipped from the loop while it can be (as
+        for "server"), then the namespace's blocking wait in a worker thread, which finds
+        the server's part done and waits for the bucket (TIER_WAIT): its answers and
+        failures are exactly those of ``wait_durable``."""
+        while writer.durable_now(target, wake=False, server_part=True) is False:
+            if not await shipper.ship(target):
+                break  # (the thread ships it: the blocking wait waits for it)
+        await self.run(self.ns.wait_durable, target)
 
     def _listen(self, writer: Any) -> None:
         """Be the writer's progress listener, and its shipper if it has a client for the
