@@ -281,10 +281,11 @@ class SharedBarrier:
     round itself (:class:`~sos_journal.writer.loop_ship.LoopShipper`: no thread between a
     record and its acknowledgement), else, or when only the replicator's thread may ship
     now, it sleeps until the thread reports progress (``progress_listener``, which wakes the
-    loop through the trio token), asking again at least every second as the blocking barrier does. In any
-    other state (durability "tier", the quota state, a failed or stopped writer) the wait is
-    the namespace's blocking one in a worker thread, so its answers and failures are exactly
-    those of ``wait_durable``."""
+    loop through the trio token), asking again at least every second as the blocking barrier
+    does. In any other state (durability "tier", whose server part the loop ships first when
+    it can; the quota state, a failed or stopped writer) the wait is the namespace's blocking
+    one in a worker thread, so its answers and failures are exactly those of
+    ``wait_durable``."""
 
     #: a wait in the event loop asks the writer again at least this often
     RECHECK = 1.0
