@@ -9,6 +9,7 @@ async with open_client("127.0.0.1:7070", key, "ns") as c:
 from __future__ import annotations
 
 import contextlib
+import os
 import ssl as _ssl
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
@@ -182,12 +183,26 @@ class AsyncClient(ClientSettings):
             raise ConnectionLost(f"not connected to {self.server}")
         return self._stream
 
-    async def _send_bytes(self, data: bytes | list) -> None:
-        if isinstance(data, list):  # a frame's parts (Core._send)
-            data = b"".join(data)
+    async def _send_bytes(self, parts: bytes | list) -> None:
+        # (a list: a frame's parts, Core._send)
+        data: bytes | memoryview = b"".join(parts) if isinstance(parts, list) else parts
+        stream = self._open_stream()
+        if type(stream) is trio.SocketStream:
+            # what fits the socket's buffer (a request, usually) is written at once, without
+            # the stream's wrappers and its checkpoint (the reply's wait is one); the rest as below
+            try:
+                sent = os.write(stream.socket.fileno(), data)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError as exc:
+                await self._drop()
+                raise ConnectionLost(f"connection to {self.server} lost while sending: {exc}") from exc
+            if sent == len(data):
+                return
+            data = memoryview(data)[sent:]
         try:
             with trio.fail_after(self.timeout):
-                await self._open_stream().send_all(data)
+                await stream.send_all(data)
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError) as exc:
             await self._drop()
             raise ConnectionLost(
@@ -206,7 +221,7 @@ class AsyncClient(ClientSettings):
                 return event
             try:
                 with trio.fail_after(self.timeout + self._recv_extra):
-                    data = await self._open_stream().receive_some(RECV_SIZE)
+                    data = await _receive(self._open_stream())
             except trio.TooSlowError:
                 await self._drop()
                 raise ConnectionLost(f"no reply from {self.server} within {self.timeout} s") from None
@@ -218,16 +233,30 @@ class AsyncClient(ClientSettings):
                 raise ConnectionLost(f"{self.server} closed the connection")
             core.receive_data(data)
 
+    async def _take_lock(self) -> None:
+        """The client's lock, at once when it is free (no checkpoint: the call's own waits
+        on the network are its checkpoints), else waited for."""
+        try:
+            self._lock.acquire_nowait()
+        except trio.WouldBlock:
+            await self._lock.acquire()
+
     async def _call(self, make_gen: Callable[[Core], Op[T]], *, retry: bool = True) -> T:
-        async with self._lock:
-            core = await self._ensure()
-            try:
-                return await self._drive(core, make_gen(core))
-            except ConnectionLost:
-                if not retry or self._closed:
-                    raise
-            core = await self._reconnect_until_deadline()
+        await self._take_lock()
+        try:
+            return await self._call_locked(make_gen, retry=retry)
+        finally:
+            self._lock.release()
+
+    async def _call_locked(self, make_gen: Callable[[Core], Op[T]], *, retry: bool) -> T:
+        core = await self._ensure()
+        try:
             return await self._drive(core, make_gen(core))
+        except ConnectionLost:
+            if not retry or self._closed:
+                raise
+        core = await self._reconnect_until_deadline()
+        return await self._drive(core, make_gen(core))
 
     async def _reconnect_until_deadline(self) -> Core:
         async for attempt in async_retrying(self.reconnect_timeout, retry_on=_lost):
@@ -269,7 +298,8 @@ class AsyncClient(ClientSettings):
         """*chunks*: an iterable or an async iterable of bytes-like objects."""
         job = AppendJob(name, offset, epoch, window_bytes=window_bytes, window_frames=window_frames)
         it = chunks.__aiter__() if isinstance(chunks, AsyncIterable) else iter(chunks)
-        async with self._lock:
+        await self._take_lock()
+        try:
             core = await self._ensure()
             while True:
                 try:
@@ -279,6 +309,8 @@ class AsyncClient(ClientSettings):
                         raise
                 core = await self._reconnect_until_deadline()
                 await self._drive(core, job.resume_check(core))
+        finally:
+            self._lock.release()
 
     async def read(self, name: str, offset: int = 0, length: int = 0) -> bytes:
         return b"".join([chunk async for chunk in self.read_iter(name, offset, length)])
@@ -321,6 +353,21 @@ class AsyncClient(ClientSettings):
                 self._recv_extra = 0.0
 
         return await self._call(run)
+
+
+async def _receive(stream: trio.abc.Stream) -> bytes:
+    """The next bytes of ``stream`` (b"": closed). A plain TCP stream: a wait until it is
+    readable, then one read (a reply is seldom there at once: the stream's own first read
+    would find nothing)."""
+    if type(stream) is not trio.SocketStream:
+        return bytes(await stream.receive_some(RECV_SIZE))
+    sock = stream.socket
+    while True:
+        await trio.lowlevel.wait_readable(sock)
+        try:
+            return os.read(sock.fileno(), RECV_SIZE)
+        except (BlockingIOError, InterruptedError):
+            continue
 
 
 def _closed_by_server(stream: trio.abc.Stream | None) -> bool:

@@ -34,15 +34,19 @@ CLOSE_TIER_PATIENCE = 60.0
 class Barriers(WriterState):
     """The waiting side of a writer (see the module docstring)."""
 
-    def durable_now(self, seq: int | None = None) -> bool | None:
+    def durable_now(self, seq: int | None = None, *, wake: bool = True, server_part: bool = False) -> bool | None:
         """Without waiting: True when :meth:`barrier` would return at once for ``seq``
         (durability "server": every record <= ``seq`` acknowledged, the ready objects made);
         False when it would wait while the writer is healthy (the replicator is shipping
         them; its ``progress_listener`` tells when to ask again); None when only
         :meth:`barrier` can tell (durability "tier": a round trip to the server; the quota
-        state; a failed, closed or stopped writer): call it, in a thread that may block."""
+        state; a failed, closed or stopped writer): call it, in a thread that may block.
+        ``wake=False``: a caller that ships the records itself (:meth:`claim_round`) does
+        not hurry the thread (it is told if the claim is refused). ``server_part``: the
+        same answers about the server's part alone, whatever the durability (with "tier",
+        True says only that :meth:`barrier` has the bucket's part left to wait for)."""
         with self._cv:
-            if self.durability != "server":
+            if self.durability != "server" and not server_part:
                 return None
             target = self._seq if seq is None else seq
             if self._durable(target):
@@ -55,7 +59,8 @@ class Barriers(WriterState):
                 or not self._thread.is_alive()
             ):
                 return None
-            self._want(target)  # the caller waits for it: nothing of it is held back
+            if wake:
+                self._want(target)  # the caller waits for it: nothing of it is held back
             return False
 
     def barrier(self, seq: int | None = None, timeout: float | None = None) -> None:

@@ -19,6 +19,16 @@ only if it holds exactly those bytes (an identical retry, protocol.md 1.11 APPEN
 Anything else (another client with an append key wrote there first) stops the writer with
 a JournalError, before anything in that segment is acknowledged.
 
+Rounds of another transport (``claim_round``, ``round_done``, ``round_failed``): a caller
+that waits for records and can send an APPEND round itself (the gateway's event loop,
+loop_ship.py) claims the next round, chosen here as the thread would; the thread ships
+nothing while it is out, and the answer goes through the same bookkeeping
+(``_acknowledged``). Only a plain round is claimable (a known server length, on a record
+boundary, no generation check due, the writer healthy); a failed one is the thread's again
+(a STAT, then the confirmation above), and rounds are claimable again after its next
+success. The thread waits on its own condition (``_work``): appends, barriers that want
+held-back records and the close wake it, acknowledgements do not.
+
 A retryable failure is retried with backoff; QUOTA_EXCEEDED puts the writer in the quota
 state until a task of the refused kind succeeds (the writer's module docstring); any other
 failure stops the replicator and every later call of the writer raises it.
@@ -49,13 +59,27 @@ from sos_journal.store import (
 from sos_journal.writer.spool import SpoolSegment
 from sos_journal.writer.state import WriterState
 
-__all__ = ["Replicator", "append_round"]
+__all__ = ["Replicator", "ShipRound", "append_round"]
 
 log = logging.getLogger(__name__)
 
 #: A replicator task: ("seal_foreign", name), ("ready", (generation, seq)),
 #: ("ship", segment) or ("seal", segment).
 _Task = tuple[str, Any]
+
+
+class ShipRound:
+    """One APPEND round of a spool segment: ``chunks`` (whole records) from ``offset`` on;
+    ``last_seq``: the sequence number of its last record."""
+
+    __slots__ = ("chunks", "last_seq", "offset", "seg", "total")
+
+    def __init__(self, seg: SpoolSegment, offset: int, chunks: list[bytes], last_seq: int | None) -> None:
+        self.seg = seg
+        self.offset = offset
+        self.chunks = chunks
+        self.last_seq = last_seq
+        self.total = sum(len(c) for c in chunks)
 
 
 def append_round(client: StoreClient, name: str, offset: int, chunks: list[bytes], epoch: int) -> int:
@@ -92,6 +116,8 @@ class Replicator(WriterState):
         for g, seq in self._pending_ready:
             if seq <= self._acked:
                 return ("ready", (g, seq))
+        if self._shipper == "loop":
+            return None  # a claimed round is out: the spool's segments wait for it
         for s in self._segs:
             if s.shipped < s.written:
                 return ("ship", s)
@@ -114,22 +140,33 @@ class Replicator(WriterState):
 
     def _next_due(self) -> _Task | None:
         """With the lock held: the next task, once it is due (:meth:`_hold`); None when the
-        writer failed or closed with nothing left to do."""
+        writer failed or closed with nothing left to do. A ship or a seal is claimed for the
+        thread (``_shipper``) until :meth:`_run` is done with it."""
         until = time.monotonic() + self.linger
         while self._error is None:
             task = self._next_task()
             if task is None:
                 if self._closed:
                     return None
-                self._cv.wait()
-                until = time.monotonic() + self.linger
+                # a writer whose barriers an event loop ships (loop_ship.py) is not woken by
+                # appends: it looks for records no barrier waits for every linger by itself
+                poll = self.linger if self.linger > 0 and self.loop_client_factory is not None else None
+                self._idle, self._polling = True, poll is not None
+                try:
+                    woken = self._work.wait(poll)
+                finally:
+                    self._idle = self._polling = False
+                # (records found by a poll waited a linger already: they go now)
+                until = time.monotonic() + (self.linger if woken else 0.0)
                 continue
             held = self._hold(task, until) if self.linger > 0 else 0.0
             if held <= 0:
+                if task[0] in ("ship", "seal"):
+                    self._shipper = "thread"
                 return task
             self._lingering = True
             try:
-                self._cv.wait(held)
+                self._work.wait(held)
             finally:
                 self._lingering = False
         return None
@@ -156,6 +193,8 @@ class Replicator(WriterState):
                     with self._cv:
                         self._error = e
                         self._attempts += 1
+                        if self._shipper == "thread":
+                            self._shipper = None
                         self._cv.notify_all()
                     self._progress()
                     break
@@ -182,6 +221,10 @@ class Replicator(WriterState):
         of the kind the server refused succeeds; wake the barriers waiting on it."""
         with self._cv:
             self._attempts += 1
+            if self._shipper == "thread":
+                self._shipper = None
+            if error is None and task[0] == "ship":
+                self._claims_ok = True
             if isinstance(error, QuotaExceeded):
                 if self._quota is None:
                     self._quota_since = time.monotonic()
@@ -263,27 +306,113 @@ class Replicator(WriterState):
         with self._cv:
             offset, end = seg.shipped, seg.written
         chunks, last_seq = self._gather(seg, offset, end)
-        total = sum(len(c) for c in chunks)
+        rnd = ShipRound(seg, offset, chunks, last_seq)
         try:
             new_len = append_round(client, seg.name, offset, chunks, self.epoch)
         except OffsetMismatch as e:
             have = mismatch_length(e)
             if have > seg.written:
                 raise JournalError(f"server object {seg.name} is longer ({have}) than the spool ({seg.written})") from e
-            with self._cv:
-                seg.shipped = -1  # STAT, then confirm whatever we did not send ourselves
-            return
-        if new_len != offset + total:
-            # The server says another length: believe it after a STAT on the next round.
-            with self._cv:
-                seg.shipped = -1
-            return
+            new_len = -1  # STAT, then confirm whatever we did not send ourselves
         with self._cv:
-            seg.shipped = new_len
-            seg.confirmed = new_len  # acknowledged to us: ours (appended, or compared by the server)
-            seg.boundary = new_len  # every APPEND round ends on a record boundary
-            self._owe_tier(seg.name, new_len)
-            self._after_ack(last_seq)
+            self._acknowledged(rnd, new_len)
+
+    def _acknowledged(self, rnd: ShipRound, new_len: int) -> None:
+        """With the lock held: the server answered a round of :meth:`_ship` or of a claimed
+        round (:meth:`claim_round`) with its new length ``new_len`` (-1: an OFFSET_MISMATCH).
+        The length the round makes counts as shipped and confirmed (acknowledged to us: ours,
+        appended, or compared by the server); any other answer is believed only after a STAT
+        (``shipped = -1``), which the thread makes."""
+        seg = rnd.seg
+        if new_len != rnd.offset + rnd.total:
+            seg.shipped = -1
+            return
+        seg.shipped = new_len
+        seg.confirmed = new_len
+        seg.boundary = new_len  # every APPEND round ends on a record boundary
+        self._owe_tier(seg.name, new_len)
+        self._after_ack(rnd.last_seq)
+
+    # ------------------------------------------------------------ rounds of another transport
+    def claim_round(self, target: int) -> ShipRound | None:
+        """For a transport other than the thread's blocking client (the gateway's event loop):
+        a barrier waits for every record up to ``target``; the next APPEND round, claimed
+        (the thread ships nothing meanwhile), to send with :func:`append_round`'s arguments
+        and then report with :meth:`round_done` or :meth:`round_failed`. None when only the
+        thread may ship now: it is shipping, the next task is another (a seal, a ready
+        object, a STAT after a reconnect, a new generation's check, a record to complete), or
+        the writer is not plainly healthy (failed, closed, quota, retrying, a claimed round
+        failed since the thread's last success); the thread is then told the barrier waits
+        (it ships at once), and the caller waits for its progress."""
+        with self._cv:
+            if target > self._wanted:
+                self._wanted = target
+            if (
+                self._shipper is not None
+                or not self._claims_ok
+                or self._error is not None
+                or self._closed
+                or self._quota is not None
+                or self._failing
+                or not self.is_open
+            ):
+                self._leave_to_thread()
+                return None
+            task = self._next_task()
+            if task is None or task[0] != "ship":
+                self._leave_to_thread()
+                return None
+            seg = task[1]
+            if (
+                seg.shipped < 0
+                or seg.shipped != seg.boundary
+                or self._new_generations.get(seg.generation) == seg.first_seq
+            ):
+                self._leave_to_thread()
+                return None
+            self._shipper = "loop"
+            offset, end = seg.shipped, seg.written
+        try:
+            chunks, last_seq = self._gather(seg, offset, end)
+        except Exception:  # noqa: BLE001 - a damaged spool: the thread gives the verdict when it gathers it
+            self.round_failed(None)
+            return None
+        return ShipRound(seg, offset, chunks, last_seq)
+
+    def _leave_to_thread(self) -> None:
+        """With the lock held: a claim refused; the thread, if it holds records back, ships
+        them now (a barrier waits)."""
+        if self._lingering or self._idle:
+            self._work.notify()
+
+    def round_done(self, rnd: ShipRound, new_len: int) -> None:
+        """The server acknowledged a claimed round: its new length ``new_len`` (see
+        :meth:`_acknowledged`); the claim is released."""
+        with self._cv:
+            self._acknowledged(rnd, new_len)
+            self._release_claim()
+
+    def round_failed(self, rnd: ShipRound | None) -> None:
+        """A claimed round failed (its APPENDs may or may not have landed): the segment's
+        server length is asked again and every later round is the thread's, with its
+        reconnects, backoff, quota state and verdicts, until its next success."""
+        with self._cv:
+            if rnd is not None:
+                rnd.seg.shipped = -1
+            self._claims_ok = False
+            self._release_claim()
+
+    def _release_claim(self) -> None:
+        """With the lock held: the claimed round is over; the thread is woken if it waits
+        with work left (records appended meanwhile, a seal, a ready object, a STAT), or holds
+        back records a barrier still waits for (the round failed)."""
+        if self._shipper == "loop":
+            self._shipper = None
+        held = self._lingering or self._polling  # (it looks again by itself)
+        if (self._idle and not self._polling and (self._next_task() is not None or self._closed)) or (
+            held and self._wanted > self._acked
+        ):
+            self._work.notify()
 
     def _restat(self, client: StoreClient, seg: SpoolSegment) -> bool:
         """The server's length of ``seg`` (confirming bytes this writer did not have

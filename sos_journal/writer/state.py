@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from sos_journal.errors import JournalError, WriterClosed, WriterFenced
 from sos_journal.store import Fenced, SealedError, StoreClient
@@ -42,7 +43,14 @@ class WriterState:
     _tier: TierDurability
 
     def __init__(self) -> None:
-        self._cv = threading.Condition(threading.Lock())
+        lock = threading.Lock()
+        #: the barriers' and appends' waits: notified when records are acknowledged, an
+        #: attempt ends, the writer fails or closes
+        self._cv = threading.Condition(lock)
+        #: the replicator thread's wait (the same lock): notified when there is work for it
+        #: (a record appended, a barrier that wants held-back records, a ready object owed,
+        #: the close); an acknowledgement alone does not wake it
+        self._work = threading.Condition(lock)
         self._rotate_lock = threading.RLock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -72,6 +80,19 @@ class WriterState:
         self._wanted = 0
         #: the replicator holds back records (appends then do not wake it; barriers do)
         self._lingering = False
+        #: who ships the spool now: None, "thread" (the replicator) or "loop" (a round of
+        #: another transport, :meth:`Replicator.claim_round`): one APPEND round at a time
+        self._shipper: str | None = None
+        #: rounds may be claimed outside the thread: cleared when such a round fails (the
+        #: thread then retries with its backoff), set again by the thread's next success
+        self._claims_ok = True
+        #: the replicator thread waits with nothing to do (only a notify of _work wakes it)
+        self._idle = False
+        #: ... and looks again by itself after ``linger`` (appends then do not wake it)
+        self._polling = False
+        #: makes the trio client of an event loop that ships this writer's rounds itself
+        #: (loop_ship.LoopShipper, the gateway's); None: only the thread ships
+        self.loop_client_factory: Callable[[], Any] | None = None
 
         self.is_open = False
         self.epoch = 0
@@ -131,8 +152,8 @@ class WriterState:
         holding records back ships them now."""
         if target > self._wanted:
             self._wanted = target
-            if self._lingering:
-                self._cv.notify_all()
+            if self._lingering or self._polling:
+                self._work.notify()
 
     def _durable(self, target: int) -> bool:
         return self._acked >= target and not any(s <= target for _, s in self._pending_ready)

@@ -8,7 +8,8 @@ position, what is acknowledged, under one condition variable):
 
 * ``resume.py``: open: the spool and the server's generations reconciled, older epochs fenced;
 * ``replicator.py``: the thread that ships each spool segment to the server object of the same
-  name, seals complete ones and creates the ``ready`` objects;
+  name, seals complete ones and creates the ``ready`` objects; and the rounds another
+  transport may claim (``loop_ship.py``: the gateway's event loop ships a barrier's round);
 * ``commit_wait.py``: ``barrier``/``check_tier``: waiting until records are durable;
 * ``tier_wait.py``: durability "tier": what the barriers owe the server's bucket (TIER_WAIT).
 
@@ -267,8 +268,8 @@ class JournalWriter(Replicator, Resume, Barriers):
             self._last_time = now
             if not self._in_snapshot:
                 self._gen_bytes += len(data)
-            if not self._lingering:  # (one that holds records back ships them with this one)
-                self._cv.notify_all()
+            if not (self._lingering or self._polling):  # (it ships this one with the others)
+                self._work.notify()
             return seq
 
     def has_room(self, nbytes: int) -> bool:
@@ -323,6 +324,7 @@ class JournalWriter(Replicator, Resume, Barriers):
             with self._cv:
                 self._pending_ready.append((gen, seq))
                 self._cv.notify_all()
+                self._work.notify()
             if self.sync:
                 self.barrier(seq)
             return seq
@@ -345,6 +347,7 @@ class JournalWriter(Replicator, Resume, Barriers):
         with self._cv:
             self._closed = True
             self._cv.notify_all()
+            self._work.notify_all()
         self._stop.set()
         self._wake.set()
         if self._thread is not None:

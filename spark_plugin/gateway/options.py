@@ -4,10 +4,12 @@ the library defaults are here and nowhere else."""
 
 from __future__ import annotations
 
+import functools
 import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from sos_client.aio import AsyncClient
 from sos_journal.faces.facade import FENCE_CHECK
 from sos_journal.format.records import Record
 from sos_journal.tree.open import ClientFactory, OpenNamespace, open_namespace
@@ -28,8 +30,12 @@ __all__ = ["DRAIN_TIMEOUT", "SHIP_LINGER", "GatewayOptions"]
 DRAIN_TIMEOUT = 25.0
 #: the gateway's writer holds back records no barrier waits for (a checkpoint's state files
 #: under --barrier commit, acknowledged from the spool) this long, so that the changes of
-#: that moment ship in one APPEND round (JournalWriter.linger); a barrier ships at once
-SHIP_LINGER = 0.005
+#: that moment ship in one APPEND round (JournalWriter.linger); a barrier ships at once, and
+#: with it every record held back. 50 ms: under load a barrier comes sooner, so the records
+#: ride in the barriers' rounds (shipped from the event loop) and the replicator thread
+#: rarely wakes; how long a record no barrier waits for sits in the spool changes no
+#: guarantee (protocol.md 3.4: a commit that follows it waits for it)
+SHIP_LINGER = 0.05
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -141,4 +147,16 @@ class GatewayOptions:
         )
         if opened.writer is not None:  # records no barrier waits for go in shared rounds
             opened.writer.linger = SHIP_LINGER
+            # a barrier in the event loop ships its round there (loop_ship.py): a trio client
+            # with the connection options of the thread's (the CLI's factory: the same server,
+            # key, timeout and TLS trust); a lost connection is the thread's to retry
+            opened.writer.loop_client_factory = functools.partial(
+                AsyncClient,
+                self.server,
+                self.key,
+                self.namespace,
+                timeout=self.timeout,
+                tls=self.tls_client,
+                reconnect_timeout=0.0,
+            )
         return opened

@@ -14,6 +14,7 @@ import time
 import h11
 import pytest
 
+from spark_plugin.gateway.http import connection
 from spark_plugin.gateway.http.connection import FAST_HEAD, json_body, parse_fast_head
 from spark_plugin.gateway.webhdfs.hdfs import file_status, file_status_json
 from tests.gateway.test_http_hostile import closed_after, connect, port_of, read_reply, start_gateway, token_for
@@ -101,6 +102,39 @@ def test_the_fast_path_reads_hadoops_heads_as_h11_does(head):
 @pytest.mark.parametrize("head", SLOW, ids=range(len(SLOW)))
 def test_every_other_shape_is_left_to_h11(head):
     assert parse_fast_head(head) is None
+
+
+@pytest.mark.parametrize("head", FAST + SLOW, ids=range(len(FAST + SLOW)))
+def test_a_head_read_again_gets_the_same_answer(head):
+    # the fields a client repeats are read once (their bytes kept with what they gave):
+    # reading the same head again, or the same fields under another request line, is the
+    # same answer as the first reading, taken or refused
+    first = parse_fast_head(head)
+    again = parse_fast_head(head)
+    if first is None:
+        assert again is None
+        return
+    assert again is not None
+    assert (again[0].method, again[0].target, again[0].headers, again[0].auth, again[1]) == (
+        first[0].method,
+        first[0].target,
+        first[0].headers,
+        first[0].auth,
+        first[1],
+    )
+    other_line = b"PUT /webhdfs/v1/other?op=MKDIRS HTTP/1.1" + head[head.index(b"\r\n") :]
+    other = parse_fast_head(other_line)
+    assert other is not None and other[0].target == b"/webhdfs/v1/other?op=MKDIRS"
+    assert other[0].headers == first[0].headers and other[0].headers is not first[0].headers
+
+
+def test_the_kept_field_blocks_are_bounded():
+    for i in range(connection.FIELD_BLOCKS + 10):
+        assert parse_fast_head(b"GET / HTTP/1.1\r\nHost: a\r\nX-N: %d\r\n\r\n" % i) is not None
+    assert len(connection._FIELD_BLOCKS) <= connection.FIELD_BLOCKS
+    big = b"GET / HTTP/1.1\r\nHost: a\r\nX-Big: " + b"b" * connection.FIELD_BLOCK_MAX + b"\r\n\r\n"
+    assert parse_fast_head(big) is not None
+    assert not any(len(block) > connection.FIELD_BLOCK_MAX for block, _ in connection._FIELD_BLOCKS)
 
 
 # ---------------------------------------------------------------------------- a real gateway

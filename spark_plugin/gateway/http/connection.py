@@ -170,23 +170,62 @@ def parse_fast_head(data: bytes, *, chunked: bool = False) -> tuple[Head, int] |
     end = data.find(b"\r\n\r\n", 0, FAST_HEAD)
     if end < 0:
         return None
-    lines = data[:end].split(b"\r\n")
-    line = _FAST_LINE.fullmatch(lines[0])
+    eol = data.find(b"\r\n", 0, end + 2)
+    line = _FAST_LINE.fullmatch(data, 0, eol)
     if line is None:
         return None
+    block = data[eol + 2 : end]
+    key = (block, chunked)
+    try:
+        fields = _FIELD_BLOCKS[key]
+    except KeyError:
+        fields = _fast_fields(block, chunked)
+        if len(block) <= FIELD_BLOCK_MAX:
+            if len(_FIELD_BLOCKS) >= FIELD_BLOCKS:
+                _FIELD_BLOCKS.clear()
+            _FIELD_BLOCKS[key] = fields
+    if fields is None:
+        return None
+    headers, has_body, auth = fields
+    used = end + 4
+    body = None
+    if has_body:
+        whole = _fast_chunked_body(data, used)
+        if whole is None:
+            return None
+        body, used = whole
+    return Head(line.group(1), line.group(2), list(headers), body, auth), used
+
+
+#: the header fields of recent heads (their bytes between the request line and the blank
+#: line, and ``chunked``) -> what :func:`_fast_fields` made of them: a client sends the same
+#: fields with every request (its token, its agent, the host), so most heads are read by one
+#: comparison of those bytes. At most FIELD_BLOCKS entries of at most FIELD_BLOCK_MAX bytes
+#: (forgotten all at once when full): the same answer as reading them again, bounded memory.
+FIELD_BLOCKS = 1024
+FIELD_BLOCK_MAX = 2048
+_Fields = tuple[tuple[tuple[bytes, bytes], ...], bool, bytes | None]
+_FIELD_BLOCKS: dict[tuple[bytes, bool], _Fields | None] = {}
+
+
+def _fast_fields(block: bytes, chunked: bool) -> _Fields | None:
+    """The header fields of a head of the fast path (:func:`parse_fast_head`): (lower-case
+    name, value) in order, whether a chunked body follows, and the value of its one
+    Authorization field (None: none or several); None if the fields put the head off the
+    fast path."""
     headers = []
     hosts = 0
     framing = 0  # Content-Length and Transfer-Encoding fields
     auths = 0
     auth = None
-    body = None
-    for raw in lines[1:]:
+    has_body = False
+    for raw in block.split(b"\r\n") if block else ():
         field = _FAST_FIELD.fullmatch(raw)
         if field is None:
             return None
         name, value = field.group(1).lower(), field.group(2)
         if name == b"transfer-encoding" and chunked and value.lower() == b"chunked":
-            body, value = b"", b"chunked"  # (h11 gives this value in lower case)
+            has_body, value = True, b"chunked"  # (h11 gives this value in lower case)
         elif name in _SLOW_FIELDS:
             return None
         if name == b"content-length" and value != b"0":
@@ -201,15 +240,9 @@ def parse_fast_head(data: bytes, *, chunked: bool = False) -> tuple[Head, int] |
         headers.append((name, value))
     if hosts != 1:
         return None
-    used = end + 4
-    if body is not None:
-        if framing != 1:
-            return None  # chunked beside a Content-Length, or twice
-        whole = _fast_chunked_body(data, used)
-        if whole is None:
-            return None
-        body, used = whole
-    return Head(line.group(1), line.group(2), headers, body, auth if auths == 1 else None), used
+    if has_body and framing != 1:
+        return None  # chunked beside a Content-Length, or twice
+    return tuple(headers), has_body, auth if auths == 1 else None
 
 
 def ascii_request_line(line: bytes) -> bytes:
@@ -350,11 +383,11 @@ class Conn:
             idle.add(scope)
             self.waiting = True
             try:
-                chunk = await self.stream.receive_some(RECV_SIZE)
+                chunk = await self._receive_next()
                 if between:
-                    self._pending = bytes(chunk)  # b"": the client closed
+                    self._pending = chunk  # b"": the client closed
                 else:
-                    self._receive(bytes(chunk))
+                    self._receive(chunk)
                 return True
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                 raise Drop(f"receive failed: {exc!r}") from exc
@@ -362,6 +395,21 @@ class Conn:
                 self.waiting = False
                 idle.discard(scope)
         return False
+
+    async def _receive_next(self) -> bytes:
+        """The bytes the client sends next (b"": it closed). On a plain TCP connection: a
+        wait until the socket is readable, then one read, without the stream layer's first
+        read (which finds nothing between a reply and the next request) and its wrappers."""
+        stream = self.stream
+        if type(stream) is not trio.SocketStream:
+            return bytes(await stream.receive_some(RECV_SIZE))
+        sock = stream.socket
+        while True:
+            await trio.lowlevel.wait_readable(sock)
+            try:
+                return os.read(sock.fileno(), RECV_SIZE)
+            except (BlockingIOError, InterruptedError):
+                continue  # (readable, then not: another wait)
 
     def fast_request(self) -> Head | None:
         """The next request's head read without h11 (:func:`parse_fast_head`), if the bytes

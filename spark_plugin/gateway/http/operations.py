@@ -23,6 +23,7 @@ from typing import Any
 import h11
 import trio
 
+from sos_journal.writer.loop_ship import LoopShipper
 from spark_plugin.gateway.http.auth import TokenInfo
 from spark_plugin.gateway.http.connection import Conn, Drop, Reply, json_body, remote_error
 from spark_plugin.gateway.webhdfs.changes import WRITE_PIECE
@@ -275,12 +276,16 @@ class SharedBarrier:
     its own.
 
     A wait is made in the event loop while the writer is healthy and its durability is
-    "server": it asks the writer without blocking (``durable_now``) and sleeps until the
-    replicator's thread reports progress (``progress_listener``, which wakes the loop through
-    the trio token), asking again at least every second as the blocking barrier does. In any
-    other state (durability "tier", the quota state, a failed or stopped writer) the wait is
-    the namespace's blocking one in a worker thread, so its answers and failures are exactly
-    those of ``wait_durable``."""
+    "server": it asks the writer without blocking (``durable_now``); if the writer has a
+    client for the loop (``loop_client_factory``: the gateway's own writer) it ships the
+    round itself (:class:`~sos_journal.writer.loop_ship.LoopShipper`: no thread between a
+    record and its acknowledgement), else, or when only the replicator's thread may ship
+    now, it sleeps until the thread reports progress (``progress_listener``, which wakes the
+    loop through the trio token), asking again at least every second as the blocking barrier
+    does. In any other state (durability "tier", whose server part the loop ships first when
+    it can; the quota state, a failed or stopped writer) the wait is the namespace's blocking
+    one in a worker thread, so its answers and failures are exactly those of
+    ``wait_durable``."""
 
     #: a wait in the event loop asks the writer again at least this often
     RECHECK = 1.0
@@ -295,6 +300,8 @@ class SharedBarrier:
         self._progress: trio.Event | None = None
         self._token: trio.lowlevel.TrioToken | None = None
         self._listening = False
+        #: ships the rounds a wait needs from this loop (None: the replicator thread does)
+        self.shipper: LoopShipper | None = None
 
     async def wait(self, seq: int | None = None) -> None:
         """The barrier of :meth:`NamespaceCore.barrier`: every record up to ``seq`` (default:
@@ -337,11 +344,17 @@ class SharedBarrier:
             await self.run(self.ns.wait_durable, target)
             return
         self._listen(writer)
+        shipper = self.shipper
+        if shipper is not None and writer.durability != "server":
+            await self._ship_then_wait(writer, shipper, target)
+            return
         while True:
             progress = self._progress = trio.Event()  # before asking: no report is missed
             try:
-                durable = writer.durable_now(target)
+                durable = writer.durable_now(target) if shipper is None else writer.durable_now(target, wake=False)
                 if durable is False:
+                    if shipper is not None and await shipper.ship(target):
+                        continue  # (a round acknowledged here: ask again)
                     with trio.move_on_after(self.RECHECK):
                         await progress.wait()
                     continue
@@ -351,13 +364,32 @@ class SharedBarrier:
                 await self.run(self.ns.wait_durable, target)
             return
 
+    async def _ship_then_wait(self, writer: Any, shipper: LoopShipper, target: int) -> None:
+        """Durability "tier": the server's part shipped from the loop while it can be (as
+        for "server"), then the namespace's blocking wait in a worker thread, which finds
+        the server's part done and waits for the bucket (TIER_WAIT): its answers and
+        failures are exactly those of ``wait_durable``."""
+        while writer.durable_now(target, wake=False, server_part=True) is False:
+            if not await shipper.ship(target):
+                break  # (the thread ships it: the blocking wait waits for it)
+        await self.run(self.ns.wait_durable, target)
+
     def _listen(self, writer: Any) -> None:
-        """Be the writer's progress listener (once; the loop's token taken here, in trio)."""
+        """Be the writer's progress listener, and its shipper if it has a client for the
+        loop (once; the loop's token taken here, in trio)."""
         if self._listening:
             return
         self._token = trio.lowlevel.current_trio_token()
         writer.progress_listener = self._reported
+        factory = getattr(writer, "loop_client_factory", None)
+        if factory is not None:
+            self.shipper = LoopShipper(writer, factory)
         self._listening = True
+
+    async def aclose(self) -> None:
+        """The loop's connection to the server closed (the gateway stops serving)."""
+        if self.shipper is not None:
+            await self.shipper.aclose()
 
     def _reported(self, *_: Any) -> None:
         """The replicator's thread: progress. Wakes the loop only if a wait listens."""

@@ -244,12 +244,15 @@ class Gateway:
             listeners = [trio.SSLListener(lis, self.tls, https_compatible=True) for lis in tcp]
         # connections live in their own nursery: stopping the accept loops (drain) leaves
         # the requests in progress running; serve returns once they are all done
-        async with trio.open_nursery() as handlers:
-            with trio.CancelScope() as self._accepting:
-                async with trio.open_nursery() as accepting:
-                    for listener in listeners:
-                        accepting.start_soon(self._accept_loop, listener, handlers)
-                    task_status.started(self.address)
+        try:
+            async with trio.open_nursery() as handlers:
+                with trio.CancelScope() as self._accepting:
+                    async with trio.open_nursery() as accepting:
+                        for listener in listeners:
+                            accepting.start_soon(self._accept_loop, listener, handlers)
+                        task_status.started(self.address)
+        finally:
+            await self.operations.barriers.aclose()  # (the thread ships what is left)
 
     async def _accept_loop(self, listener: trio.abc.Listener[Any], handlers: trio.Nursery) -> None:
         """trio.serve_listeners, but out of descriptors (EMFILE) or memory it backs off and
