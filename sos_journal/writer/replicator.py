@@ -150,7 +150,8 @@ class Replicator(WriterState):
                     return None
                 # a writer whose barriers an event loop ships (loop_ship.py) is not woken by
                 # appends: it looks for records no barrier waits for every linger by itself
-                poll = self.linger if self.linger > 0 and self.loop_client_factory is not None else None
+                polls = self.linger > 0 and self.loop_client_factory is not None and self.poll_records
+                poll = self.linger if polls else None
                 self._idle, self._polling = True, poll is not None
                 try:
                     woken = self._work.wait(poll)

@@ -93,6 +93,10 @@ class WriterState:
         #: makes the trio client of an event loop that ships this writer's rounds itself
         #: (loop_ship.LoopShipper, the gateway's); None: only the thread ships
         self.loop_client_factory: Callable[[], Any] | None = None
+        #: with a loop client, the thread is not woken by appends but looks for records no
+        #: barrier waits for every ``linger`` by itself (True); False: appends wake it, as
+        #: without one (a short linger, where polling would keep an idle writer busy)
+        self.poll_records = True
 
         self.is_open = False
         self.epoch = 0

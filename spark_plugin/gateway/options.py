@@ -23,7 +23,7 @@ from spark_plugin.gateway.http.connection import (
 )
 from spark_plugin.gateway.http.operations import OPEN_MEMORY
 
-__all__ = ["DRAIN_TIMEOUT", "SHIP_LINGER", "GatewayOptions"]
+__all__ = ["DRAIN_TIMEOUT", "SHIP_LINGER", "SHIP_LINGER_TIER", "GatewayOptions"]
 
 #: on SIGTERM/SIGINT, the requests in progress get this long to finish (Kubernetes gives
 #: a pod 30 s by default between SIGTERM and SIGKILL)
@@ -36,6 +36,12 @@ DRAIN_TIMEOUT = 25.0
 #: rarely wakes; how long a record no barrier waits for sits in the spool changes no
 #: guarantee (protocol.md 3.4: a commit that follows it waits for it)
 SHIP_LINGER = 0.05
+#: ... and with ``--durability tier``: records held back 50 ms reach the bucket's flushes that
+#: much later, and the batch's barriers wait for them there (the small query's batch p50 at 6
+#: queries: 577-580 ms held 50 ms, 464-467 held 5 ms; docs/BENCHMARKS.md, "Fifth round"); its
+#: writer's thread is woken by appends rather than looking every 5 ms (an idle gateway would
+#: spend 2.4 % of a core on it)
+SHIP_LINGER_TIER = 0.005
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -146,7 +152,8 @@ class GatewayOptions:
             observe_rebuild=observe_rebuild,
         )
         if opened.writer is not None:  # records no barrier waits for go in shared rounds
-            opened.writer.linger = SHIP_LINGER
+            opened.writer.linger = SHIP_LINGER if self.durability == "server" else SHIP_LINGER_TIER
+            opened.writer.poll_records = self.durability == "server"
             # a barrier in the event loop ships its round there (loop_ship.py): a trio client
             # with the connection options of the thread's (the CLI's factory: the same server,
             # key, timeout and TLS trust); a lost connection is the thread's to retry
