@@ -15,6 +15,9 @@ from sos_journal import restore, verify
 from sos_journal.testing import tree_state
 from tests.gateway.test_http_hostile import NS, TIMEOUT, start_gateway, token_for
 
+#: outages at most until a loop round has failed and gone to the thread (test below)
+OUTAGES = 4
+
 
 def _log(gw) -> str:
     with open(gw.log_path, encoding="utf-8") as f:
@@ -60,31 +63,42 @@ def test_a_round_the_loop_cannot_send_is_retried_by_the_thread(sos_server, tmp_p
     gw = start_gateway(sos_server, tmp_path, "--barrier", "every", name="handover")
     token = token_for(gw, gw.key)
     _commit(gw.url, token, 0)
-    sos_server.kill()
-    done: list[BaseException | None] = []
+    # Each outage: a commit while the server is down. Its first round is usually the loop's
+    # (the barrier claims it as the CREATE body is journaled); the replicator thread, looking
+    # for records every 50 ms, can take it first, so a few outages make sure one of them
+    # hands a failed loop round to the thread (the log's closing line counts them).
+    commits = 1
+    for _ in range(OUTAGES):
+        sos_server.kill()
+        done: list[BaseException | None] = []
 
-    def commit() -> None:
-        try:
-            _commit(gw.url, token, 1)
-            done.append(None)
-        except BaseException as exc:
-            done.append(exc)
+        def commit(i: int = commits, done: list[BaseException | None] = done) -> None:
+            try:
+                _commit(gw.url, token, i)
+                done.append(None)
+            except BaseException as exc:
+                done.append(exc)
 
-    waiter = threading.Thread(target=commit)
-    waiter.start()
-    # the loop's round fails (no server): the thread retries it with backoff, and says so
-    deadline = time.monotonic() + TIMEOUT
-    while "retrying in" not in _log(gw):
-        assert time.monotonic() < deadline and not done, done
-        time.sleep(0.05)
-    assert not done  # not acknowledged while the server is down
-    sos_server.start()
-    waiter.join(TIMEOUT)
-    assert done == [None]
-    _commit(gw.url, token, 2)  # and the loop ships again
+        waiter = threading.Thread(target=commit)
+        waiter.start()
+        # the round fails (no server): the thread retries it with backoff, and says so
+        deadline = time.monotonic() + TIMEOUT
+        seen = _log(gw).count("retrying in")
+        while _log(gw).count("retrying in") <= seen:
+            assert time.monotonic() < deadline and not done, done
+            time.sleep(0.05)
+        assert not done  # not acknowledged while the server is down
+        sos_server.start()
+        waiter.join(TIMEOUT)
+        assert done == [None]
+        commits += 1
+        if "the replicator thread takes over" in _log(gw):
+            break
+    _commit(gw.url, token, commits)  # and the loop ships again
+    commits += 1
     assert gw.stop() == 0
     shipped = re.search(r"(\d+) journal rounds shipped from the event loop, (\d+) handed", _log(gw))
     assert shipped is not None and int(shipped.group(2)) >= 1
     factory = lambda: Client(sos_server.address, gw.key, NS, timeout=60)  # noqa: E731
     restore(factory, NS, str(tmp_path / "out"))
-    assert tree_state(str(tmp_path / "out" / "chk" / "commits")) == {str(i): b"v1\n%d\n" % i for i in range(3)}
+    assert tree_state(str(tmp_path / "out" / "chk" / "commits")) == {str(i): b"v1\n%d\n" % i for i in range(commits)}
