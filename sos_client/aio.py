@@ -42,7 +42,7 @@ from sos_wire import NEED_DATA, Key, ListEntry, RemoteProtocolError
 from sos_wire.events import Payload
 from sos_wire.frames import MAX_LIST_LIMIT
 
-__all__ = ["AsyncClient", "open_client"]
+__all__ = ["AsyncClient", "open_client", "receive_when_readable"]
 
 RECV_SIZE = 256 * 1024
 
@@ -221,7 +221,7 @@ class AsyncClient(ClientSettings):
                 return event
             try:
                 with trio.fail_after(self.timeout + self._recv_extra):
-                    data = await _receive(self._open_stream())
+                    data = await receive_when_readable(self._open_stream())
             except trio.TooSlowError:
                 await self._drop()
                 raise ConnectionLost(f"no reply from {self.server} within {self.timeout} s") from None
@@ -355,19 +355,21 @@ class AsyncClient(ClientSettings):
         return await self._call(run)
 
 
-async def _receive(stream: trio.abc.Stream) -> bytes:
-    """The next bytes of ``stream`` (b"": closed). A plain TCP stream: a wait until it is
-    readable, then one read (a reply is seldom there at once: the stream's own first read
-    would find nothing)."""
+async def receive_when_readable(stream: trio.abc.Stream, size: int = RECV_SIZE) -> bytes:
+    """The next bytes of ``stream``, at most ``size`` (b"": closed). A plain TCP stream: a wait
+    until it is readable, then one read, without the stream layer's first read (which seldom
+    finds anything: a reply, or a client's next request, is rarely there at once) and its
+    wrappers; any other stream (TLS): its own ``receive_some``. The client's replies and the
+    gateway's requests are read so."""
     if type(stream) is not trio.SocketStream:
-        return bytes(await stream.receive_some(RECV_SIZE))
+        return bytes(await stream.receive_some(size))
     sock = stream.socket
     while True:
         await trio.lowlevel.wait_readable(sock)
         try:
-            return os.read(sock.fileno(), RECV_SIZE)
+            return os.read(sock.fileno(), size)
         except (BlockingIOError, InterruptedError):
-            continue
+            continue  # (readable, then not: another wait)
 
 
 def _closed_by_server(stream: trio.abc.Stream | None) -> bool:

@@ -32,6 +32,7 @@ from typing import Any, cast
 import h11
 import trio
 
+from sos_client.aio import receive_when_readable
 from sos_wire.addresses import address_key
 from spark_plugin.gateway.webhdfs.hdfs import WebHdfsError
 
@@ -397,19 +398,8 @@ class Conn:
         return False
 
     async def _receive_next(self) -> bytes:
-        """The bytes the client sends next (b"": it closed). On a plain TCP connection: a
-        wait until the socket is readable, then one read, without the stream layer's first
-        read (which finds nothing between a reply and the next request) and its wrappers."""
-        stream = self.stream
-        if type(stream) is not trio.SocketStream:
-            return bytes(await stream.receive_some(RECV_SIZE))
-        sock = stream.socket
-        while True:
-            await trio.lowlevel.wait_readable(sock)
-            try:
-                return os.read(sock.fileno(), RECV_SIZE)
-            except (BlockingIOError, InterruptedError):
-                continue  # (readable, then not: another wait)
+        """The bytes the client sends next (b"": it closed): :func:`receive_when_readable`."""
+        return await receive_when_readable(self.stream, RECV_SIZE)
 
     def fast_request(self) -> Head | None:
         """The next request's head read without h11 (:func:`parse_fast_head`), if the bytes
