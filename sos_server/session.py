@@ -441,7 +441,10 @@ class Session:
         self._handshake.deadline = math.inf
         if self._on_authenticated is not None:
             self._on_authenticated()
-        log.info("authenticated", extra={"peer": self.peer, "namespace": self.namespace, "role": role})
+        log.info(
+            "authenticated",
+            extra={"peer": self.peer, "namespace": self.namespace, "role": role, "key_id": event.key_id.hex()},
+        )
         await self._send(ev.AuthOk(rid, _ROLE_WIRE[role]))
 
     def _check_key(self, event: ev.Auth, nonce: bytes) -> str:
