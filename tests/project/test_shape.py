@@ -32,3 +32,34 @@ def test_each_package_opens_with_about_ten_lines_of_what_it_owns_and_may_import(
     lines = doc.strip().splitlines()
     assert 6 <= len(lines) <= 15, f"{init.relative_to(ROOT)}: {len(lines)} lines (6 to 15: what it owns, may import)"
     assert "may import" in doc.lower(), f"{init.relative_to(ROOT)} does not say what it may import"
+
+
+def _architecture_rows() -> dict[str, str]:
+    """docs/ARCHITECTURE.md's module tables: ``package/module.py`` -> its row, from each
+    ``### `package/` ...`` heading of the "Packages" section and the rows under it."""
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    section = text.split("\n## Packages\n", 1)[1].split("\n## ", 1)[0]
+    rows: dict[str, str] = {}
+    folder = None
+    for line in section.splitlines():
+        if line.startswith("### `"):
+            folder = line.split("`")[1]
+        elif line.startswith("| `") and folder is not None:
+            rows[folder + line.split("`")[1]] = line
+    return rows
+
+
+def test_architecture_has_one_short_row_per_module():
+    """ARCHITECTURE.md "shrinks to one line per module" (issue 27): every module of the product
+    packages and tools has its row (``__init__.py``: the package's heading), each row names an
+    existing file, and no row is a paragraph."""
+    rows = _architecture_rows()
+    modules = {
+        str(p.relative_to(ROOT))
+        for top in TOP
+        for p in (ROOT / top).rglob("*.py")
+        if "__pycache__" not in p.parts and p.name != "__init__.py"
+    }
+    assert sorted(modules - set(rows)) == [], "modules without their row in docs/ARCHITECTURE.md"
+    assert [r for r in rows if not (ROOT / r).exists()] == [], "rows of files that do not exist"
+    assert [r for r, line in rows.items() if len(line) > 200] == [], "rows over 200 characters"
