@@ -20,7 +20,7 @@ Two ways in, chosen by the environment:
   SOS_MOUNT/CHECKPOINT and registers the MarkerListener.
 
 Either way `sos restore NAMESPACE DIR --batch CHECKPOINT:N` can stop exactly at batch N.
-`spark_plugin/spark.py`, `mounttable.py` and `gateway/client.py` (standard library + pyspark
+`spark_plugin/spark/`, `mounttable.py` and `gateway/client.py` (standard library + pyspark
 only) must be importable: compose and the Kubernetes pods put them next to this file.
 
 OUTPUT is the sink directory. The sink writes one directory per batch id (overwritten when

@@ -1,8 +1,12 @@
 """sos_client: blocking and trio clients of the SOS protocol, and the `sos` command.
 
-``Client`` (blocking) and ``aio.open_client`` (trio); exceptions in ``sos_client.errors``,
-re-exported here (their one list is ``sos_client.errors.__all__``). ``Client`` and the others
-are imported when first used (sos_wire.lazy): ``sos --help`` needs no connection.
+``Client`` (``blocking``) and ``aio.open_client`` (trio) over ``core`` (the protocol steps
+both drivers share) and ``retry`` (tenacity policies); ``process`` and ``serving`` (child
+processes, readiness lines); ``cli`` (the ``sos`` command). Exceptions in
+``sos_client.errors``, re-exported here (their one list is ``sos_client.errors.__all__``).
+``Client`` and the others are imported when first used (sos_wire.lazy): ``sos --help`` needs
+no connection. May import: sos_wire (and sos_tier, below it); never sos_server, sos_journal
+or a face (their subcommands join ``sos`` through entry points, ``cli.plugged_commands``).
 """
 
 from typing import TYPE_CHECKING

@@ -1,26 +1,13 @@
-"""The object-store tier (protocol.md Part 4), below both the server and the clients: write-once copies of every object's bytes in an
-object store, from whose listing alone a reader rebuilds every namespace.
+"""The object-store tier (protocol.md Part 4), below both the server and the clients: write-once
+copies of every object's bytes in an object store, from whose listing alone a reader rebuilds
+every namespace.
 
-- ``store.py``: the :class:`Store` interface (``put_once``, ranged ``get``, paginated
-  ``list``, ``delete``), its typed errors and :class:`LocalStore` (``file:///path``);
-  ``s3.py``: :class:`S3Store` (``s3://bucket/prefix``, boto3; imported only when used, it is
-  the optional extra ``tier``); ``errors.py``: botocore's errors into the typed errors (one
-  table, :func:`~sos_tier.errors.translate`; imported by ``s3.py`` only); ``open.py``:
-  :func:`open_store`, the store a URL names.
-- ``retry.py``: the tier's retry policies on tenacity (S3's 409, the server's back-off,
-  FENCE's marker).
-- ``files.py``: the file modes and directory fsync of every local file (the server's data
-  directory uses them too).
-- ``layout.py``: key names, :func:`scan` (the listing to per-object states and problems),
-  :func:`read_object` / :func:`iter_object` (parallel ranged GETs, every piece's CRC32C checked).
-- ``log.py``: flushed objects (``v1/log/``, protocol.md 4.2a): one per flush holding every
-  namespace's new bytes, with an index; readers take its entries as pieces.
-- ``uploader.py``: :class:`Uploader`, the part the server drives (a flush; compaction into
-  per-object pieces, written once, then the flushed objects deleted; progress learned from the
-  bucket; lag per namespace).
-
-Everything is synchronous; the server calls it from trio worker threads. Nothing here imports
-the engine or parses journal records.
+Its parts: ``store`` (the :class:`Store` interface, typed errors, :class:`LocalStore`), ``s3``
+(:class:`S3Store`, the optional extra ``tier``), ``errors`` (botocore's errors translated),
+``open`` (:func:`open_store`), ``retry`` (tenacity), ``files`` (file modes, directory fsync),
+``layout`` (key names, the scan, verified reads), ``log`` (flushed objects) and ``uploader``
+(the part the server drives). Everything is synchronous; the server calls it from trio worker
+threads. May import: sos_wire only; never the server's engine, and it parses no journal record.
 """
 
 from typing import TYPE_CHECKING

@@ -1,6 +1,12 @@
-"""sos_wire: the sans-IO codec of the SOS protocol (no sockets, no trio).
+"""sos_wire: the sans-IO codec of the SOS protocol (no sockets, no trio), at the bottom of
+every other package. protocol.md (Part 1) is the normative description of the bytes.
 
-See protocol.md (Part 1) for the normative description of the bytes.
+Its parts: ``frames`` (one construct layout per frame), ``events`` (a dataclass per frame),
+``connection`` (bytes in, events out, h11 style), ``errors``, ``names``, ``auth`` (keys, the
+handshake's proof), ``crc`` (CRC32C); and what every command shares: ``addresses``,
+``argtypes``, ``tls_options``, ``logs`` (JSON lines), ``lazy`` (the packages' lazy exports).
+May import: the standard library, construct, crc32c and humanfriendly only; never another
+sos package (each of them imports this one). Names load on first use (``lazy``).
 """
 
 from typing import TYPE_CHECKING

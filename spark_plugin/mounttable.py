@@ -1,6 +1,6 @@
 """The mount table: the one reader of the project (the Spark helpers and the mount use it).
 
-Standard library only: this module runs in the Spark image next to ``spark.py`` (the
+Standard library only: this module runs in the Spark image next to ``spark_plugin/spark/`` (the
 standard library and pyspark, no psutil, no pyfuse3, no sos packages), below both the
 helpers and the mount (neither imports the other for it).
 """

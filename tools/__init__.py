@@ -1,6 +1,12 @@
 """Tooling around the product, not shipped in the wheel: the disaster-recovery demo
-(``tools.demo``), the crash loop (``tools.soak``) and the one-machine Spark cluster
-(``tools.cluster``). Run from a checkout (``./scripts/demo``, ``./scripts/soak``)."""
+(``tools.demo``, ``demo_cluster``, ``demo_common``), the crash loop (``tools.soak``), the
+one-machine Spark cluster (``tools.cluster``) and what they and the tests share: a server as a
+child process (``server``), the JVMs' options (``jvm``), containers (``container``), log text
+(``logtext``), the size report of the code (``sizes``). Run from a checkout
+(``./scripts/demo``, ``./scripts/soak``); ``ROOT`` and :func:`child_env` find it.
+May import: every product package (sos_*, spark_plugin) and pyspark; nothing in the product
+imports it (the top layer of import-linter's contract).
+"""
 
 from __future__ import annotations
 

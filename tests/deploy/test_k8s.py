@@ -328,29 +328,29 @@ def test_configmap_items_are_the_files_the_job_imports():
     (driver,) = k8s_documents("spark-pod-driver.yaml")
     vol = next(v for v in driver["spec"]["volumes"] if v["name"] == "job")
     items = vol["configMap"]["items"]
-    # each item is the checkout's file at its path (the job's own at the top), under its name;
-    # a key serving two paths (the empty __init__.py of spark_plugin and spark_plugin.gateway)
-    # holds the same bytes at both
-    sources: dict[str, bytes] = {}
+    # the documented `kubectl create configmap spark-job` gives each file a key: KEY= when
+    # written (two __init__.py more than the first), else the file's name
+    cmd = documented_line("create configmap spark-job", f"-n {conf_namespace()}")
+    files = [a.split("=", 1)[1] for a in cmd.split() if a.startswith("--from-file=")]
+    keyed = dict(f.split("=", 1) if "=" in f else (pathlib.Path(f).name, f) for f in files)
+    assert len(keyed) == len(files), files  # no key twice
+    # each item is the checkout's file at its path (the job's own at the top), under its key
     for item in items:
         src = ROOT / ("deploy" if item["path"] == "spark_job.py" else "") / item["path"]
-        assert item["key"] == src.name, item
-        assert sources.setdefault(item["key"], src.read_bytes()) == src.read_bytes(), item
-    # the job's imports are all there: spark.py's own, and the gateway's client it names
+        assert (ROOT / keyed[item["key"]]).resolve() == src.resolve(), item
+    # the job's imports are all there: every module of the Spark helpers, what they import,
+    # and the gateway's client they name
     paths = {i["path"] for i in items}
+    helpers = {f"spark_plugin/spark/{p.name}" for p in (ROOT / "spark_plugin" / "spark").glob("*.py")}
     assert {
         "spark_job.py",
         "spark_plugin/__init__.py",
-        "spark_plugin/spark.py",
         "spark_plugin/mounttable.py",
         "spark_plugin/gateway/__init__.py",
         "spark_plugin/gateway/client.py",
+        *helpers,
     } <= paths, paths
-    # the documented `kubectl create configmap spark-job` puts exactly these keys in
-    cmd = documented_line("create configmap spark-job", f"-n {conf_namespace()}")
-    files = [a.split("=", 1)[1] for a in cmd.split() if a.startswith("--from-file=")]
-    assert sorted(pathlib.Path(f).name for f in files) == sorted(sources), (files, sorted(sources))
-    assert all((ROOT / f).read_bytes() == sources[pathlib.Path(f).name] for f in files)
+    assert sorted(keyed) == sorted(i["key"] for i in items), (sorted(keyed), items)
     # (tests/deploy/test_spark.py runs the job with these files and nothing else)
 
 

@@ -16,10 +16,13 @@ import urllib.parse
 import pytest
 import requests
 
-from spark_plugin import spark
 from spark_plugin.gateway.client import GatewayClient
 from spark_plugin.gateway.process import GatewayProcess
-from spark_plugin.spark import GatewayCheckpoint, GatewayMarkerListener
+from spark_plugin.spark import (
+    GatewayCheckpoint,
+    GatewayMarkerListener,
+    markers,  # the listeners warn through its logger
+)
 from tests.gateway.test_gateway import NS, Gw
 
 pytestmark = [pytest.mark.day2, pytest.mark.slow]
@@ -124,10 +127,10 @@ def test_a_listener_that_cannot_reach_the_gateway_warns_once_not_per_batch(caplo
         "webhdfs://127.0.0.1:9/chk", relpath="chk", namespace=NS, gateway_url="http://127.0.0.1:9", conf={}, key="00.00"
     )
     listener = GatewayMarkerListener(chk, client=_Unreachable())
-    with caplog.at_level(logging.WARNING, logger=spark.log.name):
+    with caplog.at_level(logging.WARNING, logger=markers.log.name):
         for batch in range(5):
             listener.onQueryProgress(_Event(batch))
-    records = [r for r in caplog.records if r.name == spark.log.name]
+    records = [r for r in caplog.records if r.name == markers.log.name]
     assert len(records) == 1, [r.getMessage() for r in records]
     assert records[0].exc_info is None  # no traceback
     assert "sos restore --batch works without markers" in records[0].getMessage()

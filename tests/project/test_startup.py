@@ -107,3 +107,33 @@ def test_a_submodule_is_an_attribute_of_its_package_as_before(package):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=ENV)
     assert out.returncode == 0, out.stderr
     assert f"AttributeError module '{package}' has no attribute 'no_such_thing'" in out.stdout
+
+
+def test_the_spark_helpers_export_every_name_lazily_and_without_sos_packages():
+    """``spark_plugin.spark`` (a package by role since issue 27) re-exports every name its modules
+    offer, from the module that defines it, without sos_wire.lazy (the Spark job ships the
+    package without any sos package): its ``EXPORTS`` table is its ``TYPE_CHECKING`` imports,
+    and importing it loads neither pyspark nor a module of the package until a name is used."""
+    tree = ast.parse((ROOT / "spark_plugin" / "spark" / "__init__.py").read_text())
+    typed: dict[str, str] = {}
+    table: dict[str, tuple[str, ...]] = {}
+    for node in tree.body:
+        if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING":
+            typed = {a.asname or a.name: imp.module for imp in node.body for a in imp.names}
+        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", "") == "EXPORTS":
+            table = ast.literal_eval(node.value)
+    assert typed and typed == {name: module for module, names in table.items() for name in names}
+    code = (
+        "import importlib, sys\n"
+        "import spark_plugin.spark as p\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith(('pyspark', 'sos_', 'spark_plugin.spark.')))\n"
+        "assert not loaded, loaded\n"
+        "assert sorted(p.__all__) == sorted(n for ns in p.EXPORTS.values() for n in ns)\n"
+        "for module, names in p.EXPORTS.items():\n"
+        "    for name in names:\n"
+        "        assert getattr(p, name) is getattr(importlib.import_module(module), name), name\n"
+        "assert not [m for m in sys.modules if m.startswith('sos_')], 'a sos package was imported'\n"
+        "assert p.markers is importlib.import_module('spark_plugin.spark.markers')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)
+    assert r.returncode == 0, r.stderr

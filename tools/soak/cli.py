@@ -1,4 +1,11 @@
-"""The command (``scripts/soak``, ``python -m tools.soak``): options, the run, the exit code."""
+"""The command (``scripts/soak``, ``python -m tools.soak``): options, the run, the exit code.
+
+Exit 0: no violation; 1: a violation (the work directory with every log is kept and its
+path printed); 2: the harness could not do its job (a process would not start, a stall).
+The last line is ``SOAK-RESULT {json}``.
+
+``python -m tools.soak --help``; ``_driver CONFIG`` is the driver process's entry.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +16,16 @@ import sys
 import tempfile
 import traceback
 
-import tools.soak
 from tools.soak.cluster_mode import ClusterSoak
-from tools.soak.common import CLUSTER_KINDS, CLUSTER_WEIGHTS, DEFAULT_WEIGHTS, KINDS, HarnessError, Violation
+from tools.soak.common import (
+    CLUSTER_KINDS,
+    CLUSTER_WEIGHTS,
+    DEFAULT_WEIGHTS,
+    DESCRIPTION,
+    KINDS,
+    HarnessError,
+    Violation,
+)
 from tools.soak.driver import driver_main
 from tools.soak.harness import Soak
 from tools.soak.report import report
@@ -78,7 +92,7 @@ def main(argv=None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="scripts/soak", description=(tools.soak.__doc__ or "").split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="scripts/soak", description=DESCRIPTION)
     p.add_argument("--duration", type=float, default=300, help="seconds of crash loop (default 300)")
     p.add_argument("--seed", type=int, default=1, help="RNG seed of the kill schedule (default 1)")
     p.add_argument("--max-kills", type=int, default=None, help="stop after this many kill events even if time is left")

@@ -1,5 +1,15 @@
 """The crash loop on a Spark standalone cluster checkpointing through ``sos gateway``
-(``scripts/soak --cluster``): :class:`ClusterSoak`."""
+(``scripts/soak --cluster``): :class:`ClusterSoak`.
+
+``--cluster`` runs the same query, input, sink and check on a Spark standalone cluster
+(:mod:`tools.cluster`: a Master, two Workers of one core and the driver, each a node with a
+private local disk) whose checkpoint goes through ``sos gateway`` (``webhdfs://``, Hadoop's
+retry policy) to the sos-server, and kills the gateway (restarted on the same port, on the
+same cache or on an empty one), the server, the server's disk, one executor JVM, a Worker with its executors
+(replaced by a new node), the driver (the query restarts in a new one), or everything at
+once (every process and local directory including the gateway's cache; a new cluster, a
+gateway on an empty cache, before it sometimes ``sos restore``).
+"""
 
 from __future__ import annotations
 

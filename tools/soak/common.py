@@ -8,6 +8,8 @@ import os
 
 from tools.jvm import spark_jvm_options
 
+#: what ``scripts/soak --help`` says the command is (the first line of the package's docstring)
+DESCRIPTION = "Crash-loop harness (``scripts/soak``): the main job's Spark query under random SIGKILLs."
 NAMESPACE = "soak"
 #: ``disk``: the server's disk lost (a replacement server rebuilds from the tier's bucket);
 #: last, so that a weight of 0 for it leaves a seed's draws of the other kinds as they were

@@ -1,6 +1,44 @@
 """The crash loop on one machine (:class:`Soak`): it starts the server, the mount and the
 driver, feeds the input, draws and strikes the kill events, restarts what they killed,
-checks after each (:class:`tools.soak.checks.Checks`) and drains at the end."""
+checks after each (:class:`tools.soak.checks.Checks`) and drains at the end.
+
+A stream of unique records (the demo's input: :func:`tools.demo_common.make_input`, each id
+sent twice so the ``dropDuplicates`` state must survive every crash) flows through the
+demo's query (file source, ``maxFilesPerTrigger=1``, ``dropDuplicates(["id"])``, a
+foreachBatch sink writing ``out/batch-<N>.jsonl`` atomically) whose checkpointLocation is
+on a ``sos mount``. The harness feeds input files a few batches ahead of the query and,
+at random moments drawn from a seeded RNG, SIGKILLs:
+
+- ``server``: the sos-server (restarted on the same port and data directory; the mount's
+  writer reconnects, Spark only sees a slow rename);
+- ``mount``: the ``sos mount`` process (the query fails on the dead mount; the driver
+  stops it, a new mount starts on the same cache, the SAME driver JVM restarts the query);
+- ``driver``: the Spark driver (the query moves to a new driver process: the expensive
+  case; a warm spare process with its SparkSession already up takes over if there is one,
+  kept while an event still to come needs a new driver, ``--no-spare`` to start every
+  replacement cold);
+- ``disk``: the server's disk is lost: the server is SIGKILLed and its data directory
+  deleted; a replacement on the empty directory with the same ``--tier`` (moto's S3 server,
+  embedded in the harness; the keys from a backup copy) rebuilds the namespace from the
+  bucket before it listens, and the mount's writer reconnects to it. The writer is frozen
+  (SIGSTOP) until the bucket holds everything the server acknowledged: without
+  ``--durability tier`` the upload lag would go with the disk. With ``--durability tier``
+  (the mount's, or the gateways' in ``--cluster``; the server always runs with ``--tier``
+  then) nothing is frozen or waited for: the disk goes at a random moment, mid-flush or
+  mid-barrier, and every barrier the writer saw return must be in the bucket (RPO 0);
+- ``all``: server, mount and driver at once, then the worker is lost: mount point, cache
+  and spool are deleted; recovery is either ``sos restore`` into a fresh directory (checked)
+  followed by a mount on an empty cache, or directly a mount on an empty cache. The spare
+  driver (if any) survives: it is a process that has only started a SparkSession, touched
+  neither mount nor checkpoint nor output, like a freshly provisioned worker.
+
+After every restart the checkpoint (through the new mount, or the restored directory) is
+checked against the output, with the demo's checker (:func:`tools.demo_common.check_output`):
+the committed batches 0..K (``commits/`` is contiguous; K never below a batch the driver
+saw committed: RPO 0) must have produced exactly the records of input files 0..K: nothing
+doubled, nothing corrupted, nothing unknown, nothing lost. At the end the kills stop, the
+query drains every fed file and the final check demands the whole fed input.
+"""
 
 from __future__ import annotations
 
