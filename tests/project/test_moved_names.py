@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from sos_client.journal import MOVED
+from spark_plugin.gateway import MOVED as GATEWAY_MOVED
 
 
 @pytest.mark.parametrize("old", sorted(MOVED))
@@ -18,6 +19,13 @@ def test_an_old_journal_module_path_is_its_new_module(old):
     module = importlib.import_module(f"sos_client.journal.{old}")
     assert module is importlib.import_module(MOVED[old])
     assert module.__spec__.name == MOVED[old]  # its own spec, not the old name's
+
+
+@pytest.mark.parametrize("old", sorted(GATEWAY_MOVED))
+def test_an_old_gateway_module_path_is_its_new_module(old):
+    module = importlib.import_module(f"spark_plugin.gateway.{old}")
+    assert module is importlib.import_module(GATEWAY_MOVED[old])
+    assert module.__spec__.name == GATEWAY_MOVED[old]
 
 
 def test_the_old_package_names_are_the_journals_and_restore_stays_the_function():
