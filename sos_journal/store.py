@@ -38,6 +38,7 @@ __all__ = [
     "fenced_epoch",
     "is_retryable",
     "mismatch_length",
+    "without_reconnects",
 ]
 
 
@@ -61,6 +62,16 @@ class StoreClient(Protocol):
     def seal(self, name: str, *, epoch: int = 0) -> int: ...
     def fence(self, epoch: int) -> int: ...
     def close(self) -> None: ...
+
+
+def without_reconnects(client: StoreClient) -> StoreClient:
+    """*client*, told not to reconnect on its own for long after a lost connection (a
+    ``sos_client.Client`` waits up to its ``reconnect_timeout`` before it raises): for a caller
+    that retries itself with its own backoff and bookkeeping (the replicator: STAT after a
+    reconnect, its state "retrying" and its error count seen at once, not a timeout later)."""
+    if hasattr(client, "reconnect_timeout"):
+        setattr(client, "reconnect_timeout", 0.0)  # noqa: B010 - not part of the Protocol
+    return client
 
 
 def close_quietly(client: StoreClient | None) -> None:

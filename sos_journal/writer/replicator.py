@@ -55,6 +55,7 @@ from sos_journal.store import (
     close_quietly,
     is_retryable,
     mismatch_length,
+    without_reconnects,
 )
 from sos_journal.writer.spool import SpoolSegment
 from sos_journal.writer.state import WriterState
@@ -181,8 +182,8 @@ class Replicator(WriterState):
                 if task is None:
                     break
             try:
-                if client is None:
-                    client = self.client_factory()
+                if client is None:  # (the loop below is its retry: the client's own is off)
+                    client = without_reconnects(self.client_factory())
                 self._do(client, task)
                 backoff.reset()
                 self._attempted(task, None)
