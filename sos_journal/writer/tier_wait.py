@@ -21,7 +21,7 @@ from sos_client.errors import SOSError, TierUnavailable
 from sos_client.retry import Backoff, retrying
 from sos_journal.errors import JournalError, JournalTierBehind, JournalTierUnavailable, WriterClosed
 from sos_journal.format import layout
-from sos_journal.store import ListedObject, StoreClient, close_quietly, is_retryable
+from sos_journal.store import ListedObject, StoreClient, close_quietly, is_retryable, without_reconnects
 from sos_wire.errors import ErrorCode
 
 __all__ = ["DURABILITIES", "TierDurability"]
@@ -119,8 +119,8 @@ class TierDurability:
                         raise
 
     def _conn(self) -> StoreClient:
-        if self._client is None:
-            self._client = self.client_factory()
+        if self._client is None:  # (_wait_for retries within the caller's patience: not the client)
+            self._client = without_reconnects(self.client_factory())
         return self._client
 
     def drop(self) -> None:
