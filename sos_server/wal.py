@@ -21,8 +21,14 @@ deletes the logs; the usual object scan (:mod:`.recovery`) follows.
 
 Log file: ``b"SOSWAL1\\n" | u64 seq`` then records::
 
-    u32 crc | u8 kind (1: write) | u64 file offset | u32 n | u16 ns_len | u16 name_len
-    | namespace | name | n payload bytes (one object frame: u32 len | u32 crc | data, or a seal)
+    u32 crc | u8 kind | u64 file offset | u32 n | u16 ns_len | u16 name_len
+    | namespace | name | payload
+
+``kind`` 1 (write): the payload is the n bytes written (one object frame: u32 len | u32 crc |
+data, or a seal); 2 (in place): the frame's bytes were written and synced in the object file
+itself by their group commit, the payload is its 8-byte frame header alone (n is the frame's
+length); 3 (truncate): the object file was cut back to the offset (a failed sync's rollback),
+n is 0 and there is no payload.
 
 ``crc`` is CRC32C of everything after it up to the payload's 8-byte frame header
 included; the frame's own CRC covers its data. Zero bytes after a file's last record
