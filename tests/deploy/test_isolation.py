@@ -474,7 +474,7 @@ def test_compose_publishes_the_master_ui_and_the_metrics_on_loopback_only():
     assert published("spark-master") == {master_ui: "127.0.0.1"}
     server = published("sos-server")
     # metrics (no authentication): not published at all, on the server's loopback for the
-    # Prometheus in its network namespace (tests/deploy/test_quota_metrics_hostile.py)
+    # Prometheus in its network namespace (tests/deploy/test_shipped_quotas_metrics.py)
     assert 9070 not in server
     assert server[7070] == "0.0.0.0"  # TLS, every request authenticated: remote clients use it
     for name, svc in s.items():

@@ -17,7 +17,7 @@ import pytest
 from spark_plugin.gateway.http import connection
 from spark_plugin.gateway.http.connection import FAST_HEAD, json_body, parse_fast_head
 from spark_plugin.gateway.webhdfs.hdfs import file_status, file_status_json
-from tests.gateway.test_http_hostile import closed_after, connect, port_of, read_reply, start_gateway, token_for
+from tests.gateway.test_http_limits import closed_after, connect, port_of, read_reply, start_gateway, token_for
 
 HADOOP_GET = (
     b"GET /webhdfs/v1/cp/offsets/7?op=GETFILESTATUS&user.name=spark HTTP/1.1\r\n"

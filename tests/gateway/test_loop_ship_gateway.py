@@ -13,7 +13,7 @@ import requests
 from sos_client import Client
 from sos_journal import restore, verify
 from sos_journal.testing import tree_state
-from tests.gateway.test_http_hostile import NS, TIMEOUT, start_gateway, token_for
+from tests.gateway.test_http_limits import NS, TIMEOUT, start_gateway, token_for
 
 #: outages at most until a loop round has failed and gone to the thread (test below)
 OUTAGES = 4

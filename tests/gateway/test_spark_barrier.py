@@ -26,7 +26,7 @@ import pytest
 
 from spark_plugin.gateway.client import GatewayClient
 from spark_plugin.gateway.process import GatewayProcess
-from tests.gateway.test_day2_rest import metrics_url
+from tests.gateway.test_metrics_rollback import metrics_url
 from tools.demo import check_output, gateway_committed_batches, kill_tree, make_input, wait_for
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.timeout(1800)]

@@ -15,7 +15,7 @@ import time
 import pytest
 import requests
 
-from tests.gateway.test_day2 import _wait_exit
+from tests.gateway.test_fencing import _wait_exit
 from tests.gateway.test_gateway import Gw, _chunked_create, _send_chunk, restore
 from tests.support import tree_snapshot as tree_of
 
