@@ -38,12 +38,12 @@ import pytest
 import yaml
 
 from spark_plugin.spark import sos_command
-from tests.deploy_support import documented_line, k8s_documents, one, option
+from tests.deploy.support import documented_line, k8s_documents, one, option
 from tools import container
 from tools.cluster import free_port
 from tools.demo import DRIVER_JVM_OPTIONS, committed_batches, make_input
 
-pytest_plugins = ["tests.tier_support"]
+pytest_plugins = ["tests.tier.support"]
 pytestmark = [pytest.mark.slow, pytest.mark.container, pytest.mark.spark, pytest.mark.timeout(1800)]
 
 UID = 10001

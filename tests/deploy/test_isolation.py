@@ -33,23 +33,27 @@ import urllib.parse
 
 import pytest
 
-from tests.deploy_support import COMPOSE, compose, documented_lines, option, spark_conf
-from tests.k8s_model import (
+from tests.deploy.support import (
+    COMPOSE,
     Pod,
     ServiceAccount,
     allowed,
     can,
+    compose,
+    documented_lines,
     grants,
     jobs_namespace,
     namespace_labels,
     namespace_of,
     objects,
+    option,
     pod_labels,
     pod_spec,
     policy_peers,
     reachable,
     referenced_secrets_and_claims,
     service_accounts,
+    spark_conf,
     spark_conf_secrets_and_claims,
     template_pod,
 )

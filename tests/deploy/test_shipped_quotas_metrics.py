@@ -36,16 +36,22 @@ from sos_server.storage import OBJECT_CHARGE
 from sos_wire.addresses import is_loopback, split_address
 from spark_plugin.gateway.process import GatewayProcess
 from spark_plugin.spark import sos_command
-from tests.deploy_support import COMPOSE, compose, dockerfile_command, k8s_documents, one, option, spark_conf
-from tests.k8s_model import (
+from tests.deploy.support import (
+    COMPOSE,
     POD_TEMPLATES,
     Pod,
     allowed,
+    compose,
+    dockerfile_command,
     jobs_namespace,
+    k8s_documents,
     namespace_of,
     objects,
+    one,
+    option,
     pod_labels,
     pod_spec,
+    spark_conf,
     template_pod,
 )
 from tests.support import server_cli, tmpfs_mount

@@ -23,7 +23,7 @@ import pytest
 
 from spark_plugin.gateway.process import GatewayProcess
 from spark_plugin.spark import sos_command
-from tests.deploy_support import K8S, ROOT, documented_line, k8s_documents, one, option, spark_conf
+from tests.deploy.support import K8S, ROOT, documented_line, k8s_documents, one, option, spark_conf
 from tools.demo import DRIVER_JVM_OPTIONS, committed_batches
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.timeout(1500)]

@@ -22,9 +22,9 @@ from types import SimpleNamespace
 import pytest
 import requests
 
+from tests.gateway.support import FreezableRelay
 from tests.gateway.test_gateway import NS, Gw, restore, tree_of
 from tests.gateway.test_metrics_rollback import metrics_url, scrape
-from tests.gateway_cut_support import FreezableRelay
 
 CHK = "q"
 

@@ -20,11 +20,11 @@ import yaml
 from spark_plugin.gateway.process import GatewayProcess
 from spark_plugin.mount.process import MountProcess, is_mounted
 from spark_plugin.spark import sos_command
-from tests.deploy_support import documented_line
+from tests.deploy.support import documented_line
 from tests.gateway.test_gateway import NS, Gw, restore
 
 pytestmark = [pytest.mark.day2, pytest.mark.slow]
-pytest_plugins = ["tests.tier_support"]
+pytest_plugins = ["tests.tier.support"]
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 METRICS_LINE = re.compile(r"metrics on (http://[^/\s]+)/metrics")
 

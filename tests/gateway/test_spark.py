@@ -20,7 +20,7 @@ import pytest
 
 from spark_plugin.gateway.process import GatewayProcess
 from spark_plugin.spark import restore_to_batch, sos_command
-from tests.gateway_cut_support import CutProxy
+from tests.gateway.support import CutProxy
 from tools.demo import committed_batches, kill_tree, make_input
 from tools.logtext import as_text
 

@@ -29,13 +29,13 @@ import requests
 from spark_plugin.gateway.process import READY_MARKER, GatewayProcess
 from spark_plugin.gateway.run import LEASE_GONE_MIN, lease_gone
 from spark_plugin.spark import gateway_checkpoint, gateway_conf
-from tests.deploy_support import documented_line
+from tests.deploy.support import documented_line
 from tools import child_env
 from tools.jvm import LIGHT_JVM_OPTIONS
 from tools.server import LISTENING, ServerProcess
 
 pytestmark = [pytest.mark.day2, pytest.mark.slow]
-pytest_plugins = ["tests.tier_support"]
+pytest_plugins = ["tests.tier.support"]
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEPLOY = (ROOT / "docs" / "DEPLOY.md").read_text()

@@ -3,7 +3,7 @@ object-store tier (the bucket) holds its records, so a committed batch survives 
 server and its disk.
 
 Real parts: ``sos-server serve --tier`` processes against moto's S3 server on 127.0.0.1
-(tests/tier_support.py), the blocking and trio clients' ``tier_wait``, a JournalWriter and
+(tests/tier/support.py), the blocking and trio clients' ``tier_wait``, a JournalWriter and
 JournaledTree opened by ``open_namespace(durability="tier")`` (what every face calls), the
 bucket read with ``sos_tier.scan``, ``sos restore --from URL`` after the server's data directory
 is deleted, and a moto server of the test's own stopped and started again (the store down).
@@ -30,7 +30,7 @@ from sos_journal.tree.open import open_namespace
 from sos_tier import open_store, scan
 from sos_wire.errors import ErrorCode
 
-pytest_plugins = ["tests.tier_support"]
+pytest_plugins = ["tests.tier.support"]
 pytestmark = pytest.mark.slow
 
 WAIT = 120.0  # generous upper bounds: never reached unless something is broken

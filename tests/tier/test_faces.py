@@ -2,7 +2,7 @@
 ``sos mount --durability tier`` and fsspec's ``durability="tier"`` return from a commit (the
 rename onto ``commits/N``) only once the server's object-store tier, the bucket, holds it.
 
-Real parts: ``sos-server serve --tier`` on moto's S3 server on 127.0.0.1 (tests/tier_support.py),
+Real parts: ``sos-server serve --tier`` on moto's S3 server on 127.0.0.1 (tests/tier/support.py),
 a real ``sos gateway`` child spoken to in plain HTTP (requests), a real ``sos mount`` child
 (FUSE), the fsspec filesystem in this process. The proof each time: right after the commit
 returns, the server is SIGKILLed and its data directory deleted, and ``sos restore --from URL``
@@ -28,7 +28,7 @@ from spark_plugin.gateway.process import GatewayProcess
 from spark_plugin.spark import restore_to_batch
 from tests.support import tree_snapshot
 
-pytest_plugins = ["tests.tier_support"]
+pytest_plugins = ["tests.tier.support"]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 WAIT = 120.0

@@ -41,7 +41,7 @@ from sos_tier.uploader import TierFenced, Uploader
 from sos_wire.crc import crc32c
 from sos_wire.names import validate_name
 
-pytest_plugins = ["tests.tier_support"]  # the fixtures store (both backends) and clobber
+pytest_plugins = ["tests.tier.support"]  # the fixtures store (both backends) and clobber
 
 NS = "job1"
 

@@ -25,7 +25,7 @@ from sos_wire import events as ev
 from sos_wire.crc import crc32c
 from tests.tier.test_server import bucket, login, metrics, tier_wait, wait_for
 
-pytest_plugins = ["tests.tier_support"]
+pytest_plugins = ["tests.tier.support"]
 
 from tests.tier.test_restore import journal  # noqa: E402,F401  (the module's fixture: a real journal)
 

@@ -31,7 +31,7 @@ from sos_journal.testing import tree_state
 from sos_tier import LocalStore, Store, Uploader, scan
 from tools.server import ServerProcess
 
-pytest_plugins = ["tests.tier_support"]
+pytest_plugins = ["tests.tier.support"]
 pytestmark = pytest.mark.slow
 
 boto3 = pytest.importorskip("boto3")

@@ -32,7 +32,7 @@ from sos_wire import events as ev
 from sos_wire.errors import ErrorCode
 from tests.conftest import RawClient
 
-pytest_plugins = ["tests.tier_support"]
+pytest_plugins = ["tests.tier.support"]
 
 pytestmark = pytest.mark.slow
 

@@ -3,7 +3,7 @@ behind one ``store`` fixture so that every test runs against both backends (Lite
 one-conformance-suite-per-backend).
 
 A test module takes the fixtures (``moto``, ``store``, ``new_bucket``, ``clobber``) with
-``pytest_plugins = ["tests.tier_support"]`` and does not import this module itself (pytest rewrites
+``pytest_plugins = ["tests.tier.support"]`` and does not import this module itself (pytest rewrites
 its asserts only if it imports it first).
 """
 
