@@ -121,6 +121,14 @@ def documented_line(*needles: str) -> str:
     return lines[0]
 
 
+def run_documented(cwd, *needles: str) -> None:
+    """Run docs/DEPLOY.md's command line that holds every one of ``needles`` (bash, in ``cwd``);
+    it must succeed."""
+    import subprocess
+
+    subprocess.run(["bash", "-c", documented_line(*needles)], cwd=cwd, check=True, capture_output=True, timeout=300)
+
+
 def dockerfile_command(**env: str) -> list[str]:
     """The server's argv that the image's default CMD runs: its ``sh -c "exec ..."`` with the
     image's ENV (and ``env`` over it) expanded, as the shell does."""

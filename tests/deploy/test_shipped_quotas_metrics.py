@@ -54,7 +54,7 @@ from tests.deploy.support import (
     spark_conf,
     template_pod,
 )
-from tests.support import server_cli, tmpfs_mount
+from tests.support import scrape, server_cli
 from tools.server import ServerProcess
 
 pytestmark = [pytest.mark.hostile, pytest.mark.slow]
@@ -101,25 +101,9 @@ def storage_settings(argv: list[str]) -> list[str]:
 # ---------------------------------------------------------------------------- helpers
 
 
-@pytest.fixture
-def tmpfs(tmp_path):
-    with tmpfs_mount(tmp_path / "disk", TMPFS_SIZE) as d:
-        yield d
-
-
 def filesystem_size(path) -> int:
     st = os.statvfs(path)
     return st.f_blocks * st.f_frsize
-
-
-def scrape(address: str) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            out[key] = float(value)
-    return out
 
 
 def fill_to_quota(c: Client, name: str, start: int = 0) -> tuple[int, list[QuotaExceeded]]:

@@ -1,4 +1,8 @@
-"""`CutProxy`: an HTTP/1.1 relay between Hadoop's WebHDFS client and a gateway, so that a test
+"""The gateway's test helpers: a real ``sos gateway`` to talk to (:class:`Gw`), raw HTTP on a
+socket (:func:`connect`, :func:`read_reply`, :func:`closed_after`), ``sos restore`` of what
+the gateway journaled, and :class:`CutProxy`, below.
+
+`CutProxy`: an HTTP/1.1 relay between Hadoop's WebHDFS client and a gateway, so that a test
 can kill the gateway at a point it chooses instead of wherever a timer happens to fall.
 
 The gateway runs with ``--advertise`` set to the proxy's address, so the two-step redirects
@@ -21,12 +25,207 @@ which requests are in flight at the gateway. Two points it can stop at:
 from __future__ import annotations
 
 import contextlib
+import http.client
+import os
 import socket
+import subprocess
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable
 
 import h11
+import requests
+
+from spark_plugin.gateway.process import GatewayProcess
+from spark_plugin.spark import sos_command
+from tests.support import token_for
+
+#: the namespace of the gateway tests that name none of their own
+NS = "gw"
+#: a bound no answer on a raw socket should come near, even on a loaded 2-core machine
+TIMEOUT = 120
+
+
+class Gw:
+    """A running ``sos gateway`` (a real child process, ``--debug``) for ``namespace`` and a
+    requests session with an append token for it."""
+
+    def __init__(
+        self,
+        server,
+        tmp_path,
+        *,
+        key=None,
+        name="gateway",
+        cache=None,
+        args=(),
+        listen="127.0.0.1:0",
+        sync=True,
+        namespace=NS,
+    ):
+        self.server = server
+        self.namespace = namespace
+        self.key = key or server.keygen(namespace, "append")
+        self.proc = GatewayProcess(
+            namespace,
+            str(cache or tmp_path / f"{name}-cache"),
+            server.address,
+            self.key,
+            listen=listen,
+            sync=sync,
+            extra_args=list(args),
+            debug=True,
+            log_path=str(tmp_path / f"{name}.log"),
+        ).start()
+        self.url = self.proc.url
+        self.host, _, port = urllib.parse.urlsplit(self.url).netloc.rpartition(":")
+        self.port = int(port)
+        self.session = requests.Session()
+        self.token = token_for(self.url, self.key, namespace)
+        self.session.headers["Authorization"] = f"Bearer {self.token}"
+
+    def u(self, path, **params):
+        query = urllib.parse.urlencode(params)
+        return f"{self.url}/webhdfs/v1{path}" + (f"?{query}" if query else "")
+
+    def put_file(self, path, data, **params):
+        r = self.session.put(self.u(path, op="CREATE", **params), allow_redirects=False)
+        if r.status_code != 307:
+            return r
+        return self.session.put(r.headers["Location"], data=data)
+
+    def read(self, path, **params):
+        r = self.session.get(self.u(path, op="OPEN", **params))
+        assert r.status_code == 200, r.text
+        return r.content
+
+    def stop(self):
+        self.session.close()
+        return self.proc.stop()
+
+
+def restore(server, key, target, namespace: str = NS):
+    """``sos restore`` of ``namespace`` from ``server`` into ``target`` (which it returns)."""
+    env = dict(os.environ, SOS_KEY=key)
+    subprocess.run(
+        [*sos_command(), "restore", "-q", "--server", server.address, namespace, str(target)],
+        env=env,
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
+    return target
+
+
+def remote(r):
+    """The RemoteException of a WebHDFS error answer (which has no Content-Type, as HDFS's)."""
+    assert "content-type" not in r.headers
+    return r.json()["RemoteException"]
+
+
+def chunked_create(gw, path):
+    """Start a CREATE data step on a raw connection; the body stays open."""
+    conn = http.client.HTTPConnection(gw.host, gw.port, timeout=120)
+    conn.putrequest("PUT", f"/webhdfs/v1{path}?op=CREATE&overwrite=true&data=true")
+    conn.putheader("Authorization", f"Bearer {gw.token}")
+    conn.putheader("Transfer-Encoding", "chunked")
+    conn.endheaders()
+    return conn
+
+
+def send_chunk(conn, data):
+    """One chunk of a chunked body."""
+    conn.send(b"%x\r\n%s\r\n" % (len(data), data))
+
+
+def wait_exit(proc: GatewayProcess, timeout: float = 60.0) -> int | None:
+    """The exit status of ``proc`` once it has exited, None if it still runs after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.returncode is None:
+        time.sleep(0.1)
+    return proc.returncode
+
+
+def cmdline(p) -> str:
+    """A process's (``psutil.Process``) command line, as ``ps`` shows it to any user, its words
+    NUL-separated ("" once it is gone)."""
+    import psutil
+
+    try:
+        return "\0".join(p.cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return ""
+
+
+def peak_rss(pid: int) -> int:
+    """The peak resident memory of the process ``pid`` (its VmHWM), in bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def port_of(gw: GatewayProcess) -> int:
+    """The port a gateway listens on."""
+    return int(gw.url.rsplit(":", 1)[1])
+
+
+def connect(
+    port: int, source: str = "127.0.0.1", *, rcvbuf: int | None = None, timeout: float = TIMEOUT
+) -> socket.socket:
+    """A TCP connection to 127.0.0.1:``port`` from ``source`` (another 127/8 address stands
+    for another host), its receive buffer ``rcvbuf`` if given."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if rcvbuf:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    s.bind((source, 0))
+    s.settimeout(timeout)
+    s.connect(("127.0.0.1", port))
+    return s
+
+
+def read_reply(sock: socket.socket, buf: bytearray | None = None) -> tuple[int, dict, bytes]:
+    """One HTTP reply (status, lower-case headers, body) read off ``sock``; ``buf`` keeps
+    what was read beyond it (pipelined replies)."""
+    buf = bytearray() if buf is None else buf
+    while b"\r\n\r\n" not in buf:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise EOFError(f"closed before a whole reply: {bytes(buf[:200])!r}")
+        buf += chunk
+    head, _, rest = bytes(buf).partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = {}
+    for line in lines[1:]:
+        k, _, v = line.partition(":")
+        headers[k.strip().lower()] = v.strip()
+    length = int(headers.get("content-length", "0"))
+    while len(rest) < length:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise EOFError("closed in a reply body")
+        rest += chunk
+    buf[:] = rest[length:]
+    return status, headers, rest[:length]
+
+
+def closed_after(sock: socket.socket, timeout: float = TIMEOUT) -> bool:
+    """True if the peer closes ``sock`` (EOF or reset) within ``timeout``; what it sends
+    meanwhile is discarded."""
+    sock.settimeout(timeout)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if not sock.recv(65536):
+                return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except TimeoutError:
+        return False
+    return False
 
 
 class CutProxy:

@@ -8,7 +8,6 @@ answers, the gateway answers."""
 from __future__ import annotations
 
 import getpass
-import glob
 import hashlib
 import os
 import shutil
@@ -20,6 +19,7 @@ import pytest
 
 from spark_plugin.gateway.process import GatewayProcess
 from spark_plugin.spark import gateway_conf, webhdfs_url
+from tests.support import hadoop_jars
 
 pytestmark = [pytest.mark.hadoop, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -27,20 +27,12 @@ NS = "hadooptools"
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _jars() -> str:
-    pyspark = pytest.importorskip("pyspark")
-    jars = os.path.join(os.path.dirname(pyspark.__file__), "jars")
-    if not glob.glob(os.path.join(jars, "hadoop-client-api-*.jar")):
-        pytest.skip("pyspark has no Hadoop client jars")
-    return jars
-
-
 @pytest.fixture(scope="module")
 def java_env(tmp_path_factory):
     """(classpath, env) to run Hadoop's client: the harness compiled with javac."""
     if shutil.which("java") is None or shutil.which("javac") is None:
         pytest.skip("no JDK (java and javac) on this machine")
-    jars = _jars()
+    jars = hadoop_jars()
     classes = tmp_path_factory.mktemp("harness")
     subprocess.run(
         [

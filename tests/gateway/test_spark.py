@@ -21,6 +21,7 @@ import pytest
 from spark_plugin.gateway.process import GatewayProcess
 from spark_plugin.spark import restore_to_batch, sos_command
 from tests.gateway.support import CutProxy
+from tests.support import output_ids
 from tools.demo import committed_batches, kill_tree, make_input
 from tools.logtext import as_text
 
@@ -131,14 +132,6 @@ class TwoRuns:
         kill_tree(self.proc)
 
 
-def _ids(out_dir):
-    ids = Counter()
-    for name in os.listdir(out_dir):
-        with open(os.path.join(out_dir, name)) as f:
-            ids.update(json.loads(line)["id"] for line in f)
-    return ids
-
-
 def _requests_by_op(gateway_log: str) -> Counter:
     ops = Counter()
     for m in re.finditer(r"DEBUG (GET|PUT|POST|DELETE) (\S+) \S+( \[data\])? -> (\d+)", as_text(gateway_log)):
@@ -183,7 +176,7 @@ def test_spark_query_checkpoints_through_the_gateway_and_resumes(sos_server, tmp
         assert run["errors"] == []
         assert sorted(run["markers"]) == run["batches"]
 
-    ids = _ids(tmp_path / "out")
+    ids = output_ids(tmp_path / "out")
     assert sorted(ids) == list(range(RECORDS)) and set(ids.values()) == {1}, "exactly once"
 
     # what Hadoop asked of the gateway (the lead's per-batch request count)

@@ -15,8 +15,7 @@ import time
 import pytest
 import requests
 
-from tests.gateway.test_fencing import _wait_exit
-from tests.gateway.test_gateway import Gw, _chunked_create, _send_chunk, restore
+from tests.gateway.support import Gw, chunked_create, restore, send_chunk, wait_exit
 from tests.support import tree_snapshot as tree_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -201,9 +200,9 @@ def test_sigterm_drains_every_process_then_flushes(sos_server, tmp_path):
     # after SIGTERM every process stops accepting, each body is still answered and journaled
     g = Gw(sos_server, tmp_path, args=["--workers", "2"])
     pids = workers_of(g.proc.proc.pid)
-    slow = [_chunked_create(g, f"/d/file{i}") for i in range(8)]
+    slow = [chunked_create(g, f"/d/file{i}") for i in range(8)]
     for i, conn in enumerate(slow):
-        _send_chunk(conn, b"first part %d;" % i)
+        send_chunk(conn, b"first part %d;" % i)
     time.sleep(0.5)
     assert g.session.get(g.u("/", op="LISTSTATUS")).status_code == 200
     g.session.close()
@@ -218,7 +217,7 @@ def test_sigterm_drains_every_process_then_flushes(sos_server, tmp_path):
         time.sleep(0.05)
     assert g.proc.proc.poll() is None  # still running: requests are in progress
     for i, conn in enumerate(slow):
-        _send_chunk(conn, b"second part %d" % i)
+        send_chunk(conn, b"second part %d" % i)
         conn.send(b"0\r\n\r\n")
     for conn in slow:
         reply = conn.getresponse()
@@ -239,7 +238,7 @@ def test_a_fence_stops_every_process_with_code_3(sos_server, tmp_path):
     assert old.session.put(old.u("/chk/offsets", op="MKDIRS")).status_code == 200
     new = Gw(sos_server, tmp_path, name="new", key=old.key)  # takes the namespace over
     try:
-        code = _wait_exit(old.proc)
+        code = wait_exit(old.proc)
         assert code == 3, old.proc.log()[-3000:]
         assert all(not alive(pid) for pid in pids)
         log = old.proc.log()

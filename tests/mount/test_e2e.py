@@ -10,7 +10,6 @@ a condition, with a generous deadline.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import itertools
 import os
@@ -26,6 +25,7 @@ import pytest
 pytest.importorskip("pyfuse3")
 
 from spark_plugin.mount.process import MountProcess, is_mounted
+from tests.mount.support import renameat2
 from tests.support import tree_snapshot as snapshot
 
 pytestmark = [
@@ -126,16 +126,6 @@ def write_file(path, data, chunk=64 << 10):
 def read_file(path):
     with open(path, "rb") as f:
         return f.read()
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-RENAME_NOREPLACE = 1
-
-
-def renameat2(src, dst, flags=RENAME_NOREPLACE):
-    if _libc.renameat2(-100, os.fsencode(src), -100, os.fsencode(dst), flags) != 0:
-        e = ctypes.get_errno()
-        raise OSError(e, os.strerror(e), dst)
 
 
 def spark_write(root, rel, data, *, overwrite):
