@@ -85,15 +85,22 @@ def output_ids(out_dir) -> collections.Counter:
     return ids
 
 
-def frame_header(opcode: int, rid: int, body_len: int) -> bytes:
-    """A frame's 12-byte header as protocol.md lays it out (magic, version 1, opcode, request
-    id, body length, CRC-32C of those), for frames a test builds by hand."""
+def protocol_part(title: str) -> str:
+    """protocol.md from the heading ``title`` on (its worked examples, for tests that check them)."""
+    root = Path(__file__).resolve().parents[1]
+    return (root / "protocol.md").read_text(encoding="utf-8").split(title, 1)[1]
+
+
+def frame(opcode: int, rid: int, body: bytes = b"", *, version: int = 1, body_len: int | None = None) -> bytes:
+    """A frame built by hand as protocol.md lays it out: the 12-byte header (magic, ``version``,
+    opcode, request id, body length, CRC-32C of those), then ``body``. ``body_len``: the length
+    the header claims (default: the body's), to send a header alone or lie about it."""
     import struct
 
     from sos_wire.crc import crc32c
 
-    h = b"SO" + bytes([1, opcode]) + struct.pack(">II", rid, body_len)
-    return h + struct.pack(">I", crc32c(h))
+    h = b"SO" + bytes([version, opcode]) + struct.pack(">II", rid, len(body) if body_len is None else body_len)
+    return h + struct.pack(">I", crc32c(h)) + body
 
 
 class ManualClock:

@@ -39,7 +39,7 @@ import requests
 
 from spark_plugin.gateway.process import GatewayProcess
 from spark_plugin.spark import sos_command
-from tests.support import token_for
+from tests.support import pair_listen, token_for
 
 #: the namespace of the gateway tests that name none of their own
 NS = "gw"
@@ -165,6 +165,39 @@ def peak_rss(pid: int) -> int:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     raise AssertionError("no VmHWM")
+
+
+def pair_gateway(server, key: str, tmp_path, name: str, *args: str, namespace: str, lease: float = 3, cache=None):
+    """A member of a gateway pair (``--lease LEASE``, a free port of its own: pair_listen),
+    started: ``args`` on its command line (``--standby``...), its cache
+    ``tmp_path/NAME-cache`` unless ``cache``, its log ``tmp_path/NAME.log``."""
+    return GatewayProcess(
+        namespace,
+        str(cache or tmp_path / f"{name}-cache"),
+        server.address,
+        key,
+        listen=pair_listen(),
+        extra_args=["--lease", str(lease), *args],
+        debug=True,
+        log_path=str(tmp_path / f"{name}.log"),
+    ).start()
+
+
+def workers_of(pid: int) -> list[int]:
+    """The gateway's worker processes (its children running the workers module)."""
+    out = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            out += [int(p) for p in f.read().split()]
+    found = []
+    for child in out:
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                if b"spark_plugin.gateway.workers" in f.read():
+                    found.append(child)
+        except FileNotFoundError:
+            continue
+    return sorted(found)
 
 
 def port_of(gw: GatewayProcess) -> int:

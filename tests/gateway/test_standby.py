@@ -18,26 +18,13 @@ import urllib.parse
 import pytest
 import requests
 
-from spark_plugin.gateway.process import GatewayProcess
-from tests.support import hadoop_jars, pair_listen, run_sos_as, token_for, tree_snapshot, wait_for, webhdfs_create
+from tests.gateway.support import pair_gateway
+from tests.support import hadoop_jars, run_sos_as, token_for, tree_snapshot, wait_for, webhdfs_create
 from tools.jvm import LIGHT_JVM_OPTIONS
 
 NS = "ha"
 LEASE = 3
 DATA = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data")
-
-
-def gateway(server, key, tmp_path, name, *args, lease=LEASE, cache=None):
-    return GatewayProcess(
-        NS,
-        str(cache or tmp_path / f"{name}-cache"),
-        server.address,
-        key,
-        listen=pair_listen(),
-        extra_args=["--lease", str(lease), *args],
-        debug=True,
-        log_path=str(tmp_path / f"{name}.log"),
-    ).start()
 
 
 def standby_refusal(r):
@@ -76,8 +63,8 @@ def generations(server, key):
 
 def test_standby_tails_the_journal_answers_standby_exception_and_takes_over(sos_server, tmp_path):
     key = sos_server.keygen(NS)
-    active = gateway(sos_server, key, tmp_path, "active", "--generation-bytes", "64K")
-    standby = gateway(sos_server, key, tmp_path, "standby", "--standby")
+    active = pair_gateway(sos_server, key, tmp_path, "active", "--generation-bytes", "64K", namespace=NS)
+    standby = pair_gateway(sos_server, key, tmp_path, "standby", "--standby", namespace=NS)
     try:
         tok = token_for(active.url, key, NS)
         # tokens: the standby issues them too, and each gateway accepts the other's
@@ -124,8 +111,8 @@ def test_standby_tails_the_journal_answers_standby_exception_and_takes_over(sos_
 
 def test_promote_by_hand_fences_the_active(sos_server, tmp_path):
     key = sos_server.keygen(NS)
-    active = gateway(sos_server, key, tmp_path, "active")
-    standby = gateway(sos_server, key, tmp_path, "standby", "--standby", lease=60)
+    active = pair_gateway(sos_server, key, tmp_path, "active", namespace=NS)
+    standby = pair_gateway(sos_server, key, tmp_path, "standby", "--standby", lease=60, namespace=NS)
     try:
         tok = token_for(active.url, key, NS)
         assert webhdfs_create(active.url, tok, "/a", b"before").status_code == 201
@@ -239,8 +226,8 @@ def addr(url):
 
 def test_hadoop_client_fails_over_when_the_active_is_killed(sos_server, tmp_path, ha_writer):
     key = sos_server.keygen(NS)
-    active = gateway(sos_server, key, tmp_path, "active")
-    standby = gateway(sos_server, key, tmp_path, "standby", "--standby")
+    active = pair_gateway(sos_server, key, tmp_path, "active", namespace=NS)
+    standby = pair_gateway(sos_server, key, tmp_path, "standby", "--standby", namespace=NS)
     writer = None
     try:
         # the standby first: the client is sent on by its StandbyException
@@ -266,8 +253,8 @@ def test_hadoop_client_fails_over_when_the_active_is_killed(sos_server, tmp_path
 
 def test_sigstop_past_the_lease_never_makes_two_writers(sos_server, tmp_path, ha_writer):
     key = sos_server.keygen(NS)
-    active = gateway(sos_server, key, tmp_path, "active")
-    standby = gateway(sos_server, key, tmp_path, "standby", "--standby")
+    active = pair_gateway(sos_server, key, tmp_path, "active", namespace=NS)
+    standby = pair_gateway(sos_server, key, tmp_path, "standby", "--standby", namespace=NS)
     writer = None
     try:
         tok = token_for(active.url, key, NS)
@@ -366,8 +353,8 @@ def test_spark_query_through_the_helper_rides_through_the_loss_of_the_active(sos
     key = sos_server.keygen(NS)
     files, records = 8, 400
     make_input(str(tmp_path / "input"), records, files)
-    active = gateway(sos_server, key, tmp_path, "active")
-    standby = gateway(sos_server, key, tmp_path, "standby", "--standby")
+    active = pair_gateway(sos_server, key, tmp_path, "active", namespace=NS)
+    standby = pair_gateway(sos_server, key, tmp_path, "standby", "--standby", namespace=NS)
     try:
         cfg = {
             "urls": [active.url, standby.url],

@@ -15,27 +15,10 @@ import time
 import pytest
 import requests
 
-from tests.gateway.support import Gw, chunked_create, restore, send_chunk, wait_exit
+from tests.gateway.support import Gw, chunked_create, restore, send_chunk, wait_exit, workers_of
 from tests.support import tree_snapshot as tree_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-
-
-def workers_of(pid: int) -> list[int]:
-    """The gateway's worker processes (its children running the workers module)."""
-    out = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            out += [int(p) for p in f.read().split()]
-    found = []
-    for child in out:
-        try:
-            with open(f"/proc/{child}/cmdline", "rb") as f:
-                if b"spark_plugin.gateway.workers" in f.read():
-                    found.append(child)
-        except FileNotFoundError:
-            continue
-    return sorted(found)
 
 
 def alive(pid: int) -> bool:

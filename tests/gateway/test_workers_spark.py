@@ -14,8 +14,8 @@ import pytest
 
 from spark_plugin.gateway.process import GatewayProcess
 from spark_plugin.spark import sos_command
+from tests.gateway.support import workers_of
 from tests.gateway.test_spark import FILES, FIRST_RUN_FILES, RECORDS, TwoRuns, _requests_by_op
-from tests.gateway.test_workers import workers_of
 from tests.support import output_ids
 from tools.demo import committed_batches, make_input
 

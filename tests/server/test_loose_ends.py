@@ -22,13 +22,15 @@ from sos_wire.auth import Key
 from sos_wire.crc import crc32c
 from sos_wire.errors import ErrorCode
 from tests.conftest import RawClient
-from tests.server.test_close_table import NS, Wire, frame
-from tests.support import run_sos_as
+from tests.server.support import Wire
+from tests.support import frame, run_sos_as
 
 DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "protocol.md")
 WAIT = 180
 MAX_EPOCH = 9_999_999_999
 U64_MAX = 2**64 - 1
+
+NS = "table"
 
 
 def closed(w: Wire) -> bool:
@@ -105,7 +107,7 @@ def test_an_auth_before_hello_is_not_authenticated_and_no_failed_auth(wire):
 def test_a_ping_after_the_key_was_revoked_is_auth_failed_and_closes(wire, server):
     key = server.keygen(NS, "append")
     w = wire()
-    w.login(key)
+    w.login(key, NS)
     assert w.is_open()
     os.unlink(os.path.join(server.data_dir, "ns", NS, "keys", Key.parse(key).key_id.hex()))
     rid = w.send(ev.Ping(w.rid(), b"still there?"))
@@ -181,7 +183,7 @@ def _call(w: Wire, event):
 
 def test_seal_checks_its_epoch_first_also_on_a_sealed_object(wire, server):
     w = wire()
-    w.login(wire.key)
+    w.login(wire.key, NS)
     # this test's own objects: the module's namespace may be fenced by another test
     fence = _call(w, ev.Fence(w.rid(), 0)).length
     e = fence + 1
@@ -199,7 +201,7 @@ def test_seal_checks_its_epoch_first_also_on_a_sealed_object(wire, server):
     r = _call(w, ev.Seal(w.rid(), "s/../x", e))  # the name before the epoch
     assert r.code is ErrorCode.BAD_NAME, r
     reader = wire()
-    reader.login(server.keygen(NS, "read"))
+    reader.login(server.keygen(NS, "read"), NS)
     r = _call(reader, ev.Seal(reader.rid(), "s/obj", e))  # the role before everything
     assert r.code is ErrorCode.FORBIDDEN, r
 

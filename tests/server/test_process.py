@@ -21,7 +21,7 @@ from sos_wire.crc import crc32c
 from sos_wire.errors import ErrorCode
 from sos_wire.frames import DEFAULT_MAX_BODY
 from tests.conftest import RawClient
-from tests.support import frame_header, self_signed_cert
+from tests.support import frame, self_signed_cert
 
 NS = "proc"
 
@@ -95,7 +95,7 @@ def test_typed_errors_on_one_connection_which_survives(srv, bystander):
         assert r.code is ErrorCode.SEALED
         # a PING whose payload is over 64 bytes (the codec refuses to build one: raw bytes)
         body = struct.pack(">I", 65) + b"x" * 65
-        c.send_raw(frame_header(0x03, 4242, len(body)) + body)
+        c.send_raw(frame(0x03, 4242, body_len=len(body)) + body)
         raw = c.sock.recv(1 << 16)
         rid, code = _error_of(raw)
         assert rid == 4242 and code in (ErrorCode.BAD_REQUEST, ErrorCode.BAD_FRAME)
@@ -112,7 +112,7 @@ def test_typed_errors_on_one_connection_which_survives(srv, bystander):
 def test_unknown_opcode_is_answered_and_connection_survives(srv, bystander):
     with RawClient(srv.address) as c:
         assert isinstance(c.login(srv.key, NS), ev.AuthOk)
-        c.send_raw(frame_header(0x42, 99, 5) + b"hello")
+        c.send_raw(frame(0x42, 99, body_len=5) + b"hello")
         # the codec of a client would refuse an ERROR for an id it never sent: read raw
         raw = c.sock.recv(1 << 16)
         assert _error_of(raw) == (99, ErrorCode.UNKNOWN_OP)
@@ -131,29 +131,29 @@ def test_broken_frames_get_an_error_then_close(srv, bystander, case):
         assert isinstance(c.login(srv.key, NS), ev.AuthOk)
         name = "victim"
         if case == "over_cap":
-            c.send_raw(frame_header(0x06, 7, DEFAULT_MAX_BODY + 1))  # no body needed: refused on the header
+            c.send_raw(frame(0x06, 7, body_len=DEFAULT_MAX_BODY + 1))  # no body needed: refused on the header
             want = ErrorCode.TOO_LARGE
         elif case == "length_lies_short":
             body = struct.pack(">H", len(name)) + name.encode() + struct.pack(">QQII", 0, 0, crc32c(b"abc"), 3) + b"abc"
-            c.send_raw(frame_header(0x06, 7, len(body) - 2) + body)  # claims 2 bytes less than it sends
+            c.send_raw(frame(0x06, 7, body_len=len(body) - 2) + body)  # claims 2 bytes less than it sends
             want = ErrorCode.BAD_FRAME
         elif case == "length_lies_long_then_eof":
-            c.send_raw(frame_header(0x03, 7, 1000) + b"short")
+            c.send_raw(frame(0x03, 7, body_len=1000) + b"short")
             c.sock.shutdown(socket.SHUT_WR)
             want = ErrorCode.BAD_FRAME
         elif case == "bad_magic":
             c.send_raw(b"GET / HTTP/1.1\r\n\r\n")
             want = ErrorCode.BAD_FRAME
         elif case == "bad_crc":
-            h = bytearray(frame_header(0x03, 7, 4))
+            h = bytearray(frame(0x03, 7, body_len=4))
             h[-1] ^= 0xFF
             c.send_raw(bytes(h) + bytes(4))
             want = ErrorCode.BAD_FRAME
         elif case == "id_zero":
-            c.send_raw(frame_header(0x03, 0, 4) + bytes(4))
+            c.send_raw(frame(0x03, 0, body_len=4) + bytes(4))
             want = ErrorCode.BAD_FRAME
         else:
-            c.send_raw(frame_header(0x86, 7, 8) + bytes(8))  # a reply sent to the server
+            c.send_raw(frame(0x86, 7, body_len=8) + bytes(8))  # a reply sent to the server
             want = ErrorCode.BAD_FRAME
         raw = c.recv_raw_until_eof()  # the server closes after the ERROR
         assert _error_of(raw)[1] == want
@@ -375,7 +375,7 @@ def test_tls_listener(tmp_path, sos_server_factory):
         assert c.read("big-over-tls") == blob
     # a plaintext client gets nowhere and the server keeps serving TLS
     with socket.create_connection((host, port), timeout=60) as plain:
-        plain.sendall(frame_header(0x03, 1, 4) + bytes(4))
+        plain.sendall(frame(0x03, 1, body_len=4) + bytes(4))
         try:
             data = plain.recv(100)
         except ConnectionResetError:

@@ -30,7 +30,7 @@ from sos_wire.errors import ErrorCode
 from sos_wire.frames import DEFAULT_MAX_BODY, Op
 from tests.conftest import RawClient
 from tests.server.support import rss
-from tests.support import client_expecting, frame_header, server_metric
+from tests.support import client_expecting, frame, server_metric
 
 pytestmark = [pytest.mark.hostile]
 
@@ -314,7 +314,7 @@ def test_frames_before_auth_are_capped_at_4_kib(srv_with_key):
     with RawClient(srv.address) as c:
         # a 64 KiB PING before AUTH: refused on its header, before any of the body
         # (the EOF after the header: a server that waits for the body sees it end early)
-        c.send_raw(frame_header(0x03, 5, 64 << 10))
+        c.send_raw(frame(0x03, 5, body_len=64 << 10))
         c.sock.shutdown(socket.SHUT_WR)
         c.conn = client_expecting(Op.PING, 5)  # the PING was sent by hand: read its answer as its sender
         r = c.next()
@@ -323,7 +323,7 @@ def test_frames_before_auth_are_capped_at_4_kib(srv_with_key):
         assert c.recv_raw_until_eof() == b""  # then the close
     with RawClient(srv.address) as c:  # a 4 KiB body is still read (and answered)
         body = struct.pack(">I", 4092) + bytes(4092)
-        c.send_raw(frame_header(0x03, 5, len(body)) + body)
+        c.send_raw(frame(0x03, 5, body_len=len(body)) + body)
         c.conn = client_expecting(Op.PING, 5)
         r = c.next()
         assert isinstance(r, ev.Error) and r.code is ErrorCode.BAD_REQUEST, r  # PING payload over 64

@@ -26,7 +26,9 @@ from sos_wire import events as ev
 from sos_wire.crc import crc32c
 from sos_wire.errors import ErrorCode
 from tests.conftest import RawClient
-from tests.server.test_crash import NS, OBJECTS, check_object, writer
+from tests.server.support import WRITER_NS as NS
+from tests.server.support import WRITER_OBJECTS as OBJECTS
+from tests.server.support import check_object, writer
 from tests.support import flip_byte
 
 ROUNDS = 4

@@ -23,7 +23,7 @@ from sos_tier.log import LOG_PREFIX, decode_batch, encode_batch, log_key
 from sos_tier.uploader import CRASH_ENV, FlushItem, Uploader
 from sos_wire import events as ev
 from sos_wire.crc import crc32c
-from tests.support import scrape, wait_for
+from tests.support import protocol_part, scrape, wait_for
 from tests.tier.support import bucket, bucket_sos, login, tier_wait
 
 pytest_plugins = ["tests.tier.support"]
@@ -328,11 +328,9 @@ def test_pieces_per_object_stay_bounded_under_many_small_flushes_and_compactions
 
 def test_protocol_worked_example_with_flushed_objects(tmp_path):
     """protocol.md 4.7's second listing: the same history as two flushed objects."""
-    from tests.tier.test_layout import _doc_part
-
-    seg_hex = _doc_part("## 2.4 Worked example").split("```hex", 1)[1].split("```", 1)[0]
+    seg_hex = protocol_part("## 2.4 Worked example").split("```hex", 1)[1].split("```", 1)[0]
     segment = bytes.fromhex("".join(line.split("#", 1)[0] for line in seg_hex.splitlines()).replace(" ", ""))
-    part = _doc_part("## 4.7 Worked example")
+    part = protocol_part("## 4.7 Worked example")
     listing = part.split("```")[3].split()
     doc_index = next(line for line in part.splitlines() if line.startswith('`{"entries"')).strip("`")
     seg, ready = "gen/0000000001/0000000001-0000000001.seg", "gen/0000000001/ready"
