@@ -1,7 +1,7 @@
 """Issue 17, items 1 and 13: no Spark job can own SOS through the shipped deployment.
 
 Item 1 (Kubernetes): every path the issue names, evaluated over the manifests as the API
-server and a NetworkPolicy plugin would (tests/k8s_model.py), not by reading their text:
+server and a NetworkPolicy plugin would (tests/deploy/support.py), not by reading their text:
 
 (a) RBAC: the driver's service account, and every account it can become by starting a
     pod, has rules only in the jobs' namespace, on pods, services and configmaps: it

@@ -313,7 +313,7 @@ def test_gateway_with_metrics_public_serves_every_interface(sos_server, tmp_path
 
 def test_k8s_server_metrics_reach_only_prometheus():
     """--metrics-public on the pod's address, and the NetworkPolicies (evaluated as a plugin
-    applies them, tests/k8s_model.py) let only Prometheus's pods reach the port."""
+    applies them, tests/deploy/support.py) let only Prometheus's pods reach the port."""
     argv = k8s_server_argv()
     host, port = split_address(option(argv, "--metrics"))
     assert not is_loopback(host) and "--metrics-public" in argv

@@ -40,6 +40,7 @@ import requests
 from spark_plugin.gateway.process import GatewayProcess
 from spark_plugin.spark import sos_command
 from tests.support import pair_listen, token_for
+from tests.support import tree_snapshot as tree_of
 
 #: the namespace of the gateway tests that name none of their own
 NS = "gw"
@@ -116,6 +117,12 @@ def restore(server, key, target, namespace: str = NS):
         capture_output=True,
     )
     return target
+
+
+def restored(server, key: str, target, namespace: str = NS) -> dict:
+    """What the journal of ``namespace`` holds: :func:`restore` into ``target``, as a tree
+    snapshot ({relative path: bytes, or None for a directory})."""
+    return tree_of(restore(server, key, target, namespace))
 
 
 def remote(r):

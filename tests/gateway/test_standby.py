@@ -18,7 +18,7 @@ import urllib.parse
 import pytest
 import requests
 
-from tests.gateway.support import pair_gateway
+from tests.gateway.support import pair_gateway, restored
 from tests.support import hadoop_jars, run_sos_as, token_for, tree_snapshot, wait_for, webhdfs_create
 from tools.jvm import LIGHT_JVM_OPTIONS
 
@@ -46,11 +46,6 @@ def refused_or_gone(url, tok, path):
         return "gone"
     standby_refusal(r)
     return "refused"
-
-
-def restored(server, key, target):
-    run_sos_as(server, key, "restore", "-q", NS, str(target), ok=True)
-    return tree_snapshot(target)
 
 
 def generations(server, key):
@@ -102,7 +97,7 @@ def test_standby_tails_the_journal_answers_standby_exception_and_takes_over(sos_
         assert generations(sos_server, key) == before
         assert "continues the journal after record" in standby.log()
         expected["d/after"] = b"after"
-        assert restored(sos_server, key, tmp_path / "r") == expected
+        assert restored(sos_server, key, tmp_path / "r", NS) == expected
         assert run_sos_as(sos_server, key, "verify", "-q", NS, ok=True).returncode == 0
     finally:
         for g in (active, standby):
@@ -128,7 +123,7 @@ def test_promote_by_hand_fences_the_active(sos_server, tmp_path):
         assert active.proc.wait(timeout=30) == 3
         assert "FENCED" in active.log()
         assert webhdfs_create(standby.url, tok, "/b", b"after").status_code == 201
-        assert restored(sos_server, key, tmp_path / "r") == {"a": b"before", "b": b"after"}
+        assert restored(sos_server, key, tmp_path / "r", NS) == {"a": b"before", "b": b"after"}
     finally:
         for g in (active, standby):
             g.kill()
@@ -215,7 +210,7 @@ class JavaWriter:
 def check_history(server, key, writer, tmp_path):
     """One unbroken journal (sos verify), and restore equals what the client was told."""
     assert run_sos_as(server, key, "verify", "-q", NS, ok=True).returncode == 0
-    tree = restored(server, key, tmp_path / "restored")
+    tree = restored(server, key, tmp_path / "restored", NS)
     commits = {p: v for p, v in tree.items() if p.startswith("ha/commits/")}
     assert commits == {f"ha/commits/{i}": f"batch {i}\n".encode() for i in writer.commits}
 
