@@ -124,10 +124,11 @@ def hadoop_jars() -> str:
     return jars
 
 
-def server_cli(*args: object, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """``sos-server ARGS`` (``python -m sos_server.cli``) run to its end: keygen, quota, keys..."""
+def server_cli(*args: object, timeout: float = 120, **kw) -> subprocess.CompletedProcess[str]:
+    """``sos-server ARGS`` (``python -m sos_server.cli``) run to its end, its output captured as
+    text: keygen, quota, keys, gc...; ``kw`` goes to subprocess.run (``env``, ``cwd``)."""
     return subprocess.run(
-        [sys.executable, "-m", "sos_server.cli", *map(str, args)], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "sos_server.cli", *map(str, args)], capture_output=True, text=True, timeout=timeout, **kw
     )
 
 

@@ -261,13 +261,7 @@ def test_every_option_with_a_default_says_it_in_help():
         "sos verify",
     } <= walked
     assert not missing, missing
-    shown = subprocess.run(
-        [sys.executable, "-m", "sos_server.cli", "serve", "--help"],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-        env=dict(os.environ, COLUMNS="200"),
-    ).stdout
+    shown = server_cli("serve", "--help", timeout=TIMEOUT, env=dict(os.environ, COLUMNS="200")).stdout
     assert re.search(r"--gc-interval \S+\s+how often retention runs \(default 5m", shown), shown
 
 

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import os
 import struct
-import subprocess
-import sys
 import time
 
 import pytest
@@ -23,7 +21,7 @@ from sos_wire.crc import crc32c
 from sos_wire.errors import ErrorCode
 from tests.conftest import RawClient
 from tests.server.support import Wire
-from tests.support import frame, run_sos_as
+from tests.support import frame, run_sos_as, server_cli
 
 DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "protocol.md")
 WAIT = 180
@@ -231,22 +229,7 @@ def test_fence_at_the_top_of_the_epoch_range(sos_server):
     srv = sos_server
     key = srv.keygen("top", "append")
     srv.stop()
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "sos_server.cli",
-            "reset-fence",
-            "--data",
-            srv.data_dir,
-            "top",
-            "--epoch",
-            str(MAX_EPOCH - 5),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=WAIT,
-    )
+    out = server_cli("reset-fence", "--data", srv.data_dir, "top", "--epoch", str(MAX_EPOCH - 5), timeout=WAIT)
     assert out.returncode == 0, out.stderr
     srv.start()
     with RawClient(srv.address) as c:
