@@ -38,7 +38,7 @@ import h11
 import requests
 
 from spark_plugin.gateway.process import GatewayProcess
-from spark_plugin.spark import sos_command
+from spark_plugin.spark import gateway_conf, sos_command, webhdfs_url
 from tests.support import pair_listen, token_for
 from tests.support import tree_snapshot as tree_of
 
@@ -205,6 +205,62 @@ def workers_of(pid: int) -> list[int]:
         except FileNotFoundError:
             continue
     return sorted(found)
+
+
+def hadoop_java(java_env, gateway, base: str, *cases: str | list[str]) -> tuple[dict[str, tuple[str, str]], list]:
+    """Run CASES in ONE harness JVM (tests/java/HadoopHarness.java: the ``java_env`` fixture of
+    tests/gateway/conftest.py; ``gateway``: a (GatewayProcess, key) pair), in order, against webhdfs://gateway/BASE: a name is one of
+    the harness's cases, a list is an FsShell command (argument list; "{u}" is the gateway's
+    webhdfs:// URL) run in the JVM as `hadoop fs` runs it (ToolRunner: -D options too).
+    ({case: (ok|error, result)}, [(exit code, stdout, stderr) per command])."""
+    classpath, env = java_env
+    gw, key = gateway
+    u = webhdfs_url(gw.url).rstrip("/")
+    args = [c if isinstance(c, str) else "shell:" + "|".join(a.replace("{u}", u) for a in c) for c in cases]
+    named = [c for c in cases if isinstance(c, str)]
+    out = subprocess.run(
+        [
+            "java",
+            "-cp",
+            classpath,
+            "HadoopHarness",
+            webhdfs_url(gw.url, base),
+            *[f"{k}={v}" for k, v in gateway_conf(gw.url, gw.namespace, key).items()],
+            "--",
+            *args,
+        ],
+        capture_output=True,
+        env=env,
+        timeout=600,
+        check=False,
+    )
+    text = out.stdout.decode("utf-8", "replace")
+    assert out.returncode == 0, text + out.stderr.decode("utf-8", "replace")[-4000:]
+    results = {}
+    shells = []
+    for line in text.splitlines():
+        name, _, rest = line.partition("\t")
+        if name == "shell":
+            code, sout, serr = rest.split("\t")
+            unesc = [x.replace("\\n", "\n").replace("\\t", "\t").replace("\\\\", "\\") for x in (sout, serr)]
+            shells.append((int(code), unesc[0], unesc[1]))
+        elif name in named:
+            status, _, value = rest.partition("\t")
+            results[name] = (status, value)
+    assert set(results) == set(named), text
+    assert len(shells) == len(cases) - len(named), text
+    return results, shells
+
+
+def hadoop_harness(java_env, gateway, base: str, *cases: str) -> dict[str, tuple[str, str]]:
+    """Run the harness's CASES against webhdfs://gateway/BASE: {case: (ok|error, result)}."""
+    return hadoop_java(java_env, gateway, base, *cases)[0]
+
+
+def hadoop_shell(java_env, gateway, *commands: list[str]) -> list[tuple[int, str, str]]:
+    """FsShell COMMANDS (argument lists; "{u}" is the gateway's webhdfs:// URL) run in one
+    JVM as `hadoop fs` runs them: [(exit code, stdout, stderr)]."""
+    return hadoop_java(java_env, gateway, "shell", *commands)[1]
 
 
 def port_of(gw: GatewayProcess) -> int:
