@@ -26,12 +26,17 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import json
 import os
+import re
 import socket
 import subprocess
+import sys
+import textwrap
 import threading
 import time
 import urllib.parse
+from collections import Counter
 from collections.abc import Callable
 
 import h11
@@ -41,6 +46,8 @@ from spark_plugin.gateway.process import GatewayProcess
 from spark_plugin.spark import gateway_conf, sos_command, webhdfs_url
 from tests.support import pair_listen, token_for
 from tests.support import tree_snapshot as tree_of
+from tools.demo import kill_tree
+from tools.logtext import as_text
 
 #: the namespace of the gateway tests that name none of their own
 NS = "gw"
@@ -322,6 +329,120 @@ def closed_after(sock: socket.socket, timeout: float = TIMEOUT) -> bool:
     except TimeoutError:
         return False
     return False
+
+
+# ---------------------------------------------------------------- the Spark query of test_spark
+#: the input of the Spark query: records, in files, of which the first run reads the first ones
+RECORDS = 500
+FILES = 5
+FIRST_RUN_FILES = 3
+
+#: The query run once per entry of ``cfg["runs"]`` (one after the other in one driver: the
+#: second starts once its "wait_for" file exists and resumes from the checkpoint the first
+#: left, as a new query run of it)
+TWO_RUNS_DRIVER = textwrap.dedent("""
+    import json, os, sys, time
+    cfg = json.load(open(sys.argv[1]))
+    from pyspark.sql import SparkSession
+    from tools.demo import DRIVER_JVM_OPTIONS, write_batch_output
+    from spark_plugin.spark import gateway_checkpoint
+
+    builder = (SparkSession.builder.master("local[2]").appName("sos-gateway-smoke")
+               .config("spark.sql.shuffle.partitions", "2")
+               .config("spark.ui.enabled", "false")
+               .config("spark.ui.showConsoleProgress", "false")
+               .config("spark.driver.extraJavaOptions", DRIVER_JVM_OPTIONS))
+    loc = gateway_checkpoint(builder, cfg["url"], cfg["ns"], os.environ["SOS_KEY"], cfg["checkpoint"])
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    loc.attach(spark)
+    os.makedirs(cfg["out"], exist_ok=True)
+
+    for run in cfg["runs"]:
+        while run.get("wait_for") and not os.path.exists(run["wait_for"]):
+            time.sleep(0.1)
+        batches, marked = [], len(loc.listener.written)
+
+        def sink(df, batch_id):
+            write_batch_output(cfg["out"], df, batch_id)
+            batches.append(batch_id)
+
+        query = (spark.readStream.schema("id LONG, payload STRING")
+                 .option("maxFilesPerTrigger", 1).json(cfg["input"])
+                 .dropDuplicates(["id"])
+                 .writeStream.foreachBatch(sink).option("checkpointLocation", str(loc))
+                 .trigger(availableNow=True).start())
+        query.awaitTermination()
+        deadline = time.monotonic() + 120  # the listener runs asynchronously
+        while set(loc.listener.written[marked:]) < set(batches) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        with open(run["result"] + ".tmp", "w") as f:
+            json.dump({"location": str(loc), "batches": batches, "markers": loc.listener.written[marked:],
+                       "errors": loc.listener.errors}, f)
+        os.replace(run["result"] + ".tmp", run["result"])
+    spark.stop()
+""")
+
+
+class TwoRuns:
+    """TWO_RUNS_DRIVER in its own process: ``first()`` waits for the first run's result;
+    ``second()`` lets the second run go (the caller added input first) and waits for its
+    result and the driver's exit."""
+
+    def __init__(self, tmp_path, cfg, key):
+        self.tmp_path = tmp_path
+        self.runs = [
+            {"result": str(tmp_path / "run1-result.json")},
+            {"result": str(tmp_path / "run2-result.json"), "wait_for": str(tmp_path / "run2-go")},
+        ]
+        script = tmp_path / "driver.py"
+        script.write_text(TWO_RUNS_DRIVER)
+        cfg_path = tmp_path / "driver.json"
+        cfg_path.write_text(json.dumps(dict(cfg, runs=self.runs)))
+        env = dict(
+            os.environ,
+            SOS_KEY=key,
+            PYTHONPATH=os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p),
+        )
+        self.log_path = tmp_path / "driver.log"
+        with open(self.log_path, "wb") as logf:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(script), str(cfg_path)],
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+
+    def _result(self, i):
+        path = self.runs[i]["result"]
+        deadline = time.monotonic() + 900
+        while not os.path.exists(path):
+            assert self.proc.poll() is None or os.path.exists(path), self.log_path.read_text()[-6000:]
+            assert time.monotonic() < deadline, f"run {i + 1}: no result after 900 s"
+            time.sleep(0.2)
+        with open(path) as f:
+            return json.load(f)
+
+    def first(self):
+        return self._result(0)
+
+    def second(self):
+        (self.tmp_path / "run2-go").touch()
+        result = self._result(1)
+        assert self.proc.wait(600) == 0, self.log_path.read_text()[-6000:]
+        return result
+
+    def kill(self):
+        kill_tree(self.proc)
+
+
+def requests_by_op(gateway_log: str) -> Counter:
+    """How many requests of each (method, path, data step, status) a ``--debug`` gateway log shows."""
+    ops = Counter()
+    for m in re.finditer(r"DEBUG (GET|PUT|POST|DELETE) (\S+) \S+( \[data\])? -> (\d+)", as_text(gateway_log)):
+        ops[f"{m.group(1)} {m.group(2)}{' data' if m.group(3) else ''} {m.group(4)}"] += 1
+    return ops
 
 
 class CutProxy:
