@@ -17,8 +17,7 @@ a temporary directory. The yielded :class:`ServerProcess` has
 ``sos_server_factory(data_dir=None, args=())`` starts more servers, e.g. with
 ``--keep-generations``. Every server is stopped at the end of the test.
 
-``RawClient`` (import it with ``from conftest import RawClient`` only inside this
-directory's tests) speaks the protocol through ``sos_wire.Connection`` over a blocking
+``RawClient`` (import it with ``from tests.conftest import RawClient``) speaks the protocol through ``sos_wire.Connection`` over a blocking
 socket, one frame at a time: for server tests that need byte-level control.
 """
 
@@ -36,6 +35,10 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tools.server import ServerProcess
+
+# The shared helpers' asserts report their operands as a test module's do: pytest rewrites test
+# modules, conftests and plugins by itself, a module they import only if it is named here first.
+pytest.register_assert_rewrite("tests.support", "tests.tier.support", "tests.gateway.support", "tests.deploy.support")
 
 NO_SKIP = os.environ.get("SOS_TEST_NO_SKIP") == "1"  # .ci/run sets it: CI here has FUSE, Spark, tmpfs
 
@@ -281,3 +284,13 @@ class RawClient:
         from sos_wire import events as ev
 
         return self.call(ev.Stat(self.rid(), name))
+
+
+@pytest.fixture
+def tmpfs(request, tmp_path):
+    """A tmpfs of the test module's ``TMPFS_SIZE`` mounted on a new directory (a small disk to
+    fill), unmounted after; skipped where mounting is not allowed (tests.support.tmpfs_mount)."""
+    from tests.support import tmpfs_mount
+
+    with tmpfs_mount(tmp_path / "disk", request.module.TMPFS_SIZE) as d:
+        yield d

@@ -1,8 +1,15 @@
-"""Helpers shared by the test modules (fixtures live in conftest.py)."""
+"""Helpers shared by the test modules of several components (fixtures live in conftest.py).
+
+Each component's own helpers sit in its folder's ``support.py`` (``tests.tier.support``,
+``tests.gateway.support``, ``tests.deploy.support``) and its fixtures in that folder's
+``conftest.py``. Here: running the ``sos`` and ``sos-server`` commands, reading Prometheus
+pages, waiting for a condition, certificates, a small disk, WebHDFS calls."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import os
 import shutil
 import socket
 import subprocess
@@ -14,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from tools import child_env
 from tools.demo_common import tree_of
 
 #: {relative path: bytes for a file, None for a directory} of everything below root (the demos' own)
@@ -48,23 +56,168 @@ def client_expecting(reply_op, request_id: int):
     return conn
 
 
-def server_cli(*args: object, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """``sos-server ARGS`` (``python -m sos_server.cli``) run to its end: keygen, quota, keys..."""
+def client_factory(server, ns: str, key: str):
+    """What a JournalWriter or restore calls for a connection: a new ``sos_client.Client`` of
+    ``ns`` on ``server`` with ``key``."""
+    from sos_client import Client
+
+    return lambda: Client(server.address, key, ns, timeout=60)
+
+
+def flip_byte(path, at: int, mask: int = 0x5A) -> None:
+    """Damage the byte at offset ``at`` of the file ``path`` (XOR with ``mask``)."""
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ mask]))
+
+
+def output_ids(out_dir) -> collections.Counter:
+    """How many times each ``id`` occurs in the JSON lines of the files in ``out_dir`` (a
+    streaming query's output: every id once when it ran exactly once)."""
+    import json
+
+    ids: collections.Counter = collections.Counter()
+    for name in os.listdir(out_dir):
+        with open(os.path.join(out_dir, name)) as f:
+            ids.update(json.loads(line)["id"] for line in f)
+    return ids
+
+
+def protocol_part(title: str) -> str:
+    """protocol.md from the heading ``title`` on (its worked examples, for tests that check them)."""
+    root = Path(__file__).resolve().parents[1]
+    return (root / "protocol.md").read_text(encoding="utf-8").split(title, 1)[1]
+
+
+def frame(opcode: int, rid: int, body: bytes = b"", *, version: int = 1, body_len: int | None = None) -> bytes:
+    """A frame built by hand as protocol.md lays it out: the 12-byte header (magic, ``version``,
+    opcode, request id, body length, CRC-32C of those), then ``body``. ``body_len``: the length
+    the header claims (default: the body's), to send a header alone or lie about it."""
+    import struct
+
+    from sos_wire.crc import crc32c
+
+    h = b"SO" + bytes([version, opcode]) + struct.pack(">II", rid, len(body) if body_len is None else body_len)
+    return h + struct.pack(">I", crc32c(h)) + body
+
+
+class ManualClock:
+    """A clock a test moves by hand: call it for the time, set ``now`` to move it."""
+
+    def __init__(self, now: float = 1_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def hadoop_jars() -> str:
+    """The directory of pyspark's jars, Hadoop's client among them; skips the test without them."""
+    import glob
+
+    pyspark = pytest.importorskip("pyspark")
+    jars = os.path.join(os.path.dirname(pyspark.__file__), "jars")
+    if not glob.glob(os.path.join(jars, "hadoop-client-api-*.jar")):
+        pytest.skip("pyspark has no Hadoop client jars")
+    return jars
+
+
+def server_cli(*args: object, timeout: float = 120, **kw) -> subprocess.CompletedProcess[str]:
+    """``sos-server ARGS`` (``python -m sos_server.cli``) run to its end, its output captured as
+    text: keygen, quota, keys, gc...; ``kw`` goes to subprocess.run (``env``, ``cwd``)."""
     return subprocess.run(
-        [sys.executable, "-m", "sos_server.cli", *map(str, args)], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "sos_server.cli", *map(str, args)], capture_output=True, text=True, timeout=timeout, **kw
     )
 
 
-def server_metric(srv, name: str, default: float | None = None, *, timeout: float = 60) -> float:
-    """The value of the unlabelled series ``name`` on a server's Prometheus page (``default``
-    when it is absent; without one, absence fails the test)."""
-    with urllib.request.urlopen(f"http://{srv.metrics_address}/metrics", timeout=timeout) as resp:
-        for line in resp.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-    if default is not None:
-        return default
-    raise AssertionError(f"no metric {name}")
+#: argv of the ``sos`` command run with this interpreter
+SOS = [sys.executable, "-m", "sos_client.cli"]
+
+
+def run_sos(
+    *args: object,
+    env: dict[str, str] | None = None,
+    drop: tuple[str, ...] = (),
+    ok: bool = False,
+    timeout: float = 300,
+    **kw,
+) -> subprocess.CompletedProcess[str]:
+    """``sos ARGS`` run to its end, its output captured as text. Its environment: this
+    process's (the checkout first on PYTHONPATH) without the variables named in ``drop``
+    (``"SOS_*"``: every one that starts with SOS_), then ``env`` laid over it. ``kw`` goes to
+    subprocess.run (``input``, ``cwd``). ``ok``: fail the test unless it exits 0."""
+    base = {k: v for k, v in os.environ.items() if not any(_named(k, d) for d in drop)}
+    done = subprocess.run(
+        [*SOS, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=child_env({**base, **(env or {})}),
+        **kw,
+    )
+    assert not ok or done.returncode == 0, (args, done.stdout, done.stderr)
+    return done
+
+
+def _named(var: str, pattern: str) -> bool:
+    return var.startswith(pattern[:-1]) if pattern.endswith("*") else var == pattern
+
+
+def run_sos_as(
+    server, key: str, *args: object, env: dict[str, str] | None = None, **kw
+) -> subprocess.CompletedProcess[str]:
+    """:func:`run_sos` against ``server`` (its ``address`` in $SOS_SERVER) with ``key`` in
+    $SOS_KEY (and no $SOS_KEY_FILE of this process's)."""
+    env = {"SOS_SERVER": server.address, "SOS_KEY": key, **(env or {})}
+    return run_sos(*args, env=env, drop=("SOS_KEY_FILE", *kw.pop("drop", ())), **kw)
+
+
+def scrape(where: str, *, timeout: float = 60) -> dict[str, float]:
+    """A Prometheus text page as ``name{labels}`` -> value (comments left out); ``where`` is the
+    endpoint's URL (``http://HOST:PORT``) or its ``HOST:PORT``, without the ``/metrics``."""
+    url = where if "://" in where else f"http://{where}"
+    with urllib.request.urlopen(url + "/metrics", timeout=timeout) as resp:
+        text = resp.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out
+
+
+def metrics_url(log: str) -> str:
+    """The URL (``http://HOST:PORT``) a gateway's log says it serves its metrics on."""
+    import re
+
+    found = re.search(r"metrics on (http://[^/\s]+)/metrics", log)
+    assert found, log[-3000:]
+    return found.group(1)
+
+
+def server_metric(srv, name: str, default: float | None = None, *, ns: str | None = None, timeout: float = 60) -> float:
+    """The value of the series ``name`` (``ns``: its ``{namespace="NS"}`` one, else the
+    unlabelled one) on a server's Prometheus page (``default`` when it is absent; without one,
+    absence fails the test)."""
+    key = f'{name}{{namespace="{ns}"}}' if ns else name
+    value = scrape(srv.metrics_address, timeout=timeout).get(key, default)
+    if value is None:
+        raise AssertionError(f"no metric {key}")
+    return value
+
+
+def wait_for(cond, timeout: float = 180, what: str = "the condition"):
+    """``cond()``'s first true value, asked every 0.1 s; fails the test after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = cond()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        time.sleep(0.1)
 
 
 @contextlib.contextmanager
@@ -140,6 +293,72 @@ def peak_rss_kib():
     with open("/proc/self/status") as f:
         return next(int(l.split()[1]) for l in f if l.startswith("VmHWM:"))
 """
+
+
+def start_gateway(
+    server,
+    tmp_path,
+    *args: str,
+    namespace: str,
+    name: str = "gateway",
+    key: str | None = None,
+    prefix: tuple[str, ...] | list[str] = (),
+    **kw,
+):
+    """A real ``sos gateway`` child for ``namespace`` on ``server``, started: its cache
+    ``tmp_path/NAME-cache``, its log ``tmp_path/NAME.log``, ``args`` on its command line, run
+    under ``prefix`` (a command such as prlimit) if given; ``kw`` goes to GatewayProcess
+    (``listen``, ``debug``, ``durability``...). ``key``: a new append key if none; the process
+    keeps it as ``.key``."""
+    from spark_plugin.gateway.process import GatewayProcess
+
+    class Prefixed(GatewayProcess):
+        def command(self) -> list[str]:
+            return [*prefix, *super().command()]
+
+    key = key or server.keygen(namespace, "append")
+    gw = Prefixed(
+        namespace,
+        str(tmp_path / f"{name}-cache"),
+        server.address,
+        key,
+        extra_args=list(args),
+        log_path=str(tmp_path / f"{name}.log"),
+        **kw,
+    )
+    gw.key = key  # type: ignore[attr-defined]
+    return gw.start()
+
+
+def token_for(url: str, key: str, namespace: str, *, verify: bool | str = True, timeout: float = 60) -> str:
+    """A bearer token from the gateway at ``url`` for ``key`` of ``namespace`` (its
+    ``/oauth2/token``, client credentials); fails the test unless it is granted."""
+    import requests
+
+    r = requests.post(
+        url + "/oauth2/token",
+        data={"grant_type": "client_credentials", "client_id": namespace, "client_secret": key},
+        verify=verify,
+        timeout=timeout,
+    )
+    assert r.status_code == 200, r.text
+    doc = r.json()
+    assert doc["token_type"] == "Bearer" and doc["expires_in"] > 0, doc
+    return doc["access_token"]
+
+
+def webhdfs_create(url: str, token: str, path: str, data: bytes, verify: bool | str = True):
+    """CREATE (overwrite) ``path`` with ``data`` at the gateway ``url`` over plain requests, both
+    steps (the 307 and the data); the last answer."""
+    import requests
+
+    h = {"Authorization": f"Bearer {token}"}
+    r = requests.put(
+        f"{url}/webhdfs/v1{path}?op=CREATE&overwrite=true", headers=h, allow_redirects=False, verify=verify, timeout=60
+    )
+    if r.status_code != 307:
+        return r
+    return requests.put(r.headers["Location"], data=data, headers=h, verify=verify, timeout=60)
 
 
 def webhdfs_put(c, path: str, data: bytes) -> None:

@@ -13,14 +13,6 @@ from sos_client.aio import open_client
 from sos_wire import ErrorCode, KeyRole
 from tests.support import self_signed_cert
 
-_n = iter(range(10_000))
-
-
-@pytest.fixture
-def ns(server):
-    name = f"a{next(_n)}"
-    return name, server.keygen(name, "append"), server.keygen(name, "read")
-
 
 def run(fn):
     trio.run(fn)

@@ -23,15 +23,6 @@ from sos_client import (
 )
 from sos_wire import ErrorCode, Key, KeyRole
 
-_ns_counter = iter(range(10_000))
-
-
-@pytest.fixture
-def ns(server):
-    """A fresh namespace per test, with an append key and a read key."""
-    name = f"t{next(_ns_counter)}"
-    return name, server.keygen(name, "append"), server.keygen(name, "read")
-
 
 @pytest.fixture
 def client(server, ns):

@@ -36,6 +36,7 @@ from sos_wire.connection import Connection, Role
 from sos_wire.crc import crc32c
 from sos_wire.errors import ErrorCode
 from sos_wire.frames import DEFAULT_MAX_BODY
+from tests.support import frame
 
 pytestmark = [pytest.mark.hostile]
 
@@ -44,11 +45,6 @@ TIMEOUT = 120  # generous: two shared cores
 
 def _client(srv, key, ns=None) -> Client:
     return Client(srv.address, key, ns or srv.ns, timeout=TIMEOUT)
-
-
-def _header(opcode: int, rid: int, body_len: int) -> bytes:
-    h = b"SO" + bytes([1, opcode]) + struct.pack(">II", rid, body_len)
-    return h + struct.pack(">I", crc32c(h))
 
 
 def _append_body(name: str, offset: int, data: bytes, *, data_len: int | None = None, epoch: int = 0) -> bytes:
@@ -321,7 +317,7 @@ def test_oversized_frame_before_hello_is_refused_without_reading_the_body(srv):
     r = Raw(srv)
     try:
         # 4 GiB announced, nothing sent: refused on the header alone
-        r.sock.sendall(_header(0x06, 5, 0xFFFFFFFF))
+        r.sock.sendall(frame(0x06, 5, body_len=0xFFFFFFFF))
         frames = r.frames_until_eof()
         assert _error_codes(frames) == [ErrorCode.TOO_LARGE]
     finally:
@@ -337,14 +333,16 @@ def test_lying_lengths_close_the_connection_and_write_nothing(srv, case):
         if case == "header_swallows_next_request":
             # the header claims the next request's bytes as its own body; neither may run
             first = _append_body("liar", 0, b"abc")
-            second = _header(0x06, 9, len(_append_body("swallowed", 0, b"zzz"))) + _append_body("swallowed", 0, b"zzz")
-            r.sock.sendall(_header(0x06, 7, len(first) + len(second)) + first + second)
+            second = frame(0x06, 9, body_len=len(_append_body("swallowed", 0, b"zzz"))) + _append_body(
+                "swallowed", 0, b"zzz"
+            )
+            r.sock.sendall(frame(0x06, 7, body_len=len(first) + len(second)) + first + second)
         elif case == "inner_blob_longer_than_frame":
             body = _append_body("liar", 0, b"abc", data_len=1 << 20)
-            r.sock.sendall(_header(0x06, 7, len(body)) + body)
+            r.sock.sendall(frame(0x06, 7, body_len=len(body)) + body)
         else:
             body = struct.pack(">H", 60000) + b"liar"
-            r.sock.sendall(_header(0x05, 7, len(body)) + body)
+            r.sock.sendall(frame(0x05, 7, body_len=len(body)) + body)
         frames = r.frames_until_eof()
         assert _error_codes(frames) == [ErrorCode.BAD_FRAME], frames
     finally:
@@ -360,7 +358,7 @@ def test_a_bystander_survives_all_of_it(srv):
         for i in range(20):
             bad = Raw(srv, srv.key)
             try:
-                bad.sock.sendall(_header(0x06, 1, 0xFFFFFFF0) if i % 2 else b"GARBAGE" * 3)
+                bad.sock.sendall(frame(0x06, 1, body_len=0xFFFFFFF0) if i % 2 else b"GARBAGE" * 3)
                 assert _error_codes(bad.frames_until_eof()) in ([ErrorCode.TOO_LARGE], [ErrorCode.BAD_FRAME])
             finally:
                 bad.close()

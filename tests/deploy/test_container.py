@@ -31,19 +31,19 @@ import sys
 import textwrap
 import threading
 import time
-from collections import Counter
 from typing import Any
 
 import pytest
 import yaml
 
 from spark_plugin.spark import sos_command
-from tests.deploy_support import documented_line, k8s_documents, one, option
+from tests.deploy.support import k8s_documents, one, option, run_documented
+from tests.support import output_ids
 from tools import container
 from tools.cluster import free_port
 from tools.demo import DRIVER_JVM_OPTIONS, committed_batches, make_input
 
-pytest_plugins = ["tests.tier_support"]
+pytest_plugins = ["tests.tier.support"]
 pytestmark = [pytest.mark.slow, pytest.mark.container, pytest.mark.spark, pytest.mark.timeout(1800)]
 
 UID = 10001
@@ -100,19 +100,13 @@ def image():
     return container.IMAGE
 
 
-def _documented(tmp_path, *needles):
-    subprocess.run(
-        ["bash", "-c", documented_line(*needles)], cwd=tmp_path, check=True, capture_output=True, timeout=300
-    )
-
-
 @pytest.fixture(scope="module")
 def tls(tmp_path_factory):
     """The documented certificates and truststore (docs/DEPLOY.md's openssl/keytool lines)."""
     d = tmp_path_factory.mktemp("deploy")
     for cn in ("/CN=sos-server", "/CN=sos-gateway"):
-        _documented(d, "openssl req", cn)
-    _documented(d, "keytool -importcert")
+        run_documented(d, "openssl req", cn)
+    run_documented(d, "keytool -importcert")
     return d / "deploy" / "tls"
 
 
@@ -257,14 +251,6 @@ DRIVER = textwrap.dedent("""
     query.awaitTermination()
     spark.stop()
 """)
-
-
-def _ids(out_dir: pathlib.Path) -> Counter:
-    ids: Counter = Counter()
-    for name in os.listdir(out_dir):
-        with open(out_dir / name) as f:
-            ids.update(json.loads(line)["id"] for line in f)
-    return ids
 
 
 def test_default_command_under_host_networking(image, tls, tmp_path):
@@ -493,7 +479,7 @@ def test_kube_manifests_run_and_a_query_survives_a_gateway_sigkill(image, tls, m
             runs = 2
             assert run_driver("run2") == 0, (tmp_path / "run2.log").read_text()[-6000:]
         print(f"query finished in {runs} run(s)")
-        ids = _ids(out)
+        ids = output_ids(out)
         assert sorted(ids) == list(range(RECORDS)) and set(ids.values()) == {1}, "exactly once"
 
         # the journal on the server holds the committed batches

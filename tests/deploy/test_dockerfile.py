@@ -62,7 +62,7 @@ def test_multi_stage_non_root_server_with_healthcheck():
     users = [a for i, a in final if i == "USER"]
     assert users and users[-1].split(":")[0] not in ("0", "root")
     assert any(i == "HEALTHCHECK" and "healthcheck.py" in a for i, a in final)
-    from tests.deploy_support import dockerfile_command
+    from tests.deploy.support import dockerfile_command
 
     cmd = dockerfile_command()
     assert cmd[:2] == ["sos-server", "serve"]

@@ -8,7 +8,7 @@ container runtime would:
 * each volume is made as Kubernetes makes it: emptyDirs owned by root, mode 0777; Secret
   files owned by root, group fsGroup, with the manifest's modes;
 * it runs in a private mount namespace where every mount but /proc, /sys, /dev and the
-  emptyDirs is read-only (tests/ro_sandbox.py), as uid/gid 10001 with the supplementary
+  emptyDirs is read-only (tests/deploy/ro_sandbox.py), as uid/gid 10001 with the supplementary
   group fsGroup, no capabilities (bounding set empty) and no_new_privs (setpriv);
 * strace records every file system call that could write: only the cache volume may
   show up (no __pycache__, nothing in /tmp, $HOME or the root filesystem);
@@ -38,7 +38,7 @@ import requests
 
 from spark_plugin.gateway.process import READY_MARKER
 from spark_plugin.spark import sos_command
-from tests.deploy_support import (
+from tests.deploy.support import (
     ROOT,
     dockerfile_copies,
     dockerfile_env,
@@ -272,7 +272,7 @@ class Sandboxed:
                     "--propagation",
                     "private",
                     sys.executable,
-                    str(ROOT / "tests" / "ro_sandbox.py"),
+                    str(ROOT / "tests" / "deploy" / "ro_sandbox.py"),
                     str(spec_path),
                 ],
                 stdin=subprocess.DEVNULL,
@@ -595,7 +595,7 @@ def test_image_env_keeps_python_from_writing_and_the_trace_would_see_it(tmp_path
 
 
 def test_dockerfile_prepares_a_read_only_gateway():
-    from tests.deploy_support import dockerfile_final_stage
+    from tests.deploy.support import dockerfile_final_stage
 
     final = dockerfile_final_stage()
     runs = " ".join(a for i, a in final if i == "RUN")

@@ -1,7 +1,7 @@
 """Issue 17, items 1 and 13: no Spark job can own SOS through the shipped deployment.
 
 Item 1 (Kubernetes): every path the issue names, evaluated over the manifests as the API
-server and a NetworkPolicy plugin would (tests/k8s_model.py), not by reading their text:
+server and a NetworkPolicy plugin would (tests/deploy/support.py), not by reading their text:
 
 (a) RBAC: the driver's service account, and every account it can become by starting a
     pod, has rules only in the jobs' namespace, on pods, services and configmaps: it
@@ -33,23 +33,27 @@ import urllib.parse
 
 import pytest
 
-from tests.deploy_support import COMPOSE, compose, documented_lines, option, spark_conf
-from tests.k8s_model import (
+from tests.deploy.support import (
+    COMPOSE,
     Pod,
     ServiceAccount,
     allowed,
     can,
+    compose,
+    documented_lines,
     grants,
     jobs_namespace,
     namespace_labels,
     namespace_of,
     objects,
+    option,
     pod_labels,
     pod_spec,
     policy_peers,
     reachable,
     referenced_secrets_and_claims,
     service_accounts,
+    spark_conf,
     spark_conf_secrets_and_claims,
     template_pod,
 )
@@ -474,7 +478,7 @@ def test_compose_publishes_the_master_ui_and_the_metrics_on_loopback_only():
     assert published("spark-master") == {master_ui: "127.0.0.1"}
     server = published("sos-server")
     # metrics (no authentication): not published at all, on the server's loopback for the
-    # Prometheus in its network namespace (tests/deploy/test_quota_metrics_hostile.py)
+    # Prometheus in its network namespace (tests/deploy/test_shipped_quotas_metrics.py)
     assert 9070 not in server
     assert server[7070] == "0.0.0.0"  # TLS, every request authenticated: remote clients use it
     for name, svc in s.items():

@@ -32,20 +32,22 @@ import kubernetes_validate
 import pytest
 
 from spark_plugin.spark import GATEWAY_REDACTION_REGEX, gateway_conf
-from tests.deploy_support import (
+from tests.deploy.support import (
     COMPOSE,
     K8S,
     ROOT,
     SPARK_CONF,
+    Pod,
     all_k8s_documents,
+    allowed,
     compose,
     documented_line,
     k8s_documents,
+    objects,
     one,
     option,
     spark_conf,
 )
-from tests.k8s_model import Pod, allowed, objects
 
 #: the oldest Kubernetes these manifests support (native sidecars in spark-driver.yaml)
 #: and the newest schema the pinned kubernetes-validate ships

@@ -23,19 +23,13 @@ import pytest
 
 from spark_plugin.gateway.process import GatewayProcess
 from spark_plugin.spark import sos_command
-from tests.deploy_support import K8S, ROOT, documented_line, k8s_documents, one, option, spark_conf
+from tests.deploy.support import K8S, ROOT, k8s_documents, one, option, run_documented, spark_conf
 from tools.demo import DRIVER_JVM_OPTIONS, committed_batches
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.timeout(1500)]
 
 BATCHES = 3
 K8S_GATEWAY = spark_conf()["spark.kubernetes.driverEnv.SOS_GATEWAY"]  # the conf's URL, mapped here
-
-
-def _documented(tmp_path, *needles):
-    subprocess.run(
-        ["bash", "-c", documented_line(*needles)], cwd=tmp_path, check=True, capture_output=True, timeout=300
-    )
 
 
 def _configmap_files(job_dir):
@@ -53,8 +47,8 @@ def _configmap_files(job_dir):
 
 def test_spark_job_checkpoints_over_swebhdfs_with_the_kubernetes_conf(tmp_path, sos_server_factory):
     for cn in ("/CN=sos-server", "/CN=sos-gateway"):
-        _documented(tmp_path, "openssl req", cn)
-    _documented(tmp_path, "keytool -importcert")
+        run_documented(tmp_path, "openssl req", cn)
+    run_documented(tmp_path, "keytool -importcert")
     tls = tmp_path / "deploy" / "tls"
 
     conf = spark_conf()

@@ -14,7 +14,7 @@ import sys
 import pytest
 import yaml
 
-from tests.deploy_support import dockerfile_command
+from tests.deploy.support import dockerfile_command
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

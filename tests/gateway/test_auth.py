@@ -5,18 +5,11 @@ from __future__ import annotations
 import pytest
 
 from spark_plugin.gateway.http.auth import TokenAuthority
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.support import ManualClock
 
 
 def test_token_grants_its_role_until_it_expires():
-    clock = Clock()
+    clock = ManualClock()
     auth = TokenAuthority("ns", b"k" * 32, ttl=60, clock=clock)
     token, expires_in = auth.issue("read", "abcd")
     assert expires_in == 60
@@ -30,7 +23,7 @@ def test_token_grants_its_role_until_it_expires():
 
 
 def test_tokens_are_bound_to_the_gateway_key_and_namespace():
-    clock = Clock()
+    clock = ManualClock()
     auth = TokenAuthority("ns", b"k" * 32, clock=clock)
     token, _ = auth.issue("append")
     assert TokenAuthority("ns", b"k" * 32, clock=clock).check(token) is not None  # a restart

@@ -22,15 +22,15 @@ from types import SimpleNamespace
 import pytest
 import requests
 
-from tests.gateway.test_day2_rest import metrics_url, scrape
-from tests.gateway.test_gateway import NS, Gw, restore, tree_of
-from tests.gateway_cut_support import FreezableRelay
+from tests.gateway.support import NS, FreezableRelay, Gw, restore
+from tests.support import metrics_url, scrape
+from tests.support import tree_snapshot as tree_of
 
 CHK = "q"
 
 
 def waits(gw: Gw) -> float:
-    return scrape(metrics_url(gw.proc)).get("sos_gateway_barrier_waits_total", 0.0)
+    return scrape(metrics_url(gw.proc.log())).get("sos_gateway_barrier_waits_total", 0.0)
 
 
 def atomic(gw: Gw, path: str, data: bytes) -> None:
@@ -158,7 +158,7 @@ def test_a_replacement_on_an_empty_cache_refuses_the_commit_of_the_batch_in_flig
     try:
         lost = g2.session.get(g2.u(f"/{CHK}/state/0/0/2.delta", op="GETFILESTATUS"))
         assert lost.status_code == 404  # acknowledged, never shipped: why the commit is refused
-        assert scrape(metrics_url(g2.proc))["sos_gateway_batches_in_flight"] == 1
+        assert scrape(metrics_url(g2.proc.log()))["sos_gateway_batches_in_flight"] == 1
         refused = commit(g2, 1)
         assert refused.status_code == 403, refused.text
         exc = refused.json()["RemoteException"]
@@ -188,7 +188,7 @@ def test_a_replacement_on_an_empty_cache_refuses_the_commit_of_the_batch_in_flig
         assert commit(g3, 1).status_code == 403
         # the query started again: its driver reads offsets/1, its tasks write the state again
         assert g3.read(f"/{CHK}/offsets/1") == b"v1\n{}\noffsets 1"
-        assert scrape(metrics_url(g3.proc))["sos_gateway_batches_in_flight"] == 0
+        assert scrape(metrics_url(g3.proc.log()))["sos_gateway_batches_in_flight"] == 0
         state(g3, 1, 2)
         assert commit(g3, 1).status_code == 200
         plan(g3, 2)
@@ -230,7 +230,7 @@ def test_a_gateway_stopped_cleanly_then_replaced_on_an_empty_cache_refuses_nothi
     assert g1.stop() == 0
     g2 = Gw(sos_server, tmp_path, key=g1.key, name="second", args=["--metrics", "127.0.0.1:0"])
     try:
-        assert scrape(metrics_url(g2.proc))["sos_gateway_batches_in_flight"] == 0
+        assert scrape(metrics_url(g2.proc.log()))["sos_gateway_batches_in_flight"] == 0
         assert g2.read(f"/{CHK}/state/0/1/1.delta") == b"state 1 of batch 0"
         assert commit(g2, 0).status_code == 200
         # killed now (no clean stop): its successor on an empty cache refuses batch 1's commit

@@ -17,7 +17,8 @@ import pytest
 from spark_plugin.gateway.http import connection
 from spark_plugin.gateway.http.connection import FAST_HEAD, json_body, parse_fast_head
 from spark_plugin.gateway.webhdfs.hdfs import file_status, file_status_json
-from tests.gateway.test_http_hostile import closed_after, connect, port_of, read_reply, start_gateway, token_for
+from tests.gateway.support import closed_after, connect, port_of, read_reply
+from tests.support import start_gateway, token_for
 
 HADOOP_GET = (
     b"GET /webhdfs/v1/cp/offsets/7?op=GETFILESTATUS&user.name=spark HTTP/1.1\r\n"
@@ -67,6 +68,8 @@ FAST = [
     b"POST /sos/v1/marker?label=b7 HTTP/1.1\r\nHost: a\r\nAuthorization: Bearer t\r\nContent-Length: 0\r\n\r\n",
     b"DELETE /webhdfs/v1/x?op=DELETE HTTP/1.1\r\nHOST:a\r\nX-Empty:\r\nX-Tab:\tv\t w \r\n\r\n",
 ]
+
+NS = "gwhttp"
 
 
 def h11_reads(data: bytes) -> tuple[h11.Request, bytes] | None:
@@ -143,8 +146,8 @@ def test_the_kept_field_blocks_are_bounded():
 @pytest.fixture(scope="module")
 def gw(server, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gwfast")
-    g = start_gateway(server, tmp, name="fast")
-    g.token = token_for(g, g.key)
+    g = start_gateway(server, tmp, name="fast", namespace=NS)
+    g.token = token_for(g.url, g.key, NS)
     s = connect(port_of(g))
     s.sendall(
         f"PUT /webhdfs/v1/d?op=MKDIRS HTTP/1.1\r\nHost: a\r\nAuthorization: Bearer {g.token}\r\n"

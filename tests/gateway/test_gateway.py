@@ -12,7 +12,6 @@ import socket
 import subprocess
 import threading
 import time
-import urllib.parse
 
 import pytest
 import requests
@@ -20,66 +19,9 @@ import requests
 from spark_plugin.gateway.http.auth import TokenAuthority
 from spark_plugin.gateway.process import GatewayProcess
 from spark_plugin.spark import sos_command
-from tests.support import self_signed_cert
+from tests.gateway.support import NS, Gw, chunked_create, peak_rss, remote, restore, send_chunk
+from tests.support import self_signed_cert, token_for
 from tests.support import tree_snapshot as tree_of
-
-NS = "gw"
-
-
-class Gw:
-    """A running gateway plus an authenticated requests session."""
-
-    def __init__(
-        self, server, tmp_path, *, key=None, name="gateway", cache=None, args=(), listen="127.0.0.1:0", sync=True
-    ):
-        self.server = server
-        self.key = key or server.keygen(NS, "append")
-        self.proc = GatewayProcess(
-            NS,
-            str(cache or tmp_path / f"{name}-cache"),
-            server.address,
-            self.key,
-            listen=listen,
-            sync=sync,
-            extra_args=list(args),
-            debug=True,
-            log_path=str(tmp_path / f"{name}.log"),
-        ).start()
-        self.url = self.proc.url
-        self.host, _, port = urllib.parse.urlsplit(self.url).netloc.rpartition(":")
-        self.port = int(port)
-        self.session = requests.Session()
-        self.token = token_for(self.url, self.key)
-        self.session.headers["Authorization"] = f"Bearer {self.token}"
-
-    def u(self, path, **params):
-        query = urllib.parse.urlencode(params)
-        return f"{self.url}/webhdfs/v1{path}" + (f"?{query}" if query else "")
-
-    def put_file(self, path, data, **params):
-        r = self.session.put(self.u(path, op="CREATE", **params), allow_redirects=False)
-        if r.status_code != 307:
-            return r
-        return self.session.put(r.headers["Location"], data=data)
-
-    def read(self, path, **params):
-        r = self.session.get(self.u(path, op="OPEN", **params))
-        assert r.status_code == 200, r.text
-        return r.content
-
-    def stop(self):
-        self.session.close()
-        return self.proc.stop()
-
-
-def token_for(url, key, namespace=NS):
-    r = requests.post(
-        url + "/oauth2/token", data={"grant_type": "client_credentials", "client_id": namespace, "client_secret": key}
-    )
-    assert r.status_code == 200, r.text
-    doc = r.json()
-    assert doc["token_type"] == "Bearer" and doc["expires_in"] > 0
-    return doc["access_token"]
 
 
 @pytest.fixture
@@ -87,23 +29,6 @@ def gw(sos_server, tmp_path):
     g = Gw(sos_server, tmp_path)
     yield g
     g.stop()
-
-
-def restore(server, key, target):
-    env = dict(os.environ, SOS_KEY=key)
-    subprocess.run(
-        [*sos_command(), "restore", "-q", "--server", server.address, NS, str(target)],
-        env=env,
-        check=True,
-        timeout=300,
-        capture_output=True,
-    )
-    return target
-
-
-def remote(r):
-    assert "content-type" not in r.headers
-    return r.json()["RemoteException"]
 
 
 # ---------------------------------------------------------------------------- (a) fsspec
@@ -204,7 +129,7 @@ def test_token_endpoint_refuses_bad_credentials(gw, sos_server):
 
 def test_read_key_token_reads_but_cannot_write(gw, sos_server):
     assert gw.put_file("/r/f", b"data").status_code == 201
-    read_token = token_for(gw.url, sos_server.keygen(NS, "read"))
+    read_token = token_for(gw.url, sos_server.keygen(NS, "read"), NS)
     h = {"Authorization": f"Bearer {read_token}"}
     assert requests.get(gw.u("/r/f", op="GETFILESTATUS"), headers=h).json()["FileStatus"]["length"] == 4
     assert requests.get(gw.u("/r/f", op="OPEN"), headers=h).content == b"data"
@@ -372,29 +297,15 @@ def test_file_status_fields_match_hdfs(gw):
 # ---------------------------------------------------------------------------- (d) streaming
 
 
-def _chunked_create(gw, path):
-    """Start a CREATE data step on a raw connection; the body stays open."""
-    conn = http.client.HTTPConnection(gw.host, gw.port, timeout=120)
-    conn.putrequest("PUT", f"/webhdfs/v1{path}?op=CREATE&overwrite=true&data=true")
-    conn.putheader("Authorization", f"Bearer {gw.token}")
-    conn.putheader("Transfer-Encoding", "chunked")
-    conn.endheaders()
-    return conn
-
-
-def _send_chunk(conn, data):
-    conn.send(b"%x\r\n%s\r\n" % (len(data), data))
-
-
 def test_a_streaming_create_does_not_block_other_requests(sos_server, tmp_path):
     # two worker threads only: a body in progress must hold none of them
     g = Gw(sos_server, tmp_path, args=["--threads", "2"])
     try:
         assert g.put_file("/c/older", b"old log").status_code == 201
-        slow = _chunked_create(g, "/c/new")
-        _send_chunk(slow, b"first part;")
-        slow2 = _chunked_create(g, "/c/other")  # a second body at the same time
-        _send_chunk(slow2, b"x" * 100_000)
+        slow = chunked_create(g, "/c/new")
+        send_chunk(slow, b"first part;")
+        slow2 = chunked_create(g, "/c/other")  # a second body at the same time
+        send_chunk(slow2, b"x" * 100_000)
         # meanwhile the same client needs other files (Spark reads the older log files
         # while it writes the new one), renames and deletes
         s = g.session
@@ -408,7 +319,7 @@ def test_a_streaming_create_does_not_block_other_requests(sos_server, tmp_path):
         # a second writer of a file being written is refused, as HDFS's lease does
         r = g.put_file("/c/new", b"intruder", overwrite="true")
         assert r.status_code == 403 and remote(r)["exception"] == "AlreadyBeingCreatedException"
-        _send_chunk(slow, b"second part")
+        send_chunk(slow, b"second part")
         slow.send(b"0\r\n\r\n")
         assert slow.getresponse().status == 201
         slow2.send(b"0\r\n\r\n")
@@ -626,21 +537,13 @@ def test_async_mode_does_not_wait_for_the_server(sos_server, tmp_path):
 # ---------------------------------------------------------------------------- (f) memory
 
 
-def _peak_rss(pid):
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmHWM")
-
-
 @pytest.mark.slow
 def test_a_big_file_streams_through_in_bounded_memory(sos_server, tmp_path):
     g = Gw(sos_server, tmp_path)
     size = 384 << 20
     block = os.urandom(1 << 20)
     try:
-        before = _peak_rss(g.proc.pid)
+        before = peak_rss(g.proc.pid)
 
         def body():
             for i in range(size // len(block)):
@@ -653,7 +556,7 @@ def test_a_big_file_streams_through_in_bounded_memory(sos_server, tmp_path):
             for chunk in r.iter_content(1 << 20):
                 got += len(chunk)
         assert got == size
-        grown = _peak_rss(g.proc.pid) - before
+        grown = peak_rss(g.proc.pid) - before
         assert grown < 96 << 20, f"gateway peak RSS grew by {grown >> 20} MiB for a {size >> 20} MiB file"
     finally:
         assert g.stop() == 0
@@ -704,8 +607,8 @@ def test_sigterm_lets_the_requests_in_progress_finish_and_refuses_new_connection
     first = idle.getresponse()
     first.read()
     assert first.status == 200 and not first.will_close  # kept alive, now idle
-    slow = _chunked_create(g, "/d/file")
-    _send_chunk(slow, b"first part;")
+    slow = chunked_create(g, "/d/file")
+    send_chunk(slow, b"first part;")
     assert g.session.get(g.u("/", op="LISTSTATUS")).status_code == 200  # body is in progress
     g.session.close()
     g.proc.proc.send_signal(signal.SIGTERM)
@@ -722,7 +625,7 @@ def test_sigterm_lets_the_requests_in_progress_finish_and_refuses_new_connection
         assert time.monotonic() < deadline, "the gateway still accepts connections"
         time.sleep(0.05)
     assert g.proc.proc.poll() is None  # still running: a request is in progress
-    _send_chunk(slow, b"second part")
+    send_chunk(slow, b"second part")
     slow.send(b"0\r\n\r\n")
     reply = slow.getresponse()
     assert reply.status == 201
@@ -751,10 +654,10 @@ def test_every_token_request_asks_the_server(gw, sos_server):
             time.sleep(0.1)
         return authentications()
 
-    token_for(gw.url, key)
+    token_for(gw.url, key, NS)
     assert logged(1) == 1, "the server logs each AUTH with its key (else this test proves nothing)"
     for _ in range(5):
-        token_for(gw.url, key)
+        token_for(gw.url, key, NS)
     assert logged(6) == 6  # five more tokens, five more AUTHs at the server
     bad = "0123456789abcdef." + "cd" * 32
     for _ in range(2):

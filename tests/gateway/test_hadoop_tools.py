@@ -8,10 +8,8 @@ answers, the gateway answers."""
 from __future__ import annotations
 
 import getpass
-import glob
 import hashlib
 import os
-import shutil
 import subprocess
 import urllib.request
 
@@ -20,50 +18,11 @@ import pytest
 
 from spark_plugin.gateway.process import GatewayProcess
 from spark_plugin.spark import gateway_conf, webhdfs_url
+from tests.gateway.support import hadoop_harness, hadoop_java, hadoop_shell
 
 pytestmark = [pytest.mark.hadoop, pytest.mark.slow, pytest.mark.timeout(900)]
 
 NS = "hadooptools"
-HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _jars() -> str:
-    pyspark = pytest.importorskip("pyspark")
-    jars = os.path.join(os.path.dirname(pyspark.__file__), "jars")
-    if not glob.glob(os.path.join(jars, "hadoop-client-api-*.jar")):
-        pytest.skip("pyspark has no Hadoop client jars")
-    return jars
-
-
-@pytest.fixture(scope="module")
-def java_env(tmp_path_factory):
-    """(classpath, env) to run Hadoop's client: the harness compiled with javac."""
-    if shutil.which("java") is None or shutil.which("javac") is None:
-        pytest.skip("no JDK (java and javac) on this machine")
-    jars = _jars()
-    classes = tmp_path_factory.mktemp("harness")
-    subprocess.run(
-        [
-            "javac",
-            "-nowarn",
-            "-d",
-            str(classes),
-            "-cp",
-            os.path.join(jars, "*"),
-            os.path.join(HERE, "java", "HadoopHarness.java"),
-        ],
-        check=True,
-        timeout=300,
-        capture_output=True,
-    )
-    # UTF-8 arguments and output whatever the machine's locale
-    env = dict(
-        os.environ,
-        LC_ALL="C.UTF-8",
-        LANG="C.UTF-8",
-        JAVA_TOOL_OPTIONS="-Dfile.encoding=UTF-8 -Dsun.stdout.encoding=UTF-8 -Dsun.stderr.encoding=UTF-8 -Xshare:auto",
-    )
-    return f"{classes}{os.pathsep}{os.path.join(jars, '*')}", env
 
 
 @pytest.fixture(scope="module")
@@ -75,56 +34,6 @@ def gateway(server, tmp_path_factory):
     ).start()
     yield gw, key
     assert gw.stop() == 0, gw.log()[-4000:]
-
-
-def _conf_args(gw, key) -> list[str]:
-    return [f"{k}={v}" for k, v in gateway_conf(gw.url, NS, key).items()]
-
-
-def java(java_env, gateway, base: str, *cases: str | list[str]) -> tuple[dict[str, tuple[str, str]], list]:
-    """Run CASES in ONE harness JVM, in order, against webhdfs://gateway/BASE: a name is one of
-    the harness's cases, a list is an FsShell command (argument list; "{u}" is the gateway's
-    webhdfs:// URL) run in the JVM as `hadoop fs` runs it (ToolRunner: -D options too).
-    ({case: (ok|error, result)}, [(exit code, stdout, stderr) per command])."""
-    classpath, env = java_env
-    gw, key = gateway
-    u = webhdfs_url(gw.url).rstrip("/")
-    args = [c if isinstance(c, str) else "shell:" + "|".join(a.replace("{u}", u) for a in c) for c in cases]
-    named = [c for c in cases if isinstance(c, str)]
-    out = subprocess.run(
-        ["java", "-cp", classpath, "HadoopHarness", webhdfs_url(gw.url, base), *_conf_args(gw, key), "--", *args],
-        capture_output=True,
-        env=env,
-        timeout=600,
-        check=False,
-    )
-    text = out.stdout.decode("utf-8", "replace")
-    assert out.returncode == 0, text + out.stderr.decode("utf-8", "replace")[-4000:]
-    results = {}
-    shells = []
-    for line in text.splitlines():
-        name, _, rest = line.partition("\t")
-        if name == "shell":
-            code, sout, serr = rest.split("\t")
-            unesc = [x.replace("\\n", "\n").replace("\\t", "\t").replace("\\\\", "\\") for x in (sout, serr)]
-            shells.append((int(code), unesc[0], unesc[1]))
-        elif name in named:
-            status, _, value = rest.partition("\t")
-            results[name] = (status, value)
-    assert set(results) == set(named), text
-    assert len(shells) == len(cases) - len(named), text
-    return results, shells
-
-
-def harness(java_env, gateway, base: str, *cases: str) -> dict[str, tuple[str, str]]:
-    """Run the harness's CASES against webhdfs://gateway/BASE: {case: (ok|error, result)}."""
-    return java(java_env, gateway, base, *cases)[0]
-
-
-def shell(java_env, gateway, *commands: list[str]) -> list[tuple[int, str, str]]:
-    """FsShell COMMANDS (argument lists; "{u}" is the gateway's webhdfs:// URL) run in one
-    JVM as `hadoop fs` runs them: [(exit code, stdout, stderr)]."""
-    return java(java_env, gateway, "shell", *commands)[1]
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +77,7 @@ def _crc32c_md5md5(data: bytes) -> str:
 def test_block_locations_one_per_block_on_localhost(java_env, gateway):
     """Gap 1: GETFILEBLOCKLOCATIONS (what Spark's file index asks for every read), with
     listFiles and listLocatedStatus built on it, and -setrep -w."""
-    r, [(code, out, err)] = java(
+    r, [(code, out, err)] = hadoop_java(
         java_env, gateway, "gap1", "blocklocations", "blocklocations-dir", ["-setrep", "-w", "1", "{u}/gap1/blocks/a"]
     )
     status, value = r["blocklocations"]
@@ -193,7 +102,7 @@ def test_non_ascii_names_through_fs_shell(java_env, gateway, conf_dir, tmp_path)
     local = tmp_path / "local.txt"
     local.write_text("grüße\n", encoding="utf-8")
     name = "gap2/dïr ✓/fïlé 日本.txt"
-    mkdir, put, ls = shell(
+    mkdir, put, ls = hadoop_shell(
         java_env,
         gateway,
         ["-mkdir", "-p", "{u}/gap2/dïr ✓"],
@@ -211,7 +120,7 @@ def test_non_ascii_names_through_fs_shell(java_env, gateway, conf_dir, tmp_path)
 def test_create_flags_overwrite_and_append(java_env, gateway):
     """Gap 3: createflag (createNonRecursive, createFile(p).overwrite(true).build(),
     FileContext.create with CREATE|OVERWRITE and CREATE|APPEND)."""
-    r = harness(java_env, gateway, "gap3", "createNonRecursive", "createFileBuilder")
+    r = hadoop_harness(java_env, gateway, "gap3", "createNonRecursive", "createFileBuilder")
     assert r["createNonRecursive"] == ("ok", "new FileNotFoundException FileAlreadyExistsException"), r
     assert r["createFileBuilder"] == ("ok", "built context context+more"), r
 
@@ -221,7 +130,7 @@ def test_file_checksum_is_hdfs_md5_of_md5_of_crc32c(java_env, gateway, tmp_path)
     and MD5Hash in the harness, and in Python), null for an empty file, `-checksum` exits 0;
     a directory is refused with an IOException (FileNotFoundException), which DistCp
     catches."""
-    r, [(code, out, err)] = java(
+    r, [(code, out, err)] = hadoop_java(
         java_env, gateway, "gap4", "checksum", "checksum-dir", "checksum-2blocks", ["-checksum", "{u}/gap4/sum"]
     )
     assert r["checksum-2blocks"] == ("ok", "MD5-of-262144MD5-of-512CRC32C true"), r
@@ -242,7 +151,7 @@ def test_trash_rm_moves_to_user_trash(java_env, gateway):
     """Gap 5: GETTRASHROOT(S); -rm with fs.trash.interval set (-D, as on `hadoop fs`'s command
     line) moves to /user/USER/.Trash. One JVM, in order."""
     user = os.environ.get("HADOOP_USER_NAME") or getpass.getuser()
-    res, [mkdir, touch, rm, ls] = java(
+    res, [mkdir, touch, rm, ls] = hadoop_java(
         java_env,
         gateway,
         "gap5",
@@ -264,7 +173,7 @@ def test_set_owner_is_accepted_and_records_nothing(java_env, gateway, tmp_path):
     gateway's; a missing path is refused as HDFS refuses it."""
     local = tmp_path / "p.txt"
     local.write_text("preserved")
-    r, results = java(
+    r, results = hadoop_java(
         java_env,
         gateway,
         "gap6",
@@ -287,7 +196,7 @@ def test_set_owner_is_accepted_and_records_nothing(java_env, gateway, tmp_path):
 def test_count_e_shows_the_erasure_coding_policy(java_env, gateway):
     """Gap 7: GETCONTENTSUMMARY carries ecPolicy ("" for a directory without a policy,
     "Replicated" for a file, as HDFS), so -count -e works."""
-    r, [(code, out, err)] = java(java_env, gateway, "gap7", "contentSummary", ["-count", "-e", "{u}/gap7/cs/f"])
+    r, [(code, out, err)] = hadoop_java(java_env, gateway, "gap7", "contentSummary", ["-count", "-e", "{u}/gap7/cs/f"])
     assert r["contentSummary"] == ("ok", "[] [Replicated] 10 1"), r
     assert code == 0, err
     assert out.split()[:4] == ["0", "1", "10", "Replicated"], out
@@ -296,7 +205,7 @@ def test_count_e_shows_the_erasure_coding_policy(java_env, gateway):
 def test_df_reports_the_cache_filesystem(java_env, gateway):
     """Gap 8: GETSTATUS (capacity, used, remaining of the gateway's cache filesystem), so
     -df works."""
-    r, [(code, out, err)] = java(java_env, gateway, "gap8", "status", ["-df", "{u}/"])
+    r, [(code, out, err)] = hadoop_java(java_env, gateway, "gap8", "status", ["-df", "{u}/"])
     assert r["status"] == ("ok", "true true true true"), r
     gw, _ = gateway
     sv = os.statvfs(gw.cache_dir)
@@ -312,7 +221,7 @@ def test_open_past_end_rename_into_child_and_delete_root_as_hdfs(java_env, gatew
     """OPEN past the end: EOFException (HDFS's DataNode refuses the seek); renaming a
     directory into its own child: false from rename, IOException from rename2 (FileContext);
     delete("/", recursive): false, nothing deleted."""
-    r = harness(java_env, gateway, "small", "seekPastEnd", "renameIntoChild", "deleteRoot")
+    r = hadoop_harness(java_env, gateway, "small", "seekPastEnd", "renameIntoChild", "deleteRoot")
     assert r["seekPastEnd"] == ("ok", "EOFException"), r
     assert r["renameIntoChild"] == ("ok", "false IOException true"), r
     assert r["deleteRoot"] == ("ok", "false true"), r

@@ -19,12 +19,6 @@ goes on the live session's Hadoop configuration only (the Builder's ``getOrCreat
 
 from __future__ import annotations
 
-import json
-import os
-from collections import Counter
-
-import psutil
-
 from spark_plugin.spark import CREDENTIAL_CONF, GATEWAY_REDACTION_REGEX, gateway_checkpoint
 
 NS = "argvkey"
@@ -94,19 +88,3 @@ def test_a_builder_gets_every_setting_but_the_credential_which_getorcreate_appli
     applied = b2.getOrCreate().hadoop
     assert applied["dfs.webhdfs.oauth2.credential"] in (key, "k2.s")
     assert len(b2.created) == 1
-
-
-def _cmdline(p: psutil.Process) -> str:
-    """A process's command line, as ``ps`` shows it to any user ("" once it is gone)."""
-    try:
-        return "\0".join(p.cmdline())
-    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-        return ""
-
-
-def _ids(out_dir) -> Counter:
-    ids: Counter = Counter()
-    for name in os.listdir(out_dir):
-        with open(os.path.join(out_dir, name)) as f:
-            ids.update(json.loads(line)["id"] for line in f)
-    return ids

@@ -19,18 +19,11 @@ from spark_plugin.gateway.http.auth import TokenAuthority
 from spark_plugin.gateway.http.operations import SharedBarrier
 from spark_plugin.gateway.http.server import QUICK_LIMIT, Gateway
 from spark_plugin.gateway.webhdfs.hdfs import WebHdfsError
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.support import ManualClock
 
 
 def test_a_remembered_token_still_expires_and_a_forged_one_is_never_remembered(monkeypatch):
-    clock = Clock()
+    clock = ManualClock()
     authority = TokenAuthority("ns", b"s" * 32, ttl=60, clock=clock)
     token, _ = authority.issue("append", "00" * 8, b"k" * 32)
     first = authority.check(token)

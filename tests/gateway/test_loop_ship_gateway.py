@@ -13,10 +13,13 @@ import requests
 from sos_client import Client
 from sos_journal import restore, verify
 from sos_journal.testing import tree_state
-from tests.gateway.test_http_hostile import NS, TIMEOUT, start_gateway, token_for
+from tests.gateway.support import TIMEOUT
+from tests.support import start_gateway, token_for
 
 #: outages at most until a loop round has failed and gone to the thread (test below)
 OUTAGES = 4
+
+NS = "gwhttp"
 
 
 def _log(gw) -> str:
@@ -38,8 +41,8 @@ def _commit(url: str, token: str, i: int) -> None:
 
 def test_acknowledged_files_survive_server_restarts_between_loop_rounds(sos_server, tmp_path):
     # --barrier every: every CREATE body and RENAME waits, so each is a round from the loop
-    gw = start_gateway(sos_server, tmp_path, "--barrier", "every", name="loopship")
-    token = token_for(gw, gw.key)
+    gw = start_gateway(sos_server, tmp_path, "--barrier", "every", name="loopship", namespace=NS)
+    token = token_for(gw.url, gw.key, NS)
     n = 0
     for _restart in range(3):
         for _ in range(5):
@@ -60,8 +63,8 @@ def test_acknowledged_files_survive_server_restarts_between_loop_rounds(sos_serv
 
 
 def test_a_round_the_loop_cannot_send_is_retried_by_the_thread(sos_server, tmp_path):
-    gw = start_gateway(sos_server, tmp_path, "--barrier", "every", name="handover")
-    token = token_for(gw, gw.key)
+    gw = start_gateway(sos_server, tmp_path, "--barrier", "every", name="handover", namespace=NS)
+    token = token_for(gw.url, gw.key, NS)
     _commit(gw.url, token, 0)
     # Each outage: a commit while the server is down. Its first round is usually the loop's
     # (the barrier claims it as the CREATE body is journaled); the replicator thread, looking

@@ -15,7 +15,6 @@ is in flight (the data PUT after CREATE's redirect).
 from __future__ import annotations
 
 import contextlib
-import glob
 import json
 import os
 import random
@@ -36,7 +35,7 @@ import requests
 
 from spark_plugin.gateway.process import GatewayProcess
 from spark_plugin.spark import gateway_checkpoint, gateway_conf, ride_through_jar, sos_command
-from tests.support import pair_listen
+from tests.support import hadoop_jars, pair_listen
 from tools.demo import make_input
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -45,21 +44,12 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/
 NS = "ride"
 
 
-def _jars() -> str:
-    import pyspark
-
-    jars = os.path.join(os.path.dirname(pyspark.__file__), "jars")
-    if not glob.glob(os.path.join(jars, "hadoop-client-api-*.jar")):
-        pytest.skip("pyspark has no Hadoop client jars")
-    return jars
-
-
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory):
     """(classpath without the ride-through jar, the jar, env)."""
     if shutil.which("java") is None or shutil.which("javac") is None:
         pytest.skip("no JDK (java and javac) on this machine")
-    jars = _jars()
+    jars = hadoop_jars()
     subprocess.run([os.path.join(HERE, "..", "scripts", "build-jar"), sys.executable], check=True, timeout=300)
     jar = ride_through_jar()
     assert jar is not None, "scripts/build-jar built no jar"

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -20,130 +19,13 @@ import pytest
 
 from spark_plugin.gateway.process import GatewayProcess
 from spark_plugin.spark import restore_to_batch, sos_command
-from tests.gateway_cut_support import CutProxy
+from tests.gateway.support import FILES, FIRST_RUN_FILES, RECORDS, CutProxy, TwoRuns, requests_by_op
+from tests.support import output_ids
 from tools.demo import committed_batches, kill_tree, make_input
-from tools.logtext import as_text
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.timeout(1500)]
 
 NS = "gwspark"
-RECORDS = 500
-FILES = 5
-FIRST_RUN_FILES = 3
-
-#: The query run once per entry of ``cfg["runs"]`` (one after the other in one driver: the
-#: second starts once its "wait_for" file exists and resumes from the checkpoint the first
-#: left, as a new query run of it)
-DRIVER = textwrap.dedent("""
-    import json, os, sys, time
-    cfg = json.load(open(sys.argv[1]))
-    from pyspark.sql import SparkSession
-    from tools.demo import DRIVER_JVM_OPTIONS, write_batch_output
-    from spark_plugin.spark import gateway_checkpoint
-
-    builder = (SparkSession.builder.master("local[2]").appName("sos-gateway-smoke")
-               .config("spark.sql.shuffle.partitions", "2")
-               .config("spark.ui.enabled", "false")
-               .config("spark.ui.showConsoleProgress", "false")
-               .config("spark.driver.extraJavaOptions", DRIVER_JVM_OPTIONS))
-    loc = gateway_checkpoint(builder, cfg["url"], cfg["ns"], os.environ["SOS_KEY"], cfg["checkpoint"])
-    spark = builder.getOrCreate()
-    spark.sparkContext.setLogLevel("ERROR")
-    loc.attach(spark)
-    os.makedirs(cfg["out"], exist_ok=True)
-
-    for run in cfg["runs"]:
-        while run.get("wait_for") and not os.path.exists(run["wait_for"]):
-            time.sleep(0.1)
-        batches, marked = [], len(loc.listener.written)
-
-        def sink(df, batch_id):
-            write_batch_output(cfg["out"], df, batch_id)
-            batches.append(batch_id)
-
-        query = (spark.readStream.schema("id LONG, payload STRING")
-                 .option("maxFilesPerTrigger", 1).json(cfg["input"])
-                 .dropDuplicates(["id"])
-                 .writeStream.foreachBatch(sink).option("checkpointLocation", str(loc))
-                 .trigger(availableNow=True).start())
-        query.awaitTermination()
-        deadline = time.monotonic() + 120  # the listener runs asynchronously
-        while set(loc.listener.written[marked:]) < set(batches) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        with open(run["result"] + ".tmp", "w") as f:
-            json.dump({"location": str(loc), "batches": batches, "markers": loc.listener.written[marked:],
-                       "errors": loc.listener.errors}, f)
-        os.replace(run["result"] + ".tmp", run["result"])
-    spark.stop()
-""")
-
-
-class TwoRuns:
-    """The driver above in its own process: ``first()`` waits for the first run's result;
-    ``second()`` lets the second run go (the caller added input first) and waits for its
-    result and the driver's exit."""
-
-    def __init__(self, tmp_path, cfg, key):
-        self.tmp_path = tmp_path
-        self.runs = [
-            {"result": str(tmp_path / "run1-result.json")},
-            {"result": str(tmp_path / "run2-result.json"), "wait_for": str(tmp_path / "run2-go")},
-        ]
-        script = tmp_path / "driver.py"
-        script.write_text(DRIVER)
-        cfg_path = tmp_path / "driver.json"
-        cfg_path.write_text(json.dumps(dict(cfg, runs=self.runs)))
-        env = dict(
-            os.environ,
-            SOS_KEY=key,
-            PYTHONPATH=os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p),
-        )
-        self.log_path = tmp_path / "driver.log"
-        with open(self.log_path, "wb") as logf:
-            self.proc = subprocess.Popen(
-                [sys.executable, str(script), str(cfg_path)],
-                stdout=logf,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-            )
-
-    def _result(self, i):
-        path = self.runs[i]["result"]
-        deadline = time.monotonic() + 900
-        while not os.path.exists(path):
-            assert self.proc.poll() is None or os.path.exists(path), self.log_path.read_text()[-6000:]
-            assert time.monotonic() < deadline, f"run {i + 1}: no result after 900 s"
-            time.sleep(0.2)
-        with open(path) as f:
-            return json.load(f)
-
-    def first(self):
-        return self._result(0)
-
-    def second(self):
-        (self.tmp_path / "run2-go").touch()
-        result = self._result(1)
-        assert self.proc.wait(600) == 0, self.log_path.read_text()[-6000:]
-        return result
-
-    def kill(self):
-        kill_tree(self.proc)
-
-
-def _ids(out_dir):
-    ids = Counter()
-    for name in os.listdir(out_dir):
-        with open(os.path.join(out_dir, name)) as f:
-            ids.update(json.loads(line)["id"] for line in f)
-    return ids
-
-
-def _requests_by_op(gateway_log: str) -> Counter:
-    ops = Counter()
-    for m in re.finditer(r"DEBUG (GET|PUT|POST|DELETE) (\S+) \S+( \[data\])? -> (\d+)", as_text(gateway_log)):
-        ops[f"{m.group(1)} {m.group(2)}{' data' if m.group(3) else ''} {m.group(4)}"] += 1
-    return ops
 
 
 def test_spark_query_checkpoints_through_the_gateway_and_resumes(sos_server, tmp_path):
@@ -183,11 +65,11 @@ def test_spark_query_checkpoints_through_the_gateway_and_resumes(sos_server, tmp
         assert run["errors"] == []
         assert sorted(run["markers"]) == run["batches"]
 
-    ids = _ids(tmp_path / "out")
+    ids = output_ids(tmp_path / "out")
     assert sorted(ids) == list(range(RECORDS)) and set(ids.values()) == {1}, "exactly once"
 
     # what Hadoop asked of the gateway (the lead's per-batch request count)
-    ops = _requests_by_op(gw.log())
+    ops = requests_by_op(gw.log())
     print("gateway requests for", FILES, "batches:", sum(ops.values()))
     for op, n in sorted(ops.items()):
         print(f"  {op}: {n}")

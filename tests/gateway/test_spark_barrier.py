@@ -26,7 +26,7 @@ import pytest
 
 from spark_plugin.gateway.client import GatewayClient
 from spark_plugin.gateway.process import GatewayProcess
-from tests.gateway.test_day2_rest import metrics_url
+from tests.support import metrics_url
 from tools.demo import check_output, gateway_committed_batches, kill_tree, make_input, wait_for
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -193,7 +193,7 @@ def barrier(server, tmp_path_factory):
     gw1 = gateway(1)
     gw2 = None
     out: dict = {"expected": expected}
-    cfg = {"url": gw1.url, "ns": NS, "metrics": metrics_url(gw1), "flags": str(tmp_path / "flags"), "runs": runs}
+    cfg = {"url": gw1.url, "ns": NS, "metrics": metrics_url(gw1.log()), "flags": str(tmp_path / "flags"), "runs": runs}
     d = _driver(tmp_path, cfg, key)
     try:
         for run in runs[:2]:

@@ -7,7 +7,6 @@ told. All real processes: sos-server, two gateways, a JVM with pyspark's Hadoop 
 
 from __future__ import annotations
 
-import glob
 import os
 import shutil
 import signal
@@ -19,52 +18,13 @@ import urllib.parse
 import pytest
 import requests
 
-from spark_plugin.gateway.process import GatewayProcess
-from spark_plugin.spark import sos_command
-from tests.support import pair_listen, tree_snapshot
+from tests.gateway.support import pair_gateway, restored
+from tests.support import hadoop_jars, run_sos_as, token_for, tree_snapshot, wait_for, webhdfs_create
 from tools.jvm import LIGHT_JVM_OPTIONS
 
 NS = "ha"
 LEASE = 3
 DATA = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data")
-
-
-def _jars() -> str | None:
-    try:
-        import pyspark
-    except ImportError:
-        return None
-    jars = os.path.join(os.path.dirname(pyspark.__file__), "jars")
-    return jars if glob.glob(os.path.join(jars, "hadoop-client-api-*.jar")) else None
-
-
-def gateway(server, key, tmp_path, name, *args, lease=LEASE, cache=None):
-    return GatewayProcess(
-        NS,
-        str(cache or tmp_path / f"{name}-cache"),
-        server.address,
-        key,
-        listen=pair_listen(),
-        extra_args=["--lease", str(lease), *args],
-        debug=True,
-        log_path=str(tmp_path / f"{name}.log"),
-    ).start()
-
-
-def token(url, key):
-    r = requests.post(
-        url + "/oauth2/token", data={"grant_type": "client_credentials", "client_id": NS, "client_secret": key}
-    )
-    assert r.status_code == 200, r.text
-    return r.json()["access_token"]
-
-
-def put(url, tok, path, data):
-    h = {"Authorization": f"Bearer {tok}"}
-    r = requests.put(f"{url}/webhdfs/v1{path}?op=CREATE&overwrite=true", headers=h, allow_redirects=False, timeout=60)
-    if r.status_code != 307:
-        return r
-    return requests.put(r.headers["Location"], data=data, headers=h, timeout=60)
 
 
 def standby_refusal(r):
@@ -81,41 +41,15 @@ def standby_refusal(r):
 def refused_or_gone(url, tok, path):
     """A fenced gateway of a pair refuses as a standby until it has stopped (exit 3)."""
     try:
-        r = put(url, tok, path, b"z")
+        r = webhdfs_create(url, tok, path, b"z")
     except requests.ConnectionError:
         return "gone"
     standby_refusal(r)
     return "refused"
 
 
-def sos(server, key, *args, check=True):
-    done = subprocess.run(
-        [*sos_command(), *args, "--server", server.address],
-        env=dict(os.environ, SOS_KEY=key),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert not check or done.returncode == 0, (args, done.stdout, done.stderr)
-    return done
-
-
-def restored(server, key, target):
-    sos(server, key, "restore", "-q", NS, str(target))
-    return tree_snapshot(target)
-
-
-def wait_for(cond, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"not within {timeout} s: {what}")
-
-
 def generations(server, key):
-    out = sos(server, key, "ls", f"{NS}/gen/").stdout
+    out = run_sos_as(server, key, "ls", f"{NS}/gen/", ok=True).stdout
     return sorted({line.split("gen/")[1].split("/")[0] for line in out.splitlines() if "gen/" in line})
 
 
@@ -124,14 +58,14 @@ def generations(server, key):
 
 def test_standby_tails_the_journal_answers_standby_exception_and_takes_over(sos_server, tmp_path):
     key = sos_server.keygen(NS)
-    active = gateway(sos_server, key, tmp_path, "active", "--generation-bytes", "64K")
-    standby = gateway(sos_server, key, tmp_path, "standby", "--standby")
+    active = pair_gateway(sos_server, key, tmp_path, "active", "--generation-bytes", "64K", namespace=NS)
+    standby = pair_gateway(sos_server, key, tmp_path, "standby", "--standby", namespace=NS)
     try:
-        tok = token(active.url, key)
+        tok = token_for(active.url, key, NS)
         # tokens: the standby issues them too, and each gateway accepts the other's
-        tok2 = token(standby.url, key)
+        tok2 = token_for(standby.url, key, NS)
         for i in range(40):  # several generations (64 KiB each): their snapshots are skipped
-            assert put(active.url, tok2, f"/d/f{i % 7}", os.urandom(5000) + b"%d" % i).status_code == 201
+            assert webhdfs_create(active.url, tok2, f"/d/f{i % 7}", os.urandom(5000) + b"%d" % i).status_code == 201
         r = requests.put(
             f"{active.url}/webhdfs/v1/d/f1?op=RENAME&destination=/d/moved", headers={"Authorization": f"Bearer {tok}"}
         )
@@ -158,13 +92,13 @@ def test_standby_tails_the_journal_answers_standby_exception_and_takes_over(sos_
             LEASE + 15,
             "the standby promoted itself",
         )
-        assert put(standby.url, tok, "/d/after", b"after").status_code == 201
+        assert webhdfs_create(standby.url, tok, "/d/after", b"after").status_code == 201
         # it continued the journal's generation (no snapshot of the whole tree)
         assert generations(sos_server, key) == before
         assert "continues the journal after record" in standby.log()
         expected["d/after"] = b"after"
-        assert restored(sos_server, key, tmp_path / "r") == expected
-        assert sos(sos_server, key, "verify", "-q", NS).returncode == 0
+        assert restored(sos_server, key, tmp_path / "r", NS) == expected
+        assert run_sos_as(sos_server, key, "verify", "-q", NS, ok=True).returncode == 0
     finally:
         for g in (active, standby):
             g.kill()
@@ -172,24 +106,24 @@ def test_standby_tails_the_journal_answers_standby_exception_and_takes_over(sos_
 
 def test_promote_by_hand_fences_the_active(sos_server, tmp_path):
     key = sos_server.keygen(NS)
-    active = gateway(sos_server, key, tmp_path, "active")
-    standby = gateway(sos_server, key, tmp_path, "standby", "--standby", lease=60)
+    active = pair_gateway(sos_server, key, tmp_path, "active", namespace=NS)
+    standby = pair_gateway(sos_server, key, tmp_path, "standby", "--standby", lease=60, namespace=NS)
     try:
-        tok = token(active.url, key)
-        assert put(active.url, tok, "/a", b"before").status_code == 201
-        wrong = sos(sos_server, key, "gateway", "promote", NS, active.url, check=False)
+        tok = token_for(active.url, key, NS)
+        assert webhdfs_create(active.url, tok, "/a", b"before").status_code == 201
+        wrong = run_sos_as(sos_server, key, "gateway", "promote", NS, active.url)
         assert wrong.returncode == 1 and "FileNotFoundException" in wrong.stderr  # not a standby
-        done = sos(sos_server, key, "gateway", "promote", NS, standby.url)
+        done = run_sos_as(sos_server, key, "gateway", "promote", NS, standby.url, ok=True)
         assert "promoted: writer epoch" in done.stdout, done.stdout
-        again = sos(sos_server, key, "gateway", "promote", NS, standby.url)
+        again = run_sos_as(sos_server, key, "gateway", "promote", NS, standby.url, ok=True)
         assert "already active" in again.stdout
         # the old active is fenced: its lease renewal (or its fence check) says so: it refuses
         # as a standby, and stops with exit status 3
         refused_or_gone(active.url, tok, "/zombie")
         assert active.proc.wait(timeout=30) == 3
         assert "FENCED" in active.log()
-        assert put(standby.url, tok, "/b", b"after").status_code == 201
-        assert restored(sos_server, key, tmp_path / "r") == {"a": b"before", "b": b"after"}
+        assert webhdfs_create(standby.url, tok, "/b", b"after").status_code == 201
+        assert restored(sos_server, key, tmp_path / "r", NS) == {"a": b"before", "b": b"after"}
     finally:
         for g in (active, standby):
             g.kill()
@@ -204,8 +138,8 @@ JAVAC_LIGHT = [f"-J{o}" for o in LIGHT_JVM_OPTIONS.split()]
 
 @pytest.fixture(scope="module")
 def ha_writer(tmp_path_factory):
-    jars = _jars()
-    if jars is None or shutil.which("javac") is None:
+    jars = hadoop_jars()
+    if shutil.which("javac") is None:
         pytest.skip("needs pyspark's Hadoop jars and javac")
     out = tmp_path_factory.mktemp("hawriter")
     subprocess.run(
@@ -275,8 +209,8 @@ class JavaWriter:
 
 def check_history(server, key, writer, tmp_path):
     """One unbroken journal (sos verify), and restore equals what the client was told."""
-    assert sos(server, key, "verify", "-q", NS).returncode == 0
-    tree = restored(server, key, tmp_path / "restored")
+    assert run_sos_as(server, key, "verify", "-q", NS, ok=True).returncode == 0
+    tree = restored(server, key, tmp_path / "restored", NS)
     commits = {p: v for p, v in tree.items() if p.startswith("ha/commits/")}
     assert commits == {f"ha/commits/{i}": f"batch {i}\n".encode() for i in writer.commits}
 
@@ -287,8 +221,8 @@ def addr(url):
 
 def test_hadoop_client_fails_over_when_the_active_is_killed(sos_server, tmp_path, ha_writer):
     key = sos_server.keygen(NS)
-    active = gateway(sos_server, key, tmp_path, "active")
-    standby = gateway(sos_server, key, tmp_path, "standby", "--standby")
+    active = pair_gateway(sos_server, key, tmp_path, "active", namespace=NS)
+    standby = pair_gateway(sos_server, key, tmp_path, "standby", "--standby", namespace=NS)
     writer = None
     try:
         # the standby first: the client is sent on by its StandbyException
@@ -314,11 +248,11 @@ def test_hadoop_client_fails_over_when_the_active_is_killed(sos_server, tmp_path
 
 def test_sigstop_past_the_lease_never_makes_two_writers(sos_server, tmp_path, ha_writer):
     key = sos_server.keygen(NS)
-    active = gateway(sos_server, key, tmp_path, "active")
-    standby = gateway(sos_server, key, tmp_path, "standby", "--standby")
+    active = pair_gateway(sos_server, key, tmp_path, "active", namespace=NS)
+    standby = pair_gateway(sos_server, key, tmp_path, "standby", "--standby", namespace=NS)
     writer = None
     try:
-        tok = token(active.url, key)
+        tok = token_for(active.url, key, NS)
         # a request held by the paused gateway times out after 8 s and goes to the other
         writer = JavaWriter(
             ha_writer,
@@ -414,8 +348,8 @@ def test_spark_query_through_the_helper_rides_through_the_loss_of_the_active(sos
     key = sos_server.keygen(NS)
     files, records = 8, 400
     make_input(str(tmp_path / "input"), records, files)
-    active = gateway(sos_server, key, tmp_path, "active")
-    standby = gateway(sos_server, key, tmp_path, "standby", "--standby")
+    active = pair_gateway(sos_server, key, tmp_path, "active", namespace=NS)
+    standby = pair_gateway(sos_server, key, tmp_path, "standby", "--standby", namespace=NS)
     try:
         cfg = {
             "urls": [active.url, standby.url],
@@ -461,9 +395,9 @@ def test_spark_query_through_the_helper_rides_through_the_loss_of_the_active(sos
         with open(tmp_path / "out" / name) as f:
             ids.update(json.loads(line)["id"] for line in f)
     assert sorted(ids) == list(range(records)) and set(ids.values()) == {1}, "exactly once"
-    sos(sos_server, key, "restore", "-q", NS, str(tmp_path / "restored"))
+    run_sos_as(sos_server, key, "restore", "-q", NS, str(tmp_path / "restored"), ok=True)
     assert committed_batches(str(tmp_path / "restored" / "queries" / "q1")) == set(range(files))
-    assert sos(sos_server, key, "verify", "-q", NS).returncode == 0
+    assert run_sos_as(sos_server, key, "verify", "-q", NS, ok=True).returncode == 0
 
 
 # ------------------------------------------------------------------ the crash loop (item 5)

@@ -13,32 +13,18 @@ import time
 import urllib.request
 
 from spark_plugin.spark import sos_command
-from tests.gateway.test_standby import NS, gateway, put, token, wait_for
+from tests.gateway.support import pair_gateway
+from tests.support import metrics_url, scrape, token_for, wait_for, webhdfs_create
 
 LEASE = 3
-METRICS_LINE = re.compile(r"metrics on (http://[^/\s]+)/metrics")
 
-
-def scrape(url: str) -> dict[str, float]:
-    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            out[key] = float(value)
-    return out
-
-
-def metrics_url(gw) -> str:
-    found = METRICS_LINE.search(gw.log())
-    assert found, gw.log()
-    return found.group(1)
+NS = "ha"
 
 
 def commit(url: str, tok: str, batch: int) -> None:
     """Spark's commit of batch N: a temp file renamed onto checkpoint/commits/N."""
     tmp = f"/checkpoint/commits/.{batch}.tmp"
-    assert put(url, tok, tmp, b"v1\n{}").status_code == 201
+    assert webhdfs_create(url, tok, tmp, b"v1\n{}").status_code == 201
     r = urllib.request.Request(
         f"{url}/webhdfs/v1{tmp}?op=RENAME&destination=/checkpoint/commits/{batch}",
         method="PUT",
@@ -50,11 +36,13 @@ def commit(url: str, tok: str, batch: int) -> None:
 
 def test_standby_serves_metrics_before_and_after_its_promotion(sos_server, tmp_path):
     key = sos_server.keygen(NS)
-    active = gateway(sos_server, key, tmp_path, "active", "--metrics", ":0", lease=LEASE)
-    standby = gateway(sos_server, key, tmp_path, "standby", "--standby", "--metrics", ":0", lease=LEASE)
+    active = pair_gateway(sos_server, key, tmp_path, "active", "--metrics", ":0", lease=LEASE, namespace=NS)
+    standby = pair_gateway(
+        sos_server, key, tmp_path, "standby", "--standby", "--metrics", ":0", lease=LEASE, namespace=NS
+    )
     try:
-        a_url, s_url = metrics_url(active), metrics_url(standby)
-        tok = token(active.url, key)
+        a_url, s_url = metrics_url(active.log()), metrics_url(standby.log())
+        tok = token_for(active.url, key, NS)
         commit(active.url, tok, 0)
         a = scrape(a_url)
         assert a['sos_gateway_role{role="active"}'] == 1 and a['sos_gateway_role{role="standby"}'] == 0
@@ -107,9 +95,11 @@ def test_a_standby_warns_when_its_durability_is_not_the_actives(sos_server, tmp_
     """Issue 31 item 3: a promoted standby writes with its own options; the active names its
     --durability in its lease, and a standby started with another one says so at once."""
     key = sos_server.keygen(NS)
-    active = gateway(sos_server, key, tmp_path, "active", lease=LEASE)
-    standby = gateway(sos_server, key, tmp_path, "standby", "--standby", "--durability", "tier", lease=LEASE)
-    same = gateway(sos_server, key, tmp_path, "same", "--standby", lease=LEASE)
+    active = pair_gateway(sos_server, key, tmp_path, "active", lease=LEASE, namespace=NS)
+    standby = pair_gateway(
+        sos_server, key, tmp_path, "standby", "--standby", "--durability", "tier", lease=LEASE, namespace=NS
+    )
+    same = pair_gateway(sos_server, key, tmp_path, "same", "--standby", lease=LEASE, namespace=NS)
     try:
         wait_for(
             lambda: "runs with --durability server, this standby with --durability tier" in standby.log(),

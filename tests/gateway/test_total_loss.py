@@ -33,6 +33,7 @@ import pytest
 from spark_plugin.gateway.client import GatewayClient
 from spark_plugin.gateway.process import GatewayProcess
 from spark_plugin.spark import restore_to_batch, sos_command
+from tests.gateway.support import cmdline
 from tests.support import tree_snapshot as local_tree
 from tools import child_env
 from tools.demo import (
@@ -101,30 +102,23 @@ def start_driver(cfg: dict, work, n: int, key: str) -> subprocess.Popen:
         )
 
 
-def _cmdline(p: psutil.Process) -> str:
-    try:
-        return "\0".join(p.cmdline())
-    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-        return ""
-
-
 def _command_lines(driver: subprocess.Popen, key: str) -> dict:
     """What ``ps`` shows while the driver is parked mid-batch (after checkpointing through
     the gateway): its processes' command lines (the PySpark parent, its driver JVM, the
     JVM's as /proc has it) and those of every process of the machine holding the key."""
     secret = key.rpartition(".")[2] or key
     ours = [psutil.Process(driver.pid), *psutil.Process(driver.pid).children(recursive=True)]
-    jvms = [p for p in ours if "org.apache.spark.deploy.SparkSubmit" in _cmdline(p)]
+    jvms = [p for p in ours if "org.apache.spark.deploy.SparkSubmit" in cmdline(p)]
     proc_cmdline = ""
     if jvms:
         with open(f"/proc/{jvms[0].pid}/cmdline", "rb") as f:
             proc_cmdline = f.read().decode(errors="replace").rstrip("\0")
     return {
         "secret_len": len(secret),
-        "jvm": _cmdline(jvms[0]) if jvms else None,
+        "jvm": cmdline(jvms[0]) if jvms else None,
         "jvm_proc": proc_cmdline,
-        "ours_with_key": [p.pid for p in ours if secret in _cmdline(p)],
-        "leaks": {p.pid: _cmdline(p)[:200] for p in psutil.process_iter() if secret in _cmdline(p)},
+        "ours_with_key": [p.pid for p in ours if secret in cmdline(p)],
+        "leaks": {p.pid: cmdline(p)[:200] for p in psutil.process_iter() if secret in cmdline(p)},
     }
 
 

@@ -15,28 +15,10 @@ import time
 import pytest
 import requests
 
-from tests.gateway.test_day2 import _wait_exit
-from tests.gateway.test_gateway import Gw, _chunked_create, _send_chunk, restore
+from tests.gateway.support import Gw, chunked_create, restore, send_chunk, wait_exit, workers_of
 from tests.support import tree_snapshot as tree_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-
-
-def workers_of(pid: int) -> list[int]:
-    """The gateway's worker processes (its children running the workers module)."""
-    out = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            out += [int(p) for p in f.read().split()]
-    found = []
-    for child in out:
-        try:
-            with open(f"/proc/{child}/cmdline", "rb") as f:
-                if b"spark_plugin.gateway.workers" in f.read():
-                    found.append(child)
-        except FileNotFoundError:
-            continue
-    return sorted(found)
 
 
 def alive(pid: int) -> bool:
@@ -201,9 +183,9 @@ def test_sigterm_drains_every_process_then_flushes(sos_server, tmp_path):
     # after SIGTERM every process stops accepting, each body is still answered and journaled
     g = Gw(sos_server, tmp_path, args=["--workers", "2"])
     pids = workers_of(g.proc.proc.pid)
-    slow = [_chunked_create(g, f"/d/file{i}") for i in range(8)]
+    slow = [chunked_create(g, f"/d/file{i}") for i in range(8)]
     for i, conn in enumerate(slow):
-        _send_chunk(conn, b"first part %d;" % i)
+        send_chunk(conn, b"first part %d;" % i)
     time.sleep(0.5)
     assert g.session.get(g.u("/", op="LISTSTATUS")).status_code == 200
     g.session.close()
@@ -218,7 +200,7 @@ def test_sigterm_drains_every_process_then_flushes(sos_server, tmp_path):
         time.sleep(0.05)
     assert g.proc.proc.poll() is None  # still running: requests are in progress
     for i, conn in enumerate(slow):
-        _send_chunk(conn, b"second part %d" % i)
+        send_chunk(conn, b"second part %d" % i)
         conn.send(b"0\r\n\r\n")
     for conn in slow:
         reply = conn.getresponse()
@@ -239,7 +221,7 @@ def test_a_fence_stops_every_process_with_code_3(sos_server, tmp_path):
     assert old.session.put(old.u("/chk/offsets", op="MKDIRS")).status_code == 200
     new = Gw(sos_server, tmp_path, name="new", key=old.key)  # takes the namespace over
     try:
-        code = _wait_exit(old.proc)
+        code = wait_exit(old.proc)
         assert code == 3, old.proc.log()[-3000:]
         assert all(not alive(pid) for pid in pids)
         log = old.proc.log()

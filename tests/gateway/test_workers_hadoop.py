@@ -9,7 +9,7 @@ import re
 import pytest
 
 from spark_plugin.gateway.process import GatewayProcess
-from tests.gateway.test_hadoop_tools import NS, java_env, shell  # noqa: F401 - java_env: a fixture
+from tests.gateway.support import hadoop_shell
 
 pytestmark = [pytest.mark.hadoop, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -33,8 +33,10 @@ COMMANDS = [
     ["-mkdir", "{u}/w/a/moved/sub"],
 ]
 
+NS = "hadooptools"
 
-def answers(java_env, server, base, workers: int) -> list[tuple[int, str, str]]:  # noqa: F811
+
+def answers(java_env, server, base, workers: int) -> list[tuple[int, str, str]]:
     key = server.keygen(NS, "append")
     gw = GatewayProcess(
         NS,
@@ -45,7 +47,7 @@ def answers(java_env, server, base, workers: int) -> list[tuple[int, str, str]]:
         log_path=str(base / f"gateway-{workers}.log"),
     ).start()
     try:
-        got = shell(java_env, (gw, key), *COMMANDS)
+        got = hadoop_shell(java_env, (gw, key), *COMMANDS)
     finally:
         assert gw.stop() == 0, gw.log()[-4000:]
     host = gw.url.split("//", 1)[1]
@@ -56,7 +58,7 @@ def answers(java_env, server, base, workers: int) -> list[tuple[int, str, str]]:
     ]
 
 
-def test_fs_shell_answers_the_same_through_two_processes(java_env, sos_server_factory, tmp_path):  # noqa: F811
+def test_fs_shell_answers_the_same_through_two_processes(java_env, sos_server_factory, tmp_path):
     one = answers(java_env, sos_server_factory(), tmp_path, 1)
     two = answers(java_env, sos_server_factory(), tmp_path, 2)
     with open("/etc/hostname") as f:

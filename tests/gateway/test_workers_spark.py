@@ -14,8 +14,8 @@ import pytest
 
 from spark_plugin.gateway.process import GatewayProcess
 from spark_plugin.spark import sos_command
-from tests.gateway.test_spark import FILES, FIRST_RUN_FILES, RECORDS, TwoRuns, _ids, _requests_by_op
-from tests.gateway.test_workers import workers_of
+from tests.gateway.support import FILES, FIRST_RUN_FILES, RECORDS, TwoRuns, requests_by_op, workers_of
+from tests.support import output_ids
 from tools.demo import committed_batches, make_input
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -64,9 +64,9 @@ def test_spark_query_through_two_processes_is_exactly_once_and_resumes(sos_serve
     for run in (first, second):
         assert run["errors"] == []
         assert sorted(run["markers"]) == run["batches"]
-    ids = _ids(tmp_path / "out")
+    ids = output_ids(tmp_path / "out")
     assert sorted(ids) == list(range(RECORDS)) and set(ids.values()) == {1}, "exactly once"
-    ops = _requests_by_op(gw.log())
+    ops = requests_by_op(gw.log())
     assert not [op for op in ops if op.endswith((" 400", " 401", " 500"))], ops
     assert "worker 1 stopped; requests served" in gw.log()
     env = dict(os.environ, SOS_KEY=key)

@@ -1,5 +1,5 @@
 // Hadoop's own client against `sos gateway`: FileSystem, FileContext and FsShell calls,
-// compiled with the JDK's javac by tests/test_hadoop_tools.py (classpath: pyspark/jars).
+// compiled with the JDK's javac by tests/gateway/test_hadoop_tools.py (classpath: pyspark/jars).
 //
 //   java -cp CLASSES:JARS/* HadoopHarness URI KEY=VALUE... -- CASE...
 //

@@ -22,21 +22,11 @@ from sos_journal.format import layout
 from sos_journal.format.records import Create, RecordDecoder, SnapshotEnd, Write, encode
 from sos_journal.rebuild.restore import format_time, rebuild_cache
 from sos_journal.testing import tree_state
+from tests.journal.support import new_ns
+from tests.support import ManualClock, run_sos_as
 
 WAIT = 180
 _n = itertools.count()
-
-
-def new_ns(server, prefix="r"):
-    ns = f"{prefix}{next(_n)}-{os.getpid()}"
-    return ns, server.keygen(ns, "append")
-
-
-def run_sos(server, key, *args, **kw):
-    env = dict(os.environ, SOS_SERVER=server.address, SOS_KEY=key)
-    return subprocess.run(
-        [sys.executable, "-m", "sos_client.cli", *args], capture_output=True, text=True, timeout=WAIT, env=env, **kw
-    )
 
 
 def one_line(text: str) -> str:
@@ -71,7 +61,7 @@ def journal_records(server, ns, key):
 def test_a_namespace_without_journal_exits_4_and_writes_nothing(server, tmp_path):
     ns, key = new_ns(server, "empty")
     target = tmp_path / "target"
-    r = run_sos(server, key, "restore", ns, str(target))
+    r = run_sos_as(server, key, "restore", ns, str(target))
     assert r.returncode == 4, r.stderr
     assert one_line(r.stderr) == (
         f"sos: namespace '{ns}' has no journal (no objects under gen/): nothing to "
@@ -80,9 +70,9 @@ def test_a_namespace_without_journal_exits_4_and_writes_nothing(server, tmp_path
     assert r.stdout == "" and not target.exists()
     target.mkdir()
     (target / "keep").write_text("precious")
-    r = run_sos(server, key, "restore", "--force", ns, str(target))
+    r = run_sos_as(server, key, "restore", "--force", ns, str(target))
     assert r.returncode == 4 and (target / "keep").read_text() == "precious"  # not wiped for nothing
-    v = run_sos(server, key, "verify", ns)
+    v = run_sos_as(server, key, "verify", ns)
     assert v.returncode == 4, v.stdout + v.stderr
     assert v.stdout == ""  # no "OK" for nothing
     assert "has no journal" in one_line(v.stderr)
@@ -92,10 +82,10 @@ def test_a_namespace_whose_first_snapshot_never_finished_exits_4(server, tmp_pat
     ns, key = new_ns(server, "halfway")
     with Client(server.address, key, ns) as c:  # generation 1 without its ready object
         c.append(layout.segment_name(1, 1, 1), 0, encode(SnapshotEnd(1), 1, 1) + encode(Create("x"), 2, 2))
-    r = run_sos(server, key, "restore", "-q", ns, str(tmp_path / "t"))
+    r = run_sos_as(server, key, "restore", "-q", ns, str(tmp_path / "t"))
     assert r.returncode == 4 and "has no complete generation" in one_line(r.stderr)
     assert not (tmp_path / "t").exists()
-    v = run_sos(server, key, "verify", "-q", ns)
+    v = run_sos_as(server, key, "verify", "-q", ns)
     assert v.returncode == 4
     assert "NO COMPLETE GENERATION" in v.stdout and "OK" not in v.stdout
     assert "has no complete generation" in one_line(v.stderr)
@@ -103,13 +93,13 @@ def test_a_namespace_whose_first_snapshot_never_finished_exits_4(server, tmp_pat
 
 # ---------------------------------------------------------------- points not in the journal
 def test_position_past_the_end_fails_naming_the_last_record(server, tmp_path):
-    ns, key = new_ns(server)
+    ns, key = new_ns(server, "r")
     live = write_files(server, ns, key, tmp_path, ["a", "b"])
     last = journal_records(server, ns, key)[-1].seq
-    r = run_sos(server, key, "restore", "-q", "--position", str(last), ns, str(tmp_path / "end"))
+    r = run_sos_as(server, key, "restore", "-q", "--position", str(last), ns, str(tmp_path / "end"))
     assert r.returncode == 0, r.stderr
     assert tree_state(str(tmp_path / "end")) == live
-    r = run_sos(server, key, "restore", "-q", "--position", str(last + 1), ns, str(tmp_path / "past"))
+    r = run_sos_as(server, key, "restore", "-q", "--position", str(last + 1), ns, str(tmp_path / "past"))
     assert r.returncode == 1
     assert f"position {last + 1} is past the end of the journal: the last record is {last}" in one_line(r.stderr)
     assert not (tmp_path / "past").exists()
@@ -137,14 +127,14 @@ def in_zone(ns, hours):
 
 
 def test_restore_at_a_time(server, tmp_path):
-    ns, key = new_ns(server)
+    ns, key = new_ns(server, "r")
     names = ["f0", "f1", "f2", "f3"]
     live = write_files(server, ns, key, tmp_path, names)
     recs = journal_records(server, ns, key)
     creates = {r.op.path: r for r in recs if isinstance(r.op, Create)}
     cut = creates["f2"]
     target = tmp_path / "at"
-    r = run_sos(server, key, "restore", "-q", "--at", format_time(cut.time_ns), ns, str(target))
+    r = run_sos_as(server, key, "restore", "-q", "--at", format_time(cut.time_ns), ns, str(target))
     assert r.returncode == 0, r.stderr
     assert tree_state(str(target)) == state_at(recs, cut.time_ns)
     assert {"f0", "f1", "f2"} <= set(tree_state(str(target)))
@@ -153,41 +143,41 @@ def test_restore_at_a_time(server, tmp_path):
     # the same instant in another time zone; a naive time is UTC
     t1 = creates["f1"].time_ns
     for i, text in enumerate([in_zone(t1, 1), in_zone(t1, -5), format_time(t1)[:-1]]):
-        r = run_sos(server, key, "restore", "-q", "--at", text, ns, str(tmp_path / f"tz{i}"))
+        r = run_sos_as(server, key, "restore", "-q", "--at", text, ns, str(tmp_path / f"tz{i}"))
         assert r.returncode == 0, r.stderr
         assert tree_state(str(tmp_path / f"tz{i}")) == state_at(recs, t1), text
     # after the last record: the latest state; before the first: an error, nothing written
-    r = run_sos(server, key, "restore", "-q", "--at", "2999-01-01T00:00:00Z", ns, str(tmp_path / "late"))
+    r = run_sos_as(server, key, "restore", "-q", "--at", "2999-01-01T00:00:00Z", ns, str(tmp_path / "late"))
     assert r.returncode == 0 and tree_state(str(tmp_path / "late")) == live
-    r = run_sos(server, key, "restore", "-q", "--at", "2001-01-01T00:00:00Z", ns, str(tmp_path / "early"))
+    r = run_sos_as(server, key, "restore", "-q", "--at", "2001-01-01T00:00:00Z", ns, str(tmp_path / "early"))
     assert r.returncode == 1
     assert (
         f"time 2001-01-01T00:00:00.000000000Z is before the first record of the journal (generation 1, "
         f"first record at {format_time(recs[0].time_ns)})"
     ) in one_line(r.stderr)
     assert not (tmp_path / "early").exists()
-    r = run_sos(server, key, "restore", "-q", "--at", "yesterday", ns, str(tmp_path / "bad"))
+    r = run_sos_as(server, key, "restore", "-q", "--at", "yesterday", ns, str(tmp_path / "bad"))
     assert r.returncode == 2 and "bad time 'yesterday'" in r.stderr and not (tmp_path / "bad").exists()
 
 
 # ---------------------------------------------------------------- --force
 def test_a_non_empty_target_needs_force(server, tmp_path):
-    ns, key = new_ns(server)
+    ns, key = new_ns(server, "r")
     live = write_files(server, ns, key, tmp_path, ["a", "d"])
     target = tmp_path / "target"
     (target / "sub").mkdir(parents=True)
     (target / "precious").write_text("keep me")
     (target / "sub" / "x").write_text("me too")
     before = tree_state(str(target))
-    r = run_sos(server, key, "restore", "-q", ns, str(target))
+    r = run_sos_as(server, key, "restore", "-q", ns, str(target))
     assert r.returncode == 1 and r.stdout == ""
     assert f"restore target {target} is not empty (2 entries); use force (--force)" in one_line(r.stderr)
     assert tree_state(str(target)) == before  # nothing written, nothing removed
-    r = run_sos(server, key, "restore", "-q", "--force", ns, str(target))
+    r = run_sos_as(server, key, "restore", "-q", "--force", ns, str(target))
     assert r.returncode == 0, r.stderr
     assert tree_state(str(target)) == live  # exactly the namespace: the old contents are gone
     (tmp_path / "file").write_text("x")
-    r = run_sos(server, key, "restore", "-q", "--force", ns, str(tmp_path / "file"))
+    r = run_sos_as(server, key, "restore", "-q", "--force", ns, str(tmp_path / "file"))
     assert r.returncode == 1 and "is not a directory" in one_line(r.stderr)
 
 
@@ -213,23 +203,15 @@ class Stream(io.StringIO):
         return self.tty
 
 
-class Clock:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self):
-        return self.now
-
-
 def test_progress_in_a_log_is_a_line_every_interval_and_nothing_for_a_quick_run():
-    out, clock = Stream(False), Clock()
+    out, clock = Stream(False), ManualClock(1000.0)
     bar = jcli.ProgressBar("restore ns", out, clock=clock)
     assert bar.interval == 10.0
     bar(0, 4_000_000)
     bar(4_000_000, 4_000_000)  # done within the interval: no line at all
     bar.finish()
     assert out.getvalue() == ""
-    out, clock = Stream(False), Clock()
+    out, clock = Stream(False), ManualClock(1000.0)
     bar = jcli.ProgressBar("restore ns", out, clock=clock)
     bar(0, 4_000_000)
     clock.now += 10
@@ -302,7 +284,7 @@ def test_progress_of_the_commands(server, tmp_path):
     ns, key = new_ns(server, "p")
     write_files(server, ns, key, tmp_path, ["a", "b"])
     # not a terminal: a quick run prints the summary only (a slow one a line every 10 s)
-    r = run_sos(server, key, "restore", ns, str(tmp_path / "log"))
+    r = run_sos_as(server, key, "restore", ns, str(tmp_path / "log"))
     assert r.returncode == 0 and "\r" not in r.stderr
     assert r.stderr.splitlines()[-1].startswith(f"restored {ns} into ")
     assert all(line.startswith((f"restore {ns}: ", f"restored {ns} ")) for line in r.stderr.splitlines())

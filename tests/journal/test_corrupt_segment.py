@@ -17,15 +17,13 @@ import glob
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 
 from sos_client import Client, Corrupt
 from sos_journal import JournaledTree, JournalWriter
 from sos_journal.rebuild.restore import rebuild_cache
-from tests.support import server_metric
+from tests.support import flip_byte, run_sos_as, server_metric
 
 pytestmark = [pytest.mark.hostile]
 
@@ -37,18 +35,6 @@ TIMEOUT = 120
 
 def _payload(i: int) -> bytes:
     return (f"PAYLOAD-{i}-" * 50).encode()
-
-
-def _sos(srv, key, *args):
-    """Run the ``sos`` command in a subprocess (its entry point: sos_client.cli:main)."""
-    env = dict(os.environ, SOS_SERVER=srv.address, SOS_KEY=key)
-    return subprocess.run(
-        [sys.executable, "-c", "import sys; from sos_client.cli import main; sys.exit(main())", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
 
 
 @pytest.fixture
@@ -117,12 +103,12 @@ def _check_damage_reported(j, *, restart: bool) -> tuple[str, str]:
             c.read(seg)
         assert seg in str(ei.value)
         assert c.read(seg, 0, 100) == j["stored"][:100]
-    verify = _sos(srv, key, "verify", "-q", NS)
+    verify = run_sos_as(srv, key, "verify", "-q", NS)
     vout = verify.stdout + verify.stderr
     assert verify.returncode != 0, vout
     assert seg in vout and "BROKEN" in vout, vout
     target = j["tmp"] / ("restored-restart" if restart else "restored")
-    restore = _sos(srv, key, "restore", "-q", NS, str(target))
+    restore = run_sos_as(srv, key, "restore", "-q", NS, str(target))
     rout = restore.stdout + restore.stderr
     assert restore.returncode != 0, rout
     assert seg in rout and "offset" in rout, rout
@@ -213,14 +199,6 @@ def five_frames(sos_server):
     return sos_server, key, path, frames
 
 
-def _flip(path: str, pos: int, mask: int = 0x5A) -> None:
-    with open(path, "r+b") as f:
-        f.seek(pos)
-        b = f.read(1)
-        f.seek(pos)
-        f.write(bytes([b[0] ^ mask]))
-
-
 def _assert_damaged_and_refusing(c, name: str, length: int) -> None:
     """STAT/LIST work with the full length; APPEND and SEAL answer CORRUPT saying why."""
     assert c.stat(name) == (length, False)
@@ -237,7 +215,7 @@ def test_flipped_frame_length_in_the_middle_loses_no_acknowledged_byte(five_fram
     srv, key, path, frames = five_frames
     size = os.path.getsize(path)
     pos3 = frames[2][0]
-    _flip(path, pos3 + 1)  # the 2nd byte of frame 3's length field: it now says ~5.9 MB
+    flip_byte(path, pos3 + 1)  # the 2nd byte of frame 3's length field: it now says ~5.9 MB
     srv.start()
     assert os.path.getsize(path) == size, "start-up cut bytes"
     whole = b"".join(FRAMES)
@@ -266,7 +244,7 @@ def test_flipped_payload_byte_of_the_last_frame_is_kept_as_damage(five_frames):
     kept, not taken for a torn write."""
     srv, key, path, frames = five_frames
     size = os.path.getsize(path)
-    _flip(path, size - 10)
+    flip_byte(path, size - 10)
     srv.start()
     assert os.path.getsize(path) == size, "start-up cut bytes"
     whole = b"".join(FRAMES)
@@ -315,7 +293,7 @@ def test_flipped_frame_length_in_a_journal_segment_fails_restore(journal):
     marker = data.find(_payload(BROKEN)[:40])
     hit = [p for p, n in frames if p < marker < p + 8 + n]
     assert len(hit) == 1 and hit[0] != frames[-1][0]
-    _flip(path, hit[0] + 1)
+    flip_byte(path, hit[0] + 1)
     srv.start()
     _check_damage_reported(journal, restart=True)
 
@@ -338,7 +316,7 @@ def test_writer_stops_on_a_damaged_segment_instead_of_retrying_forever(sos_serve
             seg = [e.name for e in c.list("gen/") if e.name.endswith(".seg")][-1]
         sos_server.stop()
         path = _object_path(sos_server, NS, seg)
-        _flip(path, _object_frames(path)[1][0] + 1)  # a frame length in the middle: damage
+        flip_byte(path, _object_frames(path)[1][0] + 1)  # a frame length in the middle: damage
         sos_server.start()
         tree.create("after")
         with pytest.raises(Exception) as ei:

@@ -14,8 +14,6 @@ import itertools
 import os
 import re
 import stat
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,6 +26,8 @@ from sos_journal.format.records import Create, Mkdir, Rename, SnapshotEnd, Write
 from sos_journal.memstore import MemStore
 from sos_journal.rebuild.restore import chain_breaks, list_generations, rebuild_cache
 from sos_journal.testing import tree_state
+from tests.journal.support import new_ns
+from tests.support import client_factory, run_sos_as
 
 WAIT = 180
 T0 = 1_763_900_000_000_000_000
@@ -39,27 +39,6 @@ _n = itertools.count()
 def sos_server(server):
     """The module's shared server (conftest)."""
     return server
-
-
-def new_ns(server, prefix="g"):
-    ns = f"{prefix}{next(_n)}-{os.getpid()}"
-    return ns, server.keygen(ns, "append")
-
-
-def factory(server, ns, key):
-    return lambda: Client(server.address, key, ns, timeout=60)
-
-
-def run_sos(server, key, *args):
-    env = dict(os.environ, SOS_SERVER=server.address, SOS_KEY=key)
-    return subprocess.run(
-        [sys.executable, "-m", "sos_client.cli", *args],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=WAIT,
-        env=env,
-    )
 
 
 def records(ops, first_seq: int) -> bytes:
@@ -102,8 +81,8 @@ def put_file(t: JournaledTree, path: str, data: bytes) -> None:
 
 # ---------------------------------------------------------------- item 3: generations form one chain
 def test_forged_far_future_generation_is_refused_by_restore_verify_and_a_new_writer(sos_server, tmp_path):
-    ns, key = new_ns(sos_server)
-    fac = factory(sos_server, ns, key)
+    ns, key = new_ns(sos_server, "g")
+    fac = client_factory(sos_server, ns, key)
     w = JournalWriter(fac, ns, str(tmp_path / "spool"))
     t = JournaledTree(str(tmp_path / "cache"), w, rebuild=rebuild_cache).open()
     t.mkdir("chk")
@@ -125,7 +104,7 @@ def test_forged_far_future_generation_is_refused_by_restore_verify_and_a_new_wri
     t.close()
 
     target = tmp_path / "out"
-    r = run_sos(sos_server, key, "restore", "-q", ns, str(target))
+    r = run_sos_as(sos_server, key, "restore", "-q", ns, str(target))
     assert r.returncode == 3, (r.returncode, r.stderr)
     assert "generation 2 does not continue generation 1" in r.stderr, r.stderr
     assert "nothing written" in r.stderr and "Traceback" not in r.stderr
@@ -135,12 +114,12 @@ def test_forged_far_future_generation_is_refused_by_restore_verify_and_a_new_wri
     assert ei.value.generation == 2 and ei.value.previous == 1
     assert not (tmp_path / "lib").exists()
 
-    v = run_sos(sos_server, key, "verify", "-q", ns)
+    v = run_sos_as(sos_server, key, "verify", "-q", ns)
     assert v.returncode == 3, (v.returncode, v.stdout, v.stderr)
     assert re.search(r"BROKEN gen/0000000002/\S+ .*does not continue generation 1", v.stdout), v.stdout
 
     # the way out: the writer's generation alone, with every acknowledged record
-    r = run_sos(sos_server, key, "restore", "-q", "--generation", "1", ns, str(tmp_path / "gen1"))
+    r = run_sos_as(sos_server, key, "restore", "-q", "--generation", "1", ns, str(tmp_path / "gen1"))
     assert r.returncode == 0, r.stderr
     assert "warning: restoring generation 1 alone" in r.stderr
     assert tree_state(str(tmp_path / "gen1")) == live
@@ -156,8 +135,8 @@ def test_forged_far_future_generation_is_refused_by_restore_verify_and_a_new_wri
 
 
 def test_a_forged_next_generation_breaks_the_chain_once_the_writer_goes_on(sos_server, tmp_path):
-    ns, key = new_ns(sos_server)
-    fac = factory(sos_server, ns, key)
+    ns, key = new_ns(sos_server, "g")
+    fac = client_factory(sos_server, ns, key)
     w = JournalWriter(fac, ns, str(tmp_path / "spool"))
     t = JournaledTree(str(tmp_path / "cache"), w, rebuild=rebuild_cache).open()
     put_file(t, "a", b"one")
@@ -296,7 +275,7 @@ def test_a_writer_seals_an_empty_ready_its_predecessor_left_unsealed(tmp_path):
 # ---------------------------------------------------------------- item 4: foreign bytes
 def test_writer_does_not_count_a_foreign_segment_as_its_own(sos_server, tmp_path):
     ns, key = new_ns(sos_server, "f")
-    fac = factory(sos_server, ns, key)
+    fac = client_factory(sos_server, ns, key)
     # segment_bytes=1: every record opens a segment, so its name is known in advance
     w = JournalWriter(fac, ns, str(tmp_path / "spool"), segment_bytes=1)
     t = JournaledTree(str(tmp_path / "cache"), w, rebuild=rebuild_cache).open()
@@ -359,7 +338,7 @@ def test_spool_files_are_0600_in_0700_directories_whatever_the_umask(sos_server,
     old = os.umask(0)
     try:
         os.chmod(spool, 0o777)
-        w = JournalWriter(factory(sos_server, ns, key), ns, str(spool), segment_bytes=300, sync=False)
+        w = JournalWriter(client_factory(sos_server, ns, key), ns, str(spool), segment_bytes=300, sync=False)
         t = JournaledTree(str(tmp_path / "cache"), w, rebuild=rebuild_cache).open()
         t.create("secret", 0o600)
         t.write("secret", 0, b"s" * 1000)
@@ -383,7 +362,7 @@ def test_spool_files_are_0600_in_0700_directories_whatever_the_umask(sos_server,
 # ---------------------------------------------------------------- spec: position 0
 def test_position_0_is_the_first_snapshot_and_the_spec_says_so(sos_server, tmp_path):
     ns, key = new_ns(sos_server, "z")
-    fac = factory(sos_server, ns, key)
+    fac = client_factory(sos_server, ns, key)
     cache = tmp_path / "cache"
     cache.mkdir()
     (cache / "pre").write_bytes(b"there before the namespace")
@@ -426,17 +405,17 @@ def test_a_record_cut_at_the_end_of_a_generation_continued_by_the_next_one(sos_s
             ],
             epoch=2,
         )
-    v = run_sos(sos_server, key, "verify", "-q", ns)
+    v = run_sos_as(sos_server, key, "verify", "-q", ns)
     assert v.returncode == 0, v.stdout + v.stderr
     assert "abandoned partial record at offset" in v.stdout and "generation 2 starts with record 7" in v.stdout
     # batch 0 committed in generation 1: finding it reads generation 1 to its end, cut record included
-    r = run_sos(sos_server, key, "restore", "-q", "--batch", "q:0", ns, str(tmp_path / "b0"))
+    r = run_sos_as(sos_server, key, "restore", "-q", "--batch", "q:0", ns, str(tmp_path / "b0"))
     assert r.returncode == 0 and "restored to position 4" in r.stderr, r.stderr
     assert "corrupt" not in r.stderr
-    r = run_sos(sos_server, key, "restore", "-q", ns, str(tmp_path / "all"))
+    r = run_sos_as(sos_server, key, "restore", "-q", ns, str(tmp_path / "all"))
     assert r.returncode == 0 and (tmp_path / "all" / "a").read_bytes() == b"two", r.stderr
     # generation 1 read to its end stops before the dead bytes
-    r = run_sos(sos_server, key, "restore", "-q", "--generation", "1", ns, str(tmp_path / "g1"))
+    r = run_sos_as(sos_server, key, "restore", "-q", "--generation", "1", ns, str(tmp_path / "g1"))
     assert r.returncode == 0 and (tmp_path / "g1" / "a").read_bytes() == b"one", r.stderr
     assert "abandoned partial record" in r.stderr
     # the same cut record followed by a generation that starts elsewhere: corrupt, and a break
@@ -444,7 +423,7 @@ def test_a_record_cut_at_the_end_of_a_generation_continued_by_the_next_one(sos_s
     with Client(sos_server.address, key2, ns2, timeout=60) as c:
         publish(c, 1, 1, g1, tail=cut[:20], seal=True, epoch=1)
         publish(c, 2, 8, [Create("a"), SnapshotEnd(2)], epoch=2)
-    v = run_sos(sos_server, key2, "verify", "-q", ns2)
+    v = run_sos_as(sos_server, key2, "verify", "-q", ns2)
     assert v.returncode == 3 and "segment ends inside a record" in v.stdout, v.stdout
     assert "does not continue generation 1" in v.stdout
 
@@ -470,14 +449,14 @@ def test_records_of_a_generation_without_a_sealed_ready_are_announced_not_silent
             epoch=1,
             ready=ready,
         )
-    r = run_sos(sos_server, key, "restore", "-q", ns, str(tmp_path / "out"))
+    r = run_sos_as(sos_server, key, "restore", "-q", ns, str(tmp_path / "out"))
     assert r.returncode == 0, r.stderr
     assert tree_state(str(tmp_path / "out")) == {"q": "<dir>", "q/commits": "<dir>"}  # generation 1
     assert "warning: generation 2 is not complete" in r.stderr and "from record 4 on" in r.stderr, r.stderr
-    b = run_sos(sos_server, key, "restore", "-q", "--batch", "q:0", ns, str(tmp_path / "batch"))
+    b = run_sos_as(sos_server, key, "restore", "-q", "--batch", "q:0", ns, str(tmp_path / "batch"))
     assert b.returncode == 1, b.stderr
     assert "q/commits/0 appears at record 8, in generation 2, which is not complete" in b.stderr, b.stderr
     assert not (tmp_path / "batch").exists()
-    v = run_sos(sos_server, key, "verify", "-q", ns)
+    v = run_sos_as(sos_server, key, "verify", "-q", ns)
     assert v.returncode == 0, v.stdout
     assert "WARNING generation 2 is not complete but holds records 7..8 after its SNAPSHOT_END" in v.stdout, v.stdout

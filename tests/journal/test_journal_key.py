@@ -18,12 +18,11 @@ Each refusal test fails on 70eb7dc (where the planted records were restored, exi
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import secrets
 import shutil
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +40,7 @@ from sos_journal.tree.open import open_namespace
 from sos_journal.writer import auth as writer_auth
 from sos_server.tier_bootstrap import bootstrap
 from sos_tier import LocalStore, Uploader
+from tests.support import run_sos
 from tools.server import ServerProcess
 
 pytestmark = [pytest.mark.hostile, pytest.mark.slow]
@@ -49,6 +49,9 @@ WAIT = 180
 PIECE = 700
 SECRET = b"the-plaintext-of-a-known-file " * 20
 KEY = "5c" * 32  # the namespace's journal key (64 hex digits)
+
+#: `sos` with none of this process's SOS_* variables
+sos_alone = functools.partial(run_sos, drop=("SOS_*",))
 
 
 @dataclass
@@ -86,14 +89,6 @@ def _forged(data: bytes, seg: str, *, sign=None, op=None) -> bytes:
     """A WRITE over the known file (or ``op``) with a valid CRC, as the next record of ``seg``."""
     last = decode_all(data, seg)[-1]
     return encode(op or Write("d/secret", 0, b"EVIL" * 8), last.seq + 1, last.time_ns + 1, sign)
-
-
-def run_sos(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    e = {k: v for k, v in os.environ.items() if not k.startswith("SOS_")}
-    e.update(env or {})
-    return subprocess.run(
-        [sys.executable, "-m", "sos_client.cli", *args], capture_output=True, text=True, timeout=WAIT, env=e
-    )
 
 
 @pytest.fixture(scope="module")
@@ -154,10 +149,10 @@ def _plant_piece(o: Origin, url: str, forged: bytes) -> tuple[str, int]:
 # ---------------------------------------------------------------- the bucket
 def test_the_bucket_as_written_restores_and_verifies_with_the_key(origin, tmp_path):
     url = _bucket(origin, tmp_path)
-    r = run_sos("restore", origin.ns, str(tmp_path / "out"), "--from", url, "-q", env={"SOS_JOURNAL_KEY": KEY})
+    r = sos_alone("restore", origin.ns, str(tmp_path / "out"), "--from", url, "-q", env={"SOS_JOURNAL_KEY": KEY})
     assert r.returncode == 0, r.stderr
     assert tree_state(str(tmp_path / "out")) == origin.state
-    v = run_sos("verify", origin.ns, "--from", url, "-q", env={"SOS_JOURNAL_KEY": KEY})
+    v = sos_alone("verify", origin.ns, "--from", url, "-q", env={"SOS_JOURNAL_KEY": KEY})
     assert v.returncode == 0, v.stdout + v.stderr
     assert "every record authenticated by journal key bfe1df15f390fb5f" in v.stdout, v.stdout
 
@@ -190,32 +185,34 @@ def test_a_planted_piece_with_valid_crcs_is_refused_by_restore_and_verify_from_t
     seg, offset = _plant_piece(origin, url, _forged(origin.objects[seg][0], seg, sign=sign))
     env = {"SOS_JOURNAL_KEY": KEY}
     out = tmp_path / "out"
-    r = run_sos("restore", origin.ns, str(out), "--from", url, "-q", env=env)
+    r = sos_alone("restore", origin.ns, str(out), "--from", url, "-q", env=env)
     assert r.returncode == 3, r.stderr
     assert seg in r.stderr and f"offset {offset}" in r.stderr and "not authentic" in r.stderr, r.stderr
     # what came before the planted record is the tree as written: the forgery changed nothing
     assert (out / "d" / "secret").read_bytes() == SECRET
-    v = run_sos("verify", origin.ns, "--from", url, "-q", env=env)
+    v = sos_alone("verify", origin.ns, "--from", url, "-q", env=env)
     assert v.returncode == 3, v.stdout + v.stderr
     assert v.stdout.split("\n")[0].endswith("BROKEN"), v.stdout
     assert f"{seg} [{offset}," in v.stdout, v.stdout
     # the key file option works the same as the environment
     kf = tmp_path / "journal.key"
     kf.write_text(KEY + "\n")
-    r2 = run_sos("restore", origin.ns, str(tmp_path / "out2"), "--from", url, "-q", "--journal-key-file", str(kf))
+    r2 = sos_alone("restore", origin.ns, str(tmp_path / "out2"), "--from", url, "-q", "--journal-key-file", str(kf))
     assert r2.returncode == 3 and seg in r2.stderr, r2.stderr
 
 
 def test_a_wrong_key_or_no_key_refuses(origin, tmp_path):
     url = _bucket(origin, tmp_path)
-    wrong = run_sos("restore", origin.ns, str(tmp_path / "a"), "--from", url, "-q", env={"SOS_JOURNAL_KEY": "ab" * 32})
+    wrong = sos_alone(
+        "restore", origin.ns, str(tmp_path / "a"), "--from", url, "-q", env={"SOS_JOURNAL_KEY": "ab" * 32}
+    )
     assert wrong.returncode == 3 and "wrong journal key" in wrong.stderr, wrong.stderr
-    none = run_sos("restore", origin.ns, str(tmp_path / "b"), "--from", url, "-q")
+    none = sos_alone("restore", origin.ns, str(tmp_path / "b"), "--from", url, "-q")
     assert none.returncode == 3 and "no journal key was given" in none.stderr, none.stderr
     assert not os.path.exists(tmp_path / "b" / "d" / "secret")
-    v = run_sos("verify", origin.ns, "--from", url, "-q")
+    v = sos_alone("verify", origin.ns, "--from", url, "-q")
     assert v.returncode == 3 and "no journal key was given" in v.stdout, v.stdout
-    bad = run_sos("restore", origin.ns, str(tmp_path / "c"), "--from", url, "-q", env={"SOS_JOURNAL_KEY": "short"})
+    bad = sos_alone("restore", origin.ns, str(tmp_path / "c"), "--from", url, "-q", env={"SOS_JOURNAL_KEY": "short"})
     assert bad.returncode == 1 and "malformed journal key" in bad.stderr and "short" not in bad.stderr, bad.stderr
 
 
@@ -250,9 +247,9 @@ def forged_server(origin, tmp_path):
 def test_a_forged_append_through_the_server_is_refused_by_restore_and_an_empty_cache(origin, forged_server, tmp_path):
     srv, seg, offset, objects = forged_server
     env = {"SOS_JOURNAL_KEY": KEY, "SOS_KEY": origin.key}
-    r = run_sos("restore", origin.ns, str(tmp_path / "out"), "--server", srv.address, "-q", env=env)
+    r = sos_alone("restore", origin.ns, str(tmp_path / "out"), "--server", srv.address, "-q", env=env)
     assert r.returncode == 3 and seg in r.stderr and f"offset {offset}" in r.stderr, r.stderr
-    v = run_sos("verify", origin.ns, "--server", srv.address, "-q", env=env)
+    v = sos_alone("verify", origin.ns, "--server", srv.address, "-q", env=env)
     assert v.returncode == 3 and seg in v.stdout, v.stdout
 
     def fac():
@@ -281,7 +278,7 @@ def test_a_replacement_server_built_from_a_forged_bucket_restores_nothing_forged
     new = ServerProcess(data, log_path=tmp_path / "replacement.log").start()
     try:
         env = {"SOS_JOURNAL_KEY": KEY, "SOS_KEY": origin.key}
-        r = run_sos("restore", origin.ns, str(tmp_path / "out"), "--server", new.address, "-q", env=env)
+        r = sos_alone("restore", origin.ns, str(tmp_path / "out"), "--server", new.address, "-q", env=env)
         assert r.returncode == 3 and seg in r.stderr and f"offset {offset}" in r.stderr, r.stderr
     finally:
         new.stop()
@@ -499,10 +496,10 @@ def test_a_planted_commit_is_no_batch_to_restore_to(origin, tmp_path):
     bucket (a CREATE of chk/commits/1) is refused, not restored as batch 1."""
     url = _bucket(origin, tmp_path)
     env = {"SOS_JOURNAL_KEY": KEY}
-    ok = run_sos("restore", origin.ns, str(tmp_path / "b0"), "--from", url, "--batch", "chk:0", "-q", env=env)
+    ok = sos_alone("restore", origin.ns, str(tmp_path / "b0"), "--from", url, "--batch", "chk:0", "-q", env=env)
     assert ok.returncode == 0 and (tmp_path / "b0" / "chk" / "commits" / "0").exists(), ok.stderr
     seg = _open_segment(origin.objects)
     seg, offset = _plant_piece(origin, url, _forged(origin.objects[seg][0], seg, op=Create("chk/commits/1")))
-    r = run_sos("restore", origin.ns, str(tmp_path / "b1"), "--from", url, "--batch", "chk:1", "-q", env=env)
+    r = sos_alone("restore", origin.ns, str(tmp_path / "b1"), "--from", url, "--batch", "chk:1", "-q", env=env)
     assert r.returncode == 3 and seg in r.stderr and f"offset {offset}" in r.stderr, r.stderr
     assert not (tmp_path / "b1" / "chk" / "commits" / "1").exists()

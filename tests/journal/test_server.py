@@ -32,27 +32,11 @@ from sos_journal.format import layout
 from sos_journal.format.records import RecordDecoder, Write
 from sos_journal.rebuild.restore import rebuild_cache
 from sos_journal.testing import tree_state
+from tests.journal.support import new_ns
+from tests.support import client_factory, run_sos
 
 WAIT = 180
 _ns_counter = itertools.count()
-
-
-def new_ns(server, prefix="j"):
-    ns = f"{prefix}{next(_ns_counter)}-{os.getpid()}"
-    key = server.keygen(ns, "append")
-    return ns, key
-
-
-def factory(server, ns, key):
-    return lambda: Client(server.address, key, ns, timeout=60)
-
-
-def run_sos(*args, env_extra=None):
-    env = dict(os.environ)
-    env.update(env_extra or {})
-    return subprocess.run(
-        [sys.executable, "-m", "sos_client.cli", *args], capture_output=True, text=True, timeout=WAIT, env=env
-    )
 
 
 # ---------------------------------------------------------------- hypothesis sequences
@@ -92,7 +76,7 @@ def apply_op(t, op):
 def test_random_operations_restore_equals_live_tree(sos_server, tmp_path_factory, ops, sync):
     tmp = tmp_path_factory.mktemp("hyp")
     ns, key = new_ns(sos_server, "h")
-    fac = factory(sos_server, ns, key)
+    fac = client_factory(sos_server, ns, key)
     w = JournalWriter(fac, ns, str(tmp / "spool"), sync=sync, segment_bytes=4096, generation_bytes=16384)
     t = JournaledTree(str(tmp / "cache"), w, rebuild=rebuild_cache).open()
     try:
@@ -111,8 +95,8 @@ def test_random_operations_restore_equals_live_tree(sos_server, tmp_path_factory
 
 # ---------------------------------------------------------------- every position
 def test_restore_at_every_position_matches_the_tree_at_that_moment(sos_server, tmp_path):
-    ns, key = new_ns(sos_server)
-    fac = factory(sos_server, ns, key)
+    ns, key = new_ns(sos_server, "j")
+    fac = client_factory(sos_server, ns, key)
     w = JournalWriter(fac, ns, str(tmp_path / "spool"), segment_bytes=2048, generation_bytes=2500)
     t = JournaledTree(str(tmp_path / "cache"), w, rebuild=rebuild_cache).open()
     states = {0: {}}
@@ -232,7 +216,7 @@ def test_sigkill_writer_mid_stream_then_restart(sos_server, tmp_path, sync):
     assert "finished" in out.stdout
     first = out.stdout.splitlines()[0].split()
     assert first[0] == "open" and int(first[1]) >= 2 and first[3] == "1"  # new epoch; cache rebuilt
-    fac = factory(sos_server, ns, key)
+    fac = client_factory(sos_server, ns, key)
     restore(fac, ns, str(tmp_path / "out"))
     state = tree_state(str(tmp_path / "out"))
     assert state == {f"f{i:04d}": expected_file(i) for i in range(n)}
@@ -245,7 +229,7 @@ def test_sigkill_writer_mid_stream_then_restart(sos_server, tmp_path, sync):
 # ---------------------------------------------------------------- SIGKILL of the server
 def test_sigkill_server_mid_stream_writer_reconnects(sos_server, tmp_path):
     ns, key = new_ns(sos_server, "s")
-    fac = factory(sos_server, ns, key)
+    fac = client_factory(sos_server, ns, key)
     w = JournalWriter(fac, ns, str(tmp_path / "spool"), segment_bytes=32 << 10, max_backoff=0.5)
     t = JournaledTree(str(tmp_path / "cache"), w, rebuild=rebuild_cache).open()
     progress = threading.Semaphore(0)
@@ -313,7 +297,7 @@ def _file_pos(path, name, logical):
 def test_corrupt_stored_byte_verify_names_it_and_restore_stops_before(sos_server, tmp_path):
     ns, key = new_ns(sos_server, "c")
     rkey = sos_server.keygen(ns, "read")
-    fac = factory(sos_server, ns, key)
+    fac = client_factory(sos_server, ns, key)
     w = JournalWriter(fac, ns, str(tmp_path / "spool"), segment_bytes=1 << 20)
     t = JournaledTree(str(tmp_path / "cache"), w, rebuild=rebuild_cache).open()
     for name in ["a", "b", "c"]:
@@ -322,7 +306,7 @@ def test_corrupt_stored_byte_verify_names_it_and_restore_stops_before(sos_server
         t.sync()  # one append per file: b's records sit in a frame of their own
     t.close()
     env = {"SOS_SERVER": sos_server.address, "SOS_KEY": rkey}
-    ok = run_sos("verify", ns, "-q", env_extra=env)
+    ok = run_sos("verify", ns, "-q", env=env)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     with Client(sos_server.address, rkey, ns) as c:
         (seg,) = [e.name for e in c.list("gen/") if e.name.endswith(".seg")]
@@ -337,27 +321,27 @@ def test_corrupt_stored_byte_verify_names_it_and_restore_stops_before(sos_server
         f.seek(fpos)
         f.write(bytes([byte[0] ^ 0xFF]))
 
-    bad = run_sos("verify", ns, "-q", env_extra=env)
+    bad = run_sos("verify", ns, "-q", env=env)
     assert bad.returncode == 3, bad.stdout + bad.stderr
     assert f"BROKEN {seg} [" in bad.stdout
     start = int(bad.stdout.split(f"BROKEN {seg} [")[1].split(",")[0])
     assert start <= victim.offset  # the broken range starts at or before the damaged record
 
     target = tmp_path / "out"
-    r = run_sos("restore", ns, str(target), "-q", env_extra=env)
+    r = run_sos("restore", ns, str(target), "-q", env=env)
     assert r.returncode == 3, r.stderr
     assert seg in r.stderr and "offset" in r.stderr
     assert (target / "a").read_bytes() == b"a" * 6000  # everything before the damage
     assert not (target / "c").exists()  # nothing after it
     # a non-empty target is refused (exit 1) and left alone
-    r2 = run_sos("restore", ns, str(target), "-q", env_extra=env)
+    r2 = run_sos("restore", ns, str(target), "-q", env=env)
     assert r2.returncode == 1 and "not empty" in r2.stderr
     assert (target / "a").read_bytes() == b"a" * 6000
 
 
 def test_cli_restore_at_position_and_batch(sos_server, tmp_path):
     ns, key = new_ns(sos_server, "cli")
-    fac = factory(sos_server, ns, key)
+    fac = client_factory(sos_server, ns, key)
     w = JournalWriter(fac, ns, str(tmp_path / "spool"))
     t = JournaledTree(str(tmp_path / "cache"), w, rebuild=rebuild_cache).open()
     t.mkdir("q")
@@ -367,16 +351,16 @@ def test_cli_restore_at_position_and_batch(sos_server, tmp_path):
         t.marker("spark.batch", json.dumps({"checkpoint": "q", "query_id": "x", "batch_id": n}).encode())
     t.close()
     env = {"SOS_SERVER": sos_server.address, "SOS_KEY": key}
-    r = run_sos("restore", ns, str(tmp_path / "b1"), "--batch", "q:1", env_extra=env)
+    r = run_sos("restore", ns, str(tmp_path / "b1"), "--batch", "q:1", env=env)
     assert r.returncode == 0, r.stderr
     assert sorted(os.listdir(tmp_path / "b1" / "q" / "commits")) == ["0", "1"]
     assert "files" in r.stderr and "last record" in r.stderr  # the summary
-    r = run_sos("restore", ns, str(tmp_path / "p"), "--position", "4", env_extra=env)
+    r = run_sos("restore", ns, str(tmp_path / "p"), "--position", "4", env=env)
     assert r.returncode == 0 and sorted(os.listdir(tmp_path / "p" / "q" / "commits")) == ["0"]
-    r = run_sos("restore", ns, str(tmp_path / "x"), "--batch", "q:7", "-q", env_extra=env)
+    r = run_sos("restore", ns, str(tmp_path / "x"), "--batch", "q:7", "-q", env=env)
     assert r.returncode == 1 and "checkpoint 'q' has no q/commits/7" in r.stderr
     assert r.stderr.count("\n") == 1 and not (tmp_path / "x").exists()
-    r = run_sos("restore", ns, str(tmp_path / "y"), "--position", "-4", env_extra=env)
+    r = run_sos("restore", ns, str(tmp_path / "y"), "--position", "-4", env=env)
     assert r.returncode == 2
 
 
@@ -384,9 +368,9 @@ def test_cli_restore_at_position_and_batch(sos_server, tmp_path):
 def test_writer_with_a_refused_key_fails_at_once_with_permission_error(sos_server, tmp_path, case):
     """A refused key is not a transient failure: open() raises PermissionError on the first
     refusal instead of retrying until its open_timeout (120 s by default)."""
-    ns, key = new_ns(sos_server)
+    ns, key = new_ns(sos_server, "j")
     key = key.split(".")[0] + "." + "0" * 64 if case == "wrong key" else sos_server.keygen(ns, "read")
-    w = JournalWriter(factory(sos_server, ns, key), ns, str(tmp_path / "spool"), open_timeout=WAIT)
+    w = JournalWriter(client_factory(sos_server, ns, key), ns, str(tmp_path / "spool"), open_timeout=WAIT)
     attempts = []
     orig = w.client_factory
     w.client_factory = lambda: (attempts.append(1), orig())[1]

@@ -38,7 +38,7 @@ from sos_tier.layout import piece_key
 from sos_tier.store import LocalStore
 from sos_wire.crc import crc32c
 from spark_plugin.gateway.process import GatewayProcess
-from tests.support import tree_snapshot
+from tests.support import run_sos_as, tree_snapshot
 from tools import child_env
 
 pytestmark = [pytest.mark.hostile, pytest.mark.slow, pytest.mark.timeout(300)]
@@ -72,17 +72,9 @@ def files(root) -> dict[str, bytes]:
     return {p: v for p, v in tree_snapshot(root).items() if v is not None}
 
 
-def sos(*args: str, key: str) -> subprocess.CompletedProcess:
-    env = child_env({k: v for k, v in os.environ.items() if k not in ("SOS_KEY_FILE", "SOS_SERVER")})
-    env["SOS_KEY"] = key
-    return subprocess.run(
-        [sys.executable, "-m", "sos_client.cli", *args], capture_output=True, text=True, timeout=WAIT, env=env
-    )
-
-
 def restore(srv, key: str, out) -> tuple[int, str, dict]:
     """``sos restore NS OUT``: exit status, stderr and the restored tree."""
-    r = sos("restore", "-q", "--server", srv.address, NS, str(out), key=key)
+    r = run_sos_as(srv, key, "restore", "-q", NS, str(out))
     return r.returncode, r.stderr, (files(out) if os.path.isdir(out) else {})
 
 
@@ -317,7 +309,7 @@ def test_writer_killed_before_ready_then_new_writer_on_an_empty_cache_keeps_ever
     assert "chk/state/big" in got or generation == 1
     gens = generations(sos_server, key)
     assert gens[generation + 1].ready and gens[generation + 1].first_seq > gens[generation].segments[-1].first_seq
-    r = sos("verify", "--server", sos_server.address, NS, key=key)
+    r = run_sos_as(sos_server, key, "verify", NS)
     assert r.returncode == 0, r.stdout + r.stderr  # one chain, nothing damaged
 
 
@@ -372,14 +364,14 @@ def test_restore_refuses_an_empty_tree_a_writer_started_over_records_and_a_write
     gens = generations(sos_server, key)
     assert gens[2].ready and not gens[1].ready_object  # an empty generation 2 over generation 1's records
 
-    r = sos("restore", "-q", "--server", sos_server.address, NS, str(tmp_path / "empty"), key=key)
+    r = run_sos_as(sos_server, key, "restore", "-q", NS, str(tmp_path / "empty"))
     assert r.returncode == 1, r.stderr
     msg = " ".join(r.stderr.split())
     assert "generation 2" in msg and "generation 1" in msg and "--generation 2" in msg, msg
     assert not (tmp_path / "empty").exists()  # nothing written
     rc, err, got = restore(sos_server, key, tmp_path / "chosen")
     assert rc == 1 and got == {}
-    r = sos("restore", "-q", "--server", sos_server.address, NS, str(tmp_path / "g2"), "--generation", "2", key=key)
+    r = run_sos_as(sos_server, key, "restore", "-q", NS, str(tmp_path / "g2"), "--generation", "2")
     assert r.returncode == 0 and files(tmp_path / "g2") == {}, r.stderr  # the empty tree, when asked for
 
     w = open_namespace(NS, str(tmp_path / "cache-new"), server=sos_server.address, key=key)

@@ -10,7 +10,6 @@ a condition, with a generous deadline.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import itertools
 import os
@@ -26,6 +25,7 @@ import pytest
 pytest.importorskip("pyfuse3")
 
 from spark_plugin.mount.process import MountProcess, is_mounted
+from tests.mount.support import as_user, durable, renameat2
 from tests.support import tree_snapshot as snapshot
 
 pytestmark = [
@@ -104,19 +104,6 @@ def restored(server, key, tmp_path, ns):
     return snapshot(target)
 
 
-def durable(mountpoint):
-    """fsync of a directory on the mount (FSYNCDIR): returns once every record is on the server.
-
-    Needed before a restore when the last operations were not barriered (unlink,
-    mkdir, rmdir return before the server has them, like on any filesystem).
-    """
-    fd = os.open(mountpoint, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_file(path, data, chunk=64 << 10):
     with open(path, "wb") as f:
         for i in range(0, len(data), chunk):
@@ -126,16 +113,6 @@ def write_file(path, data, chunk=64 << 10):
 def read_file(path):
     with open(path, "rb") as f:
         return f.read()
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-RENAME_NOREPLACE = 1
-
-
-def renameat2(src, dst, flags=RENAME_NOREPLACE):
-    if _libc.renameat2(-100, os.fsencode(src), -100, os.fsencode(dst), flags) != 0:
-        e = ctypes.get_errno()
-        raise OSError(e, os.strerror(e), dst)
 
 
 def spark_write(root, rel, data, *, overwrite):
@@ -431,66 +408,6 @@ def test_cli_generation_bytes_must_be_a_positive_size(tmp_path, server, ns):
 
 SPARK_UID = 185  # the official Spark image's user
 OTHER_UID = 186
-
-_AS_USER = r"""
-import json, os, sys
-out = {"uid": os.getuid(), "groups": os.getgroups()}
-def attempt(name, fn):
-    try:
-        fn()
-        out[name] = "ok"
-    except OSError as exc:
-        out[name] = exc.errno
-def write(path, data):
-    with open(path, "wb") as f:
-        f.write(data)
-def read(path):
-    with open(path, "rb") as f:
-        out["data:" + path] = f.read().decode()
-for step in json.loads(sys.argv[1]):
-    op, args = step[0], step[1:]
-    fn = {"mkdir": os.mkdir, "write": lambda p, d: write(p, d.encode()), "read": read,
-          "rename": os.rename, "unlink": os.unlink, "chmod": os.chmod,
-          "chown": lambda p, u: os.chown(p, u, -1)}[op]
-    attempt(":".join(map(str, step)), lambda: fn(*args))
-print(json.dumps(out))
-"""
-
-
-def _world_python():
-    """A Python interpreter any user may run (pytest's may live under root's 0700 home)."""
-    for cand in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"):
-        real = os.path.realpath(cand)
-        parts = [real, os.path.dirname(real)]
-        while parts[-1] != "/":
-            parts.append(os.path.dirname(parts[-1]))
-        if os.path.isfile(real) and all(os.path.exists(p) and os.stat(p).st_mode & stat.S_IXOTH for p in parts):
-            return real
-    pytest.skip("no Python interpreter that a non-root user may run")
-
-
-def as_user(uid, cwd, *steps):
-    """Run file operations as `uid` (gid = uid, no supplementary groups) in `cwd`.
-
-    Paths are relative to `cwd` (chdir happens before the process drops root, so the
-    0700 pytest directories above the mount point need not be traversable)."""
-    import json
-
-    proc = subprocess.run(
-        [_world_python(), "-I", "-c", _AS_USER, json.dumps(steps)],
-        cwd=cwd,
-        user=uid,
-        group=uid,
-        extra_groups=[],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
-    )
-    assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout)
-    assert out["uid"] == uid and out["groups"] == []
-    return out
 
 
 def owner(path):

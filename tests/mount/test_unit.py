@@ -9,7 +9,6 @@ journal are in test_mount_e2e.py.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import os
 import stat
@@ -26,6 +25,7 @@ from spark_plugin.mount.inodes import InodeTable  # noqa: E402
 from spark_plugin.mount.ops import SOSOperations, errno_for  # noqa: E402
 from spark_plugin.mount.process import is_mounted  # noqa: E402
 from spark_plugin.mount.run import fuse_options  # noqa: E402
+from tests.mount.support import RENAME_NOREPLACE, renameat2  # noqa: E402
 
 pytestmark = [
     pytest.mark.fuse,
@@ -138,17 +138,6 @@ def mounted(tmp_path):
             subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
     assert not errors, errors
     assert not thread.is_alive()
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_AT_FDCWD = -100
-RENAME_NOREPLACE = 1
-
-
-def renameat2(src, dst, flags):
-    if _libc.renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags) != 0:
-        e = ctypes.get_errno()
-        raise OSError(e, os.strerror(e), dst)
 
 
 def test_mount_is_listed_with_fsname_sos(mounted):

@@ -9,7 +9,6 @@ the commit label the metrics serve, and the first gateway after a loss (item 10)
 
 from __future__ import annotations
 
-import glob
 import inspect
 import os
 import pathlib
@@ -21,7 +20,6 @@ import stat
 import subprocess
 import sys
 import time
-import urllib.request
 
 import pytest
 import requests
@@ -29,13 +27,14 @@ import requests
 from spark_plugin.gateway.process import READY_MARKER, GatewayProcess
 from spark_plugin.gateway.run import LEASE_GONE_MIN, lease_gone
 from spark_plugin.spark import gateway_checkpoint, gateway_conf
-from tests.deploy_support import documented_line
+from tests.deploy.support import documented_line
+from tests.support import hadoop_jars, metrics_url, scrape, token_for, wait_for, webhdfs_create
 from tools import child_env
 from tools.jvm import LIGHT_JVM_OPTIONS
 from tools.server import LISTENING, ServerProcess
 
 pytestmark = [pytest.mark.day2, pytest.mark.slow]
-pytest_plugins = ["tests.tier_support"]
+pytest_plugins = ["tests.tier.support"]
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEPLOY = (ROOT / "docs" / "DEPLOY.md").read_text()
@@ -92,15 +91,6 @@ def sh(line: str, cwd, **extra: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def wait_for(cond, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"not within {timeout} s: {what}")
-
-
 class Background:
     """A documented long-running command (a server, a gateway) run by bash in a session of
     its own, its output in a log; ready once ``marker`` appears there."""
@@ -141,32 +131,11 @@ def certificates(tmp_path) -> tuple[pathlib.Path, pathlib.Path, pathlib.Path, pa
     return tls / "tls.crt", tls / "tls.key", tls / "gateway.crt", tls / "gateway.key"
 
 
-def token(url: str, key: str, verify=True, namespace: str = NS) -> str:
-    r = requests.post(
-        url + "/oauth2/token",
-        data={"grant_type": "client_credentials", "client_id": namespace, "client_secret": key},
-        verify=verify,
-        timeout=60,
-    )
-    assert r.status_code == 200, r.text
-    return r.json()["access_token"]
-
-
-def put(url: str, tok: str, path: str, data: bytes, verify=True) -> requests.Response:
-    h = {"Authorization": f"Bearer {tok}"}
-    r = requests.put(
-        f"{url}/webhdfs/v1{path}?op=CREATE&overwrite=true", headers=h, allow_redirects=False, verify=verify, timeout=60
-    )
-    if r.status_code != 307:
-        return r
-    return requests.put(r.headers["Location"], data=data, headers=h, verify=verify, timeout=60)
-
-
 def commit(url: str, tok: str, batch: int, verify=True, chk: str = "checkpoint") -> None:
     """Spark's commit of batch N: offsets/N, then a temp file renamed onto commits/N."""
-    assert put(url, tok, f"/{chk}/offsets/{batch}", b"v1\noffsets", verify).status_code == 201
+    assert webhdfs_create(url, tok, f"/{chk}/offsets/{batch}", b"v1\noffsets", verify).status_code == 201
     tmp = f"/{chk}/commits/.{batch}.tmp"
-    assert put(url, tok, tmp, b'v1\n{"nextBatchWatermarkMs":0}', verify).status_code == 201
+    assert webhdfs_create(url, tok, tmp, b'v1\n{"nextBatchWatermarkMs":0}', verify).status_code == 201
     r = requests.put(
         f"{url}/webhdfs/v1{tmp}?op=RENAME&destination=/{chk}/commits/{batch}",
         headers={"Authorization": f"Bearer {tok}"},
@@ -182,22 +151,6 @@ def listing(url: str, tok: str, path: str, verify=True) -> list[str]:
     )
     assert r.status_code == 200, r.text
     return sorted((s["pathSuffix"] for s in r.json()["FileStatuses"]["FileStatus"]), key=int)
-
-
-def scrape(url: str) -> dict[str, float]:
-    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            out[key] = float(value)
-    return out
-
-
-def metrics_url(log: str) -> str:
-    found = re.search(r"metrics on (http://[^/\s]+)/metrics", log)
-    assert found, log[-3000:]
-    return found.group(1)
 
 
 def free_port(*hosts: str) -> int:
@@ -329,7 +282,7 @@ def test_is_my_batch_committed_as_documented(sos_server_factory, tmp_path):
         log_path=str(tmp_path / "gateway.log"),
     ).start()
     try:
-        tok = token(gw.url, key)
+        tok = token_for(gw.url, key, NS)
         for n in range(13):
             commit(gw.url, tok, n)
         curl, export, newest, batch = commands(section(SPARK, "### Is my batch committed?"))
@@ -383,7 +336,7 @@ def test_replacing_a_lost_server_as_documented(moto, new_bucket, tmp_path):
         log_path=str(tmp_path / "old-gateway.log"),
     ).start()
     try:
-        tok = token(gw.url, key)
+        tok = token_for(gw.url, key, NS)
         for n in range(3):
             commit(gw.url, tok, n)  # durability tier: in the bucket once committed
         backup = tmp_path / "backup"
@@ -435,7 +388,7 @@ def test_replacing_a_lost_server_as_documented(moto, new_bucket, tmp_path):
             extra_args=["--tls-ca", str(crt)],
             log_path=str(tmp_path / "new-gateway.log"),
         ).start()
-        tok = token(gw2.url, key)  # the backed-up key too
+        tok = token_for(gw2.url, key, NS)  # the backed-up key too
         assert listing(gw2.url, tok, "/checkpoint/commits") == ["0", "1", "2"]
         commit(gw2.url, tok, 3)  # the query goes on
         log = gw2.log()
@@ -455,7 +408,7 @@ def test_the_first_writer_after_a_loss_without_a_lease_says_it_is_expected(sos_s
     key = sos_server.keygen(NS)
     first = GatewayProcess(NS, str(tmp_path / "c1"), sos_server.address, key).start()
     try:
-        commit(first.url, token(first.url, key), 0)
+        commit(first.url, token_for(first.url, key, NS), 0)
     finally:
         first.kill()
     second = GatewayProcess(NS, str(tmp_path / "c2"), sos_server.address, key).start()
@@ -506,7 +459,7 @@ def test_gateway_pair_as_documented(moto, new_bucket, tmp_path):
         ), standby.log()[-3000:]
         b_metrics = metrics_url(standby.log())
         assert scrape(b_metrics)['sos_gateway_role{role="standby"}'] == 1
-        tok = token(a_url, key, verify=str(gw_crt), namespace="myjob")
+        tok = token_for(a_url, key, "myjob", verify=str(gw_crt))
         for n in range(2):
             commit(a_url, tok, n, verify=str(gw_crt))
         done = sh(
@@ -517,7 +470,7 @@ def test_gateway_pair_as_documented(moto, new_bucket, tmp_path):
         assert re.search(r"the namespace's writer opens with sync, durability tier, .*HTTPS", standby.log())
         wait_for(lambda: active.proc.poll() is not None, 60, "the fenced active stops")
         assert active.proc.returncode == 3, active.log()[-3000:]
-        tok = token(b_url, key, verify=str(gw_crt), namespace="myjob")
+        tok = token_for(b_url, key, "myjob", verify=str(gw_crt))
         commit(b_url, tok, 2, verify=str(gw_crt))
         assert listing(b_url, tok, "/checkpoint/commits", verify=str(gw_crt)) == ["0", "1", "2"]
         m = scrape(b_metrics)
@@ -534,15 +487,6 @@ def test_gateway_pair_as_documented(moto, new_bucket, tmp_path):
 # ---------------------------------------------------------------------------- the token URL, with Hadoop's client
 
 
-def _jars() -> str | None:
-    try:
-        import pyspark
-    except ImportError:
-        return None
-    jars = os.path.join(os.path.dirname(pyspark.__file__), "jars")
-    return jars if glob.glob(os.path.join(jars, "hadoop-client-api-*.jar")) else None
-
-
 def test_a_token_url_resolving_to_both_gateways_survives_the_loss_of_the_first(sos_server, tmp_path):
     """Item 4, what SPARK.md recommends: the token URL's name resolves to both gateways of a
     pair (here by a hosts file bind-mounted in a private mount namespace of the JVM, as a
@@ -550,8 +494,8 @@ def test_a_token_url_resolving_to_both_gateways_survives_the_loss_of_the_first(s
     started afterwards (a new executor) gets its token from the other one through Hadoop's own
     token provider and commits. The same JVM given the first gateway's URL alone (the old
     default) fails; given the helper's default (the last URL) it works."""
-    jars = _jars()
-    if jars is None or shutil.which("javac") is None or shutil.which("unshare") is None or os.geteuid() != 0:
+    jars = hadoop_jars()
+    if shutil.which("javac") is None or shutil.which("unshare") is None or os.geteuid() != 0:
         pytest.skip("needs pyspark's Hadoop jars, javac, unshare and root (a private /etc/hosts)")
     classes = tmp_path / "classes"
     light = LIGHT_JVM_OPTIONS.split()  # C1 only, serial GC: half the CPU of a short-lived JVM

@@ -15,10 +15,12 @@ import pytest
 
 from sos_wire import events as ev
 from sos_wire.auth import Key
-from sos_wire.connection import decode_body, encode_event
+from sos_wire.connection import encode_event
 from sos_wire.crc import crc32c
 from sos_wire.errors import ErrorCode
-from sos_wire.frames import DEFAULT_MAX_BODY, Op
+from sos_wire.frames import DEFAULT_MAX_BODY
+from tests.server.support import Wire
+from tests.support import frame
 
 DOC = Path(__file__).resolve().parents[2] / "protocol.md"
 NS = "table"
@@ -42,87 +44,13 @@ def close_table() -> dict[str, tuple[str, str, str]]:
     return rows
 
 
-def frame(opcode: int, rid: int, body: bytes, *, version: int = 1, body_len: int | None = None) -> bytes:
-    h = b"SO" + bytes([version, opcode]) + struct.pack(">II", rid, len(body) if body_len is None else body_len)
-    return h + struct.pack(">I", crc32c(h)) + body
-
-
-class Wire:
-    """Frames by hand over a socket; replies decoded with the reference codec's bodies."""
-
-    def __init__(self, srv, *, source: str | None = None) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.settimeout(TIMEOUT)
-        if source:
-            self.sock.bind((source, 0))
-        self.sock.connect(srv.host_port)
-        self.buf = b""
-        self.nonce = b""
-        self.next_id = 100
-
-    def close(self) -> None:
-        self.sock.close()
-
-    def rid(self) -> int:
-        self.next_id += 1
-        return self.next_id
-
-    def send(self, event) -> int:
-        self.sock.sendall(encode_event(event))
-        return event.request_id
-
-    def reply(self):
-        """The next reply event; EOFError when the server closed the connection."""
-        while True:
-            if len(self.buf) >= 16:
-                opcode, rid, n = self.buf[3], *struct.unpack(">II", self.buf[4:12])
-                if len(self.buf) >= 16 + n:
-                    body, self.buf = self.buf[16 : 16 + n], self.buf[16 + n :]
-                    return decode_body(Op(opcode), rid, body)
-            try:
-                data = self.sock.recv(1 << 16)
-            except ConnectionResetError:
-                data = b""
-            if not data:
-                raise EOFError
-            self.buf += data
-
-    def error(self) -> ev.Error:
-        r = self.reply()
-        assert isinstance(r, ev.Error), r
-        return r
-
-    def is_open(self) -> bool:
-        """A PING answered with PONG: open; EOF or a reset: closed."""
-        rid = self.rid()
-        try:
-            self.send(ev.Ping(rid, b"open?"))
-            r = self.reply()
-        except (EOFError, BrokenPipeError, ConnectionResetError):
-            return False
-        assert r == ev.Pong(rid, b"open?"), r
-        return True
-
-    def hello(self) -> None:
-        self.send(ev.Hello(self.rid(), "table", 1, 1))
-        r = self.reply()
-        assert isinstance(r, ev.HelloOk), r
-        self.nonce = r.nonce
-
-    def login(self, key: str) -> None:
-        self.hello()
-        k = Key.parse(key)
-        self.send(ev.Auth(self.rid(), k.key_id, NS, k.proof(self.nonce, NS)))
-        assert isinstance(self.reply(), ev.AuthOk)
-
-
 # Each scenario provokes its row on a fresh connection and returns
 # (the ERROR, the id of the frame it is about, the Wire to probe for open/closed).
 
 
 def busy(env):
     holder = env.wire(env.busy_server)
-    holder.login(env.busy_key)  # authenticated: the server is full now (an unauthenticated one is evicted)
+    holder.login(env.busy_key, NS)  # authenticated: the server is full now (an unauthenticated one is evicted)
     w = env.wire(env.busy_server)
     return w.error(), None, w
 
@@ -230,7 +158,7 @@ def third_failed_auth(env):
 def key_removed(env):
     key = env.srv.keygen(NS, "append")
     w = env.wire()
-    w.login(key)
+    w.login(key, NS)
     os.unlink(os.path.join(env.srv.data_dir, "ns", NS, "keys", Key.parse(key).key_id.hex()))
     rid = w.send(ev.Stat(w.rid(), "x"))
     return w.error(), rid, w
@@ -329,7 +257,7 @@ class Env:
 
     def authed(self) -> Wire:
         w = self.wire()
-        w.login(self.key)
+        w.login(self.key, NS)
         return w
 
 

@@ -19,18 +19,11 @@ from sos_client import Client, NoSpace
 from sos_journal import JournaledTree, JournalWriter, restore
 from sos_journal.rebuild.restore import rebuild_cache
 from sos_wire.errors import ErrorCode
-from tests.support import tmpfs_mount
 
 pytestmark = [pytest.mark.hostile]
 
 TIMEOUT = 120
 TMPFS_SIZE = "8m"
-
-
-@pytest.fixture
-def tmpfs(tmp_path):
-    with tmpfs_mount(tmp_path / "disk", TMPFS_SIZE) as d:
-        yield d
 
 
 def _fill(path) -> int:

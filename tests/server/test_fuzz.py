@@ -26,7 +26,6 @@ import struct
 import time
 from collections import defaultdict, deque
 
-import psutil
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -39,6 +38,7 @@ from sos_wire.connection import NEED_DATA, Connection, Role, encode_event
 from sos_wire.crc import crc32c
 from sos_wire.errors import ErrorCode, RemoteProtocolError
 from sos_wire.frames import DEFAULT_MAX_BODY
+from tests.server.support import rss
 
 pytestmark = [pytest.mark.hostile]
 
@@ -298,10 +298,6 @@ class Fuzzee:
                 self.acked.append((req.name, req.offset, req.data))
 
 
-def _rss(pid: int) -> int:
-    return psutil.Process(pid).memory_info().rss
-
-
 @pytest.fixture
 def fuzzee(sos_server):
     f = Fuzzee(sos_server)
@@ -319,7 +315,7 @@ def fuzzee(sos_server):
 
 def test_fuzzed_frames_never_crash_the_server_or_change_acked_bytes(fuzzee):
     f = fuzzee
-    rss_before = _rss(f.srv.pid)
+    rss_before = rss(f.srv.pid)
 
     @settings(
         max_examples=EXAMPLES, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck)
@@ -350,7 +346,7 @@ def test_fuzzed_frames_never_crash_the_server_or_change_acked_bytes(fuzzee):
     with Client(f.srv.address, f.other_key, OTHER_NS, timeout=TIMEOUT) as c:
         assert [(e.name, e.length) for e in c.list()] == [("iso", 16)]
         assert c.read("iso") == b"the other tenant"
-    assert _rss(f.srv.pid) < rss_before + RSS_SLACK, (rss_before, _rss(f.srv.pid))
+    assert rss(f.srv.pid) < rss_before + RSS_SLACK, (rss_before, rss(f.srv.pid))
     # everything fuzzed was closed by the server; the log shows no crash of a session
     assert "Traceback" not in f.srv.log_text()
 
@@ -372,7 +368,7 @@ def _server_rx_drained(port: int, expect: int) -> bool:
 
 def test_announced_huge_bodies_are_not_allocated(fuzzee):
     f = fuzzee
-    rss_before = _rss(f.srv.pid)
+    rss_before = rss(f.srv.pid)
     held = []
     try:
         for i in range(96):
@@ -391,7 +387,7 @@ def test_announced_huge_bodies_are_not_allocated(fuzzee):
         while not _server_rx_drained(f.port, len(held)):  # the server has read every byte we sent
             assert time.monotonic() < deadline, "the server never read what was sent"
             time.sleep(0.05)
-        grown = _rss(f.srv.pid) - rss_before
+        grown = rss(f.srv.pid) - rss_before
         # 96 x 8 MiB would be 800 MB if the announced lengths were allocated
         assert grown < RSS_SLACK, f"server RSS grew by {grown / 1e6:.0f} MB"
         f.ping_fresh()

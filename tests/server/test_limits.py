@@ -20,7 +20,6 @@ import struct
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 import requests
@@ -31,20 +30,13 @@ from sos_wire.crc import crc32c
 from sos_wire.errors import ErrorCode
 from sos_wire.events import KeyRole
 from tests.conftest import RawClient
-from tests.support import server_cli, server_metric
+from tests.support import server_cli, server_metric, wait_for
 
 pytestmark = [pytest.mark.hostile]
 
 NS = "round2"
 TIMEOUT = 120
 OBJECT_CHARGE = 4096  # what each object costs the byte quota besides its data (protocol.md 1.9)
-
-
-def _wait_for(what: str, check) -> None:
-    deadline = time.monotonic() + TIMEOUT
-    while not check():
-        assert time.monotonic() < deadline, f"never: {what}"
-        time.sleep(0.05)
 
 
 # -- item 5: the pre-AUTH pool ------------------------------------------------------------
@@ -94,7 +86,9 @@ def test_silent_connections_from_16_addresses_do_not_lock_clients_out(sos_server
         for host in hosts:
             for _ in range(8):
                 crowd[len(crowd)] = (host, _silent(srv, host))
-        _wait_for("128 connections waiting", lambda: server_metric(srv, "sos_unauthenticated_connections") == 128)
+        wait_for(
+            lambda: server_metric(srv, "sos_unauthenticated_connections") == 128, TIMEOUT, "128 connections waiting"
+        )
         # the per-address cap still refuses a ninth from one address (nothing is evicted for it)
         with _silent(srv, hosts[0]) as ninth:
             assert _busy_then_closed(ninth)
@@ -107,7 +101,7 @@ def test_silent_connections_from_16_addresses_do_not_lock_clients_out(sos_server
                 assert c.stat(f"r/{round_}") == (2, False)
             evicted += 1
             # it took the slot of one silent connection: that one got BUSY and the close
-            _wait_for("a silent connection evicted", lambda: bool(_readable(crowd)))
+            wait_for(lambda: bool(_readable(crowd)), TIMEOUT, "a silent connection evicted")
             gone = _readable(crowd)
             assert len(gone) == 1, gone
             host, sock = crowd.pop(gone[0])
@@ -116,7 +110,7 @@ def test_silent_connections_from_16_addresses_do_not_lock_clients_out(sos_server
             # the crowd reconnects at once: the pool is full again
             crowd[next_id] = (host, _silent(srv, host))
             next_id += 1
-            _wait_for("128 waiting again", lambda: server_metric(srv, "sos_unauthenticated_connections") == 128)
+            wait_for(lambda: server_metric(srv, "sos_unauthenticated_connections") == 128, TIMEOUT, "128 waiting again")
         assert not _readable(crowd)  # nobody else was touched
         assert server_metric(srv, "sos_unauthenticated_evicted_total") == evicted
     finally:

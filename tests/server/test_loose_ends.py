@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import os
 import struct
-import subprocess
-import sys
 import time
 
 import pytest
@@ -22,12 +20,15 @@ from sos_wire.auth import Key
 from sos_wire.crc import crc32c
 from sos_wire.errors import ErrorCode
 from tests.conftest import RawClient
-from tests.server.test_close_table import NS, Wire, frame
+from tests.server.support import Wire
+from tests.support import frame, run_sos_as, server_cli
 
 DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "protocol.md")
 WAIT = 180
 MAX_EPOCH = 9_999_999_999
 U64_MAX = 2**64 - 1
+
+NS = "table"
 
 
 def closed(w: Wire) -> bool:
@@ -104,7 +105,7 @@ def test_an_auth_before_hello_is_not_authenticated_and_no_failed_auth(wire):
 def test_a_ping_after_the_key_was_revoked_is_auth_failed_and_closes(wire, server):
     key = server.keygen(NS, "append")
     w = wire()
-    w.login(key)
+    w.login(key, NS)
     assert w.is_open()
     os.unlink(os.path.join(server.data_dir, "ns", NS, "keys", Key.parse(key).key_id.hex()))
     rid = w.send(ev.Ping(w.rid(), b"still there?"))
@@ -180,7 +181,7 @@ def _call(w: Wire, event):
 
 def test_seal_checks_its_epoch_first_also_on_a_sealed_object(wire, server):
     w = wire()
-    w.login(wire.key)
+    w.login(wire.key, NS)
     # this test's own objects: the module's namespace may be fenced by another test
     fence = _call(w, ev.Fence(w.rid(), 0)).length
     e = fence + 1
@@ -198,7 +199,7 @@ def test_seal_checks_its_epoch_first_also_on_a_sealed_object(wire, server):
     r = _call(w, ev.Seal(w.rid(), "s/../x", e))  # the name before the epoch
     assert r.code is ErrorCode.BAD_NAME, r
     reader = wire()
-    reader.login(server.keygen(NS, "read"))
+    reader.login(server.keygen(NS, "read"), NS)
     r = _call(reader, ev.Seal(reader.rid(), "s/obj", e))  # the role before everything
     assert r.code is ErrorCode.FORBIDDEN, r
 
@@ -228,22 +229,7 @@ def test_fence_at_the_top_of_the_epoch_range(sos_server):
     srv = sos_server
     key = srv.keygen("top", "append")
     srv.stop()
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "sos_server.cli",
-            "reset-fence",
-            "--data",
-            srv.data_dir,
-            "top",
-            "--epoch",
-            str(MAX_EPOCH - 5),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=WAIT,
-    )
+    out = server_cli("reset-fence", "--data", srv.data_dir, "top", "--epoch", str(MAX_EPOCH - 5), timeout=WAIT)
     assert out.returncode == 0, out.stderr
     srv.start()
     with RawClient(srv.address) as c:
@@ -285,13 +271,6 @@ def test_a_restarted_server_drops_a_cut_append_and_takes_its_resend(sos_server):
 # ---------------------------------------------------------------- Part 2: the sos command
 
 
-def run_sos(server, key, *args):
-    env = dict(os.environ, SOS_SERVER=server.address, SOS_KEY=key)
-    return subprocess.run(
-        [sys.executable, "-m", "sos_client.cli", *args], capture_output=True, text=True, timeout=WAIT, env=env
-    )
-
-
 T0 = 1_763_900_000_000_000_000
 
 
@@ -314,10 +293,10 @@ def test_the_one_before_is_the_previous_generation_with_segments(server, tmp_pat
         # generation 3 starts with the record after generation 1's last one
         c.append(layout.segment_name(3, 3, 0), 0, _records((3, Create("a")), (4, SnapshotEnd(3))))
         _complete(c, 3)
-    v = run_sos(server, key, "verify", "-q", ns)
+    v = run_sos_as(server, key, "verify", "-q", ns)
     assert v.returncode == 3, (v.stdout, v.stderr)
     assert "generation 3 does not continue generation 1" in v.stdout
-    r = run_sos(server, key, "restore", "-q", ns, str(tmp_path / "t"))
+    r = run_sos_as(server, key, "restore", "-q", ns, str(tmp_path / "t"))
     assert r.returncode == 3 and "generation 3 does not continue generation 1" in r.stderr, r.stderr
     assert not (tmp_path / "t").exists()
 
@@ -330,12 +309,12 @@ def test_an_incomplete_generation_restore_names_its_first_record_verify_exits_0(
         _complete(c, 1)
         # generation 2: snapshot (record 3), SNAPSHOT_END (4), then a journal record (5); no ready
         c.append(layout.segment_name(2, 3, 0), 0, _records((3, Create("a")), (4, SnapshotEnd(2)), (5, Create("b"))))
-    r = run_sos(server, key, "restore", "-q", ns, str(tmp_path / "t"))
+    r = run_sos_as(server, key, "restore", "-q", ns, str(tmp_path / "t"))
     assert r.returncode == 0, r.stderr
     assert sorted(os.listdir(tmp_path / "t")) == ["a"]
     warning = next(line for line in r.stderr.splitlines() if line.startswith("sos: warning:"))
     assert "generation 2 is not complete" in warning and "from record 3 on" in warning, warning
-    v = run_sos(server, key, "verify", "-q", ns)
+    v = run_sos_as(server, key, "verify", "-q", ns)
     assert v.returncode == 0, (v.stdout, v.stderr)
     assert "OK, 1 WARNING" in v.stdout
     assert "generation 2 is not complete but holds records 5..5 after its SNAPSHOT_END" in v.stdout
@@ -356,7 +335,7 @@ def test_the_root_checkpoint_is_written_empty_and_dot_is_the_same(server, tmp_pa
         _complete(c, 1)
     for i, querydir in enumerate(("", ".")):
         target = tmp_path / f"t{i}"
-        r = run_sos(server, key, "restore", "-q", "--batch", f"{querydir}:0", ns, str(target))
+        r = run_sos_as(server, key, "restore", "-q", "--batch", f"{querydir}:0", ns, str(target))
         assert r.returncode == 0, r.stderr
         assert sorted(os.listdir(target)) == ["commits"], querydir
     assert cli.main(["restore", "--help"]) == 0
@@ -369,13 +348,13 @@ def test_the_root_checkpoint_is_written_empty_and_dot_is_the_same(server, tmp_pa
 
 @pytest.mark.slow
 def test_the_first_step_of_a_write_to_a_leased_path_is_refused(sos_server, tmp_path):
-    from tests.gateway.test_gateway import Gw, _chunked_create, _send_chunk, remote
+    from tests.gateway.support import Gw, chunked_create, remote, send_chunk
 
     g = Gw(sos_server, tmp_path)
     try:
         s = g.session
-        slow = _chunked_create(g, "/l/f")  # a CREATE body streaming: /l/f holds the lease
-        _send_chunk(slow, b"first;")
+        slow = chunked_create(g, "/l/f")  # a CREATE body streaming: /l/f holds the lease
+        send_chunk(slow, b"first;")
         deadline = time.monotonic() + WAIT
         while s.get(g.u("/l/f", op="GETFILESTATUS")).status_code != 200:  # the lease is taken first
             assert time.monotonic() < deadline
@@ -389,7 +368,7 @@ def test_the_first_step_of_a_write_to_a_leased_path_is_refused(sos_server, tmp_p
             assert r.status_code == 403 and remote(r)["exception"] == "AlreadyBeingCreatedException", r.text
         # reading is no writing: OPEN's first step is redirected
         assert s.get(g.u("/l/f", op="OPEN"), allow_redirects=False).status_code == 307
-        _send_chunk(slow, b"second")
+        send_chunk(slow, b"second")
         slow.send(b"0\r\n\r\n")
         assert slow.getresponse().status == 201
         slow.close()

@@ -7,8 +7,6 @@ import os
 import signal
 import socket
 import struct
-import subprocess
-import sys
 import time
 import urllib.request
 
@@ -21,14 +19,9 @@ from sos_wire.crc import crc32c
 from sos_wire.errors import ErrorCode
 from sos_wire.frames import DEFAULT_MAX_BODY
 from tests.conftest import RawClient
-from tests.support import self_signed_cert
+from tests.support import frame, self_signed_cert, server_cli
 
 NS = "proc"
-
-
-def _header(opcode: int, rid: int, body_len: int) -> bytes:
-    h = b"SO" + bytes([1, opcode]) + struct.pack(">II", rid, body_len)
-    return h + struct.pack(">I", crc32c(h))
 
 
 def _error_of(raw: bytes) -> tuple[int, int]:
@@ -100,7 +93,7 @@ def test_typed_errors_on_one_connection_which_survives(srv, bystander):
         assert r.code is ErrorCode.SEALED
         # a PING whose payload is over 64 bytes (the codec refuses to build one: raw bytes)
         body = struct.pack(">I", 65) + b"x" * 65
-        c.send_raw(_header(0x03, 4242, len(body)) + body)
+        c.send_raw(frame(0x03, 4242, body_len=len(body)) + body)
         raw = c.sock.recv(1 << 16)
         rid, code = _error_of(raw)
         assert rid == 4242 and code in (ErrorCode.BAD_REQUEST, ErrorCode.BAD_FRAME)
@@ -117,7 +110,7 @@ def test_typed_errors_on_one_connection_which_survives(srv, bystander):
 def test_unknown_opcode_is_answered_and_connection_survives(srv, bystander):
     with RawClient(srv.address) as c:
         assert isinstance(c.login(srv.key, NS), ev.AuthOk)
-        c.send_raw(_header(0x42, 99, 5) + b"hello")
+        c.send_raw(frame(0x42, 99, body_len=5) + b"hello")
         # the codec of a client would refuse an ERROR for an id it never sent: read raw
         raw = c.sock.recv(1 << 16)
         assert _error_of(raw) == (99, ErrorCode.UNKNOWN_OP)
@@ -136,29 +129,29 @@ def test_broken_frames_get_an_error_then_close(srv, bystander, case):
         assert isinstance(c.login(srv.key, NS), ev.AuthOk)
         name = "victim"
         if case == "over_cap":
-            c.send_raw(_header(0x06, 7, DEFAULT_MAX_BODY + 1))  # no body needed: refused on the header
+            c.send_raw(frame(0x06, 7, body_len=DEFAULT_MAX_BODY + 1))  # no body needed: refused on the header
             want = ErrorCode.TOO_LARGE
         elif case == "length_lies_short":
             body = struct.pack(">H", len(name)) + name.encode() + struct.pack(">QQII", 0, 0, crc32c(b"abc"), 3) + b"abc"
-            c.send_raw(_header(0x06, 7, len(body) - 2) + body)  # claims 2 bytes less than it sends
+            c.send_raw(frame(0x06, 7, body_len=len(body) - 2) + body)  # claims 2 bytes less than it sends
             want = ErrorCode.BAD_FRAME
         elif case == "length_lies_long_then_eof":
-            c.send_raw(_header(0x03, 7, 1000) + b"short")
+            c.send_raw(frame(0x03, 7, body_len=1000) + b"short")
             c.sock.shutdown(socket.SHUT_WR)
             want = ErrorCode.BAD_FRAME
         elif case == "bad_magic":
             c.send_raw(b"GET / HTTP/1.1\r\n\r\n")
             want = ErrorCode.BAD_FRAME
         elif case == "bad_crc":
-            h = bytearray(_header(0x03, 7, 4))
+            h = bytearray(frame(0x03, 7, body_len=4))
             h[-1] ^= 0xFF
             c.send_raw(bytes(h) + bytes(4))
             want = ErrorCode.BAD_FRAME
         elif case == "id_zero":
-            c.send_raw(_header(0x03, 0, 4) + bytes(4))
+            c.send_raw(frame(0x03, 0, body_len=4) + bytes(4))
             want = ErrorCode.BAD_FRAME
         else:
-            c.send_raw(_header(0x86, 7, 8) + bytes(8))  # a reply sent to the server
+            c.send_raw(frame(0x86, 7, body_len=8) + bytes(8))  # a reply sent to the server
             want = ErrorCode.BAD_FRAME
         raw = c.recv_raw_until_eof()  # the server closes after the ERROR
         assert _error_of(raw)[1] == want
@@ -170,21 +163,11 @@ def test_broken_frames_get_an_error_then_close(srv, bystander, case):
 
 def test_keygen_and_gc_commands(tmp_path, sos_server_factory):
     data = tmp_path / "d"
-    out = subprocess.run(
-        [sys.executable, "-m", "sos_server.cli", "keygen", "--data", str(data), "tenant", "--role", "append"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = server_cli("keygen", "--data", str(data), "tenant", "--role", "append")
     assert out.returncode == 0, out.stderr
     key = out.stdout.strip()
     Key.parse(key)
-    bad = subprocess.run(
-        [sys.executable, "-m", "sos_server.cli", "keygen", "--data", str(data), "Bad/NS", "--role", "append"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    bad = server_cli("keygen", "--data", str(data), "Bad/NS", "--role", "append")
     assert bad.returncode != 0 and "namespace" in bad.stderr
 
     srv = sos_server_factory(data_dir=data)
@@ -196,42 +179,10 @@ def test_keygen_and_gc_commands(tmp_path, sos_server_factory):
             assert isinstance(c.call(ev.Seal(c.rid(), f"gen/{g:010d}/ready", 0)), ev.SealOk)  # complete
         assert c.append("other/keep", 0, b"k").length == 1
     # gc refuses while the server holds the data directory
-    busy = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "sos_server.cli",
-            "gc",
-            "--data",
-            str(data),
-            "--keep-generations",
-            "1",
-            "--min-age",
-            "0s",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    busy = server_cli("gc", "--data", str(data), "--keep-generations", "1", "--min-age", "0s")
     assert busy.returncode == 1 and "in use" in busy.stderr
     srv.stop()
-    gc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "sos_server.cli",
-            "gc",
-            "--data",
-            str(data),
-            "--keep-generations",
-            "2",
-            "--min-age",
-            "0s",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    gc = server_cli("gc", "--data", str(data), "--keep-generations", "2", "--min-age", "0s")
     assert gc.returncode == 0, gc.stderr
     assert "removed tenant/gen/0000000001/ready" in gc.stdout
     srv.start()
@@ -323,12 +274,7 @@ def test_sigterm_stops_cleanly_and_data_is_kept(srv):
 
 
 def test_serve_usage_errors(tmp_path):
-    r = subprocess.run(
-        [sys.executable, "-m", "sos_server.cli", "serve", "--data", str(tmp_path), "--listen", "nope"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    r = server_cli("serve", "--data", str(tmp_path), "--listen", "nope")
     assert r.returncode == 2 and "HOST:PORT" in r.stderr
 
 
@@ -380,7 +326,7 @@ def test_tls_listener(tmp_path, sos_server_factory):
         assert c.read("big-over-tls") == blob
     # a plaintext client gets nowhere and the server keeps serving TLS
     with socket.create_connection((host, port), timeout=60) as plain:
-        plain.sendall(_header(0x03, 1, 4) + bytes(4))
+        plain.sendall(frame(0x03, 1, body_len=4) + bytes(4))
         try:
             data = plain.recv(100)
         except ConnectionResetError:
@@ -393,24 +339,14 @@ def test_address_in_use_is_a_clear_error(tmp_path):
         blocker.bind(("127.0.0.1", 0))
         blocker.listen()
         port = blocker.getsockname()[1]
-        r = subprocess.run(
-            [sys.executable, "-m", "sos_server.cli", "serve", "--data", str(tmp_path), "--listen", f"127.0.0.1:{port}"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        r = server_cli("serve", "--data", str(tmp_path), "--listen", f"127.0.0.1:{port}")
     assert r.returncode == 1
     assert f"sos-server: cannot listen on 127.0.0.1:{port}" in r.stderr
     assert "Traceback" not in r.stderr
 
 
 def test_second_server_on_the_same_data_dir_is_refused(srv):
-    r = subprocess.run(
-        [sys.executable, "-m", "sos_server.cli", "serve", "--data", srv.data_dir, "--listen", "127.0.0.1:0"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    r = server_cli("serve", "--data", srv.data_dir, "--listen", "127.0.0.1:0")
     assert r.returncode == 1 and "in use by another sos-server" in r.stderr
 
 
@@ -437,12 +373,6 @@ def test_torn_tail_is_cut_back_at_restart(srv):
         assert c.append("torn", 800, b"C").length == 801  # appends continue at the cut
 
 
-def _sos_server(*args, timeout: float = 120):
-    return subprocess.run(
-        [sys.executable, "-m", "sos_server.cli", *map(str, args)], capture_output=True, text=True, timeout=timeout
-    )
-
-
 def _one_line_error(r, status: int, *words: str) -> str:
     """The command failed with *status* and said so in one ``sos-server:`` line."""
     assert r.returncode == status, (r.returncode, r.stderr)
@@ -458,36 +388,36 @@ def test_gc_refuses_a_data_dir_that_is_a_file_missing_or_not_a_data_dir(tmp_path
     gc = ("gc", "--keep-generations", "1", "--min-age", "0s", "--data")
     a_file = tmp_path / "a-file"
     a_file.write_text("not a directory")
-    _one_line_error(_sos_server(*gc, a_file), 1, str(a_file), "not a directory")
+    _one_line_error(server_cli(*gc, a_file), 1, str(a_file), "not a directory")
     missing = tmp_path / "mistyped"
-    _one_line_error(_sos_server(*gc, missing), 1, str(missing), "does not exist")
+    _one_line_error(server_cli(*gc, missing), 1, str(missing), "does not exist")
     assert not missing.exists()  # not created
     unrelated = tmp_path / "unrelated"
     unrelated.mkdir()
-    _one_line_error(_sos_server(*gc, unrelated), 1, str(unrelated), "not an sos-server data directory")
+    _one_line_error(server_cli(*gc, unrelated), 1, str(unrelated), "not an sos-server data directory")
     assert list(unrelated.iterdir()) == []  # no LOCK left behind
 
 
 def test_serve_refuses_a_data_dir_that_is_a_file(tmp_path):
     a_file = tmp_path / "a-file"
     a_file.write_text("not a directory")
-    _one_line_error(_sos_server("serve", "--data", a_file, "--listen", "127.0.0.1:0"), 1, str(a_file))
+    _one_line_error(server_cli("serve", "--data", a_file, "--listen", "127.0.0.1:0"), 1, str(a_file))
 
 
 def test_serve_refuses_a_damaged_fence_file_in_one_line(tmp_path):
     data = tmp_path / "data"
     Storage(str(data)).keygen("tenant", "append")
     (data / "ns" / "tenant" / "fence").write_bytes(b"7\x00garbage")
-    r = _sos_server("serve", "--data", data, "--listen", "127.0.0.1:0")
+    r = server_cli("serve", "--data", data, "--listen", "127.0.0.1:0")
     _one_line_error(r, 1, str(data / "ns" / "tenant" / "fence"), "damaged")
-    r = _sos_server("gc", "--data", data, "--keep-generations", "1", "--min-age", "0s")
+    r = server_cli("gc", "--data", data, "--keep-generations", "1", "--min-age", "0s")
     _one_line_error(r, 1, "fence")
 
 
 def test_serve_option_pairs_are_usage_errors(tmp_path):
-    r = _sos_server("serve", "--data", tmp_path, "--listen", "127.0.0.1:0", "--tls-cert", tmp_path / "c.pem")
+    r = server_cli("serve", "--data", tmp_path, "--listen", "127.0.0.1:0", "--tls-cert", tmp_path / "c.pem")
     _one_line_error(r, 2, "--tls-cert and --tls-key")
-    r = _sos_server("serve", "--data", tmp_path, "--listen", "127.0.0.1:0", "--keep-generations", "2")
+    r = server_cli("serve", "--data", tmp_path, "--listen", "127.0.0.1:0", "--keep-generations", "2")
     _one_line_error(r, 2, "--keep-generations and --min-age")
-    r = _sos_server("serve", "--data", tmp_path, "--listen", "127.0.0.1:0", "--handshake-timeout", "soon")
+    r = server_cli("serve", "--data", tmp_path, "--listen", "127.0.0.1:0", "--handshake-timeout", "soon")
     assert r.returncode == 2 and "bad duration" in r.stderr

@@ -21,27 +21,21 @@ import struct
 import threading
 import time
 
-import psutil
 import pytest
 
 from sos_client import Client, SOSPermissionError
 from sos_wire import events as ev
 from sos_wire.auth import Key
-from sos_wire.crc import crc32c
 from sos_wire.errors import ErrorCode
 from sos_wire.frames import DEFAULT_MAX_BODY, Op
 from tests.conftest import RawClient
-from tests.support import client_expecting, server_metric
+from tests.server.support import rss
+from tests.support import client_expecting, frame, server_metric
 
 pytestmark = [pytest.mark.hostile]
 
 NS = "limits"
 TIMEOUT = 120
-
-
-def _header(opcode: int, rid: int, body_len: int) -> bytes:
-    h = b"SO" + bytes([1, opcode]) + struct.pack(">II", rid, body_len)
-    return h + struct.pack(">I", crc32c(h))
 
 
 def _closed(c: RawClient) -> bool:
@@ -53,10 +47,6 @@ def _closed(c: RawClient) -> bool:
         return True
     assert isinstance(reply, ev.Pong), reply
     return False
-
-
-def _rss(pid: int) -> int:
-    return psutil.Process(pid).memory_info().rss
 
 
 # -- item 6 -------------------------------------------------------------------------------
@@ -71,7 +61,7 @@ def test_unread_pipelined_reads_keep_memory_bounded_and_the_connection_is_closed
     with Client(srv.address, key, NS, timeout=TIMEOUT) as c:
         c.append_many("big", 0, [big[i : i + (1 << 20)] for i in range(0, len(big), 1 << 20)])
         assert c.read("big") == big  # warms the server's allocator up with whole READs
-    base = _rss(srv.pid)
+    base = rss(srv.pid)
 
     host, port = srv.address.rsplit(":", 1)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -86,7 +76,7 @@ def test_unread_pipelined_reads_keep_memory_bounded_and_the_connection_is_closed
         peak = base
         deadline = time.monotonic() + TIMEOUT
         while True:
-            peak = max(peak, _rss(srv.pid))
+            peak = max(peak, rss(srv.pid))
             assert peak - base < 64 << 20, f"server grew by {(peak - base) >> 20} MiB for one connection"
             if server_metric(srv, "sos_send_timeouts_total", 0) >= 1:
                 break
@@ -324,7 +314,7 @@ def test_frames_before_auth_are_capped_at_4_kib(srv_with_key):
     with RawClient(srv.address) as c:
         # a 64 KiB PING before AUTH: refused on its header, before any of the body
         # (the EOF after the header: a server that waits for the body sees it end early)
-        c.send_raw(_header(0x03, 5, 64 << 10))
+        c.send_raw(frame(0x03, 5, body_len=64 << 10))
         c.sock.shutdown(socket.SHUT_WR)
         c.conn = client_expecting(Op.PING, 5)  # the PING was sent by hand: read its answer as its sender
         r = c.next()
@@ -333,7 +323,7 @@ def test_frames_before_auth_are_capped_at_4_kib(srv_with_key):
         assert c.recv_raw_until_eof() == b""  # then the close
     with RawClient(srv.address) as c:  # a 4 KiB body is still read (and answered)
         body = struct.pack(">I", 4092) + bytes(4092)
-        c.send_raw(_header(0x03, 5, len(body)) + body)
+        c.send_raw(frame(0x03, 5, body_len=len(body)) + body)
         c.conn = client_expecting(Op.PING, 5)
         r = c.next()
         assert isinstance(r, ev.Error) and r.code is ErrorCode.BAD_REQUEST, r  # PING payload over 64

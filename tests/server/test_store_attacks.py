@@ -29,7 +29,7 @@ from sos_wire import events as ev
 from sos_wire.crc import crc32c
 from sos_wire.errors import ErrorCode
 from tests.conftest import RawClient
-from tests.support import server_cli
+from tests.support import client_factory, server_cli
 
 pytestmark = [pytest.mark.hostile]
 
@@ -44,13 +44,9 @@ def sos_cli(*args: str, env: dict, input: bytes | None = None) -> subprocess.Com
     )
 
 
-def factory(srv, ns: str, key: str):
-    return lambda: Client(srv.address, key, ns, timeout=60)
-
-
 def write_journal(srv, ns: str, key: str, tmp, files: dict[str, bytes], **kw) -> JournalWriter:
     """A real journal writer writes *files* and closes (everything acknowledged)."""
-    w = JournalWriter(factory(srv, ns, key), ns, str(tmp / f"spool-{ns}"), **kw)
+    w = JournalWriter(client_factory(srv, ns, key), ns, str(tmp / f"spool-{ns}"), **kw)
     t = JournaledTree(str(tmp / f"cache-{ns}"), w, rebuild=rebuild_cache).open()
     for path, data in files.items():
         t.create(path)
@@ -157,8 +153,8 @@ def test_retention_waits_min_age_after_newer_generations_complete(sos_server, tm
     # the forged generations do not continue generation 1 (no segments): restore refuses the
     # journal as a whole, and generation 1 alone is still there to restore
     with pytest.raises(GenerationBreak):
-        restore(factory(srv, "victim", key), "victim", str(tmp_path / "out"))
-    restore(factory(srv, "victim", key), "victim", str(tmp_path / "out"), generation=1, force=True)
+        restore(client_factory(srv, "victim", key), "victim", str(tmp_path / "out"))
+    restore(client_factory(srv, "victim", key), "victim", str(tmp_path / "out"), generation=1, force=True)
     assert tree_state(str(tmp_path / "out")) == {"precious": b"real data"}
     # once they have been complete for min_age (time for an operator to notice), rules apply
     srv.stop()
@@ -207,7 +203,7 @@ def test_generation_numbers_only_grow_by_one(sos_server, tmp_path):
         assert isinstance(c.append("gen/notes", 0, b"n", epoch=1), ev.AppendOk)
     # a real writer writes several generations (each the next one) and stays restorable
     w = JournalWriter(
-        factory(srv, "gens2", srv.keygen("gens2", "append")),
+        client_factory(srv, "gens2", srv.keygen("gens2", "append")),
         "gens2",
         str(tmp_path / "spool"),
         segment_bytes=2048,
@@ -269,14 +265,14 @@ def test_fence_epochs_are_bounded_and_an_operator_can_reset_them(sos_server, tmp
     bad = server_cli("reset-fence", "--data", srv.data_dir, "f", "--epoch", str(10**10))
     assert bad.returncode == 2 and "9999999999" in bad.stderr
     srv.start()
-    w = JournalWriter(factory(srv, "f", key), "f", str(tmp_path / "spool-f"))
+    w = JournalWriter(client_factory(srv, "f", key), "f", str(tmp_path / "spool-f"))
     t = JournaledTree(str(tmp_path / "cache-f"), w, rebuild=rebuild_cache).open()
     assert w.epoch == 1002
     t.create("b")
     t.write("b", 0, b"2")
     t.sync()
     t.close()
-    restore(factory(srv, "f", key), "f", str(tmp_path / "out"))
+    restore(client_factory(srv, "f", key), "f", str(tmp_path / "out"))
     assert tree_state(str(tmp_path / "out")) == {"a": b"1", "b": b"2"}
     # the top of the epoch range: nothing passes it, and the message says what to do
     srv.stop()
@@ -426,7 +422,7 @@ def test_journal_writer_over_quota_loses_nothing(sos_server_factory, tmp_path):
     # two objects (a segment, ready: 4 KiB each, protocol.md 1.9) and 3000 data bytes: 8,000 do not fit
     assert server_cli("quota", "--data", srv.data_dir, "jq", str(2 * 4096 + 3000)).returncode == 0
     srv.start()
-    w = JournalWriter(factory(srv, "jq", key), "jq", str(tmp_path / "spool"), sync=False, max_backoff=0.2)
+    w = JournalWriter(client_factory(srv, "jq", key), "jq", str(tmp_path / "spool"), sync=False, max_backoff=0.2)
     t = JournaledTree(str(tmp_path / "cache"), w, rebuild=rebuild_cache).open()
     for i in range(8):
         t.create(f"f{i}")
@@ -440,7 +436,7 @@ def test_journal_writer_over_quota_loses_nothing(sos_server_factory, tmp_path):
     t.sync(wait=True)
     want = tree_state(t.local_path(""))
     t.close()
-    restore(factory(srv, "jq", key), "jq", str(tmp_path / "out"))
+    restore(client_factory(srv, "jq", key), "jq", str(tmp_path / "out"))
     assert tree_state(str(tmp_path / "out")) == want and len(want) == 8
 
 
@@ -503,5 +499,5 @@ def test_sos_put_works_in_a_namespace_a_writer_fenced(sos_server, tmp_path):
     # the journal is untouched and the writer goes on
     w2 = write_journal(srv, "put", key, tmp_path, {"k": b"more"})
     assert w2.epoch == w.epoch + 1
-    restore(factory(srv, "put", key), "put", str(tmp_path / "out"))
+    restore(client_factory(srv, "put", key), "put", str(tmp_path / "out"))
     assert tree_state(str(tmp_path / "out")) == {"j": b"journal", "k": b"more"}

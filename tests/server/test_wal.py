@@ -26,7 +26,10 @@ from sos_wire import events as ev
 from sos_wire.crc import crc32c
 from sos_wire.errors import ErrorCode
 from tests.conftest import RawClient
-from tests.server.test_crash import NS, OBJECTS, check_object, writer
+from tests.server.support import WRITER_NS as NS
+from tests.server.support import WRITER_OBJECTS as OBJECTS
+from tests.server.support import check_object, writer
+from tests.support import flip_byte
 
 ROUNDS = 4
 
@@ -355,14 +358,6 @@ def _zero(path: str, start: int, end: int) -> None:
         f.write(bytes(end - start))
 
 
-def _flip(path: str, at: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(at)
-        b = f.read(1)
-        f.seek(at)
-        f.write(bytes([b[0] ^ 0x5A]))
-
-
 def _log_with_a_last_record(root) -> tuple[str, str, tuple[int, int]]:
     """A crash's data directory: TORN acknowledged (log synced), then LAST written (object
     file and log record, as the server does); (log path, object path, LAST's record)."""
@@ -432,7 +427,7 @@ def test_a_record_with_a_flipped_byte_before_a_whole_record_is_damage(tmp_path, 
     log_path, _, _ = _log_with_a_last_record(tmp_path)
     start, end = _records_in(log_path)[1]
     at = {"kind": 4, "length": 13, "name": REC.size, "frame header": REC.size + KEY + 5, "data": DATA + 150}[where]
-    _flip(log_path, start + at)
+    flip_byte(log_path, start + at)
     s2 = Storage(str(tmp_path))
     s2.open()
     assert s2.replayed.damaged
@@ -445,7 +440,7 @@ def test_the_last_record_with_a_flipped_byte_and_its_last_byte_written_is_damage
     """Zeros follow the last record, but its last byte is there: the write was whole, so a
     checksum that fails is damage, not a torn write."""
     log_path, _, (start, end) = _log_with_a_last_record(tmp_path)
-    _flip(log_path, start + DATA + 100)
+    flip_byte(log_path, start + DATA + 100)
     s2 = Storage(str(tmp_path))
     s2.open()
     assert "record data checksum mismatch" in s2.replayed.damaged
@@ -563,7 +558,7 @@ def test_sigkilled_server_with_a_torn_log_record_starts_with_every_acknowledged_
     srv.kill()
     logs = sorted(p for p in glob.glob(os.path.join(wal_dir, "*.log")) if _records_in(p))
     start, _ = _records_in(logs[-1])[-3]
-    _flip(logs[-1], start + REC.size + 40)
+    flip_byte(logs[-1], start + REC.size + 40)
     srv.start()
     assert "damaged write-ahead log record" in srv.log_text()
     assert glob.glob(os.path.join(wal_dir, "*.damaged"))

@@ -32,7 +32,7 @@ from sos_tier.uploader import Uploader
 from tests.support import PEAK_RSS_KIB
 from tools.server import ServerProcess
 
-pytest_plugins = ["tests.tier_support"]
+pytest_plugins = ["tests.tier.support"]
 
 pytestmark = pytest.mark.slow
 
@@ -122,7 +122,7 @@ def origin(tmp_path_factory, moto) -> Origin:
                 if s
             }
             from sos_tier.s3 import S3Store
-            from tests.tier_support import make_bucket
+            from tests.tier.support import make_bucket
 
             s3_url = make_bucket("sos/replaced")
             pristine = LocalStore((base / "tier").as_uri())

@@ -3,7 +3,7 @@ object-store tier (the bucket) holds its records, so a committed batch survives 
 server and its disk.
 
 Real parts: ``sos-server serve --tier`` processes against moto's S3 server on 127.0.0.1
-(tests/tier_support.py), the blocking and trio clients' ``tier_wait``, a JournalWriter and
+(tests/tier/support.py), the blocking and trio clients' ``tier_wait``, a JournalWriter and
 JournaledTree opened by ``open_namespace(durability="tier")`` (what every face calls), the
 bucket read with ``sos_tier.scan``, ``sos restore --from URL`` after the server's data directory
 is deleted, and a moto server of the test's own stopped and started again (the store down).
@@ -29,26 +29,15 @@ from sos_journal.testing import tree_state
 from sos_journal.tree.open import open_namespace
 from sos_tier import open_store, scan
 from sos_wire.errors import ErrorCode
+from tests.tier.support import bucket_lengths
 
-pytest_plugins = ["tests.tier_support"]
+pytest_plugins = ["tests.tier.support"]
 pytestmark = pytest.mark.slow
 
 WAIT = 120.0  # generous upper bounds: never reached unless something is broken
 #: an interval no test waits for: whatever reaches the bucket got there because a TIER_WAIT
 #: started the upload round (the server nudges its uploader on a wait, protocol.md 1.11)
 NEVER = "1h"
-
-
-def bucket_lengths(url: str, ns: str) -> dict[str, int]:
-    store = open_store(url)
-    try:
-        state = scan(store, ns, verify=True).get(ns)
-    finally:
-        store.close()
-    if state is None:
-        return {}
-    assert state.all_problems() == []
-    return {n: o.length for n, o in state.objects.items()}
 
 
 def server_lengths(srv, key: str, ns: str) -> dict[str, int]:
@@ -86,7 +75,7 @@ def test_tier_wait_returns_once_the_bucket_holds_the_bytes(sos_server_factory, n
         assert c.tier_wait("log", 0, timeout=0) >= 0  # offset 0: at once
         # longer than the client's own timeout (10 s) would allow if it did not stretch it
         assert c.tier_wait("log", 5000, timeout=30) == 5000
-        assert bucket_lengths(url, "tw") == {"log": 5000}
+        assert bucket_lengths(url, "tw", verify=True) == {"log": 5000}
         c.append("log", 5000, b"b" * 10, epoch=1)
         assert c.tier_wait("log", 5010, timeout=60) == 5010
         assert c.tier_wait("log", 10, timeout=0) == 5010  # already there: the run's length
@@ -100,7 +89,7 @@ def test_tier_wait_returns_once_the_bucket_holds_the_bytes(sos_server_factory, n
             assert await ac.ping(b"still") == b"still"  # the connection survives the error
 
     trio.run(trio_side)
-    assert bucket_lengths(url, "tw") == {"log": 5017}
+    assert bucket_lengths(url, "tw", verify=True) == {"log": 5017}
 
 
 def test_tier_wait_without_a_tier_raises_tier_unavailable(sos_server):
@@ -172,7 +161,7 @@ def test_a_barrier_means_the_bucket_holds_the_record_restore_after_the_server_is
         tree.write(f"chk/offsets/{n}", 0, f"offsets of batch {n}".encode())
         commit(tree, n, f"batch {n}".encode())
         # the barrier returned: the bucket holds every segment as far as the server acknowledged it
-        have = bucket_lengths(url, "dur")
+        have = bucket_lengths(url, "dur", verify=True)
         on_server = server_lengths(srv, key, "dur")
         for name, length in on_server.items():
             if name.endswith(".seg"):
@@ -189,47 +178,6 @@ def test_a_barrier_means_the_bucket_holds_the_record_restore_after_the_server_is
     got = tree_state(str(tmp_path / "restored"))
     assert got == expected
     assert got["chk/commits/2"] == b"batch 2"
-
-
-class _Moto:
-    """A moto server of the test's own on a fixed port, stopped (the store unreachable) and
-    started again on the same port; moto's state is the process's, so the bucket survives."""
-
-    def __init__(self) -> None:
-        import socket
-
-        from moto.server import ThreadedMotoServer
-
-        self._cls = ThreadedMotoServer
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        self.port = s.getsockname()[1]
-        s.close()
-        self.server = None
-        self.start()
-
-    @property
-    def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        self.server = self._cls(ip_address="127.0.0.1", port=self.port, verbose=False)
-        self.server.start()
-
-    def stop(self) -> None:
-        if self.server is not None:
-            self.server.stop()
-            self.server = None
-
-
-@pytest.fixture
-def own_moto(moto, monkeypatch):
-    m = _Moto()
-    monkeypatch.setenv("AWS_ENDPOINT_URL", m.endpoint)
-    try:
-        yield m
-    finally:
-        m.stop()
 
 
 def test_with_the_store_down_a_barrier_waits_until_it_is_back_or_fails_after_its_patience(
@@ -278,7 +226,7 @@ def test_with_the_store_down_a_barrier_waits_until_it_is_back_or_fails_after_its
         assert done.wait(WAIT), "the barrier did not return once the store was back"
         assert errors == []
         assert tree.local_path("chk/commits/1")
-        have = bucket_lengths(url, "dn")
+        have = bucket_lengths(url, "dn", verify=True)
         for name, length in server_lengths(srv, key, "dn").items():
             if name.endswith(".seg"):
                 assert have.get(name, 0) == length, name

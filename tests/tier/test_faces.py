@@ -2,7 +2,7 @@
 ``sos mount --durability tier`` and fsspec's ``durability="tier"`` return from a commit (the
 rename onto ``commits/N``) only once the server's object-store tier, the bucket, holds it.
 
-Real parts: ``sos-server serve --tier`` on moto's S3 server on 127.0.0.1 (tests/tier_support.py),
+Real parts: ``sos-server serve --tier`` on moto's S3 server on 127.0.0.1 (tests/tier/support.py),
 a real ``sos gateway`` child spoken to in plain HTTP (requests), a real ``sos mount`` child
 (FUSE), the fsspec filesystem in this process. The proof each time: right after the commit
 returns, the server is SIGKILLed and its data directory deleted, and ``sos restore --from URL``
@@ -15,7 +15,6 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import urllib.parse
@@ -24,11 +23,10 @@ import uuid
 import pytest
 import requests
 
-from spark_plugin.gateway.process import GatewayProcess
 from spark_plugin.spark import restore_to_batch
-from tests.support import tree_snapshot
+from tests.support import start_gateway, tree_snapshot
 
-pytest_plugins = ["tests.tier_support"]
+pytest_plugins = ["tests.tier.support"]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 WAIT = 120.0
@@ -100,18 +98,12 @@ def spark_commit(http: Http, n: int, body: bytes) -> None:
     assert r.status_code == 200 and r.json() == {"boolean": True}, r.text
 
 
-def start_gateway(srv, ns: str, key: str, tmp_path, **kwargs) -> GatewayProcess:
-    return GatewayProcess(
-        ns, str(tmp_path / f"gw-cache-{ns}"), srv.address, key, log_path=str(tmp_path / f"gw-{ns}.log"), **kwargs
-    ).start()
-
-
 # ------------------------------------------------------------------ the gateway
 def test_gateway_tier_rename_returns_once_the_bucket_holds_it(sos_server_factory, new_bucket, tmp_path):
     url = new_bucket()
     srv = sos_server_factory(args=["--tier", url, "--tier-interval", NEVER])
     key = srv.keygen("gwt", "append")
-    gw = start_gateway(srv, "gwt", key, tmp_path, durability="tier")
+    gw = start_gateway(srv, tmp_path, namespace="gwt", key=key, name="gw-gwt", durability="tier")
     assert "durability tier" in gw.ready_line
     http = Http(gw.url, "gwt", key)
     try:
@@ -172,7 +164,7 @@ def test_faces_with_durability_tier_refuse_a_server_without_a_tier(sos_server, t
         assert "no object-store tier" in line and "sos-server serve --tier URL" in line, line
         assert "ready on" not in r.stderr
         if attempt == "new":  # a journal on the server: the writer's open asks about it
-            gw = start_gateway(sos_server, "nt", key, tmp_path)
+            gw = start_gateway(sos_server, tmp_path, namespace="nt", key=key, name="gw-nt")
             gw.stop()
     mnt = tmp_path / "mnt"
     mnt.mkdir()
@@ -203,41 +195,6 @@ def test_faces_with_durability_tier_refuse_a_server_without_a_tier(sos_server, t
 
 
 # ------------------------------------------------------------------ the store down
-class _Moto:
-    """A moto server of the test's own on a fixed port, stopped (the store unreachable) and
-    started again on the same port; moto's state is the process's, so the bucket survives."""
-
-    def __init__(self) -> None:
-        from moto.server import ThreadedMotoServer
-
-        self._cls = ThreadedMotoServer
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        self.port = s.getsockname()[1]
-        s.close()
-        self.server = None
-        self.start()
-
-    def start(self) -> None:
-        self.server = self._cls(ip_address="127.0.0.1", port=self.port, verbose=False)
-        self.server.start()
-
-    def stop(self) -> None:
-        if self.server is not None:
-            self.server.stop()
-            self.server = None
-
-
-@pytest.fixture
-def own_moto(moto, monkeypatch):
-    m = _Moto()
-    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{m.port}")
-    try:
-        yield m
-    finally:
-        m.stop()
-
-
 def test_gateway_answers_a_bucket_behind_as_retriable_and_goes_on_once_it_is_back(
     sos_server_factory, own_moto, tmp_path
 ):
@@ -250,7 +207,7 @@ def test_gateway_answers_a_bucket_behind_as_retriable_and_goes_on_once_it_is_bac
     url = "s3://down/faces"
     srv = sos_server_factory(args=["--tier", url])  # the default interval (1 s)
     key = srv.keygen("gwd", "append")
-    gw = start_gateway(srv, "gwd", key, tmp_path, durability="tier", tier_patience=2)
+    gw = start_gateway(srv, tmp_path, namespace="gwd", key=key, name="gw-gwd", durability="tier", tier_patience=2)
     http = Http(gw.url, "gwd", key)
     try:
         http.mkdirs("/chk/offsets")

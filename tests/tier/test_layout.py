@@ -5,7 +5,6 @@ uploader stopped between pieces that resumes from the listing."""
 from __future__ import annotations
 
 import hashlib
-import pathlib
 import random
 import string
 import tempfile
@@ -40,8 +39,9 @@ from sos_tier.store import LocalStore, PutOutcome, Store
 from sos_tier.uploader import TierFenced, Uploader
 from sos_wire.crc import crc32c
 from sos_wire.names import validate_name
+from tests.support import protocol_part
 
-pytest_plugins = ["tests.tier_support"]  # the fixtures store (both backends) and clobber
+pytest_plugins = ["tests.tier.support"]  # the fixtures store (both backends) and clobber
 
 NS = "job1"
 
@@ -119,16 +119,11 @@ def test_parse_key_refuses_what_the_layout_cannot_make(key):
     assert parse_key(key) is None
 
 
-def _doc_part(title: str) -> str:
-    doc = (pathlib.Path(__file__).resolve().parents[2] / "protocol.md").read_text(encoding="utf-8")
-    return doc.split(title, 1)[1]
-
-
 def test_protocol_worked_example(tmp_path):
     """protocol.md 4.7: its listing, built from the segment of 2.4, scans as it says."""
-    seg_hex = _doc_part("## 2.4 Worked example").split("```hex", 1)[1].split("```", 1)[0]
+    seg_hex = protocol_part("## 2.4 Worked example").split("```hex", 1)[1].split("```", 1)[0]
     segment = bytes.fromhex("".join(line.split("#", 1)[0] for line in seg_hex.splitlines()).replace(" ", ""))
-    part = _doc_part("## 4.7 Worked example")
+    part = protocol_part("## 4.7 Worked example")
     listing = part.split("```", 2)[1].split()
     retry = "v1/ns/job1/o/gen!0000000001!0000000001-0000000001.seg/0000000000000000-0000000000000105-abd534cd"
     assert retry.split("/")[-1] in part

@@ -23,11 +23,10 @@ from sos_tier.log import LOG_PREFIX, decode_batch, encode_batch, log_key
 from sos_tier.uploader import CRASH_ENV, FlushItem, Uploader
 from sos_wire import events as ev
 from sos_wire.crc import crc32c
-from tests.tier.test_server import bucket, login, metrics, tier_wait, wait_for
+from tests.support import protocol_part, scrape, wait_for
+from tests.tier.support import bucket, bucket_sos, login, tier_wait
 
-pytest_plugins = ["tests.tier_support"]
-
-from tests.tier.test_restore import journal  # noqa: E402,F401  (the module's fixture: a real journal)
+pytest_plugins = ["tests.tier.support"]
 
 
 @pytest.fixture
@@ -236,7 +235,7 @@ def test_one_flush_releases_every_waiter_and_puts_follow_the_flush_cadence(sos_s
 
     for c in clients.values():
         assert isinstance(c.call(ev.Fence(c.rid(), 1)), ev.FenceOk)
-    before = metrics(srv).get("sos_tier_flushes_total", 0.0)
+    before = scrape(srv.metrics_address).get("sos_tier_flushes_total", 0.0)
     t0 = time.monotonic()
     threads = [threading.Thread(target=query, args=(ns,)) for ns in spaces]
     for t in threads:
@@ -247,7 +246,7 @@ def test_one_flush_releases_every_waiter_and_puts_follow_the_flush_cadence(sos_s
     for c in clients.values():
         c.close()
     assert len(results) == len(spaces)
-    flushes = metrics(srv)["sos_tier_flushes_total"] - before
+    flushes = scrape(srv.metrics_address)["sos_tier_flushes_total"] - before
     # 12 namespaces x 7 barriers = 84 waits; at most one flush per --tier-flush sustained, plus
     # the token bucket's 3 saved slots (protocol.md 4.3a item 2) and one in flight at the start
     assert flushes <= elapsed / flush + 3 + 1, (flushes, elapsed)
@@ -275,8 +274,7 @@ def _flush_in_rounds(store, ns: str, objects: dict[str, tuple[bytes, bool]], ste
     return up
 
 
-def test_restore_and_verify_read_flushed_objects_alone_and_next_to_pieces(journal, tmp_path):  # noqa: F811
-    from tests.tier.test_restore import run_sos
+def test_restore_and_verify_read_flushed_objects_alone_and_next_to_pieces(journal, tmp_path):
 
     j = journal
     root = tmp_path / "bucket"
@@ -287,9 +285,9 @@ def test_restore_and_verify_read_flushed_objects_alone_and_next_to_pieces(journa
 
         def restored(label: str) -> dict:
             out = tmp_path / label
-            r = run_sos("restore", "-q", j.ns, str(out), "--from", root.as_uri())
+            r = bucket_sos("restore", "-q", j.ns, str(out), "--from", root.as_uri())
             assert r.returncode == 0, r.stderr
-            v = run_sos("verify", "-q", j.ns, "--from", root.as_uri())
+            v = bucket_sos("verify", "-q", j.ns, "--from", root.as_uri())
             assert v.returncode == 0 and v.stdout.splitlines()[0].endswith(": OK"), v.stdout + v.stderr
             from sos_journal.testing import tree_state
 
@@ -330,11 +328,9 @@ def test_pieces_per_object_stay_bounded_under_many_small_flushes_and_compactions
 
 def test_protocol_worked_example_with_flushed_objects(tmp_path):
     """protocol.md 4.7's second listing: the same history as two flushed objects."""
-    from tests.tier.test_layout import _doc_part
-
-    seg_hex = _doc_part("## 2.4 Worked example").split("```hex", 1)[1].split("```", 1)[0]
+    seg_hex = protocol_part("## 2.4 Worked example").split("```hex", 1)[1].split("```", 1)[0]
     segment = bytes.fromhex("".join(line.split("#", 1)[0] for line in seg_hex.splitlines()).replace(" ", ""))
-    part = _doc_part("## 4.7 Worked example")
+    part = protocol_part("## 4.7 Worked example")
     listing = part.split("```")[3].split()
     doc_index = next(line for line in part.splitlines() if line.startswith('`{"entries"')).strip("`")
     seg, ready = "gen/0000000001/0000000001-0000000001.seg", "gen/0000000001/ready"

@@ -11,149 +11,28 @@ bucket is compared with the restore the server gave for the same point.
 from __future__ import annotations
 
 import itertools
-import json
-import os
 import re
 import shutil
-import subprocess
-import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 
-from sos_client import Client
-from sos_journal import JournaledTree, JournalWriter, restore, verify
+from sos_journal import restore, verify
 from sos_journal.format import layout
-from sos_journal.format.records import RecordDecoder, SnapshotEnd
+from sos_journal.format.records import SnapshotEnd
 from sos_journal.read.bucket import BucketSource, BucketUnavailable
 from sos_journal.rebuild.restore import format_time, rebuild_cache
 from sos_journal.testing import tree_state
-from sos_tier import LocalStore, Store, Uploader, scan
-from tools.server import ServerProcess
+from sos_tier import LocalStore, Store, scan
+from tests.tier.support import NO_SERVER, PIECE, Journal, bucket_sos, copy_to, make_bucket
 
-pytest_plugins = ["tests.tier_support"]
+pytest_plugins = ["tests.tier.support"]
 pytestmark = pytest.mark.slow
 
 boto3 = pytest.importorskip("boto3")
 
 WAIT = 180
-PIECE = 512  # small pieces: every segment is several keys, so one can be damaged or missing
 _ids = itertools.count()
-
-
-@dataclass
-class Journal:
-    ns: str
-    objects: dict[str, tuple[bytes, bool]]  # name -> (bytes, sealed), as the server held them
-    states: dict[int, dict]  # seq -> the tree right after that record
-    records: list  # every record of every segment, in name order
-    points: dict[str, dict] = field(default_factory=dict)  # restore from the server, per point
-    at_ns: int = 0
-    position: int = 0
-    url: str = ""  # the bucket everything was copied to
-
-
-def copy_to(store: Store, ns: str, objects: dict[str, tuple[bytes, bool]], piece: int = PIECE) -> None:
-    """What a tiering server would have uploaded: every object in pieces of *piece* bytes, then its seal."""
-    up = Uploader(store, max_piece=piece)
-    for name, (data, sealed) in objects.items():
-        up.sync(ns, name, lambda b, e, d=data: d[b:e], len(data), sealed)
-        assert up.uploaded(ns, name) == len(data)
-
-
-def new_bucket_url() -> str:
-    name = f"sos-restore-{os.getpid()}-{next(_ids)}"
-    boto3.session.Session().client("s3").create_bucket(Bucket=name)
-    return f"s3://{name}/tier"
-
-
-def run_sos(*args: str, env: dict | None = None, drop: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    e = dict(os.environ)
-    for var in ("SOS_SERVER", "SOS_KEY", "SOS_KEY_FILE", *drop):
-        e.pop(var, None)  # no server: the bucket alone
-    e.update(env or {})
-    return subprocess.run(
-        [sys.executable, "-m", "sos_client.cli", *args], capture_output=True, text=True, timeout=WAIT, env=e
-    )
-
-
-@pytest.fixture(scope="module")
-def journal(moto, tmp_path_factory) -> Journal:
-    """A journal with several generations and batches, its server's restores of four points, its
-    objects in a bucket; the server is then stopped and its data directory deleted."""
-    base = tmp_path_factory.mktemp("tier-restore")
-    srv = ServerProcess(base / "data", log_path=base / "server.log").start()
-    ns = f"tr{os.getpid()}"
-    key = srv.keygen(ns, "append")
-
-    def fac():
-        return Client(srv.address, key, ns, timeout=60)
-
-    try:
-        w = JournalWriter(fac, ns, str(base / "spool"), segment_bytes=2048, generation_bytes=2500)
-        t = JournaledTree(str(base / "cache"), w, rebuild=rebuild_cache).open()
-        states: dict[int, dict] = {0: {}}
-
-        def step(fn, *a, **kw):
-            before = w.last_seq
-            fn(*a, **kw)
-            states[before + 1] = tree_state(t.local_path(""))
-
-        step(t.mkdir, "chk")
-        step(t.mkdir, "chk/offsets")
-        step(t.mkdir, "chk/commits")
-        for n in range(12):
-            if n == 6:
-                w.generation_bytes = 1 << 30  # the newest generation: a long run after its snapshot
-            tmpn = f"chk/offsets/.{n}.tmp"
-            step(t.create, tmpn)
-            step(t.write, tmpn, 0, (b"batch %d " % n) * (40 + 30 * n))
-            step(t.rename, tmpn, f"chk/offsets/{n}", overwrite=False)
-            step(t.create, f"chk/commits/.{n}.tmp")
-            step(t.rename, f"chk/commits/.{n}.tmp", f"chk/commits/{n}", overwrite=False)
-            step(t.marker, "spark.batch", json.dumps({"checkpoint": "chk", "query_id": "q", "batch_id": n}).encode())
-            if n >= 2:
-                step(t.unlink, f"chk/offsets/{n - 2}")
-        t.sync()
-        t.close()
-        objects: dict[str, tuple[bytes, bool]] = {}
-        records = []
-        with fac() as c:
-            for e in c.list(""):
-                objects[e.name] = (c.read(e.name), bool(e.sealed))
-            gens = layout.scan_listing(c.list("gen/"))
-        assert len(gens) >= 3 and all(g.ready for g in gens.values()), gens
-        for name in sorted(objects):
-            if layout.parse_segment_name(name):
-                d = RecordDecoder(name)
-                d.feed(objects[name][0])
-                records.extend(d)
-        j = Journal(ns, objects, states, records)
-        mid = records[len(records) // 2]
-        j.at_ns, j.position = mid.time_ns, records[len(records) // 3].seq
-        points = {
-            "latest": {},
-            "batch": {"batch": "chk:9"},
-            "at": {"at": j.at_ns},
-            "position": {"position": j.position},
-        }
-        for label, opts in points.items():
-            out = base / f"server-{label}"
-            restore(fac, ns, str(out), **opts)
-            j.points[label] = tree_state(str(out))
-        assert verify(fac, ns).ok
-    finally:
-        srv.stop()
-    shutil.rmtree(base / "data")  # the server's disk is gone: only the bucket is left
-    j.url = new_bucket_url()
-    from sos_tier.s3 import S3Store
-
-    store = S3Store(j.url)
-    try:
-        copy_to(store, ns, objects)
-    finally:
-        store.close()
-    return j
 
 
 def applied_up_to(stderr: str) -> int:
@@ -206,11 +85,11 @@ def test_restore_from_the_bucket_equals_restore_from_the_server(journal, tmp_pat
     }
     for label, opts in cases.items():
         out = tmp_path / label
-        r = run_sos("restore", "-q", j.ns, str(out), "--from", j.url, *opts)
+        r = bucket_sos("restore", "-q", j.ns, str(out), "--from", j.url, *opts)
         assert r.returncode == 0, r.stderr
         assert tree_state(str(out)) == j.points[label], label
         assert f"restored {j.ns} into {out}" in r.stderr
-    v = run_sos("verify", "-q", j.ns, "--from", j.url)
+    v = bucket_sos("verify", "-q", j.ns, "--from", j.url)
     assert v.returncode == 0, v.stdout + v.stderr
     assert v.stdout.splitlines()[0].endswith(": OK"), v.stdout
 
@@ -221,7 +100,7 @@ def test_every_position_and_the_cache_rebuild_through_the_library(journal, tmp_p
     still cross piece boundaries, with half the GETs (each a request to moto)."""
     j = journal
     last = j.records[-1].seq
-    url = new_bucket_url()
+    url = make_bucket("tier")
     from sos_tier.s3 import S3Store
 
     store = S3Store(url)
@@ -248,7 +127,7 @@ def test_a_local_directory_tier_restores_the_same(journal, tmp_path):
     j = journal
     url = (tmp_path / "tier").as_uri()
     copy_to(LocalStore(url), j.ns, j.objects)
-    r = run_sos("restore", "-q", j.ns, str(tmp_path / "out"), "--from", url, "--batch", "chk:9")
+    r = bucket_sos("restore", "-q", j.ns, str(tmp_path / "out"), "--from", url, "--batch", "chk:9")
     assert r.returncode == 0, r.stderr
     assert tree_state(str(tmp_path / "out")) == j.points["batch"]
 
@@ -257,7 +136,7 @@ def test_a_local_directory_tier_restores_the_same(journal, tmp_path):
 def fresh_copy(j: Journal) -> tuple[str, Store]:
     from sos_tier.s3 import S3Store
 
-    url = new_bucket_url()
+    url = make_bucket("tier")
     store = S3Store(url)
     copy_to(store, j.ns, j.objects)
     return url, store
@@ -270,18 +149,18 @@ def test_a_damaged_piece_is_named_by_verify_and_restore_stops_before_it(journal,
     data = bytearray(store.get(victim.key))
     data[len(data) // 2] ^= 0xFF  # same size, other bytes: only the CRC can tell
     clobber(store, victim.key, bytes(data))
-    v = run_sos("verify", "-q", j.ns, "--from", url)
+    v = bucket_sos("verify", "-q", j.ns, "--from", url)
     assert v.returncode == 3, v.stdout + v.stderr
     assert f"BROKEN {seg} [" in v.stdout and f"damaged piece {victim.key}: CRC32C" in v.stdout, v.stdout
     out = tmp_path / "out"
-    r = run_sos("restore", "-q", j.ns, str(out), "--from", url)
+    r = bucket_sos("restore", "-q", j.ns, str(out), "--from", url)
     assert r.returncode == 3, r.stderr
     assert r.stderr.count("\n") == 1 and seg in r.stderr and victim.key in r.stderr, r.stderr
     n = applied_up_to(r.stderr)
     assert n == last_whole_before(j, seg, victim.begin)
     assert tree_state(str(out)) == j.states[n]  # every whole record before the damage, nothing after
     # a point before the damage does not read it: exit 0
-    r = run_sos("restore", "-q", j.ns, str(tmp_path / "before"), "--from", url, "--position", str(n))
+    r = bucket_sos("restore", "-q", j.ns, str(tmp_path / "before"), "--from", url, "--position", str(n))
     assert r.returncode == 0, r.stderr
     assert tree_state(str(tmp_path / "before")) == j.states[n]
     store.close()
@@ -294,13 +173,13 @@ def test_a_missing_piece_in_the_middle_stops_restore_there_and_says_so(journal, 
     store.delete([victim.key])
     after = pieces[pieces.index(victim) + 1]
     out = tmp_path / "out"
-    r = run_sos("restore", "-q", j.ns, str(out), "--from", url)
+    r = bucket_sos("restore", "-q", j.ns, str(out), "--from", url)
     assert r.returncode == 3, r.stderr
     assert seg in r.stderr and f"no piece holds byte {victim.begin}" in r.stderr and after.key in r.stderr, r.stderr
     n = applied_up_to(r.stderr)
     assert n == last_whole_before(j, seg, victim.begin)
     assert tree_state(str(out)) == j.states[n]
-    v = run_sos("verify", "-q", j.ns, "--from", url)
+    v = bucket_sos("verify", "-q", j.ns, "--from", url)
     assert v.returncode == 3 and f"BROKEN {seg} [" in v.stdout and after.key in v.stdout, v.stdout
     store.close()
 
@@ -318,10 +197,10 @@ def test_a_second_history_is_a_conflict_named_by_its_key(journal, tmp_path):
     other[10] ^= 0x55
     zkey = piece_key(j.ns, seg, victim.begin, victim.end, crc32c(bytes(other)))
     store.put_once(zkey, bytes(other))
-    r = run_sos("restore", "-q", j.ns, str(tmp_path / "out"), "--from", url)
+    r = bucket_sos("restore", "-q", j.ns, str(tmp_path / "out"), "--from", url)
     assert r.returncode == 3 and "conflict" in r.stderr.lower() and zkey in r.stderr, r.stderr
     assert tree_state(str(tmp_path / "out")) == j.states[applied_up_to(r.stderr)]
-    v = run_sos("verify", "-q", j.ns, "--from", url)
+    v = bucket_sos("verify", "-q", j.ns, "--from", url)
     assert v.returncode == 3 and zkey in v.stdout, v.stdout
     store.close()
 
@@ -329,7 +208,7 @@ def test_a_second_history_is_a_conflict_named_by_its_key(journal, tmp_path):
 # ---------------------------------------------------------------- no bucket to read
 def test_an_unreachable_endpoint_or_no_credentials_fails_clearly(journal, tmp_path):
     j = journal
-    r = run_sos(
+    r = bucket_sos(
         "restore",
         "-q",
         j.ns,
@@ -341,17 +220,19 @@ def test_an_unreachable_endpoint_or_no_credentials_fails_clearly(journal, tmp_pa
     assert r.returncode == 1, r.stderr
     assert r.stderr.startswith(f"sos: cannot read the bucket {j.url}: ") and r.stderr.count("\n") == 1, r.stderr
     assert not (tmp_path / "a").exists()
-    r = run_sos("verify", "-q", j.ns, "--from", j.url, drop=("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"))
+    r = bucket_sos(
+        "verify", "-q", j.ns, "--from", j.url, drop=(*NO_SERVER, "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+    )
     assert r.returncode == 1, r.stdout + r.stderr
     assert "cannot read the bucket" in r.stderr and "credentials" in r.stderr, r.stderr
-    v = run_sos("verify", "-q", "nosuchns", "--from", j.url)
+    v = bucket_sos("verify", "-q", "nosuchns", "--from", j.url)
     assert v.returncode == 4 and f"(bucket {j.url})" in v.stderr, v.stderr
 
 
 def test_from_and_a_server_option_together_is_a_usage_error(tmp_path):
-    r = run_sos("restore", "x", str(tmp_path / "t"), "--from", "file:///nonexistent", "--server", "127.0.0.1:1")
+    r = bucket_sos("restore", "x", str(tmp_path / "t"), "--from", "file:///nonexistent", "--server", "127.0.0.1:1")
     assert r.returncode == 2 and "--server" in r.stderr and r.stderr.count("\n") == 1, r.stderr
-    r = run_sos("verify", "x", "--from", "gs://b/p")
+    r = bucket_sos("verify", "x", "--from", "gs://b/p")
     assert r.returncode == 1 and "unsupported tier URL" in r.stderr, r.stderr
 
 
@@ -387,11 +268,11 @@ def test_pieces_outside_the_run_are_checked_and_foreign_keys_noted(journal, tmp_
     bad = piece_key(j.ns, seg, victim.begin + 8, victim.begin + 100, crc32c(part) ^ 1)
     store.put_once(bad, part)
     store.put_once(namespace_prefix(j.ns) + "stray-file", b"?")
-    v = run_sos("verify", "-q", j.ns, "--from", url)
+    v = bucket_sos("verify", "-q", j.ns, "--from", url)
     assert v.returncode == 3, v.stdout + v.stderr
     assert f"BROKEN {seg} [{victim.begin + 8}, end)" in v.stdout and f"damaged piece {bad}" in v.stdout, v.stdout
     assert "stray-file: not a key of the layout; ignored" in v.stdout, v.stdout
-    r = run_sos("restore", "-q", j.ns, str(tmp_path / "ok"), "--from", url)
+    r = bucket_sos("restore", "-q", j.ns, str(tmp_path / "ok"), "--from", url)
     assert r.returncode == 0, r.stderr
     assert tree_state(str(tmp_path / "ok")) == j.points["latest"]
     # other bytes, their own CRC: a conflict where they part, for restore too
@@ -399,7 +280,7 @@ def test_pieces_outside_the_run_are_checked_and_foreign_keys_noted(journal, tmp_
     other[50] ^= 0x77
     zkey = piece_key(j.ns, seg, victim.begin + 120, victim.begin + 200, crc32c(bytes(other)))
     store.put_once(zkey, bytes(other))
-    r = run_sos("restore", "-q", j.ns, str(tmp_path / "out"), "--from", url)
+    r = bucket_sos("restore", "-q", j.ns, str(tmp_path / "out"), "--from", url)
     assert r.returncode == 3 and zkey in r.stderr and f"byte {victim.begin + 170}" in r.stderr, r.stderr
     n = applied_up_to(r.stderr)
     assert n == last_whole_before(j, seg, victim.begin + 170)

@@ -17,75 +17,25 @@
 
 from __future__ import annotations
 
-import re
 import shutil
-import socket
 import threading
 import time
-import urllib.request
 
 import pytest
 
 from sos_server.tiering import FENCE_FRESH
-from sos_tier import open_store, scan
+from sos_tier import open_store
 from sos_wire import events as ev
 from sos_wire.errors import ErrorCode
 from tests.conftest import RawClient
+from tests.support import scrape, server_metric, wait_for
+from tests.tier.support import bucket, bucket_lengths, login, tier_wait
 
-pytest_plugins = ["tests.tier_support"]
+pytest_plugins = ["tests.tier.support"]
 
 pytestmark = pytest.mark.slow
 
 WAIT = 60.0  # generous upper bounds: never reached unless something is broken
-
-
-def wait_for(cond, timeout: float = WAIT, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
-
-
-def metrics(srv) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://{srv.metrics_address}/metrics", timeout=10).read().decode()
-    out = {}
-    for line in text.splitlines():
-        m = re.match(r"^([a-z_]+(?:\{[^}]*\})?) (\S+)$", line)
-        if m:
-            out[m.group(1)] = float(m.group(2))
-    return out
-
-
-def metric(srv, name: str, ns: str | None = None) -> float:
-    key = f'{name}{{namespace="{ns}"}}' if ns else name
-    return metrics(srv).get(key, 0.0)
-
-
-def login(srv, ns: str, role: str = "append") -> RawClient:
-    c = RawClient(srv.address)
-    assert isinstance(c.login(srv.keygen(ns, role), ns), ev.AuthOk)
-    return c
-
-
-def bucket(url: str, ns: str, verify: bool = True):
-    store = open_store(url)
-    try:
-        return scan(store, ns, verify=verify).get(ns)
-    finally:
-        store.close()
-
-
-def bucket_lengths(url: str, ns: str) -> dict[str, int]:
-    state = bucket(url, ns, verify=False)
-    return {} if state is None else {n: o.length for n, o in state.objects.items()}
-
-
-def tier_wait(c: RawClient, name: str, offset: int, timeout_ms: int = 0):
-    return c.call(ev.TierWait(c.rid(), name, offset, timeout_ms))
 
 
 def versions(url: str) -> dict[str, int]:
@@ -138,7 +88,9 @@ def test_appends_reach_the_bucket_within_the_interval(sos_server_factory, new_bu
             assert isinstance(r, ev.TierWaitOk) and r.tiered == len(body), r
     assert took < 30  # the interval is 1 s; a loaded 2-core machine is slow, never this slow
     m = wait_for(
-        lambda: (lambda m: m if m.get('sos_tier_lag_bytes{namespace="job"}') == 0.0 else None)(metrics(srv)),
+        lambda: (lambda m: m if m.get('sos_tier_lag_bytes{namespace="job"}') == 0.0 else None)(
+            scrape(srv.metrics_address)
+        ),
         what="the lag metric at 0",
     )
     assert m["sos_tier_pieces_written_total"] >= 3
@@ -164,45 +116,6 @@ def test_tier_wait_without_a_tier_and_its_errors(sos_server):
     with login(sos_server, "nt", role="read") as c:  # READ keys may wait too
         r = tier_wait(c, "x", 3)
         assert isinstance(r, ev.Error) and r.code == ErrorCode.TIER_UNAVAILABLE
-
-
-class _Moto:
-    """A moto server of the test's own on a fixed port, to stop (the store unreachable) and start
-    again on the same port; moto's state is the process's, so the bucket survives."""
-
-    def __init__(self) -> None:
-        from moto.server import ThreadedMotoServer
-
-        self._cls = ThreadedMotoServer
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        self.port = s.getsockname()[1]
-        s.close()
-        self.server = None
-        self.start()
-
-    @property
-    def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        self.server = self._cls(ip_address="127.0.0.1", port=self.port, verbose=False)
-        self.server.start()
-
-    def stop(self) -> None:
-        if self.server is not None:
-            self.server.stop()
-            self.server = None
-
-
-@pytest.fixture
-def own_moto(moto, monkeypatch):
-    m = _Moto()
-    monkeypatch.setenv("AWS_ENDPOINT_URL", m.endpoint)
-    try:
-        yield m
-    finally:
-        m.stop()
 
 
 def test_store_unreachable_appends_go_on_lag_grows_and_drains(sos_server_factory, own_moto):
@@ -242,10 +155,12 @@ def test_store_unreachable_appends_go_on_lag_grows_and_drains(sos_server_factory
         assert isinstance(r, ev.Error) and r.code == ErrorCode.TIER_UNAVAILABLE and "marker" in r.message
         assert isinstance(c.append("log", length, b"c" * 10, epoch=2), ev.AppendOk)  # the fence moved here
         length += 10
-        wait_for(lambda: metric(srv, "sos_tier_lag_seconds", "out") > 2, what="the lag metric over 2 s")
+        wait_for(lambda: server_metric(srv, "sos_tier_lag_seconds", 0.0, ns="out") > 2, what="the lag metric over 2 s")
         # the metrics are refreshed every second
-        wait_for(lambda: metric(srv, "sos_tier_lag_bytes", "out") == length - 1000, what="the lag in bytes")
-        m = metrics(srv)
+        wait_for(
+            lambda: server_metric(srv, "sos_tier_lag_bytes", 0.0, ns="out") == length - 1000, what="the lag in bytes"
+        )
+        m = scrape(srv.metrics_address)
         assert m['sos_tier_failing{namespace="out"}'] == 1
         assert m["sos_tier_upload_errors_total"] >= 1
         assert m['sos_tier_last_error_timestamp_seconds{namespace="out"}'] > 0
@@ -266,7 +181,10 @@ def test_store_unreachable_appends_go_on_lag_grows_and_drains(sos_server_factory
         assert r == ev.TierWaitOk(wait_rid, length), r
         assert time.monotonic() - t_up < 45
     wait_for(
-        lambda: metric(srv, "sos_tier_lag_bytes", "out") == 0 and metric(srv, "sos_tier_failing", "out") == 0,
+        lambda: (
+            server_metric(srv, "sos_tier_lag_bytes", 0.0, ns="out") == 0
+            and server_metric(srv, "sos_tier_failing", 0.0, ns="out") == 0
+        ),
         what="the backlog drained",
     )
     wait_for(lambda: "lag back under" in srv.log_text(), what="the recovery log line")
@@ -361,8 +279,8 @@ def test_zombie_server_is_told_and_the_bucket_keeps_one_history(sos_server_facto
         assert isinstance(r, ev.TierWaitOk) and r.tiered == 8
         r = tier_wait(ca, "log", 4, 0)  # even bytes the bucket holds: the zombie answers no more
         assert isinstance(r, ev.Error) and r.code == ErrorCode.TIER_UNAVAILABLE
-    wait_for(lambda: metric(a, "sos_tier_fenced", "zns") == 1, what="the zombie's fenced metric")
-    assert metric(b, "sos_tier_fenced", "zns") == 0
+    wait_for(lambda: server_metric(a, "sos_tier_fenced", 0.0, ns="zns") == 1, what="the zombie's fenced metric")
+    assert server_metric(b, "sos_tier_fenced", 0.0, ns="zns") == 0
     assert "stopped uploading the namespace" in a.log_text()
     state = bucket(url, "zns")
     assert state.all_problems() == [] and state.fence == 2

@@ -13,7 +13,7 @@ import pytest
 from sos_tier.open import open_store
 from sos_tier.store import LocalStore, PutOutcome, StoredKey, TierError, TierNotFound
 
-pytest_plugins = ["tests.tier_support"]  # the fixtures moto, store (both backends) and new_bucket
+pytest_plugins = ["tests.tier.support"]  # the fixtures moto, store (both backends) and new_bucket
 
 # ---------------------------------------------------------------------------------------------
 # the conformance suite

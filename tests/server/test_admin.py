@@ -13,7 +13,6 @@ import stat
 import subprocess
 import sys
 import time
-import urllib.request
 
 import pytest
 
@@ -23,35 +22,11 @@ from sos_server.cli import build_parser as server_parser
 from sos_wire import events as ev
 from sos_wire.errors import ErrorCode
 from tests.conftest import RawClient
-from tests.support import server_cli
+from tests.support import run_sos_as, scrape, server_cli, wait_for
 
 pytestmark = [pytest.mark.day2]
 
 TIMEOUT = 120  # generous: two shared cores
-
-
-def sos(srv, key: str, *args: object, stdin: bytes | None = None) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, SOS_SERVER=srv.address, SOS_KEY=key)
-    env.pop("SOS_KEY_FILE", None)
-    out = subprocess.run(
-        [sys.executable, "-m", "sos_client.cli", *map(str, args)],
-        capture_output=True,
-        env=env,
-        timeout=TIMEOUT,
-        input=stdin,
-    )
-    return subprocess.CompletedProcess(out.args, out.returncode, out.stdout.decode(), out.stderr.decode())
-
-
-def wait_for(what, predicate, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = predicate()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 # -- item 3: keys ---------------------------------------------------------------------
@@ -109,12 +84,13 @@ def test_keys_list_revoke_and_keygen_out_against_a_running_server(sos_server, tm
 
 
 # -- item 5: per-namespace metrics ------------------------------------------------------
-def scrape(srv) -> dict[tuple[str, str], float]:
-    with urllib.request.urlopen(f"http://{srv.metrics_address}/metrics", timeout=TIMEOUT) as r:
-        text = r.read().decode()
+def namespace_series(srv) -> dict[tuple[str, str], float]:
+    """(series, namespace) -> value of the server's ``sos_namespace_*`` series."""
     out = {}
-    for m in re.finditer(r'^(sos_namespace_\w+)\{namespace="([^"]+)"\} (\S+)$', text, re.M):
-        out[(m.group(1), m.group(2))] = float(m.group(3))
+    for key, value in scrape(srv.metrics_address, timeout=TIMEOUT).items():
+        m = re.fullmatch(r'(sos_namespace_\w+)\{namespace="([^"]+)"\}', key)
+        if m:
+            out[(m.group(1), m.group(2))] = value
     return out
 
 
@@ -129,7 +105,7 @@ def test_per_namespace_metrics(sos_server):
         c.append("a", 1000, b"y" * 500)
         c.append("b", 0, b"z" * 24)
         assert c.fence(3) == 3
-    m = scrape(srv)
+    m = namespace_series(srv)
     assert m[("sos_namespace_bytes", "met")] == 1524
     assert m[("sos_namespace_objects", "met")] == 2
     assert m[("sos_namespace_quota_used_bytes", "met")] == 1524 + 2 * 4096
@@ -140,13 +116,13 @@ def test_per_namespace_metrics(sos_server):
     assert t0 - 5 <= m[("sos_namespace_last_append_timestamp_seconds", "met")] <= time.time() + 5
     # a quota change shows at the next scrape, without an append; a namespace never used has no series
     assert server_cli("quota", "--data", srv.data_dir, "met", "2M").returncode == 0
-    assert scrape(srv)[("sos_namespace_quota_bytes", "met")] == 2 << 20
+    assert namespace_series(srv)[("sos_namespace_quota_bytes", "met")] == 2 << 20
     assert not any(ns == "idle" for _, ns in m)
     # after a restart: the last append's time from the files, counters from zero
     srv.restart()
     with Client(srv.address, key, "met") as c:
         c.stat("a")  # AUTH loads the namespace
-    m = scrape(srv)
+    m = namespace_series(srv)
     assert m[("sos_namespace_bytes", "met")] == 1524
     assert m[("sos_namespace_appends_total", "met")] == 0
     assert t0 - 5 <= m[("sos_namespace_last_append_timestamp_seconds", "met")] <= time.time() + 5
@@ -159,16 +135,16 @@ def test_put_over_quota_creates_nothing_and_quota_shows_usage(sos_server, tmp_pa
     assert server_cli("quota", "--data", srv.data_dir, "q", "1500K").returncode == 0
     big = tmp_path / "big"
     big.write_bytes(os.urandom(3 << 20))  # three 1 MiB appends on main: the first landed, then QUOTA_EXCEEDED
-    r = sos(srv, key, "put", big, "q/big")
+    r = run_sos_as(srv, key, "put", big, "q/big")
     assert r.returncode == 1 and "QUOTA_EXCEEDED" in r.stderr and "was not created" in r.stderr, r.stderr
-    assert sos(srv, key, "ls", "q").stdout == ""  # nothing: the name is still free
-    piped = sos(srv, key, "put", "-", "q/piped", stdin=b"p" * (2 << 20))
-    assert piped.returncode == 1 and sos(srv, key, "ls", "q").stdout == ""
+    assert run_sos_as(srv, key, "ls", "q").stdout == ""  # nothing: the name is still free
+    piped = run_sos_as(srv, key, "put", "-", "q/piped", input="p" * (2 << 20))
+    assert piped.returncode == 1 and run_sos_as(srv, key, "ls", "q").stdout == ""
     assert server_cli("quota", "--data", srv.data_dir, "q").stdout == "q\t1536000\tused 0 (objects 0, data bytes 0)\n"
     assert server_cli("quota", "--data", srv.data_dir, "q", "8M").returncode == 0
-    r = sos(srv, key, "put", big, "q/big")  # the retry under the same name works
+    r = run_sos_as(srv, key, "put", big, "q/big")  # the retry under the same name works
     assert r.returncode == 0, r.stderr
-    assert sos(srv, key, "put", "-", "q/e", stdin=b"").returncode == 0  # an empty file: an empty object
+    assert run_sos_as(srv, key, "put", "-", "q/e", input="").returncode == 0  # an empty file: an empty object
     used = (3 << 20) + 2 * 4096
     out = server_cli("quota", "--data", srv.data_dir, "q")  # while the server runs
     assert out.stdout == f"q\t{8 << 20}\tused {used} (objects 2, data bytes {3 << 20})\n", out.stdout
@@ -180,9 +156,9 @@ def test_put_larger_than_one_append_over_quota_says_what_it_left(sos_server, tmp
     assert server_cli("quota", "--data", srv.data_dir, "q2", "9M").returncode == 0
     f = tmp_path / "f"
     f.write_bytes(b"x" * (10 << 20))
-    r = sos(srv, key, "put", f, "q2/f")
+    r = run_sos_as(srv, key, "put", f, "q2/f")
     assert r.returncode == 1
-    length = int(sos(srv, key, "stat", "q2/f").stdout)
+    length = int(run_sos_as(srv, key, "stat", "q2/f").stdout)
     assert 0 < length < 10 << 20
     assert f"was created and holds the first {length} bytes" in r.stderr, r.stderr
 
@@ -229,8 +205,9 @@ def test_sighup_applies_new_retention_settings(sos_server_factory):
     assert len(names(srv, key, "hup")) == 6  # not applied yet: the next round is an hour away
     os.kill(srv.pid, signal.SIGHUP)
     wait_for(
-        "retention after SIGHUP",
         lambda: names(srv, key, "hup") == ["gen/0000000003/0000000001-0000000000.seg", "gen/0000000003/ready"],
+        60,
+        "retention after SIGHUP",
     )
     assert srv.running()  # SIGHUP's default action would have ended it
     settings = [
@@ -244,7 +221,7 @@ def test_sighup_applies_new_retention_settings(sos_server_factory):
     with open(os.path.join(srv.data_dir, "retention"), "w") as f:
         f.write("{not json")
     os.kill(srv.pid, signal.SIGHUP)
-    wait_for("the error logged", lambda: "retention file" in srv.log_text() and "damaged" in srv.log_text())
+    wait_for(lambda: "retention file" in srv.log_text() and "damaged" in srv.log_text(), 60, "the error logged")
     assert srv.running() and len(names(srv, key, "hup")) == 2
     assert server_cli("retention", "--data", srv.data_dir, "none").stdout.startswith("retention\tnone")
 
@@ -284,13 +261,7 @@ def test_every_option_with_a_default_says_it_in_help():
         "sos verify",
     } <= walked
     assert not missing, missing
-    shown = subprocess.run(
-        [sys.executable, "-m", "sos_server.cli", "serve", "--help"],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-        env=dict(os.environ, COLUMNS="200"),
-    ).stdout
+    shown = server_cli("serve", "--help", timeout=TIMEOUT, env=dict(os.environ, COLUMNS="200")).stdout
     assert re.search(r"--gc-interval \S+\s+how often retention runs \(default 5m", shown), shown
 
 
@@ -299,12 +270,12 @@ def test_verify_and_restore_of_an_unknown_namespace_exit_4(sos_server, tmp_path)
     srv = sos_server
     key = srv.keygen("jobs", "append")
     for args in (("verify", "jbos"), ("restore", "jbos", tmp_path / "t")):
-        r = sos(srv, key, *args)
+        r = run_sos_as(srv, key, *args)
         assert r.returncode == 4, (args, r.returncode, r.stderr)
         assert "no such namespace" in r.stderr and "or the key is not for it" in r.stderr, r.stderr
         assert "Traceback" not in r.stderr
     assert not (tmp_path / "t").exists() or not os.listdir(tmp_path / "t")
-    assert "(AUTH_FAILED)" in sos(srv, key, "verify", "--help").stdout
+    assert "(AUTH_FAILED)" in run_sos_as(srv, key, "verify", "--help").stdout
 
 
 # -- the documented commands (docs/DEPLOY.md, Keys and Retention) ---------------------------------
@@ -360,6 +331,7 @@ def test_documented_key_and_retention_commands(sos_server, tmp_path):
         assert r.returncode == 0, (line, r.stderr)
     assert srv.running()
     wait_for(
-        "the SIGHUP's reload",
         lambda: "retention settings" in srv.log_text() and os.path.join(srv.data_dir, "retention") in srv.log_text(),
+        60,
+        "the SIGHUP's reload",
     )

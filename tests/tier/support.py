@@ -1,22 +1,31 @@
-"""Fixtures of the object-store tier's tests: moto's S3 server on 127.0.0.1 and a local directory,
-behind one ``store`` fixture so that every test runs against both backends (Litestream's
-one-conformance-suite-per-backend).
+"""The object-store tier's test helpers. Fixtures: moto's S3 server on 127.0.0.1 and a local
+directory, behind one ``store`` fixture so that every test runs against both backends
+(Litestream's one-conformance-suite-per-backend).
 
-A test module takes the fixtures (``moto``, ``store``, ``new_bucket``, ``clobber``) with
-``pytest_plugins = ["tests.tier_support"]`` and does not import this module itself (pytest rewrites
-its asserts only if it imports it first).
+A test module, of any component, takes the fixtures (``moto``, ``store``, ``new_bucket``,
+``clobber``) with ``pytest_plugins = ["tests.tier.support"]``; the helpers below them (a moto
+server of a test's own to stop and start, what a bucket holds, a journal's objects copied into
+one, TIER_WAIT) it imports. The fixtures shared by the tier's own modules only (``own_moto``,
+``journal``) are in tests/tier/conftest.py.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
+import socket
 import subprocess
 import sys
+from dataclasses import dataclass, field
 
 import pytest
 
+from sos_tier import Uploader, open_store, scan
 from sos_tier.store import LocalStore, Store
+from sos_wire import events as ev
+from tests.conftest import RawClient
+from tests.support import run_sos
 
 boto3 = pytest.importorskip("boto3")
 pytest.importorskip("moto.server")
@@ -131,3 +140,95 @@ def clobber_key(store: Store, key: str, data: bytes) -> None:
 
     assert isinstance(store, S3Store)
     store._s3.put_object(Bucket=store.bucket, Key=store._full(key), Body=data)
+
+
+class OwnMoto:
+    """A moto server of the test's own on a fixed port, to stop (the store unreachable) and start
+    again on the same port; moto's state is the process's, so the bucket survives."""
+
+    def __init__(self) -> None:
+        from moto.server import ThreadedMotoServer
+
+        self._cls = ThreadedMotoServer
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        self.port = s.getsockname()[1]
+        s.close()
+        self.server = None
+        self.start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.server = self._cls(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self.server.start()
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+
+def login(srv, ns: str, role: str = "append") -> RawClient:
+    """A RawClient logged in to ``srv`` with a new key of ``role`` for ``ns``."""
+    c = RawClient(srv.address)
+    assert isinstance(c.login(srv.keygen(ns, role), ns), ev.AuthOk)
+    return c
+
+
+def tier_wait(c: RawClient, name: str, offset: int, timeout_ms: int = 0):
+    """The server's answer to TIER_WAIT ``name`` up to ``offset`` (waiting up to ``timeout_ms``)."""
+    return c.call(ev.TierWait(c.rid(), name, offset, timeout_ms))
+
+
+def bucket(url: str, ns: str, verify: bool = True):
+    """What the bucket at ``url`` holds of ``ns`` (``sos_tier.scan``'s state, None if nothing)."""
+    store = open_store(url)
+    try:
+        return scan(store, ns, verify=verify).get(ns)
+    finally:
+        store.close()
+
+
+def bucket_lengths(url: str, ns: str, *, verify: bool = False) -> dict[str, int]:
+    """name -> length of each of ``ns``'s objects in the bucket ({} for none); ``verify``: the
+    pieces' checksums read too, and any problem the scan finds fails the test."""
+    state = bucket(url, ns, verify=verify)
+    if state is None:
+        return {}
+    if verify:
+        assert state.all_problems() == []
+    return {n: o.length for n, o in state.objects.items()}
+
+
+#: no server: the bucket alone
+NO_SERVER = ("SOS_SERVER", "SOS_KEY", "SOS_KEY_FILE")
+#: `sos` without this process's server and key
+bucket_sos = functools.partial(run_sos, drop=NO_SERVER)
+
+
+PIECE = 512  # small pieces: every segment is several keys, so one can be damaged or missing
+
+
+@dataclass
+class Journal:
+    """A journal as the ``journal`` fixture (tests/tier/conftest.py) left it in a bucket."""
+
+    ns: str
+    objects: dict[str, tuple[bytes, bool]]  # name -> (bytes, sealed), as the server held them
+    states: dict[int, dict]  # seq -> the tree right after that record
+    records: list  # every record of every segment, in name order
+    points: dict[str, dict] = field(default_factory=dict)  # restore from the server, per point
+    at_ns: int = 0
+    position: int = 0
+    url: str = ""  # the bucket everything was copied to
+
+
+def copy_to(store: Store, ns: str, objects: dict[str, tuple[bytes, bool]], piece: int = PIECE) -> None:
+    """What a tiering server would have uploaded: every object in pieces of *piece* bytes, then its seal."""
+    up = Uploader(store, max_piece=piece)
+    for name, (data, sealed) in objects.items():
+        up.sync(ns, name, lambda b, e, d=data: d[b:e], len(data), sealed)
+        assert up.uploaded(ns, name) == len(data)

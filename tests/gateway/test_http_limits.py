@@ -36,6 +36,8 @@ import requests
 
 from spark_plugin.gateway.process import GatewayProcess
 from spark_plugin.spark import sos_command
+from tests.gateway.support import closed_after, connect, peak_rss, port_of, read_reply
+from tests.support import start_gateway, token_for
 
 pytestmark = [pytest.mark.hostile]
 
@@ -44,98 +46,6 @@ TIMEOUT = 120
 
 
 # ---------------------------------------------------------------------------- helpers
-
-
-def start_gateway(
-    server, tmp_path, *args, name="gateway", key=None, debug=False, prefix=(), listen="127.0.0.1:0"
-) -> GatewayProcess:
-    """A real `sos gateway` child (``prefix``: a command it runs under, e.g. prlimit)."""
-
-    class Prefixed(GatewayProcess):
-        def command(self) -> list[str]:
-            return [*prefix, *super().command()]
-
-    key = key or server.keygen(NS, "append")
-    gw = Prefixed(
-        NS,
-        str(tmp_path / f"{name}-cache"),
-        server.address,
-        key,
-        listen=listen,
-        extra_args=list(args),
-        debug=debug,
-        log_path=str(tmp_path / f"{name}.log"),
-    )
-    gw.key = key
-    return gw.start()
-
-
-def port_of(gw: GatewayProcess) -> int:
-    return int(gw.url.rsplit(":", 1)[1])
-
-
-def token_for(gw: GatewayProcess, key: str) -> str:
-    r = requests.post(
-        gw.url + "/oauth2/token",
-        timeout=TIMEOUT,
-        data={"grant_type": "client_credentials", "client_id": NS, "client_secret": key},
-    )
-    assert r.status_code == 200, r.text
-    return r.json()["access_token"]
-
-
-def connect(
-    port: int, source: str = "127.0.0.1", *, rcvbuf: int | None = None, timeout: float = TIMEOUT
-) -> socket.socket:
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    if rcvbuf:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
-    s.bind((source, 0))
-    s.settimeout(timeout)
-    s.connect(("127.0.0.1", port))
-    return s
-
-
-def read_reply(sock: socket.socket, buf: bytearray | None = None) -> tuple[int, dict, bytes]:
-    """One HTTP reply (status, lower-case headers, body) read off ``sock``; ``buf`` keeps
-    what was read beyond it (pipelined replies)."""
-    buf = bytearray() if buf is None else buf
-    while b"\r\n\r\n" not in buf:
-        chunk = sock.recv(65536)
-        if not chunk:
-            raise EOFError(f"closed before a whole reply: {bytes(buf[:200])!r}")
-        buf += chunk
-    head, _, rest = bytes(buf).partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    status = int(lines[0].split()[1])
-    headers = {}
-    for line in lines[1:]:
-        k, _, v = line.partition(":")
-        headers[k.strip().lower()] = v.strip()
-    length = int(headers.get("content-length", "0"))
-    while len(rest) < length:
-        chunk = sock.recv(65536)
-        if not chunk:
-            raise EOFError("closed in a reply body")
-        rest += chunk
-    buf[:] = rest[length:]
-    return status, headers, rest[:length]
-
-
-def closed_after(sock: socket.socket, timeout: float = TIMEOUT) -> bool:
-    """True if the peer closes ``sock`` (EOF or reset) within ``timeout``; what it sends
-    meanwhile is discarded."""
-    sock.settimeout(timeout)
-    deadline = time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline:
-            if not sock.recv(65536):
-                return True
-    except (ConnectionResetError, BrokenPipeError):
-        return True
-    except TimeoutError:
-        return False
-    return False
 
 
 def is_closed(sock: socket.socket) -> tuple[bool, bytes]:
@@ -177,14 +87,6 @@ def established(gw: GatewayProcess) -> int:
     )
 
 
-def peak_rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmHWM")
-
-
 def served(gw: GatewayProcess, key: str, source: str = "127.0.0.1") -> tuple[float, int]:
     """A real client from ``source``: a token, then GETFILESTATUS of / on the same
     keep-alive connection; (seconds it took, the status)."""
@@ -212,7 +114,7 @@ def served(gw: GatewayProcess, key: str, source: str = "127.0.0.1") -> tuple[flo
 @pytest.mark.slow
 def test_dripped_heads_cannot_hold_the_slots_and_a_client_with_a_token_gets_in(sos_server, tmp_path):
     # --head-timeout 10 (default 20): what the survivors must outlast is the same deadline, sooner
-    gw = start_gateway(sos_server, tmp_path, "--head-timeout", "10")
+    gw = start_gateway(sos_server, tmp_path, "--head-timeout", "10", namespace=NS)
     port = port_of(gw)
     try:
         # one address, 150 connections, each dripping a request head
@@ -271,15 +173,15 @@ def test_dripped_heads_cannot_hold_the_slots_and_a_client_with_a_token_gets_in(s
 
 @pytest.mark.slow
 def test_unread_open_replies_keep_memory_bounded_and_are_closed_by_the_send_timeout(sos_server, tmp_path):
-    gw = start_gateway(sos_server, tmp_path, "--send-timeout", "10")
+    gw = start_gateway(sos_server, tmp_path, "--send-timeout", "10", namespace=NS)
     port = port_of(gw)
     try:
-        writer = token_for(gw, gw.key)
+        writer = token_for(gw.url, gw.key, NS)
         big = os.urandom(8 << 20)  # more than the kernel's socket buffers absorb
         h = {"Authorization": f"Bearer {writer}"}
         r = requests.put(f"{gw.url}/webhdfs/v1/big?op=CREATE&data=true", data=big, headers=h, timeout=TIMEOUT)
         assert r.status_code == 201, r.text
-        reader = token_for(gw, sos_server.keygen(NS, "read"))
+        reader = token_for(gw.url, sos_server.keygen(NS, "read"), NS)
         base_fds = gateway_fds(gw)
         before = peak_rss(gw.pid)
         stalled = []
@@ -317,10 +219,10 @@ def test_unread_open_replies_keep_memory_bounded_and_are_closed_by_the_send_time
 
 @pytest.mark.slow
 def test_a_full_open_memory_budget_answers_503_instead_of_piling_up(sos_server, tmp_path):
-    gw = start_gateway(sos_server, tmp_path, "--open-memory", "1M", "--send-timeout", "60")
+    gw = start_gateway(sos_server, tmp_path, "--open-memory", "1M", "--send-timeout", "60", namespace=NS)
     port = port_of(gw)
     try:
-        writer = token_for(gw, gw.key)
+        writer = token_for(gw.url, gw.key, NS)
         r = requests.put(
             f"{gw.url}/webhdfs/v1/big?op=CREATE&data=true",
             data=os.urandom(8 << 20),
@@ -387,7 +289,7 @@ def test_plaintext_on_an_address_that_is_not_loopback_needs_an_explicit_flag(sos
     assert "--tls-cert" in proc.stderr
     assert not (tmp_path / "c").exists()  # refused before it touched anything
     # with the flag it serves (and still wants tokens)
-    gw = start_gateway(sos_server, tmp_path, "--insecure-plaintext", key=key, listen="0.0.0.0:0")
+    gw = start_gateway(sos_server, tmp_path, "--insecure-plaintext", key=key, listen="0.0.0.0:0", namespace=NS)
     try:
         url = f"http://127.0.0.1:{port_of(gw)}"
         assert requests.get(f"{url}/webhdfs/v1/?op=LISTSTATUS", timeout=TIMEOUT).status_code == 401
@@ -407,8 +309,8 @@ def test_plaintext_on_an_address_that_is_not_loopback_needs_an_explicit_flag(sos
 @pytest.fixture(scope="module")
 def shared_gw(server, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gwhttp")
-    gw = start_gateway(server, tmp, name="shared")
-    gw.token = token_for(gw, gw.key)
+    gw = start_gateway(server, tmp, name="shared", namespace=NS)
+    gw.token = token_for(gw.url, gw.key, NS)
     yield gw
     assert gw.stop() == 0
 
@@ -491,9 +393,9 @@ def test_a_malformed_head_gets_400_before_the_close(shared_gw, head):
 
 @pytest.mark.slow
 def test_the_redirect_names_the_advertised_address_never_the_host_header(sos_server, tmp_path):
-    gw = start_gateway(sos_server, tmp_path, "--advertise", "gw.example:9999")
+    gw = start_gateway(sos_server, tmp_path, "--advertise", "gw.example:9999", namespace=NS)
     try:
-        token = token_for(gw, gw.key)
+        token = token_for(gw.url, gw.key, NS)
         for op, method in (("CREATE", "PUT"), ("APPEND", "POST"), ("OPEN", "GET")):
             if op == "APPEND":
                 r = requests.put(
@@ -524,9 +426,9 @@ def test_the_redirect_names_the_advertised_address_never_the_host_header(sos_ser
 
 @pytest.mark.slow
 def test_without_advertise_the_redirect_names_the_listen_address(sos_server, tmp_path):
-    gw = start_gateway(sos_server, tmp_path)
+    gw = start_gateway(sos_server, tmp_path, namespace=NS)
     try:
-        token = token_for(gw, gw.key)
+        token = token_for(gw.url, gw.key, NS)
         data = request("PUT", "/webhdfs/v1/f?op=CREATE", token).replace(b"Host: 127.0.0.1", b"Host: evil.example")
         status, headers, _, _ = exchange(gw, data, close=False)
         assert status == 307
@@ -541,7 +443,9 @@ def test_without_advertise_the_redirect_names_the_listen_address(sos_server, tmp
     finally:
         assert gw.stop() == 0
     # a wildcard listener names the address the client reached
-    gw = start_gateway(sos_server, tmp_path, "--insecure-plaintext", listen="0.0.0.0:0", name="wild", key=gw.key)
+    gw = start_gateway(
+        sos_server, tmp_path, "--insecure-plaintext", listen="0.0.0.0:0", name="wild", key=gw.key, namespace=NS
+    )
     try:
         port = port_of(gw)
         s = connect(port)
@@ -568,14 +472,16 @@ def _limits(pid: int) -> tuple[int, int]:
 
 @pytest.mark.slow
 def test_the_descriptor_limit_is_raised_and_the_connection_cap_fits_it(sos_server, tmp_path):
-    gw = start_gateway(sos_server, tmp_path, prefix=["prlimit", "--nofile=256:4096", "--"], name="raised")
+    gw = start_gateway(sos_server, tmp_path, prefix=["prlimit", "--nofile=256:4096", "--"], name="raised", namespace=NS)
     try:
         assert _limits(gw.pid) == (4096, 4096)
     finally:
         assert gw.stop() == 0
     # a hard limit of 256: the cap shrinks to fit it, and 400 connections at once (from 8
     # addresses, none with a token) never run the gateway out of descriptors
-    gw = start_gateway(sos_server, tmp_path, prefix=["prlimit", "--nofile=256:256", "--"], name="low", key=gw.key)
+    gw = start_gateway(
+        sos_server, tmp_path, prefix=["prlimit", "--nofile=256:256", "--"], name="low", key=gw.key, namespace=NS
+    )
     port = port_of(gw)
     try:
         assert _limits(gw.pid) == (256, 256)
@@ -644,9 +550,9 @@ def summary_lines(log: str) -> list[str]:
 
 @pytest.mark.slow
 def test_statistics_stay_bounded_over_distinct_paths_and_ops(sos_server, tmp_path):
-    gw = start_gateway(sos_server, tmp_path)
+    gw = start_gateway(sos_server, tmp_path, namespace=NS)
     port = port_of(gw)
-    token = token_for(gw, gw.key)
+    token = token_for(gw.url, gw.key, NS)
     try:
         # 10,000 requests, every one on a path of its own
         unauthenticated = [request("GET", f"/webhdfs/v1/u{i}?op=GETFILESTATUS") for i in range(2500)]

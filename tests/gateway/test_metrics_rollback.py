@@ -12,7 +12,6 @@ import re
 import shutil
 import subprocess
 import time
-import urllib.request
 
 import pytest
 import yaml
@@ -20,30 +19,13 @@ import yaml
 from spark_plugin.gateway.process import GatewayProcess
 from spark_plugin.mount.process import MountProcess, is_mounted
 from spark_plugin.spark import sos_command
-from tests.deploy_support import documented_line
-from tests.gateway.test_gateway import NS, Gw, restore
+from tests.deploy.support import documented_line
+from tests.gateway.support import NS, Gw, restore
+from tests.support import metrics_url, scrape
 
 pytestmark = [pytest.mark.day2, pytest.mark.slow]
-pytest_plugins = ["tests.tier_support"]
+pytest_plugins = ["tests.tier.support"]
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-METRICS_LINE = re.compile(r"metrics on (http://[^/\s]+)/metrics")
-
-
-def scrape(url: str) -> dict[str, float]:
-    """``name{labels}`` -> value of a Prometheus text page."""
-    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            out[key] = float(value)
-    return out
-
-
-def metrics_url(proc: GatewayProcess) -> str:
-    found = METRICS_LINE.search(proc.log())
-    assert found, proc.log()
-    return found.group(1)
 
 
 def commit_batch(gw: Gw, chk: str, batch: int) -> None:
@@ -62,7 +44,7 @@ def commit_batch(gw: Gw, chk: str, batch: int) -> None:
 def test_gateway_metrics_answer_is_my_checkpoint_protected(sos_server, tmp_path):
     gw = Gw(sos_server, tmp_path, args=["--metrics", ":0"])
     try:
-        url = metrics_url(gw.proc)
+        url = metrics_url(gw.proc.log())
         assert url.startswith("http://127.0.0.1:")  # :PORT is loopback, as sos-server's
         for batch in range(3):
             commit_batch(gw, "jobs/a", batch)
@@ -91,7 +73,7 @@ def test_gateway_metrics_show_the_lag_while_the_server_is_down(sos_server, tmp_p
     bytes and seconds grows; the writer says it is retrying and counts its errors."""
     gw = Gw(sos_server, tmp_path, sync=False, args=["--metrics", "127.0.0.1:0"])
     try:
-        url = metrics_url(gw.proc)
+        url = metrics_url(gw.proc.log())
         sos_server.stop()
         commit_batch(gw, "chk", 0)
         deadline = time.monotonic() + 60
@@ -171,7 +153,7 @@ def test_every_metric_in_the_alert_rules_exists(sos_server_factory, new_bucket, 
         commit_batch(gw, "chk", 0)
         deadline = time.monotonic() + 60  # the tier's series come with its first round
         while True:
-            scraped = scrape(metrics_url(gw.proc)) | scrape("http://" + srv.metrics_address)
+            scraped = scrape(metrics_url(gw.proc.log())) | scrape("http://" + srv.metrics_address)
             if all(_exposed(n, scraped) for n in names) or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
@@ -396,7 +378,7 @@ def test_is_my_batch_committed_as_documented(sos_server, tmp_path):
     assert "--role read --out myjob-read.key" in (ROOT / "docs" / "SPARK.md").read_text()
     gw = Gw(sos_server, tmp_path, args=["--metrics", ":0"])
     try:
-        port = metrics_url(gw.proc).rpartition(":")[2]
+        port = metrics_url(gw.proc.log()).rpartition(":")[2]
         curl = ["bash", "-c", curl_line.replace("127.0.0.1:9102", f"127.0.0.1:{port}")]
         (tmp_path / "myjob-read.key").write_text(sos_server.keygen(NS, "read") + "\n")
         peek = tmp_path / "peek"

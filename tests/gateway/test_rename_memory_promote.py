@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
 import threading
 import time
 import urllib.request
@@ -32,8 +31,7 @@ from spark_plugin.gateway.client import GatewayClient, GatewayError
 from spark_plugin.gateway.pair.standby import promote
 from spark_plugin.gateway.process import GatewayProcess
 from spark_plugin.gateway.webhdfs import renames as rn
-from spark_plugin.spark import sos_command
-from tests.support import pair_listen
+from tests.support import pair_listen, run_sos_as, token_for
 from tests.support import webhdfs_put as _put
 from tests.support import webhdfs_rename as _rename
 
@@ -146,7 +144,7 @@ def test_a_destination_changed_by_another_writer_meanwhile_is_no_resend(sos_serv
         finally:
             assert b.stop() == 0
         a = _gateway(sos_server, key, cache, "--standby", "--lease", "60", name="a2")
-        done = _sos(sos_server, key, "gateway", "promote", NS, a.url)
+        done = run_sos_as(sos_server, key, "gateway", "promote", NS, a.url)
         assert done.returncode == 0, done.stderr
         c = GatewayClient(a.url, NS, key)
         assert _read(c, "/c/0") == b"your"
@@ -215,26 +213,6 @@ def test_the_memory_is_an_append_only_log_a_torn_last_line_ignored_and_bounded(t
 # ------------------------------------------------------------------ items 5 and 6: promote
 
 
-def _sos(server, key, *args, timeout=120):
-    return subprocess.run(
-        [*sos_command(), *args, "--server", server.address],
-        env=dict(os.environ, SOS_KEY=key),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
-def _token(url, key):
-    r = requests.post(
-        url + "/oauth2/token",
-        data={"grant_type": "client_credentials", "client_id": NS, "client_secret": key},
-        timeout=60,
-    )
-    assert r.status_code == 200, r.text
-    return r.json()["access_token"]
-
-
 def test_promote_needs_an_append_role_key(sos_server, tmp_path):
     append = sos_server.keygen(NS)
     token_key = sos_server.keygen(NS, "token")
@@ -243,13 +221,13 @@ def test_promote_needs_an_append_role_key(sos_server, tmp_path):
     standby = _gateway(sos_server, append, tmp_path / "standby", "--standby", "--lease", "60", name="standby")
     try:
         for key, role in ((token_key, "token"), (read_key, "read")):
-            done = _sos(sos_server, key, "gateway", "promote", NS, standby.url)
+            done = run_sos_as(sos_server, key, "gateway", "promote", NS, standby.url)
             assert done.returncode == 1, (role, done.stdout, done.stderr)
             assert "403" in done.stderr and "AccessControlException" in done.stderr, done.stderr
             assert "append-role key" in done.stderr, done.stderr
             # straight to the endpoint with the key's token: the same refusal
             r = requests.post(
-                standby.url + "/sos/v1/promote", headers={"Authorization": f"Bearer {_token(standby.url, key)}"}
+                standby.url + "/sos/v1/promote", headers={"Authorization": f"Bearer {token_for(standby.url, key, NS)}"}
             )
             assert r.status_code == 403, (role, r.text)
             assert r.json()["RemoteException"]["exception"] == "AccessControlException"
@@ -258,12 +236,12 @@ def test_promote_needs_an_append_role_key(sos_server, tmp_path):
         _put(c, "/still-active", b"yes")
         r = requests.get(
             standby.url + "/webhdfs/v1/?op=LISTSTATUS",
-            headers={"Authorization": f"Bearer {_token(standby.url, append)}"},
+            headers={"Authorization": f"Bearer {token_for(standby.url, append, NS)}"},
         )
         assert r.status_code == 403 and r.json()["RemoteException"]["exception"] == "StandbyException"
         assert "promoting" not in standby.log()
         # an append-role key promotes
-        done = _sos(sos_server, append, "gateway", "promote", NS, standby.url)
+        done = run_sos_as(sos_server, append, "gateway", "promote", NS, standby.url)
         assert done.returncode == 0 and "promoted: writer epoch" in done.stdout, (done.stdout, done.stderr)
         assert active.proc.wait(timeout=60) == 3  # fenced
         _put(GatewayClient(standby.url, NS, token_key), "/after", b"promoted")
@@ -313,7 +291,7 @@ def test_promote_over_plain_http_to_a_non_loopback_host_is_refused_without_conne
     try:
         for url in urls:
             started = time.monotonic()
-            done = _sos(sos_server, key, "gateway", "promote", NS, url, timeout=60)
+            done = run_sos_as(sos_server, key, "gateway", "promote", NS, url, timeout=60)
             assert done.returncode == 2, (url, done.stdout, done.stderr)
             assert "in clear" in done.stderr and "https://" in done.stderr, done.stderr
             assert key not in done.stderr and key.split(".")[1] not in done.stderr
@@ -420,7 +398,7 @@ def test_no_key_in_argv_logs_or_errors_of_gateways_and_promote(sos_server, tmp_p
                 timeout=60,
             )
             requests.post(active.url + "/oauth2/token", auth=(NS, key), data={"grant_type": "client_credentials"})
-        tok = _token(active.url, append)
+        tok = token_for(active.url, append, NS)
         r = requests.get(
             active.url + "/webhdfs/v1/",
             params={"op": "LISTSTATUS", "client_secret": append},
@@ -438,7 +416,7 @@ def test_no_key_in_argv_logs_or_errors_of_gateways_and_promote(sos_server, tmp_p
             (append, active.url),  # not a standby: 404
             (append, f"http://127.0.0.1:{port}"),  # nothing listens
         ):
-            done = _sos(sos_server, key, "gateway", "promote", NS, url)
+            done = run_sos_as(sos_server, key, "gateway", "promote", NS, url)
             assert done.returncode == 1, (url, done.stdout, done.stderr)
             outputs.append(done.stdout + done.stderr)
     finally:

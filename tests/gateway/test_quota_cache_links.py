@@ -29,8 +29,8 @@ from sos_journal import JournaledTree, JournalWriter, restore
 from sos_journal.rebuild.restore import rebuild_cache
 from sos_journal.testing import tree_state
 from spark_plugin.gateway.process import GatewayProcess
-from spark_plugin.spark import sos_command
-from tests.support import server_cli, tree_snapshot
+from tests.gateway.support import remote, restored
+from tests.support import server_cli, token_for
 
 pytestmark = [pytest.mark.hostile]
 
@@ -63,13 +63,7 @@ class Gw:
         self.cache = cache
         self.tree = cache / "tree"
         self.url = self.proc.url
-        r = requests.post(
-            self.url + "/oauth2/token",
-            timeout=PATIENCE,
-            data={"grant_type": "client_credentials", "client_id": NS, "client_secret": key},
-        )
-        assert r.status_code == 200, r.text
-        self.headers = {"Authorization": f"Bearer {r.json()['access_token']}"}
+        self.headers = {"Authorization": f"Bearer {token_for(self.url, key, NS, timeout=PATIENCE)}"}
         self.local = threading.local()
 
     @property
@@ -127,10 +121,6 @@ class _AsUser(GatewayProcess):
         return ["setpriv", f"--reuid={self.uid}", f"--regid={self.uid}", "--clear-groups", *super().command()]
 
 
-def remote(r: requests.Response) -> dict:
-    return r.json()["RemoteException"]
-
-
 def assert_dsquota(r: requests.Response) -> str:
     assert r.status_code == 403, (r.status_code, r.text)
     exc = remote(r)
@@ -149,18 +139,6 @@ def classify(path: str, body: bytes, message: str, journaled: dict[str, bytes]) 
         journaled[path] = body
     else:
         assert "nothing was changed" in message, message
-
-
-def restored(srv, key: str, target) -> dict:
-    env = dict(os.environ, SOS_KEY=key)
-    subprocess.run(
-        [*sos_command(), "restore", "-q", "--server", srv.address, NS, str(target)],
-        env=env,
-        check=True,
-        timeout=300,
-        capture_output=True,
-    )
-    return tree_snapshot(target)
 
 
 # ---------------------------------------------------------------------------- item 9
@@ -239,7 +217,7 @@ def test_gateway_at_the_quota_refuses_with_dsquota_never_hangs_and_restores_what
     # the journal holds what the client was told succeeded, plus the change whose barrier
     # failed (complete, as its message said); nothing of the refused requests
     want = {"fill": None, **{p[1:]: b for p, b in {**acknowledged, **journaled}.items()}}
-    assert restored(sos_server, key, tmp_path / "restored") == want
+    assert restored(sos_server, key, tmp_path / "restored", NS) == want
 
 
 @pytest.mark.slow
@@ -360,7 +338,7 @@ def test_links_planted_in_the_cache_are_never_followed(sos_server, tmp_path, gat
         for name in ("link", "dlink", "hard", "d/inner"):
             os.unlink(gw.tree / name)
     assert gw.stop() == 0
-    assert restored(sos_server, key, tmp_path / "restored") == {"d": None, "d/real": b"journaled"}
+    assert restored(sos_server, key, tmp_path / "restored", NS) == {"d": None, "d/real": b"journaled"}
 
 
 @pytest.mark.slow

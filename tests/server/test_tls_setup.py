@@ -27,9 +27,8 @@ from spark_plugin.spark import (
     gateway_checkpoint,
     make_truststore,
     restore_to_batch,
-    sos_command,
 )
-from tests.support import self_signed_cert
+from tests.support import run_sos, self_signed_cert
 
 NS = "tlsday2"
 pytestmark = [pytest.mark.day2, pytest.mark.slow]
@@ -44,10 +43,6 @@ def tls_server(sos_server_factory, tmp_path):
     return srv, ns_key, cert
 
 
-def _sos(*args, env=None, timeout=120):
-    return subprocess.run([*sos_command(), *args], capture_output=True, text=True, timeout=timeout, env=env)
-
-
 def test_no_tls_ca_against_a_tls_server_says_so_at_once(tls_server):
     srv, key, _cert_file = tls_server
     started = time.monotonic()
@@ -58,9 +53,7 @@ def test_no_tls_ca_against_a_tls_server_says_so_at_once(tls_server):
     assert not info.value.retryable
     assert time.monotonic() - started < 15  # not the 30 s timeout, no retries
     # the command too, and its exit code is not "not found"
-    env = dict(os.environ, SOS_KEY=key)
-    env.pop("SOS_TLS_CA", None)
-    r = _sos("ls", "--server", srv.address, NS, env=env)
+    r = run_sos("ls", "--server", srv.address, NS, env={"SOS_KEY": key}, drop=("SOS_TLS_CA",))
     assert r.returncode != 0 and "the server requires TLS: pass --tls-ca" in r.stderr, r.stderr
     # and the server says why the handshake failed
     deadline = time.monotonic() + 10
@@ -80,10 +73,10 @@ def test_a_plain_server_is_not_reported_as_tls(sos_server):
 
 def test_sos_tls_ca_is_read_wherever_tls_ca_is(tls_server, tmp_path):
     srv, key, cert = tls_server
-    env = dict(os.environ, SOS_KEY=key, SOS_TLS_CA=cert)
+    env = {"SOS_KEY": key, "SOS_TLS_CA": cert}
     (tmp_path / "f").write_bytes(b"over tls")
-    assert _sos("put", "--server", srv.address, str(tmp_path / "f"), f"{NS}/f", env=env).returncode == 0
-    r = _sos("cat", "--server", srv.address, f"{NS}/f", env=env)
+    assert run_sos("put", "--server", srv.address, str(tmp_path / "f"), f"{NS}/f", env=env).returncode == 0
+    r = run_sos("cat", "--server", srv.address, f"{NS}/f", env=env)
     assert r.returncode == 0 and r.stdout == "over tls", r.stderr
     # the library's default too, and the gateway's connection to the server
     os.environ["SOS_TLS_CA"] = cert

@@ -17,23 +17,15 @@ import pytest
 import requests
 
 from spark_plugin.gateway.client import GatewayClient
-from spark_plugin.gateway.process import GatewayProcess
 from spark_plugin.spark import (
     GatewayCheckpoint,
     GatewayMarkerListener,
     markers,  # the listeners warn through its logger
 )
-from tests.gateway.test_gateway import NS, Gw
+from tests.gateway.support import NS, Gw, wait_exit
 
 pytestmark = [pytest.mark.day2, pytest.mark.slow]
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-
-
-def _wait_exit(proc: GatewayProcess, timeout: float = 60.0) -> int | None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.returncode is None:
-        time.sleep(0.1)
-    return proc.returncode
 
 
 # ---------------------------------------------------------------------------- fencing
@@ -46,7 +38,7 @@ def test_a_fenced_idle_gateway_refuses_everything_and_exits_non_zero(sos_server,
     try:
         # the old one was idle: its fence check (FENCE(0), every 5 s) finds the newer epoch;
         # from then on every request is refused, the health check's too, and it exits 3
-        code = _wait_exit(old.proc)
+        code = wait_exit(old.proc)
         assert code == 3, old.proc.log()
         log = old.proc.log()
         assert "FENCED" in log and "by a newer writer" in log
@@ -69,7 +61,7 @@ def test_mkdirs_on_a_fenced_gateway_is_refused_not_200(sos_server, tmp_path):
         r = old.session.put(old.u("/after/fence", op="MKDIRS"), timeout=60)
         assert r.status_code >= 400, r.text
         assert "fenced" in r.text.lower() or "no longer serves" in r.text
-        assert _wait_exit(old.proc) == 3, old.proc.log()
+        assert wait_exit(old.proc) == 3, old.proc.log()
     finally:
         new.stop()
         old.proc.stop()

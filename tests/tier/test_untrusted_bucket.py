@@ -44,23 +44,13 @@ from sos_wire import events as ev
 from sos_wire.crc import crc32c
 from sos_wire.errors import ErrorCode
 from tests.conftest import RawClient
-from tests.support import PEAK_RSS_KIB
+from tests.support import PEAK_RSS_KIB, server_metric, wait_for
+from tests.tier.support import tier_wait
 
 pytestmark = [pytest.mark.hostile, pytest.mark.slow]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WAIT = 60.0
-
-
-def wait_for(cond, timeout: float = WAIT, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 def plant(store: LocalStore, key: str, data: bytes = b"", *, size: int | None = None) -> str:
@@ -81,20 +71,6 @@ def login(srv, ns: str) -> RawClient:
     return c
 
 
-def tier_wait(c: RawClient, name: str, offset: int, timeout_ms: int = 30_000):
-    return c.call(ev.TierWait(c.rid(), name, offset, timeout_ms))
-
-
-def metric(srv, name: str, ns: str) -> float:
-    import urllib.request
-
-    text = urllib.request.urlopen(f"http://{srv.metrics_address}/metrics", timeout=10).read().decode()
-    for line in text.splitlines():
-        if line.startswith(f'{name}{{namespace="{ns}"}} '):
-            return float(line.split()[-1])
-    return 0.0
-
-
 def tier_server(factory, tmp_path, name: str = "tier", data_dir=None, start: bool = True, args=()):
     store = LocalStore((tmp_path / name).as_uri())
     srv = factory(data_dir, args=["--tier", store.url, "--tier-interval", "0.2", *args], start=start)
@@ -110,18 +86,18 @@ def test_an_empty_end_of_range_marker_does_not_stop_a_live_server(sos_server_fac
     with login(srv, "live") as c:
         assert isinstance(c.call(ev.Fence(c.rid(), 3)), ev.FenceOk)
         assert isinstance(c.append("seg", 0, b"before", epoch=3), ev.AppendOk)
-        assert isinstance(tier_wait(c, "seg", 6), ev.TierWaitOk)
+        assert isinstance(tier_wait(c, "seg", 6, 30_000), ev.TierWaitOk)
         plant(store, fence_key("live", 2**64 - 1))  # empty, at the end of the range
         plant(store, fence_key("live", 2**32), fence_content("live", 2**32))  # well formed, far beyond
         assert isinstance(c.append("seg", 6, b" and after", epoch=3), ev.AppendOk)
-        r = tier_wait(c, "seg", 16)
+        r = tier_wait(c, "seg", 16, 30_000)
         assert isinstance(r, ev.TierWaitOk) and r.tiered == 16, r  # uploads go on
         r = c.call(ev.Fence(c.rid(), 4))
         assert isinstance(r, ev.FenceOk), r  # a new writer is not refused
         assert isinstance(c.append("seg", 16, b"!", epoch=4), ev.AppendOk)
-        assert isinstance(tier_wait(c, "seg", 17), ev.TierWaitOk)
-    wait_for(lambda: metric(srv, "sos_tier_ignored_fence_markers", "live") == 2, what="the metric")
-    assert metric(srv, "sos_tier_fenced", "live") == 0
+        assert isinstance(tier_wait(c, "seg", 17, 30_000), ev.TierWaitOk)
+    wait_for(lambda: server_metric(srv, "sos_tier_ignored_fence_markers", 0.0, ns="live") == 2, what="the metric")
+    assert server_metric(srv, "sos_tier_fenced", 0.0, ns="live") == 0
     assert "bogus fence marker" in srv.log_text() and "ffffffffffffffff" in srv.log_text()
     # the marker of epoch 4 is what a writer writes, and readers take it as the fence
     assert store.get(fence_key("live", 4)) == json.dumps({"epoch": 4, "namespace": "live"}).replace(" ", "").encode()
@@ -137,7 +113,7 @@ def test_a_replacement_server_takes_no_fence_from_bogus_markers(sos_server_facto
     with login(old, "rep") as c:
         assert isinstance(c.call(ev.Fence(c.rid(), 3)), ev.FenceOk)
         assert isinstance(c.append("seg", 0, b"before the loss", epoch=3), ev.AppendOk)
-        assert isinstance(tier_wait(c, "seg", 15), ev.TierWaitOk)
+        assert isinstance(tier_wait(c, "seg", 15, 30_000), ev.TierWaitOk)
     old.kill()
     plant(store, fence_key("rep", 2**64 - 1))
     plant(store, fence_key("rep", 2**40), fence_content("rep", 2**40))  # beyond every epoch known
@@ -153,7 +129,7 @@ def test_a_replacement_server_takes_no_fence_from_bogus_markers(sos_server_facto
         r = c.call(ev.Fence(c.rid(), 4))
         assert isinstance(r, ev.FenceOk), r  # FENCE is accepted
         assert isinstance(c.append("seg", 15, b" and after", epoch=4), ev.AppendOk)
-        assert isinstance(tier_wait(c, "seg", 25), ev.TierWaitOk)
+        assert isinstance(tier_wait(c, "seg", 25, 30_000), ev.TierWaitOk)
     text = new.log_text()
     assert "ffffffffffffffff" in text and "0000010000000000" in text and "0000000000000007" in text
 
@@ -170,7 +146,7 @@ def test_a_key_planted_in_the_place_of_the_next_marker_refuses_that_fence_only(s
         assert time.monotonic() - t0 < 5  # at once: retrying cannot help
         assert isinstance(c.call(ev.Fence(c.rid(), 3)), ev.FenceOk)
         assert isinstance(c.append("o", 0, b"data", epoch=3), ev.AppendOk)
-        assert isinstance(tier_wait(c, "o", 4), ev.TierWaitOk)
+        assert isinstance(tier_wait(c, "o", 4, 30_000), ev.TierWaitOk)
     assert scan(store, "next")["next"].fence == 3
 
 
@@ -347,7 +323,7 @@ def test_a_lease_renewed_many_times_keeps_few_pieces(sos_server_factory, tmp_pat
             line = json.dumps({"t": 1_800_000_000_000 + i, "until": 1_800_000_010_000 + i}).encode() + b"\n"
             assert isinstance(c.append(name, len(held), line, epoch=1), ev.AppendOk)
             held += line
-            r = tier_wait(c, name, len(held))
+            r = tier_wait(c, name, len(held), 30_000)
             assert isinstance(r, ev.TierWaitOk), r
     keys = [k.key for k in store.list(object_prefix("pair", name))]
     assert len(keys) <= 24, len(keys)  # one per renewal before: 300

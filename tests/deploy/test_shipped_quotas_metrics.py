@@ -36,19 +36,25 @@ from sos_server.storage import OBJECT_CHARGE
 from sos_wire.addresses import is_loopback, split_address
 from spark_plugin.gateway.process import GatewayProcess
 from spark_plugin.spark import sos_command
-from tests.deploy_support import COMPOSE, compose, dockerfile_command, k8s_documents, one, option, spark_conf
-from tests.k8s_model import (
+from tests.deploy.support import (
+    COMPOSE,
     POD_TEMPLATES,
     Pod,
     allowed,
+    compose,
+    dockerfile_command,
     jobs_namespace,
+    k8s_documents,
     namespace_of,
     objects,
+    one,
+    option,
     pod_labels,
     pod_spec,
+    spark_conf,
     template_pod,
 )
-from tests.support import server_cli, tmpfs_mount
+from tests.support import scrape, server_cli
 from tools.server import ServerProcess
 
 pytestmark = [pytest.mark.hostile, pytest.mark.slow]
@@ -95,25 +101,9 @@ def storage_settings(argv: list[str]) -> list[str]:
 # ---------------------------------------------------------------------------- helpers
 
 
-@pytest.fixture
-def tmpfs(tmp_path):
-    with tmpfs_mount(tmp_path / "disk", TMPFS_SIZE) as d:
-        yield d
-
-
 def filesystem_size(path) -> int:
     st = os.statvfs(path)
     return st.f_blocks * st.f_frsize
-
-
-def scrape(address: str) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            out[key] = float(value)
-    return out
 
 
 def fill_to_quota(c: Client, name: str, start: int = 0) -> tuple[int, list[QuotaExceeded]]:
@@ -323,7 +313,7 @@ def test_gateway_with_metrics_public_serves_every_interface(sos_server, tmp_path
 
 def test_k8s_server_metrics_reach_only_prometheus():
     """--metrics-public on the pod's address, and the NetworkPolicies (evaluated as a plugin
-    applies them, tests/k8s_model.py) let only Prometheus's pods reach the port."""
+    applies them, tests/deploy/support.py) let only Prometheus's pods reach the port."""
     argv = k8s_server_argv()
     host, port = split_address(option(argv, "--metrics"))
     assert not is_loopback(host) and "--metrics-public" in argv

@@ -2,7 +2,7 @@
 
 Started by tests/deploy/test_gateway.py as root as
 
-    unshare --mount --propagation private python tests/ro_sandbox.py SPEC.json
+    unshare --mount --propagation private python tests/deploy/ro_sandbox.py SPEC.json
 
 so that every mount change below happens in a new, private mount namespace: the host's
 mounts are never touched (it refuses to go on in its parent's namespace). Then:

@@ -20,7 +20,7 @@ import urllib.parse
 
 import pytest
 
-from spark_plugin.gateway.process import GatewayProcess
+from tests.support import start_gateway
 
 pytestmark = [pytest.mark.hostile]
 
@@ -79,17 +79,6 @@ def call(url: str, method: str, path: str, tok: str, *, body: bytes | None = Non
         conn.close()
 
 
-def start_gateway(server, tmp_path, key: str, name: str = "gateway", args=()) -> GatewayProcess:
-    return GatewayProcess(
-        NS,
-        str(tmp_path / f"{name}-cache"),
-        server.address,
-        key,
-        extra_args=list(args),
-        log_path=str(tmp_path / f"{name}.log"),
-    ).start()
-
-
 def server_log_count(server, marker: str) -> int:
     return sum(1 for line in server.log_text().splitlines() if marker in line)
 
@@ -141,7 +130,7 @@ def test_a_token_flood_from_one_and_from_several_addresses_does_not_delay_a_real
     known = sos_server.keygen(NS, "append")
     fresh = sos_server.keygen(NS, "append")
     other = sos_server.keygen(NS, "append")
-    gw = start_gateway(sos_server, tmp_path, gateway_key)
+    gw = start_gateway(sos_server, tmp_path, namespace=NS, key=gateway_key)
     try:
         token(gw.url, known)  # a key the gateway saw accepted before the flood
         # 40 connections at a time from one address, 10 from each of four others, each
@@ -176,7 +165,7 @@ def test_a_token_flood_from_one_and_from_several_addresses_does_not_delay_a_real
 
 @pytest.mark.slow
 def test_malformed_and_just_refused_keys_are_answered_without_asking_the_server(sos_server, tmp_path):
-    gw = start_gateway(sos_server, tmp_path, sos_server.keygen(NS, "append"))
+    gw = start_gateway(sos_server, tmp_path, namespace=NS, key=sos_server.keygen(NS, "append"))
     try:
         before = server_log_count(sos_server, '"auth failed"')
         for bad in ("not a key", "0123" * 4 + "." + "zz" * 32, "ab" * 8 + "." + "cd" * 31):
@@ -212,7 +201,7 @@ def test_a_revoked_key_gets_no_new_token_and_its_tokens_stop_within_the_recheck_
     job2 = sos_server.keygen(NS, "append")
     stays = sos_server.keygen(NS, "append")
     args = ["--key-recheck", str(recheck)]
-    gw = start_gateway(sos_server, tmp_path, gateway_key, args=args)
+    gw = start_gateway(sos_server, tmp_path, *args, namespace=NS, key=gateway_key)
     try:
         old = token(gw.url, job)
         kept = token(gw.url, stays)
@@ -255,7 +244,7 @@ def test_a_revoked_key_gets_no_new_token_and_its_tokens_stop_within_the_recheck_
         gw.stop()
 
     # a gateway restarted with the same key: a valid token works, a revoked one does not
-    gw = start_gateway(sos_server, tmp_path, gateway_key, args=args)
+    gw = start_gateway(sos_server, tmp_path, *args, namespace=NS, key=gateway_key)
     try:
         assert call(gw.url, "GET", "/d/b", kept, op="GETFILESTATUS") == 200
         assert call(gw.url, "PUT", "/d/after", kept, op="CREATE") == 201

@@ -23,7 +23,7 @@ import pytest
 pytest.importorskip("pyfuse3")
 
 from spark_plugin.mount.process import MountProcess
-from tests.mount.test_e2e import _world_python, as_user, durable
+from tests.mount.support import as_user, durable, world_python
 
 pytestmark = [
     pytest.mark.hostile,
@@ -82,7 +82,7 @@ print(json.dumps({"uid": os.getuid()}))
 
 def run_as(uid: int, cwd: str, script: str) -> dict:
     proc = subprocess.run(
-        [_world_python(), "-I", "-c", script],
+        [world_python(), "-I", "-c", script],
         check=False,
         cwd=cwd,
         user=uid,
