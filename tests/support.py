@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -174,6 +174,28 @@ def run_sos_as(
     return run_sos(*args, env=env, drop=("SOS_KEY_FILE", *kw.pop("drop", ())), **kw)
 
 
+def gateway_refused(
+    server, key: str, namespace: str, cache, *args: object, listen: str = "127.0.0.1:0", timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """``sos gateway NAMESPACE --listen LISTEN --server SERVER --cache CACHE ARGS`` run to its
+    exit, for the tests of what a gateway refuses at its start (its output captured as text),
+    with ``key`` in $SOS_KEY and no $SOS_KEY_FILE of this process's."""
+    return run_sos(
+        "gateway",
+        namespace,
+        "--listen",
+        listen,
+        "--server",
+        server.address,
+        "--cache",
+        cache,
+        *args,
+        env={"SOS_KEY": key},
+        drop=("SOS_KEY_FILE",),
+        timeout=timeout,
+    )
+
+
 def scrape(where: str, *, timeout: float = 60) -> dict[str, float]:
     """A Prometheus text page as ``name{labels}`` -> value (comments left out); ``where`` is the
     endpoint's URL (``http://HOST:PORT``) or its ``HOST:PORT``, without the ``/metrics``."""
@@ -272,6 +294,17 @@ def self_signed_cert(directory: Path, name: str = "cert", cn: str | None = None)
         timeout=120,
     )
     return str(cert), str(key)
+
+
+def accepted(listener: socket.socket, stop: Callable[[], bool] = lambda: False) -> Iterator[socket.socket]:
+    """The connections a server thread's ``listener`` accepts, one by one, until it is closed
+    (accept raises OSError) or, checked before each accept, ``stop()`` is true."""
+    while not stop():
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            return
+        yield conn
 
 
 def pair_listen(host: str = "127.0.0.1") -> str:

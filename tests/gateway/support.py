@@ -44,7 +44,7 @@ import requests
 
 from spark_plugin.gateway.process import GatewayProcess
 from spark_plugin.spark import gateway_conf, sos_command, webhdfs_url
-from tests.support import pair_listen, token_for
+from tests.support import accepted, pair_listen, token_for
 from tests.support import tree_snapshot as tree_of
 from tools.demo import kill_tree
 from tools.logtext import as_text
@@ -541,11 +541,7 @@ class CutProxy:
 
     # ------------------------------------------------------------------------------ the relay
     def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
+        for client in accepted(self._listener):
             with self._cond:
                 if self._closing:
                     client.close()
@@ -723,11 +719,7 @@ class FreezableRelay:
                 s.close()
 
     def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
+        for client in accepted(self._listener):
             try:
                 server = socket.create_connection(self.upstream, timeout=10)
                 server.settimeout(None)
