@@ -307,6 +307,27 @@ def accepted(listener: socket.socket, stop: Callable[[], bool] = lambda: False) 
         yield conn
 
 
+def spark_builder(
+    app: str, *, conf: dict[str, str] | None = None, shuffle_partitions: int | None = 2, jvm: str | None = None
+):
+    """The SparkSession builder of the tests' query drivers (scripts run in a process of their
+    own, which import this from there): ``local[2]``, the app name ``app``, no UI and no
+    console progress, ``shuffle_partitions`` (None: Spark's default), the settings ``conf``,
+    the driver JVM's options ``jvm`` (default: tools.demo's DRIVER_JVM_OPTIONS)."""
+    from pyspark.sql import SparkSession
+
+    from tools.demo import DRIVER_JVM_OPTIONS
+
+    settings = {"spark.ui.enabled": "false", "spark.ui.showConsoleProgress": "false", **(conf or {})}
+    if shuffle_partitions is not None:
+        settings["spark.sql.shuffle.partitions"] = str(shuffle_partitions)
+    settings["spark.driver.extraJavaOptions"] = DRIVER_JVM_OPTIONS if jvm is None else jvm
+    builder = SparkSession.builder.master("local[2]").appName(app)
+    for name, value in settings.items():
+        builder = builder.config(name, value)
+    return builder
+
+
 def pair_listen(host: str = "127.0.0.1") -> str:
     """``HOST:PORT`` on a port free now, for a member of a gateway pair (``--lease``). Not port 0:
     the lease names the gateway's ``--listen`` address for the standby's probe of the active,

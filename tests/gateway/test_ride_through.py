@@ -19,7 +19,6 @@ import json
 import os
 import random
 import re
-import shutil
 import signal
 import socket
 import struct
@@ -35,7 +34,8 @@ import requests
 
 from spark_plugin.gateway.process import GatewayProcess
 from spark_plugin.spark import gateway_checkpoint, gateway_conf, ride_through_jar, sos_command
-from tests.support import hadoop_jars, pair_listen
+from tests.gateway.support import compiled_harness
+from tests.support import pair_listen
 from tools.demo import make_input
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -47,29 +47,11 @@ NS = "ride"
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory):
     """(classpath without the ride-through jar, the jar, env)."""
-    if shutil.which("java") is None or shutil.which("javac") is None:
-        pytest.skip("no JDK (java and javac) on this machine")
-    jars = hadoop_jars()
+    classpath, env = compiled_harness(tmp_path_factory.mktemp("ride-harness"), "RideHarness.java")
     subprocess.run([os.path.join(HERE, "..", "scripts", "build-jar"), sys.executable], check=True, timeout=300)
     jar = ride_through_jar()
     assert jar is not None, "scripts/build-jar built no jar"
-    classes = tmp_path_factory.mktemp("ride-harness")
-    subprocess.run(
-        [
-            "javac",
-            "-nowarn",
-            "-d",
-            str(classes),
-            "-cp",
-            os.path.join(jars, "*"),
-            os.path.join(HERE, "java", "RideHarness.java"),
-        ],
-        check=True,
-        timeout=300,
-        capture_output=True,
-    )
-    env = dict(os.environ, LC_ALL="C.UTF-8", LANG="C.UTF-8", JAVA_TOOL_OPTIONS="-Xshare:auto")
-    return f"{classes}{os.pathsep}{os.path.join(jars, '*')}", jar, env
+    return classpath, jar, env
 
 
 class Restartable:
@@ -337,17 +319,12 @@ def test_a_standby_whose_active_holds_no_lease_says_so(sos_server, tmp_path):
 DRIVER = textwrap.dedent("""
     import json, os, sys, time
     cfg = json.load(open(sys.argv[1]))
-    from pyspark.sql import SparkSession
-    from tools.demo import DRIVER_JVM_OPTIONS, write_batch_output
+    from tools.demo import write_batch_output
     from tools.demo_common import ROCKSDB_PROVIDER
     from spark_plugin.spark import gateway_checkpoint
+    from tests.support import spark_builder
 
-    builder = (SparkSession.builder.master("local[2]").appName("sos-ride-through")
-               .config("spark.sql.shuffle.partitions", "2")
-               .config("spark.ui.enabled", "false")
-               .config("spark.ui.showConsoleProgress", "false")
-               .config("spark.sql.streaming.stateStore.providerClass", ROCKSDB_PROVIDER)
-               .config("spark.driver.extraJavaOptions", DRIVER_JVM_OPTIONS))
+    builder = spark_builder("sos-ride-through", conf={"spark.sql.streaming.stateStore.providerClass": ROCKSDB_PROVIDER})
     loc = gateway_checkpoint(builder, cfg["url"], cfg["ns"], os.environ["SOS_KEY"], cfg["checkpoint"])
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
