@@ -328,6 +328,22 @@ def spark_builder(
     return builder
 
 
+def dedup_query(spark, source: str, sink, checkpoint: str):
+    """The query of the tests' drivers, started: JSON records (id, payload) read from the
+    directory ``source`` a file per batch, duplicates of an id dropped (state), each batch to
+    ``foreachBatch(sink)``, checkpoint at ``checkpoint``, until the input is used up."""
+    return (
+        spark.readStream.schema("id LONG, payload STRING")
+        .option("maxFilesPerTrigger", 1)
+        .json(source)
+        .dropDuplicates(["id"])
+        .writeStream.foreachBatch(sink)
+        .option("checkpointLocation", checkpoint)
+        .trigger(availableNow=True)
+        .start()
+    )
+
+
 def pair_listen(host: str = "127.0.0.1") -> str:
     """``HOST:PORT`` on a port free now, for a member of a gateway pair (``--lease``). Not port 0:
     the lease names the gateway's ``--listen`` address for the standby's probe of the active,

@@ -224,7 +224,7 @@ DRIVER = textwrap.dedent("""
     cfg = json.load(open(sys.argv[1]))
     from tools.demo import write_batch_output
     from spark_plugin.spark import gateway_checkpoint
-    from tests.support import spark_builder
+    from tests.support import dedup_query, spark_builder
 
     builder = spark_builder("sos-container", jvm=cfg["jvm"])
     with open(os.environ["SOS_KEY_FILE"]) as f:
@@ -239,11 +239,7 @@ DRIVER = textwrap.dedent("""
         write_batch_output(cfg["out"], df, batch_id)
 
     os.makedirs(cfg["out"], exist_ok=True)
-    query = (spark.readStream.schema("id LONG, payload STRING")
-             .option("maxFilesPerTrigger", 1).json(cfg["input"])
-             .dropDuplicates(["id"])
-             .writeStream.foreachBatch(sink).option("checkpointLocation", str(loc))
-             .trigger(availableNow=True).start())
+    query = dedup_query(spark, cfg["input"], sink, str(loc))
     query.awaitTermination()
     spark.stop()
 """)

@@ -371,7 +371,7 @@ TWO_RUNS_DRIVER = textwrap.dedent("""
     cfg = json.load(open(sys.argv[1]))
     from tools.demo import write_batch_output
     from spark_plugin.spark import gateway_checkpoint
-    from tests.support import spark_builder
+    from tests.support import dedup_query, spark_builder
 
     builder = spark_builder("sos-gateway-smoke")
     loc = gateway_checkpoint(builder, cfg["url"], cfg["ns"], os.environ["SOS_KEY"], cfg["checkpoint"])
@@ -389,11 +389,7 @@ TWO_RUNS_DRIVER = textwrap.dedent("""
             write_batch_output(cfg["out"], df, batch_id)
             batches.append(batch_id)
 
-        query = (spark.readStream.schema("id LONG, payload STRING")
-                 .option("maxFilesPerTrigger", 1).json(cfg["input"])
-                 .dropDuplicates(["id"])
-                 .writeStream.foreachBatch(sink).option("checkpointLocation", str(loc))
-                 .trigger(availableNow=True).start())
+        query = dedup_query(spark, cfg["input"], sink, str(loc))
         query.awaitTermination()
         deadline = time.monotonic() + 120  # the listener runs asynchronously
         while set(loc.listener.written[marked:]) < set(batches) and time.monotonic() < deadline:

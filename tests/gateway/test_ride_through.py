@@ -34,8 +34,7 @@ import requests
 
 from spark_plugin.gateway.process import GatewayProcess
 from spark_plugin.spark import gateway_checkpoint, gateway_conf, ride_through_jar, sos_command
-from tests.gateway.support import compiled_harness
-from tests.support import pair_listen
+from tests.gateway.support import compiled_harness, pair_gateway
 from tools.demo import make_input
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -219,26 +218,13 @@ def test_sigterm_lets_a_body_in_flight_finish_before_the_gateway_exits(harness, 
 LEASE = 3
 
 
-def _pair_member(server, key, tmp_path, name, *args):
-    return GatewayProcess(
-        NS,
-        str(tmp_path / f"{name}-cache"),
-        server.address,
-        key,
-        listen=pair_listen(),
-        extra_args=["--lease", str(LEASE), *args],
-        debug=True,
-        log_path=str(tmp_path / f"{name}.log"),
-    ).start()
-
-
 @pytest.mark.parametrize("how", ["sigkill", "promote"])
 def test_a_body_in_flight_when_the_standby_takes_over_is_resent(harness, sos_server, tmp_path, how):
     """Issue 30.1: the active of a pair dies (SIGKILL) or is replaced (`sos gateway promote`)
     while a body is in flight to it: the writer resends it to the new active."""
     key = sos_server.keygen(NS, "append")
-    active = _pair_member(sos_server, key, tmp_path, "active")
-    standby = _pair_member(sos_server, key, tmp_path, "standby", "--standby")
+    active = pair_gateway(sos_server, key, tmp_path, "active", namespace=NS, lease=LEASE)
+    standby = pair_gateway(sos_server, key, tmp_path, "standby", "--standby", namespace=NS, lease=LEASE)
 
     def interrupt(go):
         if how == "sigkill":
@@ -274,7 +260,7 @@ def test_a_standby_whose_active_holds_no_lease_says_so(sos_server, tmp_path):
     bare = GatewayProcess(
         NS, str(tmp_path / "bare-cache"), sos_server.address, key, log_path=str(tmp_path / "bare.log")
     ).start()
-    standby = _pair_member(sos_server, key, tmp_path, "standby", "--standby")
+    standby = pair_gateway(sos_server, key, tmp_path, "standby", "--standby", namespace=NS, lease=LEASE)
     try:
         tok = requests.post(
             bare.url + "/oauth2/token",
@@ -302,8 +288,8 @@ def test_a_standby_whose_active_holds_no_lease_says_so(sos_server, tmp_path):
     finally:
         for g in (bare, standby):
             g.kill()
-    leased = _pair_member(sos_server, key, tmp_path, "leased")
-    quiet = _pair_member(sos_server, key, tmp_path, "quiet", "--standby")
+    leased = pair_gateway(sos_server, key, tmp_path, "leased", namespace=NS, lease=LEASE)
+    quiet = pair_gateway(sos_server, key, tmp_path, "quiet", "--standby", namespace=NS, lease=LEASE)
     try:
         time.sleep(LEASE + 4)
         assert "holds no lease" not in quiet.log(), quiet.log()[-3000:]
@@ -322,7 +308,7 @@ DRIVER = textwrap.dedent("""
     from tools.demo import write_batch_output
     from tools.demo_common import ROCKSDB_PROVIDER
     from spark_plugin.spark import gateway_checkpoint
-    from tests.support import spark_builder
+    from tests.support import dedup_query, spark_builder
 
     builder = spark_builder("sos-ride-through", conf={"spark.sql.streaming.stateStore.providerClass": ROCKSDB_PROVIDER})
     loc = gateway_checkpoint(builder, cfg["url"], cfg["ns"], os.environ["SOS_KEY"], cfg["checkpoint"])
@@ -337,11 +323,7 @@ DRIVER = textwrap.dedent("""
             time.sleep(cfg["pause"])
 
     os.makedirs(cfg["out"], exist_ok=True)
-    query = (spark.readStream.schema("id LONG, payload STRING")
-             .option("maxFilesPerTrigger", 1).json(cfg["input"])
-             .dropDuplicates(["id"])
-             .writeStream.foreachBatch(sink).option("checkpointLocation", str(loc))
-             .trigger(availableNow=True).start())
+    query = dedup_query(spark, cfg["input"], sink, str(loc))
     query.awaitTermination()
     ride = spark._jvm.sos.hadoop.RideThroughWebHdfsFileSystem
     with open(cfg["result"], "w") as f:

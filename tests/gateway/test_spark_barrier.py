@@ -43,7 +43,7 @@ DRIVER = textwrap.dedent("""
     cfg = json.load(open(sys.argv[1]))
     from tools.demo import write_batch_output
     from spark_plugin.spark import gateway_checkpoint, webhdfs_url
-    from tests.support import spark_builder
+    from tests.support import dedup_query, spark_builder
 
     # each run sets its own shuffle partitions; no state store maintenance (snapshots)
     # inside the measured batches
@@ -78,12 +78,7 @@ DRIVER = textwrap.dedent("""
                 time.sleep(0.1)
         spark.conf.set("spark.sql.shuffle.partitions", str(r["partitions"]))
         os.makedirs(r["out"], exist_ok=True)
-        query = (spark.readStream.schema("id LONG, payload STRING")
-                 .option("maxFilesPerTrigger", 1).json(r["input"])
-                 .dropDuplicates(["id"])
-                 .writeStream.foreachBatch(sink)
-                 .option("checkpointLocation", webhdfs_url(cfg["url"], r["checkpoint"]))
-                 .trigger(availableNow=True).start())
+        query = dedup_query(spark, r["input"], sink, webhdfs_url(cfg["url"], r["checkpoint"]))
         error = None
         try:
             query.awaitTermination()

@@ -296,7 +296,7 @@ import json, os, signal, sys, time
 cfg = json.load(open(sys.argv[1]))
 from tools.demo import write_batch_output
 from spark_plugin.spark import gateway_checkpoint
-from tests.support import spark_builder
+from tests.support import dedup_query, spark_builder
 
 builder = spark_builder("sos-gateway-pair")
 loc = gateway_checkpoint(builder, cfg["urls"], cfg["ns"], os.environ["SOS_KEY"], "queries/q1",
@@ -315,11 +315,7 @@ def sink(df, batch_id):
             f.write(str(time.monotonic()))
 
 os.makedirs(cfg["out"], exist_ok=True)
-query = (spark.readStream.schema("id LONG, payload STRING")
-         .option("maxFilesPerTrigger", 1).json(cfg["input"])
-         .dropDuplicates(["id"])
-         .writeStream.foreachBatch(sink).option("checkpointLocation", str(loc))
-         .trigger(availableNow=True).start())
+query = dedup_query(spark, cfg["input"], sink, str(loc))
 query.awaitTermination()
 deadline = time.monotonic() + 120  # the listener runs asynchronously
 while set(loc.listener.written) < set(batches) and time.monotonic() < deadline:
