@@ -3,7 +3,8 @@
 Each component's own helpers sit in its folder's ``support.py`` (``tests.tier.support``,
 ``tests.gateway.support``, ``tests.deploy.support``) and its fixtures in that folder's
 ``conftest.py``. Here: running the ``sos`` and ``sos-server`` commands, reading Prometheus
-pages, waiting for a condition, certificates, a small disk, WebHDFS calls."""
+pages, waiting for a condition, certificates, a small disk, WebHDFS calls, a gateway run to its
+refusal, a server thread's accept loop, the Spark query drivers' builder and query."""
 
 from __future__ import annotations
 
