@@ -3,7 +3,8 @@
 Each component's own helpers sit in its folder's ``support.py`` (``tests.tier.support``,
 ``tests.gateway.support``, ``tests.deploy.support``) and its fixtures in that folder's
 ``conftest.py``. Here: running the ``sos`` and ``sos-server`` commands, reading Prometheus
-pages, waiting for a condition, certificates, a small disk, WebHDFS calls."""
+pages, waiting for a condition, certificates, a small disk, WebHDFS calls, a gateway run to its
+refusal, a server thread's accept loop, the Spark query drivers' builder and query."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -174,6 +175,28 @@ def run_sos_as(
     return run_sos(*args, env=env, drop=("SOS_KEY_FILE", *kw.pop("drop", ())), **kw)
 
 
+def gateway_refused(
+    server, key: str, namespace: str, cache, *args: object, listen: str = "127.0.0.1:0", timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """``sos gateway NAMESPACE --listen LISTEN --server SERVER --cache CACHE ARGS`` run to its
+    exit, for the tests of what a gateway refuses at its start (its output captured as text),
+    with ``key`` in $SOS_KEY and no $SOS_KEY_FILE of this process's."""
+    return run_sos(
+        "gateway",
+        namespace,
+        "--listen",
+        listen,
+        "--server",
+        server.address,
+        "--cache",
+        cache,
+        *args,
+        env={"SOS_KEY": key},
+        drop=("SOS_KEY_FILE",),
+        timeout=timeout,
+    )
+
+
 def scrape(where: str, *, timeout: float = 60) -> dict[str, float]:
     """A Prometheus text page as ``name{labels}`` -> value (comments left out); ``where`` is the
     endpoint's URL (``http://HOST:PORT``) or its ``HOST:PORT``, without the ``/metrics``."""
@@ -272,6 +295,54 @@ def self_signed_cert(directory: Path, name: str = "cert", cn: str | None = None)
         timeout=120,
     )
     return str(cert), str(key)
+
+
+def accepted(listener: socket.socket, stop: Callable[[], bool] = lambda: False) -> Iterator[socket.socket]:
+    """The connections a server thread's ``listener`` accepts, one by one, until it is closed
+    (accept raises OSError) or, checked before each accept, ``stop()`` is true."""
+    while not stop():
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            return
+        yield conn
+
+
+def spark_builder(
+    app: str, *, conf: dict[str, str] | None = None, shuffle_partitions: int | None = 2, jvm: str | None = None
+):
+    """The SparkSession builder of the tests' query drivers (scripts run in a process of their
+    own, which import this from there): ``local[2]``, the app name ``app``, no UI and no
+    console progress, ``shuffle_partitions`` (None: Spark's default), the settings ``conf``,
+    the driver JVM's options ``jvm`` (default: tools.demo's DRIVER_JVM_OPTIONS)."""
+    from pyspark.sql import SparkSession
+
+    from tools.demo import DRIVER_JVM_OPTIONS
+
+    settings = {"spark.ui.enabled": "false", "spark.ui.showConsoleProgress": "false", **(conf or {})}
+    if shuffle_partitions is not None:
+        settings["spark.sql.shuffle.partitions"] = str(shuffle_partitions)
+    settings["spark.driver.extraJavaOptions"] = DRIVER_JVM_OPTIONS if jvm is None else jvm
+    builder = SparkSession.builder.master("local[2]").appName(app)
+    for name, value in settings.items():
+        builder = builder.config(name, value)
+    return builder
+
+
+def dedup_query(spark, source: str, sink, checkpoint: str):
+    """The query of the tests' drivers, started: JSON records (id, payload) read from the
+    directory ``source`` a file per batch, duplicates of an id dropped (state), each batch to
+    ``foreachBatch(sink)``, checkpoint at ``checkpoint``, until the input is used up."""
+    return (
+        spark.readStream.schema("id LONG, payload STRING")
+        .option("maxFilesPerTrigger", 1)
+        .json(source)
+        .dropDuplicates(["id"])
+        .writeStream.foreachBatch(sink)
+        .option("checkpointLocation", checkpoint)
+        .trigger(availableNow=True)
+        .start()
+    )
 
 
 def pair_listen(host: str = "127.0.0.1") -> str:

@@ -20,6 +20,7 @@ from sos_wire.auth import Key
 from sos_wire.connection import encode_event
 from sos_wire.crc import crc32c
 from sos_wire.errors import ErrorCode
+from tests.support import accepted
 
 pytestmark = [pytest.mark.hostile]
 
@@ -45,11 +46,7 @@ class FakeServer:
         self.thread.start()
 
     def _serve(self) -> None:
-        while not self.stop:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
+        for conn in accepted(self.sock, lambda: self.stop):
             if self.connections_left is not None:
                 self.connections_left -= 1
                 if self.connections_left <= 0:

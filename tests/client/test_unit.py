@@ -21,6 +21,7 @@ from sos_client.aio import open_client
 from sos_client.core import parse_server
 from sos_wire import NEED_DATA, Connection, ErrorCode, Key, Role, encode_event
 from sos_wire import events as ev
+from tests.support import accepted
 
 KEY = str(Key(b"k" * 8, b"s" * 32))
 
@@ -55,11 +56,7 @@ class FakeServer:
             t.join(30)
 
     def _accept(self) -> None:
-        while not self.stopping:
-            try:
-                s, _ = self.sock.accept()
-            except OSError:
-                return
+        for s in accepted(self.sock, lambda: self.stopping):
             with self.lock:
                 self.connections += 1
                 n = self.connections
@@ -468,11 +465,7 @@ class _OneReplyServer:
         threading.Thread(target=self._serve, daemon=True).start()
 
     def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
+        for conn in accepted(self.sock):
             self.connections += 1
             with conn:
                 try:

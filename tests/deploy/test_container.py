@@ -222,15 +222,11 @@ def _server_key(ctr: str, role: str) -> str:
 DRIVER = textwrap.dedent("""
     import json, os, sys, time
     cfg = json.load(open(sys.argv[1]))
-    from pyspark.sql import SparkSession
     from tools.demo import write_batch_output
     from spark_plugin.spark import gateway_checkpoint
+    from tests.support import dedup_query, spark_builder
 
-    builder = (SparkSession.builder.master("local[2]").appName("sos-container")
-               .config("spark.sql.shuffle.partitions", "2")
-               .config("spark.ui.enabled", "false")
-               .config("spark.ui.showConsoleProgress", "false")
-               .config("spark.driver.extraJavaOptions", cfg["jvm"]))
+    builder = spark_builder("sos-container", jvm=cfg["jvm"])
     with open(os.environ["SOS_KEY_FILE"]) as f:
         key = f.read().strip()
     loc = gateway_checkpoint(builder, cfg["url"], cfg["ns"], key, "checkpoint")
@@ -243,11 +239,7 @@ DRIVER = textwrap.dedent("""
         write_batch_output(cfg["out"], df, batch_id)
 
     os.makedirs(cfg["out"], exist_ok=True)
-    query = (spark.readStream.schema("id LONG, payload STRING")
-             .option("maxFilesPerTrigger", 1).json(cfg["input"])
-             .dropDuplicates(["id"])
-             .writeStream.foreachBatch(sink).option("checkpointLocation", str(loc))
-             .trigger(availableNow=True).start())
+    query = dedup_query(spark, cfg["input"], sink, str(loc))
     query.awaitTermination()
     spark.stop()
 """)

@@ -35,7 +35,6 @@ from sos_server.cli import parse_namespace_quota
 from sos_server.storage import OBJECT_CHARGE
 from sos_wire.addresses import is_loopback, split_address
 from spark_plugin.gateway.process import GatewayProcess
-from spark_plugin.spark import sos_command
 from tests.deploy.support import (
     COMPOSE,
     POD_TEMPLATES,
@@ -54,7 +53,7 @@ from tests.deploy.support import (
     spark_conf,
     template_pod,
 )
-from tests.support import scrape, server_cli
+from tests.support import gateway_refused, scrape, server_cli
 from tools.server import ServerProcess
 
 pytestmark = [pytest.mark.hostile, pytest.mark.slow]
@@ -260,25 +259,8 @@ def test_server_with_metrics_public_serves_every_interface(tmp_path):
 
 
 def _gateway(sos_server, tmp_path, *extra: str) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, SOS_KEY=sos_server.keygen("gwns", "append"))
-    env.pop("SOS_KEY_FILE", None)
-    return subprocess.run(
-        [
-            *sos_command(),
-            "gateway",
-            "gwns",
-            "--listen",
-            "127.0.0.1:0",
-            "--server",
-            sos_server.address,
-            "--cache",
-            str(tmp_path / "cache"),
-            *extra,
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
+    return gateway_refused(
+        sos_server, sos_server.keygen("gwns", "append"), "gwns", tmp_path / "cache", *extra, timeout=TIMEOUT
     )
 
 

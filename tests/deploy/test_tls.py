@@ -14,23 +14,9 @@ import sys
 import pytest
 import yaml
 
-from tests.deploy.support import dockerfile_command
+from tests.deploy.support import dockerfile_command, dockerfile_final_stage
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-
-
-def _dockerfile_final_stage() -> list[tuple[str, str]]:
-    out, cur = [], ""
-    for line in (ROOT / "Dockerfile").read_text().splitlines():
-        if not cur and (not line.strip() or line.lstrip().startswith("#")):
-            continue
-        cur += line.rstrip("\\").rstrip() + " " if line.endswith("\\") else line
-        if not line.endswith("\\"):
-            word, _, rest = cur.strip().partition(" ")
-            out.append((word.upper(), rest.strip()))
-            cur = ""
-    last_from = max(k for k, (i, _) in enumerate(out) if i == "FROM")
-    return out[last_from:]
 
 
 def _option(argv: list[str], name: str) -> str:
@@ -43,7 +29,7 @@ def _no_key_on_argv(argv: list[str]) -> None:
 
 
 def test_image_serves_tls_by_default_and_its_healthcheck_speaks_it():
-    final = _dockerfile_final_stage()
+    final = dockerfile_final_stage()
     cmd = dockerfile_command()
     assert cmd[:2] == ["sos-server", "serve"]
     assert _option(cmd, "--tls-cert") == "/tls/tls.crt"

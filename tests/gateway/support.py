@@ -29,6 +29,7 @@ import http.client
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -40,15 +41,18 @@ from collections import Counter
 from collections.abc import Callable
 
 import h11
+import pytest
 import requests
 
 from spark_plugin.gateway.process import GatewayProcess
 from spark_plugin.spark import gateway_conf, sos_command, webhdfs_url
-from tests.support import pair_listen, token_for
+from tests.support import accepted, hadoop_jars, pair_listen, token_for
 from tests.support import tree_snapshot as tree_of
 from tools.demo import kill_tree
 from tools.logtext import as_text
 
+#: tests/
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: the namespace of the gateway tests that name none of their own
 NS = "gw"
 #: a bound no answer on a raw socket should come near, even on a loaded 2-core machine
@@ -214,6 +218,28 @@ def workers_of(pid: int) -> list[int]:
     return sorted(found)
 
 
+def compiled_harness(classes, source: str) -> tuple[str, dict[str, str]]:
+    """tests/java/SOURCE compiled with javac against pyspark's jars (Hadoop's client among them)
+    into the directory ``classes``: (the classpath that runs it, an environment with UTF-8
+    arguments and output whatever the machine's locale). Skips the test without a JDK."""
+    if shutil.which("java") is None or shutil.which("javac") is None:
+        pytest.skip("no JDK (java and javac) on this machine")
+    jars = hadoop_jars()
+    subprocess.run(
+        ["javac", "-nowarn", "-d", str(classes), "-cp", os.path.join(jars, "*"), os.path.join(TESTS, "java", source)],
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
+    env = dict(
+        os.environ,
+        LC_ALL="C.UTF-8",
+        LANG="C.UTF-8",
+        JAVA_TOOL_OPTIONS="-Dfile.encoding=UTF-8 -Dsun.stdout.encoding=UTF-8 -Dsun.stderr.encoding=UTF-8 -Xshare:auto",
+    )
+    return f"{classes}{os.pathsep}{os.path.join(jars, '*')}", env
+
+
 def hadoop_java(java_env, gateway, base: str, *cases: str | list[str]) -> tuple[dict[str, tuple[str, str]], list]:
     """Run CASES in ONE harness JVM (tests/java/HadoopHarness.java: the ``java_env`` fixture of
     tests/gateway/conftest.py; ``gateway``: a (GatewayProcess, key) pair), in order, against webhdfs://gateway/BASE: a name is one of
@@ -343,15 +369,11 @@ FIRST_RUN_FILES = 3
 TWO_RUNS_DRIVER = textwrap.dedent("""
     import json, os, sys, time
     cfg = json.load(open(sys.argv[1]))
-    from pyspark.sql import SparkSession
-    from tools.demo import DRIVER_JVM_OPTIONS, write_batch_output
+    from tools.demo import write_batch_output
     from spark_plugin.spark import gateway_checkpoint
+    from tests.support import dedup_query, spark_builder
 
-    builder = (SparkSession.builder.master("local[2]").appName("sos-gateway-smoke")
-               .config("spark.sql.shuffle.partitions", "2")
-               .config("spark.ui.enabled", "false")
-               .config("spark.ui.showConsoleProgress", "false")
-               .config("spark.driver.extraJavaOptions", DRIVER_JVM_OPTIONS))
+    builder = spark_builder("sos-gateway-smoke")
     loc = gateway_checkpoint(builder, cfg["url"], cfg["ns"], os.environ["SOS_KEY"], cfg["checkpoint"])
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
@@ -367,11 +389,7 @@ TWO_RUNS_DRIVER = textwrap.dedent("""
             write_batch_output(cfg["out"], df, batch_id)
             batches.append(batch_id)
 
-        query = (spark.readStream.schema("id LONG, payload STRING")
-                 .option("maxFilesPerTrigger", 1).json(cfg["input"])
-                 .dropDuplicates(["id"])
-                 .writeStream.foreachBatch(sink).option("checkpointLocation", str(loc))
-                 .trigger(availableNow=True).start())
+        query = dedup_query(spark, cfg["input"], sink, str(loc))
         query.awaitTermination()
         deadline = time.monotonic() + 120  # the listener runs asynchronously
         while set(loc.listener.written[marked:]) < set(batches) and time.monotonic() < deadline:
@@ -541,11 +559,7 @@ class CutProxy:
 
     # ------------------------------------------------------------------------------ the relay
     def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
+        for client in accepted(self._listener):
             with self._cond:
                 if self._closing:
                     client.close()
@@ -723,11 +737,7 @@ class FreezableRelay:
                 s.close()
 
     def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
+        for client in accepted(self._listener):
             try:
                 server = socket.create_connection(self.upstream, timeout=10)
                 server.settimeout(None)

@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import threading
 import time
 
@@ -18,9 +17,8 @@ import requests
 
 from spark_plugin.gateway.http.auth import TokenAuthority
 from spark_plugin.gateway.process import GatewayProcess
-from spark_plugin.spark import sos_command
 from tests.gateway.support import NS, Gw, chunked_create, peak_rss, remote, restore, send_chunk
-from tests.support import self_signed_cert, token_for
+from tests.support import gateway_refused, self_signed_cert, token_for
 from tests.support import tree_snapshot as tree_of
 
 
@@ -183,20 +181,7 @@ def test_tokens_survive_a_gateway_restart(sos_server, tmp_path):
 
 def test_insecure_no_auth_only_on_loopback(sos_server, tmp_path):
     key = sos_server.keygen(NS, "append")
-    env = dict(os.environ, SOS_KEY=key)
-    base = [
-        *sos_command(),
-        "gateway",
-        NS,
-        "--server",
-        sos_server.address,
-        "--cache",
-        str(tmp_path / "c"),
-        "--insecure-no-auth",
-    ]
-    proc = subprocess.run(
-        [*base, "--listen", "0.0.0.0:0"], env=env, capture_output=True, text=True, timeout=120, check=False
-    )
+    proc = gateway_refused(sos_server, key, NS, tmp_path / "c", "--insecure-no-auth", listen="0.0.0.0:0")
     assert proc.returncode == 1 and "loopback" in proc.stderr
     g = GatewayProcess(
         NS,

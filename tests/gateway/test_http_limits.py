@@ -37,7 +37,7 @@ import requests
 from spark_plugin.gateway.process import GatewayProcess
 from spark_plugin.spark import sos_command
 from tests.gateway.support import closed_after, connect, peak_rss, port_of, read_reply
-from tests.support import start_gateway, token_for
+from tests.support import gateway_refused, start_gateway, token_for
 
 pytestmark = [pytest.mark.hostile]
 
@@ -171,16 +171,23 @@ def test_dripped_heads_cannot_hold_the_slots_and_a_client_with_a_token_gets_in(s
 # ---------------------------------------------------------------------------- item 4, 18.6
 
 
+def _big_file(gw) -> tuple[str, bytes]:
+    """(a writer's token, the bytes) of /big, 8 MiB of random bytes written through ``gw``:
+    more than the kernel's socket buffers absorb."""
+    writer = token_for(gw.url, gw.key, NS)
+    big = os.urandom(8 << 20)
+    h = {"Authorization": f"Bearer {writer}"}
+    r = requests.put(f"{gw.url}/webhdfs/v1/big?op=CREATE&data=true", data=big, headers=h, timeout=TIMEOUT)
+    assert r.status_code == 201, r.text
+    return writer, big
+
+
 @pytest.mark.slow
 def test_unread_open_replies_keep_memory_bounded_and_are_closed_by_the_send_timeout(sos_server, tmp_path):
     gw = start_gateway(sos_server, tmp_path, "--send-timeout", "10", namespace=NS)
     port = port_of(gw)
     try:
-        writer = token_for(gw.url, gw.key, NS)
-        big = os.urandom(8 << 20)  # more than the kernel's socket buffers absorb
-        h = {"Authorization": f"Bearer {writer}"}
-        r = requests.put(f"{gw.url}/webhdfs/v1/big?op=CREATE&data=true", data=big, headers=h, timeout=TIMEOUT)
-        assert r.status_code == 201, r.text
+        _, big = _big_file(gw)
         reader = token_for(gw.url, sos_server.keygen(NS, "read"), NS)
         base_fds = gateway_fds(gw)
         before = peak_rss(gw.pid)
@@ -222,14 +229,7 @@ def test_a_full_open_memory_budget_answers_503_instead_of_piling_up(sos_server, 
     gw = start_gateway(sos_server, tmp_path, "--open-memory", "1M", "--send-timeout", "60", namespace=NS)
     port = port_of(gw)
     try:
-        writer = token_for(gw.url, gw.key, NS)
-        r = requests.put(
-            f"{gw.url}/webhdfs/v1/big?op=CREATE&data=true",
-            data=os.urandom(8 << 20),
-            timeout=TIMEOUT,
-            headers={"Authorization": f"Bearer {writer}"},
-        )
-        assert r.status_code == 201, r.text
+        writer, _ = _big_file(gw)
         stalled = []
         for _ in range(16):  # 8 pieces of 128 KiB fill 1 MiB
             s = connect(port, "127.0.0.20", rcvbuf=4096)
@@ -271,19 +271,7 @@ def test_a_full_open_memory_budget_answers_503_instead_of_piling_up(sos_server, 
 @pytest.mark.slow
 def test_plaintext_on_an_address_that_is_not_loopback_needs_an_explicit_flag(sos_server, tmp_path):
     key = sos_server.keygen(NS, "append")
-    env = dict(os.environ, SOS_KEY=key)
-    cmd = [
-        *sos_command(),
-        "gateway",
-        NS,
-        "--server",
-        sos_server.address,
-        "--cache",
-        str(tmp_path / "c"),
-        "--listen",
-        "0.0.0.0:0",
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT, check=False)
+    proc = gateway_refused(sos_server, key, NS, tmp_path / "c", listen="0.0.0.0:0", timeout=TIMEOUT)
     assert proc.returncode == 2, proc.stderr
     assert "not a loopback address" in proc.stderr and "--insecure-plaintext" in proc.stderr
     assert "--tls-cert" in proc.stderr

@@ -11,6 +11,9 @@ connections at once: the slots, the memory of unread replies) is tests/gateway/t
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+
 import pytest
 import trio
 import trio.testing
@@ -46,6 +49,16 @@ def _run(test) -> None:
     trio.run(test, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
+@contextlib.asynccontextmanager
+async def _connected(gateway: Gateway) -> AsyncIterator[tuple[trio.abc.Stream, trio.Nursery]]:
+    """(the client's end of an in-memory stream, the nursery) with ``gateway`` serving the
+    other end as a connection it accepted now."""
+    client, server = trio.testing.memory_stream_pair()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(gateway._connection, server)
+        yield client, nursery
+
+
 async def _read_to_eof(stream: trio.abc.Stream) -> tuple[bytes, float]:
     """Everything the gateway sends until it closes, and the (virtual) time of the close."""
     data = b""
@@ -71,10 +84,8 @@ def test_a_head_dripped_past_the_head_timeout_is_answered_408_and_closed():
     gateway = _gateway()
 
     async def test() -> None:
-        client, server = trio.testing.memory_stream_pair()
-        async with trio.open_nursery() as nursery:
-            accepted = trio.current_time()
-            nursery.start_soon(gateway._connection, server)
+        async with _connected(gateway) as (client, nursery):
+            accepted = trio.current_time()  # the virtual clock stands still until a task waits
             await client.send_all(b"GET /webhdfs/v1/x?op=LISTSTATUS HTTP/1.1\r\n")
             nursery.start_soon(_drip, client, 2.0)
             first = await client.receive_some()
@@ -95,10 +106,8 @@ def test_a_head_whole_before_the_head_timeout_is_served():
     gateway = _gateway()
 
     async def test() -> None:
-        client, server = trio.testing.memory_stream_pair()
-        async with trio.open_nursery() as nursery:
-            accepted = trio.current_time()
-            nursery.start_soon(gateway._connection, server)
+        async with _connected(gateway) as (client, nursery):
+            accepted = trio.current_time()  # the virtual clock stands still until a task waits
             head = NO_TOKEN
             for i in range(0, len(head), 16):  # 16 bytes every 2 s: whole after 6 s
                 await client.send_all(head[i : i + 16])
@@ -139,9 +148,7 @@ def test_an_idle_connection_is_closed_after_the_idle_timeout():
     gateway = _gateway()
 
     async def test() -> None:
-        client, server = trio.testing.memory_stream_pair()
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(gateway._connection, server)
+        async with _connected(gateway) as (client, _):
             await client.send_all(NO_TOKEN)
             reply = await client.receive_some()
             replied = trio.current_time()

@@ -21,7 +21,7 @@ from spark_plugin.mount.process import MountProcess, is_mounted
 from spark_plugin.spark import sos_command
 from tests.deploy.support import documented_line
 from tests.gateway.support import NS, Gw, restore
-from tests.support import metrics_url, scrape
+from tests.support import gateway_refused, metrics_url, scrape
 
 pytestmark = [pytest.mark.day2, pytest.mark.slow]
 pytest_plugins = ["tests.tier.support"]
@@ -101,26 +101,7 @@ def test_gateway_metrics_show_the_lag_while_the_server_is_down(sos_server, tmp_p
 
 
 def test_gateway_metrics_address_is_checked_before_anything_runs(sos_server, tmp_path):
-    env = dict(os.environ, SOS_KEY=sos_server.keygen(NS, "append"))
-    r = subprocess.run(
-        [
-            *sos_command(),
-            "gateway",
-            NS,
-            "--listen",
-            "127.0.0.1:0",
-            "--server",
-            sos_server.address,
-            "--cache",
-            str(tmp_path / "c"),
-            "--metrics",
-            "nonsense",
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    r = gateway_refused(sos_server, sos_server.keygen(NS, "append"), NS, tmp_path / "c", "--metrics", "nonsense")
     assert r.returncode == 2 and "--metrics 'nonsense'" in r.stderr, r.stderr
 
 
@@ -229,27 +210,7 @@ def test_restore_batch_of_an_unknown_batch_is_refused_and_changes_nothing(sos_se
     key = gw.key
     commit_batch(gw, "chk", 0)
     assert gw.stop() == 0
-    env = dict(os.environ, SOS_KEY=key)
-    r = subprocess.run(
-        [
-            *sos_command(),
-            "gateway",
-            NS,
-            "--listen",
-            "127.0.0.1:0",
-            "--server",
-            sos_server.address,
-            "--cache",
-            str(tmp_path / "cache"),
-            "--restore-batch",
-            "chk:9",
-            "--yes",
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    r = gateway_refused(sos_server, key, NS, tmp_path / "cache", "--restore-batch", "chk:9", "--yes")
     assert r.returncode == 1 and "no chk/commits/9" in r.stderr, r.stderr
     # the emptied cache is rebuilt at the journal's end by the next plain start
     gw = Gw(sos_server, tmp_path, key=key, cache=tmp_path / "cache", name="after")

@@ -31,6 +31,7 @@ from spark_plugin.gateway.client import GatewayClient, GatewayError
 from spark_plugin.gateway.pair.standby import promote
 from spark_plugin.gateway.process import GatewayProcess
 from spark_plugin.gateway.webhdfs import renames as rn
+from tests.gateway.support import pair_gateway
 from tests.support import pair_listen, run_sos_as, token_for
 from tests.support import webhdfs_put as _put
 from tests.support import webhdfs_rename as _rename
@@ -362,24 +363,8 @@ def test_no_key_in_argv_logs_or_errors_of_gateways_and_promote(sos_server, tmp_p
     token_key = sos_server.keygen(NS, "token")
     wrong = append.split(".")[0] + "." + "0" * 64  # the right id, another secret
     keys = (append, token_key, wrong)
-    active = GatewayProcess(
-        NS,
-        str(tmp_path / "active"),
-        sos_server.address,
-        append,
-        listen=pair_listen(),
-        extra_args=["--lease", "60"],
-        debug=True,
-    ).start()
-    standby = GatewayProcess(
-        NS,
-        str(tmp_path / "standby"),
-        sos_server.address,
-        append,
-        listen=pair_listen(),
-        extra_args=["--standby", "--lease", "60"],
-        debug=True,
-    ).start()
+    active = pair_gateway(sos_server, append, tmp_path, "active", namespace=NS, lease=60)
+    standby = pair_gateway(sos_server, append, tmp_path, "standby", "--standby", namespace=NS, lease=60)
     outputs = []
     try:
         for g in (active, standby):

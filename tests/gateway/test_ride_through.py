@@ -19,7 +19,6 @@ import json
 import os
 import random
 import re
-import shutil
 import signal
 import socket
 import struct
@@ -35,7 +34,7 @@ import requests
 
 from spark_plugin.gateway.process import GatewayProcess
 from spark_plugin.spark import gateway_checkpoint, gateway_conf, ride_through_jar, sos_command
-from tests.support import hadoop_jars, pair_listen
+from tests.gateway.support import compiled_harness, pair_gateway
 from tools.demo import make_input
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -47,29 +46,11 @@ NS = "ride"
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory):
     """(classpath without the ride-through jar, the jar, env)."""
-    if shutil.which("java") is None or shutil.which("javac") is None:
-        pytest.skip("no JDK (java and javac) on this machine")
-    jars = hadoop_jars()
+    classpath, env = compiled_harness(tmp_path_factory.mktemp("ride-harness"), "RideHarness.java")
     subprocess.run([os.path.join(HERE, "..", "scripts", "build-jar"), sys.executable], check=True, timeout=300)
     jar = ride_through_jar()
     assert jar is not None, "scripts/build-jar built no jar"
-    classes = tmp_path_factory.mktemp("ride-harness")
-    subprocess.run(
-        [
-            "javac",
-            "-nowarn",
-            "-d",
-            str(classes),
-            "-cp",
-            os.path.join(jars, "*"),
-            os.path.join(HERE, "java", "RideHarness.java"),
-        ],
-        check=True,
-        timeout=300,
-        capture_output=True,
-    )
-    env = dict(os.environ, LC_ALL="C.UTF-8", LANG="C.UTF-8", JAVA_TOOL_OPTIONS="-Xshare:auto")
-    return f"{classes}{os.pathsep}{os.path.join(jars, '*')}", jar, env
+    return classpath, jar, env
 
 
 class Restartable:
@@ -237,26 +218,13 @@ def test_sigterm_lets_a_body_in_flight_finish_before_the_gateway_exits(harness, 
 LEASE = 3
 
 
-def _pair_member(server, key, tmp_path, name, *args):
-    return GatewayProcess(
-        NS,
-        str(tmp_path / f"{name}-cache"),
-        server.address,
-        key,
-        listen=pair_listen(),
-        extra_args=["--lease", str(LEASE), *args],
-        debug=True,
-        log_path=str(tmp_path / f"{name}.log"),
-    ).start()
-
-
 @pytest.mark.parametrize("how", ["sigkill", "promote"])
 def test_a_body_in_flight_when_the_standby_takes_over_is_resent(harness, sos_server, tmp_path, how):
     """Issue 30.1: the active of a pair dies (SIGKILL) or is replaced (`sos gateway promote`)
     while a body is in flight to it: the writer resends it to the new active."""
     key = sos_server.keygen(NS, "append")
-    active = _pair_member(sos_server, key, tmp_path, "active")
-    standby = _pair_member(sos_server, key, tmp_path, "standby", "--standby")
+    active = pair_gateway(sos_server, key, tmp_path, "active", namespace=NS, lease=LEASE)
+    standby = pair_gateway(sos_server, key, tmp_path, "standby", "--standby", namespace=NS, lease=LEASE)
 
     def interrupt(go):
         if how == "sigkill":
@@ -292,7 +260,7 @@ def test_a_standby_whose_active_holds_no_lease_says_so(sos_server, tmp_path):
     bare = GatewayProcess(
         NS, str(tmp_path / "bare-cache"), sos_server.address, key, log_path=str(tmp_path / "bare.log")
     ).start()
-    standby = _pair_member(sos_server, key, tmp_path, "standby", "--standby")
+    standby = pair_gateway(sos_server, key, tmp_path, "standby", "--standby", namespace=NS, lease=LEASE)
     try:
         tok = requests.post(
             bare.url + "/oauth2/token",
@@ -320,8 +288,8 @@ def test_a_standby_whose_active_holds_no_lease_says_so(sos_server, tmp_path):
     finally:
         for g in (bare, standby):
             g.kill()
-    leased = _pair_member(sos_server, key, tmp_path, "leased")
-    quiet = _pair_member(sos_server, key, tmp_path, "quiet", "--standby")
+    leased = pair_gateway(sos_server, key, tmp_path, "leased", namespace=NS, lease=LEASE)
+    quiet = pair_gateway(sos_server, key, tmp_path, "quiet", "--standby", namespace=NS, lease=LEASE)
     try:
         time.sleep(LEASE + 4)
         assert "holds no lease" not in quiet.log(), quiet.log()[-3000:]
@@ -337,17 +305,12 @@ def test_a_standby_whose_active_holds_no_lease_says_so(sos_server, tmp_path):
 DRIVER = textwrap.dedent("""
     import json, os, sys, time
     cfg = json.load(open(sys.argv[1]))
-    from pyspark.sql import SparkSession
-    from tools.demo import DRIVER_JVM_OPTIONS, write_batch_output
+    from tools.demo import write_batch_output
     from tools.demo_common import ROCKSDB_PROVIDER
     from spark_plugin.spark import gateway_checkpoint
+    from tests.support import dedup_query, spark_builder
 
-    builder = (SparkSession.builder.master("local[2]").appName("sos-ride-through")
-               .config("spark.sql.shuffle.partitions", "2")
-               .config("spark.ui.enabled", "false")
-               .config("spark.ui.showConsoleProgress", "false")
-               .config("spark.sql.streaming.stateStore.providerClass", ROCKSDB_PROVIDER)
-               .config("spark.driver.extraJavaOptions", DRIVER_JVM_OPTIONS))
+    builder = spark_builder("sos-ride-through", conf={"spark.sql.streaming.stateStore.providerClass": ROCKSDB_PROVIDER})
     loc = gateway_checkpoint(builder, cfg["url"], cfg["ns"], os.environ["SOS_KEY"], cfg["checkpoint"])
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
@@ -360,11 +323,7 @@ DRIVER = textwrap.dedent("""
             time.sleep(cfg["pause"])
 
     os.makedirs(cfg["out"], exist_ok=True)
-    query = (spark.readStream.schema("id LONG, payload STRING")
-             .option("maxFilesPerTrigger", 1).json(cfg["input"])
-             .dropDuplicates(["id"])
-             .writeStream.foreachBatch(sink).option("checkpointLocation", str(loc))
-             .trigger(availableNow=True).start())
+    query = dedup_query(spark, cfg["input"], sink, str(loc))
     query.awaitTermination()
     ride = spark._jvm.sos.hadoop.RideThroughWebHdfsFileSystem
     with open(cfg["result"], "w") as f:

@@ -104,15 +104,10 @@ STREAM_RECORDS = 100
 FILES_DRIVER = textwrap.dedent('''
     import json, os, sys, time
     cfg = json.load(open(sys.argv[1]))
-    from pyspark.sql import SparkSession
-    from tools.demo import DRIVER_JVM_OPTIONS
     from spark_plugin.spark import gateway_checkpoint, webhdfs_url
+    from tests.support import spark_builder
 
-    builder = (SparkSession.builder.master("local[2]").appName("sos-gateway-files")
-               .config("spark.sql.shuffle.partitions", "2")
-               .config("spark.ui.enabled", "false")
-               .config("spark.ui.showConsoleProgress", "false")
-               .config("spark.driver.extraJavaOptions", DRIVER_JVM_OPTIONS))
+    builder = spark_builder("sos-gateway-files")
     loc = gateway_checkpoint(builder, cfg["url"], cfg["ns"], os.environ["SOS_KEY"], "stream/ckpt")
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")

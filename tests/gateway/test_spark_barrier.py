@@ -41,16 +41,14 @@ CHECKPOINT = "queries/q"
 DRIVER = textwrap.dedent("""
     import json, os, sys, time, urllib.request
     cfg = json.load(open(sys.argv[1]))
-    from pyspark.sql import SparkSession
-    from tools.demo import DRIVER_JVM_OPTIONS, write_batch_output
+    from tools.demo import write_batch_output
     from spark_plugin.spark import gateway_checkpoint, webhdfs_url
+    from tests.support import dedup_query, spark_builder
 
-    builder = (SparkSession.builder.master("local[2]").appName("sos-barrier")
-               .config("spark.ui.enabled", "false")
-               .config("spark.ui.showConsoleProgress", "false")
-               # no state store maintenance (snapshots) inside the measured batches
-               .config("spark.sql.streaming.stateStore.maintenanceInterval", "600s")
-               .config("spark.driver.extraJavaOptions", DRIVER_JVM_OPTIONS))
+    # each run sets its own shuffle partitions; no state store maintenance (snapshots)
+    # inside the measured batches
+    builder = spark_builder("sos-barrier", shuffle_partitions=None,
+                            conf={"spark.sql.streaming.stateStore.maintenanceInterval": "600s"})
     gateway_checkpoint(builder, cfg["url"], cfg["ns"], os.environ["SOS_KEY"], cfg["runs"][0]["checkpoint"])
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
@@ -80,12 +78,7 @@ DRIVER = textwrap.dedent("""
                 time.sleep(0.1)
         spark.conf.set("spark.sql.shuffle.partitions", str(r["partitions"]))
         os.makedirs(r["out"], exist_ok=True)
-        query = (spark.readStream.schema("id LONG, payload STRING")
-                 .option("maxFilesPerTrigger", 1).json(r["input"])
-                 .dropDuplicates(["id"])
-                 .writeStream.foreachBatch(sink)
-                 .option("checkpointLocation", webhdfs_url(cfg["url"], r["checkpoint"]))
-                 .trigger(availableNow=True).start())
+        query = dedup_query(spark, r["input"], sink, webhdfs_url(cfg["url"], r["checkpoint"]))
         error = None
         try:
             query.awaitTermination()

@@ -294,15 +294,11 @@ def test_sigstop_past_the_lease_never_makes_two_writers(sos_server, tmp_path, ha
 SPARK_DRIVER = """
 import json, os, signal, sys, time
 cfg = json.load(open(sys.argv[1]))
-from pyspark.sql import SparkSession
-from tools.demo import DRIVER_JVM_OPTIONS, write_batch_output
+from tools.demo import write_batch_output
 from spark_plugin.spark import gateway_checkpoint
+from tests.support import dedup_query, spark_builder
 
-builder = (SparkSession.builder.master("local[2]").appName("sos-gateway-pair")
-           .config("spark.sql.shuffle.partitions", "2")
-           .config("spark.ui.enabled", "false")
-           .config("spark.ui.showConsoleProgress", "false")
-           .config("spark.driver.extraJavaOptions", DRIVER_JVM_OPTIONS))
+builder = spark_builder("sos-gateway-pair")
 loc = gateway_checkpoint(builder, cfg["urls"], cfg["ns"], os.environ["SOS_KEY"], "queries/q1",
                          token_url=cfg["token_url"])
 spark = builder.getOrCreate()
@@ -319,11 +315,7 @@ def sink(df, batch_id):
             f.write(str(time.monotonic()))
 
 os.makedirs(cfg["out"], exist_ok=True)
-query = (spark.readStream.schema("id LONG, payload STRING")
-         .option("maxFilesPerTrigger", 1).json(cfg["input"])
-         .dropDuplicates(["id"])
-         .writeStream.foreachBatch(sink).option("checkpointLocation", str(loc))
-         .trigger(availableNow=True).start())
+query = dedup_query(spark, cfg["input"], sink, str(loc))
 query.awaitTermination()
 deadline = time.monotonic() + 120  # the listener runs asynchronously
 while set(loc.listener.written) < set(batches) and time.monotonic() < deadline:

@@ -1,9 +1,11 @@
 """The FUSE mount's test helpers: renameat2, fsync of a directory (:func:`durable`), file
-operations run as another user (:func:`as_user`)."""
+operations run as another user (:func:`as_user`, :func:`run_as`), a mount fixture's teardown
+(:func:`stop_mounts`)."""
 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import stat
 import subprocess
@@ -79,10 +81,16 @@ def as_user(uid, cwd, *steps):
 
     Paths are relative to `cwd` (chdir happens before the process drops root, so the
     0700 pytest directories above the mount point need not be traversable)."""
-    import json
+    out = run_as(uid, cwd, _AS_USER, json.dumps(steps))
+    assert out["uid"] == uid and out["groups"] == []
+    return out
 
+
+def run_as(uid: int, cwd: str, script: str, *args: str) -> dict:
+    """Run the Python ``script`` (with ``args``) as `uid` (gid = uid, no supplementary groups)
+    in `cwd`; it must exit 0; what it printed, read as JSON."""
     proc = subprocess.run(
-        [world_python(), "-I", "-c", _AS_USER, json.dumps(steps)],
+        [world_python(), "-I", "-c", script, *args],
         cwd=cwd,
         user=uid,
         group=uid,
@@ -93,6 +101,15 @@ def as_user(uid, cwd, *steps):
         env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
     )
     assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout)
-    assert out["uid"] == uid and out["groups"] == []
-    return out
+    return json.loads(proc.stdout)
+
+
+def stop_mounts(started) -> None:
+    """A mount fixture's teardown: kill each of ``started`` (MountProcess) still running and
+    lazily unmount its mount point."""
+    for mp in started:
+        try:
+            if mp.proc is not None and mp.proc.poll() is None:
+                mp.kill()
+        finally:
+            subprocess.run(["fusermount3", "-u", "-z", mp.mountpoint], capture_output=True)

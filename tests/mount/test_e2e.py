@@ -25,7 +25,7 @@ import pytest
 pytest.importorskip("pyfuse3")
 
 from spark_plugin.mount.process import MountProcess, is_mounted
-from tests.mount.support import as_user, durable, renameat2
+from tests.mount.support import as_user, durable, renameat2, stop_mounts
 from tests.support import tree_snapshot as snapshot
 
 pytestmark = [
@@ -83,12 +83,7 @@ def mounts(tmp_path, server, key, ns):
         return mp
 
     yield make
-    for mp in started:
-        try:
-            if mp.proc is not None and mp.proc.poll() is None:
-                mp.kill()
-        finally:
-            subprocess.run(["fusermount3", "-u", "-z", mp.mountpoint], capture_output=True)
+    stop_mounts(started)
 
 
 # --------------------------------------------------------------------------- helpers

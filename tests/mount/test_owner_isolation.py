@@ -12,7 +12,6 @@ A real sos-server, a real mount process running as root (the sidecar), a real us
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 import subprocess
@@ -23,7 +22,7 @@ import pytest
 pytest.importorskip("pyfuse3")
 
 from spark_plugin.mount.process import MountProcess
-from tests.mount.support import as_user, durable, world_python
+from tests.mount.support import as_user, durable, run_as, stop_mounts
 
 pytestmark = [
     pytest.mark.hostile,
@@ -61,12 +60,7 @@ def mount(tmp_path, sos_server, key):
         return mp.start()
 
     yield make
-    for mp in started:
-        try:
-            if mp.proc is not None and mp.proc.poll() is None:
-                mp.kill()
-        finally:
-            subprocess.run(["fusermount3", "-u", "-z", mp.mountpoint], capture_output=True, check=False)
+    stop_mounts(started)
 
 
 _ATTACK = r"""
@@ -78,23 +72,6 @@ os.write(fd, b"#!/bin/sh\nid -u\n")
 os.close(fd)
 print(json.dumps({"uid": os.getuid()}))
 """
-
-
-def run_as(uid: int, cwd: str, script: str) -> dict:
-    proc = subprocess.run(
-        [world_python(), "-I", "-c", script],
-        check=False,
-        cwd=cwd,
-        user=uid,
-        group=uid,
-        extra_groups=[],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
-    )
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
 
 
 def journal_modes(address: str, key: str) -> dict:

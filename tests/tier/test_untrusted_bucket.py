@@ -71,6 +71,14 @@ def login(srv, ns: str) -> RawClient:
     return c
 
 
+def fenced_and_tiered(c: RawClient, epoch: int, name: str, data: bytes) -> None:
+    """FENCE at ``epoch``, then ``data`` appended to the new object ``name`` with it and waited
+    for in the tier: each answered OK."""
+    assert isinstance(c.call(ev.Fence(c.rid(), epoch)), ev.FenceOk)
+    assert isinstance(c.append(name, 0, data, epoch=epoch), ev.AppendOk)
+    assert isinstance(tier_wait(c, name, len(data), 30_000), ev.TierWaitOk)
+
+
 def tier_server(factory, tmp_path, name: str = "tier", data_dir=None, start: bool = True, args=()):
     store = LocalStore((tmp_path / name).as_uri())
     srv = factory(data_dir, args=["--tier", store.url, "--tier-interval", "0.2", *args], start=start)
@@ -84,9 +92,7 @@ def tier_server(factory, tmp_path, name: str = "tier", data_dir=None, start: boo
 def test_an_empty_end_of_range_marker_does_not_stop_a_live_server(sos_server_factory, tmp_path):
     srv, store = tier_server(sos_server_factory, tmp_path)
     with login(srv, "live") as c:
-        assert isinstance(c.call(ev.Fence(c.rid(), 3)), ev.FenceOk)
-        assert isinstance(c.append("seg", 0, b"before", epoch=3), ev.AppendOk)
-        assert isinstance(tier_wait(c, "seg", 6, 30_000), ev.TierWaitOk)
+        fenced_and_tiered(c, 3, "seg", b"before")
         plant(store, fence_key("live", 2**64 - 1))  # empty, at the end of the range
         plant(store, fence_key("live", 2**32), fence_content("live", 2**32))  # well formed, far beyond
         assert isinstance(c.append("seg", 6, b" and after", epoch=3), ev.AppendOk)
@@ -111,9 +117,7 @@ def test_an_empty_end_of_range_marker_does_not_stop_a_live_server(sos_server_fac
 def test_a_replacement_server_takes_no_fence_from_bogus_markers(sos_server_factory, tmp_path):
     old, store = tier_server(sos_server_factory, tmp_path)
     with login(old, "rep") as c:
-        assert isinstance(c.call(ev.Fence(c.rid(), 3)), ev.FenceOk)
-        assert isinstance(c.append("seg", 0, b"before the loss", epoch=3), ev.AppendOk)
-        assert isinstance(tier_wait(c, "seg", 15, 30_000), ev.TierWaitOk)
+        fenced_and_tiered(c, 3, "seg", b"before the loss")
     old.kill()
     plant(store, fence_key("rep", 2**64 - 1))
     plant(store, fence_key("rep", 2**40), fence_content("rep", 2**40))  # beyond every epoch known
@@ -144,9 +148,7 @@ def test_a_key_planted_in_the_place_of_the_next_marker_refuses_that_fence_only(s
         assert isinstance(r, ev.Error) and r.code == ErrorCode.TIER_UNAVAILABLE, r
         assert fence_key("next", 2) in r.message and "higher epoch" in r.message, r.message
         assert time.monotonic() - t0 < 5  # at once: retrying cannot help
-        assert isinstance(c.call(ev.Fence(c.rid(), 3)), ev.FenceOk)
-        assert isinstance(c.append("o", 0, b"data", epoch=3), ev.AppendOk)
-        assert isinstance(tier_wait(c, "o", 4, 30_000), ev.TierWaitOk)
+        fenced_and_tiered(c, 3, "o", b"data")
     assert scan(store, "next")["next"].fence == 3
 
 
