@@ -73,15 +73,13 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
         module = importlib.import_module(self.moves[spec.name])
-        self.home_specs[spec.name] = module.__spec__
+        self.home_specs[module.__name__] = module.__spec__
         return module
 
     def exec_module(self, module: ModuleType) -> None:
         """Nothing to run (the module was imported at its new home): only its own spec put
         back, which the import system replaced with the old name's."""
-        old = next((name for name, new in self.moves.items() if new == module.__name__), None)
-        if old is not None and old in self.home_specs:
-            module.__spec__ = self.home_specs.pop(old)
+        module.__spec__ = self.home_specs.pop(module.__name__, module.__spec__)
 
 
 def moved_modules(package: str, moves: dict[str, str]) -> Callable[[str], object]:
