@@ -432,12 +432,12 @@ def _kill_loop(gw: Restartable, proxy: BodyProxy, driver: subprocess.Popen, plan
             gw.kill()
             proxy.release.set()
         else:
-            time.sleep(rng.uniform(0.5, 5.0))
+            time.sleep(rng.uniform(0.3, 3.0))
             if driver.poll() is not None:
                 break
             gw.kill()
         down = time.monotonic()
-        time.sleep(rng.uniform(0.0, 2.0))
+        time.sleep(rng.uniform(0.0, 1.0))
         gw.restart()
         kills.append(
             {
@@ -446,7 +446,7 @@ def _kill_loop(gw: Restartable, proxy: BodyProxy, driver: subprocess.Popen, plan
                 "held": proxy.held_request.decode() if kind == "body" else "",
             }
         )
-        time.sleep(rng.uniform(1.0, 4.0))
+        time.sleep(rng.uniform(1.0, 2.5))  # the query's requests reach the new gateway
     return kills
 
 
