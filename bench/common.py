@@ -20,6 +20,9 @@ from collections.abc import Iterator
 
 from tools.demo_common import metrics_of
 
+#: the checkout (tools/ is there, for the children started with ``-m tools...``)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 #: the bucket every moto-backed benchmark writes to
 BUCKET = "bench"
 
@@ -70,10 +73,11 @@ def start_moto(env: dict[str, str]) -> tuple[subprocess.Popen[bytes], str]:
     connections: (process, endpoint URL)."""
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        [sys.executable, "-m", "tools.moto_s3", "--port", str(port)],  # S3's atomic conditional PUT
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env=env,
+        cwd=ROOT,
     )
     endpoint = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60

@@ -32,6 +32,7 @@ from sos_journal import JournaledTree, JournalWriter, restore  # noqa: E402
 from sos_journal.read.bucket import BucketSource  # noqa: E402
 from sos_journal.rebuild.restore import rebuild_cache  # noqa: E402
 from sos_tier import LocalStore, StoredKey, Uploader  # noqa: E402
+from tools.moto_s3 import moto_server  # noqa: E402
 from tools.server import ServerProcess  # noqa: E402
 
 
@@ -58,7 +59,6 @@ def main() -> int:
     ap.add_argument("--latency-ms", type=float, default=30.0)
     args = ap.parse_args()
     import boto3
-    from moto.server import ThreadedMotoServer
 
     from sos_tier.s3 import S3Store
 
@@ -73,7 +73,7 @@ def main() -> int:
         AWS_SHARED_CREDENTIALS_FILE=f"{base}/aws-credentials",
     )
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    moto = moto_server()
     moto.start()
     srv = ServerProcess(f"{base}/data", log_path=f"{base}/server.log").start()
     try:

@@ -234,7 +234,7 @@ class EmbeddedStore:
     def start(self) -> EmbeddedStore:
         try:
             import boto3
-            from moto.server import ThreadedMotoServer
+            import moto.server  # noqa: F401  (moto[server], which tools.moto_s3 needs)
         except ImportError as exc:
             raise DemoFailure(
                 f"the demo's object store needs moto[server] and boto3 ({exc}): run ./scripts/setup"
@@ -255,7 +255,9 @@ class EmbeddedStore:
         import logging
 
         logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no line per request
-        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        from tools.moto_s3 import moto_server
+
+        server = moto_server()
         server.start()
         self._server = server
         host, port = server.get_host_and_port()

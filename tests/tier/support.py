@@ -31,16 +31,19 @@ boto3 = pytest.importorskip("boto3")
 pytest.importorskip("moto.server")
 
 _bucket_ids = itertools.count(1)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # moto's server in a child process of its own: its request handling runs outside the pytest
 # process, so pytest-cov's tracer (CI measures the pytest processes) does not slow every S3 call,
 # and it runs beside the test rather than taking the test's GIL. The child exits when its stdin
 # closes (the fixture's end, or the pytest process's death).
+#
+# Its conditional writes are atomic, as S3's are (tools/moto_s3.py says why).
 _MOTO_CHILD = """
 import sys
-from moto.server import ThreadedMotoServer
-server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+from tools.moto_s3 import moto_server
+server = moto_server()
 server.start()
 host, port = server.get_host_and_port()
 print(f"http://{host}:{port}", flush=True)
@@ -65,7 +68,11 @@ def moto(tmp_path_factory):
         mp.setenv("AWS_SHARED_CREDENTIALS_FILE", str(empty / "credentials"))
         mp.setenv("AWS_EC2_METADATA_DISABLED", "true")
         child = subprocess.Popen(
-            [sys.executable, "-c", _MOTO_CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            [sys.executable, "-c", _MOTO_CHILD],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,  # where tools/ is, whatever a test's own directory
         )
         try:
             assert child.stdout is not None
@@ -147,9 +154,9 @@ class OwnMoto:
     again on the same port; moto's state is the process's, so the bucket survives."""
 
     def __init__(self) -> None:
-        from moto.server import ThreadedMotoServer
+        from tools.moto_s3 import moto_server
 
-        self._cls = ThreadedMotoServer
+        self._cls = moto_server
         s = socket.socket()
         s.bind(("127.0.0.1", 0))
         self.port = s.getsockname()[1]
@@ -162,7 +169,7 @@ class OwnMoto:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        self.server = self._cls(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self.server = self._cls(self.port)
         self.server.start()
 
     def stop(self) -> None:
