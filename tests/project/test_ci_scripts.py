@@ -158,7 +158,9 @@ def test_test_script_passes_arguments_and_exit_code_through(tmp_path):
     env = dict(os.environ)
     env.pop("PYTEST_ADDOPTS", None)
     proc = subprocess.run(
-        [str(ROOT / "scripts" / "test"), str(bad), "--rootdir", str(tmp_path)],
+        # -n 0 (one process, as the script's comment offers): its four workers, each importing
+        # pytest's plugins for one test, took this test to 99 s on CI's loaded machine
+        [str(ROOT / "scripts" / "test"), "-n", "0", str(bad), "--rootdir", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=900,
