@@ -299,8 +299,8 @@ def _serve_tier_options(s: argparse.ArgumentParser) -> None:
         type=parse_duration,
         default=0.1,
         help="at most one flush (ONE object in the store holding every namespace's new bytes) per this:"
-        " TIER_WAITs are answered together when it lands; the server's PUT rate is at most one per this"
-        " sustained, up to 3 at once after a quiet spell (default 100ms)",
+        " TIER_WAITs are answered together when it lands; the server's PUT rate (flushes and compaction"
+        " together) is at most one per this sustained, up to 3 at once after a quiet spell (default 100ms)",
     )
     s.add_argument(
         "--tier-bytes",
@@ -314,7 +314,8 @@ def _serve_tier_options(s: argparse.ArgumentParser) -> None:
         "--tier-compact",
         type=parse_duration,
         default=30.0,
-        help="rewrite flushed objects into per-object pieces and delete them at least this often (default 30s)",
+        help="rewrite flushed objects into per-object pieces and delete them at least this often (default 30s);"
+        " its PUTs take the slots the flushes leave, at least one a second",
     )
     s.add_argument(
         "--tier-lag-warn",

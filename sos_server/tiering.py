@@ -17,7 +17,10 @@
   satisfies is woken as it lands.
 - :meth:`Tier.compact` (every ``compact_every`` seconds, ``--tier-compact``, and when
   COMPACT_AT flushed objects wait; protocol.md 4.3b): per-object pieces written from this
-  server's copy, then the flushed objects they hold deleted.
+  server's copy, then the flushed objects they hold deleted. Its PUTs spend the flushes' slots
+  (one budget, :class:`FlushSlots`): a slot the flushes left unused, else at most one every
+  COMPACT_PUT_EVERY seconds taken ahead of them, so the server's PUTs stay within the flush
+  cadence whatever compaction has to do.
 - A store failure (TierError) puts the namespace in back-off (1 s doubling to 30 s,
   :class:`sos_tier.retry.Backoff`) and is logged and counted; appends go on. A conflict stops
   that object, a higher fence marker in the store (:class:`TierFenced`: another server took
@@ -37,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -46,6 +50,7 @@ import trio
 from tenacity import RetryCallState
 
 from sos_tier import PutOutcome, Store, StoredKey, TierError, TierFenced, Uploader
+from sos_tier.log import Batch
 from sos_tier.retry import BACKOFF_MAX, BACKOFF_MIN, Backoff, fence_retrying
 from sos_tier.uploader import (
     DEFAULT_MAX_PIECE,
@@ -90,6 +95,10 @@ FENCE_FRESH = 0.5
 #: batch's few barriers in a row each get a flush at once, while the sustained rate stays
 #: one per --tier-flush (a token bucket of this depth, protocol.md 4.3a)
 FLUSH_BURST = 3
+#: a compaction PUT spends a flush slot (one PUT budget for the server, protocol.md 4.3b): one
+#: the flushes left unused (keeping one saved for them), else, when every slot goes to a flush
+#: (a loaded server), one taken ahead of the flushes at most this often
+COMPACT_PUT_EVERY = 1.0
 FENCE_CHECKS = 32  # fence checks in flight at once
 
 
@@ -106,12 +115,24 @@ class FlushSlots:
 
     def take(self, now: float) -> float:
         """Spend a slot; the time the flush may start (``now`` or when the slot refills)."""
-        self._slots = min(float(self.depth), self._slots + (now - self._at) / self.every)
-        self._at = now
+        self._refill(now)
         self._slots -= 1.0
         if self._slots >= 0.0:
             return now
         return now - self._slots * self.every  # the slot owed refills then
+
+    def spare(self, now: float) -> bool:
+        """Spend a slot only if one more than the next flush needs is saved (a compaction PUT
+        on what the flushes leave)."""
+        self._refill(now)
+        if self._slots < 2.0:
+            return False
+        self._slots -= 1.0
+        return True
+
+    def _refill(self, now: float) -> None:
+        self._slots = min(float(self.depth), self._slots + (now - self._at) / self.every)
+        self._at = now
 
 
 def _durably_sealed(obj: StoredObject) -> bool:
@@ -134,8 +155,13 @@ class _Counted:
         self.inner, self.url = store, store.url
         self._count = metrics.tier_requests
         self._seconds = metrics.tier_request_seconds
+        #: per worker thread: ``pace``, called before each PUT of that thread (compaction's)
+        self.paced = threading.local()
 
     def put_once(self, key: str, data: bytes) -> PutOutcome:
+        pace = getattr(self.paced, "pace", None)
+        if pace is not None:
+            pace()
         self._count.labels(op="put").inc()
         with self._seconds.labels(op="put").time():
             return self.inner.put_once(key, data)
@@ -230,6 +256,8 @@ class Tier:
         self._more = False  # the last flush left bytes for the next one
         self._compact_lock = trio.Lock()
         self._compact_now = trio.Event()
+        self._slots: FlushSlots | None = None  # the PUT budget, once run() started
+        self._compact_put_at = -float("inf")  # when compaction may next take a slot ahead of the flushes
         self._left: set[str] = set()  # flushed objects compaction left (logged once each)
         self._removing: set[tuple[str, str]] = set()
         #: objects a conflict stopped (set in worker threads: one dict store each), and those the
@@ -269,11 +297,11 @@ class Tier:
                 "lag_warn": self.lag_warn,
             },
         )
+        self._slots = slots = FlushSlots(self.flush, FLUSH_BURST, trio.current_time())
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._lag_loop)
             nursery.start_soon(self._compact_loop)
             task_status.started()
-            slots = FlushSlots(self.flush, FLUSH_BURST, trio.current_time())
             while True:
                 # at most 1/--tier-flush flushes a second, whatever asks (TIER_WAITs, the byte
                 # trigger); a few at once when they were not used (a batch's barriers in a row)
@@ -505,7 +533,7 @@ class Tier:
                     if obj is not None and not obj.removed and not (st is not None and st.stopped):
                         local[(namespace, name)] = self._item(obj)
             res = await trio.to_thread.run_sync(
-                self.uploader.compact, batches, local, limiter=self._limiter, abandon_on_cancel=True
+                self._compact_paced, batches, local, limiter=self._limiter, abandon_on_cancel=True
             )
         res.left.update(bad)
         for namespace in {ns for ns, _ in local}:
@@ -522,6 +550,37 @@ class Tier:
                 log.warning("tier: a flushed object stays uncompacted: %s: %s", key, why, extra={"key": key})
         self._left = set(res.left)
         return res
+
+    def _compact_paced(self, batches: list[Batch], local: dict[tuple[str, str], FlushItem]) -> CompactResult:
+        """Uploader.compact in this worker thread, each of its PUTs waiting for a slot."""
+        self.store.paced.pace = self._compaction_slot_in_thread
+        try:
+            return self.uploader.compact(batches, local)
+        finally:
+            self.store.paced.pace = None
+
+    def _compaction_slot_in_thread(self) -> None:
+        if self._token is None or self._slots is None:  # not running (a test's own pass)
+            return
+        with contextlib.suppress(trio.RunFinishedError):  # the server stopped: it leaves anyway
+            trio.from_thread.run(self._compaction_slot, trio_token=self._token)
+
+    async def _compaction_slot(self) -> None:
+        """Wait for the PUT budget to allow a compaction PUT and spend its slot: one the flushes
+        left (at once on a quiet server), else, the flushes using every slot, one taken ahead
+        of them every COMPACT_PUT_EVERY seconds (the next flush then starts a slot later)."""
+        slots = self._slots
+        assert slots is not None
+        while True:
+            now = trio.current_time()
+            if slots.spare(now):
+                return
+            if now >= self._compact_put_at:
+                start = slots.take(now)
+                self._compact_put_at = start + COMPACT_PUT_EVERY
+                await trio.sleep_until(start)
+                return
+            await trio.sleep(min(self._compact_put_at - now, slots.every))
 
     def _failed(self, namespace: str, exc: TierError) -> None:
         st = self._state(namespace)

@@ -255,6 +255,57 @@ def test_one_flush_releases_every_waiter_and_puts_follow_the_flush_cadence(sos_s
         assert bucket(url, ns).objects["seg"].length == results[ns]
 
 
+@pytest.mark.slow
+def test_compaction_puts_share_the_flush_cadence_on_a_loaded_server(sos_server_factory, new_bucket):
+    """protocol.md 4.3b: compaction's PUTs spend the flushes' slots, so a server that flushes
+    at every slot and compacts beside it still makes at most one PUT per --tier-flush
+    sustained (plus the saved slots), and compaction makes progress all the same."""
+    url = new_bucket()
+    flush = 0.2
+    srv = sos_server_factory(args=["--tier", url, "--tier-flush", f"{flush}s", "--tier-compact", "1s"])
+    spaces = [f"ns{i}" for i in range(8)]
+    clients = {ns: login(srv, ns) for ns in spaces}
+    for c in clients.values():
+        assert isinstance(c.call(ev.Fence(c.rid(), 1)), ev.FenceOk)
+    stop = time.monotonic() + 6.0 + 1.5
+    errors: list[object] = []
+
+    def query(ns: str) -> None:  # every object grows and waits for the bucket, back to back
+        c, n, i = clients[ns], {"a": 0, "b": 0}, 0
+        while time.monotonic() < stop:
+            name = "ab"[i % 2]
+            n[name] = _append_and_wait(c, name, b"batch %d\n" % i, n[name])
+            w = tier_wait(c, name, n[name], 30_000)
+            if not isinstance(w, ev.TierWaitOk):
+                errors.append(w)
+            i += 1
+
+    def counts() -> tuple[float, float, float]:
+        m = scrape(srv.metrics_address)
+        return (
+            m.get('sos_tier_requests_total{op="put"}', 0.0),
+            m.get("sos_tier_flushes_total", 0.0),
+            m.get("sos_tier_compacted_flushes_total", 0.0),
+        )
+
+    time.sleep(1.5)  # the first compaction pass is due inside the window
+    (puts0, flushes0, compacted0), t0 = counts(), time.monotonic()
+    threads = [threading.Thread(target=query, args=(ns,)) for ns in spaces]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    (puts1, flushes1, _), elapsed = counts(), time.monotonic() - t0
+    for c in clients.values():
+        c.close()
+    assert errors == []
+    # depth 3 saved slots, one flush in flight at the start, and the scrapes' own timing
+    assert puts1 - puts0 <= elapsed / flush + 3 + 2, (puts1 - puts0, elapsed)
+    assert puts1 - puts0 > flushes1 - flushes0, "no compaction PUT under load"  # (no fence marker)
+    # and the pass ends: the flushed objects it rewrote are deleted
+    wait_for(lambda: counts()[2] > compacted0, timeout=60, what="a compaction pass to finish")
+
+
 # ---------------------------------------------------------------------------------------------
 # restore and verify (item 3): a bucket of flushed objects, then partly compacted
 
