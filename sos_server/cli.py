@@ -315,7 +315,7 @@ def _serve_tier_options(s: argparse.ArgumentParser) -> None:
         type=parse_duration,
         default=30.0,
         help="rewrite flushed objects into per-object pieces and delete them at least this often (default 30s);"
-        " its PUTs take the slots the flushes leave, at least one a second",
+        " its PUTs take the slots the flushes leave, and one in ten when the flushes use them all",
     )
     s.add_argument(
         "--tier-lag-warn",

@@ -18,9 +18,11 @@
 - :meth:`Tier.compact` (every ``compact_every`` seconds, ``--tier-compact``, and when
   COMPACT_AT flushed objects wait; protocol.md 4.3b): per-object pieces written from this
   server's copy, then the flushed objects they hold deleted. Its PUTs spend the flushes' slots
-  (one budget, :class:`FlushSlots`): a slot the flushes left unused, else at most one every
-  COMPACT_PUT_EVERY seconds taken ahead of them, so the server's PUTs stay within the flush
-  cadence whatever compaction has to do.
+  (one budget, :class:`FlushSlots`): a slot the flushes left unused, else, once the flushes
+  have taken every slot for COMPACT_AHEAD_AFTER flush intervals (at least a second), one taken
+  ahead of them per such span, so the server's PUTs stay within the flush cadence whatever
+  compaction has to do and the flushes keep nine slots in ten. (A pass for retention,
+  :meth:`Tier.remove`, is not paced: it is rare and a deletion waits for it.)
 - A store failure (TierError) puts the namespace in back-off (1 s doubling to 30 s,
   :class:`sos_tier.retry.Backoff`) and is logged and counted; appends go on. A conflict stops
   that object, a higher fence marker in the store (:class:`TierFenced`: another server took
@@ -96,9 +98,17 @@ FENCE_FRESH = 0.5
 #: one per --tier-flush (a token bucket of this depth, protocol.md 4.3a)
 FLUSH_BURST = 3
 #: a compaction PUT spends a flush slot (one PUT budget for the server, protocol.md 4.3b): one
-#: the flushes left unused (keeping one saved for them), else, when every slot goes to a flush
-#: (a loaded server), one taken ahead of the flushes at most this often
-COMPACT_PUT_EVERY = 1.0
+#: the flushes left unused (keeping one saved for them), else, when every slot has gone to a
+#: flush for this many flush intervals (and at least COMPACT_AHEAD_MIN seconds: a loaded
+#: server), one taken ahead of the flushes, and again after as long
+COMPACT_AHEAD_AFTER = 10
+COMPACT_AHEAD_MIN = 1.0
+
+
+class _Stopping(Exception):
+    """The compaction pass was abandoned (the server stops): its thread ends before its next PUT."""
+
+
 FENCE_CHECKS = 32  # fence checks in flight at once
 
 
@@ -258,6 +268,9 @@ class Tier:
         self._compact_now = trio.Event()
         self._slots: FlushSlots | None = None  # the PUT budget, once run() started
         self._compact_put_at = -float("inf")  # when compaction may next take a slot ahead of the flushes
+        #: compaction's own worker thread: one waiting for a slot must not hold a token the
+        #: flushes need (with --tier-parallel 1 they would wait for the whole pass)
+        self._compact_limiter = trio.CapacityLimiter(1)
         self._left: set[str] = set()  # flushed objects compaction left (logged once each)
         self._removing: set[tuple[str, str]] = set()
         #: objects a conflict stopped (set in worker threads: one dict store each), and those the
@@ -533,7 +546,9 @@ class Tier:
                     if obj is not None and not obj.removed and not (st is not None and st.stopped):
                         local[(namespace, name)] = self._item(obj)
             res = await trio.to_thread.run_sync(
-                self._compact_paced, batches, local, limiter=self._limiter, abandon_on_cancel=True
+                partial(self._compact_paced, batches, local, paced=only is None),
+                limiter=self._compact_limiter,
+                abandon_on_cancel=True,
             )
         res.left.update(bad)
         for namespace in {ns for ns, _ in local}:
@@ -551,9 +566,11 @@ class Tier:
         self._left = set(res.left)
         return res
 
-    def _compact_paced(self, batches: list[Batch], local: dict[tuple[str, str], FlushItem]) -> CompactResult:
-        """Uploader.compact in this worker thread, each of its PUTs waiting for a slot."""
-        self.store.paced.pace = self._compaction_slot_in_thread
+    def _compact_paced(
+        self, batches: list[Batch], local: dict[tuple[str, str], FlushItem], *, paced: bool
+    ) -> CompactResult:
+        """Uploader.compact in this worker thread, each of its PUTs waiting for a slot if *paced*."""
+        self.store.paced.pace = self._compaction_slot_in_thread if paced else None
         try:
             return self.uploader.compact(batches, local)
         finally:
@@ -562,25 +579,31 @@ class Tier:
     def _compaction_slot_in_thread(self) -> None:
         if self._token is None or self._slots is None:  # not running (a test's own pass)
             return
-        with contextlib.suppress(trio.RunFinishedError):  # the server stopped: it leaves anyway
+        try:
+            trio.from_thread.check_cancelled()  # the pass was abandoned: no more PUTs
             trio.from_thread.run(self._compaction_slot, trio_token=self._token)
+        except (trio.Cancelled, trio.RunFinishedError):
+            raise _Stopping from None
 
     async def _compaction_slot(self) -> None:
         """Wait for the PUT budget to allow a compaction PUT and spend its slot: one the flushes
-        left (at once on a quiet server), else, the flushes using every slot, one taken ahead
-        of them every COMPACT_PUT_EVERY seconds (the next flush then starts a slot later)."""
+        left (at once on a quiet server), else, once the flushes have taken every slot for
+        COMPACT_AHEAD_AFTER intervals (and at least COMPACT_AHEAD_MIN s), one taken ahead of
+        them, at most one per such span (the next flush then starts a slot later)."""
         slots = self._slots
         assert slots is not None
+        ahead = max(COMPACT_AHEAD_MIN, COMPACT_AHEAD_AFTER * slots.every)
+        since = trio.current_time()
         while True:
             now = trio.current_time()
             if slots.spare(now):
                 return
-            if now >= self._compact_put_at:
+            if now - since >= ahead and now >= self._compact_put_at:
                 start = slots.take(now)
-                self._compact_put_at = start + COMPACT_PUT_EVERY
+                self._compact_put_at = start + ahead
                 await trio.sleep_until(start)
                 return
-            await trio.sleep(min(self._compact_put_at - now, slots.every))
+            await trio.sleep(slots.every)
 
     def _failed(self, namespace: str, exc: TierError) -> None:
         st = self._state(namespace)

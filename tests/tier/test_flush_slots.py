@@ -1,9 +1,15 @@
 """The flush cadence's token bucket (sos_server.tiering.FlushSlots, protocol.md 4.3a item 2):
-a few flushes at once after a quiet spell, never more than depth + T / every over T seconds."""
+a few flushes at once after a quiet spell, never more than depth + T / every over T seconds;
+and compaction's PUTs on the same slots (4.3b), on trio's MockClock."""
 
 from __future__ import annotations
 
-from sos_server.tiering import FlushSlots
+import pytest
+import trio
+import trio.lowlevel
+from trio.testing import MockClock
+
+from sos_server.tiering import FlushSlots, Tier
 
 
 def test_a_quiet_server_flushes_a_burst_at_once_then_one_per_interval() -> None:
@@ -51,3 +57,59 @@ def test_flushes_and_compaction_together_stay_within_depth_plus_rate() -> None:
         puts.append(now)
     for i, first in enumerate(puts):
         assert len([t for t in puts[i:] if t < first + 1.0]) <= 3 + 10
+
+
+def _paced_tier(every: float) -> Tier:
+    """A Tier with only what its compaction pacing reads (the rest of it needs a server)."""
+    tier = Tier.__new__(Tier)
+    tier._slots = FlushSlots(every, 3, now=trio.current_time())
+    tier._compact_put_at = -float("inf")
+    return tier
+
+
+@pytest.mark.parametrize("every", [0.1, 1.0, 60.0])
+def test_on_a_quiet_server_compaction_takes_spare_slots_and_never_delays_a_flush(every: float) -> None:
+    async def main() -> None:
+        tier = _paced_tier(every)
+        t0 = trio.current_time()
+        for _ in range(4):
+            await tier._compaction_slot()
+        # two saved slots at once, then one each time the bucket holds two again
+        assert trio.current_time() - t0 <= 2 * every + 1e-6
+        assert tier._slots is not None and tier._slots.take(trio.current_time()) == trio.current_time()
+
+    trio.run(main, clock=MockClock(autojump_threshold=0))
+
+
+def test_on_a_loaded_server_compaction_takes_one_slot_in_ten() -> None:
+    async def main() -> None:
+        tier = _paced_tier(0.1)
+        assert tier._slots is not None
+        slots = tier._slots
+        flushes: list[float] = []
+        compactions: list[float] = []
+
+        async def flush_loop() -> None:  # Tier.run's loop, a flush wanted at every slot
+            while True:
+                await trio.sleep_until(slots.take(trio.current_time()))
+                flushes.append(trio.current_time())
+                await trio.lowlevel.checkpoint()
+
+        async def compaction() -> None:
+            while True:
+                await tier._compaction_slot()
+                compactions.append(trio.current_time())
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(flush_loop)
+            await trio.sleep(0.01)
+            nursery.start_soon(compaction)
+            await trio.sleep(60.0)
+            nursery.cancel_scope.cancel()
+        puts = sorted(flushes + compactions)
+        for i, first in enumerate(puts):  # the budget holds for both together
+            assert len([t for t in puts[i:] if t < first + 1.0]) <= 3 + 10
+        assert 40 <= len(compactions) <= 62, len(compactions)  # about one a second (50 here)
+        assert len(flushes) >= 530, len(flushes)  # the flushes keep about nine slots in ten
+
+    trio.run(main, clock=MockClock(autojump_threshold=0))

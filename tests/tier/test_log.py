@@ -295,13 +295,17 @@ def test_compaction_puts_share_the_flush_cadence_on_a_loaded_server(sos_server_f
         t.start()
     for t in threads:
         t.join(60)
+    assert not any(t.is_alive() for t in threads)
     (puts1, flushes1, _), elapsed = counts(), time.monotonic() - t0
     for c in clients.values():
         c.close()
     assert errors == []
+    assert scrape(srv.metrics_address).get("sos_tier_upload_errors_total", 0.0) == 0.0  # no failed PUT
     # depth 3 saved slots, one flush in flight at the start, and the scrapes' own timing
     assert puts1 - puts0 <= elapsed / flush + 3 + 2, (puts1 - puts0, elapsed)
-    assert puts1 - puts0 > flushes1 - flushes0, "no compaction PUT under load"  # (no fence marker)
+    # compaction PUTs under the load (no fence marker in the window; one flush PUT may be in
+    # flight at the scrape: counted as a PUT, not yet as a flush)
+    assert (puts1 - puts0) - (flushes1 - flushes0) >= 2, "no compaction PUT under load"
     # and the pass ends: the flushed objects it rewrote are deleted
     wait_for(lambda: counts()[2] > compacted0, timeout=60, what="a compaction pass to finish")
 
