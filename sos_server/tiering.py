@@ -103,13 +103,11 @@ FLUSH_BURST = 3
 #: server), one taken ahead of the flushes, and again after as long
 COMPACT_AHEAD_AFTER = 10
 COMPACT_AHEAD_MIN = 1.0
+FENCE_CHECKS = 32  # fence checks in flight at once
 
 
 class _Stopping(Exception):
     """The compaction pass was abandoned (the server stops): its thread ends before its next PUT."""
-
-
-FENCE_CHECKS = 32  # fence checks in flight at once
 
 
 class FlushSlots:
@@ -267,7 +265,6 @@ class Tier:
         self._compact_lock = trio.Lock()
         self._compact_now = trio.Event()
         self._slots: FlushSlots | None = None  # the PUT budget, once run() started
-        self._compact_put_at = -float("inf")  # when compaction may next take a slot ahead of the flushes
         #: compaction's own worker thread: one waiting for a slot must not hold a token the
         #: flushes need (with --tier-parallel 1 they would wait for the whole pass)
         self._compact_limiter = trio.CapacityLimiter(1)
@@ -589,7 +586,8 @@ class Tier:
         """Wait for the PUT budget to allow a compaction PUT and spend its slot: one the flushes
         left (at once on a quiet server), else, once the flushes have taken every slot for
         COMPACT_AHEAD_AFTER intervals (and at least COMPACT_AHEAD_MIN s), one taken ahead of
-        them, at most one per such span (the next flush then starts a slot later)."""
+        them (the next flush then starts a slot later). Compaction's PUTs come one at a time
+        (one thread, one pass), so each such wait starts after the last one's PUT."""
         slots = self._slots
         assert slots is not None
         ahead = max(COMPACT_AHEAD_MIN, COMPACT_AHEAD_AFTER * slots.every)
@@ -598,10 +596,8 @@ class Tier:
             now = trio.current_time()
             if slots.spare(now):
                 return
-            if now - since >= ahead and now >= self._compact_put_at:
-                start = slots.take(now)
-                self._compact_put_at = start + ahead
-                await trio.sleep_until(start)
+            if now - since >= ahead:
+                await trio.sleep_until(slots.take(now))
                 return
             await trio.sleep(slots.every)
 

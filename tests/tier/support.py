@@ -154,9 +154,6 @@ class OwnMoto:
     again on the same port; moto's state is the process's, so the bucket survives."""
 
     def __init__(self) -> None:
-        from tools.moto_s3 import moto_server
-
-        self._cls = moto_server
         s = socket.socket()
         s.bind(("127.0.0.1", 0))
         self.port = s.getsockname()[1]
@@ -169,7 +166,9 @@ class OwnMoto:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        self.server = self._cls(self.port)
+        from tools.moto_s3 import moto_server
+
+        self.server = moto_server(self.port)
         self.server.start()
 
     def stop(self) -> None:

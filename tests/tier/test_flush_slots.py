@@ -63,7 +63,6 @@ def _paced_tier(every: float) -> Tier:
     """A Tier with only what its compaction pacing reads (the rest of it needs a server)."""
     tier = Tier.__new__(Tier)
     tier._slots = FlushSlots(every, 3, now=trio.current_time())
-    tier._compact_put_at = -float("inf")
     return tier
 
 
