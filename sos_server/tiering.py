@@ -18,11 +18,13 @@
 - :meth:`Tier.compact` (every ``compact_every`` seconds, ``--tier-compact``, and when
   COMPACT_AT flushed objects wait; protocol.md 4.3b): per-object pieces written from this
   server's copy, then the flushed objects they hold deleted. Its PUTs spend the flushes' slots
-  (one budget, :class:`FlushSlots`): a slot the flushes left unused, else, once the flushes
-  have taken every slot for COMPACT_AHEAD_AFTER flush intervals (at least a second), one taken
-  ahead of them per such span, so the server's PUTs stay within the flush cadence whatever
-  compaction has to do and the flushes keep nine slots in ten. (A pass for retention,
-  :meth:`Tier.remove`, is not paced: it is rare and a deletion waits for it.)
+  (one budget, :class:`FlushSlots`): a slot the flushes left unused, else, on a loaded server,
+  its share: while it waits, each flush that waits for its slot pays COMPACT_SHARE of a slot
+  more, and compaction PUTs when those shares add up to a slot. So the server's PUTs stay
+  within the flush cadence whatever compaction has to do, the flushes keep nine slots in ten,
+  and they stay evenly spaced (a barrier's wait grows by a ninth of an interval, not by a whole
+  one now and then). (A pass for retention, :meth:`Tier.remove`, is not paced: it is rare and
+  a deletion waits for it.)
 - A store failure (TierError) puts the namespace in back-off (1 s doubling to 30 s,
   :class:`sos_tier.retry.Backoff`) and is logged and counted; appends go on. A conflict stops
   that object, a higher fence marker in the store (:class:`TierFenced`: another server took
@@ -98,11 +100,11 @@ FENCE_FRESH = 0.5
 #: one per --tier-flush (a token bucket of this depth, protocol.md 4.3a)
 FLUSH_BURST = 3
 #: a compaction PUT spends a flush slot (one PUT budget for the server, protocol.md 4.3b): one
-#: the flushes left unused (keeping one saved for them), else, when every slot has gone to a
-#: flush for this many flush intervals (and at least COMPACT_AHEAD_MIN seconds: a loaded
-#: server), one taken ahead of the flushes, and again after as long
-COMPACT_AHEAD_AFTER = 10
-COMPACT_AHEAD_MIN = 1.0
+#: the flushes left unused (keeping one saved for them), else its share: while compaction
+#: waits, a flush that waits for its slot pays this much of a slot more (it starts that much of
+#: an interval later), and compaction PUTs once the shares add up to a whole slot (one PUT in
+#: ten; the flushes about 111 ms apart at --tier-flush 100ms rather than a 200 ms gap a second)
+COMPACT_SHARE = 1 / 9
 FENCE_CHECKS = 32  # fence checks in flight at once
 
 
@@ -120,14 +122,30 @@ class FlushSlots:
         self.depth = depth
         self._slots = float(depth)
         self._at = now
+        #: compaction waits for a slot (set by it): a flush that waits pays its share too
+        self.sharing = False
+        #: compaction's shares paid so far, in slots (:meth:`shared` spends a whole one)
+        self._share = 0.0
 
     def take(self, now: float) -> float:
-        """Spend a slot; the time the flush may start (``now`` or when the slot refills)."""
+        """Spend a slot; the time the flush may start (``now`` or when the slot refills). A
+        flush that has to wait while compaction waits (:attr:`sharing`) also pays
+        COMPACT_SHARE of a slot for it; one that may start at once never does."""
         self._refill(now)
         self._slots -= 1.0
         if self._slots >= 0.0:
             return now
+        if self.sharing:
+            self._slots -= COMPACT_SHARE
+            self._share += COMPACT_SHARE
         return now - self._slots * self.every  # the slot owed refills then
+
+    def shared(self) -> bool:
+        """Spend a whole slot of the shares the flushes paid for compaction, if there is one."""
+        if self._share < 1.0 - 1e-9:
+            return False
+        self._share = max(0.0, self._share - 1.0)
+        return True
 
     def spare(self, now: float) -> bool:
         """Spend a slot only if one more than the next flush needs is saved (a compaction PUT
@@ -584,22 +602,19 @@ class Tier:
 
     async def _compaction_slot(self) -> None:
         """Wait for the PUT budget to allow a compaction PUT and spend its slot: one the flushes
-        left (at once on a quiet server), else, once the flushes have taken every slot for
-        COMPACT_AHEAD_AFTER intervals (and at least COMPACT_AHEAD_MIN s), one taken ahead of
-        them (the next flush then starts a slot later). Compaction's PUTs come one at a time
-        (one thread, one pass), so each such wait starts after the last one's PUT."""
+        left (at once on a quiet server), else its share (COMPACT_SHARE: the flushes that wait
+        meanwhile pay a ninth of a slot each, about one PUT in ten for compaction on a loaded
+        server). Compaction's PUTs come one at a time (one thread, one pass)."""
         slots = self._slots
         assert slots is not None
-        ahead = max(COMPACT_AHEAD_MIN, COMPACT_AHEAD_AFTER * slots.every)
-        since = trio.current_time()
-        while True:
-            now = trio.current_time()
-            if slots.spare(now):
-                return
-            if now - since >= ahead:
-                await trio.sleep_until(slots.take(now))
-                return
-            await trio.sleep(slots.every)
+        try:
+            while True:
+                if slots.spare(trio.current_time()) or slots.shared():
+                    return
+                slots.sharing = True
+                await trio.sleep(slots.every)
+        finally:
+            slots.sharing = False
 
     def _failed(self, namespace: str, exc: TierError) -> None:
         st = self._state(namespace)

@@ -4,12 +4,14 @@ and compaction's PUTs on the same slots (4.3b), on trio's MockClock."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import trio
 import trio.lowlevel
 from trio.testing import MockClock
 
-from sos_server.tiering import FlushSlots, Tier
+from sos_server.tiering import COMPACT_SHARE, FlushSlots, Tier
 
 
 def test_a_quiet_server_flushes_a_burst_at_once_then_one_per_interval() -> None:
@@ -80,7 +82,18 @@ def test_on_a_quiet_server_compaction_takes_spare_slots_and_never_delays_a_flush
     trio.run(main, clock=MockClock(autojump_threshold=0))
 
 
-def test_on_a_loaded_server_compaction_takes_one_slot_in_ten() -> None:
+def test_a_flush_that_waits_pays_compactions_share_and_one_that_does_not_never_does() -> None:
+    slots = FlushSlots(0.1, 3, now=0.0)
+    slots.sharing = True
+    assert [slots.take(5.0) for _ in range(3)] == [5.0, 5.0, 5.0]  # saved slots: no share
+    assert not slots.shared()
+    starts = [slots.take(5.0) for _ in range(9)]  # each waits: 1 + 1/9 slot each
+    gaps = [b - a for a, b in zip([5.0, *starts], starts)]
+    assert all(abs(g - 0.1 * (1 + COMPACT_SHARE)) < 1e-9 for g in gaps), gaps
+    assert slots.shared() and not slots.shared()  # nine shares: one whole slot, spent once
+
+
+def test_on_a_loaded_server_compaction_takes_one_slot_in_ten_and_the_flushes_stay_evenly_spaced() -> None:
     async def main() -> None:
         tier = _paced_tier(0.1)
         assert tier._slots is not None
@@ -108,7 +121,12 @@ def test_on_a_loaded_server_compaction_takes_one_slot_in_ten() -> None:
         puts = sorted(flushes + compactions)
         for i, first in enumerate(puts):  # the budget holds for both together
             assert len([t for t in puts[i:] if t < first + 1.0]) <= 3 + 10
-        assert 40 <= len(compactions) <= 62, len(compactions)  # about one a second (50 here)
+        assert 50 <= len(compactions) <= 66, len(compactions)  # about one a second (60 here)
         assert len(flushes) >= 530, len(flushes)  # the flushes keep about nine slots in ten
+        # ...evenly: no flush waits a whole extra interval now and then (a barrier's wait
+        # grows by a ninth of an interval, protocol.md 4.3a item 2)
+        gaps = [b - a for a, b in itertools.pairwise(flushes)]
+        assert max(gaps) <= 0.1 * (1 + COMPACT_SHARE) + 1e-6, max(gaps)
+        assert not slots.sharing  # the waiting compaction was cancelled: flushes pay no share
 
     trio.run(main, clock=MockClock(autojump_threshold=0))
