@@ -39,12 +39,17 @@ gateway's also by thread (/proc/PID/task: ``loop``, the event loop; ``workers``,
 worker threads; ``others``, the replicator and the metrics sampler). ``--profile DIR``:
 py-spy records the gateway (samples holding the GIL, per thread: where its CPU goes).
 CPU time per request is the figure to compare across runs on a shared machine; wall times
-move with whatever else runs. Every reply's status is compared with the one the capture got:
-a mismatch is counted and shown (the pattern no longer fits the gateway).
+move with whatever else runs. The physical part beside it, measured first in the same run:
+the CPU time the caches' filesystem takes to create an empty file (each CREATE makes one; on
+the 2026-11-30 machine's root ext4 300-870 us, against 17 us on a new ext4 on the same
+kernel), per request of the mix. ``--work-dir DIR`` puts the run on another filesystem.
+Every reply's status is compared with the one the capture got: a mismatch is counted and
+shown (the pattern no longer fits the gateway).
 
     python3 bench/load.py [replay] [--pattern bench/data/small_query.json] [--queries 1,6,10]
                           [--modes sync,tier] [--seconds 20] [--warmup 3] [--interval 1.0]
                           [--json FILE] [--keep] [--gateway-arg ARG ...] [--profile DIR]
+                          [--work-dir DIR]
     python3 bench/load.py stat [--op getfilestatus|commit] [--requests 3000] [--rounds 3]
     python3 bench/load.py capture [--out FILE] [--partitions 2] [--state-store hdfs|rocksdb]
                           [--changelog] [--batches 12] [--records-per-batch 500]
@@ -715,6 +720,12 @@ def report_lines(rows: list[dict[str, Any]]) -> list[str]:
         threads = r.get("gateway_threads_us_per_request")
         if threads:
             lines.append("      gateway us/req by thread: " + ", ".join(f"{k} {v:.0f}" for k, v in threads.items()))
+        if "gateway_cpu_us_per_request_above_creates" in r:
+            lines.append(
+                f"      gateway us/req above the filesystem's file creates: "
+                f"{r['gateway_cpu_us_per_request_above_creates']:.0f} "
+                f"(the creates measured raw: {r['file_create_us_per_request']:.0f})"
+            )
         for e in r["errors"] + r["examples"]:
             lines.append(f"      {e}")
     return lines
@@ -814,6 +825,26 @@ def _servers(stack: Stack, work: str, modes: list[str]) -> dict[str, tuple[Any, 
     return out
 
 
+def file_create_cpu_us(work: str, files: int = 1000) -> float:
+    """The physical part of a CREATE on this machine: the CPU time (this thread's: the kernel's
+    work included) of creating an empty file (O_CREAT|O_EXCL, then close) in a new directory
+    of *work*'s filesystem, where the gateways keep their caches; the mean over *files*."""
+    d = os.path.join(work, "raw-create")
+    os.mkdir(d)
+    dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        t0 = time.thread_time()
+        for i in range(files):
+            os.close(os.open(f"f{i}", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644, dir_fd=dfd))
+        spent = time.thread_time() - t0
+        for i in range(files):
+            os.unlink(f"f{i}", dir_fd=dfd)
+    finally:
+        os.close(dfd)
+    os.rmdir(d)
+    return spent / files * 1e6
+
+
 def run_replay(args: argparse.Namespace) -> int:
     from spark_plugin.gateway.process import GatewayProcess
 
@@ -824,10 +855,19 @@ def run_replay(args: argparse.Namespace) -> int:
         f"({', '.join(f'{n} {op}' for op, n in counts.most_common())}); captured "
         f"{pattern['about'].get('query', '')}"
     )
-    work = tempfile.mkdtemp(prefix="sos-bench-load-")
+    work = tempfile.mkdtemp(prefix="sos-bench-load-", dir=args.work_dir)
     rows = []
     with Stack() as stack:
         stack.callback(remove_work, work, args.keep)
+        create_us = file_create_cpu_us(work)
+        creates = counts.get("CREATE", 0)
+        create_share = create_us * creates / len(pattern["requests"])
+        print(
+            f"the caches' filesystem ({work}): {create_us:.0f} us of CPU per new file (O_CREAT|O_EXCL and "
+            f"close, measured now); the pattern's {creates} new files a batch are "
+            f"{create_share:.0f} us per request of the mix",
+            flush=True,
+        )
         servers = _servers(stack, work, args.modes)
         for mode in args.modes:
             server, key = servers[mode]
@@ -863,6 +903,8 @@ def run_replay(args: argparse.Namespace) -> int:
                     gw.stop()
                 row["mode"] = mode
                 add_gateway_workers(row, pids)
+                row["file_create_us_per_request"] = create_share
+                row["gateway_cpu_us_per_request_above_creates"] = row["gateway_cpu_us_per_request"] - create_share
                 rows.append(row)
                 print("\n".join(report_lines([row])[1:]), flush=True)
     print()
@@ -872,7 +914,12 @@ def run_replay(args: argparse.Namespace) -> int:
         f"load average {os.getloadavg()[0]:.1f}; CPU per request = (user+system CPU of the process) / requests:"
     )
     print("\n".join(report_lines(rows)))
-    result = {"pattern": os.path.relpath(args.pattern), "interval": args.interval, "rows": rows}
+    result = {
+        "pattern": os.path.relpath(args.pattern),
+        "interval": args.interval,
+        "rows": rows,
+        "file_create_cpu_us": create_us,
+    }
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1, sort_keys=True)
@@ -985,7 +1032,10 @@ def run_stat(args: argparse.Namespace) -> int:
             raise HttpError(f"MKDIRS answered {status}")
         steps = _stat_steps(args.op)
         n = 0
+        prof = None
         for i in range(args.rounds + 1):  # the first round warms up
+            if i == 1:
+                prof = _start_profile(args, gw, f"stat-{args.op}")
             user0, system0 = cpu_times(int(gw.pid))
             threads0 = thread_cpu(int(gw.pid))
             started = time.monotonic()
@@ -1007,6 +1057,7 @@ def run_stat(args: argparse.Namespace) -> int:
                     f"{', '.join(f'{k} {v * per:.0f}' for k, v in split.items())}; load average {os.getloadavg()[0]:.1f}",
                     flush=True,
                 )
+        _stop_profile(prof)
         gw.stop()
     return 0
 
@@ -1144,6 +1195,7 @@ def parser() -> argparse.ArgumentParser:
         default="getfilestatus",
         help="GETFILESTATUS (default), or commit: CREATE (both steps) of a temporary file, then RENAME",
     )
+    st.add_argument("--profile", metavar="DIR", help="py-spy the gateway over the measured rounds into DIR")
     c = sub.add_parser("capture", help="capture a real query's pattern")
     c.add_argument("--out", default=DEFAULT_PATTERN, help="pattern file to write (default bench/data/small_query.json)")
     c.add_argument("--partitions", type=int, default=2, help="spark.sql.shuffle.partitions (default 2)")
@@ -1173,6 +1225,11 @@ def _replay_options(p: argparse.ArgumentParser) -> None:
         help="sos gateway --workers N; the gateway's CPU is then that of all its processes (default 1)",
     )
     p.add_argument("--profile", metavar="DIR", help="py-spy the gateway of each run into DIR")
+    p.add_argument(
+        "--work-dir",
+        metavar="DIR",
+        help="where the run's directory (servers' data, gateways' caches) goes (default: the temp directory)",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
