@@ -1016,12 +1016,17 @@ def run_stat(args: argparse.Namespace) -> int:
     both steps and RENAME) on one keep-alive connection, one after the other."""
     from spark_plugin.gateway.process import GatewayProcess
 
-    work = tempfile.mkdtemp(prefix="sos-bench-stat-")
+    work = tempfile.mkdtemp(prefix="sos-bench-stat-", dir=args.work_dir)
     with Stack() as stack:
         stack.callback(remove_work, work, False)
         server, key = _servers(stack, work, ["sync"])["sync"]
         gw = GatewayProcess(
-            NAMESPACE, os.path.join(work, "cache"), server.address, key, log_path=os.path.join(work, "gateway.log")
+            NAMESPACE,
+            os.path.join(work, "cache"),
+            server.address,
+            key,
+            log_path=os.path.join(work, "gateway.log"),
+            extra_args=args.gateway_arg,
         )
         stack.stopping(gw).start()
         parsed = urllib.parse.urlsplit(str(gw.url))
@@ -1196,6 +1201,8 @@ def parser() -> argparse.ArgumentParser:
         help="GETFILESTATUS (default), or commit: CREATE (both steps) of a temporary file, then RENAME",
     )
     st.add_argument("--profile", metavar="DIR", help="py-spy the gateway over the measured rounds into DIR")
+    st.add_argument("--gateway-arg", action="append", default=[], help="extra sos gateway argument (repeat)")
+    st.add_argument("--work-dir", metavar="DIR", help="where the run's directory goes (default: the temp directory)")
     c = sub.add_parser("capture", help="capture a real query's pattern")
     c.add_argument("--out", default=DEFAULT_PATTERN, help="pattern file to write (default bench/data/small_query.json)")
     c.add_argument("--partitions", type=int, default=2, help="spark.sql.shuffle.partitions (default 2)")
