@@ -42,7 +42,9 @@ CPU time per request is the figure to compare across runs on a shared machine; w
 move with whatever else runs. The physical part beside it, measured first in the same run:
 the CPU time the caches' filesystem takes to create an empty file (each CREATE makes one; on
 the 2026-11-30 machine's root ext4 300-870 us, against 17 us on a new ext4 on the same
-kernel), per request of the mix. ``--work-dir DIR`` puts the run on another filesystem.
+kernel), per request of the mix; and the floor of any request: the CPU time of a server that
+only waits for a request on loopback TCP (epoll), reads it and writes a reply of a
+GETFILESTATUS's size (~33 us there). ``--work-dir DIR`` puts the run on another filesystem.
 Every reply's status is compared with the one the capture got: a mismatch is counted and
 shown (the pattern no longer fits the gateway).
 
@@ -845,6 +847,61 @@ def file_create_cpu_us(work: str, files: int = 1000) -> float:
     return spent / files * 1e6
 
 
+#: what loopback_floor_us exchanges: a request head and a reply of about a GETFILESTATUS's sizes
+_FLOOR_REQUEST = b"GET /webhdfs/v1/q/offsets?op=GETFILESTATUS&user.name=spark HTTP/1.1\r\n" + b"h" * 300 + b"\r\n\r\n"
+_FLOOR_REPLY = b"HTTP/1.1 200 \r\ncontent-length: 250\r\n\r\n" + b"b" * 250
+
+
+def loopback_floor_us(exchanges: int = 20000) -> float:
+    """The physical part of serving any request on this machine: the CPU time of a server
+    process that does nothing but wait for a request on a loopback TCP connection (epoll,
+    one-shot, as trio waits), read it and write a reply of a GETFILESTATUS's size, one
+    exchange after the other with a client in this process; the mean per exchange, in us."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the server
+        try:
+            import select
+
+            conn, _ = listener.accept()
+            conn.setblocking(False)
+            fd = conn.fileno()
+            ep = select.epoll()
+            ep.register(fd, select.EPOLLIN | select.EPOLLONESHOT)
+            t0, n = time.thread_time(), 0
+            while n < exchanges:
+                ep.poll(5)
+                if not os.read(fd, 262144):
+                    break
+                os.write(fd, _FLOOR_REPLY)
+                n += 1
+                ep.modify(fd, select.EPOLLIN | select.EPOLLONESHOT)
+            os.write(w, b"%f" % ((time.thread_time() - t0) / max(n, 1) * 1e6))
+        finally:
+            os._exit(0)
+    os.close(w)
+    client = socket.create_connection(listener.getsockname())
+    listener.close()
+    try:
+        client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for _ in range(exchanges):
+            client.sendall(_FLOOR_REQUEST)
+            got = 0
+            while got < len(_FLOOR_REPLY):
+                chunk = client.recv(65536)
+                if not chunk:
+                    raise OSError("the loopback floor's server closed early")
+                got += len(chunk)
+    finally:
+        client.close()
+        os.waitpid(pid, 0)
+    with os.fdopen(r, "rb") as f:
+        return float(f.read() or b"nan")
+
+
 def run_replay(args: argparse.Namespace) -> int:
     from spark_plugin.gateway.process import GatewayProcess
 
@@ -866,6 +923,12 @@ def run_replay(args: argparse.Namespace) -> int:
             f"the caches' filesystem ({work}): {create_us:.0f} us of CPU per new file (O_CREAT|O_EXCL and "
             f"close, measured now); the pattern's {creates} new files a batch are "
             f"{create_share:.0f} us per request of the mix",
+            flush=True,
+        )
+        floor_us = loopback_floor_us()
+        print(
+            f"loopback: {floor_us:.0f} us of CPU per request for a server that only waits (epoll), reads "
+            "a request and writes a reply of a GETFILESTATUS's size (measured now): the floor of any request",
             flush=True,
         )
         servers = _servers(stack, work, args.modes)
@@ -919,6 +982,7 @@ def run_replay(args: argparse.Namespace) -> int:
         "interval": args.interval,
         "rows": rows,
         "file_create_cpu_us": create_us,
+        "loopback_floor_cpu_us": floor_us,
     }
     if args.json:
         with open(args.json, "w") as f:
