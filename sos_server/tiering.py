@@ -20,9 +20,10 @@
   server's copy, then the flushed objects they hold deleted. Its PUTs spend the flushes' slots
   (one budget, :class:`FlushSlots`): a slot the flushes left unused, else, on a loaded server,
   its share: while it waits, each flush that waits for its slot pays COMPACT_SHARE of a slot
-  more, and compaction PUTs when those shares add up to a slot. So the server's PUTs stay
-  within the flush cadence whatever compaction has to do, the flushes keep nine slots in ten,
-  and they stay evenly spaced (a barrier's wait grows by a ninth of an interval, not by a whole
+  more, and compaction PUTs when those shares add up to a slot (and should the flushes neither
+  leave nor wait for a slot for COMPACT_AHEAD_AFTER intervals, one is taken ahead of them). So
+  the server's PUTs stay within the flush cadence whatever compaction has to do, the flushes
+  keep nine slots in ten, and they stay evenly spaced (a barrier's wait grows by a ninth of an interval, not by a whole
   one now and then). (A pass for retention, :meth:`Tier.remove`, is not paced: it is rare and
   a deletion waits for it.)
 - A store failure (TierError) puts the namespace in back-off (1 s doubling to 30 s,
@@ -105,6 +106,11 @@ FLUSH_BURST = 3
 #: an interval later), and compaction PUTs once the shares add up to a whole slot (one PUT in
 #: ten; the flushes about 111 ms apart at --tier-flush 100ms rather than a 200 ms gap a second)
 COMPACT_SHARE = 1 / 9
+#: ...and if in this many flush intervals (at least COMPACT_AHEAD_MIN s) the flushes neither
+#: left a slot nor had to wait for one (their demand right at the cadence), one slot taken
+#: ahead of them: compaction never starves (shares come in about nine intervals, before it)
+COMPACT_AHEAD_AFTER = 20
+COMPACT_AHEAD_MIN = 2.0
 FENCE_CHECKS = 32  # fence checks in flight at once
 
 
@@ -604,12 +610,19 @@ class Tier:
         """Wait for the PUT budget to allow a compaction PUT and spend its slot: one the flushes
         left (at once on a quiet server), else its share (COMPACT_SHARE: the flushes that wait
         meanwhile pay a ninth of a slot each, about one PUT in ten for compaction on a loaded
-        server). Compaction's PUTs come one at a time (one thread, one pass)."""
+        server), else, after COMPACT_AHEAD_AFTER intervals with neither, one taken ahead of the
+        flushes. Compaction's PUTs come one at a time (one thread, one pass)."""
         slots = self._slots
         assert slots is not None
+        since = trio.current_time()
+        ahead = max(COMPACT_AHEAD_MIN, COMPACT_AHEAD_AFTER * slots.every)
         try:
             while True:
-                if slots.spare(trio.current_time()) or slots.shared():
+                now = trio.current_time()
+                if slots.spare(now) or slots.shared():
+                    return
+                if now - since >= ahead:  # the flushes neither left a slot nor waited for one
+                    await trio.sleep_until(slots.take(now))
                     return
                 slots.sharing = True
                 await trio.sleep(slots.every)

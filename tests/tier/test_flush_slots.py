@@ -130,3 +130,42 @@ def test_on_a_loaded_server_compaction_takes_one_slot_in_ten_and_the_flushes_sta
         assert not slots.sharing  # the waiting compaction was cancelled: flushes pay no share
 
     trio.run(main, clock=MockClock(autojump_threshold=0))
+
+
+def test_flushes_right_at_the_cadence_never_starve_compaction() -> None:
+    """Flushes that always find their slot just refilled neither leave one spare nor wait (so
+    pay no share): compaction then takes one ahead of them after COMPACT_AHEAD_AFTER
+    intervals, and the budget still holds for both."""
+
+    async def main() -> None:
+        tier = _paced_tier(0.1)
+        assert tier._slots is not None
+        slots = tier._slots
+        flushes: list[float] = []
+        compactions: list[float] = []
+
+        async def flush_loop() -> None:  # a flush each time a slot has just refilled
+            for _ in range(3):
+                slots.take(trio.current_time())  # the saved slots spent
+            while True:
+                await trio.sleep(0.1)
+                await trio.sleep_until(slots.take(trio.current_time()))
+                flushes.append(trio.current_time())
+
+        async def compaction() -> None:
+            while True:
+                await tier._compaction_slot()
+                compactions.append(trio.current_time())
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(flush_loop)
+            await trio.sleep(0.05)
+            nursery.start_soon(compaction)
+            await trio.sleep(30.0)
+            nursery.cancel_scope.cancel()
+        assert len(compactions) >= 10, len(compactions)  # one at least every 2 s + a slot
+        puts = sorted(flushes + compactions)
+        for i, first in enumerate(puts):
+            assert len([t for t in puts[i:] if t < first + 1.0]) <= 3 + 10
+
+    trio.run(main, clock=MockClock(autojump_threshold=0))
