@@ -315,7 +315,8 @@ def _serve_tier_options(s: argparse.ArgumentParser) -> None:
         type=parse_duration,
         default=30.0,
         help="rewrite flushed objects into per-object pieces and delete them at least this often (default 30s);"
-        " its PUTs take the slots the flushes leave, and one in ten when the flushes use them all",
+        " its PUTs take the slots the flushes leave, and one in ten when the flushes use them all (each"
+        " waiting flush then starts a ninth of --tier-flush later)",
     )
     s.add_argument(
         "--tier-lag-warn",
