@@ -93,16 +93,26 @@ def test_a_flush_that_waits_pays_compactions_share_and_one_that_does_not_never_d
     assert slots.shared() and not slots.shared()  # nine shares: one whole slot, spent once
 
 
-def test_on_a_loaded_server_compaction_takes_one_slot_in_ten_and_the_flushes_stay_evenly_spaced() -> None:
-    async def main() -> None:
+def _flushes_beside_compaction(waits: bool, seconds: float) -> tuple[FlushSlots, list[float], list[float]]:
+    """On trio's MockClock, a Tier's pacing at --tier-flush 100ms: a flush loop (``waits``:
+    Tier.run's, a flush wanted at every slot, so each waits for its slot; else one that asks
+    only once a slot has just refilled, never waiting) and compaction asking for slot after
+    slot beside it, for ``seconds``; the times of the flushes and of compaction's slots."""
+    flushes: list[float] = []
+    compactions: list[float] = []
+
+    async def main() -> FlushSlots:
         tier = _paced_tier(0.1)
         assert tier._slots is not None
         slots = tier._slots
-        flushes: list[float] = []
-        compactions: list[float] = []
 
-        async def flush_loop() -> None:  # Tier.run's loop, a flush wanted at every slot
+        async def flush_loop() -> None:
+            if not waits:
+                for _ in range(3):
+                    slots.take(trio.current_time())  # the saved slots spent
             while True:
+                if not waits:
+                    await trio.sleep(0.1)
                 await trio.sleep_until(slots.take(trio.current_time()))
                 flushes.append(trio.current_time())
                 await trio.lowlevel.checkpoint()
@@ -116,56 +126,32 @@ def test_on_a_loaded_server_compaction_takes_one_slot_in_ten_and_the_flushes_sta
             nursery.start_soon(flush_loop)
             await trio.sleep(0.01)
             nursery.start_soon(compaction)
-            await trio.sleep(60.0)
+            await trio.sleep(seconds)
             nursery.cancel_scope.cancel()
-        puts = sorted(flushes + compactions)
-        for i, first in enumerate(puts):  # the budget holds for both together
-            assert len([t for t in puts[i:] if t < first + 1.0]) <= 3 + 10
-        assert 50 <= len(compactions) <= 66, len(compactions)  # about one a second (60 here)
-        assert len(flushes) >= 530, len(flushes)  # the flushes keep about nine slots in ten
-        # ...evenly: no flush waits a whole extra interval now and then (a barrier's wait
-        # grows by a ninth of an interval, protocol.md 4.3a item 2)
-        gaps = [b - a for a, b in itertools.pairwise(flushes)]
-        assert max(gaps) <= 0.1 * (1 + COMPACT_SHARE) + 1e-6, max(gaps)
-        assert not slots.sharing  # the waiting compaction was cancelled: flushes pay no share
+        return slots
 
-    trio.run(main, clock=MockClock(autojump_threshold=0))
+    slots = trio.run(main, clock=MockClock(autojump_threshold=0))
+    puts = sorted(flushes + compactions)
+    for i, first in enumerate(puts):  # the budget holds for both together
+        assert len([t for t in puts[i:] if t < first + 1.0]) <= 3 + 10
+    return slots, flushes, compactions
+
+
+def test_on_a_loaded_server_compaction_takes_one_slot_in_ten_and_the_flushes_stay_evenly_spaced() -> None:
+    slots, flushes, compactions = _flushes_beside_compaction(waits=True, seconds=60.0)
+    assert 50 <= len(compactions) <= 66, len(compactions)  # about one a second (60 here)
+    assert len(flushes) >= 530, len(flushes)  # the flushes keep about nine slots in ten
+    # ...evenly: no flush waits a whole extra interval now and then (a barrier's wait grows
+    # by a ninth of an interval, protocol.md 4.3a item 2)
+    gaps = [b - a for a, b in itertools.pairwise(flushes)]
+    assert max(gaps) <= 0.1 * (1 + COMPACT_SHARE) + 1e-6, max(gaps)
+    assert not slots.sharing  # the waiting compaction was cancelled: flushes pay no share
 
 
 def test_flushes_right_at_the_cadence_never_starve_compaction() -> None:
     """Flushes that always find their slot just refilled neither leave one spare nor wait (so
     pay no share): compaction then takes one ahead of them after COMPACT_AHEAD_AFTER
     intervals, and the budget still holds for both."""
-
-    async def main() -> None:
-        tier = _paced_tier(0.1)
-        assert tier._slots is not None
-        slots = tier._slots
-        flushes: list[float] = []
-        compactions: list[float] = []
-
-        async def flush_loop() -> None:  # a flush each time a slot has just refilled
-            for _ in range(3):
-                slots.take(trio.current_time())  # the saved slots spent
-            while True:
-                await trio.sleep(0.1)
-                await trio.sleep_until(slots.take(trio.current_time()))
-                flushes.append(trio.current_time())
-
-        async def compaction() -> None:
-            while True:
-                await tier._compaction_slot()
-                compactions.append(trio.current_time())
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(flush_loop)
-            await trio.sleep(0.05)
-            nursery.start_soon(compaction)
-            await trio.sleep(30.0)
-            nursery.cancel_scope.cancel()
-        assert len(compactions) >= 10, len(compactions)  # one at least every 2 s + a slot
-        puts = sorted(flushes + compactions)
-        for i, first in enumerate(puts):
-            assert len([t for t in puts[i:] if t < first + 1.0]) <= 3 + 10
-
-    trio.run(main, clock=MockClock(autojump_threshold=0))
+    _slots, flushes, compactions = _flushes_beside_compaction(waits=False, seconds=30.0)
+    assert len(compactions) >= 10, len(compactions)  # one at least every 2 s and a slot
+    assert len(flushes) >= 250, len(flushes)
