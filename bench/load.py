@@ -41,10 +41,10 @@ py-spy records the gateway (samples holding the GIL, per thread: where its CPU g
 CPU time per request is the figure to compare across runs on a shared machine; wall times
 move with whatever else runs. The physical part beside it, measured first in the same run:
 the CPU time the caches' filesystem takes to create an empty file (each CREATE makes one; on
-the 2026-11-30 machine's root ext4 300-870 us, against 17 us on a new ext4 on the same
+the 2026-11-30 machine's root ext4 175-870 us, against 17-21 us on a new ext4 on the same
 kernel), per request of the mix; and the floor of any request: the CPU time of a server that
 only waits for a request on loopback TCP (epoll), reads it and writes a reply of a
-GETFILESTATUS's size (~33 us there). ``--work-dir DIR`` puts the run on another filesystem.
+GETFILESTATUS's size (26-33 us there). ``--work-dir DIR`` puts the run on another filesystem.
 Every reply's status is compared with the one the capture got: a mismatch is counted and
 shown (the pattern no longer fits the gateway).
 

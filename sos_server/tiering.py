@@ -23,9 +23,9 @@
   more, and compaction PUTs when those shares add up to a slot (and should the flushes neither
   leave nor wait for a slot for COMPACT_AHEAD_AFTER intervals, one is taken ahead of them). So
   the server's PUTs stay within the flush cadence whatever compaction has to do, the flushes
-  keep nine slots in ten, and they stay evenly spaced (a barrier's wait grows by a ninth of an interval, not by a whole
-  one now and then). (A pass for retention, :meth:`Tier.remove`, is not paced: it is rare and
-  a deletion waits for it.)
+  keep nine slots in ten, and they stay evenly spaced (a barrier's wait grows by a ninth of an
+  interval, not by a whole one now and then). (A pass for retention, :meth:`Tier.remove`, is
+  not paced: it is rare and a deletion waits for it.)
 - A store failure (TierError) puts the namespace in back-off (1 s doubling to 30 s,
   :class:`sos_tier.retry.Backoff`) and is logged and counted; appends go on. A conflict stops
   that object, a higher fence marker in the store (:class:`TierFenced`: another server took
